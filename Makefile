@@ -1,0 +1,31 @@
+# The README's two commands. Both create .venv on first use.
+#   make test   - the whole CPU suite (gloo, spawned ranks)
+#   make train  - tiny long-context pretraining on CPU with context parallelism
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.ctxpar-installed
+NPROC   ?= 4
+CONFIG  ?= configs/tiny_cpu.yaml
+
+.PHONY: test train install clean
+
+$(STAMP): setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned: a newer torch from PyPI drags in GBs of CUDA packages.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e .[dev]
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	DS_ACCELERATOR=cpu WANDB_MODE=disabled $(BIN)/python -m pytest -q tests
+
+train: $(STAMP)
+	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus $(NPROC) \
+		--master_port 29611 train.py --config $(CONFIG)
+
+clean:
+	rm -rf $(VENV) runs wandb *.egg-info

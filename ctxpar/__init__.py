@@ -1,0 +1,15 @@
+"""ctxpar: ring-attention context parallelism composed with TP, PP and DP on DeepSpeed.
+
+The public API only; see README.md and docs/parallelism.md.
+"""
+from .parallel_state import (
+    ParallelState,
+    destroy_parallel_state,
+    get_parallel_state,
+    init_distributed,
+    init_parallel_state,
+    rank_grid,
+)
+from .mpu import DeepSpeedMPU
+
+__version__ = "0.1.0"

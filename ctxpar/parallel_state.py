@@ -1,0 +1,241 @@
+"""The rank grid and every process group: TP x CP x PP x DP from one order string.
+
+The grid is built once, the way Megatron's RankGenerator and picotron do it:
+``torch.arange(world).view(...)`` with the axes of the order string, the first name
+innermost (adjacent global ranks). The default order ``tp-cp-dp-pp`` keeps a TP group
+on adjacent GPUs (one NVLink domain), puts the CP ring next, and the pipeline outermost.
+
+Every family of groups (tp, cp, pp, dp and the combined dp x cp) is derived from that
+single grid, so the groups of one family partition the world and every rank sits in
+exactly one group of each family. ``ParallelState`` is a frozen object holding this
+rank's view; layers and kernels get it (or an explicit ``group=``) passed to them.
+The one accessor for the current state is ``get_parallel_state()``, for train.py.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+AXES = ("tp", "cp", "pp", "dp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+
+def parse_order(order: str) -> List[str]:
+    """'tp-cp-dp-pp' -> ['tp', 'cp', 'dp', 'pp'], checking each axis appears exactly once."""
+    names = [n.strip() for n in str(order).lower().split("-")]
+    if sorted(names) != sorted(AXES):
+        raise ValueError(
+            f"parallel order {order!r} must name each of tp, cp, pp, dp exactly once "
+            f"separated by '-', e.g. {DEFAULT_ORDER!r}"
+        )
+    return names
+
+
+def resolve_sizes(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
+                  dp: Union[int, str] = "auto") -> Dict[str, int]:
+    """Check the degrees against the world size; dp='auto' takes what is left."""
+    for name, size in (("tp", tp), ("cp", cp), ("pp", pp)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"parallel size {name}={size!r} must be an integer >= 1")
+    model = tp * cp * pp
+    if dp == "auto":
+        if world_size % model != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*cp*pp = "
+                f"{tp}*{cp}*{pp} = {model}, so dp cannot be derived"
+            )
+        dp = world_size // model
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ValueError(f"parallel size dp={dp!r} must be an integer >= 1 or 'auto'")
+    if model * dp != world_size:
+        raise ValueError(
+            f"tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {model * dp} does not equal "
+            f"the world size {world_size}"
+        )
+    return {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
+
+
+def rank_grid(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
+              dp: Union[int, str] = "auto", order: str = DEFAULT_ORDER
+              ) -> Dict[str, List[List[int]]]:
+    """Every group of every family as lists of global ranks; pure, no processes.
+
+    Returns keys 'tp', 'cp', 'pp', 'dp' and 'dp_cp' (ranks that differ only along the
+    dp and cp axes: the group gradients are reduced over). Each family partitions
+    range(world_size); ranks inside a group are ascending along that axis.
+    """
+    names = parse_order(order)
+    sizes = resolve_sizes(world_size, tp, cp, pp, dp)
+    # view() is row-major: the last dim is innermost, so reverse the order string.
+    grid = torch.arange(world_size).view(*[sizes[n] for n in reversed(names)])
+    dim_of = {n: len(names) - 1 - i for i, n in enumerate(names)}
+
+    def family(axes: List[str]) -> List[List[int]]:
+        dims = [dim_of[a] for a in axes]
+        rest = [d for d in range(grid.dim()) if d not in dims]
+        # (rest..., axes...) -> (num_groups, group_size)
+        g = grid.permute(*rest, *sorted(dims)).reshape(-1, _prod(sizes[a] for a in axes))
+        return [sorted(row.tolist()) for row in g]
+
+    groups = {a: family([a]) for a in AXES}
+    # Within one axis the order is the position along that axis (ascending ranks).
+    groups["dp_cp"] = family(["dp", "cp"])
+    return groups
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def default_backend(device: Optional[torch.device] = None) -> str:
+    """nccl for CUDA devices, gloo otherwise (CPU tests, CPU training)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> None:
+    """Initialise torch.distributed from torchrun/deepspeed variables or, failing those, SLURM_*.
+
+    No-op when already initialised. A single process with no launcher variables gets a
+    world of one (MASTER_ADDR=127.0.0.1), so `python train.py` works on a laptop.
+    """
+    if dist.is_initialized():
+        return
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        # srun python train.py: one task per GPU, rank/world from Slurm.
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env.setdefault("RANK", "0")
+    env.setdefault("WORLD_SIZE", "1")
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(env["LOCAL_RANK"]))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This rank's place in the TP x CP x PP x DP grid and the groups it belongs to."""
+
+    order: str
+    sizes: Dict[str, int]
+    groups: Dict[str, List[List[int]]] = field(repr=False)  # every group of every family
+    rank: int
+    world_size: int
+    tp_group: object = field(repr=False, default=None)
+    cp_group: object = field(repr=False, default=None)
+    pp_group: object = field(repr=False, default=None)
+    dp_group: object = field(repr=False, default=None)
+    dp_cp_group: object = field(repr=False, default=None)
+
+    # Degrees ("*_size") and positions in a group ("*_rank").
+    @property
+    def tp_size(self) -> int: return self.sizes["tp"]
+    @property
+    def cp_size(self) -> int: return self.sizes["cp"]
+    @property
+    def pp_size(self) -> int: return self.sizes["pp"]
+    @property
+    def dp_size(self) -> int: return self.sizes["dp"]
+    @property
+    def dp_cp_size(self) -> int: return self.sizes["dp"] * self.sizes["cp"]
+
+    def ranks(self, family: str) -> List[int]:
+        """Global ranks of this rank's group in a family ('tp', 'cp', 'pp', 'dp', 'dp_cp')."""
+        for g in self.groups[family]:
+            if self.rank in g:
+                return g
+        raise AssertionError(f"rank {self.rank} in no {family} group")  # grid invariant
+
+    @property
+    def tp_rank(self) -> int: return self.ranks("tp").index(self.rank)
+    @property
+    def cp_rank(self) -> int: return self.ranks("cp").index(self.rank)
+    @property
+    def pp_rank(self) -> int: return self.ranks("pp").index(self.rank)
+    @property
+    def dp_rank(self) -> int: return self.ranks("dp").index(self.rank)
+    @property
+    def dp_cp_rank(self) -> int: return self.ranks("dp_cp").index(self.rank)
+
+    # The CP ring: KV blocks go to the next rank and come from the previous one.
+    @property
+    def cp_next_rank(self) -> int:
+        r = self.ranks("cp")
+        return r[(self.cp_rank + 1) % len(r)]
+
+    @property
+    def cp_prev_rank(self) -> int:
+        r = self.ranks("cp")
+        return r[(self.cp_rank - 1) % len(r)]
+
+    @property
+    def is_pp_first_stage(self) -> bool: return self.pp_rank == 0
+    @property
+    def is_pp_last_stage(self) -> bool: return self.pp_rank == self.pp_size - 1
+
+    def mpu(self) -> "DeepSpeedMPU":
+        """The object DeepSpeed takes as ``mpu=`` (see ctxpar/mpu.py)."""
+        from .mpu import DeepSpeedMPU
+        return DeepSpeedMPU(self)
+
+
+_STATE: Optional[ParallelState] = None  # the one accessor's state (set by init_parallel_state)
+
+
+def init_parallel_state(tp: int = 1, cp: int = 1, pp: int = 1, dp: Union[int, str] = "auto",
+                        order: str = DEFAULT_ORDER, backend: Optional[str] = None
+                        ) -> ParallelState:
+    """Build the grid and create every process group (collective: call on all ranks).
+
+    Sizes and order are validated before any group exists, so a bad layout raises the
+    same ValueError on every rank and nobody waits in new_group.
+    """
+    if not dist.is_initialized():
+        init_distributed(backend)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = rank_grid(world, tp, cp, pp, dp, order)  # raises before any collective
+    sizes = resolve_sizes(world, tp, cp, pp, dp)
+    mine = {}
+    # new_group is collective over the whole world: every rank creates every group,
+    # in the same order, and keeps the one it belongs to.
+    for family in ("tp", "cp", "pp", "dp", "dp_cp"):
+        for ranks in groups[family]:
+            pg = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+            if rank in ranks:
+                mine[family] = pg
+    state = ParallelState(
+        order="-".join(parse_order(order)), sizes=sizes, groups=groups, rank=rank,
+        world_size=world, tp_group=mine["tp"], cp_group=mine["cp"], pp_group=mine["pp"],
+        dp_group=mine["dp"], dp_cp_group=mine["dp_cp"],
+    )
+    global _STATE
+    _STATE = state
+    return state
+
+
+def get_parallel_state() -> ParallelState:
+    """The state built by the last init_parallel_state() call on this process."""
+    if _STATE is None:
+        raise RuntimeError("init_parallel_state() has not been called on this process")
+    return _STATE
+
+
+def destroy_parallel_state() -> None:
+    """Forget the current state (the groups die with the default process group)."""
+    global _STATE
+    _STATE = None

@@ -1,0 +1,28 @@
+"""ctxpar: context-parallel (ring attention) training for long-context GPT pretraining."""
+from setuptools import find_packages, setup
+
+setup(
+    name="ctxpar",
+    version="0.1.0",
+    description="Ring-attention context parallelism composed with TP, PP and DP on DeepSpeed",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ctxpar", "ctxpar.*", "models", "models.*"]),
+    py_modules=["train"],
+    install_requires=[
+        # torch is pinned by the Makefile *before* this install (a CPU wheel); a newer
+        # torch from PyPI would pull several GB of CUDA packages onto CPU machines.
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "pyyaml>=6",
+        "wandb>=0.17",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        "dev": ["pytest>=8"],
+        # Dao's flash-attention kernels (CUDA only, builds from source against your torch).
+        # NVIDIA apex (fused norms) is optional too but is NOT on PyPI: build it from
+        # https://github.com/NVIDIA/apex; the PyPI package called "apex" is unrelated.
+        "gpu": ["flash-attn>=2.5"],
+    },
+)
