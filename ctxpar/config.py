@@ -1,0 +1,462 @@
+"""YAML -> nested dataclasses, validated in one place at load time.
+
+    cfg = load_config("configs/tiny_cpu.yaml", overrides=["parallel.cp=4", "train.steps=10"],
+                      world_size=8)
+
+Every problem raises one ``ConfigError`` naming the file, the key and the values, e.g.
+``configs/x.yaml: model.n_heads=6 is not divisible by parallel.tp=4``. Loading is pure
+(no collectives), so every rank raises the same error before any process group exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the file, the key and the values."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    """Vocabulary size (must divide by parallel.tp: the embedding is split by rows)."""
+    seq_len: int = 1024
+    """Tokens per sample, the full (unsharded) sequence; CP ranks hold seq_len/cp each."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    d_model: int = 64
+    """Hidden size."""
+    n_heads: int = 4
+    """Query heads (split over tp)."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for GQA/MQA (None = n_heads); split over tp, or replicated when < tp."""
+    ffn_hidden: Optional[int] = None
+    """MLP hidden size (None: 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu)."""
+    mlp: str = "swiglu"
+    """'swiglu' or 'gelu'."""
+    norm: str = "rmsnorm"
+    """'rmsnorm' or 'layernorm' (pre-norm)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms."""
+    rope_theta: float = 10000.0
+    """RoPE base; raise it for long contexts."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    bias: bool = False
+    """Biases in linear layers."""
+    init_std: float = 0.02
+    """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree (ring attention)."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    dp: Union[int, str] = "auto"
+    """Data-parallel degree, or 'auto' = world // (tp*cp*pp)."""
+    order: str = "tp-cp-dp-pp"
+    """Grid order, innermost first (adjacent ranks)."""
+    layout: str = "zigzag"
+    """Token layout over CP: 'zigzag', 'striped' or 'contiguous'."""
+    attention_backend: str = "auto"
+    """Per-block attention kernel: 'auto', 'flash_attn', 'sdpa' or 'math'."""
+    pp_partition: str = "parameters"
+    """Pipeline partitioning: 'parameters' or 'uniform'."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps."""
+    micro_batch_size: int = 1
+    """Samples per forward per DP rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all DP ranks (= micro * grad_accum * dp)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    seed: int = 1234
+    """Seed for init and data."""
+    eval_interval: int = 0
+    """Steps between evaluations (0 = only at the end)."""
+    eval_samples: int = 32
+    """Samples per evaluation."""
+
+
+@dataclass
+class DataConfig:
+    kind: str = "passkey"
+    """'passkey' (built-in synthetic retrieval task) or 'tokens' (a preprocessed .bin/.idx)."""
+    path: Optional[str] = None
+    """For kind=tokens: the prefix of <path>.bin and <path>.idx from tools/preprocess_data.py."""
+    passkey_digits: int = 2
+    """For kind=passkey: digits of the planted key."""
+
+
+@dataclass
+class CheckpointingConfig:
+    activation: str = "none"
+    """Activation checkpointing: 'none', 'full', 'selective' or 'every_n_layers'."""
+    every_n_layers: int = 1
+    """For activation=every_n_layers: checkpoint every n-th block."""
+    save_dir: Optional[str] = None
+    """DeepSpeed checkpoint directory (None = <run_dir>/checkpoints)."""
+    save_interval: int = 0
+    """Steps between checkpoints (0 = only at the end)."""
+
+
+@dataclass
+class WandbConfig:
+    project: str = "ctxpar"
+    """wandb project."""
+    name: Optional[str] = None
+    """Run name (None = the run dir's name)."""
+    mode: str = "offline"
+    """'offline' (default, synced later with `wandb sync`), 'online' or 'disabled'."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl, config.yaml, wandb files and checkpoints go."""
+    log_interval: int = 1
+    """Steps between metric lines."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases tracking."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The GPT."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The rank grid."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation and batch sizes."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """What to train on."""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """Activation checkpointing and model checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and wandb."""
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+    """Passed to deepspeed.initialize as is, with batch sizes and clipping filled in from train."""
+    source: str = field(default="<dict>", metadata={"internal": True})
+    """Where this config came from (for error messages)."""
+
+
+CHOICES = {
+    "model.mlp": ("swiglu", "gelu"),
+    "model.norm": ("rmsnorm", "layernorm"),
+    "parallel.layout": ("zigzag", "striped", "contiguous"),
+    "parallel.attention_backend": ("auto", "flash_attn", "sdpa", "math"),
+    "parallel.pp_partition": ("parameters", "uniform"),
+    "data.kind": ("passkey", "tokens"),
+    "checkpointing.activation": ("none", "full", "selective", "every_n_layers"),
+    "logging.wandb.mode": ("offline", "online", "disabled"),
+}
+
+
+# ---------------------------------------------------------------- building from dicts
+
+def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
+    """Check a YAML value against a field's annotation; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        errors = []
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, arg, key, src)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if errors else ConfigError(f"{src}: {key}={value!r} must be set")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{src}: {key} must be a mapping, got {value!r}")
+        return _build(tp, value, key, src)
+    if tp is Any:
+        return value
+    if origin in (dict, Dict) or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{src}: {key} must be a mapping, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            pass
+        elif isinstance(value, (int, float)):
+            return float(value)
+        elif isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{src}: {key}={value!r} must be a number")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{src}: {key}={value!r} must be an integer")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{src}: {key}={value!r} must be true or false")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{src}: {key}={value!r} must be a string")
+    raise AssertionError(f"unhandled annotation {tp} for {key}")  # a new field type
+
+
+def _build(cls, data: Dict[str, Any], prefix: str, src: str):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
+            raise ConfigError(f"{src}: unknown config key {full!r}{hint}; "
+                              f"known keys: {', '.join(fields)}")
+        kwargs[key] = _coerce(value, hints[key], full, src)
+    return cls(**kwargs)
+
+
+def _parse_override(item: str, src: str):
+    if "=" not in item:
+        raise ConfigError(f"{src}: override {item!r} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply_override(data: Dict[str, Any], path: List[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {'.'.join(path)}: {part!r} is not a section")
+    node[path[-1]] = value
+
+
+def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
+                     overrides: Sequence[str] = (), world_size: Optional[int] = None
+                     ) -> Config:
+    """Build, override and validate a Config from a plain dict (what YAML gives)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    data = _deepcopy(data)
+    for item in overrides:
+        path, value = _parse_override(item, source)
+        _apply_override(data, path, value)
+    cfg = _build(Config, data, "", source)
+    cfg.source = source
+    validate(cfg, world_size)
+    return cfg
+
+
+def load_config(path: str, overrides: Sequence[str] = (), world_size: Optional[int] = None
+                ) -> Config:
+    """Read a YAML file, apply ``section.key=value`` overrides and validate."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: config file does not exist")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    return config_from_dict(data, source=path, overrides=overrides, world_size=world_size)
+
+
+def _deepcopy(d):
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+# ---------------------------------------------------------------- validation
+
+def resolved_dp(cfg: Config, world_size: Optional[int]) -> Optional[int]:
+    """The DP degree: explicit, or world // (tp*cp*pp) when 'auto' and the world is known."""
+    p = cfg.parallel
+    if p.dp != "auto":
+        return p.dp
+    if world_size is None:
+        return None
+    return world_size // (p.tp * p.cp * p.pp)
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Every cross-field rule, in one place. Raises the first ConfigError found."""
+    src, m, p, t = cfg.source, cfg.model, cfg.parallel, cfg.train
+
+    def err(msg):
+        raise ConfigError(f"{src}: {msg}")
+
+    for key, allowed in CHOICES.items():
+        section, *rest = key.split(".")
+        value = getattr(cfg, section)
+        for r in rest:
+            value = getattr(value, r)
+        if value not in allowed:
+            err(f"{key}={value!r} must be one of {', '.join(map(repr, allowed))}")
+
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.seq_len": m.seq_len,
+        "model.n_layers": m.n_layers, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
+        "parallel.tp": p.tp, "parallel.cp": p.cp, "parallel.pp": p.pp,
+        "train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
+        "train.global_batch_size": t.global_batch_size,
+        "checkpointing.every_n_layers": cfg.checkpointing.every_n_layers,
+        "logging.log_interval": cfg.logging.log_interval,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            err(f"{key}={value} must be >= 1")
+    if p.dp != "auto" and (not isinstance(p.dp, int) or p.dp < 1):
+        err(f"parallel.dp={p.dp!r} must be an integer >= 1 or 'auto'")
+    for key, value in {"train.lr": t.lr, "train.min_lr": t.min_lr,
+                       "train.warmup_steps": t.warmup_steps, "train.grad_clip": t.grad_clip,
+                       "train.eval_interval": t.eval_interval,
+                       "checkpointing.save_interval": cfg.checkpointing.save_interval}.items():
+        if value < 0:
+            err(f"{key}={value} must be >= 0")
+
+    # Model shapes against the TP split.
+    kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
+    if m.d_model % m.n_heads:
+        err(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    if kv < 1 or m.n_heads % kv:
+        err(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
+    if m.n_heads % p.tp:
+        err(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
+    if kv % p.tp and p.tp % kv:
+        err(f"model.n_kv_heads={kv} and parallel.tp={p.tp}: kv heads must divide over tp "
+            f"(kv % tp == 0) or be replicated (tp % kv == 0)")
+    if m.vocab_size % p.tp:
+        err(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} "
+            f"(pad the vocabulary)")
+    if m.ffn_hidden is not None and (m.ffn_hidden < 1 or m.ffn_hidden % p.tp):
+        err(f"model.ffn_hidden={m.ffn_hidden} must be >= 1 and divisible by parallel.tp={p.tp}")
+    if (m.d_model // m.n_heads) % 2:
+        err(f"model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even for RoPE")
+
+    # Sequence against the CP layout.
+    chunks = 2 * p.cp if p.layout == "zigzag" else p.cp
+    if m.seq_len % chunks:
+        err(f"model.seq_len={m.seq_len} is not divisible by {chunks} "
+            f"(parallel.layout={p.layout!r} needs {'2*' if p.layout == 'zigzag' else ''}cp "
+            f"chunks, parallel.cp={p.cp})")
+    if m.n_layers < p.pp:
+        err(f"model.n_layers={m.n_layers} < parallel.pp={p.pp}: each stage needs a block")
+
+    # The world and the batch.
+    model_par = p.tp * p.cp * p.pp
+    if world_size is not None:
+        if p.dp == "auto" and world_size % model_par:
+            err(f"world size {world_size} is not divisible by parallel.tp*cp*pp = "
+                f"{p.tp}*{p.cp}*{p.pp} = {model_par}")
+        dp = resolved_dp(cfg, world_size)
+        if model_par * dp != world_size:
+            err(f"parallel.tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{dp} = {model_par * dp} "
+                f"does not equal the world size {world_size}")
+    dp = resolved_dp(cfg, world_size)
+    if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        err(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}")
+
+    # DeepSpeed section: what we know DeepSpeed will refuse, said up front.
+    ds = cfg.deepspeed
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    if p.pp > 1 and stage >= 2:
+        err(f"deepspeed.zero_optimization.stage={stage} with parallel.pp={p.pp}: DeepSpeed's "
+            f"pipeline engine supports ZeRO stage 0 or 1 only")
+    if (ds.get("bf16") or {}).get("enabled") and (ds.get("fp16") or {}).get("enabled"):
+        err("deepspeed.bf16.enabled and deepspeed.fp16.enabled are both true")
+    for key, want in (("train_micro_batch_size_per_gpu", t.micro_batch_size),
+                      ("train_batch_size", t.global_batch_size)):
+        if key in ds and ds[key] != want:
+            err(f"deepspeed.{key}={ds[key]} disagrees with train ({want}); set it in train only")
+
+    if cfg.data.kind == "tokens":
+        if not cfg.data.path:
+            err("data.path must be set when data.kind='tokens'")
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(cfg.data.path + ext):
+                err(f"data.path={cfg.data.path!r}: {cfg.data.path + ext} does not exist")
+    if cfg.data.kind == "passkey" and not 1 <= cfg.data.passkey_digits <= 6:
+        err(f"data.passkey_digits={cfg.data.passkey_digits} must be in 1..6")
+
+
+# ---------------------------------------------------------------- derived views
+
+def grad_accum_steps(cfg: Config, dp: int) -> int:
+    """Micro-batches per optimizer step on each DP rank."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+
+
+def deepspeed_config(cfg: Config, dp: int) -> Dict[str, Any]:
+    """The ``deepspeed`` section with batch sizes and clipping filled in from ``train``.
+
+    DeepSpeed checks train_batch_size == micro * grad_accum * dp_world_size, where its
+    dp world size comes from the mpu's data-parallel group (DP only; CP ranks share samples).
+    """
+    ds = _deepcopy(cfg.deepspeed)
+    ds["train_batch_size"] = cfg.train.global_batch_size
+    ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size
+    ds["gradient_accumulation_steps"] = grad_accum_steps(cfg, dp)
+    ds.setdefault("gradient_clipping", cfg.train.grad_clip)
+    ds.setdefault("steps_per_print", 10 ** 9)  # train.py logs; keep DeepSpeed quiet
+    return ds
+
+
+def to_dict(cfg: Config) -> Dict[str, Any]:
+    """Plain nested dict (for dumping and wandb), without the internal fields."""
+    out = dataclasses.asdict(cfg)
+    out.pop("source", None)
+    return out
+
+
+def dump_config(cfg: Config, run_dir: str) -> str:
+    """Write the config used for a run to <run_dir>/config.yaml; returns the path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)
+    return path
