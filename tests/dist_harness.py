@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import tempfile
 import time
@@ -52,7 +53,9 @@ def _child(fn, rank, world_size, store_path, args, kwargs, results):
             except ImportError:
                 pass
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Plain pickle bytes: torch's multiprocessing reducers would pass tensors by
+        # shared memory that dies with this process before the parent reads it.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - the traceback is the test's failure message
         results.put((rank, False, traceback.format_exc()))
 
@@ -91,7 +94,7 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0
                 if not ok:
                     raise AssertionError(f"{fn.__name__} failed on rank {rank} of "
                                          f"{world_size}:\n{out}")
-                outs[rank] = out
+                outs[rank] = pickle.loads(out)
         finally:
             for p in procs:
                 p.join(timeout=5 if len(outs) == world_size else 0.1)

@@ -1,0 +1,90 @@
+"""Config loading and validation: pure, no processes, no collectives."""
+import glob
+import os
+
+import pytest
+import yaml
+
+from ctxpar.config import (ConfigError, config_from_dict, deepspeed_config, dump_config,
+                           load_config)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write(tmp_path, data, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(p)
+
+
+@pytest.mark.parametrize("data,world,msg", [
+    ({"modle": {}}, None, "unknown config key 'modle' (did you mean 'model'?)"),
+    ({"model": {"n_head": 4}}, None, "unknown config key 'model.n_head' (did you mean 'model.n_heads'?)"),
+    ({"model": {"n_heads": "four"}}, None, "model.n_heads='four' must be an integer"),
+    ({"train": {"lr": "fast"}}, None, "train.lr='fast' must be a number"),
+    ({"model": {"tie_embeddings": 1}}, None, "model.tie_embeddings=1 must be true or false"),
+    ({"model": {"n_heads": 6, "d_model": 96}, "parallel": {"tp": 4}}, None,
+     "model.n_heads=6 is not divisible by parallel.tp=4"),
+    ({"model": {"d_model": 65, "n_heads": 4}}, None,
+     "model.d_model=65 is not divisible by model.n_heads=4"),
+    ({"model": {"n_heads": 8, "n_kv_heads": 3, "d_model": 64}}, None,
+     "model.n_heads=8 is not divisible by model.n_kv_heads=3"),
+    ({"model": {"n_heads": 12, "n_kv_heads": 6, "d_model": 96}, "parallel": {"tp": 4}}, None,
+     "model.n_kv_heads=6 and parallel.tp=4"),
+    ({"model": {"seq_len": 100}, "parallel": {"cp": 4}}, None,
+     "model.seq_len=100 is not divisible by 8 (parallel.layout='zigzag'"),
+    ({"parallel": {"layout": "zigzig"}}, None, "parallel.layout='zigzig' must be one of"),
+    ({"parallel": {"tp": 2, "cp": 2}}, 6, "world size 6 is not divisible by parallel.tp*cp*pp = 2*2*1 = 4"),
+    ({"parallel": {"cp": 2, "dp": 3}}, 4, "parallel.tp*cp*pp*dp = 1*2*1*3 = 6 does not equal the world size 4"),
+    ({"train": {"global_batch_size": 6, "micro_batch_size": 2}, "parallel": {"cp": 1}}, 2,
+     "train.global_batch_size=6 is not divisible by train.micro_batch_size*dp = 2*2"),
+    ({"parallel": {"pp": 2}, "deepspeed": {"zero_optimization": {"stage": 2}}}, None,
+     "deepspeed.zero_optimization.stage=2 with parallel.pp=2"),
+    ({"data": {"kind": "tokens", "path": "/nonexistent/corpus"}}, None,
+     "data.path='/nonexistent/corpus': /nonexistent/corpus.bin does not exist"),
+    ({"parallel": {"tp": 0}}, None, "parallel.tp=0 must be >= 1"),
+])
+def test_bad_configs_name_file_key_and_values(tmp_path, data, world, msg):
+    path = _write(tmp_path, data)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, world_size=world)
+    text = str(e.value)
+    assert text.startswith(path + ": "), text
+    assert msg in text, text
+    assert "\n" not in text  # one line
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = _write(tmp_path, "model: {n_heads: 4\n", "bad.yaml")
+    with pytest.raises(ConfigError, match=r"malformed YAML \(line"):
+        load_config(bad)
+
+
+def test_overrides_and_deepspeed_fill(tmp_path):
+    path = _write(tmp_path, {"parallel": {"cp": 2}, "train": {"global_batch_size": 8, "lr": "3e-4"},
+                             "deepspeed": {"bf16": {"enabled": True}}})
+    cfg = load_config(path, overrides=["parallel.cp=4", "train.steps=10", "logging.wandb.mode=disabled"],
+                      world_size=8)
+    assert cfg.parallel.cp == 4 and cfg.train.steps == 10 and cfg.train.lr == 3e-4
+    assert cfg.logging.wandb.mode == "disabled"
+    ds = deepspeed_config(cfg, dp=2)
+    assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
+    assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 1.0
+    with pytest.raises(ConfigError, match="unknown config key 'train.stpes'"):
+        load_config(path, overrides=["train.stpes=3"])
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(path, overrides=["train.steps"])
+
+
+def test_dump_roundtrip(tmp_path):
+    cfg = config_from_dict({"model": {"n_layers": 3}, "parallel": {"cp": 2}})
+    out = dump_config(cfg, str(tmp_path / "run"))
+    again = load_config(out)
+    assert again.model.n_layers == 3 and again.parallel.cp == 2
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_every_shipped_config_validates(path):
+    load_config(path)
