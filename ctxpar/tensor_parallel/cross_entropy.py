@@ -1,0 +1,67 @@
+"""Cross entropy over vocab-split logits, never gathering the full vocabulary (Megatron).
+
+With logits split as z = [z_1 … z_p] over TP and a target t:
+
+    loss = log sum_j exp(z_j - m) - (z_t - m),   m = max_j z_j
+
+m is all-reduced with MAX; the target logit z_t (non-zero on the one rank owning t) and
+the local sums of exp are all-reduced together with SUM. The gradient is
+softmax(z)_i - 1[i = t] on each rank's own slice, so backward needs no communication.
+Targets equal to ``ignore_index`` give loss 0 and gradient 0.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index):
+        # logits: (..., V/tp) any float dtype; target: (...) global vocabulary ids.
+        ctx.dtype = logits.dtype
+        z = logits.float()
+        vocab_per_rank = z.shape[-1]
+        rank = dist.get_rank(group) if _size(group) > 1 else 0
+
+        z_max = z.max(dim=-1).values  # (...)
+        if _size(group) > 1:
+            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+        z = z - z_max.unsqueeze(-1)  # a new tensor: the caller's logits are untouched
+
+        valid = target != ignore_index
+        local_t = target - rank * vocab_per_rank
+        mine = valid & (local_t >= 0) & (local_t < vocab_per_rank)
+        local_t = local_t.masked_fill(~mine, 0)
+        z_t = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+
+        exp_z = z.exp_()  # (..., V/tp), reused as the softmax numerator
+        both = torch.stack([z_t, exp_z.sum(dim=-1)])  # (2, ...): one all-reduce for both
+        if _size(group) > 1:
+            dist.all_reduce(both, group=group)
+        z_t, sum_exp = both[0], both[1]
+
+        loss = (torch.log(sum_exp) - z_t).masked_fill(~valid, 0.0)  # (...)
+        softmax = exp_z.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, mine, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, mine, valid = ctx.saved_tensors
+        # d loss / d z_i = softmax_i - 1[i = t]; written into the saved softmax (Megatron
+        # does the same: the full-vocab buffer is the largest activation of the model).
+        grad = softmax
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        return grad.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """loss = logsumexp(z) - z_t per token, z split over TP; (..., V/tp), (...) -> (...) fp32."""
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, ignore_index)

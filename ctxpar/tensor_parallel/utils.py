@@ -1,0 +1,74 @@
+"""Between full-size tensors and this rank's TP shards, driven by the parameter attributes.
+
+A parameter with ``tensor_model_parallel`` set holds chunk ``tp_rank`` of the full tensor
+along ``partition_dim`` (``partition_stride`` 1: no interleaved fused weights here); any
+other parameter is replicated over TP and is its own full tensor. That one rule serves
+the deterministic init (full tensor -> slice), loading a tp=1 checkpoint into any TP
+degree, and gathering a sharded model back into a single-process state dict.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .layers import tp_rank_of, tp_size_of
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def full_shape(param: torch.Tensor, tp_size: int) -> torch.Size:
+    """The unsharded shape of a (possibly) TP-split parameter."""
+    shape = list(param.shape)
+    if is_tensor_parallel(param):
+        assert getattr(param, "partition_stride", 1) == 1, "strided partitions not supported"
+        shape[param.partition_dim] *= tp_size
+    return torch.Size(shape)
+
+
+def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
+    """This rank's slice of ``full`` for ``param`` (the full tensor itself if replicated)."""
+    if not is_tensor_parallel(param):
+        return full
+    return full.chunk(tp_size_of(tp_group), dim=param.partition_dim)[tp_rank_of(tp_group)]
+
+
+def _gather(local: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
+    if not is_tensor_parallel(param) or tp_size_of(tp_group) == 1:
+        return local.detach().clone()
+    parts = [torch.empty_like(local) for _ in range(tp_size_of(tp_group))]
+    dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: nn.Module, tp_group, grads: bool = False
+                           ) -> Dict[str, torch.Tensor]:
+    """Full-size parameters (or their .grad with grads=True) by name, as a tp=1 model has them.
+
+    Collective over the TP group (every TP rank calls it, same order); each rank gets the
+    whole dict. A parameter without a gradient maps to zeros when grads=True.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        local = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
+        out[name] = _gather(local, p, tp_group)
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict_(model: nn.Module, full: Dict[str, torch.Tensor], tp_group) -> None:
+    """Copy this rank's slice of every full-size tensor into the sharded model (no comm)."""
+    missing = [n for n, _ in model.named_parameters() if n not in full]
+    if missing:
+        raise KeyError(f"full state dict lacks parameters {missing[:5]}")
+    tp_size = tp_size_of(tp_group)
+    for name, p in model.named_parameters():
+        if tuple(full[name].shape) != tuple(full_shape(p, tp_size)):
+            raise ValueError(f"{name}: full shape {tuple(full[name].shape)} != expected "
+                             f"{tuple(full_shape(p, tp_size))} at tp={tp_size}")
+        p.copy_(shard_full_tensor(full[name], p, tp_group))
