@@ -320,6 +320,15 @@ def resolved_dp(cfg: Config, world_size: Optional[int]) -> Optional[int]:
     return world_size // (p.tp * p.cp * p.pp)
 
 
+def resolved_ffn_hidden(m: ModelConfig) -> int:
+    """model.ffn_hidden, or its default: 4*d_model (gelu), 8/3*d_model rounded up to 64 (swiglu)."""
+    if m.ffn_hidden is not None:
+        return m.ffn_hidden
+    if m.mlp == "gelu":
+        return 4 * m.d_model
+    return (8 * m.d_model + 191) // 192 * 64  # ceil(8*d/3 / 64) * 64
+
+
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     """Every cross-field rule, in one place. Raises the first ConfigError found."""
     src, m, p, t = cfg.source, cfg.model, cfg.parallel, cfg.train
@@ -372,6 +381,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             f"(pad the vocabulary)")
     if m.ffn_hidden is not None and (m.ffn_hidden < 1 or m.ffn_hidden % p.tp):
         err(f"model.ffn_hidden={m.ffn_hidden} must be >= 1 and divisible by parallel.tp={p.tp}")
+    if m.ffn_hidden is None and resolved_ffn_hidden(m) % p.tp:
+        err(f"model.ffn_hidden (default {resolved_ffn_hidden(m)} for mlp={m.mlp!r}) is not "
+            f"divisible by parallel.tp={p.tp}; set model.ffn_hidden")
     if (m.d_model // m.n_heads) % 2:
         err(f"model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even for RoPE")
 
