@@ -268,8 +268,8 @@ def _apply_override(data: Dict[str, Any], path: List[str], value: Any) -> None:
 
 
 def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
-                     overrides: Sequence[str] = (), world_size: Optional[int] = None
-                     ) -> Config:
+                     overrides: Sequence[str] = (), world_size: Optional[int] = None,
+                     check_paths: bool = True) -> Config:
     """Build, override and validate a Config from a plain dict (what YAML gives)."""
     if data is None:
         data = {}
@@ -281,12 +281,12 @@ def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
         _apply_override(data, path, value)
     cfg = _build(Config, data, "", source)
     cfg.source = source
-    validate(cfg, world_size)
+    validate(cfg, world_size, check_paths)
     return cfg
 
 
-def load_config(path: str, overrides: Sequence[str] = (), world_size: Optional[int] = None
-                ) -> Config:
+def load_config(path: str, overrides: Sequence[str] = (), world_size: Optional[int] = None,
+                check_paths: bool = True) -> Config:
     """Read a YAML file, apply ``section.key=value`` overrides and validate."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file does not exist")
@@ -297,7 +297,8 @@ def load_config(path: str, overrides: Sequence[str] = (), world_size: Optional[i
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
-    return config_from_dict(data, source=path, overrides=overrides, world_size=world_size)
+    return config_from_dict(data, source=path, overrides=overrides, world_size=world_size,
+                            check_paths=check_paths)
 
 
 def _deepcopy(d):
@@ -329,8 +330,12 @@ def resolved_ffn_hidden(m: ModelConfig) -> int:
     return (8 * m.d_model + 191) // 192 * 64  # ceil(8*d/3 / 64) * 64
 
 
-def validate(cfg: Config, world_size: Optional[int] = None) -> None:
-    """Every cross-field rule, in one place. Raises the first ConfigError found."""
+def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = True) -> None:
+    """Every cross-field rule, in one place. Raises the first ConfigError found.
+
+    check_paths=False skips the files the config points at (to validate a GPU config
+    on a machine without its data set).
+    """
     src, m, p, t = cfg.source, cfg.model, cfg.parallel, cfg.train
 
     def err(msg):
@@ -427,7 +432,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if cfg.data.kind == "tokens":
         if not cfg.data.path:
             err("data.path must be set when data.kind='tokens'")
-        for ext in (".bin", ".idx"):
+        for ext in (".bin", ".idx") if check_paths else ():
             if not os.path.isfile(cfg.data.path + ext):
                 err(f"data.path={cfg.data.path!r}: {cfg.data.path + ext} does not exist")
     if cfg.data.kind == "passkey" and not 1 <= cfg.data.passkey_digits <= 6:

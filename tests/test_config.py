@@ -87,4 +87,8 @@ def test_dump_roundtrip(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
 def test_every_shipped_config_validates(path):
-    load_config(path)
+    # GPU configs point at a corpus that only exists on the cluster: skip the file check.
+    cfg = load_config(path, check_paths=False)
+    p = cfg.parallel
+    if p.dp != "auto":
+        load_config(path, world_size=p.tp * p.cp * p.pp * p.dp, check_paths=False)
