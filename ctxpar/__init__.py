@@ -11,5 +11,7 @@ from .parallel_state import (
     rank_grid,
 )
 from .mpu import DeepSpeedMPU
+from .ring_attention import RingStats, ring_attention, ring_stats
+from .sharding import gather_sequence, sequence_positions, shard_sequence
 
 __version__ = "0.1.0"

@@ -1,0 +1,237 @@
+"""Per-block attention kernels that return the log-sum-exp: flash_attn, sdpa, math.
+
+One interface, public layout (B, S, H, D):
+
+    out, lse = backend.forward(q, k, v, causal, scale)    # out (B, L, H, D) in q's dtype
+                                                          # lse (B, H, L) fp32, contiguous
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale)
+
+q has H heads, k/v have Hkv heads (H % Hkv == 0, GQA/MQA); dk/dv come back at Hkv heads.
+``causal=True`` means the top-left-aligned mask of the fused kernels (query i sees keys
+0..i), which is the true causal mask only for square blocks: the ring uses it only there.
+``backward`` takes the *merged* (global) out and lse of the ring, not this block's: with
+them, softmax(q k^T) of the block is already normalised by the full row, so the block's
+dq/dk/dv are exactly its share of the full gradient (ring-flash-attention does the same).
+
+- flash_attn: Dao's ``flash_attn_interface._flash_attn_forward/_backward`` (CUDA, fp16/bf16,
+  native GQA). Their signatures changed across 2.x releases; they are called by keyword
+  after reading the signature, see ``_call_by_signature``.
+- sdpa: PyTorch's fused kernels. CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (+
+  backward). CUDA: ``_scaled_dot_product_flash_attention`` for fp16/bf16, else
+  ``_scaled_dot_product_efficient_attention`` (+ backwards). They want (B, H, S, D), equal
+  heads (GQA is expanded here, only Hkv heads travel the ring) and, on CUDA, head_dim a
+  multiple of 8 (zero-padded here, which changes neither q k^T nor the kept columns of out).
+- math: plain torch in fp32, O(L*S) memory. The reference; any device, any dtype.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, S, Hkv, D) -> (B, S, H, D): query head h uses kv head h // (H / Hkv)."""
+    groups = heads // x.shape[2]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def reduce_kv_grad(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, S, H, D) -> (B, S, Hkv, D): sum the gradient over the heads sharing a kv head."""
+    B, S, H, D = dx.shape
+    return dx if H == kv_heads else dx.view(B, S, kv_heads, H // kv_heads, D).sum(dim=3)
+
+
+def _pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
+    pad = -x.shape[-1] % multiple
+    return F.pad(x, (0, pad)) if pad else x
+
+
+class MathBackend:
+    """softmax(q k^T * scale) v in fp32 with plain ops: slow, exact, runs everywhere."""
+
+    name = "math"
+
+    def available(self, q: torch.Tensor) -> bool:
+        return True
+
+    def _scores(self, q, k, causal, scale):  # (B, H, L, S) fp32
+        s = torch.einsum("blhd,bshd->bhls", q.float(), expand_kv(k, q.shape[2]).float()) * scale
+        if causal:  # top-left aligned, like the fused kernels
+            L, S = s.shape[-2:]
+            s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
+                              float("-inf"))
+        return s
+
+    def forward(self, q, k, v, causal, scale):
+        s = self._scores(q, k, causal, scale)
+        lse = torch.logsumexp(s, dim=-1)                                # (B, H, L)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        out = torch.einsum("bhls,bshd->blhd", p, expand_kv(v, q.shape[2]).float())
+        return out.to(q.dtype), lse.contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        H, Hkv = q.shape[2], k.shape[2]
+        p = torch.exp(self._scores(q, k, causal, scale) - lse.float().unsqueeze(-1))  # (B,H,L,S)
+        do = dout.float()
+        dv = torch.einsum("bhls,blhd->bshd", p, do)
+        dp = torch.einsum("blhd,bshd->bhls", do, expand_kv(v, H).float())
+        # softmax backward: dS = P * (dP - rowsum(dO * O)), with the global O
+        delta = (do * out.float()).sum(-1).transpose(1, 2).unsqueeze(-1)  # (B, H, L, 1)
+        ds = p * (dp - delta) * scale
+        dq = torch.einsum("bhls,bshd->blhd", ds, expand_kv(k, H).float())
+        dk = torch.einsum("bhls,blhd->bshd", ds, q.float())
+        return dq, reduce_kv_grad(dk, Hkv), reduce_kv_grad(dv, Hkv)
+
+
+class SdpaBackend:
+    """PyTorch's fused flash / memory-efficient kernels that expose logsumexp."""
+
+    name = "sdpa"
+
+    def available(self, q: torch.Tensor) -> bool:
+        if q.device.type == "cpu":
+            return q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        return q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    @staticmethod
+    def _bhsd(x: torch.Tensor, heads: int) -> torch.Tensor:  # (B,S,h,D) -> (B,H,S,D) view
+        return expand_kv(x, heads).transpose(1, 2)
+
+    def forward(self, q, k, v, causal, scale):
+        H, D, L = q.shape[2], q.shape[3], q.shape[1]
+        qt, kt, vt = (self._bhsd(x, H) for x in (q, k, v))
+        if q.device.type == "cpu":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                qt, kt, vt, 0.0, causal, scale=scale)
+        elif q.dtype in (torch.float16, torch.bfloat16):
+            out, lse = aten._scaled_dot_product_flash_attention(
+                _pad_head_dim(qt), _pad_head_dim(kt), _pad_head_dim(vt), 0.0, causal,
+                scale=scale)[:2]
+        else:  # fp32 on CUDA: the memory-efficient kernel; its lse is padded to 32 rows
+            out, lse = aten._scaled_dot_product_efficient_attention(
+                _pad_head_dim(qt), _pad_head_dim(kt), _pad_head_dim(vt), None, True, 0.0,
+                causal, scale=scale)[:2]
+        # CPU lse has strides (H*L, 1, H): make it contiguous before anyone sends it.
+        return out[..., :D].transpose(1, 2), lse[..., :L].float().contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        H, Hkv, D = q.shape[2], k.shape[2], q.shape[3]
+        L, S = q.shape[1], k.shape[1]
+        qt, kt, vt = (self._bhsd(x, H) for x in (q, k, v))
+        dot, ot = dout.transpose(1, 2), out.transpose(1, 2)
+        lse = lse.float().contiguous()  # a strided lse gives wrong gradients (torch CP notes)
+        if q.device.type == "cpu":
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale)
+        elif q.dtype in (torch.float16, torch.bfloat16):
+            # dropout 0: the philox seed/offset are never read; cum_seq None = dense batch.
+            seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+            offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                _pad_head_dim(dot), _pad_head_dim(qt), _pad_head_dim(kt), _pad_head_dim(vt),
+                _pad_head_dim(ot), lse, None, None, L, S, 0.0, causal, seed, offset,
+                scale=scale)
+        else:
+            seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            lse = F.pad(lse, (0, -L % 32))  # the layout its forward produced
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                _pad_head_dim(dot), _pad_head_dim(qt), _pad_head_dim(kt), _pad_head_dim(vt),
+                None, _pad_head_dim(ot), lse, seed, seed, 0.0, [True, True, True, False],
+                causal, scale=scale)
+        dq, dk, dv = (g[..., :D].transpose(1, 2) for g in (dq, dk, dv))  # (B, S, H, D)
+        # Sum the H/Hkv head copies in fp32: in bf16 each add would round again.
+        return dq, reduce_kv_grad(dk.float(), Hkv), reduce_kv_grad(dv.float(), Hkv)
+
+
+def _call_by_signature(fn: Callable, values: Dict[str, object]):
+    """Call fn with the entries of `values` its signature names, all by keyword.
+
+    flash-attn renamed and added parameters across 2.x (window_size -> window_size_left/
+    right, softcap, alibi_slopes, rng_state...), and >= 2.6 wraps the function in a
+    torch.library custom op whose original function is ``_init_fn``. A required parameter
+    we do not know is an unsupported version: fail loudly rather than guess.
+    """
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    missing = [n for n, p in params.items()
+               if n not in values and p.default is inspect.Parameter.empty]
+    if missing:
+        raise RuntimeError(f"unsupported flash_attn version: {fn.__name__} requires {missing}")
+    return fn(**{n: values[n] for n in params if n in values})
+
+
+class FlashAttnBackend:
+    """Dao's flash-attn 2 kernels (CUDA only, fp16/bf16); GQA handled by the kernel."""
+
+    name = "flash_attn"
+
+    def __init__(self, forward_fn: Optional[Callable] = None,
+                 backward_fn: Optional[Callable] = None, device_types=("cuda",)):
+        # Injected functions (tests) replace the import; device_types says where they run.
+        self._fns = (forward_fn, backward_fn) if forward_fn is not None else None
+        self.device_types = tuple(device_types)
+
+    def _load(self):
+        if self._fns is None:
+            try:
+                from flash_attn import flash_attn_interface as fa
+                self._fns = (fa._flash_attn_forward, fa._flash_attn_backward)
+            except Exception:  # ImportError, or a broken CUDA build: treat as absent
+                self._fns = (None, None)
+        return self._fns
+
+    def available(self, q: torch.Tensor) -> bool:
+        return (q.device.type in self.device_types
+                and q.dtype in (torch.float16, torch.bfloat16) and self._load()[0] is not None)
+
+    @staticmethod
+    def _options(causal, scale):
+        return dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1),
+                    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                    return_softmax=False, deterministic=False, rng_state=None)
+
+    def forward(self, q, k, v, causal, scale):
+        D, L = q.shape[3], q.shape[1]
+        qp, kp, vp = (_pad_head_dim(x).contiguous() for x in (q, k, v))
+        res = _call_by_signature(self._load()[0], dict(q=qp, k=kp, v=vp,
+                                                       **self._options(causal, scale)))
+        # <= 2.5: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
+        # >= 2.6: (out, lse, S_dmask, rng_state)
+        out, lse = res[0], (res[5] if len(res) == 8 else res[1])
+        return out[..., :D], lse[..., :L].float().contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        D = q.shape[3]
+        dop, qp, kp, vp, op = (_pad_head_dim(x).contiguous() for x in (dout, q, k, v, out))
+        dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+        _call_by_signature(self._load()[1], dict(
+            dout=dop, q=qp, k=kp, v=vp, out=op, softmax_lse=lse.float().contiguous(),
+            dq=dq, dk=dk, dv=dv, **self._options(causal, scale)))  # writes into dq/dk/dv
+        return dq[..., :D], dk[..., :D], dv[..., :D]
+
+
+BACKENDS = {b.name: b for b in (FlashAttnBackend(), SdpaBackend(), MathBackend())}
+
+
+def get_backend(name: str, q: torch.Tensor):
+    """Resolve 'auto' (flash_attn > sdpa > math) or check that a named backend can run q."""
+    if name == "auto":
+        return next(b for b in BACKENDS.values() if b.available(q))
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of "
+                         f"{['auto', *BACKENDS]}")
+    backend = BACKENDS[name]
+    if not backend.available(q):
+        hint = " (needs the flash-attn package, CUDA, fp16/bf16)" if name == "flash_attn" else ""
+        raise ValueError(f"attention backend {name!r} cannot run {q.dtype} tensors on "
+                         f"{q.device.type}{hint}")
+    return backend
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
