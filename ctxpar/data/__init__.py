@@ -1,0 +1,13 @@
+"""Data: the passkey task, .bin/.idx token files, and the DP/CP-aware sample stream."""
+from .indexed import DataError, IndexedDataset, IndexedDatasetWriter
+from .loader import (SampleStream, TokenWindows, build_sample_stream, build_source,
+                     shard_batch)
+from .passkey import IGNORE_INDEX, PasskeyTask, passkey_accuracy, passkey_correct
+from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = [
+    "ByteTokenizer", "DataError", "HFTokenizer", "IGNORE_INDEX", "IndexedDataset",
+    "IndexedDatasetWriter", "PasskeyTask", "SampleStream", "TokenWindows",
+    "build_sample_stream", "build_source", "load_tokenizer", "passkey_accuracy",
+    "passkey_correct", "shard_batch",
+]

@@ -1,0 +1,142 @@
+"""A deterministic, resumable stream of micro-batches, and its split over CP ranks.
+
+Global sample numbering: micro-batch k of the run holds global samples
+[c, c + B*dp) with c = samples consumed so far; DP rank r takes [c + r*B, c + (r+1)*B).
+So DP ranks get disjoint samples, the CP (and TP, PP) ranks of one DP rank get the same
+samples, and the only state is c, one integer, the same on every rank. Resuming from c
+continues exactly where an uninterrupted run would be, even with a different dp.
+
+    stream = build_sample_stream(cfg, dp_rank=state.dp_rank, dp_size=state.dp_size)
+    batch = stream.next_batch()                      # tokens, labels: (B, T) int64
+    local = shard_batch(batch, state, cfg.parallel.layout)  # (B, T/cp) + positions
+    ... client_state["data"] = stream.state_dict()   # in the checkpoint
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from .indexed import DataError, IndexedDataset
+from .passkey import SPLITS, PasskeyTask
+
+
+class TokenWindows:
+    """``windows[i] -> (inputs (T,), labels (T,))`` from a packed .bin, endless.
+
+    The .bin is already documents back to back with EOS after each, so window w is
+    tokens[w*T : w*T + T + 1] (consecutive windows share one token, as in Megatron/nanoGPT)
+    and n = (n_tokens - 1) // T windows make an epoch. Epoch e visits them in the order
+    of a permutation seeded by (seed, split, e): every epoch is shuffled differently.
+    """
+
+    def __init__(self, prefix: str, seq_len: int, seed: int = 0, split: str = "train"):
+        self.data = IndexedDataset(prefix)
+        self.seq_len, self.seed, self.split = seq_len, seed, split
+        self.vocab_size = self.data.vocab_size
+        self.n_windows = (self.data.n_tokens - 1) // seq_len
+        if self.n_windows < 1:
+            raise DataError(f"{prefix}.bin: {self.data.n_tokens} tokens are fewer than one "
+                            f"sample of seq_len+1 = {seq_len + 1}")
+        self.fingerprint = {"kind": "tokens", "seq_len": seq_len, "seed": seed, "split": split,
+                            "n_tokens": self.data.n_tokens}
+        self._perm_epoch, self._perm = -1, None
+
+    def __getitem__(self, index: int):
+        epoch, i = divmod(index, self.n_windows)
+        if epoch != self._perm_epoch:  # one epoch's order cached: 8 bytes per window
+            rng = np.random.default_rng([self.seed, SPLITS[self.split], epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.n_windows), epoch
+        start = int(self._perm[i]) * self.seq_len
+        window = np.asarray(self.data.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        return window[:-1], window[1:]  # inputs (T,), labels (T,) = inputs shifted by one
+
+
+def build_source(data_cfg, seq_len: int, seed: int, split: str = "train"):
+    """PasskeyTask or TokenWindows for a DataConfig (kind 'passkey' or 'tokens')."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
+    if data_cfg.kind == "passkey":
+        return PasskeyTask(seq_len, data_cfg.passkey_digits, seed, split)
+    if data_cfg.kind == "tokens":
+        if not data_cfg.path:
+            raise DataError("data.path must be set when data.kind='tokens'")
+        return TokenWindows(data_cfg.path, seq_len, seed, split)
+    raise ValueError(f"data.kind={data_cfg.kind!r} must be 'passkey' or 'tokens'")
+
+
+class SampleStream:
+    """Micro-batches of one DP rank: ``next_batch() -> {"tokens", "labels"}``, (B, T) int64.
+
+    labels[b, t] is the token after tokens[b, t], or -100 where it is not trained on.
+    """
+
+    def __init__(self, source, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        self.source, self.micro_batch_size = source, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.samples_consumed = 0  # global, over all DP ranks
+
+    def batch_at(self, first_sample: int) -> Dict[str, torch.Tensor]:
+        """This rank's micro-batch of the global batch starting at first_sample (no state)."""
+        start = first_sample + self.dp_rank * self.micro_batch_size
+        pairs = [self.source[start + j] for j in range(self.micro_batch_size)]
+        return {"tokens": torch.from_numpy(np.stack([p[0] for p in pairs])),   # (B, T)
+                "labels": torch.from_numpy(np.stack([p[1] for p in pairs]))}   # (B, T)
+
+    def next_batch(self) -> Dict[str, torch.Tensor]:
+        batch = self.batch_at(self.samples_consumed)
+        self.samples_consumed += self.micro_batch_size * self.dp_size
+        return batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.next_batch()
+
+    def state_dict(self) -> Dict:
+        return {"samples_consumed": self.samples_consumed,
+                "source": dict(self.source.fingerprint)}
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Continue after state["samples_consumed"]; refuse a checkpoint of other data."""
+        mine, theirs = self.source.fingerprint, state.get("source", {})
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            said = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+            raise DataError(f"the checkpoint's data stream differs from this config ({said})")
+        self.samples_consumed = int(state["samples_consumed"])
+
+
+def build_sample_stream(cfg, dp_rank: int = 0, dp_size: int = 1, split: str = "train",
+                        micro_batch_size: Optional[int] = None) -> SampleStream:
+    """The stream for a Config: its data section, model.seq_len, train.seed/micro_batch_size.
+
+    Raises DataError (one line) for a missing or corrupt token file, or a token file whose
+    vocabulary does not fit model.vocab_size. Pure file reads: call it before any collective.
+    """
+    source = build_source(cfg.data, cfg.model.seq_len, cfg.train.seed, split)
+    if source.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"data: the tokenizer's vocabulary ({source.vocab_size}) is larger "
+                        f"than model.vocab_size={cfg.model.vocab_size}")
+    return SampleStream(source, micro_batch_size or cfg.train.micro_batch_size, dp_rank, dp_size)
+
+
+def shard_batch(batch: Dict[str, torch.Tensor], state_or_group, layout: str
+                ) -> Dict[str, torch.Tensor]:
+    """This CP rank's part of a batch: tokens/labels (B, T) -> (B, T/cp), plus positions.
+
+    ``positions`` (the global index of each kept token, for RoPE) comes from
+    ``sequence_positions`` with the same layout, so tokens[:, i] sits at positions[i].
+    state_or_group is a ParallelState (its cp_group is used) or a CP process group.
+    """
+    from ..sharding import sequence_positions, shard_sequence  # the layouts live there
+
+    group = getattr(state_or_group, "cp_group", state_or_group)
+    seq_len = batch["tokens"].shape[1]
+    out = {k: shard_sequence(batch[k], 1, group, layout) for k in ("tokens", "labels")}
+    out["positions"] = sequence_positions(seq_len, group, layout)
+    return out

@@ -1,0 +1,108 @@
+"""Passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attention"), byte-level.
+
+One sample is exactly seq_len + 1 bytes of ASCII text (a byte is a token, ByteTokenizer):
+
+    <filler ...>The pass key is 42. Remember it. <filler ...>What is the pass key? The pass key is 42
+    |-- depth d --|                                                                               |- key -|
+
+The needle sits at a random sentence boundary of the filler; the filler never contains a
+digit, so the key's digits occur exactly twice: in the needle and as the answer at the very
+end. Labels are -100 except at the key's last ``digits`` positions, so loss and accuracy
+are on the answer only. Under context parallelism the answer is in the last chunk and the
+needle usually in another rank's chunk: the task cannot be solved without attention
+across CP shards. Chance (exact match of all digits) is 10**-digits.
+
+Samples are a pure function of (seed, split, index): any rank can make any sample.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .tokenizer import ByteTokenizer
+
+IGNORE_INDEX = -100
+NEEDLE = "The pass key is {key}. Remember it. "
+QUESTION = "What is the pass key? The pass key is "
+# "The <noun> is <adjective>. " and two classics: 12*12 + 2 sentences, none with a digit.
+NOUNS = ("grass", "sky", "sun", "sea", "road", "house", "tree", "river", "bird", "hill",
+         "cloud", "stone")
+ADJECTIVES = ("green", "blue", "yellow", "calm", "long", "old", "tall", "quiet", "warm",
+              "bright", "grey", "small")
+SENTENCES = tuple(f"The {n} is {a}. " for n in NOUNS for a in ADJECTIVES) + (
+    "Here we go. ", "There and back again. ")
+SPLITS = {"train": 0, "eval": 1}  # disjoint random streams for the same seed
+
+
+def min_seq_len(digits: int) -> int:
+    """Shortest seq_len that holds needle + question + key with 8 bytes of filler."""
+    return len(NEEDLE.format(key="0" * digits)) + len(QUESTION) + digits - 1 + 8
+
+
+class PasskeyTask:
+    """``task[i] -> (inputs (T,), labels (T,))`` int64 numpy arrays; endless (any i >= 0)."""
+
+    def __init__(self, seq_len: int, digits: int = 2, seed: int = 0, split: str = "train"):
+        if seq_len < min_seq_len(digits):
+            raise ValueError(f"passkey with {digits} digits needs seq_len >= "
+                             f"{min_seq_len(digits)}, got {seq_len}")
+        self.seq_len, self.digits, self.seed, self.split = seq_len, digits, seed, split
+        self.vocab_size = ByteTokenizer.vocab_size
+        self.fingerprint = {"kind": "passkey", "seq_len": seq_len, "digits": digits,
+                            "seed": seed, "split": split}
+
+    def text(self, index: int) -> Tuple[str, str, int]:
+        """(sample text of seq_len+1 chars, key, needle's char offset) for sample index."""
+        rng = np.random.default_rng([self.seed, SPLITS[self.split], index])
+        key = f"{int(rng.integers(10 ** self.digits)):0{self.digits}d}"
+        needle = NEEDLE.format(key=key)
+        n_filler = self.seq_len + 1 - len(needle) - len(QUESTION) - self.digits
+        sentences, total = [], 0
+        while total < n_filler:
+            s = SENTENCES[int(rng.integers(len(SENTENCES)))]
+            sentences.append(s)
+            total += len(s)
+        filler = "".join(sentences)[:n_filler]  # the last sentence may be cut short
+        starts = np.cumsum([0] + [len(s) for s in sentences])
+        depth = int(rng.choice(starts[starts <= n_filler]))
+        text = filler[:depth] + needle + filler[depth:] + QUESTION + key
+        assert len(text) == self.seq_len + 1, (len(text), self.seq_len)
+        return text, key, depth
+
+    def __getitem__(self, index: int) -> Tuple[np.ndarray, np.ndarray]:
+        text, _, _ = self.text(index)
+        tokens = np.frombuffer(text.encode("ascii"), dtype=np.uint8).astype(np.int64)
+        inputs = tokens[:-1]                                     # (T,)
+        labels = np.full(self.seq_len, IGNORE_INDEX, np.int64)  # (T,)
+        labels[-self.digits:] = tokens[-self.digits:]  # predict key digit j from its prefix
+        return inputs, labels
+
+
+def passkey_correct(logits_or_preds: torch.Tensor, labels: torch.Tensor,
+                    group=None) -> torch.Tensor:
+    """Per-sample exact match of the argmax at every answer position: (B,) bool.
+
+    logits (B, T, V) or predictions (B, T); labels (B, T) with IGNORE_INDEX off the answer.
+    Teacher-forced: position t is judged given the true tokens before it, which for the
+    key's digits is the same as greedy decoding when every earlier digit is right.
+    Under CP each rank holds a shard of the positions: pass the CP group and the per-sample
+    counts are summed over it, so every CP rank returns the same verdict. Samples with no
+    answer position anywhere (not a passkey batch) count as wrong.
+    """
+    preds = logits_or_preds
+    if preds.dim() == labels.dim() + 1:
+        preds = preds.argmax(dim=-1)
+    answer = labels != IGNORE_INDEX                                       # (B, T)
+    counts = torch.stack([((preds != labels) & answer).sum(-1), answer.sum(-1)])  # (2, B)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    wrong, n_answer = counts
+    return (n_answer > 0) & (wrong == 0)
+
+
+def passkey_accuracy(logits_or_preds: torch.Tensor, labels: torch.Tensor, group=None) -> float:
+    """Fraction of samples whose key is predicted exactly (see passkey_correct)."""
+    return passkey_correct(logits_or_preds, labels, group).float().mean().item()

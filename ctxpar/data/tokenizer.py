@@ -1,0 +1,76 @@
+"""Tokenizers: a built-in byte-level one, and an adapter for a local Hugging Face JSON file.
+
+ByteTokenizer: a token is a UTF-8 byte, ids 0..255, vocab_size = 256 (fits the default
+model.vocab_size and divides by any tp up to 256). Id 0, the NUL byte, is EOS: text never
+needs NUL, so encode() drops NULs and id 0 always means "end of document".
+
+HFTokenizer wraps ``tokenizers.Tokenizer.from_file(tokenizer.json)`` (a local file, never a
+download). ``tokenizers`` is not a dependency: it is imported only when one is asked for.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+# Tried in order when --eos-token is not given (GPT-2/Llama-3, Llama/T5, generic).
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|eos|>")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids; EOS = 0 (NUL)."""
+
+    vocab_size = 256
+    eos_id = 0
+    name = "byte"
+
+    def encode(self, text: str) -> List[int]:
+        return list(text.encode("utf-8").replace(b"\x00", b""))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if int(i) != self.eos_id).decode("utf-8", "replace")
+
+
+class HFTokenizer:
+    """A local Hugging Face ``tokenizers`` JSON file; EOS found by name (or given)."""
+
+    def __init__(self, path: str, eos_token: Optional[str] = None):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--tokenizer {path}: file does not exist")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError(f"--tokenizer {path} needs the 'tokenizers' package "
+                              f"(pip install tokenizers), or leave --tokenizer out for "
+                              f"the built-in byte-level tokenizer") from None
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise ValueError(f"--tokenizer {path}: not a tokenizers JSON file "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                             ) from None
+        names = (eos_token,) if eos_token else EOS_CANDIDATES
+        ids = [self._tok.token_to_id(n) for n in names]
+        found = [(n, i) for n, i in zip(names, ids) if i is not None]
+        if not found:
+            raise ValueError(f"--tokenizer {path}: no EOS token among {', '.join(names)}; "
+                             f"name it with --eos-token")
+        self.eos_token, self.eos_id = found[0]
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.name = f"hf:{os.path.basename(path)}"
+
+    def encode(self, text: str) -> List[int]:
+        # No special tokens added here: documents are separated by EOS, appended by the writer.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def load_tokenizer(path: Optional[str] = None, eos_token: Optional[str] = None):
+    """The byte tokenizer when path is None, else the HF tokenizer JSON at path."""
+    if path is None:
+        if eos_token is not None:
+            raise ValueError("--eos-token only applies with --tokenizer (the byte "
+                             "tokenizer's EOS is id 0)")
+        return ByteTokenizer()
+    return HFTokenizer(path, eos_token)
