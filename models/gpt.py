@@ -1,0 +1,253 @@
+"""A GPT decoder for TP x CP x DP: pre-norm blocks, RoPE on global positions, GQA ring attention.
+
+Shapes per rank: B micro-batch, T full sequence, cp/tp degrees, nh/nkv query/kv heads,
+hd head dim, V vocabulary. Each CP rank holds T/cp tokens in the CP layout's order
+(zigzag, striped, contiguous) with their global positions (``ctxpar.sequence_positions``);
+each TP rank holds nh/tp query heads, max(nkv/tp, 1) kv heads, ffn/tp MLP columns and V/tp
+vocabulary rows (docs/parallelism.md). Everything but attention is token-local, so only
+attention talks over CP (the ring) and only the f/g ops talk over TP.
+
+    model = GPT(cfg.model, tp_group=state.tp_group, cp_group=state.cp_group,
+                layout=cfg.parallel.layout, seed=cfg.train.seed)
+    logits = model(tokens, positions)             # (B, T/cp, V/tp), vocab-parallel
+    loss_sum = model(tokens, positions, labels)   # fp32 sum of this rank's token losses
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ctxpar import ring_attention
+from ctxpar.config import Config, ModelConfig, resolved_ffn_hidden
+from ctxpar.tensor_parallel import (
+    ColumnParallelLinear,
+    ReplicatedHeadLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    full_shape,
+    parallel_lm_logits,
+    shard_full_tensor,
+    vocab_parallel_cross_entropy,
+)
+from ctxpar.tensor_parallel.layers import tp_size_of
+
+CHECKPOINT_MODES = ("none", "full", "selective", "every_n_layers")
+
+
+def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
+    """Apex's fused norm when apex is importable (GPU builds), else torch's."""
+    kw = dict(eps=cfg.norm_eps, device=device, dtype=dtype)
+    try:
+        from apex.normalization import FusedLayerNorm, FusedRMSNorm
+    except ImportError:
+        if cfg.norm == "rmsnorm":
+            return nn.RMSNorm(cfg.d_model, **kw)
+        return nn.LayerNorm(cfg.d_model, bias=cfg.bias, **kw)
+    if cfg.norm == "rmsnorm":
+        return FusedRMSNorm(cfg.d_model, eps=cfg.norm_eps).to(device=device, dtype=dtype)
+    return FusedLayerNorm(cfg.d_model, eps=cfg.norm_eps).to(device=device, dtype=dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos, sin of angle p * theta^(-2i/hd), fp32; positions (..., T/cp) -> (..., T/cp, hd/2)."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device,
+                                       dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # fp32 even under bf16
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + hd/2) by the angle (GPT-NeoX/Llama 'rotate half')."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T/cp, h, hd/2) each
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention: column-parallel q/k/v, ring attention over CP, row-parallel out."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, cp_group, layout: str, backend: str,
+                 device=None, dtype=None):
+        super().__init__()
+        tp = tp_size_of(tp_group)
+        n_kv = cfg.n_kv_heads or cfg.n_heads
+        self.tp_group, self.cp_group, self.layout, self.backend = tp_group, cp_group, layout, backend
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.n_heads = cfg.n_heads // tp  # query heads on this rank
+        self.n_kv_heads = n_kv // tp if n_kv % tp == 0 else 1
+        lin = dict(tp_group=tp_group, bias=cfg.bias, device=device, dtype=dtype)
+        d, hd = cfg.d_model, self.head_dim
+        self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd, copy_input=False, **lin)
+        if n_kv % tp == 0:
+            self.k_proj = ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)
+            self.v_proj = ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)
+        else:  # fewer kv heads than TP ranks: each rank uses the kv head of its query heads
+            self.k_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
+            self.v_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
+        self.o_proj = RowParallelLinear(cfg.n_heads * hd, d, **lin)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        B, T = x.shape[:2]  # T here is T/cp
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f once for q, k, v
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T/cp, nh/tp, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T/cp, nkv/tp, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def core(self, q, k, v) -> torch.Tensor:
+        # The ring: K/V blocks travel over CP; causal masking uses the layout's positions.
+        return ring_attention(q, k, v, self.cp_group, causal=True, layout=self.layout,
+                              backend=self.backend)  # (B, T/cp, nh/tp, hd)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x), or GELU: down(gelu(up x)); gate/up split by columns."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
+        super().__init__()
+        self.tp_group, self.swiglu = tp_group, cfg.mlp == "swiglu"
+        ffn, lin = resolved_ffn_hidden(cfg), dict(tp_group=tp_group, bias=cfg.bias,
+                                                  device=device, dtype=dtype)
+        if self.swiglu:
+            self.gate_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
+        self.up_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
+        self.down_proj = RowParallelLinear(ffn, cfg.d_model, **lin)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # (B, T/cp, d)
+        if self.swiglu:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T/cp, ffn/tp)
+        else:
+            h = F.gelu(self.up_proj(x), approximate="tanh")
+        return self.down_proj(h)  # (B, T/cp, d), all-reduced over TP
+
+
+class Block(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x)).
+
+    ``selective`` checkpoints the two pieces around the attention core (norm + q/k/v +
+    RoPE; out-proj + residual + norm + MLP) and keeps q, k, v, the attention output and its
+    LSE (saved by ring attention itself), so backward recomputes projections but never
+    replays the ring.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group, cp_group, layout, backend, selective: bool,
+                 device=None, dtype=None):
+        super().__init__()
+        self.selective = selective
+        self.attn_norm = make_norm(cfg, device, dtype)
+        self.attn = Attention(cfg, tp_group, cp_group, layout, backend, device, dtype)
+        self.mlp_norm = make_norm(cfg, device, dtype)
+        self.mlp = MLP(cfg, tp_group, device, dtype)
+
+    def _attn_in(self, x, cos, sin):
+        return self.attn.qkv(self.attn_norm(x), cos, sin)
+
+    def _attn_out_mlp(self, x, o):
+        x = x + self.attn.o_proj(o.flatten(2))  # (B, T/cp, d)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.selective:  # recompute around the core; the core keeps its own saved tensors
+            q, k, v = checkpoint(self._attn_in, x, cos, sin, use_reentrant=False)
+            return checkpoint(self._attn_out_mlp, x, self.attn.core(q, k, v), use_reentrant=False)
+        q, k, v = self._attn_in(x, cos, sin)
+        return self._attn_out_mlp(x, self.attn.core(q, k, v))
+
+
+class GPT(nn.Module):
+    """Embedding -> n_layers blocks -> norm -> vocab-parallel head (tied to the embedding or not)."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, cp_group=None,
+                 layout: str = "contiguous", attention_backend: str = "auto",
+                 activation_checkpointing: str = "none", every_n_layers: int = 1,
+                 seed: int = 1234, device=None, dtype=None):
+        super().__init__()
+        if activation_checkpointing not in CHECKPOINT_MODES:
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be "
+                             f"one of {CHECKPOINT_MODES}")
+        if cp_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("GPT: pass cp_group (e.g. a ParallelState's) when torch.distributed "
+                             "is initialised: ring_attention takes group=None as the whole world")
+        self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
+        self.activation_checkpointing, self.every_n_layers = activation_checkpointing, every_n_layers
+        selective = activation_checkpointing == "selective"
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
+                                            device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            Block(cfg, tp_group, cp_group, layout, attention_backend, selective, device, dtype)
+            for _ in range(cfg.n_layers))
+        self.final_norm = make_norm(cfg, device, dtype)
+        self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
+            cfg.d_model, cfg.vocab_size, tp_group=tp_group, bias=False, device=device, dtype=dtype)
+        if self.embed.weight.device.type != "meta":  # meta: shapes only, nothing to fill
+            self.init_weights(seed)
+
+    @classmethod
+    def from_config(cls, cfg: Config, state, device=None, dtype=None) -> "GPT":
+        """The model for this rank of a ParallelState, from the whole run config."""
+        return cls(cfg.model, tp_group=state.tp_group, cp_group=state.cp_group,
+                   layout=cfg.parallel.layout, attention_backend=cfg.parallel.attention_backend,
+                   activation_checkpointing=cfg.checkpointing.activation,
+                   every_n_layers=cfg.checkpointing.every_n_layers, seed=cfg.train.seed,
+                   device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Draw each full-size parameter from its own generator (seed, crc32 of its name),
+        then keep this rank's TP slice: the same model for every tp, cp, dp and layout.
+
+        Normal(0, init_std) for weights, scaled by 1/sqrt(2*n_layers) on the projections
+        into the residual stream (GPT-2); ones for norm weights; zeros for biases.
+        """
+        std, tp = self.cfg.init_std, tp_size_of(self.tp_group)
+        for name, p in self.named_parameters():
+            shape = full_shape(p, tp)
+            if name.endswith("norm.weight"):
+                full = torch.ones(shape)
+            elif name.endswith("bias"):
+                full = torch.zeros(shape)
+            else:
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(
+                    ("o_proj.weight", "down_proj.weight")) else std
+                full = torch.empty(shape).normal_(0.0, scale, generator=g)
+            p.copy_(shard_full_tensor(full, p, self.tp_group))
+
+    def _checkpointed(self, i: int) -> bool:
+        mode = self.activation_checkpointing
+        return mode == "full" or (mode == "every_n_layers" and i % self.every_n_layers == 0)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens (B, T/cp) ids; positions (T/cp,) or (B, T/cp) their global positions;
+        labels (B, T/cp) next-token ids, -100 = ignored.
+
+        Returns the vocab-parallel logits (B, T/cp, V/tp), or with labels the fp32 sum of
+        this rank's token losses (identical on the ranks of a TP group); normalise it with
+        models.loss (loss_for_backward / global_mean_loss).
+        """
+        cos, sin = rotary_cos_sin(positions, self.cfg.d_model // self.cfg.n_heads,
+                                  self.cfg.rope_theta)  # (..., T/cp, hd/2), fp32
+        x = self.embed(tokens)  # (B, T/cp, d)
+        for i, layer in enumerate(self.layers):
+            if self._checkpointed(i):  # keep only x; replay the block (and its ring) in backward
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        x = self.final_norm(x)
+        if self.lm_head is not None:
+            logits = self.lm_head(x)  # (B, T/cp, V/tp)
+        else:
+            logits = parallel_lm_logits(x, self.embed.weight, self.tp_group)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group).sum()

@@ -1,0 +1,230 @@
+"""The GPT under TP x CP x DP equals the single-process model on the same global batch.
+
+Layers of checks: (1) the tp=cp=1 model against an independent naive implementation
+(RoPE, causal GQA, the MLP) and the checkpointing modes against each other, in-process;
+(2) meta builds of 1.3B/7B shapes and config errors, no processes; (3) layout parity:
+for every (tp, cp, dp) and layout, gathered logits, the token-mean loss, every gradient
+(gathered to full size after the DeepSpeed-style reduction: sum over CP, mean over DP)
+and the parameters after one SGD step equal the reference computed here in the parent
+process. One spawn per world size; the cases loop inside it.
+"""
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.sharding import rank_positions
+from dist_harness import run_distributed
+from models.gpt import GPT
+from models.loss import global_mean_loss, global_token_count
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+from bench_activation_memory import measure  # noqa: E402
+
+CONFIGS = {
+    # GQA, SwiGLU, RMSNorm, untied head; kv=2 splits over tp=2.
+    "gqa": ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
+                       n_kv_heads=2, mlp="swiglu", norm="rmsnorm", tie_embeddings=False),
+    # MQA (kv=1 is replicated over tp=2), GELU, LayerNorm, tied head, biases everywhere.
+    "mqa": ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
+                       n_kv_heads=1, mlp="gelu", norm="layernorm", tie_embeddings=True,
+                       bias=True),
+}
+BATCH, LR, SEED = 4, 0.1, 7  # global batch (split over dp), SGD step, init seed
+# fp32 everywhere; the parallel model sums the same terms in another order (TP partial
+# products all-reduced, per-block softmax merged by LSE across the ring, gradients summed
+# over CP and DP), so values agree to ~1e-6 relative: rtol 1e-5, and atol 1e-6 for the
+# gradients near zero (typical gradient entries are 1e-4..1e-1).
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def make_batch(cfg, cp, layout):
+    """A global batch; with cp > 1 every label held by CP rank 0 is ignored (a shard with
+    no counted token), plus ~20% ignored at random everywhere."""
+    g = torch.Generator().manual_seed(123)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g)
+    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
+    if cp > 1:
+        labels[:, rank_positions(cfg.seq_len, 0, cp, layout)] = -100
+    return tokens, labels
+
+
+def reference(cfg, tokens, labels):
+    """Single process: logits, token-mean loss, gradients, parameters after one SGD step."""
+    model = GPT(cfg, seed=SEED)
+    positions = torch.arange(cfg.seq_len)
+    logits = model(tokens, positions).detach()
+    loss = model(tokens, positions, labels) / (labels != -100).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return logits, loss.detach(), grads, params
+
+
+def _parity(rank, world, payload):
+    from ctxpar import gather_sequence, init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar.tensor_parallel import gather_from_tensor_model_parallel_region, gather_full_state_dict
+    from models.loss import deepspeed_style_reduce_, loss_for_backward
+
+    cases = pickle.loads(payload)
+    for (tp, cp, dp, layout, name, ckpt), (tokens, labels, ref) in cases:
+        where = f"tp{tp} cp{cp} dp{dp} {layout} {name} ckpt={ckpt}"
+        cfg = CONFIGS[name]
+        st = init_parallel_state(tp=tp, cp=cp, dp=dp)
+        model = GPT(cfg, tp_group=st.tp_group, cp_group=st.cp_group, layout=layout,
+                    activation_checkpointing=ckpt, every_n_layers=2, seed=SEED)
+        rows = slice(st.dp_rank * BATCH // dp, (st.dp_rank + 1) * BATCH // dp)  # this DP rank's samples
+        tok = shard_sequence(tokens[rows], 1, st.cp_group, layout)  # (B/dp, T/cp)
+        lab = shard_sequence(labels[rows], 1, st.cp_group, layout)
+        pos = sequence_positions(cfg.seq_len, st.cp_group, layout)  # (T/cp,) global positions
+
+        logits = model(tok, pos)  # (B/dp, T/cp, V/tp)
+        logits = gather_from_tensor_model_parallel_region(logits, st.tp_group)
+        logits = gather_sequence(logits, 1, st.cp_group, layout)  # (B/dp, T, V)
+        torch.testing.assert_close(logits.detach(), ref[0][rows], **TOL, msg=where)
+
+        n_tokens = global_token_count(lab, st.dp_cp_group)
+        loss_sum = model(tok, pos, lab)
+        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
+        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        mean = global_mean_loss(loss_sum, n_tokens, st.dp_cp_group)
+        torch.testing.assert_close(mean, ref[1], **TOL, msg=where)
+        grads = gather_full_state_dict(model, st.tp_group, grads=True)
+        for n, g in ref[2].items():
+            torch.testing.assert_close(grads[n], g, **TOL, msg=f"{where}: grad {n}")
+        torch.optim.SGD(model.parameters(), lr=LR).step()
+        params = gather_full_state_dict(model, st.tp_group)
+        for n, p in ref[3].items():
+            torch.testing.assert_close(params[n], p, **TOL, msg=f"{where}: param {n}")
+    return len(cases)
+
+
+CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing)
+    1: [(1, 1, 1, "zigzag", "gqa", "none")],
+    2: [(2, 1, 1, "zigzag", "gqa", "selective"), (2, 1, 1, "striped", "mqa", "none"),
+        (1, 2, 1, "zigzag", "gqa", "full"), (1, 2, 1, "striped", "gqa", "none")],
+    4: [(1, 4, 1, "zigzag", "gqa", "none"), (1, 4, 1, "striped", "gqa", "every_n_layers"),
+        (2, 2, 1, "zigzag", "gqa", "none"), (2, 2, 1, "striped", "mqa", "selective"),
+        (1, 2, 2, "zigzag", "gqa", "selective"), (1, 2, 2, "striped", "gqa", "full")],
+    8: [(2, 2, 2, "zigzag", "gqa", "full"), (2, 2, 2, "striped", "mqa", "none")],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_layout_parity_with_single_process(world):
+    cases = []
+    for case in CASES[world]:
+        tp, cp, dp, layout, name, _ = case
+        tokens, labels = make_batch(CONFIGS[name], cp, layout)
+        cases.append((case, (tokens, labels, reference(CONFIGS[name], tokens, labels))))
+    # Plain pickle bytes: multiprocessing would send each tensor as a shared-memory fd.
+    payload = pickle.dumps(cases)
+    assert run_distributed(_parity, world, payload, timeout=240) == [len(cases)] * world
+
+
+def naive_gpt(cfg, sd, tokens):
+    """The same maths written plainly from the full state dict (no ctxpar code)."""
+    B, T = tokens.shape
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.d_model // cfg.n_heads
+    ang = torch.arange(T)[:, None] * cfg.rope_theta ** (-torch.arange(0, hd, 2) / hd)
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]  # (T, 1, hd/2)
+
+    def rope(x):
+        a, b = x.chunk(2, -1)
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+    def norm(x, p):
+        if cfg.norm == "rmsnorm":
+            return F.rms_norm(x, (cfg.d_model,), sd[p + ".weight"], cfg.norm_eps)
+        return F.layer_norm(x, (cfg.d_model,), sd[p + ".weight"], sd.get(p + ".bias"), cfg.norm_eps)
+
+    def lin(x, p):
+        return F.linear(x, sd[p + ".weight"], sd.get(p + ".bias"))
+
+    x = sd["embed.weight"][tokens]
+    for i in range(cfg.n_layers):
+        L = f"layers.{i}."
+        h = norm(x, L + "attn_norm")
+        q = rope(lin(h, L + "attn.q_proj").view(B, T, nh, hd)).transpose(1, 2)
+        k = rope(lin(h, L + "attn.k_proj").view(B, T, nkv, hd)).transpose(1, 2)
+        v = lin(h, L + "attn.v_proj").view(B, T, nkv, hd).transpose(1, 2)
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + lin(o.transpose(1, 2).reshape(B, T, -1), L + "attn.o_proj")
+        h = norm(x, L + "mlp_norm")
+        if cfg.mlp == "swiglu":
+            h = F.silu(lin(h, L + "mlp.gate_proj")) * lin(h, L + "mlp.up_proj")
+        else:
+            h = F.gelu(lin(h, L + "mlp.up_proj"), approximate="tanh")
+        x = x + lin(h, L + "mlp.down_proj")
+    x = norm(x, "final_norm")
+    return F.linear(x, sd["embed.weight" if cfg.tie_embeddings else "lm_head.weight"])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_model_matches_naive_implementation(name):
+    cfg = CONFIGS[name]
+    model = GPT(cfg, seed=SEED)
+    tokens, labels = make_batch(cfg, 1, "contiguous")
+    sd = {n: p.detach() for n, p in model.named_parameters()}
+    want = naive_gpt(cfg, sd, tokens)
+    torch.testing.assert_close(model(tokens, torch.arange(cfg.seq_len)), want, **TOL)
+    loss = model(tokens, torch.arange(cfg.seq_len), labels) / (labels != -100).sum()
+    ref = F.cross_entropy(want.transpose(1, 2), labels, ignore_index=-100)
+    torch.testing.assert_close(loss, ref, **TOL)
+
+
+def test_checkpointing_modes_same_gradients_less_memory():
+    cfg = CONFIGS["gqa"]
+    tokens, labels = make_batch(cfg, 1, "contiguous")
+    grads = {}
+    for mode in ("none", "selective", "full", "every_n_layers"):
+        model = GPT(cfg, activation_checkpointing=mode, every_n_layers=2, seed=SEED)
+        model(tokens, torch.arange(cfg.seq_len), labels).backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    for mode in ("selective", "full", "every_n_layers"):
+        for n, g in grads["none"].items():
+            # The replay runs the same kernels on the same inputs: equal up to rounding
+            # that could only come from alignment-dependent SIMD paths (none seen on CPU).
+            torch.testing.assert_close(grads[mode][n], g, rtol=1e-6, atol=1e-7, msg=f"{mode} {n}")
+    saved = {m: measure(cfg, m, batch=2) for m in ("none", "selective", "full", "every_n_layers")}
+    assert saved["none"] > saved["every_n_layers"] > saved["full"], saved
+    assert saved["none"] > saved["selective"] > saved["full"], saved
+
+
+@pytest.mark.parametrize("shape,want", [
+    # Llama-2-7B: 32 x (4*4096^2 + 3*4096*11008 + 2*4096) + 2*32000*4096 + 4096, untied.
+    (dict(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, ffn_hidden=11008,
+          tie_embeddings=False), 6_738_415_616),
+    # GPT-3 XL-like 1.3B: 24 layers, d 2048, gelu 4x, tied 50304 vocab, biases, layernorm.
+    (dict(vocab_size=50304, n_layers=24, d_model=2048, n_heads=16, mlp="gelu",
+          norm="layernorm", bias=True, tie_embeddings=True),
+     24 * (4 * 2048**2 + 4 * 2048 + 2 * 2048 * 8192 + 8192 + 2048 + 4 * 2048)
+     + 50304 * 2048 + 2 * 2048),
+])
+def test_big_configs_build_on_meta(shape, want):
+    model = GPT(ModelConfig(seq_len=4096, **shape), device=torch.device("meta"))
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated
+    assert sum(p.numel() for p in model.parameters()) == want
+
+
+@pytest.mark.parametrize("model,parallel,key", [
+    (dict(n_heads=6, d_model=96, n_kv_heads=6), dict(tp=4), "model.n_heads=6"),
+    (dict(n_heads=5, d_model=64), dict(tp=1), "model.d_model=64"),
+    (dict(n_heads=8, d_model=64, n_kv_heads=3), dict(tp=1), "model.n_kv_heads=3"),
+    (dict(n_heads=8, d_model=64, n_kv_heads=4), dict(tp=8, cp=1), None),  # replicated kv: ok
+    (dict(n_heads=12, d_model=96, n_kv_heads=6), dict(tp=4), "model.n_kv_heads=6"),
+])
+def test_bad_model_configs_fail_at_load(model, parallel, key):
+    data = {"model": dict(vocab_size=128, seq_len=64, **model), "parallel": parallel}
+    if key is None:
+        config_from_dict(data)
+        return
+    with pytest.raises(ConfigError, match=key):
+        config_from_dict(data)

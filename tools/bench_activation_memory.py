@@ -1,0 +1,87 @@
+"""Bytes of activations saved for backward under each activation-checkpointing mode.
+
+    python tools/bench_activation_memory.py                       # the docs/benchmarks.md table
+    python tools/bench_activation_memory.py --layers 8 --seq-len 4096 --d-model 512
+
+One forward of models.gpt.GPT (one process: tp=cp=1) under
+``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd keeps for backward is
+counted once per storage (views share it), parameters excluded. Inside a checkpointed
+region torch's own hooks replace saved tensors by recompute handles, so only what a mode
+really keeps is counted, including the inputs checkpoint stores for the replay. The
+numbers depend only on shapes, so they are exact and the same on every run and machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager
+from typing import Dict, Iterable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ctxpar.config import ModelConfig  # noqa: E402
+from models.gpt import CHECKPOINT_MODES, GPT  # noqa: E402
+
+
+@contextmanager
+def saved_tensor_bytes(params: Iterable[torch.Tensor]):
+    """Yields a dict {storage pointer: bytes} filled with what autograd saves meanwhile."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t  # holding t keeps the storage alive: no pointer is reused while counting
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
+def measure(cfg: ModelConfig, mode: str, batch: int, every_n_layers: int = 2,
+            seed: int = 0) -> int:
+    """Saved bytes of one forward + loss of a tp=cp=1 GPT in ``mode``."""
+    model = GPT(cfg, activation_checkpointing=mode, every_n_layers=every_n_layers, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
+    labels = torch.roll(tokens, -1, dims=1)
+    positions = torch.arange(cfg.seq_len)
+    with saved_tensor_bytes(model.parameters()) as seen:
+        loss = model(tokens, positions, labels)
+    total = sum(seen.values())
+    loss.backward()  # the graph is complete and usable (and frees the saved tensors)
+    return total
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--every-n-layers", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layers=args.layers,
+                      d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads)
+    print(f"GPT fp32, {args.layers} layers, d_model {args.d_model}, heads {args.heads}/"
+          f"{args.kv_heads} kv, vocab {args.vocab}, batch {args.batch} x seq {args.seq_len}, "
+          f"swiglu ffn {GPT(cfg, device='meta').layers[0].mlp.up_proj.out_features}, "
+          f"every_n_layers={args.every_n_layers}")
+    print(f"| mode | saved bytes | MiB | vs none |\n|---|---:|---:|---:|")
+    none = None
+    for mode in CHECKPOINT_MODES:
+        b = measure(cfg, mode, args.batch, args.every_n_layers)
+        none = none or b
+        print(f"| {mode} | {b:,} | {b / 2**20:.2f} | {b / none:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
