@@ -437,6 +437,14 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
                 err(f"data.path={cfg.data.path!r}: {cfg.data.path + ext} does not exist")
     if cfg.data.kind == "passkey" and not 1 <= cfg.data.passkey_digits <= 6:
         err(f"data.passkey_digits={cfg.data.passkey_digits} must be in 1..6")
+    if cfg.data.kind == "passkey":
+        from .data.passkey import min_seq_len  # the needle + question + key must fit
+        if m.seq_len < min_seq_len(cfg.data.passkey_digits):
+            err(f"model.seq_len={m.seq_len} is too short for data.kind='passkey' with "
+                f"{cfg.data.passkey_digits} digits (needs >= "
+                f"{min_seq_len(cfg.data.passkey_digits)})")
+        if m.vocab_size < 256:
+            err(f"model.vocab_size={m.vocab_size} < 256: data.kind='passkey' is byte-level")
 
 
 # ---------------------------------------------------------------- derived views

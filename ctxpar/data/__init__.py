@@ -2,12 +2,15 @@
 from .indexed import DataError, IndexedDataset, IndexedDatasetWriter
 from .loader import (SampleStream, TokenWindows, build_sample_stream, build_source,
                      shard_batch)
+from .pipeline import (Data, ShardedStream, build_data, passkey_eval,
+                       vocab_parallel_argmax)
 from .passkey import IGNORE_INDEX, PasskeyTask, passkey_accuracy, passkey_correct
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
-    "ByteTokenizer", "DataError", "HFTokenizer", "IGNORE_INDEX", "IndexedDataset",
+    "ByteTokenizer", "Data", "DataError", "HFTokenizer", "IGNORE_INDEX", "IndexedDataset",
     "IndexedDatasetWriter", "PasskeyTask", "SampleStream", "TokenWindows",
     "build_sample_stream", "build_source", "load_tokenizer", "passkey_accuracy",
-    "passkey_correct", "shard_batch",
+    "passkey_correct", "passkey_eval", "shard_batch", "ShardedStream", "build_data",
+    "vocab_parallel_argmax",
 ]

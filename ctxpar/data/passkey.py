@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .indexed import DataError
 from .tokenizer import ByteTokenizer
 
 IGNORE_INDEX = -100
@@ -47,7 +48,7 @@ class PasskeyTask:
 
     def __init__(self, seq_len: int, digits: int = 2, seed: int = 0, split: str = "train"):
         if seq_len < min_seq_len(digits):
-            raise ValueError(f"passkey with {digits} digits needs seq_len >= "
+            raise DataError(f"passkey with {digits} digits needs seq_len >= "
                              f"{min_seq_len(digits)}, got {seq_len}")
         self.seq_len, self.digits, self.seed, self.split = seq_len, digits, seed, split
         self.vocab_size = ByteTokenizer.vocab_size

@@ -1,0 +1,121 @@
+"""What train.py needs from the data side: per-rank device batches and the passkey eval.
+
+    data = build_data(cfg)                  # file checks only, no collectives (DataError)
+    stream = data.train_stream(state)       # this DP rank's samples, this CP rank's tokens
+    mb = stream.next_microbatch(device)     # tokens, labels (B, T/cp); positions (T/cp,)
+    client_state["data"] = stream.state_dict(); ... stream.load_state_dict(client["data"])
+    passkey_eval(model, data, state, device)  # {"eval_accuracy", "eval_loss", "eval_samples"}
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+from .indexed import DataError
+from .loader import SampleStream, build_source, shard_batch
+from .passkey import IGNORE_INDEX, passkey_correct
+
+
+class ShardedStream:
+    """A SampleStream whose batches are already cut to this CP rank's layout shard."""
+
+    def __init__(self, stream: SampleStream, cp_group, layout: str):
+        self.stream, self.cp_group, self.layout = stream, cp_group, layout
+
+    def next_microbatch(self, device=None) -> Dict[str, torch.Tensor]:
+        local = shard_batch(self.stream.next_batch(), self.cp_group, self.layout)
+        return {k: v.to(device, non_blocking=True).contiguous() for k, v in local.items()}
+
+    def state_dict(self) -> Dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.stream.load_state_dict(state)
+
+
+class Data:
+    """The train and eval sources of a Config; sample streams per rank on demand."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        seq_len, seed = cfg.model.seq_len, cfg.train.seed
+        self.train_source = build_source(cfg.data, seq_len, seed, "train")
+        self.eval_source = build_source(cfg.data, seq_len, seed, "eval")
+        if self.train_source.vocab_size > cfg.model.vocab_size:
+            where = f"{cfg.data.path}.idx" if cfg.data.kind == "tokens" else "passkey"
+            raise DataError(f"{where}: token ids go up to {self.train_source.vocab_size - 1} "
+                            f"but model.vocab_size={cfg.model.vocab_size}")
+
+    def _stream(self, source, state) -> ShardedStream:
+        s = SampleStream(source, self.cfg.train.micro_batch_size, state.dp_rank, state.dp_size)
+        return ShardedStream(s, state.cp_group, self.cfg.parallel.layout)
+
+    def train_stream(self, state) -> ShardedStream:
+        return self._stream(self.train_source, state)
+
+    def eval_stream(self, state) -> ShardedStream:
+        """Always the same eval samples, from the start of the eval split."""
+        return self._stream(self.eval_source, state)
+
+
+def build_data(cfg) -> Data:
+    """Data for a validated Config; raises DataError (one line) on a bad token file."""
+    return Data(cfg)
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """argmax over a vocabulary split by TP: (..., V/tp) -> (...) global ids, first max wins."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return logits.argmax(dim=-1)
+    local_max, local_idx = logits.float().max(dim=-1)
+    ids = local_idx + dist.get_rank(tp_group) * logits.shape[-1]  # rank r holds [r*V/tp, ...)
+    best = local_max.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=tp_group)
+    ids = torch.where(local_max == best, ids, torch.full_like(ids, torch.iinfo(ids.dtype).max))
+    dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=tp_group)  # lowest id among the maxima
+    return ids
+
+
+@torch.no_grad()
+def passkey_eval(model, data: Data, state, device=None) -> Dict[str, float]:
+    """Exact-match passkey accuracy and answer-token loss over train.eval_samples samples.
+
+    model(tokens, positions) must return vocab-parallel logits (B, T/cp, V/tp) (models.gpt
+    does). Collective over the whole grid: every rank must call it. The sample count is
+    rounded up to whole micro-batches of all DP ranks (reported as eval_samples).
+    """
+    from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    cfg = data.cfg
+    per_step = cfg.train.micro_batch_size * state.dp_size
+    n_micro = max(1, math.ceil(cfg.train.eval_samples / per_step))
+    stream = data.eval_stream(state)
+    was_training = model.training
+    model.eval()
+    # [correct samples, loss sum, answer tokens] on this rank, summed over the grid below
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for _ in range(n_micro):
+        mb = stream.next_microbatch(device)
+        logits = model(mb["tokens"], mb["positions"])                   # (B, T/cp, V/tp)
+        preds = vocab_parallel_argmax(logits, state.tp_group)           # (B, T/cp)
+        correct = passkey_correct(preds, mb["labels"], state.cp_group)  # (B,), same on CP
+        losses = vocab_parallel_cross_entropy(logits.float(), mb["labels"], state.tp_group)
+        totals[0] += correct.sum()
+        totals[1] += losses.sum()  # 0 at ignored positions
+        totals[2] += (mb["labels"] != IGNORE_INDEX).sum()
+    model.train(was_training)
+    # Correct counts are per sample, identical over CP: sum them over DP only. Losses and
+    # token counts are per position: sum over DP x CP.
+    correct, loss_tok = totals[:1].clone(), totals[1:].clone()
+    if state.dp_size > 1:
+        dist.all_reduce(correct, group=state.dp_group)
+    if state.dp_cp_size > 1:
+        dist.all_reduce(loss_tok, group=state.dp_cp_group)
+    n = n_micro * per_step
+    return {"eval_accuracy": correct.item() / n,
+            "eval_loss": loss_tok[0].item() / max(loss_tok[1].item(), 1.0),
+            "eval_samples": n}

@@ -1,0 +1,351 @@
+"""Data: token files, packing, the sample stream (determinism, resume, DP/CP split), passkey."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ctxpar.config import ConfigError, config_from_dict
+from ctxpar.data import (ByteTokenizer, DataError, HFTokenizer, IndexedDataset,
+                         IndexedDatasetWriter, PasskeyTask, SampleStream, TokenWindows,
+                         build_data, build_sample_stream, passkey_accuracy, passkey_correct)
+from ctxpar.data.passkey import NEEDLE, QUESTION, min_seq_len
+from dist_harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from preprocess_data import main as preprocess_main  # noqa: E402
+
+rng = np.random.default_rng(0)
+DOCS = [rng.integers(1, 256, size=n).tolist() for n in (5, 40, 1, 17, 90, 33, 8, 61)]
+
+
+def write(prefix, docs=DOCS, vocab=256, eos=0):
+    with IndexedDatasetWriter(str(prefix), vocab, eos) as w:
+        for d in docs:
+            w.add_document(d)
+    return str(prefix)
+
+
+# ---------------------------------------------------------------- the .bin/.idx format
+
+@pytest.mark.parametrize("vocab,dtype", [(256, np.uint16), (70_000, np.uint32)])
+def test_format_round_trip(tmp_path, vocab, dtype):
+    docs = [d + [vocab - 1] for d in DOCS]  # the largest id must survive the dtype
+    ds = IndexedDataset(write(tmp_path / "c", docs, vocab, eos=3))
+    assert ds.tokens.dtype == dtype and ds.vocab_size == vocab and ds.eos_id == 3
+    assert len(ds) == len(docs) and ds.n_tokens == sum(len(d) + 1 for d in docs)
+    for i, d in enumerate(docs):
+        assert ds[i].tolist() == d + [3]  # every document ends with its EOS
+    assert sorted(os.listdir(tmp_path)) == ["c.bin", "c.idx"]  # no temporary files left
+
+
+def test_failed_write_leaves_old_pair_and_no_temporaries(tmp_path):
+    prefix = write(tmp_path / "c")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        with IndexedDatasetWriter(prefix, 256, 0) as w:
+            w.add_document([1, 2])
+            w.add_document([300])  # not a byte: refused mid-write
+    assert sorted(os.listdir(tmp_path)) == ["c.bin", "c.idx"]
+    assert IndexedDataset(prefix)[1].tolist() == DOCS[1] + [0]  # the old pair, untouched
+
+
+def one_line_error(fn, *match):
+    with pytest.raises(DataError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for m in match:
+        assert m in msg, msg
+    return msg
+
+
+def test_bad_token_files_give_one_line(tmp_path):
+    one_line_error(lambda: IndexedDataset(str(tmp_path / "missing")), "missing.idx",
+                   "does not exist")
+    prefix = write(tmp_path / "c")
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    good_idx, good_bin = open(idx, "rb").read(), open(bin_, "rb").read()
+
+    open(bin_, "wb").write(good_bin[:-2])  # one token short
+    one_line_error(lambda: IndexedDataset(prefix), "c.bin", "truncated")
+    open(bin_, "wb").write(good_bin)
+    open(idx, "wb").write(b"NOTANIDX" + good_idx[8:])
+    one_line_error(lambda: IndexedDataset(prefix), "c.idx", "magic")
+    open(idx, "wb").write(good_idx[:20])
+    one_line_error(lambda: IndexedDataset(prefix), "c.idx", "truncated")
+    open(idx, "wb").write(good_idx[:-8])
+    one_line_error(lambda: IndexedDataset(prefix), "c.idx", "corrupt")
+    open(idx, "wb").write(good_idx)
+    os.remove(bin_)
+    os.mkdir(bin_)  # present but unreadable as a token file
+    one_line_error(lambda: IndexedDataset(prefix), "c.bin", "not a regular file")
+
+
+def test_build_data_bad_path_one_line(tmp_path):
+    cfg = config_from_dict({"model": {"seq_len": 16}, "data": {
+        "kind": "tokens", "path": str(tmp_path / "nope")}}, check_paths=False)
+    one_line_error(lambda: build_data(cfg), "nope.idx", "does not exist")
+    with pytest.raises(ConfigError, match="nope.bin does not exist"):  # the load-time check
+        config_from_dict({"data": {"kind": "tokens", "path": str(tmp_path / "nope")}})
+    big = write(tmp_path / "big", vocab=512)  # ids fit 512, the model has 256
+    cfg = config_from_dict({"model": {"seq_len": 16}, "data": {"kind": "tokens", "path": big}})
+    one_line_error(lambda: build_data(cfg), "model.vocab_size=256")
+
+
+# ---------------------------------------------------------------- packing and the stream
+
+def test_packing_windows_cover_the_stream(tmp_path):
+    T = 16
+    ds = IndexedDataset(write(tmp_path / "c"))
+    win = TokenWindows(str(tmp_path / "c"), T, seed=1)
+    n = (ds.n_tokens - 1) // T
+    assert win.n_windows == n
+    flat = ds.tokens.astype(np.int64)
+    starts = []
+    for i in range(n):  # one epoch
+        x, y = win[i]
+        assert x.shape == y.shape == (T,)
+        np.testing.assert_array_equal(y[:-1], x[1:])  # labels = inputs shifted by one
+        start = int(np.flatnonzero([np.array_equal(flat[s:s + T], x) for s in
+                                    range(0, n * T, T)])[0]) * T
+        np.testing.assert_array_equal(y, flat[start + 1:start + T + 1])
+        starts.append(start)
+    assert sorted(starts) == list(range(0, n * T, T))  # each window exactly once per epoch
+    assert starts != sorted(starts)  # and shuffled
+    # Documents are packed back to back with EOS between them.
+    assert (flat == 0).sum() == len(DOCS) and flat[len(DOCS[0])] == 0
+    epoch1 = [int(win[n + i][0][0]) for i in range(n)]  # a second epoch, another order
+    assert epoch1 != [int(win[i][0][0]) for i in range(n)]
+
+
+def test_too_short_token_file(tmp_path):
+    prefix = write(tmp_path / "c", [[1, 2, 3]])
+    one_line_error(lambda: TokenWindows(prefix, 16), "fewer than one sample")
+
+
+def collect(stream, n):
+    return [stream.next_batch() for _ in range(n)]
+
+
+def same(a, b):
+    return all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in ("tokens", "labels"))
+
+
+@pytest.mark.parametrize("kind", ["passkey", "tokens"])
+def test_stream_deterministic_resumable_dp_disjoint(tmp_path, kind):
+    data = {"kind": "tokens", "path": write(tmp_path / "c")} if kind == "tokens" else {}
+    cfg = config_from_dict({"model": {"seq_len": 96 if kind == "passkey" else 8},
+                            "train": {"micro_batch_size": 2, "seed": 7}, "data": data})
+    B, T = 2, cfg.model.seq_len
+    a = collect(build_sample_stream(cfg, 0, 1), 6)
+    assert a[0]["tokens"].shape == a[0]["labels"].shape == (B, T)
+    assert a[0]["tokens"].dtype == torch.int64
+    assert same(a, collect(build_sample_stream(cfg, 0, 1), 6))  # same seed, same samples
+    other = config_from_dict({"model": {"seq_len": T},
+                              "train": {"micro_batch_size": 2, "seed": 8}, "data": data})
+    assert not same(a, collect(build_sample_stream(other, 0, 1), 6))
+
+    # Resume: state after 3 micro-batches, a fresh stream continues identically.
+    s = build_sample_stream(cfg, 0, 1)
+    collect(s, 3)
+    state = json.loads(json.dumps(s.state_dict()))  # survives a checkpoint's serialisation
+    assert state["samples_consumed"] == 3 * B
+    resumed = build_sample_stream(cfg, 0, 1)
+    resumed.load_state_dict(state)
+    assert same(a[3:], collect(resumed, 3))
+    with pytest.raises(DataError, match="seed"):
+        build_sample_stream(other, 0, 1).load_state_dict(state)
+
+    # DP: rank r of dp=2 takes global samples [c + 2r, c + 2r + 2) of each 4-sample step,
+    # so the two ranks together walk the single-rank stream in order, disjointly.
+    r0, r1 = collect(build_sample_stream(cfg, 0, 2), 3), collect(build_sample_stream(cfg, 1, 2), 3)
+    for k in range(3):
+        assert same([r0[k]], [a[2 * k]]) and same([r1[k]], [a[2 * k + 1]])
+    rows = [tuple(b["tokens"][i].tolist()) for b in r0 + r1 for i in range(B)]
+    assert len(set(rows)) == len(rows)  # no sample on two DP ranks
+
+
+# ---------------------------------------------------------------- passkey
+
+def test_passkey_sample_format():
+    T, d = 128, 2
+    task = PasskeyTask(T, d, seed=3)
+    depths, keys = [], set()
+    for i in range(300):
+        text, key, depth = task.text(i)
+        x, y = task[i]
+        assert len(text) == T + 1 and x.shape == y.shape == (T,)
+        assert text.count(NEEDLE.format(key=key)) == 1 and text.count("pass key is") == 2
+        assert text.endswith(QUESTION + key) and text.index(NEEDLE.format(key=key)) == depth
+        assert re.findall(r"\d", text) == list(key) * 2  # digits: the needle and the answer
+        assert bytes(x.tolist()).decode() == text[:-1]
+        assert (y[:-d] == -100).all() and bytes(y[-d:].tolist()).decode() == key
+        depths.append(depth / T)
+        keys.add(key)
+    assert min(depths) < 0.1 and max(depths) > 0.35  # the needle moves through the filler
+    assert len(keys) > 90  # ~all 100 keys in 300 draws (P(<=90) is negligible)
+    np.testing.assert_array_equal(task[5][0], PasskeyTask(T, d, seed=3)[5][0])
+    assert task.text(5) != PasskeyTask(T, d, seed=3, split="eval").text(5)
+    assert task.text(5) != PasskeyTask(T, d, seed=4).text(5)
+
+
+def test_passkey_length_limits():
+    PasskeyTask(min_seq_len(3), 3)[0]
+    with pytest.raises(DataError, match="needs seq_len >= "):
+        PasskeyTask(min_seq_len(3) - 1, 3)
+    with pytest.raises(ConfigError, match="too short for data.kind='passkey'"):
+        config_from_dict({"model": {"seq_len": 64}})
+
+
+def test_passkey_accuracy():
+    task = PasskeyTask(96, 2, seed=0)
+    labels = torch.from_numpy(np.stack([task[i][1] for i in range(4)]))  # (4, 96)
+    preds = torch.where(labels == -100, torch.zeros_like(labels), labels)  # all correct
+    preds[1, -1] = (preds[1, -1] - 48 + 1) % 10 + 48   # sample 1: last digit wrong
+    preds[2, -2] = (preds[2, -2] - 48 + 1) % 10 + 48   # sample 2: first digit wrong
+    preds[3, :-2] = 7  # sample 3: garbage off the answer does not matter
+    assert passkey_correct(preds, labels).tolist() == [True, False, False, True]
+    assert passkey_accuracy(preds, labels) == 0.5
+    logits = torch.nn.functional.one_hot(preds, 256).float()  # (4, 96, 256) -> same argmax
+    assert passkey_accuracy(logits, labels) == 0.5
+    assert not passkey_correct(preds, torch.full_like(labels, -100)).any()  # no answer: wrong
+
+
+# ---------------------------------------------------------------- tokenizers and the CLI
+
+def test_byte_tokenizer():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo\x00!")
+    assert max(ids) < tok.vocab_size == 256 and tok.eos_id not in ids  # NUL is dropped
+    assert tok.decode(ids + [tok.eos_id]) == "héllo!"
+
+
+def test_hf_tokenizer_adapter(tmp_path):
+    try:
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    except ImportError:  # not a dependency: the adapter must say how to get it
+        (tmp_path / "t.json").write_text("{}")
+        with pytest.raises(ImportError, match="pip install tokenizers"):
+            HFTokenizer(str(tmp_path / "t.json"))
+        return
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["a b c"], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    tok.save(str(tmp_path / "t.json"))
+    hf = HFTokenizer(str(tmp_path / "t.json"))
+    assert hf.eos_token == "</s>" and hf.vocab_size == 5 and hf.decode(hf.encode("a c")) == "a c"
+
+
+def test_preprocess_cli_end_to_end(tmp_path):
+    (tmp_path / "a.txt").write_text("First document.\nStill the first.\n")
+    (tmp_path / "b.jsonl").write_text('{"body": "second"}\n\n{"body": "third é"}\n')
+    out = tmp_path / "out" / "corpus"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
+                        "--input", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
+                        "--output-prefix", str(out), "--jsonl-key", "body"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "3 documents" in r.stdout
+    ds = IndexedDataset(str(out))
+    assert [ByteTokenizer().decode(ds[i]) for i in range(len(ds))] == [
+        "First document.\nStill the first.\n", "second", "third é"]
+
+
+@pytest.mark.parametrize("inputs,expect", [
+    (["missing.txt"], "missing.txt: input file does not exist"),
+    (["a.txt", "bad.jsonl"], "bad.jsonl:2: not valid JSON"),
+    (["a.txt", "nokey.jsonl"], "nokey.jsonl:1: no string field 'text'"),
+    (["a.csv"], "a.csv: unknown input type"),
+])
+def test_preprocess_errors_leave_nothing(tmp_path, capsys, inputs, expect):
+    (tmp_path / "a.txt").write_text("fine")
+    (tmp_path / "a.csv").write_text("x")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{oops\n')
+    (tmp_path / "nokey.jsonl").write_text('{"body": "x"}\n')
+    before = set(os.listdir(tmp_path))
+    rc = preprocess_main(["--input", *[str(tmp_path / i) for i in inputs],
+                          "--output-prefix", str(tmp_path / "corpus")])
+    err = capsys.readouterr().err
+    assert rc == 1 and expect in err and err.count("\n") == 1, err
+    assert set(os.listdir(tmp_path)) == before  # no .bin/.idx, no temporaries
+
+
+# ---------------------------------------------------------------- DP x CP on gloo ranks
+
+def _dp_cp_stream(rank, world, prefix):
+    from ctxpar.data import passkey_eval, vocab_parallel_argmax
+    from ctxpar.parallel_state import init_parallel_state
+    from ctxpar.sharding import gather_sequence
+    state = init_parallel_state(cp=2, dp=2)
+    out = {}
+    for kind, layout in (("passkey", "zigzag"), ("tokens", "striped"), ("passkey", "contiguous")):
+        cfg = config_from_dict({"model": {"seq_len": 96}, "parallel": {"cp": 2, "layout": layout},
+                                "train": {"micro_batch_size": 2, "global_batch_size": 4,
+                                          "eval_samples": 10},
+                                "data": {"kind": kind, "path": prefix}}, world_size=world)
+        data = build_data(cfg)
+        mb = data.train_stream(state).next_microbatch()
+        assert mb["tokens"].shape == mb["labels"].shape == (2, 48) and mb["positions"].shape == (48,)
+        full = {k: gather_sequence(mb[k], 1, state.cp_group, layout) for k in ("tokens", "labels")}
+        want = build_sample_stream(cfg, state.dp_rank, 2).next_batch()  # unsharded reference
+        for k in full:
+            assert torch.equal(full[k], want[k]), (kind, layout, k)
+            assert torch.equal(mb[k], want[k][:, mb["positions"]])  # token i at positions[i]
+        out[(kind, layout)] = (full["tokens"].tolist(), mb["positions"].tolist())
+    out["eval"] = passkey_eval(_KeyOracle(state.cp_group, "zigzag"), _eval_data(world), state)
+    # vocab_parallel_argmax over a 2-rank group (the dp group stands in for TP).
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 8).round()  # rounding makes ties: the first max must win
+    mine = logits.chunk(2, dim=-1)[state.dp_rank]
+    assert torch.equal(vocab_parallel_argmax(mine, state.dp_group), logits.argmax(-1))
+    return out
+
+
+def _eval_data(world):
+    return build_data(config_from_dict({
+        "model": {"seq_len": 96}, "parallel": {"cp": 2, "layout": "zigzag"},
+        "train": {"micro_batch_size": 2, "global_batch_size": 4, "eval_samples": 10}},
+        world_size=world))
+
+
+class _KeyOracle(torch.nn.Module):
+    """Cheats across CP to find the key, then answers right only when key % 3 != 0."""
+
+    def __init__(self, cp_group, layout):
+        super().__init__()
+        self.cp_group, self.layout = cp_group, layout
+
+    def forward(self, tokens, positions):
+        from ctxpar.sharding import gather_sequence
+        full = gather_sequence(tokens, 1, self.cp_group, self.layout)  # (B, T)
+        logits = torch.zeros(*full.shape, 256)
+        for b, row in enumerate(full.tolist()):
+            key = re.search(r"pass key is (\d+)\.", bytes(row).decode()).group(1)
+            answer = [ord(c) for c in key] if int(key) % 3 else [ord("x")] * len(key)
+            for j, tok in enumerate(answer):  # label at T-d+j is digit j
+                logits[b, full.shape[1] - len(key) + j, tok] = 1.0
+        return logits[:, positions]  # this rank's positions: (B, T/cp, V)
+
+
+def test_dp_cp_streams_shards_and_eval(tmp_path):
+    prefix = write(tmp_path / "c", DOCS * 4)
+    res = run_distributed(_dp_cp_stream, 4, prefix, timeout=240)
+    # grid tp-cp-dp-pp: cp groups [0,1], [2,3]; dp groups [0,2], [1,3]
+    for key in res[0]:
+        if key == "eval":
+            continue
+        assert res[0][key][0] == res[1][key][0] and res[2][key][0] == res[3][key][0]  # CP same
+        assert not set(map(tuple, res[0][key][0])) & set(map(tuple, res[2][key][0]))  # DP apart
+        assert res[0][key][1] != res[1][key][1]  # CP ranks hold different positions
+    # Eval: 10 samples round up to 3 micro-batches x 2 x dp 2 = 12; the oracle is right on
+    # exactly the eval samples whose key is not a multiple of 3.
+    task = PasskeyTask(96, 2, seed=1234, split="eval")
+    want = sum(int(task.text(i)[1]) % 3 != 0 for i in range(12)) / 12
+    for r in res:
+        assert r["eval"]["eval_samples"] == 12
+        assert r["eval"]["eval_accuracy"] == pytest.approx(want, abs=1e-12)
