@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ctxpar import ring_stats
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
 from ctxpar.sharding import rank_positions
 from dist_harness import run_distributed
 from models.gpt import GPT
-from models.loss import global_mean_loss, global_token_count
+from models.loss import global_mean_loss, global_token_count, loss_for_backward
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 from bench_activation_memory import measure  # noqa: E402
@@ -128,6 +129,25 @@ def test_layout_parity_with_single_process(world):
     assert run_distributed(_parity, world, payload, timeout=240) == [len(cases)] * world
 
 
+def test_loss_for_backward_with_gradient_accumulation():
+    # Two micro-batches with different token counts; DeepSpeed divides each backward by
+    # gas and sums: the result must be the gradient of the mean over all tokens of the step.
+    cfg = CONFIGS["gqa"]
+    tokens, labels = make_batch(cfg, 1, "contiguous")
+    labels[:2, : cfg.seq_len // 2] = -100  # the first micro-batch counts fewer tokens
+    positions, gas = torch.arange(cfg.seq_len), 2
+    ref = GPT(cfg, seed=SEED)
+    (ref(tokens, positions, labels) / (labels != -100).sum()).backward()
+    model = GPT(cfg, seed=SEED)
+    n_tokens = sum(global_token_count(lab) for lab in labels.chunk(gas))
+    for tok, lab in zip(tokens.chunk(gas), labels.chunk(gas)):
+        loss = loss_for_backward(model(tok, positions, lab), n_tokens, dp_size=1,
+                                 grad_accum_steps=gas)
+        (loss / gas).backward()  # engine.backward's scale_wrt_gas
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=n)  # fp32, summed in 2 parts
+
+
 def naive_gpt(cfg, sd, tokens):
     """The same maths written plainly from the full state dict (no ctxpar code)."""
     B, T = tokens.shape
@@ -183,11 +203,17 @@ def test_model_matches_naive_implementation(name):
 def test_checkpointing_modes_same_gradients_less_memory():
     cfg = CONFIGS["gqa"]
     tokens, labels = make_batch(cfg, 1, "contiguous")
-    grads = {}
+    grads, ring_calls = {}, {}
     for mode in ("none", "selective", "full", "every_n_layers"):
         model = GPT(cfg, activation_checkpointing=mode, every_n_layers=2, seed=SEED)
-        model(tokens, torch.arange(cfg.seq_len), labels).backward()
+        with ring_stats() as st:  # counts attention kernel calls, forward and backward
+            model(tokens, torch.arange(cfg.seq_len), labels).backward()
         grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+        ring_calls[mode] = st.fwd_blocks
+    # Selective keeps the attention core's saved tensors: the ring is never replayed;
+    # full replays every block's ring in backward, every_n_layers=2 one of the two layers.
+    n = cfg.n_layers
+    assert ring_calls == {"none": n, "selective": n, "full": 2 * n, "every_n_layers": n + 1}
     for mode in ("selective", "full", "every_n_layers"):
         for n, g in grads["none"].items():
             # The replay runs the same kernels on the same inputs: equal up to rounding
@@ -222,7 +248,7 @@ def test_big_configs_build_on_meta(shape, want):
     (dict(n_heads=12, d_model=96, n_kv_heads=6), dict(tp=4), "model.n_kv_heads=6"),
 ])
 def test_bad_model_configs_fail_at_load(model, parallel, key):
-    data = {"model": dict(vocab_size=128, seq_len=64, **model), "parallel": parallel}
+    data = {"model": dict(vocab_size=256, seq_len=256, **model), "parallel": parallel}
     if key is None:
         config_from_dict(data)
         return
