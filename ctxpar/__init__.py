@@ -13,5 +13,12 @@ from .parallel_state import (
 from .mpu import DeepSpeedMPU
 from .ring_attention import RingStats, ring_attention, ring_stats
 from .sharding import gather_sequence, sequence_positions, shard_sequence
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_full_state_dict,
+    vocab_parallel_cross_entropy,
+)
 
 __version__ = "0.1.0"
