@@ -141,18 +141,23 @@ def merge_block_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 # ---------------------------------------------------------------- forward and backward rings
 
 
-def ring_forward(q, k, v, group, causal, layout, scale, backend, skip_comm=False):
-    """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries.
+class NoComm(NamedTuple):
+    """Benchmarks only: run rank `rank`'s block schedule of a ring of `world_size` with the
+    local KV standing in for every received block, so no byte moves. Times the ring's
+    compute alone (overlap ratio), or one rank of a simulated ring; the result is wrong."""
 
-    skip_comm (benchmarks only): reuse the local KV instead of receiving, to time the same
-    schedule without communication. The result is then wrong.
-    """
-    rank, world = group_rank_and_size(group)
+    rank: int
+    world_size: int
+
+
+def ring_forward(q, k, v, group, causal, layout, scale, backend, no_comm=None):
+    """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries."""
+    rank, world = no_comm if no_comm is not None else group_rank_and_size(group)
     B, S, H, D = q.shape
     out = torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device)
     lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.stack((k, v))  # (2, B, S, Hkv, D): one contiguous message per step
-    comm = RingComm(group) if world > 1 and not skip_comm else None
+    comm = RingComm(group) if world > 1 and no_comm is None else None
     recv = torch.empty_like(kv) if comm else None
     for step in range(world):
         if comm and step + 1 < world:  # start moving the next block before computing
@@ -173,20 +178,20 @@ def ring_forward(q, k, v, group, causal, layout, scale, backend, skip_comm=False
 
 
 def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, backend,
-                  skip_comm=False):
+                  no_comm=None):
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads.
 
     Per step each rank sends the visiting KV on (not after the last step: P-1 sends, in
     k's dtype) and the fp32 dK,dV accumulator of that same block (every step: P sends,
     the last one carries each block's gradient home).
     """
-    rank, world = group_rank_and_size(group)
+    rank, world = no_comm if no_comm is not None else group_rank_and_size(group)
     B, S, H, D = q.shape
     dout = dout.contiguous()
     dq = torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device)
     kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-    ring = world > 1 and not skip_comm
+    ring = world > 1 and no_comm is None
     kv_comm, dkv_comm = (RingComm(group), RingComm(group)) if ring else (None, None)
     kv_recv = torch.empty_like(kv) if ring else None
     dkv_recv = torch.empty_like(dkv) if ring else None
@@ -224,10 +229,10 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, backend
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, backend, skip_comm):
-        out, lse = ring_forward(q, k, v, group, causal, layout, scale, backend, skip_comm)
+    def forward(ctx, q, k, v, group, causal, layout, scale, backend, no_comm):
+        out, lse = ring_forward(q, k, v, group, causal, layout, scale, backend, no_comm)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, layout, scale, backend, skip_comm)
+        ctx.args = (group, causal, layout, scale, backend, no_comm)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -272,11 +277,11 @@ def _check_inputs(q, k, v, layout, backend_name):
 
 
 def _ring_attention(q, k, v, group=None, causal=False, layout="contiguous",
-                    softmax_scale=None, backend="auto", return_lse=False, skip_comm=False):
+                    softmax_scale=None, backend="auto", return_lse=False, no_comm=None):
     kernel = _check_inputs(q, k, v, layout, backend)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = _RingAttention.apply(q, k, v, group, bool(causal), layout, scale, kernel,
-                                    skip_comm)
+                                    no_comm)
     return (out, lse) if return_lse else out
 
 

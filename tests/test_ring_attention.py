@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar.attention_backends import FlashAttnBackend, MathBackend, SdpaBackend
-from ctxpar.ring_attention import (Block, _ring_attention, block_plan, merge_block_,
+from ctxpar.ring_attention import (NoComm, _ring_attention, block_plan, merge_block_,
                                    ring_attention, ring_stats)
 from ctxpar.sharding import LAYOUTS, rank_positions, shard_sequence
 from dist_harness import run_distributed
@@ -54,71 +54,86 @@ def visible_pairs(positions, n, causal):
     return int((positions + 1).sum()) if causal else positions.numel() * n
 
 
-def _parity(rank, world):
+def global_inputs(n, H, Hkv, D, dtype):
+    """The full-sequence q, k, v, dout; the same on every rank and in the parent."""
+    gen = torch.Generator().manual_seed(1234)
+    q, k, v = (torch.randn(B, n, h, D, generator=gen).to(dtype) for h in (H, Hkv, Hkv))
+    return q, k, v, torch.randn(B, n, H, D, generator=gen).to(dtype)
+
+
+COMBOS = list(itertools.product((False, True), HEADS, (torch.float32, torch.bfloat16),
+                                LAYOUTS, BACKENDS))
+
+
+def _ring_outputs(rank, world):
+    """Each rank's ring results for every combo; the parent compares them (a child's first
+    assert_close would import torch.distributed.tensor, ~2 s of CPU per rank)."""
     results = []
-    n = world * S_LOCAL
-    for causal, (H, Hkv, D), dtype in itertools.product(
-            (False, True), HEADS, (torch.float32, torch.bfloat16)):
-        gen = torch.Generator().manual_seed(1234)  # same global tensors on every rank
-        q, k, v = (torch.randn(B, n, h, D, generator=gen).to(dtype) for h in (H, Hkv, Hkv))
-        dout = torch.randn(B, n, H, D, generator=gen).to(dtype)
-        scale = 1 / math.sqrt(D)
-        qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
-        ref_out, ref_lse = reference_attention(qr, kr, vr, causal, scale)
-        ref = dict(out=ref_out, lse=ref_lse,
-                   **dict(zip(("dq", "dk", "dv"),
-                              torch.autograd.grad(ref_out, (qr, kr, vr), dout.float()))))
-        for layout, backend in itertools.product(LAYOUTS, BACKENDS):
-            combo = f"P={world} {layout} causal={causal} H={H}/{Hkv} D={D} {dtype} {backend}"
-            ql, kl, vl = (shard_sequence(x, 1, None, layout).detach().requires_grad_()
-                          for x in (q, k, v))
-            with ring_stats() as st:
-                out, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout,
-                                          backend=backend, return_lse=True)
-                out.backward(shard_sequence(dout, 1, None, layout))
-            assert out.dtype == dtype and out.shape == (B, S_LOCAL, H, D), combo
-            assert lse.dtype == torch.float32 and lse.shape == (B, H, S_LOCAL), combo
-            got = dict(out=out, lse=lse, dq=ql.grad, dk=kl.grad, dv=vl.grad)
-            for name, actual in got.items():
-                expected = shard_sequence(ref[name], 2 if name == "lse" else 1, None, layout)
-                torch.testing.assert_close(actual.float(), expected,
-                                           **tolerance(dtype, expected),
-                                           msg=lambda m: f"{combo} {name}: {m}")
-
-            # Bytes: the ring's minimum. Forward: P-1 KV blocks at kv_heads width in k's
-            # dtype. Backward: the same P-1 KV blocks again, plus P hops of the fp32 dK,dV
-            # block (the last hop brings each rank's gradient home).
-            kv_bytes = 2 * B * S_LOCAL * Hkv * D * kl.element_size()
-            dkv_bytes = 2 * B * S_LOCAL * Hkv * D * 4
-            fwd_bytes = (world - 1) * kv_bytes
-            bwd_bytes = (world - 1) * kv_bytes + world * dkv_bytes if world > 1 else 0
-            ex = dict(EXACT, msg=lambda m: f"{combo}: {m}")
-            torch.testing.assert_close((st.fwd_bytes_sent, st.fwd_bytes_recv),
-                                       (fwd_bytes, fwd_bytes), **ex)
-            torch.testing.assert_close((st.bwd_bytes_sent, st.bwd_bytes_recv),
-                                       (bwd_bytes, bwd_bytes), **ex)
-            # FLOPs: exactly the visible pairs: no future block computed, none missed.
-            pairs = visible_pairs(rank_positions(n, rank, world, layout), n, causal)
-            torch.testing.assert_close((st.fwd_flops, st.bwd_flops),
-                                       (4 * B * H * D * pairs, 10 * B * H * D * pairs), **ex)
-            results.append(((layout, causal, H, Hkv, D, dtype, backend), st.fwd_flops))
-
-    # skip_comm (benchmark flag): same schedule and FLOPs, no bytes moved.
+    for causal, (H, Hkv, D), dtype, layout, backend in COMBOS:
+        q, k, v, dout = global_inputs(world * S_LOCAL, H, Hkv, D, dtype)
+        ql, kl, vl = (shard_sequence(x, 1, None, layout).detach().requires_grad_()
+                      for x in (q, k, v))
+        with ring_stats() as st:
+            out, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout,
+                                      backend=backend, return_lse=True)
+            out.backward(shard_sequence(dout, 1, None, layout))
+        results.append(dict(out=out.detach(), lse=lse, dq=ql.grad, dk=kl.grad, dv=vl.grad,
+                            stats=st.as_dict()))
+    # NoComm (the benchmark's flag): the same schedule with the local KV, no bytes moved.
     q = torch.randn(B, S_LOCAL, 4, 64, requires_grad=True)
     with ring_stats() as st:
-        _ring_attention(q, q, q, causal=True, layout="zigzag", skip_comm=True).sum().backward()
-    torch.testing.assert_close((st.fwd_bytes_sent, st.bwd_bytes_sent), (0, 0), **EXACT)
-    zz = visible_pairs(rank_positions(n, rank, world, "zigzag"), n, True)
-    torch.testing.assert_close(st.fwd_flops, 4 * B * 4 * 64 * zz, **EXACT)
-    return results
+        _ring_attention(q, q, q, causal=True, layout="zigzag",
+                        no_comm=NoComm(rank, world)).sum().backward()
+    return results, st.as_dict()
+
+
+def _reference(n, causal, H, Hkv, D, dtype):
+    q, k, v, dout = global_inputs(n, H, Hkv, D, dtype)
+    qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
+    out, lse = reference_attention(qr, kr, vr, causal, 1 / math.sqrt(D))
+    dq, dk, dv = torch.autograd.grad(out, (qr, kr, vr), dout.float())
+    return dict(out=out.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ring_matches_full_attention(world):
-    per_rank = run_distributed(_parity, world, timeout=300)
-    for i, (combo, _) in enumerate(per_rank[0]):
-        layout, causal, H, Hkv, D = combo[:5]
-        flops = [r[i][1] for r in per_rank]
+    per_rank = run_distributed(_ring_outputs, world, timeout=300)
+    n = world * S_LOCAL
+    refs = {}
+    for i, (causal, (H, Hkv, D), dtype, layout, backend) in enumerate(COMBOS):
+        combo = f"P={world} {layout} causal={causal} H={H}/{Hkv} D={D} {dtype} {backend}"
+        key = (causal, H, Hkv, D, dtype)
+        if key not in refs:
+            refs[key] = _reference(n, *key)
+        ref = refs[key]
+        flops = []
+        for rank, (results, _) in enumerate(per_rank):
+            got, pos = results[i], rank_positions(n, rank, world, layout)
+            where = f"{combo} rank {rank}"
+            assert got["out"].dtype == dtype and got["out"].shape == (B, S_LOCAL, H, D), where
+            assert got["lse"].dtype == torch.float32 and got["lse"].shape == (B, H, S_LOCAL)
+            for name in ("out", "lse", "dq", "dk", "dv"):
+                expected = ref[name][:, :, pos] if name == "lse" else ref[name][:, pos]
+                torch.testing.assert_close(got[name].float(), expected,
+                                           **tolerance(dtype, expected),
+                                           msg=lambda m: f"{where} {name}: {m}")
+            # Bytes: the ring's minimum. Forward: P-1 KV blocks at kv_heads width in k's
+            # dtype. Backward: the same P-1 KV blocks again, plus P hops of the fp32 dK,dV
+            # block (the last hop brings each rank's gradient home).
+            kv_bytes = 2 * B * S_LOCAL * Hkv * D * dtype.itemsize
+            dkv_bytes = 2 * B * S_LOCAL * Hkv * D * 4
+            fwd_bytes = (world - 1) * kv_bytes
+            bwd_bytes = (world - 1) * kv_bytes + world * dkv_bytes if world > 1 else 0
+            st, ex = got["stats"], dict(EXACT, msg=lambda m: f"{where}: {m}")
+            torch.testing.assert_close((st["fwd_bytes_sent"], st["fwd_bytes_recv"]),
+                                       (fwd_bytes, fwd_bytes), **ex)
+            torch.testing.assert_close((st["bwd_bytes_sent"], st["bwd_bytes_recv"]),
+                                       (bwd_bytes, bwd_bytes), **ex)
+            # FLOPs: exactly the visible pairs: no future block computed, none missed.
+            pairs = visible_pairs(pos, n, causal)
+            torch.testing.assert_close((st["fwd_flops"], st["bwd_flops"]),
+                                       (4 * B * H * D * pairs, 10 * B * H * D * pairs), **ex)
+            flops.append(st["fwd_flops"])
         unit = 4 * B * H * D  # FLOPs per (query, key) pair
         if not causal or layout == "zigzag":  # exactly the same work on every rank
             torch.testing.assert_close(flops, [flops[0]] * world, **EXACT)
@@ -129,6 +144,10 @@ def test_ring_matches_full_attention(world):
                                                for r in range(world)], **EXACT)
         elif world > 1:  # contiguous: the last rank does ~2P-1 times the first's work
             assert max(flops) >= 2 * min(flops), (combo, flops)
+    for rank, (_, st) in enumerate(per_rank):  # NoComm: zigzag causal FLOPs, zero bytes
+        pairs = visible_pairs(rank_positions(n, rank, world, "zigzag"), n, True)
+        torch.testing.assert_close((st["fwd_bytes_sent"], st["bwd_bytes_sent"], st["fwd_flops"]),
+                                   (0, 0, 4 * B * 4 * 64 * pairs), **EXACT)
 
 
 def test_single_rank_needs_no_process_group():

@@ -50,27 +50,38 @@ def test_single_process_without_group():
                                    **EXACT)
 
 
+def _example(world):
+    """The full tensor and an upstream gradient; the same on every rank and the parent."""
+    x = torch.randn(2, 4 * world, 3, generator=torch.Generator().manual_seed(0))
+    return x, torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+
+
 def _roundtrip(rank, world):
+    """Per layout: what this rank got. The parent asserts (a child's first assert_close
+    would import torch.distributed.tensor, ~2 s of CPU per rank)."""
     group = dist.new_group(list(range(world)))  # an explicit group, not only the world
-    n = 4 * world
-    x = torch.randn(2, n, 3, generator=torch.Generator().manual_seed(0))  # same on all ranks
+    x, w = _example(world)
+    res = {}
     for layout in LAYOUTS:
-        pos = sequence_positions(n, group, layout)
-        torch.testing.assert_close(pos, rank_positions(n, rank, world, layout), **EXACT)
-        local = shard_sequence(x, 1, group, layout)
-        torch.testing.assert_close(local, x[:, pos], **EXACT)  # the tokens at our positions
-        shard_neg = shard_sequence(x, -2, group, layout)  # negative dim = same dim
-        torch.testing.assert_close(shard_neg, local, **EXACT)
-        leaf = local.clone().requires_grad_()
+        leaf = shard_sequence(x, 1, group, layout).clone().requires_grad_()
         full = gather_sequence(leaf, 1, group, layout)
-        torch.testing.assert_close(full, x, **EXACT)  # shard -> gather is the identity
-        # Backward is the shard of the (replicated) gradient.
-        w = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
         (full * w).sum().backward()
-        torch.testing.assert_close(leaf.grad, w[:, pos], **EXACT)
-    return True
+        res[layout] = dict(pos=sequence_positions(x.shape[1], group, layout),
+                           local=leaf.detach(), local_neg_dim=shard_sequence(x, -2, group, layout),
+                           full=full.detach(), grad=leaf.grad)
+    return res
 
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_shard_gather_roundtrip(world):
-    assert all(run_distributed(_roundtrip, world, timeout=60))
+    x, w = _example(world)
+    for rank, res in enumerate(run_distributed(_roundtrip, world, timeout=60)):
+        for layout, got in res.items():
+            pos = rank_positions(x.shape[1], rank, world, layout)
+            msg = lambda m: f"rank {rank} {layout}: {m}"  # noqa: E731
+            torch.testing.assert_close(got["pos"], pos, **EXACT, msg=msg)
+            torch.testing.assert_close(got["local"], x[:, pos], **EXACT, msg=msg)
+            torch.testing.assert_close(got["local_neg_dim"], x[:, pos], **EXACT, msg=msg)
+            torch.testing.assert_close(got["full"], x, **EXACT, msg=msg)  # the identity
+            # Backward is the shard of the (replicated) gradient.
+            torch.testing.assert_close(got["grad"], w[:, pos], **EXACT, msg=msg)
