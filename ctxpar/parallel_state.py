@@ -120,7 +120,14 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     env.setdefault("WORLD_SIZE", "1")
     env.setdefault("LOCAL_RANK", "0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", "29500")
+    if "MASTER_PORT" not in env:
+        # A lone process (no launcher): any free port, so two such runs never collide.
+        if env["WORLD_SIZE"] != "1":
+            raise RuntimeError("MASTER_PORT is not set: launch with torchrun, deepspeed or srun")
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(s.getsockname()[1])
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(env["LOCAL_RANK"]))

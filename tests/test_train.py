@@ -1,0 +1,151 @@
+"""train.py end to end: torchrun with 4 CPU processes, real DeepSpeed, wandb offline.
+
+The runs are shared through module-scoped fixtures (each costs ~30-60 s on 2 cores):
+  cp2dp2     cp=2 x dp=2, 20 steps, checkpoints at 10 and 20, wandb offline
+  resumed    a copy of cp2dp2's step-10 checkpoint, resumed with --resume auto
+  tp2cp2     tp=2 x cp=2, 20 steps
+  single     one process (cp=1, tp=1, dp=1), 20 steps
+All share seed and global batch (16 samples), so their per-step losses must agree.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+# Smaller than the README job so the suite stays fast; still a real passkey sample.
+BASE = ["model.seq_len=128", "train.steps=20", "train.warmup_steps=5", "train.eval_interval=0",
+        "train.eval_samples=16", "logging.log_interval=1"]
+FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops_per_device",
+          "peak_mem_bytes", "step_time_s"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": ROOT}
+    env.pop("WANDB_MODE", None)  # the config decides (offline by default)
+    sets = BASE + [f"logging.run_dir={run_dir}"] + list(overrides)
+    if nproc == 1:
+        cmd = [sys.executable, os.path.join(ROOT, "train.py")]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(_free_port()), os.path.join(ROOT, "train.py")]
+    cmd += ["--config", CONFIG, "--set", *sets, *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def cp2dp2(runs):
+    d = str(runs / "cp2dp2")
+    run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.tp=1",
+                     "checkpointing.save_interval=10"])
+    return d
+
+
+def test_cp2dp2_learns_logs_and_tracks(cp2dp2):
+    rows = [json.loads(line) for line in open(os.path.join(cp2dp2, "metrics.jsonl"))]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    for r in steps:
+        assert FIELDS <= set(r), FIELDS - set(r)
+    first, last = steps[0]["loss"], sum(r["loss"] for r in steps[-5:]) / 5
+    assert last < first - 1.0, (first, last)  # from ~ln(256) toward ~ln(10) and below
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert evals and evals[-1]["step"] == 20 and 0.0 <= evals[-1]["eval_accuracy"] <= 1.0
+    assert os.path.isfile(os.path.join(cp2dp2, "config.yaml"))
+    wandb_runs = os.listdir(os.path.join(cp2dp2, "wandb"))
+    assert any(n.startswith("offline-run-") for n in wandb_runs), wandb_runs
+    ckpts = sorted(os.listdir(os.path.join(cp2dp2, "checkpoints")))
+    assert "step_00000010" in ckpts and "step_00000020" in ckpts
+    assert os.path.isfile(os.path.join(cp2dp2, "checkpoints", "step_00000010", "COMPLETE"))
+
+
+def test_resume_reproduces_uninterrupted_losses(cp2dp2, runs):
+    d = str(runs / "resumed")
+    os.makedirs(os.path.join(d, "checkpoints"))
+    shutil.copytree(os.path.join(cp2dp2, "checkpoints", "step_00000010"),
+                    os.path.join(d, "checkpoints", "step_00000010"))
+    # A half-written later checkpoint (no COMPLETE marker) must be ignored.
+    shutil.copytree(os.path.join(cp2dp2, "checkpoints", "step_00000020"),
+                    os.path.join(d, "checkpoints", "step_00000020"))
+    os.remove(os.path.join(d, "checkpoints", "step_00000020", "COMPLETE"))
+    proc = run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.tp=1",
+                            "logging.wandb.mode=disabled"], extra=["--resume", "auto"])
+    assert "resumed from" in proc.stdout and "step_00000010" in proc.stdout
+    want, got = losses(cp2dp2), losses(d)
+    assert sorted(got) == list(range(11, 21))
+    for s in got:
+        # fp32, same ranks, same reduction order, same data: bit-identical.
+        assert got[s] == want[s], (s, got[s], want[s])
+
+
+@pytest.mark.parametrize("name,nproc,layout", [
+    ("single", 1, ["parallel.cp=1", "parallel.dp=1", "parallel.tp=1"]),
+    ("tp2cp2", 4, ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2",
+                   "parallel.layout=striped"]),
+])
+def test_layouts_log_the_same_loss(cp2dp2, runs, name, nproc, layout):
+    d = str(runs / name)
+    run_train(d, nproc, layout + ["logging.wandb.mode=disabled"])
+    want, got = losses(cp2dp2), losses(d)
+    assert sorted(got) == sorted(want) == list(range(1, 21))
+    for s in want:
+        # fp32: only the order of reductions differs (TP all-reduce, CP ring merge, DP
+        # sums); after 20 Adam steps that drifts ~1e-6 relative, well inside 1e-4.
+        assert abs(got[s] - want[s]) <= 1e-4 * abs(want[s]), (s, got[s], want[s])
+
+
+@pytest.mark.parametrize("sets,msg", [
+    (["parallel.cp=3"], "model.seq_len=128 is not divisible by 6"),
+    (["parallel.tp=3"], "is not divisible by parallel.tp=3"),
+    (["data.kind=tokens", "data.path=/nonexistent/corpus"], "/nonexistent/corpus.bin does not exist"),
+    (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, sets, msg):
+    proc = run_train(str(tmp_path / "bad"), 1, sets, check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and msg in lines[0], proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")
+
+
+def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path):
+    # world 2 with cp=2 x dp=2 requested: both ranks refuse before any collective.
+    proc = run_train(str(tmp_path / "bad"), 2, ["parallel.cp=2", "parallel.dp=2"],
+                     check=False, timeout=120)
+    assert proc.returncode != 0
+    for r in (0, 1):
+        assert f"[rank {r}] error:" in proc.stderr and "does not equal the world size 2" \
+            in proc.stderr, proc.stderr[-2000:]
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
+                           str(tmp_path / "nope.yaml")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "config file does not exist" in proc.stderr

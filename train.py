@@ -1,0 +1,196 @@
+"""ctxpar's training entrypoint: long-context GPT pretraining with TP x CP x PP x DP.
+
+    deepspeed --num_gpus 8 train.py --config configs/gpt1b_32k_3d.yaml
+    torchrun --nproc_per_node 4 train.py --config configs/tiny_cpu.yaml --set train.steps=20
+    srun python train.py --config configs/gpt7b_128k_3d.yaml      (rank/world from SLURM_*)
+
+Top to bottom: config -> distributed -> ParallelState -> GPT -> deepspeed.initialize -> loop.
+Bad input (config, layout vs world size, data paths) exits with code 2 and one line on
+every rank, before any collective, so no rank is left waiting.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ctxpar import resume as ckpt
+from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_config, to_dict
+from ctxpar.data import DataError, build_data, passkey_eval
+from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tflops,
+                            flops_per_token, init_wandb, peak_memory_bytes)
+from ctxpar.parallel_state import init_distributed, init_parallel_state
+
+EXIT_BAD_INPUT = 2
+EXIT_NON_FINITE = 3
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="YAML config (see configs/)")
+    p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
+                   help="overrides, e.g. --set parallel.cp=4 train.steps=10")
+    p.add_argument("--resume", default="auto",
+                   help="'auto' (latest complete checkpoint in save_dir, if any), 'none', "
+                        "or a checkpoint tag such as step_00000100")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help="set by the deepspeed launcher (LOCAL_RANK is used instead)")
+    return p.parse_args(argv)
+
+
+def fail(msg: str, code: int = EXIT_BAD_INPUT):
+    """One line on stderr from every rank, then exit (before any collective)."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def lr_lambda(cfg):
+    """Linear warmup to train.lr, then cosine decay to train.min_lr at train.steps."""
+    t = cfg.train
+
+    def factor(step):
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+        return (t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))) / t.lr
+    return factor
+
+
+def param_groups(model, weight_decay):
+    """No weight decay on norms and biases (1-D tensors), as in GPT-2/Megatron."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": other, "weight_decay": 0.0}]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+
+    # 1. Config and data paths: pure checks, the same verdict on every rank.
+    try:
+        cfg = load_config(args.config, args.set, world_size=world)
+        data = build_data(cfg)  # opens token files / builds the passkey task; no collectives
+    except (ConfigError, DataError) as e:
+        fail(str(e))
+    if args.resume not in ("auto", "none") and not args.resume.startswith("step_"):
+        fail(f"--resume={args.resume!r} must be 'auto', 'none' or a tag like step_00000100")
+
+    # 2. Distributed and the grid.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        if torch.cuda.is_available() else torch.device("cpu")
+    init_distributed("nccl" if device.type == "cuda" else "gloo")
+    state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp,
+                                dp=cfg.parallel.dp, order=cfg.parallel.order)
+    rank0 = dist.get_rank() == 0
+    torch.manual_seed(cfg.train.seed)
+    run_dir = cfg.logging.run_dir
+    save_dir = cfg.checkpointing.save_dir or os.path.join(run_dir, "checkpoints")
+
+    # 3. The model (same init for every layout) and the DeepSpeed engine.
+    import deepspeed
+    from models.gpt import GPT
+    from models.loss import global_mean_loss, global_token_count, loss_for_backward
+
+    model = GPT.from_config(cfg, state, device=device)
+    n_params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tp  # ~full size
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
+                                  betas=(cfg.train.beta1, cfg.train.beta2))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    ds_config = deepspeed_config(cfg, state.dp_size)
+    gas = ds_config["gradient_accumulation_steps"]
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           lr_scheduler=scheduler, config=ds_config,
+                                           mpu=state.mpu())
+    train_stream = data.train_stream(state)
+
+    # 4. Resume, then record the run.
+    start_step = 0
+    tag = ckpt.latest_complete(save_dir) if args.resume == "auto" else \
+        (None if args.resume == "none" else args.resume)
+    if tag is not None:
+        client = ckpt.load(engine, save_dir, tag)
+        start_step = client["step"]
+        train_stream.load_state_dict(client["data"])
+    wandb_run = None
+    if rank0:
+        dump_config(cfg, run_dir)
+        try:
+            wandb_run = init_wandb(cfg.logging, run_dir, to_dict(cfg))
+        except WandbError as e:
+            print(f"warning: {e}; continuing without wandb", file=sys.stderr, flush=True)
+    logger = MetricsLogger(run_dir, cfg.train.steps, start_step, enabled=rank0,
+                           wandb_run=wandb_run)
+    if start_step:
+        logger.write(f"resumed from {os.path.join(save_dir, tag)} at step {start_step}")
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+    flops_step = flops_per_token(n_params, cfg.model.n_layers, cfg.model.d_model,
+                                 cfg.model.seq_len) * tokens_per_step
+    peak = device_peak_tflops(device)
+
+    # 5. The loop: gas micro-batches per optimizer step, loss = global token mean.
+    timer = StepTimer(device)
+    step = start_step
+    while step < cfg.train.steps:
+        micro = [train_stream.next_microbatch(device) for _ in range(gas)]
+        # N: non-ignored tokens of the whole step over DP x CP (models/loss.py).
+        n_tokens = sum(global_token_count(mb["labels"], state.dp_cp_group) for mb in micro)
+        loss_sum = torch.zeros((), device=device)
+        for mb in micro:
+            local = engine(mb["tokens"], mb["positions"], mb["labels"])  # sum of token losses
+            engine.backward(loss_for_backward(local, n_tokens, state.dp_size, gas))
+            engine.step()
+            loss_sum += local.detach().float()
+        step += 1
+        loss = global_mean_loss(loss_sum, n_tokens, state.dp_cp_group).item()
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            logger.write(f"step {step}: non-finite loss {loss} / grad norm {grad_norm}; "
+                         f"stopping without saving (last complete checkpoint: "
+                         f"{ckpt.latest_complete(save_dir)})")
+            logger.close()
+            return EXIT_NON_FINITE
+        dt = timer.lap()
+        if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
+            tflops = flops_step / dt / state.world_size / 1e12
+            logger.log({"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                        "grad_norm": grad_norm, "tokens": step * tokens_per_step,
+                        "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                        "tflops_per_device": tflops,
+                        "mfu": tflops / peak if peak else None,
+                        "peak_mem_bytes": peak_memory_bytes(device)})
+        logger.advance(step, loss, tokens_per_step / dt)
+        evaluate = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
+        if evaluate or step == cfg.train.steps:
+            result = passkey_eval(engine.module, data, state, device) \
+                if cfg.data.kind == "passkey" else None
+            if result is not None:
+                logger.log({"step": step, **result})
+                logger.write(f"step {step}: passkey accuracy {result['eval_accuracy']:.3f} "
+                             f"({result['eval_samples']} samples)")
+            timer.lap()  # the eval is not step time
+        save_every = cfg.checkpointing.save_interval
+        if (save_every and step % save_every == 0) or step == cfg.train.steps:
+            ckpt.save(engine, save_dir, step,
+                      {"step": step, "data": train_stream.state_dict()})
+            timer.lap()
+
+    logger.close()
+    if rank0:
+        print(f"done: {step} steps, final loss {loss:.4f}; metrics in "
+              f"{os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
