@@ -38,10 +38,20 @@ def slurm_missing() -> str:
     return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> List[int]:
+    """n distinct free TCP ports (all held open while choosing, so no two are the same)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it if the test process dies (even by SIGKILL)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _exe(name: str) -> str:
@@ -68,7 +78,7 @@ class SlurmCluster:
             f.write(os.urandom(1024))  # a fresh key: this cluster trusts only itself
         for d in ("state", "spool"):
             os.makedirs(self.path(d))
-        ctld_port, d_port = _free_port(), _free_port()
+        ctld_port, d_port = _free_ports(2)
         lines = [
             "ClusterName=ctxpar-test",
             f"SlurmctldHost={self.host}(127.0.0.1)",
@@ -99,11 +109,12 @@ class SlurmCluster:
 
     def _spawn(self, name: str, argv: List[str]) -> None:
         log = open(self.path(f"{name}.out"), "wb")
-        # Foreground (-F / -D) so the pid is known at once; own session so a signal to the
-        # test's process group does not reach it, and it can be killed on its own.
+        # Foreground (-F / -D) so the pid is known at once; own session so a Ctrl-C to the
+        # test's process group does not reach it first; dies with the test process.
         self._procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, env=self.env,
-                                             start_new_session=True)
+                                             start_new_session=True,
+                                             preexec_fn=_die_with_parent)
         log.close()
 
     def start(self, timeout: float = 60.0) -> "SlurmCluster":
