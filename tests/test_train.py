@@ -127,7 +127,8 @@ def test_layouts_log_the_same_loss(cp2dp2, runs, name, nproc, layout):
     (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, sets, msg):
-    proc = run_train(str(tmp_path / "bad"), 1, sets, check=False, timeout=120)
+    single = ["parallel.cp=1", "parallel.dp=1"]  # fits a world of 1; `sets` come after
+    proc = run_train(str(tmp_path / "bad"), 1, single + sets, check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert len(lines) == 1 and msg in lines[0], proc.stderr[-2000:]
