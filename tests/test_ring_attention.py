@@ -160,6 +160,32 @@ def test_single_rank_needs_no_process_group():
     torch.testing.assert_close(lse, ref_lse, **tolerance(torch.float32, ref_lse))
 
 
+def _subgroup_ring(rank, world):
+    """Two CP rings inside a world of 4, [0, 2] and [1, 3]: the P2P peers must be the
+    ring neighbours' *global* ranks. Each ring gets its own sequence."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # collective: all ranks
+    group, cp_rank = groups[rank % 2], rank // 2
+    q, k, v, dout = global_inputs(2 * S_LOCAL, 8, 2, 40, torch.float32)
+    q = q + rank % 2  # a different problem per ring: a cross-ring message would show
+    ql, kl, vl = (shard_sequence(x, 1, group, "zigzag").requires_grad_() for x in (q, k, v))
+    out = ring_attention(ql, kl, vl, group, causal=True, layout="zigzag", backend="math")
+    out.backward(shard_sequence(dout, 1, group, "zigzag"))
+    return cp_rank, out.detach(), ql.grad, kl.grad, vl.grad
+
+
+def test_ring_on_subgroups_uses_global_peers():
+    n = 2 * S_LOCAL
+    for rank, (cp_rank, *got) in enumerate(run_distributed(_subgroup_ring, 4, timeout=60)):
+        q, k, v, dout = global_inputs(n, 8, 2, 40, torch.float32)
+        qr, kr, vr = ((q + rank % 2).requires_grad_(), k.requires_grad_(), v.requires_grad_())
+        out, _ = reference_attention(qr, kr, vr, True, 40 ** -0.5)
+        want = (out.detach(), *torch.autograd.grad(out, (qr, kr, vr), dout))
+        pos = rank_positions(n, cp_rank, 2, "zigzag")
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b[:, pos], **tolerance(torch.float32, b),
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
 # ------------------------------------------------------------------ pure pieces
 
 
