@@ -137,7 +137,7 @@ def main(argv=None) -> int:
 
     # 5. The loop: gas micro-batches per optimizer step, loss = global token mean.
     timer = StepTimer(device)
-    step = start_step
+    step, loss, last_eval = start_step, float("nan"), None
     while step < cfg.train.steps:
         micro = [train_stream.next_microbatch(device) for _ in range(gas)]
         # N: non-ignored tokens of the whole step over DP x CP (models/loss.py).
@@ -173,6 +173,7 @@ def main(argv=None) -> int:
             result = passkey_eval(engine.module, data, state, device) \
                 if cfg.data.kind == "passkey" else None
             if result is not None:
+                last_eval = result
                 logger.log({"step": step, **result})
                 logger.write(f"step {step}: passkey accuracy {result['eval_accuracy']:.3f} "
                              f"({result['eval_samples']} samples)")
@@ -185,7 +186,9 @@ def main(argv=None) -> int:
 
     logger.close()
     if rank0:
-        print(f"done: {step} steps, final loss {loss:.4f}; metrics in "
+        acc = f", passkey accuracy {last_eval['eval_accuracy']:.3f} (chance " \
+              f"{10.0 ** -cfg.data.passkey_digits:.3f})" if last_eval else ""
+        print(f"done: {step} steps, final loss {loss:.4f}{acc}; metrics in "
               f"{os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
