@@ -150,3 +150,18 @@ def test_missing_config_file_exits_2(tmp_path):
                            str(tmp_path / "nope.yaml")], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "config file does not exist" in proc.stderr
+
+
+def test_non_finite_loss_stops_without_saving(tmp_path):
+    # lr 1e30: step 1 is finite but leaves weights ~1e30, so step 2's logits overflow.
+    d = tmp_path / "nan"
+    proc = run_train(str(d), 1, ["parallel.cp=1", "parallel.dp=1", "train.lr=1e30",
+                                 "train.min_lr=1e30", "train.warmup_steps=0",
+                                 "train.grad_clip=0", "checkpointing.save_interval=1",
+                                 "logging.wandb.mode=disabled"], check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "non-finite loss" in proc.stdout, proc.stdout[-2000:]
+    # Checkpoints stop before the bad step: nothing written from a non-finite state.
+    ckpts = sorted(c for c in os.listdir(d / "checkpoints") if c.startswith("step_"))
+    bad_step = max(losses(str(d))) + 1
+    assert ckpts and all(int(c.split("_")[1]) < bad_step for c in ckpts), (ckpts, bad_step)
