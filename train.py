@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from ctxpar.data import DataError, build_data, passkey_eval
 from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tflops,
                             flops_per_token, init_wandb, peak_memory_bytes)
 from ctxpar.parallel_state import init_distributed, init_parallel_state
+from ctxpar.pipeline import use_pipeline_grad_clipping
 
 EXIT_BAD_INPUT = 2
 EXIT_NON_FINITE = 3
@@ -70,6 +72,22 @@ def param_groups(model, weight_decay):
             {"params": other, "weight_decay": 0.0}]
 
 
+def train_step(engine, micro, n_tokens, state, gas) -> torch.Tensor:
+    """One optimizer step without a pipeline: gas forward/backward passes, then the update.
+
+    Returns the global token-mean loss (models/loss.py; with pp > 1, models/gpt_pipe.py).
+    """
+    from models.loss import global_mean_loss, loss_for_backward
+
+    loss_sum = torch.zeros((), device=n_tokens.device)
+    for mb in micro:
+        local = engine(mb["tokens"], mb["positions"], mb["labels"])  # sum of token losses
+        engine.backward(loss_for_backward(local, n_tokens, state.dp_size, gas))
+        engine.step()
+        loss_sum += local.detach().float()
+    return global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
@@ -94,21 +112,28 @@ def main(argv=None) -> int:
     run_dir = cfg.logging.run_dir
     save_dir = cfg.checkpointing.save_dir or os.path.join(run_dir, "checkpoints")
 
-    # 3. The model (same init for every layout) and the DeepSpeed engine.
+    # 3. The model (same init for every layout) and the DeepSpeed engine. With pp > 1 this
+    #    rank builds its pipeline stage and DeepSpeed's pipeline grid (derived from the same
+    #    order string, ctxpar/pipeline.py) is the mpu.
     import deepspeed
+    from models import gpt_pipe
     from models.gpt import GPT
-    from models.loss import global_mean_loss, global_token_count, loss_for_backward
+    from models.loss import global_token_count
 
-    model = GPT.from_config(cfg, state, device=device)
-    n_params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tp  # ~full size
+    pipelined = cfg.parallel.pp > 1
+    ds_config = deepspeed_config(cfg, state.dp_size)
+    gas = ds_config["gradient_accumulation_steps"]
+    model = gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device) if pipelined \
+        else GPT.from_config(cfg, state, device=device)
+    n_params = sum(p.numel() for p in GPT(cfg.model, device=torch.device("meta")).parameters())
     optimizer = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
                                   betas=(cfg.train.beta1, cfg.train.beta2))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    ds_config = deepspeed_config(cfg, state.dp_size)
-    gas = ds_config["gradient_accumulation_steps"]
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=ds_config,
-                                           mpu=state.mpu())
+                                           mpu=None if pipelined else state.mpu())
+    if pipelined:
+        use_pipeline_grad_clipping(engine)  # DeepSpeed's fp32 ZeRO-0 norm misses stages
     train_stream = data.train_stream(state)
 
     # 4. Resume, then record the run.
@@ -139,17 +164,14 @@ def main(argv=None) -> int:
     timer = StepTimer(device)
     step, loss, last_eval = start_step, float("nan"), None
     while step < cfg.train.steps:
+        # Every rank reads its DP rank's micro-batches (all stages, for N; the pipeline
+        # feeds the first stage's inputs and the last stage's labels from them).
         micro = [train_stream.next_microbatch(device) for _ in range(gas)]
         # N: non-ignored tokens of the whole step over DP x CP (models/loss.py).
         n_tokens = sum(global_token_count(mb["labels"], state.dp_cp_group) for mb in micro)
-        loss_sum = torch.zeros((), device=device)
-        for mb in micro:
-            local = engine(mb["tokens"], mb["positions"], mb["labels"])  # sum of token losses
-            engine.backward(loss_for_backward(local, n_tokens, state.dp_size, gas))
-            engine.step()
-            loss_sum += local.detach().float()
+        loss = (gpt_pipe.train_step(engine, micro, n_tokens, state) if pipelined
+                else train_step(engine, micro, n_tokens, state, gas)).item()
         step += 1
-        loss = global_mean_loss(loss_sum, n_tokens, state.dp_cp_group).item()
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
         if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
@@ -170,7 +192,8 @@ def main(argv=None) -> int:
         logger.advance(step, loss, tokens_per_step / dt)
         evaluate = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
         if evaluate or step == cfg.train.steps:
-            result = passkey_eval(engine.module, data, state, device) \
+            forward = partial(gpt_pipe.pipeline_logits, engine) if pipelined else None
+            result = passkey_eval(engine.module, data, state, device, forward) \
                 if cfg.data.kind == "passkey" else None
             if result is not None:
                 last_eval = result
