@@ -71,6 +71,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
+def block_recomputed(mode: str, i: int, every_n_layers: int) -> bool:
+    """Whether block i is checkpointed whole (replayed in backward) under a checkpointing mode."""
+    return mode == "full" or (mode == "every_n_layers" and i % every_n_layers == 0)
+
+
+@torch.no_grad()
+def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) -> None:
+    """Draw each full-size parameter from its own generator (seed, crc32 of its name),
+    then keep this rank's TP slice: the same model for every tp, cp, pp, dp and layout.
+
+    Names are GPT's (``layers.3.attn.q_proj.weight``); the pipelined model passes its
+    parameters under those names too. Normal(0, init_std) for weights, scaled by
+    1/sqrt(2*n_layers) on the projections into the residual stream (GPT-2); ones for norm
+    weights; zeros for biases.
+    """
+    std, tp = cfg.init_std, tp_size_of(tp_group)
+    for name, p in named_parameters:
+        shape = full_shape(p, tp)
+        if name.endswith("norm.weight"):
+            full = torch.ones(shape)
+        elif name.endswith("bias"):
+            full = torch.zeros(shape)
+        else:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            scale = std / math.sqrt(2 * cfg.n_layers) if name.endswith(
+                ("o_proj.weight", "down_proj.weight")) else std
+            full = torch.empty(shape).normal_(0.0, scale, generator=g)
+        p.copy_(shard_full_tensor(full, p, tp_group))
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention: column-parallel q/k/v, ring attention over CP, row-parallel out."""
 
@@ -200,31 +230,12 @@ class GPT(nn.Module):
                    every_n_layers=cfg.checkpointing.every_n_layers, seed=cfg.train.seed,
                    device=device, dtype=dtype)
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Draw each full-size parameter from its own generator (seed, crc32 of its name),
-        then keep this rank's TP slice: the same model for every tp, cp, dp and layout.
-
-        Normal(0, init_std) for weights, scaled by 1/sqrt(2*n_layers) on the projections
-        into the residual stream (GPT-2); ones for norm weights; zeros for biases.
-        """
-        std, tp = self.cfg.init_std, tp_size_of(self.tp_group)
-        for name, p in self.named_parameters():
-            shape = full_shape(p, tp)
-            if name.endswith("norm.weight"):
-                full = torch.ones(shape)
-            elif name.endswith("bias"):
-                full = torch.zeros(shape)
-            else:
-                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(
-                    ("o_proj.weight", "down_proj.weight")) else std
-                full = torch.empty(shape).normal_(0.0, scale, generator=g)
-            p.copy_(shard_full_tensor(full, p, self.tp_group))
+        """The layout-independent init of every parameter (``init_parameters_``)."""
+        init_parameters_(self.named_parameters(), self.cfg, seed, self.tp_group)
 
     def _checkpointed(self, i: int) -> bool:
-        mode = self.activation_checkpointing
-        return mode == "full" or (mode == "every_n_layers" and i % self.every_n_layers == 0)
+        return block_recomputed(self.activation_checkpointing, i, self.every_n_layers)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
