@@ -412,6 +412,12 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
             err(f"parallel.tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{dp} = {model_par * dp} "
                 f"does not equal the world size {world_size}")
     dp = resolved_dp(cfg, world_size)
+    if p.pp > 1:  # DeepSpeed's pipeline has one 'data' axis: dp x cp must be one block of ranks
+        from .pipeline import pipeline_axes
+        try:  # dp unknown ('auto' without a world size): assume it may exceed 1
+            pipeline_axes(p.order, {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp or 2})
+        except ValueError as e:
+            err(f"{e} (parallel.pp={p.pp})")
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         err(f"train.global_batch_size={t.global_batch_size} is not divisible by "
             f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}")
@@ -421,7 +427,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
     if p.pp > 1 and stage >= 2:
         err(f"deepspeed.zero_optimization.stage={stage} with parallel.pp={p.pp}: DeepSpeed's "
-            f"pipeline engine supports ZeRO stage 0 or 1 only")
+            f"pipeline engine supports ZeRO stage 0 or 1 only (use stage 1)")
     if (ds.get("bf16") or {}).get("enabled") and (ds.get("fp16") or {}).get("enabled"):
         err("deepspeed.bf16.enabled and deepspeed.fp16.enabled are both true")
     for key, want in (("train_micro_batch_size_per_gpu", t.micro_batch_size),
@@ -459,9 +465,13 @@ def deepspeed_config(cfg: Config, dp: int) -> Dict[str, Any]:
 
     DeepSpeed checks train_batch_size == micro * grad_accum * dp_world_size, where its
     dp world size comes from the mpu's data-parallel group (DP only; CP ranks share samples).
+    With pp > 1 DeepSpeed's pipeline grid is the mpu and its data-parallel group is dp x cp
+    (ctxpar/pipeline.py), so it counts cp times the samples: train_batch_size is scaled by
+    cp for it; the samples per step are still train.global_batch_size.
     """
     ds = _deepcopy(cfg.deepspeed)
-    ds["train_batch_size"] = cfg.train.global_batch_size
+    ds["train_batch_size"] = cfg.train.global_batch_size * (
+        cfg.parallel.cp if cfg.parallel.pp > 1 else 1)
     ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size
     ds["gradient_accumulation_steps"] = grad_accum_steps(cfg, dp)
     ds.setdefault("gradient_clipping", cfg.train.grad_clip)
