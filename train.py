@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     gas = ds_config["gradient_accumulation_steps"]
     model = gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device) if pipelined \
         else GPT.from_config(cfg, state, device=device)
-    n_params = sum(p.numel() for p in GPT(cfg.model, device=torch.device("meta")).parameters())
+    full = GPT(cfg.model, cp_group=state.cp_group, device=torch.device("meta"))  # shapes only
+    n_params = sum(p.numel() for p in full.parameters())
     optimizer = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
                                   betas=(cfg.train.beta1, cfg.train.beta2))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -192,7 +193,8 @@ def main(argv=None) -> int:
         logger.advance(step, loss, tokens_per_step / dt)
         evaluate = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
         if evaluate or step == cfg.train.steps:
-            forward = partial(gpt_pipe.pipeline_logits, engine) if pipelined else None
+            forward = partial(gpt_pipe.pipeline_logits, engine.module, state) \
+                if pipelined else None
             result = passkey_eval(engine.module, data, state, device, forward) \
                 if cfg.data.kind == "passkey" else None
             if result is not None:

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,12 +81,15 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def passkey_eval(model, data: Data, state, device=None) -> Dict[str, float]:
+def passkey_eval(model, data: Data, state, device=None,
+                 forward: Optional[Callable] = None) -> Dict[str, float]:
     """Exact-match passkey accuracy and answer-token loss over train.eval_samples samples.
 
     model(tokens, positions) must return vocab-parallel logits (B, T/cp, V/tp) (models.gpt
-    does). Collective over the whole grid: every rank must call it. The sample count is
-    rounded up to whole micro-batches of all DP ranks (reported as eval_samples).
+    does), or ``forward(mb)`` returns them for a micro-batch dict, and None on pipeline
+    stages without the head (models.gpt_pipe.pipeline_logits). Collective over the whole
+    grid: every rank must call it. The sample count is rounded up to whole micro-batches of
+    all DP ranks (reported as eval_samples).
     """
     from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
@@ -100,7 +103,10 @@ def passkey_eval(model, data: Data, state, device=None) -> Dict[str, float]:
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for _ in range(n_micro):
         mb = stream.next_microbatch(device)
-        logits = model(mb["tokens"], mb["positions"])                   # (B, T/cp, V/tp)
+        # (B, T/cp, V/tp), or None on a pipeline stage before the last (that one counts)
+        logits = forward(mb) if forward else model(mb["tokens"], mb["positions"])
+        if logits is None:
+            continue
         preds = vocab_parallel_argmax(logits, state.tp_group)           # (B, T/cp)
         correct = passkey_correct(preds, mb["labels"], state.cp_group)  # (B,), same on CP
         losses = vocab_parallel_cross_entropy(logits.float(), mb["labels"], state.tp_group)
@@ -110,11 +116,15 @@ def passkey_eval(model, data: Data, state, device=None) -> Dict[str, float]:
     model.train(was_training)
     # Correct counts are per sample, identical over CP: sum them over DP only. Losses and
     # token counts are per position: sum over DP x CP.
+    # The groups are per pipeline stage: the last stage's sums go to every stage after.
     correct, loss_tok = totals[:1].clone(), totals[1:].clone()
     if state.dp_size > 1:
         dist.all_reduce(correct, group=state.dp_group)
     if state.dp_cp_size > 1:
         dist.all_reduce(loss_tok, group=state.dp_cp_group)
+    if state.pp_size > 1:
+        for t in (correct, loss_tok):
+            dist.broadcast(t, src=state.ranks("pp")[-1], group=state.pp_group)
     n = n_micro * per_step
     return {"eval_accuracy": correct.item() / n,
             "eval_loss": loss_tok[0].item() / max(loss_tok[1].item(), 1.0),

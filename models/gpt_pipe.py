@@ -1,0 +1,265 @@
+"""The GPT as a DeepSpeed PipelineModule: TP x CP x PP x DP through DeepSpeed's pipeline engine.
+
+The same pieces as models/gpt.py, cut into a flat list of layers DeepSpeed partitions into
+stages (by parameter count or uniformly):
+
+    embedding | block 0 | ... | block L-1 | final norm | head (tied: the embedding again)
+
+Between layers (and between stages, point to point) flows the tuple
+``(x (B, T/cp, d), positions (T/cp,) int64)``: every block rebuilds its RoPE angles from
+the global positions (T/cp x hd/2, negligible next to the block's matmuls), and DeepSpeed
+sends no gradient for the integer positions. The first stage gets ``(tokens, positions)``
+and the last stage ``labels`` from the data iterator (``pipeline_batches``); the head
+returns vocab-parallel logits (B, T/cp, V/tp) and ``TokenMeanLoss`` turns them into the
+loss to back-propagate. Tied embeddings are one ``TiedLayerSpec`` on the first and last
+stage (DeepSpeed all-reduces the tied gradient between them).
+
+    model = GPTPipe.from_config(cfg, state)          # this rank's stage only
+    engine, *_ = deepspeed.initialize(model=model, optimizer=..., config=...)  # no mpu=
+    loss = train_step(engine, micro, n_tokens, state)  # the global token-mean loss
+
+Parameters are initialised under GPT's names (``layers.3.attn.q_proj.weight``) with GPT's
+per-name generators, so the pipelined model starts from exactly the non-pipelined weights.
+"""
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ctxpar.config import Config, ModelConfig
+from ctxpar.pipeline import pipeline_topology
+from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
+                                    gather_full_state_dict, parallel_lm_logits,
+                                    vocab_parallel_cross_entropy)
+from models.gpt import (CHECKPOINT_MODES, Block, block_recomputed, init_parameters_, make_norm,
+                        rotary_cos_sin)
+from models.loss import global_mean_loss, loss_for_backward
+
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+
+class EmbeddingPipe(nn.Module):
+    """(tokens (B, T/cp), positions (T/cp,)) -> (x (B, T/cp, d), positions)."""
+
+    gpt_prefix = ""  # parameter 'embed.weight', as in GPT
+
+    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
+        super().__init__()
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
+                                            device=device, dtype=dtype)
+
+    def forward(self, inputs):
+        tokens, positions = inputs
+        return self.embed(tokens), positions
+
+
+def tied_lm_head(module: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
+    """The tied head on the last stage: x (B, T/cp, d) -> logits (B, T/cp, V/tp) = f(x) E_iᵀ."""
+    return parallel_lm_logits(x, module.embed.weight, module.embed.tp_group)
+
+
+class BlockPipe(Block):
+    """models.gpt.Block on (x, positions); whole-block checkpointing decided per layer index."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, cp_group, layout: str,
+                 backend: str, activation_checkpointing: str, every_n_layers: int,
+                 device=None, dtype=None):
+        super().__init__(cfg, tp_group, cp_group, layout, backend,
+                         activation_checkpointing == "selective", device, dtype)
+        self.gpt_prefix = f"layers.{layer_number}."
+        self.head_dim, self.rope_theta = cfg.d_model // cfg.n_heads, cfg.rope_theta
+        # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
+        self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
+
+    def forward(self, inputs):
+        x, positions = inputs  # (B, T/cp, d), (T/cp,)
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)  # (T/cp, hd/2)
+        block = partial(Block.forward, self)
+        if self.recompute:  # keep only x; replay the block (and its ring) in backward
+            return checkpoint(block, x, cos, sin, use_reentrant=False), positions
+        return block(x, cos, sin), positions
+
+
+class FinalNormPipe(nn.Module):
+    """(x, positions) -> norm(x) (B, T/cp, d); the positions end here."""
+
+    gpt_prefix = ""  # parameter 'final_norm.weight', as in GPT
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.final_norm = make_norm(cfg, device, dtype)
+
+    def forward(self, inputs):
+        return self.final_norm(inputs[0])
+
+
+class LMHeadPipe(nn.Module):
+    """Untied head: x (B, T/cp, d) -> logits (B, T/cp, V/tp), column-parallel."""
+
+    gpt_prefix = ""  # parameter 'lm_head.weight', as in GPT
+
+    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
+        super().__init__()
+        self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group=tp_group,
+                                            bias=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.lm_head(x)
+
+
+class TokenMeanLoss:
+    """The last stage's loss_fn: per micro-batch, L = S * dp*cp * gas / N.
+
+    S is the sum of this rank's token losses (fp32, complete over TP), N the non-ignored
+    tokens of the whole optimizer step over dp x cp (``begin_step``, before train_batch).
+    DeepSpeed's pipeline engine divides by gas in backward and averages gradients over
+    its 'data' group, dp x cp (docs/parallelism.md, "Pipeline (4D)"), so the applied
+    gradient is sum dS / N, the gradient of the global token mean. S is also summed here
+    so the logged loss is computed exactly as without a pipeline.
+    """
+
+    def __init__(self, tp_group, reduce_size: int, grad_accum_steps: int):
+        self.tp_group, self.reduce_size, self.gas = tp_group, reduce_size, grad_accum_steps
+        self.n_tokens: Optional[torch.Tensor] = None
+        self.loss_sum = torch.zeros(())
+
+    def begin_step(self, n_tokens: torch.Tensor) -> None:
+        self.n_tokens = n_tokens
+        self.loss_sum = torch.zeros((), device=n_tokens.device)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert self.n_tokens is not None, "begin_step(n_tokens) before train_batch"
+        s = vocab_parallel_cross_entropy(logits, labels, self.tp_group).sum()  # fp32
+        self.loss_sum += s.detach()
+        return loss_for_backward(s, self.n_tokens, self.reduce_size, self.gas)
+
+
+class GPTPipe(PipelineModule):
+    """This rank's pipeline stage of the GPT (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, state, *, grad_accum_steps: int = 1,
+                 layout: str = "contiguous", attention_backend: str = "auto",
+                 activation_checkpointing: str = "none", every_n_layers: int = 1,
+                 partition_method: str = "parameters", seed: int = 1234,
+                 device=None, dtype=None):
+        if activation_checkpointing not in CHECKPOINT_MODES:
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be "
+                             f"one of {CHECKPOINT_MODES}")
+        import deepspeed
+        if not deepspeed.comm.is_initialized():  # PipelineModule builds groups with it
+            deepspeed.init_distributed(dist_backend=dist.get_backend())
+        tp, cp = state.tp_group, state.cp_group
+        kw = dict(device=device, dtype=dtype)
+        if cfg.tie_embeddings:
+            tied = dict(tied_weight_attr=["embed.weight"])
+            first = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, **tied, **kw)
+            last = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, forward_fn=tied_lm_head,
+                                 **tied, **kw)
+        else:
+            first = LayerSpec(EmbeddingPipe, cfg, tp, **kw)
+            last = LayerSpec(LMHeadPipe, cfg, tp, **kw)
+        blocks = [LayerSpec(BlockPipe, cfg, i, tp, cp, layout, attention_backend,
+                            activation_checkpointing, every_n_layers, **kw)
+                  for i in range(cfg.n_layers)]
+        loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps)
+        # no_grad: DeepSpeed broadcasts the tied weights in place while building; with grad
+        # mode on, autograd records that broadcast on the parameter and warns in backward.
+        with torch.no_grad():
+            super().__init__(layers=[first, *blocks, LayerSpec(FinalNormPipe, cfg, **kw), last],
+                             topology=pipeline_topology(state.order, state.sizes),
+                             loss_fn=loss_fn, partition_method=partition_method,
+                             activation_checkpoint_interval=0)  # checkpointing is per block
+        self.cfg, self.tp_group = cfg, tp
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights(seed)
+
+    @classmethod
+    def from_config(cls, cfg: Config, state, grad_accum_steps: int, device=None,
+                    dtype=None) -> "GPTPipe":
+        """This rank's stage for a ParallelState, from the whole run config."""
+        return cls(cfg.model, state, grad_accum_steps=grad_accum_steps,
+                   layout=cfg.parallel.layout, attention_backend=cfg.parallel.attention_backend,
+                   activation_checkpointing=cfg.checkpointing.activation,
+                   every_n_layers=cfg.checkpointing.every_n_layers,
+                   partition_method=cfg.parallel.pp_partition, seed=cfg.train.seed,
+                   device=device, dtype=dtype)
+
+    def gpt_named_parameters(self) -> Iterator:
+        """(GPT's name, parameter) for every parameter of this stage, tied ones once."""
+        layers = [m for name, m in self.named_children() if name.isdigit()]
+        for module in layers + list(self.tied_modules.values()):
+            for name, p in module.named_parameters():
+                yield module.gpt_prefix + name, p
+
+    def full_state_dict(self, grads: bool = False) -> Dict[str, torch.Tensor]:
+        """This stage's parameters (or gradients) at tp=1 shapes under GPT's names.
+
+        Collective over the TP group; the union over stages is GPT's full state dict.
+        """
+        named = SimpleNamespace(named_parameters=self.gpt_named_parameters)
+        return gather_full_state_dict(named, self.tp_group, grads=grads)
+
+    def init_weights(self, seed: int) -> None:
+        """GPT's init under GPT's names: the same weights as the non-pipelined model."""
+        init_parameters_(self.gpt_named_parameters(), self.cfg, seed, self.tp_group)
+
+
+def pipeline_batches(micro: List[Dict[str, torch.Tensor]]) -> Iterator:
+    """What train_batch/eval_batch pull: ((tokens, positions), labels) per micro-batch.
+
+    Only the first stage reads the inputs and only the last stage the labels; every rank
+    passes the same micro-batches (they all read the same samples of their DP rank).
+    """
+    return iter([((mb["tokens"], mb["positions"]), mb["labels"]) for mb in micro])
+
+
+def train_step(engine, micro: List[Dict[str, torch.Tensor]], n_tokens: torch.Tensor,
+               state) -> torch.Tensor:
+    """One optimizer step through the pipeline; returns the global token-mean loss on every
+    rank (collective). n_tokens: N of the step over dp x cp (models.loss.global_token_count)."""
+    loss_fn = engine.module.loss_fn
+    loss_fn.begin_step(n_tokens)
+    engine.train_batch(pipeline_batches(micro))
+    return pipeline_mean_loss(loss_fn.loss_sum, n_tokens, state)
+
+
+@torch.no_grad()
+def pipeline_mean_loss(loss_sum: torch.Tensor, n_tokens: torch.Tensor, state) -> torch.Tensor:
+    """sum S / N over dp x cp of the last stage, broadcast to every stage (0-dim fp32)."""
+    mean = global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)  # real on the last stage
+    if state.pp_size > 1:
+        dist.broadcast(mean, src=state.ranks("pp")[-1], group=state.pp_group)
+    return mean
+
+
+@torch.no_grad()
+def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    """Forward one micro-batch stage by stage: logits (B, T/cp, V/tp) on the last stage,
+    None on the others. Collective over the pipeline (every stage calls it with its mb).
+
+    Each stage runs its layers and sends x (B, T/cp, d) to the same (tp, cp, dp) rank of
+    the next stage; every rank has the positions. Not DeepSpeed's eval_batch: in 0.19.8,
+    eval_batch(compute_loss=False) adds the logits to the training loss accumulator left
+    by train_batch and fails.
+    """
+    pp, stage = state.ranks("pp"), state.pp_rank
+    if state.is_pp_first_stage:
+        inputs = (mb["tokens"], mb["positions"])
+    else:
+        p = next(model.parameters())
+        x = torch.empty(*mb["tokens"].shape, model.cfg.d_model, dtype=p.dtype, device=p.device)
+        dist.recv(x, src=pp[stage - 1])
+        # Blocks and the final norm take (x, positions); a stage holding only the head, x.
+        head_only = model.partitions()[stage] == model.cfg.n_layers + 2
+        inputs = x if head_only else (x, mb["positions"])
+    out = model(inputs)
+    if state.is_pp_last_stage:
+        return out
+    dist.send((out[0] if isinstance(out, tuple) else out).contiguous(), dst=pp[stage + 1])
+    return None
