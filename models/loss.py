@@ -44,7 +44,11 @@ def global_token_count(labels: torch.Tensor, dp_cp_group=None,
 
 def loss_for_backward(loss_sum: torch.Tensor, n_tokens: torch.Tensor, dp_size: int,
                       grad_accum_steps: int = 1) -> torch.Tensor:
-    """L_r = S_r * dp * gas / N: what to hand engine.backward (see the module docstring)."""
+    """L_r = S_r * dp * gas / N: what to hand engine.backward (see the module docstring).
+
+    dp_size is what DeepSpeed divides the summed gradients by: dp without a pipeline; with
+    one (models/gpt_pipe.py) its data axis is dp x cp and the caller passes dp * cp.
+    """
     return loss_sum * (dp_size * grad_accum_steps) / n_tokens.clamp(min=1.0)
 
 
