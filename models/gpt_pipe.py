@@ -14,7 +14,7 @@ returns vocab-parallel logits (B, T/cp, V/tp) and ``TokenMeanLoss`` turns them i
 loss to back-propagate. Tied embeddings are one ``TiedLayerSpec`` on the first and last
 stage (DeepSpeed all-reduces the tied gradient between them).
 
-    model = GPTPipe.from_config(cfg, state)          # this rank's stage only
+    model = GPTPipe.from_config(cfg, state, gas)     # this rank's stage only
     engine, *_ = deepspeed.initialize(model=model, optimizer=..., config=...)  # no mpu=
     loss = train_step(engine, micro, n_tokens, state)  # the global token-mean loss
 
@@ -27,9 +27,11 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Dict, Iterator, List, Optional
 
+import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, ModelConfig
@@ -40,8 +42,6 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding
 from models.gpt import (CHECKPOINT_MODES, Block, block_recomputed, init_parameters_, make_norm,
                         rotary_cos_sin)
 from models.loss import global_mean_loss, loss_for_backward
-
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 
 class EmbeddingPipe(nn.Module):
@@ -151,7 +151,6 @@ class GPTPipe(PipelineModule):
         if activation_checkpointing not in CHECKPOINT_MODES:
             raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be "
                              f"one of {CHECKPOINT_MODES}")
-        import deepspeed
         if not deepspeed.comm.is_initialized():  # PipelineModule builds groups with it
             deepspeed.init_distributed(dist_backend=dist.get_backend())
         tp, cp = state.tp_group, state.cp_group
@@ -176,8 +175,7 @@ class GPTPipe(PipelineModule):
                              loss_fn=loss_fn, partition_method=partition_method,
                              activation_checkpoint_interval=0)  # checkpointing is per block
         self.cfg, self.tp_group = cfg, tp
-        if not any(p.is_meta for p in self.parameters()):
-            self.init_weights(seed)
+        self.init_weights(seed)
 
     @classmethod
     def from_config(cls, cfg: Config, state, grad_accum_steps: int, device=None,
@@ -211,7 +209,7 @@ class GPTPipe(PipelineModule):
 
 
 def pipeline_batches(micro: List[Dict[str, torch.Tensor]]) -> Iterator:
-    """What train_batch/eval_batch pull: ((tokens, positions), labels) per micro-batch.
+    """What train_batch pulls: ((tokens, positions), labels) per micro-batch.
 
     Only the first stage reads the inputs and only the last stage the labels; every rank
     passes the same micro-batches (they all read the same samples of their DP rank).
