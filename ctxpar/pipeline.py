@@ -67,9 +67,9 @@ def pipeline_grad_norm(parameters, grid, tp_rank: int) -> torch.Tensor:
 
     Each parameter counts on one rank: TP-split ones on every TP rank (their shards),
     replicated ones on TP rank 0, and the copy of a tied weight that DeepSpeed marks
-    ``ds_pipe_replicated`` (the later stage's) not at all. The squares are summed over
-    DeepSpeed's 'model' group of the pipeline grid (every stage x every TP rank of this
-    dp x cp coordinate). The gradients are already reduced, so any dp x cp rank agrees.
+    ``ds_pipe_replicated`` (the later stage's) not at all. The squares are summed over the
+    grid's model-parallel group, pipe x model (every stage x every TP rank of this dp x cp
+    coordinate). The gradients are already reduced, so every dp x cp rank agrees.
     """
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
