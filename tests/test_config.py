@@ -92,3 +92,16 @@ def test_every_shipped_config_validates(path):
     p = cfg.parallel
     if p.dp != "auto":
         load_config(path, world_size=p.tp * p.cp * p.pp * p.dp, check_paths=False)
+
+
+@pytest.mark.parametrize("name,params", [("gpt1b_32k_3d", 1_198_098_432),
+                                         ("gpt1b_32k_4d", 1_198_098_432),
+                                         ("gpt7b_128k_3d", 6_738_415_616),
+                                         ("gpt7b_128k_4d", 6_738_415_616)])
+def test_gpu_configs_build_the_stated_model_on_meta(name, params):
+    # The sizes the config comments and README state; meta device: shapes only.
+    import torch
+    from models.gpt import GPT
+    cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), check_paths=False)
+    model = GPT(cfg.model, device=torch.device("meta"))
+    assert sum(p.numel() for p in model.parameters()) == params
