@@ -14,7 +14,6 @@ import argparse
 import math
 import os
 import sys
-import time
 from functools import partial
 
 import torch

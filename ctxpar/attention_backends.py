@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F

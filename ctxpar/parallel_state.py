@@ -16,10 +16,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .mpu import DeepSpeedMPU
 
 AXES = ("tp", "cp", "pp", "dp")
 DEFAULT_ORDER = "tp-cp-dp-pp"

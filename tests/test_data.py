@@ -11,7 +11,7 @@ import torch
 
 from ctxpar.config import ConfigError, config_from_dict
 from ctxpar.data import (ByteTokenizer, DataError, HFTokenizer, IndexedDataset,
-                         IndexedDatasetWriter, PasskeyTask, SampleStream, TokenWindows,
+                         IndexedDatasetWriter, PasskeyTask, TokenWindows,
                          build_data, build_sample_stream, passkey_accuracy, passkey_correct)
 from ctxpar.data.passkey import NEEDLE, QUESTION, min_seq_len
 from dist_harness import run_distributed

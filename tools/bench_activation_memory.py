@@ -75,7 +75,7 @@ def main(argv=None) -> None:
           f"{args.kv_heads} kv, vocab {args.vocab}, batch {args.batch} x seq {args.seq_len}, "
           f"swiglu ffn {GPT(cfg, device='meta').layers[0].mlp.up_proj.out_features}, "
           f"every_n_layers={args.every_n_layers}")
-    print(f"| mode | saved bytes | MiB | vs none |\n|---|---:|---:|---:|")
+    print("| mode | saved bytes | MiB | vs none |\n|---|---:|---:|---:|")
     none = None
     for mode in CHECKPOINT_MODES:
         b = measure(cfg, mode, args.batch, args.every_n_layers)
