@@ -227,7 +227,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--json", default="bench_ring_attention.json", help="output file")
+    p.add_argument("--json", default="runs/bench_ring_attention.json", help="output file")
     a = p.parse_args(argv)
     if a.device == "cuda" and not a.simulate_ranks and torch.cuda.device_count() < max(
             a.world_sizes):
@@ -244,6 +244,7 @@ def main(argv=None):
                 cpus=os.cpu_count(), args=vars(a),
                 cuda=torch.cuda.get_device_name() if a.device == "cuda" else None)
     print(_table(rows))
+    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"wrote {a.json}")
