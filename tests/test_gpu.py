@@ -1,0 +1,96 @@
+"""The CUDA paths (gpu marker: skipped without CUDA, run on a lent GPU).
+
+CI never has a GPU; these are what a session with one runs first:
+    .venv/bin/python -m pytest -q -m gpu tests/test_gpu.py
+They check the per-block CUDA kernels (torch's flash / memory-efficient ops with LSE, and
+Dao's flash-attn when installed) against the fp32 math backend, including the non-square
+and causal-diagonal blocks the ring uses, and the GPT on CUDA in bf16.
+"""
+import pytest
+import torch
+
+from ctxpar.attention_backends import FlashAttnBackend, MathBackend, SdpaBackend
+from ctxpar.ring_attention import ring_attention
+from test_ring_attention import reference_attention, tolerance
+
+pytestmark = pytest.mark.gpu
+
+CASES = [  # (L query rows, S key rows, causal): square diagonal, non-square (zigzag) blocks
+    (128, 128, True), (128, 128, False), (64, 128, False), (128, 64, False)]
+HEADS = [(8, 2, 64), (8, 1, 80)]  # GQA with head_dim 64; MQA with 80 (padded to 8s inside)
+
+
+def _inputs(L, S, H, Hkv, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(2, L, H, D, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(2, S, Hkv, D, device="cuda", generator=g).to(dtype) for _ in "kv")
+    return q, k, v, torch.randn(2, L, H, D, device="cuda", generator=g).to(dtype)
+
+
+def _check_backend(backend):
+    ref = MathBackend()
+    scale = 0.125
+    for (L, S, causal), (H, Hkv, D), dtype in (
+            (c, h, d) for c in CASES for h in HEADS for d in (torch.bfloat16, torch.float32)):
+        if causal and L != S:
+            continue  # the ring only uses the kernels' causal path on square blocks
+        if not backend.available(torch.empty(0, device="cuda", dtype=dtype)):
+            continue
+        q, k, v, dout = _inputs(L, S, H, Hkv, D, dtype)
+        out, lse = backend.forward(q, k, v, causal, scale)
+        want_out, want_lse = ref.forward(q.float(), k.float(), v.float(), causal, scale)
+        grads = backend.backward(dout, q, k, v, out, lse, causal, scale)
+        want = ref.backward(dout.float(), q.float(), k.float(), v.float(), want_out,
+                            want_lse, causal, scale)
+        where = f"{backend.name} L={L} S={S} causal={causal} H={H}/{Hkv} D={D} {dtype}"
+        assert out.shape == q.shape and lse.shape == (2, H, L), where
+        assert lse.dtype == torch.float32 and lse.is_contiguous(), where  # it travels the ring
+        # tolerance(): fp32 1e-5 (no TF32 in these kernels); bf16 2e-2 rel + 1% of max.
+        torch.testing.assert_close(out.float(), want_out, **tolerance(dtype, want_out), msg=where)
+        torch.testing.assert_close(lse, want_lse, **tolerance(dtype, want_lse), msg=where)
+        for got, exp, name in zip(grads, want, ("dq", "dk", "dv")):
+            assert got.shape == exp.shape, (where, name)
+            torch.testing.assert_close(got.float(), exp, **tolerance(dtype, exp),
+                                       msg=f"{where} {name}")
+
+
+def test_sdpa_cuda_blocks_match_math():
+    _check_backend(SdpaBackend())
+
+
+def test_flash_attn_blocks_match_math():
+    pytest.importorskip("flash_attn", reason="flash-attn is an optional GPU extra")
+    _check_backend(FlashAttnBackend())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_ring_attention_one_rank_on_cuda_bf16(layout):
+    # P = 1: no communication, the full ring code path (merge, autograd Function) on CUDA.
+    q, k, v, dout = _inputs(256, 256, 8, 2, 64, torch.bfloat16, seed=1)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = ring_attention(q, k, v, causal=True, layout=layout, return_lse=True)
+    out.backward(dout)
+    want_out, want_lse = reference_attention(q.detach().cpu(), k.detach().cpu(),
+                                             v.detach().cpu(), True, 64 ** -0.5)
+    torch.testing.assert_close(out.float().cpu(), want_out,
+                               **tolerance(torch.bfloat16, want_out))
+    torch.testing.assert_close(lse.cpu(), want_lse, **tolerance(torch.bfloat16, want_lse))
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_gpt_bf16_cuda_matches_fp32_cpu():
+    from ctxpar.config import ModelConfig
+    from models.gpt import GPT
+
+    cfg = ModelConfig(vocab_size=256, seq_len=128, n_layers=2, d_model=128, n_heads=4,
+                      n_kv_heads=2)
+    tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    labels, pos = tokens.roll(-1, 1), torch.arange(128)
+    cpu = GPT(cfg, seed=3)
+    gpu = GPT(cfg, seed=3, device="cuda", dtype=torch.bfloat16)
+    want = cpu(tokens, pos, labels) / labels.numel()
+    got = gpu(tokens.cuda(), pos.cuda(), labels.cuda()) / labels.numel()
+    got.backward()
+    # bf16 weights and activations through 2 blocks: ~1% on a loss of ~5.5.
+    torch.testing.assert_close(got.float().cpu(), want.detach(), rtol=2e-2, atol=0)
+    assert all(torch.isfinite(p.grad).all() for p in gpu.parameters() if p.grad is not None)
