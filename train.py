@@ -168,7 +168,9 @@ def main(argv=None) -> int:
         # feeds the first stage's inputs and the last stage's labels from them).
         micro = [train_stream.next_microbatch(device) for _ in range(gas)]
         # N: non-ignored tokens of the whole step over DP x CP (models/loss.py).
-        n_tokens = sum(global_token_count(mb["labels"], state.dp_cp_group) for mb in micro)
+        # One all-reduce for the whole step, not one per micro-batch.
+        n_tokens = global_token_count(torch.cat([mb["labels"].flatten() for mb in micro]),
+                                      state.dp_cp_group)
         loss = (gpt_pipe.train_step(engine, micro, n_tokens, state) if pipelined
                 else train_step(engine, micro, n_tokens, state, gas)).item()
         step += 1
