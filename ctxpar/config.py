@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
+from .sharding import LAYOUTS, num_chunks
+
 
 class ConfigError(ValueError):
     """A bad config: the message names the file, the key and the values."""
@@ -170,7 +172,7 @@ class Config:
 CHOICES = {
     "model.mlp": ("swiglu", "gelu"),
     "model.norm": ("rmsnorm", "layernorm"),
-    "parallel.layout": ("zigzag", "striped", "contiguous"),
+    "parallel.layout": LAYOUTS,
     "parallel.attention_backend": ("auto", "flash_attn", "sdpa", "math"),
     "parallel.pp_partition": ("parameters", "uniform"),
     "data.kind": ("passkey", "tokens"),
@@ -393,7 +395,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
         err(f"model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even for RoPE")
 
     # Sequence against the CP layout.
-    chunks = 2 * p.cp if p.layout == "zigzag" else p.cp
+    chunks = num_chunks(p.cp, p.layout)
     if m.seq_len % chunks:
         err(f"model.seq_len={m.seq_len} is not divisible by {chunks} "
             f"(parallel.layout={p.layout!r} needs {'2*' if p.layout == 'zigzag' else ''}cp "

@@ -14,6 +14,7 @@ The one accessor for the current state is ``get_parallel_state()``, for train.py
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Dict, List, Optional, Union
@@ -105,6 +106,13 @@ def default_backend(device: Optional[torch.device] = None) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for single-machine rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> None:
     """Initialise torch.distributed from torchrun/deepspeed variables or, failing those, SLURM_*.
 
@@ -127,10 +135,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
         # A lone process (no launcher): any free port, so two such runs never collide.
         if env["WORLD_SIZE"] != "1":
             raise RuntimeError("MASTER_PORT is not set: launch with torchrun, deepspeed or srun")
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            env["MASTER_PORT"] = str(s.getsockname()[1])
+        env["MASTER_PORT"] = str(free_port())
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(env["LOCAL_RANK"]))

@@ -28,9 +28,14 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"unknown sequence layout {layout!r}; choose one of {list(LAYOUTS)}")
 
 
-def _check_divisible(seq_len: int, world_size: int, layout: str) -> None:
+def num_chunks(world_size: int, layout: str) -> int:
+    """Equal chunks a sequence is cut into: 2P for zigzag, P otherwise (n must divide)."""
     check_layout(layout)
-    parts = 2 * world_size if layout == "zigzag" else world_size
+    return 2 * world_size if layout == "zigzag" else world_size
+
+
+def _check_divisible(seq_len: int, world_size: int, layout: str) -> None:
+    parts = num_chunks(world_size, layout)
     if seq_len % parts != 0:
         need = f"2P = {parts}" if layout == "zigzag" else f"P = {parts}"
         raise ValueError(f"sequence length n={seq_len} is not divisible by {need} for layout "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-IGNORE_INDEX = -100
+from ctxpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 
 
 def count_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

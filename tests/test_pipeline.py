@@ -25,7 +25,8 @@ from ctxpar.pipeline import pipeline_axes, pipeline_topology
 from ctxpar.sharding import rank_positions
 from dist_harness import run_distributed
 from models.gpt import GPT
-from test_train import ROOT, _free_port, losses
+from ctxpar.parallel_state import free_port
+from test_train import ROOT, losses
 
 CONFIGS = {
     # GQA, SwiGLU, RMSNorm, tied embeddings (a TiedLayerSpec on the first and last stage).
@@ -235,7 +236,7 @@ def run_4d(run_dir, nproc, sets=(), extra=()):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     cmd = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", str(_free_port())]
+        "--master_port", str(free_port())]
     cmd += [os.path.join(ROOT, "train.py"), "--config", CONFIG_4D,
             "--set", *SHORT, f"logging.run_dir={run_dir}", *sets, *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -10,11 +10,12 @@ All share seed and global batch (16 samples), so their per-step losses must agre
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from ctxpar.parallel_state import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -23,12 +24,6 @@ BASE = ["model.seq_len=128", "train.steps=20", "train.warmup_steps=5", "train.ev
         "train.eval_samples=16", "logging.log_interval=1"]
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops_per_device",
           "peak_mem_bytes", "step_time_s"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True):
@@ -40,7 +35,7 @@ def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True):
         cmd = [sys.executable, os.path.join(ROOT, "train.py")]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port()), os.path.join(ROOT, "train.py")]
+               "--master_port", str(free_port()), os.path.join(ROOT, "train.py")]
     cmd += ["--config", CONFIG, "--set", *sets, *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..tensor_parallel.cross_entropy import IGNORE_INDEX
 from .indexed import DataError
 from .tokenizer import ByteTokenizer
 
-IGNORE_INDEX = -100
 NEEDLE = "The pass key is {key}. Remember it. "
 QUESTION = "What is the pass key? The pass key is "
 # "The <noun> is <adjective>. " and two classics: 12*12 + 2 sentences, none with a digit.

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+IGNORE_INDEX = -100  # torch's convention: labels to leave out of the loss and its count
+
 
 def _size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
@@ -62,6 +64,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
-                                 ignore_index: int = -100) -> torch.Tensor:
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """loss = logsumexp(z) - z_t per token, z split over TP; (..., V/tp), (...) -> (...) fp32."""
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, ignore_index)
