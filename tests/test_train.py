@@ -132,12 +132,26 @@ def test_bad_input_exits_2_with_one_line(tmp_path, sets, msg):
 
 def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path):
     # world 2 with cp=2 x dp=2 requested: both ranks refuse before any collective.
-    proc = run_train(str(tmp_path / "bad"), 2, ["parallel.cp=2", "parallel.dp=2"],
-                     check=False, timeout=120)
-    assert proc.returncode != 0
+    # Each rank is its own process with torch's env variables (as srun starts them), not
+    # torchrun: torchrun SIGTERMs the slower rank as soon as the first one exits, so it
+    # could never show that *every* rank reaches the check on its own.
+    port = str(free_port())
+    sets = BASE + [f"logging.run_dir={tmp_path / 'bad'}", "parallel.cp=2", "parallel.dp=2"]
+    procs = []
     for r in (0, 1):
-        assert f"[rank {r}] error:" in proc.stderr and "does not equal the world size 2" \
-            in proc.stderr, proc.stderr[-2000:]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+               "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "train.py"), "--config", CONFIG, "--set", *sets],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for r, p in enumerate(procs):
+        _, err = p.communicate(timeout=120)  # a rank stuck in a collective fails here
+        assert p.returncode == 2, err[-2000:]
+        lines = [ln for ln in err.splitlines() if "error:" in ln]
+        assert len(lines) == 1 and lines[0].startswith(f"[rank {r}] error:") \
+            and "does not equal the world size 2" in lines[0], err[-2000:]
+    assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")
 
 
 def test_missing_config_file_exits_2(tmp_path):
