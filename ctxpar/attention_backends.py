@@ -113,7 +113,7 @@ class SdpaBackend:
             out, lse = aten._scaled_dot_product_flash_attention(
                 _pad_head_dim(qt), _pad_head_dim(kt), _pad_head_dim(vt), 0.0, causal,
                 scale=scale)[:2]
-        else:  # fp32 on CUDA: the memory-efficient kernel; its lse is padded to 32 rows
+        else:  # fp32 on CUDA: the memory-efficient kernel; lse padded to 32 rows (not ROCm)
             out, lse = aten._scaled_dot_product_efficient_attention(
                 _pad_head_dim(qt), _pad_head_dim(kt), _pad_head_dim(vt), None, True, 0.0,
                 causal, scale=scale)[:2]
@@ -139,7 +139,8 @@ class SdpaBackend:
                 scale=scale)
         else:
             seed = torch.zeros((), dtype=torch.int64, device=q.device)
-            lse = F.pad(lse, (0, -L % 32))  # the layout its forward produced
+            if not torch.version.hip:  # CUDA's forward pads lse to 32 rows; ROCm's does not
+                lse = F.pad(lse, (0, -L % 32))  # (torch/_meta_registrations.py)
             dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
                 _pad_head_dim(dot), _pad_head_dim(qt), _pad_head_dim(kt), _pad_head_dim(vt),
                 None, _pad_head_dim(ot), lse, seed, seed, 0.0, [True, True, True, False],
