@@ -12,7 +12,7 @@ from .parallel_state import (
 )
 from .mpu import DeepSpeedMPU
 from .data import (DataError, PasskeyTask, SampleStream, build_data, build_sample_stream,
-                   passkey_accuracy, passkey_eval, shard_batch)
+                   passkey_accuracy, evaluate, shard_batch)
 from .ring_attention import RingStats, ring_attention, ring_stats
 from .sharding import gather_sequence, sequence_positions, shard_sequence
 from .tensor_parallel import (

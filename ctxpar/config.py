@@ -113,6 +113,10 @@ class DataConfig:
     """'passkey' (built-in synthetic retrieval task) or 'tokens' (a preprocessed .bin/.idx)."""
     path: Optional[str] = None
     """For kind=tokens: the prefix of <path>.bin and <path>.idx from tools/preprocess_data.py."""
+    eval_path: Optional[str] = None
+    """For kind=tokens: prefix of a held-out .bin/.idx to evaluate on (None = eval_fraction)."""
+    eval_fraction: float = 0.01
+    """For kind=tokens without eval_path: share of path's samples (its end) held out for eval."""
     passkey_digits: int = 2
     """For kind=passkey: digits of the planted key."""
 
@@ -440,9 +444,15 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     if cfg.data.kind == "tokens":
         if not cfg.data.path:
             err("data.path must be set when data.kind='tokens'")
-        for ext in (".bin", ".idx") if check_paths else ():
-            if not os.path.isfile(cfg.data.path + ext):
-                err(f"data.path={cfg.data.path!r}: {cfg.data.path + ext} does not exist")
+        for key in ("path", "eval_path") if check_paths else ():
+            prefix = getattr(cfg.data, key)
+            for ext in (".bin", ".idx") if prefix else ():
+                if not os.path.isfile(prefix + ext):
+                    err(f"data.{key}={prefix!r}: {prefix + ext} does not exist")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        err(f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
+    if cfg.data.eval_path and cfg.data.kind != "tokens":
+        err(f"data.eval_path is set but data.kind={cfg.data.kind!r} (it is for 'tokens')")
     if cfg.data.kind == "passkey" and not 1 <= cfg.data.passkey_digits <= 6:
         err(f"data.passkey_digits={cfg.data.passkey_digits} must be in 1..6")
     if cfg.data.kind == "passkey":

@@ -128,6 +128,61 @@ def test_too_short_token_file(tmp_path):
     one_line_error(lambda: TokenWindows(prefix, 16), "fewer than one sample")
 
 
+def _tokens_cfg(prefix, seq_len=16, **data):
+    return config_from_dict({"model": {"seq_len": seq_len},
+                             "data": {"kind": "tokens", "path": prefix, **data}})
+
+
+def _window_starts(source, n):
+    """The file offset each of the first n samples of a TokenWindows starts at (by content)."""
+    flat, T = source.data.tokens, source.seq_len
+    starts = []
+    for i in range(n):
+        x = source[i][0]
+        hits = [s for s in range(0, len(flat) - T, T) if np.array_equal(flat[s:s + T], x)]
+        assert len(hits) == 1  # random bytes: a 16-token window is unique in the file
+        starts.append(hits[0])
+    return starts
+
+
+def test_token_eval_split_is_held_out(tmp_path):
+    prefix = write(tmp_path / "c")  # 263 tokens: 16 windows of 16
+    data = build_data(_tokens_cfg(prefix, eval_fraction=0.25))
+    train, held = data.train_source, data.eval_source
+    assert (train.n_windows, held.n_windows) == (12, 4)  # round(16 * 0.25), at the end
+    # Over 3 epochs train visits exactly windows 0..11, eval exactly 12..15: disjoint
+    # stretches of text, together the whole file.
+    assert set(_window_starts(train, 36)) == set(range(0, 12 * 16, 16))
+    assert set(_window_starts(held, 8)) == set(range(12 * 16, 16 * 16, 16))
+    # The default: at least one window held out; 0 and no eval_path: nothing to evaluate.
+    assert build_data(_tokens_cfg(prefix)).eval_source.n_windows == 1
+    assert not build_data(_tokens_cfg(prefix, eval_fraction=0.0)).has_eval
+    with pytest.raises(DataError, match="no held-out eval data"):
+        build_sample_stream(_tokens_cfg(prefix, eval_fraction=0.0), split="eval")
+    # A held-out file: train keeps every window of path, eval reads all of eval_path.
+    other = write(tmp_path / "held", [d[::-1] for d in DOCS])
+    data = build_data(_tokens_cfg(prefix, eval_path=other))
+    assert data.train_source.n_windows == 16 and data.eval_source.data.n_tokens == 263
+    assert set(_window_starts(data.eval_source, 16)) == set(range(0, 256, 16))
+    # Holding out everything is refused in one line naming the numbers.
+    one_line_error(lambda: build_data(_tokens_cfg(write(tmp_path / "s", [[1] * 40]), 16,
+                                                  eval_fraction=0.9)),
+                   "data.eval_fraction=0.9 holds out 2 of its 2 samples", "none to train on")
+
+
+@pytest.mark.parametrize("data,msg", [
+    ({"kind": "tokens", "eval_fraction": 1.0}, "data.eval_fraction=1.0 must be in [0, 1)"),
+    ({"kind": "tokens", "eval_path": "/nonexistent/held"},
+     "data.eval_path='/nonexistent/held': /nonexistent/held.bin does not exist"),
+    ({"eval_path": "x"}, "data.eval_path is set but data.kind='passkey'"),
+])
+def test_bad_eval_data_config(tmp_path, data, msg):
+    data = {"path": write(tmp_path / "c"), **data} if data.get("kind") else data
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {"seq_len": 96}, "data": data})
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
 def collect(stream, n):
     return [stream.next_batch() for _ in range(n)]
 
@@ -278,7 +333,7 @@ def test_preprocess_errors_leave_nothing(tmp_path, capsys, inputs, expect):
 # ---------------------------------------------------------------- DP x CP on gloo ranks
 
 def _dp_cp_stream(rank, world, prefix):
-    from ctxpar.data import passkey_eval, vocab_parallel_argmax
+    from ctxpar.data import evaluate, vocab_parallel_argmax
     from ctxpar.parallel_state import init_parallel_state
     from ctxpar.sharding import gather_sequence
     state = init_parallel_state(cp=2, dp=2)
@@ -297,7 +352,12 @@ def _dp_cp_stream(rank, world, prefix):
             assert torch.equal(full[k], want[k]), (kind, layout, k)
             assert torch.equal(mb[k], want[k][:, mb["positions"]])  # token i at positions[i]
         out[(kind, layout)] = (full["tokens"].tolist(), mb["positions"].tolist())
-    out["eval"] = passkey_eval(_KeyOracle(state.cp_group, "zigzag"), _eval_data(world), state)
+    out["eval"] = evaluate(_KeyOracle(state.cp_group, "zigzag"), _eval_data(world), state)
+    text = build_data(config_from_dict({
+        "model": {"seq_len": 96}, "parallel": {"cp": 2, "layout": "striped"},
+        "train": {"micro_batch_size": 2, "global_batch_size": 4, "eval_samples": 10},
+        "data": {"kind": "tokens", "path": prefix, "eval_fraction": 0.5}}, world_size=world))
+    out["text_eval"] = evaluate(_Repeat(), text, state)
     # vocab_parallel_argmax over a 2-rank group (the dp group stands in for TP).
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 8).round()  # rounding makes ties: the first max must win
@@ -311,6 +371,13 @@ def _eval_data(world):
         "model": {"seq_len": 96}, "parallel": {"cp": 2, "layout": "zigzag"},
         "train": {"micro_batch_size": 2, "global_batch_size": 4, "eval_samples": 10}},
         world_size=world))
+
+
+class _Repeat(torch.nn.Module):
+    """Logits 2 on the current token, 0 elsewhere: CE = log(e^2 + 255) - 2*[next == current]."""
+
+    def forward(self, tokens, positions):
+        return 2.0 * torch.nn.functional.one_hot(tokens, 256).float()  # (B, T/cp, V)
 
 
 class _KeyOracle(torch.nn.Module):
@@ -337,7 +404,7 @@ def test_dp_cp_streams_shards_and_eval(tmp_path):
     res = run_distributed(_dp_cp_stream, 4, prefix, timeout=240)
     # grid tp-cp-dp-pp: cp groups [0,1], [2,3]; dp groups [0,2], [1,3]
     for key in res[0]:
-        if key == "eval":
+        if key in ("eval", "text_eval"):
             continue
         assert res[0][key][0] == res[1][key][0] and res[2][key][0] == res[3][key][0]  # CP same
         assert not set(map(tuple, res[0][key][0])) & set(map(tuple, res[2][key][0]))  # DP apart
@@ -349,3 +416,17 @@ def test_dp_cp_streams_shards_and_eval(tmp_path):
     for r in res:
         assert r["eval"]["eval_samples"] == 12
         assert r["eval"]["eval_accuracy"] == pytest.approx(want, abs=1e-12)
+    # Text eval: the token mean over the 12 held-out samples (DP x CP), not a mean of
+    # per-rank means. The held-out half of the file is windows 5..9 (seq_len 96).
+    cfg = config_from_dict({"model": {"seq_len": 96}, "train": {"seed": 1234},
+                            "data": {"kind": "tokens", "path": prefix, "eval_fraction": 0.5}})
+    held = build_data(cfg).eval_source
+    assert (held.first, held.n_windows) == (5, 5)
+    pairs = [held[i] for i in range(12)]
+    same_next = np.mean([np.mean(x == y) for x, y in pairs])
+    want_loss = np.log(np.exp(2.0) + 255) - 2.0 * same_next
+    for r in res:
+        assert set(r["text_eval"]) == {"eval_loss", "eval_ppl", "eval_samples"}
+        # fp32 logits/CE per token, fp64 sums: ~1e-7 relative.
+        assert r["text_eval"]["eval_loss"] == pytest.approx(want_loss, rel=1e-6)
+        assert r["text_eval"]["eval_ppl"] == pytest.approx(np.exp(want_loss), rel=1e-6)

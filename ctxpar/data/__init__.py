@@ -2,7 +2,7 @@
 from .indexed import DataError, IndexedDataset, IndexedDatasetWriter
 from .loader import (SampleStream, TokenWindows, build_sample_stream, build_source,
                      shard_batch)
-from .pipeline import (Data, ShardedStream, build_data, passkey_eval,
+from .pipeline import (Data, ShardedStream, build_data, evaluate,
                        vocab_parallel_argmax)
 from .passkey import IGNORE_INDEX, PasskeyTask, passkey_accuracy, passkey_correct
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -11,6 +11,6 @@ __all__ = [
     "ByteTokenizer", "Data", "DataError", "HFTokenizer", "IGNORE_INDEX", "IndexedDataset",
     "IndexedDatasetWriter", "PasskeyTask", "SampleStream", "TokenWindows",
     "build_sample_stream", "build_source", "load_tokenizer", "passkey_accuracy",
-    "passkey_correct", "passkey_eval", "shard_batch", "ShardedStream", "build_data",
+    "passkey_correct", "evaluate", "shard_batch", "ShardedStream", "build_data",
     "vocab_parallel_argmax",
 ]

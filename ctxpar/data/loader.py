@@ -27,20 +27,28 @@ class TokenWindows:
 
     The .bin is already documents back to back with EOS after each, so window w is
     tokens[w*T : w*T + T + 1] (consecutive windows share one token, as in Megatron/nanoGPT)
-    and n = (n_tokens - 1) // T windows make an epoch. Epoch e visits them in the order
-    of a permutation seeded by (seed, split, e): every epoch is shuffled differently.
+    and the file holds (n_tokens - 1) // T windows. This source uses ``count`` of them from
+    ``first`` on (default: all), so a train and a held-out split of one file are disjoint
+    stretches of text. Epoch e visits them in the order of a permutation seeded by
+    (seed, split, e): every epoch is shuffled differently.
     """
 
-    def __init__(self, prefix: str, seq_len: int, seed: int = 0, split: str = "train"):
+    def __init__(self, prefix: str, seq_len: int, seed: int = 0, split: str = "train",
+                 first: int = 0, count: Optional[int] = None):
         self.data = IndexedDataset(prefix)
         self.seq_len, self.seed, self.split = seq_len, seed, split
         self.vocab_size = self.data.vocab_size
-        self.n_windows = (self.data.n_tokens - 1) // seq_len
-        if self.n_windows < 1:
+        in_file = (self.data.n_tokens - 1) // seq_len
+        if in_file < 1:
             raise DataError(f"{prefix}.bin: {self.data.n_tokens} tokens are fewer than one "
                             f"sample of seq_len+1 = {seq_len + 1}")
+        self.first = first
+        self.n_windows = in_file - first if count is None else count
+        if not (0 <= first and 1 <= self.n_windows and first + self.n_windows <= in_file):
+            raise ValueError(f"windows [{first}, {first + self.n_windows}) are not within the "
+                             f"{in_file} windows of {prefix}.bin")
         self.fingerprint = {"kind": "tokens", "seq_len": seq_len, "seed": seed, "split": split,
-                            "n_tokens": self.data.n_tokens}
+                            "n_tokens": self.data.n_tokens, "windows": [first, self.n_windows]}
         self._perm_epoch, self._perm = -1, None
 
     def __getitem__(self, index: int):
@@ -48,21 +56,51 @@ class TokenWindows:
         if epoch != self._perm_epoch:  # one epoch's order cached: 8 bytes per window
             rng = np.random.default_rng([self.seed, SPLITS[self.split], epoch])
             self._perm, self._perm_epoch = rng.permutation(self.n_windows), epoch
-        start = int(self._perm[i]) * self.seq_len
+        start = (self.first + int(self._perm[i])) * self.seq_len
         window = np.asarray(self.data.tokens[start:start + self.seq_len + 1], dtype=np.int64)
         return window[:-1], window[1:]  # inputs (T,), labels (T,) = inputs shifted by one
 
 
+def held_out_windows(n_windows: int, eval_fraction: float) -> int:
+    """Windows at the end of a token file kept for eval: round(n * f), at least 1 if f > 0."""
+    return max(1, round(n_windows * eval_fraction)) if eval_fraction > 0 else 0
+
+
+def _token_source(data_cfg, seq_len: int, seed: int, split: str):
+    """The train or eval TokenWindows of a tokens DataConfig, or None (no held-out data).
+
+    eval: all of data.eval_path when set, else the last data.eval_fraction of data.path's
+    windows; train: data.path without those. So train never sees eval text.
+    """
+    if not data_cfg.path:
+        raise DataError("data.path must be set when data.kind='tokens'")
+    if split == "eval" and data_cfg.eval_path:
+        return TokenWindows(data_cfg.eval_path, seq_len, seed, split)
+    whole = TokenWindows(data_cfg.path, seq_len, seed, split)
+    n_eval = 0 if data_cfg.eval_path else held_out_windows(whole.n_windows,
+                                                           data_cfg.eval_fraction)
+    if n_eval >= whole.n_windows:
+        raise DataError(f"{data_cfg.path}.bin: data.eval_fraction={data_cfg.eval_fraction} "
+                        f"holds out {n_eval} of its {whole.n_windows} samples of "
+                        f"seq_len={seq_len}, leaving none to train on")
+    if split == "eval":
+        return TokenWindows(data_cfg.path, seq_len, seed, split,
+                            whole.n_windows - n_eval, n_eval) if n_eval else None
+    return TokenWindows(data_cfg.path, seq_len, seed, split, 0, whole.n_windows - n_eval)
+
+
 def build_source(data_cfg, seq_len: int, seed: int, split: str = "train"):
-    """PasskeyTask or TokenWindows for a DataConfig (kind 'passkey' or 'tokens')."""
+    """PasskeyTask or TokenWindows for a DataConfig (kind 'passkey' or 'tokens').
+
+    None for split='eval' of a tokens config with no held-out data (eval_fraction 0 and
+    no eval_path): there is nothing to evaluate on that the model has not trained on.
+    """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
     if data_cfg.kind == "passkey":
         return PasskeyTask(seq_len, data_cfg.passkey_digits, seed, split)
     if data_cfg.kind == "tokens":
-        if not data_cfg.path:
-            raise DataError("data.path must be set when data.kind='tokens'")
-        return TokenWindows(data_cfg.path, seq_len, seed, split)
+        return _token_source(data_cfg, seq_len, seed, split)
     raise ValueError(f"data.kind={data_cfg.kind!r} must be 'passkey' or 'tokens'")
 
 
@@ -119,6 +157,9 @@ def build_sample_stream(cfg, dp_rank: int = 0, dp_size: int = 1, split: str = "t
     vocabulary does not fit model.vocab_size. Pure file reads: call it before any collective.
     """
     source = build_source(cfg.data, cfg.model.seq_len, cfg.train.seed, split)
+    if source is None:
+        raise DataError(f"data: no held-out {split} data (data.eval_fraction=0 and no "
+                        f"data.eval_path)")
     if source.vocab_size > cfg.model.vocab_size:
         raise DataError(f"data: the tokenizer's vocabulary ({source.vocab_size}) is larger "
                         f"than model.vocab_size={cfg.model.vocab_size}")

@@ -4,7 +4,9 @@
     stream = data.train_stream(state)       # this DP rank's samples, this CP rank's tokens
     mb = stream.next_microbatch(device)     # tokens, labels (B, T/cp); positions (T/cp,)
     client_state["data"] = stream.state_dict(); ... stream.load_state_dict(client["data"])
-    passkey_eval(model, data, state, device)  # {"eval_accuracy", "eval_loss", "eval_samples"}
+    if data.has_eval:                       # passkey: always; tokens: a held-out split
+        evaluate(model, data, state, device)  # {"eval_loss", "eval_samples", "eval_accuracy"
+                                              #  (passkey) or "eval_ppl" (tokens)}
 """
 from __future__ import annotations
 
@@ -43,11 +45,18 @@ class Data:
         self.cfg = cfg
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
         self.train_source = build_source(cfg.data, seq_len, seed, "train")
-        self.eval_source = build_source(cfg.data, seq_len, seed, "eval")
-        if self.train_source.vocab_size > cfg.model.vocab_size:
-            where = f"{cfg.data.path}.idx" if cfg.data.kind == "tokens" else "passkey"
-            raise DataError(f"{where}: token ids go up to {self.train_source.vocab_size - 1} "
+        self.eval_source = build_source(cfg.data, seq_len, seed, "eval")  # None: no held-out
+        for source, key in ((self.train_source, "path"), (self.eval_source, "eval_path")):
+            if source is None or source.vocab_size <= cfg.model.vocab_size:
+                continue
+            where = (f"{getattr(cfg.data, key) or cfg.data.path}.idx"
+                     if cfg.data.kind == "tokens" else "passkey")
+            raise DataError(f"{where}: token ids go up to {source.vocab_size - 1} "
                             f"but model.vocab_size={cfg.model.vocab_size}")
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_source is not None
 
     def _stream(self, source, state) -> ShardedStream:
         s = SampleStream(source, self.cfg.train.micro_batch_size, state.dp_rank, state.dp_size)
@@ -81,25 +90,31 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def passkey_eval(model, data: Data, state, device=None,
-                 forward: Optional[Callable] = None) -> Dict[str, float]:
-    """Exact-match passkey accuracy and answer-token loss over train.eval_samples samples.
+def evaluate(model, data: Data, state, device=None,
+             forward: Optional[Callable] = None) -> Dict[str, float]:
+    """Loss over train.eval_samples held-out samples, and the passkey accuracy on passkey data.
 
-    model(tokens, positions) must return vocab-parallel logits (B, T/cp, V/tp) (models.gpt
-    does), or ``forward(mb)`` returns them for a micro-batch dict, and None on pipeline
-    stages without the head (models.gpt_pipe.pipeline_logits). Collective over the whole
-    grid: every rank must call it. The sample count is rounded up to whole micro-batches of
-    all DP ranks (reported as eval_samples).
+    Returns eval_loss (mean over every labelled token: the answer digits for passkey, all
+    tokens for text), eval_samples, and eval_accuracy (passkey: exact match of the key) or
+    eval_ppl (tokens: exp(eval_loss)). model(tokens, positions) must return vocab-parallel
+    logits (B, T/cp, V/tp) (models.gpt does), or ``forward(mb)`` returns them for a
+    micro-batch dict, and None on pipeline stages without the head
+    (models.gpt_pipe.pipeline_logits). Collective over the whole grid: every rank must call
+    it. The sample count is rounded up to whole micro-batches of all DP ranks.
     """
     from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
     cfg = data.cfg
     per_step = cfg.train.micro_batch_size * state.dp_size
     n_micro = max(1, math.ceil(cfg.train.eval_samples / per_step))
+    if not data.has_eval:
+        raise DataError("no held-out data to evaluate on (data.eval_fraction=0 and no "
+                        "data.eval_path)")
     stream = data.eval_stream(state)
     was_training = model.training
     model.eval()
-    # [correct samples, loss sum, answer tokens] on this rank, summed over the grid below
+    # [correct samples (passkey), loss sum, labelled tokens] on this rank, summed below
+    passkey = cfg.data.kind == "passkey"
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for _ in range(n_micro):
         mb = stream.next_microbatch(device)
@@ -107,10 +122,11 @@ def passkey_eval(model, data: Data, state, device=None,
         logits = forward(mb) if forward else model(mb["tokens"], mb["positions"])
         if logits is None:
             continue
-        preds = vocab_parallel_argmax(logits, state.tp_group)           # (B, T/cp)
-        correct = passkey_correct(preds, mb["labels"], state.cp_group)  # (B,), same on CP
+        if passkey:
+            preds = vocab_parallel_argmax(logits, state.tp_group)           # (B, T/cp)
+            correct = passkey_correct(preds, mb["labels"], state.cp_group)  # (B,), same on CP
+            totals[0] += correct.sum()
         losses = vocab_parallel_cross_entropy(logits.float(), mb["labels"], state.tp_group)
-        totals[0] += correct.sum()
         totals[1] += losses.sum()  # 0 at ignored positions
         totals[2] += (mb["labels"] != IGNORE_INDEX).sum()
     model.train(was_training)
@@ -126,6 +142,7 @@ def passkey_eval(model, data: Data, state, device=None,
         for t in (correct, loss_tok):
             dist.broadcast(t, src=state.ranks("pp")[-1], group=state.pp_group)
     n = n_micro * per_step
-    return {"eval_accuracy": correct.item() / n,
-            "eval_loss": loss_tok[0].item() / max(loss_tok[1].item(), 1.0),
-            "eval_samples": n}
+    loss = loss_tok[0].item() / max(loss_tok[1].item(), 1.0)
+    if passkey:
+        return {"eval_loss": loss, "eval_accuracy": correct.item() / n, "eval_samples": n}
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_samples": n}
