@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ctxpar import resume as ckpt
 from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_config, to_dict
-from ctxpar.data import DataError, build_data, passkey_eval
+from ctxpar.data import DataError, build_data, evaluate
 from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tflops,
                             flops_per_token, init_wandb, peak_memory_bytes)
 from ctxpar.parallel_state import init_distributed, init_parallel_state
@@ -192,17 +192,16 @@ def main(argv=None) -> int:
                         "mfu": tflops / peak if peak else None,
                         "peak_mem_bytes": peak_memory_bytes(device)})
         logger.advance(step, loss, tokens_per_step / dt)
-        evaluate = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
-        if evaluate or step == cfg.train.steps:
+        eval_now = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
+        if data.has_eval and (eval_now or step == cfg.train.steps):
             forward = partial(gpt_pipe.pipeline_logits, engine.module, state) \
                 if pipelined else None
-            result = passkey_eval(engine.module, data, state, device, forward) \
-                if cfg.data.kind == "passkey" else None
-            if result is not None:
-                last_eval = result
-                logger.log({"step": step, **result})
-                logger.write(f"step {step}: passkey accuracy {result['eval_accuracy']:.3f} "
-                             f"({result['eval_samples']} samples)")
+            last_eval = evaluate(engine.module, data, state, device, forward)
+            logger.log({"step": step, **last_eval})
+            what = (f"passkey accuracy {last_eval['eval_accuracy']:.3f}"
+                    if "eval_accuracy" in last_eval else
+                    f"eval loss {last_eval['eval_loss']:.4f} (ppl {last_eval['eval_ppl']:.2f})")
+            logger.write(f"step {step}: {what} ({last_eval['eval_samples']} held-out samples)")
             timer.lap()  # the eval is not step time
         save_every = cfg.checkpointing.save_interval
         if (save_every and step % save_every == 0) or step == cfg.train.steps:
@@ -212,8 +211,12 @@ def main(argv=None) -> int:
 
     logger.close()
     if rank0:
-        acc = f", passkey accuracy {last_eval['eval_accuracy']:.3f} (chance " \
-              f"{10.0 ** -cfg.data.passkey_digits:.3f})" if last_eval else ""
+        acc = ""
+        if last_eval and "eval_accuracy" in last_eval:
+            acc = f", passkey accuracy {last_eval['eval_accuracy']:.3f} (chance " \
+                  f"{10.0 ** -cfg.data.passkey_digits:.3f})"
+        elif last_eval:
+            acc = f", eval loss {last_eval['eval_loss']:.4f}"
         print(f"done: {step} steps, final loss {loss:.4f}{acc}; metrics in "
               f"{os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
     dist.barrier()

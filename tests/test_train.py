@@ -8,6 +8,7 @@ The runs are shared through module-scoped fixtures (each costs ~30-60 s on 2 cor
 All share seed and global batch (16 samples), so their per-step losses must agree.
 """
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -113,6 +114,33 @@ def test_layouts_log_the_same_loss(cp2dp2, runs, name, nproc, layout):
         # fp32: only the order of reductions differs (TP all-reduce, CP ring merge, DP
         # sums); after 20 Adam steps that drifts ~1e-6 relative, well inside 1e-4.
         assert abs(got[s] - want[s]) <= 1e-4 * abs(want[s]), (s, got[s], want[s])
+
+
+def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
+    # Real text through tools/preprocess_data.py; train.py evaluates the loss on the last
+    # 10% of the file (data.eval_fraction), which it never trains on.
+    import random
+    from ctxpar.data.passkey import SENTENCES
+    rnd = random.Random(0)
+    docs = ["".join(rnd.choice(SENTENCES) for _ in range(40)) for _ in range(60)]  # ~55 KB
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prefix = str(tmp_path / "corpus")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
+                    str(tmp_path / "docs.jsonl"), "--output-prefix", prefix], check=True,
+                   capture_output=True, timeout=120)
+    d = tmp_path / "text"
+    proc = run_train(str(d), 1, ["parallel.cp=1", "parallel.dp=1", "data.kind=tokens",
+                                 f"data.path={prefix}", "data.eval_fraction=0.1",
+                                 "train.steps=10", "train.eval_interval=5",
+                                 "logging.wandb.mode=disabled"])
+    rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [5, 10] and "eval_accuracy" not in evals[0]
+    # Filler sentences of 12 nouns x 12 adjectives: held-out loss falls well below ln(256).
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"] < 5.0, evals
+    ppl, loss = evals[1]["eval_ppl"], evals[1]["eval_loss"]
+    assert abs(ppl - math.exp(loss)) < 1e-6 * ppl
+    assert "held-out samples" in proc.stdout and "eval loss" in proc.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize("sets,msg", [
