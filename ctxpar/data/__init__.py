@@ -1,8 +1,7 @@
 """Data: the passkey task, .bin/.idx token files, and the DP/CP-aware sample stream."""
 from .indexed import DataError, IndexedDataset, IndexedDatasetWriter
-from .loader import (SampleStream, TokenWindows, build_sample_stream, build_source,
-                     shard_batch)
-from .pipeline import (Data, ShardedStream, build_data, evaluate,
+from .loader import SampleStream, TokenWindows, build_source, shard_batch
+from .pipeline import (Data, ShardedStream, build_data, build_sample_stream, evaluate,
                        vocab_parallel_argmax)
 from .passkey import IGNORE_INDEX, PasskeyTask, passkey_accuracy, passkey_correct
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer

@@ -6,14 +6,14 @@ So DP ranks get disjoint samples, the CP (and TP, PP) ranks of one DP rank get t
 samples, and the only state is c, one integer, the same on every rank. Resuming from c
 continues exactly where an uninterrupted run would be, even with a different dp.
 
-    stream = build_sample_stream(cfg, dp_rank=state.dp_rank, dp_size=state.dp_size)
+    stream = SampleStream(source, micro_batch_size, state.dp_rank, state.dp_size)
     batch = stream.next_batch()                      # tokens, labels: (B, T) int64
     local = shard_batch(batch, state, cfg.parallel.layout)  # (B, T/cp) + positions
     ... client_state["data"] = stream.state_dict()   # in the checkpoint
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import numpy as np
 import torch
@@ -33,9 +33,10 @@ class TokenWindows:
     (seed, split, e): every epoch is shuffled differently.
     """
 
-    def __init__(self, prefix: str, seq_len: int, seed: int = 0, split: str = "train",
-                 first: int = 0, count: Optional[int] = None):
-        self.data = IndexedDataset(prefix)
+    def __init__(self, data: Union[str, IndexedDataset], seq_len: int, seed: int = 0,
+                 split: str = "train", first: int = 0, count: Optional[int] = None):
+        self.data = data if isinstance(data, IndexedDataset) else IndexedDataset(data)
+        prefix = self.data.prefix
         self.seq_len, self.seed, self.split = seq_len, seed, split
         self.vocab_size = self.data.vocab_size
         in_file = (self.data.n_tokens - 1) // seq_len
@@ -69,24 +70,24 @@ def held_out_windows(n_windows: int, eval_fraction: float) -> int:
 def _token_source(data_cfg, seq_len: int, seed: int, split: str):
     """The train or eval TokenWindows of a tokens DataConfig, or None (no held-out data).
 
-    eval: all of data.eval_path when set, else the last data.eval_fraction of data.path's
-    windows; train: data.path without those. So train never sees eval text.
+    With data.eval_path: all of path trains, all of eval_path evaluates. Otherwise eval is
+    the last data.eval_fraction of path's windows and train the rest, so train never sees
+    eval text. Each file is opened once.
     """
-    if not data_cfg.path:
-        raise DataError("data.path must be set when data.kind='tokens'")
-    if split == "eval" and data_cfg.eval_path:
-        return TokenWindows(data_cfg.eval_path, seq_len, seed, split)
+    if data_cfg.eval_path:
+        return TokenWindows(data_cfg.eval_path if split == "eval" else data_cfg.path,
+                            seq_len, seed, split)
     whole = TokenWindows(data_cfg.path, seq_len, seed, split)
-    n_eval = 0 if data_cfg.eval_path else held_out_windows(whole.n_windows,
-                                                           data_cfg.eval_fraction)
+    n_eval = held_out_windows(whole.n_windows, data_cfg.eval_fraction)
     if n_eval >= whole.n_windows:
         raise DataError(f"{data_cfg.path}.bin: data.eval_fraction={data_cfg.eval_fraction} "
                         f"holds out {n_eval} of its {whole.n_windows} samples of "
                         f"seq_len={seq_len}, leaving none to train on")
-    if split == "eval":
-        return TokenWindows(data_cfg.path, seq_len, seed, split,
-                            whole.n_windows - n_eval, n_eval) if n_eval else None
-    return TokenWindows(data_cfg.path, seq_len, seed, split, 0, whole.n_windows - n_eval)
+    if not n_eval:
+        return whole if split == "train" else None
+    n_train = whole.n_windows - n_eval
+    first, count = (n_train, n_eval) if split == "eval" else (0, n_train)
+    return TokenWindows(whole.data, seq_len, seed, split, first, count)
 
 
 def build_source(data_cfg, seq_len: int, seed: int, split: str = "train"):
@@ -147,23 +148,6 @@ class SampleStream:
             said = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
             raise DataError(f"the checkpoint's data stream differs from this config ({said})")
         self.samples_consumed = int(state["samples_consumed"])
-
-
-def build_sample_stream(cfg, dp_rank: int = 0, dp_size: int = 1, split: str = "train",
-                        micro_batch_size: Optional[int] = None) -> SampleStream:
-    """The stream for a Config: its data section, model.seq_len, train.seed/micro_batch_size.
-
-    Raises DataError (one line) for a missing or corrupt token file, or a token file whose
-    vocabulary does not fit model.vocab_size. Pure file reads: call it before any collective.
-    """
-    source = build_source(cfg.data, cfg.model.seq_len, cfg.train.seed, split)
-    if source is None:
-        raise DataError(f"data: no held-out {split} data (data.eval_fraction=0 and no "
-                        f"data.eval_path)")
-    if source.vocab_size > cfg.model.vocab_size:
-        raise DataError(f"data: the tokenizer's vocabulary ({source.vocab_size}) is larger "
-                        f"than model.vocab_size={cfg.model.vocab_size}")
-    return SampleStream(source, micro_batch_size or cfg.train.micro_batch_size, dp_rank, dp_size)
 
 
 def shard_batch(batch: Dict[str, torch.Tensor], state_or_group, layout: str

@@ -46,33 +46,52 @@ class Data:
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
         self.train_source = build_source(cfg.data, seq_len, seed, "train")
         self.eval_source = build_source(cfg.data, seq_len, seed, "eval")  # None: no held-out
+        # Passkey is byte-level and config refuses vocab_size < 256: only token files can
+        # hold ids the model has no row for.
         for source, key in ((self.train_source, "path"), (self.eval_source, "eval_path")):
-            if source is None or source.vocab_size <= cfg.model.vocab_size:
-                continue
-            where = (f"{getattr(cfg.data, key) or cfg.data.path}.idx"
-                     if cfg.data.kind == "tokens" else "passkey")
-            raise DataError(f"{where}: token ids go up to {source.vocab_size - 1} "
-                            f"but model.vocab_size={cfg.model.vocab_size}")
+            if source is not None and source.vocab_size > cfg.model.vocab_size:
+                raise DataError(f"{getattr(cfg.data, key) or cfg.data.path}.idx: token ids go "
+                                f"up to {source.vocab_size - 1} but model.vocab_size="
+                                f"{cfg.model.vocab_size}")
 
     @property
     def has_eval(self) -> bool:
         return self.eval_source is not None
 
-    def _stream(self, source, state) -> ShardedStream:
-        s = SampleStream(source, self.cfg.train.micro_batch_size, state.dp_rank, state.dp_size)
-        return ShardedStream(s, state.cp_group, self.cfg.parallel.layout)
+    def source(self, split: str):
+        """The 'train' or 'eval' source; DataError when there is no held-out eval data."""
+        source = {"train": self.train_source, "eval": self.eval_source}[split]
+        if source is None:
+            raise DataError("data: no held-out eval data (data.eval_fraction=0 and no "
+                            "data.eval_path)")
+        return source
+
+    def samples(self, split: str, dp_rank: int = 0, dp_size: int = 1) -> SampleStream:
+        """Unsharded (B, T) micro-batches of one DP rank."""
+        return SampleStream(self.source(split), self.cfg.train.micro_batch_size, dp_rank,
+                            dp_size)
+
+    def _stream(self, split, state) -> ShardedStream:
+        return ShardedStream(self.samples(split, state.dp_rank, state.dp_size), state.cp_group,
+                             self.cfg.parallel.layout)
 
     def train_stream(self, state) -> ShardedStream:
-        return self._stream(self.train_source, state)
+        return self._stream("train", state)
 
     def eval_stream(self, state) -> ShardedStream:
         """Always the same eval samples, from the start of the eval split."""
-        return self._stream(self.eval_source, state)
+        return self._stream("eval", state)
 
 
 def build_data(cfg) -> Data:
     """Data for a validated Config; raises DataError (one line) on a bad token file."""
     return Data(cfg)
+
+
+def build_sample_stream(cfg, dp_rank: int = 0, dp_size: int = 1,
+                        split: str = "train") -> SampleStream:
+    """One DP rank's unsharded stream for a Config (file reads only, no collectives)."""
+    return build_data(cfg).samples(split, dp_rank, dp_size)
 
 
 @torch.no_grad()
@@ -107,10 +126,7 @@ def evaluate(model, data: Data, state, device=None,
     cfg = data.cfg
     per_step = cfg.train.micro_batch_size * state.dp_size
     n_micro = max(1, math.ceil(cfg.train.eval_samples / per_step))
-    if not data.has_eval:
-        raise DataError("no held-out data to evaluate on (data.eval_fraction=0 and no "
-                        "data.eval_path)")
-    stream = data.eval_stream(state)
+    stream = data.eval_stream(state)  # DataError without held-out data, before any change
     was_training = model.training
     model.eval()
     # [correct samples (passkey), loss sum, labelled tokens] on this rank, summed below
