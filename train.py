@@ -24,7 +24,8 @@ from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_confi
 from ctxpar.data import DataError, build_data, evaluate
 from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tflops,
                             flops_per_token, init_wandb, peak_memory_bytes)
-from ctxpar.parallel_state import init_distributed, init_parallel_state
+from ctxpar.parallel_state import (default_backend, init_distributed, init_parallel_state,
+                                   launcher_env)
 from ctxpar.pipeline import use_pipeline_grad_clipping
 
 EXIT_BAD_INPUT = 2
@@ -46,8 +47,7 @@ def parse_args(argv=None):
 
 def fail(msg: str, code: int = EXIT_BAD_INPUT):
     """One line on stderr from every rank, then exit (before any collective)."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
+    print(f"[rank {os.environ['RANK']}] error: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -89,7 +89,8 @@ def train_step(engine, micro, n_tokens, state, gas) -> torch.Tensor:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
+    world = int(os.environ["WORLD_SIZE"])
 
     # 1. Config and data paths: pure checks, the same verdict on every rank.
     try:
@@ -97,13 +98,13 @@ def main(argv=None) -> int:
         data = build_data(cfg)  # opens token files / builds the passkey task; no collectives
     except (ConfigError, DataError) as e:
         fail(str(e))
-    if args.resume not in ("auto", "none") and not args.resume.startswith("step_"):
+    if args.resume not in ("auto", "none") and not ckpt.is_tag(args.resume):
         fail(f"--resume={args.resume!r} must be 'auto', 'none' or a tag like step_00000100")
 
     # 2. Distributed and the grid.
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) \
         if torch.cuda.is_available() else torch.device("cpu")
-    init_distributed("nccl" if device.type == "cuda" else "gloo")
+    init_distributed(default_backend(device))
     state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp,
                                 dp=cfg.parallel.dp, order=cfg.parallel.order)
     rank0 = dist.get_rank() == 0

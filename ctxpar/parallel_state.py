@@ -34,7 +34,7 @@ def parse_order(order: str) -> List[str]:
     names = [n.strip() for n in str(order).lower().split("-")]
     if sorted(names) != sorted(AXES):
         raise ValueError(
-            f"parallel order {order!r} must name each of tp, cp, pp, dp exactly once "
+            f"parallel.order={order!r} must name each of tp, cp, pp, dp exactly once "
             f"separated by '-', e.g. {DEFAULT_ORDER!r}"
         )
     return names
@@ -50,7 +50,7 @@ def resolve_sizes(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
     if dp == "auto":
         if world_size % model != 0:
             raise ValueError(
-                f"world size {world_size} is not divisible by tp*cp*pp = "
+                f"world size {world_size} is not divisible by parallel.tp*cp*pp = "
                 f"{tp}*{cp}*{pp} = {model}, so dp cannot be derived"
             )
         dp = world_size // model
@@ -58,7 +58,7 @@ def resolve_sizes(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
         raise ValueError(f"parallel size dp={dp!r} must be an integer >= 1 or 'auto'")
     if model * dp != world_size:
         raise ValueError(
-            f"tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {model * dp} does not equal "
+            f"parallel.tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {model * dp} does not equal "
             f"the world size {world_size}"
         )
     return {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
@@ -113,14 +113,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> None:
-    """Initialise torch.distributed from torchrun/deepspeed variables or, failing those, SLURM_*.
+def launcher_env() -> None:
+    """Make RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR set, whoever launched us.
 
-    No-op when already initialised. A single process with no launcher variables gets a
-    world of one (MASTER_ADDR=127.0.0.1), so `python train.py` works on a laptop.
+    torchrun/deepspeed set them; under srun they come from SLURM_PROCID/NTASKS/LOCALID;
+    a lone process gets rank 0 of 1. No communication: call it first, so even input
+    checks and device choice before init_distributed see this rank's numbers.
     """
-    if dist.is_initialized():
-        return
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env:
         # srun python train.py: one task per GPU, rank/world from Slurm.
@@ -131,6 +130,18 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     env.setdefault("WORLD_SIZE", "1")
     env.setdefault("LOCAL_RANK", "0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> None:
+    """Initialise torch.distributed from torchrun/deepspeed variables or, failing those, SLURM_*.
+
+    No-op when already initialised. A single process with no launcher variables gets a
+    world of one (MASTER_ADDR=127.0.0.1), so `python train.py` works on a laptop.
+    """
+    if dist.is_initialized():
+        return
+    launcher_env()
+    env = os.environ
     if "MASTER_PORT" not in env:
         # A lone process (no launcher): any free port, so two such runs never collide.
         if env["WORLD_SIZE"] != "1":

@@ -26,6 +26,11 @@ MARKER = "COMPLETE"
 _TAG = re.compile(r"^step_(\d+)$")
 
 
+def is_tag(name: str) -> bool:
+    """A checkpoint tag as tag_for writes it: step_<digits>."""
+    return _TAG.match(name) is not None
+
+
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
