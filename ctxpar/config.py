@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
+from .parallel_state import parse_order, resolve_sizes
 from .sharding import LAYOUTS, num_chunks
 
 
@@ -317,16 +318,6 @@ def _deepcopy(d):
 
 # ---------------------------------------------------------------- validation
 
-def resolved_dp(cfg: Config, world_size: Optional[int]) -> Optional[int]:
-    """The DP degree: explicit, or world // (tp*cp*pp) when 'auto' and the world is known."""
-    p = cfg.parallel
-    if p.dp != "auto":
-        return p.dp
-    if world_size is None:
-        return None
-    return world_size // (p.tp * p.cp * p.pp)
-
-
 def resolved_ffn_hidden(m: ModelConfig) -> int:
     """model.ffn_hidden, or its default: 4*d_model (gelu), 8/3*d_model rounded up to 64 (swiglu)."""
     if m.ffn_hidden is not None:
@@ -407,17 +398,14 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     if m.n_layers < p.pp:
         err(f"model.n_layers={m.n_layers} < parallel.pp={p.pp}: each stage needs a block")
 
-    # The world and the batch.
-    model_par = p.tp * p.cp * p.pp
-    if world_size is not None:
-        if p.dp == "auto" and world_size % model_par:
-            err(f"world size {world_size} is not divisible by parallel.tp*cp*pp = "
-                f"{p.tp}*{p.cp}*{p.pp} = {model_par}")
-        dp = resolved_dp(cfg, world_size)
-        if model_par * dp != world_size:
-            err(f"parallel.tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{dp} = {model_par * dp} "
-                f"does not equal the world size {world_size}")
-    dp = resolved_dp(cfg, world_size)
+    # The grid order, the world and the batch: the checks init_parallel_state makes, here
+    # before any process group exists. dp stays None when 'auto' and the world is unknown.
+    try:
+        parse_order(p.order)
+        dp = (resolve_sizes(world_size, p.tp, p.cp, p.pp, p.dp)["dp"]
+              if world_size is not None else None if p.dp == "auto" else p.dp)
+    except ValueError as e:
+        err(str(e))
     if p.pp > 1:  # DeepSpeed's pipeline has one 'data' axis: dp x cp must be one block of ranks
         from .pipeline import pipeline_axes
         try:  # dp unknown ('auto' without a world size): assume it may exceed 1

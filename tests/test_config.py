@@ -43,6 +43,7 @@ def _write(tmp_path, data, name="c.yaml"):
     ({"data": {"kind": "tokens", "path": "/nonexistent/corpus"}}, None,
      "data.path='/nonexistent/corpus': /nonexistent/corpus.bin does not exist"),
     ({"parallel": {"tp": 0}}, None, "parallel.tp=0 must be >= 1"),
+    ({"parallel": {"order": "tp-cp-dp"}}, None, "parallel.order='tp-cp-dp' must name each"),
 ])
 def test_bad_configs_name_file_key_and_values(tmp_path, data, world, msg):
     path = _write(tmp_path, data)
