@@ -37,7 +37,7 @@ from ctxpar.tensor_parallel import (
     shard_full_tensor,
     vocab_parallel_cross_entropy,
 )
-from ctxpar.tensor_parallel.layers import tp_size_of
+from ctxpar.tensor_parallel.mappings import tp_size_of
 
 CHECKPOINT_MODES = ("none", "full", "selective", "every_n_layers")
 

@@ -142,7 +142,7 @@ def evaluate(model, data: Data, state, device=None,
             preds = vocab_parallel_argmax(logits, state.tp_group)           # (B, T/cp)
             correct = passkey_correct(preds, mb["labels"], state.cp_group)  # (B,), same on CP
             totals[0] += correct.sum()
-        losses = vocab_parallel_cross_entropy(logits.float(), mb["labels"], state.tp_group)
+        losses = vocab_parallel_cross_entropy(logits, mb["labels"], state.tp_group)
         totals[1] += losses.sum()  # 0 at ignored positions
         totals[2] += (mb["labels"] != IGNORE_INDEX).sum()
     model.train(was_training)

@@ -14,11 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .mappings import tp_rank_of, tp_size_of
+
 IGNORE_INDEX = -100  # torch's convention: labels to leave out of the loss and its count
-
-
-def _size(group) -> int:
-    return dist.get_world_size(group) if group is not None else 1
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -26,14 +24,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, ignore_index):
         # logits: (..., V/tp) any float dtype; target: (...) global vocabulary ids.
         ctx.dtype = logits.dtype
-        z = logits.float()
-        vocab_per_rank = z.shape[-1]
-        rank = dist.get_rank(group) if _size(group) > 1 else 0
+        vocab_per_rank, rank, tp = logits.shape[-1], tp_rank_of(group), tp_size_of(group)
 
-        z_max = z.max(dim=-1).values  # (...)
-        if _size(group) > 1:
+        z_max = logits.max(dim=-1).values.float()  # (...); the cast of a max is exact
+        if tp > 1:
             dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-        z = z - z_max.unsqueeze(-1)  # a new tensor: the caller's logits are untouched
+        # fp32 by type promotion, in one pass: no separate fp32 copy of bf16 logits. A new
+        # tensor: the caller's logits are untouched.
+        z = logits - z_max.unsqueeze(-1)
 
         valid = target != ignore_index
         local_t = target - rank * vocab_per_rank
@@ -43,7 +41,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         exp_z = z.exp_()  # (..., V/tp), reused as the softmax numerator
         both = torch.stack([z_t, exp_z.sum(dim=-1)])  # (2, ...): one all-reduce for both
-        if _size(group) > 1:
+        if tp > 1:
             dist.all_reduce(both, group=group)
         z_t, sum_exp = both[0], both[1]
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -33,15 +32,9 @@ from .mappings import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
     select_replicated_rows,
+    tp_rank_of,
+    tp_size_of,
 )
-
-
-def tp_size_of(group) -> int:
-    return dist.get_world_size(group) if group is not None else 1
-
-
-def tp_rank_of(group) -> int:
-    return dist.get_rank(group) if group is not None else 0
 
 
 def set_tensor_model_parallel_attributes(param: nn.Parameter, is_parallel: bool,

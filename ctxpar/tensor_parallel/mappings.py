@@ -17,33 +17,40 @@ import torch
 import torch.distributed as dist
 
 
-def _size(group) -> int:
+def tp_size_of(group) -> int:
+    """Size of a TP group; None means no TP (1)."""
     return dist.get_world_size(group) if group is not None else 1
 
 
+def tp_rank_of(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if _size(group) == 1:
+    if tp_size_of(group) == 1:
         return x
     x = x.contiguous().clone()  # never reduce into a tensor autograd may still hold
     dist.all_reduce(x, group=group)
     return x
 
 
-def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    size = _size(group)
+def split_along(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """This rank's chunk of x along dim (x itself when the group has one rank)."""
+    size = tp_size_of(group)
     if size == 1:
         return x
-    assert x.shape[-1] % size == 0, f"last dim {x.shape[-1]} not divisible by tp={size}"
-    return x.chunk(size, dim=-1)[dist.get_rank(group)].contiguous()
+    assert x.shape[dim] % size == 0, f"dim {dim} of size {x.shape[dim]} not divisible by tp={size}"
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
 
 
-def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    size = _size(group)
+def gather_along(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """The TP ranks' chunks concatenated along dim (x itself when the group has one rank)."""
+    size = tp_size_of(group)
     if size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -71,22 +78,22 @@ class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _split_last_dim(x, group)
+        return split_along(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
+        return gather_along(grad, ctx.group), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_last_dim(x, group)
+        return gather_along(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+        return split_along(grad, ctx.group), None
 
 
 class _SelectReplicatedRows(torch.autograd.Function):
@@ -94,7 +101,7 @@ class _SelectReplicatedRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, n_blocks, group):
-        size = _size(group)
+        size = tp_size_of(group)
         ctx.group, ctx.n_blocks = group, n_blocks
         # tp ranks share each block: ranks [b*tp/n, (b+1)*tp/n) hold block b.
         ctx.block = dist.get_rank(group) * n_blocks // size if size > 1 else 0
@@ -109,22 +116,22 @@ class _SelectReplicatedRows(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """f: Y = X in forward; dX = sum over TP of dY in backward."""
-    return _CopyToRegion.apply(x, group) if _size(group) > 1 else x
+    return _CopyToRegion.apply(x, group) if tp_size_of(group) > 1 else x
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """g: Y = sum over TP of X in forward; dX = dY in backward."""
-    return _ReduceFromRegion.apply(x, group) if _size(group) > 1 else x
+    return _ReduceFromRegion.apply(x, group) if tp_size_of(group) > 1 else x
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Y = X[..., this rank's 1/tp of the last dim]; dX = all-gather of dY."""
-    return _ScatterToRegion.apply(x, group) if _size(group) > 1 else x
+    return _ScatterToRegion.apply(x, group) if tp_size_of(group) > 1 else x
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Y = [X_1 … X_p] along the last dim; dX = this rank's slice of dY."""
-    return _GatherFromRegion.apply(x, group) if _size(group) > 1 else x
+    return _GatherFromRegion.apply(x, group) if tp_size_of(group) > 1 else x
 
 
 def select_replicated_rows(weight: torch.Tensor, n_blocks: int, group) -> torch.Tensor:
@@ -134,6 +141,6 @@ def select_replicated_rows(weight: torch.Tensor, n_blocks: int, group) -> torch.
     the one its query heads attend with, and the backward all-reduce makes every copy's
     gradient the full one (consistent replicas; DeepSpeed counts it once in the norm).
     """
-    size = _size(group)
+    size = tp_size_of(group)
     assert size % n_blocks == 0, f"{n_blocks} row blocks cannot be shared by tp={size} ranks"
     return _SelectReplicatedRows.apply(weight, n_blocks, group)

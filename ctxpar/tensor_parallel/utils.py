@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from .layers import tp_rank_of, tp_size_of
+from .mappings import gather_along, split_along, tp_size_of
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
@@ -34,15 +33,13 @@ def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, tp_group) -> torc
     """This rank's slice of ``full`` for ``param`` (the full tensor itself if replicated)."""
     if not is_tensor_parallel(param):
         return full
-    return full.chunk(tp_size_of(tp_group), dim=param.partition_dim)[tp_rank_of(tp_group)]
+    return split_along(full, tp_group, param.partition_dim)
 
 
 def _gather(local: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
     if not is_tensor_parallel(param) or tp_size_of(tp_group) == 1:
         return local.detach().clone()
-    parts = [torch.empty_like(local) for _ in range(tp_size_of(tp_group))]
-    dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
-    return torch.cat(parts, dim=param.partition_dim)
+    return gather_along(local.detach(), tp_group, param.partition_dim)
 
 
 @torch.no_grad()
