@@ -25,6 +25,7 @@ dq/dk/dv are exactly its share of the full gradient (ring-flash-attention does t
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Callable, Dict, Optional
@@ -42,9 +43,15 @@ def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def reduce_kv_grad(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, S, H, D) -> (B, S, Hkv, D): sum the gradient over the heads sharing a kv head."""
+    """(B, S, H, D) -> (B, S, Hkv, D): sum the gradient over the heads sharing a kv head.
+
+    The sum runs in fp32 (in bf16 each add would round again); with H == Hkv there is
+    nothing to sum and dx comes back as it is (the ring accumulates it into fp32 anyway).
+    """
     B, S, H, D = dx.shape
-    return dx if H == kv_heads else dx.view(B, S, kv_heads, H // kv_heads, D).sum(dim=3)
+    if H == kv_heads:
+        return dx
+    return dx.float().view(B, S, kv_heads, H // kv_heads, D).sum(dim=3)
 
 
 def _pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
@@ -146,8 +153,13 @@ class SdpaBackend:
                 None, _pad_head_dim(ot), lse, seed, seed, 0.0, [True, True, True, False],
                 causal, scale=scale)
         dq, dk, dv = (g[..., :D].transpose(1, 2) for g in (dq, dk, dv))  # (B, S, H, D)
-        # Sum the H/Hkv head copies in fp32: in bf16 each add would round again.
-        return dq, reduce_kv_grad(dk.float(), Hkv), reduce_kv_grad(dv.float(), Hkv)
+        return dq, reduce_kv_grad(dk, Hkv), reduce_kv_grad(dv, Hkv)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn: Callable):
+    """fn's parameters, read once per function (not on every block of every ring step)."""
+    return inspect.signature(getattr(fn, "_init_fn", fn)).parameters
 
 
 def _call_by_signature(fn: Callable, values: Dict[str, object]):
@@ -158,7 +170,7 @@ def _call_by_signature(fn: Callable, values: Dict[str, object]):
     torch.library custom op whose original function is ``_init_fn``. A required parameter
     we do not know is an unsupported version: fail loudly rather than guess.
     """
-    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    params = _parameters(fn)
     missing = [n for n, p in params.items()
                if n not in values and p.default is inspect.Parameter.empty]
     if missing:

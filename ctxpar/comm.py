@@ -42,14 +42,11 @@ class RingComm:
         self.bytes_sent = 0  # cumulative, for ring_stats() and the benchmark
         self.bytes_recv = 0
 
-    def send_recv(self, to_send: torch.Tensor,
-                  recv_buf: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Queue send(to_send -> next) and recv(prev -> recv_buf); returns recv_buf.
+    def send_recv(self, to_send: torch.Tensor, recv_buf: torch.Tensor) -> None:
+        """Queue send(to_send -> next) and recv(prev -> recv_buf), the caller's double buffer.
 
         Both must be contiguous (P2P sends raw storage). Nothing moves before commit().
         """
-        if recv_buf is None:
-            recv_buf = torch.empty(to_send.shape, dtype=to_send.dtype, device=to_send.device)
         if not (to_send.is_contiguous() and recv_buf.is_contiguous()):
             raise ValueError("RingComm.send_recv needs contiguous tensors "
                              f"(send strides {tuple(to_send.stride())}, "
@@ -58,7 +55,6 @@ class RingComm:
         self._ops.append(dist.P2POp(dist.irecv, recv_buf, self.recv_rank, group=self.group))
         self.bytes_sent += to_send.numel() * to_send.element_size()
         self.bytes_recv += recv_buf.numel() * recv_buf.element_size()
-        return recv_buf
 
     def commit(self) -> None:
         """Start every queued op at once (one batch, so sends and receives cannot deadlock)."""

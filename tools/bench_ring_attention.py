@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ctxpar.attention_backends import get_backend  # noqa: E402
+from ctxpar.attention_backends import default_scale, get_backend  # noqa: E402
 from ctxpar.ring_attention import NoComm, _ring_attention, ring_stats  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -166,7 +166,7 @@ def run_simulated(a, n: int, world: int) -> dict:
     (q, k, v), dout = _inputs(a, n // world, device, seed=0)
     (fq, fk, fv), fdout = _inputs(a, n, device, seed=1)  # the whole sequence, one kernel
     kernel = get_backend(a.backend, fq)
-    scale = a.head_dim ** -0.5
+    scale = default_scale(a.head_dim)  # the ring's own default
 
     def fused():
         out, lse = kernel.forward(fq, fk, fv, a.causal, scale)
