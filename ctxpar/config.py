@@ -174,6 +174,8 @@ class Config:
     """Where this config came from (for error messages)."""
 
 
+CHECKPOINT_MODES = ("none", "full", "selective", "every_n_layers")  # models/gpt.py
+
 CHOICES = {
     "model.mlp": ("swiglu", "gelu"),
     "model.norm": ("rmsnorm", "layernorm"),
@@ -181,7 +183,7 @@ CHOICES = {
     "parallel.attention_backend": ("auto", "flash_attn", "sdpa", "math"),
     "parallel.pp_partition": ("parameters", "uniform"),
     "data.kind": ("passkey", "tokens"),
-    "checkpointing.activation": ("none", "full", "selective", "every_n_layers"),
+    "checkpointing.activation": CHECKPOINT_MODES,
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar import ring_attention
-from ctxpar.config import Config, ModelConfig, resolved_ffn_hidden
+from ctxpar.config import CHECKPOINT_MODES, Config, ModelConfig, resolved_ffn_hidden
 from ctxpar.tensor_parallel import (
     ColumnParallelLinear,
     ReplicatedHeadLinear,
@@ -39,7 +39,11 @@ from ctxpar.tensor_parallel import (
 )
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-CHECKPOINT_MODES = ("none", "full", "selective", "every_n_layers")
+
+def check_checkpoint_mode(mode: str) -> None:
+    """For models built without a Config (which checks it at load)."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"activation_checkpointing={mode!r} must be one of {CHECKPOINT_MODES}")
 
 
 def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
@@ -201,9 +205,7 @@ class GPT(nn.Module):
                  activation_checkpointing: str = "none", every_n_layers: int = 1,
                  seed: int = 1234, device=None, dtype=None):
         super().__init__()
-        if activation_checkpointing not in CHECKPOINT_MODES:
-            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be "
-                             f"one of {CHECKPOINT_MODES}")
+        check_checkpoint_mode(activation_checkpointing)
         if cp_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("GPT: pass cp_group (e.g. a ParallelState's) when torch.distributed "
                              "is initialised: ring_attention takes group=None as the whole world")

@@ -39,8 +39,8 @@ from ctxpar.pipeline import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                     gather_full_state_dict, parallel_lm_logits,
                                     vocab_parallel_cross_entropy)
-from models.gpt import (CHECKPOINT_MODES, Block, block_recomputed, init_parameters_, make_norm,
-                        rotary_cos_sin)
+from models.gpt import (Block, block_recomputed, check_checkpoint_mode, init_parameters_,
+                        make_norm, rotary_cos_sin)
 from models.loss import global_mean_loss, loss_for_backward
 
 
@@ -73,13 +73,13 @@ class BlockPipe(Block):
         super().__init__(cfg, tp_group, cp_group, layout, backend,
                          activation_checkpointing == "selective", device, dtype)
         self.gpt_prefix = f"layers.{layer_number}."
-        self.head_dim, self.rope_theta = cfg.d_model // cfg.n_heads, cfg.rope_theta
+        self.rope_theta = cfg.rope_theta
         # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
         self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
 
     def forward(self, inputs):
         x, positions = inputs  # (B, T/cp, d), (T/cp,)
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)  # (T/cp, hd/2)
+        cos, sin = rotary_cos_sin(positions, self.attn.head_dim, self.rope_theta)  # (T/cp, hd/2)
         block = partial(Block.forward, self)
         if self.recompute:  # keep only x; replay the block (and its ring) in backward
             return checkpoint(block, x, cos, sin, use_reentrant=False), positions
@@ -148,9 +148,7 @@ class GPTPipe(PipelineModule):
                  activation_checkpointing: str = "none", every_n_layers: int = 1,
                  partition_method: str = "parameters", seed: int = 1234,
                  device=None, dtype=None):
-        if activation_checkpointing not in CHECKPOINT_MODES:
-            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be "
-                             f"one of {CHECKPOINT_MODES}")
+        check_checkpoint_mode(activation_checkpointing)
         if not deepspeed.comm.is_initialized():  # PipelineModule builds groups with it
             deepspeed.init_distributed(dist_backend=dist.get_backend())
         tp, cp = state.tp_group, state.cp_group
