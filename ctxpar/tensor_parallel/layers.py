@@ -109,7 +109,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         y = F.linear(x, self.weight)  # (..., out): this rank's partial sum
-        y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        y = reduce_from_tensor_model_parallel_region(y, self.tp_group, inplace=True)
         return y + self.bias if self.bias is not None else y
 
 
@@ -133,7 +133,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.vocab_per_rank)
         y = F.embedding(local.masked_fill(outside, 0), self.weight)  # (..., d)
         y = y.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks own these rows
-        return reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(y, self.tp_group, inplace=True)
 
 
 class ReplicatedHeadLinear(nn.Module):

@@ -66,12 +66,16 @@ class _CopyToRegion(torch.autograd.Function):
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, inplace):
+        if inplace and x.is_contiguous():  # the caller's fresh partial sum: no copy
+            dist.all_reduce(x, group=group)
+            ctx.mark_dirty(x)  # autograd refuses loudly if anything saved x for backward
+            return x
         return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -119,9 +123,14 @@ def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor
     return _CopyToRegion.apply(x, group) if tp_size_of(group) > 1 else x
 
 
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """g: Y = sum over TP of X in forward; dX = dY in backward."""
-    return _ReduceFromRegion.apply(x, group) if tp_size_of(group) > 1 else x
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group,
+                                             inplace: bool = False) -> torch.Tensor:
+    """g: Y = sum over TP of X in forward; dX = dY in backward.
+
+    inplace=True reduces into x (a fresh matmul output only the caller holds), as Megatron
+    does; the default leaves x untouched and returns a new tensor.
+    """
+    return _ReduceFromRegion.apply(x, group, inplace) if tp_size_of(group) > 1 else x
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
