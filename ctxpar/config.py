@@ -9,6 +9,7 @@ Every problem raises one ``ConfigError`` naming the file, the key and the values
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -284,7 +285,7 @@ def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    data = _deepcopy(data)
+    data = copy.deepcopy(data)
     for item in overrides:
         path, value = _parse_override(item, source)
         _apply_override(data, path, value)
@@ -308,14 +309,6 @@ def load_config(path: str, overrides: Sequence[str] = (), world_size: Optional[i
         raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
     return config_from_dict(data, source=path, overrides=overrides, world_size=world_size,
                             check_paths=check_paths)
-
-
-def _deepcopy(d):
-    if isinstance(d, dict):
-        return {k: _deepcopy(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_deepcopy(v) for v in d]
-    return d
 
 
 # ---------------------------------------------------------------- validation
@@ -443,9 +436,9 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
         err(f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
     if cfg.data.eval_path and cfg.data.kind != "tokens":
         err(f"data.eval_path is set but data.kind={cfg.data.kind!r} (it is for 'tokens')")
-    if cfg.data.kind == "passkey" and not 1 <= cfg.data.passkey_digits <= 6:
-        err(f"data.passkey_digits={cfg.data.passkey_digits} must be in 1..6")
     if cfg.data.kind == "passkey":
+        if not 1 <= cfg.data.passkey_digits <= 6:
+            err(f"data.passkey_digits={cfg.data.passkey_digits} must be in 1..6")
         from .data.passkey import min_seq_len  # the needle + question + key must fit
         if m.seq_len < min_seq_len(cfg.data.passkey_digits):
             err(f"model.seq_len={m.seq_len} is too short for data.kind='passkey' with "
@@ -471,7 +464,7 @@ def deepspeed_config(cfg: Config, dp: int) -> Dict[str, Any]:
     (ctxpar/pipeline.py), so it counts cp times the samples: train_batch_size is scaled by
     cp for it; the samples per step are still train.global_batch_size.
     """
-    ds = _deepcopy(cfg.deepspeed)
+    ds = copy.deepcopy(cfg.deepspeed)
     ds["train_batch_size"] = cfg.train.global_batch_size * (
         cfg.parallel.cp if cfg.parallel.pp > 1 else 1)
     ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size

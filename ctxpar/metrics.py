@@ -106,12 +106,9 @@ class MetricsLogger:
             self.bar.update(step - self.bar.n)
 
     def write(self, line: str) -> None:
-        if not self.enabled:
-            return
+        """A line above the progress bar (rank 0 only: other ranks have no bar)."""
         if self.bar is not None:
             self.bar.write(line)
-        else:
-            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

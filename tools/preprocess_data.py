@@ -54,7 +54,6 @@ def preprocess(inputs, output_prefix: str, tokenizer_path=None, eos_token=None,
         if not os.path.isfile(path):
             raise ValueError(f"{path}: input file does not exist")
     tok = load_tokenizer(tokenizer_path, eos_token)
-    n_docs = n_tokens = 0
     with IndexedDatasetWriter(output_prefix, tok.vocab_size, tok.eos_id) as writer:
         for path in inputs:
             for where, text in documents(path, jsonl_key):
@@ -65,8 +64,9 @@ def preprocess(inputs, output_prefix: str, tokenizer_path=None, eos_token=None,
                 except UnicodeError as e:
                     raise ValueError(f"{where}: cannot tokenize ({e})") from None
                 writer.add_document(ids)
-                n_docs, n_tokens = n_docs + 1, n_tokens + len(ids) + 1
-    return {"prefix": output_prefix, "documents": n_docs, "tokens": n_tokens,
+    # offsets: 0, then each document's end (its tokens + EOS), as the .idx stores them
+    return {"prefix": output_prefix, "documents": len(writer.offsets) - 1,
+            "tokens": writer.offsets[-1],
             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.name,
             "dtype": writer.dtype.__name__}
 
