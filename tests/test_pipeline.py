@@ -13,8 +13,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,8 +23,7 @@ from ctxpar.pipeline import pipeline_axes, pipeline_topology
 from ctxpar.sharding import rank_positions
 from dist_harness import run_distributed
 from models.gpt import GPT
-from ctxpar.parallel_state import free_port
-from test_train import ROOT, losses
+from test_train import ROOT, losses, run_train
 
 CONFIGS = {
     # GQA, SwiGLU, RMSNorm, tied embeddings (a TiedLayerSpec on the first and last stage).
@@ -233,15 +230,8 @@ SHORT = ["model.seq_len=128", "train.steps=6", "train.warmup_steps=2", "train.ev
 
 
 def run_4d(run_dir, nproc, sets=(), extra=()):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    cmd = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", str(free_port())]
-    cmd += [os.path.join(ROOT, "train.py"), "--config", CONFIG_4D,
-            "--set", *SHORT, f"logging.run_dir={run_dir}", *sets, *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"train.py exited {proc.returncode}\n{proc.stderr[-4000:]}"
-    return proc
+    # SHORT sets every key of test_train's BASE, and later --set values win.
+    return run_train(run_dir, nproc, [*SHORT, *sets], extra, timeout=300, config=CONFIG_4D)
 
 
 def eval_loss(run_dir):

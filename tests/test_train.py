@@ -27,7 +27,7 @@ FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops_p
           "peak_mem_bytes", "step_time_s"}
 
 
-def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True):
+def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True, config=CONFIG):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": ROOT}
     env.pop("WANDB_MODE", None)  # the config decides (offline by default)
@@ -37,7 +37,7 @@ def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True):
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(free_port()), os.path.join(ROOT, "train.py")]
-    cmd += ["--config", CONFIG, "--set", *sets, *extra]
+    cmd += ["--config", config, "--set", *sets, *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
