@@ -145,6 +145,14 @@ def main(argv=None) -> int:
         client = ckpt.load(engine, save_dir, tag)
         start_step = client["step"]
         train_stream.load_state_dict(client["data"])
+    if start_step >= cfg.train.steps:  # e.g. `make train` run twice: say so, train nothing
+        if rank0:
+            print(f"nothing to train: {os.path.join(save_dir, tag)} is at step {start_step} of "
+                  f"train.steps={cfg.train.steps} (--resume none or another logging.run_dir "
+                  f"starts over)", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     wandb_run = None
     if rank0:
         dump_config(cfg, run_dir)

@@ -129,10 +129,10 @@ def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
                     str(tmp_path / "docs.jsonl"), "--output-prefix", prefix], check=True,
                    capture_output=True, timeout=120)
     d = tmp_path / "text"
-    proc = run_train(str(d), 1, ["parallel.cp=1", "parallel.dp=1", "data.kind=tokens",
-                                 f"data.path={prefix}", "data.eval_fraction=0.1",
-                                 "train.steps=10", "train.eval_interval=5",
-                                 "logging.wandb.mode=disabled"])
+    sets = ["parallel.cp=1", "parallel.dp=1", "data.kind=tokens", f"data.path={prefix}",
+            "data.eval_fraction=0.1", "train.steps=10", "train.eval_interval=5",
+            "logging.wandb.mode=disabled"]
+    proc = run_train(str(d), 1, sets)
     rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [5, 10] and "eval_accuracy" not in evals[0]
@@ -141,6 +141,10 @@ def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
     ppl, loss = evals[1]["eval_ppl"], evals[1]["eval_loss"]
     assert abs(ppl - math.exp(loss)) < 1e-6 * ppl
     assert "held-out samples" in proc.stdout and "eval loss" in proc.stdout.splitlines()[-1]
+    # The same command again finds the finished run: it says so and trains nothing.
+    again = run_train(str(d), 1, sets)
+    assert "nothing to train" in again.stdout and "step_00000010" in again.stdout, again.stdout
+    assert [json.loads(line) for line in open(d / "metrics.jsonl")] == rows
 
 
 @pytest.mark.parametrize("sets,msg", [
