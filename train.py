@@ -27,6 +27,7 @@ from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tf
 from ctxpar.parallel_state import (default_backend, init_distributed, init_parallel_state,
                                    launcher_env)
 from ctxpar.pipeline import use_pipeline_grad_clipping
+from ctxpar.zero import grad_divisor, partition_for_zero3
 
 EXIT_BAD_INPUT = 2
 EXIT_NON_FINITE = 3
@@ -64,16 +65,23 @@ def lr_lambda(cfg):
 
 
 def param_groups(model, weight_decay):
-    """No weight decay on norms and biases (1-D tensors), as in GPT-2/Megatron."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """No weight decay on norms and biases (1-D tensors), as in GPT-2/Megatron.
+
+    Under ZeRO-3 a parameter is a flat partition: its true shape is ``ds_shape``.
+    """
+    def matrix(p):
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
+    other = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": other, "weight_decay": 0.0}]
 
 
-def train_step(engine, micro, n_tokens, state, gas) -> torch.Tensor:
+def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
     """One optimizer step without a pipeline: gas forward/backward passes, then the update.
 
+    divisor: what DeepSpeed divides the gradient summed over dp x cp by (ctxpar/zero.py).
     Returns the global token-mean loss (models/loss.py; with pp > 1, models/gpt_pipe.py).
     """
     from models.loss import global_mean_loss, loss_for_backward
@@ -81,7 +89,7 @@ def train_step(engine, micro, n_tokens, state, gas) -> torch.Tensor:
     loss_sum = torch.zeros((), device=n_tokens.device)
     for mb in micro:
         local = engine(mb["tokens"], mb["positions"], mb["labels"])  # sum of token losses
-        engine.backward(loss_for_backward(local, n_tokens, state.dp_size, gas))
+        engine.backward(loss_for_backward(local, n_tokens, divisor, gas))
         engine.step()
         loss_sum += local.detach().float()
     return global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
@@ -127,6 +135,8 @@ def main(argv=None) -> int:
         else GPT.from_config(cfg, state, device=device)
     full = GPT(cfg.model, cp_group=state.cp_group, device=torch.device("meta"))  # shapes only
     n_params = sum(p.numel() for p in full.parameters())
+    partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (ctxpar/zero.py)
+    divisor = grad_divisor(state, ds_config, pipelined)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr,
                                   betas=(cfg.train.beta1, cfg.train.beta2))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -181,7 +191,7 @@ def main(argv=None) -> int:
         n_tokens = global_token_count(torch.cat([mb["labels"].flatten() for mb in micro]),
                                       state.dp_cp_group)
         loss = (gpt_pipe.train_step(engine, micro, n_tokens, state) if pipelined
-                else train_step(engine, micro, n_tokens, state, gas)).item()
+                else train_step(engine, micro, n_tokens, state, gas, divisor)).item()
         step += 1
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None

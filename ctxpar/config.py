@@ -417,6 +417,11 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     if p.pp > 1 and stage >= 2:
         err(f"deepspeed.zero_optimization.stage={stage} with parallel.pp={p.pp}: DeepSpeed's "
             f"pipeline engine supports ZeRO stage 0 or 1 only (use stage 1)")
+    if stage == 3 and p.cp > 1 and not (ds.get("zero_optimization") or {}).get(
+            "reduce_scatter", True):
+        err(f"deepspeed.zero_optimization.reduce_scatter=false with stage 3 and "
+            f"parallel.cp={p.cp}: DeepSpeed 0.19.8 then divides some gradient buckets by dp "
+            f"and others by dp*cp, so no loss scaling is exact (leave reduce_scatter on)")
     if (ds.get("bf16") or {}).get("enabled") and (ds.get("fp16") or {}).get("enabled"):
         err("deepspeed.bf16.enabled and deepspeed.fp16.enabled are both true")
     for key, want in (("train_micro_batch_size_per_gpu", t.micro_batch_size),

@@ -8,7 +8,8 @@ weight a rank's tokens by 1/n_r.
 
 DeepSpeed (mpu with get_sequence_data_parallel_*; see ctxpar/mpu.py) scales the loss by
 1/gas in engine.backward, sums gradients over the micro-batches, all-reduces them over
-DP x CP and divides by dp. So with
+DP x CP and divides by dp (ZeRO 0-2; ZeRO-3 and the pipeline divide by dp x cp, and then
+dp x cp replaces dp below: ctxpar/zero.py). So with
 
     L_r = S_r * dp * gas / N                                   (loss_for_backward)
 
@@ -42,14 +43,15 @@ def global_token_count(labels: torch.Tensor, dp_cp_group=None,
     return n
 
 
-def loss_for_backward(loss_sum: torch.Tensor, n_tokens: torch.Tensor, dp_size: int,
+def loss_for_backward(loss_sum: torch.Tensor, n_tokens: torch.Tensor, divisor: int,
                       grad_accum_steps: int = 1) -> torch.Tensor:
-    """L_r = S_r * dp * gas / N: what to hand engine.backward (see the module docstring).
+    """L_r = S_r * divisor * gas / N: what to hand engine.backward (the module docstring).
 
-    dp_size is what DeepSpeed divides the summed gradients by: dp without a pipeline; with
-    one (models/gpt_pipe.py) its data axis is dp x cp and the caller passes dp * cp.
+    divisor is what DeepSpeed divides the gradients summed over dp x cp by
+    (``ctxpar.zero.grad_divisor``): dp for ZeRO 0-2 without a pipeline; dp x cp for ZeRO-3
+    and for the pipeline engine (models/gpt_pipe.py), which average over dp x cp.
     """
-    return loss_sum * (dp_size * grad_accum_steps) / n_tokens.clamp(min=1.0)
+    return loss_sum * (divisor * grad_accum_steps) / n_tokens.clamp(min=1.0)
 
 
 @torch.no_grad()

@@ -148,7 +148,7 @@ def test_loss_for_backward_with_gradient_accumulation():
     model = GPT(cfg, seed=SEED)
     n_tokens = sum(global_token_count(lab) for lab in labels.chunk(gas))
     for tok, lab in zip(tokens.chunk(gas), labels.chunk(gas)):
-        loss = loss_for_backward(model(tok, positions, lab), n_tokens, dp_size=1,
+        loss = loss_for_backward(model(tok, positions, lab), n_tokens, divisor=1,
                                  grad_accum_steps=gas)
         (loss / gas).backward()  # engine.backward's scale_wrt_gas
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):

@@ -36,7 +36,9 @@ def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, tp_group) -> torc
     return split_along(full, tp_group, param.partition_dim)
 
 
-def _gather(local: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
+def gather_full_tensor(local: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
+    """The full-size tensor of which ``local`` is this rank's shard, split like ``param``
+    (collective over TP for split parameters; a copy of ``local`` for replicated ones)."""
     if not is_tensor_parallel(param) or tp_size_of(tp_group) == 1:
         return local.detach().clone()
     return gather_along(local.detach(), tp_group, param.partition_dim)
@@ -53,7 +55,7 @@ def gather_full_state_dict(model: nn.Module, tp_group, grads: bool = False
     out = {}
     for name, p in model.named_parameters():
         local = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
-        out[name] = _gather(local, p, tp_group)
+        out[name] = gather_full_tensor(local, p, tp_group)
     return out
 
 
