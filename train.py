@@ -26,7 +26,7 @@ from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tf
                             flops_per_token, init_wandb, peak_memory_bytes)
 from ctxpar.parallel_state import (default_backend, init_distributed, init_parallel_state,
                                    launcher_env)
-from ctxpar.pipeline import use_pipeline_grad_clipping
+from ctxpar.grad_norm import record_fp32_grad_norm
 from ctxpar.zero import grad_divisor, partition_for_zero3
 
 EXIT_BAD_INPUT = 2
@@ -143,8 +143,7 @@ def main(argv=None) -> int:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=ds_config,
                                            mpu=None if pipelined else state.mpu())
-    if pipelined:
-        use_pipeline_grad_clipping(engine)  # DeepSpeed's fp32 ZeRO-0 norm misses stages
+    record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (ctxpar/grad_norm.py)
     train_stream = data.train_stream(state)
 
     # 4. Resume, then record the run.

@@ -138,7 +138,7 @@ def _parity(rank, world, payload):
     import deepspeed
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.config import deepspeed_config
-    from ctxpar.pipeline import use_pipeline_grad_clipping
+    from ctxpar.grad_norm import record_fp32_grad_norm
     from models.gpt_pipe import GPTPipe, train_step
     from models.loss import global_token_count
 
@@ -161,8 +161,7 @@ def _parity(rank, world, payload):
         model = GPTPipe.from_config(cfg, st, gas)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
-        if zero == 0:
-            use_pipeline_grad_clipping(engine)
+        record_fp32_grad_norm(engine, st)  # fp32 ZeRO-0: the right norm, recorded
         pos = sequence_positions(mcfg.seq_len, st.cp_group, layout)  # (T/cp,)
         losses_, ds_losses, norm, params = [], [], None, None
         for step, (tokens, labels) in enumerate(batches):
