@@ -189,7 +189,13 @@ class Block(nn.Module):
         x = x + self.attn.o_proj(o.flatten(2))  # (B, T/cp, d)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache=None) -> torch.Tensor:
+        """kv_cache: this layer's view of a KV cache (ctxpar.inference), inference only: it
+        keeps k, v and computes attention from the cache, given the training core to use."""
+        if kv_cache is not None:
+            q, k, v = self._attn_in(x, cos, sin)
+            return self._attn_out_mlp(x, kv_cache(q, k, v, self.attn.core))
         if self.selective:  # recompute around the core; the core keeps its own saved tensors
             q, k, v = checkpoint(self._attn_in, x, cos, sin, use_reentrant=False)
             return checkpoint(self._attn_out_mlp, x, self.attn.core(q, k, v), use_reentrant=False)
@@ -248,19 +254,32 @@ class GPT(nn.Module):
         this rank's token losses (identical on the ranks of a TP group); normalise it with
         models.loss (loss_for_backward / global_mean_loss).
         """
+        logits = self.lm_logits(self.hidden_states(tokens, positions))
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group).sum()
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
+                      kv_cache=None) -> torch.Tensor:
+        """The final-normed hidden states (B, T/cp, d) before the head.
+
+        kv_cache (ctxpar.inference.KVCache): inference; every layer reads and fills its
+        share of the cache (prefill of a prompt, or one decode step).
+        """
         cos, sin = rotary_cos_sin(positions, self.cfg.d_model // self.cfg.n_heads,
                                   self.cfg.rope_theta)  # (..., T/cp, hd/2), fp32
         x = self.embed(tokens)  # (B, T/cp, d)
         for i, layer in enumerate(self.layers):
-            if self._checkpointed(i):  # keep only x; replay the block (and its ring) in backward
+            if kv_cache is not None:
+                x = layer(x, cos, sin, kv_cache.layer(i))
+            elif self._checkpointed(i):  # keep only x; replay the block (and its ring) in backward
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
-        x = self.final_norm(x)
+        return self.final_norm(x)
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states (B, T, d) -> vocab-parallel logits (B, T, V/tp)."""
         if self.lm_head is not None:
-            logits = self.lm_head(x)  # (B, T/cp, V/tp)
-        else:
-            logits = parallel_lm_logits(x, self.embed.weight, self.tp_group)
-        if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group).sum()
+            return self.lm_head(x)
+        return parallel_lm_logits(x, self.embed.weight, self.tp_group)
