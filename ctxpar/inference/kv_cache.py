@@ -1,0 +1,108 @@
+"""The KV cache under context parallelism: every CP rank holds a share of every layer's keys.
+
+A slot is one cached token of one rank. Per layer and rank: k, v (B, capacity, Hkv, D) in
+the model's dtype (after RoPE: a key is cached at its global position), and per rank one
+``valid`` mask (B, capacity) shared by the layers.
+
+    prefill   slots [0, T/cp) get this rank's layout shard of the right-padded prompts
+              (the same tokens training would give it); pad slots are invalid
+    decode    the new token's K,V go to one rank only, the one with the fewest filled
+              slots (ties: the lowest rank), so the shards stay within one slot of each
+              other: every rank knows every rank's fill count, no communication needed
+
+Memory per rank: 2 * n_layers * B * capacity * Hkv * D * bytes, with capacity =
+T_pad / cp + ceil(decode steps / cp): 1/cp of a single rank's cache (up to one slot).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, List
+
+import torch
+
+from .cp_ops import default_scale, group_rank_and_size
+from .decode import DecodeStats, merge_partials, partial_attention
+
+
+def decode_capacity(prefill_len: int, decode_steps: int, cp: int) -> int:
+    """Slots per rank: the prefill shard plus this rank's most appended tokens."""
+    return prefill_len // cp + math.ceil(decode_steps / cp)
+
+
+class KVCache:
+    """This CP rank's share of the cache of every layer, for one batch of sequences."""
+
+    def __init__(self, n_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
+                 cp_group=None, dtype=torch.float32, device=None):
+        self.cp_group = cp_group
+        self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
+        shape = (n_layers, batch, capacity, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.filled: List[int] = [0] * self.cp_size  # slots in use on every CP rank
+        self.scale = default_scale(head_dim)  # the ring's default: training's scale
+        self.stats = DecodeStats()
+        self.mode, self.owner = None, None
+
+    @classmethod
+    def for_model(cls, model, batch: int, capacity: int, cp_group=None) -> "KVCache":
+        """A cache shaped like `model`'s attention (this TP rank's kv heads)."""
+        attn = model.layers[0].attn
+        p = model.embed.weight
+        return cls(len(model.layers), batch, capacity, attn.n_kv_heads, attn.head_dim,
+                   cp_group, dtype=p.dtype, device=p.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def nbytes(self) -> int:
+        """Bytes of this rank's cache (keys and values of every layer)."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    def begin_prefill(self, valid: torch.Tensor) -> None:
+        """The next forward is this rank's shard of the padded prompts; valid (B, T/cp) bool
+        says which of its tokens are prompt (position < the row's length), not padding."""
+        if any(self.filled):
+            raise RuntimeError("KVCache: prefill into a cache that already holds tokens")
+        n = valid.shape[1]
+        self.valid[:, :n] = valid
+        self.filled = [n] * self.cp_size  # every rank holds T_pad / cp tokens
+        self.mode = "prefill"
+
+    def begin_decode(self) -> int:
+        """The next forward is one new token per row; returns the CP rank that keeps its K,V."""
+        owner = min(range(self.cp_size), key=lambda r: (self.filled[r], r))
+        if self.filled[owner] >= self.capacity:
+            raise RuntimeError(f"KVCache: rank {owner} is full ({self.capacity} slots)")
+        if owner == self.cp_rank:
+            self.valid[:, self.filled[owner]] = True
+        self.filled[owner] += 1
+        self.mode, self.owner = "decode", owner
+        return owner
+
+    def layer(self, i: int) -> Callable:
+        """Layer i's attention with the cache, what models.gpt.Block calls as kv_cache(...)."""
+        return lambda q, k, v, core: self.attention(i, q, k, v, core)
+
+    def attention(self, i: int, q, k, v, core) -> torch.Tensor:
+        """Keep layer i's k, v and return the attention output (B, L, H, D) in q's dtype.
+
+        prefill: q, k, v (B, T/cp, *, D) are this rank's tokens; `core` is the model's own
+        CP attention (the training ring, any layout). decode: q, k, v (B, 1, *, D), the same
+        on every CP rank; the owner appends k, v, every rank attends to its share and the
+        partials are merged over CP (decode.py).
+        """
+        n = self.filled[self.cp_rank]
+        if self.mode == "prefill":
+            self.k[i, :, :n] = k
+            self.v[i, :, :n] = v
+            return core(q, k, v)
+        assert self.mode == "decode", "begin_prefill or begin_decode first"
+        if self.owner == self.cp_rank:
+            self.k[i, :, n - 1] = k[:, 0]
+            self.v[i, :, n - 1] = v[:, 0]
+        out, lse = partial_attention(q, self.k[i, :, :n], self.v[i, :, :n], self.valid[:, :n],
+                                     self.scale)
+        return merge_partials(out, lse, self.cp_group, self.stats).to(q.dtype)
