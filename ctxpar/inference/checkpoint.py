@@ -1,0 +1,223 @@
+"""A train.py run for generation: its config, a complete checkpoint, its weights at any tp, cp.
+
+    ckpt = find_checkpoint("runs/tiny_cpu", "auto")    # run dir + latest COMPLETE tag
+    cfg = load_run_config(ckpt, ["parallel.cp=2"], world_size=2)
+    files = inspect_checkpoint(ckpt.path)              # which DeepSpeed format, which tp
+    load_weights_(model, files, state.tp_group)        # any tp; cp never matters
+
+What a tag directory holds depends on how train.py ran (DeepSpeed 0.19.8):
+
+    format    written by                 model files
+    module    ZeRO 0, 1, 2 (pp = 1)      mp_rank_XX_model_states.pt ['module'], XX = TP rank
+    zero3     ZeRO 3 (pp = 1)            zero_pp_rank_D_mp_rank_XX_{model,optim}_states.pt:
+                                         the weights are only in the fp32 partitions of the
+                                         optimizer files, put together by DeepSpeed's own
+                                         zero_to_fp32 (per TP rank)
+    pipeline  pp > 1 (ZeRO 0, 1)         layer_LL-model_XX-model_states.pt: layer LL of
+                                         GPTPipe (0 embedding, 1..L blocks, L+1 final norm,
+                                         L+2 untied head; a tied head is the embedding)
+
+Parameters do not depend on cp (or dp, pp): a checkpoint loads at any cp. With the
+checkpoint's tp, each rank reads its own TP shard only. Another tp is resharded from full
+tensors: every rank puts each parameter back together from the checkpoint's shards (the
+split dim is where shard and full shape differ) and keeps its slice
+(``load_full_state_dict_``); this materialises the whole model on every rank (mmap'd reads
+keep the files themselves out of memory). Errors are ``CheckpointError``: one line naming
+the path.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..config import Config, load_config
+from ..resume import MARKER, is_tag, latest_complete
+from ..tensor_parallel import full_shape, load_full_state_dict_
+from ..tensor_parallel.mappings import tp_rank_of, tp_size_of
+
+_MODULE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_ZERO3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_LAYER = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+class CheckpointError(ValueError):
+    """A run or checkpoint generate.py cannot use; the message names the path."""
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    run_dir: str
+    """The train.py run directory (its config.yaml, metrics.jsonl)."""
+    path: str
+    """The complete tag directory, e.g. <run_dir>/checkpoints/step_00000400."""
+
+    @property
+    def tag(self) -> str:
+        return os.path.basename(self.path)
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    path: str
+    kind: str  # 'module', 'zero3' or 'pipeline' (module docstring)
+    tp: int    # the TP degree it was saved with
+
+
+def find_checkpoint(run: str, checkpoint: str = "auto") -> RunCheckpoint:
+    """The run directory and a complete tag; `run` may also be a tag directory itself."""
+    run = os.path.normpath(run)
+    if not os.path.isdir(run):
+        raise CheckpointError(f"--run-dir {run}: no such directory")
+    if is_tag(os.path.basename(run)) and not os.path.isfile(os.path.join(run, "config.yaml")):
+        run_dir, save_dir, tag = os.path.dirname(os.path.dirname(run)), os.path.dirname(run), \
+            os.path.basename(run)
+        if checkpoint not in ("auto", tag):
+            raise CheckpointError(f"--run-dir {run} is a checkpoint already; --checkpoint "
+                                  f"{checkpoint} names another")
+    else:
+        run_dir, save_dir, tag = run, None, None
+    if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        raise CheckpointError(f"--run-dir {run}: no config.yaml in {run_dir} (not a train.py run "
+                              f"directory)")
+    if save_dir is None:
+        cfg = load_config(os.path.join(run_dir, "config.yaml"), check_paths=False)
+        save_dir = cfg.checkpointing.save_dir or os.path.join(run_dir, "checkpoints")
+        if checkpoint == "auto":
+            tag = latest_complete(save_dir)
+            if tag is None:
+                raise CheckpointError(f"--run-dir {run}: no complete checkpoint in {save_dir} "
+                                      f"(train.py saves at checkpointing.save_interval and at "
+                                      f"the end; a tag without {MARKER} did not finish)")
+        elif not is_tag(checkpoint):
+            raise CheckpointError(f"--checkpoint={checkpoint!r} must be 'auto' or a tag like "
+                                  f"step_00000100")
+        else:
+            tag = checkpoint
+    path = os.path.join(save_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path}: no such directory")
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise CheckpointError(f"checkpoint {path} is incomplete (no {MARKER} marker: its save "
+                              f"did not finish); use another tag or --checkpoint auto")
+    return RunCheckpoint(run_dir, path)
+
+
+def load_run_config(ckpt: RunCheckpoint, overrides: Sequence[str] = (),
+                    world_size: Optional[int] = None) -> Config:
+    """The run's saved config with overrides (ConfigError names the file and key)."""
+    return load_config(os.path.join(ckpt.run_dir, "config.yaml"), overrides,
+                       world_size=world_size, check_paths=False)
+
+
+def _ranks(matches: List[re.Match], group: int, path: str, what: str) -> int:
+    ranks = sorted({int(m.group(group)) for m in matches})
+    if ranks != list(range(len(ranks))):
+        raise CheckpointError(f"checkpoint {path}: {what} files for TP ranks {ranks}, "
+                              f"expected 0..{len(ranks) - 1}")
+    return len(ranks)
+
+
+def inspect_checkpoint(path: str) -> CheckpointFiles:
+    """Which of the formats in the module docstring `path` holds, and its TP degree."""
+    names = os.listdir(path)
+    for kind, pattern, group in (("pipeline", _LAYER, 2), ("zero3", _ZERO3, 2),
+                                 ("module", _MODULE, 1)):
+        found = [m for m in map(pattern.match, names) if m]
+        if found:
+            return CheckpointFiles(path, kind, _ranks(found, group, path, kind))
+    raise CheckpointError(f"checkpoint {path}: no DeepSpeed model states "
+                          f"(mp_rank_*_model_states.pt or layer_*-model_*-model_states.pt)")
+
+
+def _zero3_shard(files: CheckpointFiles, tp_rank: int) -> Dict[str, torch.Tensor]:
+    """TP rank tp_rank's fp32 parameters of a ZeRO-3 checkpoint, by DeepSpeed's zero_to_fp32.
+
+    zero_to_fp32 reads one model-parallel rank (mp_rank_00, every *_optim_states.pt in
+    the directory): with tp > 1 it is given a directory of links to one TP rank's files.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+    with tempfile.TemporaryDirectory(prefix="ctxpar-zero3-") as tmp, quiet[0], quiet[1]:
+        if files.tp == 1:
+            return get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(files.path),
+                                                            tag=os.path.basename(files.path))
+        os.mkdir(os.path.join(tmp, "tag"))
+        suffix = f"_mp_rank_{tp_rank:02d}_"
+        for name in os.listdir(files.path):
+            if suffix in name:
+                os.symlink(os.path.join(os.path.abspath(files.path), name),
+                           os.path.join(tmp, "tag", name.replace(suffix, "_mp_rank_00_")))
+        return get_fp32_state_dict_from_zero_checkpoint(tmp, tag="tag")
+
+
+def read_shard(files: CheckpointFiles, tp_rank: int, n_layers: int) -> Dict[str, torch.Tensor]:
+    """TP rank tp_rank's parameters under GPT's names (``layers.3.attn.q_proj.weight``)."""
+    def load(name):
+        return torch.load(os.path.join(files.path, name), map_location="cpu", mmap=True,
+                          weights_only=True)
+
+    if files.kind == "module":
+        return dict(load(f"mp_rank_{tp_rank:02d}_model_states.pt")["module"])
+    if files.kind == "zero3":
+        return _zero3_shard(files, tp_rank)
+    out = {}
+    for name in sorted(os.listdir(files.path)):
+        m = _LAYER.match(name)
+        if m and int(m.group(2)) == tp_rank:
+            idx = int(m.group(1))  # GPTPipe's layer list (models/gpt_pipe.py)
+            prefix = f"layers.{idx - 1}." if 1 <= idx <= n_layers else ""
+            out.update({prefix + k: v for k, v in load(name).items()})
+    return out
+
+
+def merge_tp_shards(shards: List[Dict[str, torch.Tensor]], model, path: str
+                    ) -> Dict[str, torch.Tensor]:
+    """Full-size tensors from a checkpoint's TP shards, for every parameter of `model`.
+
+    A parameter whose shard already has the full shape was replicated; otherwise the
+    shards are concatenated along the one dim where shard and full shape differ.
+    """
+    tp_size, n = tp_size_of(model.tp_group), len(shards)
+    full = {}
+    for name, p in model.named_parameters():
+        want = tuple(full_shape(p, tp_size))
+        got = tuple(shards[0][name].shape)
+        dims = [d for d, (g, w) in enumerate(zip(got, want)) if g != w]
+        if got == want:
+            full[name] = shards[0][name]
+        elif len(got) == len(want) and len(dims) == 1 and got[dims[0]] * n == want[dims[0]]:
+            full[name] = torch.cat([s[name] for s in shards], dim=dims[0])
+        else:
+            raise CheckpointError(f"checkpoint {path}: {name} has shards of {got} at tp={n}, "
+                                  f"which do not make the model's {want}")
+    return full
+
+
+@torch.no_grad()
+def load_weights_(model, files: CheckpointFiles, tp_group) -> None:
+    """Copy the checkpoint's weights into `model` (a models.gpt.GPT at any tp and cp)."""
+    n_layers, tp_size = model.cfg.n_layers, tp_size_of(tp_group)
+    names = {n for n, _ in model.named_parameters()}
+    ranks = [tp_rank_of(tp_group)] if files.tp == tp_size else range(files.tp)
+    shards = [read_shard(files, r, n_layers) for r in ranks]
+    missing, unexpected = sorted(names - set(shards[0])), sorted(set(shards[0]) - names)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {files.path} does not match the run's model: "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if files.tp == tp_size:
+        for name, p in model.named_parameters():
+            if tuple(shards[0][name].shape) != tuple(p.shape):
+                raise CheckpointError(f"checkpoint {files.path}: {name} is "
+                                      f"{tuple(shards[0][name].shape)}, the model's "
+                                      f"{tuple(p.shape)}")
+            p.copy_(shards[0][name])
+        return
+    load_full_state_dict_(model, merge_tp_shards(shards, model, files.path), tp_group)

@@ -1,0 +1,217 @@
+"""generate.py end to end on a train.py checkpoint, and every DeepSpeed checkpoint format.
+
+  formats   one 4-rank spawn saves a GPT through real DeepSpeed engines (ZeRO-1 at tp2 x
+            cp2, ZeRO-3 at tp2 x dp2, the pipeline engine at tp2 x pp2) with weights no
+            seed makes, then loads each at tp 1, 2 and 4: the full weights must be the saved
+            ones exactly (fp32 copies; ZeRO-3's through DeepSpeed's zero_to_fp32).
+  run       one short single-process train.py run (module-scoped) shared by the rest:
+            --passkey against the teacher-forced argmax of train.py's eval, sample by
+            sample; the torchrun cp=2 form prints the same; prompts from a jsonl file equal
+            a cache-less reference; bad input exits 2 with one line.
+"""
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ctxpar.config import ModelConfig
+from ctxpar.data import build_source
+from ctxpar.inference.checkpoint import (find_checkpoint, inspect_checkpoint,
+                                         load_run_config, load_weights_)
+from ctxpar.parallel_state import free_port
+from dist_harness import run_distributed
+from models.gpt import GPT
+from test_inference import reference_generate
+from test_train import ROOT, run_train
+
+MODEL = dict(vocab_size=256, seq_len=32, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2)
+SAVED_SEED, BUILD_SEED = 99, 5  # saved weights come from one seed, models are built with another
+
+
+def _save_and_load(rank, world, save_root):
+    """Save the seed-99 GPT from each engine, then load every tag at tp 1, 2, 4."""
+    import deepspeed
+    from ctxpar import init_parallel_state
+    from ctxpar import resume
+    from ctxpar.config import config_from_dict, deepspeed_config
+    from ctxpar.tensor_parallel import gather_full_state_dict
+    from ctxpar.zero import partition_for_zero3
+    from models.gpt_pipe import GPTPipe
+
+    cases = {"module": dict(tp=2, cp=2, pp=1, dp=1, zero=1),
+             "zero3": dict(tp=2, cp=1, pp=1, dp=2, zero=3),
+             "pipeline": dict(tp=2, cp=1, pp=2, dp=1, zero=1)}
+    for name, c in cases.items():
+        cfg = config_from_dict({
+            "model": MODEL, "parallel": dict(tp=c["tp"], cp=c["cp"], pp=c["pp"], dp=c["dp"]),
+            "train": dict(micro_batch_size=1, global_batch_size=2 * c["dp"], seed=SAVED_SEED),
+            "data": dict(kind="tokens", path="unused"), "deepspeed": {"zero_optimization": {
+                "stage": c["zero"], "stage3_param_persistence_threshold": 0}}},
+            world_size=world, check_paths=False)
+        st = init_parallel_state(tp=c["tp"], cp=c["cp"], pp=c["pp"], dp=c["dp"])
+        ds = deepspeed_config(cfg, st.dp_size)
+        model = GPTPipe.from_config(cfg, st, ds["gradient_accumulation_steps"]) \
+            if c["pp"] > 1 else GPT.from_config(cfg, st)
+        partition_for_zero3(model, st, ds)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # never stepped
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds,
+                                          mpu=None if c["pp"] > 1 else st.mpu())
+        resume.save(engine, os.path.join(save_root, name), 1, {"step": 1})
+        engine.destroy()
+    out = {}
+    for name in cases:
+        files = inspect_checkpoint(os.path.join(save_root, name, "step_00000001"))
+        for tp in (1, 2, 4):
+            st = init_parallel_state(tp=tp, cp=world // tp)
+            model = GPT(ModelConfig(**MODEL), tp_group=st.tp_group, cp_group=st.cp_group,
+                        seed=BUILD_SEED)
+            load_weights_(model, files, st.tp_group)
+            out[name, tp] = (files.kind, files.tp, gather_full_state_dict(model, st.tp_group))
+    return pickle.dumps(out)
+
+
+def test_every_checkpoint_format_loads_at_any_tp(tmp_path):
+    want = GPT(ModelConfig(**MODEL), seed=SAVED_SEED).state_dict()
+    other = GPT(ModelConfig(**MODEL), seed=BUILD_SEED).state_dict()
+    assert any(not torch.equal(want[n], other[n]) for n in want)  # loading must change them
+    for rank, res in enumerate(run_distributed(_save_and_load, 4, str(tmp_path), timeout=300)):
+        for (name, tp), (kind, saved_tp, full) in pickle.loads(res).items():
+            assert (kind, saved_tp) == (name, 2)
+            assert set(full) == set(want)
+            for n in want:  # fp32 copies and concatenations: exact
+                torch.testing.assert_close(full[n], want[n], rtol=0, atol=0,
+                                           msg=f"rank {rank} {name} -> tp{tp} {n}")
+
+
+# ---------------------------------------------------------------- generate.py on a real run
+
+CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+N = 16  # held-out samples: train.py's eval and --passkey read the same ones
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("gen") / "run")
+    run_train(d, 1, ["parallel.cp=1", "parallel.dp=1", f"train.eval_samples={N}",
+                     "train.steps=30", "logging.wandb.mode=disabled"])
+    return d
+
+
+def generate_py(args, nproc=1, timeout=300):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "generate.py")] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+         "--master_port", str(free_port()), os.path.join(ROOT, "generate.py")]
+    return subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def load_run_model(run_dir):
+    ckpt = find_checkpoint(run_dir)
+    cfg = load_run_config(ckpt, ["parallel.cp=1", "parallel.dp=1"], world_size=1)
+    model = GPT(cfg.model, seed=BUILD_SEED).eval()
+    load_weights_(model, inspect_checkpoint(ckpt.path), None)
+    return cfg, model
+
+
+def passkey_jsonl(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("passkey accuracy")]
+    assert len(rows) == N and len(summary) == 1, proc.stdout
+    return rows, summary[0]
+
+
+@pytest.fixture(scope="module")
+def passkey_single(run):
+    return passkey_jsonl(generate_py(["--run-dir", run, "--passkey", str(N),
+                                      "--output-format", "jsonl"]))
+
+
+def test_passkey_generation_agrees_with_train_eval_sample_by_sample(run, passkey_single):
+    rows, summary = passkey_single
+    cfg, model = load_run_model(run)
+    task, d = build_source(cfg.data, cfg.model.seq_len, cfg.train.seed, "eval"), 2
+    T = cfg.model.seq_len
+    for i, row in enumerate(rows):
+        inputs, labels = task[i]
+        with torch.no_grad():  # train.py's eval: argmax at the answer positions, teacher-forced
+            pred = model(torch.as_tensor(inputs)[None], torch.arange(T))[0, T - d:].argmax(-1)
+        key = bytes(labels[-d:].tolist()).decode()
+        assert row["key"] == key
+        gen = row["tokens"]
+        # Greedy digit 1 is the teacher-forced argmax; digit 2 too once digit 1 is the key's.
+        assert gen[0] == pred[0], (i, row, pred)
+        if gen[0] == ord(key[0]):
+            assert gen[1] == pred[1], (i, row, pred)
+        assert row["correct"] == (gen == labels[-d:].tolist()) == bool(
+            (pred == torch.as_tensor(labels[-d:])).all())
+    # The accuracy line quotes train.py's own eval of the same checkpoint: equal.
+    acc = sum(r["correct"] for r in rows) / N
+    assert summary.startswith(f"passkey accuracy {acc:.3f} ") and \
+        summary.endswith(f"train.py's eval there: {acc:.3f}"), summary
+
+
+def test_torchrun_cp2_prints_the_same_answers(run, passkey_single):
+    proc = generate_py(["--run-dir", run, "--passkey", str(N), "--output-format", "jsonl",
+                        "--set", "parallel.cp=2", "parallel.layout=striped"], nproc=2)
+    rows, summary = passkey_jsonl(proc)
+    assert rows == passkey_single[0]
+    assert summary.split(" from ")[0] == passkey_single[1].split(" from ")[0]
+    assert "tp=1 x cp=2 (striped)" in proc.stderr
+
+
+def test_prompt_file_matches_a_cacheless_reference(run, tmp_path):
+    texts = ["The sky is blue. The pass key is 4", "Here we go. ", "What is the pass key?"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "out.jsonl"
+    proc = generate_py(["--run-dir", run, "--prompt-file", str(path), "--max-new-tokens", "6",
+                        "--output-format", "jsonl", "--output", str(out), "--batch-size", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    _, model = load_run_model(run)
+    prompts = [list(t.encode()) for t in texts]
+    tokens, _ = reference_generate(model, prompts, 6, min_gap=1e-5)
+    for t, row, ref in zip(texts, rows, tokens):
+        want = ref[:ref.index(0)] if 0 in ref else ref  # byte tokenizer: EOS is id 0
+        assert row["prompt"] == t and row["completion"] == bytes(want).decode("utf-8", "replace")
+        assert row["stop"] == ("eos" if 0 in ref else "length")
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--run-dir", "{tmp}/nowhere", "--passkey", "4"], "--run-dir {tmp}/nowhere: no such directory"),
+    (["--run-dir", "{run}", "--checkpoint", "step_00000007", "--passkey", "4"],
+     "checkpoint {run}/checkpoints/step_00000007: no such directory"),
+    (["--run-dir", "{incomplete}", "--passkey", "4"], "no complete checkpoint in {incomplete}"),
+    (["--run-dir", "{incomplete}", "--checkpoint", "step_00000030", "--passkey", "4"],
+     "checkpoint {incomplete}/checkpoints/step_00000030 is incomplete (no COMPLETE marker"),
+    (["--run-dir", "{run}", "--prompt", "x" * 120, "--max-new-tokens", "10"],
+     "prompt 0 has 120 tokens; with --max-new-tokens=10 it needs 129 positions > "
+     "model.seq_len=128"),
+    (["--run-dir", "{run}", "--passkey", "4", "--set", "parallel.tp=3"],
+     "model.n_heads=4 is not divisible by parallel.tp=3"),
+    (["--run-dir", "{run}", "--passkey", "4", "--set", "parallel.dp=2"],
+     "--set parallel.dp=2: generate.py runs tp x cp ranks only"),
+    (["--run-dir", "{run}", "--passkey", "4", "--top-p", "0"], "--top-p=0.0 must be in (0, 1]"),
+])
+def test_bad_input_exits_2_with_one_line(run, tmp_path, monkeypatch, capsys, args, msg):
+    import shutil
+
+    import generate
+
+    incomplete = str(tmp_path / "incomplete")
+    shutil.copytree(run, incomplete, ignore=shutil.ignore_patterns("COMPLETE"))
+    fill = dict(tmp=str(tmp_path), run=run, incomplete=incomplete)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):  # launcher_env sets them:
+        monkeypatch.setenv(k, "")  # recorded, so they are unset again after the test
+        monkeypatch.delenv(k)
+    with pytest.raises(SystemExit) as e:
+        generate.main([a.format(**fill) for a in args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg.format(**fill) in err[0], err
