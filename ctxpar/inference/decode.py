@@ -40,21 +40,22 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       valid: torch.Tensor, scale: float):
     """Attention of one query per row over this rank's keys, with its log-sum-exp.
 
-    q (B, 1, H, D); k, v (B, S, Hkv, D) with H % Hkv == 0 (query head h reads kv head
-    h // (H / Hkv), as in training); valid (B, S) bool, the cache slots that hold a token
-    of that row (prompt padding and unused slots are False). Returns out (B, 1, H, D) fp32
-    and lse (B, H, 1) fp32; a row with no valid key here gets out 0 and lse -inf, which
-    the merge weighs 0. Plain fp32 math: one query row is a matrix-vector product per
-    head, bound by reading the cache, which no fused kernel makes faster.
+    q (B, 1, H, D); k, v (B, Hkv, S, D), the cache's head-major layout, with H % Hkv == 0
+    (query head h reads kv head h // (H / Hkv), as in training); valid (B, S) bool, the
+    cache slots that hold a token of that row (prompt padding and unused slots are
+    False). Returns out (B, 1, H, D) fp32 and lse (B, H, 1) fp32; a row with no valid key
+    here gets out 0 and lse -inf, which the merge weighs 0. Two batched matmuls in fp32:
+    one query row per head is bound by reading the cache, which head-major slots let the
+    matmuls stream without a copy.
     """
     B, _, H, D = q.shape
-    Hkv = k.shape[2]
+    Hkv = k.shape[1]
     qg = q[:, 0].float().view(B, Hkv, H // Hkv, D)                      # (B, Hkv, G, D)
-    s = torch.einsum("bkgd,bskd->bkgs", qg, k.float()) * scale          # (B, Hkv, G, S)
+    s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale           # (B, Hkv, G, S)
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                     # (B, Hkv, G)
     p = torch.exp(s - lse.nan_to_num(neginf=0.0).unsqueeze(-1))          # exp(-inf) = 0
-    out = torch.einsum("bkgs,bskd->bkgd", p, v.float())                  # (B, Hkv, G, D)
+    out = torch.matmul(p, v.float())                                     # (B, Hkv, G, D)
     return out.reshape(B, 1, H, D), lse.reshape(B, H, 1)
 
 

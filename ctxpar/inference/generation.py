@@ -22,6 +22,7 @@ over CP (split over TP as in training); only attention is CP-sharded (decode.py)
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -42,6 +43,12 @@ class GenerationOutput:
     """With keep_logits: per step, the full-vocabulary fp32 logits (B, V) it sampled from."""
     cache: Optional[KVCache] = None
     """This rank's cache after the last step (sizes and bytes moved, for tests/benchmarks)."""
+    prefill_s: float = 0.0
+    """Seconds to the first new token (prefill and its sampling; host-synchronised there)."""
+    decode_s: float = 0.0
+    """Seconds of the decode steps after it."""
+    decode_steps: int = 0
+    """Decode forwards run (each feeds one token per row)."""
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -98,6 +105,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     eos_id (not included) and the batch when every row stopped or after max_new_tokens.
     """
     check_prompts(prompts, max_new_tokens, max_positions, model.cfg.vocab_size)
+    t0 = time.perf_counter()
     device = model.embed.weight.device
     cp = group_rank_and_size(cp_group)[1]
     B = len(prompts)
@@ -125,9 +133,11 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
             out.logits.append(logits)
         nxt = sample(logits, sampling, generator)                         # (B,)
         hit = nxt == eos_id if eos_id is not None else torch.zeros_like(done)
-        for b in torch.nonzero(~done & ~hit).flatten().tolist():
+        for b in torch.nonzero(~done & ~hit).flatten().tolist():  # a host sync point
             out.tokens[b].append(int(nxt[b]))
         done |= hit
+        if step == 0:
+            out.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
         if step == max_new_tokens - 1 or bool(done.all()):
             break
         # Decode: row b's token at position len_b + step; its K,V kept by one CP rank.
@@ -135,4 +145,6 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         x = model.hidden_states(nxt.unsqueeze(1), (lengths + step).unsqueeze(1),
                                 kv_cache=cache)                            # (B, 1, d)
         logits = full_logits(model, x[:, 0], tp_group)
+        out.decode_steps += 1
+    out.decode_s = time.perf_counter() - t0
     return out

@@ -1,7 +1,8 @@
 """The KV cache under context parallelism: every CP rank holds a share of every layer's keys.
 
-A slot is one cached token of one rank. Per layer and rank: k, v (B, capacity, Hkv, D) in
-the model's dtype (after RoPE: a key is cached at its global position), and per rank one
+A slot is one cached token of one rank. Per layer and rank: k, v (B, Hkv, capacity, D) in
+the model's dtype (after RoPE: a key is cached at its global position; head-major, so a
+decode step's matmuls read each head's keys as one strided block), and per rank one
 ``valid`` mask (B, capacity) shared by the layers.
 
     prefill   slots [0, T/cp) get this rank's layout shard of the right-padded prompts
@@ -36,7 +37,7 @@ class KVCache:
                  cp_group=None, dtype=torch.float32, device=None):
         self.cp_group = cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
-        shape = (n_layers, batch, capacity, kv_heads, head_dim)
+        shape = (n_layers, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
@@ -95,14 +96,14 @@ class KVCache:
         partials are merged over CP (decode.py).
         """
         n = self.filled[self.cp_rank]
-        if self.mode == "prefill":
-            self.k[i, :, :n] = k
-            self.v[i, :, :n] = v
+        if self.mode == "prefill":  # k, v (B, T/cp, Hkv, D) -> slots (B, Hkv, T/cp, D)
+            self.k[i, :, :, :n] = k.transpose(1, 2)
+            self.v[i, :, :, :n] = v.transpose(1, 2)
             return core(q, k, v)
         assert self.mode == "decode", "begin_prefill or begin_decode first"
         if self.owner == self.cp_rank:
-            self.k[i, :, n - 1] = k[:, 0]
-            self.v[i, :, n - 1] = v[:, 0]
-        out, lse = partial_attention(q, self.k[i, :, :n], self.v[i, :, :n], self.valid[:, :n],
-                                     self.scale)
+            self.k[i, :, :, n - 1] = k[:, 0]
+            self.v[i, :, :, n - 1] = v[:, 0]
+        out, lse = partial_attention(q, self.k[i, :, :, :n], self.v[i, :, :, :n],
+                                     self.valid[:, :n], self.scale)
         return merge_partials(out, lse, self.cp_group, self.stats).to(q.dtype)
