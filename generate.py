@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ctxpar.cli import add_launcher_args, fail
 from ctxpar.config import ConfigError
 from ctxpar.data import DataError, build_source, load_tokenizer
 from ctxpar.inference import SamplingParams, check_prompts, generate
@@ -34,7 +35,6 @@ from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspe
 from ctxpar.parallel_state import (default_backend, init_distributed, init_parallel_state,
                                    launcher_env)
 
-EXIT_BAD_INPUT = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -71,15 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--output-format", choices=("text", "jsonl"), default="text")
     p.add_argument("--output", default=None, help="write to this file instead of stdout")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                   help="set by the deepspeed launcher (LOCAL_RANK is used instead)")
+    add_launcher_args(p)
     return p.parse_args(argv)
-
-
-def fail(msg: str, code: int = EXIT_BAD_INPUT):
-    """One line on stderr from every rank, then exit (before any collective)."""
-    print(f"[rank {os.environ['RANK']}] error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
 
 
 def layout_overrides(user_sets, world: int):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import resume as ckpt
+from ctxpar.cli import add_launcher_args, fail
 from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_config, to_dict
 from ctxpar.data import DataError, build_data, evaluate
 from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tflops,
@@ -29,7 +30,6 @@ from ctxpar.parallel_state import (default_backend, init_distributed, init_paral
 from ctxpar.grad_norm import record_fp32_grad_norm
 from ctxpar.zero import grad_divisor, partition_for_zero3
 
-EXIT_BAD_INPUT = 2
 EXIT_NON_FINITE = 3
 
 
@@ -41,15 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", default="auto",
                    help="'auto' (latest complete checkpoint in save_dir, if any), 'none', "
                         "or a checkpoint tag such as step_00000100")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                   help="set by the deepspeed launcher (LOCAL_RANK is used instead)")
+    add_launcher_args(p)
     return p.parse_args(argv)
-
-
-def fail(msg: str, code: int = EXIT_BAD_INPUT):
-    """One line on stderr from every rank, then exit (before any collective)."""
-    print(f"[rank {os.environ['RANK']}] error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
 
 
 def lr_lambda(cfg):

@@ -1,0 +1,20 @@
+"""What the entrypoints (train.py, generate.py) share: the bad-input exit, the launcher's flag."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXIT_BAD_INPUT = 2
+
+
+def add_launcher_args(p: argparse.ArgumentParser) -> None:
+    """Flags a launcher passes to the script (the deepspeed launcher's --local_rank)."""
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help="set by the deepspeed launcher (LOCAL_RANK is used instead)")
+
+
+def fail(msg: str, code: int = EXIT_BAD_INPUT):
+    """One line on stderr from every rank, then exit (before any collective)."""
+    print(f"[rank {os.environ['RANK']}] error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
