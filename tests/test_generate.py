@@ -215,3 +215,33 @@ def test_bad_input_exits_2_with_one_line(run, tmp_path, monkeypatch, capsys, arg
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg.format(**fill) in err[0], err
+
+
+def test_hf_tokenizer_text_in_text_out(run, tmp_path, monkeypatch, capsys):
+    # A local tokenizers JSON (what preprocess_data.py --tokenizer takes); its ids are
+    # < 256 so the byte-level model can read them. In-process: generate.main on one rank.
+    tokenizers = pytest.importorskip("tokenizers")
+    import torch.distributed as dist
+
+    import generate
+    from ctxpar.data import HFTokenizer
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the sky is blue the sea is calm"], tokenizers.trainers.
+                            WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    try:
+        assert generate.main(["--run-dir", run, "--prompt", "the sea is", "--tokenizer",
+                              str(tmp_path / "tokenizer.json"), "--max-new-tokens", "5"]) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _, model = load_run_model(run)
+    tokens, _ = reference_generate(model, [hf.encode("the sea is")], 5, min_gap=1e-5)
+    ref = tokens[0][:tokens[0].index(hf.eos_id)] if hf.eos_id in tokens[0] else tokens[0]
+    assert capsys.readouterr().out == "the sea is" + hf.decode(ref) + "\n\n"
