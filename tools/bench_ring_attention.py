@@ -28,17 +28,15 @@ import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from datetime import date
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ctxpar.attention_backends import default_scale, get_backend  # noqa: E402
 from ctxpar.ring_attention import NoComm, _ring_attention, ring_stats  # noqa: E402
+from bench_ranks import spawn_ranks  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -97,50 +95,22 @@ def _peak_mem(fn, device) -> int:
 # ------------------------------------------------------------------ real ranks
 
 
-def _rank_main(rank, world, store_path, a, n, threads, results):
-    try:
-        if a.device == "cuda":
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-            backend = "nccl"
-        else:
-            device, backend = torch.device("cpu"), "gloo"
-            torch.set_num_threads(threads)
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-        (q, k, v), dout = _inputs(a, n // world, device, seed=rank)
-        ring = lambda: _fwd_bwd(q, k, v, dout, a)  # noqa: E731
-        alone = lambda: _fwd_bwd(q, k, v, dout, a, no_comm=NoComm(rank, world))  # noqa: E731
-        mem = _peak_mem(ring, device)  # first call: also the warmup of the ring
-        with ring_stats() as st:
-            ring()
-        t = _timed(dict(ring=ring, alone=alone), device, a.iters, a.warmup)
-        t_ring, t_alone = t["ring"], t["alone"]
-        dist.destroy_process_group()
-        results.put((rank, dict(time_s=t_ring, time_nocomm_s=t_alone, peak_mem_bytes=mem,
-                                **st.as_dict())))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        results.put((rank, repr(e)))
+def _rank_main(rank, world, device, a, n) -> dict:
+    (q, k, v), dout = _inputs(a, n // world, device, seed=rank)
+    ring = lambda: _fwd_bwd(q, k, v, dout, a)  # noqa: E731
+    alone = lambda: _fwd_bwd(q, k, v, dout, a, no_comm=NoComm(rank, world))  # noqa: E731
+    mem = _peak_mem(ring, device)  # first call: also the warmup of the ring
+    with ring_stats() as st:
+        ring()
+    t = _timed(dict(ring=ring, alone=alone), device, a.iters, a.warmup)
+    return dict(time_s=t["ring"], time_nocomm_s=t["alone"], peak_mem_bytes=mem,
+                **st.as_dict())
 
 
 def run_ranks(a, n: int, world: int) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     # Same cores in total for every P, unless --threads says otherwise.
     threads = a.threads or max(1, (os.cpu_count() or 1) // world)
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, os.path.join(tmp, "store"),
-                                                      a, n, threads, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        per_rank = dict(results.get(timeout=a.timeout) for _ in range(world))
-        for p in procs:
-            p.join()
-    bad = {r: x for r, x in per_rank.items() if isinstance(x, str)}
-    if bad:
-        raise RuntimeError(f"ranks failed: {bad}")
-    ranks = [per_rank[r] for r in range(world)]
+    ranks = spawn_ranks(_rank_main, world, a.device, threads, a, n, timeout=a.timeout)
     t_max = max(r["time_s"] for r in ranks)
     return dict(mode="ranks", n=n, P=world, threads_per_rank=threads,
                 time_ms_max=1e3 * t_max,
