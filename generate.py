@@ -159,14 +159,17 @@ def main(argv=None) -> int:
         sampling.check()
         if args.batch_size < 1:
             raise ValueError(f"--batch-size={args.batch_size} must be >= 1")
+        if args.passkey is not None and args.tokenizer:
+            raise ValueError("--tokenizer does not apply to --passkey (the task is byte-level)")
         tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
+        new = args.max_new_tokens
         if args.passkey is not None:
             samples = passkey_samples(cfg, args.passkey)
             prompts, keys = [s[0] for s in samples], [s[1] for s in samples]
-            new = args.max_new_tokens or cfg.data.passkey_digits
+            new = cfg.data.passkey_digits if new is None else new
         else:
             texts = read_prompts(args)
-            prompts, new = [tokenizer.encode(t) for t in texts], args.max_new_tokens or 64
+            prompts, new = [tokenizer.encode(t) for t in texts], 64 if new is None else new
         check_prompts(prompts, new, cfg.model.seq_len, cfg.model.vocab_size)
     except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError,
             ImportError) as e:

@@ -198,6 +198,8 @@ def test_prompt_file_matches_a_cacheless_reference(run, tmp_path):
     (["--run-dir", "{run}", "--passkey", "4", "--set", "parallel.dp=2"],
      "--set parallel.dp=2: generate.py runs tp x cp ranks only"),
     (["--run-dir", "{run}", "--passkey", "4", "--top-p", "0"], "--top-p=0.0 must be in (0, 1]"),
+    (["--run-dir", "{run}", "--prompt", "x", "--max-new-tokens", "0"],
+     "--max-new-tokens=0 must be >= 1"),
 ])
 def test_bad_input_exits_2_with_one_line(run, tmp_path, monkeypatch, capsys, args, msg):
     import shutil
