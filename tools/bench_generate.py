@@ -17,11 +17,8 @@ One untimed warmup generation (a short prompt) runs first on every rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
-from datetime import date
 
 import torch
 import torch.distributed as dist
@@ -30,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ctxpar.config import ModelConfig  # noqa: E402
 from ctxpar.inference import decode_bytes_per_step, generate  # noqa: E402
 from models.gpt import GPT  # noqa: E402
-from bench_ranks import spawn_ranks  # noqa: E402
+from bench_ranks import save_results, spawn_ranks  # noqa: E402
 
 
 def _model_config(a, n: int) -> ModelConfig:
@@ -106,13 +103,8 @@ def main(argv=None):
         for world in a.cp:
             rows.append(run(a, n, world))
             print(_table(rows[-1:]).splitlines()[-1], flush=True)
-    meta = dict(date=str(date.today()), torch=torch.__version__, machine=platform.machine(),
-                cpus=os.cpu_count(), args=vars(a))
     print(_table(rows))
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {a.json}")
+    save_results(a.json, a, rows)
 
 
 if __name__ == "__main__":

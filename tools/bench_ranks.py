@@ -1,6 +1,7 @@
 """The benchmarks' launcher: run a function on P local processes joined in one process group.
 
     per_rank = spawn_ranks(fn, world, "cpu", threads, *args, timeout=3600)
+    save_results(a.json, a, rows)    # rows plus date, torch, machine and the arguments
 
 ``fn(rank, world, device, *args)`` runs on every rank after ``init_process_group`` (gloo
 with `threads` intra-op threads per process on CPU; NCCL on cuda:rank) and returns a
@@ -9,9 +10,12 @@ its error. fn must be importable by a spawned process (module level).
 """
 from __future__ import annotations
 
+import json
 import os
+import platform
 import tempfile
 import traceback
+from datetime import date
 
 import torch
 import torch.distributed as dist
@@ -58,3 +62,13 @@ def spawn_ranks(fn, world: int, device_type: str, threads: int, *args, timeout: 
         for p in procs:
             p.join()
     return [per_rank[r] for r in range(world)]
+
+
+def save_results(path: str, args, rows, **meta) -> None:
+    """Write {"meta": when, where, with what arguments; "rows": rows} as JSON to path."""
+    meta = dict(date=str(date.today()), torch=torch.__version__, machine=platform.machine(),
+                cpus=os.cpu_count(), args=vars(args), **meta)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {path}")

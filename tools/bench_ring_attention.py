@@ -22,21 +22,18 @@ i.e. what is lost to smaller kernels, LSE merges and load imbalance (1.0 = none)
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import resource
 import statistics
 import sys
 import time
-from datetime import date
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ctxpar.attention_backends import default_scale, get_backend  # noqa: E402
 from ctxpar.ring_attention import NoComm, _ring_attention, ring_stats  # noqa: E402
-from bench_ranks import spawn_ranks  # noqa: E402
+from bench_ranks import save_results, spawn_ranks  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -210,14 +207,9 @@ def main(argv=None):
         else:
             rows.extend(run_ranks(a, n, w) for w in a.world_sizes)
         print(_table(rows[-1:]).splitlines()[-1], flush=True)
-    meta = dict(date=str(date.today()), torch=torch.__version__, machine=platform.machine(),
-                cpus=os.cpu_count(), args=vars(a),
-                cuda=torch.cuda.get_device_name() if a.device == "cuda" else None)
     print(_table(rows))
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {a.json}")
+    save_results(a.json, a, rows,
+                 cuda=torch.cuda.get_device_name() if a.device == "cuda" else None)
 
 
 if __name__ == "__main__":
