@@ -17,6 +17,7 @@ setup(
         "wandb>=0.17",
         "tqdm",
         "numpy",
+        "zstandard",  # .zst corpora in tools/preprocess_data.py
     ],
     extras_require={
         "dev": ["pytest>=8"],

@@ -2,8 +2,6 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,9 +14,6 @@ from ctxpar.data import (ByteTokenizer, DataError, HFTokenizer, IndexedDataset,
 from ctxpar.data.passkey import NEEDLE, QUESTION, min_seq_len
 from dist_harness import run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from preprocess_data import main as preprocess_main  # noqa: E402
 
 rng = np.random.default_rng(0)
 DOCS = [rng.integers(1, 256, size=n).tolist() for n in (5, 40, 1, 17, 90, 33, 8, 61)]
@@ -271,7 +266,7 @@ def test_passkey_accuracy():
     assert not passkey_correct(preds, torch.full_like(labels, -100)).any()  # no answer: wrong
 
 
-# ---------------------------------------------------------------- tokenizers and the CLI
+# ---------------------------------------------------------------- tokenizers
 
 def test_byte_tokenizer():
     tok = ByteTokenizer()
@@ -294,40 +289,6 @@ def test_hf_tokenizer_adapter(tmp_path):
     tok.save(str(tmp_path / "t.json"))
     hf = HFTokenizer(str(tmp_path / "t.json"))
     assert hf.eos_token == "</s>" and hf.vocab_size == 5 and hf.decode(hf.encode("a c")) == "a c"
-
-
-def test_preprocess_cli_end_to_end(tmp_path):
-    (tmp_path / "a.txt").write_text("First document.\nStill the first.\n")
-    (tmp_path / "b.jsonl").write_text('{"body": "second"}\n\n{"body": "third é"}\n')
-    out = tmp_path / "out" / "corpus"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
-                        "--input", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
-                        "--output-prefix", str(out), "--jsonl-key", "body"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "3 documents" in r.stdout
-    ds = IndexedDataset(str(out))
-    assert [ByteTokenizer().decode(ds[i]) for i in range(len(ds))] == [
-        "First document.\nStill the first.\n", "second", "third é"]
-
-
-@pytest.mark.parametrize("inputs,expect", [
-    (["missing.txt"], "missing.txt: input file does not exist"),
-    (["a.txt", "bad.jsonl"], "bad.jsonl:2: not valid JSON"),
-    (["a.txt", "nokey.jsonl"], "nokey.jsonl:1: no string field 'text'"),
-    (["a.csv"], "a.csv: unknown input type"),
-])
-def test_preprocess_errors_leave_nothing(tmp_path, capsys, inputs, expect):
-    (tmp_path / "a.txt").write_text("fine")
-    (tmp_path / "a.csv").write_text("x")
-    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{oops\n')
-    (tmp_path / "nokey.jsonl").write_text('{"body": "x"}\n')
-    before = set(os.listdir(tmp_path))
-    rc = preprocess_main(["--input", *[str(tmp_path / i) for i in inputs],
-                          "--output-prefix", str(tmp_path / "corpus")])
-    err = capsys.readouterr().err
-    assert rc == 1 and expect in err and err.count("\n") == 1, err
-    assert set(os.listdir(tmp_path)) == before  # no .bin/.idx, no temporaries
 
 
 # ---------------------------------------------------------------- DP x CP on gloo ranks

@@ -20,6 +20,7 @@ Every read problem raises DataError with one line naming the file and what is wr
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 from typing import List, Sequence
 
@@ -38,6 +39,15 @@ class DataError(ValueError):
 def dtype_for(vocab_size: int):
     """uint16 when every id fits (vocab <= 65536), else uint32."""
     return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
+
+
+def encode_document(ids: Sequence[int], vocab_size: int, eos_id: int) -> np.ndarray:
+    """One document as it is stored: ids + [eos_id] in dtype_for(vocab_size), range-checked."""
+    arr = np.asarray(list(ids) + [eos_id], dtype=np.int64)
+    if arr.min() < 0 or arr.max() >= vocab_size:
+        bad = int(arr[(arr < 0) | (arr >= vocab_size)][0])
+        raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+    return arr.astype(dtype_for(vocab_size))
 
 
 class IndexedDatasetWriter:
@@ -63,12 +73,17 @@ class IndexedDatasetWriter:
         return self
 
     def add_document(self, ids: Sequence[int]) -> None:
-        arr = np.asarray(list(ids) + [self.eos_id], dtype=np.int64)
-        if arr.min() < 0 or arr.max() >= self.vocab_size:
-            bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
-            raise ValueError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
-        arr.astype(self.dtype).tofile(self._bin)
+        arr = encode_document(ids, self.vocab_size, self.eos_id)
+        arr.tofile(self._bin)
         self.offsets.append(self.offsets[-1] + len(arr))
+
+    def add_encoded(self, bin_path: str, lengths: Sequence[int]) -> None:
+        """Append a file of documents already made by encode_document (same vocab and EOS),
+        back to back, of the given lengths: how parallel workers' parts are merged."""
+        with open(bin_path, "rb") as f:
+            shutil.copyfileobj(f, self._bin, 1 << 22)
+        ends = self.offsets[-1] + np.cumsum(np.asarray(lengths, dtype=np.int64))
+        self.offsets.extend(ends.tolist())
 
     def __exit__(self, exc_type, exc, tb):
         self._bin.close()

@@ -1,0 +1,141 @@
+"""tools/preprocess_data.py and ctxpar/data/corpus.py: every input kind, workers, errors."""
+import bz2
+import gzip
+import json
+import lzma
+import os
+import subprocess
+import sys
+
+import pytest
+import zstandard
+
+from ctxpar.data import ByteTokenizer, IndexedDataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from preprocess_data import main as preprocess_main  # noqa: E402
+
+TEXT = "# Title\n\nSome *markdown* text, é.\n"
+JSONL = '{"text": "first"}\n\n{"text": "second é", "id": 2}\n'
+COMPRESS = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress,
+            # two frames, as zstd -T / pzstd / concatenated files write them
+            "zst": lambda b: b"".join(zstandard.ZstdCompressor().compress(b[i:i + 7])
+                                      for i in range(0, len(b), 7))}
+
+
+def documents(prefix):
+    ds = IndexedDataset(str(prefix))
+    return [ByteTokenizer().decode(ds[i]) for i in range(len(ds))]
+
+
+def run(tmp_path, *args):
+    """The CLI's exit code, run in this process, writing tmp_path/out/c.bin/.idx."""
+    return preprocess_main([*map(str, args), "--output-prefix", str(tmp_path / "out" / "c")])
+
+
+@pytest.mark.parametrize("name,data,fmt,want", [
+    ("notes.md", TEXT.encode(), "auto", [TEXT]),
+    ("nntplib.py", b"import os\r\n\r\ndef f():\r\n    pass\r\n", "auto",
+     ["import os\n\ndef f():\n    pass\n"]),                 # universal newlines
+    ("README", b"\xef\xbb\xbfno extension, BOM dropped", "auto",
+     ["no extension, BOM dropped"]),
+    ("records.json", JSONL.encode(), "auto", ["first", "second é"]),   # JSON lines by content
+    ("records.json", JSONL.encode(), "text", [JSONL]),          # --format text: one document
+    ("odd.jsonl", b'["a list"]\n', "text", ['["a list"]\n']),
+    ("data.jsonl.gz", gzip.compress(JSONL.encode()), "auto", ["first", "second é"]),
+    ("notes.md.zst", COMPRESS["zst"](TEXT.encode()), "auto", [TEXT]),
+    ("notes.bz2", bz2.compress(TEXT.encode()), "auto", [TEXT]),
+    ("notes.xz", lzma.compress(TEXT.encode()), "auto", [TEXT]),
+    ("no_suffix", gzip.compress(JSONL.encode()), "auto", ["first", "second é"]),  # by magic
+    ("empty.txt", b"", "auto", []),
+])
+def test_input_kinds(tmp_path, name, data, fmt, want):
+    (tmp_path / name).write_bytes(data)
+    (tmp_path / "other.txt").write_text("other")  # a run needs one document at least
+    assert run(tmp_path, "--input", tmp_path / name, tmp_path / "other.txt",
+               "--format", fmt) == 0
+    assert documents(tmp_path / "out" / "c") == want + ["other"]
+
+
+def make_tree(root):
+    """A corpus directory: text of several kinds, compressed, nested, hidden, by content."""
+    files = {"a.md": TEXT, "src/x.py": "print(1)\n", "src/deep/y.py": "print(2)\n",
+             "src/z.txt": "zed", "lines.json": JSONL, ".git/HEAD": "ref: hidden\n",
+             "src/.cache.py": "hidden too"}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    for i, (kind, compress) in enumerate(COMPRESS.items()):
+        (root / "packed" / f"part{i}.jsonl.{kind}").parent.mkdir(exist_ok=True)
+        (root / "packed" / f"part{i}.jsonl.{kind}").write_bytes(compress(
+            "".join(json.dumps({"text": f"{kind} doc {j} " * j}) + "\n"
+                    for j in range(1, 30)).encode()))
+    return root
+
+
+def test_directories_globs_and_workers_are_deterministic(tmp_path, capsys):
+    tree = make_tree(tmp_path / "corpus")
+    assert run(tmp_path, "--input", tree, "--glob", "*.py") == 0  # any depth, hidden skipped
+    assert documents(tmp_path / "out" / "c") == ["print(2)\n", "print(1)\n"]
+
+    # The whole tree, walked in sorted order: the same bytes for any number of workers.
+    for workers in (1, 3):
+        assert preprocess_main(["--input", str(tree), "--output-prefix",
+                                str(tmp_path / "o" / f"w{workers}"),
+                                "--workers", str(workers)]) == 0
+    assert sorted(os.listdir(tmp_path / "o")) == ["w1.bin", "w1.idx", "w3.bin", "w3.idx"]
+    for ext in ("bin", "idx"):
+        assert (tmp_path / "o" / f"w1.{ext}").read_bytes() == \
+            (tmp_path / "o" / f"w3.{ext}").read_bytes()
+    docs = documents(tmp_path / "o" / "w3")
+    assert docs[:3] == [TEXT, "first", "second é"]  # a.md, lines.json, then packed/...
+    assert docs[-3:] == ["print(2)\n", "print(1)\n", "zed"]  # src/deep/y.py, src/x.py, ...
+    assert len(docs) == 3 + 4 * 29 + 3 and "ref: hidden\n" not in docs
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert f"{len(docs)} documents" in out and "from 9 files (5 jsonl, 4 text)" in out, out
+    assert "documents/s" in out and "tokens/s" in out and "MB/s" in out
+
+
+@pytest.mark.parametrize("files,inputs,expect", [
+    ({}, ["missing.txt"], "missing.txt: input does not exist"),
+    ({"bin.dat": b"\x7fELF\x00\x00\x01"}, ["bin.dat"], "bin.dat: binary file (NUL bytes)"),
+    ({"latin1.txt": "caf\xe9".encode("latin-1")}, ["latin1.txt"], "latin1.txt: not UTF-8 text"),
+    ({"bad.jsonl": b'{"text": "ok"}\n{oops\n'}, ["bad.jsonl"], "bad.jsonl:2: not valid JSON"),
+    ({"log.txt": b'{"text": "looks like json"}\nplain text after\n'}, ["log.txt"],
+     "log.txt:2: not valid JSON"),                 # the ambiguous case: --format text reads it
+    ({"nokey.json": b'{"body": "x"}\n'}, ["nokey.json"], "nokey.json:1: no string field 'text'"),
+    ({"cut.gz": gzip.compress(TEXT.encode() * 50)[:-30]}, ["cut.gz"], "cut.gz: cannot read"),
+    ({"cut.zst": COMPRESS["zst"](TEXT.encode() * 50)[:-5]}, ["cut.zst"],
+     "cut.zst: cannot read (zstd frame cut off"),
+    ({"d/x.md": b"x"}, ["d", "--glob", "*.py"], "d: directory has no files matching --glob *.py"),
+    ({"d/a.md": b"a", "d/b.md": b"b", "d/c.bin": b"\x00\x01", "d/e.md": b"e"},
+     ["d", "--workers", "2"], "c.bin: binary file"),          # raised in a worker process
+])
+def test_bad_input_exits_2_with_one_line_and_leaves_nothing(tmp_path, capsys, files, inputs,
+                                                            expect):
+    for rel, data in files.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    before = sorted(os.listdir(tmp_path))
+    # the first argument is a path under tmp_path, the rest options as they are
+    assert run(tmp_path, "--input", tmp_path / inputs[0], *inputs[1:]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == before  # no out/, no .bin/.idx, no parts
+
+
+def test_cli_end_to_end_and_progress_bar(tmp_path, capsys):
+    from preprocess_data import preprocess
+    (tmp_path / "a.txt").write_text("First document.\nStill the first.\n")
+    (tmp_path / "b.jsonl").write_text('{"body": "second"}\n\n{"body": "third é"}\n')
+    out = tmp_path / "out" / "corpus"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
+                        "--input", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
+                        "--output-prefix", str(out), "--jsonl-key", "body"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "3 documents" in r.stdout and r.stderr == ""  # no terminal: no bar
+    assert documents(out) == ["First document.\nStill the first.\n", "second", "third é"]
+    info = preprocess([str(tmp_path / "a.txt")], str(tmp_path / "again"), progress=True)
+    assert info["documents"] == 1 and "preprocess: 100%" in capsys.readouterr().err
