@@ -99,8 +99,11 @@ def main(argv=None) -> int:
         data = build_data(cfg)  # opens token files / builds the passkey task; no collectives
     except (ConfigError, DataError) as e:
         fail(str(e))
-    if args.resume not in ("auto", "none") and not ckpt.is_tag(args.resume):
-        fail(f"--resume={args.resume!r} must be 'auto', 'none' or a tag like step_00000100")
+    run_dir = cfg.logging.run_dir
+    save_dir = cfg.checkpointing.save_dir or os.path.join(run_dir, "checkpoints")
+    problem = ckpt.resume_problem(save_dir, args.resume)  # a missing tag: before DeepSpeed
+    if problem:
+        fail(problem)
 
     # 2. Distributed and the grid.
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) \
@@ -110,8 +113,6 @@ def main(argv=None) -> int:
                                 dp=cfg.parallel.dp, order=cfg.parallel.order)
     rank0 = dist.get_rank() == 0
     torch.manual_seed(cfg.train.seed)
-    run_dir = cfg.logging.run_dir
-    save_dir = cfg.checkpointing.save_dir or os.path.join(run_dir, "checkpoints")
 
     # 3. The model (same init for every layout) and the DeepSpeed engine. With pp > 1 this
     #    rank builds its pipeline stage and DeepSpeed's pipeline grid (derived from the same

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import random
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -35,16 +35,38 @@ def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def latest_complete(save_dir: str) -> Optional[str]:
-    """The newest tag in save_dir that carries the COMPLETE marker, or None."""
+def complete_tags(save_dir: str) -> List[str]:
+    """The tags in save_dir that carry the COMPLETE marker, oldest first."""
     if not os.path.isdir(save_dir):
-        return None
+        return []
     tags = []
     for name in os.listdir(save_dir):
         m = _TAG.match(name)
         if m and os.path.isfile(os.path.join(save_dir, name, MARKER)):
             tags.append((int(m.group(1)), name))
-    return max(tags)[1] if tags else None
+    return [name for _, name in sorted(tags)]
+
+
+def latest_complete(save_dir: str) -> Optional[str]:
+    """The newest tag in save_dir that carries the COMPLETE marker, or None."""
+    tags = complete_tags(save_dir)
+    return tags[-1] if tags else None
+
+
+def resume_problem(save_dir: str, resume: str) -> Optional[str]:
+    """Why ``--resume`` cannot be honoured (one line), or None. Pure file checks, so every
+    rank reaches the same verdict before any collective or DeepSpeed call."""
+    if resume in ("auto", "none"):
+        return None
+    if not is_tag(resume):
+        return f"--resume={resume!r} must be 'auto', 'none' or a tag like step_00000100"
+    if resume in complete_tags(save_dir):
+        return None
+    tags = ", ".join(complete_tags(save_dir)) or "none"
+    why = "is incomplete (no COMPLETE marker: the run stopped while saving it)" \
+        if os.path.isdir(os.path.join(save_dir, resume)) else "does not exist"
+    return f"--resume {resume}: checkpoint {os.path.join(save_dir, resume)} {why}; " \
+           f"complete checkpoints in {save_dir}: {tags}"
 
 
 def rng_state() -> Dict[str, Any]:

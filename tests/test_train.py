@@ -180,28 +180,56 @@ def test_bad_input_exits_2_with_one_line(tmp_path, sets, msg):
     assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")
 
 
-def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path):
-    # world 2 with cp=2 x dp=2 requested: both ranks refuse before any collective.
-    # Each rank is its own process with torch's env variables (as srun starts them), not
-    # torchrun: torchrun SIGTERMs the slower rank as soon as the first one exits, so it
-    # could never show that *every* rank reaches the check on its own.
+def run_ranks(world, sets, extra=()):
+    """train.py as `world` separate processes with torch's env variables (as srun starts
+    them), not torchrun: torchrun SIGTERMs the slower rank as soon as the first one exits,
+    so it could never show that *every* rank reaches a check on its own.
+    Returns each rank's (exit code, stderr)."""
     port = str(free_port())
-    sets = BASE + [f"logging.run_dir={tmp_path / 'bad'}", "parallel.cp=2", "parallel.dp=2"]
     procs = []
-    for r in (0, 1):
+    for r in range(world):
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
-               "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+               "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "train.py"), "--config", CONFIG, "--set", *sets],
+            [sys.executable, os.path.join(ROOT, "train.py"), "--config", CONFIG,
+             "--set", *BASE, *sets, *extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for r, p in enumerate(procs):
-        _, err = p.communicate(timeout=120)  # a rank stuck in a collective fails here
-        assert p.returncode == 2, err[-2000:]
+    # a rank stuck in a collective fails here
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs)]
+
+
+def assert_every_rank_says(results, msg):
+    for r, (code, err) in enumerate(results):
+        assert code == 2, err[-2000:]
         lines = [ln for ln in err.splitlines() if "error:" in ln]
         assert len(lines) == 1 and lines[0].startswith(f"[rank {r}] error:") \
-            and "does not equal the world size 2" in lines[0], err[-2000:]
+            and msg in lines[0], err[-2000:]
+
+
+def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path):
+    # world 2 with cp=2 x dp=2 requested: both ranks refuse before any collective.
+    results = run_ranks(2, [f"logging.run_dir={tmp_path / 'bad'}", "parallel.cp=2",
+                            "parallel.dp=2"])
+    assert_every_rank_says(results, "does not equal the world size 2")
     assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")
+
+
+def test_resume_from_a_missing_tag_names_the_tags_that_exist(cp2dp2, tmp_path):
+    # cp2dp2 saved step_00000010 and step_00000020; a typo'd tag is refused on every rank
+    # before DeepSpeed looks for it (its own error is a bare AssertionError), and the
+    # finished run is left as it was.
+    before = sorted(os.listdir(cp2dp2))
+    results = run_ranks(2, [f"logging.run_dir={cp2dp2}", "parallel.cp=2", "parallel.dp=1"],
+                        ["--resume", "step_00000999"])
+    ckpts = os.path.join(cp2dp2, "checkpoints")
+    assert_every_rank_says(results, f"--resume step_00000999: checkpoint "
+                                    f"{os.path.join(ckpts, 'step_00000999')} does not exist; "
+                                    f"complete checkpoints in {ckpts}: step_00000010, "
+                                    f"step_00000020")
+    assert all("Traceback" not in err for _, err in results)
+    assert sorted(os.listdir(cp2dp2)) == before
 
 
 def test_missing_config_file_exits_2(tmp_path):
