@@ -23,6 +23,7 @@ from ctxpar import resume as ckpt
 from ctxpar.cli import add_launcher_args, fail
 from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_config, to_dict
 from ctxpar.data import DataError, build_data, evaluate
+from ctxpar.known_warnings import filter_known_warnings
 from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tflops,
                             flops_per_token, init_wandb, peak_memory_bytes)
 from ctxpar.parallel_state import (default_backend, init_distributed, init_parallel_state,
@@ -90,6 +91,7 @@ def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    filter_known_warnings()  # DeepSpeed's deprecated torch calls, not the user's business
     launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
     world = int(os.environ["WORLD_SIZE"])
 

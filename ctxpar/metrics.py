@@ -65,7 +65,7 @@ def init_wandb(cfg_logging, run_dir: str, config: Dict[str, Any]):
     os.makedirs(run_dir, exist_ok=True)
     return wandb.init(project=cfg_logging.wandb.project,
                       name=cfg_logging.wandb.name or os.path.basename(os.path.abspath(run_dir)),
-                      dir=run_dir, mode=mode, config=config, reinit=True)
+                      dir=run_dir, mode=mode, config=config)  # one run per process
 
 
 def _has_netrc_key() -> bool:

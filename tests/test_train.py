@@ -10,9 +10,11 @@ All share seed and global batch (16 samples), so their per-step losses must agre
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -59,8 +61,9 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cp2dp2(runs):
     d = str(runs / "cp2dp2")
-    run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.tp=1",
-                     "checkpointing.save_interval=10"])
+    proc = run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.tp=1",
+                            "checkpointing.save_interval=10"])
+    (runs / "cp2dp2.console").write_text(proc.stdout + proc.stderr)
     return d
 
 
@@ -80,6 +83,33 @@ def test_cp2dp2_learns_logs_and_tracks(cp2dp2):
     ckpts = sorted(os.listdir(os.path.join(cp2dp2, "checkpoints")))
     assert "step_00000010" in ckpts and "step_00000020" in ckpts
     assert os.path.isfile(os.path.join(cp2dp2, "checkpoints", "step_00000010", "COMPLETE"))
+
+
+def test_console_has_no_third_party_warnings(cp2dp2, runs):
+    # Every rank of a ZeRO-1 run used to print torch's FutureWarning for DeepSpeed's
+    # all_gather_into_tensor inside the bar, and wandb one about a deprecated argument.
+    console = (runs / "cp2dp2.console").read_text()
+    assert "all_gather_into_tensor" not in console, console[-3000:]
+    assert not re.search(r"\w+Warning\b|wandb: WARNING", console), console[-3000:]
+
+
+def test_known_warning_filters_are_narrow():
+    from ctxpar.known_warnings import filter_known_warnings
+    msg = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use ..."
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        filter_known_warnings()
+        for text, category, module in [
+                (msg, FutureWarning, "torch.distributed.c10d_logger"),   # the one: hidden
+                (msg, FutureWarning, "ctxpar.ring_attention"),           # same words elsewhere
+                (msg, UserWarning, "torch.distributed.c10d_logger"),     # another category
+                ("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning,
+                 "torch.distributed.c10d_logger")]:                     # another message
+            warnings.warn_explicit(text, category, module.replace(".", "/") + ".py", 1,
+                                   module=module)
+    assert [(str(w.message)[:40], w.category) for w in seen] == [
+        (msg[:40], FutureWarning), (msg[:40], UserWarning),
+        ("`torch.distributed.reduce_scatter_tensor", FutureWarning)]
 
 
 def test_resume_reproduces_uninterrupted_losses(cp2dp2, runs):
