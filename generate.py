@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ctxpar.cli import add_launcher_args, fail
 from ctxpar.config import ConfigError
 from ctxpar.data import DataError, build_source, load_tokenizer
+from ctxpar.known_warnings import filter_known_warnings
 from ctxpar.inference import SamplingParams, check_prompts, generate
 from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
                                          load_run_config, load_weights_)
@@ -148,6 +149,7 @@ def train_eval_accuracy(run_dir: str, step: int):
 def main(argv=None) -> int:
     args = parse_args(argv)
     launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
+    filter_known_warnings()  # as train.py: DeepSpeed's deprecated torch calls
     world = int(os.environ["WORLD_SIZE"])
 
     # 1. Checkpoint, config, prompts: pure checks, the same verdict on every rank.

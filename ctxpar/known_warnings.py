@@ -2,7 +2,7 @@
 
 Every filter names the exact message, its category and the module Python attributes it
 to, so any other warning, and these same words from anywhere else, still reach the console.
-train.py installs them before it starts DeepSpeed; every rank runs train.py, so every rank
+train.py and generate.py install them before they start DeepSpeed; every rank runs them, so every rank
 has them. Add one only for a warning that is printed on every run, that the user cannot act
 on, and that ctxpar's own code does not cause (fix ctxpar's own calls instead).
 """
