@@ -23,6 +23,7 @@ from ctxpar import resume as ckpt
 from ctxpar.cli import add_launcher_args, fail
 from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_config, to_dict
 from ctxpar.data import DataError, build_data, evaluate
+from ctxpar.deepspeed_comm import init_deepspeed_comm
 from ctxpar.known_warnings import filter_known_warnings
 from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tflops,
                             flops_per_token, init_wandb, peak_memory_bytes)
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
     init_distributed(default_backend(device))
     state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp,
                                 dp=cfg.parallel.dp, order=cfg.parallel.order)
+    init_deepspeed_comm()  # without DeepSpeed's CPU shm op (ctxpar/deepspeed_comm.py)
     rank0 = dist.get_rank() == 0
     torch.manual_seed(cfg.train.seed)
 

@@ -77,10 +77,10 @@ def partition_for_zero3(model: torch.nn.Module, state, ds_config: Dict[str, Any]
     if zero_stage(ds_config) != 3:
         return
     import deepspeed
-    import torch.distributed as dist
 
-    if not deepspeed.comm.is_initialized():  # Init reads the world through deepspeed.comm
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
+    from ctxpar.deepspeed_comm import init_deepspeed_comm
+
+    init_deepspeed_comm()  # Init reads the world through deepspeed.comm
     deepspeed.zero.Init(module=model, data_parallel_group=state.dp_cp_group,
                         config_dict_or_path=ds_config, mpu=state.mpu(),
                         dtype=engine_dtype(ds_config))

@@ -35,6 +35,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, ModelConfig
+from ctxpar.deepspeed_comm import init_deepspeed_comm
 from ctxpar.pipeline import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                     gather_full_state_dict, parallel_lm_logits,
@@ -149,8 +150,7 @@ class GPTPipe(PipelineModule):
                  partition_method: str = "parameters", seed: int = 1234,
                  device=None, dtype=None):
         check_checkpoint_mode(activation_checkpointing)
-        if not deepspeed.comm.is_initialized():  # PipelineModule builds groups with it
-            deepspeed.init_distributed(dist_backend=dist.get_backend())
+        init_deepspeed_comm()  # PipelineModule builds groups with deepspeed.comm
         tp, cp = state.tp_group, state.cp_group
         kw = dict(device=device, dtype=dtype)
         if cfg.tie_embeddings:

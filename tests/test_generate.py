@@ -38,10 +38,12 @@ def _save_and_load(rank, world, save_root):
     from ctxpar import init_parallel_state
     from ctxpar import resume
     from ctxpar.config import config_from_dict, deepspeed_config
+    from ctxpar.deepspeed_comm import init_deepspeed_comm
     from ctxpar.tensor_parallel import gather_full_state_dict
     from ctxpar.zero import partition_for_zero3
     from models.gpt_pipe import GPTPipe
 
+    init_deepspeed_comm()
     cases = {"module": dict(tp=2, cp=2, pp=1, dp=1, zero=1),
              "zero3": dict(tp=2, cp=1, pp=1, dp=2, zero=3),
              "pipeline": dict(tp=2, cp=1, pp=2, dp=1, zero=1)}

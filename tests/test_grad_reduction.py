@@ -32,9 +32,11 @@ def _linear_steps(rank, world, cases):
     """One SGD step of a 3-weight linear layer per (stage, ctxpar_partitioning) case."""
     import deepspeed
     from ctxpar import init_parallel_state
+    from ctxpar.deepspeed_comm import init_deepspeed_comm
     from ctxpar.zero import grad_divisor, partition_for_zero3
 
     state = init_parallel_state(tp=1, cp=2, pp=1)  # world 4: cp2 x dp2
+    init_deepspeed_comm()
     out = []
     for stage, ctxpar_partitioning in cases:
         model = torch.nn.Linear(3, 1, bias=False)
@@ -123,10 +125,12 @@ def _gpt_zero3(rank, world, payload):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar.deepspeed_comm import init_deepspeed_comm
     from ctxpar.tensor_parallel.utils import gather_full_tensor
     from ctxpar.zero import grad_divisor, partition_for_zero3
     from models.loss import global_token_count, loss_for_backward
 
+    init_deepspeed_comm()
     out = []
     for (stage, tp, cp, tie, ckpt), tokens, labels in pickle.loads(payload):
         cfg = ModelConfig(**CFG, tie_embeddings=tie)

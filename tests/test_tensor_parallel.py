@@ -87,7 +87,11 @@ def _tp_checks(rank, world):
         scatter_to_tensor_model_parallel_region as scatter,
     )
     import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm wraps our process group
+
+    from ctxpar.deepspeed_comm import init_deepspeed_comm
+    init_deepspeed_comm()  # DeepSpeed's comm wraps our process group
+    # ...without JIT-loading the CPU shm op (a build, and a lock file a killed rank leaves).
+    assert deepspeed.comm.comm.cdb.shm_comm_op is None
     state = init_parallel_state(tp=2)
     tp = state.tp_group
     torch.manual_seed(0)  # the same tensors on both ranks

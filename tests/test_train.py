@@ -90,6 +90,7 @@ def test_console_has_no_third_party_warnings(cp2dp2, runs):
     # all_gather_into_tensor inside the bar, and wandb one about a deprecated argument.
     console = (runs / "cp2dp2.console").read_text()
     assert "all_gather_into_tensor" not in console, console[-3000:]
+    assert "deepspeed_shm_comm" not in console, console[-3000:]  # ctxpar/deepspeed_comm.py
     assert not re.search(r"\w+Warning\b|wandb: WARNING", console), console[-3000:]
 
 
