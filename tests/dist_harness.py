@@ -47,6 +47,11 @@ def _child(fn, rank, world_size, store_path, args, kwargs, results):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         try:
             out = fn(rank, world_size, *args, **kwargs)
+            # Leave together: a rank whose fn needs no collective would otherwise tear its
+            # connections down while a slower peer is still in gloo's connectFullMesh, which
+            # then fails with "Connection closed by peer". If another rank failed, this barrier
+            # waits until the parent, which saw that failure, kills every rank.
+            dist.barrier()
         finally:
             try:
                 from ctxpar.parallel_state import destroy_parallel_state
