@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ctxpar import resume as ckpt
 from ctxpar.cli import add_launcher_args, fail
+from ctxpar.mpu import DeepSpeedMPU
 from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_config, to_dict
 from ctxpar.data import DataError, build_data, evaluate
 from ctxpar.deepspeed_comm import init_deepspeed_comm
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=ds_config,
-                                           mpu=None if pipelined else state.mpu())
+                                           mpu=None if pipelined else DeepSpeedMPU(state))
     record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (ctxpar/grad_norm.py)
     train_stream = data.train_stream(state)
 

@@ -1,4 +1,4 @@
-"""ctxpar: ring-attention context parallelism composed with TP, PP and DP on DeepSpeed.
+"""ctxpar: context parallelism (ring, all-gather, Ulysses, hybrid) composed with TP, PP and DP.
 
 The public API only; see README.md and docs/parallelism.md.
 """
@@ -13,8 +13,9 @@ from .parallel_state import (
 from .mpu import DeepSpeedMPU
 from .data import (DataError, PasskeyTask, SampleStream, build_data, build_sample_stream,
                    passkey_accuracy, evaluate, shard_batch)
-from .ring_attention import RingStats, ring_attention, ring_stats
-from .sharding import gather_sequence, sequence_positions, shard_sequence
+from .context_parallel import (CP_COMMS, ContextParallel, CPStats, RingStats,
+                               context_parallel_attention, cp_stats, gather_sequence,
+                               ring_attention, ring_stats, sequence_positions, shard_sequence)
 from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

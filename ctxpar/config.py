@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import yaml
 
 from .parallel_state import parse_order, resolve_sizes
-from .sharding import LAYOUTS, num_chunks
+from .context_parallel.layouts import LAYOUTS, num_chunks
 
 
 class ConfigError(ValueError):

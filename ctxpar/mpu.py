@@ -14,7 +14,8 @@ deepspeed/runtime/engine.py, deepspeed 0.19.8):
   and averaged over DP**. ZeRO partitions optimizer state over DP x CP.
 - ``get_pipe_parallel_*`` / ``get_pipeline_model_parallel_*`` = PP.
 
-There is deliberately no ``initialize_sequence_parallel`` method: its mere presence makes
+``DeepSpeedMPU(state)`` is built from a ParallelState, which knows nothing of DeepSpeed
+(the dependency goes one way). There is deliberately no ``initialize_sequence_parallel`` method: its mere presence makes
 DeepSpeed treat the mpu as a Ulysses-style SP object and return no data-parallel group.
 See docs/parallelism.md for what that reduction rule means for the loss.
 """

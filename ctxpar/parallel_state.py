@@ -7,9 +7,12 @@ on adjacent GPUs (one NVLink domain), puts the CP ring next, and the pipeline ou
 
 Every family of groups (tp, cp, pp, dp and the combined dp x cp) is derived from that
 single grid, so the groups of one family partition the world and every rank sits in
-exactly one group of each family. ``ParallelState`` is a frozen object holding this
-rank's view; layers and kernels get it (or an explicit ``group=``) passed to them.
-The one accessor for the current state is ``get_parallel_state()``, for train.py.
+exactly one group of each family. The CP axis itself factors into a Ulysses sub-axis
+(inner, size u, adjacent ranks) and a ring sub-axis (outer, size cp/u), which give the
+'ulysses' and 'ring' families used by hybrid context parallelism; cp rank =
+ring_rank * u + ulysses_rank. ``ParallelState`` is a frozen object holding this rank's
+view; layers and kernels get it (or an explicit ``group=``) passed to them. The one
+accessor for the current state is ``get_parallel_state()``, for train.py.
 """
 from __future__ import annotations
 
@@ -17,15 +20,13 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Dict, List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from .mpu import DeepSpeedMPU
-
 AXES = ("tp", "cp", "pp", "dp")
+CP_SUBAXES = ("ulysses", "ring")  # the cp axis, innermost first
 DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
@@ -64,29 +65,44 @@ def resolve_sizes(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
     return {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
 
 
+def check_ulysses(cp: int, ulysses: int) -> None:
+    """The Ulysses degree must be a positive divisor of cp (ring = cp / ulysses)."""
+    if not isinstance(ulysses, int) or isinstance(ulysses, bool) or ulysses < 1 \
+            or cp % ulysses:
+        raise ValueError(f"parallel.ulysses={ulysses!r} must be an integer >= 1 dividing "
+                         f"parallel.cp={cp}")
+
+
 def rank_grid(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
-              dp: Union[int, str] = "auto", order: str = DEFAULT_ORDER
+              dp: Union[int, str] = "auto", order: str = DEFAULT_ORDER, ulysses: int = 1
               ) -> Dict[str, List[List[int]]]:
     """Every group of every family as lists of global ranks; pure, no processes.
 
-    Returns keys 'tp', 'cp', 'pp', 'dp' and 'dp_cp' (ranks that differ only along the
-    dp and cp axes: the group gradients are reduced over). Each family partitions
-    range(world_size); ranks inside a group are ascending along that axis.
+    Returns keys 'tp', 'cp', 'pp', 'dp', 'dp_cp' (ranks that differ only along the dp
+    and cp axes: the group gradients are reduced over) and the two parts of each CP
+    group, 'ulysses' (its `ulysses` adjacent members) and 'ring' (one member of each
+    Ulysses group). Each family partitions range(world_size); ranks inside a group are
+    ascending along that axis, so cp rank = ring rank * ulysses + ulysses rank.
     """
     names = parse_order(order)
     sizes = resolve_sizes(world_size, tp, cp, pp, dp)
+    check_ulysses(sizes["cp"], ulysses)
+    sizes.update(ulysses=ulysses, ring=sizes["cp"] // ulysses)
+    i = names.index("cp")  # the cp axis is two grid axes, Ulysses inside
+    names[i:i + 1] = CP_SUBAXES
     # view() is row-major: the last dim is innermost, so reverse the order string.
     grid = torch.arange(world_size).view(*[sizes[n] for n in reversed(names)])
     dim_of = {n: len(names) - 1 - i for i, n in enumerate(names)}
 
     def family(axes: List[str]) -> List[List[int]]:
+        axes = [s for a in axes for s in (CP_SUBAXES if a == "cp" else (a,))]
         dims = [dim_of[a] for a in axes]
         rest = [d for d in range(grid.dim()) if d not in dims]
         # (rest..., axes...) -> (num_groups, group_size)
         g = grid.permute(*rest, *sorted(dims)).reshape(-1, _prod(sizes[a] for a in axes))
         return [sorted(row.tolist()) for row in g]
 
-    groups = {a: family([a]) for a in AXES}
+    groups = {a: family([a]) for a in AXES + CP_SUBAXES}
     # Within one axis the order is the position along that axis (ascending ranks).
     groups["dp_cp"] = family(["dp", "cp"])
     return groups
@@ -167,6 +183,8 @@ class ParallelState:
     pp_group: object = field(repr=False, default=None)
     dp_group: object = field(repr=False, default=None)
     dp_cp_group: object = field(repr=False, default=None)
+    ulysses_group: object = field(repr=False, default=None)  # inner part of the cp group
+    ring_group: object = field(repr=False, default=None)     # outer part of the cp group
 
     # Degrees ("*_size") and positions in a group ("*_rank").
     @property
@@ -179,9 +197,14 @@ class ParallelState:
     def dp_size(self) -> int: return self.sizes["dp"]
     @property
     def dp_cp_size(self) -> int: return self.sizes["dp"] * self.sizes["cp"]
+    @property
+    def ulysses_size(self) -> int: return self.sizes["ulysses"]
+    @property
+    def ring_size(self) -> int: return self.sizes["ring"]
 
     def ranks(self, family: str) -> List[int]:
-        """Global ranks of this rank's group in a family ('tp', 'cp', 'pp', 'dp', 'dp_cp')."""
+        """Global ranks of this rank's group in a family ('tp', 'cp', 'pp', 'dp', 'dp_cp',
+        'ulysses', 'ring')."""
         for g in self.groups[family]:
             if self.rank in g:
                 return g
@@ -197,6 +220,10 @@ class ParallelState:
     def dp_rank(self) -> int: return self.ranks("dp").index(self.rank)
     @property
     def dp_cp_rank(self) -> int: return self.ranks("dp_cp").index(self.rank)
+    @property
+    def ulysses_rank(self) -> int: return self.ranks("ulysses").index(self.rank)
+    @property
+    def ring_rank(self) -> int: return self.ranks("ring").index(self.rank)
 
     # The CP ring: KV blocks go to the next rank and come from the previous one.
     @property
@@ -214,40 +241,45 @@ class ParallelState:
     @property
     def is_pp_last_stage(self) -> bool: return self.pp_rank == self.pp_size - 1
 
-    def mpu(self) -> "DeepSpeedMPU":
-        """The object DeepSpeed takes as ``mpu=`` (see ctxpar/mpu.py)."""
-        from .mpu import DeepSpeedMPU
-        return DeepSpeedMPU(self)
-
 
 _STATE: Optional[ParallelState] = None  # the one accessor's state (set by init_parallel_state)
 
 
 def init_parallel_state(tp: int = 1, cp: int = 1, pp: int = 1, dp: Union[int, str] = "auto",
-                        order: str = DEFAULT_ORDER, backend: Optional[str] = None
-                        ) -> ParallelState:
+                        order: str = DEFAULT_ORDER, backend: Optional[str] = None,
+                        ulysses: int = 1) -> ParallelState:
     """Build the grid and create every process group (collective: call on all ranks).
 
+    ulysses: the degree of the Ulysses part of each CP group (hybrid CP; 1 otherwise).
     Sizes and order are validated before any group exists, so a bad layout raises the
     same ValueError on every rank and nobody waits in new_group.
     """
     if not dist.is_initialized():
         init_distributed(backend)
     world, rank = dist.get_world_size(), dist.get_rank()
-    groups = rank_grid(world, tp, cp, pp, dp, order)  # raises before any collective
+    groups = rank_grid(world, tp, cp, pp, dp, order, ulysses)  # raises before any collective
     sizes = resolve_sizes(world, tp, cp, pp, dp)
-    mine = {}
+    sizes.update(ulysses=ulysses, ring=cp // ulysses)
+    mine, made = {}, {}
     # new_group is collective over the whole world: every rank creates every group,
-    # in the same order, and keeps the one it belongs to.
-    for family in ("tp", "cp", "pp", "dp", "dp_cp"):
+    # in the same order, and keeps the one it belongs to. A ulysses or ring group with
+    # the ranks of a group made before (u = 1: ring = cp; u = cp: ulysses = cp; groups of
+    # one) reuses that process group instead of opening another communicator.
+    for family in ("tp", "cp", "pp", "dp", "dp_cp", *CP_SUBAXES):
         for ranks in groups[family]:
-            pg = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+            key = tuple(ranks)
+            if family in CP_SUBAXES and key in made:
+                pg = made[key]
+            else:
+                pg = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+                made.setdefault(key, pg)
             if rank in ranks:
                 mine[family] = pg
     state = ParallelState(
         order="-".join(parse_order(order)), sizes=sizes, groups=groups, rank=rank,
         world_size=world, tp_group=mine["tp"], cp_group=mine["cp"], pp_group=mine["pp"],
-        dp_group=mine["dp"], dp_cp_group=mine["dp_cp"],
+        dp_group=mine["dp"], dp_cp_group=mine["dp_cp"], ulysses_group=mine["ulysses"],
+        ring_group=mine["ring"],
     )
     global _STATE
     _STATE = state

@@ -41,6 +41,8 @@ from typing import Any, Dict
 
 import torch
 
+from .mpu import DeepSpeedMPU
+
 
 def zero_stage(ds_config: Dict[str, Any]) -> int:
     """The ZeRO stage a DeepSpeed config asks for (0 when it has no zero_optimization)."""
@@ -82,5 +84,5 @@ def partition_for_zero3(model: torch.nn.Module, state, ds_config: Dict[str, Any]
 
     init_deepspeed_comm()  # Init reads the world through deepspeed.comm
     deepspeed.zero.Init(module=model, data_parallel_group=state.dp_cp_group,
-                        config_dict_or_path=ds_config, mpu=state.mpu(),
+                        config_dict_or_path=ds_config, mpu=DeepSpeedMPU(state),
                         dtype=engine_dtype(ds_config))

@@ -296,7 +296,7 @@ def test_hf_tokenizer_adapter(tmp_path):
 def _dp_cp_stream(rank, world, prefix):
     from ctxpar.data import evaluate, vocab_parallel_argmax
     from ctxpar.parallel_state import init_parallel_state
-    from ctxpar.sharding import gather_sequence
+    from ctxpar.context_parallel.layouts import gather_sequence
     state = init_parallel_state(cp=2, dp=2)
     out = {}
     for kind, layout in (("passkey", "zigzag"), ("tokens", "striped"), ("passkey", "contiguous")):
@@ -349,7 +349,7 @@ class _KeyOracle(torch.nn.Module):
         self.cp_group, self.layout = cp_group, layout
 
     def forward(self, tokens, positions):
-        from ctxpar.sharding import gather_sequence
+        from ctxpar.context_parallel.layouts import gather_sequence
         full = gather_sequence(tokens, 1, self.cp_group, self.layout)  # (B, T)
         logits = torch.zeros(*full.shape, 256)
         for b, row in enumerate(full.tolist()):

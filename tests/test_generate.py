@@ -35,7 +35,7 @@ SAVED_SEED, BUILD_SEED = 99, 5  # saved weights come from one seed, models are b
 def _save_and_load(rank, world, save_root):
     """Save the seed-99 GPT from each engine, then load every tag at tp 1, 2, 4."""
     import deepspeed
-    from ctxpar import init_parallel_state
+    from ctxpar import DeepSpeedMPU, init_parallel_state
     from ctxpar import resume
     from ctxpar.config import config_from_dict, deepspeed_config
     from ctxpar.deepspeed_comm import init_deepspeed_comm
@@ -61,7 +61,7 @@ def _save_and_load(rank, world, save_root):
         partition_for_zero3(model, st, ds)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # never stepped
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds,
-                                          mpu=None if c["pp"] > 1 else st.mpu())
+                                          mpu=None if c["pp"] > 1 else DeepSpeedMPU(st))
         resume.save(engine, os.path.join(save_root, name), 1, {"step": 1})
         engine.destroy()
     out = {}

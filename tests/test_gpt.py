@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ctxpar import ring_stats
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
-from ctxpar.sharding import rank_positions
+from ctxpar.context_parallel.layouts import rank_positions
 from dist_harness import run_distributed
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward

@@ -9,8 +9,8 @@ and causal-diagonal blocks the ring uses, and the GPT on CUDA in bf16.
 import pytest
 import torch
 
-from ctxpar.attention_backends import FlashAttnBackend, MathBackend, SdpaBackend
-from ctxpar.ring_attention import ring_attention
+from ctxpar.context_parallel.kernels import FlashAttnBackend, MathBackend, SdpaBackend
+from ctxpar import ring_attention
 from test_ring_attention import reference_attention, tolerance
 
 pytestmark = pytest.mark.gpu

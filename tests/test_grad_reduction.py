@@ -31,7 +31,7 @@ def _ds_config(stage, micro=1, batch=2, **zero):
 def _linear_steps(rank, world, cases):
     """One SGD step of a 3-weight linear layer per (stage, ctxpar_partitioning) case."""
     import deepspeed
-    from ctxpar import init_parallel_state
+    from ctxpar import DeepSpeedMPU, init_parallel_state
     from ctxpar.deepspeed_comm import init_deepspeed_comm
     from ctxpar.zero import grad_divisor, partition_for_zero3
 
@@ -47,7 +47,7 @@ def _linear_steps(rank, world, cases):
             partition_for_zero3(model, state, ds_config)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
-                                          mpu=state.mpu())
+                                          mpu=DeepSpeedMPU(state))
         # Each rank's loss has gradient x_r = (rank+1) * [1, 10, 100] w.r.t. the weight.
         x = torch.tensor([[1.0, 10.0, 100.0]]) * (rank + 1)
         engine.backward(engine(x).sum())
@@ -124,7 +124,7 @@ def _reference(cfg, tokens, labels):
 def _gpt_zero3(rank, world, payload):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
-    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar import DeepSpeedMPU, init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.deepspeed_comm import init_deepspeed_comm
     from ctxpar.tensor_parallel.utils import gather_full_tensor
     from ctxpar.zero import grad_divisor, partition_for_zero3
@@ -143,7 +143,7 @@ def _gpt_zero3(rank, world, payload):
                         **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}))
         partition_for_zero3(model, st, ds)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds, mpu=st.mpu())
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds, mpu=DeepSpeedMPU(st))
         rows = slice(st.dp_rank * BATCH // st.dp_size, (st.dp_rank + 1) * BATCH // st.dp_size)
         tok = shard_sequence(tokens[rows], 1, st.cp_group, "zigzag")
         lab = shard_sequence(labels[rows], 1, st.cp_group, "zigzag")

@@ -74,7 +74,7 @@ def test_bad_order_fails(order):
 
 
 def _check_groups(rank, world, tp, cp, pp, order):
-    from ctxpar import init_parallel_state
+    from ctxpar import DeepSpeedMPU, init_parallel_state
     state = init_parallel_state(tp=tp, cp=cp, pp=pp, order=order)
     g = rank_grid(world, tp=tp, cp=cp, pp=pp, order=order)
     out = {}
@@ -95,7 +95,7 @@ def _check_groups(rank, world, tp, cp, pp, order):
     assert state.cp_prev_rank == cp_ranks[(i - 1) % cp]
     assert state.is_pp_first_stage == (state.pp_rank == 0)
     assert state.is_pp_last_stage == (state.pp_rank == pp - 1)
-    mpu = state.mpu()
+    mpu = DeepSpeedMPU(state)
     assert mpu.get_sequence_data_parallel_world_size() == state.dp_size * cp
     assert mpu.get_model_parallel_world_size() == tp
     assert mpu.get_pipe_parallel_world_size() == pp

@@ -20,7 +20,7 @@ import torch
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
 from ctxpar.parallel_state import rank_grid
 from ctxpar.pipeline import pipeline_axes, pipeline_topology
-from ctxpar.sharding import rank_positions
+from ctxpar.context_parallel.layouts import rank_positions
 from dist_harness import run_distributed
 from models.gpt import GPT
 from test_train import ROOT, losses, run_train

@@ -77,7 +77,7 @@ class _TwoLayer(nn.Module):
 def _tp_checks(rank, world):
     import torch.distributed as dist
     from deepspeed.runtime.utils import clip_grad_norm_
-    from ctxpar import init_parallel_state
+    from ctxpar import DeepSpeedMPU, init_parallel_state
     from ctxpar.tensor_parallel import (
         copy_to_tensor_model_parallel_region as f,
         gather_from_tensor_model_parallel_region as gather,
@@ -152,7 +152,7 @@ def _tp_checks(rank, world):
         # DeepSpeed's clipping norm with our mpu: split grads counted from every TP rank,
         # replicated ones (down.bias, kv.*) once -> the single-process norm.
         want = torch.linalg.vector_norm(torch.cat([ref[k].grad.flatten() for k in full]))
-        got = clip_grad_norm_(list(model.parameters()), max_norm=1e9, mpu=state.mpu())
+        got = clip_grad_norm_(list(model.parameters()), max_norm=1e9, mpu=DeepSpeedMPU(state))
         torch.testing.assert_close(torch.as_tensor(got).reshape(()), want, **TOL)
 
     # Column with gather_output, row with a replicated input: the plain linear.

@@ -102,7 +102,7 @@ def test_known_warning_filters_are_narrow():
         filter_known_warnings()
         for text, category, module in [
                 (msg, FutureWarning, "torch.distributed.c10d_logger"),   # the one: hidden
-                (msg, FutureWarning, "ctxpar.ring_attention"),           # same words elsewhere
+                (msg, FutureWarning, "ctxpar.context_parallel.comm"),   # same words elsewhere
                 (msg, UserWarning, "torch.distributed.c10d_logger"),     # another category
                 ("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning,
                  "torch.distributed.c10d_logger")]:                     # another message

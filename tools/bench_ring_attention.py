@@ -31,8 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ctxpar.attention_backends import default_scale, get_backend  # noqa: E402
-from ctxpar.ring_attention import NoComm, _ring_attention, ring_stats  # noqa: E402
+from ctxpar.context_parallel import NoComm, ring_attention, ring_stats  # noqa: E402
+from ctxpar.context_parallel.kernels import default_scale, get_backend  # noqa: E402
 from bench_ranks import save_results, spawn_ranks  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,7 +71,8 @@ def _inputs(a, seq, device, seed):
 def _fwd_bwd(q, k, v, dout, a, group=None, no_comm=None):
     for x in (q, k, v):
         x.grad = None
-    out = _ring_attention(q, k, v, group, a.causal, a.layout, None, a.backend, False, no_comm)
+    out = ring_attention(q, k, v, no_comm or group, causal=a.causal, layout=a.layout,
+                         backend=a.backend)
     out.backward(dout)
 
 

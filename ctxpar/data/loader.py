@@ -158,7 +158,7 @@ def shard_batch(batch: Dict[str, torch.Tensor], state_or_group, layout: str
     ``sequence_positions`` with the same layout, so tokens[:, i] sits at positions[i].
     state_or_group is a ParallelState (its cp_group is used) or a CP process group.
     """
-    from ..sharding import sequence_positions, shard_sequence  # the layouts live there
+    from ..context_parallel.layouts import sequence_positions, shard_sequence
 
     group = getattr(state_or_group, "cp_group", state_or_group)
     seq_len = batch["tokens"].shape[1]

@@ -1,13 +1,14 @@
 """The context-parallel pieces inference uses, imported in this one place.
 
 Public names come from ``ctxpar``; the internals (the layout's chunk count, the softmax
-scale and the log-sum-exp merge of the ring) from their modules. When those move, this is
-the file that changes.
+scale and the log-sum-exp merge) from their modules in ctxpar/context_parallel/. When
+those move, this is the file that changes.
 """
-from ..attention_backends import default_scale
-from ..comm import group_rank_and_size
-from ..ring_attention import merge_block_
-from ..sharding import check_layout, num_chunks, sequence_positions, shard_sequence
+from ..context_parallel.comm import group_rank_and_size
+from ..context_parallel.kernels import default_scale
+from ..context_parallel.layouts import (check_layout, num_chunks, sequence_positions,
+                                        shard_sequence)
+from ..context_parallel.merge import merge_block_
 
 __all__ = ["check_layout", "default_scale", "group_rank_and_size", "merge_block_",
            "num_chunks", "sequence_positions", "shard_sequence"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ctxpar.sharding import (LAYOUTS, gather_sequence, rank_positions, sequence_positions,
+from ctxpar.context_parallel.layouts import (LAYOUTS, gather_sequence, rank_positions, sequence_positions,
                              shard_sequence)
 from dist_harness import run_distributed
 

@@ -1,0 +1,82 @@
+"""All-gather attention (``comm="allgather"``, Llama 3's CP): gather K,V once, keep queries home.
+
+Forward: every rank all-gathers the stacked K,V of the CP group at KV-head width (with
+GQA only Hkv heads travel, which is why Llama 3 chose it), in group-rank order, so slot
+src holds the tokens of ``rank_positions(.., src, ..)``. Then the local queries attend to
+every slot with the ring's causal block plan (blocks.block_plan: invisible blocks are
+skipped, the diagonal one is causal) and the blocks merge by log-sum-exp, exactly as the
+ring would, only without waiting step by step. Overlap: the gather is asynchronous and
+the diagonal block, which needs only the local K,V, is computed while it is in flight.
+
+Backward: K,V are gathered again (holding every layer's gathered K,V until its backward
+would cost P x the local K,V per layer; one layer's at a time is the peak instead), the
+local block is computed during that gather, and the fp32 dK,dV of every slot are
+reduce-scattered home (summing P contributions in fp32, as the ring's accumulator does).
+
+Every rank holds the whole sequence's K,V (2 x n x Hkv x D) while its attention runs:
+the memory the ring avoids. See docs/parallelism.md for bytes and when to choose it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .blocks import backward_block, block_plan, forward_block_
+from .comm import all_gather, group_rank_and_size, reduce_scatter
+from .merge import empty_accumulators
+
+
+def _visit_order(rank: int, world: int):
+    """The local slot first (its K,V are here before the gather lands), then the others."""
+    return [rank] + [src for src in range(world) if src != rank]
+
+
+def allgather_forward(q, k, v, group, causal, layout, scale, kernel):
+    """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries."""
+    rank, world = group_rank_and_size(group)
+    S = q.shape[1]
+    kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
+    gathered, work = all_gather(kv, group, "fwd", async_op=True)   # (P, 2, B, S, Hkv, D)
+    out, lse = empty_accumulators(q)
+    for src in _visit_order(rank, world):
+        blk = block_plan(layout, causal, rank, src, S)
+        if blk is None:
+            continue
+        if src != rank and work is not None:
+            work.wait()
+            work = None
+        slot = kv if src == rank else gathered[src]
+        forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse)
+    if work is not None:  # every remote block was invisible: still complete the collective
+        work.wait()
+    return out.to(q.dtype), lse
+
+
+def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel):
+    """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads."""
+    rank, world = group_rank_and_size(group)
+    S = q.shape[1]
+    dout = dout.contiguous()
+    kv = torch.stack((k, v))
+    gathered, work = all_gather(kv, group, "bwd", async_op=True)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros((world, *kv.shape), dtype=torch.float32, device=q.device)
+    for src in _visit_order(rank, world):
+        blk = block_plan(layout, causal, rank, src, S)
+        if blk is None:
+            continue
+        if src != rank and work is not None:
+            work.wait()
+            work = None
+        slot = kv if src == rank else gathered[src]
+        qs, ks, (gq, gk, gv) = backward_block(kernel, dout, q, slot[0], slot[1], out, lse,
+                                              blk, scale)
+        dq[:, qs] += gq
+        dkv[src, 0, :, ks] += gk
+        dkv[src, 1, :, ks] += gv
+    if work is not None:
+        work.wait()
+    dkv = reduce_scatter(dkv, group, "bwd")                        # (2, B, S, Hkv, D) fp32
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+PATTERN = (allgather_forward, allgather_backward)  # for blocks.BlockwiseAttention

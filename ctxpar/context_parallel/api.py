@@ -1,0 +1,175 @@
+"""One entry point for attention over a CP group: ``context_parallel_attention(comm=...)``.
+
+    out = context_parallel_attention(q, k, v, comm="ring", cp_group=g, causal=True,
+                                     layout="zigzag")
+    out, lse = context_parallel_attention(q, k, v, comm="hybrid", ulysses_group=u_g,
+                                          ring_group=r_g, causal=True, layout="zigzag",
+                                          return_lse=True)
+
+comm       group(s) used                 what travels (details: docs/parallelism.md)
+ring       cp_group                      K,V blocks over a P2P ring (ring.py)
+allgather  cp_group                      K,V all-gathered once, dK,dV reduce-scattered
+ulysses    cp_group (= the Ulysses one)  all-to-all sequence <-> heads around one kernel
+hybrid     ulysses_group, ring_group     Ulysses inside each ring rank, the ring across
+
+Every pattern is exact, forward and backward, for every layout, causal or not, MHA, GQA
+and MQA. ``ContextParallel`` bundles the choice and the groups for a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import allgather, ring
+from .blocks import BlockwiseAttention
+from .comm import LOCAL, group_rank_and_size
+from .hybrid import hybrid_attention
+from .kernels import default_scale, get_backend
+from .layouts import check_layout
+from .ulysses import ulysses_attention
+
+CP_COMMS = ("ring", "allgather", "ulysses", "hybrid")
+
+
+def _check_inputs(q, k, v, comm, layout, ulysses, caller):
+    """Local checks only, with rank-independent messages: every rank raises the same error
+    before any communication when the inputs are the same kind of wrong on every rank."""
+    if comm not in CP_COMMS:
+        raise ValueError(f"{caller}: unknown comm {comm!r}; choose one of {list(CP_COMMS)}")
+    check_layout(layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{caller}: {name} must be a 4-D tensor "
+                             f"(batch, local_seq, heads, head_dim), got {shape}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"{caller}: q, k, v must share one floating dtype, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{caller}: q, k, v on different devices: "
+                         f"{q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"{caller}: k and v shapes differ: {tuple(k.shape)} vs "
+                         f"{tuple(v.shape)}")
+    (B, S, H, D), (Bk, Sk, Hkv, Dk) = q.shape, k.shape
+    if (B, S, D) != (Bk, Sk, Dk):
+        raise ValueError(f"{caller}: q {tuple(q.shape)} and k/v {tuple(k.shape)} must "
+                         "agree in batch, local_seq and head_dim")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"{caller}: heads={H} is not a multiple of kv_heads={Hkv}")
+    if layout == "zigzag" and S % 2 != 0:
+        raise ValueError(f"{caller}: layout 'zigzag' needs an even local_seq "
+                         f"(two chunks per rank), got {S}")
+    if H % ulysses != 0:
+        raise ValueError(f"{caller}: heads={H} is not divisible by the Ulysses degree "
+                         f"{ulysses} (comm={comm!r})")
+
+
+def _world_group(group):
+    """None means the whole world only when a process group exists; else a lone rank."""
+    return LOCAL if group is None and not dist.is_initialized() else group
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                               comm: str, cp_group=None, ulysses_group=None, ring_group=None,
+                               causal: bool = False, layout: str = "contiguous",
+                               softmax_scale: Optional[float] = None, backend: str = "auto",
+                               return_lse: bool = False):
+    """softmax(q k^T * scale) v over the full sequence, sharded across a CP group.
+
+    q: (batch, local_seq, heads, head_dim); k, v: (batch, local_seq, kv_heads, head_dim)
+    with heads % kv_heads == 0. The tokens each rank holds follow `layout` ('contiguous',
+    'zigzag', 'striped'; layouts.py, two-level under 'hybrid'); `causal` masks by *global*
+    position. comm: 'ring', 'allgather', 'ulysses' over cp_group (None = the world), or
+    'hybrid' over ulysses_group (inner, cp rank % u) x ring_group (outer, cp rank // u),
+    where None means a group of one. backend: 'auto' (flash_attn > sdpa > math),
+    'flash_attn', 'sdpa' or 'math'. softmax_scale defaults to head_dim ** -0.5.
+    Groups may also be comm.NoComm stand-ins (benchmarks: nothing is sent).
+
+    Returns out (batch, local_seq, heads, head_dim) in q's dtype, and with return_lse also
+    lse (batch, heads, local_seq) fp32 (not differentiable).
+
+    Contract: local_seq (and every other shape) is the same on every rank of the group, as
+    shard_sequence produces it. It is not verified across ranks, since that would cost a
+    collective (and on GPU a host sync) on every call; the inputs are validated locally,
+    before any communication, so inputs that are wrong alike everywhere raise the same
+    ValueError on every rank and nobody is left waiting.
+    """
+    caller = "context_parallel_attention"
+    if comm == "hybrid":
+        ulysses_group = LOCAL if ulysses_group is None else ulysses_group
+        ring_group = LOCAL if ring_group is None else ring_group
+        u = group_rank_and_size(ulysses_group)[1]
+    else:
+        cp_group = _world_group(cp_group)
+        u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
+    _check_inputs(q, k, v, comm, layout, u, caller)
+    kernel = get_backend(backend, q)
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    causal = bool(causal)
+    lse = None
+    if comm in ("ring", "allgather"):
+        pattern = ring.PATTERN if comm == "ring" else allgather.PATTERN
+        out, lse = BlockwiseAttention.apply(q, k, v, pattern, cp_group, causal, layout, scale,
+                                            kernel)
+    elif comm == "ulysses":
+        def local(qh, kh, vh):  # the whole sequence of H/u heads: one kernel call
+            return BlockwiseAttention.apply(qh, kh, vh, ring.PATTERN, LOCAL, causal, layout,
+                                            scale, kernel)
+        out, lse = ulysses_attention(q, k, v, cp_group, layout, local, return_lse)
+    else:
+        out, lse = hybrid_attention(q, k, v, ulysses_group, ring_group, causal, layout, scale,
+                                    kernel, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
+                   causal: bool = False, layout: str = "contiguous",
+                   softmax_scale: Optional[float] = None, backend: str = "auto",
+                   return_lse: bool = False):
+    """``context_parallel_attention(comm="ring", cp_group=group, ...)``: K,V blocks travel
+    a P2P ring over `group` (None = the world; no process group at all = plain attention)."""
+    return context_parallel_attention(q, k, v, comm="ring", cp_group=group, causal=causal,
+                                      layout=layout, softmax_scale=softmax_scale,
+                                      backend=backend, return_lse=return_lse)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a model's attention talks over CP: the pattern, its groups, the token layout.
+
+    ``ulysses_size`` is the inner degree of the two-level layout (layouts.py): what the
+    data loader and ``shard_sequence`` need to cut a sample the way this attention expects.
+    """
+
+    comm: str = "ring"
+    cp_group: object = None
+    ulysses_group: object = None
+    ring_group: object = None
+    layout: str = "contiguous"
+
+    def __post_init__(self):
+        if self.comm not in CP_COMMS:
+            raise ValueError(f"cp_comm={self.comm!r} must be one of {list(CP_COMMS)}")
+        check_layout(self.layout)
+
+    @classmethod
+    def from_state(cls, state, comm: str, layout: str) -> "ContextParallel":
+        """The groups of a ParallelState (its ulysses/ring sub-groups for 'hybrid')."""
+        return cls(comm, state.cp_group, state.ulysses_group, state.ring_group, layout)
+
+    @property
+    def ulysses_size(self) -> int:
+        if self.comm == "hybrid":
+            return group_rank_and_size(self.ulysses_group or LOCAL)[1]
+        return 1  # 'ulysses' over all of CP: the plain layout over P (see layouts.py)
+
+    def attention(self, q, k, v, *, causal: bool, backend: str = "auto",
+                  softmax_scale: Optional[float] = None, return_lse: bool = False):
+        return context_parallel_attention(
+            q, k, v, comm=self.comm, cp_group=self.cp_group, ulysses_group=self.ulysses_group,
+            ring_group=self.ring_group, causal=causal, layout=self.layout,
+            softmax_scale=softmax_scale, backend=backend, return_lse=return_lse)

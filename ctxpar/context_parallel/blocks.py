@@ -1,0 +1,113 @@
+"""Which part of (local queries) x (one rank's keys) a pattern computes, and computing it.
+
+Patterns that keep each rank's queries and bring it every rank's K,V (the ring step by
+step, all-gather all at once) compute the same blocks: ``block_plan`` says which rows and
+columns of (queries of `rank`) x (keys of `src`) are causally visible under a layout, and
+``forward_block_`` / ``backward_block`` run one kernel call on them (kernels.py), merge
+the forward into the running (out, lse) (merge.py) and count FLOPs (stats.py).
+``BlockwiseAttention`` is their one autograd wrapper. Ulysses computes one block over
+the whole (gathered) sequence, so it plans nothing (and reuses the ring on one rank).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from .merge import merge_block_
+from .stats import attention_flops, record
+
+
+class Block(NamedTuple):
+    """Rows [q0, q1) of the local queries against rows [k0, k1) of the visiting kv."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool  # the kernel's top-left causal mask; only ever on square blocks
+
+    def pairs(self) -> int:  # (query, key) pairs the kernel evaluates
+        L, S = self.q1 - self.q0, self.k1 - self.k0
+        return L * (L + 1) // 2 if self.causal else L * S
+
+
+def block_plan(layout: str, causal: bool, rank: int, src: int, local_seq: int) -> Optional[Block]:
+    """The part of (local q) x (kv of rank `src`) that is visible; None = skip the step.
+
+    contiguous  src < rank: all visible; src == rank: causal; src > rank: all future, skip.
+    zigzag      (rank holds chunks rank and 2P-1-rank, each local_seq/2 long)
+                src < rank: every query sees the kv's first chunk only (the second is later
+                than both of ours); src > rank: only our second chunk sees kv, all of it.
+    striped     q_i is at i*P+rank, k_j at j*P+src. src < rank: visible iff j <= i, the
+                plain causal mask incl. the diagonal; src > rank: iff j < i, so drop the
+                first query and the last key and use the causal kernel (seed 001).
+    The diagonal (src == rank) is causal in every layout: local order is global order.
+    """
+    S = local_seq
+    if not causal:
+        return Block(0, S, 0, S, False)
+    if src == rank:
+        return Block(0, S, 0, S, True)
+    if layout == "contiguous":
+        return Block(0, S, 0, S, False) if src < rank else None
+    if layout == "zigzag":
+        h = S // 2
+        return Block(0, S, 0, h, False) if src < rank else Block(h, S, 0, S, False)
+    if src < rank:  # striped
+        return Block(0, S, 0, S, True)
+    return Block(1, S, 0, S - 1, True) if S > 1 else None
+
+
+def forward_block_(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: Block,
+                   scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Attention of q[blk rows] over k/v[blk rows], merged into the fp32 (out, lse) in place.
+
+    q (B, S, H, D); k, v (B, S_kv, Hkv, D); out (B, S, H, D) fp32; lse (B, H, S) fp32.
+    """
+    B, _, H, D = q.shape
+    bo, bl = kernel.forward(q[:, blk.q0:blk.q1], k[:, blk.k0:blk.k1], v[:, blk.k0:blk.k1],
+                            blk.causal, scale)
+    merge_block_(out[:, blk.q0:blk.q1], lse[:, :, blk.q0:blk.q1], bo, bl)
+    record(fwd_flops=attention_flops(B, H, D, blk.pairs(), "fwd"), fwd_blocks=1)
+
+
+def backward_block(kernel, dout, q, k, v, out, lse, blk: Block, scale: float
+                   ) -> Tuple[slice, slice, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(query rows, key rows, (dq, dk, dv) of the block) given the *global* out and lse.
+
+    With the merged out and lse the block's softmax is already normalised by the whole
+    row, so the block's gradients are exactly its share of the full gradient; the caller
+    adds them into its accumulators (dq rows qs; dk, dv rows ks of the visiting kv).
+    """
+    B, _, H, D = q.shape
+    qs, ks = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
+    grads = kernel.backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs],
+                            lse[:, :, qs], blk.causal, scale)
+    record(bwd_flops=attention_flops(B, H, D, blk.pairs(), "bwd"), bwd_blocks=1)
+    return qs, ks, grads
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """(out, lse) of a blockwise pattern; lse is returned but not differentiable.
+
+    ``pattern`` is its (forward, backward) pair of functions (ring.py, allgather.py):
+        forward(q, k, v, group, causal, layout, scale, kernel) -> (out, lse)
+        backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel) -> dq, dk, dv
+    Saved for backward: q, k, v, out, lse (the local shards; nothing gathered).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, pattern, group, causal, layout, scale, kernel):
+        forward_fn, ctx.backward_fn = pattern
+        out, lse = forward_fn(q, k, v, group, causal, layout, scale, kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, layout, scale, kernel)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backward_fn(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
