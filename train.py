@@ -22,7 +22,8 @@ import torch.distributed as dist
 from ctxpar import resume as ckpt
 from ctxpar.cli import add_launcher_args, fail
 from ctxpar.mpu import DeepSpeedMPU
-from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_config, to_dict
+from ctxpar.config import (ConfigError, deepspeed_config, dump_config, load_config, to_dict,
+                           ulysses_degree)
 from ctxpar.data import DataError, build_data, evaluate
 from ctxpar.deepspeed_comm import init_deepspeed_comm
 from ctxpar.known_warnings import filter_known_warnings
@@ -114,7 +115,8 @@ def main(argv=None) -> int:
         if torch.cuda.is_available() else torch.device("cpu")
     init_distributed(default_backend(device))
     state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp,
-                                dp=cfg.parallel.dp, order=cfg.parallel.order)
+                                dp=cfg.parallel.dp, order=cfg.parallel.order,
+                                ulysses=ulysses_degree(cfg.parallel))
     init_deepspeed_comm()  # without DeepSpeed's CPU shm op (ctxpar/deepspeed_comm.py)
     rank0 = dist.get_rank() == 0
     torch.manual_seed(cfg.train.seed)

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import yaml
 
 from .parallel_state import parse_order, resolve_sizes
+from .context_parallel.api import CP_COMMS
 from .context_parallel.layouts import LAYOUTS, num_chunks
 
 
@@ -64,7 +65,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree."""
     cp: int = 1
-    """Context-parallel degree (ring attention)."""
+    """Context-parallel degree: each sample's tokens are split over cp ranks."""
     pp: int = 1
     """Pipeline-parallel degree."""
     dp: Union[int, str] = "auto"
@@ -73,6 +74,13 @@ class ParallelConfig:
     """Grid order, innermost first (adjacent ranks)."""
     layout: str = "zigzag"
     """Token layout over CP: 'zigzag', 'striped' or 'contiguous'."""
+    cp_comm: str = "ring"
+    """How attention communicates over CP: 'ring' (K,V blocks over a P2P ring), 'allgather'
+    (K,V all-gathered once), 'ulysses' (all-to-all sequence <-> heads) or 'hybrid'
+    (Ulysses over parallel.ulysses adjacent ranks inside, the ring across them)."""
+    ulysses: Optional[int] = None
+    """Ulysses degree: for cp_comm='hybrid' the inner degree N (ring = cp / N); for
+    'ulysses' it is cp (None = cp); unused (None or 1) for 'ring' and 'allgather'."""
     attention_backend: str = "auto"
     """Per-block attention kernel: 'auto', 'flash_attn', 'sdpa' or 'math'."""
     pp_partition: str = "parameters"
@@ -181,6 +189,7 @@ CHOICES = {
     "model.mlp": ("swiglu", "gelu"),
     "model.norm": ("rmsnorm", "layernorm"),
     "parallel.layout": LAYOUTS,
+    "parallel.cp_comm": CP_COMMS,
     "parallel.attention_backend": ("auto", "flash_attn", "sdpa", "math"),
     "parallel.pp_partition": ("parameters", "uniform"),
     "data.kind": ("passkey", "tokens"),
@@ -322,6 +331,34 @@ def resolved_ffn_hidden(m: ModelConfig) -> int:
     return (8 * m.d_model + 191) // 192 * 64  # ceil(8*d/3 / 64) * 64
 
 
+def ulysses_degree(p: ParallelConfig) -> int:
+    """The Ulysses part u of the CP group (cp = u x ring): cp for 'ulysses', parallel.ulysses
+    for 'hybrid', 1 for the ring and all-gather."""
+    if p.cp_comm == "ulysses":
+        return p.cp
+    return (p.ulysses or 1) if p.cp_comm == "hybrid" else 1
+
+
+def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err) -> None:
+    """parallel.cp_comm and parallel.ulysses against cp and the heads per TP rank."""
+    if p.ulysses is not None and p.ulysses < 1:
+        err(f"parallel.ulysses={p.ulysses} must be >= 1")
+    if p.cp_comm in ("ring", "allgather") and p.ulysses not in (None, 1):
+        err(f"parallel.ulysses={p.ulysses} is only used with parallel.cp_comm='ulysses' or "
+            f"'hybrid' (parallel.cp_comm={p.cp_comm!r})")
+    if p.cp_comm == "ulysses" and p.ulysses not in (None, p.cp):
+        err(f"parallel.ulysses={p.ulysses} must equal parallel.cp={p.cp} with "
+            f"parallel.cp_comm='ulysses' (a Ulysses degree below cp is cp_comm='hybrid')")
+    if p.cp_comm == "hybrid" and (p.ulysses is None or p.cp % p.ulysses):
+        err(f"parallel.cp_comm='hybrid' needs parallel.ulysses dividing parallel.cp={p.cp} "
+            f"(ring = cp / ulysses), got parallel.ulysses={p.ulysses}")
+    u, heads = ulysses_degree(p), m.n_heads // p.tp
+    if heads % u:
+        err(f"model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} heads per TP rank is "
+            f"not divisible by the Ulysses degree {u} (parallel.cp_comm={p.cp_comm!r}, "
+            f"parallel.cp={p.cp}, parallel.ulysses={p.ulysses})")
+
+
 def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = True) -> None:
     """Every cross-field rule, in one place. Raises the first ConfigError found.
 
@@ -383,6 +420,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
             f"divisible by parallel.tp={p.tp}; set model.ffn_hidden")
     if (m.d_model // m.n_heads) % 2:
         err(f"model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even for RoPE")
+    _check_cp_comm(p, m, err)
 
     # Sequence against the CP layout.
     chunks = num_chunks(p.cp, p.layout)

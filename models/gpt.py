@@ -1,14 +1,14 @@
-"""A GPT decoder for TP x CP x DP: pre-norm blocks, RoPE on global positions, GQA ring attention.
+"""A GPT decoder for TP x CP x DP: pre-norm blocks, RoPE on global positions, GQA attention over CP.
 
 Shapes per rank: B micro-batch, T full sequence, cp/tp degrees, nh/nkv query/kv heads,
 hd head dim, V vocabulary. Each CP rank holds T/cp tokens in the CP layout's order
 (zigzag, striped, contiguous) with their global positions (``ctxpar.sequence_positions``);
 each TP rank holds nh/tp query heads, max(nkv/tp, 1) kv heads, ffn/tp MLP columns and V/tp
 vocabulary rows (docs/parallelism.md). Everything but attention is token-local, so only
-attention talks over CP (the ring) and only the f/g ops talk over TP.
+attention talks over CP (ring, all-gather, Ulysses or hybrid: ``cp_comm``) and only the
+f/g ops talk over TP.
 
-    model = GPT(cfg.model, tp_group=state.tp_group, cp_group=state.cp_group,
-                layout=cfg.parallel.layout, seed=cfg.train.seed)
+    model = GPT.from_config(cfg, state)           # or GPT(cfg.model, tp_group=, cp_group=, ...)
     logits = model(tokens, positions)             # (B, T/cp, V/tp), vocab-parallel
     loss_sum = model(tokens, positions, labels)   # fp32 sum of this rank's token losses
 """
@@ -24,7 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ctxpar import ring_attention
 from ctxpar.config import CHECKPOINT_MODES, Config, ModelConfig, resolved_ffn_hidden
 from ctxpar.tensor_parallel import (
     ColumnParallelLinear,
@@ -37,6 +36,7 @@ from ctxpar.tensor_parallel import (
     shard_full_tensor,
     vocab_parallel_cross_entropy,
 )
+from ctxpar.context_parallel import ContextParallel
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 
@@ -44,6 +44,20 @@ def check_checkpoint_mode(mode: str) -> None:
     """For models built without a Config (which checks it at load)."""
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"activation_checkpointing={mode!r} must be one of {CHECKPOINT_MODES}")
+
+
+def context_parallel_of(cp_comm: str, cp_group, ulysses_group, ring_group,
+                        layout: str) -> ContextParallel:
+    """The model's CP attention; refuses groups left at None in a distributed run, where the
+    functional API would read them as the whole world (or, for hybrid, as groups of one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        need = ("ulysses_group", "ring_group") if cp_comm == "hybrid" else ("cp_group",)
+        given = dict(cp_group=cp_group, ulysses_group=ulysses_group, ring_group=ring_group)
+        missing = [n for n in need if given[n] is None]
+        if missing:
+            raise ValueError(f"GPT: pass {' and '.join(missing)} (e.g. a ParallelState's) for "
+                             f"cp_comm={cp_comm!r} when torch.distributed is initialised")
+    return ContextParallel(cp_comm, cp_group, ulysses_group, ring_group, layout)
 
 
 def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
@@ -106,14 +120,14 @@ def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) ->
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention: column-parallel q/k/v, ring attention over CP, row-parallel out."""
+    """Causal GQA self-attention: column-parallel q/k/v, CP attention, row-parallel out."""
 
-    def __init__(self, cfg: ModelConfig, tp_group, cp_group, layout: str, backend: str,
+    def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend: str,
                  device=None, dtype=None):
         super().__init__()
         tp = tp_size_of(tp_group)
         n_kv = cfg.n_kv_heads or cfg.n_heads
-        self.tp_group, self.cp_group, self.layout, self.backend = tp_group, cp_group, layout, backend
+        self.tp_group, self.cp, self.backend = tp_group, cp, backend
         self.head_dim = cfg.d_model // cfg.n_heads
         self.n_heads = cfg.n_heads // tp  # query heads on this rank
         self.n_kv_heads = n_kv // tp if n_kv % tp == 0 else 1
@@ -137,9 +151,9 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def core(self, q, k, v) -> torch.Tensor:
-        # The ring: K/V blocks travel over CP; causal masking uses the layout's positions.
-        return ring_attention(q, k, v, self.cp_group, causal=True, layout=self.layout,
-                              backend=self.backend)  # (B, T/cp, nh/tp, hd)
+        # Exact attention over the whole sequence through cp.comm's pattern; causal
+        # masking uses the layout's global positions.
+        return self.cp.attention(q, k, v, causal=True, backend=self.backend)  # (B, T/cp, nh/tp, hd)
 
 
 class MLP(nn.Module):
@@ -169,16 +183,16 @@ class Block(nn.Module):
 
     ``selective`` checkpoints the two pieces around the attention core (norm + q/k/v +
     RoPE; out-proj + residual + norm + MLP) and keeps q, k, v, the attention output and its
-    LSE (saved by ring attention itself), so backward recomputes projections but never
-    replays the ring.
+    LSE (saved by the CP attention itself), so backward recomputes projections but never
+    replays the CP communication.
     """
 
-    def __init__(self, cfg: ModelConfig, tp_group, cp_group, layout, backend, selective: bool,
-                 device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend,
+                 selective: bool, device=None, dtype=None):
         super().__init__()
         self.selective = selective
         self.attn_norm = make_norm(cfg, device, dtype)
-        self.attn = Attention(cfg, tp_group, cp_group, layout, backend, device, dtype)
+        self.attn = Attention(cfg, tp_group, cp, backend, device, dtype)
         self.mlp_norm = make_norm(cfg, device, dtype)
         self.mlp = MLP(cfg, tp_group, device, dtype)
 
@@ -207,21 +221,20 @@ class GPT(nn.Module):
     """Embedding -> n_layers blocks -> norm -> vocab-parallel head (tied to the embedding or not)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, cp_group=None,
-                 layout: str = "contiguous", attention_backend: str = "auto",
+                 layout: str = "contiguous", cp_comm: str = "ring", ulysses_group=None,
+                 ring_group=None, attention_backend: str = "auto",
                  activation_checkpointing: str = "none", every_n_layers: int = 1,
                  seed: int = 1234, device=None, dtype=None):
         super().__init__()
         check_checkpoint_mode(activation_checkpointing)
-        if cp_group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("GPT: pass cp_group (e.g. a ParallelState's) when torch.distributed "
-                             "is initialised: ring_attention takes group=None as the whole world")
+        self.cp = context_parallel_of(cp_comm, cp_group, ulysses_group, ring_group, layout)
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
         self.activation_checkpointing, self.every_n_layers = activation_checkpointing, every_n_layers
         selective = activation_checkpointing == "selective"
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            Block(cfg, tp_group, cp_group, layout, attention_backend, selective, device, dtype)
+            Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype)
             for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg, device, dtype)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
@@ -233,7 +246,9 @@ class GPT(nn.Module):
     def from_config(cls, cfg: Config, state, device=None, dtype=None) -> "GPT":
         """The model for this rank of a ParallelState, from the whole run config."""
         return cls(cfg.model, tp_group=state.tp_group, cp_group=state.cp_group,
-                   layout=cfg.parallel.layout, attention_backend=cfg.parallel.attention_backend,
+                   layout=cfg.parallel.layout, cp_comm=cfg.parallel.cp_comm,
+                   ulysses_group=state.ulysses_group, ring_group=state.ring_group,
+                   attention_backend=cfg.parallel.attention_backend,
                    activation_checkpointing=cfg.checkpointing.activation,
                    every_n_layers=cfg.checkpointing.every_n_layers, seed=cfg.train.seed,
                    device=device, dtype=dtype)
@@ -272,7 +287,7 @@ class GPT(nn.Module):
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:
                 x = layer(x, cos, sin, kv_cache.layer(i))
-            elif self._checkpointed(i):  # keep only x; replay the block (and its ring) in backward
+            elif self._checkpointed(i):  # keep only x; replay the block (and its CP attention) in backward
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)

@@ -35,6 +35,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, ModelConfig
+from ctxpar.context_parallel import ContextParallel
 from ctxpar.deepspeed_comm import init_deepspeed_comm
 from ctxpar.pipeline import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
@@ -68,11 +69,11 @@ def tied_lm_head(module: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
 class BlockPipe(Block):
     """models.gpt.Block on (x, positions); whole-block checkpointing decided per layer index."""
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, cp_group, layout: str,
+    def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, cp: ContextParallel,
                  backend: str, activation_checkpointing: str, every_n_layers: int,
                  device=None, dtype=None):
-        super().__init__(cfg, tp_group, cp_group, layout, backend,
-                         activation_checkpointing == "selective", device, dtype)
+        super().__init__(cfg, tp_group, cp, backend, activation_checkpointing == "selective",
+                         device, dtype)
         self.gpt_prefix = f"layers.{layer_number}."
         self.rope_theta = cfg.rope_theta
         # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
@@ -82,7 +83,7 @@ class BlockPipe(Block):
         x, positions = inputs  # (B, T/cp, d), (T/cp,)
         cos, sin = rotary_cos_sin(positions, self.attn.head_dim, self.rope_theta)  # (T/cp, hd/2)
         block = partial(Block.forward, self)
-        if self.recompute:  # keep only x; replay the block (and its ring) in backward
+        if self.recompute:  # keep only x; replay the block (and its CP attention) in backward
             return checkpoint(block, x, cos, sin, use_reentrant=False), positions
         return block(x, cos, sin), positions
 
@@ -145,13 +146,14 @@ class GPTPipe(PipelineModule):
     """This rank's pipeline stage of the GPT (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, state, *, grad_accum_steps: int = 1,
-                 layout: str = "contiguous", attention_backend: str = "auto",
+                 layout: str = "contiguous", cp_comm: str = "ring",
+                 attention_backend: str = "auto",
                  activation_checkpointing: str = "none", every_n_layers: int = 1,
                  partition_method: str = "parameters", seed: int = 1234,
                  device=None, dtype=None):
         check_checkpoint_mode(activation_checkpointing)
         init_deepspeed_comm()  # PipelineModule builds groups with deepspeed.comm
-        tp, cp = state.tp_group, state.cp_group
+        tp, cp = state.tp_group, ContextParallel.from_state(state, cp_comm, layout)
         kw = dict(device=device, dtype=dtype)
         if cfg.tie_embeddings:
             tied = dict(tied_weight_attr=["embed.weight"])
@@ -161,7 +163,7 @@ class GPTPipe(PipelineModule):
         else:
             first = LayerSpec(EmbeddingPipe, cfg, tp, **kw)
             last = LayerSpec(LMHeadPipe, cfg, tp, **kw)
-        blocks = [LayerSpec(BlockPipe, cfg, i, tp, cp, layout, attention_backend,
+        blocks = [LayerSpec(BlockPipe, cfg, i, tp, cp, attention_backend,
                             activation_checkpointing, every_n_layers, **kw)
                   for i in range(cfg.n_layers)]
         loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps)
@@ -180,7 +182,8 @@ class GPTPipe(PipelineModule):
                     dtype=None) -> "GPTPipe":
         """This rank's stage for a ParallelState, from the whole run config."""
         return cls(cfg.model, state, grad_accum_steps=grad_accum_steps,
-                   layout=cfg.parallel.layout, attention_backend=cfg.parallel.attention_backend,
+                   layout=cfg.parallel.layout, cp_comm=cfg.parallel.cp_comm,
+                   attention_backend=cfg.parallel.attention_backend,
                    activation_checkpointing=cfg.checkpointing.activation,
                    every_n_layers=cfg.checkpointing.every_n_layers,
                    partition_method=cfg.parallel.pp_partition, seed=cfg.train.seed,

@@ -47,6 +47,30 @@ def _write(tmp_path, data, name="c.yaml"):
      "data.path='/nonexistent/corpus': /nonexistent/corpus.bin does not exist"),
     ({"parallel": {"tp": 0}}, None, "parallel.tp=0 must be >= 1"),
     ({"parallel": {"order": "tp-cp-dp"}}, None, "parallel.order='tp-cp-dp' must name each"),
+    # Context-parallel communication: every combination that cannot run, in one line.
+    ({"parallel": {"cp_comm": "p2p"}}, None, "parallel.cp_comm='p2p' must be one of 'ring', "
+     "'allgather', 'ulysses', 'hybrid'"),
+    ({"parallel": {"cp": 4, "ulysses": 2}}, None, "parallel.ulysses=2 is only used with "
+     "parallel.cp_comm='ulysses' or 'hybrid' (parallel.cp_comm='ring')"),
+    ({"parallel": {"cp": 4, "ulysses": 2, "cp_comm": "allgather"}}, None,
+     "(parallel.cp_comm='allgather')"),
+    ({"parallel": {"cp": 4, "ulysses": 2, "cp_comm": "ulysses"}}, None,
+     "parallel.ulysses=2 must equal parallel.cp=4 with parallel.cp_comm='ulysses'"),
+    ({"parallel": {"cp": 4, "cp_comm": "hybrid"}}, None, "parallel.cp_comm='hybrid' needs "
+     "parallel.ulysses dividing parallel.cp=4 (ring = cp / ulysses), got parallel.ulysses=None"),
+    ({"parallel": {"cp": 4, "ulysses": 3, "cp_comm": "hybrid"}}, None,
+     "dividing parallel.cp=4 (ring = cp / ulysses), got parallel.ulysses=3"),
+    ({"parallel": {"cp": 4, "ulysses": 0, "cp_comm": "hybrid"}}, None,
+     "parallel.ulysses=0 must be >= 1"),
+    ({"model": {"n_heads": 4}, "parallel": {"tp": 2, "cp": 4, "cp_comm": "ulysses"}}, None,
+     "model.n_heads=4 / parallel.tp=2 = 2 heads per TP rank is not divisible by the Ulysses "
+     "degree 4 (parallel.cp_comm='ulysses', parallel.cp=4, parallel.ulysses=None)"),
+    ({"model": {"n_heads": 6, "d_model": 96}, "parallel": {"cp": 8, "ulysses": 4,
+                                                          "cp_comm": "hybrid"}}, None,
+     "model.n_heads=6 / parallel.tp=1 = 6 heads per TP rank is not divisible by the Ulysses "
+     "degree 4 (parallel.cp_comm='hybrid'"),
+    ({"model": {"seq_len": 100}, "parallel": {"cp": 4, "ulysses": 2, "cp_comm": "hybrid"}},
+     None, "model.seq_len=100 is not divisible by 8 (parallel.layout='zigzag'"),
 ])
 def test_bad_configs_name_file_key_and_values(tmp_path, data, world, msg):
     path = _write(tmp_path, data)
@@ -80,6 +104,21 @@ def test_overrides_and_deepspeed_fill(tmp_path):
         load_config(path, overrides=["train.stpes=3"])
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(path, overrides=["train.steps"])
+
+
+@pytest.mark.parametrize("parallel,u", [
+    (dict(cp=4), 1), (dict(cp=4, cp_comm="allgather"), 1), (dict(cp=4, cp_comm="ulysses"), 4),
+    (dict(cp=4, cp_comm="ulysses", ulysses=4), 4), (dict(cp=8, cp_comm="hybrid", ulysses=2), 2),
+    (dict(cp=4, cp_comm="hybrid", ulysses=1), 1),  # degenerate: the ring
+    (dict(cp=4, cp_comm="hybrid", ulysses=4), 4),  # degenerate: Ulysses
+    # kv heads per TP rank fewer than the Ulysses degree: replicated, not refused
+    (dict(cp=4, cp_comm="ulysses", tp=2, _model=dict(n_heads=8, n_kv_heads=2)), 4),
+])
+def test_cp_comm_combinations_that_run(parallel, u):
+    from ctxpar.config import ulysses_degree
+    model = {"n_heads": 4, "d_model": 64, **parallel.pop("_model", {})}
+    cfg = config_from_dict({"model": model, "parallel": parallel})
+    assert ulysses_degree(cfg.parallel) == u
 
 
 def test_dump_roundtrip(tmp_path):

@@ -3,10 +3,12 @@
 Layers of checks: (1) the tp=cp=1 model against an independent naive implementation
 (RoPE, causal GQA, the MLP) and the checkpointing modes against each other, in-process;
 (2) meta builds of 1.3B/7B shapes and config errors, no processes; (3) layout parity:
-for every (tp, cp, dp) and layout, gathered logits, the token-mean loss, every gradient
-(gathered to full size after the DeepSpeed-style reduction: sum over CP, mean over DP)
-and the parameters after one SGD step equal the reference computed here in the parent
-process. One spawn per world size; the cases loop inside it.
+for (tp, cp, dp), layouts and CP communication patterns (ring, all-gather, Ulysses,
+hybrid), gathered logits, the token-mean loss, every gradient (gathered to full size
+after the DeepSpeed-style reduction: sum over CP, mean over DP) and the parameters after
+one SGD step equal the reference computed here in the parent process, and the CP
+communication calls show that no checkpointing mode but full/every_n_layers replays any.
+One spawn per world size; the cases loop inside it.
 """
 import os
 import pickle
@@ -20,6 +22,7 @@ from ctxpar import ring_stats
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
 from ctxpar.context_parallel.layouts import rank_positions
 from dist_harness import run_distributed
+from test_context_parallel import comm_ops_per_layer
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 
@@ -44,7 +47,7 @@ BATCH, LR, SEED = 4, 0.1, 7  # global batch (split over dp), SGD step, init seed
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def make_batch(cfg, cp, layout):
+def make_batch(cfg, cp, layout, ulysses=1):
     """A global batch; with cp > 1 every label held by CP rank 0 is ignored (a shard with
     no counted token), plus ~20% ignored at random everywhere."""
     g = torch.Generator().manual_seed(123)
@@ -52,7 +55,7 @@ def make_batch(cfg, cp, layout):
     labels = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g)
     labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
     if cp > 1:
-        labels[:, rank_positions(cfg.seq_len, 0, cp, layout)] = -100
+        labels[:, rank_positions(cfg.seq_len, 0, cp, layout, ulysses=ulysses)] = -100
     return tokens, labels
 
 
@@ -72,62 +75,91 @@ def reference(cfg, tokens, labels):
 def _parity(rank, world, payload):
     """Run each case on this rank; return what it gathered (compared in the parent, where
     assert_close's torch.distributed.tensor import is paid once, not once per rank)."""
-    from ctxpar import gather_sequence, init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar import (cp_stats, gather_sequence, init_parallel_state, sequence_positions,
+                        shard_sequence)
     from ctxpar.tensor_parallel import gather_from_tensor_model_parallel_region, gather_full_state_dict
     from models.loss import deepspeed_style_reduce_, loss_for_backward
 
     out = []
-    for (tp, cp, dp, layout, name, ckpt), tokens, labels in pickle.loads(payload):
+    for (tp, cp, dp, layout, name, ckpt, comm, u), tokens, labels in pickle.loads(payload):
         cfg = CONFIGS[name]
-        st = init_parallel_state(tp=tp, cp=cp, dp=dp)
+        st = init_parallel_state(tp=tp, cp=cp, dp=dp, ulysses=u)
         model = GPT(cfg, tp_group=st.tp_group, cp_group=st.cp_group, layout=layout,
+                    cp_comm=comm, ulysses_group=st.ulysses_group, ring_group=st.ring_group,
                     activation_checkpointing=ckpt, every_n_layers=2, seed=SEED)
         rows = slice(st.dp_rank * BATCH // dp, (st.dp_rank + 1) * BATCH // dp)  # this DP rank's samples
-        tok = shard_sequence(tokens[rows], 1, st.cp_group, layout)  # (B/dp, T/cp)
-        lab = shard_sequence(labels[rows], 1, st.cp_group, layout)
-        pos = sequence_positions(cfg.seq_len, st.cp_group, layout)  # (T/cp,) global positions
+        tok = shard_sequence(tokens[rows], 1, st.cp_group, layout, u)  # (B/dp, T/cp)
+        lab = shard_sequence(labels[rows], 1, st.cp_group, layout, u)
+        pos = sequence_positions(cfg.seq_len, st.cp_group, layout, ulysses=u)  # (T/cp,) global
 
         with torch.no_grad():
             logits = model(tok, pos)  # (B/dp, T/cp, V/tp)
             logits = gather_from_tensor_model_parallel_region(logits, st.tp_group)
-            logits = gather_sequence(logits, 1, st.cp_group, layout)  # (B/dp, T, V)
+            logits = gather_sequence(logits, 1, st.cp_group, layout, u)  # (B/dp, T, V)
 
         n_tokens = global_token_count(lab, st.dp_cp_group)
-        loss_sum = model(tok, pos, lab)
-        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
+        with cp_stats() as calls:  # CP communication of one training forward + backward
+            loss_sum = model(tok, pos, lab)
+            loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
         deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
         mean = global_mean_loss(loss_sum, n_tokens, st.dp_cp_group)
         grads = gather_full_state_dict(model, st.tp_group, grads=True)
         torch.optim.SGD(model.parameters(), lr=LR).step()
         params = gather_full_state_dict(model, st.tp_group)
-        out.append(dict(rows=rows, logits=logits, loss=mean, grads=grads, params=params))
+        out.append(dict(rows=rows, logits=logits, loss=mean, grads=grads, params=params,
+                        calls=calls.as_dict()))
     return out
 
 
-CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing)
-    1: [(1, 1, 1, "zigzag", "gqa", "none")],
-    2: [(2, 1, 1, "zigzag", "gqa", "selective"), (2, 1, 1, "striped", "mqa", "none"),
-        (1, 2, 1, "zigzag", "gqa", "full"), (1, 2, 1, "striped", "gqa", "none")],
-    4: [(1, 4, 1, "zigzag", "gqa", "none"), (1, 4, 1, "striped", "gqa", "every_n_layers"),
-        (2, 2, 1, "zigzag", "gqa", "none"), (2, 2, 1, "striped", "mqa", "selective"),
-        (1, 2, 2, "zigzag", "gqa", "selective"), (1, 2, 2, "striped", "gqa", "full")],
-    8: [(2, 2, 2, "zigzag", "gqa", "full"), (2, 2, 2, "striped", "mqa", "none")],
+CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing, cp_comm, u)
+    1: [(1, 1, 1, "zigzag", "gqa", "none", "ring", 1)],
+    2: [(2, 1, 1, "zigzag", "gqa", "selective", "ring", 1),
+        (2, 1, 1, "striped", "mqa", "none", "ring", 1),
+        (1, 2, 1, "zigzag", "gqa", "full", "ring", 1),
+        (1, 2, 1, "striped", "gqa", "none", "ring", 1),
+        (1, 2, 1, "zigzag", "mqa", "selective", "ulysses", 2),  # kv 1 replicated to 2
+        (1, 2, 1, "contiguous", "gqa", "full", "allgather", 1)],
+    4: [(1, 4, 1, "zigzag", "gqa", "none", "ring", 1),
+        (1, 4, 1, "striped", "gqa", "every_n_layers", "ring", 1),
+        (2, 2, 1, "zigzag", "gqa", "none", "ring", 1),
+        (2, 2, 1, "striped", "mqa", "selective", "ring", 1),
+        (1, 2, 2, "zigzag", "gqa", "selective", "ring", 1),
+        (1, 2, 2, "striped", "gqa", "full", "ring", 1),
+        (1, 4, 1, "striped", "gqa", "selective", "hybrid", 2),  # two-level striped layout
+        (1, 4, 1, "zigzag", "gqa", "every_n_layers", "ulysses", 4),
+        (2, 2, 1, "striped", "mqa", "selective", "allgather", 1),
+        (1, 2, 2, "zigzag", "mqa", "full", "hybrid", 2)],  # u = cp: Ulysses via hybrid
+    8: [(2, 2, 2, "zigzag", "gqa", "full", "ring", 1),
+        (2, 2, 2, "striped", "mqa", "none", "ring", 1),
+        (2, 4, 1, "zigzag", "gqa", "selective", "hybrid", 2)],  # tp2 x (u2 x r2)
 }
+
+
+def replayed_layers(ckpt, n_layers):
+    """Blocks whose forward (and its CP communication) runs again in backward."""
+    return {"full": n_layers, "every_n_layers": (n_layers + 1) // 2}.get(ckpt, 0)
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_layout_parity_with_single_process(world):
     cases, refs = [], []
     for case in CASES[world]:
-        tp, cp, dp, layout, name, _ = case
-        tokens, labels = make_batch(CONFIGS[name], cp, layout)
+        tp, cp, dp, layout, name, _, _, u = case
+        tokens, labels = make_batch(CONFIGS[name], cp, layout, u)
         cases.append((case, tokens, labels))
         refs.append(reference(CONFIGS[name], tokens, labels))
     # Plain pickle bytes: multiprocessing would send each tensor as a shared-memory fd.
     results = run_distributed(_parity, world, pickle.dumps(cases), timeout=240)
     for rank, per_case in enumerate(results):  # every rank, so replicas must agree too
         for (case, _, _), (logits, loss, grads, params), got in zip(cases, refs, per_case):
-            where = "rank {} tp{} cp{} dp{} {} {} ckpt={}".format(rank, *case)
+            where = "rank {} tp{} cp{} dp{} {} {} ckpt={} {} u={}".format(rank, *case)
+            tp, cp, dp, layout, name, ckpt, comm, u = case
+            # Communication calls: each layer's forward once, plus the replayed blocks of
+            # full / every_n_layers checkpointing; selective never replays any.
+            n = CONFIGS[name].n_layers
+            fwd, bwd = comm_ops_per_layer(comm, cp, u)
+            assert (got["calls"]["fwd_comm_ops"], got["calls"]["bwd_comm_ops"]) == \
+                ((n + replayed_layers(ckpt, n)) * fwd, n * bwd), (where, got["calls"])
             torch.testing.assert_close(got["logits"], logits[got["rows"]], **TOL, msg=where)
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
             for n in grads:

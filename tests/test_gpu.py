@@ -11,7 +11,7 @@ import torch
 
 from ctxpar.context_parallel.kernels import FlashAttnBackend, MathBackend, SdpaBackend
 from ctxpar import ring_attention
-from test_ring_attention import reference_attention, tolerance
+from test_context_parallel import reference_attention, tolerance
 
 pytestmark = pytest.mark.gpu
 

@@ -1,10 +1,14 @@
-"""Sequence layouts: exact positions (pure), then shard -> gather on gloo ranks."""
+"""Sequence layouts: exact positions (pure; also the two-level layouts of hybrid CP and the
+order Ulysses' all-to-all delivers), then shard -> gather on gloo ranks."""
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from ctxpar.context_parallel.layouts import (LAYOUTS, gather_sequence, rank_positions, sequence_positions,
-                             shard_sequence)
+from ctxpar.context_parallel.layouts import (LAYOUTS, gather_sequence, rank_positions,
+                                             sequence_positions, shard_sequence,
+                                             ulysses_arrival_positions)
 from dist_harness import run_distributed
 
 EXACT = dict(atol=0, rtol=0)  # positions and copied values: no arithmetic, must be exact
@@ -34,10 +38,49 @@ def test_positions_partition_the_sequence(layout, world):
     (12, 4, "zigzag", "n=12 is not divisible by 2P = 8 for layout 'zigzag' with P=4"),
     (7, 2, "striped", "n=7 is not divisible by P = 2 for layout 'striped'"),
     (8, 2, "snake", "unknown sequence layout 'snake'"),
+    (12, 4, "striped", "Ulysses degree u=3 must be >= 1 and divide the 4 context-parallel"),
 ])
 def test_bad_lengths_and_layouts(n, world, layout, msg):
     with pytest.raises(ValueError, match=msg):
-        rank_positions(n, 0, world, layout)
+        rank_positions(n, 0, world, layout, ulysses=3 if "Ulysses" in msg else 1)
+
+
+def two_level_positions(n, rank, world, layout, u):
+    """The definition in layouts.py, built literally: the layout over the r = P/u ring
+    ranks, then the layout over the u Ulysses ranks by index within that shard."""
+    r = world // u
+    ring_rank, ulysses_rank = divmod(rank, u)
+    shard = rank_positions(n, ring_rank, r, layout)                # n/r global positions
+    return shard[rank_positions(n // r, ulysses_rank, u, layout)]  # indices into the shard
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world,u", [(4, 2), (8, 2), (8, 4), (6, 3), (6, 2), (4, 1), (4, 4)])
+def test_two_level_layout_is_the_definition(layout, world, u):
+    n = 8 * world
+    for rank in range(world):
+        got = rank_positions(n, rank, world, layout, ulysses=u)
+        torch.testing.assert_close(got, two_level_positions(n, rank, world, layout, u), **EXACT)
+        if layout != "striped" or u in (1, world):  # the plain layout over P, as documented
+            torch.testing.assert_close(got, rank_positions(n, rank, world, layout), **EXACT)
+
+
+def test_two_level_striped_exact():
+    # n = 16, P = 4 = u2 x r2: cp rank (ring j, ulysses i) holds t = j + 2*i (mod 4).
+    got = [rank_positions(16, c, 4, "striped", ulysses=2).tolist() for c in range(4)]
+    assert got == [[0, 4, 8, 12], [2, 6, 10, 14], [1, 5, 9, 13], [3, 7, 11, 15]]
+
+
+@pytest.mark.parametrize("layout,want", [
+    # A ring rank's shard of 8 tokens over u = 2 Ulysses ranks: where the i-th gathered
+    # token (rank 0's shard, then rank 1's) sits in the shard.
+    ("contiguous", None),
+    ("zigzag", [0, 1, 6, 7, 2, 3, 4, 5]),
+    ("striped", [0, 2, 4, 6, 1, 3, 5, 7]),
+])
+def test_ulysses_arrival_positions(layout, want):
+    got = ulysses_arrival_positions(8, 2, layout)
+    assert (got if got is None else got.tolist()) == want
 
 
 def test_single_process_without_group():
@@ -56,19 +99,25 @@ def _example(world):
     return x, torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
 
 
+def _degrees(world):
+    """Ulysses degrees to try: 1 (the plain layouts) and a two-level split when P allows."""
+    return (1, 2) if world % 2 == 0 else (1,)
+
+
 def _roundtrip(rank, world):
-    """Per layout: what this rank got. The parent asserts (a child's first assert_close
-    would import torch.distributed.tensor, ~2 s of CPU per rank)."""
+    """Per (layout, u): what this rank got. The parent asserts (a child's first
+    assert_close would import torch.distributed.tensor, ~2 s of CPU per rank)."""
     group = dist.new_group(list(range(world)))  # an explicit group, not only the world
     x, w = _example(world)
     res = {}
-    for layout in LAYOUTS:
-        leaf = shard_sequence(x, 1, group, layout).clone().requires_grad_()
-        full = gather_sequence(leaf, 1, group, layout)
+    for layout, u in itertools.product(LAYOUTS, _degrees(world)):
+        leaf = shard_sequence(x, 1, group, layout, u).clone().requires_grad_()
+        full = gather_sequence(leaf, 1, group, layout, u)
         (full * w).sum().backward()
-        res[layout] = dict(pos=sequence_positions(x.shape[1], group, layout),
-                           local=leaf.detach(), local_neg_dim=shard_sequence(x, -2, group, layout),
-                           full=full.detach(), grad=leaf.grad)
+        res[layout, u] = dict(pos=sequence_positions(x.shape[1], group, layout, ulysses=u),
+                              local=leaf.detach(),
+                              local_neg_dim=shard_sequence(x, -2, group, layout, u),
+                              full=full.detach(), grad=leaf.grad)
     return res
 
 
@@ -76,9 +125,10 @@ def _roundtrip(rank, world):
 def test_shard_gather_roundtrip(world):
     x, w = _example(world)
     for rank, res in enumerate(run_distributed(_roundtrip, world, timeout=60)):
-        for layout, got in res.items():
-            pos = rank_positions(x.shape[1], rank, world, layout)
-            msg = lambda m: f"rank {rank} {layout}: {m}"  # noqa: E731
+        assert len(res) == len(LAYOUTS) * len(_degrees(world))
+        for (layout, u), got in res.items():
+            pos = rank_positions(x.shape[1], rank, world, layout, ulysses=u)
+            msg = lambda m: f"rank {rank} {layout} u={u}: {m}"  # noqa: E731
             torch.testing.assert_close(got["pos"], pos, **EXACT, msg=msg)
             torch.testing.assert_close(got["local"], x[:, pos], **EXACT, msg=msg)
             torch.testing.assert_close(got["local_neg_dim"], x[:, pos], **EXACT, msg=msg)

@@ -1,154 +1,24 @@
-"""Ring attention vs one-process fp32 attention on the gathered sequence, on gloo ranks.
+"""The pieces under the patterns: the block plan, the LSE merge, the kernels' adapters, the
+ring on sub-groups and with no process group, and input checks on every rank.
 
-Spawning costs ~1 s, so one spawned function per world size loops over every
-(layout, causal, heads, head_dim, dtype, backend) combination on small tensors.
+Parity of every pattern (ring included) with one-process attention, bytes and FLOPs:
+tests/test_context_parallel.py.
 """
 import itertools
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from ctxpar.context_parallel.kernels import FlashAttnBackend, MathBackend, SdpaBackend
-from ctxpar.context_parallel import NoComm, ring_attention, ring_stats
+from ctxpar.context_parallel import context_parallel_attention, ring_attention
 from ctxpar.context_parallel.blocks import block_plan
 from ctxpar.context_parallel.layouts import LAYOUTS, rank_positions, shard_sequence
 from ctxpar.context_parallel.merge import merge_block_
 from dist_harness import run_distributed
+from test_context_parallel import S_LOCAL, global_inputs, reference_attention, tolerance
 
-B, S_LOCAL = 2, 8                       # batch, tokens per rank
-HEADS = [(4, 4, 40), (8, 2, 64), (8, 1, 40)]  # (heads, kv_heads, head_dim): MHA, GQA, MQA;
-                                              # 40 is not a power of two
-BACKENDS = ["sdpa", "math"]
-EXACT = dict(atol=0, rtol=0)  # byte and FLOP counts are integers: must match exactly
-
-
-def tolerance(dtype, expected):
-    """Why these tolerances. fp32: ring and reference do the same math in fp32 in another
-    order (blockwise LSE merge, the kernels' tiling); values are O(1) and the differences
-    seen are ~1e-6, so 1e-5 catches any real error (a missed or doubled block moves
-    results by O(0.1)). bf16: both start from the same bf16 inputs, but the kernels round
-    P, out and the gradients to bf16 (relative step 2^-8 = 4e-3), and a gradient sums tens
-    of such terms as large as the tensor's largest entry (dv under MQA reaches ~10, where
-    one bf16 step is 0.06). So: 2e-2 relative, plus 1e-2 of the tensor's max magnitude
-    absolute (~2.5 bf16 steps there), still far below what a wrong mask or block does."""
-    if dtype == torch.float32:
-        return dict(atol=1e-5, rtol=1e-5)
-    return dict(atol=1e-2 * max(1.0, expected.abs().max().item()), rtol=2e-2)
-
-
-def reference_attention(q, k, v, causal, scale):
-    """Plain softmax(q k^T * scale) v in fp32 over the full sequence; (out, lse)."""
-    H = q.shape[2]
-    kr = k.float().repeat_interleave(H // k.shape[2], dim=2)
-    vr = v.float().repeat_interleave(H // v.shape[2], dim=2)
-    s = torch.einsum("blhd,bshd->bhls", q.float(), kr) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("bhls,bshd->blhd", s.softmax(-1), vr), torch.logsumexp(s, -1)
-
-
-def visible_pairs(positions, n, causal):
-    """(query, key) pairs a rank's queries may see: key position <= query position."""
-    return int((positions + 1).sum()) if causal else positions.numel() * n
-
-
-def global_inputs(n, H, Hkv, D, dtype):
-    """The full-sequence q, k, v, dout; the same on every rank and in the parent."""
-    gen = torch.Generator().manual_seed(1234)
-    q, k, v = (torch.randn(B, n, h, D, generator=gen).to(dtype) for h in (H, Hkv, Hkv))
-    return q, k, v, torch.randn(B, n, H, D, generator=gen).to(dtype)
-
-
-COMBOS = list(itertools.product((False, True), HEADS, (torch.float32, torch.bfloat16),
-                                LAYOUTS, BACKENDS))
-
-
-def _ring_outputs(rank, world):
-    """Each rank's ring results for every combo; the parent compares them (a child's first
-    assert_close would import torch.distributed.tensor, ~2 s of CPU per rank)."""
-    results = []
-    for causal, (H, Hkv, D), dtype, layout, backend in COMBOS:
-        q, k, v, dout = global_inputs(world * S_LOCAL, H, Hkv, D, dtype)
-        ql, kl, vl = (shard_sequence(x, 1, None, layout).detach().requires_grad_()
-                      for x in (q, k, v))
-        with ring_stats() as st:
-            out, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout,
-                                      backend=backend, return_lse=True)
-            out.backward(shard_sequence(dout, 1, None, layout))
-        results.append(dict(out=out.detach(), lse=lse, dq=ql.grad, dk=kl.grad, dv=vl.grad,
-                            stats=st.as_dict()))
-    # NoComm (the benchmark's flag): the same schedule with the local KV, no bytes moved.
-    q = torch.randn(B, S_LOCAL, 4, 64, requires_grad=True)
-    with ring_stats() as st:
-        ring_attention(q, q, q, NoComm(rank, world), causal=True,
-                       layout="zigzag").sum().backward()
-    return results, st.as_dict()
-
-
-def _reference(n, causal, H, Hkv, D, dtype):
-    q, k, v, dout = global_inputs(n, H, Hkv, D, dtype)
-    qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
-    out, lse = reference_attention(qr, kr, vr, causal, 1 / math.sqrt(D))
-    dq, dk, dv = torch.autograd.grad(out, (qr, kr, vr), dout.float())
-    return dict(out=out.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_matches_full_attention(world):
-    per_rank = run_distributed(_ring_outputs, world, timeout=300)
-    n = world * S_LOCAL
-    refs = {}
-    for i, (causal, (H, Hkv, D), dtype, layout, backend) in enumerate(COMBOS):
-        combo = f"P={world} {layout} causal={causal} H={H}/{Hkv} D={D} {dtype} {backend}"
-        key = (causal, H, Hkv, D, dtype)
-        if key not in refs:
-            refs[key] = _reference(n, *key)
-        ref = refs[key]
-        flops = []
-        for rank, (results, _) in enumerate(per_rank):
-            got, pos = results[i], rank_positions(n, rank, world, layout)
-            where = f"{combo} rank {rank}"
-            assert got["out"].dtype == dtype and got["out"].shape == (B, S_LOCAL, H, D), where
-            assert got["lse"].dtype == torch.float32 and got["lse"].shape == (B, H, S_LOCAL)
-            for name in ("out", "lse", "dq", "dk", "dv"):
-                expected = ref[name][:, :, pos] if name == "lse" else ref[name][:, pos]
-                torch.testing.assert_close(got[name].float(), expected,
-                                           **tolerance(dtype, expected),
-                                           msg=lambda m: f"{where} {name}: {m}")
-            # Bytes: the ring's minimum. Forward: P-1 KV blocks at kv_heads width in k's
-            # dtype. Backward: the same P-1 KV blocks again, plus P hops of the fp32 dK,dV
-            # block (the last hop brings each rank's gradient home).
-            kv_bytes = 2 * B * S_LOCAL * Hkv * D * dtype.itemsize
-            dkv_bytes = 2 * B * S_LOCAL * Hkv * D * 4
-            fwd_bytes = (world - 1) * kv_bytes
-            bwd_bytes = (world - 1) * kv_bytes + world * dkv_bytes if world > 1 else 0
-            st, ex = got["stats"], dict(EXACT, msg=lambda m: f"{where}: {m}")
-            torch.testing.assert_close((st["fwd_bytes_sent"], st["fwd_bytes_recv"]),
-                                       (fwd_bytes, fwd_bytes), **ex)
-            torch.testing.assert_close((st["bwd_bytes_sent"], st["bwd_bytes_recv"]),
-                                       (bwd_bytes, bwd_bytes), **ex)
-            # FLOPs: exactly the visible pairs: no future block computed, none missed.
-            pairs = visible_pairs(pos, n, causal)
-            torch.testing.assert_close((st["fwd_flops"], st["bwd_flops"]),
-                                       (4 * B * H * D * pairs, 10 * B * H * D * pairs), **ex)
-            flops.append(st["fwd_flops"])
-        unit = 4 * B * H * D  # FLOPs per (query, key) pair
-        if not causal or layout == "zigzag":  # exactly the same work on every rank
-            torch.testing.assert_close(flops, [flops[0]] * world, **EXACT)
-        elif layout == "striped":
-            # Equal up to the diagonal: rank r's query i sees i*P + r + 1 keys, so ranks
-            # differ by S_LOCAL pairs per rank index, well under one block (S_LOCAL^2/2).
-            torch.testing.assert_close(flops, [flops[0] + unit * S_LOCAL * r
-                                               for r in range(world)], **EXACT)
-        elif world > 1:  # contiguous: the last rank does ~2P-1 times the first's work
-            assert max(flops) >= 2 * min(flops), (combo, flops)
-    for rank, (_, st) in enumerate(per_rank):  # NoComm: zigzag causal FLOPs, zero bytes
-        pairs = visible_pairs(rank_positions(n, rank, world, "zigzag"), n, True)
-        torch.testing.assert_close((st["fwd_bytes_sent"], st["bwd_bytes_sent"], st["fwd_flops"]),
-                                   (0, 0, 4 * B * 4 * 64 * pairs), **EXACT)
+EXACT = dict(atol=0, rtol=0)
 
 
 def test_single_rank_needs_no_process_group():
@@ -307,25 +177,31 @@ def _bad_inputs(rank, world):
         "backend": dict(backend="cudnn"),
         "zigzag odd local_seq": dict(q=t(1, 7, 4, 16), k=t(1, 7, 4, 16), v=t(1, 7, 4, 16),
                                      layout="zigzag"),
+        "comm": dict(comm="p2p"),
+        "heads % ulysses": dict(comm="ulysses"),  # 4 heads over 3 ranks
+        "allgather dtype": dict(comm="allgather", v=t(1, 8, 4, 16, dtype=torch.bfloat16)),
     }
     msgs = {}
     for name, kw in cases.items():
-        args = dict(q=good, k=good, v=good, causal=True)
+        args = dict(q=good, k=good, v=good, causal=True, comm="ring")
         args.update(kw)
         try:
-            ring_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+            context_parallel_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
         except ValueError as e:
             msgs[name] = str(e)
-    # Nothing was sent: a good call afterwards still pairs up its messages.
+    # Nothing was sent: good calls afterwards still pair up their messages.
     out = ring_attention(good, good, good, causal=True, layout="striped")
+    out = context_parallel_attention(out, good, good, comm="allgather", causal=True)
     return msgs, out.shape
 
 
 def test_bad_inputs_raise_on_every_rank():
     res = run_distributed(_bad_inputs, 3, timeout=60)
     msgs = [m for m, _ in res]
-    assert len(msgs[0]) == 12, sorted(msgs[0])  # every case raised ValueError
+    assert len(msgs[0]) == 15, sorted(msgs[0])  # every case raised ValueError
     assert all(m == msgs[0] for m in msgs), msgs  # the same message on every rank
     assert "heads=6 is not a multiple of kv_heads=4" in msgs[0]["heads % kv_heads"]
     assert "'diagonal'" in msgs[0]["layout"] and "'cudnn'" in msgs[0]["backend"]
+    assert "unknown comm 'p2p'" in msgs[0]["comm"]
+    assert "heads=4 is not divisible by the Ulysses degree 3" in msgs[0]["heads % ulysses"]
     assert all(shape == (1, 8, 4, 16) for _, shape in res)

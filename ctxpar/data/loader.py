@@ -150,18 +150,21 @@ class SampleStream:
         self.samples_consumed = int(state["samples_consumed"])
 
 
-def shard_batch(batch: Dict[str, torch.Tensor], state_or_group, layout: str
-                ) -> Dict[str, torch.Tensor]:
+def shard_batch(batch: Dict[str, torch.Tensor], state_or_group, layout: str,
+                ulysses: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """This CP rank's part of a batch: tokens/labels (B, T) -> (B, T/cp), plus positions.
 
     ``positions`` (the global index of each kept token, for RoPE) comes from
     ``sequence_positions`` with the same layout, so tokens[:, i] sits at positions[i].
-    state_or_group is a ParallelState (its cp_group is used) or a CP process group.
+    state_or_group is a ParallelState (its cp_group, and its Ulysses degree for the
+    two-level layout of hybrid CP) or a CP process group (then ulysses, default 1).
     """
     from ..context_parallel.layouts import sequence_positions, shard_sequence
 
     group = getattr(state_or_group, "cp_group", state_or_group)
+    if ulysses is None:
+        ulysses = getattr(state_or_group, "ulysses_size", 1)
     seq_len = batch["tokens"].shape[1]
-    out = {k: shard_sequence(batch[k], 1, group, layout) for k in ("tokens", "labels")}
-    out["positions"] = sequence_positions(seq_len, group, layout)
+    out = {k: shard_sequence(batch[k], 1, group, layout, ulysses) for k in ("tokens", "labels")}
+    out["positions"] = sequence_positions(seq_len, group, layout, ulysses=ulysses)
     return out

@@ -22,13 +22,14 @@ from .passkey import IGNORE_INDEX, passkey_correct
 
 
 class ShardedStream:
-    """A SampleStream whose batches are already cut to this CP rank's layout shard."""
+    """A SampleStream whose batches are already cut to this CP rank's layout shard
+    (ulysses: the Ulysses degree of hybrid CP's two-level layout, 1 otherwise)."""
 
-    def __init__(self, stream: SampleStream, cp_group, layout: str):
-        self.stream, self.cp_group, self.layout = stream, cp_group, layout
+    def __init__(self, stream: SampleStream, cp_group, layout: str, ulysses: int = 1):
+        self.stream, self.cp_group, self.layout, self.ulysses = stream, cp_group, layout, ulysses
 
     def next_microbatch(self, device=None) -> Dict[str, torch.Tensor]:
-        local = shard_batch(self.stream.next_batch(), self.cp_group, self.layout)
+        local = shard_batch(self.stream.next_batch(), self.cp_group, self.layout, self.ulysses)
         return {k: v.to(device, non_blocking=True).contiguous() for k, v in local.items()}
 
     def state_dict(self) -> Dict:
@@ -73,7 +74,7 @@ class Data:
 
     def _stream(self, split, state) -> ShardedStream:
         return ShardedStream(self.samples(split, state.dp_rank, state.dp_size), state.cp_group,
-                             self.cfg.parallel.layout)
+                             self.cfg.parallel.layout, state.ulysses_size)
 
     def train_stream(self, state) -> ShardedStream:
         return self._stream("train", state)
