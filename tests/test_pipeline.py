@@ -137,17 +137,18 @@ def _parity(rank, world, payload):
     return what the parent compares (it pays assert_close's import once)."""
     import deepspeed
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
-    from ctxpar.config import deepspeed_config
+    from ctxpar.config import deepspeed_config, ulysses_degree
     from ctxpar.grad_norm import record_fp32_grad_norm
     from models.gpt_pipe import GPTPipe, train_step
     from models.loss import global_token_count
 
     out = []
-    for (tp, cp, pp, dp, layout, name, ckpt, zero, partition), batches in pickle.loads(payload):
+    for (tp, cp, pp, dp, layout, name, ckpt, zero, partition, comm), batches in \
+            pickle.loads(payload):
         mcfg = CONFIGS[name]
         cfg = config_from_dict({
             "model": vars(mcfg), "parallel": dict(tp=tp, cp=cp, pp=pp, dp=dp, layout=layout,
-                                                   pp_partition=partition),
+                                                   pp_partition=partition, cp_comm=comm),
             "train": dict(micro_batch_size=MICRO, global_batch_size=BATCH, grad_clip=CLIP,
                           seed=SEED),
             "data": dict(kind="tokens", path="unused"),
@@ -155,7 +156,8 @@ def _parity(rank, world, payload):
             "deepspeed": {"zero_optimization": {"stage": zero},
                           "zero_allow_untested_optimizer": True},
         }, world_size=world, check_paths=False)
-        st = init_parallel_state(tp=tp, cp=cp, pp=pp, dp=dp, order=cfg.parallel.order)
+        st = init_parallel_state(tp=tp, cp=cp, pp=pp, dp=dp, order=cfg.parallel.order,
+                                 ulysses=ulysses_degree(cfg.parallel))
         ds_config = deepspeed_config(cfg, st.dp_size)
         gas = ds_config["gradient_accumulation_steps"]
         model = GPTPipe.from_config(cfg, st, gas)
@@ -183,12 +185,12 @@ def _parity(rank, world, payload):
     return out
 
 
-CASES = {  # world -> (tp, cp, pp, dp, layout, config, activation ckpt, ZeRO, partition)
-    2: [(1, 1, 2, 1, "zigzag", "tied", "none", 0, "parameters")],
-    4: [(1, 2, 2, 1, "zigzag", "untied", "full", 1, "uniform"),
-        (1, 1, 2, 2, "striped", "tied", "selective", 1, "parameters")],
-    8: [(2, 2, 2, 1, "zigzag", "tied", "every_n_layers", 0, "parameters"),
-        (2, 2, 2, 1, "striped", "untied", "none", 1, "uniform")],
+CASES = {  # world -> (tp, cp, pp, dp, layout, config, activation ckpt, ZeRO, partition, cp_comm)
+    2: [(1, 1, 2, 1, "zigzag", "tied", "none", 0, "parameters", "ring")],
+    4: [(1, 2, 2, 1, "zigzag", "untied", "full", 1, "uniform", "allgather"),
+        (1, 1, 2, 2, "striped", "tied", "selective", 1, "parameters", "ring")],
+    8: [(2, 2, 2, 1, "zigzag", "tied", "every_n_layers", 0, "parameters", "ring"),
+        (2, 2, 2, 1, "striped", "untied", "selective", 1, "uniform", "ulysses")],
 }
 
 
@@ -205,7 +207,7 @@ def test_pipeline_parity_with_single_process(world):
         seen = set()
         for rank, per_case in enumerate(results):
             got = per_case[i]
-            where = "rank {} tp{} cp{} pp{} dp{} {} {} ckpt={} zero={} {}".format(rank, *case)
+            where = "rank {} tp{} cp{} pp{} dp{} {} {} ckpt={} zero={} {} {}".format(rank, *case)
             # The logged loss, every step, on every rank (all stages): the global token mean.
             torch.testing.assert_close(got["losses"], want_losses, **TOL, msg=where)
             # DeepSpeed's own aggregate (sum over micro-batches / gas, mean over dp x cp)
