@@ -3,9 +3,13 @@
 The runs are shared through module-scoped fixtures (each costs ~30-60 s on 2 cores):
   cp2dp2     cp=2 x dp=2, 20 steps, checkpoints at 10 and 20, wandb offline
   resumed    a copy of cp2dp2's step-10 checkpoint, resumed with --resume auto
-  tp2cp2     tp=2 x cp=2, 20 steps
-  single     one process (cp=1, tp=1, dp=1), 20 steps
-All share seed and global batch (16 samples), so their per-step losses must agree.
+  tp2cp2     tp=2 x cp=2, 20 steps; cp2dp2_zero3 the same grid as cp2dp2 on ZeRO-3
+  single     one process (cp=1, tp=1, dp=1, ZeRO-0), 20 steps
+  cp4 runs   one per parallel.cp_comm at cp=4, 6 steps: ring, ulysses (4 processes),
+             allgather x pp2 and hybrid (ulysses 2 x ring 2) x tp2 (8 processes)
+All share seed and global batch (16 samples), so their per-step losses must agree (the
+first 6 steps of a 20-step run are those of a 6-step run: the learning rate only starts
+to depend on train.steps after the 5 warmup steps).
 """
 import json
 import math
@@ -137,10 +141,37 @@ def metric(run_dir, key):
     return {r["step"]: r[key] for r in rows if "loss" in r}
 
 
-@pytest.mark.parametrize("name,nproc,layout", [
+def assert_same_run(run_dir, want_dir, steps):
+    """The first `steps` losses and gradient norms of run_dir equal want_dir's."""
+    want, got = losses(want_dir), losses(run_dir)
+    assert sorted(got) == list(range(1, steps + 1)) and set(got) <= set(want), sorted(got)
+    for s in got:
+        # fp32: only the order of reductions differs (TP all-reduce, CP merges and
+        # all-to-alls, DP sums); after 20 Adam steps that drifts ~1e-6 relative, well
+        # inside 1e-4.
+        assert abs(got[s] - want[s]) <= 1e-4 * abs(want[s]), (s, got[s], want[s])
+    # The gradient norm (before clipping) is logged on every engine and agrees too: it is
+    # what diverged under ZeRO-3 with CP (3.08 for 3.31 at step 1) while the loss did not.
+    want_norm, got_norm = metric(want_dir, "grad_norm"), metric(run_dir, "grad_norm")
+    for s in got:
+        assert got_norm[s] is not None and abs(got_norm[s] - want_norm[s]) <= \
+            1e-4 * want_norm[s], (s, got_norm[s], want_norm[s])
+
+
+@pytest.fixture(scope="module")
+def single(runs):
     # One process on ZeRO-0 (fp32: DeepSpeed records no gradient norm there; ctxpar does).
-    ("single", 1, ["parallel.cp=1", "parallel.dp=1", "parallel.tp=1",
-                   "deepspeed.zero_optimization.stage=0"]),
+    d = str(runs / "single")
+    run_train(d, 1, ["parallel.cp=1", "parallel.dp=1", "parallel.tp=1",
+                     "deepspeed.zero_optimization.stage=0", "logging.wandb.mode=disabled"])
+    return d
+
+
+def test_single_process_logs_the_same_loss(cp2dp2, single):
+    assert_same_run(single, cp2dp2, 20)
+
+
+@pytest.mark.parametrize("name,nproc,layout", [
     ("tp2cp2", 4, ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2",
                    "parallel.layout=striped"]),
     # ZeRO-3 with CP, every parameter really partitioned (persistence threshold 0).
@@ -151,18 +182,20 @@ def metric(run_dir, key):
 def test_layouts_log_the_same_loss(cp2dp2, runs, name, nproc, layout):
     d = str(runs / name)
     run_train(d, nproc, layout + ["logging.wandb.mode=disabled"])
-    want, got = losses(cp2dp2), losses(d)
-    assert sorted(got) == sorted(want) == list(range(1, 21))
-    for s in want:
-        # fp32: only the order of reductions differs (TP all-reduce, CP ring merge, DP
-        # sums); after 20 Adam steps that drifts ~1e-6 relative, well inside 1e-4.
-        assert abs(got[s] - want[s]) <= 1e-4 * abs(want[s]), (s, got[s], want[s])
-    # The gradient norm (before clipping) is logged on every engine and agrees too: it is
-    # what diverged under ZeRO-3 with CP (3.08 for 3.31 at step 1) while the loss did not.
-    want_norm, got_norm = metric(cp2dp2, "grad_norm"), metric(d, "grad_norm")
-    for s in want_norm:
-        assert got_norm[s] is not None and abs(got_norm[s] - want_norm[s]) <= \
-            1e-4 * want_norm[s], (s, got_norm[s], want_norm[s])
+    assert_same_run(d, cp2dp2, 20)
+
+
+@pytest.mark.parametrize("nproc,sets", [
+    (4, ["parallel.cp_comm=ring"]),
+    (4, ["parallel.cp_comm=ulysses", "parallel.layout=striped"]),
+    (8, ["parallel.cp_comm=allgather", "parallel.pp=2"]),
+    (8, ["parallel.cp_comm=hybrid", "parallel.ulysses=2", "parallel.tp=2"]),
+], ids=["ring", "ulysses", "allgather-pp2", "hybrid-tp2"])
+def test_every_cp_comm_at_cp4_logs_the_same_loss(single, runs, nproc, sets):
+    d = str(runs / "cp4-{}".format(sets[0].split("=")[1]))
+    run_train(d, nproc, ["parallel.cp=4", "parallel.dp=1", "train.steps=6",
+                         "train.eval_samples=8", "logging.wandb.mode=disabled", *sets])
+    assert_same_run(d, single, 6)
 
 
 def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
