@@ -140,7 +140,10 @@ def test_every_shipped_config_validates(path):
 @pytest.mark.parametrize("name,params", [("gpt1b_32k_3d", 1_198_098_432),
                                          ("gpt1b_32k_4d", 1_198_098_432),
                                          ("gpt7b_128k_3d", 6_738_415_616),
-                                         ("gpt7b_128k_4d", 6_738_415_616)])
+                                         ("gpt7b_128k_4d", 6_738_415_616),
+                                         ("gpt1b_32k_ulysses", 1_198_098_432),
+                                         ("gpt7b_128k_hybrid", 6_738_415_616),
+                                         ("gpt8b_128k_allgather", 8_030_261_248)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch

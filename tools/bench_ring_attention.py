@@ -1,39 +1,52 @@
-"""Benchmark ring attention: real ranks (gloo on CPU, NCCL on GPUs) or a simulated ring.
+"""Benchmark context-parallel attention, every pattern: real ranks or a simulated group.
 
-Ranks mode (default) spawns P local processes joined through a FileStore and times one
-fwd+bwd of ring_attention per iteration on every rank:
+--comm picks the patterns (ring, allgather, ulysses, hybrid; default all; hybrid's inner
+degree is --ulysses). Ranks mode (default) spawns P local processes joined through a
+FileStore (gloo on CPU, NCCL on GPUs) per (n, P, pattern) and times one fwd+bwd of
+context_parallel_attention per iteration on every rank:
     time        wall time per fwd+bwd (median over --iters), per rank
+    ideal       (one fused attention fwd+bwd over all n tokens) / P, measured in the same
+                processes, in the same iterations, under the same load: every rank runs
+                the fused kernel too (so at P > cores both sides share the cores alike)
+    time/ideal  slowest rank over ideal: 1.0 = perfect scaling, what communication, the
+                merges and load imbalance cost on top
     peak mem    extra memory of one fwd+bwd over the inputs already allocated:
                 CUDA: torch.cuda.max_memory_allocated() - memory_allocated() before;
                 CPU: growth of getrusage(RUSAGE_SELF).ru_maxrss (process high-water mark;
                 tracemalloc does not see torch's allocator)
-    bytes       sent per rank, forward + backward (ctxpar.ring_stats)
-    overlap     time(ring) / time(same block schedule, communication skipped): 1.0 means
-                the transfers are completely hidden behind the attention compute
---simulate-ranks P runs every rank's block schedule of a P-ring in this one process on one
-device (no communication) and reports the decomposition efficiency
+    bytes       sent per rank, forward + backward (ctxpar.cp_stats)
+    overlap     time / time(same schedule, communication skipped: comm.NoComm groups);
+                1.0 means the communication costs nothing on top of the compute
+--simulate-ranks P runs every rank's schedule of each pattern in this one process on one
+device (NoComm groups, no communication) and reports the decomposition efficiency
     (time of one fused attention fwd+bwd over n) / P  /  max over ranks of time(rank's work)
-i.e. what is lost to smaller kernels, LSE merges and load imbalance (1.0 = none).
+i.e. what is lost to smaller kernels, LSE merges, regrouping copies and load imbalance.
 
-    python tools/bench_ring_attention.py --seq-len 2048 4096 --world-sizes 1 2 4
+    python tools/bench_ring_attention.py --seq-len 8192 --world-sizes 2 --threads 1
     python tools/bench_ring_attention.py --device cuda --dtype bf16 --seq-len 32768 131072 \\
-        --simulate-ranks 8 --heads 32 --kv-heads 8 --head-dim 128
+        --simulate-ranks 8 --heads 32 --kv-heads 8 --head-dim 128 --ulysses 8
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import resource
 import statistics
 import sys
+import tempfile
 import time
+from datetime import date
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ctxpar.context_parallel import NoComm, ring_attention, ring_stats  # noqa: E402
+from ctxpar.context_parallel import (CP_COMMS, NoComm, context_parallel_attention,  # noqa: E402
+                                     cp_stats)
 from ctxpar.context_parallel.kernels import default_scale, get_backend  # noqa: E402
-from bench_ranks import save_results, spawn_ranks  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -68,12 +81,30 @@ def _inputs(a, seq, device, seed):
     return [x.requires_grad_() for x in (q, k, v)], mk(a.heads)
 
 
-def _fwd_bwd(q, k, v, dout, a, group=None, no_comm=None):
+def _fwd_bwd(q, k, v, dout, a, comm, groups):
     for x in (q, k, v):
         x.grad = None
-    out = ring_attention(q, k, v, no_comm or group, causal=a.causal, layout=a.layout,
-                         backend=a.backend)
+    out = context_parallel_attention(q, k, v, comm=comm, **groups, causal=a.causal,
+                                     layout=a.layout, backend=a.backend)
     out.backward(dout)
+
+
+def _fused(a, n, device):
+    """fn() = one fused kernel fwd+bwd over all n tokens (the single-process ideal)."""
+    (q, k, v), dout = _inputs(a, n, device, seed=1)
+    kernel, scale = get_backend(a.backend, q), default_scale(a.head_dim)
+
+    def fused():
+        out, lse = kernel.forward(q, k, v, a.causal, scale)
+        kernel.backward(dout, q, k, v, out, lse, a.causal, scale)
+    return fused, kernel.name
+
+
+def _nocomm_groups(comm, rank, world, u):
+    """The same schedule with nothing sent (comm.NoComm stand-ins)."""
+    if comm == "hybrid":
+        return dict(ulysses_group=NoComm(rank % u, u), ring_group=NoComm(rank // u, world // u))
+    return dict(cp_group=NoComm(rank, world))
 
 
 def _peak_mem(fn, device) -> int:
@@ -90,29 +121,77 @@ def _peak_mem(fn, device) -> int:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024  # KiB on Linux
 
 
+def runnable(a, comm, world) -> str:
+    """'' if the pattern runs on `world` ranks with these heads, else why not."""
+    u = world if comm == "ulysses" else a.ulysses if comm == "hybrid" else 1
+    if world % u:
+        return f"ulysses {u} does not divide P={world}"
+    if a.heads % u:
+        return f"{a.heads} heads do not divide over ulysses {u}"
+    return ""
+
+
 # ------------------------------------------------------------------ real ranks
 
 
-def _rank_main(rank, world, device, a, n) -> dict:
-    (q, k, v), dout = _inputs(a, n // world, device, seed=rank)
-    ring = lambda: _fwd_bwd(q, k, v, dout, a)  # noqa: E731
-    alone = lambda: _fwd_bwd(q, k, v, dout, a, no_comm=NoComm(rank, world))  # noqa: E731
-    mem = _peak_mem(ring, device)  # first call: also the warmup of the ring
-    with ring_stats() as st:
-        ring()
-    t = _timed(dict(ring=ring, alone=alone), device, a.iters, a.warmup)
-    return dict(time_s=t["ring"], time_nocomm_s=t["alone"], peak_mem_bytes=mem,
-                **st.as_dict())
+def _rank_main(rank, world, store_path, a, n, comm, threads, results):
+    try:
+        if a.device == "cuda":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            backend = "nccl"
+        else:
+            device, backend = torch.device("cpu"), "gloo"
+            torch.set_num_threads(threads)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        u = a.ulysses if comm == "hybrid" else 1
+        if comm == "hybrid":
+            from ctxpar import init_parallel_state
+            st = init_parallel_state(cp=world, ulysses=u)
+            groups = dict(ulysses_group=st.ulysses_group, ring_group=st.ring_group)
+        else:
+            groups = dict(cp_group=None)
+        (q, k, v), dout = _inputs(a, n // world, device, seed=rank)
+        real = lambda: _fwd_bwd(q, k, v, dout, a, comm, groups)  # noqa: E731
+        alone = lambda: _fwd_bwd(q, k, v, dout, a, comm,  # noqa: E731
+                                 _nocomm_groups(comm, rank, world, u))
+        mem = _peak_mem(real, device)  # first call: also the warmup of the pattern
+        with cp_stats() as st:
+            real()
+        fused, _ = _fused(a, n, device)
+        t = _timed(dict(real=real, alone=alone, fused=fused), device, a.iters, a.warmup)
+        dist.destroy_process_group()
+        results.put((rank, dict(time_s=t["real"], time_nocomm_s=t["alone"],
+                                time_fused_s=t["fused"], peak_mem_bytes=mem, **st.as_dict())))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        results.put((rank, repr(e)))
 
 
-def run_ranks(a, n: int, world: int) -> dict:
+def run_ranks(a, n: int, world: int, comm: str) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
     # Same cores in total for every P, unless --threads says otherwise.
     threads = a.threads or max(1, (os.cpu_count() or 1) // world)
-    ranks = spawn_ranks(_rank_main, world, a.device, threads, a, n, timeout=a.timeout)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(r, world, os.path.join(tmp, "store"),
+                                                      a, n, comm, threads, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        per_rank = dict(results.get(timeout=a.timeout) for _ in range(world))
+        for p in procs:
+            p.join()
+    bad = {r: x for r, x in per_rank.items() if isinstance(x, str)}
+    if bad:
+        raise RuntimeError(f"ranks failed: {bad}")
+    ranks = [per_rank[r] for r in range(world)]
     t_max = max(r["time_s"] for r in ranks)
-    return dict(mode="ranks", n=n, P=world, threads_per_rank=threads,
-                time_ms_max=1e3 * t_max,
-                time_ms_mean=1e3 * statistics.mean(r["time_s"] for r in ranks),
+    ideal = statistics.mean(r["time_fused_s"] for r in ranks) / world
+    return dict(mode="ranks", comm=comm, n=n, P=world, threads_per_rank=threads,
+                ulysses=a.ulysses if comm == "hybrid" else None,
+                time_ms_max=1e3 * t_max, ideal_ms=1e3 * ideal, time_over_ideal=t_max / ideal,
+                time_ms_per_rank=[1e3 * r["time_s"] for r in ranks],
                 peak_mem_mib_max=max(r["peak_mem_bytes"] for r in ranks) / 2**20,
                 mib_sent_per_rank=max(r["fwd_bytes_sent"] + r["bwd_bytes_sent"]
                                       for r in ranks) / 2**20,
@@ -121,31 +200,26 @@ def run_ranks(a, n: int, world: int) -> dict:
                 per_rank=ranks)
 
 
-# ------------------------------------------------------------------ simulated ring
+# ------------------------------------------------------------------ simulated group
 
 
-def run_simulated(a, n: int, world: int) -> dict:
+def run_simulated(a, n: int, world: int, comm: str) -> dict:
     device = torch.device(a.device)
     if device.type == "cpu" and a.threads:
         torch.set_num_threads(a.threads)
     # --clock cpu: this process's CPU time, immune to other jobs sharing the cores (one
     # process, no communication: CPU time is the work). CUDA: always wall + synchronize.
     clock = time.process_time if a.clock == "cpu" and device.type == "cpu" else time.perf_counter
+    u = world if comm == "ulysses" else a.ulysses if comm == "hybrid" else 1
     (q, k, v), dout = _inputs(a, n // world, device, seed=0)
-    (fq, fk, fv), fdout = _inputs(a, n, device, seed=1)  # the whole sequence, one kernel
-    kernel = get_backend(a.backend, fq)
-    scale = default_scale(a.head_dim)  # the ring's own default
-
-    def fused():
-        out, lse = kernel.forward(fq, fk, fv, a.causal, scale)
-        kernel.backward(fdout, fq, fk, fv, out, lse, a.causal, scale)
-
+    fused, kernel_name = _fused(a, n, device)
     # Every rank's schedule; its data is the same local shard (values do not change time).
-    fns = {r: (lambda r=r: _fwd_bwd(q, k, v, dout, a, no_comm=NoComm(r, world)))
+    fns = {r: (lambda r=r: _fwd_bwd(q, k, v, dout, a, comm, _nocomm_groups(comm, r, world, u)))
            for r in range(world)}
     t = _timed(dict(fns, full=fused), device, a.iters, a.warmup, clock)
     rank_times, t_full = [t[r] for r in range(world)], t["full"]
-    return dict(mode="simulated", n=n, P=world, backend=kernel.name, clock=clock.__name__,
+    return dict(mode="simulated", comm=comm, n=n, P=world, backend=kernel_name,
+                ulysses=a.ulysses if comm == "hybrid" else None, clock=clock.__name__,
                 time_ms_max=1e3 * max(rank_times), time_ms_min=1e3 * min(rank_times),
                 time_ms_per_rank=[1e3 * t for t in rank_times],
                 fused_full_ms=1e3 * t_full,
@@ -155,31 +229,41 @@ def run_simulated(a, n: int, world: int) -> dict:
 # ------------------------------------------------------------------ driver
 
 
+def _name(r) -> str:
+    return f"hybrid u{r['ulysses']}xr{r['P'] // r['ulysses']}" if r["comm"] == "hybrid" \
+        else r["comm"]
+
+
 def _table(rows) -> str:
-    lines = ["| mode | n | P | time/rank ms (max) | peak mem MiB | MiB sent/rank | overlap "
-             "time(ring)/time(no comm) | decomposition eff. |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| comm | mode | n | P | time/rank ms (max) | ideal ms (fused/P) | time/ideal | "
+             "peak mem MiB | MiB sent/rank | overlap time/time(no comm) | decomposition eff. |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["mode"] == "ranks":
-            lines.append(f"| ranks | {r['n']} | {r['P']} | {r['time_ms_max']:.1f} | "
+            lines.append(f"| {_name(r)} | ranks | {r['n']} | {r['P']} | {r['time_ms_max']:.1f} | "
+                         f"{r['ideal_ms']:.1f} | {r['time_over_ideal']:.3f} | "
                          f"{r['peak_mem_mib_max']:.1f} | {r['mib_sent_per_rank']:.2f} | "
-                         f"{r['overlap_ratio']:.2f} | |")
+                         f"{r['overlap_ratio']:.3f} | |")
         else:
-            lines.append(f"| simulated | {r['n']} | {r['P']} | {r['time_ms_max']:.1f} "
-                         f"(min {r['time_ms_min']:.1f}; fused n: {r['fused_full_ms']:.1f}) "
-                         f"| | | | {r['decomposition_efficiency']:.2f} |")
+            lines.append(f"| {_name(r)} | simulated | {r['n']} | {r['P']} | "
+                         f"{r['time_ms_max']:.1f} (min {r['time_ms_min']:.1f}) | "
+                         f"{r['fused_full_ms'] / r['P']:.1f} | "
+                         f"{1 / r['decomposition_efficiency']:.3f} | | | | "
+                         f"{r['decomposition_efficiency']:.3f} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seq-len", type=int, nargs="+", default=[2048, 4096], help="total n")
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--comm", nargs="+", choices=CP_COMMS, default=list(CP_COMMS))
+    p.add_argument("--ulysses", type=int, default=2, help="hybrid: the inner Ulysses degree")
+    p.add_argument("--seq-len", type=int, nargs="+", default=[8192], help="total n")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2])
     p.add_argument("--simulate-ranks", type=int, default=0,
-                   help="P > 0: simulate a P-ring in one process instead of spawning ranks")
+                   help="P > 0: simulate a P-rank group in one process instead of spawning")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--layout", choices=["contiguous", "zigzag", "striped"], default="zigzag")
@@ -194,7 +278,7 @@ def main(argv=None):
                    help="--simulate-ranks on CPU: wall time, or process CPU time")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", default="runs/bench_ring_attention.json", help="output file")
     a = p.parse_args(argv)
     if a.device == "cuda" and not a.simulate_ranks and torch.cuda.device_count() < max(
@@ -203,14 +287,23 @@ def main(argv=None):
 
     rows = []
     for n in a.seq_len:
-        if a.simulate_ranks:
-            rows.append(run_simulated(a, n, a.simulate_ranks))
-        else:
-            rows.extend(run_ranks(a, n, w) for w in a.world_sizes)
-        print(_table(rows[-1:]).splitlines()[-1], flush=True)
+        for world in [a.simulate_ranks] if a.simulate_ranks else a.world_sizes:
+            for comm in a.comm:
+                why = runnable(a, comm, world)
+                if why:
+                    print(f"skip {comm} at P={world}: {why}", flush=True)
+                    continue
+                rows.append(run_simulated(a, n, world, comm) if a.simulate_ranks
+                            else run_ranks(a, n, world, comm))
+                print(_table(rows[-1:]).splitlines()[-1], flush=True)
+    meta = dict(date=str(date.today()), torch=torch.__version__, machine=platform.machine(),
+                cpus=os.cpu_count(), args=vars(a),
+                cuda=torch.cuda.get_device_name() if a.device == "cuda" else None)
     print(_table(rows))
-    save_results(a.json, a, rows,
-                 cuda=torch.cuda.get_device_name() if a.device == "cuda" else None)
+    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {a.json}")
 
 
 if __name__ == "__main__":
