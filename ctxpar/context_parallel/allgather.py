@@ -25,56 +25,48 @@ from .comm import all_gather, group_rank_and_size, reduce_scatter
 from .merge import empty_accumulators
 
 
-def _visit_order(rank: int, world: int):
-    """The local slot first (its K,V are here before the gather lands), then the others."""
-    return [rank] + [src for src in range(world) if src != rank]
-
-
-def allgather_forward(q, k, v, group, causal, layout, scale, kernel):
-    """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries."""
-    rank, world = group_rank_and_size(group)
-    S = q.shape[1]
-    kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
-    gathered, work = all_gather(kv, group, "fwd", async_op=True)   # (P, 2, B, S, Hkv, D)
-    out, lse = empty_accumulators(q)
-    for src in _visit_order(rank, world):
-        blk = block_plan(layout, causal, rank, src, S)
+def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causal: bool):
+    """(src, block, K,V of rank src) for every block with a visible pair, the local slot
+    first (its K,V are here before the gather lands); waits for the gather only when a
+    remote slot is needed, and before returning in any case (the collective completes).
+    kv (2, B, S, Hkv, D) local; gathered (P, 2, B, S, Hkv, D) in group-rank order."""
+    for src in [rank] + [s for s in range(world) if s != rank]:
+        blk = block_plan(layout, causal, rank, src, kv.shape[2])
         if blk is None:
             continue
         if src != rank and work is not None:
             work.wait()
             work = None
-        slot = kv if src == rank else gathered[src]
-        forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse)
-    if work is not None:  # every remote block was invisible: still complete the collective
+        yield src, blk, (kv if src == rank else gathered[src])
+    if work is not None:  # every remote block was invisible
         work.wait()
+
+
+def allgather_forward(q, k, v, group, causal, layout, scale, kernel):
+    """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries."""
+    rank, world = group_rank_and_size(group)
+    kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
+    gathered, work = all_gather(kv, group, "fwd", async_op=True)   # (P, 2, B, S, Hkv, D)
+    out, lse = empty_accumulators(q)
+    for _, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal):
+        forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse)
     return out.to(q.dtype), lse
 
 
 def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel):
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads."""
     rank, world = group_rank_and_size(group)
-    S = q.shape[1]
     dout = dout.contiguous()
     kv = torch.stack((k, v))
     gathered, work = all_gather(kv, group, "bwd", async_op=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((world, *kv.shape), dtype=torch.float32, device=q.device)
-    for src in _visit_order(rank, world):
-        blk = block_plan(layout, causal, rank, src, S)
-        if blk is None:
-            continue
-        if src != rank and work is not None:
-            work.wait()
-            work = None
-        slot = kv if src == rank else gathered[src]
+    for src, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal):
         qs, ks, (gq, gk, gv) = backward_block(kernel, dout, q, slot[0], slot[1], out, lse,
                                               blk, scale)
         dq[:, qs] += gq
         dkv[src, 0, :, ks] += gk
         dkv[src, 1, :, ks] += gv
-    if work is not None:
-        work.wait()
     dkv = reduce_scatter(dkv, group, "bwd")                        # (2, B, S, Hkv, D) fp32
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
