@@ -141,8 +141,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 class ContextParallel:
     """How a model's attention talks over CP: the pattern, its groups, the token layout.
 
-    ``ulysses_size`` is the inner degree of the two-level layout (layouts.py): what the
-    data loader and ``shard_sequence`` need to cut a sample the way this attention expects.
+    The data must be cut with the same layout (and, for 'hybrid', the Ulysses degree of
+    ulysses_group: the two-level layout of layouts.py), as the CP-aware loader does.
     """
 
     comm: str = "ring"
@@ -160,12 +160,6 @@ class ContextParallel:
     def from_state(cls, state, comm: str, layout: str) -> "ContextParallel":
         """The groups of a ParallelState (its ulysses/ring sub-groups for 'hybrid')."""
         return cls(comm, state.cp_group, state.ulysses_group, state.ring_group, layout)
-
-    @property
-    def ulysses_size(self) -> int:
-        if self.comm == "hybrid":
-            return group_rank_and_size(self.ulysses_group or LOCAL)[1]
-        return 1  # 'ulysses' over all of CP: the plain layout over P (see layouts.py)
 
     def attention(self, q, k, v, *, causal: bool, backend: str = "auto",
                   softmax_scale: Optional[float] = None, return_lse: bool = False):
