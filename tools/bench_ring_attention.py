@@ -4,7 +4,7 @@
 degree is --ulysses). Ranks mode (default) spawns P local processes joined through a
 FileStore (gloo on CPU, NCCL on GPUs) per (n, P, pattern) and times one fwd+bwd of
 context_parallel_attention per iteration on every rank:
-    time        wall time per fwd+bwd (median over --iters), per rank
+    time        wall time per fwd+bwd (median, or --stat min, over --iters), per rank
     ideal       (one fused attention fwd+bwd over all n tokens) / P, measured in the same
                 processes, in the same iterations, under the same load: every rank runs
                 the fused kernel too (so at P > cores both sides share the cores alike)
@@ -52,6 +52,7 @@ from ctxpar.context_parallel import (CP_COMMS, NoComm, context_parallel_attentio
 from ctxpar.context_parallel.kernels import default_scale, get_backend  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STATS = {"median": statistics.median, "min": min}
 
 
 def _sync(device: torch.device) -> None:
@@ -59,9 +60,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fns: dict, device, iters: int, warmup: int, clock=time.perf_counter) -> dict:
-    """Median seconds of each fn() over iters runs, after warmup runs. The fns take turns
-    within every iteration, so a load change on a shared machine hits all of them alike."""
+def _timed(fns: dict, device, iters: int, warmup: int, clock=time.perf_counter,
+           stat=statistics.median) -> dict:
+    """stat (median, or min) of each fn()'s seconds over iters runs, after warmup runs. The
+    fns take turns within every iteration, so a load change on a shared machine hits all
+    of them alike; min keeps each fn's least disturbed run."""
     times = {name: [] for name in fns}
     for it in range(warmup + iters):
         for name, fn in fns.items():
@@ -71,7 +74,7 @@ def _timed(fns: dict, device, iters: int, warmup: int, clock=time.perf_counter) 
             _sync(device)
             if it >= warmup:
                 times[name].append(clock() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: stat(ts) for name, ts in times.items()}
 
 
 def _inputs(a, seq, device, seed):
@@ -165,7 +168,8 @@ def _rank_main(rank, world, store_path, a, n, comm, threads, results):
         fused, _ = _fused(a, n, device)
         clock = time.process_time if a.clock == "cpu" and device.type == "cpu" \
             else time.perf_counter
-        t = _timed(dict(real=real, alone=alone, fused=fused), device, a.iters, a.warmup, clock)
+        t = _timed(dict(real=real, alone=alone, fused=fused), device, a.iters, a.warmup, clock,
+                   STATS[a.stat])
         dist.destroy_process_group()
         results.put((rank, dict(time_s=t["real"], time_nocomm_s=t["alone"],
                                 time_fused_s=t["fused"], peak_mem_bytes=mem, **st.as_dict())))
@@ -221,7 +225,7 @@ def run_simulated(a, n: int, world: int, comm: str) -> dict:
     # Every rank's schedule; its data is the same local shard (values do not change time).
     fns = {r: (lambda r=r: _fwd_bwd(q, k, v, dout, a, comm, _nocomm_groups(comm, r, world, u)))
            for r in range(world)}
-    t = _timed(dict(fns, full=fused), device, a.iters, a.warmup, clock)
+    t = _timed(dict(fns, full=fused), device, a.iters, a.warmup, clock, STATS[a.stat])
     rank_times, t_full = [t[r] for r in range(world)], t["full"]
     return dict(mode="simulated", comm=comm, n=n, P=world, backend=kernel_name,
                 ulysses=a.ulysses if comm == "hybrid" else None, clock=clock.__name__,
@@ -283,6 +287,8 @@ def main(argv=None):
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="on CPU: wall time, or process CPU time (see above)")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--stat", choices=sorted(STATS), default="median",
+                   help="per fn over the iterations; min = the least disturbed run")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", default="runs/bench_ring_attention.json", help="output file")
