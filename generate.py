@@ -78,7 +78,9 @@ def parse_args(argv=None):
 
 def layout_overrides(user_sets, world: int):
     """The generation grid: tp (default 1) x cp (default world / tp), dp = pp = 1, then the
-    user's --set (which may name tp, cp, layout, attention_backend...)."""
+    user's --set (which may name tp, cp, layout, attention_backend...). Prefill runs the
+    ring whatever parallel.cp_comm the run trained with (the weights do not depend on it,
+    and a hybrid or Ulysses degree need not fit this grid)."""
     given = dict(s.split("=", 1) for s in user_sets if "=" in s)
     for key in ("parallel.pp", "parallel.dp"):
         if given.get(key, "1") != "1":
@@ -87,7 +89,8 @@ def layout_overrides(user_sets, world: int):
     tp = given.get("parallel.tp", "1")
     tp = int(tp) if tp.isdigit() and int(tp) > 0 else 1  # a bad value: config load names it
     return [f"parallel.tp={tp}", f"parallel.cp={max(1, world // tp)}",
-            "parallel.pp=1", "parallel.dp=1"] + list(user_sets)
+            "parallel.pp=1", "parallel.dp=1"] + list(user_sets) + [
+            "parallel.cp_comm=ring", "parallel.ulysses=null"]
 
 
 def read_prompts(args):

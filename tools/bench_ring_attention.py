@@ -1,8 +1,8 @@
 """Benchmark context-parallel attention, every pattern: real ranks or a simulated group.
 
 --comm picks the patterns (ring, allgather, ulysses, hybrid; default all; hybrid's inner
-degree is --ulysses). Ranks mode (default) spawns P local processes joined through a
-FileStore (gloo on CPU, NCCL on GPUs) per (n, P, pattern) and times one fwd+bwd of
+degree is --ulysses). Ranks mode (default) spawns P local processes (tools/bench_ranks.py:
+gloo on CPU, NCCL on GPUs) per (n, P, pattern) and times one fwd+bwd of
 context_parallel_attention per iteration on every rank:
     time        wall time per fwd+bwd (median, or --stat min, over --iters), per rank
     ideal       (one fused attention fwd+bwd over all n tokens) / P, measured in the same
@@ -32,24 +32,19 @@ i.e. what is lost to smaller kernels, LSE merges, regrouping copies and load imb
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
-from datetime import date
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ctxpar.context_parallel import (CP_COMMS, NoComm, context_parallel_attention,  # noqa: E402
                                      cp_stats)
 from ctxpar.context_parallel.kernels import default_scale, get_backend  # noqa: E402
+from bench_ranks import save_results, spawn_ranks  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATS = {"median": statistics.median, "min": min}
@@ -140,61 +135,34 @@ def runnable(a, comm, world) -> str:
 # ------------------------------------------------------------------ real ranks
 
 
-def _rank_main(rank, world, store_path, a, n, comm, threads, results):
-    try:
-        if a.device == "cuda":
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-            backend = "nccl"
-        else:
-            device, backend = torch.device("cpu"), "gloo"
-            torch.set_num_threads(threads)
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-        u = a.ulysses if comm == "hybrid" else 1
-        if comm == "hybrid":
-            from ctxpar import init_parallel_state
-            st = init_parallel_state(cp=world, ulysses=u)
-            groups = dict(ulysses_group=st.ulysses_group, ring_group=st.ring_group)
-        else:
-            groups = dict(cp_group=None)
-        (q, k, v), dout = _inputs(a, n // world, device, seed=rank)
-        real = lambda: _fwd_bwd(q, k, v, dout, a, comm, groups)  # noqa: E731
-        alone = lambda: _fwd_bwd(q, k, v, dout, a, comm,  # noqa: E731
-                                 _nocomm_groups(comm, rank, world, u))
-        mem = _peak_mem(real, device)  # first call: also the warmup of the pattern
-        with cp_stats() as st:
-            real()
-        fused, _ = _fused(a, n, device)
-        clock = time.process_time if a.clock == "cpu" and device.type == "cpu" \
-            else time.perf_counter
-        t = _timed(dict(real=real, alone=alone, fused=fused), device, a.iters, a.warmup, clock,
-                   STATS[a.stat])
-        dist.destroy_process_group()
-        results.put((rank, dict(time_s=t["real"], time_nocomm_s=t["alone"],
-                                time_fused_s=t["fused"], peak_mem_bytes=mem, **st.as_dict())))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        results.put((rank, repr(e)))
+def _rank_main(rank, world, device, a, n, comm) -> dict:
+    u = a.ulysses if comm == "hybrid" else 1
+    if comm == "hybrid":
+        from ctxpar import init_parallel_state
+        st = init_parallel_state(cp=world, ulysses=u)
+        groups = dict(ulysses_group=st.ulysses_group, ring_group=st.ring_group)
+    else:
+        groups = dict(cp_group=None)
+    (q, k, v), dout = _inputs(a, n // world, device, seed=rank)
+    real = lambda: _fwd_bwd(q, k, v, dout, a, comm, groups)  # noqa: E731
+    alone = lambda: _fwd_bwd(q, k, v, dout, a, comm,  # noqa: E731
+                             _nocomm_groups(comm, rank, world, u))
+    mem = _peak_mem(real, device)  # first call: also the warmup of the pattern
+    with cp_stats() as st:
+        real()
+    fused, _ = _fused(a, n, device)
+    clock = time.process_time if a.clock == "cpu" and device.type == "cpu" \
+        else time.perf_counter
+    t = _timed(dict(real=real, alone=alone, fused=fused), device, a.iters, a.warmup, clock,
+               STATS[a.stat])
+    return dict(time_s=t["real"], time_nocomm_s=t["alone"], time_fused_s=t["fused"],
+                peak_mem_bytes=mem, **st.as_dict())
 
 
 def run_ranks(a, n: int, world: int, comm: str) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     # Same cores in total for every P, unless --threads says otherwise.
     threads = a.threads or max(1, (os.cpu_count() or 1) // world)
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, os.path.join(tmp, "store"),
-                                                      a, n, comm, threads, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        per_rank = dict(results.get(timeout=a.timeout) for _ in range(world))
-        for p in procs:
-            p.join()
-    bad = {r: x for r, x in per_rank.items() if isinstance(x, str)}
-    if bad:
-        raise RuntimeError(f"ranks failed: {bad}")
-    ranks = [per_rank[r] for r in range(world)]
+    ranks = spawn_ranks(_rank_main, world, a.device, threads, a, n, comm, timeout=a.timeout)
     t_max = max(r["time_s"] for r in ranks)
     ideal = statistics.mean(r["time_fused_s"] for r in ranks) / world
     return dict(mode="ranks", comm=comm, n=n, P=world, threads_per_rank=threads, clock=a.clock,
@@ -308,15 +276,9 @@ def main(argv=None):
                 rows.append(run_simulated(a, n, world, comm) if a.simulate_ranks
                             else run_ranks(a, n, world, comm))
                 print(_table(rows[-1:]).splitlines()[-1], flush=True)
-    meta = dict(date=str(date.today()), torch=torch.__version__, machine=platform.machine(),
-                cpus=os.cpu_count(), args=vars(a),
-                cuda=torch.cuda.get_device_name() if a.device == "cuda" else None)
     print(_table(rows))
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {a.json}")
-
+    save_results(a.json, a, rows,
+                 cuda=torch.cuda.get_device_name() if a.device == "cuda" else None)
 
 if __name__ == "__main__":
     main()
