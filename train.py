@@ -19,8 +19,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ctxpar import resume as ckpt
-from ctxpar.cli import add_launcher_args, fail
+from ctxpar import checkpoint as ckpt
+from ctxpar.cli import add_launcher_args, fail, warn
 from ctxpar.mpu import DeepSpeedMPU
 from ctxpar.config import (ConfigError, deepspeed_config, dump_config, load_config, to_dict,
                            ulysses_degree)
@@ -109,6 +109,10 @@ def main(argv=None) -> int:
     problem = ckpt.resume_problem(save_dir, args.resume)  # a missing tag: before DeepSpeed
     if problem:
         fail(problem)
+    try:  # is the checkpoint sound (its manifest), and on this layout? file reads only
+        plan = ckpt.plan_resume(save_dir, args.resume, cfg, world, on_skip=warn)
+    except ckpt.CheckpointError as e:
+        fail(str(e))
 
     # 2. Distributed and the grid.
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) \
@@ -134,6 +138,12 @@ def main(argv=None) -> int:
     gas = ds_config["gradient_accumulation_steps"]
     model = gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device) if pipelined \
         else GPT.from_config(cfg, state, device=device)
+    # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
+    # (ds_to_universal), so the checkpoint can be resumed on another layout.
+    model.universal_checkpoint_info = ckpt.universal_checkpoint_info(
+        cfg.model, state.tp_group, state.cp_group, pipelined)
+    if plan is not None:
+        plan.configure(ds_config)  # a layout change loads DeepSpeed's universal format
     full = GPT(cfg.model, cp_group=state.cp_group, device=torch.device("meta"))  # shapes only
     n_params = sum(p.numel() for p in full.parameters())
     partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (ctxpar/zero.py)
@@ -148,11 +158,9 @@ def main(argv=None) -> int:
     train_stream = data.train_stream(state)
 
     # 4. Resume, then record the run.
-    start_step = 0
-    tag = ckpt.latest_complete(save_dir) if args.resume == "auto" else \
-        (None if args.resume == "none" else args.resume)
-    if tag is not None:
-        client = ckpt.load(engine, save_dir, tag)
+    start_step, tag = 0, plan.tag if plan is not None else None
+    if plan is not None:
+        client = ckpt.resume(engine, plan, cfg, state)  # resharded if the layout changed
         start_step = client["step"]
         train_stream.load_state_dict(client["data"])
     if start_step >= cfg.train.steps:  # e.g. `make train` run twice: say so, train nothing
@@ -174,10 +182,14 @@ def main(argv=None) -> int:
                            wandb_run=wandb_run)
     if start_step:
         logger.write(f"resumed from {os.path.join(save_dir, tag)} at step {start_step}")
+        if plan.universal:
+            logger.write(plan.describe_changes())
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
     flops_step = flops_per_token(n_params, cfg.model.n_layers, cfg.model.d_model,
                                  cfg.model.seq_len) * tokens_per_step
     peak = device_peak_tflops(device)
+
+    meta = ckpt.checkpoint_meta(cfg, state.dp_size)  # the manifest's layout and config
 
     # 5. The loop: gas micro-batches per optimizer step, loss = global token mean.
     timer = StepTimer(device)
@@ -225,7 +237,7 @@ def main(argv=None) -> int:
         save_every = cfg.checkpointing.save_interval
         if (save_every and step % save_every == 0) or step == cfg.train.steps:
             ckpt.save(engine, save_dir, step,
-                      {"step": step, "data": train_stream.state_dict()})
+                      {"step": step, "data": train_stream.state_dict()}, meta)
             timer.lap()
 
     logger.close()

@@ -18,3 +18,9 @@ def fail(msg: str, code: int = EXIT_BAD_INPUT):
     """One line on stderr from every rank, then exit (before any collective)."""
     print(f"[rank {os.environ['RANK']}] error: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def warn(msg: str):
+    """A warning line on stderr, from rank 0 only (for verdicts every rank reaches alike)."""
+    if os.environ["RANK"] == "0":
+        print(f"warning: {msg}", file=sys.stderr, flush=True)

@@ -36,7 +36,7 @@ def _save_and_load(rank, world, save_root):
     """Save the seed-99 GPT from each engine, then load every tag at tp 1, 2, 4."""
     import deepspeed
     from ctxpar import DeepSpeedMPU, init_parallel_state
-    from ctxpar import resume
+    from ctxpar.checkpoint import resume
     from ctxpar.config import config_from_dict, deepspeed_config
     from ctxpar.deepspeed_comm import init_deepspeed_comm
     from ctxpar.tensor_parallel import gather_full_state_dict

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..config import Config, load_config
-from ..resume import MARKER, is_tag, latest_complete
+from ..checkpoint.resume import MARKER, is_tag, latest_complete
 from ..tensor_parallel import full_shape, load_full_state_dict_
 from ..tensor_parallel.mappings import tp_rank_of, tp_size_of
 

@@ -1,0 +1,20 @@
+"""Checkpoints: complete-or-ignored saves, resume on any layout, Hugging Face Llama exchange.
+
+    resume.py      tags, the manifest (COMPLETE), verification, DeepSpeed save/load, RNG
+    reshard.py     resume on the saving layout or another one (plan, then load)
+    universal.py   any layout -> DeepSpeed's universal checkpoint, and back into an engine
+    names.py       parameter names: GPT <-> pipeline stages <-> Hugging Face Llama
+
+docs/checkpoints.md describes the files on disk and what may change between save and resume.
+"""
+from .reshard import (ResumePlan, checkpoint_meta, describe, layout_of, plan_resume,
+                      resume)
+from .resume import (CheckpointError, complete_tags, is_tag, latest_complete, list_tags, load,
+                     read_manifest, resume_problem, save, tag_for, verify)
+from .universal import universal_checkpoint_info
+
+__all__ = [
+    "CheckpointError", "ResumePlan", "checkpoint_meta", "complete_tags", "describe", "is_tag",
+    "latest_complete", "layout_of", "list_tags", "load", "plan_resume", "read_manifest",
+    "resume", "resume_problem", "save", "tag_for", "universal_checkpoint_info", "verify",
+]

@@ -1,0 +1,99 @@
+"""Parameter names across the three forms of one model: GPT, its pipeline stages, Hugging Face Llama.
+
+GPT (models/gpt.py) is the canonical form; every checkpoint conversion goes through it.
+
+    GPT                          pipeline (models/gpt_pipe.py)       Hugging Face LlamaForCausalLM
+    embed.weight                 tied_modules.embed.embed.weight     model.embed_tokens.weight
+                                 (untied: 0.embed.weight)
+    layers.{i}.attn_norm.weight  {i+1}.attn_norm.weight              model.layers.{i}.input_layernorm.weight
+    layers.{i}.attn.q_proj.*     {i+1}.attn.q_proj.*                 model.layers.{i}.self_attn.q_proj.*
+      (k_proj, v_proj, o_proj likewise)
+    layers.{i}.mlp_norm.weight   {i+1}.mlp_norm.weight               model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.mlp.gate_proj.*   {i+1}.mlp.gate_proj.*               model.layers.{i}.mlp.gate_proj.*
+      (up_proj, down_proj likewise)
+    final_norm.weight            {L+1}.final_norm.weight             model.norm.weight
+    lm_head.weight (untied)      {L+2}.lm_head.weight                lm_head.weight
+
+DeepSpeed's PipelineModule names a layer by its index in the flat layer list
+(embedding | L blocks | final norm | head), so pipeline names do not depend on pp or on
+how layers are partitioned into stages; the tied embedding lives under ``tied_modules``.
+The q/k weights need no permutation for Hugging Face: ctxpar's RoPE rotates the channel
+pairs (i, i + hd/2) ("rotate half"), the convention of HF's Llama implementation.
+"""
+from __future__ import annotations
+
+import re
+
+_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
+_PIPE_BLOCK = re.compile(r"^(\d+)\.(.+)$")
+_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# Inside a block: GPT's suffix -> HF's suffix.
+_HF_IN_BLOCK = {"attn_norm.weight": "input_layernorm.weight",
+                "mlp_norm.weight": "post_attention_layernorm.weight"}
+_HF_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+           "lm_head.weight": "lm_head.weight"}
+
+
+def to_pipe(name: str, n_layers: int, tied: bool) -> str:
+    """GPT name -> the pipeline module's name for the same parameter."""
+    m = _BLOCK.match(name)
+    if m:
+        return f"{int(m.group(1)) + 1}.{m.group(2)}"
+    if name.startswith("embed."):
+        return ("tied_modules.embed." if tied else "0.") + name
+    if name.startswith("final_norm."):
+        return f"{n_layers + 1}.{name}"
+    if name.startswith("lm_head."):
+        return f"{n_layers + 2}.{name}"
+    raise KeyError(f"{name!r} is not a GPT parameter name")
+
+
+def from_pipe(name: str, n_layers: int) -> str:
+    """The pipeline module's name -> GPT name (inverse of to_pipe)."""
+    if name.startswith("tied_modules.embed."):
+        return name[len("tied_modules.embed."):]
+    m = _PIPE_BLOCK.match(name)
+    if not m:
+        raise KeyError(f"{name!r} is not a pipeline parameter name")
+    index, rest = int(m.group(1)), m.group(2)
+    if 1 <= index <= n_layers:
+        return f"layers.{index - 1}.{rest}"
+    if index in (0, n_layers + 1, n_layers + 2):
+        return rest  # embed.*, final_norm.*, lm_head.*
+    raise KeyError(f"{name!r}: layer {index} is not in a {n_layers}-block pipeline")
+
+
+def to_hf(name: str) -> str:
+    """GPT name -> Hugging Face LlamaForCausalLM state-dict key."""
+    m = _BLOCK.match(name)
+    if m:
+        i, rest = m.groups()
+        if rest in _HF_IN_BLOCK:
+            return f"model.layers.{i}.{_HF_IN_BLOCK[rest]}"
+        if rest.startswith("attn."):
+            return f"model.layers.{i}.self_attn.{rest[len('attn.'):]}"
+        if rest.startswith("mlp."):
+            return f"model.layers.{i}.{rest}"
+    elif name in _HF_TOP:
+        return _HF_TOP[name]
+    raise KeyError(f"{name!r} has no Hugging Face Llama counterpart")
+
+
+def from_hf(name: str) -> str:
+    """Hugging Face LlamaForCausalLM key -> GPT name (inverse of to_hf)."""
+    m = _HF_BLOCK.match(name)
+    if m:
+        i, rest = m.groups()
+        inverse = {v: k for k, v in _HF_IN_BLOCK.items()}
+        if rest in inverse:
+            return f"layers.{i}.{inverse[rest]}"
+        if rest.startswith("self_attn."):
+            return f"layers.{i}.attn.{rest[len('self_attn.'):]}"
+        if rest.startswith("mlp."):
+            return f"layers.{i}.{rest}"
+    else:
+        for gpt, hf in _HF_TOP.items():
+            if name == hf:
+                return gpt
+    raise KeyError(f"{name!r} is not a Llama parameter ctxpar knows")

@@ -1,0 +1,212 @@
+"""Resume on the layout that saved a checkpoint, or on another one.
+
+    plan = plan_resume(save_dir, "auto", cfg, world_size)   # files only: before any collective
+    plan.configure(ds_config)                               # before deepspeed.initialize
+    client_state = resume(engine, plan, cfg, state)         # collective
+
+Same layout (tp, cp, pp, dp, ZeRO stage, dtype all equal): DeepSpeed's own load, the
+per-rank RNG states too; bit-identical continuation. Another layout: rank 0 converts the
+tag to DeepSpeed's universal checkpoint under ``<save_dir>/universal/<tag>`` (universal.py),
+every rank loads its slices from it (DeepSpeed's ``load_universal`` for ZeRO 1-2 and
+BF16_Optimizer; ctxpar's loader for a ZeRO-0 torch optimizer) and the folder is removed.
+Restored exactly either way: fp32 master weights, Adam exp_avg / exp_avg_sq / step, the LR
+scheduler, DeepSpeed's step counters and the data position (``samples_consumed`` counts
+global samples: every DP split of a global batch reads the same samples, see
+ctxpar/data/loader.py). Not restored across layouts: the per-rank RNG states (there is no
+rank-to-rank correspondence; ctxpar's training draws no random numbers after init: data
+comes from per-sample seeded generators and there is no dropout).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import resume as R
+from . import universal as U
+from .resume import CheckpointError
+
+LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "zero_stage", "dtype")
+# model.* fields a resumed run may change: RoPE's frequencies (context extension); shapes
+# must match. model.init_from only matters for a fresh run.
+MODEL_MAY_CHANGE = ("rope_theta", "rope_scaling", "init_from")
+
+
+def layout_of(cfg, dp: int) -> Dict[str, Any]:
+    """What decides how a checkpoint is cut into files: the grid, ZeRO stage and dtype."""
+    ds = cfg.deepspeed
+    dtype = ("bf16" if (ds.get("bf16") or {}).get("enabled") else
+             "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32")
+    p = cfg.parallel
+    return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp,
+            "zero_stage": int((ds.get("zero_optimization") or {}).get("stage", 0)),
+            "dtype": dtype, "order": p.order}
+
+
+def describe(layout: Dict[str, Any]) -> str:
+    """'tp2·cp2·pp1·dp1 ZeRO-1 fp32'"""
+    grid = "·".join(f"{k}{layout[k]}" for k in ("tp", "cp", "pp", "dp"))
+    return f"{grid} ZeRO-{layout['zero_stage']} {layout['dtype']}"
+
+
+def checkpoint_meta(cfg, dp: int) -> Dict[str, Any]:
+    """What the manifest records besides files: the saving layout and the whole config."""
+    from ..config import to_dict
+    return {"layout": layout_of(cfg, dp), "config": to_dict(cfg)}
+
+
+def optimizer_kind(layout: Dict[str, Any]) -> Optional[str]:
+    """Which optimizer DeepSpeed builds for a layout, as far as resharding is concerned.
+
+    'zero' (ZeRO 1-2) and 'bf16' (BF16_Optimizer: bf16 at stage 0 with a pipeline) load
+    universal checkpoints themselves; 'torch' (fp32 at stage 0: the torch AdamW) is
+    ctxpar's; None: FP16_Optimizer (fp16 at stage 0, bf16 at stage 0 without a pipeline),
+    which DeepSpeed cannot convert or load universally, and ZeRO-3, not supported here.
+    """
+    stage, dtype = layout["zero_stage"], layout["dtype"]
+    if stage in (1, 2):
+        return "zero"
+    if stage == 0 and dtype == "fp32":
+        return "torch"
+    if stage == 0 and dtype == "bf16" and layout["pp"] > 1:
+        return "bf16"
+    return None
+
+
+@dataclass
+class ResumePlan:
+    save_dir: str
+    tag: str
+    manifest: Dict[str, Any]
+    now: Dict[str, Any]
+    changed: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.save_dir, self.tag)
+
+    @property
+    def universal(self) -> bool:
+        """Whether the checkpoint must be resharded (saved on another layout)."""
+        return bool(self.changed)
+
+    @property
+    def universal_dir(self) -> str:
+        return os.path.join(self.save_dir, "universal")
+
+    def configure(self, ds_config: Dict[str, Any]) -> None:
+        """Ask DeepSpeed's ZeRO/BF16 optimizer to read a universal checkpoint (before init)."""
+        if self.universal and optimizer_kind(self.now) != "torch":
+            ds_config.setdefault("checkpoint", {})["load_universal"] = True
+
+    def describe_changes(self) -> str:
+        saved = self.manifest["layout"]
+        what = ", ".join(f"{k} {a}->{b}" for k, (a, b) in self.changed.items())
+        return (f"resharded {self.tag} ({what}): saved on {describe(saved)}, now "
+                f"{describe(self.now)}, through DeepSpeed's universal checkpoint; weights, "
+                f"Adam states, LR schedule and data position restored exactly, per-rank "
+                f"RNG states not (no rank correspondence; training draws none)")
+
+
+def _check_model(manifest: Dict[str, Any], cfg, tag_dir: str) -> None:
+    from ..config import to_dict
+    saved = (manifest.get("config") or {}).get("model")
+    if saved is None:
+        return
+    now = to_dict(cfg)["model"]
+    for key in sorted(set(saved) | set(now)):
+        if key in MODEL_MAY_CHANGE or saved.get(key) == now.get(key):
+            continue
+        raise CheckpointError(
+            f"{tag_dir} was saved with model.{key}={saved.get(key)!r}, the config has "
+            f"model.{key}={now.get(key)!r}: resuming needs the same model (start a new run "
+            f"from its weights with model.init_from={tag_dir} instead)")
+
+
+def plan_resume(save_dir: str, resume: str, cfg, world_size: int,
+                on_skip: Optional[Callable[[str], None]] = None) -> Optional[ResumePlan]:
+    """Which tag to resume and whether it needs resharding; pure file reads.
+
+    resume: 'auto' (newest tag whose manifest verifies, skipping damaged ones through
+    on_skip), 'none', or a tag (must verify). Raises CheckpointError (one line) for a
+    damaged tag, another model, or a layout change DeepSpeed cannot convert.
+    """
+    from ..parallel_state import resolve_sizes
+    if resume == "none":
+        return None
+    tag = R.latest_complete(save_dir, on_skip) if resume == "auto" else resume
+    if tag is None:
+        return None
+    problem = R.resume_problem(save_dir, resume)  # an explicit tag that is missing or unfinished
+    if problem:
+        raise CheckpointError(problem)
+    tag_dir = os.path.join(save_dir, tag)
+    manifest = R.verify(tag_dir)
+    _check_model(manifest, cfg, tag_dir)
+    p = cfg.parallel
+    now = layout_of(cfg, resolve_sizes(world_size, p.tp, p.cp, p.pp, p.dp)["dp"])
+    saved = manifest.get("layout")
+    if saved is None:  # a marker from before manifests: only the layout that wrote it
+        return ResumePlan(save_dir, tag, manifest, now)
+    changed = {k: (saved[k], now[k]) for k in LAYOUT_KEYS if saved[k] != now[k]}
+    plan = ResumePlan(save_dir, tag, manifest, now, changed)
+    if plan.universal:
+        for which, layout in (("saved on", saved), ("resumed on", now)):
+            if optimizer_kind(layout) is None:
+                raise CheckpointError(
+                    f"{tag_dir}: cannot change the layout ({', '.join(changed)}) of a run "
+                    f"{which} {describe(layout)}: DeepSpeed's FP16_Optimizer (fp16, or bf16 "
+                    f"at ZeRO stage 0 without a pipeline) and ZeRO-3 have no universal "
+                    f"checkpoint here; resume on {describe(saved)} or use ZeRO stage 1-2")
+    return plan
+
+
+def _collective_check(fn: Callable[[], None]) -> None:
+    """Run fn on rank 0; every rank raises its error (no rank left waiting)."""
+    err = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            err = f"{type(e).__name__}: {e}"
+    box = [err]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise RuntimeError(box[0])
+
+
+def resume(engine, plan: ResumePlan, cfg, state) -> Dict[str, Any]:
+    """Collective: load plan's tag into the engine (resharding if needed); the client_state."""
+    if not plan.universal:
+        return R.load(engine, plan.save_dir, plan.tag)
+    from models.gpt import GPT
+    m = cfg.model
+    pipelined = cfg.parallel.pp > 1
+    target = U.naming(pipelined, m.n_layers, m.tie_embeddings)
+    out_dir = os.path.join(plan.universal_dir, plan.tag)
+    # every parameter of every stage of the new layout, in its module's names
+    wanted = [target(n) for n, _ in GPT(m, tp_group=state.tp_group, cp_group=state.cp_group,
+                                        device=torch.device("meta")).named_parameters()]
+
+    def convert():
+        U.to_universal(plan.path, out_dir, plan.manifest["layout"], m.n_layers, target)
+        U.check_complete(out_dir, wanted)
+
+    _collective_check(convert)
+    if optimizer_kind(plan.now) == "torch":
+        U.load_into_torch_optimizer(engine, out_dir, state.tp_group)
+        client_state = U.load_meta(engine, out_dir)
+    else:
+        path, client_state = engine.load_checkpoint(plan.universal_dir, tag=plan.tag,
+                                                    load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {out_dir}")
+    dist.barrier()  # every rank has read its slices
+    if dist.get_rank() == 0:
+        shutil.rmtree(plan.universal_dir, ignore_errors=True)
+    return client_state
