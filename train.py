@@ -111,6 +111,7 @@ def main(argv=None) -> int:
         fail(problem)
     try:  # is the checkpoint sound (its manifest), and on this layout? file reads only
         plan = ckpt.plan_resume(save_dir, args.resume, cfg, world, on_skip=warn)
+        init = ckpt.check_init_from(cfg) if cfg.model.init_from and plan is None else None
     except ckpt.CheckpointError as e:
         fail(str(e))
 
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
         else GPT.from_config(cfg, state, device=device)
     # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
     # (ds_to_universal), so the checkpoint can be resumed on another layout.
+    if init is not None:  # model.init_from: weights of a Llama folder or a ctxpar checkpoint
+        init_msg = ckpt.load_initial_weights(model, cfg, state, init)
     model.universal_checkpoint_info = ckpt.universal_checkpoint_info(
         cfg.model, state.tp_group, state.cp_group, pipelined)
     if plan is not None:
@@ -180,6 +183,8 @@ def main(argv=None) -> int:
             print(f"warning: {e}; continuing without wandb", file=sys.stderr, flush=True)
     logger = MetricsLogger(run_dir, cfg.train.steps, start_step, enabled=rank0,
                            wandb_run=wandb_run)
+    if init is not None:
+        logger.write(init_msg)
     if start_step:
         logger.write(f"resumed from {os.path.join(save_dir, tag)} at step {start_step}")
         if plan.universal:

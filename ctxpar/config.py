@@ -52,12 +52,20 @@ class ModelConfig:
     """Epsilon of the norms."""
     rope_theta: float = 10000.0
     """RoPE base; raise it for long contexts."""
+    rope_scaling: Optional[Dict[str, Any]] = None
+    """RoPE frequency scaling, Hugging Face's form: None, {rope_type: linear, factor} or
+    {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings} (Llama 3.1's long-context rule)."""
     tie_embeddings: bool = True
     """Share the input embedding with the output head."""
     bias: bool = False
     """Biases in linear layers."""
     init_std: float = 0.02
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
+    init_from: Optional[str] = None
+    """Start a new run from these weights (step 0, fresh optimizer): a local Hugging Face
+    Llama folder (config.json + *.safetensors) or a ctxpar checkpoint (a step_* folder).
+    The architecture must match model.*; seq_len, rope_theta and rope_scaling may differ."""
 
 
 @dataclass
@@ -129,6 +137,9 @@ class DataConfig:
     """For kind=tokens without eval_path: share of path's samples (its end) held out for eval."""
     passkey_digits: int = 2
     """For kind=passkey: digits of the planted key."""
+    tokenizer: Optional[str] = None
+    """The Hugging Face tokenizer.json the token files were made with (None = byte-level);
+    exported with the model by tools/convert_checkpoint.py --to hf."""
 
 
 @dataclass
@@ -421,6 +432,10 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     if (m.d_model // m.n_heads) % 2:
         err(f"model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even for RoPE")
     _check_cp_comm(p, m, err)
+    if m.rope_theta <= 0:
+        err(f"model.rope_theta={m.rope_theta} must be > 0")
+    if m.rope_scaling is not None:
+        _check_rope_scaling(m.rope_scaling, err)
 
     # Sequence against the CP layout.
     chunks = num_chunks(p.cp, p.layout)
@@ -467,6 +482,11 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
         if key in ds and ds[key] != want:
             err(f"deepspeed.{key}={ds[key]} disagrees with train ({want}); set it in train only")
 
+    for key, value, want in (("model.init_from", m.init_from, os.path.isdir),
+                             ("data.tokenizer", cfg.data.tokenizer, os.path.isfile)):
+        if value is not None and check_paths and not want(value):
+            err(f"{key}={value!r} does not exist (want a "
+                f"{'folder' if want is os.path.isdir else 'file'})")
     if cfg.data.kind == "tokens":
         if not cfg.data.path:
             err("data.path must be set when data.kind='tokens'")
@@ -489,6 +509,31 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
                 f"{min_seq_len(cfg.data.passkey_digits)})")
         if m.vocab_size < 256:
             err(f"model.vocab_size={m.vocab_size} < 256: data.kind='passkey' is byte-level")
+
+
+ROPE_SCALING_KEYS = {  # rope_type -> its numeric keys (Hugging Face's names)
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+
+def _check_rope_scaling(rs: Dict[str, Any], err) -> None:
+    kind = rs.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+        err(f"model.rope_scaling.rope_type={kind!r} must be one of "
+            f"{', '.join(map(repr, ROPE_SCALING_KEYS))}")
+    want = {"rope_type", *ROPE_SCALING_KEYS[kind]}
+    if set(rs) != want:
+        err(f"model.rope_scaling for rope_type={kind!r} needs exactly the keys "
+            f"{', '.join(sorted(want))} (got {', '.join(sorted(rs))})")
+    for key in ROPE_SCALING_KEYS[kind]:
+        v = rs[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            err(f"model.rope_scaling.{key}={v!r} must be a number > 0")
+    if kind == "llama3" and rs["high_freq_factor"] <= rs["low_freq_factor"]:
+        err(f"model.rope_scaling.high_freq_factor={rs['high_freq_factor']} must be > "
+            f"low_freq_factor={rs['low_freq_factor']}")
 
 
 # ---------------------------------------------------------------- derived views

@@ -74,10 +74,37 @@ def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
     return FusedLayerNorm(cfg.d_model, eps=cfg.norm_eps).to(device=device, dtype=dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos, sin of angle p * theta^(-2i/hd), fp32; positions (..., T/cp) -> (..., T/cp, hd/2)."""
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device,
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
+                  device=None) -> torch.Tensor:
+    """RoPE's frequencies theta^(-2i/hd), i < hd/2, fp32, after an optional scaling rule.
+
+    linear: all divided by factor (positions interpolated). llama3 (Llama 3.1): wavelengths
+    2*pi/f above original_max_position_embeddings/low_freq_factor are divided by factor,
+    below .../high_freq_factor kept, in between blended linearly in
+    original_max_position_embeddings/wavelength. Same rules as Hugging Face's
+    modeling_rope_utils (tests/test_hf.py checks the frequencies against it).
+    """
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device,
                                        dtype=torch.float32) / head_dim)
+    kind = (scaling or {}).get("rope_type")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - low) / (high - low)  # 0 at the low end, 1 at the high end
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(wavelen > old / low, inv_freq / factor,
+                           torch.where(wavelen < old / high, inv_freq, blended))
+    assert kind is None, f"rope_scaling {scaling} (config validation lets none other through)"
+    return inv_freq
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                   scaling: Optional[dict] = None):
+    """cos, sin of angle p * f_i (rope_inv_freq), fp32; positions (..., T/cp) -> (..., T/cp, hd/2)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # fp32 even under bf16
     return angles.cos(), angles.sin()
 
@@ -282,7 +309,7 @@ class GPT(nn.Module):
         share of the cache (prefill of a prompt, or one decode step).
         """
         cos, sin = rotary_cos_sin(positions, self.cfg.d_model // self.cfg.n_heads,
-                                  self.cfg.rope_theta)  # (..., T/cp, hd/2), fp32
+                                  self.cfg.rope_theta, self.cfg.rope_scaling)  # (..., T/cp, hd/2), fp32
         x = self.embed(tokens)  # (B, T/cp, d)
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:

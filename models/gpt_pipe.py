@@ -75,13 +75,14 @@ class BlockPipe(Block):
         super().__init__(cfg, tp_group, cp, backend, activation_checkpointing == "selective",
                          device, dtype)
         self.gpt_prefix = f"layers.{layer_number}."
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
         self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
 
     def forward(self, inputs):
         x, positions = inputs  # (B, T/cp, d), (T/cp,)
-        cos, sin = rotary_cos_sin(positions, self.attn.head_dim, self.rope_theta)  # (T/cp, hd/2)
+        cos, sin = rotary_cos_sin(positions, self.attn.head_dim, self.rope_theta,
+                                  self.rope_scaling)  # (T/cp, hd/2)
         block = partial(Block.forward, self)
         if self.recompute:  # keep only x; replay the block (and its CP attention) in backward
             return checkpoint(block, x, cos, sin, use_reentrant=False), positions

@@ -7,8 +7,8 @@
 Same layout (tp, cp, pp, dp, ZeRO stage, dtype all equal): DeepSpeed's own load, the
 per-rank RNG states too; bit-identical continuation. Another layout: rank 0 converts the
 tag to DeepSpeed's universal checkpoint under ``<save_dir>/universal/<tag>`` (universal.py),
-every rank loads its slices from it (DeepSpeed's ``load_universal`` for ZeRO 1-2 and
-BF16_Optimizer; ctxpar's loader for a ZeRO-0 torch optimizer) and the folder is removed.
+every rank loads its slices from it (DeepSpeed's ``load_universal`` for ZeRO 1-2;
+ctxpar's loader for a ZeRO-0 torch optimizer) and the folder is removed.
 Restored exactly either way: fp32 master weights, Adam exp_avg / exp_avg_sq / step, the LR
 scheduler, DeepSpeed's step counters and the data position (``samples_consumed`` counts
 global samples: every DP split of a global batch reads the same samples, see
@@ -62,18 +62,18 @@ def checkpoint_meta(cfg, dp: int) -> Dict[str, Any]:
 def optimizer_kind(layout: Dict[str, Any]) -> Optional[str]:
     """Which optimizer DeepSpeed builds for a layout, as far as resharding is concerned.
 
-    'zero' (ZeRO 1-2) and 'bf16' (BF16_Optimizer: bf16 at stage 0 with a pipeline) load
-    universal checkpoints themselves; 'torch' (fp32 at stage 0: the torch AdamW) is
-    ctxpar's; None: FP16_Optimizer (fp16 at stage 0, bf16 at stage 0 without a pipeline),
-    which DeepSpeed cannot convert or load universally, and ZeRO-3, not supported here.
+    'zero' (ZeRO 1-2) loads universal checkpoints itself; 'torch' (fp32 at stage 0: the
+    torch AdamW) is converted and loaded by ctxpar (universal.py). None: the 16-bit
+    stage-0 optimizers, FP16_Optimizer (fp16, or bf16 without a pipeline) and
+    BF16_Optimizer (bf16 with a pipeline): DeepSpeed 0.19.8 saves no ``param_shapes`` for
+    them, so ds_to_universal cannot convert their checkpoints (FP16_Optimizer cannot load
+    one either); and ZeRO-3, not used by ctxpar's configs and not tested here.
     """
     stage, dtype = layout["zero_stage"], layout["dtype"]
     if stage in (1, 2):
         return "zero"
     if stage == 0 and dtype == "fp32":
         return "torch"
-    if stage == 0 and dtype == "bf16" and layout["pp"] > 1:
-        return "bf16"
     return None
 
 
@@ -99,7 +99,7 @@ class ResumePlan:
         return os.path.join(self.save_dir, "universal")
 
     def configure(self, ds_config: Dict[str, Any]) -> None:
-        """Ask DeepSpeed's ZeRO/BF16 optimizer to read a universal checkpoint (before init)."""
+        """Ask DeepSpeed's ZeRO optimizer to read a universal checkpoint (before init)."""
         if self.universal and optimizer_kind(self.now) != "torch":
             ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
@@ -159,13 +159,13 @@ def plan_resume(save_dir: str, resume: str, cfg, world_size: int,
             if optimizer_kind(layout) is None:
                 raise CheckpointError(
                     f"{tag_dir}: cannot change the layout ({', '.join(changed)}) of a run "
-                    f"{which} {describe(layout)}: DeepSpeed's FP16_Optimizer (fp16, or bf16 "
-                    f"at ZeRO stage 0 without a pipeline) and ZeRO-3 have no universal "
-                    f"checkpoint here; resume on {describe(saved)} or use ZeRO stage 1-2")
+                    f"{which} {describe(layout)}: DeepSpeed converts 16-bit runs only from "
+                    f"ZeRO stage 1-2 (not stage 0 or 3); resume on {describe(saved)}, or "
+                    f"train 16-bit runs with deepspeed.zero_optimization.stage 1 or 2")
     return plan
 
 
-def _collective_check(fn: Callable[[], None]) -> None:
+def run_on_rank0(fn: Callable[[], None]) -> None:
     """Run fn on rank 0; every rank raises its error (no rank left waiting)."""
     err = None
     if dist.get_rank() == 0:
@@ -196,7 +196,7 @@ def resume(engine, plan: ResumePlan, cfg, state) -> Dict[str, Any]:
         U.to_universal(plan.path, out_dir, plan.manifest["layout"], m.n_layers, target)
         U.check_complete(out_dir, wanted)
 
-    _collective_check(convert)
+    run_on_rank0(convert)
     if optimizer_kind(plan.now) == "torch":
         U.load_into_torch_optimizer(engine, out_dir, state.tp_group)
         client_state = U.load_meta(engine, out_dir)

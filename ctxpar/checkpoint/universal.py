@@ -30,8 +30,8 @@ the engine's universal path calls ``optimizer.update_lp_params()``, which a torc
 optimizer does not have. ctxpar writes stage-0 shards into the same universal layout
 with ds_to_universal's own ``dump_param_fragment`` / ``merge_tp_slices``, and restores a
 stage-0 target from it with the same TP rule the model's init uses (``shard_full_tensor``).
-DeepSpeed's FP16_Optimizer (fp16 at any stage 0, and bf16 at stage 0 without a pipeline)
-has no universal support either way; ``reshard.py`` refuses those in one line.
+The 16-bit stage-0 optimizers (FP16_Optimizer, BF16_Optimizer) save no ``param_shapes``,
+so ds_to_universal cannot read them either; ``reshard.py`` refuses those in one line.
 
 Parameter names: universal folders are keyed by the module's parameter names, which differ
 between GPT and the pipeline module (names.py); ``to_universal`` renames them to the

@@ -1,0 +1,144 @@
+"""Full-size weights in and out of a run: model.init_from, and ctxpar checkpoint -> HF export.
+
+    source = check_init_from(cfg)                    # file reads only: before any collective
+    msg = load_initial_weights(model, cfg, state, source)   # collective, before deepspeed.initialize
+
+A source is a Hugging Face Llama folder (hf.py) or a ctxpar checkpoint; either way every
+rank copies its TP slice of each full tensor (``shard_full_tensor``, the rule of the
+model's own init) into GPT's parameters, or its pipeline stage's under GPT's names, so any
+layout starts from the same weights. A ctxpar checkpoint is first turned into DeepSpeed's
+universal form by rank 0 (universal.py), whatever layout saved it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, Iterator, Tuple
+
+import torch
+
+from ..config import ModelConfig, resolved_ffn_hidden
+from ..tensor_parallel.utils import full_shape, shard_full_tensor
+from . import hf
+from . import resume as R
+from . import universal as U
+from .resume import CheckpointError
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A step_* folder from a tag folder, a save_dir (its newest good tag) or a run dir."""
+    if os.path.isfile(os.path.join(path, R.MARKER)) or R.is_tag(os.path.basename(
+            os.path.normpath(path))):
+        return path
+    for save_dir in (path, os.path.join(path, "checkpoints")):
+        tag = R.latest_complete(save_dir)
+        if tag is not None:
+            return os.path.join(save_dir, tag)
+    raise CheckpointError(f"{path}: no complete ctxpar checkpoint (a step_* folder with a "
+                          f"{R.MARKER} manifest, a save_dir or a run dir holding one)")
+
+
+def saved_model(manifest: Dict[str, Any], tag_dir: str) -> ModelConfig:
+    model = (manifest.get("config") or {}).get("model")
+    if model is None:
+        raise CheckpointError(f"{os.path.join(tag_dir, R.MARKER)} records no config (saved "
+                              f"by an older ctxpar)")
+    return ModelConfig(**model)
+
+
+def _fields(m: ModelConfig) -> Dict[str, Any]:
+    """The model.* fields hf.model_fields gives, from a ctxpar ModelConfig."""
+    keys = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp", "norm", "bias", "norm_eps",
+            "rope_theta", "rope_scaling", "tie_embeddings", "seq_len", "init_std")
+    return {**{k: getattr(m, k) for k in keys}, "n_kv_heads": m.n_kv_heads or m.n_heads,
+            "ffn_hidden": resolved_ffn_hidden(m)}
+
+
+@dataclass
+class InitSource:
+    path: str
+    kind: str  # 'hf' or 'ctxpar'
+    changed: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
+    manifest: Dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        what = "Hugging Face Llama folder" if self.kind == "hf" else "ctxpar checkpoint"
+        diff = "".join(f", {k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items())
+        return f"initialized from {self.path} ({what}{diff}); step 0, fresh optimizer"
+
+
+def check_init_from(cfg) -> InitSource:
+    """What model.init_from points at, checked against model.*; CheckpointError otherwise."""
+    path = cfg.model.init_from
+    if hf.is_hf_folder(path):
+        fields = hf.model_fields(hf.read_config(path), path)
+        return InitSource(path, "hf", hf.check_matches(cfg.model, fields, path))
+    tag_dir = resolve_checkpoint(path)
+    manifest = R.verify(tag_dir)
+    fields = _fields(saved_model(manifest, tag_dir))
+    return InitSource(tag_dir, "ctxpar", hf.check_matches(cfg.model, fields, tag_dir),
+                      manifest)
+
+
+def gpt_named_parameters(model) -> Iterator:
+    """(GPT name, parameter) of a GPT or of a pipeline stage (GPTPipe)."""
+    return model.gpt_named_parameters() if hasattr(model, "gpt_named_parameters") \
+        else model.named_parameters()
+
+
+@torch.no_grad()
+def copy_full_weights_(model, get: Callable[[str], torch.Tensor], tp_group) -> None:
+    """Every parameter <- its TP slice of get(GPT name), a full tensor; shapes checked."""
+    from ..tensor_parallel.mappings import tp_size_of
+    tp = tp_size_of(tp_group)
+    for name, p in gpt_named_parameters(model):
+        full = get(name)
+        if tuple(full.shape) != tuple(full_shape(p, tp)):
+            raise CheckpointError(f"{name}: the source holds shape {tuple(full.shape)}, the "
+                                  f"model wants {tuple(full_shape(p, tp))}")
+        p.copy_(shard_full_tensor(full.to(p.dtype), p, tp_group))
+
+
+def load_initial_weights(model, cfg, state, source: InitSource) -> str:
+    """Collective: fill the model (before deepspeed.initialize) from source; a log line."""
+    from .reshard import run_on_rank0
+    if source.kind == "hf":
+        reader = hf.WeightReader(source.path, cfg.model.tie_embeddings)
+        copy_full_weights_(model, reader.get, state.tp_group)
+        return source.describe()
+    work = os.path.join(cfg.logging.run_dir, "init_from.universal")
+    m = cfg.model
+    run_on_rank0(lambda: U.to_universal(source.path, work, source.manifest["layout"],
+                                        m.n_layers, U.naming(False, m.n_layers, True)))
+    copy_full_weights_(model, lambda n: U.read_state(work, n, "fp32"), state.tp_group)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    return source.describe()
+
+
+def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """A ctxpar checkpoint (tag, save_dir or run dir) -> LlamaForCausalLM folder; no processes.
+
+    The run's data.tokenizer, if it had one, is exported with it. Returns the tag folder.
+    """
+    tag_dir = resolve_checkpoint(path)
+    manifest = R.verify(tag_dir)
+    m = saved_model(manifest, tag_dir)
+    hf.llama_config(m)  # refuse a non-Llama model before converting anything
+    tokenizer = ((manifest.get("config") or {}).get("data") or {}).get("tokenizer")
+    with tempfile.TemporaryDirectory(prefix="ctxpar-export-") as work:
+        out = os.path.join(work, "universal")
+        names = U.to_universal(tag_dir, out, manifest["layout"], m.n_layers,
+                               U.naming(False, m.n_layers, True))
+        weights = ((n, U.read_state(out, n, "fp32")) for n in names)
+        hf.save_folder(out_dir, weights, m, tokenizer, dtype)
+    return tag_dir
+
+
+def model_view(model) -> SimpleNamespace:
+    """named_parameters under GPT's names, for gather_full_state_dict on either model form."""
+    return SimpleNamespace(named_parameters=lambda: gpt_named_parameters(model))
