@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     # 4. Resume, then record the run.
     start_step, tag = 0, plan.tag if plan is not None else None
     if plan is not None:
-        client = ckpt.resume(engine, plan, cfg, state)  # resharded if the layout changed
+        client = ckpt.restore(engine, plan, cfg, state)  # resharded if the layout changed
         start_step = client["step"]
         train_stream.load_state_dict(client["data"])
     if start_step >= cfg.train.steps:  # e.g. `make train` run twice: say so, train nothing
@@ -198,7 +198,8 @@ def main(argv=None) -> int:
 
     # 5. The loop: gas micro-batches per optimizer step, loss = global token mean.
     timer = StepTimer(device)
-    step, loss, last_eval = start_step, float("nan"), None
+    step, loss, last_eval, stopped = start_step, float("nan"), None, None
+    guard = ckpt.PreemptionGuard(device)  # SIGTERM/SIGUSR1: finish the step, save, exit 0
     while step < cfg.train.steps:
         # Every rank reads its DP rank's micro-batches (all stages, for N; the pipeline
         # feeds the first stage's inputs and the last stage's labels from them).
@@ -240,13 +241,23 @@ def main(argv=None) -> int:
             logger.write(f"step {step}: {what} ({last_eval['eval_samples']} held-out samples)")
             timer.lap()  # the eval is not step time
         save_every = cfg.checkpointing.save_interval
-        if (save_every and step % save_every == 0) or step == cfg.train.steps:
-            ckpt.save(engine, save_dir, step,
-                      {"step": step, "data": train_stream.state_dict()}, meta)
+        save_now = (save_every and step % save_every == 0) or step == cfg.train.steps
+        # collective, every step: all ranks stop after the same one (the last needs no stop)
+        stopped = guard.should_stop() and step < cfg.train.steps
+        if save_now or stopped:
+            tag = ckpt.save(engine, save_dir, step,
+                            {"step": step, "data": train_stream.state_dict()}, meta)
             timer.lap()
+        if stopped:
+            logger.write(f"step {step}: {guard.reason}: stopping with a complete checkpoint "
+                         f"{os.path.join(save_dir, tag)}; --resume auto continues from it")
+            break
 
+    guard.close()
     logger.close()
-    if rank0:
+    if rank0 and stopped:
+        print(f"stopped at step {step} of {cfg.train.steps} ({guard.reason})", flush=True)
+    elif rank0:
         acc = ""
         if last_eval and "eval_accuracy" in last_eval:
             acc = f", passkey accuracy {last_eval['eval_accuracy']:.3f} (chance " \

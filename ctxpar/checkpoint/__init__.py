@@ -5,20 +5,22 @@
     universal.py   any layout -> DeepSpeed's universal checkpoint, and back into an engine
     names.py       parameter names: GPT <-> pipeline stages <-> Hugging Face Llama
     hf.py          Hugging Face Llama config.json and safetensors, both directions
+    preemption.py  SIGTERM/SIGUSR1: every rank stops after the same step, saves, exits 0
     weights.py     model.init_from (Llama folder or ctxpar checkpoint), export to Llama
 
 docs/checkpoints.md describes the files on disk and what may change between save and resume.
 """
+from .preemption import PreemptionGuard
 from .reshard import (ResumePlan, checkpoint_meta, describe, layout_of, plan_resume,
-                      resume)
+                      restore)
 from .resume import (CheckpointError, complete_tags, is_tag, latest_complete, list_tags, load,
                      read_manifest, resume_problem, save, tag_for, verify)
 from .universal import universal_checkpoint_info
 from .weights import InitSource, check_init_from, export_hf, load_initial_weights
 
 __all__ = [
-    "CheckpointError", "InitSource", "ResumePlan", "check_init_from", "checkpoint_meta",
-    "complete_tags", "describe", "export_hf", "is_tag", "load_initial_weights",
-    "latest_complete", "layout_of", "list_tags", "load", "plan_resume", "read_manifest",
-    "resume", "resume_problem", "save", "tag_for", "universal_checkpoint_info", "verify",
+    "CheckpointError", "InitSource", "PreemptionGuard", "ResumePlan", "check_init_from",
+    "checkpoint_meta", "complete_tags", "describe", "export_hf", "is_tag", "latest_complete",
+    "layout_of", "list_tags", "load", "load_initial_weights", "plan_resume", "read_manifest",
+    "restore", "resume_problem", "save", "tag_for", "universal_checkpoint_info", "verify",
 ]

@@ -2,7 +2,7 @@
 
     plan = plan_resume(save_dir, "auto", cfg, world_size)   # files only: before any collective
     plan.configure(ds_config)                               # before deepspeed.initialize
-    client_state = resume(engine, plan, cfg, state)         # collective
+    client_state = restore(engine, plan, cfg, state)        # collective
 
 Same layout (tp, cp, pp, dp, ZeRO stage, dtype all equal): DeepSpeed's own load, the
 per-rank RNG states too; bit-identical continuation. Another layout: rank 0 converts the
@@ -179,7 +179,7 @@ def run_on_rank0(fn: Callable[[], None]) -> None:
         raise RuntimeError(box[0])
 
 
-def resume(engine, plan: ResumePlan, cfg, state) -> Dict[str, Any]:
+def restore(engine, plan: ResumePlan, cfg, state) -> Dict[str, Any]:
     """Collective: load plan's tag into the engine (resharding if needed); the client_state."""
     if not plan.universal:
         return R.load(engine, plan.save_dir, plan.tag)

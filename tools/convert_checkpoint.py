@@ -1,0 +1,65 @@
+"""Convert ctxpar checkpoints: to a Hugging Face LlamaForCausalLM folder, or show a Llama
+folder's model.* section for model.init_from.
+
+    python tools/convert_checkpoint.py runs/tiny_cpu --to hf out/tiny-llama
+    python tools/convert_checkpoint.py runs/x/checkpoints/step_00000400 --to hf out/x --dtype bfloat16
+    python tools/convert_checkpoint.py path/to/llama --model-config     # YAML for model.init_from
+
+The checkpoint may be a step_* folder, a save_dir (its newest complete tag) or a run dir,
+saved on any layout (tp, cp, pp, dp, ZeRO stage): it goes through DeepSpeed's universal
+form in a temp dir (ctxpar/checkpoint/universal.py), on this machine, no processes.
+The export writes config.json + model.safetensors, and tokenizer.json +
+tokenizer_config.json when the run trained with data.tokenizer set.
+Exit codes: 0 done, 2 bad input (one line: a damaged checkpoint, a model Llama cannot
+hold, a missing path).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from ctxpar.checkpoint import CheckpointError, export_hf  # noqa: E402
+from ctxpar.checkpoint import hf  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("path", help="a ctxpar checkpoint (tag, save_dir or run dir), or a Llama "
+                                "folder with --model-config")
+    p.add_argument("--to", nargs=2, metavar=("FORMAT", "OUT_DIR"),
+                   help="'hf' and the folder to write")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="dtype of the exported weights (default float32, the master copy)")
+    p.add_argument("--model-config", action="store_true",
+                   help="print the model: section matching a Llama folder (for init_from)")
+    args = p.parse_args(argv)
+    try:
+        if not os.path.isdir(args.path):
+            raise CheckpointError(f"{args.path} does not exist")
+        if args.model_config:
+            fields = hf.model_fields(hf.read_config(args.path), args.path)
+            fields = {**{k: v for k, v in fields.items() if k != "init_std"},
+                      "init_from": args.path}
+            print(yaml.safe_dump({"model": fields}, sort_keys=False), end="")
+            return 0
+        if args.to is None or args.to[0] != "hf":
+            p.error("give --to hf OUT_DIR (or --model-config)")
+        out = args.to[1]
+        tag_dir = export_hf(args.path, out, DTYPES[args.dtype])
+    except CheckpointError as e:
+        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: LlamaForCausalLM from {tag_dir} ({args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
