@@ -18,9 +18,12 @@ setup(
         "tqdm",
         "numpy",
         "zstandard",  # .zst corpora in tools/preprocess_data.py
+        "safetensors",  # Hugging Face Llama export/import (ctxpar/checkpoint/hf.py)
     ],
     extras_require={
-        "dev": ["pytest>=8"],
+        # transformers: tests compare ctxpar's Llama import/export with it (no downloads);
+        # it brings tokenizers, for the tokenizer test files. No torch of its own.
+        "dev": ["pytest>=8", "transformers>=4.45"],
         # Dao's flash-attention kernels (CUDA only, builds from source against your torch).
         # NVIDIA apex (fused norms) is optional too but is NOT on PyPI: build it from
         # https://github.com/NVIDIA/apex; the PyPI package called "apex" is unrelated.
