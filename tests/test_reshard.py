@@ -160,3 +160,37 @@ def test_zero1_to_zero2_skipping_a_damaged_checkpoint(runs, a2):
     assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
     assert_resharded(proc, "zero_stage 1->2")
     assert_same_losses(a2, str(d), 3)
+
+
+def test_init_from_a_checkpoint_at_a_longer_context(runs, a1):
+    # Context extension from a ctxpar checkpoint: A1's last tag (pp2·cp2) starts a cp4 run
+    # at twice the sequence and 4x the RoPE base. Its step-1 loss (before any update) is the
+    # checkpoint's weights, loaded in one process, scored on the same first global batch.
+    import numpy as np
+    import torch
+    from ctxpar.checkpoint import read_manifest
+    from ctxpar.checkpoint.universal import full_weights, to_universal
+    from ctxpar.config import ModelConfig
+    from ctxpar.data import PasskeyTask
+    from models.gpt import GPT
+
+    d = runs / "extend"
+    proc = run_train(str(d), 4, [*LAYOUTS["cp4"][1], "model.seq_len=256",
+                                 "model.rope_theta=40000", f"model.init_from={a1}",
+                                 "train.steps=1", "logging.wandb.mode=disabled"])
+    assert "initialized from" in proc.stdout and "ctxpar checkpoint" in proc.stdout and \
+        "seq_len 128 -> 256" in proc.stdout and "rope_theta 10000.0 -> 40000.0" in proc.stdout
+    tag = os.path.join(a1, "checkpoints", f"step_{STEPS:08d}")
+    to_universal(tag, str(runs / "a1_universal"), read_manifest(tag)["layout"], 2,
+                 lambda n: n)
+    weights = full_weights(str(runs / "a1_universal"))
+    model = GPT(ModelConfig(vocab_size=256, seq_len=256, n_layers=2, d_model=64, n_heads=4,
+                            n_kv_heads=2, rope_theta=40000.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+        task = PasskeyTask(256, 2, 1234, "train")
+        x, y = (torch.from_numpy(np.stack([task[i][j] for i in range(16)])) for j in (0, 1))
+        want = (model(x, torch.arange(256), y) / (y != -100).sum()).item()
+    got = losses(str(d))[1]
+    assert abs(got - want) <= 1e-5 * want, (got, want)  # fp32, CP reduction order only

@@ -28,11 +28,30 @@ _BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
 _PIPE_BLOCK = re.compile(r"^(\d+)\.(.+)$")
 _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-# Inside a block: GPT's suffix -> HF's suffix.
-_HF_IN_BLOCK = {"attn_norm.weight": "input_layernorm.weight",
-                "mlp_norm.weight": "post_attention_layernorm.weight"}
-_HF_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
-           "lm_head.weight": "lm_head.weight"}
+# Inside a block, GPT's -> HF's: whole names, then prefixes.
+_HF_IN_BLOCK = (("attn_norm.weight", "input_layernorm.weight"),
+                ("mlp_norm.weight", "post_attention_layernorm.weight"),
+                ("attn.", "self_attn."), ("mlp.", "mlp."))
+_HF_TOP = (("embed.weight", "model.embed_tokens.weight"),
+           ("final_norm.weight", "model.norm.weight"), ("lm_head.weight", "lm_head.weight"))
+
+
+def _swap(pairs):
+    return tuple((b, a) for a, b in pairs)
+
+
+def _translate(name: str, block: re.Pattern, to_prefix: str, in_block, top) -> str:
+    """One direction of the GPT <-> HF mapping: (src, dst) pairs, block-local or top-level."""
+    m = block.match(name)
+    if m:
+        i, rest = m.groups()
+        for src, dst in in_block:
+            if rest == src or (src.endswith(".") and rest.startswith(src)):
+                return f"{to_prefix}{i}.{dst}{rest[len(src):]}"
+    for src, dst in top:
+        if name == src:
+            return dst
+    raise KeyError(name)
 
 
 def to_pipe(name: str, n_layers: int, tied: bool) -> str:
@@ -66,34 +85,15 @@ def from_pipe(name: str, n_layers: int) -> str:
 
 def to_hf(name: str) -> str:
     """GPT name -> Hugging Face LlamaForCausalLM state-dict key."""
-    m = _BLOCK.match(name)
-    if m:
-        i, rest = m.groups()
-        if rest in _HF_IN_BLOCK:
-            return f"model.layers.{i}.{_HF_IN_BLOCK[rest]}"
-        if rest.startswith("attn."):
-            return f"model.layers.{i}.self_attn.{rest[len('attn.'):]}"
-        if rest.startswith("mlp."):
-            return f"model.layers.{i}.{rest}"
-    elif name in _HF_TOP:
-        return _HF_TOP[name]
-    raise KeyError(f"{name!r} has no Hugging Face Llama counterpart")
+    try:
+        return _translate(name, _BLOCK, "model.layers.", _HF_IN_BLOCK, _HF_TOP)
+    except KeyError:
+        raise KeyError(f"{name!r} has no Hugging Face Llama counterpart") from None
 
 
 def from_hf(name: str) -> str:
     """Hugging Face LlamaForCausalLM key -> GPT name (inverse of to_hf)."""
-    m = _HF_BLOCK.match(name)
-    if m:
-        i, rest = m.groups()
-        inverse = {v: k for k, v in _HF_IN_BLOCK.items()}
-        if rest in inverse:
-            return f"layers.{i}.{inverse[rest]}"
-        if rest.startswith("self_attn."):
-            return f"layers.{i}.attn.{rest[len('self_attn.'):]}"
-        if rest.startswith("mlp."):
-            return f"layers.{i}.{rest}"
-    else:
-        for gpt, hf in _HF_TOP.items():
-            if name == hf:
-                return gpt
-    raise KeyError(f"{name!r} is not a Llama parameter ctxpar knows")
+    try:
+        return _translate(name, _HF_BLOCK, "layers.", _swap(_HF_IN_BLOCK), _swap(_HF_TOP))
+    except KeyError:
+        raise KeyError(f"{name!r} is not a Llama parameter ctxpar knows") from None

@@ -15,7 +15,6 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, Tuple
 
 import torch
@@ -138,7 +137,3 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> st
         hf.save_folder(out_dir, weights, m, tokenizer, dtype)
     return tag_dir
 
-
-def model_view(model) -> SimpleNamespace:
-    """named_parameters under GPT's names, for gather_full_state_dict on either model form."""
-    return SimpleNamespace(named_parameters=lambda: gpt_named_parameters(model))
