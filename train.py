@@ -139,10 +139,10 @@ def main(argv=None) -> int:
     gas = ds_config["gradient_accumulation_steps"]
     model = gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device) if pipelined \
         else GPT.from_config(cfg, state, device=device)
-    # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
-    # (ds_to_universal), so the checkpoint can be resumed on another layout.
     if init is not None:  # model.init_from: weights of a Llama folder or a ctxpar checkpoint
         init_msg = ckpt.load_initial_weights(model, cfg, state, init)
+    # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
+    # (ds_to_universal), so the checkpoint can be resumed on another layout.
     model.universal_checkpoint_info = ckpt.universal_checkpoint_info(
         cfg.model, state.tp_group, state.cp_group, pipelined)
     if plan is not None:

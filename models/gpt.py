@@ -103,7 +103,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                    scaling: Optional[dict] = None):
-    """cos, sin of angle p * f_i (rope_inv_freq), fp32; positions (..., T/cp) -> (..., T/cp, hd/2)."""
+    """cos, sin of p * f_i (rope_inv_freq), fp32: positions (..., T/cp) -> (..., T/cp, hd/2)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # fp32 even under bf16
     return angles.cos(), angles.sin()
@@ -309,7 +309,8 @@ class GPT(nn.Module):
         share of the cache (prefill of a prompt, or one decode step).
         """
         cos, sin = rotary_cos_sin(positions, self.cfg.d_model // self.cfg.n_heads,
-                                  self.cfg.rope_theta, self.cfg.rope_scaling)  # (..., T/cp, hd/2), fp32
+                                  self.cfg.rope_theta,
+                                  self.cfg.rope_scaling)  # (..., T/cp, hd/2), fp32
         x = self.embed(tokens)  # (B, T/cp, d)
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:

@@ -2,7 +2,8 @@
 folder's model.* section for model.init_from.
 
     python tools/convert_checkpoint.py runs/tiny_cpu --to hf out/tiny-llama
-    python tools/convert_checkpoint.py runs/x/checkpoints/step_00000400 --to hf out/x --dtype bfloat16
+    python tools/convert_checkpoint.py runs/x/checkpoints/step_00000400 --to hf out/x \
+        --dtype bfloat16
     python tools/convert_checkpoint.py path/to/llama --model-config     # YAML for model.init_from
 
 The checkpoint may be a step_* folder, a save_dir (its newest complete tag) or a run dir,

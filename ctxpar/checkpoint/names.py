@@ -1,18 +1,18 @@
-"""Parameter names across the three forms of one model: GPT, its pipeline stages, Hugging Face Llama.
+"""Parameter names across the three forms of one model: GPT, its pipeline stages, HF Llama.
 
 GPT (models/gpt.py) is the canonical form; every checkpoint conversion goes through it.
 
-    GPT                          pipeline (models/gpt_pipe.py)       Hugging Face LlamaForCausalLM
-    embed.weight                 tied_modules.embed.embed.weight     model.embed_tokens.weight
+    GPT                          pipeline (models/gpt_pipe.py)     Hugging Face (model.layers.{i}.)
+    embed.weight                 tied_modules.embed.embed.weight   model.embed_tokens.weight
                                  (untied: 0.embed.weight)
-    layers.{i}.attn_norm.weight  {i+1}.attn_norm.weight              model.layers.{i}.input_layernorm.weight
-    layers.{i}.attn.q_proj.*     {i+1}.attn.q_proj.*                 model.layers.{i}.self_attn.q_proj.*
+    layers.{i}.attn_norm.weight  {i+1}.attn_norm.weight            input_layernorm.weight
+    layers.{i}.attn.q_proj.*     {i+1}.attn.q_proj.*               self_attn.q_proj.*
       (k_proj, v_proj, o_proj likewise)
-    layers.{i}.mlp_norm.weight   {i+1}.mlp_norm.weight               model.layers.{i}.post_attention_layernorm.weight
-    layers.{i}.mlp.gate_proj.*   {i+1}.mlp.gate_proj.*               model.layers.{i}.mlp.gate_proj.*
+    layers.{i}.mlp_norm.weight   {i+1}.mlp_norm.weight             post_attention_layernorm.weight
+    layers.{i}.mlp.gate_proj.*   {i+1}.mlp.gate_proj.*             mlp.gate_proj.*
       (up_proj, down_proj likewise)
-    final_norm.weight            {L+1}.final_norm.weight             model.norm.weight
-    lm_head.weight (untied)      {L+2}.lm_head.weight                lm_head.weight
+    final_norm.weight            {L+1}.final_norm.weight           model.norm.weight
+    lm_head.weight (untied)      {L+2}.lm_head.weight              lm_head.weight
 
 DeepSpeed's PipelineModule names a layer by its index in the flat layer list
 (embedding | L blocks | final norm | head), so pipeline names do not depend on pp or on

@@ -1,7 +1,7 @@
 """Full-size weights in and out of a run: model.init_from, and ctxpar checkpoint -> HF export.
 
     source = check_init_from(cfg)                    # file reads only: before any collective
-    msg = load_initial_weights(model, cfg, state, source)   # collective, before deepspeed.initialize
+    msg = load_initial_weights(model, cfg, state, source)   # collective, before deepspeed's init
 
 A source is a Hugging Face Llama folder (hf.py) or a ctxpar checkpoint; either way every
 rank copies its TP slice of each full tensor (``shard_full_tensor``, the rule of the
