@@ -131,7 +131,7 @@ def test_resume_plan_reshards_only_on_a_layout_change(tmp_path):
     ({"model.n_layers": 4}, "was saved with model.n_layers=2, the config has model.n_layers=4"),
     ({"deepspeed.fp16.enabled": True, "parallel.tp": 2, "parallel.dp": 1,
       "deepspeed.zero_optimization.stage": 0},
-     "resumed on tp2·cp2·pp1·dp1 ZeRO-0 fp16: DeepSpeed converts 16-bit runs only from"),
+     "resumed on tp2·cp2·pp1·dp1 ZeRO-0 fp16: resharding takes fp32 at ZeRO stage 0-2"),
 ])
 def test_resume_plan_refusals(tmp_path, sets, msg):
     make_tag(str(tmp_path), 4, reshard.checkpoint_meta(_cfg(), 2))

@@ -67,7 +67,8 @@ def optimizer_kind(layout: Dict[str, Any]) -> Optional[str]:
     stage-0 optimizers, FP16_Optimizer (fp16, or bf16 without a pipeline) and
     BF16_Optimizer (bf16 with a pipeline): DeepSpeed 0.19.8 saves no ``param_shapes`` for
     them, so ds_to_universal cannot convert their checkpoints (FP16_Optimizer cannot load
-    one either); and ZeRO-3, not used by ctxpar's configs and not tested here.
+    one either); and ZeRO-3, whose partitions ctxpar lays over dp x cp itself
+    (ctxpar/zero.py): converting those is not covered (resumes on the saving layout only).
     """
     stage, dtype = layout["zero_stage"], layout["dtype"]
     if stage in (1, 2):
@@ -159,9 +160,9 @@ def plan_resume(save_dir: str, resume: str, cfg, world_size: int,
             if optimizer_kind(layout) is None:
                 raise CheckpointError(
                     f"{tag_dir}: cannot change the layout ({', '.join(changed)}) of a run "
-                    f"{which} {describe(layout)}: DeepSpeed converts 16-bit runs only from "
-                    f"ZeRO stage 1-2 (not stage 0 or 3); resume on {describe(saved)}, or "
-                    f"train 16-bit runs with deepspeed.zero_optimization.stage 1 or 2")
+                    f"{which} {describe(layout)}: resharding takes fp32 at ZeRO stage 0-2 "
+                    f"and 16-bit at stage 1-2 (DeepSpeed cannot convert its 16-bit stage-0 "
+                    f"optimizers; ZeRO-3 is not covered); resume on {describe(saved)}")
     return plan
 
 
