@@ -156,7 +156,7 @@ def zero0_to_universal(tag_dir: str, out_dir: str, n_layers: int, pipelined: boo
     for name, per_tp in shapes.items():
         merge_tp_slices(uc_info, zero, tmp, tp_degree,
                         (name, [per_tp[r] for r in range(tp_degree)]))
-    groups = [{k: v for k, v in g.items()} for g in first["optimizer"]["param_groups"]]
+    groups = [dict(g) for g in first["optimizer"]["param_groups"]]
     torch.save({C.PARAM_GROUPS: groups, C.DS_VERSION: first[C.DS_VERSION], C.ZERO_STAGE: 0},
                os.path.join(zero, "optimizer_state.pt"))
     shutil.rmtree(tmp, ignore_errors=True)
