@@ -132,10 +132,12 @@ def _gpt_zero3(rank, world, payload):
 
     init_deepspeed_comm()
     out = []
-    for (stage, tp, cp, tie, ckpt), tokens, labels in pickle.loads(payload):
+    for (stage, tp, cp, tie, ckpt, comm), tokens, labels in pickle.loads(payload):
         cfg = ModelConfig(**CFG, tie_embeddings=tie)
-        st = init_parallel_state(tp=tp, cp=cp)
+        u = ULYSSES[comm](cp)
+        st = init_parallel_state(tp=tp, cp=cp, ulysses=u)
         model = GPT(cfg, tp_group=st.tp_group, cp_group=st.cp_group, layout="zigzag",
+                    cp_comm=comm, ulysses_group=st.ulysses_group, ring_group=st.ring_group,
                     activation_checkpointing=ckpt, seed=SEED)
         # persistence threshold 0: every parameter is really partitioned and gathered by
         # ZeRO-3's hooks (the default keeps parameters < 1e5 elements whole).
@@ -145,9 +147,9 @@ def _gpt_zero3(rank, world, payload):
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds, mpu=DeepSpeedMPU(st))
         rows = slice(st.dp_rank * BATCH // st.dp_size, (st.dp_rank + 1) * BATCH // st.dp_size)
-        tok = shard_sequence(tokens[rows], 1, st.cp_group, "zigzag")
-        lab = shard_sequence(labels[rows], 1, st.cp_group, "zigzag")
-        pos = sequence_positions(cfg.seq_len, st.cp_group, "zigzag")
+        tok = shard_sequence(tokens[rows], 1, st.cp_group, "zigzag", u)
+        lab = shard_sequence(labels[rows], 1, st.cp_group, "zigzag", u)
+        pos = sequence_positions(cfg.seq_len, st.cp_group, "zigzag", ulysses=u)
         n = global_token_count(lab, st.dp_cp_group)
         engine.backward(loss_for_backward(engine(tok, pos, lab), n, grad_divisor(st, ds)))
         # This TP rank's gradient gathered over dp x cp by ZeRO, then over TP to full size.
@@ -159,10 +161,18 @@ def _gpt_zero3(rank, world, payload):
     return out
 
 
+# The Ulysses degree of each CP pattern at cp ranks (hybrid: 2 x a ring of cp/2).
+ULYSSES = {"ring": lambda cp: 1, "allgather": lambda cp: 1, "ulysses": lambda cp: cp,
+           "hybrid": lambda cp: 2}
+
+
 def test_gpt_zero_stages_with_cp_and_tp_match_single_process():
-    # (ZeRO stage, tp, cp, tied head, activation checkpointing); dp = 4 / (tp*cp)
-    cases = [(3, 1, 2, True, "none"), (3, 2, 2, False, "selective"), (3, 1, 4, True, "full"),
-             (2, 2, 2, True, "none"), (1, 1, 2, False, "none")]
+    # (ZeRO stage, tp, cp, tied head, activation checkpointing, cp_comm); dp = 4 / (tp*cp).
+    # ZeRO-3 under every CP pattern: each one's gradients must be summed over dp x cp.
+    cases = [(3, 1, 2, True, "none", "ring"), (3, 2, 2, False, "selective", "ring"),
+             (3, 1, 4, True, "full", "ring"), (3, 1, 2, True, "none", "allgather"),
+             (3, 1, 4, False, "selective", "ulysses"), (3, 1, 4, True, "none", "hybrid"),
+             (2, 2, 2, True, "none", "ring"), (1, 1, 2, False, "none", "ring")]
     g = torch.Generator().manual_seed(0)
     payload = []
     for case in cases:
@@ -171,12 +181,12 @@ def test_gpt_zero_stages_with_cp_and_tp_match_single_process():
         labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
         payload.append((case, tokens, labels))
     res = run_distributed(_gpt_zero3, 4, pickle.dumps(payload), timeout=300)
-    for i, ((stage, tp, cp, tie, ckpt), tokens, labels) in enumerate(payload):
+    for i, ((stage, tp, cp, tie, ckpt, comm), tokens, labels) in enumerate(payload):
         want, want_norm = _reference(ModelConfig(**CFG, tie_embeddings=tie), tokens, labels)
         for rank in range(4):
             got, norm = res[rank][i]
             assert set(got) == set(want)
             for name in want:
                 torch.testing.assert_close(got[name], want[name], **TOL,
-                                           msg=lambda m: f"zero{stage} tp{tp} cp{cp} {name}: {m}")
-            assert abs(norm - want_norm.item()) <= 1e-5 * want_norm.item(), (stage, tp, cp, norm)
+                                           msg=lambda m: f"zero{stage} tp{tp} cp{cp} {comm} {name}: {m}")
+            assert abs(norm - want_norm.item()) <= 1e-5 * want_norm.item(), (stage, tp, cp, comm, norm)
