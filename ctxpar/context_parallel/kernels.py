@@ -18,9 +18,11 @@ dq/dk/dv are exactly its share of the full gradient (ring-flash-attention does t
   after reading the signature, see ``_call_by_signature``.
 - sdpa: PyTorch's fused kernels. CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (+
   backward). CUDA: ``_scaled_dot_product_flash_attention`` for fp16/bf16, else
-  ``_scaled_dot_product_efficient_attention`` (+ backwards). They want (B, H, S, D), equal
-  heads (GQA is expanded here, only Hkv heads travel the ring) and, on CUDA, head_dim a
-  multiple of 8 (zero-padded here, which changes neither q k^T nor the kept columns of out).
+  ``_scaled_dot_product_efficient_attention`` (+ backwards). They want (B, H, S, D) and, on
+  CUDA, head_dim a multiple of 8 (zero-padded here, which changes neither q k^T nor the
+  kept columns of out). GQA: the flash kernels (CPU and CUDA) take Hkv < H natively and
+  return dK/dV at Hkv heads; only the memory-efficient kernel (fp32 on CUDA) needs K,V
+  expanded to H heads and dK/dV summed back (``native_gqa``).
 - math: plain torch in fp32, O(L*S) memory. The reference; any device, any dtype.
 """
 from __future__ import annotations
@@ -107,12 +109,21 @@ class SdpaBackend:
         return q.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     @staticmethod
-    def _bhsd(x: torch.Tensor, heads: int) -> torch.Tensor:  # (B,S,h,D) -> (B,H,S,D) view
-        return expand_kv(x, heads).transpose(1, 2)
+    def native_gqa(q: torch.Tensor) -> bool:
+        """Whether the kernel chosen for q takes K,V at Hkv heads itself: the CPU flash op and
+        CUDA's flash op do (torch's sdpa docs: GQA "works only for Flash_attention and math";
+        their backward returns dK/dV at Hkv), CUDA's memory-efficient op (fp32) does not."""
+        return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
+
+    @classmethod
+    def _bhsd(cls, q: torch.Tensor, *xs: torch.Tensor):  # (B,S,h,D) -> (B,h',S,D) views
+        H = q.shape[2]
+        expand = (lambda x: x) if cls.native_gqa(q) else (lambda x: expand_kv(x, H))
+        return [expand(x).transpose(1, 2) for x in xs]
 
     def forward(self, q, k, v, causal, scale):
-        H, D, L = q.shape[2], q.shape[3], q.shape[1]
-        qt, kt, vt = (self._bhsd(x, H) for x in (q, k, v))
+        D, L = q.shape[3], q.shape[1]
+        qt, kt, vt = q.transpose(1, 2), *self._bhsd(q, k, v)
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, causal, scale=scale)
@@ -128,9 +139,9 @@ class SdpaBackend:
         return out[..., :D].transpose(1, 2), lse[..., :L].float().contiguous()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        H, Hkv, D = q.shape[2], k.shape[2], q.shape[3]
+        Hkv, D = k.shape[2], q.shape[3]
         L, S = q.shape[1], k.shape[1]
-        qt, kt, vt = (self._bhsd(x, H) for x in (q, k, v))
+        qt, kt, vt = q.transpose(1, 2), *self._bhsd(q, k, v)
         dot, ot = dout.transpose(1, 2), out.transpose(1, 2)
         lse = lse.float().contiguous()  # a strided lse gives wrong gradients (torch CP notes)
         if q.device.type == "cpu":
@@ -152,8 +163,8 @@ class SdpaBackend:
                 _pad_head_dim(dot), _pad_head_dim(qt), _pad_head_dim(kt), _pad_head_dim(vt),
                 None, _pad_head_dim(ot), lse, seed, seed, 0.0, [True, True, True, False],
                 causal, scale=scale)
-        dq, dk, dv = (g[..., :D].transpose(1, 2) for g in (dq, dk, dv))  # (B, S, H, D)
-        return dq, reduce_kv_grad(dk, Hkv), reduce_kv_grad(dv, Hkv)
+        dq, dk, dv = (g[..., :D].transpose(1, 2) for g in (dq, dk, dv))  # (B, S, h, D)
+        return dq, reduce_kv_grad(dk, Hkv), reduce_kv_grad(dv, Hkv)  # no-ops when native
 
 
 @functools.lru_cache(maxsize=None)
