@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import backward_block, block_plan, forward_block_
+from .blocks import QueryRows, backward_block, block_plan, forward_block_
 from .comm import all_gather, group_rank_and_size, reduce_scatter
 from .merge import empty_accumulators
 
@@ -61,9 +61,9 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, ke
     gathered, work = all_gather(kv, group, "bwd", async_op=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((world, *kv.shape), dtype=torch.float32, device=q.device)
+    rows = QueryRows(dout, q, out, lse)
     for src, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal):
-        qs, ks, (gq, gk, gv) = backward_block(kernel, dout, q, slot[0], slot[1], out, lse,
-                                              blk, scale)
+        qs, ks, (gq, gk, gv) = backward_block(kernel, rows, slot[0], slot[1], blk, scale)
         dq[:, qs] += gq
         dkv[src, 0, :, ks] += gk
         dkv[src, 1, :, ks] += gv

@@ -72,7 +72,29 @@ def forward_block_(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     record(fwd_flops=attention_flops(B, H, D, blk.pairs(), "fwd"), fwd_blocks=1)
 
 
-def backward_block(kernel, dout, q, k, v, out, lse, blk: Block, scale: float
+class QueryRows:
+    """dout, q, out and lse of the local queries, sliced by a block's query rows.
+
+    Every block of a backward pass uses one of very few row ranges (all rows, or zigzag's
+    second half, or striped's all-but-first), so each slice is made once per range and
+    reused on every step: dout/q/out are views; lse rows are made contiguous once (the
+    kernels need a contiguous lse, and a strided one silently gives wrong gradients).
+    """
+
+    def __init__(self, dout, q, out, lse):
+        self.full = (dout, q, out, lse)
+        self._cache = {}
+
+    def __call__(self, qs: slice):
+        key = (qs.start, qs.stop)
+        if key not in self._cache:
+            dout, q, out, lse = self.full
+            self._cache[key] = (dout[:, qs], q[:, qs], out[:, qs],
+                                lse[:, :, qs].float().contiguous())
+        return self._cache[key]
+
+
+def backward_block(kernel, rows: QueryRows, k, v, blk: Block, scale: float
                    ) -> Tuple[slice, slice, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(query rows, key rows, (dq, dk, dv) of the block) given the *global* out and lse.
 
@@ -80,10 +102,10 @@ def backward_block(kernel, dout, q, k, v, out, lse, blk: Block, scale: float
     row, so the block's gradients are exactly its share of the full gradient; the caller
     adds them into its accumulators (dq rows qs; dk, dv rows ks of the visiting kv).
     """
-    B, _, H, D = q.shape
     qs, ks = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
-    grads = kernel.backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs],
-                            lse[:, :, qs], blk.causal, scale)
+    dout, q, out, lse = rows(qs)
+    B, _, H, D = q.shape
+    grads = kernel.backward(dout, q, k[:, ks], v[:, ks], out, lse, blk.causal, scale)
     record(bwd_flops=attention_flops(B, H, D, blk.pairs(), "bwd"), bwd_blocks=1)
     return qs, ks, grads
 

@@ -3,7 +3,7 @@
 One interface, public layout (B, S, H, D):
 
     out, lse = backend.forward(q, k, v, causal, scale)    # out (B, L, H, D) in q's dtype
-                                                          # lse (B, H, L) fp32, contiguous
+                                                          # lse (B, H, L) fp32 (maybe strided)
     dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale)
 
 q has H heads, k/v have Hkv heads (H % Hkv == 0, GQA/MQA); dk/dv come back at Hkv heads.
@@ -54,6 +54,12 @@ def reduce_kv_grad(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
     if H == kv_heads:
         return dx
     return dx.float().view(B, S, kv_heads, H // kv_heads, D).sum(dim=3)
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """flash-attn needs only stride(-1) == 1 (its own ``maybe_contiguous``): the ring's
+    row slices and (B, S, H, D) views pass without a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
@@ -135,8 +141,9 @@ class SdpaBackend:
             out, lse = aten._scaled_dot_product_efficient_attention(
                 _pad_head_dim(qt), _pad_head_dim(kt), _pad_head_dim(vt), None, True, 0.0,
                 causal, scale=scale)[:2]
-        # CPU lse has strides (H*L, 1, H): make it contiguous before anyone sends it.
-        return out[..., :D].transpose(1, 2), lse[..., :L].float().contiguous()
+        # CPU lse has strides (H*L, 1, H); the merge reads it as it is, and whoever keeps or
+        # sends a block's lse makes it contiguous (ring._local_forward), not every block.
+        return out[..., :D].transpose(1, 2), lse[..., :L].float()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         Hkv, D = k.shape[2], q.shape[3]
@@ -221,7 +228,7 @@ class FlashAttnBackend:
 
     def forward(self, q, k, v, causal, scale):
         D, L = q.shape[3], q.shape[1]
-        qp, kp, vp = (_pad_head_dim(x).contiguous() for x in (q, k, v))
+        qp, kp, vp = (last_dim_contiguous(_pad_head_dim(x)) for x in (q, k, v))
         res = _call_by_signature(self._load()[0], dict(q=qp, k=kp, v=vp,
                                                        **self._options(causal, scale)))
         # <= 2.5: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
@@ -231,7 +238,8 @@ class FlashAttnBackend:
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         D = q.shape[3]
-        dop, qp, kp, vp, op = (_pad_head_dim(x).contiguous() for x in (dout, q, k, v, out))
+        dop, qp, kp, vp, op = (last_dim_contiguous(_pad_head_dim(x))
+                               for x in (dout, q, k, v, out))
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
         _call_by_signature(self._load()[1], dict(
             dout=dop, q=qp, k=kp, v=vp, out=op, softmax_lse=lse.float().contiguous(),

@@ -12,12 +12,17 @@ Communication is explicit P2P (comm.RingComm) and never part of the autograd gra
 
 Overlap: the next block's transfer is started before computing on the current one and
 waited for only after it. A group of one rank (or ``comm.LOCAL``) is one kernel call.
+
+Copies: none of K,V. The first step sends the caller's k and v themselves (two P2P ops in
+one batch, so no ``stack``); visiting blocks land in two alternating receive buffers, never
+in k, v (autograd saved them). The backward slices of dout/q/out are views; the one slice
+the kernels need contiguous (lse rows) is made once per distinct row range, not per step.
 """
 from __future__ import annotations
 
 import torch
 
-from .blocks import backward_block, block_plan, forward_block_
+from .blocks import QueryRows, backward_block, block_plan, forward_block_
 from .comm import NoComm, RingComm, group_rank_and_size
 from .merge import empty_accumulators
 from .stats import attention_flops, record
@@ -29,7 +34,35 @@ def _local_forward(q, k, v, causal, scale, kernel):
     out, lse = kernel.forward(q, k, v, causal, scale)
     pairs = S * (S + 1) // 2 if causal else S * S
     record(fwd_flops=attention_flops(B, H, D, pairs, "fwd"), fwd_blocks=1)
-    return out, lse
+    return out, lse.contiguous()  # kept for backward, sent by Ulysses: contiguous
+
+
+class KVRing:
+    """The visiting (k, v) of a ring: the caller's own pair first, then the pair received.
+
+    Receive buffers alternate (two pairs, one when a single hop is left), so the pair being
+    sent is never the one being written; the caller's k, v are only ever sent.
+    """
+
+    def __init__(self, k, v, comm, hops: int):
+        self.kv = (k.contiguous(), v.contiguous())  # no-ops for the projections' outputs
+        self.comm, self.step = comm, 0
+        n = min(hops, 2) if comm else 0
+        self._bufs = [(torch.empty_like(self.kv[0]), torch.empty_like(self.kv[1]))
+                      for _ in range(n)]
+        self._recv = None
+
+    def start(self) -> None:
+        """Send the current pair on and receive the next (one batch of four P2P ops)."""
+        self._recv = self._bufs[self.step % 2]
+        for x, buf in zip(self.kv, self._recv):
+            self.comm.send_recv(x, buf)
+        self.comm.commit()
+
+    def finish(self) -> None:
+        self.comm.wait()
+        self.kv, self._recv = self._recv, None
+        self.step += 1
 
 
 def ring_forward(q, k, v, group, causal, layout, scale, kernel):
@@ -43,19 +76,16 @@ def ring_forward(q, k, v, group, causal, layout, scale, kernel):
         return _local_forward(q, k, v, causal, scale, kernel)
     S = q.shape[1]
     out, lse = empty_accumulators(q)
-    kv = torch.stack((k, v))  # (2, B, S, Hkv, D): one contiguous message per step
     comm = None if isinstance(group, NoComm) else RingComm(group)
-    recv = torch.empty_like(kv) if comm else None
+    ring = KVRing(k, v, comm, world - 1)
     for step in range(world):
         if comm and step + 1 < world:  # start moving the next block before computing
-            comm.send_recv(kv, recv)
-            comm.commit()
+            ring.start()
         blk = block_plan(layout, causal, rank, (rank - step) % world, S)
         if blk is not None:
-            forward_block_(kernel, q, kv[0], kv[1], blk, scale, out, lse)
+            forward_block_(kernel, q, *ring.kv, blk, scale, out, lse)
         if comm and step + 1 < world:
-            comm.wait()
-            kv, recv = recv, kv  # double buffer: the sent one is free again
+            ring.finish()
     if comm:
         record(fwd_bytes_sent=comm.bytes_sent, fwd_bytes_recv=comm.bytes_recv,
                fwd_comm_ops=comm.ops)
@@ -78,25 +108,24 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel)
     the last one carries each block's gradient home).
     """
     rank, world = group_rank_and_size(group)
-    dout = dout.contiguous()
+    dout = dout.contiguous()  # a no-op for autograd's usual dout
     if world == 1:
         return _local_backward(dout, q, k, v, out, lse, causal, scale, kernel)
     S = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # (2,B,S,Hkv,D)
     ring = not isinstance(group, NoComm)
     kv_comm, dkv_comm = (RingComm(group), RingComm(group)) if ring else (None, None)
-    kv_recv = torch.empty_like(kv) if ring else None
+    kv = KVRing(k, v, kv_comm, world - 1)
     dkv_recv = torch.empty_like(dkv) if ring else None
+    rows = QueryRows(dout, q, out, lse)
     for step in range(world):
         if kv_comm and step + 1 < world:
-            kv_comm.send_recv(kv, kv_recv)
-            kv_comm.commit()
+            kv.start()
         blk = block_plan(layout, causal, rank, (rank - step) % world, S)
         grads = None
         if blk is not None:
-            qs, ks, grads = backward_block(kernel, dout, q, kv[0], kv[1], out, lse, blk, scale)
+            qs, ks, grads = backward_block(kernel, rows, *kv.kv, blk, scale)
             dq[:, qs] += grads[0]
         if dkv_comm and step > 0:
             dkv_comm.wait()  # the accumulator of the block we hold, from rank - 1
@@ -108,8 +137,7 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel)
             dkv_comm.send_recv(dkv, dkv_recv)
             dkv_comm.commit()
         if kv_comm and step + 1 < world:
-            kv_comm.wait()
-            kv, kv_recv = kv_recv, kv
+            kv.finish()
     if dkv_comm:
         dkv_comm.wait()  # our own block's dK,dV, complete after its P-th hop
         dkv = dkv_recv
