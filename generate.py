@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ctxpar.cli import add_launcher_args, fail
+from ctxpar.cli import add_launcher_args, fail, show_ctxpar_logs
 from ctxpar.config import ConfigError
 from ctxpar.data import DataError, build_source, load_tokenizer
 from ctxpar.known_warnings import filter_known_warnings
@@ -189,6 +189,7 @@ def main(argv=None) -> int:
     state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=1, dp=1,
                                 order=cfg.parallel.order)
     rank0 = dist.get_rank() == 0
+    show_ctxpar_logs(rank0)  # e.g. the attention kernel 'auto' chose, and why
     model = GPT.from_config(cfg, state, device=device, dtype=DTYPES[args.dtype]).eval()
     try:
         load_weights_(model, files, state.tp_group)

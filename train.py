@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import checkpoint as ckpt
-from ctxpar.cli import add_launcher_args, fail, warn
+from ctxpar.cli import add_launcher_args, fail, show_ctxpar_logs, warn
 from ctxpar.mpu import DeepSpeedMPU
 from ctxpar.config import (ConfigError, deepspeed_config, dump_config, load_config, to_dict,
                            ulysses_degree)
@@ -124,6 +124,7 @@ def main(argv=None) -> int:
                                 ulysses=ulysses_degree(cfg.parallel))
     init_deepspeed_comm()  # without DeepSpeed's CPU shm op (ctxpar/deepspeed_comm.py)
     rank0 = dist.get_rank() == 0
+    show_ctxpar_logs(rank0)  # e.g. the attention kernel 'auto' chose, and why
     torch.manual_seed(cfg.train.seed)
 
     # 3. The model (same init for every layout) and the DeepSpeed engine. With pp > 1 this

@@ -24,3 +24,18 @@ def warn(msg: str):
     """A warning line on stderr, from rank 0 only (for verdicts every rank reaches alike)."""
     if os.environ["RANK"] == "0":
         print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def show_ctxpar_logs(rank0: bool) -> None:
+    """ctxpar's own log lines (e.g. which attention kernel 'auto' chose) on rank 0's stdout.
+
+    Only the 'ctxpar' logger: third-party INFO chatter stays where it was.
+    """
+    import logging
+
+    logger = logging.getLogger("ctxpar")
+    if rank0 and not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)

@@ -89,8 +89,12 @@ class ParallelConfig:
     ulysses: Optional[int] = None
     """Ulysses degree: for cp_comm='hybrid' the inner degree N (ring = cp / N); for
     'ulysses' it is cp (None = cp); unused (None or 1) for 'ring' and 'allgather'."""
+    ring_grad_dtype: str = "fp32"
+    """The dtype the ring's travelling dK,dV accumulator crosses the links in: 'fp32'
+    (exact) or 'bf16' (half the backward's gradient bytes, one bf16 rounding of the running
+    sum per hop; docs/benchmarks.md states the error). cp_comm 'ring' or 'hybrid' only."""
     attention_backend: str = "auto"
-    """Per-block attention kernel: 'auto', 'flash_attn', 'sdpa' or 'math'."""
+    """Per-block attention kernel: 'auto', 'flash_attn', 'flash_attn4', 'sdpa' or 'math'."""
     pp_partition: str = "parameters"
     """Pipeline partitioning: 'parameters' or 'uniform'."""
 
@@ -201,7 +205,8 @@ CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "parallel.layout": LAYOUTS,
     "parallel.cp_comm": CP_COMMS,
-    "parallel.attention_backend": ("auto", "flash_attn", "sdpa", "math"),
+    "parallel.ring_grad_dtype": ("fp32", "bf16"),
+    "parallel.attention_backend": ("auto", "flash_attn", "flash_attn4", "sdpa", "math"),
     "parallel.pp_partition": ("parameters", "uniform"),
     "data.kind": ("passkey", "tokens"),
     "checkpointing.activation": CHECKPOINT_MODES,
@@ -363,6 +368,9 @@ def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err) -> None:
     if p.cp_comm == "hybrid" and (p.ulysses is None or p.cp % p.ulysses):
         err(f"parallel.cp_comm='hybrid' needs parallel.ulysses dividing parallel.cp={p.cp} "
             f"(ring = cp / ulysses), got parallel.ulysses={p.ulysses}")
+    if p.ring_grad_dtype != "fp32" and p.cp_comm not in ("ring", "hybrid"):
+        err(f"parallel.ring_grad_dtype={p.ring_grad_dtype!r} applies to the ring's dK,dV "
+            f"(parallel.cp_comm 'ring' or 'hybrid'), not parallel.cp_comm={p.cp_comm!r}")
     u, heads = ulysses_degree(p), m.n_heads // p.tp
     if heads % u:
         err(f"model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} heads per TP rank is "

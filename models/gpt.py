@@ -47,7 +47,7 @@ def check_checkpoint_mode(mode: str) -> None:
 
 
 def context_parallel_of(cp_comm: str, cp_group, ulysses_group, ring_group,
-                        layout: str) -> ContextParallel:
+                        layout: str, ring_grad_dtype: str = "fp32") -> ContextParallel:
     """The model's CP attention; refuses groups left at None in a distributed run, where the
     functional API would read them as the whole world (or, for hybrid, as groups of one)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -57,7 +57,8 @@ def context_parallel_of(cp_comm: str, cp_group, ulysses_group, ring_group,
         if missing:
             raise ValueError(f"GPT: pass {' and '.join(missing)} (e.g. a ParallelState's) for "
                              f"cp_comm={cp_comm!r} when torch.distributed is initialised")
-    return ContextParallel(cp_comm, cp_group, ulysses_group, ring_group, layout)
+    return ContextParallel(cp_comm, cp_group, ulysses_group, ring_group, layout,
+                           ring_grad_dtype)
 
 
 def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
@@ -249,12 +250,13 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, cp_group=None,
                  layout: str = "contiguous", cp_comm: str = "ring", ulysses_group=None,
-                 ring_group=None, attention_backend: str = "auto",
+                 ring_group=None, ring_grad_dtype: str = "fp32", attention_backend: str = "auto",
                  activation_checkpointing: str = "none", every_n_layers: int = 1,
                  seed: int = 1234, device=None, dtype=None):
         super().__init__()
         check_checkpoint_mode(activation_checkpointing)
-        self.cp = context_parallel_of(cp_comm, cp_group, ulysses_group, ring_group, layout)
+        self.cp = context_parallel_of(cp_comm, cp_group, ulysses_group, ring_group, layout,
+                                      ring_grad_dtype)
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
         self.activation_checkpointing, self.every_n_layers = activation_checkpointing, every_n_layers
         selective = activation_checkpointing == "selective"
@@ -275,6 +277,7 @@ class GPT(nn.Module):
         return cls(cfg.model, tp_group=state.tp_group, cp_group=state.cp_group,
                    layout=cfg.parallel.layout, cp_comm=cfg.parallel.cp_comm,
                    ulysses_group=state.ulysses_group, ring_group=state.ring_group,
+                   ring_grad_dtype=cfg.parallel.ring_grad_dtype,
                    attention_backend=cfg.parallel.attention_backend,
                    activation_checkpointing=cfg.checkpointing.activation,
                    every_n_layers=cfg.checkpointing.every_n_layers, seed=cfg.train.seed,

@@ -148,13 +148,14 @@ class GPTPipe(PipelineModule):
 
     def __init__(self, cfg: ModelConfig, state, *, grad_accum_steps: int = 1,
                  layout: str = "contiguous", cp_comm: str = "ring",
-                 attention_backend: str = "auto",
+                 ring_grad_dtype: str = "fp32", attention_backend: str = "auto",
                  activation_checkpointing: str = "none", every_n_layers: int = 1,
                  partition_method: str = "parameters", seed: int = 1234,
                  device=None, dtype=None):
         check_checkpoint_mode(activation_checkpointing)
         init_deepspeed_comm()  # PipelineModule builds groups with deepspeed.comm
-        tp, cp = state.tp_group, ContextParallel.from_state(state, cp_comm, layout)
+        tp, cp = state.tp_group, ContextParallel.from_state(state, cp_comm, layout,
+                                                                ring_grad_dtype)
         kw = dict(device=device, dtype=dtype)
         if cfg.tie_embeddings:
             tied = dict(tied_weight_attr=["embed.weight"])
@@ -184,6 +185,7 @@ class GPTPipe(PipelineModule):
         """This rank's stage for a ParallelState, from the whole run config."""
         return cls(cfg.model, state, grad_accum_steps=grad_accum_steps,
                    layout=cfg.parallel.layout, cp_comm=cfg.parallel.cp_comm,
+                   ring_grad_dtype=cfg.parallel.ring_grad_dtype,
                    attention_backend=cfg.parallel.attention_backend,
                    activation_checkpointing=cfg.checkpointing.activation,
                    every_n_layers=cfg.checkpointing.every_n_layers,

@@ -71,6 +71,11 @@ def _write(tmp_path, data, name="c.yaml"):
      "degree 4 (parallel.cp_comm='hybrid'"),
     ({"model": {"seq_len": 100}, "parallel": {"cp": 4, "ulysses": 2, "cp_comm": "hybrid"}},
      None, "model.seq_len=100 is not divisible by 8 (parallel.layout='zigzag'"),
+    ({"parallel": {"ring_grad_dtype": "fp16"}}, None,
+     "parallel.ring_grad_dtype='fp16' must be one of 'fp32', 'bf16'"),
+    ({"parallel": {"cp": 4, "cp_comm": "allgather", "ring_grad_dtype": "bf16"}}, None,
+     "parallel.ring_grad_dtype='bf16' applies to the ring's dK,dV (parallel.cp_comm 'ring' "
+     "or 'hybrid'), not parallel.cp_comm='allgather'"),
 ])
 def test_bad_configs_name_file_key_and_values(tmp_path, data, world, msg):
     path = _write(tmp_path, data)

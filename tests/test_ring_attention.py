@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ctxpar.context_parallel.kernels import FlashAttnBackend, MathBackend, SdpaBackend
+from ctxpar.context_parallel.kernels import (FlashAttn4Backend, FlashAttnBackend, MathBackend,
+                                             SdpaBackend)
 from ctxpar.context_parallel import context_parallel_attention, ring_attention
 from ctxpar.context_parallel.blocks import block_plan
 from ctxpar.context_parallel.layouts import LAYOUTS, rank_positions, shard_sequence
@@ -83,6 +84,39 @@ def test_ring_step_copies_nothing_it_does_not_need():
         assert "aten::clone" not in fwd, (rank, fwd)
         assert bwd.get("aten::clone", 0) <= 1, (rank, bwd)
         assert fwd["aten::empty_like"] == 4 and bwd["aten::empty_like"] == 5, (rank, fwd, bwd)
+
+
+def _grad_dtypes(rank, world):
+    from ctxpar.context_parallel import context_parallel_attention, cp_stats
+    group = dist.group.WORLD
+    q, k, v, dout = global_inputs(2 * world * 16, 8, 2, 16, torch.float32)
+    dout = shard_sequence(dout, 1, group, "zigzag")
+    res = {}
+    for wire in ("fp32", "bf16"):
+        ql, kl, vl = (shard_sequence(x, 1, group, "zigzag").requires_grad_() for x in (q, k, v))
+        with cp_stats() as st:
+            out = context_parallel_attention(ql, kl, vl, comm="ring", cp_group=group,
+                                             causal=True, layout="zigzag",
+                                             ring_grad_dtype=wire)
+            out.backward(dout)
+        res[wire] = (out.detach(), ql.grad, kl.grad, vl.grad, st.bwd_bytes_sent)
+    return res
+
+
+def test_ring_grad_dtype_bf16_halves_the_gradient_bytes_within_bf16_rounding():
+    P = 4
+    for rank, res in enumerate(run_distributed(_grad_dtypes, P, timeout=120)):
+        (out, dq, dk, dv, sent), (out16, dq16, dk16, dv16, sent16) = res["fp32"], res["bf16"]
+        # Forward and dq never touch the travelling accumulator: bit-identical.
+        assert torch.equal(out, out16) and torch.equal(dq, dq16), rank
+        # dK,dV: each hop rounds the running sum to bf16 once (8 mantissa bits): at most P
+        # roundings of 2^-9 relative each; 2e-2 of the largest entry bounds P=4 with margin.
+        for a, b in ((dk16, dk), (dv16, dv)):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-2 * b.abs().max().item())
+            assert not torch.equal(a, b), "the bf16 wire rounded nothing?"
+        kv = 2 * dk.numel() * 4  # one (k, v) block in fp32: what the ring forwards P-1 times
+        assert sent == (P - 1) * kv + P * kv, (rank, sent)  # dK,dV in fp32 every hop
+        assert sent16 == (P - 1) * kv + P * kv // 2, (rank, sent16)  # ... in bf16
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -169,6 +203,60 @@ def test_flash_attn_adapter_follows_the_signature(fwd):
     grads = be.backward(do, q, k, v, out, lse, True, 0.2)
     torch.testing.assert_close(grads, ref.backward(do, q, k, v, out, lse, True, 0.2),
                                atol=1e-6, rtol=1e-6)  # padded D: fp32 re-association only
+
+
+def _fa4_fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False, pack_gqa=None):
+    assert return_lse and q.stride(-1) == 1
+    return MathBackend().forward(q, k, v, causal, softmax_scale)
+
+
+def _fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0):
+    return MathBackend().backward(dout, q, k, v, out, lse, causal, softmax_scale)
+
+
+def test_flash_attn4_adapter_follows_its_interface():
+    """FlashAttention-4's calling convention (flash_attn.cute.interface: forward returns
+    (out, lse) with return_lse, backward takes (q, k, v, out, dout, lse) and returns the
+    gradients at k's heads), with stand-ins; and the shapes it refuses."""
+    be = FlashAttn4Backend(_fa4_fwd, _fa4_bwd, device_types=("cpu",))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 8, h, 64, generator=gen).to(torch.bfloat16)
+                   for h in (4, 2, 2, 4))
+    ref = MathBackend()
+    out, lse = be.forward(q, k, v, True, 0.2)
+    torch.testing.assert_close((out, lse), ref.forward(q, k, v, True, 0.2), **EXACT)
+    grads = be.backward(do, q, k, v, out, lse, True, 0.2)
+    torch.testing.assert_close(grads, ref.backward(do, q, k, v, out, lse, True, 0.2), **EXACT)
+    assert be.available(q)
+    assert be.why_not(q[..., :40]) == "head_dim 40 not in (64, 96, 128)"
+    assert be.why_not(q.float()) == "needs fp16/bf16"
+
+
+def test_auto_says_which_kernel_and_why_once(caplog):
+    from ctxpar.context_parallel import kernels
+    q = torch.zeros(1, 4, 2, 8)
+    backend, reason = kernels.choose_auto(q)
+    assert backend.name == "sdpa" and reason.startswith("flash_attn: needs cuda"), reason
+    kernels._LOGGED.discard(("cpu", torch.float32))
+    with caplog.at_level("INFO", logger="ctxpar"):
+        for _ in range(3):
+            kernels.get_backend("auto", q)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("ctxpar")]
+    assert lines == ["attention backend auto -> sdpa for cpu float32 (flash_attn: needs cuda)"]
+
+
+def test_errors_name_custom_op_kernels():
+    """flash-attn >= 2.7 wraps its kernels in torch.library custom ops (no __name__): an
+    unknown signature must still fail with the op's qualified name."""
+    from ctxpar.context_parallel.kernels import _call_by_signature, qualified_name
+
+    @torch.library.custom_op("ctxpar_test::fake_fwd", mutates_args=())
+    def fake_fwd(q: torch.Tensor, mystery: int) -> torch.Tensor:
+        return q.clone()
+
+    assert qualified_name(fake_fwd) == "ctxpar_test::fake_fwd"
+    with pytest.raises(RuntimeError, match=r"ctxpar_test::fake_fwd requires \['mystery'\]"):
+        _call_by_signature(fake_fwd, dict(q=torch.zeros(1)))
 
 
 def test_sdpa_cuda_path_shapes_on_meta():

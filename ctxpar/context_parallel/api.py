@@ -77,7 +77,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                comm: str, cp_group=None, ulysses_group=None, ring_group=None,
                                causal: bool = False, layout: str = "contiguous",
                                softmax_scale: Optional[float] = None, backend: str = "auto",
-                               return_lse: bool = False):
+                               return_lse: bool = False, ring_grad_dtype: str = "fp32"):
     """softmax(q k^T * scale) v over the full sequence, sharded across a CP group.
 
     q: (batch, local_seq, heads, head_dim); k, v: (batch, local_seq, kv_heads, head_dim)
@@ -88,6 +88,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     where None means a group of one. backend: 'auto' (flash_attn > sdpa > math),
     'flash_attn', 'sdpa' or 'math'. softmax_scale defaults to head_dim ** -0.5.
     Groups may also be comm.NoComm stand-ins (benchmarks: nothing is sent).
+    ring_grad_dtype: 'fp32' (exact) or 'bf16', the dtype the ring's travelling dK,dV
+    accumulator crosses the links in (comm 'ring' and the ring part of 'hybrid').
 
     Returns out (batch, local_seq, heads, head_dim) in q's dtype, and with return_lse also
     lse (batch, heads, local_seq) fp32 (not differentiable).
@@ -107,12 +109,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         cp_group = _world_group(cp_group)
         u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
     _check_inputs(q, k, v, comm, layout, u, caller)
+    if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
+        raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
+                         f"ring's dK,dV (comm 'ring' or 'hybrid'), not comm={comm!r}")
     kernel = get_backend(backend, q)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     causal = bool(causal)
     lse = None
     if comm in ("ring", "allgather"):
-        pattern = ring.PATTERN if comm == "ring" else allgather.PATTERN
+        pattern = ring.ring_pattern(ring_grad_dtype) if comm == "ring" else allgather.PATTERN
         out, lse = BlockwiseAttention.apply(q, k, v, pattern, cp_group, causal, layout, scale,
                                             kernel)
     elif comm == "ulysses":
@@ -122,7 +127,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         out, lse = ulysses_attention(q, k, v, cp_group, layout, local, return_lse)
     else:
         out, lse = hybrid_attention(q, k, v, ulysses_group, ring_group, causal, layout, scale,
-                                    kernel, return_lse)
+                                    kernel, return_lse, ring_grad_dtype)
     return (out, lse) if return_lse else out
 
 
@@ -150,20 +155,27 @@ class ContextParallel:
     ulysses_group: object = None
     ring_group: object = None
     layout: str = "contiguous"
+    ring_grad_dtype: str = "fp32"  # the ring's dK,dV on the wire (ring, hybrid)
 
     def __post_init__(self):
         if self.comm not in CP_COMMS:
             raise ValueError(f"cp_comm={self.comm!r} must be one of {list(CP_COMMS)}")
         check_layout(self.layout)
+        if self.ring_grad_dtype not in ring.GRAD_DTYPES:
+            raise ValueError(f"ring_grad_dtype={self.ring_grad_dtype!r} must be one of "
+                             f"{list(ring.GRAD_DTYPES)}")
 
     @classmethod
-    def from_state(cls, state, comm: str, layout: str) -> "ContextParallel":
+    def from_state(cls, state, comm: str, layout: str,
+                   ring_grad_dtype: str = "fp32") -> "ContextParallel":
         """The groups of a ParallelState (its ulysses/ring sub-groups for 'hybrid')."""
-        return cls(comm, state.cp_group, state.ulysses_group, state.ring_group, layout)
+        return cls(comm, state.cp_group, state.ulysses_group, state.ring_group, layout,
+                   ring_grad_dtype)
 
     def attention(self, q, k, v, *, causal: bool, backend: str = "auto",
                   softmax_scale: Optional[float] = None, return_lse: bool = False):
         return context_parallel_attention(
             q, k, v, comm=self.comm, cp_group=self.cp_group, ulysses_group=self.ulysses_group,
             ring_group=self.ring_group, causal=causal, layout=self.layout,
-            softmax_scale=softmax_scale, backend=backend, return_lse=return_lse)
+            softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
+            ring_grad_dtype=self.ring_grad_dtype)

@@ -22,12 +22,14 @@ from .ulysses import ulysses_attention
 
 
 def hybrid_attention(q, k, v, ulysses_group, ring_group, causal: bool, layout: str,
-                     scale: float, kernel, return_lse: bool = False):
+                     scale: float, kernel, return_lse: bool = False,
+                     ring_grad_dtype: str = "fp32"):
     """(out (B, s, H, D), lse (B, H, s) or None): Ulysses over ulysses_group around the ring
-    over ring_group."""
+    over ring_group (whose dK,dV travel in ring_grad_dtype)."""
+    pattern = ring.ring_pattern(ring_grad_dtype)
 
     def ring_over_shards(qh, kh, vh):  # (B, n/r, H/u, D), (B, n/r, Hkv'/u, D)
-        return BlockwiseAttention.apply(qh, kh, vh, ring.PATTERN, ring_group, causal, layout,
+        return BlockwiseAttention.apply(qh, kh, vh, pattern, ring_group, causal, layout,
                                         scale, kernel)
 
     return ulysses_attention(q, k, v, ulysses_group, layout, ring_over_shards, return_lse)

@@ -23,19 +23,29 @@ dq/dk/dv are exactly its share of the full gradient (ring-flash-attention does t
   kept columns of out). GQA: the flash kernels (CPU and CUDA) take Hkv < H natively and
   return dK/dV at Hkv heads; only the memory-efficient kernel (fp32 on CUDA) needs K,V
   expanded to H heads and dK/dV summed back (``native_gqa``).
+- flash_attn4: FlashAttention-4 (``pip install flash-attn-4[cu13]``, CuTe DSL kernels in
+  ``flash_attn.cute.interface``): CUDA sm90+ (Hopper, Blackwell), fp16/bf16, head_dim 64,
+  96 or 128, native GQA; each new shape JIT-compiles on first call (seconds). Chosen by
+  name only: ``auto`` does not prefer it until it has been run and timed on a GPU here.
 - math: plain torch in fp32, O(L*S) memory. The reference; any device, any dtype.
+
+``get_backend("auto", q)`` picks flash_attn > sdpa > math and logs once per device and
+dtype which kernel it chose and why the faster ones were passed over (a flash-attn that
+is installed but fails to import, e.g. an ABI mismatch with torch, is a warning).
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -180,6 +190,25 @@ def _parameters(fn: Callable):
     return inspect.signature(getattr(fn, "_init_fn", fn)).parameters
 
 
+def qualified_name(fn: Callable) -> str:
+    """A printable name for a plain function or a torch.library custom op (flash-attn >= 2.7
+    wraps its kernels in CustomOpDef objects, which have no ``__name__``)."""
+    for attr in ("_qualname", "__qualname__", "__name__", "name"):
+        name = getattr(fn, attr, None)
+        if isinstance(name, str):
+            return name
+    return repr(fn)
+
+
+def _import_failure(e: Exception) -> str:
+    """Why an optional kernel package cannot be used, in one line; logged as a warning when
+    the package is there but broken (anything but 'not installed')."""
+    reason = f"{type(e).__name__}: {e}".splitlines()[0]
+    if not isinstance(e, ModuleNotFoundError):
+        log.warning("attention kernel package present but unusable (%s)", reason)
+    return reason
+
+
 def _call_by_signature(fn: Callable, values: Dict[str, object]):
     """Call fn with the entries of `values` its signature names, all by keyword.
 
@@ -192,7 +221,8 @@ def _call_by_signature(fn: Callable, values: Dict[str, object]):
     missing = [n for n, p in params.items()
                if n not in values and p.default is inspect.Parameter.empty]
     if missing:
-        raise RuntimeError(f"unsupported flash_attn version: {fn.__name__} requires {missing}")
+        raise RuntimeError(f"unsupported flash_attn version: {qualified_name(fn)} requires "
+                           f"{missing}")
     return fn(**{n: values[n] for n in params if n in values})
 
 
@@ -206,19 +236,31 @@ class FlashAttnBackend:
         # Injected functions (tests) replace the import; device_types says where they run.
         self._fns = (forward_fn, backward_fn) if forward_fn is not None else None
         self.device_types = tuple(device_types)
+        self.unavailable = ""  # why the package could not be loaded, once tried
 
     def _load(self):
         if self._fns is None:
             try:
+                # A FlashAttention-4-only install makes `flash_attn` a namespace package
+                # without this module: that is "absent", not a crash.
                 from flash_attn import flash_attn_interface as fa
                 self._fns = (fa._flash_attn_forward, fa._flash_attn_backward)
-            except Exception:  # ImportError, or a broken CUDA build: treat as absent
-                self._fns = (None, None)
+            except Exception as e:  # ImportError, or a broken CUDA build / ABI mismatch
+                self._fns, self.unavailable = (None, None), _import_failure(e)
         return self._fns
 
+    def why_not(self, q: torch.Tensor) -> str:
+        """'' when the backend can run q, else the reason in a few words."""
+        if q.device.type not in self.device_types:
+            return f"needs {'/'.join(self.device_types)}"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return "needs fp16/bf16"
+        if self._load()[0] is None:
+            return f"not usable ({self.unavailable})"
+        return ""
+
     def available(self, q: torch.Tensor) -> bool:
-        return (q.device.type in self.device_types
-                and q.dtype in (torch.float16, torch.bfloat16) and self._load()[0] is not None)
+        return not self.why_not(q)
 
     @staticmethod
     def _options(causal, scale):
@@ -247,19 +289,83 @@ class FlashAttnBackend:
         return dq[..., :D], dk[..., :D], dv[..., :D]
 
 
-BACKENDS = {b.name: b for b in (FlashAttnBackend(), SdpaBackend(), MathBackend())}
+class FlashAttn4Backend(FlashAttnBackend):
+    """FlashAttention-4 (flash-attn-4: ``flash_attn.cute.interface``), CUDA sm90+.
+
+    Its forward returns (out, lse) with ``return_lse=True`` and its backward takes
+    (q, k, v, out, dout, lse) and returns (dq, dk, dv) at k's heads (native GQA); both
+    take (B, S, H, D) with only the last dim contiguous, like flash-attn 2.
+    """
+
+    name = "flash_attn4"
+    HEAD_DIMS = (64, 96, 128)  # the head dims its forward and backward kernels are built for
+
+    def _load(self):
+        if self._fns is None:
+            try:
+                from flash_attn.cute import interface as fa4
+                self._fns = (fa4._flash_attn_fwd, fa4._flash_attn_bwd)
+            except Exception as e:  # not installed, or no CUDA / CuTe DSL
+                self._fns, self.unavailable = (None, None), _import_failure(e)
+        return self._fns
+
+    def why_not(self, q: torch.Tensor) -> str:
+        if q.shape[-1] not in self.HEAD_DIMS:
+            return f"head_dim {q.shape[-1]} not in {self.HEAD_DIMS}"
+        if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (9, 0):
+            return "needs sm90+ (Hopper, Blackwell)"
+        return super().why_not(q)
+
+    def forward(self, q, k, v, causal, scale):
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        out, lse = _call_by_signature(self._load()[0], dict(
+            q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True))
+        return out, lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        dout, q, k, v, out = (last_dim_contiguous(x) for x in (dout, q, k, v, out))
+        dq, dk, dv = _call_by_signature(self._load()[1], dict(
+            q=q, k=k, v=v, out=out, dout=dout, lse=lse.float().contiguous(),
+            softmax_scale=scale, causal=causal))
+        return dq, dk, dv
+
+
+BACKENDS = {b.name: b for b in (FlashAttnBackend(), FlashAttn4Backend(), SdpaBackend(),
+                                MathBackend())}
+AUTO_ORDER = ("flash_attn", "sdpa", "math")  # flash_attn4 joins once timed on a GPU here
+_LOGGED: Set[Tuple[str, torch.dtype]] = set()
+
+
+def choose_auto(q: torch.Tensor):
+    """(backend, reason): the first of AUTO_ORDER that can run q, and why the ones before it
+    could not."""
+    passed = []
+    for name in AUTO_ORDER:
+        backend = BACKENDS[name]
+        why = backend.why_not(q) if hasattr(backend, "why_not") else (
+            "" if backend.available(q) else "cannot run it")
+        if not why:
+            return backend, "; ".join(passed) or "the fastest kernel for it"
+        passed.append(f"{name}: {why}")
+    raise AssertionError("the math backend runs everything")
 
 
 def get_backend(name: str, q: torch.Tensor):
     """Resolve 'auto' (flash_attn > sdpa > math) or check that a named backend can run q."""
     if name == "auto":
-        return next(b for b in BACKENDS.values() if b.available(q))
+        backend, reason = choose_auto(q)
+        key = (q.device.type, q.dtype)
+        if key not in _LOGGED:  # once per process, device and dtype
+            _LOGGED.add(key)
+            log.info("attention backend auto -> %s for %s %s (%s)", backend.name,
+                     q.device.type, str(q.dtype).replace("torch.", ""), reason)
+        return backend
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of "
                          f"{['auto', *BACKENDS]}")
     backend = BACKENDS[name]
     if not backend.available(q):
-        hint = " (needs the flash-attn package, CUDA, fp16/bf16)" if name == "flash_attn" else ""
+        hint = f" ({backend.why_not(q)})" if hasattr(backend, "why_not") else ""
         raise ValueError(f"attention backend {name!r} cannot run {q.dtype} tensors on "
                          f"{q.device.type}{hint}")
     return backend

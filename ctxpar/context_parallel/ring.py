@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from functools import partial
+
 from .blocks import QueryRows, backward_block, block_plan, forward_block_
 from .comm import NoComm, RingComm, group_rank_and_size
 from .merge import empty_accumulators
@@ -100,12 +102,16 @@ def _local_backward(dout, q, k, v, out, lse, causal, scale, kernel):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel):
+def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
+                  grad_dtype: torch.dtype = torch.float32):
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads.
 
     Per step each rank sends the visiting KV on (not after the last step: P-1 sends, in
-    k's dtype) and the fp32 dK,dV accumulator of that same block (every step: P sends,
-    the last one carries each block's gradient home).
+    k's dtype) and the dK,dV accumulator of that same block (every step: P sends, the last
+    one carries each block's gradient home). The accumulator travels in `grad_dtype`:
+    fp32 (default) is exact; bf16 halves these bytes, the larger part of the backward's,
+    at the price of one bf16 rounding of the running sum per hop (each rank still adds its
+    block's gradient in fp32: received -> fp32, += grads, -> bf16 to send).
     """
     rank, world = group_rank_and_size(group)
     dout = dout.contiguous()  # a no-op for autograd's usual dout
@@ -117,7 +123,9 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel)
     ring = not isinstance(group, NoComm)
     kv_comm, dkv_comm = (RingComm(group), RingComm(group)) if ring else (None, None)
     kv = KVRing(k, v, kv_comm, world - 1)
-    dkv_recv = torch.empty_like(dkv) if ring else None
+    exact = grad_dtype == torch.float32  # fp32 on the wire: swap buffers, never cast
+    dkv_recv = torch.empty_like(dkv, dtype=grad_dtype) if ring else None
+    dkv_send = None if exact or not ring else torch.empty_like(dkv_recv)
     rows = QueryRows(dout, q, out, lse)
     for step in range(world):
         if kv_comm and step + 1 < world:
@@ -129,12 +137,17 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel)
             dq[:, qs] += grads[0]
         if dkv_comm and step > 0:
             dkv_comm.wait()  # the accumulator of the block we hold, from rank - 1
-            dkv, dkv_recv = dkv_recv, dkv
+            if exact:
+                dkv, dkv_recv = dkv_recv, dkv
+            else:
+                dkv.copy_(dkv_recv)
         if grads is not None:
             dkv[0, :, ks] += grads[1]
             dkv[1, :, ks] += grads[2]
         if dkv_comm:
-            dkv_comm.send_recv(dkv, dkv_recv)
+            if not exact:  # the previous send completed with the wait above
+                dkv_send.copy_(dkv)
+            dkv_comm.send_recv(dkv if exact else dkv_send, dkv_recv)
             dkv_comm.commit()
         if kv_comm and step + 1 < world:
             kv.finish()
@@ -148,3 +161,13 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel)
 
 
 PATTERN = (ring_forward, ring_backward)  # for blocks.BlockwiseAttention
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.ring_grad_dtype
+
+
+def ring_pattern(grad_dtype: str = "fp32"):
+    """The ring's (forward, backward) with dK,dV travelling in `grad_dtype` ('fp32'|'bf16')."""
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"ring_grad_dtype={grad_dtype!r} must be one of {list(GRAD_DTYPES)}")
+    if grad_dtype == "fp32":
+        return PATTERN
+    return (ring_forward, partial(ring_backward, grad_dtype=GRAD_DTYPES[grad_dtype]))
