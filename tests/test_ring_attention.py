@@ -170,6 +170,28 @@ def test_merge_handles_empty_rows_without_nan():
     torch.testing.assert_close(out, wa * x + (1 - wa) * out_b, atol=1e-6, rtol=1e-6)
 
 
+def test_fused_merge_equals_the_eager_merge():
+    """The merge CUDA runs (torch.compile of the eager merge, one fused kernel) against the
+    eager reference, compiled here for the CPU: rows with no key yet (-inf), fp32 and bf16
+    blocks, a strided view of the accumulators (a zigzag half). Fusion reorders fp32 ops
+    (sigmoid/lerp in registers), so equal to ~1 ulp: atol 1e-6 on values of order 1."""
+    from ctxpar.context_parallel.merge import merge_block_eager_
+    fused = torch.compile(merge_block_eager_, fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.randn(2, 16, 4, 8, generator=gen)
+        lse = torch.randn(2, 4, 16, generator=gen)
+        lse[:, :, :3] = float("-inf")  # rows that have seen nothing
+        out[:, :3] = 0.0
+        blk_out = torch.randn(2, 8, 4, 8, generator=gen).to(dtype)
+        blk_lse = torch.randn(2, 4, 8, generator=gen)
+        blk_lse[:, :, 0] = float("-inf")  # and a row the block leaves empty too
+        want_out, want_lse = out.clone(), lse.clone()
+        merge_block_eager_(want_out[:, :8], want_lse[:, :, :8], blk_out, blk_lse)
+        fused(out[:, :8], lse[:, :, :8], blk_out, blk_lse)
+        torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=0, atol=1e-6)
+
+
 def _flash_v23(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
     out, lse = MathBackend().forward(q, k, v, causal, softmax_scale)
     return out, q, k, v, out, lse, None, None  # <= 2.5 returns 8 values
