@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -26,16 +27,22 @@ def warn(msg: str):
         print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
+class _Stderr(logging.Handler):
+    """Writes to whatever sys.stderr is when a record comes (not when the handler was made)."""
+
+    def emit(self, record):
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
 def show_ctxpar_logs(rank0: bool) -> None:
-    """ctxpar's own log lines (e.g. which attention kernel 'auto' chose) on rank 0's stdout.
+    """ctxpar's own INFO lines (e.g. which attention kernel 'auto' chose) on rank 0's stderr.
 
-    Only the 'ctxpar' logger: third-party INFO chatter stays where it was.
+    Only the 'ctxpar' logger: third-party INFO chatter stays where it was; stdout stays the
+    program's output (generate.py's answers).
     """
-    import logging
-
     logger = logging.getLogger("ctxpar")
-    if rank0 and not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+    if rank0 and not any(isinstance(h, _Stderr) for h in logger.handlers):
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

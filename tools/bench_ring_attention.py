@@ -17,6 +17,8 @@ context_parallel_attention per iteration on every rank:
     bytes       sent per rank, forward + backward (ctxpar.cp_stats)
     overlap     time / time(same schedule, communication skipped: comm.NoComm groups);
                 1.0 means the communication costs nothing on top of the compute
+    allocs      tensors one fwd+bwd allocates on a rank (aten calls that return new memory,
+                ctxpar/context_parallel/allocations.py), and per ring step (/ P)
 --clock cpu times every fn by its process's CPU time instead (all threads, gloo's too):
 what compute and communication *cost* a rank, without the waits for a rank that the
 machine's other jobs descheduled; the honest measure on a shared machine.
@@ -122,6 +124,20 @@ def _peak_mem(fn, device) -> int:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024  # KiB on Linux
 
 
+def _allocations(q, k, v, dout, a, comm, groups) -> dict:
+    """Allocating aten calls (count, bytes) of one forward and one backward."""
+    from ctxpar.context_parallel.allocations import count_allocations
+    for x in (q, k, v):
+        x.grad = None
+    with count_allocations() as fwd:
+        out = context_parallel_attention(q, k, v, comm=comm, **groups, causal=a.causal,
+                                         layout=a.layout, backend=a.backend)
+    with count_allocations() as bwd:
+        out.backward(dout)
+    return dict(allocs_fwd=fwd.count, allocs_bwd=bwd.count, alloc_bytes_fwd=fwd.bytes,
+                alloc_bytes_bwd=bwd.bytes, alloc_ops=dict(fwd.ops + bwd.ops))
+
+
 def runnable(a, comm, world) -> str:
     """'' if the pattern runs on `world` ranks with these heads, else why not."""
     u = world if comm == "ulysses" else a.ulysses if comm == "hybrid" else 1
@@ -150,13 +166,14 @@ def _rank_main(rank, world, device, a, n, comm) -> dict:
     mem = _peak_mem(real, device)  # first call: also the warmup of the pattern
     with cp_stats() as st:
         real()
+    allocs = _allocations(q, k, v, dout, a, comm, groups)
     fused, _ = _fused(a, n, device)
     clock = time.process_time if a.clock == "cpu" and device.type == "cpu" \
         else time.perf_counter
     t = _timed(dict(real=real, alone=alone, fused=fused), device, a.iters, a.warmup, clock,
                STATS[a.stat])
     return dict(time_s=t["real"], time_nocomm_s=t["alone"], time_fused_s=t["fused"],
-                peak_mem_bytes=mem, **st.as_dict())
+                peak_mem_bytes=mem, **allocs, **st.as_dict())
 
 
 def run_ranks(a, n: int, world: int, comm: str) -> dict:
@@ -173,6 +190,9 @@ def run_ranks(a, n: int, world: int, comm: str) -> dict:
                 mib_sent_per_rank=max(r["fwd_bytes_sent"] + r["bwd_bytes_sent"]
                                       for r in ranks) / 2**20,
                 overlap_ratio=t_max / max(r["time_nocomm_s"] for r in ranks),
+                allocs_per_step=max(r["allocs_fwd"] + r["allocs_bwd"] for r in ranks) / world,
+                alloc_mib_per_step=max(r["alloc_bytes_fwd"] + r["alloc_bytes_bwd"]
+                                       for r in ranks) / world / 2**20,
                 gflop_per_rank=[(r["fwd_flops"] + r["bwd_flops"]) / 1e9 for r in ranks],
                 per_rank=ranks)
 
@@ -213,20 +233,22 @@ def _name(r) -> str:
 
 def _table(rows) -> str:
     lines = ["| comm | mode | n | P | time/rank ms (max) | ideal ms (fused/P) | time/ideal | "
-             "peak mem MiB | MiB sent/rank | overlap time/time(no comm) | decomposition eff. |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak mem MiB | MiB sent/rank | overlap time/time(no comm) | allocs/step "
+             "(MiB) | decomposition eff. |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["mode"] == "ranks":
             mode = "ranks" + (" (cpu clock)" if r["clock"] == "cpu" else "")
             lines.append(f"| {_name(r)} | {mode} | {r['n']} | {r['P']} | {r['time_ms_max']:.1f} | "
                          f"{r['ideal_ms']:.1f} | {r['time_over_ideal']:.3f} | "
                          f"{r['peak_mem_mib_max']:.1f} | {r['mib_sent_per_rank']:.2f} | "
-                         f"{r['overlap_ratio']:.3f} | |")
+                         f"{r['overlap_ratio']:.3f} | {r['allocs_per_step']:.1f} "
+                         f"({r['alloc_mib_per_step']:.1f}) | |")
         else:
             lines.append(f"| {_name(r)} | simulated | {r['n']} | {r['P']} | "
                          f"{r['time_ms_max']:.1f} (min {r['time_ms_min']:.1f}) | "
                          f"{r['fused_full_ms'] / r['P']:.1f} | "
-                         f"{1 / r['decomposition_efficiency']:.3f} | | | | "
+                         f"{1 / r['decomposition_efficiency']:.3f} | | | | | "
                          f"{r['decomposition_efficiency']:.3f} |")
     return "\n".join(lines)
 
