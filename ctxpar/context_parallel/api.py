@@ -26,6 +26,7 @@ import torch.distributed as dist
 from . import allgather, ring
 from .blocks import BlockwiseAttention
 from .comm import LOCAL, group_rank_and_size
+from .documents import check_cu_seqlens
 from .hybrid import hybrid_attention
 from .kernels import default_scale, get_backend
 from .layouts import check_layout
@@ -77,7 +78,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                comm: str, cp_group=None, ulysses_group=None, ring_group=None,
                                causal: bool = False, layout: str = "contiguous",
                                softmax_scale: Optional[float] = None, backend: str = "auto",
-                               return_lse: bool = False, ring_grad_dtype: str = "fp32"):
+                               return_lse: bool = False, ring_grad_dtype: str = "fp32",
+                               cu_seqlens=None):
     """softmax(q k^T * scale) v over the full sequence, sharded across a CP group.
 
     q: (batch, local_seq, heads, head_dim); k, v: (batch, local_seq, kv_heads, head_dim)
@@ -90,6 +92,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Groups may also be comm.NoComm stand-ins (benchmarks: nothing is sent).
     ring_grad_dtype: 'fp32' (exact) or 'bf16', the dtype the ring's travelling dK,dV
     accumulator crosses the links in (comm 'ring' and the ring part of 'hybrid').
+    cu_seqlens: document boundaries in the *full* sequence (flash-attn's varlen convention:
+    int32, 0 = cu[0] < cu[1] < ... < cu[-1] = full length), one 1-D tensor for the whole
+    batch or a list of one per sample; tokens then attend only inside their document
+    (documents.py). So far with comm 'ring' and the CPU kernels (sdpa, math).
 
     Returns out (batch, local_seq, heads, head_dim) in q's dtype, and with return_lse also
     lse (batch, heads, local_seq) fp32 (not differentiable).
@@ -109,6 +115,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         cp_group = _world_group(cp_group)
         u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
     _check_inputs(q, k, v, comm, layout, u, caller)
+    docs = None
+    if cu_seqlens is not None:
+        if comm != "ring":
+            raise ValueError(f"{caller}: document masking (cu_seqlens) is implemented for "
+                             f"comm='ring' so far, not comm={comm!r}")
+        docs = check_cu_seqlens(cu_seqlens, q.shape[1] * group_rank_and_size(cp_group)[1],
+                                q.shape[0], caller)
     if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
                          f"ring's dK,dV (comm 'ring' or 'hybrid'), not comm={comm!r}")
@@ -117,7 +130,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     causal = bool(causal)
     lse = None
     if comm in ("ring", "allgather"):
-        pattern = ring.ring_pattern(ring_grad_dtype) if comm == "ring" else allgather.PATTERN
+        pattern = ring.ring_pattern(ring_grad_dtype, docs) if comm == "ring" \
+            else allgather.PATTERN
         out, lse = BlockwiseAttention.apply(q, k, v, pattern, cp_group, causal, layout, scale,
                                             kernel)
     elif comm == "ulysses":
@@ -134,12 +148,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                    causal: bool = False, layout: str = "contiguous",
                    softmax_scale: Optional[float] = None, backend: str = "auto",
-                   return_lse: bool = False):
+                   return_lse: bool = False, cu_seqlens=None):
     """``context_parallel_attention(comm="ring", cp_group=group, ...)``: K,V blocks travel
     a P2P ring over `group` (None = the world; no process group at all = plain attention)."""
     return context_parallel_attention(q, k, v, comm="ring", cp_group=group, causal=causal,
                                       layout=layout, softmax_scale=softmax_scale,
-                                      backend=backend, return_lse=return_lse)
+                                      backend=backend, return_lse=return_lse,
+                                      cu_seqlens=cu_seqlens)
 
 
 @dataclass(frozen=True)
@@ -173,9 +188,10 @@ class ContextParallel:
                    ring_grad_dtype)
 
     def attention(self, q, k, v, *, causal: bool, backend: str = "auto",
-                  softmax_scale: Optional[float] = None, return_lse: bool = False):
+                  softmax_scale: Optional[float] = None, return_lse: bool = False,
+                  cu_seqlens=None):
         return context_parallel_attention(
             q, k, v, comm=self.comm, cp_group=self.cp_group, ulysses_group=self.ulysses_group,
             ring_group=self.ring_group, causal=causal, layout=self.layout,
             softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
-            ring_grad_dtype=self.ring_grad_dtype)
+            ring_grad_dtype=self.ring_grad_dtype, cu_seqlens=cu_seqlens)

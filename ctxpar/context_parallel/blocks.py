@@ -59,16 +59,24 @@ def block_plan(layout: str, causal: bool, rank: int, src: int, local_seq: int) -
     return Block(1, S, 0, S - 1, True) if S > 1 else None
 
 
-def forward_block_(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: Block,
-                   scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Attention of q[blk rows] over k/v[blk rows], merged into the fp32 (out, lse) in place.
+def _mask_kw(blk) -> dict:
+    """A documents.DocBlock's explicit mask for the kernel (plain Blocks have none)."""
+    mask = getattr(blk, "mask", None)
+    return {} if mask is None else {"mask": mask}
 
-    q (B, S, H, D); k, v (B, S_kv, Hkv, D); out (B, S, H, D) fp32; lse (B, H, S) fp32.
+
+def forward_block_(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: Block,
+                   scale: float, out: torch.Tensor, lse: torch.Tensor,
+                   b: slice = slice(None)) -> None:
+    """Attention of q[b, blk rows] over k/v[b, blk rows], merged into the fp32 (out, lse).
+
+    q (B, S, H, D); k, v (B, S_kv, Hkv, D); out (B, S, H, D) fp32; lse (B, H, S) fp32;
+    b the samples (all, or one when each sample has its own document plan).
     """
-    B, _, H, D = q.shape
-    bo, bl = kernel.forward(q[:, blk.q0:blk.q1], k[:, blk.k0:blk.k1], v[:, blk.k0:blk.k1],
-                            blk.causal, scale)
-    merge_block_(out[:, blk.q0:blk.q1], lse[:, :, blk.q0:blk.q1], bo, bl)
+    qs, ks = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
+    bo, bl = kernel.forward(q[b, qs], k[b, ks], v[b, ks], blk.causal, scale, **_mask_kw(blk))
+    merge_block_(out[b, qs], lse[b, :, qs], bo, bl)
+    B, _, H, D = bo.shape
     record(fwd_flops=attention_flops(B, H, D, blk.pairs(), "fwd"), fwd_blocks=1)
 
 
@@ -85,16 +93,17 @@ class QueryRows:
         self.full = (dout, q, out, lse)
         self._cache = {}
 
-    def __call__(self, qs: slice):
-        key = (qs.start, qs.stop)
+    def __call__(self, qs: slice, b: slice = slice(None)):
+        key = (b.start, b.stop, qs.start, qs.stop)
         if key not in self._cache:
             dout, q, out, lse = self.full
-            self._cache[key] = (dout[:, qs], q[:, qs], out[:, qs],
-                                lse[:, :, qs].float().contiguous())
+            self._cache[key] = (dout[b, qs], q[b, qs], out[b, qs],
+                                lse[b, :, qs].float().contiguous())
         return self._cache[key]
 
 
-def backward_block(kernel, rows: QueryRows, k, v, blk: Block, scale: float
+def backward_block(kernel, rows: QueryRows, k, v, blk: Block, scale: float,
+                   b: slice = slice(None)
                    ) -> Tuple[slice, slice, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(query rows, key rows, (dq, dk, dv) of the block) given the *global* out and lse.
 
@@ -103,9 +112,10 @@ def backward_block(kernel, rows: QueryRows, k, v, blk: Block, scale: float
     adds them into its accumulators (dq rows qs; dk, dv rows ks of the visiting kv).
     """
     qs, ks = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
-    dout, q, out, lse = rows(qs)
+    dout, q, out, lse = rows(qs, b)
     B, _, H, D = q.shape
-    grads = kernel.backward(dout, q, k[:, ks], v[:, ks], out, lse, blk.causal, scale)
+    grads = kernel.backward(dout, q, k[b, ks], v[b, ks], out, lse, blk.causal, scale,
+                            **_mask_kw(blk))
     record(bwd_flops=attention_flops(B, H, D, blk.pairs(), "bwd"), bwd_blocks=1)
     return qs, ks, grads
 

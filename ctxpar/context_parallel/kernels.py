@@ -72,6 +72,15 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _mask_bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(L, S) bool visible-mask -> the additive (L, S) bias in q's dtype the CPU flash op
+    takes (it refuses bool masks); only the CPU kernels take masks here."""
+    if q.device.type != "cpu":
+        raise NotImplementedError("document masking runs on the CPU kernels (sdpa, math) so "
+                                  "far; on CUDA it needs flash-attn's varlen kernels")
+    return torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+
+
 def _pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
     pad = -x.shape[-1] % multiple
     return F.pad(x, (0, pad)) if pad else x
@@ -85,24 +94,27 @@ class MathBackend:
     def available(self, q: torch.Tensor) -> bool:
         return True
 
-    def _scores(self, q, k, causal, scale):  # (B, H, L, S) fp32
+    def _scores(self, q, k, causal, scale, mask=None):  # (B, H, L, S) fp32
         s = torch.einsum("blhd,bshd->bhls", q.float(), expand_kv(k, q.shape[2]).float()) * scale
         if causal:  # top-left aligned, like the fused kernels
             L, S = s.shape[-2:]
             s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
                               float("-inf"))
+        if mask is not None:  # (L, S) bool, True = visible (document masking)
+            s = s.masked_fill(~mask, float("-inf"))
         return s
 
-    def forward(self, q, k, v, causal, scale):
-        s = self._scores(q, k, causal, scale)
+    def forward(self, q, k, v, causal, scale, mask=None):
+        s = self._scores(q, k, causal, scale, mask)
         lse = torch.logsumexp(s, dim=-1)                                # (B, H, L)
-        p = torch.exp(s - lse.unsqueeze(-1))
+        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)  # a row seeing no key: 0
         out = torch.einsum("bhls,bshd->blhd", p, expand_kv(v, q.shape[2]).float())
         return out.to(q.dtype), lse.contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
         H, Hkv = q.shape[2], k.shape[2]
-        p = torch.exp(self._scores(q, k, causal, scale) - lse.float().unsqueeze(-1))  # (B,H,L,S)
+        p = torch.exp(self._scores(q, k, causal, scale, mask)
+                      - lse.float().unsqueeze(-1))                      # (B, H, L, S)
         do = dout.float()
         dv = torch.einsum("bhls,blhd->bshd", p, do)
         dp = torch.einsum("blhd,bshd->bhls", do, expand_kv(v, H).float())
@@ -137,9 +149,16 @@ class SdpaBackend:
         expand = (lambda x: x) if cls.native_gqa(q) else (lambda x: expand_kv(x, H))
         return [expand(x).transpose(1, 2) for x in xs]
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, mask=None):
         D, L = q.shape[3], q.shape[1]
         qt, kt, vt = q.transpose(1, 2), *self._bhsd(q, k, v)
+        if mask is not None:
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                qt, kt, vt, 0.0, causal, attn_mask=_mask_bias(mask, q), scale=scale)
+            # A row that sees no key comes back as out 0, lse 0: make its lse -inf, so that
+            # merging it changes nothing.
+            lse = lse.masked_fill(~mask.any(dim=1), float("-inf"))
+            return out[..., :D].transpose(1, 2), lse[..., :L].float()
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, causal, scale=scale)
@@ -155,15 +174,16 @@ class SdpaBackend:
         # sends a block's lse makes it contiguous (ring._local_forward), not every block.
         return out[..., :D].transpose(1, 2), lse[..., :L].float()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
         Hkv, D = k.shape[2], q.shape[3]
         L, S = q.shape[1], k.shape[1]
         qt, kt, vt = q.transpose(1, 2), *self._bhsd(q, k, v)
         dot, ot = dout.transpose(1, 2), out.transpose(1, 2)
         lse = lse.float().contiguous()  # a strided lse gives wrong gradients (torch CP notes)
         if q.device.type == "cpu":
+            bias = None if mask is None else _mask_bias(mask, q)
             dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale)
+                dot, qt, kt, vt, ot, lse, 0.0, causal, attn_mask=bias, scale=scale)
         elif q.dtype in (torch.float16, torch.bfloat16):
             # dropout 0: the philox seed/offset are never read; cum_seq None = dense batch.
             seed = torch.zeros(2, dtype=torch.uint64, device=q.device)

@@ -26,6 +26,8 @@ from functools import partial
 
 from .blocks import QueryRows, backward_block, block_plan, forward_block_
 from .comm import NoComm, RingComm, group_rank_and_size
+from .documents import doc_plan
+from .layouts import rank_positions
 from .merge import empty_accumulators
 from .stats import attention_flops, record
 
@@ -67,25 +69,38 @@ class KVRing:
         self.step += 1
 
 
-def ring_forward(q, k, v, group, causal, layout, scale, kernel):
+def step_plan(layout, causal, rank, src, S, world, docs=None):
+    """[(samples, block)] this rank computes against the keys of rank `src`: one block for
+    the whole batch (blocks.block_plan), or with documents (a list of per-sample cu_seqlens,
+    documents.py) one block per document the two sides share, per sample."""
+    if docs is None:
+        blk = block_plan(layout, causal, rank, src, S)
+        return [] if blk is None else [(slice(None), blk)]
+    q_pos = rank_positions(S * world, rank, world, layout)
+    k_pos = q_pos if src == rank else rank_positions(S * world, src, world, layout)
+    return [(slice(b, b + 1), blk) for b, cu in enumerate(docs)
+            for blk in doc_plan(cu, q_pos, k_pos, causal)]
+
+
+def ring_forward(q, k, v, group, causal, layout, scale, kernel, docs=None):
     """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries.
 
     group: a process group, None (the world) or a comm.NoComm (the local KV stands in for
     every received block, no byte moves: the benchmark's compute-only ring).
+    docs: None, or the per-sample cu_seqlens (documents.check_cu_seqlens) to mask by.
     """
     rank, world = group_rank_and_size(group)
-    if world == 1:
+    if world == 1 and docs is None:
         return _local_forward(q, k, v, causal, scale, kernel)
     S = q.shape[1]
     out, lse = empty_accumulators(q)
-    comm = None if isinstance(group, NoComm) else RingComm(group)
+    comm = None if isinstance(group, NoComm) or world == 1 else RingComm(group)
     ring = KVRing(k, v, comm, world - 1)
     for step in range(world):
         if comm and step + 1 < world:  # start moving the next block before computing
             ring.start()
-        blk = block_plan(layout, causal, rank, (rank - step) % world, S)
-        if blk is not None:
-            forward_block_(kernel, q, *ring.kv, blk, scale, out, lse)
+        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, docs):
+            forward_block_(kernel, q, *ring.kv, blk, scale, out, lse, b)
         if comm and step + 1 < world:
             ring.finish()
     if comm:
@@ -103,7 +118,7 @@ def _local_backward(dout, q, k, v, out, lse, causal, scale, kernel):
 
 
 def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
-                  grad_dtype: torch.dtype = torch.float32):
+                  grad_dtype: torch.dtype = torch.float32, docs=None):
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads.
 
     Per step each rank sends the visiting KV on (not after the last step: P-1 sends, in
@@ -115,12 +130,12 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     """
     rank, world = group_rank_and_size(group)
     dout = dout.contiguous()  # a no-op for autograd's usual dout
-    if world == 1:
+    if world == 1 and docs is None:
         return _local_backward(dout, q, k, v, out, lse, causal, scale, kernel)
     S = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # (2,B,S,Hkv,D)
-    ring = not isinstance(group, NoComm)
+    ring = not isinstance(group, NoComm) and world > 1
     kv_comm, dkv_comm = (RingComm(group), RingComm(group)) if ring else (None, None)
     kv = KVRing(k, v, kv_comm, world - 1)
     exact = grad_dtype == torch.float32  # fp32 on the wire: swap buffers, never cast
@@ -130,20 +145,20 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     for step in range(world):
         if kv_comm and step + 1 < world:
             kv.start()
-        blk = block_plan(layout, causal, rank, (rank - step) % world, S)
-        grads = None
-        if blk is not None:
-            qs, ks, grads = backward_block(kernel, rows, *kv.kv, blk, scale)
-            dq[:, qs] += grads[0]
+        grads = []
+        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, docs):
+            qs, ks, g = backward_block(kernel, rows, *kv.kv, blk, scale, b)
+            dq[b, qs] += g[0]
+            grads.append((b, ks, g))
         if dkv_comm and step > 0:
             dkv_comm.wait()  # the accumulator of the block we hold, from rank - 1
             if exact:
                 dkv, dkv_recv = dkv_recv, dkv
             else:
                 dkv.copy_(dkv_recv)
-        if grads is not None:
-            dkv[0, :, ks] += grads[1]
-            dkv[1, :, ks] += grads[2]
+        for b, ks, g in grads:
+            dkv[0, b, ks] += g[1]
+            dkv[1, b, ks] += g[2]
         if dkv_comm:
             if not exact:  # the previous send completed with the wait above
                 dkv_send.copy_(dkv)
@@ -164,10 +179,12 @@ PATTERN = (ring_forward, ring_backward)  # for blocks.BlockwiseAttention
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.ring_grad_dtype
 
 
-def ring_pattern(grad_dtype: str = "fp32"):
-    """The ring's (forward, backward) with dK,dV travelling in `grad_dtype` ('fp32'|'bf16')."""
+def ring_pattern(grad_dtype: str = "fp32", docs=None):
+    """The ring's (forward, backward) with dK,dV travelling in `grad_dtype` ('fp32'|'bf16'),
+    masked by documents when `docs` (per-sample cu_seqlens, documents.py) is given."""
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"ring_grad_dtype={grad_dtype!r} must be one of {list(GRAD_DTYPES)}")
-    if grad_dtype == "fp32":
+    if grad_dtype == "fp32" and docs is None:
         return PATTERN
-    return (ring_forward, partial(ring_backward, grad_dtype=GRAD_DTYPES[grad_dtype]))
+    return (partial(ring_forward, docs=docs),
+            partial(ring_backward, grad_dtype=GRAD_DTYPES[grad_dtype], docs=docs))

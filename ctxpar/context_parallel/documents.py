@@ -1,0 +1,110 @@
+"""Document masking under CP: packed documents attend only inside themselves.
+
+A sample of n tokens packs several documents; ``cu_seqlens`` gives their boundaries in the
+*full* (unsharded) sequence in flash-attn's varlen convention: int32, ascending, starting at
+0 and ending at n (documents i span [cu[i], cu[i+1])), one tensor per sample. Query token i
+sees key token j iff doc(i) == doc(j) (and j <= i when causal), whatever the layout, at any
+document length: no padding of documents to multiples of anything.
+
+How the ring uses it (``doc_plan``): every layout keeps a rank's tokens in ascending global
+order, so the tokens of one document are one contiguous run of local rows on every rank.
+For a (local queries) x (visiting keys) block the plan is one sub-block per document the
+two sides share, nothing else: documents the block does not share cost nothing, and a
+step whose keys share no document with the queries is skipped. A sub-block is computed
+
+    full        every key precedes every query (or not causal): no mask
+    diagonal    the same positions on both sides (the rank's own keys): the kernel's causal
+    masked      otherwise (a document cut by the layout): an explicit (Lq, Lk) causal mask
+    skipped     every key follows every query
+
+so the kernels evaluate ~sum over documents of len^2/2 pairs instead of n^2/2.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional
+
+import torch
+
+
+class DocBlock(NamedTuple):
+    """Rows [q0, q1) of the local queries against rows [k0, k1) of the visiting keys."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool                   # the kernel's causal mask (square, same positions)
+    mask: Optional[torch.Tensor]   # (q1-q0, k1-k0) bool, True = visible; None = all visible
+
+    def pairs(self) -> int:  # (query, key) pairs the kernel evaluates
+        L, S = self.q1 - self.q0, self.k1 - self.k0
+        return L * (L + 1) // 2 if self.causal else L * S
+
+
+def check_cu_seqlens(cu_seqlens, seq_len: int, batch: int, caller: str) -> List[torch.Tensor]:
+    """The per-sample boundaries as a list of B int64 CPU tensors; ValueError naming what is
+    wrong otherwise (local checks only: the same message on every rank)."""
+    cus = list(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else None
+    if cus is None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
+        cus = [cu_seqlens] * batch  # one set for every sample of the batch
+    if cus is None or len(cus) != batch:
+        raise ValueError(f"{caller}: cu_seqlens must be one 1-D tensor or a list of {batch} "
+                         f"(one per sample)")
+    out = []
+    for b, cu in enumerate(cus):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+            raise ValueError(f"{caller}: cu_seqlens[{b}] must be a 1-D int32 tensor, got "
+                             f"{getattr(cu, 'dtype', type(cu).__name__)}")
+        cu = cu.detach().to("cpu", torch.int64)
+        if cu.numel() < 2 or cu[0] != 0 or cu[-1] != seq_len:
+            raise ValueError(f"{caller}: cu_seqlens[{b}]={cu.tolist()} must start at 0 and "
+                             f"end at the sequence length {seq_len}")
+        if (cu[1:] <= cu[:-1]).any():
+            raise ValueError(f"{caller}: cu_seqlens[{b}]={cu.tolist()} must be strictly "
+                             f"increasing (no empty documents)")
+        out.append(cu)
+    return out
+
+
+def doc_ids(cu: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The document index of each global position (ascending positions in, same order out)."""
+    return torch.searchsorted(cu[1:], positions, right=True)
+
+
+def _runs(ids: torch.Tensor):
+    """{doc: (first row, last row + 1)} of an ascending doc-id vector (runs are contiguous)."""
+    docs, counts = torch.unique_consecutive(ids, return_counts=True)
+    ends = counts.cumsum(0)
+    return {int(d): (int(e - c), int(e)) for d, c, e in zip(docs, counts, ends)}
+
+
+def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+             causal: bool) -> List[DocBlock]:
+    """The sub-blocks of (queries at q_pos) x (keys at k_pos) that document masking leaves.
+
+    q_pos, k_pos: ascending global positions (rank_positions) of the local queries and of
+    the visiting keys.
+    """
+    q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
+    plan = []
+    for d, (q0, q1) in q_runs.items():
+        if d not in k_runs:
+            continue
+        k0, k1 = k_runs[d]
+        qp, kp = q_pos[q0:q1], k_pos[k0:k1]
+        if not causal or kp[-1] <= qp[0]:
+            plan.append(DocBlock(q0, q1, k0, k1, False, None))
+        elif kp[0] > qp[-1]:
+            continue  # every key of this document here follows every query
+        elif q1 - q0 == k1 - k0 and torch.equal(qp, kp):
+            plan.append(DocBlock(q0, q1, k0, k1, True, None))
+        else:
+            plan.append(DocBlock(q0, q1, k0, k1, False, kp[None, :] <= qp[:, None]))
+    return plan
+
+
+def reference_mask(cu: torch.Tensor, seq_len: int, causal: bool) -> torch.Tensor:
+    """(seq_len, seq_len) bool: the dense document mask, for tests and references."""
+    ids = doc_ids(cu, torch.arange(seq_len))
+    mask = ids[:, None] == ids[None, :]
+    return mask & torch.ones(seq_len, seq_len, dtype=torch.bool).tril() if causal else mask

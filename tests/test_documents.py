@@ -1,0 +1,172 @@
+"""Document masking (packed documents) in ring attention against one process with a dense mask.
+
+Pure checks of the plan (every visible pair computed exactly once, nothing else), bad
+boundaries refused in one line, then the ring on P = 2, 3, 4 ranks for every layout,
+causal or not, MHA/GQA, the sdpa (CPU flash) and math kernels, fp32, two samples with
+their own documents, including the edge cases: length-1 documents, a document longer than
+a shard, one spanning every rank, many tiny ones, a boundary exactly at a shard edge.
+"""
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ctxpar.context_parallel import rank_positions, ring_attention, shard_sequence
+from ctxpar.context_parallel.documents import check_cu_seqlens, doc_plan, reference_mask
+from dist_harness import run_distributed
+from test_context_parallel import tolerance
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+S_LOCAL = 12  # tokens per rank: even (zigzag), and shards cut documents in odd places
+
+
+def edge_case_docs(n: int, P: int):
+    """Two samples' boundaries: sample 0 has length-1 documents, a document cut exactly at
+    a shard edge, one longer than a shard and many tiny ones; sample 1 one document over
+    every rank but the first and last few tokens."""
+    m = n // P
+    cuts0 = sorted({1, 2, 3, m, m + 1, m + 2 + m + 3, n - 4, n - 3, n - 1} - {0, n})
+    cuts0 = [c for c in cuts0 if 0 < c < n]
+    cuts1 = [2, n - 3]
+    return [torch.tensor([0, *cuts0, n], dtype=torch.int32),
+            torch.tensor([0, *cuts1, n], dtype=torch.int32)]
+
+
+def masked_reference(q, k, v, cus, causal, scale):
+    """softmax over each token's own document (and its past, when causal), fp32; (out, lse)."""
+    H, n = q.shape[2], q.shape[1]
+    kr = k.float().repeat_interleave(H // k.shape[2], dim=2)
+    vr = v.float().repeat_interleave(H // v.shape[2], dim=2)
+    s = torch.einsum("blhd,bshd->bhls", q.float(), kr) * scale
+    mask = torch.stack([reference_mask(cu.long(), n, causal) for cu in cus])  # (B, n, n)
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    return torch.einsum("bhls,bshd->blhd", s.softmax(-1), vr), torch.logsumexp(s, -1)
+
+
+# ------------------------------------------------------------------ pure pieces
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_plan_computes_every_visible_pair_once(layout, P):
+    n = S_LOCAL * P
+    for cu in edge_case_docs(n, P):
+        for causal in (True, False):
+            want = reference_mask(cu.long(), n, causal)
+            seen = torch.zeros(n, n, dtype=torch.int32)
+            for r in range(P):
+                q_pos = rank_positions(n, r, P, layout)
+                for s in range(P):
+                    k_pos = rank_positions(n, s, P, layout)
+                    for blk in doc_plan(cu.long(), q_pos, k_pos, causal):
+                        L, S = blk.q1 - blk.q0, blk.k1 - blk.k0
+                        vis = (torch.ones(L, S, dtype=torch.bool).tril() if blk.causal
+                               else blk.mask if blk.mask is not None
+                               else torch.ones(L, S, dtype=torch.bool))
+                        qi = q_pos[blk.q0:blk.q1, None].expand(L, S)[vis]
+                        ki = k_pos[None, blk.k0:blk.k1].expand(L, S)[vis]
+                        seen.index_put_((qi, ki), torch.ones_like(qi, dtype=torch.int32),
+                                        accumulate=True)
+            assert torch.equal(seen, want.int()), (layout, P, cu.tolist(), causal)
+
+
+@pytest.mark.parametrize("cu, msg", [
+    (torch.tensor([0, 5, 7], dtype=torch.int32), "must start at 0 and end at the sequence "
+                                                 "length 8"),
+    (torch.tensor([1, 5, 8], dtype=torch.int32), "must start at 0"),
+    (torch.tensor([0, 5, 5, 8], dtype=torch.int32), "must be strictly increasing"),
+    (torch.tensor([0, 6, 3, 8], dtype=torch.int32), "must be strictly increasing"),
+    (torch.tensor([0, 5, 9], dtype=torch.int32), "end at the sequence length 8"),
+    (torch.tensor([0, 5, 8]), "must be a 1-D int32 tensor, got torch.int64"),
+    ([torch.tensor([0, 8], dtype=torch.int32)] * 3, "a list of 2 (one per sample)"),
+])
+def test_bad_boundaries_are_refused_in_one_line(cu, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        check_cu_seqlens(cu, 8, 2, "ring_attention")
+
+
+# ------------------------------------------------------------------ the ring on P ranks
+
+
+def _cases():
+    return [(layout, causal, heads, backend)
+            for layout in LAYOUTS for causal in (True, False)
+            for heads in ((4, 4, 16), (4, 2, 16)) for backend in ("sdpa", "math")]
+
+
+def _masked_ring(rank, world, payload):
+    from ctxpar.context_parallel import cp_stats
+    out = []
+    for layout, causal, (H, Hkv, D), backend in _cases():
+        n = S_LOCAL * world
+        q, k, v, dout = pickle.loads(payload)[(H, Hkv, D)]
+        cus = edge_case_docs(n, world)
+        ql, kl, vl = (shard_sequence(x, 1, None, layout).requires_grad_() for x in (q, k, v))
+        with cp_stats() as st:
+            o, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout, backend=backend,
+                                    return_lse=True, cu_seqlens=cus)
+            o.backward(shard_sequence(dout, 1, None, layout))
+        out.append((o.detach(), lse, ql.grad, kl.grad, vl.grad, st.fwd_flops))
+    return out
+
+
+def _inputs(n):
+    g = torch.Generator().manual_seed(7)
+    return {h: tuple(torch.randn(2, n, c, h[2], generator=g) for c in (h[0], h[1], h[1], h[0]))
+            for h in ((4, 4, 16), (4, 2, 16))}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_masked_ring_matches_one_process(world):
+    n = S_LOCAL * world
+    inputs = _inputs(n)
+    results = run_distributed(_masked_ring, world, pickle.dumps(inputs), timeout=300)
+    cus = edge_case_docs(n, world)
+    for i, (layout, causal, heads, backend) in enumerate(_cases()):
+        q, k, v, dout = (x.clone().requires_grad_() for x in inputs[heads])
+        want_o, want_lse = masked_reference(q, k, v, cus, causal, heads[2] ** -0.5)
+        want = (want_o.detach(), want_lse.detach(),
+                *torch.autograd.grad(want_o, (q, k, v), dout.detach()))
+        flops = 0
+        for rank in range(world):
+            pos = rank_positions(n, rank, world, layout)
+            got = results[rank][i]
+            flops += got[5]
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got[:5], want):
+                b = b[:, :, pos] if name == "lse" else b[:, pos]
+                torch.testing.assert_close(
+                    a, b, **tolerance(torch.float32, b),
+                    msg=lambda m: f"P={world} {layout} causal={causal} {heads} {backend} "
+                                  f"rank {rank} {name}: {m}")
+        # The kernels evaluate only the documents' pairs (+ the rectangles of documents a
+        # layout cuts), never the n^2 (or n^2/2) of the unmasked sample.
+        lens = [torch.diff(cu.long()) for cu in cus]
+        doc_pairs = sum(int((x * (x + 1) // 2 if causal else x * x).sum()) for x in lens)
+        per_pair = 4 * heads[0] * heads[2]  # fwd FLOPs per (query, key) pair, per sample
+        assert doc_pairs * per_pair <= flops <= 2 * doc_pairs * per_pair, (layout, causal)
+        unmasked = 2 * (n * (n + 1) // 2 if causal else n * n)  # what the plain ring runs
+        assert flops < unmasked * per_pair, (layout, causal, flops)
+
+
+def _one_document(rank, world):
+    n = S_LOCAL * world
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, n, 4, 16, generator=g) for _ in range(3))
+    out = {}
+    for layout in LAYOUTS:
+        args = [shard_sequence(x, 1, None, layout) for x in (q, k, v)]
+        plain = ring_attention(*args, causal=True, layout=layout)
+        one = ring_attention(*args, causal=True, layout=layout,
+                             cu_seqlens=torch.tensor([0, n], dtype=torch.int32))
+        out[layout] = (plain, one)
+    return out
+
+
+def test_one_document_per_sample_equals_no_masking():
+    for rank, res in enumerate(run_distributed(_one_document, 4, timeout=120)):
+        for layout, (plain, one) in res.items():
+            # The same attention through other blocks (the plan cuts by document, not by
+            # the layout's chunks): fp32 merge order only.
+            torch.testing.assert_close(one, plain, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"rank {rank} {layout}: {m}")
