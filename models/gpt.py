@@ -178,10 +178,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def core(self, q, k, v) -> torch.Tensor:
+    def core(self, q, k, v, cu_seqlens=None) -> torch.Tensor:
         # Exact attention over the whole sequence through cp.comm's pattern; causal
-        # masking uses the layout's global positions.
-        return self.cp.attention(q, k, v, causal=True, backend=self.backend)  # (B, T/cp, nh/tp, hd)
+        # masking uses the layout's global positions; cu_seqlens (per-sample document
+        # boundaries of the full sequence) keeps it inside each document.
+        return self.cp.attention(q, k, v, causal=True, backend=self.backend,
+                                 cu_seqlens=cu_seqlens)  # (B, T/cp, nh/tp, hd)
 
 
 class MLP(nn.Module):
@@ -232,17 +234,19 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache=None) -> torch.Tensor:
+                kv_cache=None, cu_seqlens=None) -> torch.Tensor:
         """kv_cache: this layer's view of a KV cache (ctxpar.inference), inference only: it
-        keeps k, v and computes attention from the cache, given the training core to use."""
+        keeps k, v and computes attention from the cache, given the training core to use.
+        cu_seqlens: document boundaries (context_parallel/documents.py), training only."""
         if kv_cache is not None:
             q, k, v = self._attn_in(x, cos, sin)
             return self._attn_out_mlp(x, kv_cache(q, k, v, self.attn.core))
         if self.selective:  # recompute around the core; the core keeps its own saved tensors
             q, k, v = checkpoint(self._attn_in, x, cos, sin, use_reentrant=False)
-            return checkpoint(self._attn_out_mlp, x, self.attn.core(q, k, v), use_reentrant=False)
+            o = self.attn.core(q, k, v, cu_seqlens)
+            return checkpoint(self._attn_out_mlp, x, o, use_reentrant=False)
         q, k, v = self._attn_in(x, cos, sin)
-        return self._attn_out_mlp(x, self.attn.core(q, k, v))
+        return self._attn_out_mlp(x, self.attn.core(q, k, v, cu_seqlens))
 
 
 class GPT(nn.Module):
@@ -291,21 +295,24 @@ class GPT(nn.Module):
         return block_recomputed(self.activation_checkpointing, i, self.every_n_layers)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens (B, T/cp) ids; positions (T/cp,) or (B, T/cp) their global positions;
-        labels (B, T/cp) next-token ids, -100 = ignored.
+                labels: Optional[torch.Tensor] = None, cu_seqlens=None) -> torch.Tensor:
+        """tokens (B, T/cp) ids; positions (T/cp,) or (B, T/cp) their global positions (or,
+        to restart RoPE at each document, documents.document_positions);
+        labels (B, T/cp) next-token ids, -100 = ignored; cu_seqlens: packed documents'
+        boundaries in the full sequence (one int32 tensor per sample, or one for all),
+        attention then stays inside each document (ring CP, CPU kernels so far).
 
         Returns the vocab-parallel logits (B, T/cp, V/tp), or with labels the fp32 sum of
         this rank's token losses (identical on the ranks of a TP group); normalise it with
         models.loss (loss_for_backward / global_mean_loss).
         """
-        logits = self.lm_logits(self.hidden_states(tokens, positions))
+        logits = self.lm_logits(self.hidden_states(tokens, positions, cu_seqlens=cu_seqlens))
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group).sum()
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
-                      kv_cache=None) -> torch.Tensor:
+                      kv_cache=None, cu_seqlens=None) -> torch.Tensor:
         """The final-normed hidden states (B, T/cp, d) before the head.
 
         kv_cache (ctxpar.inference.KVCache): inference; every layer reads and fills its
@@ -319,9 +326,9 @@ class GPT(nn.Module):
             if kv_cache is not None:
                 x = layer(x, cos, sin, kv_cache.layer(i))
             elif self._checkpointed(i):  # keep only x; replay the block (and its CP attention) in backward
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, None, cu_seqlens, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, cu_seqlens=cu_seqlens)
         return self.final_norm(x)
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:

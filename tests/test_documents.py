@@ -149,6 +149,23 @@ def test_masked_ring_matches_one_process(world):
         assert flops < unmasked * per_pair, (layout, causal, flops)
 
 
+def test_masked_attention_on_one_process_matches_the_dense_reference():
+    """No process group (the GPT reference's path): the same plan on a rank alone."""
+    n = 4 * S_LOCAL
+    cus = edge_case_docs(n, 4)
+    for heads in ((4, 4, 16), (4, 2, 16)):
+        q, k, v, dout = (x.clone().requires_grad_() for x in _inputs(n)[heads])
+        for backend in ("sdpa", "math"):
+            o, lse = ring_attention(q, k, v, causal=True, backend=backend, return_lse=True,
+                                    cu_seqlens=cus)
+            got = (o, lse, *torch.autograd.grad(o, (q, k, v), dout))
+            want_o, want_lse = masked_reference(q, k, v, cus, True, heads[2] ** -0.5)
+            want = (want_o, want_lse, *torch.autograd.grad(want_o, (q, k, v), dout))
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+                torch.testing.assert_close(a, b, **tolerance(torch.float32, b),
+                                           msg=lambda m: f"{heads} {backend} {name}: {m}")
+
+
 def _one_document(rank, world):
     n = S_LOCAL * world
     g = torch.Generator().manual_seed(3)
@@ -170,3 +187,73 @@ def test_one_document_per_sample_equals_no_masking():
             # the layout's chunks): fp32 merge order only.
             torch.testing.assert_close(one, plain, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"rank {rank} {layout}: {m}")
+
+
+# ------------------------------------------------------------------ the GPT with documents
+
+GPT_CASES = [(1, 4, "zigzag", "none"), (2, 2, "striped", "selective"),
+             (1, 4, "contiguous", "full")]  # (tp, cp, layout, activation checkpointing)
+N_GPT = 32
+
+
+def _gpt_cfg():
+    from ctxpar.config import ModelConfig
+    return ModelConfig(vocab_size=64, seq_len=N_GPT, n_layers=2, d_model=32, n_heads=4,
+                       n_kv_heads=2)
+
+
+def _gpt_batch():
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 64, (2, N_GPT), generator=g)
+    labels = torch.randint(0, 64, (2, N_GPT), generator=g)
+    return tokens, labels, edge_case_docs(N_GPT, 4)
+
+
+def _gpt_documents(rank, world):
+    from ctxpar import init_parallel_state, sequence_positions
+    from ctxpar.context_parallel.documents import document_positions
+    from ctxpar.tensor_parallel import gather_full_state_dict
+    from models.gpt import GPT
+    from models.loss import (deepspeed_style_reduce_, global_mean_loss, global_token_count,
+                             loss_for_backward)
+
+    tokens, labels, cus = _gpt_batch()
+    out = []
+    for tp, cp, layout, ckpt in GPT_CASES:
+        st = init_parallel_state(tp=tp, cp=cp)
+        model = GPT(_gpt_cfg(), tp_group=st.tp_group, cp_group=st.cp_group, layout=layout,
+                    activation_checkpointing=ckpt, seed=11)
+        tok, lab = (shard_sequence(x, 1, st.cp_group, layout) for x in (tokens, labels))
+        pos = document_positions(cus, sequence_positions(N_GPT, st.cp_group, layout))
+        n_tokens = global_token_count(lab, st.dp_cp_group)
+        loss_sum = model(tok, pos, lab, cu_seqlens=cus)
+        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
+        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        out.append((global_mean_loss(loss_sum, n_tokens, st.dp_cp_group).item(),
+                    gather_full_state_dict(model, st.tp_group, grads=True)))
+    return out
+
+
+def test_gpt_with_documents_matches_one_process():
+    """tp x cp GPTs with document masking and RoPE positions restarting per document equal
+    one process doing the same (loss and every gradient), in every checkpointing mode."""
+    from ctxpar.context_parallel.documents import document_positions
+    from models.gpt import GPT
+
+    tokens, labels, cus = _gpt_batch()
+    model = GPT(_gpt_cfg(), seed=11)
+    pos = document_positions(cus, torch.arange(N_GPT))
+    loss = model(tokens, pos, labels, cu_seqlens=cus) / labels.numel()
+    loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    with torch.no_grad():  # the documents matter: without them the loss is another number
+        plain = model(tokens, torch.arange(N_GPT), labels) / labels.numel()
+    assert abs(plain.item() - loss.item()) > 1e-3
+    for rank, res in enumerate(run_distributed(_gpt_documents, 4, timeout=300)):
+        for (tp, cp, layout, ckpt), (got_loss, grads) in zip(GPT_CASES, res):
+            where = f"tp{tp} cp{cp} {layout} {ckpt} rank {rank}"
+            assert abs(got_loss - loss.item()) <= 1e-5 * abs(loss.item()), where
+            for name, g in want.items():
+                # fp32, other summation order (ring merge, TP partial sums): as test_gpt.
+                torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{where} {name}: {m}")

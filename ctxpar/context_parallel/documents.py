@@ -103,6 +103,17 @@ def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
     return plan
 
 
+def document_positions(cu_seqlens, positions: torch.Tensor) -> torch.Tensor:
+    """(B, T/cp) RoPE positions restarting at 0 in each document: global position minus its
+    document's start, per sample (cu_seqlens as for attention; positions (T/cp,) global)."""
+    cus = cu_seqlens if isinstance(cu_seqlens, (list, tuple)) else [cu_seqlens]
+    out = []
+    for cu in cus:
+        cu = cu.to(positions.device, torch.int64)
+        out.append(positions - cu[doc_ids(cu, positions)])
+    return torch.stack(out)
+
+
 def reference_mask(cu: torch.Tensor, seq_len: int, causal: bool) -> torch.Tensor:
     """(seq_len, seq_len) bool: the dense document mask, for tests and references."""
     ids = doc_ids(cu, torch.arange(seq_len))
