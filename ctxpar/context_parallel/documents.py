@@ -14,7 +14,10 @@ step whose keys share no document with the queries is skipped. A sub-block is co
 
     full        every key precedes every query (or not causal): no mask
     diagonal    the same positions on both sides (the rank's own keys): the kernel's causal
-    masked      otherwise (a document cut by the layout): an explicit (Lq, Lk) causal mask
+    staircase   each row sees one key more than the row before (striped's off-diagonal
+                blocks, documents a layout cuts): a full part, the kernel's causal on the
+                diagonal part, a full part, no mask
+    masked      any other shape: an explicit (Lq, Lk) causal mask
     skipped     every key follows every query
 
 so the kernels evaluate ~sum over documents of len^2/2 pairs instead of n^2/2.
@@ -99,8 +102,34 @@ def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
         elif q1 - q0 == k1 - k0 and torch.equal(qp, kp):
             plan.append(DocBlock(q0, q1, k0, k1, True, None))
         else:
-            plan.append(DocBlock(q0, q1, k0, k1, False, kp[None, :] <= qp[:, None]))
+            vis = kp[None, :] <= qp[:, None]  # (Lq, Lk): the causal part of this document
+            plan.extend(_staircase(q0, k0, vis) or [DocBlock(q0, q1, k0, k1, False, vis)])
     return plan
+
+
+def _staircase(q0: int, k0: int, vis: torch.Tensor) -> Optional[List[DocBlock]]:
+    """vis as unmasked kernel calls, when its rows see 0, ..., m, m+1, ..., all keys one more
+    per row (what striped, and documents cut by a layout, mostly give): rows seeing nothing
+    dropped, a full block of the keys every row sees, the kernel's causal square on the
+    diagonal, a full block of the rows that see everything. None when vis is not that shape
+    (the caller then masks explicitly)."""
+    L, S = vis.shape
+    cnt = vis.sum(dim=1)  # keys each row sees; non-decreasing (positions ascend)
+    a = int((cnt == 0).sum())                  # rows [0, a) see nothing
+    b = L - int((cnt == S).sum())              # rows [b, L) see everything
+    mid = cnt[a:b]
+    if a >= b:  # no staircase part: rows see nothing or everything
+        return [] if b == L else [DocBlock(q0 + b, q0 + L, k0, k0 + S, False, None)]
+    if not torch.equal(mid, mid[0] + torch.arange(b - a)):
+        return None
+    m = int(mid[0])  # row a sees keys [0, m); row a + i sees [0, m + i)
+    blocks = []
+    if m > 1:
+        blocks.append(DocBlock(q0 + a, q0 + b, k0, k0 + m - 1, False, None))
+    blocks.append(DocBlock(q0 + a, q0 + b, k0 + m - 1, k0 + m - 1 + b - a, True, None))
+    if b < L:
+        blocks.append(DocBlock(q0 + b, q0 + L, k0, k0 + S, False, None))
+    return blocks
 
 
 def document_positions(cu_seqlens, positions: torch.Tensor) -> torch.Tensor:
