@@ -120,11 +120,17 @@ def test_signalled_job_saves_requeues_and_resumes(cluster, uninterrupted, tmp_pa
         time.sleep(0.2)
     job = cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()[0]
     cluster.run(["scancel", "--batch", "--signal=USR1", job])
-    # Slurm holds a requeued batch job ~2 minutes (reason BeginTime); release it at once.
+    # Slurm holds a requeued batch job ~2 minutes (reason BeginTime); release it sooner,
+    # but not within the second of the requeue: slurmd refuses a job whose credential is no
+    # newer than its revocation (whole seconds): "Job credential revoked", and the job then
+    # fails instead of running (seen on CI).
+    pending_since = None
     while time.monotonic() < deadline and proc.poll() is None:
         state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T %r"], check=False).stdout
         if "PENDING" in state and "BeginTime" in state:
-            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+            pending_since = pending_since or time.monotonic()
+            if time.monotonic() - pending_since >= 2.0:
+                cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
         time.sleep(0.5)
     rc, job_out = finish(cluster, proc, tmp_path)
     assert rc == 0, f"sbatch --wait exited {rc}\n{job_out[-4000:]}\n{cluster.logs()}"
