@@ -86,6 +86,21 @@ def test_bad_boundaries_are_refused_in_one_line(cu, msg):
         check_cu_seqlens(cu, 8, 2, "ring_attention")
 
 
+def test_document_masking_off_the_cpu_kernels_is_refused_before_communicating():
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    q = torch.empty(1, 8, 2, 8, device="meta")
+    with pytest.raises(ValueError, match="runs on the CPU kernels .* not on meta"):
+        ring_attention(q, q, q, causal=True, cu_seqlens=cu)
+    q = torch.zeros(1, 8, 2, 8)
+    with pytest.raises(ValueError, match="needs backend 'sdpa' or 'math', not 'flash_attn4'"):
+        from ctxpar.context_parallel import kernels
+        kernels.BACKENDS["flash_attn4"].why_not = lambda q: ""  # as if installed
+        try:
+            ring_attention(q, q, q, causal=True, backend="flash_attn4", cu_seqlens=cu)
+        finally:
+            del kernels.BACKENDS["flash_attn4"].why_not
+
+
 # ------------------------------------------------------------------ the ring on P ranks
 
 

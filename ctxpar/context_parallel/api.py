@@ -120,12 +120,19 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if comm != "ring":
             raise ValueError(f"{caller}: document masking (cu_seqlens) is implemented for "
                              f"comm='ring' so far, not comm={comm!r}")
+        if q.device.type != "cpu":
+            raise ValueError(f"{caller}: document masking (cu_seqlens) runs on the CPU kernels "
+                             f"(sdpa, math) so far, not on {q.device.type}: CUDA needs "
+                             f"flash-attn's varlen kernels, which ctxpar does not call yet")
         docs = check_cu_seqlens(cu_seqlens, q.shape[1] * group_rank_and_size(cp_group)[1],
                                 q.shape[0], caller)
     if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
                          f"ring's dK,dV (comm 'ring' or 'hybrid'), not comm={comm!r}")
     kernel = get_backend(backend, q)
+    if docs is not None and kernel.name not in ("sdpa", "math"):
+        raise ValueError(f"{caller}: document masking (cu_seqlens) needs backend 'sdpa' or "
+                         f"'math', not {kernel.name!r}")
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     causal = bool(causal)
     lse = None

@@ -74,10 +74,8 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _mask_bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """(L, S) bool visible-mask -> the additive (L, S) bias in q's dtype the CPU flash op
-    takes (it refuses bool masks); only the CPU kernels take masks here."""
-    if q.device.type != "cpu":
-        raise NotImplementedError("document masking runs on the CPU kernels (sdpa, math) so "
-                                  "far; on CUDA it needs flash-attn's varlen kernels")
+    takes (it refuses bool masks). Masks reach only the CPU kernels: api.py refuses
+    document masking elsewhere before any communication."""
     return torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
 
 
