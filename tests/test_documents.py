@@ -1,7 +1,8 @@
-"""Document masking (packed documents) in ring attention against one process with a dense mask.
+"""Document masking (packed documents) under every CP pattern against one process with a dense mask.
 
 Pure checks of the plan (every visible pair computed exactly once, nothing else), bad
-boundaries refused in one line, then the ring on P = 2, 3, 4 ranks for every layout,
+boundaries refused in one line, then ring, all-gather, Ulysses and hybrid (those that fit P)
+on P = 2, 3, 4 ranks for every layout,
 causal or not, MHA/GQA, the sdpa (CPU flash) and math kernels, fp32, two samples with
 their own documents, including the edge cases: length-1 documents, a document longer than
 a shard, one spanning every rank, many tiny ones, a boundary exactly at a shard edge.
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from ctxpar.context_parallel import rank_positions, ring_attention, shard_sequence
 from ctxpar.context_parallel.documents import check_cu_seqlens, doc_plan, reference_mask
 from dist_harness import run_distributed
-from test_context_parallel import tolerance
+from test_context_parallel import PATTERNS, tolerance
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 S_LOCAL = 12  # tokens per rank: even (zigzag), and shards cut documents in odd places
@@ -47,28 +48,72 @@ def masked_reference(q, k, v, cus, causal, scale):
 # ------------------------------------------------------------------ pure pieces
 
 
+def _pairs_seen(cu, shards, n, causal):
+    """(n, n) int: how often the plans of every (queries, keys) shard pair compute each
+    (query, key) pair; and how many of the blocks needed an explicit mask."""
+    seen, masked = torch.zeros(n, n, dtype=torch.int32), 0
+    for q_pos in shards:
+        for k_pos in shards:
+            for blk in doc_plan(cu.long(), q_pos, k_pos, causal):
+                L, S = blk.q1 - blk.q0, blk.k1 - blk.k0
+                vis = (torch.ones(L, S, dtype=torch.bool).tril() if blk.causal
+                       else blk.mask if blk.mask is not None
+                       else torch.ones(L, S, dtype=torch.bool))
+                masked += blk.mask is not None
+                qi = q_pos[blk.q0:blk.q1, None].expand(L, S)[vis]
+                ki = k_pos[None, blk.k0:blk.k1].expand(L, S)[vis]
+                seen.index_put_((qi, ki), torch.ones_like(qi, dtype=torch.int32),
+                                accumulate=True)
+    return seen, masked
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 def test_plan_computes_every_visible_pair_once(layout, P):
+    """Exactly the document-causal pairs, and with every layout without an explicit mask
+    (full, causal, staircase and by-runs blocks only: the kernels' fast paths)."""
     n = S_LOCAL * P
     for cu in edge_case_docs(n, P):
         for causal in (True, False):
-            want = reference_mask(cu.long(), n, causal)
-            seen = torch.zeros(n, n, dtype=torch.int32)
-            for r in range(P):
-                q_pos = rank_positions(n, r, P, layout)
-                for s in range(P):
-                    k_pos = rank_positions(n, s, P, layout)
-                    for blk in doc_plan(cu.long(), q_pos, k_pos, causal):
-                        L, S = blk.q1 - blk.q0, blk.k1 - blk.k0
-                        vis = (torch.ones(L, S, dtype=torch.bool).tril() if blk.causal
-                               else blk.mask if blk.mask is not None
-                               else torch.ones(L, S, dtype=torch.bool))
-                        qi = q_pos[blk.q0:blk.q1, None].expand(L, S)[vis]
-                        ki = k_pos[None, blk.k0:blk.k1].expand(L, S)[vis]
-                        seen.index_put_((qi, ki), torch.ones_like(qi, dtype=torch.int32),
-                                        accumulate=True)
-            assert torch.equal(seen, want.int()), (layout, P, cu.tolist(), causal)
+            shards = [rank_positions(n, r, P, layout) for r in range(P)]
+            seen, masked = _pairs_seen(cu, shards, n, causal)
+            assert torch.equal(seen, reference_mask(cu.long(), n, causal).int()), \
+                (layout, P, cu.tolist(), causal)
+            assert masked == 0, (layout, P, cu.tolist(), causal)
+
+
+def test_plan_masks_explicitly_where_no_kernel_shape_fits():
+    """Shards of scattered positions (no layout makes them) fall back to masked blocks,
+    still computing every visible pair once."""
+    n, g = 24, torch.Generator().manual_seed(0)
+    perm = torch.randperm(n, generator=g)
+    shards = [perm[i::3].sort().values for i in range(3)]
+    cu = torch.tensor([0, 5, 17, 24], dtype=torch.int32)
+    seen, masked = _pairs_seen(cu, shards, n, True)
+    assert torch.equal(seen, reference_mask(cu.long(), n, True).int())
+    assert masked > 0
+    # ... and the kernels' masked path is exact: shard 0's queries against every shard,
+    # forward merged by LSE, backward from the merged out/lse, vs the dense reference.
+    from ctxpar.context_parallel.blocks import QueryRows, backward_block, forward_block_
+    from ctxpar.context_parallel.kernels import BACKENDS
+    from ctxpar.context_parallel.merge import empty_accumulators
+    q, k, v, dout = (x[:1] for x in _inputs(n)[(4, 2, 16)])
+    want_o, want_lse = masked_reference(q.requires_grad_(), k, v, [cu], True, 0.25)
+    (want_dq,) = torch.autograd.grad(want_o, q, dout)
+    qp = shards[0]
+    for backend in ("sdpa", "math"):
+        kernel, out, lse = BACKENDS[backend], *empty_accumulators(q[:, qp].detach())
+        plan = [(kp, blk) for kp in shards for blk in doc_plan(cu.long(), qp, kp, True)]
+        for kp, blk in plan:
+            forward_block_(kernel, q[:, qp].detach(), k[:, kp], v[:, kp], blk, 0.25, out, lse)
+        rows, dq = QueryRows(dout[:, qp], q[:, qp].detach(), out, lse), torch.zeros_like(out)
+        for kp, blk in plan:
+            qs, _, grads = backward_block(kernel, rows, k[:, kp], v[:, kp], blk, 0.25)
+            dq[:, qs] += grads[0]
+        for name, a, b in (("out", out, want_o[:, qp]), ("lse", lse, want_lse[:, :, qp]),
+                           ("dq", dq, want_dq[:, qp])):
+            torch.testing.assert_close(a, b.detach(), **tolerance(torch.float32, b),
+                                       msg=lambda m: f"{backend} {name}: {m}")
 
 
 @pytest.mark.parametrize("cu, msg", [
@@ -104,25 +149,37 @@ def test_document_masking_off_the_cpu_kernels_is_refused_before_communicating():
 # ------------------------------------------------------------------ the ring on P ranks
 
 
-def _cases():
-    return [(layout, causal, heads, backend)
-            for layout in LAYOUTS for causal in (True, False)
-            for heads in ((4, 4, 16), (4, 2, 16)) for backend in ("sdpa", "math")]
-
-
-def _masked_ring(rank, world, payload):
-    from ctxpar.context_parallel import cp_stats
+def _cases(world):
+    """(comm, u, layout, causal, heads, backend): both CPU kernels for the ring (the others'
+    reference), sdpa for all-gather, Ulysses and hybrid (PATTERNS: those that fit P)."""
     out = []
-    for layout, causal, (H, Hkv, D), backend in _cases():
-        n = S_LOCAL * world
+    for comm, u in PATTERNS[world]:
+        backends = ("sdpa", "math") if comm == "ring" else ("sdpa",)
+        out += [(comm, u, layout, causal, heads, backend)
+                for layout in LAYOUTS for causal in (True, False)
+                for heads in ((4, 4, 16), (4, 2, 16)) for backend in backends]
+    return out
+
+
+def _masked_cp(rank, world, payload):
+    from ctxpar import init_parallel_state
+    from ctxpar.context_parallel import context_parallel_attention, cp_stats
+    states = {u: init_parallel_state(cp=world, ulysses=u) for _, u in PATTERNS[world]}
+    out = []
+    for comm, u, layout, causal, (H, Hkv, D), backend in _cases(world):
+        n, st = S_LOCAL * world, states[u]
+        groups = dict(ulysses_group=st.ulysses_group, ring_group=st.ring_group) \
+            if comm == "hybrid" else dict(cp_group=st.cp_group)
         q, k, v, dout = pickle.loads(payload)[(H, Hkv, D)]
         cus = edge_case_docs(n, world)
-        ql, kl, vl = (shard_sequence(x, 1, None, layout).requires_grad_() for x in (q, k, v))
-        with cp_stats() as st:
-            o, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout, backend=backend,
-                                    return_lse=True, cu_seqlens=cus)
-            o.backward(shard_sequence(dout, 1, None, layout))
-        out.append((o.detach(), lse, ql.grad, kl.grad, vl.grad, st.fwd_flops))
+        shard = lambda x: shard_sequence(x, 1, st.cp_group, layout, u)  # noqa: E731
+        ql, kl, vl = (shard(x).requires_grad_() for x in (q, k, v))
+        with cp_stats() as stats:
+            o, lse = context_parallel_attention(ql, kl, vl, comm=comm, causal=causal,
+                                                layout=layout, backend=backend,
+                                                return_lse=True, cu_seqlens=cus, **groups)
+            o.backward(shard(dout))
+        out.append((o.detach(), lse, ql.grad, kl.grad, vl.grad, stats.fwd_flops))
     return out
 
 
@@ -133,35 +190,35 @@ def _inputs(n):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_masked_ring_matches_one_process(world):
+def test_masked_attention_matches_one_process_for_every_pattern(world):
     n = S_LOCAL * world
     inputs = _inputs(n)
-    results = run_distributed(_masked_ring, world, pickle.dumps(inputs), timeout=300)
+    results = run_distributed(_masked_cp, world, pickle.dumps(inputs), timeout=400)
     cus = edge_case_docs(n, world)
-    for i, (layout, causal, heads, backend) in enumerate(_cases()):
+    for i, (comm, u, layout, causal, heads, backend) in enumerate(_cases(world)):
         q, k, v, dout = (x.clone().requires_grad_() for x in inputs[heads])
         want_o, want_lse = masked_reference(q, k, v, cus, causal, heads[2] ** -0.5)
         want = (want_o.detach(), want_lse.detach(),
                 *torch.autograd.grad(want_o, (q, k, v), dout.detach()))
         flops = 0
         for rank in range(world):
-            pos = rank_positions(n, rank, world, layout)
+            pos = rank_positions(n, rank, world, layout, ulysses=u)
             got = results[rank][i]
             flops += got[5]
             for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got[:5], want):
                 b = b[:, :, pos] if name == "lse" else b[:, pos]
                 torch.testing.assert_close(
                     a, b, **tolerance(torch.float32, b),
-                    msg=lambda m: f"P={world} {layout} causal={causal} {heads} {backend} "
-                                  f"rank {rank} {name}: {m}")
-        # The kernels evaluate only the documents' pairs (+ the rectangles of documents a
-        # layout cuts), never the n^2 (or n^2/2) of the unmasked sample.
+                    msg=lambda m: f"P={world} {comm} u={u} {layout} causal={causal} {heads} "
+                                  f"{backend} rank {rank} {name}: {m}")
+        # The kernels evaluate exactly the documents' pairs, sum len (len + 1) / 2 (causal)
+        # or sum len^2, never the n^2/2 of the unmasked sample. (Ulysses and hybrid count
+        # H/u heads per rank: the sum over ranks is the same total.)
         lens = [torch.diff(cu.long()) for cu in cus]
         doc_pairs = sum(int((x * (x + 1) // 2 if causal else x * x).sum()) for x in lens)
         per_pair = 4 * heads[0] * heads[2]  # fwd FLOPs per (query, key) pair, per sample
-        assert doc_pairs * per_pair <= flops <= 2 * doc_pairs * per_pair, (layout, causal)
-        unmasked = 2 * (n * (n + 1) // 2 if causal else n * n)  # what the plain ring runs
-        assert flops < unmasked * per_pair, (layout, causal, flops)
+        where = (comm, u, layout, causal)
+        assert flops == doc_pairs * per_pair, (where, flops, doc_pairs * per_pair)
 
 
 def test_masked_attention_on_one_process_matches_the_dense_reference():

@@ -3,8 +3,8 @@
 Forward: every rank all-gathers the stacked K,V of the CP group at KV-head width (with
 GQA only Hkv heads travel, which is why Llama 3 chose it), in group-rank order, so slot
 src holds the tokens of ``rank_positions(.., src, ..)``. Then the local queries attend to
-every slot with the ring's causal block plan (blocks.block_plan: invisible blocks are
-skipped, the diagonal one is causal) and the blocks merge by log-sum-exp, exactly as the
+every slot with the ring's causal block plan (blocks.step_plan: invisible blocks are
+skipped, the diagonal one is causal; with documents one block per shared document) and the blocks merge by log-sum-exp, exactly as the
 ring would, only without waiting step by step. Overlap: the gather is asynchronous and
 the diagonal block, which needs only the local K,V, is computed while it is in flight.
 
@@ -20,40 +20,45 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import QueryRows, backward_block, block_plan, forward_block_
+from functools import partial
+
+from .blocks import QueryRows, backward_block, forward_block_, step_plan
 from .comm import all_gather, group_rank_and_size, reduce_scatter
 from .merge import empty_accumulators
 
 
-def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causal: bool):
-    """(src, block, K,V of rank src) for every block with a visible pair, the local slot
-    first (its K,V are here before the gather lands); waits for the gather only when a
-    remote slot is needed, and before returning in any case (the collective completes).
-    kv (2, B, S, Hkv, D) local; gathered (P, 2, B, S, Hkv, D) in group-rank order."""
+def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causal: bool,
+                   docs=None):
+    """(src, samples, block, K,V of rank src) for every block with a visible pair, the
+    local slot first (its K,V are here before the gather lands); waits for the gather only
+    when a remote slot is needed, and before returning in any case (the collective
+    completes). kv (2, B, S, Hkv, D) local; gathered (P, 2, B, S, Hkv, D) in group-rank
+    order; docs: None or per-sample cu_seqlens (documents.py)."""
+    S = kv.shape[2]
     for src in [rank] + [s for s in range(world) if s != rank]:
-        blk = block_plan(layout, causal, rank, src, kv.shape[2])
-        if blk is None:
-            continue
-        if src != rank and work is not None:
-            work.wait()
-            work = None
-        yield src, blk, (kv if src == rank else gathered[src])
+        for b, blk in step_plan(layout, causal, rank, src, S, world, docs):
+            if src != rank and work is not None:
+                work.wait()
+                work = None
+            yield src, b, blk, (kv if src == rank else gathered[src])
     if work is not None:  # every remote block was invisible
         work.wait()
 
 
-def allgather_forward(q, k, v, group, causal, layout, scale, kernel):
+def allgather_forward(q, k, v, group, causal, layout, scale, kernel, docs=None):
     """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries."""
     rank, world = group_rank_and_size(group)
     kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
     gathered, work = all_gather(kv, group, "fwd", async_op=True)   # (P, 2, B, S, Hkv, D)
     out, lse = empty_accumulators(q)
-    for _, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal):
-        forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse)
+    for _, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
+                                          docs):
+        forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse, b)
     return out.to(q.dtype), lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel):
+def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
+                       docs=None):
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads."""
     rank, world = group_rank_and_size(group)
     dout = dout.contiguous()
@@ -62,13 +67,22 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, ke
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((world, *kv.shape), dtype=torch.float32, device=q.device)
     rows = QueryRows(dout, q, out, lse)
-    for src, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal):
-        qs, ks, (gq, gk, gv) = backward_block(kernel, rows, slot[0], slot[1], blk, scale)
-        dq[:, qs] += gq
-        dkv[src, 0, :, ks] += gk
-        dkv[src, 1, :, ks] += gv
+    for src, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
+                                            docs):
+        qs, ks, (gq, gk, gv) = backward_block(kernel, rows, slot[0], slot[1], blk, scale, b)
+        dq[b, qs] += gq
+        dkv[src, 0, b, ks] += gk
+        dkv[src, 1, b, ks] += gv
     dkv = reduce_scatter(dkv, group, "bwd")                        # (2, B, S, Hkv, D) fp32
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 PATTERN = (allgather_forward, allgather_backward)  # for blocks.BlockwiseAttention
+
+
+def allgather_pattern(docs=None):
+    """The all-gather's (forward, backward), masked by documents when `docs` (per-sample
+    cu_seqlens, documents.py) is given."""
+    if docs is None:
+        return PATTERN
+    return partial(allgather_forward, docs=docs), partial(allgather_backward, docs=docs)

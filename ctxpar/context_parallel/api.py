@@ -95,7 +95,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     cu_seqlens: document boundaries in the *full* sequence (flash-attn's varlen convention:
     int32, 0 = cu[0] < cu[1] < ... < cu[-1] = full length), one 1-D tensor for the whole
     batch or a list of one per sample; tokens then attend only inside their document
-    (documents.py). So far with comm 'ring' and the CPU kernels (sdpa, math).
+    (documents.py), with every comm. So far on the CPU kernels (sdpa, math).
 
     Returns out (batch, local_seq, heads, head_dim) in q's dtype, and with return_lse also
     lse (batch, heads, local_seq) fp32 (not differentiable).
@@ -117,15 +117,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     _check_inputs(q, k, v, comm, layout, u, caller)
     docs = None
     if cu_seqlens is not None:
-        if comm != "ring":
-            raise ValueError(f"{caller}: document masking (cu_seqlens) is implemented for "
-                             f"comm='ring' so far, not comm={comm!r}")
         if q.device.type != "cpu":
             raise ValueError(f"{caller}: document masking (cu_seqlens) runs on the CPU kernels "
                              f"(sdpa, math) so far, not on {q.device.type}: CUDA needs "
                              f"flash-attn's varlen kernels, which ctxpar does not call yet")
-        docs = check_cu_seqlens(cu_seqlens, q.shape[1] * group_rank_and_size(cp_group)[1],
-                                q.shape[0], caller)
+        cp_size = (group_rank_and_size(ulysses_group)[1] * group_rank_and_size(ring_group)[1]
+                   if comm == "hybrid" else group_rank_and_size(cp_group)[1])
+        docs = check_cu_seqlens(cu_seqlens, q.shape[1] * cp_size, q.shape[0], caller)
     if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
                          f"ring's dK,dV (comm 'ring' or 'hybrid'), not comm={comm!r}")
@@ -138,17 +136,19 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     lse = None
     if comm in ("ring", "allgather"):
         pattern = ring.ring_pattern(ring_grad_dtype, docs) if comm == "ring" \
-            else allgather.PATTERN
+            else allgather.allgather_pattern(docs)
         out, lse = BlockwiseAttention.apply(q, k, v, pattern, cp_group, causal, layout, scale,
                                             kernel)
     elif comm == "ulysses":
+        local_pattern = ring.ring_pattern("fp32", docs)  # documents: one block per document
+
         def local(qh, kh, vh):  # the whole sequence of H/u heads: one kernel call
-            return BlockwiseAttention.apply(qh, kh, vh, ring.PATTERN, LOCAL, causal, layout,
+            return BlockwiseAttention.apply(qh, kh, vh, local_pattern, LOCAL, causal, layout,
                                             scale, kernel)
         out, lse = ulysses_attention(q, k, v, cp_group, layout, local, return_lse)
     else:
         out, lse = hybrid_attention(q, k, v, ulysses_group, ring_group, causal, layout, scale,
-                                    kernel, return_lse, ring_grad_dtype)
+                                    kernel, return_lse, ring_grad_dtype, docs)
     return (out, lse) if return_lse else out
 
 

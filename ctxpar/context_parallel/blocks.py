@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from .documents import doc_plan
+from .layouts import rank_positions
 from .merge import merge_block_
 from .stats import attention_flops, record
 
@@ -57,6 +59,19 @@ def block_plan(layout: str, causal: bool, rank: int, src: int, local_seq: int) -
     if src < rank:  # striped
         return Block(0, S, 0, S, True)
     return Block(1, S, 0, S - 1, True) if S > 1 else None
+
+
+def step_plan(layout, causal, rank, src, S, world, docs=None):
+    """[(samples, block)] this rank computes against the keys of rank `src`: one block for
+    the whole batch (block_plan), or with documents (a list of per-sample cu_seqlens,
+    documents.py) one block per document the two sides share, per sample."""
+    if docs is None:
+        blk = block_plan(layout, causal, rank, src, S)
+        return [] if blk is None else [(slice(None), blk)]
+    q_pos = rank_positions(S * world, rank, world, layout)
+    k_pos = q_pos if src == rank else rank_positions(S * world, src, world, layout)
+    return [(slice(b, b + 1), blk) for b, cu in enumerate(docs)
+            for blk in doc_plan(cu, q_pos, k_pos, causal)]
 
 
 def _mask_kw(blk) -> dict:

@@ -17,6 +17,8 @@ step whose keys share no document with the queries is skipped. A sub-block is co
     staircase   each row sees one key more than the row before (striped's off-diagonal
                 blocks, documents a layout cuts): a full part, the kernel's causal on the
                 diagonal part, a full part, no mask
+    by runs     a document over both of zigzag's chunks: one of the above per (query run,
+                key run) of consecutive positions, no mask
     masked      any other shape: an explicit (Lq, Lk) causal mask
     skipped     every key follows every query
 
@@ -102,9 +104,44 @@ def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
         elif q1 - q0 == k1 - k0 and torch.equal(qp, kp):
             plan.append(DocBlock(q0, q1, k0, k1, True, None))
         else:
-            vis = kp[None, :] <= qp[:, None]  # (Lq, Lk): the causal part of this document
-            plan.extend(_staircase(q0, k0, vis) or [DocBlock(q0, q1, k0, k1, False, vis)])
+            plan.extend(_causal_part(q0, k0, qp, kp))
     return plan
+
+
+def _consecutive_runs(pos: torch.Tensor):
+    """[(first, last + 1)] row ranges of pos whose positions go up by exactly one."""
+    cuts = [0, *((torch.diff(pos) != 1).nonzero().flatten() + 1).tolist(), len(pos)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _causal_part(q0: int, k0: int, qp: torch.Tensor, kp: torch.Tensor,
+                 max_runs: int = 4) -> List[DocBlock]:
+    """The causal pairs of one document's queries (positions qp, rows from q0) and keys (kp,
+    rows from k0), as unmasked kernel calls where possible:
+
+    - a staircase (striped; a document a layout cuts once): full + causal + full calls;
+    - else, when both sides are a few runs of consecutive positions (zigzag's two chunks
+      give two each), one block per (query run, key run): each is full, skipped, or the
+      same positions (causal), since runs of distinct chunks never interleave;
+    - else one explicitly masked block.
+    """
+    vis = kp[None, :] <= qp[:, None]  # (Lq, Lk): the causal part of this document
+    stairs = _staircase(q0, k0, vis)
+    if stairs is not None:
+        return stairs
+    q_runs, k_runs = _consecutive_runs(qp), _consecutive_runs(kp)
+    if len(q_runs) * len(k_runs) <= max_runs:
+        blocks = []
+        for a, b in q_runs:
+            for c, d in k_runs:
+                sub = vis[a:b, c:d]
+                if sub.all():
+                    blocks.append(DocBlock(q0 + a, q0 + b, k0 + c, k0 + d, False, None))
+                elif sub.any():
+                    blocks.extend(_staircase(q0 + a, k0 + c, sub)
+                                  or [DocBlock(q0 + a, q0 + b, k0 + c, k0 + d, False, sub)])
+        return blocks
+    return [DocBlock(q0, q0 + len(qp), k0, k0 + len(kp), False, vis)]
 
 
 def _staircase(q0: int, k0: int, vis: torch.Tensor) -> Optional[List[DocBlock]]:

@@ -24,10 +24,8 @@ import torch
 
 from functools import partial
 
-from .blocks import QueryRows, backward_block, block_plan, forward_block_
+from .blocks import QueryRows, backward_block, forward_block_, step_plan
 from .comm import NoComm, RingComm, group_rank_and_size
-from .documents import doc_plan
-from .layouts import rank_positions
 from .merge import empty_accumulators
 from .stats import attention_flops, record
 
@@ -67,19 +65,6 @@ class KVRing:
         self.comm.wait()
         self.kv, self._recv = self._recv, None
         self.step += 1
-
-
-def step_plan(layout, causal, rank, src, S, world, docs=None):
-    """[(samples, block)] this rank computes against the keys of rank `src`: one block for
-    the whole batch (blocks.block_plan), or with documents (a list of per-sample cu_seqlens,
-    documents.py) one block per document the two sides share, per sample."""
-    if docs is None:
-        blk = block_plan(layout, causal, rank, src, S)
-        return [] if blk is None else [(slice(None), blk)]
-    q_pos = rank_positions(S * world, rank, world, layout)
-    k_pos = q_pos if src == rank else rank_positions(S * world, src, world, layout)
-    return [(slice(b, b + 1), blk) for b, cu in enumerate(docs)
-            for blk in doc_plan(cu, q_pos, k_pos, causal)]
 
 
 def ring_forward(q, k, v, group, causal, layout, scale, kernel, docs=None):
