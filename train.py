@@ -85,7 +85,8 @@ def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
 
     loss_sum = torch.zeros((), device=n_tokens.device)
     for mb in micro:
-        local = engine(mb["tokens"], mb["positions"], mb["labels"])  # sum of token losses
+        local = engine(mb["tokens"], mb["positions"], mb["labels"],  # sum of token losses
+                       cu_seqlens=mb.get("cu_seqlens"))  # documents (data.document_mask)
         engine.backward(loss_for_backward(local, n_tokens, divisor, gas))
         engine.step()
         loss_sum += local.detach().float()
@@ -104,6 +105,14 @@ def main(argv=None) -> int:
         data = build_data(cfg)  # opens token files / builds the passkey task; no collectives
     except (ConfigError, DataError) as e:
         fail(str(e))
+    if cfg.data.document_mask and torch.cuda.is_available():
+        fail("data.document_mask=true runs on the CPU kernels so far: CUDA needs flash-attn's "
+             "varlen kernels, which ctxpar does not call yet")
+    if (cfg.data.document_mask and cfg.parallel.cp > 1 and cfg.parallel.layout != "striped"
+            and cfg.parallel.cp_comm != "ulysses"):  # Ulysses: every rank the whole sequence
+        warn(f"data.document_mask with parallel.layout={cfg.parallel.layout!r}: ranks' "
+             f"attention work is unbalanced with documents (zigzag max/mean 1.8-2.1 measured, "
+             f"docs/benchmarks.md); layout 'striped' keeps it at 1.00")
     run_dir = cfg.logging.run_dir
     save_dir = cfg.checkpointing.save_dir or os.path.join(run_dir, "checkpoints")
     problem = ckpt.resume_problem(save_dir, args.resume)  # a missing tag: before DeepSpeed

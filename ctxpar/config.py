@@ -141,6 +141,17 @@ class DataConfig:
     """For kind=tokens without eval_path: share of path's samples (its end) held out for eval."""
     passkey_digits: int = 2
     """For kind=passkey: digits of the planted key."""
+    passkey_docs: int = 1
+    """For kind=passkey: documents packed per sample, each with its own key; the question
+    is at the end of the last one (> 1: the packed task, for data.document_mask)."""
+    document_mask: bool = False
+    """Attention stays inside each packed document (Megatron's reset_attention_mask): the
+    samples' document boundaries go to CP attention as cu_seqlens."""
+    reset_positions: bool = False
+    """RoPE positions restart at 0 at each document (Megatron's reset_position_ids)."""
+    eod_mask_loss: bool = False
+    """No loss on predicting the token after a document's end (EOS) (Megatron's
+    eod_mask_loss); for kind=tokens (passkey labels only the answer)."""
     tokenizer: Optional[str] = None
     """The Hugging Face tokenizer.json the token files were made with (None = byte-level);
     exported with the model by tools/convert_checkpoint.py --to hf."""
@@ -517,6 +528,17 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
                 f"{min_seq_len(cfg.data.passkey_digits)})")
         if m.vocab_size < 256:
             err(f"model.vocab_size={m.vocab_size} < 256: data.kind='passkey' is byte-level")
+        from .data.passkey import min_packed_seq_len
+        need = min_packed_seq_len(cfg.data.passkey_digits, cfg.data.passkey_docs)
+        if cfg.data.passkey_docs < 1 or m.seq_len < need:
+            err(f"data.passkey_docs={cfg.data.passkey_docs} must be >= 1 and fit in "
+                f"model.seq_len={m.seq_len} (needs >= {need})")
+    if cfg.data.eod_mask_loss and cfg.data.kind != "tokens":
+        err(f"data.eod_mask_loss=true is for data.kind='tokens' (passkey labels only the "
+            f"answer), not {cfg.data.kind!r}")
+    if cfg.data.document_mask and p.attention_backend not in ("auto", "sdpa", "math"):
+        err(f"data.document_mask=true runs on the CPU kernels so far: "
+            f"parallel.attention_backend={p.attention_backend!r} must be auto, sdpa or math")
 
 
 ROPE_SCALING_KEYS = {  # rope_type -> its numeric keys (Hugging Face's names)

@@ -6,9 +6,11 @@ stages (by parameter count or uniformly):
     embedding | block 0 | ... | block L-1 | final norm | head (tied: the embedding again)
 
 Between layers (and between stages, point to point) flows the tuple
-``(x (B, T/cp, d), positions (T/cp,) int64)``: every block rebuilds its RoPE angles from
-the global positions (T/cp x hd/2, negligible next to the block's matmuls), and DeepSpeed
-sends no gradient for the integer positions. The first stage gets ``(tokens, positions)``
+``(x (B, T/cp, d), positions (T/cp,) or (B, T/cp) int64)``, plus, with document masking,
+the samples' document boundaries packed as one (B, T + 1) int32 tensor
+(documents.pack_cu_seqlens): every block rebuilds its RoPE angles from the positions
+(T/cp x hd/2, negligible next to the block's matmuls), and DeepSpeed sends no gradient for
+the integer tensors. The first stage gets ``(tokens, positions[, documents])``
 and the last stage ``labels`` from the data iterator (``pipeline_batches``); the head
 returns vocab-parallel logits (B, T/cp, V/tp) and ``TokenMeanLoss`` turns them into the
 loss to back-propagate. Tied embeddings are one ``TiedLayerSpec`` on the first and last
@@ -36,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, ModelConfig
 from ctxpar.context_parallel import ContextParallel
+from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.deepspeed_comm import init_deepspeed_comm
 from ctxpar.pipeline import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
@@ -47,7 +50,7 @@ from models.loss import global_mean_loss, loss_for_backward
 
 
 class EmbeddingPipe(nn.Module):
-    """(tokens (B, T/cp), positions (T/cp,)) -> (x (B, T/cp, d), positions)."""
+    """(tokens (B, T/cp), positions[, documents]) -> (x (B, T/cp, d), positions[, documents])."""
 
     gpt_prefix = ""  # parameter 'embed.weight', as in GPT
 
@@ -57,8 +60,8 @@ class EmbeddingPipe(nn.Module):
                                             device=device, dtype=dtype)
 
     def forward(self, inputs):
-        tokens, positions = inputs
-        return self.embed(tokens), positions
+        tokens, *rest = inputs  # rest: positions[, packed document boundaries]
+        return (self.embed(tokens), *rest)
 
 
 def tied_lm_head(module: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
@@ -80,13 +83,14 @@ class BlockPipe(Block):
         self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
 
     def forward(self, inputs):
-        x, positions = inputs  # (B, T/cp, d), (T/cp,)
+        x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)]
         cos, sin = rotary_cos_sin(positions, self.attn.head_dim, self.rope_theta,
-                                  self.rope_scaling)  # (T/cp, hd/2)
-        block = partial(Block.forward, self)
+                                  self.rope_scaling)  # (..., T/cp, hd/2)
+        cu = unpack_cu_seqlens(docs[0]) if docs else None
+        block = partial(Block.forward, self, cu_seqlens=cu)
         if self.recompute:  # keep only x; replay the block (and its CP attention) in backward
-            return checkpoint(block, x, cos, sin, use_reentrant=False), positions
-        return block(x, cos, sin), positions
+            return (checkpoint(block, x, cos, sin, use_reentrant=False), positions, *docs)
+        return (block(x, cos, sin), positions, *docs)
 
 
 class FinalNormPipe(nn.Module):
@@ -212,13 +216,23 @@ class GPTPipe(PipelineModule):
         init_parameters_(self.gpt_named_parameters(), self.cfg, seed, self.tp_group)
 
 
+def stage_inputs(mb: Dict[str, torch.Tensor]) -> tuple:
+    """The first stage's inputs: (tokens, positions), and the packed document boundaries
+    when the micro-batch has them (data.document_mask)."""
+    if "cu_seqlens" not in mb:
+        return mb["tokens"], mb["positions"]
+    seq_len = int(mb["cu_seqlens"][0][-1])  # every sample's boundaries end at T
+    docs = pack_cu_seqlens(mb["cu_seqlens"], seq_len)
+    return mb["tokens"], mb["positions"], docs.to(mb["tokens"].device)
+
+
 def pipeline_batches(micro: List[Dict[str, torch.Tensor]]) -> Iterator:
-    """What train_batch pulls: ((tokens, positions), labels) per micro-batch.
+    """What train_batch pulls: ((tokens, positions[, documents]), labels) per micro-batch.
 
     Only the first stage reads the inputs and only the last stage the labels; every rank
     passes the same micro-batches (they all read the same samples of their DP rank).
     """
-    return iter([((mb["tokens"], mb["positions"]), mb["labels"]) for mb in micro])
+    return iter([(stage_inputs(mb), mb["labels"]) for mb in micro])
 
 
 def train_step(engine, micro: List[Dict[str, torch.Tensor]], n_tokens: torch.Tensor,
@@ -251,15 +265,16 @@ def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor]) -> Optio
     by train_batch and fails.
     """
     pp, stage = state.ranks("pp"), state.pp_rank
+    first = stage_inputs(mb)  # (tokens, positions[, documents])
     if state.is_pp_first_stage:
-        inputs = (mb["tokens"], mb["positions"])
+        inputs = first
     else:
         p = next(model.parameters())
         x = torch.empty(*mb["tokens"].shape, model.cfg.d_model, dtype=p.dtype, device=p.device)
         dist.recv(x, src=pp[stage - 1])
-        # Blocks and the final norm take (x, positions); a stage holding only the head, x.
+        # Blocks and the final norm take (x, positions[, documents]); a head-only stage, x.
         head_only = model.partitions()[stage] == model.cfg.n_layers + 2
-        inputs = x if head_only else (x, mb["positions"])
+        inputs = x if head_only else (x, *first[1:])
     out = model(inputs)
     if state.is_pp_last_stage:
         return out

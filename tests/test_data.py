@@ -391,3 +391,64 @@ def test_dp_cp_streams_shards_and_eval(tmp_path):
         # fp32 logits/CE per token, fp64 sums: ~1e-7 relative.
         assert r["text_eval"]["eval_loss"] == pytest.approx(want_loss, rel=1e-6)
         assert r["text_eval"]["eval_ppl"] == pytest.approx(np.exp(want_loss), rel=1e-6)
+
+
+# ---------------------------------------------------------------- packed documents
+
+
+def test_window_documents_and_eod_positions_follow_the_index(tmp_path):
+    """Each window's cu_seqlens are the .idx's document ends inside it (a document ends
+    after its EOS, and no EOS occurs inside a document here), eod_positions the EOS
+    positions; the stream masks the label after each EOS with eod_mask_loss."""
+    from ctxpar.data import SampleStream
+    docs = [rng.integers(1, 256, size=n).tolist() for n in (1, 2, 15, 16, 3, 40, 1, 7, 30)]
+    source = TokenWindows(write(tmp_path / "c", docs), 16)
+    for i in range(source.n_windows):
+        inputs, labels = source[i]
+        eos = np.flatnonzero(inputs == 0)
+        assert source.eod_positions(i).tolist() == eos.tolist(), i
+        cu = source.documents(i)
+        assert cu.dtype == np.int32 and cu[0] == 0 and cu[-1] == 16
+        assert cu[1:-1].tolist() == [e + 1 for e in eos if e + 1 < 16], i
+    stream = SampleStream(source, 2, documents=True, eod_mask_loss=True)
+    batch = stream.next_batch()
+    for b in range(2):
+        eos = batch["tokens"][b] == 0
+        assert (batch["labels"][b][eos] == -100).all() and (batch["labels"][b][~eos] >= 0).all()
+        assert torch.equal(batch["cu_seqlens"][b], torch.from_numpy(source.documents(b)))
+    # The stream's only state is still the sample count: resuming needs nothing else.
+    assert set(stream.state_dict()) == {"samples_consumed", "source"}
+
+
+def test_packed_passkey_documents():
+    task = PasskeyTask(256, 2, seed=1, docs=3)
+    assert task.fingerprint["docs"] == 3 and "docs" not in PasskeyTask(256, 2).fingerprint
+    for i in range(20):
+        text, key, depth, starts = task.sample(i)
+        cu = task.documents(i)
+        assert len(text) == 257 and cu.tolist() == [*starts, 256] and len(starts) == 3
+        pieces = [text[a:b] for a, b in zip(starts, [*starts[1:], 257])]
+        keys = [re.search(r"The pass key is (\d+)\. Remember it\.", p).group(1) for p in pieces]
+        assert keys[-1] == key and key not in keys[:-1], (keys, key)  # others: other keys
+        assert QUESTION not in "".join(pieces[:-1]) and pieces[-1].endswith(QUESTION + key)
+        assert text[depth:].startswith(NEEDLE.format(key=key))
+    # One document per sample: the task as before, boundaries [0, T].
+    assert PasskeyTask(256, 2).documents(0).tolist() == [0, 256]
+    with pytest.raises(DataError, match="3 document\\(s\\) per sample needs seq_len >= 162"):
+        PasskeyTask(128, 2, docs=3)
+
+
+def test_reset_positions_restart_per_document_on_every_shard():
+    from ctxpar.context_parallel import NoComm
+    from ctxpar.data import shard_batch
+    cu = torch.tensor([0, 1, 5, 11, 16], dtype=torch.int32)
+    batch = {"tokens": torch.arange(32).view(2, 16), "labels": torch.arange(32).view(2, 16),
+             "cu_seqlens": [cu, torch.tensor([0, 16], dtype=torch.int32)]}
+    want = torch.tensor([[0, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4], list(range(16))])
+    for layout in ("contiguous", "zigzag", "striped"):
+        for r in range(2):
+            local = shard_batch(batch, NoComm(r, 2), layout, reset_positions=True)
+            pos = local["positions"]
+            assert pos.shape == (2, 8) and local["cu_seqlens"] is batch["cu_seqlens"]
+            glob = shard_batch(batch, NoComm(r, 2), layout)["positions"]
+            assert torch.equal(pos, want[:, glob]), (layout, r)

@@ -185,3 +185,19 @@ def reference_mask(cu: torch.Tensor, seq_len: int, causal: bool) -> torch.Tensor
     ids = doc_ids(cu, torch.arange(seq_len))
     mask = ids[:, None] == ids[None, :]
     return mask & torch.ones(seq_len, seq_len, dtype=torch.bool).tril() if causal else mask
+
+
+def pack_cu_seqlens(cus, seq_len: int) -> torch.Tensor:
+    """Per-sample cu_seqlens as one fixed-shape (B, seq_len + 1) int32 tensor, -1 after each
+    sample's boundaries: what a pipeline stage sends the next (DeepSpeed's pipeline fixes
+    every tensor's shape at the first micro-batch; a sample has at most seq_len documents)."""
+    out = torch.full((len(cus), seq_len + 1), -1, dtype=torch.int32)
+    for b, cu in enumerate(cus):
+        out[b, :len(cu)] = cu
+    return out
+
+
+def unpack_cu_seqlens(packed: torch.Tensor) -> List[torch.Tensor]:
+    """pack_cu_seqlens's inverse: the list of B int32 boundary tensors."""
+    packed = packed.cpu()
+    return [row[row >= 0] for row in packed]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .indexed import DataError, IndexedDataset
-from .passkey import SPLITS, PasskeyTask
+from .passkey import IGNORE_INDEX, SPLITS, PasskeyTask
 
 
 class TokenWindows:
@@ -52,14 +52,37 @@ class TokenWindows:
                             "n_tokens": self.data.n_tokens, "windows": [first, self.n_windows]}
         self._perm_epoch, self._perm = -1, None
 
-    def __getitem__(self, index: int):
+    def _start(self, index: int) -> int:
+        """The token offset of sample index's window in the file."""
         epoch, i = divmod(index, self.n_windows)
         if epoch != self._perm_epoch:  # one epoch's order cached: 8 bytes per window
             rng = np.random.default_rng([self.seed, SPLITS[self.split], epoch])
             self._perm, self._perm_epoch = rng.permutation(self.n_windows), epoch
-        start = (self.first + int(self._perm[i])) * self.seq_len
+        return (self.first + int(self._perm[i])) * self.seq_len
+
+    def __getitem__(self, index: int):
+        start = self._start(index)
         window = np.asarray(self.data.tokens[start:start + self.seq_len + 1], dtype=np.int64)
         return window[:-1], window[1:]  # inputs (T,), labels (T,) = inputs shifted by one
+
+    def documents(self, index: int) -> np.ndarray:
+        """Sample index's document boundaries over its inputs, from the .idx offsets:
+        cu_seqlens [0, ..., T] int32, where a document ends after its EOS. A window ends
+        mid-document in general; its first document is the tail of one cut at the start."""
+        start, T = self._start(index), self.seq_len
+        offsets = self.data.doc_offsets
+        lo = np.searchsorted(offsets, start, side="right")     # first end after the start
+        hi = np.searchsorted(offsets, start + T, side="left")  # first end at or past T
+        return np.array([0, *(offsets[lo:hi] - start), T], dtype=np.int32)
+
+    def eod_positions(self, index: int) -> np.ndarray:
+        """Input positions holding a document's last token (its EOS): the label there is
+        the first token of the next document (Megatron's eod_mask_loss masks it)."""
+        start, T = self._start(index), self.seq_len
+        offsets = self.data.doc_offsets
+        lo = np.searchsorted(offsets, start + 1, side="left")
+        hi = np.searchsorted(offsets, start + T, side="right")  # ends in [start+1, start+T]
+        return offsets[lo:hi] - start - 1
 
 
 def held_out_windows(n_windows: int, eval_fraction: float) -> int:
@@ -99,7 +122,8 @@ def build_source(data_cfg, seq_len: int, seed: int, split: str = "train"):
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
     if data_cfg.kind == "passkey":
-        return PasskeyTask(seq_len, data_cfg.passkey_digits, seed, split)
+        return PasskeyTask(seq_len, data_cfg.passkey_digits, seed, split,
+                           data_cfg.passkey_docs)
     if data_cfg.kind == "tokens":
         return _token_source(data_cfg, seq_len, seed, split)
     raise ValueError(f"data.kind={data_cfg.kind!r} must be 'passkey' or 'tokens'")
@@ -109,21 +133,33 @@ class SampleStream:
     """Micro-batches of one DP rank: ``next_batch() -> {"tokens", "labels"}``, (B, T) int64.
 
     labels[b, t] is the token after tokens[b, t], or -100 where it is not trained on.
+    documents=True adds "cu_seqlens": each sample's document boundaries over the full
+    sequence, a list of B int32 tensors (flash-attn's varlen convention, one per sample);
+    eod_mask_loss=True sets the label after each document's end to -100.
     """
 
-    def __init__(self, source, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(self, source, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 documents: bool = False, eod_mask_loss: bool = False):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         self.source, self.micro_batch_size = source, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.documents, self.eod_mask_loss = documents, eod_mask_loss
         self.samples_consumed = 0  # global, over all DP ranks
 
     def batch_at(self, first_sample: int) -> Dict[str, torch.Tensor]:
         """This rank's micro-batch of the global batch starting at first_sample (no state)."""
         start = first_sample + self.dp_rank * self.micro_batch_size
-        pairs = [self.source[start + j] for j in range(self.micro_batch_size)]
-        return {"tokens": torch.from_numpy(np.stack([p[0] for p in pairs])),   # (B, T)
-                "labels": torch.from_numpy(np.stack([p[1] for p in pairs]))}   # (B, T)
+        index = range(start, start + self.micro_batch_size)
+        pairs = [self.source[i] for i in index]
+        batch = {"tokens": torch.from_numpy(np.stack([p[0] for p in pairs])),   # (B, T)
+                 "labels": torch.from_numpy(np.stack([p[1] for p in pairs]))}   # (B, T)
+        if self.eod_mask_loss:
+            for b, i in enumerate(index):
+                batch["labels"][b, torch.from_numpy(self.source.eod_positions(i))] = IGNORE_INDEX
+        if self.documents:
+            batch["cu_seqlens"] = [torch.from_numpy(self.source.documents(i)) for i in index]
+        return batch
 
     def next_batch(self) -> Dict[str, torch.Tensor]:
         batch = self.batch_at(self.samples_consumed)
@@ -151,14 +187,18 @@ class SampleStream:
 
 
 def shard_batch(batch: Dict[str, torch.Tensor], state_or_group, layout: str,
-                ulysses: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                ulysses: Optional[int] = None,
+                reset_positions: bool = False) -> Dict[str, torch.Tensor]:
     """This CP rank's part of a batch: tokens/labels (B, T) -> (B, T/cp), plus positions.
 
     ``positions`` (the global index of each kept token, for RoPE) comes from
-    ``sequence_positions`` with the same layout, so tokens[:, i] sits at positions[i].
+    ``sequence_positions`` with the same layout, so tokens[:, i] sits at positions[i]:
+    (T/cp,), or with reset_positions (B, T/cp), restarting at 0 at each document of the
+    batch's "cu_seqlens" (which pass through whole: attention needs the full boundaries).
     state_or_group is a ParallelState (its cp_group, and its Ulysses degree for the
     two-level layout of hybrid CP) or a CP process group (then ulysses, default 1).
     """
+    from ..context_parallel.documents import document_positions
     from ..context_parallel.layouts import sequence_positions, shard_sequence
 
     group = getattr(state_or_group, "cp_group", state_or_group)
@@ -167,4 +207,8 @@ def shard_batch(batch: Dict[str, torch.Tensor], state_or_group, layout: str,
     seq_len = batch["tokens"].shape[1]
     out = {k: shard_sequence(batch[k], 1, group, layout, ulysses) for k in ("tokens", "labels")}
     out["positions"] = sequence_positions(seq_len, group, layout, ulysses=ulysses)
+    if reset_positions:
+        out["positions"] = document_positions(batch["cu_seqlens"], out["positions"])
+    if "cu_seqlens" in batch:
+        out["cu_seqlens"] = batch["cu_seqlens"]
     return out

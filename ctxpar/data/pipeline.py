@@ -23,14 +23,24 @@ from .passkey import IGNORE_INDEX, passkey_correct
 
 class ShardedStream:
     """A SampleStream whose batches are already cut to this CP rank's layout shard
-    (ulysses: the Ulysses degree of hybrid CP's two-level layout, 1 otherwise)."""
+    (ulysses: the Ulysses degree of hybrid CP's two-level layout, 1 otherwise;
+    reset_positions: RoPE positions restart at each document)."""
 
-    def __init__(self, stream: SampleStream, cp_group, layout: str, ulysses: int = 1):
+    def __init__(self, stream: SampleStream, cp_group, layout: str, ulysses: int = 1,
+                 reset_positions: bool = False, document_mask: bool = False):
         self.stream, self.cp_group, self.layout, self.ulysses = stream, cp_group, layout, ulysses
+        self.reset_positions, self.document_mask = reset_positions, document_mask
 
     def next_microbatch(self, device=None) -> Dict[str, torch.Tensor]:
-        local = shard_batch(self.stream.next_batch(), self.cp_group, self.layout, self.ulysses)
-        return {k: v.to(device, non_blocking=True).contiguous() for k, v in local.items()}
+        """tokens, labels (B, T/cp), positions (T/cp,) or (B, T/cp) on device; with
+        documents "cu_seqlens" (B int32 tensors) stay on the host, where the attention's
+        document plan is made (no device round trip)."""
+        local = shard_batch(self.stream.next_batch(), self.cp_group, self.layout, self.ulysses,
+                            self.reset_positions)
+        if not self.document_mask:  # boundaries only for the positions: attention unmasked
+            local.pop("cu_seqlens", None)
+        return {k: v if k == "cu_seqlens" else v.to(device, non_blocking=True).contiguous()
+                for k, v in local.items()}
 
     def state_dict(self) -> Dict:
         return self.stream.state_dict()
@@ -54,6 +64,14 @@ class Data:
                 raise DataError(f"{getattr(cfg.data, key) or cfg.data.path}.idx: token ids go "
                                 f"up to {source.vocab_size - 1} but model.vocab_size="
                                 f"{cfg.model.vocab_size}")
+            docs = getattr(getattr(source, "data", None), "doc_offsets", None)
+            if cfg.data.document_mask and docs is not None and len(docs) < 3:
+                prefix = getattr(cfg.data, key) or cfg.data.path
+                raise DataError(f"data.document_mask=true but {prefix}.idx records "
+                                f"{len(docs) - 1} document: no document ends to mask at "
+                                f"(pack documents with their EOS)")
+        d = cfg.data
+        self.documents = d.document_mask or d.reset_positions  # samples carry cu_seqlens
 
     @property
     def has_eval(self) -> bool:
@@ -70,11 +88,12 @@ class Data:
     def samples(self, split: str, dp_rank: int = 0, dp_size: int = 1) -> SampleStream:
         """Unsharded (B, T) micro-batches of one DP rank."""
         return SampleStream(self.source(split), self.cfg.train.micro_batch_size, dp_rank,
-                            dp_size)
+                            dp_size, self.documents, self.cfg.data.eod_mask_loss)
 
     def _stream(self, split, state) -> ShardedStream:
         return ShardedStream(self.samples(split, state.dp_rank, state.dp_size), state.cp_group,
-                             self.cfg.parallel.layout, state.ulysses_size)
+                             self.cfg.parallel.layout, state.ulysses_size,
+                             self.cfg.data.reset_positions, self.cfg.data.document_mask)
 
     def train_stream(self, state) -> ShardedStream:
         return self._stream("train", state)
@@ -136,7 +155,8 @@ def evaluate(model, data: Data, state, device=None,
     for _ in range(n_micro):
         mb = stream.next_microbatch(device)
         # (B, T/cp, V/tp), or None on a pipeline stage before the last (that one counts)
-        logits = forward(mb) if forward else model(mb["tokens"], mb["positions"])
+        logits = forward(mb) if forward else model(mb["tokens"], mb["positions"],
+                                                   cu_seqlens=mb.get("cu_seqlens"))
         if logits is None:
             continue
         if passkey:
