@@ -221,6 +221,66 @@ def test_masked_attention_matches_one_process_for_every_pattern(world):
         assert flops == doc_pairs * per_pair, (where, flops, doc_pairs * per_pair)
 
 
+SHORT_DOCS = {  # boundaries at P = 4, n = 48 -> how many ring steps carry work per layout
+    # contiguous shards: all local. zigzag: [24, 36) is rank 3's chunk 4 + rank 2's chunk 5,
+    # rank 2 needs rank 3's keys at step 3. striped: every document spans all ranks.
+    "shard-aligned": (list(range(0, 49, 12)), {"contiguous": 1, "zigzag": 4, "striped": 4}),
+    # zigzag's chunks of 6: every document on one rank (zigzag too: no communication)
+    "chunk-aligned": (list(range(0, 49, 6)), {"contiguous": 1, "zigzag": 1, "striped": 4}),
+    # striped: a document of 3 spans ranks r..r+2, the last step is 2 (dK,dV: 2 hops home)
+    "length 3": (list(range(0, 49, 3)), {"contiguous": 1, "zigzag": 1, "striped": 3}),
+    # contiguous: documents cross one shard edge, the last step is 1 (dK,dV: 3 hops home)
+    "length 5": ([*range(0, 48, 5), 48], {"contiguous": 2, "zigzag": 4, "striped": 4}),
+}
+
+
+def _short_docs(rank, world, payload):
+    from ctxpar.context_parallel import blocks, cp_stats
+    inputs, out = pickle.loads(payload), {}
+    for name, (cu, _) in SHORT_DOCS.items():
+        cu = torch.tensor(cu, dtype=torch.int32)
+        for layout in LAYOUTS:
+            q, k, v, dout = inputs[(4, 2, 16)]
+            ql, kl, vl = (shard_sequence(x, 1, None, layout).requires_grad_() for x in (q, k, v))
+            with cp_stats() as st:
+                o, lse = ring_attention(ql, kl, vl, causal=True, layout=layout,
+                                        return_lse=True, cu_seqlens=cu)
+                o.backward(shard_sequence(dout, 1, None, layout))
+            steps = blocks.ring_steps(layout, True, S_LOCAL, world, [cu.long()])
+            out[name, layout] = (o.detach(), lse, ql.grad, kl.grad, vl.grad, steps,
+                                 st.fwd_comm_ops, st.bwd_comm_ops)
+    return out
+
+
+def test_the_ring_stops_when_no_rank_has_work_left():
+    """Documents that stay within a few shards end the ring early: the forward makes only
+    the steps some rank needs, the backward's dK,dV then go straight home (a shortcut of
+    several hops), and nothing moves at all when every document is rank-local. Still
+    exact."""
+    world, n = 4, 4 * S_LOCAL
+    inputs = _inputs(n)
+    results = run_distributed(_short_docs, world, pickle.dumps(inputs), timeout=300)
+    for name, (cu, want_steps) in SHORT_DOCS.items():
+        cus = [torch.tensor(cu, dtype=torch.int32)] * 2
+        q, k, v, dout = (x.clone().requires_grad_() for x in inputs[(4, 2, 16)])
+        want_o, want_lse = masked_reference(q, k, v, cus, True, 0.25)
+        want = (want_o.detach(), want_lse.detach(),
+                *torch.autograd.grad(want_o, (q, k, v), dout.detach()))
+        for layout in LAYOUTS:
+            for rank in range(world):
+                got, pos = results[rank][name, layout], rank_positions(n, rank, world, layout)
+                steps, f_ops, b_ops = got[5:]
+                assert steps == want_steps[layout], (name, layout, steps)
+                # forward: steps - 1 K,V hops; backward: as many K,V hops plus one dK,dV
+                # message per step (none when no step leaves the rank)
+                assert (f_ops, b_ops) == (steps - 1, 2 * steps - 1 if steps > 1 else 0)
+                for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), got[:5], want):
+                    b = b[:, :, pos] if what == "lse" else b[:, pos]
+                    torch.testing.assert_close(a, b, **tolerance(torch.float32, b),
+                                               msg=lambda m: f"{name} {layout} rank {rank} "
+                                                             f"{what}: {m}")
+
+
 def test_masked_attention_on_one_process_matches_the_dense_reference():
     """No process group (the GPT reference's path): the same plan on a rank alone."""
     n = 4 * S_LOCAL

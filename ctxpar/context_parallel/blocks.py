@@ -10,6 +10,7 @@ the whole (gathered) sequence, so it plans nothing (and reuses the ring on one r
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -68,10 +69,37 @@ def step_plan(layout, causal, rank, src, S, world, docs=None):
     if docs is None:
         blk = block_plan(layout, causal, rank, src, S)
         return [] if blk is None else [(slice(None), blk)]
+    return _doc_step_plan(layout, causal, rank, src, S, world, _docs_key(docs))
+
+
+def ring_steps(layout, causal, S, world, docs=None) -> int:
+    """How many ring steps carry work for some rank: all `world` without documents; with
+    them 1 + the last step at which any rank's queries share a document with the keys it
+    then holds (every CP rank has the same boundaries, so all agree without talking)."""
+    if docs is None:
+        return world
+    return _doc_ring_steps(layout, causal, S, world, _docs_key(docs))
+
+
+def _docs_key(docs):
+    return tuple(tuple(cu.tolist()) for cu in docs)
+
+
+# Plans depend only on the boundaries and shapes: made once per micro-batch for every
+# layer, forward and backward (a few small tensor ops per document otherwise).
+@lru_cache(maxsize=4096)
+def _doc_step_plan(layout, causal, rank, src, S, world, key):
     q_pos = rank_positions(S * world, rank, world, layout)
     k_pos = q_pos if src == rank else rank_positions(S * world, src, world, layout)
-    return [(slice(b, b + 1), blk) for b, cu in enumerate(docs)
-            for blk in doc_plan(cu, q_pos, k_pos, causal)]
+    return [(slice(b, b + 1), blk) for b, cu in enumerate(key)
+            for blk in doc_plan(torch.tensor(cu), q_pos, k_pos, causal)]
+
+
+@lru_cache(maxsize=256)
+def _doc_ring_steps(layout, causal, S, world, key) -> int:
+    return 1 + max(s for r in range(world) for s in range(world)
+                   if s == 0 or _doc_step_plan(layout, causal, r, (r - s) % world, S, world,
+                                               key))
 
 
 def _mask_kw(blk) -> dict:

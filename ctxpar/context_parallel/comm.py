@@ -72,8 +72,16 @@ class RingComm:
         self.bytes_recv = 0
         self.ops = 0  # committed batches
 
-    def send_recv(self, to_send: torch.Tensor, recv_buf: torch.Tensor) -> None:
-        """Queue send(to_send -> next) and recv(prev -> recv_buf), the caller's double buffer.
+    def _peers(self, hops: int) -> Tuple[int, int]:
+        """Global ranks of (rank + hops, rank - hops) in the group."""
+        if hops == 1:
+            return self.send_rank, self.recv_rank
+        return (dist.get_global_rank(self.group, (self.rank + hops) % self.world_size),
+                dist.get_global_rank(self.group, (self.rank - hops) % self.world_size))
+
+    def send_recv(self, to_send: torch.Tensor, recv_buf: torch.Tensor, hops: int = 1) -> None:
+        """Queue send(to_send -> rank+hops) and recv(rank-hops -> recv_buf), the caller's
+        double buffer (hops > 1: a shortcut home, e.g. a ring stopped early).
 
         Both must be contiguous (P2P sends raw storage). Nothing moves before commit().
         """
@@ -81,8 +89,9 @@ class RingComm:
             raise ValueError("RingComm.send_recv needs contiguous tensors "
                              f"(send strides {tuple(to_send.stride())}, "
                              f"recv strides {tuple(recv_buf.stride())})")
-        self._ops.append(dist.P2POp(dist.isend, to_send, self.send_rank, group=self.group))
-        self._ops.append(dist.P2POp(dist.irecv, recv_buf, self.recv_rank, group=self.group))
+        send_rank, recv_rank = self._peers(hops)
+        self._ops.append(dist.P2POp(dist.isend, to_send, send_rank, group=self.group))
+        self._ops.append(dist.P2POp(dist.irecv, recv_buf, recv_rank, group=self.group))
         self.bytes_sent += to_send.numel() * to_send.element_size()
         self.bytes_recv += recv_buf.numel() * recv_buf.element_size()
 

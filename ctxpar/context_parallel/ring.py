@@ -24,7 +24,7 @@ import torch
 
 from functools import partial
 
-from .blocks import QueryRows, backward_block, forward_block_, step_plan
+from .blocks import QueryRows, backward_block, forward_block_, ring_steps, step_plan
 from .comm import NoComm, RingComm, group_rank_and_size
 from .merge import empty_accumulators
 from .stats import attention_flops, record
@@ -79,14 +79,15 @@ def ring_forward(q, k, v, group, causal, layout, scale, kernel, docs=None):
         return _local_forward(q, k, v, causal, scale, kernel)
     S = q.shape[1]
     out, lse = empty_accumulators(q)
-    comm = None if isinstance(group, NoComm) or world == 1 else RingComm(group)
-    ring = KVRing(k, v, comm, world - 1)
-    for step in range(world):
-        if comm and step + 1 < world:  # start moving the next block before computing
+    steps = ring_steps(layout, causal, S, world, docs)  # < world: documents end the ring early
+    comm = None if isinstance(group, NoComm) or steps == 1 else RingComm(group)
+    ring = KVRing(k, v, comm, steps - 1)
+    for step in range(steps):
+        if comm and step + 1 < steps:  # start moving the next block before computing
             ring.start()
         for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, docs):
             forward_block_(kernel, q, *ring.kv, blk, scale, out, lse, b)
-        if comm and step + 1 < world:
+        if comm and step + 1 < steps:
             ring.finish()
     if comm:
         record(fwd_bytes_sent=comm.bytes_sent, fwd_bytes_recv=comm.bytes_recv,
@@ -106,6 +107,8 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
                   grad_dtype: torch.dtype = torch.float32, docs=None):
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads.
 
+    With documents the ring stops after the last step any rank has work at
+    (blocks.ring_steps), and each accumulator then goes straight to its block's owner.
     Per step each rank sends the visiting KV on (not after the last step: P-1 sends, in
     k's dtype) and the dK,dV accumulator of that same block (every step: P sends, the last
     one carries each block's gradient home). The accumulator travels in `grad_dtype`:
@@ -120,15 +123,16 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     S = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # (2,B,S,Hkv,D)
-    ring = not isinstance(group, NoComm) and world > 1
+    steps = ring_steps(layout, causal, S, world, docs)  # < world: documents end the ring early
+    ring = not isinstance(group, NoComm) and steps > 1
     kv_comm, dkv_comm = (RingComm(group), RingComm(group)) if ring else (None, None)
-    kv = KVRing(k, v, kv_comm, world - 1)
+    kv = KVRing(k, v, kv_comm, steps - 1)
     exact = grad_dtype == torch.float32  # fp32 on the wire: swap buffers, never cast
     dkv_recv = torch.empty_like(dkv, dtype=grad_dtype) if ring else None
     dkv_send = None if exact or not ring else torch.empty_like(dkv_recv)
     rows = QueryRows(dout, q, out, lse)
-    for step in range(world):
-        if kv_comm and step + 1 < world:
+    for step in range(steps):
+        if kv_comm and step + 1 < steps:
             kv.start()
         grads = []
         for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, docs):
@@ -147,9 +151,13 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
         if dkv_comm:
             if not exact:  # the previous send completed with the wait above
                 dkv_send.copy_(dkv)
-            dkv_comm.send_recv(dkv if exact else dkv_send, dkv_recv)
+            # On to the next rank; after the last step straight home to the block's owner
+            # (rank - step): one hop when the ring went all the way round, more when
+            # documents ended it early.
+            hops = 1 if step + 1 < steps else world - step
+            dkv_comm.send_recv(dkv if exact else dkv_send, dkv_recv, hops)
             dkv_comm.commit()
-        if kv_comm and step + 1 < world:
+        if kv_comm and step + 1 < steps:
             kv.finish()
     if dkv_comm:
         dkv_comm.wait()  # our own block's dK,dV, complete after its P-th hop
