@@ -155,8 +155,8 @@ def evaluate(model, data: Data, state, device=None,
     for _ in range(n_micro):
         mb = stream.next_microbatch(device)
         # (B, T/cp, V/tp), or None on a pipeline stage before the last (that one counts)
-        logits = forward(mb) if forward else model(mb["tokens"], mb["positions"],
-                                                   cu_seqlens=mb.get("cu_seqlens"))
+        docs = {"cu_seqlens": mb["cu_seqlens"]} if "cu_seqlens" in mb else {}
+        logits = forward(mb) if forward else model(mb["tokens"], mb["positions"], **docs)
         if logits is None:
             continue
         if passkey:
