@@ -19,6 +19,7 @@ setup(
         "numpy",
         "zstandard",  # .zst corpora in tools/preprocess_data.py
         "safetensors",  # Hugging Face Llama export/import (ctxpar/checkpoint/hf.py)
+        "matplotlib",  # the planner's --plot and tools/plot_runs.py
     ],
     extras_require={
         # transformers: tests compare ctxpar's Llama import/export with it (no downloads);

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ctxpar.context_parallel.layouts import LAYOUTS, rank_positions
+from ctxpar.plan.counts import cp_bytes
 from dist_harness import run_distributed
 
 B, S_LOCAL = 2, 8                       # batch, tokens per rank
@@ -67,12 +68,6 @@ def global_inputs(n, H, Hkv, D, dtype):
 # ------------------------------------------------------------------ formulas
 
 
-def ulysses_kv_heads(Hkv, u):
-    """KV heads Ulysses sends: Hkv when u divides it, else each kv head replicated so that
-    every rank's H/u query heads find theirs: lcm(Hkv, u)."""
-    return Hkv if Hkv % u == 0 else Hkv * u // math.gcd(Hkv, u)
-
-
 def comm_ops_per_layer(comm, P, u=1):
     """(forward, backward) communication calls of one attention call on P ranks (no LSE
     returned): ring P-1 KV steps, then P-1 KV + P dK,dV steps; all-gather one gather, then
@@ -89,29 +84,6 @@ def comm_ops_per_layer(comm, P, u=1):
     a2a = 2 if u > 1 else 0
     fr, br = ring(P // u)
     return a2a + fr, a2a + br
-
-
-def expected_bytes(comm, P, u, H, Hkv, D, dtype):
-    """(fwd, bwd) bytes sent (= received) per rank, with the LSE returned (one more
-    all-to-all for Ulysses): the minimum of each algorithm, see ctxpar/context_parallel/stats.py."""
-    e, s = dtype.itemsize, S_LOCAL
-    kv, dkv = 2 * B * s * Hkv * D * e, 2 * B * s * Hkv * D * 4  # local K,V; its fp32 grads
-    if P == 1:
-        return 0, 0
-    if comm == "ring":
-        return (P - 1) * kv, (P - 1) * kv + P * dkv
-    if comm == "allgather":
-        return (P - 1) * kv, (P - 1) * kv + (P - 1) * dkv
-    if comm == "ulysses":
-        u = P
-    r, Hk = P // u, ulysses_kv_heads(Hkv, u)
-    part = lambda nbytes: nbytes * (u - 1) // u  # noqa: E731 - an all-to-all's share
-    qkv, o, lse = (B * s * (H + 2 * Hk) * D * e, B * s * H * D * e, B * s * H * 4)
-    fwd, bwd = part(qkv) + part(o) + part(lse), part(o) + part(qkv)
-    if r > 1:  # the ring over gathered shards: u*s tokens at Hk/u heads = s*Hk
-        kv_r, dkv_r = 2 * B * s * Hk * D * e, 2 * B * s * Hk * D * 4
-        fwd, bwd = fwd + (r - 1) * kv_r, bwd + (r - 1) * kv_r + r * dkv_r
-    return fwd, bwd
 
 
 def expected_flops(comm, P, u, rank, n, layout, causal, H, D):
@@ -208,7 +180,10 @@ def test_every_pattern_matches_full_attention(world):
                                            **tolerance(dtype, expected),
                                            msg=lambda m: f"{where} {name}: {m}")
             st, ex = got["stats"], dict(EXACT, msg=lambda m: f"{where}: {m}")
-            fwd_b, bwd_b = expected_bytes(comm, world, u, H, Hkv, D, dtype)
+            # The planner's formula (ctxpar/plan/counts.py), with the LSE returned (one more
+            # all-to-all for Ulysses): the minimum of each algorithm, exactly.
+            fwd_b, bwd_b = cp_bytes(comm, world, u, B, S_LOCAL, H, Hkv, D, dtype.itemsize,
+                                    return_lse=True)
             torch.testing.assert_close((st["fwd_bytes_sent"], st["fwd_bytes_recv"],
                                         st["bwd_bytes_sent"], st["bwd_bytes_recv"]),
                                        (fwd_b, fwd_b, bwd_b, bwd_b), **ex)

@@ -1,0 +1,23 @@
+"""The layout planner: which TP x CP x PP x DP, CP pattern, ZeRO stage and checkpointing to run.
+
+    python -m ctxpar.plan --config configs/gpt7b_128k_3d.yaml --nodes 8 --gpu h100
+    python tools/plan.py --config ... --explain 1 --write best.yaml --plot plan.png
+
+Every number comes from a formula in terms of shapes that a test holds against the code
+itself: parameters per rank (the TP layers' shapes), optimizer state per ZeRO stage
+(DeepSpeed's engine on CPU), activations per checkpointing mode (autograd's saved
+tensors), CP bytes per pattern (ctxpar.context_parallel.cp_stats). Time is FLOPs at a
+stated efficiency plus the communication that cannot hide (docs/planner.md).
+
+    cluster.py   GPU presets and the cluster (links inside and across nodes)
+    counts.py    per-rank shapes, parameters, activation bytes, CP/TP/DP bytes
+    memory.py    memory per GPU by phase (ZeRO stage, checkpointing, attention buffers)
+    timing.py    step time: compute, TP, CP (hidden or not, C vs F/B), bubble, DP
+    search.py    every valid layout of a config on a cluster, modelled and ranked
+    report.py    the ranked table, --explain, --write, --plot
+    startup.py   train.py's one-look prediction for its own layout
+"""
+from .cluster import GPUS, Cluster, PlanError, gpu_preset
+from .layout import Layout
+
+__all__ = ["GPUS", "Cluster", "Layout", "PlanError", "gpu_preset"]

@@ -1,0 +1,78 @@
+"""GPU presets and the cluster a plan runs on.
+
+Bandwidths are per GPU and per direction (what one GPU can send while it receives as
+much), the convention of every byte count in ctxpar (stats.py counts bytes sent).
+Sources (vendor data sheets; docs/planner.md):
+- H100 SXM5: 989 TFLOP/s dense bf16, 80 GB HBM3; NVLink 4, 900 GB/s total = 450 GB/s per
+  direction; one 400 Gb/s NDR InfiniBand NIC per GPU = 50 GB/s.
+- H200 SXM: the H100's compute and NVLink, 141 GB HBM3e; NDR 50 GB/s.
+- A100 SXM4 80GB: 312 TFLOP/s bf16, NVLink 3 600 GB/s total = 300 per direction; one
+  200 Gb/s HDR NIC per GPU = 25 GB/s.
+- B200: 2250 TFLOP/s dense bf16, 180 GB HBM3e (DGX B200: 1440 GB for 8), NVLink 5
+  1.8 TB/s total = 900 per direction; 400 Gb/s = 50 GB/s.
+- cpu: this project's 2-core CI machine, measured (docs/planner.md: calibration).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Dict
+
+
+class PlanError(ValueError):
+    """Bad planner input, in one line (the CLI exits 2 with it)."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    flops: float        # peak dense bf16 FLOP/s (fp32 for 'cpu')
+    memory: float       # bytes of device memory
+    nvlink: float       # bytes/s per direction to another GPU of the node
+    network: float      # bytes/s per direction to another node
+
+
+GPUS: Dict[str, GPU] = {
+    "h100": GPU("h100", 989e12, 80e9, 450e9, 50e9),
+    "h200": GPU("h200", 989e12, 141e9, 450e9, 50e9),
+    "a100": GPU("a100", 312e12, 80e9, 300e9, 25e9),
+    "b200": GPU("b200", 2250e12, 180e9, 900e9, 50e9),
+    # 2-core CPU "node" of the tests: fp32 sdpa at ~57 ns per causal (query, key) pair
+    # for 4 heads x 64 (docs/benchmarks.md) -> 4*4*64 FLOP / 57e-9 s ~ 18 GFLOP/s per
+    # process; gloo on one machine ~ 1 GB/s.
+    "cpu": GPU("cpu", 18e9, 12e9, 1e9, 1e9),
+}
+
+
+def gpu_preset(name: str, **overrides) -> GPU:
+    """The preset `name` with any of flops / memory / nvlink / network replaced (not None)."""
+    if name not in GPUS:
+        raise PlanError(f"--gpu {name!r} is not a known preset (known: {', '.join(GPUS)})")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for k, v in given.items():
+        if v <= 0:
+            raise PlanError(f"--{k.replace('_', '-')} {v} must be > 0")
+    return replace(GPUS[name], **given)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu: GPU
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise PlanError(f"--nodes {self.nodes} --gpus-per-node {self.gpus_per_node}: "
+                            f"both must be >= 1")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def link(self, span: int) -> float:
+        """Bandwidth of a group of `span` adjacent ranks' slowest hop: NVLink when the
+        group fits in a node, the network otherwise."""
+        return self.gpu.nvlink if span <= self.gpus_per_node else self.gpu.network
+
+    def link_name(self, span: int) -> str:
+        return "NVLink" if span <= self.gpus_per_node else "network"

@@ -1,0 +1,185 @@
+"""Exact per-rank counts of a GPT under a layout: parameters, saved activations, bytes moved.
+
+Shapes per rank (models/gpt.py): N = micro_batch * T/cp tokens, h = H/tp query heads,
+hk = Hkv/tp kv heads (1, replicated, when Hkv < tp), f = ffn/tp MLP columns, V/tp vocab
+rows; e = the activations' element size (2 bf16, 4 fp32). Each formula is checked against
+the code: parameters against the TP layers' shapes, activations against autograd's saved
+tensors (tools/bench_activation_memory.py), CP bytes against cp_stats() (tests/test_plan.py
+and tests/test_context_parallel.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig, resolved_ffn_hidden
+from ..context_parallel.ulysses import ulysses_kv_heads
+from .layout import Layout
+
+
+@dataclass(frozen=True)
+class RankShapes:
+    """The per-rank dimensions of a model under a layout (see the module docstring)."""
+
+    N: int        # tokens per micro-batch on this rank (B * T/cp)
+    B: int
+    T: int        # full sequence length
+    d: int
+    h: int        # query heads on this rank
+    hk: int       # kv heads on this rank
+    hd: int
+    f: int
+    V: int        # vocabulary rows on this rank
+    L: int        # layers of the whole model
+    tp: int
+
+
+def rank_shapes(m: ModelConfig, lay: Layout) -> RankShapes:
+    n_kv = m.n_kv_heads or m.n_heads
+    hk = n_kv // lay.tp if n_kv % lay.tp == 0 else 1
+    return RankShapes(N=lay.micro_batch * m.seq_len // lay.cp, B=lay.micro_batch,
+                      T=m.seq_len, d=m.d_model, h=m.n_heads // lay.tp, hk=hk,
+                      hd=m.d_model // m.n_heads, f=resolved_ffn_hidden(m) // lay.tp,
+                      V=m.vocab_size // lay.tp, L=m.n_layers, tp=lay.tp)
+
+
+# ------------------------------------------------------------------ parameters
+
+
+def layer_params(m: ModelConfig, tp: int) -> int:
+    """Parameters of one block on one TP rank: norms (replicated), q/o split by heads, k/v
+    split (or the full kv heads replicated when Hkv < tp), MLP split by columns."""
+    d, hd, n_kv = m.d_model, m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
+    ffn, b = resolved_ffn_hidden(m), int(m.bias)
+    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
+    q = d * m.n_heads * hd // tp + b * m.n_heads * hd // tp
+    kv_out = n_kv * hd // tp if n_kv % tp == 0 else n_kv * hd
+    kv = 2 * (d * kv_out + b * kv_out)
+    o = m.n_heads * hd // tp * d + b * d
+    mlp = (3 if m.mlp == "swiglu" else 2) * d * ffn // tp \
+        + b * ((2 if m.mlp == "swiglu" else 1) * ffn // tp + d)
+    return 2 * norm + q + kv + o + mlp
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
+    """Parameters on one rank of pipeline stage `stage` (layers split evenly; the first
+    stage has the embedding, the last the final norm and the head, tied or not)."""
+    d = m.d_model
+    per = m.n_layers // pp + (1 if stage < m.n_layers % pp else 0)
+    n = per * layer_params(m, tp)
+    embed = m.vocab_size // tp * d
+    if stage == 0:
+        n += embed
+    if stage == pp - 1:
+        n += d * (2 if m.norm == "layernorm" and m.bias else 1)
+        if not m.tie_embeddings or pp > 1:  # pp > 1: the tied copy lives on both ends
+            n += embed
+    return n
+
+
+def total_params(m: ModelConfig) -> int:
+    return stage_params(m, 1, 1, 0)
+
+
+# ------------------------------------------------------------------ activations
+
+
+def attention_saved(s: RankShapes, e: int, lay: Layout) -> int:
+    """Bytes the CP attention keeps for backward per layer: q, k, v, out (e) and lse
+    (fp32). Ulysses/hybrid keep the gathered layout (k, v at lcm(hk, u) heads when u
+    does not divide hk) and the o-projection keeps the local out as well."""
+    hk = s.hk
+    extra_out = 0
+    if lay.cp_comm in ("ulysses", "hybrid") and lay.ulysses > 1:
+        hk = ulysses_kv_heads(s.hk, lay.ulysses)
+        extra_out = s.N * s.h * s.hd * e
+    return s.N * ((2 * s.h + 2 * hk) * s.hd * e + 4 * s.h) + extra_out
+
+
+def layer_activations(s: RankShapes, e: int, lay: Layout, mode: str) -> int:
+    """Saved bytes of one block in `mode` ('none', 'selective' or 'full'):
+
+    none       two norms (input, fp32 rstd, normed, scaled: 3 N d e + 4 N each), the
+               attention's q, k, v, out, lse, the MLP's gate, up, silu and product (4 N f e)
+    selective  the block input and what the attention core keeps; projections recomputed
+    full       the block input only (the block is replayed in backward)
+    """
+    if mode == "full":
+        return s.N * s.d * e
+    core = attention_saved(s, e, lay)
+    if mode == "selective":
+        return s.N * s.d * e + core
+    return 2 * (3 * s.N * s.d * e + 4 * s.N) + core + 4 * s.N * s.f * e
+
+
+def activation_bytes(m: ModelConfig, lay: Layout, e: int, layers: int = None,
+                     first: bool = True, last: bool = True, reset_positions: bool = False) -> int:
+    """Saved bytes of one micro-batch's forward on one rank (what backward needs): its
+    `layers` blocks (default all) under lay.activation, RoPE's cos/sin (fp32, (T/cp, hd/2)
+    each; per sample with reset_positions), the token ids on the first stage, and on the
+    last the final norm, the fp32 logits of the loss and the labels and masks.
+    Exact: tests/test_plan.py compares it with autograd's saved tensors."""
+    s = rank_shapes(m, lay)
+    layers = s.L if layers is None else layers
+    total = 0
+    for i in range(layers):
+        mode = lay.activation
+        if mode == "every_n_layers":
+            mode = "full" if i % lay.every_n_layers == 0 else "none"
+        total += layer_activations(s, e, lay, mode)
+    total += (s.B if reset_positions else 1) * (s.N // s.B) * s.hd * 4
+    if first:
+        total += 8 * s.N                                   # token ids (int64)
+    if last:
+        total += 3 * s.N * s.d * e + 4 * s.N               # final norm
+        # fp32 logits, labels, the ignore masks (and, split over TP, the vocab range's)
+        total += 4 * s.N * s.V + 8 * s.N + (3 if s.tp > 1 else 2) * s.N
+    return total
+
+
+# ------------------------------------------------------------------ bytes on the wire
+
+
+def cp_bytes(comm: str, P: int, u: int, B: int, s: int, H: int, Hkv: int, D: int, e: int,
+             grad_e: int = 4, return_lse: bool = False):
+    """(forward, backward) bytes one rank sends (= receives) in one attention call over P
+    CP ranks, s local tokens, H query and Hkv kv heads of D, inputs of e bytes; the ring's
+    dK,dV in grad_e bytes (ring_grad_dtype). The minimum of each algorithm as stats.py
+    counts it: ring P-1 K,V hops forward, P-1 K,V + P dK,dV backward; all-gather (P-1)x
+    the local K,V each way, the dK,dV reduce-scatter (P-1)x fp32; Ulysses (u-1)/u of q, k,
+    v, out (and the LSE when returned) forward, of dout, dq, dk, dv backward; hybrid both
+    (the ring over P/u ranks of u x s tokens at Hkv'/u heads)."""
+    if P == 1:
+        return 0, 0
+    kv = 2 * B * s * Hkv * D * e
+    if comm == "ring":
+        return (P - 1) * kv, (P - 1) * kv + P * 2 * B * s * Hkv * D * grad_e
+    if comm == "allgather":
+        return (P - 1) * kv, (P - 1) * kv + (P - 1) * 2 * B * s * Hkv * D * 4
+    if comm == "ulysses":
+        u = P
+    r, Hk = P // u, ulysses_kv_heads(Hkv, u)
+    part = lambda nbytes: nbytes * (u - 1) // u  # noqa: E731 - an all-to-all's share
+    qkv, o, lse = B * s * (H + 2 * Hk) * D * e, B * s * H * D * e, B * s * H * 4
+    fwd = part(qkv) + part(o) + (part(lse) if return_lse else 0)
+    bwd = part(o) + part(qkv)
+    if r > 1:  # the ring over gathered shards: u*s tokens at Hk/u heads = s*Hk
+        kv_r = 2 * B * s * Hk * D * e
+        fwd, bwd = fwd + (r - 1) * kv_r, bwd + (r - 1) * kv_r + r * 2 * B * s * Hk * D * grad_e
+    return fwd, bwd
+
+
+def layer_cp_bytes(m: ModelConfig, lay: Layout, e: int):
+    """cp_bytes for one layer of this model and layout (per-rank heads)."""
+    s = rank_shapes(m, lay)
+    return cp_bytes(lay.cp_comm, lay.cp, lay.ulysses, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
+                    2 if lay.ring_grad_dtype == "bf16" else 4)
+
+
+def tp_bytes_per_layer(s: RankShapes, e: int, tp: int):
+    """(fwd, bwd) bytes one rank sends for a block's TP all-reduces: 2 forward (after o
+    and down projections), 2 backward (the f ops before q/k/v and the MLP), each a ring
+    all-reduce of N d e bytes sending 2 (tp-1)/tp of it."""
+    if tp == 1:
+        return 0, 0
+    one = 2 * (tp - 1) * s.N * s.d * e // tp
+    return 2 * one, 2 * one

@@ -1,0 +1,40 @@
+"""One candidate layout: the keys of a config's parallel / checkpointing / ZeRO sections."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    cp_comm: str = "ring"          # ring | allgather | ulysses | hybrid
+    ulysses: int = 1               # Ulysses degree (cp for 'ulysses', the inner one for hybrid)
+    layout: str = "zigzag"         # token layout over CP
+    zero: int = 1                  # ZeRO stage
+    activation: str = "none"       # none | selective | full | every_n_layers
+    every_n_layers: int = 1
+    micro_batch: int = 1
+    ring_grad_dtype: str = "fp32"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def ring(self) -> int:
+        """Ranks of the ring part (cp for 'ring', cp/u for 'hybrid', none otherwise: 1)."""
+        if self.cp_comm == "ring":
+            return self.cp
+        return self.cp // self.ulysses if self.cp_comm == "hybrid" else 1
+
+    def name(self) -> str:
+        cp = f"cp{self.cp}"
+        if self.cp > 1:
+            cp += {"ring": f" ring/{self.layout}", "allgather": f" allgather/{self.layout}",
+                   "ulysses": " ulysses",
+                   "hybrid": f" hybrid u{self.ulysses}/{self.layout}"}[self.cp_comm]
+        return (f"tp{self.tp} {cp} pp{self.pp} dp{self.dp} z{self.zero} "
+                f"{self.activation} mb{self.micro_batch}")

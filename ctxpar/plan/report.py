@@ -1,0 +1,98 @@
+"""What the planner prints: the ranked table, one layout's breakdown, a config, a plot."""
+from __future__ import annotations
+
+import os
+from typing import List
+
+from ..config import to_dict
+from .cluster import Cluster
+from .search import Plan, apply_layout
+
+GB = 1e9
+
+
+def table(plans: List[Plan], cluster: Cluster, top: int = 10) -> str:
+    """Markdown: the best fitting layouts, fastest first."""
+    rows = ["| # | layout | memory/GPU | step | tokens/s/GPU | MFU | bottleneck | "
+            "ring C vs C* fwd/bwd |", "|---:|---|---:|---:|---:|---:|---|---|"]
+    for i, p in enumerate(plans[:top], 1):
+        t = p.time
+        c = "-" if not t.ring_chunk else (
+            f"{t.ring_chunk:,} vs {t.thresholds['fwd']:,.0f}/{t.thresholds['bwd']:,.0f} "
+            f"({t.cp_link})")
+        rows.append(f"| {i} | {p.layout.name()} | {p.memory.peak / GB:.1f} GB | "
+                    f"{t.total:.2f} s | {p.tokens_per_s_per_gpu:,.0f} | {100 * p.mfu:.1f}% | "
+                    f"{t.bottleneck()} | {c} |")
+    return "\n".join(rows)
+
+
+def explain(plan: Plan, cluster: Cluster) -> str:
+    """Every term of one layout's memory and time."""
+    m, t = plan.memory, plan.time
+    lines = [f"layout: {plan.layout.name()} on {cluster.nodes} x {cluster.gpus_per_node} "
+             f"{cluster.gpu.name}",
+             f"memory per GPU: {m.peak / GB:.2f} GB of {cluster.gpu.memory / GB:.0f} "
+             f"(peak in the {m.peak_phase}){'' if plan.fits else '  DOES NOT FIT'}"]
+    for k, v in m.as_dict().items():
+        lines.append(f"  {k:<12} {v / GB:9.3f} GB")
+    lines.append(f"step time: {t.total:.3f} s ({t.micro_batches} micro-batches per rank)")
+    for k, v in (("compute", t.compute), ("TP all-reduce", t.tp),
+                 ("CP exposed", t.cp_exposed), ("pipeline bubble", t.bubble),
+                 ("DP reduction", t.dp)):
+        lines.append(f"  {k:<16} {v:9.3f} s")
+    lines.append(f"  (CP traffic in all: {t.cp_total:.3f} s over {t.cp_link})")
+    if t.ring_chunk:
+        lines.append(f"ring chunk C = {t.ring_chunk:,} tokens per step; the transfer hides "
+                     f"when C >= {t.thresholds['fwd']:,.0f} (forward), "
+                     f"{t.thresholds['bwd']:,.0f} (backward)")
+    lines.append(f"tokens/s per GPU {plan.tokens_per_s_per_gpu:,.0f}, MFU "
+                 f"{100 * plan.mfu:.1f}%, bottleneck: {t.bottleneck()}")
+    return "\n".join(lines)
+
+
+def write_config(cfg, plan: Plan, path: str) -> str:
+    """The config with the plan's layout, as a runnable YAML at path (written whole or
+    not at all)."""
+    import yaml
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"# written by python -m ctxpar.plan: {plan.layout.name()}\n")
+        yaml.safe_dump(to_dict(apply_layout(cfg, plan.layout)), f, sort_keys=False)
+    os.replace(tmp, path)
+    return path
+
+
+def plot(plans: List[Plan], path: str, top: int = 8) -> str:
+    """Stacked bars: memory by kind and step time by term, for the top layouts."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = plans[:top]
+    names = [f"#{i}" for i in range(1, len(plans) + 1)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = [0.0] * len(plans)
+    for k in ("params", "grads", "master", "optimizer", "buckets", "activations",
+              "attention", "logits"):
+        vals = [getattr(p.memory, k) / GB for p in plans]
+        ax1.bar(names, vals, bottom=bottom, label=k)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.set_ylabel("GB per GPU")
+    ax1.set_title("memory")
+    ax1.legend(fontsize=7)
+    bottom = [0.0] * len(plans)
+    for k, label in (("compute", "compute"), ("tp", "TP"), ("cp_exposed", "CP exposed"),
+                     ("bubble", "bubble"), ("dp", "DP")):
+        vals = [getattr(p.time, k) for p in plans]
+        ax2.bar(names, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_ylabel("seconds per step")
+    ax2.set_title("step time")
+    ax2.legend(fontsize=7)
+    fig.text(0.01, 0.01, "  ".join(f"#{i}: {p.layout.name()}"
+                                   for i, p in enumerate(plans, 1)), fontsize=6, wrap=True)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,136 @@
+"""Every valid layout of a config on a cluster, each modelled (memory, time) and ranked.
+
+Enumerated: tp dividing the GPUs of a node and the heads; cp dividing the sequence into
+whole layout chunks, with each pattern (ring and all-gather with zigzag, striped and
+contiguous; Ulysses when the heads per TP rank divide by cp; hybrid for each Ulysses
+degree u with 1 < u < cp); pp dividing the layers; dp the rest of the world, dividing the
+global batch with a micro-batch size; ZeRO stage 0-3 (pipelines: 0-1, as DeepSpeed's
+pipeline engine allows); every activation checkpointing mode. config.validate is the
+judge of validity: a layout the trainer would refuse is never proposed.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
+from ..metrics import flops_per_token
+from . import counts
+from .cluster import Cluster, PlanError
+from .layout import Layout
+from .memory import Memory, memory
+from .timing import StepTime, step_time
+
+MEMORY_MARGIN = 0.9  # plan to 90% of the device: allocator fragmentation, NCCL, CUDA context
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    tokens_per_s_per_gpu: float
+    mfu: float
+    fits: bool
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def apply_layout(cfg: Config, lay: Layout) -> Config:
+    """A copy of cfg with the layout's keys set (what --write saves)."""
+    c = copy.deepcopy(cfg)
+    p = c.parallel
+    p.tp, p.cp, p.pp, p.dp = lay.tp, lay.cp, lay.pp, lay.dp
+    p.cp_comm, p.layout, p.ring_grad_dtype = lay.cp_comm, lay.layout, lay.ring_grad_dtype
+    p.ulysses = lay.ulysses if lay.cp_comm in ("ulysses", "hybrid") and lay.cp > 1 else None
+    c.checkpointing.activation, c.checkpointing.every_n_layers = lay.activation, \
+        lay.every_n_layers
+    c.train.micro_batch_size = lay.micro_batch
+    ds = c.deepspeed
+    ds.setdefault("zero_optimization", {})["stage"] = lay.zero
+    return c
+
+
+def is_bf16(cfg: Config) -> bool:
+    return bool((cfg.deepspeed.get("bf16") or {}).get("enabled"))
+
+
+def evaluate(cfg: Config, lay: Layout, cluster: Cluster, **eff) -> Plan:
+    """Memory and time of one layout."""
+    bf16 = is_bf16(cfg)
+    micro = cfg.train.global_batch_size // (lay.micro_batch * lay.dp)
+    mem = memory(cfg, lay, bf16, micro)
+    t = step_time(cfg, lay, cluster, bf16, **eff)
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    tps = tokens / t.total / lay.world
+    m = cfg.model
+    mfu = flops_per_token(counts.total_params(m), m.n_layers, m.d_model, m.seq_len) * tps \
+        / cluster.gpu.flops
+    return Plan(lay, mem, t, tps, mfu, mem.peak <= MEMORY_MARGIN * cluster.gpu.memory)
+
+
+def candidates(cfg: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)) -> List[Layout]:
+    m, world = cfg.model, cluster.world
+    out = []
+    for tp in divisors(cluster.gpus_per_node):
+        for cp in divisors(world // tp):
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                for comm, u, layout in _cp_patterns(cp):
+                    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                        for act in CHECKPOINT_MODES:
+                            for mb in micro_batches:
+                                lay = Layout(tp, cp, pp, dp, comm, u, layout, zero, act,
+                                             2 if act == "every_n_layers" else 1, mb)
+                                if _valid(cfg, lay):
+                                    out.append(lay)
+    return out
+
+
+def _cp_patterns(cp: int):
+    if cp == 1:
+        return [("ring", 1, "zigzag")]
+    out = [(c, 1, lay) for c in ("ring", "allgather")
+           for lay in ("zigzag", "striped", "contiguous")]
+    out.append(("ulysses", cp, "zigzag"))
+    out += [("hybrid", u, "zigzag") for u in divisors(cp) if 1 < u < cp]
+    return out
+
+
+def _valid(cfg: Config, lay: Layout) -> bool:
+    try:
+        validate(apply_layout(cfg, lay), world_size=lay.world, check_paths=False)
+    except ConfigError:
+        return False
+    return True
+
+
+def search(cfg: Config, cluster: Cluster, top: Optional[int] = None, **eff) -> List[Plan]:
+    """Every candidate's plan, the fitting ones first, each group fastest first."""
+    cands = candidates(cfg, cluster)
+    if not cands:
+        raise PlanError(f"no layout of {cluster.world} GPUs ({cluster.nodes} x "
+                        f"{cluster.gpus_per_node}) is valid for this model (heads "
+                        f"{cfg.model.n_heads}, layers {cfg.model.n_layers}, seq_len "
+                        f"{cfg.model.seq_len}, global batch {cfg.train.global_batch_size})")
+    plans = [evaluate(cfg, lay, cluster, **eff) for lay in cands]
+    # Fastest first; among layouts within 0.1% of each other's speed, the one that leaves
+    # the most memory free (e.g. ZeRO-2 over ZeRO-1 at the same time).
+    plans.sort(key=lambda p: (not p.fits, -round(p.tokens_per_s_per_gpu, -1), p.memory.peak))
+    return plans[:top] if top else plans
+
+
+def nothing_fits(plans: List[Plan], cluster: Cluster) -> str:
+    """One line: the smallest shortfall and what would close it."""
+    best = min(plans, key=lambda p: p.memory.peak)
+    need = best.memory.peak / MEMORY_MARGIN
+    short = need - cluster.gpu.memory
+    return (f"nothing fits in {cluster.gpu.memory / 1e9:.0f} GB per GPU: the smallest "
+            f"layout ({best.layout.name()}) needs {need / 1e9:.1f} GB "
+            f"({short / 1e9:.1f} GB short, {best.memory.peak_phase}); more GPUs "
+            f"(--nodes {cluster.nodes * 2}), a larger GPU, or a shorter model.seq_len")
+
+

@@ -1,0 +1,163 @@
+"""Step time of a layout: compute at a stated efficiency, plus what communication cannot hide.
+
+Per micro-batch and pipeline stage (the most loaded rank):
+- matmuls: 2 FLOPs per parameter of the stage per local token forward, 4 backward, and a
+  forward's worth again for the blocks checkpointing replays (full: the whole block;
+  selective: the projections; every_n_layers: the replayed blocks), at ``mm_eff`` x peak;
+- attention: 4 * heads * head_dim FLOPs per (query, key) pair forward, 2.5x that backward
+  (context_parallel/stats.py), pairs of the busiest rank under the layout (zigzag and
+  striped balanced, contiguous not), a forward again when full checkpointing replays it, at
+  ``attn_eff`` x peak;
+- TP: two all-reduces of N d e bytes forward and two backward per block (and the replayed
+  forward's), over NVLink, not overlapped;
+- CP: the bytes of counts.cp_bytes. The ring overlaps each step's transfer with the step's
+  compute and exposes only max(0, transfer - compute) per step (seed 004's C >= F/B,
+  generalised below); all-gather hides its gather behind the local block only; Ulysses'
+  all-to-alls wait for nobody and hide behind nothing; hybrid is both;
+then the pipeline (1F1B: (m + pp - 1) micro-batch slots for m micro-batches) and the data
+parallel reduction of the gradients over dp x cp (all-reduce, or ZeRO's reduce-scatter +
+all-gather, twice the parameters' all-gathers under ZeRO-3), not overlapped.
+
+Generalised threshold: a ring step carries C = T/r tokens of K,V (r ring ranks) at Hkv/tp
+heads. It computes c * C^2 pairs (c = 1 for a full block, 1/2 for zigzag's half blocks)
+at 4 h hd FLOPs each (at eff x F FLOP/s), and sends 2 C hk hd e bytes at B bytes/s, so
+the transfer hides when
+    forward:  C >= (eff F / B) * (hk/h) * (e/2) / c
+    backward: C >= (eff F / B) * (hk/h) * (e + g) / (5 c)      (g: the dK,dV dtype's bytes)
+which for MHA, bf16, c = 1, eff = 1 is the seed's C >= F/B (a slower kernel hides more).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+from ..config import Config
+from . import counts
+from .cluster import Cluster
+from .layout import Layout
+
+MM_EFF = 0.55    # matmul efficiency of peak (Megatron-style dense layers on H100, bf16)
+ATTN_EFF = 0.45  # flash attention forward + backward (FA2/FA3 report 35-75% on H100)
+
+
+@dataclass
+class StepTime:
+    compute: float
+    tp: float
+    cp_exposed: float
+    cp_total: float
+    bubble: float
+    dp: float
+    micro_batches: int
+    ring_chunk: int = 0                 # C, tokens per ring step
+    thresholds: Dict[str, float] = field(default_factory=dict)  # C* fwd / bwd
+    cp_link: str = ""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp_exposed + self.bubble + self.dp
+
+    def bottleneck(self) -> str:
+        parts = {"compute": self.compute, "TP all-reduces": self.tp,
+                 f"CP traffic not hidden ({self.cp_link})": self.cp_exposed,
+                 "pipeline bubble": self.bubble, "DP gradient reduction": self.dp}
+        name, t = max(parts.items(), key=lambda kv: kv[1])
+        return f"{name} ({100 * t / self.total:.0f}%)"
+
+
+def rank_pairs(T: int, ranks: int, layout: str) -> int:
+    """Causal (query, key) pairs of the busiest of `ranks` ring ranks (all its steps)."""
+    if ranks == 1:
+        return T * (T + 1) // 2
+    s = T // ranks
+    if layout == "contiguous":  # the last rank: every earlier key, its own triangle
+        return s * (T - s) + s * (s + 1) // 2
+    return (T * (T + 1) // 2 + ranks - 1) // ranks  # zigzag, striped: equal shares
+
+
+def thresholds(flops: float, bw: float, h: int, hk: int, e: int, g: int, c: float,
+               eff: float) -> Dict[str, float]:
+    """Tokens per ring step above which the step's K,V transfer hides (module docstring)."""
+    fb = eff * flops / bw
+    return {"fwd": fb * (hk / h) * (e / 2) / c, "bwd": fb * (hk / h) * (e + g) / (5 * c)}
+
+
+def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
+              mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF) -> StepTime:
+    m, F = cfg.model, cluster.gpu.flops
+    e = 2 if bf16 else 4
+    g = 2 if lay.ring_grad_dtype == "bf16" else 4
+    s = counts.rank_shapes(m, lay)
+    micro = cfg.train.global_batch_size // (lay.micro_batch * lay.dp)
+    layers = -(-m.n_layers // lay.pp)
+    replay = {"none": 0.0, "selective": 1.0, "full": 1.0,
+              "every_n_layers": 1.0 / lay.every_n_layers}[lay.activation]
+    attn_replay = 0.0 if lay.activation == "selective" else replay
+
+    # Compute of one micro-batch on the busiest stage.
+    psi = max(counts.stage_params(m, lay.tp, lay.pp, st) for st in {0, lay.pp - 1})
+    head = 2 * s.N * m.d_model * s.V  # logits matmul (not a lookup, unlike the embedding)
+    mm = (2 * s.N * layers * counts.layer_params(m, lay.tp)) * (3 + replay) + 3 * head
+    # Attention FLOPs (forward) of the busiest rank: head-pairs it computes.
+    if lay.cp_comm == "ulysses" and lay.cp > 1:  # all T tokens of h/cp heads
+        head_pairs = s.h // lay.cp * rank_pairs(m.seq_len, 1, lay.layout)
+    elif lay.cp_comm == "hybrid":  # the ring over r ranks of u*s tokens, h/u heads
+        head_pairs = s.h // lay.ulysses * rank_pairs(m.seq_len, lay.ring, lay.layout)
+    else:
+        head_pairs = s.h * rank_pairs(m.seq_len, lay.cp, lay.layout)
+    attn_f = 4 * s.hd * s.B * head_pairs * layers
+    t_attn_f = attn_f / (F * attn_eff)
+    t_mm = mm / (F * mm_eff)
+    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay)
+
+    # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
+    f_tp, b_tp = counts.tp_bytes_per_layer(s, e, lay.tp)
+    tp = layers * (f_tp * (1 + replay) + b_tp) / cluster.gpu.nvlink if lay.tp > 1 else 0.0
+
+    # CP: bytes over the CP group's slowest link; the ring hides what each step computes.
+    f_cp, b_cp = counts.layer_cp_bytes(m, lay, e)
+    span = lay.tp * lay.cp
+    bw = cluster.link(span)
+    cp_total = layers * (f_cp * (1 + attn_replay) + b_cp) / bw if lay.cp > 1 else 0.0
+    cp_exposed, chunk, thr = 0.0, 0, {}
+    if lay.cp > 1:
+        r = lay.ring
+        t_f_layer, t_b_layer = t_attn_f / layers, 2.5 * t_attn_f / layers
+        if lay.cp_comm == "ring" or (lay.cp_comm == "hybrid" and r > 1):
+            u = lay.ulysses if lay.cp_comm == "hybrid" else 1
+            hk = counts.ulysses_kv_heads(s.hk, u) if u > 1 else s.hk
+            kv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * e
+            dkv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * g
+            ring_bw = cluster.link(span)
+            fwd = max(0.0, kv_step / ring_bw - t_f_layer / r) * (r - 1)
+            bwd = max(0.0, (kv_step + dkv_step) / ring_bw - t_b_layer / r) * (r - 1) \
+                + dkv_step / ring_bw  # the last dK,dV hop home waits
+            a2a = 0.0
+            if u > 1:  # the Ulysses all-to-alls inside, over NVLink when they fit
+                a_f, a_b = counts.cp_bytes("ulysses", u, u, s.B, s.N // s.B, s.h, s.hk,
+                                           s.hd, e)
+                a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(lay.tp * u)
+            cp_exposed = layers * (fwd * (1 + attn_replay) + bwd + a2a)
+            chunk = m.seq_len // r
+            c = 0.5 if lay.layout == "zigzag" else 1.0
+            thr = thresholds(F, ring_bw, s.h, s.hk, e, g, c, attn_eff)
+        elif lay.cp_comm == "allgather":
+            local = t_f_layer / lay.cp  # the local block, computed while the gather runs
+            gather, scatter = f_cp / bw, (b_cp - f_cp) / bw  # backward: gather again + RS
+            cp_exposed = layers * (max(0.0, gather - local) * (1 + attn_replay)
+                                   + max(0.0, gather - 2.5 * local) + scatter)
+        else:  # ulysses: nothing to hide behind
+            cp_exposed = cp_total
+
+    t_micro = compute + tp + cp_exposed
+    bubble = (lay.pp - 1) * t_micro if lay.pp > 1 else 0.0
+    # DP x CP gradient reduction (ring all-reduce / reduce-scatter + all-gather).
+    D = lay.dp * lay.cp
+    dp = 0.0
+    if D > 1:
+        factor = 2 * (D - 1) / D * (1.5 if lay.zero == 3 else 1.0)
+        dp = factor * psi * e / cluster.link(lay.world // lay.pp)
+    return StepTime(compute=compute * micro, tp=tp * micro, cp_exposed=cp_exposed * micro,
+                    cp_total=cp_total * micro, bubble=bubble, dp=dp, micro_batches=micro,
+                    ring_chunk=chunk, thresholds=thr,
+                    cp_link=cluster.link_name(span) if lay.cp > 1 else "-")
