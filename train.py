@@ -32,6 +32,7 @@ from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tf
 from ctxpar.parallel_state import (default_backend, init_distributed, init_parallel_state,
                                    launcher_env)
 from ctxpar.grad_norm import record_fp32_grad_norm
+from ctxpar.plan.startup import print_prediction
 from ctxpar.zero import grad_divisor, partition_for_zero3
 
 EXIT_NON_FINITE = 3
@@ -134,6 +135,8 @@ def main(argv=None) -> int:
     init_deepspeed_comm()  # without DeepSpeed's CPU shm op (ctxpar/deepspeed_comm.py)
     rank0 = dist.get_rank() == 0
     show_ctxpar_logs(rank0)  # e.g. the attention kernel 'auto' chose, and why
+    if rank0:  # the planner's prediction for this layout, before anything is allocated
+        print_prediction(cfg, world, device)
     torch.manual_seed(cfg.train.seed)
 
     # 3. The model (same init for every layout) and the DeepSpeed engine. With pp > 1 this

@@ -89,6 +89,15 @@ def test_cp2dp2_learns_logs_and_tracks(cp2dp2):
     assert os.path.isfile(os.path.join(cp2dp2, "checkpoints", "step_00000010", "COMPLETE"))
 
 
+def test_start_prints_the_planners_prediction_once(cp2dp2, runs):
+    # Rank 0 only: this layout's predicted memory and tokens/s on the detected device
+    # (the calibrated cpu preset here; ctxpar/plan/startup.py).
+    console = (runs / "cp2dp2.console").read_text()
+    lines = [ln for ln in console.splitlines() if ln.startswith("plan: ")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("plan: tp1 cp2 ring/zigzag pp1 dp2") and "tokens/s" in lines[0]
+
+
 def test_console_has_no_third_party_warnings(cp2dp2, runs):
     # Every rank of a ZeRO-1 run used to print torch's FutureWarning for DeepSpeed's
     # all_gather_into_tensor inside the bar, and wandb one about a deprecated argument.

@@ -11,9 +11,9 @@ import sys
 
 from ..config import ConfigError, load_config
 from .cluster import Cluster, PlanError, gpu_preset
-from .layout import Layout
 from .report import explain, plot, table, write_config
 from .search import evaluate, nothing_fits, search
+from .startup import own_layout
 
 
 def parse_args(argv=None):
@@ -32,14 +32,6 @@ def parse_args(argv=None):
     p.add_argument("--write", metavar="PATH.yaml", help="write row 1 (or --explain K) as a config")
     p.add_argument("--plot", metavar="PNG", help="memory and time of the top layouts")
     return p.parse_args(argv)
-
-
-def own_layout(cfg) -> Layout:
-    p, z = cfg.parallel, (cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0)
-    u = p.ulysses or (p.cp if p.cp_comm == "ulysses" else 1)
-    return Layout(p.tp, p.cp, p.pp, p.dp, p.cp_comm, u, p.layout, z,
-                  cfg.checkpointing.activation, cfg.checkpointing.every_n_layers,
-                  cfg.train.micro_batch_size, p.ring_grad_dtype)
 
 
 def main(argv=None) -> int:
@@ -67,9 +59,9 @@ def main(argv=None) -> int:
           f"{g.network / 1e9:.0f} GB/s per direction); {len(plans)} valid layouts, "
           f"{len(fitting)} fit\n")
     print(table(fitting, cluster, a.top))
-    if cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp * (
-            cfg.parallel.dp if isinstance(cfg.parallel.dp, int) else 0) == cluster.world:
-        mine = evaluate(cfg, own_layout(cfg), cluster)
+    own = own_layout(cfg, cluster.world)
+    if own.world == cluster.world:
+        mine = evaluate(cfg, own, cluster)
         rank = next((i for i, p in enumerate(fitting, 1) if p.layout == mine.layout), None)
         print(f"\nthe config's own layout: {mine.layout.name()}: "
               f"{mine.memory.peak / 1e9:.1f} GB, {mine.tokens_per_s_per_gpu:,.0f} tokens/s "
