@@ -220,3 +220,73 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, msg):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], proc.stderr
+
+
+# ------------------------------------------------------------------ train.py's start line
+
+
+def test_startup_line_and_its_two_warnings():
+    """What train.py prints on rank 0: memory per rank and, on a known device, tokens/s;
+    a warning when the ring's chunk is below the F/B threshold of its link, and when the
+    predicted memory exceeds the device's."""
+    from ctxpar.plan.cluster import GPUS
+    from ctxpar.plan.startup import preset_for, startup_report
+    assert preset_for("NVIDIA H100 80GB HBM3") is GPUS["h100"]
+    assert preset_for("NVIDIA H200") is GPUS["h200"] and preset_for("Tesla T4") is None
+
+    one_node = load_config(os.path.join(ROOT, "configs", "gpt1b_32k_3d.yaml"), world_size=8,
+                           check_paths=False)  # tp2 cp2 dp2: the ring stays on NVLink
+    line, warns = startup_report(one_node, GPUS["h100"], "h100 preset", 1, 8)
+    assert line.startswith("plan: tp2 cp2 ring") and "tokens/s" in line and "MFU" in line
+    assert warns == []
+    # tp4 x cp8 (order tp-cp-dp-pp): each ring spans 32 ranks, 4 nodes of 8, so its hops
+    # cross InfiniBand, where MHA's zigzag half blocks hide K,V only from ~17.8K tokens
+    # (at the planner's 45% attention efficiency) and the chunk is 131072 / 8 = 16,384.
+    cfg = load_config(os.path.join(ROOT, "configs", "gpt7b_128k_3d.yaml"), world_size=64,
+                      check_paths=False)
+    line, warns = startup_report(cfg, GPUS["h100"], "h100 preset", 8, 8)
+    assert len(warns) == 1 and "C = 16,384 tokens per step is below the 17,802" in warns[0]
+    assert "network" in warns[0], warns
+    # An 8 GB device: the layout's ~11.7 GB per rank no longer fits.
+    small = GPUS["h100"].__class__("small", 989e12, 8e9, 450e9, 50e9)
+    _, warns = startup_report(cfg, small, "small", 8, 8)
+    assert any("exceeds the device's 8.0 GB" in w for w in warns), warns
+    # An unknown device: memory only, and no warnings it could not stand behind.
+    line, warns = startup_report(cfg, None, "Tesla T4", 8, 8)
+    assert "GB per rank" in line and "no time prediction for Tesla T4" in line
+    assert warns == []
+
+
+# ------------------------------------------------------------------ tools/plot_runs.py
+
+
+def _plot(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_runs.py"),
+                           *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def test_plot_runs_draws_curves_and_refuses_bad_input(tmp_path):
+    import json
+    runs = []
+    for name, acc in (("a", True), ("b", False)):
+        d = tmp_path / name
+        d.mkdir()
+        with open(d / "metrics.jsonl", "w") as f:
+            for step in range(1, 41):
+                f.write(json.dumps({"step": step, "loss": 4.0 / step ** 0.5,
+                                    "tokens_per_s": 1000.0 + step}) + "\n")
+                if step % 10 == 0:
+                    row = {"step": step, "eval_loss": 3.0 / step ** 0.5}
+                    if acc:
+                        row["eval_accuracy"] = step / 40
+                    f.write(json.dumps(row) + "\n")
+        runs.append(d)
+    out = tmp_path / "c.png"
+    proc = _plot(*runs, "--labels", "zigzag", "striped", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 10_000
+    for args, msg in (([runs[0], "--labels", "x", "y"], "--labels: 2 given for 1 runs"),
+                      ([tmp_path / "nope"], "no such file")):
+        proc = _plot(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and msg in lines[0], proc.stderr

@@ -10,7 +10,8 @@ Sources (vendor data sheets; docs/planner.md):
   200 Gb/s HDR NIC per GPU = 25 GB/s.
 - B200: 2250 TFLOP/s dense bf16, 180 GB HBM3e (DGX B200: 1440 GB for 8), NVLink 5
   1.8 TB/s total = 900 per direction; 400 Gb/s = 50 GB/s.
-- cpu: this project's 2-core CI machine, measured (docs/planner.md: calibration).
+- cpu: this project's 2-core CI machine, fitted to train.py's measured steps
+  (docs/planner.md: calibration).
 """
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ GPUS: Dict[str, GPU] = {
     "h200": GPU("h200", 989e12, 141e9, 450e9, 50e9),
     "a100": GPU("a100", 312e12, 80e9, 300e9, 25e9),
     "b200": GPU("b200", 2250e12, 180e9, 900e9, 50e9),
-    # 2-core CPU "node" of the tests: fp32 sdpa at ~57 ns per causal (query, key) pair
-    # for 4 heads x 64 (docs/benchmarks.md) -> 4*4*64 FLOP / 57e-9 s ~ 18 GFLOP/s per
-    # process; gloo on one machine ~ 1 GB/s.
-    "cpu": GPU("cpu", 18e9, 12e9, 1e9, 1e9),
+    # This project's 2-core CPU machine, one core per rank: the per-core FLOP/s at which
+    # the time model (with MM_EFF, ATTN_EFF) matches train.py's measured steps, the median
+    # of 10 layouts (tools/bench_plan_calibration.py; docs/planner.md gives the error of
+    # each); gloo on one machine ~ 1 GB/s; detect() shares it when ranks outnumber cores.
+    "cpu": GPU("cpu", 113e9, 12e9, 1e9, 1e9),
 }
 
 
