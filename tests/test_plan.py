@@ -5,7 +5,7 @@
 - activations per rank: autograd's saved tensors of a real tp x cp GPT on gloo ranks,
   13 layouts (every CP pattern) x every checkpointing mode, exact;
 - model state per ZeRO stage 0-3: every tensor DeepSpeed's engine holds after a step,
-  on dp x cp groups of 1, 2 and 4, within 5% (DeepSpeed's bucket padding is the rest);
+  on 4 layouts (dp x cp groups of 2 and 4), within 5% (DeepSpeed's bucket padding is the rest);
 - CP bytes: tests/test_context_parallel.py holds counts.cp_bytes to cp_stats() exactly;
 - the command line: the table, --explain, --write (a config train.py accepts), --plot,
   and one line with exit 2 for a bad preset, an impossible cluster or nothing fitting.
@@ -164,8 +164,8 @@ def test_model_state_per_zero_stage_matches_deepspeed(stage):
     DeepSpeed keeps allocated) after a step, per rank, within 5% of the planner (the
     rest: DeepSpeed's alignment padding and small buffers); the gradients of stages 0-2
     are freed by then, so they are compared without them. tp1 x cp2 x dp2 (ZeRO group
-    D = 4) and tp2 x cp2 (D = 2)."""
-    for tp, cp in ((1, 2), (2, 2)):
+    D = 4), tp1 x cp4 (D = 4, CP ranks only), tp2 x cp2 (D = 2), tp2 x dp2 (D = 2)."""
+    for tp, cp in ((1, 2), (1, 4), (2, 2), (2, 1)):
         D = 4 // tp
         for psi, held in run_distributed(_engine_state, 4, stage, tp, cp, timeout=300):
             s = model_state(psi, stage, D, bf16=False, reduce_bucket=20000)
