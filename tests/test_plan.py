@@ -200,6 +200,8 @@ def test_cli_table_explain_write_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert sum(ln.startswith("| ") and ln[2:3].isdigit() for ln in lines) == 3
+    # Layouts that differ only in ZeRO stage or token layout and tie share a row.
+    assert "ring/zigzag,striped" in proc.stdout and "z1,z2" in proc.stdout
     assert "ring chunk C" in proc.stdout or "cp1" in proc.stdout
     assert "memory per GPU" in proc.stdout and "bottleneck" in proc.stdout
     cfg = load_config(str(out), check_paths=False)   # runnable: validates as a config

@@ -11,7 +11,7 @@ import sys
 
 from ..config import ConfigError, load_config
 from .cluster import Cluster, PlanError, gpu_preset
-from .report import explain, plot, table, write_config
+from .report import explain, merge_ties, plot, table, write_config
 from .search import evaluate, nothing_fits, search
 from .startup import own_layout
 
@@ -45,9 +45,10 @@ def main(argv=None) -> int:
         fitting = [p for p in plans if p.fits]
         if not fitting:
             raise PlanError(nothing_fits(plans, cluster))
+        rows = merge_ties(fitting)  # a row: layouts that differ only in ZeRO / token layout
         k = a.explain or 1
-        if not 1 <= k <= len(fitting):
-            raise PlanError(f"--explain {k}: there are {len(fitting)} fitting layouts")
+        if not 1 <= k <= len(rows):
+            raise PlanError(f"--explain {k}: there are {len(rows)} rows of fitting layouts")
     except (PlanError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -58,22 +59,23 @@ def main(argv=None) -> int:
           f"TFLOP/s, {g.memory / 1e9:.0f} GB, NVLink {g.nvlink / 1e9:.0f} GB/s, network "
           f"{g.network / 1e9:.0f} GB/s per direction); {len(plans)} valid layouts, "
           f"{len(fitting)} fit\n")
-    print(table(fitting, cluster, a.top))
+    print(table(rows, cluster, a.top))
     own = own_layout(cfg, cluster.world)
     if own.world == cluster.world:
         mine = evaluate(cfg, own, cluster)
-        rank = next((i for i, p in enumerate(fitting, 1) if p.layout == mine.layout), None)
+        rank = next((i for i, g in enumerate(rows, 1)
+                     if any(p.layout == mine.layout for p in g)), None)
         print(f"\nthe config's own layout: {mine.layout.name()}: "
               f"{mine.memory.peak / 1e9:.1f} GB, {mine.tokens_per_s_per_gpu:,.0f} tokens/s "
               f"per GPU, MFU {100 * mine.mfu:.1f}%"
-              + (f" (row {rank} of {len(fitting)})" if rank else
+              + (f" (row {rank} of {len(rows)})" if rank else
                  ("" if mine.fits else " (does not fit)")))
     if a.explain:
-        print("\n" + explain(fitting[k - 1], cluster))
+        print("\n" + explain(rows[k - 1][0], cluster))
     if a.write:
-        print(f"\nwrote {write_config(cfg, fitting[k - 1], a.write)}")
+        print(f"\nwrote {write_config(cfg, rows[k - 1][0], a.write)}")
     if a.plot:
-        print(f"plotted {plot(fitting, a.plot)}")
+        print(f"plotted {plot([g[0] for g in rows], a.plot)}")
     return 0
 
 

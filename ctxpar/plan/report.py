@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import replace
 from typing import List
 
 from ..config import to_dict
@@ -11,19 +13,43 @@ from .search import Plan, apply_layout
 GB = 1e9
 
 
-def table(plans: List[Plan], cluster: Cluster, top: int = 10) -> str:
-    """Markdown: the best fitting layouts, fastest first."""
-    rows = ["| # | layout | memory/GPU | step | tokens/s/GPU | MFU | bottleneck | "
-            "ring C vs C* fwd/bwd |", "|---:|---|---:|---:|---:|---:|---|---|"]
-    for i, p in enumerate(plans[:top], 1):
+def merge_ties(plans: List[Plan]) -> List[List[Plan]]:
+    """Consecutive plans that differ only in ZeRO stage or token layout and predict the
+    same memory and time, as one row each (the first is the one --explain / --write use)."""
+    rows: List[List[Plan]] = []
+    for p in plans:
+        if rows:
+            q = rows[-1][0]
+            same = replace(p.layout, zero=q.layout.zero, layout=q.layout.layout) == q.layout
+            if same and round(p.memory.peak / GB, 1) == round(q.memory.peak / GB, 1) \
+                    and round(p.time.total, 2) == round(q.time.total, 2):
+                rows[-1].append(p)
+                continue
+        rows.append([p])
+    return rows
+
+
+def row_name(group: List[Plan]) -> str:
+    """One name for tied layouts: 'tp2 cp16 ring/zigzag,striped pp1 dp2 z1,z2 none mb1'
+    (commas, not bars: the table is markdown)."""
+    parts = [re.split(r"([ /])", p.layout.name()) for p in group]
+    return "".join(",".join(dict.fromkeys(col)) for col in zip(*parts))
+
+
+def table(rows: List[List[Plan]], cluster: Cluster, top: int = 10) -> str:
+    """Markdown: the best fitting layouts (merge_ties' rows), fastest first."""
+    lines = ["| # | layout | memory/GPU | step | tokens/s/GPU | MFU | bottleneck | "
+             "ring C vs C* fwd/bwd |", "|---:|---|---:|---:|---:|---:|---|---|"]
+    for i, group in enumerate(rows[:top], 1):
+        p = group[0]
         t = p.time
         c = "-" if not t.ring_chunk else (
             f"{t.ring_chunk:,} vs {t.thresholds['fwd']:,.0f}/{t.thresholds['bwd']:,.0f} "
             f"({t.cp_link})")
-        rows.append(f"| {i} | {p.layout.name()} | {p.memory.peak / GB:.1f} GB | "
-                    f"{t.total:.2f} s | {p.tokens_per_s_per_gpu:,.0f} | {100 * p.mfu:.1f}% | "
-                    f"{t.bottleneck()} | {c} |")
-    return "\n".join(rows)
+        lines.append(f"| {i} | {row_name(group)} | {p.memory.peak / GB:.1f} GB | "
+                     f"{t.total:.2f} s | {p.tokens_per_s_per_gpu:,.0f} | {100 * p.mfu:.1f}% | "
+                     f"{t.bottleneck()} | {c} |")
+    return "\n".join(lines)
 
 
 def explain(plan: Plan, cluster: Cluster) -> str:

@@ -19,7 +19,8 @@ parallel reduction of the gradients over dp x cp (all-reduce, or ZeRO's reduce-s
 all-gather, twice the parameters' all-gathers under ZeRO-3), not overlapped.
 
 Generalised threshold: a ring step carries C = T/r tokens of K,V (r ring ranks) at Hkv/tp
-heads. It computes c * C^2 pairs (c = 1 for a full block, 1/2 for zigzag's half blocks)
+heads. It computes c * C^2 pairs (c = 1 for contiguous's full blocks, 1/2 for zigzag's half
+blocks and striped's triangles)
 at 4 h hd FLOPs each (at eff x F FLOP/s), and sends 2 C hk hd e bytes at B bytes/s, so
 the transfer hides when
     forward:  C >= (eff F / B) * (hk/h) * (e/2) / c
@@ -139,7 +140,9 @@ def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
                 a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(lay.tp * u)
             cp_exposed = layers * (fwd * (1 + attn_replay) + bwd + a2a)
             chunk = m.seq_len // r
-            c = 0.5 if lay.layout == "zigzag" else 1.0
+            # Pairs per step: zigzag's half blocks and striped's triangles ~C^2/2, contiguous
+            # full blocks (its busiest rank's steps).
+            c = 1.0 if lay.layout == "contiguous" else 0.5
             thr = thresholds(F, ring_bw, s.h, s.hk, e, g, c, attn_eff)
         elif lay.cp_comm == "allgather":
             local = t_f_layer / lay.cp  # the local block, computed while the gather runs
