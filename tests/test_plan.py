@@ -216,6 +216,7 @@ def test_cli_table_explain_write_plot(tmp_path):
     (["--nodes", "1", "--gpus-per-node", "1", "--memory", "1e9"],
      "nothing fits in 1 GB per GPU: the smallest layout"),
     (["--network", "-1"], "--network -1.0 must be > 0"),
+    (["--overhead", "-1"], "--overhead -1.0 must be >= 0"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, msg):
     proc = plan_cli("--config", "configs/gpt1b_32k_3d.yaml", *args)

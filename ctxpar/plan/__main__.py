@@ -27,6 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--memory", type=float, help="override: bytes of memory per GPU")
     p.add_argument("--nvlink", type=float, help="override: bytes/s per direction in a node")
     p.add_argument("--network", type=float, help="override: bytes/s per direction across")
+    p.add_argument("--overhead", type=float,
+                   help="override: seconds per layer per micro-batch beyond FLOPs and bytes")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--explain", type=int, metavar="K", help="full breakdown of row K")
     p.add_argument("--write", metavar="PATH.yaml", help="write row 1 (or --explain K) as a config")
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
     try:
         cluster = Cluster(a.nodes, a.gpus_per_node,
                           gpu_preset(a.gpu, flops=a.flops, memory=a.memory, nvlink=a.nvlink,
-                                     network=a.network))
+                                     network=a.network, overhead=a.overhead))
         cfg = load_config(a.config, a.set, check_paths=False)
         plans = search(cfg, cluster)
         fitting = [p for p in plans if p.fits]

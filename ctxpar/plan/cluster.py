@@ -30,6 +30,10 @@ class GPU:
     memory: float       # bytes of device memory
     nvlink: float       # bytes/s per direction to another GPU of the node
     network: float      # bytes/s per direction to another node
+    # Seconds per layer per micro-batch (forward + backward) that are neither FLOPs nor
+    # bytes: Python, op dispatch, kernel launches. It is what small models are made of
+    # (configs/tiny_cpu.yaml); fitted on CPU, 0 for the GPU presets (not measured yet).
+    overhead: float = 0.0
 
 
 GPUS: Dict[str, GPU] = {
@@ -37,11 +41,12 @@ GPUS: Dict[str, GPU] = {
     "h200": GPU("h200", 989e12, 141e9, 450e9, 50e9),
     "a100": GPU("a100", 312e12, 80e9, 300e9, 25e9),
     "b200": GPU("b200", 2250e12, 180e9, 900e9, 50e9),
-    # This project's 2-core CPU machine, one core per rank: the per-core FLOP/s at which
-    # the time model (with MM_EFF, ATTN_EFF) matches train.py's measured steps, the median
-    # of 10 layouts (tools/bench_plan_calibration.py; docs/planner.md gives the error of
-    # each); gloo on one machine ~ 1 GB/s; detect() shares it when ranks outnumber cores.
-    "cpu": GPU("cpu", 113e9, 12e9, 1e9, 1e9),
+    # This project's 2-core CPU machine, one core per rank: the per-core FLOP/s and the
+    # per-layer overhead at which the time model (with MM_EFF, ATTN_EFF) best matches
+    # train.py's measured steps on 14 layouts of a compute-bound and an overhead-bound
+    # model (tools/bench_plan_calibration.py; docs/planner.md gives each error); gloo on
+    # one machine ~ 1 GB/s; detect() shares the cores when ranks outnumber them.
+    "cpu": GPU("cpu", 124e9, 12e9, 1e9, 1e9, overhead=0.024),
 }
 
 
@@ -51,8 +56,9 @@ def gpu_preset(name: str, **overrides) -> GPU:
         raise PlanError(f"--gpu {name!r} is not a known preset (known: {', '.join(GPUS)})")
     given = {k: v for k, v in overrides.items() if v is not None}
     for k, v in given.items():
-        if v <= 0:
-            raise PlanError(f"--{k.replace('_', '-')} {v} must be > 0")
+        if v < 0 or (v == 0 and k != "overhead"):
+            raise PlanError(f"--{k.replace('_', '-')} {v} must be "
+                            f"{'>= 0' if k == 'overhead' else '> 0'}")
     return replace(GPUS[name], **given)
 
 

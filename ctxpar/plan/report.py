@@ -62,7 +62,8 @@ def explain(plan: Plan, cluster: Cluster) -> str:
     for k, v in m.as_dict().items():
         lines.append(f"  {k:<12} {v / GB:9.3f} GB")
     lines.append(f"step time: {t.total:.3f} s ({t.micro_batches} micro-batches per rank)")
-    for k, v in (("compute", t.compute), ("TP all-reduce", t.tp),
+    for k, v in (("compute", t.compute), ("per-op overhead", t.overhead),
+                 ("TP all-reduce", t.tp),
                  ("CP exposed", t.cp_exposed), ("pipeline bubble", t.bubble),
                  ("DP reduction", t.dp)):
         lines.append(f"  {k:<16} {v:9.3f} s")
@@ -108,8 +109,8 @@ def plot(plans: List[Plan], path: str, top: int = 8) -> str:
     ax1.set_title("memory")
     ax1.legend(fontsize=7)
     bottom = [0.0] * len(plans)
-    for k, label in (("compute", "compute"), ("tp", "TP"), ("cp_exposed", "CP exposed"),
-                     ("bubble", "bubble"), ("dp", "DP")):
+    for k, label in (("compute", "compute"), ("overhead", "overhead"), ("tp", "TP"),
+                     ("cp_exposed", "CP exposed"), ("bubble", "bubble"), ("dp", "DP")):
         vals = [getattr(p.time, k) for p in plans]
         ax2.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]

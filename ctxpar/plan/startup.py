@@ -59,7 +59,8 @@ def detect(device, local_ranks: int) -> Tuple[Optional[GPU], str]:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = GPUS["cpu"]
     share = min(1.0, cores / local_ranks)
-    return replace(cpu, flops=cpu.flops * share, memory=ram / local_ranks), \
+    return replace(cpu, flops=cpu.flops * share, overhead=cpu.overhead / share,
+                   memory=ram / local_ranks), \
         f"cpu preset, {cores} cores for {local_ranks} ranks"
 
 

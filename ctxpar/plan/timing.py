@@ -8,6 +8,8 @@ Per micro-batch and pipeline stage (the most loaded rank):
   (context_parallel/stats.py), pairs of the busiest rank under the layout (zigzag and
   striped balanced, contiguous not), a forward again when full checkpointing replays it, at
   ``attn_eff`` x peak;
+- per-op overhead: the device's seconds per layer per micro-batch that are neither FLOPs
+  nor bytes (cluster.GPU.overhead: fitted on CPU, 0 for GPUs until measured);
 - TP: two all-reduces of N d e bytes forward and two backward per block (and the replayed
   forward's), over NVLink, not overlapped;
 - CP: the bytes of counts.cp_bytes. The ring overlaps each step's transfer with the step's
@@ -50,16 +52,19 @@ class StepTime:
     bubble: float
     dp: float
     micro_batches: int
+    overhead: float = 0.0               # the device's per-layer, per-micro-batch cost
     ring_chunk: int = 0                 # C, tokens per ring step
     thresholds: Dict[str, float] = field(default_factory=dict)  # C* fwd / bwd
     cp_link: str = ""
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.cp_exposed + self.bubble + self.dp
+        return self.compute + self.overhead + self.tp + self.cp_exposed + self.bubble \
+            + self.dp
 
     def bottleneck(self) -> str:
-        parts = {"compute": self.compute, "TP all-reduces": self.tp,
+        parts = {"compute": self.compute, "per-op overhead": self.overhead,
+                 "TP all-reduces": self.tp,
                  f"CP traffic not hidden ({self.cp_link})": self.cp_exposed,
                  "pipeline bubble": self.bubble, "DP gradient reduction": self.dp}
         name, t = max(parts.items(), key=lambda kv: kv[1])
@@ -152,7 +157,8 @@ def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
         else:  # ulysses: nothing to hide behind
             cp_exposed = cp_total
 
-    t_micro = compute + tp + cp_exposed
+    overhead = layers * cluster.gpu.overhead
+    t_micro = compute + overhead + tp + cp_exposed
     bubble = (lay.pp - 1) * t_micro if lay.pp > 1 else 0.0
     # DP x CP gradient reduction (ring all-reduce / reduce-scatter + all-gather).
     D = lay.dp * lay.cp
@@ -160,7 +166,7 @@ def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
     if D > 1:
         factor = 2 * (D - 1) / D * (1.5 if lay.zero == 3 else 1.0)
         dp = factor * psi * e / cluster.link(lay.world // lay.pp)
-    return StepTime(compute=compute * micro, tp=tp * micro, cp_exposed=cp_exposed * micro,
+    return StepTime(compute=compute * micro, overhead=overhead * micro, tp=tp * micro, cp_exposed=cp_exposed * micro,
                     cp_total=cp_total * micro, bubble=bubble, dp=dp, micro_batches=micro,
                     ring_chunk=chunk, thresholds=thr,
                     cp_link=cluster.link_name(span) if lay.cp > 1 else "-")
