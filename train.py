@@ -106,9 +106,6 @@ def main(argv=None) -> int:
         data = build_data(cfg)  # opens token files / builds the passkey task; no collectives
     except (ConfigError, DataError) as e:
         fail(str(e))
-    if cfg.data.document_mask and torch.cuda.is_available():
-        fail("data.document_mask=true runs on the CPU kernels so far: CUDA needs flash-attn's "
-             "varlen kernels, which ctxpar does not call yet")
     if (cfg.data.document_mask and cfg.parallel.cp > 1 and cfg.parallel.layout != "striped"
             and cfg.parallel.cp_comm != "ulysses"):  # Ulysses: every rank the whole sequence
         warn(f"data.document_mask with parallel.layout={cfg.parallel.layout!r}: ranks' "

@@ -536,9 +536,6 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     if cfg.data.eod_mask_loss and cfg.data.kind != "tokens":
         err(f"data.eod_mask_loss=true is for data.kind='tokens' (passkey labels only the "
             f"answer), not {cfg.data.kind!r}")
-    if cfg.data.document_mask and p.attention_backend not in ("auto", "sdpa", "math"):
-        err(f"data.document_mask=true runs on the CPU kernels so far: "
-            f"parallel.attention_backend={p.attention_backend!r} must be auto, sdpa or math")
 
 
 ROPE_SCALING_KEYS = {  # rope_type -> its numeric keys (Hugging Face's names)

@@ -300,7 +300,7 @@ class GPT(nn.Module):
         to restart RoPE at each document, documents.document_positions);
         labels (B, T/cp) next-token ids, -100 = ignored; cu_seqlens: packed documents'
         boundaries in the full sequence (one int32 tensor per sample, or one for all),
-        attention then stays inside each document (ring CP, CPU kernels so far).
+        attention then stays inside each document (every CP pattern and backend).
 
         Returns the vocab-parallel logits (B, T/cp, V/tp), or with labels the fp32 sum of
         this rank's token losses (identical on the ranks of a TP group); normalise it with

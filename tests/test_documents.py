@@ -3,7 +3,8 @@
 Pure checks of the plan (every visible pair computed exactly once, nothing else), bad
 boundaries refused in one line, then ring, all-gather, Ulysses and hybrid (those that fit P)
 on P = 2, 3, 4 ranks for every layout,
-causal or not, MHA/GQA, the sdpa (CPU flash) and math kernels, fp32, two samples with
+causal or not, MHA/GQA, the sdpa (CPU flash) and math kernels and flash_attn's adapter
+(stand-ins without masks, as on a GPU), fp32, two samples with
 their own documents, including the edge cases: length-1 documents, a document longer than
 a shard, one spanning every rank, many tiny ones, a boundary exactly at a shard edge.
 """
@@ -15,8 +16,10 @@ import torch.distributed as dist
 
 from ctxpar.context_parallel import rank_positions, ring_attention, shard_sequence
 from ctxpar.context_parallel.documents import check_cu_seqlens, doc_plan, reference_mask
+from ctxpar.context_parallel.kernels import FlashAttnBackend
 from dist_harness import run_distributed
 from test_context_parallel import PATTERNS, tolerance
+from test_ring_attention import _flash_bwd, _flash_v26
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 S_LOCAL = 12  # tokens per rank: even (zigzag), and shards cut documents in odd places
@@ -92,8 +95,17 @@ def test_plan_masks_explicitly_where_no_kernel_shape_fits():
     seen, masked = _pairs_seen(cu, shards, n, True)
     assert torch.equal(seen, reference_mask(cu.long(), n, True).int())
     assert masked > 0
-    # ... and the kernels' masked path is exact: shard 0's queries against every shard,
-    # forward merged by LSE, backward from the merged out/lse, vs the dense reference.
+    # ... and the kernels' masked path is exact.
+    _masked_blocks_match_reference(("sdpa", "math"))
+
+
+def _masked_blocks_match_reference(backends):
+    """Shard 0's queries (scattered positions) against every shard, forward merged by LSE,
+    backward from the merged out/lse, against the dense reference."""
+    n, g = 24, torch.Generator().manual_seed(0)
+    perm = torch.randperm(n, generator=g)
+    shards = [perm[i::3].sort().values for i in range(3)]
+    cu = torch.tensor([0, 5, 17, 24], dtype=torch.int32)
     from ctxpar.context_parallel.blocks import QueryRows, backward_block, forward_block_
     from ctxpar.context_parallel.kernels import BACKENDS
     from ctxpar.context_parallel.merge import empty_accumulators
@@ -101,7 +113,7 @@ def test_plan_masks_explicitly_where_no_kernel_shape_fits():
     want_o, want_lse = masked_reference(q.requires_grad_(), k, v, [cu], True, 0.25)
     (want_dq,) = torch.autograd.grad(want_o, q, dout)
     qp = shards[0]
-    for backend in ("sdpa", "math"):
+    for backend in backends:
         kernel, out, lse = BACKENDS[backend], *empty_accumulators(q[:, qp].detach())
         plan = [(kp, blk) for kp in shards for blk in doc_plan(cu.long(), qp, kp, True)]
         for kp, blk in plan:
@@ -131,30 +143,46 @@ def test_bad_boundaries_are_refused_in_one_line(cu, msg):
         check_cu_seqlens(cu, 8, 2, "ring_attention")
 
 
-def test_document_masking_off_the_cpu_kernels_is_refused_before_communicating():
-    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
-    q = torch.empty(1, 8, 2, 8, device="meta")
-    with pytest.raises(ValueError, match="runs on the CPU kernels .* not on meta"):
-        ring_attention(q, q, q, causal=True, cu_seqlens=cu)
-    q = torch.zeros(1, 8, 2, 8)
-    with pytest.raises(ValueError, match="needs backend 'sdpa' or 'math', not 'flash_attn4'"):
-        from ctxpar.context_parallel import kernels
-        kernels.BACKENDS["flash_attn4"].why_not = lambda q: ""  # as if installed
-        try:
-            ring_attention(q, q, q, causal=True, backend="flash_attn4", cu_seqlens=cu)
-        finally:
-            del kernels.BACKENDS["flash_attn4"].why_not
+class FlashOnCpu(FlashAttnBackend):
+    """flash_attn's adapter over CPU stand-ins of flash-attn's functions (the real ones
+    need CUDA), at any dtype: a backend that takes no explicit mask, as on a GPU."""
+
+    def __init__(self):
+        super().__init__(_flash_v26, _flash_bwd, device_types=("cpu",))
+
+    def why_not(self, q):
+        return ""
+
+
+@pytest.fixture
+def flash_on_cpu(monkeypatch):
+    from ctxpar.context_parallel import kernels
+    monkeypatch.setitem(kernels.BACKENDS, "flash_attn", FlashOnCpu())
+
+
+def test_document_masking_runs_on_a_backend_without_masks(flash_on_cpu):
+    """flash_attn (and CUDA's sdpa) take no explicit mask: every document block is one of
+    their dense or causal calls, and the rare irregular block goes to the math kernel
+    (block_kernel). Scattered shards force such blocks; the result is still exact."""
+    from ctxpar.context_parallel.kernels import BACKENDS, block_kernel
+    q = torch.zeros(1, 4, 2, 8)
+    assert block_kernel(BACKENDS["flash_attn"], q, masked=True) is BACKENDS["math"]
+    assert block_kernel(BACKENDS["flash_attn"], q, masked=False) is BACKENDS["flash_attn"]
+    assert block_kernel(BACKENDS["sdpa"], q, masked=True) is BACKENDS["sdpa"]  # CPU op masks
+    assert not BACKENDS["sdpa"].takes_mask(torch.zeros(1, device="meta"))   # CUDA: math
+    _masked_blocks_match_reference(("flash_attn",))
 
 
 # ------------------------------------------------------------------ the ring on P ranks
 
 
 def _cases(world):
-    """(comm, u, layout, causal, heads, backend): both CPU kernels for the ring (the others'
-    reference), sdpa for all-gather, Ulysses and hybrid (PATTERNS: those that fit P)."""
+    """(comm, u, layout, causal, heads, backend): both CPU kernels and flash_attn's adapter
+    (FlashOnCpu: no masks, as on a GPU) for the ring, sdpa for all-gather, Ulysses and
+    hybrid (PATTERNS: those that fit P)."""
     out = []
     for comm, u in PATTERNS[world]:
-        backends = ("sdpa", "math") if comm == "ring" else ("sdpa",)
+        backends = ("sdpa", "math", "flash_attn") if comm == "ring" else ("sdpa",)
         out += [(comm, u, layout, causal, heads, backend)
                 for layout in LAYOUTS for causal in (True, False)
                 for heads in ((4, 4, 16), (4, 2, 16)) for backend in backends]
@@ -163,7 +191,8 @@ def _cases(world):
 
 def _masked_cp(rank, world, payload):
     from ctxpar import init_parallel_state
-    from ctxpar.context_parallel import context_parallel_attention, cp_stats
+    from ctxpar.context_parallel import context_parallel_attention, cp_stats, kernels
+    kernels.BACKENDS["flash_attn"] = FlashOnCpu()  # this worker process only
     states = {u: init_parallel_state(cp=world, ulysses=u) for _, u in PATTERNS[world]}
     out = []
     for comm, u, layout, causal, (H, Hkv, D), backend in _cases(world):
@@ -281,13 +310,13 @@ def test_the_ring_stops_when_no_rank_has_work_left():
                                                              f"{what}: {m}")
 
 
-def test_masked_attention_on_one_process_matches_the_dense_reference():
+def test_masked_attention_on_one_process_matches_the_dense_reference(flash_on_cpu):
     """No process group (the GPT reference's path): the same plan on a rank alone."""
     n = 4 * S_LOCAL
     cus = edge_case_docs(n, 4)
     for heads in ((4, 4, 16), (4, 2, 16)):
         q, k, v, dout = (x.clone().requires_grad_() for x in _inputs(n)[heads])
-        for backend in ("sdpa", "math"):
+        for backend in ("sdpa", "math", "flash_attn"):
             o, lse = ring_attention(q, k, v, causal=True, backend=backend, return_lse=True,
                                     cu_seqlens=cus)
             got = (o, lse, *torch.autograd.grad(o, (q, k, v), dout))

@@ -98,6 +98,32 @@ def test_ring_attention_one_rank_on_cuda_bf16(layout):
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "flash_attn"])
+def test_document_masking_on_cuda_matches_the_dense_reference(backend):
+    """Packed documents on CUDA (P = 1, the full block path): every document block one of
+    the backend's dense or causal calls, against the fp32 dense-mask reference (bf16: the
+    kernels' tolerance). Documents of length 1, one longer than half the sample, many."""
+    from test_documents import masked_reference
+    if backend == "flash_attn":
+        _skip_unless_usable(FlashAttnBackend())
+    n = 256
+    cus = [torch.tensor([0, 1, 2, 40, 41, 200, 256], dtype=torch.int32),
+           torch.tensor([0, 128, 129, 256], dtype=torch.int32)]
+    q, k, v, dout = _inputs(n, n, 8, 2, 64, torch.bfloat16, seed=2)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = ring_attention(q, k, v, causal=True, backend=backend, return_lse=True,
+                              cu_seqlens=cus)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = [x.detach().float().cpu().requires_grad_() for x in (q, k, v)]
+    want_out, want_lse = masked_reference(*ref, cus, True, 64 ** -0.5)
+    want = torch.autograd.grad(want_out, ref, dout.float().cpu())
+    torch.testing.assert_close(out.float().cpu(), want_out.detach(),
+                               **tolerance(torch.bfloat16, want_out))
+    torch.testing.assert_close(lse.cpu(), want_lse, **tolerance(torch.bfloat16, want_lse))
+    for got, exp in zip(grads, want):
+        torch.testing.assert_close(got.float().cpu(), exp, **tolerance(torch.bfloat16, exp))
+
+
 def test_gpt_bf16_cuda_matches_fp32_cpu():
     from ctxpar.config import ModelConfig
     from models.gpt import GPT

@@ -82,9 +82,6 @@ def test_one_document_per_sample_equals_no_masking(tmp_path):
 
 @pytest.mark.parametrize("sets,msg", [
     (["data.eod_mask_loss=true"], "data.eod_mask_loss=true is for data.kind='tokens'"),
-    (["data.document_mask=true", "parallel.attention_backend=flash_attn"],
-     "data.document_mask=true runs on the CPU kernels so far: parallel.attention_backend="
-     "'flash_attn' must be auto, sdpa or math"),
     (["data.passkey_docs=9"], "data.passkey_docs=9 must be >= 1 and fit in model.seq_len=128"),
 ])
 def test_bad_document_config_exits_2_with_one_line(tmp_path, sets, msg):

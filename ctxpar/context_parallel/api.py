@@ -95,7 +95,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     cu_seqlens: document boundaries in the *full* sequence (flash-attn's varlen convention:
     int32, 0 = cu[0] < cu[1] < ... < cu[-1] = full length), one 1-D tensor for the whole
     batch or a list of one per sample; tokens then attend only inside their document
-    (documents.py), with every comm. So far on the CPU kernels (sdpa, math).
+    (documents.py), with every comm and backend: one dense or causal kernel call per
+    document a block shares (the rare irregular block: an explicit mask, on the math
+    kernel where the backend takes none).
 
     Returns out (batch, local_seq, heads, head_dim) in q's dtype, and with return_lse also
     lse (batch, heads, local_seq) fp32 (not differentiable).
@@ -117,10 +119,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     _check_inputs(q, k, v, comm, layout, u, caller)
     docs = None
     if cu_seqlens is not None:
-        if q.device.type != "cpu":
-            raise ValueError(f"{caller}: document masking (cu_seqlens) runs on the CPU kernels "
-                             f"(sdpa, math) so far, not on {q.device.type}: CUDA needs "
-                             f"flash-attn's varlen kernels, which ctxpar does not call yet")
         cp_size = (group_rank_and_size(ulysses_group)[1] * group_rank_and_size(ring_group)[1]
                    if comm == "hybrid" else group_rank_and_size(cp_group)[1])
         docs = check_cu_seqlens(cu_seqlens, q.shape[1] * cp_size, q.shape[0], caller)
@@ -128,9 +126,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
                          f"ring's dK,dV (comm 'ring' or 'hybrid'), not comm={comm!r}")
     kernel = get_backend(backend, q)
-    if docs is not None and kernel.name not in ("sdpa", "math"):
-        raise ValueError(f"{caller}: document masking (cu_seqlens) needs backend 'sdpa' or "
-                         f"'math', not {kernel.name!r}")
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     causal = bool(causal)
     lse = None

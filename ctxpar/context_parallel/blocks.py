@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .documents import doc_plan
+from .kernels import block_kernel
 from .layouts import rank_positions
 from .merge import merge_block_
 from .stats import attention_flops, record
@@ -117,7 +118,9 @@ def forward_block_(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     b the samples (all, or one when each sample has its own document plan).
     """
     qs, ks = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
-    bo, bl = kernel.forward(q[b, qs], k[b, ks], v[b, ks], blk.causal, scale, **_mask_kw(blk))
+    kw = _mask_kw(blk)
+    kernel = block_kernel(kernel, q, bool(kw))
+    bo, bl = kernel.forward(q[b, qs], k[b, ks], v[b, ks], blk.causal, scale, **kw)
     merge_block_(out[b, qs], lse[b, :, qs], bo, bl)
     B, _, H, D = bo.shape
     record(fwd_flops=attention_flops(B, H, D, blk.pairs(), "fwd"), fwd_blocks=1)
@@ -157,8 +160,9 @@ def backward_block(kernel, rows: QueryRows, k, v, blk: Block, scale: float,
     qs, ks = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
     dout, q, out, lse = rows(qs, b)
     B, _, H, D = q.shape
-    grads = kernel.backward(dout, q, k[b, ks], v[b, ks], out, lse, blk.causal, scale,
-                            **_mask_kw(blk))
+    kw = _mask_kw(blk)
+    grads = block_kernel(kernel, q, bool(kw)).backward(dout, q, k[b, ks], v[b, ks], out, lse,
+                                                       blk.causal, scale, **kw)
     record(bwd_flops=attention_flops(B, H, D, blk.pairs(), "bwd"), bwd_blocks=1)
     return qs, ks, grads
 

@@ -92,6 +92,9 @@ class MathBackend:
     def available(self, q: torch.Tensor) -> bool:
         return True
 
+    def takes_mask(self, q: torch.Tensor) -> bool:
+        return True
+
     def _scores(self, q, k, causal, scale, mask=None):  # (B, H, L, S) fp32
         s = torch.einsum("blhd,bshd->bhls", q.float(), expand_kv(k, q.shape[2]).float()) * scale
         if causal:  # top-left aligned, like the fused kernels
@@ -133,6 +136,11 @@ class SdpaBackend:
         if q.device.type == "cpu":
             return q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
         return q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    def takes_mask(self, q: torch.Tensor) -> bool:
+        """An explicit (L, S) mask with LSE: the CPU flash op's attn_mask; CUDA's ops with
+        LSE do not get one here (documents.py's rare masked blocks go to the math kernel)."""
+        return q.device.type == "cpu"
 
     @staticmethod
     def native_gqa(q: torch.Tensor) -> bool:
@@ -280,6 +288,9 @@ class FlashAttnBackend:
     def available(self, q: torch.Tensor) -> bool:
         return not self.why_not(q)
 
+    def takes_mask(self, q: torch.Tensor) -> bool:
+        return False  # dense and causal blocks only
+
     @staticmethod
     def _options(causal, scale):
         return dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1),
@@ -387,6 +398,13 @@ def get_backend(name: str, q: torch.Tensor):
         raise ValueError(f"attention backend {name!r} cannot run {q.dtype} tensors on "
                          f"{q.device.type}{hint}")
     return backend
+
+
+def block_kernel(kernel, q: torch.Tensor, masked: bool):
+    """The kernel for one block: `kernel`, unless the block needs an explicit mask that
+    `kernel` cannot take on q's device (document masking's rare irregular blocks, see
+    documents.py): then the math kernel, exact on every device."""
+    return BACKENDS["math"] if masked and not kernel.takes_mask(q) else kernel
 
 
 def default_scale(head_dim: int) -> float:
