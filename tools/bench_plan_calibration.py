@@ -1,7 +1,7 @@
 """The planner's step time against train.py's measured one, layout by layout (CPU).
 
     python tools/bench_plan_calibration.py --save /tmp/calib.json     # the docs/planner.md table
-    python tools/bench_plan_calibration.py --load /tmp/calib.json     # refit, no runs
+    python tools/bench_plan_calibration.py --load a.json b.json       # refit over runs
     python tools/bench_plan_calibration.py --only ring --steps 8
 
 Each layout runs train.py under torchrun (python -m torch.distributed.run; 2 ranks, one
@@ -114,24 +114,26 @@ def main():
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--only", default="", help="layouts whose name contains this")
     p.add_argument("--save", help="write the measurements (JSON) here")
-    p.add_argument("--load", help="measurements from an earlier --save: no runs")
+    p.add_argument("--load", nargs="+", default=[],
+                   help="measurements of earlier --save runs (fitted together): no runs")
     a = p.parse_args()
 
-    measured = json.load(open(a.load)) if a.load else {}
+    runs = [json.load(open(path)) for path in a.load] or [{}]
     cases, names = [], []
-    for name, sets in LAYOUTS.items():
-        if a.only not in name:
-            continue
-        if name not in measured:
-            measured[name] = measure(sets, a.steps, a.warmup, a.nproc)
-            print(f"{name}: {measured[name]:.3f} s", flush=True)
-        cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), QUIET + sets,
-                          world_size=a.nproc, check_paths=False)
-        cases.append((cfg, measured[name]))
-        names.append(name)
+    for i, measured in enumerate(runs):
+        for name, sets in LAYOUTS.items():
+            if a.only not in name:
+                continue
+            if name not in measured:
+                measured[name] = measure(sets, a.steps, a.warmup, a.nproc)
+                print(f"{name}: {measured[name]:.3f} s", flush=True)
+            cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), QUIET + sets,
+                              world_size=a.nproc, check_paths=False)
+            cases.append((cfg, measured[name]))
+            names.append(name if len(runs) == 1 else f"{name} (run {i + 1})")
     if a.save:
         with open(a.save, "w") as f:
-            json.dump(measured, f, indent=1)
+            json.dump(runs[0], f, indent=1)
 
     f, o = fit(cases, a.nproc)
     cpu = GPUS["cpu"]
