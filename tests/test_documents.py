@@ -144,11 +144,12 @@ def test_bad_boundaries_are_refused_in_one_line(cu, msg):
 
 
 class FlashOnCpu(FlashAttnBackend):
-    """flash_attn's adapter over CPU stand-ins of flash-attn's functions (the real ones
-    need CUDA), at any dtype: a backend that takes no explicit mask, as on a GPU."""
+    """flash_attn's adapter over stand-ins of flash-attn's functions (the math kernel; the
+    real ones need CUDA and the package), at any dtype: a backend that takes no explicit
+    mask, as flash-attn on a GPU. tests/test_gpu.py runs it on CUDA too."""
 
-    def __init__(self):
-        super().__init__(_flash_v26, _flash_bwd, device_types=("cpu",))
+    def __init__(self, device_types=("cpu",)):
+        super().__init__(_flash_v26, _flash_bwd, device_types=device_types)
 
     def why_not(self, q):
         return ""

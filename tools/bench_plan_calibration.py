@@ -82,9 +82,8 @@ def measure(sets, steps, warmup, nproc):
 def predict(cfg, nproc, flops, overhead):
     """The planner's step time on this machine with the cpu preset at (flops, overhead)."""
     import torch
-    gpu, _ = detect(torch.device("cpu"), nproc)
-    share = gpu.flops / GPUS["cpu"].flops  # cores per rank (detect's share)
-    gpu = replace(gpu, flops=flops * share, overhead=overhead / share)
+    gpu, _ = detect(torch.device("cpu"), nproc,
+                    cpu=replace(GPUS["cpu"], flops=flops, overhead=overhead))
     return evaluate(cfg, own_layout(cfg, nproc), Cluster(1, nproc, gpu)).time.total
 
 

@@ -103,10 +103,14 @@ def _doc_ring_steps(layout, causal, S, world, key) -> int:
                                                key))
 
 
-def _mask_kw(blk) -> dict:
-    """A documents.DocBlock's explicit mask for the kernel (plain Blocks have none)."""
+def _kernel_for(kernel, blk, q: torch.Tensor):
+    """(kernel, its mask keyword) for one block: a documents.DocBlock's explicit mask, on
+    the math kernel where `kernel` takes none (kernels.block_kernel); plain Blocks have no
+    mask and keep `kernel`."""
     mask = getattr(blk, "mask", None)
-    return {} if mask is None else {"mask": mask}
+    if mask is None:
+        return kernel, {}
+    return block_kernel(kernel, q, masked=True), {"mask": mask}
 
 
 def forward_block_(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: Block,
@@ -118,8 +122,7 @@ def forward_block_(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     b the samples (all, or one when each sample has its own document plan).
     """
     qs, ks = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
-    kw = _mask_kw(blk)
-    kernel = block_kernel(kernel, q, bool(kw))
+    kernel, kw = _kernel_for(kernel, blk, q)
     bo, bl = kernel.forward(q[b, qs], k[b, ks], v[b, ks], blk.causal, scale, **kw)
     merge_block_(out[b, qs], lse[b, :, qs], bo, bl)
     B, _, H, D = bo.shape
@@ -160,9 +163,8 @@ def backward_block(kernel, rows: QueryRows, k, v, blk: Block, scale: float,
     qs, ks = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
     dout, q, out, lse = rows(qs, b)
     B, _, H, D = q.shape
-    kw = _mask_kw(blk)
-    grads = block_kernel(kernel, q, bool(kw)).backward(dout, q, k[b, ks], v[b, ks], out, lse,
-                                                       blk.causal, scale, **kw)
+    kernel, kw = _kernel_for(kernel, blk, q)
+    grads = kernel.backward(dout, q, k[b, ks], v[b, ks], out, lse, blk.causal, scale, **kw)
     record(bwd_flops=attention_flops(B, H, D, blk.pairs(), "bwd"), bwd_blocks=1)
     return qs, ks, grads
 

@@ -56,9 +56,9 @@ def gpu_preset(name: str, **overrides) -> GPU:
         raise PlanError(f"--gpu {name!r} is not a known preset (known: {', '.join(GPUS)})")
     given = {k: v for k, v in overrides.items() if v is not None}
     for k, v in given.items():
-        if v < 0 or (v == 0 and k != "overhead"):
-            raise PlanError(f"--{k.replace('_', '-')} {v} must be "
-                            f"{'>= 0' if k == 'overhead' else '> 0'}")
+        strict = k != "overhead"  # a device may have no per-op overhead, not no bandwidth
+        if v < 0 or (strict and v == 0):
+            raise PlanError(f"--{k} {v} must be {'> 0' if strict else '>= 0'}")
     return replace(GPUS[name], **given)
 
 

@@ -42,8 +42,9 @@ def preset_for(device_name: str) -> Optional[GPU]:
     return None
 
 
-def detect(device, local_ranks: int) -> Tuple[Optional[GPU], str]:
-    """(the GPU this rank runs on, with its real memory, or None; how it was found)."""
+def detect(device, local_ranks: int, cpu: Optional[GPU] = None) -> Tuple[Optional[GPU], str]:
+    """(the GPU this rank runs on, with its real memory, or None; how it was found). On CPU,
+    `cpu` (default the 'cpu' preset) shared by the machine's ranks."""
     import torch
 
     if device.type == "cuda":
@@ -57,7 +58,7 @@ def detect(device, local_ranks: int) -> Tuple[Optional[GPU], str]:
     # shared likewise.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cpu = GPUS["cpu"]
+    cpu = cpu or GPUS["cpu"]
     share = min(1.0, cores / local_ranks)
     return replace(cpu, flops=cpu.flops * share, overhead=cpu.overhead / share,
                    memory=ram / local_ranks), \

@@ -166,7 +166,7 @@ def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
     if D > 1:
         factor = 2 * (D - 1) / D * (1.5 if lay.zero == 3 else 1.0)
         dp = factor * psi * e / cluster.link(lay.world // lay.pp)
-    return StepTime(compute=compute * micro, overhead=overhead * micro, tp=tp * micro, cp_exposed=cp_exposed * micro,
-                    cp_total=cp_total * micro, bubble=bubble, dp=dp, micro_batches=micro,
+    return StepTime(compute=compute * micro, overhead=overhead * micro, tp=tp * micro,
+                    cp_exposed=cp_exposed * micro, cp_total=cp_total * micro, bubble=bubble, dp=dp, micro_batches=micro,
                     ring_chunk=chunk, thresholds=thr,
                     cp_link=cluster.link_name(span) if lay.cp > 1 else "-")
