@@ -170,6 +170,24 @@ class CheckpointingConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """What trades time or host memory for device memory at long context (docs/memory.md)."""
+    tiled_loss: bool = False
+    """LM head + vocab-parallel cross entropy one tile of tokens at a time: the full
+    (tokens, V/tp) logits never exist, in forward or backward."""
+    loss_tile_tokens: Union[int, str] = "auto"
+    """Tokens per loss tile, or 'auto' (ctxpar/memory/tiled_loss.py says how it is chosen)."""
+    tiled_mlp: bool = False
+    """The MLP over tiles of tokens, each recomputed in backward: its (tokens, ffn/tp)
+    intermediates exist for one tile at a time."""
+    mlp_tile_tokens: Union[int, str] = "auto"
+    """Tokens per MLP tile, or 'auto' (ctxpar/memory/tiled_mlp.py says how it is chosen)."""
+    offload_activations: bool = False
+    """What activation checkpointing keeps per layer goes to (pinned) host memory until its
+    backward; needs checkpointing.activation other than 'none'."""
+
+
+@dataclass
 class WandbConfig:
     project: str = "ctxpar"
     """wandb project."""
@@ -201,6 +219,9 @@ class Config:
     """What to train on."""
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     """Activation checkpointing and model checkpoints."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Tiled loss, tiled MLP and activation offload (the optimizer's offload is DeepSpeed's
+    deepspeed.zero_optimization.offload_optimizer)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and wandb."""
     deepspeed: Dict[str, Any] = field(default_factory=dict)
@@ -533,9 +554,22 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
         if cfg.data.passkey_docs < 1 or m.seq_len < need:
             err(f"data.passkey_docs={cfg.data.passkey_docs} must be >= 1 and fit in "
                 f"model.seq_len={m.seq_len} (needs >= {need})")
+    _check_memory(cfg.memory, cfg.checkpointing, err)
     if cfg.data.eod_mask_loss and cfg.data.kind != "tokens":
         err(f"data.eod_mask_loss=true is for data.kind='tokens' (passkey labels only the "
             f"answer), not {cfg.data.kind!r}")
+
+
+def _check_memory(mem: MemoryConfig, ckpt: CheckpointingConfig, err) -> None:
+    """memory.*: tile sizes 'auto' or >= 1; offload needs something checkpointed to offload."""
+    for key in ("loss_tile_tokens", "mlp_tile_tokens"):
+        v = getattr(mem, key)
+        if v != "auto" and (isinstance(v, str) or v < 1):
+            err(f"memory.{key}={v!r} must be 'auto' or an integer >= 1")
+    if mem.offload_activations and ckpt.activation == "none":
+        err("memory.offload_activations=true needs checkpointing.activation 'full', "
+            "'selective' or 'every_n_layers' (it offloads what checkpointing keeps; "
+            "checkpointing.activation='none')")
 
 
 ROPE_SCALING_KEYS = {  # rope_type -> its numeric keys (Hugging Face's names)

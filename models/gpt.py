@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ctxpar.config import CHECKPOINT_MODES, Config, ModelConfig, resolved_ffn_hidden
+from ctxpar.config import (CHECKPOINT_MODES, Config, MemoryConfig, ModelConfig,
+                           resolved_ffn_hidden)
 from ctxpar.tensor_parallel import (
     ColumnParallelLinear,
     ReplicatedHeadLinear,
@@ -256,9 +257,11 @@ class GPT(nn.Module):
                  layout: str = "contiguous", cp_comm: str = "ring", ulysses_group=None,
                  ring_group=None, ring_grad_dtype: str = "fp32", attention_backend: str = "auto",
                  activation_checkpointing: str = "none", every_n_layers: int = 1,
-                 seed: int = 1234, device=None, dtype=None):
+                 memory: Optional[MemoryConfig] = None, seed: int = 1234, device=None,
+                 dtype=None):
         super().__init__()
         check_checkpoint_mode(activation_checkpointing)
+        self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
         self.cp = context_parallel_of(cp_comm, cp_group, ulysses_group, ring_group, layout,
                                       ring_grad_dtype)
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
@@ -284,8 +287,8 @@ class GPT(nn.Module):
                    ring_grad_dtype=cfg.parallel.ring_grad_dtype,
                    attention_backend=cfg.parallel.attention_backend,
                    activation_checkpointing=cfg.checkpointing.activation,
-                   every_n_layers=cfg.checkpointing.every_n_layers, seed=cfg.train.seed,
-                   device=device, dtype=dtype)
+                   every_n_layers=cfg.checkpointing.every_n_layers, memory=cfg.memory,
+                   seed=cfg.train.seed, device=device, dtype=dtype)
 
     def init_weights(self, seed: int) -> None:
         """The layout-independent init of every parameter (``init_parameters_``)."""

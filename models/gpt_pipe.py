@@ -36,7 +36,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
-from ctxpar.config import Config, ModelConfig
+from ctxpar.config import Config, MemoryConfig, ModelConfig
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.deepspeed_comm import init_deepspeed_comm
@@ -154,8 +154,8 @@ class GPTPipe(PipelineModule):
                  layout: str = "contiguous", cp_comm: str = "ring",
                  ring_grad_dtype: str = "fp32", attention_backend: str = "auto",
                  activation_checkpointing: str = "none", every_n_layers: int = 1,
-                 partition_method: str = "parameters", seed: int = 1234,
-                 device=None, dtype=None):
+                 partition_method: str = "parameters", memory: Optional[MemoryConfig] = None,
+                 seed: int = 1234, device=None, dtype=None):
         check_checkpoint_mode(activation_checkpointing)
         init_deepspeed_comm()  # PipelineModule builds groups with deepspeed.comm
         tp, cp = state.tp_group, ContextParallel.from_state(state, cp_comm, layout,
@@ -181,6 +181,7 @@ class GPTPipe(PipelineModule):
                              loss_fn=loss_fn, partition_method=partition_method,
                              activation_checkpoint_interval=0)  # checkpointing is per block
         self.cfg, self.tp_group = cfg, tp
+        self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
         self.init_weights(seed)
 
     @classmethod
@@ -193,7 +194,8 @@ class GPTPipe(PipelineModule):
                    attention_backend=cfg.parallel.attention_backend,
                    activation_checkpointing=cfg.checkpointing.activation,
                    every_n_layers=cfg.checkpointing.every_n_layers,
-                   partition_method=cfg.parallel.pp_partition, seed=cfg.train.seed,
+                   partition_method=cfg.parallel.pp_partition, memory=cfg.memory,
+                   seed=cfg.train.seed,
                    device=device, dtype=dtype)
 
     def gpt_named_parameters(self) -> Iterator:
