@@ -34,6 +34,8 @@ class GPU:
     # bytes: Python, op dispatch, kernel launches. It is what small models are made of
     # (configs/tiny_cpu.yaml); fitted on CPU, 0 for the GPU presets (not measured yet).
     overhead: float = 0.0
+    host_memory: float = 2e12   # bytes of host memory per node (offloads)
+    kind: str = "cuda"          # 'cuda': buckets count whole; 'cpu': only touched pages
 
 
 GPUS: Dict[str, GPU] = {
@@ -46,7 +48,7 @@ GPUS: Dict[str, GPU] = {
     # train.py's measured steps (14 layouts of a compute-bound and an overhead-bound
     # model, two runs; tools/bench_plan_calibration.py, docs/planner.md); gloo on
     # one machine ~ 1 GB/s; detect() shares the cores when ranks outnumber them.
-    "cpu": GPU("cpu", 113e9, 12e9, 1e9, 1e9, overhead=0.026),
+    "cpu": GPU("cpu", 113e9, 12e9, 1e9, 1e9, overhead=0.026, host_memory=24e9, kind="cpu"),
 }
 
 

@@ -60,6 +60,11 @@ def layer_params(m: ModelConfig, tp: int) -> int:
     return 2 * norm + q + kv + o + mlp
 
 
+def down_proj_params(m: ModelConfig, tp: int) -> int:
+    """The MLP's down projection on a TP rank (its gradient is a block's first)."""
+    return resolved_ffn_hidden(m) // tp * m.d_model + int(m.bias) * m.d_model
+
+
 def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """Parameters on one rank of pipeline stage `stage` (layers split evenly; the first
     stage has the embedding, the last the final norm and the head, tied or not)."""
@@ -74,6 +79,26 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
         if not m.tie_embeddings or pp > 1:  # pp > 1: the tied copy lives on both ends
             n += embed
     return n
+
+
+def stage_vector_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
+    """The 1-D parameters (norm weights, biases) among stage_params: train.py's group
+    without weight decay; the rest are the matrices' group."""
+    d, b = m.d_model, int(m.bias)
+    hd, n_kv, ffn = d // m.n_heads, m.n_kv_heads or m.n_heads, resolved_ffn_hidden(m)
+    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
+    kv_out = n_kv * hd // tp if n_kv % tp == 0 else n_kv * hd
+    bias = b * (m.n_heads * hd // tp + 2 * kv_out + d
+                + (2 if m.mlp == "swiglu" else 1) * ffn // tp + d)
+    per = m.n_layers // pp + (1 if stage < m.n_layers % pp else 0)
+    return per * (2 * norm + bias) + (norm if stage == pp - 1 else 0)
+
+
+def largest_tensor(m: ModelConfig, tp: int) -> int:
+    """Elements of the largest single parameter on a TP rank (embedding / head or an MLP
+    matrix)."""
+    return max(m.vocab_size // tp * m.d_model, m.d_model * resolved_ffn_hidden(m) // tp,
+               m.d_model * m.d_model)
 
 
 def total_params(m: ModelConfig) -> int:
@@ -95,11 +120,13 @@ def attention_saved(s: RankShapes, e: int, lay: Layout) -> int:
     return s.N * ((2 * s.h + 2 * hk) * s.hd * e + 4 * s.h) + extra_out
 
 
-def layer_activations(s: RankShapes, e: int, lay: Layout, mode: str) -> int:
+def layer_activations(s: RankShapes, e: int, lay: Layout, mode: str,
+                      tiled_mlp: bool = False) -> int:
     """Saved bytes of one block in `mode` ('none', 'selective' or 'full'):
 
     none       two norms (input, fp32 rstd, normed, scaled: 3 N d e + 4 N each), the
-               attention's q, k, v, out, lse, the MLP's gate, up, silu and product (4 N f e)
+               attention's q, k, v, out, lse, the MLP's gate, up, silu and product (4 N f e;
+               a tiled MLP saves only its input, the norm's output: nothing more)
     selective  the block input and what the attention core keeps; projections recomputed
     full       the block input only (the block is replayed in backward)
     """
@@ -108,32 +135,59 @@ def layer_activations(s: RankShapes, e: int, lay: Layout, mode: str) -> int:
     core = attention_saved(s, e, lay)
     if mode == "selective":
         return s.N * s.d * e + core
-    return 2 * (3 * s.N * s.d * e + 4 * s.N) + core + 4 * s.N * s.f * e
+    return 2 * (3 * s.N * s.d * e + 4 * s.N) + core + (0 if tiled_mlp else 4 * s.N * s.f * e)
+
+
+def layer_modes(lay: Layout, layers: int):
+    """The checkpointing mode of each of `layers` blocks ('every_n_layers' resolved)."""
+    if lay.activation != "every_n_layers":
+        return [lay.activation] * layers
+    return ["full" if i % lay.every_n_layers == 0 else "none" for i in range(layers)]
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Saved bytes of one micro-batch on one rank, by where they are made."""
+
+    layers: tuple     # each block's (in order)
+    embed: int        # RoPE's cos/sin and, on the first stage, the token ids
+    head: int         # on the last stage: the final norm, the loss's saved tensors
+
+    @property
+    def total(self) -> int:
+        return sum(self.layers) + self.embed + self.head
+
+
+def activations(m: ModelConfig, lay: Layout, e: int, layers: int = None, first: bool = True,
+                last: bool = True, reset_positions: bool = False, tiled_loss: bool = False,
+                tiled_mlp: bool = False) -> Activations:
+    """Saved bytes of one micro-batch's forward on one rank (what backward needs): its
+    `layers` blocks (default all) under lay.activation, RoPE's cos/sin (fp32, (T/cp, hd/2)
+    each; per sample with reset_positions), the token ids on the first stage, and on the
+    last the final norm, the fp32 softmax of the loss (none when tiled: per-token fp32
+    loss and log-sum-exp instead) and the labels and masks.
+    Exact: tests/test_plan.py compares it with autograd's saved tensors."""
+    s = rank_shapes(m, lay)
+    layers = s.L if layers is None else layers
+    per = tuple(layer_activations(s, e, lay, mode, tiled_mlp)
+                for mode in layer_modes(lay, layers))
+    embed = (s.B if reset_positions else 1) * (s.N // s.B) * s.hd * 4
+    if first:
+        embed += 8 * s.N                                   # token ids (int64)
+    head = 0
+    if last:
+        head += 3 * s.N * s.d * e + 4 * s.N                # final norm
+        # the fp32 softmax (tiled: loss and lse per token), labels, the ignore masks (and,
+        # split over TP, the vocab range's)
+        head += (8 * s.N if tiled_loss else 4 * s.N * s.V) + 8 * s.N \
+            + (3 if s.tp > 1 else 2) * s.N
+    return Activations(per, embed, head)
 
 
 def activation_bytes(m: ModelConfig, lay: Layout, e: int, layers: int = None,
                      first: bool = True, last: bool = True, reset_positions: bool = False) -> int:
-    """Saved bytes of one micro-batch's forward on one rank (what backward needs): its
-    `layers` blocks (default all) under lay.activation, RoPE's cos/sin (fp32, (T/cp, hd/2)
-    each; per sample with reset_positions), the token ids on the first stage, and on the
-    last the final norm, the fp32 logits of the loss and the labels and masks.
-    Exact: tests/test_plan.py compares it with autograd's saved tensors."""
-    s = rank_shapes(m, lay)
-    layers = s.L if layers is None else layers
-    total = 0
-    for i in range(layers):
-        mode = lay.activation
-        if mode == "every_n_layers":
-            mode = "full" if i % lay.every_n_layers == 0 else "none"
-        total += layer_activations(s, e, lay, mode)
-    total += (s.B if reset_positions else 1) * (s.N // s.B) * s.hd * 4
-    if first:
-        total += 8 * s.N                                   # token ids (int64)
-    if last:
-        total += 3 * s.N * s.d * e + 4 * s.N               # final norm
-        # fp32 logits, labels, the ignore masks (and, split over TP, the vocab range's)
-        total += 4 * s.N * s.V + 8 * s.N + (3 if s.tp > 1 else 2) * s.N
-    return total
+    """The total of ``activations`` (no memory options)."""
+    return activations(m, lay, e, layers, first, last, reset_positions).total
 
 
 # ------------------------------------------------------------------ bytes on the wire

@@ -18,6 +18,10 @@ class Layout:
     every_n_layers: int = 1
     micro_batch: int = 1
     ring_grad_dtype: str = "fp32"
+    tiled_loss: bool = False           # memory.tiled_loss
+    tiled_mlp: bool = False            # memory.tiled_mlp
+    offload_activations: bool = False  # memory.offload_activations
+    offload_optimizer: bool = False    # zero_optimization.offload_optimizer.device = cpu
 
     @property
     def world(self) -> int:
@@ -36,5 +40,9 @@ class Layout:
             cp += {"ring": f" ring/{self.layout}", "allgather": f" allgather/{self.layout}",
                    "ulysses": " ulysses",
                    "hybrid": f" hybrid u{self.ulysses}/{self.layout}"}[self.cp_comm]
+        opts = "".join(f" +{n}" for n, on in (
+            ("tiled-loss", self.tiled_loss), ("tiled-mlp", self.tiled_mlp),
+            ("offload-act", self.offload_activations), ("offload-opt", self.offload_optimizer))
+            if on)
         return (f"tp{self.tp} {cp} pp{self.pp} dp{self.dp} z{self.zero} "
-                f"{self.activation} mb{self.micro_batch}")
+                f"{self.activation} mb{self.micro_batch}{opts}")

@@ -1,125 +1,231 @@
-"""Memory per GPU of a layout: model state per ZeRO stage, activations, attention buffers.
+"""Memory per GPU, phase by phase: what the program holds live at each phase's peak.
 
-Model state, per parameter of this rank's shard (Psi), with D = dp x cp the ZeRO group
-(ctxpar/zero.py), as DeepSpeed 0.19.8 holds it after its first step (measured on CPU by
-tests/test_plan.py for fp32; bf16 from the same code paths, BF16_Optimizer for stage 0):
+One rank (the most loaded pipeline stage), one step, in the order the program runs it:
 
-    stage   params        grads                 fp32 master   Adam (m, v)
-    fp32 0  4             4                     -             8
-    fp32 1,2 4            4/D                   4/D           8/D
-    fp32 3  4/D           4/D                   4/D           8/D
-    bf16 0  2             4 (fp32 accumulator)  4/D           8/D
-    bf16 1,2 2            2/D                   4/D           8/D
-    bf16 3  2/D           2/D                   4/D           8/D
+    forward         model state + the micro-batches in flight + the activations saved so
+                    far + the largest transient: the last block's working buffers (a
+                    replayed block's intermediates, the CP attention's buffers), or the
+                    loss's logits beside its saved softmax
+    backward, loss  everything saved + the loss's gradient + the head's gradients
+    backward, last  the saved activations of the blocks below + the first block the
+    / first block   backward reaches (replayed when checkpointed) + its attention/MLP
+                    backward buffers + the residual's gradient + the parameter gradients
+                    produced so far (ZeRO's buckets as DeepSpeed holds them); and the same
+                    at the last block it reaches, with nearly every gradient produced
+    reduction       the end of the backward: every gradient and its reduction's copies
+    optimizer step  DeepSpeed's fp32 gradient staging and torch Adam's temporaries
 
-plus, for stage 3, DeepSpeed's reduce bucket (reduce_bucket_size elements, 5e8 by
-default) and the largest layer gathered whole while it runs.
+Activations are the counts of counts.py (exact against autograd's saved tensors), working
+buffers transients.py's, model state zero_state.py's. Between the two blocks the backward
+reaches first and last, saved activations fall and gradients rise, each linearly in the
+blocks: the largest of the two ends is the backward's peak. The peak is the largest phase,
+and the report names it. Held to train.py's measured peaks on CPU (docs/planner.md).
 
-Activations: counts.activation_bytes for the micro-batches a stage holds at once (1F1B:
-the first of pp stages holds min(pp, micro-batches) in flight). The peak is named: the
-step (model state + gradients + Adam) or the backward (activations + the attention's
-working buffers at its peak, e.g. the ring's fp32 dK,dV accumulators and receive buffers).
+Memory options (config ``memory``, DeepSpeed's ``offload_optimizer``) change the terms:
+tiled loss (no (N, V/tp) logits saved; one tile's at a time), tiled MLP (no (N, f)
+intermediates saved; one tile's), activation offload (what checkpointing keeps per block
+lives on the host but for two blocks' worth), optimizer offload (zero_state.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict
+import copy
+from dataclasses import dataclass, field
+from typing import Dict, List
 
-from ..config import Config
-from . import counts
+from ..config import Config, deepspeed_config
+from . import counts, transients
 from .layout import Layout
+from .zero_state import Shard, ZeroState, zero_config
 
 DEFAULT_REDUCE_BUCKET = int(5e8)  # DeepSpeed's reduce_bucket_size default (elements)
 
 
 @dataclass
-class Memory:
-    params: float
-    grads: float
-    master: float
-    optimizer: float
-    buckets: float
-    activations: float
-    attention: float   # the attention's working buffers at their peak (not saved)
-    logits: float      # the loss's fp32 logits + softmax of one micro-batch
+class Phase:
+    name: str
+    terms: Dict[str, float]
 
     @property
-    def model_state(self) -> float:
-        return self.params + self.grads + self.master + self.optimizer + self.buckets
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+@dataclass
+class Memory:
+    """Every phase of one rank's step; the peak is the largest. host: bytes per rank on
+    the host (offloaded activations, optimizer state)."""
+    phases: List[Phase]
+    host: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def at_peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
 
     @property
     def peak(self) -> float:
-        return max(self.model_state + self.activations + self.attention + self.logits,
-                   self.model_state)
+        return self.at_peak.total
 
     @property
     def peak_phase(self) -> str:
-        return "backward (activations + attention buffers)" if self.activations \
-            else "optimizer step"
+        return self.at_peak.name
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
 
     def as_dict(self) -> Dict[str, float]:
-        return {k: getattr(self, k) for k in ("params", "grads", "master", "optimizer",
-                                              "buckets", "activations", "attention",
-                                              "logits")}
+        """The peak phase's terms."""
+        return dict(self.at_peak.terms)
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+
+def tile_sizes(cfg: Config, s: counts.RankShapes, lay: Layout):
+    """(loss tile, MLP tile) in tokens, 0 when that option is off: the memory modules' own
+    rule for 'auto' (ctxpar/memory/tiled_loss.py, tiled_mlp.py)."""
+    mem = cfg.memory
+    loss = mlp = 0
+    if lay.tiled_loss:
+        try:
+            from ..memory.tiled_loss import loss_tile_tokens
+        except ImportError:  # until the module lands: a given size, or one (N, d)'s worth
+            def loss_tile_tokens(rows, vocab, d, setting):
+                return setting if setting != "auto" else max(1, rows * d // vocab)
+        loss = loss_tile_tokens(s.N, s.V, s.d, mem.loss_tile_tokens)
+    if lay.tiled_mlp:
+        try:
+            from ..memory.tiled_mlp import mlp_tile_tokens
+        except ImportError:
+            def mlp_tile_tokens(tokens, d, ffn, setting):
+                return setting if setting != "auto" else max(1, tokens * d // ffn)
+        mlp = mlp_tile_tokens(s.N, s.d, s.f, mem.mlp_tile_tokens)
+    return loss, mlp
+
+
+def shard(m, tp: int, pp: int, stage: int) -> Shard:
+    psi = counts.stage_params(m, tp, pp, stage)
+    return Shard(psi=psi, psi0=psi - counts.stage_vector_params(m, tp, pp, stage),
+                 largest=counts.largest_tensor(m, tp), layer=counts.layer_params(m, tp))
+
+
+def ds_zero(cfg: Config, lay: Layout) -> Dict:
+    """zero_optimization as train.py hands it to DeepSpeed for this layout (the same
+    ctxpar.config.deepspeed_config), with DeepSpeed's defaults for absent keys."""
+    from .search import apply_layout
+    return zero_config(deepspeed_config(apply_layout(cfg, lay), lay.dp))
+
+
+def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: int,
+                 device: str, zero: Dict) -> Memory:
+    m, e = cfg.model, 2 if bf16 else 4
+    s = counts.rank_shapes(m, lay)
+    first, last = stage == 0, stage == lay.pp - 1
+    n_layers = m.n_layers // lay.pp + (1 if stage < m.n_layers % lay.pp else 0)
+    loss_tile, mlp_tile = tile_sizes(cfg, s, lay)
+    act = counts.activations(m, lay, e, n_layers, first, last, cfg.data.reset_positions,
+                             tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile))
+    modes = counts.layer_modes(lay, n_layers)
+    sh = shard(m, lay.tp, lay.pp, stage)
+    st = ZeroState(sh, zero, lay.dp * lay.cp, bf16, device)
+    res = st.resident()
+    host = {f"{k} (optimizer offload)": v for k, v in st.host().items()}
+
+    # Saved activations on the device; offloaded ones on the host but for two blocks'.
+    saved = list(act.layers)
+    if lay.offload_activations:
+        host["activations (offloaded)"] = sum(saved)
+        keep = sorted(saved)[-2:]
+        saved = [0.0] * (len(saved) - len(keep)) + keep
+    in_flight = min(lay.pp - stage, grad_accum) if lay.pp > 1 else 1
+    if lay.offload_activations:
+        host["activations (offloaded)"] *= in_flight
+    prev = {"activations, other micro-batches": (in_flight - 1) * (sum(saved) + act.embed
+                                                                    + act.head)}
+    # Gradients are kept between micro-batches (the last one's backward adds to them)
+    accumulating = grad_accum > 1 and lay.pp == 1
+    accum = {"grads (accumulated)": st.backward(1.0).get("grads", 0.0)} if accumulating \
+        else {}
+    base = {**res, **prev}
+
+    def grads(frac):
+        return st.backward(1.0 if accumulating else frac)
+
+    swiglu = m.mlp == "swiglu"
+    mlp_saved = 0.0 if mlp_tile else 4 * s.N * s.f * e
+    attn_f = transients.attention_forward(s, lay, e)
+    attn_b = transients.attention_backward(s, lay, e)
+    mlp_b = transients.mlp_backward(s, swiglu, e, mlp_tile)
+
+    phases = []
+    # forward: the last block's working set, or the loss
+    last_ckpt = modes[-1] != "none"
+    block = transients.block_forward(s, lay, modes[-1], swiglu, e, mlp_tile) \
+        if last_ckpt else 0.0
+    fwd_block = {"activations": sum(saved) + act.embed, "block working set": max(block, attn_f)}
+    phases.append(Phase("forward (last block)", {**base, **accum, **fwd_block}))
+    if last:
+        phases.append(Phase("forward (loss)", {
+            **base, **accum, "activations": sum(saved) + act.embed + act.head,
+            "logits": transients.loss_forward(s, e, loss_tile)}))
+
+    # backward: the loss, the first and the last block it reaches, each at its MLP's
+    # backward (the block's largest point: its down projection's gradient is there, the
+    # rest of the block's not yet). A tied head's weight gradient waits in autograd's
+    # buffer until the embedding adds its part (then it becomes the parameter's).
+    psi, layer_p = sh.psi, counts.layer_params(m, lay.tp)
+    head_p = s.V * s.d if last else 0
+    tied = m.tie_embeddings and lay.pp == 1
+    pending = head_p * e if tied else 0.0
+    head_grads = 0 if tied else head_p
+    down = counts.down_proj_params(m, lay.tp)
+    if last:
+        phases.append(Phase("backward (loss)", {
+            **base, **grads(head_grads / psi),
+            "activations": sum(saved) + act.embed + act.head,
+            "logits": transients.loss_backward(s, e, loss_tile),
+            "activation grads": s.N * s.d * e + pending}))
+
+    def layer_phase(name, i, done, below):
+        rec = transients.recompute(s, lay, e, modes[i], mlp_saved)
+        work = max(mlp_b, attn_b - (3 * s.N * s.d * e + mlp_saved))
+        return Phase(name, {**base, **grads(done / psi),
+                            "activations": below + act.embed + act.layers[i],
+                            "recompute": rec, "layer working set": work,
+                            "activation grads": s.N * s.d * e + pending})
+
+    L = n_layers
+    phases.append(layer_phase("backward (first block)", L - 1, head_grads + down,
+                              sum(saved[:-1])))
+    if L > 1:
+        phases.append(layer_phase("backward (last block)", 0,
+                                  head_grads + (L - 1) * layer_p + down, 0.0))
+    phases.append(Phase("gradient reduction", {**res, **st.reduction()}))
+    phases.append(Phase("optimizer step", {**res, **st.step()}))
+    return Memory(phases, host)
+
+
+def memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int,
+           device: str = "cuda") -> Memory:
+    """Memory of the most loaded rank (pipeline stage 0, or the last with a big head)."""
+    zero = ds_zero(cfg, lay)
+    best = None
+    for stage in sorted({0, lay.pp - 1}):
+        mem = stage_memory(cfg, lay, bf16, grad_accum, stage, device, zero)
+        if best is None or mem.peak > best.peak:
+            best = mem
+    return best
 
 
 def model_state(psi: int, zero: int, D: int, bf16: bool, reduce_bucket: int,
                 largest_layer: int = 0) -> Dict[str, float]:
-    """Bytes of params, grads, fp32 master, Adam state and ZeRO-3 buffers on one rank
-    holding a shard of psi parameters (see the module docstring)."""
-    e = 2 if bf16 else 4
-    params = psi * e / D if zero == 3 else psi * e
-    if zero == 0:
-        grads = psi * 4
-        master = psi * 4 / D if bf16 else 0.0
-        adam = psi * 8 / D if bf16 else psi * 8
-    else:
-        grads, master, adam = psi * e / D, psi * 4 / D, psi * 8 / D
-    buckets = (reduce_bucket + largest_layer) * e if zero == 3 else 0.0
-    return dict(params=params, grads=grads, master=master, optimizer=adam, buckets=buckets)
-
-
-def attention_buffers(cfg: Config, lay: Layout, e: int) -> float:
-    """The attention's transient buffers in one layer's backward (the larger pass):
-    ring: fp32 dq and dK,dV accumulators, two K,V receive buffers, the dK,dV in flight;
-    all-gather: the gathered K,V of every rank and their fp32 gradients; Ulysses: the
-    all-to-all send/receive buffers of q, k, v and their gradients."""
-    s = counts.rank_shapes(cfg.model, lay)
-    q = s.N * s.h * s.hd
-    kv = s.N * s.hk * s.hd
-    if lay.cp == 1:
-        return 4 * q + 2 * 4 * kv
-    if lay.cp_comm == "ring":
-        g = 2 if lay.ring_grad_dtype == "bf16" else 4
-        return 4 * q + 2 * 4 * kv + 2 * 2 * kv * e + 2 * 2 * kv * g
-    if lay.cp_comm == "allgather":
-        return 4 * q + lay.cp * 2 * kv * (e + 4)
-    hk = counts.ulysses_kv_heads(s.hk, lay.ulysses)
-    a2a = 2 * s.N * (s.h + 2 * hk) * s.hd * e  # send + receive of q, k, v (or grads)
-    ring = lay.ring if lay.cp_comm == "hybrid" else 1
-    return a2a + 4 * q + (2 * 4 * s.N * hk * s.hd if ring > 1 else 0)
-
-
-def memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int) -> Memory:
-    """Memory of the most loaded rank (pipeline stage 0, or the last with a big head)."""
-    m, e = cfg.model, 2 if bf16 else 4
-    D = lay.dp * lay.cp
-    bucket = int((cfg.deepspeed.get("zero_optimization") or {}).get(
-        "reduce_bucket_size", DEFAULT_REDUCE_BUCKET))
-    best = None
-    for stage in sorted({0, lay.pp - 1}):
-        psi = counts.stage_params(m, lay.tp, lay.pp, stage)
-        largest = max(counts.layer_params(m, lay.tp), m.vocab_size // lay.tp * m.d_model)
-        state = model_state(psi, lay.zero, D, bf16, min(bucket, psi), largest)
-        layers = m.n_layers // lay.pp + (1 if stage < m.n_layers % lay.pp else 0)
-        in_flight = min(lay.pp - stage, grad_accum) if lay.pp > 1 else 1
-        act = in_flight * counts.activation_bytes(
-            m, lay, e, layers, first=stage == 0, last=stage == lay.pp - 1,
-            reset_positions=cfg.data.reset_positions)
-        s = counts.rank_shapes(m, lay)
-        logits = 2 * 4 * s.N * s.V if stage == lay.pp - 1 else 0.0
-        mem = Memory(**state, activations=act, attention=attention_buffers(cfg, lay, e),
-                     logits=logits)
-        if best is None or mem.peak > best.peak:
-            best = mem
-    return best
+    """Bytes of params, fp32 master and Adam state one rank holds between steps (and, for
+    ZeRO-3, its fp32 gradient partition and the bucket), as tests/test_plan.py measures
+    them after a step (CUDA's whole bucket)."""
+    sh = Shard(psi, psi, psi, largest_layer)
+    st = ZeroState(sh, {"stage": zero, "reduce_bucket_size": reduce_bucket,
+                        "stage3_max_live_parameters": 0}, D, bf16, "cuda")
+    r = st.resident()
+    return dict(params=r.get("params", 0.0), master=r.get("master", 0.0),
+                optimizer=r.get("optimizer", 0.0), grads=r.get("grad partition", 0.0),
+                buckets=r.get("buckets", 0.0))

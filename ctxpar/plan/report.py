@@ -56,11 +56,8 @@ def explain(plan: Plan, cluster: Cluster) -> str:
     """Every term of one layout's memory and time."""
     m, t = plan.memory, plan.time
     lines = [f"layout: {plan.layout.name()} on {cluster.nodes} x {cluster.gpus_per_node} "
-             f"{cluster.gpu.name}",
-             f"memory per GPU: {m.peak / GB:.2f} GB of {cluster.gpu.memory / GB:.0f} "
-             f"(peak in the {m.peak_phase}){'' if plan.fits else '  DOES NOT FIT'}"]
-    for k, v in m.as_dict().items():
-        lines.append(f"  {k:<12} {v / GB:9.3f} GB")
+             f"{cluster.gpu.name}"]
+    lines += memory_lines(plan, cluster)
     lines.append(f"step time: {t.total:.3f} s ({t.micro_batches} micro-batches per rank)")
     for k, v in (("compute", t.compute), ("per-op overhead", t.overhead),
                  ("TP all-reduce", t.tp), ("CP exposed", t.cp_exposed),
@@ -74,6 +71,23 @@ def explain(plan: Plan, cluster: Cluster) -> str:
     lines.append(f"tokens/s per GPU {plan.tokens_per_s_per_gpu:,.0f}, MFU "
                  f"{100 * plan.mfu:.1f}%, bottleneck: {t.bottleneck()}")
     return "\n".join(lines)
+
+
+def memory_lines(plan: Plan, cluster: Cluster) -> List[str]:
+    """The peak phase's terms, every phase's total, and the host's share."""
+    m = plan.memory
+    lines = [f"memory per GPU: {m.peak / GB:.2f} GB of {cluster.gpu.memory / GB:.0f} "
+             f"(peak in the {m.peak_phase}){'' if plan.fits else '  DOES NOT FIT'}"]
+    for k, v in sorted(m.as_dict().items(), key=lambda kv: -kv[1]):
+        if v:
+            lines.append(f"  {k:<34} {v / GB:9.3f} GB")
+    lines.append("  phases: " + ", ".join(f"{p.name} {p.total / GB:.2f}" for p in m.phases))
+    if m.host:
+        per_node = m.host_total * cluster.gpus_per_node
+        lines.append(f"host memory per node: {per_node / GB:.1f} GB of "
+                     f"{cluster.gpu.host_memory / GB:.0f} ({cluster.gpus_per_node} GPUs x "
+                     + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.host.items()) + " GB)")
+    return lines
 
 
 def write_config(cfg, plan: Plan, path: str) -> str:
@@ -99,13 +113,13 @@ def plot(plans: List[Plan], path: str, top: int = 8) -> str:
     names = [f"#{i}" for i in range(1, len(plans) + 1)]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     bottom = [0.0] * len(plans)
-    for k in ("params", "grads", "master", "optimizer", "buckets", "activations",
-              "attention", "logits"):
-        vals = [getattr(p.memory, k) / GB for p in plans]
+    keys = list(dict.fromkeys(k for p in plans for k in p.memory.as_dict()))
+    for k in keys:
+        vals = [p.memory.as_dict().get(k, 0.0) / GB for p in plans]
         ax1.bar(names, vals, bottom=bottom, label=k)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.set_ylabel("GB per GPU")
-    ax1.set_title("memory")
+    ax1.set_title("memory at each layout's peak phase")
     ax1.legend(fontsize=7)
     bottom = [0.0] * len(plans)
     for k, label in (("compute", "compute"), ("overhead", "overhead"), ("tp", "TP"),

@@ -23,6 +23,7 @@ from .memory import Memory, memory
 from .timing import StepTime, step_time
 
 MEMORY_MARGIN = 0.9  # plan to 90% of the device: allocator fragmentation, NCCL, CUDA context
+HOST_MARGIN = 0.8    # of the host: the OS, the data loader, pinned-memory rounding
 
 
 @dataclass
@@ -49,9 +50,23 @@ def apply_layout(cfg: Config, lay: Layout) -> Config:
     c.checkpointing.activation, c.checkpointing.every_n_layers = lay.activation, \
         lay.every_n_layers
     c.train.micro_batch_size = lay.micro_batch
-    ds = c.deepspeed
-    ds.setdefault("zero_optimization", {})["stage"] = lay.zero
+    c.memory.tiled_loss, c.memory.tiled_mlp = lay.tiled_loss, lay.tiled_mlp
+    c.memory.offload_activations = lay.offload_activations
+    z = c.deepspeed.setdefault("zero_optimization", {})
+    z["stage"] = lay.zero
+    if lay.offload_optimizer:
+        z["offload_optimizer"] = {**(z.get("offload_optimizer") or {}), "device": "cpu"}
+    elif (z.get("offload_optimizer") or {}).get("device") == "cpu":
+        z.pop("offload_optimizer")
     return c
+
+
+def config_options(cfg: Config) -> dict:
+    """The memory options a config sets, as Layout fields."""
+    z = cfg.deepspeed.get("zero_optimization") or {}
+    return dict(tiled_loss=cfg.memory.tiled_loss, tiled_mlp=cfg.memory.tiled_mlp,
+                offload_activations=cfg.memory.offload_activations,
+                offload_optimizer=(z.get("offload_optimizer") or {}).get("device") == "cpu")
 
 
 def is_bf16(cfg: Config) -> bool:
@@ -62,18 +77,27 @@ def evaluate(cfg: Config, lay: Layout, cluster: Cluster, **eff) -> Plan:
     """Memory and time of one layout."""
     bf16 = is_bf16(cfg)
     micro = cfg.train.global_batch_size // (lay.micro_batch * lay.dp)
-    mem = memory(cfg, lay, bf16, micro)
+    mem = memory(cfg, lay, bf16, micro, cluster.gpu.kind)
     t = step_time(cfg, lay, cluster, bf16, **eff)
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     tps = tokens / t.total / lay.world
     m = cfg.model
     mfu = flops_per_token(counts.total_params(m), m.n_layers, m.d_model, m.seq_len) * tps \
         / cluster.gpu.flops
-    return Plan(lay, mem, t, tps, mfu, mem.peak <= MEMORY_MARGIN * cluster.gpu.memory)
+    return Plan(lay, mem, t, tps, mfu, fits(mem, cluster))
+
+
+def fits(mem: Memory, cluster: Cluster) -> bool:
+    """Within the device's memory (less the margin) and, with offloads, the host's: every
+    GPU of a node offloads to the same host."""
+    host = mem.host_total * cluster.gpus_per_node
+    return mem.peak <= MEMORY_MARGIN * cluster.gpu.memory and \
+        host <= HOST_MARGIN * cluster.gpu.host_memory
 
 
 def candidates(cfg: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)) -> List[Layout]:
     m, world = cfg.model, cluster.world
+    opts = config_options(cfg)  # the config's memory options, kept for every layout
     out = []
     for tp in divisors(cluster.gpus_per_node):
         for cp in divisors(world // tp):
@@ -84,7 +108,8 @@ def candidates(cfg: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)) -> Lis
                         for act in CHECKPOINT_MODES:
                             for mb in micro_batches:
                                 lay = Layout(tp, cp, pp, dp, comm, u, layout, zero, act,
-                                             2 if act == "every_n_layers" else 1, mb)
+                                             2 if act == "every_n_layers" else 1, mb,
+                                             **opts)
                                 if _valid(cfg, lay):
                                     out.append(lay)
     return out

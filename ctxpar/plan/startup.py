@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 from ..config import Config
 from .cluster import GPUS, GPU, Cluster
 from .layout import Layout
-from .search import evaluate
+from .search import config_options, evaluate
 
 # Device names (torch.cuda.get_device_name) -> preset: the first key found in the name.
 NAME_KEYS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b200"))
@@ -31,7 +31,7 @@ def own_layout(cfg: Config, world: Optional[int] = None) -> Layout:
     u = p.ulysses or (p.cp if p.cp_comm == "ulysses" else 1)
     return Layout(p.tp, p.cp, p.pp, dp, p.cp_comm, u, p.layout, z,
                   cfg.checkpointing.activation, cfg.checkpointing.every_n_layers,
-                  cfg.train.micro_batch_size, p.ring_grad_dtype)
+                  cfg.train.micro_batch_size, p.ring_grad_dtype, **config_options(cfg))
 
 
 def preset_for(device_name: str) -> Optional[GPU]:

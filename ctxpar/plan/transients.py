@@ -1,0 +1,123 @@
+"""What a layer holds for a moment and does not save: working buffers, recomputation, grads.
+
+Per rank (counts.RankShapes): N tokens, d model width, f = ffn/tp, q = N h hd and
+kv = N hk hd elements (h, hk the heads on this rank), e the activations' element size.
+Read from the code that allocates them (ctxpar/context_parallel/*.py, models/gpt.py,
+ctxpar/tensor_parallel/cross_entropy.py, ctxpar/memory/*.py) and held to the allocator's
+live bytes on CPU (tools/bench_plan_memory.py, docs/planner.md):
+
+- attention, forward: the ring's receive buffers (two K,V pairs, one for a single hop) and
+  a block's output; all-gather's stacked and gathered K,V; Ulysses' all-to-all send and
+  receive buffers of q, k, v; with 16-bit inputs the fp32 (out, lse) accumulators.
+- attention, backward: fp32 dq and dK,dV accumulators (all-gather: one per rank's slot,
+  then reduce-scattered), the travelling dK,dV (ring_grad_dtype), receive buffers, a
+  block's dq, dk, dv; Ulysses' all-to-alls of dout and of dq, dk, dv.
+- MLP: in a replayed (checkpointed) block's forward its four (N, f) intermediates; in
+  backward the (N, f) gradients of the SwiGLU product's two inputs.
+- the loss: the (N, V/tp) logits next to the fp32 softmax the loss saves (forward); the
+  backward writes the gradient into that softmax (no copy in fp32).
+- a checkpointed block's backward first replays its forward: its 'none' activations (or,
+  under 'selective', the MLP piece's) exist again on top of what is saved.
+"""
+from __future__ import annotations
+
+from ..context_parallel.ulysses import ulysses_kv_heads
+from .counts import RankShapes, layer_activations
+from .layout import Layout
+
+
+def _ring_fwd(q: float, kv: float, hops: int, e: int) -> float:
+    pairs = min(hops, 2)                        # KVRing's alternating receive buffers
+    acc = 8 * q if e != 4 else 0.0              # fp32 out accumulator + a block's fp32 copy
+    return pairs * 2 * kv * e + q * e + acc     # + one block's kernel output
+
+
+def _ring_bwd(q: float, kv: float, hops: int, e: int, g: int) -> float:
+    pairs = min(hops, 2)
+    acc = 4 * q + 2 * kv * 4                    # dq, dK,dV accumulators (fp32)
+    travel = 2 * kv * g * (1 if g == 4 else 2)  # the received dK,dV (+ a send copy in bf16)
+    copies = (q + 2 * kv) * e if e != 4 else 0.0  # the final .to(dtype) of dq, dk, dv
+    return acc + travel + pairs * 2 * kv * e + (q + 2 * kv) * e + copies
+
+
+def attention_forward(s: RankShapes, lay: Layout, e: int) -> float:
+    """Bytes the CP attention holds in its forward beyond what it saves (one layer)."""
+    q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
+    if lay.cp == 1:
+        return 0.0
+    if lay.cp_comm == "ring":
+        return _ring_fwd(q, kv, lay.cp - 1, e)
+    if lay.cp_comm == "allgather":
+        return (1 + lay.cp) * 2 * kv * e + q * e + (8 * q if e != 4 else 0.0)
+    kvu = s.N * ulysses_kv_heads(s.hk, lay.ulysses) * s.hd
+    a2a = 2 * (q + 2 * kvu) * e                 # send + receive of q, k, v
+    if lay.cp_comm == "hybrid":
+        return a2a + _ring_fwd(q, kvu, lay.ring - 1, e)
+    return a2a
+
+
+def attention_backward(s: RankShapes, lay: Layout, e: int) -> float:
+    """Bytes the CP attention holds in its backward beyond its saved tensors and dout."""
+    q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
+    g = 2 if lay.ring_grad_dtype == "bf16" else 4
+    if lay.cp == 1:
+        return (q + 2 * kv) * e                 # the kernel's dq, dk, dv
+    if lay.cp_comm == "ring":
+        return _ring_bwd(q, kv, lay.cp - 1, e, g)
+    if lay.cp_comm == "allgather":
+        gathered = (1 + lay.cp) * 2 * kv * e    # stacked + gathered K,V
+        return gathered + 4 * q + lay.cp * 2 * kv * 4 + 2 * kv * 4 + (q + 2 * kv) * e
+    kvu = s.N * ulysses_kv_heads(s.hk, lay.ulysses) * s.hd
+    a2a = 3 * (q + 2 * kvu) * e                 # the kernel's grads, their send and receive
+    if lay.cp_comm == "hybrid":
+        return max(a2a, 2 * q * e + _ring_bwd(q, kvu, lay.ring - 1, e, g))
+    return a2a
+
+
+def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
+    """The MLP's backward gradients of (N, f) (SwiGLU: both inputs of the product); with
+    a tiled MLP one tile's."""
+    n = min(tile, s.N) if tile else s.N
+    return (2 if swiglu else 1) * n * s.f * e
+
+
+def block_forward(s: RankShapes, lay: Layout, mode: str, swiglu: bool, e: int,
+                  tile: int = 0) -> float:
+    """A checkpointed block's forward intermediates (nothing saved) at its MLP, the largest
+    point: silu(gate), up and their product (N, f) (with a tiled MLP one tile's), the
+    residual and the normed input (N, d); under 'full' also q, k, v and the attention's
+    output, which Block.forward holds until it returns ('selective' saves them)."""
+    n = min(tile, s.N) if tile else s.N
+    out = (3 if swiglu else 2) * n * s.f * e + 2 * s.N * s.d * e
+    if mode == "full":
+        out += s.N * (2 * s.h + 2 * s.hk) * s.hd * e
+    return out
+
+
+def recompute(s: RankShapes, lay: Layout, e: int, mode: str, mlp_saved: float) -> float:
+    """What a layer's backward replays on top of its saved tensors: 'full' its whole
+    'none' activations but the input; 'selective' the MLP piece (norm + MLP);
+    mlp_saved is what the MLP saves in 'none' mode (4 N f e, or tiled: its input)."""
+    if mode == "full":
+        return layer_activations(s, e, lay, "none") - s.N * s.d * e
+    if mode == "selective":
+        return 3 * s.N * s.d * e + 4 * s.N + mlp_saved
+    return 0.0
+
+
+def loss_forward(s: RankShapes, e: int, tile: int = 0) -> float:
+    """At the loss: the logits (N, V/tp) beside the fp32 softmax it saves; tiled: one tile's
+    logits and its fp32 softmax (nothing of (N, V) is saved then)."""
+    if tile:
+        n = min(tile, s.N)
+        return n * s.V * (e + 4)
+    return s.N * s.V * e
+
+
+def loss_backward(s: RankShapes, e: int, tile: int = 0) -> float:
+    """The loss's backward: the gradient written into the saved fp32 softmax (16-bit: its
+    cast copy); tiled: one tile's replayed logits, fp32 softmax and gradient."""
+    if tile:
+        n = min(tile, s.N)
+        return n * s.V * (e + 4 + 4)
+    return s.N * s.V * e if e != 4 else 0.0
