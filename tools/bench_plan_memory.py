@@ -99,9 +99,38 @@ def rank_entry(out_dir: str, argv) -> int:
 
 # ------------------------------------------------------------------ the driver
 
+# 2 ranks each; what dominates differs (activations, model state, logits), as do the ZeRO
+# stage, the checkpointing mode and the memory options.
+ACT = ["model.seq_len=8192", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2",
+       "model.vocab_size=256", "parallel.tp=1", "parallel.cp=2", "parallel.dp=1",
+       "train.micro_batch_size=1", "train.global_batch_size=1"]
+STATE = ["model.seq_len=128", "model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=8",
+         "model.n_layers=4", "model.vocab_size=256", "train.micro_batch_size=1"]
+LAYOUTS = {  # name: --set overrides
+    "activations: cp2 ring, none, z1": ACT + ["model.n_layers=4"],
+    "activations: cp2 ring, full, z1": ACT + ["model.n_layers=8",
+                                              "checkpointing.activation=full"],
+    "activations: cp2 ring, selective, z1": ACT + ["model.n_layers=4",
+                                                   "checkpointing.activation=selective"],
+    "model state: dp2 z0": STATE + ["parallel.cp=1", "parallel.dp=2",
+                                    "train.global_batch_size=2",
+                                    "deepspeed.zero_optimization.stage=0"],
+    "model state: tp2 z1 selective": STATE + [
+        "model.seq_len=1024", "parallel.tp=2", "parallel.cp=1", "parallel.dp=1",
+        "train.global_batch_size=1", "checkpointing.activation=selective"],
+    "model state: dp2 z2, 1M-element bucket": STATE + [
+        "parallel.cp=1", "parallel.dp=2", "train.global_batch_size=2",
+        "deepspeed.zero_optimization.stage=2",
+        "deepspeed.zero_optimization.reduce_bucket_size=1000000"],
+    "model state: cp2 z3": STATE + ["parallel.cp=2", "parallel.dp=1",
+                                    "train.global_batch_size=1",
+                                    "deepspeed.zero_optimization.stage=3"],
+    "logits: cp2, vocab 32000": ACT + ["model.n_layers=2", "model.vocab_size=32000"],
+}
+
 
 def run(sets, nproc: int, port: int = 29657):
-    """Per rank: {phase: peak bytes} of one train.py run with these overrides."""
+    """Per rank: {"peaks": {phase: bytes}, "at_end": ...} of one train.py run."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(port), os.path.abspath(__file__), "--rank-entry", d,
@@ -116,19 +145,63 @@ def run(sets, nproc: int, port: int = 29657):
         for r in range(nproc):
             with open(os.path.join(d, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
-        return ranks, proc.stdout
+        return ranks
+
+
+def predict(sets, nproc: int):
+    """The start line's memory per rank on this machine (device 'cpu') and its phase."""
+    import torch
+    from ctxpar.config import load_config
+    from ctxpar.plan.cluster import Cluster
+    from ctxpar.plan.search import evaluate
+    from ctxpar.plan.startup import detect, own_layout
+    cfg = load_config(TINY, QUIET + sets, world_size=nproc, check_paths=False)
+    gpu, _ = detect(torch.device("cpu"), nproc)
+    return evaluate(cfg, own_layout(cfg, nproc), Cluster(1, nproc, gpu)).memory
+
+
+def measure(name, sets, nproc):
+    """(measured, predicted, predicted phase, measured phase): above the negligible run."""
+    big, base = run(sets, nproc), run(sets + NEGLIGIBLE, nproc)
+    rows = []
+    for r in range(nproc):
+        b = max(base[r]["peaks"].values())
+        phase, peak = max(big[r]["peaks"].items(), key=lambda kv: kv[1])
+        rows.append((peak - b, phase))
+    measured, phase = max(rows)
+    pred, pred0 = predict(sets, nproc), predict(sets + NEGLIGIBLE, nproc)
+    return dict(name=name, measured=measured, predicted=pred.peak - pred0.peak,
+                predicted_phase=pred.peak_phase, measured_phase=phase,
+                ranks=[r[0] for r in rows], phases={p.name: p.total for p in pred.phases})
 
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--rank-entry":
         sys.exit(rank_entry(sys.argv[2], sys.argv[3:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--set", nargs="*", default=[])
+    p.add_argument("--only", default="", help="layouts whose name contains this")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--save", help="write the measurements (JSON) here")
+    p.add_argument("--load", help="a --save file: the table without running")
     a = p.parse_args()
-    ranks, out = run(a.set, a.nproc)
-    print(out)
-    print(json.dumps(ranks, indent=1))
+    results = json.load(open(a.load)) if a.load else {}
+    for name, sets in LAYOUTS.items():
+        if a.only not in name or name in results:
+            continue
+        results[name] = measure(name, sets, a.nproc)
+        r = results[name]
+        print(f"{name}: measured {r['measured'] / 1e6:.1f} MB ({r['measured_phase']}), "
+              f"predicted {r['predicted'] / 1e6:.1f} MB ({r['predicted_phase']})", flush=True)
+        if a.save:
+            with open(a.save, "w") as f:
+                json.dump(results, f, indent=1)
+    print("\n| layout | measured | predicted | error | predicted peak phase |")
+    print("|---|---:|---:|---:|---|")
+    for name, r in results.items():
+        if a.only in name:
+            err = 100 * (r["predicted"] / r["measured"] - 1)
+            print(f"| {name} | {r['measured'] / 1e6:,.0f} MB | {r['predicted'] / 1e6:,.0f} MB | "
+                  f"{err:+.1f}% | {r['predicted_phase']} |")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,14 @@ def layer_params(m: ModelConfig, tp: int) -> int:
     return 2 * norm + q + kv + o + mlp
 
 
+def qkv_params(m: ModelConfig, tp: int) -> int:
+    """q, k, v projections and the attention's norm on a TP rank (a block's last grads)."""
+    d, hd, n_kv, b = m.d_model, m.d_model // m.n_heads, m.n_kv_heads or m.n_heads, int(m.bias)
+    kv_out = n_kv * hd // tp if n_kv % tp == 0 else n_kv * hd
+    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
+    return norm + (d + b) * (m.n_heads * hd // tp + 2 * kv_out)
+
+
 def down_proj_params(m: ModelConfig, tp: int) -> int:
     """The MLP's down projection on a TP rank (its gradient is a block's first)."""
     return resolved_ffn_hidden(m) // tp * m.d_model + int(m.bias) * m.d_model

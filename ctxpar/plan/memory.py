@@ -146,7 +146,7 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
     accumulating = grad_accum > 1 and lay.pp == 1
     accum = {"grads (accumulated)": st.backward(1.0).get("grads", 0.0)} if accumulating \
         else {}
-    base = {**res, **prev}
+    base = {**res, **st.gathered(), **prev}
 
     def grads(frac):
         return st.backward(1.0 if accumulating else frac)
@@ -186,20 +186,32 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
             "logits": transients.loss_backward(s, e, loss_tile),
             "activation grads": s.N * s.d * e + pending}))
 
-    def layer_phase(name, i, done, below):
+    qkv_p = counts.qkv_params(m, lay.tp)
+    mlp_part = 3 * s.N * s.d * e + 4 * s.N + mlp_saved  # norm2 + MLP: freed before attention
+
+    def layer_phase(name, i, above, below):
+        """Block i's backward at its larger point: the MLP's (everything of the block
+        saved or replayed, the SwiGLU's gradients) or the attention's (the MLP part
+        freed, the block's gradients but q/k/v's produced, the attention's buffers and
+        dout)."""
         rec = transients.recompute(s, lay, e, modes[i], mlp_saved)
-        work = max(mlp_b, attn_b - (3 * s.N * s.d * e + mlp_saved))
-        return Phase(name, {**base, **grads(done / psi),
-                            "activations": below + act.embed + act.layers[i],
-                            "recompute": rec, "layer working set": work,
-                            "activation grads": s.N * s.d * e + pending})
+        mlp_pt = {**base, **grads((above + down) / psi),
+                  "activations": below + act.embed + act.layers[i], "recompute": rec,
+                  "layer working set": mlp_b, "activation grads": s.N * s.d * e + pending}
+        own = act.layers[i] - (mlp_part if modes[i] == "none" else 0.0)
+        rec_attn = rec - mlp_part if modes[i] == "full" else 0.0
+        attn_pt = {**base, **grads((above + layer_p - qkv_p) / psi),
+                   "activations": below + act.embed + own, "recompute": rec_attn,
+                   "layer working set": attn_b + s.N * s.h * s.hd * e,
+                   "activation grads": s.N * s.d * e + pending}
+        best = max(mlp_pt, attn_pt, key=lambda t: sum(t.values()))
+        return Phase(f"{name}, {'MLP' if best is mlp_pt else 'attention'})", best)
 
     L = n_layers
-    phases.append(layer_phase("backward (first block)", L - 1, head_grads + down,
-                              sum(saved[:-1])))
+    phases.append(layer_phase("backward (first block", L - 1, head_grads, sum(saved[:-1])))
     if L > 1:
-        phases.append(layer_phase("backward (last block)", 0,
-                                  head_grads + (L - 1) * layer_p + down, 0.0))
+        phases.append(layer_phase("backward (last block", 0, head_grads + (L - 1) * layer_p,
+                                  0.0))
     phases.append(Phase("gradient reduction", {**res, **st.reduction()}))
     phases.append(Phase("optimizer step", {**res, **st.step()}))
     return Memory(phases, host)

@@ -114,10 +114,19 @@ class ZeroState:
             out["grad partition"] = 0.0 if self.offload else 4 * psi / D
             # the reduce bucket, allocated at init; on CPU its pages once a backward ran
             out["buckets"] = self._bucket(psi)
-            # gathered whole and kept while stage3_max_live_parameters allows
-            live = min(psi, max(int(self.z["stage3_max_live_parameters"]), self.s.layer))
-            out["gathered params"] = live * e
         return out
+
+    def gathered(self) -> Dict[str, float]:
+        """ZeRO-3 under the forward and backward: parameters gathered whole and kept while
+        stage3_max_live_parameters allows (released before the step), and one coalesced
+        fetch's flat all-gather buffer (up to stage3_prefetch_bucket_size elements and the
+        block being fetched) from which torch.cat makes the parameters."""
+        if self.stage != 3:
+            return {}
+        psi, e = self.s.psi, self.e
+        live = min(psi, max(int(self.z["stage3_max_live_parameters"]), self.s.layer))
+        fetch = min(psi, int(self.z["stage3_prefetch_bucket_size"]) + self.s.layer)
+        return {"gathered params": live * e, "all-gather buffer": fetch * e}
 
     def host(self) -> Dict[str, float]:
         """On the host (offload_optimizer): fp32 master, Adam's moments, the fp32 grads."""
