@@ -336,7 +336,7 @@ def _apply_override(data: Dict[str, Any], path: List[str], value: Any) -> None:
 
 def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
                      overrides: Sequence[str] = (), world_size: Optional[int] = None,
-                     check_paths: bool = True) -> Config:
+                     check_paths: bool = True, training: bool = True) -> Config:
     """Build, override and validate a Config from a plain dict (what YAML gives)."""
     if data is None:
         data = {}
@@ -348,12 +348,12 @@ def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
         _apply_override(data, path, value)
     cfg = _build(Config, data, "", source)
     cfg.source = source
-    validate(cfg, world_size, check_paths)
+    validate(cfg, world_size, check_paths, training)
     return cfg
 
 
 def load_config(path: str, overrides: Sequence[str] = (), world_size: Optional[int] = None,
-                check_paths: bool = True) -> Config:
+                check_paths: bool = True, training: bool = True) -> Config:
     """Read a YAML file, apply ``section.key=value`` overrides and validate."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file does not exist")
@@ -365,7 +365,7 @@ def load_config(path: str, overrides: Sequence[str] = (), world_size: Optional[i
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
     return config_from_dict(data, source=path, overrides=overrides, world_size=world_size,
-                            check_paths=check_paths)
+                            check_paths=check_paths, training=training)
 
 
 # ---------------------------------------------------------------- validation
@@ -410,11 +410,14 @@ def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err) -> None:
             f"parallel.cp={p.cp}, parallel.ulysses={p.ulysses})")
 
 
-def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = True) -> None:
+def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = True,
+             training: bool = True) -> None:
     """Every cross-field rule, in one place. Raises the first ConfigError found.
 
     check_paths=False skips the files the config points at (to validate a GPU config
-    on a machine without its data set).
+    on a machine without its data set). training=False (generate.py) skips the rules only
+    training needs: model.seq_len split into the layout's chunks (generation shards each
+    prompt at its own padded length, and RoPE takes positions, not the trained length).
     """
     src, m, p, t = cfg.source, cfg.model, cfg.parallel, cfg.train
 
@@ -479,7 +482,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
 
     # Sequence against the CP layout.
     chunks = num_chunks(p.cp, p.layout)
-    if m.seq_len % chunks:
+    if training and m.seq_len % chunks:
         err(f"model.seq_len={m.seq_len} is not divisible by {chunks} "
             f"(parallel.layout={p.layout!r} needs {'2*' if p.layout == 'zigzag' else ''}cp "
             f"chunks, parallel.cp={p.cp})")
