@@ -16,17 +16,25 @@ from 3 to 4 matmuls). W is the head weight (V/tp, d): the tied embedding or the 
 lm_head; x enters through f (copy_to_tensor_model_parallel_region), so dx is all-reduced
 over TP once for the whole x, not per tile. dW is accumulated in fp32 over the tiles and
 cast once to W's dtype: one rounding like the untiled matmul's, where bf16 accumulation
-would round once per tile. Bytes per rank, b = bytes of x's dtype, bw of W's:
+would round once per tile. Each tile reuses one (n, V/tp) scratch buffer (two for bf16).
 
-    saved for backward      N*d*b (x, as the untiled head) + N*8 (labels) + N*4 (lse)
-                            instead of N*V/tp*4 (softmax) + N*10 (target columns)
-    forward, per tile       n*V/tp*4 (fp32 logits, made exp in place) or, for bf16,
-                            n*V/tp*(2 + 4) (the bf16 tile and its fp32 exp)
-                            + N*8 (loss and lse of all tokens)
-    backward, per tile      n*V/tp*4 (fp32), n*V/tp*(4 + b) otherwise (the fp32 grad and
-                            its cast for the matmuls)
-                            + N*d*b (dx) + V/tp*d*4 (dW accumulator; only when bw != 4, then
-                            also V/tp*d*bw for each tile's product and the final cast)
+Bytes per rank, N tokens, n per tile, v = V/tp, b = bytes of x's and W's dtype (4 fp32,
+2 bf16); the untiled loss for comparison:
+
+                    tiled                               untiled
+    saved for bwd   N*d*b (x) + N*8 (labels)            N*d*b (x) + N*v*4 (softmax)
+                    + N*4 (lse)                         + N*10 (target columns)
+    forward peak    n*v*4 (fp32: exp made in place);    N*v*b (logits) + N*v*4 (exp)
+                    bf16: n*v*(2 + 4)
+                    + N*8 (loss, lse)
+    backward peak   n*v*4 (fp32); bf16: n*v*(2 + 4)     N*v*4 (softmax, made the grad
+                    + N*d*b (dx)                        in place); bf16: + N*v*2 (cast)
+                    + bf16: v*d*(4 + 2) (fp32 dW        + N*d*b (dx)
+                      accumulator, each tile's product)
+
+dW itself (v*d*b) and, over TP, the f all-reduce's copy of dx (N*d*b) are the same in both.
+On a pipeline's last stage DeepSpeed also holds the stage's output until the next
+micro-batch: the untiled logits (N*v*b), here x and W (nothing new).
 
 The auto tile size (``loss_tile_tokens``) keeps n*V/tp close to N*d: the fp32 tile buffers
 about the size of the hidden states.
@@ -68,9 +76,11 @@ class _TiledVocabParallelCrossEntropy(torch.autograd.Function):
         n_rows = x.shape[0]
         loss = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         lse = torch.empty_like(loss)
+        buf = x.new_empty(min(tile, n_rows), weight.shape[0])  # (n, V/tp), every tile's
         for s in range(0, n_rows, tile):
             e = min(s + tile, n_rows)
-            logits = torch.mm(x[s:e], weight.t())  # (n, V/tp): this tile's only
+            logits = torch.mm(x[s:e], weight.t(), out=buf[:e - s])
+            # fp32: exp(z - m) is made in buf itself; bf16: into a new fp32 tile.
             st = softmax_stats(logits, target[s:e], group, ignore_index, inplace=True)
             loss[s:e] = st.loss
             lse[s:e] = st.z_max + torch.log(st.sum_exp)
@@ -90,15 +100,18 @@ class _TiledVocabParallelCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32,
                              device=weight.device) if want_w else None
         n_rows, vocab_per_rank = x.shape[0], weight.shape[0]
+        # (n, V/tp) scratch for every tile: the logits and the gradient in x's dtype, and
+        # for bf16/fp16 an fp32 tile for the softmax (one buffer when x is fp32).
+        buf = x.new_empty(min(ctx.tile, n_rows), vocab_per_rank)
+        buf32 = buf if buf.dtype == torch.float32 else torch.empty_like(buf, dtype=torch.float32)
         for s in range(0, n_rows, ctx.tile):
             e = min(s + ctx.tile, n_rows)
-            logits = torch.mm(x[s:e], weight.t())  # (n, V/tp), recomputed
-            probs = logits.float() if logits.dtype != torch.float32 else logits
-            del logits  # the bf16 tile is not needed past its fp32 copy
+            logits = torch.mm(x[s:e], weight.t(), out=buf[:e - s])  # recomputed
+            probs = buf32[:e - s].copy_(logits) if buf32 is not buf else logits
             probs.sub_(lse[s:e].unsqueeze(-1)).exp_()  # softmax = exp(z - lse)
             cols = target_columns(target[s:e], vocab_per_rank, ctx.group, ctx.ignore_index)
-            g = softmax_grad_(probs, cols, grad_loss[s:e]).to(x.dtype)  # (n, V/tp)
-            del probs
+            grad = softmax_grad_(probs, cols, grad_loss[s:e])  # (n, V/tp) fp32
+            g = buf[:e - s].copy_(grad) if buf32 is not buf else grad  # in x's dtype
             if want_x:
                 torch.mm(g, weight, out=grad_x[s:e])  # (n, d)
             if want_w:
@@ -106,7 +119,6 @@ class _TiledVocabParallelCrossEntropy(torch.autograd.Function):
                     grad_w.addmm_(g.t(), x[s:e])  # (V/tp, d)
                 else:
                     grad_w += g.t() @ x[s:e]
-            del g
         if want_w:
             grad_w = grad_w.to(weight.dtype)
         return grad_x, grad_w, None, None, None, None
