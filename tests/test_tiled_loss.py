@@ -10,7 +10,9 @@ Spawned, one function on 2 gloo ranks: TP=2 (vocab split) against one process, t
 under ZeRO-3 with its parameters partitioned over cp2 (tied and untied), and a pp2
 GPTPipe step through DeepSpeed's pipeline engine with its pipeline_logits.
 """
+import os
 import pickle
+import sys
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_loss import loss_tile_tokens, tiled_vocab_parallel_cross_entropy
 from ctxpar.tensor_parallel import parallel_lm_logits, vocab_parallel_cross_entropy
 from dist_harness import run_distributed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 from models.gpt import GPT
 
 # fp32. Per token the tiled loss does the untiled arithmetic on the same rows (max, exp,
@@ -95,6 +99,22 @@ def test_bad_shapes_fail_in_one_line():
         tiled_vocab_parallel_cross_entropy(x, torch.empty(0), t)
 
 
+def test_saved_bytes_are_the_docstring_formula():
+    # What autograd keeps between forward and backward (parameters excluded), as
+    # tools/bench_activation_memory.py counts it for the planner: x, labels and the fp32
+    # lse tiled; x, the fp32 softmax and the target columns (int64 + 2 bool) untiled.
+    from bench_activation_memory import saved_tensor_bytes
+    x, w, t = _case()
+    N, d, V = t.numel(), x.shape[-1], w.shape[0]
+    for tiled, want in ((True, N * d * 4 + N * 8 + N * 4), (False, N * d * 4 + N * V * 4 + N * 10)):
+        xg, wg = x.clone().requires_grad_(), torch.nn.Parameter(w.clone())
+        with saved_tensor_bytes([wg]) as seen:
+            loss = (tiled_vocab_parallel_cross_entropy(xg, wg, t, None, 7) if tiled else
+                    vocab_parallel_cross_entropy(parallel_lm_logits(xg, wg, None), t))
+        assert sum(seen.values()) == want, (tiled, seen)
+        loss.sum().backward()
+
+
 def _grads(model, tokens, labels):
     model.zero_grad(set_to_none=True)
     loss = model(tokens, torch.arange(tokens.shape[1]), labels)
@@ -137,27 +157,29 @@ def test_pipeline_last_stage_pieces():
     cfg = ModelConfig(**CFG)
     x, _, t = _case(n=(2, 32), d=cfg.d_model, vocab=cfg.vocab_size)
     n = torch.tensor(float((t != -100).sum()))
-    head = LMHeadPipe(cfg, None)
-    tiled_head = LMHeadPipe(cfg, None, tiled_loss=True)
-    emb = EmbeddingPipe(cfg, None)
-    for m in (head, tiled_head, emb):
-        torch.nn.init.normal_(next(m.parameters()), std=0.2, generator=torch.Generator().manual_seed(3))
-    plain, tiled = TokenMeanLoss(None, 2, 3), TokenMeanLoss(None, 2, 3, MemoryConfig(
-        tiled_loss=True, loss_tile_tokens=5))
-    for fn, tiled_fn, p, tp in ((head, tiled_head, head.lm_head.weight, tiled_head.lm_head.weight),
-                                (lambda v: tied_lm_head(emb, v), lambda v: tied_head_input(emb, v),
-                                 emb.embed.weight, emb.embed.weight)):
-        grads = []
-        for loss_fn, layer, weight in ((plain, fn, p), (tiled, tiled_fn, tp)):
+    emb, head, tiled_head = EmbeddingPipe(cfg, None), LMHeadPipe(cfg, None), \
+        LMHeadPipe(cfg, None, tiled_loss=True)
+    for m in (emb, head, tiled_head):
+        g = torch.Generator().manual_seed(3)
+        torch.nn.init.normal_(next(m.parameters()), std=0.2, generator=g)
+    out = tiled_head(x)
+    assert isinstance(out, tuple) and out[0] is x and out[1] is tiled_head.lm_head.weight
+    plain = TokenMeanLoss(None, 2, 3)
+    tiled = TokenMeanLoss(None, 2, 3, MemoryConfig(tiled_loss=True, loss_tile_tokens=5))
+    untied = [(plain, head, head.lm_head.weight),
+              (tiled, tiled_head, tiled_head.lm_head.weight)]
+    tied = [(plain, lambda v: tied_lm_head(emb, v), emb.embed.weight),
+            (tiled, lambda v: tied_head_input(emb, v), emb.embed.weight)]
+    for pair in (untied, tied):
+        got = []
+        for loss_fn, layer, weight in pair:
             xi = x.clone().requires_grad_()
             weight.grad = None
             loss_fn.begin_step(n)
             loss = loss_fn(layer(xi), t)
             loss.backward()
-            grads.append((loss.detach(), loss_fn.loss_sum, xi.grad, weight.grad.clone()))
-        out = tiled_head(x)
-        assert isinstance(out, tuple) and out[1] is tiled_head.lm_head.weight
-        for a, b in zip(*grads):
+            got.append((loss.detach(), loss_fn.loss_sum, xi.grad, weight.grad.clone()))
+        for a, b in zip(*got):  # loss, logged sum, dx, dW
             torch.testing.assert_close(a, b, **TOL)
 
 
