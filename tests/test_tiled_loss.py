@@ -204,7 +204,7 @@ class _Biggest(TorchDispatchMode):
 def test_full_logits_are_never_made():
     # rows x V = 128 x 512 = 65536 numbers; the largest other tensors (the embedding and
     # its gradient, 512 x 32; attention and MLP activations) are a quarter of that or less.
-    cfg = ModelConfig(**{**CFG, "vocab_size": 512})
+    cfg = ModelConfig(**{**CFG, "vocab_size": 512, "n_layers": 1})
     tokens, labels = _batch(cfg)
     full = labels.numel() * cfg.vocab_size
     seen = {}
