@@ -5,7 +5,8 @@ In-process: the tile rule; the function against F.linear + vocab_parallel_cross_
 for tile sizes that divide the rows or not, 'auto', a tile whose labels are all ignored;
 the GPT tied and untied (loss, every gradient, evaluation logits); the pipeline's last
 stage pieces (head layers, TokenMeanLoss); a dispatch-mode check that no tensor as large
-as the logits is made in forward or backward (and that the untiled path trips it); bf16.
+as the logits is made in forward or backward (and that the untiled path trips it); the
+bytes saved for backward against the module's formula; bf16.
 Spawned, one function on 2 gloo ranks: TP=2 (vocab split) against one process, the GPT
 under ZeRO-3 with its parameters partitioned over cp2 (tied and untied), and a pp2
 GPTPipe step through DeepSpeed's pipeline engine with its pipeline_logits.
@@ -16,16 +17,15 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_loss import loss_tile_tokens, tiled_vocab_parallel_cross_entropy
 from ctxpar.tensor_parallel import parallel_lm_logits, vocab_parallel_cross_entropy
 from dist_harness import run_distributed
+from models.gpt import GPT
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
-from models.gpt import GPT
 
 # fp32. Per token the tiled loss does the untiled arithmetic on the same rows (max, exp,
 # sums over V), but the backward's softmax is exp(z - lse) instead of exp(z - m) / sum,
