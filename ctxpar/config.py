@@ -336,7 +336,7 @@ def _apply_override(data: Dict[str, Any], path: List[str], value: Any) -> None:
 
 def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
                      overrides: Sequence[str] = (), world_size: Optional[int] = None,
-                     check_paths: bool = True) -> Config:
+                     check_paths: bool = True, training: bool = True) -> Config:
     """Build, override and validate a Config from a plain dict (what YAML gives)."""
     if data is None:
         data = {}
@@ -348,12 +348,12 @@ def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
         _apply_override(data, path, value)
     cfg = _build(Config, data, "", source)
     cfg.source = source
-    validate(cfg, world_size, check_paths)
+    validate(cfg, world_size, check_paths, training)
     return cfg
 
 
 def load_config(path: str, overrides: Sequence[str] = (), world_size: Optional[int] = None,
-                check_paths: bool = True) -> Config:
+                check_paths: bool = True, training: bool = True) -> Config:
     """Read a YAML file, apply ``section.key=value`` overrides and validate."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file does not exist")
@@ -365,7 +365,7 @@ def load_config(path: str, overrides: Sequence[str] = (), world_size: Optional[i
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
     return config_from_dict(data, source=path, overrides=overrides, world_size=world_size,
-                            check_paths=check_paths)
+                            check_paths=check_paths, training=training)
 
 
 # ---------------------------------------------------------------- validation
@@ -410,11 +410,14 @@ def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err) -> None:
             f"parallel.cp={p.cp}, parallel.ulysses={p.ulysses})")
 
 
-def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = True) -> None:
+def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = True,
+             training: bool = True) -> None:
     """Every cross-field rule, in one place. Raises the first ConfigError found.
 
     check_paths=False skips the files the config points at (to validate a GPU config
-    on a machine without its data set).
+    on a machine without its data set). training=False (generate.py) skips the rules only
+    training needs: model.seq_len split into the layout's chunks (generation shards each
+    prompt at its own padded length, and RoPE takes positions, not the trained length).
     """
     src, m, p, t = cfg.source, cfg.model, cfg.parallel, cfg.train
 
@@ -479,7 +482,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
 
     # Sequence against the CP layout.
     chunks = num_chunks(p.cp, p.layout)
-    if m.seq_len % chunks:
+    if training and m.seq_len % chunks:
         err(f"model.seq_len={m.seq_len} is not divisible by {chunks} "
             f"(parallel.layout={p.layout!r} needs {'2*' if p.layout == 'zigzag' else ''}cp "
             f"chunks, parallel.cp={p.cp})")
@@ -515,6 +518,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
         err(f"deepspeed.zero_optimization.reduce_scatter=false with stage 3 and "
             f"parallel.cp={p.cp}: DeepSpeed 0.19.8 then divides some gradient buckets by dp "
             f"and others by dp*cp, so no loss scaling is exact (leave reduce_scatter on)")
+    _check_offload(ds.get("zero_optimization") or {}, stage, err)
     if (ds.get("bf16") or {}).get("enabled") and (ds.get("fp16") or {}).get("enabled"):
         err("deepspeed.bf16.enabled and deepspeed.fp16.enabled are both true")
     for key, want in (("train_micro_batch_size_per_gpu", t.micro_batch_size),
@@ -572,6 +576,45 @@ def _check_memory(mem: MemoryConfig, ckpt: CheckpointingConfig, err) -> None:
             "checkpointing.activation='none')")
 
 
+def _check_offload(zero: Dict[str, Any], stage: int, err) -> None:
+    """deepspeed.zero_optimization's offload keys: host (cpu) offload of the optimizer at
+    ZeRO 1-3 and of the parameters at ZeRO 3, nothing ctxpar cannot hold exact
+    (ctxpar/memory/optimizer.py; tests/test_train_memory.py)."""
+    for old, new in (("cpu_offload", "offload_optimizer: {device: cpu}"),
+                     ("cpu_offload_param", "offload_param: {device: cpu}"),
+                     ("cpu_offload_use_pin_memory", "offload_optimizer: {pin_memory: true}")):
+        if old in zero:
+            err(f"deepspeed.zero_optimization.{old} is DeepSpeed's deprecated spelling; "
+                f"write {new}")
+    for key in ("offload_optimizer", "offload_param"):
+        spec = zero.get(key)
+        if spec is None:
+            continue
+        if not isinstance(spec, dict):
+            err(f"deepspeed.zero_optimization.{key}={spec!r} must be a mapping such as "
+                f"{{device: cpu, pin_memory: true}}")
+        device = spec.get("device", "none")
+        if device not in ("none", "cpu"):
+            err(f"deepspeed.zero_optimization.{key}.device={device!r} must be 'cpu' or 'none' "
+                f"(NVMe swapping needs DeepSpeed's async_io op and is not tested with ctxpar)")
+        if device == "none":
+            continue
+        if key == "offload_optimizer" and stage == 0:
+            err("deepspeed.zero_optimization.offload_optimizer with stage=0: the offload "
+                "lives in ZeRO's optimizer (stage 1, 2 or 3); at stage 0 DeepSpeed would "
+                "silently keep the optimizer on the device")
+        if key == "offload_param" and stage != 3:
+            err(f"deepspeed.zero_optimization.offload_param with stage={stage}: only ZeRO-3 "
+                f"partitions the parameters, so only it can offload them (use stage 3)")
+    opt = zero.get("offload_optimizer") or {}
+    if opt.get("device", "none") == "cpu" and (opt.get("ratio", 1.0) != 1.0
+                                               or opt.get("super_offload", False)):
+        err(f"deepspeed.zero_optimization.offload_optimizer.ratio={opt.get('ratio', 1.0)} / "
+            f"super_offload={opt.get('super_offload', False)}: a partial or Superchip offload "
+            f"runs DeepSpeedCPUAdam beside a device Adam, which ctxpar neither chooses nor "
+            f"tests (leave ratio 1.0 and super_offload false)")
+
+
 ROPE_SCALING_KEYS = {  # rope_type -> its numeric keys (Hugging Face's names)
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
@@ -604,8 +647,53 @@ def grad_accum_steps(cfg: Config, dp: int) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
 
 
+# ZeRO's buckets when the user sets none (deepspeed_config). DeepSpeed 0.19.8's defaults are
+# sized for nothing in particular: reduce_bucket_size = allgather_bucket_size = 5e8 elements,
+# and ZeRO 1/2 allocate a reduce buffer of that many elements (2 GB in fp32, twice with
+# overlap_comm) whatever the model; ZeRO-3 keeps every gathered parameter that is used again
+# within stage3_max_reuse_distance = 1e9 elements, i.e. a model of under ~5e8 parameters
+# stays whole from forward to backward.
+BUCKET_MIN = 40_000_000        # Megatron-Core's DDP bucket: max(4e7, 1e6 x dp) parameters
+BUCKET_PER_RANK = 1_000_000    # (distributed_data_parallel_config.bucket_size)
+BUCKET_MAX = 500_000_000       # DeepSpeed's reduce/allgather_bucket_size default: never more
+PREFETCH_MAX = 50_000_000      # DeepSpeed's stage3_prefetch_bucket_size default: never more
+
+
+def zero_bucket_size(zero_group: int) -> int:
+    """Elements per ZeRO bucket: Megatron-Core's max(4e7, 1e6 x D) over the ZeRO group
+    D = dp x cp (ctxpar/zero.py), at most DeepSpeed's 5e8. Larger groups get larger buckets
+    so the collectives stay bandwidth-bound, not latency-bound (Megatron's reason)."""
+    return min(max(BUCKET_MIN, BUCKET_PER_RANK * zero_group), BUCKET_MAX)
+
+
+def zero_bucket_defaults(stage: int, zero_group: int) -> Dict[str, int]:
+    """What deepspeed_config fills into zero_optimization when the user set none of it,
+    with B = zero_bucket_size(D):
+
+        stage 1, 2   reduce_bucket_size = allgather_bucket_size = B
+        stage 3      reduce_bucket_size = B, stage3_prefetch_bucket_size = min(B, 5e7),
+                     stage3_max_live_parameters = stage3_max_reuse_distance = 2 B
+                     (the module running plus one prefetched bucket)
+
+    Device bytes they bound: ZeRO 1/2 allocate a B-element reduce buffer of the gradients'
+    dtype (the model's; at ZeRO-1 deepspeed.data_types.grad_accum_dtype when set), twice
+    with overlap_comm; ZeRO-3 one B-element bucket, plus at most 2 B gathered parameters
+    kept for reuse. Stage 0 has no buckets (DeepSpeed's all-reduce flattens the gradients
+    it has)."""
+    b = zero_bucket_size(zero_group)
+    if stage in (1, 2):
+        return {"reduce_bucket_size": b, "allgather_bucket_size": b}
+    if stage == 3:
+        return {"reduce_bucket_size": b,
+                "stage3_prefetch_bucket_size": min(b, PREFETCH_MAX),
+                "stage3_max_live_parameters": 2 * b, "stage3_max_reuse_distance": 2 * b}
+    return {}
+
+
 def deepspeed_config(cfg: Config, dp: int) -> Dict[str, Any]:
-    """The ``deepspeed`` section with batch sizes and clipping filled in from ``train``.
+    """The ``deepspeed`` section with batch sizes and clipping filled in from ``train``, and
+    ZeRO's bucket sizes from ``zero_bucket_defaults`` where the user set none (a key the
+    user set, under either of DeepSpeed's names for it, always wins).
 
     DeepSpeed checks train_batch_size == micro * grad_accum * dp_world_size, where its
     dp world size comes from the mpu's data-parallel group (DP only; CP ranks share samples).
@@ -620,6 +708,12 @@ def deepspeed_config(cfg: Config, dp: int) -> Dict[str, Any]:
     ds["gradient_accumulation_steps"] = grad_accum_steps(cfg, dp)
     ds.setdefault("gradient_clipping", cfg.train.grad_clip)
     ds.setdefault("steps_per_print", 10 ** 9)  # train.py logs; keep DeepSpeed quiet
+    zero = ds.get("zero_optimization")
+    if zero:
+        for key, value in zero_bucket_defaults(int(zero.get("stage", 0)),
+                                               dp * cfg.parallel.cp).items():
+            if key not in zero and key.replace("stage3_", "") not in zero:
+                zero[key] = value
     return ds
 
 

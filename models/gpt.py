@@ -38,6 +38,7 @@ from ctxpar.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ctxpar.context_parallel import ContextParallel
+from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 
@@ -307,12 +308,20 @@ class GPT(nn.Module):
 
         Returns the vocab-parallel logits (B, T/cp, V/tp), or with labels the fp32 sum of
         this rank's token losses (identical on the ranks of a TP group); normalise it with
-        models.loss (loss_for_backward / global_mean_loss).
+        models.loss (loss_for_backward / global_mean_loss). With labels and
+        memory.tiled_loss the logits are made one tile of tokens at a time and never whole
+        (ctxpar/memory/tiled_loss.py); the sum is the same.
         """
-        logits = self.lm_logits(self.hidden_states(tokens, positions, cu_seqlens=cu_seqlens))
+        x = self.hidden_states(tokens, positions, cu_seqlens=cu_seqlens)  # (B, T/cp, d)
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group).sum()
+            return self.lm_logits(x)
+        if self.memory.tiled_loss:  # head + loss per tile of tokens: no (B, T/cp, V/tp) logits
+            # The weight is read here, in GPT's forward, as the tied path has always read
+            # the embedding's: under ZeRO-3 DeepSpeed registers it as GPT's external
+            # parameter and keeps it gathered for GPT's forward and backward.
+            return tiled_vocab_parallel_cross_entropy(
+                x, self.head_weight(), labels, self.tp_group, self.memory.loss_tile_tokens).sum()
+        return vocab_parallel_cross_entropy(self.lm_logits(x), labels, self.tp_group).sum()
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
                       kv_cache=None, cu_seqlens=None) -> torch.Tensor:
@@ -333,6 +342,10 @@ class GPT(nn.Module):
             else:
                 x = layer(x, cos, sin, cu_seqlens=cu_seqlens)
         return self.final_norm(x)
+
+    def head_weight(self) -> torch.Tensor:
+        """The head's (V/tp, d) weight: lm_head's, or the embedding's when tied."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states (B, T, d) -> vocab-parallel logits (B, T, V/tp)."""

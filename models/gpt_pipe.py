@@ -13,8 +13,11 @@ the samples' document boundaries packed as one (B, T + 1) int32 tensor
 the integer tensors. The first stage gets ``(tokens, positions[, documents])``
 and the last stage ``labels`` from the data iterator (``pipeline_batches``); the head
 returns vocab-parallel logits (B, T/cp, V/tp) and ``TokenMeanLoss`` turns them into the
-loss to back-propagate. Tied embeddings are one ``TiedLayerSpec`` on the first and last
-stage (DeepSpeed all-reduces the tied gradient between them).
+loss to back-propagate. With memory.tiled_loss the head returns its input and weight
+instead, and ``TokenMeanLoss`` makes the logits one tile of tokens at a time
+(ctxpar/memory/tiled_loss.py): the last stage never holds them whole. Tied embeddings
+are one ``TiedLayerSpec`` on the first and last stage (DeepSpeed all-reduces the tied
+gradient between them).
 
     model = GPTPipe.from_config(cfg, state, gas)     # this rank's stage only
     engine, *_ = deepspeed.initialize(model=model, optimizer=..., config=...)  # no mpu=
@@ -40,6 +43,7 @@ from ctxpar.config import Config, MemoryConfig, ModelConfig
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.deepspeed_comm import init_deepspeed_comm
+from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.pipeline import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                     gather_full_state_dict, parallel_lm_logits,
@@ -67,6 +71,13 @@ class EmbeddingPipe(nn.Module):
 def tied_lm_head(module: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
     """The tied head on the last stage: x (B, T/cp, d) -> logits (B, T/cp, V/tp) = f(x) E_iᵀ."""
     return parallel_lm_logits(x, module.embed.weight, module.embed.tp_group)
+
+
+def tied_head_input(module: EmbeddingPipe, x: torch.Tensor) -> tuple:
+    """The tied head under memory.tiled_loss: (x (B, T/cp, d), E_i (V/tp, d)), for
+    TokenMeanLoss to make the logits tile by tile (the weight's gradient still reaches the
+    tied copy, which DeepSpeed all-reduces with the first stage's)."""
+    return x, module.embed.weight
 
 
 class BlockPipe(Block):
@@ -107,17 +118,20 @@ class FinalNormPipe(nn.Module):
 
 
 class LMHeadPipe(nn.Module):
-    """Untied head: x (B, T/cp, d) -> logits (B, T/cp, V/tp), column-parallel."""
+    """Untied head: x (B, T/cp, d) -> logits (B, T/cp, V/tp), column-parallel; with
+    ``tiled_loss``, (x, weight (V/tp, d)) for TokenMeanLoss to make the logits tile by tile."""
 
     gpt_prefix = ""  # parameter 'lm_head.weight', as in GPT
 
-    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, tp_group, tiled_loss: bool = False, device=None,
+                 dtype=None):
         super().__init__()
+        self.tiled_loss = tiled_loss
         self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group=tp_group,
                                             bias=False, device=device, dtype=dtype)
 
     def forward(self, x):
-        return self.lm_head(x)
+        return (x, self.lm_head.weight) if self.tiled_loss else self.lm_head(x)
 
 
 class TokenMeanLoss:
@@ -125,14 +139,18 @@ class TokenMeanLoss:
 
     S is the sum of this rank's token losses (fp32, complete over TP), N the non-ignored
     tokens of the whole optimizer step over dp x cp (``begin_step``, before train_batch).
+    It takes the head's logits, or under memory.tiled_loss the head's (input, weight) and
+    runs head and loss together one tile of tokens at a time (same S).
     DeepSpeed's pipeline engine divides by gas in backward and averages gradients over
     its 'data' group, dp x cp (docs/parallelism.md, "Pipeline (4D)"), so the applied
     gradient is sum dS / N, the gradient of the global token mean. S is also summed here
     so the logged loss is computed exactly as without a pipeline.
     """
 
-    def __init__(self, tp_group, reduce_size: int, grad_accum_steps: int):
+    def __init__(self, tp_group, reduce_size: int, grad_accum_steps: int,
+                 memory: Optional[MemoryConfig] = None):
         self.tp_group, self.reduce_size, self.gas = tp_group, reduce_size, grad_accum_steps
+        self.memory = memory or MemoryConfig()
         self.n_tokens: Optional[torch.Tensor] = None
         self.loss_sum = torch.zeros(())
 
@@ -140,9 +158,14 @@ class TokenMeanLoss:
         self.n_tokens = n_tokens
         self.loss_sum = torch.zeros((), device=n_tokens.device)
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         assert self.n_tokens is not None, "begin_step(n_tokens) before train_batch"
-        s = vocab_parallel_cross_entropy(logits, labels, self.tp_group).sum()  # fp32
+        if self.memory.tiled_loss:
+            x, weight = outputs  # (B, T/cp, d), (V/tp, d): the head's input and weight
+            s = tiled_vocab_parallel_cross_entropy(x, weight, labels, self.tp_group,
+                                                   self.memory.loss_tile_tokens).sum()
+        else:  # outputs: the logits (B, T/cp, V/tp)
+            s = vocab_parallel_cross_entropy(outputs, labels, self.tp_group).sum()  # fp32
         self.loss_sum += s.detach()
         return loss_for_backward(s, self.n_tokens, self.reduce_size, self.gas)
 
@@ -161,18 +184,19 @@ class GPTPipe(PipelineModule):
         tp, cp = state.tp_group, ContextParallel.from_state(state, cp_comm, layout,
                                                                 ring_grad_dtype)
         kw = dict(device=device, dtype=dtype)
+        tiled_loss = memory is not None and memory.tiled_loss  # the head hands on (x, weight)
         if cfg.tie_embeddings:
             tied = dict(tied_weight_attr=["embed.weight"])
             first = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, **tied, **kw)
-            last = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, forward_fn=tied_lm_head,
-                                 **tied, **kw)
+            head = tied_head_input if tiled_loss else tied_lm_head
+            last = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, forward_fn=head, **tied, **kw)
         else:
             first = LayerSpec(EmbeddingPipe, cfg, tp, **kw)
-            last = LayerSpec(LMHeadPipe, cfg, tp, **kw)
+            last = LayerSpec(LMHeadPipe, cfg, tp, tiled_loss, **kw)
         blocks = [LayerSpec(BlockPipe, cfg, i, tp, cp, attention_backend,
                             activation_checkpointing, every_n_layers, **kw)
                   for i in range(cfg.n_layers)]
-        loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps)
+        loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps, memory)
         # no_grad: DeepSpeed broadcasts the tied weights in place while building; with grad
         # mode on, autograd records that broadcast on the parameter and warns in backward.
         with torch.no_grad():
@@ -260,6 +284,8 @@ def pipeline_mean_loss(loss_sum: torch.Tensor, n_tokens: torch.Tensor, state) ->
 def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
     """Forward one micro-batch stage by stage: logits (B, T/cp, V/tp) on the last stage,
     None on the others. Collective over the pipeline (every stage calls it with its mb).
+    Under memory.tiled_loss the head hands on (x, weight) and the logits are made here,
+    whole (evaluation needs them; no_grad keeps no softmax for a backward).
 
     Each stage runs its layers and sends x (B, T/cp, d) to the same (tp, cp, dp) rank of
     the next stage; every rank has the positions. Not DeepSpeed's eval_batch: in 0.19.8,
@@ -279,6 +305,8 @@ def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor]) -> Optio
         inputs = x if head_only else (x, *first[1:])
     out = model(inputs)
     if state.is_pp_last_stage:
+        if model.memory.tiled_loss:  # (x, weight) for the tiled loss: the logits of x
+            return parallel_lm_logits(*out, model.tp_group)
         return out
     dist.send((out[0] if isinstance(out, tuple) else out).contiguous(), dst=pp[stage + 1])
     return None

@@ -9,6 +9,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
+@pytest.fixture(scope="session")
+def single(tmp_path_factory):
+    """train.py on one process, 20 steps: the reference test_train.py and
+    test_train_memory.py compare every layout's losses with (run once per session)."""
+    from test_train import single_run
+    return single_run(str(tmp_path_factory.mktemp("single") / "single"))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
     if torch.cuda.is_available():

@@ -76,6 +76,23 @@ def _write(tmp_path, data, name="c.yaml"):
     ({"parallel": {"cp": 4, "cp_comm": "allgather", "ring_grad_dtype": "bf16"}}, None,
      "parallel.ring_grad_dtype='bf16' applies to the ring's dK,dV (parallel.cp_comm 'ring' "
      "or 'hybrid'), not parallel.cp_comm='allgather'"),
+    # ZeRO-Offload: what ctxpar cannot hold exact is refused (ctxpar/memory/optimizer.py).
+    ({"deepspeed": {"zero_optimization": {"stage": 1, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/nvme"}}}}, None,
+     "deepspeed.zero_optimization.offload_optimizer.device='nvme' must be 'cpu' or 'none'"),
+    ({"deepspeed": {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}},
+     None, "deepspeed.zero_optimization.offload_optimizer with stage=0: the offload lives in "
+           "ZeRO's optimizer (stage 1, 2 or 3)"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}},
+     None, "deepspeed.zero_optimization.offload_param with stage=2: only ZeRO-3 partitions"),
+    ({"deepspeed": {"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu", "ratio": 0.5}}}}, None,
+     "deepspeed.zero_optimization.offload_optimizer.ratio=0.5 / super_offload=False"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2, "cpu_offload": True}}}, None,
+     "deepspeed.zero_optimization.cpu_offload is DeepSpeed's deprecated spelling; write "
+     "offload_optimizer: {device: cpu}"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}}, None,
+     "deepspeed.zero_optimization.offload_optimizer='cpu' must be a mapping"),
 ])
 def test_bad_configs_name_file_key_and_values(tmp_path, data, world, msg):
     path = _write(tmp_path, data)
@@ -109,6 +126,35 @@ def test_overrides_and_deepspeed_fill(tmp_path):
         load_config(path, overrides=["train.stpes=3"])
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(path, overrides=["train.steps"])
+
+
+@pytest.mark.parametrize("zero,cp,want", [
+    # ZeRO group D = dp 2 x cp: B = max(4e7, 1e6 D), at most 5e8 (config.zero_bucket_size)
+    ({"stage": 1}, 2, {"reduce_bucket_size": 40_000_000, "allgather_bucket_size": 40_000_000}),
+    ({"stage": 2}, 64, {"reduce_bucket_size": 128_000_000,
+                        "allgather_bucket_size": 128_000_000}),
+    ({"stage": 2}, 512, {"reduce_bucket_size": 500_000_000}),
+    ({"stage": 3}, 2, {"reduce_bucket_size": 40_000_000, "stage3_prefetch_bucket_size": 40_000_000,
+                       "stage3_max_live_parameters": 80_000_000,
+                       "stage3_max_reuse_distance": 80_000_000}),
+    ({"stage": 3}, 64, {"stage3_prefetch_bucket_size": 50_000_000}),  # DeepSpeed's: no more
+    # the user's values win, under either of DeepSpeed's names
+    ({"stage": 1, "reduce_bucket_size": 12345}, 2, {"reduce_bucket_size": 12345,
+                                                    "allgather_bucket_size": 40_000_000}),
+    ({"stage": 3, "prefetch_bucket_size": 7}, 2, {"prefetch_bucket_size": 7}),
+    ({"stage": 0}, 2, {"stage": 0}),  # no ZeRO, no buckets
+])
+def test_zero_bucket_defaults(zero, cp, want):
+    cfg = config_from_dict({"model": {"n_heads": 4, "seq_len": 4096}, "train": {
+        "global_batch_size": 8}, "parallel": {"cp": cp, "dp": 2},
+        "deepspeed": {"zero_optimization": zero}})
+    got = deepspeed_config(cfg, dp=2)["zero_optimization"]
+    assert {k: got.get(k) for k in want} == want, got
+    if zero["stage"] == 0:
+        assert got == zero
+    if "prefetch_bucket_size" in zero:  # not also set under the other name
+        assert "stage3_prefetch_bucket_size" not in got
+    assert deepspeed_config(config_from_dict({}), dp=1).get("zero_optimization") is None
 
 
 @pytest.mark.parametrize("parallel,u", [

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from ctxpar.config import ModelConfig
+from ctxpar.config import ConfigError, ModelConfig, load_config
 from ctxpar.data import build_source
 from ctxpar.inference.checkpoint import (find_checkpoint, inspect_checkpoint,
                                          load_run_config, load_weights_)
@@ -158,13 +158,27 @@ def test_passkey_generation_agrees_with_train_eval_sample_by_sample(run, passkey
         summary.endswith(f"train.py's eval there: {acc:.3f}"), summary
 
 
-def test_torchrun_cp2_prints_the_same_answers(run, passkey_single):
-    proc = generate_py(["--run-dir", run, "--passkey", str(N), "--output-format", "jsonl",
-                        "--set", "parallel.cp=2", "parallel.layout=striped"], nproc=2)
+def test_torchrun_cp3_prints_the_same_answers(run, passkey_single):
+    # cp=3 zigzag: the trained seq_len (128) splits into neither 3 nor 6 chunks, which
+    # training needs and generation does not (prompts are padded to their own length).
+    proc = generate_py(["--run-dir", run, "--passkey", str(N), "--output-format", "jsonl"],
+                       nproc=3)
     rows, summary = passkey_jsonl(proc)
     assert rows == passkey_single[0]
     assert summary.split(" from ")[0] == passkey_single[1].split(" from ")[0]
-    assert "tp=1 x cp=2 (striped)" in proc.stderr
+    assert "tp=1 x cp=3 (zigzag)" in proc.stderr
+
+
+@pytest.mark.parametrize("cp,layout", [(3, "striped"), (5, "zigzag"), (6, "contiguous")])
+def test_generation_config_takes_a_cp_that_does_not_divide_seq_len(run, cp, layout):
+    sets = [f"parallel.cp={cp}", "parallel.dp=1", f"parallel.layout={layout}"]
+    ckpt = find_checkpoint(run, "auto")
+    cfg = load_run_config(ckpt, sets, world_size=cp)
+    chunks = 2 * cp if layout == "zigzag" else cp
+    assert cfg.parallel.cp == cp and cfg.model.seq_len % chunks  # the rule really is skipped
+    with pytest.raises(ConfigError, match="model.seq_len=128 is not divisible"):
+        load_config(os.path.join(ckpt.run_dir, "config.yaml"), sets, world_size=cp,
+                    check_paths=False)  # training keeps the rule
 
 
 def test_prompt_file_matches_a_cacheless_reference(run, tmp_path):

@@ -4,7 +4,8 @@ The runs are shared through module-scoped fixtures (each costs ~30-60 s on 2 cor
   cp2dp2     cp=2 x dp=2, 20 steps, checkpoints at 10 and 20, wandb offline
   resumed    a copy of cp2dp2's step-10 checkpoint, resumed with --resume auto
   tp2cp2     tp=2 x cp=2, 20 steps; cp2dp2_zero3 the same grid as cp2dp2 on ZeRO-3
-  single     one process (cp=1, tp=1, dp=1, ZeRO-0), 20 steps
+  single     one process (cp=1, tp=1, dp=1, ZeRO-0), 20 steps (conftest.py: session-wide,
+             test_train_memory.py compares to it too)
   cp4 runs   one per parallel.cp_comm at cp=4, 6 steps: ring, ulysses (4 processes),
              allgather x pp2 and hybrid (ulysses 2 x ring 2) x tp2 (8 processes)
 All share seed and global batch (16 samples), so their per-step losses must agree (the
@@ -167,13 +168,13 @@ def assert_same_run(run_dir, want_dir, steps):
             1e-4 * want_norm[s], (s, got_norm[s], want_norm[s])
 
 
-@pytest.fixture(scope="module")
-def single(runs):
-    # One process on ZeRO-0 (fp32: DeepSpeed records no gradient norm there; ctxpar does).
-    d = str(runs / "single")
-    run_train(d, 1, ["parallel.cp=1", "parallel.dp=1", "parallel.tp=1",
-                     "deepspeed.zero_optimization.stage=0", "logging.wandb.mode=disabled"])
-    return d
+def single_run(run_dir):
+    """One process on ZeRO-0, 20 steps: every layout's reference (the `single` fixture in
+    conftest.py, shared by this module and test_train_memory.py). fp32: DeepSpeed records no
+    gradient norm on that engine; ctxpar does (ctxpar/grad_norm.py)."""
+    run_train(run_dir, 1, ["parallel.cp=1", "parallel.dp=1", "parallel.tp=1",
+                           "deepspeed.zero_optimization.stage=0", "logging.wandb.mode=disabled"])
+    return run_dir
 
 
 def test_single_process_logs_the_same_loss(cp2dp2, single):
@@ -243,6 +244,15 @@ def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
     (["parallel.tp=3"], "is not divisible by parallel.tp=3"),
     (["data.kind=tokens", "data.path=/nonexistent/corpus"], "/nonexistent/corpus.bin does not exist"),
     (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+    # memory options (issue 22) and the ZeRO-Offload refusals (ctxpar/config.py)
+    (["memory.loss_tile_tokens=0"], "memory.loss_tile_tokens=0 must be 'auto' or an integer >= 1"),
+    (["memory.offload_activations=true"], "memory.offload_activations=true needs "
+                                          "checkpointing.activation 'full', 'selective' or"),
+    (["deepspeed.zero_optimization.offload_optimizer.device=nvme"],
+     "deepspeed.zero_optimization.offload_optimizer.device='nvme' must be 'cpu' or 'none'"),
+    (["deepspeed.zero_optimization.stage=0",
+      "deepspeed.zero_optimization.offload_optimizer.device=cpu"],
+     "deepspeed.zero_optimization.offload_optimizer with stage=0: the offload lives in"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, sets, msg):
     single = ["parallel.cp=1", "parallel.dp=1"]  # fits a world of 1; `sets` come after

@@ -111,9 +111,10 @@ def find_checkpoint(run: str, checkpoint: str = "auto") -> RunCheckpoint:
 
 def load_run_config(ckpt: RunCheckpoint, overrides: Sequence[str] = (),
                     world_size: Optional[int] = None) -> Config:
-    """The run's saved config with overrides (ConfigError names the file and key)."""
+    """The run's saved config with overrides (ConfigError names the file and key), checked
+    for generation: training's seq_len-per-layout rule does not apply."""
     return load_config(os.path.join(ckpt.run_dir, "config.yaml"), overrides,
-                       world_size=world_size, check_paths=False)
+                       world_size=world_size, check_paths=False, training=False)
 
 
 def _ranks(matches: List[re.Match], group: int, path: str, what: str) -> int:
