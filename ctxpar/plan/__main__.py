@@ -11,8 +11,9 @@ import sys
 
 from ..config import ConfigError, load_config
 from .cluster import Cluster, PlanError, gpu_preset
-from .report import explain, merge_ties, plot, table, write_config
-from .search import evaluate, nothing_fits, search
+from .longest import OPTIONS, PATTERNS, Allowed, search_longest, with_seq_len
+from .report import explain, memory_lines, merge_ties, plot, table, what_frees, write_config
+from .search import apply_layout, config_options, evaluate, nothing_fits, search
 from .startup import own_layout
 
 
@@ -33,6 +34,18 @@ def parse_args(argv=None):
     p.add_argument("--explain", type=int, metavar="K", help="full breakdown of row K")
     p.add_argument("--write", metavar="PATH.yaml", help="write row 1 (or --explain K) as a config")
     p.add_argument("--plot", metavar="PNG", help="memory and time of the top layouts")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="the longest model.seq_len any layout and memory option fits "
+                        "(the last line); --write writes it")
+    p.add_argument("--host-memory", type=float,
+                   help="override: bytes of host memory per node (offloads)")
+    p.add_argument("--options", default=",".join(OPTIONS),
+                   help="--max-seq-len: memory options it may use, comma-separated, or "
+                        "'none' (default all: " + ", ".join(OPTIONS) + ")")
+    p.add_argument("--cp-comm", default=",".join(PATTERNS),
+                   help="--max-seq-len: CP patterns it may use, or 'none' (no CP)")
+    p.add_argument("--tp", type=int, help="--max-seq-len: only this TP degree")
+    p.add_argument("--pp", type=int, help="--max-seq-len: only this pipeline degree")
     return p.parse_args(argv)
 
 
@@ -41,8 +54,12 @@ def main(argv=None) -> int:
     try:
         cluster = Cluster(a.nodes, a.gpus_per_node,
                           gpu_preset(a.gpu, flops=a.flops, memory=a.memory, nvlink=a.nvlink,
-                                     network=a.network, overhead=a.overhead))
+                                     network=a.network, overhead=a.overhead,
+                                     host_memory=a.host_memory))
         cfg = load_config(a.config, a.set, check_paths=False)
+        check_host(cfg, cluster, a.host_memory)
+        if a.max_seq_len:
+            return longest_main(cfg, cluster, a)
         plans = search(cfg, cluster)
         fitting = [p for p in plans if p.fits]
         if not fitting:
@@ -78,6 +95,60 @@ def main(argv=None) -> int:
         print(f"\nwrote {write_config(cfg, rows[k - 1][0], a.write)}")
     if a.plot:
         print(f"plotted {plot([g[0] for g in rows], a.plot)}")
+    return 0
+
+
+def check_host(cfg, cluster: Cluster, given) -> None:
+    """--host-memory 0 leaves an offloading config nowhere to offload to."""
+    if given is not None and given <= 0:
+        opts = config_options(cfg)
+        on = [k for k in ("offload_activations", "offload_optimizer") if opts[k]]
+        if on:
+            raise PlanError(f"--host-memory {given:g}: the config offloads ({', '.join(on)}) "
+                            f"to host memory; give the host's bytes per node (> 0)")
+
+
+def allowed_from(a) -> Allowed:
+    """--options / --cp-comm / --tp as the search's limits (one line on an unknown name)."""
+    def names(value: str, known, flag: str):
+        got = () if value == "none" else tuple(v for v in value.split(",") if v)
+        bad = [v for v in got if v not in known]
+        if bad:
+            raise PlanError(f"{flag} {value}: unknown {', '.join(bad)} (known: "
+                            f"{', '.join(known)}, or 'none')")
+        return got
+    for flag, v in (("--tp", a.tp), ("--pp", a.pp)):
+        if v is not None and v < 1:
+            raise PlanError(f"{flag} {v} must be >= 1")
+    return Allowed(names(a.options, OPTIONS, "--options"),
+                   names(a.cp_comm, PATTERNS, "--cp-comm"), a.tp, a.pp)
+
+
+def longest_main(cfg, cluster: Cluster, a) -> int:
+    """--max-seq-len: the table of the longest layouts, the best one's memory, the line."""
+    rows = search_longest(cfg, cluster, allowed_from(a))
+    if not rows:
+        raise PlanError(f"nothing fits at any model.seq_len on {cluster.nodes} x "
+                        f"{cluster.gpus_per_node} {cluster.gpu.name}: the model state alone "
+                        f"exceeds {0.9 * cluster.gpu.memory / 1e9:.0f} GB per GPU; more GPUs, "
+                        f"a larger GPU or optimizer offload")
+    g = cluster.gpu
+    print(f"{cfg.source}: {cfg.model.n_layers} layers, d {cfg.model.d_model}, vocab "
+          f"{cfg.model.vocab_size:,}, global batch {cfg.train.global_batch_size} on "
+          f"{cluster.nodes} x {cluster.gpus_per_node} {g.name} ({g.memory / 1e9:.0f} GB, host "
+          f"{g.host_memory / 1e9:,.0f} GB per node); {len(rows)} layouts fit at some length\n")
+    print("| # | layout | longest seq_len | memory/GPU | peak phase | host/node |")
+    print("|---:|---|---:|---:|---|---:|")
+    for i, (n, lay, m) in enumerate(rows[:a.top], 1):
+        print(f"| {i} | {lay.name()} | {n:,} | {m.peak / 1e9:.1f} GB | {m.peak_phase} | "
+              f"{m.host_total * cluster.gpus_per_node / 1e9:.0f} GB |")
+    n, lay, m = rows[0]
+    best = evaluate(with_seq_len(apply_layout(cfg, lay), n), lay, cluster)
+    print("\n" + "\n".join(memory_lines(best, cluster)))
+    print(what_frees(best.memory, lay))
+    if a.write:
+        print(f"wrote {write_config(with_seq_len(cfg, n), best, a.write)}")
+    print(f"longest seq_len: {n:,} tokens (layout {lay.name()})")
     return 0
 
 

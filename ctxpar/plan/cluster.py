@@ -12,6 +12,9 @@ Sources (vendor data sheets; docs/planner.md):
   1.8 TB/s total = 900 per direction; 400 Gb/s = 50 GB/s.
 - cpu: this project's 2-core CI machine, fitted to train.py's measured steps
   (docs/planner.md: calibration).
+Host memory per node (offloads): 2 TB for every 8-GPU preset: DGX H100 and DGX H200
+data sheets ("System memory 2TB"), DGX A100 640GB (2 TB), DGX B200 (2 TB, up to 4 TB);
+the cpu preset's 24 GiB machine.
 """
 from __future__ import annotations
 
@@ -39,10 +42,10 @@ class GPU:
 
 
 GPUS: Dict[str, GPU] = {
-    "h100": GPU("h100", 989e12, 80e9, 450e9, 50e9),
-    "h200": GPU("h200", 989e12, 141e9, 450e9, 50e9),
-    "a100": GPU("a100", 312e12, 80e9, 300e9, 25e9),
-    "b200": GPU("b200", 2250e12, 180e9, 900e9, 50e9),
+    "h100": GPU("h100", 989e12, 80e9, 450e9, 50e9, host_memory=2e12),
+    "h200": GPU("h200", 989e12, 141e9, 450e9, 50e9, host_memory=2e12),
+    "a100": GPU("a100", 312e12, 80e9, 300e9, 25e9, host_memory=2e12),
+    "b200": GPU("b200", 2250e12, 180e9, 900e9, 50e9, host_memory=2e12),
     # This project's 2-core CPU machine, one core per rank: the per-core FLOP/s and the
     # per-layer overhead at which the time model (with MM_EFF, ATTN_EFF) best matches
     # train.py's measured steps (14 layouts of a compute-bound and an overhead-bound
@@ -58,7 +61,7 @@ def gpu_preset(name: str, **overrides) -> GPU:
         raise PlanError(f"--gpu {name!r} is not a known preset (known: {', '.join(GPUS)})")
     given = {k: v for k, v in overrides.items() if v is not None}
     for k, v in given.items():
-        strict = k != "overhead"  # a device may have no per-op overhead, not no bandwidth
+        strict = k not in ("overhead", "host_memory")  # may be 0 (no overhead, no host)
         if v < 0 or (strict and v == 0):
             raise PlanError(f"--{k} {v} must be {'> 0' if strict else '>= 0'}")
     return replace(GPUS[name], **given)

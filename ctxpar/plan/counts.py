@@ -128,11 +128,23 @@ def attention_saved(s: RankShapes, e: int, lay: Layout) -> int:
     return s.N * ((2 * s.h + 2 * hk) * s.hd * e + 4 * s.h) + extra_out
 
 
+def norm_saved(s: RankShapes, e: int, norm: str = "rmsnorm", device: str = "cpu") -> int:
+    """Saved bytes of one norm with its output (which the next linear saves): RMSNorm on
+    CPU is composite (pow, mean, rsqrt, mul: input, normed, output and the fp32 rstd,
+    3 N d e + 4 N, measured); on CUDA torch's fused kernel (autograd's
+    FusedRmsNormBackward0 saves input, weight and rstd) and LayerNorm everywhere
+    (native_layer_norm: input, mean, rstd) keep the input and fp32 statistics."""
+    if norm == "rmsnorm" and device == "cpu":
+        return 3 * s.N * s.d * e + 4 * s.N
+    return 2 * s.N * s.d * e + (4 if norm == "rmsnorm" else 8) * s.N
+
+
 def layer_activations(s: RankShapes, e: int, lay: Layout, mode: str,
-                      tiled_mlp: bool = False) -> int:
+                      tiled_mlp: bool = False, norm: str = "rmsnorm",
+                      device: str = "cpu") -> int:
     """Saved bytes of one block in `mode` ('none', 'selective' or 'full'):
 
-    none       two norms (input, fp32 rstd, normed, scaled: 3 N d e + 4 N each), the
+    none       two norms (norm_saved: on CPU input, normed, output, fp32 rstd), the
                attention's q, k, v, out, lse, the MLP's gate, up, silu and product (4 N f e;
                a tiled MLP saves only its input, the norm's output: nothing more)
     selective  the block input and what the attention core keeps; projections recomputed
@@ -143,7 +155,7 @@ def layer_activations(s: RankShapes, e: int, lay: Layout, mode: str,
     core = attention_saved(s, e, lay)
     if mode == "selective":
         return s.N * s.d * e + core
-    return 2 * (3 * s.N * s.d * e + 4 * s.N) + core + (0 if tiled_mlp else 4 * s.N * s.f * e)
+    return 2 * norm_saved(s, e, norm, device) + core + (0 if tiled_mlp else 4 * s.N * s.f * e)
 
 
 def layer_modes(lay: Layout, layers: int):
@@ -168,7 +180,7 @@ class Activations:
 
 def activations(m: ModelConfig, lay: Layout, e: int, layers: int = None, first: bool = True,
                 last: bool = True, reset_positions: bool = False, tiled_loss: bool = False,
-                tiled_mlp: bool = False) -> Activations:
+                tiled_mlp: bool = False, device: str = "cpu") -> Activations:
     """Saved bytes of one micro-batch's forward on one rank (what backward needs): its
     `layers` blocks (default all) under lay.activation, RoPE's cos/sin (fp32, (T/cp, hd/2)
     each; per sample with reset_positions), the token ids on the first stage, and on the
@@ -177,18 +189,20 @@ def activations(m: ModelConfig, lay: Layout, e: int, layers: int = None, first: 
     Exact: tests/test_plan.py compares it with autograd's saved tensors."""
     s = rank_shapes(m, lay)
     layers = s.L if layers is None else layers
-    per = tuple(layer_activations(s, e, lay, mode, tiled_mlp)
+    per = tuple(layer_activations(s, e, lay, mode, tiled_mlp, m.norm, device)
                 for mode in layer_modes(lay, layers))
     embed = (s.B if reset_positions else 1) * (s.N // s.B) * s.hd * 4
     if first:
         embed += 8 * s.N                                   # token ids (int64)
     head = 0
     if last:
-        head += 3 * s.N * s.d * e + 4 * s.N                # final norm
+        head += norm_saved(s, e, m.norm, device)            # final norm
         # the fp32 softmax (tiled: loss and lse per token), labels, the ignore masks (and,
         # split over TP, the vocab range's)
-        head += (8 * s.N if tiled_loss else 4 * s.N * s.V) + 8 * s.N \
-            + (3 if s.tp > 1 else 2) * s.N
+        if tiled_loss:  # labels (int64) and the fp32 log-sum-exp (tiled_loss.py)
+            head += 12 * s.N
+        else:
+            head += 4 * s.N * s.V + 8 * s.N + (3 if s.tp > 1 else 2) * s.N
     return Activations(per, embed, head)
 
 

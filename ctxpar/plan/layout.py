@@ -22,6 +22,8 @@ class Layout:
     tiled_mlp: bool = False            # memory.tiled_mlp
     offload_activations: bool = False  # memory.offload_activations
     offload_optimizer: bool = False    # zero_optimization.offload_optimizer.device = cpu
+    mlp_tile: int = 0                  # memory.mlp_tile_tokens when > 0 (else the config's)
+    loss_tile: int = 0                 # memory.loss_tile_tokens when > 0 (else the config's)
 
     @property
     def world(self) -> int:
@@ -41,7 +43,8 @@ class Layout:
                    "ulysses": " ulysses",
                    "hybrid": f" hybrid u{self.ulysses}/{self.layout}"}[self.cp_comm]
         opts = "".join(f" +{n}" for n, on in (
-            ("tiled-loss", self.tiled_loss), ("tiled-mlp", self.tiled_mlp),
+            (f"tiled-loss{f'({self.loss_tile})' if self.loss_tile else ''}", self.tiled_loss),
+            (f"tiled-mlp{f'({self.mlp_tile})' if self.mlp_tile else ''}", self.tiled_mlp),
             ("offload-act", self.offload_activations), ("offload-opt", self.offload_optimizer))
             if on)
         return (f"tp{self.tp} {cp} pp{self.pp} dp{self.dp} z{self.zero} "

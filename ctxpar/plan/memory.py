@@ -56,6 +56,7 @@ class Memory:
     the host (offloaded activations, optimizer state)."""
     phases: List[Phase]
     host: Dict[str, float] = field(default_factory=dict)
+    host_step: float = 0.0   # torch AdamW's temporaries on the host during the step (CPU)
 
     @property
     def at_peak(self) -> Phase:
@@ -72,6 +73,12 @@ class Memory:
     @property
     def host_total(self) -> float:
         return sum(self.host.values())
+
+    def same_ram(self) -> float:
+        """Device and host in one memory (a CPU machine): the largest phase with the host's
+        bytes, the step's host temporaries with the step."""
+        return max(p.total + self.host_total + (self.host_step if p.name == "optimizer step"
+                                                else 0.0) for p in self.phases)
 
     def as_dict(self) -> Dict[str, float]:
         """The peak phase's terms."""
@@ -124,12 +131,15 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
     n_layers = m.n_layers // lay.pp + (1 if stage < m.n_layers % lay.pp else 0)
     loss_tile, mlp_tile = tile_sizes(cfg, s, lay)
     act = counts.activations(m, lay, e, n_layers, first, last, cfg.data.reset_positions,
-                             tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile))
+                             tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile),
+                             device=device)
+    norm = counts.norm_saved(s, e, m.norm, device)
     modes = counts.layer_modes(lay, n_layers)
     sh = shard(m, lay.tp, lay.pp, stage)
     st = ZeroState(sh, zero, lay.dp * lay.cp, bf16, device)
     res = st.resident()
     host = {f"{k} (optimizer offload)": v for k, v in st.host().items()}
+    host_step = st.host(step=True).get("optimizer temporaries", 0.0)
 
     # Saved activations on the device; offloaded ones on the host but for two blocks'.
     saved = list(act.layers)
@@ -155,13 +165,15 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
     mlp_saved = 0.0 if mlp_tile else 4 * s.N * s.f * e
     attn_f = transients.attention_forward(s, lay, e)
     attn_b = transients.attention_backward(s, lay, e)
-    mlp_b = transients.mlp_backward(s, swiglu, e, mlp_tile)
+    mlp_p = counts.layer_params(m, lay.tp) - counts.qkv_params(m, lay.tp) - \
+        (s.h * s.hd * s.d + int(m.bias) * s.d) - s.d  # the MLP's weights (o_proj, norm2 off)
+    mlp_b = transients.mlp_backward(s, swiglu, e, mlp_tile, mlp_p)
 
     phases = []
     # forward: the last block's working set, or the loss
     last_ckpt = modes[-1] != "none"
     block = transients.block_forward(s, lay, modes[-1], swiglu, e, mlp_tile) \
-        if last_ckpt else 0.0
+        if last_ckpt else transients.mlp_forward(s, swiglu, e, mlp_tile)
     fwd_block = {"activations": sum(saved) + act.embed, "block working set": max(block, attn_f)}
     phases.append(Phase("forward (last block)", {**base, **accum, **fwd_block}))
     if last:
@@ -187,14 +199,14 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
             "activation grads": s.N * s.d * e + pending}))
 
     qkv_p = counts.qkv_params(m, lay.tp)
-    mlp_part = 3 * s.N * s.d * e + 4 * s.N + mlp_saved  # norm2 + MLP: freed before attention
+    mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
 
     def layer_phase(name, i, above, below):
         """Block i's backward at its larger point: the MLP's (everything of the block
         saved or replayed, the SwiGLU's gradients) or the attention's (the MLP part
         freed, the block's gradients but q/k/v's produced, the attention's buffers and
         dout)."""
-        rec = transients.recompute(s, lay, e, modes[i], mlp_saved)
+        rec = transients.recompute(s, lay, e, modes[i], mlp_saved, norm)
         mlp_pt = {**base, **grads((above + down) / psi),
                   "activations": below + act.embed + act.layers[i], "recompute": rec,
                   "layer working set": mlp_b, "activation grads": s.N * s.d * e + pending}
@@ -214,13 +226,14 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
                                   0.0))
     phases.append(Phase("gradient reduction", {**res, **st.reduction()}))
     phases.append(Phase("optimizer step", {**res, **st.step()}))
-    return Memory(phases, host)
+    return Memory(phases, host, host_step)
 
 
 def memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int,
-           device: str = "cuda") -> Memory:
-    """Memory of the most loaded rank (pipeline stage 0, or the last with a big head)."""
-    zero = ds_zero(cfg, lay)
+           device: str = "cuda", zero: Dict = None) -> Memory:
+    """Memory of the most loaded rank (pipeline stage 0, or the last with a big head);
+    zero: ds_zero(cfg, lay) when the caller has it (it does not depend on seq_len)."""
+    zero = zero or ds_zero(cfg, lay)
     best = None
     for stage in sorted({0, lay.pp - 1}):
         mem = stage_memory(cfg, lay, bf16, grad_accum, stage, device, zero)

@@ -90,6 +90,30 @@ def memory_lines(plan: Plan, cluster: Cluster) -> List[str]:
     return lines
 
 
+# What a term of the peak is, and what frees it (the planner's own knobs first).
+REMEDIES = {
+    "activations": "activation checkpointing (full), memory.offload_activations, more CP",
+    "recompute": "a tiled MLP (the replayed block's (N, ffn) intermediates), more CP or TP",
+    "layer working set": "memory.tiled_mlp, more CP or TP (a block's (N, ffn) buffers)",
+    "block working set": "memory.tiled_mlp, more CP or TP",
+    "logits": "memory.tiled_loss, more TP (V/tp)",
+    "params": "more TP or PP, ZeRO-3 (parameters partitioned over dp x cp)",
+    "grads": "ZeRO-2/3 (gradients partitioned), smaller buckets",
+    "master": "offload_optimizer or a larger ZeRO group",
+    "optimizer": "offload_optimizer or a larger ZeRO group",
+    "buckets": "a smaller zero_optimization.reduce_bucket_size",
+    "activation grads": "more CP or TP (the residual stream's gradient, (N, d))",
+    "gathered params": "a smaller stage3_max_live_parameters",
+}
+
+
+def what_frees(m, lay) -> str:
+    """One line: the peak phase's three largest terms and what would free each."""
+    top = sorted(m.as_dict().items(), key=lambda kv: -kv[1])[:3]
+    return "what fills it: " + "; ".join(
+        f"{k} {v / GB:.1f} GB ({REMEDIES.get(k, 'see docs/memory.md')})" for k, v in top)
+
+
 def write_config(cfg, plan: Plan, path: str) -> str:
     """The config with the plan's layout, as a runnable YAML at path (written whole or
     not at all)."""

@@ -52,6 +52,10 @@ def apply_layout(cfg: Config, lay: Layout) -> Config:
     c.train.micro_batch_size = lay.micro_batch
     c.memory.tiled_loss, c.memory.tiled_mlp = lay.tiled_loss, lay.tiled_mlp
     c.memory.offload_activations = lay.offload_activations
+    if lay.mlp_tile:
+        c.memory.mlp_tile_tokens = lay.mlp_tile
+    if lay.loss_tile:
+        c.memory.loss_tile_tokens = lay.loss_tile
     z = c.deepspeed.setdefault("zero_optimization", {})
     z["stage"] = lay.zero
     if lay.offload_optimizer:

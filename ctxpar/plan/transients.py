@@ -22,7 +22,7 @@ live bytes on CPU (tools/bench_plan_memory.py, docs/planner.md):
 from __future__ import annotations
 
 from ..context_parallel.ulysses import ulysses_kv_heads
-from .counts import RankShapes, layer_activations
+from .counts import RankShapes, attention_saved
 from .layout import Layout
 
 
@@ -74,11 +74,25 @@ def attention_backward(s: RankShapes, lay: Layout, e: int) -> float:
     return a2a
 
 
-def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
-    """The MLP's backward gradients of (N, f) (SwiGLU: both inputs of the product); with
-    a tiled MLP one tile's."""
-    n = min(tile, s.N) if tile else s.N
-    return (2 if swiglu else 1) * n * s.f * e
+def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0,
+                 mlp_params: int = 0) -> float:
+    """The MLP's backward: the (N, f) gradients of the SwiGLU product's two inputs; tiled
+    (ctxpar/memory/tiled_mlp.py), one tile's replayed intermediates (gate, silu, up,
+    product) and their gradients, the (N, d) dx buffer, and each tile's weight gradients
+    beside their running sum (fp32 for 16-bit weights)."""
+    if not tile:
+        return (2 if swiglu else 1) * s.N * s.f * e
+    t = min(tile, s.N)
+    sums = mlp_params * (4 if e != 4 else 0)
+    return (6 if swiglu else 3) * t * s.f * e + s.N * s.d * e + mlp_params * e + sums
+
+
+def mlp_forward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
+    """A tiled MLP's forward (no grad): one tile's silu(gate), up and product, and the
+    (N, d) output buffer; untiled the intermediates are saved (counts.py): nothing more."""
+    if not tile:
+        return 0.0
+    return (3 if swiglu else 2) * min(tile, s.N) * s.f * e + s.N * s.d * e
 
 
 def block_forward(s: RankShapes, lay: Layout, mode: str, swiglu: bool, e: int,
@@ -87,37 +101,42 @@ def block_forward(s: RankShapes, lay: Layout, mode: str, swiglu: bool, e: int,
     point: silu(gate), up and their product (N, f) (with a tiled MLP one tile's), the
     residual and the normed input (N, d); under 'full' also q, k, v and the attention's
     output, which Block.forward holds until it returns ('selective' saves them)."""
-    n = min(tile, s.N) if tile else s.N
-    out = (3 if swiglu else 2) * n * s.f * e + 2 * s.N * s.d * e
+    if tile:
+        out = mlp_forward(s, swiglu, e, tile) + 2 * s.N * s.d * e
+    else:
+        out = (3 if swiglu else 2) * s.N * s.f * e + 2 * s.N * s.d * e
     if mode == "full":
         out += s.N * (2 * s.h + 2 * s.hk) * s.hd * e
     return out
 
 
-def recompute(s: RankShapes, lay: Layout, e: int, mode: str, mlp_saved: float) -> float:
+def recompute(s: RankShapes, lay: Layout, e: int, mode: str, mlp_saved: float,
+              norm: float) -> float:
     """What a layer's backward replays on top of its saved tensors: 'full' its whole
     'none' activations but the input; 'selective' the MLP piece (norm + MLP);
-    mlp_saved is what the MLP saves in 'none' mode (4 N f e, or tiled: its input)."""
+    mlp_saved is what the MLP saves in 'none' mode (4 N f e; tiled: nothing more),
+    norm one norm's saved bytes (counts.norm_saved)."""
     if mode == "full":
-        return layer_activations(s, e, lay, "none") - s.N * s.d * e
+        return 2 * norm + attention_saved(s, e, lay) + mlp_saved - s.N * s.d * e
     if mode == "selective":
-        return 3 * s.N * s.d * e + 4 * s.N + mlp_saved
+        return norm + mlp_saved
     return 0.0
 
 
 def loss_forward(s: RankShapes, e: int, tile: int = 0) -> float:
-    """At the loss: the logits (N, V/tp) beside the fp32 softmax it saves; tiled: one tile's
-    logits and its fp32 softmax (nothing of (N, V) is saved then)."""
+    """At the loss: the logits (N, V/tp) beside the fp32 softmax it saves; tiled
+    (ctxpar/memory/tiled_loss.py): one tile's scratch buffer (fp32: exp in place; 16-bit:
+    the logits and their fp32 exp) and the per-token loss and lse (nothing of (N, V) saved)."""
     if tile:
-        n = min(tile, s.N)
-        return n * s.V * (e + 4)
+        return min(tile, s.N) * s.V * (4 if e == 4 else e + 4) + 8 * s.N
     return s.N * s.V * e
 
 
 def loss_backward(s: RankShapes, e: int, tile: int = 0) -> float:
     """The loss's backward: the gradient written into the saved fp32 softmax (16-bit: its
-    cast copy); tiled: one tile's replayed logits, fp32 softmax and gradient."""
+    cast copy); tiled: one tile's replayed logits/gradient buffer (16-bit: with the fp32
+    dW accumulator and each tile's product)."""
     if tile:
-        n = min(tile, s.N)
-        return n * s.V * (e + 4 + 4)
+        return min(tile, s.N) * s.V * (4 if e == 4 else e + 4) + \
+            (s.V * s.d * (4 + 2) if e != 4 else 0.0)
     return s.N * s.V * e if e != 4 else 0.0

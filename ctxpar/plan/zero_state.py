@@ -35,9 +35,12 @@ the group; on CPU (no foreach kernels) the single-tensor path computes
 ZeRO 1-3 the optimizer steps one flat fp32 partition per parameter group, and train.py's
 largest group is the weight matrices' (psi0 of psi).
 
-offload_optimizer (device cpu): the fp32 master, Adam's moments and the fp32 gradient
-partition live on the host (``host``); the device keeps the parameters and the gradients
-in their dtype until reduced (bucket and stage 0/1 grads).
+offload_optimizer (device cpu; ctxpar/memory/optimizer.py's table): the fp32 master,
+Adam's moments and the fp32 gradient partition live on the host, with (ZeRO 1, 2) a copy
+of the weights' partition and a gradient staging buffer of the largest parameter
+(``host``); the device keeps the parameters, the gradients in their dtype until reduced
+(bucket and stage 0/1 grads) and its own staging buffer. The step runs on the host:
+DeepSpeedCPUAdam in place on CUDA machines, torch's AdamW (its CPU temporaries) on CPU.
 """
 from __future__ import annotations
 
@@ -110,6 +113,8 @@ class ZeroState:
         out = {"params": psi * e / (D if self.stage == 3 else 1)}
         if not self.offload:
             out.update(master=4 * psi / D, optimizer=8 * psi / D)
+        elif self.stage in (1, 2):
+            out["offload staging"] = e * self.s.largest
         if self.stage == 3:
             out["grad partition"] = 0.0 if self.offload else 4 * psi / D
             # the reduce bucket, allocated at init; on CPU its pages once a backward ran
@@ -128,12 +133,19 @@ class ZeroState:
         fetch = min(psi, int(self.z["stage3_prefetch_bucket_size"]) + self.s.layer)
         return {"gathered params": live * e, "all-gather buffer": fetch * e}
 
-    def host(self) -> Dict[str, float]:
-        """On the host (offload_optimizer): fp32 master, Adam's moments, the fp32 grads."""
+    def host(self, step: bool = False) -> Dict[str, float]:
+        """On the host (offload_optimizer): fp32 master, Adam's moments, the fp32 grads,
+        (ZeRO 1, 2) the weights' partition copy and a staging buffer; during the step on a
+        CPU machine torch AdamW's temporaries."""
         if not self.offload:
             return {}
-        psi, D = self.s.psi, self.D
-        return {"master": 4 * psi / D, "optimizer": 8 * psi / D, "grad partition": 4 * psi / D}
+        psi, D, e = self.s.psi, self.D, self.e
+        out = {"master": 4 * psi / D, "optimizer": 8 * psi / D, "grad partition": 4 * psi / D}
+        if self.stage in (1, 2):
+            out["weights copy, staging"] = e * psi / D + e * self.s.largest
+        if step and self.device == "cpu":
+            out["optimizer temporaries"] = 2 * 4 * self.s.psi0 / D
+        return out
 
     def backward(self, frac: float) -> Dict[str, float]:
         """Gradients held when a fraction `frac` of this rank's parameters has its gradient

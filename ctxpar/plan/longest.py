@@ -1,0 +1,174 @@
+"""The longest model.seq_len a cluster can train: every layout and memory option, bisected.
+
+    python -m ctxpar.plan --config configs/extend_llama3_8b_128k.yaml --set \
+        train.global_batch_size=1 --nodes 1 --gpus-per-node 8 --max-seq-len
+
+For each candidate layout (every TP x CP x PP x DP the config allows at micro-batch 1,
+each CP pattern, ZeRO stage and checkpointing mode; tiled loss and tiled MLP on, which
+only ever lower the peak, the MLP's and the loss's tiles 'auto' or d_model tokens (ALST's); each of the
+two offloads on and off, which move bytes to the host) the peak memory is affine in seq_len but for the few terms that saturate (buckets,
+tile sizes): two evaluations give a first guess, and a bisection over multiples of the
+layout's chunk count (num_chunks: 2 cp for zigzag, cp otherwise; config.validate's rule)
+settles the largest seq_len whose plan fits the device (less the 10% margin) and the host
+(every GPU of a node offloads to it, less 20%). The layouts are then ranked by it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+import math
+from typing import List, Optional, Tuple
+
+from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
+from ..context_parallel.layouts import num_chunks
+from .cluster import Cluster, PlanError
+from .layout import Layout
+from .memory import Memory, ds_zero, memory
+from .search import _cp_patterns, apply_layout, divisors, fits, is_bf16
+
+MAX_SEQ = 1 << 40  # the bisection's ceiling (tokens)
+
+
+def with_seq_len(cfg: Config, seq_len: int) -> Config:
+    """cfg with model.seq_len replaced (a shallow copy: the planner only reads it)."""
+    c = copy_shallow(cfg)
+    c.model = dataclasses.replace(cfg.model, seq_len=seq_len)
+    return c
+
+
+def copy_shallow(cfg: Config) -> Config:
+    return dataclasses.replace(cfg)
+
+
+def unit(lay: Layout) -> int:
+    """seq_len must be a multiple of this (the CP layout's chunks)."""
+    return num_chunks(lay.cp, lay.layout) if lay.cp > 1 else 1
+
+
+OPTIONS = ("tiled_loss", "tiled_mlp", "offload_activations", "offload_optimizer")
+PATTERNS = ("ring", "allgather", "ulysses", "hybrid")
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What the search may use (the memory doc's ladder adds one at a time)."""
+    options: Tuple[str, ...] = OPTIONS
+    patterns: Tuple[str, ...] = PATTERNS   # () = no context parallelism
+    tp: Optional[int] = None               # a fixed TP degree
+    pp: Optional[int] = None               # a fixed pipeline degree
+
+
+def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> List[Layout]:
+    """Every layout the trainer accepts at micro-batch 1 with the allowed options: tiled
+    loss and MLP on when allowed (they only lower the peak), each offload on and off (on
+    only when allowed and the host has memory)."""
+    world, out = cluster.world, []
+    opt = set(allowed.options)
+    offl = cluster.gpu.host_memory > 0
+    oas = (False, True) if "offload_activations" in opt and offl else (False,)
+    oos = (False, True) if "offload_optimizer" in opt and offl else (False,)
+    tl, tm = "tiled_loss" in opt, "tiled_mlp" in opt
+    # the MLP's tile: the config's (tiled_mlp.py's 'auto': ffn/tp / d equal tiles) and
+    # ALST's d_model tokens, smaller at long context
+    tiles = (0, cfg.model.d_model) if tm and cfg.memory.mlp_tile_tokens == "auto" else (0,)
+    # the loss's: tiled_loss.py's 'auto' (Liger's, a power of two: up to twice the hidden
+    # states' size) and d_model tokens
+    loss_tiles = (0, cfg.model.d_model) if tl and cfg.memory.loss_tile_tokens == "auto" \
+        else (0,)
+    for tp in divisors(cluster.gpus_per_node):
+        if allowed.tp and tp != allowed.tp:
+            continue
+        for cp in divisors(world // tp):
+            if cp > 1 and not allowed.patterns:
+                continue
+            for pp in divisors(world // (tp * cp)):
+                if allowed.pp and pp != allowed.pp:
+                    continue
+                dp = world // (tp * cp * pp)
+                for comm, u, layout in _cp_patterns(cp):
+                    if layout != "zigzag" or (cp > 1 and comm not in allowed.patterns):
+                        continue  # striped / contiguous: the same bytes, another rounding
+                    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                        for act in CHECKPOINT_MODES:
+                            for oa, oo, tile, ltile in itertools.product(
+                                    oas, oos, tiles, loss_tiles):
+                                lay = Layout(tp, cp, pp, dp, comm, u, layout, zero, act,
+                                             2 if act == "every_n_layers" else 1, 1,
+                                             tiled_loss=tl, tiled_mlp=tm,
+                                             offload_activations=oa, offload_optimizer=oo,
+                                             mlp_tile=tile, loss_tile=ltile)
+                                if _valid(cfg, lay):
+                                    out.append(lay)
+    return out
+
+
+def _valid(cfg: Config, lay: Layout) -> bool:
+    u = unit(lay)
+    ref = u * max(1, math.ceil(cfg.model.seq_len / u))  # a seq_len this layout accepts
+    try:
+        validate(apply_layout(with_seq_len(cfg, ref), lay), world_size=lay.world,
+                 check_paths=False)
+    except ConfigError:
+        return False
+    return True
+
+
+def longest(cfg: Config, lay: Layout, cluster: Cluster) -> Tuple[int, Optional[Memory]]:
+    """(the largest fitting seq_len, its memory) of one layout; (0, None) if none fits."""
+    bf16, u = is_bf16(cfg), unit(lay)
+    micro = cfg.train.global_batch_size // lay.dp
+    zero = ds_zero(cfg, lay)
+    c = apply_layout(cfg, lay)
+
+    def mem(k: int) -> Memory:
+        return memory(with_seq_len(c, k * u), lay, bf16, micro, cluster.gpu.kind, zero)
+
+    def ok(m: Memory) -> bool:
+        return fits(m, cluster)
+
+    # two points of the (nearly) affine peak: a first guess, then bisection on k
+    k1, k2 = 1, 1 << 10
+    m1, m2 = mem(k1), mem(k2)
+    if not ok(m1):
+        return 0, None
+    cap = 0.9 * cluster.gpu.memory
+    slope = (m2.peak - m1.peak) / (k2 - k1)
+    guess = int((cap - m1.peak) / slope) + k1 if slope > 0 else MAX_SEQ // u
+    lo, hi = k1, None  # lo fits; hi (if known) does not
+    for k in (guess, guess + 1):
+        k = max(1, min(k, MAX_SEQ // u))
+        if ok(mem(k)):
+            lo = max(lo, k)
+        else:
+            hi = k if hi is None else min(hi, k)
+    if hi is None:  # grow until it does not fit
+        hi = max(lo * 2, 2)
+        while hi < MAX_SEQ // u and ok(mem(hi)):
+            lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mem(mid)):
+            lo = mid
+        else:
+            hi = mid
+    return lo * u, mem(lo)
+
+
+def search_longest(cfg: Config, cluster: Cluster,
+                   allowed: Allowed = Allowed()) -> List[Tuple[int, Layout, Memory]]:
+    """(seq_len, layout, memory) of every candidate that fits at some length, longest
+    first (ties: the least device memory)."""
+    cands = candidates(cfg, cluster, allowed)
+    if not cands:
+        raise PlanError(f"no layout of {cluster.world} GPUs ({cluster.nodes} x "
+                        f"{cluster.gpus_per_node}) is valid for this model at micro-batch 1 "
+                        f"(heads {cfg.model.n_heads}, layers {cfg.model.n_layers}, global "
+                        f"batch {cfg.train.global_batch_size})")
+    out = []
+    for lay in cands:
+        n, m = longest(cfg, lay, cluster)
+        if n:
+            out.append((n, lay, m))
+    out.sort(key=lambda r: (-r[0], r[2].peak))
+    return out
