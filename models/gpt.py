@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from ctxpar.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ctxpar.context_parallel import ContextParallel
+from ctxpar.memory.tiled_mlp import mark_zero3_leaf, tiled_mlp
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 
@@ -188,9 +189,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), or GELU: down(gelu(up x)); gate/up split by columns."""
+    """SwiGLU: down(silu(gate x) * up x), or GELU: down(gelu(up x)); gate/up split by columns.
 
-    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
+    ``tile_tokens`` ('auto' or N; None: untiled) runs it over tiles of tokens, recomputed in
+    backward, so the (B*T/cp, ffn/tp) intermediates never exist whole (memory/tiled_mlp.py).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None,
+                 tile_tokens: Union[int, str, None] = None):
         super().__init__()
         self.tp_group, self.swiglu = tp_group, cfg.mlp == "swiglu"
         ffn, lin = resolved_ffn_hidden(cfg), dict(tp_group=tp_group, bias=cfg.bias,
@@ -199,8 +205,14 @@ class MLP(nn.Module):
             self.gate_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
         self.up_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
         self.down_proj = RowParallelLinear(ffn, cfg.d_model, **lin)
+        self.tile_tokens = tile_tokens
+        if tile_tokens is not None:
+            mark_zero3_leaf(self)  # ZeRO-3 gathers the three weights once, not per tile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_tokens is not None:  # f and g inside, once per layer
+            return tiled_mlp(x, self.gate_proj if self.swiglu else None, self.up_proj,
+                             self.down_proj, self.tp_group, self.tile_tokens)
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # (B, T/cp, d)
         if self.swiglu:
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T/cp, ffn/tp)
@@ -219,13 +231,16 @@ class Block(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend,
-                 selective: bool, device=None, dtype=None):
+                 selective: bool, device=None, dtype=None,
+                 memory: Optional[MemoryConfig] = None):
         super().__init__()
         self.selective = selective
         self.attn_norm = make_norm(cfg, device, dtype)
         self.attn = Attention(cfg, tp_group, cp, backend, device, dtype)
         self.mlp_norm = make_norm(cfg, device, dtype)
-        self.mlp = MLP(cfg, tp_group, device, dtype)
+        tiled = memory is not None and memory.tiled_mlp
+        self.mlp = MLP(cfg, tp_group, device, dtype,
+                       tile_tokens=memory.mlp_tile_tokens if tiled else None)
 
     def _attn_in(self, x, cos, sin):
         return self.attn.qkv(self.attn_norm(x), cos, sin)
@@ -270,7 +285,8 @@ class GPT(nn.Module):
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype)
+            Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype,
+                  self.memory)
             for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg, device, dtype)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(

@@ -74,9 +74,9 @@ class BlockPipe(Block):
 
     def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, cp: ContextParallel,
                  backend: str, activation_checkpointing: str, every_n_layers: int,
-                 device=None, dtype=None):
+                 device=None, dtype=None, memory: Optional[MemoryConfig] = None):
         super().__init__(cfg, tp_group, cp, backend, activation_checkpointing == "selective",
-                         device, dtype)
+                         device, dtype, memory)
         self.gpt_prefix = f"layers.{layer_number}."
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
@@ -170,7 +170,7 @@ class GPTPipe(PipelineModule):
             first = LayerSpec(EmbeddingPipe, cfg, tp, **kw)
             last = LayerSpec(LMHeadPipe, cfg, tp, **kw)
         blocks = [LayerSpec(BlockPipe, cfg, i, tp, cp, attention_backend,
-                            activation_checkpointing, every_n_layers, **kw)
+                            activation_checkpointing, every_n_layers, memory=memory, **kw)
                   for i in range(cfg.n_layers)]
         loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps)
         # no_grad: DeepSpeed broadcasts the tied weights in place while building; with grad
