@@ -38,6 +38,7 @@ from ctxpar.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ctxpar.context_parallel import ContextParallel
+from ctxpar.memory.offload import ActivationOffload, run_layer
 from ctxpar.memory.tiled_mlp import mark_zero3_leaf, tiled_mlp
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
@@ -288,6 +289,8 @@ class GPT(nn.Module):
             Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype,
                   self.memory)
             for _ in range(cfg.n_layers))
+        # memory.offload_activations: what checkpointing keeps per layer in host memory
+        self.offload = ActivationOffload() if self.memory.offload_activations else None
         self.final_norm = make_norm(cfg, device, dtype)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.d_model, cfg.vocab_size, tp_group=tp_group, bias=False, device=device, dtype=dtype)
@@ -341,13 +344,18 @@ class GPT(nn.Module):
                                   self.cfg.rope_theta,
                                   self.cfg.rope_scaling)  # (..., T/cp, hd/2), fp32
         x = self.embed(tokens)  # (B, T/cp, d)
+        off = self.offload  # None, or the hooks moving what each layer keeps to the host
+        if off is not None:
+            off.keep(cos, sin)  # every layer's, on the device once
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:
                 x = layer(x, cos, sin, kv_cache.layer(i))
             elif self._checkpointed(i):  # keep only x; replay the block (and its CP attention) in backward
-                x = checkpoint(layer, x, cos, sin, None, cu_seqlens, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, cu_seqlens=cu_seqlens)
+                x = run_layer(off, checkpoint, layer, x, cos, sin, None, cu_seqlens,
+                              use_reentrant=False)
+            else:  # selective keeps x and the core's q, k, v, out, lse (offloaded); none, all
+                x = run_layer(off, layer, x, cos, sin, cu_seqlens=cu_seqlens,
+                              to_host=layer.selective)
         return self.final_norm(x)
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:

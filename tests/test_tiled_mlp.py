@@ -6,8 +6,8 @@ mode; a dispatch mode that fails if the (tokens, ffn) intermediate is ever made 
 Two spawned ranks (one spawn): TP=2 against one process, with one all-reduce per layer
 forward and one backward whatever the tile count; then ZeRO-3 (dp2, every parameter
 partitioned, full checkpointing: the block's replay and the tiles' recompute both run
-in backward) with the two ranks using different tile counts (3 and 'auto'), against one
-process: a collective that depended on the tile count would hang it.
+in backward; activation offload on) with the two ranks using different tile counts (3 and
+'auto'), against one process: a collective that depended on the tile count would hang it.
 
 Tolerances, fp32: a tile computes each token's row with the same dot products as the
 whole matmul, but the weights' gradients are sums over tokens split into per-tile partial
@@ -184,7 +184,9 @@ def _two_ranks(rank, world, payload):
         st = init_parallel_state(tp=1, cp=1)  # dp 2
         # Each rank its own tile count: collectives must not depend on it (ZeRO-3 leaf).
         model = GPT(ModelConfig(**ZERO_CFG), cp_group=st.cp_group, activation_checkpointing=ckpt,
-                    seed=3, memory=MemoryConfig(tiled_mlp=True, mlp_tile_tokens=(3, "auto")[rank]))
+                    seed=3, memory=MemoryConfig(tiled_mlp=True, mlp_tile_tokens=(3, "auto")[rank],
+                                                offload_activations=True))
+        model.offload.min_bytes = 0  # offload too: this small model is under the 64 KiB floor
         ds = {"train_batch_size": ZERO_BATCH, "train_micro_batch_size_per_gpu": ZERO_BATCH // 2,
               "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -200,8 +202,9 @@ def _two_ranks(rank, world, payload):
         pos = torch.arange(ZERO_CFG["seq_len"])
         engine.backward(loss_for_backward(engine(tokens[rows], pos, lab), n,
                                           grad_divisor(st, ds)))
-        zero_out.append({name: safe_get_full_grad(p).clone()
-                         for name, p in engine.module.named_parameters()})
+        zero_out.append(({name: safe_get_full_grad(p).clone()
+                          for name, p in engine.module.named_parameters()},
+                         model.offload.peak_host_bytes))
         engine.step()
         engine.destroy()
     return tp_out, zero_out
@@ -234,7 +237,8 @@ def test_tp2_and_zero3_on_two_ranks():
         loss = ref(tokens, torch.arange(ZERO_CFG["seq_len"]), labels) / labels.numel()
         loss.backward()
         for rank in range(2):
-            got = res[rank][1][i]
+            got, offloaded = res[rank][1][i]
+            assert offloaded == 2 * ZERO_BATCH // 2 * ZERO_CFG["seq_len"] * 16 * 4  # 2 inputs
             assert set(got) == {n for n, _ in ref.named_parameters()}
             for n, p in ref.named_parameters():
                 close(got[n], p.grad, f"zero3 {ckpt} rank {rank} {n}")
