@@ -229,7 +229,8 @@ def test_flash_attn_adapter_follows_the_signature(fwd):
 
 def _fa4_fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False, pack_gqa=None):
     assert return_lse and q.stride(-1) == 1
-    return MathBackend().forward(q, k, v, causal, softmax_scale)
+    out, lse = MathBackend().forward(q, k, v, causal, softmax_scale)
+    return out, lse, None, None  # 4.0.0.beta19 on: (out, lse, p, row_max)
 
 
 def _fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0):
@@ -238,8 +239,9 @@ def _fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=
 
 def test_flash_attn4_adapter_follows_its_interface():
     """FlashAttention-4's calling convention (flash_attn.cute.interface: forward returns
-    (out, lse) with return_lse, backward takes (q, k, v, out, dout, lse) and returns the
-    gradients at k's heads), with stand-ins; and the shapes it refuses."""
+    (out, lse, p, row_max) with return_lse since 4.0.0.beta19, backward takes (q, k, v,
+    out, dout, lse) and returns the gradients at k's heads), with stand-ins; and the
+    shapes it refuses. tests/cuda_dry_cases.py runs it on CUDA tensors."""
     be = FlashAttn4Backend(_fa4_fwd, _fa4_bwd, device_types=("cpu",))
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 8, h, 64, generator=gen).to(torch.bfloat16)
