@@ -74,9 +74,10 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _mask_bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """(L, S) bool visible-mask -> the additive (L, S) bias in q's dtype the CPU flash op
-    takes (it refuses bool masks). Masks reach only the CPU kernels: api.py refuses
-    document masking elsewhere before any communication."""
-    return torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+    takes (it refuses bool masks). Only the CPU sdpa kernel takes a mask this way; on
+    other devices and backends a masked block goes to the math kernel (block_kernel)."""
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~mask, float("-inf"))
 
 
 def _pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
