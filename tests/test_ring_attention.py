@@ -175,8 +175,8 @@ def test_fused_merge_equals_the_eager_merge():
     eager reference, compiled here for the CPU: rows with no key yet (-inf), fp32 and bf16
     blocks, a strided view of the accumulators (a zigzag half). Fusion reorders fp32 ops
     (sigmoid/lerp in registers), so equal to ~1 ulp: atol 1e-6 on values of order 1."""
-    from ctxpar.context_parallel.merge import merge_block_eager_
-    fused = torch.compile(merge_block_eager_, fullgraph=True)
+    from ctxpar.context_parallel.merge import FusedMerge, merge_block_eager_
+    fused = FusedMerge()  # what merge_block_ runs on CUDA, compiled here for the CPU
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
         out = torch.randn(2, 16, 4, 8, generator=gen)
@@ -190,6 +190,7 @@ def test_fused_merge_equals_the_eager_merge():
         merge_block_eager_(want_out[:, :8], want_lse[:, :, :8], blk_out, blk_lse)
         fused(out[:, :8], lse[:, :, :8], blk_out, blk_lse)
         torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=0, atol=1e-6)
+    assert fused.worked and not fused.disabled  # compiled, not the eager fallback
 
 
 def _flash_v23(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
