@@ -30,27 +30,13 @@ from collections import Counter
 from typing import List, NamedTuple, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-
-aten = torch.ops.aten
-
-
-def private_api_problem() -> str:
-    """'' when the private torch APIs this harness builds on are where it expects them."""
-    try:
-        from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorMode,  # noqa: F401
-                                                   unset_fake_temporarily)
-        from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
-        from torch.utils.weak import WeakIdKeyDictionary  # noqa: F401
-    except ImportError as e:
-        return f"torch moved a private API this dry run needs ({e})"
-    return ""
-
+from fake_cuda import private_api_problem
 
 if not private_api_problem():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
     from torch.utils.weak import WeakIdKeyDictionary
 else:  # the cases skip with the reason; keep the module importable
     TorchDispatchMode = object
@@ -200,14 +186,12 @@ def _fa4_bwd(op, a, kw):
     _lse_rule(op, lse, (B, H, L), FA4, contiguous=False)  # it makes lse contiguous itself
 
 
-RULES = {}  # op name -> rule; the stand-ins' ops are added below
-_ATEN_RULES = {
+RULES = {  # op name -> its rule; the stand-ins' ops are added below
     "aten::_scaled_dot_product_flash_attention": _aten_flash_fwd,
     "aten::_scaled_dot_product_flash_attention_backward": _aten_flash_bwd,
     "aten::_scaled_dot_product_efficient_attention": _aten_meff_fwd,
     "aten::_scaled_dot_product_efficient_attention_backward": _aten_meff_bwd,
 }
-RULES.update(_ATEN_RULES)
 
 
 class KernelCall(NamedTuple):

@@ -25,6 +25,20 @@ CHILD_ENV = "CTXPAR_FAKE_CUDA_LIBRARY"  # set in the child: the library it loade
 
 
 
+def private_api_problem() -> str:
+    """'' when the private torch APIs the dry run builds on are where it expects them, else
+    which one moved (the dry run then skips with this reason)."""
+    try:
+        from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorMode,  # noqa: F401
+                                                   unset_fake_temporarily)
+        from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+        from torch.utils._pytree import tree_leaves  # noqa: F401
+        from torch.utils.weak import WeakIdKeyDictionary  # noqa: F401
+    except ImportError as e:
+        return f"torch moved a private API the CUDA dry run needs ({e})"
+    return ""
+
+
 def guard_library() -> str:
     """Path of fake_cuda.cpp built as a shared library (built once per source, torch and
     compiler; cached under TORCH_EXTENSIONS_DIR like torch's own JIT extensions). Builds
