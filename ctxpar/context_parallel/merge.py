@@ -71,6 +71,8 @@ class FusedMerge:
         try:
             self.fn(out, lse, block_out, block_lse)
             self.worked = True
+        except torch.OutOfMemoryError:
+            raise  # the run is out of memory, not the compiler out of luck
         except Exception as e:  # compilation fails before anything is written
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if not self.worked:
