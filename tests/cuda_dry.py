@@ -273,6 +273,9 @@ class ContractMode(TorchDispatchMode):
                 if call is not None:
                     self.kernels.append(call)
         out = func(*args, **kwargs)
+        if func._schema.is_mutable:  # written on the device: what the host sent is stale
+            for t in tensors:
+                self.twins.pop(t, None)
         if name == "aten::_scaled_dot_product_flash_attention":
             out = (_cuda_layout(out[0]), *out[1:])
         elif name == "aten::_scaled_dot_product_flash_attention_backward":
@@ -280,11 +283,16 @@ class ContractMode(TorchDispatchMode):
         return out
 
     def _transfer(self, func, name, args, kwargs, dev):
-        src = args[1] if name in ("aten::copy_", "aten::copy") else args[0]
-        dst_dev = (args[0].device if name in ("aten::copy_", "aten::copy") else dev) \
-            or src.device
+        """A copy between devices (or a scalar read): host -> device is fine, device -> host
+        only of data the host sent (its twin), counted; a copy_ forgets the twin."""
+        into = name in ("aten::copy_", "aten::copy")  # copy_(dst, src)
+        src = args[1] if into else args[0]
         if name == "aten::_local_scalar_dense":
             dst_dev = torch.device("cpu")
+        elif into or name.startswith("aten::_copy_from"):  # _copy_from(src, dst)
+            dst_dev = args[0].device if into else args[1].device
+        else:  # _to_copy(src, device=...)
+            dst_dev = dev or src.device
         if src.device.type == "cuda" and dst_dev.type == "cpu":
             twin = self.twins.get(src)
             if twin is None:
@@ -292,14 +300,14 @@ class ContractMode(TorchDispatchMode):
                                f"device computed (a blocking device-to-host copy)")
             self.host_syncs += 1
             with unset_fake_temporarily():
-                a = (args[0], twin, *args[2:]) if name in ("aten::copy_", "aten::copy") \
-                    else (twin, *args[1:])
+                a = (args[0], twin, *args[2:]) if into else (twin, *args[1:])
                 return func(*a, **kwargs)
         out = func(*args, **kwargs)
         if name == "aten::_to_copy" and src.device.type == "cpu" and not isinstance(
                 src, FakeTensor):
-            self.twins[out] = src  # host data sent to the device: its values are known
-        elif name in ("aten::copy_", "aten::copy"):
+            with unset_fake_temporarily():  # host data sent to the device: values known
+                self.twins[out] = src.to(out.dtype)
+        elif into:
             self.twins.pop(args[0], None)  # overwritten on the device
         return out
 
