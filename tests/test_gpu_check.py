@@ -46,11 +46,6 @@ def test_dry_run_reports_every_part_and_outlives_one_that_runs_out_of_time(tmp_p
     assert "| memory | timeout |" in md and "## Kernels against the fp32 reference" in md
 
 
-def test_without_a_gpu_it_asks_for_the_dry_run():
-    proc = _tool("--parts", "env")
-    assert proc.returncode == 2 and "--dry-run" in proc.stderr
-
-
 def test_the_reference_in_row_blocks_is_the_math_kernel():
     """The kernels part's fp32 reference, computed a few query rows at a time with its own
     causal mask, equals the math kernel on the whole block (same fp32 ops per row)."""
