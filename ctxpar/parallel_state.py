@@ -148,6 +148,19 @@ def launcher_env() -> None:
     env.setdefault("MASTER_ADDR", "127.0.0.1")
 
 
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def cuda_allocator_defaults(env=os.environ) -> str:
+    """Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set it; returns
+    the value in effect. Long contexts allocate activations and attention buffers of many
+    sizes, and the caching allocator's fixed segments fragment under them; expandable
+    segments grow one mapping instead (ALST and torchtitan set the same). torch reads it
+    when CUDA's allocator starts, so call this before the first CUDA allocation (train.py
+    and generate.py do, through init_distributed; tools/gpu_check.py does at its start)."""
+    return env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> None:
     """Initialise torch.distributed from torchrun/deepspeed variables or, failing those, SLURM_*.
 
@@ -165,6 +178,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
         env["MASTER_PORT"] = str(free_port())
     backend = backend or default_backend()
     if backend == "nccl":
+        cuda_allocator_defaults(env)  # before the first CUDA allocation of this process
         torch.cuda.set_device(int(env["LOCAL_RANK"]))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 

@@ -83,6 +83,16 @@ def partition_for_zero3(model: torch.nn.Module, state, ds_config: Dict[str, Any]
     from ctxpar.deepspeed_comm import init_deepspeed_comm
 
     init_deepspeed_comm()  # Init reads the world through deepspeed.comm
+    # DeepSpeed's engine casts parameters to the training dtype itself, but not those that
+    # are ZeRO-3 parameters already (engine._cast_module_mixed_precision skips a zero-init
+    # model) and zero.Init(module=) converts without casting: left alone, a bf16/fp16
+    # ZeRO-3 run would train fp32 weights while stages 0-2 train bf16 ones. Parameters
+    # only, as the engine does (buffers keep their dtype).
+    dtype = engine_dtype(ds_config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
     deepspeed.zero.Init(module=model, data_parallel_group=state.dp_cp_group,
                         config_dict_or_path=ds_config, mpu=DeepSpeedMPU(state),
                         dtype=engine_dtype(ds_config))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ from ctxpar.tensor_parallel import (
 )
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
+from ctxpar.memory.offload import ActivationOffload, run_layer
+from ctxpar.memory.tiled_mlp import mark_zero3_leaf, tiled_mlp
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 
@@ -189,9 +191,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), or GELU: down(gelu(up x)); gate/up split by columns."""
+    """SwiGLU: down(silu(gate x) * up x), or GELU: down(gelu(up x)); gate/up split by columns.
 
-    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
+    ``tile_tokens`` ('auto' or N; None: untiled) runs it over tiles of tokens, recomputed in
+    backward, so the (B*T/cp, ffn/tp) intermediates never exist whole (memory/tiled_mlp.py).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None,
+                 tile_tokens: Union[int, str, None] = None):
         super().__init__()
         self.tp_group, self.swiglu = tp_group, cfg.mlp == "swiglu"
         ffn, lin = resolved_ffn_hidden(cfg), dict(tp_group=tp_group, bias=cfg.bias,
@@ -200,8 +207,14 @@ class MLP(nn.Module):
             self.gate_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
         self.up_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
         self.down_proj = RowParallelLinear(ffn, cfg.d_model, **lin)
+        self.tile_tokens = tile_tokens
+        if tile_tokens is not None:
+            mark_zero3_leaf(self)  # ZeRO-3 gathers the three weights once, not per tile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_tokens is not None:  # f and g inside, once per layer
+            return tiled_mlp(x, self.gate_proj if self.swiglu else None, self.up_proj,
+                             self.down_proj, self.tp_group, self.tile_tokens)
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # (B, T/cp, d)
         if self.swiglu:
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T/cp, ffn/tp)
@@ -220,13 +233,16 @@ class Block(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend,
-                 selective: bool, device=None, dtype=None):
+                 selective: bool, device=None, dtype=None,
+                 memory: Optional[MemoryConfig] = None):
         super().__init__()
         self.selective = selective
         self.attn_norm = make_norm(cfg, device, dtype)
         self.attn = Attention(cfg, tp_group, cp, backend, device, dtype)
         self.mlp_norm = make_norm(cfg, device, dtype)
-        self.mlp = MLP(cfg, tp_group, device, dtype)
+        tiled = memory is not None and memory.tiled_mlp
+        self.mlp = MLP(cfg, tp_group, device, dtype,
+                       tile_tokens=memory.mlp_tile_tokens if tiled else None)
 
     def _attn_in(self, x, cos, sin):
         return self.attn.qkv(self.attn_norm(x), cos, sin)
@@ -271,8 +287,11 @@ class GPT(nn.Module):
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype)
+            Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype,
+                  self.memory)
             for _ in range(cfg.n_layers))
+        # memory.offload_activations: what checkpointing keeps per layer in host memory
+        self.offload = ActivationOffload() if self.memory.offload_activations else None
         self.final_norm = make_norm(cfg, device, dtype)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.d_model, cfg.vocab_size, tp_group=tp_group, bias=False, device=device, dtype=dtype)
@@ -334,13 +353,18 @@ class GPT(nn.Module):
                                   self.cfg.rope_theta,
                                   self.cfg.rope_scaling)  # (..., T/cp, hd/2), fp32
         x = self.embed(tokens)  # (B, T/cp, d)
+        off = self.offload  # None, or the hooks moving what each layer keeps to the host
+        if off is not None:
+            off.keep(cos, sin)  # every layer's, on the device once
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:
                 x = layer(x, cos, sin, kv_cache.layer(i))
             elif self._checkpointed(i):  # keep only x; replay the block (and its CP attention) in backward
-                x = checkpoint(layer, x, cos, sin, None, cu_seqlens, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, cu_seqlens=cu_seqlens)
+                x = run_layer(off, checkpoint, layer, x, cos, sin, None, cu_seqlens,
+                              use_reentrant=False)
+            else:  # selective keeps x and the core's q, k, v, out, lse (offloaded); none, all
+                x = run_layer(off, layer, x, cos, sin, cu_seqlens=cu_seqlens,
+                              to_host=layer.selective)
         return self.final_norm(x)
 
     def head_weight(self) -> torch.Tensor:

@@ -44,6 +44,7 @@ from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.deepspeed_comm import init_deepspeed_comm
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
+from ctxpar.memory.offload import ActivationOffload, run_layer
 from ctxpar.pipeline import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                     gather_full_state_dict, parallel_lm_logits,
@@ -85,9 +86,11 @@ class BlockPipe(Block):
 
     def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, cp: ContextParallel,
                  backend: str, activation_checkpointing: str, every_n_layers: int,
-                 device=None, dtype=None):
+                 device=None, dtype=None, memory: Optional[MemoryConfig] = None,
+                 offload: Optional[ActivationOffload] = None):
         super().__init__(cfg, tp_group, cp, backend, activation_checkpointing == "selective",
-                         device, dtype)
+                         device, dtype, memory)
+        self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)
         self.gpt_prefix = f"layers.{layer_number}."
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
@@ -99,9 +102,11 @@ class BlockPipe(Block):
                                   self.rope_scaling)  # (..., T/cp, hd/2)
         cu = unpack_cu_seqlens(docs[0]) if docs else None
         block = partial(Block.forward, self, cu_seqlens=cu)
-        if self.recompute:  # keep only x; replay the block (and its CP attention) in backward
-            return (checkpoint(block, x, cos, sin, use_reentrant=False), positions, *docs)
-        return (block(x, cos, sin), positions, *docs)
+        if self.recompute:  # keep only x (and cos, sin); replay the block in backward
+            x = run_layer(self.offload, checkpoint, block, x, cos, sin, use_reentrant=False)
+        else:  # with offload, selective's saved tensors go to the host; none's stay
+            x = run_layer(self.offload, block, x, cos, sin, to_host=self.selective)
+        return (x, positions, *docs)
 
 
 class FinalNormPipe(nn.Module):
@@ -193,8 +198,10 @@ class GPTPipe(PipelineModule):
         else:
             first = LayerSpec(EmbeddingPipe, cfg, tp, **kw)
             last = LayerSpec(LMHeadPipe, cfg, tp, tiled_loss, **kw)
+        offload = ActivationOffload() if memory and memory.offload_activations else None
         blocks = [LayerSpec(BlockPipe, cfg, i, tp, cp, attention_backend,
-                            activation_checkpointing, every_n_layers, **kw)
+                            activation_checkpointing, every_n_layers, memory=memory,
+                            offload=offload, **kw)
                   for i in range(cfg.n_layers)]
         loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps, memory)
         # no_grad: DeepSpeed broadcasts the tied weights in place while building; with grad
@@ -206,6 +213,7 @@ class GPTPipe(PipelineModule):
                              activation_checkpoint_interval=0)  # checkpointing is per block
         self.cfg, self.tp_group = cfg, tp
         self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
+        self.offload = offload  # shared by this stage's blocks
         self.init_weights(seed)
 
     @classmethod

@@ -4,7 +4,10 @@ CI never has a GPU; these are what a session with one runs first:
     .venv/bin/python -m pytest -q -m gpu tests/test_gpu.py
 They check the per-block CUDA kernels (torch's flash / memory-efficient ops with LSE, and
 Dao's flash-attn when installed) against the fp32 math backend, including the non-square
-and causal-diagonal blocks the ring uses, and the GPT on CUDA in bf16.
+and causal-diagonal blocks the ring uses; every CP pattern's schedule on 4 simulated
+ranks on CUDA against the same schedule on the CPU (merges, accumulators, layouts); the
+fused LSE merge over many shapes; and the GPT on CUDA in bf16. tests/test_cuda_dry.py
+runs the same code paths on fake CUDA tensors in CI; tools/gpu_check.py runs this file.
 """
 import pytest
 import torch
@@ -18,7 +21,8 @@ pytestmark = pytest.mark.gpu
 
 CASES = [  # (L query rows, S key rows, causal): square diagonal, non-square (zigzag) blocks
     (128, 128, True), (128, 128, False), (64, 128, False), (128, 64, False)]
-HEADS = [(8, 2, 64), (8, 1, 80)]  # GQA with head_dim 64; MQA with 80 (padded to 8s inside)
+# GQA with head_dim 64; MQA with 100 and MHA with 60 (padded to 104 and 64 inside)
+HEADS = [(8, 2, 64), (8, 1, 100), (4, 4, 60)]
 
 
 def _inputs(L, S, H, Hkv, D, dtype, seed=0):
@@ -61,7 +65,7 @@ def _check_backend(backend, heads=HEADS) -> int:
 
 
 def test_sdpa_cuda_blocks_match_math():
-    assert _check_backend(SdpaBackend()) == 16  # 4 block shapes x 2 head configs x 2 dtypes
+    assert _check_backend(SdpaBackend()) == 24  # 4 block shapes x 3 head configs x 2 dtypes
 
 
 def _skip_unless_usable(backend):
@@ -73,7 +77,7 @@ def _skip_unless_usable(backend):
 def test_flash_attn_blocks_match_math():
     backend = FlashAttnBackend()
     _skip_unless_usable(backend)
-    assert _check_backend(backend) == 8  # bf16 only: 4 block shapes x 2 head configs
+    assert _check_backend(backend) == 12  # bf16 only: 4 block shapes x 3 head configs
 
 
 def test_flash_attn4_blocks_match_math():
@@ -85,7 +89,8 @@ def test_flash_attn4_blocks_match_math():
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 def test_ring_attention_one_rank_on_cuda_bf16(layout):
-    # P = 1: no communication, the full ring code path (merge, autograd Function) on CUDA.
+    # P = 1 against the true reference: the API, autograd Function and one kernel call
+    # (no merge; the simulated-ranks test below runs the merges and accumulators).
     q, k, v, dout = _inputs(256, 256, 8, 2, 64, torch.bfloat16, seed=1)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out, lse = ring_attention(q, k, v, causal=True, layout=layout, return_lse=True)
@@ -96,6 +101,61 @@ def test_ring_attention_one_rank_on_cuda_bf16(layout):
                                **tolerance(torch.bfloat16, want_out))
     torch.testing.assert_close(lse.cpu(), want_lse, **tolerance(torch.bfloat16, want_lse))
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def _simulated_rank(comm, layout, rank, world, x, backend):
+    """(out, lse, dq, dk, dv) of one rank of a simulated `world`-rank group (comm.NoComm:
+    the rank's own K,V stand in for every other rank's, the schedule is the real one)."""
+    from ctxpar.context_parallel import NoComm, context_parallel_attention
+    u = {"ring": 1, "allgather": 1, "ulysses": world, "hybrid": 2}[comm]
+    groups = dict(ulysses_group=NoComm(rank % u, u), ring_group=NoComm(rank // u, world // u)) \
+        if comm == "hybrid" else dict(cp_group=NoComm(rank, world))
+    q, k, v, dout = x
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = context_parallel_attention(q, k, v, comm=comm, causal=True, layout=layout,
+                                          backend=backend, return_lse=True, **groups)
+    return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("comm", ["ring", "allgather", "ulysses", "hybrid"])
+def test_every_pattern_on_simulated_ranks_matches_the_cpu(comm, layout):
+    """Each rank of a 4-rank group, simulated on this one GPU (bf16, the CUDA kernels, the
+    fused merge, fp32 accumulators, the layout's non-square and offset blocks), against
+    the same schedule on the CPU in fp32 (its sdpa kernel). One GPU cannot hold the ranks'
+    real exchange (NCCL refuses two ranks on one device); what differs from it is only
+    whose K,V a block sees, which the CPU tests check on gloo."""
+    world = 4
+    for rank in range(world):
+        x = _inputs(128, 128, 8, 2, 64, torch.bfloat16, seed=10 + rank)
+        got = _simulated_rank(comm, layout, rank, world, x, "auto")
+        want = _simulated_rank(comm, layout, rank, world,
+                               [t.float().cpu() for t in x], "sdpa")
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            assert a.is_cuda and a.shape == b.shape, (comm, layout, rank, name)
+            torch.testing.assert_close(a.float().cpu(), b, **tolerance(torch.bfloat16, b),
+                                       msg=lambda m: f"{comm} {layout} rank {rank} {name}: {m}")
+
+
+def test_fused_merge_over_many_shapes_stays_fused():
+    """The merge CUDA compiles, over 16 shapes and dtypes in one process (more than dynamo's
+    default recompile limit, 8): every result equals the eager merge, and the fused merge
+    neither turned itself off nor failed (with fullgraph=True it stopped after ~8 and
+    stayed eager for the rest of the process)."""
+    from ctxpar.context_parallel.merge import FusedMerge, merge_block_eager_
+    fused, gen = FusedMerge(), torch.Generator(device="cuda").manual_seed(0)
+    for B, L, H, dtype in [(b, l, 8, d) for b in (1, 2) for l in (1, 64, 200, 333)
+                           for d in (torch.bfloat16, torch.float32)]:
+        out = torch.randn(B, 2 * L, H, 64, device="cuda", generator=gen)
+        lse = torch.randn(B, H, 2 * L, device="cuda", generator=gen)
+        blk = torch.randn(B, L, H, 64, device="cuda", generator=gen).to(dtype)
+        blk_lse = torch.randn(B, H, L, device="cuda", generator=gen)
+        want_out, want_lse = out.clone(), lse.clone()
+        merge_block_eager_(want_out[:, L:], want_lse[:, :, L:], blk, blk_lse)
+        fused(out[:, L:], lse[:, :, L:], blk, blk_lse)
+        # one fused kernel reorders the fp32 ops: ~1 ulp on values of order 1
+        torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=0, atol=1e-5)
+    assert fused.worked and not fused.disabled and fused.failures == 0
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flash_attn"])

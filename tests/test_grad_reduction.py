@@ -38,18 +38,20 @@ def _linear_steps(rank, world, cases):
     state = init_parallel_state(tp=1, cp=2, pp=1)  # world 4: cp2 x dp2
     init_deepspeed_comm()
     out = []
-    for stage, ctxpar_partitioning in cases:
+    for stage, ctxpar_partitioning, *bf16 in cases:
         model = torch.nn.Linear(3, 1, bias=False)
         with torch.no_grad():
             model.weight.copy_(torch.tensor([[1.0, 2.0, 3.0]]))
         ds_config = _ds_config(stage)
+        if bf16:
+            ds_config["bf16"] = {"enabled": True}
         if ctxpar_partitioning:
             partition_for_zero3(model, state, ds_config)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
                                           mpu=DeepSpeedMPU(state))
         # Each rank's loss has gradient x_r = (rank+1) * [1, 10, 100] w.r.t. the weight.
-        x = torch.tensor([[1.0, 10.0, 100.0]]) * (rank + 1)
+        x = torch.tensor([[1.0, 10.0, 100.0]], dtype=engine.module.weight.dtype) * (rank + 1)
         engine.backward(engine(x).sum())
         engine.step()
         if stage == 3:
@@ -57,6 +59,8 @@ def _linear_steps(rank, world, cases):
             w = safe_get_full_fp32_param(engine.module.weight)  # gathered over its partition
             partition_ranks = torch.distributed.get_process_group_ranks(
                 engine.module.weight.ds_process_group)
+            if bf16:  # the partition DeepSpeed computes with is bf16, as at stages 0-2
+                partition_ranks = (partition_ranks, engine.module.weight.ds_tensor.dtype)
         else:
             w, partition_ranks = engine.module.weight.detach(), None
         out.append((grad_divisor(state, ds_config), w.clone(), partition_ranks))
@@ -72,7 +76,7 @@ W0 = torch.tensor([[1.0, 2.0, 3.0]])
 @pytest.fixture(scope="module")
 def linear_steps():
     """Every stage with ctxpar's setup, then ZeRO-3 left to DeepSpeed: one spawn."""
-    cases = [(stage, True) for stage in STAGES] + [(3, False)]
+    cases = [(stage, True) for stage in STAGES] + [(3, False), (3, True, "bf16")]
     return run_distributed(_linear_steps, 4, cases, timeout=300)
 
 
@@ -90,10 +94,20 @@ def test_deepspeed_reduction_matches_grad_divisor(linear_steps, i, stage):
             assert partition_ranks == [0, 1, 2, 3]  # dp x cp
 
 
+def test_zero3_bf16_partitions_train_in_bf16(linear_steps):
+    # zero.Init(module=) does not cast and the engine skips casting ZeRO-3 parameters:
+    # partition_for_zero3 casts first, or bf16 ZeRO-3 would train fp32 weights.
+    for _, _, out in linear_steps:
+        _, w, (partition_ranks, dtype) = out[-1]
+        assert partition_ranks == [0, 1, 2, 3] and dtype == torch.bfloat16
+        # Every term is a small integer times a power of two: exact in bf16 too.
+        torch.testing.assert_close(w, W0 - sum(G) / 4, rtol=0, atol=0)
+
+
 def test_zero3_left_to_deepspeed_never_reduces_over_cp(linear_steps):
     # The root cause, reproduced: DeepSpeed 0.19.8 converts the parameters itself over
     # mpu.get_data_parallel_group() (DP only), and reduce-scatters over that group.
-    last = [out[-1] for _, _, out in linear_steps]
+    last = [out[-2] for _, _, out in linear_steps]
     assert [partition_ranks for _, _, partition_ranks in last] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     # Each CP rank applies the mean over DP of its own tokens' gradients only: the two CP
     # ranks of a DP replica hold different models after one step.

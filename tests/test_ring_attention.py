@@ -175,8 +175,8 @@ def test_fused_merge_equals_the_eager_merge():
     eager reference, compiled here for the CPU: rows with no key yet (-inf), fp32 and bf16
     blocks, a strided view of the accumulators (a zigzag half). Fusion reorders fp32 ops
     (sigmoid/lerp in registers), so equal to ~1 ulp: atol 1e-6 on values of order 1."""
-    from ctxpar.context_parallel.merge import merge_block_eager_
-    fused = torch.compile(merge_block_eager_, fullgraph=True)
+    from ctxpar.context_parallel.merge import FusedMerge, merge_block_eager_
+    fused = FusedMerge()  # what merge_block_ runs on CUDA, compiled here for the CPU
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
         out = torch.randn(2, 16, 4, 8, generator=gen)
@@ -190,6 +190,7 @@ def test_fused_merge_equals_the_eager_merge():
         merge_block_eager_(want_out[:, :8], want_lse[:, :, :8], blk_out, blk_lse)
         fused(out[:, :8], lse[:, :, :8], blk_out, blk_lse)
         torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=0, atol=1e-6)
+    assert fused.worked and not fused.disabled  # compiled, not the eager fallback
 
 
 def _flash_v23(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
@@ -229,7 +230,8 @@ def test_flash_attn_adapter_follows_the_signature(fwd):
 
 def _fa4_fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False, pack_gqa=None):
     assert return_lse and q.stride(-1) == 1
-    return MathBackend().forward(q, k, v, causal, softmax_scale)
+    out, lse = MathBackend().forward(q, k, v, causal, softmax_scale)
+    return out, lse, None, None  # 4.0.0.beta19 on: (out, lse, p, row_max)
 
 
 def _fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0):
@@ -238,8 +240,9 @@ def _fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=
 
 def test_flash_attn4_adapter_follows_its_interface():
     """FlashAttention-4's calling convention (flash_attn.cute.interface: forward returns
-    (out, lse) with return_lse, backward takes (q, k, v, out, dout, lse) and returns the
-    gradients at k's heads), with stand-ins; and the shapes it refuses."""
+    (out, lse, p, row_max) with return_lse since 4.0.0.beta19, backward takes (q, k, v,
+    out, dout, lse) and returns the gradients at k's heads), with stand-ins; and the
+    shapes it refuses. tests/cuda_dry_cases.py runs it on CUDA tensors."""
     be = FlashAttn4Backend(_fa4_fwd, _fa4_bwd, device_types=("cpu",))
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 8, h, 64, generator=gen).to(torch.bfloat16)

@@ -106,10 +106,13 @@ def _doc_ring_steps(layout, causal, S, world, key) -> int:
 def _kernel_for(kernel, blk, q: torch.Tensor):
     """(kernel, its mask keyword) for one block: a documents.DocBlock's explicit mask, on
     the math kernel where `kernel` takes none (kernels.block_kernel); plain Blocks have no
-    mask and keep `kernel`."""
+    mask and keep `kernel`. The plan, mask included, is made on the host (documents.py);
+    the mask goes to q's device here, where the host plan meets the device kernel (a
+    host-to-device copy of the rare masked block's (L, S) bools, no synchronisation)."""
     mask = getattr(blk, "mask", None)
     if mask is None:
         return kernel, {}
+    mask = mask.to(q.device, non_blocking=True)
     return block_kernel(kernel, q, masked=True), {"mask": mask}
 
 

@@ -26,7 +26,8 @@ so the kernels evaluate ~sum over documents of len^2/2 pairs instead of n^2/2.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+import weakref
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -197,7 +198,27 @@ def pack_cu_seqlens(cus, seq_len: int) -> torch.Tensor:
     return out
 
 
+# The last packed tensor unpacked (a weak reference and its version counter, which any
+# in-place write bumps) and its boundaries: every block of a pipeline stage gets the same
+# tensor object for a micro-batch (models/gpt_pipe.py passes it along unchanged; DeepSpeed
+# 0.19.8 clones what it loads or receives, so each micro-batch brings a new object).
+_last_unpacked: Tuple[Optional[weakref.ref], int, List[torch.Tensor]] = (None, 0, [])
+
+
 def unpack_cu_seqlens(packed: torch.Tensor) -> List[torch.Tensor]:
-    """pack_cu_seqlens's inverse: the list of B int32 boundary tensors."""
-    packed = packed.cpu()
-    return [row[row >= 0] for row in packed]
+    """pack_cu_seqlens's inverse: the list of B int32 boundary tensors, on the host.
+
+    A packed tensor on a GPU costs one blocking device-to-host copy, so it is made once per
+    tensor, not once per layer: the result for the last tensor seen is kept (the blocks of
+    a stage run one micro-batch's forward one after another; a recomputed block reuses the
+    boundaries it was given). A stage still pays one copy per micro-batch: DeepSpeed's
+    pipeline hands a stage its inputs as device tensors.
+    """
+    global _last_unpacked
+    ref, version, cus = _last_unpacked
+    if ref is not None and ref() is packed and version == packed._version:
+        return cus
+    host = packed.cpu()
+    cus = [row[row >= 0] for row in host]
+    _last_unpacked = (weakref.ref(packed), packed._version, cus)
+    return cus

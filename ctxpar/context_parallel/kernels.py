@@ -74,9 +74,10 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _mask_bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """(L, S) bool visible-mask -> the additive (L, S) bias in q's dtype the CPU flash op
-    takes (it refuses bool masks). Masks reach only the CPU kernels: api.py refuses
-    document masking elsewhere before any communication."""
-    return torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+    takes (it refuses bool masks). Only the CPU sdpa kernel takes a mask this way; on
+    other devices and backends a masked block goes to the math kernel (block_kernel)."""
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~mask, float("-inf"))
 
 
 def _pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
@@ -302,8 +303,10 @@ class FlashAttnBackend:
         qp, kp, vp = (last_dim_contiguous(_pad_head_dim(x)) for x in (q, k, v))
         res = _call_by_signature(self._load()[0], dict(q=qp, k=kp, v=vp,
                                                        **self._options(causal, scale)))
-        # <= 2.5: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
-        # >= 2.6: (out, lse, S_dmask, rng_state)
+        # <= 2.6 (plain functions): (out, q, k, v, out_padded, softmax_lse, S_dmask,
+        #   rng_state); >= 2.7 (the torch.library op flash_attn::_flash_attn_forward):
+        #   (out, softmax_lse, S_dmask, rng_state). flash_attn/flash_attn_interface.py at
+        #   v2.5.9.post1, v2.6.3 and v2.7.0..v2.8.3.
         out, lse = res[0], (res[5] if len(res) == 8 else res[1])
         return out[..., :D], lse[..., :L].float().contiguous()
 
@@ -321,9 +324,13 @@ class FlashAttnBackend:
 class FlashAttn4Backend(FlashAttnBackend):
     """FlashAttention-4 (flash-attn-4: ``flash_attn.cute.interface``), CUDA sm90+.
 
-    Its forward returns (out, lse) with ``return_lse=True`` and its backward takes
-    (q, k, v, out, dout, lse) and returns (dq, dk, dv) at k's heads (native GQA); both
-    take (B, S, H, D) with only the last dim contiguous, like flash-attn 2.
+    ``_flash_attn_fwd(q, k, v, ..., softmax_scale, causal, ..., return_lse=True)`` returns
+    (out, lse) up to 4.0.0.beta18 and (out, lse, p, row_max) from 4.0.0.beta19 on (p and
+    row_max are None unless it is asked for gathered-KV scores); lse is (B, H, L) fp32.
+    ``_flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, ...)`` returns
+    (dq, dk, dv) at k's heads (native GQA). Both take (B, S, H, D) with only the last dim
+    contiguous, like flash-attn 2 (flash_attn/cute/interface.py, tags fa4-v4.0.0.beta18,
+    beta19 and beta27).
     """
 
     name = "flash_attn4"
@@ -347,8 +354,9 @@ class FlashAttn4Backend(FlashAttnBackend):
 
     def forward(self, q, k, v, causal, scale):
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        out, lse = _call_by_signature(self._load()[0], dict(
+        res = _call_by_signature(self._load()[0], dict(
             q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True))
+        out, lse = res[0], res[1]  # beta19+ returns (out, lse, p, row_max), before (out, lse)
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):

@@ -8,7 +8,7 @@ running fp32 (out, lse) pair with ``merge_block_`` (seed 001; ring-flash-attenti
 from __future__ import annotations
 
 import logging
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -41,23 +41,62 @@ def merge_block_eager_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Te
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
-_compiled = None  # torch.compile of the eager merge: built on first CUDA use
+class FusedMerge:
+    """The eager merge compiled by torch.compile into one kernel (same fp32 math, the block
+    upcast inside the kernel), or the eager merge where it cannot be.
+
+    Every (block length, batch, dtype, stride) a run meets is a configuration dynamo may
+    compile. dynamic=True: block lengths and strides are symbolic from the first call, so
+    what recompiles is the dtype and a dimension of size 1 (a handful per run). Not
+    fullgraph: past dynamo's recompile limit (8 unless this torch takes a limit per call,
+    then 64) a new configuration runs eagerly while the compiled ones keep running.
+    (fullgraph=True made the limit an error, and that error turned the merge eager for
+    the rest of the process.) A compiler that fails before its first success (no triton,
+    no C++ compiler) makes the merge eager for good, said once.
+    """
+
+    def __init__(self, backend: str = "inductor", recompile_limit: int = 64):
+        import inspect
+        kw = dict(dynamic=True, backend=backend)
+        if "recompile_limit" in inspect.signature(torch.compile).parameters:  # newer torch
+            kw["recompile_limit"] = recompile_limit
+        self.fn = torch.compile(merge_block_eager_, **kw)
+        self.worked = False      # a call went through the compiled function
+        self.disabled = False    # the compiler failed before any success: eager from now on
+        self.failures = 0        # calls that fell back to eager after a success
+
+    def __call__(self, out, lse, block_out, block_lse) -> None:
+        if self.disabled:
+            return merge_block_eager_(out, lse, block_out, block_lse)
+        try:
+            self.fn(out, lse, block_out, block_lse)
+            self.worked = True
+        except torch.OutOfMemoryError:
+            raise  # the run is out of memory, not the compiler out of luck
+        except Exception as e:  # compilation fails before anything is written
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if not self.worked:
+                self.disabled = True
+                log.warning("fused LSE merge unavailable, merging eagerly (%s)", why)
+            else:
+                if not self.failures:
+                    log.warning("fused LSE merge failed on a new shape or dtype, merging it "
+                                "eagerly (%s); the compiled ones stay in use", why)
+                self.failures += 1
+            merge_block_eager_(out, lse, block_out, block_lse)
+
+
+_fused: Optional[FusedMerge] = None  # built on the first CUDA merge
 
 
 def merge_block_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
                  block_lse: torch.Tensor) -> None:
-    """The merge above; on CUDA fused into one kernel by torch.compile (same fp32 math, the
-    block upcast inside the kernel). On CPU the eager merge: measured faster there
-    (docs/benchmarks.md: inductor's CPU code for it was 3-5x slower than eager)."""
-    global _compiled
-    if not out.is_cuda or _compiled is False:
+    """The merge above; on CUDA fused into one kernel (FusedMerge). On CPU the eager merge:
+    measured faster there (docs/benchmarks.md: inductor's CPU code for it was 3-5x slower
+    than eager)."""
+    global _fused
+    if not out.is_cuda:
         return merge_block_eager_(out, lse, block_out, block_lse)
-    if _compiled is None:
-        _compiled = torch.compile(merge_block_eager_, fullgraph=True)
-    try:
-        _compiled(out, lse, block_out, block_lse)
-    except Exception as e:  # no triton, no compiler: say so once, then merge eagerly
-        log.warning("fused LSE merge unavailable, merging eagerly (%s: %s)",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        _compiled = False
-        merge_block_eager_(out, lse, block_out, block_lse)
+    if _fused is None:
+        _fused = FusedMerge()
+    _fused(out, lse, block_out, block_lse)
