@@ -80,6 +80,17 @@ def rank_entry(out_dir: str, argv) -> int:
     import torch
     targets = [(DeepSpeedEngine, n, n) for n in ("forward", "backward", "step")]
     targets.append((torch.optim.AdamW, "step", "adam"))
+    def offload_stats(engine):  # the activation offloader's counters, if the model has one
+        off = getattr(engine.module, "offload", None)
+        if off is not None:
+            rec.offload = off.stats()
+    orig_step = DeepSpeedEngine.step
+
+    def step_and_count(self, *a, **k):
+        out = orig_step(self, *a, **k)
+        offload_stats(self)
+        return out
+    DeepSpeedEngine.step = step_and_count
     for cls, attr, name in targets:
         orig = getattr(cls, attr)
 
@@ -93,7 +104,8 @@ def rank_entry(out_dir: str, argv) -> int:
     rc = train.main(argv)
     rec.mark("end")
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump({"peaks": rec.peaks, "at_end": rec.at_end}, f)
+        json.dump({"peaks": rec.peaks, "at_end": rec.at_end,
+                   "offload": getattr(rec, "offload", None)}, f)
     return rc
 
 
@@ -126,6 +138,18 @@ LAYOUTS = {  # name: --set overrides
                                     "train.global_batch_size=1",
                                     "deepspeed.zero_optimization.stage=3"],
     "logits: cp2, vocab 32000": ACT + ["model.n_layers=2", "model.vocab_size=32000"],
+    "logits: cp2, vocab 32000, tiled loss": ACT + ["model.n_layers=2",
+                                                   "model.vocab_size=32000",
+                                                   "memory.tiled_loss=true"],
+    "activations: cp2 ring, none, tiled MLP": ACT + ["model.n_layers=4",
+                                                     "memory.tiled_mlp=true"],
+    "activations: cp2 ring, full, activation offload": ACT + [
+        "model.n_layers=8", "checkpointing.activation=full",
+        "memory.offload_activations=true"],
+    "model state: dp2 z1, optimizer offload": STATE + [
+        "parallel.cp=1", "parallel.dp=2", "train.global_batch_size=2",
+        "deepspeed.zero_optimization.stage=1",
+        "deepspeed.zero_optimization.offload_optimizer.device=cpu"],
 }
 
 
@@ -149,7 +173,8 @@ def run(sets, nproc: int, port: int = 29657):
 
 
 def predict(sets, nproc: int):
-    """The start line's memory per rank on this machine (device 'cpu') and its phase."""
+    """The start line's memory per rank on this machine (device 'cpu') and its phase;
+    with offloads host and device are this one RAM: Memory.same_ram adds the host's."""
     import torch
     from ctxpar.config import load_config
     from ctxpar.plan.cluster import Cluster
@@ -170,9 +195,14 @@ def measure(name, sets, nproc):
         rows.append((peak - b, phase))
     measured, phase = max(rows)
     pred, pred0 = predict(sets, nproc), predict(sets + NEGLIGIBLE, nproc)
-    return dict(name=name, measured=measured, predicted=pred.peak - pred0.peak,
-                predicted_phase=pred.peak_phase, measured_phase=phase,
-                ranks=[r[0] for r in rows], phases={p.name: p.total for p in pred.phases})
+    out = dict(name=name, measured=measured, predicted=pred.same_ram() - pred0.same_ram(),
+               predicted_phase=pred.peak_phase, measured_phase=phase,
+               ranks=[r[0] for r in rows], phases={p.name: p.total for p in pred.phases},
+               device=pred.peak, host=pred.host_total)
+    counters = [r.get("offload") for r in big if r.get("offload")]
+    if counters:  # the offloader's own count of host bytes and restored device bytes
+        out["offload"] = max(counters, key=lambda c: c["peak_host_bytes"])
+    return out
 
 
 def main():
