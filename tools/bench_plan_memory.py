@@ -13,10 +13,15 @@ when freed), so the resident set follows the live tensors.
 What is measured, per rank: the resident set's high-water mark (VmHWM of
 /proc/self/status), read and reset (`echo 5 > /proc/self/clear_refs`) at the boundaries
 of DeepSpeed's engine.forward / backward / step, so each phase has its own peak; the
-rank's peak is the largest (equal to what resource.getrusage's ru_maxrss would say
-without the resets, which is what train.py logs as peak_mem_bytes on CPU). The layout's
+rank's peak is the largest over the training steps (the imports before and the final
+evaluation and teardown after are left out: the planner models a step; with them it is
+what resource.getrusage's ru_maxrss says, train.py's peak_mem_bytes on CPU). The layout's
 figure is max over ranks of (peak - the negligible run's peak on the same rank): the
 interpreter, torch, DeepSpeed and gloo are in both and cancel.
+
+Offloads: on CPU the "host" copies are in the same RAM, so the figure compared is the
+prediction's device + host bytes at each phase (Memory.same_ram); the offloader's own
+counters (host bytes, restored device bytes) are recorded beside it.
 
 What is predicted: ctxpar.plan.startup's numbers for that config on device 'cpu' (the
 start line train.py prints), minus its prediction for the negligible run.
@@ -189,9 +194,11 @@ def measure(name, sets, nproc):
     """(measured, predicted, predicted phase, measured phase): above the negligible run."""
     big, base = run(sets, nproc), run(sets + NEGLIGIBLE, nproc)
     rows = []
+    def training(peaks):  # the steps: not the imports, nor the final eval and teardown
+        return {k: v for k, v in peaks.items() if k not in ("import", "end")}
     for r in range(nproc):
-        b = max(base[r]["peaks"].values())
-        phase, peak = max(big[r]["peaks"].items(), key=lambda kv: kv[1])
+        b = max(training(base[r]["peaks"]).values())
+        phase, peak = max(training(big[r]["peaks"]).items(), key=lambda kv: kv[1])
         rows.append((peak - b, phase))
     measured, phase = max(rows)
     pred, pred0 = predict(sets, nproc), predict(sets + NEGLIGIBLE, nproc)

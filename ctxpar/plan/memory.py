@@ -44,6 +44,7 @@ DEFAULT_REDUCE_BUCKET = int(5e8)  # DeepSpeed's reduce_bucket_size default (elem
 class Phase:
     name: str
     terms: Dict[str, float]
+    host: float = 0.0   # offloaded activations on the host meanwhile (bytes)
 
     @property
     def total(self) -> float:
@@ -77,8 +78,9 @@ class Memory:
     def same_ram(self) -> float:
         """Device and host in one memory (a CPU machine): the largest phase with the host's
         bytes, the step's host temporaries with the step."""
-        return max(p.total + self.host_total + (self.host_step if p.name == "optimizer step"
-                                                else 0.0) for p in self.phases)
+        fixed = self.host_total - self.host.get("activations (offloaded)", 0.0)
+        return max(p.total + fixed + p.host + (self.host_step if p.name == "optimizer step"
+                                               else 0.0) for p in self.phases)
 
     def as_dict(self) -> Dict[str, float]:
         """The peak phase's terms."""
@@ -224,6 +226,11 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
     if L > 1:
         phases.append(layer_phase("backward (last block", 0, head_grads + (L - 1) * layer_p,
                                   0.0))
+    # Offloaded activations on the host: every block's from the end of the forward until
+    # the backward reaches it; at the last block only the two restored ones' copies remain.
+    off = host.get("activations (offloaded)", 0.0)
+    for ph in phases:
+        ph.host = sum(saved) if ph.name.startswith("backward (last") and off else off
     phases.append(Phase("gradient reduction", {**res, **st.reduction()}))
     phases.append(Phase("optimizer step", {**res, **st.step()}))
     return Memory(phases, host, host_step)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import replace
 from typing import List
 
@@ -121,7 +122,8 @@ def write_config(cfg, plan: Plan, path: str) -> str:
 
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(f"# written by python -m ctxpar.plan: {plan.layout.name()}\n")
+        f.write(f"# written by python -m ctxpar.plan: {plan.layout.name()}\n"
+                f"#   {' '.join(['python -m ctxpar.plan', *sys.argv[1:]])}\n")
         yaml.safe_dump(to_dict(apply_layout(cfg, plan.layout)), f, sort_keys=False)
     os.replace(tmp, path)
     return path

@@ -173,7 +173,7 @@ class ZeroState:
         if self.stage == 1:
             # grads moving into the bucket (their storage freed as they go), one flat copy
             # of the bucket; the partition exists from the second bucket on
-            grads = psi * e - (min(psi, B) * e if self.device == "cuda" else 0.0)
+            grads = psi * e - min(psi, B) * e
             return {"grads": grads + (part if psi > B else 0.0),
                     "buckets": self._bucket(psi), "reduction copy": min(psi, B) * e}
         last = psi - (psi // B) * B if psi > B else psi  # stage 2: the last bucket's
