@@ -354,7 +354,7 @@ def test_startup_line_and_its_two_warnings():
     line, warns = startup_report(cfg, GPUS["h100"], "h100 preset", 8, 8)
     assert len(warns) == 1 and "C = 16,384 tokens per step is below the 17,802" in warns[0]
     assert "network" in warns[0], warns
-    # An 8 GB device: the layout's ~11.7 GB per rank no longer fits.
+    # An 8 GB device: the layout's ~13.6 GB per rank no longer fits.
     small = GPUS["h100"].__class__("small", 989e12, 8e9, 450e9, 50e9)
     _, warns = startup_report(cfg, small, "small", 8, 8)
     assert any("exceeds the device's 8.0 GB" in w for w in warns), warns

@@ -91,28 +91,37 @@ def memory_lines(plan: Plan, cluster: Cluster) -> List[str]:
     return lines
 
 
-# What a term of the peak is, and what frees it (the planner's own knobs first).
+# What frees each term of the peak: (remedy, the Layout flag that is that remedy or None).
 REMEDIES = {
-    "activations": "activation checkpointing (full), memory.offload_activations, more CP",
-    "recompute": "a tiled MLP (the replayed block's (N, ffn) intermediates), more CP or TP",
-    "layer working set": "memory.tiled_mlp, more CP or TP (a block's (N, ffn) buffers)",
-    "block working set": "memory.tiled_mlp, more CP or TP",
-    "logits": "memory.tiled_loss, more TP (V/tp)",
-    "params": "more TP or PP, ZeRO-3 (parameters partitioned over dp x cp)",
-    "grads": "ZeRO-2/3 (gradients partitioned), smaller buckets",
-    "master": "offload_optimizer or a larger ZeRO group",
-    "optimizer": "offload_optimizer or a larger ZeRO group",
-    "buckets": "a smaller zero_optimization.reduce_bucket_size",
-    "activation grads": "more CP or TP (the residual stream's gradient, (N, d))",
-    "gathered params": "a smaller stage3_max_live_parameters",
+    "activations": [("memory.offload_activations", "offload_activations"),
+                    ("full checkpointing", None), ("more CP", None)],
+    "recompute": [("memory.tiled_mlp", "tiled_mlp"), ("more CP or TP", None)],
+    "layer working set": [("memory.tiled_mlp (smaller tiles)", None), ("more CP or TP", None)],
+    "block working set": [("memory.tiled_mlp", "tiled_mlp"), ("more CP or TP", None)],
+    "logits": [("memory.tiled_loss", "tiled_loss"), ("smaller loss tiles", None),
+               ("more TP (V/tp)", None)],
+    "params": [("more TP or PP", None), ("ZeRO-3 over a larger dp x cp", None)],
+    "grads": [("ZeRO-2/3", None), ("smaller buckets", None)],
+    "master": [("offload_optimizer", "offload_optimizer"), ("a larger ZeRO group", None)],
+    "optimizer": [("offload_optimizer", "offload_optimizer"), ("a larger ZeRO group", None)],
+    "grad partition": [("offload_optimizer", "offload_optimizer")],
+    "buckets": [("a smaller zero_optimization.reduce_bucket_size", None)],
+    "activation grads": [("more CP or TP (the residual stream's (N, d) gradient)", None)],
+    "gathered params": [("a smaller stage3_max_live_parameters", None)],
 }
 
 
 def what_frees(m, lay) -> str:
-    """One line: the peak phase's three largest terms and what would free each."""
+    """One line: the peak phase's three largest terms and what would free each (options
+    the layout already uses left out)."""
     top = sorted(m.as_dict().items(), key=lambda kv: -kv[1])[:3]
-    return "what fills it: " + "; ".join(
-        f"{k} {v / GB:.1f} GB ({REMEDIES.get(k, 'see docs/memory.md')})" for k, v in top)
+
+    def remedy(term):
+        ways = [text for text, flag in REMEDIES.get(term, [("see docs/memory.md", None)])
+                if not (flag and getattr(lay, flag))
+                and not (text == "full checkpointing" and lay.activation == "full")]
+        return ", ".join(ways) or "nothing the planner has left"
+    return "what fills it: " + "; ".join(f"{k} {v / GB:.1f} GB ({remedy(k)})" for k, v in top)
 
 
 def write_config(cfg, plan: Plan, path: str) -> str:

@@ -153,7 +153,16 @@ def search(cfg: Config, cluster: Cluster, top: Optional[int] = None, **eff) -> L
 
 
 def nothing_fits(plans: List[Plan], cluster: Cluster) -> str:
-    """One line: the smallest shortfall and what would close it."""
+    """One line: the smallest shortfall and what would close it (the device's, or the
+    host's when every layout that fits the device offloads more than the host holds)."""
+    device_ok = [p for p in plans if p.memory.peak <= MEMORY_MARGIN * cluster.gpu.memory]
+    if device_ok:
+        best = min(device_ok, key=lambda p: p.memory.host_total)
+        need = best.memory.host_total * cluster.gpus_per_node / HOST_MARGIN
+        return (f"nothing fits the host's {cluster.gpu.host_memory / 1e9:,.0f} GB per node: the "
+                f"layout that offloads least ({best.layout.name()}) needs {need / 1e9:,.0f} GB "
+                f"per node ({cluster.gpus_per_node} GPUs offloading); --host-memory, fewer "
+                f"offloads or more GPUs")
     best = min(plans, key=lambda p: p.memory.peak)
     need = best.memory.peak / MEMORY_MARGIN
     short = need - cluster.gpu.memory
@@ -161,5 +170,3 @@ def nothing_fits(plans: List[Plan], cluster: Cluster) -> str:
             f"layout ({best.layout.name()}) needs {need / 1e9:.1f} GB "
             f"({short / 1e9:.1f} GB short, {best.memory.peak_phase}); more GPUs "
             f"(--nodes {cluster.nodes * 2}), a larger GPU, or a shorter model.seq_len")
-
-
