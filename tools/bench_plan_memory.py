@@ -190,6 +190,14 @@ def predict(sets, nproc: int):
     return evaluate(cfg, own_layout(cfg, nproc), Cluster(1, nproc, gpu)).memory
 
 
+def predicted(sets, nproc: int) -> dict:
+    """The prediction's fields of a result (recomputed by --load: the model may move)."""
+    pred, pred0 = predict(sets, nproc), predict(sets + NEGLIGIBLE, nproc)
+    return dict(predicted=pred.same_ram() - pred0.same_ram(), predicted_phase=pred.peak_phase,
+                phases={p.name: p.total for p in pred.phases}, device=pred.peak,
+                host=pred.host_total)
+
+
 def measure(name, sets, nproc):
     """(measured, predicted, predicted phase, measured phase): above the negligible run."""
     big, base = run(sets, nproc), run(sets + NEGLIGIBLE, nproc)
@@ -201,11 +209,8 @@ def measure(name, sets, nproc):
         phase, peak = max(training(big[r]["peaks"]).items(), key=lambda kv: kv[1])
         rows.append((peak - b, phase))
     measured, phase = max(rows)
-    pred, pred0 = predict(sets, nproc), predict(sets + NEGLIGIBLE, nproc)
-    out = dict(name=name, measured=measured, predicted=pred.same_ram() - pred0.same_ram(),
-               predicted_phase=pred.peak_phase, measured_phase=phase,
-               ranks=[r[0] for r in rows], phases={p.name: p.total for p in pred.phases},
-               device=pred.peak, host=pred.host_total)
+    out = dict(name=name, measured=measured, measured_phase=phase, ranks=[r[0] for r in rows],
+               **predicted(sets, nproc))
     counters = [r.get("offload") for r in big if r.get("offload")]
     if counters:  # the offloader's own count of host bytes and restored device bytes
         out["offload"] = max(counters, key=lambda c: c["peak_host_bytes"])
@@ -222,6 +227,9 @@ def main():
     p.add_argument("--load", help="a --save file: the table without running")
     a = p.parse_args()
     results = json.load(open(a.load)) if a.load else {}
+    for name, r in results.items():  # the current model's predictions for old measurements
+        if name in LAYOUTS:
+            r.update(predicted(LAYOUTS[name], a.nproc))
     for name, sets in LAYOUTS.items():
         if a.only not in name or name in results:
             continue

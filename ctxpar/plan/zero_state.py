@@ -124,13 +124,14 @@ class ZeroState:
     def gathered(self) -> Dict[str, float]:
         """ZeRO-3 under the forward and backward: parameters gathered whole and kept while
         stage3_max_live_parameters allows (released before the step), and one coalesced
-        fetch's flat all-gather buffer (up to stage3_prefetch_bucket_size elements and the
-        block being fetched) from which torch.cat makes the parameters."""
+        fetch's flat all-gather buffer (stage3_prefetch_bucket_size elements, or the block
+        being fetched if larger) from which torch.cat makes the parameters (measured at
+        prefetch 5e7 and 4e7 elements: docs/benchmarks.md)."""
         if self.stage != 3:
             return {}
         psi, e = self.s.psi, self.e
         live = min(psi, max(int(self.z["stage3_max_live_parameters"]), self.s.layer))
-        fetch = min(psi, int(self.z["stage3_prefetch_bucket_size"]) + self.s.layer)
+        fetch = min(psi, max(int(self.z["stage3_prefetch_bucket_size"]), self.s.layer))
         return {"gathered params": live * e, "all-gather buffer": fetch * e}
 
     def host(self, step: bool = False) -> Dict[str, float]:
