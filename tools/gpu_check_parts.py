@@ -204,16 +204,19 @@ def planner_attention_bytes(comm: str, n: int, P: int, u: int, H: int, Hkv: int,
                             e: int) -> dict:
     """The planner's bytes for one attention layer on one CP rank: what it saves for
     backward (q, k, v, out, lse; ctxpar.plan.counts.attention_saved) and its working
-    buffers at the backward's peak (ctxpar.plan.memory.attention_buffers). The one place
-    this tool calls the planner (its API may move; adapt here)."""
+    buffers at the backward's peak beside dout, dq, dk, dv (ctxpar.plan.transients.
+    attention_backward, which counts the kernel's dq, dk, dv itself: they are taken off
+    here). The one place this tool calls the planner (its API may move; adapt here)."""
     from ctxpar.config import Config, ModelConfig
-    from ctxpar.plan import counts, memory
+    from ctxpar.plan import counts, transients
     from ctxpar.plan.layout import Layout
     cfg = Config(model=ModelConfig(vocab_size=256, seq_len=n, n_layers=1, d_model=H * D,
                                    n_heads=H, n_kv_heads=Hkv))
     lay = Layout(tp=1, cp=P, pp=1, dp=1, cp_comm=comm, ulysses=u, layout="zigzag")
-    return dict(saved=counts.attention_saved(counts.rank_shapes(cfg.model, lay), e, lay),
-                buffers=memory.attention_buffers(cfg, lay, e))
+    s = counts.rank_shapes(cfg.model, lay)
+    grads = s.N * (s.h + 2 * s.hk) * s.hd * e
+    return dict(saved=counts.attention_saved(s, e, lay),
+                buffers=transients.attention_backward(s, lay, e) - grads)
 
 
 def part_memory(a) -> dict:
