@@ -39,7 +39,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
-QUIET = ["train.eval_interval=0", "train.eval_samples=1", "logging.log_interval=1", "logging.wandb.mode=disabled",
+QUIET = ["train.eval_interval=0", "train.eval_samples=1", "logging.log_interval=1",
+         "logging.wandb.mode=disabled",
          "train.steps=2", "checkpointing.save_interval=0"]
 NEGLIGIBLE = ["model.d_model=16", "model.seq_len=128", "model.vocab_size=256",
               "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2",

@@ -2,16 +2,21 @@
 
     python -m ctxpar.plan --config configs/gpt7b_128k_3d.yaml --nodes 8 --gpu h100
     python tools/plan.py --config ... --explain 1 --write best.yaml --plot plan.png
+    python -m ctxpar.plan --config ... --nodes 1 --max-seq-len      # the longest context
 
 Every number comes from a formula in terms of shapes that a test holds against the code
 itself: parameters per rank (the TP layers' shapes), optimizer state per ZeRO stage
 (DeepSpeed's engine on CPU), activations per checkpointing mode (autograd's saved
-tensors), CP bytes per pattern (ctxpar.context_parallel.cp_stats). Time is FLOPs at a
+tensors), CP bytes per pattern (ctxpar.context_parallel.cp_stats), each phase's peak
+(the CPU allocator's live bytes, train.py's measured peak). Time is FLOPs at a
 stated efficiency plus the communication that cannot hide (docs/planner.md).
 
     cluster.py   GPU presets and the cluster (links inside and across nodes)
     counts.py    per-rank shapes, parameters, activation bytes, CP/TP/DP bytes
-    memory.py    memory per GPU by phase (ZeRO stage, checkpointing, attention buffers)
+    memory.py    memory per GPU by phase: forward, backward, reduction, optimizer step
+    zero_state.py  DeepSpeed's model state, buckets and Adam temporaries per phase
+    transients.py  what a layer holds without saving it (buffers, replay, logits)
+    longest.py   --max-seq-len: the longest seq_len over layouts and memory options
     timing.py    step time: compute, TP, CP (hidden or not, C vs F/B), bubble, DP
     search.py    every valid layout of a config on a cluster, modelled and ranked
     report.py    the ranked table, --explain, --write, --plot

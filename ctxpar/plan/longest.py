@@ -1,12 +1,13 @@
 """The longest model.seq_len a cluster can train: every layout and memory option, bisected.
 
     python -m ctxpar.plan --config configs/extend_llama3_8b_128k.yaml --set \
-        train.global_batch_size=1 --nodes 1 --gpus-per-node 8 --max-seq-len
+        train.global_batch_size=1 parallel.dp=1 --nodes 1 --gpus-per-node 8 --max-seq-len
 
 For each candidate layout (every TP x CP x PP x DP the config allows at micro-batch 1,
 each CP pattern, ZeRO stage and checkpointing mode; tiled loss and tiled MLP on, which
-only ever lower the peak, the MLP's and the loss's tiles 'auto' or d_model tokens (ALST's); each of the
-two offloads on and off, which move bytes to the host) the peak memory is affine in seq_len but for the few terms that saturate (buckets,
+only ever lower the peak, their tiles 'auto' or d_model tokens (ALST's); each of the two
+offloads on and off, which move bytes to the host; ``Allowed`` narrows them) the peak
+memory is affine in seq_len but for the few terms that saturate (buckets,
 tile sizes): two evaluations give a first guess, and a bisection over multiples of the
 layout's chunk count (num_chunks: 2 cp for zigzag, cp otherwise; config.validate's rule)
 settles the largest seq_len whose plan fits the device (less the 10% margin) and the host
@@ -32,13 +33,7 @@ MAX_SEQ = 1 << 40  # the bisection's ceiling (tokens)
 
 def with_seq_len(cfg: Config, seq_len: int) -> Config:
     """cfg with model.seq_len replaced (a shallow copy: the planner only reads it)."""
-    c = copy_shallow(cfg)
-    c.model = dataclasses.replace(cfg.model, seq_len=seq_len)
-    return c
-
-
-def copy_shallow(cfg: Config) -> Config:
-    return dataclasses.replace(cfg)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_len=seq_len))
 
 
 def unit(lay: Layout) -> int:

@@ -28,7 +28,6 @@ lives on the host but for two blocks' worth), optimizer offload (zero_state.py).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Dict, List
 
@@ -37,7 +36,6 @@ from . import counts, transients
 from .layout import Layout
 from .zero_state import Shard, ZeroState, zero_config
 
-DEFAULT_REDUCE_BUCKET = int(5e8)  # DeepSpeed's reduce_bucket_size default (elements)
 
 
 @dataclass
