@@ -77,6 +77,13 @@ def param_groups(model, weight_decay):
             {"params": other, "weight_decay": 0.0}]
 
 
+def offload_metrics(model) -> dict:
+    """memory.offload_activations: the most activation bytes this rank held on the host at
+    once so far (ctxpar/memory/offload.py's counters), for metrics.jsonl and wandb."""
+    off = getattr(model, "offload", None)
+    return {} if off is None else {"offload_host_bytes": off.stats()["peak_host_bytes"]}
+
+
 def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
     """One optimizer step without a pipeline: gas forward/backward passes, then the update.
 
@@ -243,7 +250,8 @@ def main(argv=None) -> int:
                         "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                         "tflops_per_device": tflops,
                         "mfu": tflops / peak if peak else None,
-                        "peak_mem_bytes": peak_memory_bytes(device)})
+                        "peak_mem_bytes": peak_memory_bytes(device),
+                        **offload_metrics(model)})
         logger.advance(step, loss, tokens_per_step / dt)
         eval_now = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
         if data.has_eval and (eval_now or step == cfg.train.steps):

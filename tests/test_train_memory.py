@@ -76,6 +76,9 @@ def test_memory_options_on_equal_the_options_off_run(single, runs, name):
     for s in got:
         assert abs(got_norm[s] - want_norm[s]) <= 1e-5 * want_norm[s], \
             (name, s, got_norm[s], want_norm[s])
+    # The offload really moved activations (a tensor under its 64 KiB floor stays put).
+    host = metric(d, "offload_host_bytes")
+    assert all(host[s] > 0 for s in got), (name, host)
     # Rank 0 says once, at the start, which options are on.
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("memory: ")]
     assert len(lines) == 1, proc.stdout[-3000:]
