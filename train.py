@@ -32,7 +32,7 @@ from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tf
 from ctxpar.parallel_state import (default_backend, init_distributed, init_parallel_state,
                                    launcher_env)
 from ctxpar.grad_norm import record_fp32_grad_norm
-from ctxpar.memory import optimizer as offload
+from ctxpar.memory import optimizer as optimizer_offload
 from ctxpar.plan.startup import print_prediction
 from ctxpar.zero import grad_divisor, partition_for_zero3
 
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     pipelined = cfg.parallel.pp > 1
     ds_config = deepspeed_config(cfg, state.dp_size)
     gas = ds_config["gradient_accumulation_steps"]
-    memory_line = offload.describe(cfg, ds_config, device)  # the memory options that are on
+    memory_line = optimizer_offload.describe(cfg, ds_config, device)  # the options that are on
     if rank0 and memory_line:
         print(memory_line, flush=True)
     model = gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device) if pipelined \
@@ -174,8 +174,8 @@ def main(argv=None) -> int:
     divisor = grad_divisor(state, ds_config, pipelined)
     # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
     # ctxpar/memory/optimizer.py)
-    optimizer = offload.build_optimizer(param_groups(model, cfg.train.weight_decay), cfg.train,
-                                        ds_config, device)
+    optimizer = optimizer_offload.build_optimizer(
+        param_groups(model, cfg.train.weight_decay), cfg.train, ds_config, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=ds_config,

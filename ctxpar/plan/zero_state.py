@@ -47,6 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict
 
+from ..memory.optimizer import offload_device
+
 ALLREDUCE_BUCKET = 500_000_000   # engine.py MEMORY_OPT_ALLREDUCE_SIZE: stage 0's flat copies
 
 # DeepSpeed's zero_optimization defaults (runtime/zero/config.py), used for keys a config
@@ -75,7 +77,8 @@ def zero_config(ds: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def optimizer_offloaded(z: Dict[str, Any]) -> bool:
-    return ((z.get("offload_optimizer") or {}).get("device") or "none") == "cpu"
+    """The optimizer on the host: train.py's own reading of the section."""
+    return offload_device({"zero_optimization": z}) == "cpu"
 
 
 class ZeroState:
