@@ -15,7 +15,11 @@ back to the rank that holds the token. Backward is the same two all-to-alls in r
 - Token order: rank i holds the layout's shard i (layouts.py), so the gathered tokens
   arrive as shard 0, shard 1, ...; ``layouts.ulysses_arrival_positions`` says where each
   belongs, and the unpacking puts them in ascending order (one index_select) so that a
-  plain causal kernel is exact; the output is put back in arrival order the same way.
+  plain causal kernel is exact; the output (and the backward's dq, dk, dv) goes back to
+  arrival order as it is packed (one index_copy_ per tensor into the send buffer).
+- Copies: at most one per tensor on each side of every all-to-all (the pack into, and the
+  unpack out of, its (u, s, B, h, D) message); on the gathered-sequence side none at all in
+  contiguous order at batch 1, where the message already is the (B, n, h, D) tensor.
 - Hybrid (hybrid.py) runs exactly this inside each ring rank, with the ring over the
   gathered shards as the ``inner`` attention instead of one local kernel.
 
@@ -59,15 +63,30 @@ def _unpack_to_sequence(recv: torch.Tensor, order: Optional[torch.Tensor], width
     return x.transpose(0, 1).split(list(widths), dim=2)
 
 
-def _pack_by_sequence(tensors: Sequence[torch.Tensor], arrival: Optional[torch.Tensor],
+def _pack_by_sequence(tensors: Sequence[torch.Tensor], order: Optional[torch.Tensor],
                       u: int) -> torch.Tensor:
     """(B, n, w_t, D) each, tokens ascending -> (u, n/u, B, sum w_t, D): piece i = rank i's
-    tokens (in the order that rank holds them)."""
-    x = torch.cat(list(tensors), dim=2) if len(tensors) > 1 else tensors[0]
-    B, n, h, D = x.shape
-    x = x.transpose(0, 1)  # (n, B, h, D)
-    x = x.index_select(0, arrival) if arrival is not None else x.contiguous()
-    return x.view(u, n // u, B, h, D)
+    tokens (in the order that rank holds them).
+
+    One copy per tensor, straight into its slot of the send buffer: ascending token j goes
+    to arrival slot order[j] (index_copy_, the inverse of the unpacking's index_select), so
+    neither a cat nor a reordered temporary is made. A single tensor in ascending order is
+    sent as it is when its (n, B, ...) transpose is already contiguous (batch 1).
+    """
+    B, n, _, D = tensors[0].shape
+    widths = [t.shape[2] for t in tensors]
+    if len(tensors) == 1 and order is None:
+        return tensors[0].transpose(0, 1).contiguous().view(u, n // u, B, widths[0], D)
+    send = tensors[0].new_empty(n, B, sum(widths), D)
+    o = 0
+    for t, w in zip(tensors, widths):
+        slot = send[:, :, o:o + w]
+        if order is None:
+            slot.copy_(t.transpose(0, 1))
+        else:
+            slot.index_copy_(0, order, t.transpose(0, 1))
+        o += w
+    return send.view(u, n // u, B, sum(widths), D)
 
 
 def _unpack_by_heads(recv: torch.Tensor, widths):
@@ -85,9 +104,9 @@ class SeqToHeads(torch.autograd.Function):
     """q (B, s, H, D), k, v (B, s, Hkv, D) -> (B, u*s, H/u, D), (B, u*s, Hkv'/u, D) x 2."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kv_heads, arrival, order):
+    def forward(ctx, q, k, v, group, kv_heads, order):
         u = group_rank_and_size(group)[1]
-        ctx.args, ctx.kv_in = (group, arrival, u), k.shape[2]
+        ctx.args, ctx.kv_in = (group, order, u), k.shape[2]
         k, v = expand_kv(k, kv_heads), expand_kv(v, kv_heads)  # replicas when Hkv % u
         recv = all_to_all(_pack_by_heads((q, k, v), u), group, "fwd")
         return _unpack_to_sequence(recv, order, (q.shape[2] // u, kv_heads // u,
@@ -95,36 +114,36 @@ class SeqToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        group, arrival, u = ctx.args
-        recv = all_to_all(_pack_by_sequence((dq, dk, dv), arrival, u), group, "bwd")
+        group, order, u = ctx.args
+        recv = all_to_all(_pack_by_sequence((dq, dk, dv), order, u), group, "bwd")
         dq, dk, dv = _unpack_by_heads(recv, (dq.shape[2], dk.shape[2], dv.shape[2]))
         # Replicated kv heads: sum the replicas' gradients in fp32 (a no-op without them).
         dk, dv = (reduce_kv_grad(g, ctx.kv_in).to(g.dtype) for g in (dk, dv))
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 class HeadsToSeq(torch.autograd.Function):
     """out (B, u*s, H/u, D), tokens ascending -> (B, s, H, D) of this rank's tokens."""
 
     @staticmethod
-    def forward(ctx, x, group, arrival, order):
+    def forward(ctx, x, group, order):
         u = group_rank_and_size(group)[1]
         ctx.args = (group, order, u)
-        recv = all_to_all(_pack_by_sequence((x,), arrival, u), group, "fwd")
+        recv = all_to_all(_pack_by_sequence((x,), order, u), group, "fwd")
         return _unpack_by_heads(recv, (x.shape[2],))[0]
 
     @staticmethod
     def backward(ctx, dout):
         group, order, u = ctx.args
         recv = all_to_all(_pack_by_heads((dout,), u), group, "bwd")
-        return _unpack_to_sequence(recv, order, (dout.shape[2] // u,))[0], None, None, None
+        return _unpack_to_sequence(recv, order, (dout.shape[2] // u,))[0], None, None
 
 
 @torch.no_grad()
-def _lse_to_sequence(lse: torch.Tensor, group, arrival) -> torch.Tensor:
+def _lse_to_sequence(lse: torch.Tensor, group, order) -> torch.Tensor:
     """lse (B, H/u, u*s) fp32, tokens ascending -> (B, H, s) of this rank's tokens."""
     u = group_rank_and_size(group)[1]
-    send = _pack_by_sequence((lse.transpose(1, 2).unsqueeze(-1),), arrival, u)
+    send = _pack_by_sequence((lse.transpose(1, 2).unsqueeze(-1),), order, u)
     recv = all_to_all(send, group, "fwd")
     return _unpack_by_heads(recv, (lse.shape[1],))[0].squeeze(-1).transpose(1, 2).contiguous()
 
@@ -142,7 +161,7 @@ def ulysses_attention(q, k, v, group, layout: str, inner: Callable, return_lse: 
     arrival = ulysses_arrival_positions(u * q.shape[1], u, layout, q.device)
     order = None if arrival is None else torch.argsort(arrival)
     kv_heads = ulysses_kv_heads(k.shape[2], u)
-    qh, kh, vh = SeqToHeads.apply(q, k, v, group, kv_heads, arrival, order)
+    qh, kh, vh = SeqToHeads.apply(q, k, v, group, kv_heads, order)
     out_h, lse_h = inner(qh, kh, vh)  # (B, u*s, H/u, D), (B, H/u, u*s)
-    out = HeadsToSeq.apply(out_h, group, arrival, order)
-    return out, (_lse_to_sequence(lse_h, group, arrival) if return_lse else None)
+    out = HeadsToSeq.apply(out_h, group, order)
+    return out, (_lse_to_sequence(lse_h, group, order) if return_lse else None)
