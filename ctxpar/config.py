@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
-from .parallel_state import parse_order, resolve_sizes
+from .distributed.parallel_state import parse_order, resolve_sizes
 from .context_parallel.api import CP_COMMS
 from .context_parallel.layouts import LAYOUTS, num_chunks
 
@@ -498,7 +498,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     except ValueError as e:
         err(str(e))
     if p.pp > 1:  # DeepSpeed's pipeline has one 'data' axis: dp x cp must be one block of ranks
-        from .pipeline import pipeline_axes
+        from .distributed.pipeline_parallel import pipeline_axes
         try:  # dp unknown ('auto' without a world size): assume it may exceed 1
             pipeline_axes(p.order, {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp or 2})
         except ValueError as e:
@@ -661,8 +661,9 @@ PREFETCH_MAX = 50_000_000      # DeepSpeed's stage3_prefetch_bucket_size default
 
 def zero_bucket_size(zero_group: int) -> int:
     """Elements per ZeRO bucket: Megatron-Core's max(4e7, 1e6 x D) over the ZeRO group
-    D = dp x cp (ctxpar/zero.py), at most DeepSpeed's 5e8. Larger groups get larger buckets
-    so the collectives stay bandwidth-bound, not latency-bound (Megatron's reason)."""
+    D = dp x cp (ctxpar/distributed/zero.py), at most DeepSpeed's 5e8. Larger groups get
+    larger buckets so the collectives stay bandwidth-bound, not latency-bound (Megatron's
+    reason)."""
     return min(max(BUCKET_MIN, BUCKET_PER_RANK * zero_group), BUCKET_MAX)
 
 
@@ -698,8 +699,9 @@ def deepspeed_config(cfg: Config, dp: int) -> Dict[str, Any]:
     DeepSpeed checks train_batch_size == micro * grad_accum * dp_world_size, where its
     dp world size comes from the mpu's data-parallel group (DP only; CP ranks share samples).
     With pp > 1 DeepSpeed's pipeline grid is the mpu and its data-parallel group is dp x cp
-    (ctxpar/pipeline.py), so it counts cp times the samples: train_batch_size is scaled by
-    cp for it; the samples per step are still train.global_batch_size.
+    (ctxpar/distributed/pipeline_parallel.py), so it counts cp times the samples:
+    train_batch_size is scaled by cp for it; the samples per step are still
+    train.global_batch_size.
     """
     ds = copy.deepcopy(cfg.deepspeed)
     ds["train_batch_size"] = cfg.train.global_batch_size * (

@@ -23,7 +23,7 @@ import warnings
 
 import pytest
 
-from ctxpar.parallel_state import free_port
+from ctxpar.distributed.parallel_state import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -104,7 +104,8 @@ def test_console_has_no_third_party_warnings(cp2dp2, runs):
     # all_gather_into_tensor inside the bar, and wandb one about a deprecated argument.
     console = (runs / "cp2dp2.console").read_text()
     assert "all_gather_into_tensor" not in console, console[-3000:]
-    assert "deepspeed_shm_comm" not in console, console[-3000:]  # ctxpar/deepspeed_comm.py
+    # ctxpar/distributed/deepspeed_comm.py
+    assert "deepspeed_shm_comm" not in console, console[-3000:]
     assert not re.search(r"\w+Warning\b|wandb: WARNING", console), console[-3000:]
 
 
@@ -171,7 +172,7 @@ def assert_same_run(run_dir, want_dir, steps):
 def single_run(run_dir):
     """One process on ZeRO-0, 20 steps: every layout's reference (the `single` fixture in
     conftest.py, shared by this module and test_train_memory.py). fp32: DeepSpeed records no
-    gradient norm on that engine; ctxpar does (ctxpar/grad_norm.py)."""
+    gradient norm on that engine; ctxpar does (ctxpar/distributed/grad_norm.py)."""
     run_train(run_dir, 1, ["parallel.cp=1", "parallel.dp=1", "parallel.tp=1",
                            "deepspeed.zero_optimization.stage=0", "logging.wandb.mode=disabled"])
     return run_dir

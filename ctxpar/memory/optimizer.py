@@ -37,8 +37,8 @@ the losses match the one-process run to 1.0e-7). Set ``zero_force_ds_cpu_optimiz
 false`` on GPUs for torch's AdamW on the host (bit-for-bit the device's arithmetic, slower).
 
 Bytes per rank that move to host (Psi = this rank's parameters, D = dp x cp the ZeRO
-group (ctxpar/zero.py), e = bytes of the training dtype, L = this rank's largest single
-parameter; measured on DeepSpeed's engine at cp2 x dp2, fp32 and bf16):
+group (ctxpar/distributed/zero.py), e = bytes of the training dtype, L = this rank's
+largest single parameter; measured on DeepSpeed's engine at cp2 x dp2, fp32 and bf16):
 
     ZeRO 1, 2    fp32 master 4 Psi/D + fp32 gradient partition 4 Psi/D + Adam m, v 8 Psi/D
                  + a copy of the weights' partition e Psi/D (the copy back) + e L (a
