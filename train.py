@@ -20,21 +20,22 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import checkpoint as ckpt
-from ctxpar.cli import add_launcher_args, fail, show_ctxpar_logs, warn
-from ctxpar.distributed.mpu import DeepSpeedMPU
+from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
+from ctxpar.components.known_warnings import filter_known_warnings
+from ctxpar.components.metrics import (MetricsLogger, StepTimer, WandbError,
+                                       device_peak_tflops, flops_per_token, init_wandb,
+                                       peak_memory_bytes)
 from ctxpar.config import (ConfigError, deepspeed_config, dump_config, load_config, to_dict,
                            ulysses_degree)
 from ctxpar.data import DataError, build_data, evaluate
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
-from ctxpar.known_warnings import filter_known_warnings
-from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tflops,
-                            flops_per_token, init_wandb, peak_memory_bytes)
+from ctxpar.distributed.grad_norm import record_fp32_grad_norm
+from ctxpar.distributed.mpu import DeepSpeedMPU
 from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
                                                init_parallel_state, launcher_env)
-from ctxpar.distributed.grad_norm import record_fp32_grad_norm
+from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
 from ctxpar.memory import optimizer as optimizer_offload
 from ctxpar.plan.startup import print_prediction
-from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
 
 EXIT_NON_FINITE = 3
 

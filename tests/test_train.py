@@ -110,7 +110,7 @@ def test_console_has_no_third_party_warnings(cp2dp2, runs):
 
 
 def test_known_warning_filters_are_narrow():
-    from ctxpar.known_warnings import filter_known_warnings
+    from ctxpar.components.known_warnings import filter_known_warnings
     msg = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use ..."
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
