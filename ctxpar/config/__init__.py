@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
-from .distributed.parallel_state import parse_order, resolve_sizes
-from .context_parallel.api import CP_COMMS
-from .context_parallel.layouts import LAYOUTS, num_chunks
+from ..distributed.parallel_state import parse_order, resolve_sizes
+from ..context_parallel.api import CP_COMMS
+from ..context_parallel.layouts import LAYOUTS, num_chunks
 
 
 class ConfigError(ValueError):
@@ -498,7 +498,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     except ValueError as e:
         err(str(e))
     if p.pp > 1:  # DeepSpeed's pipeline has one 'data' axis: dp x cp must be one block of ranks
-        from .distributed.pipeline_parallel import pipeline_axes
+        from ..distributed.pipeline_parallel import pipeline_axes
         try:  # dp unknown ('auto' without a world size): assume it may exceed 1
             pipeline_axes(p.order, {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp or 2})
         except ValueError as e:
@@ -546,14 +546,14 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     if cfg.data.kind == "passkey":
         if not 1 <= cfg.data.passkey_digits <= 6:
             err(f"data.passkey_digits={cfg.data.passkey_digits} must be in 1..6")
-        from .data.passkey import min_seq_len  # the needle + question + key must fit
+        from ..data.passkey import min_seq_len  # the needle + question + key must fit
         if m.seq_len < min_seq_len(cfg.data.passkey_digits):
             err(f"model.seq_len={m.seq_len} is too short for data.kind='passkey' with "
                 f"{cfg.data.passkey_digits} digits (needs >= "
                 f"{min_seq_len(cfg.data.passkey_digits)})")
         if m.vocab_size < 256:
             err(f"model.vocab_size={m.vocab_size} < 256: data.kind='passkey' is byte-level")
-        from .data.passkey import min_packed_seq_len
+        from ..data.passkey import min_packed_seq_len
         need = min_packed_seq_len(cfg.data.passkey_digits, cfg.data.passkey_docs)
         if cfg.data.passkey_docs < 1 or m.seq_len < need:
             err(f"data.passkey_docs={cfg.data.passkey_docs} must be >= 1 and fit in "
