@@ -245,7 +245,7 @@ def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
     (["parallel.tp=3"], "is not divisible by parallel.tp=3"),
     (["data.kind=tokens", "data.path=/nonexistent/corpus"], "/nonexistent/corpus.bin does not exist"),
     (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
-    # memory options (issue 22) and the ZeRO-Offload refusals (ctxpar/config.py)
+    # memory options (issue 22) and the ZeRO-Offload refusals (ctxpar/config/validation.py)
     (["memory.loss_tile_tokens=0"], "memory.loss_tile_tokens=0 must be 'auto' or an integer >= 1"),
     (["memory.offload_activations=true"], "memory.offload_activations=true needs "
                                           "checkpointing.activation 'full', 'selective' or"),
