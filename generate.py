@@ -26,15 +26,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from ctxpar.cli import add_launcher_args, fail, show_ctxpar_logs
+from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs
+from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.config import ConfigError
 from ctxpar.data import DataError, build_source, load_tokenizer
-from ctxpar.known_warnings import filter_known_warnings
+from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
+                                               init_parallel_state, launcher_env)
 from ctxpar.inference import SamplingParams, check_prompts, generate
 from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
                                          load_run_config, load_weights_)
-from ctxpar.parallel_state import (default_backend, init_distributed, init_parallel_state,
-                                   launcher_env)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -20,21 +20,22 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import checkpoint as ckpt
-from ctxpar.cli import add_launcher_args, fail, show_ctxpar_logs, warn
-from ctxpar.mpu import DeepSpeedMPU
+from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
+from ctxpar.components.known_warnings import filter_known_warnings
+from ctxpar.components.metrics import (MetricsLogger, StepTimer, WandbError,
+                                       device_peak_tflops, flops_per_token, init_wandb,
+                                       peak_memory_bytes)
 from ctxpar.config import (ConfigError, deepspeed_config, dump_config, load_config, to_dict,
                            ulysses_degree)
 from ctxpar.data import DataError, build_data, evaluate
-from ctxpar.deepspeed_comm import init_deepspeed_comm
-from ctxpar.known_warnings import filter_known_warnings
-from ctxpar.metrics import (MetricsLogger, StepTimer, WandbError, device_peak_tflops,
-                            flops_per_token, init_wandb, peak_memory_bytes)
-from ctxpar.parallel_state import (default_backend, init_distributed, init_parallel_state,
-                                   launcher_env)
-from ctxpar.grad_norm import record_fp32_grad_norm
+from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
+from ctxpar.distributed.grad_norm import record_fp32_grad_norm
+from ctxpar.distributed.mpu import DeepSpeedMPU
+from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
+                                               init_parallel_state, launcher_env)
+from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
 from ctxpar.memory import optimizer as optimizer_offload
 from ctxpar.plan.startup import print_prediction
-from ctxpar.zero import grad_divisor, partition_for_zero3
 
 EXIT_NON_FINITE = 3
 
@@ -87,7 +88,8 @@ def offload_metrics(model) -> dict:
 def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
     """One optimizer step without a pipeline: gas forward/backward passes, then the update.
 
-    divisor: what DeepSpeed divides the gradient summed over dp x cp by (ctxpar/zero.py).
+    divisor: what DeepSpeed divides the gradient summed over dp x cp by
+    (ctxpar/distributed/zero.py).
     Returns the global token-mean loss (models/loss.py; with pp > 1, models/gpt_pipe.py).
     """
     from models.loss import global_mean_loss, loss_for_backward
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
     state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp,
                                 dp=cfg.parallel.dp, order=cfg.parallel.order,
                                 ulysses=ulysses_degree(cfg.parallel))
-    init_deepspeed_comm()  # without DeepSpeed's CPU shm op (ctxpar/deepspeed_comm.py)
+    init_deepspeed_comm()  # without DeepSpeed's CPU shm op (distributed/deepspeed_comm.py)
     rank0 = dist.get_rank() == 0
     show_ctxpar_logs(rank0)  # e.g. the attention kernel 'auto' chose, and why
     if rank0:  # the planner's prediction for this layout, before anything is allocated
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
 
     # 3. The model (same init for every layout) and the DeepSpeed engine. With pp > 1 this
     #    rank builds its pipeline stage and DeepSpeed's pipeline grid (derived from the same
-    #    order string, ctxpar/pipeline.py) is the mpu.
+    #    order string, ctxpar/distributed/pipeline_parallel.py) is the mpu.
     import deepspeed
     from models import gpt_pipe
     from models.gpt import GPT
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
         plan.configure(ds_config)  # a layout change loads DeepSpeed's universal format
     full = GPT(cfg.model, cp_group=state.cp_group, device=torch.device("meta"))  # shapes only
     n_params = sum(p.numel() for p in full.parameters())
-    partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (ctxpar/zero.py)
+    partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
     divisor = grad_divisor(state, ds_config, pipelined)
     # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
     # ctxpar/memory/optimizer.py)
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=ds_config,
                                            mpu=None if pipelined else DeepSpeedMPU(state))
-    record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (ctxpar/grad_norm.py)
+    record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (distributed/grad_norm.py)
     train_stream = data.train_stream(state)
 
     # 4. Resume, then record the run.

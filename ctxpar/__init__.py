@@ -2,7 +2,7 @@
 
 The public API only; see README.md and docs/parallelism.md.
 """
-from .parallel_state import (
+from .distributed.parallel_state import (
     ParallelState,
     destroy_parallel_state,
     get_parallel_state,
@@ -10,7 +10,7 @@ from .parallel_state import (
     init_parallel_state,
     rank_grid,
 )
-from .mpu import DeepSpeedMPU
+from .distributed.mpu import DeepSpeedMPU
 from .data import (DataError, PasskeyTask, SampleStream, build_data, build_sample_stream,
                    passkey_accuracy, evaluate, shard_batch)
 from .context_parallel import (CP_COMMS, ContextParallel, CPStats, RingStats,

@@ -42,10 +42,10 @@ from torch.utils.checkpoint import checkpoint
 from ctxpar.config import Config, MemoryConfig, ModelConfig
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
-from ctxpar.deepspeed_comm import init_deepspeed_comm
+from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.memory.offload import ActivationOffload, run_layer
-from ctxpar.pipeline import pipeline_topology
+from ctxpar.distributed.pipeline_parallel import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                     gather_full_state_dict, parallel_lm_logits,
                                     vocab_parallel_cross_entropy)

@@ -6,10 +6,10 @@ optimise is the global token mean  L = sum_r S_r / N,  N = sum_r n_r  over DP x 
 over the micro-batches of one optimizer step) -- not a mean of per-rank means, which would
 weight a rank's tokens by 1/n_r.
 
-DeepSpeed (mpu with get_sequence_data_parallel_*; see ctxpar/mpu.py) scales the loss by
-1/gas in engine.backward, sums gradients over the micro-batches, all-reduces them over
+DeepSpeed (mpu with get_sequence_data_parallel_*; see ctxpar/distributed/mpu.py) scales the
+loss by 1/gas in engine.backward, sums gradients over the micro-batches, all-reduces them over
 DP x CP and divides by dp (ZeRO 0-2; ZeRO-3 and the pipeline divide by dp x cp, and then
-dp x cp replaces dp below: ctxpar/zero.py). So with
+dp x cp replaces dp below: ctxpar/distributed/zero.py). So with
 
     L_r = S_r * dp * gas / N                                   (loss_for_backward)
 
@@ -48,8 +48,8 @@ def loss_for_backward(loss_sum: torch.Tensor, n_tokens: torch.Tensor, divisor: i
     """L_r = S_r * divisor * gas / N: what to hand engine.backward (the module docstring).
 
     divisor is what DeepSpeed divides the gradients summed over dp x cp by
-    (``ctxpar.zero.grad_divisor``): dp for ZeRO 0-2 without a pipeline; dp x cp for ZeRO-3
-    and for the pipeline engine (models/gpt_pipe.py), which average over dp x cp.
+    (``ctxpar.distributed.zero.grad_divisor``): dp for ZeRO 0-2 without a pipeline; dp x cp
+    for ZeRO-3 and for the pipeline engine (models/gpt_pipe.py), which average over dp x cp.
     """
     return loss_sum * (divisor * grad_accum_steps) / n_tokens.clamp(min=1.0)
 

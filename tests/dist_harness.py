@@ -54,7 +54,7 @@ def _child(fn, rank, world_size, store_path, args, kwargs, results):
             dist.barrier()
         finally:
             try:
-                from ctxpar.parallel_state import destroy_parallel_state
+                from ctxpar.distributed.parallel_state import destroy_parallel_state
                 destroy_parallel_state()
             except ImportError:
                 pass

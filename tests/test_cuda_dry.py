@@ -125,7 +125,7 @@ def test_unpacking_documents_once_per_packed_tensor():
 
 
 def test_cuda_allocator_defaults_keep_the_users_choice():
-    from ctxpar.parallel_state import cuda_allocator_defaults
+    from ctxpar.distributed.parallel_state import cuda_allocator_defaults
     env = {}
     assert cuda_allocator_defaults(env) == "expandable_segments:True"
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -295,7 +295,7 @@ def test_hf_tokenizer_adapter(tmp_path):
 
 def _dp_cp_stream(rank, world, prefix):
     from ctxpar.data import evaluate, vocab_parallel_argmax
-    from ctxpar.parallel_state import init_parallel_state
+    from ctxpar.distributed.parallel_state import init_parallel_state
     from ctxpar.context_parallel.layouts import gather_sequence
     state = init_parallel_state(cp=2, dp=2)
     out = {}

@@ -22,7 +22,7 @@ from ctxpar.config import ConfigError, ModelConfig, load_config
 from ctxpar.data import build_source
 from ctxpar.inference.checkpoint import (find_checkpoint, inspect_checkpoint,
                                          load_run_config, load_weights_)
-from ctxpar.parallel_state import free_port
+from ctxpar.distributed.parallel_state import free_port
 from dist_harness import run_distributed
 from models.gpt import GPT
 from test_inference import reference_generate
@@ -38,9 +38,9 @@ def _save_and_load(rank, world, save_root):
     from ctxpar import DeepSpeedMPU, init_parallel_state
     from ctxpar.checkpoint import resume
     from ctxpar.config import config_from_dict, deepspeed_config
-    from ctxpar.deepspeed_comm import init_deepspeed_comm
+    from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
     from ctxpar.tensor_parallel import gather_full_state_dict
-    from ctxpar.zero import partition_for_zero3
+    from ctxpar.distributed.zero import partition_for_zero3
     from models.gpt_pipe import GPTPipe
 
     init_deepspeed_comm()

@@ -3,7 +3,7 @@
 docs/parallelism.md and models/loss.py build the loss normalisation on these rules; if a
 DeepSpeed upgrade changes one, a test here says so:
   - ZeRO 0, 1, 2: gradients summed over CP and averaged over DP (divided by dp);
-  - ZeRO 3 (parameters partitioned over dp x cp by ctxpar.zero.partition_for_zero3):
+  - ZeRO 3 (parameters partitioned over dp x cp by ctxpar.distributed.zero.partition_for_zero3):
     averaged over dp x cp (divided by dp*cp);
   - ZeRO 3 left to DeepSpeed alone partitions over DP only and never adds the CP ranks'
     gradients (the root cause of issue "ZeRO-3 with CP trains on wrong gradients").
@@ -32,8 +32,8 @@ def _linear_steps(rank, world, cases):
     """One SGD step of a 3-weight linear layer per (stage, ctxpar_partitioning) case."""
     import deepspeed
     from ctxpar import DeepSpeedMPU, init_parallel_state
-    from ctxpar.deepspeed_comm import init_deepspeed_comm
-    from ctxpar.zero import grad_divisor, partition_for_zero3
+    from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
+    from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
 
     state = init_parallel_state(tp=1, cp=2, pp=1)  # world 4: cp2 x dp2
     init_deepspeed_comm()
@@ -139,9 +139,9 @@ def _gpt_zero3(rank, world, payload):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
     from ctxpar import DeepSpeedMPU, init_parallel_state, sequence_positions, shard_sequence
-    from ctxpar.deepspeed_comm import init_deepspeed_comm
+    from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
     from ctxpar.tensor_parallel.utils import gather_full_tensor
-    from ctxpar.zero import grad_divisor, partition_for_zero3
+    from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
     from models.loss import global_token_count, loss_for_backward
 
     init_deepspeed_comm()

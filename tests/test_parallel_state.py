@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ctxpar.parallel_state import rank_grid
+from ctxpar.distributed.parallel_state import rank_grid
 from dist_harness import run_distributed
 
 FAMILIES = ("tp", "cp", "pp", "dp", "dp_cp", "ulysses", "ring")

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
-from ctxpar.parallel_state import rank_grid
-from ctxpar.pipeline import pipeline_axes, pipeline_topology
+from ctxpar.distributed.parallel_state import rank_grid
+from ctxpar.distributed.pipeline_parallel import pipeline_axes, pipeline_topology
 from ctxpar.context_parallel.layouts import rank_positions
 from dist_harness import run_distributed
 from models.gpt import GPT
@@ -138,7 +138,7 @@ def _parity(rank, world, payload):
     import deepspeed
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.config import deepspeed_config, ulysses_degree
-    from ctxpar.grad_norm import record_fp32_grad_norm
+    from ctxpar.distributed.grad_norm import record_fp32_grad_norm
     from models.gpt_pipe import GPTPipe, train_step
     from models.loss import global_token_count
 

@@ -126,8 +126,8 @@ def _engine_state(rank, world, stage, tp, cp):
     a fresh process has nothing freed whose address a new tensor could reuse."""
     import deepspeed
     from ctxpar import DeepSpeedMPU, init_parallel_state, sequence_positions, shard_sequence
-    from ctxpar.deepspeed_comm import init_deepspeed_comm
-    from ctxpar.zero import grad_divisor, partition_for_zero3
+    from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
+    from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
     from models.gpt import GPT
     from models.loss import global_token_count, loss_for_backward
 

@@ -88,7 +88,7 @@ def _tp_checks(rank, world):
     )
     import deepspeed
 
-    from ctxpar.deepspeed_comm import init_deepspeed_comm
+    from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
     init_deepspeed_comm()  # DeepSpeed's comm wraps our process group
     # ...without JIT-loading the CPU shm op (a build, and a lock file a killed rank leaves).
     assert deepspeed.comm.comm.cdb.shm_comm_op is None

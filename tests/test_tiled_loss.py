@@ -250,8 +250,8 @@ def _ranks(rank, world, payload):
     import torch.distributed as dist
     from ctxpar import DeepSpeedMPU, init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.config import config_from_dict, deepspeed_config
-    from ctxpar.deepspeed_comm import init_deepspeed_comm
-    from ctxpar.zero import grad_divisor, partition_for_zero3
+    from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
+    from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
     from deepspeed.utils import safe_get_full_grad
     from models.gpt_pipe import GPTPipe, pipeline_logits, train_step
     from models.loss import global_token_count, loss_for_backward

@@ -163,9 +163,9 @@ def _two_ranks(rank, world, payload):
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
     from ctxpar import DeepSpeedMPU, init_parallel_state
-    from ctxpar.deepspeed_comm import init_deepspeed_comm
+    from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
     from ctxpar.memory import tiled_mlp as tm
-    from ctxpar.zero import grad_divisor, partition_for_zero3
+    from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
     from models.loss import global_token_count, loss_for_backward
 
     tp_cases, zero_cases = pickle.loads(payload)

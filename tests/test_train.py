@@ -23,7 +23,7 @@ import warnings
 
 import pytest
 
-from ctxpar.parallel_state import free_port
+from ctxpar.distributed.parallel_state import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -104,12 +104,13 @@ def test_console_has_no_third_party_warnings(cp2dp2, runs):
     # all_gather_into_tensor inside the bar, and wandb one about a deprecated argument.
     console = (runs / "cp2dp2.console").read_text()
     assert "all_gather_into_tensor" not in console, console[-3000:]
-    assert "deepspeed_shm_comm" not in console, console[-3000:]  # ctxpar/deepspeed_comm.py
+    # ctxpar/distributed/deepspeed_comm.py
+    assert "deepspeed_shm_comm" not in console, console[-3000:]
     assert not re.search(r"\w+Warning\b|wandb: WARNING", console), console[-3000:]
 
 
 def test_known_warning_filters_are_narrow():
-    from ctxpar.known_warnings import filter_known_warnings
+    from ctxpar.components.known_warnings import filter_known_warnings
     msg = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use ..."
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -171,7 +172,7 @@ def assert_same_run(run_dir, want_dir, steps):
 def single_run(run_dir):
     """One process on ZeRO-0, 20 steps: every layout's reference (the `single` fixture in
     conftest.py, shared by this module and test_train_memory.py). fp32: DeepSpeed records no
-    gradient norm on that engine; ctxpar does (ctxpar/grad_norm.py)."""
+    gradient norm on that engine; ctxpar does (ctxpar/distributed/grad_norm.py)."""
     run_train(run_dir, 1, ["parallel.cp=1", "parallel.dp=1", "parallel.tp=1",
                            "deepspeed.zero_optimization.stage=0", "logging.wandb.mode=disabled"])
     return run_dir
@@ -244,7 +245,7 @@ def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
     (["parallel.tp=3"], "is not divisible by parallel.tp=3"),
     (["data.kind=tokens", "data.path=/nonexistent/corpus"], "/nonexistent/corpus.bin does not exist"),
     (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
-    # memory options (issue 22) and the ZeRO-Offload refusals (ctxpar/config.py)
+    # memory options (issue 22) and the ZeRO-Offload refusals (ctxpar/config/validation.py)
     (["memory.loss_tile_tokens=0"], "memory.loss_tile_tokens=0 must be 'auto' or an integer >= 1"),
     (["memory.offload_activations=true"], "memory.offload_activations=true needs "
                                           "checkpointing.activation 'full', 'selective' or"),

@@ -27,7 +27,7 @@ from typing import Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ctxpar.parallel_state import free_port  # noqa: E402
+from ctxpar.distributed.parallel_state import free_port  # noqa: E402
 
 
 def launcher(nproc: int, config: str, run_dir: str) -> List[str]:

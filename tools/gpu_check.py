@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.run_part:  # inside a part's own process
-        from ctxpar.parallel_state import cuda_allocator_defaults
+        from ctxpar.distributed.parallel_state import cuda_allocator_defaults
         cuda_allocator_defaults()  # before this process touches CUDA; train.py, pytest and
         #                            the benchmark it starts inherit it
         import gpu_check_parts

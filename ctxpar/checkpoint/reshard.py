@@ -68,7 +68,8 @@ def optimizer_kind(layout: Dict[str, Any]) -> Optional[str]:
     BF16_Optimizer (bf16 with a pipeline): DeepSpeed 0.19.8 saves no ``param_shapes`` for
     them, so ds_to_universal cannot convert their checkpoints (FP16_Optimizer cannot load
     one either); and ZeRO-3, whose partitions ctxpar lays over dp x cp itself
-    (ctxpar/zero.py): converting those is not covered (resumes on the saving layout only).
+    (ctxpar/distributed/zero.py): converting those is not covered (resumes on the saving
+    layout only).
     """
     stage, dtype = layout["zero_stage"], layout["dtype"]
     if stage in (1, 2):
@@ -136,7 +137,7 @@ def plan_resume(save_dir: str, resume: str, cfg, world_size: int,
     on_skip), 'none', or a tag (must verify). Raises CheckpointError (one line) for a
     damaged tag, another model, or a layout change DeepSpeed cannot convert.
     """
-    from ..parallel_state import resolve_sizes
+    from ..distributed.parallel_state import resolve_sizes
     if resume == "none":
         return None
     tag = R.latest_complete(save_dir, on_skip) if resume == "auto" else resume

@@ -32,6 +32,9 @@ dq/dk/dv are exactly its share of the full gradient (ring-flash-attention does t
 ``get_backend("auto", q)`` picks flash_attn > sdpa > math and logs once per device and
 dtype which kernel it chose and why the faster ones were passed over (a flash-attn that
 is installed but fails to import, e.g. an ABI mismatch with torch, is a warning).
+
+One file past 400 lines on purpose: the four kernels answer the one interface above and
+``get_backend`` chooses among them, so they are read, and checked, side by side.
 """
 from __future__ import annotations
 

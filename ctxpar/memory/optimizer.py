@@ -9,7 +9,7 @@ also keeps the parameters' partitions on the host, gathered onto the device per 
 Both are exact on every CP pattern (tests/test_train_memory.py: losses equal the
 unoffloaded run's to 1e-6 relative after 6 fp32 steps, measured ~1e-7; bf16 offloaded vs
 not on the same layout: equal to 1e-7). NVMe, partial (``ratio``) and Superchip offload
-are refused at load (ctxpar/config.py).
+are refused at load (ctxpar/config/validation.py).
 
 DeepSpeed wants its own ``DeepSpeedCPUAdam`` there (AVX C++, JIT-built on first use: 366 s
 measured on this project's shared 2-core box; prebuilt with DS_BUILD_CPU_ADAM=1) and refuses a
@@ -37,8 +37,8 @@ the losses match the one-process run to 1.0e-7). Set ``zero_force_ds_cpu_optimiz
 false`` on GPUs for torch's AdamW on the host (bit-for-bit the device's arithmetic, slower).
 
 Bytes per rank that move to host (Psi = this rank's parameters, D = dp x cp the ZeRO
-group (ctxpar/zero.py), e = bytes of the training dtype, L = this rank's largest single
-parameter; measured on DeepSpeed's engine at cp2 x dp2, fp32 and bf16):
+group (ctxpar/distributed/zero.py), e = bytes of the training dtype, L = this rank's
+largest single parameter; measured on DeepSpeed's engine at cp2 x dp2, fp32 and bf16):
 
     ZeRO 1, 2    fp32 master 4 Psi/D + fp32 gradient partition 4 Psi/D + Adam m, v 8 Psi/D
                  + a copy of the weights' partition e Psi/D (the copy back) + e L (a
@@ -51,7 +51,8 @@ parameter; measured on DeepSpeed's engine at cp2 x dp2, fp32 and bf16):
                  at the step a transient fp32 copy of it (4 Psi/D).
     + offload_param   the weights' partition (Psi/D of the partition's dtype) as well; the
                  device keeps only the parameters gathered for the module running, the
-                 prefetch and those kept for reuse (ctxpar/config.py zero_bucket_defaults).
+                 prefetch and those kept for reuse (zero_bucket_defaults,
+                 ctxpar/config/deepspeed.py).
 
 With ``pin_memory`` the host buffers are page-locked (faster copies; pinned memory cannot
 be swapped, mind ``ulimit -l``).

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
-from ..metrics import flops_per_token
+from ..components.metrics import flops_per_token
 from . import counts
 from .cluster import Cluster, PlanError
 from .layout import Layout

@@ -112,7 +112,7 @@ def startup_report(cfg: Config, gpu: Optional[GPU], how: str, nodes: int,
 
 def print_prediction(cfg: Config, world: int, device) -> None:
     """Rank 0 of train.py: the line on stdout, each warning on stderr."""
-    from ..cli import warn
+    from ..components.cli import warn
 
     per_node = local_ranks(world, device)
     gpu, how = detect(device, per_node)

@@ -1,8 +1,8 @@
 """DeepSpeed 0.19.8's model state on one rank, phase by phase: what its code allocates and when.
 
 psi = this rank's parameters (its TP shard of its pipeline stage), D = the ZeRO group (dp x
-cp, ctxpar/zero.py), e = the parameters' element size (2 bf16, 4 fp32), B = the reduce
-bucket in elements (zero_optimization.reduce_bucket_size, from ctxpar.config's
+cp, ctxpar/distributed/zero.py), e = the parameters' element size (2 bf16, 4 fp32), B = the
+reduce bucket in elements (zero_optimization.reduce_bucket_size, from ctxpar.config's
 deepspeed_config: the planner reads the config train.py hands DeepSpeed). Read from
 runtime/engine.py, runtime/zero/stage_1_and_2.py, stage3.py and torch/optim/adam.py:
 

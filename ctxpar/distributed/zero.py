@@ -80,7 +80,7 @@ def partition_for_zero3(model: torch.nn.Module, state, ds_config: Dict[str, Any]
         return
     import deepspeed
 
-    from ctxpar.deepspeed_comm import init_deepspeed_comm
+    from .deepspeed_comm import init_deepspeed_comm
 
     init_deepspeed_comm()  # Init reads the world through deepspeed.comm
     # DeepSpeed's engine casts parameters to the training dtype itself, but not those that

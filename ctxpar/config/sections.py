@@ -1,0 +1,256 @@
+"""What a config holds: one dataclass per YAML section, the values a field may take, and
+what a field left unset resolves to (model.ffn_hidden, parallel.ulysses)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Union
+
+from ..context_parallel.api import CP_COMMS
+from ..context_parallel.layouts import LAYOUTS
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the file, the key and the values."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    """Vocabulary size (must divide by parallel.tp: the embedding is split by rows)."""
+    seq_len: int = 1024
+    """Tokens per sample, the full (unsharded) sequence; CP ranks hold seq_len/cp each."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    d_model: int = 64
+    """Hidden size."""
+    n_heads: int = 4
+    """Query heads (split over tp)."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for GQA/MQA (None = n_heads); split over tp, or replicated when < tp."""
+    ffn_hidden: Optional[int] = None
+    """MLP hidden size (None: 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu)."""
+    mlp: str = "swiglu"
+    """'swiglu' or 'gelu'."""
+    norm: str = "rmsnorm"
+    """'rmsnorm' or 'layernorm' (pre-norm)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms."""
+    rope_theta: float = 10000.0
+    """RoPE base; raise it for long contexts."""
+    rope_scaling: Optional[Dict[str, Any]] = None
+    """RoPE frequency scaling, Hugging Face's form: None, {rope_type: linear, factor} or
+    {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings} (Llama 3.1's long-context rule)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    bias: bool = False
+    """Biases in linear layers."""
+    init_std: float = 0.02
+    """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
+    init_from: Optional[str] = None
+    """Start a new run from these weights (step 0, fresh optimizer): a local Hugging Face
+    Llama folder (config.json + *.safetensors) or a ctxpar checkpoint (a step_* folder).
+    The architecture must match model.*; seq_len, rope_theta and rope_scaling may differ."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree: each sample's tokens are split over cp ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    dp: Union[int, str] = "auto"
+    """Data-parallel degree, or 'auto' = world // (tp*cp*pp)."""
+    order: str = "tp-cp-dp-pp"
+    """Grid order, innermost first (adjacent ranks)."""
+    layout: str = "zigzag"
+    """Token layout over CP: 'zigzag', 'striped' or 'contiguous'."""
+    cp_comm: str = "ring"
+    """How attention communicates over CP: 'ring' (K,V blocks over a P2P ring), 'allgather'
+    (K,V all-gathered once), 'ulysses' (all-to-all sequence <-> heads) or 'hybrid'
+    (Ulysses over parallel.ulysses adjacent ranks inside, the ring across them)."""
+    ulysses: Optional[int] = None
+    """Ulysses degree: for cp_comm='hybrid' the inner degree N (ring = cp / N); for
+    'ulysses' it is cp (None = cp); unused (None or 1) for 'ring' and 'allgather'."""
+    ring_grad_dtype: str = "fp32"
+    """The dtype the ring's travelling dK,dV accumulator crosses the links in: 'fp32'
+    (exact) or 'bf16' (half the backward's gradient bytes, one bf16 rounding of the running
+    sum per hop; docs/benchmarks.md states the error). cp_comm 'ring' or 'hybrid' only."""
+    attention_backend: str = "auto"
+    """Per-block attention kernel: 'auto', 'flash_attn', 'flash_attn4', 'sdpa' or 'math'."""
+    pp_partition: str = "parameters"
+    """Pipeline partitioning: 'parameters' or 'uniform'."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps."""
+    micro_batch_size: int = 1
+    """Samples per forward per DP rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all DP ranks (= micro * grad_accum * dp)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    seed: int = 1234
+    """Seed for init and data."""
+    eval_interval: int = 0
+    """Steps between evaluations (0 = only at the end)."""
+    eval_samples: int = 32
+    """Samples per evaluation."""
+
+
+@dataclass
+class DataConfig:
+    kind: str = "passkey"
+    """'passkey' (built-in synthetic retrieval task) or 'tokens' (a preprocessed .bin/.idx)."""
+    path: Optional[str] = None
+    """For kind=tokens: the prefix of <path>.bin and <path>.idx from tools/preprocess_data.py."""
+    eval_path: Optional[str] = None
+    """For kind=tokens: prefix of a held-out .bin/.idx to evaluate on (None = eval_fraction)."""
+    eval_fraction: float = 0.01
+    """For kind=tokens without eval_path: share of path's samples (its end) held out for eval."""
+    passkey_digits: int = 2
+    """For kind=passkey: digits of the planted key."""
+    passkey_docs: int = 1
+    """For kind=passkey: documents packed per sample, each with its own key; the question
+    is at the end of the last one (> 1: the packed task, for data.document_mask)."""
+    document_mask: bool = False
+    """Attention stays inside each packed document (Megatron's reset_attention_mask): the
+    samples' document boundaries go to CP attention as cu_seqlens."""
+    reset_positions: bool = False
+    """RoPE positions restart at 0 at each document (Megatron's reset_position_ids)."""
+    eod_mask_loss: bool = False
+    """No loss on predicting the token after a document's end (EOS) (Megatron's
+    eod_mask_loss); for kind=tokens (passkey labels only the answer)."""
+    tokenizer: Optional[str] = None
+    """The Hugging Face tokenizer.json the token files were made with (None = byte-level);
+    exported with the model by tools/convert_checkpoint.py --to hf."""
+
+
+@dataclass
+class CheckpointingConfig:
+    activation: str = "none"
+    """Activation checkpointing: 'none', 'full', 'selective' or 'every_n_layers'."""
+    every_n_layers: int = 1
+    """For activation=every_n_layers: checkpoint every n-th block."""
+    save_dir: Optional[str] = None
+    """DeepSpeed checkpoint directory (None = <run_dir>/checkpoints)."""
+    save_interval: int = 0
+    """Steps between checkpoints (0 = only at the end)."""
+
+
+@dataclass
+class MemoryConfig:
+    """What trades time or host memory for device memory at long context (docs/memory.md)."""
+    tiled_loss: bool = False
+    """LM head + vocab-parallel cross entropy one tile of tokens at a time: the full
+    (tokens, V/tp) logits never exist, in forward or backward."""
+    loss_tile_tokens: Union[int, str] = "auto"
+    """Tokens per loss tile, or 'auto' (ctxpar/memory/tiled_loss.py says how it is chosen)."""
+    tiled_mlp: bool = False
+    """The MLP over tiles of tokens, each recomputed in backward: its (tokens, ffn/tp)
+    intermediates exist for one tile at a time."""
+    mlp_tile_tokens: Union[int, str] = "auto"
+    """Tokens per MLP tile, or 'auto' (ctxpar/memory/tiled_mlp.py says how it is chosen)."""
+    offload_activations: bool = False
+    """What activation checkpointing keeps per layer goes to (pinned) host memory until its
+    backward; needs checkpointing.activation other than 'none'."""
+
+
+@dataclass
+class WandbConfig:
+    project: str = "ctxpar"
+    """wandb project."""
+    name: Optional[str] = None
+    """Run name (None = the run dir's name)."""
+    mode: str = "offline"
+    """'offline' (default, synced later with `wandb sync`), 'online' or 'disabled'."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl, config.yaml, wandb files and checkpoints go."""
+    log_interval: int = 1
+    """Steps between metric lines."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases tracking."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The GPT."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The rank grid."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation and batch sizes."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """What to train on."""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """Activation checkpointing and model checkpoints."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Tiled loss, tiled MLP and activation offload (the optimizer's offload is DeepSpeed's
+    deepspeed.zero_optimization.offload_optimizer)."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and wandb."""
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+    """Passed to deepspeed.initialize as is, with batch sizes and clipping filled in from train."""
+    source: str = field(default="<dict>", metadata={"internal": True})
+    """Where this config came from (for error messages)."""
+
+
+CHECKPOINT_MODES = ("none", "full", "selective", "every_n_layers")  # models/gpt.py
+
+CHOICES = {
+    "model.mlp": ("swiglu", "gelu"),
+    "model.norm": ("rmsnorm", "layernorm"),
+    "parallel.layout": LAYOUTS,
+    "parallel.cp_comm": CP_COMMS,
+    "parallel.ring_grad_dtype": ("fp32", "bf16"),
+    "parallel.attention_backend": ("auto", "flash_attn", "flash_attn4", "sdpa", "math"),
+    "parallel.pp_partition": ("parameters", "uniform"),
+    "data.kind": ("passkey", "tokens"),
+    "checkpointing.activation": CHECKPOINT_MODES,
+    "logging.wandb.mode": ("offline", "online", "disabled"),
+}
+
+ROPE_SCALING_KEYS = {  # rope_type -> its numeric keys (Hugging Face's names)
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+
+# ---------------------------------------------------------------- fields left unset
+
+def resolved_ffn_hidden(m: ModelConfig) -> int:
+    """model.ffn_hidden, or its default: 4*d_model (gelu), 8/3*d_model rounded up to 64 (swiglu)."""
+    if m.ffn_hidden is not None:
+        return m.ffn_hidden
+    if m.mlp == "gelu":
+        return 4 * m.d_model
+    return (8 * m.d_model + 191) // 192 * 64  # ceil(8*d/3 / 64) * 64
+
+
+def ulysses_degree(p: ParallelConfig) -> int:
+    """The Ulysses part u of the CP group (cp = u x ring): cp for 'ulysses', parallel.ulysses
+    for 'hybrid', 1 for the ring and all-gather."""
+    if p.cp_comm == "ulysses":
+        return p.cp
+    return (p.ulysses or 1) if p.cp_comm == "hybrid" else 1
