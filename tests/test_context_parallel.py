@@ -71,7 +71,8 @@ def global_inputs(n, H, Hkv, D, dtype):
 def comm_ops_per_layer(comm, P, u=1):
     """(forward, backward) communication calls of one attention call on P ranks (no LSE
     returned): ring P-1 KV steps, then P-1 KV + P dK,dV steps; all-gather one gather, then
-    a gather and a reduce-scatter; Ulysses two all-to-alls each way; hybrid both."""
+    a gather and a reduce-scatter; Ulysses four all-to-alls each way (one per tensor: q, k,
+    v, then out; dout, then dq, dk, dv); hybrid both."""
     if P == 1:
         return 0, 0
     ring = lambda r: (r - 1, 2 * r - 1) if r > 1 else (0, 0)  # noqa: E731
@@ -80,8 +81,8 @@ def comm_ops_per_layer(comm, P, u=1):
     if comm == "allgather":
         return 1, 2
     if comm == "ulysses":
-        return 2, 2
-    a2a = 2 if u > 1 else 0
+        return 4, 4
+    a2a = 4 if u > 1 else 0
     fr, br = ring(P // u)
     return a2a + fr, a2a + br
 

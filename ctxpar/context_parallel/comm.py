@@ -20,7 +20,7 @@ NCCL (GPU ring), where the ops are ordered on the communicator's stream.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -152,17 +152,28 @@ def reduce_scatter(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     return out
 
 
-def all_to_all(x: torch.Tensor, group, phase: str) -> torch.Tensor:
-    """x (P, ...) contiguous, piece p for rank p -> (P, ...) with piece p from rank p.
+def all_to_all(xs: Iterable[torch.Tensor], group, phase: str) -> List[torch.Tensor]:
+    """Each x (P, ...) contiguous, piece p for rank p -> (P, ...) with piece p from rank p.
 
-    Bytes: (P-1)/P*|x| each way (the piece for ourselves stays).
+    One all-to-all per tensor, each into its own buffer, all started before any is waited
+    for (asynchronous on gloo and NCCL alike): a receiver gets every tensor whole and
+    contiguous, where one joint message would hand it strided slices (Ulysses' q, k, v: a
+    kernel reads those slower). xs may be a generator: the tensor after one is then made
+    (packed) while that one is in flight. Bytes: (P-1)/P*|x| each way per x.
     """
     rank, world = group_rank_and_size(group)
-    if world == 1 or isinstance(group, NoComm):
-        return x.clone() if world > 1 else x
-    assert x.is_contiguous() and x.shape[0] == world, (x.shape, world)
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    piece = _nbytes(x) // world
-    record_comm(phase, (world - 1) * piece, (world - 1) * piece)
-    return out
+    if world == 1:
+        return list(xs)
+    if isinstance(group, NoComm):
+        return [x.clone() for x in xs]
+    outs, works, sent, sends = [], [], 0, []
+    for x in xs:
+        assert x.is_contiguous() and x.shape[0] == world, (x.shape, world)
+        sends.append(x)  # alive until its all-to-all is waited for, whatever the backend
+        outs.append(torch.empty_like(x))
+        works.append(dist.all_to_all_single(outs[-1], x, group=group, async_op=True))
+        sent += (world - 1) * _nbytes(x) // world  # the piece for ourselves stays
+    for work in works:
+        work.wait()
+    record_comm(phase, sent, sent, ops=len(outs))
+    return outs

@@ -9,10 +9,10 @@ would with r ranks and H/u heads: same block plan, same LSE merge, same backward
 
     q (B, n/P, H, D) --a2a over u--> (B, n/r, H/u, D) --ring over r--> --a2a back--> (B, n/P, H, D)
 
-Per layer: 2 all-to-alls of the local q, k, v, out (fwd) and dout, dq, dk, dv (bwd) inside
-the node, plus the ring's r-1 (fwd) and 2r-1 (bwd) P2P steps of K,V at Hkv'/u heads across
-nodes (Hkv' = Hkv, or lcm(Hkv, u) when replicated, see ulysses.py). u = 1 is the ring and
-r = 1 is Ulysses, exactly (same code path, same bits).
+Per layer: Ulysses' all-to-alls (one per tensor) of the local q, k, v, out (fwd) and dout,
+dq, dk, dv (bwd) inside the node, plus the ring's r-1 (fwd) and 2r-1 (bwd) P2P steps of
+K,V at Hkv'/u heads across nodes (Hkv' = Hkv, or lcm(Hkv, u) when replicated, see
+ulysses.py). u = 1 is the ring and r = 1 is Ulysses, exactly (same code path, same bits).
 """
 from __future__ import annotations
 

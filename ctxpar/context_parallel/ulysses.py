@@ -1,10 +1,10 @@
 """Ulysses attention (``comm="ulysses"``, DeepSpeed-Ulysses): trade the sequence split for a head split.
 
-Each of the u ranks holds s = n/u tokens of every head. One all-to-all regroups q, k, v
-so that each rank holds *all* n tokens of H/u heads; attention is then an ordinary local
-problem (one fused kernel call, with LSE); a second all-to-all sends every token's output
-back to the rank that holds the token. Backward is the same two all-to-alls in reverse
-(dout in, dq/dk/dv out) around the local kernel's backward. Exact: nothing is merged.
+Each of the u ranks holds s = n/u tokens of every head. All-to-alls regroup q, k, v so
+that each rank holds *all* n tokens of H/u heads; attention is then an ordinary local
+problem (one fused kernel call, with LSE); an all-to-all sends every token's output back
+to the rank that holds the token. Backward is the same in reverse (dout in, dq/dk/dv out)
+around the local kernel's backward. Exact: nothing is merged.
 
     q (B, s, H, D) --a2a--> (B, n, H/u, D) --attention--> (B, n, H/u, D) --a2a--> (B, s, H, D)
 
@@ -16,19 +16,23 @@ back to the rank that holds the token. Backward is the same two all-to-alls in r
   arrive as shard 0, shard 1, ...; ``layouts.ulysses_arrival_positions`` says where each
   belongs, and the unpacking puts them in ascending order (one index_select) so that a
   plain causal kernel is exact; the output (and the backward's dq, dk, dv) goes back to
-  arrival order as it is packed (one index_copy_ per tensor into the send buffer).
+  arrival order as it is packed (one index_copy_).
+- Messages: one all-to-all per tensor (q, k, v: three started together, each packed
+  while the one before is in flight; comm.all_to_all), each of layout (u, s, B, h, D),
+  piece i for/from rank i. A joint q|k|v message would save two calls but hand the
+  kernel strided q, k, v, whose forward the CPU flash kernel runs ~1-2% slower (n = 8192,
+  4 heads of 64, one thread); per tensor, the gathered side is whole and, at batch 1 in
+  contiguous order, the message itself.
 - Copies: at most one per tensor on each side of every all-to-all (the pack into, and the
-  unpack out of, its (u, s, B, h, D) message); on the gathered-sequence side none at all in
-  contiguous order at batch 1, where the message already is the (B, n, h, D) tensor.
+  unpack out of, its message); on the gathered-sequence side none at all in contiguous
+  order at batch 1.
 - Hybrid (hybrid.py) runs exactly this inside each ring rank, with the ring over the
   gathered shards as the ``inner`` attention instead of one local kernel.
-
-Message layout of every all-to-all: (u, s, B, h, D), piece i for/from rank i.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -42,62 +46,39 @@ def ulysses_kv_heads(kv_heads: int, ulysses: int) -> int:
     return kv_heads if kv_heads % ulysses == 0 else math.lcm(kv_heads, ulysses)
 
 
-def _pack_by_heads(tensors: Sequence[torch.Tensor], u: int) -> torch.Tensor:
-    """(B, s, H_t, D) each -> (u, s, B, sum H_t/u, D): piece i = head group i of every t."""
-    B, s, _, D = tensors[0].shape
-    widths = [t.shape[2] // u for t in tensors]
-    send = tensors[0].new_empty(u, s, B, sum(widths), D)
-    o = 0
-    for t, w in zip(tensors, widths):
-        send[..., o:o + w, :].copy_(t.unflatten(2, (u, w)).permute(2, 1, 0, 3, 4))
-        o += w
-    return send
+def _heads_message(x: torch.Tensor, u: int) -> torch.Tensor:
+    """(B, s, h, D) -> (u, s, B, h/u, D): piece i = head group i (one copy)."""
+    return x.unflatten(2, (u, x.shape[2] // u)).permute(2, 1, 0, 3, 4).contiguous()
 
 
-def _unpack_to_sequence(recv: torch.Tensor, order: Optional[torch.Tensor], widths):
-    """(u, s, B, h, D) from ranks 0..u-1 -> (B, u*s, w, D) per width, tokens ascending."""
-    u, s, B, h, D = recv.shape
-    x = recv.view(u * s, B, h, D)  # arrival order: rank 0's tokens, rank 1's, ...
+def _sequence_from_message(recv: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
+    """(u, s, B, w, D) from ranks 0..u-1 -> (B, u*s, w, D), tokens ascending.
+
+    The message is already the whole sequence in arrival order (rank 0's tokens, rank
+    1's, ...): a view in contiguous order (contiguous itself at batch 1), else one
+    index_select into ascending order.
+    """
+    u, s, B, w, D = recv.shape
+    x = recv.view(u * s, B, w, D)
     if order is not None:
         x = x.index_select(0, order)
-    return x.transpose(0, 1).split(list(widths), dim=2)
+    return x.transpose(0, 1)
 
 
-def _pack_by_sequence(tensors: Sequence[torch.Tensor], order: Optional[torch.Tensor],
-                      u: int) -> torch.Tensor:
-    """(B, n, w_t, D) each, tokens ascending -> (u, n/u, B, sum w_t, D): piece i = rank i's
-    tokens (in the order that rank holds them).
-
-    One copy per tensor, straight into its slot of the send buffer: ascending token j goes
-    to arrival slot order[j] (index_copy_, the inverse of the unpacking's index_select), so
-    neither a cat nor a reordered temporary is made. A single tensor in ascending order is
-    sent as it is when its (n, B, ...) transpose is already contiguous (batch 1).
-    """
-    B, n, _, D = tensors[0].shape
-    widths = [t.shape[2] for t in tensors]
-    if len(tensors) == 1 and order is None:
-        return tensors[0].transpose(0, 1).contiguous().view(u, n // u, B, widths[0], D)
-    send = tensors[0].new_empty(n, B, sum(widths), D)
-    o = 0
-    for t, w in zip(tensors, widths):
-        slot = send[:, :, o:o + w]
-        if order is None:
-            slot.copy_(t.transpose(0, 1))
-        else:
-            slot.index_copy_(0, order, t.transpose(0, 1))
-        o += w
-    return send.view(u, n // u, B, sum(widths), D)
+def _sequence_message(x: torch.Tensor, order: Optional[torch.Tensor], u: int) -> torch.Tensor:
+    """(B, n, w, D), tokens ascending -> (u, n/u, B, w, D): piece i = rank i's tokens in the
+    order that rank holds them. Ascending token j goes to arrival slot order[j] (index_copy_,
+    the inverse of the index_select above); in contiguous order at batch 1 no copy at all."""
+    B, n, w, D = x.shape
+    x = x.transpose(0, 1)  # (n, B, w, D)
+    x = x.contiguous() if order is None else x.new_empty(x.shape).index_copy_(0, order, x)
+    return x.view(u, n // u, B, w, D)
 
 
-def _unpack_by_heads(recv: torch.Tensor, widths):
-    """(u, s, B, h, D) from ranks 0..u-1 -> (B, s, u*w, D) per width: head groups in order."""
-    u, s, B, h, D = recv.shape
-    x = recv.permute(2, 1, 0, 3, 4)  # (B, s, u, h, D)
-    out, o = [], 0
-    for w in widths:
-        out.append(x[..., o:o + w, :].reshape(B, s, u * w, D))
-        o += w
-    return out
+def _heads_from_message(recv: torch.Tensor) -> torch.Tensor:
+    """(u, s, B, w, D) from ranks 0..u-1 -> (B, s, u*w, D): head groups in order (one copy)."""
+    u, s, B, w, D = recv.shape
+    return recv.permute(2, 1, 0, 3, 4).reshape(B, s, u * w, D)
 
 
 class SeqToHeads(torch.autograd.Function):
@@ -108,15 +89,15 @@ class SeqToHeads(torch.autograd.Function):
         u = group_rank_and_size(group)[1]
         ctx.args, ctx.kv_in = (group, order, u), k.shape[2]
         k, v = expand_kv(k, kv_heads), expand_kv(v, kv_heads)  # replicas when Hkv % u
-        recv = all_to_all(_pack_by_heads((q, k, v), u), group, "fwd")
-        return _unpack_to_sequence(recv, order, (q.shape[2] // u, kv_heads // u,
-                                                 kv_heads // u))
+        recv = all_to_all((_heads_message(x, u) for x in (q, k, v)), group, "fwd")
+        return tuple(_sequence_from_message(r, order) for r in recv)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         group, order, u = ctx.args
-        recv = all_to_all(_pack_by_sequence((dq, dk, dv), order, u), group, "bwd")
-        dq, dk, dv = _unpack_by_heads(recv, (dq.shape[2], dk.shape[2], dv.shape[2]))
+        recv = all_to_all((_sequence_message(g, order, u) for g in (dq, dk, dv)), group,
+                          "bwd")
+        dq, dk, dv = (_heads_from_message(r) for r in recv)
         # Replicated kv heads: sum the replicas' gradients in fp32 (a no-op without them).
         dk, dv = (reduce_kv_grad(g, ctx.kv_in).to(g.dtype) for g in (dk, dv))
         return dq, dk, dv, None, None, None
@@ -129,23 +110,23 @@ class HeadsToSeq(torch.autograd.Function):
     def forward(ctx, x, group, order):
         u = group_rank_and_size(group)[1]
         ctx.args = (group, order, u)
-        recv = all_to_all(_pack_by_sequence((x,), order, u), group, "fwd")
-        return _unpack_by_heads(recv, (x.shape[2],))[0]
+        recv, = all_to_all([_sequence_message(x, order, u)], group, "fwd")
+        return _heads_from_message(recv)
 
     @staticmethod
     def backward(ctx, dout):
         group, order, u = ctx.args
-        recv = all_to_all(_pack_by_heads((dout,), u), group, "bwd")
-        return _unpack_to_sequence(recv, order, (dout.shape[2] // u,))[0], None, None
+        recv, = all_to_all([_heads_message(dout, u)], group, "bwd")
+        return _sequence_from_message(recv, order), None, None
 
 
 @torch.no_grad()
 def _lse_to_sequence(lse: torch.Tensor, group, order) -> torch.Tensor:
     """lse (B, H/u, u*s) fp32, tokens ascending -> (B, H, s) of this rank's tokens."""
     u = group_rank_and_size(group)[1]
-    send = _pack_by_sequence((lse.transpose(1, 2).unsqueeze(-1),), order, u)
-    recv = all_to_all(send, group, "fwd")
-    return _unpack_by_heads(recv, (lse.shape[1],))[0].squeeze(-1).transpose(1, 2).contiguous()
+    send = _sequence_message(lse.transpose(1, 2).unsqueeze(-1), order, u)
+    recv, = all_to_all([send], group, "fwd")
+    return _heads_from_message(recv).squeeze(-1).transpose(1, 2).contiguous()
 
 
 def ulysses_attention(q, k, v, group, layout: str, inner: Callable, return_lse: bool = False):
