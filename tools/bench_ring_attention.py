@@ -34,6 +34,7 @@ i.e. what is lost to smaller kernels, LSE merges, regrouping copies and load imb
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import resource
 import statistics
@@ -57,14 +58,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fns: dict, device, iters: int, warmup: int, clock=time.perf_counter,
+def timed(fns: dict, device, iters: int, warmup: int, clock=time.perf_counter,
            stat=statistics.median) -> dict:
     """stat (median, or min) of each fn()'s seconds over iters runs, after warmup runs. The
     fns take turns within every iteration, so a load change on a shared machine hits all
-    of them alike; min keeps each fn's least disturbed run."""
+    of them alike; min keeps each fn's least disturbed run. The turn order goes through
+    the permutations of the fns, one per iteration, so that no fn always runs right
+    after the same other one (a rotation would keep the cyclic order): on CPU what ran
+    just before can cost the next fn page faults (the fused kernel over all n tokens
+    frees more than a rank's fwd+bwd touches), a bias as large as the 1-3% differences
+    these benchmarks compare. len(fns)! iterations (6 for 3 fns) run every order once."""
     times = {name: [] for name in fns}
+    orders = list(itertools.permutations(fns))
     for it in range(warmup + iters):
-        for name, fn in fns.items():
+        for name in orders[it % len(orders)]:
+            fn = fns[name]
             _sync(device)
             t0 = clock()
             fn()
@@ -170,7 +178,7 @@ def _rank_main(rank, world, device, a, n, comm) -> dict:
     fused, _ = _fused(a, n, device)
     clock = time.process_time if a.clock == "cpu" and device.type == "cpu" \
         else time.perf_counter
-    t = _timed(dict(real=real, alone=alone, fused=fused), device, a.iters, a.warmup, clock,
+    t = timed(dict(real=real, alone=alone, fused=fused), device, a.iters, a.warmup, clock,
                STATS[a.stat])
     return dict(time_s=t["real"], time_nocomm_s=t["alone"], time_fused_s=t["fused"],
                 peak_mem_bytes=mem, **allocs, **st.as_dict())
@@ -213,7 +221,7 @@ def run_simulated(a, n: int, world: int, comm: str) -> dict:
     # Every rank's schedule; its data is the same local shard (values do not change time).
     fns = {r: (lambda r=r: _fwd_bwd(q, k, v, dout, a, comm, _nocomm_groups(comm, r, world, u)))
            for r in range(world)}
-    t = _timed(dict(fns, full=fused), device, a.iters, a.warmup, clock, STATS[a.stat])
+    t = timed(dict(fns, full=fused), device, a.iters, a.warmup, clock, STATS[a.stat])
     rank_times, t_full = [t[r] for r in range(world)], t["full"]
     return dict(mode="simulated", comm=comm, n=n, P=world, backend=kernel_name,
                 ulysses=a.ulysses if comm == "hybrid" else None, clock=clock.__name__,
