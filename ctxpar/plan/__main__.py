@@ -11,9 +11,10 @@ import sys
 
 from ..config import ConfigError, load_config
 from .cluster import Cluster, PlanError, gpu_preset
+from .layout import apply_layout
 from .longest import OPTIONS, PATTERNS, Allowed, search_longest, with_seq_len
 from .report import explain, memory_lines, merge_ties, plot, table, what_frees, write_config
-from .search import apply_layout, config_options, evaluate, nothing_fits, search
+from .search import config_options, evaluate, nothing_fits, search
 from .startup import own_layout
 
 

@@ -1,7 +1,11 @@
-"""One candidate layout: the keys of a config's parallel / checkpointing / ZeRO sections."""
+"""One candidate layout: the keys of a config's parallel / checkpointing / ZeRO sections,
+and the config with them set (apply_layout)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+
+from ..config import Config
 
 
 @dataclass(frozen=True)
@@ -49,3 +53,28 @@ class Layout:
             if on)
         return (f"tp{self.tp} {cp} pp{self.pp} dp{self.dp} z{self.zero} "
                 f"{self.activation} mb{self.micro_batch}{opts}")
+
+
+def apply_layout(cfg: Config, lay: Layout) -> Config:
+    """A copy of cfg with the layout's keys set (what --write saves)."""
+    c = copy.deepcopy(cfg)
+    p = c.parallel
+    p.tp, p.cp, p.pp, p.dp = lay.tp, lay.cp, lay.pp, lay.dp
+    p.cp_comm, p.layout, p.ring_grad_dtype = lay.cp_comm, lay.layout, lay.ring_grad_dtype
+    p.ulysses = lay.ulysses if lay.cp_comm in ("ulysses", "hybrid") and lay.cp > 1 else None
+    c.checkpointing.activation, c.checkpointing.every_n_layers = lay.activation, \
+        lay.every_n_layers
+    c.train.micro_batch_size = lay.micro_batch
+    c.memory.tiled_loss, c.memory.tiled_mlp = lay.tiled_loss, lay.tiled_mlp
+    c.memory.offload_activations = lay.offload_activations
+    if lay.mlp_tile:
+        c.memory.mlp_tile_tokens = lay.mlp_tile
+    if lay.loss_tile:
+        c.memory.loss_tile_tokens = lay.loss_tile
+    z = c.deepspeed.setdefault("zero_optimization", {})
+    z["stage"] = lay.zero
+    if lay.offload_optimizer:
+        z["offload_optimizer"] = {**(z.get("offload_optimizer") or {}), "device": "cpu"}
+    elif (z.get("offload_optimizer") or {}).get("device") == "cpu":
+        z.pop("offload_optimizer")
+    return c

@@ -24,9 +24,9 @@ from typing import List, Optional, Tuple
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
 from ..context_parallel.layouts import num_chunks
 from .cluster import Cluster, PlanError
-from .layout import Layout
+from .layout import Layout, apply_layout
 from .memory import Memory, ds_zero, memory
-from .search import _cp_patterns, apply_layout, divisors, fits, is_bf16
+from .search import _cp_patterns, divisors, fits, is_bf16
 
 MAX_SEQ = 1 << 40  # the bisection's ceiling (tokens)
 

@@ -33,7 +33,7 @@ from typing import Dict, List
 
 from ..config import Config, deepspeed_config
 from . import counts, transients
-from .layout import Layout
+from .layout import Layout, apply_layout
 from .zero_state import Shard, ZeroState, zero_config
 
 
@@ -119,7 +119,6 @@ def shard(m, tp: int, pp: int, stage: int) -> Shard:
 def ds_zero(cfg: Config, lay: Layout) -> Dict:
     """zero_optimization as train.py hands it to DeepSpeed for this layout (the same
     ctxpar.config.deepspeed_config), with DeepSpeed's defaults for absent keys."""
-    from .search import apply_layout
     return zero_config(deepspeed_config(apply_layout(cfg, lay), lay.dp))
 
 

@@ -9,7 +9,8 @@ from typing import List
 
 from ..config import to_dict
 from .cluster import Cluster
-from .search import Plan, apply_layout
+from .layout import apply_layout
+from .search import Plan
 
 GB = 1e9
 
