@@ -82,7 +82,7 @@ def timed(fns: dict, device, iters: int, warmup: int, clock=time.perf_counter,
     return {name: stat(ts) for name, ts in times.items()}
 
 
-def _inputs(a, seq, device, seed):
+def make_inputs(a, seq, device, seed):
     torch.manual_seed(seed)  # generated on the device: 128K tokens would crawl on a CPU
 
     def mk(h):  # (B, seq, h, D)
@@ -100,9 +100,9 @@ def _fwd_bwd(q, k, v, dout, a, comm, groups):
     out.backward(dout)
 
 
-def _fused(a, n, device):
+def fused_fwd_bwd(a, n, device):
     """fn() = one fused kernel fwd+bwd over all n tokens (the single-process ideal)."""
-    (q, k, v), dout = _inputs(a, n, device, seed=1)
+    (q, k, v), dout = make_inputs(a, n, device, seed=1)
     kernel, scale = get_backend(a.backend, q), default_scale(a.head_dim)
 
     def fused():
@@ -167,7 +167,7 @@ def _rank_main(rank, world, device, a, n, comm) -> dict:
         groups = dict(ulysses_group=st.ulysses_group, ring_group=st.ring_group)
     else:
         groups = dict(cp_group=None)
-    (q, k, v), dout = _inputs(a, n // world, device, seed=rank)
+    (q, k, v), dout = make_inputs(a, n // world, device, seed=rank)
     real = lambda: _fwd_bwd(q, k, v, dout, a, comm, groups)  # noqa: E731
     alone = lambda: _fwd_bwd(q, k, v, dout, a, comm,  # noqa: E731
                              _nocomm_groups(comm, rank, world, u))
@@ -175,7 +175,7 @@ def _rank_main(rank, world, device, a, n, comm) -> dict:
     with cp_stats() as st:
         real()
     allocs = _allocations(q, k, v, dout, a, comm, groups)
-    fused, _ = _fused(a, n, device)
+    fused, _ = fused_fwd_bwd(a, n, device)
     clock = time.process_time if a.clock == "cpu" and device.type == "cpu" \
         else time.perf_counter
     t = timed(dict(real=real, alone=alone, fused=fused), device, a.iters, a.warmup, clock,
@@ -216,8 +216,8 @@ def run_simulated(a, n: int, world: int, comm: str) -> dict:
     # process, no communication: CPU time is the work). CUDA: always wall + synchronize.
     clock = time.process_time if a.clock == "cpu" and device.type == "cpu" else time.perf_counter
     u = world if comm == "ulysses" else a.ulysses if comm == "hybrid" else 1
-    (q, k, v), dout = _inputs(a, n // world, device, seed=0)
-    fused, kernel_name = _fused(a, n, device)
+    (q, k, v), dout = make_inputs(a, n // world, device, seed=0)
+    fused, kernel_name = fused_fwd_bwd(a, n, device)
     # Every rank's schedule; its data is the same local shard (values do not change time).
     fns = {r: (lambda r=r: _fwd_bwd(q, k, v, dout, a, comm, _nocomm_groups(comm, r, world, u)))
            for r in range(world)}

@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ctxpar.context_parallel import context_parallel_attention  # noqa: E402
 from ctxpar.context_parallel.kernels import default_scale, get_backend  # noqa: E402
 from bench_ranks import save_results, spawn_ranks  # noqa: E402
-from bench_ring_attention import DTYPES, STATS, timed  # noqa: E402
+from bench_ring_attention import (DTYPES, STATS, fused_fwd_bwd, make_inputs,  # noqa: E402
+                                  timed)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -80,18 +81,9 @@ def _deepspeed_peer(a, kernel, scale, world):
     return run
 
 
-def _inputs(a, n_local, kv_heads, device, seed):
-    torch.manual_seed(seed)
-
-    def mk(h):  # (B, n_local, h, D)
-        return torch.randn(a.batch, n_local, h, a.head_dim, device=device,
-                           dtype=DTYPES[a.dtype])
-    q, k, v = (mk(h).requires_grad_() for h in (a.heads, kv_heads, kv_heads))
-    return (q, k, v), mk(a.heads)
-
-
 def _rank_main(rank, world, device, a, n, kv_heads) -> dict:
-    (q, k, v), dout = _inputs(a, n // world, kv_heads, device, seed=rank)
+    a = argparse.Namespace(**{**vars(a), "kv_heads": kv_heads})  # this case's kv heads
+    (q, k, v), dout = make_inputs(a, n // world, device, seed=rank)
     kernel, scale = get_backend(a.backend, q), default_scale(a.head_dim)
     deepspeed_attn = _deepspeed_peer(a, kernel, scale, world)
     peers = {
@@ -116,12 +108,7 @@ def _rank_main(rank, world, device, a, n, kv_heads) -> dict:
     max_diff = max((x - y).abs().max().item()
                    for x, y in zip(results["ctxpar"], results["deepspeed"]))
 
-    (fq, fk, fv), fdout = _inputs(a, n, kv_heads, device, seed=world + 1)
-
-    def fused():  # one process alone over all n tokens
-        out, lse = kernel.forward(fq, fk, fv, a.causal, scale)
-        kernel.backward(fdout, fq, fk, fv, out, lse, a.causal, scale)
-
+    fused, _ = fused_fwd_bwd(a, n, device)  # one process alone over all n tokens
     fns = {name: (lambda attend=attend: fwd_bwd(attend)) for name, attend in peers.items()}
     t = timed(dict(fns, fused=fused), device, a.iters, a.warmup, stat=STATS[a.stat])
     return dict(time_s={name: t[name] for name in peers}, fused_s=t["fused"],
