@@ -459,3 +459,13 @@ def test_tp2_zero3_and_pipeline_on_two_ranks():
         else:
             assert logits is None
     assert seen == set(want)
+
+
+def test_peak_at_most_deepspeeds_at_equal_tiles():
+    # tools/bench_alst.py's contenders on a small head: ctxpar's tiled loss (reduction
+    # 'sum', 64-token tiles) and DeepSpeed's TiledFusedLogitsLoss at 4 shards of 64 tokens,
+    # results asserted equal there; the live bytes of one forward + backward, at their peak.
+    from bench_alst import loss_contenders, peaks
+    peak = peaks(loss_contenders(256, 32, 1000, (4,), untiled=True, tile=64))
+    ours = peak["ctxpar (tile 64)"]
+    assert ours <= peak["DeepSpeed (4 shards, 4)"] and ours < peak["untiled"] / 2, peak
