@@ -3,41 +3,52 @@
 The untiled loss holds (N, V/tp) logits and, for backward, their (N, V/tp) fp32 softmax
 (N = B * T/cp tokens of a rank): 16K tokens x 128K vocabulary is 8.4 GB, the largest
 activation of a long-context rank. Here the rows of x (N, d) are cut into tiles of n
-tokens; each tile's logits x_n W^T (n, V/tp) exist only while that tile is worked on:
+tokens; each tile's logits x_n W^T (n, V/tp) exist only while that tile is worked on.
 
-    forward   per tile: logits, the vocab-parallel loss (TP all-reduces MAX, then SUM of
-              (z_t, sum exp), as tensor_parallel/cross_entropy.py); keep the token's loss
-              and its fp32 log-sum-exp lse; save x, W, labels, lse (no logits)
-    backward  per tile: recompute the logits, g = (exp(logits - lse) - 1[i = t]) * dloss
-              (0 for ignored labels), dx_n = g W, dW += g^T x_n
+reduction 'sum' (the models' loss): the gradients are made in forward, for a unit upstream
+gradient, as ALST's TiledFusedLogitsLoss and Liger-Kernel's fused linear cross entropy do:
 
-Recomputing costs one more (N, d) x (d, V/tp) matmul in backward (the head's FLOPs go
-from 3 to 4 matmuls). W is the head weight (V/tp, d): the tied embedding or the untied
-lm_head; x enters through f (copy_to_tensor_model_parallel_region), so dx is all-reduced
-over TP once for the whole x, not per tile. dW is accumulated in fp32 over the tiles and
-cast once to W's dtype: one rounding like the untiled matmul's, where bf16 accumulation
-would round once per tile. Each tile reuses one (n, V/tp) scratch buffer (two for bf16).
+    forward   per tile: logits, softmax over the whole vocabulary, the tile's loss,
+              g = softmax - 1[i = t] (0 for ignored labels), dx_n = g W, dW += g^T x_n
+              (three matmuls per tile); keep dx (N, d) and dW (V/tp, d) fp32, not x or W
+    backward  dx and dW times the upstream gradient (a token mean, a loss scale, the
+              accumulation of micro-batches: exact), in place
+
+At TP > 1 each row's softmax needs the log-sum-exp over every rank's vocabulary slice
+before any gradient: the forward makes all tiles' slice statistics, combines them over TP
+once for the call (tensor_parallel/cross_entropy.py: an all-reduce MAX, then one SUM),
+then makes each tile's logits again for g (four matmuls per tile, two all-reduces per
+call instead of two per tile).
+
+reduction 'none' (per-token losses, any per-token upstream gradient): forward makes the
+per-token loss and fp32 log-sum-exp lse the same way and saves x, W, labels, lse; backward
+makes each tile's logits again and g = (exp(z - lse) - 1[i = t]) * dloss per row.
+
+W is the head weight (V/tp, d): the tied embedding or the untied lm_head; x enters through
+f (copy_to_tensor_model_parallel_region), so dx is all-reduced over TP once for the whole
+x, not per tile. dW is accumulated in fp32 over the tiles and cast once to W's dtype: one
+rounding like the untiled matmul's. Each tile reuses one (n, V/tp) scratch buffer (two for
+bf16: the logits in x's dtype, the softmax in fp32).
 
 Bytes per rank, N tokens, n per tile, v = V/tp, b = bytes of x's and W's dtype (4 fp32,
 2 bf16); the untiled loss for comparison:
 
-                    tiled                               untiled
-    saved for bwd   N*d*b (x) + N*8 (labels)            N*d*b (x) + N*v*4 (softmax)
-                    + N*4 (lse)                         + N*10 (target columns)
-    forward peak    n*v*4 (fp32: exp made in place);    N*v*b (logits) + N*v*4 (exp)
-                    bf16: n*v*(2 + 4)
-                    + N*8 (loss, lse)
-    backward peak   n*v*4 (fp32); bf16: n*v*(2 + 4)     N*v*4 (softmax, made the grad
-                    + N*d*b (dx)                        in place); bf16: + N*v*2 (cast)
-                    + bf16: v*d*(4 + 2) (fp32 dW        + N*d*b (dx)
-                      accumulator, each tile's product)
+                    tiled 'sum'                          untiled
+    forward to      N*d*b (dx) + v*d*4 (dW, fp32)        N*d*b (x) + N*v*4 (softmax)
+    backward                                             + N*10 (target columns)
+    forward peak    n*v*4 (fp32: exp made in place);     N*v*b (logits) + N*v*4 (exp)
+                    bf16: n*v*(2 + 4) + v*d*2 (a tile's
+                    dW product before the fp32 sum)
+    backward        nothing new (fp32: dW becomes the    N*v*4 (softmax, made the grad
+                    head's gradient; bf16: its cast)     in place); bf16: + N*v*2 (cast)
 
-dW itself (v*d*b) and, over TP, the f all-reduce's copy of dx (N*d*b) are the same in both.
-On a pipeline's last stage DeepSpeed also holds the stage's output until the next
-micro-batch: the untiled logits (N*v*b), here x and W (nothing new).
+The held fp32 dW is the price of three matmuls instead of four: v*d*4 from forward to
+backward (2 GiB for Llama-3-8B's head at tp 1), as ALST and Liger hold; 'none' holds
+x (N*d*b), labels (N*8) and lse (N*4) instead. On a pipeline's last stage DeepSpeed also
+holds the stage's output until the next micro-batch: the untiled logits (N*v*b), here x
+and W (nothing new).
 
-The auto tile size (``loss_tile_tokens``) keeps n*V/tp close to N*d: the fp32 tile buffers
-about the size of the hidden states.
+The auto tile size (``loss_tile_tokens``) keeps n*V/tp close to N*d, at least 512 tokens.
 """
 from __future__ import annotations
 
