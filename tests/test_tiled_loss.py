@@ -6,8 +6,12 @@ for tile sizes that divide the rows or not, 'auto', a tile whose labels are all 
 the GPT tied and untied (loss, every gradient, evaluation logits); the pipeline's last
 stage pieces (head layers, TokenMeanLoss); a dispatch-mode check that no tensor as large
 as the logits is made in forward or backward (and that the untiled path trips it); the
-bytes saved for backward against the module's formula; bf16.
-Spawned, one function on 2 gloo ranks: TP=2 (vocab split) against one process, the GPT
+bytes saved for backward against the module's formula; bf16. The 'sum' reduction (gradients
+made in forward) exact under a token mean, a loss scale and two accumulated micro-batches,
+holding only dx and dW; per-token upstream weights through 'none'; the peak at most
+DeepSpeed's TiledFusedLogitsLoss's at equal tiles.
+Spawned, one function on 2 gloo ranks: TP=2 (vocab split) against one process for both
+reductions, with the same all-reduce count for 4 tiles and 1 (per call), the GPT
 under ZeRO-3 with its parameters partitioned over cp2 (tied and untied), and a pp2
 GPTPipe step through DeepSpeed's pipeline engine with its pipeline_logits.
 """
