@@ -78,8 +78,10 @@ def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0,
                  mlp_params: int = 0) -> float:
     """The MLP's backward: the (N, f) gradients of the SwiGLU product's two inputs; tiled
     (ctxpar/memory/tiled_mlp.py), one tile's replayed intermediates (gate, silu, up,
-    product) and their gradients, the (N, d) dx buffer, and each tile's weight gradients
-    beside their running sum (fp32 for 16-bit weights)."""
+    product) and their gradients, the (N, d) dx buffer, and a tile's weight gradients
+    beside their running sum (fp32 for 16-bit weights). The Function adds each weight's
+    tile gradient to its sum as soon as it is made, so at most one is alive at a time;
+    this charges all three (mlp_params), two weights above it."""
     if not tile:
         return (2 if swiglu else 1) * s.N * s.f * e
     t = min(tile, s.N)
