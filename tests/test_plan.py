@@ -272,6 +272,52 @@ def test_the_seeds_rule_is_the_mha_bf16_case_of_the_thresholds():
     assert t["bwd"] == pytest.approx(F / B * 4 / 5)            # 2.5x compute, K,V + dK,dV
 
 
+def test_step_time_charges_each_memory_option():
+    """timing.py's terms for the memory options, each against the same layout without it:
+    the tiled MLP's forward again; the tiled loss's fourth head matmul only at TP > 1;
+    activation offload hidden on CUDA unless PCIe is slower than the layer, whole on CPU;
+    optimizer offload's copies and host Adam once per step."""
+    from dataclasses import replace
+
+    from ctxpar.config import Config
+    from ctxpar.plan.cluster import GPUS, Cluster
+    from ctxpar.plan.timing import MM_EFF, step_time
+
+    c = Config()
+    c.model = ModelConfig(vocab_size=32000, seq_len=8192, n_layers=4, d_model=1024,
+                          n_heads=8, n_kv_heads=8, ffn_hidden=4096)
+    c.train.global_batch_size = 2
+    gpu = GPUS["h100"]
+    cluster = Cluster(1, 8, gpu)
+
+    def t(**kw):
+        return step_time(c, Layout(kw.pop("tp", 1), 2, 1, 1, activation="full", **kw),
+                         kw.pop("cluster", cluster), True)
+
+    base = t()
+    micro, N, F = base.micro_batches, 1 * 8192 // 2, gpu.flops * MM_EFF
+    mlp = 2 * N * 4 * 3 * 1024 * 4096 / F * micro
+    assert t(tiled_mlp=True).compute - base.compute == pytest.approx(mlp)
+    assert t(tiled_loss=True).total == base.total
+    head2 = 2 * N * 1024 * 16000 / F * micro
+    assert t(tp=2, tiled_loss=True).compute - t(tp=2).compute == pytest.approx(head2)
+    assert t(offload_activations=True).offload == 0.0  # 8 MiB per layer hides at 50 GB/s
+    slow = Cluster(1, 8, replace(gpu, pcie=1e6))
+    copy = 4 * N * 1024 * 2 / 1e6  # each layer's input, bf16, at 1 MB/s
+    got = step_time(c, Layout(1, 2, 1, 1, activation="full", offload_activations=True),
+                    slow, True).offload
+    assert 2 * copy * micro > got > copy * micro  # both ways, minus what compute hides
+    cpu = Cluster(1, 2, replace(GPUS["cpu"], pcie=1e6))
+    plain = step_time(c, Layout(1, 2, 1, 1, activation="full"), cpu, True)
+    off = step_time(c, Layout(1, 2, 1, 1, activation="full", offload_activations=True), cpu,
+                    True)
+    assert off.offload == pytest.approx(2 * copy * micro) and off.total > plain.total
+    psi = counts.stage_params(c.model, 1, 1, 0)  # one stage: psi, over D = cp 2
+    opt = t(zero=1, offload_optimizer=True).offload - t(zero=1).offload
+    # fp32 grads out, bf16 params back; the node's Adam steps both ranks' partitions
+    assert opt == pytest.approx(psi / 2 * (4 + 2) / gpu.pcie + psi / 2 * 2 / gpu.host_adam)
+
+
 # ------------------------------------------------------------------ the command line
 
 

@@ -54,6 +54,17 @@ LAYOUTS = {  # name: --set overrides (2 ranks)
     "cp2 selective ckpt": BIG + ["parallel.cp=2", "parallel.dp=1",
                                  "checkpointing.activation=selective"],
     "dp2 micro-batch 2": BIG + ["parallel.cp=1", "parallel.dp=2", "train.micro_batch_size=2"],
+    # the memory options, each beside the layout it is added to (the same run's drift)
+    "cp2 vocab 8192": BIG + ["parallel.cp=2", "parallel.dp=1", "model.vocab_size=8192"],
+    "cp2 vocab 8192 tiled loss": BIG + ["parallel.cp=2", "parallel.dp=1",
+                                        "model.vocab_size=8192", "memory.tiled_loss=true"],
+    "cp2 full ckpt tiled MLP": BIG + ["parallel.cp=2", "parallel.dp=1",
+                                      "checkpointing.activation=full", "memory.tiled_mlp=true"],
+    "cp2 full ckpt activation offload": BIG + ["parallel.cp=2", "parallel.dp=1",
+                                               "checkpointing.activation=full",
+                                               "memory.offload_activations=true"],
+    "dp2 optimizer offload": BIG + ["parallel.cp=1", "parallel.dp=2",
+                                    "deepspeed.zero_optimization.offload_optimizer.device=cpu"],
     # configs/tiny_cpu.yaml (make train's model): overhead-bound
     "tiny cp2 dp1": ["parallel.cp=2", "parallel.dp=1"],
     "tiny dp2": ["parallel.cp=1", "parallel.dp=2"],

@@ -64,11 +64,11 @@ def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> L
     oas = (False, True) if "offload_activations" in opt and offl else (False,)
     oos = (False, True) if "offload_optimizer" in opt and offl else (False,)
     tl, tm = "tiled_loss" in opt, "tiled_mlp" in opt
-    # the MLP's tile: the config's (tiled_mlp.py's 'auto': ffn/tp / d equal tiles) and
-    # ALST's d_model tokens, smaller at long context
+    # the MLP's tile: the config's (tiled_mlp.py's 'auto': equal tiles of max(d, 512)
+    # tokens) and d_model tokens, smaller where d < 512
     tiles = (0, cfg.model.d_model) if tm and cfg.memory.mlp_tile_tokens == "auto" else (0,)
     # the loss's: tiled_loss.py's 'auto' (Liger's, a power of two: up to twice the hidden
-    # states' size) and d_model tokens
+    # states' size; at least 512 tokens) and d_model tokens
     loss_tiles = (0, cfg.model.d_model) if tl and cfg.memory.loss_tile_tokens == "auto" \
         else (0,)
     for tp in divisors(cluster.gpus_per_node):

@@ -78,8 +78,10 @@ def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0,
                  mlp_params: int = 0) -> float:
     """The MLP's backward: the (N, f) gradients of the SwiGLU product's two inputs; tiled
     (ctxpar/memory/tiled_mlp.py), one tile's replayed intermediates (gate, silu, up,
-    product) and their gradients, the (N, d) dx buffer, and each tile's weight gradients
-    beside their running sum (fp32 for 16-bit weights)."""
+    product) and their gradients, the (N, d) dx buffer, and a tile's weight gradients
+    beside their running sum (fp32 for 16-bit weights). The Function adds each weight's
+    tile gradient to its sum as soon as it is made, so at most one is alive at a time;
+    this charges all three (mlp_params), two weights above it."""
     if not tile:
         return (2 if swiglu else 1) * s.N * s.f * e
     t = min(tile, s.N)
@@ -125,18 +127,21 @@ def recompute(s: RankShapes, lay: Layout, e: int, mode: str, mlp_saved: float,
 
 def loss_forward(s: RankShapes, e: int, tile: int = 0) -> float:
     """At the loss: the logits (N, V/tp) beside the fp32 softmax it saves; tiled
-    (ctxpar/memory/tiled_loss.py): one tile's scratch buffer (fp32: exp in place; 16-bit:
-    the logits and their fp32 exp) and the per-token loss and lse (nothing of (N, V) saved)."""
+    (ctxpar/memory/tiled_loss.py, reduction 'sum'): one tile's scratch buffer (fp32: exp
+    in place; 16-bit: the logits and their fp32 exp) and, 16-bit, each tile's dW product
+    (V/tp, d) before it joins the fp32 sum. The dx (N, d) and fp32 dW (V/tp, d) it makes in
+    forward are held to backward with the activations (counts.activations' head)."""
     if tile:
-        return min(tile, s.N) * s.V * (4 if e == 4 else e + 4) + 8 * s.N
+        return min(tile, s.N) * s.V * (4 if e == 4 else e + 4) + (s.V * s.d * e if e != 4 else 0)
     return s.N * s.V * e
 
 
 def loss_backward(s: RankShapes, e: int, tile: int = 0) -> float:
     """The loss's backward: the gradient written into the saved fp32 softmax (16-bit: its
-    cast copy); tiled: one tile's replayed logits/gradient buffer (16-bit: with the fp32
-    dW accumulator and each tile's product)."""
+    cast copy). Tiled, nothing is computed: the held dx is scaled in place into the
+    activation gradient and, fp32, the held dW into the head's gradient, both of which the
+    phase charges already, so they come off the activations' count here (16-bit: dW's cast
+    is the charged gradient, the fp32 sum stays until it is made)."""
     if tile:
-        return min(tile, s.N) * s.V * (4 if e == 4 else e + 4) + \
-            (s.V * s.d * (4 + 2) if e != 4 else 0.0)
+        return -(s.N * s.d * e + (s.V * s.d * 4 if e == 4 else 0))
     return s.N * s.V * e if e != 4 else 0.0
