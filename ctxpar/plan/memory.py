@@ -167,7 +167,9 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
     mlp_p = counts.layer_params(m, lay.tp) - counts.qkv_params(m, lay.tp) - \
         (s.h * s.hd * s.d + int(m.bias) * s.d) - s.d  # the MLP's weights (o_proj, norm2 off)
     down = counts.down_proj_params(m, lay.tp)
-    mlp_b = transients.mlp_backward(s, swiglu, e, mlp_tile, mlp_p, down)
+    mlp_b = max(transients.mlp_backward(s, swiglu, e, mlp_tile, mlp_p, down),
+                transients.after_mlp_backward(s, e, m.norm, device,
+                                              (mlp_p - (0 if mlp_tile else down)) * e))
 
     phases = []
     # forward: the last block's working set, or the loss

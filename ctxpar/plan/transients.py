@@ -93,6 +93,17 @@ def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0,
     return s.N * s.d * e + max(tiles, cast)
 
 
+def after_mlp_backward(s: RankShapes, e: int, norm: str, device: str,
+                       mlp_grads: float) -> float:
+    """Just after the MLP's backward, at the second norm's: the MLP's dx (N, d) and the
+    norm's backward products (CPU's composite RMSNorm makes two (N, d) tensors; a fused
+    kernel or LayerNorm its dx) beside the MLP's weight gradients (mlp_grads bytes, those
+    the caller does not charge otherwise). A tiled MLP's own backward is fixed by its
+    tiles while this grows with N: at long sequences it is the block's MLP-side peak."""
+    k = 2 if norm == "rmsnorm" and device == "cpu" else 1
+    return (1 + k) * s.N * s.d * e + mlp_grads
+
+
 def mlp_forward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
     """A tiled MLP's forward (no grad): one tile's silu(gate), up and product, and the
     (N, d) output buffer; untiled the intermediates are saved (counts.py): nothing more."""
