@@ -13,7 +13,8 @@ live bytes on CPU (tools/bench_plan_memory.py, docs/planner.md):
   then reduce-scattered), the travelling dK,dV (ring_grad_dtype), receive buffers, a
   block's dq, dk, dv; Ulysses' all-to-alls of dout and of dq, dk, dv.
 - MLP: in a replayed (checkpointed) block's forward its four (N, f) intermediates; in
-  backward the (N, f) gradients of the SwiGLU product's two inputs.
+  backward the (N, f) gradients of the SwiGLU product's two inputs; just after it, its
+  dx beside the second norm's backward products (N, d).
 - the loss: the (N, V/tp) logits next to the fp32 softmax the loss saves (forward); the
   backward writes the gradient into that softmax (no copy in fp32).
 - a checkpointed block's backward first replays its forward: its 'none' activations (or,
