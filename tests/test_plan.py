@@ -371,8 +371,12 @@ def test_cli_max_seq_len_ends_with_the_longest_line():
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("longest seq_len: ") and " tokens (layout tp1 cp1 " in last, last
-    assert int(last.split()[2].replace(",", "")) > 32768  # the options reach past 32K
+    n = int(last.split()[2].replace(",", ""))
+    assert n > 32768 and n % 2 == 0, n  # past 32K; zigzag's 2 chunks even at cp 1
     assert "what fills it: " in proc.stdout and "memory per GPU" in proc.stdout
+    from ctxpar.plan.longest import unit  # config.validate's rule, cp 1 included
+    assert [unit(Layout(1, cp, 1, 1, layout=lay)) for cp, lay in
+            ((1, "zigzag"), (1, "contiguous"), (2, "zigzag"), (4, "striped"))] == [2, 1, 4, 4]
 
 
 # ------------------------------------------------------------------ train.py's start line
