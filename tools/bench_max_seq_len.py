@@ -38,6 +38,7 @@ CASES = {
     "d384 L2 V8000, 0.15 GB, tiled": (D384, 1.5e8, TILED),
     "d384 L2 V8000, 0.3 GB, tiled": (D384, 3e8, TILED),
     "d384 L2 V8000, 0.3 GB, tiled, tp 1": (D384, 3e8, TILED + ["--tp", "1"]),
+    "d384 L2 V8000, 0.3 GB, tiled, tp 2": (D384, 3e8, TILED + ["--tp", "2"]),
     "d256 L4 V16000 GQA, 0.2 GB, all options": (D256, 2e8, []),
     "d256 L4 V16000 GQA, 0.2 GB, no options": (D256, 2e8, ["--options", "none"]),
 }
