@@ -68,15 +68,37 @@ def _ring_allocations(rank, world):
     dout = shard_sequence(dout, 1, group, "zigzag")
     with count_allocations() as bwd:
         out.backward(dout)
-    return dict(fwd.ops), dict(bwd.ops)
+    # The backward's peak of live bytes, at shapes where the buffers dwarf the small ones.
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    from bench_tiled_mlp import LiveBytes
+    q, k, v, dout = global_inputs(2 * world * 256, 8, 2, 16, torch.float32)
+    ql, kl, vl = (shard_sequence(x, 1, group, "zigzag").requires_grad_() for x in (q, k, v))
+    out = ring_attention(ql, kl, vl, group, causal=True, layout="zigzag", backend="sdpa")
+    dout = shard_sequence(dout, 1, group, "zigzag")
+    live = LiveBytes()
+    with live:
+        out.backward(dout)
+    return dict(fwd.ops), dict(bwd.ops), live.peak
 
 
 def test_ring_step_copies_nothing_it_does_not_need():
     """Per ring call: no stack/cat/clone of K,V (the caller's k, v are sent as they are and
     blocks land in two alternating receive pairs), no GQA expansion (the CPU flash kernel
     takes Hkv heads), and in backward one contiguous lse per distinct row range (zigzag:
-    the second half), not one per step."""
-    for rank, (fwd, bwd) in enumerate(run_distributed(_ring_allocations, 4, timeout=120)):
+    the second half), not one per step; the backward's live peak is what the planner
+    charges (ctxpar/plan/transients.attention_backward)."""
+    from ctxpar.plan import counts, transients
+    from ctxpar.plan.layout import Layout
+    shapes = counts.RankShapes(N=1024, B=2, T=2048, d=128, h=8, hk=2, hd=16, f=1, V=1, L=1,
+                               tp=1)
+    predicted = transients.attention_backward(shapes, Layout(1, 4, 1, 1), 4)
+    for rank, (fwd, bwd, peak) in enumerate(run_distributed(_ring_allocations, 4,
+                                                             timeout=120)):
+        # The planner's term within 5% of the live peak: no step's block gradients kept
+        # while the next step's are made.
+        assert abs(predicted / peak - 1) < 0.05, (rank, predicted, peak)
         for ops in (fwd, bwd):
             for name in ("aten::stack", "aten::cat", "aten::repeat_interleave",
                          "aten::index_select"):

@@ -37,8 +37,9 @@ def with_seq_len(cfg: Config, seq_len: int) -> Config:
 
 
 def unit(lay: Layout) -> int:
-    """seq_len must be a multiple of this (the CP layout's chunks)."""
-    return num_chunks(lay.cp, lay.layout) if lay.cp > 1 else 1
+    """seq_len must be a multiple of this: the CP layout's chunks, config.validate's rule,
+    which holds at cp 1 too (zigzag: 2)."""
+    return num_chunks(lay.cp, lay.layout)
 
 
 OPTIONS = ("tiled_loss", "tiled_mlp", "offload_activations", "offload_optimizer")

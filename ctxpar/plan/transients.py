@@ -13,7 +13,8 @@ live bytes on CPU (tools/bench_plan_memory.py, docs/planner.md):
   then reduce-scattered), the travelling dK,dV (ring_grad_dtype), receive buffers, a
   block's dq, dk, dv; Ulysses' all-to-alls of dout and of dq, dk, dv.
 - MLP: in a replayed (checkpointed) block's forward its four (N, f) intermediates; in
-  backward the (N, f) gradients of the SwiGLU product's two inputs.
+  backward the (N, f) gradients of the SwiGLU product's two inputs; just after it, its
+  dx beside the second norm's backward products (N, d).
 - the loss: the (N, V/tp) logits next to the fp32 softmax the loss saves (forward); the
   backward writes the gradient into that softmax (no copy in fp32).
 - a checkpointed block's backward first replays its forward: its 'none' activations (or,
@@ -75,18 +76,33 @@ def attention_backward(s: RankShapes, lay: Layout, e: int) -> float:
 
 
 def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0,
-                 mlp_params: int = 0) -> float:
+                 mlp_params: int = 0, weight: int = 0) -> float:
     """The MLP's backward: the (N, f) gradients of the SwiGLU product's two inputs; tiled
-    (ctxpar/memory/tiled_mlp.py), one tile's replayed intermediates (gate, silu, up,
-    product) and their gradients, the (N, d) dx buffer, and a tile's weight gradients
-    beside their running sum (fp32 for 16-bit weights). The Function adds each weight's
-    tile gradient to its sum as soon as it is made, so at most one is alive at a time;
-    this charges all three (mlp_params), two weights above it."""
+    (ctxpar/memory/tiled_mlp.py), its largest point over the tiles: one tile's replayed
+    intermediates (gate, silu, up, product) and their gradients, the (N, d) dx buffer, the
+    running sums of the weights' gradients (mlp_params, fp32) and the one tile gradient
+    being added to them (the Function adds each as soon as it is made: one weight's,
+    `weight` elements, alive at a time); or, 16-bit, the end, where the sums are cast to
+    the weights' dtype beside themselves. The weights' gradients are the parameters' only
+    once the Function returns: the caller charges none of the MLP's meanwhile."""
     if not tile:
         return (2 if swiglu else 1) * s.N * s.f * e
     t = min(tile, s.N)
-    sums = mlp_params * (4 if e != 4 else 0)
-    return (6 if swiglu else 3) * t * s.f * e + s.N * s.d * e + mlp_params * e + sums
+    sums = mlp_params * 4
+    tiles = (6 if swiglu else 3) * t * s.f * e + sums + weight * e
+    cast = sums + mlp_params * e if e != 4 else 0.0
+    return s.N * s.d * e + max(tiles, cast)
+
+
+def after_mlp_backward(s: RankShapes, e: int, norm: str, device: str,
+                       mlp_grads: float) -> float:
+    """Just after the MLP's backward, at the second norm's: the MLP's dx (N, d) and the
+    norm's backward products (CPU's composite RMSNorm makes two (N, d) tensors; a fused
+    kernel or LayerNorm its dx) beside the MLP's weight gradients (mlp_grads bytes, those
+    the caller does not charge otherwise). A tiled MLP's own backward is fixed by its
+    tiles while this grows with N: at long sequences it is the block's MLP-side peak."""
+    k = 2 if norm == "rmsnorm" and device == "cpu" else 1
+    return (1 + k) * s.N * s.d * e + mlp_grads
 
 
 def mlp_forward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
