@@ -110,13 +110,10 @@ def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
     return global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    filter_known_warnings()  # DeepSpeed's deprecated torch calls, not the user's business
-    launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
-    world = int(os.environ["WORLD_SIZE"])
-
-    # 1. Config, run dir and data paths: pure checks, the same verdict on every rank.
+def check_inputs(args, world: int):
+    """Config, run dir, data paths and the checkpoint to resume or start from: pure checks,
+    the same verdict on every rank, so bad input exits 2 with one line before any collective.
+    Returns (cfg, data, save_dir, resume plan or None, init_from weights or None)."""
     try:
         cfg = load_config(args.config, args.set, world_size=world)
         check_run_dir(cfg)  # a path through a file, a read-only place: nothing created
@@ -139,7 +136,12 @@ def main(argv=None) -> int:
     except ckpt.CheckpointError as e:
         fail(str(e))
 
-    # 2. Distributed and the grid.
+    return cfg, data, save_dir, plan, init
+
+
+def start_distributed(cfg, world: int):
+    """The process group, the rank grid and DeepSpeed's comm; rank 0 prints the planner's
+    prediction for this layout. Returns (device, state, rank0)."""
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) \
         if torch.cuda.is_available() else torch.device("cpu")
     init_distributed(default_backend(device))
@@ -151,6 +153,32 @@ def main(argv=None) -> int:
     show_ctxpar_logs(rank0)  # e.g. the attention kernel 'auto' chose, and why
     if rank0:  # the planner's prediction for this layout, before anything is allocated
         print_prediction(cfg, world, device)
+    torch.manual_seed(cfg.train.seed)
+
+    return device, state, rank0
+
+
+def open_logger(cfg, rank0: bool, start_step: int) -> MetricsLogger:
+    """Rank 0 records the run: config.yaml, wandb (a warning, not a stop, when it cannot
+    start) and metrics.jsonl with the progress bar; other ranks get a silent logger."""
+    run_dir, wandb_run = cfg.logging.run_dir, None
+    if rank0:
+        dump_config(cfg, run_dir)
+        try:
+            wandb_run = init_wandb(cfg.logging, run_dir, to_dict(cfg))
+        except WandbError as e:
+            print(f"warning: {e}; continuing without wandb", file=sys.stderr, flush=True)
+    return MetricsLogger(run_dir, cfg.train.steps, start_step, enabled=rank0,
+                         wandb_run=wandb_run)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    filter_known_warnings()  # DeepSpeed's deprecated torch calls, not the user's business
+    launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
+    world = int(os.environ["WORLD_SIZE"])
+    cfg, data, save_dir, plan, init = check_inputs(args, world)  # 1. exit 2 on bad input
+    device, state, rank0 = start_distributed(cfg, world)         # 2. the grid
     torch.manual_seed(cfg.train.seed)
 
     # 3. The model (same init for every layout) and the DeepSpeed engine. With pp > 1 this
@@ -193,7 +221,7 @@ def main(argv=None) -> int:
     record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (distributed/grad_norm.py)
     train_stream = data.train_stream(state)
 
-    # 4. Resume, then record the run.
+    # 4. Resume, record the run, and the components that decide when to evaluate and save.
     start_step = 0
     if plan is not None:
         client = ckpt.restore(engine, plan, cfg, state)  # resharded if the layout changed
@@ -207,15 +235,7 @@ def main(argv=None) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    wandb_run = None
-    if rank0:
-        dump_config(cfg, run_dir)
-        try:
-            wandb_run = init_wandb(cfg.logging, run_dir, to_dict(cfg))
-        except WandbError as e:
-            print(f"warning: {e}; continuing without wandb", file=sys.stderr, flush=True)
-    logger = MetricsLogger(run_dir, cfg.train.steps, start_step, enabled=rank0,
-                           wandb_run=wandb_run)
+    logger = open_logger(cfg, rank0, start_step)
     if init is not None:
         logger.write(init_msg)
     if start_step:
@@ -246,7 +266,7 @@ def main(argv=None) -> int:
                 else train_step(engine, micro, n_tokens, state, gas, divisor)).item()
         step += 1
         last = step == cfg.train.steps
-        grad_norm = engine.get_global_grad_norm()
+        grad_norm = engine.get_global_grad_norm()  # before clipping; None: not recorded
         grad_norm = float(grad_norm) if grad_norm is not None else None
         if not finite(loss, grad_norm):
             logger.write(f"step {step}: non-finite loss {loss} / grad norm {grad_norm}; "
@@ -275,7 +295,7 @@ def main(argv=None) -> int:
         print(f"stopped at step {step} of {cfg.train.steps} ({guard.reason})", flush=True)
     elif rank0:
         print(f"done: {step} steps, final loss {loss:.4f}{evaluator.summary()}; metrics in "
-              f"{os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
+              f"{os.path.join(cfg.logging.run_dir, 'metrics.jsonl')}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
