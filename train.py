@@ -5,6 +5,9 @@
     srun python train.py --config configs/gpt7b_128k_3d.yaml      (rank/world from SLURM_*)
 
 Top to bottom: config -> distributed -> ParallelState -> GPT -> deepspeed.initialize -> loop.
+The loop asks each component whether its moment has come: the Evaluator
+(ctxpar/components/evaluation.py), the Checkpointer (components/checkpointer.py),
+StepMetrics (components/metrics.py) and the PreemptionGuard (ctxpar/checkpoint).
 Bad input (config, layout vs world size, data paths) exits with code 2 and one line on
 every rank, before any collective, so no rank is left waiting.
 """
@@ -135,7 +138,6 @@ def check_inputs(args, world: int):
         init = ckpt.check_init_from(cfg) if cfg.model.init_from and plan is None else None
     except ckpt.CheckpointError as e:
         fail(str(e))
-
     return cfg, data, save_dir, plan, init
 
 
@@ -153,8 +155,6 @@ def start_distributed(cfg, world: int):
     show_ctxpar_logs(rank0)  # e.g. the attention kernel 'auto' chose, and why
     if rank0:  # the planner's prediction for this layout, before anything is allocated
         print_prediction(cfg, world, device)
-    torch.manual_seed(cfg.train.seed)
-
     return device, state, rank0
 
 
