@@ -67,7 +67,7 @@ def runs(tmp_path_factory):
 def cp2dp2(runs):
     d = str(runs / "cp2dp2")
     proc = run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.tp=1",
-                            "checkpointing.save_interval=10"])
+                            "checkpointing.save_interval=10", "train.eval_at_start=true"])
     (runs / "cp2dp2.console").write_text(proc.stdout + proc.stderr)
     return d
 
@@ -88,6 +88,50 @@ def test_cp2dp2_learns_logs_and_tracks(cp2dp2):
     ckpts = sorted(os.listdir(os.path.join(cp2dp2, "checkpoints")))
     assert "step_00000010" in ckpts and "step_00000020" in ckpts
     assert os.path.isfile(os.path.join(cp2dp2, "checkpoints", "step_00000010", "COMPLETE"))
+
+
+def test_eval_at_start_measures_the_model_before_training(cp2dp2, runs):
+    # train.eval_at_start: one more eval, at step 0; the resumed run below (without it)
+    # still reproduces these losses bit for bit, so it did not disturb training.
+    rows = [json.loads(line) for line in open(os.path.join(cp2dp2, "metrics.jsonl"))]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 20], evals
+    assert evals[0]["eval_loss"] > evals[1]["eval_loss"] + 1.0, evals  # the gain shows
+    console = (runs / "cp2dp2.console").read_text()
+    assert "step 0: passkey accuracy " in console and "step 20: passkey accuracy " in console
+
+
+def test_memory_is_logged_raw_and_above_the_baseline(cp2dp2):
+    # peak_mem_bytes: the process's resident set on CPU; peak_mem_model_bytes: the peak
+    # above the resident set before the model was built (interpreter and libraries left
+    # out), the figure comparable to the start line's prediction.
+    rows = [json.loads(line) for line in open(os.path.join(cp2dp2, "metrics.jsonl"))]
+    for r in (r for r in rows if "loss" in r):
+        assert 0 < r["peak_mem_model_bytes"] < r["peak_mem_bytes"], r
+
+
+def test_evaluator_and_checkpointer_own_their_when():
+    from types import SimpleNamespace
+    from ctxpar.components.checkpointer import Checkpointer
+    from ctxpar.components.evaluation import Evaluator, describe
+    from ctxpar.config import config_from_dict
+
+    def evaluator(**train):
+        cfg = config_from_dict({"train": {"steps": 30, **train}}, world_size=1)
+        return Evaluator(cfg, SimpleNamespace(has_eval=True), state=None)
+    every10 = evaluator(eval_interval=10)
+    assert [s for s in range(1, 31) if every10.should_evaluate(s)] == [10, 20, 30]
+    assert not every10.should_evaluate(0, start=True)
+    assert evaluator(eval_at_start=True).should_evaluate(7, start=True)  # a resumed start
+    assert [s for s in range(1, 31) if evaluator().should_evaluate(s)] == [30]  # only the end
+    none = Evaluator(evaluator().cfg, SimpleNamespace(has_eval=False), state=None)
+    assert not none.should_evaluate(30) and none.summary() == ""
+    assert describe({"eval_accuracy": 0.5}) == "passkey accuracy 0.500"
+    assert describe({"eval_loss": 2.0, "eval_ppl": 7.389}) == "eval loss 2.0000 (ppl 7.39)"
+    ck = Checkpointer(engine=None, save_dir="unused", interval=10, meta={}, stream=None)
+    assert [s for s in range(1, 26) if ck.should_save(s)] == [10, 20]
+    assert ck.should_save(25, last_step=True) and ck.save(7) is None  # not due: no collective
+    assert not Checkpointer(None, "unused", 0, {}, None).should_save(10)
 
 
 def test_start_prints_the_planners_prediction_once(cp2dp2, runs):
@@ -298,6 +342,16 @@ def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path):
                             "parallel.dp=2"])
     assert_every_rank_says(results, "does not equal the world size 2")
     assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")
+
+
+def test_run_dir_through_a_file_fails_on_every_rank_and_creates_nothing(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    run_dir = tmp_path / "afile" / "run"
+    results = run_ranks(2, [f"logging.run_dir={run_dir}", "parallel.cp=2", "parallel.dp=1"])
+    assert_every_rank_says(results, f"logging.run_dir={str(run_dir)!r}: "
+                                    f"{tmp_path / 'afile'} is a file, not a directory")
+    assert all("Traceback" not in err for _, err in results)
+    assert sorted(os.listdir(tmp_path)) == ["afile"] and (tmp_path / "afile").read_text() == "x"
 
 
 def test_resume_from_a_missing_tag_names_the_tags_that_exist(cp2dp2, tmp_path):
