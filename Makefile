@@ -13,8 +13,9 @@ CONFIG  ?= configs/tiny_cpu.yaml
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first, pinned: a newer torch from PyPI drags in GBs of CUDA packages.
-	$(BIN)/pip install --quiet torch==2.13.0
+	# torch first, pinned (a newer or unpinned torch drags in GBs of CUDA packages): the CPU
+	# build where there is no GPU, the CUDA build where nvidia-smi is found.
+	bash tools/install_torch.sh $(BIN)/python
 	$(BIN)/pip install --quiet -e .[dev]
 	touch $(STAMP)
 
