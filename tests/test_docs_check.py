@@ -14,7 +14,12 @@ DOC = """Run it:
 <!-- docs-check demo: python -c "print('tokens 1234567, memory 71.96 GB')" -->
 It prints **1,234,567**<!-- demo /tokens (\\d+)/ :,d --> tokens in
 71.96<!-- demo /memory ([\\d.]+) GB/ --> GB, about 72.0<!-- demo /memory ([\\d.]+) GB/ :.1f --> GB
-or 1.23<!-- demo /tokens (\\d+)/ /1e6:.2f -->M tokens.
+or 1.23<!-- demo /tokens (\\d+)/ /1e6:.2f -->M tokens. The whole line:
+
+<!-- docs-check-lines demo /^tokens/ -->
+```
+tokens 1234567, memory 71.96 GB
+```
 """
 
 
@@ -59,3 +64,14 @@ def test_the_docs_quote_what_their_commands_print():
     n = sum(len(docs_check.parse(p, open(p).read())[1]) for p in paths)
     assert n >= 40  # README's headline and docs/memory.md's every figure are marked
     assert docs_check.check(paths) == []
+
+
+def test_a_changed_line_of_quoted_output_fails_and_update_rewrites_it(tmp_path):
+    doc = tmp_path / "a.md"
+    doc.write_text(DOC.replace("tokens 1234567, memory 71.96 GB\n", "tokens 1, memory 1 GB\n"))
+    diffs = docs_check.check([str(doc)])
+    assert len(diffs) == 1 and diffs[0].endswith(
+        "a.md:9: quotes tokens 1, memory 1 GB, `demo` prints tokens 1234567, memory 71.96 GB"
+    ), diffs
+    docs_check.check([str(doc)], update=True)
+    assert doc.read_text() == DOC

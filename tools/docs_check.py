@@ -10,7 +10,10 @@ and every figure quoted from its output carries a comment right after it:
     30.6<!-- NAME /recompute +([\\d.]+) GB/ :.1f --> GB
 The regex's first group, read from the command's output, is the figure; an optional
 format (`:SPEC` or `/DIVISOR:SPEC`, Python's format mini-language on the number) rounds
-it as the text does. The check fails, one line per figure, when a quoted figure differs;
+it as the text does. Output quoted verbatim (a table's rows) carries one comment above it:
+    <!-- docs-check-lines NAME /^\| \d+ \|/ -->
+and the lines below it, up to the next blank line, that match the regex must be the
+output's lines that match it. The check fails, one line per figure, when a quoted figure differs;
 --update (`make docs-check UPDATE=1`) writes the commands' figures into the files instead.
 Commands of the form `python -m ctxpar.plan ...` run in this process (no interpreter start
 per command); each distinct command runs once.
@@ -21,6 +24,7 @@ import argparse
 import contextlib
 import glob
 import io
+import itertools
 import os
 import re
 import shlex
@@ -33,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = re.compile(r"<!-- docs-check ([\w-]+): (.+?) -->")
 FIGURE = re.compile(r"(?P<fig>\d[\d,.]*?)(?P<stars>\**)<!-- (?P<name>[\w-]+) "
                     r"/(?P<re>.+?)/(?: (?P<spec>\S+))? -->")
+LINES = re.compile(r"^<!-- docs-check-lines ([\w-]+) /(.+?)/ -->\n", re.MULTILINE)
 PLANNER = "python -m ctxpar.plan "
 
 
@@ -46,6 +51,7 @@ class Figure:
     spec: Optional[str]
     start: int  # the figure's offset in the file
     end: int
+    lines: bool = False  # a docs-check-lines block: quoted and the output's are lines
 
 
 def parse(path: str, text: str):
@@ -60,6 +66,23 @@ def parse(path: str, text: str):
                              f"<!-- docs-check {m.group('name')}: ... --> in the file declares")
         figures.append(Figure(path, line, m.group("fig"), m.group("name"), m.group("re"),
                               m.group("spec"), m.start("fig"), m.end("fig")))
+    for m in LINES.finditer(text):
+        line = text.count("\n", 0, m.start()) + 2
+        if m.group(1) not in commands:
+            raise SystemExit(f"{path}:{line - 1}: block names '{m.group(1)}', which no "
+                             f"<!-- docs-check {m.group(1)}: ... --> in the file declares")
+        block_end = text.find("\n\n", m.end())
+        block_end = len(text) if block_end < 0 else block_end + 1
+        rows = [(mm.start(), mm.end()) for mm in re.finditer(r"^.*$", text[m.end():block_end],
+                                                             re.MULTILINE)
+                if re.search(m.group(2), mm.group(0))]
+        if not rows:
+            raise SystemExit(f"{path}:{line}: no line below the block's comment matches "
+                             f"/{m.group(2)}/")
+        start, end = m.end() + rows[0][0], m.end() + rows[-1][1]
+        figures.append(Figure(path, line + text.count("\n", m.end(), start), text[start:end],
+                              m.group(1), m.group(2), None, start, end, lines=True))
+    figures.sort(key=lambda f: f.start)
     return commands, figures
 
 
@@ -89,6 +112,12 @@ def run(command: str) -> str:
 
 def figure_from(output: str, f: Figure, command: str) -> str:
     """The figure f quotes, as the command prints it now (formatted by f.spec)."""
+    if f.lines:
+        got = [ln for ln in output.splitlines() if re.search(f.regex, ln)]
+        if not got:
+            raise SystemExit(f"{f.path}:{f.line}: /{f.regex}/ matches no line of the output "
+                             f"of `{command}`")
+        return "\n".join(got)
     m = re.search(f.regex, output, re.MULTILINE)
     if not m:
         raise SystemExit(f"{f.path}:{f.line}: /{f.regex}/ matches nothing in the output of "
@@ -117,8 +146,14 @@ def check(paths: List[str], update: bool = False) -> List[str]:
                 outputs[cmd] = run(cmd)
             now = figure_from(outputs[cmd], f, cmd)
             if now != f.quoted:
-                diffs.append(f"{os.path.relpath(path, ROOT)}:{f.line}: quotes {f.quoted}, "
-                             f"`{f.name}` prints {now}")
+                quoted, printed = f.quoted, now
+                if f.lines:  # the first line that differs
+                    quoted, printed = next(
+                        (q, n) for q, n in itertools.zip_longest(
+                            f.quoted.splitlines(), now.splitlines(), fillvalue="(nothing)")
+                        if q != n)
+                diffs.append(f"{os.path.relpath(path, ROOT)}:{f.line}: quotes {quoted}, "
+                             f"`{f.name}` prints {printed}")
                 new = new[:f.start] + now + new[f.end:]
         if update and new != text:
             with open(path, "w") as fh:
