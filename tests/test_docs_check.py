@@ -56,6 +56,7 @@ def test_a_regex_the_output_lacks_is_an_error(tmp_path):
         docs_check.check([str(doc)])
 
 
+@pytest.mark.slow
 def test_the_docs_quote_what_their_commands_print():
     """The planner's predictions in README.md and docs/*.md (each command once, in this
     process). A planner change that moves a figure fails here: `make docs-check UPDATE=1`
