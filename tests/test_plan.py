@@ -16,8 +16,10 @@
 """
 import gc
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -335,6 +337,11 @@ def test_cli_table_explain_write_plot(tmp_path):
     assert sum(ln.startswith("| ") and ln[2:3].isdigit() for ln in lines) == 5
     # Layouts that differ only in token layout (or ZeRO stage) and tie share a row.
     assert "ring/zigzag,striped" in proc.stdout
+    # ... and the header says so: how many rows the fitting layouts make, and why fewer.
+    header = lines[0]
+    n_rows = int(header.split(" fit, in ")[1].split()[0])
+    assert "(layouts that differ only in ZeRO stage or token layout" in header
+    assert f" of {n_rows} rows)" in proc.stdout or "(does not fit)" in proc.stdout
     assert "ring chunk C" in proc.stdout or "cp1" in proc.stdout
     assert "memory per GPU" in proc.stdout and "bottleneck" in proc.stdout
     cfg = load_config(str(out), check_paths=False)   # runnable: validates as a config
@@ -348,6 +355,13 @@ def test_cli_table_explain_write_plot(tmp_path):
     (["--nodes", "0"], "--nodes 0 --gpus-per-node 8: both must be >= 1"),
     (["--nodes", "1", "--gpus-per-node", "1", "--memory", "1e9"],
      "nothing fits in 1 GB per GPU: the smallest layout"),
+    (["--nodes", "1", "--gpus-per-node", "1", "--memory", "1e9"],
+     "the memory options (memory.tiled_loss, memory.tiled_mlp, memory.offload_activations, "
+     "zero_optimization.offload_optimizer), or a shorter model.seq_len (--max-seq-len finds"),
+    (["--nodes", "1", "--gpus-per-node", "1", "--memory", "1e9", "--max-seq-len",
+      "--options", "tiled_loss", "--host-memory", "1e12"],
+     "more GPUs (--nodes 2), a larger GPU, or the options --options leaves out (tiled_mlp, "
+     "offload_activations, offload_optimizer)"),
     (["--network", "-1"], "--network -1.0 must be > 0"),
     (["--overhead", "-1"], "--overhead -1.0 must be >= 0"),
     (["--set", "memory.loss_tile_tokens=0"], "memory.loss_tile_tokens=0 must be 'auto' or"),
@@ -377,6 +391,47 @@ def test_cli_max_seq_len_ends_with_the_longest_line():
     from ctxpar.plan.longest import unit  # config.validate's rule, cp 1 included
     assert [unit(Layout(1, cp, 1, 1, layout=lay)) for cp, lay in
             ((1, "zigzag"), (1, "contiguous"), (2, "zigzag"), (4, "striped"))] == [2, 1, 4, 4]
+    # no row repeats another's length and layout at another tile size
+    rows = [ln.split(" | ") for ln in proc.stdout.splitlines() if ln.startswith("| ")
+            and ln[2:3].isdigit()]
+    keys = [(r[2], re.sub(r"\(\d+\)", "", r[1])) for r in rows]
+    assert len(rows) == 3 and len(set(keys)) == len(keys), rows
+
+
+def test_longest_rows_keep_one_tile_size_per_layout_and_length():
+    from ctxpar.plan.longest import merge_tiles
+    a = Layout(1, 8, 1, 1, "ulysses", 8, zero=3, tiled_mlp=True)
+    rows = [(100, a, "m1"), (100, replace(a, loss_tile=4096), "m2"),
+            (100, replace(a, zero=2), "m3"), (96, replace(a, mlp_tile=4096), "m4")]
+    assert [m for _, _, m in merge_tiles(rows)] == ["m1", "m3", "m4"]
+
+
+def test_plot_gives_each_term_its_colour_and_draws_the_device_lines():
+    """The memory plot: distinct colours per term, lines at the device's memory and the
+    planned 90%, and the tallest bar inside the axes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.report import plot_figure
+    from ctxpar.plan.search import search
+    cluster = Cluster(1, 8, gpu_preset("h100"))
+    cfg = load_config(os.path.join(ROOT, "configs", "gpt1b_32k_3d.yaml"), check_paths=False)
+    plans = [p for p in search(cfg, cluster) if p.fits][:8]
+    fig = plot_figure(plans, cluster)
+    mem_ax = fig.axes[0]
+    handles, labels = mem_ax.get_legend_handles_labels()
+    bars = [h for h in handles if hasattr(h, "patches")]
+    colours = [tuple(b.patches[0].get_facecolor()) for b in bars]
+    assert len(bars) >= 10 and len(set(colours)) == len(colours), labels
+    lines = {ln.get_label(): ln.get_ydata()[0] for ln in mem_ax.get_lines()}
+    assert lines == {"device memory (80 GB)": 80.0, "planned (90%: 72 GB)": 72.0}
+    tallest = max(r.get_y() + r.get_height() for b in bars for r in b.patches)
+    assert mem_ax.get_ylim()[1] >= max(tallest, 80.0)
+    names = [t for t in fig.texts if "#1: " in t.get_text()]
+    assert len(names) == 1 and names[0].get_fontsize() >= 9
+    assert names[0].get_text().count("\n") == len(plans) - 1
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------ train.py's start line

@@ -168,3 +168,16 @@ def search_longest(cfg: Config, cluster: Cluster,
             out.append((n, lay, m))
     out.sort(key=lambda r: (-r[0], r[2].peak))
     return out
+
+
+def merge_tiles(rows: List[Tuple[int, Layout, Memory]]) -> List[Tuple[int, Layout, Memory]]:
+    """search_longest's rows with one per layout and length: the tiles that reach the same
+    seq_len as another tile size of the same layout are left out (the first, the least
+    memory, stays)."""
+    seen, out = set(), []
+    for n, lay, m in rows:
+        key = (n, dataclasses.replace(lay, mlp_tile=0, loss_tile=0))
+        if key not in seen:
+            seen.add(key)
+            out.append((n, lay, m))
+    return out
