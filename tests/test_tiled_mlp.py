@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_mlp import mlp_tile_tokens, tile_spans
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 from models.gpt import GPT, MLP
 
 def close(got, want, msg=""):

@@ -181,7 +181,7 @@ def part_cp_efficiency(a) -> dict:
     sz = sizes(a.dry_run)
     H, Hkv, D = sz["cp_heads"]
     out = os.path.join(a.out, "bench_ring_attention.json")
-    cmd = [sys.executable, "tools/bench_ring_attention.py", "--simulate-ranks",
+    cmd = [sys.executable, "-m", "tools.benchmarks.bench_ring_attention", "--simulate-ranks",
            str(sz["cp_ranks"]), "--seq-len", *map(str, sz["cp_seq"]), "--heads", str(H),
            "--kv-heads", str(Hkv), "--head-dim", str(D), "--dtype", sz["cp_dtype"],
            "--device", sz["device"], "--layout", "zigzag", "--causal", "--ulysses",

@@ -1,8 +1,8 @@
 """Peak memory and time of the tiled MLP on an MLP-bound rank; activation offload's device bytes.
 
-    python tools/bench_tiled_mlp.py                 # the docs/benchmarks.md figures (CPU, fp32)
-    python tools/bench_tiled_mlp.py --rss           # also each case's peak RSS, fresh process
-    python tools/bench_tiled_mlp.py --tokens 4096 --ffn 8192 --layers 2
+    python -m tools.benchmarks.bench_tiled_mlp                 # the docs/benchmarks.md figures (CPU, fp32)
+    python -m tools.benchmarks.bench_tiled_mlp --rss           # also each case's peak RSS, fresh process
+    python -m tools.benchmarks.bench_tiled_mlp --tokens 4096 --ffn 8192 --layers 2
 
 Cases, one process, 1 thread, fp32, SwiGLU (d 256, ffn 4096, 8192 tokens by default, where
 the MLP's four (tokens, ffn) intermediates are 64x the (tokens, d) block input):
@@ -36,11 +36,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ctxpar.config import MemoryConfig, ModelConfig  # noqa: E402
-from ctxpar.memory.tiled_mlp import mlp_tile_tokens  # noqa: E402
-from models.gpt import GPT, MLP  # noqa: E402
+from ctxpar.config import MemoryConfig, ModelConfig
+from ctxpar.memory.tiled_mlp import mlp_tile_tokens
+from models.gpt import GPT, MLP
 
 MiB = 2 ** 20
 
@@ -144,7 +142,7 @@ def rss_child(spec: str, args) -> None:
 
 def offload_figures(args) -> dict:
     """Saved bytes on the device after the GPT's forward, offload off and on."""
-    from bench_activation_memory import saved_tensor_bytes
+    from ctxpar.testing import saved_tensor_bytes
     args = argparse.Namespace(**{**vars(args), "layers": args.offload_layers})
     out = {}
     for offload in (False, True):
