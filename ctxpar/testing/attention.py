@@ -6,7 +6,9 @@
 Also: the shared inputs (``global_inputs``, ``B``, ``S_LOCAL``), the patterns each world
 size runs (``PATTERNS``), the communication calls a pattern makes per layer, the
 document-masked reference, and ``FlashOnCpu``: ctxpar's flash-attn adapter over CPU
-stand-ins of flash-attn's functions (a backend that takes no explicit mask).
+stand-ins of flash-attn's functions (a backend that takes no explicit mask), and the
+fp32 reference with gradients a block of query rows at a time for long sequences
+(tools/gpu_check.py holds the GPU kernels to it).
 """
 from __future__ import annotations
 
@@ -61,6 +63,29 @@ def masked_reference(q, k, v, cus, causal, scale):
     mask = torch.stack([reference_mask(cu.long(), n, causal) for cu in cus])  # (B, n, n)
     s = s.masked_fill(~mask[:, None], float("-inf"))
     return torch.einsum("bhls,bshd->blhd", s.softmax(-1), vr), torch.logsumexp(s, -1)
+
+
+def reference_attention_in_rows(q, k, v, dout, causal, scale, rows=None):
+    """(out, lse, dq, dk, dv) in fp32 by ctxpar's math kernel, a block of query rows at a
+    time (a (B, H, rows, S) fp32 score block, not (B, H, L, S)); causal for L = S."""
+    B, L, H, D = q.shape
+    S = k.shape[1]
+    rows = rows or max(1, min(L, 2**28 // (B * H * S)))  # ~1 GiB per score block
+    q, k, v, dout = (x.float() for x in (q, k, v, dout))
+    m = MathBackend()  # fp32 and an explicit mask: the reference for every kernel
+    out, lse = torch.empty_like(q), torch.empty(B, H, L, device=q.device)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    keys = torch.arange(S, device=q.device)
+    for r0 in range(0, L, rows):
+        r = slice(r0, min(L, r0 + rows))
+        mask = keys[None, :] <= torch.arange(r.start, r.stop, device=q.device)[:, None] \
+            if causal else None
+        out[:, r], lse[:, :, r] = m.forward(q[:, r], k, v, False, scale, mask)
+        g = m.backward(dout[:, r], q[:, r], k, v, out[:, r], lse[:, :, r], False, scale, mask)
+        dq[:, r] = g[0]
+        dk += g[1]
+        dv += g[2]
+    return out, lse, dq, dk, dv
 
 
 def global_inputs(n, H, Hkv, D, dtype):
