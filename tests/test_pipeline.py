@@ -231,7 +231,7 @@ SHORT = ["model.seq_len=128", "train.steps=6", "train.warmup_steps=2", "train.ev
 
 
 def run_4d(run_dir, nproc, sets=(), extra=()):
-    # SHORT sets every key of test_train's BASE, and later --set values win.
+    # SHORT sets every key of helpers.train_run's BASE, and later --set values win.
     return run_train(run_dir, nproc, [*SHORT, *sets], extra, timeout=300, config=CONFIG_4D)
 
 

@@ -1,7 +1,8 @@
 """Do the demo configs demonstrate? Train each configs/tiny_cpu*.yaml and check it learns.
 
     python -m tools.benchmarks.bench_demos                          # every configs/tiny_cpu*.yaml
-    python -m tools.benchmarks.bench_demos configs/tiny_cpu_4d.yaml --min-accuracy 0.8 --max-seconds 180
+    python -m tools.benchmarks.bench_demos configs/tiny_cpu_4d.yaml --min-accuracy 0.8 \\
+        --max-seconds 180
 
 Each config runs from scratch with the command `make train` uses (the DeepSpeed launcher,
 --num_gpus NPROC, DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1), into its own run directory under

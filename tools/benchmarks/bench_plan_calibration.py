@@ -1,6 +1,6 @@
 """The planner's step time against train.py's measured one, layout by layout (CPU).
 
-    python -m tools.benchmarks.bench_plan_calibration --save /tmp/calib.json     # the docs/planner.md table
+    python -m tools.benchmarks.bench_plan_calibration --save /tmp/calib.json  # docs/planner.md
     python -m tools.benchmarks.bench_plan_calibration --load a.json b.json       # refit over runs
     python -m tools.benchmarks.bench_plan_calibration --only ring --steps 8
 

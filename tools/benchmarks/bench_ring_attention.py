@@ -1,9 +1,9 @@
 """Benchmark context-parallel attention, every pattern: real ranks or a simulated group.
 
 --comm picks the patterns (ring, allgather, ulysses, hybrid; default all; hybrid's inner
-degree is --ulysses). Ranks mode (default) spawns P local processes (ctxpar/testing/distributed.py:
-gloo on CPU, NCCL on GPUs) per (n, P, pattern) and times one fwd+bwd of
-context_parallel_attention per iteration on every rank:
+degree is --ulysses). Ranks mode (default) spawns P local processes
+(ctxpar/testing/distributed.py: gloo on CPU, NCCL on GPUs) per (n, P, pattern) and times
+one fwd+bwd of context_parallel_attention per iteration on every rank:
     time        wall time per fwd+bwd (median, or --stat min, over --iters), per rank
     ideal       (one fused attention fwd+bwd over all n tokens) / P, measured in the same
                 processes, in the same iterations, under the same load: every rank runs
@@ -28,8 +28,8 @@ device (NoComm groups, no communication) and reports the decomposition efficienc
 i.e. what is lost to smaller kernels, LSE merges, regrouping copies and load imbalance.
 
     python -m tools.benchmarks.bench_ring_attention --seq-len 8192 --world-sizes 2 --threads 1
-    python -m tools.benchmarks.bench_ring_attention --device cuda --dtype bf16 --seq-len 32768 131072 \\
-        --simulate-ranks 8 --heads 32 --kv-heads 8 --head-dim 128 --ulysses 8
+    python -m tools.benchmarks.bench_ring_attention --device cuda --dtype bf16 \\
+        --seq-len 32768 131072 --simulate-ranks 8 --heads 32 --kv-heads 8 --head-dim 128 --ulysses 8
 """
 from __future__ import annotations
 

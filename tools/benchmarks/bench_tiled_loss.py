@@ -1,6 +1,6 @@
 """Peak memory and time of one forward + backward with and without memory.tiled_loss.
 
-    python -m tools.benchmarks.bench_tiled_loss                      # vocab 32000, 4096 tokens, d 128
+    python -m tools.benchmarks.bench_tiled_loss  # vocab 32000, 4096 tokens, d 128
     python -m tools.benchmarks.bench_tiled_loss --tiles auto 256 1024 --d-model 256 --repeats 5
 
 A logits-bound rank: a one-layer fp32 GPT (tp = cp = 1) whose (tokens, V) logits dwarf

@@ -1,7 +1,7 @@
 """Peak memory and time of the tiled MLP on an MLP-bound rank; activation offload's device bytes.
 
-    python -m tools.benchmarks.bench_tiled_mlp                 # the docs/benchmarks.md figures (CPU, fp32)
-    python -m tools.benchmarks.bench_tiled_mlp --rss           # also each case's peak RSS, fresh process
+    python -m tools.benchmarks.bench_tiled_mlp  # the docs/benchmarks.md figures (CPU, fp32)
+    python -m tools.benchmarks.bench_tiled_mlp --rss  # also each case's peak RSS, fresh process
     python -m tools.benchmarks.bench_tiled_mlp --tokens 4096 --ffn 8192 --layers 2
 
 Cases, one process, 1 thread, fp32, SwiGLU (d 256, ffn 4096, 8192 tokens by default, where

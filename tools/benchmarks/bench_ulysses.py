@@ -1,7 +1,7 @@
 """Ulysses side by side: ctxpar's against DeepSpeed-Ulysses, in the same ranks, same kernel.
 
-Per (n, P, heads/kv heads) this spawns P local ranks (ctxpar/testing/distributed.py: gloo on CPU)
-and times, in turn within every iteration so that a change of load hits all alike:
+Per (n, P, heads/kv heads) this spawns P local ranks (ctxpar/testing/distributed.py: gloo on
+CPU) and times, in turn within every iteration so that a change of load hits all alike:
     ctxpar      context_parallel_attention(comm="ulysses", layout="contiguous")
     deepspeed   deepspeed.sequence.layer.DistributedAttention(local, group, scatter_idx=2,
                 gather_idx=1), batch first, around the same fused kernel ctxpar calls
