@@ -43,6 +43,15 @@ def _context(fn):
     return _FORKSERVER
 
 
+def _report(results, rank, ok, payload):
+    """Put one result and wait until it is in the pipe: a failing rank's traceback must be
+    there before its peers, blocked in a collective with it, fail on the closed connection
+    (the parent reports the first failure it reads)."""
+    results.put((rank, ok, payload))
+    results.close()
+    results.join_thread()
+
+
 def _child(fn, rank, world_size, store_path, device_type, threads, args, kwargs, results):
     os.environ.update(OMP_NUM_THREADS=str(threads), DS_ACCELERATOR=device_type,
                       WANDB_MODE="disabled", RANK=str(rank), LOCAL_RANK=str(rank),
@@ -65,15 +74,18 @@ def _child(fn, rank, world_size, store_path, device_type, threads, args, kwargs,
             # then fails with "Connection closed by peer". If another rank failed, this barrier
             # waits until the parent, which saw that failure, kills every rank.
             dist.barrier()
+        except BaseException:  # noqa: BLE001 - the traceback is the caller's failure message
+            _report(results, rank, False, traceback.format_exc())
+            return
         finally:
             from ctxpar.distributed.parallel_state import destroy_parallel_state
             destroy_parallel_state()
             dist.destroy_process_group()
         # Plain pickle bytes: torch's multiprocessing reducers would pass tensors by
         # shared memory that dies with this process before the parent reads it.
-        results.put((rank, True, pickle.dumps(out)))
-    except BaseException:  # noqa: BLE001 - the traceback is the caller's failure message
-        results.put((rank, False, traceback.format_exc()))
+        _report(results, rank, True, pickle.dumps(out))
+    except BaseException:  # noqa: BLE001 - setting up or leaving the group failed
+        _report(results, rank, False, traceback.format_exc())
 
 
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 180.0,
