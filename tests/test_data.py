@@ -12,7 +12,7 @@ from ctxpar.data import (ByteTokenizer, DataError, HFTokenizer, IndexedDataset,
                          IndexedDatasetWriter, PasskeyTask, TokenWindows,
                          build_data, build_sample_stream, passkey_accuracy, passkey_correct)
 from ctxpar.data.passkey import NEEDLE, QUESTION, min_seq_len
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 
 
 rng = np.random.default_rng(0)

@@ -2,13 +2,12 @@
 the mechanism on a small file (a changed figure fails, --update rewrites it), then every
 marked figure of README.md and docs/*.md, rerun."""
 import os
-import sys
 
 import pytest
 
+from tools import docs_check
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import docs_check  # noqa: E402
 
 DOC = """Run it:
 <!-- docs-check demo: python -c "print('tokens 1234567, memory 71.96 GB')" -->

@@ -9,7 +9,7 @@
 - CP bytes: tests/test_context_parallel.py holds counts.cp_bytes to cp_stats() exactly;
 - phases: the forward and backward peaks of a one-process GPT (plain, full checkpointing,
   tiled loss and MLP) against the CPU allocator's live bytes, and torch AdamW's step
-  temporaries against the tensors it allocates (tools/bench_plan_memory.py holds the
+  temporaries against the tensors it allocates (tools/benchmarks/bench_plan_memory.py holds the
   whole start line to train.py's measured peaks);
 - the command line: the table, --explain, --write (a config train.py accepts), --plot,
   and one line with exit 2 for a bad preset, an impossible cluster or nothing fitting.
@@ -29,7 +29,7 @@ from ctxpar.plan import counts
 from ctxpar.plan.layout import Layout
 from ctxpar.plan.memory import model_state
 from ctxpar.plan.timing import thresholds
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dict(vocab_size=64, seq_len=32, n_layers=3, d_model=32, n_heads=4, n_kv_heads=2)
@@ -75,8 +75,7 @@ MODES = ("none", "selective", "full", "every_n_layers")
 def _saved(rank, world):
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from models.gpt import GPT
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    from bench_activation_memory import saved_tensor_bytes
+    from ctxpar.testing.memory import saved_tensor_bytes
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 32))
@@ -510,8 +509,7 @@ def test_tiled_mlp_backward_term_against_live_bytes(dtype):
     # process): the tile's intermediates, dx, the fp32 sums and one tile gradient beside
     # them (16-bit: or the sums cast at the end), within 5%. Charging all three weights'
     # tile gradients at once overshoots bf16 by 11% here.
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
-    from bench_tiled_mlp import LiveBytes
+    from ctxpar.testing.memory import LiveBytes
     from ctxpar.memory.tiled_mlp import TiledMLP
     from ctxpar.plan import transients
     N, d, f, tile = 2048, 128, 512, 256

@@ -16,8 +16,9 @@ from ctxpar.context_parallel import context_parallel_attention, ring_attention
 from ctxpar.context_parallel.blocks import block_plan
 from ctxpar.context_parallel.layouts import LAYOUTS, rank_positions, shard_sequence
 from ctxpar.context_parallel.merge import merge_block_
-from dist_harness import run_distributed
-from test_context_parallel import S_LOCAL, global_inputs, reference_attention, tolerance
+from ctxpar.testing import run_distributed
+from ctxpar.testing.attention import (S_LOCAL, flash_attn_backward, flash_attn_forward_v26,
+                                      global_inputs, reference_attention, tolerance)
 
 EXACT = dict(atol=0, rtol=0)
 
@@ -69,10 +70,7 @@ def _ring_allocations(rank, world):
     with count_allocations() as bwd:
         out.backward(dout)
     # The backward's peak of live bytes, at shapes where the buffers dwarf the small ones.
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
-    from bench_tiled_mlp import LiveBytes
+    from ctxpar.testing.memory import LiveBytes
     q, k, v, dout = global_inputs(2 * world * 256, 8, 2, 16, torch.float32)
     ql, kl, vl = (shard_sequence(x, 1, group, "zigzag").requires_grad_() for x in (q, k, v))
     out = ring_attention(ql, kl, vl, group, causal=True, layout="zigzag", backend="sdpa")
@@ -220,25 +218,11 @@ def _flash_v23(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
     return out, q, k, v, out, lse, None, None  # <= 2.5 returns 8 values
 
 
-def _flash_v26(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-               window_size_right, softcap, alibi_slopes, return_softmax):
-    assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0)
-    out, lse = MathBackend().forward(q, k, v, causal, softmax_scale)
-    return out, lse, None, None
-
-
-def _flash_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
-               causal, window_size, deterministic, rng_state=None):
-    for buf, g in zip((dq, dk, dv), MathBackend().backward(dout, q, k, v, out, softmax_lse,
-                                                           causal, softmax_scale)):
-        buf.copy_(g)
-
-
-@pytest.mark.parametrize("fwd", [_flash_v23, _flash_v26])
+@pytest.mark.parametrize("fwd", [_flash_v23, flash_attn_forward_v26])
 def test_flash_attn_adapter_follows_the_signature(fwd):
     """The flash_attn backend's calling convention, with stand-ins for two flash-attn
     signatures (the real package needs CUDA); head_dim 40 exercises the padding to 48."""
-    be = FlashAttnBackend(fwd, _flash_bwd, device_types=("cpu",))
+    be = FlashAttnBackend(fwd, flash_attn_backward, device_types=("cpu",))
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 8, h, 40, generator=gen) for h in (4, 2, 2, 4))
     ref = MathBackend()

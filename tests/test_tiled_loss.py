@@ -15,9 +15,7 @@ reductions, with the same all-reduce count for 4 tiles and 1 (per call), the GPT
 under ZeRO-3 with its parameters partitioned over cp2 (tied and untied), and a pp2
 GPTPipe step through DeepSpeed's pipeline engine with its pipeline_logits.
 """
-import os
 import pickle
-import sys
 
 import pytest
 import torch
@@ -26,10 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_loss import loss_tile_tokens, tiled_vocab_parallel_cross_entropy
 from ctxpar.tensor_parallel import parallel_lm_logits, vocab_parallel_cross_entropy
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 from models.gpt import GPT
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 
 # fp32. Per token the tiled loss does the untiled arithmetic on the same rows (max, exp,
 # sums over V), but the backward's softmax is exp(z - lse) instead of exp(z - m) / sum,
@@ -181,9 +178,9 @@ def test_bad_shapes_fail_in_one_line():
 
 def test_saved_bytes_are_the_docstring_formula():
     # What autograd keeps between forward and backward (parameters excluded), as
-    # tools/bench_activation_memory.py counts it for the planner: x, labels and the fp32
+    # tools/benchmarks/bench_activation_memory.py counts it for the planner: x, labels and the fp32
     # lse tiled; x, the fp32 softmax and the target columns (int64 + 2 bool) untiled.
-    from bench_activation_memory import saved_tensor_bytes
+    from ctxpar.testing.memory import saved_tensor_bytes
     x, w, t = _case()
     N, d, V = t.numel(), x.shape[-1], w.shape[0]
     for tiled, want in ((True, N * d * 4 + N * 8 + N * 4), (False, N * d * 4 + N * V * 4 + N * 10)):
@@ -466,7 +463,7 @@ def test_tp2_zero3_and_pipeline_on_two_ranks():
 
 
 def test_peak_at_most_deepspeeds_at_equal_tiles():
-    # tools/bench_alst.py's contenders on a small head: ctxpar's tiled loss (reduction
+    # tools/benchmarks/bench_alst.py's contenders on a small head: ctxpar's tiled loss (reduction
     # 'sum', 64-token tiles) and DeepSpeed's TiledFusedLogitsLoss at 4 shards of 64 tokens,
     # results asserted equal there; the live bytes of one forward + backward, at their peak.
     from bench_alst import loss_contenders, peaks

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_mlp import mlp_tile_tokens, tile_spans
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 from models.gpt import GPT, MLP
 
 def close(got, want, msg=""):
@@ -213,14 +213,11 @@ def _two_ranks(rank, world, payload):
 
 
 def test_peak_at_most_deepspeeds_at_equal_tiles():
-    # tools/bench_alst.py's contenders: ctxpar's tiled MLP and DeepSpeed's TiledMLP, both at
+    # tools/benchmarks/bench_alst.py's contenders: ctxpar's tiled MLP and DeepSpeed's TiledMLP, both at
     # 4 tiles of 128 tokens, results asserted equal there. Each tile's weight gradient joins
     # its sum as soon as it is made, so at most one tile's is alive beside the sums, as
     # DeepSpeed's accumulation into .grad.
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
-    from bench_alst import mlp_contenders, peaks
+    from tools.benchmarks.bench_alst import mlp_contenders, peaks
     peak = peaks(mlp_contenders(512, 32, 128, (4,), untiled=True))
     assert peak["ctxpar (tile 128)"] <= peak["DeepSpeed (4 shards, equal)"], peak
 

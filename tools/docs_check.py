@@ -182,5 +182,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     sys.exit(main())

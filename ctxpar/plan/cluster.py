@@ -52,7 +52,7 @@ GPUS: Dict[str, GPU] = {
     # This project's 2-core CPU machine, one core per rank: the per-core FLOP/s and the
     # per-layer overhead at which the time model (with MM_EFF, ATTN_EFF) best matches
     # train.py's measured steps (14 layouts of a compute-bound and an overhead-bound
-    # model, two runs; tools/bench_plan_calibration.py, docs/planner.md); gloo on
+    # model, two runs; tools/benchmarks/bench_plan_calibration.py, docs/planner.md); gloo on
     # one machine ~ 1 GB/s; detect() shares the cores when ranks outnumber them.
     "cpu": GPU("cpu", 113e9, 12e9, 1e9, 1e9, overhead=0.026, host_memory=24e9, kind="cpu"),
 }

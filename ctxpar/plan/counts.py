@@ -4,7 +4,7 @@ Shapes per rank (models/gpt.py): N = micro_batch * T/cp tokens, h = H/tp query h
 hk = Hkv/tp kv heads (1, replicated, when Hkv < tp), f = ffn/tp MLP columns, V/tp vocab
 rows; e = the activations' element size (2 bf16, 4 fp32). Each formula is checked against
 the code: parameters against the TP layers' shapes, activations against autograd's saved
-tensors (tools/bench_activation_memory.py), CP bytes against cp_stats() (tests/test_plan.py
+tensors (tools/benchmarks/bench_activation_memory.py), CP bytes against cp_stats() (tests/test_plan.py
 and tests/test_context_parallel.py).
 """
 from __future__ import annotations

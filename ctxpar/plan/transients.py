@@ -4,7 +4,7 @@ Per rank (counts.RankShapes): N tokens, d model width, f = ffn/tp, q = N h hd an
 kv = N hk hd elements (h, hk the heads on this rank), e the activations' element size.
 Read from the code that allocates them (ctxpar/context_parallel/*.py, models/gpt.py,
 ctxpar/tensor_parallel/cross_entropy.py, ctxpar/memory/*.py) and held to the allocator's
-live bytes on CPU (tools/bench_plan_memory.py, docs/planner.md):
+live bytes on CPU (tools/benchmarks/bench_plan_memory.py, docs/planner.md):
 
 - attention, forward: the ring's receive buffers (two K,V pairs, one for a single hop) and
   a block's output; all-gather's stacked and gathered K,V; Ulysses' all-to-all send and

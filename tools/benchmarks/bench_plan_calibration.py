@@ -1,8 +1,8 @@
 """The planner's step time against train.py's measured one, layout by layout (CPU).
 
-    python tools/bench_plan_calibration.py --save /tmp/calib.json     # the docs/planner.md table
-    python tools/bench_plan_calibration.py --load a.json b.json       # refit over runs
-    python tools/bench_plan_calibration.py --only ring --steps 8
+    python -m tools.benchmarks.bench_plan_calibration --save /tmp/calib.json  # docs/planner.md
+    python -m tools.benchmarks.bench_plan_calibration --load a.json b.json       # refit over runs
+    python -m tools.benchmarks.bench_plan_calibration --only ring --steps 8
 
 Each layout runs train.py under torchrun (python -m torch.distributed.run; 2 ranks, one
 core and one thread each, so that a rank's idle time is not lent to another, as on
@@ -28,13 +28,12 @@ import sys
 import tempfile
 from dataclasses import replace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from ctxpar.config import load_config
+from ctxpar.plan.cluster import GPUS, Cluster
+from ctxpar.plan.search import evaluate
+from ctxpar.plan.startup import detect, own_layout
 
-from ctxpar.config import load_config  # noqa: E402
-from ctxpar.plan.cluster import GPUS, Cluster  # noqa: E402
-from ctxpar.plan.search import evaluate  # noqa: E402
-from ctxpar.plan.startup import detect, own_layout  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 QUIET = ["train.eval_interval=0", "logging.log_interval=1", "logging.wandb.mode=disabled"]
 # A model whose step is mostly matmul and attention on 2 cores (not Python overhead).

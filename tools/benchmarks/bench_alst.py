@@ -1,7 +1,7 @@
 """ctxpar's tiled loss and tiled MLP beside DeepSpeed's ALST pieces on the same inputs.
 
-    python tools/bench_alst.py                 # the docs/benchmarks.md table (CPU, fp32)
-    python tools/bench_alst.py --reps 5 --rows loss-32k mlp
+    python -m tools.benchmarks.bench_alst                 # the docs/benchmarks.md table (CPU, fp32)
+    python -m tools.benchmarks.bench_alst --reps 5 --rows loss-32k mlp
 
 One process, one thread, fp32. Each row builds one set of inputs and weights and runs, in
 turn, the untiled layers, ctxpar's tiled function and DeepSpeed's
@@ -10,7 +10,7 @@ shard counts named in the row; every run's loss (or output), dx and weight gradi
 asserted equal to the untiled ones. The loss is back-propagated from 1 (DeepSpeed's tiled
 loss scales only dx by the upstream gradient, not the head's dW).
 
-Peak: bench_tiled_mlp.LiveBytes, the bytes of every storage an op makes during one forward
+Peak: ctxpar.testing.memory.LiveBytes, the bytes of every storage an op makes during one forward
 + backward that Python still holds, at their highest: activations, gradients (the
 parameters' .grad included, set to None between steps) and temporaries above the inputs
 and weights. Time: process CPU seconds per token of one forward + backward, the minimum
@@ -22,21 +22,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_tiled_mlp import LiveBytes  # noqa: E402
-from ctxpar.config import ModelConfig  # noqa: E402
-from ctxpar.memory.tiled_loss import loss_tile_tokens, tiled_vocab_parallel_cross_entropy  # noqa: E402
-from ctxpar.memory.tiled_mlp import mlp_tile_tokens  # noqa: E402
-from models.gpt import MLP  # noqa: E402
+from ctxpar.config import ModelConfig
+from ctxpar.memory.tiled_loss import loss_tile_tokens, tiled_vocab_parallel_cross_entropy
+from ctxpar.memory.tiled_mlp import mlp_tile_tokens
+from ctxpar.testing.memory import LiveBytes
+from models.gpt import MLP
 
 MiB = 2 ** 20
 # name: (kind, tokens, d, vocab or ffn, DeepSpeed shard counts, run the untiled layers)

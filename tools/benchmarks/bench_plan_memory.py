@@ -1,8 +1,8 @@
 """The planner's memory per rank against train.py's measured peak, layout by layout (CPU).
 
-    python tools/bench_plan_memory.py                      # every layout: the docs table
-    python tools/bench_plan_memory.py --only z3 --save /tmp/mem.json
-    python tools/bench_plan_memory.py --load /tmp/mem.json # the table again, no runs
+    python -m tools.benchmarks.bench_plan_memory                      # every layout: the docs table
+    python -m tools.benchmarks.bench_plan_memory --only z3 --save /tmp/mem.json
+    python -m tools.benchmarks.bench_plan_memory --load /tmp/mem.json # the table again, no runs
 
 Each layout runs train.py (torchrun, 2 ranks as local processes, 2 steps, fp32, real
 DeepSpeed) twice: with its model and with a negligible one (same layout and keys, d 16,
@@ -35,8 +35,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 QUIET = ["train.eval_interval=0", "train.eval_samples=1", "logging.log_interval=1",

@@ -1,13 +1,13 @@
 """`--max-seq-len`'s own choices, run: the planner's prediction against train.py's peak (CPU).
 
-    python tools/bench_max_seq_len.py                       # every case: the docs table
-    python tools/bench_max_seq_len.py --only d384 --save /tmp/longest.json
-    python tools/bench_max_seq_len.py --load /tmp/longest.json
+    python -m tools.benchmarks.bench_max_seq_len                       # every case: the docs table
+    python -m tools.benchmarks.bench_max_seq_len --only d384 --save /tmp/longest.json
+    python -m tools.benchmarks.bench_max_seq_len --load /tmp/longest.json
 
 Each case asks the planner for the longest context of a model on 2 CPU ranks with a memory
 budget (`python -m ctxpar.plan ... --gpu cpu --memory B --max-seq-len --write X.yaml`),
 then runs the written config with train.py (2 ranks, 2 steps) and measures its peak as
-tools/bench_plan_memory.py does (resident set per phase with glibc's mmap threshold
+tools/benchmarks/bench_plan_memory.py does (resident set per phase with glibc's mmap threshold
 lowered, above a negligible model's run on the same layout), against the planner's
 prediction for that config minus its prediction for the negligible run.
 """
@@ -18,14 +18,9 @@ import contextlib
 import io
 import json
 import os
-import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_plan_memory import TINY, measure  # noqa: E402
+from tools.benchmarks.bench_plan_memory import TINY, measure
 
 BASE = ["train.global_batch_size=1", "train.micro_batch_size=1", "parallel.dp=1"]
 D384 = ["model.d_model=384", "model.n_heads=6", "model.n_kv_heads=6", "model.n_layers=2",
