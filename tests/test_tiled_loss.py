@@ -148,7 +148,7 @@ def test_per_token_weights_are_exact():
 def test_sum_reduction_saves_only_its_gradients():
     # No x, no W: dx (N, d) and the fp32 dW (V/tp, d), both made in forward; the sum
     # equals the per-token losses' and a second backward through it is refused.
-    from bench_activation_memory import saved_tensor_bytes
+    from ctxpar.testing.memory import saved_tensor_bytes
     x, w, t = _case()
     N, d, V = t.numel(), x.shape[-1], w.shape[0]
     xg, wg = x.clone().requires_grad_(), torch.nn.Parameter(w.clone())
@@ -466,7 +466,7 @@ def test_peak_at_most_deepspeeds_at_equal_tiles():
     # tools/benchmarks/bench_alst.py's contenders on a small head: ctxpar's tiled loss (reduction
     # 'sum', 64-token tiles) and DeepSpeed's TiledFusedLogitsLoss at 4 shards of 64 tokens,
     # results asserted equal there; the live bytes of one forward + backward, at their peak.
-    from bench_alst import loss_contenders, peaks
+    from tools.benchmarks.bench_alst import loss_contenders, peaks
     peak = peaks(loss_contenders(256, 32, 1000, (4,), untiled=True, tile=64))
     ours = peak["ctxpar (tile 64)"]
     assert ours <= peak["DeepSpeed (4 shards, 4)"] and ours < peak["untiled"] / 2, peak
