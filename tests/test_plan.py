@@ -268,7 +268,7 @@ def test_adam_temporaries_on_cpu_are_twice_the_largest_tensor():
 def test_the_seeds_rule_is_the_mha_bf16_case_of_the_thresholds():
     F, B = 989e12, 450e9  # H100 bf16 peak, NVLink per direction
     t = thresholds(F, B, h=32, hk=32, e=2, g=2, c=1.0, eff=1.0)
-    assert t["fwd"] == pytest.approx(F / B)                    # seed 004: C >= F/B
+    assert t["fwd"] == pytest.approx(F / B)                    # the ring's overlap condition C >= F/B
     assert thresholds(F, B, 32, 8, 2, 4, 1.0, 1.0)["fwd"] == pytest.approx(F / B / 4)  # GQA 4
     assert t["bwd"] == pytest.approx(F / B * 4 / 5)            # 2.5x compute, K,V + dK,dV
 

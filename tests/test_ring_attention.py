@@ -183,7 +183,7 @@ def test_merge_handles_empty_rows_without_nan():
     out, lse = torch.zeros_like(x), ninf.clone()
     merge_block_(out, lse, torch.zeros_like(x), ninf)
     torch.testing.assert_close((out, lse), (torch.zeros_like(x), ninf), **EXACT)
-    # Two real blocks: the softmax-weighted average (seed 001), fp32 rounding only.
+    # Two real blocks: the softmax-weighted average (ring-flash-attention's update_out_and_lse), fp32 rounding only.
     out, lse = x.clone(), lse_a.clone()
     merge_block_(out, lse, out_b, lse_b)
     wa = torch.exp(lse_a - torch.logaddexp(lse_a, lse_b)).transpose(1, 2).unsqueeze(-1)

@@ -116,8 +116,8 @@ def test_start_prints_the_planners_prediction_once(cp2dp2, runs):
 
 
 def test_console_has_no_third_party_warnings(cp2dp2, runs):
-    # Every rank of a ZeRO-1 run used to print torch's FutureWarning for DeepSpeed's
-    # all_gather_into_tensor inside the bar, and wandb one about a deprecated argument.
+    # No rank of a ZeRO-1 run prints torch's FutureWarning for DeepSpeed's
+    # all_gather_into_tensor inside the bar, nor wandb's about a deprecated argument.
     console = (runs / "cp2dp2.console").read_text()
     assert "all_gather_into_tensor" not in console, console[-3000:]
     # ctxpar/distributed/deepspeed_comm.py
@@ -230,7 +230,7 @@ def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
     (["parallel.tp=3"], "is not divisible by parallel.tp=3"),
     (["data.kind=tokens", "data.path=/nonexistent/corpus"], "/nonexistent/corpus.bin does not exist"),
     (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
-    # memory options (issue 22) and the ZeRO-Offload refusals (ctxpar/config/validation.py)
+    # memory options and the ZeRO-Offload refusals (ctxpar/config/validation.py)
     (["memory.loss_tile_tokens=0"], "memory.loss_tile_tokens=0 must be 'auto' or an integer >= 1"),
     (["memory.offload_activations=true"], "memory.offload_activations=true needs "
                                           "checkpointing.activation 'full', 'selective' or"),

@@ -1,4 +1,4 @@
-"""train.py with the memory options on equals train.py with them off (issue 22).
+"""train.py with the memory options on equals train.py with them off.
 
 The four options: memory.tiled_loss, memory.tiled_mlp, memory.offload_activations (with
 activation checkpointing) and DeepSpeed's optimizer offload

@@ -11,8 +11,8 @@ unoffloaded run's to 1e-6 relative after 6 fp32 steps, measured ~1e-7; bf16 offl
 not on the same layout: equal to 1e-7). NVMe, partial (``ratio``) and Superchip offload
 are refused at load (ctxpar/config/validation.py).
 
-DeepSpeed wants its own ``DeepSpeedCPUAdam`` there (AVX C++, JIT-built on first use: 366 s
-measured on this project's shared 2-core box; prebuilt with DS_BUILD_CPU_ADAM=1) and refuses a
+DeepSpeed wants its own ``DeepSpeedCPUAdam`` there (AVX C++, JIT-built on first use, which takes
+minutes on a small CPU machine; prebuilt with DS_BUILD_CPU_ADAM=1) and refuses a
 torch optimizer unless ``zero_force_ds_cpu_optimizer: false`` (runtime/engine.py
 ``_configure_optimizer``). ``build_optimizer`` decides, first match wins:
 

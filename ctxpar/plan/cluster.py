@@ -10,7 +10,7 @@ Sources (vendor data sheets; docs/planner.md):
   200 Gb/s HDR NIC per GPU = 25 GB/s.
 - B200: 2250 TFLOP/s dense bf16, 180 GB HBM3e (DGX B200: 1440 GB for 8), NVLink 5
   1.8 TB/s total = 900 per direction; 400 Gb/s = 50 GB/s.
-- cpu: this project's 2-core CI machine, fitted to train.py's measured steps
+- cpu: a 2-core CPU machine like the CI's, fitted to train.py's measured steps
   (docs/planner.md: calibration).
 Host memory per node (offloads): 2 TB for every 8-GPU preset: DGX H100 and DGX H200
 data sheets ("System memory 2TB"), DGX A100 640GB (2 TB), DGX B200 (2 TB, up to 4 TB);

@@ -13,7 +13,7 @@ Per micro-batch and pipeline stage (the most loaded rank):
 - TP: two all-reduces of N d e bytes forward and two backward per block (and the replayed
   forward's), over NVLink, not overlapped;
 - CP: the bytes of counts.cp_bytes. The ring overlaps each step's transfer with the step's
-  compute and exposes only max(0, transfer - compute) per step (seed 004's C >= F/B,
+  compute and exposes only max(0, transfer - compute) per step (Ring Attention's overlap condition C >= F/B,
   generalised below); all-gather hides its gather behind the local block only; Ulysses'
   all-to-alls wait for nobody and hide behind nothing; hybrid is both;
 - the memory options (docs/memory.md): the tiled loss makes its gradients in forward, three
