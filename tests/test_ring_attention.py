@@ -107,20 +107,9 @@ def test_ring_step_copies_nothing_it_does_not_need():
 
 
 def _grad_dtypes(rank, world):
-    from ctxpar.context_parallel import context_parallel_attention, cp_stats
-    group = dist.group.WORLD
-    q, k, v, dout = global_inputs(2 * world * 16, 8, 2, 16, torch.float32)
-    dout = shard_sequence(dout, 1, group, "zigzag")
-    res = {}
-    for wire in ("fp32", "bf16"):
-        ql, kl, vl = (shard_sequence(x, 1, group, "zigzag").requires_grad_() for x in (q, k, v))
-        with cp_stats() as st:
-            out = context_parallel_attention(ql, kl, vl, comm="ring", cp_group=group,
-                                             causal=True, layout="zigzag",
-                                             ring_grad_dtype=wire)
-            out.backward(dout)
-        res[wire] = (out.detach(), ql.grad, kl.grad, vl.grad, st.bwd_bytes_sent)
-    return res
+    from ctxpar.testing.attention import ring_wire_dtype_runs
+    return ring_wire_dtype_runs(*global_inputs(2 * world * 16, 8, 2, 16, torch.float32),
+                                dist.group.WORLD)
 
 
 def test_ring_grad_dtype_bf16_halves_the_gradient_bytes_within_bf16_rounding():

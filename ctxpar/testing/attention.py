@@ -141,3 +141,21 @@ class FlashOnCpu(FlashAttnBackend):
 
     def why_not(self, q):
         return ""
+
+
+def ring_wire_dtype_runs(q, k, v, dout, group):
+    """One causal zigzag ring attention forward + backward per ring_grad_dtype (fp32, bf16)
+    on the full tensors q, k, v, dout sharded over `group`: {wire: (out, dq, dk, dv, bytes
+    this rank sent in backward)}. Collective over group."""
+    from ctxpar.context_parallel import context_parallel_attention, cp_stats, shard_sequence
+    dout = shard_sequence(dout, 1, group, "zigzag")
+    res = {}
+    for wire in ("fp32", "bf16"):
+        ql, kl, vl = (shard_sequence(x, 1, group, "zigzag").requires_grad_() for x in (q, k, v))
+        with cp_stats() as st:
+            out = context_parallel_attention(ql, kl, vl, comm="ring", cp_group=group,
+                                             causal=True, layout="zigzag",
+                                             ring_grad_dtype=wire)
+            out.backward(dout)
+        res[wire] = (out.detach(), ql.grad, kl.grad, vl.grad, st.bwd_bytes_sent)
+    return res

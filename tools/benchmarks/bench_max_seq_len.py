@@ -20,7 +20,8 @@ import json
 import os
 import tempfile
 
-from tools.benchmarks.bench_plan_memory import TINY, measure
+from ctxpar.testing.results import measure_missing
+from tools.benchmarks.bench_plan_memory import TINY, describe, measure
 
 BASE = ["train.global_batch_size=1", "train.micro_batch_size=1", "parallel.dp=1"]
 D384 = ["model.d_model=384", "model.n_heads=6", "model.n_kv_heads=6", "model.n_layers=2",
@@ -62,20 +63,15 @@ def main():
     a = p.parse_args()
     results = json.load(open(a.load)) if a.load else {}
     with tempfile.TemporaryDirectory() as d:
-        for name, (model_sets, budget, extra) in CASES.items():
-            if a.only not in name or name in results:
-                continue
+        def run(name, case):
+            model_sets, budget, extra = case
             path = os.path.join(d, "longest.yaml")
             line = plan(model_sets, budget, extra, path, a.nproc)
-            r = measure(name, [], a.nproc, config=path)
-            r.update(budget=budget, choice=line)
-            results[name] = r
-            print(f"{name}: {line}; measured {r['measured'] / 1e6:.1f} MB "
-                  f"({r['measured_phase']}), predicted {r['predicted'] / 1e6:.1f} MB "
-                  f"({r['predicted_phase']})", flush=True)
-            if a.save:
-                with open(a.save, "w") as f:
-                    json.dump(results, f, indent=1)
+            return {**measure(name, [], a.nproc, config=path), "budget": budget, "choice": line}
+
+        measure_missing(CASES, results, run,
+                        lambda name, r: f"{name}: {r['choice']}; {describe(r)}",
+                        only=a.only, save=a.save)
     print("\n| case | planner's choice | measured | predicted | error | predicted peak phase |")
     print("|---|---|---:|---:|---:|---|")
     for name, r in results.items():

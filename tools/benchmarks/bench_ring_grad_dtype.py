@@ -20,23 +20,13 @@ from ctxpar.testing import run_distributed, save_results
 def _rank_main(rank, world, device, n, heads, kv_heads, head_dim):
     import torch.distributed as dist
 
-    from ctxpar.context_parallel import context_parallel_attention, cp_stats, shard_sequence
+    from ctxpar.testing.attention import ring_wire_dtype_runs
 
     g = torch.Generator().manual_seed(0)  # the same full tensors on every rank
     q = torch.randn(1, n, heads, head_dim, generator=g)
     k, v = (torch.randn(1, n, kv_heads, head_dim, generator=g) for _ in range(2))
     dout = torch.randn(1, n, heads, head_dim, generator=g)
-    group = dist.group.WORLD
-    dout = shard_sequence(dout, 1, group, "zigzag")
-    res = {}
-    for wire in ("fp32", "bf16"):
-        ql, kl, vl = (shard_sequence(x, 1, group, "zigzag").requires_grad_() for x in (q, k, v))
-        with cp_stats() as st:
-            out = context_parallel_attention(ql, kl, vl, comm="ring", cp_group=group,
-                                             causal=True, layout="zigzag",
-                                             ring_grad_dtype=wire)
-            out.backward(dout)
-        res[wire] = (out.detach(), ql.grad, kl.grad, vl.grad, st.bwd_bytes_sent)
+    res = ring_wire_dtype_runs(q, k, v, dout, dist.group.WORLD)
     (out, dq, dk, dv, sent), (out16, dq16, dk16, dv16, sent16) = res["fp32"], res["bf16"]
     assert torch.equal(out, out16) and torch.equal(dq, dq16)  # untouched by the wire dtype
     diff = torch.cat([(dk16 - dk).flatten(), (dv16 - dv).flatten()])
