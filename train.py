@@ -243,7 +243,8 @@ def main(argv=None) -> int:
         if plan.universal:
             logger.write(plan.describe_changes())
     metrics = StepMetrics(cfg, n_params, state.world_size, device, baseline)
-    forward = partial(gpt_pipe.pipeline_logits, engine.module, state) if pipelined else None
+    forward = (partial(gpt_pipe.pipeline_logits, engine.module, state, head_inputs=True)
+               if pipelined else None)
     evaluator = Evaluator(cfg, data, state, device, forward)
     checkpointer = Checkpointer(engine, save_dir, cfg.checkpointing.save_interval,
                                 ckpt.checkpoint_meta(cfg, state.dp_size), train_stream)

@@ -43,6 +43,7 @@ from ctxpar.config import Config, MemoryConfig, ModelConfig
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
+from ctxpar.memory.tiled_eval import HeadInputs
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.memory.offload import ActivationOffload, run_layer
 from ctxpar.distributed.pipeline_parallel import pipeline_topology
@@ -289,11 +290,13 @@ def pipeline_mean_loss(loss_sum: torch.Tensor, n_tokens: torch.Tensor, state) ->
 
 
 @torch.no_grad()
-def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor],
+                    head_inputs: bool = False):
     """Forward one micro-batch stage by stage: logits (B, T/cp, V/tp) on the last stage,
     None on the others. Collective over the pipeline (every stage calls it with its mb).
-    Under memory.tiled_loss the head hands on (x, weight) and the logits are made here,
-    whole (evaluation needs them; no_grad keeps no softmax for a backward).
+    Under memory.tiled_loss the head hands on (x, weight): with ``head_inputs`` they are
+    returned as HeadInputs (the evaluation makes the logits a tile at a time), else the
+    logits are made here, whole (no_grad keeps no softmax for a backward).
 
     Each stage runs its layers and sends x (B, T/cp, d) to the same (tp, cp, dp) rank of
     the next stage; every rank has the positions. Not DeepSpeed's eval_batch: in 0.19.8,
@@ -313,8 +316,8 @@ def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor]) -> Optio
         inputs = x if head_only else (x, *first[1:])
     out = model(inputs)
     if state.is_pp_last_stage:
-        if model.memory.tiled_loss:  # (x, weight) for the tiled loss: the logits of x
-            return parallel_lm_logits(*out, model.tp_group)
+        if model.memory.tiled_loss:  # (x, weight) for the tiled loss
+            return HeadInputs(*out) if head_inputs else parallel_lm_logits(*out, model.tp_group)
         return out
     dist.send((out[0] if isinstance(out, tuple) else out).contiguous(), dst=pp[stage + 1])
     return None

@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ctxpar.config import MemoryConfig, ModelConfig
+from ctxpar.memory.tiled_eval import HeadInputs, tiled_eval_head
 from ctxpar.memory.tiled_loss import loss_tile_tokens, tiled_vocab_parallel_cross_entropy
 from ctxpar.tensor_parallel import parallel_lm_logits, vocab_parallel_cross_entropy
 from ctxpar.testing import run_distributed
@@ -56,6 +57,14 @@ def _untiled(x, w, t, tp_group=None):
     loss = vocab_parallel_cross_entropy(parallel_lm_logits(x, w, tp_group), t, tp_group)
     loss.sum().backward()
     return loss.detach(), x.grad, w.grad
+
+
+def _tied_rows_case():
+    """_case's x and W (n=(2, 13)) with vocabulary rows 3 and 80 equal and aligned with the
+    first two tokens' x: their argmax is a tie, which torch.argmax resolves to 3."""
+    x, w, _ = _case(n=(2, 13))
+    w[3] = w[80] = 4 * (x[0, 0] + x[0, 1])
+    return x, w
 
 
 def _tiled(x, w, t, tile, tp_group=None, reduction="none"):
@@ -340,6 +349,9 @@ def _ranks(rank, world, payload):
     shard = w.chunk(world)[rank]
     group = dist.new_group([0, 1])
     out["tp"] = {tile: _tiled(x, shard, t, tile, group) for tile in (7, "auto")}
+    xe, we = _tied_rows_case()
+    out["eval"] = {tile: tiled_eval_head(xe, we.chunk(world)[rank], t, group, tile)
+                   for tile in (7, "auto")}
     # All-reduces per forward + backward call (MAX and SUM of the statistics, f's dx), the
     # same for 4 tiles of 7 rows and one of 26: per call, not per tile.
     calls, all_reduce = [], dist.all_reduce
@@ -422,6 +434,16 @@ def test_tp2_zero3_and_pipeline_on_two_ranks():
             torch.testing.assert_close(loss, want_loss, **TOL)
             torch.testing.assert_close(dx, want_dx, **TOL)
             torch.testing.assert_close(dw, want_dw.chunk(2)[rank], **TOL)
+    # The evaluation's head at TP=2: the full logits' losses and argmax (ties: lowest id,
+    # here across the two ranks' vocabulary slices).
+    xe, we = _tied_rows_case()
+    want_eval = vocab_parallel_cross_entropy(xe @ we.t(), t), (xe @ we.t()).argmax(-1)
+    assert (want_eval[1].view(-1)[:2] == 3).all()
+    for tile in (7, "auto"):
+        for rank in range(2):
+            losses, preds = res[rank]["eval"][tile]
+            torch.testing.assert_close(losses, want_eval[0], **TOL)
+            assert torch.equal(preds, want_eval[1]), (tile, rank)
     for tile in (7, "auto"):
         for rank in range(2):
             for reduction in ("none", "sum"):
@@ -470,3 +492,21 @@ def test_peak_at_most_deepspeeds_at_equal_tiles():
     peak = peaks(loss_contenders(256, 32, 1000, (4,), untiled=True, tile=64))
     ours = peak["ctxpar (tile 64)"]
     assert ours <= peak["DeepSpeed (4 shards, 4)"] and ours < peak["untiled"] / 2, peak
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_evaluation_head_is_the_logits_one(tie):
+    # A GPT hands the evaluation its hidden states and head weight (head_inputs); the tiled
+    # head's per-token losses and greedy ids are those of the model's whole logits.
+    from ctxpar.components.evaluation import head_inputs
+    cfg = ModelConfig(**CFG, tie_embeddings=tie)
+    model = GPT(cfg, seed=SEED).eval()
+    tokens, labels = _batch(cfg)
+    mb = {"tokens": tokens, "positions": torch.arange(cfg.seq_len), "labels": labels}
+    with torch.no_grad():
+        inputs = head_inputs(model, mb)
+        logits = model(tokens, mb["positions"])
+    assert isinstance(inputs, HeadInputs)
+    losses, preds = tiled_eval_head(*inputs, labels, tile_tokens=24)  # 6 tiles, the last short
+    torch.testing.assert_close(losses, vocab_parallel_cross_entropy(logits, labels), **TOL)
+    assert torch.equal(preds, logits.argmax(-1))

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Dict, Optional
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.passkey import IGNORE_INDEX, passkey_correct
+from ..memory.tiled_eval import HeadInputs, tiled_eval_head
 from ..tensor_parallel.argmax import vocab_parallel_argmax
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
@@ -25,11 +27,16 @@ def evaluate(model, data, state, device=None,
 
     data: ctxpar.data.Data. Returns eval_loss (mean over every labelled token: the answer
     digits for passkey, all tokens for text), eval_samples, and eval_accuracy (passkey: exact
-    match of the key) or eval_ppl (tokens: exp(eval_loss)). model(tokens, positions) must
-    return vocab-parallel logits (B, T/cp, V/tp), or ``forward(mb)`` returns them for a
-    micro-batch dict, and None on pipeline stages without the head. Collective over the
-    whole grid: every rank must call it. The sample count is rounded up to whole
-    micro-batches of all DP ranks.
+    match of the key) or eval_ppl (tokens: exp(eval_loss)). Collective over the whole grid:
+    every rank must call it. The sample count is rounded up to whole micro-batches of all
+    DP ranks.
+
+    What the model hands over, per micro-batch (``head_inputs``): a model with
+    ``hidden_states(tokens, positions, cu_seqlens=)`` and ``head_weight()`` (models.GPT)
+    gives HeadInputs, and the head runs one tile of tokens at a time (tiled_eval_head,
+    memory.loss_tile_tokens): no (B, T/cp, V/tp) logits. Otherwise model(tokens, positions)
+    returns vocab-parallel logits (B, T/cp, V/tp). ``forward(mb)`` replaces both for a
+    pipeline: HeadInputs or logits on the last stage, None on the others.
     """
     cfg = data.cfg
     per_step = cfg.train.micro_batch_size * state.dp_size
@@ -43,15 +50,19 @@ def evaluate(model, data, state, device=None,
     for _ in range(n_micro):
         mb = stream.next_microbatch(device)
         # (B, T/cp, V/tp), or None on a pipeline stage before the last (that one counts)
-        docs = {"cu_seqlens": mb["cu_seqlens"]} if "cu_seqlens" in mb else {}
-        logits = forward(mb) if forward else model(mb["tokens"], mb["positions"], **docs)
-        if logits is None:
+        out = forward(mb) if forward else head_inputs(model, mb)
+        if out is None:
             continue
+        if isinstance(out, HeadInputs):
+            with gathered(out.weight):
+                losses, preds = tiled_eval_head(out.x, out.weight, mb["labels"],
+                                                state.tp_group, cfg.memory.loss_tile_tokens)
+        else:  # whole logits (B, T/cp, V/tp)
+            losses = vocab_parallel_cross_entropy(out, mb["labels"], state.tp_group)
+            preds = vocab_parallel_argmax(out, state.tp_group) if passkey else None
         if passkey:
-            preds = vocab_parallel_argmax(logits, state.tp_group)           # (B, T/cp)
             correct = passkey_correct(preds, mb["labels"], state.cp_group)  # (B,), same on CP
             totals[0] += correct.sum()
-        losses = vocab_parallel_cross_entropy(logits, mb["labels"], state.tp_group)
         totals[1] += losses.sum()  # 0 at ignored positions
         totals[2] += (mb["labels"] != IGNORE_INDEX).sum()
     model.train(was_training)
@@ -73,6 +84,24 @@ def evaluate(model, data, state, device=None,
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_samples": n}
 
 
+def head_inputs(model, mb):
+    """HeadInputs of a model that has hidden_states and head_weight; its logits otherwise."""
+    docs = {"cu_seqlens": mb["cu_seqlens"]} if "cu_seqlens" in mb else {}
+    if hasattr(model, "hidden_states") and hasattr(model, "head_weight"):
+        return HeadInputs(model.hidden_states(mb["tokens"], mb["positions"], **docs),
+                          model.head_weight())
+    return model(mb["tokens"], mb["positions"], **docs)
+
+
+def gathered(weight: torch.Tensor):
+    """Under ZeRO-3 the head weight is a partition outside the engine's forward: DeepSpeed's
+    GatheredParameters makes it whole (read only) for the evaluation's head."""
+    if not hasattr(weight, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+    return deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
+
+
 def describe(result: Dict[str, float]) -> str:
     """'passkey accuracy 0.828' or 'eval loss 2.3456 (ppl 10.44)'."""
     if "eval_accuracy" in result:
@@ -86,7 +115,7 @@ class Evaluator:
 
     def __init__(self, cfg, data, state, device=None, forward: Optional[Callable] = None):
         self.cfg, self.data, self.state, self.device = cfg, data, state, device
-        self.forward = forward  # pipeline stages: models' pipeline_logits; None: model(...)
+        self.forward = forward  # pipeline stages: pipeline_logits; None: head_inputs(model, mb)
         self.last: Optional[Dict[str, float]] = None
 
     def should_evaluate(self, step: int, start: bool = False) -> bool:
