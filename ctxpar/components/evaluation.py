@@ -86,11 +86,11 @@ def evaluate(model, data, state, device=None,
 
 def head_inputs(model, mb):
     """HeadInputs of a model that has hidden_states and head_weight; its logits otherwise."""
-    docs = {"cu_seqlens": mb["cu_seqlens"]} if "cu_seqlens" in mb else {}
+    documents = {"cu_seqlens": mb["cu_seqlens"]} if "cu_seqlens" in mb else {}
     if hasattr(model, "hidden_states") and hasattr(model, "head_weight"):
-        return HeadInputs(model.hidden_states(mb["tokens"], mb["positions"], **docs),
+        return HeadInputs(model.hidden_states(mb["tokens"], mb["positions"], **documents),
                           model.head_weight())
-    return model(mb["tokens"], mb["positions"], **docs)
+    return model(mb["tokens"], mb["positions"], **documents)
 
 
 def gathered(weight: torch.Tensor):
