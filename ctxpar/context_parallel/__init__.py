@@ -10,6 +10,7 @@ One file per communication pattern, beside the pieces they share:
 
     layouts.py    contiguous / zigzag / striped token layouts (two-level under hybrid)
     blocks.py     the causal block plan, per-block compute, the blockwise autograd wrapper
+    mask.py       AttentionMask: causal, sliding window, documents (what each query sees)
     kernels.py    per-block kernels with log-sum-exp: flash_attn, sdpa, math
     merge.py      the log-sum-exp merge of two partial results
     comm.py       RingComm (P2P) and the all-gather / reduce-scatter / all-to-all calls
@@ -17,12 +18,13 @@ One file per communication pattern, beside the pieces they share:
 """
 from .api import CP_COMMS, ContextParallel, context_parallel_attention, ring_attention
 from .comm import LOCAL, NoComm
+from .mask import AttentionMask
 from .layouts import (LAYOUTS, gather_sequence, num_chunks, rank_positions,
                       sequence_positions, shard_sequence)
 from .stats import CPStats, RingStats, cp_stats, ring_stats
 
 __all__ = [
-    "CP_COMMS", "CPStats", "ContextParallel", "LAYOUTS", "LOCAL", "NoComm", "RingStats",
+    "AttentionMask", "CP_COMMS", "CPStats", "ContextParallel", "LAYOUTS", "LOCAL", "NoComm", "RingStats",
     "context_parallel_attention", "cp_stats", "gather_sequence", "num_chunks",
     "rank_positions", "ring_attention", "ring_stats", "sequence_positions", "shard_sequence",
 ]

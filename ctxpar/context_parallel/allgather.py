@@ -28,15 +28,15 @@ from .merge import empty_accumulators
 
 
 def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causal: bool,
-                   docs=None):
+                   mask=None):
     """(src, samples, block, K,V of rank src) for every block with a visible pair, the
     local slot first (its K,V are here before the gather lands); waits for the gather only
     when a remote slot is needed, and before returning in any case (the collective
     completes). kv (2, B, S, Hkv, D) local; gathered (P, 2, B, S, Hkv, D) in group-rank
-    order; docs: None or per-sample cu_seqlens (documents.py)."""
+    order; mask: None (plain causal or full) or the AttentionMask (mask.py) to plan by."""
     S = kv.shape[2]
     for src in [rank] + [s for s in range(world) if s != rank]:
-        for b, blk in step_plan(layout, causal, rank, src, S, world, docs):
+        for b, blk in step_plan(layout, causal, rank, src, S, world, mask):
             if src != rank and work is not None:
                 work.wait()
                 work = None
@@ -45,20 +45,20 @@ def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causa
         work.wait()
 
 
-def allgather_forward(q, k, v, group, causal, layout, scale, kernel, docs=None):
+def allgather_forward(q, k, v, group, causal, layout, scale, kernel, mask=None):
     """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries."""
     rank, world = group_rank_and_size(group)
     kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
     gathered, work = all_gather(kv, group, "fwd", async_op=True)   # (P, 2, B, S, Hkv, D)
     out, lse = empty_accumulators(q)
     for _, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
-                                          docs):
+                                          mask):
         forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse, b)
     return out.to(q.dtype), lse
 
 
 def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
-                       docs=None):
+                       mask=None):
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads."""
     rank, world = group_rank_and_size(group)
     dout = dout.contiguous()
@@ -68,7 +68,7 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, ke
     dkv = torch.zeros((world, *kv.shape), dtype=torch.float32, device=q.device)
     rows = QueryRows(dout, q, out, lse)
     for src, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
-                                            docs):
+                                            mask):
         qs, ks, (gq, gk, gv) = backward_block(kernel, rows, slot[0], slot[1], blk, scale, b)
         dq[b, qs] += gq
         dkv[src, 0, b, ks] += gk
@@ -80,9 +80,9 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, ke
 PATTERN = (allgather_forward, allgather_backward)  # for blocks.BlockwiseAttention
 
 
-def allgather_pattern(docs=None):
-    """The all-gather's (forward, backward), masked by documents when `docs` (per-sample
-    cu_seqlens, documents.py) is given."""
-    if docs is None:
+def allgather_pattern(mask=None):
+    """The all-gather's (forward, backward), planned by `mask` (an AttentionMask with
+    validated per-sample cu_seqlens, mask.py) when given."""
+    if mask is None:
         return PATTERN
-    return partial(allgather_forward, docs=docs), partial(allgather_backward, docs=docs)
+    return partial(allgather_forward, mask=mask), partial(allgather_backward, mask=mask)

@@ -63,44 +63,52 @@ def block_plan(layout: str, causal: bool, rank: int, src: int, local_seq: int) -
     return Block(1, S, 0, S - 1, True) if S > 1 else None
 
 
-def step_plan(layout, causal, rank, src, S, world, docs=None):
+def step_plan(layout, causal, rank, src, S, world, mask=None):
     """[(samples, block)] this rank computes against the keys of rank `src`: one block for
-    the whole batch (block_plan), or with documents (a list of per-sample cu_seqlens,
-    documents.py) one block per document the two sides share, per sample."""
-    if docs is None:
+    the whole batch (block_plan); with an AttentionMask (mask.py) of documents, windows or
+    both, the sub-blocks with a visible pair (documents.doc_plan): per document the two
+    sides share, per sample, or for the whole batch when there are no documents."""
+    if mask is None or mask.plain:
         blk = block_plan(layout, causal, rank, src, S)
         return [] if blk is None else [(slice(None), blk)]
-    return _doc_step_plan(layout, causal, rank, src, S, world, _docs_key(docs))
+    return _mask_step_plan(layout, causal, rank, src, S, world, _mask_key(mask))
 
 
-def ring_steps(layout, causal, S, world, docs=None) -> int:
-    """How many ring steps carry work for some rank: all `world` without documents; with
-    them 1 + the last step at which any rank's queries share a document with the keys it
-    then holds (every CP rank has the same boundaries, so all agree without talking)."""
-    if docs is None:
+def ring_steps(layout, causal, S, world, mask=None) -> int:
+    """How many ring steps carry work for some rank: all `world` for a plain mask; else
+    1 + the last step at which any rank's queries see a key it then holds (every CP rank
+    has the same mask, so all agree without talking)."""
+    if mask is None or mask.plain:
         return world
-    return _doc_ring_steps(layout, causal, S, world, _docs_key(docs))
+    return _mask_ring_steps(layout, causal, S, world, _mask_key(mask))
 
 
-def _docs_key(docs):
-    return tuple(tuple(cu.tolist()) for cu in docs)
+def _mask_key(mask):
+    """(window, per-sample boundaries or None): hashable, for the plan caches."""
+    docs = None if mask.cu_seqlens is None \
+        else tuple(tuple(cu.tolist()) for cu in mask.cu_seqlens)
+    return mask.sliding_window, docs
 
 
-# Plans depend only on the boundaries and shapes: made once per micro-batch for every
-# layer, forward and backward (a few small tensor ops per document otherwise).
+# Plans depend only on the mask and shapes: made once per micro-batch for every layer,
+# forward and backward (a few small tensor ops per document otherwise).
 @lru_cache(maxsize=4096)
-def _doc_step_plan(layout, causal, rank, src, S, world, key):
+def _mask_step_plan(layout, causal, rank, src, S, world, key):
+    window, docs = key
     q_pos = rank_positions(S * world, rank, world, layout)
     k_pos = q_pos if src == rank else rank_positions(S * world, src, world, layout)
-    return [(slice(b, b + 1), blk) for b, cu in enumerate(key)
-            for blk in doc_plan(torch.tensor(cu), q_pos, k_pos, causal)]
+    if docs is None:  # a window alone: one plan for the whole batch
+        whole = torch.tensor([0, S * world])
+        return [(slice(None), blk) for blk in doc_plan(whole, q_pos, k_pos, causal, window)]
+    return [(slice(b, b + 1), blk) for b, cu in enumerate(docs)
+            for blk in doc_plan(torch.tensor(cu), q_pos, k_pos, causal, window)]
 
 
 @lru_cache(maxsize=256)
-def _doc_ring_steps(layout, causal, S, world, key) -> int:
+def _mask_ring_steps(layout, causal, S, world, key) -> int:
     return 1 + max(s for r in range(world) for s in range(world)
-                   if s == 0 or _doc_step_plan(layout, causal, r, (r - s) % world, S, world,
-                                               key))
+                   if s == 0 or _mask_step_plan(layout, causal, r, (r - s) % world, S, world,
+                                                key))
 
 
 def _kernel_for(kernel, blk, q: torch.Tensor):

@@ -42,8 +42,10 @@ class DocBlock(NamedTuple):
     causal: bool                   # the kernel's causal mask (square, same positions)
     mask: Optional[torch.Tensor]   # (q1-q0, k1-k0) bool, True = visible; None = all visible
 
-    def pairs(self) -> int:  # (query, key) pairs the kernel evaluates
+    def pairs(self) -> int:  # visible (query, key) pairs: what the FLOP counters count
         L, S = self.q1 - self.q0, self.k1 - self.k0
+        if self.mask is not None:
+            return int(self.mask.sum())
         return L * (L + 1) // 2 if self.causal else L * S
 
 
@@ -85,12 +87,15 @@ def _runs(ids: torch.Tensor):
 
 
 def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-             causal: bool) -> List[DocBlock]:
-    """The sub-blocks of (queries at q_pos) x (keys at k_pos) that document masking leaves.
+             causal: bool, window: Optional[int] = None) -> List[DocBlock]:
+    """The sub-blocks of (queries at q_pos) x (keys at k_pos) that document masking (and a
+    causal sliding window inside each document, mask.py) leaves.
 
     q_pos, k_pos: ascending global positions (rank_positions) of the local queries and of
     the visiting keys.
     """
+    if window is not None:
+        return _window_plan(cu, q_pos, k_pos, window)
     q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
     plan = []
     for d, (q0, q1) in q_runs.items():
@@ -106,6 +111,35 @@ def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
             plan.append(DocBlock(q0, q1, k0, k1, True, None))
         else:
             plan.extend(_causal_part(q0, k0, qp, kp))
+    return plan
+
+
+def _window_plan(cu, q_pos, k_pos, window: int) -> List[DocBlock]:
+    """Per shared document, the rows and columns with a visible pair under the causal
+    window, as one kernel call: unmasked when every pair is visible, the kernel's causal on
+    the same positions when the window hides none of the causal pairs, else the band as an
+    explicit mask (the diagonal and its neighbours). Documents with nothing visible: none."""
+    q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
+    plan = []
+    for d, (q0, q1) in q_runs.items():
+        if d not in k_runs:
+            continue
+        k0, k1 = k_runs[d]
+        qp, kp = q_pos[q0:q1], k_pos[k0:k1]
+        diff = qp[:, None] - kp[None, :]
+        vis = (diff >= 0) & (diff < window)
+        rows, cols = vis.any(dim=1).nonzero().flatten(), vis.any(dim=0).nonzero().flatten()
+        if len(rows) == 0:
+            continue
+        a, b, c, e = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+        sub = vis[a:b, c:e]
+        if sub.all():
+            plan.append(DocBlock(q0 + a, q0 + b, k0 + c, k0 + e, False, None))
+        elif b - a == e - c and torch.equal(qp[a:b], kp[c:e]) and torch.equal(
+                sub, torch.ones_like(sub).tril()):
+            plan.append(DocBlock(q0 + a, q0 + b, k0 + c, k0 + e, True, None))
+        else:
+            plan.append(DocBlock(q0 + a, q0 + b, k0 + c, k0 + e, False, sub))
     return plan
 
 
