@@ -26,6 +26,7 @@ from functools import partial
 
 from .blocks import QueryRows, backward_block, forward_block_, ring_steps, step_plan
 from .comm import NoComm, RingComm, group_rank_and_size
+from .halo import halo_applies, halo_backward, halo_forward
 from .merge import empty_accumulators
 from .stats import attention_flops, record
 
@@ -77,6 +78,8 @@ def ring_forward(q, k, v, group, causal, layout, scale, kernel, mask=None):
     rank, world = group_rank_and_size(group)
     if world == 1 and mask is None:
         return _local_forward(q, k, v, causal, scale, kernel)
+    if halo_applies(layout, mask, q.shape[1], world):  # a short window: one neighbour's tail
+        return halo_forward(q, k, v, group, causal, layout, scale, kernel, mask)
     S = q.shape[1]
     out, lse = empty_accumulators(q)
     steps = ring_steps(layout, causal, S, world, mask)  # < world: the mask ends the ring early
@@ -120,6 +123,9 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     dout = dout.contiguous()  # a no-op for autograd's usual dout
     if world == 1 and mask is None:
         return _local_backward(dout, q, k, v, out, lse, causal, scale, kernel)
+    if halo_applies(layout, mask, q.shape[1], world):
+        return halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
+                             mask)
     S = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # (2,B,S,Hkv,D)
