@@ -54,9 +54,9 @@ def test_plan_computes_every_visible_pair_once(layout):
     """Every (query, key) pair the window (inside documents) leaves is computed exactly
     once, no block without a visible pair exists, each block's counted pairs are its
     visible ones, and the ring stops after the last step with work."""
-    for P, S in ((1, 48), (3, 48), (4, 48), (4, 10)):
+    for P, S in ((3, 48), (4, 10)):
         n = P * S
-        for w in (1, 2, 37, 48, 100, n):
+        for w in (1, 2, 37, 49, 100):
             for cu in (None, torch.tensor([0, 5, n // 2 + 1, n], dtype=torch.int32)):
                 shards = [rank_positions(n, r, P, layout) for r in range(P)]
                 seen = torch.zeros(n, n, dtype=torch.int32)

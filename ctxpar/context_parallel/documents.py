@@ -115,31 +115,45 @@ def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
 
 
 def _window_plan(cu, q_pos, k_pos, window: int) -> List[DocBlock]:
-    """Per shared document, the rows and columns with a visible pair under the causal
-    window, as one kernel call: unmasked when every pair is visible, the kernel's causal on
-    the same positions when the window hides none of the causal pairs, else the band as an
-    explicit mask (the diagonal and its neighbours). Documents with nothing visible: none."""
+    """Per shared document, per tile of `window` query rows (at least 32), the keys with a
+    visible pair under the causal window, as one kernel call: unmasked when every pair is
+    visible, the kernel's causal on the same positions when the window hides none of the
+    causal pairs, else the band as an explicit (tile, <= tile + window) mask. Tiling keeps
+    the masks (and the host work) O(rows x window), never O(rows x keys). Nothing visible:
+    no block."""
     q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
+    tile = max(window, 32)
     plan = []
     for d, (q0, q1) in q_runs.items():
         if d not in k_runs:
             continue
         k0, k1 = k_runs[d]
-        qp, kp = q_pos[q0:q1], k_pos[k0:k1]
-        diff = qp[:, None] - kp[None, :]
-        vis = (diff >= 0) & (diff < window)
-        rows, cols = vis.any(dim=1).nonzero().flatten(), vis.any(dim=0).nonzero().flatten()
-        if len(rows) == 0:
-            continue
-        a, b, c, e = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
-        sub = vis[a:b, c:e]
-        if sub.all():
-            plan.append(DocBlock(q0 + a, q0 + b, k0 + c, k0 + e, False, None))
-        elif b - a == e - c and torch.equal(qp[a:b], kp[c:e]) and torch.equal(
-                sub, torch.ones_like(sub).tril()):
-            plan.append(DocBlock(q0 + a, q0 + b, k0 + c, k0 + e, True, None))
-        else:
-            plan.append(DocBlock(q0 + a, q0 + b, k0 + c, k0 + e, False, sub))
+        kp = k_pos[k0:k1]
+        for t0 in range(q0, q1, tile):
+            qp = q_pos[t0:min(t0 + tile, q1)]
+            # keys at positions [first query - window + 1, last query]: a column range
+            c = int(torch.searchsorted(kp, qp[0] - window + 1))
+            e = int(torch.searchsorted(kp, qp[-1], right=True))
+            if c >= e:
+                continue
+            diff = qp[:, None] - kp[None, c:e]
+            vis = (diff >= 0) & (diff < window)
+            # one block per run of rows that see something (no kernel gets a blind row)
+            rows = vis.any(dim=1).nonzero().flatten()
+            for i, j in (_consecutive_runs(rows) if len(rows) else []):
+                a, b = int(rows[i]), int(rows[j - 1]) + 1
+                sub = vis[a:b]
+                cols = sub.any(dim=0).nonzero().flatten()
+                c2, e2 = int(cols[0]), int(cols[-1]) + 1
+                sub = sub[:, c2:e2]
+                blk = (t0 + a, t0 + b, k0 + c + c2, k0 + c + e2)
+                if sub.all():
+                    plan.append(DocBlock(*blk, False, None))
+                elif b - a == e2 - c2 and torch.equal(qp[a:b], kp[c + c2:c + e2]) \
+                        and torch.equal(sub, torch.ones_like(sub).tril()):
+                    plan.append(DocBlock(*blk, True, None))
+                else:
+                    plan.append(DocBlock(*blk, False, sub.clone()))
     return plan
 
 
