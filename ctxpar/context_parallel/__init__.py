@@ -4,6 +4,7 @@ One file per communication pattern, beside the pieces they share:
 
     api.py        context_parallel_attention(comm=...), ring_attention, ContextParallel
     ring.py       comm="ring": K,V blocks over a P2P ring, overlapped step by step
+    halo.py       the ring under a short sliding window (contiguous): one neighbour's tail
     allgather.py  comm="allgather": K,V all-gathered once (Llama 3), dK,dV reduce-scattered
     ulysses.py    comm="ulysses": all-to-all sequence <-> heads around one local kernel
     hybrid.py     comm="hybrid": Ulysses inside each ring rank, the ring across (USP)
@@ -24,7 +25,8 @@ from .layouts import (LAYOUTS, gather_sequence, num_chunks, rank_positions,
 from .stats import CPStats, RingStats, cp_stats, ring_stats
 
 __all__ = [
-    "AttentionMask", "CP_COMMS", "CPStats", "ContextParallel", "LAYOUTS", "LOCAL", "NoComm", "RingStats",
+    "AttentionMask", "CP_COMMS", "CPStats", "ContextParallel", "LAYOUTS", "LOCAL", "NoComm",
+    "RingStats",
     "context_parallel_attention", "cp_stats", "gather_sequence", "num_chunks",
     "rank_positions", "ring_attention", "ring_stats", "sequence_positions", "shard_sequence",
 ]
