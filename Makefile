@@ -1,6 +1,8 @@
 # The README's two commands. Both create .venv on first use.
 #   make test   - the whole CPU suite (gloo, spawned ranks)
 #   make train  - tiny long-context pretraining on CPU with context parallelism
+#   make docs-check [UPDATE=1] - rerun the commands the docs quote predictions from
+#                 (tools/docs_check.py); UPDATE=1 writes their figures into the docs
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -8,13 +10,14 @@ STAMP   := $(VENV)/.ctxpar-installed
 NPROC   ?= 4
 CONFIG  ?= configs/tiny_cpu.yaml
 
-.PHONY: test train install clean
+.PHONY: test train install docs-check clean
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first, pinned: a newer torch from PyPI drags in GBs of CUDA packages.
-	$(BIN)/pip install --quiet torch==2.13.0
+	# torch first, pinned (a newer or unpinned torch drags in GBs of CUDA packages): the CPU
+	# build where there is no GPU, the CUDA build where nvidia-smi is found.
+	bash tools/install_torch.sh $(BIN)/python
 	$(BIN)/pip install --quiet -e .[dev]
 	touch $(STAMP)
 
@@ -26,6 +29,9 @@ test: $(STAMP)
 train: $(STAMP)
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus $(NPROC) \
 		--master_port 29611 train.py --config $(CONFIG)
+
+docs-check: $(STAMP)
+	$(BIN)/python tools/docs_check.py $(if $(UPDATE),--update)
 
 clean:
 	rm -rf $(VENV) runs wandb *.egg-info

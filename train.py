@@ -5,6 +5,9 @@
     srun python train.py --config configs/gpt7b_128k_3d.yaml      (rank/world from SLURM_*)
 
 Top to bottom: config -> distributed -> ParallelState -> GPT -> deepspeed.initialize -> loop.
+The loop asks each component whether its moment has come: the Evaluator
+(ctxpar/components/evaluation.py), the Checkpointer (components/checkpointer.py),
+StepMetrics (components/metrics.py) and the PreemptionGuard (ctxpar/checkpoint).
 Bad input (config, layout vs world size, data paths) exits with code 2 and one line on
 every rank, before any collective, so no rank is left waiting.
 """
@@ -22,12 +25,14 @@ import torch.distributed as dist
 from ctxpar import checkpoint as ckpt
 from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
 from ctxpar.components.known_warnings import filter_known_warnings
-from ctxpar.components.metrics import (MetricsLogger, StepTimer, WandbError,
-                                       device_peak_tflops, flops_per_token, init_wandb,
-                                       peak_memory_bytes)
+from ctxpar.components.checkpointer import Checkpointer
+from ctxpar.components.evaluation import Evaluator
+from ctxpar.components.metrics import (MetricsLogger, StepMetrics, StepTimer, WandbError,
+                                       init_wandb, memory_baseline)
 from ctxpar.config import (ConfigError, deepspeed_config, dump_config, load_config, to_dict,
                            ulysses_degree)
-from ctxpar.data import DataError, build_data, evaluate
+from ctxpar.config.run_dir import check_run_dir
+from ctxpar.data import DataError, build_data
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
 from ctxpar.distributed.grad_norm import record_fp32_grad_norm
 from ctxpar.distributed.mpu import DeepSpeedMPU
@@ -78,6 +83,10 @@ def param_groups(model, weight_decay):
             {"params": other, "weight_decay": 0.0}]
 
 
+def finite(loss: float, grad_norm) -> bool:
+    return math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+
+
 def offload_metrics(model) -> dict:
     """memory.offload_activations: the most activation bytes this rank held on the host at
     once so far (ctxpar/memory/offload.py's counters), for metrics.jsonl and wandb."""
@@ -104,15 +113,13 @@ def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
     return global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    filter_known_warnings()  # DeepSpeed's deprecated torch calls, not the user's business
-    launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
-    world = int(os.environ["WORLD_SIZE"])
-
-    # 1. Config and data paths: pure checks, the same verdict on every rank.
+def check_inputs(args, world: int):
+    """Config, run dir, data paths and the checkpoint to resume or start from: pure checks,
+    the same verdict on every rank, so bad input exits 2 with one line before any collective.
+    Returns (cfg, data, save_dir, resume plan or None, init_from weights or None)."""
     try:
         cfg = load_config(args.config, args.set, world_size=world)
+        check_run_dir(cfg)  # a path through a file, a read-only place: nothing created
         data = build_data(cfg)  # opens token files / builds the passkey task; no collectives
     except (ConfigError, DataError) as e:
         fail(str(e))
@@ -131,8 +138,12 @@ def main(argv=None) -> int:
         init = ckpt.check_init_from(cfg) if cfg.model.init_from and plan is None else None
     except ckpt.CheckpointError as e:
         fail(str(e))
+    return cfg, data, save_dir, plan, init
 
-    # 2. Distributed and the grid.
+
+def start_distributed(cfg, world: int):
+    """The process group, the rank grid and DeepSpeed's comm; rank 0 prints the planner's
+    prediction for this layout. Returns (device, state, rank0)."""
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) \
         if torch.cuda.is_available() else torch.device("cpu")
     init_distributed(default_backend(device))
@@ -144,6 +155,30 @@ def main(argv=None) -> int:
     show_ctxpar_logs(rank0)  # e.g. the attention kernel 'auto' chose, and why
     if rank0:  # the planner's prediction for this layout, before anything is allocated
         print_prediction(cfg, world, device)
+    return device, state, rank0
+
+
+def open_logger(cfg, rank0: bool, start_step: int) -> MetricsLogger:
+    """Rank 0 records the run: config.yaml, wandb (a warning, not a stop, when it cannot
+    start) and metrics.jsonl with the progress bar; other ranks get a silent logger."""
+    run_dir, wandb_run = cfg.logging.run_dir, None
+    if rank0:
+        dump_config(cfg, run_dir)
+        try:
+            wandb_run = init_wandb(cfg.logging, run_dir, to_dict(cfg))
+        except WandbError as e:
+            print(f"warning: {e}; continuing without wandb", file=sys.stderr, flush=True)
+    return MetricsLogger(run_dir, cfg.train.steps, start_step, enabled=rank0,
+                         wandb_run=wandb_run)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    filter_known_warnings()  # DeepSpeed's deprecated torch calls, not the user's business
+    launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
+    world = int(os.environ["WORLD_SIZE"])
+    cfg, data, save_dir, plan, init = check_inputs(args, world)  # 1. exit 2 on bad input
+    device, state, rank0 = start_distributed(cfg, world)         # 2. the grid
     torch.manual_seed(cfg.train.seed)
 
     # 3. The model (same init for every layout) and the DeepSpeed engine. With pp > 1 this
@@ -160,6 +195,7 @@ def main(argv=None) -> int:
     memory_line = optimizer_offload.describe(cfg, ds_config, device)  # the options that are on
     if rank0 and memory_line:
         print(memory_line, flush=True)
+    baseline = memory_baseline(device)  # before the model: what the prediction leaves out
     model = gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device) if pipelined \
         else GPT.from_config(cfg, state, device=device)
     if init is not None:  # model.init_from: weights of a Llama folder or a ctxpar checkpoint
@@ -185,98 +221,72 @@ def main(argv=None) -> int:
     record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (distributed/grad_norm.py)
     train_stream = data.train_stream(state)
 
-    # 4. Resume, then record the run.
-    start_step, tag = 0, plan.tag if plan is not None else None
+    # 4. Resume, record the run, and the components that decide when to evaluate and save.
+    start_step = 0
     if plan is not None:
         client = ckpt.restore(engine, plan, cfg, state)  # resharded if the layout changed
         start_step = client["step"]
         train_stream.load_state_dict(client["data"])
     if start_step >= cfg.train.steps:  # e.g. `make train` run twice: say so, train nothing
         if rank0:
-            print(f"nothing to train: {os.path.join(save_dir, tag)} is at step {start_step} of "
-                  f"train.steps={cfg.train.steps} (--resume none or another logging.run_dir "
-                  f"starts over)", flush=True)
+            print(f"nothing to train: {os.path.join(save_dir, plan.tag)} is at step "
+                  f"{start_step} of train.steps={cfg.train.steps} (--resume none or another "
+                  f"logging.run_dir starts over)", flush=True)
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    wandb_run = None
-    if rank0:
-        dump_config(cfg, run_dir)
-        try:
-            wandb_run = init_wandb(cfg.logging, run_dir, to_dict(cfg))
-        except WandbError as e:
-            print(f"warning: {e}; continuing without wandb", file=sys.stderr, flush=True)
-    logger = MetricsLogger(run_dir, cfg.train.steps, start_step, enabled=rank0,
-                           wandb_run=wandb_run)
+    logger = open_logger(cfg, rank0, start_step)
     if init is not None:
         logger.write(init_msg)
     if start_step:
-        logger.write(f"resumed from {os.path.join(save_dir, tag)} at step {start_step}")
+        logger.write(f"resumed from {os.path.join(save_dir, plan.tag)} at step {start_step}")
         if plan.universal:
             logger.write(plan.describe_changes())
-    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-    flops_step = flops_per_token(n_params, cfg.model.n_layers, cfg.model.d_model,
-                                 cfg.model.seq_len) * tokens_per_step
-    peak = device_peak_tflops(device)
-
-    meta = ckpt.checkpoint_meta(cfg, state.dp_size)  # the manifest's layout and config
+    metrics = StepMetrics(cfg, n_params, state.world_size, device, baseline)
+    forward = partial(gpt_pipe.pipeline_logits, engine.module, state) if pipelined else None
+    evaluator = Evaluator(cfg, data, state, device, forward)
+    checkpointer = Checkpointer(engine, save_dir, cfg.checkpointing.save_interval,
+                                ckpt.checkpoint_meta(cfg, state.dp_size), train_stream)
+    if evaluator.should_evaluate(start_step, start=True):  # train.eval_at_start
+        evaluator.run(engine.module, start_step, logger)
 
     # 5. The loop: gas micro-batches per optimizer step, loss = global token mean.
     timer = StepTimer(device)
-    step, loss, last_eval, stopped = start_step, float("nan"), None, None
     guard = ckpt.PreemptionGuard(device)  # SIGTERM/SIGUSR1: finish the step, save, exit 0
+    step, loss, stopped = start_step, float("nan"), False
     while step < cfg.train.steps:
         # Every rank reads its DP rank's micro-batches (all stages, for N; the pipeline
         # feeds the first stage's inputs and the last stage's labels from them).
         micro = [train_stream.next_microbatch(device) for _ in range(gas)]
-        # N: non-ignored tokens of the whole step over DP x CP (models/loss.py).
-        # One all-reduce for the whole step, not one per micro-batch.
+        # N: non-ignored tokens of the whole step over DP x CP (models/loss.py), one
+        # all-reduce for the step, not one per micro-batch.
         n_tokens = global_token_count(torch.cat([mb["labels"].flatten() for mb in micro]),
                                       state.dp_cp_group)
         loss = (gpt_pipe.train_step(engine, micro, n_tokens, state) if pipelined
                 else train_step(engine, micro, n_tokens, state, gas, divisor)).item()
         step += 1
-        grad_norm = engine.get_global_grad_norm()
+        last = step == cfg.train.steps
+        grad_norm = engine.get_global_grad_norm()  # before clipping; None: not recorded
         grad_norm = float(grad_norm) if grad_norm is not None else None
-        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+        if not finite(loss, grad_norm):
             logger.write(f"step {step}: non-finite loss {loss} / grad norm {grad_norm}; "
                          f"stopping without saving (last complete checkpoint: "
-                         f"{ckpt.latest_complete(save_dir)})")
+                         f"{checkpointer.latest()})")
             logger.close()
             return EXIT_NON_FINITE
         dt = timer.lap()
-        if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
-            tflops = flops_step / dt / state.world_size / 1e12
-            logger.log({"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": grad_norm, "tokens": step * tokens_per_step,
-                        "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                        "tflops_per_device": tflops,
-                        "mfu": tflops / peak if peak else None,
-                        "peak_mem_bytes": peak_memory_bytes(device),
+        if metrics.should_log(step):
+            logger.log({**metrics.record(step, loss, scheduler.get_last_lr()[0], grad_norm, dt),
                         **offload_metrics(model)})
-        logger.advance(step, loss, tokens_per_step / dt)
-        eval_now = cfg.train.eval_interval and step % cfg.train.eval_interval == 0
-        if data.has_eval and (eval_now or step == cfg.train.steps):
-            forward = partial(gpt_pipe.pipeline_logits, engine.module, state) \
-                if pipelined else None
-            last_eval = evaluate(engine.module, data, state, device, forward)
-            logger.log({"step": step, **last_eval})
-            what = (f"passkey accuracy {last_eval['eval_accuracy']:.3f}"
-                    if "eval_accuracy" in last_eval else
-                    f"eval loss {last_eval['eval_loss']:.4f} (ppl {last_eval['eval_ppl']:.2f})")
-            logger.write(f"step {step}: {what} ({last_eval['eval_samples']} held-out samples)")
-            timer.lap()  # the eval is not step time
-        save_every = cfg.checkpointing.save_interval
-        save_now = (save_every and step % save_every == 0) or step == cfg.train.steps
-        # collective, every step: all ranks stop after the same one (the last needs no stop)
-        stopped = guard.should_stop() and step < cfg.train.steps
-        if save_now or stopped:
-            tag = ckpt.save(engine, save_dir, step,
-                            {"step": step, "data": train_stream.state_dict()}, meta)
-            timer.lap()
+        logger.advance(step, loss, metrics.tokens_per_step / dt)
+        if evaluator.should_evaluate(step):
+            evaluator.run(engine.module, step, logger)
+        stopped = guard.should_stop() and not last  # collective: all ranks stop alike
+        saved = checkpointer.save(step, last_step=last, force=stopped)
+        timer.lap()  # evaluation and saving are not step time
         if stopped:
             logger.write(f"step {step}: {guard.reason}: stopping with a complete checkpoint "
-                         f"{os.path.join(save_dir, tag)}; --resume auto continues from it")
+                         f"{saved}; --resume auto continues from it")
             break
 
     guard.close()
@@ -284,14 +294,8 @@ def main(argv=None) -> int:
     if rank0 and stopped:
         print(f"stopped at step {step} of {cfg.train.steps} ({guard.reason})", flush=True)
     elif rank0:
-        acc = ""
-        if last_eval and "eval_accuracy" in last_eval:
-            acc = f", passkey accuracy {last_eval['eval_accuracy']:.3f} (chance " \
-                  f"{10.0 ** -cfg.data.passkey_digits:.3f})"
-        elif last_eval:
-            acc = f", eval loss {last_eval['eval_loss']:.4f}"
-        print(f"done: {step} steps, final loss {loss:.4f}{acc}; metrics in "
-              f"{os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
+        print(f"done: {step} steps, final loss {loss:.4f}{evaluator.summary()}; metrics in "
+              f"{os.path.join(cfg.logging.run_dir, 'metrics.jsonl')}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

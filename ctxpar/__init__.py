@@ -12,7 +12,8 @@ from .distributed.parallel_state import (
 )
 from .distributed.mpu import DeepSpeedMPU
 from .data import (DataError, PasskeyTask, SampleStream, build_data, build_sample_stream,
-                   passkey_accuracy, evaluate, shard_batch)
+                   passkey_accuracy, shard_batch)
+from .components.evaluation import evaluate
 from .context_parallel import (CP_COMMS, ContextParallel, CPStats, RingStats,
                                context_parallel_attention, cp_stats, gather_sequence,
                                ring_attention, ring_stats, sequence_positions, shard_sequence)
@@ -21,6 +22,7 @@ from .tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_full_state_dict,
+    vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
 

@@ -339,7 +339,8 @@ class GPT(nn.Module):
             # the embedding's: under ZeRO-3 DeepSpeed registers it as GPT's external
             # parameter and keeps it gathered for GPT's forward and backward.
             return tiled_vocab_parallel_cross_entropy(
-                x, self.head_weight(), labels, self.tp_group, self.memory.loss_tile_tokens).sum()
+                x, self.head_weight(), labels, self.tp_group, self.memory.loss_tile_tokens,
+                reduction="sum")
         return vocab_parallel_cross_entropy(self.lm_logits(x), labels, self.tp_group).sum()
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,

@@ -168,7 +168,7 @@ class TokenMeanLoss:
         if self.memory.tiled_loss:
             x, weight = outputs  # (B, T/cp, d), (V/tp, d): the head's input and weight
             s = tiled_vocab_parallel_cross_entropy(x, weight, labels, self.tp_group,
-                                                   self.memory.loss_tile_tokens).sum()
+                                                   self.memory.loss_tile_tokens, reduction="sum")
         else:  # outputs: the logits (B, T/cp, V/tp)
             s = vocab_parallel_cross_entropy(outputs, labels, self.tp_group).sum()  # fp32
         self.loss_sum += s.detach()

@@ -1,10 +1,7 @@
 import os
-import sys
 
 import pytest
 
-# Spawned ranks import the harness and test helpers by module name.
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -13,7 +10,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 def single(tmp_path_factory):
     """train.py on one process, 20 steps: the reference test_train.py and
     test_train_memory.py compare every layout's losses with (run once per session)."""
-    from test_train import single_run
+    from helpers.train_run import single_run
     return single_run(str(tmp_path_factory.mktemp("single") / "single"))
 
 

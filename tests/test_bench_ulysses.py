@@ -1,6 +1,6 @@
 """ctxpar's Ulysses equals DeepSpeed-Ulysses, through the benchmark that compares their speed.
 
-tools/bench_ulysses.py runs ``context_parallel_attention(comm="ulysses")`` and DeepSpeed's
+tools/benchmarks/bench_ulysses.py runs ``context_parallel_attention(comm="ulysses")`` and DeepSpeed's
 own ``DistributedAttention`` side by side on real gloo ranks around the same fused kernel
 and reports the largest difference of their outputs and input gradients. Both hand that
 kernel the same tokens of the same heads in the same (contiguous) layout, so the results
@@ -10,19 +10,15 @@ it to seconds (the timing itself is the benchmark's business, docs/benchmarks.md
 """
 import json
 import math
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tools"))
 
 pytest.importorskip("deepspeed")
 
 
 def test_ctxpar_ulysses_equals_deepspeed_ulysses(tmp_path, monkeypatch):
-    import bench_ulysses
+    from tools.benchmarks import bench_ulysses
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     out = tmp_path / "bench.json"

@@ -20,7 +20,7 @@ from ctxpar.checkpoint.resume import (MARKER, CheckpointError, latest_complete, 
                                       verify, write_manifest)
 from ctxpar.checkpoint.universal import universal_checkpoint_info
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict, to_dict
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 from models.gpt import GPT
 
 

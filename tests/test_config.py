@@ -202,3 +202,31 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), check_paths=False)
     model = GPT(cfg.model, device=torch.device("meta"))
     assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_run_dir_that_cannot_be_created_is_a_config_error(tmp_path):
+    from ctxpar.config.run_dir import check_run_dir
+    (tmp_path / "afile").write_text("x")
+
+    def check(**logging_and_ckpt):
+        ckpt = logging_and_ckpt.pop("save_dir", None)
+        cfg = config_from_dict({"logging": logging_and_ckpt,
+                                "checkpointing": {"save_dir": ckpt}}, world_size=4)
+        check_run_dir(cfg)
+
+    check(run_dir=str(tmp_path / "new" / "deeper"))  # creatable: fine, and not created
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+    with pytest.raises(ConfigError, match=r"^logging.run_dir='.*afile/run': .*afile is a "
+                                          r"file, not a directory$"):
+        check(run_dir=str(tmp_path / "afile" / "run"))
+    with pytest.raises(ConfigError, match=r"^logging.run_dir='.*afile': .*afile is not a "
+                                          r"directory$"):
+        check(run_dir=str(tmp_path / "afile"))
+    with pytest.raises(ConfigError, match=r"^checkpointing.save_dir='.*afile/ck': "):
+        check(run_dir=str(tmp_path / "ok"), save_dir=str(tmp_path / "afile" / "ck"))
+    if os.geteuid() != 0:  # root writes into read-only directories
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match=r"cannot create it: .*ro is not writable$"):
+            check(run_dir=str(ro / "run"))
+    assert sorted(os.listdir(tmp_path)) in (["afile"], ["afile", "ro"])

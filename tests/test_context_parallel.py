@@ -17,40 +17,14 @@ import torch
 
 from ctxpar.context_parallel.layouts import LAYOUTS, rank_positions
 from ctxpar.plan.counts import cp_bytes
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
+from ctxpar.testing.attention import (B, PATTERNS, S_LOCAL, comm_ops_per_layer, global_inputs,
+                                      reference_attention, tolerance)
 
-B, S_LOCAL = 2, 8                       # batch, tokens per rank
 HEADS = [(4, 4, 40), (8, 2, 64), (8, 1, 40)]  # (heads, kv_heads, head_dim): MHA, GQA, MQA;
                                               # 40 is not a power of two
 DTYPES = (torch.float32, torch.bfloat16)
 EXACT = dict(atol=0, rtol=0)  # byte and FLOP counts are integers: must match exactly
-
-
-def tolerance(dtype, expected):
-    """Why these tolerances. fp32: every pattern and the reference do the same math in fp32
-    in another order (blockwise LSE merge, all-to-all regrouping, the kernels' tiling);
-    values are O(1) and the differences seen are ~1e-6, so 1e-5 catches any real error (a
-    missed or doubled block, a token in the wrong place, moves results by O(0.1)). bf16:
-    both start from the same bf16 inputs, but the kernels round P, out and the gradients
-    to bf16 (relative step 2^-8 = 4e-3), and a gradient sums tens of such terms as large
-    as the tensor's largest entry (dv under MQA reaches ~10, where one bf16 step is 0.06).
-    So: 2e-2 relative, plus 1e-2 of the tensor's max magnitude absolute (~2.5 bf16 steps
-    there), still far below what a wrong mask or block does."""
-    if dtype == torch.float32:
-        return dict(atol=1e-5, rtol=1e-5)
-    return dict(atol=1e-2 * max(1.0, expected.abs().max().item()), rtol=2e-2)
-
-
-def reference_attention(q, k, v, causal, scale):
-    """Plain softmax(q k^T * scale) v in fp32 over the full sequence; (out, lse)."""
-    H = q.shape[2]
-    kr = k.float().repeat_interleave(H // k.shape[2], dim=2)
-    vr = v.float().repeat_interleave(H // v.shape[2], dim=2)
-    s = torch.einsum("blhd,bshd->bhls", q.float(), kr) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("bhls,bshd->blhd", s.softmax(-1), vr), torch.logsumexp(s, -1)
 
 
 def visible_pairs(positions, n, causal):
@@ -58,33 +32,7 @@ def visible_pairs(positions, n, causal):
     return int((positions + 1).sum()) if causal else positions.numel() * n
 
 
-def global_inputs(n, H, Hkv, D, dtype):
-    """The full-sequence q, k, v, dout; the same on every rank and in the parent."""
-    gen = torch.Generator().manual_seed(1234)
-    q, k, v = (torch.randn(B, n, h, D, generator=gen).to(dtype) for h in (H, Hkv, Hkv))
-    return q, k, v, torch.randn(B, n, H, D, generator=gen).to(dtype)
-
-
 # ------------------------------------------------------------------ formulas
-
-
-def comm_ops_per_layer(comm, P, u=1):
-    """(forward, backward) communication calls of one attention call on P ranks (no LSE
-    returned): ring P-1 KV steps, then P-1 KV + P dK,dV steps; all-gather one gather, then
-    a gather and a reduce-scatter; Ulysses four all-to-alls each way (one per tensor: q, k,
-    v, then out; dout, then dq, dk, dv); hybrid both."""
-    if P == 1:
-        return 0, 0
-    ring = lambda r: (r - 1, 2 * r - 1) if r > 1 else (0, 0)  # noqa: E731
-    if comm == "ring":
-        return ring(P)
-    if comm == "allgather":
-        return 1, 2
-    if comm == "ulysses":
-        return 4, 4
-    a2a = 4 if u > 1 else 0
-    fr, br = ring(P // u)
-    return a2a + fr, a2a + br
 
 
 def expected_flops(comm, P, u, rank, n, layout, causal, H, D):
@@ -99,14 +47,6 @@ def expected_flops(comm, P, u, rank, n, layout, causal, H, D):
 
 
 # ------------------------------------------------------------------ the spawned side
-
-
-PATTERNS = {  # world -> [(comm, ulysses degree)]
-    1: [("ring", 1), ("allgather", 1), ("ulysses", 1), ("hybrid", 1)],
-    2: [("ring", 1), ("allgather", 1), ("ulysses", 2), ("hybrid", 2), ("hybrid", 1)],
-    3: [("ring", 1), ("allgather", 1)],  # no head count here divides over 3 for Ulysses
-    4: [("ring", 1), ("allgather", 1), ("ulysses", 4), ("hybrid", 2)],
-}
 
 
 def combos(world):

@@ -19,9 +19,10 @@ import fake_cuda
 
 
 def pinned_torch() -> str:
-    """The torch version `make install` pins (the Makefile's torch==X)."""
-    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "Makefile")) as f:
-        return re.search(r"torch==([0-9.]+)", f.read()).group(1)
+    """The torch version `make install` pins (tools/install_torch.sh's TORCH_VERSION default)."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    with open(os.path.join(root, "tools", "install_torch.sh")) as f:
+        return re.search(r"TORCH_VERSION:-([0-9.]+)", f.read()).group(1)
 
 
 def _cannot_run(why: str) -> None:

@@ -12,7 +12,7 @@ from ctxpar.data import (ByteTokenizer, DataError, HFTokenizer, IndexedDataset,
                          IndexedDatasetWriter, PasskeyTask, TokenWindows,
                          build_data, build_sample_stream, passkey_accuracy, passkey_correct)
 from ctxpar.data.passkey import NEEDLE, QUESTION, min_seq_len
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 
 
 rng = np.random.default_rng(0)
@@ -294,7 +294,8 @@ def test_hf_tokenizer_adapter(tmp_path):
 # ---------------------------------------------------------------- DP x CP on gloo ranks
 
 def _dp_cp_stream(rank, world, prefix):
-    from ctxpar.data import evaluate, vocab_parallel_argmax
+    from ctxpar.components.evaluation import evaluate
+    from ctxpar.tensor_parallel import vocab_parallel_argmax
     from ctxpar.distributed.parallel_state import init_parallel_state
     from ctxpar.context_parallel.layouts import gather_sequence
     state = init_parallel_state(cp=2, dp=2)

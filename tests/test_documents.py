@@ -16,10 +16,8 @@ import torch.distributed as dist
 
 from ctxpar.context_parallel import AttentionMask, rank_positions, ring_attention, shard_sequence
 from ctxpar.context_parallel.documents import check_cu_seqlens, doc_plan, reference_mask
-from ctxpar.context_parallel.kernels import FlashAttnBackend
-from dist_harness import run_distributed
-from test_context_parallel import PATTERNS, tolerance
-from test_ring_attention import _flash_bwd, _flash_v26
+from ctxpar.testing import run_distributed
+from ctxpar.testing.attention import PATTERNS, FlashOnCpu, masked_reference, tolerance
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 S_LOCAL = 12  # tokens per rank: even (zigzag), and shards cut documents in odd places
@@ -35,17 +33,6 @@ def edge_case_docs(n: int, P: int):
     cuts1 = [2, n - 3]
     return [torch.tensor([0, *cuts0, n], dtype=torch.int32),
             torch.tensor([0, *cuts1, n], dtype=torch.int32)]
-
-
-def masked_reference(q, k, v, cus, causal, scale):
-    """softmax over each token's own document (and its past, when causal), fp32; (out, lse)."""
-    H, n = q.shape[2], q.shape[1]
-    kr = k.float().repeat_interleave(H // k.shape[2], dim=2)
-    vr = v.float().repeat_interleave(H // v.shape[2], dim=2)
-    s = torch.einsum("blhd,bshd->bhls", q.float(), kr) * scale
-    mask = torch.stack([reference_mask(cu.long(), n, causal) for cu in cus])  # (B, n, n)
-    s = s.masked_fill(~mask[:, None], float("-inf"))
-    return torch.einsum("bhls,bshd->blhd", s.softmax(-1), vr), torch.logsumexp(s, -1)
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -141,18 +128,6 @@ def _masked_blocks_match_reference(backends):
 def test_bad_boundaries_are_refused_in_one_line(cu, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         check_cu_seqlens(cu, 8, 2, "ring_attention")
-
-
-class FlashOnCpu(FlashAttnBackend):
-    """flash_attn's adapter over stand-ins of flash-attn's functions (the math kernel; the
-    real ones need CUDA and the package), at any dtype: a backend that takes no explicit
-    mask, as flash-attn on a GPU. tests/test_gpu.py runs it on CUDA too."""
-
-    def __init__(self, device_types=("cpu",)):
-        super().__init__(_flash_v26, _flash_bwd, device_types=device_types)
-
-    def why_not(self, q):
-        return ""
 
 
 @pytest.fixture

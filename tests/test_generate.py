@@ -23,10 +23,10 @@ from ctxpar.data import build_source
 from ctxpar.inference.checkpoint import (find_checkpoint, inspect_checkpoint,
                                          load_run_config, load_weights_)
 from ctxpar.distributed.parallel_state import free_port
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 from models.gpt import GPT
-from test_inference import reference_generate
-from test_train import ROOT, run_train
+from ctxpar.testing.generation import reference_generate
+from helpers.train_run import ROOT, run_train
 
 MODEL = dict(vocab_size=256, seq_len=32, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2)
 SAVED_SEED, BUILD_SEED = 99, 5  # saved weights come from one seed, models are built with another

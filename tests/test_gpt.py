@@ -10,9 +10,7 @@ one SGD step equal the reference computed here in the parent process, and the CP
 communication calls show that no checkpointing mode but full/every_n_layers replays any.
 One spawn per world size; the cases loop inside it.
 """
-import os
 import pickle
-import sys
 
 import pytest
 import torch
@@ -21,13 +19,12 @@ import torch.nn.functional as F
 from ctxpar import ring_stats
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
 from ctxpar.context_parallel.layouts import rank_positions
-from dist_harness import run_distributed
-from test_context_parallel import comm_ops_per_layer
+from ctxpar.testing import run_distributed
+from ctxpar.testing.attention import comm_ops_per_layer
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
-from bench_activation_memory import measure  # noqa: E402
+from helpers.activation_memory import measure
 
 CONFIGS = {
     # GQA, SwiGLU, RMSNorm, untied head; kv=2 splits over tp=2.

@@ -15,7 +15,7 @@ import torch
 from ctxpar.context_parallel.kernels import (FlashAttn4Backend, FlashAttnBackend, MathBackend,
                                              SdpaBackend)
 from ctxpar import ring_attention
-from test_context_parallel import reference_attention, tolerance
+from ctxpar.testing.attention import reference_attention, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -164,10 +164,10 @@ def test_document_masking_on_cuda_matches_the_dense_reference(backend, monkeypat
     the backend's dense or causal calls, against the fp32 dense-mask reference (bf16: the
     kernels' tolerance). Documents of length 1, one longer than half the sample, many.
     flash_attn: the real kernels when flash-attn 2 is usable, else its adapter over
-    stand-ins on CUDA (test_documents.FlashOnCpu), so this never skips: ctxpar's CUDA
+    stand-ins on CUDA (ctxpar.testing.attention.FlashOnCpu), so this never skips: ctxpar's CUDA
     document path through a backend without masks runs either way."""
     from ctxpar.context_parallel import kernels
-    from test_documents import FlashOnCpu, masked_reference
+    from ctxpar.testing.attention import FlashOnCpu, masked_reference
     if backend == "flash_attn" and not FlashAttnBackend().available(
             torch.empty(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)):
         monkeypatch.setitem(kernels.BACKENDS, "flash_attn", FlashOnCpu(("cuda",)))

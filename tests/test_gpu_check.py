@@ -14,7 +14,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def _tool(*args):
@@ -50,12 +49,12 @@ def test_the_reference_in_row_blocks_is_the_math_kernel():
     """The kernels part's fp32 reference, computed a few query rows at a time with its own
     causal mask, equals the math kernel on the whole block (same fp32 ops per row)."""
     from ctxpar.context_parallel.kernels import MathBackend
-    from gpu_check_parts import reference
+    from ctxpar.testing.attention import reference_attention_in_rows
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(2, 10, 4, 8, generator=g) for _ in "qo")
     k, v = (torch.randn(2, 10, 2, 8, generator=g) for _ in "kv")
     for causal in (True, False):
-        got = reference(q, k, v, dout, causal, 0.3, rows=3)
+        got = reference_attention_in_rows(q, k, v, dout, causal, 0.3, rows=3)
         out, lse = MathBackend().forward(q, k, v, causal, 0.3)
         want = (out, lse, *MathBackend().backward(dout, q, k, v, out, lse, causal, 0.3))
         for a, b in zip(got, want):  # fp32, sums in another order: ~1e-7
@@ -63,7 +62,7 @@ def test_the_reference_in_row_blocks_is_the_math_kernel():
 
 
 def test_planner_bytes_for_every_pattern():
-    from gpu_check_parts import planner_attention_bytes
+    from tools.gpu_check_parts import planner_attention_bytes
     for comm, u in (("ring", 1), ("allgather", 1), ("ulysses", 8), ("hybrid", 2)):
         got = planner_attention_bytes(comm, 32768, 8, u, 32, 8, 128, 2)
         assert got["saved"] > 0 and got["buffers"] > 0, (comm, got)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ctxpar.config import ModelConfig
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 from models.gpt import GPT
 
 

@@ -27,7 +27,7 @@ from ctxpar.checkpoint.weights import copy_full_weights_, resolve_checkpoint  # 
 from ctxpar.config import ModelConfig  # noqa: E402
 from ctxpar.data import PasskeyTask  # noqa: E402
 from models.gpt import GPT, rope_inv_freq  # noqa: E402
-from test_train import ROOT, losses, run_train  # noqa: E402
+from helpers.train_run import ROOT, losses, run_train  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}

@@ -20,7 +20,8 @@ from ctxpar.inference import (SamplingParams, check_prompts, decode_bytes_per_st
                               decode_capacity, filter_logits, generate, merge_partials,
                               partial_attention, sample)
 from ctxpar.inference.cp_ops import merge_block_
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
+from ctxpar.testing.generation import reference_generate
 from models.gpt import GPT
 
 # init_std 0.2 (not 0.02) spreads a random model's logits, so greedy never sits on a
@@ -41,28 +42,6 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11)
 # 4e-6). A real fault (a pad key seen, a shard's partial lost, a wrong RoPE position)
 # moves logits by > 1e-2.
 TOL = dict(rtol=1e-5, atol=1e-4)
-MIN_GAP = 1e-3  # greedy parity needs top-1 above top-2 by far more than the tolerance
-
-
-@torch.no_grad()
-def reference_generate(model, prompts, new, sampling=SamplingParams(), min_gap=MIN_GAP):
-    """Tokens and per-step logits (B, V) from full forwards of each row, no cache.
-
-    Greedy: asserts each step's top-1 logit leads by more than min_gap (so parity with it
-    cannot hinge on rounding)."""
-    seqs = [list(p) for p in prompts]
-    gen, steps = sampling.generator(), []
-    for _ in range(new):
-        logits = torch.stack([model(torch.tensor([s]), torch.arange(len(s)))[0, -1]
-                              for s in seqs])                              # (B, V)
-        if sampling.greedy:
-            top2 = logits.topk(2).values
-            assert (top2[:, 0] - top2[:, 1]).min() > min_gap, "near-tie: parity would hinge on rounding"
-        nxt = sample(logits, sampling, gen)
-        for s, t in zip(seqs, nxt.tolist()):
-            s.append(t)
-        steps.append(logits)
-    return [s[len(p):] for s, p in zip(seqs, prompts)], torch.stack(steps)
 
 
 def _generate_cases(rank, world, cases):

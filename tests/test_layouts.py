@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ctxpar.context_parallel.layouts import (LAYOUTS, gather_sequence, rank_positions,
                                              sequence_positions, shard_sequence,
                                              ulysses_arrival_positions)
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 
 EXACT = dict(atol=0, rtol=0)  # positions and copied values: no arithmetic, must be exact
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar.distributed.parallel_state import rank_grid
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 
 FAMILIES = ("tp", "cp", "pp", "dp", "dp_cp", "ulysses", "ring")
 LAYOUTS = [  # (world, tp, cp, pp)

@@ -21,9 +21,9 @@ from ctxpar.config import ConfigError, ModelConfig, config_from_dict
 from ctxpar.distributed.parallel_state import rank_grid
 from ctxpar.distributed.pipeline_parallel import pipeline_axes, pipeline_topology
 from ctxpar.context_parallel.layouts import rank_positions
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 from models.gpt import GPT
-from test_train import ROOT, losses, run_train
+from helpers.train_run import ROOT, losses, run_train
 
 CONFIGS = {
     # GQA, SwiGLU, RMSNorm, tied embeddings (a TiedLayerSpec on the first and last stage).
@@ -231,7 +231,7 @@ SHORT = ["model.seq_len=128", "train.steps=6", "train.warmup_steps=2", "train.ev
 
 
 def run_4d(run_dir, nproc, sets=(), extra=()):
-    # SHORT sets every key of test_train's BASE, and later --set values win.
+    # SHORT sets every key of helpers.train_run's BASE, and later --set values win.
     return run_train(run_dir, nproc, [*SHORT, *sets], extra, timeout=300, config=CONFIG_4D)
 
 

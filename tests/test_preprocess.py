@@ -13,8 +13,7 @@ import zstandard
 from ctxpar.data import ByteTokenizer, IndexedDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from preprocess_data import main as preprocess_main  # noqa: E402
+from tools.preprocess_data import main as preprocess_main
 
 TEXT = "# Title\n\nSome *markdown* text, é.\n"
 JSONL = '{"text": "first"}\n\n{"text": "second é", "id": 2}\n'
@@ -126,7 +125,7 @@ def test_bad_input_exits_2_with_one_line_and_leaves_nothing(tmp_path, capsys, fi
 
 
 def test_cli_end_to_end_and_progress_bar(tmp_path, capsys):
-    from preprocess_data import preprocess
+    from tools.preprocess_data import preprocess
     (tmp_path / "a.txt").write_text("First document.\nStill the first.\n")
     (tmp_path / "b.jsonl").write_text('{"body": "second"}\n\n{"body": "third é"}\n')
     out = tmp_path / "out" / "corpus"

@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 
-from test_train import losses, run_train
+from helpers.train_run import losses, run_train
 
 STEPS = 8
 COMMON = [f"train.steps={STEPS}", "checkpointing.save_interval=2", "train.warmup_steps=2",

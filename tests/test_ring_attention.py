@@ -16,8 +16,9 @@ from ctxpar.context_parallel import context_parallel_attention, ring_attention
 from ctxpar.context_parallel.blocks import block_plan
 from ctxpar.context_parallel.layouts import LAYOUTS, rank_positions, shard_sequence
 from ctxpar.context_parallel.merge import merge_block_
-from dist_harness import run_distributed
-from test_context_parallel import S_LOCAL, global_inputs, reference_attention, tolerance
+from ctxpar.testing import run_distributed
+from ctxpar.testing.attention import (S_LOCAL, flash_attn_backward, flash_attn_forward_v26,
+                                      global_inputs, reference_attention, tolerance)
 
 EXACT = dict(atol=0, rtol=0)
 
@@ -68,15 +69,34 @@ def _ring_allocations(rank, world):
     dout = shard_sequence(dout, 1, group, "zigzag")
     with count_allocations() as bwd:
         out.backward(dout)
-    return dict(fwd.ops), dict(bwd.ops)
+    # The backward's peak of live bytes, at shapes where the buffers dwarf the small ones.
+    from ctxpar.testing.memory import LiveBytes
+    q, k, v, dout = global_inputs(2 * world * 256, 8, 2, 16, torch.float32)
+    ql, kl, vl = (shard_sequence(x, 1, group, "zigzag").requires_grad_() for x in (q, k, v))
+    out = ring_attention(ql, kl, vl, group, causal=True, layout="zigzag", backend="sdpa")
+    dout = shard_sequence(dout, 1, group, "zigzag")
+    live = LiveBytes()
+    with live:
+        out.backward(dout)
+    return dict(fwd.ops), dict(bwd.ops), live.peak
 
 
 def test_ring_step_copies_nothing_it_does_not_need():
     """Per ring call: no stack/cat/clone of K,V (the caller's k, v are sent as they are and
     blocks land in two alternating receive pairs), no GQA expansion (the CPU flash kernel
     takes Hkv heads), and in backward one contiguous lse per distinct row range (zigzag:
-    the second half), not one per step."""
-    for rank, (fwd, bwd) in enumerate(run_distributed(_ring_allocations, 4, timeout=120)):
+    the second half), not one per step; the backward's live peak is what the planner
+    charges (ctxpar/plan/transients.attention_backward)."""
+    from ctxpar.plan import counts, transients
+    from ctxpar.plan.layout import Layout
+    shapes = counts.RankShapes(N=1024, B=2, T=2048, d=128, h=8, hk=2, hd=16, f=1, V=1, L=1,
+                               tp=1)
+    predicted = transients.attention_backward(shapes, Layout(1, 4, 1, 1), 4)
+    for rank, (fwd, bwd, peak) in enumerate(run_distributed(_ring_allocations, 4,
+                                                             timeout=120)):
+        # The planner's term within 5% of the live peak: no step's block gradients kept
+        # while the next step's are made.
+        assert abs(predicted / peak - 1) < 0.05, (rank, predicted, peak)
         for ops in (fwd, bwd):
             for name in ("aten::stack", "aten::cat", "aten::repeat_interleave",
                          "aten::index_select"):
@@ -198,25 +218,11 @@ def _flash_v23(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
     return out, q, k, v, out, lse, None, None  # <= 2.5 returns 8 values
 
 
-def _flash_v26(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-               window_size_right, softcap, alibi_slopes, return_softmax):
-    assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0)
-    out, lse = MathBackend().forward(q, k, v, causal, softmax_scale)
-    return out, lse, None, None
-
-
-def _flash_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
-               causal, window_size, deterministic, rng_state=None):
-    for buf, g in zip((dq, dk, dv), MathBackend().backward(dout, q, k, v, out, softmax_lse,
-                                                           causal, softmax_scale)):
-        buf.copy_(g)
-
-
-@pytest.mark.parametrize("fwd", [_flash_v23, _flash_v26])
+@pytest.mark.parametrize("fwd", [_flash_v23, flash_attn_forward_v26])
 def test_flash_attn_adapter_follows_the_signature(fwd):
     """The flash_attn backend's calling convention, with stand-ins for two flash-attn
     signatures (the real package needs CUDA); head_dim 40 exercises the padding to 48."""
-    be = FlashAttnBackend(fwd, _flash_bwd, device_types=("cpu",))
+    be = FlashAttnBackend(fwd, flash_attn_backward, device_types=("cpu",))
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 8, h, 40, generator=gen) for h in (4, 2, 2, 4))
     ref = MathBackend()

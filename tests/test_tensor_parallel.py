@@ -18,7 +18,7 @@ from ctxpar.tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, reordered sums (module docstring)
 

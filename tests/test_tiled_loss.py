@@ -6,14 +6,16 @@ for tile sizes that divide the rows or not, 'auto', a tile whose labels are all 
 the GPT tied and untied (loss, every gradient, evaluation logits); the pipeline's last
 stage pieces (head layers, TokenMeanLoss); a dispatch-mode check that no tensor as large
 as the logits is made in forward or backward (and that the untiled path trips it); the
-bytes saved for backward against the module's formula; bf16.
-Spawned, one function on 2 gloo ranks: TP=2 (vocab split) against one process, the GPT
+bytes saved for backward against the module's formula; bf16. The 'sum' reduction (gradients
+made in forward) exact under a token mean, a loss scale and two accumulated micro-batches,
+holding only dx and dW; per-token upstream weights through 'none'; the peak at most
+DeepSpeed's TiledFusedLogitsLoss's at equal tiles.
+Spawned, one function on 2 gloo ranks: TP=2 (vocab split) against one process for both
+reductions, with the same all-reduce count for 4 tiles and 1 (per call), the GPT
 under ZeRO-3 with its parameters partitioned over cp2 (tied and untied), and a pp2
 GPTPipe step through DeepSpeed's pipeline engine with its pipeline_logits.
 """
-import os
 import pickle
-import sys
 
 import pytest
 import torch
@@ -22,10 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_loss import loss_tile_tokens, tiled_vocab_parallel_cross_entropy
 from ctxpar.tensor_parallel import parallel_lm_logits, vocab_parallel_cross_entropy
-from dist_harness import run_distributed
+from ctxpar.testing import run_distributed
 from models.gpt import GPT
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 
 # fp32. Per token the tiled loss does the untiled arithmetic on the same rows (max, exp,
 # sums over V), but the backward's softmax is exp(z - lse) instead of exp(z - m) / sum,
@@ -57,11 +58,27 @@ def _untiled(x, w, t, tp_group=None):
     return loss.detach(), x.grad, w.grad
 
 
-def _tiled(x, w, t, tile, tp_group=None):
+def _tiled(x, w, t, tile, tp_group=None, reduction="none"):
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = tiled_vocab_parallel_cross_entropy(x, w, t, tp_group, tile)
+    loss = tiled_vocab_parallel_cross_entropy(x, w, t, tp_group, tile, reduction=reduction)
     loss.sum().backward()
     return loss.detach(), x.grad, w.grad
+
+
+def _head_grads(x, w, t, upstream, tile=None):
+    """dx, dW of upstream(loss) for one or more micro-batches sharing W: untiled (tile
+    None, per-token losses summed) or tiled with reduction 'sum'."""
+    w = w.clone().requires_grad_()
+    dxs = []
+    for xm, tm in zip(x, t):
+        xm = xm.clone().requires_grad_()
+        if tile is None:
+            total = vocab_parallel_cross_entropy(parallel_lm_logits(xm, w, None), tm).sum()
+        else:
+            total = tiled_vocab_parallel_cross_entropy(xm, w, tm, None, tile, reduction="sum")
+        upstream(total).backward()  # gradient accumulation over the micro-batches into W
+        dxs.append(xm.grad)
+    return dxs, w.grad
 
 
 def test_tile_size_rule():
@@ -69,7 +86,10 @@ def test_tile_size_rule():
     assert loss_tile_tokens(4 * 4096, 32000, 4096) == 2048
     # 16K tokens, V/tp 128K, d 4096: 32 tiles of 512 (the tile's logits = N*d numbers).
     assert loss_tile_tokens(16384, 131072, 4096) == 512
-    assert loss_tile_tokens(4096, 32000, 128) == 32  # ceil(4096/250) = 17 -> 32
+    # Liger's rule gives 32 (ceil(4096/250) = 17 -> 32) and 8 (V 128256, 1024 tokens, d 512):
+    # raised to the 512-token floor; an input shorter than the floor is one tile.
+    assert loss_tile_tokens(4096, 32000, 128) == 512 and loss_tile_tokens(1024, 128256, 512) == 512
+    assert loss_tile_tokens(300, 128256, 512) == 300
     assert loss_tile_tokens(100, 64, 128) == 100  # V/tp <= d: one tile, never above rows
     assert loss_tile_tokens(100, 1000, 10, 7) == 7 and loss_tile_tokens(5, 1000, 10, 64) == 5
 
@@ -84,6 +104,63 @@ def test_tiled_equals_untiled(tile):
         torch.testing.assert_close(a, b, **TOL, msg=name)
     assert torch.all(got[0].view(-1)[:20] == 0) and torch.all(got[1].view(-1, 16)[:20] == 0)
     assert torch.all(got[0] >= 0) and got[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("tile", [7, "auto"])
+@pytest.mark.parametrize("upstream", ["token_mean", "loss_scale", "accumulate_2"])
+def test_sum_exact_under_any_upstream_gradient(tile, upstream):
+    # The 'sum' reduction makes dx and dW in forward for a unit upstream gradient and
+    # scales them in backward: a loss divided by its counted tokens (ALST's recipe), a
+    # loss scale of 2^12, and two micro-batches (each over the pair's token count)
+    # accumulating into one W.grad must all equal the untiled layers' dx and dW.
+    x, w, t = _case()
+    x2, _, t2 = _case(seed=1)
+    n = (t != -100).sum()
+    micro = {"token_mean": ([x], [t], lambda s: s / n),
+             "loss_scale": ([x], [t], lambda s: s * 4096.0),
+             "accumulate_2": ([x, x2], [t, t2],
+                              lambda s: s / (n + (t2 != -100).sum()))}[upstream]
+    xs, ts, upstream_fn = micro
+    want_dx, want_dw = _head_grads(xs, w, ts, upstream_fn, tile=None)
+    got_dx, got_dw = _head_grads(xs, w, ts, upstream_fn, tile=tile)
+    scale = 4096.0 if upstream == "loss_scale" else 1.0  # the tolerance scales with it
+    torch.testing.assert_close(got_dw, want_dw, rtol=1e-5, atol=1e-6 * scale, msg="dW")
+    for a, b in zip(got_dx, want_dx):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale, msg="dx")
+
+
+def test_per_token_weights_are_exact():
+    # reduction 'none' with a different upstream gradient per token (a weighted loss):
+    # its backward recomputes the logits and scales each row by its own gradient.
+    x, w, t = _case()
+    weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(5))
+    got, want = [], []
+    for tiled, out in ((True, got), (False, want)):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = (tiled_vocab_parallel_cross_entropy(xg, wg, t, None, 7) if tiled else
+                vocab_parallel_cross_entropy(parallel_lm_logits(xg, wg, None), t))
+        (loss * weights).sum().backward()
+        out += [loss.detach(), xg.grad, wg.grad]
+    for name, a, b in zip(("loss", "dx", "dW"), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
+def test_sum_reduction_saves_only_its_gradients():
+    # No x, no W: dx (N, d) and the fp32 dW (V/tp, d), both made in forward; the sum
+    # equals the per-token losses' and a second backward through it is refused.
+    from bench_activation_memory import saved_tensor_bytes
+    x, w, t = _case()
+    N, d, V = t.numel(), x.shape[-1], w.shape[0]
+    xg, wg = x.clone().requires_grad_(), torch.nn.Parameter(w.clone())
+    held = []
+    with saved_tensor_bytes([wg]) as seen:
+        total = tiled_vocab_parallel_cross_entropy(xg, wg, t, None, 7, reduction="sum")
+        held = [g.nbytes for g in total.grad_fn.grads]
+    assert not seen and sum(held) == N * d * 4 + V * d * 4, (seen, held)
+    torch.testing.assert_close(total, _untiled(x, w, t)[0].sum(), **TOL)
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through one forward"):
+        total.backward()
 
 
 def test_all_labels_ignored_is_zero_not_nan():
@@ -101,9 +178,9 @@ def test_bad_shapes_fail_in_one_line():
 
 def test_saved_bytes_are_the_docstring_formula():
     # What autograd keeps between forward and backward (parameters excluded), as
-    # tools/bench_activation_memory.py counts it for the planner: x, labels and the fp32
+    # tools/benchmarks/bench_activation_memory.py counts it for the planner: x, labels and the fp32
     # lse tiled; x, the fp32 softmax and the target columns (int64 + 2 bool) untiled.
-    from bench_activation_memory import saved_tensor_bytes
+    from ctxpar.testing.memory import saved_tensor_bytes
     x, w, t = _case()
     N, d, V = t.numel(), x.shape[-1], w.shape[0]
     for tiled, want in ((True, N * d * 4 + N * 8 + N * 4), (False, N * d * 4 + N * V * 4 + N * 10)):
@@ -137,7 +214,7 @@ def test_gpt_tiled_loss_equals_untiled(tie):
     tokens, labels = _batch(cfg)
     ref = GPT(cfg, seed=SEED)
     want_loss, want = _grads(ref, tokens, labels)
-    for tile in (24, "auto"):  # 128 rows: 24 leaves a short last tile; auto = 32
+    for tile in (24, "auto"):  # 128 rows: 24 leaves a short last tile; auto: one tile
         model = GPT(cfg, memory=MemoryConfig(tiled_loss=True, loss_tile_tokens=tile), seed=SEED)
         loss, got = _grads(model, tokens, labels)
         torch.testing.assert_close(loss, want_loss, **TOL)
@@ -209,11 +286,11 @@ def test_full_logits_are_never_made():
     full = labels.numel() * cfg.vocab_size
     seen = {}
     for tiled in (False, True):
-        model = GPT(cfg, memory=MemoryConfig(tiled_loss=tiled), seed=SEED)
+        model = GPT(cfg, memory=MemoryConfig(tiled_loss=tiled, loss_tile_tokens=8), seed=SEED)
         with _Biggest(cfg.vocab_size) as seen[tiled]:
             model(tokens, torch.arange(cfg.seq_len), labels).backward()
     assert seen[False].logits_numel == full  # the detector sees the untiled logits
-    # Tiled ('auto': 8-token tiles of 4096 numbers), the largest tensor anywhere is the
+    # Tiled (8-token tiles of 4096 numbers), the largest tensor anywhere is the
     # embedding-sized one (W, dW, W^T: 16384 = full / 4).
     assert seen[True].numel == cfg.vocab_size * cfg.d_model == full // 4, seen[True].numel
 
@@ -263,6 +340,18 @@ def _ranks(rank, world, payload):
     shard = w.chunk(world)[rank]
     group = dist.new_group([0, 1])
     out["tp"] = {tile: _tiled(x, shard, t, tile, group) for tile in (7, "auto")}
+    # All-reduces per forward + backward call (MAX and SUM of the statistics, f's dx), the
+    # same for 4 tiles of 7 rows and one of 26: per call, not per tile.
+    calls, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(1) or all_reduce(*a, **k)
+    try:
+        for tile in (7, "auto"):
+            for reduction in ("none", "sum"):
+                calls.clear()
+                got = _tiled(x, shard, t, tile, group, reduction)
+                out[("tp", reduction, tile)] = (got, len(calls))
+    finally:
+        dist.all_reduce = all_reduce
     init_deepspeed_comm()
     # (2) ZeRO-3, parameters partitioned over cp2 (every one: persistence threshold 0).
     tokens, labels = p["batch"]
@@ -333,6 +422,15 @@ def test_tp2_zero3_and_pipeline_on_two_ranks():
             torch.testing.assert_close(loss, want_loss, **TOL)
             torch.testing.assert_close(dx, want_dx, **TOL)
             torch.testing.assert_close(dw, want_dw.chunk(2)[rank], **TOL)
+    for tile in (7, "auto"):
+        for rank in range(2):
+            for reduction in ("none", "sum"):
+                (loss, dx, dw), n_calls = res[rank][("tp", reduction, tile)]
+                assert n_calls == 3, (reduction, tile, n_calls)
+                torch.testing.assert_close(loss, want_loss if reduction == "none"
+                                           else want_loss.sum(), **TOL)
+                torch.testing.assert_close(dx, want_dx, **TOL)
+                torch.testing.assert_close(dw, want_dw.chunk(2)[rank], **TOL)
     # (2) ZeRO-3: each rank's full gradient (gathered by ZeRO) is the single-process one.
     for tie in (True, False):
         ref = GPT(ModelConfig(**CFG, tie_embeddings=tie), seed=SEED)
@@ -362,3 +460,13 @@ def test_tp2_zero3_and_pipeline_on_two_ranks():
         else:
             assert logits is None
     assert seen == set(want)
+
+
+def test_peak_at_most_deepspeeds_at_equal_tiles():
+    # tools/benchmarks/bench_alst.py's contenders on a small head: ctxpar's tiled loss (reduction
+    # 'sum', 64-token tiles) and DeepSpeed's TiledFusedLogitsLoss at 4 shards of 64 tokens,
+    # results asserted equal there; the live bytes of one forward + backward, at their peak.
+    from bench_alst import loss_contenders, peaks
+    peak = peaks(loss_contenders(256, 32, 1000, (4,), untiled=True, tile=64))
+    ours = peak["ctxpar (tile 64)"]
+    assert ours <= peak["DeepSpeed (4 shards, 4)"] and ours < peak["untiled"] / 2, peak

@@ -24,38 +24,10 @@ import warnings
 import pytest
 
 from ctxpar.distributed.parallel_state import free_port
+from helpers.train_run import BASE, CONFIG, ROOT, assert_same_run, losses, run_train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
-# Smaller than the README job so the suite stays fast; still a real passkey sample.
-BASE = ["model.seq_len=128", "train.steps=20", "train.warmup_steps=5", "train.eval_interval=0",
-        "train.weight_decay=0.1",  # decoupled decay on matrices only: ZeRO-3 must see 2-D
-        "train.eval_samples=16", "logging.log_interval=1"]
 FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops_per_device",
           "peak_mem_bytes", "step_time_s"}
-
-
-def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True, config=CONFIG):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": ROOT}
-    env.pop("WANDB_MODE", None)  # the config decides (offline by default)
-    sets = BASE + [f"logging.run_dir={run_dir}"] + list(overrides)
-    if nproc == 1:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py")]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), os.path.join(ROOT, "train.py")]
-    cmd += ["--config", config, "--set", *sets, *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train.py exited {proc.returncode}\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def losses(run_dir):
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +39,7 @@ def runs(tmp_path_factory):
 def cp2dp2(runs):
     d = str(runs / "cp2dp2")
     proc = run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.tp=1",
-                            "checkpointing.save_interval=10"])
+                            "checkpointing.save_interval=10", "train.eval_at_start=true"])
     (runs / "cp2dp2.console").write_text(proc.stdout + proc.stderr)
     return d
 
@@ -88,6 +60,50 @@ def test_cp2dp2_learns_logs_and_tracks(cp2dp2):
     ckpts = sorted(os.listdir(os.path.join(cp2dp2, "checkpoints")))
     assert "step_00000010" in ckpts and "step_00000020" in ckpts
     assert os.path.isfile(os.path.join(cp2dp2, "checkpoints", "step_00000010", "COMPLETE"))
+
+
+def test_eval_at_start_measures_the_model_before_training(cp2dp2, runs):
+    # train.eval_at_start: one more eval, at step 0; the resumed run below (without it)
+    # still reproduces these losses bit for bit, so it did not disturb training.
+    rows = [json.loads(line) for line in open(os.path.join(cp2dp2, "metrics.jsonl"))]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 20], evals
+    assert evals[0]["eval_loss"] > evals[1]["eval_loss"] + 1.0, evals  # the gain shows
+    console = (runs / "cp2dp2.console").read_text()
+    assert "step 0: passkey accuracy " in console and "step 20: passkey accuracy " in console
+
+
+def test_memory_is_logged_raw_and_above_the_baseline(cp2dp2):
+    # peak_mem_bytes: the process's resident set on CPU; peak_mem_model_bytes: the peak
+    # above the resident set before the model was built (interpreter and libraries left
+    # out), the figure comparable to the start line's prediction.
+    rows = [json.loads(line) for line in open(os.path.join(cp2dp2, "metrics.jsonl"))]
+    for r in (r for r in rows if "loss" in r):
+        assert 0 < r["peak_mem_model_bytes"] < r["peak_mem_bytes"], r
+
+
+def test_evaluator_and_checkpointer_own_their_when():
+    from types import SimpleNamespace
+    from ctxpar.components.checkpointer import Checkpointer
+    from ctxpar.components.evaluation import Evaluator, describe
+    from ctxpar.config import config_from_dict
+
+    def evaluator(**train):
+        cfg = config_from_dict({"train": {"steps": 30, **train}}, world_size=1)
+        return Evaluator(cfg, SimpleNamespace(has_eval=True), state=None)
+    every10 = evaluator(eval_interval=10)
+    assert [s for s in range(1, 31) if every10.should_evaluate(s)] == [10, 20, 30]
+    assert not every10.should_evaluate(0, start=True)
+    assert evaluator(eval_at_start=True).should_evaluate(7, start=True)  # a resumed start
+    assert [s for s in range(1, 31) if evaluator().should_evaluate(s)] == [30]  # only the end
+    none = Evaluator(evaluator().cfg, SimpleNamespace(has_eval=False), state=None)
+    assert not none.should_evaluate(30) and none.summary() == ""
+    assert describe({"eval_accuracy": 0.5}) == "passkey accuracy 0.500"
+    assert describe({"eval_loss": 2.0, "eval_ppl": 7.389}) == "eval loss 2.0000 (ppl 7.39)"
+    ck = Checkpointer(engine=None, save_dir="unused", interval=10, meta={}, stream=None)
+    assert [s for s in range(1, 26) if ck.should_save(s)] == [10, 20]
+    assert ck.should_save(25, last_step=True) and ck.save(7) is None  # not due: no collective
+    assert not Checkpointer(None, "unused", 0, {}, None).should_save(10)
 
 
 def test_start_prints_the_planners_prediction_once(cp2dp2, runs):
@@ -145,37 +161,6 @@ def test_resume_reproduces_uninterrupted_losses(cp2dp2, runs):
     for s in got:
         # fp32, same ranks, same reduction order, same data: bit-identical.
         assert got[s] == want[s], (s, got[s], want[s])
-
-
-def metric(run_dir, key):
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {r["step"]: r[key] for r in rows if "loss" in r}
-
-
-def assert_same_run(run_dir, want_dir, steps):
-    """The first `steps` losses and gradient norms of run_dir equal want_dir's."""
-    want, got = losses(want_dir), losses(run_dir)
-    assert sorted(got) == list(range(1, steps + 1)) and set(got) <= set(want), sorted(got)
-    for s in got:
-        # fp32: only the order of reductions differs (TP all-reduce, CP merges and
-        # all-to-alls, DP sums); after 20 Adam steps that drifts ~1e-6 relative, well
-        # inside 1e-4.
-        assert abs(got[s] - want[s]) <= 1e-4 * abs(want[s]), (s, got[s], want[s])
-    # The gradient norm (before clipping) is logged on every engine and agrees too: it is
-    # what diverged under ZeRO-3 with CP (3.08 for 3.31 at step 1) while the loss did not.
-    want_norm, got_norm = metric(want_dir, "grad_norm"), metric(run_dir, "grad_norm")
-    for s in got:
-        assert got_norm[s] is not None and abs(got_norm[s] - want_norm[s]) <= \
-            1e-4 * want_norm[s], (s, got_norm[s], want_norm[s])
-
-
-def single_run(run_dir):
-    """One process on ZeRO-0, 20 steps: every layout's reference (the `single` fixture in
-    conftest.py, shared by this module and test_train_memory.py). fp32: DeepSpeed records no
-    gradient norm on that engine; ctxpar does (ctxpar/distributed/grad_norm.py)."""
-    run_train(run_dir, 1, ["parallel.cp=1", "parallel.dp=1", "parallel.tp=1",
-                           "deepspeed.zero_optimization.stage=0", "logging.wandb.mode=disabled"])
-    return run_dir
 
 
 def test_single_process_logs_the_same_loss(cp2dp2, single):
@@ -298,6 +283,16 @@ def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path):
                             "parallel.dp=2"])
     assert_every_rank_says(results, "does not equal the world size 2")
     assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")
+
+
+def test_run_dir_through_a_file_fails_on_every_rank_and_creates_nothing(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    run_dir = tmp_path / "afile" / "run"
+    results = run_ranks(2, [f"logging.run_dir={run_dir}", "parallel.cp=2", "parallel.dp=1"])
+    assert_every_rank_says(results, f"logging.run_dir={str(run_dir)!r}: "
+                                    f"{tmp_path / 'afile'} is a file, not a directory")
+    assert all("Traceback" not in err for _, err in results)
+    assert sorted(os.listdir(tmp_path)) == ["afile"] and (tmp_path / "afile").read_text() == "x"
 
 
 def test_resume_from_a_missing_tag_names_the_tags_that_exist(cp2dp2, tmp_path):

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from test_train import ROOT, assert_same_run, run_train
+from helpers.train_run import ROOT, assert_same_run, run_train
 
 DOCS = ["data.kind=tokens", "data.eval_fraction=0.1", "data.document_mask=true",
         "data.reset_positions=true", "data.eod_mask_loss=true", "train.steps=6",

@@ -24,7 +24,7 @@ options to being exact.
 import pytest
 import torch
 
-from test_train import losses, metric, run_train
+from helpers.train_run import losses, metric, run_train
 
 SIX = ["parallel.dp=1", "train.steps=6", "train.eval_samples=8", "logging.wandb.mode=disabled"]
 OFFLOAD = ["deepspeed.zero_optimization.offload_optimizer.device=cpu",

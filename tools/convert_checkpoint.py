@@ -20,13 +20,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import yaml
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
-
-from ctxpar.checkpoint import CheckpointError, export_hf  # noqa: E402
-from ctxpar.checkpoint import hf  # noqa: E402
+from ctxpar.checkpoint import CheckpointError, export_hf
+from ctxpar.checkpoint import hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

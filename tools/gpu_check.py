@@ -21,7 +21,7 @@ reported as such and the others still run. Writes <out>/report.md and <out>/repo
                  backward against the fp32 math reference computed in row blocks: bf16,
                  causal or not, GQA 8/2, head_dim 64 and 128, blocks of 1K-32K tokens; the
                  relative error of out, lse, dq, dk, dv (limit 3e-2) and the time
-  cp_efficiency  tools/bench_ring_attention.py --simulate-ranks 8 at n = 32K and 128K,
+  cp_efficiency  tools/benchmarks/bench_ring_attention.py --simulate-ranks 8 at n = 32K and 128K,
                  H 32, Hkv 8, D 128, bf16, causal, zigzag (hybrid: Ulysses 2 x ring 4):
                  (fused attention over n / P) / (slowest rank's time)
   memory         peak CUDA memory of one attention fwd+bwd per simulated rank (ranks 0
@@ -42,10 +42,10 @@ import subprocess
 import sys
 import time
 
+# The script's own folder is on sys.path (python tools/gpu_check.py); imports nothing heavy.
+from gpu_check_parts import TOLERANCE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_check_parts import TOLERANCE  # noqa: E402  (imports nothing heavy)
 PARTS = ("env", "pytest", "kernels", "cp_efficiency", "memory", "train")
 BUDGET_S = {"env": 30, "pytest": 240, "kernels": 240, "cp_efficiency": 210, "memory": 90,
             "train": 270}  # 1080 s: 18 min at most, under 20 with the processes' starts

@@ -86,31 +86,6 @@ def part_pytest(a) -> dict:
                           tail=(proc.stdout + proc.stderr)[-4000:]))
 
 
-def reference(q, k, v, dout, causal, scale, rows=None):
-    """(out, lse, dq, dk, dv) in fp32 by ctxpar's math kernel, a block of query rows at a
-    time (a (B, H, rows, S) fp32 score block, not (B, H, L, S)); causal for L = S."""
-    from ctxpar.context_parallel.kernels import MathBackend
-    import torch
-    B, L, H, D = q.shape
-    S = k.shape[1]
-    rows = rows or max(1, min(L, 2**28 // (B * H * S)))  # ~1 GiB per score block
-    q, k, v, dout = (x.float() for x in (q, k, v, dout))
-    m = MathBackend()
-    out, lse = torch.empty_like(q), torch.empty(B, H, L, device=q.device)
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    keys = torch.arange(S, device=q.device)
-    for r0 in range(0, L, rows):
-        r = slice(r0, min(L, r0 + rows))
-        mask = keys[None, :] <= torch.arange(r.start, r.stop, device=q.device)[:, None] \
-            if causal else None
-        out[:, r], lse[:, :, r] = m.forward(q[:, r], k, v, False, scale, mask)
-        g = m.backward(dout[:, r], q[:, r], k, v, out[:, r], lse[:, :, r], False, scale, mask)
-        dq[:, r] = g[0]
-        dk += g[1]
-        dv += g[2]
-    return out, lse, dq, dk, dv
-
-
 def _timed(fn, device, repeats: int = 3):
     """(fn's result, its best time of `repeats` calls in seconds; CUDA synchronised)."""
     import torch
@@ -129,6 +104,7 @@ def _timed(fn, device, repeats: int = 3):
 def part_kernels(a) -> dict:
     import torch
     from ctxpar.context_parallel import kernels
+    from ctxpar.testing.attention import reference_attention_in_rows
     sz = sizes(a.dry_run)
     device, (H, Hkv) = torch.device(sz["device"]), sz["heads"]
     usable, skipped = [], {}
@@ -152,7 +128,7 @@ def part_kernels(a) -> dict:
                 k, v = (torch.randn(1, L, Hkv, D, device=device, generator=g)
                         .to(torch.bfloat16) for _ in "kv")
                 scale = D ** -0.5
-                ref = reference(q, k, v, dout, causal, scale)
+                ref = reference_attention_in_rows(q, k, v, dout, causal, scale)
                 flops = 4 * L * L * H * D * (0.5 if causal else 1.0)  # forward, B = 1
                 for name in usable:
                     b = kernels.BACKENDS[name]
@@ -181,7 +157,7 @@ def part_cp_efficiency(a) -> dict:
     sz = sizes(a.dry_run)
     H, Hkv, D = sz["cp_heads"]
     out = os.path.join(a.out, "bench_ring_attention.json")
-    cmd = [sys.executable, "tools/bench_ring_attention.py", "--simulate-ranks",
+    cmd = [sys.executable, "-m", "tools.benchmarks.bench_ring_attention", "--simulate-ranks",
            str(sz["cp_ranks"]), "--seq-len", *map(str, sz["cp_seq"]), "--heads", str(H),
            "--kv-heads", str(Hkv), "--head-dim", str(D), "--dtype", sz["cp_dtype"],
            "--device", sz["device"], "--layout", "zigzag", "--causal", "--ulysses",

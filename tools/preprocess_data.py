@@ -35,12 +35,10 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ctxpar.data.corpus import (FORMATS, CorpusError, detect_format,  # noqa: E402
+from ctxpar.data.corpus import (FORMATS, CorpusError, detect_format,
                                 find_inputs, read_documents)
-from ctxpar.data.indexed import IndexedDatasetWriter, encode_document  # noqa: E402
-from ctxpar.data.tokenizer import load_tokenizer  # noqa: E402
+from ctxpar.data.indexed import IndexedDatasetWriter, encode_document
+from ctxpar.data.tokenizer import load_tokenizer
 
 EXIT_BAD_INPUT = 2
 

@@ -45,6 +45,16 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def memory_baseline(device: torch.device) -> int:
+    """What peak_memory_bytes counts before the model exists: on CUDA the allocated bytes
+    (about 0), on CPU the current resident set (the interpreter, torch, DeepSpeed and the
+    data: no tensor the planner counts). Take it just before the model is built."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    with open("/proc/self/statm") as f:  # pages: size resident shared ...
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 class WandbError(RuntimeError):
     """wandb cannot be used as configured (missing package, no key for online mode)."""
 
@@ -117,6 +127,42 @@ class MetricsLogger:
             self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class StepMetrics:
+    """What a log line says about a step: throughput, MFU and memory, every
+    logging.log_interval steps and at the last.
+
+    peak_mem_bytes is the raw peak (CUDA: the allocator's tensor peak; CPU: the process's
+    resident set, interpreter and libraries included). peak_mem_model_bytes is that peak
+    above memory_baseline(), taken before the model was built: the figure comparable to the
+    start line's "GB per rank predicted", which counts tensors only.
+    """
+
+    def __init__(self, cfg, n_params: int, world_size: int, device: torch.device,
+                 baseline: int):
+        m = cfg.model
+        self.steps, self.interval = cfg.train.steps, cfg.logging.log_interval
+        self.tokens_per_step = cfg.train.global_batch_size * m.seq_len
+        self.flops_per_step = flops_per_token(n_params, m.n_layers, m.d_model,
+                                              m.seq_len) * self.tokens_per_step
+        self.world_size, self.device, self.baseline = world_size, device, baseline
+        self.peak_tflops = device_peak_tflops(device)
+
+    def should_log(self, step: int) -> bool:
+        return step % self.interval == 0 or step == self.steps
+
+    def record(self, step: int, loss: float, lr: float, grad_norm: Optional[float],
+               dt: float) -> Dict[str, Any]:
+        """One metrics.jsonl line for a step that took dt seconds."""
+        tflops = self.flops_per_step / dt / self.world_size / 1e12
+        peak = peak_memory_bytes(self.device)
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "tokens": step * self.tokens_per_step,
+                "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+                "tflops_per_device": tflops,
+                "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+                "peak_mem_bytes": peak, "peak_mem_model_bytes": max(0, peak - self.baseline)}
 
 
 class StepTimer:

@@ -112,6 +112,9 @@ class TrainConfig:
     """Steps between evaluations (0 = only at the end)."""
     eval_samples: int = 32
     """Samples per evaluation."""
+    eval_at_start: bool = False
+    """Also evaluate before the first step (at step 0, or at the step a resume starts from),
+    so a run from model.init_from or a checkpoint shows what the model could do before it."""
 
 
 @dataclass

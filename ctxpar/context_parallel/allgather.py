@@ -69,10 +69,11 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, ke
     rows = QueryRows(dout, q, out, lse)
     for src, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
                                             mask):
-        qs, ks, (gq, gk, gv) = backward_block(kernel, rows, slot[0], slot[1], blk, scale, b)
-        dq[b, qs] += gq
-        dkv[src, 0, b, ks] += gk
-        dkv[src, 1, b, ks] += gv
+        qs, ks, g = backward_block(kernel, rows, slot[0], slot[1], blk, scale, b)
+        dq[b, qs] += g[0]
+        dkv[src, 0, b, ks] += g[1]
+        dkv[src, 1, b, ks] += g[2]
+        g = None  # this block's gradients go before the next block's are made
     dkv = reduce_scatter(dkv, group, "bwd")                        # (2, B, S, Hkv, D) fp32
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 

@@ -154,6 +154,7 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
         for b, ks, g in grads:
             dkv[0, b, ks] += g[1]
             dkv[1, b, ks] += g[2]
+        grads = g = None  # this step's block gradients go before the next step's are made
         if dkv_comm:
             if not exact:  # the previous send completed with the wait above
                 dkv_send.copy_(dkv)

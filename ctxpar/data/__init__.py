@@ -1,8 +1,7 @@
 """Data: the passkey task, .bin/.idx token files, and the DP/CP-aware sample stream."""
 from .indexed import DataError, IndexedDataset, IndexedDatasetWriter
 from .loader import SampleStream, TokenWindows, build_source, shard_batch
-from .pipeline import (Data, ShardedStream, build_data, build_sample_stream, evaluate,
-                       vocab_parallel_argmax)
+from .pipeline import Data, ShardedStream, build_data, build_sample_stream
 from .passkey import IGNORE_INDEX, PasskeyTask, passkey_accuracy, passkey_correct
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -10,6 +9,5 @@ __all__ = [
     "ByteTokenizer", "Data", "DataError", "HFTokenizer", "IGNORE_INDEX", "IndexedDataset",
     "IndexedDatasetWriter", "PasskeyTask", "SampleStream", "TokenWindows",
     "build_sample_stream", "build_source", "load_tokenizer", "passkey_accuracy",
-    "passkey_correct", "evaluate", "shard_batch", "ShardedStream", "build_data",
-    "vocab_parallel_argmax",
+    "passkey_correct", "shard_batch", "ShardedStream", "build_data",
 ]

@@ -1,24 +1,20 @@
-"""What train.py needs from the data side: per-rank device batches and the passkey eval.
+"""What train.py needs from the data side: per-rank device batches of train and eval data.
 
     data = build_data(cfg)                  # file checks only, no collectives (DataError)
     stream = data.train_stream(state)       # this DP rank's samples, this CP rank's tokens
     mb = stream.next_microbatch(device)     # tokens, labels (B, T/cp); positions (T/cp,)
     client_state["data"] = stream.state_dict(); ... stream.load_state_dict(client["data"])
     if data.has_eval:                       # passkey: always; tokens: a held-out split
-        evaluate(model, data, state, device)  # {"eval_loss", "eval_samples", "eval_accuracy"
-                                              #  (passkey) or "eval_ppl" (tokens)}
+        eval_mb = data.eval_stream(state).next_microbatch(device)  # components/evaluation.py
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Dict, Optional
+from typing import Dict
 
 import torch
-import torch.distributed as dist
 
 from .indexed import DataError
 from .loader import SampleStream, build_source, shard_batch
-from .passkey import IGNORE_INDEX, passkey_correct
 
 
 class ShardedStream:
@@ -112,74 +108,3 @@ def build_sample_stream(cfg, dp_rank: int = 0, dp_size: int = 1,
                         split: str = "train") -> SampleStream:
     """One DP rank's unsharded stream for a Config (file reads only, no collectives)."""
     return build_data(cfg).samples(split, dp_rank, dp_size)
-
-
-@torch.no_grad()
-def vocab_parallel_argmax(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """argmax over a vocabulary split by TP: (..., V/tp) -> (...) global ids, first max wins."""
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return logits.argmax(dim=-1)
-    local_max, local_idx = logits.float().max(dim=-1)
-    ids = local_idx + dist.get_rank(tp_group) * logits.shape[-1]  # rank r holds [r*V/tp, ...)
-    best = local_max.clone()
-    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=tp_group)
-    ids = torch.where(local_max == best, ids, torch.full_like(ids, torch.iinfo(ids.dtype).max))
-    dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=tp_group)  # lowest id among the maxima
-    return ids
-
-
-@torch.no_grad()
-def evaluate(model, data: Data, state, device=None,
-             forward: Optional[Callable] = None) -> Dict[str, float]:
-    """Loss over train.eval_samples held-out samples, and the passkey accuracy on passkey data.
-
-    Returns eval_loss (mean over every labelled token: the answer digits for passkey, all
-    tokens for text), eval_samples, and eval_accuracy (passkey: exact match of the key) or
-    eval_ppl (tokens: exp(eval_loss)). model(tokens, positions) must return vocab-parallel
-    logits (B, T/cp, V/tp) (models.gpt does), or ``forward(mb)`` returns them for a
-    micro-batch dict, and None on pipeline stages without the head
-    (models.gpt_pipe.pipeline_logits). Collective over the whole grid: every rank must call
-    it. The sample count is rounded up to whole micro-batches of all DP ranks.
-    """
-    from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-
-    cfg = data.cfg
-    per_step = cfg.train.micro_batch_size * state.dp_size
-    n_micro = max(1, math.ceil(cfg.train.eval_samples / per_step))
-    stream = data.eval_stream(state)  # DataError without held-out data, before any change
-    was_training = model.training
-    model.eval()
-    # [correct samples (passkey), loss sum, labelled tokens] on this rank, summed below
-    passkey = cfg.data.kind == "passkey"
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for _ in range(n_micro):
-        mb = stream.next_microbatch(device)
-        # (B, T/cp, V/tp), or None on a pipeline stage before the last (that one counts)
-        docs = {"cu_seqlens": mb["cu_seqlens"]} if "cu_seqlens" in mb else {}
-        logits = forward(mb) if forward else model(mb["tokens"], mb["positions"], **docs)
-        if logits is None:
-            continue
-        if passkey:
-            preds = vocab_parallel_argmax(logits, state.tp_group)           # (B, T/cp)
-            correct = passkey_correct(preds, mb["labels"], state.cp_group)  # (B,), same on CP
-            totals[0] += correct.sum()
-        losses = vocab_parallel_cross_entropy(logits, mb["labels"], state.tp_group)
-        totals[1] += losses.sum()  # 0 at ignored positions
-        totals[2] += (mb["labels"] != IGNORE_INDEX).sum()
-    model.train(was_training)
-    # Correct counts are per sample, identical over CP: sum them over DP only. Losses and
-    # token counts are per position: sum over DP x CP.
-    # The groups are per pipeline stage: the last stage's sums go to every stage after.
-    correct, loss_tok = totals[:1].clone(), totals[1:].clone()
-    if state.dp_size > 1:
-        dist.all_reduce(correct, group=state.dp_group)
-    if state.dp_cp_size > 1:
-        dist.all_reduce(loss_tok, group=state.dp_cp_group)
-    if state.pp_size > 1:
-        for t in (correct, loss_tok):
-            dist.broadcast(t, src=state.ranks("pp")[-1], group=state.pp_group)
-    n = n_micro * per_step
-    loss = loss_tok[0].item() / max(loss_tok[1].item(), 1.0)
-    if passkey:
-        return {"eval_loss": loss, "eval_accuracy": correct.item() / n, "eval_samples": n}
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_samples": n}

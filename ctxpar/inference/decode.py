@@ -93,6 +93,6 @@ def decode_bytes_per_step(n_layers: int, batch: int, heads: int, head_dim: int,
     """Bytes each rank receives per decode step: per layer P - 1 partials of B*H*(D+1) fp32.
 
     heads: query heads on this rank (n_heads / tp). The formula the measurement is
-    checked against (tests/test_inference.py, tools/bench_generate.py).
+    checked against (tests/test_inference.py, tools/benchmarks/bench_generate.py).
     """
     return n_layers * (cp - 1) * batch * heads * (head_dim + 1) * 4

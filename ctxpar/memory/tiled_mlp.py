@@ -7,7 +7,8 @@ autograd Function that keeps only its input x (N, d) for backward:
     forward    per tile, under no_grad: h_t = act(x_t W_g^T + b_g) * (x_t W_u^T + b_u)
                (t, ffn/tp), then y_t = h_t W_d^T (t, d) written into one (N, d) buffer
     backward   per tile, with grad: recompute h_t and y_t, backpropagate dY_t; dx_t goes
-               into one (N, d) buffer, the weights' grads add up over the tiles
+               into one (N, d) buffer, each weight's tile gradient is added to that
+               weight's sum as soon as autograd makes it (a post-accumulate-grad hook)
 
 so memory holds one tile's t * ffn/tp intermediates instead of N * ffn/tp (four of them
 for SwiGLU: gate, up, silu(gate), product). The price is one more MLP forward in
@@ -48,25 +49,25 @@ import torch.nn.functional as F
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 HALF = (torch.float16, torch.bfloat16)
+TILE_FLOOR = 512  # fewest tokens an 'auto' tile gets, unless the input is shorter
 
 
 def mlp_tile_tokens(tokens: int, d_model: int, ffn_per_rank: int,
                     setting: Union[int, str] = "auto") -> int:
     """Tokens per tile for an MLP over ``tokens`` (B * T/cp) tokens; the last tile may be short.
 
-    'auto': n = ceil(ffn_per_rank / d_model) equal tiles, so one tile's (t, ffn/tp)
-    intermediate has at most as many elements as the (N, d) block input (t * f <= N * d)
-    and the MLP never holds more than a few block inputs' worth. Where ffn/tp <= d (a wide
-    TP split) that is one tile: the Function still keeps only x for backward. ALST's rule
-    (tiles of d tokens) would tile finer at long context (t * f = d * f, independent of
-    N) for many more, smaller matmuls; this one keeps the matmuls at N / n rows.
+    'auto': ALST's budget, tiles of about d tokens (its ceil(T / d) shards), so one tile's
+    (t, ffn/tp) intermediate is about one MLP weight's size whatever the context length;
+    but at least TILE_FLOOR tokens, where each of the tile's matmuls still does enough
+    work per weight byte it reads (docs/memory.md, "Tile sizes"); the tiles are equal,
+    ceil(tokens / max(d, TILE_FLOOR)) of them, and one when the input is that short.
     An integer is used as given (capped at ``tokens``).
     """
     if tokens < 1:
         return 1
     if setting != "auto":
         return max(1, min(int(setting), tokens))
-    n_tiles = max(1, -(-ffn_per_rank // d_model))
+    n_tiles = -(-tokens // max(d_model, TILE_FLOOR))
     return -(-tokens // n_tiles)
 
 
@@ -127,20 +128,31 @@ class TiledMLP(torch.autograd.Function):
                   for i, w in enumerate(ctx.weights)]
         wanted = [w for w in leaves if w is not None and w.requires_grad]
         sums: List[Optional[torch.Tensor]] = [None] * len(wanted)  # over tiles
+
+        def add_to_sum(i):
+            # Runs as soon as a tile's gradient of weight i is made, before the tile's next
+            # weight gradient: one tile product alive at a time, beside the sums. 16-bit
+            # weights: the tiles summed in fp32, as one GEMM would.
+            def hook(leaf):
+                g, leaf.grad = leaf.grad, None
+                if sums[i] is None:
+                    sums[i] = g.float() if g.dtype in HALF else g
+                else:
+                    sums[i].add_(g)
+            return hook
+
+        hooks = [w.register_post_accumulate_grad_hook(add_to_sum(i)) for i, w in enumerate(wanted)]
         dx = torch.empty_like(x2) if need_dx else None
         for s, n in tile_spans(x2.shape[0], ctx.tile):
             xt = x2[s:s + n].detach().requires_grad_(need_dx)
             with torch.enable_grad():
                 yt = _partial_out(xt, *leaves)
             torch.autograd.backward(yt, dy[s:s + n], inputs=([xt] if need_dx else []) + wanted)
+            del yt
             if need_dx:
                 dx[s:s + n].copy_(xt.grad)
-            for i, w in enumerate(wanted):
-                if sums[i] is None:  # 16-bit weights: tiles summed in fp32, as one GEMM would
-                    sums[i] = w.grad.float() if w.grad.dtype in HALF else w.grad
-                else:
-                    sums[i].add_(w.grad)
-                w.grad = None
+        for h in hooks:
+            h.remove()
         if need_dx and tp_size_of(ctx.group) > 1:
             dist.all_reduce(dx, group=ctx.group)  # f's backward, once per layer
         summed = iter(sums)

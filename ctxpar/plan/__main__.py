@@ -12,9 +12,9 @@ import sys
 from ..config import ConfigError, load_config
 from .cluster import Cluster, PlanError, gpu_preset
 from .layout import apply_layout
-from .longest import OPTIONS, PATTERNS, Allowed, search_longest, with_seq_len
+from .longest import OPTIONS, PATTERNS, Allowed, merge_tiles, search_longest, with_seq_len
 from .report import explain, memory_lines, merge_ties, plot, table, what_frees, write_config
-from .search import config_options, evaluate, nothing_fits, search
+from .search import MEMORY_MARGIN, config_options, evaluate, nothing_fits, search
 from .startup import own_layout
 
 
@@ -64,7 +64,8 @@ def main(argv=None) -> int:
         plans = search(cfg, cluster)
         fitting = [p for p in plans if p.fits]
         if not fitting:
-            raise PlanError(nothing_fits(plans, cluster))
+            off = [k for k, on in config_options(cfg).items() if not on]
+            raise PlanError(nothing_fits(plans, cluster, off))
         rows = merge_ties(fitting)  # a row: layouts that differ only in ZeRO / token layout
         k = a.explain or 1
         if not 1 <= k <= len(rows):
@@ -78,7 +79,9 @@ def main(argv=None) -> int:
           f"{cluster.nodes} x {cluster.gpus_per_node} {g.name} ({g.flops / 1e12:.0f} "
           f"TFLOP/s, {g.memory / 1e9:.0f} GB, NVLink {g.nvlink / 1e9:.0f} GB/s, network "
           f"{g.network / 1e9:.0f} GB/s per direction); {len(plans)} valid layouts, "
-          f"{len(fitting)} fit\n")
+          f"{len(fitting)} fit, in {len(rows)} rows (layouts that differ only in ZeRO stage "
+          f"or token layout and predict the same memory and step time share a row: "
+          f"'z1,z2', 'ring/zigzag,striped')\n")
     print(table(rows, cluster, a.top))
     own = own_layout(cfg, cluster.world)
     if own.world == cluster.world:
@@ -88,14 +91,14 @@ def main(argv=None) -> int:
         print(f"\nthe config's own layout: {mine.layout.name()}: "
               f"{mine.memory.peak / 1e9:.1f} GB, {mine.tokens_per_s_per_gpu:,.0f} tokens/s "
               f"per GPU, MFU {100 * mine.mfu:.1f}%"
-              + (f" (row {rank} of {len(rows)})" if rank else
+              + (f" (row {rank} of {len(rows)} rows)" if rank else
                  ("" if mine.fits else " (does not fit)")))
     if a.explain:
         print("\n" + explain(rows[k - 1][0], cluster))
     if a.write:
         print(f"\nwrote {write_config(cfg, rows[k - 1][0], a.write)}")
     if a.plot:
-        print(f"plotted {plot([g[0] for g in rows], a.plot)}")
+        print(f"plotted {plot([g[0] for g in rows], a.plot, cluster)}")
     return 0
 
 
@@ -127,17 +130,24 @@ def allowed_from(a) -> Allowed:
 
 def longest_main(cfg, cluster: Cluster, a) -> int:
     """--max-seq-len: the table of the longest layouts, the best one's memory, the line."""
-    rows = search_longest(cfg, cluster, allowed_from(a))
+    allowed = allowed_from(a)
+    rows = merge_tiles(search_longest(cfg, cluster, allowed))
     if not rows:
+        left_out = [k for k in OPTIONS if k not in allowed.options]
+        host = ("; --host-memory for the offloads" if cluster.gpu.host_memory <= 0
+                and {"offload_activations", "offload_optimizer"} - set(left_out) else "")
         raise PlanError(f"nothing fits at any model.seq_len on {cluster.nodes} x "
                         f"{cluster.gpus_per_node} {cluster.gpu.name}: the model state alone "
-                        f"exceeds {0.9 * cluster.gpu.memory / 1e9:.0f} GB per GPU; more GPUs, "
-                        f"a larger GPU or optimizer offload")
+                        f"exceeds {MEMORY_MARGIN * cluster.gpu.memory / 1e9:.0f} GB per GPU; "
+                        f"more GPUs (--nodes {cluster.nodes * 2}), a larger GPU"
+                        + (f", or the options --options leaves out ({', '.join(left_out)})"
+                           if left_out else "") + host)
     g = cluster.gpu
     print(f"{cfg.source}: {cfg.model.n_layers} layers, d {cfg.model.d_model}, vocab "
           f"{cfg.model.vocab_size:,}, global batch {cfg.train.global_batch_size} on "
           f"{cluster.nodes} x {cluster.gpus_per_node} {g.name} ({g.memory / 1e9:.0f} GB, host "
-          f"{g.host_memory / 1e9:,.0f} GB per node); {len(rows)} layouts fit at some length\n")
+          f"{g.host_memory / 1e9:,.0f} GB per node); {len(rows)} layouts fit at some length "
+          f"(a layout whose tile sizes reach the same length once, with the least memory)\n")
     print("| # | layout | longest seq_len | memory/GPU | peak phase | host/node |")
     print("|---:|---|---:|---:|---|---:|")
     for i, (n, lay, m) in enumerate(rows[:a.top], 1):

@@ -39,17 +39,20 @@ class GPU:
     overhead: float = 0.0
     host_memory: float = 2e12   # bytes of host memory per node (offloads)
     kind: str = "cuda"          # 'cuda': buckets count whole; 'cpu': only touched pages
+    pcie: float = 25e9          # bytes/s per direction between a GPU and its host (offloads)
+    host_adam: float = 1e9      # parameters/s the node's CPU Adam steps (optimizer offload)
 
 
 GPUS: Dict[str, GPU] = {
-    "h100": GPU("h100", 989e12, 80e9, 450e9, 50e9, host_memory=2e12),
-    "h200": GPU("h200", 989e12, 141e9, 450e9, 50e9, host_memory=2e12),
-    "a100": GPU("a100", 312e12, 80e9, 300e9, 25e9, host_memory=2e12),
-    "b200": GPU("b200", 2250e12, 180e9, 900e9, 50e9, host_memory=2e12),
+    # pcie: what a PCIe Gen5 (Gen4 for the A100) x16 link moves per direction in practice.
+    "h100": GPU("h100", 989e12, 80e9, 450e9, 50e9, host_memory=2e12, pcie=50e9),
+    "h200": GPU("h200", 989e12, 141e9, 450e9, 50e9, host_memory=2e12, pcie=50e9),
+    "a100": GPU("a100", 312e12, 80e9, 300e9, 25e9, host_memory=2e12, pcie=25e9),
+    "b200": GPU("b200", 2250e12, 180e9, 900e9, 50e9, host_memory=2e12, pcie=50e9),
     # This project's 2-core CPU machine, one core per rank: the per-core FLOP/s and the
     # per-layer overhead at which the time model (with MM_EFF, ATTN_EFF) best matches
     # train.py's measured steps (14 layouts of a compute-bound and an overhead-bound
-    # model, two runs; tools/bench_plan_calibration.py, docs/planner.md); gloo on
+    # model, two runs; tools/benchmarks/bench_plan_calibration.py, docs/planner.md); gloo on
     # one machine ~ 1 GB/s; detect() shares the cores when ranks outnumber them.
     "cpu": GPU("cpu", 113e9, 12e9, 1e9, 1e9, overhead=0.026, host_memory=24e9, kind="cpu"),
 }

@@ -4,7 +4,7 @@ Shapes per rank (models/gpt.py): N = micro_batch * T/cp tokens, h = H/tp query h
 hk = Hkv/tp kv heads (1, replicated, when Hkv < tp), f = ffn/tp MLP columns, V/tp vocab
 rows; e = the activations' element size (2 bf16, 4 fp32). Each formula is checked against
 the code: parameters against the TP layers' shapes, activations against autograd's saved
-tensors (tools/bench_activation_memory.py), CP bytes against cp_stats() (tests/test_plan.py
+tensors (tools/benchmarks/bench_activation_memory.py), CP bytes against cp_stats() (tests/test_plan.py
 and tests/test_context_parallel.py).
 """
 from __future__ import annotations
@@ -199,8 +199,8 @@ def activations(m: ModelConfig, lay: Layout, e: int, layers: int = None, first: 
         head += norm_saved(s, e, m.norm, device)            # final norm
         # the fp32 softmax (tiled: loss and lse per token), labels, the ignore masks (and,
         # split over TP, the vocab range's)
-        if tiled_loss:  # labels (int64) and the fp32 log-sum-exp (tiled_loss.py)
-            head += 12 * s.N
+        if tiled_loss:  # dx (N, d) and the fp32 dW (V/tp, d), made in forward (tiled_loss.py)
+            head += s.N * s.d * e + 4 * s.V * s.d
         else:
             head += 4 * s.N * s.V + 8 * s.N + (3 if s.tp > 1 else 2) * s.N
     return Activations(per, embed, head)

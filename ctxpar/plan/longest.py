@@ -37,8 +37,9 @@ def with_seq_len(cfg: Config, seq_len: int) -> Config:
 
 
 def unit(lay: Layout) -> int:
-    """seq_len must be a multiple of this (the CP layout's chunks)."""
-    return num_chunks(lay.cp, lay.layout) if lay.cp > 1 else 1
+    """seq_len must be a multiple of this: the CP layout's chunks, config.validate's rule,
+    which holds at cp 1 too (zigzag: 2)."""
+    return num_chunks(lay.cp, lay.layout)
 
 
 OPTIONS = ("tiled_loss", "tiled_mlp", "offload_activations", "offload_optimizer")
@@ -64,11 +65,11 @@ def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> L
     oas = (False, True) if "offload_activations" in opt and offl else (False,)
     oos = (False, True) if "offload_optimizer" in opt and offl else (False,)
     tl, tm = "tiled_loss" in opt, "tiled_mlp" in opt
-    # the MLP's tile: the config's (tiled_mlp.py's 'auto': ffn/tp / d equal tiles) and
-    # ALST's d_model tokens, smaller at long context
+    # the MLP's tile: the config's (tiled_mlp.py's 'auto': equal tiles of max(d, 512)
+    # tokens) and d_model tokens, smaller where d < 512
     tiles = (0, cfg.model.d_model) if tm and cfg.memory.mlp_tile_tokens == "auto" else (0,)
     # the loss's: tiled_loss.py's 'auto' (Liger's, a power of two: up to twice the hidden
-    # states' size) and d_model tokens
+    # states' size; at least 512 tokens) and d_model tokens
     loss_tiles = (0, cfg.model.d_model) if tl and cfg.memory.loss_tile_tokens == "auto" \
         else (0,)
     for tp in divisors(cluster.gpus_per_node):
@@ -166,4 +167,17 @@ def search_longest(cfg: Config, cluster: Cluster,
         if n:
             out.append((n, lay, m))
     out.sort(key=lambda r: (-r[0], r[2].peak))
+    return out
+
+
+def merge_tiles(rows: List[Tuple[int, Layout, Memory]]) -> List[Tuple[int, Layout, Memory]]:
+    """search_longest's rows with one per layout and length: the tiles that reach the same
+    seq_len as another tile size of the same layout are left out (the first, the least
+    memory, stays)."""
+    seen, out = set(), []
+    for n, lay, m in rows:
+        key = (n, dataclasses.replace(lay, mlp_tile=0, loss_tile=0))
+        if key not in seen:
+            seen.add(key)
+            out.append((n, lay, m))
     return out

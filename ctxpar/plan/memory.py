@@ -166,7 +166,10 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
     attn_b = transients.attention_backward(s, lay, e)
     mlp_p = counts.layer_params(m, lay.tp) - counts.qkv_params(m, lay.tp) - \
         (s.h * s.hd * s.d + int(m.bias) * s.d) - s.d  # the MLP's weights (o_proj, norm2 off)
-    mlp_b = transients.mlp_backward(s, swiglu, e, mlp_tile, mlp_p)
+    down = counts.down_proj_params(m, lay.tp)
+    mlp_b = max(transients.mlp_backward(s, swiglu, e, mlp_tile, mlp_p, down),
+                transients.after_mlp_backward(s, e, m.norm, device,
+                                              (mlp_p - (0 if mlp_tile else down)) * e))
 
     phases = []
     # forward: the last block's working set, or the loss
@@ -189,7 +192,6 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
     tied = m.tie_embeddings and lay.pp == 1
     pending = head_p * e if tied else 0.0
     head_grads = 0 if tied else head_p
-    down = counts.down_proj_params(m, lay.tp)
     if last:
         phases.append(Phase("backward (loss)", {
             **base, **grads(head_grads / psi),
@@ -206,7 +208,8 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: i
         freed, the block's gradients but q/k/v's produced, the attention's buffers and
         dout)."""
         rec = transients.recompute(s, lay, e, modes[i], mlp_saved, norm)
-        mlp_pt = {**base, **grads((above + down) / psi),
+        made = 0 if mlp_tile else down  # a tiled MLP's gradients are in its working set
+        mlp_pt = {**base, **grads((above + made) / psi),
                   "activations": below + act.embed + act.layers[i], "recompute": rec,
                   "layer working set": mlp_b, "activation grads": s.N * s.d * e + pending}
         own = act.layers[i] - (mlp_part if modes[i] == "none" else 0.0)

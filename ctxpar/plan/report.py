@@ -10,7 +10,7 @@ from typing import List
 from ..config import to_dict
 from .cluster import Cluster
 from .layout import apply_layout
-from .search import Plan
+from .search import MEMORY_MARGIN, Plan
 
 GB = 1e9
 
@@ -139,36 +139,58 @@ def write_config(cfg, plan: Plan, path: str) -> str:
     return path
 
 
-def plot(plans: List[Plan], path: str, top: int = 8) -> str:
-    """Stacked bars: memory by kind and step time by term, for the top layouts."""
+def plot(plans: List[Plan], path: str, cluster: Cluster, top: int = 8) -> str:
+    """The top layouts' memory and step time as a PNG at path (plot_figure)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plans = plans[:top]
+    fig = plot_figure(plans[:top], cluster)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_figure(plans: List[Plan], cluster: Cluster):
+    """Stacked bars: memory by kind and step time by term, with the device's memory and
+    the planned fraction of it as lines; the layouts' names below."""
+    import matplotlib.pyplot as plt
+
     names = [f"#{i}" for i in range(1, len(plans) + 1)]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    bottom = [0.0] * len(plans)
     keys = list(dict.fromkeys(k for p in plans for k in p.memory.as_dict()))
-    for k in keys:
+    # one colour per term: tab20 has 20, more than the memory model's terms
+    colours = plt.get_cmap("tab20").colors
+    text_in = 0.2 + 0.17 * len(plans)  # inches of layout names under the plots
+    height = 4.2 + text_in
+    low, high = (text_in + 0.5) / height, 1 - 0.4 / height
+    fig = plt.figure(figsize=(13, height))
+    ax1 = fig.add_axes((0.05, low, 0.36, high - low))
+    ax2 = fig.add_axes((0.62, low, 0.36, high - low))
+    bottom = [0.0] * len(plans)
+    for i, k in enumerate(keys):
         vals = [p.memory.as_dict().get(k, 0.0) / GB for p in plans]
-        ax1.bar(names, vals, bottom=bottom, label=k)
+        ax1.bar(names, vals, bottom=bottom, label=k, color=colours[i % len(colours)])
         bottom = [b + v for b, v in zip(bottom, vals)]
+    device = cluster.gpu.memory / GB
+    ax1.axhline(device, color="black", linewidth=1.2,
+                label=f"device memory ({device:.0f} GB)")
+    ax1.axhline(MEMORY_MARGIN * device, color="black", linestyle="--", linewidth=1.0,
+                label=f"planned ({100 * MEMORY_MARGIN:.0f}%: {MEMORY_MARGIN * device:.0f} GB)")
+    ax1.set_ylim(0, 1.08 * max([device, *bottom]))
     ax1.set_ylabel("GB per GPU")
     ax1.set_title("memory at each layout's peak phase")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     bottom = [0.0] * len(plans)
     for k, label in (("compute", "compute"), ("overhead", "overhead"), ("tp", "TP"),
                      ("cp_exposed", "CP exposed"), ("bubble", "bubble"), ("dp", "DP")):
         vals = [getattr(p.time, k) for p in plans]
         ax2.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_ylim(0, 1.08 * max(bottom))
     ax2.set_ylabel("seconds per step")
     ax2.set_title("step time")
-    ax2.legend(fontsize=7)
-    fig.text(0.01, 0.01, "  ".join(f"#{i}: {p.layout.name()}"
-                                   for i, p in enumerate(plans, 1)), fontsize=6, wrap=True)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    ax2.legend(fontsize=7, loc="lower right")
+    fig.text(0.05, 0.1 / height,
+             "\n".join(f"#{i}: {p.layout.name()}" for i, p in enumerate(plans, 1)),
+             fontsize=9, family="monospace", va="bottom")
+    return fig

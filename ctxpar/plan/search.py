@@ -11,7 +11,7 @@ judge of validity: a layout the trainer would refuse is never proposed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
 from ..components.metrics import flops_per_token
@@ -126,9 +126,16 @@ def search(cfg: Config, cluster: Cluster, top: Optional[int] = None, **eff) -> L
     return plans[:top] if top else plans
 
 
-def nothing_fits(plans: List[Plan], cluster: Cluster) -> str:
+# A memory option's config key, as a user would set it.
+OPTION_KEYS = {"tiled_loss": "memory.tiled_loss", "tiled_mlp": "memory.tiled_mlp",
+               "offload_activations": "memory.offload_activations",
+               "offload_optimizer": "zero_optimization.offload_optimizer"}
+
+
+def nothing_fits(plans: List[Plan], cluster: Cluster, off: Sequence[str] = ()) -> str:
     """One line: the smallest shortfall and what would close it (the device's, or the
-    host's when every layout that fits the device offloads more than the host holds)."""
+    host's when every layout that fits the device offloads more than the host holds);
+    off: the memory options the config leaves off, named as remedies."""
     device_ok = [p for p in plans if p.memory.peak <= MEMORY_MARGIN * cluster.gpu.memory]
     if device_ok:
         best = min(device_ok, key=lambda p: p.memory.host_total)
@@ -143,4 +150,7 @@ def nothing_fits(plans: List[Plan], cluster: Cluster) -> str:
     return (f"nothing fits in {cluster.gpu.memory / 1e9:.0f} GB per GPU: the smallest "
             f"layout ({best.layout.name()}) needs {need / 1e9:.1f} GB "
             f"({short / 1e9:.1f} GB short, {best.memory.peak_phase}); more GPUs "
-            f"(--nodes {cluster.nodes * 2}), a larger GPU, or a shorter model.seq_len")
+            f"(--nodes {cluster.nodes * 2}), a larger GPU, "
+            + (f"the memory options ({', '.join(OPTION_KEYS[k] for k in off)}), " if off
+               else "")
+            + "or a shorter model.seq_len (--max-seq-len finds the longest that fits)")

@@ -86,7 +86,8 @@ def startup_report(cfg: Config, gpu: Optional[GPU], how: str, nodes: int,
     plan = evaluate(cfg, lay, cluster)
     mem = plan.memory
     line = (f"plan: {lay.name()} on {nodes} x {per_node} ranks: {mem.peak / 1e9:.2f} GB "
-            f"per rank predicted (peak in the {mem.peak_phase})")
+            f"per rank predicted (tensors, as metrics.jsonl's peak_mem_model_bytes; peak "
+            f"in the {mem.peak_phase})")
     if known:
         line += (f", {plan.tokens_per_s_per_gpu * lay.world:,.0f} tokens/s "
                  f"({plan.tokens_per_s_per_gpu:,.0f} per rank, MFU "

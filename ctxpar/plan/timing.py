@@ -16,9 +16,18 @@ Per micro-batch and pipeline stage (the most loaded rank):
   compute and exposes only max(0, transfer - compute) per step (seed 004's C >= F/B,
   generalised below); all-gather hides its gather behind the local block only; Ulysses'
   all-to-alls wait for nobody and hide behind nothing; hybrid is both;
+- the memory options (docs/memory.md): the tiled loss makes its gradients in forward, three
+  head matmuls per tile as untiled at TP 1, four at TP > 1 (the logits again once the
+  log-sum-exp over TP is known); the tiled MLP runs its forward again in backward (2 FLOPs
+  per MLP parameter per token); activation offload copies each layer's saved activations
+  to the host in forward and back in backward over ``pcie``: on CUDA on side streams,
+  exposed only where a layer's copy outlasts the layer's compute, on CPU not overlapped;
 then the pipeline (1F1B: (m + pp - 1) micro-batch slots for m micro-batches) and the data
 parallel reduction of the gradients over dp x cp (all-reduce, or ZeRO's reduce-scatter +
-all-gather, twice the parameters' all-gathers under ZeRO-3), not overlapped.
+all-gather, twice the parameters' all-gathers under ZeRO-3), not overlapped; optimizer
+offload adds, per step, the gradient partition's copy to the host (fp32) and the
+parameters' back (psi/D each) over ``pcie`` and the host's Adam over every GPU's
+partition of the node at ``host_adam`` parameters/s.
 
 Generalised threshold: a ring step carries C = T/r tokens of K,V (r ring ranks) at Hkv/tp
 heads. It computes c * C^2 pairs (c = 1 for contiguous's full blocks, 1/2 for zigzag's half
@@ -53,6 +62,7 @@ class StepTime:
     dp: float
     micro_batches: int
     overhead: float = 0.0               # the device's per-layer, per-micro-batch cost
+    offload: float = 0.0                # offload copies not hidden, and the host's Adam
     ring_chunk: int = 0                 # C, tokens per ring step
     thresholds: Dict[str, float] = field(default_factory=dict)  # C* fwd / bwd
     cp_link: str = ""
@@ -60,13 +70,14 @@ class StepTime:
     @property
     def total(self) -> float:
         return self.compute + self.overhead + self.tp + self.cp_exposed + self.bubble \
-            + self.dp
+            + self.dp + self.offload
 
     def bottleneck(self) -> str:
         parts = {"compute": self.compute, "per-op overhead": self.overhead,
                  "TP all-reduces": self.tp,
                  f"CP traffic not hidden ({self.cp_link})": self.cp_exposed,
-                 "pipeline bubble": self.bubble, "DP gradient reduction": self.dp}
+                 "pipeline bubble": self.bubble, "DP gradient reduction": self.dp,
+                 "offload copies and host Adam": self.offload}
         name, t = max(parts.items(), key=lambda kv: kv[1])
         return f"{name} ({100 * t / self.total:.0f}%)"
 
@@ -103,7 +114,10 @@ def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
     # Compute of one micro-batch on the busiest stage.
     psi = max(counts.stage_params(m, lay.tp, lay.pp, st) for st in {0, lay.pp - 1})
     head = 2 * s.N * m.d_model * s.V  # logits matmul (not a lookup, unlike the embedding)
-    mm = (2 * s.N * layers * counts.layer_params(m, lay.tp)) * (3 + replay) + 3 * head
+    mlp_p = (3 if m.mlp == "swiglu" else 2) * s.d * s.f  # the MLP's weights on a rank
+    mm = (2 * s.N * layers * counts.layer_params(m, lay.tp)) * (3 + replay) \
+        + (4 if lay.tiled_loss and lay.tp > 1 else 3) * head \
+        + (2 * s.N * layers * mlp_p if lay.tiled_mlp else 0)  # the tiled MLP's recompute
     # Attention FLOPs (forward) of the busiest rank: head-pairs it computes.
     if lay.cp_comm == "ulysses" and lay.cp > 1:  # all T tokens of h/cp heads
         head_pairs = s.h // lay.cp * rank_pairs(m.seq_len, 1, lay.layout)
@@ -158,7 +172,17 @@ def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
             cp_exposed = cp_total
 
     overhead = layers * cluster.gpu.overhead
-    t_micro = compute + overhead + tp + cp_exposed
+    offload = 0.0
+    if lay.offload_activations and lay.activation != "none":
+        act = counts.activations(m, lay, e, layers, tiled_mlp=lay.tiled_mlp,
+                                 device=cluster.gpu.kind)
+        copy = sum(act.layers) / cluster.gpu.pcie  # one way, all layers
+        if cluster.gpu.kind == "cuda":  # side streams: hidden behind each layer's compute
+            c, f = copy / layers, compute / layers / 3  # a layer's copy; its forward
+            offload = layers * (max(0.0, c - f) + max(0.0, c - 2 * f))  # backward ~ 2 f
+        else:
+            offload = 2 * copy
+    t_micro = compute + overhead + tp + cp_exposed + offload
     bubble = (lay.pp - 1) * t_micro if lay.pp > 1 else 0.0
     # DP x CP gradient reduction (ring all-reduce / reduce-scatter + all-gather).
     D = lay.dp * lay.cp
@@ -166,7 +190,13 @@ def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
     if D > 1:
         factor = 2 * (D - 1) / D * (1.5 if lay.zero == 3 else 1.0)
         dp = factor * psi * e / cluster.link(lay.world // lay.pp)
+    step_offload = offload * micro
+    if lay.offload_optimizer:
+        part = psi / D  # this GPU's partition of the parameters
+        step_offload += part * (4 + e) / cluster.gpu.pcie \
+            + part * min(cluster.gpus_per_node, lay.world) / cluster.gpu.host_adam
     return StepTime(compute=compute * micro, overhead=overhead * micro, tp=tp * micro,
+                    offload=step_offload,
                     cp_exposed=cp_exposed * micro, cp_total=cp_total * micro, bubble=bubble, dp=dp, micro_batches=micro,
                     ring_chunk=chunk, thresholds=thr,
                     cp_link=cluster.link_name(span) if lay.cp > 1 else "-")

@@ -4,7 +4,7 @@ Per rank (counts.RankShapes): N tokens, d model width, f = ffn/tp, q = N h hd an
 kv = N hk hd elements (h, hk the heads on this rank), e the activations' element size.
 Read from the code that allocates them (ctxpar/context_parallel/*.py, models/gpt.py,
 ctxpar/tensor_parallel/cross_entropy.py, ctxpar/memory/*.py) and held to the allocator's
-live bytes on CPU (tools/bench_plan_memory.py, docs/planner.md):
+live bytes on CPU (tools/benchmarks/bench_plan_memory.py, docs/planner.md):
 
 - attention, forward: the ring's receive buffers (two K,V pairs, one for a single hop) and
   a block's output; all-gather's stacked and gathered K,V; Ulysses' all-to-all send and
@@ -13,7 +13,8 @@ live bytes on CPU (tools/bench_plan_memory.py, docs/planner.md):
   then reduce-scattered), the travelling dK,dV (ring_grad_dtype), receive buffers, a
   block's dq, dk, dv; Ulysses' all-to-alls of dout and of dq, dk, dv.
 - MLP: in a replayed (checkpointed) block's forward its four (N, f) intermediates; in
-  backward the (N, f) gradients of the SwiGLU product's two inputs.
+  backward the (N, f) gradients of the SwiGLU product's two inputs; just after it, its
+  dx beside the second norm's backward products (N, d).
 - the loss: the (N, V/tp) logits next to the fp32 softmax the loss saves (forward); the
   backward writes the gradient into that softmax (no copy in fp32).
 - a checkpointed block's backward first replays its forward: its 'none' activations (or,
@@ -75,16 +76,33 @@ def attention_backward(s: RankShapes, lay: Layout, e: int) -> float:
 
 
 def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0,
-                 mlp_params: int = 0) -> float:
+                 mlp_params: int = 0, weight: int = 0) -> float:
     """The MLP's backward: the (N, f) gradients of the SwiGLU product's two inputs; tiled
-    (ctxpar/memory/tiled_mlp.py), one tile's replayed intermediates (gate, silu, up,
-    product) and their gradients, the (N, d) dx buffer, and each tile's weight gradients
-    beside their running sum (fp32 for 16-bit weights)."""
+    (ctxpar/memory/tiled_mlp.py), its largest point over the tiles: one tile's replayed
+    intermediates (gate, silu, up, product) and their gradients, the (N, d) dx buffer, the
+    running sums of the weights' gradients (mlp_params, fp32) and the one tile gradient
+    being added to them (the Function adds each as soon as it is made: one weight's,
+    `weight` elements, alive at a time); or, 16-bit, the end, where the sums are cast to
+    the weights' dtype beside themselves. The weights' gradients are the parameters' only
+    once the Function returns: the caller charges none of the MLP's meanwhile."""
     if not tile:
         return (2 if swiglu else 1) * s.N * s.f * e
     t = min(tile, s.N)
-    sums = mlp_params * (4 if e != 4 else 0)
-    return (6 if swiglu else 3) * t * s.f * e + s.N * s.d * e + mlp_params * e + sums
+    sums = mlp_params * 4
+    tiles = (6 if swiglu else 3) * t * s.f * e + sums + weight * e
+    cast = sums + mlp_params * e if e != 4 else 0.0
+    return s.N * s.d * e + max(tiles, cast)
+
+
+def after_mlp_backward(s: RankShapes, e: int, norm: str, device: str,
+                       mlp_grads: float) -> float:
+    """Just after the MLP's backward, at the second norm's: the MLP's dx (N, d) and the
+    norm's backward products (CPU's composite RMSNorm makes two (N, d) tensors; a fused
+    kernel or LayerNorm its dx) beside the MLP's weight gradients (mlp_grads bytes, those
+    the caller does not charge otherwise). A tiled MLP's own backward is fixed by its
+    tiles while this grows with N: at long sequences it is the block's MLP-side peak."""
+    k = 2 if norm == "rmsnorm" and device == "cpu" else 1
+    return (1 + k) * s.N * s.d * e + mlp_grads
 
 
 def mlp_forward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
@@ -125,18 +143,21 @@ def recompute(s: RankShapes, lay: Layout, e: int, mode: str, mlp_saved: float,
 
 def loss_forward(s: RankShapes, e: int, tile: int = 0) -> float:
     """At the loss: the logits (N, V/tp) beside the fp32 softmax it saves; tiled
-    (ctxpar/memory/tiled_loss.py): one tile's scratch buffer (fp32: exp in place; 16-bit:
-    the logits and their fp32 exp) and the per-token loss and lse (nothing of (N, V) saved)."""
+    (ctxpar/memory/tiled_loss.py, reduction 'sum'): one tile's scratch buffer (fp32: exp
+    in place; 16-bit: the logits and their fp32 exp) and, 16-bit, each tile's dW product
+    (V/tp, d) before it joins the fp32 sum. The dx (N, d) and fp32 dW (V/tp, d) it makes in
+    forward are held to backward with the activations (counts.activations' head)."""
     if tile:
-        return min(tile, s.N) * s.V * (4 if e == 4 else e + 4) + 8 * s.N
+        return min(tile, s.N) * s.V * (4 if e == 4 else e + 4) + (s.V * s.d * e if e != 4 else 0)
     return s.N * s.V * e
 
 
 def loss_backward(s: RankShapes, e: int, tile: int = 0) -> float:
     """The loss's backward: the gradient written into the saved fp32 softmax (16-bit: its
-    cast copy); tiled: one tile's replayed logits/gradient buffer (16-bit: with the fp32
-    dW accumulator and each tile's product)."""
+    cast copy). Tiled, nothing is computed: the held dx is scaled in place into the
+    activation gradient and, fp32, the held dW into the head's gradient, both of which the
+    phase charges already, so they come off the activations' count here (16-bit: dW's cast
+    is the charged gradient, the fp32 sum stays until it is made)."""
     if tile:
-        return min(tile, s.N) * s.V * (4 if e == 4 else e + 4) + \
-            (s.V * s.d * (4 + 2) if e != 4 else 0.0)
+        return -(s.N * s.d * e + (s.V * s.d * 4 if e == 4 else 0))
     return s.N * s.V * e if e != 4 else 0.0

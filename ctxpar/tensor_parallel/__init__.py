@@ -1,4 +1,6 @@
-"""Megatron-style tensor parallelism: f/g ops, parallel layers, vocab-parallel loss."""
+"""Megatron-style tensor parallelism: f/g ops, parallel layers, vocab-parallel loss
+and argmax."""
+from .argmax import vocab_parallel_argmax
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (
     ColumnParallelLinear,

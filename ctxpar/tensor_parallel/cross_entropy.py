@@ -11,10 +11,13 @@ Targets equal to ``ignore_index`` give loss 0 and gradient 0.
 
 The two steps are written once here (``softmax_stats``, ``softmax_grad_``) and shared with
 the tiled loss (ctxpar/memory/tiled_loss.py), which applies them one tile of tokens at a time.
+The tiled loss takes each tile's statistics on this rank's slice alone
+(``local_softmax_stats``) and combines the whole call's rows over TP at once
+(``reduce_softmax_stats``): two all-reduces per call instead of two per tile.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Tuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +75,35 @@ def softmax_stats(logits: torch.Tensor, target: torch.Tensor, group,
     z_t, sum_exp = both[0], both[1]
     loss = (torch.log(sum_exp) - z_t).masked_fill(~cols.valid, 0.0)  # (...)
     return SoftmaxStats(exp_z, sum_exp, z_max, loss, cols)
+
+
+class LocalStats(NamedTuple):
+    """One rank's statistics over its own vocabulary slice; all (...) fp32."""
+    z_max: torch.Tensor    # max of this slice's logits
+    sum_exp: torch.Tensor  # sum of exp(z - z_max) over this slice
+    z_t: torch.Tensor      # the target logit where this rank owns it, else 0
+
+
+def local_softmax_stats(logits: torch.Tensor, cols: TargetColumns) -> LocalStats:
+    """In place: fp32 logits (..., V/tp) -> exp(z - z_max) of this slice; returns the
+    slice's statistics, no communication (the caller reduces them over TP)."""
+    z_t = logits.gather(-1, cols.local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~cols.mine, 0.0)
+    z_max = logits.max(dim=-1).values
+    sum_exp = logits.sub_(z_max.unsqueeze(-1)).exp_().sum(dim=-1)
+    return LocalStats(z_max, sum_exp, z_t)
+
+
+def reduce_softmax_stats(st: LocalStats, group) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's slice statistics (...) -> (log-sum-exp over the whole vocabulary, the
+    target logit), fp32, identical on the TP ranks: an all-reduce MAX of the maxima, then
+    one SUM of the rescaled sums and the target logits together."""
+    if tp_size_of(group) == 1:
+        return st.z_max + torch.log(st.sum_exp), st.z_t
+    z_max = st.z_max.clone()
+    dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+    both = torch.stack([st.sum_exp * torch.exp(st.z_max - z_max), st.z_t])  # (2, ...)
+    dist.all_reduce(both, group=group)
+    return z_max + torch.log(both[0]), both[1]
 
 
 def softmax_grad_(softmax: torch.Tensor, cols: TargetColumns,

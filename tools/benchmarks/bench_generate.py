@@ -12,22 +12,20 @@ decode steps merged over CP). Per rank it records:
                 B * H * (D + 1) fp32 values (ctxpar/inference/decode.py)
 One untimed warmup generation (a short prompt) runs first on every rank.
 
-    python tools/bench_generate.py --seq-len 4096 8192 16384 32768 --cp 1 2 4
+    python -m tools.benchmarks.bench_generate --seq-len 4096 8192 16384 32768 --cp 1 2 4
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ctxpar.config import ModelConfig  # noqa: E402
-from ctxpar.inference import decode_bytes_per_step, generate  # noqa: E402
-from models.gpt import GPT  # noqa: E402
-from bench_ranks import save_results, spawn_ranks  # noqa: E402
+from ctxpar.config import ModelConfig
+from ctxpar.inference import decode_bytes_per_step, generate
+from ctxpar.testing import run_distributed, save_results
+from models.gpt import GPT
 
 
 def _model_config(a, n: int) -> ModelConfig:
@@ -50,7 +48,8 @@ def _rank_main(rank, world, device, a, n) -> dict:
 
 def run(a, n: int, world: int) -> dict:
     threads = a.threads or max(1, (os.cpu_count() or 1) // world)
-    ranks = spawn_ranks(_rank_main, world, a.device, threads, a, n, timeout=a.timeout)
+    ranks = run_distributed(_rank_main, world, torch.device(a.device), a, n, timeout=a.timeout,
+                            device_type=a.device, threads=threads)
     steps = ranks[0]["decode_steps"]
     prefill, decode = max(r["prefill_s"] for r in ranks), max(r["decode_s"] for r in ranks)
     formula = decode_bytes_per_step(a.layers, a.batch, a.heads, a.d_model // a.heads, world)

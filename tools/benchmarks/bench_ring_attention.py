@@ -1,9 +1,9 @@
 """Benchmark context-parallel attention, every pattern: real ranks or a simulated group.
 
 --comm picks the patterns (ring, allgather, ulysses, hybrid; default all; hybrid's inner
-degree is --ulysses). Ranks mode (default) spawns P local processes (tools/bench_ranks.py:
-gloo on CPU, NCCL on GPUs) per (n, P, pattern) and times one fwd+bwd of
-context_parallel_attention per iteration on every rank:
+degree is --ulysses). Ranks mode (default) spawns P local processes
+(ctxpar/testing/distributed.py: gloo on CPU, NCCL on GPUs) per (n, P, pattern) and times
+one fwd+bwd of context_parallel_attention per iteration on every rank:
     time        wall time per fwd+bwd (median, or --stat min, over --iters), per rank
     ideal       (one fused attention fwd+bwd over all n tokens) / P, measured in the same
                 processes, in the same iterations, under the same load: every rank runs
@@ -27,9 +27,9 @@ device (NoComm groups, no communication) and reports the decomposition efficienc
     (time of one fused attention fwd+bwd over n) / P  /  max over ranks of time(rank's work)
 i.e. what is lost to smaller kernels, LSE merges, regrouping copies and load imbalance.
 
-    python tools/bench_ring_attention.py --seq-len 8192 --world-sizes 2 --threads 1
-    python tools/bench_ring_attention.py --device cuda --dtype bf16 --seq-len 32768 131072 \\
-        --simulate-ranks 8 --heads 32 --kv-heads 8 --head-dim 128 --ulysses 8
+    python -m tools.benchmarks.bench_ring_attention --seq-len 8192 --world-sizes 2 --threads 1
+    python -m tools.benchmarks.bench_ring_attention --device cuda --dtype bf16 \\
+        --seq-len 32768 131072 --simulate-ranks 8 --heads 32 --kv-heads 8 --head-dim 128 --ulysses 8
 """
 from __future__ import annotations
 
@@ -38,16 +38,14 @@ import itertools
 import os
 import resource
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ctxpar.context_parallel import (CP_COMMS, NoComm, context_parallel_attention,  # noqa: E402
+from ctxpar.context_parallel import (CP_COMMS, NoComm, context_parallel_attention,
                                      cp_stats)
-from ctxpar.context_parallel.kernels import default_scale, get_backend  # noqa: E402
-from bench_ranks import save_results, spawn_ranks  # noqa: E402
+from ctxpar.context_parallel.kernels import default_scale, get_backend
+from ctxpar.testing import run_distributed, save_results
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATS = {"median": statistics.median, "min": min}
@@ -187,7 +185,8 @@ def _rank_main(rank, world, device, a, n, comm) -> dict:
 def run_ranks(a, n: int, world: int, comm: str) -> dict:
     # Same cores in total for every P, unless --threads says otherwise.
     threads = a.threads or max(1, (os.cpu_count() or 1) // world)
-    ranks = spawn_ranks(_rank_main, world, a.device, threads, a, n, comm, timeout=a.timeout)
+    ranks = run_distributed(_rank_main, world, torch.device(a.device), a, n, comm,
+                            timeout=a.timeout, device_type=a.device, threads=threads)
     t_max = max(r["time_s"] for r in ranks)
     ideal = statistics.mean(r["time_fused_s"] for r in ranks) / world
     return dict(mode="ranks", comm=comm, n=n, P=world, threads_per_rank=threads, clock=a.clock,

@@ -1,7 +1,7 @@
 """Packed documents under CP: per-rank balance of the masked work, and a masked ring step.
 
-    python tools/bench_documents.py balance --seq-len 32768 131072 --world 8 --samples 20
-    python tools/bench_documents.py step --seq-len 16384 --doc-len 1024 --world 2
+    python -m tools.benchmarks.bench_documents balance --seq-len 32768 131072 --world 8 --samples 20
+    python -m tools.benchmarks.bench_documents step --seq-len 16384 --doc-len 1024 --world 2
 
 balance: for document lengths drawn log-normally (mean --mean-len tokens, sigma --sigma)
 and packed into samples of n tokens (the last document cut at n), count the (query, key)
@@ -18,18 +18,14 @@ time, median of --iters), with the FLOPs cp_stats counts for both.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ctxpar.context_parallel import LAYOUTS, rank_positions  # noqa: E402
-from ctxpar.context_parallel.documents import doc_plan  # noqa: E402
-from bench_ranks import save_results, spawn_ranks  # noqa: E402
+from ctxpar.context_parallel import LAYOUTS, rank_positions
+from ctxpar.context_parallel.documents import doc_plan
+from ctxpar.testing import run_distributed, save_results
 
 
 def packed_boundaries(n: int, mean_len: float, sigma: float, gen) -> torch.Tensor:
@@ -108,8 +104,8 @@ def _step_rank(rank, world, device, n, doc_len, heads, head_dim, iters):
 def step(a):
     rows = []
     for n in a.seq_len:
-        ranks = spawn_ranks(_step_rank, a.world, "cpu", 1, n, a.doc_len, a.heads, a.head_dim,
-                            a.iters)
+        ranks = run_distributed(_step_rank, a.world, torch.device("cpu"), n, a.doc_len,
+                                a.heads, a.head_dim, a.iters, timeout=3600)
         t = {m: max(r[m]["time_s"] for r in ranks) for m in ("unmasked", "masked")}
         f = {m: sum(r[m]["flops"] for r in ranks) for m in ("unmasked", "masked")}
         row = dict(n=n, world=a.world, doc_len=a.doc_len, time_unmasked_s=t["unmasked"],

@@ -1,8 +1,8 @@
 """Peak memory and time of the tiled MLP on an MLP-bound rank; activation offload's device bytes.
 
-    python tools/bench_tiled_mlp.py                 # the docs/benchmarks.md figures (CPU, fp32)
-    python tools/bench_tiled_mlp.py --rss           # also each case's peak RSS, fresh process
-    python tools/bench_tiled_mlp.py --tokens 4096 --ffn 8192 --layers 2
+    python -m tools.benchmarks.bench_tiled_mlp  # the docs/benchmarks.md figures (CPU, fp32)
+    python -m tools.benchmarks.bench_tiled_mlp --rss  # also each case's peak RSS, fresh process
+    python -m tools.benchmarks.bench_tiled_mlp --tokens 4096 --ffn 8192 --layers 2
 
 Cases, one process, 1 thread, fp32, SwiGLU (d 256, ffn 4096, 8192 tokens by default, where
 the MLP's four (tokens, ffn) intermediates are 64x the (tokens, d) block input):
@@ -30,47 +30,15 @@ import statistics
 import subprocess
 import sys
 import time
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ctxpar.config import MemoryConfig, ModelConfig  # noqa: E402
-from ctxpar.memory.tiled_mlp import mlp_tile_tokens  # noqa: E402
-from models.gpt import GPT, MLP  # noqa: E402
+from ctxpar.config import MemoryConfig, ModelConfig
+from ctxpar.memory.tiled_mlp import mlp_tile_tokens
+from ctxpar.testing.memory import LiveBytes
+from models.gpt import GPT, MLP
 
 MiB = 2 ** 20
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of storages made by ops under this mode that Python still holds; and their peak."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = set(), 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # An output on an input's storage (a view, out=, in-place) allocated nothing.
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live and key not in inputs:
-                    self.live.add(key)
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._freed, key, storage.nbytes())
-        return out
-
-    def _freed(self, key, nbytes):
-        self.live.discard(key)
-        self.now -= nbytes
 
 
 def build(case: str, tile, args, offload: bool = False):
@@ -144,7 +112,7 @@ def rss_child(spec: str, args) -> None:
 
 def offload_figures(args) -> dict:
     """Saved bytes on the device after the GPT's forward, offload off and on."""
-    from bench_activation_memory import saved_tensor_bytes
+    from ctxpar.testing import saved_tensor_bytes
     args = argparse.Namespace(**{**vars(args), "layers": args.offload_layers})
     out = {}
     for offload in (False, True):

@@ -1,7 +1,7 @@
 """Peak memory and time of one forward + backward with and without memory.tiled_loss.
 
-    python tools/bench_tiled_loss.py                      # vocab 32000, 4096 tokens, d 128
-    python tools/bench_tiled_loss.py --tiles auto 256 1024 --d-model 256 --repeats 5
+    python -m tools.benchmarks.bench_tiled_loss  # vocab 32000, 4096 tokens, d 128
+    python -m tools.benchmarks.bench_tiled_loss --tiles auto 256 1024 --d-model 256 --repeats 5
 
 A logits-bound rank: a one-layer fp32 GPT (tp = cp = 1) whose (tokens, V) logits dwarf
 everything else; a first row runs the same model with a negligible vocabulary (128), the
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MMAP_THRESHOLD = 131072
 BASELINE_VOCAB = 128
 
@@ -41,7 +41,6 @@ def child(args) -> dict:
     """One setting, in this (fresh) process: peak bytes above the step's start, seconds."""
     import torch
 
-    sys.path.insert(0, ROOT)
     from ctxpar.config import MemoryConfig, ModelConfig
     from models.gpt import GPT
 
@@ -93,7 +92,6 @@ def main(argv=None) -> None:
         print(json.dumps(child(args)))
         return
 
-    sys.path.insert(0, ROOT)
     from ctxpar.memory.tiled_loss import loss_tile_tokens
 
     logits = args.tokens * args.vocab * 4

@@ -1,6 +1,6 @@
 """The error of the ring's bf16 dK,dV wire (parallel.ring_grad_dtype: bf16) against fp32.
 
-    python tools/bench_ring_grad_dtype.py --seq-len 8192 16384 32768 65536 --world 4
+    python -m tools.benchmarks.bench_ring_grad_dtype --seq-len 8192 16384 32768 65536 --world 4
 
 P local gloo ranks run one causal zigzag ring attention forward + backward twice on the
 same fp32 inputs, once with dK,dV travelling in fp32 (exact) and once in bf16, and report
@@ -11,13 +11,10 @@ over all ranks). Forward and dQ are bit-identical by construction (checked here 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ranks import save_results, spawn_ranks  # noqa: E402
+from ctxpar.testing import run_distributed, save_results
 
 
 def _rank_main(rank, world, device, n, heads, kv_heads, head_dim):
@@ -63,8 +60,8 @@ def main(argv=None):
     print(f"{'n':>7} {'P':>2} {'bwd MiB fp32':>12} {'bwd MiB bf16':>12} "
           f"{'dK,dV max rel':>13} {'dK,dV norm rel':>14}")
     for n in a.seq_len:
-        per_rank = spawn_ranks(_rank_main, a.world, "cpu", 1, n, a.heads, a.kv_heads,
-                               a.head_dim)
+        per_rank = run_distributed(_rank_main, a.world, torch.device("cpu"), n, a.heads,
+                                   a.kv_heads, a.head_dim, timeout=3600)
         max_rel = max(r["max_diff"] for r in per_rank) / max(r["max_ref"] for r in per_rank)
         norm_rel = (sum(r["sq_diff"] for r in per_rank)
                     / sum(r["sq_ref"] for r in per_rank)) ** 0.5

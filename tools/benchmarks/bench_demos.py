@@ -1,7 +1,8 @@
 """Do the demo configs demonstrate? Train each configs/tiny_cpu*.yaml and check it learns.
 
-    python tools/bench_demos.py                          # every configs/tiny_cpu*.yaml
-    python tools/bench_demos.py configs/tiny_cpu_4d.yaml --min-accuracy 0.8 --max-seconds 180
+    python -m tools.benchmarks.bench_demos                          # every configs/tiny_cpu*.yaml
+    python -m tools.benchmarks.bench_demos configs/tiny_cpu_4d.yaml --min-accuracy 0.8 \\
+        --max-seconds 180
 
 Each config runs from scratch with the command `make train` uses (the DeepSpeed launcher,
 --num_gpus NPROC, DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1), into its own run directory under
@@ -24,10 +25,9 @@ import sys
 import time
 from typing import Dict, List
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from ctxpar.distributed.parallel_state import free_port
 
-from ctxpar.distributed.parallel_state import free_port  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def launcher(nproc: int, config: str, run_dir: str) -> List[str]:

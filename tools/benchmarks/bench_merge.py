@@ -1,6 +1,6 @@
 """The LSE merge, eager against torch.compile: which one a device should run.
 
-    python tools/bench_merge.py --shape 1 4096 8 64 --threads 1
+    python -m tools.benchmarks.bench_merge --shape 1 4096 8 64 --threads 1
 
 Times ``merge_block_eager_`` (the reference: ~7 elementwise kernels, and a full fp32 copy
 of a 16-bit block) and its ``torch.compile`` (one fused kernel) on one block of out
@@ -11,14 +11,11 @@ CPU, where this measured it faster (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ctxpar.context_parallel.merge import merge_block_eager_  # noqa: E402
+from ctxpar.context_parallel.merge import merge_block_eager_
 
 
 def _time(fn, args, iters):

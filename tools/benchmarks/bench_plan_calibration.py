@@ -1,8 +1,8 @@
 """The planner's step time against train.py's measured one, layout by layout (CPU).
 
-    python tools/bench_plan_calibration.py --save /tmp/calib.json     # the docs/planner.md table
-    python tools/bench_plan_calibration.py --load a.json b.json       # refit over runs
-    python tools/bench_plan_calibration.py --only ring --steps 8
+    python -m tools.benchmarks.bench_plan_calibration --save /tmp/calib.json  # docs/planner.md
+    python -m tools.benchmarks.bench_plan_calibration --load a.json b.json       # refit over runs
+    python -m tools.benchmarks.bench_plan_calibration --only ring --steps 8
 
 Each layout runs train.py under torchrun (python -m torch.distributed.run; 2 ranks, one
 core and one thread each, so that a rank's idle time is not lent to another, as on
@@ -28,13 +28,12 @@ import sys
 import tempfile
 from dataclasses import replace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from ctxpar.config import load_config
+from ctxpar.plan.cluster import GPUS, Cluster
+from ctxpar.plan.search import evaluate
+from ctxpar.plan.startup import detect, own_layout
 
-from ctxpar.config import load_config  # noqa: E402
-from ctxpar.plan.cluster import GPUS, Cluster  # noqa: E402
-from ctxpar.plan.search import evaluate  # noqa: E402
-from ctxpar.plan.startup import detect, own_layout  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 QUIET = ["train.eval_interval=0", "logging.log_interval=1", "logging.wandb.mode=disabled"]
 # A model whose step is mostly matmul and attention on 2 cores (not Python overhead).
@@ -54,6 +53,17 @@ LAYOUTS = {  # name: --set overrides (2 ranks)
     "cp2 selective ckpt": BIG + ["parallel.cp=2", "parallel.dp=1",
                                  "checkpointing.activation=selective"],
     "dp2 micro-batch 2": BIG + ["parallel.cp=1", "parallel.dp=2", "train.micro_batch_size=2"],
+    # the memory options, each beside the layout it is added to (the same run's drift)
+    "cp2 vocab 8192": BIG + ["parallel.cp=2", "parallel.dp=1", "model.vocab_size=8192"],
+    "cp2 vocab 8192 tiled loss": BIG + ["parallel.cp=2", "parallel.dp=1",
+                                        "model.vocab_size=8192", "memory.tiled_loss=true"],
+    "cp2 full ckpt tiled MLP": BIG + ["parallel.cp=2", "parallel.dp=1",
+                                      "checkpointing.activation=full", "memory.tiled_mlp=true"],
+    "cp2 full ckpt activation offload": BIG + ["parallel.cp=2", "parallel.dp=1",
+                                               "checkpointing.activation=full",
+                                               "memory.offload_activations=true"],
+    "dp2 optimizer offload": BIG + ["parallel.cp=1", "parallel.dp=2",
+                                    "deepspeed.zero_optimization.offload_optimizer.device=cpu"],
     # configs/tiny_cpu.yaml (make train's model): overhead-bound
     "tiny cp2 dp1": ["parallel.cp=2", "parallel.dp=1"],
     "tiny dp2": ["parallel.cp=1", "parallel.dp=2"],

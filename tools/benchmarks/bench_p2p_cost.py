@@ -1,7 +1,7 @@
 """What moving the ring's bytes costs a rank by itself: process CPU time and wall time of
 paired isend/irecv between 2 local ranks (gloo on CPU), no attention.
 
-    python tools/bench_p2p_cost.py --mib 8 --messages 8      # fp32 MHA ring, n 8192, P 2
+    python -m tools.benchmarks.bench_p2p_cost --mib 8 --messages 8      # fp32 MHA ring, n 8192, P 2
 
 Compare with bench_ring_attention.py's "overlap" column (time / time without the
 communication) at the same bytes: what the transfers cost beyond their own CPU time is
@@ -10,16 +10,13 @@ the compute they slow down on shared cores. A rank waiting for its peer costs ~n
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ranks import spawn_ranks  # noqa: E402
+from ctxpar.testing import run_distributed
 
 
 def exchange(rank, world, device, mib, messages, reps):
@@ -45,7 +42,8 @@ def main():
     p.add_argument("--messages", type=int, default=8, help="messages each way")
     p.add_argument("--reps", type=int, default=5)
     a = p.parse_args()
-    per_rank = spawn_ranks(exchange, 2, "cpu", 1, a.mib, a.messages, a.reps)
+    per_rank = run_distributed(exchange, 2, torch.device("cpu"), a.mib, a.messages, a.reps,
+                               timeout=3600)
     for rank, (cpu, wall) in enumerate(per_rank):
         print(f"rank {rank}: {a.messages} x {a.mib:g} MiB sent and received: process CPU "
               f"{cpu * 1e3:.0f} ms, wall {wall * 1e3:.0f} ms (median of {a.reps})")

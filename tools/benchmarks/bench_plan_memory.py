@@ -1,8 +1,8 @@
 """The planner's memory per rank against train.py's measured peak, layout by layout (CPU).
 
-    python tools/bench_plan_memory.py                      # every layout: the docs table
-    python tools/bench_plan_memory.py --only z3 --save /tmp/mem.json
-    python tools/bench_plan_memory.py --load /tmp/mem.json # the table again, no runs
+    python -m tools.benchmarks.bench_plan_memory                      # every layout: the docs table
+    python -m tools.benchmarks.bench_plan_memory --only z3 --save /tmp/mem.json
+    python -m tools.benchmarks.bench_plan_memory --load /tmp/mem.json # the table again, no runs
 
 Each layout runs train.py (torchrun, 2 ranks as local processes, 2 steps, fp32, real
 DeepSpeed) twice: with its model and with a negligible one (same layout and keys, d 16,
@@ -35,8 +35,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 QUIET = ["train.eval_interval=0", "train.eval_samples=1", "logging.log_interval=1",
@@ -159,12 +158,12 @@ LAYOUTS = {  # name: --set overrides
 }
 
 
-def run(sets, nproc: int, port: int = 29657):
+def run(sets, nproc: int, port: int = 29657, config: str = TINY):
     """Per rank: {"peaks": {phase: bytes}, "at_end": ...} of one train.py run."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(port), os.path.abspath(__file__), "--rank-entry", d,
-               "--config", TINY, "--set", *QUIET, *sets, f"logging.run_dir={d}/run"]
+               "--config", config, "--set", *QUIET, *sets, f"logging.run_dir={d}/run"]
         env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                    WANDB_MODE="disabled", MALLOC_MMAP_THRESHOLD_="131072",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -178,7 +177,7 @@ def run(sets, nproc: int, port: int = 29657):
         return ranks
 
 
-def predict(sets, nproc: int):
+def predict(sets, nproc: int, config: str = TINY):
     """The start line's memory per rank on this machine (device 'cpu') and its phase;
     with offloads host and device are this one RAM: Memory.same_ram adds the host's."""
     import torch
@@ -186,22 +185,22 @@ def predict(sets, nproc: int):
     from ctxpar.plan.cluster import Cluster
     from ctxpar.plan.search import evaluate
     from ctxpar.plan.startup import detect, own_layout
-    cfg = load_config(TINY, QUIET + sets, world_size=nproc, check_paths=False)
+    cfg = load_config(config, QUIET + sets, world_size=nproc, check_paths=False)
     gpu, _ = detect(torch.device("cpu"), nproc)
     return evaluate(cfg, own_layout(cfg, nproc), Cluster(1, nproc, gpu)).memory
 
 
-def predicted(sets, nproc: int) -> dict:
+def predicted(sets, nproc: int, config: str = TINY) -> dict:
     """The prediction's fields of a result (recomputed by --load: the model may move)."""
-    pred, pred0 = predict(sets, nproc), predict(sets + NEGLIGIBLE, nproc)
+    pred, pred0 = predict(sets, nproc, config), predict(sets + NEGLIGIBLE, nproc, config)
     return dict(predicted=pred.same_ram() - pred0.same_ram(), predicted_phase=pred.peak_phase,
                 phases={p.name: p.total for p in pred.phases}, device=pred.peak,
                 host=pred.host_total)
 
 
-def measure(name, sets, nproc):
+def measure(name, sets, nproc, config: str = TINY):
     """(measured, predicted, predicted phase, measured phase): above the negligible run."""
-    big, base = run(sets, nproc), run(sets + NEGLIGIBLE, nproc)
+    big, base = run(sets, nproc, config=config), run(sets + NEGLIGIBLE, nproc, config=config)
     rows = []
     def training(peaks):  # the steps: not the imports, nor the final eval and teardown
         return {k: v for k, v in peaks.items() if k not in ("import", "end")}
@@ -211,7 +210,7 @@ def measure(name, sets, nproc):
         rows.append((peak - b, phase))
     measured, phase = max(rows)
     out = dict(name=name, measured=measured, measured_phase=phase, ranks=[r[0] for r in rows],
-               **predicted(sets, nproc))
+               **predicted(sets, nproc, config))
     counters = [r.get("offload") for r in big if r.get("offload")]
     if counters:  # the offloader's own count of host bytes and restored device bytes
         out["offload"] = max(counters, key=lambda c: c["peak_host_bytes"])

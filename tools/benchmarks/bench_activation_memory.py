@@ -1,60 +1,29 @@
 """Bytes of activations saved for backward under each activation-checkpointing mode.
 
-    python tools/bench_activation_memory.py                       # the docs/benchmarks.md table
-    python tools/bench_activation_memory.py --layers 8 --seq-len 4096 --d-model 512
+    python -m tools.benchmarks.bench_activation_memory       # the docs/benchmarks.md table
+    python -m tools.benchmarks.bench_activation_memory --layers 8 --seq-len 4096 --d-model 512
 
 One forward of models.gpt.GPT (one process: tp=cp=1) under
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd keeps for backward is
-counted once per storage (views share it), parameters excluded. Inside a checkpointed
-region torch's own hooks replace saved tensors by recompute handles, so only what a mode
-really keeps is counted, including the inputs checkpoint stores for the replay. The
-numbers depend only on shapes, so they are exact and the same on every run and machine.
+counted once per storage (views share it), parameters excluded
+(ctxpar.testing.memory says how checkpointed regions count).
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from contextlib import contextmanager
-from typing import Dict, Iterable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ctxpar.config import ModelConfig  # noqa: E402
-from models.gpt import CHECKPOINT_MODES, GPT  # noqa: E402
-
-
-@contextmanager
-def saved_tensor_bytes(params: Iterable[torch.Tensor]):
-    """Yields a dict {storage pointer: bytes} filled with what autograd saves meanwhile."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: Dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t  # holding t keeps the storage alive: no pointer is reused while counting
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield seen
+from ctxpar.config import ModelConfig
+from ctxpar.testing.memory import forward_saved_bytes
+from models.gpt import CHECKPOINT_MODES, GPT
 
 
 def measure(cfg: ModelConfig, mode: str, batch: int, every_n_layers: int = 2,
             seed: int = 0) -> int:
     """Saved bytes of one forward + loss of a tp=cp=1 GPT in ``mode``."""
     model = GPT(cfg, activation_checkpointing=mode, every_n_layers=every_n_layers, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
-    labels = torch.roll(tokens, -1, dims=1)
-    positions = torch.arange(cfg.seq_len)
-    with saved_tensor_bytes(model.parameters()) as seen:
-        loss = model(tokens, positions, labels)
-    total = sum(seen.values())
-    loss.backward()  # the graph is complete and usable (and frees the saved tensors)
-    return total
+    return forward_saved_bytes(model, cfg.vocab_size, batch, cfg.seq_len, seed)
 
 
 def main(argv=None) -> None:

@@ -1,7 +1,7 @@
 """Ulysses side by side: ctxpar's against DeepSpeed-Ulysses, in the same ranks, same kernel.
 
-Per (n, P, heads/kv heads) this spawns P local ranks (tools/bench_ranks.py: gloo on CPU)
-and times, in turn within every iteration so that a change of load hits all alike:
+Per (n, P, heads/kv heads) this spawns P local ranks (ctxpar/testing/distributed.py: gloo on
+CPU) and times, in turn within every iteration so that a change of load hits all alike:
     ctxpar      context_parallel_attention(comm="ulysses", layout="contiguous")
     deepspeed   deepspeed.sequence.layer.DistributedAttention(local, group, scatter_idx=2,
                 gather_idx=1), batch first, around the same fused kernel ctxpar calls
@@ -15,23 +15,20 @@ and times, in turn within every iteration so that a change of load hits all alik
 Before timing, every rank checks that both produce the same output and input gradients
 (reported as the largest difference; both compute the same kernel on the same tokens).
 
-    python tools/bench_ulysses.py --seq-len 8192 --world-sizes 2 4 --heads 8 \\
+    python -m tools.benchmarks.bench_ulysses --seq-len 8192 --world-sizes 2 4 --heads 8 \\
         --kv-heads 8 2 --threads 1 --iters 7 --stat min --repeats 3
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ctxpar.context_parallel import context_parallel_attention  # noqa: E402
-from ctxpar.context_parallel.kernels import default_scale, get_backend  # noqa: E402
-from bench_ranks import save_results, spawn_ranks  # noqa: E402
-from bench_ring_attention import (DTYPES, STATS, fused_fwd_bwd, make_inputs,  # noqa: E402
+from ctxpar.context_parallel import context_parallel_attention
+from ctxpar.context_parallel.kernels import default_scale, get_backend
+from ctxpar.testing import run_distributed, save_results
+from tools.benchmarks.bench_ring_attention import (DTYPES, STATS, fused_fwd_bwd, make_inputs,
                                   timed)
 
 
@@ -116,8 +113,8 @@ def _rank_main(rank, world, device, a, n, kv_heads) -> dict:
 
 
 def run(a, n, world, kv_heads, repeat) -> dict:
-    ranks = spawn_ranks(_rank_main, world, "cpu", a.threads, a, n, kv_heads,
-                        timeout=a.timeout)
+    ranks = run_distributed(_rank_main, world, torch.device("cpu"), a, n, kv_heads,
+                            timeout=a.timeout, threads=a.threads)
     ideal = statistics.mean(r["fused_s"] for r in ranks) / world
     ratios = {name: max(r["time_s"][name] for r in ranks) / ideal
               for name in ranks[0]["time_s"]}

@@ -1,0 +1,116 @@
+"""Held-out evaluation: the collective that measures it, and the component that decides when.
+
+    evaluator = Evaluator(cfg, data, state, device, forward)
+    if evaluator.should_evaluate(step):     # train.eval_interval, the last step, eval_at_start
+        evaluator.run(model, step, logger)  # metrics.jsonl line + "step N: passkey accuracy"
+    evaluator.summary()                     # ", passkey accuracy 0.828 (chance 0.001)"
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..data.passkey import IGNORE_INDEX, passkey_correct
+from ..tensor_parallel.argmax import vocab_parallel_argmax
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+
+@torch.no_grad()
+def evaluate(model, data, state, device=None,
+             forward: Optional[Callable] = None) -> Dict[str, float]:
+    """Loss over train.eval_samples held-out samples, and the passkey accuracy on passkey data.
+
+    data: ctxpar.data.Data. Returns eval_loss (mean over every labelled token: the answer
+    digits for passkey, all tokens for text), eval_samples, and eval_accuracy (passkey: exact
+    match of the key) or eval_ppl (tokens: exp(eval_loss)). model(tokens, positions) must
+    return vocab-parallel logits (B, T/cp, V/tp), or ``forward(mb)`` returns them for a
+    micro-batch dict, and None on pipeline stages without the head. Collective over the
+    whole grid: every rank must call it. The sample count is rounded up to whole
+    micro-batches of all DP ranks.
+    """
+    cfg = data.cfg
+    per_step = cfg.train.micro_batch_size * state.dp_size
+    n_micro = max(1, math.ceil(cfg.train.eval_samples / per_step))
+    stream = data.eval_stream(state)  # DataError without held-out data, before any change
+    was_training = model.training
+    model.eval()
+    # [correct samples (passkey), loss sum, labelled tokens] on this rank, summed below
+    passkey = cfg.data.kind == "passkey"
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for _ in range(n_micro):
+        mb = stream.next_microbatch(device)
+        # (B, T/cp, V/tp), or None on a pipeline stage before the last (that one counts)
+        docs = {"cu_seqlens": mb["cu_seqlens"]} if "cu_seqlens" in mb else {}
+        logits = forward(mb) if forward else model(mb["tokens"], mb["positions"], **docs)
+        if logits is None:
+            continue
+        if passkey:
+            preds = vocab_parallel_argmax(logits, state.tp_group)           # (B, T/cp)
+            correct = passkey_correct(preds, mb["labels"], state.cp_group)  # (B,), same on CP
+            totals[0] += correct.sum()
+        losses = vocab_parallel_cross_entropy(logits, mb["labels"], state.tp_group)
+        totals[1] += losses.sum()  # 0 at ignored positions
+        totals[2] += (mb["labels"] != IGNORE_INDEX).sum()
+    model.train(was_training)
+    # Correct counts are per sample, identical over CP: sum them over DP only. Losses and
+    # token counts are per position: sum over DP x CP.
+    # The groups are per pipeline stage: the last stage's sums go to every stage after.
+    correct, loss_tok = totals[:1].clone(), totals[1:].clone()
+    if state.dp_size > 1:
+        dist.all_reduce(correct, group=state.dp_group)
+    if state.dp_cp_size > 1:
+        dist.all_reduce(loss_tok, group=state.dp_cp_group)
+    if state.pp_size > 1:
+        for t in (correct, loss_tok):
+            dist.broadcast(t, src=state.ranks("pp")[-1], group=state.pp_group)
+    n = n_micro * per_step
+    loss = loss_tok[0].item() / max(loss_tok[1].item(), 1.0)
+    if passkey:
+        return {"eval_loss": loss, "eval_accuracy": correct.item() / n, "eval_samples": n}
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_samples": n}
+
+
+def describe(result: Dict[str, float]) -> str:
+    """'passkey accuracy 0.828' or 'eval loss 2.3456 (ppl 10.44)'."""
+    if "eval_accuracy" in result:
+        return f"passkey accuracy {result['eval_accuracy']:.3f}"
+    return f"eval loss {result['eval_loss']:.4f} (ppl {result['eval_ppl']:.2f})"
+
+
+class Evaluator:
+    """Owns when to evaluate (every train.eval_interval steps, the last step, and with
+    train.eval_at_start the step a run starts from) and how a result is reported."""
+
+    def __init__(self, cfg, data, state, device=None, forward: Optional[Callable] = None):
+        self.cfg, self.data, self.state, self.device = cfg, data, state, device
+        self.forward = forward  # pipeline stages: models' pipeline_logits; None: model(...)
+        self.last: Optional[Dict[str, float]] = None
+
+    def should_evaluate(self, step: int, start: bool = False) -> bool:
+        """start: before the run's first step (step is 0, or the step resumed from)."""
+        t = self.cfg.train
+        if not self.data.has_eval:
+            return False
+        if start:
+            return t.eval_at_start
+        return bool(t.eval_interval and step % t.eval_interval == 0) or step == t.steps
+
+    def run(self, model, step: int, logger) -> Dict[str, float]:
+        """Collective: evaluate, then one metrics.jsonl line and one line above the bar."""
+        self.last = evaluate(model, self.data, self.state, self.device, self.forward)
+        logger.log({"step": step, **self.last})
+        logger.write(f"step {step}: {describe(self.last)} "
+                     f"({self.last['eval_samples']} held-out samples)")
+        return self.last
+
+    def summary(self) -> str:
+        """The last result for the closing line ('' before any evaluation)."""
+        if self.last is None:
+            return ""
+        if "eval_accuracy" in self.last:
+            chance = 10.0 ** -self.cfg.data.passkey_digits
+            return f", passkey accuracy {self.last['eval_accuracy']:.3f} (chance {chance:.3f})"
+        return f", eval loss {self.last['eval_loss']:.4f}"

@@ -1,0 +1,1 @@
+"""The user's commands (run as scripts: python tools/plan.py ...); benchmarks/ below."""
