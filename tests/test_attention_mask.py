@@ -17,8 +17,8 @@ from ctxpar.context_parallel import AttentionMask, rank_positions, shard_sequenc
 from ctxpar.context_parallel.blocks import ring_steps
 from ctxpar.context_parallel.documents import doc_plan
 from ctxpar.context_parallel.mask import dense_mask
-from dist_harness import run_distributed
-from test_context_parallel import tolerance
+from ctxpar.testing import run_distributed
+from ctxpar.testing.attention import tolerance
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 WORLD, S_LOCAL = 4, 48
