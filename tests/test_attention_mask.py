@@ -1,12 +1,16 @@
-"""Sliding windows (AttentionMask) under every CP pattern against one process with a dense mask.
+"""AttentionMask (windows, chunks, sinks, documents) under every CP pattern against one process.
 
-The convention is checked against transformers' own mask functions; the block plan computes
-every visible (query, key) pair exactly once and nothing else, for every layout, with and
-without documents; bad windows are refused in one line. Then one spawn of 4 gloo ranks runs
-ring, all-gather, Ulysses (u=4) and hybrid (u=2) x every layout x MHA/GQA/MQA x fp32/bf16 with
-a window that divides nothing (37, a rank holding 48 tokens), one longer than a rank's
-share (100) and a window inside documents: outputs, LSE, dq, dk, dv, and the FLOP counters
-equal to the mask's exact pair count.
+The conventions are checked against transformers' own: sliding_window_causal_mask_function,
+Llama 4's chunked mask, gpt-oss' eager attention with sinks (every backend, one process).
+The block plan computes every visible (query, key) pair exactly once and nothing else, for
+every layout, with and without documents and chunks; bad arguments are refused in one line.
+Then one spawn of 4 gloo ranks runs ring, all-gather, Ulysses (u=4) and hybrid (u=2) x every
+layout x each mask, MHA/GQA/MQA in turn, fp32 and bf16: a window that divides nothing (37,
+a rank holding 48 tokens), one longer than a rank's share (100), windows inside documents,
+chunks of 40 (crossing rank boundaries) causal or not and inside documents, sinks alone
+and with a window: outputs, LSE, dq, dk, dv, the sinks' gradient (the ranks' shares
+summed), the FLOP counters equal to the mask's exact pair count, and the halo's bytes in
+each ring_grad_dtype.
 """
 import pickle
 
@@ -16,7 +20,7 @@ import torch
 from ctxpar.context_parallel import AttentionMask, rank_positions, shard_sequence
 from ctxpar.context_parallel.blocks import ring_steps
 from ctxpar.context_parallel.documents import doc_plan
-from ctxpar.context_parallel.mask import dense_mask
+from ctxpar.context_parallel.mask import dense_mask, with_chunks
 from ctxpar.testing import run_distributed
 from ctxpar.testing.attention import tolerance
 
@@ -24,7 +28,19 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 WORLD, S_LOCAL = 4, 48
 N = WORLD * S_LOCAL
 CU = torch.tensor([0, 5, 70, 71, 150, N], dtype=torch.int32)  # documents with the window
-MASKS = {"w37": (37, None), "w100": (100, None), "w37+docs": (37, CU), "w1": (1, None)}
+SINKS = torch.tensor([-1.0, 1.0, 2.5, 4.0])  # one per query head, near the rows' LSE
+MASKS = {  # name -> AttentionMask's (causal, sliding_window, cu_seqlens, chunk_size, sinks)
+    "w37": (True, 37, None, None, False),
+    "w100": (True, 100, None, None, False),
+    "w37+docs": (True, 37, CU, None, False),
+    "w1": (True, 1, None, None, False),
+    "chunk40": (True, None, None, 40, False),
+    "chunk40 bidirectional": (False, None, None, 40, False),
+    "chunk40+docs+w37": (True, 37, CU, 40, False),
+    "sinks": (True, None, None, None, True),
+    "sinks+w37": (True, 37, None, None, True),
+    "sinks bidirectional+chunk40": (False, None, None, 40, True),
+}
 HEADS = ((4, 4, 16), (4, 2, 16), (4, 1, 16))  # MHA, GQA, MQA
 
 
@@ -41,14 +57,6 @@ def test_window_matches_transformers_sliding_window_causal_mask():
     assert int(dense_mask(n, True, 3)[10].sum()) == 3
 
 
-def test_bad_window_is_refused_in_one_line():
-    for w in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match=r"^sliding_window=.* must be a positive integer"):
-            AttentionMask(causal=True, sliding_window=w)
-    with pytest.raises(ValueError, match=r"^sliding_window=4 needs causal=True"):
-        AttentionMask(causal=False, sliding_window=4)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_plan_computes_every_visible_pair_once(layout):
     """Every (query, key) pair the window (inside documents) leaves is computed exactly
@@ -56,15 +64,16 @@ def test_plan_computes_every_visible_pair_once(layout):
     visible ones, and the ring stops after the last step with work."""
     for P, S in ((3, 48), (4, 10)):
         n = P * S
-        for w in (1, 2, 37, 49, 100):
+        for w, chunk in ((1, None), (2, None), (37, None), (49, None), (100, None),
+                         (None, 7), (None, 40), (37, 40), (2, 7)):
             for cu in (None, torch.tensor([0, 5, n // 2 + 1, n], dtype=torch.int32)):
+                bounds = with_chunks(torch.tensor([0, n]) if cu is None else cu.long(), chunk)
                 shards = [rank_positions(n, r, P, layout) for r in range(P)]
                 seen = torch.zeros(n, n, dtype=torch.int32)
                 last_step = 0
                 for r, q_pos in enumerate(shards):
                     for src, k_pos in enumerate(shards):
-                        plan = doc_plan(torch.tensor([0, n]) if cu is None else cu.long(),
-                                        q_pos, k_pos, True, w)
+                        plan = doc_plan(bounds, q_pos, k_pos, True, w)
                         if plan:
                             last_step = max(last_step, (r - src) % P)
                         for blk in plan:
@@ -77,96 +86,242 @@ def test_plan_computes_every_visible_pair_once(layout):
                             ki = k_pos[None, blk.k0:blk.k1].expand(L, Sk)[vis]
                             seen.index_put_((qi, ki), torch.ones_like(qi, dtype=torch.int32),
                                             accumulate=True)
-                want = dense_mask(n, True, w, cu)
-                assert torch.equal(seen, want.int()), (layout, P, S, w, cu)
-                mask = AttentionMask(True, w, None if cu is None else [cu.long()])
+                want = dense_mask(n, True, w, cu, chunk)
+                assert torch.equal(seen, want.int()), (layout, P, S, w, chunk, cu)
+                mask = AttentionMask(True, w, [bounds])
                 assert ring_steps(layout, True, S, P, mask) == last_step + 1
-                if layout == "contiguous" and cu is None:  # the window's reach in shards
+                if layout == "contiguous" and cu is None and chunk is None:  # window's reach
                     assert last_step == min(P - 1, -(-(w - 1) // S)), (P, S, w)
 
 
-def reference(q, k, v, mask, scale):
-    """fp32 softmax attention under a (B, n, n) bool mask; (out, lse)."""
+
+
+def test_chunks_match_transformers_chunked_causal_mask():
+    """Llama 4's chunked_causal_mask_function (no left padding): (kv // c == q // c) and
+    kv <= q; and the chunks are the documents of with_chunks' cuts."""
+    from transformers.masking_utils import chunked_causal_mask_function
+    n = 50
+    q_idx, kv_idx = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    for c in (1, 7, 16, 49, 80):
+        theirs = chunked_causal_mask_function(c, torch.zeros(1, dtype=torch.long))(
+            0, 0, q_idx, kv_idx)
+        assert torch.equal(dense_mask(n, True, chunk_size=c), theirs), c
+        cuts = with_chunks(torch.tensor([0, n], dtype=torch.int32), c)
+        assert cuts.tolist() == sorted({*range(0, n, c), n}) and cuts.dtype == torch.int32
+        assert torch.equal(dense_mask(n, True, cu=cuts), theirs), c
+
+
+@pytest.mark.parametrize("name,kwargs,message", [
+    ("window 0", dict(causal=True, sliding_window=0), r"^sliding_window=0 must be a positive"),
+    ("window -3", dict(causal=True, sliding_window=-3), r"^sliding_window=-3 must be a "),
+    ("window 2.5", dict(causal=True, sliding_window=2.5), r"^sliding_window=2.5 must be a "),
+    ("window True", dict(causal=True, sliding_window=True), r"^sliding_window=True must be a"),
+    ("bidirectional window", dict(sliding_window=4), r"^sliding_window=4 needs causal=True"),
+    ("chunk 0", dict(chunk_size=0), r"^chunk_size=0 must be a positive integer"),
+    ("chunk -8", dict(causal=True, chunk_size=-8), r"^chunk_size=-8 must be a positive"),
+    ("chunk 1.5", dict(chunk_size=1.5), r"^chunk_size=1.5 must be a positive integer"),
+    ("sinks 2-D", dict(sinks=torch.zeros(2, 4)), r"^sinks=shape \(2, 4\) torch.float32 must "
+                                                  r"be a 1-D float tensor"),
+    ("sinks int", dict(sinks=torch.zeros(4, dtype=torch.long)), r"^sinks=shape \(4,\) "
+                                                                  r"torch.int64 must be"),
+    ("sinks list", dict(sinks=[0.0, 1.0]), r"^sinks=list must be a 1-D float tensor"),
+])
+def test_bad_mask_arguments_are_refused_in_one_line(name, kwargs, message):
+    with pytest.raises(ValueError, match=message) as err:
+        AttentionMask(**kwargs)
+    assert "\n" not in str(err.value), name
+
+
+def test_sinks_of_the_wrong_head_count_are_refused_before_any_collective():
+    """Checked against q's (local) heads in the API: 3 sinks for 4 heads, one line."""
+    from ctxpar.context_parallel import context_parallel_attention
+    q = torch.zeros(1, 8, 4, 16)
+    for comm in ("ring", "allgather", "ulysses", "hybrid"):
+        with pytest.raises(ValueError, match=r"^context_parallel_attention: sinks of shape "
+                                             r"\(3,\) on cpu must be \(4,\) on cpu"):
+            context_parallel_attention(q, q, q, comm=comm, mask=AttentionMask(
+                causal=True, sinks=torch.zeros(3)))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math", "flash_attn"])
+def test_sinks_match_gpt_oss_eager_attention(backend, monkeypatch):
+    """transformers' gpt-oss eager_attention_forward (the sink as a last softmax column,
+    dropped after) on one process with a 128-token window, GQA: ctxpar's output and every
+    gradient, the sinks' included, on each backend (flash_attn: FlashOnCpu, its adapter
+    over CPU stand-ins; the sinks never reach a kernel, so every backend takes them)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from ctxpar.context_parallel import context_parallel_attention, kernels
+    from ctxpar.testing.attention import FlashOnCpu
+    monkeypatch.setitem(kernels.BACKENDS, "flash_attn", FlashOnCpu())
+    g = torch.Generator().manual_seed(5)
+    n, H, Hkv, D, w = 160, 4, 2, 16, 128
+    q, k, v, dout = (torch.randn(2, n, h, D, generator=g) for h in (H, Hkv, Hkv, H))
+    sinks = SINKS.clone()
+    args = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    module = SimpleNamespace(sinks=args[3], num_key_value_groups=H // Hkv, training=False)
+    additive = torch.zeros(n, n).masked_fill(~dense_mask(n, True, w), float("-inf"))
+    theirs, _ = eager_attention_forward(module, *(x.transpose(1, 2) for x in args[:3]),
+                                        additive, D ** -0.5)
+    want = (theirs, *torch.autograd.grad(theirs, args, dout))
+    ours = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out = context_parallel_attention(*ours[:3], comm="ring", backend=backend, mask=AttentionMask(
+        causal=True, sliding_window=w, sinks=ours[3]))
+    got = (out, *torch.autograd.grad(out, ours, dout))
+    for nm, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=lambda m: f"{nm}: {m}")
+    assert want[4].abs().min() > 1e-2  # every sink mattered
+
+
+def reference(q, k, v, mask, scale, sinks=None):
+    """fp32 softmax attention under a (B, n, n) bool mask, each head's sink logit (if any)
+    one more column of the softmax without a value (gpt-oss, checked above); (out, lse)."""
     H = q.shape[2]
     kr = k.float().repeat_interleave(H // k.shape[2], dim=2)
     vr = v.float().repeat_interleave(H // v.shape[2], dim=2)
     s = torch.einsum("blhd,bshd->bhls", q.float(), kr) * scale
     s = s.masked_fill(~mask[:, None], float("-inf"))
-    return torch.einsum("bhls,bshd->blhd", s.softmax(-1), vr), torch.logsumexp(s, -1)
+    if sinks is not None:
+        s = torch.cat((s, sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)), -1)
+    p = s.softmax(-1)[..., :vr.shape[1]]
+    return torch.einsum("bhls,bshd->blhd", p, vr), torch.logsumexp(s, -1)
 
 
 PATTERNS = (("ring", 1), ("allgather", 1), ("ulysses", 4), ("hybrid", 2))
 
 
 def _cases():
-    """Every mask with MHA and GQA in fp32; MQA and bf16 (GQA) with the window of 37."""
-    return [(comm, u, layout, name, heads, dtype)
-            for comm, u in PATTERNS for layout in LAYOUTS for name in MASKS
-            for heads in HEADS for dtype in (torch.float32, torch.bfloat16)
-            if (dtype == torch.float32 and (heads != HEADS[2] or name == "w37"))
-            or (name == "w37" and heads == HEADS[1])]
+    """(comm, u, layout, mask name, heads, dtype, ring_grad_dtype): every mask on every
+    comm and layout in fp32, the heads (MHA, GQA, MQA) in turn so that each comm x layout
+    and each mask meets all three; bf16 with the window of 37 (GQA) on every comm and
+    layout and with sinks on every comm; the halo's dK,dV in bf16 (ring, hybrid)."""
+    out = []
+    for ci, (comm, u) in enumerate(PATTERNS):
+        for li, layout in enumerate(LAYOUTS):
+            for mi, name in enumerate(MASKS):
+                out.append((comm, u, layout, name, HEADS[(mi + li) % 3], torch.float32,
+                            "fp32"))
+            out.append((comm, u, layout, "w37", HEADS[1], torch.bfloat16, "fp32"))
+        out.append((comm, u, LAYOUTS[ci % 3], "sinks+w37", HEADS[1], torch.bfloat16, "fp32"))
+        if comm in ("ring", "hybrid"):
+            out.append((comm, u, "contiguous", "w37", HEADS[1], torch.float32, "bf16"))
+    return out
 
 
-def _windowed_cp(rank, world, payload):
+def _mask_of(name, sinks):
+    causal, w, cu, chunk, with_sinks = MASKS[name]
+    return AttentionMask(causal=causal, sliding_window=w, cu_seqlens=cu, chunk_size=chunk,
+                         sinks=sinks if with_sinks else None)
+
+
+def _masked_cp(rank, world, payload):
     from ctxpar import init_parallel_state
     from ctxpar.context_parallel import context_parallel_attention, cp_stats
     states = {u: init_parallel_state(cp=world, ulysses=u) for _, u in PATTERNS}
     inputs, out = pickle.loads(payload), []
-    for comm, u, layout, name, heads, dtype in _cases():
+    for comm, u, layout, name, heads, dtype, grad_dtype in _cases():
         st = states[u]
         groups = dict(ulysses_group=st.ulysses_group, ring_group=st.ring_group) \
             if comm == "hybrid" else dict(cp_group=st.cp_group)
-        w, cu = MASKS[name]
         shard = lambda x: shard_sequence(x.to(dtype), 1, st.cp_group, layout, u)  # noqa: E731
         q, k, v, dout = inputs[heads]
         ql, kl, vl = (shard(x).requires_grad_() for x in (q, k, v))
+        sinks = SINKS.clone().requires_grad_()
         with cp_stats() as stats:
             o, lse = context_parallel_attention(
                 ql, kl, vl, comm=comm, layout=layout, return_lse=True, backend="sdpa",
-                mask=AttentionMask(causal=True, sliding_window=w, cu_seqlens=cu), **groups)
+                ring_grad_dtype=grad_dtype, mask=_mask_of(name, sinks), **groups)
             o.backward(shard(dout))
-        out.append((o.detach(), lse, ql.grad, kl.grad, vl.grad, stats.fwd_flops,
-                    stats.bwd_flops, stats.as_dict()))
+        out.append((o.detach(), lse, ql.grad, kl.grad, vl.grad, sinks.grad, stats.as_dict()))
     return out
 
 
-def test_windowed_attention_matches_one_process_for_every_pattern():
+@pytest.fixture(scope="module")
+def cp_results():
+    """Every case of _cases() on 4 gloo ranks (one spawn), and the inputs."""
     g = torch.Generator().manual_seed(3)
     inputs = {h: tuple(torch.randn(2, N, c, h[2], generator=g) for c in (h[0], h[1], h[1], h[0]))
               for h in HEADS}
-    results = run_distributed(_windowed_cp, WORLD, pickle.dumps(inputs), timeout=600)
-    for i, (comm, u, layout, name, heads, dtype) in enumerate(_cases()):
-        w, cu = MASKS[name]
-        mask = dense_mask(N, True, w, cu)
-        q, k, v, dout = (x.to(dtype).float().requires_grad_() for x in inputs[heads])
-        want_o, want_lse = reference(q, k, v, mask.expand(2, N, N), heads[2] ** -0.5)
-        want = (want_o.detach(), want_lse.detach(),
-                *torch.autograd.grad(want_o, (q, k, v), dout.detach()))
-        fwd = bwd = 0
+    return inputs, run_distributed(_masked_cp, WORLD, pickle.dumps(inputs), timeout=600)
+
+
+def _check_case(i, inputs, results):
+    comm, u, layout, name, heads, dtype, grad_dtype = _cases()[i]
+    causal, w, cu, chunk, with_sinks = MASKS[name]
+    mask = dense_mask(N, causal, w, cu, chunk)
+    q, k, v, dout = (x.to(dtype).float().requires_grad_() for x in inputs[heads])
+    sinks = SINKS.clone().requires_grad_() if with_sinks else None
+    want_o, want_lse = reference(q, k, v, mask.expand(2, N, N), heads[2] ** -0.5, sinks)
+    leaves = (q, k, v) + ((sinks,) if with_sinks else ())
+    want = (want_o.detach(), want_lse.detach(),
+            *torch.autograd.grad(want_o, leaves, dout.detach()))
+    tol_dtype = torch.bfloat16 if grad_dtype == "bf16" else dtype  # dK,dV rounded per hop
+    fwd = bwd = 0
+    dsinks = torch.zeros(4)
+    for rank in range(WORLD):
+        pos = rank_positions(N, rank, WORLD, layout, ulysses=u)
+        got = results[rank][i]
+        fwd, bwd = fwd + got[6]["fwd_flops"], bwd + got[6]["bwd_flops"]
+        for nm, a, b in zip(("out", "lse", "dq", "dk", "dv"), got[:5], want):
+            b = b[:, :, pos] if nm == "lse" else b[:, pos]
+            torch.testing.assert_close(
+                a.float(), b, **tolerance(tol_dtype, b),
+                msg=lambda m: f"{comm} u={u} {layout} {name} {heads} {dtype} rank {rank} "
+                              f"{nm}: {m}")
+        assert (got[5] is None) == (not with_sinks), (comm, layout, name)
+        if with_sinks:
+            dsinks += got[5]  # each rank's share: its queries (Ulysses: its heads)
+    if with_sinks:
+        torch.testing.assert_close(dsinks, want[5], **tolerance(dtype, want[5]),
+                                   msg=lambda m: f"{comm} {layout} {name} dsinks: {m}")
+    # FLOPs = exactly the mask's visible pairs (2 samples; Ulysses and hybrid count H/u
+    # heads per rank, the same total over ranks); sinks add none.
+    per_pair = 4 * 2 * heads[0] * heads[2]
+    assert fwd == per_pair * int(mask.sum()), (comm, layout, name, fwd)
+    assert bwd == fwd * 5 // 2, (comm, layout, name, bwd)
+
+
+def _indices(pred):
+    return [i for i, c in enumerate(_cases()) if pred(*c)]
+
+
+@pytest.mark.parametrize("comm", [c for c, _ in PATTERNS])
+def test_windows_match_one_process(cp_results, comm):
+    for i in _indices(lambda c, u, lay, name, *_: c == comm and "sinks" not in name
+                      and "chunk" not in name):
+        _check_case(i, *cp_results)
+
+
+@pytest.mark.parametrize("comm", [c for c, _ in PATTERNS])
+def test_chunks_crossing_rank_boundaries_match_one_process(cp_results, comm):
+    for i in _indices(lambda c, u, lay, name, *_: c == comm and "chunk" in name):
+        _check_case(i, *cp_results)
+
+
+@pytest.mark.parametrize("comm", [c for c, _ in PATTERNS])
+def test_sinks_and_their_gradient_match_one_process(cp_results, comm):
+    for i in _indices(lambda c, u, lay, name, *_: c == comm and name.startswith("sinks")):
+        _check_case(i, *cp_results)
+
+
+def test_the_halo_moves_only_the_previous_ranks_tail_in_the_ring_grad_dtype(cp_results):
+    """Ring, contiguous, window 37 on 48 tokens a rank: rank r's last 36 K,V tokens to
+    r + 1 (k's dtype), in the backward again, plus their dK,dV back in ring_grad_dtype;
+    nothing else moves. (Hybrid's ring holds 96 tokens a rank over 2 ring ranks.)"""
+    inputs, results = cp_results
+    cases = _indices(lambda c, u, lay, name, *_: c == "ring" and lay == "contiguous"
+                     and name in ("w37", "sinks+w37"))
+    assert len(cases) == 5  # fp32, bf16, bf16 dK,dV, and with sinks in fp32 and bf16
+    for i in cases:
+        _, _, _, name, (_, Hkv, D), dtype, grad_dtype = _cases()[i]
+        halo = 2 * 2 * 36 * Hkv * D  # (k, v) x B x (w - 1) x Hkv x D
+        esz, gsz = torch.finfo(dtype).bits // 8, 2 if grad_dtype == "bf16" else 4
         for rank in range(WORLD):
-            pos = rank_positions(N, rank, WORLD, layout, ulysses=u)
-            got = results[rank][i]
-            fwd, bwd = fwd + got[5], bwd + got[6]
-            if comm == "ring" and layout == "contiguous" and name == "w37":
-                # The halo: rank r's last 36 K,V tokens to r + 1 (k's dtype), and in the
-                # backward again, plus their fp32 dK,dV back: nothing else moves.
-                halo = 2 * 2 * 36 * heads[1] * heads[2]  # (k, v) x B x (w - 1) x Hkv x D
-                esz = torch.finfo(dtype).bits // 8
-                st = got[7]
-                assert st["fwd_bytes_sent"] == (rank < WORLD - 1) * halo * esz, st
-                assert st["fwd_bytes_recv"] == (rank > 0) * halo * esz, st
-                assert st["bwd_bytes_sent"] == ((rank < WORLD - 1) * halo * esz
-                                                + (rank > 0) * halo * 4), st
-                assert st["bwd_bytes_recv"] == ((rank > 0) * halo * esz
-                                                + (rank < WORLD - 1) * halo * 4), st
-            for nm, a, b in zip(("out", "lse", "dq", "dk", "dv"), got[:5], want):
-                b = b[:, :, pos] if nm == "lse" else b[:, pos]
-                torch.testing.assert_close(
-                    a.float(), b, **tolerance(dtype, b),
-                    msg=lambda m: f"{comm} u={u} {layout} {name} {heads} {dtype} rank {rank} "
-                                  f"{nm}: {m}")
-        # FLOPs = exactly the mask's visible pairs (2 samples; Ulysses and hybrid count
-        # H/u heads per rank, the same total over ranks).
-        per_pair = 4 * 2 * heads[0] * heads[2]
-        assert fwd == per_pair * int(mask.sum()), (comm, layout, name, fwd)
-        assert bwd == fwd * 5 // 2, (comm, layout, name, bwd)
+            st, first, last = results[rank][i][6], rank == 0, rank == WORLD - 1
+            assert st["fwd_bytes_sent"] == (not last) * halo * esz, (i, rank, st)
+            assert st["fwd_bytes_recv"] == (not first) * halo * esz, (i, rank, st)
+            assert st["bwd_bytes_sent"] == (not last) * halo * esz + (not first) * halo * gsz
+            assert st["bwd_bytes_recv"] == (not first) * halo * esz + (not last) * halo * gsz
+        _check_case(i, inputs, results)

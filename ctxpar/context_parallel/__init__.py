@@ -11,7 +11,8 @@ One file per communication pattern, beside the pieces they share:
 
     layouts.py    contiguous / zigzag / striped token layouts (two-level under hybrid)
     blocks.py     the causal block plan, per-block compute, the blockwise autograd wrapper
-    mask.py       AttentionMask: causal, sliding window, documents (what each query sees)
+    mask.py       AttentionMask: causal, sliding window, documents, chunks, sinks
+    sinks.py      attention sinks: one more softmax term per head, after the merge
     kernels.py    per-block kernels with log-sum-exp: flash_attn, sdpa, math
     merge.py      the log-sum-exp merge of two partial results
     comm.py       RingComm (P2P) and the all-gather / reduce-scatter / all-to-all calls

@@ -4,8 +4,9 @@ Forward: every rank all-gathers the stacked K,V of the CP group at KV-head width
 GQA only Hkv heads travel, which is why Llama 3 chose it), in group-rank order, so slot
 src holds the tokens of ``rank_positions(.., src, ..)``. Then the local queries attend to
 every slot with the ring's causal block plan (blocks.step_plan: invisible blocks are
-skipped, the diagonal one is causal; with documents one block per shared document) and the blocks merge by log-sum-exp, exactly as the
-ring would, only without waiting step by step. Overlap: the gather is asynchronous and
+skipped, the diagonal one is causal; with documents, chunks or a window one block per
+shared piece) and the blocks merge by log-sum-exp (then the sinks' term, sinks.py),
+exactly as the ring would, only without waiting step by step. Overlap: the gather is asynchronous and
 the diagonal block, which needs only the local K,V, is computed while it is in flight.
 
 Backward: K,V are gathered again (holding every layer's gathered K,V until its backward
@@ -25,6 +26,7 @@ from functools import partial
 from .blocks import QueryRows, backward_block, forward_block_, step_plan
 from .comm import all_gather, group_rank_and_size, reduce_scatter
 from .merge import empty_accumulators
+from .sinks import finish
 
 
 def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causal: bool,
@@ -45,7 +47,7 @@ def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causa
         work.wait()
 
 
-def allgather_forward(q, k, v, group, causal, layout, scale, kernel, mask=None):
+def allgather_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, sinks=None):
     """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries."""
     rank, world = group_rank_and_size(group)
     kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
@@ -54,7 +56,7 @@ def allgather_forward(q, k, v, group, causal, layout, scale, kernel, mask=None):
     for _, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
                                           mask):
         forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse, b)
-    return out.to(q.dtype), lse
+    return finish(out, lse, q.dtype, sinks)
 
 
 def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,

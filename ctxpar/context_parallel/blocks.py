@@ -19,6 +19,7 @@ from .documents import doc_plan
 from .kernels import block_kernel
 from .layouts import rank_positions
 from .merge import merge_block_
+from .sinks import sinks_grad
 from .stats import attention_flops, record
 
 
@@ -71,7 +72,7 @@ def step_plan(layout, causal, rank, src, S, world, mask=None):
     if mask is None or mask.plain:
         blk = block_plan(layout, causal, rank, src, S)
         return [] if blk is None else [(slice(None), blk)]
-    return _mask_step_plan(layout, causal, rank, src, S, world, _mask_key(mask))
+    return _mask_step_plan(layout, causal, rank, src, S, world, mask_key(mask))
 
 
 def ring_steps(layout, causal, S, world, mask=None) -> int:
@@ -80,14 +81,25 @@ def ring_steps(layout, causal, S, world, mask=None) -> int:
     has the same mask, so all agree without talking)."""
     if mask is None or mask.plain:
         return world
-    return _mask_ring_steps(layout, causal, S, world, _mask_key(mask))
+    return _mask_ring_steps(layout, causal, S, world, mask_key(mask))
 
 
-def _mask_key(mask):
-    """(window, per-sample boundaries or None): hashable, for the plan caches."""
+def mask_key(mask):
+    """(window, per-sample boundaries or None): hashable, for the plan caches. The API
+    has already folded chunks into the boundaries (mask.with_chunks)."""
     docs = None if mask.cu_seqlens is None \
         else tuple(tuple(cu.tolist()) for cu in mask.cu_seqlens)
     return mask.sliding_window, docs
+
+
+def sample_bounds(docs, n: int):
+    """[(samples, boundaries)]: the whole batch at once when every sample has the same
+    boundaries (none, or chunks alone), else one entry per sample."""
+    if docs is None:
+        return [(slice(None), torch.tensor([0, n]))]
+    if len(set(docs)) == 1:
+        return [(slice(None), torch.tensor(docs[0]))]
+    return [(slice(b, b + 1), torch.tensor(cu)) for b, cu in enumerate(docs)]
 
 
 # Plans depend only on the mask and shapes: made once per micro-batch for every layer,
@@ -97,11 +109,8 @@ def _mask_step_plan(layout, causal, rank, src, S, world, key):
     window, docs = key
     q_pos = rank_positions(S * world, rank, world, layout)
     k_pos = q_pos if src == rank else rank_positions(S * world, src, world, layout)
-    if docs is None:  # a window alone: one plan for the whole batch
-        whole = torch.tensor([0, S * world])
-        return [(slice(None), blk) for blk in doc_plan(whole, q_pos, k_pos, causal, window)]
-    return [(slice(b, b + 1), blk) for b, cu in enumerate(docs)
-            for blk in doc_plan(torch.tensor(cu), q_pos, k_pos, causal, window)]
+    return [(b, blk) for b, cu in sample_bounds(docs, S * world)
+            for blk in doc_plan(cu, q_pos, k_pos, causal, window)]
 
 
 @lru_cache(maxsize=256)
@@ -184,22 +193,26 @@ class BlockwiseAttention(torch.autograd.Function):
     """(out, lse) of a blockwise pattern; lse is returned but not differentiable.
 
     ``pattern`` is its (forward, backward) pair of functions (ring.py, allgather.py):
-        forward(q, k, v, group, causal, layout, scale, kernel) -> (out, lse)
+        forward(q, k, v, group, causal, layout, scale, kernel, sinks=) -> (out, lse)
         backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel) -> dq, dk, dv
-    Saved for backward: q, k, v, out, lse (the local shards; nothing gathered).
+    sinks: None or (H,) sink logits over q's heads, applied by the forward to the merged
+    rows (sinks.py); the saved out and lse include them, which makes the pattern's
+    backward exact as it is, and the sinks' gradient is this rank's rows' share.
+    Saved for backward: q, k, v, out, lse (the local shards; nothing gathered), sinks.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, pattern, group, causal, layout, scale, kernel):
+    def forward(ctx, q, k, v, pattern, group, causal, layout, scale, kernel, sinks=None):
         forward_fn, ctx.backward_fn = pattern
-        out, lse = forward_fn(q, k, v, group, causal, layout, scale, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = forward_fn(q, k, v, group, causal, layout, scale, kernel, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, causal, layout, scale, kernel)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ctx.backward_fn(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[9] else None
+        return dq, dk, dv, None, None, None, None, None, None, dsinks

@@ -8,8 +8,9 @@ receives rank r - 1's (rank 0 receives nothing, the last rank sends nothing).
 
     forward   halo K,V -> r+1 (2*B*h*Hkv*D in k's dtype), one P2P batch, overlapped with
               the local (banded) block; then the halo block
-    backward  halo K,V again -> r+1, and the halo's dK,dV (fp32, exact) back <- to r-1,
-              who adds them into its last h rows
+    backward  halo K,V again -> r+1, and the halo's dK,dV back <- to r-1 (in the ring's
+              ring_grad_dtype: fp32 exact, bf16 half the bytes and one rounding), who
+              adds them in fp32 into its last h rows
 
 ring.py hands over to this whenever it applies (comm 'ring' and the ring of 'hybrid').
 """
@@ -20,11 +21,13 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .blocks import QueryRows, backward_block, forward_block_, step_plan
+from .blocks import (QueryRows, backward_block, forward_block_, mask_key, sample_bounds,
+                     step_plan)
 from .comm import NoComm, group_rank_and_size
 from .documents import doc_plan
 from .layouts import rank_positions
 from .merge import empty_accumulators
+from .sinks import finish
 from .stats import record_comm
 
 
@@ -40,11 +43,8 @@ def _halo_plan(rank: int, S: int, world: int, h: int, key):
     window, docs = key
     q_pos = rank_positions(S * world, rank, world, "contiguous")
     k_pos = torch.arange(rank * S - h, rank * S)
-    if docs is None:
-        whole = torch.tensor([0, S * world])
-        return [(slice(None), blk) for blk in doc_plan(whole, q_pos, k_pos, True, window)]
-    return [(slice(b, b + 1), blk) for b, cu in enumerate(docs)
-            for blk in doc_plan(torch.tensor(cu), q_pos, k_pos, True, window)]
+    return [(b, blk) for b, cu in sample_bounds(docs, S * world)
+            for blk in doc_plan(cu, q_pos, k_pos, True, window)]
 
 
 def _peer(group, rank: int) -> int:
@@ -81,7 +81,7 @@ def _wait(reqs) -> None:
         req.wait()
 
 
-def halo_forward(q, k, v, group, causal, layout, scale, kernel, mask):
+def halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks=None):
     """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32): the local band, then the halo block."""
     rank, world = group_rank_and_size(group)
     S, h = q.shape[1], mask.sliding_window - 1
@@ -91,13 +91,15 @@ def halo_forward(q, k, v, group, causal, layout, scale, kernel, mask):
         forward_block_(kernel, q, k, v, blk, scale, out, lse, b)
     _wait(reqs)
     if h and rank > 0:
-        for b, blk in _halo_plan(rank, S, world, h, _key(mask)):
+        for b, blk in _halo_plan(rank, S, world, h, mask_key(mask)):
             forward_block_(kernel, q, halo[0], halo[1], blk, scale, out, lse, b)
-    return out.to(q.dtype), lse
+    return finish(out, lse, q.dtype, sinks)
 
 
-def halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel, mask):
-    """(dq, dk, dv): the halo K,V come again, their fp32 dK,dV go back to rank - 1."""
+def halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel, mask,
+                  grad_dtype: torch.dtype = torch.float32):
+    """(dq, dk, dv): the halo K,V come again, their dK,dV go back to rank - 1 in
+    `grad_dtype` (the ring's ring_grad_dtype; summed in fp32 on both sides)."""
     rank, world = group_rank_and_size(group)
     S, h = q.shape[1], mask.sliding_window - 1
     halo, reqs = _halo_kv(k, v, h, group, rank, world, "bwd") if h else (None, [])
@@ -114,19 +116,15 @@ def halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
     dhalo = torch.zeros((2, *halo.shape[1:]), dtype=torch.float32, device=q.device)
     if rank > 0:
-        for b, blk in _halo_plan(rank, S, world, h, _key(mask)):
+        for b, blk in _halo_plan(rank, S, world, h, mask_key(mask)):
             qs, ks, g = backward_block(kernel, rows, halo[0], halo[1], blk, scale, b)
             dq[b, qs] += g[0]
             dhalo[0, b, ks] += g[1]
             dhalo[1, b, ks] += g[2]
-    recv = torch.zeros_like(dhalo)
-    _wait(_exchange(group, rank, world, dhalo, recv, False, "bwd"))
+    send = dhalo.to(grad_dtype)  # no copy in fp32
+    recv = torch.zeros_like(send)
+    _wait(_exchange(group, rank, world, send, recv, False, "bwd"))
     if rank < world - 1 and not isinstance(group, NoComm):
         dkv[:, :, S - h:] += recv
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
-
-def _key(mask):
-    docs = None if mask.cu_seqlens is None \
-        else tuple(tuple(cu.tolist()) for cu in mask.cu_seqlens)
-    return mask.sliding_window, docs

@@ -28,15 +28,18 @@ from .blocks import QueryRows, backward_block, forward_block_, ring_steps, step_
 from .comm import NoComm, RingComm, group_rank_and_size
 from .halo import halo_applies, halo_backward, halo_forward
 from .merge import empty_accumulators
+from .sinks import finish
 from .stats import attention_flops, record
 
 
-def _local_forward(q, k, v, causal, scale, kernel):
+def _local_forward(q, k, v, causal, scale, kernel, sinks=None):
     """A rank alone: one kernel call over everything, no accumulators."""
     B, S, H, D = q.shape
     out, lse = kernel.forward(q, k, v, causal, scale)
     pairs = S * (S + 1) // 2 if causal else S * S
     record(fwd_flops=attention_flops(B, H, D, pairs, "fwd"), fwd_blocks=1)
+    if sinks is not None:
+        return finish(out, lse.float(), q.dtype, sinks)
     return out, lse.contiguous()  # kept for backward, sent by Ulysses: contiguous
 
 
@@ -68,18 +71,19 @@ class KVRing:
         self.step += 1
 
 
-def ring_forward(q, k, v, group, causal, layout, scale, kernel, mask=None):
+def ring_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, sinks=None):
     """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries.
 
     group: a process group, None (the world) or a comm.NoComm (the local KV stands in for
     every received block, no byte moves: the benchmark's compute-only ring).
     mask: None (plain causal or full) or the AttentionMask (mask.py; windows, documents).
+    sinks: None or (H,) sink logits, applied once to the merged rows (sinks.py).
     """
     rank, world = group_rank_and_size(group)
     if world == 1 and mask is None:
-        return _local_forward(q, k, v, causal, scale, kernel)
+        return _local_forward(q, k, v, causal, scale, kernel, sinks)
     if halo_applies(layout, mask, q.shape[1], world):  # a short window: one neighbour's tail
-        return halo_forward(q, k, v, group, causal, layout, scale, kernel, mask)
+        return halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks)
     S = q.shape[1]
     out, lse = empty_accumulators(q)
     steps = ring_steps(layout, causal, S, world, mask)  # < world: the mask ends the ring early
@@ -95,7 +99,7 @@ def ring_forward(q, k, v, group, causal, layout, scale, kernel, mask=None):
     if comm:
         record(fwd_bytes_sent=comm.bytes_sent, fwd_bytes_recv=comm.bytes_recv,
                fwd_comm_ops=comm.ops)
-    return out.to(q.dtype), lse
+    return finish(out, lse, q.dtype, sinks)
 
 
 def _local_backward(dout, q, k, v, out, lse, causal, scale, kernel):
@@ -125,7 +129,7 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
         return _local_backward(dout, q, k, v, out, lse, causal, scale, kernel)
     if halo_applies(layout, mask, q.shape[1], world):
         return halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
-                             mask)
+                             mask, grad_dtype)
     S = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # (2,B,S,Hkv,D)
