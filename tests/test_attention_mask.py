@@ -307,13 +307,16 @@ def test_sinks_and_their_gradient_match_one_process(cp_results, comm):
 
 
 def test_the_halo_moves_only_the_previous_ranks_tail_in_the_ring_grad_dtype(cp_results):
-    """Ring, contiguous, window 37 on 48 tokens a rank: rank r's last 36 K,V tokens to
-    r + 1 (k's dtype), in the backward again, plus their dK,dV back in ring_grad_dtype;
-    nothing else moves. (Hybrid's ring holds 96 tokens a rank over 2 ring ranks.)"""
+    """Ring and all-gather, contiguous, window 37 on 48 tokens a rank: rank r's last 36
+    K,V tokens to r + 1 (k's dtype), in the backward again, plus their dK,dV back in
+    ring_grad_dtype (all-gather: fp32); nothing else moves. (Hybrid's ring holds 96 tokens
+    a rank over 2 ring ranks.)"""
     inputs, results = cp_results
-    cases = _indices(lambda c, u, lay, name, *_: c == "ring" and lay == "contiguous"
-                     and name in ("w37", "sinks+w37"))
-    assert len(cases) == 5  # fp32, bf16, bf16 dK,dV, and with sinks in fp32 and bf16
+    cases = _indices(lambda c, u, lay, name, *_: c in ("ring", "allgather")
+                     and lay == "contiguous" and name in ("w37", "sinks+w37"))
+    # ring: fp32, bf16, bf16 dK,dV, with sinks in fp32 and bf16; all-gather: fp32, bf16,
+    # with sinks in fp32
+    assert len(cases) == 8
     for i in cases:
         _, _, _, name, (_, Hkv, D), dtype, grad_dtype = _cases()[i]
         halo = 2 * 2 * 36 * Hkv * D  # (k, v) x B x (w - 1) x Hkv x D

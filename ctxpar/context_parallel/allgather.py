@@ -15,7 +15,10 @@ local block is computed during that gather, and the fp32 dK,dV of every slot are
 reduce-scattered home (summing P contributions in fp32, as the ring's accumulator does).
 
 Every rank holds the whole sequence's K,V (2 x n x Hkv x D) while its attention runs:
-the memory the ring avoids. See docs/parallelism.md for bytes and when to choose it.
+the memory the ring avoids. Except under a causal window no longer than a rank's share
+plus one, contiguous layout: the only visible remote keys are then rank r-1's last
+window-1 tokens, and gathering just those is the ring's halo exchange (halo.py), which
+all-gather then runs as well (the same bytes, no gathered sequence). See docs/parallelism.md for bytes and when to choose it.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from functools import partial
 
 from .blocks import QueryRows, backward_block, forward_block_, step_plan
 from .comm import all_gather, group_rank_and_size, reduce_scatter
+from .halo import halo_applies, halo_backward, halo_forward
 from .merge import empty_accumulators
 from .sinks import finish
 
@@ -50,6 +54,8 @@ def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causa
 def allgather_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, sinks=None):
     """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries."""
     rank, world = group_rank_and_size(group)
+    if halo_applies(layout, mask, q.shape[1], world):  # only rank - 1's tail is visible
+        return halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks)
     kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
     gathered, work = all_gather(kv, group, "fwd", async_op=True)   # (P, 2, B, S, Hkv, D)
     out, lse = empty_accumulators(q)
@@ -64,6 +70,9 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, ke
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads."""
     rank, world = group_rank_and_size(group)
     dout = dout.contiguous()
+    if halo_applies(layout, mask, q.shape[1], world):
+        return halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
+                             mask)
     kv = torch.stack((k, v))
     gathered, work = all_gather(kv, group, "bwd", async_op=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -12,7 +12,8 @@ receives rank r - 1's (rank 0 receives nothing, the last rank sends nothing).
               ring_grad_dtype: fp32 exact, bf16 half the bytes and one rounding), who
               adds them in fp32 into its last h rows
 
-ring.py hands over to this whenever it applies (comm 'ring' and the ring of 'hybrid').
+ring.py and allgather.py hand over to this whenever it applies (comm 'ring', the ring of
+'hybrid', and 'allgather': what it would gather beyond the halo is invisible anyway).
 """
 from __future__ import annotations
 
