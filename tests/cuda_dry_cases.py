@@ -8,8 +8,8 @@ computed, so the shapes are small and the cases many: each kernel's forward and 
 (sdpa's flash op for bf16/fp16, its memory-efficient op for fp32, flash-attn 2.5, 2.6 and
 2.7+ and FlashAttention-4 through stand-ins with the real signatures), every CP pattern on
 one rank and on 4 simulated ranks (comm.NoComm) in every layout, documents, windows, chunks
-and sinks, head dims that need padding (60, 100), GQA and MQA, the GPT in bf16 under each checkpointing mode, and
-the pipeline's blocks with documents.
+and sinks, head dims that need padding (60, 100), GQA and MQA, the GPT in bf16 under each
+checkpointing mode, and the pipeline's blocks with documents.
 """
 import math
 import os

@@ -33,6 +33,7 @@ MASKS = {  # name -> AttentionMask's (causal, sliding_window, cu_seqlens, chunk_
     "w37": (True, 37, None, None, False),
     "w100": (True, 100, None, None, False),
     "w37+docs": (True, 37, CU, None, False),
+    "w20": (True, 20, None, None, False),  # 19 <= 24: zigzag's halo too
     "w1": (True, 1, None, None, False),
     "chunk40": (True, None, None, 40, False),
     "chunk40 bidirectional": (False, None, None, 40, False),
@@ -247,16 +248,28 @@ def cp_results():
     return inputs, run_distributed(_masked_cp, WORLD, pickle.dumps(inputs), timeout=600)
 
 
+_REFERENCES = {}  # (mask name, heads, dtype) -> (mask, expected): shared by the comms
+
+
+def _expected(inputs, name, heads, dtype):
+    """The dense mask and the one-process (out, lse, dq, dk, dv[, dsinks]) for a case."""
+    key = (name, heads, dtype)
+    if key not in _REFERENCES:
+        causal, w, cu, chunk, with_sinks = MASKS[name]
+        mask = dense_mask(N, causal, w, cu, chunk)
+        q, k, v, dout = (x.to(dtype).float().requires_grad_() for x in inputs[heads])
+        sinks = SINKS.clone().requires_grad_() if with_sinks else None
+        want_o, want_lse = reference(q, k, v, mask.expand(2, N, N), heads[2] ** -0.5, sinks)
+        leaves = (q, k, v) + ((sinks,) if with_sinks else ())
+        _REFERENCES[key] = mask, (want_o.detach(), want_lse.detach(),
+                                  *torch.autograd.grad(want_o, leaves, dout.detach()))
+    return _REFERENCES[key]
+
+
 def _check_case(i, inputs, results):
     comm, u, layout, name, heads, dtype, grad_dtype = _cases()[i]
-    causal, w, cu, chunk, with_sinks = MASKS[name]
-    mask = dense_mask(N, causal, w, cu, chunk)
-    q, k, v, dout = (x.to(dtype).float().requires_grad_() for x in inputs[heads])
-    sinks = SINKS.clone().requires_grad_() if with_sinks else None
-    want_o, want_lse = reference(q, k, v, mask.expand(2, N, N), heads[2] ** -0.5, sinks)
-    leaves = (q, k, v) + ((sinks,) if with_sinks else ())
-    want = (want_o.detach(), want_lse.detach(),
-            *torch.autograd.grad(want_o, leaves, dout.detach()))
+    with_sinks = MASKS[name][4]
+    mask, want = _expected(inputs, name, heads, dtype)
     tol_dtype = torch.bfloat16 if grad_dtype == "bf16" else dtype  # dK,dV rounded per hop
     fwd = bwd = 0
     dsinks = torch.zeros(4)
@@ -304,6 +317,26 @@ def test_chunks_crossing_rank_boundaries_match_one_process(cp_results, comm):
 def test_sinks_and_their_gradient_match_one_process(cp_results, comm):
     for i in _indices(lambda c, u, lay, name, *_: c == comm and name.startswith("sinks")):
         _check_case(i, *cp_results)
+
+
+def test_the_zigzag_halo_moves_two_neighbours_tails(cp_results):
+    """Ring and all-gather, zigzag, window 20 (h = 19 <= 24 tokens a chunk): rank r sends
+    its first chunk's tail to r + 1 and its second's to r - 1 and gets one from each: two
+    links inside the line, one at its ends, (k, v) x B x h x Hkv x D bytes a link each way,
+    in the forward and again in the backward beside the dK,dV going back (fp32 here)."""
+    inputs, results = cp_results
+    cases = _indices(lambda c, u, lay, name, *_: lay == "zigzag" and name == "w20"
+                     and c in ("ring", "allgather"))
+    assert len(cases) == 2
+    for i in cases:
+        comm, _, _, _, (_, Hkv, D), dtype, _ = _cases()[i]
+        link = 2 * 2 * 19 * Hkv * D * 4  # fp32 K,V; the fp32 dK,dV back are as large
+        for rank in range(WORLD):
+            links = (rank > 0) + (rank < WORLD - 1)
+            st = results[rank][i][6]
+            assert st["fwd_bytes_sent"] == st["fwd_bytes_recv"] == links * link, (comm, st)
+            assert st["bwd_bytes_sent"] == st["bwd_bytes_recv"] == 2 * links * link, st
+        _check_case(i, inputs, results)
 
 
 def test_the_halo_moves_only_the_previous_ranks_tail_in_the_ring_grad_dtype(cp_results):

@@ -4,7 +4,7 @@ One file per communication pattern, beside the pieces they share:
 
     api.py        context_parallel_attention(comm=...), ring_attention, ContextParallel
     ring.py       comm="ring": K,V blocks over a P2P ring, overlapped step by step
-    halo.py       the ring under a short sliding window (contiguous): one neighbour's tail
+    halo.py       the ring under a short sliding window (contiguous, zigzag): neighbours' tails
     allgather.py  comm="allgather": K,V all-gathered once (Llama 3), dK,dV reduce-scattered
     ulysses.py    comm="ulysses": all-to-all sequence <-> heads around one local kernel
     hybrid.py     comm="hybrid": Ulysses inside each ring rank, the ring across (USP)

@@ -6,8 +6,9 @@ src holds the tokens of ``rank_positions(.., src, ..)``. Then the local queries 
 every slot with the ring's causal block plan (blocks.step_plan: invisible blocks are
 skipped, the diagonal one is causal; with documents, chunks or a window one block per
 shared piece) and the blocks merge by log-sum-exp (then the sinks' term, sinks.py),
-exactly as the ring would, only without waiting step by step. Overlap: the gather is asynchronous and
-the diagonal block, which needs only the local K,V, is computed while it is in flight.
+exactly as the ring would, only without waiting step by step. Overlap: the gather is
+asynchronous and the diagonal block, which needs only the local K,V, is computed while it
+is in flight.
 
 Backward: K,V are gathered again (holding every layer's gathered K,V until its backward
 would cost P x the local K,V per layer; one layer's at a time is the peak instead), the
@@ -15,10 +16,11 @@ local block is computed during that gather, and the fp32 dK,dV of every slot are
 reduce-scattered home (summing P contributions in fp32, as the ring's accumulator does).
 
 Every rank holds the whole sequence's K,V (2 x n x Hkv x D) while its attention runs:
-the memory the ring avoids. Except under a causal window no longer than a rank's share
-plus one, contiguous layout: the only visible remote keys are then rank r-1's last
-window-1 tokens, and gathering just those is the ring's halo exchange (halo.py), which
-all-gather then runs as well (the same bytes, no gathered sequence). See docs/parallelism.md for bytes and when to choose it.
+the memory the ring avoids. Except under a causal window short enough for the ring's
+halo exchange (halo.py: contiguous or zigzag): the only visible remote keys are then the
+neighbours' last window-1 tokens, and gathering just those is that exchange, which
+all-gather then runs as well (the same bytes, no gathered sequence). See
+docs/parallelism.md for bytes and when to choose it.
 """
 from __future__ import annotations
 

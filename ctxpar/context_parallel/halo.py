@@ -1,16 +1,25 @@
-"""The ring as a halo exchange: a sliding window shorter than a rank's share, contiguous layout.
+"""The ring as a halo exchange: a sliding window shorter than a rank's chunks.
 
-Under the contiguous layout rank r holds positions [r*S, (r+1)*S). With a causal window w
-(mask.py: a query sees itself and the w - 1 keys before it) and w - 1 <= S, the only
-remote keys any local query sees are the previous rank's last h = w - 1 tokens. So instead
-of P - 1 ring steps of whole blocks, one message: rank r sends k, v[:, S-h:] to r + 1 and
-receives rank r - 1's (rank 0 receives nothing, the last rank sends nothing).
+With a causal window w (mask.py: a query sees itself and the w - 1 keys before it) the
+only remote keys a chunk of consecutive positions sees are the last h = w - 1 tokens of
+the chunk before it. When each rank's chunks are at least h long and the chunk before each
+lives on one neighbour, that tail is all a rank needs: one P2P batch instead of P - 1
+ring steps of whole blocks.
 
-    forward   halo K,V -> r+1 (2*B*h*Hkv*D in k's dtype), one P2P batch, overlapped with
-              the local (banded) block; then the halo block
-    backward  halo K,V again -> r+1, and the halo's dK,dV back <- to r-1 (in the ring's
-              ring_grad_dtype: fp32 exact, bf16 half the bytes and one rounding), who
-              adds them in fp32 into its last h rows
+    contiguous  (rank r holds positions [r*S, (r+1)*S); h <= S) r sends k, v[:, S-h:] to
+                r + 1 and receives r - 1's (rank 0 receives nothing, the last sends nothing)
+    zigzag      (rank r holds chunks r and 2P-1-r of S/2 each; h <= S/2) chunk r needs
+                chunk r-1's tail, on rank r-1; chunk 2P-1-r needs chunk 2P-2-r's, on rank
+                r+1 (rank P-1: its own first chunk, local). So r sends its first chunk's
+                tail to r + 1 and its second chunk's to r - 1: two links, twice
+                contiguous's bytes, still independent of n and P
+    striped     token i on rank i mod P: a window of w >= P reaches every rank, no halo
+
+    forward   halo K,V (2*B*h*Hkv*D in k's dtype per link), one P2P batch overlapped with
+              the local (banded) blocks; then the halo blocks
+    backward  halo K,V again, and the halo's dK,dV back to where they came from (in the
+              ring's ring_grad_dtype: fp32 exact, bf16 half the bytes and one rounding),
+              added in fp32 into the sender's rows
 
 ring.py and allgather.py hand over to this whenever it applies (comm 'ring', the ring of
 'hybrid', and 'allgather': what it would gather beyond the halo is invisible anyway).
@@ -18,6 +27,7 @@ ring.py and allgather.py hand over to this whenever it applies (comm 'ring', the
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import List, NamedTuple, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,19 +41,45 @@ from .merge import empty_accumulators
 from .sinks import finish
 from .stats import record_comm
 
+HALO_LAYOUTS = {"contiguous": 1, "zigzag": 2}  # layout -> chunks per rank
+
 
 def halo_applies(layout: str, mask, S: int, world: int) -> bool:
-    """A window alone decides who sees whom within one neighbour: the halo exchange."""
-    return (layout == "contiguous" and world > 1 and mask is not None
-            and mask.sliding_window is not None and mask.sliding_window - 1 <= S)
+    """A window alone decides who sees whom within one neighbour's chunk: the halo."""
+    return (layout in HALO_LAYOUTS and world > 1 and mask is not None
+            and mask.sliding_window is not None
+            and mask.sliding_window - 1 <= S // HALO_LAYOUTS[layout])
+
+
+class Links(NamedTuple):
+    """This rank's halo traffic: sends [(peer, local rows)], receives [(peer, first global
+    position)], each h tokens long; receives in ascending position order."""
+
+    sends: List[Tuple[int, slice]]
+    recvs: List[Tuple[int, int]]
 
 
 @lru_cache(maxsize=1024)
-def _halo_plan(rank: int, S: int, world: int, h: int, key):
-    """[(samples, block)] of the local queries against the previous rank's last h keys."""
+def _links(layout: str, rank: int, world: int, S: int, h: int) -> Links:
+    if layout == "contiguous":
+        return Links([(rank + 1, slice(S - h, S))] if rank + 1 < world else [],
+                     [(rank - 1, rank * S - h)] if rank > 0 else [])
+    c = S // 2  # zigzag: chunks rank (rows [0, c)) and 2P-1-rank (rows [c, 2c))
+    sends = ([(rank + 1, slice(c - h, c))] if rank + 1 < world else []) \
+        + ([(rank - 1, slice(2 * c - h, 2 * c))] if rank > 0 else [])
+    recvs = ([(rank - 1, rank * c - h)] if rank > 0 else []) \
+        + ([(rank + 1, (2 * world - 1 - rank) * c - h)] if rank + 1 < world else [])
+    return Links(sends, recvs)
+
+
+@lru_cache(maxsize=1024)
+def _halo_plan(layout: str, rank: int, S: int, world: int, h: int, key):
+    """[(samples, block)] of the local queries against the received halo tokens (in the
+    order of Links.recvs, concatenated)."""
     window, docs = key
-    q_pos = rank_positions(S * world, rank, world, "contiguous")
-    k_pos = torch.arange(rank * S - h, rank * S)
+    q_pos = rank_positions(S * world, rank, world, layout)
+    k_pos = torch.cat([torch.arange(p, p + h) for _, p in _links(layout, rank, world, S, h)
+                       .recvs])
     return [(b, blk) for b, cu in sample_bounds(docs, S * world)
             for blk in doc_plan(cu, q_pos, k_pos, True, window)]
 
@@ -52,29 +88,27 @@ def _peer(group, rank: int) -> int:
     return dist.get_global_rank(dist.group.WORLD if group is None else group, rank)
 
 
-def _exchange(group, rank, world, send, recv, to_next: bool, phase: str):
-    """Start one P2P batch: `send` to the next (previous) rank, `recv` from the previous
-    (next); the ends of the line skip what has no partner. Returns the requests."""
-    if isinstance(group, NoComm):
+def _exchange(group, sends, recvs, phase: str):
+    """Start one P2P batch of sends [(peer, tensor)] and receives [(peer, tensor)];
+    returns the requests (none on a NoComm group: nothing moves)."""
+    if isinstance(group, NoComm) or not (sends or recvs):
         return []
-    nxt, prv = (rank + 1, rank - 1) if to_next else (rank - 1, rank + 1)
-    ops, sent, got = [], 0, 0
-    if 0 <= nxt < world:
-        ops.append(dist.P2POp(dist.isend, send, _peer(group, nxt), group=group))
-        sent = send.numel() * send.element_size()
-    if 0 <= prv < world:
-        ops.append(dist.P2POp(dist.irecv, recv, _peer(group, prv), group=group))
-        got = recv.numel() * recv.element_size()
-    record_comm(phase, sent, got)
-    return dist.batch_isend_irecv(ops) if ops else []
+    ops = [dist.P2POp(dist.isend, t, _peer(group, p), group=group) for p, t in sends] \
+        + [dist.P2POp(dist.irecv, t, _peer(group, p), group=group) for p, t in recvs]
+    record_comm(phase, sum(t.numel() * t.element_size() for _, t in sends),
+                sum(t.numel() * t.element_size() for _, t in recvs))
+    return dist.batch_isend_irecv(ops)
 
 
-def _halo_kv(k, v, h: int, group, rank: int, world: int, phase: str):
-    """(2, B, h, Hkv, D) buffer being filled with rank - 1's last h K,V, and its requests
-    (a NoComm group: the local tail stands in, nothing moves)."""
-    send = torch.stack((k[:, k.shape[1] - h:], v[:, v.shape[1] - h:]))
-    recv = send.clone() if isinstance(group, NoComm) else torch.empty_like(send)
-    return recv, _exchange(group, rank, world, send, recv, True, phase)
+def _halo_kv(k, v, links: Links, h: int, group, phase: str):
+    """One (2, B, h, Hkv, D) buffer per receive being filled with its peer's K,V tail, and
+    the requests (a NoComm group: local rows stand in, nothing moves)."""
+    sends = [(p, torch.stack((k[:, rows], v[:, rows]))) for p, rows in links.sends]
+    if isinstance(group, NoComm):
+        return [torch.stack((k[:, :h], v[:, :h])) for _ in links.recvs], []
+    recvs = [(p, torch.empty((2, k.shape[0], h, *k.shape[2:]), dtype=k.dtype,
+                             device=k.device)) for p, _ in links.recvs]
+    return [t for _, t in recvs], _exchange(group, sends, recvs, phase)
 
 
 def _wait(reqs) -> None:
@@ -82,28 +116,34 @@ def _wait(reqs) -> None:
         req.wait()
 
 
-def halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks=None):
-    """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32): the local band, then the halo block."""
+def _setup(q, group, layout, mask):
+    """rank, world, S (local tokens), h (the halo's length) and this rank's Links."""
     rank, world = group_rank_and_size(group)
     S, h = q.shape[1], mask.sliding_window - 1
-    halo, reqs = _halo_kv(k, v, h, group, rank, world, "fwd") if h else (None, [])
+    return rank, world, S, h, _links(layout, rank, world, S, h)
+
+
+def halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks=None):
+    """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32): the local blocks, then the halo's."""
+    rank, world, S, h, links = _setup(q, group, layout, mask)
+    bufs, reqs = _halo_kv(k, v, links, h, group, "fwd") if h else ([], [])
     out, lse = empty_accumulators(q)
     for b, blk in step_plan(layout, causal, rank, rank, S, world, mask):
         forward_block_(kernel, q, k, v, blk, scale, out, lse, b)
     _wait(reqs)
-    if h and rank > 0:
-        for b, blk in _halo_plan(rank, S, world, h, mask_key(mask)):
+    if bufs:
+        halo = torch.cat(bufs, dim=2)  # (2, B, h * receives, Hkv, D)
+        for b, blk in _halo_plan(layout, rank, S, world, h, mask_key(mask)):
             forward_block_(kernel, q, halo[0], halo[1], blk, scale, out, lse, b)
     return finish(out, lse, q.dtype, sinks)
 
 
 def halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel, mask,
                   grad_dtype: torch.dtype = torch.float32):
-    """(dq, dk, dv): the halo K,V come again, their dK,dV go back to rank - 1 in
-    `grad_dtype` (the ring's ring_grad_dtype; summed in fp32 on both sides)."""
-    rank, world = group_rank_and_size(group)
-    S, h = q.shape[1], mask.sliding_window - 1
-    halo, reqs = _halo_kv(k, v, h, group, rank, world, "bwd") if h else (None, [])
+    """(dq, dk, dv): the halo K,V come again, their dK,dV go back to where they came from
+    in `grad_dtype` (the ring's ring_grad_dtype; summed in fp32 on both sides)."""
+    rank, world, S, h, links = _setup(q, group, layout, mask)
+    bufs, reqs = _halo_kv(k, v, links, h, group, "bwd") if h else ([], [])
     rows = QueryRows(dout.contiguous(), q, out, lse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
@@ -115,17 +155,22 @@ def halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     _wait(reqs)
     if not h:
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-    dhalo = torch.zeros((2, *halo.shape[1:]), dtype=torch.float32, device=q.device)
-    if rank > 0:
-        for b, blk in _halo_plan(rank, S, world, h, mask_key(mask)):
+    dhalo = None
+    if bufs:
+        halo = torch.cat(bufs, dim=2)
+        dhalo = torch.zeros(halo.shape, dtype=torch.float32, device=q.device)
+        for b, blk in _halo_plan(layout, rank, S, world, h, mask_key(mask)):
             qs, ks, g = backward_block(kernel, rows, halo[0], halo[1], blk, scale, b)
             dq[b, qs] += g[0]
             dhalo[0, b, ks] += g[1]
             dhalo[1, b, ks] += g[2]
-    send = dhalo.to(grad_dtype)  # no copy in fp32
-    recv = torch.zeros_like(send)
-    _wait(_exchange(group, rank, world, send, recv, False, "bwd"))
-    if rank < world - 1 and not isinstance(group, NoComm):
-        dkv[:, :, S - h:] += recv
+    # Each received tail's dK,dV back to its sender; ours come from where we sent.
+    sends = [(p, dhalo[:, :, i * h:(i + 1) * h].to(grad_dtype).contiguous())
+             for i, (p, _) in enumerate(links.recvs)]
+    recvs = [(p, torch.zeros((2, k.shape[0], h, *k.shape[2:]), dtype=grad_dtype,
+                             device=q.device)) for p, _ in links.sends]
+    _wait(_exchange(group, sends, recvs, "bwd"))
+    if not isinstance(group, NoComm):
+        for (_, local_rows), (_, got) in zip(links.sends, recvs):
+            dkv[:, :, local_rows] += got
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
