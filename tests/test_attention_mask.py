@@ -361,3 +361,26 @@ def test_the_halo_moves_only_the_previous_ranks_tail_in_the_ring_grad_dtype(cp_r
             assert st["bwd_bytes_sent"] == (not last) * halo * esz + (not first) * halo * gsz
             assert st["bwd_bytes_recv"] == (not first) * halo * esz + (not last) * halo * gsz
         _check_case(i, inputs, results)
+
+
+def test_chunks_move_only_the_tail_of_the_chunk_a_rank_starts_in(cp_results):
+    """Ring and all-gather, contiguous, chunks of 40 on 48 tokens a rank (causal): rank r
+    starts at 48r, inside the chunk from 40 * (48r // 40), so it needs only that chunk's
+    tokens before 48r (8, 16, 24 for ranks 1-3) from rank r - 1; those K,V, and their
+    fp32 dK,dV back, are all that moves."""
+    inputs, results = cp_results
+    cases = _indices(lambda c, u, lay, name, *_: c in ("ring", "allgather")
+                     and lay == "contiguous" and name == "chunk40")
+    assert len(cases) == 2
+    reach = {r: 48 * r % 40 for r in range(1, WORLD)}
+    assert list(reach.values()) == [8, 16, 24]
+    for i in cases:
+        _, _, _, _, (_, Hkv, D), dtype, _ = _cases()[i]
+        per_token = 2 * 2 * Hkv * D * 4  # (k, v) x B x Hkv x D, fp32
+        for rank in range(WORLD):
+            st = results[rank][i][6]
+            sent = reach.get(rank + 1, 0) * per_token
+            got = reach.get(rank, 0) * per_token
+            assert (st["fwd_bytes_sent"], st["fwd_bytes_recv"]) == (sent, got), (i, rank, st)
+            assert st["bwd_bytes_sent"] == st["bwd_bytes_recv"] == sent + got, (i, rank, st)
+        _check_case(i, inputs, results)

@@ -144,7 +144,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             chunked = {}  # one union per distinct tensor (one for the whole batch, usually)
             docs = [chunked.setdefault(id(cu), with_chunks(cu, mask.chunk_size))
                     for cu in docs]
-        mask = AttentionMask(causal, mask.sliding_window, docs)
+        mask = AttentionMask(causal, mask.sliding_window, docs, mask.chunk_size)
     plan_mask = None if mask.plain else mask  # None: the plain causal / full block plan
     if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
