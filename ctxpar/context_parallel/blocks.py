@@ -87,6 +87,9 @@ def ring_steps(layout, causal, S, world, mask=None) -> int:
 def mask_key(mask):
     """(window, per-sample boundaries or None): hashable, for the plan caches. The API
     has already folded chunks into the boundaries (mask.with_chunks)."""
+    if mask.chunk_size is not None and mask.cu_seqlens is None:
+        raise ValueError(f"chunk_size={mask.chunk_size} reaches the block plan unfolded: "
+                         "context_parallel_attention folds chunks into cu_seqlens")
     docs = None if mask.cu_seqlens is None \
         else tuple(tuple(cu.tolist()) for cu in mask.cu_seqlens)
     return mask.sliding_window, docs

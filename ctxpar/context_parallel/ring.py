@@ -82,7 +82,7 @@ def ring_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, sinks
     rank, world = group_rank_and_size(group)
     if world == 1 and mask is None:
         return _local_forward(q, k, v, causal, scale, kernel, sinks)
-    if halo_applies(layout, mask, q.shape[1], world):  # a short window: one neighbour's tail
+    if halo_applies(layout, mask, q.shape[1], world):  # short window or chunks: the halo
         return halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks)
     S = q.shape[1]
     out, lse = empty_accumulators(q)
