@@ -7,9 +7,9 @@ checks shapes, dtypes, which kernel ran with which causal flag and scale. Nothin
 computed, so the shapes are small and the cases many: each kernel's forward and backward
 (sdpa's flash op for bf16/fp16, its memory-efficient op for fp32, flash-attn 2.5, 2.6 and
 2.7+ and FlashAttention-4 through stand-ins with the real signatures), every CP pattern on
-one rank and on 4 simulated ranks (comm.NoComm) in every layout, documents, head dims that
-need padding (60, 100), GQA and MQA, the GPT in bf16 under each checkpointing mode, and
-the pipeline's blocks with documents.
+one rank and on 4 simulated ranks (comm.NoComm) in every layout, documents, windows, chunks
+and sinks, head dims that need padding (60, 100), GQA and MQA, the GPT in bf16 under each
+checkpointing mode, and the pipeline's blocks with documents.
 """
 import math
 import os
@@ -250,6 +250,30 @@ def test_documents(comm, layout, monkeypatch):
                                      (4, 2), 60, cu_seqlens=_docs(S_LOCAL * world, 1),
                                      batch=1)
                 assert {c.op for c in calls} <= set(SDPA_FLASH)
+        check_clean(mode)
+
+
+@pytest.mark.parametrize("comm,layout", [("ring", "contiguous"), ("allgather", "zigzag"),
+                                         ("ulysses", "striped"), ("hybrid", "contiguous")])
+def test_windows_chunks_and_sinks(comm, layout, monkeypatch):
+    """AttentionMask's window (5: shorter than a rank's 8 tokens, the contiguous ring's and
+    hybrid's halo), chunks of 6 (crossing shard edges) and per-head sinks on CUDA, one rank
+    and 4 simulated ones, each comm in one layout (the plan is the host's, tested on CPU for
+    all): the sinks' term and its gradient on the device, nothing read back; the sinks'
+    gradient is (heads,) on CUDA."""
+    from ctxpar.context_parallel import AttentionMask
+    with dry.fake_cuda(monkeypatch) as mode:
+        for world in (1, P):
+            for rank in range(world):
+                sinks = rand(4, dtype=FP32).requires_grad_()
+                q, k, v = (rand(1, S_LOCAL, h, 64).requires_grad_() for h in (4, 2, 2))
+                mask = AttentionMask(causal=True, sliding_window=5, chunk_size=6, sinks=sinks)
+                out = context_parallel_attention(q, k, v, comm=comm, layout=layout,
+                                                 backend="sdpa", mask=mask,
+                                                 **_groups(comm, rank, world))
+                assert out.shape == q.shape and out.dtype == BF16
+                grads = torch.autograd.grad(out, (q, k, v, sinks), rand(*out.shape))
+                check_grads((q, k, v, sinks), grads)
         check_clean(mode)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ctxpar.context_parallel import rank_positions, ring_attention, shard_sequence
+from ctxpar.context_parallel import AttentionMask, rank_positions, ring_attention, shard_sequence
 from ctxpar.context_parallel.documents import check_cu_seqlens, doc_plan, reference_mask
 from ctxpar.testing import run_distributed
 from ctxpar.testing.attention import PATTERNS, FlashOnCpu, masked_reference, tolerance
@@ -251,7 +251,8 @@ def _short_docs(rank, world, payload):
                 o, lse = ring_attention(ql, kl, vl, causal=True, layout=layout,
                                         return_lse=True, cu_seqlens=cu)
                 o.backward(shard_sequence(dout, 1, None, layout))
-            steps = blocks.ring_steps(layout, True, S_LOCAL, world, [cu.long()])
+            steps = blocks.ring_steps(layout, True, S_LOCAL, world,
+                                     AttentionMask(True, cu_seqlens=[cu.long()]))
             out[name, layout] = (o.detach(), lse, ql.grad, kl.grad, vl.grad, steps,
                                  st.fwd_comm_ops, st.bwd_comm_ops)
     return out

@@ -4,12 +4,15 @@ One file per communication pattern, beside the pieces they share:
 
     api.py        context_parallel_attention(comm=...), ring_attention, ContextParallel
     ring.py       comm="ring": K,V blocks over a P2P ring, overlapped step by step
+    halo.py       the ring under a short sliding window (contiguous, zigzag): neighbours' tails
     allgather.py  comm="allgather": K,V all-gathered once (Llama 3), dK,dV reduce-scattered
     ulysses.py    comm="ulysses": all-to-all sequence <-> heads around one local kernel
     hybrid.py     comm="hybrid": Ulysses inside each ring rank, the ring across (USP)
 
     layouts.py    contiguous / zigzag / striped token layouts (two-level under hybrid)
     blocks.py     the causal block plan, per-block compute, the blockwise autograd wrapper
+    mask.py       AttentionMask: causal, sliding window, documents, chunks, sinks
+    sinks.py      attention sinks: one more softmax term per head, after the merge
     kernels.py    per-block kernels with log-sum-exp: flash_attn, sdpa, math
     merge.py      the log-sum-exp merge of two partial results
     comm.py       RingComm (P2P) and the all-gather / reduce-scatter / all-to-all calls
@@ -17,12 +20,14 @@ One file per communication pattern, beside the pieces they share:
 """
 from .api import CP_COMMS, ContextParallel, context_parallel_attention, ring_attention
 from .comm import LOCAL, NoComm
+from .mask import AttentionMask
 from .layouts import (LAYOUTS, gather_sequence, num_chunks, rank_positions,
                       sequence_positions, shard_sequence)
 from .stats import CPStats, RingStats, cp_stats, ring_stats
 
 __all__ = [
-    "CP_COMMS", "CPStats", "ContextParallel", "LAYOUTS", "LOCAL", "NoComm", "RingStats",
+    "AttentionMask", "CP_COMMS", "CPStats", "ContextParallel", "LAYOUTS", "LOCAL", "NoComm",
+    "RingStats",
     "context_parallel_attention", "cp_stats", "gather_sequence", "num_chunks",
     "rank_positions", "ring_attention", "ring_stats", "sequence_positions", "shard_sequence",
 ]

@@ -4,9 +4,11 @@ Forward: every rank all-gathers the stacked K,V of the CP group at KV-head width
 GQA only Hkv heads travel, which is why Llama 3 chose it), in group-rank order, so slot
 src holds the tokens of ``rank_positions(.., src, ..)``. Then the local queries attend to
 every slot with the ring's causal block plan (blocks.step_plan: invisible blocks are
-skipped, the diagonal one is causal; with documents one block per shared document) and the blocks merge by log-sum-exp, exactly as the
-ring would, only without waiting step by step. Overlap: the gather is asynchronous and
-the diagonal block, which needs only the local K,V, is computed while it is in flight.
+skipped, the diagonal one is causal; with documents, chunks or a window one block per
+shared piece) and the blocks merge by log-sum-exp (then the sinks' term, sinks.py),
+exactly as the ring would, only without waiting step by step. Overlap: the gather is
+asynchronous and the diagonal block, which needs only the local K,V, is computed while it
+is in flight.
 
 Backward: K,V are gathered again (holding every layer's gathered K,V until its backward
 would cost P x the local K,V per layer; one layer's at a time is the peak instead), the
@@ -14,7 +16,11 @@ local block is computed during that gather, and the fp32 dK,dV of every slot are
 reduce-scattered home (summing P contributions in fp32, as the ring's accumulator does).
 
 Every rank holds the whole sequence's K,V (2 x n x Hkv x D) while its attention runs:
-the memory the ring avoids. See docs/parallelism.md for bytes and when to choose it.
+the memory the ring avoids. Except under a causal window short enough for the ring's
+halo exchange (halo.py: contiguous or zigzag): the only visible remote keys are then the
+neighbours' last window-1 tokens, and gathering just those is that exchange, which
+all-gather then runs as well (the same bytes, no gathered sequence). See
+docs/parallelism.md for bytes and when to choose it.
 """
 from __future__ import annotations
 
@@ -24,19 +30,21 @@ from functools import partial
 
 from .blocks import QueryRows, backward_block, forward_block_, step_plan
 from .comm import all_gather, group_rank_and_size, reduce_scatter
+from .halo import halo_applies, halo_backward, halo_forward
 from .merge import empty_accumulators
+from .sinks import finish
 
 
 def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causal: bool,
-                   docs=None):
+                   mask=None):
     """(src, samples, block, K,V of rank src) for every block with a visible pair, the
     local slot first (its K,V are here before the gather lands); waits for the gather only
     when a remote slot is needed, and before returning in any case (the collective
     completes). kv (2, B, S, Hkv, D) local; gathered (P, 2, B, S, Hkv, D) in group-rank
-    order; docs: None or per-sample cu_seqlens (documents.py)."""
+    order; mask: None (plain causal or full) or the AttentionMask (mask.py) to plan by."""
     S = kv.shape[2]
     for src in [rank] + [s for s in range(world) if s != rank]:
-        for b, blk in step_plan(layout, causal, rank, src, S, world, docs):
+        for b, blk in step_plan(layout, causal, rank, src, S, world, mask):
             if src != rank and work is not None:
                 work.wait()
                 work = None
@@ -45,30 +53,35 @@ def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causa
         work.wait()
 
 
-def allgather_forward(q, k, v, group, causal, layout, scale, kernel, docs=None):
+def allgather_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, sinks=None):
     """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries."""
     rank, world = group_rank_and_size(group)
+    if halo_applies(layout, mask, q.shape[1], world):  # only rank - 1's tail is visible
+        return halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks)
     kv = torch.stack((k, v))                                       # (2, B, S, Hkv, D)
     gathered, work = all_gather(kv, group, "fwd", async_op=True)   # (P, 2, B, S, Hkv, D)
     out, lse = empty_accumulators(q)
     for _, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
-                                          docs):
+                                          mask):
         forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse, b)
-    return out.to(q.dtype), lse
+    return finish(out, lse, q.dtype, sinks)
 
 
 def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
-                       docs=None):
+                       mask=None):
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads."""
     rank, world = group_rank_and_size(group)
     dout = dout.contiguous()
+    if halo_applies(layout, mask, q.shape[1], world):
+        return halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
+                             mask)
     kv = torch.stack((k, v))
     gathered, work = all_gather(kv, group, "bwd", async_op=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((world, *kv.shape), dtype=torch.float32, device=q.device)
     rows = QueryRows(dout, q, out, lse)
     for src, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
-                                            docs):
+                                            mask):
         qs, ks, g = backward_block(kernel, rows, slot[0], slot[1], blk, scale, b)
         dq[b, qs] += g[0]
         dkv[src, 0, b, ks] += g[1]
@@ -81,9 +94,9 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, ke
 PATTERN = (allgather_forward, allgather_backward)  # for blocks.BlockwiseAttention
 
 
-def allgather_pattern(docs=None):
-    """The all-gather's (forward, backward), masked by documents when `docs` (per-sample
-    cu_seqlens, documents.py) is given."""
-    if docs is None:
+def allgather_pattern(mask=None):
+    """The all-gather's (forward, backward), planned by `mask` (an AttentionMask with
+    validated per-sample cu_seqlens, mask.py) when given."""
+    if mask is None:
         return PATTERN
-    return partial(allgather_forward, docs=docs), partial(allgather_backward, docs=docs)
+    return partial(allgather_forward, mask=mask), partial(allgather_backward, mask=mask)

@@ -30,7 +30,8 @@ from .documents import check_cu_seqlens
 from .hybrid import hybrid_attention
 from .kernels import default_scale, get_backend
 from .layouts import check_layout
-from .ulysses import ulysses_attention
+from .mask import AttentionMask, with_chunks
+from .ulysses import head_shard, ulysses_attention
 
 CP_COMMS = ("ring", "allgather", "ulysses", "hybrid")
 
@@ -79,7 +80,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                causal: bool = False, layout: str = "contiguous",
                                softmax_scale: Optional[float] = None, backend: str = "auto",
                                return_lse: bool = False, ring_grad_dtype: str = "fp32",
-                               cu_seqlens=None):
+                               cu_seqlens=None, mask: Optional[AttentionMask] = None):
     """softmax(q k^T * scale) v over the full sequence, sharded across a CP group.
 
     q: (batch, local_seq, heads, head_dim); k, v: (batch, local_seq, kv_heads, head_dim)
@@ -98,6 +99,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (documents.py), with every comm and backend: one dense or causal kernel call per
     document a block shares (the rare irregular block: an explicit mask, on the math
     kernel where the backend takes none).
+    mask: the whole description instead of `causal` and `cu_seqlens` (mask.AttentionMask:
+    causal, sliding_window, cu_seqlens, chunk_size, sinks); give one form or the other, not
+    both. Blocks with no visible pair get no kernel call and the ring stops after the last
+    step with one. Chunks are documents cut every chunk_size tokens (inside any given
+    ones); sinks (heads,) join every row's softmax after the merge (sinks.py), on every
+    comm and backend, and get this rank's share of their gradient.
 
     Returns out (batch, local_seq, heads, head_dim) in q's dtype, and with return_lse also
     lse (batch, heads, local_seq) fp32 (not differentiable).
@@ -117,46 +124,65 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         cp_group = _world_group(cp_group)
         u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
     _check_inputs(q, k, v, comm, layout, u, caller)
-    docs = None
-    if cu_seqlens is not None:
+    if mask is None:
+        mask = AttentionMask(causal=bool(causal), cu_seqlens=cu_seqlens)
+    elif not isinstance(mask, AttentionMask) or causal or cu_seqlens is not None:
+        raise ValueError(f"{caller}: give mask=AttentionMask(...) or causal=/cu_seqlens=, "
+                         "not both")
+    causal, sinks = mask.causal, mask.sinks
+    if sinks is not None and (sinks.shape != (q.shape[2],) or sinks.device != q.device):
+        raise ValueError(f"{caller}: sinks of shape {tuple(sinks.shape)} on {sinks.device} "
+                         f"must be ({q.shape[2]},) on {q.device}: one logit per query head")
+    if mask.cu_seqlens is not None or mask.chunk_size is not None:
         cp_size = (group_rank_and_size(ulysses_group)[1] * group_rank_and_size(ring_group)[1]
                    if comm == "hybrid" else group_rank_and_size(cp_group)[1])
-        docs = check_cu_seqlens(cu_seqlens, q.shape[1] * cp_size, q.shape[0], caller)
+        n = q.shape[1] * cp_size
+        cus = torch.tensor([0, n], dtype=torch.int32) if mask.cu_seqlens is None \
+            else mask.cu_seqlens
+        docs = check_cu_seqlens(cus, n, q.shape[0], caller)
+        if mask.chunk_size is not None:
+            chunked = {}  # one union per distinct tensor (one for the whole batch, usually)
+            docs = [chunked.setdefault(id(cu), with_chunks(cu, mask.chunk_size))
+                    for cu in docs]
+        mask = AttentionMask(causal, mask.sliding_window, docs, mask.chunk_size)
+    plan_mask = None if mask.plain else mask  # None: the plain causal / full block plan
     if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
                          f"ring's dK,dV (comm 'ring' or 'hybrid'), not comm={comm!r}")
     kernel = get_backend(backend, q)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    causal = bool(causal)
     lse = None
     if comm in ("ring", "allgather"):
-        pattern = ring.ring_pattern(ring_grad_dtype, docs) if comm == "ring" \
-            else allgather.allgather_pattern(docs)
+        pattern = ring.ring_pattern(ring_grad_dtype, plan_mask) if comm == "ring" \
+            else allgather.allgather_pattern(plan_mask)
         out, lse = BlockwiseAttention.apply(q, k, v, pattern, cp_group, causal, layout, scale,
-                                            kernel)
+                                            kernel, sinks)
     elif comm == "ulysses":
-        local_pattern = ring.ring_pattern("fp32", docs)  # documents: one block per document
+        local_pattern = ring.ring_pattern("fp32", plan_mask)  # the mask's blocks only
+        head_sinks = head_shard(sinks, cp_group)
 
         def local(qh, kh, vh):  # the whole sequence of H/u heads: one kernel call
             return BlockwiseAttention.apply(qh, kh, vh, local_pattern, LOCAL, causal, layout,
-                                            scale, kernel)
+                                            scale, kernel, head_sinks)
         out, lse = ulysses_attention(q, k, v, cp_group, layout, local, return_lse)
     else:
         out, lse = hybrid_attention(q, k, v, ulysses_group, ring_group, causal, layout, scale,
-                                    kernel, return_lse, ring_grad_dtype, docs)
+                                    kernel, return_lse, ring_grad_dtype, plan_mask,
+                                    head_shard(sinks, ulysses_group))
     return (out, lse) if return_lse else out
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                    causal: bool = False, layout: str = "contiguous",
                    softmax_scale: Optional[float] = None, backend: str = "auto",
-                   return_lse: bool = False, cu_seqlens=None):
+                   return_lse: bool = False, cu_seqlens=None,
+                   mask: Optional[AttentionMask] = None):
     """``context_parallel_attention(comm="ring", cp_group=group, ...)``: K,V blocks travel
     a P2P ring over `group` (None = the world; no process group at all = plain attention)."""
     return context_parallel_attention(q, k, v, comm="ring", cp_group=group, causal=causal,
                                       layout=layout, softmax_scale=softmax_scale,
                                       backend=backend, return_lse=return_lse,
-                                      cu_seqlens=cu_seqlens)
+                                      cu_seqlens=cu_seqlens, mask=mask)
 
 
 @dataclass(frozen=True)
@@ -189,11 +215,11 @@ class ContextParallel:
         return cls(comm, state.cp_group, state.ulysses_group, state.ring_group, layout,
                    ring_grad_dtype)
 
-    def attention(self, q, k, v, *, causal: bool, backend: str = "auto",
+    def attention(self, q, k, v, *, causal: bool = False, backend: str = "auto",
                   softmax_scale: Optional[float] = None, return_lse: bool = False,
-                  cu_seqlens=None):
+                  cu_seqlens=None, mask: Optional[AttentionMask] = None):
         return context_parallel_attention(
             q, k, v, comm=self.comm, cp_group=self.cp_group, ulysses_group=self.ulysses_group,
             ring_group=self.ring_group, causal=causal, layout=self.layout,
             softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
-            ring_grad_dtype=self.ring_grad_dtype, cu_seqlens=cu_seqlens)
+            ring_grad_dtype=self.ring_grad_dtype, cu_seqlens=cu_seqlens, mask=mask)

@@ -19,6 +19,7 @@ from .documents import doc_plan
 from .kernels import block_kernel
 from .layouts import rank_positions
 from .merge import merge_block_
+from .sinks import sinks_grad
 from .stats import attention_flops, record
 
 
@@ -63,44 +64,63 @@ def block_plan(layout: str, causal: bool, rank: int, src: int, local_seq: int) -
     return Block(1, S, 0, S - 1, True) if S > 1 else None
 
 
-def step_plan(layout, causal, rank, src, S, world, docs=None):
+def step_plan(layout, causal, rank, src, S, world, mask=None):
     """[(samples, block)] this rank computes against the keys of rank `src`: one block for
-    the whole batch (block_plan), or with documents (a list of per-sample cu_seqlens,
-    documents.py) one block per document the two sides share, per sample."""
-    if docs is None:
+    the whole batch (block_plan); with an AttentionMask (mask.py) of documents, windows or
+    both, the sub-blocks with a visible pair (documents.doc_plan): per document the two
+    sides share, per sample, or for the whole batch when there are no documents."""
+    if mask is None or mask.plain:
         blk = block_plan(layout, causal, rank, src, S)
         return [] if blk is None else [(slice(None), blk)]
-    return _doc_step_plan(layout, causal, rank, src, S, world, _docs_key(docs))
+    return _mask_step_plan(layout, causal, rank, src, S, world, mask_key(mask))
 
 
-def ring_steps(layout, causal, S, world, docs=None) -> int:
-    """How many ring steps carry work for some rank: all `world` without documents; with
-    them 1 + the last step at which any rank's queries share a document with the keys it
-    then holds (every CP rank has the same boundaries, so all agree without talking)."""
-    if docs is None:
+def ring_steps(layout, causal, S, world, mask=None) -> int:
+    """How many ring steps carry work for some rank: all `world` for a plain mask; else
+    1 + the last step at which any rank's queries see a key it then holds (every CP rank
+    has the same mask, so all agree without talking)."""
+    if mask is None or mask.plain:
         return world
-    return _doc_ring_steps(layout, causal, S, world, _docs_key(docs))
+    return _mask_ring_steps(layout, causal, S, world, mask_key(mask))
 
 
-def _docs_key(docs):
-    return tuple(tuple(cu.tolist()) for cu in docs)
+def mask_key(mask):
+    """(window, per-sample boundaries or None): hashable, for the plan caches. The API
+    has already folded chunks into the boundaries (mask.with_chunks)."""
+    if mask.chunk_size is not None and mask.cu_seqlens is None:
+        raise ValueError(f"chunk_size={mask.chunk_size} reaches the block plan unfolded: "
+                         "context_parallel_attention folds chunks into cu_seqlens")
+    docs = None if mask.cu_seqlens is None \
+        else tuple(tuple(cu.tolist()) for cu in mask.cu_seqlens)
+    return mask.sliding_window, docs
 
 
-# Plans depend only on the boundaries and shapes: made once per micro-batch for every
-# layer, forward and backward (a few small tensor ops per document otherwise).
+def sample_bounds(docs, n: int):
+    """[(samples, boundaries)]: the whole batch at once when every sample has the same
+    boundaries (none, or chunks alone), else one entry per sample."""
+    if docs is None:
+        return [(slice(None), torch.tensor([0, n]))]
+    if len(set(docs)) == 1:
+        return [(slice(None), torch.tensor(docs[0]))]
+    return [(slice(b, b + 1), torch.tensor(cu)) for b, cu in enumerate(docs)]
+
+
+# Plans depend only on the mask and shapes: made once per micro-batch for every layer,
+# forward and backward (a few small tensor ops per document otherwise).
 @lru_cache(maxsize=4096)
-def _doc_step_plan(layout, causal, rank, src, S, world, key):
+def _mask_step_plan(layout, causal, rank, src, S, world, key):
+    window, docs = key
     q_pos = rank_positions(S * world, rank, world, layout)
     k_pos = q_pos if src == rank else rank_positions(S * world, src, world, layout)
-    return [(slice(b, b + 1), blk) for b, cu in enumerate(key)
-            for blk in doc_plan(torch.tensor(cu), q_pos, k_pos, causal)]
+    return [(b, blk) for b, cu in sample_bounds(docs, S * world)
+            for blk in doc_plan(cu, q_pos, k_pos, causal, window)]
 
 
 @lru_cache(maxsize=256)
-def _doc_ring_steps(layout, causal, S, world, key) -> int:
+def _mask_ring_steps(layout, causal, S, world, key) -> int:
     return 1 + max(s for r in range(world) for s in range(world)
-                   if s == 0 or _doc_step_plan(layout, causal, r, (r - s) % world, S, world,
-                                               key))
+                   if s == 0 or _mask_step_plan(layout, causal, r, (r - s) % world, S, world,
+                                                key))
 
 
 def _kernel_for(kernel, blk, q: torch.Tensor):
@@ -176,22 +196,26 @@ class BlockwiseAttention(torch.autograd.Function):
     """(out, lse) of a blockwise pattern; lse is returned but not differentiable.
 
     ``pattern`` is its (forward, backward) pair of functions (ring.py, allgather.py):
-        forward(q, k, v, group, causal, layout, scale, kernel) -> (out, lse)
+        forward(q, k, v, group, causal, layout, scale, kernel, sinks=) -> (out, lse)
         backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel) -> dq, dk, dv
-    Saved for backward: q, k, v, out, lse (the local shards; nothing gathered).
+    sinks: None or (H,) sink logits over q's heads, applied by the forward to the merged
+    rows (sinks.py); the saved out and lse include them, which makes the pattern's
+    backward exact as it is, and the sinks' gradient is this rank's rows' share.
+    Saved for backward: q, k, v, out, lse (the local shards; nothing gathered), sinks.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, pattern, group, causal, layout, scale, kernel):
+    def forward(ctx, q, k, v, pattern, group, causal, layout, scale, kernel, sinks=None):
         forward_fn, ctx.backward_fn = pattern
-        out, lse = forward_fn(q, k, v, group, causal, layout, scale, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = forward_fn(q, k, v, group, causal, layout, scale, kernel, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, causal, layout, scale, kernel)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ctx.backward_fn(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[9] else None
+        return dq, dk, dv, None, None, None, None, None, None, dsinks

@@ -42,8 +42,10 @@ class DocBlock(NamedTuple):
     causal: bool                   # the kernel's causal mask (square, same positions)
     mask: Optional[torch.Tensor]   # (q1-q0, k1-k0) bool, True = visible; None = all visible
 
-    def pairs(self) -> int:  # (query, key) pairs the kernel evaluates
+    def pairs(self) -> int:  # visible (query, key) pairs: what the FLOP counters count
         L, S = self.q1 - self.q0, self.k1 - self.k0
+        if self.mask is not None:
+            return int(self.mask.sum())
         return L * (L + 1) // 2 if self.causal else L * S
 
 
@@ -85,12 +87,15 @@ def _runs(ids: torch.Tensor):
 
 
 def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-             causal: bool) -> List[DocBlock]:
-    """The sub-blocks of (queries at q_pos) x (keys at k_pos) that document masking leaves.
+             causal: bool, window: Optional[int] = None) -> List[DocBlock]:
+    """The sub-blocks of (queries at q_pos) x (keys at k_pos) that document masking (and a
+    causal sliding window inside each document, mask.py) leaves.
 
     q_pos, k_pos: ascending global positions (rank_positions) of the local queries and of
     the visiting keys.
     """
+    if window is not None:
+        return _window_plan(cu, q_pos, k_pos, window)
     q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
     plan = []
     for d, (q0, q1) in q_runs.items():
@@ -106,6 +111,49 @@ def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
             plan.append(DocBlock(q0, q1, k0, k1, True, None))
         else:
             plan.extend(_causal_part(q0, k0, qp, kp))
+    return plan
+
+
+def _window_plan(cu, q_pos, k_pos, window: int) -> List[DocBlock]:
+    """Per shared document, per tile of `window` query rows (at least 32), the keys with a
+    visible pair under the causal window, as one kernel call: unmasked when every pair is
+    visible, the kernel's causal on the same positions when the window hides none of the
+    causal pairs, else the band as an explicit (tile, <= tile + window) mask. Tiling keeps
+    the masks (and the host work) O(rows x window), never O(rows x keys). Nothing visible:
+    no block."""
+    q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
+    tile = max(window, 32)
+    plan = []
+    for d, (q0, q1) in q_runs.items():
+        if d not in k_runs:
+            continue
+        k0, k1 = k_runs[d]
+        kp = k_pos[k0:k1]
+        for t0 in range(q0, q1, tile):
+            qp = q_pos[t0:min(t0 + tile, q1)]
+            # keys at positions [first query - window + 1, last query]: a column range
+            c = int(torch.searchsorted(kp, qp[0] - window + 1))
+            e = int(torch.searchsorted(kp, qp[-1], right=True))
+            if c >= e:
+                continue
+            diff = qp[:, None] - kp[None, c:e]
+            vis = (diff >= 0) & (diff < window)
+            # one block per run of rows that see something (no kernel gets a blind row)
+            rows = vis.any(dim=1).nonzero().flatten()
+            for i, j in (_consecutive_runs(rows) if len(rows) else []):
+                a, b = int(rows[i]), int(rows[j - 1]) + 1
+                sub = vis[a:b]
+                cols = sub.any(dim=0).nonzero().flatten()
+                c2, e2 = int(cols[0]), int(cols[-1]) + 1
+                sub = sub[:, c2:e2]
+                blk = (t0 + a, t0 + b, k0 + c + c2, k0 + c + e2)
+                if sub.all():
+                    plan.append(DocBlock(*blk, False, None))
+                elif b - a == e2 - c2 and torch.equal(qp[a:b], kp[c + c2:c + e2]) \
+                        and torch.equal(sub, torch.ones_like(sub).tril()):
+                    plan.append(DocBlock(*blk, True, None))
+                else:
+                    plan.append(DocBlock(*blk, False, sub.clone()))
     return plan
 
 

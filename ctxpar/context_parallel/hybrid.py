@@ -23,15 +23,16 @@ from .ulysses import ulysses_attention
 
 def hybrid_attention(q, k, v, ulysses_group, ring_group, causal: bool, layout: str,
                      scale: float, kernel, return_lse: bool = False,
-                     ring_grad_dtype: str = "fp32", docs=None):
+                     ring_grad_dtype: str = "fp32", mask=None, sinks=None):
     """(out (B, s, H, D), lse (B, H, s) or None): Ulysses over ulysses_group around the ring
-    over ring_group (whose dK,dV travel in ring_grad_dtype). docs: None or per-sample
-    cu_seqlens of the full sequence; the ring's r shards of the two-level layout are
-    exactly a ring of r ranks' layout shards, so the ring's document plan applies as is."""
-    pattern = ring.ring_pattern(ring_grad_dtype, docs)
+    over ring_group (whose dK,dV travel in ring_grad_dtype). mask: None or the
+    AttentionMask of the full sequence (mask.py); the ring's r shards of the two-level
+    layout are exactly a ring of r ranks' layout shards, so the ring's plan applies as is.
+    sinks: None or the (H/u,) sink logits of this rank's head group (ulysses.head_shard)."""
+    pattern = ring.ring_pattern(ring_grad_dtype, mask)
 
     def ring_over_shards(qh, kh, vh):  # (B, n/r, H/u, D), (B, n/r, Hkv'/u, D)
         return BlockwiseAttention.apply(qh, kh, vh, pattern, ring_group, causal, layout,
-                                        scale, kernel)
+                                        scale, kernel, sinks)
 
     return ulysses_attention(q, k, v, ulysses_group, layout, ring_over_shards, return_lse)

@@ -26,16 +26,20 @@ from functools import partial
 
 from .blocks import QueryRows, backward_block, forward_block_, ring_steps, step_plan
 from .comm import NoComm, RingComm, group_rank_and_size
+from .halo import halo_applies, halo_backward, halo_forward
 from .merge import empty_accumulators
+from .sinks import finish
 from .stats import attention_flops, record
 
 
-def _local_forward(q, k, v, causal, scale, kernel):
+def _local_forward(q, k, v, causal, scale, kernel, sinks=None):
     """A rank alone: one kernel call over everything, no accumulators."""
     B, S, H, D = q.shape
     out, lse = kernel.forward(q, k, v, causal, scale)
     pairs = S * (S + 1) // 2 if causal else S * S
     record(fwd_flops=attention_flops(B, H, D, pairs, "fwd"), fwd_blocks=1)
+    if sinks is not None:
+        return finish(out, lse.float(), q.dtype, sinks)
     return out, lse.contiguous()  # kept for backward, sent by Ulysses: contiguous
 
 
@@ -67,32 +71,35 @@ class KVRing:
         self.step += 1
 
 
-def ring_forward(q, k, v, group, causal, layout, scale, kernel, docs=None):
+def ring_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, sinks=None):
     """(out (B,S,H,D) in q.dtype, lse (B,H,S) fp32) of this rank's queries.
 
     group: a process group, None (the world) or a comm.NoComm (the local KV stands in for
     every received block, no byte moves: the benchmark's compute-only ring).
-    docs: None, or the per-sample cu_seqlens (documents.check_cu_seqlens) to mask by.
+    mask: None (plain causal or full) or the AttentionMask (mask.py; windows, documents).
+    sinks: None or (H,) sink logits, applied once to the merged rows (sinks.py).
     """
     rank, world = group_rank_and_size(group)
-    if world == 1 and docs is None:
-        return _local_forward(q, k, v, causal, scale, kernel)
+    if world == 1 and mask is None:
+        return _local_forward(q, k, v, causal, scale, kernel, sinks)
+    if halo_applies(layout, mask, q.shape[1], world):  # short window or chunks: the halo
+        return halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks)
     S = q.shape[1]
     out, lse = empty_accumulators(q)
-    steps = ring_steps(layout, causal, S, world, docs)  # < world: documents end the ring early
+    steps = ring_steps(layout, causal, S, world, mask)  # < world: the mask ends the ring early
     comm = None if isinstance(group, NoComm) or steps == 1 else RingComm(group)
     ring = KVRing(k, v, comm, steps - 1)
     for step in range(steps):
         if comm and step + 1 < steps:  # start moving the next block before computing
             ring.start()
-        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, docs):
+        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, mask):
             forward_block_(kernel, q, *ring.kv, blk, scale, out, lse, b)
         if comm and step + 1 < steps:
             ring.finish()
     if comm:
         record(fwd_bytes_sent=comm.bytes_sent, fwd_bytes_recv=comm.bytes_recv,
                fwd_comm_ops=comm.ops)
-    return out.to(q.dtype), lse
+    return finish(out, lse, q.dtype, sinks)
 
 
 def _local_backward(dout, q, k, v, out, lse, causal, scale, kernel):
@@ -104,7 +111,7 @@ def _local_backward(dout, q, k, v, out, lse, causal, scale, kernel):
 
 
 def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
-                  grad_dtype: torch.dtype = torch.float32, docs=None):
+                  grad_dtype: torch.dtype = torch.float32, mask=None):
     """(dq, dk, dv) of this rank's q/k/v; dk/dv have k's kv_heads.
 
     With documents the ring stops after the last step any rank has work at
@@ -118,12 +125,15 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     """
     rank, world = group_rank_and_size(group)
     dout = dout.contiguous()  # a no-op for autograd's usual dout
-    if world == 1 and docs is None:
+    if world == 1 and mask is None:
         return _local_backward(dout, q, k, v, out, lse, causal, scale, kernel)
+    if halo_applies(layout, mask, q.shape[1], world):
+        return halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
+                             mask, grad_dtype)
     S = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # (2,B,S,Hkv,D)
-    steps = ring_steps(layout, causal, S, world, docs)  # < world: documents end the ring early
+    steps = ring_steps(layout, causal, S, world, mask)  # < world: the mask ends the ring early
     ring = not isinstance(group, NoComm) and steps > 1
     kv_comm, dkv_comm = (RingComm(group), RingComm(group)) if ring else (None, None)
     kv = KVRing(k, v, kv_comm, steps - 1)
@@ -135,7 +145,7 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
         if kv_comm and step + 1 < steps:
             kv.start()
         grads = []
-        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, docs):
+        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, mask):
             qs, ks, g = backward_block(kernel, rows, *kv.kv, blk, scale, b)
             dq[b, qs] += g[0]
             grads.append((b, ks, g))
@@ -173,12 +183,12 @@ PATTERN = (ring_forward, ring_backward)  # for blocks.BlockwiseAttention
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.ring_grad_dtype
 
 
-def ring_pattern(grad_dtype: str = "fp32", docs=None):
+def ring_pattern(grad_dtype: str = "fp32", mask=None):
     """The ring's (forward, backward) with dK,dV travelling in `grad_dtype` ('fp32'|'bf16'),
-    masked by documents when `docs` (per-sample cu_seqlens, documents.py) is given."""
+    planned by `mask` (an AttentionMask: windows, documents; mask.py) when given."""
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"ring_grad_dtype={grad_dtype!r} must be one of {list(GRAD_DTYPES)}")
-    if grad_dtype == "fp32" and docs is None:
+    if grad_dtype == "fp32" and mask is None:
         return PATTERN
-    return (partial(ring_forward, docs=docs),
-            partial(ring_backward, grad_dtype=GRAD_DTYPES[grad_dtype], docs=docs))
+    return (partial(ring_forward, mask=mask),
+            partial(ring_backward, grad_dtype=GRAD_DTYPES[grad_dtype], mask=mask))

@@ -12,9 +12,10 @@ formulas; tests/test_context_parallel.py asserts them):
   algorithm needs: a P2P message once; an all-gather of b bytes per rank (P-1)*b each way;
   a reduce-scatter to b bytes per rank (P-1)*b each way; an all-to-all of b bytes per rank
   (P-1)/P*b each way. No-communication runs (comm.NoComm) count no bytes.
-- flops: attention matmuls only, forward 4*B*H*D per (query, key) pair a kernel computes
-  (q k^T and p v), backward 2.5x that (recompute q k^T, then dv, dp, dq, dk). A causal
-  diagonal block of L rows counts L(L+1)/2 pairs.
+- flops: attention matmuls only, forward 4*B*H*D per visible (query, key) pair a kernel
+  computes (q k^T and p v), backward 2.5x that (recompute q k^T, then dv, dp, dq, dk). A
+  causal diagonal block of L rows counts L(L+1)/2 pairs; an explicitly masked block (a
+  window's band, mask.py) only its visible ones, so the total is the mask's exact count.
 - blocks: kernel calls; comm_ops: communication calls (one batched P2P exchange, one
   collective), the "collectives per layer" of the docs.
 """

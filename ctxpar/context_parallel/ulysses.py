@@ -46,6 +46,16 @@ def ulysses_kv_heads(kv_heads: int, ulysses: int) -> int:
     return kv_heads if kv_heads % ulysses == 0 else math.lcm(kv_heads, ulysses)
 
 
+def head_shard(per_head: Optional[torch.Tensor], group) -> Optional[torch.Tensor]:
+    """The H/u entries of an (H,) per-head tensor (attention sinks) for the heads this rank
+    holds between the all-to-alls: head group `rank` (_heads_message's piece order)."""
+    if per_head is None:
+        return None
+    rank, u = group_rank_and_size(group)
+    h = per_head.shape[0] // u
+    return per_head[rank * h:(rank + 1) * h]
+
+
 def _heads_message(x: torch.Tensor, u: int) -> torch.Tensor:
     """(B, s, h, D) -> (u, s, B, h/u, D): piece i = head group i (one copy)."""
     return x.unflatten(2, (u, x.shape[2] // u)).permute(2, 1, 0, 3, 4).contiguous()
