@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig, resolved_ffn_hidden
 from ..context_parallel.ulysses import ulysses_kv_heads
-from .layout import Layout
+from .candidate import Candidate as Layout  # the planner's candidate (ctxpar/plan/candidate.py)
 
 
 @dataclass(frozen=True)

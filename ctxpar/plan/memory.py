@@ -33,7 +33,7 @@ from typing import Dict, List
 
 from ..config import Config, deepspeed_config
 from . import counts, transients
-from .layout import Layout, apply_layout
+from .candidate import Candidate, apply_candidate
 from .zero_state import Shard, ZeroState, zero_config
 
 
@@ -88,19 +88,19 @@ class Memory:
         return next(p for p in self.phases if p.name == name)
 
 
-def tile_sizes(cfg: Config, s: counts.RankShapes, lay: Layout):
+def tile_sizes(cfg: Config, s: counts.RankShapes, cand: Candidate):
     """(loss tile, MLP tile) in tokens, 0 when that option is off: the memory modules' own
     rule for 'auto' (ctxpar/memory/tiled_loss.py, tiled_mlp.py)."""
     mem = cfg.memory
     loss = mlp = 0
-    if lay.tiled_loss:
+    if cand.tiled_loss:
         try:
             from ..memory.tiled_loss import loss_tile_tokens
         except ImportError:  # until the module lands: a given size, or one (N, d)'s worth
             def loss_tile_tokens(rows, vocab, d, setting):
                 return setting if setting != "auto" else max(1, rows * d // vocab)
         loss = loss_tile_tokens(s.N, s.V, s.d, mem.loss_tile_tokens)
-    if lay.tiled_mlp:
+    if cand.tiled_mlp:
         try:
             from ..memory.tiled_mlp import mlp_tile_tokens
         except ImportError:
@@ -116,10 +116,10 @@ def shard(m, tp: int, pp: int, stage: int) -> Shard:
                  largest=counts.largest_tensor(m, tp), layer=counts.layer_params(m, tp))
 
 
-def ds_zero(cfg: Config, lay: Layout) -> Dict:
+def ds_zero(cfg: Config, cand: Candidate) -> Dict:
     """zero_optimization as train.py hands it to DeepSpeed for this layout (the same
     ctxpar.config.deepspeed_config), with DeepSpeed's defaults for absent keys."""
-    return zero_config(deepspeed_config(apply_layout(cfg, lay), lay.dp))
+    return zero_config(deepspeed_config(apply_candidate(cfg, cand), cand.dp))
 
 
 @dataclass
@@ -127,7 +127,7 @@ class Stage:
     """What every phase of one pipeline stage's step reads: the rank's shapes, its saved
     activations, its ZeRO state and the terms each phase starts from."""
     cfg: Config
-    lay: Layout
+    cand: Candidate
     shapes: counts.RankShapes
     elem: int                  # bytes per activation element: 2 (bf16) or 4
     last: bool                 # the last stage: the final norm, the head and the loss
@@ -157,40 +157,40 @@ class Stage:
         return self.shapes.N * self.shapes.d * self.elem
 
 
-def stage(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, index: int, device: str,
+def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int, device: str,
           zero: Dict) -> Stage:
     """Stage `index`'s shapes, saved activations, model state and the micro-batches it
     holds at once (a pipeline's first stage holds pp - index of them)."""
     model, elem = cfg.model, 2 if bf16 else 4
-    shapes = counts.rank_shapes(model, lay)
-    first, last = index == 0, index == lay.pp - 1
-    blocks = counts.stage_layers(model, lay.pp, index)
-    loss_tile, mlp_tile = tile_sizes(cfg, shapes, lay)
-    act = counts.activations(model, lay, elem, blocks, first, last, cfg.data.reset_positions,
+    shapes = counts.rank_shapes(model, cand)
+    first, last = index == 0, index == cand.pp - 1
+    blocks = counts.stage_layers(model, cand.pp, index)
+    loss_tile, mlp_tile = tile_sizes(cfg, shapes, cand)
+    act = counts.activations(model, cand, elem, blocks, first, last, cfg.data.reset_positions,
                              tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile),
                              device=device)
-    sh = shard(model, lay.tp, lay.pp, index)
-    zero_state = ZeroState(sh, zero, lay.dp * lay.cp, bf16, device)
+    sh = shard(model, cand.tp, cand.pp, index)
+    zero_state = ZeroState(sh, zero, cand.dp * cand.cp, bf16, device)
     resident = zero_state.resident()
     host = {f"{k} (optimizer offload)": v for k, v in zero_state.host().items()}
     host_step = zero_state.host(step=True).get("optimizer temporaries", 0.0)
 
     # Saved activations on the device; offloaded ones on the host but for two blocks'.
     saved = list(act.layers)
-    if lay.offload_activations:
+    if cand.offload_activations:
         host["activations (offloaded)"] = sum(saved)
         keep = sorted(saved)[-2:]
         saved = [0.0] * (len(saved) - len(keep)) + keep
-    in_flight = min(lay.pp - index, grad_accum) if lay.pp > 1 else 1
-    if lay.offload_activations:
+    in_flight = min(cand.pp - index, grad_accum) if cand.pp > 1 else 1
+    if cand.offload_activations:
         host["activations (offloaded)"] *= in_flight
     others = {"activations, other micro-batches": (in_flight - 1) * (sum(saved) + act.embed
                                                                       + act.head)}
     # Gradients are kept between micro-batches (the last one's backward adds to them)
-    accumulating = grad_accum > 1 and lay.pp == 1
+    accumulating = grad_accum > 1 and cand.pp == 1
     accumulated = {"grads (accumulated)": zero_state.backward(1.0).get("grads", 0.0)} \
         if accumulating else {}
-    return Stage(cfg, lay, shapes, elem, last, device, counts.layer_modes(lay, blocks), act,
+    return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
                  saved, zero_state, sh, resident, {**resident, **zero_state.gathered(), **others},
                  accumulated, accumulating, host, host_step, loss_tile, mlp_tile)
 
@@ -199,11 +199,11 @@ def forward_phases(st: Stage) -> List[Phase]:
     """The forward at its last block (its working set: a replayed block's intermediates or
     a tiled MLP's tile, or the CP attention's buffers) and, on the last stage, at the loss
     (the logits beside the saved softmax)."""
-    s, lay, elem, mode = st.shapes, st.lay, st.elem, st.modes[-1]
+    s, cand, elem, mode = st.shapes, st.cand, st.elem, st.modes[-1]
     swiglu = st.cfg.model.mlp == "swiglu"
-    block = transients.block_forward(s, lay, mode, swiglu, elem, st.mlp_tile) \
+    block = transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile) \
         if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
-    working_set = max(block, transients.attention_forward(s, lay, elem))
+    working_set = max(block, transients.attention_forward(s, cand, elem))
     phases = [Phase("forward (last block)", {
         **st.base, **st.accumulated, "activations": sum(st.saved) + st.act.embed,
         "block working set": working_set})]
@@ -219,8 +219,8 @@ def head_gradients(st: Stage):
     """(bytes, elements): a tied head's weight gradient waits in autograd's buffer until
     the embedding adds its part (bytes, not yet the parameter's); an untied head's is the
     parameter's at once (elements of the stage's gradients). Both 0 off the last stage."""
-    head = counts.head_params(st.cfg.model, st.lay.tp) if st.last else 0
-    tied = st.cfg.model.tie_embeddings and st.lay.pp == 1
+    head = counts.head_params(st.cfg.model, st.cand.tp) if st.last else 0
+    tied = st.cfg.model.tie_embeddings and st.cand.pp == 1
     return (head * st.elem if tied else 0.0), (0 if tied else head)
 
 
@@ -239,8 +239,8 @@ def mlp_backward_working_set(st: Stage) -> float:
     after it, the MLP's dx beside the second norm's backward and the MLP's weight
     gradients a tiled MLP has not charged: the larger."""
     model, s, elem = st.cfg.model, st.shapes, st.elem
-    mlp = counts.mlp_params(model, st.lay.tp)
-    down = counts.down_proj_params(model, st.lay.tp)
+    mlp = counts.mlp_params(model, st.cand.tp)
+    down = counts.down_proj_params(model, st.cand.tp)
     during = transients.mlp_backward(s, model.mlp == "swiglu", elem, st.mlp_tile, mlp, down)
     after = transients.after_mlp_backward(s, elem, model.norm, st.device,
                                           (mlp - (0 if st.mlp_tile else down)) * elem)
@@ -254,14 +254,14 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     block's gradients but q/k/v's produced, the attention's buffers and dout).
     grads_above: parameter elements whose gradients exist already; saved_below: the
     saved bytes of the blocks the backward has not reached."""
-    model, s, lay, elem, mode = st.cfg.model, st.shapes, st.lay, st.elem, st.modes[i]
+    model, s, cand, elem, mode = st.cfg.model, st.shapes, st.cand, st.elem, st.modes[i]
     pending, _ = head_gradients(st)
-    psi, layer = st.shard.psi, counts.layer_params(model, lay.tp)
+    psi, layer = st.shard.psi, counts.layer_params(model, cand.tp)
     norm = counts.norm_saved(s, elem, model.norm, st.device)
     mlp_saved = 0.0 if st.mlp_tile else counts.mlp_intermediates_saved(s, elem)
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
-    replayed = transients.recompute(s, lay, elem, mode, mlp_saved, norm)
-    down = 0 if st.mlp_tile else counts.down_proj_params(model, lay.tp)  # tiled: in its set
+    replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm)
+    down = 0 if st.mlp_tile else counts.down_proj_params(model, cand.tp)  # tiled: in its set
     at_mlp = {**st.base, **st.grads((grads_above + down) / psi),
               "activations": saved_below + st.act.embed + st.act.layers[i],
               "recompute": replayed, "layer working set": mlp_backward_working_set(st),
@@ -269,10 +269,10 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     own = st.act.layers[i] - (mlp_part if mode == "none" else 0.0)
     attention_out = s.N * s.h * s.hd * elem  # the attention's output gradient (N, h, hd)
     at_attention = {
-        **st.base, **st.grads((grads_above + layer - counts.qkv_params(model, lay.tp)) / psi),
+        **st.base, **st.grads((grads_above + layer - counts.qkv_params(model, cand.tp)) / psi),
         "activations": saved_below + st.act.embed + own,
         "recompute": replayed - mlp_part if mode == "full" else 0.0,
-        "layer working set": transients.attention_backward(s, lay, elem) + attention_out,
+        "layer working set": transients.attention_backward(s, cand, elem) + attention_out,
         "activation grads": st.residual_grad + pending}
     best = max(at_mlp, at_attention, key=lambda t: sum(t.values()))
     return Phase(f"{name}, {'MLP' if best is at_mlp else 'attention'})", best)
@@ -282,7 +282,7 @@ def block_backward_phases(st: Stage) -> List[Phase]:
     """The first block the backward reaches (the stage's last, every other block's
     activations still saved) and the last it reaches (block 0, nearly every gradient made)."""
     _, head_grads = head_gradients(st)
-    blocks, layer = len(st.modes), counts.layer_params(st.cfg.model, st.lay.tp)
+    blocks, layer = len(st.modes), counts.layer_params(st.cfg.model, st.cand.tp)
     phases = [block_backward_phase(st, "backward (first block", blocks - 1, head_grads,
                                    sum(st.saved[:-1]))]
     if blocks > 1:
@@ -291,11 +291,11 @@ def block_backward_phases(st: Stage) -> List[Phase]:
     return phases
 
 
-def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage_index: int,
+def stage_memory(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, stage_index: int,
                  device: str, zero: Dict) -> Memory:
     """Every phase of pipeline stage `stage_index`'s step, in the order the program runs
-    them (the module docstring); zero: ds_zero(cfg, lay)."""
-    st = stage(cfg, lay, bf16, grad_accum, stage_index, device, zero)
+    them (the module docstring); zero: ds_zero(cfg, cand)."""
+    st = stage(cfg, cand, bf16, grad_accum, stage_index, device, zero)
     phases = forward_phases(st)
     if st.last:
         phases.append(loss_backward_phase(st))
@@ -311,14 +311,14 @@ def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage_in
     return Memory(phases, st.host, st.host_step)
 
 
-def memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int,
+def memory(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int,
            device: str = "cuda", zero: Dict = None) -> Memory:
     """Memory of the most loaded rank (pipeline stage 0, or the last with a big head);
-    zero: ds_zero(cfg, lay) when the caller has it (it does not depend on seq_len)."""
-    zero = zero or ds_zero(cfg, lay)
+    zero: ds_zero(cfg, cand) when the caller has it (it does not depend on seq_len)."""
+    zero = zero or ds_zero(cfg, cand)
     best = None
-    for index in sorted({0, lay.pp - 1}):
-        mem = stage_memory(cfg, lay, bf16, grad_accum, index, device, zero)
+    for index in sorted({0, cand.pp - 1}):
+        mem = stage_memory(cfg, cand, bf16, grad_accum, index, device, zero)
         if best is None or mem.peak > best.peak:
             best = mem
     return best
