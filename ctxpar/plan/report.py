@@ -57,7 +57,7 @@ def table(rows: List[List[Plan]], cluster: Cluster, top: int = 10) -> str:
 
 def explain(plan: Plan, cluster: Cluster) -> str:
     """Every term of one layout's memory and time."""
-    m, t = plan.memory, plan.time
+    t = plan.time
     lines = [f"layout: {plan.candidate.name()} on {cluster.nodes} x {cluster.gpus_per_node} "
              f"{cluster.gpu.name}"]
     lines += memory_lines(plan, cluster)

@@ -74,7 +74,7 @@ def fits(mem: Memory, cluster: Cluster) -> bool:
 
 
 def candidates(cfg: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)) -> List[Candidate]:
-    m, world = cfg.model, cluster.world
+    world = cluster.world
     opts = config_options(cfg)  # the config's memory options, kept for every layout
     out = []
     for tp in divisors(cluster.gpus_per_node):
