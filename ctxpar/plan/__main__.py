@@ -10,8 +10,8 @@ import argparse
 import sys
 
 from ..config import ConfigError, load_config
-from .cluster import Cluster, PlanError, gpu_preset
 from .candidate import apply_candidate
+from .cluster import Cluster, PlanError, gpu_preset
 from .longest import OPTIONS, PATTERNS, Allowed, merge_tiles, search_longest, with_seq_len
 from .report import explain, memory_lines, merge_ties, plot, table, what_frees, write_config
 from .search import MEMORY_MARGIN, config_options, evaluate, nothing_fits, search

@@ -287,3 +287,10 @@ def mlp_intermediates_saved(s: RankShapes, e: int) -> int:
     """What an untiled MLP saves for backward: gate, up, silu and their product, (N, f)
     each (layer_activations' MLP term)."""
     return 4 * s.N * s.f * e
+
+
+def ring_grad_bytes(ring_grad_dtype: str) -> int:
+    """Bytes per element of the ring's travelling dK,dV: parallel.ring_grad_dtype's dtype
+    as the ring defines it (ctxpar.context_parallel.ring.GRAD_DTYPES)."""
+    from ..context_parallel.ring import GRAD_DTYPES
+    return GRAD_DTYPES[ring_grad_dtype].itemsize

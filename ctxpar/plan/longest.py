@@ -23,8 +23,8 @@ from typing import List, Optional, Tuple
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
 from ..context_parallel.layouts import num_chunks
-from .cluster import Cluster, PlanError
 from .candidate import Candidate, apply_candidate
+from .cluster import Cluster, PlanError
 from .memory import Memory, ds_zero, memory
 from .search import _cp_patterns, divisors, fits, is_bf16
 

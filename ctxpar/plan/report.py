@@ -8,8 +8,8 @@ from dataclasses import replace
 from typing import List
 
 from ..config import to_dict
-from .cluster import Cluster
 from .candidate import apply_candidate
+from .cluster import Cluster
 from .search import MEMORY_MARGIN, Plan
 
 GB = 1e9

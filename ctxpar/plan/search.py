@@ -16,8 +16,8 @@ from typing import List, Optional, Sequence
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
 from ..components.metrics import flops_per_token
 from . import counts
-from .cluster import Cluster, PlanError
 from .candidate import Candidate, apply_candidate
+from .cluster import Cluster, PlanError
 from .memory import Memory, memory
 from .timing import StepTime, step_time
 

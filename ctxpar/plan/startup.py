@@ -14,8 +14,8 @@ from dataclasses import replace
 from typing import List, Optional, Tuple
 
 from ..config import Config
-from .cluster import GPUS, GPU, Cluster
 from .candidate import Candidate
+from .cluster import GPUS, GPU, Cluster
 from .search import config_options, evaluate
 
 # Device names (torch.cuda.get_device_name) -> preset: the first key found in the name.

@@ -45,8 +45,8 @@ from typing import Dict
 
 from ..config import Config
 from . import counts
-from .cluster import Cluster
 from .candidate import Candidate
+from .cluster import Cluster
 
 MM_EFF = 0.55    # matmul efficiency of peak (Megatron-style dense layers on H100, bf16)
 ATTN_EFF = 0.45  # flash attention forward + backward (FA2/FA3 report 35-75% on H100)
@@ -161,7 +161,7 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     """One step of the most loaded rank, term by term (the module docstring's list)."""
     m, F = cfg.model, cluster.gpu.flops
     e = 2 if bf16 else 4
-    g = 2 if cand.ring_grad_dtype == "bf16" else 4
+    g = counts.ring_grad_bytes(cand.ring_grad_dtype)
     s = counts.rank_shapes(m, cand)
     micro = cfg.train.global_batch_size // (cand.micro_batch * cand.dp)
     layers = -(-m.n_layers // cand.pp)

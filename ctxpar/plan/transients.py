@@ -23,8 +23,8 @@ live bytes on CPU (tools/benchmarks/bench_plan_memory.py, docs/planner.md):
 from __future__ import annotations
 
 from ..context_parallel.ulysses import ulysses_kv_heads
-from .counts import RankShapes, attention_saved
 from .candidate import Candidate
+from .counts import RankShapes, attention_saved, ring_grad_bytes
 
 
 def _ring_fwd(q: float, kv: float, hops: int, e: int) -> float:
@@ -60,7 +60,7 @@ def attention_forward(s: RankShapes, cand: Candidate, e: int) -> float:
 def attention_backward(s: RankShapes, cand: Candidate, e: int) -> float:
     """Bytes the CP attention holds in its backward beyond its saved tensors and dout."""
     q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
-    g = 2 if cand.ring_grad_dtype == "bf16" else 4
+    g = ring_grad_bytes(cand.ring_grad_dtype)
     if cand.cp == 1:
         return (q + 2 * kv) * e                 # the kernel's dq, dk, dv
     if cand.cp_comm == "ring":
