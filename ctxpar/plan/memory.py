@@ -135,7 +135,7 @@ class Stage:
     modes: List[str]           # each block's checkpointing mode
     act: counts.Activations    # one micro-batch's saved bytes
     saved: List[float]         # each block's saved bytes on the device (offload: two)
-    zero: ZeroState
+    zero_state: ZeroState
     shard: Shard
     resident: Dict[str, float]       # model state between steps
     base: Dict[str, float]           # resident + gathered parameters + other micro-batches
@@ -149,7 +149,7 @@ class Stage:
     def grads(self, fraction: float) -> Dict[str, float]:
         """The gradient terms with `fraction` of this stage's produced (all of them while
         gradients accumulate over micro-batches)."""
-        return self.zero.backward(1.0 if self.accumulating else fraction)
+        return self.zero_state.backward(1.0 if self.accumulating else fraction)
 
     @property
     def residual_grad(self) -> int:
@@ -190,9 +190,10 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     accumulating = grad_accum > 1 and cand.pp == 1
     accumulated = {"grads (accumulated)": zero_state.backward(1.0).get("grads", 0.0)} \
         if accumulating else {}
+    base = {**resident, **zero_state.gathered(), **others}
     return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
-                 saved, zero_state, sh, resident, {**resident, **zero_state.gathered(), **others},
-                 accumulated, accumulating, host, host_step, loss_tile, mlp_tile)
+                 saved, zero_state, sh, resident, base, accumulated, accumulating, host,
+                 host_step, loss_tile, mlp_tile)
 
 
 def forward_phases(st: Stage) -> List[Phase]:
@@ -306,8 +307,8 @@ def stage_memory(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, stag
     for phase in phases:
         phase.host = sum(st.saved) if phase.name.startswith("backward (last") and offloaded \
             else offloaded
-    phases.append(Phase("gradient reduction", {**st.resident, **st.zero.reduction()}))
-    phases.append(Phase("optimizer step", {**st.resident, **st.zero.step()}))
+    phases.append(Phase("gradient reduction", {**st.resident, **st.zero_state.reduction()}))
+    phases.append(Phase("optimizer step", {**st.resident, **st.zero_state.step()}))
     return Memory(phases, st.host, st.host_step)
 
 
