@@ -1,12 +1,14 @@
 """Config loading and validation: pure, no processes, no collectives."""
+import dataclasses
 import glob
+import logging
 import os
 
 import pytest
 import yaml
 
-from ctxpar.config import (ConfigError, config_from_dict, deepspeed_config, dump_config,
-                           load_config)
+from ctxpar.config import (CHOICES, RENAMED_KEYS, ConfigError, config_from_dict,
+                           deepspeed_config, dump_config, load_config)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,6 +95,15 @@ def _write(tmp_path, data, name="c.yaml"):
      "offload_optimizer: {device: cpu}"),
     ({"deepspeed": {"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}}, None,
      "deepspeed.zero_optimization.offload_optimizer='cpu' must be a mapping"),
+    ({"parallel": {"attention_backend": "flash"}}, None, "parallel.attention_backend='flash' "
+     "must be one of 'auto', 'flash_attn', 'flash_attn4', 'sdpa', 'math'"),
+    # The old checkpointing section: a key it never had, or a key given in both spellings.
+    ({"checkpointing": {"activaton": "full"}}, None, "unknown config key "
+     "'checkpointing.activaton' (the deprecated section 'checkpointing' became "
+     "activation_checkpointing.mode, activation_checkpointing.every_n_layers, "
+     "checkpoint.save_dir, checkpoint.save_interval)"),
+    ({"checkpointing": {"save_dir": "a"}, "checkpoint": {"save_dir": "b"}}, None,
+     "checkpointing.save_dir and checkpoint.save_dir are both set"),
 ])
 def test_bad_configs_name_file_key_and_values(tmp_path, data, world, msg):
     path = _write(tmp_path, data)
@@ -179,10 +190,67 @@ def test_dump_roundtrip(tmp_path):
     assert again.model.n_layers == 3 and again.parallel.cp == 2
 
 
+OLD_SPELLING = {"checkpointing": {"activation": "every_n_layers", "every_n_layers": 2,
+                                  "save_dir": "ck", "save_interval": 5}}
+NEW_SPELLING = {"activation_checkpointing": {"mode": "every_n_layers", "every_n_layers": 2},
+                "checkpoint": {"save_dir": "ck", "save_interval": 5}}
+
+
+def test_the_old_checkpointing_section_loads_to_the_same_config_with_one_notice(
+        tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    new_path, old_path = _write(tmp_path, NEW_SPELLING, "new.yaml"), \
+        _write(tmp_path, OLD_SPELLING, "old.yaml")
+    with caplog.at_level(logging.WARNING, logger="ctxpar.config"):
+        new = load_config(new_path)
+        assert caplog.records == []
+        old = load_config(old_path)
+    assert dataclasses.replace(old, source=new_path) == new
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{old_path}: deprecated config keys, still read: checkpointing.activation -> "
+        f"activation_checkpointing.mode, checkpointing.every_n_layers -> "
+        f"activation_checkpointing.every_n_layers, checkpointing.save_dir -> "
+        f"checkpoint.save_dir, checkpointing.save_interval -> checkpoint.save_interval"]
+    # Code written against the old section reads the same values (read-only).
+    assert old.checkpointing == ("every_n_layers", 2, "ck", 5)
+    with pytest.raises(AttributeError):
+        old.checkpointing.save_interval = 6
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")  # every rank loads the config; rank 0 says it
+    with caplog.at_level(logging.WARNING, logger="ctxpar.config"):
+        load_config(old_path)
+    assert caplog.records == []
+
+
+def test_old_spelling_overrides_set_the_new_keys(tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    path = _write(tmp_path, NEW_SPELLING)
+    with caplog.at_level(logging.WARNING, logger="ctxpar.config"):
+        cfg = load_config(path, overrides=["checkpointing.activation=full",
+                                           "checkpointing.save_interval=7"])
+    assert cfg.activation_checkpointing.mode == "full" and cfg.checkpoint.save_interval == 7
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: --set: deprecated config keys, still read: checkpointing.activation -> "
+        f"activation_checkpointing.mode, checkpointing.save_interval -> checkpoint.save_interval"]
+    # A new-spelling override wins over the file's old section, as over any file key.
+    old = load_config(_write(tmp_path, OLD_SPELLING, "old.yaml"),
+                      overrides=["activation_checkpointing.mode=selective"])
+    assert old.activation_checkpointing.mode == "selective" and old.checkpoint.save_dir == "ck"
+
+
+def test_choices_are_the_implementing_modules_own():
+    from ctxpar.context_parallel.kernels import BACKENDS
+    from ctxpar.context_parallel.ring import GRAD_DTYPES
+    assert CHOICES["parallel.attention_backend"] == ("auto", *BACKENDS)
+    assert CHOICES["parallel.ring_grad_dtype"] == tuple(GRAD_DTYPES)
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
 def test_every_shipped_config_validates(path):
     # GPU configs point at a corpus that only exists on the cluster: skip the file check.
     cfg = load_config(path, check_paths=False)
+    with open(path) as f:  # written in the current spelling (no renamed section)
+        assert not {k.split(".")[0] for k in RENAMED_KEYS} & set(yaml.safe_load(f))
     p = cfg.parallel
     if p.dp != "auto":
         load_config(path, world_size=p.tp * p.cp * p.pp * p.dp, check_paths=False)
@@ -211,7 +279,7 @@ def test_run_dir_that_cannot_be_created_is_a_config_error(tmp_path):
     def check(**logging_and_ckpt):
         ckpt = logging_and_ckpt.pop("save_dir", None)
         cfg = config_from_dict({"logging": logging_and_ckpt,
-                                "checkpointing": {"save_dir": ckpt}}, world_size=4)
+                                "checkpoint": {"save_dir": ckpt}}, world_size=4)
         check_run_dir(cfg)
 
     check(run_dir=str(tmp_path / "new" / "deeper"))  # creatable: fine, and not created
@@ -222,7 +290,7 @@ def test_run_dir_that_cannot_be_created_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"^logging.run_dir='.*afile': .*afile is not a "
                                           r"directory$"):
         check(run_dir=str(tmp_path / "afile"))
-    with pytest.raises(ConfigError, match=r"^checkpointing.save_dir='.*afile/ck': "):
+    with pytest.raises(ConfigError, match=r"^checkpoint.save_dir='.*afile/ck': "):
         check(run_dir=str(tmp_path / "ok"), save_dir=str(tmp_path / "afile" / "ck"))
     if os.geteuid() != 0:  # root writes into read-only directories
         ro = tmp_path / "ro"

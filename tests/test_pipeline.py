@@ -152,7 +152,7 @@ def _parity(rank, world, payload):
             "train": dict(micro_batch_size=MICRO, global_batch_size=BATCH, grad_clip=CLIP,
                           seed=SEED),
             "data": dict(kind="tokens", path="unused"),
-            "checkpointing": dict(activation=ckpt, every_n_layers=2),
+            "activation_checkpointing": dict(mode=ckpt, every_n_layers=2),
             "deepspeed": {"zero_optimization": {"stage": zero},
                           "zero_allow_untested_optimizer": True},
         }, world_size=world, check_paths=False)
@@ -226,7 +226,7 @@ CONFIG_4D = os.path.join(ROOT, "configs", "tiny_cpu_4d.yaml")
 # The config as is (cp2·pp2, dp auto = 1 on 4 processes, ZeRO-1, selective checkpointing),
 # shortened: 6 steps of 16 samples x 128 tokens, checkpoints at 3 and 6, eval at the end.
 SHORT = ["model.seq_len=128", "train.steps=6", "train.warmup_steps=2", "train.eval_interval=0",
-         "train.eval_samples=8", "logging.log_interval=1", "checkpointing.save_interval=3",
+         "train.eval_samples=8", "logging.log_interval=1", "checkpoint.save_interval=3",
          "logging.wandb.mode=disabled"]
 
 

@@ -26,7 +26,7 @@ import torch
 
 from ctxpar.config import ModelConfig, load_config
 from ctxpar.plan import counts
-from ctxpar.plan.layout import Layout
+from ctxpar.plan.candidate import Candidate
 from ctxpar.plan.memory import model_state
 from ctxpar.plan.timing import thresholds
 from ctxpar.testing import run_distributed
@@ -102,11 +102,11 @@ def test_activation_bytes_equal_what_autograd_saves():
     m = ModelConfig(**CFG)
     for tp, cp, comm, u in ACT_LAYOUTS:
         for mode in MODES:
-            lay = Layout(tp, cp, 1, 4 // (tp * cp), comm, u, "zigzag", activation=mode,
+            cand = Candidate(tp, cp, 1, 4 // (tp * cp), comm, u, "zigzag", activation=mode,
                          every_n_layers=2, micro_batch=2)
-            want = counts.activation_bytes(m, lay, 4)
+            want = counts.activation_bytes(m, cand, 4)
             for rank, res in enumerate(results):
-                assert res[tp, cp, comm, mode] == want, (lay.name(), rank)
+                assert res[tp, cp, comm, mode] == want, (cand.name(), rank)
 
 
 # ------------------------------------------------------------------ model state (DeepSpeed)
@@ -235,9 +235,9 @@ def test_forward_and_backward_peaks_equal_the_allocators(mode, tiled):
             loss.backward()
     got = _allocator_peaks(step)
     c = Config()
-    c.model, c.memory, c.checkpointing.activation = cfg, mem, mode
-    lay = Layout(1, 1, 1, 1, zero=0, activation=mode, tiled_loss=tiled, tiled_mlp=tiled)
-    phases = stage_memory(c, lay, False, 1, 0, "cpu", zero_config({})).phases
+    c.model, c.memory, c.activation_checkpointing.mode = cfg, mem, mode
+    cand = Candidate(1, 1, 1, 1, zero=0, activation=mode, tiled_loss=tiled, tiled_mlp=tiled)
+    phases = stage_memory(c, cand, False, 1, 0, "cpu", zero_config({})).phases
     state = phases[-1].terms["params"] + phases[-1].terms["optimizer"]
     for region, prefix in (("FWD", "forward"), ("BWD", "backward")):
         want = max(p.total for p in phases if p.name.startswith(prefix)) - state
@@ -292,7 +292,7 @@ def test_step_time_charges_each_memory_option():
     cluster = Cluster(1, 8, gpu)
 
     def t(**kw):
-        return step_time(c, Layout(kw.pop("tp", 1), 2, 1, 1, activation="full", **kw),
+        return step_time(c, Candidate(kw.pop("tp", 1), 2, 1, 1, activation="full", **kw),
                          kw.pop("cluster", cluster), True)
 
     base = t()
@@ -305,12 +305,12 @@ def test_step_time_charges_each_memory_option():
     assert t(offload_activations=True).offload == 0.0  # 8 MiB per layer hides at 50 GB/s
     slow = Cluster(1, 8, replace(gpu, pcie=1e6))
     copy = 4 * N * 1024 * 2 / 1e6  # each layer's input, bf16, at 1 MB/s
-    got = step_time(c, Layout(1, 2, 1, 1, activation="full", offload_activations=True),
+    got = step_time(c, Candidate(1, 2, 1, 1, activation="full", offload_activations=True),
                     slow, True).offload
     assert 2 * copy * micro > got > copy * micro  # both ways, minus what compute hides
     cpu = Cluster(1, 2, replace(GPUS["cpu"], pcie=1e6))
-    plain = step_time(c, Layout(1, 2, 1, 1, activation="full"), cpu, True)
-    off = step_time(c, Layout(1, 2, 1, 1, activation="full", offload_activations=True), cpu,
+    plain = step_time(c, Candidate(1, 2, 1, 1, activation="full"), cpu, True)
+    off = step_time(c, Candidate(1, 2, 1, 1, activation="full", offload_activations=True), cpu,
                     True)
     assert off.offload == pytest.approx(2 * copy * micro) and off.total > plain.total
     psi = counts.stage_params(c.model, 1, 1, 0)  # one stage: psi, over D = cp 2
@@ -388,7 +388,7 @@ def test_cli_max_seq_len_ends_with_the_longest_line():
     assert n > 32768 and n % 2 == 0, n  # past 32K; zigzag's 2 chunks even at cp 1
     assert "what fills it: " in proc.stdout and "memory per GPU" in proc.stdout
     from ctxpar.plan.longest import unit  # config.validate's rule, cp 1 included
-    assert [unit(Layout(1, cp, 1, 1, layout=lay)) for cp, lay in
+    assert [unit(Candidate(1, cp, 1, 1, token_layout=tokens)) for cp, tokens in
             ((1, "zigzag"), (1, "contiguous"), (2, "zigzag"), (4, "striped"))] == [2, 1, 4, 4]
     # no row repeats another's length and layout at another tile size
     rows = [ln.split(" | ") for ln in proc.stdout.splitlines() if ln.startswith("| ")
@@ -399,7 +399,7 @@ def test_cli_max_seq_len_ends_with_the_longest_line():
 
 def test_longest_rows_keep_one_tile_size_per_layout_and_length():
     from ctxpar.plan.longest import merge_tiles
-    a = Layout(1, 8, 1, 1, "ulysses", 8, zero=3, tiled_mlp=True)
+    a = Candidate(1, 8, 1, 1, "ulysses", 8, zero=3, tiled_mlp=True)
     rows = [(100, a, "m1"), (100, replace(a, loss_tile=4096), "m2"),
             (100, replace(a, zero=2), "m3"), (96, replace(a, mlp_tile=4096), "m4")]
     assert [m for _, _, m in merge_tiles(rows)] == ["m1", "m3", "m4"]

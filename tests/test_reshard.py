@@ -25,7 +25,7 @@ import pytest
 from helpers.train_run import losses, run_train
 
 STEPS = 8
-COMMON = [f"train.steps={STEPS}", "checkpointing.save_interval=2", "train.warmup_steps=2",
+COMMON = [f"train.steps={STEPS}", "checkpoint.save_interval=2", "train.warmup_steps=2",
           "logging.wandb.mode=disabled"]
 LAYOUTS = {
     "pp2cp2": (4, ["parallel.tp=1", "parallel.cp=2", "parallel.pp=2", "parallel.dp=1"]),

@@ -88,10 +88,10 @@ def test_ring_step_copies_nothing_it_does_not_need():
     the second half), not one per step; the backward's live peak is what the planner
     charges (ctxpar/plan/transients.attention_backward)."""
     from ctxpar.plan import counts, transients
-    from ctxpar.plan.layout import Layout
+    from ctxpar.plan.candidate import Candidate
     shapes = counts.RankShapes(N=1024, B=2, T=2048, d=128, h=8, hk=2, hd=16, f=1, V=1, L=1,
                                tp=1)
-    predicted = transients.attention_backward(shapes, Layout(1, 4, 1, 1), 4)
+    predicted = transients.attention_backward(shapes, Candidate(1, 4, 1, 1), 4)
     for rank, (fwd, bwd, peak) in enumerate(run_distributed(_ring_allocations, 4,
                                                              timeout=120)):
         # The planner's term within 5% of the live peak: no step's block gradients kept

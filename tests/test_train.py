@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
 def cp2dp2(runs):
     d = str(runs / "cp2dp2")
     proc = run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.tp=1",
-                            "checkpointing.save_interval=10", "train.eval_at_start=true"])
+                            "checkpoint.save_interval=10", "train.eval_at_start=true"])
     (runs / "cp2dp2.console").write_text(proc.stdout + proc.stderr)
     return d
 
@@ -233,7 +233,7 @@ def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
     # memory options and the ZeRO-Offload refusals (ctxpar/config/validation.py)
     (["memory.loss_tile_tokens=0"], "memory.loss_tile_tokens=0 must be 'auto' or an integer >= 1"),
     (["memory.offload_activations=true"], "memory.offload_activations=true needs "
-                                          "checkpointing.activation 'full', 'selective' or"),
+                                          "activation_checkpointing.mode 'full', 'selective' or"),
     (["deepspeed.zero_optimization.offload_optimizer.device=nvme"],
      "deepspeed.zero_optimization.offload_optimizer.device='nvme' must be 'cpu' or 'none'"),
     (["deepspeed.zero_optimization.stage=0",
@@ -323,7 +323,7 @@ def test_non_finite_loss_stops_without_saving(tmp_path):
     d = tmp_path / "nan"
     proc = run_train(str(d), 1, ["parallel.cp=1", "parallel.dp=1", "train.lr=1e30",
                                  "train.min_lr=1e30", "train.warmup_steps=0",
-                                 "train.grad_clip=0", "checkpointing.save_interval=1",
+                                 "train.grad_clip=0", "checkpoint.save_interval=1",
                                  "logging.wandb.mode=disabled"], check=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "non-finite loss" in proc.stdout, proc.stdout[-2000:]

@@ -52,9 +52,9 @@ def eval_loss(run_dir):
 
 @pytest.mark.parametrize("nproc,sets", [
     (4, ["parallel.cp=2", "parallel.dp=2", "parallel.layout=zigzag"]),
-    (4, ["parallel.cp=4", "parallel.layout=striped", "checkpointing.activation=selective"]),
+    (4, ["parallel.cp=4", "parallel.layout=striped", "activation_checkpointing.mode=selective"]),
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=ulysses",
-         "checkpointing.activation=full"]),
+         "activation_checkpointing.mode=full"]),
     (4, ["parallel.cp=2", "parallel.pp=2", "parallel.cp_comm=allgather",
          "parallel.layout=striped"]),
 ], ids=["cp2-zigzag-dp2", "cp4-striped", "tp2-cp2-ulysses", "cp2-pp2-allgather"])

@@ -34,7 +34,7 @@ OFFLOAD = ["deepspeed.zero_optimization.offload_optimizer.device=cpu",
 def memory(loss_tile, mlp_tile, checkpointing):
     return ["memory.tiled_loss=true", f"memory.loss_tile_tokens={loss_tile}",
             "memory.tiled_mlp=true", f"memory.mlp_tile_tokens={mlp_tile}",
-            "memory.offload_activations=true", f"checkpointing.activation={checkpointing}",
+            "memory.offload_activations=true", f"activation_checkpointing.mode={checkpointing}",
             *OFFLOAD]
 
 
@@ -42,7 +42,7 @@ LAYOUTS = {
     "tp2-cp2": ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=ring",
                 "deepspeed.zero_optimization.stage=2", *memory(48, 40, "full")],
     "cp2-pp2": ["parallel.cp=2", "parallel.pp=2", "parallel.cp_comm=allgather",
-                "deepspeed.zero_optimization.stage=1", "checkpointing.every_n_layers=2",
+                "deepspeed.zero_optimization.stage=1", "activation_checkpointing.every_n_layers=2",
                 *memory(40, 48, "every_n_layers")],
     "cp4-ulysses": ["parallel.cp=4", "parallel.cp_comm=ulysses", "parallel.layout=striped",
                     "deepspeed.zero_optimization.stage=1", *memory(48, 40, "selective")],

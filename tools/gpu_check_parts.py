@@ -185,14 +185,14 @@ def planner_attention_bytes(comm: str, n: int, P: int, u: int, H: int, Hkv: int,
     here). The one place this tool calls the planner (its API may move; adapt here)."""
     from ctxpar.config import Config, ModelConfig
     from ctxpar.plan import counts, transients
-    from ctxpar.plan.layout import Layout
+    from ctxpar.plan.candidate import Candidate
     cfg = Config(model=ModelConfig(vocab_size=256, seq_len=n, n_layers=1, d_model=H * D,
                                    n_heads=H, n_kv_heads=Hkv))
-    lay = Layout(tp=1, cp=P, pp=1, dp=1, cp_comm=comm, ulysses=u, layout="zigzag")
-    s = counts.rank_shapes(cfg.model, lay)
+    cand = Candidate(tp=1, cp=P, pp=1, dp=1, cp_comm=comm, ulysses=u, token_layout="zigzag")
+    s = counts.rank_shapes(cfg.model, cand)
     grads = s.N * (s.h + 2 * s.hk) * s.hd * e
-    return dict(saved=counts.attention_saved(s, e, lay),
-                buffers=transients.attention_backward(s, lay, e) - grads)
+    return dict(saved=counts.attention_saved(s, e, cand),
+                buffers=transients.attention_backward(s, cand, e) - grads)
 
 
 def part_memory(a) -> dict:
@@ -265,7 +265,7 @@ def part_train(a) -> dict:
     sets = ["parallel.tp=1", "parallel.cp=1", "parallel.dp=1", "train.global_batch_size=1",
             "train.micro_batch_size=1", "train.steps=100000", "train.eval_interval=0",
             "data.kind=passkey", "logging.log_interval=1", "logging.wandb.mode=disabled",
-            f"logging.run_dir={run_dir}", "checkpointing.save_interval=0", *sz["train_set"]]
+            f"logging.run_dir={run_dir}", "checkpoint.save_interval=0", *sz["train_set"]]
     cmd = [sys.executable, "train.py", "--config", "configs/gpt1b_32k_3d.yaml", "--set", *sets]
     log = open(os.path.join(a.out, "train.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -1,7 +1,7 @@
-"""The component that owns when train.py saves: every checkpointing.save_interval steps, at
+"""The component that owns when train.py saves: every checkpoint.save_interval steps, at
 the last step, and when a preemption signal stops the run (ctxpar/checkpoint/preemption.py).
 
-    checkpointer = Checkpointer(engine, save_dir, cfg.checkpointing.save_interval, meta, stream)
+    checkpointer = Checkpointer(engine, save_dir, cfg.checkpoint.save_interval, meta, stream)
     checkpointer.save(step, last_step=step == cfg.train.steps, force=stopped)
 """
 from __future__ import annotations

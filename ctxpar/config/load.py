@@ -6,14 +6,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import logging
 import os
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
-from .sections import Config, ConfigError
+from .sections import RENAMED_KEYS, Config, ConfigError
 from .validation import validate
+
+log = logging.getLogger(__name__)
 
 
 def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
@@ -102,6 +105,37 @@ def _apply_override(data: Dict[str, Any], path: List[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def _deprecated(src: str, renamed: Dict[str, str]) -> None:
+    """One notice line naming each old key used and its new spelling (rank 0 only: every
+    rank loads the config)."""
+    if renamed and os.environ.get("RANK", "0") == "0":
+        log.warning("%s: deprecated config keys, still read: %s", src,
+                    ", ".join(f"{old} -> {new}" for old, new in renamed.items()))
+
+
+def _upgrade_old_keys(data: Dict[str, Any], src: str) -> None:
+    """Move the keys of renamed sections (RENAMED_KEYS) to their new places, in place."""
+    renamed = {}
+    for section in sorted({old.split(".")[0] for old in RENAMED_KEYS}):
+        if not isinstance(data.get(section), dict):
+            continue
+        for key, value in data.pop(section).items():
+            old = f"{section}.{key}"
+            if old not in RENAMED_KEYS:
+                moved = ", ".join(new for k, new in RENAMED_KEYS.items()
+                                  if k.startswith(section + "."))
+                raise ConfigError(f"{src}: unknown config key {old!r} (the deprecated "
+                                  f"section {section!r} became {moved})")
+            new = renamed[old] = RENAMED_KEYS[old]
+            new_section, new_key = new.split(".")
+            target = data.setdefault(new_section, {})
+            if not isinstance(target, dict) or new_key in target:
+                raise ConfigError(f"{src}: {old} and {new} are both set (one key, its old "
+                                  f"and its new spelling): keep {new}")
+            target[new_key] = value
+    _deprecated(src, renamed)
+
+
 def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
                      overrides: Sequence[str] = (), world_size: Optional[int] = None,
                      check_paths: bool = True, training: bool = True) -> Config:
@@ -111,9 +145,16 @@ def config_from_dict(data: Dict[str, Any], source: str = "<dict>",
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
     data = copy.deepcopy(data)
+    _upgrade_old_keys(data, source)
+    renamed = {}
     for item in overrides:
         path, value = _parse_override(item, source)
-        _apply_override(data, path, value)
+        key = ".".join(path)
+        if key in RENAMED_KEYS:
+            renamed[key] = RENAMED_KEYS[key]
+            key = RENAMED_KEYS[key]
+        _apply_override(data, key.split("."), value)
+    _deprecated(f"{source}: --set", renamed)
     cfg = _build(Config, data, "", source)
     cfg.source = source
     validate(cfg, world_size, check_paths, training)

@@ -26,11 +26,11 @@ def _problem(path: str) -> str:
 
 
 def check_run_dir(cfg: Config) -> None:
-    """ConfigError naming the key and path when logging.run_dir, or checkpointing.save_dir
+    """ConfigError naming the key and path when logging.run_dir, or checkpoint.save_dir
     when set, cannot be created or written."""
     dirs = [("logging.run_dir", cfg.logging.run_dir)]
-    if cfg.checkpointing.save_dir:
-        dirs.append(("checkpointing.save_dir", cfg.checkpointing.save_dir))
+    if cfg.checkpoint.save_dir:
+        dirs.append(("checkpoint.save_dir", cfg.checkpoint.save_dir))
     for key, path in dirs:
         problem = _problem(path)
         if problem:

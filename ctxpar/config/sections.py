@@ -3,10 +3,12 @@ what a field left unset resolves to (model.ffn_hidden, parallel.ulysses)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, NamedTuple, Optional, Union
 
 from ..context_parallel.api import CP_COMMS
+from ..context_parallel.kernels import BACKENDS
 from ..context_parallel.layouts import LAYOUTS
+from ..context_parallel.ring import GRAD_DTYPES
 
 
 class ConfigError(ValueError):
@@ -79,7 +81,8 @@ class ParallelConfig:
     (exact) or 'bf16' (half the backward's gradient bytes, one bf16 rounding of the running
     sum per hop; docs/benchmarks.md states the error). cp_comm 'ring' or 'hybrid' only."""
     attention_backend: str = "auto"
-    """Per-block attention kernel: 'auto', 'flash_attn', 'flash_attn4', 'sdpa' or 'math'."""
+    """Per-block attention kernel: 'auto' or one of ctxpar.context_parallel.kernels.BACKENDS
+    ('flash_attn', 'flash_attn4', 'sdpa', 'math')."""
     pp_partition: str = "parameters"
     """Pipeline partitioning: 'parameters' or 'uniform'."""
 
@@ -146,11 +149,20 @@ class DataConfig:
 
 
 @dataclass
-class CheckpointingConfig:
-    activation: str = "none"
-    """Activation checkpointing: 'none', 'full', 'selective' or 'every_n_layers'."""
+class ActivationCheckpointingConfig:
+    """Activation recompute: blocks that keep little for backward and replay their forward
+    (models/gpt.py; docs/memory.md)."""
+    mode: str = "none"
+    """'none', 'full' (a block keeps its input and replays whole), 'selective' (the
+    attention core's outputs kept, the projections and MLP replayed) or 'every_n_layers'
+    (every n-th block 'full', the others 'none')."""
     every_n_layers: int = 1
-    """For activation=every_n_layers: checkpoint every n-th block."""
+    """For mode=every_n_layers: checkpoint every n-th block."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint files: where and how often train.py saves (docs/checkpoints.md)."""
     save_dir: Optional[str] = None
     """DeepSpeed checkpoint directory (None = <run_dir>/checkpoints)."""
     save_interval: int = 0
@@ -172,7 +184,7 @@ class MemoryConfig:
     """Tokens per MLP tile, or 'auto' (ctxpar/memory/tiled_mlp.py says how it is chosen)."""
     offload_activations: bool = False
     """What activation checkpointing keeps per layer goes to (pinned) host memory until its
-    backward; needs checkpointing.activation other than 'none'."""
+    backward; needs activation_checkpointing.mode other than 'none'."""
 
 
 @dataclass
@@ -205,8 +217,11 @@ class Config:
     """Optimisation and batch sizes."""
     data: DataConfig = field(default_factory=DataConfig)
     """What to train on."""
-    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
-    """Activation checkpointing and model checkpoints."""
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
+    """Activation recompute (which blocks replay their forward in backward)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint files (where and how often train.py saves)."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Tiled loss, tiled MLP and activation offload (the optimizer's offload is DeepSpeed's
     deepspeed.zero_optimization.offload_optimizer)."""
@@ -217,19 +232,43 @@ class Config:
     source: str = field(default="<dict>", metadata={"internal": True})
     """Where this config came from (for error messages)."""
 
+    @property
+    def checkpointing(self) -> "OldCheckpointing":
+        """The old combined section's values, read-only, for code not yet reading
+        activation_checkpointing and checkpoint (RENAMED_KEYS maps each key)."""
+        return OldCheckpointing(self.activation_checkpointing.mode,
+                                self.activation_checkpointing.every_n_layers,
+                                self.checkpoint.save_dir, self.checkpoint.save_interval)
+
+
+class OldCheckpointing(NamedTuple):
+    """The deprecated ``checkpointing`` section's keys (Config.checkpointing)."""
+    activation: str
+    every_n_layers: int
+    save_dir: Optional[str]
+    save_interval: int
+
+
+RENAMED_KEYS = {  # old spelling -> new; a config using the old one loads with a notice
+    "checkpointing.activation": "activation_checkpointing.mode",
+    "checkpointing.every_n_layers": "activation_checkpointing.every_n_layers",
+    "checkpointing.save_dir": "checkpoint.save_dir",
+    "checkpointing.save_interval": "checkpoint.save_interval",
+}
+
 
 CHECKPOINT_MODES = ("none", "full", "selective", "every_n_layers")  # models/gpt.py
 
-CHOICES = {
+CHOICES = {  # each from the module that implements it, where ctxpar has one
     "model.mlp": ("swiglu", "gelu"),
     "model.norm": ("rmsnorm", "layernorm"),
     "parallel.layout": LAYOUTS,
     "parallel.cp_comm": CP_COMMS,
-    "parallel.ring_grad_dtype": ("fp32", "bf16"),
-    "parallel.attention_backend": ("auto", "flash_attn", "flash_attn4", "sdpa", "math"),
+    "parallel.ring_grad_dtype": tuple(GRAD_DTYPES),
+    "parallel.attention_backend": ("auto", *BACKENDS),
     "parallel.pp_partition": ("parameters", "uniform"),
     "data.kind": ("passkey", "tokens"),
-    "checkpointing.activation": CHECKPOINT_MODES,
+    "activation_checkpointing.mode": CHECKPOINT_MODES,
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }
 

@@ -1,18 +1,102 @@
-"""Every cross-field rule of a Config, in one place: ``validate`` raises the first
-ConfigError it finds, before any process group exists (config_from_dict calls it)."""
+"""Every cross-field rule of a Config, each in one place: ``validate`` runs the checks of
+each section in turn and raises the first ConfigError it finds, before any process group
+exists (config_from_dict calls it)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
-from .sections import (CHOICES, ROPE_SCALING_KEYS, CheckpointingConfig, Config, ConfigError,
-                       MemoryConfig, ModelConfig, ParallelConfig, resolved_ffn_hidden,
-                       ulysses_degree)
+from .sections import (CHOICES, ROPE_SCALING_KEYS, Config, ConfigError, ModelConfig,
+                       ParallelConfig, resolved_ffn_hidden, ulysses_degree)
+
+Err = Callable[[str], None]
+
+AT_LEAST_ONE = ("model.vocab_size", "model.seq_len", "model.n_layers", "model.d_model",
+                "model.n_heads", "parallel.tp", "parallel.cp", "parallel.pp", "train.steps",
+                "train.micro_batch_size", "train.global_batch_size",
+                "activation_checkpointing.every_n_layers", "logging.log_interval")
+AT_LEAST_ZERO = ("train.lr", "train.min_lr", "train.warmup_steps", "train.grad_clip",
+                 "train.eval_interval", "checkpoint.save_interval")
 
 
-def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err) -> None:
+def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = True,
+             training: bool = True) -> None:
+    """Every cross-field rule, section by section. Raises the first ConfigError found.
+
+    check_paths=False skips the files the config points at (to validate a GPU config
+    on a machine without its data set). training=False (generate.py) skips the rules only
+    training needs: model.seq_len split into the layout's chunks (generation shards each
+    prompt at its own padded length, and RoPE takes positions, not the trained length).
+    """
+    def err(msg):
+        raise ConfigError(f"{cfg.source}: {msg}")
+
+    _check_choices_and_ranges(cfg, err)
+    _check_model(cfg.model, cfg.parallel, err)
+    _check_cp_comm(cfg.parallel, cfg.model, err)
+    _check_sequence(cfg.model, cfg.parallel, training, err)
+    _check_grid_and_batch(cfg, world_size, err)
+    _check_deepspeed(cfg, err)
+    _check_paths(cfg, check_paths, err)
+    _check_data(cfg, err)
+    _check_memory(cfg, err)
+
+
+def _value(cfg: Config, key: str) -> Any:
+    """The value of a dotted key such as 'parallel.cp'."""
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _check_choices_and_ranges(cfg: Config, err: Err) -> None:
+    """Each CHOICES key among its values; counts >= 1, rates and intervals >= 0."""
+    for key, allowed in CHOICES.items():
+        value = _value(cfg, key)
+        if value not in allowed:
+            err(f"{key}={value!r} must be one of {', '.join(map(repr, allowed))}")
+    for keys, least in ((AT_LEAST_ONE, 1), (AT_LEAST_ZERO, 0)):
+        for key in keys:
+            value = _value(cfg, key)
+            if value < least:
+                err(f"{key}={value} must be >= {least}")
+    dp = cfg.parallel.dp
+    if dp != "auto" and (not isinstance(dp, int) or dp < 1):
+        err(f"parallel.dp={dp!r} must be an integer >= 1 or 'auto'")
+
+
+def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
+    """The model's shapes against the TP split, and RoPE's."""
+    kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
+    if m.d_model % m.n_heads:
+        err(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    if kv < 1 or m.n_heads % kv:
+        err(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
+    if m.n_heads % p.tp:
+        err(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
+    if kv % p.tp and p.tp % kv:
+        err(f"model.n_kv_heads={kv} and parallel.tp={p.tp}: kv heads must divide over tp "
+            f"(kv % tp == 0) or be replicated (tp % kv == 0)")
+    if m.vocab_size % p.tp:
+        err(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} "
+            f"(pad the vocabulary)")
+    if m.ffn_hidden is not None and (m.ffn_hidden < 1 or m.ffn_hidden % p.tp):
+        err(f"model.ffn_hidden={m.ffn_hidden} must be >= 1 and divisible by parallel.tp={p.tp}")
+    if m.ffn_hidden is None and resolved_ffn_hidden(m) % p.tp:
+        err(f"model.ffn_hidden (default {resolved_ffn_hidden(m)} for mlp={m.mlp!r}) is not "
+            f"divisible by parallel.tp={p.tp}; set model.ffn_hidden")
+    if (m.d_model // m.n_heads) % 2:
+        err(f"model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even for RoPE")
+    if m.rope_theta <= 0:
+        err(f"model.rope_theta={m.rope_theta} must be > 0")
+    if m.rope_scaling is not None:
+        _check_rope_scaling(m.rope_scaling, err)
+
+
+def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err: Err) -> None:
     """parallel.cp_comm and parallel.ulysses against cp and the heads per TP rank."""
     if p.ulysses is not None and p.ulysses < 1:
         err(f"parallel.ulysses={p.ulysses} must be >= 1")
@@ -35,77 +119,8 @@ def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err) -> None:
             f"parallel.cp={p.cp}, parallel.ulysses={p.ulysses})")
 
 
-def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = True,
-             training: bool = True) -> None:
-    """Every cross-field rule, in one place. Raises the first ConfigError found.
-
-    check_paths=False skips the files the config points at (to validate a GPU config
-    on a machine without its data set). training=False (generate.py) skips the rules only
-    training needs: model.seq_len split into the layout's chunks (generation shards each
-    prompt at its own padded length, and RoPE takes positions, not the trained length).
-    """
-    src, m, p, t = cfg.source, cfg.model, cfg.parallel, cfg.train
-
-    def err(msg):
-        raise ConfigError(f"{src}: {msg}")
-
-    for key, allowed in CHOICES.items():
-        section, *rest = key.split(".")
-        value = getattr(cfg, section)
-        for r in rest:
-            value = getattr(value, r)
-        if value not in allowed:
-            err(f"{key}={value!r} must be one of {', '.join(map(repr, allowed))}")
-
-    positive = {
-        "model.vocab_size": m.vocab_size, "model.seq_len": m.seq_len,
-        "model.n_layers": m.n_layers, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
-        "parallel.tp": p.tp, "parallel.cp": p.cp, "parallel.pp": p.pp,
-        "train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
-        "train.global_batch_size": t.global_batch_size,
-        "checkpointing.every_n_layers": cfg.checkpointing.every_n_layers,
-        "logging.log_interval": cfg.logging.log_interval,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            err(f"{key}={value} must be >= 1")
-    if p.dp != "auto" and (not isinstance(p.dp, int) or p.dp < 1):
-        err(f"parallel.dp={p.dp!r} must be an integer >= 1 or 'auto'")
-    for key, value in {"train.lr": t.lr, "train.min_lr": t.min_lr,
-                       "train.warmup_steps": t.warmup_steps, "train.grad_clip": t.grad_clip,
-                       "train.eval_interval": t.eval_interval,
-                       "checkpointing.save_interval": cfg.checkpointing.save_interval}.items():
-        if value < 0:
-            err(f"{key}={value} must be >= 0")
-
-    # Model shapes against the TP split.
-    kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
-    if m.d_model % m.n_heads:
-        err(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
-    if kv < 1 or m.n_heads % kv:
-        err(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
-    if m.n_heads % p.tp:
-        err(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
-    if kv % p.tp and p.tp % kv:
-        err(f"model.n_kv_heads={kv} and parallel.tp={p.tp}: kv heads must divide over tp "
-            f"(kv % tp == 0) or be replicated (tp % kv == 0)")
-    if m.vocab_size % p.tp:
-        err(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} "
-            f"(pad the vocabulary)")
-    if m.ffn_hidden is not None and (m.ffn_hidden < 1 or m.ffn_hidden % p.tp):
-        err(f"model.ffn_hidden={m.ffn_hidden} must be >= 1 and divisible by parallel.tp={p.tp}")
-    if m.ffn_hidden is None and resolved_ffn_hidden(m) % p.tp:
-        err(f"model.ffn_hidden (default {resolved_ffn_hidden(m)} for mlp={m.mlp!r}) is not "
-            f"divisible by parallel.tp={p.tp}; set model.ffn_hidden")
-    if (m.d_model // m.n_heads) % 2:
-        err(f"model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even for RoPE")
-    _check_cp_comm(p, m, err)
-    if m.rope_theta <= 0:
-        err(f"model.rope_theta={m.rope_theta} must be > 0")
-    if m.rope_scaling is not None:
-        _check_rope_scaling(m.rope_scaling, err)
-
-    # Sequence against the CP layout.
+def _check_sequence(m: ModelConfig, p: ParallelConfig, training: bool, err: Err) -> None:
+    """The sequence against the CP layout's chunks, the layers against the pipeline."""
     chunks = num_chunks(p.cp, p.layout)
     if training and m.seq_len % chunks:
         err(f"model.seq_len={m.seq_len} is not divisible by {chunks} "
@@ -114,8 +129,11 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     if m.n_layers < p.pp:
         err(f"model.n_layers={m.n_layers} < parallel.pp={p.pp}: each stage needs a block")
 
-    # The grid order, the world and the batch: the checks init_parallel_state makes, here
-    # before any process group exists. dp stays None when 'auto' and the world is unknown.
+
+def _check_grid_and_batch(cfg: Config, world_size: Optional[int], err: Err) -> None:
+    """The grid order, the world and the batch: the checks init_parallel_state makes, here
+    before any process group exists. dp stays None when 'auto' and the world is unknown."""
+    p, t = cfg.parallel, cfg.train
     try:
         parse_order(p.order)
         dp = (resolve_sizes(world_size, p.tp, p.cp, p.pp, p.dp)["dp"]
@@ -132,18 +150,20 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
         err(f"train.global_batch_size={t.global_batch_size} is not divisible by "
             f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}")
 
-    # DeepSpeed section: what we know DeepSpeed will refuse, said up front.
-    ds = cfg.deepspeed
-    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+
+def _check_deepspeed(cfg: Config, err: Err) -> None:
+    """The deepspeed section: what we know DeepSpeed will refuse, said up front."""
+    ds, p, t = cfg.deepspeed, cfg.parallel, cfg.train
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
     if p.pp > 1 and stage >= 2:
         err(f"deepspeed.zero_optimization.stage={stage} with parallel.pp={p.pp}: DeepSpeed's "
             f"pipeline engine supports ZeRO stage 0 or 1 only (use stage 1)")
-    if stage == 3 and p.cp > 1 and not (ds.get("zero_optimization") or {}).get(
-            "reduce_scatter", True):
+    if stage == 3 and p.cp > 1 and not zero.get("reduce_scatter", True):
         err(f"deepspeed.zero_optimization.reduce_scatter=false with stage 3 and "
             f"parallel.cp={p.cp}: DeepSpeed 0.19.8 then divides some gradient buckets by dp "
             f"and others by dp*cp, so no loss scaling is exact (leave reduce_scatter on)")
-    _check_offload(ds.get("zero_optimization") or {}, stage, err)
+    _check_offload(zero, stage, err)
     if (ds.get("bf16") or {}).get("enabled") and (ds.get("fp16") or {}).get("enabled"):
         err("deepspeed.bf16.enabled and deepspeed.fp16.enabled are both true")
     for key, want in (("train_micro_batch_size_per_gpu", t.micro_batch_size),
@@ -151,57 +171,67 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
         if key in ds and ds[key] != want:
             err(f"deepspeed.{key}={ds[key]} disagrees with train ({want}); set it in train only")
 
-    for key, value, want in (("model.init_from", m.init_from, os.path.isdir),
+
+def _check_paths(cfg: Config, check_paths: bool, err: Err) -> None:
+    """The files and folders the config points at exist (unless check_paths is off)."""
+    if not check_paths:
+        return
+    for key, value, want in (("model.init_from", cfg.model.init_from, os.path.isdir),
                              ("data.tokenizer", cfg.data.tokenizer, os.path.isfile)):
-        if value is not None and check_paths and not want(value):
+        if value is not None and not want(value):
             err(f"{key}={value!r} does not exist (want a "
                 f"{'folder' if want is os.path.isdir else 'file'})")
-    if cfg.data.kind == "tokens":
-        if not cfg.data.path:
-            err("data.path must be set when data.kind='tokens'")
-        for key in ("path", "eval_path") if check_paths else ():
-            prefix = getattr(cfg.data, key)
-            for ext in (".bin", ".idx") if prefix else ():
-                if not os.path.isfile(prefix + ext):
-                    err(f"data.{key}={prefix!r}: {prefix + ext} does not exist")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        err(f"data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1)")
-    if cfg.data.eval_path and cfg.data.kind != "tokens":
-        err(f"data.eval_path is set but data.kind={cfg.data.kind!r} (it is for 'tokens')")
-    if cfg.data.kind == "passkey":
-        if not 1 <= cfg.data.passkey_digits <= 6:
-            err(f"data.passkey_digits={cfg.data.passkey_digits} must be in 1..6")
-        from ..data.passkey import min_seq_len  # the needle + question + key must fit
-        if m.seq_len < min_seq_len(cfg.data.passkey_digits):
+    if cfg.data.kind != "tokens":
+        return
+    for key in ("path", "eval_path"):
+        prefix = getattr(cfg.data, key)
+        for ext in (".bin", ".idx") if prefix else ():
+            if not os.path.isfile(prefix + ext):
+                err(f"data.{key}={prefix!r}: {prefix + ext} does not exist")
+
+
+def _check_data(cfg: Config, err: Err) -> None:
+    """The data section against its kind: token files, or the passkey task fitting the
+    sequence and the byte-level vocabulary."""
+    data, m = cfg.data, cfg.model
+    if data.kind == "tokens" and not data.path:
+        err("data.path must be set when data.kind='tokens'")
+    if not 0.0 <= data.eval_fraction < 1.0:
+        err(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
+    if data.eval_path and data.kind != "tokens":
+        err(f"data.eval_path is set but data.kind={data.kind!r} (it is for 'tokens')")
+    if data.kind == "passkey":
+        if not 1 <= data.passkey_digits <= 6:
+            err(f"data.passkey_digits={data.passkey_digits} must be in 1..6")
+        from ..data.passkey import min_packed_seq_len, min_seq_len
+        if m.seq_len < min_seq_len(data.passkey_digits):  # needle + question + key must fit
             err(f"model.seq_len={m.seq_len} is too short for data.kind='passkey' with "
-                f"{cfg.data.passkey_digits} digits (needs >= "
-                f"{min_seq_len(cfg.data.passkey_digits)})")
+                f"{data.passkey_digits} digits (needs >= {min_seq_len(data.passkey_digits)})")
         if m.vocab_size < 256:
             err(f"model.vocab_size={m.vocab_size} < 256: data.kind='passkey' is byte-level")
-        from ..data.passkey import min_packed_seq_len
-        need = min_packed_seq_len(cfg.data.passkey_digits, cfg.data.passkey_docs)
-        if cfg.data.passkey_docs < 1 or m.seq_len < need:
-            err(f"data.passkey_docs={cfg.data.passkey_docs} must be >= 1 and fit in "
+        need = min_packed_seq_len(data.passkey_digits, data.passkey_docs)
+        if data.passkey_docs < 1 or m.seq_len < need:
+            err(f"data.passkey_docs={data.passkey_docs} must be >= 1 and fit in "
                 f"model.seq_len={m.seq_len} (needs >= {need})")
-    _check_memory(cfg.memory, cfg.checkpointing, err)
-    if cfg.data.eod_mask_loss and cfg.data.kind != "tokens":
+    if data.eod_mask_loss and data.kind != "tokens":
         err(f"data.eod_mask_loss=true is for data.kind='tokens' (passkey labels only the "
-            f"answer), not {cfg.data.kind!r}")
+            f"answer), not {data.kind!r}")
 
 
-def _check_memory(mem: MemoryConfig, ckpt: CheckpointingConfig, err) -> None:
+def _check_memory(cfg: Config, err: Err) -> None:
     """memory.*: tile sizes 'auto' or >= 1; offload needs something checkpointed to offload."""
+    mem = cfg.memory
     for key in ("loss_tile_tokens", "mlp_tile_tokens"):
         v = getattr(mem, key)
         if v != "auto" and (isinstance(v, str) or v < 1):
             err(f"memory.{key}={v!r} must be 'auto' or an integer >= 1")
-    if mem.offload_activations and ckpt.activation == "none":
-        err("memory.offload_activations=true needs checkpointing.activation 'full', "
+    if mem.offload_activations and cfg.activation_checkpointing.mode == "none":
+        err("memory.offload_activations=true needs activation_checkpointing.mode 'full', "
             "'selective' or 'every_n_layers' (it offloads what checkpointing keeps; "
-            "checkpointing.activation='none')")
+            "activation_checkpointing.mode='none')")
 
 
-def _check_offload(zero: Dict[str, Any], stage: int, err) -> None:
+def _check_offload(zero: Dict[str, Any], stage: int, err: Err) -> None:
     """deepspeed.zero_optimization's offload keys: host (cpu) offload of the optimizer at
     ZeRO 1-3 and of the parameters at ZeRO 3, nothing ctxpar cannot hold exact
     (ctxpar/memory/optimizer.py; tests/test_train_memory.py)."""
@@ -240,7 +270,8 @@ def _check_offload(zero: Dict[str, Any], stage: int, err) -> None:
             f"tests (leave ratio 1.0 and super_offload false)")
 
 
-def _check_rope_scaling(rs: Dict[str, Any], err) -> None:
+def _check_rope_scaling(rs: Dict[str, Any], err: Err) -> None:
+    """model.rope_scaling: Hugging Face's keys for its rope_type, each a number > 0."""
     kind = rs.get("rope_type")
     if kind not in ROPE_SCALING_KEYS:
         err(f"model.rope_scaling.rope_type={kind!r} must be one of "

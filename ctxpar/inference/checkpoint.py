@@ -88,12 +88,12 @@ def find_checkpoint(run: str, checkpoint: str = "auto") -> RunCheckpoint:
                               f"directory)")
     if save_dir is None:
         cfg = load_config(os.path.join(run_dir, "config.yaml"), check_paths=False)
-        save_dir = cfg.checkpointing.save_dir or os.path.join(run_dir, "checkpoints")
+        save_dir = cfg.checkpoint.save_dir or os.path.join(run_dir, "checkpoints")
         if checkpoint == "auto":
             tag = latest_complete(save_dir)
             if tag is None:
                 raise CheckpointError(f"--run-dir {run}: no complete checkpoint in {save_dir} "
-                                      f"(train.py saves at checkpointing.save_interval and at "
+                                      f"(train.py saves at checkpoint.save_interval and at "
                                       f"the end; a tag without {MARKER} did not finish)")
         elif not is_tag(checkpoint):
             raise CheckpointError(f"--checkpoint={checkpoint!r} must be 'auto' or a tag like "

@@ -110,7 +110,7 @@ def describe(cfg, ds_config: Dict[str, Any], device: torch.device) -> Optional[s
     if mem.tiled_mlp:
         on.append(f"tiled_mlp ({tile(mem.mlp_tile_tokens)})")
     if mem.offload_activations:
-        on.append(f"offload_activations ({cfg.checkpointing.activation} checkpointing)")
+        on.append(f"offload_activations ({cfg.activation_checkpointing.mode} checkpointing)")
     where = offload_device(ds_config)
     if where is not None:
         spec = ds_config["zero_optimization"]["offload_optimizer"]

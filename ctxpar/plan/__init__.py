@@ -11,6 +11,8 @@ tensors), CP bytes per pattern (ctxpar.context_parallel.cp_stats), each phase's 
 (the CPU allocator's live bytes, train.py's measured peak). Time is FLOPs at a
 stated efficiency plus the communication that cannot hide (docs/planner.md).
 
+    candidate.py one candidate: a rank layout (tp x cp x pp x dp, CP pattern, token
+                 layout) with ZeRO, activation checkpointing and memory options
     cluster.py   GPU presets and the cluster (links inside and across nodes)
     counts.py    per-rank shapes, parameters, activation bytes, CP/TP/DP bytes
     memory.py    memory per GPU by phase: forward, backward, reduction, optimizer step
@@ -22,7 +24,7 @@ stated efficiency plus the communication that cannot hide (docs/planner.md).
     report.py    the ranked table, --explain, --write, --plot
     startup.py   train.py's one-look prediction for its own layout
 """
+from .candidate import Candidate
 from .cluster import GPUS, Cluster, PlanError, gpu_preset
-from .layout import Layout
 
-__all__ = ["GPUS", "Cluster", "Layout", "PlanError", "gpu_preset"]
+__all__ = ["GPUS", "Candidate", "Cluster", "PlanError", "gpu_preset"]

@@ -10,12 +10,12 @@ import argparse
 import sys
 
 from ..config import ConfigError, load_config
+from .candidate import apply_candidate
 from .cluster import Cluster, PlanError, gpu_preset
-from .layout import apply_layout
 from .longest import OPTIONS, PATTERNS, Allowed, merge_tiles, search_longest, with_seq_len
 from .report import explain, memory_lines, merge_ties, plot, table, what_frees, write_config
 from .search import MEMORY_MARGIN, config_options, evaluate, nothing_fits, search
-from .startup import own_layout
+from .startup import config_candidate
 
 
 def parse_args(argv=None):
@@ -83,12 +83,12 @@ def main(argv=None) -> int:
           f"or token layout and predict the same memory and step time share a row: "
           f"'z1,z2', 'ring/zigzag,striped')\n")
     print(table(rows, cluster, a.top))
-    own = own_layout(cfg, cluster.world)
+    own = config_candidate(cfg, cluster.world)
     if own.world == cluster.world:
         mine = evaluate(cfg, own, cluster)
         rank = next((i for i, g in enumerate(rows, 1)
-                     if any(p.layout == mine.layout for p in g)), None)
-        print(f"\nthe config's own layout: {mine.layout.name()}: "
+                     if any(p.candidate == mine.candidate for p in g)), None)
+        print(f"\nthe config's own layout: {mine.candidate.name()}: "
               f"{mine.memory.peak / 1e9:.1f} GB, {mine.tokens_per_s_per_gpu:,.0f} tokens/s "
               f"per GPU, MFU {100 * mine.mfu:.1f}%"
               + (f" (row {rank} of {len(rows)} rows)" if rank else
@@ -150,16 +150,16 @@ def longest_main(cfg, cluster: Cluster, a) -> int:
           f"(a layout whose tile sizes reach the same length once, with the least memory)\n")
     print("| # | layout | longest seq_len | memory/GPU | peak phase | host/node |")
     print("|---:|---|---:|---:|---|---:|")
-    for i, (n, lay, m) in enumerate(rows[:a.top], 1):
-        print(f"| {i} | {lay.name()} | {n:,} | {m.peak / 1e9:.1f} GB | {m.peak_phase} | "
+    for i, (n, cand, m) in enumerate(rows[:a.top], 1):
+        print(f"| {i} | {cand.name()} | {n:,} | {m.peak / 1e9:.1f} GB | {m.peak_phase} | "
               f"{m.host_total * cluster.gpus_per_node / 1e9:.0f} GB |")
-    n, lay, m = rows[0]
-    best = evaluate(with_seq_len(apply_layout(cfg, lay), n), lay, cluster)
+    n, cand, m = rows[0]
+    best = evaluate(with_seq_len(apply_candidate(cfg, cand), n), cand, cluster)
     print("\n" + "\n".join(memory_lines(best, cluster)))
-    print(what_frees(best.memory, lay))
+    print(what_frees(best.memory, cand))
     if a.write:
         print(f"wrote {write_config(with_seq_len(cfg, n), best, a.write)}")
-    print(f"longest seq_len: {n:,} tokens (layout {lay.name()})")
+    print(f"longest seq_len: {n:,} tokens (layout {cand.name()})")
     return 0
 
 

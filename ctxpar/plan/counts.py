@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig, resolved_ffn_hidden
 from ..context_parallel.ulysses import ulysses_kv_heads
-from .layout import Layout
+from .candidate import Candidate as Layout  # the planner's candidate (ctxpar/plan/candidate.py)
 
 
 @dataclass(frozen=True)
@@ -259,3 +259,38 @@ def tp_bytes_per_layer(s: RankShapes, e: int, tp: int):
         return 0, 0
     one = 2 * (tp - 1) * s.N * s.d * e // tp
     return 2 * one, 2 * one
+
+
+# ------------------------------------------------------------------ pieces memory.py charges
+
+
+def stage_layers(m: ModelConfig, pp: int, stage: int) -> int:
+    """Blocks on pipeline stage `stage`: n_layers / pp, one more on the first n_layers % pp."""
+    return m.n_layers // pp + (1 if stage < m.n_layers % pp else 0)
+
+
+def mlp_params(m: ModelConfig, tp: int) -> int:
+    """The MLP's parameters on a TP rank: its up (and gate) and down projections with
+    their biases; layer_params less the two norms, q/k/v and the o projection."""
+    d, b = m.d_model, int(m.bias)
+    ffn = resolved_ffn_hidden(m)
+    return (3 if m.mlp == "swiglu" else 2) * d * ffn // tp \
+        + b * ((2 if m.mlp == "swiglu" else 1) * ffn // tp + d)
+
+
+def head_params(m: ModelConfig, tp: int) -> int:
+    """The output head (or the tied embedding) on a TP rank: V/tp rows of d."""
+    return m.vocab_size // tp * m.d_model
+
+
+def mlp_intermediates_saved(s: RankShapes, e: int) -> int:
+    """What an untiled MLP saves for backward: gate, up, silu and their product, (N, f)
+    each (layer_activations' MLP term)."""
+    return 4 * s.N * s.f * e
+
+
+def ring_grad_bytes(ring_grad_dtype: str) -> int:
+    """Bytes per element of the ring's travelling dK,dV: parallel.ring_grad_dtype's dtype
+    as the ring defines it (ctxpar.context_parallel.ring.GRAD_DTYPES)."""
+    from ..context_parallel.ring import GRAD_DTYPES
+    return GRAD_DTYPES[ring_grad_dtype].itemsize

@@ -23,8 +23,8 @@ from typing import List, Optional, Tuple
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
 from ..context_parallel.layouts import num_chunks
+from .candidate import Candidate, apply_candidate
 from .cluster import Cluster, PlanError
-from .layout import Layout, apply_layout
 from .memory import Memory, ds_zero, memory
 from .search import _cp_patterns, divisors, fits, is_bf16
 
@@ -36,10 +36,10 @@ def with_seq_len(cfg: Config, seq_len: int) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_len=seq_len))
 
 
-def unit(lay: Layout) -> int:
+def unit(cand: Candidate) -> int:
     """seq_len must be a multiple of this: the CP layout's chunks, config.validate's rule,
     which holds at cp 1 too (zigzag: 2)."""
-    return num_chunks(lay.cp, lay.layout)
+    return num_chunks(cand.cp, cand.token_layout)
 
 
 OPTIONS = ("tiled_loss", "tiled_mlp", "offload_activations", "offload_optimizer")
@@ -55,7 +55,7 @@ class Allowed:
     pp: Optional[int] = None               # a fixed pipeline degree
 
 
-def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> List[Layout]:
+def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> List[Candidate]:
     """Every layout the trainer accepts at micro-batch 1 with the allowed options: tiled
     loss and MLP on when allowed (they only lower the peak), each offload on and off (on
     only when allowed and the host has memory)."""
@@ -82,43 +82,43 @@ def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> L
                 if allowed.pp and pp != allowed.pp:
                     continue
                 dp = world // (tp * cp * pp)
-                for comm, u, layout in _cp_patterns(cp):
-                    if layout != "zigzag" or (cp > 1 and comm not in allowed.patterns):
+                for comm, u, token_layout in _cp_patterns(cp):
+                    if token_layout != "zigzag" or (cp > 1 and comm not in allowed.patterns):
                         continue  # striped / contiguous: the same bytes, another rounding
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                         for act in CHECKPOINT_MODES:
                             for oa, oo, tile, ltile in itertools.product(
                                     oas, oos, tiles, loss_tiles):
-                                lay = Layout(tp, cp, pp, dp, comm, u, layout, zero, act,
-                                             2 if act == "every_n_layers" else 1, 1,
-                                             tiled_loss=tl, tiled_mlp=tm,
-                                             offload_activations=oa, offload_optimizer=oo,
-                                             mlp_tile=tile, loss_tile=ltile)
-                                if _valid(cfg, lay):
-                                    out.append(lay)
+                                cand = Candidate(tp, cp, pp, dp, comm, u, token_layout, zero,
+                                                 act, 2 if act == "every_n_layers" else 1, 1,
+                                                 tiled_loss=tl, tiled_mlp=tm,
+                                                 offload_activations=oa, offload_optimizer=oo,
+                                                 mlp_tile=tile, loss_tile=ltile)
+                                if _valid(cfg, cand):
+                                    out.append(cand)
     return out
 
 
-def _valid(cfg: Config, lay: Layout) -> bool:
-    u = unit(lay)
+def _valid(cfg: Config, cand: Candidate) -> bool:
+    u = unit(cand)
     ref = u * max(1, math.ceil(cfg.model.seq_len / u))  # a seq_len this layout accepts
     try:
-        validate(apply_layout(with_seq_len(cfg, ref), lay), world_size=lay.world,
+        validate(apply_candidate(with_seq_len(cfg, ref), cand), world_size=cand.world,
                  check_paths=False)
     except ConfigError:
         return False
     return True
 
 
-def longest(cfg: Config, lay: Layout, cluster: Cluster) -> Tuple[int, Optional[Memory]]:
+def longest(cfg: Config, cand: Candidate, cluster: Cluster) -> Tuple[int, Optional[Memory]]:
     """(the largest fitting seq_len, its memory) of one layout; (0, None) if none fits."""
-    bf16, u = is_bf16(cfg), unit(lay)
-    micro = cfg.train.global_batch_size // lay.dp
-    zero = ds_zero(cfg, lay)
-    c = apply_layout(cfg, lay)
+    bf16, u = is_bf16(cfg), unit(cand)
+    micro = cfg.train.global_batch_size // cand.dp
+    zero = ds_zero(cfg, cand)
+    c = apply_candidate(cfg, cand)
 
     def mem(k: int) -> Memory:
-        return memory(with_seq_len(c, k * u), lay, bf16, micro, cluster.gpu.kind, zero)
+        return memory(with_seq_len(c, k * u), cand, bf16, micro, cluster.gpu.kind, zero)
 
     def ok(m: Memory) -> bool:
         return fits(m, cluster)
@@ -152,7 +152,7 @@ def longest(cfg: Config, lay: Layout, cluster: Cluster) -> Tuple[int, Optional[M
 
 
 def search_longest(cfg: Config, cluster: Cluster,
-                   allowed: Allowed = Allowed()) -> List[Tuple[int, Layout, Memory]]:
+                   allowed: Allowed = Allowed()) -> List[Tuple[int, Candidate, Memory]]:
     """(seq_len, layout, memory) of every candidate that fits at some length, longest
     first (ties: the least device memory)."""
     cands = candidates(cfg, cluster, allowed)
@@ -162,22 +162,22 @@ def search_longest(cfg: Config, cluster: Cluster,
                         f"(heads {cfg.model.n_heads}, layers {cfg.model.n_layers}, global "
                         f"batch {cfg.train.global_batch_size})")
     out = []
-    for lay in cands:
-        n, m = longest(cfg, lay, cluster)
+    for cand in cands:
+        n, m = longest(cfg, cand, cluster)
         if n:
-            out.append((n, lay, m))
+            out.append((n, cand, m))
     out.sort(key=lambda r: (-r[0], r[2].peak))
     return out
 
 
-def merge_tiles(rows: List[Tuple[int, Layout, Memory]]) -> List[Tuple[int, Layout, Memory]]:
+def merge_tiles(rows: List[Tuple[int, Candidate, Memory]]) -> List[Tuple[int, Candidate, Memory]]:
     """search_longest's rows with one per layout and length: the tiles that reach the same
     seq_len as another tile size of the same layout are left out (the first, the least
     memory, stays)."""
     seen, out = set(), []
-    for n, lay, m in rows:
-        key = (n, dataclasses.replace(lay, mlp_tile=0, loss_tile=0))
+    for n, cand, m in rows:
+        key = (n, dataclasses.replace(cand, mlp_tile=0, loss_tile=0))
         if key not in seen:
             seen.add(key)
-            out.append((n, lay, m))
+            out.append((n, cand, m))
     return out

@@ -33,7 +33,7 @@ from typing import Dict, List
 
 from ..config import Config, deepspeed_config
 from . import counts, transients
-from .layout import Layout, apply_layout
+from .candidate import Candidate, apply_candidate
 from .zero_state import Shard, ZeroState, zero_config
 
 
@@ -88,19 +88,19 @@ class Memory:
         return next(p for p in self.phases if p.name == name)
 
 
-def tile_sizes(cfg: Config, s: counts.RankShapes, lay: Layout):
+def tile_sizes(cfg: Config, s: counts.RankShapes, cand: Candidate):
     """(loss tile, MLP tile) in tokens, 0 when that option is off: the memory modules' own
     rule for 'auto' (ctxpar/memory/tiled_loss.py, tiled_mlp.py)."""
     mem = cfg.memory
     loss = mlp = 0
-    if lay.tiled_loss:
+    if cand.tiled_loss:
         try:
             from ..memory.tiled_loss import loss_tile_tokens
         except ImportError:  # until the module lands: a given size, or one (N, d)'s worth
             def loss_tile_tokens(rows, vocab, d, setting):
                 return setting if setting != "auto" else max(1, rows * d // vocab)
         loss = loss_tile_tokens(s.N, s.V, s.d, mem.loss_tile_tokens)
-    if lay.tiled_mlp:
+    if cand.tiled_mlp:
         try:
             from ..memory.tiled_mlp import mlp_tile_tokens
         except ImportError:
@@ -116,134 +116,210 @@ def shard(m, tp: int, pp: int, stage: int) -> Shard:
                  largest=counts.largest_tensor(m, tp), layer=counts.layer_params(m, tp))
 
 
-def ds_zero(cfg: Config, lay: Layout) -> Dict:
+def ds_zero(cfg: Config, cand: Candidate) -> Dict:
     """zero_optimization as train.py hands it to DeepSpeed for this layout (the same
     ctxpar.config.deepspeed_config), with DeepSpeed's defaults for absent keys."""
-    return zero_config(deepspeed_config(apply_layout(cfg, lay), lay.dp))
+    return zero_config(deepspeed_config(apply_candidate(cfg, cand), cand.dp))
 
 
-def stage_memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int, stage: int,
-                 device: str, zero: Dict) -> Memory:
-    m, e = cfg.model, 2 if bf16 else 4
-    s = counts.rank_shapes(m, lay)
-    first, last = stage == 0, stage == lay.pp - 1
-    n_layers = m.n_layers // lay.pp + (1 if stage < m.n_layers % lay.pp else 0)
-    loss_tile, mlp_tile = tile_sizes(cfg, s, lay)
-    act = counts.activations(m, lay, e, n_layers, first, last, cfg.data.reset_positions,
+@dataclass
+class Stage:
+    """What every phase of one pipeline stage's step reads: the rank's shapes, its saved
+    activations, its ZeRO state and the terms each phase starts from."""
+    cfg: Config
+    cand: Candidate
+    shapes: counts.RankShapes
+    elem: int                  # bytes per activation element: 2 (bf16) or 4
+    last: bool                 # the last stage: the final norm, the head and the loss
+    device: str
+    modes: List[str]           # each block's checkpointing mode
+    act: counts.Activations    # one micro-batch's saved bytes
+    saved: List[float]         # each block's saved bytes on the device (offload: two)
+    zero_state: ZeroState
+    shard: Shard
+    resident: Dict[str, float]       # model state between steps
+    base: Dict[str, float]           # resident + gathered parameters + other micro-batches
+    accumulated: Dict[str, float]    # gradients kept between micro-batches (if any)
+    accumulating: bool
+    host: Dict[str, float]           # bytes on the host (optimizer offload, activations)
+    host_step: float                 # torch AdamW's temporaries on the host (CPU)
+    loss_tile: int
+    mlp_tile: int
+
+    def grads(self, fraction: float) -> Dict[str, float]:
+        """The gradient terms with `fraction` of this stage's produced (all of them while
+        gradients accumulate over micro-batches)."""
+        return self.zero_state.backward(1.0 if self.accumulating else fraction)
+
+    @property
+    def residual_grad(self) -> int:
+        """The residual stream's gradient (N, d) the backward carries between blocks."""
+        return self.shapes.N * self.shapes.d * self.elem
+
+
+def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int, device: str,
+          zero: Dict) -> Stage:
+    """Stage `index`'s shapes, saved activations, model state and the micro-batches it
+    holds at once (a pipeline's first stage holds pp - index of them)."""
+    model, elem = cfg.model, 2 if bf16 else 4
+    shapes = counts.rank_shapes(model, cand)
+    first, last = index == 0, index == cand.pp - 1
+    blocks = counts.stage_layers(model, cand.pp, index)
+    loss_tile, mlp_tile = tile_sizes(cfg, shapes, cand)
+    act = counts.activations(model, cand, elem, blocks, first, last, cfg.data.reset_positions,
                              tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile),
                              device=device)
-    norm = counts.norm_saved(s, e, m.norm, device)
-    modes = counts.layer_modes(lay, n_layers)
-    sh = shard(m, lay.tp, lay.pp, stage)
-    st = ZeroState(sh, zero, lay.dp * lay.cp, bf16, device)
-    res = st.resident()
-    host = {f"{k} (optimizer offload)": v for k, v in st.host().items()}
-    host_step = st.host(step=True).get("optimizer temporaries", 0.0)
+    sh = shard(model, cand.tp, cand.pp, index)
+    zero_state = ZeroState(sh, zero, cand.dp * cand.cp, bf16, device)
+    resident = zero_state.resident()
+    host = {f"{k} (optimizer offload)": v for k, v in zero_state.host().items()}
+    host_step = zero_state.host(step=True).get("optimizer temporaries", 0.0)
 
     # Saved activations on the device; offloaded ones on the host but for two blocks'.
     saved = list(act.layers)
-    if lay.offload_activations:
+    if cand.offload_activations:
         host["activations (offloaded)"] = sum(saved)
         keep = sorted(saved)[-2:]
         saved = [0.0] * (len(saved) - len(keep)) + keep
-    in_flight = min(lay.pp - stage, grad_accum) if lay.pp > 1 else 1
-    if lay.offload_activations:
+    in_flight = min(cand.pp - index, grad_accum) if cand.pp > 1 else 1
+    if cand.offload_activations:
         host["activations (offloaded)"] *= in_flight
-    prev = {"activations, other micro-batches": (in_flight - 1) * (sum(saved) + act.embed
-                                                                    + act.head)}
+    others = {"activations, other micro-batches": (in_flight - 1) * (sum(saved) + act.embed
+                                                                      + act.head)}
     # Gradients are kept between micro-batches (the last one's backward adds to them)
-    accumulating = grad_accum > 1 and lay.pp == 1
-    accum = {"grads (accumulated)": st.backward(1.0).get("grads", 0.0)} if accumulating \
-        else {}
-    base = {**res, **st.gathered(), **prev}
+    accumulating = grad_accum > 1 and cand.pp == 1
+    accumulated = {"grads (accumulated)": zero_state.backward(1.0).get("grads", 0.0)} \
+        if accumulating else {}
+    base = {**resident, **zero_state.gathered(), **others}
+    return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
+                 saved, zero_state, sh, resident, base, accumulated, accumulating, host,
+                 host_step, loss_tile, mlp_tile)
 
-    def grads(frac):
-        return st.backward(1.0 if accumulating else frac)
 
-    swiglu = m.mlp == "swiglu"
-    mlp_saved = 0.0 if mlp_tile else 4 * s.N * s.f * e
-    attn_f = transients.attention_forward(s, lay, e)
-    attn_b = transients.attention_backward(s, lay, e)
-    mlp_p = counts.layer_params(m, lay.tp) - counts.qkv_params(m, lay.tp) - \
-        (s.h * s.hd * s.d + int(m.bias) * s.d) - s.d  # the MLP's weights (o_proj, norm2 off)
-    down = counts.down_proj_params(m, lay.tp)
-    mlp_b = max(transients.mlp_backward(s, swiglu, e, mlp_tile, mlp_p, down),
-                transients.after_mlp_backward(s, e, m.norm, device,
-                                              (mlp_p - (0 if mlp_tile else down)) * e))
-
-    phases = []
-    # forward: the last block's working set, or the loss
-    last_ckpt = modes[-1] != "none"
-    block = transients.block_forward(s, lay, modes[-1], swiglu, e, mlp_tile) \
-        if last_ckpt else transients.mlp_forward(s, swiglu, e, mlp_tile)
-    fwd_block = {"activations": sum(saved) + act.embed, "block working set": max(block, attn_f)}
-    phases.append(Phase("forward (last block)", {**base, **accum, **fwd_block}))
-    if last:
+def forward_phases(st: Stage) -> List[Phase]:
+    """The forward at its last block (its working set: a replayed block's intermediates or
+    a tiled MLP's tile, or the CP attention's buffers) and, on the last stage, at the loss
+    (the logits beside the saved softmax)."""
+    s, cand, elem, mode = st.shapes, st.cand, st.elem, st.modes[-1]
+    swiglu = st.cfg.model.mlp == "swiglu"
+    block = transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile) \
+        if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
+    working_set = max(block, transients.attention_forward(s, cand, elem))
+    phases = [Phase("forward (last block)", {
+        **st.base, **st.accumulated, "activations": sum(st.saved) + st.act.embed,
+        "block working set": working_set})]
+    if st.last:
         phases.append(Phase("forward (loss)", {
-            **base, **accum, "activations": sum(saved) + act.embed + act.head,
-            "logits": transients.loss_forward(s, e, loss_tile)}))
+            **st.base, **st.accumulated,
+            "activations": sum(st.saved) + st.act.embed + st.act.head,
+            "logits": transients.loss_forward(s, elem, st.loss_tile)}))
+    return phases
 
-    # backward: the loss, the first and the last block it reaches, each at its MLP's
-    # backward (the block's largest point: its down projection's gradient is there, the
-    # rest of the block's not yet). A tied head's weight gradient waits in autograd's
-    # buffer until the embedding adds its part (then it becomes the parameter's).
-    psi, layer_p = sh.psi, counts.layer_params(m, lay.tp)
-    head_p = s.V * s.d if last else 0
-    tied = m.tie_embeddings and lay.pp == 1
-    pending = head_p * e if tied else 0.0
-    head_grads = 0 if tied else head_p
-    if last:
-        phases.append(Phase("backward (loss)", {
-            **base, **grads(head_grads / psi),
-            "activations": sum(saved) + act.embed + act.head,
-            "logits": transients.loss_backward(s, e, loss_tile),
-            "activation grads": s.N * s.d * e + pending}))
 
-    qkv_p = counts.qkv_params(m, lay.tp)
+def head_gradients(st: Stage):
+    """(bytes, elements): a tied head's weight gradient waits in autograd's buffer until
+    the embedding adds its part (bytes, not yet the parameter's); an untied head's is the
+    parameter's at once (elements of the stage's gradients). Both 0 off the last stage."""
+    head = counts.head_params(st.cfg.model, st.cand.tp) if st.last else 0
+    tied = st.cfg.model.tie_embeddings and st.cand.pp == 1
+    return (head * st.elem if tied else 0.0), (0 if tied else head)
+
+
+def loss_backward_phase(st: Stage) -> Phase:
+    """The loss's backward: everything saved, the loss's gradient, the head's gradients."""
+    pending, head_grads = head_gradients(st)
+    return Phase("backward (loss)", {
+        **st.base, **st.grads(head_grads / st.shard.psi),
+        "activations": sum(st.saved) + st.act.embed + st.act.head,
+        "logits": transients.loss_backward(st.shapes, st.elem, st.loss_tile),
+        "activation grads": st.residual_grad + pending})
+
+
+def mlp_backward_working_set(st: Stage) -> float:
+    """A block's MLP backward (the SwiGLU's gradients, or a tiled MLP's tile) or, just
+    after it, the MLP's dx beside the second norm's backward and the MLP's weight
+    gradients a tiled MLP has not charged: the larger."""
+    model, s, elem = st.cfg.model, st.shapes, st.elem
+    mlp = counts.mlp_params(model, st.cand.tp)
+    down = counts.down_proj_params(model, st.cand.tp)
+    during = transients.mlp_backward(s, model.mlp == "swiglu", elem, st.mlp_tile, mlp, down)
+    after = transients.after_mlp_backward(s, elem, model.norm, st.device,
+                                          (mlp - (0 if st.mlp_tile else down)) * elem)
+    return max(during, after)
+
+
+def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
+                         saved_below: float) -> Phase:
+    """Block i's backward at its larger point: the MLP's (everything of the block saved
+    or replayed, the SwiGLU's gradients) or the attention's (the MLP part freed, the
+    block's gradients but q/k/v's produced, the attention's buffers and dout).
+    grads_above: parameter elements whose gradients exist already; saved_below: the
+    saved bytes of the blocks the backward has not reached."""
+    model, s, cand, elem, mode = st.cfg.model, st.shapes, st.cand, st.elem, st.modes[i]
+    pending, _ = head_gradients(st)
+    psi, layer = st.shard.psi, counts.layer_params(model, cand.tp)
+    norm = counts.norm_saved(s, elem, model.norm, st.device)
+    mlp_saved = 0.0 if st.mlp_tile else counts.mlp_intermediates_saved(s, elem)
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
+    replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm)
+    down = 0 if st.mlp_tile else counts.down_proj_params(model, cand.tp)  # tiled: in its set
+    at_mlp = {**st.base, **st.grads((grads_above + down) / psi),
+              "activations": saved_below + st.act.embed + st.act.layers[i],
+              "recompute": replayed, "layer working set": mlp_backward_working_set(st),
+              "activation grads": st.residual_grad + pending}
+    own = st.act.layers[i] - (mlp_part if mode == "none" else 0.0)
+    attention_out = s.N * s.h * s.hd * elem  # the attention's output gradient (N, h, hd)
+    at_attention = {
+        **st.base, **st.grads((grads_above + layer - counts.qkv_params(model, cand.tp)) / psi),
+        "activations": saved_below + st.act.embed + own,
+        "recompute": replayed - mlp_part if mode == "full" else 0.0,
+        "layer working set": transients.attention_backward(s, cand, elem) + attention_out,
+        "activation grads": st.residual_grad + pending}
+    best = max(at_mlp, at_attention, key=lambda t: sum(t.values()))
+    return Phase(f"{name}, {'MLP' if best is at_mlp else 'attention'})", best)
 
-    def layer_phase(name, i, above, below):
-        """Block i's backward at its larger point: the MLP's (everything of the block
-        saved or replayed, the SwiGLU's gradients) or the attention's (the MLP part
-        freed, the block's gradients but q/k/v's produced, the attention's buffers and
-        dout)."""
-        rec = transients.recompute(s, lay, e, modes[i], mlp_saved, norm)
-        made = 0 if mlp_tile else down  # a tiled MLP's gradients are in its working set
-        mlp_pt = {**base, **grads((above + made) / psi),
-                  "activations": below + act.embed + act.layers[i], "recompute": rec,
-                  "layer working set": mlp_b, "activation grads": s.N * s.d * e + pending}
-        own = act.layers[i] - (mlp_part if modes[i] == "none" else 0.0)
-        rec_attn = rec - mlp_part if modes[i] == "full" else 0.0
-        attn_pt = {**base, **grads((above + layer_p - qkv_p) / psi),
-                   "activations": below + act.embed + own, "recompute": rec_attn,
-                   "layer working set": attn_b + s.N * s.h * s.hd * e,
-                   "activation grads": s.N * s.d * e + pending}
-        best = max(mlp_pt, attn_pt, key=lambda t: sum(t.values()))
-        return Phase(f"{name}, {'MLP' if best is mlp_pt else 'attention'})", best)
 
-    L = n_layers
-    phases.append(layer_phase("backward (first block", L - 1, head_grads, sum(saved[:-1])))
-    if L > 1:
-        phases.append(layer_phase("backward (last block", 0, head_grads + (L - 1) * layer_p,
-                                  0.0))
+def block_backward_phases(st: Stage) -> List[Phase]:
+    """The first block the backward reaches (the stage's last, every other block's
+    activations still saved) and the last it reaches (block 0, nearly every gradient made)."""
+    _, head_grads = head_gradients(st)
+    blocks, layer = len(st.modes), counts.layer_params(st.cfg.model, st.cand.tp)
+    phases = [block_backward_phase(st, "backward (first block", blocks - 1, head_grads,
+                                   sum(st.saved[:-1]))]
+    if blocks > 1:
+        phases.append(block_backward_phase(st, "backward (last block", 0,
+                                           head_grads + (blocks - 1) * layer, 0.0))
+    return phases
+
+
+def stage_memory(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, stage_index: int,
+                 device: str, zero: Dict) -> Memory:
+    """Every phase of pipeline stage `stage_index`'s step, in the order the program runs
+    them (the module docstring); zero: ds_zero(cfg, cand)."""
+    st = stage(cfg, cand, bf16, grad_accum, stage_index, device, zero)
+    phases = forward_phases(st)
+    if st.last:
+        phases.append(loss_backward_phase(st))
+    phases += block_backward_phases(st)
     # Offloaded activations on the host: every block's from the end of the forward until
     # the backward reaches it; at the last block only the two restored ones' copies remain.
-    off = host.get("activations (offloaded)", 0.0)
-    for ph in phases:
-        ph.host = sum(saved) if ph.name.startswith("backward (last") and off else off
-    phases.append(Phase("gradient reduction", {**res, **st.reduction()}))
-    phases.append(Phase("optimizer step", {**res, **st.step()}))
-    return Memory(phases, host, host_step)
+    offloaded = st.host.get("activations (offloaded)", 0.0)
+    for phase in phases:
+        phase.host = sum(st.saved) if phase.name.startswith("backward (last") and offloaded \
+            else offloaded
+    phases.append(Phase("gradient reduction", {**st.resident, **st.zero_state.reduction()}))
+    phases.append(Phase("optimizer step", {**st.resident, **st.zero_state.step()}))
+    return Memory(phases, st.host, st.host_step)
 
 
-def memory(cfg: Config, lay: Layout, bf16: bool, grad_accum: int,
+def memory(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int,
            device: str = "cuda", zero: Dict = None) -> Memory:
     """Memory of the most loaded rank (pipeline stage 0, or the last with a big head);
-    zero: ds_zero(cfg, lay) when the caller has it (it does not depend on seq_len)."""
-    zero = zero or ds_zero(cfg, lay)
+    zero: ds_zero(cfg, cand) when the caller has it (it does not depend on seq_len)."""
+    zero = zero or ds_zero(cfg, cand)
     best = None
-    for stage in sorted({0, lay.pp - 1}):
-        mem = stage_memory(cfg, lay, bf16, grad_accum, stage, device, zero)
+    for index in sorted({0, cand.pp - 1}):
+        mem = stage_memory(cfg, cand, bf16, grad_accum, index, device, zero)
         if best is None or mem.peak > best.peak:
             best = mem
     return best

@@ -8,8 +8,8 @@ from dataclasses import replace
 from typing import List
 
 from ..config import to_dict
+from .candidate import apply_candidate
 from .cluster import Cluster
-from .layout import apply_layout
 from .search import MEMORY_MARGIN, Plan
 
 GB = 1e9
@@ -22,7 +22,8 @@ def merge_ties(plans: List[Plan]) -> List[List[Plan]]:
     for p in plans:
         if rows:
             q = rows[-1][0]
-            same = replace(p.layout, zero=q.layout.zero, layout=q.layout.layout) == q.layout
+            same = replace(p.candidate, zero=q.candidate.zero,
+                           token_layout=q.candidate.token_layout) == q.candidate
             if same and round(p.memory.peak / GB, 1) == round(q.memory.peak / GB, 1) \
                     and round(p.time.total, 2) == round(q.time.total, 2):
                 rows[-1].append(p)
@@ -34,7 +35,7 @@ def merge_ties(plans: List[Plan]) -> List[List[Plan]]:
 def row_name(group: List[Plan]) -> str:
     """One name for tied layouts: 'tp2 cp16 ring/zigzag,striped pp1 dp2 z1,z2 none mb1'
     (commas, not bars: the table is markdown)."""
-    parts = [re.split(r"([ /])", p.layout.name()) for p in group]
+    parts = [re.split(r"([ /])", p.candidate.name()) for p in group]
     return "".join(",".join(dict.fromkeys(col)) for col in zip(*parts))
 
 
@@ -56,8 +57,8 @@ def table(rows: List[List[Plan]], cluster: Cluster, top: int = 10) -> str:
 
 def explain(plan: Plan, cluster: Cluster) -> str:
     """Every term of one layout's memory and time."""
-    m, t = plan.memory, plan.time
-    lines = [f"layout: {plan.layout.name()} on {cluster.nodes} x {cluster.gpus_per_node} "
+    t = plan.time
+    lines = [f"layout: {plan.candidate.name()} on {cluster.nodes} x {cluster.gpus_per_node} "
              f"{cluster.gpu.name}"]
     lines += memory_lines(plan, cluster)
     lines.append(f"step time: {t.total:.3f} s ({t.micro_batches} micro-batches per rank)")
@@ -92,7 +93,7 @@ def memory_lines(plan: Plan, cluster: Cluster) -> List[str]:
     return lines
 
 
-# What frees each term of the peak: (remedy, the Layout flag that is that remedy or None).
+# What frees each term of the peak: (remedy, the Candidate flag that is that remedy or None).
 REMEDIES = {
     "activations": [("memory.offload_activations", "offload_activations"),
                     ("full checkpointing", None), ("more CP", None)],
@@ -112,15 +113,15 @@ REMEDIES = {
 }
 
 
-def what_frees(m, lay) -> str:
+def what_frees(m, cand) -> str:
     """One line: the peak phase's three largest terms and what would free each (options
     the layout already uses left out)."""
     top = sorted(m.as_dict().items(), key=lambda kv: -kv[1])[:3]
 
     def remedy(term):
         ways = [text for text, flag in REMEDIES.get(term, [("see docs/memory.md", None)])
-                if not (flag and getattr(lay, flag))
-                and not (text == "full checkpointing" and lay.activation == "full")]
+                if not (flag and getattr(cand, flag))
+                and not (text == "full checkpointing" and cand.activation == "full")]
         return ", ".join(ways) or "nothing the planner has left"
     return "what fills it: " + "; ".join(f"{k} {v / GB:.1f} GB ({remedy(k)})" for k, v in top)
 
@@ -132,9 +133,9 @@ def write_config(cfg, plan: Plan, path: str) -> str:
 
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(f"# written by python -m ctxpar.plan: {plan.layout.name()}\n"
+        f.write(f"# written by python -m ctxpar.plan: {plan.candidate.name()}\n"
                 f"#   {' '.join(['python -m ctxpar.plan', *sys.argv[1:]])}\n")
-        yaml.safe_dump(to_dict(apply_layout(cfg, plan.layout)), f, sort_keys=False)
+        yaml.safe_dump(to_dict(apply_candidate(cfg, plan.candidate)), f, sort_keys=False)
     os.replace(tmp, path)
     return path
 
@@ -191,6 +192,6 @@ def plot_figure(plans: List[Plan], cluster: Cluster):
     ax2.set_title("step time")
     ax2.legend(fontsize=7, loc="lower right")
     fig.text(0.05, 0.1 / height,
-             "\n".join(f"#{i}: {p.layout.name()}" for i, p in enumerate(plans, 1)),
+             "\n".join(f"#{i}: {p.candidate.name()}" for i, p in enumerate(plans, 1)),
              fontsize=9, family="monospace", va="bottom")
     return fig

@@ -16,8 +16,8 @@ from typing import List, Optional, Sequence
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
 from ..components.metrics import flops_per_token
 from . import counts
+from .candidate import Candidate, apply_candidate
 from .cluster import Cluster, PlanError
-from .layout import Layout, apply_layout
 from .memory import Memory, memory
 from .timing import StepTime, step_time
 
@@ -27,7 +27,7 @@ HOST_MARGIN = 0.8    # of the host: the OS, the data loader, pinned-memory round
 
 @dataclass
 class Plan:
-    layout: Layout
+    candidate: Candidate
     memory: Memory
     time: StepTime
     tokens_per_s_per_gpu: float
@@ -40,7 +40,7 @@ def divisors(n: int) -> List[int]:
 
 
 def config_options(cfg: Config) -> dict:
-    """The memory options a config sets, as Layout fields."""
+    """The memory options a config sets, as Candidate fields."""
     z = cfg.deepspeed.get("zero_optimization") or {}
     return dict(tiled_loss=cfg.memory.tiled_loss, tiled_mlp=cfg.memory.tiled_mlp,
                 offload_activations=cfg.memory.offload_activations,
@@ -51,18 +51,18 @@ def is_bf16(cfg: Config) -> bool:
     return bool((cfg.deepspeed.get("bf16") or {}).get("enabled"))
 
 
-def evaluate(cfg: Config, lay: Layout, cluster: Cluster, **eff) -> Plan:
+def evaluate(cfg: Config, cand: Candidate, cluster: Cluster, **eff) -> Plan:
     """Memory and time of one layout."""
     bf16 = is_bf16(cfg)
-    micro = cfg.train.global_batch_size // (lay.micro_batch * lay.dp)
-    mem = memory(cfg, lay, bf16, micro, cluster.gpu.kind)
-    t = step_time(cfg, lay, cluster, bf16, **eff)
+    micro = cfg.train.global_batch_size // (cand.micro_batch * cand.dp)
+    mem = memory(cfg, cand, bf16, micro, cluster.gpu.kind)
+    t = step_time(cfg, cand, cluster, bf16, **eff)
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
-    tps = tokens / t.total / lay.world
+    tps = tokens / t.total / cand.world
     m = cfg.model
     mfu = flops_per_token(counts.total_params(m), m.n_layers, m.d_model, m.seq_len) * tps \
         / cluster.gpu.flops
-    return Plan(lay, mem, t, tps, mfu, fits(mem, cluster))
+    return Plan(cand, mem, t, tps, mfu, fits(mem, cluster))
 
 
 def fits(mem: Memory, cluster: Cluster) -> bool:
@@ -73,39 +73,39 @@ def fits(mem: Memory, cluster: Cluster) -> bool:
         host <= HOST_MARGIN * cluster.gpu.host_memory
 
 
-def candidates(cfg: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)) -> List[Layout]:
-    m, world = cfg.model, cluster.world
+def candidates(cfg: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)) -> List[Candidate]:
+    world = cluster.world
     opts = config_options(cfg)  # the config's memory options, kept for every layout
     out = []
     for tp in divisors(cluster.gpus_per_node):
         for cp in divisors(world // tp):
             for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
-                for comm, u, layout in _cp_patterns(cp):
+                for comm, u, token_layout in _cp_patterns(cp):
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                         for act in CHECKPOINT_MODES:
                             for mb in micro_batches:
-                                lay = Layout(tp, cp, pp, dp, comm, u, layout, zero, act,
-                                             2 if act == "every_n_layers" else 1, mb,
-                                             **opts)
-                                if _valid(cfg, lay):
-                                    out.append(lay)
+                                cand = Candidate(tp, cp, pp, dp, comm, u, token_layout, zero,
+                                                 act, 2 if act == "every_n_layers" else 1, mb,
+                                                 **opts)
+                                if _valid(cfg, cand):
+                                    out.append(cand)
     return out
 
 
 def _cp_patterns(cp: int):
     if cp == 1:
         return [("ring", 1, "zigzag")]
-    out = [(c, 1, lay) for c in ("ring", "allgather")
-           for lay in ("zigzag", "striped", "contiguous")]
+    out = [(c, 1, token_layout) for c in ("ring", "allgather")
+           for token_layout in ("zigzag", "striped", "contiguous")]
     out.append(("ulysses", cp, "zigzag"))
     out += [("hybrid", u, "zigzag") for u in divisors(cp) if 1 < u < cp]
     return out
 
 
-def _valid(cfg: Config, lay: Layout) -> bool:
+def _valid(cfg: Config, cand: Candidate) -> bool:
     try:
-        validate(apply_layout(cfg, lay), world_size=lay.world, check_paths=False)
+        validate(apply_candidate(cfg, cand), world_size=cand.world, check_paths=False)
     except ConfigError:
         return False
     return True
@@ -119,7 +119,7 @@ def search(cfg: Config, cluster: Cluster, top: Optional[int] = None, **eff) -> L
                         f"{cluster.gpus_per_node}) is valid for this model (heads "
                         f"{cfg.model.n_heads}, layers {cfg.model.n_layers}, seq_len "
                         f"{cfg.model.seq_len}, global batch {cfg.train.global_batch_size})")
-    plans = [evaluate(cfg, lay, cluster, **eff) for lay in cands]
+    plans = [evaluate(cfg, cand, cluster, **eff) for cand in cands]
     # Fastest first; among layouts within 0.1% of each other's speed, the one that leaves
     # the most memory free (e.g. ZeRO-2 over ZeRO-1 at the same time).
     plans.sort(key=lambda p: (not p.fits, -round(p.tokens_per_s_per_gpu, -1), p.memory.peak))
@@ -141,14 +141,14 @@ def nothing_fits(plans: List[Plan], cluster: Cluster, off: Sequence[str] = ()) -
         best = min(device_ok, key=lambda p: p.memory.host_total)
         need = best.memory.host_total * cluster.gpus_per_node / HOST_MARGIN
         return (f"nothing fits the host's {cluster.gpu.host_memory / 1e9:,.0f} GB per node: the "
-                f"layout that offloads least ({best.layout.name()}) needs {need / 1e9:,.0f} GB "
+                f"layout that offloads least ({best.candidate.name()}) needs {need / 1e9:,.0f} GB "
                 f"per node ({cluster.gpus_per_node} GPUs offloading); --host-memory, fewer "
                 f"offloads or more GPUs")
     best = min(plans, key=lambda p: p.memory.peak)
     need = best.memory.peak / MEMORY_MARGIN
     short = need - cluster.gpu.memory
     return (f"nothing fits in {cluster.gpu.memory / 1e9:.0f} GB per GPU: the smallest "
-            f"layout ({best.layout.name()}) needs {need / 1e9:.1f} GB "
+            f"layout ({best.candidate.name()}) needs {need / 1e9:.1f} GB "
             f"({short / 1e9:.1f} GB short, {best.memory.peak_phase}); more GPUs "
             f"(--nodes {cluster.nodes * 2}), a larger GPU, "
             + (f"the memory options ({', '.join(OPTION_KEYS[k] for k in off)}), " if off

@@ -14,24 +14,25 @@ from dataclasses import replace
 from typing import List, Optional, Tuple
 
 from ..config import Config
+from .candidate import Candidate
 from .cluster import GPUS, GPU, Cluster
-from .layout import Layout
 from .search import config_options, evaluate
 
 # Device names (torch.cuda.get_device_name) -> preset: the first key found in the name.
 NAME_KEYS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b200"))
 
 
-def own_layout(cfg: Config, world: Optional[int] = None) -> Layout:
-    """The layout a config runs (its parallel, checkpointing and ZeRO keys); dp 'auto'
-    is world // (tp cp pp), as init_parallel_state resolves it."""
+def config_candidate(cfg: Config, world: Optional[int] = None) -> Candidate:
+    """The candidate a config runs (its parallel, activation_checkpointing, ZeRO and memory
+    keys); dp 'auto' is world // (tp cp pp), as init_parallel_state resolves it."""
     p = cfg.parallel
     dp = p.dp if isinstance(p.dp, int) else (world or 1) // (p.tp * p.cp * p.pp)
     z = (cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0)
     u = p.ulysses or (p.cp if p.cp_comm == "ulysses" else 1)
-    return Layout(p.tp, p.cp, p.pp, dp, p.cp_comm, u, p.layout, z,
-                  cfg.checkpointing.activation, cfg.checkpointing.every_n_layers,
-                  cfg.train.micro_batch_size, p.ring_grad_dtype, **config_options(cfg))
+    ckpt = cfg.activation_checkpointing
+    return Candidate(p.tp, p.cp, p.pp, dp, p.cp_comm, u, p.layout, z, ckpt.mode,
+                     ckpt.every_n_layers, cfg.train.micro_batch_size, p.ring_grad_dtype,
+                     **config_options(cfg))
 
 
 def preset_for(device_name: str) -> Optional[GPU]:
@@ -80,16 +81,16 @@ def local_ranks(world: int, device) -> int:
 def startup_report(cfg: Config, gpu: Optional[GPU], how: str, nodes: int,
                    per_node: int) -> Tuple[str, List[str]]:
     """(one line: this layout's predicted memory per rank and tokens/s; warnings)."""
-    lay = own_layout(cfg, nodes * per_node)
+    cand = config_candidate(cfg, nodes * per_node)
     known = gpu is not None
     cluster = Cluster(nodes, per_node, gpu if known else GPUS["h100"])
-    plan = evaluate(cfg, lay, cluster)
+    plan = evaluate(cfg, cand, cluster)
     mem = plan.memory
-    line = (f"plan: {lay.name()} on {nodes} x {per_node} ranks: {mem.peak / 1e9:.2f} GB "
+    line = (f"plan: {cand.name()} on {nodes} x {per_node} ranks: {mem.peak / 1e9:.2f} GB "
             f"per rank predicted (tensors, as metrics.jsonl's peak_mem_model_bytes; peak "
             f"in the {mem.peak_phase})")
     if known:
-        line += (f", {plan.tokens_per_s_per_gpu * lay.world:,.0f} tokens/s "
+        line += (f", {plan.tokens_per_s_per_gpu * cand.world:,.0f} tokens/s "
                  f"({plan.tokens_per_s_per_gpu:,.0f} per rank, MFU "
                  f"{100 * plan.mfu:.1f}%; {how}; bottleneck {plan.time.bottleneck()})")
     else:

@@ -45,8 +45,8 @@ from typing import Dict
 
 from ..config import Config
 from . import counts
+from .candidate import Candidate
 from .cluster import Cluster
-from .layout import Layout
 
 MM_EFF = 0.55    # matmul efficiency of peak (Megatron-style dense layers on H100, bf16)
 ATTN_EFF = 0.45  # flash attention forward + backward (FA2/FA3 report 35-75% on H100)
@@ -99,82 +99,53 @@ def thresholds(flops: float, bw: float, h: int, hk: int, e: int, g: int, c: floa
     return {"fwd": fb * (hk / h) * (e / 2) / c, "bwd": fb * (hk / h) * (e + g) / (5 * c)}
 
 
-def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
-              mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF) -> StepTime:
-    m, F = cfg.model, cluster.gpu.flops
-    e = 2 if bf16 else 4
-    g = 2 if lay.ring_grad_dtype == "bf16" else 4
-    s = counts.rank_shapes(m, lay)
-    micro = cfg.train.global_batch_size // (lay.micro_batch * lay.dp)
-    layers = -(-m.n_layers // lay.pp)
-    replay = {"none": 0.0, "selective": 1.0, "full": 1.0,
-              "every_n_layers": 1.0 / lay.every_n_layers}[lay.activation]
-    attn_replay = 0.0 if lay.activation == "selective" else replay
+def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int, layers: int,
+            t_attn_f: float, attn_replay: float, attn_eff: float):
+    """(all CP seconds, those not hidden, the ring's tokens per step C, its C* fwd/bwd) per
+    micro-batch: bytes over the CP group's slowest link; the ring (and hybrid's ring) hides
+    each step's transfer behind the step's compute, all-gather its gather behind the local
+    block, Ulysses nothing (module docstring). t_attn_f: the attention forward's seconds."""
+    if cand.cp == 1:
+        return 0.0, 0.0, 0, {}
+    m, s = cfg.model, counts.rank_shapes(cfg.model, cand)
+    f_cp, b_cp = counts.layer_cp_bytes(m, cand, e)
+    bw = cluster.link(cand.tp * cand.cp)
+    cp_total = layers * (f_cp * (1 + attn_replay) + b_cp) / bw
+    r = cand.ring
+    t_f_layer, t_b_layer = t_attn_f / layers, 2.5 * t_attn_f / layers
+    if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and r > 1):
+        u = cand.ulysses if cand.cp_comm == "hybrid" else 1
+        hk = counts.ulysses_kv_heads(s.hk, u) if u > 1 else s.hk
+        kv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * e
+        dkv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * g
+        fwd = max(0.0, kv_step / bw - t_f_layer / r) * (r - 1)
+        bwd = max(0.0, (kv_step + dkv_step) / bw - t_b_layer / r) * (r - 1) \
+            + dkv_step / bw  # the last dK,dV hop home waits
+        a2a = 0.0
+        if u > 1:  # the Ulysses all-to-alls inside, over NVLink when they fit
+            a_f, a_b = counts.cp_bytes("ulysses", u, u, s.B, s.N // s.B, s.h, s.hk, s.hd, e)
+            a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(cand.tp * u)
+        # Pairs per step: zigzag's half blocks and striped's triangles ~C^2/2, contiguous
+        # full blocks (its busiest rank's steps).
+        c = 1.0 if cand.token_layout == "contiguous" else 0.5
+        return (cp_total, layers * (fwd * (1 + attn_replay) + bwd + a2a), m.seq_len // r,
+                thresholds(cluster.gpu.flops, bw, s.h, s.hk, e, g, c, attn_eff))
+    if cand.cp_comm == "allgather":
+        local = t_f_layer / cand.cp  # the local block, computed while the gather runs
+        gather, scatter = f_cp / bw, (b_cp - f_cp) / bw  # backward: gather again + RS
+        return cp_total, layers * (max(0.0, gather - local) * (1 + attn_replay)
+                                   + max(0.0, gather - 2.5 * local) + scatter), 0, {}
+    return cp_total, cp_total, 0, {}  # ulysses: nothing to hide behind
 
-    # Compute of one micro-batch on the busiest stage.
-    psi = max(counts.stage_params(m, lay.tp, lay.pp, st) for st in {0, lay.pp - 1})
-    head = 2 * s.N * m.d_model * s.V  # logits matmul (not a lookup, unlike the embedding)
-    mlp_p = (3 if m.mlp == "swiglu" else 2) * s.d * s.f  # the MLP's weights on a rank
-    mm = (2 * s.N * layers * counts.layer_params(m, lay.tp)) * (3 + replay) \
-        + (4 if lay.tiled_loss and lay.tp > 1 else 3) * head \
-        + (2 * s.N * layers * mlp_p if lay.tiled_mlp else 0)  # the tiled MLP's recompute
-    # Attention FLOPs (forward) of the busiest rank: head-pairs it computes.
-    if lay.cp_comm == "ulysses" and lay.cp > 1:  # all T tokens of h/cp heads
-        head_pairs = s.h // lay.cp * rank_pairs(m.seq_len, 1, lay.layout)
-    elif lay.cp_comm == "hybrid":  # the ring over r ranks of u*s tokens, h/u heads
-        head_pairs = s.h // lay.ulysses * rank_pairs(m.seq_len, lay.ring, lay.layout)
-    else:
-        head_pairs = s.h * rank_pairs(m.seq_len, lay.cp, lay.layout)
-    attn_f = 4 * s.hd * s.B * head_pairs * layers
-    t_attn_f = attn_f / (F * attn_eff)
-    t_mm = mm / (F * mm_eff)
-    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay)
 
-    # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
-    f_tp, b_tp = counts.tp_bytes_per_layer(s, e, lay.tp)
-    tp = layers * (f_tp * (1 + replay) + b_tp) / cluster.gpu.nvlink if lay.tp > 1 else 0.0
-
-    # CP: bytes over the CP group's slowest link; the ring hides what each step computes.
-    f_cp, b_cp = counts.layer_cp_bytes(m, lay, e)
-    span = lay.tp * lay.cp
-    bw = cluster.link(span)
-    cp_total = layers * (f_cp * (1 + attn_replay) + b_cp) / bw if lay.cp > 1 else 0.0
-    cp_exposed, chunk, thr = 0.0, 0, {}
-    if lay.cp > 1:
-        r = lay.ring
-        t_f_layer, t_b_layer = t_attn_f / layers, 2.5 * t_attn_f / layers
-        if lay.cp_comm == "ring" or (lay.cp_comm == "hybrid" and r > 1):
-            u = lay.ulysses if lay.cp_comm == "hybrid" else 1
-            hk = counts.ulysses_kv_heads(s.hk, u) if u > 1 else s.hk
-            kv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * e
-            dkv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * g
-            ring_bw = cluster.link(span)
-            fwd = max(0.0, kv_step / ring_bw - t_f_layer / r) * (r - 1)
-            bwd = max(0.0, (kv_step + dkv_step) / ring_bw - t_b_layer / r) * (r - 1) \
-                + dkv_step / ring_bw  # the last dK,dV hop home waits
-            a2a = 0.0
-            if u > 1:  # the Ulysses all-to-alls inside, over NVLink when they fit
-                a_f, a_b = counts.cp_bytes("ulysses", u, u, s.B, s.N // s.B, s.h, s.hk,
-                                           s.hd, e)
-                a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(lay.tp * u)
-            cp_exposed = layers * (fwd * (1 + attn_replay) + bwd + a2a)
-            chunk = m.seq_len // r
-            # Pairs per step: zigzag's half blocks and striped's triangles ~C^2/2, contiguous
-            # full blocks (its busiest rank's steps).
-            c = 1.0 if lay.layout == "contiguous" else 0.5
-            thr = thresholds(F, ring_bw, s.h, s.hk, e, g, c, attn_eff)
-        elif lay.cp_comm == "allgather":
-            local = t_f_layer / lay.cp  # the local block, computed while the gather runs
-            gather, scatter = f_cp / bw, (b_cp - f_cp) / bw  # backward: gather again + RS
-            cp_exposed = layers * (max(0.0, gather - local) * (1 + attn_replay)
-                                   + max(0.0, gather - 2.5 * local) + scatter)
-        else:  # ulysses: nothing to hide behind
-            cp_exposed = cp_total
-
-    overhead = layers * cluster.gpu.overhead
+def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers: int,
+                 compute: float) -> float:
+    """Activation offload's copies per micro-batch not hidden behind the compute (CUDA:
+    side streams, a layer's copy against its forward and backward; CPU: not overlapped)."""
+    m = cfg.model
     offload = 0.0
-    if lay.offload_activations and lay.activation != "none":
-        act = counts.activations(m, lay, e, layers, tiled_mlp=lay.tiled_mlp,
+    if cand.offload_activations and cand.activation != "none":
+        act = counts.activations(m, cand, e, layers, tiled_mlp=cand.tiled_mlp,
                                  device=cluster.gpu.kind)
         copy = sum(act.layers) / cluster.gpu.pcie  # one way, all layers
         if cluster.gpu.kind == "cuda":  # side streams: hidden behind each layer's compute
@@ -182,21 +153,65 @@ def step_time(cfg: Config, lay: Layout, cluster: Cluster, bf16: bool,
             offload = layers * (max(0.0, c - f) + max(0.0, c - 2 * f))  # backward ~ 2 f
         else:
             offload = 2 * copy
+    return offload
+
+
+def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
+              mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF) -> StepTime:
+    """One step of the most loaded rank, term by term (the module docstring's list)."""
+    m, F = cfg.model, cluster.gpu.flops
+    e = 2 if bf16 else 4
+    g = counts.ring_grad_bytes(cand.ring_grad_dtype)
+    s = counts.rank_shapes(m, cand)
+    micro = cfg.train.global_batch_size // (cand.micro_batch * cand.dp)
+    layers = -(-m.n_layers // cand.pp)
+    replay = {"none": 0.0, "selective": 1.0, "full": 1.0,
+              "every_n_layers": 1.0 / cand.every_n_layers}[cand.activation]
+    attn_replay = 0.0 if cand.activation == "selective" else replay
+
+    # Compute of one micro-batch on the busiest stage.
+    psi = max(counts.stage_params(m, cand.tp, cand.pp, st) for st in {0, cand.pp - 1})
+    head = 2 * s.N * m.d_model * s.V  # logits matmul (not a lookup, unlike the embedding)
+    mlp_p = (3 if m.mlp == "swiglu" else 2) * s.d * s.f  # the MLP's weights on a rank
+    mm = (2 * s.N * layers * counts.layer_params(m, cand.tp)) * (3 + replay) \
+        + (4 if cand.tiled_loss and cand.tp > 1 else 3) * head \
+        + (2 * s.N * layers * mlp_p if cand.tiled_mlp else 0)  # the tiled MLP's recompute
+    # Attention FLOPs (forward) of the busiest rank: head-pairs it computes.
+    if cand.cp_comm == "ulysses" and cand.cp > 1:  # all T tokens of h/cp heads
+        head_pairs = s.h // cand.cp * rank_pairs(m.seq_len, 1, cand.token_layout)
+    elif cand.cp_comm == "hybrid":  # the ring over r ranks of u*s tokens, h/u heads
+        head_pairs = s.h // cand.ulysses * rank_pairs(m.seq_len, cand.ring, cand.token_layout)
+    else:
+        head_pairs = s.h * rank_pairs(m.seq_len, cand.cp, cand.token_layout)
+    attn_f = 4 * s.hd * s.B * head_pairs * layers
+    t_attn_f = attn_f / (F * attn_eff)
+    t_mm = mm / (F * mm_eff)
+    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay)
+
+    # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
+    f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)
+    tp = layers * (f_tp * (1 + replay) + b_tp) / cluster.gpu.nvlink if cand.tp > 1 else 0.0
+
+    cp_total, cp_exposed, chunk, thr = cp_time(cfg, cand, cluster, e, g, layers, t_attn_f,
+                                               attn_replay, attn_eff)
+
+    overhead = layers * cluster.gpu.overhead
+    offload = offload_time(cfg, cand, cluster, e, layers, compute)
     t_micro = compute + overhead + tp + cp_exposed + offload
-    bubble = (lay.pp - 1) * t_micro if lay.pp > 1 else 0.0
+    bubble = (cand.pp - 1) * t_micro if cand.pp > 1 else 0.0
     # DP x CP gradient reduction (ring all-reduce / reduce-scatter + all-gather).
-    D = lay.dp * lay.cp
+    D = cand.dp * cand.cp
     dp = 0.0
     if D > 1:
-        factor = 2 * (D - 1) / D * (1.5 if lay.zero == 3 else 1.0)
-        dp = factor * psi * e / cluster.link(lay.world // lay.pp)
+        factor = 2 * (D - 1) / D * (1.5 if cand.zero == 3 else 1.0)
+        dp = factor * psi * e / cluster.link(cand.world // cand.pp)
     step_offload = offload * micro
-    if lay.offload_optimizer:
+    if cand.offload_optimizer:
         part = psi / D  # this GPU's partition of the parameters
         step_offload += part * (4 + e) / cluster.gpu.pcie \
-            + part * min(cluster.gpus_per_node, lay.world) / cluster.gpu.host_adam
+            + part * min(cluster.gpus_per_node, cand.world) / cluster.gpu.host_adam
     return StepTime(compute=compute * micro, overhead=overhead * micro, tp=tp * micro,
-                    offload=step_offload,
-                    cp_exposed=cp_exposed * micro, cp_total=cp_total * micro, bubble=bubble, dp=dp, micro_batches=micro,
+                    offload=step_offload, cp_exposed=cp_exposed * micro,
+                    cp_total=cp_total * micro, bubble=bubble, dp=dp, micro_batches=micro,
                     ring_chunk=chunk, thresholds=thr,
-                    cp_link=cluster.link_name(span) if lay.cp > 1 else "-")
+                    cp_link=cluster.link_name(cand.tp * cand.cp) if cand.cp > 1 else "-")

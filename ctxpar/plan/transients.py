@@ -23,8 +23,8 @@ live bytes on CPU (tools/benchmarks/bench_plan_memory.py, docs/planner.md):
 from __future__ import annotations
 
 from ..context_parallel.ulysses import ulysses_kv_heads
-from .counts import RankShapes, attention_saved
-from .layout import Layout
+from .candidate import Candidate
+from .counts import RankShapes, attention_saved, ring_grad_bytes
 
 
 def _ring_fwd(q: float, kv: float, hops: int, e: int) -> float:
@@ -41,37 +41,37 @@ def _ring_bwd(q: float, kv: float, hops: int, e: int, g: int) -> float:
     return acc + travel + pairs * 2 * kv * e + (q + 2 * kv) * e + copies
 
 
-def attention_forward(s: RankShapes, lay: Layout, e: int) -> float:
+def attention_forward(s: RankShapes, cand: Candidate, e: int) -> float:
     """Bytes the CP attention holds in its forward beyond what it saves (one layer)."""
     q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
-    if lay.cp == 1:
+    if cand.cp == 1:
         return 0.0
-    if lay.cp_comm == "ring":
-        return _ring_fwd(q, kv, lay.cp - 1, e)
-    if lay.cp_comm == "allgather":
-        return (1 + lay.cp) * 2 * kv * e + q * e + (8 * q if e != 4 else 0.0)
-    kvu = s.N * ulysses_kv_heads(s.hk, lay.ulysses) * s.hd
+    if cand.cp_comm == "ring":
+        return _ring_fwd(q, kv, cand.cp - 1, e)
+    if cand.cp_comm == "allgather":
+        return (1 + cand.cp) * 2 * kv * e + q * e + (8 * q if e != 4 else 0.0)
+    kvu = s.N * ulysses_kv_heads(s.hk, cand.ulysses) * s.hd
     a2a = 2 * (q + 2 * kvu) * e                 # send + receive of q, k, v
-    if lay.cp_comm == "hybrid":
-        return a2a + _ring_fwd(q, kvu, lay.ring - 1, e)
+    if cand.cp_comm == "hybrid":
+        return a2a + _ring_fwd(q, kvu, cand.ring - 1, e)
     return a2a
 
 
-def attention_backward(s: RankShapes, lay: Layout, e: int) -> float:
+def attention_backward(s: RankShapes, cand: Candidate, e: int) -> float:
     """Bytes the CP attention holds in its backward beyond its saved tensors and dout."""
     q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
-    g = 2 if lay.ring_grad_dtype == "bf16" else 4
-    if lay.cp == 1:
+    g = ring_grad_bytes(cand.ring_grad_dtype)
+    if cand.cp == 1:
         return (q + 2 * kv) * e                 # the kernel's dq, dk, dv
-    if lay.cp_comm == "ring":
-        return _ring_bwd(q, kv, lay.cp - 1, e, g)
-    if lay.cp_comm == "allgather":
-        gathered = (1 + lay.cp) * 2 * kv * e    # stacked + gathered K,V
-        return gathered + 4 * q + lay.cp * 2 * kv * 4 + 2 * kv * 4 + (q + 2 * kv) * e
-    kvu = s.N * ulysses_kv_heads(s.hk, lay.ulysses) * s.hd
+    if cand.cp_comm == "ring":
+        return _ring_bwd(q, kv, cand.cp - 1, e, g)
+    if cand.cp_comm == "allgather":
+        gathered = (1 + cand.cp) * 2 * kv * e    # stacked + gathered K,V
+        return gathered + 4 * q + cand.cp * 2 * kv * 4 + 2 * kv * 4 + (q + 2 * kv) * e
+    kvu = s.N * ulysses_kv_heads(s.hk, cand.ulysses) * s.hd
     a2a = 3 * (q + 2 * kvu) * e                 # the kernel's grads, their send and receive
-    if lay.cp_comm == "hybrid":
-        return max(a2a, 2 * q * e + _ring_bwd(q, kvu, lay.ring - 1, e, g))
+    if cand.cp_comm == "hybrid":
+        return max(a2a, 2 * q * e + _ring_bwd(q, kvu, cand.ring - 1, e, g))
     return a2a
 
 
@@ -113,7 +113,7 @@ def mlp_forward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
     return (3 if swiglu else 2) * min(tile, s.N) * s.f * e + s.N * s.d * e
 
 
-def block_forward(s: RankShapes, lay: Layout, mode: str, swiglu: bool, e: int,
+def block_forward(s: RankShapes, cand: Candidate, mode: str, swiglu: bool, e: int,
                   tile: int = 0) -> float:
     """A checkpointed block's forward intermediates (nothing saved) at its MLP, the largest
     point: silu(gate), up and their product (N, f) (with a tiled MLP one tile's), the
@@ -128,14 +128,14 @@ def block_forward(s: RankShapes, lay: Layout, mode: str, swiglu: bool, e: int,
     return out
 
 
-def recompute(s: RankShapes, lay: Layout, e: int, mode: str, mlp_saved: float,
+def recompute(s: RankShapes, cand: Candidate, e: int, mode: str, mlp_saved: float,
               norm: float) -> float:
     """What a layer's backward replays on top of its saved tensors: 'full' its whole
     'none' activations but the input; 'selective' the MLP piece (norm + MLP);
     mlp_saved is what the MLP saves in 'none' mode (4 N f e; tiled: nothing more),
     norm one norm's saved bytes (counts.norm_saved)."""
     if mode == "full":
-        return 2 * norm + attention_saved(s, e, lay) + mlp_saved - s.N * s.d * e
+        return 2 * norm + attention_saved(s, e, cand) + mlp_saved - s.N * s.d * e
     if mode == "selective":
         return norm + mlp_saved
     return 0.0

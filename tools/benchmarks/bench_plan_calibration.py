@@ -31,7 +31,7 @@ from dataclasses import replace
 from ctxpar.config import load_config
 from ctxpar.plan.cluster import GPUS, Cluster
 from ctxpar.plan.search import evaluate
-from ctxpar.plan.startup import detect, own_layout
+from ctxpar.plan.startup import detect, config_candidate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,18 +49,19 @@ LAYOUTS = {  # name: --set overrides (2 ranks)
     "cp2 ulysses": BIG + ["parallel.cp=2", "parallel.dp=1", "parallel.cp_comm=ulysses"],
     "tp2": BIG + ["parallel.tp=2", "parallel.cp=1", "parallel.dp=1"],
     "pp2": BIG + ["parallel.cp=1", "parallel.pp=2", "parallel.dp=1"],
-    "cp2 full ckpt": BIG + ["parallel.cp=2", "parallel.dp=1", "checkpointing.activation=full"],
+    "cp2 full ckpt": BIG + ["parallel.cp=2", "parallel.dp=1", "activation_checkpointing.mode=full"],
     "cp2 selective ckpt": BIG + ["parallel.cp=2", "parallel.dp=1",
-                                 "checkpointing.activation=selective"],
+                                 "activation_checkpointing.mode=selective"],
     "dp2 micro-batch 2": BIG + ["parallel.cp=1", "parallel.dp=2", "train.micro_batch_size=2"],
     # the memory options, each beside the layout it is added to (the same run's drift)
     "cp2 vocab 8192": BIG + ["parallel.cp=2", "parallel.dp=1", "model.vocab_size=8192"],
     "cp2 vocab 8192 tiled loss": BIG + ["parallel.cp=2", "parallel.dp=1",
                                         "model.vocab_size=8192", "memory.tiled_loss=true"],
     "cp2 full ckpt tiled MLP": BIG + ["parallel.cp=2", "parallel.dp=1",
-                                      "checkpointing.activation=full", "memory.tiled_mlp=true"],
+                                      "activation_checkpointing.mode=full",
+                                      "memory.tiled_mlp=true"],
     "cp2 full ckpt activation offload": BIG + ["parallel.cp=2", "parallel.dp=1",
-                                               "checkpointing.activation=full",
+                                               "activation_checkpointing.mode=full",
                                                "memory.offload_activations=true"],
     "dp2 optimizer offload": BIG + ["parallel.cp=1", "parallel.dp=2",
                                     "deepspeed.zero_optimization.offload_optimizer.device=cpu"],
@@ -94,7 +95,7 @@ def predict(cfg, nproc, flops, overhead):
     import torch
     gpu, _ = detect(torch.device("cpu"), nproc,
                     cpu=replace(GPUS["cpu"], flops=flops, overhead=overhead))
-    return evaluate(cfg, own_layout(cfg, nproc), Cluster(1, nproc, gpu)).time.total
+    return evaluate(cfg, config_candidate(cfg, nproc), Cluster(1, nproc, gpu)).time.total
 
 
 def fit(cases, nproc):

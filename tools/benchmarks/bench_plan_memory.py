@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 QUIET = ["train.eval_interval=0", "train.eval_samples=1", "logging.log_interval=1",
          "logging.wandb.mode=disabled",
-         "train.steps=2", "checkpointing.save_interval=0"]
+         "train.steps=2", "checkpoint.save_interval=0"]
 NEGLIGIBLE = ["model.d_model=16", "model.seq_len=128", "model.vocab_size=256",
               "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2",
               "model.ffn_hidden=32"]
@@ -128,15 +128,15 @@ STATE = ["model.seq_len=128", "model.d_model=1024", "model.n_heads=8", "model.n_
 LAYOUTS = {  # name: --set overrides
     "activations: cp2 ring, none, z1": ACT + ["model.n_layers=4"],
     "activations: cp2 ring, full, z1": ACT + ["model.n_layers=8",
-                                              "checkpointing.activation=full"],
+                                              "activation_checkpointing.mode=full"],
     "activations: cp2 ring, selective, z1": ACT + ["model.n_layers=4",
-                                                   "checkpointing.activation=selective"],
+                                                   "activation_checkpointing.mode=selective"],
     "model state: dp2 z0": STATE + ["parallel.cp=1", "parallel.dp=2",
                                     "train.global_batch_size=2",
                                     "deepspeed.zero_optimization.stage=0"],
     "model state: tp2 z1 selective": STATE + [
         "model.seq_len=1024", "parallel.tp=2", "parallel.cp=1", "parallel.dp=1",
-        "train.global_batch_size=1", "checkpointing.activation=selective"],
+        "train.global_batch_size=1", "activation_checkpointing.mode=selective"],
     "model state: dp2 z2, 1M-element bucket": STATE + [
         "parallel.cp=1", "parallel.dp=2", "train.global_batch_size=2",
         "deepspeed.zero_optimization.stage=2",
@@ -151,7 +151,7 @@ LAYOUTS = {  # name: --set overrides
     "activations: cp2 ring, none, tiled MLP": ACT + ["model.n_layers=4",
                                                      "memory.tiled_mlp=true"],
     "activations: cp2 ring, full, activation offload": ACT + [
-        "model.n_layers=8", "checkpointing.activation=full",
+        "model.n_layers=8", "activation_checkpointing.mode=full",
         "memory.offload_activations=true"],
     "model state: dp2 z1, optimizer offload": STATE + [
         "parallel.cp=1", "parallel.dp=2", "train.global_batch_size=2",
@@ -186,10 +186,10 @@ def predict(sets, nproc: int, config: str = TINY):
     from ctxpar.config import load_config
     from ctxpar.plan.cluster import Cluster
     from ctxpar.plan.search import evaluate
-    from ctxpar.plan.startup import detect, own_layout
+    from ctxpar.plan.startup import detect, config_candidate
     cfg = load_config(config, QUIET + sets, world_size=nproc, check_paths=False)
     gpu, _ = detect(torch.device("cpu"), nproc)
-    return evaluate(cfg, own_layout(cfg, nproc), Cluster(1, nproc, gpu)).memory
+    return evaluate(cfg, config_candidate(cfg, nproc), Cluster(1, nproc, gpu)).memory
 
 
 def predicted(sets, nproc: int, config: str = TINY) -> dict:

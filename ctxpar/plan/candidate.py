@@ -1,5 +1,6 @@
-"""One candidate layout: the keys of a config's parallel / checkpointing / ZeRO sections,
-and the config with them set (apply_layout)."""
+"""One candidate the planner weighs: a rank layout (tp x cp x pp x dp, the CP pattern and
+its token layout) with the keys of a config's activation_checkpointing, ZeRO and memory
+sections; and the config with them set (apply_candidate)."""
 from __future__ import annotations
 
 import copy
@@ -9,14 +10,14 @@ from ..config import Config
 
 
 @dataclass(frozen=True)
-class Layout:
+class Candidate:
     tp: int
     cp: int
     pp: int
     dp: int
     cp_comm: str = "ring"          # ring | allgather | ulysses | hybrid
     ulysses: int = 1               # Ulysses degree (cp for 'ulysses', the inner one for hybrid)
-    layout: str = "zigzag"         # token layout over CP
+    token_layout: str = "zigzag"   # parallel.layout: the tokens' order over CP
     zero: int = 1                  # ZeRO stage
     activation: str = "none"       # none | selective | full | every_n_layers
     every_n_layers: int = 1
@@ -43,9 +44,10 @@ class Layout:
     def name(self) -> str:
         cp = f"cp{self.cp}"
         if self.cp > 1:
-            cp += {"ring": f" ring/{self.layout}", "allgather": f" allgather/{self.layout}",
+            tokens = self.token_layout
+            cp += {"ring": f" ring/{tokens}", "allgather": f" allgather/{tokens}",
                    "ulysses": " ulysses",
-                   "hybrid": f" hybrid u{self.ulysses}/{self.layout}"}[self.cp_comm]
+                   "hybrid": f" hybrid u{self.ulysses}/{tokens}"}[self.cp_comm]
         opts = "".join(f" +{n}" for n, on in (
             (f"tiled-loss{f'({self.loss_tile})' if self.loss_tile else ''}", self.tiled_loss),
             (f"tiled-mlp{f'({self.mlp_tile})' if self.mlp_tile else ''}", self.tiled_mlp),
@@ -55,25 +57,26 @@ class Layout:
                 f"{self.activation} mb{self.micro_batch}{opts}")
 
 
-def apply_layout(cfg: Config, lay: Layout) -> Config:
+def apply_candidate(cfg: Config, cand: Candidate) -> Config:
     """A copy of cfg with the layout's keys set (what --write saves)."""
     c = copy.deepcopy(cfg)
     p = c.parallel
-    p.tp, p.cp, p.pp, p.dp = lay.tp, lay.cp, lay.pp, lay.dp
-    p.cp_comm, p.layout, p.ring_grad_dtype = lay.cp_comm, lay.layout, lay.ring_grad_dtype
-    p.ulysses = lay.ulysses if lay.cp_comm in ("ulysses", "hybrid") and lay.cp > 1 else None
-    c.checkpointing.activation, c.checkpointing.every_n_layers = lay.activation, \
-        lay.every_n_layers
-    c.train.micro_batch_size = lay.micro_batch
-    c.memory.tiled_loss, c.memory.tiled_mlp = lay.tiled_loss, lay.tiled_mlp
-    c.memory.offload_activations = lay.offload_activations
-    if lay.mlp_tile:
-        c.memory.mlp_tile_tokens = lay.mlp_tile
-    if lay.loss_tile:
-        c.memory.loss_tile_tokens = lay.loss_tile
+    p.tp, p.cp, p.pp, p.dp = cand.tp, cand.cp, cand.pp, cand.dp
+    p.cp_comm, p.layout, p.ring_grad_dtype = cand.cp_comm, cand.token_layout, \
+        cand.ring_grad_dtype
+    p.ulysses = cand.ulysses if cand.cp_comm in ("ulysses", "hybrid") and cand.cp > 1 else None
+    c.activation_checkpointing.mode = cand.activation
+    c.activation_checkpointing.every_n_layers = cand.every_n_layers
+    c.train.micro_batch_size = cand.micro_batch
+    c.memory.tiled_loss, c.memory.tiled_mlp = cand.tiled_loss, cand.tiled_mlp
+    c.memory.offload_activations = cand.offload_activations
+    if cand.mlp_tile:
+        c.memory.mlp_tile_tokens = cand.mlp_tile
+    if cand.loss_tile:
+        c.memory.loss_tile_tokens = cand.loss_tile
     z = c.deepspeed.setdefault("zero_optimization", {})
-    z["stage"] = lay.zero
-    if lay.offload_optimizer:
+    z["stage"] = cand.zero
+    if cand.offload_optimizer:
         z["offload_optimizer"] = {**(z.get("offload_optimizer") or {}), "device": "cpu"}
     elif (z.get("offload_optimizer") or {}).get("device") == "cpu":
         z.pop("offload_optimizer")
