@@ -129,7 +129,7 @@ def check_inputs(args, world: int):
              f"attention work is unbalanced with documents (docs/benchmarks.md: documents); "
              f"layout 'striped' keeps it balanced")
     run_dir = cfg.logging.run_dir
-    save_dir = cfg.checkpointing.save_dir or os.path.join(run_dir, "checkpoints")
+    save_dir = cfg.checkpoint.save_dir or os.path.join(run_dir, "checkpoints")
     problem = ckpt.resume_problem(save_dir, args.resume)  # a missing tag: before DeepSpeed
     if problem:
         fail(problem)
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     forward = (partial(gpt_pipe.pipeline_logits, engine.module, state, head_inputs=True)
                if pipelined else None)
     evaluator = Evaluator(cfg, data, state, device, forward)
-    checkpointer = Checkpointer(engine, save_dir, cfg.checkpointing.save_interval,
+    checkpointer = Checkpointer(engine, save_dir, cfg.checkpoint.save_interval,
                                 ckpt.checkpoint_meta(cfg, state.dp_size), train_stream)
     if evaluator.should_evaluate(start_step, start=True):  # train.eval_at_start
         evaluator.run(engine.module, start_step, logger)

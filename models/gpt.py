@@ -306,8 +306,8 @@ class GPT(nn.Module):
                    ulysses_group=state.ulysses_group, ring_group=state.ring_group,
                    ring_grad_dtype=cfg.parallel.ring_grad_dtype,
                    attention_backend=cfg.parallel.attention_backend,
-                   activation_checkpointing=cfg.checkpointing.activation,
-                   every_n_layers=cfg.checkpointing.every_n_layers, memory=cfg.memory,
+                   activation_checkpointing=cfg.activation_checkpointing.mode,
+                   every_n_layers=cfg.activation_checkpointing.every_n_layers, memory=cfg.memory,
                    seed=cfg.train.seed, device=device, dtype=dtype)
 
     def init_weights(self, seed: int) -> None:

@@ -225,8 +225,8 @@ class GPTPipe(PipelineModule):
                    layout=cfg.parallel.layout, cp_comm=cfg.parallel.cp_comm,
                    ring_grad_dtype=cfg.parallel.ring_grad_dtype,
                    attention_backend=cfg.parallel.attention_backend,
-                   activation_checkpointing=cfg.checkpointing.activation,
-                   every_n_layers=cfg.checkpointing.every_n_layers,
+                   activation_checkpointing=cfg.activation_checkpointing.mode,
+                   every_n_layers=cfg.activation_checkpointing.every_n_layers,
                    partition_method=cfg.parallel.pp_partition, memory=cfg.memory,
                    seed=cfg.train.seed,
                    device=device, dtype=dtype)

@@ -14,7 +14,7 @@ import signal
 import pytest
 import torch
 
-from ctxpar.checkpoint import names as N
+from ctxpar.checkpoint.names import from_hf, from_pipe, to_hf, to_pipe
 from ctxpar.checkpoint import reshard
 from ctxpar.checkpoint.resume import (MARKER, CheckpointError, latest_complete, read_manifest,
                                       verify, write_manifest)
@@ -147,19 +147,19 @@ def test_names_map_every_parameter_both_ways(tied):
     cfg = ModelConfig(vocab_size=64, seq_len=16, n_layers=3, d_model=32, n_heads=4,
                       tie_embeddings=tied)
     gpt_names = [n for n, _ in GPT(cfg, device=torch.device("meta")).named_parameters()]
-    pipe = [N.to_pipe(n, 3, tied) for n in gpt_names]
+    pipe = [to_pipe(n, 3, tied) for n in gpt_names]
     assert len(set(pipe)) == len(pipe)
-    assert [N.from_pipe(n, 3) for n in pipe] == gpt_names
-    assert [N.from_hf(N.to_hf(n)) for n in gpt_names] == gpt_names
+    assert [from_pipe(n, 3) for n in pipe] == gpt_names
+    assert [from_hf(to_hf(n)) for n in gpt_names] == gpt_names
     # DeepSpeed's PipelineModule: index in (embedding | 3 blocks | final norm | head)
-    assert N.to_pipe("layers.0.attn.q_proj.weight", 3, tied) == "1.attn.q_proj.weight"
-    assert N.to_pipe("final_norm.weight", 3, tied) == "4.final_norm.weight"
-    assert N.to_pipe("embed.weight", 3, tied) == \
+    assert to_pipe("layers.0.attn.q_proj.weight", 3, tied) == "1.attn.q_proj.weight"
+    assert to_pipe("final_norm.weight", 3, tied) == "4.final_norm.weight"
+    assert to_pipe("embed.weight", 3, tied) == \
         ("tied_modules.embed.embed.weight" if tied else "0.embed.weight")
-    assert N.to_hf("layers.2.mlp_norm.weight") == "model.layers.2.post_attention_layernorm.weight"
-    assert N.to_hf("layers.2.attn.o_proj.weight") == "model.layers.2.self_attn.o_proj.weight"
+    assert to_hf("layers.2.mlp_norm.weight") == "model.layers.2.post_attention_layernorm.weight"
+    assert to_hf("layers.2.attn.o_proj.weight") == "model.layers.2.self_attn.o_proj.weight"
     if not tied:
-        assert N.to_pipe("lm_head.weight", 3, tied) == "5.lm_head.weight"
+        assert to_pipe("lm_head.weight", 3, tied) == "5.lm_head.weight"
 
 
 def test_universal_info_follows_the_tp_attributes():

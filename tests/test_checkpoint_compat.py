@@ -11,7 +11,7 @@ from helpers.train_run import losses, metric, run_train
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "checkpoint_v1")
 SETS = ["train.steps=4", "train.warmup_steps=1", "model.d_model=32", "model.n_heads=2",
-        "model.n_kv_heads=1", "checkpointing.save_interval=2", "logging.wandb.mode=disabled",
+        "model.n_kv_heads=1", "checkpoint.save_interval=2", "logging.wandb.mode=disabled",
         "parallel.dp=1", "train.global_batch_size=8", "train.weight_decay=0.0"]
 
 

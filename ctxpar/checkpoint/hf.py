@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 from ..config import ROPE_SCALING_KEYS, resolved_ffn_hidden
-from . import names as N
+from .names import to_hf
 from .resume import CheckpointError
 
 CONFIG = "config.json"
@@ -165,7 +165,7 @@ class WeightReader:
         self.used = set()
 
     def get(self, gpt_name: str) -> torch.Tensor:
-        key = N.to_hf(gpt_name)
+        key = to_hf(gpt_name)
         if key not in self._where:
             raise CheckpointError(f"{self.path}: no tensor {key!r} (for {gpt_name})")
         self.used.add(key)
@@ -195,7 +195,7 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
     from safetensors.torch import save_file
     tok = tokenizer_info(tokenizer)
     cfg = llama_config(m, tok)  # refuses non-Llama models before anything is written
-    tensors = {N.to_hf(n): t.to(dtype).contiguous() for n, t in weights}
+    tensors = {to_hf(n): t.to(dtype).contiguous() for n, t in weights}
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as f:

@@ -26,9 +26,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import resume as R
-from . import universal as U
-from .resume import CheckpointError
+from .resume import (CheckpointError, latest_complete, load as load_same_layout, resume_problem,
+                     verify)
+from .universal import check_complete, load_into_torch_optimizer, load_meta, naming, to_universal
 
 LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "zero_stage", "dtype")
 # model.* fields a resumed run may change: RoPE's frequencies (context extension); shapes
@@ -140,14 +140,14 @@ def plan_resume(save_dir: str, resume: str, cfg, world_size: int,
     from ..distributed.parallel_state import resolve_sizes
     if resume == "none":
         return None
-    tag = R.latest_complete(save_dir, on_skip) if resume == "auto" else resume
+    tag = latest_complete(save_dir, on_skip) if resume == "auto" else resume
     if tag is None:
         return None
-    problem = R.resume_problem(save_dir, resume)  # an explicit tag that is missing or unfinished
+    problem = resume_problem(save_dir, resume)  # an explicit tag that is missing or unfinished
     if problem:
         raise CheckpointError(problem)
     tag_dir = os.path.join(save_dir, tag)
-    manifest = R.verify(tag_dir)
+    manifest = verify(tag_dir)
     _check_model(manifest, cfg, tag_dir)
     p = cfg.parallel
     now = layout_of(cfg, resolve_sizes(world_size, p.tp, p.cp, p.pp, p.dp)["dp"])
@@ -184,24 +184,24 @@ def run_on_rank0(fn: Callable[[], None]) -> None:
 def restore(engine, plan: ResumePlan, cfg, state) -> Dict[str, Any]:
     """Collective: load plan's tag into the engine (resharding if needed); the client_state."""
     if not plan.universal:
-        return R.load(engine, plan.save_dir, plan.tag)
+        return load_same_layout(engine, plan.save_dir, plan.tag)
     from models.gpt import GPT
     m = cfg.model
     pipelined = cfg.parallel.pp > 1
-    target = U.naming(pipelined, m.n_layers, m.tie_embeddings)
+    target = naming(pipelined, m.n_layers, m.tie_embeddings)
     out_dir = os.path.join(plan.universal_dir, plan.tag)
     # every parameter of every stage of the new layout, in its module's names
     wanted = [target(n) for n, _ in GPT(m, tp_group=state.tp_group, cp_group=state.cp_group,
                                         device=torch.device("meta")).named_parameters()]
 
     def convert():
-        U.to_universal(plan.path, out_dir, plan.manifest["layout"], m.n_layers, target)
-        U.check_complete(out_dir, wanted)
+        to_universal(plan.path, out_dir, plan.manifest["layout"], m.n_layers, target)
+        check_complete(out_dir, wanted)
 
     run_on_rank0(convert)
     if optimizer_kind(plan.now) == "torch":
-        U.load_into_torch_optimizer(engine, out_dir, state.tp_group)
-        client_state = U.load_meta(engine, out_dir)
+        load_into_torch_optimizer(engine, out_dir, state.tp_group)
+        client_state = load_meta(engine, out_dir)
     else:
         path, client_state = engine.load_checkpoint(plan.universal_dir, tag=plan.tag,
                                                     load_optimizer_states=True,

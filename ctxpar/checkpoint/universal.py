@@ -51,7 +51,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 
 from ..tensor_parallel.utils import is_tensor_parallel, shard_full_tensor
-from . import names as N
+from .names import from_pipe, to_pipe
 
 ZERO_DIR = "zero"
 STATES = ("fp32", "exp_avg", "exp_avg_sq", "step")
@@ -80,7 +80,7 @@ def universal_checkpoint_info(model_cfg, tp_group, cp_group=None, pipelined: boo
     meta = GPT(model_cfg, tp_group=tp_group, cp_group=cp_group, device=torch.device("meta"))
     replicated, row = set(), set()
     for name, p in meta.named_parameters():
-        key = N.to_pipe(name, model_cfg.n_layers, model_cfg.tie_embeddings) if pipelined else name
+        key = to_pipe(name, model_cfg.n_layers, model_cfg.tie_embeddings) if pipelined else name
         if not is_tensor_parallel(p):
             replicated.add(_pattern(key))
         elif p.partition_dim == 1:
@@ -95,12 +95,12 @@ def universal_checkpoint_info(model_cfg, tp_group, cp_group=None, pipelined: boo
 
 def naming(pipelined: bool, n_layers: int, tied: bool) -> Callable[[str], str]:
     """GPT name -> the name this model form (pipeline or not) gives the parameter."""
-    return (lambda n: N.to_pipe(n, n_layers, tied)) if pipelined else (lambda n: n)
+    return (lambda n: to_pipe(n, n_layers, tied)) if pipelined else (lambda n: n)
 
 
 def gpt_naming(pipelined: bool, n_layers: int) -> Callable[[str], str]:
     """This model form's parameter name -> GPT name."""
-    return (lambda n: N.from_pipe(n, n_layers)) if pipelined else (lambda n: n)
+    return (lambda n: from_pipe(n, n_layers)) if pipelined else (lambda n: n)
 
 
 @contextlib.contextmanager

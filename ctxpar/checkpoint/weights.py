@@ -22,28 +22,27 @@ import torch
 from ..config import ModelConfig, resolved_ffn_hidden
 from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
-from . import resume as R
-from . import universal as U
-from .resume import CheckpointError
+from .resume import MARKER, CheckpointError, is_tag, latest_complete, verify
+from .universal import naming, read_state, to_universal
 
 
 def resolve_checkpoint(path: str) -> str:
     """A step_* folder from a tag folder, a save_dir (its newest good tag) or a run dir."""
-    if os.path.isfile(os.path.join(path, R.MARKER)) or R.is_tag(os.path.basename(
+    if os.path.isfile(os.path.join(path, MARKER)) or is_tag(os.path.basename(
             os.path.normpath(path))):
         return path
     for save_dir in (path, os.path.join(path, "checkpoints")):
-        tag = R.latest_complete(save_dir)
+        tag = latest_complete(save_dir)
         if tag is not None:
             return os.path.join(save_dir, tag)
     raise CheckpointError(f"{path}: no complete ctxpar checkpoint (a step_* folder with a "
-                          f"{R.MARKER} manifest, a save_dir or a run dir holding one)")
+                          f"{MARKER} manifest, a save_dir or a run dir holding one)")
 
 
 def saved_model(manifest: Dict[str, Any], tag_dir: str) -> ModelConfig:
     model = (manifest.get("config") or {}).get("model")
     if model is None:
-        raise CheckpointError(f"{os.path.join(tag_dir, R.MARKER)} records no config (saved "
+        raise CheckpointError(f"{os.path.join(tag_dir, MARKER)} records no config (saved "
                               f"by an older ctxpar)")
     return ModelConfig(**model)
 
@@ -76,7 +75,7 @@ def check_init_from(cfg) -> InitSource:
         fields = hf.model_fields(hf.read_config(path), path)
         return InitSource(path, "hf", hf.check_matches(cfg.model, fields, path))
     tag_dir = resolve_checkpoint(path)
-    manifest = R.verify(tag_dir)
+    manifest = verify(tag_dir)
     fields = _fields(saved_model(manifest, tag_dir))
     return InitSource(tag_dir, "ctxpar", hf.check_matches(cfg.model, fields, tag_dir),
                       manifest)
@@ -110,9 +109,9 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
         return source.describe()
     work = os.path.join(cfg.logging.run_dir, "init_from.universal")
     m = cfg.model
-    run_on_rank0(lambda: U.to_universal(source.path, work, source.manifest["layout"],
-                                        m.n_layers, U.naming(False, m.n_layers, True)))
-    copy_full_weights_(model, lambda n: U.read_state(work, n, "fp32"), state.tp_group)
+    run_on_rank0(lambda: to_universal(source.path, work, source.manifest["layout"],
+                                        m.n_layers, naming(False, m.n_layers, True)))
+    copy_full_weights_(model, lambda n: read_state(work, n, "fp32"), state.tp_group)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(work, ignore_errors=True)
@@ -125,15 +124,15 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> st
     The run's data.tokenizer, if it had one, is exported with it. Returns the tag folder.
     """
     tag_dir = resolve_checkpoint(path)
-    manifest = R.verify(tag_dir)
+    manifest = verify(tag_dir)
     m = saved_model(manifest, tag_dir)
     hf.llama_config(m)  # refuse a non-Llama model before converting anything
     tokenizer = ((manifest.get("config") or {}).get("data") or {}).get("tokenizer")
     with tempfile.TemporaryDirectory(prefix="ctxpar-export-") as work:
         out = os.path.join(work, "universal")
-        names = U.to_universal(tag_dir, out, manifest["layout"], m.n_layers,
-                               U.naming(False, m.n_layers, True))
-        weights = ((n, U.read_state(out, n, "fp32")) for n in names)
+        names = to_universal(tag_dir, out, manifest["layout"], m.n_layers,
+                               naming(False, m.n_layers, True))
+        weights = ((n, read_state(out, n, "fp32")) for n in names)
         hf.save_folder(out_dir, weights, m, tokenizer, dtype)
     return tag_dir
 

@@ -3,7 +3,7 @@ what a field left unset resolves to (model.ffn_hidden, parallel.ulysses)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, NamedTuple, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from ..context_parallel.api import CP_COMMS
 from ..context_parallel.kernels import BACKENDS
@@ -231,22 +231,6 @@ class Config:
     """Passed to deepspeed.initialize as is, with batch sizes and clipping filled in from train."""
     source: str = field(default="<dict>", metadata={"internal": True})
     """Where this config came from (for error messages)."""
-
-    @property
-    def checkpointing(self) -> "OldCheckpointing":
-        """The old combined section's values, read-only, for code not yet reading
-        activation_checkpointing and checkpoint (RENAMED_KEYS maps each key)."""
-        return OldCheckpointing(self.activation_checkpointing.mode,
-                                self.activation_checkpointing.every_n_layers,
-                                self.checkpoint.save_dir, self.checkpoint.save_interval)
-
-
-class OldCheckpointing(NamedTuple):
-    """The deprecated ``checkpointing`` section's keys (Config.checkpointing)."""
-    activation: str
-    every_n_layers: int
-    save_dir: Optional[str]
-    save_interval: int
 
 
 RENAMED_KEYS = {  # old spelling -> new; a config using the old one loads with a notice

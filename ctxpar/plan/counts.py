@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig, resolved_ffn_hidden
 from ..context_parallel.ulysses import ulysses_kv_heads
-from .candidate import Candidate as Layout  # the planner's candidate (ctxpar/plan/candidate.py)
+from .candidate import Candidate
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,13 @@ class RankShapes:
     tp: int
 
 
-def rank_shapes(m: ModelConfig, lay: Layout) -> RankShapes:
+def rank_shapes(m: ModelConfig, cand: Candidate) -> RankShapes:
     n_kv = m.n_kv_heads or m.n_heads
-    hk = n_kv // lay.tp if n_kv % lay.tp == 0 else 1
-    return RankShapes(N=lay.micro_batch * m.seq_len // lay.cp, B=lay.micro_batch,
-                      T=m.seq_len, d=m.d_model, h=m.n_heads // lay.tp, hk=hk,
-                      hd=m.d_model // m.n_heads, f=resolved_ffn_hidden(m) // lay.tp,
-                      V=m.vocab_size // lay.tp, L=m.n_layers, tp=lay.tp)
+    hk = n_kv // cand.tp if n_kv % cand.tp == 0 else 1
+    return RankShapes(N=cand.micro_batch * m.seq_len // cand.cp, B=cand.micro_batch,
+                      T=m.seq_len, d=m.d_model, h=m.n_heads // cand.tp, hk=hk,
+                      hd=m.d_model // m.n_heads, f=resolved_ffn_hidden(m) // cand.tp,
+                      V=m.vocab_size // cand.tp, L=m.n_layers, tp=cand.tp)
 
 
 # ------------------------------------------------------------------ parameters
@@ -116,14 +116,14 @@ def total_params(m: ModelConfig) -> int:
 # ------------------------------------------------------------------ activations
 
 
-def attention_saved(s: RankShapes, e: int, lay: Layout) -> int:
+def attention_saved(s: RankShapes, e: int, cand: Candidate) -> int:
     """Bytes the CP attention keeps for backward per layer: q, k, v, out (e) and lse
     (fp32). Ulysses/hybrid keep the gathered layout (k, v at lcm(hk, u) heads when u
     does not divide hk) and the o-projection keeps the local out as well."""
     hk = s.hk
     extra_out = 0
-    if lay.cp_comm in ("ulysses", "hybrid") and lay.ulysses > 1:
-        hk = ulysses_kv_heads(s.hk, lay.ulysses)
+    if cand.cp_comm in ("ulysses", "hybrid") and cand.ulysses > 1:
+        hk = ulysses_kv_heads(s.hk, cand.ulysses)
         extra_out = s.N * s.h * s.hd * e
     return s.N * ((2 * s.h + 2 * hk) * s.hd * e + 4 * s.h) + extra_out
 
@@ -139,7 +139,7 @@ def norm_saved(s: RankShapes, e: int, norm: str = "rmsnorm", device: str = "cpu"
     return 2 * s.N * s.d * e + (4 if norm == "rmsnorm" else 8) * s.N
 
 
-def layer_activations(s: RankShapes, e: int, lay: Layout, mode: str,
+def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
                       tiled_mlp: bool = False, norm: str = "rmsnorm",
                       device: str = "cpu") -> int:
     """Saved bytes of one block in `mode` ('none', 'selective' or 'full'):
@@ -152,17 +152,17 @@ def layer_activations(s: RankShapes, e: int, lay: Layout, mode: str,
     """
     if mode == "full":
         return s.N * s.d * e
-    core = attention_saved(s, e, lay)
+    core = attention_saved(s, e, cand)
     if mode == "selective":
         return s.N * s.d * e + core
     return 2 * norm_saved(s, e, norm, device) + core + (0 if tiled_mlp else 4 * s.N * s.f * e)
 
 
-def layer_modes(lay: Layout, layers: int):
+def layer_modes(cand: Candidate, layers: int):
     """The checkpointing mode of each of `layers` blocks ('every_n_layers' resolved)."""
-    if lay.activation != "every_n_layers":
-        return [lay.activation] * layers
-    return ["full" if i % lay.every_n_layers == 0 else "none" for i in range(layers)]
+    if cand.activation != "every_n_layers":
+        return [cand.activation] * layers
+    return ["full" if i % cand.every_n_layers == 0 else "none" for i in range(layers)]
 
 
 @dataclass(frozen=True)
@@ -178,19 +178,19 @@ class Activations:
         return sum(self.layers) + self.embed + self.head
 
 
-def activations(m: ModelConfig, lay: Layout, e: int, layers: int = None, first: bool = True,
+def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, first: bool = True,
                 last: bool = True, reset_positions: bool = False, tiled_loss: bool = False,
                 tiled_mlp: bool = False, device: str = "cpu") -> Activations:
     """Saved bytes of one micro-batch's forward on one rank (what backward needs): its
-    `layers` blocks (default all) under lay.activation, RoPE's cos/sin (fp32, (T/cp, hd/2)
+    `layers` blocks (default all) under cand.activation, RoPE's cos/sin (fp32, (T/cp, hd/2)
     each; per sample with reset_positions), the token ids on the first stage, and on the
     last the final norm, the fp32 softmax of the loss (none when tiled: per-token fp32
     loss and log-sum-exp instead) and the labels and masks.
     Exact: tests/test_plan.py compares it with autograd's saved tensors."""
-    s = rank_shapes(m, lay)
+    s = rank_shapes(m, cand)
     layers = s.L if layers is None else layers
-    per = tuple(layer_activations(s, e, lay, mode, tiled_mlp, m.norm, device)
-                for mode in layer_modes(lay, layers))
+    per = tuple(layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device)
+                for mode in layer_modes(cand, layers))
     embed = (s.B if reset_positions else 1) * (s.N // s.B) * s.hd * 4
     if first:
         embed += 8 * s.N                                   # token ids (int64)
@@ -206,10 +206,10 @@ def activations(m: ModelConfig, lay: Layout, e: int, layers: int = None, first: 
     return Activations(per, embed, head)
 
 
-def activation_bytes(m: ModelConfig, lay: Layout, e: int, layers: int = None,
+def activation_bytes(m: ModelConfig, cand: Candidate, e: int, layers: int = None,
                      first: bool = True, last: bool = True, reset_positions: bool = False) -> int:
     """The total of ``activations`` (no memory options)."""
-    return activations(m, lay, e, layers, first, last, reset_positions).total
+    return activations(m, cand, e, layers, first, last, reset_positions).total
 
 
 # ------------------------------------------------------------------ bytes on the wire
@@ -244,11 +244,11 @@ def cp_bytes(comm: str, P: int, u: int, B: int, s: int, H: int, Hkv: int, D: int
     return fwd, bwd
 
 
-def layer_cp_bytes(m: ModelConfig, lay: Layout, e: int):
+def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int):
     """cp_bytes for one layer of this model and layout (per-rank heads)."""
-    s = rank_shapes(m, lay)
-    return cp_bytes(lay.cp_comm, lay.cp, lay.ulysses, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
-                    2 if lay.ring_grad_dtype == "bf16" else 4)
+    s = rank_shapes(m, cand)
+    return cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
+                    ring_grad_bytes(cand.ring_grad_dtype))
 
 
 def tp_bytes_per_layer(s: RankShapes, e: int, tp: int):
