@@ -43,6 +43,8 @@ from ctxpar.memory.offload import ActivationOffload, run_layer
 from ctxpar.memory.tiled_mlp import mark_zero3_leaf, tiled_mlp
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
+from .options import ModelOptions
+
 
 def check_checkpoint_mode(mode: str) -> None:
     """For models built without a Config (which checks it at load)."""
@@ -302,13 +304,8 @@ class GPT(nn.Module):
     def from_config(cls, cfg: Config, state, device=None, dtype=None) -> "GPT":
         """The model for this rank of a ParallelState, from the whole run config."""
         return cls(cfg.model, tp_group=state.tp_group, cp_group=state.cp_group,
-                   layout=cfg.parallel.layout, cp_comm=cfg.parallel.cp_comm,
                    ulysses_group=state.ulysses_group, ring_group=state.ring_group,
-                   ring_grad_dtype=cfg.parallel.ring_grad_dtype,
-                   attention_backend=cfg.parallel.attention_backend,
-                   activation_checkpointing=cfg.activation_checkpointing.mode,
-                   every_n_layers=cfg.activation_checkpointing.every_n_layers, memory=cfg.memory,
-                   seed=cfg.train.seed, device=device, dtype=dtype)
+                   **ModelOptions.from_config(cfg).kwargs(), device=device, dtype=dtype)
 
     def init_weights(self, seed: int) -> None:
         """The layout-independent init of every parameter (``init_parameters_``)."""

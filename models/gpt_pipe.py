@@ -53,6 +53,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding
 from models.gpt import (Block, block_recomputed, check_checkpoint_mode, init_parameters_,
                         make_norm, rotary_cos_sin)
 from models.loss import global_mean_loss, loss_for_backward
+from models.options import ModelOptions
 
 
 class EmbeddingPipe(nn.Module):
@@ -222,14 +223,8 @@ class GPTPipe(PipelineModule):
                     dtype=None) -> "GPTPipe":
         """This rank's stage for a ParallelState, from the whole run config."""
         return cls(cfg.model, state, grad_accum_steps=grad_accum_steps,
-                   layout=cfg.parallel.layout, cp_comm=cfg.parallel.cp_comm,
-                   ring_grad_dtype=cfg.parallel.ring_grad_dtype,
-                   attention_backend=cfg.parallel.attention_backend,
-                   activation_checkpointing=cfg.activation_checkpointing.mode,
-                   every_n_layers=cfg.activation_checkpointing.every_n_layers,
-                   partition_method=cfg.parallel.pp_partition, memory=cfg.memory,
-                   seed=cfg.train.seed,
-                   device=device, dtype=dtype)
+                   partition_method=cfg.parallel.pp_partition,
+                   **ModelOptions.from_config(cfg).kwargs(), device=device, dtype=dtype)
 
     def gpt_named_parameters(self) -> Iterator:
         """(GPT's name, parameter) for every parameter of this stage, tied ones once."""
