@@ -1,7 +1,8 @@
 """The run config's settings a model is built with, read from the config in one place.
 
 GPT.from_config and GPTPipe.from_config both pass
-``ModelOptions.from_config(cfg).kwargs()`` to their constructors; the groups come from the ParallelState beside it.
+``ModelOptions.from_config(cfg).kwargs()`` to their constructors; the process groups come
+from the ParallelState they are given.
 """
 from __future__ import annotations
 
