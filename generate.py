@@ -31,7 +31,7 @@ from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.config import ConfigError
 from ctxpar.data import DataError, build_source, load_tokenizer
 from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
-                                               init_parallel_state, launcher_env)
+                                               init_parallel_state, launcher_env, local_device)
 from ctxpar.inference import SamplingParams, check_prompts, generate
 from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
                                          load_run_config, load_weights_)
@@ -183,8 +183,7 @@ def main(argv=None) -> int:
     # 2. Distributed, the grid, the model with the checkpoint's weights.
     from models.gpt import GPT
 
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) \
-        if torch.cuda.is_available() else torch.device("cpu")
+    device = local_device()
     init_distributed(default_backend(device))
     state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=1, dp=1,
                                 order=cfg.parallel.order)

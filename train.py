@@ -37,7 +37,7 @@ from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
 from ctxpar.distributed.grad_norm import record_fp32_grad_norm
 from ctxpar.distributed.mpu import DeepSpeedMPU
 from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
-                                               init_parallel_state, launcher_env)
+                                               init_parallel_state, launcher_env, local_device)
 from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
 from ctxpar.memory import optimizer as optimizer_offload
 from ctxpar.plan.startup import print_prediction
@@ -144,8 +144,7 @@ def check_inputs(args, world: int):
 def start_distributed(cfg, world: int):
     """The process group, the rank grid and DeepSpeed's comm; rank 0 prints the planner's
     prediction for this layout. Returns (device, state, rank0)."""
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) \
-        if torch.cuda.is_available() else torch.device("cpu")
+    device = local_device()
     init_distributed(default_backend(device))
     state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp,
                                 dp=cfg.parallel.dp, order=cfg.parallel.order,
@@ -202,8 +201,10 @@ def main(argv=None) -> int:
         init_msg = ckpt.load_initial_weights(model, cfg, state, init)
     # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
     # (ds_to_universal), so the checkpoint can be resumed on another layout.
+    meta = GPT(cfg.model, tp_group=state.tp_group, cp_group=state.cp_group,
+               device=torch.device("meta"))  # every layer at this TP: names and TP attributes
     model.universal_checkpoint_info = ckpt.universal_checkpoint_info(
-        cfg.model, state.tp_group, state.cp_group, pipelined)
+        meta, cfg.model.n_layers, cfg.model.tie_embeddings, pipelined)
     if plan is not None:
         plan.configure(ds_config)  # a layout change loads DeepSpeed's universal format
     full = GPT(cfg.model, cp_group=state.cp_group, device=torch.device("meta"))  # shapes only
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
     # 4. Resume, record the run, and the components that decide when to evaluate and save.
     start_step = 0
     if plan is not None:
-        client = ckpt.restore(engine, plan, cfg, state)  # resharded if the layout changed
+        client = ckpt.restore(engine, plan, cfg, state, meta)  # resharded if the layout changed
         start_step = client["step"]
         train_stream.load_state_dict(client["data"])
     if start_step >= cfg.train.steps:  # e.g. `make train` run twice: say so, train nothing

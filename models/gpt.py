@@ -37,6 +37,7 @@ from ctxpar.tensor_parallel import (
     shard_full_tensor,
     vocab_parallel_cross_entropy,
 )
+from ctxpar.config.parameters import check_parameters, kv_heads_per_rank
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.memory.offload import ActivationOffload, run_layer
@@ -55,7 +56,8 @@ def check_checkpoint_mode(mode: str) -> None:
 def context_parallel_of(cp_comm: str, cp_group, ulysses_group, ring_group,
                         layout: str, ring_grad_dtype: str = "fp32") -> ContextParallel:
     """The model's CP attention; refuses groups left at None in a distributed run, where the
-    functional API would read them as the whole world (or, for hybrid, as groups of one)."""
+    functional API would read them as the whole world: a model's CP group is never the
+    world when DP, TP or PP ranks share it."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         need = ("ulysses_group", "ring_group") if cp_comm == "hybrid" else ("cp_group",)
         given = dict(cp_group=cp_group, ulysses_group=ulysses_group, ring_group=ring_group)
@@ -164,7 +166,7 @@ class Attention(nn.Module):
         self.tp_group, self.cp, self.backend = tp_group, cp, backend
         self.head_dim = cfg.d_model // cfg.n_heads
         self.n_heads = cfg.n_heads // tp  # query heads on this rank
-        self.n_kv_heads = n_kv // tp if n_kv % tp == 0 else 1
+        self.n_kv_heads = kv_heads_per_rank(cfg, tp)
         lin = dict(tp_group=tp_group, bias=cfg.bias, device=device, dtype=dtype)
         d, hd = cfg.d_model, self.head_dim
         self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd, copy_input=False, **lin)
@@ -297,6 +299,8 @@ class GPT(nn.Module):
         self.final_norm = make_norm(cfg, device, dtype)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.d_model, cfg.vocab_size, tp_group=tp_group, bias=False, device=device, dtype=dtype)
+        # The planner counts from the same description: a change here must change it too.
+        check_parameters(self.named_parameters(), cfg, tp_size_of(tp_group))
         if self.embed.weight.device.type != "meta":  # meta: shapes only, nothing to fill
             self.init_weights(seed)
 

@@ -164,13 +164,14 @@ def test_names_map_every_parameter_both_ways(tied):
 
 def test_universal_info_follows_the_tp_attributes():
     cfg = ModelConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
-    info = universal_checkpoint_info(cfg, None)
+    meta = GPT(cfg, device=torch.device("meta"))
+    info = universal_checkpoint_info(meta, cfg.n_layers, cfg.tie_embeddings)
     assert info["tp_replicated_parameter_patterns"] == [
         r"final_norm\.weight$", r"layers\.\d+\.attn_norm\.weight$",
         r"layers\.\d+\.mlp_norm\.weight$"]
     assert info["parameter_with_row_parallelism_patterns"] == [
         r"layers\.\d+\.attn\.o_proj\.weight$", r"layers\.\d+\.mlp\.down_proj\.weight$"]
-    pipe = universal_checkpoint_info(cfg, None, pipelined=True)
+    pipe = universal_checkpoint_info(meta, cfg.n_layers, cfg.tie_embeddings, pipelined=True)
     assert r"\d+\.final_norm\.weight$" in pipe["tp_replicated_parameter_patterns"]
     assert pipe["pipeline_replicated_parameter_patterns"] == [r"tied_modules\.embed\."]
 

@@ -526,3 +526,36 @@ def test_tiled_mlp_backward_term_against_live_bytes(dtype):
     e = torch.tensor([], dtype=dtype).element_size()
     predicted = transients.mlp_backward(s, True, e, tile, 3 * f * d, f * d)
     assert abs(predicted / live.peak - 1) < 0.05, (predicted, live.peak)
+
+
+def test_the_model_checks_itself_against_the_description():
+    # models/gpt.py and the planner read one description (ctxpar/config/parameters.py): a
+    # parameter the description lacks, or a config whose shapes differ, fails loudly.
+    from ctxpar.config.parameters import check_parameters
+    from models.gpt import GPT
+    m = ModelConfig(**CFG)
+    model = GPT(m, device="meta")
+    check_parameters(model.named_parameters(), m, 1)
+    with pytest.raises(AssertionError, match="ffn|mlp"):
+        check_parameters(model.named_parameters(), ModelConfig(**CFG, ffn_hidden=96), 1)
+    model.layers[0].mlp.extra = torch.nn.Parameter(torch.empty(3, device="meta"))
+    with pytest.raises(AssertionError, match=r"layers\.0\.mlp\.extra"):
+        check_parameters(model.named_parameters(), m, 1)
+
+
+def test_block_fields_are_all_block_specs_reads():
+    # The planner caches block_specs by block_fields: a field outside the key must not
+    # change a block's parameters.
+    import dataclasses
+    from ctxpar.config.parameters import block_fields, block_specs
+    m = ModelConfig(**CFG)
+    other = dict(vocab_size=128, seq_len=64, n_layers=5, norm_eps=1e-6, rope_theta=5e5,
+                 rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_embeddings=False,
+                 init_std=0.01, init_from="elsewhere")
+    for f in dataclasses.fields(ModelConfig):
+        changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
+        if changed is not None:
+            assert block_fields(changed) == block_fields(m), f.name
+            assert block_specs(changed) == block_specs(m), f.name
+    assert set(other) | {"d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
+                         "bias"} == {f.name for f in dataclasses.fields(ModelConfig)}

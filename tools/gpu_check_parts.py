@@ -104,6 +104,7 @@ def _timed(fn, device, repeats: int = 3):
 def part_kernels(a) -> dict:
     import torch
     from ctxpar.context_parallel import kernels
+    from ctxpar.context_parallel.stats import attention_flops, square_pairs
     from ctxpar.testing.attention import reference_attention_in_rows
     sz = sizes(a.dry_run)
     device, (H, Hkv) = torch.device(sz["device"]), sz["heads"]
@@ -129,7 +130,7 @@ def part_kernels(a) -> dict:
                         .to(torch.bfloat16) for _ in "kv")
                 scale = D ** -0.5
                 ref = reference_attention_in_rows(q, k, v, dout, causal, scale)
-                flops = 4 * L * L * H * D * (0.5 if causal else 1.0)  # forward, B = 1
+                flops = attention_flops(1, H, D, square_pairs(L, causal), "fwd")
                 for name in usable:
                     b = kernels.BACKENDS[name]
                     out, lse = b.forward(q, k, v, causal, scale)  # warm-up: FlashAttention-4

@@ -2,7 +2,7 @@
 
     plan = plan_resume(save_dir, "auto", cfg, world_size)   # files only: before any collective
     plan.configure(ds_config)                               # before deepspeed.initialize
-    client_state = restore(engine, plan, cfg, state)        # collective
+    client_state = restore(engine, plan, cfg, state, meta)  # collective; meta: every layer
 
 Same layout (tp, cp, pp, dp, ZeRO stage, dtype all equal): DeepSpeed's own load, the
 per-rank RNG states too; bit-identical continuation. Another layout: rank 0 converts the
@@ -23,7 +23,6 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from .resume import (CheckpointError, latest_complete, load as load_same_layout, resume_problem,
@@ -181,18 +180,21 @@ def run_on_rank0(fn: Callable[[], None]) -> None:
         raise RuntimeError(box[0])
 
 
-def restore(engine, plan: ResumePlan, cfg, state) -> Dict[str, Any]:
-    """Collective: load plan's tag into the engine (resharding if needed); the client_state."""
+def restore(engine, plan: ResumePlan, cfg, state, whole_model) -> Dict[str, Any]:
+    """Collective: load plan's tag into the engine (resharding if needed); the client_state.
+
+    whole_model: the model's every layer at this run's TP, best on the meta device (as for
+    universal_checkpoint_info): its GPT parameter names are the ones the new layout must
+    find in the converted checkpoint.
+    """
     if not plan.universal:
         return load_same_layout(engine, plan.save_dir, plan.tag)
-    from models.gpt import GPT
     m = cfg.model
     pipelined = cfg.parallel.pp > 1
     target = naming(pipelined, m.n_layers, m.tie_embeddings)
     out_dir = os.path.join(plan.universal_dir, plan.tag)
     # every parameter of every stage of the new layout, in its module's names
-    wanted = [target(n) for n, _ in GPT(m, tp_group=state.tp_group, cp_group=state.cp_group,
-                                        device=torch.device("meta")).named_parameters()]
+    wanted = [target(n) for n, _ in whole_model.named_parameters()]
 
     def convert():
         to_universal(plan.path, out_dir, plan.manifest["layout"], m.n_layers, target)

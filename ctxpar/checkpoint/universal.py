@@ -65,22 +65,22 @@ def _pattern(name: str) -> str:
     return re.escape(name) + "$"
 
 
-def universal_checkpoint_info(model_cfg, tp_group, cp_group=None, pipelined: bool = False
-                              ) -> Dict:
-    """DeepSpeed's UNIVERSAL_CHECKPOINT_INFO for this GPT at this TP degree.
+def universal_checkpoint_info(whole_model, n_layers: int, tied: bool,
+                              pipelined: bool = False) -> Dict:
+    """DeepSpeed's UNIVERSAL_CHECKPOINT_INFO for this model at this TP degree.
 
-    Derived from the parameters' own TP attributes (Megatron's ``tensor_model_parallel``,
-    ``partition_dim``) on a meta-device GPT, so it covers every pipeline stage, in the
-    names of the module DeepSpeed saves (GPT's, or the pipeline's). Set it as the model's
+    whole_model: every layer of the model (not one pipeline stage), best on the meta device,
+    built with this run's TP group: its named_parameters() carry GPT's names (names.py) and
+    the TP layers' attributes (Megatron's ``tensor_model_parallel``, ``partition_dim``),
+    from which the rules derive, so they cover every pipeline stage, in the names of the
+    module DeepSpeed saves (GPT's, or the pipeline's). Set the result as the trained model's
     ``universal_checkpoint_info`` attribute before ``deepspeed.initialize``.
     """
     from deepspeed.checkpoint import constants as C
-    from models.gpt import GPT
 
-    meta = GPT(model_cfg, tp_group=tp_group, cp_group=cp_group, device=torch.device("meta"))
     replicated, row = set(), set()
-    for name, p in meta.named_parameters():
-        key = to_pipe(name, model_cfg.n_layers, model_cfg.tie_embeddings) if pipelined else name
+    for name, p in whole_model.named_parameters():
+        key = to_pipe(name, n_layers, tied) if pipelined else name
         if not is_tensor_parallel(p):
             replicated.add(_pattern(key))
         elif p.partition_dim == 1:
@@ -88,7 +88,7 @@ def universal_checkpoint_info(model_cfg, tp_group, cp_group=None, pipelined: boo
     info = {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             C.TP_REPLICATED_PARAMETER_PATTERNS: sorted(replicated),
             C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(row)}
-    if pipelined and model_cfg.tie_embeddings:
+    if pipelined and tied:
         info[C.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [r"tied_modules\.embed\."]
     return info
 

@@ -70,9 +70,18 @@ def _check_inputs(q, k, v, comm, layout, ulysses, caller):
                          f"{ulysses} (comm={comm!r})")
 
 
-def _world_group(group):
-    """None means the whole world only when a process group exists; else a lone rank."""
-    return LOCAL if group is None and not dist.is_initialized() else group
+def _world_group(group, caller: str = "", name: str = ""):
+    """A group left at None is the world: the default process group when one exists, else
+    this lone rank. For hybrid's groups (name given) a world of more than one rank is
+    refused: Ulysses and the ring cannot both span it."""
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        return LOCAL
+    if name and dist.get_world_size() > 1:
+        raise ValueError(f"{caller}: comm='hybrid' needs {name} (e.g. a ParallelState's); "
+                         f"None is the world of {dist.get_world_size()} ranks")
+    return None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -86,9 +95,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q: (batch, local_seq, heads, head_dim); k, v: (batch, local_seq, kv_heads, head_dim)
     with heads % kv_heads == 0. The tokens each rank holds follow `layout` ('contiguous',
     'zigzag', 'striped'; layouts.py, two-level under 'hybrid'); `causal` masks by *global*
-    position. comm: 'ring', 'allgather', 'ulysses' over cp_group (None = the world), or
-    'hybrid' over ulysses_group (inner, cp rank % u) x ring_group (outer, cp rank // u),
-    where None means a group of one. backend: 'auto' (flash_attn > sdpa > math),
+    position. comm: 'ring', 'allgather', 'ulysses' over cp_group, or 'hybrid' over
+    ulysses_group (inner, cp rank % u) x ring_group (outer, cp rank // u). A group left at
+    None is the world, for every comm; hybrid's two groups cannot both be a world of more
+    than one rank, so there a None group is refused (ValueError) unless the world is one
+    process. backend: 'auto' (flash_attn > sdpa > math),
     'flash_attn', 'sdpa' or 'math'. softmax_scale defaults to head_dim ** -0.5.
     Groups may also be comm.NoComm stand-ins (benchmarks: nothing is sent).
     ring_grad_dtype: 'fp32' (exact) or 'bf16', the dtype the ring's travelling dK,dV
@@ -117,8 +128,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     caller = "context_parallel_attention"
     if comm == "hybrid":
-        ulysses_group = LOCAL if ulysses_group is None else ulysses_group
-        ring_group = LOCAL if ring_group is None else ring_group
+        ulysses_group = _world_group(ulysses_group, caller, "ulysses_group")
+        ring_group = _world_group(ring_group, caller, "ring_group")
         u = group_rank_and_size(ulysses_group)[1]
     else:
         cp_group = _world_group(cp_group)

@@ -29,14 +29,14 @@ from .comm import NoComm, RingComm, group_rank_and_size
 from .halo import halo_applies, halo_backward, halo_forward
 from .merge import empty_accumulators
 from .sinks import finish
-from .stats import attention_flops, record
+from .stats import attention_flops, record, square_pairs
 
 
 def _local_forward(q, k, v, causal, scale, kernel, sinks=None):
     """A rank alone: one kernel call over everything, no accumulators."""
     B, S, H, D = q.shape
     out, lse = kernel.forward(q, k, v, causal, scale)
-    pairs = S * (S + 1) // 2 if causal else S * S
+    pairs = square_pairs(S, causal)
     record(fwd_flops=attention_flops(B, H, D, pairs, "fwd"), fwd_blocks=1)
     if sinks is not None:
         return finish(out, lse.float(), q.dtype, sinks)
@@ -105,7 +105,7 @@ def ring_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, sinks
 def _local_backward(dout, q, k, v, out, lse, causal, scale, kernel):
     B, S, H, D = q.shape
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, scale)
-    pairs = S * (S + 1) // 2 if causal else S * S
+    pairs = square_pairs(S, causal)
     record(bwd_flops=attention_flops(B, H, D, pairs, "bwd"), bwd_blocks=1)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -80,6 +80,12 @@ def record_comm(phase: str, sent: int, recv: int, ops: int = 1) -> None:
               f"{phase}_comm_ops": ops})
 
 
+def square_pairs(S: int, causal: bool) -> int:
+    """Visible (query, key) pairs of S queries over the same S keys, with no other mask:
+    the lower triangle with its diagonal when causal, all S * S otherwise."""
+    return S * (S + 1) // 2 if causal else S * S
+
+
 def attention_flops(batch: int, heads: int, head_dim: int, pairs: int, phase: str) -> int:
     """Matmul FLOPs of attention over `pairs` (query, key) pairs (see the module docstring)."""
     per_pair = 4 * batch * heads * head_dim

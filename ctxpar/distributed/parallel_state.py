@@ -115,6 +115,14 @@ def _prod(xs) -> int:
     return out
 
 
+def local_device() -> torch.device:
+    """This process's device: cuda:LOCAL_RANK when CUDA is available (every launcher sets
+    LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def default_backend(device: Optional[torch.device] = None) -> str:
     """nccl for CUDA devices, gloo otherwise (CPU tests, CPU training)."""
     if device is None:

@@ -204,7 +204,7 @@ def merge_tp_shards(shards: List[Dict[str, torch.Tensor]], model, path: str
 
 @torch.no_grad()
 def load_weights_(model, files: CheckpointFiles, tp_group) -> None:
-    """Copy the checkpoint's weights into `model` (a models.gpt.GPT at any tp and cp)."""
+    """Copy the checkpoint's weights into `model` (a ctxpar.interfaces.CausalLM at any tp and cp)."""
     n_layers, tp_size = model.cfg.n_layers, tp_size_of(tp_group)
     names = {n for n, _ in model.named_parameters()}
     ranks = [tp_rank_of(tp_group)] if files.tp == tp_size else range(files.tp)

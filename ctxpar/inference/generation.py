@@ -101,12 +101,13 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              pad_id: int = 0) -> GenerationOutput:
     """New tokens for every prompt (lists of ids); see the module docstring.
 
-    model: a models.gpt.GPT built with this cp_group, tp_group and layout. Stops a row at
+    model: a ctxpar.interfaces.CausalLM (models.gpt.GPT is one) built with this cp_group,
+    tp_group and layout. Stops a row at
     eos_id (not included) and the batch when every row stopped or after max_new_tokens.
     """
     check_prompts(prompts, max_new_tokens, max_positions, model.cfg.vocab_size)
     t0 = time.perf_counter()
-    device = model.embed.weight.device
+    device = next(model.parameters()).device
     cp = group_rank_and_size(cp_group)[1]
     B = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)      # (B,)

@@ -21,6 +21,8 @@ from typing import Callable, List
 
 import torch
 
+from ..config.parameters import head_dim, kv_heads_per_rank
+from ..tensor_parallel.mappings import tp_size_of
 from .cp_ops import default_scale, group_rank_and_size
 from .decode import DecodeStats, merge_partials, partial_attention
 
@@ -48,11 +50,11 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int, cp_group=None) -> "KVCache":
-        """A cache shaped like `model`'s attention (this TP rank's kv heads)."""
-        attn = model.layers[0].attn
-        p = model.embed.weight
-        return cls(len(model.layers), batch, capacity, attn.n_kv_heads, attn.head_dim,
-                   cp_group, dtype=p.dtype, device=p.device)
+        """A cache shaped like `model`'s attention (a ctxpar.interfaces.CausalLM: this TP
+        rank's kv heads of model.cfg, in its parameters' dtype and device)."""
+        m, p = model.cfg, next(model.parameters())
+        return cls(m.n_layers, batch, capacity, kv_heads_per_rank(m, tp_size_of(model.tp_group)),
+                   head_dim(m), cp_group, dtype=p.dtype, device=p.device)
 
     @property
     def capacity(self) -> int:
@@ -84,7 +86,8 @@ class KVCache:
         return owner
 
     def layer(self, i: int) -> Callable:
-        """Layer i's attention with the cache, what models.gpt.Block calls as kv_cache(...)."""
+        """Layer i's attention with the cache: what a CausalLM's block i calls as
+        kv_cache(q, k, v, core) in place of its CP attention (ctxpar.interfaces)."""
         return lambda q, k, v, core: self.attention(i, q, k, v, core)
 
     def attention(self, i: int, q, k, v, core) -> torch.Tensor:

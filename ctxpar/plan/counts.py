@@ -2,16 +2,18 @@
 
 Shapes per rank (models/gpt.py): N = micro_batch * T/cp tokens, h = H/tp query heads,
 hk = Hkv/tp kv heads (1, replicated, when Hkv < tp), f = ffn/tp MLP columns, V/tp vocab
-rows; e = the activations' element size (2 bf16, 4 fp32). Each formula is checked against
-the code: parameters against the TP layers' shapes, activations against autograd's saved
-tensors (tools/benchmarks/bench_activation_memory.py), CP bytes against cp_stats() (tests/test_plan.py
-and tests/test_context_parallel.py).
+rows; e = the activations' element size (2 bf16, 4 fp32). Parameters are counted from the
+model's one description (ctxpar/config/parameters.py), which models/gpt.py checks itself
+against when it is built; activations are checked against autograd's saved tensors
+(tools/benchmarks/bench_activation_memory.py), CP bytes against cp_stats()
+(tests/test_plan.py and tests/test_context_parallel.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..config import ModelConfig, resolved_ffn_hidden
+from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 
@@ -45,46 +47,50 @@ def rank_shapes(m: ModelConfig, cand: Candidate) -> RankShapes:
 # ------------------------------------------------------------------ parameters
 
 
+def _numel(specs, tp: int) -> int:
+    return sum(spec.numel(tp) for spec in specs)
+
+
+def _block(m: ModelConfig, tp: int, *parts: str):
+    """Block 0's ParamSpecs (ctxpar/config/parameters.py) whose name inside the block
+    starts with one of parts (all of them without parts)."""
+    key = (block_fields(m), tp)
+    if key not in _BLOCK_SPECS:  # once per model and TP degree: the search asks per candidate
+        _BLOCK_SPECS[key] = block_specs(m, 0, tp)
+    return [s for s in _BLOCK_SPECS[key]
+            if not parts or s.name[len("layers.0."):].startswith(parts)]
+
+
+_BLOCK_SPECS: dict = {}  # _block's: (block_fields, tp) -> block 0's specs
+
+
 def layer_params(m: ModelConfig, tp: int) -> int:
     """Parameters of one block on one TP rank: norms (replicated), q/o split by heads, k/v
     split (or the full kv heads replicated when Hkv < tp), MLP split by columns."""
-    d, hd, n_kv = m.d_model, m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
-    ffn, b = resolved_ffn_hidden(m), int(m.bias)
-    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
-    q = d * m.n_heads * hd // tp + b * m.n_heads * hd // tp
-    kv_out = n_kv * hd // tp if n_kv % tp == 0 else n_kv * hd
-    kv = 2 * (d * kv_out + b * kv_out)
-    o = m.n_heads * hd // tp * d + b * d
-    mlp = (3 if m.mlp == "swiglu" else 2) * d * ffn // tp \
-        + b * ((2 if m.mlp == "swiglu" else 1) * ffn // tp + d)
-    return 2 * norm + q + kv + o + mlp
+    return _numel(_block(m, tp), tp)
 
 
 def qkv_params(m: ModelConfig, tp: int) -> int:
     """q, k, v projections and the attention's norm on a TP rank (a block's last grads)."""
-    d, hd, n_kv, b = m.d_model, m.d_model // m.n_heads, m.n_kv_heads or m.n_heads, int(m.bias)
-    kv_out = n_kv * hd // tp if n_kv % tp == 0 else n_kv * hd
-    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
-    return norm + (d + b) * (m.n_heads * hd // tp + 2 * kv_out)
+    return _numel(_block(m, tp, "attn_norm.", "attn.q_proj.", "attn.k_proj.", "attn.v_proj."),
+                  tp)
 
 
 def down_proj_params(m: ModelConfig, tp: int) -> int:
     """The MLP's down projection on a TP rank (its gradient is a block's first)."""
-    return resolved_ffn_hidden(m) // tp * m.d_model + int(m.bias) * m.d_model
+    return _numel(_block(m, tp, "mlp.down_proj."), tp)
 
 
 def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """Parameters on one rank of pipeline stage `stage` (layers split evenly; the first
     stage has the embedding, the last the final norm and the head, tied or not)."""
-    d = m.d_model
-    per = m.n_layers // pp + (1 if stage < m.n_layers % pp else 0)
-    n = per * layer_params(m, tp)
-    embed = m.vocab_size // tp * d
+    n = stage_layers(m, pp, stage) * layer_params(m, tp)
+    embed = embedding_spec(m).numel(tp)
     if stage == 0:
         n += embed
     if stage == pp - 1:
-        n += d * (2 if m.norm == "layernorm" and m.bias else 1)
-        if not m.tie_embeddings or pp > 1:  # pp > 1: the tied copy lives on both ends
+        n += _numel(head_specs(m), tp)  # the final norm, and an untied head
+        if m.tie_embeddings and pp > 1:  # the tied copy lives on both ends
             n += embed
     return n
 
@@ -92,21 +98,16 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
 def stage_vector_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """The 1-D parameters (norm weights, biases) among stage_params: train.py's group
     without weight decay; the rest are the matrices' group."""
-    d, b = m.d_model, int(m.bias)
-    hd, n_kv, ffn = d // m.n_heads, m.n_kv_heads or m.n_heads, resolved_ffn_hidden(m)
-    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
-    kv_out = n_kv * hd // tp if n_kv % tp == 0 else n_kv * hd
-    bias = b * (m.n_heads * hd // tp + 2 * kv_out + d
-                + (2 if m.mlp == "swiglu" else 1) * ffn // tp + d)
-    per = m.n_layers // pp + (1 if stage < m.n_layers % pp else 0)
-    return per * (2 * norm + bias) + (norm if stage == pp - 1 else 0)
+    per_block = _numel([s for s in _block(m, tp) if len(s.shape) == 1], tp)
+    final = _numel([s for s in head_specs(m) if len(s.shape) == 1], tp)
+    return stage_layers(m, pp, stage) * per_block + (final if stage == pp - 1 else 0)
 
 
 def largest_tensor(m: ModelConfig, tp: int) -> int:
     """Elements of the largest single parameter on a TP rank (embedding / head or an MLP
     matrix)."""
-    return max(m.vocab_size // tp * m.d_model, m.d_model * resolved_ffn_hidden(m) // tp,
-               m.d_model * m.d_model)
+    blocks = block_specs(m, 0, tp)  # every block has the same shapes
+    return max(spec.numel(tp) for spec in [embedding_spec(m), *blocks, *head_specs(m)])
 
 
 def total_params(m: ModelConfig) -> int:
@@ -271,16 +272,13 @@ def stage_layers(m: ModelConfig, pp: int, stage: int) -> int:
 
 def mlp_params(m: ModelConfig, tp: int) -> int:
     """The MLP's parameters on a TP rank: its up (and gate) and down projections with
-    their biases; layer_params less the two norms, q/k/v and the o projection."""
-    d, b = m.d_model, int(m.bias)
-    ffn = resolved_ffn_hidden(m)
-    return (3 if m.mlp == "swiglu" else 2) * d * ffn // tp \
-        + b * ((2 if m.mlp == "swiglu" else 1) * ffn // tp + d)
+    their biases."""
+    return _numel(_block(m, tp, "mlp."), tp)
 
 
 def head_params(m: ModelConfig, tp: int) -> int:
     """The output head (or the tied embedding) on a TP rank: V/tp rows of d."""
-    return m.vocab_size // tp * m.d_model
+    return embedding_spec(m).numel(tp)
 
 
 def mlp_intermediates_saved(s: RankShapes, e: int) -> int:

@@ -1,0 +1,127 @@
+"""The parameters a ModelConfig describes: every tensor's GPT name, full shape and TP split.
+
+    specs = parameter_specs(m)                         # the whole model, in GPT's order
+    numel = sum(s.numel(tp) for s in block_specs(m))   # one block on one TP rank
+
+The one description of the model's shapes: models/gpt.py checks every module it builds
+against it (``check_parameters``, at construction, on any device and TP degree), and the
+planner counts parameters, optimizer state and ZeRO shards from it (ctxpar/plan/counts.py),
+so a change of the model that the planner does not know fails at the model's construction
+instead of drifting its predictions.
+
+TP split, as the TP layers make it (ctxpar/tensor_parallel/layers.py):
+
+    column   split along dim 0 (q/k/v, gate/up, the embedding's and head's vocabulary
+             rows; their biases too)
+    row      split along dim 1 (o_proj, down_proj); their biases replicated
+    heads    k/v with fewer kv heads than TP ranks: each rank holds every kv head
+             (ReplicatedHeadLinear), the full shape
+    None     replicated (norms)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Tuple
+
+from .sections import ModelConfig, resolved_ffn_hidden
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str                # GPT's parameter name (ctxpar/checkpoint/names.py)
+    shape: Tuple[int, ...]   # the full tensor's
+    split: Optional[str]     # 'column', 'row', 'heads' or None (module docstring)
+
+    def local_shape(self, tp: int) -> Tuple[int, ...]:
+        """The shape one of tp ranks holds."""
+        if self.split == "column":
+            return (self.shape[0] // tp, *self.shape[1:])
+        if self.split == "row" and len(self.shape) == 2:
+            return (self.shape[0], self.shape[1] // tp)
+        return self.shape  # replicated: norms, row-parallel biases, kv heads < tp
+
+    def numel(self, tp: int = 1) -> int:
+        return math.prod(self.local_shape(tp))
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.d_model // m.n_heads
+
+
+def kv_heads_per_rank(m: ModelConfig, tp: int) -> int:
+    """K/V heads one TP rank computes: Hkv/tp, or 1 when Hkv < tp (each rank then uses the
+    kv head of its query heads, from the replicated projection)."""
+    n_kv = m.n_kv_heads or m.n_heads
+    return n_kv // tp if n_kv % tp == 0 else 1
+
+
+def _linear(name: str, d_in: int, d_out: int, split: str, bias: bool) -> List[ParamSpec]:
+    specs = [ParamSpec(f"{name}.weight", (d_out, d_in), split)]
+    if bias:  # a row-parallel layer's bias is added once, after the all-reduce: replicated
+        specs.append(ParamSpec(f"{name}.bias", (d_out,), None if split == "row" else split))
+    return specs
+
+
+def _norm(name: str, m: ModelConfig) -> List[ParamSpec]:
+    specs = [ParamSpec(f"{name}.weight", (m.d_model,), None)]
+    if m.norm == "layernorm" and m.bias:
+        specs.append(ParamSpec(f"{name}.bias", (m.d_model,), None))
+    return specs
+
+
+def block_fields(m: ModelConfig) -> tuple:
+    """The fields block_specs reads (a cache key: the planner's search asks per candidate,
+    over configs that differ in seq_len and the like)."""
+    return (m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.mlp, m.norm, m.bias)
+
+
+def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
+    """Block i's parameters. tp decides only whether k/v are split (n_kv_heads % tp == 0)
+    or replicated by heads."""
+    d, hd, n_kv = m.d_model, head_dim(m), m.n_kv_heads or m.n_heads
+    ffn, p = resolved_ffn_hidden(m), f"layers.{i}."
+    kv_split = "column" if n_kv % tp == 0 else "heads"
+    specs = _norm(p + "attn_norm", m)
+    specs += _linear(p + "attn.q_proj", d, m.n_heads * hd, "column", m.bias)
+    specs += _linear(p + "attn.k_proj", d, n_kv * hd, kv_split, m.bias)
+    specs += _linear(p + "attn.v_proj", d, n_kv * hd, kv_split, m.bias)
+    specs += _linear(p + "attn.o_proj", m.n_heads * hd, d, "row", m.bias)
+    specs += _norm(p + "mlp_norm", m)
+    if m.mlp == "swiglu":
+        specs += _linear(p + "mlp.gate_proj", d, ffn, "column", m.bias)
+    specs += _linear(p + "mlp.up_proj", d, ffn, "column", m.bias)
+    specs += _linear(p + "mlp.down_proj", ffn, d, "row", m.bias)
+    return specs
+
+
+def embedding_spec(m: ModelConfig) -> ParamSpec:
+    return ParamSpec("embed.weight", (m.vocab_size, m.d_model), "column")
+
+
+def head_specs(m: ModelConfig) -> List[ParamSpec]:
+    """The final norm and, untied, the head (a tied head is the embedding's weight)."""
+    specs = _norm("final_norm", m)
+    if not m.tie_embeddings:
+        specs.append(ParamSpec("lm_head.weight", (m.vocab_size, m.d_model), "column"))
+    return specs
+
+
+def parameter_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
+    """Every parameter of the whole model, in GPT's named_parameters() order."""
+    specs = [embedding_spec(m)]
+    for i in range(m.n_layers):
+        specs += block_specs(m, i, tp)
+    return specs + head_specs(m)
+
+
+def check_parameters(named: Iterable[Tuple[str, object]], m: ModelConfig, tp: int) -> None:
+    """Raise if the built parameters (name, tensor) differ from parameter_specs in a name
+    or a per-rank shape: the model and the planner would disagree."""
+    got = [(name, tuple(p.shape)) for name, p in named]
+    want = [(s.name, s.local_shape(tp)) for s in parameter_specs(m, tp)]
+    if got != want:
+        diff = sorted(set(got) ^ set(want))[:4]
+        raise AssertionError(f"the model's parameters differ from ctxpar.config.parameters' "
+                             f"description at tp={tp} (built vs described, first: {diff}); "
+                             f"change both")
