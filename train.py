@@ -41,6 +41,7 @@ from ctxpar.distributed.parallel_state import (default_backend, init_distributed
 from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
 from ctxpar.memory import optimizer as optimizer_offload
 from ctxpar.plan.startup import print_prediction
+from models.options import ModelGroups
 
 EXIT_NON_FINITE = 3
 
@@ -201,13 +202,15 @@ def main(argv=None) -> int:
         init_msg = ckpt.load_initial_weights(model, cfg, state, init)
     # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
     # (ds_to_universal), so the checkpoint can be resumed on another layout.
-    meta = GPT(cfg.model, tp_group=state.tp_group, cp_group=state.cp_group,
-               device=torch.device("meta"))  # every layer at this TP: names and TP attributes
+    # every layer at this TP: names and TP attributes
+    meta = GPT(cfg.model, ModelGroups(tp_group=state.tp_group, cp_group=state.cp_group),
+               device=torch.device("meta"))
     model.universal_checkpoint_info = ckpt.universal_checkpoint_info(
         meta, cfg.model.n_layers, cfg.model.tie_embeddings, pipelined)
     if plan is not None:
         plan.configure(ds_config)  # a layout change loads DeepSpeed's universal format
-    full = GPT(cfg.model, cp_group=state.cp_group, device=torch.device("meta"))  # shapes only
+    # shapes only
+    full = GPT(cfg.model, ModelGroups(cp_group=state.cp_group), device=torch.device("meta"))
     n_params = sum(p.numel() for p in full.parameters())
     partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
     divisor = grad_divisor(state, ds_config, pipelined)

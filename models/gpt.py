@@ -8,7 +8,7 @@ vocabulary rows (docs/parallelism.md). Everything but attention is token-local, 
 attention talks over CP (ring, all-gather, Ulysses or hybrid: ``cp_comm``) and only the
 f/g ops talk over TP.
 
-    model = GPT.from_config(cfg, state)           # or GPT(cfg.model, tp_group=, cp_group=, ...)
+    model = GPT.from_config(cfg, state)   # or GPT(cfg.model, ModelGroups(...), ModelOptions(...))
     logits = model(tokens, positions)             # (B, T/cp, V/tp), vocab-parallel
     loss_sum = model(tokens, positions, labels)   # fp32 sum of this rank's token losses
 """
@@ -44,7 +44,7 @@ from ctxpar.memory.offload import ActivationOffload, run_layer
 from ctxpar.memory.tiled_mlp import mark_zero3_leaf, tiled_mlp
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .options import ModelOptions
+from .options import ModelGroups, ModelOptions
 
 
 def check_checkpoint_mode(mode: str) -> None:
@@ -274,20 +274,22 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Embedding -> n_layers blocks -> norm -> vocab-parallel head (tied to the embedding or not)."""
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, cp_group=None,
-                 layout: str = "contiguous", cp_comm: str = "ring", ulysses_group=None,
-                 ring_group=None, ring_grad_dtype: str = "fp32", attention_backend: str = "auto",
-                 activation_checkpointing: str = "none", every_n_layers: int = 1,
-                 memory: Optional[MemoryConfig] = None, seed: int = 1234, device=None,
-                 dtype=None):
+    def __init__(self, cfg: ModelConfig, groups: Optional[ModelGroups] = None,
+                 options: Optional[ModelOptions] = None, *, device=None, dtype=None):
+        """cfg: the architecture; groups: its process groups (None: one process);
+        options: the run's settings (models/options.py; None: the defaults)."""
         super().__init__()
-        check_checkpoint_mode(activation_checkpointing)
-        self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
-        self.cp = context_parallel_of(cp_comm, cp_group, ulysses_group, ring_group, layout,
-                                      ring_grad_dtype)
-        self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
-        self.activation_checkpointing, self.every_n_layers = activation_checkpointing, every_n_layers
-        selective = activation_checkpointing == "selective"
+        g, o = groups or ModelGroups(), options or ModelOptions()
+        check_checkpoint_mode(o.activation_checkpointing)
+        self.memory = o.memory or MemoryConfig()  # tiled loss / MLP, activation offload
+        self.cp = context_parallel_of(o.cp_comm, g.cp_group, g.ulysses_group, g.ring_group,
+                                      o.layout, o.ring_grad_dtype)
+        tp_group = g.tp_group
+        self.cfg, self.tp_group, self.cp_group = cfg, tp_group, g.cp_group
+        self.activation_checkpointing = o.activation_checkpointing
+        self.every_n_layers = o.every_n_layers
+        selective = o.activation_checkpointing == "selective"
+        attention_backend = o.attention_backend
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
         self.layers = nn.ModuleList(
@@ -302,14 +304,13 @@ class GPT(nn.Module):
         # The planner counts from the same description: a change here must change it too.
         check_parameters(self.named_parameters(), cfg, tp_size_of(tp_group))
         if self.embed.weight.device.type != "meta":  # meta: shapes only, nothing to fill
-            self.init_weights(seed)
+            self.init_weights(o.seed)
 
     @classmethod
     def from_config(cls, cfg: Config, state, device=None, dtype=None) -> "GPT":
         """The model for this rank of a ParallelState, from the whole run config."""
-        return cls(cfg.model, tp_group=state.tp_group, cp_group=state.cp_group,
-                   ulysses_group=state.ulysses_group, ring_group=state.ring_group,
-                   **ModelOptions.from_config(cfg).kwargs(), device=device, dtype=dtype)
+        return cls(cfg.model, ModelGroups.from_state(state), ModelOptions.from_config(cfg),
+                   device=device, dtype=dtype)
 
     def init_weights(self, seed: int) -> None:
         """The layout-independent init of every parameter (``init_parameters_``)."""

@@ -180,12 +180,15 @@ class TokenMeanLoss:
 class GPTPipe(PipelineModule):
     """This rank's pipeline stage of the GPT (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, state, *, grad_accum_steps: int = 1,
-                 layout: str = "contiguous", cp_comm: str = "ring",
-                 ring_grad_dtype: str = "fp32", attention_backend: str = "auto",
-                 activation_checkpointing: str = "none", every_n_layers: int = 1,
-                 partition_method: str = "parameters", memory: Optional[MemoryConfig] = None,
-                 seed: int = 1234, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, state, options: Optional[ModelOptions] = None, *,
+                 grad_accum_steps: int = 1, partition_method: str = "parameters", device=None,
+                 dtype=None):
+        """state: the ParallelState (its groups and the pipeline's topology); options: the
+        run's settings (models/options.py; None: the defaults)."""
+        o = options or ModelOptions()
+        layout, cp_comm, ring_grad_dtype = o.layout, o.cp_comm, o.ring_grad_dtype
+        attention_backend, memory = o.attention_backend, o.memory
+        activation_checkpointing, every_n_layers = o.activation_checkpointing, o.every_n_layers
         check_checkpoint_mode(activation_checkpointing)
         init_deepspeed_comm()  # PipelineModule builds groups with deepspeed.comm
         tp, cp = state.tp_group, ContextParallel.from_state(state, cp_comm, layout,
@@ -216,15 +219,15 @@ class GPTPipe(PipelineModule):
         self.cfg, self.tp_group = cfg, tp
         self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
         self.offload = offload  # shared by this stage's blocks
-        self.init_weights(seed)
+        self.init_weights(o.seed)
 
     @classmethod
     def from_config(cls, cfg: Config, state, grad_accum_steps: int, device=None,
                     dtype=None) -> "GPTPipe":
         """This rank's stage for a ParallelState, from the whole run config."""
-        return cls(cfg.model, state, grad_accum_steps=grad_accum_steps,
-                   partition_method=cfg.parallel.pp_partition,
-                   **ModelOptions.from_config(cfg).kwargs(), device=device, dtype=dtype)
+        return cls(cfg.model, state, ModelOptions.from_config(cfg),
+                   grad_accum_steps=grad_accum_steps,
+                   partition_method=cfg.parallel.pp_partition, device=device, dtype=dtype)
 
     def gpt_named_parameters(self) -> Iterator:
         """(GPT's name, parameter) for every parameter of this stage, tied ones once."""

@@ -1,13 +1,15 @@
-"""The run config's settings a model is built with, read from the config in one place.
+"""What a model is built with besides its ModelConfig: the run's settings and its groups.
 
-GPT.from_config and GPTPipe.from_config both pass
-``ModelOptions.from_config(cfg).kwargs()`` to their constructors; the process groups come
-from the ParallelState they are given.
+    GPT(cfg.model, ModelGroups.from_state(state), ModelOptions.from_config(cfg))
+
+as Megatron-Core passes one config and one bundle of process groups. ModelOptions reads the
+run config in one place (GPT.from_config and GPTPipe.from_config both use it); ModelGroups
+holds the four groups a model's layers use (a ParallelState has them all).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Dict
+from dataclasses import dataclass, field
+from typing import Any
 
 from ctxpar.config import Config, MemoryConfig
 
@@ -36,6 +38,19 @@ class ModelOptions:
                    memory=cfg.memory,
                    seed=cfg.train.seed)
 
-    def kwargs(self) -> Dict[str, Any]:
-        """The constructors' keyword arguments (memory stays the config's object)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+@dataclass(frozen=True)
+class ModelGroups:
+    """The process groups a model's layers use; None: no TP (tp_group), the world
+    (cp_group, as context_parallel_attention reads it). GPT refuses a None CP group in a
+    multi-rank run."""
+
+    tp_group: Any = None
+    cp_group: Any = None
+    ulysses_group: Any = None   # cp_comm 'hybrid': the inner Ulysses group
+    ring_group: Any = None      # cp_comm 'hybrid': the outer ring
+
+    @classmethod
+    def from_state(cls, state) -> "ModelGroups":
+        return cls(state.tp_group, state.cp_group, state.ulysses_group, state.ring_group)
+

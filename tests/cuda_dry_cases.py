@@ -32,6 +32,7 @@ from ctxpar.context_parallel import (LAYOUTS, LOCAL, NoComm,  # noqa: E402
 from ctxpar.context_parallel.blocks import step_plan  # noqa: E402
 from ctxpar.context_parallel.kernels import (FlashAttn4Backend, FlashAttnBackend,  # noqa: E402
                                              MathBackend, SdpaBackend, default_scale)
+from models.options import ModelOptions
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 SDPA_FLASH = ("aten::_scaled_dot_product_flash_attention",
@@ -324,8 +325,8 @@ def test_gpt_bf16_forward_backward(mode_name, documents, monkeypatch):
     from models.gpt import GPT
     cfg = _gpt_config()
     with dry.fake_cuda(monkeypatch) as mode:
-        model = GPT(cfg, activation_checkpointing=mode_name, every_n_layers=2, device="cuda",
-                    dtype=BF16)
+        model = GPT(cfg, options=ModelOptions(activation_checkpointing=mode_name, every_n_layers=2),
+                    device="cuda", dtype=BF16)
         tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), device="cuda")
         loss = model(tokens, torch.arange(cfg.seq_len, device="cuda"), tokens.roll(-1, 1),
                      cu_seqlens=_docs(cfg.seq_len) if documents else None)

@@ -18,6 +18,7 @@ from ctxpar.context_parallel import AttentionMask, rank_positions, ring_attentio
 from ctxpar.context_parallel.documents import check_cu_seqlens, doc_plan, reference_mask
 from ctxpar.testing import run_distributed
 from ctxpar.testing.attention import PATTERNS, FlashOnCpu, masked_reference, tolerance
+from models.options import ModelGroups, ModelOptions
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 S_LOCAL = 12  # tokens per rank: even (zigzag), and shards cut documents in odd places
@@ -359,8 +360,8 @@ def _gpt_documents(rank, world):
     out = []
     for tp, cp, layout, ckpt in GPT_CASES:
         st = init_parallel_state(tp=tp, cp=cp)
-        model = GPT(_gpt_cfg(), tp_group=st.tp_group, cp_group=st.cp_group, layout=layout,
-                    activation_checkpointing=ckpt, seed=11)
+        model = GPT(_gpt_cfg(), ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
+                    ModelOptions(layout=layout, activation_checkpointing=ckpt, seed=11))
         tok, lab = (shard_sequence(x, 1, st.cp_group, layout) for x in (tokens, labels))
         pos = document_positions(cus, sequence_positions(N_GPT, st.cp_group, layout))
         n_tokens = global_token_count(lab, st.dp_cp_group)
@@ -379,7 +380,7 @@ def test_gpt_with_documents_matches_one_process():
     from models.gpt import GPT
 
     tokens, labels, cus = _gpt_batch()
-    model = GPT(_gpt_cfg(), seed=11)
+    model = GPT(_gpt_cfg(), options=ModelOptions(seed=11))
     pos = document_positions(cus, torch.arange(N_GPT))
     loss = model(tokens, pos, labels, cu_seqlens=cus) / labels.numel()
     loss.backward()

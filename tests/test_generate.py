@@ -27,6 +27,7 @@ from ctxpar.testing import run_distributed
 from models.gpt import GPT
 from ctxpar.testing.generation import reference_generate
 from helpers.train_run import ROOT, run_train
+from models.options import ModelGroups, ModelOptions
 
 MODEL = dict(vocab_size=256, seq_len=32, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2)
 SAVED_SEED, BUILD_SEED = 99, 5  # saved weights come from one seed, models are built with another
@@ -69,16 +70,17 @@ def _save_and_load(rank, world, save_root):
         files = inspect_checkpoint(os.path.join(save_root, name, "step_00000001"))
         for tp in (1, 2, 4):
             st = init_parallel_state(tp=tp, cp=world // tp)
-            model = GPT(ModelConfig(**MODEL), tp_group=st.tp_group, cp_group=st.cp_group,
-                        seed=BUILD_SEED)
+            model = GPT(ModelConfig(**MODEL),
+                        ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
+                        ModelOptions(seed=BUILD_SEED))
             load_weights_(model, files, st.tp_group)
             out[name, tp] = (files.kind, files.tp, gather_full_state_dict(model, st.tp_group))
     return pickle.dumps(out)
 
 
 def test_every_checkpoint_format_loads_at_any_tp(tmp_path):
-    want = GPT(ModelConfig(**MODEL), seed=SAVED_SEED).state_dict()
-    other = GPT(ModelConfig(**MODEL), seed=BUILD_SEED).state_dict()
+    want = GPT(ModelConfig(**MODEL), options=ModelOptions(seed=SAVED_SEED)).state_dict()
+    other = GPT(ModelConfig(**MODEL), options=ModelOptions(seed=BUILD_SEED)).state_dict()
     assert any(not torch.equal(want[n], other[n]) for n in want)  # loading must change them
     for rank, res in enumerate(run_distributed(_save_and_load, 4, str(tmp_path), timeout=300)):
         for (name, tp), (kind, saved_tp, full) in pickle.loads(res).items():
@@ -115,7 +117,7 @@ def generate_py(args, nproc=1, timeout=300):
 def load_run_model(run_dir):
     ckpt = find_checkpoint(run_dir)
     cfg = load_run_config(ckpt, ["parallel.cp=1", "parallel.dp=1"], world_size=1)
-    model = GPT(cfg.model, seed=BUILD_SEED).eval()
+    model = GPT(cfg.model, options=ModelOptions(seed=BUILD_SEED)).eval()
     load_weights_(model, inspect_checkpoint(ckpt.path), None)
     return cfg, model
 

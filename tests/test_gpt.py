@@ -23,6 +23,7 @@ from ctxpar.testing import run_distributed
 from ctxpar.testing.attention import comm_ops_per_layer
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
+from models.options import ModelGroups, ModelOptions
 
 from helpers.activation_memory import measure
 
@@ -58,7 +59,7 @@ def make_batch(cfg, cp, layout, ulysses=1):
 
 def reference(cfg, tokens, labels):
     """Single process: logits, token-mean loss, gradients, parameters after one SGD step."""
-    model = GPT(cfg, seed=SEED)
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
     positions = torch.arange(cfg.seq_len)
     logits = model(tokens, positions).detach()
     loss = model(tokens, positions, labels) / (labels != -100).sum()
@@ -81,9 +82,11 @@ def _parity(rank, world, payload):
     for (tp, cp, dp, layout, name, ckpt, comm, u), tokens, labels in pickle.loads(payload):
         cfg = CONFIGS[name]
         st = init_parallel_state(tp=tp, cp=cp, dp=dp, ulysses=u)
-        model = GPT(cfg, tp_group=st.tp_group, cp_group=st.cp_group, layout=layout,
-                    cp_comm=comm, ulysses_group=st.ulysses_group, ring_group=st.ring_group,
-                    activation_checkpointing=ckpt, every_n_layers=2, seed=SEED)
+        model = GPT(cfg,
+                    ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group,
+                                ulysses_group=st.ulysses_group, ring_group=st.ring_group),
+                    ModelOptions(layout=layout, cp_comm=comm, activation_checkpointing=ckpt,
+                                 every_n_layers=2, seed=SEED))
         rows = slice(st.dp_rank * BATCH // dp, (st.dp_rank + 1) * BATCH // dp)  # this DP rank's samples
         tok = shard_sequence(tokens[rows], 1, st.cp_group, layout, u)  # (B/dp, T/cp)
         lab = shard_sequence(labels[rows], 1, st.cp_group, layout, u)
@@ -172,9 +175,9 @@ def test_loss_for_backward_with_gradient_accumulation():
     tokens, labels = make_batch(cfg, 1, "contiguous")
     labels[:2, : cfg.seq_len // 2] = -100  # the first micro-batch counts fewer tokens
     positions, gas = torch.arange(cfg.seq_len), 2
-    ref = GPT(cfg, seed=SEED)
+    ref = GPT(cfg, options=ModelOptions(seed=SEED))
     (ref(tokens, positions, labels) / (labels != -100).sum()).backward()
-    model = GPT(cfg, seed=SEED)
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
     n_tokens = sum(global_token_count(lab) for lab in labels.chunk(gas))
     for tok, lab in zip(tokens.chunk(gas), labels.chunk(gas)):
         loss = loss_for_backward(model(tok, positions, lab), n_tokens, divisor=1,
@@ -226,7 +229,7 @@ def naive_gpt(cfg, sd, tokens):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_model_matches_naive_implementation(name):
     cfg = CONFIGS[name]
-    model = GPT(cfg, seed=SEED)
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
     tokens, labels = make_batch(cfg, 1, "contiguous")
     sd = {n: p.detach() for n, p in model.named_parameters()}
     want = naive_gpt(cfg, sd, tokens)
@@ -241,7 +244,9 @@ def test_checkpointing_modes_same_gradients_less_memory():
     tokens, labels = make_batch(cfg, 1, "contiguous")
     grads, ring_calls = {}, {}
     for mode in ("none", "selective", "full", "every_n_layers"):
-        model = GPT(cfg, activation_checkpointing=mode, every_n_layers=2, seed=SEED)
+        model = GPT(cfg,
+                    options=ModelOptions(activation_checkpointing=mode, every_n_layers=2,
+                                         seed=SEED))
         with ring_stats() as st:  # counts attention kernel calls, forward and backward
             model(tokens, torch.arange(cfg.seq_len), labels).backward()
         grads[mode] = {n: p.grad for n, p in model.named_parameters()}

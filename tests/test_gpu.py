@@ -16,6 +16,7 @@ from ctxpar.context_parallel.kernels import (FlashAttn4Backend, FlashAttnBackend
                                              SdpaBackend)
 from ctxpar import ring_attention
 from ctxpar.testing.attention import reference_attention, tolerance
+from models.options import ModelOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -197,8 +198,8 @@ def test_gpt_bf16_cuda_matches_fp32_cpu():
                       n_kv_heads=2)
     tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
     labels, pos = tokens.roll(-1, 1), torch.arange(128)
-    cpu = GPT(cfg, seed=3)
-    gpu = GPT(cfg, seed=3, device="cuda", dtype=torch.bfloat16)
+    cpu = GPT(cfg, options=ModelOptions(seed=3))
+    gpu = GPT(cfg, options=ModelOptions(seed=3), device="cuda", dtype=torch.bfloat16)
     want = cpu(tokens, pos, labels) / labels.numel()
     got = gpu(tokens.cuda(), pos.cuda(), labels.cuda()) / labels.numel()
     got.backward()

@@ -18,6 +18,7 @@ import torch
 from ctxpar.config import ModelConfig
 from ctxpar.testing import run_distributed
 from models.gpt import GPT
+from models.options import ModelGroups, ModelOptions
 
 
 def _ds_config(stage, micro=1, batch=2, **zero):
@@ -127,7 +128,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _reference(cfg, tokens, labels):
-    model = GPT(cfg, seed=SEED)
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
     loss = model(tokens, torch.arange(cfg.seq_len), labels) / (labels != -100).sum()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -150,9 +151,11 @@ def _gpt_zero3(rank, world, payload):
         cfg = ModelConfig(**CFG, tie_embeddings=tie)
         u = ULYSSES[comm](cp)
         st = init_parallel_state(tp=tp, cp=cp, ulysses=u)
-        model = GPT(cfg, tp_group=st.tp_group, cp_group=st.cp_group, layout="zigzag",
-                    cp_comm=comm, ulysses_group=st.ulysses_group, ring_group=st.ring_group,
-                    activation_checkpointing=ckpt, seed=SEED)
+        model = GPT(cfg,
+                    ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group,
+                                ulysses_group=st.ulysses_group, ring_group=st.ring_group),
+                    ModelOptions(layout="zigzag", cp_comm=comm, activation_checkpointing=ckpt,
+                                 seed=SEED))
         # persistence threshold 0: every parameter is really partitioned and gathered by
         # ZeRO-3's hooks (the default keeps parameters < 1e5 elements whole).
         ds = _ds_config(stage, micro=BATCH // st.dp_size, batch=BATCH,

@@ -23,6 +23,7 @@ from ctxpar.inference.cp_ops import merge_block_
 from ctxpar.testing import run_distributed
 from ctxpar.testing.generation import reference_generate
 from models.gpt import GPT
+from models.options import ModelGroups, ModelOptions
 
 # init_std 0.2 (not 0.02) spreads a random model's logits, so greedy never sits on a
 # near-tie; reference_generate checks that premise (top-2 gap) rather than assuming it.
@@ -51,8 +52,8 @@ def _generate_cases(rank, world, cases):
     for tp, cp, layout, name, sampling in cases:
         cfg = CONFIGS[name]
         st = init_parallel_state(tp=tp, cp=cp)  # dp = world / (tp * cp) replicas
-        model = GPT(cfg, tp_group=st.tp_group, cp_group=st.cp_group, layout=layout,
-                    seed=SEED).eval()
+        model = GPT(cfg, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
+                    ModelOptions(layout=layout, seed=SEED)).eval()
         res = generate(model, PROMPTS, NEW, layout=layout, cp_group=st.cp_group,
                        tp_group=st.tp_group, sampling=sampling, keep_logits=True,
                        max_positions=cfg.seq_len)
@@ -76,8 +77,8 @@ def test_generation_matches_single_process_for_every_layout():
     refs = {}
     for _, _, _, name, sampling in cases:
         if (name, sampling) not in refs:
-            refs[name, sampling] = reference_generate(GPT(CONFIGS[name], seed=SEED).eval(),
-                                                      PROMPTS, NEW, sampling)
+            model = GPT(CONFIGS[name], options=ModelOptions(seed=SEED)).eval()
+            refs[name, sampling] = reference_generate(model, PROMPTS, NEW, sampling)
     results = run_distributed(_generate_cases, 8, cases, timeout=600)
     B, L = len(PROMPTS), 2
     for rank, per_case in enumerate(results):
@@ -131,7 +132,7 @@ def test_partial_attention_merged_over_splits_is_full_attention():
 
 
 def test_eos_stops_a_row_and_batch_rows_are_independent():
-    model = GPT(CONFIGS["gqa"], seed=SEED).eval()
+    model = GPT(CONFIGS["gqa"], options=ModelOptions(seed=SEED)).eval()
     tokens, _ = reference_generate(model, PROMPTS, NEW)
     eos = tokens[1][2]  # row 1 stops before its third token
     out = generate(model, PROMPTS, NEW, eos_id=eos)

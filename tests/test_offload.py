@@ -13,6 +13,7 @@ import torch.nn as nn
 from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.offload import ActivationOffload, run_layer
 from models.gpt import GPT
+from models.options import ModelOptions
 
 # Block input x: B * T * d * 4 = 128 KiB, over the 64 KiB floor; the LSE (8 KiB) is under it.
 B, T, L = 2, 256, 3
@@ -34,9 +35,9 @@ def _batch():
 
 def _step(mode, offload, tiled):
     """Loss, grads, the checkpointed blocks' inputs alive after the forward, offload stats."""
-    model = GPT(CFG, activation_checkpointing=mode, every_n_layers=2, seed=1,
-                memory=MemoryConfig(offload_activations=offload, tiled_mlp=tiled,
-                                    mlp_tile_tokens=100))
+    memory = MemoryConfig(offload_activations=offload, tiled_mlp=tiled, mlp_tile_tokens=100)
+    model = GPT(CFG, options=ModelOptions(activation_checkpointing=mode, every_n_layers=2,
+                                          memory=memory, seed=1))
     tokens, labels = _batch()
     inputs, forward = [], [True]
     for i, layer in enumerate(model.layers):

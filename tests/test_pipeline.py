@@ -24,6 +24,7 @@ from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
 from models.gpt import GPT
 from helpers.train_run import ROOT, losses, run_train
+from models.options import ModelOptions
 
 CONFIGS = {
     # GQA, SwiGLU, RMSNorm, tied embeddings (a TiedLayerSpec on the first and last stage).
@@ -116,7 +117,7 @@ def make_batches(cfg, cp, layout):
 
 def reference(cfg, batches):
     """Single process: per-step token-mean loss; grad norm and parameters after step 1."""
-    model = GPT(cfg, seed=SEED)
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     positions, losses_, norm, params = torch.arange(cfg.seq_len), [], None, None
     for step, (tokens, labels) in enumerate(batches):

@@ -30,6 +30,7 @@ from ctxpar.plan.candidate import Candidate
 from ctxpar.plan.memory import model_state
 from ctxpar.plan.timing import thresholds
 from ctxpar.testing import run_distributed
+from models.options import ModelGroups, ModelOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dict(vocab_size=64, seq_len=32, n_layers=3, d_model=32, n_heads=4, n_kv_heads=2)
@@ -44,8 +45,8 @@ def _params(rank, world, cases):
     out = []
     for tp, kw in cases:
         st = init_parallel_state(tp=tp, dp=world // tp)
-        model = GPT(ModelConfig(**{**CFG, **kw}), tp_group=st.tp_group, cp_group=st.cp_group,
-                    device="meta")
+        model = GPT(ModelConfig(**{**CFG, **kw}),
+                    ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group), device="meta")
         out.append(sum(p.numel() for p in model.parameters()))
     return out
 
@@ -83,10 +84,11 @@ def _saved(rank, world):
     for tp, cp, comm, u in ACT_LAYOUTS:
         st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ulysses=u)
         for mode in MODES:
-            model = GPT(ModelConfig(**CFG), tp_group=st.tp_group, cp_group=st.cp_group,
-                        layout="zigzag", cp_comm=comm, ulysses_group=st.ulysses_group,
-                        ring_group=st.ring_group, activation_checkpointing=mode,
-                        every_n_layers=2, seed=1)
+            model = GPT(ModelConfig(**CFG),
+                        ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group,
+                                    ulysses_group=st.ulysses_group, ring_group=st.ring_group),
+                        ModelOptions(layout="zigzag", cp_comm=comm, activation_checkpointing=mode,
+                                     every_n_layers=2, seed=1))
             tok = shard_sequence(tokens, 1, st.cp_group, "zigzag", u)
             pos = sequence_positions(32, st.cp_group, "zigzag", ulysses=u)
             with saved_tensor_bytes(model.parameters()) as seen:
@@ -140,7 +142,8 @@ def _engine_state(rank, world, stage, tp, cp):
     pos = sequence_positions(32, st.cp_group, "zigzag")
     gc.collect()
     before = _live_tensor_bytes()
-    model = GPT(cfg, tp_group=st.tp_group, cp_group=st.cp_group, layout="zigzag", seed=1)
+    model = GPT(cfg, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
+                ModelOptions(layout="zigzag", seed=1))
     psi = sum(p.numel() for p in model.parameters())
     # Small buckets, stated: the planner adds reduce_bucket_size itself (ZeRO-3).
     zero = {"stage": stage, "reduce_bucket_size": 20000}
@@ -222,7 +225,7 @@ def test_forward_and_backward_peaks_equal_the_allocators(mode, tiled):
     cfg = ModelConfig(vocab_size=2048, seq_len=512, n_layers=2, d_model=64, n_heads=4,
                       n_kv_heads=2)
     mem = MemoryConfig(tiled_loss=tiled, tiled_mlp=tiled)
-    model = GPT(cfg, activation_checkpointing=mode, memory=mem, seed=1)
+    model = GPT(cfg, options=ModelOptions(activation_checkpointing=mode, memory=mem, seed=1))
     tok = torch.randint(0, 2048, (1, 512))
     pos = torch.arange(512)
     model(tok, pos, tok).backward()  # warm: lazily built buffers are not the step's

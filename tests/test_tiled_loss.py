@@ -27,6 +27,7 @@ from ctxpar.memory.tiled_loss import loss_tile_tokens, tiled_vocab_parallel_cros
 from ctxpar.tensor_parallel import parallel_lm_logits, vocab_parallel_cross_entropy
 from ctxpar.testing import run_distributed
 from models.gpt import GPT
+from models.options import ModelGroups, ModelOptions
 
 
 # fp32. Per token the tiled loss does the untiled arithmetic on the same rows (max, exp,
@@ -221,10 +222,13 @@ def _batch(cfg, batch=4, seed=1):
 def test_gpt_tiled_loss_equals_untiled(tie):
     cfg = ModelConfig(**CFG, tie_embeddings=tie)
     tokens, labels = _batch(cfg)
-    ref = GPT(cfg, seed=SEED)
+    ref = GPT(cfg, options=ModelOptions(seed=SEED))
     want_loss, want = _grads(ref, tokens, labels)
     for tile in (24, "auto"):  # 128 rows: 24 leaves a short last tile; auto: one tile
-        model = GPT(cfg, memory=MemoryConfig(tiled_loss=True, loss_tile_tokens=tile), seed=SEED)
+        model = GPT(cfg,
+                    options=ModelOptions(memory=MemoryConfig(tiled_loss=True,
+                                                             loss_tile_tokens=tile),
+                                         seed=SEED))
         loss, got = _grads(model, tokens, labels)
         torch.testing.assert_close(loss, want_loss, **TOL)
         assert set(got) == set(want)
@@ -295,7 +299,9 @@ def test_full_logits_are_never_made():
     full = labels.numel() * cfg.vocab_size
     seen = {}
     for tiled in (False, True):
-        model = GPT(cfg, memory=MemoryConfig(tiled_loss=tiled, loss_tile_tokens=8), seed=SEED)
+        model = GPT(cfg,
+                    options=ModelOptions(memory=MemoryConfig(tiled_loss=tiled, loss_tile_tokens=8),
+                                         seed=SEED))
         with _Biggest(cfg.vocab_size) as seen[tiled]:
             model(tokens, torch.arange(cfg.seq_len), labels).backward()
     assert seen[False].logits_numel == full  # the detector sees the untiled logits
@@ -314,11 +320,12 @@ def test_bf16_runs_as_close_to_fp32_as_untiled():
     # the loss, and the tiled error at most 1.25x the untiled one plus 1e-3.
     cfg = ModelConfig(**CFG, tie_embeddings=True)
     tokens, labels = _batch(cfg)
-    ref_loss, ref = _grads(GPT(cfg, seed=SEED), tokens, labels)
+    ref_loss, ref = _grads(GPT(cfg, options=ModelOptions(seed=SEED)), tokens, labels)
     err = {}
     for tiled in (False, True):
-        model = GPT(cfg, memory=MemoryConfig(tiled_loss=tiled, loss_tile_tokens=24),
-                    seed=SEED).to(torch.bfloat16)
+        model = GPT(cfg,
+                    options=ModelOptions(memory=MemoryConfig(tiled_loss=tiled, loss_tile_tokens=24),
+                                         seed=SEED)).to(torch.bfloat16)
         loss, grads = _grads(model, tokens, labels)
         assert loss.dtype == torch.float32
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=0)
@@ -370,8 +377,10 @@ def _ranks(rank, world, payload):
     for tie in (True, False):
         cfg = ModelConfig(**CFG, tie_embeddings=tie)
         st = init_parallel_state(tp=1, cp=2)
-        model = GPT(cfg, cp_group=st.cp_group, layout="zigzag", seed=SEED,
-                    memory=MemoryConfig(tiled_loss=True, loss_tile_tokens=24))
+        model = GPT(cfg, ModelGroups(cp_group=st.cp_group),
+                    ModelOptions(layout="zigzag",
+                                 memory=MemoryConfig(tiled_loss=True, loss_tile_tokens=24),
+                                 seed=SEED))
         ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
@@ -455,7 +464,7 @@ def test_tp2_zero3_and_pipeline_on_two_ranks():
                 torch.testing.assert_close(dw, want_dw.chunk(2)[rank], **TOL)
     # (2) ZeRO-3: each rank's full gradient (gathered by ZeRO) is the single-process one.
     for tie in (True, False):
-        ref = GPT(ModelConfig(**CFG, tie_embeddings=tie), seed=SEED)
+        ref = GPT(ModelConfig(**CFG, tie_embeddings=tie), options=ModelOptions(seed=SEED))
         loss, want = _grads(ref, tokens, labels)
         want = {n: g / (labels != -100).sum() for n, g in want.items()}  # the token mean
         for rank in range(2):
@@ -465,7 +474,7 @@ def test_tp2_zero3_and_pipeline_on_two_ranks():
                     torch.testing.assert_close(got[n], want[n], **TOL,
                                                msg=f"zero3 tied={tie} rank {rank} step {step} {n}")
     # (3) pp2: the logged loss, the gradient of every parameter of each stage, the logits.
-    ref = GPT(cfg, seed=SEED)
+    ref = GPT(cfg, options=ModelOptions(seed=SEED))
     want_loss, want = _grads(ref, tokens, labels)
     want_loss = want_loss / (labels != -100).sum()
     seen = set()
@@ -500,7 +509,7 @@ def test_evaluation_head_is_the_logits_one(tie):
     # head's per-token losses and greedy ids are those of the model's whole logits.
     from ctxpar.components.evaluation import head_inputs
     cfg = ModelConfig(**CFG, tie_embeddings=tie)
-    model = GPT(cfg, seed=SEED).eval()
+    model = GPT(cfg, options=ModelOptions(seed=SEED)).eval()
     tokens, labels = _batch(cfg)
     mb = {"tokens": tokens, "positions": torch.arange(cfg.seq_len), "labels": labels}
     with torch.no_grad():

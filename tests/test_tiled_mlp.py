@@ -26,6 +26,7 @@ from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_mlp import mlp_tile_tokens, tile_spans
 from ctxpar.testing import run_distributed
 from models.gpt import GPT, MLP
+from models.options import ModelGroups, ModelOptions
 
 def close(got, want, msg=""):
     """assert_close with atol scaled to the reference (module docstring)."""
@@ -144,8 +145,10 @@ def test_gpt_every_checkpointing_mode(mode):
     tokens, labels = (torch.randint(0, 64, (B, T), generator=g) for _ in range(2))
     out = {}
     for tiled in (False, True):
-        model = GPT(cfg, activation_checkpointing=mode, every_n_layers=2, seed=5,
-                    memory=MemoryConfig(tiled_mlp=tiled, mlp_tile_tokens=5))
+        model = GPT(cfg,
+                    options=ModelOptions(activation_checkpointing=mode, every_n_layers=2,
+                                         memory=MemoryConfig(tiled_mlp=tiled, mlp_tile_tokens=5),
+                                         seed=5))
         loss = model(tokens, torch.arange(T), labels)
         loss.backward()
         out[tiled] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -185,9 +188,10 @@ def _two_ranks(rank, world, payload):
     for ckpt, tokens, labels in zero_cases:
         st = init_parallel_state(tp=1, cp=1)  # dp 2
         # Each rank its own tile count: collectives must not depend on it (ZeRO-3 leaf).
-        model = GPT(ModelConfig(**ZERO_CFG), cp_group=st.cp_group, activation_checkpointing=ckpt,
-                    seed=3, memory=MemoryConfig(tiled_mlp=True, mlp_tile_tokens=(3, "auto")[rank],
-                                                offload_activations=True))
+        memory = MemoryConfig(tiled_mlp=True, mlp_tile_tokens=(3, "auto")[rank],
+                              offload_activations=True)
+        model = GPT(ModelConfig(**ZERO_CFG), ModelGroups(cp_group=st.cp_group),
+                    ModelOptions(activation_checkpointing=ckpt, memory=memory, seed=3))
         model.offload.min_bytes = 0  # offload too: this small model is under the 64 KiB floor
         ds = {"train_batch_size": ZERO_BATCH, "train_micro_batch_size_per_gpu": ZERO_BATCH // 2,
               "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
@@ -245,7 +249,8 @@ def test_tp2_and_zero3_on_two_ranks():
                 close(grads[n], g0, f"tp2 {mlp} {tile} {n}")
 
     for i, (ckpt, tokens, labels) in enumerate(zero_cases):
-        ref = GPT(ModelConfig(**ZERO_CFG), activation_checkpointing=ckpt, seed=3)
+        ref = GPT(ModelConfig(**ZERO_CFG),
+                  options=ModelOptions(activation_checkpointing=ckpt, seed=3))
         loss = ref(tokens, torch.arange(ZERO_CFG["seq_len"]), labels) / labels.numel()
         loss.backward()
         for rank in range(2):

@@ -27,6 +27,7 @@ from ctxpar.tensor_parallel import vocab_parallel_cross_entropy
 from ctxpar.tensor_parallel.argmax import vocab_parallel_argmax
 from ctxpar.testing.memory import LiveBytes
 from models.gpt import GPT
+from models.options import ModelOptions
 
 MiB = 2 ** 20
 
@@ -34,7 +35,7 @@ MiB = 2 ** 20
 def rows(tokens: int, d: int, layers: int, vocab: int):
     cfg = ModelConfig(vocab_size=vocab, seq_len=tokens, n_layers=layers, d_model=d,
                       n_heads=4, n_kv_heads=2)
-    model = GPT(cfg, seed=0, memory=MemoryConfig(tiled_loss=True))
+    model = GPT(cfg, options=ModelOptions(memory=MemoryConfig(tiled_loss=True), seed=0))
     g = torch.Generator().manual_seed(1)
     tok = torch.randint(0, vocab, (1, tokens), generator=g)
     labels = torch.randint(0, vocab, (1, tokens), generator=g)

@@ -26,6 +26,7 @@ from ctxpar.config import ModelConfig
 from ctxpar.inference import decode_bytes_per_step, generate
 from ctxpar.testing import run_distributed, save_results
 from models.gpt import GPT
+from models.options import ModelGroups, ModelOptions
 
 
 def _model_config(a, n: int) -> ModelConfig:
@@ -35,7 +36,8 @@ def _model_config(a, n: int) -> ModelConfig:
 
 def _rank_main(rank, world, device, a, n) -> dict:
     group = dist.group.WORLD
-    model = GPT(_model_config(a, n), cp_group=group, layout=a.layout, device=device).eval()
+    model = GPT(_model_config(a, n), ModelGroups(cp_group=group), ModelOptions(layout=a.layout),
+                device=device).eval()
     g = torch.Generator().manual_seed(0)  # the same prompt on every rank
     prompts = torch.randint(1, 256, (a.batch, n), generator=g).tolist()
     kw = dict(layout=a.layout, cp_group=group)

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from models.options import ModelOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MMAP_THRESHOLD = 131072
@@ -51,7 +52,7 @@ def child(args) -> dict:
     tiled = args.tile not in ("none", "baseline")
     memory = MemoryConfig(tiled_loss=tiled, loss_tile_tokens=int(args.tile)
                           if args.tile.isdigit() else "auto")
-    model = GPT(cfg, memory=memory, seed=0)
+    model = GPT(cfg, options=ModelOptions(memory=memory, seed=0))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g)
     labels = torch.roll(tokens, -1, dims=1)

@@ -37,6 +37,7 @@ from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_mlp import mlp_tile_tokens
 from ctxpar.testing.memory import LiveBytes
 from models.gpt import GPT, MLP
+from models.options import ModelOptions
 
 MiB = 2 ** 20
 
@@ -59,7 +60,7 @@ def build(case: str, tile, args, offload: bool = False):
         return step, mlp
     memory = MemoryConfig(tiled_mlp=tile is not None, mlp_tile_tokens=tile or "auto",
                           offload_activations=offload)
-    model = GPT(cfg, activation_checkpointing="full", memory=memory, seed=0)
+    model = GPT(cfg, options=ModelOptions(activation_checkpointing="full", memory=memory, seed=0))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (1, args.tokens), generator=g)
     labels = torch.roll(tokens, -1, dims=1)
