@@ -92,6 +92,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                cu_seqlens=None, mask: Optional[AttentionMask] = None):
     """softmax(q k^T * scale) v over the full sequence, sharded across a CP group.
 
+    Longer than the others: the one public entry checks every argument here, before any
+    collective, then hands the pattern its groups and mask.
+
     q: (batch, local_seq, heads, head_dim); k, v: (batch, local_seq, kv_heads, head_dim)
     with heads % kv_heads == 0. The tokens each rank holds follow `layout` ('contiguous',
     'zigzag', 'striped'; layouts.py, two-level under 'hybrid'); `causal` masks by *global*
