@@ -117,7 +117,7 @@ def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
 def check_inputs(args, world: int):
     """Config, run dir, data paths and the checkpoint to resume or start from: pure checks,
     the same verdict on every rank, so bad input exits 2 with one line before any collective.
-    Returns (cfg, data, save_dir, resume plan or None, init_from weights or None)."""
+    Returns (cfg, data, save_dir, resume point or None, init_from weights or None)."""
     try:
         cfg = load_config(args.config, args.set, world_size=world)
         check_run_dir(cfg)  # a path through a file, a read-only place: nothing created
@@ -135,11 +135,11 @@ def check_inputs(args, world: int):
     if problem:
         fail(problem)
     try:  # is the checkpoint sound (its manifest), and on this layout? file reads only
-        plan = ckpt.plan_resume(save_dir, args.resume, cfg, world, on_skip=warn)
-        init = ckpt.check_init_from(cfg) if cfg.model.init_from and plan is None else None
+        resume_from = ckpt.resume_point(save_dir, args.resume, cfg, world, on_skip=warn)
+        init = ckpt.check_init_from(cfg) if cfg.model.init_from and resume_from is None else None
     except ckpt.CheckpointError as e:
         fail(str(e))
-    return cfg, data, save_dir, plan, init
+    return cfg, data, save_dir, resume_from, init
 
 
 def start_distributed(cfg, world: int):
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     filter_known_warnings()  # DeepSpeed's deprecated torch calls, not the user's business
     launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
     world = int(os.environ["WORLD_SIZE"])
-    cfg, data, save_dir, plan, init = check_inputs(args, world)  # 1. exit 2 on bad input
+    cfg, data, save_dir, resume_from, init = check_inputs(args, world)  # 1. exit 2 on bad input
     device, state, rank0 = start_distributed(cfg, world)         # 2. the grid
     torch.manual_seed(cfg.train.seed)
 
@@ -207,8 +207,8 @@ def main(argv=None) -> int:
                device=torch.device("meta"))
     model.universal_checkpoint_info = ckpt.universal_checkpoint_info(
         meta, cfg.model.n_layers, cfg.model.tie_embeddings, pipelined)
-    if plan is not None:
-        plan.configure(ds_config)  # a layout change loads DeepSpeed's universal format
+    if resume_from is not None:
+        resume_from.configure(ds_config)  # a layout change loads DeepSpeed's universal format
     # shapes only
     full = GPT(cfg.model, ModelGroups(cp_group=state.cp_group), device=torch.device("meta"))
     n_params = sum(p.numel() for p in full.parameters())
@@ -227,13 +227,13 @@ def main(argv=None) -> int:
 
     # 4. Resume, record the run, and the components that decide when to evaluate and save.
     start_step = 0
-    if plan is not None:
-        client = ckpt.restore(engine, plan, cfg, state, meta)  # resharded if the layout changed
+    if resume_from is not None:
+        client = ckpt.restore(engine, resume_from, cfg, state, meta)  # resharded if changed
         start_step = client["step"]
         train_stream.load_state_dict(client["data"])
     if start_step >= cfg.train.steps:  # e.g. `make train` run twice: say so, train nothing
         if rank0:
-            print(f"nothing to train: {os.path.join(save_dir, plan.tag)} is at step "
+            print(f"nothing to train: {os.path.join(save_dir, resume_from.tag)} is at step "
                   f"{start_step} of train.steps={cfg.train.steps} (--resume none or another "
                   f"logging.run_dir starts over)", flush=True)
         dist.barrier()
@@ -243,9 +243,9 @@ def main(argv=None) -> int:
     if init is not None:
         logger.write(init_msg)
     if start_step:
-        logger.write(f"resumed from {os.path.join(save_dir, plan.tag)} at step {start_step}")
-        if plan.universal:
-            logger.write(plan.describe_changes())
+        logger.write(f"resumed from {os.path.join(save_dir, resume_from.tag)} at step {start_step}")
+        if resume_from.universal:
+            logger.write(resume_from.describe_changes())
     metrics = StepMetrics(cfg, n_params, state.world_size, device, baseline)
     forward = (partial(gpt_pipe.pipeline_logits, engine.module, state, head_inputs=True)
                if pipelined else None)

@@ -2,7 +2,7 @@
 
 (1) Pure: a tag counts only when its manifest verifies (a missing shard, a truncated file,
 a marker without files or a foreign marker are refused in one line naming the file);
---resume auto passes over damaged tags; a resume plan refuses another model and 16-bit
+--resume auto passes over damaged tags; a resume point refuses another model and 16-bit
 stage-0 reshards and asks DeepSpeed for its universal loader only where it has one;
 parameter names map GPT <-> pipeline <-> Hugging Face both ways for every parameter;
 the new config keys are validated. (2) Two gloo ranks: a signal seen by one rank at any
@@ -107,24 +107,24 @@ def _cfg(**sets):
 def test_resume_plan_reshards_only_on_a_layout_change(tmp_path):
     saved = _cfg()
     make_tag(str(tmp_path), 4, reshard.checkpoint_meta(saved, 2))
-    same = reshard.plan_resume(str(tmp_path), "auto", _cfg(), 4)
+    same = reshard.resume_point(str(tmp_path), "auto", _cfg(), 4)
     assert same.tag == "step_00000004" and not same.universal
     ds = {}
     same.configure(ds)
     assert ds == {}
-    other = reshard.plan_resume(str(tmp_path), "step_00000004",
+    other = reshard.resume_point(str(tmp_path), "step_00000004",
                                 _cfg(**{"parallel.tp": 2, "parallel.dp": 1}), 4)
     assert other.changed == {"tp": (1, 2), "dp": (2, 1)}
     other.configure(ds)
     assert ds == {"checkpoint": {"load_universal": True}}  # DeepSpeed's ZeRO loader
-    zero0 = reshard.plan_resume(str(tmp_path), "auto",
+    zero0 = reshard.resume_point(str(tmp_path), "auto",
                                 _cfg(**{"deepspeed.zero_optimization.stage": 0}), 4)
     ds = {}
     zero0.configure(ds)
     assert zero0.universal and ds == {}  # the torch optimizer: ctxpar loads it
     # RoPE's base may change on resume (context extension); shapes may not.
-    assert reshard.plan_resume(str(tmp_path), "auto", _cfg(**{"model.rope_theta": 5e5}), 4)
-    assert reshard.plan_resume(str(tmp_path), "none", _cfg(), 4) is None
+    assert reshard.resume_point(str(tmp_path), "auto", _cfg(**{"model.rope_theta": 5e5}), 4)
+    assert reshard.resume_point(str(tmp_path), "none", _cfg(), 4) is None
 
 
 @pytest.mark.parametrize("sets,msg", [
@@ -136,10 +136,10 @@ def test_resume_plan_reshards_only_on_a_layout_change(tmp_path):
 def test_resume_plan_refusals(tmp_path, sets, msg):
     make_tag(str(tmp_path), 4, reshard.checkpoint_meta(_cfg(), 2))
     with pytest.raises(CheckpointError) as e:
-        reshard.plan_resume(str(tmp_path), "auto", _cfg(**sets), 4)
+        reshard.resume_point(str(tmp_path), "auto", _cfg(**sets), 4)
     assert msg in str(e.value), str(e.value)
     with pytest.raises(CheckpointError, match="step_00000009 does not exist"):
-        reshard.plan_resume(str(tmp_path), "step_00000009", _cfg(), 4)
+        reshard.resume_point(str(tmp_path), "step_00000009", _cfg(), 4)
 
 
 @pytest.mark.parametrize("tied", [True, False])

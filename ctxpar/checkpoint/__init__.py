@@ -1,7 +1,7 @@
 """Checkpoints: complete-or-ignored saves, resume on any layout, Hugging Face Llama exchange.
 
     resume.py      tags, the manifest (COMPLETE), verification, DeepSpeed save/load, RNG
-    reshard.py     resume on the saving layout or another one (plan, then load)
+    reshard.py     resume on the saving layout or another one (find the resume point, then load)
     universal.py   any layout -> DeepSpeed's universal checkpoint, and back into an engine
     names.py       parameter names: GPT <-> pipeline stages <-> Hugging Face Llama
     hf.py          Hugging Face Llama config.json and safetensors, both directions
@@ -11,7 +11,7 @@
 docs/checkpoints.md describes the files on disk and what may change between save and resume.
 """
 from .preemption import PreemptionGuard
-from .reshard import (ResumePlan, checkpoint_meta, describe, layout_of, plan_resume,
+from .reshard import (ResumePoint, checkpoint_meta, describe, layout_of, resume_point,
                       restore)
 from .resume import (CheckpointError, complete_tags, is_tag, latest_complete, list_tags, load,
                      read_manifest, resume_problem, save, tag_for, verify)
@@ -19,8 +19,8 @@ from .universal import universal_checkpoint_info
 from .weights import InitSource, check_init_from, export_hf, load_initial_weights
 
 __all__ = [
-    "CheckpointError", "InitSource", "PreemptionGuard", "ResumePlan", "check_init_from",
+    "CheckpointError", "InitSource", "PreemptionGuard", "ResumePoint", "check_init_from",
     "checkpoint_meta", "complete_tags", "describe", "export_hf", "is_tag", "latest_complete",
-    "layout_of", "list_tags", "load", "load_initial_weights", "plan_resume", "read_manifest",
-    "restore", "resume_problem", "save", "tag_for", "universal_checkpoint_info", "verify",
+    "layout_of", "list_tags", "load", "load_initial_weights", "read_manifest", "restore",
+    "resume_point", "resume_problem", "save", "tag_for", "universal_checkpoint_info", "verify",
 ]

@@ -1,8 +1,8 @@
 """Resume on the layout that saved a checkpoint, or on another one.
 
-    plan = plan_resume(save_dir, "auto", cfg, world_size)   # files only: before any collective
-    plan.configure(ds_config)                               # before deepspeed.initialize
-    client_state = restore(engine, plan, cfg, state, meta)  # collective; meta: every layer
+    point = resume_point(save_dir, "auto", cfg, world_size)  # files only: before any collective
+    point.configure(ds_config)                               # before deepspeed.initialize
+    client_state = restore(engine, point, cfg, state, meta)  # collective; meta: every layer
 
 Same layout (tp, cp, pp, dp, ZeRO stage, dtype all equal): DeepSpeed's own load, the
 per-rank RNG states too; bit-identical continuation. Another layout: rank 0 converts the
@@ -79,7 +79,7 @@ def optimizer_kind(layout: Dict[str, Any]) -> Optional[str]:
 
 
 @dataclass
-class ResumePlan:
+class ResumePoint:
     save_dir: str
     tag: str
     manifest: Dict[str, Any]
@@ -128,8 +128,8 @@ def _check_model(manifest: Dict[str, Any], cfg, tag_dir: str) -> None:
             f"from its weights with model.init_from={tag_dir} instead)")
 
 
-def plan_resume(save_dir: str, resume: str, cfg, world_size: int,
-                on_skip: Optional[Callable[[str], None]] = None) -> Optional[ResumePlan]:
+def resume_point(save_dir: str, resume: str, cfg, world_size: int,
+                on_skip: Optional[Callable[[str], None]] = None) -> Optional[ResumePoint]:
     """Which tag to resume and whether it needs resharding; pure file reads.
 
     resume: 'auto' (newest tag whose manifest verifies, skipping damaged ones through
@@ -152,10 +152,10 @@ def plan_resume(save_dir: str, resume: str, cfg, world_size: int,
     now = layout_of(cfg, resolve_sizes(world_size, p.tp, p.cp, p.pp, p.dp)["dp"])
     saved = manifest.get("layout")
     if saved is None:  # a marker from before manifests: only the layout that wrote it
-        return ResumePlan(save_dir, tag, manifest, now)
+        return ResumePoint(save_dir, tag, manifest, now)
     changed = {k: (saved[k], now[k]) for k in LAYOUT_KEYS if saved[k] != now[k]}
-    plan = ResumePlan(save_dir, tag, manifest, now, changed)
-    if plan.universal:
+    point = ResumePoint(save_dir, tag, manifest, now, changed)
+    if point.universal:
         for which, layout in (("saved on", saved), ("resumed on", now)):
             if optimizer_kind(layout) is None:
                 raise CheckpointError(
@@ -163,7 +163,7 @@ def plan_resume(save_dir: str, resume: str, cfg, world_size: int,
                     f"{which} {describe(layout)}: resharding takes fp32 at ZeRO stage 0-2 "
                     f"and 16-bit at stage 1-2 (DeepSpeed cannot convert its 16-bit stage-0 "
                     f"optimizers; ZeRO-3 is not covered); resume on {describe(saved)}")
-    return plan
+    return point
 
 
 def run_on_rank0(fn: Callable[[], None]) -> None:
@@ -180,37 +180,37 @@ def run_on_rank0(fn: Callable[[], None]) -> None:
         raise RuntimeError(box[0])
 
 
-def restore(engine, plan: ResumePlan, cfg, state, whole_model) -> Dict[str, Any]:
-    """Collective: load plan's tag into the engine (resharding if needed); the client_state.
+def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, Any]:
+    """Collective: load the point's tag into the engine (resharding if needed); the client_state.
 
     whole_model: the model's every layer at this run's TP, best on the meta device (as for
     universal_checkpoint_info): its GPT parameter names are the ones the new layout must
     find in the converted checkpoint.
     """
-    if not plan.universal:
-        return load_same_layout(engine, plan.save_dir, plan.tag)
+    if not point.universal:
+        return load_same_layout(engine, point.save_dir, point.tag)
     m = cfg.model
     pipelined = cfg.parallel.pp > 1
     target = naming(pipelined, m.n_layers, m.tie_embeddings)
-    out_dir = os.path.join(plan.universal_dir, plan.tag)
+    out_dir = os.path.join(point.universal_dir, point.tag)
     # every parameter of every stage of the new layout, in its module's names
     wanted = [target(n) for n, _ in whole_model.named_parameters()]
 
     def convert():
-        to_universal(plan.path, out_dir, plan.manifest["layout"], m.n_layers, target)
+        to_universal(point.path, out_dir, point.manifest["layout"], m.n_layers, target)
         check_complete(out_dir, wanted)
 
     run_on_rank0(convert)
-    if optimizer_kind(plan.now) == "torch":
+    if optimizer_kind(point.now) == "torch":
         load_into_torch_optimizer(engine, out_dir, state.tp_group)
         client_state = load_meta(engine, out_dir)
     else:
-        path, client_state = engine.load_checkpoint(plan.universal_dir, tag=plan.tag,
+        path, client_state = engine.load_checkpoint(point.universal_dir, tag=point.tag,
                                                     load_optimizer_states=True,
                                                     load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {out_dir}")
     dist.barrier()  # every rank has read its slices
     if dist.get_rank() == 0:
-        shutil.rmtree(plan.universal_dir, ignore_errors=True)
+        shutil.rmtree(point.universal_dir, ignore_errors=True)
     return client_state
