@@ -1,4 +1,4 @@
-"""Checkpoint bookkeeping without training: manifests, damaged tags, resume plans, names, signals.
+"""Checkpoint bookkeeping without training: manifests, damaged tags, resume points, names, signals.
 
 (1) Pure: a tag counts only when its manifest verifies (a missing shard, a truncated file,
 a marker without files or a foreign marker are refused in one line naming the file);
