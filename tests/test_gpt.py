@@ -25,7 +25,7 @@ from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 from models.options import ModelGroups, ModelOptions
 
-from helpers.activation_memory import measure
+from tools.benchmarks.bench_activation_memory import measure
 
 CONFIGS = {
     # GQA, SwiGLU, RMSNorm, untied head; kv=2 splits over tp=2.
