@@ -31,6 +31,7 @@ from ctxpar.components.metrics import (MetricsLogger, StepMetrics, StepTimer, Wa
                                        init_wandb, memory_baseline)
 from ctxpar.config import (ConfigError, deepspeed_config, dump_config, load_config, to_dict,
                            ulysses_degree)
+from ctxpar.config.parameters import parameter_specs
 from ctxpar.config.run_dir import check_run_dir
 from ctxpar.data import DataError, build_data
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
@@ -209,9 +210,7 @@ def main(argv=None) -> int:
         meta, cfg.model.n_layers, cfg.model.tie_embeddings, pipelined)
     if resume_from is not None:
         resume_from.configure(ds_config)  # a layout change loads DeepSpeed's universal format
-    # shapes only
-    full = GPT(cfg.model, ModelGroups(cp_group=state.cp_group), device=torch.device("meta"))
-    n_params = sum(p.numel() for p in full.parameters())
+    n_params = sum(spec.numel() for spec in parameter_specs(cfg.model))  # the whole model
     partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
     divisor = grad_divisor(state, ds_config, pipelined)
     # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
