@@ -12,8 +12,9 @@ models/ fits the library when it offers what this page lists; models.gpt.GPT doe
         named_parameters()     in GPT's names (ctxpar/checkpoint/names.py)
         hidden_states(tokens, positions, kv_cache=None, cu_seqlens=None)
                                the final-normed (B, T/cp, d); with a KVCache each block i
-                               attends through kv_cache.layer(i)(q, k, v, core) instead of
-                               its CP attention (ctxpar/inference/kv_cache.py)
+                               attends through kv_cache.layer(i)(q, k, v, core, mask)
+                               instead of its CP attention, mask its AttentionMask
+                               (window, chunks, sinks; ctxpar/inference/kv_cache.py)
         head_weight()          the (V/tp, d) head weight (the embedding's when tied)
         lm_logits(x)           vocab-parallel logits (..., V/tp) of hidden states
 

@@ -37,8 +37,10 @@ from ctxpar.tensor_parallel import (
     shard_full_tensor,
     vocab_parallel_cross_entropy,
 )
+from ctxpar.config.layers import LayerAttention, layer_attention
 from ctxpar.config.parameters import check_parameters, kv_heads_per_rank
-from ctxpar.context_parallel import ContextParallel
+from ctxpar.context_parallel import AttentionMask, ContextParallel
+from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.memory.offload import ActivationOffload, run_layer
 from ctxpar.memory.tiled_mlp import mark_zero3_leaf, tiled_mlp
@@ -118,6 +120,19 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     return angles.cos(), angles.sin()
 
 
+def layer_rotary(positions: torch.Tensor, head_dim: int, layers):
+    """Each layer's (cos, sin) (rotary_cos_sin), computed once per distinct RoPE
+    (rope_theta, rope_scaling) among `layers` (LayerAttention: Gemma 3's local and global
+    layers rotate by different bases); layers that share one share the tensors."""
+    made, out = {}, []
+    for a in layers:
+        key = (a.rope_theta, repr(a.rope_scaling))
+        if key not in made:
+            made[key] = rotary_cos_sin(positions, head_dim, a.rope_theta, a.rope_scaling)
+        out.append(made[key])
+    return out
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (i, i + hd/2) by the angle (GPT-NeoX/Llama 'rotate half')."""
     x1, x2 = x.float().chunk(2, dim=-1)  # (B, T/cp, h, hd/2) each
@@ -156,14 +171,24 @@ def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) ->
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention: column-parallel q/k/v, CP attention, row-parallel out."""
+    """Causal GQA self-attention: column-parallel q/k/v, CP attention, row-parallel out.
+
+    `layer` is this layer's kind (ctxpar.config.layers): full causal, a sliding window or
+    chunks; with model.attention_sinks a learned logit per query head (``sinks``, split
+    over TP with the heads) joins every softmax."""
 
     def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend: str,
-                 device=None, dtype=None):
+                 device=None, dtype=None, layer: Optional[LayerAttention] = None):
         super().__init__()
         tp = tp_size_of(tp_group)
         n_kv = cfg.n_kv_heads or cfg.n_heads
         self.tp_group, self.cp, self.backend = tp_group, cp, backend
+        self.layer = layer or layer_attention(cfg)[0]
+        self.sinks = None
+        if cfg.attention_sinks:  # (nh/tp,): this rank's heads' sink logits
+            self.sinks = nn.Parameter(torch.empty(cfg.n_heads // tp, device=device,
+                                                  dtype=dtype))
+            set_tensor_model_parallel_attributes(self.sinks, True, dim=0)
         self.head_dim = cfg.d_model // cfg.n_heads
         self.n_heads = cfg.n_heads // tp  # query heads on this rank
         self.n_kv_heads = kv_heads_per_rank(cfg, tp)
@@ -186,12 +211,18 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    def mask(self, cu_seqlens=None) -> AttentionMask:
+        """What this layer's queries see: causal by the layout's global positions, inside
+        the layer's window or chunk, inside each document of cu_seqlens (per-sample
+        boundaries of the full sequence), with the sinks' extra logit."""
+        return AttentionMask(causal=True, sliding_window=self.layer.sliding_window,
+                             chunk_size=self.layer.chunk_size, cu_seqlens=cu_seqlens,
+                             sinks=self.sinks)
+
     def core(self, q, k, v, cu_seqlens=None) -> torch.Tensor:
-        # Exact attention over the whole sequence through cp.comm's pattern; causal
-        # masking uses the layout's global positions; cu_seqlens (per-sample document
-        # boundaries of the full sequence) keeps it inside each document.
-        return self.cp.attention(q, k, v, causal=True, backend=self.backend,
-                                 cu_seqlens=cu_seqlens)  # (B, T/cp, nh/tp, hd)
+        # Exact attention over the whole sequence through cp.comm's pattern.
+        return self.cp.attention(q, k, v, backend=self.backend,
+                                 mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
 
 
 class MLP(nn.Module):
@@ -238,11 +269,11 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend,
                  selective: bool, device=None, dtype=None,
-                 memory: Optional[MemoryConfig] = None):
+                 memory: Optional[MemoryConfig] = None, layer: Optional[LayerAttention] = None):
         super().__init__()
         self.selective = selective
         self.attn_norm = make_norm(cfg, device, dtype)
-        self.attn = Attention(cfg, tp_group, cp, backend, device, dtype)
+        self.attn = Attention(cfg, tp_group, cp, backend, device, dtype, layer)
         self.mlp_norm = make_norm(cfg, device, dtype)
         tiled = memory is not None and memory.tiled_mlp
         self.mlp = MLP(cfg, tp_group, device, dtype,
@@ -262,7 +293,8 @@ class Block(nn.Module):
         cu_seqlens: document boundaries (context_parallel/documents.py), training only."""
         if kv_cache is not None:
             q, k, v = self._attn_in(x, cos, sin)
-            return self._attn_out_mlp(x, kv_cache(q, k, v, self.attn.core))
+            return self._attn_out_mlp(x, kv_cache(q, k, v, self.attn.core,
+                                                  self.attn.mask()))
         if self.selective:  # recompute around the core; the core keeps its own saved tensors
             q, k, v = checkpoint(self._attn_in, x, cos, sin, use_reentrant=False)
             o = self.attn.core(q, k, v, cu_seqlens)
@@ -292,10 +324,11 @@ class GPT(nn.Module):
         attention_backend = o.attention_backend
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
+        self.layer_attention = layer_attention(cfg)  # each layer's kind, window, RoPE
         self.layers = nn.ModuleList(
             Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype,
-                  self.memory)
-            for _ in range(cfg.n_layers))
+                  self.memory, a)
+            for a in self.layer_attention)
         # memory.offload_activations: what checkpointing keeps per layer in host memory
         self.offload = ActivationOffload() if self.memory.offload_activations else None
         self.final_norm = make_norm(cfg, device, dtype)
@@ -352,14 +385,15 @@ class GPT(nn.Module):
         kv_cache (ctxpar.inference.KVCache): inference; every layer reads and fills its
         share of the cache (prefill of a prompt, or one decode step).
         """
-        cos, sin = rotary_cos_sin(positions, self.cfg.d_model // self.cfg.n_heads,
-                                  self.cfg.rope_theta,
-                                  self.cfg.rope_scaling)  # (..., T/cp, hd/2), fp32
+        rotary = layer_rotary(positions, self.cfg.d_model // self.cfg.n_heads,
+                              self.layer_attention)  # each layer's (cos, sin), fp32
         x = self.embed(tokens)  # (B, T/cp, d)
         off = self.offload  # None, or the hooks moving what each layer keeps to the host
         if off is not None:
-            off.keep(cos, sin)  # every layer's, on the device once
+            for cos, sin in dict.fromkeys(rotary):
+                off.keep(cos, sin)  # every layer's, on the device once
         for i, layer in enumerate(self.layers):
+            cos, sin = rotary[i]
             if kv_cache is not None:
                 x = layer(x, cos, sin, kv_cache.layer(i))
             elif self._checkpointed(i):  # keep only x; replay the block (and its CP attention) in backward

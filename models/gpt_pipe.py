@@ -39,7 +39,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
-from ctxpar.config import Config, MemoryConfig, ModelConfig
+from ctxpar.config import Config, MemoryConfig, ModelConfig, layer_attention
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
@@ -90,11 +90,12 @@ class BlockPipe(Block):
                  backend: str, activation_checkpointing: str, every_n_layers: int,
                  device=None, dtype=None, memory: Optional[MemoryConfig] = None,
                  offload: Optional[ActivationOffload] = None):
+        layer = layer_attention(cfg)[layer_number]  # its kind, window, chunks, RoPE
         super().__init__(cfg, tp_group, cp, backend, activation_checkpointing == "selective",
-                         device, dtype, memory)
+                         device, dtype, memory, layer)
         self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)
         self.gpt_prefix = f"layers.{layer_number}."
-        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.rope_theta, self.rope_scaling = layer.rope_theta, layer.rope_scaling
         # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
         self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
 

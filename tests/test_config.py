@@ -104,6 +104,25 @@ def _write(tmp_path, data, name="c.yaml"):
      "checkpoint.save_dir, checkpoint.save_interval)"),
     ({"checkpointing": {"save_dir": "a"}, "checkpoint": {"save_dir": "b"}}, None,
      "checkpointing.save_dir and checkpoint.save_dir are both set"),
+    # Attention kinds (ctxpar/config/layers.py): windows, chunks, layer types, RoPE per type.
+    ({"model": {"sliding_window": 0}}, None, "model.sliding_window=0 must be >= 1"),
+    ({"model": {"attention_chunk_size": -8}}, None, "model.attention_chunk_size=-8 must be >= 1"),
+    ({"model": {"layer_types": ["full_attention"]}}, None,
+     "model.layer_types has 1 entries; model.n_layers=2 needs one per layer"),
+    ({"model": {"layer_types": ["full_attention", "local"]}}, None,
+     "model.layer_types: unknown type(s) ['local']; choose from ['full_attention', "
+     "'sliding_attention', 'chunked_attention']"),
+    ({"model": {"layer_types": ["full_attention", "sliding_attention"]}}, None,
+     "model.layer_types has 'sliding_attention' layers but model.sliding_window is not set"),
+    ({"model": {"layer_types": ["full_attention"] * 2, "sliding_window": 8}}, None,
+     "model.sliding_window=8 is set but no layer in model.layer_types is 'sliding_attention'"),
+    ({"model": {"sliding_window": 8, "attention_chunk_size": 16}}, None,
+     "both set: say which layers take which in model.layer_types"),
+    ({"model": {"sliding_window": 8, "layer_rope": {"full_attention": {"rope_theta": 1.0}}}},
+     None, "model.layer_rope.full_attention is set but no layer is 'full_attention'"),
+    ({"model": {"sliding_window": 8, "layer_rope": {"sliding_attention": {"base": 1.0}}}},
+     None, "model.layer_rope.sliding_attention={'base': 1.0} must be a mapping of rope_theta"),
+    ({"model": {"layer_types": "sliding_attention"}}, None, "model.layer_types must be a list"),
 ])
 def test_bad_configs_name_file_key_and_values(tmp_path, data, world, msg):
     path = _write(tmp_path, data)

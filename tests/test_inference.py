@@ -5,7 +5,8 @@ of the whole sequence so far, one prompt at a time, unpadded, on one process. Th
 side prefills right-padded prompts of lengths no layout divides (13, 5, 22) with the
 training ring, then decodes with the cross-rank LSE merge, on every cp in {1, 2, 4} x
 tp in {1, 2} x layout (one 8-rank spawn looping over the cases; idle ranks are DP
-replicas and must agree too). Checked: greedy tokens identical, the logits of every step
+replicas and must agree too), for plain GQA/MQA models and one mixing windowed, chunked
+and full layers with sinks. Checked: greedy tokens identical, the logits of every step
 close, seeded sampling identical on every rank and to the reference, the KV cache's bytes
 1/cp of one rank's, and the bytes each decode step moves equal to the formula.
 """
@@ -33,6 +34,13 @@ CONFIGS = {
     # MQA: the single kv head is replicated over tp=2 (ReplicatedHeadLinear); untied head.
     "mqa": ModelConfig(vocab_size=256, seq_len=64, n_layers=2, d_model=32, n_heads=4,
                        n_kv_heads=1, init_std=0.2, tie_embeddings=False, mlp="gelu"),
+    # The attention kinds: decode sees only the window's / the chunk's slots (by their
+    # global positions, on whichever rank holds them) and the sinks join the merged row.
+    "kinds": ModelConfig(vocab_size=256, seq_len=64, n_layers=3, d_model=32, n_heads=4,
+                         n_kv_heads=2, init_std=0.2, sliding_window=5, attention_chunk_size=9,
+                         layer_types=["sliding_attention", "chunked_attention",
+                                      "full_attention"], attention_sinks=True,
+                         layer_rope={"sliding_attention": {"rope_theta": 100.0}}),
 }
 SEED = 5
 PROMPTS = [list(range(40, 53)), [7, 3, 200, 9, 1], [(17 * i) % 251 + 2 for i in range(22)]]
@@ -69,6 +77,8 @@ def _cases():
               for layout in ("zigzag", "striped", "contiguous")]
     cases += [(2, 2, "zigzag", "mqa", SamplingParams()), (2, 2, "striped", "gqa", SAMPLED),
               (1, 4, "zigzag", "mqa", SAMPLED)]
+    cases += [(1, 1, "contiguous", "kinds", SamplingParams()),
+              (2, 2, "zigzag", "kinds", SamplingParams()), (1, 4, "striped", "kinds", SAMPLED)]
     return cases
 
 
@@ -80,7 +90,7 @@ def test_generation_matches_single_process_for_every_layout():
             model = GPT(CONFIGS[name], options=ModelOptions(seed=SEED)).eval()
             refs[name, sampling] = reference_generate(model, PROMPTS, NEW, sampling)
     results = run_distributed(_generate_cases, 8, cases, timeout=600)
-    B, L = len(PROMPTS), 2
+    B = len(PROMPTS)
     for rank, per_case in enumerate(results):
         for (tp, cp, layout, name, sampling), got in zip(cases, per_case):
             where = f"rank {rank} tp{tp} cp{cp} {layout} {name} greedy={sampling.greedy}"
@@ -89,7 +99,7 @@ def test_generation_matches_single_process_for_every_layout():
             torch.testing.assert_close(got["logits"], logits, **TOL, msg=where)
             # The merge: one all_gather per layer and decode step (NEW - 1 steps).
             cfg = CONFIGS[name]
-            heads, hd = cfg.n_heads // tp, cfg.d_model // cfg.n_heads
+            L, heads, hd = cfg.n_layers, cfg.n_heads // tp, cfg.d_model // cfg.n_heads
             assert got["calls"] == (L * (NEW - 1) if cp > 1 else 0), where
             assert got["bytes_recv"] == (NEW - 1) * decode_bytes_per_step(
                 L, B, heads, hd, cp), where

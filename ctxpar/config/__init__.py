@@ -15,6 +15,9 @@ The package, one idea per file (every name is importable from ``ctxpar.config``)
     load.py        YAML or a dict -> Config (types, --set overrides, old spellings), and
                    back (to_dict, dump_config)
     validation.py  validate: every cross-field rule, section by section
+    layers.py      layer_attention: each layer's kind (full, sliding, chunked), window,
+                   chunk and RoPE, from model.layer_types and friends
+    parameters.py  parameter_specs: every tensor's name, full shape and TP split
     deepspeed.py   deepspeed_config: the deepspeed section with batch sizes, clipping and
                    ZeRO's buckets filled in
 """
@@ -25,14 +28,15 @@ from .sections import (CHECKPOINT_MODES, CHOICES, RENAMED_KEYS, ROPE_SCALING_KEY
                        ActivationCheckpointingConfig, CheckpointConfig, Config, ConfigError,
                        DataConfig, LoggingConfig, MemoryConfig, ModelConfig, ParallelConfig,
                        TrainConfig, WandbConfig, resolved_ffn_hidden, ulysses_degree)
+from .layers import LAYER_TYPES, LayerAttention, layer_attention, layer_types
 from .validation import validate
 
 __all__ = [
     "ActivationCheckpointingConfig", "BUCKET_MAX", "BUCKET_MIN", "BUCKET_PER_RANK",
-    "CHECKPOINT_MODES", "CHOICES", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "CHECKPOINT_MODES", "CHOICES", "LAYER_TYPES", "LayerAttention", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "LoggingConfig", "MemoryConfig", "ModelConfig", "PREFETCH_MAX", "ParallelConfig",
     "RENAMED_KEYS", "ROPE_SCALING_KEYS", "TrainConfig", "WandbConfig", "config_from_dict",
-    "deepspeed_config", "dump_config", "grad_accum_steps", "load_config",
+    "deepspeed_config", "dump_config", "grad_accum_steps", "layer_attention", "layer_types", "load_config",
     "resolved_ffn_hidden", "to_dict", "ulysses_degree", "validate", "zero_bucket_defaults",
     "zero_bucket_size",
 ]

@@ -40,6 +40,11 @@ def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
         return _build(tp, value, key, src)
     if tp is Any:
         return value
+    if origin in (list, List):
+        if not isinstance(value, list):
+            raise ConfigError(f"{src}: {key} must be a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]", src) for i, v in enumerate(value)]
     if origin in (dict, Dict) or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{src}: {key} must be a mapping, got {value!r}")

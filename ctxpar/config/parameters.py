@@ -12,7 +12,7 @@ instead of drifting its predictions.
 TP split, as the TP layers make it (ctxpar/tensor_parallel/layers.py):
 
     column   split along dim 0 (q/k/v, gate/up, the embedding's and head's vocabulary
-             rows; their biases too)
+             rows; their biases too; the attention sinks, one per query head)
     row      split along dim 1 (o_proj, down_proj); their biases replicated
     heads    k/v with fewer kv heads than TP ranks: each rank holds every kv head
              (ReplicatedHeadLinear), the full shape
@@ -73,7 +73,8 @@ def _norm(name: str, m: ModelConfig) -> List[ParamSpec]:
 def block_fields(m: ModelConfig) -> tuple:
     """The fields block_specs reads (a cache key: the planner's search asks per candidate,
     over configs that differ in seq_len and the like)."""
-    return (m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.mlp, m.norm, m.bias)
+    return (m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.mlp, m.norm, m.bias,
+            m.attention_sinks)
 
 
 def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
@@ -83,6 +84,8 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     ffn, p = resolved_ffn_hidden(m), f"layers.{i}."
     kv_split = "column" if n_kv % tp == 0 else "heads"
     specs = _norm(p + "attn_norm", m)
+    if m.attention_sinks:  # one logit per query head, split with the heads
+        specs.append(ParamSpec(p + "attn.sinks", (m.n_heads,), "column"))
     specs += _linear(p + "attn.q_proj", d, m.n_heads * hd, "column", m.bias)
     specs += _linear(p + "attn.k_proj", d, n_kv * hd, kv_split, m.bias)
     specs += _linear(p + "attn.v_proj", d, n_kv * hd, kv_split, m.bias)

@@ -3,7 +3,7 @@ what a field left unset resolves to (model.ffn_hidden, parallel.ulysses)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from ..context_parallel.api import CP_COMMS
 from ..context_parallel.kernels import BACKENDS
@@ -43,6 +43,25 @@ class ModelConfig:
     """RoPE frequency scaling, Hugging Face's form: None, {rope_type: linear, factor} or
     {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings} (Llama 3.1's long-context rule)."""
+    sliding_window: Optional[int] = None
+    """Sliding-window attention (Mistral, Gemma, gpt-oss): a query sees itself and the
+    sliding_window - 1 keys before it (transformers' convention), on every layer when
+    layer_types is unset, else on the 'sliding_attention' layers."""
+    attention_chunk_size: Optional[int] = None
+    """Chunked attention (Llama 4): a query sees only the keys of its own chunk of this many
+    tokens (causal inside it), on every layer when layer_types is unset, else on the
+    'chunked_attention' layers."""
+    layer_types: Optional[List[str]] = None
+    """Each layer's attention, transformers' names: 'full_attention', 'sliding_attention'
+    (model.sliding_window) or 'chunked_attention' (model.attention_chunk_size); e.g.
+    Gemma 3's five sliding layers per full one. Unset: every layer the same."""
+    layer_rope: Optional[Dict[str, Any]] = None
+    """RoPE per layer type, overriding rope_theta/rope_scaling on that type's layers:
+    {layer type: {rope_theta: ..., rope_scaling: ... or null}} (Gemma 3:
+    {sliding_attention: {rope_theta: 10000.0}} beside a global 1,000,000 with scaling)."""
+    attention_sinks: bool = False
+    """A learned sink logit per query head joins every softmax's denominator (gpt-oss):
+    parameter layers.N.attn.sinks (n_heads,), split over tp by heads."""
     tie_embeddings: bool = True
     """Share the input embedding with the output head."""
     bias: bool = False

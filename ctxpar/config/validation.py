@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Optional
 
 from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
+from .layers import check_layers
 from .sections import (CHOICES, ROPE_SCALING_KEYS, Config, ConfigError, ModelConfig,
                        ParallelConfig, resolved_ffn_hidden, ulysses_degree)
 
@@ -94,6 +95,10 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
         err(f"model.rope_theta={m.rope_theta} must be > 0")
     if m.rope_scaling is not None:
         _check_rope_scaling(m.rope_scaling, err)
+    check_layers(m, err)
+    for rope in (m.layer_rope or {}).values():
+        if isinstance(rope, dict) and rope.get("rope_scaling") is not None:
+            _check_rope_scaling(rope["rope_scaling"], err)
 
 
 def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err: Err) -> None:

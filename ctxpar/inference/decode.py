@@ -60,15 +60,16 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, group,
-                   stats: DecodeStats = None) -> torch.Tensor:
-    """The exact attention output (B, 1, H, D) fp32 from every CP rank's partial.
+                   stats: DecodeStats = None, return_lse: bool = False):
+    """The exact attention output (B, 1, H, D) fp32 from every CP rank's partial (and with
+    return_lse its log-sum-exp (B, H, 1) fp32, for the sinks' term).
 
     out (B, 1, H, D) fp32, lse (B, H, 1) fp32: this rank's partial. Collective over group
     (one all_gather of B * H * (D + 1) fp32 values per rank); identity for one rank.
     """
     rank, world = group_rank_and_size(group)
     if world == 1:
-        return out
+        return (out, lse) if return_lse else out
     B, _, H, D = out.shape
     packed = torch.cat([out[:, 0], lse], dim=-1).contiguous()           # (B, H, D + 1)
     gathered = torch.empty((world, *packed.shape), dtype=packed.dtype, device=packed.device)
@@ -85,7 +86,7 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, group,
     for p in range(world):  # rank order on every rank: bit-identical results everywhere
         merge_block_(merged, merged_lse, gathered[p, :, :, :D].unsqueeze(1),
                      gathered[p, :, :, D:])
-    return merged
+    return (merged, merged_lse) if return_lse else merged
 
 
 def decode_bytes_per_step(n_layers: int, batch: int, heads: int, head_dim: int,

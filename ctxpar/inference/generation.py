@@ -121,7 +121,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     positions = sequence_positions(t_pad, cp_group, layout, device)     # (T_pad/cp,)
     cache = KVCache.for_model(model, B, decode_capacity(t_pad, max_new_tokens - 1, cp),
                               cp_group)
-    cache.begin_prefill(positions.unsqueeze(0) < lengths.unsqueeze(1))   # (B, T_pad/cp)
+    cache.begin_prefill(positions.unsqueeze(0) < lengths.unsqueeze(1),   # (B, T_pad/cp)
+                        positions)
     x = model.hidden_states(shard_sequence(tokens, 1, cp_group, layout), positions,
                             kv_cache=cache)                               # (B, T_pad/cp, d)
     logits = full_logits(model, last_prompt_hidden(x, positions, lengths, cp_group), tp_group)
@@ -142,7 +143,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         if step == max_new_tokens - 1 or bool(done.all()):
             break
         # Decode: row b's token at position len_b + step; its K,V kept by one CP rank.
-        cache.begin_decode()
+        cache.begin_decode(lengths + step)  # each row's new token's position
         x = model.hidden_states(nxt.unsqueeze(1), (lengths + step).unsqueeze(1),
                                 kv_cache=cache)                            # (B, 1, d)
         logits = full_logits(model, x[:, 0], tp_group)

@@ -3,7 +3,9 @@
 A slot is one cached token of one rank. Per layer and rank: k, v (B, Hkv, capacity, D) in
 the model's dtype (after RoPE: a key is cached at its global position; head-major, so a
 decode step's matmuls read each head's keys as one strided block), and per rank one
-``valid`` mask (B, capacity) shared by the layers.
+``valid`` mask (B, capacity) and the slots' global positions ``pos`` (B, capacity), shared
+by the layers. A decode step of a layer with a window or chunks (its AttentionMask) sees
+the valid slots its mask leaves by position; sinks join the merged row (sinks.py).
 
     prefill   slots [0, T/cp) get this rank's layout shard of the right-padded prompts
               (the same tokens training would give it); pad slots are invalid
@@ -17,13 +19,13 @@ T_pad / cp + ceil(decode steps / cp): 1/cp of a single rank's cache (up to one s
 from __future__ import annotations
 
 import math
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
 from ..config.parameters import head_dim, kv_heads_per_rank
 from ..tensor_parallel.mappings import tp_size_of
-from .cp_ops import default_scale, group_rank_and_size
+from .cp_ops import AttentionMask, default_scale, finish_sinks, group_rank_and_size
 from .decode import DecodeStats, merge_partials, partial_attention
 
 
@@ -43,6 +45,8 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(batch, capacity, dtype=torch.int64, device=device)
+        self.query_pos: Optional[torch.Tensor] = None  # (B,) the decoded token's position
         self.filled: List[int] = [0] * self.cp_size  # slots in use on every CP rank
         self.scale = default_scale(head_dim)  # the ring's default: training's scale
         self.stats = DecodeStats()
@@ -64,23 +68,31 @@ class KVCache:
         """Bytes of this rank's cache (keys and values of every layer)."""
         return self.k.numel() * self.k.element_size() * 2
 
-    def begin_prefill(self, valid: torch.Tensor) -> None:
+    def begin_prefill(self, valid: torch.Tensor, positions: Optional[torch.Tensor] = None
+                      ) -> None:
         """The next forward is this rank's shard of the padded prompts; valid (B, T/cp) bool
-        says which of its tokens are prompt (position < the row's length), not padding."""
+        says which of its tokens are prompt (position < the row's length), not padding;
+        positions (T/cp,) or (B, T/cp) their global positions (for windows and chunks)."""
         if any(self.filled):
             raise RuntimeError("KVCache: prefill into a cache that already holds tokens")
         n = valid.shape[1]
         self.valid[:, :n] = valid
+        if positions is not None:
+            self.pos[:, :n] = positions
         self.filled = [n] * self.cp_size  # every rank holds T_pad / cp tokens
         self.mode = "prefill"
 
-    def begin_decode(self) -> int:
-        """The next forward is one new token per row; returns the CP rank that keeps its K,V."""
+    def begin_decode(self, positions: Optional[torch.Tensor] = None) -> int:
+        """The next forward is one new token per row, at positions (B,) (for windows and
+        chunks); returns the CP rank that keeps its K,V."""
         owner = min(range(self.cp_size), key=lambda r: (self.filled[r], r))
         if self.filled[owner] >= self.capacity:
             raise RuntimeError(f"KVCache: rank {owner} is full ({self.capacity} slots)")
+        self.query_pos = positions
         if owner == self.cp_rank:
             self.valid[:, self.filled[owner]] = True
+            if positions is not None:
+                self.pos[:, self.filled[owner]] = positions
         self.filled[owner] += 1
         self.mode, self.owner = "decode", owner
         return owner
@@ -88,15 +100,33 @@ class KVCache:
     def layer(self, i: int) -> Callable:
         """Layer i's attention with the cache: what a CausalLM's block i calls as
         kv_cache(q, k, v, core) in place of its CP attention (ctxpar.interfaces)."""
-        return lambda q, k, v, core: self.attention(i, q, k, v, core)
+        return lambda q, k, v, core, mask=None: self.attention(i, q, k, v, core, mask)
 
-    def attention(self, i: int, q, k, v, core) -> torch.Tensor:
+    def visible(self, n: int, mask: Optional[AttentionMask]) -> torch.Tensor:
+        """(B, n) bool: the valid slots a decoded query sees under the layer's mask (every
+        cached key is before it: causal holds)."""
+        if mask is None or (mask.sliding_window is None and mask.chunk_size is None):
+            return self.valid[:, :n]
+        if self.query_pos is None:
+            raise RuntimeError("KVCache: a windowed or chunked layer needs begin_decode("
+                               "positions) and begin_prefill(valid, positions)")
+        qp, kp = self.query_pos[:, None], self.pos[:, :n]
+        vis = self.valid[:, :n].clone()
+        if mask.sliding_window is not None:
+            vis &= qp - kp < mask.sliding_window
+        if mask.chunk_size is not None:
+            vis &= qp // mask.chunk_size == kp // mask.chunk_size
+        return vis
+
+    def attention(self, i: int, q, k, v, core, mask: Optional[AttentionMask] = None
+                  ) -> torch.Tensor:
         """Keep layer i's k, v and return the attention output (B, L, H, D) in q's dtype.
 
         prefill: q, k, v (B, T/cp, *, D) are this rank's tokens; `core` is the model's own
         CP attention (the training ring, any layout). decode: q, k, v (B, 1, *, D), the same
         on every CP rank; the owner appends k, v, every rank attends to its share and the
-        partials are merged over CP (decode.py).
+        partials are merged over CP (decode.py). mask: the layer's (window, chunks, sinks;
+        its documents are not used: one prompt per row), read in decode.
         """
         n = self.filled[self.cp_rank]
         if self.mode == "prefill":  # k, v (B, T/cp, Hkv, D) -> slots (B, Hkv, T/cp, D)
@@ -108,5 +138,7 @@ class KVCache:
             self.k[i, :, :, n - 1] = k[:, 0]
             self.v[i, :, :, n - 1] = v[:, 0]
         out, lse = partial_attention(q, self.k[i, :, :, :n], self.v[i, :, :, :n],
-                                     self.valid[:, :n], self.scale)
-        return merge_partials(out, lse, self.cp_group, self.stats).to(q.dtype)
+                                     self.visible(n, mask), self.scale)
+        sinks = None if mask is None else mask.sinks
+        out, lse = merge_partials(out, lse, self.cp_group, self.stats, return_lse=True)
+        return finish_sinks(out, lse, q.dtype, sinks)[0]  # lse (B, H, 1)

@@ -1,0 +1,33 @@
+"""train.py on a GPT that mixes the attention kinds of today's open models: a sliding
+window (Mistral, Gemma), chunks (Llama 4), full layers, sinks (gpt-oss) and RoPE per layer
+type (Gemma 3). Every layout logs cp = 1's losses (the attention-level parity over every
+comm x layout x window is tests/test_attention_mask.py's)."""
+import pytest
+
+from tests.helpers.train_run import assert_same_run, run_train
+
+# seq_len 128: a window of 13 is shorter than a cp4 rank's 32 tokens and a zigzag chunk's
+# (the halo exchange); chunks of 48 cross the ranks' boundaries.
+KINDS = ["model.n_layers=4", "model.sliding_window=13", "model.attention_chunk_size=48",
+         "model.layer_types=[sliding_attention,chunked_attention,full_attention,"
+         "sliding_attention]",
+         "model.layer_rope={sliding_attention: {rope_theta: 100.0}}",
+         "model.attention_sinks=true", "train.steps=6", "train.eval_samples=8",
+         "logging.wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("kinds") / "cp1")
+    run_train(d, 1, ["parallel.cp=1", "parallel.dp=1", *KINDS])
+    return d
+
+
+@pytest.mark.parametrize("sets", [
+    ["parallel.cp=4", "parallel.cp_comm=ring", "parallel.layout=contiguous"],
+    ["parallel.cp=2", "parallel.pp=2", "parallel.cp_comm=allgather"],
+], ids=["cp4-ring-contiguous", "cp2-pp2-allgather-zigzag"])
+def test_mixed_layer_types_log_cp1s_losses(reference, tmp_path, sets):
+    d = str(tmp_path / "cp")
+    run_train(d, 4, ["parallel.dp=1", *KINDS, *sets])
+    assert_same_run(d, reference, 6)
