@@ -278,3 +278,40 @@ def test_generation_prefills_with_the_ring_whatever_the_run_trained_with():
                                world_size=world)
         assert (cfg.parallel.cp, cfg.parallel.cp_comm, cfg.parallel.ulysses) == \
             (world, "ring", None)
+
+
+def test_long_context_eval_writes_heatmap_table_and_loss_by_position(run, tmp_path,
+                                                                      monkeypatch, capsys):
+    # tools/long_context_eval.py in-process on one rank: the tasks answered by generation,
+    # the PNGs and the JSON written; a length too short for a task exits 2 before start-up.
+    import json
+
+    import torch.distributed as dist
+
+    from tools import long_context_eval
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    out = str(tmp_path / "lc")
+    args = ["--run-dir", run, "--lengths", "140", "--depths", "0", "1", "--samples", "2",
+            "--tasks", "needle", "multivalue", "--needles", "2", "--loss-samples", "2",
+            "--out", out]
+    try:
+        assert long_context_eval.main(args) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    res = json.load(open(os.path.join(out, "results.json")))
+    assert [(c["task"], c["length"], c["depth"]) for c in res["tasks"]] == [
+        ("needle", 140, 0.0), ("needle", 140, 1.0), ("multivalue", 140, 0.0),
+        ("multivalue", 140, 1.0)]
+    assert all(0 <= c["score"] <= 1 and len(c["completions"]) == 2 for c in res["tasks"])
+    assert sum(b["tokens"] for b in res["loss_by_position"]) == 2 * 127  # seq_len 128
+    for png in ("heatmap.png", "loss_by_position.png"):
+        assert open(os.path.join(out, png), "rb").read(4) == b"\x89PNG"
+    assert "| needle | 140 | " in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        long_context_eval.main(args[:2] + ["--lengths", "40"])
+    assert e.value.code == 2
+    assert "task 'needle' needs more than length=40 tokens" in capsys.readouterr().err

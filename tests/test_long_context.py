@@ -1,0 +1,95 @@
+"""Long-context evaluation: the tasks (ctxpar/data/long_context.py) and their answers by
+CP generation (ctxpar/components/long_context.py), the same at cp 1, 2 and 3."""
+import pickle
+
+import pytest
+import torch
+
+from ctxpar.components.long_context import (loss_by_position, position_buckets, run_tasks,
+                                            task_grid)
+from ctxpar.data import DataError, load_tokenizer
+from ctxpar.data.long_context import TASKS, Haystack, make_task
+from ctxpar.testing import run_distributed
+
+TOK = load_tokenizer(None)  # byte-level: a character is a token
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_tasks_are_exactly_long_hold_their_answers_and_repeat(name):
+    hay = Haystack.filler(TOK, seed=1)
+    t = make_task(name, TOK, hay, length=400, depth=0.3, seed=7, n=3)
+    assert len(t.prompt) == 400 and t == make_task(name, TOK, hay, 400, 0.3, 7, 3)
+    text = TOK.decode(t.prompt)
+    for a in t.answers:  # every answer is in the haystack's needles, none by accident
+        assert a in text
+    assert t.score(" ".join(t.answers)) == 1.0 and t.score("") == 0.0
+    assert make_task(name, TOK, hay, 400, 0.3, 8, 3).prompt != t.prompt  # the seed matters
+
+
+def test_the_needle_sits_at_its_depth_at_a_sentence_start():
+    hay = Haystack.filler(TOK, seed=0)
+    for depth in (0.0, 0.5, 1.0):
+        t = make_task("needle", TOK, hay, length=1000, depth=depth, seed=2)
+        text = TOK.decode(t.prompt)
+        at = text.index("The pass key is")
+        assert abs(at - depth * (1000 - 80)) < 40, (depth, at)  # within one sentence
+        assert at == 0 or text[at - 2:at] == ". " or depth == 1.0  # 1: before the question
+    assert text.endswith("Remember it. What is the pass key? The pass key is ")
+    held = Haystack.tokens(TOK, list(range(60, 120)) * 20)  # held-out ids: any token
+    assert len(make_task("needle", TOK, held, 500, 0.5, 0).prompt) == 500
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(length=50), "task 'needle' needs more than length=50 tokens"),
+    (dict(depth=1.5), "depth=1.5 must be in [0, 1]"),
+    (dict(name="haystack"), "unknown task 'haystack'"),
+])
+def test_bad_tasks_are_refused_in_one_line(kw, msg):
+    args = dict(name="needle", length=300, depth=0.5)
+    args.update(kw)
+    with pytest.raises(DataError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        make_task(args.pop("name"), TOK, Haystack.filler(TOK), **args)
+
+
+def test_position_buckets_are_log2_spans():
+    assert position_buckets(10) == [(0, 0), (1, 2), (3, 6), (7, 9)]
+
+
+def _answers(rank, world, grid):
+    from ctxpar import init_parallel_state
+    from ctxpar.config import ModelConfig
+    from models.gpt import GPT
+    from models.options import ModelGroups, ModelOptions
+
+    torch.manual_seed(0)
+    inputs = torch.randint(0, 256, (3, 96))
+    out = {}
+    for cp, layout in ((1, "contiguous"), (2, "zigzag"), (3, "striped")):
+        st = init_parallel_state(tp=1, cp=cp)  # dp = 6 / cp replicas
+        # init_std 0.2 spreads a random model's logits: greedy is far from ties.
+        cfg = ModelConfig(vocab_size=256, seq_len=256, n_layers=2, d_model=32, n_heads=4,
+                          n_kv_heads=2, init_std=0.2)
+        model = GPT(cfg, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
+                    ModelOptions(layout=layout, seed=3)).eval()
+        groups = dict(layout=layout, cp_group=st.cp_group, tp_group=st.tp_group)
+        cells = run_tasks(model, TOK, grid, **groups)
+        out[cp] = ([c.completions for c in cells], [c.score for c in cells],
+                   loss_by_position(model, inputs, **groups))
+    return pickle.dumps(out)
+
+
+def test_answers_and_loss_by_position_are_the_same_at_cp_1_2_3():
+    grid = task_grid(TOK, ["needle", "multikey", "variable_tracking"], [120, 201], [0.0, 1.0],
+                     samples=2, n=2)
+    for rank, got in enumerate(run_distributed(_answers, 6, grid, timeout=300)):
+        got = pickle.loads(got)
+        texts, scores, buckets = got[1]
+        assert len(texts) == 12 and all(len(t) == 2 for t in texts)
+        # 3 samples x positions 0..94 (the last token has no next one) in log2 buckets
+        assert [b.tokens for b in buckets] == [3, 6, 12, 24, 48, 96, 96]
+        for cp in (2, 3):
+            assert got[cp][0] == texts and got[cp][1] == scores, (rank, cp)
+            # cp 3 scores the first 96 - 96 % 3 = 96 tokens too; fp32 sums in another order.
+            for a, b in zip(got[cp][2], buckets):
+                assert (a.first, a.last, a.tokens) == (b.first, b.last, b.tokens)
+                assert abs(a.loss - b.loss) <= 1e-5 * b.loss, (rank, cp, a, b)

@@ -1,0 +1,159 @@
+"""Long-context evaluation of a train.py checkpoint at any tp x cp: needle heatmaps,
+RULER-style tasks and the loss by position, as a table, a JSON and two PNGs.
+
+    python -m tools.long_context_eval --run-dir runs/tiny_cpu --lengths 64 128 192 255 \\
+        --depths 0 0.25 0.5 0.75 1 --out runs/tiny_cpu/long_context
+    torchrun --nproc_per_node 2 -m tools.long_context_eval --run-dir runs/tiny_cpu \\
+        --tasks needle multikey variable_tracking --set parallel.cp=2
+
+Tasks (ctxpar/data/long_context.py) are made with the run's tokenizer (--tokenizer, as
+generate.py) from digit-free filler, or with --haystack heldout from the run's held-out
+split (data.kind tokens); they are answered greedily by generate.py's CP generation, so a
+score does not depend on tp or cp. The loss by position scores --loss-samples held-out
+samples of the run's own data (every next token). Lengths past model.seq_len are
+allowed (how far does an extension reach?) and said so. Writes results.json,
+heatmap.png and loss_by_position.png to --out; rank 0 prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ctxpar.components.cli import add_launcher_args, fail
+from ctxpar.components.known_warnings import filter_known_warnings
+from ctxpar.components.long_context import (as_json, cells_table, loss_by_position,
+                                            plot_heatmap, plot_loss_by_position, run_tasks,
+                                            task_grid)
+from ctxpar.config import ConfigError
+from ctxpar.data import DataError, build_source, load_tokenizer
+from ctxpar.data.long_context import TASKS, Haystack
+from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
+                                               init_parallel_state, launcher_env, local_device)
+from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
+                                         load_run_config, load_weights_)
+from generate import DTYPES, layout_overrides
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run-dir", required=True, help="a train.py run directory")
+    p.add_argument("--checkpoint", default="auto", help="'auto' or a tag like step_00000100")
+    p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
+                   help="overrides of the run's config (parallel.cp=2, parallel.layout=...)")
+    p.add_argument("--tasks", nargs="+", default=["needle"], choices=TASKS)
+    p.add_argument("--lengths", nargs="+", type=int, default=None,
+                   help="prompt lengths in tokens (default: 1/4, 1/2, 3/4 and all of "
+                        "model.seq_len minus the answer)")
+    p.add_argument("--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--samples", type=int, default=4, help="prompts per length x depth cell")
+    p.add_argument("--needles", type=int, default=4,
+                   help="keys of the multi-key/value/query tasks, variables of tracking")
+    p.add_argument("--digits", type=int, default=None,
+                   help="digits of a key (default: the run's data.passkey_digits, else 4)")
+    p.add_argument("--haystack", choices=("filler", "heldout"), default="filler")
+    p.add_argument("--loss-samples", type=int, default=8,
+                   help="held-out samples for the loss by position (0: skip it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json")
+    p.add_argument("--eos-token", default=None)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/long_context)")
+    add_launcher_args(p)
+    return p.parse_args(argv)
+
+
+def default_lengths(seq_len: int, room: int):
+    top = seq_len - room
+    return sorted({max(16, top * k // 4) for k in (1, 2, 3)} | {top})
+
+
+def heldout(cfg, n: int):
+    """(n, seq_len) tokens of the run's held-out split: what train.py evaluates on."""
+    src = build_source(cfg.data, cfg.model.seq_len, cfg.train.seed, "eval")
+    return torch.stack([torch.as_tensor(src[i][0]) for i in range(n)])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    launcher_env()
+    filter_known_warnings()
+    world = int(os.environ["WORLD_SIZE"])
+
+    # 1. Checkpoint, config, tokenizer, haystack: pure checks, the same verdict everywhere.
+    try:
+        ckpt = find_checkpoint(args.run_dir, args.checkpoint)
+        cfg = load_run_config(ckpt, layout_overrides(args.set, world), world_size=world)
+        files = inspect_checkpoint(ckpt.path)
+        tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
+        digits = args.digits or (cfg.data.passkey_digits if cfg.data.kind == "passkey" else 4)
+        for name, v in (("--samples", args.samples), ("--needles", args.needles),
+                        ("--digits", digits)):
+            if v < 1:
+                raise ValueError(f"{name}={v} must be >= 1")
+        if args.loss_samples < 0:
+            raise ValueError(f"--loss-samples={args.loss_samples} must be >= 0")
+        lengths = args.lengths or default_lengths(cfg.model.seq_len, 4 * (digits + 2))
+        haystack = Haystack.filler(tokenizer, args.seed)
+        if args.haystack == "heldout":
+            if cfg.data.kind != "tokens":
+                raise ValueError(f"--haystack heldout needs a run on data.kind=tokens, not "
+                                 f"{cfg.data.kind!r}")
+            haystack = Haystack.tokens(tokenizer, heldout(cfg, 1)[0].tolist())
+        grid = task_grid(tokenizer, args.tasks, lengths, args.depths, args.samples, haystack,
+                         args.seed, args.needles, digits)
+        loss_inputs = heldout(cfg, args.loss_samples) if args.loss_samples else None
+        out_dir = args.out or os.path.join(ckpt.run_dir, "long_context")
+    except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError,
+            ImportError) as e:
+        fail(str(e))
+
+    # 2. Distributed, the grid, the model with the checkpoint's weights (generate.py's).
+    from models.gpt import GPT
+
+    device = local_device()
+    init_distributed(default_backend(device))
+    state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=1, dp=1,
+                                order=cfg.parallel.order)
+    rank0 = dist.get_rank() == 0
+    model = GPT.from_config(cfg, state, device=device, dtype=DTYPES[args.dtype]).eval()
+    try:
+        load_weights_(model, files, state.tp_group)
+    except CheckpointError as e:
+        fail(str(e))
+    groups = dict(layout=cfg.parallel.layout, cp_group=state.cp_group, tp_group=state.tp_group)
+
+    # 3. The tasks, the loss by position; rank 0 writes.
+    cells = run_tasks(model, tokenizer, grid, **groups)
+    buckets = loss_by_position(model, loss_inputs, **groups) if loss_inputs is not None \
+        else []
+    if rank0:
+        os.makedirs(out_dir, exist_ok=True)
+        title = f"{os.path.basename(os.path.normpath(ckpt.run_dir))} {ckpt.tag}"
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump({"checkpoint": ckpt.path, "model_seq_len": cfg.model.seq_len,
+                       **as_json(cells, buckets)}, f, indent=1)
+        plot_heatmap(cells, os.path.join(out_dir, "heatmap.png"), title)
+        if buckets:
+            plot_loss_by_position(buckets, os.path.join(out_dir, "loss_by_position.png"),
+                                  title)
+        print(cells_table(cells), flush=True)
+        for b in buckets:
+            print(f"positions {b.first:>6}-{b.last:<6} loss {b.loss:.4f} ({b.tokens} tokens)")
+        if max(lengths) > cfg.model.seq_len:
+            print(f"lengths past model.seq_len={cfg.model.seq_len} (the trained length) "
+                  f"were asked", file=sys.stderr)
+        print(f"wrote {out_dir}/results.json, heatmap.png"
+              + (", loss_by_position.png" if buckets else "") + f" (tp={state.tp_size} x "
+              f"cp={state.cp_size}, {cfg.parallel.layout})", file=sys.stderr, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
