@@ -27,13 +27,14 @@ from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, war
 from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.components.checkpointer import Checkpointer
 from ctxpar.components.evaluation import Evaluator
+from ctxpar.components.long_context import LongContextEval
 from ctxpar.components.metrics import (MetricsLogger, StepMetrics, StepTimer, WandbError,
                                        init_wandb, memory_baseline)
 from ctxpar.config import (ConfigError, deepspeed_config, dump_config, load_config, to_dict,
                            ulysses_degree)
 from ctxpar.config.parameters import parameter_specs
 from ctxpar.config.run_dir import check_run_dir
-from ctxpar.data import DataError, build_data
+from ctxpar.data import DataError, build_data, load_tokenizer
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
 from ctxpar.distributed.grad_norm import record_fp32_grad_norm
 from ctxpar.distributed.mpu import DeepSpeedMPU
@@ -118,11 +119,14 @@ def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
 def check_inputs(args, world: int):
     """Config, run dir, data paths and the checkpoint to resume or start from: pure checks,
     the same verdict on every rank, so bad input exits 2 with one line before any collective.
-    Returns (cfg, data, save_dir, resume point or None, init_from weights or None)."""
+    Returns (cfg, data, save_dir, resume point or None, init_from weights or None, the
+    long-context tasks or None)."""
     try:
         cfg = load_config(args.config, args.set, world_size=world)
         check_run_dir(cfg)  # a path through a file, a read-only place: nothing created
         data = build_data(cfg)  # opens token files / builds the passkey task; no collectives
+        long_context = LongContextEval(cfg, load_tokenizer(cfg.data.tokenizer)) \
+            if cfg.long_context_eval.tasks else None  # every prompt made now
     except (ConfigError, DataError) as e:
         fail(str(e))
     if (cfg.data.document_mask and cfg.parallel.cp > 1 and cfg.parallel.layout != "striped"
@@ -140,7 +144,7 @@ def check_inputs(args, world: int):
         init = ckpt.check_init_from(cfg) if cfg.model.init_from and resume_from is None else None
     except ckpt.CheckpointError as e:
         fail(str(e))
-    return cfg, data, save_dir, resume_from, init
+    return cfg, data, save_dir, resume_from, init, long_context
 
 
 def start_distributed(cfg, world: int):
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
     filter_known_warnings()  # DeepSpeed's deprecated torch calls, not the user's business
     launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
     world = int(os.environ["WORLD_SIZE"])
-    cfg, data, save_dir, resume_from, init = check_inputs(args, world)  # 1. exit 2 on bad input
+    cfg, data, save_dir, resume_from, init, long_context = check_inputs(args, world)  # 1. exit 2
     device, state, rank0 = start_distributed(cfg, world)         # 2. the grid
     torch.manual_seed(cfg.train.seed)
 
@@ -248,7 +252,7 @@ def main(argv=None) -> int:
     metrics = StepMetrics(cfg, n_params, state.world_size, device, baseline)
     forward = (partial(gpt_pipe.pipeline_logits, engine.module, state, head_inputs=True)
                if pipelined else None)
-    evaluator = Evaluator(cfg, data, state, device, forward)
+    evaluator = Evaluator(cfg, data, state, device, forward, long_context)
     checkpointer = Checkpointer(engine, save_dir, cfg.checkpoint.save_interval,
                                 ckpt.checkpoint_meta(cfg, state.dp_size), train_stream)
     if evaluator.should_evaluate(start_step, start=True):  # train.eval_at_start

@@ -123,6 +123,17 @@ def _write(tmp_path, data, name="c.yaml"):
     ({"model": {"sliding_window": 8, "layer_rope": {"sliding_attention": {"base": 1.0}}}},
      None, "model.layer_rope.sliding_attention={'base': 1.0} must be a mapping of rope_theta"),
     ({"model": {"layer_types": "sliding_attention"}}, None, "model.layer_types must be a list"),
+    # long_context_eval: known tasks, and only where the training model can generate.
+    ({"long_context_eval": {"tasks": ["needles"]}}, None,
+     "long_context_eval.tasks: unknown ['needles']; choose from ['needle', 'multikey',"),
+    ({"long_context_eval": {"tasks": ["needle"], "depths": [0.5, 2]}}, None,
+     "long_context_eval.depths=[0.5, 2.0] must be values in [0, 1]"),
+    ({"long_context_eval": {"tasks": ["needle"]}, "parallel": {"pp": 2}}, None,
+     "long_context_eval.tasks=['needle'] cannot run inside training with parallel.pp=2 "
+     "(generation runs the whole model on each rank): evaluate the checkpoints with "
+     "tools/long_context_eval.py"),
+    ({"long_context_eval": {"tasks": ["needle"]},
+      "deepspeed": {"zero_optimization": {"stage": 3}}}, None, "with ZeRO stage 3"),
 ])
 def test_bad_configs_name_file_key_and_values(tmp_path, data, world, msg):
     path = _write(tmp_path, data)

@@ -30,6 +30,11 @@ FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops_p
           "peak_mem_bytes", "step_time_s"}
 
 
+# Long-context tasks at each evaluation (the start and step 20), split over the 2 DP ranks.
+LONG_CONTEXT = ["long_context_eval.tasks=[needle,variable_tracking]",
+                "long_context_eval.lengths=[100,128]", "long_context_eval.depths=[0,1]"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("train")
@@ -39,7 +44,8 @@ def runs(tmp_path_factory):
 def cp2dp2(runs):
     d = str(runs / "cp2dp2")
     proc = run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.tp=1",
-                            "checkpoint.save_interval=10", "train.eval_at_start=true"])
+                            "checkpoint.save_interval=10", "train.eval_at_start=true",
+                            *LONG_CONTEXT])
     (runs / "cp2dp2.console").write_text(proc.stdout + proc.stderr)
     return d
 
@@ -60,6 +66,43 @@ def test_cp2dp2_learns_logs_and_tracks(cp2dp2):
     ckpts = sorted(os.listdir(os.path.join(cp2dp2, "checkpoints")))
     assert "step_00000010" in ckpts and "step_00000020" in ckpts
     assert os.path.isfile(os.path.join(cp2dp2, "checkpoints", "step_00000010", "COMPLETE"))
+
+
+def test_long_context_tasks_are_logged_and_match_the_tool_on_the_checkpoint(
+        cp2dp2, tmp_path, monkeypatch):
+    # train.py's in-training scores at step 20 (cp2 x dp2, cells split over DP) equal
+    # tools/long_context_eval.py's on the step-20 checkpoint at cp1: the same prompts, the
+    # same greedy answers.
+    import torch.distributed as dist
+
+    from tools import long_context_eval
+
+    rows = [json.loads(line) for line in open(os.path.join(cp2dp2, "metrics.jsonl"))]
+    lc = {r["step"]: r for r in rows if "lc_needle" in r}
+    assert sorted(lc) == [0, 20]
+    assert set(lc[20]) == {"step", "lc_needle", "lc_needle_100", "lc_needle_128",
+                           "lc_variable_tracking", "lc_variable_tracking_100",
+                           "lc_variable_tracking_128"}
+    for step in (0, 20):
+        assert os.path.isfile(os.path.join(cp2dp2, "long_context", f"step_{step:08d}.png"))
+    media = [f for _, _, fs in os.walk(os.path.join(cp2dp2, "wandb")) for f in fs]
+    assert any(f.endswith(".png") for f in media) and any("table" in f for f in media), media
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    out = str(tmp_path / "lc")
+    try:
+        assert long_context_eval.main(
+            ["--run-dir", cp2dp2, "--checkpoint", "step_00000020", "--tasks", "needle",
+             "variable_tracking", "--lengths", "100", "128", "--depths", "0", "1",
+             "--samples", "2", "--needles", "2", "--loss-samples", "0",
+             "--out", out]) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    tool = json.load(open(os.path.join(out, "results.json")))["tasks"]
+    train = json.load(open(os.path.join(cp2dp2, "long_context", "step_00000020.json")))
+    assert [c["completions"] for c in tool] == [c["completions"] for c in train["tasks"]]
 
 
 def test_eval_at_start_measures_the_model_before_training(cp2dp2, runs):

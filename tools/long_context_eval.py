@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from ctxpar.components.cli import add_launcher_args, fail
 from ctxpar.components.known_warnings import filter_known_warnings
-from ctxpar.components.long_context import (as_json, cells_table, loss_by_position,
+from ctxpar.components.long_context import (as_json, cells_table, default_lengths,
+                                            loss_by_position,
                                             plot_heatmap, plot_loss_by_position, run_tasks,
                                             task_grid)
 from ctxpar.config import ConfigError
@@ -58,18 +59,15 @@ def parse_args(argv=None):
     p.add_argument("--haystack", choices=("filler", "heldout"), default="filler")
     p.add_argument("--loss-samples", type=int, default=8,
                    help="held-out samples for the loss by position (0: skip it)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the prompts' seed (default: the run's train.seed, the prompts "
+                        "train.py's long_context_eval asks)")
     p.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json")
     p.add_argument("--eos-token", default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/long_context)")
     add_launcher_args(p)
     return p.parse_args(argv)
-
-
-def default_lengths(seq_len: int, room: int):
-    top = seq_len - room
-    return sorted({max(16, top * k // 4) for k in (1, 2, 3)} | {top})
 
 
 def heldout(cfg, n: int):
@@ -98,14 +96,15 @@ def main(argv=None) -> int:
         if args.loss_samples < 0:
             raise ValueError(f"--loss-samples={args.loss_samples} must be >= 0")
         lengths = args.lengths or default_lengths(cfg.model.seq_len, 4 * (digits + 2))
-        haystack = Haystack.filler(tokenizer, args.seed)
+        seed = cfg.train.seed if args.seed is None else args.seed
+        haystack = Haystack.filler(tokenizer, seed)
         if args.haystack == "heldout":
             if cfg.data.kind != "tokens":
                 raise ValueError(f"--haystack heldout needs a run on data.kind=tokens, not "
                                  f"{cfg.data.kind!r}")
             haystack = Haystack.tokens(tokenizer, heldout(cfg, 1)[0].tolist())
         grid = task_grid(tokenizer, args.tasks, lengths, args.depths, args.samples, haystack,
-                         args.seed, args.needles, digits)
+                         seed, args.needles, digits)
         loss_inputs = heldout(cfg, args.loss_samples) if args.loss_samples else None
         out_dir = args.out or os.path.join(ckpt.run_dir, "long_context")
     except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError,

@@ -113,9 +113,11 @@ class Evaluator:
     """Owns when to evaluate (every train.eval_interval steps, the last step, and with
     train.eval_at_start the step a run starts from) and how a result is reported."""
 
-    def __init__(self, cfg, data, state, device=None, forward: Optional[Callable] = None):
+    def __init__(self, cfg, data, state, device=None, forward: Optional[Callable] = None,
+                 long_context=None):
         self.cfg, self.data, self.state, self.device = cfg, data, state, device
         self.forward = forward  # pipeline stages: pipeline_logits; None: head_inputs(model, mb)
+        self.long_context = long_context  # long_context.LongContextEval, or None
         self.last: Optional[Dict[str, float]] = None
 
     def should_evaluate(self, step: int, start: bool = False) -> bool:
@@ -133,6 +135,8 @@ class Evaluator:
         logger.log({"step": step, **self.last})
         logger.write(f"step {step}: {describe(self.last)} "
                      f"({self.last['eval_samples']} held-out samples)")
+        if self.long_context is not None:  # the long-context tasks, by generation
+            self.long_context.run(model, self.state, step, logger)
         return self.last
 
     def summary(self) -> str:

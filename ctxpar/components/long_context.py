@@ -18,7 +18,9 @@ The model is any ctxpar.interfaces.CausalLM; collective over its CP and TP group
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Sequence
 
@@ -189,3 +191,68 @@ def plot_loss_by_position(buckets: List[Bucket], path: str, title: str = "") -> 
 
 def as_json(cells: List[Cell], buckets: List[Bucket]) -> Dict:
     return {"tasks": [asdict(c) for c in cells], "loss_by_position": [asdict(b) for b in buckets]}
+
+
+def default_lengths(seq_len: int, room: int) -> List[int]:
+    """A quarter, half, three quarters and all of seq_len, less `room` for the answer."""
+    top = seq_len - room
+    return sorted({max(16, top * k // 4) for k in (1, 2, 3)} | {top})
+
+
+class LongContextEval:
+    """train.py's long_context_eval: its task grid answered at every evaluation, the cells
+    shared out over the DP ranks, logged as metrics (lc_<task>: the mean score; per length
+    lc_<task>_<length>) and, on rank 0, a heatmap PNG under run_dir/long_context/ that goes
+    to wandb with a table of the cells."""
+
+    def __init__(self, cfg, tokenizer):
+        """Pure: makes every prompt now (DataError, e.g. a length too short for a task),
+        so train.py refuses before any collective."""
+        lc, m = cfg.long_context_eval, cfg.model
+        self.cfg, self.tokenizer = cfg, tokenizer
+        digits = lc.digits or (cfg.data.passkey_digits if cfg.data.kind == "passkey" else 4)
+        self.lengths = lc.lengths or default_lengths(m.seq_len, lc.needles * (digits + 2) + 4)
+        self.grid = task_grid(tokenizer, lc.tasks, self.lengths, lc.depths, lc.samples,
+                              seed=cfg.train.seed, n=lc.needles, digits=digits)
+
+    @torch.no_grad()
+    def run(self, model, state, step: int, logger) -> Dict[str, float]:
+        """Collective over the grid: every rank calls it."""
+        was_training = model.training
+        model.eval()
+        mine = list(range(state.dp_rank, len(self.grid), state.dp_size))  # this DP rank's
+        got = run_tasks(model, self.tokenizer, [self.grid[i] for i in mine],
+                        layout=self.cfg.parallel.layout, cp_group=state.cp_group,
+                        tp_group=state.tp_group)
+        model.train(was_training)
+        parts = [None] * state.dp_size
+        if state.dp_size > 1:
+            dist.all_gather_object(parts, list(zip(mine, got)), group=state.dp_group)
+        else:
+            parts = [list(zip(mine, got))]
+        cells = [c for _, c in sorted((p for part in parts for p in part),
+                                      key=lambda p: p[0])]
+        metrics, means = {"step": step}, {}
+        for task in dict.fromkeys(c.task for c in cells):
+            of_task = [c for c in cells if c.task == task]
+            means[task] = metrics[f"lc_{task}"] = sum(c.score for c in of_task) / len(of_task)
+            for n in self.lengths:
+                at = [c.score for c in of_task if c.length == n]
+                metrics[f"lc_{task}_{n}"] = sum(at) / len(at)
+        logger.log(metrics)
+        if logger.enabled:
+            folder = os.path.join(self.cfg.logging.run_dir, "long_context")
+            os.makedirs(folder, exist_ok=True)
+            png = os.path.join(folder, f"step_{step:08d}.png")
+            plot_heatmap(cells, png, f"step {step}")
+            with open(os.path.join(folder, f"step_{step:08d}.json"), "w") as f:
+                json.dump(as_json(cells, []), f, indent=1)
+            logger.write(f"step {step}: long context " + ", ".join(
+                f"{task} {v:.2f}" for task, v in means.items()) + f" ({png})")
+            if logger.wandb is not None:
+                import wandb
+                table = wandb.Table(columns=["task", "length", "depth", "score"],
+                                    data=[[c.task, c.length, c.depth, c.score] for c in cells])
+                logger.wandb.log({"long_context/heatmap": wandb.Image(png),
+                                  "long_context/cells": table}, step=step)
+        return metrics

@@ -26,17 +26,19 @@ from .deepspeed import (BUCKET_MAX, BUCKET_MIN, BUCKET_PER_RANK, PREFETCH_MAX, d
 from .load import config_from_dict, dump_config, load_config, to_dict
 from .sections import (CHECKPOINT_MODES, CHOICES, RENAMED_KEYS, ROPE_SCALING_KEYS,
                        ActivationCheckpointingConfig, CheckpointConfig, Config, ConfigError,
-                       DataConfig, LoggingConfig, MemoryConfig, ModelConfig, ParallelConfig,
-                       TrainConfig, WandbConfig, resolved_ffn_hidden, ulysses_degree)
+                       DataConfig, LoggingConfig, LongContextEvalConfig, MemoryConfig,
+                       ModelConfig, ParallelConfig, TrainConfig, WandbConfig,
+                       resolved_ffn_hidden, ulysses_degree)
 from .layers import LAYER_TYPES, LayerAttention, layer_attention, layer_types
 from .validation import validate
 
 __all__ = [
     "ActivationCheckpointingConfig", "BUCKET_MAX", "BUCKET_MIN", "BUCKET_PER_RANK",
-    "CHECKPOINT_MODES", "CHOICES", "LAYER_TYPES", "LayerAttention", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "LoggingConfig", "MemoryConfig", "ModelConfig", "PREFETCH_MAX", "ParallelConfig",
-    "RENAMED_KEYS", "ROPE_SCALING_KEYS", "TrainConfig", "WandbConfig", "config_from_dict",
-    "deepspeed_config", "dump_config", "grad_accum_steps", "layer_attention", "layer_types", "load_config",
+    "CHECKPOINT_MODES", "CHOICES", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "LAYER_TYPES", "LayerAttention", "LoggingConfig", "LongContextEvalConfig", "MemoryConfig",
+    "ModelConfig", "PREFETCH_MAX", "ParallelConfig", "RENAMED_KEYS", "ROPE_SCALING_KEYS",
+    "TrainConfig", "WandbConfig", "config_from_dict", "deepspeed_config", "dump_config",
+    "grad_accum_steps", "layer_attention", "layer_types", "load_config",
     "resolved_ffn_hidden", "to_dict", "ulysses_degree", "validate", "zero_bucket_defaults",
     "zero_bucket_size",
 ]

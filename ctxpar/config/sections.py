@@ -217,6 +217,26 @@ class WandbConfig:
 
 
 @dataclass
+class LongContextEvalConfig:
+    """Long-context tasks (ctxpar/data/long_context.py) answered by CP generation at every
+    evaluation of train.py, logged to metrics.jsonl and wandb (tools/long_context_eval.py
+    does the same on a checkpoint)."""
+    tasks: List[str] = field(default_factory=list)
+    """Which: 'needle', 'multikey', 'multivalue', 'multiquery', 'variable_tracking'
+    (empty: none)."""
+    lengths: List[int] = field(default_factory=list)
+    """Prompt lengths in tokens (empty: model.seq_len's quarters, the answer's room left)."""
+    depths: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
+    """Needle depths in [0, 1] (0: the start, 1: just before the question)."""
+    samples: int = 2
+    """Prompts per length x depth cell."""
+    needles: int = 2
+    """Keys of the multi-key/value/query tasks, variables of variable tracking."""
+    digits: Optional[int] = None
+    """Digits of a key (None: data.passkey_digits for a passkey run, else 4)."""
+
+
+@dataclass
 class LoggingConfig:
     run_dir: str = "runs/default"
     """Where metrics.jsonl, config.yaml, wandb files and checkpoints go."""
@@ -244,6 +264,8 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Tiled loss, tiled MLP and activation offload (the optimizer's offload is DeepSpeed's
     deepspeed.zero_optimization.offload_optimizer)."""
+    long_context_eval: LongContextEvalConfig = field(default_factory=LongContextEvalConfig)
+    """Long-context tasks at every evaluation (off unless tasks are named)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and wandb."""
     deepspeed: Dict[str, Any] = field(default_factory=dict)

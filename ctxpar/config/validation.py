@@ -43,6 +43,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     _check_paths(cfg, check_paths, err)
     _check_data(cfg, err)
     _check_memory(cfg, err)
+    _check_long_context_eval(cfg, err)
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -292,3 +293,35 @@ def _check_rope_scaling(rs: Dict[str, Any], err: Err) -> None:
     if kind == "llama3" and rs["high_freq_factor"] <= rs["low_freq_factor"]:
         err(f"model.rope_scaling.high_freq_factor={rs['high_freq_factor']} must be > "
             f"low_freq_factor={rs['low_freq_factor']}")
+
+
+def _check_long_context_eval(cfg: Config, err: Err) -> None:
+    """long_context_eval: known tasks, counts >= 1, depths in [0, 1]; and the runs whose
+    training model generation cannot use as it is (tools/long_context_eval.py evaluates
+    their checkpoints instead)."""
+    from ..data.long_context import TASKS
+
+    lc, p = cfg.long_context_eval, cfg.parallel
+    bad = [t for t in lc.tasks if t not in TASKS]
+    if bad:
+        err(f"long_context_eval.tasks: unknown {bad}; choose from {list(TASKS)}")
+    for key in ("samples", "needles"):
+        if getattr(lc, key) < 1:
+            err(f"long_context_eval.{key}={getattr(lc, key)} must be >= 1")
+    if lc.digits is not None and not 1 <= lc.digits <= 9:
+        err(f"long_context_eval.digits={lc.digits} must be in 1..9")
+    if any(n < 1 for n in lc.lengths):
+        err(f"long_context_eval.lengths={lc.lengths} must all be >= 1")
+    if any(not 0.0 <= d <= 1.0 for d in lc.depths) or not lc.depths:
+        err(f"long_context_eval.depths={lc.depths} must be values in [0, 1]")
+    if not lc.tasks:
+        return
+    stage = cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)
+    why = ("parallel.pp={} (generation runs the whole model on each rank)".format(p.pp)
+           if p.pp > 1 else
+           "parallel.cp_comm={!r} (generation prefills with the ring)".format(p.cp_comm)
+           if p.cp_comm != "ring" else
+           "ZeRO stage 3 (partitioned weights)" if stage == 3 else None)
+    if why:
+        err(f"long_context_eval.tasks={lc.tasks} cannot run inside training with {why}: "
+            f"evaluate the checkpoints with tools/long_context_eval.py")
