@@ -21,6 +21,7 @@ Top to bottom, in the processes the launcher gave:
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -29,7 +30,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs
+from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
 from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.components.parity import (Row, compare, format_table, parity_budget, precision_of,
                                       ring_size, verdict)
@@ -38,7 +39,7 @@ from ctxpar.context_parallel.layouts import gather_sequence
 from ctxpar.data import DataError, build_data
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
 from ctxpar.distributed.parallel_state import (default_backend, init_distributed, launcher_env,
-                                               local_device)
+                                               local_device, resolve_sizes)
 from ctxpar.distributed.zero import grad_divisor
 from ctxpar.tensor_parallel.mappings import gather_along
 from ctxpar.tensor_parallel.utils import gather_full_tensor
@@ -83,7 +84,8 @@ def check_inputs(args, world: int):
             fail(f"--reference-cp={args.reference_cp}: parallel.tp={tp} x "
                  f"{args.reference_cp} does not divide the world size {world}")
         ref_dp = world // (tp * args.reference_cp)
-        sets.append(f"train.global_batch_size={micro * math.lcm(cfg.parallel.dp, ref_dp)}")
+        dp = dp_size(cfg, world)
+        sets.append(f"train.global_batch_size={micro * math.lcm(dp, ref_dp)}")
         cfg = load_config(args.config, sets, world_size=world)
         ref = load_config(args.config, sets + [
             f"parallel.cp={args.reference_cp}", "parallel.pp=1", f"parallel.dp={ref_dp}",
@@ -93,6 +95,12 @@ def check_inputs(args, world: int):
     except (ConfigError, DataError) as e:
         fail(str(e))
     return cfg, ref, data
+
+
+def dp_size(cfg, world: int) -> int:
+    """parallel.dp, 'auto' resolved for this world size."""
+    p = cfg.parallel
+    return resolve_sizes(world, p.tp, p.cp, p.pp, p.dp)["dp"]
 
 
 def attention_cores(module):
@@ -113,7 +121,8 @@ def hook_attention(module, record: Dict[str, List[torch.Tensor]]) -> None:
     for name, attn in attention_cores(module):
         def core(*args, _core=attn.core, _name=name, **kwargs):
             out = _core(*args, **kwargs)
-            if torch._C._current_graph_task_id() == -1:  # not inside a backward pass
+            # -1: no backward pass is running (torch.utils.checkpoint reads it the same way)
+            if torch._C._current_graph_task_id() == -1:
                 record.setdefault(_name, []).append(out.detach().clone())
             return out
         attn.core = core
@@ -122,7 +131,10 @@ def hook_attention(module, record: Dict[str, List[torch.Tensor]]) -> None:
 def hook_gradients(engine, on_step: Callable[[], None]) -> None:
     """Call on_step() just before each optimizer step, after the gradients are reduced and
     before they are clipped (DeepSpeed's _take_model_step: every engine, pipeline too)."""
-    take = engine._take_model_step
+    take = getattr(engine, "_take_model_step", None)
+    if take is None:  # DeepSpeed's engine and pipeline engine both step through it
+        raise RuntimeError(f"this DeepSpeed's {type(engine).__name__} has no _take_model_step "
+                           f"for verify to read the gradients before the optimizer step")
 
     def take_model_step(*args, **kwargs):
         on_step()
@@ -215,6 +227,9 @@ def run_layout(cfg, data, device, steps: int, on_step: Callable[[int, dict], Non
             on_step(step, {"loss": loss, **gathered})
     engine.destroy()
     del engine, model
+    gc.collect()  # the engine's reference cycles: free this layout before the next
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def compare_step(step: int, got: dict, want: dict, budget: Dict[str, float]) -> List[Row]:
@@ -235,10 +250,11 @@ def compare_step(step: int, got: dict, want: dict, budget: Dict[str, float]) -> 
     return rows
 
 
-def describe(cfg) -> str:
+def describe(cfg, world: int) -> str:
+    """'tp2 cp4 pp1 dp1, hybrid (ulysses 2), layout zigzag'."""
     p = cfg.parallel
-    pattern = f"{p.cp_comm}" + (f" (ulysses {ulysses_degree(p)})" if p.cp_comm == "hybrid" else "")
-    return (f"tp{p.tp} cp{p.cp} pp{p.pp} dp{p.dp}, {pattern}, layout {p.layout}")
+    pattern = p.cp_comm + (f" (ulysses {ulysses_degree(p)})" if p.cp_comm == "hybrid" else "")
+    return f"tp{p.tp} cp{p.cp} pp{p.pp} dp{dp_size(cfg, world)}, {pattern}, layout {p.layout}"
 
 
 def verify(args, world: int):
@@ -254,9 +270,12 @@ def verify(args, world: int):
     n = max(ring_size(p.cp, p.cp_comm, ulysses_degree(p)), ring_size(ref.parallel.cp, "ring"))
     budget = parity_budget(precision, n, args.budget_scale)
     if rank0:
-        print(f"verify: {describe(cfg)} against {describe(ref)}; {precision}, ring size {n}; "
-              f"{cfg.model.n_layers} layers, seq_len {cfg.model.seq_len}, "
-              f"{cfg.train.global_batch_size} samples per step, {args.steps} steps", flush=True)
+        print(f"verify: {describe(cfg, world)} against {describe(ref, world)}; {precision}, "
+              f"ring size {n}; {cfg.model.n_layers} layers, seq_len {cfg.model.seq_len}, "
+              f"{cfg.train.global_batch_size} samples per step, steps 1-{args.steps}", flush=True)
+    if (p.cp, p.pp) == (ref.parallel.cp, 1) and (p.cp == 1 or p.cp_comm == "ring"):
+        warn(f"parallel.cp={p.cp} with pp=1 is the reference layout itself: every tensor will "
+             f"agree; launch the ranks of the layout to check")
     configured, rows = {}, []
     run_layout(cfg, data, device, args.steps, configured.__setitem__)
     run_layout(ref, data, device, args.steps,

@@ -8,20 +8,24 @@ at a reference layout, as relative differences held to a budget per dtype and ri
     rows = [compare(step, "layers.0.attn.q_proj.weight", "grad", got, want, budget), ...]
     print(format_table(rows)); line, code = verdict(rows)      # code 0 pass, 1 fail
 
-The budgets (docs/parallelism.md, "Verify: CP parity on your hardware"):
+The budgets (why, in docs/parallelism.md, "Verify"; what CPU runs measure against them,
+in docs/benchmarks.md):
 
-- fp32: the two layouts compute the same sums in another order (the LSE merge of ring
-  blocks, TP partial sums, DP x CP all-reduces), each term rounded at 2^-24 relative;
-  their differences stay near 1e-7 to 1e-6 relative. The budgets sit two orders of
-  magnitude above that and many orders below what a wrong mask, a lost block or a
-  wrong reduction gives (from 1e-2 to O(1)).
-- bf16 (and fp16): every matmul output and every kernel's block output is rounded at
-  2^-8 relative, at other points in the two layouts; the reference's single block per
-  query row and the ring's n blocks merge in fp32, but each block output is one bf16
-  rounding, and with parallel.ring_grad_dtype bf16 the travelling dK, dV are rounded
-  once per hop. Independent roundings add up as sqrt(n): the bf16 budgets are a base
-  times sqrt(ring size), the ring size being the number of blocks a query row's keys
-  come in (cp for ring and all-gather, the ring degree cp/u for hybrid, 1 for Ulysses).
+- fp32: the two layouts compute the same sums in another order (the LSE merge of the
+  ring's blocks, TP's partial sums, the DP x CP all-reduce), each term rounded at 2^-24
+  relative, so they differ by a few multiples of that. The budgets sit about two orders
+  of magnitude above, and orders below what a wrong mask, a lost or misweighted block or
+  a wrong reduction gives.
+- bf16 (and fp16): each layout rounds at 2^-8 relative at other points (every matmul
+  output; the weight gradients' partial sums over a rank's T/cp tokens before the
+  all-reduce; each attention block's output before the fp32 merge): the floor is a few
+  bf16 roundings, about 1e-3 to 1e-2 relative, and the budgets sit a few times above it.
+  Roundings once per ring hop (the dK, dV travelling in bf16 with
+  parallel.ring_grad_dtype bf16; kernels that accumulate blocks in 16 bits) add up as
+  sqrt(hops): the 16-bit budgets are a base times sqrt(ring size), the ring size being
+  the number of blocks a query row's keys come in (cp for ring and all-gather, the ring
+  degree cp/u for hybrid, 1 for Ulysses). A subtle attention bug can hide under them:
+  fp32's budgets are the sharp check (docs: run verify in fp32 first).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ KINDS = ("loss", "grad", "attn")
 # Relative differences allowed at ring size 1, per dtype and kind (the module docstring).
 BASE_BUDGETS: Dict[str, Dict[str, float]] = {
     "fp32": {"loss": 1e-5, "grad": 1e-4, "attn": 1e-5},
-    "bf16": {"loss": 1e-2, "grad": 5e-2, "attn": 2e-2},
+    "bf16": {"loss": 1e-2, "grad": 5e-2, "attn": 1e-2},
 }
 
 
