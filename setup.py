@@ -7,7 +7,7 @@ setup(
     description="Ring-attention context parallelism composed with TP, PP and DP on DeepSpeed",
     python_requires=">=3.10",
     packages=find_packages(include=["ctxpar", "ctxpar.*", "models", "models.*"]),
-    py_modules=["train", "generate"],
+    py_modules=["train", "generate", "verify"],
     install_requires=[
         # torch is pinned by the Makefile *before* this install (a CPU wheel); a newer
         # torch from PyPI would pull several GB of CUDA packages onto CPU machines.

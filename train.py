@@ -147,14 +147,50 @@ def check_inputs(args, world: int):
     return cfg, data, save_dir, resume_from, init, long_context
 
 
+def parallel_state(cfg):
+    """The config's rank grid and its process groups (collective over the world)."""
+    p = cfg.parallel
+    return init_parallel_state(tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, order=p.order,
+                               ulysses=ulysses_degree(p))
+
+
+def build_model(cfg, state, gas: int, device):
+    """This rank's model: the GPT, or with pp > 1 its pipeline stage (DeepSpeed's pipeline
+    grid, derived from the same order string, is then the mpu:
+    ctxpar/distributed/pipeline_parallel.py). The same init for every layout."""
+    from models import gpt_pipe
+    from models.gpt import GPT
+
+    if cfg.parallel.pp > 1:
+        return gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device)
+    return GPT.from_config(cfg, state, device=device)
+
+
+def initialize_engine(model, cfg, state, ds_config, device):
+    """ZeRO-3's partitioning over dp x cp, AdamW and its schedule, and DeepSpeed's engine
+    over them. Returns (engine, scheduler)."""
+    import deepspeed
+
+    pipelined = cfg.parallel.pp > 1
+    partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
+    # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
+    # ctxpar/memory/optimizer.py)
+    optimizer = optimizer_offload.build_optimizer(
+        param_groups(model, cfg.train.weight_decay), cfg.train, ds_config, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           lr_scheduler=scheduler, config=ds_config,
+                                           mpu=None if pipelined else DeepSpeedMPU(state))
+    record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (distributed/grad_norm.py)
+    return engine, scheduler
+
+
 def start_distributed(cfg, world: int):
     """The process group, the rank grid and DeepSpeed's comm; rank 0 prints the planner's
     prediction for this layout. Returns (device, state, rank0)."""
     device = local_device()
     init_distributed(default_backend(device))
-    state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp,
-                                dp=cfg.parallel.dp, order=cfg.parallel.order,
-                                ulysses=ulysses_degree(cfg.parallel))
+    state = parallel_state(cfg)
     init_deepspeed_comm()  # without DeepSpeed's CPU shm op (distributed/deepspeed_comm.py)
     rank0 = dist.get_rank() == 0
     show_ctxpar_logs(rank0)  # e.g. the attention kernel 'auto' chose, and why
@@ -186,10 +222,7 @@ def main(argv=None) -> int:
     device, state, rank0 = start_distributed(cfg, world)         # 2. the grid
     torch.manual_seed(cfg.train.seed)
 
-    # 3. The model (same init for every layout) and the DeepSpeed engine. With pp > 1 this
-    #    rank builds its pipeline stage and DeepSpeed's pipeline grid (derived from the same
-    #    order string, ctxpar/distributed/pipeline_parallel.py) is the mpu.
-    import deepspeed
+    # 3. The model (same init for every layout) and the DeepSpeed engine.
     from models import gpt_pipe
     from models.gpt import GPT
     from models.loss import global_token_count
@@ -201,8 +234,7 @@ def main(argv=None) -> int:
     if rank0 and memory_line:
         print(memory_line, flush=True)
     baseline = memory_baseline(device)  # before the model: what the prediction leaves out
-    model = gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device) if pipelined \
-        else GPT.from_config(cfg, state, device=device)
+    model = build_model(cfg, state, gas, device)  # with pp > 1 this rank's pipeline stage
     if init is not None:  # model.init_from: weights of a Llama folder or a ctxpar checkpoint
         init_msg = ckpt.load_initial_weights(model, cfg, state, init)
     # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
@@ -215,17 +247,8 @@ def main(argv=None) -> int:
     if resume_from is not None:
         resume_from.configure(ds_config)  # a layout change loads DeepSpeed's universal format
     n_params = sum(spec.numel() for spec in parameter_specs(cfg.model))  # the whole model
-    partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
     divisor = grad_divisor(state, ds_config, pipelined)
-    # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
-    # ctxpar/memory/optimizer.py)
-    optimizer = optimizer_offload.build_optimizer(
-        param_groups(model, cfg.train.weight_decay), cfg.train, ds_config, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           lr_scheduler=scheduler, config=ds_config,
-                                           mpu=None if pipelined else DeepSpeedMPU(state))
-    record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (distributed/grad_norm.py)
+    engine, scheduler = initialize_engine(model, cfg, state, ds_config, device)
     train_stream = data.train_stream(state)
 
     # 4. Resume, record the run, and the components that decide when to evaluate and save.
