@@ -182,6 +182,26 @@ def test_bands_on_a_window_kernel_match_one_process(layout):
         assert all(getattr(blk, "mask", None) is None for blk in blocks)
 
 
+def test_a_flash_attn_without_window_size_gets_masked_tiles():
+    """flash-attn < 2.3 has no window_size: its adapter says so (the plan then makes masked
+    tiles, which block_kernel sends to math), and a window call is refused rather than the
+    window dropped by the call-by-signature (flash-attn 2.2's signatures)."""
+    from ctxpar.context_parallel.kernels import BACKENDS, FlashAttnBackend, block_kernel
+    from ctxpar.testing.attention import FlashOnCpu
+
+    def forward(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
+        raise AssertionError("not reached")
+
+    def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                 causal, rng_state=None):
+        raise AssertionError("not reached")
+    old, q = FlashAttnBackend(forward, backward, ("cpu",)), torch.zeros(1, 4, 2, 8)
+    assert not old.native_window(q) and FlashOnCpu().native_window(q)
+    assert block_kernel(old, q, windowed=True) is BACKENDS["math"]
+    with pytest.raises(RuntimeError, match=r"takes no window_size \(flash-attn < 2.3\)"):
+        old.forward(q, q, q, False, 0.25, window=(3, 0))
+
+
 def test_chunks_match_transformers_chunked_causal_mask():
     """Llama 4's chunked_causal_mask_function (no left padding): (kv // c == q // c) and
     kv <= q; and the chunks are the documents of with_chunks' cuts."""

@@ -319,6 +319,19 @@ def _call_by_signature(fn: Callable, values: Dict[str, object]):
     return fn(**{n: values[n] for n in params if n in values})
 
 
+def _takes_window(fn: Callable) -> bool:
+    return any(name in _parameters(fn) for name in ("window_size", "window_size_left"))
+
+
+def _windowed(fn: Callable, window):
+    """fn itself, after checking it can take `window` (_call_by_signature would drop a
+    parameter fn lacks, and the window with it: wrong results, not an error)."""
+    if window is not None and not _takes_window(fn):
+        raise RuntimeError(f"{qualified_name(fn)} takes no window_size (flash-attn < 2.3); "
+                           f"a window's blocks need masks there (block_kernel)")
+    return fn
+
+
 class FlashAttnBackend:
     """Dao's flash-attn 2 kernels (CUDA only, fp16/bf16); GQA handled by the kernel."""
 
@@ -359,7 +372,10 @@ class FlashAttnBackend:
         return False  # dense, causal and windowed blocks
 
     def native_window(self, q: torch.Tensor) -> bool:
-        return True  # window_size: every 2.x it runs (>= 2.3) skips the hidden tiles itself
+        """Whether the installed kernels take a window (flash-attn >= 2.3's window_size,
+        2.7's window_size_left/right, FlashAttention-4's): they skip its hidden tiles
+        themselves. An older flash-attn gets a window's blocks as masked tiles (math)."""
+        return all(fn is not None and _takes_window(fn) for fn in self._load())
 
     @staticmethod
     def _options(causal, scale, window=None):
@@ -372,8 +388,8 @@ class FlashAttnBackend:
     def forward(self, q, k, v, causal, scale, window=None):
         D, L = q.shape[3], q.shape[1]
         qp, kp, vp = (last_dim_contiguous(_pad_head_dim(x)) for x in (q, k, v))
-        res = _call_by_signature(self._load()[0], dict(q=qp, k=kp, v=vp,
-                                                       **self._options(causal, scale, window)))
+        res = _call_by_signature(_windowed(self._load()[0], window), dict(
+            q=qp, k=kp, v=vp, **self._options(causal, scale, window)))
         # <= 2.6 (plain functions): (out, q, k, v, out_padded, softmax_lse, S_dmask,
         #   rng_state); >= 2.7 (the torch.library op flash_attn::_flash_attn_forward):
         #   (out, softmax_lse, S_dmask, rng_state). flash_attn/flash_attn_interface.py at
@@ -386,7 +402,7 @@ class FlashAttnBackend:
         dop, qp, kp, vp, op = (last_dim_contiguous(_pad_head_dim(x))
                                for x in (dout, q, k, v, out))
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-        _call_by_signature(self._load()[1], dict(
+        _call_by_signature(_windowed(self._load()[1], window), dict(
             dout=dop, q=qp, k=kp, v=vp, out=op, softmax_lse=lse.float().contiguous(),
             dq=dq, dk=dk, dv=dv, **self._options(causal, scale, window)))  # into dq/dk/dv
         return dq[..., :D], dk[..., :D], dv[..., :D]
@@ -433,7 +449,7 @@ class FlashAttn4Backend(FlashAttnBackend):
 
     def forward(self, q, k, v, causal, scale, window=None):
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        res = _call_by_signature(self._load()[0], dict(
+        res = _call_by_signature(_windowed(self._load()[0], window), dict(
             q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True,
             **self._window(window)))
         out, lse = res[0], res[1]  # beta19+ returns (out, lse, p, row_max), before (out, lse)
@@ -441,7 +457,7 @@ class FlashAttn4Backend(FlashAttnBackend):
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, window=None):
         dout, q, k, v, out = (last_dim_contiguous(x) for x in (dout, q, k, v, out))
-        dq, dk, dv = _call_by_signature(self._load()[1], dict(
+        dq, dk, dv = _call_by_signature(_windowed(self._load()[1], window), dict(
             q=q, k=k, v=v, out=out, dout=dout, lse=lse.float().contiguous(),
             softmax_scale=scale, causal=causal, **self._window(window)))
         return dq, dk, dv
