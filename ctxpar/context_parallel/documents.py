@@ -138,18 +138,22 @@ def _window_plan(cu, q_pos, k_pos, window: int, banded: bool) -> List[DocBlock]:
     return plan
 
 
-def _band_plan(q0, k0, qp, kp, window: int) -> List[DocBlock]:
+def _band_plan(q0, k0, qp, kp, window: int, max_runs: int = 16) -> List[DocBlock]:
     """One document's queries (positions qp, rows from q0) and keys (kp, rows from k0) as
     band blocks (bands.fit_band): the whole document at once when both sides go up by one
     step (contiguous, striped), else per (query run, key run) of consecutive positions
-    (zigzag's chunks); a piece no window expresses gets masked tiles. O(rows) host work:
-    each row's keys are found by binary search, no (rows, keys) mask is made."""
+    (zigzag's chunks, up to max_runs pairs); a piece no window expresses gets masked tiles.
+    O(rows) host work: each row's keys are found by binary search, no (rows, keys) mask
+    is made."""
     whole = _bands(q0, k0, qp, kp, window)
     if whole is not None:
         return whole
+    q_runs, k_runs = _consecutive_runs(qp), _consecutive_runs(kp)
+    if len(q_runs) * len(k_runs) > max_runs:
+        return _tile_plan(q0, k0, qp, kp, window)
     plan = []
-    for a, b in _consecutive_runs(qp):
-        for c, e in _consecutive_runs(kp):
+    for a, b in q_runs:
+        for c, e in k_runs:
             part = _bands(q0 + a, k0 + c, qp[a:b], kp[c:e], window)
             plan.extend(part if part is not None
                         else _tile_plan(q0 + a, k0 + c, qp[a:b], kp[c:e], window))
