@@ -15,7 +15,9 @@ is computed. Around it:
   and counted (``host_syncs``).
 - Stand-ins with the real signatures and return values for flash-attn 2.5, 2.6 and 2.7+
   (a torch.library custom op) and FlashAttention-4 >= 4.0.0.beta19, over shape-only ops
-  that ContractMode checks like the real kernels (STANDINS).
+  that ContractMode checks like the real kernels (STANDINS). Each call records the
+  (query, key) pairs the real kernel computes for its causal flag and window
+  (``kernel_pairs``: the real argument rewrites and masks, from their sources).
 - ``fake_cuda(monkeypatch)``: the two modes together, with the device queries a fake
   device cannot answer patched (said where).
 
@@ -123,6 +125,21 @@ def _aten_flash_bwd(op, a, kw):
           f"dense batch: cum_seq None, max_q={L}, max_k={k.shape[2]}", TORCH_FLASH)
 
 
+def _meff_bias(op, bias, q, k, src):
+    """attn_bias: None, or q's dtype, (B, H, L, S), last dim contiguous, the other strides
+    multiples of 16 elements (attention.cu "invalid dtype for bias", "attn_bias: wrong
+    shape"; kernel_forward.h check_supported "attn_bias is not correctly aligned"; torch's
+    sdpa pads a bias to that, attention.cpp preprocess_mask)."""
+    if bias is None:
+        return
+    B, H, L, _ = q.shape
+    want = (B, H, L, k.shape[2])
+    _need(bias.dtype == q.dtype, op, f"attn_bias in q's dtype, got {bias.dtype}", src)
+    _need(tuple(bias.shape) == want, op, f"attn_bias {want}, got {tuple(bias.shape)}", src)
+    _need(bias.stride(-1) == 1 and all(st % 16 == 0 for st in bias.stride()[:3]), op,
+          f"attn_bias strides (16k, 16k, 16k, 1), got {bias.stride()}", src)
+
+
 def _meff_inputs(op, q, k, v, src):
     B, H, L, D = q.shape
     _need(q.dtype in (*HALF, torch.float32), op, f"dtype fp16/bf16/fp32, got {q.dtype}", src)
@@ -139,12 +156,14 @@ def _meff_inputs(op, q, k, v, src):
 
 def _aten_meff_fwd(op, a, kw):
     _meff_inputs(op, *a[:3], TORCH_MEFF_FWD)
+    _meff_bias(op, a[3], *a[:2], TORCH_MEFF_FWD)
     _need(a[4] is True, op, "compute_log_sumexp=True (the merge needs the LSE)", "ctxpar")
 
 
 def _aten_meff_bwd(op, a, kw):
     dout, q, k, v, bias, out, lse = a[:7]
     B, H, L, D = _meff_inputs(op, q, k, v, TORCH_MEFF_BWD)
+    _meff_bias(op, bias, q, k, TORCH_MEFF_BWD)
     # The forward pads the LSE to 32 rows (kAlignLSE; torch/_meta_registrations.py
     # meta__efficient_attention_forward) and the backward reads it with strides B and H
     # that must be multiples of 8 ("LSE is not correctly aligned").
@@ -153,12 +172,22 @@ def _aten_meff_bwd(op, a, kw):
           f"lse strides must be (8k, 8k, 1), got {lse.stride()}", TORCH_MEFF_BWD)
 
 
-def _fa2_fwd(op, a, kw):
+def _window_rule(op, left, right, src):
+    """window_size: ints, -1 = no limit (flash-attn 2's kernels; FlashAttention-4's stand-in
+    passes its None as -1)."""
+    for side in (left, right):
+        _need(type(side) is int and side >= -1, op,
+              f"window_size sides are ints >= -1, got ({left}, {right})", src)
+
+
+def _fa2_fwd(op, a, kw, wi=5):  # wi: where the window's sides are (the custom op: 6)
     _flash_inputs(op, *a[:3], FA2, False)
+    _window_rule(op, a[wi], a[wi + 1], FA2)
 
 
-def _fa2_bwd(op, a, kw):
+def _fa2_bwd(op, a, kw, wi=11):  # the custom op: 12
     dout, q, k, v, out, lse, dq, dk, dv = a[:9]
+    _window_rule(op, a[wi], a[wi + 1], FA2)
     B, H, L, D = _flash_inputs(op, q, k, v, FA2, False, extra=(dout, out, dq, dk, dv))
     _need(dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape, op,
           "dq, dk, dv must have q's, k's, v's shapes", FA2)
@@ -178,10 +207,12 @@ def _fa4_inputs(op, q, k, v, src, extra=()):
 
 def _fa4_fwd(op, a, kw):
     _fa4_inputs(op, *a[:3], FA4)
+    _window_rule(op, a[5], a[6], FA4)
 
 
 def _fa4_bwd(op, a, kw):
     q, k, v, out, dout, lse = a[:6]
+    _window_rule(op, a[8], a[9], FA4)
     B, H, L, D = _fa4_inputs(op, q, k, v, FA4, extra=(out, dout))
     _lse_rule(op, lse, (B, H, L), FA4, contiguous=False)  # it makes lse contiguous itself
 
@@ -200,29 +231,72 @@ class KernelCall(NamedTuple):
     scale: Optional[float]
     q_shape: tuple      # as the op got it
     dtype: torch.dtype
+    window: tuple = (-1, -1)    # flash-attn's window_size as the op got it; -1: no limit
+    masked: bool = False        # an attn_bias (the memory-efficient op)
+    pairs: Optional[int] = None  # (query, key) pairs it computes per sample and head
 
 
-# op -> (position of q, of causal, of scale; None: the keyword-only `scale`)
+def kernel_pairs(L: int, S: int, causal: bool, left: int, right: int,
+                 flash_attn2: bool = True) -> int:
+    """(query, key) pairs a flash kernel computes for an (L, S) block, from the sources.
+    flash-attn 2 (flash_api.cpp mha_fwd/mha_bwd, v2.5 .. v2.8): a side >= seqlen_k becomes
+    -1; seqlen_q == 1 drops causal; causal sets right 0; set_params_fprop then makes a -1
+    side opposite a set one seqlen_k (both -1: every pair); mask.h apply_mask_local keeps
+    row + S - L - left <= col < row + 1 + S - L + right. FlashAttention-4 (its stand-in
+    passes _resolve_causal_local_window's result; cute/mask.py): the same bounds, a -1
+    (None) side unlimited, causal (None, 0)."""
+    if flash_attn2:
+        left, right = (-1 if left >= S else left), (-1 if right >= S else right)
+        causal = causal and L > 1
+        right = 0 if causal else right
+        if left < 0 and right < 0:
+            return L * S
+        left, right = (S if left < 0 else left), (S if right < 0 else right)
+    elif causal:
+        right = 0
+    # plain Python: this runs inside the fake mode, where torch's results are fake
+    return sum(max(0, (min(S, row + 1 + S - L + right) if right >= 0 else S)
+                   - (max(0, row + S - L - left) if left >= 0 else 0)) for row in range(L))
+
+
+def _aten_pairs(L, S, causal):  # torch's ops: causal is top-left aligned (row i: 0..i)
+    return sum(min(i + 1, S) for i in range(L)) if causal else L * S
+
+
+# op -> (position of q, of causal, of scale (None: the keyword-only `scale`), of the
+# window's two sides (None: no window argument), of the attn_bias, of the key; layout)
 _CALL_ARGS = {
-    "aten::_scaled_dot_product_flash_attention": (0, 4, None),
-    "aten::_scaled_dot_product_flash_attention_backward": (1, 11, None),
-    "aten::_scaled_dot_product_efficient_attention": (0, 6, None),
-    "aten::_scaled_dot_product_efficient_attention_backward": (1, 11, None),
-    "ctxpar_dry::fa2_fwd": (0, 4, 3), "ctxpar_dry::fa2_bwd": (1, 10, 9),
-    "ctxpar_dry::fa4_fwd": (0, 4, 3), "ctxpar_dry::fa4_bwd": (0, 7, 6),
-    "ctxpar_dry::_flash_attn_forward": (0, 5, 4),
-    "ctxpar_dry::_flash_attn_backward": (1, 11, 10),
+    "aten::_scaled_dot_product_flash_attention": (0, 4, None, None, None, 1, "bhld"),
+    "aten::_scaled_dot_product_flash_attention_backward": (1, 11, None, None, None, 2, "bhld"),
+    "aten::_scaled_dot_product_efficient_attention": (0, 6, None, None, 3, 1, "bhld"),
+    "aten::_scaled_dot_product_efficient_attention_backward": (1, 11, None, None, 4, 2,
+                                                                "bhld"),
+    "ctxpar_dry::fa2_fwd": (0, 4, 3, 5, None, 1, "fa2"),
+    "ctxpar_dry::fa2_bwd": (1, 10, 9, 11, None, 2, "fa2"),
+    "ctxpar_dry::fa4_fwd": (0, 4, 3, 5, None, 1, "fa4"),
+    "ctxpar_dry::fa4_bwd": (0, 7, 6, 8, None, 1, "fa4"),
+    "ctxpar_dry::_flash_attn_forward": (0, 5, 4, 6, None, 1, "fa2"),
+    "ctxpar_dry::_flash_attn_backward": (1, 11, 10, 12, None, 2, "fa2"),
 }
 
 
 def _kernel_call(name, a, kw) -> Optional[KernelCall]:
-    """The kernel call's causal flag and scale, read from the op's own argument positions."""
+    """The kernel call's causal flag, scale, window and the pairs it computes, read from the
+    op's own argument positions."""
     if name not in _CALL_ARGS:
         return None
-    qi, ci, si = _CALL_ARGS[name]
+    qi, ci, si, wi, bi, ki, kind = _CALL_ARGS[name]
     causal = a[ci] if len(a) > ci else kw.get("is_causal", False)
     scale = kw.get("scale") if si is None else a[si]
-    return KernelCall(name, causal, scale, tuple(a[qi].shape), a[qi].dtype)
+    window = (-1, -1) if wi is None else (a[wi], a[wi + 1])
+    masked = bi is not None and a[bi] is not None
+    q, k = a[qi], a[ki]
+    if kind == "bhld":
+        L, S = q.shape[2], k.shape[2]
+        pairs = None if masked else _aten_pairs(L, S, causal)
+    else:
+        pairs = kernel_pairs(q.shape[1], k.shape[1], causal, *window, kind == "fa2")
+    return KernelCall(name, causal, scale, tuple(q.shape), q.dtype, window, masked, pairs)
 
 
 # ------------------------------------------------------------------ the dispatch mode
@@ -326,12 +400,15 @@ def _cuda_layout(x):
 # real signatures and return values, so kernels.py's adapters meet what they meet.
 
 _LIB = torch.library.Library("ctxpar_dry", "DEF")
-_LIB.define("fa2_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> (Tensor, Tensor)")
+_LIB.define("fa2_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, int left, "
+            "int right) -> (Tensor, Tensor)")
 _LIB.define("fa2_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-            "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float scale, bool causal) -> Tensor")
-_LIB.define("fa4_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> (Tensor, Tensor)")
+            "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float scale, bool causal, int left, "
+            "int right) -> Tensor")
+_LIB.define("fa4_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal, int left, "
+            "int right) -> (Tensor, Tensor)")
 _LIB.define("fa4_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
-            "float scale, bool causal) -> (Tensor, Tensor, Tensor)")
+            "float scale, bool causal, int left, int right) -> (Tensor, Tensor, Tensor)")
 
 
 def _lse_like(q):  # (B, L, H, D) -> lse (B, H, L) fp32
@@ -340,23 +417,23 @@ def _lse_like(q):  # (B, L, H, D) -> lse (B, H, L) fp32
 
 
 @torch.library.register_fake("ctxpar_dry::fa2_fwd", lib=_LIB)
-def _(q, k, v, scale, causal):
+def _(q, k, v, scale, causal, left, right):
     return torch.empty_like(q), _lse_like(q)
 
 
 @torch.library.register_fake("ctxpar_dry::fa2_bwd", lib=_LIB)
-def _(dout, q, k, v, out, lse, dq, dk, dv, scale, causal):
+def _(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, left, right):
     B, L, H, _ = q.shape
     return q.new_empty((B, H, math.ceil(L / 128) * 128), dtype=torch.float32)  # softmax_d
 
 
 @torch.library.register_fake("ctxpar_dry::fa4_fwd", lib=_LIB)
-def _(q, k, v, scale, causal):
+def _(q, k, v, scale, causal, left, right):
     return torch.empty_like(q), _lse_like(q)
 
 
 @torch.library.register_fake("ctxpar_dry::fa4_bwd", lib=_LIB)
-def _(q, k, v, out, dout, lse, scale, causal):
+def _(q, k, v, out, dout, lse, scale, causal, left, right):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -371,10 +448,10 @@ def _maybe_contiguous(x):  # flash_attn_interface.py's own
 # flash-attn 2.5 (flash_attn/flash_attn_interface.py at v2.5.9.post1): plain functions.
 def fa25_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                  return_softmax):
-    assert (dropout_p, tuple(window_size), alibi_slopes, return_softmax) == (
-        0.0, (-1, -1), None, False)
+    assert (dropout_p, alibi_slopes, return_softmax) == (0.0, None, False)
     q, k, v = [_maybe_contiguous(x) for x in (q, k, v)]
-    out, softmax_lse = torch.ops.ctxpar_dry.fa2_fwd(q, k, v, softmax_scale, causal)
+    out, softmax_lse = torch.ops.ctxpar_dry.fa2_fwd(q, k, v, softmax_scale, causal,
+                                                    window_size[0], window_size[1])
     return out, q, k, v, out, softmax_lse, None, None
 
 
@@ -382,7 +459,8 @@ def fa25_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softma
                   causal, window_size, alibi_slopes, deterministic, rng_state=None):
     dout, q, k, v, out = [_maybe_contiguous(x) for x in (dout, q, k, v, out)]
     softmax_d = torch.ops.ctxpar_dry.fa2_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv,
-                                             softmax_scale, causal)
+                                             softmax_scale, causal, window_size[0],
+                                             window_size[1])
     return dq, dk, dv, softmax_d
 
 
@@ -417,10 +495,10 @@ def fa27_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
 @fa27_forward.register_fake
 def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
       softcap, alibi_slopes, return_softmax):
-    assert (dropout_p, window_size_left, window_size_right, softcap, alibi_slopes,
-            return_softmax) == (0.0, -1, -1, 0.0, None, False)
+    assert (dropout_p, softcap, alibi_slopes, return_softmax) == (0.0, 0.0, None, False)
     q, k, v = [_maybe_contiguous(x) for x in (q, k, v)]
-    out, lse = torch.ops.ctxpar_dry.fa2_fwd(q, k, v, softmax_scale, causal)
+    out, lse = torch.ops.ctxpar_dry.fa2_fwd(q, k, v, softmax_scale, causal, window_size_left,
+                                            window_size_right)
     return out, lse, q.new_empty((0,)), q.new_empty((2,), dtype=torch.int64)
 
 
@@ -442,11 +520,29 @@ def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, cau
       rng_state=None):
     dout, q, k, v, out = [_maybe_contiguous(x) for x in (dout, q, k, v, out)]
     return torch.ops.ctxpar_dry.fa2_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv,
-                                        softmax_scale, causal)
+                                        softmax_scale, causal, window_size_left,
+                                        window_size_right)
 
 
-RULES.update({"ctxpar_dry::_flash_attn_forward": lambda op, a, kw: _fa2_fwd(op, a, kw),
-              "ctxpar_dry::_flash_attn_backward": lambda op, a, kw: _fa2_bwd(op, a, kw)})
+RULES.update({"ctxpar_dry::_flash_attn_forward": lambda op, a, kw: _fa2_fwd(op, a, kw, 6),
+              "ctxpar_dry::_flash_attn_backward": lambda op, a, kw: _fa2_bwd(op, a, kw, 12)})
+
+
+def _fa4_window(causal, left, right):
+    """FlashAttention-4's interface.py _resolve_causal_local_window (beta18 .. beta27), as
+    (causal, left, right) with -1 for its None; a side it would read as a number must be
+    an int >= 0 (a -1 there would be a real bound, not "no limit")."""
+    for side in (left, right):
+        assert side is None or (type(side) is int and side >= 0), (left, right)
+    if causal:
+        right = 0
+    if left is not None and right is not None and left + right < 0:
+        left = right = None
+    if left is None and right == 0:
+        causal, right = True, None
+    elif left is not None or right is not None:
+        causal = False
+    return causal, -1 if left is None else left, -1 if right is None else right
 
 
 # FlashAttention-4 >= 4.0.0.beta19 (flash_attn/cute/interface.py at fa4-v4.0.0.beta27): the
@@ -463,7 +559,8 @@ def fa4_forward(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_
                 seqlen_k_per_split=None, disable_scheduler_metadata=False):
     assert return_lse and softmax_scale is not None and cu_seqlens_q is None
     q, k, v = [_maybe_contiguous(x) for x in (q, k, v)]
-    o, l = torch.ops.ctxpar_dry.fa4_fwd(q, k, v, softmax_scale, causal)
+    causal, left, right = _fa4_window(causal, window_size_left, window_size_right)
+    o, l = torch.ops.ctxpar_dry.fa4_fwd(q, k, v, softmax_scale, causal, left, right)
     return o, l, None, None
 
 
@@ -477,7 +574,9 @@ def fa4_backward(q, k, v, out, dout, lse, softmax_scale=None, causal=False, soft
                  dv=None, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None,
                  aux_scalars=None, block_sparse_tensors=None, dlse=None, learnable_sink=None):
     assert softmax_scale is not None
-    return torch.ops.ctxpar_dry.fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal)
+    causal, left, right = _fa4_window(causal, window_size_left, window_size_right)
+    return torch.ops.ctxpar_dry.fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal, left,
+                                        right)
 
 
 STANDINS = {  # backend name -> (forward, backward) for kernels.FlashAttnBackend(...)

@@ -28,7 +28,7 @@ if not os.environ.get("CTXPAR_FAKE_CUDA_LIBRARY"):
                        "python tests/fake_cuda.py [-k EXPR], or tests/test_cuda_dry.py")
 
 from ctxpar.context_parallel import (LAYOUTS, LOCAL, NoComm,  # noqa: E402
-                                     context_parallel_attention, kernels)
+                                     context_parallel_attention, kernels, rank_positions)
 from ctxpar.context_parallel.blocks import step_plan  # noqa: E402
 from ctxpar.context_parallel.kernels import (FlashAttn4Backend, FlashAttnBackend,  # noqa: E402
                                              MathBackend, SdpaBackend, default_scale)
@@ -279,10 +279,11 @@ def test_windows_chunks_and_sinks(comm, layout, monkeypatch):
 
 
 @pytest.mark.parametrize("label", ["sdpa bf16", "flash_attn 2.7+", "sdpa fp32"])
-def test_masked_document_block_goes_to_the_math_kernel_on_cuda(label, monkeypatch):
+def test_masked_document_block_on_cuda(label, monkeypatch):
     """A document block no dense or causal call covers (scattered shards make them) gets
-    an explicit mask, made on the host by the plan; on CUDA it goes to the math kernel,
-    which must get it on the device (was: a host mask into CUDA masked_fill)."""
+    an explicit mask, made on the host by the plan, which must reach the kernel on the
+    device: sdpa's memory-efficient op as its attn_bias (fp32 and bf16), flash-attn's
+    blocks the math kernel (it takes no mask)."""
     from ctxpar.context_parallel.blocks import QueryRows, backward_block, forward_block_
     from ctxpar.context_parallel.documents import doc_plan
     from ctxpar.context_parallel.merge import empty_accumulators
@@ -303,7 +304,103 @@ def test_masked_document_block_goes_to_the_math_kernel_on_cuda(label, monkeypatc
         for _, blk in plan:
             qs, ks, grads = backward_block(kernel, rows, k, v, blk, 0.25)
             assert grads[0].device.type == "cuda"
-        assert mode.ops["aten::masked_fill"] > 0  # the math kernel's mask, on the device
+        masked = sum(blk.mask is not None for _, blk in plan)
+        if label.startswith("sdpa"):
+            biased = [c for c in mode.kernels if c.masked]
+            assert sorted(c.op for c in biased) == sorted(SDPA_MEFF * masked), biased
+        else:
+            assert mode.ops["aten::masked_fill"] > 0  # the math kernel's mask, on the device
+            assert not any(c.masked for c in mode.kernels)
+        check_clean(mode)
+
+
+# ------------------------------------------------------------------ windows on each kernel
+
+WINDOW_LABELS = ["flash_attn 2.5", "flash_attn 2.6", "flash_attn 2.7+", "flash_attn4 beta19+"]
+
+
+def _refuse_math(monkeypatch):
+    """The math kernel fails the case if any block reaches it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a block fell back to the math kernel")
+    monkeypatch.setattr(MathBackend, "forward", refuse)
+    monkeypatch.setattr(MathBackend, "backward", refuse)
+
+
+def _query_positions(comm, layout, rank, world, n):
+    """The global positions whose rows this rank's kernels compute: its own (ring,
+    all-gather), its Ulysses group's (hybrid's ring ranks), every one (Ulysses)."""
+    u = min(PATTERNS[comm], world)
+    group = range(rank // u * u, rank // u * u + u)
+    return torch.cat([rank_positions(n, r, world, layout, ulysses=u) for r in group])
+
+
+@pytest.mark.parametrize("comm,layout,label", [
+    (comm, layout, WINDOW_LABELS[(3 * ci + li) % len(WINDOW_LABELS)])
+    for ci, comm in enumerate(PATTERNS) for li, layout in enumerate(LAYOUTS)])
+def test_windows_reach_flash_attn_as_window_size(comm, layout, label, monkeypatch):
+    """A sliding window on flash-attn 2 (each version's signature) and FlashAttention-4:
+    one rank and 4 simulated ones, windows of 5 (the halo under contiguous and zigzag) and
+    11 (longer than a rank's 8 tokens), every comm and layout, each on one of the four
+    kernels in turn (each kernel meets three comms and every layout). No block falls back
+    to the math kernel; the (query, key) pairs the kernels compute for the windows they
+    get, read as the real kernels read them (cuda_dry.kernel_pairs), are exactly the
+    mask's visible pairs of the rank's rows; each backward call repeats its forward's
+    window."""
+    from ctxpar.context_parallel import AttentionMask
+    from ctxpar.context_parallel.mask import dense_mask
+    _, dtype, ops, _ = BACKENDS[label]
+    windowed = 0
+    with dry.fake_cuda(monkeypatch) as mode:
+        backend = use_backend(monkeypatch, label)
+        _refuse_math(monkeypatch)
+        for w in (5, 11):
+            for world in (1, P):
+                n = S_LOCAL * world
+                for rank in range(world):
+                    start = len(mode.kernels)
+                    q, k, v = (rand(1, S_LOCAL, h, 64, dtype=dtype).requires_grad_()
+                               for h in (4, 2, 2))
+                    out = context_parallel_attention(
+                        q, k, v, comm=comm, layout=layout, backend=backend,
+                        mask=AttentionMask(causal=True, sliding_window=w),
+                        **_groups(comm, rank, world))
+                    check_grads((q, k, v), torch.autograd.grad(out, (q, k, v),
+                                                               rand(*out.shape, dtype=dtype)))
+                    calls = mode.kernels[start:]
+                    fwd = sorted((c.causal, c.window, c.pairs) for c in calls if c.op == ops[0])
+                    bwd = sorted((c.causal, c.window, c.pairs) for c in calls if c.op == ops[1])
+                    assert {c.op for c in calls} <= set(ops) and fwd == bwd, (fwd, bwd)
+                    rows = _query_positions(comm, layout, rank, world, n)
+                    want = int(dense_mask(n, True, w)[rows].sum())
+                    assert sum(p for _, _, p in fwd) == want, (w, world, rank, fwd, want)
+                    windowed += sum(win != (-1, -1) for _, win, _ in fwd)
+        assert windowed > 0
+        check_clean(mode)
+
+
+@pytest.mark.parametrize("comm", ["ring", "ulysses"])
+@pytest.mark.parametrize("label", ["sdpa bf16", "sdpa fp32"])
+def test_windows_on_sdpa_are_tiles_on_the_memory_efficient_op(label, comm, monkeypatch):
+    """sdpa on CUDA has no window argument: a window's blocks come as tiles of 32 query
+    rows, each with its (rows, <= rows + window - 1) mask as the memory-efficient op's
+    attn_bias (never an (n, n) one: Ulysses' 256 gathered tokens included), unmasked
+    pieces on the flash op in bf16; nothing reaches the math kernel."""
+    from ctxpar.context_parallel import AttentionMask
+    _, dtype, _, _ = BACKENDS[label]
+    w, S = 5, 64
+    with dry.fake_cuda(monkeypatch) as mode:
+        _refuse_math(monkeypatch)
+        for rank in range(P):
+            q, k, v = (rand(1, S, h, 64, dtype=dtype).requires_grad_() for h in (4, 2, 2))
+            out = context_parallel_attention(
+                q, k, v, comm=comm, layout="contiguous", backend="sdpa",
+                mask=AttentionMask(causal=True, sliding_window=w), **_groups(comm, rank, P))
+            torch.autograd.grad(out, (q, k, v), rand(*out.shape, dtype=dtype))
+        biased = [c for c in mode.kernels if c.masked]
+        assert biased and {c.op for c in biased} == set(SDPA_MEFF)
+        assert all(c.q_shape[2] <= 32 for c in biased), biased
+        assert {c.op for c in mode.kernels} <= set(SDPA_FLASH) | set(SDPA_MEFF)
         check_clean(mode)
 
 
@@ -409,7 +506,13 @@ def _violations():
         "reading a device result on the host": lambda: q(4).sum().item(),
         "copying a device result to the host": lambda: q(4).exp().cpu(),
         "head_dim 36 into FlashAttention-4": lambda: torch.ops.ctxpar_dry.fa4_fwd(
-            q(1, 16, 2, 36), q(1, 16, 2, 36), q(1, 16, 2, 36), 0.1, False),
+            q(1, 16, 2, 36), q(1, 16, 2, 36), q(1, 16, 2, 36), 0.1, False, -1, -1),
+        "a window side below -1 into flash-attn": lambda: torch.ops.ctxpar_dry.fa2_fwd(
+            q(1, 16, 2, 64), q(1, 16, 2, 64), q(1, 16, 2, 64), 0.1, False, -2, 0),
+        "an unaligned attn_bias into the efficient op": lambda: (
+            f._scaled_dot_product_efficient_attention(
+                q(1, 2, 16, 64), q(1, 2, 12, 64), q(1, 2, 12, 64),
+                q(16, 12).expand(1, 2, 16, 12), True)),
     }
 
 

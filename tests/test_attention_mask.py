@@ -58,11 +58,42 @@ def test_window_matches_transformers_sliding_window_causal_mask():
     assert int(dense_mask(n, True, 3)[10].sum()) == 3
 
 
+def flash_attn_2_visible(L, S, left, right):
+    """(L, S) bool: what flash-attn 2 computes for window_size=(left, right), causal=False,
+    from its source (v2.5 .. v2.8): flash_api.cpp mha_fwd/mha_bwd turn a side >= seqlen_k
+    into -1; set_params_fprop turns a -1 side opposite a set one into seqlen_k (both -1:
+    not local, every pair); mask.h apply_mask_local keeps col_idx_limit_left <= col <
+    col_idx_limit_right, with left limit row + S - L - left and right limit
+    row + 1 + S - L + right."""
+    left, right = (-1 if left >= S else left), (-1 if right >= S else right)
+    if left < 0 and right < 0:
+        return torch.ones(L, S, dtype=torch.bool)
+    left, right = (S if left < 0 else left), (S if right < 0 else right)
+    row, col = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    return (col >= row + S - L - left) & (col < row + 1 + S - L + right)
+
+
+def flash_attn_4_visible(L, S, left, right):
+    """The same for FlashAttention-4 (flash_attn/cute/mask.py, local_row_offset_left/right),
+    window_size_left/right None (ctxpar passes None for -1) = no limit, no rewrites."""
+    row, col = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    vis = torch.ones(L, S, dtype=torch.bool)
+    if left >= 0:
+        vis &= col >= row + S - L - left
+    if right >= 0:
+        vis &= col <= row + S - L + right
+    return vis
+
+
+@pytest.mark.parametrize("banded", [False, True], ids=["tiles", "bands"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_plan_computes_every_visible_pair_once(layout):
+def test_plan_computes_every_visible_pair_once(layout, banded):
     """Every (query, key) pair the window (inside documents) leaves is computed exactly
     once, no block without a visible pair exists, each block's counted pairs are its
-    visible ones, and the ring stops after the last step with work."""
+    visible ones, and the ring stops after the last step with work. Planned for a kernel
+    that takes flash-attn's window_size (bands), every window block is a window call that
+    flash-attn 2 and FlashAttention-4 read alike (their own masks, rewritten above from
+    their sources) and none is masked; for one that does not (tiles), masked tiles."""
     for P, S in ((3, 48), (4, 10)):
         n = P * S
         for w, chunk in ((1, None), (2, None), (37, None), (49, None), (100, None),
@@ -74,14 +105,20 @@ def test_plan_computes_every_visible_pair_once(layout):
                 last_step = 0
                 for r, q_pos in enumerate(shards):
                     for src, k_pos in enumerate(shards):
-                        plan = doc_plan(bounds, q_pos, k_pos, True, w)
+                        plan = doc_plan(bounds, q_pos, k_pos, True, w, banded)
                         if plan:
                             last_step = max(last_step, (r - src) % P)
                         for blk in plan:
                             L, Sk = blk.q1 - blk.q0, blk.k1 - blk.k0
                             vis = (torch.ones(L, Sk, dtype=torch.bool).tril() if blk.causal
                                    else blk.mask if blk.mask is not None
+                                   else flash_attn_2_visible(L, Sk, *blk.window)
+                                   if blk.window is not None
                                    else torch.ones(L, Sk, dtype=torch.bool))
+                            assert (blk.mask is None) if banded else (blk.window is None)
+                            if blk.window is not None:
+                                assert torch.equal(vis, flash_attn_4_visible(L, Sk,
+                                                                             *blk.window))
                             assert blk.pairs() == int(vis.sum()) > 0, (layout, P, w, blk)
                             qi = q_pos[blk.q0:blk.q1, None].expand(L, Sk)[vis]
                             ki = k_pos[None, blk.k0:blk.k1].expand(L, Sk)[vis]
@@ -95,6 +132,74 @@ def test_plan_computes_every_visible_pair_once(layout):
                     assert last_step == min(P - 1, -(-(w - 1) // S)), (P, S, w)
 
 
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bands_on_a_window_kernel_match_one_process(layout):
+    """Each of 4 ranks' queries against every rank's keys, block by block as the ring and
+    all-gather compute them (blocks.step_plan), on flash_attn's adapter over the math
+    kernel with flash-attn 2's window (FlashOnCpu): every window block reaches it as a
+    window call, none masked, and the merged out and LSE, then dq and each rank's dk, dv
+    from the blocks' backward, equal one process with the dense mask (fp32 rounding), GQA:
+    a window of 37 on 48-token shards, one of 100, and 37 inside documents and chunks."""
+    from ctxpar.context_parallel.blocks import QueryRows, backward_block, forward_block_, step_plan
+    from ctxpar.context_parallel.merge import empty_accumulators
+    from ctxpar.testing.attention import FlashOnCpu
+    kernel, g = FlashOnCpu(), torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(2, N, h, 16, generator=g) for h in (4, 2, 2, 4))
+    for w, cu, chunk in ((37, None, None), (100, None, None), (37, CU, 40)):
+        bounds = with_chunks(torch.tensor([0, N], dtype=torch.int32) if cu is None else cu, chunk)
+        mask = AttentionMask(True, w, [bounds.long()] * 2)
+        ref = [x.clone().requires_grad_() for x in (q, k, v)]
+        want_o, want_lse = reference(*ref, dense_mask(N, True, w, cu, chunk).expand(2, N, N),
+                                     0.25)
+        want = (want_o, want_lse, *torch.autograd.grad(want_o, ref, dout))
+        pos = [rank_positions(N, r, WORLD, layout) for r in range(WORLD)]
+        dk, dv, blocks = torch.zeros_like(k), torch.zeros_like(v), []
+        for r in range(WORLD):
+            qr, plans = q[:, pos[r]], [(src, step_plan(layout, True, r, src, S_LOCAL, WORLD,
+                                                       mask, banded=True))
+                                       for src in range(WORLD)]
+            blocks += [blk for _, plan in plans for _, blk in plan]
+            out, lse = empty_accumulators(qr)
+            for src, plan in plans:
+                for b, blk in plan:
+                    forward_block_(kernel, qr, k[:, pos[src]], v[:, pos[src]], blk, 0.25, out,
+                                   lse, b)
+            torch.testing.assert_close(out, want[0][:, pos[r]], atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(lse, want[1][:, :, pos[r]], atol=2e-5, rtol=1e-5)
+            rows, dq = QueryRows(dout[:, pos[r]], qr, out, lse), torch.zeros_like(qr)
+            for src, plan in plans:
+                for b, blk in plan:
+                    qs, ks, grads = backward_block(kernel, rows, k[:, pos[src]],
+                                                   v[:, pos[src]], blk, 0.25, b)
+                    dq[b, qs] += grads[0]
+                    dk[b, pos[src][ks]] += grads[1]
+                    dv[b, pos[src][ks]] += grads[2]
+            torch.testing.assert_close(dq, want[2][:, pos[r]], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close((dk, dv), want[3:], atol=2e-5, rtol=1e-5)
+        assert any(blk.window is not None for blk in blocks)
+        assert all(getattr(blk, "mask", None) is None for blk in blocks)
+
+
+def test_a_flash_attn_without_window_size_gets_masked_tiles():
+    """flash-attn < 2.3 has no window_size: its adapter says so (the plan then makes masked
+    tiles, which block_kernel sends to math), and a window call is refused rather than the
+    window dropped by the call-by-signature (flash-attn 2.2's signatures)."""
+    from ctxpar.context_parallel.kernels import BACKENDS, FlashAttnBackend, block_kernel
+    from ctxpar.testing.attention import FlashOnCpu
+
+    def forward(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
+        raise AssertionError("not reached")
+
+    def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                 causal, rng_state=None):
+        raise AssertionError("not reached")
+    old, q = FlashAttnBackend(forward, backward, ("cpu",)), torch.zeros(1, 4, 2, 8)
+    assert not old.native_window(q) and FlashOnCpu().native_window(q)
+    assert block_kernel(old, q, windowed=True) is BACKENDS["math"]
+    with pytest.raises(RuntimeError, match=r"takes no window_size \(flash-attn < 2.3\)"):
+        old.forward(q, q, q, False, 0.25, window=(3, 0))
 
 
 def test_chunks_match_transformers_chunked_causal_mask():

@@ -138,15 +138,18 @@ def flash_on_cpu(monkeypatch):
 
 
 def test_document_masking_runs_on_a_backend_without_masks(flash_on_cpu):
-    """flash_attn (and CUDA's sdpa) take no explicit mask: every document block is one of
-    their dense or causal calls, and the rare irregular block goes to the math kernel
-    (block_kernel). Scattered shards force such blocks; the result is still exact."""
+    """flash_attn takes no explicit mask (but a window): every document block is one of
+    its dense or causal calls, and the rare irregular block goes to the math kernel
+    (block_kernel); sdpa takes masks (CPU and CUDA) but no window. Scattered shards force
+    such blocks; the result is still exact."""
     from ctxpar.context_parallel.kernels import BACKENDS, block_kernel
     q = torch.zeros(1, 4, 2, 8)
     assert block_kernel(BACKENDS["flash_attn"], q, masked=True) is BACKENDS["math"]
     assert block_kernel(BACKENDS["flash_attn"], q, masked=False) is BACKENDS["flash_attn"]
+    assert block_kernel(BACKENDS["flash_attn"], q, windowed=True) is BACKENDS["flash_attn"]
     assert block_kernel(BACKENDS["sdpa"], q, masked=True) is BACKENDS["sdpa"]  # CPU op masks
-    assert not BACKENDS["sdpa"].takes_mask(torch.zeros(1, device="meta"))   # CUDA: math
+    assert block_kernel(BACKENDS["sdpa"], q, windowed=True) is BACKENDS["math"]
+    assert not BACKENDS["sdpa"].takes_mask(torch.zeros(1, device="meta"))  # no op there
     _masked_blocks_match_reference(("flash_attn",))
 
 

@@ -6,7 +6,8 @@ They check the per-block CUDA kernels (torch's flash / memory-efficient ops with
 Dao's flash-attn when installed) against the fp32 math backend, including the non-square
 and causal-diagonal blocks the ring uses; every CP pattern's schedule on 4 simulated
 ranks on CUDA against the same schedule on the CPU (merges, accumulators, layouts); the
-fused LSE merge over many shapes; and the GPT on CUDA in bf16. tests/test_cuda_dry.py
+fused LSE merge over many shapes; sliding windows (flash-attn's window calls, sdpa's masked
+tiles on the memory-efficient op); and the GPT on CUDA in bf16. tests/test_cuda_dry.py
 runs the same code paths on fake CUDA tensors in CI; tools/gpu_check.py runs this file.
 """
 import pytest
@@ -86,6 +87,89 @@ def test_flash_attn4_blocks_match_math():
     _skip_unless_usable(backend)
     # head_dim 64 and 128 only (its kernels' sizes): GQA 8/2 and MQA 8/1.
     assert _check_backend(backend, heads=[(8, 2, 64), (8, 1, 128)]) == 8
+
+
+# (L, S, window): flash-attn window calls as the band plan makes them (bands.py): the
+# causal window on a square block, its band against earlier keys, one with both sides set
+WINDOW_CASES = [(128, 128, (36, 0)), (64, 128, (37, 0)), (96, 128, (20, 5)),
+                (128, 128, (-1, 0))]
+
+
+def _check_masked_blocks(backend, window_kw: bool, heads=HEADS) -> int:
+    """Each WINDOW_CASES block against the math kernel with the same visible pairs: as
+    `window=` (flash-attn, FlashAttention-4) or as the band's explicit `mask=` (sdpa: its
+    memory-efficient op's attn_bias on CUDA); returns how many ran."""
+    from ctxpar.context_parallel.bands import band_mask
+    ref, scale, ran = MathBackend(), 0.125, 0
+    for (L, S, window), (H, Hkv, D), dtype in ((c, h, d) for c in WINDOW_CASES for h in heads
+                                               for d in (torch.bfloat16, torch.float32)):
+        if not backend.available(torch.empty(1, 1, H, D, device="cuda", dtype=dtype)):
+            continue
+        ran += 1
+        q, k, v, dout = _inputs(L, S, H, Hkv, D, dtype, seed=ran)
+        kw = ({"window": window} if window_kw
+              else {"mask": band_mask(L, S, window, device="cuda")})
+        out, lse = backend.forward(q, k, v, False, scale, **kw)
+        grads = backend.backward(dout, q, k, v, out, lse, False, scale, **kw)
+        fq, fk, fv = q.float(), k.float(), v.float()
+        want_out, want_lse = ref.forward(fq, fk, fv, False, scale, window=window)
+        want = ref.backward(dout.float(), fq, fk, fv, want_out, want_lse, False, scale,
+                            window=window)
+        where = f"{backend.name} L={L} S={S} window={window} H={H}/{Hkv} D={D} {dtype}"
+        torch.testing.assert_close(out.float(), want_out, **tolerance(dtype, want_out), msg=where)
+        torch.testing.assert_close(lse, want_lse, **tolerance(dtype, want_lse), msg=where)
+        for got, exp, name in zip(grads, want, ("dq", "dk", "dv")):
+            torch.testing.assert_close(got.float(), exp, **tolerance(dtype, exp),
+                                       msg=f"{where} {name}")
+    return ran
+
+
+def test_sdpa_cuda_masked_blocks_match_math():
+    """A window's tile on CUDA: the memory-efficient op with the mask as attn_bias."""
+    assert _check_masked_blocks(SdpaBackend(), window_kw=False) == 24
+
+
+def test_flash_attn_window_blocks_match_math():
+    backend = FlashAttnBackend()
+    _skip_unless_usable(backend)
+    assert _check_masked_blocks(backend, window_kw=True) == 12  # bf16 only
+
+
+def test_flash_attn4_window_blocks_match_math():
+    backend = FlashAttn4Backend()
+    _skip_unless_usable(backend)
+    assert _check_masked_blocks(backend, True, heads=[(8, 2, 64), (8, 1, 128)]) == 8
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash_attn"])
+def test_sliding_window_on_cuda_matches_the_dense_reference(backend, monkeypatch):
+    """A window of 37 inside documents on one process (the whole sequence's plan, as
+    Ulysses makes it), bf16, GQA: sdpa's masked tiles, flash-attn's window calls (the real
+    kernels when usable, else its adapter over stand-ins on CUDA), against the fp32 dense
+    mask on the CPU."""
+    from ctxpar.context_parallel import AttentionMask, kernels
+    from ctxpar.context_parallel.mask import dense_mask
+    from ctxpar.testing.attention import FlashOnCpu
+    if backend == "flash_attn" and not FlashAttnBackend().available(
+            torch.empty(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)):
+        monkeypatch.setitem(kernels.BACKENDS, "flash_attn", FlashOnCpu(("cuda",)))
+    n, cu = 256, torch.tensor([0, 1, 40, 200, 256], dtype=torch.int32)
+    q, k, v, dout = _inputs(n, n, 8, 2, 64, torch.bfloat16, seed=3)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = ring_attention(q, k, v, backend=backend, return_lse=True, mask=AttentionMask(
+        causal=True, sliding_window=37, cu_seqlens=cu))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = [x.detach().float().cpu().requires_grad_() for x in (q, k, v)]
+    kr, vr = (x.repeat_interleave(4, dim=2) for x in ref[1:])  # GQA 8/2
+    s = torch.einsum("blhd,bshd->bhls", ref[0], kr) * 64 ** -0.5
+    s = s.masked_fill(~dense_mask(n, True, 37, cu), float("-inf"))  # each row sees itself
+    want_out, want_lse = torch.einsum("bhls,bshd->blhd", s.softmax(-1), vr), s.logsumexp(-1)
+    want = torch.autograd.grad(want_out, ref, dout.float().cpu())
+    torch.testing.assert_close(out.float().cpu(), want_out.detach(),
+                               **tolerance(torch.bfloat16, want_out))
+    torch.testing.assert_close(lse.cpu(), want_lse, **tolerance(torch.bfloat16, want_lse))
+    for got, exp in zip(grads, want):
+        torch.testing.assert_close(got.float().cpu(), exp, **tolerance(torch.bfloat16, exp))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])

@@ -14,6 +14,7 @@ One file per communication pattern, beside the pieces they share:
     mask.py       AttentionMask: causal, sliding window, documents, chunks, sinks
     sinks.py      attention sinks: one more softmax term per head, after the merge
     kernels.py    per-block kernels with log-sum-exp: flash_attn, sdpa, math
+    bands.py      flash-attn's window_size on a block; a window's band as window calls
     merge.py      the log-sum-exp merge of two partial results
     comm.py       RingComm (P2P) and the all-gather / reduce-scatter / all-to-all calls
     stats.py      cp_stats(): bytes, FLOPs, kernel and communication calls per rank

@@ -28,7 +28,7 @@ import torch
 
 from functools import partial
 
-from .blocks import QueryRows, backward_block, forward_block_, step_plan
+from .blocks import QueryRows, backward_block, banded, forward_block_, step_plan
 from .comm import all_gather, group_rank_and_size, reduce_scatter
 from .halo import halo_applies, halo_backward, halo_forward
 from .merge import empty_accumulators
@@ -36,15 +36,16 @@ from .sinks import finish
 
 
 def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causal: bool,
-                   mask=None):
+                   mask=None, bands=False):
     """(src, samples, block, K,V of rank src) for every block with a visible pair, the
     local slot first (its K,V are here before the gather lands); waits for the gather only
     when a remote slot is needed, and before returning in any case (the collective
     completes). kv (2, B, S, Hkv, D) local; gathered (P, 2, B, S, Hkv, D) in group-rank
-    order; mask: None (plain causal or full) or the AttentionMask (mask.py) to plan by."""
+    order; mask: None (plain causal or full) or the AttentionMask (mask.py) to plan by;
+    bands: plan a window as flash-attn window calls (blocks.banded)."""
     S = kv.shape[2]
     for src in [rank] + [s for s in range(world) if s != rank]:
-        for b, blk in step_plan(layout, causal, rank, src, S, world, mask):
+        for b, blk in step_plan(layout, causal, rank, src, S, world, mask, bands):
             if src != rank and work is not None:
                 work.wait()
                 work = None
@@ -62,7 +63,7 @@ def allgather_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, 
     gathered, work = all_gather(kv, group, "fwd", async_op=True)   # (P, 2, B, S, Hkv, D)
     out, lse = empty_accumulators(q)
     for _, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
-                                          mask):
+                                          mask, banded(kernel, q)):
         forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse, b)
     return finish(out, lse, q.dtype, sinks)
 
@@ -81,7 +82,7 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, ke
     dkv = torch.zeros((world, *kv.shape), dtype=torch.float32, device=q.device)
     rows = QueryRows(dout, q, out, lse)
     for src, b, blk, slot in _visible_slots(kv, gathered, work, rank, world, layout, causal,
-                                            mask):
+                                            mask, banded(kernel, q)):
         qs, ks, g = backward_block(kernel, rows, slot[0], slot[1], blk, scale, b)
         dq[b, qs] += g[0]
         dkv[src, 0, b, ks] += g[1]

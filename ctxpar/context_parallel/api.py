@@ -116,9 +116,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     mask: the whole description instead of `causal` and `cu_seqlens` (mask.AttentionMask:
     causal, sliding_window, cu_seqlens, chunk_size, sinks); give one form or the other, not
     both. Blocks with no visible pair get no kernel call and the ring stops after the last
-    step with one. Chunks are documents cut every chunk_size tokens (inside any given
-    ones); sinks (heads,) join every row's softmax after the merge (sinks.py), on every
-    comm and backend, and get this rank's share of their gradient.
+    step with one. A window reaches flash_attn and flash_attn4 as their window_size (one
+    call per band, bands.py), the other backends as tiles of rows with a mask each (sdpa's
+    attn_mask / attn_bias, math). Chunks are documents cut every chunk_size tokens
+    (inside any given ones); sinks (heads,) join every row's softmax after the merge
+    (sinks.py), on every comm and backend, and get this rank's share of their gradient.
 
     Returns out (batch, local_seq, heads, head_dim) in q's dtype, and with return_lse also
     lse (batch, heads, local_seq) fp32 (not differentiable).

@@ -64,15 +64,24 @@ def block_plan(layout: str, causal: bool, rank: int, src: int, local_seq: int) -
     return Block(1, S, 0, S - 1, True) if S > 1 else None
 
 
-def step_plan(layout, causal, rank, src, S, world, mask=None):
+def step_plan(layout, causal, rank, src, S, world, mask=None, banded=False):
     """[(samples, block)] this rank computes against the keys of rank `src`: one block for
     the whole batch (block_plan); with an AttentionMask (mask.py) of documents, windows or
     both, the sub-blocks with a visible pair (documents.doc_plan): per document the two
-    sides share, per sample, or for the whole batch when there are no documents."""
+    sides share, per sample, or for the whole batch when there are no documents. banded:
+    the kernel takes flash-attn's window_size (``banded(kernel, q)``), so a window's
+    blocks are bands (bands.py), not masked tiles."""
     if mask is None or mask.plain:
         blk = block_plan(layout, causal, rank, src, S)
         return [] if blk is None else [(slice(None), blk)]
-    return _mask_step_plan(layout, causal, rank, src, S, world, mask_key(mask))
+    banded = banded and mask.sliding_window is not None  # the same plan otherwise
+    return _mask_step_plan(layout, causal, rank, src, S, world, mask_key(mask), banded)
+
+
+def banded(kernel, q: torch.Tensor) -> bool:
+    """Whether `kernel` skips a window's hidden pairs itself (flash-attn's window_size):
+    then the plan hands it whole bands; else tiles of rows, each with its mask."""
+    return kernel.native_window(q)
 
 
 def ring_steps(layout, causal, S, world, mask=None) -> int:
@@ -108,12 +117,12 @@ def sample_bounds(docs, n: int):
 # Plans depend only on the mask and shapes: made once per micro-batch for every layer,
 # forward and backward (a few small tensor ops per document otherwise).
 @lru_cache(maxsize=4096)
-def _mask_step_plan(layout, causal, rank, src, S, world, key):
+def _mask_step_plan(layout, causal, rank, src, S, world, key, banded=False):
     window, docs = key
     q_pos = rank_positions(S * world, rank, world, layout)
     k_pos = q_pos if src == rank else rank_positions(S * world, src, world, layout)
     return [(b, blk) for b, cu in sample_bounds(docs, S * world)
-            for blk in doc_plan(cu, q_pos, k_pos, causal, window)]
+            for blk in doc_plan(cu, q_pos, k_pos, causal, window, banded)]
 
 
 @lru_cache(maxsize=256)
@@ -124,11 +133,16 @@ def _mask_ring_steps(layout, causal, S, world, key) -> int:
 
 
 def _kernel_for(kernel, blk, q: torch.Tensor):
-    """(kernel, its mask keyword) for one block: a documents.DocBlock's explicit mask, on
-    the math kernel where `kernel` takes none (kernels.block_kernel); plain Blocks have no
-    mask and keep `kernel`. The plan, mask included, is made on the host (documents.py);
-    the mask goes to q's device here, where the host plan meets the device kernel (a
-    host-to-device copy of the rare masked block's (L, S) bools, no synchronisation)."""
+    """(kernel, its mask or window keyword) for one block: a documents.DocBlock's explicit
+    mask, on the math kernel where `kernel` takes none, or its flash-attn window, on the
+    math kernel where `kernel` takes none (kernels.block_kernel; the plan gives bands only
+    to kernels that take them); plain Blocks keep `kernel`. The plan, mask included, is
+    made on the host (documents.py); the mask goes to q's device here, where the host plan
+    meets the device kernel (a host-to-device copy of the masked block's (L, S) bools, no
+    synchronisation)."""
+    window = getattr(blk, "window", None)
+    if window is not None:
+        return block_kernel(kernel, q, windowed=True), {"window": window}
     mask = getattr(blk, "mask", None)
     if mask is None:
         return kernel, {}

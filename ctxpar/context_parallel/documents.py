@@ -22,7 +22,10 @@ step whose keys share no document with the queries is skipped. A sub-block is co
     masked      any other shape: an explicit (Lq, Lk) causal mask
     skipped     every key follows every query
 
-so the kernels evaluate ~sum over documents of len^2/2 pairs instead of n^2/2.
+so the kernels evaluate ~sum over documents of len^2/2 pairs instead of n^2/2. A causal
+sliding window inside each document (``_window_plan``) is planned for the kernel that
+runs it: a band per (query run, key run) for kernels that take flash-attn's window_size
+(bands.py), else tiles of rows with an explicit mask each.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ import weakref
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
+
+from .bands import Window, band_pairs, fit_band
 
 
 class DocBlock(NamedTuple):
@@ -41,11 +46,14 @@ class DocBlock(NamedTuple):
     k1: int
     causal: bool                   # the kernel's causal mask (square, same positions)
     mask: Optional[torch.Tensor]   # (q1-q0, k1-k0) bool, True = visible; None = all visible
+    window: Optional[Window] = None  # flash-attn's window_size (bands.py), bottom-right
 
     def pairs(self) -> int:  # visible (query, key) pairs: what the FLOP counters count
         L, S = self.q1 - self.q0, self.k1 - self.k0
         if self.mask is not None:
             return int(self.mask.sum())
+        if self.window is not None:
+            return band_pairs(L, S, self.window)
         return L * (L + 1) // 2 if self.causal else L * S
 
 
@@ -87,15 +95,17 @@ def _runs(ids: torch.Tensor):
 
 
 def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-             causal: bool, window: Optional[int] = None) -> List[DocBlock]:
+             causal: bool, window: Optional[int] = None, banded: bool = False
+             ) -> List[DocBlock]:
     """The sub-blocks of (queries at q_pos) x (keys at k_pos) that document masking (and a
     causal sliding window inside each document, mask.py) leaves.
 
     q_pos, k_pos: ascending global positions (rank_positions) of the local queries and of
-    the visiting keys.
+    the visiting keys. banded: the kernel takes flash-attn's window_size (a window's
+    blocks become bands, not masked tiles).
     """
     if window is not None:
-        return _window_plan(cu, q_pos, k_pos, window)
+        return _window_plan(cu, q_pos, k_pos, window, banded)
     q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
     plan = []
     for d, (q0, q1) in q_runs.items():
@@ -114,46 +124,97 @@ def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
     return plan
 
 
-def _window_plan(cu, q_pos, k_pos, window: int) -> List[DocBlock]:
-    """Per shared document, per tile of `window` query rows (at least 32), the keys with a
-    visible pair under the causal window, as one kernel call: unmasked when every pair is
-    visible, the kernel's causal on the same positions when the window hides none of the
-    causal pairs, else the band as an explicit (tile, <= tile + window) mask. Tiling keeps
-    the masks (and the host work) O(rows x window), never O(rows x keys). Nothing visible:
-    no block."""
+def _window_plan(cu, q_pos, k_pos, window: int, banded: bool) -> List[DocBlock]:
+    """Per shared document, the pairs the causal window leaves: as flash-attn window calls
+    where the kernel takes them (``_band_plan``), else as masked tiles (``_tile_plan``).
+    Nothing visible: no block."""
     q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
-    tile = max(window, 32)
     plan = []
     for d, (q0, q1) in q_runs.items():
-        if d not in k_runs:
+        if d in k_runs:
+            k0, k1 = k_runs[d]
+            place = _band_plan if banded else _tile_plan
+            plan.extend(place(q0, k0, q_pos[q0:q1], k_pos[k0:k1], window))
+    return plan
+
+
+def _band_plan(q0, k0, qp, kp, window: int, max_runs: int = 16) -> List[DocBlock]:
+    """One document's queries (positions qp, rows from q0) and keys (kp, rows from k0) as
+    band blocks (bands.fit_band): the whole document at once when both sides go up by one
+    step (contiguous, striped), else per (query run, key run) of consecutive positions
+    (zigzag's chunks, up to max_runs pairs); a piece no window expresses gets masked tiles.
+    O(rows) host work: each row's keys are found by binary search, no (rows, keys) mask
+    is made."""
+    whole = _bands(q0, k0, qp, kp, window)
+    if whole is not None:
+        return whole
+    q_runs, k_runs = _consecutive_runs(qp), _consecutive_runs(kp)
+    if len(q_runs) * len(k_runs) > max_runs:
+        return _tile_plan(q0, k0, qp, kp, window)
+    plan = []
+    for a, b in q_runs:
+        for c, e in k_runs:
+            part = _bands(q0 + a, k0 + c, qp[a:b], kp[c:e], window)
+            plan.extend(part if part is not None
+                        else _tile_plan(q0 + a, k0 + c, qp[a:b], kp[c:e], window))
+    return plan
+
+
+def _bands(q0, k0, qp, kp, window: int) -> Optional[List[DocBlock]]:
+    """qp x kp under the causal window as band blocks, or None where no window fits."""
+    lo = torch.searchsorted(kp, qp - window + 1)    # first key each query sees
+    hi = torch.searchsorted(kp, qp, right=True)     # one past its last
+    rows = (hi > lo).nonzero().flatten()
+    plan = []
+    for i, j in (_consecutive_runs(rows) if len(rows) else []):
+        a, b = int(rows[i]), int(rows[j - 1]) + 1  # runs of rows that see something
+        pieces = fit_band(lo[a:b], hi[a:b])
+        if pieces is None:
+            return None
+        for r0, r1, c0, c1, win in pieces:
+            blk = (q0 + a + r0, q0 + a + r1, k0 + c0, k0 + c1)
+            if win is None:
+                plan.append(DocBlock(*blk, False, None))
+            elif win == (-1, 0) and r1 - r0 == c1 - c0:  # the square causal diagonal
+                plan.append(DocBlock(*blk, True, None))
+            else:
+                plan.append(DocBlock(*blk, False, None, win))
+    return plan
+
+
+def _tile_plan(q0, k0, qp, kp, window: int) -> List[DocBlock]:
+    """Per tile of `window` query rows (at least 32), the keys with a visible pair under the
+    causal window, as one kernel call: unmasked when every pair is visible, the kernel's
+    causal on the same positions when the window hides none of the causal pairs, else the
+    band as an explicit (tile, <= tile + window) mask. Tiling keeps the masks (and the
+    host work) O(rows x window), never O(rows x keys)."""
+    tile = max(window, 32)
+    plan = []
+    for t0 in range(0, len(qp), tile):
+        tq = qp[t0:t0 + tile]
+        # keys at positions [first query - window + 1, last query]: a column range
+        c = int(torch.searchsorted(kp, tq[0] - window + 1))
+        e = int(torch.searchsorted(kp, tq[-1], right=True))
+        if c >= e:
             continue
-        k0, k1 = k_runs[d]
-        kp = k_pos[k0:k1]
-        for t0 in range(q0, q1, tile):
-            qp = q_pos[t0:min(t0 + tile, q1)]
-            # keys at positions [first query - window + 1, last query]: a column range
-            c = int(torch.searchsorted(kp, qp[0] - window + 1))
-            e = int(torch.searchsorted(kp, qp[-1], right=True))
-            if c >= e:
-                continue
-            diff = qp[:, None] - kp[None, c:e]
-            vis = (diff >= 0) & (diff < window)
-            # one block per run of rows that see something (no kernel gets a blind row)
-            rows = vis.any(dim=1).nonzero().flatten()
-            for i, j in (_consecutive_runs(rows) if len(rows) else []):
-                a, b = int(rows[i]), int(rows[j - 1]) + 1
-                sub = vis[a:b]
-                cols = sub.any(dim=0).nonzero().flatten()
-                c2, e2 = int(cols[0]), int(cols[-1]) + 1
-                sub = sub[:, c2:e2]
-                blk = (t0 + a, t0 + b, k0 + c + c2, k0 + c + e2)
-                if sub.all():
-                    plan.append(DocBlock(*blk, False, None))
-                elif b - a == e2 - c2 and torch.equal(qp[a:b], kp[c + c2:c + e2]) \
-                        and torch.equal(sub, torch.ones_like(sub).tril()):
-                    plan.append(DocBlock(*blk, True, None))
-                else:
-                    plan.append(DocBlock(*blk, False, sub.clone()))
+        diff = tq[:, None] - kp[None, c:e]
+        vis = (diff >= 0) & (diff < window)
+        # one block per run of rows that see something (no kernel gets a blind row)
+        rows = vis.any(dim=1).nonzero().flatten()
+        for i, j in (_consecutive_runs(rows) if len(rows) else []):
+            a, b = int(rows[i]), int(rows[j - 1]) + 1
+            sub = vis[a:b]
+            cols = sub.any(dim=0).nonzero().flatten()
+            c2, e2 = int(cols[0]), int(cols[-1]) + 1
+            sub = sub[:, c2:e2]
+            blk = (q0 + t0 + a, q0 + t0 + b, k0 + c + c2, k0 + c + e2)
+            if sub.all():
+                plan.append(DocBlock(*blk, False, None))
+            elif b - a == e2 - c2 and torch.equal(tq[a:b], kp[c + c2:c + e2]) \
+                    and torch.equal(sub, torch.ones_like(sub).tril()):
+                plan.append(DocBlock(*blk, True, None))
+            else:
+                plan.append(DocBlock(*blk, False, sub.clone()))
     return plan
 
 

@@ -36,8 +36,8 @@ from typing import List, NamedTuple, Tuple
 import torch
 import torch.distributed as dist
 
-from .blocks import (QueryRows, backward_block, forward_block_, mask_key, sample_bounds,
-                     step_plan)
+from .blocks import (QueryRows, backward_block, banded, forward_block_, mask_key,
+                     sample_bounds, step_plan)
 from .comm import NoComm, group_rank_and_size
 from .documents import doc_plan
 from .layouts import rank_positions
@@ -98,15 +98,15 @@ def _links(layout: str, rank: int, world: int, S: int, key) -> Links:
 
 
 @lru_cache(maxsize=1024)
-def _halo_plan(layout: str, rank: int, S: int, world: int, key):
+def _halo_plan(layout: str, rank: int, S: int, world: int, key, bands: bool):
     """[(samples, block)] of the local queries against the received halo tokens (in the
-    order of Links.recvs, concatenated)."""
+    order of Links.recvs, concatenated); bands for a kernel that takes windows."""
     window, docs = key
     q_pos = rank_positions(S * world, rank, world, layout)
     k_pos = torch.cat([torch.arange(p, p + h)
                        for _, p, h in _links(layout, rank, world, S, key).recvs])
     return [(b, blk) for b, cu in sample_bounds(docs, S * world)
-            for blk in doc_plan(cu, q_pos, k_pos, True, window)]
+            for blk in doc_plan(cu, q_pos, k_pos, True, window, bands)]
 
 
 def _peer(group, rank: int) -> int:
@@ -147,12 +147,13 @@ def halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks=None
     links = _links(layout, rank, world, S, key)
     bufs, reqs = _halo_kv(k, v, links, group, "fwd")
     out, lse = empty_accumulators(q)
-    for b, blk in step_plan(layout, causal, rank, rank, S, world, mask):
+    bands = banded(kernel, q)
+    for b, blk in step_plan(layout, causal, rank, rank, S, world, mask, bands):
         forward_block_(kernel, q, k, v, blk, scale, out, lse, b)
     _wait(reqs)
     if bufs:
         halo = torch.cat(bufs, dim=2)  # (2, B, received tokens, Hkv, D)
-        for b, blk in _halo_plan(layout, rank, S, world, key):
+        for b, blk in _halo_plan(layout, rank, S, world, key, bands):
             forward_block_(kernel, q, halo[0], halo[1], blk, scale, out, lse, b)
     return finish(out, lse, q.dtype, sinks)
 
@@ -167,7 +168,8 @@ def halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     rows = QueryRows(dout.contiguous(), q, out, lse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-    for b, blk in step_plan(layout, causal, rank, rank, S, world, mask):
+    bands = banded(kernel, q)
+    for b, blk in step_plan(layout, causal, rank, rank, S, world, mask, bands):
         qs, ks, g = backward_block(kernel, rows, k, v, blk, scale, b)
         dq[b, qs] += g[0]
         dkv[0, b, ks] += g[1]
@@ -177,7 +179,7 @@ def halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     if bufs:
         halo = torch.cat(bufs, dim=2)
         dhalo = torch.zeros(halo.shape, dtype=torch.float32, device=q.device)
-        for b, blk in _halo_plan(layout, rank, S, world, key):
+        for b, blk in _halo_plan(layout, rank, S, world, key, bands):
             qs, ks, g = backward_block(kernel, rows, halo[0], halo[1], blk, scale, b)
             dq[b, qs] += g[0]
             dhalo[0, b, ks] += g[1]

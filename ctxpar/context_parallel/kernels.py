@@ -6,6 +6,10 @@ One interface, public layout (B, S, H, D):
                                                           # lse (B, H, L) fp32 (maybe strided)
     dq, dk, dv = backend.backward(dout, q, k, v, out, lse, causal, scale)
 
+A block may also carry ``mask=`` (an (L, S) bool, True = visible) where ``takes_mask(q)``,
+or ``window=(left, right)`` (flash-attn's window_size, bottom-right aligned: bands.py)
+where ``native_window(q)``; ``block_kernel`` sends any other such block to math.
+
 q has H heads, k/v have Hkv heads (H % Hkv == 0, GQA/MQA); dk/dv come back at Hkv heads.
 ``causal=True`` means the top-left-aligned mask of the fused kernels (query i sees keys
 0..i), which is the true causal mask only for square blocks: the ring uses it only there.
@@ -14,20 +18,24 @@ them, softmax(q k^T) of the block is already normalised by the full row, so the 
 dq/dk/dv are exactly its share of the full gradient (ring-flash-attention does the same).
 
 - flash_attn: Dao's ``flash_attn_interface._flash_attn_forward/_backward`` (CUDA, fp16/bf16,
-  native GQA). Their signatures changed across 2.x releases; they are called by keyword
-  after reading the signature, see ``_call_by_signature``.
+  native GQA, a window as ``window_size``). Their signatures changed across 2.x releases;
+  they are called by keyword after reading the signature, see ``_call_by_signature``.
 - sdpa: PyTorch's fused kernels. CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (+
-  backward). CUDA: ``_scaled_dot_product_flash_attention`` for fp16/bf16, else
-  ``_scaled_dot_product_efficient_attention`` (+ backwards). They want (B, H, S, D) and, on
+  backward), a mask as its attn_mask. CUDA: ``_scaled_dot_product_flash_attention`` for
+  fp16/bf16, else ``_scaled_dot_product_efficient_attention`` (+ backwards); a masked
+  block (a window's tile, a rare document block) on the memory-efficient op in every
+  dtype, the mask as its attn_bias (the flash op takes none). They want (B, H, S, D) and, on
   CUDA, head_dim a multiple of 8 (zero-padded here, which changes neither q k^T nor the
   kept columns of out). GQA: the flash kernels (CPU and CUDA) take Hkv < H natively and
   return dK/dV at Hkv heads; only the memory-efficient kernel (fp32 on CUDA) needs K,V
   expanded to H heads and dK/dV summed back (``native_gqa``).
 - flash_attn4: FlashAttention-4 (``pip install flash-attn-4[cu13]``, CuTe DSL kernels in
   ``flash_attn.cute.interface``): CUDA sm90+ (Hopper, Blackwell), fp16/bf16, head_dim 64,
-  96 or 128, native GQA; each new shape JIT-compiles on first call (seconds). Chosen by
-  name only: ``auto`` does not prefer it until it has been run and timed on a GPU here.
-- math: plain torch in fp32, O(L*S) memory. The reference; any device, any dtype.
+  96 or 128, native GQA, a window as ``window_size_left/right``; each new shape
+  JIT-compiles on first call (seconds). Chosen by name only: ``auto`` does not prefer it
+  until it has been run and timed on a GPU here.
+- math: plain torch in fp32, O(L*S) memory. The reference; any device, any dtype, masks
+  and windows (the latter with flash-attn 2's exact semantics, bands.band_mask).
 
 ``get_backend("auto", q)`` picks flash_attn > sdpa > math and logs once per device and
 dtype which kernel it chose and why the faster ones were passed over (a flash-attn that
@@ -46,6 +54,8 @@ from typing import Callable, Dict, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from .bands import band_mask
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -75,12 +85,15 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _mask_bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """(L, S) bool visible-mask -> the additive (L, S) bias in q's dtype the CPU flash op
-    takes (it refuses bool masks). Only the CPU sdpa kernel takes a mask this way; on
-    other devices and backends a masked block goes to the math kernel (block_kernel)."""
-    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-        ~mask, float("-inf"))
+def _mask_bias(mask: torch.Tensor, q: torch.Tensor, align: int = 1) -> torch.Tensor:
+    """(L, S) bool visible-mask -> the additive (L, S) bias in q's dtype the sdpa ops take
+    (the CPU flash op refuses bool masks), its rows `align`-element aligned: a view of an
+    (L, S rounded up to align) tensor, as torch's own sdpa pads a bias for the
+    memory-efficient kernel (attention.cpp preprocess_mask, alignment 16)."""
+    L, S = mask.shape
+    bias = torch.zeros((L, -(-S // align) * align), dtype=q.dtype, device=q.device)
+    bias[:, :S].masked_fill_(~mask, float("-inf"))
+    return bias[:, :S]
 
 
 def _pad_head_dim(x: torch.Tensor, multiple: int = 8) -> torch.Tensor:
@@ -99,26 +112,33 @@ class MathBackend:
     def takes_mask(self, q: torch.Tensor) -> bool:
         return True
 
-    def _scores(self, q, k, causal, scale, mask=None):  # (B, H, L, S) fp32
+    def native_window(self, q: torch.Tensor) -> bool:
+        """It runs a window block (forward's window=), but computes every pair of it: the
+        plan gives it tiles with masks instead (blocks.banded)."""
+        return False
+
+    def _scores(self, q, k, causal, scale, mask=None, window=None):  # (B, H, L, S) fp32
         s = torch.einsum("blhd,bshd->bhls", q.float(), expand_kv(k, q.shape[2]).float()) * scale
         if causal:  # top-left aligned, like the fused kernels
             L, S = s.shape[-2:]
             s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
                               float("-inf"))
+        if window is not None:  # flash-attn's window_size, bottom-right aligned
+            mask = band_mask(*s.shape[-2:], window, device=s.device)
         if mask is not None:  # (L, S) bool, True = visible (document masking)
             s = s.masked_fill(~mask, float("-inf"))
         return s
 
-    def forward(self, q, k, v, causal, scale, mask=None):
-        s = self._scores(q, k, causal, scale, mask)
+    def forward(self, q, k, v, causal, scale, mask=None, window=None):
+        s = self._scores(q, k, causal, scale, mask, window)
         lse = torch.logsumexp(s, dim=-1)                                # (B, H, L)
         p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)  # a row seeing no key: 0
         out = torch.einsum("bhls,bshd->blhd", p, expand_kv(v, q.shape[2]).float())
         return out.to(q.dtype), lse.contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
         H, Hkv = q.shape[2], k.shape[2]
-        p = torch.exp(self._scores(q, k, causal, scale, mask)
+        p = torch.exp(self._scores(q, k, causal, scale, mask, window)
                       - lse.float().unsqueeze(-1))                      # (B, H, L, S)
         do = dout.float()
         dv = torch.einsum("bhls,blhd->bshd", p, do)
@@ -142,9 +162,12 @@ class SdpaBackend:
         return q.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def takes_mask(self, q: torch.Tensor) -> bool:
-        """An explicit (L, S) mask with LSE: the CPU flash op's attn_mask; CUDA's ops with
-        LSE do not get one here (documents.py's rare masked blocks go to the math kernel)."""
-        return q.device.type == "cpu"
+        """An explicit (L, S) mask with LSE: the CPU flash op's attn_mask; on CUDA the
+        memory-efficient op's attn_bias (the flash op with LSE takes no mask)."""
+        return q.device.type in ("cpu", "cuda")
+
+    def native_window(self, q: torch.Tensor) -> bool:
+        return False  # no window argument: a window's blocks come as masked tiles
 
     @staticmethod
     def native_gqa(q: torch.Tensor) -> bool:
@@ -161,6 +184,8 @@ class SdpaBackend:
 
     def forward(self, q, k, v, causal, scale, mask=None):
         D, L = q.shape[3], q.shape[1]
+        if mask is not None and q.device.type != "cpu":
+            return self._masked_forward(q, k, v, causal, scale, mask)
         qt, kt, vt = q.transpose(1, 2), *self._bhsd(q, k, v)
         if mask is not None:
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -187,6 +212,8 @@ class SdpaBackend:
     def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
         Hkv, D = k.shape[2], q.shape[3]
         L, S = q.shape[1], k.shape[1]
+        if mask is not None and q.device.type != "cpu":
+            return self._masked_backward(dout, q, k, v, out, lse, causal, scale, mask)
         qt, kt, vt = q.transpose(1, 2), *self._bhsd(q, k, v)
         dot, ot = dout.transpose(1, 2), out.transpose(1, 2)
         lse = lse.float().contiguous()  # a strided lse gives wrong gradients (torch CP notes)
@@ -212,6 +239,42 @@ class SdpaBackend:
                 causal, scale=scale)
         dq, dk, dv = (g[..., :D].transpose(1, 2) for g in (dq, dk, dv))  # (B, S, h, D)
         return dq, reduce_kv_grad(dk, Hkv), reduce_kv_grad(dv, Hkv)  # no-ops when native
+
+    # A masked block on CUDA: the memory-efficient op, which takes an additive attn_bias
+    # with the LSE in every dtype; K,V expanded to H heads (it has no GQA), the (L, S) bias
+    # broadcast over batch and heads (strides 0), its rows 16-element aligned (kernel
+    # check "attn_bias is not correctly aligned"). The bias is (rows, keys) of one block:
+    # a window's tile, never the sequence's (documents._tile_plan).
+    @staticmethod
+    def _bias(mask, q, k):
+        B, L, H, _ = q.shape
+        return _mask_bias(mask, q, align=16).expand(B, H, L, k.shape[1])
+
+    def _masked_forward(self, q, k, v, causal, scale, mask):
+        D, L, H = q.shape[3], q.shape[1], q.shape[2]
+        qt, kt, vt = (_pad_head_dim(x.transpose(1, 2)) for x in (q, expand_kv(k, H),
+                                                                 expand_kv(v, H)))
+        out, lse = aten._scaled_dot_product_efficient_attention(
+            qt, kt, vt, self._bias(mask, q, k), True, 0.0, causal, scale=scale)[:2]
+        # A row that sees no key: out 0 and lse -inf, so that merging it changes nothing.
+        blind = ~mask.any(dim=1)  # (L,)
+        lse = lse[..., :L].float().masked_fill(blind, float("-inf"))
+        out = out[..., :D].transpose(1, 2).masked_fill(blind[:, None, None], 0.0)
+        return out, lse
+
+    def _masked_backward(self, dout, q, k, v, out, lse, causal, scale, mask):
+        Hkv, D, L, H = k.shape[2], q.shape[3], q.shape[1], q.shape[2]
+        qt, kt, vt, dot, ot = (_pad_head_dim(x.transpose(1, 2)) for x in (
+            q, expand_kv(k, H), expand_kv(v, H), dout, out))
+        lse = lse.float().contiguous()
+        if not torch.version.hip:  # the LSE padded to 32 rows, as its forward returns it
+            lse = F.pad(lse, (0, -L % 32))
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dot, qt, kt, vt, self._bias(mask, q, k), ot, lse, seed, seed, 0.0,
+            [True, True, True, False], causal, scale=scale)
+        dq, dk, dv = (g[..., :D].transpose(1, 2) for g in (dq, dk, dv))
+        return dq, reduce_kv_grad(dk, Hkv), reduce_kv_grad(dv, Hkv)
 
 
 @functools.lru_cache(maxsize=None)
@@ -256,6 +319,19 @@ def _call_by_signature(fn: Callable, values: Dict[str, object]):
     return fn(**{n: values[n] for n in params if n in values})
 
 
+def _takes_window(fn: Callable) -> bool:
+    return any(name in _parameters(fn) for name in ("window_size", "window_size_left"))
+
+
+def _windowed(fn: Callable, window):
+    """fn itself, after checking it can take `window` (_call_by_signature would drop a
+    parameter fn lacks, and the window with it: wrong results, not an error)."""
+    if window is not None and not _takes_window(fn):
+        raise RuntimeError(f"{qualified_name(fn)} takes no window_size (flash-attn < 2.3); "
+                           f"a window's blocks need masks there (block_kernel)")
+    return fn
+
+
 class FlashAttnBackend:
     """Dao's flash-attn 2 kernels (CUDA only, fp16/bf16); GQA handled by the kernel."""
 
@@ -293,19 +369,27 @@ class FlashAttnBackend:
         return not self.why_not(q)
 
     def takes_mask(self, q: torch.Tensor) -> bool:
-        return False  # dense and causal blocks only
+        return False  # dense, causal and windowed blocks
+
+    def native_window(self, q: torch.Tensor) -> bool:
+        """Whether the installed kernels take a window (flash-attn >= 2.3's window_size,
+        2.7's window_size_left/right, FlashAttention-4's): they skip its hidden tiles
+        themselves. An older flash-attn gets a window's blocks as masked tiles (math)."""
+        return all(fn is not None and _takes_window(fn) for fn in self._load())
 
     @staticmethod
-    def _options(causal, scale):
-        return dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1),
-                    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                    return_softmax=False, deterministic=False, rng_state=None)
+    def _options(causal, scale, window=None):
+        left, right = (-1, -1) if window is None else window  # -1: no limit that side
+        return dict(dropout_p=0.0, softmax_scale=scale, causal=causal,
+                    window_size=(left, right), window_size_left=left, window_size_right=right,
+                    softcap=0.0, alibi_slopes=None, return_softmax=False, deterministic=False,
+                    rng_state=None)
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, window=None):
         D, L = q.shape[3], q.shape[1]
         qp, kp, vp = (last_dim_contiguous(_pad_head_dim(x)) for x in (q, k, v))
-        res = _call_by_signature(self._load()[0], dict(q=qp, k=kp, v=vp,
-                                                       **self._options(causal, scale)))
+        res = _call_by_signature(_windowed(self._load()[0], window), dict(
+            q=qp, k=kp, v=vp, **self._options(causal, scale, window)))
         # <= 2.6 (plain functions): (out, q, k, v, out_padded, softmax_lse, S_dmask,
         #   rng_state); >= 2.7 (the torch.library op flash_attn::_flash_attn_forward):
         #   (out, softmax_lse, S_dmask, rng_state). flash_attn/flash_attn_interface.py at
@@ -313,14 +397,14 @@ class FlashAttnBackend:
         out, lse = res[0], (res[5] if len(res) == 8 else res[1])
         return out[..., :D], lse[..., :L].float().contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, window=None):
         D = q.shape[3]
         dop, qp, kp, vp, op = (last_dim_contiguous(_pad_head_dim(x))
                                for x in (dout, q, k, v, out))
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-        _call_by_signature(self._load()[1], dict(
+        _call_by_signature(_windowed(self._load()[1], window), dict(
             dout=dop, q=qp, k=kp, v=vp, out=op, softmax_lse=lse.float().contiguous(),
-            dq=dq, dk=dk, dv=dv, **self._options(causal, scale)))  # writes into dq/dk/dv
+            dq=dq, dk=dk, dv=dv, **self._options(causal, scale, window)))  # into dq/dk/dv
         return dq[..., :D], dk[..., :D], dv[..., :D]
 
 
@@ -332,8 +416,9 @@ class FlashAttn4Backend(FlashAttnBackend):
     row_max are None unless it is asked for gathered-KV scores); lse is (B, H, L) fp32.
     ``_flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, ...)`` returns
     (dq, dk, dv) at k's heads (native GQA). Both take (B, S, H, D) with only the last dim
-    contiguous, like flash-attn 2 (flash_attn/cute/interface.py, tags fa4-v4.0.0.beta18,
-    beta19 and beta27).
+    contiguous, like flash-attn 2, and ``window_size_left/right`` (None = no limit),
+    bottom-right aligned as flash-attn 2's (flash_attn/cute/interface.py and mask.py, tags
+    fa4-v4.0.0.beta18, beta19 and beta27).
     """
 
     name = "flash_attn4"
@@ -355,18 +440,26 @@ class FlashAttn4Backend(FlashAttnBackend):
             return "needs sm90+ (Hopper, Blackwell)"
         return super().why_not(q)
 
-    def forward(self, q, k, v, causal, scale):
+    @staticmethod
+    def _window(window):
+        """window_size_left/right: None is "no limit" here (its -1 would be a number)."""
+        left, right = (-1, -1) if window is None else window
+        return dict(window_size_left=None if left < 0 else left,
+                    window_size_right=None if right < 0 else right)
+
+    def forward(self, q, k, v, causal, scale, window=None):
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        res = _call_by_signature(self._load()[0], dict(
-            q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True))
+        res = _call_by_signature(_windowed(self._load()[0], window), dict(
+            q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True,
+            **self._window(window)))
         out, lse = res[0], res[1]  # beta19+ returns (out, lse, p, row_max), before (out, lse)
         return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, window=None):
         dout, q, k, v, out = (last_dim_contiguous(x) for x in (dout, q, k, v, out))
-        dq, dk, dv = _call_by_signature(self._load()[1], dict(
+        dq, dk, dv = _call_by_signature(_windowed(self._load()[1], window), dict(
             q=q, k=k, v=v, out=out, dout=dout, lse=lse.float().contiguous(),
-            softmax_scale=scale, causal=causal))
+            softmax_scale=scale, causal=causal, **self._window(window)))
         return dq, dk, dv
 
 
@@ -411,11 +504,14 @@ def get_backend(name: str, q: torch.Tensor):
     return backend
 
 
-def block_kernel(kernel, q: torch.Tensor, masked: bool):
-    """The kernel for one block: `kernel`, unless the block needs an explicit mask that
-    `kernel` cannot take on q's device (document masking's rare irregular blocks, see
-    documents.py): then the math kernel, exact on every device."""
-    return BACKENDS["math"] if masked and not kernel.takes_mask(q) else kernel
+def block_kernel(kernel, q: torch.Tensor, masked: bool = False, windowed: bool = False):
+    """The kernel for one block: `kernel`, unless the block needs an explicit mask (a
+    window's tile on a kernel without windows, document masking's rare irregular blocks:
+    documents.py) or a flash-attn window that `kernel` cannot take on q's device: then the
+    math kernel, exact on every device."""
+    if (masked and not kernel.takes_mask(q)) or (windowed and not kernel.native_window(q)):
+        return BACKENDS["math"]
+    return kernel
 
 
 def default_scale(head_dim: int) -> float:

@@ -24,7 +24,8 @@ import torch
 
 from functools import partial
 
-from .blocks import QueryRows, backward_block, forward_block_, ring_steps, step_plan
+from .blocks import (QueryRows, backward_block, banded, forward_block_, ring_steps,
+                     step_plan)
 from .comm import NoComm, RingComm, group_rank_and_size
 from .halo import halo_applies, halo_backward, halo_forward
 from .merge import empty_accumulators
@@ -89,10 +90,12 @@ def ring_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, sinks
     steps = ring_steps(layout, causal, S, world, mask)  # < world: the mask ends the ring early
     comm = None if isinstance(group, NoComm) or steps == 1 else RingComm(group)
     ring = KVRing(k, v, comm, steps - 1)
+    bands = banded(kernel, q)
     for step in range(steps):
         if comm and step + 1 < steps:  # start moving the next block before computing
             ring.start()
-        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, mask):
+        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, mask,
+                                bands):
             forward_block_(kernel, q, *ring.kv, blk, scale, out, lse, b)
         if comm and step + 1 < steps:
             ring.finish()
@@ -141,11 +144,13 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     dkv_recv = torch.empty_like(dkv, dtype=grad_dtype) if ring else None
     dkv_send = None if exact or not ring else torch.empty_like(dkv_recv)
     rows = QueryRows(dout, q, out, lse)
+    bands = banded(kernel, q)
     for step in range(steps):
         if kv_comm and step + 1 < steps:
             kv.start()
         grads = []
-        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, mask):
+        for b, blk in step_plan(layout, causal, rank, (rank - step) % world, S, world, mask,
+                                bands):
             qs, ks, g = backward_block(kernel, rows, *kv.kv, blk, scale, b)
             dq[b, qs] += g[0]
             grads.append((b, ks, g))

@@ -15,7 +15,8 @@ formulas; tests/test_context_parallel.py asserts them):
 - flops: attention matmuls only, forward 4*B*H*D per visible (query, key) pair a kernel
   computes (q k^T and p v), backward 2.5x that (recompute q k^T, then dv, dp, dq, dk). A
   causal diagonal block of L rows counts L(L+1)/2 pairs; an explicitly masked block (a
-  window's band, mask.py) only its visible ones, so the total is the mask's exact count.
+  window's tile, mask.py) or a flash-attn window call (bands.py) only its visible ones, so
+  the total is the mask's exact count.
 - blocks: kernel calls; comm_ops: communication calls (one batched P2P exchange, one
   collective), the "collectives per layer" of the docs.
 """

@@ -114,11 +114,17 @@ def comm_ops_per_layer(comm, P, u=1):
     return a2a + fr, a2a + br
 
 
+def _window(left, right):  # flash-attn's (-1, -1) is no window
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
 def flash_attn_forward_v26(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
                            window_size_right, softcap, alibi_slopes, return_softmax):
-    """flash-attn >= 2.6's ``_flash_attn_forward`` signature over the math kernel."""
-    assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0)
-    out, lse = MathBackend().forward(q, k, v, causal, softmax_scale)
+    """flash-attn >= 2.6's ``_flash_attn_forward`` signature over the math kernel, whose
+    window is flash-attn 2's (bands.band_mask)."""
+    assert softcap == 0.0
+    out, lse = MathBackend().forward(q, k, v, causal, softmax_scale,
+                                     window=_window(window_size_left, window_size_right))
     return out, lse, None, None
 
 
@@ -126,15 +132,17 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
                         softmax_scale, causal, window_size, deterministic, rng_state=None):
     """flash-attn's ``_flash_attn_backward`` signature (writes dq, dk, dv) over the math
     kernel."""
-    for buf, g in zip((dq, dk, dv), MathBackend().backward(dout, q, k, v, out, softmax_lse,
-                                                           causal, softmax_scale)):
+    for buf, g in zip((dq, dk, dv), MathBackend().backward(
+            dout, q, k, v, out, softmax_lse, causal, softmax_scale,
+            window=_window(*window_size))):
         buf.copy_(g)
 
 
 class FlashOnCpu(FlashAttnBackend):
     """flash_attn's adapter over stand-ins of flash-attn's functions (the math kernel; the
     real ones need CUDA and the package), at any dtype: a backend that takes no explicit
-    mask, as flash-attn on a GPU. tests/test_gpu.py runs it on CUDA too."""
+    mask but flash-attn's window_size, as flash-attn on a GPU (so a window's blocks reach it
+    as bands). tests/test_gpu.py runs it on CUDA too."""
 
     def __init__(self, device_types=("cpu",)):
         super().__init__(flash_attn_forward_v26, flash_attn_backward, device_types=device_types)
