@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ModelConfig, resolved_ffn_hidden
+from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
 from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
@@ -40,7 +40,7 @@ def rank_shapes(m: ModelConfig, cand: Candidate) -> RankShapes:
     hk = n_kv // cand.tp if n_kv % cand.tp == 0 else 1
     return RankShapes(N=cand.micro_batch * m.seq_len // cand.cp, B=cand.micro_batch,
                       T=m.seq_len, d=m.d_model, h=m.n_heads // cand.tp, hk=hk,
-                      hd=m.d_model // m.n_heads, f=resolved_ffn_hidden(m) // cand.tp,
+                      hd=resolved_head_dim(m), f=resolved_ffn_hidden(m) // cand.tp,
                       V=m.vocab_size // cand.tp, L=m.n_layers, tp=cand.tp)
 
 
