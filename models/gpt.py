@@ -69,28 +69,34 @@ def context_parallel_of(cp_comm: str, cp_group, ulysses_group, ring_group,
                            ring_grad_dtype)
 
 
-class OffsetRMSNorm(nn.Module):
-    """x / rms(x) * (offset + w), in fp32 and cast back (Gemma's RMSNorm, offset 1: its
-    weights are stored as w - 1)."""
+class RMSNorm(nn.Module):
+    """x / rms(x) * (offset + w) over the last dim: offset 0 is torch's RMSNorm, offset 1
+    Gemma's (its weights stored as w - 1; computed in fp32 and cast back, as transformers
+    does). tp_group: the norm acts on a TP rank's share of heads (model.qk_norm) with the
+    weight replicated, so its gradient is summed over TP (f on the weight)."""
 
-    def __init__(self, dim: int, eps: float, offset: float, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, tp_group=None,
+                 device=None, dtype=None):
         super().__init__()
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.tp_group = eps, offset, tp_group
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
+        if not self.offset:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (self.offset + self.weight.float())).type_as(x)
+        return (h * (self.offset + w.float())).type_as(x)
 
 
-def make_norm(cfg: ModelConfig, device=None, dtype=None, dim: Optional[int] = None) -> nn.Module:
-    """A norm over dim channels (None: d_model): Apex's fused norm when apex is importable
-    (GPU builds), else torch's; RMSNorm with model.norm_offset != 0 is OffsetRMSNorm."""
-    dim = dim or cfg.d_model
+def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
+    """A norm over d_model: Apex's fused norm when apex is importable (GPU builds), else
+    torch's; RMSNorm with model.norm_offset != 0 is ours (RMSNorm)."""
+    dim = cfg.d_model
     kw = dict(eps=cfg.norm_eps, device=device, dtype=dtype)
     if cfg.norm == "rmsnorm" and cfg.norm_offset:
-        return OffsetRMSNorm(dim, cfg.norm_eps, cfg.norm_offset, device, dtype)
+        return RMSNorm(dim, cfg.norm_eps, cfg.norm_offset, device=device, dtype=dtype)
     try:
         from apex.normalization import FusedLayerNorm, FusedRMSNorm
     except ImportError:
@@ -260,8 +266,10 @@ class Attention(nn.Module):
             self.k_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
             self.v_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
         self.o_proj = RowParallelLinear(cfg.n_heads * hd, d, **{**lin, "bias": cfg.bias})
-        self.q_norm = make_norm(cfg, device, dtype, hd) if cfg.qk_norm else None
-        self.k_norm = make_norm(cfg, device, dtype, hd) if cfg.qk_norm else None
+        head_norm = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, tp_group=tp_group,
+                         device=device, dtype=dtype)
+        self.q_norm = RMSNorm(hd, **head_norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, **head_norm) if cfg.qk_norm else None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         B, T = x.shape[:2]  # T here is T/cp

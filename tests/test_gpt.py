@@ -35,6 +35,16 @@ CONFIGS = {
     "mqa": ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
                        n_kv_heads=1, mlp="gelu", norm="layernorm", tie_embeddings=True,
                        bias=True),
+    # The fields Hugging Face families map onto (Qwen2's q/k/v biases, Qwen3/Gemma's
+    # per-head q/k norms and head_dim != d_model/n_heads, Gemma's (1 + w) norms, norms
+    # after attention and MLP, sqrt(d) embedding, GeGLU, softmax scale, YaRN).
+    "fields": ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
+                          n_kv_heads=2, head_dim=24, attention_bias=True, qk_norm=True,
+                          norm_offset=1.0, post_norms=True, scale_embeddings=True,
+                          mlp="geglu", ffn_hidden=96, query_pre_attn_scalar=20.0,
+                          rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 16},
+                          tie_embeddings=False),
 }
 BATCH, LR, SEED = 4, 0.1, 7  # global batch (split over dp), SGD step, init seed
 # fp32 everywhere; the parallel model sums the same terms in another order (TP partial
@@ -114,6 +124,7 @@ def _parity(rank, world, payload):
 CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing, cp_comm, u)
     1: [(1, 1, 1, "zigzag", "gqa", "none", "ring", 1)],
     2: [(2, 1, 1, "zigzag", "gqa", "selective", "ring", 1),
+        (2, 1, 1, "zigzag", "fields", "selective", "ring", 1),
         (2, 1, 1, "striped", "mqa", "none", "ring", 1),
         (1, 2, 1, "zigzag", "gqa", "full", "ring", 1),
         (1, 2, 1, "striped", "gqa", "none", "ring", 1),
@@ -122,6 +133,7 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
     4: [(1, 4, 1, "zigzag", "gqa", "none", "ring", 1),
         (1, 4, 1, "striped", "gqa", "every_n_layers", "ring", 1),
         (2, 2, 1, "zigzag", "gqa", "none", "ring", 1),
+        (2, 2, 1, "striped", "fields", "none", "ring", 1),
         (2, 2, 1, "striped", "mqa", "selective", "ring", 1),
         (1, 2, 2, "zigzag", "gqa", "selective", "ring", 1),
         (1, 2, 2, "striped", "gqa", "full", "ring", 1),

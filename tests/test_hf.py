@@ -1,13 +1,17 @@
-"""Hugging Face Llama exchange, checked against transformers itself (test dependency, CPU).
+"""Hugging Face exchange (Llama, Qwen2, Qwen3, Mistral, Gemma 3), checked against
+transformers itself (test dependency, CPU).
 
-(1) In process: ctxpar's RoPE frequencies (plain, linear, Llama 3.1) equal transformers';
-a tiny random LlamaForCausalLM built here (no downloads) imported into ctxpar's GPT gives
-its logits; GPT -> Llama folder -> transformers gives GPT's logits; Llama -> ctxpar ->
-Llama returns the same tensors bit for bit; what ctxpar cannot represent is refused
-naming the field. (2) train.py: a tp2·cp2 run started from a Llama folder
-(model.init_from) logs, at step 1, the loss transformers computes on the same global
-batch; its checkpoint exported by tools/convert_checkpoint.py (with the run's
-tokenizer) is the same model in transformers, and imports back to the same parameters.
+(1) In process: ctxpar's RoPE frequencies (plain, linear, Llama 3.1, YaRN with its
+attention factor) equal transformers'; a tiny random model of each family built here (no
+downloads; GQA, head_dim != hidden/heads, norm weights and biases drawn away from their
+defaults) imported into ctxpar's GPT gives its logits; GPT -> folder -> transformers gives
+GPT's logits; folder -> ctxpar -> folder returns the same tensors bit for bit; what ctxpar
+cannot represent (config fields, tensors, shards, dtypes) is refused naming it.
+(2) train.py: tp2·cp2 runs started from a Llama and a Qwen2 folder (model.init_from) log,
+at step 1, the loss transformers computes on the same global batch; the Llama run's
+checkpoint exported by tools/convert_checkpoint.py (with the run's tokenizer) is the same
+model in transformers, and imports back to the same parameters; a folder ctxpar cannot
+represent ends train.py with exit 2 and one line.
 """
 import json
 import os
@@ -19,9 +23,12 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config,
+                          Qwen3Config)
 
 from ctxpar.checkpoint import CheckpointError, hf, read_manifest  # noqa: E402
+from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
 from ctxpar.checkpoint.universal import full_weights, to_universal  # noqa: E402
 from ctxpar.checkpoint.weights import copy_full_weights_, resolve_checkpoint  # noqa: E402
 from ctxpar.config import ModelConfig  # noqa: E402
@@ -49,26 +56,82 @@ def tiny_llama(path, tied=True, rope_scaling=None, **overrides):
     return model
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# The families at the size of the tests: GQA, head_dim 24 (not hidden/heads = 16), and
+# each family's own fields (Mistral without a window; Gemma 3 with every layer full
+# attention: its sliding layers arrive with model.layer_types).
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+             max_position_embeddings=128, rms_norm_eps=1e-5)
+FAMILY_CONFIGS = {
+    "llama": (LlamaConfig, dict(rope_theta=5000.0)),
+    "qwen2": (Qwen2Config, dict(rope_theta=5000.0, rope_scaling=YARN)),
+    "qwen3": (Qwen3Config, dict(rope_theta=5000.0)),
+    "mistral": (MistralConfig, dict(rope_theta=5000.0, sliding_window=None)),
+    "gemma3_text": (Gemma3TextConfig, dict(layer_types=["full_attention"] * 2,
+                                           query_pre_attn_scalar=20)),
+}
+
+
+def tiny_family(path, family, tied, **overrides):
+    """A random 2-layer model of a family saved to path, its norm weights and biases moved
+    away from their init (ones / zeros) so that a dropped one changes the logits."""
+    torch.manual_seed(0)
+    config_class, own = FAMILY_CONFIGS[family]
+    cfg = config_class(**{**SMALL, **own, **overrides}, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    return model
+
+
 def ctxpar_from(path):
     m = ModelConfig(**hf.model_fields(hf.read_config(path), path))
+    reader = hf.WeightReader(path, m.tie_embeddings, m.post_norms)
+    reader.check(m)
     model = GPT(m).eval()
-    reader = hf.WeightReader(path, m.tie_embeddings)
     copy_full_weights_(model, reader.get, None)
     assert reader.unused() == []
     return model
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3])
+@pytest.mark.parametrize("scaling", [
+    None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, YARN,
+    {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, {**YARN, "attention_factor": 1.5}])
 def test_rope_frequencies_equal_transformers(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from models.gpt import rope_attention_factor
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=5000.0,
-                      rope_scaling=scaling)
+                      rope_scaling=scaling, max_position_embeddings=128)
     kind = (scaling or {}).get("rope_type")
     if kind is None:
-        want = 1.0 / (5000.0 ** (torch.arange(0, 16, 2).float() / 16))
+        want, factor = 1.0 / (5000.0 ** (torch.arange(0, 16, 2).float() / 16)), 1.0
     else:
-        want, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+        want, factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
     torch.testing.assert_close(rope_inv_freq(16, 5000.0, scaling), want, rtol=1e-6, atol=0)
+    assert rope_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
+
+
+def assert_round_trip(ref, model, out, tokens):
+    """model's logits equal ref's; its export reloads in transformers with the same logits
+    and the same tensors as ref, bit for bit."""
+    with torch.no_grad():
+        want = ref(tokens).logits
+        got = model(tokens, torch.arange(tokens.shape[1]))
+        torch.testing.assert_close(got, want, **TOL)
+        hf.save_folder(out, ((n, p) for n, p in model.named_parameters()), model.cfg)
+        back = AutoModelForCausalLM.from_pretrained(out).float().eval()
+        assert type(back) is type(ref)
+        torch.testing.assert_close(back(tokens).logits, got, **TOL)
+    a, b = ref.state_dict(), back.state_dict()
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.mark.parametrize("tied,scaling", [(True, None), (False, LLAMA3)])
@@ -76,39 +139,136 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
     ref = tiny_llama(tmp_path / "llama", tied, scaling)
     model = ctxpar_from(tmp_path / "llama")
     tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref(tokens).logits
-        got = model(tokens, torch.arange(48))
-        torch.testing.assert_close(got, want, **TOL)
-        hf.save_folder(tmp_path / "out", ((n, p) for n, p in model.named_parameters()),
-                       model.cfg)
-        back = LlamaForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-        torch.testing.assert_close(back(tokens).logits, got, **TOL)
-    # Llama -> ctxpar -> Llama: the same tensors, bit for bit.
-    a, b = ref.state_dict(), back.state_dict()
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_round_trip(ref, model, tmp_path / "out", tokens)
 
 
-@pytest.mark.parametrize("field,value,msg", [
-    ("attention_bias", True, "attention_bias=True: ctxpar's attention has no biases"),
-    ("mlp_bias", True, "mlp_bias=True: ctxpar's MLP has no biases"),
-    ("hidden_act", "gelu", "hidden_act='gelu': ctxpar's MLP is SwiGLU"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0},
-     "rope_scaling.rope_type='yarn' is not implemented by ctxpar"),
-    ("head_dim", 32, "head_dim=32: ctxpar's head dim is hidden_size/num_attention_heads = 16"),
-    ("model_type", "mistral", "model_type='mistral': ctxpar imports Llama models only"),
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", False), ("qwen3", True),
+                                         ("mistral", False), ("gemma3_text", True)])
+def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
+    ref = tiny_family(tmp_path / family, family, tied)
+    model = ctxpar_from(tmp_path / family)
+    assert model.cfg.family == family and model.cfg.head_dim == 24
+    tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
+    assert_round_trip(ref, model, tmp_path / "out", tokens)
+    assert hf.read_config(tmp_path / "out")["model_type"] == family
+
+
+def family_json(family, **fields):
+    """config.json of a small model of a family, as ctxpar exports it, fields changed."""
+    m = ModelConfig(vocab_size=96, d_model=64, n_heads=4, family=family,
+                    **{k: v for k, v in FAMILIES[family].fixed.items()})
+    return {**hf.family_config(m), **fields}
+
+
+@pytest.mark.parametrize("family,field,value,msg", [
+    ("llama", "model_type", "phi3", "model_type='phi3': ctxpar imports llama, qwen2, qwen3, "
+                                    "mistral, gemma3_text"),
+    ("llama", "attention_bias", True, "attention_bias=True: with mlp_bias=False: ctxpar's "
+                                      "model.bias puts biases on every linear layer"),
+    ("llama", "hidden_act", "gelu", "hidden_act='gelu': LlamaForCausalLM's MLP in ctxpar "
+                                    "uses silu"),
+    ("llama", "rope_scaling", {"rope_type": "longrope", "factor": 4.0},
+     "rope_scaling.rope_type='longrope' is not implemented by ctxpar"),
+    ("llama", "partial_rotary_factor", 0.5, "partial_rotary_factor=0.5: ctxpar rotates every "
+                                            "channel"),
+    ("llama", "some_new_field", 1, "some_new_field=1: a config field ctxpar does not know "
+                                   "for model_type 'llama'"),
+    ("qwen2", "num_experts", 8, "num_experts=8: mixture of experts is not implemented"),
+    ("qwen2", "use_sliding_window", True, "use_sliding_window=True: sliding windows arrive "
+                                          "with model.sliding_window"),
+    ("qwen3", "attention_bias", True, "attention_bias=True: ctxpar has q/k/v biases without "
+                                      "o_proj's"),
+    ("qwen3", "layer_types", ["full_attention", "sliding_attention"],
+     "layer_types=['sliding_attention']: layer types other than full_attention arrive with "
+     "model.layer_types"),
+    ("mistral", "sliding_window", 4096, "sliding_window=4096: sliding windows arrive with "
+                                        "model.sliding_window"),
+    ("gemma3_text", "final_logit_softcapping", 30.0, "final_logit_softcapping=30.0: logit "
+                                                     "softcapping is not implemented"),
+    ("gemma3_text", "architectures", ["Gemma3ForConditionalGeneration"],
+     "architectures=['Gemma3ForConditionalGeneration']: ctxpar imports Gemma3ForCausalLM"),
 ])
-def test_unrepresentable_llamas_are_refused_naming_the_field(tmp_path, field, value, msg):
-    cfg = hf.llama_config(ModelConfig(vocab_size=96, d_model=64, n_heads=4))
-    cfg[field] = value
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
+                                                              value, msg):
+    (tmp_path / "config.json").write_text(json.dumps(family_json(family, **{field: value})))
     with pytest.raises(CheckpointError) as e:
         hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
     assert msg in str(e.value) and "config.json" in str(e.value), str(e.value)
-    with pytest.raises(CheckpointError, match=r"model.mlp='gelu' cannot be exported"):
-        hf.llama_config(ModelConfig(mlp="gelu"))
+    assert "\n" not in str(e.value)
+
+
+def test_models_no_family_holds_are_refused_at_export():
+    with pytest.raises(CheckpointError, match=r"model.mlp='gelu' cannot be exported as "
+                                              r"LlamaForCausalLM"):
+        hf.family_config(ModelConfig(mlp="gelu", family="llama"))
+    with pytest.raises(CheckpointError, match=r"no Hugging Face family holds this model"):
+        hf.family_config(ModelConfig(mlp="gelu"))
+    # a plain GPT is a Llama; q/k/v biases make it a Qwen2, q/k norms a Qwen3
+    assert hf.family_config(ModelConfig())["architectures"] == ["LlamaForCausalLM"]
+    assert hf.family_config(ModelConfig(attention_bias=True))["model_type"] == "qwen2"
+    assert hf.family_config(ModelConfig(qk_norm=True))["model_type"] == "qwen3"
+
+
+def rewrite_weights(folder, change):
+    """Apply change(dict of tensors) to a single-file folder's model.safetensors."""
+    from safetensors.torch import load_file, save_file
+    file = folder / "model.safetensors"
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def shard(folder):
+    """Split model.safetensors into two shards with an index, as save_pretrained does."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    os.remove(folder / "model.safetensors")
+    names = sorted(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[::2],
+             "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in parts.items():
+        save_file({k: tensors[k] for k in keys}, folder / file, metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in parts.items() for k in ks}}))
+
+
+WEIGHT_PROBLEMS = {  # name -> (what is done to an untied Llama folder, the message)
+    "untied without lm_head": (
+        lambda d: rewrite_weights(d, lambda t: t.pop("lm_head.weight")),
+        "no tensor 'lm_head.weight' (tie_word_embeddings is false"),
+    "a tensor ctxpar would not use": (  # Phi-3's fused projection
+        lambda d: rewrite_weights(d, lambda t: t.update(
+            {"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(112, 64)})),
+        "tensor 'model.layers.0.self_attn.qkv_proj.weight' would not be used by ctxpar"),
+    "a dtype ctxpar cannot read": (
+        lambda d: rewrite_weights(d, lambda t: t.update(
+            {"model.norm.weight": t["model.norm.weight"].to(torch.int8)})),
+        "model.norm.weight is I8; ctxpar reads F32, BF16, F16"),
+    "a shard named in the index but absent": (
+        lambda d: (shard(d), os.remove(d / "model-00002-of-00002.safetensors")),
+        "model-00002-of-00002.safetensors is named in model.safetensors.index.json but "
+        "absent"),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(WEIGHT_PROBLEMS))
+def test_weights_ctxpar_cannot_use_are_refused_from_the_headers(tmp_path, problem):
+    tiny_family(tmp_path, "llama", tied=False)
+    change, msg = WEIGHT_PROBLEMS[problem]
+    change(tmp_path)
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    with pytest.raises(CheckpointError) as e:
+        hf.WeightReader(str(tmp_path), m.tie_embeddings).check(m)
+    assert msg in str(e.value), str(e.value)
+
+
+def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
+    ref = tiny_family(tmp_path, "qwen3", tied=False)
+    shard(tmp_path)
+    model = ctxpar_from(tmp_path)
+    tokens = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
 
 
 def test_init_from_checks_the_architecture(tmp_path):

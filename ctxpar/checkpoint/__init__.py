@@ -1,12 +1,14 @@
-"""Checkpoints: complete-or-ignored saves, resume on any layout, Hugging Face Llama exchange.
+"""Checkpoints: complete-or-ignored saves, resume on any layout, Hugging Face exchange.
 
     resume.py      tags, the manifest (COMPLETE), verification, DeepSpeed save/load, RNG
     reshard.py     resume on the saving layout or another one (find the resume point, then load)
     universal.py   any layout -> DeepSpeed's universal checkpoint, and back into an engine
-    names.py       parameter names: GPT <-> pipeline stages <-> Hugging Face Llama
-    hf.py          Hugging Face Llama config.json and safetensors, both directions
+    names.py       parameter names: GPT <-> pipeline stages <-> Hugging Face
+    families.py    the Hugging Face families (Llama, Qwen2, Qwen3, Mistral, Gemma 3) as
+                   mappings of config.json onto model.* fields
+    hf.py          Hugging Face config.json and safetensors, both directions; refusals
     preemption.py  SIGTERM/SIGUSR1: every rank stops after the same step, saves, exits 0
-    weights.py     model.init_from (Llama folder or ctxpar checkpoint), export to Llama
+    weights.py     model.init_from (Hugging Face folder or ctxpar checkpoint), export
 
 docs/checkpoints.md describes the files on disk and what may change between save and resume.
 """

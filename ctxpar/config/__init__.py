@@ -22,8 +22,8 @@ The package, one idea per file (every name is importable from ``ctxpar.config``)
 from .deepspeed import (BUCKET_MAX, BUCKET_MIN, BUCKET_PER_RANK, PREFETCH_MAX, deepspeed_config,
                         grad_accum_steps, zero_bucket_defaults, zero_bucket_size)
 from .load import config_from_dict, dump_config, load_config, to_dict
-from .sections import (CHECKPOINT_MODES, CHOICES, GATED_MLPS, RENAMED_KEYS, ROPE_SCALING_KEYS,
-                       ROPE_SCALING_OPTIONAL, ActivationCheckpointingConfig, CheckpointConfig,
+from .sections import (CHECKPOINT_MODES, CHOICES, GATED_MLPS, HF_FAMILIES, RENAMED_KEYS,
+                       ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ActivationCheckpointingConfig, CheckpointConfig,
                        Config, ConfigError, DataConfig, LoggingConfig, MemoryConfig,
                        ModelConfig, ParallelConfig, TrainConfig, WandbConfig,
                        resolved_ffn_hidden, resolved_head_dim, softmax_scale, ulysses_degree)
@@ -32,7 +32,7 @@ from .validation import validate
 __all__ = [
     "ActivationCheckpointingConfig", "BUCKET_MAX", "BUCKET_MIN", "BUCKET_PER_RANK",
     "CHECKPOINT_MODES", "CHOICES", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "GATED_MLPS", "ROPE_SCALING_OPTIONAL", "resolved_head_dim", "softmax_scale",
+    "GATED_MLPS", "HF_FAMILIES", "ROPE_SCALING_OPTIONAL", "resolved_head_dim", "softmax_scale",
     "LoggingConfig", "MemoryConfig", "ModelConfig", "PREFETCH_MAX", "ParallelConfig",
     "RENAMED_KEYS", "ROPE_SCALING_KEYS", "TrainConfig", "WandbConfig", "config_from_dict",
     "deepspeed_config", "dump_config", "grad_accum_steps", "load_config",

@@ -70,9 +70,14 @@ class ModelConfig:
     """The softmax scale is query_pre_attn_scalar ** -0.5 (Gemma's field; None = head_dim)."""
     init_std: float = 0.02
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
+    family: Optional[str] = None
+    """The Hugging Face family the model is exported as (config.json's model_type: one of
+    HF_FAMILIES); None: the one model.init_from's folder has, else the first whose
+    architecture holds the fields (docs/checkpoints.md)."""
     init_from: Optional[str] = None
     """Start a new run from these weights (step 0, fresh optimizer): a local Hugging Face
-    Llama folder (config.json + *.safetensors) or a ctxpar checkpoint (a step_* folder).
+    folder of a family in HF_FAMILIES (config.json + *.safetensors) or a ctxpar checkpoint
+    (a step_* folder).
     The architecture must match model.*; seq_len, rope_theta and rope_scaling may differ."""
 
 
@@ -287,7 +292,9 @@ ROPE_SCALING_OPTIONAL = {  # rope_type -> keys it may have (modeling_rope_utils'
     "yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
              "truncate"),
 }
-GATED_MLPS = ("swiglu", "geglu")  # gate_proj, up_proj, down_proj
+GATED_MLPS = ("swiglu", "geglu")
+# config.json model_types ctxpar imports and exports (ctxpar/checkpoint/families.py)
+HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")  # gate_proj, up_proj, down_proj
 
 
 # ---------------------------------------------------------------- fields left unset

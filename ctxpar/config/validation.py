@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Optional
 
 from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
-from .sections import (CHOICES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config, ConfigError,
+from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config, ConfigError,
                        ModelConfig, ParallelConfig, resolved_ffn_hidden, resolved_head_dim,
                        ulysses_degree)
 
@@ -82,6 +82,9 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
     if m.norm_offset != 0 and m.norm != "rmsnorm":
         err(f"model.norm_offset={m.norm_offset} applies to RMSNorm, not "
             f"model.norm={m.norm!r}")
+    if m.family is not None and m.family not in HF_FAMILIES:
+        err(f"model.family={m.family!r} must be one of {', '.join(map(repr, HF_FAMILIES))} "
+            f"or null")
     if m.qk_norm and m.norm != "rmsnorm":
         err(f"model.qk_norm=true is an RMSNorm over each head; model.norm={m.norm!r}")
     if kv < 1 or m.n_heads % kv:
