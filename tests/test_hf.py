@@ -174,13 +174,16 @@ def family_json(family, **fields):
     ("llama", "some_new_field", 1, "some_new_field=1: a config field ctxpar does not know "
                                    "for model_type 'llama'"),
     ("qwen2", "num_experts", 8, "num_experts=8: mixture of experts is not implemented"),
-    ("qwen2", "use_sliding_window", True, "use_sliding_window=True: sliding windows arrive "
-                                          "with model.sliding_window"),
+    ("qwen2", "use_sliding_window", True, "layer_types=['full_attention', "
+     "'sliding_attention']: layers of type sliding_attention (a window of 16) arrive with "
+     "model.layer_types"),
     ("qwen3", "attention_bias", True, "attention_bias=True: ctxpar has q/k/v biases without "
                                       "o_proj's"),
     ("qwen3", "layer_types", ["full_attention", "sliding_attention"],
-     "layer_types=['sliding_attention']: layer types other than full_attention arrive with "
-     "model.layer_types"),
+     "layer_types=['full_attention', 'sliding_attention']: layers of type sliding_attention "
+     "(a window of 16) arrive with model.layer_types"),
+    ("gemma3_text", "layer_types", None, "layer_types=['sliding_attention', "
+     "'sliding_attention']: layers of type sliding_attention (a window of 4096)"),
     ("mistral", "sliding_window", 4096, "sliding_window=4096: sliding windows arrive with "
                                         "model.sliding_window"),
     ("gemma3_text", "final_logit_softcapping", 30.0, "final_logit_softcapping=30.0: logit "
@@ -190,7 +193,13 @@ def family_json(family, **fields):
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
-    (tmp_path / "config.json").write_text(json.dumps(family_json(family, **{field: value})))
+    window = {"qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                            layer_types=None),
+              "qwen3": dict(use_sliding_window=True, sliding_window=16)}.get(family, {})
+    config = family_json(family, **{**window, field: value})
+    if family == "gemma3_text" and field == "layer_types":
+        config.update(sliding_window=4096, sliding_window_pattern=6)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError) as e:
         hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
     assert msg in str(e.value) and "config.json" in str(e.value), str(e.value)
@@ -346,11 +355,54 @@ def test_train_py_from_a_llama_folder_and_back(tmp_path):
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits, **TOL)
 
 
-def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path):
-    tiny_llama(tmp_path / "llama", vocab_size=256, attention_bias=True)
+def test_train_py_from_a_qwen2_folder_and_back(tmp_path):
+    # q/k/v biases split over tp2, head_dim 24, YaRN, untied: tiny_cpu.yaml's shapes else
+    ref = tiny_family(tmp_path / "qwen2", "qwen2", tied=False, vocab_size=256,
+                      intermediate_size=192, rope_theta=10000.0)
+    run = tmp_path / "run"
+    proc = run_train(str(run), 4, [
+        "parallel.tp=2", "parallel.cp=2", "parallel.dp=1", "train.steps=1",
+        f"model.init_from={tmp_path / 'qwen2'}", "model.head_dim=24",
+        "model.attention_bias=true", "model.tie_embeddings=false", "model.ffn_hidden=192",
+        "model.rope_scaling={rope_type: yarn, factor: 4.0, "
+        "original_max_position_embeddings: 32}", "logging.wandb.mode=disabled"])
+    assert "Hugging Face Qwen2 folder" in proc.stdout
+    want = passkey_loss(ref)
+    got = losses(str(run))[1]
+    assert abs(got - want) <= 1e-5 * want, (got, want)  # fp32, TP/CP reduction order only
+    # The export writes the family the run started from (model.family, taken from the
+    # folder), and transformers computes ctxpar's logits from it.
+    out = tmp_path / "exported"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                        str(run), "--to", "hf", str(out)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and "Qwen2ForCausalLM" in r.stdout, r.stderr[-3000:]
+    exported = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    back = ctxpar_from(out)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits, **TOL)
+
+
+@pytest.mark.parametrize("problem", ["a config field", "untied without lm_head",
+                                     "a shard named in the index but absent"])
+def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, problem):
+    """One line and exit 2 from check_inputs, before any process group or model exists
+    (one process: under torchrun the first rank's exit makes the launcher stop the others,
+    which reach the same verdict from the same files)."""
+    if problem == "a config field":
+        tiny_llama(tmp_path / "llama", vocab_size=256, attention_bias=True)
+        msg = "attention_bias=True: with mlp_bias=False: ctxpar's model.bias puts biases"
+    else:
+        tiny_family(tmp_path / "llama", "llama", tied=False, vocab_size=256,
+                    intermediate_size=192, head_dim=16)
+        change, msg = WEIGHT_PROBLEMS[problem]
+        change(tmp_path / "llama")
     proc = run_train(str(tmp_path / "run"), 1, [
-        "parallel.cp=1", "parallel.dp=1", f"model.init_from={tmp_path / 'llama'}"],
-        check=False, timeout=120)
+        "parallel.cp=1", "parallel.dp=1", f"model.init_from={tmp_path / 'llama'}",
+        "model.tie_embeddings=false", "model.ffn_hidden=192"], check=False, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    assert "attention_bias=True: ctxpar's attention has no biases" in lines[0]
+    assert msg in lines[0], lines[0]
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")

@@ -57,8 +57,6 @@ NOT_IMPLEMENTED = {
     "attention logit softcapping", "use_bidirectional_attention": "bidirectional attention",
     "use_mrope": "multimodal RoPE", "quantization_config": "quantized weights",
     "use_qk_norm": "a q/k norm over all heads", "attention_chunk_size": "chunked attention",
-    "sliding_window_pattern": "sliding-window layers", "_sliding_window_pattern":
-    "sliding-window layers",
 }
 
 
@@ -99,7 +97,7 @@ FAMILIES: Dict[str, Family] = {
         neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
                                            "biases on every layer (MLP too)")},
         own=("query_pre_attn_scalar", "sliding_window", "layer_types", "rope_local_base_freq",
-             "hidden_act")),
+             "hidden_act", "sliding_window_pattern", "_sliding_window_pattern")),
 }
 assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
 

@@ -92,14 +92,21 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, An
         scaling = dict(m.rope_scaling or {"rope_type": "default"})
         del cfg["rope_theta"], cfg["rope_scaling"]
         cfg.update(attention_bias=False, layer_types=["full_attention"] * m.n_layers,
-                   query_pre_attn_scalar=(m.query_pre_attn_scalar
-                                          if m.query_pre_attn_scalar is not None else hd),
+                   query_pre_attn_scalar=_number(m.query_pre_attn_scalar
+                                                 if m.query_pre_attn_scalar is not None
+                                                 else hd),
                    final_logit_softcapping=None, attn_logit_softcapping=None,
                    use_bidirectional_attention=False,
                    rope_parameters={"full_attention": {**scaling, "rope_theta": m.rope_theta},
                                     "sliding_attention": {"rope_type": "default",
                                                           "rope_theta": m.rope_theta}})
     return cfg
+
+
+def _number(x: float):
+    """x as transformers' config classes type it: an int when whole (Gemma's
+    query_pre_attn_scalar is an int field)."""
+    return int(x) if float(x).is_integer() else x
 
 
 def read_config(path: str) -> Dict[str, Any]:
@@ -142,8 +149,8 @@ def _rope(hf: Dict[str, Any], file: str, default_theta: float,
                               f"{', '.join(missing)} (ctxpar needs it given)")
     optional = {k: params[k] for k in ROPE_SCALING_OPTIONAL.get(kind, ())
                 if params.get(k) is not None}
-    left = sorted(set(params) - set(ROPE_SCALING_KEYS[kind]) - set(optional)
-                  - {k for k in ROPE_SCALING_OPTIONAL.get(kind, ()) if params[k] is None})
+    left = sorted(k for k in set(params) - set(ROPE_SCALING_KEYS[kind]) - set(optional)
+                  if not (k in ROPE_SCALING_OPTIONAL.get(kind, ()) and params[k] is None))
     if left:
         raise CheckpointError(f"{file}: rope_scaling.{left[0]}={params[left[0]]!r} is not "
                               f"implemented by ctxpar for rope_type={kind!r}")
@@ -152,18 +159,26 @@ def _rope(hf: Dict[str, Any], file: str, default_theta: float,
 
 
 def _windows(hf: Dict[str, Any], refuse) -> None:
-    """Qwen2/Qwen3/Gemma 3: every layer full attention (layer_types, use_sliding_window)."""
-    types = hf.get("layer_types")
-    if types is not None:
-        bad = sorted({t for t in types if t != "full_attention"})
-        if bad:
-            refuse("layer_types", bad, "layer types other than full_attention arrive with "
-                                       "model.layer_types")
-    elif hf.get("use_sliding_window"):
-        refuse("use_sliding_window", True, "sliding windows arrive with model.sliding_window")
-    elif hf.get("model_type") == "gemma3_text":
-        refuse("layer_types", None, "Gemma 3 without layer_types has sliding-window layers "
-                                    "(every 6th full); they arrive with model.layer_types")
+    """Qwen2/Qwen3/Gemma 3: every layer full attention. layer_types as transformers makes
+    them when config.json has none: Qwen's sliding from max_window_layers on when
+    use_sliding_window, Gemma 3's all but every sliding_window_pattern-th."""
+    n, types = hf["num_hidden_layers"], hf.get("layer_types")
+    if hf["model_type"] == "gemma3_text":
+        window = hf.get("sliding_window", 4096)
+        if types is None:
+            every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                     for i in range(n)]
+    else:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        if types is None:
+            types = ["sliding_attention" if window is not None and i >= hf.get(
+                "max_window_layers", 28) else "full_attention" for i in range(n)]
+    bad = sorted({t for t in types if t != "full_attention"})
+    if bad and window is not None:
+        refuse("layer_types", types, f"layers of type {', '.join(bad)} (a window of "
+                                     f"{window}) arrive with model.layer_types and "
+                                     f"model.sliding_window")
 
 
 def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
