@@ -295,9 +295,11 @@ def _check_rope_scaling(rs: Dict[str, Any], err: Err) -> None:
     want = {"rope_type", *ROPE_SCALING_KEYS[kind]}
     optional = set(ROPE_SCALING_OPTIONAL.get(kind, ()))
     if not want <= set(rs) <= want | optional:
-        more = f" and may have {', '.join(sorted(optional))}" if optional else ""
-        err(f"model.rope_scaling for rope_type={kind!r} needs the keys "
-            f"{', '.join(sorted(want))}{more} (got {', '.join(sorted(rs))})")
+        need = (f"the keys {', '.join(sorted(want))} and may have "
+                f"{', '.join(sorted(optional))}" if optional
+                else f"exactly the keys {', '.join(sorted(want))}")
+        err(f"model.rope_scaling for rope_type={kind!r} needs {need} "
+            f"(got {', '.join(sorted(rs))})")
     for key in sorted(set(rs) - {"rope_type"}):
         v = rs[key]
         if key == "truncate":
