@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     baseline = memory_baseline(device)  # before the model: what the prediction leaves out
     model = gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device) if pipelined \
         else GPT.from_config(cfg, state, device=device)
-    if init is not None:  # model.init_from: weights of a Llama folder or a ctxpar checkpoint
+    if init is not None:  # model.init_from: a Hugging Face folder's weights or a ctxpar checkpoint's
         init_msg = ckpt.load_initial_weights(model, cfg, state, init)
     # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
     # (ds_to_universal), so the checkpoint can be resumed on another layout.
