@@ -280,6 +280,20 @@ def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
         torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
 
 
+def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys):
+    import yaml
+    from ctxpar.config import config_from_dict
+    from tools.convert_checkpoint import main as convert
+    tiny_family(tmp_path, "gemma3_text", tied=True, vocab_size=256)
+    assert convert([str(tmp_path), "--model-config"]) == 0
+    section = yaml.safe_load(capsys.readouterr().out)
+    cfg = config_from_dict(section)  # validated like any config
+    assert cfg.model.family == "gemma3_text" and cfg.model.norm_offset == 1.0
+    assert cfg.model.init_from == str(tmp_path)
+    fields = hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
+    assert hf.check_matches(cfg.model, fields, str(tmp_path)) == {}
+
+
 def test_init_from_checks_the_architecture(tmp_path):
     tiny_llama(tmp_path, vocab_size=256)
     fields = hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
