@@ -319,7 +319,8 @@ class MLP(nn.Module):
                              self.down_proj, self.tp_group, self.tile_tokens, self.mlp)
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # (B, T/cp, d)
         if self.gated:
-            h = gate_activation(self.gate_proj(x), self.mlp) * self.up_proj(x)  # (B, T/cp, ffn/tp)
+            gate = gate_activation(self.gate_proj(x), self.mlp)  # (B, T/cp, ffn/tp)
+            h = gate * self.up_proj(x)
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)  # (B, T/cp, d), all-reduced over TP

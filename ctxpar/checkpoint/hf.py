@@ -32,7 +32,8 @@ import torch
 from ..config import (ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig,
                       resolved_ffn_hidden, resolved_head_dim)
 from ..config.parameters import parameter_specs
-from .families import FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED, family_of
+from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
+                       family_of)
 from .names import to_hf
 from .resume import CheckpointError
 
@@ -55,9 +56,9 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, An
     try:
         name = family_of(m)
     except KeyError:
-        raise CheckpointError(
-            f"no Hugging Face family holds this model ({', '.join(f'{k}={getattr(m, k)!r}' for k in ('mlp', 'norm', 'attention_bias', 'qk_norm', 'norm_offset', 'post_norms'))}); "
-            f"the families: {', '.join(FAMILIES)}") from None
+        fields = ", ".join(f"model.{k}={getattr(m, k)!r}" for k in ARCH_DEFAULTS)
+        raise CheckpointError(f"no Hugging Face family holds this model ({fields}); the "
+                              f"families: {', '.join(FAMILIES)} (docs/checkpoints.md)") from None
     fam = FAMILIES[name]
     for key, want in fam.fixed.items():
         if getattr(m, key) != want:

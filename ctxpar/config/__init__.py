@@ -23,8 +23,9 @@ from .deepspeed import (BUCKET_MAX, BUCKET_MIN, BUCKET_PER_RANK, PREFETCH_MAX, d
                         grad_accum_steps, zero_bucket_defaults, zero_bucket_size)
 from .load import config_from_dict, dump_config, load_config, to_dict
 from .sections import (CHECKPOINT_MODES, CHOICES, GATED_MLPS, HF_FAMILIES, RENAMED_KEYS,
-                       ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ActivationCheckpointingConfig, CheckpointConfig,
-                       Config, ConfigError, DataConfig, LoggingConfig, MemoryConfig,
+                       ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ActivationCheckpointingConfig,
+                       CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig,
+                       MemoryConfig,
                        ModelConfig, ParallelConfig, TrainConfig, WandbConfig,
                        resolved_ffn_hidden, resolved_head_dim, softmax_scale, ulysses_degree)
 from .validation import validate

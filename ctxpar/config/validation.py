@@ -8,9 +8,9 @@ from typing import Any, Callable, Dict, Optional
 
 from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
-from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config, ConfigError,
-                       ModelConfig, ParallelConfig, resolved_ffn_hidden, resolved_head_dim,
-                       ulysses_degree)
+from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config,
+                       ConfigError, ModelConfig, ParallelConfig, resolved_ffn_hidden,
+                       resolved_head_dim, ulysses_degree)
 
 Err = Callable[[str], None]
 
