@@ -32,6 +32,7 @@ from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
 from ctxpar.checkpoint.universal import full_weights, to_universal  # noqa: E402
 from ctxpar.checkpoint.weights import copy_full_weights_, resolve_checkpoint  # noqa: E402
 from ctxpar.config import ModelConfig  # noqa: E402
+from ctxpar.config.parameters import parameter_specs  # noqa: E402
 from ctxpar.data import PasskeyTask  # noqa: E402
 from models.gpt import GPT, rope_inv_freq  # noqa: E402
 from helpers.train_run import ROOT, losses, run_train  # noqa: E402
@@ -151,6 +152,31 @@ def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
     tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
     assert_round_trip(ref, model, tmp_path / "out", tokens)
     assert hf.read_config(tmp_path / "out")["model_type"] == family
+    # the planner counts from the same description the model is checked against
+    assert sum(s.numel() for s in parameter_specs(model.cfg)) == \
+        sum(p.numel() for p in ref.parameters())
+
+
+@pytest.mark.parametrize("family,tensor", [("qwen2", "model.layers.0.self_attn.k_proj.bias"),
+                                           ("qwen3", "model.layers.0.self_attn.k_norm.weight")])
+def test_a_folder_relabelled_llama_is_refused(tmp_path, family, tensor):
+    """The usual workaround (model_type: llama) would drop Qwen's biases or q/k norms: its
+    family's own config fields are refused, and without them its tensors are."""
+    tiny_family(tmp_path, family, tied=False, head_dim=16)
+    config = hf.read_config(tmp_path)
+    relabelled = {**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(relabelled))
+    with pytest.raises(CheckpointError, match=r"a config field ctxpar does not know for "
+                                              r"model_type 'llama'"):
+        hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
+    for key in ("use_sliding_window", "max_window_layers", "layer_types", "sliding_window",
+                "attention_bias"):
+        relabelled.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(relabelled))
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    with pytest.raises(CheckpointError, match=rf"tensor '{tensor}' and \d+ more would not be "
+                                              rf"used by ctxpar"):
+        hf.WeightReader(str(tmp_path), m.tie_embeddings).check(m)
 
 
 def family_json(family, **fields):

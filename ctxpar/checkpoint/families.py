@@ -40,6 +40,7 @@ IGNORED_KEYS = frozenset((
     "pretraining_tp",  # a slicing of Llama's matmuls, the same product
     "initializer_range", "max_position_embeddings",  # mapped to init_std and seq_len
     "_attn_implementation_autoset", "use_return_dict", "tie_word_embeddings",
+    "cache_implementation",  # the KV cache transformers generates with
 ))
 # config.json keys every family maps onto model.* (hf.model_fields)
 MAPPED_KEYS = frozenset((

@@ -66,8 +66,9 @@ class InitSource:
 def check_init_from(cfg) -> InitSource:
     """What model.init_from points at, checked against model.* (config.json's fields, and
     every tensor's name, shape and dtype from the safetensors headers); CheckpointError
-    otherwise. File reads only. A Hugging Face folder's family becomes model.family when
-    the config leaves it unset, so the run's export writes the family it came from."""
+    otherwise. File reads only. The source's family (a folder's model_type, a checkpoint's
+    model.family) becomes model.family when the config leaves it unset, so the run's
+    export writes the family it came from."""
     path = cfg.model.init_from
     if hf.is_hf_folder(path):
         fields = hf.model_fields(hf.read_config(path), path)
@@ -79,8 +80,10 @@ def check_init_from(cfg) -> InitSource:
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
     fields = vars(saved_model(manifest, tag_dir))
-    return InitSource(tag_dir, "ctxpar", hf.check_matches(cfg.model, fields, tag_dir),
-                      manifest)
+    changed = hf.check_matches(cfg.model, fields, tag_dir)
+    if cfg.model.family is None:  # a chain of runs keeps the family of the first folder
+        cfg.model.family = fields["family"]
+    return InitSource(tag_dir, "ctxpar", changed, manifest)
 
 
 def gpt_named_parameters(model) -> Iterator:
