@@ -200,11 +200,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def embed_tokens(embed: nn.Module, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """The input embedding (B, T/cp) -> (B, T/cp, d), times sqrt(d_model) under
-    model.scale_embeddings (Gemma: the scale rounded to the weights' dtype, as
-    transformers does)."""
+    model.scale_embeddings (Gemma: the scale in fp32, then rounded to the activations'
+    dtype, as transformers does)."""
     x = embed(tokens)
     if cfg.scale_embeddings:
-        x = x * torch.tensor(cfg.d_model ** 0.5, dtype=x.dtype, device=x.device)
+        x = x * torch.tensor(cfg.d_model ** 0.5).to(device=x.device, dtype=x.dtype)
     return x
 
 
