@@ -10,6 +10,7 @@ one SGD step equal the reference computed here in the parent process, and the CP
 communication calls show that no checkpointing mode but full/every_n_layers replays any.
 One spawn per world size; the cases loop inside it.
 """
+import dataclasses
 import pickle
 
 import pytest
@@ -46,6 +47,9 @@ CONFIGS = {
                                         "original_max_position_embeddings": 16},
                           tie_embeddings=False),
 }
+# The same with one kv head, replicated over tp2: its bias and k norm on every rank.
+CONFIGS["fields_mqa"] = dataclasses.replace(CONFIGS["fields"], n_kv_heads=1,
+                                            tie_embeddings=True)
 BATCH, LR, SEED = 4, 0.1, 7  # global batch (split over dp), SGD step, init seed
 # fp32 everywhere; the parallel model sums the same terms in another order (TP partial
 # products all-reduced, per-block softmax merged by LSE across the ring, gradients summed
@@ -125,6 +129,7 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
     1: [(1, 1, 1, "zigzag", "gqa", "none", "ring", 1)],
     2: [(2, 1, 1, "zigzag", "gqa", "selective", "ring", 1),
         (2, 1, 1, "zigzag", "fields", "selective", "ring", 1),
+        (2, 1, 1, "striped", "fields_mqa", "none", "ring", 1),
         (2, 1, 1, "striped", "mqa", "none", "ring", 1),
         (1, 2, 1, "zigzag", "gqa", "full", "ring", 1),
         (1, 2, 1, "striped", "gqa", "none", "ring", 1),
