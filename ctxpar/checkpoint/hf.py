@@ -228,6 +228,10 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
         fields["bias"] = bool(attn)
     if name in ("qwen2", "qwen3", "gemma3_text"):
         _windows(hf, refuse)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size"):
+        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
+            refuse(key, hf.get(key), "config.json must give it as an integer")
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
     hd = hf.get("head_dim") or d // heads
     theta, scaling = _rope(hf, file, fam.default_theta, name == "gemma3_text")
@@ -237,7 +241,8 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
         "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads") or heads,
         "head_dim": hd if hd != d // heads or d % heads else None,
         "query_pre_attn_scalar": None if qpas in (None, hd) else float(qpas),
-        "ffn_hidden": hf["intermediate_size"], "norm_eps": hf["rms_norm_eps"],
+        "ffn_hidden": hf["intermediate_size"],
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),  # transformers' default for each family
         "rope_theta": theta, "rope_scaling": scaling,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", name == "gemma3_text")),
         "seq_len": hf.get("max_position_embeddings"), "init_std": hf.get("initializer_range"),
@@ -297,7 +302,9 @@ class WeightReader:
         elif os.path.isfile(os.path.join(path, WEIGHTS)):
             files, weight_map = [WEIGHTS], None
         else:
-            raise CheckpointError(f"{path}: neither {WEIGHTS} nor {WEIGHTS_INDEX}")
+            raise CheckpointError(f"{path}: neither {WEIGHTS} nor {WEIGHTS_INDEX} (ctxpar "
+                                  f"reads safetensors: save the model with transformers' "
+                                  f"save_pretrained, which writes them)")
         self.path, self.tied, self.post_norms, self._where = path, tied, post_norms, {}
         self._files = []
         for f in files:
