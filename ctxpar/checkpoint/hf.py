@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -176,7 +176,9 @@ def _windows(hf: Dict[str, Any], refuse) -> None:
             types = ["sliding_attention" if window is not None and i >= hf.get(
                 "max_window_layers", 28) else "full_attention" for i in range(n)]
     bad = sorted({t for t in types if t != "full_attention"})
-    if bad and window is not None:
+    # Qwen's sliding layers without a window attend fully, with the same RoPE; Gemma 3's
+    # have their own RoPE base (rope_local_base_freq) whatever the window
+    if bad and (window is not None or hf["model_type"] == "gemma3_text"):
         refuse("layer_types", types, f"layers of type {', '.join(bad)} (a window of "
                                      f"{window}) arrive with model.layer_types and "
                                      f"model.sliding_window")
@@ -200,11 +202,11 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
     if arch is not None and arch != [fam.architecture]:
         refuse("architectures", arch, f"ctxpar imports {fam.architecture} (the causal LM "
                                       f"with its head) for model_type {name!r}")
+    known = (IGNORED_KEYS | MAPPED_KEYS | set(NOT_IMPLEMENTED) | set(fam.neutral)
+             | set(fam.own) | {fam.activation[0]})
     for key in sorted(hf):
         if key in NOT_IMPLEMENTED and hf[key] not in (None, 0, False, {}):
             refuse(key, hf[key], f"{NOT_IMPLEMENTED[key]} is not implemented by ctxpar")
-        known = (IGNORED_KEYS | MAPPED_KEYS | set(NOT_IMPLEMENTED) | set(fam.neutral)
-                 | set(fam.own) | {fam.activation[0]})
         if key not in known:
             refuse(key, hf[key], f"a config field ctxpar does not know for model_type "
                                  f"{name!r}; it may change the computation (remove it from "
