@@ -426,11 +426,20 @@ def test_train_py_from_a_qwen2_folder_and_back(tmp_path):
 
 
 @pytest.mark.parametrize("problem", ["a config field", "untied without lm_head",
-                                     "a shard named in the index but absent"])
+                                     "a shard named in the index but absent",
+                                     "a family that cannot hold the model"])
 def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, problem):
     """One line and exit 2 from check_inputs, before any process group or model exists
     (one process: under torchrun the first rank's exit makes the launcher stop the others,
     which reach the same verdict from the same files)."""
+    if problem == "a family that cannot hold the model":  # found at start, not at export
+        proc = run_train(str(tmp_path / "run"), 1, ["parallel.cp=1", "parallel.dp=1",
+                                                    "model.family=qwen3"],
+                         check=False, timeout=120)
+        lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+        assert "model.qk_norm=False cannot be exported as Qwen3ForCausalLM" in lines[0]
+        return
     if problem == "a config field":
         tiny_llama(tmp_path / "llama", vocab_size=256, attention_bias=True)
         msg = "attention_bias=True: with mlp_bias=False: ctxpar's model.bias puts biases"

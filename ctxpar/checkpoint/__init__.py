@@ -12,6 +12,7 @@
 
 docs/checkpoints.md describes the files on disk and what may change between save and resume.
 """
+from .hf import family_config
 from .preemption import PreemptionGuard
 from .reshard import (ResumePoint, checkpoint_meta, describe, layout_of, resume_point,
                       restore)
@@ -22,7 +23,7 @@ from .weights import InitSource, check_init_from, export_hf, load_initial_weight
 
 __all__ = [
     "CheckpointError", "InitSource", "PreemptionGuard", "ResumePoint", "check_init_from",
-    "checkpoint_meta", "complete_tags", "describe", "export_hf", "is_tag", "latest_complete",
+    "checkpoint_meta", "family_config", "complete_tags", "describe", "export_hf", "is_tag", "latest_complete",
     "layout_of", "list_tags", "load", "load_initial_weights", "read_manifest", "restore",
     "resume_point", "resume_problem", "save", "tag_for", "universal_checkpoint_info", "verify",
 ]
