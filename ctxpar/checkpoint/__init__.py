@@ -25,5 +25,6 @@ __all__ = [
     "CheckpointError", "InitSource", "PreemptionGuard", "ResumePoint", "check_init_from",
     "checkpoint_meta", "complete_tags", "describe", "export_hf", "family_config", "is_tag",
     "latest_complete", "layout_of", "list_tags", "load", "load_initial_weights",
-    "read_manifest", "restore", "resume_point", "resume_problem", "save", "tag_for", "universal_checkpoint_info", "verify",
+    "read_manifest", "restore", "resume_point", "resume_problem", "save", "tag_for",
+    "universal_checkpoint_info", "verify",
 ]
