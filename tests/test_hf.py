@@ -333,6 +333,34 @@ def test_init_from_checks_the_architecture(tmp_path):
         hf.check_matches(ModelConfig(**{**vars(same), "n_layers": 4}), fields, "x")
 
 
+def test_init_from_takes_the_sources_family_when_model_family_is_unset(tmp_path):
+    """A folder's model_type, or a ctxpar checkpoint's model.family, becomes the run's
+    model.family (what its export writes); a family the config sets is kept."""
+    from ctxpar.checkpoint import check_init_from
+    from ctxpar.checkpoint.resume import write_manifest
+    from ctxpar.config import config_from_dict, to_dict
+    tiny_family(tmp_path / "mistral", "mistral", tied=False, vocab_size=256, head_dim=16,
+                intermediate_size=192)
+    model = dict(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=192,
+                 tie_embeddings=False, rope_theta=5000.0, norm_eps=1e-5)
+    cfg = config_from_dict({"model": {**model, "init_from": str(tmp_path / "mistral")}})
+    assert check_init_from(cfg).family == "mistral" and cfg.model.family == "mistral"
+    cfg = config_from_dict({"model": {**model, "family": "llama",
+                                      "init_from": str(tmp_path / "mistral")}})
+    assert check_init_from(cfg).changed == {"family": ("mistral", "llama"),
+                                            "seq_len": (128, 1024)}
+    assert cfg.model.family == "llama"
+    tag = tmp_path / "run" / "step_00000001"  # a run started from the folder, saved
+    tag.mkdir(parents=True)
+    (tag / "weights").write_bytes(b"x")
+    saved = {**to_dict(config_from_dict({"model": model})), "model": {
+        **to_dict(config_from_dict({"model": model}))["model"], "family": "mistral"}}
+    write_manifest(str(tag), 1, {"config": saved})
+    cfg = config_from_dict({"model": {**model, "init_from": str(tag)}})
+    check_init_from(cfg)
+    assert cfg.model.family == "mistral"
+
+
 def tiny_tokenizer(path):
     """A word-level tokenizers JSON with EOS '</s>' (tokenizers comes with transformers)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
