@@ -297,6 +297,17 @@ def test_weights_ctxpar_cannot_use_are_refused_from_the_headers(tmp_path, proble
     assert msg in str(e.value), str(e.value)
 
 
+def test_a_bf16_folder_imports_its_weights_exactly(tmp_path):
+    ref = tiny_family(tmp_path / "fp32", "qwen3", tied=False)
+    ref.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = ctxpar_from(tmp_path / "bf16")  # fp32 parameters holding the bf16 values
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    tokens = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, torch.arange(32)), back.eval()(tokens).logits,
+                                   **TOL)
+
+
 def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
     ref = tiny_family(tmp_path, "qwen3", tied=False)
     shard(tmp_path)
