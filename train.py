@@ -141,6 +141,8 @@ def check_inputs(args, world: int):
         fail(problem)
     try:  # is the checkpoint sound (its manifest), and on this layout? file reads only
         resume_from = ckpt.resume_point(save_dir, args.resume, cfg, world, on_skip=warn)
+        if cfg.model.family is not None:  # the export's family must hold the model
+            ckpt.family_config(cfg.model)
         init = ckpt.check_init_from(cfg) if cfg.model.init_from and resume_from is None else None
     except ckpt.CheckpointError as e:
         fail(str(e))
@@ -235,7 +237,7 @@ def main(argv=None) -> int:
         print(memory_line, flush=True)
     baseline = memory_baseline(device)  # before the model: what the prediction leaves out
     model = build_model(cfg, state, gas, device)  # with pp > 1 this rank's pipeline stage
-    if init is not None:  # model.init_from: weights of a Llama folder or a ctxpar checkpoint
+    if init is not None:  # model.init_from: a Hugging Face folder's weights or a ctxpar checkpoint's
         init_msg = ckpt.load_initial_weights(model, cfg, state, init)
     # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
     # (ds_to_universal), so the checkpoint can be resumed on another layout.

@@ -24,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ctxpar.config import (CHECKPOINT_MODES, Config, MemoryConfig, ModelConfig,
-                           resolved_ffn_hidden)
+from ctxpar.config import (CHECKPOINT_MODES, GATED_MLPS, Config, MemoryConfig, ModelConfig,
+                           resolved_ffn_hidden, resolved_head_dim, softmax_scale)
 from ctxpar.tensor_parallel import (
     ColumnParallelLinear,
     ReplicatedHeadLinear,
@@ -43,7 +43,7 @@ from ctxpar.context_parallel import AttentionMask, ContextParallel
 from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.memory.offload import ActivationOffload, run_layer
-from ctxpar.memory.tiled_mlp import mark_zero3_leaf, tiled_mlp
+from ctxpar.memory.tiled_mlp import gate_activation, mark_zero3_leaf, tiled_mlp
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .options import ModelGroups, ModelOptions
@@ -71,18 +71,43 @@ def context_parallel_of(cp_comm: str, cp_group, ulysses_group, ring_group,
                            ring_grad_dtype)
 
 
+class RMSNorm(nn.Module):
+    """x / rms(x) * (offset + w) over the last dim: offset 0 is torch's RMSNorm, offset 1
+    Gemma's (its weights stored as w - 1; computed in fp32 and cast back, as transformers
+    does). tp_group: the norm acts on a TP rank's share of heads (model.qk_norm) with the
+    weight replicated, so its gradient is summed over TP (f on the weight)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, tp_group=None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.eps, self.offset, self.tp_group = eps, offset, tp_group
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
+        if not self.offset:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (self.offset + w.float())).type_as(x)
+
+
 def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
-    """Apex's fused norm when apex is importable (GPU builds), else torch's."""
+    """A norm over d_model: Apex's fused norm when apex is importable (GPU builds), else
+    torch's; RMSNorm with model.norm_offset != 0 is ours (RMSNorm)."""
+    dim = cfg.d_model
     kw = dict(eps=cfg.norm_eps, device=device, dtype=dtype)
+    if cfg.norm == "rmsnorm" and cfg.norm_offset:
+        return RMSNorm(dim, cfg.norm_eps, cfg.norm_offset, device=device, dtype=dtype)
     try:
         from apex.normalization import FusedLayerNorm, FusedRMSNorm
     except ImportError:
         if cfg.norm == "rmsnorm":
-            return nn.RMSNorm(cfg.d_model, **kw)
-        return nn.LayerNorm(cfg.d_model, bias=cfg.bias, **kw)
+            return nn.RMSNorm(dim, **kw)
+        return nn.LayerNorm(dim, bias=cfg.bias, **kw)
     if cfg.norm == "rmsnorm":
-        return FusedRMSNorm(cfg.d_model, eps=cfg.norm_eps).to(device=device, dtype=dtype)
-    return FusedLayerNorm(cfg.d_model, eps=cfg.norm_eps).to(device=device, dtype=dtype)
+        return FusedRMSNorm(dim, eps=cfg.norm_eps).to(device=device, dtype=dtype)
+    return FusedLayerNorm(dim, eps=cfg.norm_eps).to(device=device, dtype=dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
@@ -92,12 +117,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
     linear: all divided by factor (positions interpolated). llama3 (Llama 3.1): wavelengths
     2*pi/f above original_max_position_embeddings/low_freq_factor are divided by factor,
     below .../high_freq_factor kept, in between blended linearly in
-    original_max_position_embeddings/wavelength. Same rules as Hugging Face's
-    modeling_rope_utils (tests/test_hf.py checks the frequencies against it).
+    original_max_position_embeddings/wavelength. yarn: ``yarn_inv_freq``. Same rules as
+    Hugging Face's modeling_rope_utils (tests/test_hf.py checks the frequencies against it).
     """
+    kind = (scaling or {}).get("rope_type")
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling, device)
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device,
                                        dtype=torch.float32) / head_dim)
-    kind = (scaling or {}).get("rope_type")
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
@@ -112,11 +139,57 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
     return inv_freq
 
 
+def yarn_inv_freq(head_dim: int, theta: float, scaling: dict, device=None) -> torch.Tensor:
+    """YaRN (Peng et al.): frequencies that turn fewer than beta_slow times over
+    original_max_position_embeddings are interpolated (divided by factor), those that turn
+    more than beta_fast times kept, a linear ramp over the dimensions in between; written
+    as modeling_rope_utils' _compute_yarn_parameters computes it, operation for operation."""
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):  # the dimension that turns `rotations` times over `old`
+        return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = (1 - ramp).to(device)  # 1: extrapolate (kept), 0: interpolate (divided by factor)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device=device,
+                                       dtype=torch.float32) / head_dim)
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def rope_attention_factor(scaling: Optional[dict]) -> float:
+    """What cos and sin are multiplied by: 1, or YaRN's attention factor (given, or
+    0.1 ln(factor) + 1, or DeepSeek's ratio of mscale to mscale_all_dim), as
+    modeling_rope_utils computes it."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor, m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
+
+
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                    scaling: Optional[dict] = None):
-    """cos, sin of p * f_i (rope_inv_freq), fp32: positions (..., T/cp) -> (..., T/cp, hd/2)."""
+    """cos, sin of p * f_i (rope_inv_freq), fp32, times rope_attention_factor:
+    positions (..., T/cp) -> (..., T/cp, hd/2)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # fp32 even under bf16
+    factor = rope_attention_factor(scaling)
+    if factor != 1.0:
+        return angles.cos() * factor, angles.sin() * factor
     return angles.cos(), angles.sin()
 
 
@@ -140,6 +213,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
+def embed_tokens(embed: nn.Module, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The input embedding (B, T/cp) -> (B, T/cp, d), times sqrt(d_model) under
+    model.scale_embeddings (Gemma: the scale in fp32, then rounded to the activations'
+    dtype, as transformers does)."""
+    x = embed(tokens)
+    if cfg.scale_embeddings:
+        x = x * torch.tensor(cfg.d_model ** 0.5).to(device=x.device, dtype=x.dtype)
+    return x
+
+
 def block_recomputed(mode: str, i: int, every_n_layers: int) -> bool:
     """Whether block i is checkpointed whole (replayed in backward) under a checkpointing mode."""
     return mode == "full" or (mode == "every_n_layers" and i % every_n_layers == 0)
@@ -152,14 +235,15 @@ def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) ->
 
     Names are GPT's (``layers.3.attn.q_proj.weight``); the pipelined model passes its
     parameters under those names too. Normal(0, init_std) for weights, scaled by
-    1/sqrt(2*n_layers) on the projections into the residual stream (GPT-2); ones for norm
-    weights; zeros for biases.
+    1/sqrt(2*n_layers) on the projections into the residual stream (GPT-2); norm weights
+    such that the norm scales by 1 (ones, or zeros under model.norm_offset=1); zeros for
+    biases.
     """
     std, tp = cfg.init_std, tp_size_of(tp_group)
     for name, p in named_parameters:
         shape = full_shape(p, tp)
         if name.endswith("norm.weight"):
-            full = torch.ones(shape)
+            full = torch.full(shape, 1.0 - cfg.norm_offset)
         elif name.endswith("bias"):
             full = torch.zeros(shape)
         else:
@@ -171,7 +255,10 @@ def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) ->
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention: column-parallel q/k/v, CP attention, row-parallel out.
+    """Causal GQA self-attention: column-parallel q/k/v (with biases under model.bias or
+    model.attention_bias), per-head q/k RMSNorm (model.qk_norm), RoPE, CP attention,
+    row-parallel out. The q/k norms act within a head, so TP's split by heads keeps them
+    exact; their (hd,) weights are replicated.
 
     `layer` is this layer's kind (ctxpar.config.layers): full causal, a sliding window or
     chunks; with model.attention_sinks a learned logit per query head (``sinks``, split
@@ -189,10 +276,12 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(cfg.n_heads // tp, device=device,
                                                   dtype=dtype))
             set_tensor_model_parallel_attributes(self.sinks, True, dim=0)
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.head_dim = resolved_head_dim(cfg)
+        self.scale = softmax_scale(cfg)
         self.n_heads = cfg.n_heads // tp  # query heads on this rank
         self.n_kv_heads = kv_heads_per_rank(cfg, tp)
-        lin = dict(tp_group=tp_group, bias=cfg.bias, device=device, dtype=dtype)
+        lin = dict(tp_group=tp_group, bias=cfg.bias or cfg.attention_bias, device=device,
+                   dtype=dtype)
         d, hd = cfg.d_model, self.head_dim
         self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd, copy_input=False, **lin)
         if n_kv % tp == 0:
@@ -201,7 +290,11 @@ class Attention(nn.Module):
         else:  # fewer kv heads than TP ranks: each rank uses the kv head of its query heads
             self.k_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
             self.v_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
-        self.o_proj = RowParallelLinear(cfg.n_heads * hd, d, **lin)
+        self.o_proj = RowParallelLinear(cfg.n_heads * hd, d, **{**lin, "bias": cfg.bias})
+        head_norm = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, tp_group=tp_group,
+                         device=device, dtype=dtype)
+        self.q_norm = RMSNorm(hd, **head_norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, **head_norm) if cfg.qk_norm else None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         B, T = x.shape[:2]  # T here is T/cp
@@ -209,6 +302,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T/cp, nh/tp, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T/cp, nkv/tp, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # over each head's hd channels
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def mask(self, cu_seqlens=None) -> AttentionMask:
@@ -221,12 +316,13 @@ class Attention(nn.Module):
 
     def core(self, q, k, v, cu_seqlens=None) -> torch.Tensor:
         # Exact attention over the whole sequence through cp.comm's pattern.
-        return self.cp.attention(q, k, v, backend=self.backend,
+        return self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
                                  mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), or GELU: down(gelu(up x)); gate/up split by columns.
+    """SwiGLU: down(silu(gate x) * up x), GeGLU: down(gelu(gate x) * up x) (tanh-GELU), or
+    GELU: down(gelu(up x)); gate/up split by columns.
 
     ``tile_tokens`` ('auto' or N; None: untiled) runs it over tiles of tokens, recomputed in
     backward, so the (B*T/cp, ffn/tp) intermediates never exist whole (memory/tiled_mlp.py).
@@ -235,10 +331,11 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None,
                  tile_tokens: Union[int, str, None] = None):
         super().__init__()
-        self.tp_group, self.swiglu = tp_group, cfg.mlp == "swiglu"
+        self.tp_group, self.mlp = tp_group, cfg.mlp
+        self.gated = cfg.mlp in GATED_MLPS
         ffn, lin = resolved_ffn_hidden(cfg), dict(tp_group=tp_group, bias=cfg.bias,
                                                   device=device, dtype=dtype)
-        if self.swiglu:
+        if self.gated:
             self.gate_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
         self.up_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
         self.down_proj = RowParallelLinear(ffn, cfg.d_model, **lin)
@@ -248,18 +345,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_tokens is not None:  # f and g inside, once per layer
-            return tiled_mlp(x, self.gate_proj if self.swiglu else None, self.up_proj,
-                             self.down_proj, self.tp_group, self.tile_tokens)
+            return tiled_mlp(x, self.gate_proj if self.gated else None, self.up_proj,
+                             self.down_proj, self.tp_group, self.tile_tokens, self.mlp)
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # (B, T/cp, d)
-        if self.swiglu:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T/cp, ffn/tp)
+        if self.gated:
+            gate = gate_activation(self.gate_proj(x), self.mlp)  # (B, T/cp, ffn/tp)
+            h = gate * self.up_proj(x)
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)  # (B, T/cp, d), all-reduced over TP
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x)).
+    """x + attn(norm(x)), then x + mlp(norm(x)); with model.post_norms
+    x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (Gemma 2/3).
 
     ``selective`` checkpoints the two pieces around the attention core (norm + q/k/v +
     RoPE; out-proj + residual + norm + MLP) and keeps q, k, v, the attention output and its
@@ -274,17 +373,21 @@ class Block(nn.Module):
         self.selective = selective
         self.attn_norm = make_norm(cfg, device, dtype)
         self.attn = Attention(cfg, tp_group, cp, backend, device, dtype, layer)
+        self.post_attn_norm = make_norm(cfg, device, dtype) if cfg.post_norms else None
         self.mlp_norm = make_norm(cfg, device, dtype)
         tiled = memory is not None and memory.tiled_mlp
         self.mlp = MLP(cfg, tp_group, device, dtype,
                        tile_tokens=memory.mlp_tile_tokens if tiled else None)
+        self.post_mlp_norm = make_norm(cfg, device, dtype) if cfg.post_norms else None
 
     def _attn_in(self, x, cos, sin):
         return self.attn.qkv(self.attn_norm(x), cos, sin)
 
     def _attn_out_mlp(self, x, o):
-        x = x + self.attn.o_proj(o.flatten(2))  # (B, T/cp, d)
-        return x + self.mlp(self.mlp_norm(x))
+        a = self.attn.o_proj(o.flatten(2))  # (B, T/cp, d)
+        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        h = self.mlp(self.mlp_norm(x))
+        return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache=None, cu_seqlens=None) -> torch.Tensor:
@@ -385,9 +488,9 @@ class GPT(nn.Module):
         kv_cache (ctxpar.inference.KVCache): inference; every layer reads and fills its
         share of the cache (prefill of a prompt, or one decode step).
         """
-        rotary = layer_rotary(positions, self.cfg.d_model // self.cfg.n_heads,
+        rotary = layer_rotary(positions, resolved_head_dim(self.cfg),
                               self.layer_attention)  # each layer's (cos, sin), fp32
-        x = self.embed(tokens)  # (B, T/cp, d)
+        x = embed_tokens(self.embed, tokens, self.cfg)  # (B, T/cp, d)
         off = self.offload  # None, or the hooks moving what each layer keeps to the host
         if off is not None:
             for cos, sin in dict.fromkeys(rotary):

@@ -50,8 +50,8 @@ from ctxpar.distributed.pipeline_parallel import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                     gather_full_state_dict, parallel_lm_logits,
                                     vocab_parallel_cross_entropy)
-from models.gpt import (Block, block_recomputed, check_checkpoint_mode, init_parameters_,
-                        make_norm, rotary_cos_sin)
+from models.gpt import (Block, block_recomputed, check_checkpoint_mode, embed_tokens,
+                        init_parameters_, make_norm, rotary_cos_sin)
 from models.loss import global_mean_loss, loss_for_backward
 from models.options import ModelOptions
 
@@ -63,12 +63,13 @@ class EmbeddingPipe(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
         super().__init__()
+        self.cfg = cfg  # model.scale_embeddings
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
 
     def forward(self, inputs):
         tokens, *rest = inputs  # rest: positions[, packed document boundaries]
-        return (self.embed(tokens), *rest)
+        return (embed_tokens(self.embed, tokens, self.cfg), *rest)
 
 
 def tied_lm_head(module: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:

@@ -177,8 +177,18 @@ def test_universal_info_follows_the_tp_attributes():
 
 
 @pytest.mark.parametrize("sets,msg", [
+    (["model.rope_scaling={rope_type: longrope, factor: 4}"],
+     "model.rope_scaling.rope_type='longrope' must be one of 'linear', 'llama3', 'yarn'"),
     (["model.rope_scaling={rope_type: yarn, factor: 4}"],
-     "model.rope_scaling.rope_type='yarn' must be one of 'linear', 'llama3'"),
+     "model.rope_scaling for rope_type='yarn' needs the keys factor, "
+     "original_max_position_embeddings, rope_type and may have attention_factor"),
+    (["model.rope_scaling={rope_type: yarn, factor: 4, original_max_position_embeddings: 8, "
+      "truncate: 1}"], "model.rope_scaling.truncate=1 must be true or false"),
+    (["model.head_dim=7"], "model.head_dim=7 (model.head_dim or d_model/n_heads) must be even"),
+    (["model.family=phi3"], "model.family='phi3' must be one of 'llama', 'qwen2', 'qwen3', "
+                            "'mistral', 'gemma3_text' or null"),
+    (["model.norm=layernorm", "model.norm_offset=1"],
+     "model.norm_offset=1.0 applies to RMSNorm, not model.norm='layernorm'"),
     (["model.rope_scaling={rope_type: linear}"],
      "model.rope_scaling for rope_type='linear' needs exactly the keys factor, rope_type"),
     (["model.rope_scaling={rope_type: linear, factor: 0}"],
@@ -196,6 +206,10 @@ def test_new_config_keys_are_validated(sets, msg):
         "model.rope_scaling={rope_type: llama3, factor: 8, low_freq_factor: 1, "
         "high_freq_factor: 4, original_max_position_embeddings: 8192}"])
     assert to_dict(ok)["model"]["rope_scaling"]["factor"] == 8
+    yarn = config_from_dict({}, overrides=[
+        "model.rope_scaling={rope_type: yarn, factor: 4, original_max_position_embeddings: 8, "
+        "beta_fast: 16, truncate: false}", "model.head_dim=24"])
+    assert yarn.model.rope_scaling["truncate"] is False and yarn.model.head_dim == 24
 
 
 def _signalled_steps(rank, world, plan):

@@ -10,6 +10,7 @@ one SGD step equal the reference computed here in the parent process, and the CP
 communication calls show that no checkpointing mode but full/every_n_layers replays any.
 One spawn per world size; the cases loop inside it.
 """
+import dataclasses
 import pickle
 
 import pytest
@@ -35,7 +36,20 @@ CONFIGS = {
     "mqa": ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
                        n_kv_heads=1, mlp="gelu", norm="layernorm", tie_embeddings=True,
                        bias=True),
+    # The fields Hugging Face families map onto (Qwen2's q/k/v biases, Qwen3/Gemma's
+    # per-head q/k norms and head_dim != d_model/n_heads, Gemma's (1 + w) norms, norms
+    # after attention and MLP, sqrt(d) embedding, GeGLU, softmax scale, YaRN).
+    "fields": ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
+                          n_kv_heads=2, head_dim=24, attention_bias=True, qk_norm=True,
+                          norm_offset=1.0, post_norms=True, scale_embeddings=True,
+                          mlp="geglu", ffn_hidden=96, query_pre_attn_scalar=20.0,
+                          rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 16},
+                          tie_embeddings=False),
 }
+# The same with one kv head, replicated over tp2: its bias and k norm on every rank.
+CONFIGS["fields_mqa"] = dataclasses.replace(CONFIGS["fields"], n_kv_heads=1,
+                                            tie_embeddings=True)
 BATCH, LR, SEED = 4, 0.1, 7  # global batch (split over dp), SGD step, init seed
 # fp32 everywhere; the parallel model sums the same terms in another order (TP partial
 # products all-reduced, per-block softmax merged by LSE across the ring, gradients summed
@@ -114,6 +128,8 @@ def _parity(rank, world, payload):
 CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing, cp_comm, u)
     1: [(1, 1, 1, "zigzag", "gqa", "none", "ring", 1)],
     2: [(2, 1, 1, "zigzag", "gqa", "selective", "ring", 1),
+        (2, 1, 1, "zigzag", "fields", "selective", "ring", 1),
+        (2, 1, 1, "striped", "fields_mqa", "none", "ring", 1),
         (2, 1, 1, "striped", "mqa", "none", "ring", 1),
         (1, 2, 1, "zigzag", "gqa", "full", "ring", 1),
         (1, 2, 1, "striped", "gqa", "none", "ring", 1),
@@ -122,6 +138,7 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
     4: [(1, 4, 1, "zigzag", "gqa", "none", "ring", 1),
         (1, 4, 1, "striped", "gqa", "every_n_layers", "ring", 1),
         (2, 2, 1, "zigzag", "gqa", "none", "ring", 1),
+        (2, 2, 1, "striped", "fields", "none", "ring", 1),
         (2, 2, 1, "striped", "mqa", "selective", "ring", 1),
         (1, 2, 2, "zigzag", "gqa", "selective", "ring", 1),
         (1, 2, 2, "striped", "gqa", "full", "ring", 1),

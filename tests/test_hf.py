@@ -1,13 +1,17 @@
-"""Hugging Face Llama exchange, checked against transformers itself (test dependency, CPU).
+"""Hugging Face exchange (Llama, Qwen2, Qwen3, Mistral, Gemma 3), checked against
+transformers itself (test dependency, CPU).
 
-(1) In process: ctxpar's RoPE frequencies (plain, linear, Llama 3.1) equal transformers';
-a tiny random LlamaForCausalLM built here (no downloads) imported into ctxpar's GPT gives
-its logits; GPT -> Llama folder -> transformers gives GPT's logits; Llama -> ctxpar ->
-Llama returns the same tensors bit for bit; what ctxpar cannot represent is refused
-naming the field. (2) train.py: a tp2·cp2 run started from a Llama folder
-(model.init_from) logs, at step 1, the loss transformers computes on the same global
-batch; its checkpoint exported by tools/convert_checkpoint.py (with the run's
-tokenizer) is the same model in transformers, and imports back to the same parameters.
+(1) In process: ctxpar's RoPE frequencies (plain, linear, Llama 3.1, YaRN with its
+attention factor) equal transformers'; a tiny random model of each family built here (no
+downloads; GQA, head_dim != hidden/heads, norm weights and biases drawn away from their
+defaults) imported into ctxpar's GPT gives its logits; GPT -> folder -> transformers gives
+GPT's logits; folder -> ctxpar -> folder returns the same tensors bit for bit; what ctxpar
+cannot represent (config fields, tensors, shards, dtypes) is refused naming it.
+(2) train.py: tp2·cp2 runs started from a Llama and a Qwen2 folder (model.init_from) log,
+at step 1, the loss transformers computes on the same global batch; the Llama run's
+checkpoint exported by tools/convert_checkpoint.py (with the run's tokenizer) is the same
+model in transformers, and imports back to the same parameters; a folder ctxpar cannot
+represent ends train.py with exit 2 and one line.
 """
 import json
 import os
@@ -19,12 +23,16 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config,
+                          Qwen3Config)
 
 from ctxpar.checkpoint import CheckpointError, hf, read_manifest  # noqa: E402
+from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
 from ctxpar.checkpoint.universal import full_weights, to_universal  # noqa: E402
 from ctxpar.checkpoint.weights import copy_full_weights_, resolve_checkpoint  # noqa: E402
 from ctxpar.config import ModelConfig  # noqa: E402
+from ctxpar.config.parameters import parameter_specs  # noqa: E402
 from ctxpar.data import PasskeyTask  # noqa: E402
 from models.gpt import GPT, rope_inv_freq  # noqa: E402
 from helpers.train_run import ROOT, losses, run_train  # noqa: E402
@@ -49,26 +57,82 @@ def tiny_llama(path, tied=True, rope_scaling=None, **overrides):
     return model
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# The families at the size of the tests: GQA, head_dim 24 (not hidden/heads = 16), and
+# each family's own fields (Mistral without a window; Gemma 3 with every layer full
+# attention: its sliding layers arrive with model.layer_types).
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+             max_position_embeddings=128, rms_norm_eps=1e-5)
+FAMILY_CONFIGS = {
+    "llama": (LlamaConfig, dict(rope_theta=5000.0)),
+    "qwen2": (Qwen2Config, dict(rope_theta=5000.0, rope_scaling=YARN)),
+    "qwen3": (Qwen3Config, dict(rope_theta=5000.0)),
+    "mistral": (MistralConfig, dict(rope_theta=5000.0, sliding_window=None)),
+    "gemma3_text": (Gemma3TextConfig, dict(layer_types=["full_attention"] * 2,
+                                           query_pre_attn_scalar=20)),
+}
+
+
+def tiny_family(path, family, tied, **overrides):
+    """A random 2-layer model of a family saved to path, its norm weights and biases moved
+    away from their init (ones / zeros) so that a dropped one changes the logits."""
+    torch.manual_seed(0)
+    config_class, own = FAMILY_CONFIGS[family]
+    cfg = config_class(**{**SMALL, **own, **overrides}, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    return model
+
+
 def ctxpar_from(path):
     m = ModelConfig(**hf.model_fields(hf.read_config(path), path))
+    reader = hf.WeightReader(path, m.tie_embeddings, m.post_norms)
+    reader.check(m)
     model = GPT(m).eval()
-    reader = hf.WeightReader(path, m.tie_embeddings)
     copy_full_weights_(model, reader.get, None)
     assert reader.unused() == []
     return model
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3])
+@pytest.mark.parametrize("scaling", [
+    None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, YARN,
+    {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, {**YARN, "attention_factor": 1.5}])
 def test_rope_frequencies_equal_transformers(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from models.gpt import rope_attention_factor
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=5000.0,
-                      rope_scaling=scaling)
+                      rope_scaling=scaling, max_position_embeddings=128)
     kind = (scaling or {}).get("rope_type")
     if kind is None:
-        want = 1.0 / (5000.0 ** (torch.arange(0, 16, 2).float() / 16))
+        want, factor = 1.0 / (5000.0 ** (torch.arange(0, 16, 2).float() / 16)), 1.0
     else:
-        want, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+        want, factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
     torch.testing.assert_close(rope_inv_freq(16, 5000.0, scaling), want, rtol=1e-6, atol=0)
+    assert rope_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
+
+
+def assert_round_trip(ref, model, out, tokens):
+    """model's logits equal ref's; its export reloads in transformers with the same logits
+    and the same tensors as ref, bit for bit."""
+    with torch.no_grad():
+        want = ref(tokens).logits
+        got = model(tokens, torch.arange(tokens.shape[1]))
+        torch.testing.assert_close(got, want, **TOL)
+        hf.save_folder(out, ((n, p) for n, p in model.named_parameters()), model.cfg)
+        back = AutoModelForCausalLM.from_pretrained(out).float().eval()
+        assert type(back) is type(ref)
+        torch.testing.assert_close(back(tokens).logits, got, **TOL)
+    a, b = ref.state_dict(), back.state_dict()
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.mark.parametrize("tied,scaling", [(True, None), (False, LLAMA3)])
@@ -76,39 +140,195 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
     ref = tiny_llama(tmp_path / "llama", tied, scaling)
     model = ctxpar_from(tmp_path / "llama")
     tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref(tokens).logits
-        got = model(tokens, torch.arange(48))
-        torch.testing.assert_close(got, want, **TOL)
-        hf.save_folder(tmp_path / "out", ((n, p) for n, p in model.named_parameters()),
-                       model.cfg)
-        back = LlamaForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-        torch.testing.assert_close(back(tokens).logits, got, **TOL)
-    # Llama -> ctxpar -> Llama: the same tensors, bit for bit.
-    a, b = ref.state_dict(), back.state_dict()
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_round_trip(ref, model, tmp_path / "out", tokens)
 
 
-@pytest.mark.parametrize("field,value,msg", [
-    ("attention_bias", True, "attention_bias=True: ctxpar's attention has no biases"),
-    ("mlp_bias", True, "mlp_bias=True: ctxpar's MLP has no biases"),
-    ("hidden_act", "gelu", "hidden_act='gelu': ctxpar's MLP is SwiGLU"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0},
-     "rope_scaling.rope_type='yarn' is not implemented by ctxpar"),
-    ("head_dim", 32, "head_dim=32: ctxpar's head dim is hidden_size/num_attention_heads = 16"),
-    ("model_type", "mistral", "model_type='mistral': ctxpar imports Llama models only"),
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", False), ("qwen3", True),
+                                         ("mistral", False), ("gemma3_text", True)])
+def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
+    ref = tiny_family(tmp_path / family, family, tied)
+    model = ctxpar_from(tmp_path / family)
+    assert model.cfg.family == family and model.cfg.head_dim == 24
+    tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
+    assert_round_trip(ref, model, tmp_path / "out", tokens)
+    assert hf.read_config(tmp_path / "out")["model_type"] == family
+    # the planner counts from the same description the model is checked against
+    assert sum(s.numel() for s in parameter_specs(model.cfg)) == \
+        sum(p.numel() for p in ref.parameters())
+
+
+@pytest.mark.parametrize("family,tensor", [("qwen2", "model.layers.0.self_attn.k_proj.bias"),
+                                           ("qwen3", "model.layers.0.self_attn.k_norm.weight")])
+def test_a_folder_relabelled_llama_is_refused(tmp_path, family, tensor):
+    """The usual workaround (model_type: llama) would drop Qwen's biases or q/k norms: its
+    family's own config fields are refused, and without them its tensors are."""
+    tiny_family(tmp_path, family, tied=False, head_dim=16)
+    config = hf.read_config(tmp_path)
+    relabelled = {**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(relabelled))
+    with pytest.raises(CheckpointError, match=r"a config field ctxpar does not know for "
+                                              r"model_type 'llama'"):
+        hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
+    for key in ("use_sliding_window", "max_window_layers", "layer_types", "sliding_window",
+                "attention_bias"):
+        relabelled.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(relabelled))
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    with pytest.raises(CheckpointError, match=rf"tensor '{tensor}' and \d+ more would not be "
+                                              rf"used by ctxpar"):
+        hf.WeightReader(str(tmp_path), m.tie_embeddings).check(m)
+
+
+def family_json(family, **fields):
+    """config.json of a small model of a family, as ctxpar exports it, fields changed."""
+    m = ModelConfig(vocab_size=96, d_model=64, n_heads=4, family=family,
+                    **{k: v for k, v in FAMILIES[family].fixed.items()})
+    return {**hf.family_config(m), **fields}
+
+
+@pytest.mark.parametrize("family,field,value,msg", [
+    ("llama", "model_type", "phi3", "model_type='phi3': ctxpar imports llama, qwen2, qwen3, "
+                                    "mistral, gemma3_text"),
+    ("llama", "attention_bias", True, "attention_bias=True: with mlp_bias=False: ctxpar's "
+                                      "model.bias puts biases on every linear layer"),
+    ("llama", "hidden_act", "gelu", "hidden_act='gelu': LlamaForCausalLM's MLP in ctxpar "
+                                    "uses silu"),
+    ("llama", "rope_scaling", {"rope_type": "longrope", "factor": 4.0},
+     "rope_scaling.rope_type='longrope' is not implemented by ctxpar"),
+    ("llama", "partial_rotary_factor", 0.5, "partial_rotary_factor=0.5: ctxpar rotates every "
+                                            "channel"),
+    ("llama", "some_new_field", 1, "some_new_field=1: a config field ctxpar does not know "
+                                   "for model_type 'llama'"),
+    ("qwen2", "num_experts", 8, "num_experts=8: mixture of experts is not implemented"),
+    ("qwen2", "use_sliding_window", True, "layer_types=['full_attention', "
+     "'sliding_attention']: layers of type sliding_attention (a window of 16) arrive with "
+     "model.layer_types"),
+    ("qwen3", "attention_bias", True, "attention_bias=True: ctxpar has q/k/v biases without "
+                                      "o_proj's"),
+    ("qwen3", "layer_types", ["full_attention", "sliding_attention"],
+     "layer_types=['full_attention', 'sliding_attention']: layers of type sliding_attention "
+     "(a window of 16) arrive with model.layer_types"),
+    ("gemma3_text", "layer_types", None, "layer_types=['sliding_attention', "
+     "'sliding_attention']: layers of type sliding_attention (a window of 4096)"),
+    ("mistral", "sliding_window", 4096, "sliding_window=4096: sliding windows arrive with "
+                                        "model.sliding_window"),
+    ("gemma3_text", "final_logit_softcapping", 30.0, "final_logit_softcapping=30.0: logit "
+                                                     "softcapping is not implemented"),
+    ("gemma3_text", "architectures", ["Gemma3ForConditionalGeneration"],
+     "architectures=['Gemma3ForConditionalGeneration']: ctxpar imports Gemma3ForCausalLM"),
 ])
-def test_unrepresentable_llamas_are_refused_naming_the_field(tmp_path, field, value, msg):
-    cfg = hf.llama_config(ModelConfig(vocab_size=96, d_model=64, n_heads=4))
-    cfg[field] = value
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
+                                                              value, msg):
+    window = {"qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                            layer_types=None),
+              "qwen3": dict(use_sliding_window=True, sliding_window=16)}.get(family, {})
+    config = family_json(family, **{**window, field: value})
+    if family == "gemma3_text" and field == "layer_types":
+        config.update(sliding_window=4096, sliding_window_pattern=6)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError) as e:
         hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
     assert msg in str(e.value) and "config.json" in str(e.value), str(e.value)
-    with pytest.raises(CheckpointError, match=r"model.mlp='gelu' cannot be exported"):
-        hf.llama_config(ModelConfig(mlp="gelu"))
+    assert "\n" not in str(e.value)
+
+
+def test_models_no_family_holds_are_refused_at_export():
+    with pytest.raises(CheckpointError, match=r"model.mlp='gelu' cannot be exported as "
+                                              r"LlamaForCausalLM"):
+        hf.family_config(ModelConfig(mlp="gelu", family="llama"))
+    with pytest.raises(CheckpointError, match=r"no Hugging Face family holds this model"):
+        hf.family_config(ModelConfig(mlp="gelu"))
+    # a plain GPT is a Llama; q/k/v biases make it a Qwen2, q/k norms a Qwen3
+    assert hf.family_config(ModelConfig())["architectures"] == ["LlamaForCausalLM"]
+    assert hf.family_config(ModelConfig(attention_bias=True))["model_type"] == "qwen2"
+    assert hf.family_config(ModelConfig(qk_norm=True))["model_type"] == "qwen3"
+
+
+def rewrite_weights(folder, change):
+    """Apply change(dict of tensors) to a single-file folder's model.safetensors."""
+    from safetensors.torch import load_file, save_file
+    file = folder / "model.safetensors"
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def shard(folder):
+    """Split model.safetensors into two shards with an index, as save_pretrained does."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    os.remove(folder / "model.safetensors")
+    names = sorted(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[::2],
+             "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in parts.items():
+        save_file({k: tensors[k] for k in keys}, folder / file, metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in parts.items() for k in ks}}))
+
+
+WEIGHT_PROBLEMS = {  # name -> (what is done to an untied Llama folder, the message)
+    "untied without lm_head": (
+        lambda d: rewrite_weights(d, lambda t: t.pop("lm_head.weight")),
+        "no tensor 'lm_head.weight' (tie_word_embeddings is false"),
+    "a tensor ctxpar would not use": (  # Phi-3's fused projection
+        lambda d: rewrite_weights(d, lambda t: t.update(
+            {"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(112, 64)})),
+        "tensor 'model.layers.0.self_attn.qkv_proj.weight' would not be used by ctxpar"),
+    "a dtype ctxpar cannot read": (
+        lambda d: rewrite_weights(d, lambda t: t.update(
+            {"model.norm.weight": t["model.norm.weight"].to(torch.int8)})),
+        "model.norm.weight is I8; ctxpar reads F32, BF16, F16"),
+    "a shard named in the index but absent": (
+        lambda d: (shard(d), os.remove(d / "model-00002-of-00002.safetensors")),
+        "model-00002-of-00002.safetensors is named in model.safetensors.index.json but "
+        "absent"),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(WEIGHT_PROBLEMS))
+def test_weights_ctxpar_cannot_use_are_refused_from_the_headers(tmp_path, problem):
+    tiny_family(tmp_path, "llama", tied=False)
+    change, msg = WEIGHT_PROBLEMS[problem]
+    change(tmp_path)
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    with pytest.raises(CheckpointError) as e:
+        hf.WeightReader(str(tmp_path), m.tie_embeddings).check(m)
+    assert msg in str(e.value), str(e.value)
+
+
+def test_a_bf16_folder_imports_its_weights_exactly(tmp_path):
+    ref = tiny_family(tmp_path / "fp32", "qwen3", tied=False)
+    ref.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = ctxpar_from(tmp_path / "bf16")  # fp32 parameters holding the bf16 values
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    tokens = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, torch.arange(32)), back.eval()(tokens).logits,
+                                   **TOL)
+
+
+def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
+    ref = tiny_family(tmp_path, "qwen3", tied=False)
+    shard(tmp_path)
+    model = ctxpar_from(tmp_path)
+    tokens = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
+
+
+def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys):
+    import yaml
+    from ctxpar.config import config_from_dict
+    from tools.convert_checkpoint import main as convert
+    tiny_family(tmp_path, "gemma3_text", tied=True, vocab_size=256)
+    assert convert([str(tmp_path), "--model-config"]) == 0
+    section = yaml.safe_load(capsys.readouterr().out)
+    cfg = config_from_dict(section)  # validated like any config
+    assert cfg.model.family == "gemma3_text" and cfg.model.norm_offset == 1.0
+    assert cfg.model.init_from == str(tmp_path)
+    fields = hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
+    assert hf.check_matches(cfg.model, fields, str(tmp_path)) == {}
 
 
 def test_init_from_checks_the_architecture(tmp_path):
@@ -122,6 +342,34 @@ def test_init_from_checks_the_architecture(tmp_path):
     with pytest.raises(CheckpointError, match=r"model.n_layers=4 but model.init_from=x has "
                                               r"n_layers=2: set model.n_layers=2"):
         hf.check_matches(ModelConfig(**{**vars(same), "n_layers": 4}), fields, "x")
+
+
+def test_init_from_takes_the_sources_family_when_model_family_is_unset(tmp_path):
+    """A folder's model_type, or a ctxpar checkpoint's model.family, becomes the run's
+    model.family (what its export writes); a family the config sets is kept."""
+    from ctxpar.checkpoint import check_init_from
+    from ctxpar.checkpoint.resume import write_manifest
+    from ctxpar.config import config_from_dict, to_dict
+    tiny_family(tmp_path / "mistral", "mistral", tied=False, vocab_size=256, head_dim=16,
+                intermediate_size=192)
+    model = dict(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=192,
+                 tie_embeddings=False, rope_theta=5000.0, norm_eps=1e-5)
+    cfg = config_from_dict({"model": {**model, "init_from": str(tmp_path / "mistral")}})
+    assert check_init_from(cfg).family == "mistral" and cfg.model.family == "mistral"
+    cfg = config_from_dict({"model": {**model, "family": "llama",
+                                      "init_from": str(tmp_path / "mistral")}})
+    assert check_init_from(cfg).changed == {"family": ("mistral", "llama"),
+                                            "seq_len": (128, 1024)}
+    assert cfg.model.family == "llama"
+    tag = tmp_path / "run" / "step_00000001"  # a run started from the folder, saved
+    tag.mkdir(parents=True)
+    (tag / "weights").write_bytes(b"x")
+    saved = {**to_dict(config_from_dict({"model": model})), "model": {
+        **to_dict(config_from_dict({"model": model}))["model"], "family": "mistral"}}
+    write_manifest(str(tag), 1, {"config": saved})
+    cfg = config_from_dict({"model": {**model, "init_from": str(tag)}})
+    check_init_from(cfg)
+    assert cfg.model.family == "mistral"
 
 
 def tiny_tokenizer(path):
@@ -186,11 +434,63 @@ def test_train_py_from_a_llama_folder_and_back(tmp_path):
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits, **TOL)
 
 
-def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path):
-    tiny_llama(tmp_path / "llama", vocab_size=256, attention_bias=True)
+def test_train_py_from_a_qwen2_folder_and_back(tmp_path):
+    # q/k/v biases split over tp2, head_dim 24, YaRN, untied: tiny_cpu.yaml's shapes else
+    ref = tiny_family(tmp_path / "qwen2", "qwen2", tied=False, vocab_size=256,
+                      intermediate_size=192, rope_theta=10000.0)
+    run = tmp_path / "run"
+    proc = run_train(str(run), 4, [
+        "parallel.tp=2", "parallel.cp=2", "parallel.dp=1", "train.steps=1",
+        f"model.init_from={tmp_path / 'qwen2'}", "model.head_dim=24",
+        "model.attention_bias=true", "model.tie_embeddings=false", "model.ffn_hidden=192",
+        "model.rope_scaling={rope_type: yarn, factor: 4.0, "
+        "original_max_position_embeddings: 32}", "logging.wandb.mode=disabled"])
+    assert "Hugging Face Qwen2 folder" in proc.stdout
+    want = passkey_loss(ref)
+    got = losses(str(run))[1]
+    assert abs(got - want) <= 1e-5 * want, (got, want)  # fp32, TP/CP reduction order only
+    # The export writes the family the run started from (model.family, taken from the
+    # folder), and transformers computes ctxpar's logits from it.
+    out = tmp_path / "exported"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                        str(run), "--to", "hf", str(out)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and "Qwen2ForCausalLM" in r.stdout, r.stderr[-3000:]
+    exported = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    back = ctxpar_from(out)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits, **TOL)
+
+
+@pytest.mark.parametrize("problem", ["a config field", "untied without lm_head",
+                                     "a shard named in the index but absent",
+                                     "a family that cannot hold the model"])
+def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, problem):
+    """One line and exit 2 from check_inputs, before any process group or model exists
+    (one process: under torchrun the first rank's exit makes the launcher stop the others,
+    which reach the same verdict from the same files)."""
+    if problem == "a family that cannot hold the model":  # found at start, not at export
+        proc = run_train(str(tmp_path / "run"), 1, ["parallel.cp=1", "parallel.dp=1",
+                                                    "model.family=qwen3"],
+                         check=False, timeout=120)
+        lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+        assert "model.qk_norm=False cannot be exported as Qwen3ForCausalLM" in lines[0]
+        return
+    if problem == "a config field":
+        tiny_llama(tmp_path / "llama", vocab_size=256, attention_bias=True)
+        msg = "attention_bias=True: with mlp_bias=False: ctxpar's model.bias puts biases"
+    else:
+        tiny_family(tmp_path / "llama", "llama", tied=False, vocab_size=256,
+                    intermediate_size=192, head_dim=16)
+        change, msg = WEIGHT_PROBLEMS[problem]
+        change(tmp_path / "llama")
     proc = run_train(str(tmp_path / "run"), 1, [
-        "parallel.cp=1", "parallel.dp=1", f"model.init_from={tmp_path / 'llama'}"],
-        check=False, timeout=120)
+        "parallel.cp=1", "parallel.dp=1", f"model.init_from={tmp_path / 'llama'}",
+        "model.tie_embeddings=false", "model.ffn_hidden=192"], check=False, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    assert "attention_bias=True: ctxpar's attention has no biases" in lines[0]
+    assert msg in lines[0], lines[0]
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")

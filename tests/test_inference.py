@@ -16,7 +16,7 @@ import pickle
 import pytest
 import torch
 
-from ctxpar.config import ModelConfig
+from ctxpar.config import ModelConfig, resolved_head_dim
 from ctxpar.inference import (SamplingParams, check_prompts, decode_bytes_per_step,
                               decode_capacity, filter_logits, generate, merge_partials,
                               partial_attention, sample)
@@ -41,6 +41,12 @@ CONFIGS = {
                          layer_types=["sliding_attention", "chunked_attention",
                                       "full_attention"], attention_sinks=True,
                          layer_rope={"sliding_attention": {"rope_theta": 100.0}}),
+    # The Hugging Face families' fields: the decode step's softmax scale is the model's
+    # (query_pre_attn_scalar), its q/k norms and head_dim apply to the cached keys.
+    "fields": ModelConfig(vocab_size=256, seq_len=64, n_layers=2, d_model=32, n_heads=4,
+                          n_kv_heads=2, init_std=0.2, head_dim=12, attention_bias=True,
+                          qk_norm=True, norm_offset=1.0, post_norms=True,
+                          scale_embeddings=True, mlp="geglu", query_pre_attn_scalar=20.0),
 }
 SEED = 5
 PROMPTS = [list(range(40, 53)), [7, 3, 200, 9, 1], [(17 * i) % 251 + 2 for i in range(22)]]
@@ -76,6 +82,7 @@ def _cases():
     cases += [(tp, cp, layout, "gqa", SamplingParams()) for cp in (2, 4) for tp in (1, 2)
               for layout in ("zigzag", "striped", "contiguous")]
     cases += [(2, 2, "zigzag", "mqa", SamplingParams()), (2, 2, "striped", "gqa", SAMPLED),
+              (2, 2, "zigzag", "fields", SamplingParams()),
               (1, 4, "zigzag", "mqa", SAMPLED)]
     cases += [(1, 1, "contiguous", "kinds", SamplingParams()),
               (2, 2, "zigzag", "kinds", SamplingParams()), (1, 4, "striped", "kinds", SAMPLED)]
@@ -99,7 +106,7 @@ def test_generation_matches_single_process_for_every_layout():
             torch.testing.assert_close(got["logits"], logits, **TOL, msg=where)
             # The merge: one all_gather per layer and decode step (NEW - 1 steps).
             cfg = CONFIGS[name]
-            L, heads, hd = cfg.n_layers, cfg.n_heads // tp, cfg.d_model // cfg.n_heads
+            L, heads, hd = cfg.n_layers, cfg.n_heads // tp, resolved_head_dim(cfg)
             assert got["calls"] == (L * (NEW - 1) if cp > 1 else 0), where
             assert got["bytes_recv"] == (NEW - 1) * decode_bytes_per_step(
                 L, B, heads, hd, cp), where

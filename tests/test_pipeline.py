@@ -34,6 +34,14 @@ CONFIGS = {
     "untied": ModelConfig(vocab_size=128, seq_len=32, n_layers=3, d_model=32, n_heads=4,
                           n_kv_heads=1, mlp="gelu", norm="layernorm", tie_embeddings=False,
                           bias=True),
+    # The Hugging Face families' fields (q/k/v biases, per-head q/k norms, head_dim !=
+    # d_model/n_heads, (1 + w) norms after attention and MLP, sqrt(d) embedding, GeGLU,
+    # softmax scale) on the pipeline's stages.
+    "fields": ModelConfig(vocab_size=128, seq_len=32, n_layers=3, d_model=32, n_heads=4,
+                          n_kv_heads=2, head_dim=12, attention_bias=True, qk_norm=True,
+                          norm_offset=1.0, post_norms=True, scale_embeddings=True,
+                          mlp="geglu", ffn_hidden=64, query_pre_attn_scalar=10.0,
+                          tie_embeddings=True),
 }
 BATCH, MICRO, STEPS, LR, CLIP, SEED = 4, 1, 3, 0.5, 0.05, 7
 # fp32. The pipelined model sums the same terms in another order (TP partial products,
@@ -187,7 +195,8 @@ def _parity(rank, world, payload):
 
 
 CASES = {  # world -> (tp, cp, pp, dp, layout, config, activation ckpt, ZeRO, partition, cp_comm)
-    2: [(1, 1, 2, 1, "zigzag", "tied", "none", 0, "parameters", "ring")],
+    2: [(1, 1, 2, 1, "zigzag", "tied", "none", 0, "parameters", "ring"),
+        (1, 1, 2, 1, "zigzag", "fields", "selective", 0, "parameters", "ring")],
     4: [(1, 2, 2, 1, "zigzag", "untied", "full", 1, "uniform", "allgather"),
         (1, 1, 2, 2, "striped", "tied", "selective", 1, "parameters", "ring")],
     8: [(2, 2, 2, 1, "zigzag", "tied", "every_n_layers", 0, "parameters", "ring"),

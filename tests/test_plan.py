@@ -111,6 +111,27 @@ def test_activation_bytes_equal_what_autograd_saves():
                 assert res[tp, cp, comm, mode] == want, (cand.name(), rank)
 
 
+@pytest.mark.parametrize("fields", [
+    dict(qk_norm=True, post_norms=True),  # Qwen3's q/k norms, Gemma's norms after
+    dict(qk_norm=True, norm_offset=1.0, post_norms=True, scale_embeddings=True, head_dim=12,
+         mlp="geglu", attention_bias=True, query_pre_attn_scalar=10.0)])  # Gemma 3's all
+def test_activation_bytes_of_the_families_fields_equal_what_autograd_saves(fields):
+    """One process (the fields are per head or per token: TP and CP split them as the
+    rest, test_activation_bytes_equal_what_autograd_saves)."""
+    from ctxpar.testing.memory import saved_tensor_bytes
+    from models.gpt import GPT
+    m = ModelConfig(**{**CFG, **fields})
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    for mode in MODES:
+        model = GPT(m, options=ModelOptions(activation_checkpointing=mode, every_n_layers=2,
+                                            seed=1))
+        with saved_tensor_bytes(model.parameters()) as seen:
+            model(tokens, torch.arange(32), tokens)
+        cand = Candidate(1, 1, 1, 1, "ring", 1, "zigzag", activation=mode, every_n_layers=2,
+                         micro_batch=2)
+        assert sum(seen.values()) == counts.activation_bytes(m, cand, 4), (mode, fields)
+
+
 # ------------------------------------------------------------------ model state (DeepSpeed)
 
 
@@ -554,11 +575,13 @@ def test_block_fields_are_all_block_specs_reads():
     m = ModelConfig(**CFG)
     other = dict(vocab_size=128, seq_len=64, n_layers=5, norm_eps=1e-6, rope_theta=5e5,
                  rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_embeddings=False,
-                 init_std=0.01, init_from="elsewhere")
+                 init_std=0.01, init_from="elsewhere", norm_offset=1.0, scale_embeddings=True,
+                 query_pre_attn_scalar=8.0, family="qwen2")
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
             assert block_fields(changed) == block_fields(m), f.name
             assert block_specs(changed) == block_specs(m), f.name
     assert set(other) | {"d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
-                         "bias"} == {f.name for f in dataclasses.fields(ModelConfig)}
+                         "bias", "attention_bias", "qk_norm", "head_dim", "post_norms"} == \
+        {f.name for f in dataclasses.fields(ModelConfig)}

@@ -1,18 +1,20 @@
-"""Convert ctxpar checkpoints: to a Hugging Face LlamaForCausalLM folder, or show a Llama
-folder's model.* section for model.init_from.
+"""Convert ctxpar checkpoints: to a Hugging Face folder of the model's family (Llama, Qwen2,
+Qwen3, Mistral, Gemma 3), or show a Hugging Face folder's model.* section for
+model.init_from.
 
     python tools/convert_checkpoint.py runs/tiny_cpu --to hf out/tiny-llama
     python tools/convert_checkpoint.py runs/x/checkpoints/step_00000400 --to hf out/x \
         --dtype bfloat16
-    python tools/convert_checkpoint.py path/to/llama --model-config     # YAML for model.init_from
+    python tools/convert_checkpoint.py path/to/qwen3 --model-config     # YAML for model.init_from
 
 The checkpoint may be a step_* folder, a save_dir (its newest complete tag) or a run dir,
 saved on any layout (tp, cp, pp, dp, ZeRO stage): it goes through DeepSpeed's universal
 form in a temp dir (ctxpar/checkpoint/universal.py), on this machine, no processes.
-The export writes config.json + model.safetensors, and tokenizer.json +
+The export writes the family model.family names (the one model.init_from's folder had;
+ctxpar/checkpoint/families.py): config.json + model.safetensors, and tokenizer.json +
 tokenizer_config.json when the run trained with data.tokenizer set.
-Exit codes: 0 done, 2 bad input (one line: a damaged checkpoint, a model Llama cannot
-hold, a missing path).
+Exit codes: 0 done, 2 bad input (one line: a damaged checkpoint, a model no family can
+hold, a config field or tensor ctxpar cannot represent, a missing path).
 """
 from __future__ import annotations
 
@@ -25,26 +27,30 @@ import yaml
 
 from ctxpar.checkpoint import CheckpointError, export_hf
 from ctxpar.checkpoint import hf
+from ctxpar.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("path", help="a ctxpar checkpoint (tag, save_dir or run dir), or a Llama "
-                                "folder with --model-config")
+    p.add_argument("path", help="a ctxpar checkpoint (tag, save_dir or run dir), or a Hugging "
+                                "Face folder with --model-config")
     p.add_argument("--to", nargs=2, metavar=("FORMAT", "OUT_DIR"),
                    help="'hf' and the folder to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="dtype of the exported weights (default float32, the master copy)")
     p.add_argument("--model-config", action="store_true",
-                   help="print the model: section matching a Llama folder (for init_from)")
+                   help="print the model: section matching a Hugging Face folder (for "
+                        "init_from)")
     args = p.parse_args(argv)
     try:
         if not os.path.isdir(args.path):
             raise CheckpointError(f"{args.path} does not exist")
         if args.model_config:
             fields = hf.model_fields(hf.read_config(args.path), args.path)
+            m = ModelConfig(**fields)
+            hf.WeightReader(args.path, m.tie_embeddings, m.post_norms).check(m)
             fields = {**{k: v for k, v in fields.items() if k != "init_std"},
                       "init_from": args.path}
             print(yaml.safe_dump({"model": fields}, sort_keys=False), end="")
@@ -56,7 +62,8 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}: LlamaForCausalLM from {tag_dir} ({args.dtype})")
+    arch = hf.read_config(out)["architectures"][0]
+    print(f"wrote {out}: {arch} from {tag_dir} ({args.dtype})")
     return 0
 
 

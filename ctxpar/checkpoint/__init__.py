@@ -1,15 +1,18 @@
-"""Checkpoints: complete-or-ignored saves, resume on any layout, Hugging Face Llama exchange.
+"""Checkpoints: complete-or-ignored saves, resume on any layout, Hugging Face exchange.
 
     resume.py      tags, the manifest (COMPLETE), verification, DeepSpeed save/load, RNG
     reshard.py     resume on the saving layout or another one (find the resume point, then load)
     universal.py   any layout -> DeepSpeed's universal checkpoint, and back into an engine
-    names.py       parameter names: GPT <-> pipeline stages <-> Hugging Face Llama
-    hf.py          Hugging Face Llama config.json and safetensors, both directions
+    names.py       parameter names: GPT <-> pipeline stages <-> Hugging Face
+    families.py    the Hugging Face families (Llama, Qwen2, Qwen3, Mistral, Gemma 3) as
+                   mappings of config.json onto model.* fields
+    hf.py          Hugging Face config.json and safetensors, both directions; refusals
     preemption.py  SIGTERM/SIGUSR1: every rank stops after the same step, saves, exits 0
-    weights.py     model.init_from (Llama folder or ctxpar checkpoint), export to Llama
+    weights.py     model.init_from (Hugging Face folder or ctxpar checkpoint), export
 
 docs/checkpoints.md describes the files on disk and what may change between save and resume.
 """
+from .hf import family_config
 from .preemption import PreemptionGuard
 from .reshard import (ResumePoint, checkpoint_meta, describe, layout_of, resume_point,
                       restore)
@@ -20,7 +23,8 @@ from .weights import InitSource, check_init_from, export_hf, load_initial_weight
 
 __all__ = [
     "CheckpointError", "InitSource", "PreemptionGuard", "ResumePoint", "check_init_from",
-    "checkpoint_meta", "complete_tags", "describe", "export_hf", "is_tag", "latest_complete",
-    "layout_of", "list_tags", "load", "load_initial_weights", "read_manifest", "restore",
-    "resume_point", "resume_problem", "save", "tag_for", "universal_checkpoint_info", "verify",
+    "checkpoint_meta", "complete_tags", "describe", "export_hf", "family_config", "is_tag",
+    "latest_complete", "layout_of", "list_tags", "load", "load_initial_weights",
+    "read_manifest", "restore", "resume_point", "resume_problem", "save", "tag_for",
+    "universal_checkpoint_info", "verify",
 ]

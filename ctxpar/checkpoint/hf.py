@@ -1,8 +1,7 @@
-"""Hugging Face Llama <-> ctxpar: config.json fields and the weights in safetensors.
+"""Hugging Face folders <-> ctxpar: config.json fields and the weights in safetensors.
 
-ctxpar's GPT with mlp=swiglu, norm=rmsnorm, bias=false is Llama's architecture (RoPE with
-rotate-half pairs, GQA, SwiGLU, RMSNorm, pre-norm), so a LlamaForCausalLM folder is the
-exchange format both ways:
+A family (families.py: Llama, Qwen2, Qwen3, Mistral, Gemma 3) is ctxpar's GPT with some
+fields fixed; the rest map one to one, both ways:
 
     ctxpar model.*      config.json                 ctxpar model.*     config.json
     vocab_size          vocab_size                  norm_eps           rms_norm_eps
@@ -11,13 +10,15 @@ exchange format both ways:
     n_heads             num_attention_heads         tie_embeddings     tie_word_embeddings
     n_kv_heads          num_key_value_heads         seq_len            max_position_embeddings
     ffn_hidden          intermediate_size           init_std           initializer_range
+    head_dim            head_dim                    query_pre_attn_scalar (Gemma)
 
-plus hidden_act=silu, attention_bias=mlp_bias=false, head_dim=d_model/n_heads. Written in
-the classic form (rope_theta / rope_scaling), which transformers 4.x reads and 5.x
-converts to its ``rope_parameters``; both forms are read. Anything else (another
-activation, biases, a RoPE type ctxpar does not implement, partial rotary, dropout) is
-refused with the field's name (``CheckpointError`` -> exit 2). The vocabulary is exported
-as is: ctxpar never pads it (config refuses vocab_size % tp).
+Written in the classic form (rope_theta / rope_scaling), which transformers 4.x reads and
+5.x converts to its ``rope_parameters``; both forms are read (Gemma 3's per-layer-type
+form too). A field ctxpar does not implement at its value, or does not know, is refused
+with its name (``CheckpointError`` -> exit 2), as is every tensor of the folder ctxpar
+would not use, a missing one, a shard the index names that is absent and a dtype it
+cannot read (``check_weights``). The vocabulary is exported as is: ctxpar never pads it
+(config refuses vocab_size % tp).
 """
 from __future__ import annotations
 
@@ -28,41 +29,85 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ..config import ROPE_SCALING_KEYS, resolved_ffn_hidden
+from ..config import (ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig,
+                      resolved_ffn_hidden, resolved_head_dim)
+from ..config.parameters import parameter_specs
+from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
+                       family_of)
 from .names import to_hf
 from .resume import CheckpointError
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-# model.* a run started from a Llama folder may set differently: context extension.
-MAY_DIFFER = ("seq_len", "rope_theta", "rope_scaling", "init_std")
+# model.* a run started from a folder may set differently: context extension; the export
+# label.
+MAY_DIFFER = ("seq_len", "rope_theta", "rope_scaling", "init_std", "family")
+DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes ctxpar reads
 
 
 def is_hf_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG))
 
 
-def llama_config(m, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """config.json of the LlamaForCausalLM equal to ModelConfig m; refuses non-Llama models."""
-    for key, value, llama in (("mlp", m.mlp, "swiglu"), ("norm", m.norm, "rmsnorm"),
-                              ("bias", m.bias, False)):
-        if value != llama:
-            raise CheckpointError(f"model.{key}={value!r} cannot be exported as "
-                                  f"LlamaForCausalLM (Llama has {key}={llama!r})")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+def family_config(m, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """config.json of model.family's ForCausalLM equal to ModelConfig m (families.family_of
+    when model.family is unset); refuses a model the family cannot hold."""
+    try:
+        name = family_of(m)
+    except KeyError:
+        fields = ", ".join(f"model.{k}={getattr(m, k)!r}" for k in ARCH_DEFAULTS)
+        raise CheckpointError(f"no Hugging Face family holds this model ({fields}); the "
+                              f"families: {', '.join(FAMILIES)} (docs/checkpoints.md)") from None
+    fam = FAMILIES[name]
+    for key, want in fam.fixed.items():
+        if getattr(m, key) != want:
+            raise CheckpointError(f"model.{key}={getattr(m, key)!r} cannot be exported as "
+                                  f"{fam.architecture} ({name} has {key}={want!r})")
+    if name != "gemma3_text" and m.query_pre_attn_scalar not in (None, resolved_head_dim(m)):
+        raise CheckpointError(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} cannot "
+                              f"be exported as {fam.architecture} (its scale is head_dim)")
+    hd = resolved_head_dim(m)
+    cfg = {
+        "architectures": [fam.architecture], "model_type": name,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model,
         "intermediate_size": resolved_ffn_hidden(m), "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads or m.n_heads,
-        "head_dim": m.d_model // m.n_heads, "hidden_act": "silu",
+        "head_dim": hd, fam.activation[0]: fam.activation[1],
         "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta, "rope_scaling": m.rope_scaling,
-        "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "initializer_range": m.init_std, "pretraining_tp": 1,
-        "torch_dtype": "float32", "bos_token_id": None,
+        "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0,
+        "initializer_range": m.init_std, "torch_dtype": "float32", "bos_token_id": None,
         "eos_token_id": (tokenizer or {}).get("eos_id"),
     }
+    if name == "llama":
+        cfg.update(attention_bias=m.bias, mlp_bias=m.bias, pretraining_tp=1)
+    if name in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None,
+                   layer_types=["full_attention"] * m.n_layers)
+    if name == "qwen3":
+        cfg["attention_bias"] = False
+    if name == "mistral":
+        cfg["sliding_window"] = None
+    if name == "gemma3_text":
+        scaling = dict(m.rope_scaling or {"rope_type": "default"})
+        del cfg["rope_theta"], cfg["rope_scaling"]
+        cfg.update(attention_bias=False, layer_types=["full_attention"] * m.n_layers,
+                   query_pre_attn_scalar=_number(m.query_pre_attn_scalar
+                                                 if m.query_pre_attn_scalar is not None
+                                                 else hd),
+                   final_logit_softcapping=None, attn_logit_softcapping=None,
+                   use_bidirectional_attention=False,
+                   rope_parameters={"full_attention": {**scaling, "rope_theta": m.rope_theta},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": m.rope_theta}})
+    return cfg
+
+
+def _number(x: float):
+    """x as transformers' config classes type it: an int when whole (Gemma's
+    query_pre_attn_scalar is an int field)."""
+    return int(x) if float(x).is_integer() else x
 
 
 def read_config(path: str) -> Dict[str, Any]:
@@ -74,64 +119,157 @@ def read_config(path: str) -> Dict[str, Any]:
         raise CheckpointError(f"{file}: not a readable config.json ({e})") from None
 
 
-def _rope(hf: Dict[str, Any], file: str) -> Tuple[float, Optional[Dict[str, Any]]]:
-    """(rope_theta, ctxpar rope_scaling) from either form of a Llama config."""
+def _rope(hf: Dict[str, Any], file: str, default_theta: float,
+          full_layers_only: bool) -> Tuple[float, Optional[Dict[str, Any]]]:
+    """(rope_theta, ctxpar rope_scaling) from either form of config.json (Gemma 3's
+    per-layer-type rope_parameters: its full-attention layers')."""
     params = dict(hf.get("rope_parameters") or {})  # transformers >= 5
+    if full_layers_only and isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     legacy = hf.get("rope_scaling")
     if legacy:
         params = {**params, **legacy}
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
     kind = params.pop("rope_type", params.pop("type", "default"))
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        raise CheckpointError(f"{file}: partial_rotary_factor={partial} (ctxpar rotates "
-                              f"every channel)")
+        raise CheckpointError(f"{file}: partial_rotary_factor={partial}: ctxpar rotates every "
+                              f"channel (partial rotary is not implemented)")
     if kind == "default":
         return theta, None
     if kind not in ROPE_SCALING_KEYS:
         raise CheckpointError(f"{file}: rope_scaling.rope_type={kind!r} is not implemented by "
                               f"ctxpar (it has {', '.join(ROPE_SCALING_KEYS)})")
-    return theta, {"rope_type": kind, **{k: params[k] for k in ROPE_SCALING_KEYS[kind]}}
+    if kind in ("llama3", "yarn"):  # transformers' default: the model's own length
+        params.setdefault("original_max_position_embeddings",
+                          hf.get("original_max_position_embeddings",
+                                 hf.get("max_position_embeddings")))
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if params.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{file}: rope_scaling of rope_type={kind!r} has no "
+                              f"{', '.join(missing)} (ctxpar needs it given)")
+    optional = {k: params[k] for k in ROPE_SCALING_OPTIONAL.get(kind, ())
+                if params.get(k) is not None}
+    left = sorted(k for k in set(params) - set(ROPE_SCALING_KEYS[kind]) - set(optional)
+                  if not (k in ROPE_SCALING_OPTIONAL.get(kind, ()) and params[k] is None))
+    if left:
+        raise CheckpointError(f"{file}: rope_scaling.{left[0]}={params[left[0]]!r} is not "
+                              f"implemented by ctxpar for rope_type={kind!r}")
+    return theta, {"rope_type": kind, **{k: params[k] for k in ROPE_SCALING_KEYS[kind]},
+                   **optional}
+
+
+def _windows(hf: Dict[str, Any], refuse) -> None:
+    """Qwen2/Qwen3/Gemma 3: every layer full attention. layer_types as transformers makes
+    them when config.json has none: Qwen's sliding from max_window_layers on when
+    use_sliding_window, Gemma 3's all but every sliding_window_pattern-th."""
+    n, types = hf["num_hidden_layers"], hf.get("layer_types")
+    if hf["model_type"] == "gemma3_text":
+        window = hf.get("sliding_window", 4096)
+        if types is None:
+            every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                     for i in range(n)]
+    else:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        if types is None:
+            types = ["sliding_attention" if window is not None and i >= hf.get(
+                "max_window_layers", 28) else "full_attention" for i in range(n)]
+    bad = sorted({t for t in types if t != "full_attention"})
+    # Qwen's sliding layers without a window attend fully, with the same RoPE; Gemma 3's
+    # have their own RoPE base (rope_local_base_freq) whatever the window
+    if bad and (window is not None or hf["model_type"] == "gemma3_text"):
+        refuse("layer_types", types, f"layers of type {', '.join(bad)} (a window of "
+                                     f"{window}) arrive with model.layer_types and "
+                                     f"model.sliding_window")
 
 
 def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
-    """ctxpar model.* values of a Llama config.json; refuses what ctxpar cannot represent."""
+    """ctxpar model.* values of a config.json of a known family; refuses, naming the field,
+    what ctxpar cannot represent and what it does not know."""
     file = os.path.join(path, CONFIG)
 
     def refuse(field, value, why):
         raise CheckpointError(f"{file}: {field}={value!r}: {why}")
 
-    if hf.get("model_type") != "llama":
-        refuse("model_type", hf.get("model_type"), "ctxpar imports Llama models only")
-    checks = (("hidden_act", "silu", "ctxpar's MLP is SwiGLU (silu)"),
-              ("attention_bias", False, "ctxpar's attention has no biases"),
-              ("mlp_bias", False, "ctxpar's MLP has no biases"),
-              ("attention_dropout", 0.0, "ctxpar trains without dropout"))
-    for field, want, why in checks:
-        if hf.get(field, want) != want:
-            refuse(field, hf[field], why)
+    name = hf.get("model_type")
+    if name not in FAMILIES:
+        refuse("model_type", name, f"ctxpar imports {', '.join(FAMILIES)} (a folder of "
+                                   f"another family cannot be relabelled: its architecture "
+                                   f"differs)")
+    fam = FAMILIES[name]
+    arch = hf.get("architectures")
+    if arch is not None and arch != [fam.architecture]:
+        refuse("architectures", arch, f"ctxpar imports {fam.architecture} (the causal LM "
+                                      f"with its head) for model_type {name!r}")
+    known = (IGNORED_KEYS | MAPPED_KEYS | set(NOT_IMPLEMENTED) | set(fam.neutral)
+             | set(fam.own) | {fam.activation[0]})
+    for key in sorted(hf):
+        if key in NOT_IMPLEMENTED and hf[key] not in (None, 0, False, {}):
+            refuse(key, hf[key], f"{NOT_IMPLEMENTED[key]} is not implemented by ctxpar")
+        if key not in known:
+            refuse(key, hf[key], f"a config field ctxpar does not know for model_type "
+                                 f"{name!r}; it may change the computation (remove it from "
+                                 f"config.json if it does not)")
+    act_key, act = fam.activation
+    if hf.get(act_key, act) != act:
+        refuse(act_key, hf[act_key], f"{fam.architecture}'s MLP in ctxpar uses {act}")
+    if name == "gemma3_text" and hf.get("hidden_act", act) != act:
+        refuse("hidden_act", hf["hidden_act"], f"Gemma 3's MLP in ctxpar uses {act}")
+    if hf.get("attention_dropout", 0.0) not in (0, 0.0, None):
+        refuse("attention_dropout", hf["attention_dropout"], "ctxpar trains without dropout")
+    for key, (want, why) in fam.neutral.items():
+        if hf.get(key, want) != want:
+            refuse(key, hf[key], why)
+    fields = dict(fam.fixed)
+    if name == "llama":
+        attn, mlp = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+        if attn != mlp:
+            refuse("attention_bias", attn, f"with mlp_bias={mlp}: ctxpar's model.bias puts "
+                                           f"biases on every linear layer, or on none")
+        fields["bias"] = bool(attn)
+    if name in ("qwen2", "qwen3", "gemma3_text"):
+        _windows(hf, refuse)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size"):
+        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
+            refuse(key, hf.get(key), "config.json must give it as an integer")
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
-    if hf.get("head_dim") not in (None, d // heads):
-        refuse("head_dim", hf["head_dim"], f"ctxpar's head dim is hidden_size/"
-                                           f"num_attention_heads = {d // heads}")
-    theta, scaling = _rope(hf, file)
-    return {"vocab_size": hf["vocab_size"], "d_model": d, "n_layers": hf["num_hidden_layers"],
-            "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads") or heads,
-            "ffn_hidden": hf["intermediate_size"], "mlp": "swiglu", "norm": "rmsnorm",
-            "bias": False, "norm_eps": hf["rms_norm_eps"], "rope_theta": theta,
-            "rope_scaling": scaling, "tie_embeddings": bool(hf.get("tie_word_embeddings")),
-            "seq_len": hf.get("max_position_embeddings"),
-            "init_std": hf.get("initializer_range")}
+    hd = hf.get("head_dim") or d // heads
+    theta, scaling = _rope(hf, file, fam.default_theta, name == "gemma3_text")
+    qpas = hf.get("query_pre_attn_scalar") if name == "gemma3_text" else None
+    fields.update({
+        "vocab_size": hf["vocab_size"], "d_model": d, "n_layers": hf["num_hidden_layers"],
+        "n_heads": heads, "n_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hd if hd != d // heads or d % heads else None,
+        "query_pre_attn_scalar": None if qpas in (None, hd) else float(qpas),
+        "ffn_hidden": hf["intermediate_size"],
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),  # transformers' default for each family
+        "rope_theta": theta, "rope_scaling": scaling,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", name == "gemma3_text")),
+        "seq_len": hf.get("max_position_embeddings"), "init_std": hf.get("initializer_range"),
+        "family": name})
+    return fields
+
+
+def architecture(fields: Dict[str, Any]) -> Dict[str, Any]:
+    """model.* fields with the ones left unset resolved (n_kv_heads, ffn_hidden, head_dim,
+    query_pre_attn_scalar), so that two descriptions of one architecture compare equal."""
+    m = ModelConfig(**{k: v for k, v in fields.items() if k != "init_from"})
+    return {**vars(m), "n_kv_heads": m.n_kv_heads or m.n_heads,
+            "ffn_hidden": resolved_ffn_hidden(m), "head_dim": resolved_head_dim(m),
+            "query_pre_attn_scalar": (m.query_pre_attn_scalar if m.query_pre_attn_scalar
+                                      is not None else float(resolved_head_dim(m)))}
 
 
 def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[Any, Any]]:
     """model.* against an imported folder's fields: refuse any architecture difference;
-    return the allowed ones (MAY_DIFFER) that differ, {field: (folder's, config's)}."""
-    now = {**vars(m), "n_kv_heads": m.n_kv_heads or m.n_heads,
-           "ffn_hidden": resolved_ffn_hidden(m)}
+    return the allowed ones (MAY_DIFFER) that differ, {field: (folder's, config's)}.
+    model.family left unset is no difference (the run takes the folder's)."""
+    theirs, now = architecture(hf_fields), architecture(vars(m))
     changed = {}
-    for key, value in hf_fields.items():
-        if value == now[key]:
+    for key, value in theirs.items():
+        if key == "init_from" or value == now[key] or (key == "family" and m.family is None):
             continue
         if key in MAY_DIFFER:
             changed[key] = (value, now[key])
@@ -143,29 +281,58 @@ def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[An
 
 
 class WeightReader:
-    """Full tensors of a Llama folder by GPT name, read one at a time (safetensors, lazily)."""
+    """Full tensors of a Hugging Face folder by GPT name, read one at a time (safetensors,
+    lazily; opening reads the headers only)."""
 
     IGNORED = ("rotary_emb.inv_freq",)  # buffers older transformers saved
 
-    def __init__(self, path: str, tied: bool):
+    def __init__(self, path: str, tied: bool, post_norms: bool = False):
         from safetensors import safe_open
         index = os.path.join(path, WEIGHTS_INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a readable safetensors index "
+                                      f"({type(e).__name__}: {e})") from None
+            files = sorted(set(weight_map.values()))
+            absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+            if absent:
+                raise CheckpointError(f"{path}: {absent[0]} is named in {WEIGHTS_INDEX} but "
+                                      f"absent (an interrupted download? fetch it again)")
         elif os.path.isfile(os.path.join(path, WEIGHTS)):
-            files = [WEIGHTS]
+            files, weight_map = [WEIGHTS], None
         else:
-            raise CheckpointError(f"{path}: neither {WEIGHTS} nor {WEIGHTS_INDEX}")
-        self.path, self.tied, self._where = path, tied, {}
-        self._files = [safe_open(os.path.join(path, f), framework="pt") for f in files]
-        for handle in self._files:
+            raise CheckpointError(f"{path}: neither {WEIGHTS} nor {WEIGHTS_INDEX} (ctxpar "
+                                  f"reads safetensors: save the model with transformers' "
+                                  f"save_pretrained, which writes them)")
+        self.path, self.tied, self.post_norms, self._where = path, tied, post_norms, {}
+        self._files = []
+        for f in files:
+            try:
+                self._files.append((f, safe_open(os.path.join(path, f), framework="pt")))
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{os.path.join(path, f)}: not a readable safetensors "
+                                      f"file ({e})") from None
+        for f, handle in self._files:
             for key in handle.keys():
+                if weight_map is not None and weight_map.get(key) != f:
+                    raise CheckpointError(f"{os.path.join(path, f)} holds {key!r}, which "
+                                          f"{WEIGHTS_INDEX} places in {weight_map.get(key)}")
                 self._where[key] = handle
+        if weight_map is not None:
+            lost = sorted(set(weight_map) - set(self._where))
+            if lost:
+                raise CheckpointError(f"{path}: {lost[0]!r} is named in {WEIGHTS_INDEX} but "
+                                      f"not in {weight_map[lost[0]]} (a damaged shard)")
         self.used = set()
 
+    def key(self, gpt_name: str) -> str:
+        return to_hf(gpt_name, self.post_norms)
+
     def get(self, gpt_name: str) -> torch.Tensor:
-        key = to_hf(gpt_name)
+        key = self.key(gpt_name)
         if key not in self._where:
             raise CheckpointError(f"{self.path}: no tensor {key!r} (for {gpt_name})")
         self.used.add(key)
@@ -177,6 +344,34 @@ class WeightReader:
         if self.tied:
             left.discard("lm_head.weight")
         return sorted(k for k in left if not k.endswith(self.IGNORED))
+
+    def check(self, m: ModelConfig) -> None:
+        """Every parameter of m has its tensor in the folder with its full shape and a dtype
+        ctxpar reads, and the folder holds no tensor ctxpar would not use; reads headers
+        only (before any process group exists)."""
+        want = {self.key(s.name): s for s in parameter_specs(m)}
+        for key, spec in want.items():
+            if key not in self._where:
+                why = (" (tie_word_embeddings is false: an untied model needs its head; set "
+                       "tie_word_embeddings true in config.json if it is tied)"
+                       if key == "lm_head.weight" else "")
+                raise CheckpointError(f"{self.path}: no tensor {key!r}{why}")
+            sl = self._where[key].get_slice(key)
+            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+            if shape != spec.shape:
+                raise CheckpointError(f"{self.path}: {key} has shape {shape}, config.json "
+                                      f"makes it {spec.shape}")
+            if dtype not in DTYPES:
+                raise CheckpointError(f"{self.path}: {key} is {dtype}; ctxpar reads "
+                                      f"{', '.join(DTYPES)} (dequantize or convert it first)")
+        extra = sorted(k for k in set(self._where) - set(want)
+                       if not k.endswith(self.IGNORED)
+                       and not (self.tied and k == "lm_head.weight"))
+        if extra:
+            more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+            raise CheckpointError(f"{self.path}: tensor {extra[0]!r}{more} would not be used "
+                                  f"by ctxpar's model of this config.json (another "
+                                  f"architecture, or weights it does not implement)")
 
 
 def tokenizer_info(path: Optional[str]) -> Optional[Dict[str, Any]]:
@@ -190,12 +385,13 @@ def tokenizer_info(path: Optional[str]) -> Optional[Dict[str, Any]]:
 
 def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
                 tokenizer: Optional[str] = None, dtype: torch.dtype = torch.float32) -> None:
-    """Write a LlamaForCausalLM folder: config.json, model.safetensors, and the tokenizer
-    files when the run used a Hugging Face tokenizer. weights: (GPT name, full tensor)."""
+    """Write a Hugging Face folder of m's family (family_config): config.json,
+    model.safetensors, and the tokenizer files when the run used a Hugging Face tokenizer.
+    weights: (GPT name, full tensor)."""
     from safetensors.torch import save_file
     tok = tokenizer_info(tokenizer)
-    cfg = llama_config(m, tok)  # refuses non-Llama models before anything is written
-    tensors = {to_hf(n): t.to(dtype).contiguous() for n, t in weights}
+    cfg = family_config(m, tok)  # refuses a model no family holds before anything is written
+    tensors = {to_hf(n, m.post_norms): t.to(dtype).contiguous() for n, t in weights}
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as f:

@@ -1,4 +1,4 @@
-"""Parameter names across the three forms of one model: GPT, its pipeline stages, HF Llama.
+"""Parameter names across the three forms of one model: GPT, its pipeline stages, Hugging Face.
 
 GPT (models/gpt.py) is the canonical form; every checkpoint conversion goes through it.
 
@@ -7,10 +7,17 @@ GPT (models/gpt.py) is the canonical form; every checkpoint conversion goes thro
                                  (untied: 0.embed.weight)
     layers.{i}.attn_norm.weight  {i+1}.attn_norm.weight            input_layernorm.weight
     layers.{i}.attn.q_proj.*     {i+1}.attn.q_proj.*               self_attn.q_proj.*
-      (k_proj, v_proj, o_proj likewise)
+      (k_proj, v_proj, o_proj, q_norm, k_norm likewise)
     layers.{i}.mlp_norm.weight   {i+1}.mlp_norm.weight             post_attention_layernorm.weight
     layers.{i}.mlp.gate_proj.*   {i+1}.mlp.gate_proj.*             mlp.gate_proj.*
       (up_proj, down_proj likewise)
+
+With model.post_norms (Gemma 2/3) Hugging Face names the norms by place instead:
+
+    layers.{i}.post_attn_norm.weight                               post_attention_layernorm.weight
+    layers.{i}.mlp_norm.weight                                     pre_feedforward_layernorm.weight
+    layers.{i}.post_mlp_norm.weight                                post_feedforward_layernorm.weight
+
     final_norm.weight            {L+1}.final_norm.weight           model.norm.weight
     lm_head.weight (untied)      {L+2}.lm_head.weight              lm_head.weight
 
@@ -32,6 +39,11 @@ _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_IN_BLOCK = (("attn_norm.weight", "input_layernorm.weight"),
                 ("mlp_norm.weight", "post_attention_layernorm.weight"),
                 ("attn.", "self_attn."), ("mlp.", "mlp."))
+_HF_IN_POST_NORM_BLOCK = (("attn_norm.weight", "input_layernorm.weight"),
+                          ("post_attn_norm.weight", "post_attention_layernorm.weight"),
+                          ("mlp_norm.weight", "pre_feedforward_layernorm.weight"),
+                          ("post_mlp_norm.weight", "post_feedforward_layernorm.weight"),
+                          ("attn.", "self_attn."), ("mlp.", "mlp."))
 _HF_TOP = (("embed.weight", "model.embed_tokens.weight"),
            ("final_norm.weight", "model.norm.weight"), ("lm_head.weight", "lm_head.weight"))
 
@@ -83,17 +95,19 @@ def from_pipe(name: str, n_layers: int) -> str:
     raise KeyError(f"{name!r}: layer {index} is not in a {n_layers}-block pipeline")
 
 
-def to_hf(name: str) -> str:
-    """GPT name -> Hugging Face LlamaForCausalLM state-dict key."""
+def to_hf(name: str, post_norms: bool = False) -> str:
+    """GPT name -> Hugging Face *ForCausalLM state-dict key (post_norms: Gemma's names)."""
+    in_block = _HF_IN_POST_NORM_BLOCK if post_norms else _HF_IN_BLOCK
     try:
-        return _translate(name, _BLOCK, "model.layers.", _HF_IN_BLOCK, _HF_TOP)
+        return _translate(name, _BLOCK, "model.layers.", in_block, _HF_TOP)
     except KeyError:
-        raise KeyError(f"{name!r} has no Hugging Face Llama counterpart") from None
+        raise KeyError(f"{name!r} has no Hugging Face counterpart") from None
 
 
-def from_hf(name: str) -> str:
-    """Hugging Face LlamaForCausalLM key -> GPT name (inverse of to_hf)."""
+def from_hf(name: str, post_norms: bool = False) -> str:
+    """Hugging Face *ForCausalLM key -> GPT name (inverse of to_hf)."""
+    in_block = _HF_IN_POST_NORM_BLOCK if post_norms else _HF_IN_BLOCK
     try:
-        return _translate(name, _HF_BLOCK, "layers.", _swap(_HF_IN_BLOCK), _swap(_HF_TOP))
+        return _translate(name, _HF_BLOCK, "layers.", _swap(in_block), _swap(_HF_TOP))
     except KeyError:
-        raise KeyError(f"{name!r} is not a Llama parameter ctxpar knows") from None
+        raise KeyError(f"{name!r} is not a Hugging Face parameter ctxpar knows") from None

@@ -31,8 +31,8 @@ from .universal import check_complete, load_into_torch_optimizer, load_meta, nam
 
 LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "zero_stage", "dtype")
 # model.* fields a resumed run may change: RoPE's frequencies (context extension); shapes
-# must match. model.init_from only matters for a fresh run.
-MODEL_MAY_CHANGE = ("rope_theta", "rope_scaling", "init_from")
+# must match. model.init_from only matters for a fresh run, model.family for the export.
+MODEL_MAY_CHANGE = ("rope_theta", "rope_scaling", "init_from", "family")
 
 
 def layout_of(cfg, dp: int) -> Dict[str, Any]:
@@ -114,11 +114,13 @@ class ResumePoint:
 
 
 def _check_model(manifest: Dict[str, Any], cfg, tag_dir: str) -> None:
-    from ..config import to_dict
+    from ..config import ModelConfig, to_dict
     saved = (manifest.get("config") or {}).get("model")
     if saved is None:
         return
     now = to_dict(cfg)["model"]
+    # a field the saving ctxpar did not have yet held its default
+    saved = {**vars(ModelConfig()), **saved}
     for key in sorted(set(saved) | set(now)):
         if key in MODEL_MAY_CHANGE or saved.get(key) == now.get(key):
             continue

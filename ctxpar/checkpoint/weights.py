@@ -3,7 +3,8 @@
     source = check_init_from(cfg)                    # file reads only: before any collective
     msg = load_initial_weights(model, cfg, state, source)   # collective, before deepspeed's init
 
-A source is a Hugging Face Llama folder (hf.py) or a ctxpar checkpoint; either way every
+A source is a Hugging Face folder of a known family (hf.py, families.py) or a ctxpar
+checkpoint; either way every
 rank copies its TP slice of each full tensor (``shard_full_tensor``, the rule of the
 model's own init) into GPT's parameters, or its pipeline stage's under GPT's names, so any
 layout starts from the same weights. A ctxpar checkpoint is first turned into DeepSpeed's
@@ -15,11 +16,11 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ..config import ModelConfig, resolved_ffn_hidden
+from ..config import ModelConfig
 from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
 from .resume import MARKER, CheckpointError, is_tag, latest_complete, verify
@@ -47,38 +48,42 @@ def saved_model(manifest: Dict[str, Any], tag_dir: str) -> ModelConfig:
     return ModelConfig(**model)
 
 
-def _fields(m: ModelConfig) -> Dict[str, Any]:
-    """The model.* fields hf.model_fields gives, from a ctxpar ModelConfig."""
-    keys = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp", "norm", "bias", "norm_eps",
-            "rope_theta", "rope_scaling", "tie_embeddings", "seq_len", "init_std")
-    return {**{k: getattr(m, k) for k in keys}, "n_kv_heads": m.n_kv_heads or m.n_heads,
-            "ffn_hidden": resolved_ffn_hidden(m)}
-
-
 @dataclass
 class InitSource:
     path: str
     kind: str  # 'hf' or 'ctxpar'
     changed: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
     manifest: Dict[str, Any] = field(default_factory=dict)
+    family: Optional[str] = None  # the folder's model_type (kind 'hf')
 
     def describe(self) -> str:
-        what = "Hugging Face Llama folder" if self.kind == "hf" else "ctxpar checkpoint"
+        what = (f"Hugging Face {hf.FAMILIES[self.family].architecture[:-len('ForCausalLM')]}"
+                f" folder" if self.kind == "hf" else "ctxpar checkpoint")
         diff = "".join(f", {k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items())
         return f"initialized from {self.path} ({what}{diff}); step 0, fresh optimizer"
 
 
 def check_init_from(cfg) -> InitSource:
-    """What model.init_from points at, checked against model.*; CheckpointError otherwise."""
+    """What model.init_from points at, checked against model.* (config.json's fields, and
+    every tensor's name, shape and dtype from the safetensors headers); CheckpointError
+    otherwise. File reads only. The source's family (a folder's model_type, a checkpoint's
+    model.family) becomes model.family when the config leaves it unset, so the run's
+    export writes the family it came from."""
     path = cfg.model.init_from
     if hf.is_hf_folder(path):
         fields = hf.model_fields(hf.read_config(path), path)
-        return InitSource(path, "hf", hf.check_matches(cfg.model, fields, path))
+        changed = hf.check_matches(cfg.model, fields, path)
+        hf.WeightReader(path, cfg.model.tie_embeddings, cfg.model.post_norms).check(cfg.model)
+        if cfg.model.family is None:
+            cfg.model.family = fields["family"]
+        return InitSource(path, "hf", changed, family=fields["family"])
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
-    fields = _fields(saved_model(manifest, tag_dir))
-    return InitSource(tag_dir, "ctxpar", hf.check_matches(cfg.model, fields, tag_dir),
-                      manifest)
+    fields = vars(saved_model(manifest, tag_dir))
+    changed = hf.check_matches(cfg.model, fields, tag_dir)
+    if cfg.model.family is None:  # a chain of runs keeps the family of the first folder
+        cfg.model.family = fields["family"]
+    return InitSource(tag_dir, "ctxpar", changed, manifest)
 
 
 def gpt_named_parameters(model) -> Iterator:
@@ -104,7 +109,7 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
     """Collective: fill the model (before deepspeed.initialize) from source; a log line."""
     from .reshard import run_on_rank0
     if source.kind == "hf":
-        reader = hf.WeightReader(source.path, cfg.model.tie_embeddings)
+        reader = hf.WeightReader(source.path, cfg.model.tie_embeddings, cfg.model.post_norms)
         copy_full_weights_(model, reader.get, state.tp_group)
         return source.describe()
     work = os.path.join(cfg.logging.run_dir, "init_from.universal")
@@ -119,14 +124,15 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
 
 
 def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
-    """A ctxpar checkpoint (tag, save_dir or run dir) -> LlamaForCausalLM folder; no processes.
+    """A ctxpar checkpoint (tag, save_dir or run dir) -> a Hugging Face folder of its
+    model.family (hf.family_config); no processes.
 
     The run's data.tokenizer, if it had one, is exported with it. Returns the tag folder.
     """
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
     m = saved_model(manifest, tag_dir)
-    hf.llama_config(m)  # refuse a non-Llama model before converting anything
+    hf.family_config(m)  # refuse a model no family holds before converting anything
     tokenizer = ((manifest.get("config") or {}).get("data") or {}).get("tokenizer")
     with tempfile.TemporaryDirectory(prefix="ctxpar-export-") as work:
         out = os.path.join(work, "universal")

@@ -10,7 +10,8 @@ Every problem raises one ``ConfigError`` naming the file, the key and the values
 The package, one idea per file (every name is importable from ``ctxpar.config``):
 
     sections.py    the dataclasses, one per YAML section; the values a field may take;
-                   resolved_ffn_hidden and ulysses_degree (fields left unset);
+                   resolved_ffn_hidden, resolved_head_dim, softmax_scale and
+                   ulysses_degree (fields left unset);
                    RENAMED_KEYS (old spellings that still load, with a notice)
     load.py        YAML or a dict -> Config (types, --set overrides, old spellings), and
                    back (to_dict, dump_config)
@@ -24,21 +25,23 @@ The package, one idea per file (every name is importable from ``ctxpar.config``)
 from .deepspeed import (BUCKET_MAX, BUCKET_MIN, BUCKET_PER_RANK, PREFETCH_MAX, deepspeed_config,
                         grad_accum_steps, zero_bucket_defaults, zero_bucket_size)
 from .load import config_from_dict, dump_config, load_config, to_dict
-from .sections import (CHECKPOINT_MODES, CHOICES, RENAMED_KEYS, ROPE_SCALING_KEYS,
-                       ActivationCheckpointingConfig, CheckpointConfig, Config, ConfigError,
-                       DataConfig, LoggingConfig, LongContextEvalConfig, MemoryConfig,
-                       ModelConfig, ParallelConfig, TrainConfig, WandbConfig,
-                       resolved_ffn_hidden, ulysses_degree)
+from .sections import (CHECKPOINT_MODES, CHOICES, GATED_MLPS, HF_FAMILIES, RENAMED_KEYS,
+                       ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ActivationCheckpointingConfig,
+                       CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig,
+                       LongContextEvalConfig, MemoryConfig, ModelConfig, ParallelConfig,
+                       TrainConfig, WandbConfig, resolved_ffn_hidden, resolved_head_dim,
+                       softmax_scale, ulysses_degree)
 from .layers import LAYER_TYPES, LayerAttention, layer_attention, layer_types
 from .validation import validate
 
 __all__ = [
     "ActivationCheckpointingConfig", "BUCKET_MAX", "BUCKET_MIN", "BUCKET_PER_RANK",
     "CHECKPOINT_MODES", "CHOICES", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "LAYER_TYPES", "LayerAttention", "LoggingConfig", "LongContextEvalConfig", "MemoryConfig",
-    "ModelConfig", "PREFETCH_MAX", "ParallelConfig", "RENAMED_KEYS", "ROPE_SCALING_KEYS",
-    "TrainConfig", "WandbConfig", "config_from_dict", "deepspeed_config", "dump_config",
-    "grad_accum_steps", "layer_attention", "layer_types", "load_config",
+    "GATED_MLPS", "HF_FAMILIES", "LAYER_TYPES", "LayerAttention", "LoggingConfig",
+    "LongContextEvalConfig", "MemoryConfig", "ModelConfig", "PREFETCH_MAX", "ParallelConfig",
+    "RENAMED_KEYS", "ROPE_SCALING_KEYS", "ROPE_SCALING_OPTIONAL", "TrainConfig", "WandbConfig",
+    "config_from_dict", "deepspeed_config", "dump_config", "grad_accum_steps",
+    "layer_attention", "layer_types", "load_config", "resolved_head_dim", "softmax_scale",
     "resolved_ffn_hidden", "to_dict", "ulysses_degree", "validate", "zero_bucket_defaults",
     "zero_bucket_size",
 ]

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
-from .sections import ModelConfig, resolved_ffn_hidden
+from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ParamSpec:
 
 
 def head_dim(m: ModelConfig) -> int:
-    return m.d_model // m.n_heads
+    return resolved_head_dim(m)
 
 
 def kv_heads_per_rank(m: ModelConfig, tp: int) -> int:
@@ -63,8 +63,8 @@ def _linear(name: str, d_in: int, d_out: int, split: str, bias: bool) -> List[Pa
     return specs
 
 
-def _norm(name: str, m: ModelConfig) -> List[ParamSpec]:
-    specs = [ParamSpec(f"{name}.weight", (m.d_model,), None)]
+def _norm(name: str, m: ModelConfig, dim: Optional[int] = None) -> List[ParamSpec]:
+    specs = [ParamSpec(f"{name}.weight", (dim or m.d_model,), None)]
     if m.norm == "layernorm" and m.bias:
         specs.append(ParamSpec(f"{name}.bias", (m.d_model,), None))
     return specs
@@ -74,7 +74,7 @@ def block_fields(m: ModelConfig) -> tuple:
     """The fields block_specs reads (a cache key: the planner's search asks per candidate,
     over configs that differ in seq_len and the like)."""
     return (m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.mlp, m.norm, m.bias,
-            m.attention_sinks)
+            m.attention_sinks, m.attention_bias, m.qk_norm, m.head_dim, m.post_norms)
 
 
 def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
@@ -83,18 +83,25 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     d, hd, n_kv = m.d_model, head_dim(m), m.n_kv_heads or m.n_heads
     ffn, p = resolved_ffn_hidden(m), f"layers.{i}."
     kv_split = "column" if n_kv % tp == 0 else "heads"
+    qkv_bias = m.bias or m.attention_bias
     specs = _norm(p + "attn_norm", m)
     if m.attention_sinks:  # one logit per query head, split with the heads
         specs.append(ParamSpec(p + "attn.sinks", (m.n_heads,), "column"))
-    specs += _linear(p + "attn.q_proj", d, m.n_heads * hd, "column", m.bias)
-    specs += _linear(p + "attn.k_proj", d, n_kv * hd, kv_split, m.bias)
-    specs += _linear(p + "attn.v_proj", d, n_kv * hd, kv_split, m.bias)
+    specs += _linear(p + "attn.q_proj", d, m.n_heads * hd, "column", qkv_bias)
+    specs += _linear(p + "attn.k_proj", d, n_kv * hd, kv_split, qkv_bias)
+    specs += _linear(p + "attn.v_proj", d, n_kv * hd, kv_split, qkv_bias)
     specs += _linear(p + "attn.o_proj", m.n_heads * hd, d, "row", m.bias)
+    if m.qk_norm:  # one (hd,) weight shared by every head: replicated over TP
+        specs += _norm(p + "attn.q_norm", m, hd) + _norm(p + "attn.k_norm", m, hd)
+    if m.post_norms:
+        specs += _norm(p + "post_attn_norm", m)
     specs += _norm(p + "mlp_norm", m)
-    if m.mlp == "swiglu":
+    if m.mlp in GATED_MLPS:
         specs += _linear(p + "mlp.gate_proj", d, ffn, "column", m.bias)
     specs += _linear(p + "mlp.up_proj", d, ffn, "column", m.bias)
     specs += _linear(p + "mlp.down_proj", ffn, d, "row", m.bias)
+    if m.post_norms:
+        specs += _norm(p + "post_mlp_norm", m)
     return specs
 
 

@@ -32,17 +32,29 @@ class ModelConfig:
     ffn_hidden: Optional[int] = None
     """MLP hidden size (None: 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu)."""
     mlp: str = "swiglu"
-    """'swiglu' or 'gelu'."""
+    """'swiglu' (down(silu(gate x) * up x): Llama, Qwen, Mistral), 'geglu' (the same gated
+    MLP with tanh-GELU, Hugging Face's gelu_pytorch_tanh: Gemma) or 'gelu' (down(gelu(up x)),
+    tanh-GELU, not gated)."""
     norm: str = "rmsnorm"
     """'rmsnorm' or 'layernorm' (pre-norm)."""
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
+    norm_offset: float = 0.0
+    """RMSNorm scales by (norm_offset + weight): 0 (Llama, Qwen, Mistral) or 1 (Gemma, whose
+    norm weights are stored as w - 1 and start at 0). Applies to every RMSNorm, q/k norms too."""
+    post_norms: bool = False
+    """Also a norm on the attention's output and on the MLP's output before each joins the
+    residual stream (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm)."""
+    scale_embeddings: bool = False
+    """Multiply the input embedding by sqrt(d_model) (Gemma); the tied head is not scaled."""
     rope_theta: float = 10000.0
     """RoPE base; raise it for long contexts."""
     rope_scaling: Optional[Dict[str, Any]] = None
     """RoPE frequency scaling, Hugging Face's form: None, {rope_type: linear, factor} or
     {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings} (Llama 3.1's long-context rule)."""
+    original_max_position_embeddings} (Llama 3.1's long-context rule) or {rope_type: yarn,
+    factor, original_max_position_embeddings[, beta_fast, beta_slow, attention_factor, mscale,
+    mscale_all_dim, truncate]} (YaRN, Peng et al.: Qwen's and DeepSeek's extensions)."""
     sliding_window: Optional[int] = None
     """Sliding-window attention (Mistral, Gemma, gpt-oss): a query sees itself and the
     sliding_window - 1 keys before it (transformers' convention), on every layer when
@@ -65,12 +77,26 @@ class ModelConfig:
     tie_embeddings: bool = True
     """Share the input embedding with the output head."""
     bias: bool = False
-    """Biases in linear layers."""
+    """Biases in every linear layer (the head aside)."""
+    attention_bias: bool = False
+    """Biases on q/k/v only, none on o_proj (Qwen2); model.bias already gives them."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k (weights of head_dim) before RoPE (Qwen3, Gemma 3)."""
+    head_dim: Optional[int] = None
+    """Channels per attention head (None = d_model // n_heads); Qwen3 and Gemma set it
+    independently (q/k/v project d_model to heads * head_dim, o_proj back)."""
+    query_pre_attn_scalar: Optional[float] = None
+    """The softmax scale is query_pre_attn_scalar ** -0.5 (Gemma's field; None = head_dim)."""
     init_std: float = 0.02
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
+    family: Optional[str] = None
+    """The Hugging Face family the model is exported as (config.json's model_type: one of
+    HF_FAMILIES); None: the one model.init_from's folder has, else the first whose
+    architecture holds the fields (docs/checkpoints.md)."""
     init_from: Optional[str] = None
     """Start a new run from these weights (step 0, fresh optimizer): a local Hugging Face
-    Llama folder (config.json + *.safetensors) or a ctxpar checkpoint (a step_* folder).
+    folder of a family in HF_FAMILIES (config.json + *.safetensors) or a ctxpar checkpoint
+    (a step_* folder).
     The architecture must match model.*; seq_len, rope_theta and rope_scaling may differ."""
 
 
@@ -285,7 +311,7 @@ RENAMED_KEYS = {  # old spelling -> new; a config using the old one loads with a
 CHECKPOINT_MODES = ("none", "full", "selective", "every_n_layers")  # models/gpt.py
 
 CHOICES = {  # each from the module that implements it, where ctxpar has one
-    "model.mlp": ("swiglu", "gelu"),
+    "model.mlp": ("swiglu", "geglu", "gelu"),
     "model.norm": ("rmsnorm", "layernorm"),
     "parallel.layout": LAYOUTS,
     "parallel.cp_comm": CP_COMMS,
@@ -297,22 +323,42 @@ CHOICES = {  # each from the module that implements it, where ctxpar has one
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }
 
-ROPE_SCALING_KEYS = {  # rope_type -> its numeric keys (Hugging Face's names)
+ROPE_SCALING_KEYS = {  # rope_type -> its required numeric keys (Hugging Face's names)
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+ROPE_SCALING_OPTIONAL = {  # rope_type -> keys it may have (modeling_rope_utils' defaults)
+    "yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+             "truncate"),
+}
+GATED_MLPS = ("swiglu", "geglu")
+# config.json model_types ctxpar imports and exports (ctxpar/checkpoint/families.py)
+HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")  # gate_proj, up_proj, down_proj
 
 
 # ---------------------------------------------------------------- fields left unset
 
 def resolved_ffn_hidden(m: ModelConfig) -> int:
-    """model.ffn_hidden, or its default: 4*d_model (gelu), 8/3*d_model rounded up to 64 (swiglu)."""
+    """model.ffn_hidden, or its default: 4*d_model (gelu), 8/3*d_model rounded up to 64
+    (swiglu, geglu)."""
     if m.ffn_hidden is not None:
         return m.ffn_hidden
-    if m.mlp == "gelu":
+    if m.mlp not in GATED_MLPS:
         return 4 * m.d_model
     return (8 * m.d_model + 191) // 192 * 64  # ceil(8*d/3 / 64) * 64
+
+
+def resolved_head_dim(m: ModelConfig) -> int:
+    """model.head_dim, or its default d_model // n_heads."""
+    return m.head_dim if m.head_dim is not None else m.d_model // m.n_heads
+
+
+def softmax_scale(m: ModelConfig) -> float:
+    """Attention's softmax scale: query_pre_attn_scalar ** -0.5, or head_dim ** -0.5."""
+    s = m.query_pre_attn_scalar if m.query_pre_attn_scalar is not None else resolved_head_dim(m)
+    return float(s) ** -0.5
 
 
 def ulysses_degree(p: ParallelConfig) -> int:

@@ -9,8 +9,9 @@ from typing import Any, Callable, Dict, Optional
 from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
 from .layers import check_layers
-from .sections import (CHOICES, ROPE_SCALING_KEYS, Config, ConfigError, ModelConfig,
-                       ParallelConfig, resolved_ffn_hidden, ulysses_degree)
+from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config,
+                       ConfigError, ModelConfig, ParallelConfig, resolved_ffn_hidden,
+                       resolved_head_dim, ulysses_degree)
 
 Err = Callable[[str], None]
 
@@ -73,8 +74,21 @@ def _check_choices_and_ranges(cfg: Config, err: Err) -> None:
 def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
     """The model's shapes against the TP split, and RoPE's."""
     kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
-    if m.d_model % m.n_heads:
-        err(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    if m.head_dim is None and m.d_model % m.n_heads:
+        err(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads} "
+            f"(or set model.head_dim)")
+    if m.head_dim is not None and m.head_dim < 1:
+        err(f"model.head_dim={m.head_dim} must be >= 1 (or null: d_model // n_heads)")
+    if m.query_pre_attn_scalar is not None and m.query_pre_attn_scalar <= 0:
+        err(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} must be > 0")
+    if m.norm_offset != 0 and m.norm != "rmsnorm":
+        err(f"model.norm_offset={m.norm_offset} applies to RMSNorm, not "
+            f"model.norm={m.norm!r}")
+    if m.family is not None and m.family not in HF_FAMILIES:
+        err(f"model.family={m.family!r} must be one of {', '.join(map(repr, HF_FAMILIES))} "
+            f"or null")
+    if m.qk_norm and m.norm != "rmsnorm":
+        err(f"model.qk_norm=true is an RMSNorm over each head; model.norm={m.norm!r}")
     if kv < 1 or m.n_heads % kv:
         err(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
     if m.n_heads % p.tp:
@@ -90,8 +104,9 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
     if m.ffn_hidden is None and resolved_ffn_hidden(m) % p.tp:
         err(f"model.ffn_hidden (default {resolved_ffn_hidden(m)} for mlp={m.mlp!r}) is not "
             f"divisible by parallel.tp={p.tp}; set model.ffn_hidden")
-    if (m.d_model // m.n_heads) % 2:
-        err(f"model.d_model/model.n_heads = {m.d_model // m.n_heads} must be even for RoPE")
+    if resolved_head_dim(m) % 2:
+        err(f"model.head_dim={resolved_head_dim(m)} (model.head_dim or d_model/n_heads) must "
+            f"be even for RoPE")
     if m.rope_theta <= 0:
         err(f"model.rope_theta={m.rope_theta} must be > 0")
     if m.rope_scaling is not None:
@@ -277,18 +292,26 @@ def _check_offload(zero: Dict[str, Any], stage: int, err: Err) -> None:
 
 
 def _check_rope_scaling(rs: Dict[str, Any], err: Err) -> None:
-    """model.rope_scaling: Hugging Face's keys for its rope_type, each a number > 0."""
+    """model.rope_scaling: Hugging Face's keys for its rope_type, each a number > 0
+    (yarn's truncate true or false)."""
     kind = rs.get("rope_type")
     if kind not in ROPE_SCALING_KEYS:
         err(f"model.rope_scaling.rope_type={kind!r} must be one of "
             f"{', '.join(map(repr, ROPE_SCALING_KEYS))}")
     want = {"rope_type", *ROPE_SCALING_KEYS[kind]}
-    if set(rs) != want:
-        err(f"model.rope_scaling for rope_type={kind!r} needs exactly the keys "
-            f"{', '.join(sorted(want))} (got {', '.join(sorted(rs))})")
-    for key in ROPE_SCALING_KEYS[kind]:
+    optional = set(ROPE_SCALING_OPTIONAL.get(kind, ()))
+    if not want <= set(rs) <= want | optional:
+        need = (f"the keys {', '.join(sorted(want))} and may have "
+                f"{', '.join(sorted(optional))}" if optional
+                else f"exactly the keys {', '.join(sorted(want))}")
+        err(f"model.rope_scaling for rope_type={kind!r} needs {need} "
+            f"(got {', '.join(sorted(rs))})")
+    for key in sorted(set(rs) - {"rope_type"}):
         v = rs[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        if key == "truncate":
+            if not isinstance(v, bool):
+                err(f"model.rope_scaling.truncate={v!r} must be true or false")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             err(f"model.rope_scaling.{key}={v!r} must be a number > 0")
     if kind == "llama3" and rs["high_freq_factor"] <= rs["low_freq_factor"]:
         err(f"model.rope_scaling.high_freq_factor={rs['high_freq_factor']} must be > "

@@ -23,6 +23,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ..config import softmax_scale
 from ..config.parameters import head_dim, kv_heads_per_rank
 from ..tensor_parallel.mappings import tp_size_of
 from .cp_ops import AttentionMask, default_scale, finish_sinks, group_rank_and_size
@@ -38,7 +39,7 @@ class KVCache:
     """This CP rank's share of the cache of every layer, for one batch of sequences."""
 
     def __init__(self, n_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
-                 cp_group=None, dtype=torch.float32, device=None):
+                 cp_group=None, dtype=torch.float32, device=None, scale=None):
         self.cp_group = cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
         shape = (n_layers, batch, kv_heads, capacity, head_dim)
@@ -48,7 +49,8 @@ class KVCache:
         self.pos = torch.zeros(batch, capacity, dtype=torch.int64, device=device)
         self.query_pos: Optional[torch.Tensor] = None  # (B,) the decoded token's position
         self.filled: List[int] = [0] * self.cp_size  # slots in use on every CP rank
-        self.scale = default_scale(head_dim)  # the ring's default: training's scale
+        # training's softmax scale: the model's (softmax_scale), or the ring's default
+        self.scale = default_scale(head_dim) if scale is None else scale
         self.stats = DecodeStats()
         self.mode, self.owner = None, None
 
@@ -58,7 +60,8 @@ class KVCache:
         rank's kv heads of model.cfg, in its parameters' dtype and device)."""
         m, p = model.cfg, next(model.parameters())
         return cls(m.n_layers, batch, capacity, kv_heads_per_rank(m, tp_size_of(model.tp_group)),
-                   head_dim(m), cp_group, dtype=p.dtype, device=p.device)
+                   head_dim(m), cp_group, dtype=p.dtype, device=p.device,
+                   scale=softmax_scale(m))
 
     @property
     def capacity(self) -> int:

@@ -11,8 +11,9 @@ against when it is built; activations are checked against autograd's saved tenso
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-from ..config import ModelConfig, resolved_ffn_hidden
+from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
 from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
@@ -40,7 +41,7 @@ def rank_shapes(m: ModelConfig, cand: Candidate) -> RankShapes:
     hk = n_kv // cand.tp if n_kv % cand.tp == 0 else 1
     return RankShapes(N=cand.micro_batch * m.seq_len // cand.cp, B=cand.micro_batch,
                       T=m.seq_len, d=m.d_model, h=m.n_heads // cand.tp, hk=hk,
-                      hd=m.d_model // m.n_heads, f=resolved_ffn_hidden(m) // cand.tp,
+                      hd=resolved_head_dim(m), f=resolved_ffn_hidden(m) // cand.tp,
                       V=m.vocab_size // cand.tp, L=m.n_layers, tp=cand.tp)
 
 
@@ -140,14 +141,36 @@ def norm_saved(s: RankShapes, e: int, norm: str = "rmsnorm", device: str = "cpu"
     return 2 * s.N * s.d * e + (4 if norm == "rmsnorm" else 8) * s.N
 
 
+def family_norms_saved(s: RankShapes, e: int, m: Optional[ModelConfig],
+                       device: str = "cpu") -> int:
+    """What a block in mode 'none' saves beyond a Llama block for the Hugging Face
+    families' norms: per-head q/k RMSNorms (model.qk_norm: their input and normed copy,
+    (h + hk) fp32 rstd per token; the fused CUDA kernel keeps one copy fewer), norms after
+    attention and MLP (model.post_norms: input, normed and rstd each; their outputs go to
+    the residual add, which saves nothing) and, under model.norm_offset, each norm's fp32
+    (offset + w) vector."""
+    if m is None:
+        return 0
+    copies = 2 if device == "cpu" else 1
+    out = offset = 0
+    if m.qk_norm:
+        out += s.N * (copies * (s.h + s.hk) * s.hd * e + 4 * (s.h + s.hk))
+        offset += 2 * s.hd
+    if m.post_norms:
+        out += 2 * s.N * (copies * s.d * e + 4)
+        offset += 2 * s.d
+    return out + (4 * (offset + 2 * s.d) if m.norm_offset else 0)
+
+
 def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
                       tiled_mlp: bool = False, norm: str = "rmsnorm",
-                      device: str = "cpu") -> int:
+                      device: str = "cpu", m: Optional[ModelConfig] = None) -> int:
     """Saved bytes of one block in `mode` ('none', 'selective' or 'full'):
 
     none       two norms (norm_saved: on CPU input, normed, output, fp32 rstd), the
                attention's q, k, v, out, lse, the MLP's gate, up, silu and product (4 N f e;
-               a tiled MLP saves only its input, the norm's output: nothing more)
+               a tiled MLP saves only its input, the norm's output: nothing more), and the
+               families' extra norms (family_norms_saved)
     selective  the block input and what the attention core keeps; projections recomputed
     full       the block input only (the block is replayed in backward)
     """
@@ -156,7 +179,8 @@ def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
     core = attention_saved(s, e, cand)
     if mode == "selective":
         return s.N * s.d * e + core
-    return 2 * norm_saved(s, e, norm, device) + core + (0 if tiled_mlp else 4 * s.N * s.f * e)
+    return (2 * norm_saved(s, e, norm, device) + core + family_norms_saved(s, e, m, device)
+            + (0 if tiled_mlp else 4 * s.N * s.f * e))
 
 
 def layer_modes(cand: Candidate, layers: int):
@@ -190,14 +214,16 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     Exact: tests/test_plan.py compares it with autograd's saved tensors."""
     s = rank_shapes(m, cand)
     layers = s.L if layers is None else layers
-    per = tuple(layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device)
+    per = tuple(layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device, m)
                 for mode in layer_modes(cand, layers))
     embed = (s.B if reset_positions else 1) * (s.N // s.B) * s.hd * 4
     if first:
         embed += 8 * s.N                                   # token ids (int64)
+        embed += e if m.scale_embeddings else 0             # the sqrt(d) scalar
     head = 0
     if last:
         head += norm_saved(s, e, m.norm, device)            # final norm
+        head += 4 * s.d if m.norm_offset else 0             # its fp32 (offset + w)
         # the fp32 softmax (tiled: loss and lse per token), labels, the ignore masks (and,
         # split over TP, the vocab range's)
         if tiled_loss:  # dx (N, d) and the fp32 dW (V/tp, d), made in forward (tiled_loss.py)

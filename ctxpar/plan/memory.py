@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-from ..config import Config, deepspeed_config
+from ..config import GATED_MLPS, Config, deepspeed_config
 from . import counts, transients
 from .candidate import Candidate, apply_candidate
 from .zero_state import Shard, ZeroState, zero_config
@@ -201,7 +201,7 @@ def forward_phases(st: Stage) -> List[Phase]:
     a tiled MLP's tile, or the CP attention's buffers) and, on the last stage, at the loss
     (the logits beside the saved softmax)."""
     s, cand, elem, mode = st.shapes, st.cand, st.elem, st.modes[-1]
-    swiglu = st.cfg.model.mlp == "swiglu"
+    swiglu = st.cfg.model.mlp in GATED_MLPS  # gate, up and their product
     block = transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile) \
         if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
     working_set = max(block, transients.attention_forward(s, cand, elem))
@@ -242,7 +242,7 @@ def mlp_backward_working_set(st: Stage) -> float:
     model, s, elem = st.cfg.model, st.shapes, st.elem
     mlp = counts.mlp_params(model, st.cand.tp)
     down = counts.down_proj_params(model, st.cand.tp)
-    during = transients.mlp_backward(s, model.mlp == "swiglu", elem, st.mlp_tile, mlp, down)
+    during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down)
     after = transients.after_mlp_backward(s, elem, model.norm, st.device,
                                           (mlp - (0 if st.mlp_tile else down)) * elem)
     return max(during, after)

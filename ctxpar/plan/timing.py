@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
-from ..config import Config
+from ..config import GATED_MLPS, Config
 from . import counts
 from .candidate import Candidate
 from .cluster import Cluster
@@ -172,7 +172,7 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     # Compute of one micro-batch on the busiest stage.
     psi = max(counts.stage_params(m, cand.tp, cand.pp, st) for st in {0, cand.pp - 1})
     head = 2 * s.N * m.d_model * s.V  # logits matmul (not a lookup, unlike the embedding)
-    mlp_p = (3 if m.mlp == "swiglu" else 2) * s.d * s.f  # the MLP's weights on a rank
+    mlp_p = (3 if m.mlp in GATED_MLPS else 2) * s.d * s.f  # the MLP's weights on a rank
     mm = (2 * s.N * layers * counts.layer_params(m, cand.tp)) * (3 + replay) \
         + (4 if cand.tiled_loss and cand.tp > 1 else 3) * head \
         + (2 * s.N * layers * mlp_p if cand.tiled_mlp else 0)  # the tiled MLP's recompute

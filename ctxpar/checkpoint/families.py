@@ -1,0 +1,114 @@
+"""Hugging Face families as mappings of config.json onto model.* fields.
+
+Every family is ctxpar's one GPT with some fields fixed (the ``fixed`` column) and the
+rest read from config.json:
+
+    model_type    architecture         fixed model.*
+    llama         LlamaForCausalLM     swiglu, rmsnorm (bias from attention_bias = mlp_bias)
+    qwen2         Qwen2ForCausalLM     swiglu, rmsnorm, attention_bias (q/k/v, no o_proj)
+    qwen3         Qwen3ForCausalLM     swiglu, rmsnorm, qk_norm
+    mistral       MistralForCausalLM   swiglu, rmsnorm (sliding_window null only)
+    gemma3_text   Gemma3ForCausalLM    geglu, rmsnorm with norm_offset 1, post_norms,
+                                       scale_embeddings, qk_norm, query_pre_attn_scalar
+                                       (every layer full attention only)
+
+Read by both directions (hf.py): import checks each config.json field against what ctxpar
+computes and refuses, naming it, any field that would change the computation and that
+ctxpar does not implement, and any field it does not know; export writes the family's
+config.json from model.* and refuses a model the family cannot hold.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Tuple
+
+from ..config.sections import HF_FAMILIES
+
+# model.* fields a family fixes (Llama leaves bias free), so the family of a ModelConfig
+# is the first whose fixed values it has.
+ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_bias": False,
+                 "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
+                 "scale_embeddings": False}
+
+# config.json keys that do not change the computation: bookkeeping, token ids, generation
+# defaults, the runtime's switches.
+IGNORED_KEYS = frozenset((
+    "_name_or_path", "architectures", "bos_token_id", "eos_token_id", "pad_token_id",
+    "torch_dtype", "dtype", "transformers_version", "use_cache", "id2label", "label2id",
+    "problem_type", "output_attentions", "output_hidden_states", "return_dict",
+    "is_encoder_decoder", "chunk_size_feed_forward", "tokenizer_class", "model_type",
+    "pretraining_tp",  # a slicing of Llama's matmuls, the same product
+    "initializer_range", "max_position_embeddings",  # mapped to init_std and seq_len
+    "_attn_implementation_autoset", "use_return_dict", "tie_word_embeddings",
+    "cache_implementation",  # the KV cache transformers generates with
+))
+# config.json keys every family maps onto model.* (hf.model_fields)
+MAPPED_KEYS = frozenset((
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "rms_norm_eps", "head_dim", "rope_theta",
+    "rope_scaling", "rope_parameters", "partial_rotary_factor", "attention_dropout",
+))
+# Keys that name something ctxpar does not implement, with what it is (refused unless
+# the value is the one that turns the feature off: None, 0, False).
+NOT_IMPLEMENTED = {
+    "num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
+    "n_routed_experts": "mixture of experts", "num_experts_per_tok": "mixture of experts",
+    "moe_intermediate_size": "mixture of experts", "decoder_sparse_step": "mixture of experts",
+    "final_logit_softcapping": "logit softcapping", "attn_logit_softcapping":
+    "attention logit softcapping", "use_bidirectional_attention": "bidirectional attention",
+    "use_mrope": "multimodal RoPE", "quantization_config": "quantized weights",
+    "use_qk_norm": "a q/k norm over all heads", "attention_chunk_size": "chunked attention",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str
+    fixed: Dict[str, Any]              # model.* values the family always has
+    activation: Tuple[str, str]        # (config.json key, value): the MLP's activation
+    default_theta: float = 10000.0     # rope_theta when config.json has none
+    # config.json keys the family has, with the value ctxpar implements and why
+    neutral: Dict[str, Tuple[Any, str]] = field(default_factory=dict)
+    # config.json keys the family has whose value ctxpar reads (family-specific code)
+    own: Tuple[str, ...] = ()
+
+
+WINDOWS = "sliding windows arrive with model.sliding_window; this folder needs them"
+FAMILIES: Dict[str, Family] = {
+    "llama": Family(
+        "LlamaForCausalLM", {k: v for k, v in ARCH_DEFAULTS.items() if k != "bias"},
+        ("hidden_act", "silu"),
+        own=("attention_bias", "mlp_bias")),
+    "qwen2": Family(
+        "Qwen2ForCausalLM", {**ARCH_DEFAULTS, "attention_bias": True},
+        ("hidden_act", "silu"), own=("use_sliding_window", "sliding_window",
+                                     "max_window_layers", "layer_types")),
+    "qwen3": Family(
+        "Qwen3ForCausalLM", {**ARCH_DEFAULTS, "qk_norm": True}, ("hidden_act", "silu"),
+        neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
+                                           "biases on every layer (MLP too)")},
+        own=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")),
+    "mistral": Family(
+        "MistralForCausalLM", dict(ARCH_DEFAULTS), ("hidden_act", "silu"),
+        neutral={"sliding_window": (None, WINDOWS)}),
+    "gemma3_text": Family(
+        "Gemma3ForCausalLM", {**ARCH_DEFAULTS, "mlp": "geglu", "norm_offset": 1.0,
+                              "post_norms": True, "scale_embeddings": True, "qk_norm": True},
+        ("hidden_activation", "gelu_pytorch_tanh"), default_theta=1_000_000.0,
+        neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
+                                           "biases on every layer (MLP too)")},
+        own=("query_pre_attn_scalar", "sliding_window", "layer_types", "rope_local_base_freq",
+             "hidden_act", "sliding_window_pattern", "_sliding_window_pattern")),
+}
+assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
+
+
+def family_of(m) -> str:
+    """model.family, or the first family whose fixed fields m has (llama for a plain GPT);
+    KeyError when none holds m."""
+    if m.family is not None:
+        return m.family
+    for name, fam in FAMILIES.items():
+        if all(getattr(m, k) == v for k, v in fam.fixed.items()):
+            return name
+    raise KeyError("no Hugging Face family")
