@@ -14,6 +14,7 @@ model in transformers, and imports back to the same parameters; a folder ctxpar 
 represent ends train.py with exit 2 and one line.
 """
 import json
+import re
 import os
 import subprocess
 import sys
@@ -157,6 +158,54 @@ def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
         sum(p.numel() for p in ref.parameters())
 
 
+# Each family's attention kinds: windows that divide nothing (48 tokens), mixed layers, and
+# Gemma 3's sliding layers with their own RoPE base.
+WINDOWED = {
+    "mistral": dict(sliding_window=7),
+    "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    "qwen3": dict(use_sliding_window=True, sliding_window=9,
+                  layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                               "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "default",
+                                                            "rope_theta": 1e6}}),
+}
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_windowed_families_import_and_export_exactly(tmp_path, family):
+    ref = tiny_family(tmp_path / family, family, tied=family != "mistral", **WINDOWED[family])
+    model = ctxpar_from(tmp_path / family)
+    m = model.cfg
+    want = {"mistral": (["sliding_attention"] * 2, 7), "qwen2": (
+        ["full_attention", "sliding_attention"], 5), "qwen3": (
+        ["sliding_attention", "full_attention"], 9), "gemma3_text": (
+        ["sliding_attention", "full_attention"], 6)}[family]
+    assert ([a.kind for a in model.layer_attention], m.sliding_window) == want
+    if family == "gemma3_text":
+        assert [a.rope_theta for a in model.layer_attention] == [100.0, 1e6]
+    tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
+    assert_round_trip(ref, model, tmp_path / "out", tokens)
+
+
+def test_attention_kinds_no_family_holds_are_refused_at_export():
+    base = dict(vocab_size=96, d_model=64, n_heads=4, n_layers=2)
+    for m, msg in [
+        (ModelConfig(**base, attention_sinks=True), "model.attention_sinks=true"),
+        (ModelConfig(**base, attention_chunk_size=8), "(chunked attention)"),
+        (ModelConfig(**base, sliding_window=8, family="llama"), "Llama has no window"),
+        (ModelConfig(**base, sliding_window=8, family="mistral",
+                     layer_types=["sliding_attention", "full_attention"]),
+         "Mistral's window is on every layer or none"),
+        (ModelConfig(**base, sliding_window=8, family="qwen2", attention_bias=True,
+                     layer_rope={"sliding_attention": {"rope_theta": 10.0}}),
+         "Gemma 3's sliding layers only"),
+    ]:
+        with pytest.raises(CheckpointError, match=re.escape(msg)):
+            hf.family_config(m)
+
+
 @pytest.mark.parametrize("family,tensor", [("qwen2", "model.layers.0.self_attn.k_proj.bias"),
                                            ("qwen3", "model.layers.0.self_attn.k_norm.weight")])
 def test_a_folder_relabelled_llama_is_refused(tmp_path, family, tensor):
@@ -200,18 +249,15 @@ def family_json(family, **fields):
     ("llama", "some_new_field", 1, "some_new_field=1: a config field ctxpar does not know "
                                    "for model_type 'llama'"),
     ("qwen2", "num_experts", 8, "num_experts=8: mixture of experts is not implemented"),
-    ("qwen2", "use_sliding_window", True, "layer_types=['full_attention', "
-     "'sliding_attention']: layers of type sliding_attention (a window of 16) arrive with "
-     "model.layer_types"),
+    ("qwen2", "layer_types", ["full_attention", "chunked_attention"], "layer_types=["
+     "'full_attention', 'chunked_attention']: one of 'full_attention', 'sliding_attention' "
+     "per layer (2)"),
     ("qwen3", "attention_bias", True, "attention_bias=True: ctxpar has q/k/v biases without "
                                       "o_proj's"),
-    ("qwen3", "layer_types", ["full_attention", "sliding_attention"],
-     "layer_types=['full_attention', 'sliding_attention']: layers of type sliding_attention "
-     "(a window of 16) arrive with model.layer_types"),
-    ("gemma3_text", "layer_types", None, "layer_types=['sliding_attention', "
-     "'sliding_attention']: layers of type sliding_attention (a window of 4096)"),
-    ("mistral", "sliding_window", 4096, "sliding_window=4096: sliding windows arrive with "
-                                        "model.sliding_window"),
+    ("qwen3", "sliding_window", 0, "sliding_window=0: the sliding layers need a window of "
+                                   ">= 1 tokens"),
+    ("gemma3_text", "sliding_window", None, "sliding_window=None: the sliding layers need a "
+                                            "window of >= 1 tokens"),
     ("gemma3_text", "final_logit_softcapping", 30.0, "final_logit_softcapping=30.0: logit "
                                                      "softcapping is not implemented"),
     ("gemma3_text", "architectures", ["Gemma3ForConditionalGeneration"],
@@ -221,10 +267,12 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
                                                               value, msg):
     window = {"qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1,
                             layer_types=None),
-              "qwen3": dict(use_sliding_window=True, sliding_window=16)}.get(family, {})
+              "qwen3": dict(use_sliding_window=True, sliding_window=16,
+                            layer_types=["full_attention", "sliding_attention"])
+              }.get(family, {})
     config = family_json(family, **{**window, field: value})
-    if family == "gemma3_text" and field == "layer_types":
-        config.update(sliding_window=4096, sliding_window_pattern=6)
+    if family == "gemma3_text" and field == "sliding_window":
+        config.update(layer_types=["sliding_attention", "full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError) as e:
         hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))

@@ -7,10 +7,13 @@ rest read from config.json:
     llama         LlamaForCausalLM     swiglu, rmsnorm (bias from attention_bias = mlp_bias)
     qwen2         Qwen2ForCausalLM     swiglu, rmsnorm, attention_bias (q/k/v, no o_proj)
     qwen3         Qwen3ForCausalLM     swiglu, rmsnorm, qk_norm
-    mistral       MistralForCausalLM   swiglu, rmsnorm (sliding_window null only)
+    mistral       MistralForCausalLM   swiglu, rmsnorm; sliding_window on every layer or none
     gemma3_text   Gemma3ForCausalLM    geglu, rmsnorm with norm_offset 1, post_norms,
-                                       scale_embeddings, qk_norm, query_pre_attn_scalar
-                                       (every layer full attention only)
+                                       scale_embeddings, qk_norm, query_pre_attn_scalar;
+                                       layer_types, sliding_window, the sliding layers'
+                                       own RoPE (layer_rope)
+    (qwen2 and qwen3 read their sliding layers too: use_sliding_window,
+    max_window_layers, layer_types)
 
 Read by both directions (hf.py): import checks each config.json field against what ctxpar
 computes and refuses, naming it, any field that would change the computation and that
@@ -73,7 +76,6 @@ class Family:
     own: Tuple[str, ...] = ()
 
 
-WINDOWS = "sliding windows arrive with model.sliding_window; this folder needs them"
 FAMILIES: Dict[str, Family] = {
     "llama": Family(
         "LlamaForCausalLM", {k: v for k, v in ARCH_DEFAULTS.items() if k != "bias"},
@@ -90,7 +92,7 @@ FAMILIES: Dict[str, Family] = {
         own=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")),
     "mistral": Family(
         "MistralForCausalLM", dict(ARCH_DEFAULTS), ("hidden_act", "silu"),
-        neutral={"sliding_window": (None, WINDOWS)}),
+        own=("sliding_window",)),
     "gemma3_text": Family(
         "Gemma3ForCausalLM", {**ARCH_DEFAULTS, "mlp": "geglu", "norm_offset": 1.0,
                               "post_norms": True, "scale_embeddings": True, "qk_norm": True},

@@ -31,6 +31,7 @@ import torch
 
 from ..config import (ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig,
                       resolved_ffn_hidden, resolved_head_dim)
+from ..config.layers import layer_types
 from ..config.parameters import parameter_specs
 from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
                        family_of)
@@ -42,7 +43,7 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # model.* a run started from a folder may set differently: context extension; the export
 # label.
-MAY_DIFFER = ("seq_len", "rope_theta", "rope_scaling", "init_std", "family")
+MAY_DIFFER = ("seq_len", "rope_theta", "rope_scaling", "layer_rope", "init_std", "family")
 DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes ctxpar reads
 
 
@@ -68,6 +69,8 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, An
         raise CheckpointError(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} cannot "
                               f"be exported as {fam.architecture} (its scale is head_dim)")
     hd = resolved_head_dim(m)
+    types = _exported_layer_types(m, name, fam.architecture)
+    sliding = "sliding_attention" in types
     cfg = {
         "architectures": [fam.architecture], "model_type": name,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model,
@@ -83,25 +86,56 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, An
     if name == "llama":
         cfg.update(attention_bias=m.bias, mlp_bias=m.bias, pretraining_tp=1)
     if name in ("qwen2", "qwen3"):
-        cfg.update(use_sliding_window=False, sliding_window=None,
-                   layer_types=["full_attention"] * m.n_layers)
+        cfg.update(use_sliding_window=sliding, sliding_window=m.sliding_window,
+                   layer_types=types, max_window_layers=(
+                       types.index("sliding_attention") if sliding else m.n_layers))
     if name == "qwen3":
         cfg["attention_bias"] = False
     if name == "mistral":
-        cfg["sliding_window"] = None
+        cfg["sliding_window"] = m.sliding_window if sliding else None
     if name == "gemma3_text":
         scaling = dict(m.rope_scaling or {"rope_type": "default"})
+        local = (m.layer_rope or {}).get("sliding_attention", {})
+        local_scaling = dict(local.get("rope_scaling") or {"rope_type": "default"})
         del cfg["rope_theta"], cfg["rope_scaling"]
-        cfg.update(attention_bias=False, layer_types=["full_attention"] * m.n_layers,
+        # transformers makes Gemma 3's sliding mask whatever the layers: a window it reads
+        # (its default) when no layer slides
+        cfg.update(attention_bias=False, layer_types=types,
+                   sliding_window=m.sliding_window if sliding else 4096,
                    query_pre_attn_scalar=_number(m.query_pre_attn_scalar
                                                  if m.query_pre_attn_scalar is not None
                                                  else hd),
                    final_logit_softcapping=None, attn_logit_softcapping=None,
                    use_bidirectional_attention=False,
                    rope_parameters={"full_attention": {**scaling, "rope_theta": m.rope_theta},
-                                    "sliding_attention": {"rope_type": "default",
-                                                          "rope_theta": m.rope_theta}})
+                                    "sliding_attention": {
+                                        **local_scaling, "rope_theta": float(local.get(
+                                            "rope_theta", m.rope_theta))}})
     return cfg
+
+
+def _exported_layer_types(m, name: str, architecture: str) -> list:
+    """Each layer's type as the family writes it; refuses the attention kinds it cannot
+    hold (chunks and sinks: none of them; mixed layers: Llama and Mistral; RoPE per layer
+    type: Gemma 3's sliding layers only)."""
+    types = layer_types(m)
+
+    def refuse(what):
+        raise CheckpointError(f"{what} cannot be exported as {architecture}")
+    if m.attention_sinks:
+        refuse("model.attention_sinks=true")
+    if "chunked_attention" in types:
+        refuse(f"model.layer_types={types} (chunked attention)")
+    if name == "llama" and "sliding_attention" in types:
+        refuse(f"model.sliding_window={m.sliding_window} (Llama has no window; Mistral, "
+               f"Qwen and Gemma 3 do)")
+    if name == "mistral" and len(set(types)) > 1:
+        refuse(f"model.layer_types={types} (Mistral's window is on every layer or none)")
+    allowed = {"sliding_attention"} if name == "gemma3_text" else set()
+    if set(m.layer_rope or {}) - allowed:
+        refuse(f"model.layer_rope={m.layer_rope} (RoPE per layer type: Gemma 3's sliding "
+               f"layers only)")
+    return types
 
 
 def _number(x: float):
@@ -129,7 +163,14 @@ def _rope(hf: Dict[str, Any], file: str, default_theta: float,
     legacy = hf.get("rope_scaling")
     if legacy:
         params = {**params, **legacy}
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
+    return _rope_of(params, hf, file, hf.get("rope_theta", default_theta))
+
+
+def _rope_of(params: Dict[str, Any], hf: Dict[str, Any], file: str,
+             default_theta: float) -> Tuple[float, Optional[Dict[str, Any]]]:
+    """(rope_theta, ctxpar rope_scaling) of one set of RoPE parameters."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", default_theta))
     kind = params.pop("rope_type", params.pop("type", "default"))
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
@@ -159,12 +200,18 @@ def _rope(hf: Dict[str, Any], file: str, default_theta: float,
                    **optional}
 
 
-def _windows(hf: Dict[str, Any], refuse) -> None:
-    """Qwen2/Qwen3/Gemma 3: every layer full attention. layer_types as transformers makes
-    them when config.json has none: Qwen's sliding from max_window_layers on when
-    use_sliding_window, Gemma 3's all but every sliding_window_pattern-th."""
-    n, types = hf["num_hidden_layers"], hf.get("layer_types")
-    if hf["model_type"] == "gemma3_text":
+def _attention_kinds(hf: Dict[str, Any], file: str, refuse) -> Dict[str, Any]:
+    """model.sliding_window, layer_types and layer_rope as transformers reads config.json:
+    Mistral, a window on every layer or none; Qwen2/Qwen3, sliding layers from
+    max_window_layers on when use_sliding_window (layer_types when given; a sliding layer
+    without a window attends fully); Gemma 3, layer_types or all but every
+    sliding_window_pattern-th layer sliding, those with their own RoPE (rope_parameters'
+    sliding_attention, else rope_local_base_freq)."""
+    name, n, types = hf["model_type"], hf["num_hidden_layers"], hf.get("layer_types")
+    if name == "mistral":
+        window = hf.get("sliding_window")
+        return {} if window is None else {"sliding_window": window}
+    if name == "gemma3_text":
         window = hf.get("sliding_window", 4096)
         if types is None:
             every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
@@ -175,13 +222,25 @@ def _windows(hf: Dict[str, Any], refuse) -> None:
         if types is None:
             types = ["sliding_attention" if window is not None and i >= hf.get(
                 "max_window_layers", 28) else "full_attention" for i in range(n)]
-    bad = sorted({t for t in types if t != "full_attention"})
-    # Qwen's sliding layers without a window attend fully, with the same RoPE; Gemma 3's
-    # have their own RoPE base (rope_local_base_freq) whatever the window
-    if bad and (window is not None or hf["model_type"] == "gemma3_text"):
-        refuse("layer_types", types, f"layers of type {', '.join(bad)} (a window of "
-                                     f"{window}) arrive with model.layer_types and "
-                                     f"model.sliding_window")
+        if window is None:  # transformers' sliding layers without a window: full ones
+            types = ["full_attention"] * n
+    if not isinstance(types, list) or len(types) != n or \
+            set(types) - {"full_attention", "sliding_attention"}:
+        refuse("layer_types", types, f"one of 'full_attention', 'sliding_attention' per "
+                                     f"layer ({n})")
+    if "sliding_attention" not in types:
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        refuse("sliding_window", window, "the sliding layers need a window of >= 1 tokens")
+    fields = {"sliding_window": window,
+              "layer_types": None if set(types) == {"sliding_attention"} else types}
+    if name == "gemma3_text":
+        local = (hf.get("rope_parameters") or {}).get("sliding_attention")
+        theta, scaling = _rope_of(local, hf, file, 10_000.0) if isinstance(local, dict) \
+            else (float(hf.get("rope_local_base_freq", 10_000.0)), None)
+        fields["layer_rope"] = {"sliding_attention": {"rope_theta": theta,
+                                                      "rope_scaling": scaling}}
+    return fields
 
 
 def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
@@ -228,12 +287,11 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
             refuse("attention_bias", attn, f"with mlp_bias={mlp}: ctxpar's model.bias puts "
                                            f"biases on every linear layer, or on none")
         fields["bias"] = bool(attn)
-    if name in ("qwen2", "qwen3", "gemma3_text"):
-        _windows(hf, refuse)
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size"):
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
             refuse(key, hf.get(key), "config.json must give it as an integer")
+    fields.update(_attention_kinds(hf, file, refuse))
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
     hd = hf.get("head_dim") or d // heads
     theta, scaling = _rope(hf, file, fam.default_theta, name == "gemma3_text")
@@ -254,9 +312,10 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
 
 def architecture(fields: Dict[str, Any]) -> Dict[str, Any]:
     """model.* fields with the ones left unset resolved (n_kv_heads, ffn_hidden, head_dim,
-    query_pre_attn_scalar), so that two descriptions of one architecture compare equal."""
+    query_pre_attn_scalar, layer_types), so that two descriptions of one architecture
+    compare equal."""
     m = ModelConfig(**{k: v for k, v in fields.items() if k != "init_from"})
-    return {**vars(m), "n_kv_heads": m.n_kv_heads or m.n_heads,
+    return {**vars(m), "n_kv_heads": m.n_kv_heads or m.n_heads, "layer_types": layer_types(m),
             "ffn_hidden": resolved_ffn_hidden(m), "head_dim": resolved_head_dim(m),
             "query_pre_attn_scalar": (m.query_pre_attn_scalar if m.query_pre_attn_scalar
                                       is not None else float(resolved_head_dim(m)))}

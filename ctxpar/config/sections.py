@@ -97,7 +97,8 @@ class ModelConfig:
     """Start a new run from these weights (step 0, fresh optimizer): a local Hugging Face
     folder of a family in HF_FAMILIES (config.json + *.safetensors) or a ctxpar checkpoint
     (a step_* folder).
-    The architecture must match model.*; seq_len, rope_theta and rope_scaling may differ."""
+    The architecture must match model.*; seq_len, rope_theta, rope_scaling and layer_rope
+    may differ."""
 
 
 @dataclass
