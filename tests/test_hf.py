@@ -542,3 +542,44 @@ def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, pro
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert msg in lines[0], lines[0]
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def folder_sets(path):
+    """--set model.K=V for every architecture field of a folder (what --model-config
+    prints), seq_len aside: the run keeps its own."""
+    fields = hf.model_fields(hf.read_config(str(path)), str(path))
+    return [f"model.{k}={json.dumps(v)}" for k, v in fields.items()
+            if k not in ("seq_len", "init_std", "family")]
+
+
+def export_and_reload(run, out):
+    """tools/convert_checkpoint.py --to hf on the run; transformers' model from the folder
+    and ctxpar's GPT imported from it."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                        str(run), "--to", "hf", str(out)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return AutoModelForCausalLM.from_pretrained(out).float().eval(), ctxpar_from(out)
+
+
+def test_train_py_from_a_windowed_gemma3_folder_at_cp2_pp2_and_back(tmp_path):
+    # A sliding layer (window 6, its own RoPE base 100) and a full one (base 1e6), one per
+    # pipeline stage; ring attention over zigzag halves; tied; (1 + w) norms before and
+    # after attention and MLP, q/k norms, embeddings scaled by sqrt(d).
+    ref = tiny_family(tmp_path / "gemma", "gemma3_text", tied=True, vocab_size=256,
+                      intermediate_size=192, **WINDOWED["gemma3_text"])
+    run = tmp_path / "run"
+    proc = run_train(str(run), 4, [
+        "parallel.pp=2", "parallel.cp=2", "parallel.dp=1", "parallel.layout=zigzag",
+        "train.steps=1", f"model.init_from={tmp_path / 'gemma'}",
+        "logging.wandb.mode=disabled", *folder_sets(tmp_path / "gemma")])
+    assert "Hugging Face Gemma3 folder" in proc.stdout
+    want = passkey_loss(ref)
+    got = losses(str(run))[1]
+    assert abs(got - want) <= 1e-5 * want, (got, want)  # fp32, CP merge order only
+    exported, back = export_and_reload(run, tmp_path / "exported")
+    assert type(exported).__name__ == "Gemma3ForCausalLM"
+    assert exported.config.layer_types == ["sliding_attention", "full_attention"]
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits, **TOL)
