@@ -35,6 +35,7 @@ from ctxpar.checkpoint.weights import copy_full_weights_, resolve_checkpoint  # 
 from ctxpar.config import ModelConfig  # noqa: E402
 from ctxpar.config.parameters import parameter_specs  # noqa: E402
 from ctxpar.data import PasskeyTask  # noqa: E402
+from ctxpar.distributed.parallel_state import free_port  # noqa: E402
 from models.gpt import GPT, rope_inv_freq  # noqa: E402
 from helpers.train_run import ROOT, losses, run_train  # noqa: E402
 
@@ -583,3 +584,63 @@ def test_train_py_from_a_windowed_gemma3_folder_at_cp2_pp2_and_back(tmp_path):
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits, **TOL)
+
+
+def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
+    """The CPU demo of a context extension: a Qwen3 folder (a sliding layer, window 9, and
+    a full one; q/k norms; untied) trained by train.py at twice its
+    max_position_embeddings with YaRN (factor 2) over cp2 Ulysses; generate.py answers
+    from the run with the folder's tokenizer.json; the export is the same model in
+    transformers."""
+    folder = tmp_path / "qwen3"
+    tiny_family(folder, "qwen3", tied=False, vocab_size=256, intermediate_size=192,
+                **WINDOWED["qwen3"])
+    vocab = {"<unk>": 0, "</s>": 1, "the": 2, "key": 3, "is": 4,
+             **{f"w{i}": i for i in range(5, 256)}}  # every id the model can emit decodes
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}
+    run = tmp_path / "run"
+    sets = [s for s in folder_sets(folder) if not s.startswith("model.rope_scaling=")]
+    proc = run_train(str(run), 2, [
+        "parallel.cp=2", "parallel.dp=1", "parallel.cp_comm=ulysses", "train.steps=2",
+        f"model.init_from={folder}", f"data.tokenizer={folder / 'tokenizer.json'}",
+        "logging.wandb.mode=disabled", *sets, "model.seq_len=256",
+        f"model.rope_scaling={json.dumps(yarn)}"])
+    assert "Hugging Face Qwen3 folder" in proc.stdout and "seq_len 128 -> 256" in proc.stdout
+    # transformers' model from the folder with the run's RoPE: step 1's loss at 256 tokens
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(folder)
+    config.rope_parameters = {**yarn, "rope_theta": 5000.0}
+    ref = AutoModelForCausalLM.from_pretrained(folder, config=config).float().eval()
+    want = passkey_loss(ref, seq_len=256)
+    got = losses(str(run))[1]
+    assert abs(got - want) <= 1e-5 * want, (got, want)  # fp32, all-to-all order only
+
+    exported, back = export_and_reload(run, tmp_path / "exported")
+    assert exported.config.rope_parameters["rope_type"] == "yarn"
+    assert exported.config.layer_types == ["sliding_attention", "full_attention"]
+    tokens = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens, torch.arange(200)), exported(tokens).logits,
+                                   **TOL)
+    # generate.py on two CP ranks, greedy, the tokenizer's text in and out: transformers'
+    # greedy continuation of the same prompt from the exported folder.
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    prompt = " ".join(["the key is"] * 20)  # 60 tokens: past the 9-token window
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", str(free_port()), os.path.join(ROOT, "generate.py"),
+                        "--run-dir", str(run), "--prompt", prompt, "--tokenizer",
+                        str(folder / "tokenizer.json"), "--max-new-tokens", "6",
+                        "--output-format", "jsonl"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[:6000]
+    row = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][0])
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False).ids])
+    with torch.no_grad():
+        new = exported.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+    new = new.tolist()
+    new = new[:new.index(1)] if 1 in new else new
+    assert row["completion"] == tok.decode(new), (row, new)
