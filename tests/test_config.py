@@ -288,7 +288,11 @@ def test_every_shipped_config_validates(path):
                                          ("gpt7b_128k_4d", 6_738_415_616),
                                          ("gpt1b_32k_ulysses", 1_198_098_432),
                                          ("gpt7b_128k_hybrid", 6_738_415_616),
-                                         ("gpt8b_128k_allgather", 8_030_261_248)])
+                                         ("gpt8b_128k_allgather", 8_030_261_248),
+                                         ("extend_llama3_8b_128k", 8_030_261_248),
+                                         ("extend_qwen3_8b_128k", 8_190_735_360),
+                                         ("extend_mistral_7b_128k", 7_248_023_552),
+                                         ("extend_gemma3_1b_128k", 999_885_952)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch
