@@ -598,9 +598,12 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
     vocab = {"<unk>": 0, "</s>": 1, "the": 2, "key": 3, "is": 4,
              **{f"w{i}": i for i in range(5, 256)}}  # every id the model can emit decodes
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
+    # as transformers saves it: tokenizer.json, and tokenizer_config.json naming the EOS
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="w5",
+                            unk_token="<unk>").save_pretrained(folder)
     yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}
     run = tmp_path / "run"
     sets = [s for s in folder_sets(folder) if not s.startswith("model.rope_scaling=")]
@@ -620,6 +623,9 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
     assert abs(got - want) <= 1e-5 * want, (got, want)  # fp32, all-to-all order only
 
     exported, back = export_and_reload(run, tmp_path / "exported")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "exported")
+    assert (tokenizer.eos_token, tokenizer.bos_token) == ("</s>", "w5")  # the folder's
+    assert tokenizer.model_max_length == 256 and exported.config.eos_token_id == 1
     assert exported.config.rope_parameters["rope_type"] == "yarn"
     assert exported.config.layer_types == ["sliding_attention", "full_attention"]
     tokens = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(2))
@@ -636,7 +642,7 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
                         str(folder / "tokenizer.json"), "--max-new-tokens", "6",
                         "--output-format", "jsonl"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[:6000]
+    assert r.returncode == 0, r.stderr[:4000] + r.stderr[-1000:]  # the cause, the agent
     row = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][0])
     ids = torch.tensor([tok.encode(prompt, add_special_tokens=False).ids])
     with torch.no_grad():

@@ -138,3 +138,34 @@ def test_cli_end_to_end_and_progress_bar(tmp_path, capsys):
     assert documents(out) == ["First document.\nStill the first.\n", "second", "third é"]
     info = preprocess([str(tmp_path / "a.txt")], str(tmp_path / "again"), progress=True)
     assert info["documents"] == 1 and "preprocess: 100%" in capsys.readouterr().err
+
+
+def test_a_model_folders_tokenizer_as_transformers_saves_it(tmp_path, capsys):
+    """Gemma 3's shape: '</s>' is an ordinary piece (an HTML tag), EOS is '<eos>' as
+    tokenizer_config.json says, and a special token sits past the model's rows
+    (<image_soft_token>, id = the embedding's size): the file pair says the vocabulary the
+    model has, so a model of that size trains on it; the EOS ends each document."""
+    pytest.importorskip("transformers")
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from ctxpar.config import config_from_dict
+    from ctxpar.data import HFTokenizer, build_data
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "</s>": 3,
+             **{w: i + 4 for i, w in enumerate("the key is blue".split())}}  # 8 rows
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<image_soft_token>", special=True)])  # id 8
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>",
+                            pad_token="<pad>").save_pretrained(tmp_path / "gemma")
+    path = str(tmp_path / "gemma" / "tokenizer.json")
+    hf = HFTokenizer(path)
+    assert (hf.eos_token, hf.eos_id, hf.vocab_size) == ("<eos>", 1, 8)
+    assert HFTokenizer(path, "</s>").eos_id == 3  # --eos-token still decides
+    (tmp_path / "a.txt").write_text("the key is blue")
+    assert run(tmp_path, "--input", tmp_path / "a.txt", "--tokenizer", path) == 0
+    assert "vocab 8 eos 1" in capsys.readouterr().out
+    ds = IndexedDataset(str(tmp_path / "out" / "c"))
+    assert (ds.vocab_size, ds.eos_id, ds[0].tolist()) == (8, 1, [4, 5, 6, 7, 1])
+    cfg = config_from_dict({"model": {"vocab_size": 8, "seq_len": 2}, "data": {
+        "kind": "tokens", "path": str(tmp_path / "out" / "c"), "eval_fraction": 0.0}})
+    assert build_data(cfg).train_source.vocab_size == 8  # accepted by a model of 8 rows

@@ -154,7 +154,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--workers", type=int, default=1,
                    help="files tokenized in parallel processes (default 1)")
     p.add_argument("--tokenizer", help="a local Hugging Face tokenizers JSON (default: bytes)")
-    p.add_argument("--eos-token", help="EOS token's name in --tokenizer (default: guessed)")
+    p.add_argument("--eos-token", help="EOS token's name in --tokenizer (default: the "
+                                        "eos_token of the tokenizer_config.json beside it, "
+                                        "else guessed)")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")

@@ -457,7 +457,14 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
         json.dump({**cfg, "torch_dtype": str(dtype).replace("torch.", "")}, f, indent=2)
     if tok is not None:
         shutil.copyfile(tok["path"], os.path.join(out_dir, "tokenizer.json"))
+        # the folder's own tokenizer_config.json (special tokens, chat template) when it
+        # had one, with the run's EOS and length
+        saved = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        beside = os.path.join(os.path.dirname(os.path.abspath(tok["path"])),
+                              "tokenizer_config.json")
+        if os.path.isfile(beside):
+            with open(beside, encoding="utf-8") as f:
+                saved = json.load(f)
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
-                       "eos_token": tok["eos_token"], "model_max_length": m.seq_len}, f,
-                      indent=2)
+            json.dump({**saved, "eos_token": tok["eos_token"], "model_max_length": m.seq_len},
+                      f, indent=2)

@@ -6,9 +6,16 @@ needs NUL, so encode() drops NULs and id 0 always means "end of document".
 
 HFTokenizer wraps ``tokenizers.Tokenizer.from_file(tokenizer.json)`` (a local file, never a
 download). ``tokenizers`` is not a dependency: it is imported only when one is asked for.
+A model folder's tokenizer.json comes as transformers saves it: its EOS is the
+``eos_token`` of the tokenizer_config.json beside it (Llama 3's <|end_of_text|>, Qwen's
+<|endoftext|> or <|im_end|>, Mistral's </s>, Gemma's <eos>; Megatron's HF tokenizer takes
+the same), and its vocab_size counts the ids text and EOS can give, not the special tokens
+added past the model's rows (Gemma 3's <image_soft_token>, id 262144 of a 262144-row
+embedding).
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import List, Optional, Sequence
 
@@ -48,14 +55,20 @@ class HFTokenizer:
             raise ValueError(f"--tokenizer {path}: not a tokenizers JSON file "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
                              ) from None
-        names = (eos_token,) if eos_token else EOS_CANDIDATES
+        declared = None if eos_token else declared_eos(path)
+        names = (eos_token,) if eos_token else (declared,) if declared else EOS_CANDIDATES
         ids = [self._tok.token_to_id(n) for n in names]
         found = [(n, i) for n, i in zip(names, ids) if i is not None]
         if not found:
-            raise ValueError(f"--tokenizer {path}: no EOS token among {', '.join(names)}; "
-                             f"name it with --eos-token")
+            where = (f"the eos_token {declared!r} of the tokenizer_config.json beside it is "
+                     f"not in it" if declared else f"no EOS token among {', '.join(names)}")
+            raise ValueError(f"--tokenizer {path}: {where}; name it with --eos-token")
         self.eos_token, self.eos_id = found[0]
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # 1 + the largest id encode() or EOS can give: the model's vocabulary and the
+        # added tokens that are not special (special ones only come from their own text).
+        added = self._tok.get_added_tokens_decoder()
+        self.vocab_size = 1 + max([self.eos_id, *self._tok.get_vocab(
+            with_added_tokens=False).values(), *(i for i, t in added.items() if not t.special)])
         self.name = f"hf:{os.path.basename(path)}"
 
     def encode(self, text: str) -> List[int]:
@@ -64,6 +77,20 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+def declared_eos(path: str) -> Optional[str]:
+    """The eos_token of the tokenizer_config.json beside a tokenizer.json (what
+    transformers saves with it), or None when there is none."""
+    config = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):  # an AddedToken as older transformers wrote it
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
 
 
 def load_tokenizer(path: Optional[str] = None, eos_token: Optional[str] = None):
