@@ -174,7 +174,8 @@ def main(argv=None) -> int:
             new = cfg.data.passkey_digits if new is None else new
         else:
             texts = read_prompts(args)
-            prompts, new = [tokenizer.encode(t) for t in texts], 64 if new is None else new
+            prompts = [tokenizer.bos_ids + tokenizer.encode(t) for t in texts]  # BOS: as HF
+            new = 64 if new is None else new
         check_prompts(prompts, new, cfg.model.seq_len, cfg.model.vocab_size)
     except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError,
             ImportError) as e:

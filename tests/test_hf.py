@@ -597,10 +597,12 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
                 **WINDOWED["qwen3"])
     vocab = {"<unk>": 0, "</s>": 1, "the": 2, "key": 3, "is": 4,
              **{f"w{i}": i for i in range(5, 256)}}  # every id the model can emit decodes
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="w5 $A",  # a BOS, as Llama's
+                                                       special_tokens=[("w5", 5)])
     # as transformers saves it: tokenizer.json, and tokenizer_config.json naming the EOS
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="w5",
                             unk_token="<unk>").save_pretrained(folder)
@@ -633,20 +635,23 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
         torch.testing.assert_close(back(tokens, torch.arange(200)), exported(tokens).logits,
                                    **TOL)
     # generate.py on two CP ranks, greedy, the tokenizer's text in and out: transformers'
-    # greedy continuation of the same prompt from the exported folder.
+    # greedy continuation of the same prompts (BOS first) from the exported folder.
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    prompt = " ".join(["the key is"] * 20)  # 60 tokens: past the 9-token window
+    prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens (past the 9-token
+    # window) and 3 (whose continuation changes without the BOS)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         "--master_port", str(free_port()), os.path.join(ROOT, "generate.py"),
-                        "--run-dir", str(run), "--prompt", prompt, "--tokenizer",
-                        str(folder / "tokenizer.json"), "--max-new-tokens", "6",
+                        "--run-dir", str(run), "--prompt", prompts[0], "--prompt", prompts[1],
+                        "--tokenizer", str(folder / "tokenizer.json"), "--max-new-tokens", "6",
                         "--output-format", "jsonl"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[:4000] + r.stderr[-1000:]  # the cause, the agent
-    row = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][0])
-    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False).ids])
-    with torch.no_grad():
-        new = exported.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
-    new = new.tolist()
-    new = new[:new.index(1)] if 1 in new else new
-    assert row["completion"] == tok.decode(new), (row, new)
+    rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert [row["prompt"] for row in rows] == prompts
+    for row in rows:
+        ids = torch.tensor([tok.encode(row["prompt"]).ids])  # with the BOS, as transformers
+        with torch.no_grad():
+            new = exported.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+        new = new.tolist()
+        new = new[:new.index(1)] if 1 in new else new
+        assert row["completion"] == tok.decode(new), (row, new)

@@ -144,9 +144,10 @@ def test_a_model_folders_tokenizer_as_transformers_saves_it(tmp_path, capsys):
     """Gemma 3's shape: '</s>' is an ordinary piece (an HTML tag), EOS is '<eos>' as
     tokenizer_config.json says, and a special token sits past the model's rows
     (<image_soft_token>, id = the embedding's size): the file pair says the vocabulary the
-    model has, so a model of that size trains on it; the EOS ends each document."""
+    model has, so a model of that size trains on it; each document is BOS, text, EOS, and
+    a long-context eval prompt starts with the BOS too."""
     pytest.importorskip("transformers")
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     from ctxpar.config import config_from_dict
     from ctxpar.data import HFTokenizer, build_data
@@ -155,17 +156,22 @@ def test_a_model_folders_tokenizer_as_transformers_saves_it(tmp_path, capsys):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens([AddedToken("<image_soft_token>", special=True)])  # id 8
+    tok.post_processor = processors.TemplateProcessing(  # BOS first, as Gemma's does
+        single="<bos> $A", special_tokens=[("<bos>", 2)])
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>",
                             pad_token="<pad>").save_pretrained(tmp_path / "gemma")
     path = str(tmp_path / "gemma" / "tokenizer.json")
     hf = HFTokenizer(path)
-    assert (hf.eos_token, hf.eos_id, hf.vocab_size) == ("<eos>", 1, 8)
+    assert (hf.eos_token, hf.eos_id, hf.vocab_size, hf.bos_ids) == ("<eos>", 1, 8, [2])
     assert HFTokenizer(path, "</s>").eos_id == 3  # --eos-token still decides
     (tmp_path / "a.txt").write_text("the key is blue")
     assert run(tmp_path, "--input", tmp_path / "a.txt", "--tokenizer", path) == 0
     assert "vocab 8 eos 1" in capsys.readouterr().out
     ds = IndexedDataset(str(tmp_path / "out" / "c"))
-    assert (ds.vocab_size, ds.eos_id, ds[0].tolist()) == (8, 1, [4, 5, 6, 7, 1])
+    assert (ds.vocab_size, ds.eos_id, ds[0].tolist()) == (8, 1, [2, 4, 5, 6, 7, 1])
     cfg = config_from_dict({"model": {"vocab_size": 8, "seq_len": 2}, "data": {
         "kind": "tokens", "path": str(tmp_path / "out" / "c"), "eval_fraction": 0.0}})
     assert build_data(cfg).train_source.vocab_size == 8  # accepted by a model of 8 rows
+    from ctxpar.data.long_context import TASKS, Haystack, make_task
+    task = make_task(TASKS[0], hf, Haystack.filler(hf), 64)  # a long-context eval prompt
+    assert task.prompt[0] == 2 and 2 not in task.prompt[1:] and len(task.prompt) == 64

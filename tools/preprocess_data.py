@@ -11,7 +11,8 @@ files whose path under the directory matches one of the patterns). Any UTF-8 tex
 read by content (ctxpar/data/corpus.py): gzip / zstd / bzip2 / xz are decompressed whatever
 the name, a file of JSON lines gives one document per line (its text under --jsonl-key),
 any other text file is one document; --format text|jsonl overrides the guess.
-Every document gets EOS appended; empty documents are skipped. Without --tokenizer the
+Every document gets EOS appended (and a --tokenizer's BOS first when it adds one, as
+Llama's, Mistral's and Gemma's do); empty documents are skipped. Without --tokenizer the
 built-in byte-level tokenizer is used (vocab 256, EOS = 0): set model.vocab_size >= the
 vocab printed at the end.
 
@@ -60,7 +61,8 @@ def tokenize_file(path: str, fmt: str, jsonl_key: str, tokenizer, part: str) -> 
             if not text.strip():
                 continue  # an empty document would be a lone EOS
             try:
-                arr = encode_document(tok.encode(text), tok.vocab_size, tok.eos_id)
+                arr = encode_document(tok.bos_ids + tok.encode(text), tok.vocab_size,
+                                      tok.eos_id)
             except (UnicodeError, ValueError) as e:
                 raise CorpusError(f"{where}: cannot tokenize ({e})") from None
             arr.tofile(out)

@@ -134,7 +134,8 @@ def make_task(name: str, tokenizer, haystack: Haystack, length: int, depth: floa
     needles, question, answers = _needles(name, rng, n, digits)
     pieces = [tokenizer.encode(s) for s in needles]
     q = tokenizer.encode(question)
-    n_hay = length - sum(map(len, pieces)) - len(q)
+    bos = list(getattr(tokenizer, "bos_ids", []))  # the prompt starts as a document does
+    n_hay = length - len(bos) - sum(map(len, pieces)) - len(q)
     if n_hay < 0:
         raise DataError(f"task {name!r} needs more than length={length} tokens "
                         f"({length - n_hay} without any haystack)")
@@ -144,7 +145,7 @@ def make_task(name: str, tokenizer, haystack: Haystack, length: int, depth: floa
     first = int(round(depth * n_hay))
     want = [first + (n_hay - first) * j // len(pieces) for j in range(len(pieces))]
     spots = [max(p for p in starts if p <= w) for w in want]
-    prompt, at = [], 0
+    prompt, at = bos, 0
     for spot, piece in zip(spots, pieces):
         prompt += hay[at:spot] + piece
         at = spot

@@ -28,6 +28,7 @@ class ByteTokenizer:
 
     vocab_size = 256
     eos_id = 0
+    bos_ids: List[int] = []  # none: a document or prompt starts with its text
     name = "byte"
 
     def encode(self, text: str) -> List[int]:
@@ -67,12 +68,28 @@ class HFTokenizer:
         # 1 + the largest id encode() or EOS can give: the model's vocabulary and the
         # added tokens that are not special (special ones only come from their own text).
         added = self._tok.get_added_tokens_decoder()
+        # What the tokenizer's post-processor puts before a text (Llama's, Mistral's and
+        # Gemma's BOS; Qwen's nothing), as transformers encodes a document or a prompt.
+        self.bos_ids: List[int] = self._prefix()
         self.vocab_size = 1 + max([self.eos_id, *self._tok.get_vocab(
             with_added_tokens=False).values(), *(i for i, t in added.items() if not t.special)])
         self.name = f"hf:{os.path.basename(path)}"
 
+    def _prefix(self) -> List[int]:
+        """The ids encoding with special tokens puts before a text's own."""
+        try:
+            plain = self._tok.encode("a", add_special_tokens=False).ids
+            full = self._tok.encode("a", add_special_tokens=True).ids
+        except Exception:  # a vocabulary without "a" nor an unknown token: no text at all
+            full = self._tok.encode("", add_special_tokens=True).ids
+            return full[:-1] if full and full[-1] == self.eos_id else full
+        starts = [i for i in range(len(full) - len(plain) + 1)
+                  if full[i:i + len(plain)] == plain]
+        return full[:starts[0]] if starts else []
+
     def encode(self, text: str) -> List[int]:
-        # No special tokens added here: documents are separated by EOS, appended by the writer.
+        # The text's ids only: pieces (long-context haystacks) join without special tokens;
+        # documents and prompts start with bos_ids, and the writer appends EOS.
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
