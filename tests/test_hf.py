@@ -7,11 +7,14 @@ downloads; GQA, head_dim != hidden/heads, norm weights and biases drawn away fro
 defaults) imported into ctxpar's GPT gives its logits; GPT -> folder -> transformers gives
 GPT's logits; folder -> ctxpar -> folder returns the same tensors bit for bit; what ctxpar
 cannot represent (config fields, tensors, shards, dtypes) is refused naming it.
-(2) train.py: tp2·cp2 runs started from a Llama and a Qwen2 folder (model.init_from) log,
-at step 1, the loss transformers computes on the same global batch; the Llama run's
-checkpoint exported by tools/convert_checkpoint.py (with the run's tokenizer) is the same
-model in transformers, and imports back to the same parameters; a folder ctxpar cannot
-represent ends train.py with exit 2 and one line.
+(2) train.py: runs started from a folder (model.init_from) log, at step 1, the loss
+transformers computes on the same global batch: a Llama and a Qwen2 folder at tp2·cp2, a
+Gemma 3 folder with a sliding layer at cp2·pp2 (ring, zigzag), a Qwen3 folder with a
+sliding layer extended to twice its positions with YaRN at cp2 Ulysses (the CPU demo of
+an extension: generate.py answers from it as transformers does); each run's checkpoint
+exported by tools/convert_checkpoint.py (with the run's tokenizer) is the same model in
+transformers, and the Llama one imports back to the same parameters; a folder ctxpar
+cannot represent ends train.py with exit 2 and one line.
 """
 import json
 import re
