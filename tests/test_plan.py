@@ -576,12 +576,15 @@ def test_block_fields_are_all_block_specs_reads():
     other = dict(vocab_size=128, seq_len=64, n_layers=5, norm_eps=1e-6, rope_theta=5e5,
                  rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_embeddings=False,
                  init_std=0.01, init_from="elsewhere", norm_offset=1.0, scale_embeddings=True,
-                 query_pre_attn_scalar=8.0, family="qwen2")
+                 query_pre_attn_scalar=8.0, family="qwen2", sliding_window=16,
+                 attention_chunk_size=32, layer_types=["full_attention"] * CFG["n_layers"],
+                 layer_rope={"full_attention": {"rope_theta": 100.0}})
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
             assert block_fields(changed) == block_fields(m), f.name
             assert block_specs(changed) == block_specs(m), f.name
     assert set(other) | {"d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
-                         "bias", "attention_bias", "qk_norm", "head_dim", "post_norms"} == \
+                         "bias", "attention_bias", "qk_norm", "head_dim", "post_norms",
+                         "attention_sinks"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}
