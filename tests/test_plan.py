@@ -554,11 +554,14 @@ def test_block_fields_are_all_block_specs_reads():
     m = ModelConfig(**CFG)
     other = dict(vocab_size=128, seq_len=64, n_layers=5, norm_eps=1e-6, rope_theta=5e5,
                  rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_embeddings=False,
-                 init_std=0.01, init_from="elsewhere")
+                 init_std=0.01, init_from="elsewhere", sliding_window=16,
+                 attention_chunk_size=8, layer_types=["sliding_attention"] * 2,
+                 layer_rope={"sliding_attention": {"rope_theta": 1e4}})
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
             assert block_fields(changed) == block_fields(m), f.name
             assert block_specs(changed) == block_specs(m), f.name
     assert set(other) | {"d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
-                         "bias"} == {f.name for f in dataclasses.fields(ModelConfig)}
+                         "bias", "attention_sinks"} \
+        == {f.name for f in dataclasses.fields(ModelConfig)}
