@@ -10,7 +10,8 @@ a rank holding 48 tokens), one longer than a rank's share (100), windows inside 
 chunks of 40 (crossing rank boundaries) causal or not and inside documents, sinks alone
 and with a window: outputs, LSE, dq, dk, dv, the sinks' gradient (the ranks' shares
 summed), the FLOP counters equal to the mask's exact pair count, and the halo's bytes in
-each ring_grad_dtype.
+each ring_grad_dtype; the planner's counts of the same (ctxpar/plan/counts.py: bytes per
+rank, the busiest rank's pairs) equal what the spawn measured.
 """
 import pickle
 
