@@ -267,9 +267,10 @@ def masked_cp_bytes(comm: str, P: int, u: int, B: int, s: int, H: int, Hkv: int,
     Where a window's (or chunk's) reach fits in the neighbouring slabs (contiguous,
     zigzag: halo.halo_tokens, the exchange's own links) the ring and all-gather become
     the halo exchange: its K,V tails forward, again backward beside their dK,dV going
-    back (ring_grad_dtype; all-gather fp32). Otherwise a contiguous ring stops after
-    1 + ceil((w - 1) / S) steps (blocks.ring_steps); any other ring and all-gather move
-    their usual blocks (cp_bytes). Ulysses moves what it always does."""
+    back (ring_grad_dtype; all-gather fp32). Otherwise the ring stops after the last
+    step with work (ring_steps, as blocks.ring_steps) and all-gather gathers its usual
+    blocks (cp_bytes). Ulysses moves what it always does. Held to cp_stats() rank by rank
+    in tests/test_attention_mask.py."""
     full = cp_bytes(comm, P, u, B, s, H, Hkv, D, e, grad_e, return_lse)
     part = ring_part(comm, P, u, s, Hkv)
     if part is None or (sliding_window is None and chunk_size is None):
