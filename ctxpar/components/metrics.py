@@ -15,6 +15,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ..config.layers import layer_attention
+from ..context_parallel.mask import visible_pairs
+
 # Dense bf16 tensor-core peaks (TFLOP/s) for MFU; unknown devices (CPUs) report no MFU.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
@@ -29,13 +32,21 @@ def device_peak_tflops(device: torch.device) -> Optional[float]:
     return None
 
 
-def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int,
+                    model=None) -> float:
     """Training FLOPs per token: 6N for the weights (fwd+bwd) + causal attention.
 
-    Attention scores and the value product are 2 matmuls of 2·T·d FLOPs per token per
-    layer forward, halved by the causal mask, times 3 for fwd+bwd: 6·L·d·T.
+    Attention scores and the value product are 2 matmuls of 2 d FLOPs per visible (query,
+    key) pair forward, times 3 for fwd+bwd: 12 d per pair, T (T + 1) / 2 pairs a causal
+    layer, about 6 L d T per token. With `model` (a ModelConfig) each layer counts its
+    own pairs (config.layers.layer_attention: a window's about T w, chunks' c (c + 1) / 2
+    each; mask.visible_pairs).
     """
-    return 6.0 * n_params + 6.0 * n_layers * d_model * seq_len
+    if model is None:
+        return 6.0 * n_params + 6.0 * n_layers * d_model * seq_len
+    pairs = sum(visible_pairs(0, seq_len, a.sliding_window, a.chunk_size)
+                for a in layer_attention(model))
+    return 6.0 * n_params + 12.0 * d_model * pairs / seq_len
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -145,7 +156,7 @@ class StepMetrics:
         self.steps, self.interval = cfg.train.steps, cfg.logging.log_interval
         self.tokens_per_step = cfg.train.global_batch_size * m.seq_len
         self.flops_per_step = flops_per_token(n_params, m.n_layers, m.d_model,
-                                              m.seq_len) * self.tokens_per_step
+                                              m.seq_len, m) * self.tokens_per_step
         self.world_size, self.device, self.baseline = world_size, device, baseline
         self.peak_tflops = device_peak_tflops(device)
 
