@@ -19,11 +19,11 @@ backward before the next (gradient accumulation inside the step), so a rank hold
 pack's activations at a time.
 
 Each rank runs the packs it belongs to in the schedule's order (the groups in the order
-they were placed, each rank's one-rank packs where it placed them): one total order every rank follows, so
-groups that share a rank never wait on each other in a cycle, and nobody waits for a
-one-rank pack. Pure and deterministic: the same lengths give the same schedule on every
-rank, with no communication; the loss's token count is the sum of the lengths, known
-everywhere.
+they were placed, each rank's one-rank packs where it placed them): one total order every
+rank follows, so groups that share a rank never wait on each other in a cycle, and
+nobody waits for a one-rank pack. Pure and deterministic: the same lengths give the same
+schedule on every rank, with no communication; the loss's token count is the sum of the
+lengths, known everywhere.
 
 The cost model is a callable cost(n, d) -> seconds of the busiest of d ranks for one
 document of n tokens, plus ``overhead`` seconds per pack (the planner's,
