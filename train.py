@@ -308,12 +308,13 @@ def main(argv=None) -> int:
             logger.close()
             return EXIT_NON_FINITE
         dt = timer.lap()
-        extra = {} if dynamic is None else {**dynamic_cp.step_metrics(this_step, dt),
-                                            "tokens": dynamic.tokens_seen}
+        lengths = None if dynamic is None else this_step.lengths
+        row = metrics.record(step, loss, scheduler.get_last_lr()[0], grad_norm, dt, lengths)
+        if dynamic is not None:  # the balance, the CP sizes, the tokens so far
+            row.update(dynamic_cp.step_metrics(this_step), tokens=dynamic.tokens_seen)
         if metrics.should_log(step):
-            logger.log({**metrics.record(step, loss, scheduler.get_last_lr()[0], grad_norm, dt),
-                        **offload_metrics(model), **extra})
-        logger.advance(step, loss, extra.get("tokens_per_s", metrics.tokens_per_step / dt))
+            logger.log({**row, **offload_metrics(model)})
+        logger.advance(step, loss, row["tokens_per_s"])
         if evaluator.should_evaluate(step):
             evaluator.run(engine.module, step, logger)
         stopped = guard.should_stop() and not last  # collective: all ranks stop alike

@@ -41,9 +41,8 @@ def train_step(engine, step, groups, state, layout: str, gas: int, divisor: int,
     return global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
 
 
-def step_metrics(step, dt: float) -> dict:
-    """What a metrics line adds for a dynamic step: its tokens and their rate, the balance
-    (max / mean of the ranks' estimated work) and the share of documents per CP size."""
-    return {"step_tokens": step.n_tokens, "tokens_per_s": step.n_tokens / dt,
-            "work_max_over_mean": step.schedule.work_balance,
+def step_metrics(step) -> dict:
+    """What a metrics line adds for a dynamic step: its tokens, the balance (max / mean of
+    the ranks' estimated work) and the share of documents per CP size."""
+    return {"step_tokens": step.n_tokens, "work_max_over_mean": step.schedule.work_balance,
             "cp_size_share": {str(d): s for d, s in step.schedule.size_shares().items()}}

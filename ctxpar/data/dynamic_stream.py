@@ -32,6 +32,7 @@ def dynamic_cp_sizes(world: int, comm: str, heads_per_rank: int) -> List[int]:
 @dataclass(frozen=True)
 class DynamicStep:
     documents: List[np.ndarray]   # the step's documents, stored tokens (EOS last)
+    lengths: List[int]            # their inputs (= labels): the schedule's lengths
     schedule: Schedule
     n_tokens: int                 # labels of the step: the loss's token count
 
@@ -73,8 +74,8 @@ class DynamicStream:
         self.tokens_seen += int(lengths.sum())
         plan = schedule(lengths.tolist(), self.world, self.budget, self.cost,
                         getattr(self.cost, "overhead", 0.0), self.layout, self.sizes)
-        return DynamicStep([self.dataset[int(i)] for i in self.ids[pick]], plan,
-                           int(lengths.sum()))
+        return DynamicStep([self.dataset[int(i)] for i in self.ids[pick]], lengths.tolist(),
+                           plan, int(lengths.sum()))
 
     def state_dict(self) -> Dict:
         return {"kind": "dynamic_cp", "step": self.step, "tokens_seen": self.tokens_seen}
