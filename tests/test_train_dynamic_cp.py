@@ -147,3 +147,18 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one(cp2dp2, corpus, tmp_path
     for s in got:  # same ranks, same documents, same order: bit-identical
         assert got[s] == want[s], (s, got[s], want[s])
     assert metric(d, "tokens") == {s: metric(cp2dp2, "tokens")[s] for s in got}
+
+
+def test_ranks_the_schedule_leaves_idle_still_join_the_reduction(corpus, tmp_path):
+    """Two documents on four ranks: the idle ranks add zero gradients and nobody waits."""
+    few = ["train.global_batch_size=2", "train.micro_batch_size=1", "train.steps=2"]
+    one, dyn = str(tmp_path / "one"), str(tmp_path / "dyn")
+    run_train(one, 1, ["parallel.cp=1", "parallel.dp=1", "data.tokens_per_rank=256",
+                       "deepspeed.zero_optimization.stage=0", f"data.path={corpus}", *DYNAMIC,
+                       *few])
+    run_train(dyn, 4, ["parallel.cp=2", "parallel.dp=2", f"data.path={corpus}", *DYNAMIC,
+                       *few])
+    want, got = losses(one), losses(dyn)
+    assert sorted(got) == sorted(want) == [1, 2]
+    for s in got:
+        assert abs(got[s] - want[s]) <= 1e-6 * abs(want[s]), (s, got[s], want[s])
