@@ -8,15 +8,16 @@ W = dp x cp ranks is cut, for every size d, into the tiles of d contiguous ranks
 [k d, (k+1) d), k < W // d (``cp_tiles``: any d from 1 to W, not only powers of two;
 the process groups are built once at start, ctxpar/distributed/dynamic_groups.py).
 Documents are placed longest-processing-time first (Graham's LPT), by the cost model's
-seconds, descending. A document of size d >= 2 holds more than (d - 1) x budget tokens,
-so no two fit one group: each runs alone, on the tile of its size whose ranks are free
-first (list scheduling: the group waits for its slowest rank). The one-rank documents
-then go to the rank that would finish them earliest, into the time it waits for a group
-where they fit, else after its groups, packed together: one packed sequence (document
+seconds, descending. A document of size d >= 2 runs alone (with every size allowed it
+holds more than (d - 1) x budget tokens, so no two would fit one group anyway), on the
+tile of its size whose ranks are free first (list scheduling: the group waits for its
+slowest rank). The one-rank documents
+then fill the time ranks wait for a group where they fit, else go after the groups of
+the rank that would finish them earliest, packed together: one packed sequence (document
 masking, positions restarting at each document) of at most `budget` tokens, a new one
-when the rank's packs there are full. Every ``Pack`` runs forward and
-backward before the next (gradient accumulation inside the step), so a rank holds one
-pack's activations at a time.
+when the rank's packs there are full. Every ``Pack`` runs forward and backward before
+the next (gradient accumulation inside the step), so a rank holds one pack's activations
+at a time.
 
 Each rank runs the packs it belongs to in the schedule's order (the groups in the order
 they were placed, each rank's one-rank packs where it placed them): one total order every
@@ -161,8 +162,8 @@ def schedule(lengths: Sequence[int], world: int, budget: int, cost: Cost,
             ready[r], work[r] = start + overhead + seconds[i], work[r] + overhead + seconds[i]
         groups.append(Pack(first, d, (i,), lengths[i], padded_length(lengths[i], d, layout),
                            overhead + seconds[i]))
-    # Then the one-rank documents, packed (first pack with room in the budget) into the
-    # waits before a group where they fit, else after the rank's groups: on the rank that
+    # Then the one-rank documents, packed (first pack with room in the budget) into a
+    # rank's wait before a group where one fits, else after the groups of the rank that
     # ends them earliest.
     tail: List[List[list]] = [[] for _ in range(world)]  # per rank: its last packs
     for i in (i for i in lpt if size_of[i] == 1):
@@ -176,9 +177,10 @@ def schedule(lengths: Sequence[int], world: int, budget: int, cost: Cost,
                 or next(((None, p, sec) for p in tail[r] if fits(p)), None) \
                 or (None, None, sec + overhead)
             end = ready[r] + (spot[2] if spot[0] is None else 0.0)
-            if best is None or end < best[0]:
-                best = (end, r, spot)
-        end, r, (gap, pack, extra) = best
+            key = (spot[0] is None, end)  # a wait it fills is free: those first
+            if best is None or key < best[0]:
+                best = (key, r, spot)
+        (_, end), r, (gap, pack, extra) = best
         if pack is None:
             pack = [[], 0]
             (gap[2] if gap is not None else tail[r]).append(pack)
