@@ -121,3 +121,30 @@ def test_the_planner_cost_model_prices_attention_and_cp():
     _check_placement(s, long_tailed())
     assert s.makespan() <= static_schedule(long_tailed(), WORLD, BUDGET, WORLD, cost,
                                            cost.overhead).makespan()
+
+
+def test_the_planner_compares_static_and_dynamic_cp_for_a_length_distribution(capsys):
+    from ctxpar.plan.__main__ import main
+    from ctxpar.plan.dynamic import compare, document_lengths
+
+    cfg = load_config("configs/tiny_cpu.yaml", overrides=[
+        "parallel.cp=2", "parallel.dp=2", "model.seq_len=8192"], world_size=4)
+    cluster = Cluster(1, 4, GPUS["cpu"])
+    steps = document_lengths("1024,1.2,128,16384", 32, 2)
+    assert steps == document_lengths("1024,1.2,128,16384", 32, 2)   # a fixed seed
+    cmp = compare(cfg, cluster, steps)
+    # documents up to 16384 tokens: more than one static sample of cp x 4096 holds
+    assert max(max(s) for s in steps) > 8192 and cmp.static_s is None
+    assert cmp.advice == "dynamic" and set(cmp.size_shares) <= {1, 2, 3, 4}
+    short = document_lengths("512,1.0,128,8000", 32, 2)
+    cmp = compare(cfg, cluster, short)
+    assert cmp.static_s is not None and cmp.advice == ("dynamic" if cmp.dynamic_s
+                                                       < cmp.static_s else "static")
+    args = ["--config", "configs/tiny_cpu.yaml", "--set", "parallel.cp=2", "parallel.dp=2",
+            "model.seq_len=8192", "--nodes", "1", "--gpus-per-node", "4", "--gpu", "cpu"]
+    assert main(args + ["--documents", "1024,1.2,128,16384"]) == 0
+    out = capsys.readouterr().out
+    assert "static cp2: cannot run them" in out and out.rstrip().endswith(
+        "use dynamic CP (data.dynamic_cp: true)")
+    assert main(args + ["--documents", "1024,1.2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --documents '1024,1.2' must be MEDIAN")
