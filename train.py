@@ -235,6 +235,7 @@ def main(argv=None) -> int:
     n_params = sum(spec.numel() for spec in parameter_specs(cfg.model))  # the whole model
     partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
     divisor = grad_divisor(state, ds_config, pipelined)
+    zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
     # ctxpar/memory/optimizer.py)
     optimizer = optimizer_offload.build_optimizer(
@@ -288,7 +289,7 @@ def main(argv=None) -> int:
         if dynamic is not None:  # whole documents, each on its rank group (models/dynamic_cp.py)
             this_step = dynamic.next_step()
             loss = dynamic_cp.train_step(engine, this_step, groups, state, cfg.parallel.layout,
-                                         gas, divisor, device).item()
+                                         gas, divisor, device, rounds=zero_stage >= 2).item()
         else:
             micro = [train_stream.next_microbatch(device) for _ in range(gas)]
             # N: non-ignored tokens of the whole step over DP x CP (models/loss.py), one

@@ -148,3 +148,16 @@ def test_the_planner_compares_static_and_dynamic_cp_for_a_length_distribution(ca
         "use dynamic CP (data.dynamic_cp: true)")
     assert main(args + ["--documents", "1024,1.2"]) == 2
     assert capsys.readouterr().err.startswith("error: --documents '1024,1.2' must be MEDIAN")
+
+
+def test_rounds_hold_each_pack_once_on_all_its_ranks_in_the_packs_order():
+    s = schedule(long_tailed(seed=4), WORLD, BUDGET, analytic_cost, 50.0)
+    rounds = s.slots()
+    for p in s.packs:
+        where = {k for k, row in enumerate(rounds) for r in range(WORLD) if row[r] is p}
+        assert len(where) == 1, p                        # one round, every rank of it
+        k = where.pop()
+        assert all(rounds[k][r] is p for r in p.ranks)
+    for r in range(WORLD):  # each rank's packs keep their order
+        assert [row[r] for row in rounds if row[r] is not None] == s.packs_of(r)
+    assert len(rounds) >= max(len(s.packs_of(r)) for r in range(WORLD))

@@ -231,17 +231,12 @@ def _check_dynamic_cp(cfg: Config, err: Err) -> None:
         if data.tokens_per_rank is not None:
             err(f"data.tokens_per_rank={data.tokens_per_rank} is for data.dynamic_cp=true")
         return
-    stage = (cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0)
     why = None
     if data.kind != "tokens":
         why = f"data.kind={data.kind!r}: it takes whole documents of a token file ('tokens')"
     elif p.pp > 1:
         why = (f"parallel.pp={p.pp}: the pipeline runs the same micro-batches on every "
                f"stage, but each rank runs its own number of packs")
-    elif stage >= 2:
-        why = (f"deepspeed.zero_optimization.stage={stage}: ZeRO 2 and 3 reduce gradients "
-               f"in every backward over DP x CP, but each rank runs its own number of packs "
-               f"(use stage 0 or 1)")
     elif p.cp_comm == "hybrid":
         why = "parallel.cp_comm='hybrid': its two-level groups are not built per rank group"
     elif data.tokens_per_rank is not None and data.tokens_per_rank < 2:

@@ -110,6 +110,20 @@ class Schedule:
         n = len(self.sizes)
         return {d: self.sizes.count(d) / n for d in sorted(set(self.sizes))}
 
+    def slots(self) -> List[List[Optional[Pack]]]:
+        """The packs as rounds in which every rank runs one pack or none (None), each pack
+        in one round on all its ranks, in the packs' order: what a run needs whose every
+        backward (ZeRO 2 and 3) or forward (ZeRO 3) is collective over all the ranks, so
+        that a rank with nothing to run in a round runs an empty pack."""
+        next_free, rounds = [0] * self.world, []
+        for p in self.packs:
+            k = max(next_free[r] for r in p.ranks)
+            while len(rounds) <= k:
+                rounds.append([None] * self.world)
+            for r in p.ranks:
+                rounds[k][r], next_free[r] = p, k + 1
+        return rounds
+
     def makespan(self) -> float:
         """Estimated step seconds with the waits: each pack starts when all its ranks are
         done with their earlier packs (the execution order), and the step ends with the
