@@ -5,7 +5,8 @@ The corpus: 400 documents of lognormal lengths between 2 and 250 stored tokens; 
 step. dp2 x cp2 holds 64 tokens per rank (model.seq_len 128 / cp 2), so the documents
 take CP sizes 1 to 4; the one process holds 256 and runs every document alone. Losses
 (<= 1e-6 relative) and gradient norms agree over 6 steps on dp2 x cp2 (ring; ZeRO 1, 2
-and 3: the last two in rounds), tp2 x cp2 (Ulysses) and cp4 (all-gather, ZeRO 0): fp32,
+and 3: the last two in rounds), tp2 x cp2 (Ulysses, full checkpointing: the replay
+runs over the pack's group) and cp4 (all-gather, ZeRO 0): fp32,
 only the order of the reductions differs; a run resumed at step 3 logs the
 uninterrupted one's losses.
 """
@@ -124,7 +125,7 @@ def test_dp2_cp2_matches_one_process_and_logs_the_balance(cp2dp2, one_process):
 
 @pytest.mark.parametrize("sets", [
     ["parallel.tp=2", "parallel.cp=2", "parallel.dp=1", "parallel.cp_comm=ulysses",
-     "data.tokens_per_rank=128"],
+     "data.tokens_per_rank=128", "activation_checkpointing.mode=full"],
     ["parallel.cp=4", "parallel.dp=1", "parallel.cp_comm=allgather",
      "parallel.layout=striped", "deepspeed.zero_optimization.stage=0", "data.tokens_per_rank=64"],
     ["parallel.cp=2", "parallel.dp=2", "deepspeed.zero_optimization.stage=2"],
