@@ -284,13 +284,13 @@ def main(argv=None) -> int:
     guard = ckpt.PreemptionGuard(device)  # SIGTERM/SIGUSR1: finish the step, save, exit 0
     step, loss, stopped = start_step, float("nan"), False
     while step < cfg.train.steps:
-        # Every rank reads its DP rank's micro-batches (all stages, for N; the pipeline
-        # feeds the first stage's inputs and the last stage's labels from them).
         if dynamic is not None:  # whole documents, each on its rank group (models/dynamic_cp.py)
             this_step = dynamic.next_step()
             loss = dynamic_cp.train_step(engine, this_step, groups, state, cfg.parallel.layout,
                                          gas, divisor, device, rounds=zero_stage >= 2).item()
         else:
+            # Every rank reads its DP rank's micro-batches (all stages, for N; the pipeline
+            # feeds the first stage's inputs and the last stage's labels from them).
             micro = [train_stream.next_microbatch(device) for _ in range(gas)]
             # N: non-ignored tokens of the whole step over DP x CP (models/loss.py), one
             # all-reduce for the step, not one per micro-batch.
