@@ -11,7 +11,7 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -155,6 +155,7 @@ class StepMetrics:
         m = cfg.model
         self.steps, self.interval = cfg.train.steps, cfg.logging.log_interval
         self.tokens_per_step = cfg.train.global_batch_size * m.seq_len
+        self.n_params, self.n_layers, self.d_model = n_params, m.n_layers, m.d_model
         self.flops_per_step = flops_per_token(n_params, m.n_layers, m.d_model,
                                               m.seq_len, m) * self.tokens_per_step
         self.world_size, self.device, self.baseline = world_size, device, baseline
@@ -164,13 +165,20 @@ class StepMetrics:
         return step % self.interval == 0 or step == self.steps
 
     def record(self, step: int, loss: float, lr: float, grad_norm: Optional[float],
-               dt: float) -> Dict[str, Any]:
-        """One metrics.jsonl line for a step that took dt seconds."""
-        tflops = self.flops_per_step / dt / self.world_size / 1e12
+               dt: float, lengths: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+        """One metrics.jsonl line for a step that took dt seconds; lengths: the step's
+        documents' tokens when it trained on whole documents (data.dynamic_cp), whose
+        throughput and FLOPs count those (each document's attention at its own length)."""
+        tokens, flops = self.tokens_per_step, self.flops_per_step
+        if lengths is not None:
+            tokens = int(sum(lengths))
+            flops = sum(flops_per_token(self.n_params, self.n_layers, self.d_model, n) * n
+                        for n in lengths)
+        tflops = flops / dt / self.world_size / 1e12
         peak = peak_memory_bytes(self.device)
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "tokens": step * self.tokens_per_step,
-                "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+                "tokens_per_s": tokens / dt, "step_time_s": dt,
                 "tflops_per_device": tflops,
                 "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
                 "peak_mem_bytes": peak, "peak_mem_model_bytes": max(0, peak - self.baseline)}
