@@ -36,6 +36,7 @@ from ctxpar.config.parameters import parameter_specs
 from ctxpar.config.run_dir import check_run_dir
 from ctxpar.data import DataError, build_data, load_tokenizer
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
+from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
 from ctxpar.distributed.grad_norm import record_fp32_grad_norm
 from ctxpar.distributed.mpu import DeepSpeedMPU
 from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
@@ -187,6 +188,26 @@ def initialize_engine(model, cfg, state, ds_config, device):
     return engine, scheduler
 
 
+def dynamic_stream(cfg, data, world: int):
+    """data.dynamic_cp's stream over the dp x cp ranks, its cost model the planner's for
+    this machine; file reads only: a document no rank group holds exits 2 here."""
+    from ctxpar.data.dynamic_stream import DynamicStream
+    from ctxpar.plan.cluster import GPUS, Cluster
+    from ctxpar.plan.sequence_cost import SequenceCost
+    from ctxpar.plan.startup import detect, local_ranks
+
+    device = local_device()
+    per_node = local_ranks(world, device)
+    gpu, _ = detect(device, per_node)
+    cost = SequenceCost(cfg, Cluster(max(1, world // per_node), per_node, gpu or GPUS["h100"]))
+    try:
+        stream = DynamicStream(cfg, data.train_source, world // cfg.parallel.tp, cost)
+        stream.check_lengths()
+    except DataError as e:
+        fail(str(e))
+    return stream
+
+
 def start_distributed(cfg, world: int):
     """The process group, the rank grid and DeepSpeed's comm; rank 0 prints the planner's
     prediction for this layout. Returns (device, state, rank0)."""
@@ -221,11 +242,12 @@ def main(argv=None) -> int:
     launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
     world = int(os.environ["WORLD_SIZE"])
     cfg, data, save_dir, resume_from, init, long_context = check_inputs(args, world)  # 1. exit 2
+    dynamic = dynamic_stream(cfg, data, world) if cfg.data.dynamic_cp else None
     device, state, rank0 = start_distributed(cfg, world)         # 2. the grid
     torch.manual_seed(cfg.train.seed)
 
     # 3. The model (same init for every layout) and the DeepSpeed engine.
-    from models import gpt_pipe
+    from models import dynamic_cp, gpt_pipe
     from models.gpt import GPT
     from models.loss import global_token_count
 
@@ -250,8 +272,11 @@ def main(argv=None) -> int:
         resume_from.configure(ds_config)  # a layout change loads DeepSpeed's universal format
     n_params = sum(spec.numel() for spec in parameter_specs(cfg.model))  # the whole model
     divisor = grad_divisor(state, ds_config, pipelined)
+    zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     engine, scheduler = initialize_engine(model, cfg, state, ds_config, device)
-    train_stream = data.train_stream(state)
+    train_stream = data.train_stream(state) if dynamic is None else dynamic
+    if dynamic is not None:  # every rank group the schedule may use, once
+        groups = build_dynamic_cp_groups(state, dynamic.sizes)
 
     # 4. Resume, record the run, and the components that decide when to evaluate and save.
     start_step = 0
@@ -288,15 +313,20 @@ def main(argv=None) -> int:
     guard = ckpt.PreemptionGuard(device)  # SIGTERM/SIGUSR1: finish the step, save, exit 0
     step, loss, stopped = start_step, float("nan"), False
     while step < cfg.train.steps:
-        # Every rank reads its DP rank's micro-batches (all stages, for N; the pipeline
-        # feeds the first stage's inputs and the last stage's labels from them).
-        micro = [train_stream.next_microbatch(device) for _ in range(gas)]
-        # N: non-ignored tokens of the whole step over DP x CP (models/loss.py), one
-        # all-reduce for the step, not one per micro-batch.
-        n_tokens = global_token_count(torch.cat([mb["labels"].flatten() for mb in micro]),
-                                      state.dp_cp_group)
-        loss = (gpt_pipe.train_step(engine, micro, n_tokens, state) if pipelined
-                else train_step(engine, micro, n_tokens, state, gas, divisor)).item()
+        if dynamic is not None:  # whole documents, each on its rank group (models/dynamic_cp.py)
+            this_step = dynamic.next_step()
+            loss = dynamic_cp.train_step(engine, this_step, groups, state, cfg.parallel.layout,
+                                         gas, divisor, device, rounds=zero_stage >= 2).item()
+        else:
+            # Every rank reads its DP rank's micro-batches (all stages, for N; the pipeline
+            # feeds the first stage's inputs and the last stage's labels from them).
+            micro = [train_stream.next_microbatch(device) for _ in range(gas)]
+            # N: non-ignored tokens of the whole step over DP x CP (models/loss.py), one
+            # all-reduce for the step, not one per micro-batch.
+            n_tokens = global_token_count(torch.cat([mb["labels"].flatten() for mb in micro]),
+                                          state.dp_cp_group)
+            loss = (gpt_pipe.train_step(engine, micro, n_tokens, state) if pipelined
+                    else train_step(engine, micro, n_tokens, state, gas, divisor)).item()
         step += 1
         last = step == cfg.train.steps
         grad_norm = engine.get_global_grad_norm()  # before clipping; None: not recorded
@@ -308,10 +338,13 @@ def main(argv=None) -> int:
             logger.close()
             return EXIT_NON_FINITE
         dt = timer.lap()
+        lengths = None if dynamic is None else this_step.lengths
+        row = metrics.record(step, loss, scheduler.get_last_lr()[0], grad_norm, dt, lengths)
+        if dynamic is not None:  # the balance, the CP sizes, the tokens so far
+            row.update(dynamic_cp.step_metrics(this_step), tokens=dynamic.tokens_seen)
         if metrics.should_log(step):
-            logger.log({**metrics.record(step, loss, scheduler.get_last_lr()[0], grad_norm, dt),
-                        **offload_metrics(model)})
-        logger.advance(step, loss, metrics.tokens_per_step / dt)
+            logger.log({**row, **offload_metrics(model)})
+        logger.advance(step, loss, row["tokens_per_s"])
         if evaluator.should_evaluate(step):
             evaluator.run(engine.module, step, logger)
         stopped = guard.should_stop() and not last  # collective: all ranks stop alike

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 from typing import Optional, Union
 
 import torch
@@ -447,6 +448,13 @@ class GPT(nn.Module):
         """The model for this rank of a ParallelState, from the whole run config."""
         return cls(cfg.model, ModelGroups.from_state(state), ModelOptions.from_config(cfg),
                    device=device, dtype=dtype)
+
+    def use_cp_group(self, cp_group) -> None:
+        """Run the next sequences over another CP group, same pattern and layout: dynamic
+        CP gives each pack its rank group (ctxpar/distributed/dynamic_groups.py)."""
+        self.cp, self.cp_group = replace(self.cp, cp_group=cp_group), cp_group
+        for layer in self.layers:
+            layer.attn.cp = self.cp
 
     def init_weights(self, seed: int) -> None:
         """The layout-independent init of every parameter (``init_parameters_``)."""

@@ -11,6 +11,7 @@ one rank and on 4 simulated ranks (comm.NoComm) in every layout, documents, wind
 and sinks, head dims that need padding (60, 100), GQA and MQA, the GPT in bf16 under each
 checkpointing mode, and the pipeline's blocks with documents.
 """
+import dataclasses
 import math
 import os
 
@@ -446,7 +447,7 @@ def test_pipeline_blocks_read_the_documents_once_per_micro_batch(monkeypatch):
     from ctxpar.context_parallel import ContextParallel
     from ctxpar.context_parallel.documents import pack_cu_seqlens
     from models.gpt_pipe import BlockPipe
-    cfg = _gpt_config(head_dim=64)
+    cfg = dataclasses.replace(_gpt_config(head_dim=64), n_layers=3)  # three blocks
     with dry.fake_cuda(monkeypatch) as mode:
         blocks = [BlockPipe(cfg, i, None, ContextParallel(), "auto", "full", 1, device="cuda",
                             dtype=BF16) for i in range(3)]

@@ -10,7 +10,8 @@ a rank holding 48 tokens), one longer than a rank's share (100), windows inside 
 chunks of 40 (crossing rank boundaries) causal or not and inside documents, sinks alone
 and with a window: outputs, LSE, dq, dk, dv, the sinks' gradient (the ranks' shares
 summed), the FLOP counters equal to the mask's exact pair count, and the halo's bytes in
-each ring_grad_dtype.
+each ring_grad_dtype; the planner's counts of the same (ctxpar/plan/counts.py: bytes per
+rank, the busiest rank's pairs) equal what the spawn measured.
 """
 import pickle
 
@@ -489,3 +490,36 @@ def test_chunks_move_only_the_tail_of_the_chunk_a_rank_starts_in(cp_results):
             assert (st["fwd_bytes_sent"], st["fwd_bytes_recv"]) == (sent, got), (i, rank, st)
             assert st["bwd_bytes_sent"] == st["bwd_bytes_recv"] == sent + got, (i, rank, st)
         _check_case(i, inputs, results)
+
+
+def test_the_planners_bytes_and_flops_equal_the_measured_ones(cp_results):
+    """ctxpar/plan's counts of a windowed or chunked layer (no documents) against this
+    spawn's cp_stats, rank by rank: bytes sent forward and backward for every comm and
+    layout (the halo's tails, a ring that a window ends early, the usual blocks
+    otherwise); FLOPs of the busiest rank (ring, all-gather: rank_pairs' contiguous and
+    zigzag slabs) and over all ranks (the mask's visible pairs in closed form)."""
+    from ctxpar.context_parallel.mask import visible_pairs
+    from ctxpar.plan.counts import masked_cp_bytes
+    from ctxpar.plan.timing import rank_pairs
+    _, results = cp_results
+    cases = _indices(lambda c, u, lay, name, *_: MASKS[name][0] and MASKS[name][2] is None
+                     and (MASKS[name][1] or MASKS[name][3]))
+    # 6 masks in fp32 and w37 in bf16 per comm x layout, sinks+w37 in bf16 per comm, the
+    # bf16 dK,dV of ring and hybrid
+    assert len(cases) == 4 * 3 * (6 + 1) + 4 + 2
+    for i in cases:
+        comm, u, layout, name, (H, Hkv, D), dtype, grad_dtype = _cases()[i]
+        _, w, _, chunk, _ = MASKS[name]
+        esz, gsz = torch.finfo(dtype).bits // 8, 2 if grad_dtype == "bf16" else 4
+        stats = [results[rank][i][6] for rank in range(WORLD)]
+        for rank, st in enumerate(stats):
+            want = masked_cp_bytes(comm, WORLD, u, 2, S_LOCAL, H, Hkv, D, esz, gsz, layout, w,
+                                   chunk, rank=rank // u, return_lse=True)
+            got = (st["fwd_bytes_sent"], st["bwd_bytes_sent"])
+            assert got == want, (comm, u, layout, name, dtype, grad_dtype, rank, got, want)
+        per_pair = 4 * 2 * H * D
+        total = sum(st["fwd_flops"] for st in stats)
+        assert total == per_pair * visible_pairs(0, N, w, chunk), (comm, layout, name)
+        if comm in ("ring", "allgather") and layout != "striped":
+            assert max(st["fwd_flops"] for st in stats) \
+                == per_pair * rank_pairs(N, WORLD, layout, w, chunk), (comm, layout, name)

@@ -243,7 +243,9 @@ def naive_gpt(cfg, sd, tokens):
     return F.linear(x, sd["embed.weight" if cfg.tie_embeddings else "lm_head.weight"])
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# The naive model writes out the plain GPT (the families' fields are held to transformers'
+# own models in tests/test_hf.py).
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
 def test_model_matches_naive_implementation(name):
     cfg = CONFIGS[name]
     model = GPT(cfg, options=ModelOptions(seed=SEED))

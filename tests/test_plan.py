@@ -6,7 +6,10 @@
   13 layouts (every CP pattern) x every checkpointing mode, exact;
 - model state per ZeRO stage 0-3: every tensor DeepSpeed's engine holds after a step,
   on 4 layouts (dp x cp groups of 2 and 4), within 5% (DeepSpeed's bucket padding is the rest);
-- CP bytes: tests/test_context_parallel.py holds counts.cp_bytes to cp_stats() exactly;
+- CP bytes: tests/test_context_parallel.py holds counts.cp_bytes to cp_stats() exactly,
+  tests/test_attention_mask.py masked_cp_bytes and the busiest rank's pairs of windowed
+  and chunked layers; here, the search's layout for a windowed model and its reason, and
+  --max-seq-len's gain from a window;
 - phases: the forward and backward peaks of a one-process GPT (plain, full checkpointing,
   tiled loss and MLP) against the CPU allocator's live bytes, and torch AdamW's step
   temporaries against the tensors it allocates (tools/benchmarks/bench_plan_memory.py holds the
@@ -24,7 +27,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ctxpar.config import ModelConfig, load_config
+from ctxpar.config import ModelConfig, layer_attention, load_config
 from ctxpar.plan import counts
 from ctxpar.plan.candidate import Candidate
 from ctxpar.plan.memory import model_state
@@ -421,6 +424,64 @@ def test_cli_max_seq_len_ends_with_the_longest_line():
     assert len(rows) == 3 and len(set(keys)) == len(keys), rows
 
 
+MISTRAL = ["model.n_layers=32", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8",
+           "model.ffn_hidden=14336", "model.rope_theta=10000.0", "train.global_batch_size=1",
+           "parallel.dp=1"]  # Mistral 7B v0.1's shapes on gpt1b's vocabulary and batch
+
+
+def test_the_search_picks_contiguous_for_a_windowed_model_and_says_why():
+    """A 4,096-token window on every layer: the halo (one neighbour's tail under
+    contiguous, two under zigzag, whole blocks under striped) makes contiguous the
+    fastest; without the window the same model's best ring is not contiguous (its causal
+    work is unbalanced). The windowed layer's CP bytes do not grow with seq_len."""
+    from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.report import layout_reason
+    from ctxpar.plan.search import search
+    from ctxpar.plan.timing import rank_pairs
+    base = ["model.n_layers=2", "train.global_batch_size=1", "parallel.dp=1",
+            "model.seq_len=262144"]
+    cluster = Cluster(1, 2, gpu_preset("h100"))
+    best, cfgs = {}, {}
+    for window in (None, 4096):
+        cfg = cfgs[window] = load_config(
+            os.path.join(ROOT, "configs/gpt1b_32k_3d.yaml"),
+            base + ([f"model.sliding_window={window}"] if window else []), check_paths=False)
+        best[window] = next(p for p in search(cfg, cluster) if p.fits)
+    assert best[None].candidate.cp == 2 and best[None].candidate.token_layout != "contiguous"
+    cand = best[4096].candidate
+    assert (cand.cp, cand.cp_comm, cand.token_layout) == (2, "ring", "contiguous"), cand
+    assert layout_reason(cfgs[None], best[None]) == ""  # it speaks of windows only
+    why = layout_reason(cfg, best[4096])
+    assert why.startswith("token layout contiguous: 2 of 2 layers see a 4,096-token window")
+    mb = [float(x.replace(",", "")) for x in re.findall(r"(\S+) MB \((?:halo|blocks)\)", why)]
+    assert re.findall(r"MB \((\w+)\)", why) == ["halo", "halo", "blocks"], why
+    assert mb[0] < mb[1] < mb[2], why  # contiguous < zigzag < striped
+    # attention pairs about n w on the busiest rank, not n^2 / 2
+    assert rank_pairs(262144, 2, "contiguous", 4096) == 131072 * 4096
+    attn = layer_attention(cfg.model)[0]
+    e, longer = 2, replace(cfg.model, seq_len=4 * 262144)
+    assert counts.layer_cp_bytes(cfg.model, cand, e, attn) \
+        == counts.layer_cp_bytes(longer, cand, e, attn)
+    assert counts.layer_cp_bytes(cfg.model, cand, e) < counts.layer_cp_bytes(longer, cand, e)
+
+
+def test_max_seq_len_of_a_windowed_mistral_exceeds_the_same_model_without_it():
+    """--max-seq-len's search (ring, tiled loss and MLP, tp 1, pp 1 on 4 H100s): the
+    window's halo holds a few thousand tokens' K,V where the ring holds two blocks, so a
+    Mistral-like model with its 4,096-token window reaches further, under contiguous."""
+    from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.longest import Allowed, search_longest
+    allowed = Allowed(patterns=("ring",), options=("tiled_loss", "tiled_mlp"), tp=1, pp=1)
+    longest = {}
+    for extra in ([], ["model.sliding_window=4096"]):
+        cfg = load_config(os.path.join(ROOT, "configs/gpt1b_32k_3d.yaml"), MISTRAL + extra,
+                          check_paths=False)
+        longest[bool(extra)] = search_longest(cfg, Cluster(1, 4, gpu_preset("h100")),
+                                              allowed)[0]
+    assert longest[True][0] > longest[False][0], (longest[True][:2], longest[False][:2])
+    assert longest[True][1].token_layout == "contiguous", longest[True][1]
+
+
 def test_longest_rows_keep_one_tile_size_per_layout_and_length():
     from ctxpar.plan.longest import merge_tiles
     a = Candidate(1, 8, 1, 1, "ulysses", 8, zero=3, tiled_mlp=True)
@@ -576,12 +637,15 @@ def test_block_fields_are_all_block_specs_reads():
     other = dict(vocab_size=128, seq_len=64, n_layers=5, norm_eps=1e-6, rope_theta=5e5,
                  rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_embeddings=False,
                  init_std=0.01, init_from="elsewhere", norm_offset=1.0, scale_embeddings=True,
-                 query_pre_attn_scalar=8.0, family="qwen2")
+                 query_pre_attn_scalar=8.0, family="qwen2", sliding_window=16,
+                 attention_chunk_size=32, layer_types=["full_attention"] * CFG["n_layers"],
+                 layer_rope={"full_attention": {"rope_theta": 100.0}})
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
             assert block_fields(changed) == block_fields(m), f.name
             assert block_specs(changed) == block_specs(m), f.name
     assert set(other) | {"d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
-                         "bias", "attention_bias", "qk_norm", "head_dim", "post_norms"} == \
+                         "bias", "attention_bias", "qk_norm", "head_dim", "post_norms",
+                         "attention_sinks"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}

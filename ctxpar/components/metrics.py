@@ -11,9 +11,12 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
+
+from ..config.layers import layer_attention
+from ..context_parallel.mask import visible_pairs
 
 # Dense bf16 tensor-core peaks (TFLOP/s) for MFU; unknown devices (CPUs) report no MFU.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -29,13 +32,21 @@ def device_peak_tflops(device: torch.device) -> Optional[float]:
     return None
 
 
-def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int,
+                    model=None) -> float:
     """Training FLOPs per token: 6N for the weights (fwd+bwd) + causal attention.
 
-    Attention scores and the value product are 2 matmuls of 2·T·d FLOPs per token per
-    layer forward, halved by the causal mask, times 3 for fwd+bwd: 6·L·d·T.
+    Attention scores and the value product are 2 matmuls of 2 d FLOPs per visible (query,
+    key) pair forward, times 3 for fwd+bwd: 12 d per pair, T (T + 1) / 2 pairs a causal
+    layer, about 6 L d T per token. With `model` (a ModelConfig) each layer counts its
+    own pairs (config.layers.layer_attention: a window's about T w, chunks' c (c + 1) / 2
+    each; mask.visible_pairs).
     """
-    return 6.0 * n_params + 6.0 * n_layers * d_model * seq_len
+    if model is None:
+        return 6.0 * n_params + 6.0 * n_layers * d_model * seq_len
+    pairs = sum(visible_pairs(0, seq_len, a.sliding_window, a.chunk_size)
+                for a in layer_attention(model))
+    return 6.0 * n_params + 12.0 * d_model * pairs / seq_len
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -144,8 +155,9 @@ class StepMetrics:
         m = cfg.model
         self.steps, self.interval = cfg.train.steps, cfg.logging.log_interval
         self.tokens_per_step = cfg.train.global_batch_size * m.seq_len
+        self.n_params, self.n_layers, self.d_model = n_params, m.n_layers, m.d_model
         self.flops_per_step = flops_per_token(n_params, m.n_layers, m.d_model,
-                                              m.seq_len) * self.tokens_per_step
+                                              m.seq_len, m) * self.tokens_per_step
         self.world_size, self.device, self.baseline = world_size, device, baseline
         self.peak_tflops = device_peak_tflops(device)
 
@@ -153,13 +165,20 @@ class StepMetrics:
         return step % self.interval == 0 or step == self.steps
 
     def record(self, step: int, loss: float, lr: float, grad_norm: Optional[float],
-               dt: float) -> Dict[str, Any]:
-        """One metrics.jsonl line for a step that took dt seconds."""
-        tflops = self.flops_per_step / dt / self.world_size / 1e12
+               dt: float, lengths: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+        """One metrics.jsonl line for a step that took dt seconds; lengths: the step's
+        documents' tokens when it trained on whole documents (data.dynamic_cp), whose
+        throughput and FLOPs count those (each document's attention at its own length)."""
+        tokens, flops = self.tokens_per_step, self.flops_per_step
+        if lengths is not None:
+            tokens = int(sum(lengths))
+            flops = sum(flops_per_token(self.n_params, self.n_layers, self.d_model, n) * n
+                        for n in lengths)
+        tflops = flops / dt / self.world_size / 1e12
         peak = peak_memory_bytes(self.device)
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "tokens": step * self.tokens_per_step,
-                "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+                "tokens_per_s": tokens / dt, "step_time_s": dt,
                 "tflops_per_device": tflops,
                 "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
                 "peak_mem_bytes": peak, "peak_mem_model_bytes": max(0, peak - self.baseline)}

@@ -76,6 +76,8 @@ def deepspeed_config(cfg: Config, dp: int) -> Dict[str, Any]:
     ds["gradient_accumulation_steps"] = grad_accum_steps(cfg, dp)
     ds.setdefault("gradient_clipping", cfg.train.grad_clip)
     ds.setdefault("steps_per_print", 10 ** 9)  # train.py logs; keep DeepSpeed quiet
+    if cfg.data.dynamic_cp:  # each rank runs its own number of packs; step() reduces once
+        ds["managed_gradient_accumulation"] = False
     zero = ds.get("zero_optimization")
     if zero:
         for key, value in zero_bucket_defaults(int(zero.get("stage", 0)),

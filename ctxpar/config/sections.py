@@ -189,6 +189,17 @@ class DataConfig:
     eod_mask_loss: bool = False
     """No loss on predicting the token after a document's end (EOS) (Megatron's
     eod_mask_loss); for kind=tokens (passkey labels only the answer)."""
+    dynamic_cp: bool = False
+    """Variable-length data with dynamic context parallelism (ctxpar/data/dynamic_cp.py):
+    each step trains on train.global_batch_size whole documents of the token file, each
+    given the smallest CP size whose ranks hold it (1 to dp x cp, any) and a group of
+    the DP x CP ranks, balanced by the planner's step time; document masking and RoPE
+    restarting per document always; the loss is the token mean over the step. For
+    data.kind=tokens, parallel.pp=1, cp_comm ring, allgather or ulysses; every ZeRO
+    stage (2 and 3 run the packs in rounds, models/dynamic_cp.py)."""
+    tokens_per_rank: Optional[int] = None
+    """With data.dynamic_cp: the most tokens a rank holds at once, its share of one packed
+    sequence (None = model.seq_len / parallel.cp, what static CP gives it)."""
     tokenizer: Optional[str] = None
     """The Hugging Face tokenizer.json the token files were made with (None = byte-level);
     exported with the model by tools/convert_checkpoint.py --to hf."""

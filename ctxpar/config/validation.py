@@ -43,6 +43,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     _check_deepspeed(cfg, err)
     _check_paths(cfg, check_paths, err)
     _check_data(cfg, err)
+    _check_dynamic_cp(cfg, err)
     _check_memory(cfg, err)
     _check_long_context_eval(cfg, err)
 
@@ -237,6 +238,27 @@ def _check_data(cfg: Config, err: Err) -> None:
     if data.eod_mask_loss and data.kind != "tokens":
         err(f"data.eod_mask_loss=true is for data.kind='tokens' (passkey labels only the "
             f"answer), not {data.kind!r}")
+
+
+def _check_dynamic_cp(cfg: Config, err: Err) -> None:
+    """data.dynamic_cp: what the schedule's packs need of the rest of the run."""
+    data, p = cfg.data, cfg.parallel
+    if not data.dynamic_cp:
+        if data.tokens_per_rank is not None:
+            err(f"data.tokens_per_rank={data.tokens_per_rank} is for data.dynamic_cp=true")
+        return
+    why = None
+    if data.kind != "tokens":
+        why = f"data.kind={data.kind!r}: it takes whole documents of a token file ('tokens')"
+    elif p.pp > 1:
+        why = (f"parallel.pp={p.pp}: the pipeline runs the same micro-batches on every "
+               f"stage, but each rank runs its own number of packs")
+    elif p.cp_comm == "hybrid":
+        why = "parallel.cp_comm='hybrid': its two-level groups are not built per rank group"
+    elif data.tokens_per_rank is not None and data.tokens_per_rank < 2:
+        why = f"data.tokens_per_rank={data.tokens_per_rank} must be >= 2"
+    if why:
+        err(f"data.dynamic_cp=true with {why}")
 
 
 def _check_memory(cfg: Config, err: Err) -> None:

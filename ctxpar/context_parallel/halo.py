@@ -31,7 +31,7 @@ ring.py and allgather.py hand over to this whenever it applies (comm 'ring', the
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,25 @@ def halo_applies(layout: str, mask, S: int, world: int) -> bool:
     return (layout in HALO_LAYOUTS and world > 1 and mask is not None and mask.causal
             and (mask.sliding_window is not None or mask.chunk_size is not None)
             and _slab_reach(layout, S, world, mask_key(mask)) is not None)
+
+
+def halo_tokens(layout: str, rank: int, world: int, S: int, sliding_window=None,
+                chunk_size=None) -> Optional[Tuple[int, int]]:
+    """(K,V tokens `rank` sends, tokens it receives) in one halo exchange of a causal
+    window and/or chunks over `world` ranks of S tokens (one sequence, no documents), or
+    None where the halo does not apply (the ring or all-gather moves whole blocks): the
+    planner's count of the exchange, from the same links the exchange makes."""
+    n = S * world
+    docs = None if chunk_size is None else \
+        (tuple(sorted(set(range(0, n, chunk_size)) | {n})),)
+    key = (sliding_window, docs)
+    if (layout not in HALO_LAYOUTS or world == 1
+            or (sliding_window is None and chunk_size is None)
+            or S % HALO_LAYOUTS[layout] or _slab_reach(layout, S, world, key) is None):
+        return None
+    links = _links(layout, rank, world, S, key)
+    return (sum(rows.stop - rows.start for _, rows in links.sends),
+            sum(h for _, _, h in links.recvs))
 
 
 class Links(NamedTuple):

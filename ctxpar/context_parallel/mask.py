@@ -89,6 +89,28 @@ class AttentionMask:
                 and self.chunk_size is None)
 
 
+def _pairs_before(x: int, window: Optional[int], chunk_size: Optional[int]) -> int:
+    """Visible (query, key) pairs of the causal queries at positions [0, x): query i sees
+    min(i + 1, window) keys, counted from its chunk's start under chunks."""
+    def banded(m: int) -> int:  # sum over j < m of min(j + 1, window)
+        if window is None or m <= window:
+            return m * (m + 1) // 2
+        return window * (window + 1) // 2 + (m - window) * window
+    if chunk_size is None:
+        return banded(x)
+    return (x // chunk_size) * banded(chunk_size) + banded(x % chunk_size)
+
+
+def visible_pairs(lo: int, hi: int, sliding_window: Optional[int] = None,
+                  chunk_size: Optional[int] = None) -> int:
+    """The exact count of visible (query, key) pairs of the causal queries at positions
+    [lo, hi) of one sequence without documents (about (hi - lo) * w for a window w, c (c +
+    1) / 2 per chunk of c, the triangle with no window): what the FLOP counters count, in
+    closed form, for the planner and stats.square_pairs."""
+    return _pairs_before(hi, sliding_window, chunk_size) \
+        - _pairs_before(lo, sliding_window, chunk_size)
+
+
 def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]
                    ) -> torch.Tensor:
     """(Lq, Lk) bool: causal pairs (k <= q) that the window also leaves (q - k < window)."""

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import List
 
+from .mask import visible_pairs
+
 
 @dataclass
 class CPStats:
@@ -84,7 +86,7 @@ def record_comm(phase: str, sent: int, recv: int, ops: int = 1) -> None:
 def square_pairs(S: int, causal: bool) -> int:
     """Visible (query, key) pairs of S queries over the same S keys, with no other mask:
     the lower triangle with its diagonal when causal, all S * S otherwise."""
-    return S * (S + 1) // 2 if causal else S * S
+    return visible_pairs(0, S) if causal else S * S
 
 
 def attention_flops(batch: int, heads: int, head_dim: int, pairs: int, phase: str) -> int:

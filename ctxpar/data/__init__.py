@@ -1,4 +1,5 @@
-"""Data: the passkey task, .bin/.idx token files, and the DP/CP-aware sample stream."""
+"""Data: the passkey task, .bin/.idx token files, the DP/CP-aware sample stream, and dynamic
+CP's per-step schedule (dynamic_cp.py: each document's CP degree and rank group)."""
 from .indexed import DataError, IndexedDataset, IndexedDatasetWriter
 from .loader import SampleStream, TokenWindows, build_source, shard_batch
 from .pipeline import Data, ShardedStream, build_data, build_sample_stream

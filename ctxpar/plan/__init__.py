@@ -20,6 +20,8 @@ stated efficiency plus the communication that cannot hide (docs/planner.md).
     transients.py  what a layer holds without saving it (buffers, replay, logits)
     longest.py   --max-seq-len: the longest seq_len over layouts and memory options
     timing.py    step time: compute, TP, CP (hidden or not, C vs F/B), bubble, DP
+    sequence_cost.py  one sequence's seconds at a CP degree: dynamic CP's cost model
+    dynamic.py   --documents: static or dynamic CP for a length distribution
     search.py    every valid layout of a config on a cluster, modelled and ranked
     report.py    the ranked table, --explain, --write, --plot
     startup.py   train.py's one-look prediction for its own layout

@@ -12,8 +12,10 @@ import sys
 from ..config import ConfigError, load_config
 from .candidate import apply_candidate
 from .cluster import Cluster, PlanError, gpu_preset
+from .dynamic import compare, describe, document_lengths
 from .longest import OPTIONS, PATTERNS, Allowed, merge_tiles, search_longest, with_seq_len
-from .report import explain, memory_lines, merge_ties, plot, table, what_frees, write_config
+from .report import (explain, layout_reason, memory_lines, merge_ties, plot, table,
+                     what_frees, write_config)
 from .search import MEMORY_MARGIN, config_options, evaluate, nothing_fits, search
 from .startup import config_candidate
 
@@ -45,6 +47,9 @@ def parse_args(argv=None):
                         "'none' (default all: " + ", ".join(OPTIONS) + ")")
     p.add_argument("--cp-comm", default=",".join(PATTERNS),
                    help="--max-seq-len: CP patterns it may use, or 'none' (no CP)")
+    p.add_argument("--documents", metavar="MEDIAN,SIGMA,MIN,MAX",
+                   help="static or dynamic CP for log-normal document lengths, at the "
+                        "config's layout (ctxpar/plan/dynamic.py)")
     p.add_argument("--tp", type=int, help="--max-seq-len: only this TP degree")
     p.add_argument("--pp", type=int, help="--max-seq-len: only this pipeline degree")
     return p.parse_args(argv)
@@ -61,6 +66,15 @@ def main(argv=None) -> int:
         check_host(cfg, cluster, a.host_memory)
         if a.max_seq_len:
             return longest_main(cfg, cluster, a)
+        if a.documents:
+            steps = document_lengths(a.documents, cfg.train.global_batch_size, 8)
+            cmp = compare(cfg, cluster, steps)
+            print(f"{cfg.source}: {cfg.train.global_batch_size} documents per step of "
+                  f"log-normal lengths ({a.documents}), {cmp.tokens_per_step:,.0f} tokens "
+                  f"on average, on {cluster.nodes} x {cluster.gpus_per_node} "
+                  f"{cluster.gpu.name}, 8 steps:")
+            print(describe(cmp, cfg))
+            return 0
         plans = search(cfg, cluster)
         fitting = [p for p in plans if p.fits]
         if not fitting:
@@ -83,6 +97,9 @@ def main(argv=None) -> int:
           f"or token layout and predict the same memory and step time share a row: "
           f"'z1,z2', 'ring/zigzag,striped')\n")
     print(table(rows, cluster, a.top))
+    reason = layout_reason(cfg, rows[k - 1][0])
+    if reason:
+        print(f"\n{reason}")
     own = config_candidate(cfg, cluster.world)
     if own.world == cluster.world:
         mine = evaluate(cfg, own, cluster)

@@ -6,15 +6,18 @@ rows; e = the activations' element size (2 bf16, 4 fp32). Parameters are counted
 model's one description (ctxpar/config/parameters.py), which models/gpt.py checks itself
 against when it is built; activations are checked against autograd's saved tensors
 (tools/benchmarks/bench_activation_memory.py), CP bytes against cp_stats()
-(tests/test_plan.py and tests/test_context_parallel.py).
+(tests/test_plan.py, tests/test_context_parallel.py, and for windowed and chunked layers
+tests/test_attention_mask.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
 from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs
+from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 
@@ -271,11 +274,102 @@ def cp_bytes(comm: str, P: int, u: int, B: int, s: int, H: int, Hkv: int, D: int
     return fwd, bwd
 
 
-def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int):
-    """cp_bytes for one layer of this model and layout (per-rank heads)."""
+def ring_part(comm: str, P: int, u: int, s: int, Hkv: int):
+    """(ring ranks, tokens a ring rank holds, kv heads it moves) of a pattern's P2P part
+    (hybrid's ring runs over P/u ranks of u s tokens at lcm(Hkv, u)/u heads); None for
+    Ulysses, which has none."""
+    if comm == "ulysses" or P == 1:
+        return None
+    if comm == "hybrid":
+        return P // u, u * s, ulysses_kv_heads(Hkv, u) // u
+    return P, s, Hkv
+
+
+def masked_cp_bytes(comm: str, P: int, u: int, B: int, s: int, H: int, Hkv: int, D: int,
+                    e: int, grad_e: int, layout: str, sliding_window=None, chunk_size=None,
+                    rank=None, return_lse: bool = False):
+    """(forward, backward) bytes `rank` sends (None: the most of any rank, each phase) in
+    one causal attention call with a sliding window and/or chunks, the rest as cp_bytes.
+    Where a window's (or chunk's) reach fits in the neighbouring slabs (contiguous,
+    zigzag: halo.halo_tokens, the exchange's own links) the ring and all-gather become
+    the halo exchange: its K,V tails forward, again backward beside their dK,dV going
+    back (ring_grad_dtype; all-gather fp32). Otherwise the ring stops after the last
+    step with work (ring_steps, as blocks.ring_steps) and all-gather gathers its usual
+    blocks (cp_bytes). Ulysses moves what it always does. Held to cp_stats() rank by rank
+    in tests/test_attention_mask.py."""
+    full = cp_bytes(comm, P, u, B, s, H, Hkv, D, e, grad_e, return_lse)
+    part = ring_part(comm, P, u, s, Hkv)
+    if part is None or (sliding_window is None and chunk_size is None):
+        return full
+    r, S, hk = part
+    a2a = cp_bytes("ulysses", u, u, B, s, H, Hkv, D, e, return_lse=return_lse) \
+        if comm == "hybrid" else (0, 0)
+    kv_token = 2 * B * hk * D  # (k, v) elements of one token
+    ge = 4 if comm == "allgather" else grad_e
+    per_rank = [halo_tokens(layout, i, r, S, sliding_window, chunk_size)
+                for i in (range(r) if rank is None else [rank])]
+    if per_rank[0] is not None:
+        fwd = max(sent * kv_token * e for sent, _ in per_rank)
+        bwd = max(sent * kv_token * e + got * kv_token * ge for sent, got in per_rank)
+        return a2a[0] + fwd, a2a[1] + bwd
+    if comm == "allgather":
+        return full
+    steps, kv = ring_steps(layout, S, r, sliding_window, chunk_size), S * kv_token
+    if steps == 1:  # every rank's keys are its own: no ring at all
+        return a2a
+    return a2a[0] + (steps - 1) * kv * e, a2a[1] + (steps - 1) * kv * e + steps * kv * grad_e
+
+
+@lru_cache(maxsize=1024)
+def ring_steps(layout: str, S: int, world: int, sliding_window=None, chunk_size=None) -> int:
+    """Ring steps that carry work for some rank under a causal window and/or chunks (the
+    ring stops after the last: blocks.ring_steps, which plans every block; here from the
+    slabs alone). A query at position p sees back to max(p - w + 1, start of p's chunk),
+    nondecreasing in p, so a slab's first query reaches furthest; contiguous and zigzag:
+    the step of each (query slab, key slab) pair that reach allows; striped: step s holds
+    keys s positions back, so min(P, w, c) steps."""
+    big = S * world
+    w, c = sliding_window or big + 1, chunk_size or big + 1
+    if layout == "striped":
+        return min(world, w, c)
+    per = 2 if layout == "zigzag" else 1
+    m = S // per
+    owner = (lambda x: x) if per == 1 else (lambda x: x if x < world else 2 * world - 1 - x)
+    last = 0
+    for k in range(per * world):  # query slab k at positions [k m, (k + 1) m)
+        p = k * m
+        first = max(p - w + 1, p - p % c, 0) // m  # the earliest key slab it sees
+        for x in range(first, k):
+            last = max(last, (owner(k) - owner(x)) % world)
+            if last == world - 1:
+                return world
+    return last + 1
+
+
+def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
+    """cp_bytes for one layer of this model and layout (per-rank heads); attn, a layer's
+    config.layers.LayerAttention: a window's or chunks' bytes (masked_cp_bytes)."""
     s = rank_shapes(m, cand)
+    g = ring_grad_bytes(cand.ring_grad_dtype)
+    if attn is not None and (attn.sliding_window or attn.chunk_size):
+        return masked_cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h,
+                               s.hk, s.hd, e, g, cand.token_layout, attn.sliding_window,
+                               attn.chunk_size)
     return cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
-                    ring_grad_bytes(cand.ring_grad_dtype))
+                    g)
+
+
+def halo_received(m: ModelConfig, cand: Candidate, attn) -> int:
+    """K,V tokens the busiest rank receives in a layer's halo exchange; -1 where the
+    layer has none (full attention, Ulysses, or a reach beyond the neighbours' slabs)."""
+    s = rank_shapes(m, cand)
+    part = ring_part(cand.cp_comm, cand.cp, cand.ulysses, s.N // s.B, s.hk)
+    if part is None or attn is None or not (attn.sliding_window or attn.chunk_size):
+        return -1
+    r, S, _ = part
+    got = [halo_tokens(cand.token_layout, i, r, S, attn.sliding_window, attn.chunk_size)
+           for i in range(r)]
+    return -1 if got[0] is None else max(g for _, g in got)
 
 
 def tp_bytes_per_layer(s: RankShapes, e: int, tp: int):

@@ -4,8 +4,9 @@
         train.global_batch_size=1 parallel.dp=1 --nodes 1 --gpus-per-node 8 --max-seq-len
 
 For each candidate layout (every TP x CP x PP x DP the config allows at micro-batch 1,
-each CP pattern, ZeRO stage and checkpointing mode; tiled loss and tiled MLP on, which
-only ever lower the peak, their tiles 'auto' or d_model tokens (ALST's); each of the two
+each CP pattern (zigzag; also contiguous for a model with windowed or chunked layers,
+whose halo exchange needs the least memory there), ZeRO stage and checkpointing mode;
+tiled loss and tiled MLP on, which only ever lower the peak, their tiles 'auto' or d_model tokens (ALST's); each of the two
 offloads on and off, which move bytes to the host; ``Allowed`` narrows them) the peak
 memory is affine in seq_len but for the few terms that saturate (buckets,
 tile sizes): two evaluations give a first guess, and a bisection over multiples of the
@@ -22,6 +23,7 @@ import math
 from typing import List, Optional, Tuple
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
+from ..config.layers import layer_attention
 from ..context_parallel.layouts import num_chunks
 from .candidate import Candidate, apply_candidate
 from .cluster import Cluster, PlanError
@@ -72,6 +74,11 @@ def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> L
     # states' size; at least 512 tokens) and d_model tokens
     loss_tiles = (0, cfg.model.d_model) if tl and cfg.memory.loss_tile_tokens == "auto" \
         else (0,)
+    # Full layers hold the same bytes under every layout; windowed or chunked layers hold
+    # a halo under contiguous and zigzag (one and two neighbours' tails), whole blocks
+    # under striped.
+    masked = any(a.sliding_window or a.chunk_size for a in layer_attention(cfg.model))
+    layouts = ("zigzag", "contiguous") if masked else ("zigzag",)
     for tp in divisors(cluster.gpus_per_node):
         if allowed.tp and tp != allowed.tp:
             continue
@@ -83,8 +90,8 @@ def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> L
                     continue
                 dp = world // (tp * cp * pp)
                 for comm, u, token_layout in _cp_patterns(cp):
-                    if token_layout != "zigzag" or (cp > 1 and comm not in allowed.patterns):
-                        continue  # striped / contiguous: the same bytes, another rounding
+                    if token_layout not in layouts or (cp > 1 and comm not in allowed.patterns):
+                        continue  # striped: zigzag's bytes, another rounding
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                         for act in CHECKPOINT_MODES:
                             for oa, oo, tile, ltile in itertools.product(

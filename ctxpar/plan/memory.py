@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from ..config import GATED_MLPS, Config, deepspeed_config
+from ..config.layers import layer_attention
 from . import counts, transients
 from .candidate import Candidate, apply_candidate
 from .zero_state import Shard, ZeroState, zero_config
@@ -145,6 +146,9 @@ class Stage:
     host_step: float                 # torch AdamW's temporaries on the host (CPU)
     loss_tile: int
     mlp_tile: int
+    # counts.halo_received of each kind of layer the stage holds; a phase charges the
+    # largest attention buffers of them (a full layer's beside a windowed one's)
+    halo: List[int] = field(default_factory=list)
 
     def grads(self, fraction: float) -> Dict[str, float]:
         """The gradient terms with `fraction` of this stage's produced (all of them while
@@ -191,9 +195,13 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     accumulated = {"grads (accumulated)": zero_state.backward(1.0).get("grads", 0.0)} \
         if accumulating else {}
     base = {**resident, **zero_state.gathered(), **others}
+    start = sum(counts.stage_layers(model, cand.pp, i) for i in range(index))
+    kinds = {(a.sliding_window, a.chunk_size): a
+             for a in layer_attention(model)[start:start + blocks]}
+    halo = [counts.halo_received(model, cand, a) for a in kinds.values()]
     return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
                  saved, zero_state, sh, resident, base, accumulated, accumulating, host,
-                 host_step, loss_tile, mlp_tile)
+                 host_step, loss_tile, mlp_tile, halo)
 
 
 def forward_phases(st: Stage) -> List[Phase]:
@@ -204,7 +212,8 @@ def forward_phases(st: Stage) -> List[Phase]:
     swiglu = st.cfg.model.mlp in GATED_MLPS  # gate, up and their product
     block = transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile) \
         if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
-    working_set = max(block, transients.attention_forward(s, cand, elem))
+    working_set = max(block, max(transients.attention_forward(s, cand, elem, h)
+                                 for h in set(st.halo)))
     phases = [Phase("forward (last block)", {
         **st.base, **st.accumulated, "activations": sum(st.saved) + st.act.embed,
         "block working set": working_set})]
@@ -273,7 +282,8 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
         **st.base, **st.grads((grads_above + layer - counts.qkv_params(model, cand.tp)) / psi),
         "activations": saved_below + st.act.embed + own,
         "recompute": replayed - mlp_part if mode == "full" else 0.0,
-        "layer working set": transients.attention_backward(s, cand, elem) + attention_out,
+        "layer working set": max(transients.attention_backward(s, cand, elem, h)
+                                 for h in set(st.halo)) + attention_out,
         "activation grads": st.residual_grad + pending}
     best = max(at_mlp, at_attention, key=lambda t: sum(t.values()))
     return Phase(f"{name}, {'MLP' if best is at_mlp else 'attention'})", best)

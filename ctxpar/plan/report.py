@@ -8,9 +8,12 @@ from dataclasses import replace
 from typing import List
 
 from ..config import to_dict
+from ..config.layers import layer_attention
+from . import counts
 from .candidate import apply_candidate
 from .cluster import Cluster
-from .search import MEMORY_MARGIN, Plan
+from .search import MEMORY_MARGIN, Plan, is_bf16
+from .timing import rank_pairs
 
 GB = 1e9
 
@@ -111,6 +114,35 @@ REMEDIES = {
     "activation grads": [("more CP or TP (the residual stream's (N, d) gradient)", None)],
     "gathered params": [("a smaller stage3_max_live_parameters", None)],
 }
+
+
+def layout_reason(cfg, plan: Plan) -> str:
+    """One line: why this token layout, for a model with windowed or chunked layers
+    under a ring or all-gather: per such layer, the busiest rank's CP bytes (a halo
+    exchange under contiguous, two neighbours' under zigzag, whole blocks where the
+    reach exceeds the slabs) and its attention pairs under each layout; '' otherwise."""
+    m, cand = cfg.model, plan.candidate
+    kinds = layer_attention(m)
+    masked = [a for a in kinds if a.sliding_window or a.chunk_size]
+    if not masked or cand.cp == 1 or cand.cp_comm == "ulysses":
+        return ""
+    a, e = masked[0], 2 if is_bf16(cfg) else 4
+    what = (f"a {a.sliding_window:,}-token window" if a.sliding_window
+            else f"{a.chunk_size:,}-token chunks")
+    parts = []
+    for layout in ("contiguous", "zigzag", "striped"):
+        other = replace(cand, token_layout=layout)
+        f, b = counts.layer_cp_bytes(m, other, e, a)
+        halo = counts.halo_received(m, other, a) >= 0
+        pairs = rank_pairs(m.seq_len, cand.ring if cand.cp_comm == "hybrid" else cand.cp,
+                           layout, a.sliding_window, a.chunk_size)
+        parts.append(f"{layout} {(f + b) / 1e6:,.1f} MB ({'halo' if halo else 'blocks'}), "
+                     f"{pairs / 1e6:,.1f}M pairs")
+    full = len(kinds) - len(masked)
+    return (f"token layout {cand.token_layout}: {len(masked)} of {len(kinds)} layers see "
+            f"{what}; such a layer's busiest rank sends and does: " + "; ".join(parts)
+            + (f" ({full} full layers: zigzag and striped balance their causal work, "
+               f"contiguous does not)" if full else ""))
 
 
 def what_frees(m, cand) -> str:

@@ -60,7 +60,7 @@ def evaluate(cfg: Config, cand: Candidate, cluster: Cluster, **eff) -> Plan:
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     tps = tokens / t.total / cand.world
     m = cfg.model
-    mfu = flops_per_token(counts.total_params(m), m.n_layers, m.d_model, m.seq_len) * tps \
+    mfu = flops_per_token(counts.total_params(m), m.n_layers, m.d_model, m.seq_len, m) * tps \
         / cluster.gpu.flops
     return Plan(cand, mem, t, tps, mfu, fits(mem, cluster))
 

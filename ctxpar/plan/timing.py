@@ -6,8 +6,9 @@ Per micro-batch and pipeline stage (the most loaded rank):
   selective: the projections; every_n_layers: the replayed blocks), at ``mm_eff`` x peak;
 - attention: 4 * heads * head_dim FLOPs per (query, key) pair forward, 2.5x that backward
   (context_parallel/stats.py), pairs of the busiest rank under the layout (zigzag and
-  striped balanced, contiguous not), a forward again when full checkpointing replays it, at
-  ``attn_eff`` x peak;
+  striped balanced, contiguous not), each layer its own (config.layers.layer_attention: a
+  window's or chunks' visible pairs, mask.visible_pairs: about n w for a window w), a
+  forward again when full checkpointing replays it, at ``attn_eff`` x peak;
 - per-op overhead: the device's seconds per layer per micro-batch that are neither FLOPs
   nor bytes (cluster.GPU.overhead: fitted on CPU, 0 for GPUs until measured);
 - TP: two all-reduces of N d e bytes forward and two backward per block (and the replayed
@@ -15,7 +16,10 @@ Per micro-batch and pipeline stage (the most loaded rank):
 - CP: the bytes of counts.cp_bytes. The ring overlaps each step's transfer with the step's
   compute and exposes only max(0, transfer - compute) per step (Ring Attention's overlap condition C >= F/B,
   generalised below); all-gather hides its gather behind the local block only; Ulysses'
-  all-to-alls wait for nobody and hide behind nothing; hybrid is both;
+  all-to-alls wait for nobody and hide behind nothing; hybrid is both; a windowed or
+  chunked layer whose reach fits the neighbours' slabs exchanges a halo instead
+  (counts.masked_cp_bytes: window - 1 tokens a neighbour, independent of n) behind its
+  local blocks, and a ring that the window ends early takes fewer steps;
 - the memory options (docs/memory.md): the tiled loss makes its gradients in forward, three
   head matmuls per tile as untiled at TP 1, four at TP > 1 (the logits again once the
   log-sum-exp over TP is known); the tiled MLP runs its forward again in backward (2 FLOPs
@@ -41,9 +45,11 @@ which for MHA, bf16, c = 1, eff = 1 is the seed's C >= F/B (a slower kernel hide
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, List
 
 from ..config import GATED_MLPS, Config
+from ..config.layers import LayerAttention, layer_attention
+from ..context_parallel.mask import visible_pairs
 from . import counts
 from .candidate import Candidate
 from .cluster import Cluster
@@ -82,14 +88,47 @@ class StepTime:
         return f"{name} ({100 * t / self.total:.0f}%)"
 
 
-def rank_pairs(T: int, ranks: int, layout: str) -> int:
-    """Causal (query, key) pairs of the busiest of `ranks` ring ranks (all its steps)."""
+def rank_pairs(T: int, ranks: int, layout: str, sliding_window=None, chunk_size=None) -> int:
+    """Causal (query, key) pairs of the busiest of `ranks` ring ranks (all its steps),
+    under a sliding window and/or chunks when given: mask.visible_pairs of the positions
+    it holds (contiguous: one slab; zigzag: two; striped: an equal share)."""
+    def pairs(lo, hi):
+        return visible_pairs(lo, hi, sliding_window, chunk_size)
     if ranks == 1:
-        return T * (T + 1) // 2
+        return pairs(0, T)
     s = T // ranks
-    if layout == "contiguous":  # the last rank: every earlier key, its own triangle
-        return s * (T - s) + s * (s + 1) // 2
-    return (T * (T + 1) // 2 + ranks - 1) // ranks  # zigzag, striped: equal shares
+    if layout == "contiguous":
+        return max(pairs(r * s, (r + 1) * s) for r in range(ranks))
+    if layout == "zigzag":
+        c = s // 2
+        return max(pairs(r * c, (r + 1) * c) + pairs((2 * ranks - 1 - r) * c,
+                                                      (2 * ranks - r) * c)
+                   for r in range(ranks))
+    return (pairs(0, T) + ranks - 1) // ranks  # striped: equal shares
+
+
+def stage_attention(m, pp: int) -> List[LayerAttention]:
+    """The layers' attention (config.layers.layer_attention) of the pipeline stage with
+    the most attention pairs (the first stages hold one more layer when pp does not
+    divide the layers; windows make layers unequal)."""
+    kinds, start, stages = layer_attention(m), 0, []
+    for st in range(pp):
+        n = counts.stage_layers(m, pp, st)
+        stages.append(kinds[start:start + n])
+        start += n
+    return max(stages, key=lambda layers: (sum(rank_pairs(m.seq_len, 1, "contiguous",
+                                                          a.sliding_window, a.chunk_size)
+                                               for a in layers), len(layers)))
+
+
+def head_pairs(cand: Candidate, s, T: int, attn: LayerAttention) -> int:
+    """(head, query, key) triples the busiest rank computes in one layer's attention."""
+    w, c = attn.sliding_window, attn.chunk_size
+    if cand.cp_comm == "ulysses" and cand.cp > 1:  # all T tokens of h/cp heads
+        return s.h // cand.cp * rank_pairs(T, 1, cand.token_layout, w, c)
+    if cand.cp_comm == "hybrid":  # the ring over r ranks of u*s tokens, h/u heads
+        return s.h // cand.ulysses * rank_pairs(T, cand.ring, cand.token_layout, w, c)
+    return s.h * rank_pairs(T, cand.cp, cand.token_layout, w, c)
 
 
 def thresholds(flops: float, bw: float, h: int, hk: int, e: int, g: int, c: float,
@@ -99,43 +138,69 @@ def thresholds(flops: float, bw: float, h: int, hk: int, e: int, g: int, c: floa
     return {"fwd": fb * (hk / h) * (e / 2) / c, "bwd": fb * (hk / h) * (e + g) / (5 * c)}
 
 
-def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int, layers: int,
-            t_attn_f: float, attn_replay: float, attn_eff: float):
+def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
+            stage: List[LayerAttention], t_attn_layers: List[float], attn_replay: float,
+            attn_eff: float):
     """(all CP seconds, those not hidden, the ring's tokens per step C, its C* fwd/bwd) per
-    micro-batch: bytes over the CP group's slowest link; the ring (and hybrid's ring) hides
-    each step's transfer behind the step's compute, all-gather its gather behind the local
-    block, Ulysses nothing (module docstring). t_attn_f: the attention forward's seconds."""
+    micro-batch, the sum of layer_cp_time over the stage's layers (stage: their
+    attention; t_attn_layers: each one's attention forward seconds)."""
     if cand.cp == 1:
         return 0.0, 0.0, 0, {}
+    total = exposed = 0.0
+    done = {}  # (window, chunk) -> the layer's (total, exposed): equal layers, one count
+    for attn, t_f in zip(stage, t_attn_layers):
+        key = (attn.sliding_window, attn.chunk_size)
+        if key not in done:
+            done[key] = layer_cp_time(cfg, cand, cluster, e, g, attn, t_f, attn_replay)
+        total, exposed = total + done[key][0], exposed + done[key][1]
+    if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and cand.ring > 1):
+        # Pairs per step: zigzag's half blocks and striped's triangles ~C^2/2, contiguous
+        # full blocks (its busiest rank's steps).
+        s = counts.rank_shapes(cfg.model, cand)
+        c = 1.0 if cand.token_layout == "contiguous" else 0.5
+        return (total, exposed, cfg.model.seq_len // cand.ring,
+                thresholds(cluster.gpu.flops, cluster.link(cand.tp * cand.cp), s.h, s.hk, e,
+                           g, c, attn_eff))
+    return total, exposed, 0, {}
+
+
+def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
+                  attn: LayerAttention, t_f_layer: float, attn_replay: float):
+    """(all CP seconds, those not hidden) of one layer per micro-batch: bytes over the CP
+    group's slowest link; the ring (and hybrid's ring) hides each step's transfer behind
+    the step's compute, all-gather its gather behind the local block, Ulysses nothing
+    (module docstring); a halo exchange (a short window or chunks, counts.masked_cp_bytes)
+    hides its K,V tails behind the local blocks, and its dK,dV going back wait."""
     m, s = cfg.model, counts.rank_shapes(cfg.model, cand)
-    f_cp, b_cp = counts.layer_cp_bytes(m, cand, e)
+    f_cp, b_cp = counts.layer_cp_bytes(m, cand, e, attn)
     bw = cluster.link(cand.tp * cand.cp)
-    cp_total = layers * (f_cp * (1 + attn_replay) + b_cp) / bw
-    r = cand.ring
-    t_f_layer, t_b_layer = t_attn_f / layers, 2.5 * t_attn_f / layers
+    cp_total = (f_cp * (1 + attn_replay) + b_cp) / bw
+    r, t_b_layer = cand.ring, 2.5 * t_f_layer
+    u = cand.ulysses if cand.cp_comm == "hybrid" else 1
+    a_f = a_b = a2a = 0.0
+    if u > 1:  # the Ulysses all-to-alls inside, over NVLink when they fit
+        a_f, a_b = counts.cp_bytes("ulysses", u, u, s.B, s.N // s.B, s.h, s.hk, s.hd, e)
+        a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(cand.tp * u)
+    if counts.halo_received(m, cand, attn) >= 0:
+        kv, both = (f_cp - a_f) / bw, (b_cp - a_b) / bw  # the halo's own bytes
+        fwd = max(0.0, kv - t_f_layer)
+        bwd = max(0.0, kv - t_b_layer) + both - kv  # dK,dV back after the halo's blocks
+        return cp_total, fwd * (1 + attn_replay) + bwd + a2a
     if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and r > 1):
-        u = cand.ulysses if cand.cp_comm == "hybrid" else 1
         hk = counts.ulysses_kv_heads(s.hk, u) if u > 1 else s.hk
         kv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * e
         dkv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * g
-        fwd = max(0.0, kv_step / bw - t_f_layer / r) * (r - 1)
-        bwd = max(0.0, (kv_step + dkv_step) / bw - t_b_layer / r) * (r - 1) \
+        steps = 1 + round((f_cp - a_f) / kv_step)  # < r: a window ends the ring early
+        fwd = max(0.0, kv_step / bw - t_f_layer / steps) * (steps - 1)
+        bwd = max(0.0, (kv_step + dkv_step) / bw - t_b_layer / steps) * (steps - 1) \
             + dkv_step / bw  # the last dK,dV hop home waits
-        a2a = 0.0
-        if u > 1:  # the Ulysses all-to-alls inside, over NVLink when they fit
-            a_f, a_b = counts.cp_bytes("ulysses", u, u, s.B, s.N // s.B, s.h, s.hk, s.hd, e)
-            a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(cand.tp * u)
-        # Pairs per step: zigzag's half blocks and striped's triangles ~C^2/2, contiguous
-        # full blocks (its busiest rank's steps).
-        c = 1.0 if cand.token_layout == "contiguous" else 0.5
-        return (cp_total, layers * (fwd * (1 + attn_replay) + bwd + a2a), m.seq_len // r,
-                thresholds(cluster.gpu.flops, bw, s.h, s.hk, e, g, c, attn_eff))
+        return cp_total, fwd * (1 + attn_replay) + bwd + a2a
     if cand.cp_comm == "allgather":
         local = t_f_layer / cand.cp  # the local block, computed while the gather runs
         gather, scatter = f_cp / bw, (b_cp - f_cp) / bw  # backward: gather again + RS
-        return cp_total, layers * (max(0.0, gather - local) * (1 + attn_replay)
-                                   + max(0.0, gather - 2.5 * local) + scatter), 0, {}
-    return cp_total, cp_total, 0, {}  # ulysses: nothing to hide behind
+        return cp_total, (max(0.0, gather - local) * (1 + attn_replay)
+                          + max(0.0, gather - 2.5 * local) + scatter)
+    return cp_total, cp_total  # ulysses: nothing to hide behind
 
 
 def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers: int,
@@ -176,15 +241,12 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     mm = (2 * s.N * layers * counts.layer_params(m, cand.tp)) * (3 + replay) \
         + (4 if cand.tiled_loss and cand.tp > 1 else 3) * head \
         + (2 * s.N * layers * mlp_p if cand.tiled_mlp else 0)  # the tiled MLP's recompute
-    # Attention FLOPs (forward) of the busiest rank: head-pairs it computes.
-    if cand.cp_comm == "ulysses" and cand.cp > 1:  # all T tokens of h/cp heads
-        head_pairs = s.h // cand.cp * rank_pairs(m.seq_len, 1, cand.token_layout)
-    elif cand.cp_comm == "hybrid":  # the ring over r ranks of u*s tokens, h/u heads
-        head_pairs = s.h // cand.ulysses * rank_pairs(m.seq_len, cand.ring, cand.token_layout)
-    else:
-        head_pairs = s.h * rank_pairs(m.seq_len, cand.cp, cand.token_layout)
-    attn_f = 4 * s.hd * s.B * head_pairs * layers
-    t_attn_f = attn_f / (F * attn_eff)
+    # Attention FLOPs (forward) of the busiest rank: head-pairs it computes, per layer of
+    # the busiest stage (a window's or chunks' visible pairs only).
+    stage = stage_attention(m, cand.pp)
+    t_attn_layers = [4 * s.hd * s.B * head_pairs(cand, s, m.seq_len, a) / (F * attn_eff)
+                     for a in stage]
+    t_attn_f = sum(t_attn_layers)
     t_mm = mm / (F * mm_eff)
     compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay)
 
@@ -192,8 +254,8 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)
     tp = layers * (f_tp * (1 + replay) + b_tp) / cluster.gpu.nvlink if cand.tp > 1 else 0.0
 
-    cp_total, cp_exposed, chunk, thr = cp_time(cfg, cand, cluster, e, g, layers, t_attn_f,
-                                               attn_replay, attn_eff)
+    cp_total, cp_exposed, chunk, thr = cp_time(cfg, cand, cluster, e, g, stage,
+                                               t_attn_layers, attn_replay, attn_eff)
 
     overhead = layers * cluster.gpu.overhead
     offload = offload_time(cfg, cand, cluster, e, layers, compute)

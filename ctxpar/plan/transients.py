@@ -6,6 +6,10 @@ Read from the code that allocates them (ctxpar/context_parallel/*.py, models/gpt
 ctxpar/tensor_parallel/cross_entropy.py, ctxpar/memory/*.py) and held to the allocator's
 live bytes on CPU (tools/benchmarks/bench_plan_memory.py, docs/planner.md):
 
+- a halo exchange (a short window or chunks: halo.py) instead of the ring's or
+  all-gather's: the tails sent, received and concatenated, (k, v) of `halo` tokens each,
+  beside the same accumulators; backward also their fp32 dK,dV and those sent and
+  received in ring_grad_dtype (all-gather: fp32).
 - attention, forward: the ring's receive buffers (two K,V pairs, one for a single hop) and
   a block's output; all-gather's stacked and gathered K,V; Ulysses' all-to-all send and
   receive buffers of q, k, v; with 16-bit inputs the fp32 (out, lse) accumulators.
@@ -41,11 +45,15 @@ def _ring_bwd(q: float, kv: float, hops: int, e: int, g: int) -> float:
     return acc + travel + pairs * 2 * kv * e + (q + 2 * kv) * e + copies
 
 
-def attention_forward(s: RankShapes, cand: Candidate, e: int) -> float:
-    """Bytes the CP attention holds in its forward beyond what it saves (one layer)."""
+def attention_forward(s: RankShapes, cand: Candidate, e: int, halo: int = -1) -> float:
+    """Bytes the CP attention holds in its forward beyond what it saves (one layer);
+    halo >= 0: the layer's halo exchange, `halo` K,V tokens received by the busiest rank
+    (counts.halo_received)."""
     q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
     if cand.cp == 1:
         return 0.0
+    if halo >= 0 and cand.cp_comm in ("ring", "allgather"):
+        return 3 * 2 * s.B * halo * s.hk * s.hd * e + q * e + (8 * q if e != 4 else 0.0)
     if cand.cp_comm == "ring":
         return _ring_fwd(q, kv, cand.cp - 1, e)
     if cand.cp_comm == "allgather":
@@ -53,16 +61,23 @@ def attention_forward(s: RankShapes, cand: Candidate, e: int) -> float:
     kvu = s.N * ulysses_kv_heads(s.hk, cand.ulysses) * s.hd
     a2a = 2 * (q + 2 * kvu) * e                 # send + receive of q, k, v
     if cand.cp_comm == "hybrid":
-        return a2a + _ring_fwd(q, kvu, cand.ring - 1, e)
+        return a2a + _ring_fwd(q, kvu, cand.ring - 1 if halo < 0 else 0, e)
     return a2a
 
 
-def attention_backward(s: RankShapes, cand: Candidate, e: int) -> float:
-    """Bytes the CP attention holds in its backward beyond its saved tensors and dout."""
+def attention_backward(s: RankShapes, cand: Candidate, e: int, halo: int = -1) -> float:
+    """Bytes the CP attention holds in its backward beyond its saved tensors and dout
+    (halo: as attention_forward's)."""
     q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
     g = ring_grad_bytes(cand.ring_grad_dtype)
     if cand.cp == 1:
         return (q + 2 * kv) * e                 # the kernel's dq, dk, dv
+    if halo >= 0 and cand.cp_comm in ("ring", "allgather"):
+        hkv = 2 * s.B * halo * s.hk * s.hd      # (k, v) elements of the tails
+        g = 4 if cand.cp_comm == "allgather" else g
+        copies = (q + 2 * kv) * e if e != 4 else 0.0
+        return 4 * q + 2 * kv * 4 + (q + 2 * kv) * e + copies \
+            + 3 * hkv * e + hkv * 4 + 2 * hkv * g
     if cand.cp_comm == "ring":
         return _ring_bwd(q, kv, cand.cp - 1, e, g)
     if cand.cp_comm == "allgather":
@@ -71,7 +86,7 @@ def attention_backward(s: RankShapes, cand: Candidate, e: int) -> float:
     kvu = s.N * ulysses_kv_heads(s.hk, cand.ulysses) * s.hd
     a2a = 3 * (q + 2 * kvu) * e                 # the kernel's grads, their send and receive
     if cand.cp_comm == "hybrid":
-        return max(a2a, 2 * q * e + _ring_bwd(q, kvu, cand.ring - 1, e, g))
+        return max(a2a, 2 * q * e + _ring_bwd(q, kvu, cand.ring - 1 if halo < 0 else 0, e, g))
     return a2a
 
 

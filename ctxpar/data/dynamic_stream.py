@@ -1,0 +1,87 @@
+"""data.dynamic_cp's stream: each step's whole documents, their schedule, this rank's packs.
+
+    stream = DynamicStream(cfg, source, world, cost)      # file reads only; DataError
+    stream.check_lengths()                                # a document too long: DataError
+    step = stream.next_step()           # documents, schedule, token count of the step
+    for pack in step.schedule.packs_of(groups.position): ...   # train.py
+    client_state["data"] = stream.state_dict()            # the step (and tokens so far)
+
+The training documents are those of the token file wholly inside the train split's
+windows (TokenWindows' first..first + n_windows; the held-out windows stay held out), of
+at least two stored tokens (one input, one label). Step s trains on step_documents(s)
+of them: a function of train.seed and the step, so the state is the step alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List
+
+import numpy as np
+
+from .dynamic_batch import document_tokens
+from .dynamic_cp import Schedule, ScheduleError, cp_size_for, schedule, step_documents
+from .indexed import DataError
+
+
+def dynamic_cp_sizes(world: int, comm: str, heads_per_rank: int) -> List[int]:
+    """The CP sizes the schedule may use: 1..world; under Ulysses those dividing the heads
+    (each rank takes heads / size of them)."""
+    return [d for d in range(1, world + 1) if comm != "ulysses" or heads_per_rank % d == 0]
+
+
+@dataclass(frozen=True)
+class DynamicStep:
+    documents: List[np.ndarray]   # the step's documents, stored tokens (EOS last)
+    lengths: List[int]            # their inputs (= labels): the schedule's lengths
+    schedule: Schedule
+    n_tokens: int                 # labels of the step: the loss's token count
+
+
+class DynamicStream:
+    """The documents and the schedule of every step, the same on every rank."""
+
+    def __init__(self, cfg, source, world: int, cost):
+        p, data = cfg.parallel, cfg.data
+        self.budget = data.tokens_per_rank or cfg.model.seq_len // p.cp
+        self.layout, self.world, self.cost = p.layout, world, cost
+        self.per_step, self.seed = cfg.train.global_batch_size, cfg.train.seed
+        self.sizes = dynamic_cp_sizes(world, p.cp_comm, cfg.model.n_heads // p.tp)
+        ds = source.data
+        lo, hi = source.first * source.seq_len, (source.first + source.n_windows) \
+            * source.seq_len + 1
+        offsets = ds.doc_offsets
+        inside = (offsets[:-1] >= lo) & (offsets[1:] <= hi) & (np.diff(offsets) >= 2)
+        self.dataset, self.ids = ds, np.flatnonzero(inside)
+        if len(self.ids) == 0:
+            raise DataError(f"{ds.prefix}.idx: no document of >= 2 tokens lies wholly in the "
+                            f"train split (data.dynamic_cp trains on whole documents)")
+        self.lengths = document_tokens(np.diff(offsets)[self.ids])
+        self.step, self.tokens_seen = 0, 0
+
+    def check_lengths(self) -> None:
+        """DataError (one line) when a training document fits no rank group."""
+        longest = int(self.lengths.argmax())
+        try:
+            cp_size_for(int(self.lengths[longest]), self.budget, self.sizes, self.layout)
+        except ScheduleError as e:
+            raise DataError(f"{self.dataset.prefix}.idx: document {self.ids[longest]}, the "
+                            f"longest: {e}") from None
+
+    def next_step(self) -> DynamicStep:
+        pick = step_documents(len(self.ids), self.per_step, self.seed, self.step)
+        self.step += 1
+        lengths = self.lengths[pick]
+        self.tokens_seen += int(lengths.sum())
+        plan = schedule(lengths.tolist(), self.world, self.budget, self.cost,
+                        getattr(self.cost, "overhead", 0.0), self.layout, self.sizes)
+        return DynamicStep([self.dataset[int(i)] for i in self.ids[pick]], lengths.tolist(),
+                           plan, int(lengths.sum()))
+
+    def state_dict(self) -> Dict:
+        return {"kind": "dynamic_cp", "step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: Dict) -> None:
+        if state.get("kind") != "dynamic_cp":
+            raise DataError(f"the checkpoint's data position {state} is not a dynamic_cp "
+                            f"stream's (data.dynamic_cp changed since it was saved?)")
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])

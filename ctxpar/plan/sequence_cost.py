@@ -1,0 +1,52 @@
+"""The planner's seconds for one sequence of n tokens on d CP ranks: dynamic CP's cost model.
+
+    cost = SequenceCost(cfg, cluster)     # the run's model, TP, CP pattern and layout
+    cost(n, d)                            # seconds of the busiest of the d ranks
+    cost.overhead                         # seconds paid once per packed sequence
+
+cost(n, d) is timing.step_time of a run of one micro-batch of one sample of seq_len n at
+cp d (dp 1, pp 1): the matmuls (linear in n / d), the attention's causal pairs of the
+busiest rank under the layout (quadratic in n), the TP all-reduces and the CP traffic the
+pattern cannot hide; the per-layer, per-micro-batch overhead (cluster.GPU.overhead) is
+left out and given as ``overhead``, because a rank group runs all its documents of a step
+as one packed sequence (document masking) and pays it once. The gradient reduction, the
+pipeline bubble and the optimizer are the step's, not a sequence's: not counted here.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Dict, Tuple
+
+from ..config import Config
+from .candidate import Candidate
+from .cluster import Cluster
+from .search import is_bf16
+from .timing import step_time
+
+
+class SequenceCost:
+    """Seconds of one sequence at a CP degree under cfg's model, TP degree, pattern
+    (parallel.cp_comm: ring, allgather or ulysses) and token layout, on cluster's device."""
+
+    def __init__(self, cfg: Config, cluster: Cluster):
+        p = cfg.parallel
+        self.cfg, self.cluster, self.bf16 = cfg, cluster, is_bf16(cfg)
+        self.comm, self.layout, self.tp = p.cp_comm, p.layout, p.tp
+        ac = cfg.activation_checkpointing
+        self._cand = dict(tp=p.tp, pp=1, dp=1, cp_comm=p.cp_comm, token_layout=p.layout,
+                          activation=ac.mode, every_n_layers=ac.every_n_layers,
+                          micro_batch=1, ring_grad_dtype=p.ring_grad_dtype,
+                          tiled_loss=cfg.memory.tiled_loss, tiled_mlp=cfg.memory.tiled_mlp)
+        self.overhead = cfg.model.n_layers * cluster.gpu.overhead
+        self._seconds: Dict[Tuple[int, int], float] = {}
+
+    def __call__(self, n: int, d: int) -> float:
+        key = (n, d)
+        if key not in self._seconds:
+            cfg = replace(self.cfg, model=replace(self.cfg.model, seq_len=n),
+                          train=replace(self.cfg.train, global_batch_size=1))
+            ulysses = d if self.comm == "ulysses" else 1
+            cand = Candidate(cp=d, ulysses=ulysses, **self._cand)
+            t = step_time(cfg, cand, self.cluster, self.bf16)
+            self._seconds[key] = t.compute + t.tp + t.cp_exposed + t.offload
+        return self._seconds[key]

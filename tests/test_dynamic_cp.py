@@ -1,0 +1,163 @@
+"""Dynamic CP's schedule (ctxpar/data/dynamic_cp.py), pure: sizes, placement, balance.
+
+A long-tailed sample: lognormal document lengths clipped to [128, 16384] tokens, 4 ranks
+of 4096 tokens each. The cost models: an analytic one whose attention is quadratic and
+whose CP costs a fixed share of the linear work per extra rank, and the planner's
+(SequenceCost) for the tiny CPU model.
+"""
+import numpy as np
+import pytest
+
+from ctxpar.config import load_config
+from ctxpar.data.dynamic_cp import (ScheduleError, cp_size_for, cp_tiles, padded_length,
+                                    schedule, static_schedule, step_documents)
+from ctxpar.plan.cluster import GPUS, Cluster
+from ctxpar.plan.sequence_cost import SequenceCost
+
+WORLD, BUDGET = 4, 4096
+
+
+def analytic_cost(n: int, d: int) -> float:
+    """Linear work n/d, causal pairs n^2/(2d) at 1/512 of a token's linear work each, and
+    CP traffic a quarter of the linear work per rank beyond the first."""
+    return n / d * (1 + 0.25 * (d - 1)) + n * n / (2 * d) / 512
+
+
+def long_tailed(seed: int = 0, count: int = 64) -> list:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(7.0, 1.2, count), 128, 16384).astype(int).tolist()
+
+
+def test_tiles_are_contiguous_groups_of_every_size():
+    assert cp_tiles(4, range(1, 5)) == [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (2, 2),
+                                        (0, 3), (0, 4)]
+    assert cp_tiles(6, [1, 4]) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (0, 4)]
+
+
+def test_a_document_gets_the_smallest_size_that_holds_it_not_only_powers_of_two():
+    assert cp_size_for(4096, 4096, range(1, 5), "contiguous") == 1
+    assert cp_size_for(4097, 4096, range(1, 5), "contiguous") == 2
+    assert cp_size_for(8193, 4096, range(1, 5), "contiguous") == 3
+    # zigzag pads to 2d chunks: 4095 tokens take 4096 on one rank, 8191 need 8192 over 2
+    assert padded_length(4095, 1, "zigzag") == 4096
+    assert cp_size_for(8191, 4096, range(1, 5), "zigzag") == 2
+    assert cp_size_for(8193, 4096, [1, 2, 4], "zigzag") == 4
+
+
+def test_a_document_longer_than_the_whole_group_is_refused_in_one_line():
+    with pytest.raises(ScheduleError, match=r"^a document of 16385 tokens does not fit 4 "
+                                            r"ranks of 4096 tokens each") as e:
+        schedule([100, 16385], WORLD, BUDGET, analytic_cost)
+    assert "\n" not in str(e.value)
+
+
+def _check_placement(s, lengths, layout="zigzag", smallest=True):
+    placed = sorted(i for p in s.packs for i in p.docs)
+    assert placed == list(range(len(lengths)))                       # each exactly once
+    for p in s.packs:
+        assert p.tokens == sum(lengths[i] for i in p.docs)
+        assert p.length == padded_length(p.tokens, p.size, layout)
+        assert p.length // p.size <= s.budget                          # budgets hold
+        assert all(s.sizes[i] == p.size for i in p.docs)
+        assert 0 <= p.first and p.first + p.size <= s.world
+        assert p.first % p.size == 0                                   # one of the tiles
+    for i, n in enumerate(lengths if smallest else []):  # static: one size for all
+        assert s.sizes[i] == cp_size_for(n, s.budget, range(1, s.world + 1), layout)
+
+
+def test_every_document_is_placed_once_within_the_budgets():
+    lengths = long_tailed() + [14000]
+    s = schedule(lengths, WORLD, BUDGET, analytic_cost, overhead=50.0)
+    _check_placement(s, lengths)
+    assert set(s.size_shares()) == {1, 2, 3, 4}   # the sample needs every size, 3 included
+    assert abs(sum(s.size_shares().values()) - 1.0) < 1e-12
+
+
+def test_the_schedule_is_a_function_of_the_data_the_seed_and_the_step():
+    lengths = np.asarray(long_tailed(seed=1, count=1000))
+    draw = lambda step: lengths[step_documents(len(lengths), 48, seed=7, step=step)]  # noqa
+    a = schedule(draw(3), WORLD, BUDGET, analytic_cost, 50.0)
+    assert a == schedule(draw(3), WORLD, BUDGET, analytic_cost, 50.0)
+    assert a != schedule(draw(4), WORLD, BUDGET, analytic_cost, 50.0)
+    assert not np.array_equal(step_documents(1000, 48, 7, 3), step_documents(1000, 48, 8, 3))
+    # one epoch visits every document once; the next is another order
+    epoch = np.concatenate([step_documents(1000, 40, 7, s) for s in range(25)])
+    assert sorted(epoch.tolist()) == list(range(1000))
+    assert not np.array_equal(step_documents(1000, 40, 7, 25), epoch[:40])
+
+
+def test_every_rank_follows_one_order_and_the_estimate_counts_the_waits():
+    s = schedule(long_tailed(seed=2), WORLD, BUDGET, analytic_cost, 50.0)
+    for r in range(WORLD):  # each rank's packs: the global order restricted to it
+        mine = s.packs_of(r)
+        assert [s.packs.index(p) for p in mine] == sorted(s.packs.index(p) for p in mine)
+    assert s.makespan() >= max(s.rank_work) - 1e-9
+    assert s.makespan() <= 1.02 * max(s.rank_work)   # the waits are filled, not idle
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_dynamic_beats_static_cp_and_static_dp_on_a_long_tailed_sample(seed):
+    lengths = long_tailed(seed)
+    dyn = schedule(lengths, WORLD, BUDGET, analytic_cost, overhead=50.0)
+    cp4 = static_schedule(lengths, WORLD, BUDGET, WORLD, analytic_cost, overhead=50.0)
+    _check_placement(cp4, lengths, smallest=False)
+    assert dyn.makespan() < 0.95 * cp4.makespan()  # the CP traffic short documents skip
+    short = [n for n in lengths if n <= BUDGET - 1]        # what static DP can hold at all
+    dyn_s = schedule(short, WORLD, BUDGET, analytic_cost, 50.0)
+    dp4 = static_schedule(short, WORLD, BUDGET, 1, analytic_cost, 50.0)
+    assert dyn_s.work_balance < dp4.work_balance
+    assert dyn_s.work_balance < 1.05
+    assert dyn_s.makespan() < dp4.makespan()
+
+
+def test_the_planner_cost_model_prices_attention_and_cp():
+    cfg = load_config("configs/tiny_cpu.yaml", overrides=["parallel.cp=4", "parallel.dp=1"],
+                      world_size=4)
+    cost = SequenceCost(cfg, Cluster(1, 4, GPUS["cpu"]))
+    assert cost.overhead == cfg.model.n_layers * GPUS["cpu"].overhead
+    assert cost(2000, 1) > 2 * cost(1000, 1)        # quadratic attention
+    assert cost(8000, 4) < cost(8000, 2) < cost(8000, 1)
+    s = schedule(long_tailed(), WORLD, BUDGET, cost, cost.overhead)
+    _check_placement(s, long_tailed())
+    assert s.makespan() <= static_schedule(long_tailed(), WORLD, BUDGET, WORLD, cost,
+                                           cost.overhead).makespan()
+
+
+def test_the_planner_compares_static_and_dynamic_cp_for_a_length_distribution(capsys):
+    from ctxpar.plan.__main__ import main
+    from ctxpar.plan.dynamic import compare, document_lengths
+
+    cfg = load_config("configs/tiny_cpu.yaml", overrides=[
+        "parallel.cp=2", "parallel.dp=2", "model.seq_len=8192"], world_size=4)
+    cluster = Cluster(1, 4, GPUS["cpu"])
+    steps = document_lengths("1024,1.2,128,16384", 32, 2)
+    assert steps == document_lengths("1024,1.2,128,16384", 32, 2)   # a fixed seed
+    cmp = compare(cfg, cluster, steps)
+    # documents up to 16384 tokens: more than one static sample of cp x 4096 holds
+    assert max(max(s) for s in steps) > 8192 and cmp.static_s is None
+    assert cmp.advice == "dynamic" and set(cmp.size_shares) <= {1, 2, 3, 4}
+    short = document_lengths("512,1.0,128,8000", 32, 2)
+    cmp = compare(cfg, cluster, short)
+    assert cmp.static_s is not None and cmp.advice == ("dynamic" if cmp.dynamic_s
+                                                       < cmp.static_s else "static")
+    args = ["--config", "configs/tiny_cpu.yaml", "--set", "parallel.cp=2", "parallel.dp=2",
+            "model.seq_len=8192", "--nodes", "1", "--gpus-per-node", "4", "--gpu", "cpu"]
+    assert main(args + ["--documents", "1024,1.2,128,16384"]) == 0
+    out = capsys.readouterr().out
+    assert "static cp2: cannot run them" in out and out.rstrip().endswith(
+        "use dynamic CP (data.dynamic_cp: true)")
+    assert main(args + ["--documents", "1024,1.2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --documents '1024,1.2' must be MEDIAN")
+
+
+def test_rounds_hold_each_pack_once_on_all_its_ranks_in_the_packs_order():
+    s = schedule(long_tailed(seed=4), WORLD, BUDGET, analytic_cost, 50.0)
+    rounds = s.slots()
+    for p in s.packs:
+        where = {k for k, row in enumerate(rounds) for r in range(WORLD) if row[r] is p}
+        assert len(where) == 1, p                        # one round, every rank of it
+        k = where.pop()
+        assert all(rounds[k][r] is p for r in p.ranks)
+    for r in range(WORLD):  # each rank's packs keep their order
+        assert [row[r] for row in rounds if row[r] is not None] == s.packs_of(r)
+    assert len(rounds) >= max(len(s.packs_of(r)) for r in range(WORLD))

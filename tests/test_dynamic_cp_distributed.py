@@ -1,0 +1,126 @@
+"""Dynamic CP over processes: the tiles' groups (exact rank lists), then a step's documents
+run by the schedule on 4 ranks (cp2 x dp2's DP x CP group) against one process running
+each document alone: per-token logits, the token-mean loss and every gradient, for the
+ring, all-gather and Ulysses patterns (fp32; the tolerance is test_documents.py's: the
+ring's merge and the gradient sum over ranks add in another order)."""
+import torch
+
+from ctxpar.data.dynamic_cp import schedule
+from ctxpar.distributed.dynamic_groups import tile_ranks
+from ctxpar.distributed.parallel_state import rank_grid
+from ctxpar.testing import run_distributed
+from models.options import ModelOptions
+
+# Inputs per document (stored: one more, EOS) and 16 tokens per rank: under zigzag the
+# sizes are 4, 3, 2, 2, 2 and 1 for the rest (ulysses, 4 heads: 1, 2 and 4 only).
+INPUTS = [55, 40, 25, 30, 9, 6, 12, 15, 3, 20]
+BUDGET, LAYOUT, COMMS = 16, "zigzag", ("ring", "allgather", "ulysses")
+
+
+def _cost(n, d):  # placement only: any deterministic model gives a valid schedule
+    return n / d + n * n / (512 * d)
+
+
+def _sizes(comm):
+    return [1, 2, 4] if comm == "ulysses" else [1, 2, 3, 4]
+
+
+def _cfg():
+    from ctxpar.config import ModelConfig
+    return ModelConfig(vocab_size=64, seq_len=64, n_layers=2, d_model=32, n_heads=4,
+                       n_kv_heads=2)
+
+
+def _documents():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 64, (n + 1,), generator=g).numpy() for n in INPUTS]
+
+
+def test_tiles_are_the_same_positions_of_every_dp_cp_group():
+    groups = rank_grid(8, tp=2, cp=2)["dp_cp"]          # tp2 x cp2 x dp2: [0,2,4,6], [1,3,5,7]
+    assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert tile_ranks(groups, [1, 3, 4]) == [((0, 3), [0, 2, 4]), ((0, 4), [0, 2, 4, 6]),
+                                             ((0, 3), [1, 3, 5]), ((0, 4), [1, 3, 5, 7])]
+    assert tile_ranks(rank_grid(4, cp=2)["dp_cp"], [1, 2, 3, 4]) == [
+        ((0, 2), [0, 1]), ((2, 2), [2, 3]), ((0, 3), [0, 1, 2]), ((0, 4), [0, 1, 2, 3])]
+
+
+def _dynamic_step(rank, world):
+    from ctxpar import init_parallel_state
+    from ctxpar.context_parallel import gather_sequence
+    from ctxpar.data.dynamic_batch import pack_sequence, shard_pack
+    from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
+    from ctxpar.tensor_parallel import gather_full_state_dict
+    from models.gpt import GPT
+    from models.options import ModelGroups
+    import torch.distributed as dist
+
+    state = init_parallel_state(cp=2)
+    groups = build_dynamic_cp_groups(state, [1, 2, 3, 4])
+    docs, n_tokens = _documents(), sum(INPUTS)
+    out = {"tiles": sorted(groups.groups)}
+    for comm in COMMS:
+        model = GPT(_cfg(), ModelGroups(cp_group=state.cp_group),
+                    ModelOptions(layout=LAYOUT, cp_comm=comm, seed=11))
+        plan = schedule(INPUTS, world, BUDGET, _cost, 1.0, LAYOUT, _sizes(comm))
+        loss, logits, sizes = torch.zeros(()), {}, {}
+        for pack in plan.packs_of(groups.position):
+            group = groups.group(pack.first, pack.size)
+            model.use_cp_group(group)
+            full = pack_sequence([docs[i] for i in pack.docs], pack.length)
+            local = shard_pack(full, group, LAYOUT)
+            loss_sum = model(local["tokens"], local["positions"], local["labels"],
+                             cu_seqlens=local["cu_seqlens"])
+            (loss_sum / n_tokens).backward()        # the token mean over the whole step
+            loss += loss_sum.detach()
+            with torch.no_grad():
+                y = model(local["tokens"], local["positions"], cu_seqlens=local["cu_seqlens"])
+                y = gather_sequence(y, 1, group, LAYOUT)[0]  # (length, V)
+            cu = full["cu_seqlens"].tolist()
+            for j, i in enumerate(pack.docs):
+                logits[i], sizes[i] = y[cu[j]:cu[j + 1]], pack.size
+        dist.all_reduce(loss)                       # every rank's share of every pack
+        for p in model.parameters():
+            dist.all_reduce(p.grad)                 # the unchanged DP x CP reduction
+        out[comm] = dict(loss=(loss / n_tokens).item(), logits=logits, sizes=sizes,
+                         grads=gather_full_state_dict(model, None, grads=True))
+    return out
+
+
+def _one_process():
+    from models.gpt import GPT
+    model = GPT(_cfg(), options=ModelOptions(seed=11))
+    loss, logits = torch.zeros(()), {}
+    for i, d in enumerate(_documents()):
+        tokens, labels = torch.as_tensor(d[None, :-1]), torch.as_tensor(d[None, 1:])
+        pos = torch.arange(tokens.shape[1])
+        loss_sum = model(tokens, pos, labels)
+        (loss_sum / sum(INPUTS)).backward()
+        loss += loss_sum.detach()
+        with torch.no_grad():
+            logits[i] = model(tokens, pos)[0]
+    return (loss / sum(INPUTS)).item(), logits, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_a_dynamic_step_equals_one_process_running_each_document():
+    want_loss, want_logits, want_grads = _one_process()
+    results = run_distributed(_dynamic_step, 4, timeout=400)
+    # each rank has its one-rank tile and the groups holding it, e.g. rank 2: (0,3), (2,2)
+    assert results[2]["tiles"] == [(0, 3), (0, 4), (2, 1), (2, 2)]
+    assert results[3]["tiles"] == [(0, 4), (2, 2), (3, 1)]
+    for comm in COMMS:
+        sizes = {}
+        for rank, res in enumerate(results):
+            got = res[comm]
+            sizes.update(got["sizes"])
+            where = f"{comm} rank {rank}"
+            assert abs(got["loss"] - want_loss) <= 1e-6 * abs(want_loss), where
+            for i, y in got["logits"].items():
+                torch.testing.assert_close(y, want_logits[i], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{where} document {i}: {m}")
+            for name, g in want_grads.items():
+                torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{where} {name}: {m}")
+        assert sorted(sizes) == list(range(len(INPUTS)))           # every document ran
+        want_sizes = {4, 2, 1} if comm == "ulysses" else {4, 3, 2, 1}
+        assert set(sizes.values()) == want_sizes

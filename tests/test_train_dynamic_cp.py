@@ -1,0 +1,177 @@
+"""train.py with data.dynamic_cp: whole documents of long-tailed lengths, each step's
+schedule over the DP x CP ranks, against one process training on the same documents.
+
+The corpus: 400 documents of lognormal lengths between 2 and 250 stored tokens; 16 per
+step. dp2 x cp2 holds 64 tokens per rank (model.seq_len 128 / cp 2), so the documents
+take CP sizes 1 to 4; the one process holds 256 and runs every document alone. Losses
+(<= 1e-6 relative) and gradient norms agree over 6 steps on dp2 x cp2 (ring; ZeRO 1, 2
+and 3: the last two in rounds), tp2 x cp2 (Ulysses, full checkpointing: the replay
+runs over the pack's group) and cp4 (all-gather, ZeRO 0): fp32,
+only the order of the reductions differs; a run resumed at step 3 logs the
+uninterrupted one's losses.
+"""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from ctxpar.config import ConfigError, load_config
+from ctxpar.data import DataError, IndexedDatasetWriter, build_data
+from ctxpar.data.dynamic_stream import DynamicStream
+from helpers.train_run import CONFIG, losses, metric, run_train
+
+DYNAMIC = ["data.dynamic_cp=true", "data.kind=tokens", "data.eval_fraction=0.1",
+           "train.steps=6", "train.global_batch_size=16", "logging.wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("dyn") / "docs")
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(3.5, 1.0, 400), 2, 250).astype(int)
+    with IndexedDatasetWriter(prefix, vocab_size=256, eos_id=0) as w:
+        for n in lengths:
+            w.add_document(rng.integers(1, 256, n - 1).tolist())
+    return prefix
+
+
+def _cfg(corpus, *sets, world=4):
+    return load_config(CONFIG, overrides=["model.seq_len=128", f"data.path={corpus}",
+                                          *DYNAMIC, *sets], world_size=world)
+
+
+def test_the_stream_is_a_function_of_the_step_and_resumes_from_it(corpus):
+    cfg = _cfg(corpus, "parallel.cp=2", "parallel.dp=2")
+    cost = lambda n, d: n / d + n * n / (64 * d)  # noqa: E731
+    a = DynamicStream(cfg, build_data(cfg).train_source, 4, cost)
+    steps = [a.next_step() for _ in range(3)]
+    b = DynamicStream(cfg, build_data(cfg).train_source, 4, cost)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    c = DynamicStream(cfg, build_data(cfg).train_source, 4, cost)
+    for _ in range(3):
+        c.next_step()
+    assert b.next_step().schedule == c.next_step().schedule == a.next_step().schedule
+    assert steps[0].schedule != steps[1].schedule
+    assert steps[0].n_tokens == sum(len(d) - 1 for d in steps[0].documents)
+    # only documents wholly in the train split's windows
+    src = build_data(cfg).train_source
+    end = (src.first + src.n_windows) * src.seq_len + 1
+    assert a.dataset.doc_offsets[a.ids[-1] + 1] <= end
+
+
+@pytest.mark.parametrize("sets,msg", [
+    (["parallel.pp=2", "parallel.cp=2", "parallel.dp=1"],
+     "data.dynamic_cp=true with parallel.pp=2: the pipeline runs the same micro-batches"),
+    (["parallel.cp=4", "parallel.dp=1", "parallel.cp_comm=hybrid", "parallel.ulysses=2"],
+     "data.dynamic_cp=true with parallel.cp_comm='hybrid'"),
+    (["data.tokens_per_rank=1"], "data.tokens_per_rank=1 must be >= 2"),
+])
+def test_what_dynamic_cp_cannot_run_is_refused_at_load_in_one_line(corpus, sets, msg):
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(")) as e:
+        _cfg(corpus, *sets)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="data.tokens_per_rank=64 is for data.dynamic_cp"):
+        load_config(CONFIG, overrides=["data.tokens_per_rank=64"], world_size=4)
+
+
+def test_a_document_no_rank_group_holds_is_refused_in_one_line(corpus):
+    cfg = _cfg(corpus, "parallel.cp=2", "parallel.dp=2", "data.tokens_per_rank=32")
+    stream = DynamicStream(cfg, build_data(cfg).train_source, 4, lambda n, d: n)
+    with pytest.raises(DataError, match=r"docs\.idx: document \d+, the longest: a document "
+                                        r"of \d+ tokens does not fit 4 ranks of 32 tokens"):
+        stream.check_lengths()
+
+
+@pytest.fixture(scope="module")
+def one_process(corpus, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("one"))
+    run_train(d, 1, ["parallel.cp=1", "parallel.dp=1", "data.tokens_per_rank=256",
+                     "deepspeed.zero_optimization.stage=0", f"data.path={corpus}", *DYNAMIC])
+    return d
+
+
+@pytest.fixture(scope="module")
+def cp2dp2(corpus, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("cp2dp2"))
+    run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "checkpoint.save_interval=3",
+                     f"data.path={corpus}", *DYNAMIC])
+    return d
+
+
+def _assert_same_losses(got_dir, want_dir):
+    want, got = losses(want_dir), losses(got_dir)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    want_norm, got_norm = metric(want_dir, "grad_norm"), metric(got_dir, "grad_norm")
+    for s in got:
+        assert abs(got[s] - want[s]) <= 1e-6 * abs(want[s]), (s, got[s], want[s])
+        assert abs(got_norm[s] - want_norm[s]) <= 1e-5 * want_norm[s], (s, got_norm[s])
+    assert metric(got_dir, "step_tokens") == metric(want_dir, "step_tokens")
+
+
+def test_dp2_cp2_matches_one_process_and_logs_the_balance(cp2dp2, one_process):
+    _assert_same_losses(cp2dp2, one_process)
+    shares = metric(cp2dp2, "cp_size_share")
+    assert set().union(*shares.values()) >= {"1", "2", "3"}, shares  # not only powers of 2
+    assert all(abs(sum(v.values()) - 1) < 1e-9 for v in shares.values())
+    assert all(v == {"1": 1.0} for v in metric(one_process, "cp_size_share").values())
+    assert all(b >= 1.0 for b in metric(cp2dp2, "work_max_over_mean").values())
+    # throughput counts the step's own tokens, not global_batch_size x seq_len
+    rate, dt, n = (metric(cp2dp2, k) for k in ("tokens_per_s", "step_time_s", "step_tokens"))
+    assert all(abs(rate[s] * dt[s] - n[s]) <= 1e-6 * n[s] for s in n), (rate, dt, n)
+    assert sum(n.values()) == metric(cp2dp2, "tokens")[6] < 6 * 16 * 128
+
+
+@pytest.mark.parametrize("sets", [
+    ["parallel.tp=2", "parallel.cp=2", "parallel.dp=1", "parallel.cp_comm=ulysses",
+     "data.tokens_per_rank=128", "activation_checkpointing.mode=full"],
+    ["parallel.cp=4", "parallel.dp=1", "parallel.cp_comm=allgather",
+     "parallel.layout=striped", "deepspeed.zero_optimization.stage=0", "data.tokens_per_rank=64"],
+    ["parallel.cp=2", "parallel.dp=2", "deepspeed.zero_optimization.stage=2"],
+    ["parallel.cp=2", "parallel.dp=2", "deepspeed.zero_optimization.stage=3"],
+], ids=["tp2-cp2-ulysses", "cp4-allgather-zero0", "cp2-dp2-zero2", "cp2-dp2-zero3"])
+def test_other_layouts_match_one_process(corpus, one_process, tmp_path, sets):
+    d = str(tmp_path / "run")
+    run_train(d, 4, [*sets, f"data.path={corpus}", *DYNAMIC])
+    _assert_same_losses(d, one_process)
+
+
+def test_a_resumed_run_reproduces_the_uninterrupted_one(cp2dp2, corpus, tmp_path):
+    d = str(tmp_path / "resumed")
+    shutil.copytree(os.path.join(cp2dp2, "checkpoints", "step_00000003"),
+                    os.path.join(d, "checkpoints", "step_00000003"))
+    proc = run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", f"data.path={corpus}",
+                            *DYNAMIC], extra=["--resume", "auto"])
+    assert "resumed from" in proc.stdout
+    want, got = losses(cp2dp2), losses(d)
+    assert sorted(got) == [4, 5, 6]
+    for s in got:  # same ranks, same documents, same order: bit-identical
+        assert got[s] == want[s], (s, got[s], want[s])
+    assert metric(d, "tokens") == {s: metric(cp2dp2, "tokens")[s] for s in got}
+
+
+FEW = ["train.global_batch_size=2", "train.micro_batch_size=1", "train.steps=2"]
+
+
+@pytest.fixture(scope="module")
+def one_process_few(corpus, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("one_few"))
+    run_train(d, 1, ["parallel.cp=1", "parallel.dp=1", "data.tokens_per_rank=256",
+                     "deepspeed.zero_optimization.stage=0", f"data.path={corpus}", *DYNAMIC,
+                     *FEW])
+    return d
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_ranks_the_schedule_leaves_idle_still_join_the_reduction(corpus, one_process_few,
+                                                                 tmp_path, stage):
+    """Two documents on four ranks: the idle ranks add zero gradients (ZeRO 1) or run
+    empty packs in their rounds (ZeRO 3), and nobody waits."""
+    dyn = str(tmp_path / "dyn")
+    run_train(dyn, 4, ["parallel.cp=2", "parallel.dp=2", f"data.path={corpus}", *DYNAMIC,
+                       *FEW, f"deepspeed.zero_optimization.stage={stage}"])
+    want, got = losses(one_process_few), losses(dyn)
+    assert sorted(got) == sorted(want) == [1, 2]
+    for s in got:
+        assert abs(got[s] - want[s]) <= 1e-6 * abs(want[s]), (s, got[s], want[s])
