@@ -271,6 +271,78 @@ def test_forward_and_backward_peaks_equal_the_allocators(mode, tiled):
         assert got[region] == pytest.approx(want, rel=0.02), (region, got, want)
 
 
+def test_evaluation_phase_is_below_the_step_and_charges_one_head_tile():
+    """bench_plan_memory's "logits: cp2, vocab 32000, tiled loss" layout (the one
+    tools/benchmarks/bench_eval_memory.py measures): the evaluation is a phase of the plan,
+    below the step's peak, at its head: the model state, the hidden states, one loss tile's
+    (n, V/tp) logits and fp32 softmax, and the per-token results."""
+    from ctxpar.memory.tiled_loss import loss_tile_tokens
+    from ctxpar.plan.memory import ds_zero, stage_memory
+    from ctxpar.plan.startup import config_candidate
+    sets = ["model.seq_len=8192", "model.d_model=256", "model.n_heads=4",
+            "model.n_kv_heads=2", "model.vocab_size=32000", "model.n_layers=2",
+            "parallel.tp=1", "parallel.cp=2", "parallel.dp=1", "train.micro_batch_size=1",
+            "train.global_batch_size=1", "memory.tiled_loss=true"]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), sets, world_size=2,
+                      check_paths=False)
+    cand = config_candidate(cfg, 2)
+    mem = stage_memory(cfg, cand, False, 1, 0, "cpu", ds_zero(cfg, cand))
+    ev = mem.phase("evaluation")
+    assert ev.total < mem.peak and mem.peak_phase != "evaluation"
+    N, V, d = 4096, 32000, 256  # one rank's tokens at cp 2
+    tile = loss_tile_tokens(N, V, d)
+    assert ev.terms["eval head tile"] == tile * V * (4 + 4)  # fp32 logits + fp32 exp
+    assert ev.terms["hidden states"] == N * d * 4 and ev.terms["eval results"] == N * 12
+    state = mem.phase("optimizer step").terms
+    assert {k: ev.terms[k] for k in ("params", "master", "optimizer")} == \
+        {k: state[k] for k in ("params", "master", "optimizer")}
+    # the same toggle off: evaluation is tiled whatever memory.tiled_loss says
+    untiled = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
+                          sets[:-1] + ["memory.tiled_loss=false"], world_size=2,
+                          check_paths=False)
+    cand = config_candidate(untiled, 2)
+    off = stage_memory(untiled, cand, False, 1, 0, "cpu", ds_zero(untiled, cand))
+    assert off.phase("evaluation").terms["eval head tile"] == ev.terms["eval head tile"]
+
+
+def test_evaluation_phase_equals_the_live_bytes_of_the_tiled_eval_head():
+    """One process, tp = cp = 1: the evaluation phase above the model state against the
+    live bytes of what the evaluation runs (hidden states under no_grad, then
+    tiled_eval_head), within 2%. Counted: the larger of a block's no_grad forward and the
+    head's point (hidden states, one tile's logits and fp32 exp, per-token losses and
+    predictions). Not counted here: the parameters and optimizer state (made before the
+    measurement; the phase's resident terms, subtracted), and the batch's tokens and labels."""
+    from ctxpar.components.evaluation import head_inputs
+    from ctxpar.config import Config, MemoryConfig
+    from ctxpar.memory.tiled_eval import tiled_eval_head
+    from ctxpar.plan.memory import stage_memory
+    from ctxpar.plan.zero_state import zero_config
+    from ctxpar.testing.memory import LiveBytes
+    from models.gpt import GPT
+
+    cfg = ModelConfig(vocab_size=8192, seq_len=1024, n_layers=2, d_model=64, n_heads=4,
+                      n_kv_heads=2)
+    mem = MemoryConfig(loss_tile_tokens=256)
+    model = GPT(cfg, options=ModelOptions(memory=mem, seed=1))
+    mb = {"tokens": torch.randint(0, 8192, (1, 1024)), "positions": torch.arange(1024)}
+    labels = torch.randint(0, 8192, (1, 1024))
+
+    @torch.no_grad()
+    def evaluate():
+        tiled_eval_head(*head_inputs(model, mb), labels, tile_tokens=256)
+    evaluate()  # warm: lazily built buffers are not the evaluation's
+    with LiveBytes() as live:
+        evaluate()
+    c = Config()
+    c.model, c.memory = cfg, mem
+    cand = Candidate(1, 1, 1, 1, zero=0, activation="none")
+    ev = next(p for p in stage_memory(c, cand, False, 1, 0, "cpu", zero_config({})).phases
+              if p.name == "evaluation")
+    want = ev.total - ev.terms["params"] - ev.terms["optimizer"]
+    assert ev.terms["eval head tile"] == 256 * 8192 * 8
+    assert live.peak == pytest.approx(want, rel=0.02), (live.peak, ev.terms)
+
+
 def test_adam_temporaries_on_cpu_are_twice_the_largest_tensor():
     """torch AdamW's single-tensor step (CPU: no foreach kernels) makes sqrt(v) and its
     quotient at once: 2x the largest tensor, what zero_state charges a CPU step."""

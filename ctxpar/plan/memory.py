@@ -14,6 +14,11 @@ One rank (the most loaded pipeline stage), one step, in the order the program ru
                     at the last block it reaches, with nearly every gradient produced
     reduction       the end of the backward: every gradient and its reduction's copies
     optimizer step  DeepSpeed's fp32 gradient staging and torch Adam's temporaries
+    evaluation      between steps, under no_grad (components/evaluation.py): model state +
+                    the larger of a block's forward (nothing saved: a replayed block's
+                    intermediates, or the CP attention's buffers) and, on the last stage,
+                    the tiled evaluation head's (memory/tiled_eval.py: the hidden states,
+                    one tile's logits and their fp32 softmax, the per-token results)
 
 Activations are the counts of counts.py (exact against autograd's saved tensors), working
 buffers transients.py's, model state zero_state.py's. Between the two blocks the backward
@@ -302,6 +307,37 @@ def block_backward_phases(st: Stage) -> List[Phase]:
     return phases
 
 
+def eval_head(s: counts.RankShapes, e: int, tile: int) -> float:
+    """The tiled evaluation head at its peak (memory/tiled_eval.py, tiled whatever
+    memory.tiled_loss says): one tile's (n, V/tp) logits in the model's dtype and the fp32
+    exp of them the cross entropy makes (in place after that; a 16-bit TP argmax's fp32
+    copy comes after the softmax is gone)."""
+    return min(tile, s.N) * s.V * (e + 4)
+
+
+def evaluation_phase(st: Stage) -> Phase:
+    """An evaluation between steps: the model state (ZeRO-3's parameters gathered as in the
+    forward), no activations saved (no_grad), and the larger of its two points: a block's
+    forward, where Block.forward holds q, k, v and the attention's output beside the MLP's
+    intermediates whatever the checkpointing mode (transients.block_forward's 'full'), or
+    the CP attention's buffers; on the last stage, the head: the final-normed hidden states
+    (N, d), one loss tile (memory.loss_tile_tokens' rule) and the fp32 losses and int64
+    predictions (N)."""
+    s, elem = st.shapes, st.elem
+    swiglu = st.cfg.model.mlp in GATED_MLPS
+    block = max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile),
+                max(transients.attention_forward(s, st.cand, elem, h) for h in set(st.halo)))
+    state = {**st.resident, **st.zero_state.gathered()}
+    at_block = {**state, "block working set": block}
+    if not st.last:
+        return Phase("evaluation", at_block)
+    from ..memory.tiled_loss import loss_tile_tokens
+    tile = loss_tile_tokens(s.N, s.V, s.d, st.cfg.memory.loss_tile_tokens)
+    at_head = {**state, "hidden states": s.N * s.d * elem,
+               "eval head tile": eval_head(s, elem, tile), "eval results": s.N * (4 + 8)}
+    return Phase("evaluation", max(at_block, at_head, key=lambda t: sum(t.values())))
+
+
 def stage_memory(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, stage_index: int,
                  device: str, zero: Dict) -> Memory:
     """Every phase of pipeline stage `stage_index`'s step, in the order the program runs
@@ -319,6 +355,7 @@ def stage_memory(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, stag
             else offloaded
     phases.append(Phase("gradient reduction", {**st.resident, **st.zero_state.reduction()}))
     phases.append(Phase("optimizer step", {**st.resident, **st.zero_state.step()}))
+    phases.append(evaluation_phase(st))
     return Memory(phases, st.host, st.host_step)
 
 
