@@ -93,3 +93,19 @@ def test_answers_and_loss_by_position_are_the_same_at_cp_1_2_3():
             for a, b in zip(got[cp][2], buckets):
                 assert (a.first, a.last, a.tokens) == (b.first, b.last, b.tokens)
                 assert abs(a.loss - b.loss) <= 1e-5 * b.loss, (rank, cp, a, b)
+
+
+def test_loss_samples_from_documents_start_at_document_starts(tmp_path):
+    # The loss by position's samples: the first `length` tokens of held-out documents that
+    # long, in file order, never a window's arbitrary offset and never past the stretch.
+    from ctxpar.data import IndexedDatasetWriter, TokenWindows
+    lengths = [30, 5, 40, 12, 50, 25]
+    with IndexedDatasetWriter(str(tmp_path / "c"), vocab_size=256, eos_id=0) as w:
+        for i, n in enumerate(lengths):
+            w.add_document([i + 1] * (n - 1))  # + EOS: n tokens
+    src = TokenWindows(str(tmp_path / "c"), seq_len=10, split="eval", first=3, count=12)
+    docs = src.document_starts(20, n=8)  # starts >= 30: documents 1.. of 20+ tokens
+    assert docs.shape == (2, 20) and docs[:, 0].tolist() == [3, 5]
+    assert (docs[0, :-1] == 3).all() and docs.tolist()[1] == [5] * 20
+    assert src.document_starts(20, n=1).shape == (1, 20)
+    assert src.document_starts(60, n=8).shape == (0, 60)

@@ -59,6 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--haystack", choices=("filler", "heldout"), default="filler")
     p.add_argument("--loss-samples", type=int, default=8,
                    help="held-out samples for the loss by position (0: skip it)")
+    p.add_argument("--loss-from", choices=("documents", "windows"), default="documents",
+                   help="documents: the first seq_len tokens of held-out documents at least "
+                        "that long (a position is a position in a document); windows: the "
+                        "run's held-out samples as train.py evaluates them (passkey runs: "
+                        "always, each sample is one document)")
     p.add_argument("--seed", type=int, default=None,
                    help="the prompts' seed (default: the run's train.seed, the prompts "
                         "train.py's long_context_eval asks)")
@@ -70,10 +75,18 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def heldout(cfg, n: int):
-    """(n, seq_len) tokens of the run's held-out split: what train.py evaluates on."""
+def heldout(cfg, n: int, documents: bool = False):
+    """(n, seq_len) tokens of the run's held-out split: what train.py evaluates on, or with
+    documents the first seq_len tokens of its documents at least that long."""
     src = build_source(cfg.data, cfg.model.seq_len, cfg.train.seed, "eval")
-    return torch.stack([torch.as_tensor(src[i][0]) for i in range(n)])
+    if not documents or cfg.data.kind != "tokens":
+        return torch.stack([torch.as_tensor(src[i][0]) for i in range(n)])
+    docs = src.document_starts(cfg.model.seq_len, n)
+    if len(docs) == 0:
+        raise DataError(f"--loss-from documents: no held-out document of {cfg.data.path} "
+                        f"holds model.seq_len={cfg.model.seq_len} tokens; use --loss-from "
+                        f"windows")
+    return torch.as_tensor(docs)
 
 
 def main(argv=None) -> int:
@@ -105,7 +118,8 @@ def main(argv=None) -> int:
             haystack = Haystack.tokens(tokenizer, heldout(cfg, 1)[0].tolist())
         grid = task_grid(tokenizer, args.tasks, lengths, args.depths, args.samples, haystack,
                          seed, args.needles, digits)
-        loss_inputs = heldout(cfg, args.loss_samples) if args.loss_samples else None
+        loss_inputs = heldout(cfg, args.loss_samples, args.loss_from == "documents") \
+            if args.loss_samples else None
         out_dir = args.out or os.path.join(ckpt.run_dir, "long_context")
     except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError,
             ImportError) as e:

@@ -75,6 +75,18 @@ class TokenWindows:
         hi = np.searchsorted(offsets, start + T, side="left")  # first end at or past T
         return np.array([0, *(offsets[lo:hi] - start), T], dtype=np.int32)
 
+    def document_starts(self, length: int, n: int) -> np.ndarray:
+        """(k <= n, length) int64: the first `length` tokens of the first n documents that
+        start in this source's stretch of the file and run at least `length` tokens inside
+        it, in file order. A window's position is not a position in a document; these
+        samples' are (the loss by position, ctxpar/components/long_context.py)."""
+        lo, hi = self.first * self.seq_len, (self.first + self.n_windows) * self.seq_len + 1
+        starts, ends = self.data.doc_offsets[:-1], self.data.doc_offsets[1:]
+        keep = (starts >= lo) & (starts + length <= np.minimum(ends, hi))
+        picked = starts[keep][:n]
+        return np.stack([np.asarray(self.data.tokens[s:s + length], dtype=np.int64)
+                         for s in picked]) if len(picked) else np.zeros((0, length), np.int64)
+
     def eod_positions(self, index: int) -> np.ndarray:
         """Input positions holding a document's last token (its EOS): the label there is
         the first token of the next document (Megatron's eod_mask_loss masks it)."""
