@@ -234,9 +234,11 @@ def _causal_part(q0: int, k0: int, qp: torch.Tensor, kp: torch.Tensor,
       give two each), one block per (query run, key run): each is full, skipped, or the
       same positions (causal), since runs of distinct chunks never interleave;
     - else one explicitly masked block.
+
+    O(rows log keys) host work: each row's visible keys are a prefix of kp (positions
+    ascend), counted by binary search; a (rows, keys) mask is made only for the last case.
     """
-    vis = kp[None, :] <= qp[:, None]  # (Lq, Lk): the causal part of this document
-    stairs = _staircase(q0, k0, vis)
+    stairs = _staircase(q0, k0, _seen(qp, kp), len(kp))
     if stairs is not None:
         return stairs
     q_runs, k_runs = _consecutive_runs(qp), _consecutive_runs(kp)
@@ -244,30 +246,37 @@ def _causal_part(q0: int, k0: int, qp: torch.Tensor, kp: torch.Tensor,
         blocks = []
         for a, b in q_runs:
             for c, d in k_runs:
-                sub = vis[a:b, c:d]
-                if sub.all():
+                cnt = _seen(qp[a:b], kp[c:d])
+                if int(cnt[0]) == d - c:  # counts never decrease: all rows see all keys
                     blocks.append(DocBlock(q0 + a, q0 + b, k0 + c, k0 + d, False, None))
-                elif sub.any():
-                    blocks.extend(_staircase(q0 + a, k0 + c, sub)
-                                  or [DocBlock(q0 + a, q0 + b, k0 + c, k0 + d, False, sub)])
+                elif int(cnt[-1]) > 0:
+                    blocks.extend(_staircase(q0 + a, k0 + c, cnt, d - c)
+                                  or [DocBlock(q0 + a, q0 + b, k0 + c, k0 + d, False,
+                                               kp[None, c:d] <= qp[a:b, None])])
         return blocks
-    return [DocBlock(q0, q0 + len(qp), k0, k0 + len(kp), False, vis)]
+    return [DocBlock(q0, q0 + len(qp), k0, k0 + len(kp), False, kp[None, :] <= qp[:, None])]
 
 
-def _staircase(q0: int, k0: int, vis: torch.Tensor) -> Optional[List[DocBlock]]:
-    """vis as unmasked kernel calls, when its rows see 0, ..., m, m+1, ..., all keys one more
-    per row (what striped, and documents cut by a layout, mostly give): rows seeing nothing
-    dropped, a full block of the keys every row sees, the kernel's causal square on the
-    diagonal, a full block of the rows that see everything. None when vis is not that shape
-    (the caller then masks explicitly)."""
-    L, S = vis.shape
-    cnt = vis.sum(dim=1)  # keys each row sees; non-decreasing (positions ascend)
+def _seen(qp: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
+    """How many keys (ascending positions kp) each query (ascending qp) sees causally:
+    row i sees exactly kp[:count[i]]. Non-decreasing."""
+    return torch.searchsorted(kp, qp, right=True)
+
+
+def _staircase(q0: int, k0: int, cnt: torch.Tensor, S: int) -> Optional[List[DocBlock]]:
+    """Rows that see keys [0, cnt[i]) of S as unmasked kernel calls, when they see 0, ...,
+    m, m+1, ..., all keys one more per row (what striped, and documents cut by a layout,
+    mostly give): rows seeing nothing dropped, a full block of the keys every row sees,
+    the kernel's causal square on the diagonal, a full block of the rows that see
+    everything. None when the counts are not that shape (the caller then masks
+    explicitly)."""
+    L = len(cnt)
     a = int((cnt == 0).sum())                  # rows [0, a) see nothing
     b = L - int((cnt == S).sum())              # rows [b, L) see everything
     mid = cnt[a:b]
     if a >= b:  # no staircase part: rows see nothing or everything
         return [] if b == L else [DocBlock(q0 + b, q0 + L, k0, k0 + S, False, None)]
-    if not torch.equal(mid, mid[0] + torch.arange(b - a)):
+    if not torch.equal(mid, mid[0] + torch.arange(b - a, dtype=mid.dtype)):
         return None
     m = int(mid[0])  # row a sees keys [0, m); row a + i sees [0, m + i)
     blocks = []
