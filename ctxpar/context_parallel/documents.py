@@ -87,11 +87,14 @@ def doc_ids(cu: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cu[1:], positions, right=True)
 
 
-def _runs(ids: torch.Tensor):
-    """{doc: (first row, last row + 1)} of an ascending doc-id vector (runs are contiguous)."""
-    docs, counts = torch.unique_consecutive(ids, return_counts=True)
-    ends = counts.cumsum(0)
-    return {int(d): (int(e - c), int(e)) for d, c, e in zip(docs, counts, ends)}
+def _runs(cu: torch.Tensor, pos: torch.Tensor):
+    """{doc: (first row, last row + 1)} of the documents with a row at the ascending
+    positions pos (each document's rows are contiguous): two binary searches per
+    boundary, not a pass over the rows."""
+    cu = cu.to(pos.dtype)
+    starts = torch.searchsorted(pos, cu[:-1]).tolist()
+    ends = torch.searchsorted(pos, cu[1:]).tolist()
+    return {d: (a, b) for d, (a, b) in enumerate(zip(starts, ends)) if b > a}
 
 
 def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -106,7 +109,7 @@ def doc_plan(cu: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
     """
     if window is not None:
         return _window_plan(cu, q_pos, k_pos, window, banded)
-    q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
+    q_runs, k_runs = _runs(cu, q_pos), _runs(cu, k_pos)
     plan = []
     for d, (q0, q1) in q_runs.items():
         if d not in k_runs:
@@ -128,7 +131,7 @@ def _window_plan(cu, q_pos, k_pos, window: int, banded: bool) -> List[DocBlock]:
     """Per shared document, the pairs the causal window leaves: as flash-attn window calls
     where the kernel takes them (``_band_plan``), else as masked tiles (``_tile_plan``).
     Nothing visible: no block."""
-    q_runs, k_runs = _runs(doc_ids(cu, q_pos)), _runs(doc_ids(cu, k_pos))
+    q_runs, k_runs = _runs(cu, q_pos), _runs(cu, k_pos)
     plan = []
     for d, (q0, q1) in q_runs.items():
         if d in k_runs:

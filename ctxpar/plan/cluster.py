@@ -37,6 +37,11 @@ class GPU:
     # bytes: Python, op dispatch, kernel launches. It is what small models are made of
     # (configs/tiny_cpu.yaml); fitted on CPU, 0 for the GPU presets (not measured yet).
     overhead: float = 0.0
+    # Seconds per document per ring step per layer (forward + backward): the attention
+    # block's kernel calls, its merge and its plan, and the step's send and receive, which
+    # document-masked CP pays for every document at every ring step it crosses. Fitted on
+    # CPU (dynamic CP's benchmark), 0 for the GPU presets (not measured yet).
+    block_overhead: float = 0.0
     host_memory: float = 2e12   # bytes of host memory per node (offloads)
     kind: str = "cuda"          # 'cuda': buckets count whole; 'cpu': only touched pages
     pcie: float = 25e9          # bytes/s per direction between a GPU and its host (offloads)
@@ -54,7 +59,8 @@ GPUS: Dict[str, GPU] = {
     # train.py's measured steps (14 layouts of a compute-bound and an overhead-bound
     # model, two runs; tools/benchmarks/bench_plan_calibration.py, docs/planner.md); gloo on
     # one machine ~ 1 GB/s; detect() shares the cores when ranks outnumber them.
-    "cpu": GPU("cpu", 113e9, 12e9, 1e9, 1e9, overhead=0.026, host_memory=24e9, kind="cpu"),
+    "cpu": GPU("cpu", 113e9, 12e9, 1e9, 1e9, overhead=0.026, block_overhead=0.0015,
+               host_memory=24e9, kind="cpu"),
 }
 
 

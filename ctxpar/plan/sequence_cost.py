@@ -9,7 +9,10 @@ cp d (dp 1, pp 1): the matmuls (linear in n / d), the attention's causal pairs o
 busiest rank under the layout (quadratic in n), the TP all-reduces and the CP traffic the
 pattern cannot hide; the per-layer, per-micro-batch overhead (cluster.GPU.overhead) is
 left out and given as ``overhead``, because a rank group runs all its documents of a step
-as one packed sequence (document masking) and pays it once. The gradient reduction, the
+as one packed sequence (document masking) and pays it once. Each document also pays the
+device's block_overhead per layer at each of the d ring steps it crosses (its blocks'
+kernel calls, merges and plans, the step's send and receive): what makes a short
+document dear under CP. The gradient reduction, the
 pipeline bubble and the optimizer are the step's, not a sequence's: not counted here.
 """
 from __future__ import annotations
@@ -48,5 +51,6 @@ class SequenceCost:
             ulysses = d if self.comm == "ulysses" else 1
             cand = Candidate(cp=d, ulysses=ulysses, **self._cand)
             t = step_time(cfg, cand, self.cluster, self.bf16)
-            self._seconds[key] = t.compute + t.tp + t.cp_exposed + t.offload
+            blocks = self.cfg.model.n_layers * d * self.cluster.gpu.block_overhead
+            self._seconds[key] = t.compute + t.tp + t.cp_exposed + t.offload + blocks
         return self._seconds[key]

@@ -8,10 +8,11 @@ Documents: lengths drawn log-normally (median --median-len, sigma --sigma), clip
 random token ids. Every side runs on --world local gloo ranks (one thread each) the model
 of --config (default configs/tiny_cpu.yaml, fp32, no DeepSpeed): a step is every pack of
 the side's schedule, forward and backward on its rank group (document masking, positions
-restarting per document), then the gradients all-reduced over the ranks (the DP x CP
-reduction every side shares). Wall clock between barriers on rank 0 over --steps steps
+restarting per document), then the gradients all-reduced over the ranks in one flat
+buffer (the DP x CP reduction every side shares). Wall clock between barriers on rank 0 over --steps steps
 after one warmup step: tokens/s is their tokens over their time, speedups are of the
-median step. The sides, all at --tokens-per-rank tokens per rank:
+total time of the steps a side ran, and each side is compared with dynamic CP on the
+same steps. The sides, all at --tokens-per-rank tokens per rank:
 
     dynamic     ctxpar/data/dynamic_cp.py's schedule: each document its smallest CP size,
                 placed by the planner's cost model for this machine (--layout)
@@ -20,13 +21,18 @@ median step. The sides, all at --tokens-per-rank tokens per rank:
     static-dp   static_schedule at cp = 1: samples of budget tokens per rank (only when
                 every document fits one rank: --max-len below the budget)
 
+The work bound: one process alone times each step's documents on one rank (no CP, the
+budget lifted), one pack after another; that work spread perfectly over min(--world,
+cores) cores is a step time no schedule of these documents reaches on this machine, since
+CP only adds work. static-cp's time over it is the most any schedule could gain over it.
+
 Prints tokens/s per side, dynamic over each, and the planner's estimated step times
-(Schedule.makespan) beside the measured ones; --json keeps the rows.
+(Schedule.makespan) beside the measured ones; --json keeps the rows, step by step.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import time
 
 import numpy as np
@@ -66,20 +72,59 @@ def _plans(cfg, a, lengths, world):
     return out
 
 
+def _train_pack(model, group, layout, pack, step, lengths):
+    """Forward and backward of one pack of a step's documents on its rank group."""
+    from ctxpar.data.dynamic_batch import pack_sequence, shard_pack
+
+    docs = [_document(step, i, lengths[i], model.cfg.vocab_size) for i in pack.docs]
+    local = shard_pack(pack_sequence(docs, pack.length), group, layout)
+    loss = model(local["tokens"], local["positions"], local["labels"],
+                 cu_seqlens=local["cu_seqlens"])
+    (loss / sum(lengths)).backward()
+
+
+def _work(rank, world, a):
+    """Seconds per step of one rank running all the step's documents alone on the
+    machine, packed up to the longest (the budget lifted): their work without CP."""
+    from ctxpar import init_parallel_state
+    from ctxpar.data.dynamic_cp import padded_length, schedule
+    from models.gpt import GPT
+    from models.options import ModelGroups, ModelOptions
+
+    cfg = _config(a, 1)
+    state = init_parallel_state(cp=1)
+    model = GPT(cfg.model, ModelGroups(cp_group=state.cp_group),
+                ModelOptions(layout=a.layout, cp_comm=cfg.parallel.cp_comm, seed=1))
+    out = {}
+    for s in range(a.steps + 1):
+        lengths = step_lengths(a, s)
+        longest = max(padded_length(n, 1, a.layout) for n in lengths)
+        plan = schedule(lengths, 1, longest, lambda n, d: float(n), 0.0, a.layout, [1])
+        t0 = time.perf_counter()
+        for pack in plan.packs:
+            _train_pack(model, state.cp_group, a.layout, pack, s, lengths)
+        if s > 0:  # step 0 warms up
+            out[s] = time.perf_counter() - t0
+    return out
+
+
+def _config(a, world):
+    from ctxpar.config import load_config
+    return load_config(a.config, overrides=[f"parallel.cp={world}", "parallel.dp=1",
+                                            "parallel.tp=1", "parallel.pp=1", *a.set],
+                       world_size=world)
+
+
 def _rank(rank, world, a):
     import torch
     import torch.distributed as dist
 
     from ctxpar import init_parallel_state
-    from ctxpar.config import load_config
-    from ctxpar.data.dynamic_batch import pack_sequence, shard_pack
     from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
 
-    cfg = load_config(a.config, overrides=[f"parallel.cp={world}", "parallel.dp=1",
-                                           "parallel.tp=1", "parallel.pp=1", *a.set],
-                      world_size=world)
+    cfg = _config(a, world)
     state = init_parallel_state(cp=world)
     groups = build_dynamic_cp_groups(state, range(1, world + 1))
     for tile in sorted(groups.groups):  # connect every group before anything is timed
@@ -96,18 +141,14 @@ def _rank(rank, world, a):
             for pack in plan.packs_of(groups.position):
                 group = groups.group(pack.first, pack.size)
                 model.use_cp_group(group)
-                docs = [_document(s, i, lengths[i], cfg.model.vocab_size) for i in pack.docs]
-                local = shard_pack(pack_sequence(docs, pack.length), group, layout)
-                loss = model(local["tokens"], local["positions"], local["labels"],
-                             cu_seqlens=local["cu_seqlens"])
-                (loss / sum(lengths)).backward()
-            for p in model.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
+                _train_pack(model, group, layout, pack, s, lengths)
+            # one flat all-reduce of the gradients, as DeepSpeed's reduce bucket does
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p)
+                     for p in model.parameters()]
+            dist.all_reduce(torch.cat([g.flatten() for g in grads]))
             dist.barrier()
             if s > 0:  # step 0 warms up
-                times.setdefault(side, []).append(time.perf_counter() - t0)
+                times.setdefault(side, {})[s] = time.perf_counter() - t0
     return times
 
 
@@ -127,30 +168,40 @@ def main(argv=None):
     ap.add_argument("--config", default="configs/tiny_cpu.yaml")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides, key=value")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-work-bound", dest="work_bound", action="store_false",
+                    help="skip timing the documents' one-rank work")
     ap.add_argument("--json", default="runs/bench/dynamic_cp.json")
     a = ap.parse_args(argv)
     ranks = run_distributed(_rank, a.world, a, timeout=24 * 3600)
-    tokens = [sum(step_lengths(a, s)) for s in range(1, a.steps + 1)]
-    rows = []
-    from ctxpar.config import load_config
-    cfg = load_config(a.config, overrides=[f"parallel.cp={a.world}", "parallel.dp=1",
-                                           "parallel.tp=1", "parallel.pp=1", *a.set],
-                      world_size=a.world)
+    work = run_distributed(_work, 1, a, timeout=24 * 3600)[0] if a.work_bound else None
+    cfg = _config(a, a.world)
     estimates = {}
     for s in range(1, a.steps + 1):
         for side, (plan, _) in _plans(cfg, a, step_lengths(a, s), a.world).items():
-            estimates.setdefault(side, []).append(plan.makespan())
+            estimates.setdefault(side, {})[s] = plan.makespan()
+    dyn_t, dyn_e = ranks[0]["dynamic"], estimates["dynamic"]
+    rows = []
     for side, times in ranks[0].items():
-        t = statistics.median(times)
-        rows.append(dict(side=side, step_s=t, tokens_per_s=sum(tokens) / sum(times),
-                         estimated_step_s=statistics.median(estimates[side])))
-    dyn = next(r for r in rows if r["side"] == "dynamic")
-    for r in rows:
-        r["dynamic_speedup"] = r["step_s"] / dyn["step_s"]
-        r["estimated_speedup"] = r["estimated_step_s"] / dyn["estimated_step_s"]
-        print(f"{r['side']:>10}: {r['tokens_per_s']:>10,.0f} tokens/s ({r['step_s']:.2f} s "
-              f"per step, median), dynamic {r['dynamic_speedup']:.2f}x faster "
-              f"(estimated {r['estimated_speedup']:.2f}x)")
+        steps = sorted(times)  # static-dp runs only the steps whose documents fit a rank
+        t, e = sum(times.values()), sum(estimates[side].values())
+        rows.append(dict(side=side, steps=steps, tokens_per_s=sum(
+            sum(step_lengths(a, s)) for s in steps) / t, seconds=t, estimated_seconds=e,
+            dynamic_speedup=t / sum(dyn_t[s] for s in steps),
+            estimated_speedup=e / sum(dyn_e[s] for s in steps),
+            steps_s=[times[s] for s in steps],
+            estimated_steps_s=[estimates[side][s] for s in steps]))
+        r = rows[-1]
+        print(f"{side:>11}: {r['tokens_per_s']:>8,.0f} tokens/s over steps {steps} "
+              f"({t:.2f} s; estimated {e:.2f} s), dynamic {r['dynamic_speedup']:.2f}x "
+              f"faster on them (estimated {r['estimated_speedup']:.2f}x)")
+    if work:
+        cores = min(a.world, len(os.sched_getaffinity(0)))
+        bound = sum(work.values()) / cores
+        rows.append(dict(side="work-bound", seconds=bound, cores=cores, steps_s=[
+            work[s] / cores for s in sorted(work)]))
+        print(f"work bound: {bound:.2f} s (one rank's {sum(work.values()):.2f} s over "
+              f"{cores} cores); dynamic at {sum(dyn_t.values()) / bound:.2f}x of it, "
+              f"static-cp at {sum(ranks[0]['static-cp'].values()) / bound:.2f}x")
     save_results(a.json, a, rows)
 
 
