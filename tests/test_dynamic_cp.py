@@ -161,3 +161,42 @@ def test_rounds_hold_each_pack_once_on_all_its_ranks_in_the_packs_order():
     for r in range(WORLD):  # each rank's packs keep their order
         assert [row[r] for row in rounds if row[r] is not None] == s.packs_of(r)
     assert len(rounds) >= max(len(s.packs_of(r)) for r in range(WORLD))
+
+
+# bench_dynamic_cp's measured seconds over its steps 1-4 (docs/benchmarks.md, "Dynamic CP
+# against static CP"; 4 ranks on the 2-core CPU machine): per distribution, its arguments
+# and {side: measured seconds}.
+MEASURED = [
+    (dict(docs=32), {"dynamic": 22.64, "static-cp": 28.15}),
+    (dict(docs=48, median_len=512, sigma=1.0), {"dynamic": 7.02, "static-cp": 10.22}),
+    (dict(docs=64, median_len=256, sigma=1.2), {"dynamic": 5.06, "static-cp": 8.38}),
+    (dict(docs=48, median_len=512, sigma=1.0, max_len=4096),
+     {"dynamic": 5.23, "static-cp": 8.55, "static-dp": 5.63}),
+]
+
+
+@pytest.mark.parametrize("args, measured", MEASURED)
+def test_the_planners_step_times_stay_within_30_percent_of_the_benchmarks(
+        args, measured, monkeypatch):
+    """The cost model the schedule places with (and the planner advises with) against what
+    bench_dynamic_cp measured for the same documents: each side's seconds within 30%
+    (measured: -23% to +27%), and the faster side the measured one. Fails when the time
+    model or the schedule drifts from the measurement; rerun the benchmark then."""
+    import argparse
+    import os
+
+    from tools.benchmarks import bench_dynamic_cp as bench
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    a = argparse.Namespace(**{**dict(world=4, steps=4, median_len=1024, sigma=1.2,
+                                     min_len=128, max_len=16384, tokens_per_rank=4096,
+                                     layout="zigzag", static_layout="striped", seed=0,
+                                     config="configs/tiny_cpu.yaml", set=[]), **args})
+    cfg, estimated = bench._config(a, 4), {}
+    for s in range(1, 5):
+        for side, (plan, _) in bench._plans(cfg, a, bench.step_lengths(a, s), 4).items():
+            estimated[side] = estimated.get(side, 0.0) + plan.makespan()
+    for side, seconds in measured.items():
+        assert estimated[side] == pytest.approx(seconds, rel=0.30), (side, estimated)
+    faster = min(measured, key=measured.get)
+    assert min(measured, key=estimated.get) == faster, (estimated, measured)
