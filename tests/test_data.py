@@ -210,6 +210,9 @@ def test_stream_deterministic_resumable_dp_disjoint(tmp_path, kind):
     assert same(a[3:], collect(resumed, 3))
     with pytest.raises(DataError, match="seed"):
         build_sample_stream(other, 0, 1).load_state_dict(state)
+    with pytest.raises(DataError, match="a data.dynamic_cp stream's .step 3.: resume it"):
+        build_sample_stream(cfg, 0, 1).load_state_dict({"kind": "dynamic_cp", "step": 3,
+                                                         "tokens_seen": 99})
 
     # DP: rank r of dp=2 takes global samples [c + 2r, c + 2r + 2) of each 4-sample step,
     # so the two ranks together walk the single-rank stream in order, disjointly.

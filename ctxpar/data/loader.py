@@ -190,6 +190,10 @@ class SampleStream:
 
     def load_state_dict(self, state: Dict) -> None:
         """Continue after state["samples_consumed"]; refuse a checkpoint of other data."""
+        if state.get("kind") == "dynamic_cp":  # ctxpar/data/dynamic_stream.py's state
+            raise DataError(f"the checkpoint's data position is a data.dynamic_cp stream's "
+                            f"(step {state.get('step')}): resume it with "
+                            f"data.dynamic_cp=true, or start over with --resume none")
         mine, theirs = self.source.fingerprint, state.get("source", {})
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
         if diff:
