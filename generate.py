@@ -149,6 +149,25 @@ def train_eval_accuracy(run_dir: str, step: int):
     return acc[-1] if acc else None
 
 
+def start_model(cfg, files, dtype: str):
+    """(model in eval mode with the checkpoint's weights, parallel state): the process
+    group and the tp x cp grid of cfg (pp = dp = 1), on this rank's device. A weights file
+    that does not fit the model exits 2 on every rank (the same files, the same verdict)."""
+    from models.gpt import GPT
+
+    device = local_device()
+    init_distributed(default_backend(device))
+    state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=1, dp=1,
+                                order=cfg.parallel.order)
+    show_ctxpar_logs(dist.get_rank() == 0)  # e.g. the attention kernel 'auto' chose, and why
+    model = GPT.from_config(cfg, state, device=device, dtype=DTYPES[dtype]).eval()
+    try:
+        load_weights_(model, files, state.tp_group)
+    except CheckpointError as e:
+        fail(str(e))
+    return model, state
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
@@ -182,19 +201,8 @@ def main(argv=None) -> int:
         fail(str(e))
 
     # 2. Distributed, the grid, the model with the checkpoint's weights.
-    from models.gpt import GPT
-
-    device = local_device()
-    init_distributed(default_backend(device))
-    state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=1, dp=1,
-                                order=cfg.parallel.order)
+    model, state = start_model(cfg, files, args.dtype)
     rank0 = dist.get_rank() == 0
-    show_ctxpar_logs(rank0)  # e.g. the attention kernel 'auto' chose, and why
-    model = GPT.from_config(cfg, state, device=device, dtype=DTYPES[args.dtype]).eval()
-    try:
-        load_weights_(model, files, state.tp_group)
-    except CheckpointError as e:  # the same files, the same verdict on every rank
-        fail(str(e))
 
     # 3. Generate in batches; rank 0 writes.
     results, t0, n_new = [], time.perf_counter(), 0

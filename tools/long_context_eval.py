@@ -33,11 +33,10 @@ from ctxpar.components.long_context import (as_json, cells_table, default_length
 from ctxpar.config import ConfigError
 from ctxpar.data import DataError, build_source, load_tokenizer
 from ctxpar.data.long_context import TASKS, Haystack
-from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
-                                               init_parallel_state, launcher_env, local_device)
+from ctxpar.distributed.parallel_state import launcher_env
 from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
-                                         load_run_config, load_weights_)
-from generate import DTYPES, layout_overrides
+                                         load_run_config)
+from generate import DTYPES, layout_overrides, start_model
 
 
 def parse_args(argv=None):
@@ -126,18 +125,8 @@ def main(argv=None) -> int:
         fail(str(e))
 
     # 2. Distributed, the grid, the model with the checkpoint's weights (generate.py's).
-    from models.gpt import GPT
-
-    device = local_device()
-    init_distributed(default_backend(device))
-    state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=1, dp=1,
-                                order=cfg.parallel.order)
+    model, state = start_model(cfg, files, args.dtype)
     rank0 = dist.get_rank() == 0
-    model = GPT.from_config(cfg, state, device=device, dtype=DTYPES[args.dtype]).eval()
-    try:
-        load_weights_(model, files, state.tp_group)
-    except CheckpointError as e:
-        fail(str(e))
     groups = dict(layout=cfg.parallel.layout, cp_group=state.cp_group, tp_group=state.tp_group)
 
     # 3. The tasks, the loss by position; rank 0 writes.
