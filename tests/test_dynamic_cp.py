@@ -161,3 +161,21 @@ def test_rounds_hold_each_pack_once_on_all_its_ranks_in_the_packs_order():
     for r in range(WORLD):  # each rank's packs keep their order
         assert [row[r] for row in rounds if row[r] is not None] == s.packs_of(r)
     assert len(rounds) >= max(len(s.packs_of(r)) for r in range(WORLD))
+
+
+def test_the_planner_prices_hybrid_at_its_sizes_with_its_ulysses_degree():
+    from ctxpar.plan.dynamic import compare, document_lengths
+
+    def cfg(*sets):
+        return load_config("configs/tiny_cpu.yaml", overrides=[
+            "parallel.cp=2", "parallel.dp=2", "model.seq_len=8192", *sets], world_size=4)
+
+    hybrid = cfg("parallel.cp_comm=hybrid", "parallel.ulysses=2")
+    cluster = Cluster(1, 4, GPUS["cpu"])
+    cost, ulysses = SequenceCost(hybrid, cluster), SequenceCost(
+        cfg("parallel.cp_comm=ulysses"), cluster)
+    assert cost(4096, 2) == ulysses(4096, 2)      # d = u: a ring of one rank, pure Ulysses
+    assert cost(4096, 1) == ulysses(4096, 1)      # d = 1: no CP
+    assert cost(4096, 4) != ulysses(4096, 4)      # u = 2 around a ring of 2
+    cmp = compare(hybrid, cluster, document_lengths("1024,1.2,128,16384", 32, 2))
+    assert set(cmp.size_shares) <= {1, 2, 4} and 4 in cmp.size_shares
