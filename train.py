@@ -276,7 +276,8 @@ def main(argv=None) -> int:
     engine, scheduler = initialize_engine(model, cfg, state, ds_config, device)
     train_stream = data.train_stream(state) if dynamic is None else dynamic
     if dynamic is not None:  # every rank group the schedule may use, once
-        groups = build_dynamic_cp_groups(state, dynamic.sizes)
+        hybrid = ulysses_degree(cfg.parallel) if cfg.parallel.cp_comm == "hybrid" else None
+        groups = build_dynamic_cp_groups(state, dynamic.sizes, ulysses=hybrid)
 
     # 4. Resume, record the run, and the components that decide when to evaluate and save.
     start_step = 0

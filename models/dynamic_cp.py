@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from ctxpar.context_parallel.comm import LOCAL
 from ctxpar.data.dynamic_batch import pack_sequence, shard_pack
 from ctxpar.data.dynamic_cp import padded_length
 
@@ -39,17 +38,20 @@ def train_step(engine, step, groups, state, layout: str, gas: int, divisor: int,
             engine.backward(sum(p.sum() for p in model.parameters()) * 0.0)
     for pack in packs:
         if pack is None:  # nothing in this round: a pack of ignored padding
-            group, documents, length = LOCAL, [], padded_length(1, 1, layout)
+            tile = groups.tile_groups(groups.position, 1)
+            documents, length = [], padded_length(1, 1, layout)
         else:
-            group = groups.group(pack.first, pack.size)
+            tile = groups.tile_groups(pack.first, pack.size)
             documents, length = [step.documents[i] for i in pack.docs], pack.length
-        model.use_cp_group(group)
-        local = shard_pack(pack_sequence(documents, length), group, layout)
+        model.use_cp_group(*tile)
+        local = shard_pack(pack_sequence(documents, length), tile.cp_group, layout,
+                           tile.ulysses)
         out = engine(*(local[k].to(device) for k in ("tokens", "positions", "labels")),
                      cu_seqlens=local["cu_seqlens"])  # sum of this rank's token losses
         engine.backward(loss_for_backward(out, n_tokens, divisor, gas))
         loss_sum += out.detach().float()
-    model.use_cp_group(state.cp_group)  # evaluation and checkpoints see the run's group
+    # evaluation and checkpoints see the run's groups
+    model.use_cp_group(state.cp_group, state.ulysses_group, state.ring_group)
     engine.step()
     return global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
 

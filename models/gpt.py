@@ -449,10 +449,13 @@ class GPT(nn.Module):
         return cls(cfg.model, ModelGroups.from_state(state), ModelOptions.from_config(cfg),
                    device=device, dtype=dtype)
 
-    def use_cp_group(self, cp_group) -> None:
+    def use_cp_group(self, cp_group, ulysses_group=None, ring_group=None) -> None:
         """Run the next sequences over another CP group, same pattern and layout: dynamic
-        CP gives each pack its rank group (ctxpar/distributed/dynamic_groups.py)."""
-        self.cp, self.cp_group = replace(self.cp, cp_group=cp_group), cp_group
+        CP gives each pack its rank group (ctxpar/distributed/dynamic_groups.py,
+        DynamicCPGroups.tile_groups); under hybrid also the Ulysses and ring groups in it."""
+        self.cp = replace(self.cp, cp_group=cp_group, ulysses_group=ulysses_group,
+                          ring_group=ring_group)
+        self.cp_group = cp_group
         for layer in self.layers:
             layer.attn.cp = self.cp
 

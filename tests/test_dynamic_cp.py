@@ -200,3 +200,21 @@ def test_the_planners_step_times_stay_within_30_percent_of_the_benchmarks(
         assert estimated[side] == pytest.approx(seconds, rel=0.30), (side, estimated)
     faster = min(measured, key=measured.get)
     assert min(measured, key=estimated.get) == faster, (estimated, measured)
+
+
+def test_the_planner_prices_hybrid_at_its_sizes_with_its_ulysses_degree():
+    from ctxpar.plan.dynamic import compare, document_lengths
+
+    def cfg(*sets):
+        return load_config("configs/tiny_cpu.yaml", overrides=[
+            "parallel.cp=2", "parallel.dp=2", "model.seq_len=8192", *sets], world_size=4)
+
+    hybrid = cfg("parallel.cp_comm=hybrid", "parallel.ulysses=2")
+    cluster = Cluster(1, 4, GPUS["cpu"])
+    cost, ulysses = SequenceCost(hybrid, cluster), SequenceCost(
+        cfg("parallel.cp_comm=ulysses"), cluster)
+    assert cost(4096, 2) == ulysses(4096, 2)      # d = u: a ring of one rank, pure Ulysses
+    assert cost(4096, 1) == ulysses(4096, 1)      # d = 1: no CP
+    assert cost(4096, 4) != ulysses(4096, 4)      # u = 2 around a ring of 2
+    cmp = compare(hybrid, cluster, document_lengths("1024,1.2,128,16384", 32, 2))
+    assert set(cmp.size_shares) <= {1, 2, 4} and 4 in cmp.size_shares

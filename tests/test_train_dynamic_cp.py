@@ -6,7 +6,8 @@ step. dp2 x cp2 holds 64 tokens per rank (model.seq_len 128 / cp 2), so the docu
 take CP sizes 1 to 4; the one process holds 256 and runs every document alone. Losses
 (<= 1e-6 relative) and gradient norms agree over 6 steps on dp2 x cp2 (ring; ZeRO 1, 2
 and 3: the last two in rounds), tp2 x cp2 (Ulysses, full checkpointing: the replay
-runs over the pack's group) and cp4 (all-gather, ZeRO 0): fp32,
+runs over the pack's group), cp4 (all-gather, ZeRO 0) and cp4 (hybrid, Ulysses degree 2,
+striped: sizes 1, 2 and 4): fp32,
 only the order of the reductions differs; a run resumed at step 3 logs the
 uninterrupted one's losses.
 """
@@ -64,8 +65,6 @@ def test_the_stream_is_a_function_of_the_step_and_resumes_from_it(corpus):
 @pytest.mark.parametrize("sets,msg", [
     (["parallel.pp=2", "parallel.cp=2", "parallel.dp=1"],
      "data.dynamic_cp=true with parallel.pp=2: the pipeline runs the same micro-batches"),
-    (["parallel.cp=4", "parallel.dp=1", "parallel.cp_comm=hybrid", "parallel.ulysses=2"],
-     "data.dynamic_cp=true with parallel.cp_comm='hybrid'"),
     (["data.tokens_per_rank=1"], "data.tokens_per_rank=1 must be >= 2"),
 ])
 def test_what_dynamic_cp_cannot_run_is_refused_at_load_in_one_line(corpus, sets, msg):
@@ -131,7 +130,11 @@ def test_dp2_cp2_matches_one_process_and_logs_the_balance(cp2dp2, one_process):
     # ZeRO 2 runs the packs in the same rounds as ZeRO 3 (train.py: rounds for stage >= 2);
     # stage 3 adds the forward's parameter gathers, so it is the one run here.
     ["parallel.cp=2", "parallel.dp=2", "deepspeed.zero_optimization.stage=3"],
-], ids=["tp2-cp2-ulysses", "cp4-allgather-zero0", "cp2-dp2-zero3"])
+    # hybrid, Ulysses degree 2: sizes 1, 2 (pure Ulysses) and 4 (a ring of 2 over the
+    # static ring groups, reused); striped, whose two-level layout differs from the plain
+    ["parallel.cp=4", "parallel.dp=1", "parallel.cp_comm=hybrid", "parallel.ulysses=2",
+     "parallel.layout=striped", "data.tokens_per_rank=64"],
+], ids=["tp2-cp2-ulysses", "cp4-allgather-zero0", "cp2-dp2-zero3", "cp4-hybrid-u2"])
 def test_other_layouts_match_one_process(corpus, one_process, tmp_path, sets):
     d = str(tmp_path / "run")
     run_train(d, 4, [*sets, f"data.path={corpus}", *DYNAMIC])

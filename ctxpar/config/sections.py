@@ -195,8 +195,9 @@ class DataConfig:
     given the smallest CP size whose ranks hold it (1 to dp x cp, any) and a group of
     the DP x CP ranks, balanced by the planner's step time; document masking and RoPE
     restarting per document always; the loss is the token mean over the step. For
-    data.kind=tokens, parallel.pp=1, cp_comm ring, allgather or ulysses; every ZeRO
-    stage (2 and 3 run the packs in rounds, models/dynamic_cp.py)."""
+    data.kind=tokens, parallel.pp=1, every cp_comm (hybrid: sizes 1 and the multiples of
+    parallel.ulysses); every ZeRO stage (2 and 3 run the packs in rounds,
+    models/dynamic_cp.py)."""
     tokens_per_rank: Optional[int] = None
     """With data.dynamic_cp: the most tokens a rank holds at once, its share of one packed
     sequence (None = model.seq_len / parallel.cp, what static CP gives it)."""

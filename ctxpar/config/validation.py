@@ -253,8 +253,6 @@ def _check_dynamic_cp(cfg: Config, err: Err) -> None:
     elif p.pp > 1:
         why = (f"parallel.pp={p.pp}: the pipeline runs the same micro-batches on every "
                f"stage, but each rank runs its own number of packs")
-    elif p.cp_comm == "hybrid":
-        why = "parallel.cp_comm='hybrid': its two-level groups are not built per rank group"
     elif data.tokens_per_rank is not None and data.tokens_per_rank < 2:
         why = f"data.tokens_per_rank={data.tokens_per_rank} must be >= 2"
     if why:

@@ -45,13 +45,16 @@ def pack_sequence(documents: Sequence[np.ndarray], length: int,
             "cu_seqlens": torch.as_tensor(bounds, dtype=torch.int32)}
 
 
-def shard_pack(full: Dict[str, torch.Tensor], group, layout: str) -> Dict[str, torch.Tensor]:
+def shard_pack(full: Dict[str, torch.Tensor], group, layout: str,
+               ulysses: int = 1) -> Dict[str, torch.Tensor]:
     """This rank's share of a packed sequence over the pack's group (LOCAL for one rank):
     tokens, labels (1, length/size), positions restarting at each document (1, length/size),
-    and cu_seqlens as a one-sample list (the attention's, on the host)."""
+    and cu_seqlens as a one-sample list (the attention's, on the host). ulysses: hybrid's
+    Ulysses degree in the group (its two-level layout, layouts.py), 1 otherwise."""
     length = full["tokens"].shape[1]
     cu = full["cu_seqlens"]
-    return {"tokens": shard_sequence(full["tokens"], 1, group, layout),
-            "labels": shard_sequence(full["labels"], 1, group, layout),
-            "positions": document_positions([cu], sequence_positions(length, group, layout)),
+    return {"tokens": shard_sequence(full["tokens"], 1, group, layout, ulysses),
+            "labels": shard_sequence(full["labels"], 1, group, layout, ulysses),
+            "positions": document_positions(
+                [cu], sequence_positions(length, group, layout, ulysses=ulysses)),
             "cu_seqlens": [cu]}

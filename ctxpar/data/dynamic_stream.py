@@ -18,14 +18,20 @@ from typing import Dict, List
 
 import numpy as np
 
+from ..config import ulysses_degree
 from .dynamic_batch import document_tokens
 from .dynamic_cp import Schedule, ScheduleError, cp_size_for, schedule, step_documents
 from .indexed import DataError
 
 
-def dynamic_cp_sizes(world: int, comm: str, heads_per_rank: int) -> List[int]:
+def dynamic_cp_sizes(world: int, comm: str, heads_per_rank: int,
+                     ulysses: int = 1) -> List[int]:
     """The CP sizes the schedule may use: 1..world; under Ulysses those dividing the heads
-    (each rank takes heads / size of them)."""
+    (each rank takes heads / size of them); under hybrid 1 (no CP) and the multiples of
+    the Ulysses degree `ulysses` (parallel.ulysses: u Ulysses ranks around a ring of
+    size / u, the ring of one rank at size u)."""
+    if comm == "hybrid":
+        return [d for d in range(1, world + 1) if d == 1 or d % ulysses == 0]
     return [d for d in range(1, world + 1) if comm != "ulysses" or heads_per_rank % d == 0]
 
 
@@ -45,7 +51,8 @@ class DynamicStream:
         self.budget = data.tokens_per_rank or cfg.model.seq_len // p.cp
         self.layout, self.world, self.cost = p.layout, world, cost
         self.per_step, self.seed = cfg.train.global_batch_size, cfg.train.seed
-        self.sizes = dynamic_cp_sizes(world, p.cp_comm, cfg.model.n_heads // p.tp)
+        self.sizes = dynamic_cp_sizes(world, p.cp_comm, cfg.model.n_heads // p.tp,
+                                      ulysses_degree(p))
         ds = source.data
         lo, hi = source.first * source.seq_len, (source.first + source.n_windows) \
             * source.seq_len + 1

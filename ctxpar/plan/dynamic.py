@@ -23,8 +23,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..config import Config
+from ..config import Config, ulysses_degree
 from ..data.dynamic_cp import ScheduleError, schedule, static_schedule
+from ..data.dynamic_stream import dynamic_cp_sizes
 from .cluster import Cluster, PlanError
 from .sequence_cost import SequenceCost
 
@@ -64,8 +65,7 @@ def compare(cfg: Config, cluster: Cluster, steps: List[List[int]]) -> Comparison
     world = cluster.world // (p.tp * p.pp)
     budget = cfg.data.tokens_per_rank or cfg.model.seq_len // p.cp
     cost = SequenceCost(cfg, cluster)
-    sizes = [d for d in range(1, world + 1)
-             if p.cp_comm != "ulysses" or (cfg.model.n_heads // p.tp) % d == 0]
+    sizes = dynamic_cp_sizes(world, p.cp_comm, cfg.model.n_heads // p.tp, ulysses_degree(p))
     dyn, static, counts = [], [], {}
     try:
         for lengths in steps:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Dict, Tuple
 
-from ..config import Config
+from ..config import Config, ulysses_degree
 from .candidate import Candidate
 from .cluster import Cluster
 from .search import is_bf16
@@ -29,12 +29,14 @@ from .timing import step_time
 
 class SequenceCost:
     """Seconds of one sequence at a CP degree under cfg's model, TP degree, pattern
-    (parallel.cp_comm: ring, allgather or ulysses) and token layout, on cluster's device."""
+    (parallel.cp_comm: ring, allgather, ulysses, or hybrid of Ulysses degree
+    parallel.ulysses) and token layout, on cluster's device."""
 
     def __init__(self, cfg: Config, cluster: Cluster):
         p = cfg.parallel
         self.cfg, self.cluster, self.bf16 = cfg, cluster, is_bf16(cfg)
         self.comm, self.layout, self.tp = p.cp_comm, p.layout, p.tp
+        self.ulysses = ulysses_degree(p)  # hybrid: every size > 1 is u x a ring
         ac = cfg.activation_checkpointing
         self._cand = dict(tp=p.tp, pp=1, dp=1, cp_comm=p.cp_comm, token_layout=p.layout,
                           activation=ac.mode, every_n_layers=ac.every_n_layers,
@@ -48,7 +50,8 @@ class SequenceCost:
         if key not in self._seconds:
             cfg = replace(self.cfg, model=replace(self.cfg.model, seq_len=n),
                           train=replace(self.cfg.train, global_batch_size=1))
-            ulysses = d if self.comm == "ulysses" else 1
+            ulysses = (d if self.comm == "ulysses" else
+                       self.ulysses if self.comm == "hybrid" and d > 1 else 1)
             cand = Candidate(cp=d, ulysses=ulysses, **self._cand)
             t = step_time(cfg, cand, self.cluster, self.bf16)
             blocks = self.cfg.model.n_layers * d * self.cluster.gpu.block_overhead
