@@ -10,9 +10,10 @@ busiest rank under the layout (quadratic in n), the TP all-reduces and the CP tr
 pattern cannot hide; the per-layer, per-micro-batch overhead (cluster.GPU.overhead) is
 left out and given as ``overhead``, because a rank group runs all its documents of a step
 as one packed sequence (document masking) and pays it once. Each document also pays the
-device's block_overhead per layer at each of the d ring steps it crosses (its blocks'
-kernel calls, merges and plans, the step's send and receive): what makes a short
-document dear under CP. The gradient reduction, the
+device's block_overhead per layer at each ring step it crosses (its blocks' kernel calls,
+merges and plans, the step's send and receive): d steps under the ring and all-gather,
+d / u under hybrid, one under Ulysses (a whole document's heads on each rank). What makes
+a short document dear under the ring. The gradient reduction, the
 pipeline bubble and the optimizer are the step's, not a sequence's: not counted here.
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ class SequenceCost:
                        self.ulysses if self.comm == "hybrid" and d > 1 else 1)
             cand = Candidate(cp=d, ulysses=ulysses, **self._cand)
             t = step_time(cfg, cand, self.cluster, self.bf16)
-            blocks = self.cfg.model.n_layers * d * self.cluster.gpu.block_overhead
+            steps = d // ulysses  # ring or all-gather blocks per document; Ulysses: one
+            blocks = self.cfg.model.n_layers * steps * self.cluster.gpu.block_overhead
             self._seconds[key] = t.compute + t.tp + t.cp_exposed + t.offload + blocks
         return self._seconds[key]

@@ -61,7 +61,7 @@ def _plans(cfg, a, lengths, world):
     gpu, _ = detect(torch.device("cpu"), world)
     cost = SequenceCost(cfg, Cluster(1, world, gpu))
     out = {"dynamic": (schedule(lengths, world, a.tokens_per_rank, cost, cost.overhead,
-                                a.layout), a.layout),
+                                a.layout, _sizes(cfg, world)), a.layout),
            "static-cp": (static_schedule(lengths, world, a.tokens_per_rank, world, cost,
                                          cost.overhead, a.static_layout), a.static_layout)}
     try:
@@ -72,12 +72,22 @@ def _plans(cfg, a, lengths, world):
     return out
 
 
-def _train_pack(model, group, layout, pack, step, lengths):
-    """Forward and backward of one pack of a step's documents on its rank group."""
+def _sizes(cfg, world):
+    """The CP sizes train.py's dynamic CP allows for cfg's pattern (dynamic_cp_sizes)."""
+    from ctxpar.config.sections import ulysses_degree
+    from ctxpar.data.dynamic_stream import dynamic_cp_sizes
+
+    p = cfg.parallel
+    return dynamic_cp_sizes(world, p.cp_comm, cfg.model.n_heads // p.tp, ulysses_degree(p))
+
+
+def _train_pack(model, tile, layout, pack, step, lengths):
+    """Forward and backward of one pack of a step's documents on its tile's groups."""
     from ctxpar.data.dynamic_batch import pack_sequence, shard_pack
 
+    model.use_cp_group(*tile)
     docs = [_document(step, i, lengths[i], model.cfg.vocab_size) for i in pack.docs]
-    local = shard_pack(pack_sequence(docs, pack.length), group, layout)
+    local = shard_pack(pack_sequence(docs, pack.length), tile.cp_group, layout, tile.ulysses)
     loss = model(local["tokens"], local["positions"], local["labels"],
                  cu_seqlens=local["cu_seqlens"])
     (loss / sum(lengths)).backward()
@@ -88,12 +98,14 @@ def _work(rank, world, a):
     machine, packed up to the longest (the budget lifted): their work without CP."""
     from ctxpar import init_parallel_state
     from ctxpar.data.dynamic_cp import padded_length, schedule
+    from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
 
-    cfg = _config(a, 1)
+    cfg = _config(a, 1, "parallel.cp_comm=ring", "parallel.ulysses=null")  # no CP at all
     state = init_parallel_state(cp=1)
-    model = GPT(cfg.model, ModelGroups(cp_group=state.cp_group),
+    tile = build_dynamic_cp_groups(state, [1]).tile_groups(0, 1)
+    model = GPT(cfg.model, ModelGroups.from_state(state),
                 ModelOptions(layout=a.layout, cp_comm=cfg.parallel.cp_comm, seed=1))
     out = {}
     for s in range(a.steps + 1):
@@ -102,16 +114,16 @@ def _work(rank, world, a):
         plan = schedule(lengths, 1, longest, lambda n, d: float(n), 0.0, a.layout, [1])
         t0 = time.perf_counter()
         for pack in plan.packs:
-            _train_pack(model, state.cp_group, a.layout, pack, s, lengths)
+            _train_pack(model, tile, a.layout, pack, s, lengths)
         if s > 0:  # step 0 warms up
             out[s] = time.perf_counter() - t0
     return out
 
 
-def _config(a, world):
+def _config(a, world, *extra):
     from ctxpar.config import load_config
     return load_config(a.config, overrides=[f"parallel.cp={world}", "parallel.dp=1",
-                                            "parallel.tp=1", "parallel.pp=1", *a.set],
+                                            "parallel.tp=1", "parallel.pp=1", *a.set, *extra],
                        world_size=world)
 
 
@@ -120,13 +132,16 @@ def _rank(rank, world, a):
     import torch.distributed as dist
 
     from ctxpar import init_parallel_state
+    from ctxpar.config.sections import ulysses_degree
     from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
 
     cfg = _config(a, world)
-    state = init_parallel_state(cp=world)
-    groups = build_dynamic_cp_groups(state, range(1, world + 1))
+    u = ulysses_degree(cfg.parallel)
+    state = init_parallel_state(cp=world, ulysses=u)
+    hybrid = u if cfg.parallel.cp_comm == "hybrid" else None
+    groups = build_dynamic_cp_groups(state, _sizes(cfg, world), ulysses=hybrid)
     for tile in sorted(groups.groups):  # connect every group before anything is timed
         if tile[1] > 1:
             dist.barrier(group=groups.groups[tile])
@@ -134,14 +149,13 @@ def _rank(rank, world, a):
     for s in range(a.steps + 1):
         lengths = step_lengths(a, s)
         for side, (plan, layout) in _plans(cfg, a, lengths, world).items():
-            model = GPT(cfg.model, ModelGroups(cp_group=state.cp_group),
+            model = GPT(cfg.model, ModelGroups.from_state(state),
                         ModelOptions(layout=layout, cp_comm=cfg.parallel.cp_comm, seed=1))
             dist.barrier()
             t0 = time.perf_counter()
             for pack in plan.packs_of(groups.position):
-                group = groups.group(pack.first, pack.size)
-                model.use_cp_group(group)
-                _train_pack(model, group, layout, pack, s, lengths)
+                _train_pack(model, groups.tile_groups(pack.first, pack.size), layout, pack,
+                            s, lengths)
             # one flat all-reduce of the gradients, as DeepSpeed's reduce bucket does
             grads = [p.grad if p.grad is not None else torch.zeros_like(p)
                      for p in model.parameters()]
