@@ -15,8 +15,9 @@ it as the text does. Output quoted verbatim (a table's rows) carries one comment
 and the lines below it, up to the next blank line, that match the regex must be the
 output's lines that match it. The check fails, one line per figure, when a quoted figure differs;
 --update (`make docs-check UPDATE=1`) writes the commands' figures into the files instead.
-Commands of the form `python -m ctxpar.plan ...` run in this process (no interpreter start
-per command); each distinct command runs once.
+Commands of the form `python -m ctxpar.plan ...` run in the process that checks them (no
+interpreter start per command); each distinct command runs once, the commands spread over
+the machine's cores (they are independent).
 """
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ import contextlib
 import glob
 import io
 import itertools
+import multiprocessing
 import os
 import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -110,6 +113,29 @@ def run(command: str) -> str:
     return proc.stdout
 
 
+def _run_or_error(command: str):
+    """(True, stdout) or (False, the one-line error): a worker's answer."""
+    try:
+        return True, run(command)
+    except SystemExit as e:
+        return False, str(e)
+
+
+def outputs_of(commands: List[str]) -> Dict[str, str]:
+    """Each command's stdout, the commands run side by side on the machine's cores; the
+    first failure (in the commands' order) exits with its line."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    workers = min(len(commands), cores)
+    if workers <= 1:
+        return {c: run(c) for c in commands}
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        answers = list(pool.map(_run_or_error, commands))
+    for ok, out in answers:
+        if not ok:
+            raise SystemExit(out)
+    return {c: out for c, (_, out) in zip(commands, answers)}
+
+
 def figure_from(output: str, f: Figure, command: str) -> str:
     """The figure f quotes, as the command prints it now (formatted by f.spec)."""
     if f.lines:
@@ -133,17 +159,18 @@ def figure_from(output: str, f: Figure, command: str) -> str:
 def check(paths: List[str], update: bool = False) -> List[str]:
     """One line per quoted figure that differs from its command's output (rewritten in
     place when update)."""
-    outputs: Dict[str, str] = {}
-    diffs = []
+    files = []
     for path in paths:
         with open(path) as fh:
             text = fh.read()
-        commands, figures = parse(path, text)
+        files.append((path, text, *parse(path, text)))
+    needed = [commands[f.name] for _, _, commands, figures in files for f in figures]
+    outputs = outputs_of(list(dict.fromkeys(needed)))
+    diffs = []
+    for path, text, commands, figures in files:
         new = text
         for f in reversed(figures):  # from the end: earlier offsets stay valid
             cmd = commands[f.name]
-            if cmd not in outputs:
-                outputs[cmd] = run(cmd)
             now = figure_from(outputs[cmd], f, cmd)
             if now != f.quoted:
                 quoted, printed = f.quoted, now
