@@ -21,6 +21,14 @@ from ctxpar.data.dynamic_cp import padded_length
 from .loss import global_mean_loss, loss_for_backward
 
 
+def pack_inputs(model, tile, documents, length: int, layout: str) -> dict:
+    """This rank's share of one pack, the model switched to the pack's groups: `tile` is
+    DynamicCPGroups.tile_groups' (the group, and under hybrid its Ulysses and ring groups),
+    documents the pack's stored documents, length its padded length (shard_pack's dict)."""
+    model.use_cp_group(*tile)
+    return shard_pack(pack_sequence(documents, length), tile.cp_group, layout, tile.ulysses)
+
+
 def train_step(engine, step, groups, state, layout: str, gas: int, divisor: int,
                device, rounds: bool = False) -> torch.Tensor:
     """step: a DynamicStep; groups: build_dynamic_cp_groups' (ctxpar/distributed/
@@ -43,9 +51,7 @@ def train_step(engine, step, groups, state, layout: str, gas: int, divisor: int,
         else:
             tile = groups.tile_groups(pack.first, pack.size)
             documents, length = [step.documents[i] for i in pack.docs], pack.length
-        model.use_cp_group(*tile)
-        local = shard_pack(pack_sequence(documents, length), tile.cp_group, layout,
-                           tile.ulysses)
+        local = pack_inputs(model, tile, documents, length, layout)
         out = engine(*(local[k].to(device) for k in ("tokens", "positions", "labels")),
                      cu_seqlens=local["cu_seqlens"])  # sum of this rank's token losses
         engine.backward(loss_for_backward(out, n_tokens, divisor, gas))

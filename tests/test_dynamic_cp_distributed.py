@@ -88,10 +88,10 @@ def test_a_one_rank_hybrid_pack_runs_as_the_other_patterns_one_rank_packs():
 def _dynamic_step(rank, world):
     from ctxpar import init_parallel_state
     from ctxpar.context_parallel import gather_sequence
-    from ctxpar.data.dynamic_batch import pack_sequence, shard_pack
     from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
     from ctxpar.context_parallel.comm import group_rank_and_size
     from ctxpar.tensor_parallel import gather_full_state_dict
+    from models.dynamic_cp import pack_inputs
     from models.gpt import GPT
     from models.options import ModelGroups
     import torch.distributed as dist
@@ -112,10 +112,9 @@ def _dynamic_step(rank, world):
         loss, logits, sizes = torch.zeros(()), {}, {}
         for pack in plan.packs_of(tiles.position):
             tile = tiles.tile_groups(pack.first, pack.size)
-            model.use_cp_group(*tile)
             group = tile.cp_group
-            full = pack_sequence([docs[i] for i in pack.docs], pack.length)
-            local = shard_pack(full, group, LAYOUT, tile.ulysses)
+            local = pack_inputs(model, tile, [docs[i] for i in pack.docs], pack.length,
+                                LAYOUT)
             loss_sum = model(local["tokens"], local["positions"], local["labels"],
                              cu_seqlens=local["cu_seqlens"])
             (loss_sum / n_tokens).backward()        # the token mean over the whole step
@@ -123,7 +122,7 @@ def _dynamic_step(rank, world):
             with torch.no_grad():
                 y = model(local["tokens"], local["positions"], cu_seqlens=local["cu_seqlens"])
                 y = gather_sequence(y, 1, group, LAYOUT, tile.ulysses)[0]  # (length, V)
-            cu = full["cu_seqlens"].tolist()
+            cu = local["cu_seqlens"][0].tolist()
             for j, i in enumerate(pack.docs):
                 logits[i], sizes[i] = y[cu[j]:cu[j + 1]], pack.size
         dist.all_reduce(loss)                       # every rank's share of every pack

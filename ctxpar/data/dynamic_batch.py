@@ -8,7 +8,8 @@ ignored; attention stays inside each document and RoPE positions restart at each
 (document masking, Megatron's reset_attention_mask and reset_position_ids).
 
     full = pack_sequence([dataset[i] for i in step_docs[list(pack.docs)]], pack.length)
-    local = shard_pack(full, groups.group(pack.first, pack.size), layout)
+    tile = groups.tile_groups(pack.first, pack.size)   # and model.use_cp_group(*tile)
+    local = shard_pack(full, tile.cp_group, layout, tile.ulysses)
     loss_sum = model(local["tokens"], local["positions"], local["labels"],
                      cu_seqlens=local["cu_seqlens"])
 """

@@ -35,6 +35,13 @@ def dynamic_cp_sizes(world: int, comm: str, heads_per_rank: int,
     return [d for d in range(1, world + 1) if comm != "ulysses" or heads_per_rank % d == 0]
 
 
+def dynamic_cp_sizes_for(cfg, world: int) -> List[int]:
+    """dynamic_cp_sizes for cfg's pattern, heads per TP rank and Ulysses degree over a
+    DP x CP group of `world` ranks: what the stream, the planner and the benchmark use."""
+    p = cfg.parallel
+    return dynamic_cp_sizes(world, p.cp_comm, cfg.model.n_heads // p.tp, ulysses_degree(p))
+
+
 @dataclass(frozen=True)
 class DynamicStep:
     documents: List[np.ndarray]   # the step's documents, stored tokens (EOS last)
@@ -51,8 +58,7 @@ class DynamicStream:
         self.budget = data.tokens_per_rank or cfg.model.seq_len // p.cp
         self.layout, self.world, self.cost = p.layout, world, cost
         self.per_step, self.seed = cfg.train.global_batch_size, cfg.train.seed
-        self.sizes = dynamic_cp_sizes(world, p.cp_comm, cfg.model.n_heads // p.tp,
-                                      ulysses_degree(p))
+        self.sizes = dynamic_cp_sizes_for(cfg, world)
         ds = source.data
         lo, hi = source.first * source.seq_len, (source.first + source.n_windows) \
             * source.seq_len + 1

@@ -23,9 +23,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..config import Config, ulysses_degree
+from ..config import Config
 from ..data.dynamic_cp import ScheduleError, schedule, static_schedule
-from ..data.dynamic_stream import dynamic_cp_sizes
+from ..data.dynamic_stream import dynamic_cp_sizes_for
 from .cluster import Cluster, PlanError
 from .sequence_cost import SequenceCost
 
@@ -65,7 +65,7 @@ def compare(cfg: Config, cluster: Cluster, steps: List[List[int]]) -> Comparison
     world = cluster.world // (p.tp * p.pp)
     budget = cfg.data.tokens_per_rank or cfg.model.seq_len // p.cp
     cost = SequenceCost(cfg, cluster)
-    sizes = dynamic_cp_sizes(world, p.cp_comm, cfg.model.n_heads // p.tp, ulysses_degree(p))
+    sizes = dynamic_cp_sizes_for(cfg, world)
     dyn, static, counts = [], [], {}
     try:
         for lengths in steps:

@@ -53,6 +53,7 @@ def _document(step: int, i: int, n: int, vocab: int) -> np.ndarray:
 
 def _plans(cfg, a, lengths, world):
     from ctxpar.data.dynamic_cp import ScheduleError, schedule, static_schedule
+    from ctxpar.data.dynamic_stream import dynamic_cp_sizes_for
     from ctxpar.plan.cluster import Cluster
     from ctxpar.plan.sequence_cost import SequenceCost
     from ctxpar.plan.startup import detect
@@ -61,7 +62,7 @@ def _plans(cfg, a, lengths, world):
     gpu, _ = detect(torch.device("cpu"), world)
     cost = SequenceCost(cfg, Cluster(1, world, gpu))
     out = {"dynamic": (schedule(lengths, world, a.tokens_per_rank, cost, cost.overhead,
-                                a.layout, _sizes(cfg, world)), a.layout),
+                                a.layout, dynamic_cp_sizes_for(cfg, world)), a.layout),
            "static-cp": (static_schedule(lengths, world, a.tokens_per_rank, world, cost,
                                          cost.overhead, a.static_layout), a.static_layout)}
     try:
@@ -72,22 +73,12 @@ def _plans(cfg, a, lengths, world):
     return out
 
 
-def _sizes(cfg, world):
-    """The CP sizes train.py's dynamic CP allows for cfg's pattern (dynamic_cp_sizes)."""
-    from ctxpar.config.sections import ulysses_degree
-    from ctxpar.data.dynamic_stream import dynamic_cp_sizes
-
-    p = cfg.parallel
-    return dynamic_cp_sizes(world, p.cp_comm, cfg.model.n_heads // p.tp, ulysses_degree(p))
-
-
 def _train_pack(model, tile, layout, pack, step, lengths):
     """Forward and backward of one pack of a step's documents on its tile's groups."""
-    from ctxpar.data.dynamic_batch import pack_sequence, shard_pack
+    from models.dynamic_cp import pack_inputs
 
-    model.use_cp_group(*tile)
     docs = [_document(step, i, lengths[i], model.cfg.vocab_size) for i in pack.docs]
-    local = shard_pack(pack_sequence(docs, pack.length), tile.cp_group, layout, tile.ulysses)
+    local = pack_inputs(model, tile, docs, pack.length, layout)
     loss = model(local["tokens"], local["positions"], local["labels"],
                  cu_seqlens=local["cu_seqlens"])
     (loss / sum(lengths)).backward()
@@ -98,13 +89,13 @@ def _work(rank, world, a):
     machine, packed up to the longest (the budget lifted): their work without CP."""
     from ctxpar import init_parallel_state
     from ctxpar.data.dynamic_cp import padded_length, schedule
-    from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
+    from ctxpar.distributed.dynamic_groups import TileGroups
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
 
     cfg = _config(a, 1, "parallel.cp_comm=ring", "parallel.ulysses=null")  # no CP at all
     state = init_parallel_state(cp=1)
-    tile = build_dynamic_cp_groups(state, [1]).tile_groups(0, 1)
+    tile = TileGroups(state.cp_group)
     model = GPT(cfg.model, ModelGroups.from_state(state),
                 ModelOptions(layout=a.layout, cp_comm=cfg.parallel.cp_comm, seed=1))
     out = {}
@@ -133,6 +124,7 @@ def _rank(rank, world, a):
 
     from ctxpar import init_parallel_state
     from ctxpar.config.sections import ulysses_degree
+    from ctxpar.data.dynamic_stream import dynamic_cp_sizes_for
     from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
@@ -141,7 +133,7 @@ def _rank(rank, world, a):
     u = ulysses_degree(cfg.parallel)
     state = init_parallel_state(cp=world, ulysses=u)
     hybrid = u if cfg.parallel.cp_comm == "hybrid" else None
-    groups = build_dynamic_cp_groups(state, _sizes(cfg, world), ulysses=hybrid)
+    groups = build_dynamic_cp_groups(state, dynamic_cp_sizes_for(cfg, world), ulysses=hybrid)
     for tile in sorted(groups.groups):  # connect every group before anything is timed
         if tile[1] > 1:
             dist.barrier(group=groups.groups[tile])
