@@ -36,7 +36,7 @@ from ctxpar.config.parameters import parameter_specs
 from ctxpar.config.run_dir import check_run_dir
 from ctxpar.data import DataError, build_data, load_tokenizer
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
-from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
+from ctxpar.dynamic_cp.groups import build_dynamic_cp_groups
 from ctxpar.distributed.grad_norm import record_fp32_grad_norm
 from ctxpar.distributed.mpu import DeepSpeedMPU
 from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
@@ -191,7 +191,7 @@ def initialize_engine(model, cfg, state, ds_config, device):
 def dynamic_stream(cfg, data, world: int):
     """data.dynamic_cp's stream over the dp x cp ranks, its cost model the planner's for
     this machine; file reads only: a document no rank group holds exits 2 here."""
-    from ctxpar.data.dynamic_stream import DynamicStream
+    from ctxpar.dynamic_cp.stream import DynamicStream
     from ctxpar.plan.cluster import GPUS, Cluster
     from ctxpar.plan.sequence_cost import SequenceCost
     from ctxpar.plan.startup import detect, local_ranks

@@ -1,6 +1,6 @@
 """One optimizer step of data.dynamic_cp through GPT and DeepSpeed (train.py's loop).
 
-Each rank runs its packs of the step's schedule (ctxpar/data/dynamic_cp.py) in the
+Each rank runs its packs of the step's schedule (ctxpar/dynamic_cp/schedule.py) in the
 schedule's order: the model's CP group set to the pack's rank group, forward, backward.
 DeepSpeed's managed_gradient_accumulation is false (ctxpar's deepspeed section sets it
 for dynamic CP): under ZeRO 0 and 1 the gradients accumulate locally, so ranks with
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ctxpar.data.dynamic_batch import pack_sequence, shard_pack
-from ctxpar.data.dynamic_cp import padded_length
+from ctxpar.dynamic_cp.batch import pack_sequence, shard_pack
+from ctxpar.dynamic_cp.schedule import padded_length
 
 from .loss import global_mean_loss, loss_for_backward
 

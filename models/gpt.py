@@ -451,7 +451,7 @@ class GPT(nn.Module):
 
     def use_cp_group(self, cp_group, ulysses_group=None, ring_group=None) -> None:
         """Run the next sequences over another CP group, same pattern and layout: dynamic
-        CP gives each pack its rank group (ctxpar/distributed/dynamic_groups.py,
+        CP gives each pack its rank group (ctxpar/dynamic_cp/groups.py,
         DynamicCPGroups.tile_groups); under hybrid also the Ulysses and ring groups in it."""
         self.cp = replace(self.cp, cp_group=cp_group, ulysses_group=ulysses_group,
                           ring_group=ring_group)

@@ -1,4 +1,4 @@
-"""Dynamic CP's schedule (ctxpar/data/dynamic_cp.py), pure: sizes, placement, balance.
+"""Dynamic CP's schedule (ctxpar/dynamic_cp/schedule.py), pure: sizes, placement, balance.
 
 A long-tailed sample: lognormal document lengths clipped to [128, 16384] tokens, 4 ranks
 of 4096 tokens each. The cost models: an analytic one whose attention is quadratic and
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ctxpar.config import load_config
-from ctxpar.data.dynamic_cp import (ScheduleError, cp_size_for, cp_tiles, padded_length,
+from ctxpar.dynamic_cp.schedule import (ScheduleError, cp_size_for, cp_tiles, padded_length,
                                     schedule, static_schedule, step_documents)
 from ctxpar.plan.cluster import GPUS, Cluster
 from ctxpar.plan.sequence_cost import SequenceCost

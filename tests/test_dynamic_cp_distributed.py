@@ -6,9 +6,9 @@ the tolerance is test_documents.py's: the ring's merge and the gradient sum over
 in another order)."""
 import torch
 
-from ctxpar.data.dynamic_cp import schedule
-from ctxpar.data.dynamic_stream import dynamic_cp_sizes
-from ctxpar.distributed.dynamic_groups import dynamic_group_ranks, hybrid_ranks, tile_ranks
+from ctxpar.dynamic_cp.schedule import schedule
+from ctxpar.dynamic_cp.stream import dynamic_cp_sizes
+from ctxpar.dynamic_cp.groups import dynamic_group_ranks, hybrid_ranks, tile_ranks
 from ctxpar.distributed.parallel_state import rank_grid
 from ctxpar.testing import run_distributed
 from models.options import ModelOptions
@@ -68,7 +68,7 @@ def test_a_one_rank_hybrid_pack_runs_as_the_other_patterns_one_rank_packs():
     """Ulysses and ring groups LOCAL (the one-rank tile's): the same kernel calls, bit for
     bit, as every other pattern with its group LOCAL."""
     from ctxpar.context_parallel import LOCAL
-    from ctxpar.data.dynamic_batch import pack_sequence, shard_pack
+    from ctxpar.dynamic_cp.batch import pack_sequence, shard_pack
     from models.gpt import GPT
 
     full = pack_sequence(_documents()[4:7], 32)
@@ -88,7 +88,7 @@ def test_a_one_rank_hybrid_pack_runs_as_the_other_patterns_one_rank_packs():
 def _dynamic_step(rank, world):
     from ctxpar import init_parallel_state
     from ctxpar.context_parallel import gather_sequence
-    from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
+    from ctxpar.dynamic_cp.groups import build_dynamic_cp_groups
     from ctxpar.context_parallel.comm import group_rank_and_size
     from ctxpar.tensor_parallel import gather_full_state_dict
     from models.dynamic_cp import pack_inputs

@@ -20,7 +20,7 @@ import pytest
 
 from ctxpar.config import ConfigError, load_config
 from ctxpar.data import DataError, IndexedDatasetWriter, build_data
-from ctxpar.data.dynamic_stream import DynamicStream
+from ctxpar.dynamic_cp.stream import DynamicStream
 from helpers.train_run import CONFIG, losses, metric, run_train
 
 DYNAMIC = ["data.dynamic_cp=true", "data.kind=tokens", "data.eval_fraction=0.1",

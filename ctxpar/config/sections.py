@@ -190,7 +190,7 @@ class DataConfig:
     """No loss on predicting the token after a document's end (EOS) (Megatron's
     eod_mask_loss); for kind=tokens (passkey labels only the answer)."""
     dynamic_cp: bool = False
-    """Variable-length data with dynamic context parallelism (ctxpar/data/dynamic_cp.py):
+    """Variable-length data with dynamic context parallelism (ctxpar/dynamic_cp/schedule.py):
     each step trains on train.global_batch_size whole documents of the token file, each
     given the smallest CP size whose ranks hold it (1 to dp x cp, any) and a group of
     the DP x CP ranks, balanced by the planner's step time; document masking and RoPE

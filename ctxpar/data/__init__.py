@@ -1,5 +1,5 @@
-"""Data: the passkey task, .bin/.idx token files, the DP/CP-aware sample stream, and dynamic
-CP's per-step schedule (dynamic_cp.py: each document's CP degree and rank group)."""
+"""Data: the passkey task, .bin/.idx token files, the DP/CP-aware sample stream (dynamic
+CP's per-document stream and schedule: ctxpar/dynamic_cp/)."""
 from .indexed import DataError, IndexedDataset, IndexedDatasetWriter
 from .loader import SampleStream, TokenWindows, build_source, shard_batch
 from .pipeline import Data, ShardedStream, build_data, build_sample_stream

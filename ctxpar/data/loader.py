@@ -190,7 +190,7 @@ class SampleStream:
 
     def load_state_dict(self, state: Dict) -> None:
         """Continue after state["samples_consumed"]; refuse a checkpoint of other data."""
-        if state.get("kind") == "dynamic_cp":  # ctxpar/data/dynamic_stream.py's state
+        if state.get("kind") == "dynamic_cp":  # ctxpar/dynamic_cp/stream.py's state
             raise DataError(f"the checkpoint's data position is a data.dynamic_cp stream's "
                             f"(step {state.get('step')}): resume it with "
                             f"data.dynamic_cp=true, or start over with --resume none")

@@ -7,7 +7,7 @@ clipped to [min, max] tokens) from a fixed seed, are placed both ways with the s
 model (sequence_cost.SequenceCost: the planner's seconds of a sequence at a CP degree)
 and the same tokens per rank (data.tokens_per_rank, default seq_len / cp):
 
-    static   ctxpar/data/dynamic_cp.py's static_schedule at the config's cp: documents in
+    static   ctxpar/dynamic_cp/schedule.py's static_schedule at the config's cp: documents in
              order, packed into samples of cp x budget tokens (document masking), the
              samples dealt to the dp groups
     dynamic  its schedule: each document its smallest CP size, balanced over dp x cp
@@ -24,8 +24,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..config import Config
-from ..data.dynamic_cp import ScheduleError, schedule, static_schedule
-from ..data.dynamic_stream import dynamic_cp_sizes_for
+from ..dynamic_cp.schedule import ScheduleError, schedule, static_schedule
+from ..dynamic_cp.stream import dynamic_cp_sizes_for
 from .cluster import Cluster, PlanError
 from .sequence_cost import SequenceCost
 

@@ -14,7 +14,7 @@ after one warmup step: tokens/s is their tokens over their time, speedups are of
 total time of the steps a side ran, and each side is compared with dynamic CP on the
 same steps. The sides, all at --tokens-per-rank tokens per rank:
 
-    dynamic     ctxpar/data/dynamic_cp.py's schedule: each document its smallest CP size,
+    dynamic     ctxpar/dynamic_cp/schedule.py's schedule: each document its smallest CP size,
                 placed by the planner's cost model for this machine (--layout)
     static-cp   static_schedule at cp = world: documents in order, packed into samples of
                 world x budget tokens, each over all ranks (--static-layout)
@@ -52,8 +52,8 @@ def _document(step: int, i: int, n: int, vocab: int) -> np.ndarray:
 
 
 def _plans(cfg, a, lengths, world):
-    from ctxpar.data.dynamic_cp import ScheduleError, schedule, static_schedule
-    from ctxpar.data.dynamic_stream import dynamic_cp_sizes_for
+    from ctxpar.dynamic_cp.schedule import ScheduleError, schedule, static_schedule
+    from ctxpar.dynamic_cp.stream import dynamic_cp_sizes_for
     from ctxpar.plan.cluster import Cluster
     from ctxpar.plan.sequence_cost import SequenceCost
     from ctxpar.plan.startup import detect
@@ -88,8 +88,8 @@ def _work(rank, world, a):
     """Seconds per step of one rank running all the step's documents alone on the
     machine, packed up to the longest (the budget lifted): their work without CP."""
     from ctxpar import init_parallel_state
-    from ctxpar.data.dynamic_cp import padded_length, schedule
-    from ctxpar.distributed.dynamic_groups import TileGroups
+    from ctxpar.dynamic_cp.schedule import padded_length, schedule
+    from ctxpar.dynamic_cp.groups import TileGroups
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
 
@@ -124,8 +124,8 @@ def _rank(rank, world, a):
 
     from ctxpar import init_parallel_state
     from ctxpar.config.sections import ulysses_degree
-    from ctxpar.data.dynamic_stream import dynamic_cp_sizes_for
-    from ctxpar.distributed.dynamic_groups import build_dynamic_cp_groups
+    from ctxpar.dynamic_cp.stream import dynamic_cp_sizes_for
+    from ctxpar.dynamic_cp.groups import build_dynamic_cp_groups
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
 

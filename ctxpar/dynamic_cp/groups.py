@@ -1,6 +1,6 @@
 """Dynamic CP's process groups: one per tile of the DP x CP ranks, built once at start.
 
-The schedule (ctxpar/data/dynamic_cp.py) numbers the ranks of a DP x CP group 0..W-1 in
+The schedule (ctxpar/dynamic_cp/schedule.py) numbers the ranks of a DP x CP group 0..W-1 in
 ascending global rank (the rank grid's order: with the default tp-cp-dp-pp, position =
 dp_rank x cp + cp_rank) and runs each document on a tile of contiguous positions
 (cp_tiles). Every TP (and PP) coordinate has its own DP x CP group, so each tile is a
@@ -29,8 +29,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from ..context_parallel.comm import LOCAL, group_rank_and_size
-from ..data.dynamic_cp import cp_tiles
-from .parallel_state import ParallelState
+from .schedule import cp_tiles
+from ..distributed.parallel_state import ParallelState
 
 Tile = Tuple[int, int]  # (first position, size)
 

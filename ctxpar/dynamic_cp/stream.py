@@ -19,9 +19,9 @@ from typing import Dict, List
 import numpy as np
 
 from ..config import ulysses_degree
-from .dynamic_batch import document_tokens
-from .dynamic_cp import Schedule, ScheduleError, cp_size_for, schedule, step_documents
-from .indexed import DataError
+from .batch import document_tokens
+from .schedule import Schedule, ScheduleError, cp_size_for, schedule, step_documents
+from ..data.indexed import DataError
 
 
 def dynamic_cp_sizes(world: int, comm: str, heads_per_rank: int,

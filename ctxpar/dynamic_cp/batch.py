@@ -22,7 +22,7 @@ import torch
 
 from ..context_parallel.documents import document_positions
 from ..context_parallel.layouts import sequence_positions, shard_sequence
-from .passkey import IGNORE_INDEX
+from ..data.passkey import IGNORE_INDEX
 
 
 def document_tokens(stored: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ whose ranks hold it (its length padded to the layout's chunks, over d, within th
 per-rank token ``budget``): short documents stay on one rank, no CP at all. The world of
 W = dp x cp ranks is cut, for every size d, into the tiles of d contiguous ranks
 [k d, (k+1) d), k < W // d (``cp_tiles``: any d from 1 to W, not only powers of two;
-the process groups are built once at start, ctxpar/distributed/dynamic_groups.py).
+the process groups are built once at start, ctxpar/dynamic_cp/groups.py).
 Documents are placed longest-processing-time first (Graham's LPT), by the cost model's
 seconds, descending. A document of size d >= 2 runs alone (with every size allowed it
 holds more than (d - 1) x budget tokens, so no two would fit one group anyway), on the
