@@ -5,7 +5,8 @@
     srun python train.py --config configs/gpt7b_128k_3d.yaml      (rank/world from SLURM_*)
 
 Top to bottom: config -> distributed -> ParallelState -> GPT -> deepspeed.initialize -> loop.
-The loop asks each component whether its moment has come: the Evaluator
+The kind of step (micro-batches, the pipeline, dynamic CP's documents) is decided once
+(models/steps.py); the loop runs it and asks each component whether its moment has come: the Evaluator
 (ctxpar/components/evaluation.py), the Checkpointer (components/checkpointer.py),
 StepMetrics (components/metrics.py) and the PreemptionGuard (ctxpar/checkpoint).
 Bad input (config, layout vs world size, data paths) exits with code 2 and one line on
@@ -17,34 +18,35 @@ import argparse
 import math
 import os
 import sys
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ctxpar import checkpoint as ckpt
-from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
-from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.components.checkpointer import Checkpointer
+from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
 from ctxpar.components.evaluation import Evaluator
+from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.components.long_context import LongContextEval
 from ctxpar.components.metrics import (MetricsLogger, StepMetrics, StepTimer, WandbError,
                                        init_wandb, memory_baseline)
-from ctxpar.config import (ConfigError, deepspeed_config, dump_config, load_config, to_dict,
-                           ulysses_degree)
+from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_config, to_dict
 from ctxpar.config.parameters import parameter_specs
 from ctxpar.config.run_dir import check_run_dir
 from ctxpar.data import DataError, build_data, load_tokenizer
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
-from ctxpar.dynamic_cp.groups import build_dynamic_cp_groups
-from ctxpar.distributed.grad_norm import record_fp32_grad_norm
-from ctxpar.distributed.mpu import DeepSpeedMPU
-from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
-                                               init_parallel_state, launcher_env, local_device)
-from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
+from ctxpar.distributed.parallel_state import (default_backend, init_distributed, launcher_env,
+                                               local_device)
 from ctxpar.memory import optimizer as optimizer_offload
 from ctxpar.plan.startup import print_prediction
+from models.gpt import GPT
+from models.gpt_pipe import pipeline_logits
 from models.options import ModelGroups
+from models.steps import training_steps
+from models.training import build_model, initialize_engine, parallel_state
 
 EXIT_NON_FINITE = 3
 
@@ -61,32 +63,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def lr_lambda(cfg):
-    """Linear warmup to train.lr, then cosine decay to train.min_lr at train.steps."""
-    t = cfg.train
-
-    def factor(step):
-        if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
-        return (t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))) / t.lr
-    return factor
-
-
-def param_groups(model, weight_decay):
-    """No weight decay on norms and biases (1-D tensors), as in GPT-2/Megatron.
-
-    Under ZeRO-3 a parameter is a flat partition: its true shape is ``ds_shape``.
-    """
-    def matrix(p):
-        return len(getattr(p, "ds_shape", p.shape)) >= 2
-
-    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
-    other = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": other, "weight_decay": 0.0}]
-
-
 def finite(loss: float, grad_norm) -> bool:
     return math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
 
@@ -98,30 +74,21 @@ def offload_metrics(model) -> dict:
     return {} if off is None else {"offload_host_bytes": off.stats()["peak_host_bytes"]}
 
 
-def train_step(engine, micro, n_tokens, state, gas, divisor) -> torch.Tensor:
-    """One optimizer step without a pipeline: gas forward/backward passes, then the update.
-
-    divisor: what DeepSpeed divides the gradient summed over dp x cp by
-    (ctxpar/distributed/zero.py).
-    Returns the global token-mean loss (models/loss.py; with pp > 1, models/gpt_pipe.py).
-    """
-    from models.loss import global_mean_loss, loss_for_backward
-
-    loss_sum = torch.zeros((), device=n_tokens.device)
-    for mb in micro:
-        local = engine(mb["tokens"], mb["positions"], mb["labels"],  # sum of token losses
-                       cu_seqlens=mb.get("cu_seqlens"))  # documents (data.document_mask)
-        engine.backward(loss_for_backward(local, n_tokens, divisor, gas))
-        engine.step()
-        loss_sum += local.detach().float()
-    return global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
+@dataclass
+class RunInputs:
+    """What check_inputs found: the same on every rank, before any collective."""
+    cfg: Any
+    data: Any                 # build_data's: the token files or the passkey task
+    save_dir: str
+    resume_from: Any          # the checkpoint to resume (ckpt.ResumePoint) or None
+    init: Any                 # model.init_from's weights (when not resuming) or None
+    long_context: Any         # train.py's long-context evaluation tasks or None
+    dynamic: Any              # data.dynamic_cp's DynamicStream or None
 
 
-def check_inputs(args, world: int):
+def check_inputs(args, world: int) -> RunInputs:
     """Config, run dir, data paths and the checkpoint to resume or start from: pure checks,
-    the same verdict on every rank, so bad input exits 2 with one line before any collective.
-    Returns (cfg, data, save_dir, resume point or None, init_from weights or None, the
-    long-context tasks or None)."""
+    the same verdict on every rank, so bad input exits 2 with one line before any collective."""
     try:
         cfg = load_config(args.config, args.set, world_size=world)
         check_run_dir(cfg)  # a path through a file, a read-only place: nothing created
@@ -135,8 +102,7 @@ def check_inputs(args, world: int):
         warn(f"data.document_mask with parallel.layout={cfg.parallel.layout!r}: ranks' "
              f"attention work is unbalanced with documents (docs/benchmarks.md: documents); "
              f"layout 'striped' keeps it balanced")
-    run_dir = cfg.logging.run_dir
-    save_dir = cfg.checkpoint.save_dir or os.path.join(run_dir, "checkpoints")
+    save_dir = cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints")
     problem = ckpt.resume_problem(save_dir, args.resume)  # a missing tag: before DeepSpeed
     if problem:
         fail(problem)
@@ -147,45 +113,8 @@ def check_inputs(args, world: int):
         init = ckpt.check_init_from(cfg) if cfg.model.init_from and resume_from is None else None
     except ckpt.CheckpointError as e:
         fail(str(e))
-    return cfg, data, save_dir, resume_from, init, long_context
-
-
-def parallel_state(cfg):
-    """The config's rank grid and its process groups (collective over the world)."""
-    p = cfg.parallel
-    return init_parallel_state(tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, order=p.order,
-                               ulysses=ulysses_degree(p))
-
-
-def build_model(cfg, state, gas: int, device):
-    """This rank's model: the GPT, or with pp > 1 its pipeline stage (DeepSpeed's pipeline
-    grid, derived from the same order string, is then the mpu:
-    ctxpar/distributed/pipeline_parallel.py). The same init for every layout."""
-    from models import gpt_pipe
-    from models.gpt import GPT
-
-    if cfg.parallel.pp > 1:
-        return gpt_pipe.GPTPipe.from_config(cfg, state, gas, device=device)
-    return GPT.from_config(cfg, state, device=device)
-
-
-def initialize_engine(model, cfg, state, ds_config, device):
-    """ZeRO-3's partitioning over dp x cp, AdamW and its schedule, and DeepSpeed's engine
-    over them. Returns (engine, scheduler)."""
-    import deepspeed
-
-    pipelined = cfg.parallel.pp > 1
-    partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
-    # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
-    # ctxpar/memory/optimizer.py)
-    optimizer = optimizer_offload.build_optimizer(
-        param_groups(model, cfg.train.weight_decay), cfg.train, ds_config, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           lr_scheduler=scheduler, config=ds_config,
-                                           mpu=None if pipelined else DeepSpeedMPU(state))
-    record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (distributed/grad_norm.py)
-    return engine, scheduler
+    dynamic = dynamic_stream(cfg, data, world) if cfg.data.dynamic_cp else None
+    return RunInputs(cfg, data, save_dir, resume_from, init, long_context, dynamic)
 
 
 def dynamic_stream(cfg, data, world: int):
@@ -222,9 +151,10 @@ def start_distributed(cfg, world: int):
     return device, state, rank0
 
 
-def open_logger(cfg, rank0: bool, start_step: int) -> MetricsLogger:
+def open_logger(cfg, rank0: bool, start_step: int, lines=()) -> MetricsLogger:
     """Rank 0 records the run: config.yaml, wandb (a warning, not a stop, when it cannot
-    start) and metrics.jsonl with the progress bar; other ranks get a silent logger."""
+    start) and metrics.jsonl with the progress bar, the lines above it first; other ranks
+    get a silent logger."""
     run_dir, wandb_run = cfg.logging.run_dir, None
     if rank0:
         dump_config(cfg, run_dir)
@@ -232,8 +162,74 @@ def open_logger(cfg, rank0: bool, start_step: int) -> MetricsLogger:
             wandb_run = init_wandb(cfg.logging, run_dir, to_dict(cfg))
         except WandbError as e:
             print(f"warning: {e}; continuing without wandb", file=sys.stderr, flush=True)
-    return MetricsLogger(run_dir, cfg.train.steps, start_step, enabled=rank0,
-                         wandb_run=wandb_run)
+    logger = MetricsLogger(run_dir, cfg.train.steps, start_step, enabled=rank0,
+                           wandb_run=wandb_run)
+    for line in lines:  # where the weights came from, what a resume changed
+        logger.write(line)
+    return logger
+
+
+@dataclass
+class Training:
+    """What a step needs and what records it, built once on every rank (collective)."""
+    engine: Any
+    scheduler: Any
+    steps: Any                # models/steps.py: the run's kind of step
+    whole_model: Any          # every layer at this TP on the meta device (names, resharding)
+    n_params: int
+    baseline: int             # memory_baseline(): what the prediction leaves out
+
+
+def build_training(run: RunInputs, state, device, rank0: bool):
+    """The model (the same init for every layout, model.init_from's weights on it),
+    DeepSpeed's engine and the run's kind of step. Returns (Training, init line or None)."""
+    cfg, pipelined = run.cfg, run.cfg.parallel.pp > 1
+    ds_config = deepspeed_config(cfg, state.dp_size)
+    memory_line = optimizer_offload.describe(cfg, ds_config, device)  # the options that are on
+    if rank0 and memory_line:
+        print(memory_line, flush=True)
+    baseline = memory_baseline(device)  # before the model: what the prediction leaves out
+    model = build_model(cfg, state, ds_config["gradient_accumulation_steps"], device)
+    init_line = None  # model.init_from: a Hugging Face folder's or a ctxpar checkpoint's
+    if run.init is not None:
+        init_line = ckpt.load_initial_weights(model, cfg, state, run.init)
+    # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
+    # (ds_to_universal), so the checkpoint can be resumed on another layout.
+    whole = GPT(cfg.model, ModelGroups(tp_group=state.tp_group, cp_group=state.cp_group),
+                device=torch.device("meta"))
+    model.universal_checkpoint_info = ckpt.universal_checkpoint_info(
+        whole, cfg.model.n_layers, cfg.model.tie_embeddings, pipelined)
+    if run.resume_from is not None:
+        run.resume_from.configure(ds_config)  # a layout change loads DeepSpeed's universal format
+    n_params = sum(spec.numel() for spec in parameter_specs(cfg.model))  # the whole model
+    engine, scheduler = initialize_engine(model, cfg, state, ds_config, device)
+    steps = training_steps(cfg, engine, state, run.data, ds_config, device, run.dynamic)
+    return Training(engine, scheduler, steps, whole, n_params, baseline), init_line
+
+
+def resume(training: Training, run: RunInputs, state, logger_lines: list) -> int:
+    """Load run.resume_from into the engine (resharded if the layout changed) and the data
+    stream's position; the step to start from (0 for a new run)."""
+    if run.resume_from is None:
+        return 0
+    client = ckpt.restore(training.engine, run.resume_from, run.cfg, state, training.whole_model)
+    training.steps.stream.load_state_dict(client["data"])
+    path = os.path.join(run.save_dir, run.resume_from.tag)
+    logger_lines.append(f"resumed from {path} at step {client['step']}")
+    if run.resume_from.universal:
+        logger_lines.append(run.resume_from.describe_changes())
+    return client["step"]
+
+
+def nothing_to_train(run: RunInputs, start_step: int, rank0: bool) -> int:
+    """The checkpoint found is at train.steps already (e.g. `make train` run twice)."""
+    if rank0:
+        print(f"nothing to train: {os.path.join(run.save_dir, run.resume_from.tag)} is at step "
+              f"{start_step} of train.steps={run.cfg.train.steps} (--resume none or another "
+              f"logging.run_dir starts over)", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
 
 
 def main(argv=None) -> int:
@@ -241,121 +237,68 @@ def main(argv=None) -> int:
     filter_known_warnings()  # DeepSpeed's deprecated torch calls, not the user's business
     launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
     world = int(os.environ["WORLD_SIZE"])
-    cfg, data, save_dir, resume_from, init, long_context = check_inputs(args, world)  # 1. exit 2
-    dynamic = dynamic_stream(cfg, data, world) if cfg.data.dynamic_cp else None
-    device, state, rank0 = start_distributed(cfg, world)         # 2. the grid
+    run = check_inputs(args, world)                       # 1. bad input exits 2, every rank
+    cfg = run.cfg
+    device, state, rank0 = start_distributed(cfg, world)  # 2. the grid
     torch.manual_seed(cfg.train.seed)
-
-    # 3. The model (same init for every layout) and the DeepSpeed engine.
-    from models import dynamic_cp, gpt_pipe
-    from models.gpt import GPT
-    from models.loss import global_token_count
-
-    pipelined = cfg.parallel.pp > 1
-    ds_config = deepspeed_config(cfg, state.dp_size)
-    gas = ds_config["gradient_accumulation_steps"]
-    memory_line = optimizer_offload.describe(cfg, ds_config, device)  # the options that are on
-    if rank0 and memory_line:
-        print(memory_line, flush=True)
-    baseline = memory_baseline(device)  # before the model: what the prediction leaves out
-    model = build_model(cfg, state, gas, device)  # with pp > 1 this rank's pipeline stage
-    if init is not None:  # model.init_from: a Hugging Face folder's weights or a ctxpar checkpoint's
-        init_msg = ckpt.load_initial_weights(model, cfg, state, init)
-    # DeepSpeed writes this into every checkpoint: how TP slices join into full tensors
-    # (ds_to_universal), so the checkpoint can be resumed on another layout.
-    # every layer at this TP: names and TP attributes
-    meta = GPT(cfg.model, ModelGroups(tp_group=state.tp_group, cp_group=state.cp_group),
-               device=torch.device("meta"))
-    model.universal_checkpoint_info = ckpt.universal_checkpoint_info(
-        meta, cfg.model.n_layers, cfg.model.tie_embeddings, pipelined)
-    if resume_from is not None:
-        resume_from.configure(ds_config)  # a layout change loads DeepSpeed's universal format
-    n_params = sum(spec.numel() for spec in parameter_specs(cfg.model))  # the whole model
-    divisor = grad_divisor(state, ds_config, pipelined)
-    zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    engine, scheduler = initialize_engine(model, cfg, state, ds_config, device)
-    train_stream = data.train_stream(state) if dynamic is None else dynamic
-    if dynamic is not None:  # every rank group the schedule may use, once
-        hybrid = ulysses_degree(cfg.parallel) if cfg.parallel.cp_comm == "hybrid" else None
-        groups = build_dynamic_cp_groups(state, dynamic.sizes, ulysses=hybrid)
+    t, init_line = build_training(run, state, device, rank0)  # 3. model, engine, kind of step
+    engine, steps = t.engine, t.steps
 
     # 4. Resume, record the run, and the components that decide when to evaluate and save.
-    start_step = 0
-    if resume_from is not None:
-        client = ckpt.restore(engine, resume_from, cfg, state, meta)  # resharded if changed
-        start_step = client["step"]
-        train_stream.load_state_dict(client["data"])
-    if start_step >= cfg.train.steps:  # e.g. `make train` run twice: say so, train nothing
-        if rank0:
-            print(f"nothing to train: {os.path.join(save_dir, resume_from.tag)} is at step "
-                  f"{start_step} of train.steps={cfg.train.steps} (--resume none or another "
-                  f"logging.run_dir starts over)", flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
-    logger = open_logger(cfg, rank0, start_step)
-    if init is not None:
-        logger.write(init_msg)
-    if start_step:
-        logger.write(f"resumed from {os.path.join(save_dir, resume_from.tag)} at step {start_step}")
-        if resume_from.universal:
-            logger.write(resume_from.describe_changes())
-    metrics = StepMetrics(cfg, n_params, state.world_size, device, baseline)
-    forward = (partial(gpt_pipe.pipeline_logits, engine.module, state, head_inputs=True)
-               if pipelined else None)
-    evaluator = Evaluator(cfg, data, state, device, forward, long_context)
-    checkpointer = Checkpointer(engine, save_dir, cfg.checkpoint.save_interval,
-                                ckpt.checkpoint_meta(cfg, state.dp_size), train_stream)
+    lines = [init_line] if init_line else []
+    start_step = resume(t, run, state, lines)
+    if start_step >= cfg.train.steps:
+        return nothing_to_train(run, start_step, rank0)
+    logger = open_logger(cfg, rank0, start_step, lines)
+    metrics = StepMetrics(cfg, t.n_params, state.world_size, device, t.baseline)
+    forward = (partial(pipeline_logits, engine.module, state, head_inputs=True)
+               if cfg.parallel.pp > 1 else None)
+    evaluator = Evaluator(cfg, run.data, state, device, forward, run.long_context)
+    checkpointer = Checkpointer(engine, run.save_dir, cfg.checkpoint.save_interval,
+                                ckpt.checkpoint_meta(cfg, state.dp_size), steps.stream)
     if evaluator.should_evaluate(start_step, start=True):  # train.eval_at_start
         evaluator.run(engine.module, start_step, logger)
 
-    # 5. The loop: gas micro-batches per optimizer step, loss = global token mean.
+    # 5. The loop: one optimizer step of the run's kind, then who records, evaluates, saves.
     timer = StepTimer(device)
     guard = ckpt.PreemptionGuard(device)  # SIGTERM/SIGUSR1: finish the step, save, exit 0
     step, loss, stopped = start_step, float("nan"), False
-    while step < cfg.train.steps:
-        if dynamic is not None:  # whole documents, each on its rank group (models/dynamic_cp.py)
-            this_step = dynamic.next_step()
-            loss = dynamic_cp.train_step(engine, this_step, groups, state, cfg.parallel.layout,
-                                         gas, divisor, device, rounds=zero_stage >= 2).item()
-        else:
-            # Every rank reads its DP rank's micro-batches (all stages, for N; the pipeline
-            # feeds the first stage's inputs and the last stage's labels from them).
-            micro = [train_stream.next_microbatch(device) for _ in range(gas)]
-            # N: non-ignored tokens of the whole step over DP x CP (models/loss.py), one
-            # all-reduce for the step, not one per micro-batch.
-            n_tokens = global_token_count(torch.cat([mb["labels"].flatten() for mb in micro]),
-                                          state.dp_cp_group)
-            loss = (gpt_pipe.train_step(engine, micro, n_tokens, state) if pipelined
-                    else train_step(engine, micro, n_tokens, state, gas, divisor)).item()
-        step += 1
+    while step < cfg.train.steps and not stopped:
+        out = steps.run(steps.next_step())
+        step, loss = step + 1, out.loss
         last = step == cfg.train.steps
         grad_norm = engine.get_global_grad_norm()  # before clipping; None: not recorded
         grad_norm = float(grad_norm) if grad_norm is not None else None
         if not finite(loss, grad_norm):
-            logger.write(f"step {step}: non-finite loss {loss} / grad norm {grad_norm}; "
-                         f"stopping without saving (last complete checkpoint: "
-                         f"{checkpointer.latest()})")
-            logger.close()
-            return EXIT_NON_FINITE
-        dt = timer.lap()
-        lengths = None if dynamic is None else this_step.lengths
-        row = metrics.record(step, loss, scheduler.get_last_lr()[0], grad_norm, dt, lengths)
-        if dynamic is not None:  # the balance, the CP sizes, the tokens so far
-            row.update(dynamic_cp.step_metrics(this_step), tokens=dynamic.tokens_seen)
+            return stop_non_finite(logger, step, loss, grad_norm, checkpointer)
+        row = metrics.record(step, loss, t.scheduler.get_last_lr()[0], grad_norm,
+                             timer.lap(), out.lengths)
+        row.update(out.extras)
         if metrics.should_log(step):
-            logger.log({**row, **offload_metrics(model)})
+            logger.log({**row, **offload_metrics(engine.module)})
         logger.advance(step, loss, row["tokens_per_s"])
         if evaluator.should_evaluate(step):
             evaluator.run(engine.module, step, logger)
         stopped = guard.should_stop() and not last  # collective: all ranks stop alike
         saved = checkpointer.save(step, last_step=last, force=stopped)
         timer.lap()  # evaluation and saving are not step time
-        if stopped:
-            logger.write(f"step {step}: {guard.reason}: stopping with a complete checkpoint "
-                         f"{saved}; --resume auto continues from it")
-            break
+    if stopped:
+        logger.write(f"step {step}: {guard.reason}: stopping with a complete checkpoint "
+                     f"{saved}; --resume auto continues from it")
+    return finish(cfg, guard, logger, evaluator, step, loss, stopped, rank0)
 
+
+def stop_non_finite(logger, step: int, loss: float, grad_norm, checkpointer) -> int:
+    """A NaN or inf loss or grad norm: stop at once, save nothing (exit 3)."""
+    logger.write(f"step {step}: non-finite loss {loss} / grad norm {grad_norm}; stopping "
+                 f"without saving (last complete checkpoint: {checkpointer.latest()})")
+    logger.close()
+    return EXIT_NON_FINITE
+
+
+def finish(cfg, guard, logger, evaluator, step: int, loss: float, stopped: bool,
+           rank0: bool) -> int:
+    """The run's last line on rank 0, then every rank leaves the process group."""
     guard.close()
     logger.close()
     if rank0 and stopped:

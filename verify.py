@@ -40,10 +40,10 @@ from ctxpar.data import DataError, build_data
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
 from ctxpar.distributed.parallel_state import (default_backend, init_distributed, launcher_env,
                                                local_device, resolve_sizes)
-from ctxpar.distributed.zero import grad_divisor
 from ctxpar.tensor_parallel.mappings import gather_along
 from ctxpar.tensor_parallel.utils import gather_full_tensor
-from train import build_model, initialize_engine, parallel_state, train_step
+from models.steps import training_steps
+from models.training import build_model, initialize_engine, parallel_state
 
 
 def parse_args(argv=None):
@@ -91,6 +91,10 @@ def check_inputs(args, world: int):
             f"parallel.cp={args.reference_cp}", "parallel.pp=1", f"parallel.dp={ref_dp}",
             "parallel.cp_comm=ring", "parallel.ulysses=null", "parallel.ring_grad_dtype=fp32"],
             world_size=world)
+        if cfg.data.dynamic_cp:
+            fail("data.dynamic_cp=true: verify.py compares fixed layouts; dynamic CP's parity "
+                 "with one process is tests/test_train_dynamic_cp.py's (--set "
+                 "data.dynamic_cp=false verifies this layout)")
         data = build_data(cfg)  # both runs read its samples
     except (ConfigError, DataError) as e:
         fail(str(e))
@@ -189,18 +193,16 @@ def to_rank0(grads: dict, attn: dict) -> Optional[dict]:
             "attn": {k: v for _, a in parts for k, v in a.items()}}
 
 
-def run_layout(cfg, data, device, steps: int, on_step: Callable[[int, dict], None]) -> None:
+def run_layout(cfg, data, device, n_steps: int,
+               on_step: Callable[[int, dict], None]) -> None:
     """--steps optimizer steps of cfg's layout as train.py takes them; after each, rank 0
     gets on_step(step, {"loss": float, "grads": {name: full}, "attn": {(layer, id): full}})."""
-    from models import gpt_pipe
-    from models.loss import global_token_count
-
     state = parallel_state(cfg)
     ds_config = deepspeed_config(cfg, state.dp_size)
-    gas, pipelined = ds_config["gradient_accumulation_steps"], cfg.parallel.pp > 1
+    gas = ds_config["gradient_accumulation_steps"]
     model = build_model(cfg, state, gas, device)
     engine, _ = initialize_engine(model, cfg, state, ds_config, device)
-    divisor = grad_divisor(state, ds_config, pipelined)
+    steps = training_steps(cfg, engine, state, data, ds_config, device)  # train.py's kind
     # One owner per tensor sends it: TP and CP rank 0 of each DP rank's samples (attention),
     # and of DP rank 0 (gradients, the same on every DP rank), on each pipeline stage.
     samples_owner = state.tp_rank == 0 and state.cp_rank == 0
@@ -208,25 +210,21 @@ def run_layout(cfg, data, device, steps: int, on_step: Callable[[int, dict], Non
     record, grads = {}, {}
     hook_attention(engine.module, record)
     hook_gradients(engine, lambda: grads.update(full_gradients(engine.module, state, owner)))
-    stream, B = data.train_stream(state), cfg.train.micro_batch_size
-    for step in range(1, steps + 1):
-        micro, ids = [], []
-        for _ in range(gas):  # micro-batch k holds samples c + [r*B, (r+1)*B) of DP rank r
-            first = stream.stream.samples_consumed + state.dp_rank * B
-            ids.append(range(first, first + B))
-            micro.append(stream.next_microbatch(device))
-        n_tokens = global_token_count(torch.cat([mb["labels"].flatten() for mb in micro]),
-                                      state.dp_cp_group)
+    B, dp = cfg.train.micro_batch_size, state.dp_size
+    for step in range(1, n_steps + 1):
+        # micro-batch k of the step holds samples c + k dp B + [r B, (r + 1) B) on DP rank r
+        c = steps.stream.stream.samples_consumed
+        ids = [range(c + (k * dp + state.dp_rank) * B, c + (k * dp + state.dp_rank + 1) * B)
+               for k in range(gas)]
         record.clear()
         grads.clear()
-        loss = (gpt_pipe.train_step(engine, micro, n_tokens, state) if pipelined
-                else train_step(engine, micro, n_tokens, state, gas, divisor)).item()
+        loss = steps.run(steps.next_step()).loss
         gathered = to_rank0(grads, full_attention(record, ids, state, cfg.parallel.layout,
                                                   samples_owner))
         if gathered is not None:
             on_step(step, {"loss": loss, **gathered})
     engine.destroy()
-    del engine, model
+    del engine, model, steps
     gc.collect()  # the engine's reference cycles: free this layout before the next
     if device.type == "cuda":
         torch.cuda.empty_cache()
