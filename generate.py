@@ -23,21 +23,17 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
-from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs
+from ctxpar.components.cli import add_launcher_args, fail
 from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.config import ConfigError
 from ctxpar.data import DataError, build_source, load_tokenizer
-from ctxpar.distributed.parallel_state import (default_backend, init_distributed,
-                                               init_parallel_state, launcher_env, local_device)
+from ctxpar.distributed.parallel_state import launcher_env
 from ctxpar.inference import SamplingParams, check_prompts, generate
 from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
-                                         load_run_config, load_weights_)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
+                                         load_run_config)
+from models.inference import DTYPES, layout_overrides, start_model
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -74,23 +70,6 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     add_launcher_args(p)
     return p.parse_args(argv)
-
-
-def layout_overrides(user_sets, world: int):
-    """The generation grid: tp (default 1) x cp (default world / tp), dp = pp = 1, then the
-    user's --set (which may name tp, cp, layout, attention_backend...). Prefill runs the
-    ring whatever parallel.cp_comm the run trained with (the weights do not depend on it,
-    and a hybrid or Ulysses degree need not fit this grid)."""
-    given = dict(s.split("=", 1) for s in user_sets if "=" in s)
-    for key in ("parallel.pp", "parallel.dp"):
-        if given.get(key, "1") != "1":
-            raise ValueError(f"--set {key}={given[key]}: generate.py runs tp x cp ranks only "
-                             f"(dp = pp = 1; a pipeline-trained checkpoint loads at pp=1)")
-    tp = given.get("parallel.tp", "1")
-    tp = int(tp) if tp.isdigit() and int(tp) > 0 else 1  # a bad value: config load names it
-    return [f"parallel.tp={tp}", f"parallel.cp={max(1, world // tp)}",
-            "parallel.pp=1", "parallel.dp=1"] + list(user_sets) + [
-            "parallel.cp_comm=ring", "parallel.ulysses=null"]
 
 
 def read_prompts(args):
@@ -147,25 +126,6 @@ def train_eval_accuracy(run_dir: str, step: int):
     rows = [json.loads(line) for line in open(path) if line.strip()]
     acc = [r["eval_accuracy"] for r in rows if r.get("step") == step and "eval_accuracy" in r]
     return acc[-1] if acc else None
-
-
-def start_model(cfg, files, dtype: str):
-    """(model in eval mode with the checkpoint's weights, parallel state): the process
-    group and the tp x cp grid of cfg (pp = dp = 1), on this rank's device. A weights file
-    that does not fit the model exits 2 on every rank (the same files, the same verdict)."""
-    from models.gpt import GPT
-
-    device = local_device()
-    init_distributed(default_backend(device))
-    state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=1, dp=1,
-                                order=cfg.parallel.order)
-    show_ctxpar_logs(dist.get_rank() == 0)  # e.g. the attention kernel 'auto' chose, and why
-    model = GPT.from_config(cfg, state, device=device, dtype=DTYPES[dtype]).eval()
-    try:
-        load_weights_(model, files, state.tp_group)
-    except CheckpointError as e:
-        fail(str(e))
-    return model, state
 
 
 def main(argv=None) -> int:

@@ -270,11 +270,11 @@ def test_hf_tokenizer_text_in_text_out(run, tmp_path, monkeypatch, capsys):
 def test_generation_prefills_with_the_ring_whatever_the_run_trained_with():
     # A hybrid (ulysses 2 x ring 2) run's config at generate.py's grid of 1 or 2 ranks: the
     # Ulysses degree fits neither, and the weights do not care; prefill is the ring.
-    import generate
     from ctxpar.config import config_from_dict
+    from models.inference import layout_overrides
     run = {"model": {"seq_len": 256}, "parallel": {"cp": 4, "cp_comm": "hybrid", "ulysses": 2}}
     for world, sets in ((1, []), (2, ["parallel.cp_comm=ulysses"])):
-        cfg = config_from_dict(run, overrides=generate.layout_overrides(sets, world),
+        cfg = config_from_dict(run, overrides=layout_overrides(sets, world),
                                world_size=world)
         assert (cfg.parallel.cp, cfg.parallel.cp_comm, cfg.parallel.ulysses) == \
             (world, "ring", None)

@@ -36,7 +36,7 @@ from ctxpar.data.long_context import TASKS, Haystack
 from ctxpar.distributed.parallel_state import launcher_env
 from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
                                          load_run_config)
-from generate import DTYPES, layout_overrides, start_model
+from models.inference import DTYPES, layout_overrides, start_model
 
 
 def parse_args(argv=None):
