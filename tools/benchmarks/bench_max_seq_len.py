@@ -21,7 +21,7 @@ import os
 import tempfile
 
 from ctxpar.testing.results import measure_missing
-from tools.benchmarks.bench_plan_memory import TINY, describe, measure
+from tools.benchmarks.memory_probe import TINY, describe, measure
 
 BASE = ["train.global_batch_size=1", "train.micro_batch_size=1", "parallel.dp=1"]
 D384 = ["model.d_model=384", "model.n_heads=6", "model.n_kv_heads=6", "model.n_layers=2",

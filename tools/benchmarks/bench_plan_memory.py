@@ -30,93 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 
 from ctxpar.testing.results import measure_missing
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
-QUIET = ["train.eval_interval=0", "train.eval_samples=1", "logging.log_interval=1",
-         "logging.wandb.mode=disabled",
-         "train.steps=2", "checkpoint.save_interval=0"]
-NEGLIGIBLE = ["model.d_model=16", "model.seq_len=128", "model.vocab_size=256",
-              "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2",
-              "model.ffn_hidden=32"]
-
-
-# ------------------------------------------------------------------ one rank (under torchrun)
-
-
-def _status_bytes(key: str) -> int:
-    """VmHWM (the resident set's high-water mark) or VmRSS (now) of this process."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024  # kB
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-class PhasePeaks:
-    """The resident set's peak per phase: mark(name) closes the segment since the last
-    mark under `name` (keeping the largest of repeated phases) and starts a new one."""
-
-    def __init__(self):
-        self.peaks, self.at_end = {}, {}
-
-    def mark(self, name: str) -> None:
-        self.peaks[name] = max(self.peaks.get(name, 0), _status_bytes("VmHWM"))
-        self.at_end[name] = _status_bytes("VmRSS")  # the resident set as the phase ends
-        _reset_hwm()
-
-
-def rank_entry(out_dir: str, argv) -> int:
-    """train.main(argv) with DeepSpeed's engine phases marked; writes rank<R>.json."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    rec = PhasePeaks()
-    rec.mark("import")
-    import torch
-    targets = [(DeepSpeedEngine, n, n) for n in ("forward", "backward", "step")]
-    targets.append((torch.optim.AdamW, "step", "adam"))
-    def offload_stats(engine):  # the activation offloader's counters, if the model has one
-        off = getattr(engine.module, "offload", None)
-        if off is not None:
-            rec.offload = off.stats()
-    orig_step = DeepSpeedEngine.step
-
-    def step_and_count(self, *a, **k):
-        out = orig_step(self, *a, **k)
-        offload_stats(self)
-        return out
-    DeepSpeedEngine.step = step_and_count
-    for cls, attr, name in targets:
-        orig = getattr(cls, attr)
-
-        def wrapped(self, *a, _orig=orig, _name=name, **k):
-            rec.mark(f"before {_name}")
-            out = _orig(self, *a, **k)
-            rec.mark(_name)
-            return out
-        setattr(cls, attr, wrapped)
-    import train
-    rc = train.main(argv)
-    rec.mark("end")
-    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump({"peaks": rec.peaks, "at_end": rec.at_end,
-                   "offload": getattr(rec, "offload", None)}, f)
-    return rc
-
-
-# ------------------------------------------------------------------ the driver
+from tools.benchmarks.memory_probe import describe, measure, predicted
 
 # 2 ranks each; what dominates differs (activations, model state, logits), as do the ZeRO
 # stage, the checkpointing mode and the memory options.
@@ -160,74 +76,7 @@ LAYOUTS = {  # name: --set overrides
 }
 
 
-def run(sets, nproc: int, port: int = 29657, config: str = TINY):
-    """Per rank: {"peaks": {phase: bytes}, "at_end": ...} of one train.py run."""
-    with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(port), os.path.abspath(__file__), "--rank-entry", d,
-               "--config", config, "--set", *QUIET, *sets, f"logging.run_dir={d}/run"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                   WANDB_MODE="disabled", MALLOC_MMAP_THRESHOLD_="131072",
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(f"{' '.join(sets)}: train.py failed:\n{proc.stderr[-3000:]}")
-        ranks = []
-        for r in range(nproc):
-            with open(os.path.join(d, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-        return ranks
-
-
-def predict(sets, nproc: int, config: str = TINY):
-    """The start line's memory per rank on this machine (device 'cpu') and its phase;
-    with offloads host and device are this one RAM: Memory.same_ram adds the host's."""
-    import torch
-    from ctxpar.config import load_config
-    from ctxpar.plan.cluster import Cluster
-    from ctxpar.plan.search import evaluate
-    from ctxpar.plan.startup import detect, config_candidate
-    cfg = load_config(config, QUIET + sets, world_size=nproc, check_paths=False)
-    gpu, _ = detect(torch.device("cpu"), nproc)
-    return evaluate(cfg, config_candidate(cfg, nproc), Cluster(1, nproc, gpu)).memory
-
-
-def predicted(sets, nproc: int, config: str = TINY) -> dict:
-    """The prediction's fields of a result (recomputed by --load: the model may move)."""
-    pred, pred0 = predict(sets, nproc, config), predict(sets + NEGLIGIBLE, nproc, config)
-    return dict(predicted=pred.same_ram() - pred0.same_ram(), predicted_phase=pred.peak_phase,
-                phases={p.name: p.total for p in pred.phases}, device=pred.peak,
-                host=pred.host_total)
-
-
-def measure(name, sets, nproc, config: str = TINY):
-    """(measured, predicted, predicted phase, measured phase): above the negligible run."""
-    big, base = run(sets, nproc, config=config), run(sets + NEGLIGIBLE, nproc, config=config)
-    rows = []
-    def training(peaks):  # the steps: not the imports, nor the final eval and teardown
-        return {k: v for k, v in peaks.items() if k not in ("import", "end")}
-    for r in range(nproc):
-        b = max(training(base[r]["peaks"]).values())
-        phase, peak = max(training(big[r]["peaks"]).items(), key=lambda kv: kv[1])
-        rows.append((peak - b, phase))
-    measured, phase = max(rows)
-    out = dict(name=name, measured=measured, measured_phase=phase, ranks=[r[0] for r in rows],
-               **predicted(sets, nproc, config))
-    counters = [r.get("offload") for r in big if r.get("offload")]
-    if counters:  # the offloader's own count of host bytes and restored device bytes
-        out["offload"] = max(counters, key=lambda c: c["peak_host_bytes"])
-    return out
-
-
-def describe(r: dict) -> str:
-    """'measured 12.3 MB (phase), predicted 12.1 MB (phase)'."""
-    return (f"measured {r['measured'] / 1e6:.1f} MB ({r['measured_phase']}), "
-            f"predicted {r['predicted'] / 1e6:.1f} MB ({r['predicted_phase']})")
-
-
 def main():
-    if len(sys.argv) > 2 and sys.argv[1] == "--rank-entry":
-        sys.exit(rank_entry(sys.argv[2], sys.argv[3:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="layouts whose name contains this")
     p.add_argument("--nproc", type=int, default=2)

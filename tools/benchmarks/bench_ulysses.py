@@ -28,8 +28,8 @@ import torch
 from ctxpar.context_parallel import context_parallel_attention
 from ctxpar.context_parallel.kernels import default_scale, get_backend
 from ctxpar.testing import run_distributed, save_results
-from tools.benchmarks.bench_ring_attention import (DTYPES, STATS, fused_fwd_bwd, make_inputs,
-                                  timed)
+from tools.benchmarks.attention_timing import (DTYPES, STATS, fused_fwd_bwd, make_inputs,
+                                             timed)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -149,7 +149,7 @@ def main(argv=None):
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--backend", default="sdpa")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
-    p.add_argument("--iters", type=int, default=6, help="a multiple of 6: every order of the three fns once (bench_ring_attention.timed)")
+    p.add_argument("--iters", type=int, default=6, help="a multiple of 6: every order of the three fns once (attention_timing.timed)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--stat", choices=sorted(STATS), default="median")
     p.add_argument("--repeats", type=int, default=1, help="fresh ranks per case")

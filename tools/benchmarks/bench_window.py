@@ -28,7 +28,7 @@ from ctxpar.context_parallel import (LOCAL, AttentionMask, NoComm, context_paral
                                      cp_stats)
 from ctxpar.plan.counts import cp_bytes
 from ctxpar.testing import run_distributed, save_results
-from tools.benchmarks.bench_ring_attention import DTYPES, STATS
+from tools.benchmarks.attention_timing import DTYPES, STATS
 
 
 def make_inputs(a, seq: int, seed: int):
