@@ -1,10 +1,36 @@
-"""The library stands on its own: nothing under ctxpar/ imports the application above it
-(models/, train.py, generate.py), the tools or the tests, at any depth of a function."""
+"""The house: the library stands on its own (nothing under ctxpar/ imports the application
+above it, models/ and the entrypoints, the tools or the tests, at any depth of a function);
+no entrypoint imports another (what two share lives in an importable module); no
+sys.path.insert; no function over 120 lines."""
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ABOVE = ("models", "tools", "tests", "helpers", "train", "generate")
+ABOVE = ("models", "tools", "tests", "helpers", "train", "generate", "verify")
+SKIP = {".venv", ".git", "build", "runs", "__pycache__"}
+
+
+def _python_files(*tops):
+    for top in tops:
+        path = os.path.join(ROOT, top)
+        if path.endswith(".py"):
+            yield path
+            continue
+        for folder, dirs, files in os.walk(path):
+            dirs[:] = [d for d in dirs if d not in SKIP and not d.endswith(".egg-info")]
+            yield from (os.path.join(folder, f) for f in files if f.endswith(".py"))
+
+
+def _module_name(path):
+    return os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+
+
+def _is_entrypoint(path):
+    """A program: train.py, generate.py, verify.py, or a tools/ file run as one."""
+    with open(path) as f:
+        src = f.read()
+    return (os.path.dirname(path) == ROOT or os.path.basename(path) == "__main__.py"
+            or "if __name__ == \"__main__\"" in src)
 
 
 def _imports(path):
@@ -35,3 +61,47 @@ def test_the_model_offers_what_ctxpar_needs():
     model = GPT(ModelConfig(vocab_size=64, seq_len=16, n_layers=1, d_model=32, n_heads=4),
                 device="meta")
     assert isinstance(model, CausalLM)
+
+
+def test_no_entrypoint_imports_another():
+    # A script that is also a library breaks when someone edits "just the script", and
+    # `python -m` and torchrun see different module names for it.
+    entry = [p for p in _python_files("train.py", "generate.py", "verify.py", "tools")
+             if _is_entrypoint(p)]
+    names = {_module_name(p) for p in entry}
+    assert {"train", "generate", "verify", "tools.preprocess_data"} <= names
+    found = [f"{os.path.relpath(p, ROOT)}: {mod}" for p in entry for mod in _imports(p)
+             if mod in names or any(mod.startswith(n + ".") for n in names)]
+    assert not found, "\n".join(found)
+
+
+def test_no_sys_path_insert_and_no_function_over_120_lines():
+    found = []
+    for path in _python_files("ctxpar", "models", "tools", "tests", "train.py", "generate.py",
+                              "verify.py", "setup.py"):
+        with open(path) as f:
+            src = f.read()
+        rel = os.path.relpath(path, ROOT)
+        if "sys.path.insert(" in src and not rel.endswith("test_imports.py"):
+            found.append(f"{rel}: sys.path.insert")
+        for node in ast.walk(ast.parse(src, path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 120:
+                    found.append(f"{rel}:{node.lineno}: {node.name} is {n} lines")
+    assert not found, "\n".join(found)
+
+
+def test_train_main_is_one_screen():
+    # train.py decides the kind of step once (models/steps.py): main() at most 80 lines,
+    # its loop at most 30 and without a branch on the kind of step.
+    with open(os.path.join(ROOT, "train.py")) as f:
+        tree = ast.parse(f.read())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    assert main.end_lineno - main.lineno + 1 <= 80
+    loops = [n for n in ast.walk(main) if isinstance(n, (ast.While, ast.For))]
+    assert len(loops) == 1 and loops[0].end_lineno - loops[0].lineno + 1 <= 30
+    kinds = {"dynamic", "pipelined", "pp", "dynamic_cp", "moe"}
+    names = {n.id for n in ast.walk(loops[0]) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(loops[0]) if isinstance(n, ast.Attribute)}
+    assert not names & kinds, names & kinds
