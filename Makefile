@@ -1,5 +1,7 @@
 # The README's two commands. Both create .venv on first use.
-#   make test   - the whole CPU suite (gloo, spawned ranks)
+#   make test   - the whole CPU suite (gloo, spawned ranks); what CI runs
+#   make test-quick - the `quick` tier: one fast case of each module's core parity, the
+#                 loop while editing (under 3 minutes on 2 cores); make test before pushing
 #   make train  - tiny long-context pretraining on CPU with context parallelism
 #   make docs-check [UPDATE=1] - rerun the commands the docs quote predictions from
 #                 (tools/docs_check.py); UPDATE=1 writes their figures into the docs
@@ -10,7 +12,7 @@ STAMP   := $(VENV)/.ctxpar-installed
 NPROC   ?= 4
 CONFIG  ?= configs/tiny_cpu.yaml
 
-.PHONY: test train install docs-check clean
+.PHONY: test test-quick train install docs-check clean
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +27,9 @@ install: $(STAMP)
 
 test: $(STAMP)
 	DS_ACCELERATOR=cpu WANDB_MODE=disabled $(BIN)/python -m pytest -q tests
+
+test-quick: $(STAMP)
+	DS_ACCELERATOR=cpu WANDB_MODE=disabled $(BIN)/python -m pytest -q -m quick tests
 
 train: $(STAMP)
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus $(NPROC) \

@@ -1,6 +1,7 @@
 """ctxpar.testing.run_distributed, the one harness every multi-rank test and benchmark uses:
 results in rank order, a failing rank's traceback as the failure, a hang as a timeout that
 names the ranks, and functions from ``__main__`` (benchmarks run with -m) spawned."""
+import sys
 import time
 
 import pytest
@@ -26,6 +27,18 @@ def _rank_one_hangs(rank, world):
     if rank == 1:
         time.sleep(60)
     return rank
+
+
+def _modules_at_start(rank, world, names):
+    return [n for n in names if n in sys.modules]
+
+
+def test_ranks_start_with_the_suites_preloaded_modules():
+    # conftest.py's preload: imported once in the forkserver, not again in every rank. This
+    # module imports neither of these two, so a rank has them only from the server; a preload
+    # that fails to import is skipped silently by multiprocessing.
+    names = ["deepspeed", "models.gpt"]
+    assert run_distributed(_modules_at_start, 1, names) == [names]
 
 
 def test_results_come_back_in_rank_order_after_a_collective():

@@ -13,9 +13,10 @@ and the first failing rank's traceback is the AssertionError's message; if the r
 they are killed and the call fails with the ranks that never finished.
 
 Children come from a forkserver that has imported torch once, so a rank starts in a
-fraction of a second instead of re-importing torch (2 cores, up to 8 ranks). A function
-defined in ``__main__`` (a benchmark run as a script or with ``python -m``) is spawned
-instead: the forkserver cannot import a ``__main__`` started with ``-m``.
+fraction of a second instead of re-importing torch (2 cores, up to 8 ranks); ``preload``
+adds modules every rank would import (the test suite: DeepSpeed, pytest, the model). A
+function defined in ``__main__`` (a benchmark run as a script or with ``python -m``) is
+spawned instead: the forkserver cannot import a ``__main__`` started with ``-m``.
 """
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ import traceback
 from typing import Any, Callable, List
 
 _FORKSERVER = None
+# torch.distributed.tensor: assert_close imports it (~2 s of CPU per rank otherwise).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor"]
+
+
+def preload(*modules: str) -> None:
+    """Import ``modules`` in the forkserver too, once, so that no rank imports them again
+    (the test suite adds DeepSpeed, pytest and the model: tests/conftest.py). Call it before
+    the first ``run_distributed``: the server starts with the list it has then. A module that
+    reads the environment at import keeps what it read there (DeepSpeed's accelerator:
+    DS_ACCELERATOR), so preload only what every later device_type agrees with."""
+    if _FORKSERVER is not None:
+        raise RuntimeError(f"preload{modules}: the forkserver is already configured; "
+                           "call preload before the first run_distributed")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _context(fn):
@@ -37,9 +52,7 @@ def _context(fn):
         return mp.get_context("spawn")
     if _FORKSERVER is None:
         _FORKSERVER = mp.get_context("forkserver")
-        # torch.distributed.tensor: assert_close imports it (~2 s of CPU per rank otherwise).
-        _FORKSERVER.set_forkserver_preload(["torch", "torch.distributed",
-                                            "torch.distributed.tensor"])
+        _FORKSERVER.set_forkserver_preload(list(_PRELOAD))
     return _FORKSERVER
 
 
