@@ -18,6 +18,9 @@ One file per communication pattern, beside the pieces they share:
     merge.py      the log-sum-exp merge of two partial results
     comm.py       RingComm (P2P) and the all-gather / reduce-scatter / all-to-all calls
     stats.py      cp_stats(): bytes, FLOPs, kernel and communication calls per rank
+
+    linear/       Gated DeltaNet and Mamba2 over the same groups and layouts: the state
+                  passed between ranks, or the heads all-to-all (linear/__init__.py)
 """
 from .api import CP_COMMS, ContextParallel, context_parallel_attention, ring_attention
 from .comm import LOCAL, NoComm

@@ -1,0 +1,32 @@
+"""Linear-attention and state-space mixers over a CP group: Gated DeltaNet and Mamba2.
+
+Their state, not the sequence, crosses ranks (or the heads do); one file per idea:
+
+    api.py            gated_delta_rule_cp, ssd_cp, causal_conv1d_cp; check_linear_cp (the
+                      rules, for a config loader); summary_bytes (state passing's traffic)
+    state_passing.py  strategy "state": (M, E) summaries, one fp32 all-gather, composition
+                      in sequence order (contiguous, zigzag); documents reset the state
+    heads.py          strategy "heads": all-to-all sequence <-> heads around the kernel
+                      (every layout), Ulysses' exchange with grouped heads replicated
+    conv.py           the short causal conv1d with its halo of K - 1 tokens, document resets
+    gated_delta.py    the chunked gated delta rule in torch (initial state, final state,
+                      seq_idx resets): the kernel interface, fp32
+    ssd.py            Mamba2's chunked SSD in torch, likewise
+
+The kernels are plain torch (CPU and GPU alike), checked against transformers' torch
+references (tests/test_linear_cp.py); a GPU kernel (flash-linear-attention's
+chunk_gated_delta_rule, mamba_ssm's mamba_chunk_scan_combined, causal-conv1d) would answer
+gated_delta_fp32's / ssd_fp32's interface: differentiable, initial state in, final state
+out, seq_idx resets.
+"""
+from .api import (LINEAR_CP_STRATEGIES, STRATEGIES, causal_conv1d_cp, check_linear_cp,
+                  gated_delta_rule_cp, ssd_cp, summary_bytes)
+from .conv import causal_conv1d
+from .gated_delta import chunk_gated_delta_rule
+from .ssd import ssd_chunk_scan
+
+__all__ = [
+    "LINEAR_CP_STRATEGIES", "STRATEGIES", "causal_conv1d", "causal_conv1d_cp",
+    "check_linear_cp", "chunk_gated_delta_rule", "gated_delta_rule_cp", "ssd_chunk_scan",
+    "ssd_cp", "summary_bytes",
+]

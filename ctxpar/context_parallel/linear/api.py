@@ -1,0 +1,296 @@
+"""Linear-attention and state-space mixers over a CP group: the public entry points.
+
+    o, final = gated_delta_rule_cp(q, k, v, g, beta, cp_group=g, layout="zigzag",
+                                   strategy="state", cu_seqlens=cu, chunk_size=64)
+    y = ssd_cp(x, dt, A, B, C, chunk_size=64, D=D, dt_bias=dt_bias, dt_softplus=True,
+               cp_group=g, layout="contiguous", strategy="heads")
+    xBC = causal_conv1d_cp(xBC, weight, bias, activation="silu", cp_group=g, layout="zigzag")
+
+strategy   layouts                      what travels per layer (docs: the module docstrings)
+state      contiguous, zigzag           each segment's (M, E) summary, all-gathered in fp32:
+                                        B*H*|state| x segments, independent of n
+heads      contiguous, zigzag, striped  all-to-all of the inputs and the output:
+                                        proportional to the local sequence; H % P == 0
+
+Every strategy is exact, forward and backward, with packed documents (cu_seqlens in the
+full sequence, as for attention: the state and the conv window restart at each document
+start), grouped key heads (GDN) and B/C groups (Mamba2). Inputs are this rank's tokens in
+`layout` (layouts.shard_sequence); outputs likewise, in the inputs' dtype; states fp32.
+The short conv before the mixer (conv.py) takes a halo of K - 1 tokens from the ranks
+before each run of positions, for either strategy.
+
+Gradients of replicated inputs (per-head parameters, the initial state, the conv weight)
+are this rank's share: the CP gradient reduction (a sum over CP) completes them. A final
+state is returned on every rank; its gradient is that of the sum of every rank's loss.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..comm import LOCAL, group_rank_and_size
+from ..documents import check_cu_seqlens, doc_ids
+from ..layouts import LAYOUTS, check_layout, rank_positions
+from .conv import ACTIVATIONS, conv_over_group
+from .gated_delta import check_chunk_size, gated_delta_fp32
+from .heads import head_slice, heads_to_sequence, sequence_to_heads
+from .heads import ulysses_kv_heads
+from .ssd import discretize_dt, ssd_fp32
+from .state_passing import (SEGMENTS, STATE_LAYOUTS, carries_state, from_segments,
+                            pass_states, to_segments)
+
+STRATEGIES = {"state": STATE_LAYOUTS, "heads": LAYOUTS}  # strategy -> layouts it takes
+LINEAR_CP_STRATEGIES = tuple(STRATEGIES)
+
+
+def check_linear_cp(strategy: str, layout: str, num_heads: int, cp_size: int,
+                    chunk_size: int, heads_key: str = "num_heads", caller: str = "") -> None:
+    """The rules a mixer's CP settings must meet, each a one-line ValueError naming the key
+    and values (a config loader calls this before any collective, as the ops do)."""
+    where = f"{caller}: " if caller else ""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{where}strategy={strategy!r} must be one of "
+                         f"{list(LINEAR_CP_STRATEGIES)}")
+    check_layout(layout)
+    if layout not in STRATEGIES[strategy]:
+        raise ValueError(f"{where}strategy={strategy!r} takes layouts "
+                         f"{list(STRATEGIES[strategy])}, not layout={layout!r}")
+    if strategy == "heads" and num_heads % cp_size:
+        raise ValueError(f"{where}strategy='heads' needs {heads_key}={num_heads} divisible "
+                         f"by cp_size={cp_size}")
+    check_chunk_size(chunk_size, caller or "linear CP")
+
+
+def _cp_group(group):
+    """None is the world when a process group exists, else this lone rank."""
+    if group is None and not dist.is_initialized():
+        return LOCAL
+    return group
+
+
+def _documents(cu_seqlens, n: int, batch: int, caller: str, device) -> Optional[torch.Tensor]:
+    """(B, n) long: every position's document (None without cu_seqlens)."""
+    if cu_seqlens is None:
+        return None
+    cus = check_cu_seqlens(cu_seqlens, n, batch, caller)
+    return torch.stack([doc_ids(cu, torch.arange(n)) for cu in cus]).to(device)
+
+
+def _check_local_seq(S: int, layout: str, caller: str) -> None:
+    if layout == "zigzag" and S % 2:
+        raise ValueError(f"{caller}: layout 'zigzag' needs an even local_seq (two chunks "
+                         f"per rank), got {S}")
+
+
+def _check_shape(name: str, t, shape, caller: str) -> None:
+    if t is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{caller}: {name} has shape {tuple(t.shape)}, expected "
+                         f"{tuple(shape)}")
+
+
+def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, *, cp_group=None, layout: str = "contiguous",
+                        strategy: str = "state", cu_seqlens=None, chunk_size: int = 64,
+                        scale: Optional[float] = None,
+                        initial_state: Optional[torch.Tensor] = None,
+                        output_final_state: bool = False,
+                        use_qk_l2norm_in_kernel: bool = False
+                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gated delta rule (Gated DeltaNet) over a CP group: (o, final state or None).
+
+    q, k (B, T/cp, Hk, Dk); v (B, T/cp, Hv, Dv), Hv % Hk == 0 (value head h reads key head
+    h // (Hv/Hk), as Qwen3-Next / Qwen3.5 with linear_num_key_heads < linear_num_value_heads);
+    g (B, T/cp, Hv) log-decay (<= 0); beta (B, T/cp, Hv). o (B, T/cp, Hv, Dv) in q's dtype;
+    initial_state, final state (B, Hv, Dk, Dv) fp32: the state before token 0 and after
+    the last token. scale defaults to Dk ** -0.5; use_qk_l2norm_in_kernel normalises q, k
+    first (flash-linear-attention's flag; Qwen3-Next sets it).
+    """
+    caller = "gated_delta_rule_cp"
+    group = _cp_group(cp_group)
+    P = group_rank_and_size(group)[1]
+    (Bsz, S, Hk, Dk), (Hv, Dv) = q.shape, v.shape[2:]
+    _check_shape("k", k, q.shape, caller)
+    _check_shape("v", v, (Bsz, S, Hv, Dv), caller)
+    for name, t in (("g", g), ("beta", beta)):
+        _check_shape(name, t, (Bsz, S, Hv), caller)
+    _check_shape("initial_state", initial_state, (Bsz, Hv, Dk, Dv), caller)
+    if Hv % Hk:
+        raise ValueError(f"{caller}: linear_num_value_heads={Hv} is not a multiple of "
+                         f"linear_num_key_heads={Hk}")
+    check_linear_cp(strategy, layout, Hv, P, chunk_size, "linear_num_value_heads", caller)
+    _check_local_seq(S, layout, caller)
+    doc = _documents(cu_seqlens, S * P, Bsz, caller, q.device)
+    scale = Dk ** -0.5 if scale is None else float(scale)
+    kernel = partial(gated_delta_fp32, scale=scale, chunk_size=chunk_size,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if P == 1:
+        o, final = kernel(q, k, v, g, beta, initial_state=initial_state, seq_idx=doc)
+    elif strategy == "heads":
+        sent = ulysses_kv_heads(Hk, P)
+        vh, gh, bh, qh, kh = sequence_to_heads([v, g, beta, q, k], [Hv, Hv, Hv, sent, sent],
+                                               group, layout)
+        o, final = kernel(qh, kh, vh, gh, bh, initial_state=head_slice(initial_state, group, 1),
+                          seq_idx=doc)                       # (B, T, Hv/cp, Dv) fp32
+        if output_final_state:
+            o, final = heads_to_sequence(o.to(q.dtype), group, layout, final)
+        else:
+            o = heads_to_sequence(o.to(q.dtype), group, layout)
+    else:
+        o, final = _gated_delta_state(q, k, v, g, beta, group, layout, doc, kernel,
+                                      initial_state)
+    return o.to(q.dtype), (final if output_final_state else None)
+
+
+def _gated_delta_state(q, k, v, g, beta, group, layout, doc, kernel, initial_state):
+    """State passing for GDN. One kernel pass per segment from the initial state [I | 0]
+    with values [0 | v]: by linearity in (S_in, v) the final state is [M | E] and the
+    output is [q~ | o_0], q~_t = M_{1..t}^T (scale q_t), o_0 the output from a zero state;
+    the true output is o_0 + q~ S_in once S_in is known (LASP-2's correction)."""
+    rank, P = group_rank_and_size(group)
+    (Bsz, S, Hv, Dv), Dk, slots = v.shape, q.shape[-1], SEGMENTS[layout]
+    pos = rank_positions(S * P, rank, P, layout, q.device)
+    seq_idx = None if doc is None else to_segments(doc[:, pos], slots)
+    carry = carries_state(pos, doc, Bsz, slots).float()                # (B*slots,)
+    eye = torch.eye(Dk, device=q.device) * carry[:, None, None, None]  # (B*slots, 1, Dk, Dk)
+    init = torch.cat([eye.expand(-1, Hv, Dk, Dk),
+                      torch.zeros(Bsz * slots, Hv, Dk, Dv, device=q.device)], dim=-1)
+    vs = to_segments(v, slots)
+    v_wide = torch.cat([vs.new_zeros(*vs.shape[:-1], Dk), vs], dim=-1)  # (B*slots, L, Hv, Dk+Dv)
+    seg = [to_segments(x, slots) for x in (q, k)] + [v_wide] + \
+        [to_segments(x, slots) for x in (g, beta)]
+    o_wide, summary = kernel(*seg, initial_state=init, seq_idx=seq_idx)
+    q_read, o_zero = o_wide.split([Dk, Dv], dim=-1)                     # (B*slots, L, Hv, .)
+    summary = summary.unflatten(0, (Bsz, slots)).transpose(0, 1)       # (slots, B, Hv, Dk, Dk+Dv)
+    s0 = torch.zeros(Bsz, Hv, Dk, Dv, device=q.device) if initial_state is None \
+        else initial_state.float()
+    s_in, final = pass_states(summary, partial(_gdn_combine, Dk), s0, group,
+                              layout)                                   # (slots, B, Hv, Dk, Dv)
+    s_in = s_in.transpose(0, 1).flatten(0, 1)                           # (B*slots, Hv, Dk, Dv)
+    o = o_zero + torch.einsum("blhk,bhkv->blhv", q_read, s_in)
+    return from_segments(o, slots), final
+
+
+def _gdn_combine(Dk: int, summary: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """M S + E for summary [M | E] (B, Hv, Dk, Dk+Dv), S (B, Hv, Dk, Dv)."""
+    return summary[..., :Dk] @ S + summary[..., Dk:]
+
+
+def ssd_cp(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+           C: torch.Tensor, *, chunk_size: int = 64, D: Optional[torch.Tensor] = None,
+           dt_bias: Optional[torch.Tensor] = None, dt_softplus: bool = False,
+           dt_limit: Tuple[float, float] = (0.0, math.inf),
+           initial_states: Optional[torch.Tensor] = None, return_final_states: bool = False,
+           cp_group=None, layout: str = "contiguous", strategy: str = "state",
+           cu_seqlens=None):
+    """Mamba2's SSD over a CP group, mamba_ssm's ``mamba_chunk_scan_combined`` arguments.
+
+    x (b, T/cp, H, P); dt (b, T/cp, H) (through dt_bias, softplus and dt_limit here, on each
+    rank's tokens); A (H,) = -exp(A_log); B, C (b, T/cp, G, N), H % G == 0; D, dt_bias (H,).
+    y (b, T/cp, H, P) in x's dtype; initial_states, final states (b, H, P, N) fp32. Returns
+    y, or (y, final) with return_final_states.
+    """
+    caller = "ssd_cp"
+    group = _cp_group(cp_group)
+    P = group_rank_and_size(group)[1]
+    (b, S, H, Pd), (G, N) = x.shape, B.shape[2:]
+    _check_shape("dt", dt, (b, S, H), caller)
+    _check_shape("C", C, B.shape, caller)
+    _check_shape("B", B, (b, S, G, N), caller)
+    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+        _check_shape(name, t, (H,), caller)
+    _check_shape("initial_states", initial_states, (b, H, Pd, N), caller)
+    if H % G:
+        raise ValueError(f"{caller}: num_heads={H} is not a multiple of n_groups={G}")
+    check_linear_cp(strategy, layout, H, P, chunk_size, "num_heads", caller)
+    _check_local_seq(S, layout, caller)
+    doc = _documents(cu_seqlens, S * P, b, caller, x.device)
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)              # (b, T/cp, H) fp32
+    kernel = partial(ssd_fp32, chunk_size=chunk_size)
+    if P == 1:
+        y, final = kernel(x, dt, A, B, C, D, initial_states, doc)
+    elif strategy == "heads":
+        sent = ulysses_kv_heads(G, P)
+        xh, dth, Bh, Ch = sequence_to_heads([x, dt, B, C], [H, H, sent, sent], group, layout)
+        y, final = kernel(xh, dth, head_slice(A, group, 0), Bh, Ch, head_slice(D, group, 0),
+                          head_slice(initial_states, group, 1), doc)  # (b, T, H/cp, P)
+        if return_final_states:
+            y, final = heads_to_sequence(y.to(x.dtype), group, layout, final)
+        else:
+            y = heads_to_sequence(y.to(x.dtype), group, layout)
+    else:
+        y, final = _ssd_state(x, dt, A, B, C, D, group, layout, doc, kernel, initial_states)
+    return (y.to(x.dtype), final) if return_final_states else y.to(x.dtype)
+
+
+def _ssd_state(x, dt, A, B, C, D, group, layout, doc, kernel, initial_states):
+    """State passing for Mamba2: the kernel runs each segment from zero (y_0, E); the
+    initial state reaches token t decayed by a_t = exp(sum of dt A up to t) while t is
+    in the segment's first document (and that continues the state before it), so M = a_T
+    and y = y_0 + a_t C_t S_in."""
+    rank, P = group_rank_and_size(group)
+    (b, S, H, Pd), (G, N), slots = x.shape, B.shape[2:], SEGMENTS[layout]
+    pos = rank_positions(S * P, rank, P, layout, x.device)
+    seq_idx = None if doc is None else to_segments(doc[:, pos], slots)
+    xs, dts, Bs, Cs = (to_segments(t, slots) for t in (x, dt, B, C))
+    y_zero, E = kernel(xs, dts, A, Bs, Cs, D, None, seq_idx)            # E (b*slots, H, Pd, N)
+    reached = carries_state(pos, doc, b, slots)[:, None]                # (b*slots, 1)
+    if seq_idx is not None:
+        reached = reached & (seq_idx == seq_idx[:, :1])                 # (b*slots, L)
+    decay_in = (dts * A.float()).cumsum(1).exp() * reached[..., None]   # (b*slots, L, H)
+    summary = torch.cat([E.flatten(2), decay_in[:, -1, :, None]], dim=-1)
+    summary = summary.unflatten(0, (b, slots)).transpose(0, 1)          # (slots, b, H, Pd*N+1)
+    s0 = torch.zeros(b, H, Pd, N, device=x.device) if initial_states is None \
+        else initial_states.float()
+    s_in, final = pass_states(summary, partial(_ssd_combine, (Pd, N)), s0, group,
+                              layout)                                   # (slots, b, H, Pd, N)
+    s_in = s_in.transpose(0, 1).flatten(0, 1)                           # (b*slots, H, Pd, N)
+    C_heads = Cs.float().repeat_interleave(H // G, dim=2)               # (b*slots, L, H, N)
+    y = y_zero + decay_in[..., None] * torch.einsum("bhpn,blhn->blhp", s_in, C_heads)
+    return from_segments(y, slots), final
+
+
+def _ssd_combine(state_shape, summary: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """M S + E for summary [E flattened | M] (b, H, Pd*N+1), S (b, H, Pd, N)."""
+    return summary[..., -1, None, None] * S + summary[..., :-1].unflatten(-1, state_shape)
+
+
+def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     *, activation: Optional[str] = None, cp_group=None,
+                     layout: str = "contiguous", cu_seqlens=None) -> torch.Tensor:
+    """The depthwise causal conv1d before a mixer over a CP group (conv.py): x (B, T/cp, C)
+    this rank's tokens, weight (C, K), bias (C,), activation None or 'silu'. Any layout
+    (the halo is K - 1 tokens per neighbour for contiguous and zigzag). (B, T/cp, C) in
+    x's dtype."""
+    caller = "causal_conv1d_cp"
+    group = _cp_group(cp_group)
+    check_layout(layout)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{caller}: activation={activation!r} must be one of "
+                         f"{list(ACTIVATIONS)}")
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+        raise ValueError(f"{caller}: x (B, T/cp, C) {tuple(x.shape)} and weight (C, K) "
+                         f"{tuple(weight.shape)} do not match")
+    _check_shape("bias", bias, (x.shape[2],), caller)
+    _check_local_seq(x.shape[1], layout, caller)
+    P = group_rank_and_size(group)[1]
+    doc = _documents(cu_seqlens, x.shape[1] * P, x.shape[0], caller, x.device)
+    return conv_over_group(x, weight, bias, activation, group, layout, doc)
+
+
+def summary_bytes(batch: int, heads: int, state: Tuple[int, int], layout: str, cp_size: int,
+                  mixer: str) -> int:
+    """Bytes one rank sends (and receives) for state passing in each of forward and
+    backward: the fp32 summaries of its segments to the P-1 others. state = (Dk, Dv) for
+    'gated_delta' ([M | E]: Dk*(Dk+Dv) per head), (P, N) for 'ssd' (E and the scalar M)."""
+    if mixer not in ("gated_delta", "ssd"):
+        raise ValueError(f"summary_bytes: mixer={mixer!r} must be 'gated_delta' or 'ssd'")
+    if layout not in SEGMENTS:
+        raise ValueError(f"summary_bytes: strategy='state' takes layouts "
+                         f"{list(STATE_LAYOUTS)}, not layout={layout!r}")
+    a, c = state
+    per_head = a * (a + c) if mixer == "gated_delta" else a * c + 1
+    return (cp_size - 1) * SEGMENTS[layout] * batch * heads * per_head * 4

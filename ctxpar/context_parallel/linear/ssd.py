@@ -1,0 +1,101 @@
+"""Mamba2's chunked SSD in torch: an initial state in, the final state out, document resets.
+
+Mamba2 (Dao and Gu, Transformers are SSMs): per head a (head_dim P, state N) state with a
+scalar decay per token,
+
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T        y_t = h_t C_t + D x_t
+
+State Space Duality's chunked form (mamba_ssm's ``mamba_chunk_scan_combined``, transformers'
+``Mamba2Mixer.torch_forward``): inside a chunk, with L[i, j] = exp(Acum_i - Acum_j) for
+j <= i in one document (Acum the cumulative dt*A inside the chunk), the chunk's own tokens
+give y = (C B^T * L) (dt x); the state entering the chunk adds exp(Acum_i) C_i h_0 while
+position i is still in h_0's document; the chunk hands on
+h_C = exp(Acum_{C-1}) h_0 + sum_j exp(Acum_{C-1} - Acum_j) dt_j x_j B_j^T (same document).
+
+Documents: ``seq_idx`` (B, T) as mamba_ssm's (non-decreasing document indices); the state
+is zero before a token whose document differs from its predecessor's; ``initial_states``
+is the state before token 0. Everything in fp32; ``ssd_fp32`` is what the CP strategies
+call, on dt already through dt_bias, softplus and dt_limit (``discretize_dt``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .gated_delta import check_chunk_size, document_masks, pad_seq_idx
+
+
+def discretize_dt(dt: torch.Tensor, dt_bias: Optional[torch.Tensor], dt_softplus: bool,
+                  dt_limit: Tuple[float, float]) -> torch.Tensor:
+    """(B, T, H) fp32: clamp(softplus(dt + dt_bias)) as mamba_ssm applies it."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if tuple(dt_limit) != (0.0, math.inf):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def ssd_fp32(x, dt, A, B, C, D: Optional[torch.Tensor], initial_states: Optional[torch.Tensor],
+             seq_idx: Optional[torch.Tensor], chunk_size: int
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(y (b, T, H, P) fp32, final state (b, H, P, N) fp32); differentiable.
+
+    x (b, T, H, P); dt (b, T, H) discretized; A (H,) (negative); B, C (b, T, G, N) with
+    H % G == 0 (head h reads group h // (H / G)); D (H,) or None; initial_states
+    (b, H, P, N) or None; seq_idx (b, T) int or None."""
+    b, T, H, P = x.shape
+    G, N = B.shape[2:]
+    x, dt = x.float(), dt.float()
+    B, C = (t.float().repeat_interleave(H // G, dim=2) for t in (B, C))  # (b, T, H, N)
+    xdt = x * dt[..., None]
+    dA = (dt * A.float()).transpose(1, 2)                               # (b, H, T)
+    L = chunk_size
+    pad = (-T) % L
+    nc = (T + pad) // L
+    # Padding tokens are no-ops: dt = 0 writes nothing and decays nothing.
+    xdt, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)).view(b, nc, L, H, -1) for t in (xdt, B, C))
+    dA = F.pad(dA, (0, pad)).view(b, H, nc, L)
+    same, from_start, to_end = document_masks(pad_seq_idx(seq_idx, pad), b, nc, L, x.device)
+
+    Acum = dA.cumsum(-1)                                                # (b, H, nc, L)
+    decay = (Acum[..., :, None] - Acum[..., None, :]).masked_fill(~same, float("-inf")).exp()
+    scores = torch.einsum("bclhn,bcshn->bhcls", C, B) * decay           # (b, H, nc, L, L)
+    y_diag = torch.einsum("bhcls,bcshp->bclhp", scores, xdt)
+    to_end_decay = (Acum[..., -1:] - Acum).exp() * to_end               # (b, H, nc, L)
+    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, to_end_decay, xdt)
+    from_start_decay = Acum.exp() * from_start                          # (b, H, nc, L)
+    carry = from_start_decay[..., -1, None, None]                       # (b, H, nc, 1, 1)
+
+    h = (torch.zeros(b, H, P, N, device=x.device) if initial_states is None
+         else initial_states.float())
+    y_off = []
+    for c in range(nc):  # the scan over chunks: only the state crosses
+        y_off.append(torch.einsum("blhn,bhpn,bhl->blhp", C[:, c], h,
+                                  from_start_decay[:, :, c]))
+        h = h * carry[:, :, c] + chunk_states[:, c]
+    y = (y_diag + torch.stack(y_off, dim=1)).reshape(b, nc * L, H, P)[:, :T]
+    if D is not None:
+        y = y + x * D.float()[:, None]
+    return y, h
+
+
+def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                   C: torch.Tensor, chunk_size: int, D: Optional[torch.Tensor] = None,
+                   dt_bias: Optional[torch.Tensor] = None,
+                   initial_states: Optional[torch.Tensor] = None,
+                   seq_idx: Optional[torch.Tensor] = None, dt_softplus: bool = False,
+                   dt_limit: Tuple[float, float] = (0.0, math.inf),
+                   return_final_states: bool = False):
+    """Mamba2's SSD on one process, mamba_ssm's ``mamba_chunk_scan_combined`` signature
+    (without z: the gate belongs to the norm after it): y (b, T, H, P) in x's dtype, and
+    with return_final_states also the final state (b, H, P, N) fp32."""
+    check_chunk_size(chunk_size, "ssd_chunk_scan")
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    y, final = ssd_fp32(x, dt, A, B, C, D, initial_states, seq_idx, chunk_size)
+    return (y.to(x.dtype), final) if return_final_states else y.to(x.dtype)

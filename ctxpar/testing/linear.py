@@ -1,0 +1,159 @@
+"""The mixers' chains and references the linear CP tests hold every strategy to.
+
+    leaves = gdn_leaves(n, dims, dtype)                    # full-sequence inputs, one seed
+    got = run_case("gdn", leaves, dims, group, layout=..., strategy=..., cu_seqlens=cu)
+    want = run_case("gdn", leaves, dims, LOCAL)            # one process, the whole sequence
+    assert not mismatches(got_per_rank, want, layout, dtype)
+
+A chain is the mixer's core as a model runs it: the short conv (with its halo) over the
+projected channels, the split into the mixer's inputs, the gates, the CP op; Qwen3-Next's
+Gated DeltaNet (q|k|v conv without bias, g = -exp(A_log) softplus(a + dt_bias), beta =
+sigmoid(b), q and k l2-normalised in the kernel) and Mamba2's SSD (x|B|C conv with bias,
+A = -exp(A_log), dt through dt_bias and softplus, D). ``run_case`` returns the output, the
+final state and the gradient of every leaf and of every intermediate the mixer takes (q,
+k, v, g, beta; x, B, C), for a loss over every rank's tokens plus the final state's term.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ctxpar.context_parallel.layouts import rank_positions, shard_sequence
+from ctxpar.context_parallel.comm import group_rank_and_size
+from ctxpar.context_parallel.linear import causal_conv1d_cp, gated_delta_rule_cp, ssd_cp
+
+BATCH, CONV_KERNEL, CHUNK = 2, 4, 8
+SEQUENCE = {"mixed", "a", "b", "xBC", "dt", "dout"}  # per-token leaves; the rest replicated
+INTERMEDIATES = {"gdn": ("q", "k", "v", "g", "beta"), "ssd": ("x", "B", "C")}
+
+
+def documents(n: int):
+    """Per-sample cu_seqlens over n = 48 tokens (4 ranks of 12; zigzag chunks of 6):
+    sample 0 has a document starting mid-rank, a one-token one, one spanning three ranks
+    (contiguous) and the sequence's last token alone; sample 1 starts documents exactly at
+    rank boundaries, one of them one token long."""
+    assert n == 48, n
+    return [torch.tensor([0, 5, 6, 34, 47, 48], dtype=torch.int32),
+            torch.tensor([0, 12, 13, 36, 48], dtype=torch.int32)]
+
+
+def gdn_leaves(n: int, dims, dtype, seed: int = 0):
+    """dims = (Hk, Hv, Dk, Dv). Activations and the conv weight in dtype, gates' parameters
+    and states fp32 (as Qwen3-Next computes g in fp32)."""
+    Hk, Hv, Dk, Dv = dims
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(mixed=r(BATCH, n, 2 * Hk * Dk + Hv * Dv).to(dtype),
+                conv_weight=(0.5 * r(2 * Hk * Dk + Hv * Dv, CONV_KERNEL)).to(dtype),
+                a=r(BATCH, n, Hv), b=r(BATCH, n, Hv),
+                A_log=torch.rand(Hv, generator=gen).mul(2).add(0.5).log(),
+                dt_bias=0.5 * r(Hv), initial_state=0.5 * r(BATCH, Hv, Dk, Dv),
+                dout=r(BATCH, n, Hv, Dv).to(dtype), dfinal=r(BATCH, Hv, Dk, Dv))
+
+
+def ssd_leaves(n: int, dims, dtype, seed: int = 0):
+    """dims = (H, P, G, N)."""
+    H, P, G, N = dims
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    width = H * P + 2 * G * N
+    return dict(xBC=r(BATCH, n, width).to(dtype),
+                conv_weight=(0.5 * r(width, CONV_KERNEL)).to(dtype),
+                conv_bias=(0.1 * r(width)).to(dtype), dt=r(BATCH, n, H) - 1.0,
+                A_log=torch.rand(H, generator=gen).mul(3).add(0.5).log(), dt_bias=0.5 * r(H),
+                D=r(H), initial_state=0.5 * r(BATCH, H, P, N),
+                dout=r(BATCH, n, H, P).to(dtype), dfinal=r(BATCH, H, P, N))
+
+
+def _gdn(t, dims, cp):
+    Hk, Hv, Dk, Dv = dims
+    conv = {k: cp[k] for k in ("cp_group", "layout", "cu_seqlens")}
+    mixed = causal_conv1d_cp(t["mixed"], t["conv_weight"], activation="silu", **conv)
+    q, k, v = mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q, k, v = q.unflatten(-1, (Hk, Dk)), k.unflatten(-1, (Hk, Dk)), v.unflatten(-1, (Hv, Dv))
+    g = -t["A_log"].float().exp() * F.softplus(t["a"].float() + t["dt_bias"])
+    beta = t["b"].sigmoid()
+    mid = dict(q=q, k=k, v=v, g=g, beta=beta)
+    for x in mid.values():
+        x.retain_grad()
+    o, final = gated_delta_rule_cp(q, k, v, g, beta, initial_state=t["initial_state"],
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                   chunk_size=CHUNK, **cp)
+    return o, final, mid
+
+
+def _ssd(t, dims, cp):
+    H, P, G, N = dims
+    conv = {k: cp[k] for k in ("cp_group", "layout", "cu_seqlens")}
+    xBC = causal_conv1d_cp(t["xBC"], t["conv_weight"], t["conv_bias"], activation="silu",
+                           **conv)
+    x, B, C = xBC.split([H * P, G * N, G * N], dim=-1)
+    x, B, C = x.unflatten(-1, (H, P)), B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))
+    mid = dict(x=x, B=B, C=C)
+    for m in mid.values():
+        m.retain_grad()
+    y, final = ssd_cp(x, t["dt"], -t["A_log"].exp(), B, C, chunk_size=CHUNK, D=t["D"],
+                      dt_bias=t["dt_bias"], dt_softplus=True,
+                      initial_states=t["initial_state"], return_final_states=True, **cp)
+    return y, final, mid
+
+
+def run_case(mixer: str, leaves, dims, group, layout: str = "contiguous",
+             strategy: str = "state", cu_seqlens=None):
+    """{out, final, grad_<leaf>, grad_<intermediate>} of this rank (collective over group):
+    the loss is sum(out * dout) over this rank's tokens plus sum(final * dfinal) / P, so the
+    sum over ranks is the one-process loss."""
+    P = group_rank_and_size(group)[1]
+    t = {k: (shard_sequence(x, 1, group, layout) if k in SEQUENCE else x).detach().clone()
+         for k, x in leaves.items()}
+    for k, x in t.items():
+        if k not in ("dout", "dfinal"):
+            x.requires_grad_()
+    cp = dict(cp_group=group, layout=layout, strategy=strategy, cu_seqlens=cu_seqlens)
+    out, final, mid = (_gdn if mixer == "gdn" else _ssd)(t, dims, cp)
+    loss = (out.float() * t["dout"].float()).sum() + (final * t["dfinal"]).sum() / P
+    loss.backward()
+    res = dict(out=out.detach(), final=final.detach())
+    res.update({f"grad_{k}": x.grad for k, x in t.items() if x.grad is not None})
+    res.update({f"grad_{k}": x.grad for k, x in mid.items()})
+    return res
+
+
+def linear_tolerance(dtype, expected: torch.Tensor) -> dict:
+    """Why these tolerances. fp32: CP computes the same fp32 math as one process in
+    another order (the state composed from segment summaries, the output corrected by
+    q~ S_in; the heads strategy is the same kernel on fewer heads), differences of a few
+    1e-7 of the tensor's scale, so 1e-5 of it catches any real error (a state missing one
+    segment or leaking across a document moves results by O(0.1) of it). bf16: both sides
+    start from the same bf16 inputs and compute in fp32, but each rounds its result to bf16
+    (a step of 2^-8 relative) from slightly different fp32 values, and a gradient of a
+    bf16 tensor that both a rank and its halo neighbour feed is two bf16 roundings on CP
+    against one; so 2^-7 relative plus 2^-7 of the tensor's largest entry absolute."""
+    scale = max(1.0, expected.abs().max().item())
+    if dtype == torch.float32:
+        return dict(atol=1e-5 * scale, rtol=1e-5)
+    return dict(atol=2 ** -7 * scale, rtol=2 ** -7)
+
+
+def mismatches(per_rank, want, layout: str, dtype) -> list:
+    """What differs from one process (empty when nothing does): per-token tensors at each
+    rank's positions, the final state on every rank, replicated leaves' gradients summed
+    over the ranks (their share each, the CP gradient reduction's sum)."""
+    P, found = len(per_rank), []
+    n = want["out"].shape[1]
+    for key, ref in want.items():
+        if key == "final":
+            got = [(f"rank {r}", res[key], ref) for r, res in enumerate(per_rank)]
+        elif key == "out" or key.removeprefix("grad_") in SEQUENCE | set().union(
+                *INTERMEDIATES.values()):
+            got = [(f"rank {r}", res[key], ref[:, rank_positions(n, r, P, layout)])
+                   for r, res in enumerate(per_rank)]
+        else:
+            got = [("sum over ranks", sum(res[key].float() for res in per_rank), ref)]
+        for where, a, b in got:
+            try:
+                torch.testing.assert_close(a.float(), b.float(),
+                                           **linear_tolerance(dtype, b.float()))
+            except AssertionError as e:
+                found.append(f"{key} ({where}): {str(e).splitlines()[-3:]}")
+    return found
