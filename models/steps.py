@@ -22,7 +22,9 @@ from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 
+from ctxpar.config import ulysses_degree
 from ctxpar.distributed.zero import grad_divisor
+from ctxpar.dynamic_cp.groups import build_dynamic_cp_groups
 
 from . import dynamic_cp, gpt_pipe
 from .loss import global_mean_loss, global_token_count, loss_for_backward
@@ -120,9 +122,6 @@ def training_steps(cfg, engine, state, data, ds_config, device, dynamic=None) ->
     gas = ds_config["gradient_accumulation_steps"]
     divisor = grad_divisor(state, ds_config, pipelined)
     if dynamic is not None:
-        from ctxpar.config import ulysses_degree
-        from ctxpar.dynamic_cp.groups import build_dynamic_cp_groups
-
         hybrid = ulysses_degree(cfg.parallel) if cfg.parallel.cp_comm == "hybrid" else None
         groups = build_dynamic_cp_groups(state, dynamic.sizes, ulysses=hybrid)
         zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)

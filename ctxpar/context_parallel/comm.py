@@ -177,3 +177,24 @@ def all_to_all(xs: Iterable[torch.Tensor], group, phase: str) -> List[torch.Tens
         work.wait()
     record_comm(phase, sent, sent, ops=len(outs))
     return outs
+
+
+def _peer(group, rank: int) -> int:
+    return dist.get_global_rank(dist.group.WORLD if group is None else group, rank)
+
+
+def exchange(group, sends, recvs, phase: str):
+    """Start one P2P batch of sends [(peer, tensor)] and receives [(peer, tensor)], peers
+    as group ranks; returns the requests (none on a NoComm group: nothing moves). The
+    halos' exchange (halo.py, linear/conv.py): wait_all(requests) before reading."""
+    if isinstance(group, NoComm) or not (sends or recvs):
+        return []
+    ops = [dist.P2POp(dist.isend, t, _peer(group, p), group=group) for p, t in sends] \
+        + [dist.P2POp(dist.irecv, t, _peer(group, p), group=group) for p, t in recvs]
+    record_comm(phase, sum(_nbytes(t) for _, t in sends), sum(_nbytes(t) for _, t in recvs))
+    return dist.batch_isend_irecv(ops)
+
+
+def wait_all(reqs) -> None:
+    for req in reqs:
+        req.wait()

@@ -34,16 +34,14 @@ from functools import lru_cache
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .blocks import (QueryRows, backward_block, banded, forward_block_, mask_key,
                      sample_bounds, step_plan)
-from .comm import NoComm, group_rank_and_size
+from .comm import NoComm, exchange, group_rank_and_size, wait_all
 from .documents import doc_plan
 from .layouts import rank_positions
 from .merge import empty_accumulators
 from .sinks import finish
-from .stats import record_comm
 
 HALO_LAYOUTS = {"contiguous": 1, "zigzag": 2}  # layout -> slabs per rank
 
@@ -128,22 +126,6 @@ def _halo_plan(layout: str, rank: int, S: int, world: int, key, bands: bool):
             for blk in doc_plan(cu, q_pos, k_pos, True, window, bands)]
 
 
-def _peer(group, rank: int) -> int:
-    return dist.get_global_rank(dist.group.WORLD if group is None else group, rank)
-
-
-def _exchange(group, sends, recvs, phase: str):
-    """Start one P2P batch of sends [(peer, tensor)] and receives [(peer, tensor)];
-    returns the requests (none on a NoComm group: nothing moves)."""
-    if isinstance(group, NoComm) or not (sends or recvs):
-        return []
-    ops = [dist.P2POp(dist.isend, t, _peer(group, p), group=group) for p, t in sends] \
-        + [dist.P2POp(dist.irecv, t, _peer(group, p), group=group) for p, t in recvs]
-    record_comm(phase, sum(t.numel() * t.element_size() for _, t in sends),
-                sum(t.numel() * t.element_size() for _, t in recvs))
-    return dist.batch_isend_irecv(ops)
-
-
 def _halo_kv(k, v, links: Links, group, phase: str):
     """One (2, B, h, Hkv, D) buffer per receive being filled with its peer's K,V tail, and
     the requests (a NoComm group: local rows stand in, nothing moves)."""
@@ -152,12 +134,7 @@ def _halo_kv(k, v, links: Links, group, phase: str):
         return [torch.stack((k[:, :h], v[:, :h])) for _, _, h in links.recvs], []
     recvs = [(p, torch.empty((2, k.shape[0], h, *k.shape[2:]), dtype=k.dtype,
                              device=k.device)) for p, _, h in links.recvs]
-    return [t for _, t in recvs], _exchange(group, sends, recvs, phase)
-
-
-def _wait(reqs) -> None:
-    for req in reqs:
-        req.wait()
+    return [t for _, t in recvs], exchange(group, sends, recvs, phase)
 
 
 def halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks=None):
@@ -169,7 +146,7 @@ def halo_forward(q, k, v, group, causal, layout, scale, kernel, mask, sinks=None
     bands = banded(kernel, q)
     for b, blk in step_plan(layout, causal, rank, rank, S, world, mask, bands):
         forward_block_(kernel, q, k, v, blk, scale, out, lse, b)
-    _wait(reqs)
+    wait_all(reqs)
     if bufs:
         halo = torch.cat(bufs, dim=2)  # (2, B, received tokens, Hkv, D)
         for b, blk in _halo_plan(layout, rank, S, world, key, bands):
@@ -193,7 +170,7 @@ def halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
         dq[b, qs] += g[0]
         dkv[0, b, ks] += g[1]
         dkv[1, b, ks] += g[2]
-    _wait(reqs)
+    wait_all(reqs)
     sends = []
     if bufs:
         halo = torch.cat(bufs, dim=2)
@@ -211,7 +188,7 @@ def halo_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
                  for (p, _, _), a, e in zip(links.recvs, starts, starts[1:])]
     recvs = [(p, torch.zeros((2, k.shape[0], r.stop - r.start, *k.shape[2:]),
                              dtype=grad_dtype, device=q.device)) for p, r in links.sends]
-    _wait(_exchange(group, sends, recvs, "bwd"))
+    wait_all(exchange(group, sends, recvs, "bwd"))
     if not isinstance(group, NoComm):
         for (_, local_rows), (_, got) in zip(links.sends, recvs):
             dkv[:, :, local_rows] += got

@@ -32,7 +32,7 @@ around the local kernel's backward. Exact: nothing is merged.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -46,22 +46,23 @@ def ulysses_kv_heads(kv_heads: int, ulysses: int) -> int:
     return kv_heads if kv_heads % ulysses == 0 else math.lcm(kv_heads, ulysses)
 
 
-def head_shard(per_head: Optional[torch.Tensor], group) -> Optional[torch.Tensor]:
-    """The H/u entries of an (H,) per-head tensor (attention sinks) for the heads this rank
-    holds between the all-to-alls: head group `rank` (_heads_message's piece order)."""
+def head_shard(per_head: Optional[torch.Tensor], group, dim: int = 0) -> Optional[torch.Tensor]:
+    """The H/u entries along `dim` of a per-head tensor (attention sinks, a mixer's per-head
+    parameters or states) for the heads this rank holds between the all-to-alls: head
+    group `rank` (heads_message's piece order). A view; None stays None."""
     if per_head is None:
         return None
     rank, u = group_rank_and_size(group)
-    h = per_head.shape[0] // u
-    return per_head[rank * h:(rank + 1) * h]
+    h = per_head.shape[dim] // u
+    return per_head.narrow(dim, rank * h, h)
 
 
-def _heads_message(x: torch.Tensor, u: int) -> torch.Tensor:
+def heads_message(x: torch.Tensor, u: int) -> torch.Tensor:
     """(B, s, h, D) -> (u, s, B, h/u, D): piece i = head group i (one copy)."""
     return x.unflatten(2, (u, x.shape[2] // u)).permute(2, 1, 0, 3, 4).contiguous()
 
 
-def _sequence_from_message(recv: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
+def sequence_from_message(recv: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
     """(u, s, B, w, D) from ranks 0..u-1 -> (B, u*s, w, D), tokens ascending.
 
     The message is already the whole sequence in arrival order (rank 0's tokens, rank
@@ -75,7 +76,7 @@ def _sequence_from_message(recv: torch.Tensor, order: Optional[torch.Tensor]) ->
     return x.transpose(0, 1)
 
 
-def _sequence_message(x: torch.Tensor, order: Optional[torch.Tensor], u: int) -> torch.Tensor:
+def sequence_message(x: torch.Tensor, order: Optional[torch.Tensor], u: int) -> torch.Tensor:
     """(B, n, w, D), tokens ascending -> (u, n/u, B, w, D): piece i = rank i's tokens in the
     order that rank holds them. Ascending token j goes to arrival slot order[j] (index_copy_,
     the inverse of the index_select above); in contiguous order at batch 1 no copy at all."""
@@ -85,32 +86,40 @@ def _sequence_message(x: torch.Tensor, order: Optional[torch.Tensor], u: int) ->
     return x.view(u, n // u, B, w, D)
 
 
-def _heads_from_message(recv: torch.Tensor) -> torch.Tensor:
+def heads_from_message(recv: torch.Tensor) -> torch.Tensor:
     """(u, s, B, w, D) from ranks 0..u-1 -> (B, s, u*w, D): head groups in order (one copy)."""
     u, s, B, w, D = recv.shape
     return recv.permute(2, 1, 0, 3, 4).reshape(B, s, u * w, D)
 
 
 class SeqToHeads(torch.autograd.Function):
-    """q (B, s, H, D), k, v (B, s, Hkv, D) -> (B, u*s, H/u, D), (B, u*s, Hkv'/u, D) x 2."""
+    """xs[i] (B, s, h_i, D_i) -> (B, u*s, heads[i]/u, D_i), tokens ascending: one
+    all-to-all per tensor (each in its own dtype), x expanded to heads[i] heads first
+    (replicas when h_i % u: head j of the expansion is head j // (heads[i]/h_i)); the
+    replicas' gradients are summed back in fp32 (a no-op without them)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kv_heads, order):
+    def forward(ctx, group, order, heads: Sequence[int], *xs):
         u = group_rank_and_size(group)[1]
-        ctx.args, ctx.kv_in = (group, order, u), k.shape[2]
-        k, v = expand_kv(k, kv_heads), expand_kv(v, kv_heads)  # replicas when Hkv % u
-        recv = all_to_all((_heads_message(x, u) for x in (q, k, v)), group, "fwd")
-        return tuple(_sequence_from_message(r, order) for r in recv)
+        ctx.args, ctx.heads_in = (group, order, u), [x.shape[2] for x in xs]
+        xs = [expand_kv(x, h) for x, h in zip(xs, heads)]
+        recv = all_to_all((heads_message(x, u) for x in xs), group, "fwd")
+        return tuple(sequence_from_message(r, order) for r in recv)
 
     @staticmethod
-    def backward(ctx, dq, dk, dv):
+    def backward(ctx, *grads):
         group, order, u = ctx.args
-        recv = all_to_all((_sequence_message(g, order, u) for g in (dq, dk, dv)), group,
-                          "bwd")
-        dq, dk, dv = (_heads_from_message(r) for r in recv)
-        # Replicated kv heads: sum the replicas' gradients in fp32 (a no-op without them).
-        dk, dv = (reduce_kv_grad(g, ctx.kv_in).to(g.dtype) for g in (dk, dv))
-        return dq, dk, dv, None, None, None
+        recv = all_to_all((sequence_message(g, order, u) for g in grads), group, "bwd")
+        dxs = [reduce_kv_grad(heads_from_message(r), h).to(r.dtype)
+               for r, h in zip(recv, ctx.heads_in)]
+        return (None, None, None, *dxs)
+
+
+def arrival_order(local_len: int, group, layout: str, device=None) -> Optional[torch.Tensor]:
+    """Where each gathered token goes in ascending order (None: already ascending)."""
+    u = group_rank_and_size(group)[1]
+    arrival = ulysses_arrival_positions(u * local_len, u, layout, device)
+    return None if arrival is None else torch.argsort(arrival)
 
 
 class HeadsToSeq(torch.autograd.Function):
@@ -120,23 +129,23 @@ class HeadsToSeq(torch.autograd.Function):
     def forward(ctx, x, group, order):
         u = group_rank_and_size(group)[1]
         ctx.args = (group, order, u)
-        recv, = all_to_all([_sequence_message(x, order, u)], group, "fwd")
-        return _heads_from_message(recv)
+        recv, = all_to_all([sequence_message(x, order, u)], group, "fwd")
+        return heads_from_message(recv)
 
     @staticmethod
     def backward(ctx, dout):
         group, order, u = ctx.args
-        recv, = all_to_all([_heads_message(dout, u)], group, "bwd")
-        return _sequence_from_message(recv, order), None, None
+        recv, = all_to_all([heads_message(dout, u)], group, "bwd")
+        return sequence_from_message(recv, order), None, None
 
 
 @torch.no_grad()
 def _lse_to_sequence(lse: torch.Tensor, group, order) -> torch.Tensor:
     """lse (B, H/u, u*s) fp32, tokens ascending -> (B, H, s) of this rank's tokens."""
     u = group_rank_and_size(group)[1]
-    send = _sequence_message(lse.transpose(1, 2).unsqueeze(-1), order, u)
+    send = sequence_message(lse.transpose(1, 2).unsqueeze(-1), order, u)
     recv, = all_to_all([send], group, "fwd")
-    return _heads_from_message(recv).squeeze(-1).transpose(1, 2).contiguous()
+    return heads_from_message(recv).squeeze(-1).transpose(1, 2).contiguous()
 
 
 def ulysses_attention(q, k, v, group, layout: str, inner: Callable, return_lse: bool = False):
@@ -149,10 +158,9 @@ def ulysses_attention(q, k, v, group, layout: str, inner: Callable, return_lse: 
     if u == 1:
         out, lse = inner(q, k, v)
         return out, (lse if return_lse else None)
-    arrival = ulysses_arrival_positions(u * q.shape[1], u, layout, q.device)
-    order = None if arrival is None else torch.argsort(arrival)
+    order = arrival_order(q.shape[1], group, layout, q.device)
     kv_heads = ulysses_kv_heads(k.shape[2], u)
-    qh, kh, vh = SeqToHeads.apply(q, k, v, group, kv_heads, order)
+    qh, kh, vh = SeqToHeads.apply(group, order, (q.shape[2], kv_heads, kv_heads), q, k, v)
     out_h, lse_h = inner(qh, kh, vh)  # (B, u*s, H/u, D), (B, H/u, u*s)
     out = HeadsToSeq.apply(out_h, group, order)
     return out, (_lse_to_sequence(lse_h, group, order) if return_lse else None)

@@ -37,8 +37,8 @@ from ..documents import check_cu_seqlens, doc_ids
 from ..layouts import LAYOUTS, check_layout, rank_positions
 from .conv import ACTIVATIONS, conv_over_group
 from .gated_delta import check_chunk_size, gated_delta_fp32
-from .heads import head_slice, heads_to_sequence, sequence_to_heads
-from .heads import ulysses_kv_heads
+from ..ulysses import head_shard, ulysses_kv_heads
+from .heads import heads_to_sequence, sequence_to_heads
 from .ssd import discretize_dt, ssd_fp32
 from .state_passing import (SEGMENTS, STATE_LAYOUTS, carries_state, from_segments,
                             pass_states, to_segments)
@@ -133,7 +133,7 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         sent = ulysses_kv_heads(Hk, P)
         vh, gh, bh, qh, kh = sequence_to_heads([v, g, beta, q, k], [Hv, Hv, Hv, sent, sent],
                                                group, layout)
-        o, final = kernel(qh, kh, vh, gh, bh, initial_state=head_slice(initial_state, group, 1),
+        o, final = kernel(qh, kh, vh, gh, bh, initial_state=head_shard(initial_state, group, 1),
                           seq_idx=doc)                       # (B, T, Hv/cp, Dv) fp32
         if output_final_state:
             o, final = heads_to_sequence(o.to(q.dtype), group, layout, final)
@@ -215,8 +215,8 @@ def ssd_cp(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     elif strategy == "heads":
         sent = ulysses_kv_heads(G, P)
         xh, dth, Bh, Ch = sequence_to_heads([x, dt, B, C], [H, H, sent, sent], group, layout)
-        y, final = kernel(xh, dth, head_slice(A, group, 0), Bh, Ch, head_slice(D, group, 0),
-                          head_slice(initial_states, group, 1), doc)  # (b, T, H/cp, P)
+        y, final = kernel(xh, dth, head_shard(A, group), Bh, Ch, head_shard(D, group),
+                          head_shard(initial_states, group, 1), doc)  # (b, T, H/cp, P)
         if return_final_states:
             y, final = heads_to_sequence(y.to(x.dtype), group, layout, final)
         else:

@@ -30,8 +30,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..comm import LOCAL, group_rank_and_size
-from ..halo import _exchange, _wait
+from ..comm import LOCAL, exchange, group_rank_and_size, wait_all
 from ..layouts import rank_positions
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -95,7 +94,7 @@ class HaloExchange(torch.autograd.Function):
         B, _, C = x.shape
         sends = [(p, x[:, rows].contiguous()) for p, rows in plan.sends]
         recvs = [(p, x.new_zeros(B, count, C)) for p, count in plan.recvs]
-        _wait(_exchange(group, sends, recvs, "fwd"))
+        wait_all(exchange(group, sends, recvs, "fwd"))
         return torch.cat([t for _, t in recvs], dim=1) if recvs else x.new_zeros(B, 0, C)
 
     @staticmethod
@@ -104,7 +103,7 @@ class HaloExchange(torch.autograd.Function):
         parts = dhalo.split([count for _, count in plan.recvs], dim=1) if plan.recvs else []
         sends = [(p, part.contiguous()) for (p, _), part in zip(plan.recvs, parts)]
         recvs = [(p, dhalo.new_zeros(B, len(rows), C)) for p, rows in plan.sends]
-        _wait(_exchange(ctx.group, sends, recvs, "bwd"))
+        wait_all(exchange(ctx.group, sends, recvs, "bwd"))
         dx = dhalo.new_zeros(B, S, C)
         for (_, rows), (_, got) in zip(plan.sends, recvs):
             dx.index_add_(1, rows, got)
