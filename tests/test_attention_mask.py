@@ -46,6 +46,7 @@ MASKS = {  # name -> AttentionMask's (causal, sliding_window, cu_seqlens, chunk_
 HEADS = ((4, 4, 16), (4, 2, 16), (4, 1, 16))  # MHA, GQA, MQA
 
 
+@pytest.mark.quick
 def test_window_matches_transformers_sliding_window_causal_mask():
     """transformers' sliding_window_causal_mask_function (what Mistral, Gemma, Qwen use):
     kv_idx > q_idx - sliding_window and kv_idx <= q_idx, so a query sees itself and

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 
+@pytest.mark.quick
 def test_ctxpar_ulysses_equals_deepspeed_ulysses(tmp_path, monkeypatch):
     from tools.benchmarks import bench_ulysses
 

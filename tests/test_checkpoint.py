@@ -35,6 +35,7 @@ def make_tag(save_dir, step, meta=None, files=("mp_rank_00_model_states.pt",
     return d
 
 
+@pytest.mark.quick
 def test_manifest_lists_every_file_and_verifies(tmp_path):
     d = make_tag(str(tmp_path), 10, {"layout": {"tp": 1}})
     m = verify(d)

@@ -15,6 +15,7 @@ SETS = ["train.steps=4", "train.warmup_steps=1", "model.d_model=32", "model.n_he
         "parallel.dp=1", "train.global_batch_size=8", "train.weight_decay=0.0"]
 
 
+@pytest.mark.quick
 # Same layout: the same sums in the same order, so equal up to the CPU's kernels (another
 # machine's vector width reorders fp32 sums: ~1e-7 relative); cp 2 merges each row's
 # attention from two blocks by LSE, another fp32 order of the same sums (~1e-7).

@@ -19,6 +19,7 @@ def _write(tmp_path, data, name="c.yaml"):
     return str(p)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("data,world,msg", [
     ({"modle": {}}, None, "unknown config key 'modle' (did you mean 'model'?)"),
     ({"model": {"n_head": 4}}, None, "unknown config key 'model.n_head' (did you mean 'model.n_heads'?)"),
@@ -153,6 +154,7 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.quick
 def test_overrides_and_deepspeed_fill(tmp_path):
     path = _write(tmp_path, {"parallel": {"cp": 2}, "train": {"global_batch_size": 8, "lr": "3e-4"},
                              "deepspeed": {"bf16": {"enabled": True}}})

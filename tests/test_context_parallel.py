@@ -99,6 +99,7 @@ def _reference(n, causal, H, Hkv, D, dtype):
     return dict(out=out.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", sorted(PATTERNS))
 def test_every_pattern_matches_full_attention(world):
     per_rank = run_distributed(_cp_outputs, world, timeout=420)

@@ -109,6 +109,7 @@ def test_fused_merge_without_a_compiler_merges_eagerly(caplog):
         "triton installation)") == 1
 
 
+@pytest.mark.quick
 def test_unpacking_documents_once_per_packed_tensor():
     """What the pipeline's blocks call on each layer: the first call per packed tensor
     reads it, the next ones reuse the result; a new tensor or an in-place change reads

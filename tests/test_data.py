@@ -28,6 +28,7 @@ def write(prefix, docs=DOCS, vocab=256, eos=0):
 
 # ---------------------------------------------------------------- the .bin/.idx format
 
+@pytest.mark.quick
 @pytest.mark.parametrize("vocab,dtype", [(256, np.uint16), (70_000, np.uint32)])
 def test_format_round_trip(tmp_path, vocab, dtype):
     docs = [d + [vocab - 1] for d in DOCS]  # the largest id must survive the dtype
@@ -59,6 +60,7 @@ def one_line_error(fn, *match):
     return msg
 
 
+@pytest.mark.quick
 def test_bad_token_files_give_one_line(tmp_path):
     one_line_error(lambda: IndexedDataset(str(tmp_path / "missing")), "missing.idx",
                    "does not exist")

@@ -22,6 +22,7 @@ tokens 1234567, memory 71.96 GB
 """
 
 
+@pytest.mark.quick
 def test_matching_figures_pass(tmp_path):
     doc = tmp_path / "a.md"
     doc.write_text(DOC)

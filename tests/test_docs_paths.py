@@ -5,6 +5,8 @@ import glob
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT)
                              for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
@@ -18,6 +20,7 @@ def _text(doc):
         return f.read()
 
 
+@pytest.mark.quick
 def test_named_paths_and_modules_exist():
     missing = []
     for doc in DOCS:
@@ -33,6 +36,7 @@ def test_named_paths_and_modules_exist():
     assert not missing, "\n".join(sorted(missing))
 
 
+@pytest.mark.quick
 def test_every_package_is_on_the_readme_map():
     text = _text("README.md")
     packages = sorted(d for d in os.listdir(os.path.join(ROOT, "ctxpar"))

@@ -58,6 +58,7 @@ def _pairs_seen(cu, shards, n, causal):
     return seen, masked
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 def test_plan_computes_every_visible_pair_once(layout, P):
@@ -116,6 +117,7 @@ def _masked_blocks_match_reference(backends):
                                        msg=lambda m: f"{backend} {name}: {m}")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("cu, msg", [
     (torch.tensor([0, 5, 7], dtype=torch.int32), "must start at 0 and end at the sequence "
                                                  "length 8"),

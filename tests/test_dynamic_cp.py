@@ -65,6 +65,7 @@ def _check_placement(s, lengths, layout="zigzag", smallest=True):
         assert s.sizes[i] == cp_size_for(n, s.budget, range(1, s.world + 1), layout)
 
 
+@pytest.mark.quick
 def test_every_document_is_placed_once_within_the_budgets():
     lengths = long_tailed() + [14000]
     s = schedule(lengths, WORLD, BUDGET, analytic_cost, overhead=50.0)

@@ -4,6 +4,7 @@ each document alone: per-token logits, the token-mean loss and every gradient, f
 ring, all-gather, Ulysses and hybrid (Ulysses degree 2 around the ring) patterns (fp32;
 the tolerance is test_documents.py's: the ring's merge and the gradient sum over ranks add
 in another order)."""
+import pytest
 import torch
 
 from ctxpar.dynamic_cp.schedule import schedule
@@ -39,6 +40,7 @@ def _documents():
     return [torch.randint(1, 64, (n + 1,), generator=g).numpy() for n in INPUTS]
 
 
+@pytest.mark.quick
 def test_tiles_are_the_same_positions_of_every_dp_cp_group():
     groups = rank_grid(8, tp=2, cp=2)["dp_cp"]          # tp2 x cp2 x dp2: [0,2,4,6], [1,3,5,7]
     assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]

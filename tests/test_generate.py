@@ -267,6 +267,7 @@ def test_hf_tokenizer_text_in_text_out(run, tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == "the sea is" + hf.decode(ref) + "\n\n"
 
 
+@pytest.mark.quick
 def test_generation_prefills_with_the_ring_whatever_the_run_trained_with():
     # A hybrid (ulysses 2 x ring 2) run's config at generate.py's grid of 1 or 2 ranks: the
     # Ulysses degree fits neither, and the weights do not care; prefill is the ring.

@@ -157,6 +157,7 @@ def replayed_layers(ckpt, n_layers):
     return {"full": n_layers, "every_n_layers": (n_layers + 1) // 2}.get(ckpt, 0)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_layout_parity_with_single_process(world):
     cases, refs = [], []
@@ -185,6 +186,7 @@ def test_layout_parity_with_single_process(world):
                                            msg=f"{where} param {n}")
 
 
+@pytest.mark.quick
 def test_loss_for_backward_with_gradient_accumulation():
     # Two micro-batches with different token counts; DeepSpeed divides each backward by
     # gas and sums: the result must be the gradient of the mean over all tokens of the step.
@@ -243,6 +245,7 @@ def naive_gpt(cfg, sd, tokens):
     return F.linear(x, sd["embed.weight" if cfg.tie_embeddings else "lm_head.weight"])
 
 
+@pytest.mark.quick
 # The naive model writes out the plain GPT (the families' fields are held to transformers'
 # own models in tests/test_hf.py).
 @pytest.mark.parametrize("name", ["gqa", "mqa"])

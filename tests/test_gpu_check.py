@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,6 +23,7 @@ def _tool(*args):
                           text=True, timeout=300)
 
 
+@pytest.mark.quick
 def test_help_documents_every_part():
     out = _tool("--help").stdout
     for word in ("--dry-run", "--budget", "env", "pytest", "kernels", "cp_efficiency",

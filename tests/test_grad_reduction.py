@@ -81,6 +81,7 @@ def linear_steps():
     return run_distributed(_linear_steps, 4, cases, timeout=300)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("i,stage", list(enumerate(STAGES)))
 def test_deepspeed_reduction_matches_grad_divisor(linear_steps, i, stage):
     # Order tp-cp-dp-pp with tp1 cp2 dp2: cp groups [0,1],[2,3]; dp groups [0,2],[1,3].

@@ -41,6 +41,7 @@ def test_ranks_start_with_the_suites_preloaded_modules():
     assert run_distributed(_modules_at_start, 1, names) == [names]
 
 
+@pytest.mark.quick
 def test_results_come_back_in_rank_order_after_a_collective():
     assert run_distributed(_rank_and_sum, 3, 10) == [(0, 3, 33), (1, 3, 33), (2, 3, 33)]
 

@@ -105,6 +105,7 @@ def ctxpar_from(path):
     return model
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("scaling", [
     None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, YARN,
     {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},

@@ -5,6 +5,8 @@ sys.path.insert; no function over 120 lines."""
 import ast
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ABOVE = ("models", "tools", "tests", "helpers", "train", "generate", "verify")
 SKIP = {".venv", ".git", "build", "runs", "__pycache__"}
@@ -43,6 +45,7 @@ def _imports(path):
             yield node.module
 
 
+@pytest.mark.quick
 def test_ctxpar_imports_nothing_above_it():
     found = []
     for folder, _, files in os.walk(os.path.join(ROOT, "ctxpar")):
@@ -63,6 +66,7 @@ def test_the_model_offers_what_ctxpar_needs():
     assert isinstance(model, CausalLM)
 
 
+@pytest.mark.quick
 def test_no_entrypoint_imports_another():
     # A script that is also a library breaks when someone edits "just the script", and
     # `python -m` and torchrun see different module names for it.
@@ -75,6 +79,7 @@ def test_no_entrypoint_imports_another():
     assert not found, "\n".join(found)
 
 
+@pytest.mark.quick
 def test_no_sys_path_insert_and_no_function_over_120_lines():
     found = []
     for path in _python_files("ctxpar", "models", "tools", "tests", "train.py", "generate.py",
@@ -92,6 +97,7 @@ def test_no_sys_path_insert_and_no_function_over_120_lines():
     assert not found, "\n".join(found)
 
 
+@pytest.mark.quick
 def test_train_main_is_one_screen():
     # train.py decides the kind of step once (models/steps.py): main() at most 80 lines,
     # its loop at most 30 and without a branch on the kind of step.

@@ -121,6 +121,7 @@ def test_generation_matches_single_process_for_every_layout():
                 * n_kv * hd * 4, where
 
 
+@pytest.mark.quick
 def test_partial_attention_merged_over_splits_is_full_attention():
     # The decode maths without processes: the keys split into 3 uneven shards with
     # invalid (padding) slots, one shard holding no valid key of row 1, merged in order.

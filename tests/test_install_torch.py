@@ -5,6 +5,9 @@ import socket
 import subprocess
 import sys
 import time
+
+import pytest
+
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "install_torch.sh"
@@ -32,6 +35,7 @@ def closed_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.quick
 def test_refused_cpu_index_falls_back_to_the_default_index_at_once(tmp_path):
     out, took = run_script(tmp_path, f"http://127.0.0.1:{closed_port()}/whl/cpu")
     assert out.returncode == 0, out.stderr

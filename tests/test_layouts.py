@@ -14,6 +14,7 @@ from ctxpar.testing import run_distributed
 EXACT = dict(atol=0, rtol=0)  # positions and copied values: no arithmetic, must be exact
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout,want", [
     # n = 12, P = 3
     ("contiguous", [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]),
@@ -25,6 +26,7 @@ def test_positions_exact(layout, want):
     torch.testing.assert_close(got, want, **EXACT)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_positions_partition_the_sequence(layout, world):

@@ -14,6 +14,7 @@ from ctxpar.testing import run_distributed
 TOK = load_tokenizer(None)  # byte-level: a character is a token
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", TASKS)
 def test_tasks_are_exactly_long_hold_their_answers_and_repeat(name):
     hay = Haystack.filler(TOK, seed=1)

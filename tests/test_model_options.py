@@ -1,5 +1,6 @@
 """ModelOptions.from_config: the one reading of a run config into a model's settings
 (GPT.from_config and GPTPipe.from_config both use it)."""
+import pytest
 import torch
 
 from ctxpar.config import config_from_dict
@@ -15,6 +16,7 @@ def _cfg(**sets):
     return config_from_dict(data, overrides=[f"{k}={v}" for k, v in sets.items()])
 
 
+@pytest.mark.quick
 def test_options_read_every_section_they_name():
     cfg = _cfg(**{"parallel.layout": "zigzag", "parallel.ring_grad_dtype": "bf16",
                   "activation_checkpointing.mode": "full",
@@ -33,6 +35,7 @@ def test_no_options_are_the_defaults():
         (want.activation_checkpointing, want.every_n_layers, want.cp_comm, want.layout)
 
 
+@pytest.mark.quick
 def test_from_config_builds_the_model_the_options_describe():
     cfg = _cfg(**{"activation_checkpointing.mode": "full",
                   "activation_checkpointing.every_n_layers": 2})

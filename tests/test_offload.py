@@ -71,6 +71,7 @@ def test_offload_exact_and_block_inputs_leave(mode):
         assert bwd["device_bytes"] == 0 and bwd["host_bytes"] == 0  # all handed back, freed
 
 
+@pytest.mark.quick
 def test_parameters_leaves_and_shared_tensors_stay_same_tensor_copied_once():
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(128, 128))  # 64 KiB: big enough to move, but a parameter

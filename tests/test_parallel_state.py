@@ -15,6 +15,7 @@ LAYOUTS = [  # (world, tp, cp, pp)
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world,tp,cp,pp", LAYOUTS)
 @pytest.mark.parametrize("order", ["tp-cp-dp-pp", "cp-tp-pp-dp", "dp-pp-cp-tp"])
 def test_families_partition_the_world(world, tp, cp, pp, order):
@@ -43,6 +44,7 @@ def test_families_partition_the_world(world, tp, cp, pp, order):
         assert set(dpcp) == union
 
 
+@pytest.mark.quick
 def test_order_is_honoured_exact_ranks():
     # tp innermost: TP pairs are adjacent ranks; CP strides by tp; DP strides by tp*cp.
     g = rank_grid(8, tp=2, cp=2, pp=1, order="tp-cp-dp-pp")

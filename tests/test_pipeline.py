@@ -56,6 +56,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 # ---------------------------------------------------------------- (1) pure
 
+@pytest.mark.quick
 @pytest.mark.parametrize("order,sizes", [
     ("tp-cp-dp-pp", dict(tp=2, cp=2, pp=2, dp=2)),
     ("cp-dp-tp-pp", dict(tp=2, cp=2, pp=2, dp=2)),
@@ -80,6 +81,7 @@ def test_topology_of_the_documented_4d_grid():
     assert topo.get_coord(13) == topo.ProcessCoord(pipe=1, data=2, model=1)  # dp1 cp0 tp1
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("sets,msg", [
     ({"parallel": dict(pp=2, cp=2, tp=2, order="tp-cp-pp-dp"), "_world": 16},
      "parallel.order='tp-cp-pp-dp' puts pp between dp and cp"),

@@ -54,6 +54,7 @@ def _params(rank, world, cases):
     return out
 
 
+@pytest.mark.quick
 def test_parameters_per_rank_equal_the_tp_layers():
     cases = [(tp, kw) for tp in (1, 2, 4) for kw in (
         {}, {"tie_embeddings": False, "bias": True, "norm": "layernorm"},

@@ -33,6 +33,7 @@ def run(tmp_path, *args):
     return preprocess_main([*map(str, args), "--output-prefix", str(tmp_path / "out" / "c")])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name,data,fmt,want", [
     ("notes.md", TEXT.encode(), "auto", [TEXT]),
     ("nntplib.py", b"import os\r\n\r\ndef f():\r\n    pass\r\n", "auto",

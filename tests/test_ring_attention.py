@@ -23,6 +23,7 @@ from ctxpar.testing.attention import (S_LOCAL, flash_attn_backward, flash_attn_f
 EXACT = dict(atol=0, rtol=0)
 
 
+@pytest.mark.quick
 def test_single_rank_needs_no_process_group():
     assert not dist.is_initialized()
     gen = torch.Generator().manual_seed(0)
@@ -46,6 +47,7 @@ def _subgroup_ring(rank, world):
     return cp_rank, out.detach(), ql.grad, kl.grad, vl.grad
 
 
+@pytest.mark.quick
 def test_ring_on_subgroups_uses_global_peers():
     n = 2 * S_LOCAL
     for rank, (cp_rank, *got) in enumerate(run_distributed(_subgroup_ring, 4, timeout=60)):

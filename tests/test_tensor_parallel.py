@@ -23,6 +23,7 @@ from ctxpar.testing import run_distributed
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, reordered sums (module docstring)
 
 
+@pytest.mark.quick
 def test_cross_entropy_matches_torch_without_tp():
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 50, requires_grad=True)
@@ -181,5 +182,6 @@ def _tp_checks(rank, world):
     return True
 
 
+@pytest.mark.quick
 def test_tensor_parallel_layers_on_two_ranks():
     assert run_distributed(_tp_checks, 2, timeout=120) == [True, True]

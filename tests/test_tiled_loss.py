@@ -104,6 +104,7 @@ def test_tile_size_rule():
     assert loss_tile_tokens(100, 1000, 10, 7) == 7 and loss_tile_tokens(5, 1000, 10, 64) == 5
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("tile", [1, 7, 16, "auto", 111, 4096])
 def test_tiled_equals_untiled(tile):
     # 111 rows: 7 and 'auto' (16) leave a short last tile, 1 and 111 divide them, 4096 is

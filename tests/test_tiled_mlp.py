@@ -75,6 +75,7 @@ def test_auto_tile_rule():
     assert tile_spans(10, 4) == [(0, 4), (4, 4), (8, 2)]  # the last tile holds the rest
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gelu"])
 def test_tiled_equals_untiled(mlp):
     full, x, dy = _data(mlp)

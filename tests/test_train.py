@@ -268,6 +268,7 @@ def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
     assert [json.loads(line) for line in open(d / "metrics.jsonl")] == rows
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("sets,msg", [
     (["parallel.cp=3"], "model.seq_len=128 is not divisible by 6"),
     (["parallel.tp=3"], "is not divisible by parallel.tp=3"),
@@ -361,6 +362,7 @@ def test_missing_config_file_exits_2(tmp_path):
     assert proc.returncode == 2 and "config file does not exist" in proc.stderr
 
 
+@pytest.mark.quick
 def test_non_finite_loss_stops_without_saving(tmp_path):
     # lr 1e30: step 1 is finite but leaves weights ~1e30, so step 2's logits overflow.
     d = tmp_path / "nan"

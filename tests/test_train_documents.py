@@ -80,6 +80,7 @@ def test_one_document_per_sample_equals_no_masking(tmp_path):
     assert_same_run(masked, plain, 4)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("sets,msg", [
     (["data.eod_mask_loss=true"], "data.eod_mask_loss=true is for data.kind='tokens'"),
     (["data.passkey_docs=9"], "data.passkey_docs=9 must be >= 1 and fit in model.seq_len=128"),

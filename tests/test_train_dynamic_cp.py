@@ -43,6 +43,7 @@ def _cfg(corpus, *sets, world=4):
                                           *DYNAMIC, *sets], world_size=world)
 
 
+@pytest.mark.quick
 def test_the_stream_is_a_function_of_the_step_and_resumes_from_it(corpus):
     cfg = _cfg(corpus, "parallel.cp=2", "parallel.dp=2")
     cost = lambda n, d: n / d + n * n / (64 * d)  # noqa: E731
@@ -62,6 +63,7 @@ def test_the_stream_is_a_function_of_the_step_and_resumes_from_it(corpus):
     assert a.dataset.doc_offsets[a.ids[-1] + 1] <= end
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("sets,msg", [
     (["parallel.pp=2", "parallel.cp=2", "parallel.dp=1"],
      "data.dynamic_cp=true with parallel.pp=2: the pipeline runs the same micro-batches"),

@@ -88,6 +88,7 @@ def test_memory_options_on_equal_the_options_off_run(single, runs, name):
         assert option in lines[0], lines[0]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("ds,device,cpu_adam", [
     ({}, "cuda", False),                                          # no offload: device Adam
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}, "cuda", False),

@@ -95,6 +95,7 @@ def test_a_broken_merge_fails_naming_the_worst_tensor(results):
     assert len(attn) == 4 and all(r.diff > 100 * r.budget for r in attn)
 
 
+@pytest.mark.quick
 def test_budgets_fp32_flat_bf16_gradients_growing_with_the_ring():
     assert parity_budget("fp32", 8) == parity_budget("fp32", 1)
     bf16_4, bf16_1 = parity_budget("bf16", 4), parity_budget("bf16", 1)
@@ -122,6 +123,7 @@ def test_verdict_names_the_tensor_furthest_over_its_budget():
     assert code == 0 and line.startswith("verify: PASS")
 
 
+@pytest.mark.quick
 def test_bad_input_exits_2_before_any_collective(monkeypatch, capsys):
     import verify
     monkeypatch.setenv("RANK", "0")
