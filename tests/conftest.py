@@ -7,12 +7,11 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 
 def pytest_configure(config):
-    """Spawned ranks fork from a server that has imported what nearly every rank imports
-    (ctxpar/testing/distributed.py): DeepSpeed, which every rank of an engine test would
-    import anew, pytest and the model, once for the session. DeepSpeed picks its
-    accelerator there, from DS_ACCELERATOR above: the suite spawns CPU ranks only."""
+    """Spawned ranks fork from a server that has already imported and probed what nearly
+    every rank would (DeepSpeed, torch's compiler modules, the model: helpers/rank_preload.py),
+    once for the session instead of once per rank."""
     from ctxpar.testing.distributed import preload
-    preload("deepspeed", "pytest", "ctxpar", "models.gpt")
+    preload("helpers.rank_preload")
 
 
 @pytest.fixture(scope="session")

@@ -35,9 +35,9 @@ def _modules_at_start(rank, world, names):
 
 def test_ranks_start_with_the_suites_preloaded_modules():
     # conftest.py's preload: imported once in the forkserver, not again in every rank. This
-    # module imports neither of these two, so a rank has them only from the server; a preload
+    # module imports none of these, so a rank has them only from the server; a preload
     # that fails to import is skipped silently by multiprocessing.
-    names = ["deepspeed", "models.gpt"]
+    names = ["deepspeed", "models.gpt", "torch._dynamo"]
     assert run_distributed(_modules_at_start, 1, names) == [names]
 
 

@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import sys
 import tempfile
 import time
 import traceback
@@ -36,7 +37,7 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor"]
 
 def preload(*modules: str) -> None:
     """Import ``modules`` in the forkserver too, once, so that no rank imports them again
-    (the test suite adds DeepSpeed, pytest and the model: tests/conftest.py). Call it before
+    (the test suite: tests/conftest.py, tests/helpers/rank_preload.py). Call it before
     the first ``run_distributed``: the server starts with the list it has then. A module that
     reads the environment at import keeps what it read there (DeepSpeed's accelerator:
     DS_ACCELERATOR), so preload only what every later device_type agrees with."""
@@ -53,7 +54,25 @@ def _context(fn):
     if _FORKSERVER is None:
         _FORKSERVER = mp.get_context("forkserver")
         _FORKSERVER.set_forkserver_preload(list(_PRELOAD))
+        _start_forkserver()
     return _FORKSERVER
+
+
+def _start_forkserver():
+    """Start the server on this process's sys.path. Python 3.11's forkserver imports its
+    preload without the sys.path it is handed (only its ranks get that), so a module found
+    through the parent's path alone (pytest's ``pythonpath``, a benchmark's folder) would be
+    dropped silently; PYTHONPATH carries the path into the server's interpreter."""
+    from multiprocessing import forkserver
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def _report(results, rank, ok, payload):
