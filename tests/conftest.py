@@ -14,6 +14,15 @@ def pytest_configure(config):
     preload("helpers.rank_preload")
 
 
+def pytest_itemcollected(item):
+    """The first test module that spawns ranks starts the forkserver: its preload runs on
+    the other core while pytest collects the rest (a run of modules that spawn none never
+    starts it)."""
+    if getattr(getattr(item, "module", None), "run_distributed", None) is not None:
+        from ctxpar.testing.distributed import start_forkserver
+        start_forkserver()
+
+
 @pytest.fixture(scope="session")
 def single(tmp_path_factory):
     """train.py on one process, 20 steps: the reference test_train.py and

@@ -38,27 +38,35 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor"]
 def preload(*modules: str) -> None:
     """Import ``modules`` in the forkserver too, once, so that no rank imports them again
     (the test suite: tests/conftest.py, tests/helpers/rank_preload.py). Call it before
-    the first ``run_distributed``: the server starts with the list it has then. A module that
-    reads the environment at import keeps what it read there (DeepSpeed's accelerator:
-    DS_ACCELERATOR), so preload only what every later device_type agrees with."""
+    the first ``run_distributed`` (or ``start_forkserver``): the server starts with the list
+    it has then. A module that reads the environment at import keeps what it read there
+    (DeepSpeed's accelerator: DS_ACCELERATOR), so preload only what every later device_type
+    agrees with."""
     if _FORKSERVER is not None:
         raise RuntimeError(f"preload{modules}: the forkserver is already configured; "
                            "call preload before the first run_distributed")
     _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
-def _context(fn):
+def start_forkserver():
+    """The forkserver ranks fork from, started now if it is not yet: its preload imports
+    run in the background while the caller goes on (pytest: while it collects), instead of
+    inside the first ``run_distributed``."""
     global _FORKSERVER
-    if getattr(fn, "__module__", None) == "__main__":
-        return mp.get_context("spawn")
     if _FORKSERVER is None:
         _FORKSERVER = mp.get_context("forkserver")
         _FORKSERVER.set_forkserver_preload(list(_PRELOAD))
-        _start_forkserver()
+        _ensure_running_on_our_path()
     return _FORKSERVER
 
 
-def _start_forkserver():
+def _context(fn):
+    if getattr(fn, "__module__", None) == "__main__":
+        return mp.get_context("spawn")
+    return start_forkserver()
+
+
+def _ensure_running_on_our_path():
     """Start the server on this process's sys.path. Python 3.11's forkserver imports its
     preload without the sys.path it is handed (only its ranks get that), so a module found
     through the parent's path alone (pytest's ``pythonpath``, a benchmark's folder) would be
