@@ -69,15 +69,17 @@ def test_documents_through_train_match_one_process(corpus, single_docs, tmp_path
     assert ("unbalanced with documents" in proc.stderr) == unbalanced, proc.stderr[-2000:]
 
 
-def test_one_document_per_sample_equals_no_masking(tmp_path):
+def test_one_document_per_sample_equals_no_masking(single, tmp_path):
     """Passkey samples are one document each: masking by documents changes nothing (and
-    positions restarting at the only document's start are the global ones)."""
-    base = ["parallel.cp=2", "parallel.dp=2", "parallel.layout=striped", "train.steps=4",
-            "logging.wandb.mode=disabled"]
-    plain, masked = str(tmp_path / "plain"), str(tmp_path / "masked")
-    run_train(plain, 4, base)
-    run_train(masked, 4, base + ["data.document_mask=true", "data.reset_positions=true"])
-    assert_same_run(masked, plain, 4)
+    positions restarting at the only document's start are the global ones). The unmasked
+    reference is conftest's `single`, the run test_train.py holds every layout to (one
+    process, the same seed and global batch; its first 4 steps are a 4-step run's: the
+    learning rate depends on train.steps only after the 5 warmup steps)."""
+    masked = str(tmp_path / "masked")
+    run_train(masked, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.layout=striped",
+                          "train.steps=4", "logging.wandb.mode=disabled",
+                          "data.document_mask=true", "data.reset_positions=true"])
+    assert_same_run(masked, single, 4)
 
 
 @pytest.mark.quick
