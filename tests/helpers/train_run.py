@@ -28,17 +28,27 @@ def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True, conf
            "PYTHONPATH": ROOT}
     env.pop("WANDB_MODE", None)  # the config decides (offline by default)
     sets = BASE + [f"logging.run_dir={run_dir}"] + list(overrides)
-    if nproc == 1:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py")]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), os.path.join(ROOT, "train.py")]
-    cmd += ["--config", config, "--set", *sets, *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    for _ in range(3):  # a port free when chosen can be taken before torchrun binds it
+        if nproc == 1:
+            cmd = [sys.executable, os.path.join(ROOT, "train.py")]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                   str(nproc), "--master_port", str(free_port()), os.path.join(ROOT, "train.py")]
+        cmd += ["--config", config, "--set", *sets, *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        if not port_taken(proc):
+            break
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def port_taken(proc) -> bool:
+    """torchrun could not listen on its --master_port (EADDRINUSE at the rendezvous, before
+    any rank of train.py started): another process took the port free_port() chose."""
+    return proc.returncode != 0 and "EADDRINUSE" in proc.stderr and \
+        "static_tcp_rendezvous" in proc.stderr
 
 
 def losses(run_dir):
