@@ -419,7 +419,7 @@ def test_readme_long_context_eval_on_short_documents_scores_windows(text_run, tm
     unset_launcher_env(monkeypatch)
     out = str(tmp_path / "lc")
     try:
-        assert long_context_eval.main(["--run-dir", run, "--lengths", "48", "96", "--depths",
+        assert long_context_eval.main(["--run-dir", run, "--lengths", "64", "96", "--depths",
                                        "0.5", "--samples", "1", "--loss-samples", "2",
                                        "--out", out]) == 0
     finally:
@@ -430,9 +430,9 @@ def test_readme_long_context_eval_on_short_documents_scores_windows(text_run, tm
         "held-out windows" in err[0], err
     res = json.load(open(os.path.join(out, "results.json")))
     assert sum(b["tokens"] for b in res["loss_by_position"]) == 2 * 127
-    assert [c["length"] for c in res["tasks"]] == [48, 96]
+    assert [c["length"] for c in res["tasks"]] == [64, 96]
     with pytest.raises(SystemExit) as e:  # asked for by name, documents are still required
-        long_context_eval.main(["--run-dir", run, "--lengths", "48", "--loss-from",
+        long_context_eval.main(["--run-dir", run, "--lengths", "64", "--loss-from",
                                 "documents"])
     assert e.value.code == 2
     assert "use --loss-from windows" in capsys.readouterr().err

@@ -26,6 +26,8 @@ def thread_names():
 
 if __name__ == "__main__":
     code = generate.main(sys.argv[1:])
-    print(f"rank {os.environ['RANK']}: threads after main: {' '.join(thread_names())}",
-          flush=True)
+    # one write(2) of under PIPE_BUF bytes: the two ranks' lines cannot interleave
+    line = f"rank {os.environ['RANK']}: threads after main: {' '.join(thread_names())}\n"
+    sys.stdout.flush()
+    os.write(1, line.encode())
     sys.exit(code)
