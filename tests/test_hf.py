@@ -440,8 +440,10 @@ def test_export_keeps_the_folders_token_ids_and_position_limit(tmp_path):
         tag = tmp_path / name / "step_00000001"
         tag.mkdir(parents=True)
         (tag / "weights").write_bytes(b"x")
-        config = to_dict(config_from_dict({"model": {**vars(m), "seq_len": seq_len,
-                                                     "init_from": str(init_from)}}))
+        config = to_dict(config_from_dict(
+            {"model": {**vars(m), "seq_len": seq_len, "init_from": str(init_from)},
+             "data": {"kind": "tokens", "path": str(tmp_path / "corpus")}},  # not byte-level
+            check_paths=False))
         write_manifest(str(tag), 1, {"config": config})
         return tag
 
