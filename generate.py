@@ -28,11 +28,11 @@ import torch.distributed as dist
 from ctxpar.components.cli import add_launcher_args, fail
 from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.config import ConfigError
-from ctxpar.data import DataError, build_source, load_tokenizer
-from ctxpar.distributed.parallel_state import launcher_env
+from ctxpar.data import ByteTokenizer, DataError, build_source
+from ctxpar.distributed.parallel_state import launcher_env, shutdown_distributed
 from ctxpar.inference import SamplingParams, check_prompts, generate
 from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
-                                         load_run_config)
+                                         load_run_config, run_tokenizer)
 from models.inference import DTYPES, layout_overrides, start_model
 
 def parse_args(argv=None):
@@ -62,8 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same on every rank)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     p.add_argument("--tokenizer", default=None,
-                   help="a Hugging Face tokenizer.json (the one preprocess_data.py used); "
-                        "default: the byte-level tokenizer")
+                   help="a Hugging Face tokenizer.json; default: the run's data.tokenizer "
+                        "(as its checkpoint recorded it), else the byte-level tokenizer")
     p.add_argument("--eos-token", default=None, help="the HF tokenizer's EOS token name")
     p.add_argument("--output-format", choices=("text", "jsonl"), default="text")
     p.add_argument("--output", default=None, help="write to this file instead of stdout")
@@ -143,9 +143,11 @@ def main(argv=None) -> int:
         sampling.check()
         if args.batch_size < 1:
             raise ValueError(f"--batch-size={args.batch_size} must be >= 1")
-        if args.passkey is not None and args.tokenizer:
-            raise ValueError("--tokenizer does not apply to --passkey (the task is byte-level)")
-        tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
+        if args.passkey is not None and (args.tokenizer or args.eos_token):
+            raise ValueError(f"{'--tokenizer' if args.tokenizer else '--eos-token'} does not "
+                             f"apply to --passkey (the task is byte-level)")
+        tokenizer = ByteTokenizer() if args.passkey is not None else \
+            run_tokenizer(ckpt, cfg, args.tokenizer, args.eos_token)
         new = args.max_new_tokens
         if args.passkey is not None:
             samples = passkey_samples(cfg, args.passkey)
@@ -208,8 +210,7 @@ def main(argv=None) -> int:
             print(summary, flush=True)
         print(f"{len(prompts)} prompts, {n_new} new tokens in {dt:.2f} s on tp={state.tp_size} "
               f"x cp={state.cp_size} ({cfg.parallel.layout})", file=sys.stderr, flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()  # every group freed before exit: no gloo thread outlives main
     return 0
 
 

@@ -97,6 +97,8 @@ def check_inputs(args, world: int) -> RunInputs:
             if cfg.long_context_eval.tasks else None  # every prompt made now
     except (ConfigError, DataError) as e:
         fail(str(e))
+    for line in data.warnings:  # e.g. a token file too old to say which tokenizer made it
+        warn(line)
     if (cfg.data.document_mask and cfg.parallel.cp > 1 and cfg.parallel.layout != "striped"
             and cfg.parallel.cp_comm != "ulysses"):  # Ulysses: every rank the whole sequence
         warn(f"data.document_mask with parallel.layout={cfg.parallel.layout!r}: ranks' "

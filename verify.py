@@ -15,8 +15,10 @@ Top to bottom, in the processes the launcher gave:
   3. the reference layout in the same processes: pp = 1, cp = --reference-cp (default 1,
      the ring when above 1), the same tp, dp taking the ranks that frees; same init, same
      samples, same DeepSpeed section; the same tensors, compared on rank 0 as they come;
-  4. a table and one line; exit 0 when every tensor is within its budget, 1 naming the
-     worst (ctxpar/components/parity.py; docs/parallelism.md, "Verify").
+  4. a table (the worst tensor of each kind; every tensor with --verbose) and one line;
+     exit 0 when every tensor is within its budget, 1 naming the worst
+     (ctxpar/components/parity.py; docs/parallelism.md, "Verify").
+model.init_from is dropped (said so on rank 0): both runs start from the same random init.
 """
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ def parse_args(argv=None):
                         "hold the sequence)")
     p.add_argument("--budget-scale", type=float, default=1.0,
                    help="multiply every tolerance budget (default 1)")
+    p.add_argument("--verbose", action="store_true",
+                   help="a row per compared tensor and step (default: the worst of each kind)")
     add_launcher_args(p)
     return p.parse_args(argv)
 
@@ -70,14 +74,18 @@ def check_inputs(args, world: int):
 
     The global batch is micro x lcm(dp, reference dp) samples: the fewest that both
     layouts split into whole micro-batches. model.init_from is dropped: both runs start
-    from the layout-independent init (models/gpt.py: init_parameters_)."""
+    from the layout-independent init (models/gpt.py: init_parameters_). Returns (cfg, ref,
+    data, the dropped init_from or None)."""
     if args.steps < 1 or args.reference_cp < 1 or not args.budget_scale > 0:
         fail(f"--steps={args.steps}, --reference-cp={args.reference_cp} and --budget-scale="
              f"{args.budget_scale} must be positive")
-    sets = list(args.set) + ["model.init_from=null"]
+    sets = list(args.set)
     sets += [f"model.n_layers={args.layers}"] if args.layers is not None else []
     sets += [f"model.seq_len={args.seq_len}"] if args.seq_len is not None else []
     try:
+        dropped = load_config(args.config, sets, world_size=world,
+                              check_paths=False).model.init_from
+        sets.append("model.init_from=null")
         cfg = load_config(args.config, sets, world_size=world)
         tp, micro = cfg.parallel.tp, cfg.train.micro_batch_size
         if world % (tp * args.reference_cp):
@@ -98,7 +106,9 @@ def check_inputs(args, world: int):
         data = build_data(cfg)  # both runs read its samples
     except (ConfigError, DataError) as e:
         fail(str(e))
-    return cfg, ref, data
+    for line in data.warnings:
+        warn(line)
+    return cfg, ref, data, dropped
 
 
 def dp_size(cfg, world: int) -> int:
@@ -257,7 +267,7 @@ def describe(cfg, world: int) -> str:
 
 def verify(args, world: int):
     """Both runs and the comparison; returns (rows, line, exit code) on every rank."""
-    cfg, ref, data = check_inputs(args, world)
+    cfg, ref, data, dropped = check_inputs(args, world)
     device = local_device()
     init_distributed(default_backend(device))
     init_deepspeed_comm()
@@ -271,6 +281,10 @@ def verify(args, world: int):
         print(f"verify: {describe(cfg, world)} against {describe(ref, world)}; {precision}, "
               f"ring size {n}; {cfg.model.n_layers} layers, seq_len {cfg.model.seq_len}, "
               f"{cfg.train.global_batch_size} samples per step, steps 1-{args.steps}", flush=True)
+        if dropped:
+            print(f"verify: model.init_from={dropped} is not loaded: both runs start from the "
+                  f"same random init (the comparison does not depend on the weights)",
+                  flush=True)
     if (p.cp, p.pp) == (ref.parallel.cp, 1) and (p.cp == 1 or p.cp_comm == "ring"):
         warn(f"parallel.cp={p.cp} with pp=1 is the reference layout itself: every tensor will "
              f"agree; launch the ranks of the layout to check")
@@ -282,7 +296,7 @@ def verify(args, world: int):
     out = [None]
     if rank0:
         line, code = verdict(rows)
-        print(format_table(rows), flush=True)
+        print(format_table(rows, every_row=args.verbose), flush=True)
         print(line, flush=True)
         out = [(rows, line, code)]
     dist.broadcast_object_list(out, src=0)  # every rank exits with rank 0's verdict

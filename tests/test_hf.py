@@ -425,6 +425,57 @@ def test_init_from_takes_the_sources_family_when_model_family_is_unset(tmp_path)
     assert cfg.model.family == "mistral"
 
 
+def test_export_keeps_the_folders_token_ids_and_position_limit(tmp_path):
+    """Through model.init_from and a ctxpar checkpoint's own init_from back to the folder:
+    its bos/eos/pad ids (the run's tokenizer's where that names one) and the larger of its
+    max_position_embeddings and every run's seq_len; a folder that is gone is said."""
+    from ctxpar.checkpoint.resume import write_manifest
+    from ctxpar.checkpoint.weights import InitSource, init_chain
+    from ctxpar.config import config_from_dict, to_dict
+    folder = tmp_path / "gemma"
+    tiny_family(folder, "gemma3_text", tied=True, max_position_embeddings=512)
+    m = ModelConfig(**{**hf.model_fields(hf.read_config(folder), str(folder)), "seq_len": 256})
+
+    def saved_run(name, seq_len, init_from):
+        tag = tmp_path / name / "step_00000001"
+        tag.mkdir(parents=True)
+        (tag / "weights").write_bytes(b"x")
+        config = to_dict(config_from_dict(
+            {"model": {**vars(m), "seq_len": seq_len, "init_from": str(init_from)},
+             "data": {"kind": "tokens", "path": str(tmp_path / "corpus")}},  # not byte-level
+            check_paths=False))
+        write_manifest(str(tag), 1, {"config": config})
+        return tag
+
+    source, limit, note = init_chain(str(folder))
+    assert (source["bos_token_id"], source["eos_token_id"], source["pad_token_id"],
+            limit, note) == (2, 1, 0, 512, None)
+    cfg = hf.family_config(m, None, source, limit)  # trained at 256 < 512
+    assert [cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
+                             "max_position_embeddings")] == [2, 1, 0, 512]
+    extended = saved_run("extended", 1024, folder)  # a run at 1,024, then one from it at 256
+    assert init_chain(str(saved_run("again", 256, extended)))[1:] == (1024, None)
+    assert hf.family_config(m, None, *init_chain(str(extended))[:2])[
+        "max_position_embeddings"] == 1024
+    # the run's tokenizer names EOS, BOS and PAD of its own: those win over the folder's
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 5, "<s>": 6, "<pad>": 7, "a": 8},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>",
+                            pad_token="<pad>").save_pretrained(tmp_path / "tok")
+    info = hf.tokenizer_info(str(tmp_path / "tok" / "tokenizer.json"))
+    cfg = hf.family_config(m, info, source, limit)
+    assert [cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [6, 5, 7]
+    assert init_chain(str(tmp_path / "gone"))[2].startswith(f"model.init_from={tmp_path}/gone")
+    # init_std only draws a random init: not a change worth a word when the folder's
+    # weights are loaded
+    line = InitSource(str(folder), "hf", {"init_std": (0.25, 0.02), "seq_len": (512, 256)},
+                      family="gemma3_text").describe()
+    assert "seq_len 512 -> 256" in line and "init_std" not in line
+
+
 def tiny_tokenizer(path):
     """A word-level tokenizers JSON with EOS '</s>' (tokenizers comes with transformers)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -448,8 +499,10 @@ def passkey_loss(model, n_samples=16, seq_len=128):
 
 def test_train_py_from_a_llama_folder_and_back(tmp_path):
     # configs/tiny_cpu.yaml's model (swiglu ffn 192, tied, theta 1e4) as a Llama
+    # a folder of 512 positions trained at 128: the export keeps 512 and its BOS and PAD
     ref = tiny_llama(tmp_path / "llama", vocab_size=256, intermediate_size=192,
-                     rope_theta=10000.0)
+                     rope_theta=10000.0, max_position_embeddings=512, bos_token_id=3,
+                     pad_token_id=4)
     tiny_tokenizer(tmp_path / "tokenizer.json")
     run = tmp_path / "run"
     proc = run_train(str(run), 4, [
@@ -466,8 +519,11 @@ def test_train_py_from_a_llama_folder_and_back(tmp_path):
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json",
                                        "tokenizer_config.json"]
     tok = AutoTokenizer.from_pretrained(out)
-    assert tok.eos_token == "</s>" and json.loads((out / "config.json").read_text())[
-        "eos_token_id"] == 1
+    config = json.loads((out / "config.json").read_text())
+    assert tok.eos_token == "</s>" and config["eos_token_id"] == 1  # the run's tokenizer's
+    assert (config["bos_token_id"], config["pad_token_id"]) == (3, 4)  # the folder's
+    assert config["max_position_embeddings"] == 512 == exported.config.max_position_embeddings
+    assert tok.model_max_length == 512
     # ctxpar -> Llama -> ctxpar: the checkpoint's full fp32 weights, bit for bit.
     tag = resolve_checkpoint(str(run))
     u = str(tmp_path / "universal")
@@ -556,7 +612,7 @@ def export_and_reload(run, out):
     and ctxpar's GPT imported from it."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
                         str(run), "--to", "hf", str(out)], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr[-3000:]
     return AutoModelForCausalLM.from_pretrained(out).float().eval(), ctxpar_from(out)
 
@@ -576,6 +632,8 @@ def test_train_py_from_a_windowed_gemma3_folder_at_cp2_pp2_and_back(tmp_path):
     assert_first_loss_is_the_references(run, ref)
     exported, back = export_and_reload(run, tmp_path / "exported")
     assert type(exported).__name__ == "Gemma3ForCausalLM"
+    c = exported.config  # the folder's ids, Gemma's pad among them
+    assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (2, 1, 0)
     assert exported.config.layer_types == ["sliding_attention", "full_attention"]
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -586,7 +644,8 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
     """The CPU demo of a context extension: a Qwen3 folder (a sliding layer, window 9, and
     a full one; q/k norms; untied) trained by train.py at twice its
     max_position_embeddings with YaRN (factor 2) over cp2 Ulysses; generate.py answers
-    from the run with the folder's tokenizer.json; the export is the same model in
+    from the run with the folder's tokenizer.json (the run's data.tokenizer, no
+    --tokenizer given) as transformers does; the export is the same model in
     transformers."""
     folder = tmp_path / "qwen3"
     tiny_family(folder, "qwen3", tied=False, vocab_size=256, intermediate_size=192,
@@ -636,7 +695,7 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         "--master_port", str(free_port()), os.path.join(ROOT, "generate.py"),
                         "--run-dir", str(run), "--prompt", prompts[0], "--prompt", prompts[1],
-                        "--tokenizer", str(folder / "tokenizer.json"), "--max-new-tokens", "6",
+                        "--max-new-tokens", "6",  # the run's data.tokenizer: no flag
                         "--output-format", "jsonl"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[:4000] + r.stderr[-1000:]  # the cause, the agent

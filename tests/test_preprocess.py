@@ -133,7 +133,8 @@ def test_cli_end_to_end_and_progress_bar(tmp_path, capsys):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
                         "--input", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
                         "--output-prefix", str(out), "--jsonl-key", "body"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})  # this tree's ctxpar
     assert r.returncode == 0, r.stderr
     assert "3 documents" in r.stdout and r.stderr == ""  # no terminal: no bar
     assert documents(out) == ["First document.\nStill the first.\n", "second", "third é"]
@@ -171,8 +172,92 @@ def test_a_model_folders_tokenizer_as_transformers_saves_it(tmp_path, capsys):
     ds = IndexedDataset(str(tmp_path / "out" / "c"))
     assert (ds.vocab_size, ds.eos_id, ds[0].tolist()) == (8, 1, [2, 4, 5, 6, 7, 1])
     cfg = config_from_dict({"model": {"vocab_size": 8, "seq_len": 2}, "data": {
-        "kind": "tokens", "path": str(tmp_path / "out" / "c"), "eval_fraction": 0.0}})
+        "kind": "tokens", "path": str(tmp_path / "out" / "c"), "eval_fraction": 0.0,
+        "tokenizer": path}})
     assert build_data(cfg).train_source.vocab_size == 8  # accepted by a model of 8 rows
     from ctxpar.data.long_context import TASKS, Haystack, make_task
     task = make_task(TASKS[0], hf, Haystack.filler(hf), 64)  # a long-context eval prompt
     assert task.prompt[0] == 2 and 2 not in task.prompt[1:] and len(task.prompt) == 64
+
+
+def word_tokenizer(path, words):
+    """A word-level tokenizers JSON with EOS '</s>' (id 1) and the given words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, **{w: i + 2 for i, w in
+                                                              enumerate(words)}},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return str(path)
+
+
+def train_check_inputs(monkeypatch, capsys, sets):
+    """train.py's input checks in this process: (exit code or None, stderr lines)."""
+    import train
+    monkeypatch.setenv("RANK", "0")
+    args = train.parse_args(["--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
+                             "--set", "parallel.cp=1", "parallel.dp=1", "model.seq_len=16",
+                             *sets])
+    try:
+        train.check_inputs(args, 1)
+        code = None
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_token_file_and_another_data_tokenizer_exit_2_naming_both(tmp_path, monkeypatch,
+                                                                   capsys):
+    # The .idx records which tokenizer made it: bytes (no --tokenizer) or the digest of the
+    # tokenizer.json; train.py refuses, before anything starts, a data.tokenizer that is
+    # another one, and either way round.
+    pytest.importorskip("tokenizers")
+    from ctxpar.data.tokenizer import tokenizer_identity
+    bpe = word_tokenizer(tmp_path / "tokenizer.json", "the key is blue".split())
+    (tmp_path / "a.txt").write_text("the key is blue " * 40)
+    assert run(tmp_path, "--input", tmp_path / "a.txt") == 0  # byte-level ids
+    made = str(tmp_path / "out" / "c")
+    assert IndexedDataset(made).tokenizer == "byte-level"
+    run_dir = f"logging.run_dir={tmp_path / 'run'}"
+    code, err = train_check_inputs(monkeypatch, capsys, [
+        "data.kind=tokens", f"data.path={made}", f"data.tokenizer={bpe}", run_dir])
+    digest = tokenizer_identity(bpe)[:19]
+    assert code == 2 and len(err) == 1, err
+    assert f"{made}.idx was made with the byte-level tokenizer, not data.tokenizer=" \
+        f"{bpe!r} ({digest})" in err[0], err
+    # made with the tokenizer, trained as bytes
+    assert run(tmp_path, "--input", tmp_path / "a.txt", "--tokenizer", bpe) == 0
+    assert IndexedDataset(made).tokenizer == tokenizer_identity(bpe)
+    code, err = train_check_inputs(monkeypatch, capsys, [
+        "data.kind=tokens", f"data.path={made}", run_dir])
+    assert code == 2 and len(err) == 1 and f"{made}.idx was made with the {digest} " \
+        f"tokenizer, not the byte-level one (data.tokenizer unset)" in err[0], err
+    code, err = train_check_inputs(monkeypatch, capsys, [  # the right one: no word
+        "data.kind=tokens", f"data.path={made}", f"data.tokenizer={bpe}", run_dir])
+    assert code is None and err == [], err
+
+
+def test_a_token_file_from_before_the_record_loads_with_one_warning(tmp_path):
+    # A version-1 .idx (no tokenizer field) still loads: its vocabulary is still checked
+    # against model.vocab_size, and the tokenizer is trusted with a one-line warning.
+    import numpy as np
+    from ctxpar.config import config_from_dict
+    from ctxpar.data import DataError, build_data
+    from ctxpar.data.indexed import HEADER_V1, MAGIC
+    (tmp_path / "a.txt").write_text("old text " * 40)
+    assert run(tmp_path, "--input", tmp_path / "a.txt") == 0
+    prefix = str(tmp_path / "out" / "c")
+    ds = IndexedDataset(prefix)
+    with open(prefix + ".idx", "wb") as f:  # the same file as version 1 wrote it
+        f.write(HEADER_V1.pack(MAGIC, 1, np.dtype(ds.dtype).itemsize, ds.vocab_size,
+                               ds.eos_id, len(ds), ds.n_tokens))
+        np.asarray(ds.doc_offsets, dtype="<i8").tofile(f)
+    assert IndexedDataset(prefix).tokenizer is None
+    data = {"kind": "tokens", "path": prefix, "eval_fraction": 0.0}
+    warnings = build_data(config_from_dict({"model": {"seq_len": 16}, "data": data})).warnings
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"{prefix}.idx does not say which tokenizer made it") and \
+        "trusting that it was the byte-level one (data.tokenizer unset)" in warnings[0]
+    with pytest.raises(DataError, match="token ids go up to 255 but model.vocab_size=200"):
+        build_data(config_from_dict({"model": {"seq_len": 16, "vocab_size": 200},
+                                     "data": data}))

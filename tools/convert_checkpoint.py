@@ -12,7 +12,10 @@ saved on any layout (tp, cp, pp, dp, ZeRO stage): it goes through DeepSpeed's un
 form in a temp dir (ctxpar/checkpoint/universal.py), on this machine, no processes.
 The export writes the family model.family names (the one model.init_from's folder had;
 ctxpar/checkpoint/families.py): config.json + model.safetensors, and tokenizer.json +
-tokenizer_config.json when the run trained with data.tokenizer set.
+tokenizer_config.json when the run trained with data.tokenizer set. A run started from a
+folder keeps its token ids (bos, eos, pad; the run's tokenizer's where it names them)
+and its max_position_embeddings when that is more than the trained seq_len
+(docs/checkpoints.md).
 Exit codes: 0 done, 2 bad input (one line: a damaged checkpoint, a model no family can
 hold, a config field or tensor ctxpar cannot represent, a missing path).
 """
@@ -58,10 +61,13 @@ def main(argv=None) -> int:
         if args.to is None or args.to[0] != "hf":
             p.error("give --to hf OUT_DIR (or --model-config)")
         out = args.to[1]
-        tag_dir = export_hf(args.path, out, DTYPES[args.dtype])
+        notes = []
+        tag_dir = export_hf(args.path, out, DTYPES[args.dtype], notes)
     except CheckpointError as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"convert_checkpoint: note: {note}", file=sys.stderr)
     arch = hf.read_config(out)["architectures"][0]
     print(f"wrote {out}: {arch} from {tag_dir} ({args.dtype})")
     return 0

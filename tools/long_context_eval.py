@@ -6,11 +6,13 @@ RULER-style tasks and the loss by position, as a table, a JSON and two PNGs.
     torchrun --nproc_per_node 2 -m tools.long_context_eval --run-dir runs/tiny_cpu \\
         --tasks needle multikey variable_tracking --set parallel.cp=2
 
-Tasks (ctxpar/data/long_context.py) are made with the run's tokenizer (--tokenizer, as
-generate.py) from digit-free filler, or with --haystack heldout from the run's held-out
+Tasks (ctxpar/data/long_context.py) are made with the run's tokenizer (its data.tokenizer,
+or --tokenizer, as generate.py) from digit-free filler, or with --haystack heldout from the run's held-out
 split (data.kind tokens); they are answered greedily by generate.py's CP generation, so a
 score does not depend on tp or cp. The loss by position scores --loss-samples held-out
-samples of the run's own data (every next token). Lengths past model.seq_len are
+samples of the run's own data (every next token): held-out documents of at least
+model.seq_len tokens, or, when it has none, its held-out windows (said so). Lengths past
+model.seq_len are
 allowed (how far does an extension reach?) and said so. Writes results.json,
 heatmap.png and loss_by_position.png to --out; rank 0 prints the table.
 """
@@ -24,18 +26,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ctxpar.components.cli import add_launcher_args, fail
+from ctxpar.components.cli import add_launcher_args, fail, warn
 from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.components.long_context import (as_json, cells_table, default_lengths,
                                             loss_by_position,
                                             plot_heatmap, plot_loss_by_position, run_tasks,
                                             task_grid)
 from ctxpar.config import ConfigError
-from ctxpar.data import DataError, build_source, load_tokenizer
+from ctxpar.data import DataError, build_source
 from ctxpar.data.long_context import TASKS, Haystack
-from ctxpar.distributed.parallel_state import launcher_env
+from ctxpar.distributed.parallel_state import launcher_env, shutdown_distributed
 from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
-                                         load_run_config)
+                                         load_run_config, run_tokenizer)
 from models.inference import DTYPES, layout_overrides, start_model
 
 
@@ -58,15 +60,17 @@ def parse_args(argv=None):
     p.add_argument("--haystack", choices=("filler", "heldout"), default="filler")
     p.add_argument("--loss-samples", type=int, default=8,
                    help="held-out samples for the loss by position (0: skip it)")
-    p.add_argument("--loss-from", choices=("documents", "windows"), default="documents",
+    p.add_argument("--loss-from", choices=("documents", "windows"), default=None,
                    help="documents: the first seq_len tokens of held-out documents at least "
                         "that long (a position is a position in a document); windows: the "
                         "run's held-out samples as train.py evaluates them (passkey runs: "
-                        "always, each sample is one document)")
+                        "always, each sample is one document); default: documents, else "
+                        "windows when no held-out document is that long")
     p.add_argument("--seed", type=int, default=None,
                    help="the prompts' seed (default: the run's train.seed, the prompts "
                         "train.py's long_context_eval asks)")
-    p.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json")
+    p.add_argument("--tokenizer", default=None,
+                   help="a Hugging Face tokenizer.json (default: the run's data.tokenizer)")
     p.add_argument("--eos-token", default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/long_context)")
@@ -74,17 +78,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def heldout(cfg, n: int, documents: bool = False):
-    """(n, seq_len) tokens of the run's held-out split: what train.py evaluates on, or with
-    documents the first seq_len tokens of its documents at least that long."""
+def heldout(cfg, n: int, loss_from=None):
+    """(n, seq_len) tokens of the run's held-out split: what train.py evaluates on
+    ('windows'), or the first seq_len tokens of its documents at least that long
+    ('documents'; None: those, else the windows with a warning line)."""
     src = build_source(cfg.data, cfg.model.seq_len, cfg.train.seed, "eval")
-    if not documents or cfg.data.kind != "tokens":
+    docs = src.document_starts(cfg.model.seq_len, n) \
+        if loss_from != "windows" and cfg.data.kind == "tokens" else None
+    if docs is not None and len(docs) == 0:
+        why = (f"no held-out document of {cfg.data.eval_path or cfg.data.path} holds "
+               f"model.seq_len={cfg.model.seq_len} tokens")
+        if loss_from == "documents":
+            raise DataError(f"--loss-from documents: {why}; use --loss-from windows")
+        warn(f"{why}: the loss by position is over held-out windows (as train.py "
+             f"evaluates; a position is not a position in a document)")
+        docs = None
+    if docs is None:
         return torch.stack([torch.as_tensor(src[i][0]) for i in range(n)])
-    docs = src.document_starts(cfg.model.seq_len, n)
-    if len(docs) == 0:
-        raise DataError(f"--loss-from documents: no held-out document of {cfg.data.path} "
-                        f"holds model.seq_len={cfg.model.seq_len} tokens; use --loss-from "
-                        f"windows")
     return torch.as_tensor(docs)
 
 
@@ -99,7 +109,7 @@ def main(argv=None) -> int:
         ckpt = find_checkpoint(args.run_dir, args.checkpoint)
         cfg = load_run_config(ckpt, layout_overrides(args.set, world), world_size=world)
         files = inspect_checkpoint(ckpt.path)
-        tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
+        tokenizer = run_tokenizer(ckpt, cfg, args.tokenizer, args.eos_token)
         digits = args.digits or (cfg.data.passkey_digits if cfg.data.kind == "passkey" else 4)
         for name, v in (("--samples", args.samples), ("--needles", args.needles),
                         ("--digits", digits)):
@@ -114,10 +124,10 @@ def main(argv=None) -> int:
             if cfg.data.kind != "tokens":
                 raise ValueError(f"--haystack heldout needs a run on data.kind=tokens, not "
                                  f"{cfg.data.kind!r}")
-            haystack = Haystack.tokens(tokenizer, heldout(cfg, 1)[0].tolist())
+            haystack = Haystack.tokens(tokenizer, heldout(cfg, 1, "windows")[0].tolist())
         grid = task_grid(tokenizer, args.tasks, lengths, args.depths, args.samples, haystack,
                          seed, args.needles, digits)
-        loss_inputs = heldout(cfg, args.loss_samples, args.loss_from == "documents") \
+        loss_inputs = heldout(cfg, args.loss_samples, args.loss_from) \
             if args.loss_samples else None
         out_dir = args.out or os.path.join(ckpt.run_dir, "long_context")
     except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError,
@@ -139,7 +149,7 @@ def main(argv=None) -> int:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump({"checkpoint": ckpt.path, "model_seq_len": cfg.model.seq_len,
                        **as_json(cells, buckets)}, f, indent=1)
-        plot_heatmap(cells, os.path.join(out_dir, "heatmap.png"), title)
+        plot_heatmap(cells, os.path.join(out_dir, "heatmap.png"), title, cfg.model.seq_len)
         if buckets:
             plot_loss_by_position(buckets, os.path.join(out_dir, "loss_by_position.png"),
                                   title)
@@ -152,8 +162,7 @@ def main(argv=None) -> int:
         print(f"wrote {out_dir}/results.json, heatmap.png"
               + (", loss_by_position.png" if buckets else "") + f" (tp={state.tp_size} x "
               f"cp={state.cp_size}, {cfg.parallel.layout})", file=sys.stderr, flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()  # every group freed before exit: no gloo thread outlives main
     return 0
 
 

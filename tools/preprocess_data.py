@@ -14,7 +14,8 @@ any other text file is one document; --format text|jsonl overrides the guess.
 Every document gets EOS appended (and a --tokenizer's BOS first when it adds one, as
 Llama's, Mistral's and Gemma's do); empty documents are skipped. Without --tokenizer the
 built-in byte-level tokenizer is used (vocab 256, EOS = 0): set model.vocab_size >= the
-vocab printed at the end.
+vocab printed at the end. The .idx records which tokenizer made the ids ("byte-level" or
+the sha256 of the tokenizer.json): train.py refuses a data.tokenizer that is not that one.
 
 --workers N tokenizes N files at a time in separate processes; the output is byte-identical
 for any N (documents are stored in input order). A progress bar (on a terminal) counts input
@@ -101,7 +102,8 @@ def preprocess(inputs, output_prefix: str, tokenizer_path=None, eos_token=None,
         else:
             results = map(_task, tasks)
         done: Dict[int, Dict] = {}  # finished, waiting for the files before them
-        with IndexedDatasetWriter(output_prefix, tok.vocab_size, tok.eos_id) as writer, \
+        with IndexedDatasetWriter(output_prefix, tok.vocab_size, tok.eos_id,
+                                  tok.identity) as writer, \
                 tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="preprocess",
                      disable=None if progress is None else not progress) as bar:
             for i, result in results:  # in completion order; appended in input order

@@ -51,9 +51,19 @@ def is_hf_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG))
 
 
-def family_config(m, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
+                  source: Optional[Dict[str, Any]] = None,
+                  max_positions: Optional[int] = None) -> Dict[str, Any]:
     """config.json of model.family's ForCausalLM equal to ModelConfig m (families.family_of
-    when model.family is unset); refuses a model the family cannot hold."""
+    when model.family is unset); refuses a model the family cannot hold.
+
+    Token ids: the source folder's config.json's (source: where model.init_from's chain
+    started), each replaced by the run's tokenizer's where it names one (tokenizer_info).
+    max_position_embeddings: the larger of m.seq_len and max_positions (the source's
+    limit, or the longest run along the chain): training shorter keeps the limit."""
     try:
         name = family_of(m)
     except KeyError:
@@ -77,11 +87,13 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, An
         "intermediate_size": resolved_ffn_hidden(m), "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads or m.n_heads,
         "head_dim": hd, fam.activation[0]: fam.activation[1],
-        "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
+        "max_position_embeddings": max(m.seq_len, max_positions or 0),
+        "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta, "rope_scaling": m.rope_scaling,
         "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0,
-        "initializer_range": m.init_std, "torch_dtype": "float32", "bos_token_id": None,
-        "eos_token_id": (tokenizer or {}).get("eos_id"),
+        "initializer_range": m.init_std, "torch_dtype": "float32",
+        **{k: (source or {}).get(k) for k in TOKEN_IDS},
+        **{k: v for k, v in (tokenizer or {}).get("ids", {}).items() if v is not None},
     }
     if name == "llama":
         cfg.update(attention_bias=m.bias, mlp_bias=m.bias, pretraining_tp=1)
@@ -434,22 +446,32 @@ class WeightReader:
 
 
 def tokenizer_info(path: Optional[str]) -> Optional[Dict[str, Any]]:
-    """EOS name and id of the run's tokenizer.json (None: the byte-level tokenizer)."""
+    """EOS name and the token ids of the run's tokenizer.json (None: the byte-level
+    tokenizer): EOS always; BOS and PAD as the tokenizer_config.json beside it names them,
+    BOS else the one token its post-processor puts first (None: it does not say)."""
     if path is None:
         return None
-    from ..data.tokenizer import HFTokenizer
+    from ..data.tokenizer import HFTokenizer, declared_token
     tok = HFTokenizer(path)
-    return {"path": path, "eos_token": tok.eos_token, "eos_id": tok.eos_id}
+    bos = tok.token_id(declared_token(path, "bos_token"))
+    if bos is None and len(tok.bos_ids) == 1:
+        bos = tok.bos_ids[0]
+    return {"path": path, "eos_token": tok.eos_token,
+            "ids": {"eos_token_id": tok.eos_id, "bos_token_id": bos,
+                    "pad_token_id": tok.token_id(declared_token(path, "pad_token"))}}
 
 
 def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
-                tokenizer: Optional[str] = None, dtype: torch.dtype = torch.float32) -> None:
-    """Write a Hugging Face folder of m's family (family_config): config.json,
-    model.safetensors, and the tokenizer files when the run used a Hugging Face tokenizer.
-    weights: (GPT name, full tensor)."""
+                tokenizer: Optional[str] = None, dtype: torch.dtype = torch.float32,
+                source: Optional[Dict[str, Any]] = None,
+                max_positions: Optional[int] = None) -> None:
+    """Write a Hugging Face folder of m's family (family_config, with the source folder's
+    token ids and position limit): config.json, model.safetensors, and the tokenizer files
+    when the run used a Hugging Face tokenizer. weights: (GPT name, full tensor)."""
     from safetensors.torch import save_file
     tok = tokenizer_info(tokenizer)
-    cfg = family_config(m, tok)  # refuses a model no family holds before anything is written
+    # refuses a model no family holds before anything is written
+    cfg = family_config(m, tok, source, max_positions)
     tensors = {to_hf(n, m.post_norms): t.to(dtype).contiguous() for n, t in weights}
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
@@ -466,5 +488,5 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
             with open(beside, encoding="utf-8") as f:
                 saved = json.load(f)
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump({**saved, "eos_token": tok["eos_token"], "model_max_length": m.seq_len},
-                      f, indent=2)
+            json.dump({**saved, "eos_token": tok["eos_token"],
+                       "model_max_length": cfg["max_position_embeddings"]}, f, indent=2)

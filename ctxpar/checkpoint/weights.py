@@ -59,7 +59,9 @@ class InitSource:
     def describe(self) -> str:
         what = (f"Hugging Face {hf.FAMILIES[self.family].architecture[:-len('ForCausalLM')]}"
                 f" folder" if self.kind == "hf" else "ctxpar checkpoint")
-        diff = "".join(f", {k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items())
+        # init_std only draws a random init: every weight comes from the source here
+        diff = "".join(f", {k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items()
+                       if k != "init_std")
         return f"initialized from {self.path} ({what}{diff}); step 0, fresh optimizer"
 
 
@@ -123,22 +125,52 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
     return source.describe()
 
 
-def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+def init_chain(init_from: Optional[str]) -> Tuple[Optional[Dict[str, Any]], Optional[int],
+                                                   Optional[str]]:
+    """Where a run's weights came from, through model.init_from and the init_from of each
+    ctxpar checkpoint on the way: (the config.json of the Hugging Face folder the chain
+    starts at or None, the largest position limit along it (the folder's
+    max_position_embeddings, each run's seq_len) or None, a note when a link is gone)."""
+    limit, seen = None, set()
+    while init_from is not None and init_from not in seen:
+        seen.add(init_from)
+        if hf.is_hf_folder(init_from):
+            folder = hf.read_config(init_from)
+            return folder, max(limit or 0, folder.get("max_position_embeddings") or 0) or None, \
+                None
+        try:
+            model = (verify(resolve_checkpoint(init_from)).get("config") or {}).get("model") or {}
+        except CheckpointError:
+            return None, limit, (f"model.init_from={init_from} is not here: the export's token "
+                                 f"ids are the tokenizer's and its position limit the trained "
+                                 f"length")
+        limit = max(limit or 0, model.get("seq_len") or 0) or None
+        init_from = model.get("init_from")
+    return None, limit, None
+
+
+def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32,
+              notes: Optional[list] = None) -> str:
     """A ctxpar checkpoint (tag, save_dir or run dir) -> a Hugging Face folder of its
     model.family (hf.family_config); no processes.
 
-    The run's data.tokenizer, if it had one, is exported with it. Returns the tag folder.
+    The run's data.tokenizer, if it had one, is exported with it; the token ids and the
+    position limit of the folder model.init_from started from are kept (init_chain; a
+    line in notes when that folder is gone). Returns the tag folder.
     """
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
     m = saved_model(manifest, tag_dir)
     hf.family_config(m)  # refuse a model no family holds before converting anything
     tokenizer = ((manifest.get("config") or {}).get("data") or {}).get("tokenizer")
+    source, limit, note = init_chain(m.init_from)
+    if note and notes is not None:
+        notes.append(note)
     with tempfile.TemporaryDirectory(prefix="ctxpar-export-") as work:
         out = os.path.join(work, "universal")
         names = to_universal(tag_dir, out, manifest["layout"], m.n_layers,
                                naming(False, m.n_layers, True))
         weights = ((n, read_state(out, n, "fp32")) for n in names)
-        hf.save_folder(out_dir, weights, m, tokenizer, dtype)
+        hf.save_folder(out_dir, weights, m, tokenizer, dtype, source, limit)
     return tag_dir
 

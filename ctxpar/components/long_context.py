@@ -22,7 +22,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,9 +89,21 @@ def cells_table(cells: List[Cell]) -> str:
     return "\n".join(lines)
 
 
-def plot_heatmap(cells: List[Cell], path: str, title: str = "") -> None:
+def trained_length_mark(lengths: List[int], trained: Optional[int]) -> Optional[float]:
+    """Where a heatmap's sorted length columns cross the trained length: x = j - 0.5
+    between the last column within it and the first past it; None when no column is past
+    it (or none is within it: every cell is an extrapolation, the title says so)."""
+    if trained is None:
+        return None
+    past = [j for j, n in enumerate(lengths) if n > trained]
+    return past[0] - 0.5 if past and past[0] > 0 else None
+
+
+def plot_heatmap(cells: List[Cell], path: str, title: str = "",
+                 trained_length: Optional[int] = None) -> None:
     """One panel per task: context length (x) by needle depth (y), the score in colour
-    (green 1 = every answer found, red 0 = none)."""
+    (green 1 = every answer found, red 0 = none); with trained_length (model.seq_len) a
+    dashed line where the lengths pass it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -112,6 +124,13 @@ def plot_heatmap(cells: List[Cell], path: str, title: str = "") -> None:
         if k == 0:  # the panels share the rows
             ax.set_ylabel("needle depth")
         ax.set_title(task)
+        mark = trained_length_mark(lengths, trained_length)
+        if mark is not None:  # right of it: longer than any sequence the model trained on
+            ax.axvline(mark, color="black", linestyle="--", linewidth=1.2)
+            ax.text(mark, -0.6, f" trained {trained_length}", ha="left", va="bottom",
+                    fontsize=8)
+        elif trained_length is not None and min(lengths) > trained_length:
+            ax.set_title(f"{task} (all past the trained {trained_length})")
         for i in range(len(depths)):
             for j in range(len(lengths)):
                 if not math.isnan(grid[i, j]):
@@ -244,7 +263,7 @@ class LongContextEval:
             folder = os.path.join(self.cfg.logging.run_dir, "long_context")
             os.makedirs(folder, exist_ok=True)
             png = os.path.join(folder, f"step_{step:08d}.png")
-            plot_heatmap(cells, png, f"step {step}")
+            plot_heatmap(cells, png, f"step {step}", self.cfg.model.seq_len)
             with open(os.path.join(folder, f"step_{step:08d}.json"), "w") as f:
                 json.dump(as_json(cells, []), f, indent=1)
             logger.write(f"step {step}: long context " + ", ".join(

@@ -116,11 +116,22 @@ def worst(rows: Iterable[Row]) -> Row:
     return max(rows, key=lambda r: r.ratio)
 
 
-def format_table(rows: List[Row]) -> str:
-    """One line per row: step, kind, name, relative difference, budget, ok/FAIL."""
+def format_table(rows: List[Row], every_row: bool = True) -> str:
+    """One line per row: step, kind, name, relative difference, budget, ok/FAIL; without
+    every_row, one line per kind: its worst row and how many of its rows fail."""
     width = max([len(r.name) for r in rows] + [6])
-    lines = [f"{'step':>4}  {'kind':<4}  {'tensor':<{width}}  {'rel diff':>9}  "
-             f"{'budget':>9}  ok"]
+    head = f"{'step':>4}  {'kind':<4}  {'tensor':<{width}}  {'rel diff':>9}  {'budget':>9}  ok"
+    if not every_row:
+        lines = [head + "  (the worst of each kind)"]
+        for kind in KINDS:
+            of_kind = [r for r in rows if r.kind == kind]
+            if of_kind:
+                r, failed = worst(of_kind), sum(not x.ok for x in of_kind)
+                lines.append(f"{r.step:>4}  {r.kind:<4}  {r.name:<{width}}  {r.diff:>9.2e}  "
+                             f"{r.budget:>9.2e}  {'ok' if r.ok else 'FAIL'}  "
+                             f"({len(of_kind)} compared, {failed} over budget)")
+        return "\n".join(lines)
+    lines = [head]
     for r in rows:
         lines.append(f"{r.step:>4}  {r.kind:<4}  {r.name:<{width}}  {r.diff:>9.2e}  "
                      f"{r.budget:>9.2e}  {'ok' if r.ok else 'FAIL'}")

@@ -2,12 +2,14 @@
 
 .idx, little-endian:
     magic     8 bytes  b"CTXPIDX1"
-    version   u32      1
+    version   u32      2 (1: the same without the tokenizer field, still read)
     itemsize  u32      2 (tokens are uint16) or 4 (uint32)
     vocab     u32      tokenizer vocab size (every token id < vocab)
     eos_id    u32      id that ends every document
     n_docs    u64
     n_tokens  u64
+    tokenizer 80 bytes which tokenizer made the ids, ASCII, NUL-padded: "byte-level" or
+                       "sha256:<hex digest of its tokenizer.json>" (tokenizer.tokenizer_identity)
     offsets   i64[n_docs + 1]   document d is tokens[offsets[d]:offsets[d+1]], EOS last
 .bin: n_tokens tokens of that dtype, documents back to back, each ending with eos_id. The
 file is therefore already the packed stream (Megatron's --append-eod): the loader cuts
@@ -26,9 +28,12 @@ from typing import List, Sequence
 
 import numpy as np
 
+from .tokenizer import BYTE_LEVEL
+
 MAGIC = b"CTXPIDX1"
-VERSION = 1
-HEADER = struct.Struct("<8sIIIIQQ")  # magic, version, itemsize, vocab, eos_id, n_docs, n_tokens
+VERSION = 2
+HEADER_V1 = struct.Struct("<8sIIIIQQ")  # magic, version, itemsize, vocab, eos_id, n_docs, n_tokens
+HEADER = struct.Struct("<8sIIIIQQ80s")  # version 2: + the tokenizer's identity
 DTYPES = {2: np.uint16, 4: np.uint32}
 
 
@@ -55,12 +60,18 @@ class IndexedDatasetWriter:
 
         with IndexedDatasetWriter("data/corpus", vocab_size=256, eos_id=0) as w:
             w.add_document([72, 105])      # stored as [72, 105, 0]
+
+    tokenizer: the identity of the tokenizer that made the ids (tokenizer_identity):
+    "byte-level" (ByteTokenizer's ids, the default) or "sha256:..." of a tokenizer.json.
     """
 
-    def __init__(self, prefix: str, vocab_size: int, eos_id: int):
+    def __init__(self, prefix: str, vocab_size: int, eos_id: int, tokenizer: str = BYTE_LEVEL):
         if not 0 <= eos_id < vocab_size:
             raise ValueError(f"eos_id={eos_id} is outside the vocabulary (size {vocab_size})")
+        if not tokenizer or len(tokenizer.encode("ascii")) > HEADER.size - HEADER_V1.size:
+            raise ValueError(f"tokenizer={tokenizer!r}: want 'byte-level' or 'sha256:<hex>'")
         self.prefix, self.vocab_size, self.eos_id = prefix, vocab_size, eos_id
+        self.tokenizer = tokenizer
         self.dtype = dtype_for(vocab_size)
         self.offsets: List[int] = [0]
         suffix = f".tmp-{os.getpid()}"
@@ -94,7 +105,7 @@ class IndexedDatasetWriter:
                 with open(self._tmp[".idx"], "wb") as f:
                     f.write(HEADER.pack(MAGIC, VERSION, np.dtype(self.dtype).itemsize,
                                         self.vocab_size, self.eos_id, len(self.offsets) - 1,
-                                        self.offsets[-1]))
+                                        self.offsets[-1], self.tokenizer.encode("ascii")))
                     np.asarray(self.offsets, dtype="<i8").tofile(f)
                 os.replace(self._tmp[".bin"], self.prefix + ".bin")
                 os.replace(self._tmp[".idx"], self.prefix + ".idx")
@@ -106,7 +117,9 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """Read-only view of <prefix>.bin/.idx; ``tokens`` is an np.memmap of all n_tokens."""
+    """Read-only view of <prefix>.bin/.idx; ``tokens`` is an np.memmap of all n_tokens;
+    ``tokenizer`` the identity of the tokenizer that made it (None: a version-1 file,
+    written before the index recorded it)."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
@@ -118,24 +131,33 @@ class IndexedDataset:
             if not os.path.isfile(path):
                 raise DataError(f"{path}: is not a regular file")
         raw = _read(idx)
-        if len(raw) < HEADER.size:
+        if len(raw) < HEADER_V1.size:
             raise DataError(f"{idx}: truncated index ({len(raw)} bytes, the header alone "
-                            f"is {HEADER.size})")
-        magic, version, itemsize, vocab, eos, n_docs, n_tokens = HEADER.unpack_from(raw)
+                            f"is {HEADER_V1.size})")
+        magic, version, itemsize, vocab, eos, n_docs, n_tokens = HEADER_V1.unpack_from(raw)
         if magic != MAGIC:
             raise DataError(f"{idx}: not a ctxpar token index (magic {magic!r}, want "
                             f"{MAGIC!r}); make it with tools/preprocess_data.py")
-        if version != VERSION:
-            raise DataError(f"{idx}: index version {version}, this reader knows {VERSION}")
+        if version not in (1, VERSION):
+            raise DataError(f"{idx}: index version {version}, this reader knows 1 and "
+                            f"{VERSION}")
+        header = HEADER_V1 if version == 1 else HEADER
+        self.tokenizer = None
+        if version == VERSION:
+            if len(raw) < HEADER.size:
+                raise DataError(f"{idx}: truncated index ({len(raw)} bytes, the header alone "
+                                f"is {HEADER.size})")
+            self.tokenizer = HEADER.unpack_from(raw)[-1].rstrip(b"\0").decode("ascii",
+                                                                              "replace")
         if itemsize not in DTYPES:
             raise DataError(f"{idx}: token size {itemsize} bytes, want 2 or 4")
         if n_docs == 0:
             raise DataError(f"{idx}: holds no documents")
-        want = HEADER.size + 8 * (n_docs + 1)
+        want = header.size + 8 * (n_docs + 1)
         if len(raw) != want:
             raise DataError(f"{idx}: corrupt index ({len(raw)} bytes, its header says "
                             f"{want} for {n_docs} documents)")
-        offsets = np.frombuffer(raw, dtype="<i8", offset=HEADER.size).astype(np.int64)
+        offsets = np.frombuffer(raw, dtype="<i8", offset=header.size).astype(np.int64)
         if offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 1):
             raise DataError(f"{idx}: corrupt index (document offsets are not increasing "
                             f"from 0 to n_tokens={n_tokens})")

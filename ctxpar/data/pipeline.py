@@ -9,12 +9,13 @@
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
 from .indexed import DataError
 from .loader import SampleStream, build_source, shard_batch
+from .tokenizer import short_identity, tokenizer_identity
 
 
 class ShardedStream:
@@ -46,13 +47,18 @@ class ShardedStream:
 
 
 class Data:
-    """The train and eval sources of a Config; sample streams per rank on demand."""
+    """The train and eval sources of a Config; sample streams per rank on demand.
+
+    ``warnings``: lines for the entrypoint to print once (a token file too old to say
+    which tokenizer made it)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.warnings: List[str] = []
         seq_len, seed = cfg.model.seq_len, cfg.train.seed
         self.train_source = build_source(cfg.data, seq_len, seed, "train")
         self.eval_source = build_source(cfg.data, seq_len, seed, "eval")  # None: no held-out
+        self._check_tokenizer()
         # Passkey is byte-level and config refuses vocab_size < 256: only token files can
         # hold ids the model has no row for.
         for source, key in ((self.train_source, "path"), (self.eval_source, "eval_path")):
@@ -68,6 +74,33 @@ class Data:
                                 f"(pack documents with their EOS)")
         d = cfg.data
         self.documents = d.document_mask or d.reset_positions  # samples carry cu_seqlens
+
+    def _check_tokenizer(self) -> None:
+        """Each token file was made by data.tokenizer (its .idx records which tokenizer);
+        a file from before the record is trusted with a warning (its vocabulary size is
+        still checked against model.vocab_size)."""
+        data = self.cfg.data
+        files = {s.data.prefix: s.data for s in (self.train_source, self.eval_source)
+                 if getattr(s, "data", None) is not None}  # token files, each once
+        if not files:
+            return
+        try:
+            want = tokenizer_identity(data.tokenizer)
+        except FileNotFoundError as e:
+            raise DataError(f"data.tokenizer: {e}") from None
+        named = f"data.tokenizer={data.tokenizer!r} ({short_identity(want)})" \
+            if data.tokenizer else "the byte-level one (data.tokenizer unset)"
+        for prefix, ds in files.items():
+            if ds.tokenizer is None:
+                self.warnings.append(
+                    f"{prefix}.idx does not say which tokenizer made it (a file from before "
+                    f"the record): trusting that it was {named}; remake it with "
+                    f"tools/preprocess_data.py to have it checked")
+            elif ds.tokenizer != want:
+                raise DataError(
+                    f"{prefix}.idx was made with the {short_identity(ds.tokenizer)} "
+                    f"tokenizer, not {named}: set data.tokenizer to the tokenizer.json "
+                    f"tools/preprocess_data.py used, or remake the file with this one")
 
     @property
     def has_eval(self) -> bool:

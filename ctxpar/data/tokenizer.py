@@ -15,12 +15,14 @@ embedding).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import List, Optional, Sequence
 
 # Tried in order when --eos-token is not given (GPT-2/Llama-3, Llama/T5, generic).
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|eos|>")
+BYTE_LEVEL = "byte-level"  # the identity of ByteTokenizer's ids (tokenizer_identity)
 
 
 class ByteTokenizer:
@@ -30,6 +32,7 @@ class ByteTokenizer:
     eos_id = 0
     bos_ids: List[int] = []  # none: a document or prompt starts with its text
     name = "byte"
+    identity = BYTE_LEVEL
 
     def encode(self, text: str) -> List[int]:
         return list(text.encode("utf-8").replace(b"\x00", b""))
@@ -56,7 +59,7 @@ class HFTokenizer:
             raise ValueError(f"--tokenizer {path}: not a tokenizers JSON file "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
                              ) from None
-        declared = None if eos_token else declared_eos(path)
+        declared = None if eos_token else declared_token(path, "eos_token")
         names = (eos_token,) if eos_token else (declared,) if declared else EOS_CANDIDATES
         ids = [self._tok.token_to_id(n) for n in names]
         found = [(n, i) for n, i in zip(names, ids) if i is not None]
@@ -74,6 +77,7 @@ class HFTokenizer:
         self.vocab_size = 1 + max([self.eos_id, *self._tok.get_vocab(
             with_added_tokens=False).values(), *(i for i, t in added.items() if not t.special)])
         self.name = f"hf:{os.path.basename(path)}"
+        self.identity = tokenizer_identity(path)
 
     def _prefix(self) -> List[int]:
         """The ids encoding with special tokens puts before a text's own."""
@@ -87,6 +91,10 @@ class HFTokenizer:
                   if full[i:i + len(plain)] == plain]
         return full[:starts[0]] if starts else []
 
+    def token_id(self, token: Optional[str]) -> Optional[int]:
+        """The id of a token by its text (None when it is not in the vocabulary)."""
+        return None if token is None else self._tok.token_to_id(token)
+
     def encode(self, text: str) -> List[int]:
         # The text's ids only: pieces (long-context haystacks) join without special tokens;
         # documents and prompts start with bos_ids, and the writer appends EOS.
@@ -96,18 +104,40 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
-def declared_eos(path: str) -> Optional[str]:
-    """The eos_token of the tokenizer_config.json beside a tokenizer.json (what
-    transformers saves with it), or None when there is none."""
+def declared_token(path: str, key: str) -> Optional[str]:
+    """A special token (key: eos_token, bos_token, pad_token) of the tokenizer_config.json
+    beside a tokenizer.json (what transformers saves with it), or None when there is none."""
     config = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
     try:
         with open(config, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token")
+            token = json.load(f).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(eos, dict):  # an AddedToken as older transformers wrote it
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) and eos else None
+    if isinstance(token, dict):  # an AddedToken as older transformers wrote it
+        token = token.get("content")
+    return token if isinstance(token, str) and token else None
+
+
+def tokenizer_identity(path: Optional[str]) -> str:
+    """Which tokenizer made a token file's ids, as its .idx records it (indexed.py):
+    "byte-level" for the built-in one (path None), else "sha256:" + the hex digest of the
+    tokenizer.json's bytes (another file, or the same tokenizer saved again differently,
+    is another identity)."""
+    if path is None:
+        return BYTE_LEVEL
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError as e:
+        raise FileNotFoundError(f"{path}: cannot read ({e.strerror})") from None
+    return "sha256:" + digest.hexdigest()
+
+
+def short_identity(identity: str) -> str:
+    """A tokenizer identity for a message: "byte-level" or "sha256:" and 12 hex digits."""
+    return identity if identity == BYTE_LEVEL else identity[:19]
 
 
 def load_tokenizer(path: Optional[str] = None, eos_token: Optional[str] = None):

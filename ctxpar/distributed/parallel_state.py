@@ -16,6 +16,7 @@ accessor for the current state is ``get_parallel_state()``, for train.py.
 """
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from dataclasses import dataclass, field
@@ -316,6 +317,32 @@ def get_parallel_state() -> ParallelState:
 
 
 def destroy_parallel_state() -> None:
-    """Forget the current state (the groups die with the default process group)."""
+    """Forget the current state. Its process groups live on while anything references
+    them (destroy_process_group does not free them): see shutdown_distributed."""
     global _STATE
     _STATE = None
+
+
+def shutdown_distributed() -> None:
+    """The end of a distributed entrypoint, on every rank: a barrier (no rank tears its
+    connections down while a peer still talks to it), the module's state forgotten,
+    every process group destroyed, and the groups no one references any more freed now.
+
+    Why not barrier + destroy_process_group alone: that leaves the module's state holding
+    each rank's groups, so their gloo worker threads still run when the interpreter
+    finalizes. A worker that then drops its last finished work (the barrier's, which
+    keeps the all_gather before it and that one's Python-owned tensors) must take the
+    GIL; CPython ends a thread that asks for the GIL during finalization with
+    pthread_exit, whose unwinding through the work's noexcept destructor calls
+    std::terminate: "terminate called without an active exception", SIGABRT after a
+    correct answer, now and then under load (docs/parallelism.md, "Leaving cleanly").
+    Freed before then, a group's destructor joins its workers (without the GIL) while
+    the interpreter is whole. The caller's own references (a model, a ParallelState)
+    go when it returns, before the exit.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+    destroy_parallel_state()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # groups held only by reference cycles: freed here, not at exit

@@ -2,6 +2,7 @@
 
     ckpt = find_checkpoint("runs/tiny_cpu", "auto")    # run dir + latest COMPLETE tag
     cfg = load_run_config(ckpt, ["parallel.cp=2"], world_size=2)
+    tokenizer = run_tokenizer(ckpt, cfg)               # the run's data.tokenizer (or bytes)
     files = inspect_checkpoint(ckpt.path)              # which DeepSpeed format, which tp
     load_weights_(model, files, state.tp_group)        # any tp; cp never matters
 
@@ -38,7 +39,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..config import Config, load_config
-from ..checkpoint.resume import MARKER, is_tag, latest_complete
+from ..checkpoint.resume import MARKER, is_tag, latest_complete, read_manifest
+from ..data.tokenizer import load_tokenizer
 from ..tensor_parallel import full_shape, load_full_state_dict_
 from ..tensor_parallel.mappings import tp_rank_of, tp_size_of
 
@@ -115,6 +117,39 @@ def load_run_config(ckpt: RunCheckpoint, overrides: Sequence[str] = (),
     for generation: training's seq_len-per-layout rule does not apply."""
     return load_config(os.path.join(ckpt.run_dir, "config.yaml"), overrides,
                        world_size=world_size, check_paths=False, training=False)
+
+
+def run_tokenizer(ckpt: RunCheckpoint, cfg: Config, path: Optional[str] = None,
+                  eos_token: Optional[str] = None):
+    """The tokenizer of the run's text: `path` (--tokenizer) when given, else the run's
+    data.tokenizer as the checkpoint's manifest recorded it (unset: the byte-level one).
+
+    Refused in one line (ValueError): a run's tokenizer that is not there any more, a
+    tokenizer with ids past model.vocab_size, and a given one whose vocabulary size is
+    not that of the run's data.tokenizer (ids the model learnt for other text).
+    """
+    config = read_manifest(ckpt.path).get("config") or {}  # a pre-manifest tag: config.yaml
+    recorded = (config.get("data") or {}).get("tokenizer", cfg.data.tokenizer) \
+        if config else cfg.data.tokenizer
+    if path is None:
+        if recorded is not None and not os.path.isfile(recorded):
+            raise ValueError(f"the run's data.tokenizer={recorded!r} (in {ckpt.path}/"
+                             f"{MARKER}) is not a file here; give --tokenizer")
+        tok, which = load_tokenizer(recorded, eos_token), \
+            f"the run's data.tokenizer={recorded!r}" if recorded else "the byte-level tokenizer"
+    else:
+        tok, which = load_tokenizer(path, eos_token), f"--tokenizer {path}"
+        if recorded is not None and os.path.isfile(recorded):
+            trained = load_tokenizer(recorded, eos_token).vocab_size
+            if tok.vocab_size != trained:
+                raise ValueError(f"{which} has a vocabulary of {tok.vocab_size} ids, the run's "
+                                 f"data.tokenizer={recorded!r} {trained}: not the tokenizer "
+                                 f"the model was trained with (leave --tokenizer out)")
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"{which} has a vocabulary of {tok.vocab_size} ids, the model "
+                         f"{cfg.model.vocab_size} (model.vocab_size): not the tokenizer the "
+                         f"model was trained with")
+    return tok
 
 
 def _ranks(matches: List[re.Match], group: int, path: str, what: str) -> int:
