@@ -180,10 +180,11 @@ def check_layers(m: ModelConfig, err) -> None:
                 err(f"model.{key}={getattr(m, key)} is set but no layer in "
                     f"model.layer_types is {kind!r}: it would be ignored")
     check_linear_fields(m, kinds, err)
+    roped = [t for t in LAYER_TYPES if LAYER_MIXERS[t][0] == "attention"]
     for kind, rope in (m.layer_rope or {}).items():
-        if kind not in LAYER_TYPES:
-            err(f"model.layer_rope: unknown layer type {kind!r}; choose from "
-                f"{list(LAYER_TYPES)}")
+        if kind not in roped:
+            err(f"model.layer_rope: unknown layer type {kind!r}; choose from the types with "
+                f"attention {roped}")
         if not isinstance(rope, dict) or set(rope) - {"rope_theta", "rope_scaling"}:
             err(f"model.layer_rope.{kind}={rope!r} must be a mapping of rope_theta and/or "
                 f"rope_scaling")
