@@ -24,7 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
-from .layers import LAYER_MIXERS, gated_delta_dims, layer_types, mamba_dims
+from .layers import (GDN_FIELDS, LAYER_MIXERS, MAMBA_FIELDS, gated_delta_dims, layer_types,
+                     mamba_dims)
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
 
@@ -72,11 +73,13 @@ def _norm(name: str, m: ModelConfig, dim: Optional[int] = None) -> List[ParamSpe
 
 
 def block_fields(m: ModelConfig) -> tuple:
-    """The fields block_specs reads (a cache key: the planner's search asks per candidate,
-    over configs that differ in seq_len and the like)."""
+    """The fields block_specs(m, 0) reads (a cache key: the planner's search asks per
+    candidate, over configs that differ in seq_len and the like): block 0's mixers and the
+    linear mixers' sizes among them."""
     return (m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.mlp, m.norm, m.bias,
             m.attention_sinks, m.attention_bias, m.qk_norm, m.head_dim, m.post_norms,
-            tuple(m.layer_types or ()), gated_delta_dims(m), mamba_dims(m))
+            LAYER_MIXERS[layer_types(m)[0]],
+            *(getattr(m, key) for key in GDN_FIELDS + MAMBA_FIELDS[:6]))  # sizes, conv bias
 
 
 def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
