@@ -4,9 +4,9 @@
 (1) Each mixer against transformers' own module on the same weights (one process, fp32:
 outputs and every parameter's gradient). (2) Two tiny hybrids, Qwen3.5's three linear
 layers per full-attention one and a Nemotron-H mamba/attention/mlp pattern, at cp2 and
-cp4 with parallel.linear_cp 'state' (contiguous, zigzag) and 'heads' (striped), with and
-without packed documents crossing ranks: the loss and every gradient equal the single
-process's. One spawn per world size, the cases looped inside. (3) Each refusal's one line.
+cp4 with parallel.linear_cp 'state' (contiguous, zigzag) and 'heads' (striped, zigzag),
+with and without packed documents crossing ranks, under each activation recompute: the
+loss and every gradient equal the single process's. One spawn per world size, the cases looped inside. (3) Each refusal's one line.
 """
 import pickle
 
@@ -126,11 +126,12 @@ def _parity(rank, world, payload):
     from models.loss import deepspeed_style_reduce_
 
     out = []
-    for name, cp, layout, strategy, cu in pickle.loads(payload):
+    for name, cp, layout, strategy, cu, ckpt in pickle.loads(payload):
         cfg = CONFIGS[name]
         st = init_parallel_state(tp=1, cp=cp, dp=world // cp)
         model = GPT(cfg, ModelGroups(cp_group=st.cp_group),
-                    ModelOptions(layout=layout, seed=SEED, linear_cp=strategy))
+                    ModelOptions(layout=layout, seed=SEED, linear_cp=strategy,
+                                 activation_checkpointing=ckpt))
         tokens, labels = _batch(cfg)
         tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
         pos = sequence_positions(N, st.cp_group, layout)
@@ -144,12 +145,16 @@ def _parity(rank, world, payload):
 
 
 DOCS = documents(N)  # mid-rank starts, one-token documents, one spanning three cp4 ranks
-CASES = {  # world -> (config, cp, layout, parallel.linear_cp, cu_seqlens)
-    2: [("qwen3.5", 2, "zigzag", "state", None), ("nemotron-h", 2, "zigzag", "state", None),
-        ("qwen3.5", 2, "striped", "heads", None), ("nemotron-h", 2, "striped", "heads", DOCS),
-        ("qwen3.5", 2, "contiguous", "state", DOCS)],
-    4: [("qwen3.5", 4, "zigzag", "state", DOCS), ("nemotron-h", 4, "zigzag", "state", None),
-        ("nemotron-h", 4, "contiguous", "state", DOCS), ("qwen3.5", 4, "zigzag", "heads", DOCS)],
+CASES = {  # world -> (config, cp, layout, parallel.linear_cp, cu_seqlens, recompute)
+    2: [("qwen3.5", 2, "zigzag", "state", None, "none"),
+        ("nemotron-h", 2, "zigzag", "state", None, "full"),  # the block replays its all-gather
+        ("qwen3.5", 2, "striped", "heads", None, "selective"),
+        ("nemotron-h", 2, "striped", "heads", DOCS, "none"),
+        ("qwen3.5", 2, "contiguous", "state", DOCS, "full")],
+    4: [("qwen3.5", 4, "zigzag", "state", DOCS, "none"),
+        ("nemotron-h", 4, "zigzag", "state", None, "selective"),
+        ("nemotron-h", 4, "contiguous", "state", DOCS, "none"),
+        ("qwen3.5", 4, "zigzag", "heads", DOCS, "none")],
 }
 
 
@@ -157,9 +162,9 @@ CASES = {  # world -> (config, cp, layout, parallel.linear_cp, cu_seqlens)
 def test_hybrid_gpt_over_cp_equals_one_process(world):
     cases = CASES[world]
     results = run_distributed(_parity, world, pickle.dumps(cases), timeout=240)
-    for case_index, (name, cp, layout, strategy, cu) in enumerate(cases):
+    for case_index, (name, cp, layout, strategy, cu, ckpt) in enumerate(cases):
         loss, grads = reference(CONFIGS[name], cu)
-        where = f"{name} cp{cp} {layout} {strategy} docs={cu is not None}"
+        where = f"{name} cp{cp} {layout} {strategy} docs={cu is not None} {ckpt}"
         for rank, per_case in enumerate(results):
             got = per_case[case_index]
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=f"{where} rank {rank}")
