@@ -215,6 +215,8 @@ MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
      "needs model.mamba_num_heads=6 divisible by cp_size=4"),
     (dict(QWEN), {"cp": 2, "layout": "striped"}, {},
      "parallel.linear_cp='state' takes layouts ['contiguous', 'zigzag'], not layout='striped'"),
+    (dict(QWEN), {"linear_cp": "ring"}, {},
+     "parallel.linear_cp='ring' must be one of 'state', 'heads'"),
     (dict(QWEN, linear_chunk_size=0), {}, {}, "model.linear_chunk_size=0 must be an integer >= 1"),
     (dict(QWEN, mamba_num_heads=4), {}, {},
      "model.mamba_num_heads=4 is set but no layer in model.layer_types is 'mamba'"),
