@@ -47,6 +47,8 @@ from ctxpar.memory.offload import ActivationOffload, run_layer
 from ctxpar.memory.tiled_mlp import gate_activation, mark_zero3_leaf, tiled_mlp
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
+from .gated_delta import GatedDeltaNet, init_gated_delta
+from .mamba2 import Mamba2, init_mamba2
 from .options import ModelGroups, ModelOptions
 
 
@@ -243,14 +245,18 @@ def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) ->
     std, tp = cfg.init_std, tp_size_of(tp_group)
     for name, p in named_parameters:
         shape = full_shape(p, tp)
-        if name.endswith("norm.weight"):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = init_gated_delta(name, shape, cfg, g)  # the linear mixers' own rules first
+        full = init_mamba2(name, shape, cfg, g) if full is None else full
+        if full is not None:
+            pass
+        elif name.endswith("norm.weight"):
             full = torch.full(shape, 1.0 - cfg.norm_offset)
         elif name.endswith("bias"):
             full = torch.zeros(shape)
         else:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             scale = std / math.sqrt(2 * cfg.n_layers) if name.endswith(
-                ("o_proj.weight", "down_proj.weight")) else std
+                ("o_proj.weight", "down_proj.weight", "out_proj.weight")) else std
             full = torch.empty(shape).normal_(0.0, scale, generator=g)
         p.copy_(shard_full_tensor(full, p, tp_group))
 
@@ -358,43 +364,80 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x)); with model.post_norms
-    x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (Gemma 2/3).
+    """One layer, its two mixers chosen once from its type (config.layers.LAYER_MIXERS):
+    x + mixer(norm(x)), then x + mlp(norm(x)); with model.post_norms
+    x + norm(mixer(norm(x))), then x + norm(mlp(norm(x))) (Gemma 2/3). The token mixer is
+    attention (``attn``), Gated DeltaNet (``linear_attn``, models/gated_delta.py) or Mamba2
+    (``mamba``, models/mamba2.py), after ``attn_norm``; Nemotron-H's single-op blocks have
+    no MLP ('mamba', 'attention') or no token mixer ('mlp').
 
-    ``selective`` checkpoints the two pieces around the attention core (norm + q/k/v +
-    RoPE; out-proj + residual + norm + MLP) and keeps q, k, v, the attention output and its
-    LSE (saved by the CP attention itself), so backward recomputes projections but never
-    replays the CP communication.
+    ``selective`` (attention blocks) checkpoints the two pieces around the attention core
+    (norm + q/k/v + RoPE; out-proj + residual + norm + MLP) and keeps q, k, v, the
+    attention output and its LSE (saved by the CP attention itself), so backward
+    recomputes projections but never replays the CP communication; other blocks keep
+    their activations under it.
     """
 
     def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend,
                  selective: bool, device=None, dtype=None,
-                 memory: Optional[MemoryConfig] = None, layer: Optional[LayerAttention] = None):
+                 memory: Optional[MemoryConfig] = None, layer: Optional[LayerAttention] = None,
+                 linear_cp: str = "state"):
         super().__init__()
-        self.selective = selective
-        self.attn_norm = make_norm(cfg, device, dtype)
-        self.attn = Attention(cfg, tp_group, cp, backend, device, dtype, layer)
-        self.post_attn_norm = make_norm(cfg, device, dtype) if cfg.post_norms else None
-        self.mlp_norm = make_norm(cfg, device, dtype)
+        layer = layer or layer_attention(cfg)[0]
+        self.token_mixer, channel = layer.token_mixer, layer.channel_mixer
+        self.selective = selective and self.token_mixer == "attention"
+        self.attn_norm = make_norm(cfg, device, dtype) if self.token_mixer else None
+        if self.token_mixer == "attention":
+            self.attn = Attention(cfg, tp_group, cp, backend, device, dtype, layer)
+        elif self.token_mixer == "gated_delta":
+            self.linear_attn = GatedDeltaNet(cfg, cp, linear_cp, device, dtype)
+        elif self.token_mixer == "mamba2":
+            self.mamba = Mamba2(cfg, cp, linear_cp, device, dtype)
+        self.post_attn_norm = (make_norm(cfg, device, dtype)
+                               if cfg.post_norms and self.token_mixer else None)
+        self.mlp_norm = make_norm(cfg, device, dtype) if channel else None
         tiled = memory is not None and memory.tiled_mlp
         self.mlp = MLP(cfg, tp_group, device, dtype,
-                       tile_tokens=memory.mlp_tile_tokens if tiled else None)
-        self.post_mlp_norm = make_norm(cfg, device, dtype) if cfg.post_norms else None
+                       tile_tokens=memory.mlp_tile_tokens if tiled else None) if channel else None
+        self.post_mlp_norm = make_norm(cfg, device, dtype) if cfg.post_norms and channel else None
+
+    def use_cp(self, cp: ContextParallel) -> None:
+        """Run the token mixer over another CP group (GPT.use_cp_group)."""
+        mixer = {"attention": "attn", "gated_delta": "linear_attn", "mamba2": "mamba"}
+        if self.token_mixer is not None:
+            getattr(self, mixer[self.token_mixer]).cp = cp
 
     def _attn_in(self, x, cos, sin):
         return self.attn.qkv(self.attn_norm(x), cos, sin)
 
     def _attn_out_mlp(self, x, o):
         a = self.attn.o_proj(o.flatten(2))  # (B, T/cp, d)
-        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        return self._mlp(x + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
+
+    def _mlp(self, x):
+        if self.mlp is None:
+            return x
         h = self.mlp(self.mlp_norm(x))
         return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
+
+    def _linear_mixer(self, x, cu_seqlens):
+        """x + linear_attn / mamba (norm(x)), over CP with its documents."""
+        mixer = self.linear_attn if self.token_mixer == "gated_delta" else self.mamba
+        a = mixer(self.attn_norm(x), cu_seqlens)  # (B, T/cp, d)
+        return x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache=None, cu_seqlens=None) -> torch.Tensor:
         """kv_cache: this layer's view of a KV cache (ctxpar.inference), inference only: it
         keeps k, v and computes attention from the cache, given the training core to use.
         cu_seqlens: document boundaries (context_parallel/documents.py), training only."""
+        if self.token_mixer != "attention":
+            if kv_cache is not None and self.token_mixer is not None:
+                raise NotImplementedError(f"GPT: generation through a {self.token_mixer} "
+                                          f"layer is not built (no recurrent state cache)")
+            if self.token_mixer is not None:
+                x = self._linear_mixer(x, cu_seqlens)
+            return self._mlp(x)
         if kv_cache is not None:
             q, k, v = self._attn_in(x, cos, sin)
             return self._attn_out_mlp(x, kv_cache(q, k, v, self.attn.core,
@@ -431,7 +474,7 @@ class GPT(nn.Module):
         self.layer_attention = layer_attention(cfg)  # each layer's kind, window, RoPE
         self.layers = nn.ModuleList(
             Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype,
-                  self.memory, a)
+                  self.memory, a, o.linear_cp)
             for a in self.layer_attention)
         # memory.offload_activations: what checkpointing keeps per layer in host memory
         self.offload = ActivationOffload() if self.memory.offload_activations else None
@@ -457,7 +500,7 @@ class GPT(nn.Module):
                           ring_group=ring_group)
         self.cp_group = cp_group
         for layer in self.layers:
-            layer.attn.cp = self.cp
+            layer.use_cp(self.cp)
 
     def init_weights(self, seed: int) -> None:
         """The layout-independent init of every parameter (``init_parameters_``)."""

@@ -40,6 +40,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, MemoryConfig, ModelConfig, layer_attention
+from ctxpar.config.layers import ATTENTION_TYPES
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
@@ -92,6 +93,9 @@ class BlockPipe(Block):
                  device=None, dtype=None, memory: Optional[MemoryConfig] = None,
                  offload: Optional[ActivationOffload] = None):
         layer = layer_attention(cfg)[layer_number]  # its kind, window, chunks, RoPE
+        if layer.kind not in ATTENTION_TYPES:  # config validation refuses pp > 1 for them
+            raise ValueError(f"GPTPipe: layer {layer_number} is {layer.kind!r}; the pipeline "
+                             f"stages build attention + MLP blocks only ({ATTENTION_TYPES})")
         super().__init__(cfg, tp_group, cp, backend, activation_checkpointing == "selective",
                          device, dtype, memory, layer)
         self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)

@@ -27,6 +27,7 @@ class ModelOptions:
     every_n_layers: int = 1                  # activation_checkpointing.every_n_layers
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     seed: int = 1234                         # train.seed: the layout-independent init
+    linear_cp: str = "state"                 # parallel.linear_cp: the linear mixers' CP
 
     @classmethod
     def from_config(cls, cfg: Config) -> "ModelOptions":
@@ -36,7 +37,8 @@ class ModelOptions:
                    activation_checkpointing=cfg.activation_checkpointing.mode,
                    every_n_layers=cfg.activation_checkpointing.every_n_layers,
                    memory=cfg.memory,
-                   seed=cfg.train.seed)
+                   seed=cfg.train.seed,
+                   linear_cp=cfg.parallel.linear_cp)
 
 
 @dataclass(frozen=True)

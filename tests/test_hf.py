@@ -206,6 +206,11 @@ def test_attention_kinds_no_family_holds_are_refused_at_export():
         (ModelConfig(**base, sliding_window=8, family="qwen2", attention_bias=True,
                      layer_rope={"sliding_attention": {"rope_theta": 10.0}}),
          "Gemma 3's sliding layers only"),
+        (ModelConfig(**base, family="qwen3", qk_norm=True,
+                     layer_types=["linear_attention", "full_attention"]),
+         "model.layer_types with ['linear_attention'] layers"),
+        (ModelConfig(**base, layer_types=["mamba", "mlp"]),
+         "model.layer_types with ['mamba', 'mlp'] layers"),
     ]:
         with pytest.raises(CheckpointError, match=re.escape(msg)):
             hf.family_config(m)

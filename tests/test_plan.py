@@ -716,7 +716,8 @@ def test_block_fields_are_all_block_specs_reads():
                  init_std=0.01, init_from="elsewhere", norm_offset=1.0, scale_embeddings=True,
                  query_pre_attn_scalar=8.0, family="qwen2", sliding_window=16,
                  attention_chunk_size=32, layer_types=["full_attention"] * CFG["n_layers"],
-                 layer_rope={"full_attention": {"rope_theta": 100.0}})
+                 layer_rope={"full_attention": {"rope_theta": 100.0}}, linear_chunk_size=16,
+                 time_step_min=0.01, time_step_max=0.2, time_step_floor=1e-3)
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
@@ -724,5 +725,8 @@ def test_block_fields_are_all_block_specs_reads():
             assert block_specs(changed) == block_specs(m), f.name
     assert set(other) | {"d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
                          "bias", "attention_bias", "qk_norm", "head_dim", "post_norms",
-                         "attention_sinks"} == \
+                         "attention_sinks", "linear_num_key_heads", "linear_num_value_heads",
+                         "linear_key_head_dim", "linear_value_head_dim",
+                         "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim",
+                         "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}

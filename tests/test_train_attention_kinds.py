@@ -1,7 +1,10 @@
 """train.py on a GPT that mixes the attention kinds of today's open models: a sliding
 window (Mistral, Gemma), chunks (Llama 4), full layers, sinks (gpt-oss) and RoPE per layer
-type (Gemma 3). Every layout logs cp = 1's losses (the attention-level parity over every
-comm x layout x window is tests/test_attention_mask.py's)."""
+type (Gemma 3); and on a hybrid of linear layers (Qwen3.5's three Gated DeltaNet layers per
+full-attention one, then Nemotron-H's mamba, attention and mlp blocks). Every layout logs
+cp = 1's losses (the attention-level parity over every comm x layout x window is
+tests/test_attention_mask.py's, the hybrids' over layouts and documents
+tests/test_hybrid_gpt.py's)."""
 import pytest
 
 from tests.helpers.train_run import assert_same_run, run_train
@@ -31,3 +34,27 @@ def test_mixed_layer_types_log_cp1s_losses(reference, tmp_path, sets):
     d = str(tmp_path / "cp")
     run_train(d, 4, ["parallel.dp=1", *KINDS, *sets])
     assert_same_run(d, reference, 6)
+
+
+# Documents on (passkey_docs 2: a boundary inside a rank's share), kernel chunks of 16
+# against a cp2 zigzag segment of 32 tokens.
+HYBRID = ["model.n_layers=7",
+          "model.layer_types=[linear_attention,linear_attention,linear_attention,"
+          "full_attention,mamba,attention,mlp]",
+          "model.linear_num_key_heads=2", "model.linear_key_head_dim=16",
+          "model.mamba_head_dim=16", "model.ssm_state_size=16", "model.n_groups=2",
+          "model.linear_chunk_size=16", "data.passkey_docs=2", "data.document_mask=true",
+          "train.steps=6", "train.eval_samples=8", "logging.wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("hybrid") / "cp1")
+    run_train(d, 1, ["parallel.cp=1", "parallel.dp=1", *HYBRID])
+    return d
+
+
+def test_hybrid_linear_layers_log_cp1s_losses(hybrid_reference, tmp_path):
+    d = str(tmp_path / "cp2")
+    run_train(d, 2, ["parallel.cp=2", "parallel.dp=1", "parallel.linear_cp=state", *HYBRID])
+    assert_same_run(d, hybrid_reference, 6)

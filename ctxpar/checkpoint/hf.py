@@ -31,7 +31,7 @@ import torch
 
 from ..config import (ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig,
                       resolved_ffn_hidden, resolved_head_dim)
-from ..config.layers import layer_types
+from ..config.layers import ATTENTION_TYPES, layer_types
 from ..config.parameters import parameter_specs
 from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
                        family_of)
@@ -136,6 +136,10 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
         raise CheckpointError(f"{what} cannot be exported as {architecture}")
     if m.attention_sinks:
         refuse("model.attention_sinks=true")
+    linear = sorted(set(types) - set(ATTENTION_TYPES))
+    if linear:
+        refuse(f"model.layer_types with {linear} layers (Gated DeltaNet, Mamba2 and "
+               f"single-op blocks: no exported family holds them yet)")
     if "chunked_attention" in types:
         refuse(f"model.layer_types={types} (chunked attention)")
     if name == "llama" and "sliding_attention" in types:

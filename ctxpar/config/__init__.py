@@ -16,8 +16,10 @@ The package, one idea per file (every name is importable from ``ctxpar.config``)
     load.py        YAML or a dict -> Config (types, --set overrides, old spellings), and
                    back (to_dict, dump_config)
     validation.py  validate: every cross-field rule, section by section
-    layers.py      layer_attention: each layer's kind (full, sliding, chunked), window,
-                   chunk and RoPE, from model.layer_types and friends
+    layers.py      layer_attention: each layer's kind (full, sliding, chunked attention;
+                   Gated DeltaNet, Mamba2, Nemotron-H's single-op blocks), its mixers,
+                   window, chunk and RoPE, from model.layer_types and friends; the
+                   linear mixers' sizes (gated_delta_dims, mamba_dims)
     parameters.py  parameter_specs: every tensor's name, full shape and TP split
     deepspeed.py   deepspeed_config: the deepspeed section with batch sizes, clipping and
                    ZeRO's buckets filled in

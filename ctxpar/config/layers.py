@@ -1,22 +1,54 @@
-"""What each layer's attention is: its kind, its window or chunks, its RoPE.
+"""What each layer is: its token mixer and channel mixer, its attention's window or chunks,
+its RoPE; and the linear mixers' sizes.
 
     for i, a in enumerate(layer_attention(cfg.model)):
         mask = AttentionMask(causal=True, sliding_window=a.sliding_window,
                              chunk_size=a.chunk_size, cu_seqlens=cu)
 
-The model, the planner and generation read the per-layer attention from here, so a layer
+The model, the planner and generation read the per-layer kinds from here, so a layer
 type means one thing everywhere. transformers' names: model.layer_types lists one of
 LAYER_TYPES per layer; unset, every layer is 'sliding_attention' when model.sliding_window
 is set, 'chunked_attention' when model.attention_chunk_size is, else 'full_attention'.
+
+Two families of blocks (LAYER_MIXERS: the token mixer, the channel mixer):
+
+    full_attention, sliding_attention,   norm, attention, residual; norm, MLP, residual
+    chunked_attention                    (Llama, Qwen, Mistral, Gemma)
+    linear_attention                     the same with Gated DeltaNet in place of
+                                         attention (Qwen3-Next, Qwen3.5)
+    mamba                                norm, Mamba2, residual: no MLP (Nemotron-H)
+    attention                            norm, full causal attention, residual: no MLP
+    mlp                                  norm, MLP, residual: no token mixer
+
+The last three are Nemotron-H's single-op blocks under the names its configs wrote
+(hybrid_override_pattern 'M', '*', '-'); transformers 5 reads Nemotron-H's 'mamba' as
+'linear_attention' and 'attention' as 'full_attention', names that here mean Qwen's
+two-op blocks, so a Nemotron-H import renames them back.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .sections import ModelConfig
+from .sections import ModelConfig, resolved_head_dim
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_MIXERS = {  # layer type -> (token mixer, channel mixer); None: the block has none
+    "full_attention": ("attention", "mlp"),
+    "sliding_attention": ("attention", "mlp"),
+    "chunked_attention": ("attention", "mlp"),
+    "linear_attention": ("gated_delta", "mlp"),
+    "mamba": ("mamba2", None),
+    "attention": ("attention", None),
+    "mlp": (None, "mlp"),
+}
+LAYER_TYPES = tuple(LAYER_MIXERS)
+LINEAR_MIXERS = ("gated_delta", "mamba2")  # the token mixers that pass a state over CP
+GDN_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_conv_kernel_dim")
+MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+                "conv_kernel", "use_conv_bias", "time_step_min", "time_step_max",
+                "time_step_floor")
 
 
 @dataclass(frozen=True)
@@ -26,6 +58,73 @@ class LayerAttention:
     chunk_size: Optional[int]        # 'chunked_attention' only
     rope_theta: float
     rope_scaling: Optional[Dict[str, Any]]
+
+    @property
+    def token_mixer(self) -> Optional[str]:
+        """'attention', 'gated_delta', 'mamba2' or None (LAYER_MIXERS)."""
+        return LAYER_MIXERS[self.kind][0]
+
+    @property
+    def channel_mixer(self) -> Optional[str]:
+        """'mlp' or None."""
+        return LAYER_MIXERS[self.kind][1]
+
+
+@dataclass(frozen=True)
+class GatedDeltaDims:
+    """A Gated DeltaNet layer's sizes (model.linear_*, unset ones resolved)."""
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    chunk_size: int
+
+
+@dataclass(frozen=True)
+class MambaDims:
+    """A Mamba2 layer's sizes (model.mamba_*, ssm_state_size, ..., unset ones resolved)."""
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool
+    time_step_min: float
+    time_step_max: float
+    time_step_floor: float
+    chunk_size: int
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def gated_delta_dims(m: ModelConfig) -> GatedDeltaDims:
+    key_heads = _or(m.linear_num_key_heads, m.n_heads)
+    key_dim = _or(m.linear_key_head_dim, resolved_head_dim(m))
+    return GatedDeltaDims(key_heads, _or(m.linear_num_value_heads, key_heads), key_dim,
+                          _or(m.linear_value_head_dim, key_dim),
+                          _or(m.linear_conv_kernel_dim, 4), _or(m.linear_chunk_size, 64))
+
+
+def mamba_dims(m: ModelConfig) -> MambaDims:
+    return MambaDims(_or(m.mamba_num_heads, m.n_heads), _or(m.mamba_head_dim,
+                                                              resolved_head_dim(m)),
+                     _or(m.ssm_state_size, 128), _or(m.n_groups, 1), _or(m.conv_kernel, 4),
+                     _or(m.use_conv_bias, True), _or(m.time_step_min, 0.001),
+                     _or(m.time_step_max, 0.1), _or(m.time_step_floor, 1e-4),
+                     _or(m.linear_chunk_size, 64))
+
+
+def token_mixers(m: ModelConfig) -> set:
+    """The token mixers the model's layers use."""
+    return {LAYER_MIXERS[t][0] for t in layer_types(m) if t in LAYER_MIXERS}
+
+
+def has_linear_layers(m: ModelConfig) -> bool:
+    """Whether a layer is 'linear_attention' or 'mamba' (state-passing mixers)."""
+    return bool(token_mixers(m) & set(LINEAR_MIXERS))
 
 
 def layer_types(m: ModelConfig) -> List[str]:
@@ -80,10 +179,12 @@ def check_layers(m: ModelConfig, err) -> None:
             if kind not in kinds and getattr(m, key) is not None:
                 err(f"model.{key}={getattr(m, key)} is set but no layer in "
                     f"model.layer_types is {kind!r}: it would be ignored")
+    check_linear_fields(m, kinds, err)
+    roped = [t for t in LAYER_TYPES if LAYER_MIXERS[t][0] == "attention"]
     for kind, rope in (m.layer_rope or {}).items():
-        if kind not in LAYER_TYPES:
-            err(f"model.layer_rope: unknown layer type {kind!r}; choose from "
-                f"{list(LAYER_TYPES)}")
+        if kind not in roped:
+            err(f"model.layer_rope: unknown layer type {kind!r}; choose from the types with "
+                f"attention {roped}")
         if not isinstance(rope, dict) or set(rope) - {"rope_theta", "rope_scaling"}:
             err(f"model.layer_rope.{kind}={rope!r} must be a mapping of rope_theta and/or "
                 f"rope_scaling")
@@ -93,3 +194,39 @@ def check_layers(m: ModelConfig, err) -> None:
         if kind not in kinds:
             err(f"model.layer_rope.{kind} is set but no layer is {kind!r}: it would be "
                 f"ignored")
+
+
+def check_linear_fields(m: ModelConfig, kinds: set, err) -> None:
+    """The Gated DeltaNet and Mamba2 fields: sizes >= 1, heads that group, and none set
+    without a layer to use them. The CP and TP rules: config.validation._check_linear_cp."""
+    for kind, fields in (("linear_attention", GDN_FIELDS), ("mamba", MAMBA_FIELDS)):
+        if kind not in kinds:
+            for key in fields:
+                if getattr(m, key) is not None:
+                    err(f"model.{key}={getattr(m, key)} is set but no layer in "
+                        f"model.layer_types is {kind!r}: it would be ignored")
+    if m.linear_chunk_size is not None and not kinds & {"linear_attention", "mamba"}:
+        err(f"model.linear_chunk_size={m.linear_chunk_size} is set but no layer in "
+            f"model.layer_types is 'linear_attention' or 'mamba': it would be ignored")
+    for key in GDN_FIELDS + MAMBA_FIELDS[:5] + ("linear_chunk_size",):
+        v = getattr(m, key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            err(f"model.{key}={v!r} must be an integer >= 1 (or null: its default)")
+    for key in MAMBA_FIELDS[6:]:
+        v = getattr(m, key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or v <= 0):
+            err(f"model.{key}={v!r} must be a number > 0 (or null: its default)")
+    if "linear_attention" in kinds:
+        g = gated_delta_dims(m)
+        if g.num_value_heads % g.num_key_heads:
+            err(f"model.linear_num_value_heads={g.num_value_heads} is not a multiple of "
+                f"model.linear_num_key_heads={g.num_key_heads}")
+    if "mamba" in kinds:
+        d = mamba_dims(m)
+        if d.num_heads % d.n_groups:
+            err(f"model.mamba_num_heads={d.num_heads} is not divisible by "
+                f"model.n_groups={d.n_groups}")
+        if d.time_step_max < d.time_step_min:
+            err(f"model.time_step_max={d.time_step_max} < model.time_step_min="
+                f"{d.time_step_min}")

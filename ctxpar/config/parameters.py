@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
+from .layers import (GDN_FIELDS, LAYER_MIXERS, MAMBA_FIELDS, gated_delta_dims, layer_types,
+                     mamba_dims)
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
 
@@ -71,20 +73,70 @@ def _norm(name: str, m: ModelConfig, dim: Optional[int] = None) -> List[ParamSpe
 
 
 def block_fields(m: ModelConfig) -> tuple:
-    """The fields block_specs reads (a cache key: the planner's search asks per candidate,
-    over configs that differ in seq_len and the like)."""
+    """The fields block_specs(m, 0) reads (a cache key: the planner's search asks per
+    candidate, over configs that differ in seq_len and the like): block 0's mixers and the
+    linear mixers' sizes among them."""
     return (m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.mlp, m.norm, m.bias,
-            m.attention_sinks, m.attention_bias, m.qk_norm, m.head_dim, m.post_norms)
+            m.attention_sinks, m.attention_bias, m.qk_norm, m.head_dim, m.post_norms,
+            LAYER_MIXERS[layer_types(m)[0]],
+            *(getattr(m, key) for key in GDN_FIELDS + MAMBA_FIELDS[:6]))  # sizes, conv bias
 
 
 def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
-    """Block i's parameters. tp decides only whether k/v are split (n_kv_heads % tp == 0)
-    or replicated by heads."""
+    """Block i's parameters, by its layer type (config.layers.LAYER_MIXERS): the token
+    mixer's norm and parameters, the post norm, then the MLP's. tp decides only whether
+    k/v are split (n_kv_heads % tp == 0) or replicated by heads."""
+    token, channel = LAYER_MIXERS[layer_types(m)[i]]
+    p = f"layers.{i}."
+    specs = _norm(p + "attn_norm", m) if token else []
+    if token == "attention":
+        specs += _attention_specs(m, p, tp)
+    elif token == "gated_delta":
+        specs += _gated_delta_specs(m, p + "linear_attn.")
+    elif token == "mamba2":
+        specs += _mamba2_specs(m, p + "mamba.")
+    if m.post_norms and token:
+        specs += _norm(p + "post_attn_norm", m)
+    return specs + (_mlp_specs(m, p) if channel else [])
+
+
+def _gated_delta_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
+    """models/gated_delta.py's parameters (transformers' Qwen3_5GatedDeltaNet names) in
+    named_parameters' order (a module's own before its children's); replicated: TP does
+    not split them yet (config validation refuses tp > 1)."""
+    g = gated_delta_dims(m)
+    key, value, hv = (g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim,
+                      g.num_value_heads)
+    return [ParamSpec(p + "dt_bias", (hv,), None), ParamSpec(p + "A_log", (hv,), None),
+            ParamSpec(p + "in_proj_qkv.weight", (2 * key + value, m.d_model), None),
+            ParamSpec(p + "in_proj_z.weight", (value, m.d_model), None),
+            ParamSpec(p + "in_proj_b.weight", (hv, m.d_model), None),
+            ParamSpec(p + "in_proj_a.weight", (hv, m.d_model), None),
+            ParamSpec(p + "conv1d.weight", (2 * key + value, 1, g.conv_kernel), None),
+            ParamSpec(p + "norm.weight", (g.value_head_dim,), None),
+            ParamSpec(p + "out_proj.weight", (m.d_model, value), None)]
+
+
+def _mamba2_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
+    """models/mamba2.py's parameters (transformers' NemotronHMamba2Mixer names);
+    replicated, as above."""
+    d = mamba_dims(m)
+    width, conv = d.num_heads * d.head_dim, d.num_heads * d.head_dim + 2 * d.n_groups * \
+        d.state_size
+    specs = [ParamSpec(p + name, (d.num_heads,), None) for name in ("dt_bias", "A_log", "D")]
+    specs += _linear(p + "in_proj", m.d_model, width + conv + d.num_heads, None, m.bias)
+    specs.append(ParamSpec(p + "conv1d.weight", (conv, 1, d.conv_kernel), None))
+    if d.conv_bias:
+        specs.append(ParamSpec(p + "conv1d.bias", (conv,), None))
+    specs.append(ParamSpec(p + "norm.weight", (width,), None))
+    return specs + _linear(p + "out_proj", width, m.d_model, None, m.bias)
+
+
+def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
     d, hd, n_kv = m.d_model, head_dim(m), m.n_kv_heads or m.n_heads
-    ffn, p = resolved_ffn_hidden(m), f"layers.{i}."
     kv_split = "column" if n_kv % tp == 0 else "heads"
     qkv_bias = m.bias or m.attention_bias
-    specs = _norm(p + "attn_norm", m)
+    specs = []
     if m.attention_sinks:  # one logit per query head, split with the heads
         specs.append(ParamSpec(p + "attn.sinks", (m.n_heads,), "column"))
     specs += _linear(p + "attn.q_proj", d, m.n_heads * hd, "column", qkv_bias)
@@ -93,9 +145,12 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     specs += _linear(p + "attn.o_proj", m.n_heads * hd, d, "row", m.bias)
     if m.qk_norm:  # one (hd,) weight shared by every head: replicated over TP
         specs += _norm(p + "attn.q_norm", m, hd) + _norm(p + "attn.k_norm", m, hd)
-    if m.post_norms:
-        specs += _norm(p + "post_attn_norm", m)
-    specs += _norm(p + "mlp_norm", m)
+    return specs
+
+
+def _mlp_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
+    d, ffn = m.d_model, resolved_ffn_hidden(m)
+    specs = _norm(p + "mlp_norm", m)
     if m.mlp in GATED_MLPS:
         specs += _linear(p + "mlp.gate_proj", d, ffn, "column", m.bias)
     specs += _linear(p + "mlp.up_proj", d, ffn, "column", m.bias)

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Union
 from ..context_parallel.api import CP_COMMS
 from ..context_parallel.kernels import BACKENDS
 from ..context_parallel.layouts import LAYOUTS
+from ..context_parallel.linear.api import LINEAR_CP_STRATEGIES
 from ..context_parallel.ring import GRAD_DTYPES
 
 
@@ -64,9 +65,13 @@ class ModelConfig:
     tokens (causal inside it), on every layer when layer_types is unset, else on the
     'chunked_attention' layers."""
     layer_types: Optional[List[str]] = None
-    """Each layer's attention, transformers' names: 'full_attention', 'sliding_attention'
-    (model.sliding_window) or 'chunked_attention' (model.attention_chunk_size); e.g.
-    Gemma 3's five sliding layers per full one. Unset: every layer the same."""
+    """Each layer's kind (ctxpar/config/layers.py, transformers' names). Attention + MLP
+    blocks: 'full_attention', 'sliding_attention' (model.sliding_window),
+    'chunked_attention' (model.attention_chunk_size), 'linear_attention' (Gated DeltaNet in
+    place of attention, Qwen3-Next / Qwen3.5); e.g. Gemma 3's five sliding layers per full
+    one, Qwen3.5's three linear per full one. Nemotron-H's single-op blocks (norm, op,
+    residual): 'mamba' (Mamba2), 'attention' (full causal attention), 'mlp'. Unset: every
+    layer the same attention + MLP block."""
     layer_rope: Optional[Dict[str, Any]] = None
     """RoPE per layer type, overriding rope_theta/rope_scaling on that type's layers:
     {layer type: {rope_theta: ..., rope_scaling: ... or null}} (Gemma 3:
@@ -74,6 +79,42 @@ class ModelConfig:
     attention_sinks: bool = False
     """A learned sink logit per query head joins every softmax's denominator (gpt-oss):
     parameter layers.N.attn.sinks (n_heads,), split over tp by heads."""
+    linear_num_key_heads: Optional[int] = None
+    """Gated DeltaNet ('linear_attention' layers): query/key heads (None = n_heads)."""
+    linear_num_value_heads: Optional[int] = None
+    """Gated DeltaNet: value heads, a multiple of the key heads (None = the key heads);
+    value head h reads key head h // (value heads / key heads)."""
+    linear_key_head_dim: Optional[int] = None
+    """Gated DeltaNet: channels per query/key head (None = head_dim or d_model // n_heads)."""
+    linear_value_head_dim: Optional[int] = None
+    """Gated DeltaNet: channels per value head (None = linear_key_head_dim)."""
+    linear_conv_kernel_dim: Optional[int] = None
+    """Gated DeltaNet: taps of the depthwise causal conv over q|k|v (None = 4)."""
+    mamba_num_heads: Optional[int] = None
+    """Mamba2 ('mamba' layers): SSM heads (None = n_heads)."""
+    mamba_head_dim: Optional[int] = None
+    """Mamba2: channels per head; the mixer's width is mamba_num_heads * mamba_head_dim
+    (None = head_dim or d_model // n_heads)."""
+    ssm_state_size: Optional[int] = None
+    """Mamba2: state size N of each head (None = 128, Nemotron-H's)."""
+    n_groups: Optional[int] = None
+    """Mamba2: B/C groups (mamba_num_heads a multiple), also the gated norm's groups
+    (None = 1)."""
+    conv_kernel: Optional[int] = None
+    """Mamba2: taps of the depthwise causal conv over x|B|C (None = 4)."""
+    use_conv_bias: Optional[bool] = None
+    """Mamba2: a bias on that conv (None = true, Nemotron-H's); in_proj and out_proj take
+    model.bias."""
+    time_step_min: Optional[float] = None
+    """Mamba2: dt's lower clamp (Nemotron-H's mixer: dt_limit = (time_step_min, inf)) and
+    the low end of dt_bias' init (None = 0.001)."""
+    time_step_max: Optional[float] = None
+    """Mamba2: the high end of dt_bias' init (softplus^-1 of a log-uniform dt; None = 0.1)."""
+    time_step_floor: Optional[float] = None
+    """Mamba2: the init's dt floor (None = 1e-4)."""
+    linear_chunk_size: Optional[int] = None
+    """Tokens per chunk of the chunked Gated DeltaNet and SSD kernels (both; the result
+    does not depend on it, only the work's shape; None = 64)."""
     tie_embeddings: bool = True
     """Share the input embedding with the output head."""
     bias: bool = False
@@ -131,6 +172,13 @@ class ParallelConfig:
     ('flash_attn', 'flash_attn4', 'sdpa', 'math')."""
     pp_partition: str = "parameters"
     """Pipeline partitioning: 'parameters' or 'uniform'."""
+    linear_cp: str = "state"
+    """How the linear layers ('linear_attention', 'mamba') talk over CP
+    (ctxpar/context_parallel/linear/): 'state' (each rank's (M, E) summary of its state,
+    one fp32 all-gather: bytes independent of the sequence length; layouts contiguous and
+    zigzag) or 'heads' (all-to-all sequence <-> heads around the kernel, as Ulysses: bytes
+    proportional to the local sequence; any layout, heads divisible by cp). 'state' is the
+    default: its traffic does not grow with the context."""
 
 
 @dataclass
@@ -331,6 +379,7 @@ CHOICES = {  # each from the module that implements it, where ctxpar has one
     "parallel.ring_grad_dtype": tuple(GRAD_DTYPES),
     "parallel.attention_backend": ("auto", *BACKENDS),
     "parallel.pp_partition": ("parameters", "uniform"),
+    "parallel.linear_cp": LINEAR_CP_STRATEGIES,
     "data.kind": ("passkey", "tokens"),
     "activation_checkpointing.mode": CHECKPOINT_MODES,
     "logging.wandb.mode": ("offline", "online", "disabled"),

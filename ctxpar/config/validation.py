@@ -8,7 +8,8 @@ from typing import Any, Callable, Dict, Optional
 
 from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
-from .layers import check_layers
+from ..context_parallel.linear.api import check_linear_cp
+from .layers import check_layers, gated_delta_dims, has_linear_layers, mamba_dims, token_mixers
 from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config,
                        ConfigError, ModelConfig, ParallelConfig, resolved_ffn_hidden,
                        resolved_head_dim, ulysses_degree)
@@ -38,6 +39,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     _check_choices_and_ranges(cfg, err)
     _check_model(cfg.model, cfg.parallel, err)
     _check_cp_comm(cfg.parallel, cfg.model, err)
+    _check_linear_layers(cfg, training, err)
     _check_sequence(cfg.model, cfg.parallel, training, err)
     _check_grid_and_batch(cfg, world_size, err)
     _check_deepspeed(cfg, err)
@@ -139,6 +141,45 @@ def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err: Err) -> None:
         err(f"model.n_heads={m.n_heads} / parallel.tp={p.tp} = {heads} heads per TP rank is "
             f"not divisible by the Ulysses degree {u} (parallel.cp_comm={p.cp_comm!r}, "
             f"parallel.cp={p.cp}, parallel.ulysses={p.ulysses})")
+
+
+def _check_linear_layers(cfg: Config, training: bool, err: Err) -> None:
+    """The linear mixers ('linear_attention', 'mamba') against the run: the CP strategy's
+    rules (context_parallel.linear.check_linear_cp), and what is not built for them yet,
+    refused by key rather than run wrong."""
+    m, p = cfg.model, cfg.parallel
+    if not has_linear_layers(m):
+        return
+    mixers = token_mixers(m)
+    heads = []
+    if "gated_delta" in mixers:
+        heads.append(("model.linear_num_value_heads", gated_delta_dims(m).num_value_heads,
+                      gated_delta_dims(m).chunk_size))
+    if "mamba2" in mixers:
+        heads.append(("model.mamba_num_heads", mamba_dims(m).num_heads,
+                      mamba_dims(m).chunk_size))
+    for key, n, chunk in heads:
+        try:
+            check_linear_cp(p.linear_cp, p.layout, n, p.cp, chunk, key)
+        except ValueError as e:
+            err(f"parallel.linear_cp={p.linear_cp!r}, parallel.layout={p.layout!r}, "
+                f"parallel.cp={p.cp}: {str(e).replace('strategy=', 'parallel.linear_cp=')}")
+    linear = "model.layer_types has 'linear_attention' or 'mamba' layers"
+    unbuilt = [
+        (p.tp > 1, f"parallel.tp={p.tp}: the linear mixers are not split over TP yet"),
+        (p.pp > 1, f"parallel.pp={p.pp}: the pipeline stages build attention blocks only"),
+        (cfg.data.dynamic_cp, "data.dynamic_cp=true: dynamic CP regroups attention only"),
+        (p.cp_comm == "hybrid" and p.layout == "striped",
+         "parallel.cp_comm='hybrid' with parallel.layout='striped': its two-level layout "
+         "is not the linear mixers' striped layout"),
+        (not training, "generation (ctxpar/inference): the linear layers' recurrent and "
+                       "conv states are not cached yet"),
+        (bool(cfg.long_context_eval.tasks), f"long_context_eval.tasks="
+         f"{cfg.long_context_eval.tasks}: generation does not step the linear layers yet"),
+    ]
+    for refused, why in unbuilt:
+        if refused:
+            err(f"{linear}; not built with {why}")
 
 
 def _check_sequence(m: ModelConfig, p: ParallelConfig, training: bool, err: Err) -> None:

@@ -1,0 +1,122 @@
+"""Gated DeltaNet, the token mixer of 'linear_attention' layers (Qwen3.5, Qwen3-Next).
+
+As transformers' Qwen3_5GatedDeltaNet computes it, parameter for parameter (Qwen3.5's
+separate projections; Qwen3-Next's fused in_proj_qkvz / in_proj_ba hold the same rows
+grouped by key head, a permutation at import):
+
+    q|k|v = silu(causal_conv1d(in_proj_qkv x))         depthwise, K taps, no bias
+    g     = -exp(A_log) * softplus(in_proj_a x + dt_bias)   per value head, fp32
+    beta  = sigmoid(in_proj_b x)
+    o     = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)   GQA: key heads shared
+    y     = out_proj(rmsnorm(o) * w * silu(in_proj_z x))    the norm per value head
+
+The conv and the rule run over the model's CP group (ctxpar.context_parallel.linear: the
+conv's halo, state passing or heads, cu_seqlens restarting both at each document).
+Shapes per rank: (B, T/cp, ...); TP is refused at config load (not split yet).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ctxpar.config import ModelConfig
+from ctxpar.config.layers import gated_delta_dims
+from ctxpar.context_parallel import ContextParallel
+from ctxpar.context_parallel.linear import causal_conv1d_cp, gated_delta_rule_cp
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(x) * w * silu(z) over each value head's channels (transformers'
+    Qwen3_5RMSNormGated: the norm in fp32, w applied in x's dtype; w starts at ones,
+    whatever model.norm_offset)."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(z.float())).to(x.dtype)
+
+
+class DepthwiseConv(nn.Module):
+    """Holds transformers' nn.Conv1d parameters, (C, 1, K) weight and (C,) bias, under
+    the same names; the causal conv itself runs over CP (causal_conv1d_cp)."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(channels, device=device, dtype=dtype))
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor, cp: ContextParallel, cu_seqlens) -> torch.Tensor:
+        # (B, T/cp, C) -> silu(conv) (B, T/cp, C), the K - 1 tokens before from the ranks before
+        return causal_conv1d_cp(x, self.weight.squeeze(1), self.bias, activation="silu",
+                                cp_group=cp.cp_group, layout=cp.layout,
+                                cu_seqlens=cu_seqlens)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear attention over CP (module docstring). cp: the model's
+    ContextParallel (group and layout, shared with attention); strategy: parallel.linear_cp."""
+
+    def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
+                 device=None, dtype=None):
+        super().__init__()
+        dims = gated_delta_dims(cfg)
+        self.cp, self.strategy, self.dims = cp, strategy, dims
+        key_dim = dims.num_key_heads * dims.key_head_dim
+        value_dim = dims.num_value_heads * dims.value_head_dim
+        self.split = (key_dim, key_dim, value_dim)
+        lin = dict(bias=False, device=device, dtype=dtype)
+        d, hv = cfg.d_model, dims.num_value_heads
+        self.in_proj_qkv = nn.Linear(d, sum(self.split), **lin)
+        self.in_proj_z = nn.Linear(d, value_dim, **lin)
+        self.in_proj_b = nn.Linear(d, hv, **lin)
+        self.in_proj_a = nn.Linear(d, hv, **lin)
+        self.conv1d = DepthwiseConv(sum(self.split), dims.conv_kernel, False, device, dtype)
+        self.dt_bias = nn.Parameter(torch.empty(hv, device=device, dtype=dtype))
+        self.A_log = nn.Parameter(torch.empty(hv, device=device, dtype=dtype))
+        self.norm = GatedRMSNorm(dims.value_head_dim, cfg.norm_eps, device, dtype)
+        self.out_proj = nn.Linear(value_dim, d, **lin)
+
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """x (B, T/cp, d) normed hidden states -> (B, T/cp, d)."""
+        B, T = x.shape[:2]
+        dims = self.dims
+        mixed = self.conv1d(self.in_proj_qkv(x), self.cp, cu_seqlens)  # (B, T/cp, 2Hk Dk + Hv Dv)
+        q, k, v = mixed.split(self.split, dim=-1)
+        q = q.view(B, T, dims.num_key_heads, dims.key_head_dim)         # (B, T/cp, Hk, Dk)
+        k = k.view(B, T, dims.num_key_heads, dims.key_head_dim)
+        v = v.view(B, T, dims.num_value_heads, dims.value_head_dim)     # (B, T/cp, Hv, Dv)
+        beta = self.in_proj_b(x).sigmoid()                              # (B, T/cp, Hv)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        o, _ = gated_delta_rule_cp(q, k, v, g, beta, cp_group=self.cp.cp_group,
+                                   layout=self.cp.layout, strategy=self.strategy,
+                                   cu_seqlens=cu_seqlens, chunk_size=dims.chunk_size,
+                                   use_qk_l2norm_in_kernel=True)        # (B, T/cp, Hv, Dv)
+        z = self.in_proj_z(x).view(B, T, dims.num_value_heads, dims.value_head_dim)
+        return self.out_proj(self.norm(o, z).flatten(2))
+
+
+def init_gated_delta(name: str, shape, cfg: ModelConfig, gen: torch.Generator
+                     ) -> Optional[torch.Tensor]:
+    """The full tensor of a Gated DeltaNet parameter whose init is its own (None: the
+    model's rule, normal(0, init_std)): transformers' dt_bias ones and A = exp(A_log)
+    uniform in [0.01, 16]; the gated norm's w ones; the conv PyTorch's default for a
+    depthwise Conv1d, uniform(+-1/sqrt(K))."""
+    if name.endswith("linear_attn.dt_bias") or name.endswith("linear_attn.norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("linear_attn.A_log"):
+        return torch.empty(shape).uniform_(0.01, 16, generator=gen).log()
+    if name.endswith("linear_attn.conv1d.weight"):
+        bound = 1 / math.sqrt(shape[-1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+    return None

@@ -1,0 +1,111 @@
+"""Mamba2, the token mixer of 'mamba' layers (Nemotron-H's 'M' blocks).
+
+As transformers' NemotronHMamba2Mixer computes it on its torch path, parameter for
+parameter:
+
+    z | xBC | dt = in_proj x                          widths H P, H P + 2 G N, H
+    x | B | C    = silu(causal_conv1d(xBC))            depthwise, K taps, bias (use_conv_bias)
+    y            = ssd(x, clamp(softplus(dt + dt_bias), time_step_min), A = -exp(A_log),
+                       B, C) + D x                     per head, B/C shared in G groups
+    out          = out_proj(groupnorm_rms(y * silu(z)) * w)   RMS over each of G groups
+
+The conv and the SSD run over the model's CP group (ctxpar.context_parallel.linear: the
+conv's halo, state passing or heads, cu_seqlens restarting both at each document).
+Shapes per rank: (B, T/cp, ...); TP is refused at config load (not split yet).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ctxpar.config import ModelConfig
+from ctxpar.config.layers import mamba_dims
+from ctxpar.context_parallel import ContextParallel
+from ctxpar.context_parallel.linear import ssd_cp
+
+from .gated_delta import DepthwiseConv
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """w * rmsnorm_per_group(x * silu(z)) (transformers' NemotronHRMSNormGated: gate
+    first, in fp32, the RMS over each of n_groups equal slices; w starts at ones)."""
+
+    def __init__(self, dim: int, n_groups: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps, self.n_groups = eps, n_groups
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = (x.float() * F.silu(z.float())).unflatten(-1, (self.n_groups, -1))  # (..., G, HP/G)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.flatten(-2).to(x.dtype)
+
+
+class Mamba2(nn.Module):
+    """Nemotron-H's Mamba2 mixer over CP (module docstring). cp: the model's
+    ContextParallel (group and layout); strategy: parallel.linear_cp."""
+
+    def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
+                 device=None, dtype=None):
+        super().__init__()
+        dims = mamba_dims(cfg)
+        self.cp, self.strategy, self.dims = cp, strategy, dims
+        width, bc = dims.num_heads * dims.head_dim, dims.n_groups * dims.state_size
+        self.split = (width, width + 2 * bc, dims.num_heads)   # z | xBC | dt
+        self.xbc_split = (width, bc, bc)                       # x | B | C
+        self.in_proj = nn.Linear(cfg.d_model, sum(self.split), bias=cfg.bias,
+                                 device=device, dtype=dtype)
+        self.conv1d = DepthwiseConv(self.split[1], dims.conv_kernel, dims.conv_bias,
+                                    device, dtype)
+        per_head = dict(device=device, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.empty(dims.num_heads, **per_head))
+        self.A_log = nn.Parameter(torch.empty(dims.num_heads, **per_head))
+        self.D = nn.Parameter(torch.empty(dims.num_heads, **per_head))
+        self.norm = GroupedGatedRMSNorm(width, dims.n_groups, cfg.norm_eps, device, dtype)
+        self.out_proj = nn.Linear(width, cfg.d_model, bias=cfg.bias, device=device,
+                                  dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """x (B, T/cp, d) normed hidden states -> (B, T/cp, d)."""
+        B, T = x.shape[:2]
+        dims = self.dims
+        z, xbc, dt = self.in_proj(x).split(self.split, dim=-1)
+        xbc = self.conv1d(xbc, self.cp, cu_seqlens)                    # (B, T/cp, HP + 2GN)
+        xs, Bm, Cm = xbc.split(self.xbc_split, dim=-1)
+        y = ssd_cp(xs.view(B, T, dims.num_heads, dims.head_dim), dt,
+                   -torch.exp(self.A_log.float()),
+                   Bm.view(B, T, dims.n_groups, dims.state_size),
+                   Cm.view(B, T, dims.n_groups, dims.state_size),
+                   chunk_size=dims.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                   dt_softplus=True, dt_limit=(dims.time_step_min, math.inf),
+                   cp_group=self.cp.cp_group, layout=self.cp.layout,
+                   strategy=self.strategy, cu_seqlens=cu_seqlens)     # (B, T/cp, H, P)
+        return self.out_proj(self.norm(y.flatten(2), z).to(x.dtype))
+
+
+def init_mamba2(name: str, shape, cfg: ModelConfig, gen: torch.Generator
+                ) -> Optional[torch.Tensor]:
+    """The full tensor of a Mamba2 parameter whose init is its own (None: the model's
+    rule): transformers' NemotronH init, A_log = log(1..H), D ones, dt_bias softplus^-1 of
+    a log-uniform dt in [time_step_min, time_step_max] floored at time_step_floor; the
+    norm's w ones; the conv PyTorch's depthwise default, uniform(+-1/sqrt(K))."""
+    if ".mamba." not in name:
+        return None
+    dims = mamba_dims(cfg)
+    if name.endswith("mamba.A_log"):
+        return torch.arange(1, shape[0] + 1, dtype=torch.float32).log()
+    if name.endswith("mamba.D") or name.endswith("mamba.norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("mamba.dt_bias"):
+        lo, hi = math.log(dims.time_step_min), math.log(dims.time_step_max)
+        dt = (torch.rand(shape, generator=gen) * (hi - lo) + lo).exp()
+        dt = dt.clamp(min=dims.time_step_floor)
+        return dt + torch.log(-torch.expm1(-dt))                      # softplus^-1(dt)
+    if name.endswith("mamba.conv1d.weight") or name.endswith("mamba.conv1d.bias"):
+        bound = 1 / math.sqrt(dims.conv_kernel)
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+    return None

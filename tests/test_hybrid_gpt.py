@@ -1,0 +1,260 @@
+"""Hybrid GPTs: Gated DeltaNet (Qwen3.5's 'linear_attention') and Mamba2 (Nemotron-H's
+'mamba') layers beside attention, under CP.
+
+(1) Each mixer against transformers' own module on the same weights (one process, fp32:
+outputs and every parameter's gradient). (2) Two tiny hybrids, Qwen3.5's three linear
+layers per full-attention one and a Nemotron-H mamba/attention/mlp pattern, at cp2 and
+cp4 with parallel.linear_cp 'state' (contiguous, zigzag) and 'heads' (striped, zigzag),
+with and without packed documents crossing ranks, under each activation recompute: the
+loss and every gradient equal the single process's. One spawn per world size, the cases looped inside. (3) Each refusal's one line.
+"""
+import pickle
+
+import pytest
+import torch
+
+from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.testing import run_distributed
+from ctxpar.testing.linear import documents
+from models.gpt import GPT
+from models.loss import global_mean_loss, global_token_count, loss_for_backward
+from models.options import ModelGroups, ModelOptions
+
+N, BATCH, SEED = 48, 2, 5  # cp4 zigzag: 12 tokens a rank, two segments of 6
+SMALL = dict(vocab_size=64, seq_len=N, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=48,
+             tie_embeddings=False, linear_chunk_size=4)  # chunks of 4 split every segment
+CONFIGS = {
+    "qwen3.5": ModelConfig(n_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                           linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=8, linear_value_head_dim=6, **SMALL),
+    "nemotron-h": ModelConfig(n_layers=4, layer_types=["mamba", "attention", "mlp", "mamba"],
+                              mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=8,
+                              n_groups=2, time_step_min=0.01, **SMALL),
+}
+# fp32 throughout; CP reorders the sums (summaries composed across ranks, gradients summed
+# over CP), so values agree to ~1e-6 relative, as tests/test_gpt.py's layouts do.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def close(got, want, msg=""):
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=1e-5, msg=msg)
+
+
+# ------------------------------------------------------------ the mixers vs transformers
+
+def _compare_module(ours, theirs, x, cu=None):
+    """Same weights (names equal: a load is the import), same input: output and every
+    parameter's gradient."""
+    theirs.load_state_dict({n: p.detach().clone() for n, p in ours.named_parameters()})
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ours, y_theirs = ours(x1, cu), theirs(x2)
+    dy = torch.randn_like(y_theirs)
+    (y_ours * dy).sum().backward()
+    (y_theirs * dy).sum().backward()
+    close(y_ours, y_theirs, "output")
+    close(x1.grad, x2.grad, "input grad")
+    grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        close(p.grad, grads[name].grad, name)
+
+
+def _one_layer(name):
+    cfg = CONFIGS[name]
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    block = model.layers[0]
+    return cfg, (block.linear_attn if name == "qwen3.5" else block.mamba)
+
+
+@pytest.mark.quick
+def test_gated_delta_net_equals_transformers_qwen3_5():
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    cfg, ours = _one_layer("qwen3.5")
+    hf = Qwen3_5TextConfig(hidden_size=cfg.d_model, linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=8,
+                           linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                           rms_norm_eps=cfg.norm_eps, hidden_act="silu", num_hidden_layers=1,
+                           layer_types=["linear_attention"])
+    theirs = Qwen3_5GatedDeltaNet(hf, 0)
+    with torch.no_grad():  # away from init's ones: the norm's weight and dt_bias count
+        for p in (ours.norm.weight, ours.dt_bias):
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(2, 37, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    _compare_module(ours, theirs, x)  # 37: transformers pads to its chunk of 64, ours 4
+
+
+def test_mamba2_equals_transformers_nemotron_h():
+    from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    cfg, ours = _one_layer("nemotron-h")
+    hf = NemotronHConfig(hidden_size=cfg.d_model, mamba_num_heads=4, mamba_head_dim=6,
+                         ssm_state_size=8, n_groups=2, conv_kernel=4, use_conv_bias=True,
+                         chunk_size=16, time_step_min=0.01, use_bias=False,
+                         layer_norm_epsilon=cfg.norm_eps, layers_block_type=["mamba"])
+    theirs = NemotronHMamba2Mixer(hf, 0).eval()  # eval: its torch path, not the fused kernel
+    with torch.no_grad():
+        for p in (ours.norm.weight, ours.D, ours.conv1d.bias):
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(2, 37, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    _compare_module(ours, theirs, x)
+
+
+# ------------------------------------------------------------ hybrids over CP
+
+def _batch(cfg):
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, N), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, N), generator=g)
+    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
+    return tokens, labels
+
+
+def reference(cfg, cu):
+    """One process: token-mean loss and every gradient."""
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    tokens, labels = _batch(cfg)
+    loss = model(tokens, torch.arange(N), labels, cu_seqlens=cu) / (labels != -100).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _parity(rank, world, payload):
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from models.loss import deepspeed_style_reduce_
+
+    out = []
+    for name, cp, layout, strategy, cu, ckpt in pickle.loads(payload):
+        cfg = CONFIGS[name]
+        st = init_parallel_state(tp=1, cp=cp, dp=world // cp)
+        model = GPT(cfg, ModelGroups(cp_group=st.cp_group),
+                    ModelOptions(layout=layout, seed=SEED, linear_cp=strategy,
+                                 activation_checkpointing=ckpt))
+        tokens, labels = _batch(cfg)
+        tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
+        pos = sequence_positions(N, st.cp_group, layout)
+        n_tokens = global_token_count(lab, st.dp_cp_group)
+        loss_sum = model(tok, pos, lab, cu_seqlens=cu)
+        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
+        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        out.append(dict(loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
+                        grads={n: p.grad.clone() for n, p in model.named_parameters()}))
+    return out
+
+
+DOCS = documents(N)  # mid-rank starts, one-token documents, one spanning three cp4 ranks
+CASES = {  # world -> (config, cp, layout, parallel.linear_cp, cu_seqlens, recompute)
+    2: [("qwen3.5", 2, "zigzag", "state", None, "none"),
+        ("nemotron-h", 2, "zigzag", "state", None, "full"),  # the block replays its all-gather
+        ("qwen3.5", 2, "striped", "heads", None, "selective"),
+        ("nemotron-h", 2, "striped", "heads", DOCS, "none"),
+        ("qwen3.5", 2, "contiguous", "state", DOCS, "full")],
+    4: [("qwen3.5", 4, "zigzag", "state", DOCS, "none"),
+        ("nemotron-h", 4, "zigzag", "state", None, "selective"),
+        ("nemotron-h", 4, "contiguous", "state", DOCS, "none"),
+        ("qwen3.5", 4, "zigzag", "heads", DOCS, "none")],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_hybrid_gpt_over_cp_equals_one_process(world):
+    cases = CASES[world]
+    results = run_distributed(_parity, world, pickle.dumps(cases), timeout=240)
+    for case_index, (name, cp, layout, strategy, cu, ckpt) in enumerate(cases):
+        loss, grads = reference(CONFIGS[name], cu)
+        where = f"{name} cp{cp} {layout} {strategy} docs={cu is not None} {ckpt}"
+        for rank, per_case in enumerate(results):
+            got = per_case[case_index]
+            torch.testing.assert_close(got["loss"], loss, **TOL, msg=f"{where} rank {rank}")
+            for n, g in grads.items():
+                torch.testing.assert_close(got["grads"][n], g, **TOL,
+                                           msg=f"{where} rank {rank} grad {n}")
+
+
+def test_documents_change_the_linear_layers_gradients():
+    """The cases above hold a real document mask: without cu_seqlens the mixers' decay
+    gradients move by far more than TOL."""
+    for name, mixer in (("qwen3.5", "linear_attn"), ("nemotron-h", "mamba")):
+        with_docs, without = (reference(CONFIGS[name], cu)[1] for cu in (DOCS, None))
+        key = f"layers.0.{mixer}.A_log"
+        diff = (with_docs[key] - without[key]).abs().max() / without[key].abs().max()
+        assert diff > 1e-2, (name, float(diff))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_packed_documents_are_run_as_if_alone(name):
+    """One process: each document's logits in a packed sample equal the document's run
+    alone at the same positions (the mixers' state and conv window restart at its start;
+    the CP cases above hold the same model at every layout)."""
+    cfg = CONFIGS[name]
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    tokens = _batch(cfg)[0][:1]
+    cu = torch.tensor([0, 5, 6, 30, N], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(tokens, torch.arange(N), cu_seqlens=cu)       # (1, N, V)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            alone = model(tokens[:, a:b], torch.arange(a, b))
+            close(packed[:, a:b], alone, f"{name} document [{a}, {b})")
+
+
+# ------------------------------------------------------------ refusals, one line each
+
+QWEN = dict(n_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], seq_len=128)
+MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
+
+
+@pytest.mark.parametrize("model, parallel, extra, message", [
+    (dict(n_layers=2, layer_types=["linear_attention", "gated_delta"]), {}, {},
+     "model.layer_types: unknown type(s) ['gated_delta']"),
+    (dict(QWEN, linear_num_key_heads=2, linear_num_value_heads=6), {"cp": 4, "linear_cp": "heads"},
+     {},
+     "parallel.linear_cp='heads' needs model.linear_num_value_heads=6 divisible by cp_size=4"),
+    (dict(MAMBA, mamba_num_heads=6, n_groups=2), {"cp": 4, "linear_cp": "heads"}, {},
+     "needs model.mamba_num_heads=6 divisible by cp_size=4"),
+    (dict(QWEN), {"cp": 2, "layout": "striped"}, {},
+     "parallel.linear_cp='state' takes layouts ['contiguous', 'zigzag'], not layout='striped'"),
+    (dict(QWEN), {"linear_cp": "ring"}, {},
+     "parallel.linear_cp='ring' must be one of 'state', 'heads'"),
+    (dict(QWEN, linear_chunk_size=0), {}, {}, "model.linear_chunk_size=0 must be an integer >= 1"),
+    (dict(QWEN, mamba_num_heads=4), {}, {},
+     "model.mamba_num_heads=4 is set but no layer in model.layer_types is 'mamba'"),
+    (dict(MAMBA, linear_num_key_heads=4), {}, {},
+     "model.linear_num_key_heads=4 is set but no layer in model.layer_types is "
+     "'linear_attention'"),
+    (dict(n_layers=2, linear_chunk_size=32), {}, {}, "model.linear_chunk_size=32 is set but no"),
+    (dict(QWEN, linear_num_key_heads=4, linear_num_value_heads=6), {}, {},
+     "model.linear_num_value_heads=6 is not a multiple of model.linear_num_key_heads=4"),
+    (dict(MAMBA, mamba_num_heads=4, n_groups=3), {}, {},
+     "model.mamba_num_heads=4 is not divisible by model.n_groups=3"),
+    (dict(QWEN), {"tp": 2}, {}, "not built with parallel.tp=2"),
+    (dict(MAMBA), {"pp": 2}, {}, "not built with parallel.pp=2"),
+    (dict(QWEN), {}, {"data": {"dynamic_cp": True, "kind": "tokens", "path": "x"}},
+     "not built with data.dynamic_cp=true"),
+    (dict(QWEN), {"cp": 4, "cp_comm": "hybrid", "ulysses": 2, "layout": "striped",
+                  "linear_cp": "heads"}, {}, "not built with parallel.cp_comm='hybrid'"),
+    (dict(MAMBA), {}, {"long_context_eval": {"tasks": ["needle"]}},
+     "not built with long_context_eval.tasks=['needle']"),
+])
+def test_bad_hybrid_configs_fail_at_load_in_one_line(model, parallel, extra, message):
+    d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
+         "train": {"global_batch_size": 1}, **extra}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(d, check_paths=False)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_generation_refuses_linear_layers_at_load():
+    d = {"model": {"vocab_size": 256, **QWEN}, "parallel": {"dp": 1}}
+    with pytest.raises(ConfigError, match="not built with generation"):
+        config_from_dict(d, training=False)
+    config_from_dict(d)  # the same model trains
+
+
+def test_good_hybrid_configs_load():
+    config_from_dict({"model": {"vocab_size": 256, **QWEN},
+                      "parallel": {"cp": 2, "dp": 1, "linear_cp": "heads",
+                                   "layout": "striped"}})
+    config_from_dict({"model": {"vocab_size": 256, **MAMBA, "mamba_num_heads": 4},
+                      "parallel": {"cp": 4, "dp": 1, "layout": "zigzag"}})
