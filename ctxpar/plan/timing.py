@@ -45,6 +45,7 @@ which for MHA, bf16, c = 1, eff = 1 is the seed's C >= F/B (a slower kernel hide
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Dict, List
 
 from ..config import GATED_MLPS, Config
@@ -88,6 +89,7 @@ class StepTime:
         return f"{name} ({100 * t / self.total:.0f}%)"
 
 
+@lru_cache(maxsize=4096)  # pure in its five numbers; the search asks the same ones per candidate
 def rank_pairs(T: int, ranks: int, layout: str, sliding_window=None, chunk_size=None) -> int:
     """Causal (query, key) pairs of the busiest of `ranks` ring ranks (all its steps),
     under a sliding window and/or chunks when given: mask.visible_pairs of the positions
