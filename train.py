@@ -39,7 +39,7 @@ from ctxpar.config.run_dir import check_run_dir
 from ctxpar.data import DataError, build_data, load_tokenizer
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
 from ctxpar.distributed.parallel_state import (default_backend, init_distributed, launcher_env,
-                                               local_device)
+                                               local_device, shutdown_distributed)
 from ctxpar.memory import optimizer as optimizer_offload
 from ctxpar.plan.startup import print_prediction
 from models.gpt import GPT
@@ -229,8 +229,7 @@ def nothing_to_train(run: RunInputs, start_step: int, rank0: bool) -> int:
         print(f"nothing to train: {os.path.join(run.save_dir, run.resume_from.tag)} is at step "
               f"{start_step} of train.steps={run.cfg.train.steps} (--resume none or another "
               f"logging.run_dir starts over)", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 
@@ -295,6 +294,7 @@ def stop_non_finite(logger, step: int, loss: float, grad_norm, checkpointer) -> 
     logger.write(f"step {step}: non-finite loss {loss} / grad norm {grad_norm}; stopping "
                  f"without saving (last complete checkpoint: {checkpointer.latest()})")
     logger.close()
+    shutdown_distributed()  # every rank saw the same reduced loss and grad norm
     return EXIT_NON_FINITE
 
 
@@ -308,8 +308,7 @@ def finish(cfg, guard, logger, evaluator, step: int, loss: float, stopped: bool,
     elif rank0:
         print(f"done: {step} steps, final loss {loss:.4f}{evaluator.summary()}; metrics in "
               f"{os.path.join(cfg.logging.run_dir, 'metrics.jsonl')}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 

@@ -41,7 +41,8 @@ from ctxpar.context_parallel.layouts import gather_sequence
 from ctxpar.data import DataError, build_data
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
 from ctxpar.distributed.parallel_state import (default_backend, init_distributed, launcher_env,
-                                               local_device, resolve_sizes)
+                                               local_device, resolve_sizes,
+                                               shutdown_distributed)
 from ctxpar.tensor_parallel.mappings import gather_along
 from ctxpar.tensor_parallel.utils import gather_full_tensor
 from models.steps import training_steps
@@ -308,8 +309,7 @@ def main(argv=None) -> int:
     filter_known_warnings()  # DeepSpeed's deprecated torch calls, not the user's business
     launcher_env()  # RANK, WORLD_SIZE, LOCAL_RANK from torchrun/deepspeed or srun
     _, _, code = verify(args, int(os.environ["WORLD_SIZE"]))
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return code
 
 

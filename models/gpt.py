@@ -242,23 +242,26 @@ def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) ->
     such that the norm scales by 1 (ones, or zeros under model.norm_offset=1); zeros for
     biases.
     """
-    std, tp = cfg.init_std, tp_size_of(tp_group)
+    tp = tp_size_of(tp_group)
     for name, p in named_parameters:
         shape = full_shape(p, tp)
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = init_gated_delta(name, shape, cfg, g)  # the linear mixers' own rules first
-        full = init_mamba2(name, shape, cfg, g) if full is None else full
-        if full is not None:
-            pass
-        elif name.endswith("norm.weight"):
-            full = torch.full(shape, 1.0 - cfg.norm_offset)
-        elif name.endswith("bias"):
-            full = torch.zeros(shape)
-        else:
-            scale = std / math.sqrt(2 * cfg.n_layers) if name.endswith(
-                ("o_proj.weight", "down_proj.weight", "out_proj.weight")) else std
-            full = torch.empty(shape).normal_(0.0, scale, generator=g)
+        for rule in (init_gated_delta, init_mamba2, init_default):  # the mixers' own first
+            full = rule(name, shape, cfg, g)
+            if full is not None:
+                break
         p.copy_(shard_full_tensor(full, p, tp_group))
+
+
+def init_default(name: str, shape, cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
+    """Every parameter the linear mixers' rules leave: norm weights, biases, matrices."""
+    if name.endswith("norm.weight"):
+        return torch.full(shape, 1.0 - cfg.norm_offset)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    scale = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(
+        ("o_proj.weight", "down_proj.weight", "out_proj.weight")) else cfg.init_std
+    return torch.empty(shape).normal_(0.0, scale, generator=g)
 
 
 class Attention(nn.Module):
@@ -363,6 +366,10 @@ class MLP(nn.Module):
         return self.down_proj(h)  # (B, T/cp, d), all-reduced over TP
 
 
+# Each token mixer's submodule name (Hugging Face's: layers.N.attn / linear_attn / mamba).
+MIXER_MODULES = {"attention": "attn", "gated_delta": "linear_attn", "mamba2": "mamba"}
+
+
 class Block(nn.Module):
     """One layer, its two mixers chosen once from its type (config.layers.LAYER_MIXERS):
     x + mixer(norm(x)), then x + mlp(norm(x)); with model.post_norms
@@ -401,11 +408,15 @@ class Block(nn.Module):
                        tile_tokens=memory.mlp_tile_tokens if tiled else None) if channel else None
         self.post_mlp_norm = make_norm(cfg, device, dtype) if cfg.post_norms and channel else None
 
+    @property
+    def mixer(self) -> Optional[nn.Module]:
+        """The token mixer's module (attn, linear_attn or mamba); None in an MLP-only block."""
+        return getattr(self, MIXER_MODULES[self.token_mixer]) if self.token_mixer else None
+
     def use_cp(self, cp: ContextParallel) -> None:
         """Run the token mixer over another CP group (GPT.use_cp_group)."""
-        mixer = {"attention": "attn", "gated_delta": "linear_attn", "mamba2": "mamba"}
-        if self.token_mixer is not None:
-            getattr(self, mixer[self.token_mixer]).cp = cp
+        if self.mixer is not None:
+            self.mixer.cp = cp
 
     def _attn_in(self, x, cos, sin):
         return self.attn.qkv(self.attn_norm(x), cos, sin)
@@ -422,8 +433,7 @@ class Block(nn.Module):
 
     def _linear_mixer(self, x, cu_seqlens):
         """x + linear_attn / mamba (norm(x)), over CP with its documents."""
-        mixer = self.linear_attn if self.token_mixer == "gated_delta" else self.mamba
-        a = mixer(self.attn_norm(x), cu_seqlens)  # (B, T/cp, d)
+        a = self.mixer(self.attn_norm(x), cu_seqlens)  # (B, T/cp, d)
         return x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
