@@ -45,7 +45,7 @@ def cp2dp2(runs):
     d = str(runs / "cp2dp2")
     proc = run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.tp=1",
                             "checkpoint.save_interval=10", "train.eval_at_start=true",
-                            *LONG_CONTEXT])
+                            *LONG_CONTEXT], launcher="fresh")  # torchrun itself
     (runs / "cp2dp2.console").write_text(proc.stdout + proc.stderr)
     return d
 
@@ -253,7 +253,7 @@ def test_text_corpus_trains_and_evaluates_on_held_out_text(tmp_path):
     sets = ["parallel.cp=1", "parallel.dp=1", "data.kind=tokens", f"data.path={prefix}",
             "data.eval_fraction=0.1", "train.steps=10", "train.eval_interval=5",
             "logging.wandb.mode=disabled"]
-    proc = run_train(str(d), 1, sets)
+    proc = run_train(str(d), 1, sets, launcher="fresh")  # `python train.py` itself
     rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [5, 10] and "eval_accuracy" not in evals[0]

@@ -1,7 +1,8 @@
 """What the suite's spawned ranks would each import or probe, done once in run_distributed's
 forkserver (conftest.py preloads this module), then frozen out of the ranks' collections.
 
-- DeepSpeed, pytest, ctxpar and the GPT: imported by nearly every rank.
+- DeepSpeed, pytest, ctxpar and the GPT: imported by nearly every rank; train.py (as the
+  module ``train``): the ranks helpers/warm_launch.py forks run its main().
 - torch._dynamo and torch._inductor.compile_fx: a rank's first torch optimizer imports the
   first (torch.optim's ``_disable_dynamo`` wrapper), and deepspeed.initialize's optimizer
   check imports DeepSpeed's Muon module, whose ``torch.compile`` at import loads the second.
@@ -28,7 +29,8 @@ import ctxpar  # noqa: F401
 import models.gpt  # noqa: F401
 
 for name in ("torch._dynamo", "torch._inductor.compile_fx",
-             "deepspeed.runtime.zero.muon.muon_optimizer", "models.gpt_pipe"):
+             "deepspeed.runtime.zero.muon.muon_optimizer", "models.gpt_pipe",
+             "train"):
     try:
         importlib.import_module(name)
     except ImportError:

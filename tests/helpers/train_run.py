@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 from ctxpar.distributed.parallel_state import free_port
+from helpers.warm_launch import run_warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -21,13 +22,25 @@ BASE = ["model.seq_len=128", "train.steps=20", "train.warmup_steps=5", "train.ev
         "train.eval_samples=16", "logging.log_interval=1"]
 
 
-def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True, config=CONFIG):
+def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True, config=CONFIG,
+              launcher="warm"):
     """train.py with BASE + overrides writing to run_dir, on nproc processes; the
-    CompletedProcess (AssertionError with stderr's tail if it fails and check is set)."""
+    CompletedProcess (AssertionError with stderr's tail if it fails and check is set).
+
+    launcher "warm": ranks forked from the suite's preloaded forkserver with torchrun's
+    variables (helpers/warm_launch.py); "fresh": new interpreters as a user starts them,
+    torchrun (`python train.py` for one process)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": ROOT}
     env.pop("WANDB_MODE", None)  # the config decides (offline by default)
     sets = BASE + [f"logging.run_dir={run_dir}"] + list(overrides)
+    if launcher == "warm":
+        proc = run_warm("train.py", ["--config", config, "--set", *sets, *extra], nproc, env,
+                        timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"train.py exited {proc.returncode}\n{proc.stderr[-4000:]}")
+        return proc
+    assert launcher == "fresh", launcher
     for _ in range(3):  # a port free when chosen can be taken before torchrun binds it
         if nproc == 1:
             cmd = [sys.executable, os.path.join(ROOT, "train.py")]
