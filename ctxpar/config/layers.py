@@ -132,23 +132,41 @@ def layer_types(m: ModelConfig) -> List[str]:
     window or chunk fields imply)."""
     if m.layer_types is not None:
         return list(m.layer_types)
-    kind = ("sliding_attention" if m.sliding_window is not None else
+    return [uniform_layer_type(m)] * m.n_layers
+
+
+def uniform_layer_type(m: ModelConfig) -> str:
+    """Every layer's type when model.layer_types is unset: the one its window or chunk
+    fields imply."""
+    return ("sliding_attention" if m.sliding_window is not None else
             "chunked_attention" if m.attention_chunk_size is not None else "full_attention")
-    return [kind] * m.n_layers
+
+
+def first_layer_type(m: ModelConfig) -> str:
+    """layer_types(m)[0] without building the list (the planner asks per candidate)."""
+    return m.layer_types[0] if m.layer_types is not None else uniform_layer_type(m)
 
 
 def layer_attention(m: ModelConfig) -> List[LayerAttention]:
     """Every layer's attention (validated configs: config.validation checks the fields)."""
-    out = []
-    for kind in layer_types(m):
-        rope = (m.layer_rope or {}).get(kind, {})
-        out.append(LayerAttention(
-            kind,
-            m.sliding_window if kind == "sliding_attention" else None,
-            m.attention_chunk_size if kind == "chunked_attention" else None,
-            float(rope.get("rope_theta", m.rope_theta)),
-            rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling))
-    return out
+    key = (tuple(m.layer_types) if m.layer_types is not None else m.n_layers,
+           m.sliding_window, m.attention_chunk_size, m.rope_theta, repr(m.layer_rope),
+           repr(m.rope_scaling))
+    if key not in _LAYER_ATTENTION:  # once per model: the planner asks per candidate
+        out = []
+        for kind in layer_types(m):
+            rope = (m.layer_rope or {}).get(kind, {})
+            out.append(LayerAttention(
+                kind,
+                m.sliding_window if kind == "sliding_attention" else None,
+                m.attention_chunk_size if kind == "chunked_attention" else None,
+                float(rope.get("rope_theta", m.rope_theta)),
+                rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling))
+        _LAYER_ATTENTION[key] = tuple(out)
+    return list(_LAYER_ATTENTION[key])
+
+
+_LAYER_ATTENTION: dict = {}  # layer_attention's: the fields it reads -> every layer's
 
 
 def check_layers(m: ModelConfig, err) -> None:

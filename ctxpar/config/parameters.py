@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Iterable, List, Optional, Tuple
 
-from .layers import (GDN_FIELDS, LAYER_MIXERS, MAMBA_FIELDS, gated_delta_dims, layer_types,
-                     mamba_dims)
+from .layers import (GDN_FIELDS, LAYER_MIXERS, MAMBA_FIELDS, first_layer_type,
+                     gated_delta_dims, layer_types, mamba_dims)
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
 
@@ -76,10 +77,13 @@ def block_fields(m: ModelConfig) -> tuple:
     """The fields block_specs(m, 0) reads (a cache key: the planner's search asks per
     candidate, over configs that differ in seq_len and the like): block 0's mixers and the
     linear mixers' sizes among them."""
-    return (m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.mlp, m.norm, m.bias,
-            m.attention_sinks, m.attention_bias, m.qk_norm, m.head_dim, m.post_norms,
-            LAYER_MIXERS[layer_types(m)[0]],
-            *(getattr(m, key) for key in GDN_FIELDS + MAMBA_FIELDS[:6]))  # sizes, conv bias
+    return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)])
+
+
+# block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
+_BLOCK_FIELDS = attrgetter("d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
+                           "bias", "attention_sinks", "attention_bias", "qk_norm", "head_dim",
+                           "post_norms", *GDN_FIELDS, *MAMBA_FIELDS[:6])
 
 
 def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:

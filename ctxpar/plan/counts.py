@@ -65,24 +65,32 @@ def _block(m: ModelConfig, tp: int, *parts: str):
             if not parts or s.name[len("layers.0."):].startswith(parts)]
 
 
+def _block_numel(m: ModelConfig, tp: int, *parts: str) -> int:
+    """_numel of _block(m, tp, *parts), once per model, TP degree and parts."""
+    key = (block_fields(m), tp, parts)
+    if key not in _BLOCK_NUMEL:
+        _BLOCK_NUMEL[key] = _numel(_block(m, tp, *parts), tp)
+    return _BLOCK_NUMEL[key]
+
+
 _BLOCK_SPECS: dict = {}  # _block's: (block_fields, tp) -> block 0's specs
+_BLOCK_NUMEL: dict = {}  # _block_numel's: (block_fields, tp, parts) -> parameters
 
 
 def layer_params(m: ModelConfig, tp: int) -> int:
     """Parameters of one block on one TP rank: norms (replicated), q/o split by heads, k/v
     split (or the full kv heads replicated when Hkv < tp), MLP split by columns."""
-    return _numel(_block(m, tp), tp)
+    return _block_numel(m, tp)
 
 
 def qkv_params(m: ModelConfig, tp: int) -> int:
     """q, k, v projections and the attention's norm on a TP rank (a block's last grads)."""
-    return _numel(_block(m, tp, "attn_norm.", "attn.q_proj.", "attn.k_proj.", "attn.v_proj."),
-                  tp)
+    return _block_numel(m, tp, "attn_norm.", "attn.q_proj.", "attn.k_proj.", "attn.v_proj.")
 
 
 def down_proj_params(m: ModelConfig, tp: int) -> int:
     """The MLP's down projection on a TP rank (its gradient is a block's first)."""
-    return _numel(_block(m, tp, "mlp.down_proj."), tp)
+    return _block_numel(m, tp, "mlp.down_proj.")
 
 
 def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
@@ -393,7 +401,7 @@ def stage_layers(m: ModelConfig, pp: int, stage: int) -> int:
 def mlp_params(m: ModelConfig, tp: int) -> int:
     """The MLP's parameters on a TP rank: its up (and gate) and down projections with
     their biases."""
-    return _numel(_block(m, tp, "mlp."), tp)
+    return _block_numel(m, tp, "mlp.")
 
 
 def head_params(m: ModelConfig, tp: int) -> int:
