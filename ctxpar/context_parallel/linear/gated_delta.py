@@ -114,10 +114,14 @@ def gated_delta_fp32(q, k, v, g, beta, scale: float, initial_state: Optional[tor
     S = (torch.zeros(B, Hv, Dk, Dv, device=q.device) if initial_state is None
          else initial_state.float())
     outs = []
-    for i in range(N):  # the scan over chunks: only the state crosses
-        u = written[:, :, i] - reads[:, :, i] @ S                       # (B, H, C, Dv)
-        outs.append(q_in[:, :, i] @ S + intra[:, :, i] @ u)
-        S = S * carry[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ u
+    # The chunks as views through unbind, not x[:, :, i]: a slice's backward writes its
+    # gradient into a zero tensor of the whole input, once per chunk (quadratic in T);
+    # unbind's stacks the chunks' gradients once.
+    per_chunk = zip(*(x.unbind(2) for x in (written, reads, q_in, intra, carry, k_out)))
+    for w_i, r_i, q_i, a_i, c_i, k_i in per_chunk:  # the scan: only the state crosses
+        u = w_i - r_i @ S                                               # (B, H, C, Dv)
+        outs.append(q_i @ S + a_i @ u)
+        S = S * c_i + k_i.transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).view(B, Hv, N * C, Dv)[:, :, :T]
     return o.transpose(1, 2), S
 

@@ -75,10 +75,13 @@ def ssd_fp32(x, dt, A, B, C, D: Optional[torch.Tensor], initial_states: Optional
     h = (torch.zeros(b, H, P, N, device=x.device) if initial_states is None
          else initial_states.float())
     y_off = []
-    for c in range(nc):  # the scan over chunks: only the state crosses
-        y_off.append(torch.einsum("blhn,bhpn,bhl->blhp", C[:, c], h,
-                                  from_start_decay[:, :, c]))
-        h = h * carry[:, :, c] + chunk_states[:, c]
+    # The chunks through unbind (one gradient stack), not C[:, c] (a whole-size zero
+    # gradient per chunk: quadratic in T), as gated_delta.py's scan.
+    per_chunk = zip(C.unbind(1), from_start_decay.unbind(2), carry.unbind(2),
+                    chunk_states.unbind(1))
+    for C_c, start_c, carry_c, state_c in per_chunk:  # the scan: only the state crosses
+        y_off.append(torch.einsum("blhn,bhpn,bhl->blhp", C_c, h, start_c))
+        h = h * carry_c + state_c
     y = (y_diag + torch.stack(y_off, dim=1)).reshape(b, nc * L, H, P)[:, :T]
     if D is not None:
         y = y + x * D.float()[:, None]
