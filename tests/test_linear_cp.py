@@ -245,3 +245,26 @@ def test_check_linear_cp_accepts_what_the_ops_run():
             check_linear_cp(strategy, layout, num_heads=8, cp_size=4, chunk_size=64)
     with pytest.raises(ValueError, match="summary_bytes: strategy='state' takes layouts"):
         summary_bytes(1, 4, (8, 8), "striped", 4, "gated_delta")
+
+
+def test_the_linear_cp_benchmark_checks_its_layers_and_counts_state_bytes_independent_of_n(
+        tmp_path):
+    """tools/benchmarks/bench_linear_cp.py at a tiny n (the timing is docs/benchmarks.md's
+    business): both strategies give every rank the one-process output and input gradient
+    of a whole GDN and Mamba2 layer, state passing sends the same bytes at 256 and 512
+    tokens (the summaries, which it asserts itself, and the conv halo), heads twice as many."""
+    import json
+    from tools.benchmarks import bench_linear_cp
+
+    out = tmp_path / "bench.json"
+    bench_linear_cp.main(["--seq-len", "256", "512", "--world-size", "2", "--d-model", "32",
+                          "--heads", "2", "--head-dim", "8", "--iters", "1", "--warmup", "0",
+                          "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mixer"], r["n"]) for r in rows] == [
+        ("gated_delta", 256), ("gated_delta", 512), ("mamba2", 256), ("mamba2", 512)]
+    for small, large in (rows[:2], rows[2:]):
+        for r in (small, large):
+            assert r["max_diff"] < 1e-5, r
+        assert small["state_bytes"] == large["state_bytes"] >= small["summary_bytes"] > 0
+        assert 1.9 < large["heads_bytes"] / small["heads_bytes"] <= 2.0, (small, large)
