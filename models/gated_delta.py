@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from ctxpar.config import ModelConfig
 from ctxpar.config.layers import gated_delta_dims
 from ctxpar.context_parallel import ContextParallel
-from ctxpar.context_parallel.linear import causal_conv1d_cp, gated_delta_rule_cp
+from ctxpar.context_parallel.linear import (causal_conv1d_cp, conv_step, gated_delta_rule_cp,
+                                            gated_delta_step)
+from ctxpar.inference.linear_cache import LinearLayerCache
 
 
 class GatedRMSNorm(nn.Module):
@@ -56,8 +58,15 @@ class DepthwiseConv(nn.Module):
         self.bias = (nn.Parameter(torch.empty(channels, device=device, dtype=dtype))
                      if bias else None)
 
-    def forward(self, x: torch.Tensor, cp: ContextParallel, cu_seqlens) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cp: ContextParallel, cu_seqlens,
+                cache: Optional[LinearLayerCache] = None) -> torch.Tensor:
         # (B, T/cp, C) -> silu(conv) (B, T/cp, C), the K - 1 tokens before from the ranks before
+        if cache is not None and cache.mode == "decode":  # one token (B, 1, C), its window
+            out, cache.conv = conv_step(cache.conv, x[:, 0], self.weight.squeeze(1),
+                                        self.bias, "silu")
+            return out.to(x.dtype)[:, None]
+        if cache is not None:  # prefill: keep each row's last K - 1 inputs for decoding
+            cache.conv = cache.prefill_window(x, self.weight.shape[-1] - 1)
         return causal_conv1d_cp(x, self.weight.squeeze(1), self.bias, activation="silu",
                                 cp_group=cp.cp_group, layout=cp.layout,
                                 cu_seqlens=cu_seqlens)
@@ -87,21 +96,35 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(dims.value_head_dim, cfg.norm_eps, device, dtype)
         self.out_proj = nn.Linear(value_dim, d, **lin)
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
-        """x (B, T/cp, d) normed hidden states -> (B, T/cp, d)."""
+    def forward(self, x: torch.Tensor, cu_seqlens=None,
+                cache: Optional[LinearLayerCache] = None) -> torch.Tensor:
+        """x (B, T/cp, d) normed hidden states -> (B, T/cp, d). cache: generation's
+        (ctxpar/inference/linear_cache.py): prefill keeps the final state and the conv
+        window, decode (T = 1, the same token on every CP rank) steps them."""
         B, T = x.shape[:2]
         dims = self.dims
-        mixed = self.conv1d(self.in_proj_qkv(x), self.cp, cu_seqlens)  # (B, T/cp, 2Hk Dk + Hv Dv)
+        mixed = self.conv1d(self.in_proj_qkv(x), self.cp, cu_seqlens,
+                            cache)                                      # (B, T/cp, 2Hk Dk + Hv Dv)
         q, k, v = mixed.split(self.split, dim=-1)
         q = q.view(B, T, dims.num_key_heads, dims.key_head_dim)         # (B, T/cp, Hk, Dk)
         k = k.view(B, T, dims.num_key_heads, dims.key_head_dim)
         v = v.view(B, T, dims.num_value_heads, dims.value_head_dim)     # (B, T/cp, Hv, Dv)
         beta = self.in_proj_b(x).sigmoid()                              # (B, T/cp, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        o, _ = gated_delta_rule_cp(q, k, v, g, beta, cp_group=self.cp.cp_group,
-                                   layout=self.cp.layout, strategy=self.strategy,
-                                   cu_seqlens=cu_seqlens, chunk_size=dims.chunk_size,
-                                   use_qk_l2norm_in_kernel=True)        # (B, T/cp, Hv, Dv)
+        if cache is not None and cache.mode == "decode":
+            o, cache.state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                              cache.state, use_qk_l2norm_in_kernel=True)
+            o = o.to(q.dtype)[:, None]                                   # (B, 1, Hv, Dv)
+        else:
+            if cache is not None:  # prefill: a pad token writes nothing, decays nothing
+                beta, g = beta * cache.valid[..., None], g * cache.valid[..., None]
+            o, final = gated_delta_rule_cp(q, k, v, g, beta, cp_group=self.cp.cp_group,
+                                           layout=self.cp.layout, strategy=self.strategy,
+                                           cu_seqlens=cu_seqlens, chunk_size=dims.chunk_size,
+                                           output_final_state=cache is not None,
+                                           use_qk_l2norm_in_kernel=True)  # (B, T/cp, Hv, Dv)
+            if cache is not None:
+                cache.state = final  # every row's state after its last prompt token
         z = self.in_proj_z(x).view(B, T, dims.num_value_heads, dims.value_head_dim)
         return self.out_proj(self.norm(o, z).flatten(2))
 

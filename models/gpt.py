@@ -431,22 +431,21 @@ class Block(nn.Module):
         h = self.mlp(self.mlp_norm(x))
         return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
 
-    def _linear_mixer(self, x, cu_seqlens):
-        """x + linear_attn / mamba (norm(x)), over CP with its documents."""
-        a = self.mixer(self.attn_norm(x), cu_seqlens)  # (B, T/cp, d)
+    def _linear_mixer(self, x, cu_seqlens, cache=None):
+        """x + linear_attn / mamba (norm(x)), over CP with its documents; cache: its
+        LinearLayerCache in generation (ctxpar.inference)."""
+        a = self.mixer(self.attn_norm(x), cu_seqlens, cache)  # (B, T/cp, d)
         return x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache=None, cu_seqlens=None) -> torch.Tensor:
         """kv_cache: this layer's view of a KV cache (ctxpar.inference), inference only: it
-        keeps k, v and computes attention from the cache, given the training core to use.
+        keeps k, v and computes attention from the cache, given the training core to use
+        (a linear layer's: its LinearLayerCache, state and conv window).
         cu_seqlens: document boundaries (context_parallel/documents.py), training only."""
         if self.token_mixer != "attention":
-            if kv_cache is not None and self.token_mixer is not None:
-                raise NotImplementedError(f"GPT: generation through a {self.token_mixer} "
-                                          f"layer is not built (no recurrent state cache)")
             if self.token_mixer is not None:
-                x = self._linear_mixer(x, cu_seqlens)
+                x = self._linear_mixer(x, cu_seqlens, kv_cache)
             return self._mlp(x)
         if kv_cache is not None:
             q, k, v = self._attn_in(x, cos, sin)

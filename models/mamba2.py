@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from ctxpar.config import ModelConfig
 from ctxpar.config.layers import mamba_dims
 from ctxpar.context_parallel import ContextParallel
-from ctxpar.context_parallel.linear import ssd_cp
+from ctxpar.context_parallel.linear import discretize_dt, ssd_cp, ssd_step
+from ctxpar.inference.linear_cache import LinearLayerCache
 
 from .gated_delta import DepthwiseConv
 
@@ -69,21 +70,35 @@ class Mamba2(nn.Module):
         self.out_proj = nn.Linear(width, cfg.d_model, bias=cfg.bias, device=device,
                                   dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
-        """x (B, T/cp, d) normed hidden states -> (B, T/cp, d)."""
+    def forward(self, x: torch.Tensor, cu_seqlens=None,
+                cache: Optional[LinearLayerCache] = None) -> torch.Tensor:
+        """x (B, T/cp, d) normed hidden states -> (B, T/cp, d). cache: generation's
+        (ctxpar/inference/linear_cache.py): prefill keeps the final state and the conv
+        window, decode (T = 1, the same token on every CP rank) steps them."""
         B, T = x.shape[:2]
         dims = self.dims
         z, xbc, dt = self.in_proj(x).split(self.split, dim=-1)
-        xbc = self.conv1d(xbc, self.cp, cu_seqlens)                    # (B, T/cp, HP + 2GN)
+        xbc = self.conv1d(xbc, self.cp, cu_seqlens, cache)             # (B, T/cp, HP + 2GN)
         xs, Bm, Cm = xbc.split(self.xbc_split, dim=-1)
-        y = ssd_cp(xs.view(B, T, dims.num_heads, dims.head_dim), dt,
-                   -torch.exp(self.A_log.float()),
-                   Bm.view(B, T, dims.n_groups, dims.state_size),
-                   Cm.view(B, T, dims.n_groups, dims.state_size),
-                   chunk_size=dims.chunk_size, D=self.D, dt_bias=self.dt_bias,
-                   dt_softplus=True, dt_limit=(dims.time_step_min, math.inf),
-                   cp_group=self.cp.cp_group, layout=self.cp.layout,
-                   strategy=self.strategy, cu_seqlens=cu_seqlens)     # (B, T/cp, H, P)
+        xs = xs.view(B, T, dims.num_heads, dims.head_dim)
+        Bm = Bm.view(B, T, dims.n_groups, dims.state_size)
+        Cm = Cm.view(B, T, dims.n_groups, dims.state_size)
+        A, limit = -torch.exp(self.A_log.float()), (dims.time_step_min, math.inf)
+        if cache is not None and cache.mode == "decode":
+            dt = discretize_dt(dt[:, 0], self.dt_bias, True, limit)     # (B, H)
+            y, cache.state = ssd_step(xs[:, 0], dt, A, Bm[:, 0], Cm[:, 0], cache.state, self.D)
+            y = y.to(xs.dtype)[:, None]                                  # (B, 1, H, P)
+        else:
+            kw = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=limit)
+            if cache is not None:  # prefill: a pad token's dt is 0 (no write, no decay)
+                dt = discretize_dt(dt, self.dt_bias, True, limit) * cache.valid[..., None]
+                kw.update(dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf))
+            y = ssd_cp(xs, dt, A, Bm, Cm, chunk_size=dims.chunk_size,
+                       cp_group=self.cp.cp_group, layout=self.cp.layout,
+                       strategy=self.strategy, cu_seqlens=cu_seqlens,
+                       return_final_states=cache is not None, **kw)    # (B, T/cp, H, P)
+            if cache is not None:
+                y, cache.state = y  # every row's state after its last prompt token
         return self.out_proj(self.norm(y.flatten(2), z).to(x.dtype))
 
 

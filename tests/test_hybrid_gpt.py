@@ -234,8 +234,6 @@ MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
      "not built with data.dynamic_cp=true"),
     (dict(QWEN), {"cp": 4, "cp_comm": "hybrid", "ulysses": 2, "layout": "striped",
                   "linear_cp": "heads"}, {}, "not built with parallel.cp_comm='hybrid'"),
-    (dict(MAMBA), {}, {"long_context_eval": {"tasks": ["needle"]}},
-     "not built with long_context_eval.tasks=['needle']"),
 ])
 def test_bad_hybrid_configs_fail_at_load_in_one_line(model, parallel, extra, message):
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
@@ -245,14 +243,9 @@ def test_bad_hybrid_configs_fail_at_load_in_one_line(model, parallel, extra, mes
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_generation_refuses_linear_layers_at_load():
-    d = {"model": {"vocab_size": 256, **QWEN}, "parallel": {"dp": 1}}
-    with pytest.raises(ConfigError, match="not built with generation"):
-        config_from_dict(d, training=False)
-    config_from_dict(d)  # the same model trains
-
-
 def test_good_hybrid_configs_load():
+    config_from_dict({"model": {"vocab_size": 256, **QWEN}, "parallel": {"dp": 1}},
+                     training=False)  # generation (tests/test_hybrid_generation.py)
     config_from_dict({"model": {"vocab_size": 256, **QWEN},
                       "parallel": {"cp": 2, "dp": 1, "linear_cp": "heads",
                                    "layout": "striped"}})

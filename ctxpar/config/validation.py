@@ -39,7 +39,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     _check_choices_and_ranges(cfg, err)
     _check_model(cfg.model, cfg.parallel, err)
     _check_cp_comm(cfg.parallel, cfg.model, err)
-    _check_linear_layers(cfg, training, err)
+    _check_linear_layers(cfg, err)
     _check_sequence(cfg.model, cfg.parallel, training, err)
     _check_grid_and_batch(cfg, world_size, err)
     _check_deepspeed(cfg, err)
@@ -143,7 +143,7 @@ def _check_cp_comm(p: ParallelConfig, m: ModelConfig, err: Err) -> None:
             f"parallel.cp={p.cp}, parallel.ulysses={p.ulysses})")
 
 
-def _check_linear_layers(cfg: Config, training: bool, err: Err) -> None:
+def _check_linear_layers(cfg: Config, err: Err) -> None:
     """The linear mixers ('linear_attention', 'mamba') against the run: the CP strategy's
     rules (context_parallel.linear.check_linear_cp), and what is not built for them yet,
     refused by key rather than run wrong."""
@@ -172,10 +172,6 @@ def _check_linear_layers(cfg: Config, training: bool, err: Err) -> None:
         (p.cp_comm == "hybrid" and p.layout == "striped",
          "parallel.cp_comm='hybrid' with parallel.layout='striped': its two-level layout "
          "is not the linear mixers' striped layout"),
-        (not training, "generation (ctxpar/inference): the linear layers' recurrent and "
-                       "conv states are not cached yet"),
-        (bool(cfg.long_context_eval.tasks), f"long_context_eval.tasks="
-         f"{cfg.long_context_eval.tasks}: generation does not step the linear layers yet"),
     ]
     for refused, why in unbuilt:
         if refused:

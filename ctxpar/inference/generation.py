@@ -17,7 +17,9 @@ Prefill runs the model's own CP attention (the training ring, any layout) on the
 layout shard and keeps K,V in the cache; the first new token comes from the hidden state
 at each row's last prompt position, which one rank holds (summed over CP with zeros from
 the others: exact). A decode step runs the whole model on one token per row, replicated
-over CP (split over TP as in training); only attention is CP-sharded (decode.py).
+over CP (split over TP as in training); only attention is CP-sharded (decode.py). A
+hybrid model's Gated DeltaNet and Mamba2 layers prefill through their training CP op and
+then step recurrently from the state every rank holds (linear_cache.py).
 """
 from __future__ import annotations
 
@@ -122,7 +124,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     cache = KVCache.for_model(model, B, decode_capacity(t_pad, max_new_tokens - 1, cp),
                               cp_group)
     cache.begin_prefill(positions.unsqueeze(0) < lengths.unsqueeze(1),   # (B, T_pad/cp)
-                        positions)
+                        positions, lengths)
     x = model.hidden_states(shard_sequence(tokens, 1, cp_group, layout), positions,
                             kv_cache=cache)                               # (B, T_pad/cp, d)
     logits = full_logits(model, last_prompt_hidden(x, positions, lengths, cp_group), tp_group)

@@ -15,19 +15,24 @@ the valid slots its mask leaves by position; sinks join the merged row (sinks.py
 
 Memory per rank: 2 * n_layers * B * capacity * Hkv * D * bytes, with capacity =
 T_pad / cp + ceil(decode steps / cp): 1/cp of a single rank's cache (up to one slot).
+A hybrid model's Gated DeltaNet and Mamba2 layers keep no keys: each holds its recurrent
+state and conv window instead (linear_cache.py), replicated over CP, and an MLP-only
+block nothing; n_layers above counts its attention layers.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from ..config import softmax_scale
+from ..config.layers import layer_attention
 from ..config.parameters import head_dim, kv_heads_per_rank
 from ..tensor_parallel.mappings import tp_size_of
 from .cp_ops import AttentionMask, default_scale, finish_sinks, group_rank_and_size
 from .decode import DecodeStats, merge_partials, partial_attention
+from .linear_cache import LINEAR_MIXERS, LinearLayerCache
 
 
 def decode_capacity(prefill_len: int, decode_steps: int, cp: int) -> int:
@@ -39,10 +44,20 @@ class KVCache:
     """This CP rank's share of the cache of every layer, for one batch of sequences."""
 
     def __init__(self, n_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
-                 cp_group=None, dtype=torch.float32, device=None, scale=None):
+                 cp_group=None, dtype=torch.float32, device=None, scale=None,
+                 mixers: Optional[Sequence[Optional[str]]] = None):
+        """n_layers: the model's; mixers: each layer's token mixer (LayerAttention.
+        token_mixer; None: all attention): 'attention' layers get K,V slots, 'gated_delta'
+        and 'mamba2' a LinearLayerCache each, an MLP-only block (None) nothing."""
         self.cp_group = cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
-        shape = (n_layers, batch, kv_heads, capacity, head_dim)
+        mixers = ["attention"] * n_layers if mixers is None else list(mixers)
+        self.linear: Dict[int, LinearLayerCache] = {
+            i: LinearLayerCache(cp_group) for i, m in enumerate(mixers)
+            if m in LINEAR_MIXERS}
+        attention = [i for i, m in enumerate(mixers) if m == "attention"]
+        self.slot = {i: j for j, i in enumerate(attention)}  # layer -> its K,V index
+        shape = (len(attention), batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
@@ -61,29 +76,38 @@ class KVCache:
         m, p = model.cfg, next(model.parameters())
         return cls(m.n_layers, batch, capacity, kv_heads_per_rank(m, tp_size_of(model.tp_group)),
                    head_dim(m), cp_group, dtype=p.dtype, device=p.device,
-                   scale=softmax_scale(m))
+                   scale=softmax_scale(m),
+                   mixers=[a.token_mixer for a in layer_attention(m)])
 
     @property
     def capacity(self) -> int:
         return self.valid.shape[1]
 
     def nbytes(self) -> int:
-        """Bytes of this rank's cache (keys and values of every layer)."""
-        return self.k.numel() * self.k.element_size() * 2
+        """Bytes of this rank's cache (keys and values of the attention layers, the linear
+        layers' states and conv windows)."""
+        return self.k.numel() * self.k.element_size() * 2 + sum(
+            c.nbytes() for c in self.linear.values())
 
-    def begin_prefill(self, valid: torch.Tensor, positions: Optional[torch.Tensor] = None
-                      ) -> None:
+    def begin_prefill(self, valid: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                      lengths: Optional[torch.Tensor] = None) -> None:
         """The next forward is this rank's shard of the padded prompts; valid (B, T/cp) bool
         says which of its tokens are prompt (position < the row's length), not padding;
-        positions (T/cp,) or (B, T/cp) their global positions (for windows and chunks)."""
+        positions (T/cp,) or (B, T/cp) their global positions (for windows and chunks);
+        lengths (B,) the prompts' (linear layers: where their states and windows end)."""
         if any(self.filled):
             raise RuntimeError("KVCache: prefill into a cache that already holds tokens")
+        if self.linear and (positions is None or positions.dim() != 1 or lengths is None):
+            raise ValueError("KVCache: a model with linear layers needs begin_prefill("
+                             "valid, positions (T/cp,), lengths)")
         n = valid.shape[1]
         self.valid[:, :n] = valid
         if positions is not None:
             self.pos[:, :n] = positions
         self.filled = [n] * self.cp_size  # every rank holds T_pad / cp tokens
         self.mode = "prefill"
+        for c in self.linear.values():
+            c.mode, c.valid, c.positions, c.lengths = "prefill", valid, positions, lengths
 
     def begin_decode(self, positions: Optional[torch.Tensor] = None) -> int:
         """The next forward is one new token per row, at positions (B,) (for windows and
@@ -98,12 +122,18 @@ class KVCache:
                 self.pos[:, self.filled[owner]] = positions
         self.filled[owner] += 1
         self.mode, self.owner = "decode", owner
+        for c in self.linear.values():
+            c.mode = "decode"
         return owner
 
-    def layer(self, i: int) -> Callable:
+    def layer(self, i: int) -> Union[Callable, LinearLayerCache]:
         """Layer i's attention with the cache: what a CausalLM's block i calls as
-        kv_cache(q, k, v, core) in place of its CP attention (ctxpar.interfaces)."""
-        return lambda q, k, v, core, mask=None: self.attention(i, q, k, v, core, mask)
+        kv_cache(q, k, v, core) in place of its CP attention (ctxpar.interfaces); for a
+        linear layer its LinearLayerCache, which the layer reads and fills itself."""
+        if i in self.linear:
+            return self.linear[i]
+        return lambda q, k, v, core, mask=None: self.attention(self.slot[i], q, k, v, core,
+                                                               mask)
 
     def visible(self, n: int, mask: Optional[AttentionMask]) -> torch.Tensor:
         """(B, n) bool: the valid slots a decoded query sees under the layer's mask (every
@@ -123,7 +153,8 @@ class KVCache:
 
     def attention(self, i: int, q, k, v, core, mask: Optional[AttentionMask] = None
                   ) -> torch.Tensor:
-        """Keep layer i's k, v and return the attention output (B, L, H, D) in q's dtype.
+        """Keep k, v in K,V slot i (self.slot: the model's layer index when it has no
+        linear layers) and return the attention output (B, L, H, D) in q's dtype.
 
         prefill: q, k, v (B, T/cp, *, D) are this rank's tokens; `core` is the model's own
         CP attention (the training ring, any layout). decode: q, k, v (B, 1, *, D), the same

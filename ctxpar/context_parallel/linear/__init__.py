@@ -10,8 +10,9 @@ Their state, not the sequence, crosses ranks (or the heads do); one file per ide
                       (every layout), Ulysses' exchange with grouped heads replicated
     conv.py           the short causal conv1d with its halo of K - 1 tokens, document resets
     gated_delta.py    the chunked gated delta rule in torch (initial state, final state,
-                      seq_idx resets): the kernel interface, fp32
-    ssd.py            Mamba2's chunked SSD in torch, likewise
+                      seq_idx resets): the kernel interface, fp32; gated_delta_step, one
+                      token recurrently (decoding)
+    ssd.py            Mamba2's chunked SSD in torch, likewise; ssd_step
 
 The kernels are plain torch (CPU and GPU alike), checked against transformers' torch
 references (tests/test_linear_cp.py); a GPU kernel (flash-linear-attention's
@@ -21,12 +22,13 @@ out, seq_idx resets.
 """
 from .api import (LINEAR_CP_STRATEGIES, STRATEGIES, causal_conv1d_cp, check_linear_cp,
                   gated_delta_rule_cp, ssd_cp, summary_bytes)
-from .conv import causal_conv1d
-from .gated_delta import chunk_gated_delta_rule
-from .ssd import ssd_chunk_scan
+from .conv import causal_conv1d, conv_step
+from .gated_delta import chunk_gated_delta_rule, gated_delta_step
+from .ssd import discretize_dt, ssd_chunk_scan, ssd_step
 
 __all__ = [
     "LINEAR_CP_STRATEGIES", "STRATEGIES", "causal_conv1d", "causal_conv1d_cp",
-    "check_linear_cp", "chunk_gated_delta_rule", "gated_delta_rule_cp", "ssd_chunk_scan",
-    "ssd_cp", "summary_bytes",
+    "check_linear_cp", "chunk_gated_delta_rule", "conv_step", "discretize_dt",
+    "gated_delta_rule_cp", "gated_delta_step", "ssd_chunk_scan", "ssd_cp", "ssd_step",
+    "summary_bytes",
 ]

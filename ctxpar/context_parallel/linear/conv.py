@@ -136,6 +136,24 @@ def conv_rows(rows: torch.Tensor, index: torch.Tensor, mask: Optional[torch.Tens
     return F.silu(out) if activation in ("silu", "swish") else out
 
 
+def conv_step(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+              bias: Optional[torch.Tensor], activation: Optional[str]
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One decoded token through the causal conv: (out (B, C) fp32, the next window).
+
+    window (B, K-1, C): the conv inputs of the K-1 positions before x, oldest first (zeros
+    before position 0); x (B, C) the new position's input. The taps add in conv_rows'
+    order (the token itself first), so a step gives what the chunked conv gives there."""
+    K = weight.shape[1]
+    rows = torch.cat([window, x[:, None]], dim=1)                      # (B, K, C)
+    w = weight.float()
+    out = 0.0 if bias is None else bias.float()
+    for d in range(K):
+        out = out + rows[:, K - 1 - d].float() * w[:, K - 1 - d]
+    out = F.silu(out) if activation in ("silu", "swish") else out
+    return out, rows[:, 1:]
+
+
 def conv_over_group(x, weight, bias, activation, group, layout: str,
                     doc: Optional[torch.Tensor]) -> torch.Tensor:
     """This rank's conv output (B, S, C) in x's dtype; x (B, S, C) this rank's tokens,

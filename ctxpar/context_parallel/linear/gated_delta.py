@@ -126,6 +126,30 @@ def gated_delta_fp32(q, k, v, g, beta, scale: float, initial_state: Optional[tor
     return o.transpose(1, 2), S
 
 
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, scale: Optional[float] = None,
+                     use_qk_l2norm_in_kernel: bool = False
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule, recurrently (decoding): (o (B, Hv, Dv) fp32, the
+    next state (B, Hv, Dk, Dv) fp32).
+
+    q, k (B, Hk, Dk); v (B, Hv, Dv); g, beta (B, Hv); state (B, Hv, Dk, Dv) fp32:
+        S' = exp(g) S;  S_new = S' + beta k (v - S'^T k)^T;  o = S_new^T (scale q)
+    which is exp(g) (I - beta k k^T) S + beta k v^T, the chunked form's recurrence."""
+    Hk, Dk = k.shape[1:]
+    Hv = v.shape[1]
+    if Hk != Hv:
+        q, k = (x.repeat_interleave(Hv // Hk, dim=1) for x in (q, k))
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (Dk ** -0.5 if scale is None else scale)
+    S = state.float() * g.exp()[..., None, None]
+    delta = (v - (S * k[..., None]).sum(-2)) * beta[..., None]          # (B, Hv, Dv)
+    S = S + k[..., None] * delta[..., None, :]
+    return (S * q[..., None]).sum(-2), S
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            g: torch.Tensor, beta: torch.Tensor, *,
                            scale: Optional[float] = None,

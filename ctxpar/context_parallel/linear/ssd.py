@@ -88,6 +88,25 @@ def ssd_fp32(x, dt, A, B, C, D: Optional[torch.Tensor], initial_states: Optional
     return y, h
 
 
+def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, state: torch.Tensor, D: Optional[torch.Tensor] = None
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token of Mamba2's SSD, recurrently (decoding): (y (b, H, P) fp32, the next
+    state (b, H, P, N) fp32).
+
+    x (b, H, P); dt (b, H) already discretized (discretize_dt); A (H,); B, C (b, G, N),
+    H % G == 0; state (b, H, P, N):  h = exp(dt A) h + (dt x) B^T;  y = h C + D x."""
+    H, G = x.shape[1], B.shape[1]
+    B, C = (t.float().repeat_interleave(H // G, dim=1) for t in (B, C))  # (b, H, N)
+    x, dt = x.float(), dt.float()
+    h = state.float() * (dt * A.float()).exp()[..., None, None]
+    h = h + (x * dt[..., None])[..., None] * B[:, :, None, :]
+    y = (h * C[:, :, None, :]).sum(-1)
+    if D is not None:
+        y = y + x * D.float()[:, None]
+    return y, h
+
+
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                    C: torch.Tensor, chunk_size: int, D: Optional[torch.Tensor] = None,
                    dt_bias: Optional[torch.Tensor] = None,
