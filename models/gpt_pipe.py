@@ -40,7 +40,6 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, MemoryConfig, ModelConfig, layer_attention
-from ctxpar.config.layers import ATTENTION_TYPES
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
@@ -91,13 +90,10 @@ class BlockPipe(Block):
     def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, cp: ContextParallel,
                  backend: str, activation_checkpointing: str, every_n_layers: int,
                  device=None, dtype=None, memory: Optional[MemoryConfig] = None,
-                 offload: Optional[ActivationOffload] = None):
+                 offload: Optional[ActivationOffload] = None, linear_cp: str = "state"):
         layer = layer_attention(cfg)[layer_number]  # its kind, window, chunks, RoPE
-        if layer.kind not in ATTENTION_TYPES:  # config validation refuses pp > 1 for them
-            raise ValueError(f"GPTPipe: layer {layer_number} is {layer.kind!r}; the pipeline "
-                             f"stages build attention + MLP blocks only ({ATTENTION_TYPES})")
         super().__init__(cfg, tp_group, cp, backend, activation_checkpointing == "selective",
-                         device, dtype, memory, layer)
+                         device, dtype, memory, layer, linear_cp)
         self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)
         self.gpt_prefix = f"layers.{layer_number}."
         self.rope_theta, self.rope_scaling = layer.rope_theta, layer.rope_scaling
@@ -106,8 +102,10 @@ class BlockPipe(Block):
 
     def forward(self, inputs):
         x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)]
-        cos, sin = rotary_cos_sin(positions, self.attn.head_dim, self.rope_theta,
-                                  self.rope_scaling)  # (..., T/cp, hd/2)
+        cos = sin = None  # RoPE for attention blocks only (linear mixers and MLPs have none)
+        if self.token_mixer == "attention":
+            cos, sin = rotary_cos_sin(positions, self.attn.head_dim, self.rope_theta,
+                                      self.rope_scaling)  # (..., T/cp, hd/2)
         cu = unpack_cu_seqlens(docs[0]) if docs else None
         block = partial(Block.forward, self, cu_seqlens=cu)
         if self.recompute:  # keep only x (and cos, sin); replay the block in backward
@@ -212,7 +210,7 @@ class GPTPipe(PipelineModule):
         offload = ActivationOffload() if memory and memory.offload_activations else None
         blocks = [LayerSpec(BlockPipe, cfg, i, tp, cp, attention_backend,
                             activation_checkpointing, every_n_layers, memory=memory,
-                            offload=offload, **kw)
+                            offload=offload, linear_cp=o.linear_cp, **kw)
                   for i in range(cfg.n_layers)]
         loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps, memory)
         # no_grad: DeepSpeed broadcasts the tied weights in place while building; with grad

@@ -229,7 +229,6 @@ MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
     (dict(MAMBA, mamba_num_heads=4, n_groups=3), {}, {},
      "model.mamba_num_heads=4 is not divisible by model.n_groups=3"),
     (dict(QWEN), {"tp": 2}, {}, "not built with parallel.tp=2"),
-    (dict(MAMBA), {"pp": 2}, {}, "not built with parallel.pp=2"),
     (dict(QWEN), {}, {"data": {"dynamic_cp": True, "kind": "tokens", "path": "x"}},
      "not built with data.dynamic_cp=true"),
     (dict(QWEN), {"cp": 4, "cp_comm": "hybrid", "ulysses": 2, "layout": "striped",

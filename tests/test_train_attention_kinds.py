@@ -54,7 +54,13 @@ def hybrid_reference(tmp_path_factory):
     return d
 
 
-def test_hybrid_linear_layers_log_cp1s_losses(hybrid_reference, tmp_path):
-    d = str(tmp_path / "cp2")
-    run_train(d, 2, ["parallel.cp=2", "parallel.dp=1", "parallel.linear_cp=state", *HYBRID])
+@pytest.mark.parametrize("nproc,sets", [
+    (2, ["parallel.cp=2", "parallel.linear_cp=state"]),
+    (4, ["parallel.cp=4", "parallel.layout=zigzag", "parallel.linear_cp=state"]),
+    (2, ["parallel.cp=2", "parallel.linear_cp=heads", "parallel.cp_comm=ulysses"]),
+    (4, ["parallel.cp=2", "parallel.pp=2", "parallel.linear_cp=state"]),
+], ids=["cp2-state", "cp4-zigzag-state", "cp2-heads-ulysses", "cp2-pp2-state"])
+def test_hybrid_linear_layers_log_cp1s_losses(hybrid_reference, tmp_path, nproc, sets):
+    d = str(tmp_path / "cp")
+    run_train(d, nproc, ["parallel.dp=1", *sets, *HYBRID])
     assert_same_run(d, hybrid_reference, 6)

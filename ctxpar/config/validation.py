@@ -167,7 +167,6 @@ def _check_linear_layers(cfg: Config, err: Err) -> None:
     linear = "model.layer_types has 'linear_attention' or 'mamba' layers"
     unbuilt = [
         (p.tp > 1, f"parallel.tp={p.tp}: the linear mixers are not split over TP yet"),
-        (p.pp > 1, f"parallel.pp={p.pp}: the pipeline stages build attention blocks only"),
         (cfg.data.dynamic_cp, "data.dynamic_cp=true: dynamic CP regroups attention only"),
         (p.cp_comm == "hybrid" and p.layout == "striped",
          "parallel.cp_comm='hybrid' with parallel.layout='striped': its two-level layout "
