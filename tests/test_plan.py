@@ -630,6 +630,26 @@ def test_startup_line_and_its_two_warnings():
     assert warns == []
 
 
+def test_hybrid_models_get_no_prediction_rather_than_an_attention_ones():
+    """The counts describe attention and MLP blocks only: a model with Gated DeltaNet or
+    Mamba2 layers gets one PlanError line from every entry (train.py's start line warns
+    it instead; python -m ctxpar.plan exits 2 with it), never a prediction that counts
+    its linear layers as attention."""
+    from ctxpar.plan.cluster import GPUS, Cluster, PlanError
+    from ctxpar.plan.longest import search_longest
+    from ctxpar.plan.search import search
+    from ctxpar.plan.startup import startup_report
+
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), [
+        "model.n_layers=2", "model.layer_types=[mamba,full_attention]"], check_paths=False)
+    cluster = Cluster(1, 4, GPUS["h100"])
+    for run in (lambda: startup_report(cfg, GPUS["h100"], "h100 preset", 1, 4),
+                lambda: search(cfg, cluster), lambda: search_longest(cfg, cluster)):
+        with pytest.raises(PlanError, match=r"model.layer_types has \['mamba'\] layers: the "
+                                            r"planner does not count"):
+            run()
+
+
 # ------------------------------------------------------------------ tools/plot_runs.py
 
 

@@ -62,5 +62,7 @@ def hybrid_reference(tmp_path_factory):
 ], ids=["cp2-state", "cp4-zigzag-state", "cp2-heads-ulysses", "cp2-pp2-state"])
 def test_hybrid_linear_layers_log_cp1s_losses(hybrid_reference, tmp_path, nproc, sets):
     d = str(tmp_path / "cp")
-    run_train(d, nproc, ["parallel.dp=1", *sets, *HYBRID])
+    proc = run_train(d, nproc, ["parallel.dp=1", *sets, *HYBRID])
     assert_same_run(d, hybrid_reference, 6)
+    assert "plan: no prediction for this layout (PlanError: model.layer_types has" in \
+        proc.stderr, proc.stderr[-2000:]  # no attention-only forecast of a hybrid

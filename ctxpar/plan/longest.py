@@ -28,7 +28,7 @@ from ..context_parallel.layouts import num_chunks
 from .candidate import Candidate, apply_candidate
 from .cluster import Cluster, PlanError
 from .memory import Memory, ds_zero, memory
-from .search import _cp_patterns, divisors, fits, is_bf16
+from .search import _cp_patterns, check_modelled, divisors, fits, is_bf16
 
 MAX_SEQ = 1 << 40  # the bisection's ceiling (tokens)
 
@@ -162,6 +162,7 @@ def search_longest(cfg: Config, cluster: Cluster,
                    allowed: Allowed = Allowed()) -> List[Tuple[int, Candidate, Memory]]:
     """(seq_len, layout, memory) of every candidate that fits at some length, longest
     first (ties: the least device memory)."""
+    check_modelled(cfg)
     cands = candidates(cfg, cluster, allowed)
     if not cands:
         raise PlanError(f"no layout of {cluster.world} GPUs ({cluster.nodes} x "
