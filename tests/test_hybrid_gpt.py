@@ -229,8 +229,9 @@ MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
     (dict(MAMBA, mamba_num_heads=4, n_groups=3), {}, {},
      "model.mamba_num_heads=4 is not divisible by model.n_groups=3"),
     (dict(QWEN), {"tp": 2}, {}, "not built with parallel.tp=2"),
-    (dict(QWEN), {}, {"data": {"dynamic_cp": True, "kind": "tokens", "path": "x"}},
-     "not built with data.dynamic_cp=true"),
+    (dict(QWEN), {"linear_cp": "heads"},
+     {"data": {"dynamic_cp": True, "kind": "tokens", "path": "x"}},
+     "not built with data.dynamic_cp=true and parallel.linear_cp='heads'"),
     (dict(QWEN), {"cp": 4, "cp_comm": "hybrid", "ulysses": 2, "layout": "striped",
                   "linear_cp": "heads"}, {}, "not built with parallel.cp_comm='hybrid'"),
 ])

@@ -167,7 +167,9 @@ def _check_linear_layers(cfg: Config, err: Err) -> None:
     linear = "model.layer_types has 'linear_attention' or 'mamba' layers"
     unbuilt = [
         (p.tp > 1, f"parallel.tp={p.tp}: the linear mixers are not split over TP yet"),
-        (cfg.data.dynamic_cp, "data.dynamic_cp=true: dynamic CP regroups attention only"),
+        (cfg.data.dynamic_cp and p.linear_cp == "heads",
+         "data.dynamic_cp=true and parallel.linear_cp='heads': dynamic CP's pack sizes "
+         "(1 to the DP x CP ranks) need not divide the linear heads; 'state' takes any"),
         (p.cp_comm == "hybrid" and p.layout == "striped",
          "parallel.cp_comm='hybrid' with parallel.layout='striped': its two-level layout "
          "is not the linear mixers' striped layout"),
