@@ -14,26 +14,17 @@ import pickle
 import pytest
 import torch
 
-from ctxpar.config import ModelConfig
 from ctxpar.context_parallel.linear import (causal_conv1d, chunk_gated_delta_rule,
                                             conv_step, gated_delta_step, ssd_chunk_scan,
                                             ssd_step)
 from ctxpar.inference import generate
 from ctxpar.testing import run_distributed
 from ctxpar.testing.generation import reference_generate
+from ctxpar.testing.linear import HYBRID_CONFIGS
 from models.gpt import GPT
 from models.options import ModelGroups, ModelOptions
 
-SMALL = dict(vocab_size=64, seq_len=48, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=48,
-             tie_embeddings=False, linear_chunk_size=4)
-CONFIGS = {
-    "qwen3.5": ModelConfig(n_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                           linear_num_key_heads=2, linear_num_value_heads=4,
-                           linear_key_head_dim=8, linear_value_head_dim=6, **SMALL),
-    "nemotron-h": ModelConfig(n_layers=4, layer_types=["mamba", "attention", "mlp", "mamba"],
-                              mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=8,
-                              n_groups=2, time_step_min=0.01, **SMALL),
-}
+CONFIGS = HYBRID_CONFIGS  # Qwen3.5's and Nemotron-H's patterns
 SEED = 3
 # 5 and 10 tokens: padded to 12 at cp 2 zigzag and cp 3, so every rank holds pad tokens of
 # the short row, and the long row's last prompt token sits on a middle rank at cp 3

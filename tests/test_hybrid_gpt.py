@@ -13,24 +13,15 @@ import pickle
 import pytest
 import torch
 
-from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.config import ConfigError, config_from_dict
 from ctxpar.testing import run_distributed
-from ctxpar.testing.linear import documents
+from ctxpar.testing.linear import HYBRID_CONFIGS, documents
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 from models.options import ModelGroups, ModelOptions
 
 N, BATCH, SEED = 48, 2, 5  # cp4 zigzag: 12 tokens a rank, two segments of 6
-SMALL = dict(vocab_size=64, seq_len=N, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=48,
-             tie_embeddings=False, linear_chunk_size=4)  # chunks of 4 split every segment
-CONFIGS = {
-    "qwen3.5": ModelConfig(n_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                           linear_num_key_heads=2, linear_num_value_heads=4,
-                           linear_key_head_dim=8, linear_value_head_dim=6, **SMALL),
-    "nemotron-h": ModelConfig(n_layers=4, layer_types=["mamba", "attention", "mlp", "mamba"],
-                              mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=8,
-                              n_groups=2, time_step_min=0.01, **SMALL),
-}
+CONFIGS = HYBRID_CONFIGS  # Qwen3.5's and Nemotron-H's patterns, model.seq_len N
 # fp32 throughout; CP reorders the sums (summaries composed across ranks, gradients summed
 # over CP), so values agree to ~1e-6 relative, as tests/test_gpt.py's layouts do.
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -4,6 +4,7 @@
     got = run_case("gdn", leaves, dims, group, layout=..., strategy=..., cu_seqlens=cu)
     want = run_case("gdn", leaves, dims, LOCAL)            # one process, the whole sequence
     assert not mismatches(got_per_rank, want, layout, dtype)
+    model_cfg = HYBRID_CONFIGS["qwen3.5"]                  # a tiny hybrid GPT's model section
 
 A chain is the mixer's core as a model runs it: the short conv (with its halo) over the
 projected channels, the split into the mixer's inputs, the gates, the CP op; Qwen3-Next's
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ctxpar.config import ModelConfig
 from ctxpar.context_parallel.layouts import rank_positions, shard_sequence
 from ctxpar.context_parallel.comm import group_rank_and_size
 from ctxpar.context_parallel.linear import causal_conv1d_cp, gated_delta_rule_cp, ssd_cp
@@ -25,6 +27,21 @@ from ctxpar.context_parallel.linear import causal_conv1d_cp, gated_delta_rule_cp
 BATCH, CONV_KERNEL, CHUNK = 2, 4, 8
 SEQUENCE = {"mixed", "a", "b", "xBC", "dt", "dout"}  # per-token leaves; the rest replicated
 INTERMEDIATES = {"gdn": ("q", "k", "v", "g", "beta"), "ssd": ("x", "B", "C")}
+
+
+# Two tiny hybrid GPTs over 48 tokens (cp4 zigzag: 12 a rank, segments of 6; kernel chunks
+# of 4 split every segment): Qwen3.5's three Gated DeltaNet layers per full-attention one,
+# and a Nemotron-H pattern of mamba, attention and mlp blocks.
+_SMALL = dict(vocab_size=64, seq_len=48, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=48,
+              tie_embeddings=False, linear_chunk_size=4)
+HYBRID_CONFIGS = {
+    "qwen3.5": ModelConfig(n_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                           linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=8, linear_value_head_dim=6, **_SMALL),
+    "nemotron-h": ModelConfig(n_layers=4, layer_types=["mamba", "attention", "mlp", "mamba"],
+                              mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=8,
+                              n_groups=2, time_step_min=0.01, **_SMALL),
+}
 
 
 def documents(n: int):
