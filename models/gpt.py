@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import (CHECKPOINT_MODES, GATED_MLPS, Config, MemoryConfig, ModelConfig,
-                           resolved_ffn_hidden, resolved_head_dim, softmax_scale)
+                           resolved_ffn_hidden, resolved_head_dim, rotary_dim,
+                           softmax_scale)
 from ctxpar.tensor_parallel import (
     ColumnParallelLinear,
     ReplicatedHeadLinear,
@@ -210,10 +211,14 @@ def layer_rotary(positions: torch.Tensor, head_dim: int, layers):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + hd/2) by the angle (GPT-NeoX/Llama 'rotate half')."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T/cp, h, hd/2) each
+    """Rotate channel pairs (i, i + r/2) of the first r = 2 cos.shape[-1] channels of each
+    head by the angle (GPT-NeoX/Llama 'rotate half'; r < hd: model.partial_rotary_factor,
+    the rest unrotated)."""
+    r = 2 * cos.shape[-1]
+    x1, x2 = x[..., :r].float().chunk(2, dim=-1)  # (B, T/cp, h, r/2) each
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+    turned = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+    return turned if r == x.shape[-1] else torch.cat([turned, x[..., r:]], dim=-1)
 
 
 def embed_tokens(embed: nn.Module, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -293,7 +298,10 @@ class Attention(nn.Module):
         lin = dict(tp_group=tp_group, bias=cfg.bias or cfg.attention_bias, device=device,
                    dtype=dtype)
         d, hd = cfg.d_model, self.head_dim
-        self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd, copy_input=False, **lin)
+        self.gated = cfg.attention_output_gate  # q_proj's rows per head: [q | gate]
+        self.rotary_dim = rotary_dim(cfg)
+        self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd * (2 if self.gated else 1),
+                                           copy_input=False, **lin)
         if n_kv % tp == 0:
             self.k_proj = ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)
             self.v_proj = ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)
@@ -307,14 +315,27 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, **head_norm) if cfg.qk_norm else None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q, k, v, gate): gate (B, T/cp, nh/tp * hd) under model.attention_output_gate,
+        else None."""
         B, T = x.shape[:2]  # T here is T/cp
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f once for q, k, v
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T/cp, nh/tp, hd)
+        q, gate = self.q_proj(x), None
+        if self.gated:  # (B, T/cp, nh/tp, 2 hd): each head's query, then its gate
+            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, self.n_heads * self.head_dim)
+        q = q.reshape(B, T, self.n_heads, self.head_dim)  # (B, T/cp, nh/tp, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T/cp, nkv/tp, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # over each head's hd channels
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+
+    def out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        """o (B, T/cp, nh/tp, hd) -> o_proj(o * sigmoid(gate)) (B, T/cp, d)."""
+        o = o.flatten(2)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
 
     def mask(self, cu_seqlens=None) -> AttentionMask:
         """What this layer's queries see: causal by the layout's global positions, inside
@@ -421,8 +442,8 @@ class Block(nn.Module):
     def _attn_in(self, x, cos, sin):
         return self.attn.qkv(self.attn_norm(x), cos, sin)
 
-    def _attn_out_mlp(self, x, o):
-        a = self.attn.o_proj(o.flatten(2))  # (B, T/cp, d)
+    def _attn_out_mlp(self, x, o, gate=None):
+        a = self.attn.out(o, gate)  # (B, T/cp, d)
         return self._mlp(x + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
 
     def _mlp(self, x):
@@ -448,15 +469,15 @@ class Block(nn.Module):
                 x = self._linear_mixer(x, cu_seqlens, kv_cache)
             return self._mlp(x)
         if kv_cache is not None:
-            q, k, v = self._attn_in(x, cos, sin)
+            q, k, v, gate = self._attn_in(x, cos, sin)
             return self._attn_out_mlp(x, kv_cache(q, k, v, self.attn.core,
-                                                  self.attn.mask()))
+                                                  self.attn.mask()), gate)
         if self.selective:  # recompute around the core; the core keeps its own saved tensors
-            q, k, v = checkpoint(self._attn_in, x, cos, sin, use_reentrant=False)
+            q, k, v, gate = checkpoint(self._attn_in, x, cos, sin, use_reentrant=False)
             o = self.attn.core(q, k, v, cu_seqlens)
-            return checkpoint(self._attn_out_mlp, x, o, use_reentrant=False)
-        q, k, v = self._attn_in(x, cos, sin)
-        return self._attn_out_mlp(x, self.attn.core(q, k, v, cu_seqlens))
+            return checkpoint(self._attn_out_mlp, x, o, gate, use_reentrant=False)
+        q, k, v, gate = self._attn_in(x, cos, sin)
+        return self._attn_out_mlp(x, self.attn.core(q, k, v, cu_seqlens), gate)
 
 
 class GPT(nn.Module):
@@ -551,7 +572,7 @@ class GPT(nn.Module):
         kv_cache (ctxpar.inference.KVCache): inference; every layer reads and fills its
         share of the cache (prefill of a prompt, or one decode step).
         """
-        rotary = layer_rotary(positions, resolved_head_dim(self.cfg),
+        rotary = layer_rotary(positions, rotary_dim(self.cfg),
                               self.layer_attention)  # each layer's (cos, sin), fp32
         x = embed_tokens(self.embed, tokens, self.cfg)  # (B, T/cp, d)
         off = self.offload  # None, or the hooks moving what each layer keeps to the host

@@ -104,8 +104,8 @@ class BlockPipe(Block):
         x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)]
         cos = sin = None  # RoPE for attention blocks only (linear mixers and MLPs have none)
         if self.token_mixer == "attention":
-            cos, sin = rotary_cos_sin(positions, self.attn.head_dim, self.rope_theta,
-                                      self.rope_scaling)  # (..., T/cp, hd/2)
+            cos, sin = rotary_cos_sin(positions, self.attn.rotary_dim, self.rope_theta,
+                                      self.rope_scaling)  # (..., T/cp, rotary_dim/2)
         cu = unpack_cu_seqlens(docs[0]) if docs else None
         block = partial(Block.forward, self, cu_seqlens=cu)
         if self.recompute:  # keep only x (and cos, sin); replay the block in backward

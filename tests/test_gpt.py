@@ -50,6 +50,12 @@ CONFIGS = {
 # The same with one kv head, replicated over tp2: its bias and k norm on every rank.
 CONFIGS["fields_mqa"] = dataclasses.replace(CONFIGS["fields"], n_kv_heads=1,
                                             tie_embeddings=True)
+# Qwen3.5's and Qwen3-Next's full attention: q_proj's rows per head [q | gate], the output
+# times sigmoid(gate), RoPE on a quarter of each head (4 of 16 channels), (1 + w) q/k norms.
+CONFIGS["gated"] = ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
+                               n_kv_heads=2, head_dim=16, qk_norm=True, norm_offset=1.0,
+                               attention_output_gate=True, partial_rotary_factor=0.25,
+                               tie_embeddings=False)
 BATCH, LR, SEED = 4, 0.1, 7  # global batch (split over dp), SGD step, init seed
 # fp32 everywhere; the parallel model sums the same terms in another order (TP partial
 # products all-reduced, per-block softmax merged by LSE across the ring, gradients summed
@@ -134,7 +140,9 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
         (1, 2, 1, "zigzag", "gqa", "full", "ring", 1),
         (1, 2, 1, "striped", "gqa", "none", "ring", 1),
         (1, 2, 1, "zigzag", "mqa", "selective", "ulysses", 2),  # kv 1 replicated to 2
-        (1, 2, 1, "contiguous", "gqa", "full", "allgather", 1)],
+        (1, 2, 1, "contiguous", "gqa", "full", "allgather", 1),
+        (2, 1, 1, "zigzag", "gated", "selective", "ring", 1),  # the gate split with its heads
+        (1, 2, 1, "zigzag", "gated", "none", "ulysses", 2)],
     4: [(1, 4, 1, "zigzag", "gqa", "none", "ring", 1),
         (1, 4, 1, "striped", "gqa", "every_n_layers", "ring", 1),
         (2, 2, 1, "zigzag", "gqa", "none", "ring", 1),
@@ -145,7 +153,8 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
         (1, 4, 1, "striped", "gqa", "selective", "hybrid", 2),  # two-level striped layout
         (1, 4, 1, "zigzag", "gqa", "every_n_layers", "ulysses", 4),
         (2, 2, 1, "striped", "mqa", "selective", "allgather", 1),
-        (1, 2, 2, "zigzag", "mqa", "full", "hybrid", 2)],  # u = cp: Ulysses via hybrid
+        (1, 2, 2, "zigzag", "mqa", "full", "hybrid", 2),  # u = cp: Ulysses via hybrid
+        (2, 2, 1, "striped", "gated", "full", "ring", 1)],
     8: [(2, 2, 2, "zigzag", "gqa", "full", "ring", 1),
         (2, 2, 2, "striped", "mqa", "none", "ring", 1),
         (2, 4, 1, "zigzag", "gqa", "selective", "hybrid", 2)],  # tp2 x (u2 x r2)
@@ -287,6 +296,62 @@ def test_checkpointing_modes_same_gradients_less_memory():
     assert saved["none"] > saved["selective"] > saved["full"], saved
 
 
+def test_gated_attention_equals_transformers_qwen3_5():
+    """Attention under model.attention_output_gate and partial_rotary_factor against
+    transformers' Qwen3_5Attention on the same weights (q_proj's rows [q | gate] per head,
+    RoPE on the first quarter of each head, (1 + w) q/k norms): output and every
+    gradient, fp32."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5Attention,
+                                                              Qwen3_5TextRotaryEmbedding)
+    from models.gpt import layer_rotary
+    from ctxpar.config import rotary_dim
+
+    cfg, T = CONFIGS["gated"], 32
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    ours = model.layers[0].attn
+    hf = Qwen3_5TextConfig(hidden_size=cfg.d_model, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, rms_norm_eps=cfg.norm_eps, num_hidden_layers=1,
+                           layer_types=["full_attention"],
+                           rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                            "partial_rotary_factor": 0.25,
+                                            "mrope_section": [1, 1, 0],
+                                            "mrope_interleaved": True})
+    hf._attn_implementation = "eager"
+    theirs = Qwen3_5Attention(hf, 0)
+    with torch.no_grad():  # away from init's zeros: the (1 + w) norms' weights count
+        for p in (ours.q_norm.weight, ours.k_norm.weight):
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    theirs.load_state_dict({n: p.detach().clone() for n, p in ours.named_parameters()})
+    x = torch.randn(2, T, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    cos, sin = layer_rotary(torch.arange(T), rotary_dim(cfg), model.layer_attention)[0]
+    q, k, v, gate = ours.qkv(x1, cos, sin)
+    y_ours = ours.out(ours.core(q, k, v), gate)
+    # text positions: Qwen3.5's three M-RoPE sections all read the same position
+    pe = Qwen3_5TextRotaryEmbedding(hf)(x2, torch.arange(T)[None].expand(3, 1, T))
+    y_theirs, _ = theirs(x2, pe, torch.full((T, T), float("-inf")).triu(1)[None, None])
+    dy = torch.randn(y_ours.shape, generator=torch.Generator().manual_seed(2))
+    (y_ours * dy).sum().backward()
+    (y_theirs * dy).sum().backward()
+    torch.testing.assert_close(y_ours, y_theirs, **TOL)
+    torch.testing.assert_close(x1.grad, x2.grad, **TOL)
+    grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, **TOL, msg=name)
+
+
+def test_gated_attention_generates_what_full_forwards_choose():
+    """The KV cache's decode path gates each step's attention output as training does."""
+    from ctxpar.inference import generate
+    from ctxpar.testing.generation import reference_generate
+
+    model = GPT(CONFIGS["gated"], options=ModelOptions(seed=SEED)).eval()
+    prompts = [[3, 9, 27, 81, 115], [5, 7, 11, 13, 17, 19, 23, 29, 31]]
+    want, _ = reference_generate(model, prompts, 6)
+    assert generate(model, prompts, 6).tokens == want
+
+
 @pytest.mark.parametrize("shape,want", [
     # Llama-2-7B: 32 x (4*4096^2 + 3*4096*11008 + 2*4096) + 2*32000*4096 + 4096, untied.
     (dict(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, ffn_hidden=11008,
@@ -309,6 +374,11 @@ def test_big_configs_build_on_meta(shape, want):
     (dict(n_heads=8, d_model=64, n_kv_heads=3), dict(tp=1), "model.n_kv_heads=3"),
     (dict(n_heads=8, d_model=64, n_kv_heads=4), dict(tp=8, cp=1), None),  # replicated kv: ok
     (dict(n_heads=12, d_model=96, n_kv_heads=6), dict(tp=4), "model.n_kv_heads=6"),
+    (dict(n_heads=4, d_model=64, partial_rotary_factor=0.1), dict(tp=1),
+     r"model.partial_rotary_factor=0.1 must be in \(0, 1\] and turn an even number of "
+     r"head_dim=16 channels \(it turns 1.6\)"),
+    (dict(n_heads=4, d_model=64, partial_rotary_factor=0.0), dict(tp=1),
+     "model.partial_rotary_factor=0.0 must be in"),
 ])
 def test_bad_model_configs_fail_at_load(model, parallel, key):
     data = {"model": dict(vocab_size=256, seq_len=256, **model), "parallel": parallel}

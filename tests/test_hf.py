@@ -254,8 +254,8 @@ def family_json(family, **fields):
                                     "uses silu"),
     ("llama", "rope_scaling", {"rope_type": "longrope", "factor": 4.0},
      "rope_scaling.rope_type='longrope' is not implemented by ctxpar"),
-    ("llama", "partial_rotary_factor", 0.5, "partial_rotary_factor=0.5: ctxpar rotates every "
-                                            "channel"),
+    ("llama", "partial_rotary_factor", 0.5, "partial_rotary_factor=0.5: the families ctxpar "
+                                            "imports rotate every channel"),
     ("llama", "some_new_field", 1, "some_new_field=1: a config field ctxpar does not know "
                                    "for model_type 'llama'"),
     ("qwen2", "num_experts", 8, "num_experts=8: mixture of experts is not implemented"),
@@ -296,6 +296,11 @@ def test_models_no_family_holds_are_refused_at_export():
         hf.family_config(ModelConfig(mlp="gelu", family="llama"))
     with pytest.raises(CheckpointError, match=r"no Hugging Face family holds this model"):
         hf.family_config(ModelConfig(mlp="gelu"))
+    for field, value, said in (("attention_output_gate", True, "true"),
+                               ("partial_rotary_factor", 0.5, "0.5")):
+        with pytest.raises(CheckpointError, match=f"model.{field}={said} cannot be exported "
+                                                  f"as Qwen3ForCausalLM"):
+            hf.family_config(ModelConfig(qk_norm=True, **{field: value}))
     # a plain GPT is a Llama; q/k/v biases make it a Qwen2, q/k norms a Qwen3
     assert hf.family_config(ModelConfig())["architectures"] == ["LlamaForCausalLM"]
     assert hf.family_config(ModelConfig(attention_bias=True))["model_type"] == "qwen2"

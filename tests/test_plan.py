@@ -630,9 +630,9 @@ def test_startup_line_and_its_two_warnings():
     assert warns == []
 
 
-def test_hybrid_models_get_no_prediction_rather_than_an_attention_ones():
-    """The counts describe attention and MLP blocks only: a model with Gated DeltaNet or
-    Mamba2 layers gets one PlanError line from every entry (train.py's start line warns
+def test_models_the_counts_do_not_describe_get_no_prediction():
+    """The counts describe ungated attention and MLP blocks only: a model with Gated
+    DeltaNet or Mamba2 layers, or gated attention, gets one PlanError line from every entry (train.py's start line warns
     it instead; python -m ctxpar.plan exits 2 with it), never a prediction that counts
     its linear layers as attention."""
     from ctxpar.plan.cluster import GPUS, Cluster, PlanError
@@ -640,14 +640,18 @@ def test_hybrid_models_get_no_prediction_rather_than_an_attention_ones():
     from ctxpar.plan.search import search
     from ctxpar.plan.startup import startup_report
 
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), [
-        "model.n_layers=2", "model.layer_types=[mamba,full_attention]"], check_paths=False)
-    cluster = Cluster(1, 4, GPUS["h100"])
-    for run in (lambda: startup_report(cfg, GPUS["h100"], "h100 preset", 1, 4),
-                lambda: search(cfg, cluster), lambda: search_longest(cfg, cluster)):
-        with pytest.raises(PlanError, match=r"model.layer_types has \['mamba'\] layers: the "
-                                            r"planner does not count"):
-            run()
+    for sets, msg in (
+            (["model.n_layers=2", "model.layer_types=[mamba,full_attention]"],
+             r"model.layer_types has \['mamba'\] layers: the planner does not count"),
+            (["model.attention_output_gate=true"],
+             r"model.attention_output_gate=true: the planner does not count the gate")):
+        cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), sets,
+                          check_paths=False)
+        cluster = Cluster(1, 4, GPUS["h100"])
+        for run in (lambda: startup_report(cfg, GPUS["h100"], "h100 preset", 1, 4),
+                    lambda: search(cfg, cluster), lambda: search_longest(cfg, cluster)):
+            with pytest.raises(PlanError, match=msg):
+                run()
 
 
 # ------------------------------------------------------------------ tools/plot_runs.py
@@ -737,7 +741,8 @@ def test_block_fields_are_all_block_specs_reads():
                  query_pre_attn_scalar=8.0, family="qwen2", sliding_window=16,
                  attention_chunk_size=32, layer_types=["full_attention"] * CFG["n_layers"],
                  layer_rope={"full_attention": {"rope_theta": 100.0}}, linear_chunk_size=16,
-                 time_step_min=0.01, time_step_max=0.2, time_step_floor=1e-3)
+                 time_step_min=0.01, time_step_max=0.2, time_step_floor=1e-3,
+                 partial_rotary_factor=0.5)
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
@@ -745,7 +750,8 @@ def test_block_fields_are_all_block_specs_reads():
             assert block_specs(changed) == block_specs(m), f.name
     assert set(other) | {"d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
                          "bias", "attention_bias", "qk_norm", "head_dim", "post_norms",
-                         "attention_sinks", "linear_num_key_heads", "linear_num_value_heads",
+                         "attention_sinks", "attention_output_gate",
+                         "linear_num_key_heads", "linear_num_value_heads",
                          "linear_key_head_dim", "linear_value_head_dim",
                          "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim",
                          "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias"} == \

@@ -136,6 +136,10 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
         raise CheckpointError(f"{what} cannot be exported as {architecture}")
     if m.attention_sinks:
         refuse("model.attention_sinks=true")
+    if m.attention_output_gate:
+        refuse("model.attention_output_gate=true")
+    if m.partial_rotary_factor != 1.0:
+        refuse(f"model.partial_rotary_factor={m.partial_rotary_factor}")
     linear = sorted(set(types) - set(ATTENTION_TYPES))
     if linear:
         refuse(f"model.layer_types with {linear} layers (Gated DeltaNet, Mamba2 and "
@@ -190,8 +194,9 @@ def _rope_of(params: Dict[str, Any], hf: Dict[str, Any], file: str,
     kind = params.pop("rope_type", params.pop("type", "default"))
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        raise CheckpointError(f"{file}: partial_rotary_factor={partial}: ctxpar rotates every "
-                              f"channel (partial rotary is not implemented)")
+        raise CheckpointError(f"{file}: partial_rotary_factor={partial}: the families ctxpar "
+                              f"imports rotate every channel (model.partial_rotary_factor is "
+                              f"not read from a Hugging Face folder yet)")
     if kind == "default":
         return theta, None
     if kind not in ROPE_SCALING_KEYS:

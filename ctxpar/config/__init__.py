@@ -32,7 +32,7 @@ from .sections import (CHECKPOINT_MODES, CHOICES, GATED_MLPS, HF_FAMILIES, RENAM
                        CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig,
                        LongContextEvalConfig, MemoryConfig, ModelConfig, ParallelConfig,
                        TrainConfig, WandbConfig, resolved_ffn_hidden, resolved_head_dim,
-                       softmax_scale, ulysses_degree)
+                       rotary_dim, softmax_scale, ulysses_degree)
 from .layers import LAYER_TYPES, LayerAttention, layer_attention, layer_types
 from .validation import validate
 
@@ -43,7 +43,8 @@ __all__ = [
     "LongContextEvalConfig", "MemoryConfig", "ModelConfig", "PREFETCH_MAX", "ParallelConfig",
     "RENAMED_KEYS", "ROPE_SCALING_KEYS", "ROPE_SCALING_OPTIONAL", "TrainConfig", "WandbConfig",
     "config_from_dict", "deepspeed_config", "dump_config", "grad_accum_steps",
-    "layer_attention", "layer_types", "load_config", "resolved_head_dim", "softmax_scale",
+    "layer_attention", "layer_types", "load_config", "resolved_head_dim", "rotary_dim",
+    "softmax_scale",
     "resolved_ffn_hidden", "to_dict", "ulysses_degree", "validate", "zero_bucket_defaults",
     "zero_bucket_size",
 ]

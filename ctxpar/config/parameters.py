@@ -83,7 +83,8 @@ def block_fields(m: ModelConfig) -> tuple:
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
 _BLOCK_FIELDS = attrgetter("d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
                            "bias", "attention_sinks", "attention_bias", "qk_norm", "head_dim",
-                           "post_norms", *GDN_FIELDS, *MAMBA_FIELDS[:6])
+                           "post_norms", "attention_output_gate", *GDN_FIELDS,
+                           *MAMBA_FIELDS[:6])
 
 
 def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
@@ -143,7 +144,8 @@ def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
     specs = []
     if m.attention_sinks:  # one logit per query head, split with the heads
         specs.append(ParamSpec(p + "attn.sinks", (m.n_heads,), "column"))
-    specs += _linear(p + "attn.q_proj", d, m.n_heads * hd, "column", qkv_bias)
+    q_rows = m.n_heads * hd * (2 if m.attention_output_gate else 1)  # per head [q | gate]
+    specs += _linear(p + "attn.q_proj", d, q_rows, "column", qkv_bias)
     specs += _linear(p + "attn.k_proj", d, n_kv * hd, kv_split, qkv_bias)
     specs += _linear(p + "attn.v_proj", d, n_kv * hd, kv_split, qkv_bias)
     specs += _linear(p + "attn.o_proj", m.n_heads * hd, d, "row", m.bias)

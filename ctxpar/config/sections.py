@@ -123,6 +123,14 @@ class ModelConfig:
     """Biases on q/k/v only, none on o_proj (Qwen2); model.bias already gives them."""
     qk_norm: bool = False
     """RMSNorm over each head's q and k (weights of head_dim) before RoPE (Qwen3, Gemma 3)."""
+    attention_output_gate: bool = False
+    """Gated attention (Qwen3.5, Qwen3-Next): q_proj gives each head its query and a gate
+    (rows [q | gate] per head, 2 x n_heads x head_dim), and the attention output is
+    multiplied by sigmoid(gate) before o_proj."""
+    partial_rotary_factor: float = 1.0
+    """RoPE turns the first head_dim x factor channels of each q and k head (an even
+    number), its frequencies over those channels; the rest pass unrotated (Qwen3.5 and
+    Qwen3-Next: 0.25)."""
     head_dim: Optional[int] = None
     """Channels per attention head (None = d_model // n_heads); Qwen3 and Gemma set it
     independently (q/k/v project d_model to heads * head_dim, o_proj back)."""
@@ -415,6 +423,11 @@ def resolved_ffn_hidden(m: ModelConfig) -> int:
 def resolved_head_dim(m: ModelConfig) -> int:
     """model.head_dim, or its default d_model // n_heads."""
     return m.head_dim if m.head_dim is not None else m.d_model // m.n_heads
+
+
+def rotary_dim(m: ModelConfig) -> int:
+    """Channels of each attention head that RoPE turns: head_dim x partial_rotary_factor."""
+    return int(round(resolved_head_dim(m) * m.partial_rotary_factor))
 
 
 def softmax_scale(m: ModelConfig) -> float:

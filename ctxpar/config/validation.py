@@ -110,6 +110,11 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
     if resolved_head_dim(m) % 2:
         err(f"model.head_dim={resolved_head_dim(m)} (model.head_dim or d_model/n_heads) must "
             f"be even for RoPE")
+    rot = resolved_head_dim(m) * m.partial_rotary_factor
+    if not 0 < m.partial_rotary_factor <= 1 or rot != int(rot) or int(rot) % 2:
+        err(f"model.partial_rotary_factor={m.partial_rotary_factor} must be in (0, 1] and "
+            f"turn an even number of head_dim={resolved_head_dim(m)} channels (it turns "
+            f"{rot:g})")
     if m.rope_theta <= 0:
         err(f"model.rope_theta={m.rope_theta} must be > 0")
     if m.rope_scaling is not None:

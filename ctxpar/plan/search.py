@@ -56,6 +56,10 @@ def check_modelled(cfg: Config) -> None:
     """PlanError (one line) for a model the counts do not describe: Gated DeltaNet and
     Mamba2 layers (their parameters, states and chunked kernels' activations are not
     counted yet), rather than a prediction that treats them as attention."""
+    if cfg.model.attention_output_gate:
+        raise PlanError("model.attention_output_gate=true: the planner does not count the "
+                        "gate's projection rows and activations yet (no prediction for "
+                        "gated attention)")
     if has_linear_layers(cfg.model):
         kinds = sorted({t for t in layer_types(cfg.model) if t in ("linear_attention", "mamba")})
         raise PlanError(f"model.layer_types has {kinds} layers: the planner does not count "
