@@ -6,7 +6,8 @@ outputs and every parameter's gradient). (2) Two tiny hybrids, Qwen3.5's three l
 layers per full-attention one and a Nemotron-H mamba/attention/mlp pattern, at cp2 and
 cp4 with parallel.linear_cp 'state' (contiguous, zigzag) and 'heads' (striped, zigzag),
 with and without packed documents crossing ranks, under each activation recompute: the
-loss and every gradient equal the single process's. One spawn per world size, the cases looped inside. (3) Each refusal's one line.
+loss and every gradient equal the single process's. One spawn per world size, the cases looped inside; in bf16 at
+cp2, as close to one bf16 process as bf16 is to fp32. (3) Each refusal's one line.
 """
 import pickle
 
@@ -162,6 +163,62 @@ def test_hybrid_gpt_over_cp_equals_one_process(world):
             for n, g in grads.items():
                 torch.testing.assert_close(got["grads"][n], g, **TOL,
                                            msg=f"{where} rank {rank} grad {n}")
+
+
+def _bf16_cases(rank, world, payload):
+    """Each case's loss and gradients with the GPT's parameters and activations in bf16."""
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from models.loss import deepspeed_style_reduce_
+
+    out = []
+    for name, layout, strategy, cu in pickle.loads(payload):
+        cfg = CONFIGS[name]
+        st = init_parallel_state(tp=1, cp=world, dp=1)
+        model = GPT(cfg, ModelGroups(cp_group=st.cp_group),
+                    ModelOptions(layout=layout, seed=SEED, linear_cp=strategy)).bfloat16()
+        tokens, labels = _batch(cfg)
+        tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
+        n_tokens = global_token_count(lab, st.dp_cp_group)
+        loss_sum = model(tok, sequence_positions(N, st.cp_group, layout), lab, cu_seqlens=cu)
+        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
+        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        out.append(dict(loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group).float(),
+                        grads={n: p.grad.float() for n, p in model.named_parameters()}))
+    return out
+
+
+def _one_process(cfg, cu, dtype):
+    model = GPT(cfg, options=ModelOptions(seed=SEED)).to(dtype)
+    tokens, labels = _batch(cfg)
+    loss = model(tokens, torch.arange(N), labels, cu_seqlens=cu) / (labels != -100).sum()
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+BF16_CASES = [("qwen3.5", "zigzag", "state", DOCS), ("nemotron-h", "contiguous", "state", DOCS),
+              ("qwen3.5", "striped", "heads", None), ("nemotron-h", "zigzag", "heads", DOCS)]
+
+
+def test_hybrid_gpt_in_bf16_over_cp_adds_no_error_to_bf16s_own():
+    """bf16 parameters and activations (the kernels' states and summaries stay fp32): at
+    cp2 the loss and every gradient are as close to one bf16 process as bf16 itself is to
+    fp32. Per tensor: |cp - one| <= 4 max(|one - fp32|, 2^-8 max|fp32|), 2^-8 being
+    bf16's relative step; a state not passed, a halo missed or a document leaking between
+    ranks moves a gradient by order one, far past the bound."""
+    results = run_distributed(_bf16_cases, 2, pickle.dumps(BF16_CASES), timeout=240)
+    for i, (name, layout, strategy, cu) in enumerate(BF16_CASES):
+        (loss32, grads32), (loss16, grads16) = (_one_process(CONFIGS[name], cu, dt)
+                                                 for dt in (torch.float32, torch.bfloat16))
+        where = f"{name} cp2 {layout} {strategy} docs={cu is not None} bf16"
+        for rank, per_case in enumerate(results):
+            got = per_case[i]
+            bound = 4 * max((loss16 - loss32).abs().item(), 2 ** -8 * loss32.abs().item())
+            assert (got["loss"] - loss16).abs().item() <= bound, (where, rank, got["loss"])
+            for n, g32 in grads32.items():
+                scale = max((grads16[n] - g32).abs().max().item(),
+                            2 ** -8 * g32.abs().max().item())
+                err = (got["grads"][n] - grads16[n]).abs().max().item()
+                assert err <= 4 * scale, (where, rank, n, err, scale)
 
 
 def test_documents_change_the_linear_layers_gradients():
