@@ -21,6 +21,8 @@ from ctxpar.inference import generate
 from ctxpar.testing import run_distributed
 from ctxpar.testing.generation import reference_generate
 from ctxpar.testing.linear import HYBRID_CONFIGS
+from helpers.train_run import HYBRID_MODEL, ROOT, run_train
+from helpers.warm_launch import run_warm
 from models.gpt import GPT
 from models.options import ModelGroups, ModelOptions
 
@@ -130,21 +132,14 @@ def test_cp_generation_equals_one_process(world):
 
 # ------------------------------------------------------------ generate.py on a trained run
 
-HYBRID_RUN = ["model.n_layers=4",
-              "model.layer_types=[linear_attention,mamba,full_attention,linear_attention]",
-              "model.linear_num_key_heads=2", "model.linear_key_head_dim=16",
-              "model.mamba_head_dim=16", "model.ssm_state_size=16", "model.n_groups=2",
-              "model.linear_chunk_size=16", "parallel.cp=1", "parallel.dp=1",
-              "train.steps=8", "train.eval_samples=8", "logging.wandb.mode=disabled"]
+HYBRID_RUN = [*HYBRID_MODEL, "parallel.cp=1", "parallel.dp=1", "train.steps=8",
+              "train.eval_samples=8", "logging.wandb.mode=disabled"]
 
 
 def test_generate_py_prints_the_same_continuation_at_cp_1_2_and_3(tmp_path):
     """A hybrid of Qwen3.5's and Nemotron-H's mixers trained by train.py, then generate.py
     with two prompts of different lengths on 1, 2 and 3 ranks (the run's zigzag layout,
     state passing): the same tokens."""
-    from helpers.train_run import ROOT, run_train
-    from helpers.warm_launch import run_warm
-
     run = str(tmp_path / "run")
     run_train(run, 1, HYBRID_RUN)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",

@@ -66,3 +66,18 @@ def test_hybrid_linear_layers_log_cp1s_losses(hybrid_reference, tmp_path, nproc,
     assert_same_run(d, hybrid_reference, 6)
     assert "plan: no prediction for this layout (PlanError: model.layer_types has" in \
         proc.stderr, proc.stderr[-2000:]  # no attention-only forecast of a hybrid
+
+
+GATED = ["model.qk_norm=true", "model.norm_offset=1.0", "model.attention_output_gate=true",
+         "model.partial_rotary_factor=0.25", "train.steps=6", "train.eval_samples=8",
+         "logging.wandb.mode=disabled"]
+
+
+def test_gated_attention_through_the_pipeline_logs_cp1s_losses(tmp_path):
+    """Qwen3.5's gated attention with RoPE on a quarter of each head through train.py at
+    cp2 x pp2 (the pipeline's blocks compute their own RoPE; tests/test_gpt.py holds the
+    GPT at tp and cp) logs cp 1's losses."""
+    ref, d = str(tmp_path / "cp1"), str(tmp_path / "cp2pp2")
+    run_train(ref, 1, ["parallel.cp=1", "parallel.dp=1", *GATED])
+    run_train(d, 4, ["parallel.cp=2", "parallel.pp=2", "parallel.dp=1", *GATED])
+    assert_same_run(d, ref, 6)

@@ -21,7 +21,7 @@ import pytest
 from ctxpar.config import ConfigError, load_config
 from ctxpar.data import DataError, IndexedDatasetWriter, build_data
 from ctxpar.dynamic_cp.stream import DynamicStream
-from helpers.train_run import CONFIG, losses, metric, run_train
+from helpers.train_run import CONFIG, HYBRID_MODEL, losses, metric, run_train
 
 DYNAMIC = ["data.dynamic_cp=true", "data.kind=tokens", "data.eval_fraction=0.1",
            "train.steps=6", "train.global_batch_size=16", "logging.wandb.mode=disabled"]
@@ -143,13 +143,6 @@ def test_other_layouts_match_one_process(corpus, one_process, tmp_path, sets):
     _assert_same_losses(d, one_process)
 
 
-HYBRID = ["model.n_layers=4",
-          "model.layer_types=[linear_attention,mamba,full_attention,linear_attention]",
-          "model.linear_num_key_heads=2", "model.linear_key_head_dim=16",
-          "model.mamba_head_dim=16", "model.ssm_state_size=16", "model.n_groups=2",
-          "model.linear_chunk_size=16"]
-
-
 def test_a_hybrid_model_matches_one_process(corpus, tmp_path):
     """Gated DeltaNet and Mamba2 layers under dynamic CP: each pack's state passing and
     conv halo run over the pack's group (sizes 1 to 4), every document's state from its
@@ -157,10 +150,10 @@ def test_a_hybrid_model_matches_one_process(corpus, tmp_path):
     one = str(tmp_path / "one")
     run_train(one, 1, ["parallel.cp=1", "parallel.dp=1", "data.tokens_per_rank=256",
                        "deepspeed.zero_optimization.stage=0", f"data.path={corpus}",
-                       *DYNAMIC, *HYBRID])
+                       *DYNAMIC, *HYBRID_MODEL])
     d = str(tmp_path / "run")
     run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", f"data.path={corpus}", *DYNAMIC,
-                     *HYBRID])
+                     *HYBRID_MODEL])
     _assert_same_losses(d, one)
     assert set().union(*metric(d, "cp_size_share").values()) >= {"1", "2"}
 

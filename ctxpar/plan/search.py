@@ -129,8 +129,8 @@ def _valid(cfg: Config, cand: Candidate) -> bool:
 
 
 def search(cfg: Config, cluster: Cluster, top: Optional[int] = None, **eff) -> List[Plan]:
-    """Every candidate's plan, the fitting ones first, each group fastest first."""
-    check_modelled(cfg)
+    """Every candidate's plan, the fitting ones first, each group fastest first (evaluate
+    refuses a model the counts do not describe)."""
     cands = candidates(cfg, cluster)
     if not cands:
         raise PlanError(f"no layout of {cluster.world} GPUs ({cluster.nodes} x "

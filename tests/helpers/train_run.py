@@ -20,6 +20,13 @@ CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 BASE = ["model.seq_len=128", "train.steps=20", "train.warmup_steps=5", "train.eval_interval=0",
         "train.weight_decay=0.1",  # decoupled decay on matrices only: ZeRO-3 must see 2-D
         "train.eval_samples=16", "logging.log_interval=1"]
+# A four-layer hybrid on BASE's model: Gated DeltaNet, Mamba2, full attention, Gated
+# DeltaNet, sized for CPU (kernel chunks of 16 split a cp2 zigzag segment).
+HYBRID_MODEL = ["model.n_layers=4",
+                "model.layer_types=[linear_attention,mamba,full_attention,linear_attention]",
+                "model.linear_num_key_heads=2", "model.linear_key_head_dim=16",
+                "model.mamba_head_dim=16", "model.ssm_state_size=16", "model.n_groups=2",
+                "model.linear_chunk_size=16"]
 
 
 def run_train(run_dir, nproc, overrides, extra=(), timeout=420, check=True, config=CONFIG,

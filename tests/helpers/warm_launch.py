@@ -38,8 +38,7 @@ def run_warm(script: str, argv, nproc: int, env: dict, timeout: float,
     from ctxpar.testing.distributed import start_forkserver
 
     ctx = start_forkserver()
-    module = os.path.splitext(os.path.relpath(os.path.join(ROOT, script), ROOT))[0]
-    module = module.replace(os.sep, ".")
+    module = os.path.splitext(script)[0].replace(os.sep, ".")  # train.py -> train
     args = [os.path.join(ROOT, script), *argv]
     store = None
     rank_envs = [dict(env)]
