@@ -11,8 +11,11 @@ grouped by key head, a permutation at import):
     y     = out_proj(rmsnorm(o) * w * silu(in_proj_z x))    the norm per value head
 
 The conv and the rule run over the model's CP group (ctxpar.context_parallel.linear: the
-conv's halo, state passing or heads, cu_seqlens restarting both at each document).
-Shapes per rank: (B, T/cp, ...); TP is refused at config load (not split yet).
+conv's halo, state passing or heads, cu_seqlens restarting both at each document). TP
+splits it by heads, as attention: each rank holds Hk/tp key heads and the Hv/tp value
+heads that read them (in_proj_qkv and the conv by [q | k | v] section, in_proj_z/a/b,
+dt_bias, A_log by value head), out_proj by rows (one all-reduce), the norm's (Dv,) weight
+replicated (its gradient summed over TP). Shapes per rank: (B, T/cp, .../tp).
 """
 from __future__ import annotations
 
@@ -29,33 +32,41 @@ from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.linear import (causal_conv1d_cp, conv_step, gated_delta_rule_cp,
                                             gated_delta_step)
 from ctxpar.inference.linear_cache import LinearLayerCache
+from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                    copy_to_tensor_model_parallel_region)
+from ctxpar.tensor_parallel.layers import column_parallel_parameter
+from ctxpar.tensor_parallel.mappings import tp_size_of
 
 
 class GatedRMSNorm(nn.Module):
     """rmsnorm(x) * w * silu(z) over each value head's channels (transformers'
     Qwen3_5RMSNormGated: the norm in fp32, w applied in x's dtype; w starts at ones,
-    whatever model.norm_offset)."""
+    whatever model.norm_offset). tp_group: w is replicated over the TP ranks' heads, so
+    its gradient is summed over TP (f on the weight)."""
 
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float, tp_group=None, device=None, dtype=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp_group = eps, tp_group
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
+        h = copy_to_tensor_model_parallel_region(self.weight, self.tp_group) * h.to(x.dtype)
         return (h * F.silu(z.float())).to(x.dtype)
 
 
 class DepthwiseConv(nn.Module):
     """Holds transformers' nn.Conv1d parameters, (C, 1, K) weight and (C,) bias, under
-    the same names; the causal conv itself runs over CP (causal_conv1d_cp)."""
+    the same names, split over TP by channel ``sections`` (the fused projection's parts
+    it convolves); the causal conv itself runs over CP (causal_conv1d_cp)."""
 
-    def __init__(self, channels: int, kernel: int, bias: bool, device=None, dtype=None):
+    def __init__(self, sections, kernel: int, bias: bool, tp_group=None, device=None,
+                 dtype=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, device=device, dtype=dtype))
-        self.bias = (nn.Parameter(torch.empty(channels, device=device, dtype=dtype))
+        channels, kw = sum(sections), dict(device=device, dtype=dtype, what="conv channels")
+        self.weight = column_parallel_parameter((channels, 1, kernel), tp_group, sections, **kw)
+        self.bias = (column_parallel_parameter((channels,), tp_group, sections, **kw)
                      if bias else None)
 
     def forward(self, x: torch.Tensor, cp: ContextParallel, cu_seqlens,
@@ -73,28 +84,34 @@ class DepthwiseConv(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3.5's linear attention over CP (module docstring). cp: the model's
-    ContextParallel (group and layout, shared with attention); strategy: parallel.linear_cp."""
+    """Qwen3.5's linear attention over CP and TP (module docstring). cp: the model's
+    ContextParallel (group and layout, shared with attention); strategy: parallel.linear_cp;
+    tp_group: the heads' split (None: all heads here)."""
 
     def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
-                 device=None, dtype=None):
+                 tp_group=None, device=None, dtype=None):
         super().__init__()
-        dims = gated_delta_dims(cfg)
-        self.cp, self.strategy, self.dims = cp, strategy, dims
+        dims, tp = gated_delta_dims(cfg), tp_size_of(tp_group)
+        self.cp, self.strategy, self.dims, self.tp_group = cp, strategy, dims, tp_group
+        self.key_heads, self.value_heads = dims.num_key_heads // tp, dims.num_value_heads // tp
         key_dim = dims.num_key_heads * dims.key_head_dim
         value_dim = dims.num_value_heads * dims.value_head_dim
-        self.split = (key_dim, key_dim, value_dim)
-        lin = dict(bias=False, device=device, dtype=dtype)
+        sections = (key_dim, key_dim, value_dim)   # in_proj_qkv's rows, each split over TP
+        self.split = tuple(n // tp for n in sections)
+        col = dict(tp_group=tp_group, bias=False, copy_input=False, device=device, dtype=dtype)
         d, hv = cfg.d_model, dims.num_value_heads
-        self.in_proj_qkv = nn.Linear(d, sum(self.split), **lin)
-        self.in_proj_z = nn.Linear(d, value_dim, **lin)
-        self.in_proj_b = nn.Linear(d, hv, **lin)
-        self.in_proj_a = nn.Linear(d, hv, **lin)
-        self.conv1d = DepthwiseConv(sum(self.split), dims.conv_kernel, False, device, dtype)
-        self.dt_bias = nn.Parameter(torch.empty(hv, device=device, dtype=dtype))
-        self.A_log = nn.Parameter(torch.empty(hv, device=device, dtype=dtype))
-        self.norm = GatedRMSNorm(dims.value_head_dim, cfg.norm_eps, device, dtype)
-        self.out_proj = nn.Linear(value_dim, d, **lin)
+        self.in_proj_qkv = ColumnParallelLinear(d, key_dim * 2 + value_dim, sections=sections,
+                                                **col)
+        self.in_proj_z = ColumnParallelLinear(d, value_dim, **col)
+        self.in_proj_b = ColumnParallelLinear(d, hv, **col)
+        self.in_proj_a = ColumnParallelLinear(d, hv, **col)
+        self.conv1d = DepthwiseConv(sections, dims.conv_kernel, False, tp_group, device, dtype)
+        per_head = dict(device=device, dtype=dtype, what="model.linear_num_value_heads")
+        self.dt_bias = column_parallel_parameter((hv,), tp_group, **per_head)
+        self.A_log = column_parallel_parameter((hv,), tp_group, **per_head)
+        self.norm = GatedRMSNorm(dims.value_head_dim, cfg.norm_eps, tp_group, device, dtype)
+        self.out_proj = RowParallelLinear(value_dim, d, tp_group=tp_group, bias=False,
+                                          device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cu_seqlens=None,
                 cache: Optional[LinearLayerCache] = None) -> torch.Tensor:
@@ -102,13 +119,14 @@ class GatedDeltaNet(nn.Module):
         (ctxpar/inference/linear_cache.py): prefill keeps the final state and the conv
         window, decode (T = 1, the same token on every CP rank) steps them."""
         B, T = x.shape[:2]
-        dims = self.dims
+        dims, hk, hv = self.dims, self.key_heads, self.value_heads    # heads on this TP rank
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)      # f once for 4 projections
         mixed = self.conv1d(self.in_proj_qkv(x), self.cp, cu_seqlens,
                             cache)                                      # (B, T/cp, 2Hk Dk + Hv Dv)
         q, k, v = mixed.split(self.split, dim=-1)
-        q = q.view(B, T, dims.num_key_heads, dims.key_head_dim)         # (B, T/cp, Hk, Dk)
-        k = k.view(B, T, dims.num_key_heads, dims.key_head_dim)
-        v = v.view(B, T, dims.num_value_heads, dims.value_head_dim)     # (B, T/cp, Hv, Dv)
+        q = q.view(B, T, hk, dims.key_head_dim)                         # (B, T/cp, Hk, Dk)
+        k = k.view(B, T, hk, dims.key_head_dim)
+        v = v.view(B, T, hv, dims.value_head_dim)                       # (B, T/cp, Hv, Dv)
         beta = self.in_proj_b(x).sigmoid()                              # (B, T/cp, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if cache is not None and cache.mode == "decode":
@@ -125,8 +143,8 @@ class GatedDeltaNet(nn.Module):
                                            use_qk_l2norm_in_kernel=True)  # (B, T/cp, Hv, Dv)
             if cache is not None:
                 cache.state = final  # every row's state after its last prompt token
-        z = self.in_proj_z(x).view(B, T, dims.num_value_heads, dims.value_head_dim)
-        return self.out_proj(self.norm(o, z).flatten(2))
+        z = self.in_proj_z(x).view(B, T, hv, dims.value_head_dim)
+        return self.out_proj(self.norm(o, z).flatten(2))                # all-reduced over TP
 
 
 def init_gated_delta(name: str, shape, cfg: ModelConfig, gen: torch.Generator

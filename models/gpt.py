@@ -418,9 +418,9 @@ class Block(nn.Module):
         if self.token_mixer == "attention":
             self.attn = Attention(cfg, tp_group, cp, backend, device, dtype, layer)
         elif self.token_mixer == "gated_delta":
-            self.linear_attn = GatedDeltaNet(cfg, cp, linear_cp, device, dtype)
+            self.linear_attn = GatedDeltaNet(cfg, cp, linear_cp, tp_group, device, dtype)
         elif self.token_mixer == "mamba2":
-            self.mamba = Mamba2(cfg, cp, linear_cp, device, dtype)
+            self.mamba = Mamba2(cfg, cp, linear_cp, tp_group, device, dtype)
         self.post_attn_norm = (make_norm(cfg, device, dtype)
                                if cfg.post_norms and self.token_mixer else None)
         self.mlp_norm = make_norm(cfg, device, dtype) if channel else None

@@ -10,8 +10,11 @@ parameter:
     out          = out_proj(groupnorm_rms(y * silu(z)) * w)   RMS over each of G groups
 
 The conv and the SSD run over the model's CP group (ctxpar.context_parallel.linear: the
-conv's halo, state passing or heads, cu_seqlens restarting both at each document).
-Shapes per rank: (B, T/cp, ...); TP is refused at config load (not split yet).
+conv's halo, state passing or heads, cu_seqlens restarting both at each document). TP
+splits it by heads and B/C groups, as Megatron's Mamba mixer: each rank holds H/tp heads
+and the G/tp groups they read (in_proj by [z | x | B | C | dt] section, the conv by
+[x | B | C], dt_bias, A_log, D and the norm's weight by head), out_proj by rows (one
+all-reduce); a norm group never straddles ranks. Shapes per rank: (B, T/cp, .../tp).
 """
 from __future__ import annotations
 
@@ -27,18 +30,25 @@ from ctxpar.config.layers import mamba_dims
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.linear import discretize_dt, ssd_cp, ssd_step
 from ctxpar.inference.linear_cache import LinearLayerCache
+from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                    copy_to_tensor_model_parallel_region)
+from ctxpar.tensor_parallel.layers import column_parallel_parameter
+from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .gated_delta import DepthwiseConv
 
 
 class GroupedGatedRMSNorm(nn.Module):
     """w * rmsnorm_per_group(x * silu(z)) (transformers' NemotronHRMSNormGated: gate
-    first, in fp32, the RMS over each of n_groups equal slices; w starts at ones)."""
+    first, in fp32, the RMS over each of n_groups equal slices; w starts at ones). TP:
+    dim and n_groups are the full ones; a rank holds n_groups/tp whole groups."""
 
-    def __init__(self, dim: int, n_groups: int, eps: float, device=None, dtype=None):
+    def __init__(self, dim: int, n_groups: int, eps: float, tp_group=None, device=None,
+                 dtype=None):
         super().__init__()
-        self.eps, self.n_groups = eps, n_groups
-        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+        self.eps, self.n_groups = eps, n_groups // tp_size_of(tp_group)
+        self.weight = column_parallel_parameter((dim,), tp_group, device=device, dtype=dtype,
+                                                what="mamba heads x head_dim")
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         h = (x.float() * F.silu(z.float())).unflatten(-1, (self.n_groups, -1))  # (..., G, HP/G)
@@ -47,28 +57,34 @@ class GroupedGatedRMSNorm(nn.Module):
 
 
 class Mamba2(nn.Module):
-    """Nemotron-H's Mamba2 mixer over CP (module docstring). cp: the model's
-    ContextParallel (group and layout); strategy: parallel.linear_cp."""
+    """Nemotron-H's Mamba2 mixer over CP and TP (module docstring). cp: the model's
+    ContextParallel (group and layout); strategy: parallel.linear_cp; tp_group: the heads'
+    split (None: all heads here)."""
 
     def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
-                 device=None, dtype=None):
+                 tp_group=None, device=None, dtype=None):
         super().__init__()
-        dims = mamba_dims(cfg)
-        self.cp, self.strategy, self.dims = cp, strategy, dims
-        width, bc = dims.num_heads * dims.head_dim, dims.n_groups * dims.state_size
-        self.split = (width, width + 2 * bc, dims.num_heads)   # z | xBC | dt
-        self.xbc_split = (width, bc, bc)                       # x | B | C
-        self.in_proj = nn.Linear(cfg.d_model, sum(self.split), bias=cfg.bias,
-                                 device=device, dtype=dtype)
-        self.conv1d = DepthwiseConv(self.split[1], dims.conv_kernel, dims.conv_bias,
+        dims, tp = mamba_dims(cfg), tp_size_of(tp_group)
+        self.cp, self.strategy, self.dims, self.tp_group = cp, strategy, dims, tp_group
+        self.heads, self.groups = dims.num_heads // tp, dims.n_groups // tp  # this TP rank's
+        width, bc, h = dims.num_heads * dims.head_dim, dims.n_groups * dims.state_size, \
+            dims.num_heads
+        sections = (width, width, bc, bc, h)                   # z | x | B | C | dt, each split
+        self.split = (width // tp, (width + 2 * bc) // tp, h // tp)     # z | xBC | dt
+        self.xbc_split = (width // tp, bc // tp, bc // tp)             # x | B | C
+        self.in_proj = ColumnParallelLinear(cfg.d_model, sum(sections), tp_group=tp_group,
+                                            bias=cfg.bias, copy_input=False, sections=sections,
+                                            device=device, dtype=dtype)
+        self.conv1d = DepthwiseConv(sections[1:4], dims.conv_kernel, dims.conv_bias, tp_group,
                                     device, dtype)
-        per_head = dict(device=device, dtype=dtype)
-        self.dt_bias = nn.Parameter(torch.empty(dims.num_heads, **per_head))
-        self.A_log = nn.Parameter(torch.empty(dims.num_heads, **per_head))
-        self.D = nn.Parameter(torch.empty(dims.num_heads, **per_head))
-        self.norm = GroupedGatedRMSNorm(width, dims.n_groups, cfg.norm_eps, device, dtype)
-        self.out_proj = nn.Linear(width, cfg.d_model, bias=cfg.bias, device=device,
-                                  dtype=dtype)
+        per_head = dict(device=device, dtype=dtype, what="model.mamba_num_heads")
+        self.dt_bias = column_parallel_parameter((h,), tp_group, **per_head)
+        self.A_log = column_parallel_parameter((h,), tp_group, **per_head)
+        self.D = column_parallel_parameter((h,), tp_group, **per_head)
+        self.norm = GroupedGatedRMSNorm(width, dims.n_groups, cfg.norm_eps, tp_group, device,
+                                        dtype)
+        self.out_proj = RowParallelLinear(width, cfg.d_model, tp_group=tp_group, bias=cfg.bias,
+                                          device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cu_seqlens=None,
                 cache: Optional[LinearLayerCache] = None) -> torch.Tensor:
@@ -76,13 +92,14 @@ class Mamba2(nn.Module):
         (ctxpar/inference/linear_cache.py): prefill keeps the final state and the conv
         window, decode (T = 1, the same token on every CP rank) steps them."""
         B, T = x.shape[:2]
-        dims = self.dims
+        dims, heads, groups = self.dims, self.heads, self.groups     # this TP rank's
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         z, xbc, dt = self.in_proj(x).split(self.split, dim=-1)
         xbc = self.conv1d(xbc, self.cp, cu_seqlens, cache)             # (B, T/cp, HP + 2GN)
         xs, Bm, Cm = xbc.split(self.xbc_split, dim=-1)
-        xs = xs.view(B, T, dims.num_heads, dims.head_dim)
-        Bm = Bm.view(B, T, dims.n_groups, dims.state_size)
-        Cm = Cm.view(B, T, dims.n_groups, dims.state_size)
+        xs = xs.view(B, T, heads, dims.head_dim)
+        Bm = Bm.view(B, T, groups, dims.state_size)
+        Cm = Cm.view(B, T, groups, dims.state_size)
         A, limit = -torch.exp(self.A_log.float()), (dims.time_step_min, math.inf)
         if cache is not None and cache.mode == "decode":
             dt = discretize_dt(dt[:, 0], self.dt_bias, True, limit)     # (B, H)
@@ -99,7 +116,7 @@ class Mamba2(nn.Module):
                        return_final_states=cache is not None, **kw)    # (B, T/cp, H, P)
             if cache is not None:
                 y, cache.state = y  # every row's state after its last prompt token
-        return self.out_proj(self.norm(y.flatten(2), z).to(x.dtype))
+        return self.out_proj(self.norm(y.flatten(2), z).to(x.dtype))  # all-reduced over TP
 
 
 def init_mamba2(name: str, shape, cfg: ModelConfig, gen: torch.Generator

@@ -98,21 +98,22 @@ def test_cached_generation_equals_full_forwards(name):
 def _generate_cases(rank, world, payload):
     from ctxpar import init_parallel_state
 
-    st = init_parallel_state(tp=1, cp=world, dp=1)
     out = []
-    for name, layout, strategy in pickle.loads(payload):
-        model = GPT(CONFIGS[name], ModelGroups(cp_group=st.cp_group),
+    for name, tp, layout, strategy in pickle.loads(payload):
+        st = init_parallel_state(tp=tp, cp=world // tp, dp=1)
+        model = GPT(CONFIGS[name], ModelGroups.from_state(st),
                     ModelOptions(layout=layout, seed=SEED, linear_cp=strategy)).eval()
         res = generate(model, PROMPTS, NEW, layout=layout, cp_group=st.cp_group,
-                       keep_logits=True)
+                       tp_group=st.tp_group, keep_logits=True)
         out.append((res.tokens, torch.stack(res.logits)))
     return out
 
 
-CASES = {  # world -> (config, layout, parallel.linear_cp)
-    2: [("qwen3.5", "zigzag", "state"), ("nemotron-h", "contiguous", "state"),
-        ("qwen3.5", "striped", "heads"), ("nemotron-h", "zigzag", "heads")],
-    3: [("qwen3.5", "contiguous", "state"), ("nemotron-h", "zigzag", "state")],
+CASES = {  # world -> (config, tp, layout, parallel.linear_cp); cp = world / tp
+    2: [("qwen3.5", 1, "zigzag", "state"), ("nemotron-h", 1, "contiguous", "state"),
+        ("qwen3.5", 1, "striped", "heads"), ("nemotron-h", 1, "zigzag", "heads"),
+        ("qwen3.5", 2, "zigzag", "state"), ("nemotron-h", 2, "zigzag", "state")],
+    3: [("qwen3.5", 1, "contiguous", "state"), ("nemotron-h", 1, "zigzag", "state")],
 }
 
 
@@ -120,12 +121,12 @@ CASES = {  # world -> (config, layout, parallel.linear_cp)
 def test_cp_generation_equals_one_process(world):
     cases = CASES[world]
     results = run_distributed(_generate_cases, world, pickle.dumps(cases), timeout=240)
-    for i, (name, layout, strategy) in enumerate(cases):
+    for i, (name, tp, layout, strategy) in enumerate(cases):
         model = GPT(CONFIGS[name], options=ModelOptions(seed=SEED)).eval()
         one = generate(model, PROMPTS, NEW, keep_logits=True)
         for rank, per_case in enumerate(results):
             tokens, logits = per_case[i]
-            where = f"{name} cp{world} {layout} {strategy} rank {rank}"
+            where = f"{name} tp{tp} cp{world // tp} {layout} {strategy} rank {rank}"
             assert tokens == one.tokens, where
             torch.testing.assert_close(logits, torch.stack(one.logits), **TOL, msg=where)
 

@@ -5,8 +5,9 @@
 outputs and every parameter's gradient). (2) Two tiny hybrids, Qwen3.5's three linear
 layers per full-attention one and a Nemotron-H mamba/attention/mlp pattern, at cp2 and
 cp4 with parallel.linear_cp 'state' (contiguous, zigzag) and 'heads' (striped, zigzag),
-with and without packed documents crossing ranks, under each activation recompute: the
-loss and every gradient equal the single process's. One spawn per world size, the cases looped inside; in bf16 at
+and at tp2 x cp2 (the mixers split by heads), with and without packed documents crossing
+ranks, under each activation recompute: the loss and every gradient (gathered over TP)
+equal the single process's. One spawn per world size, the cases looped inside; in bf16 at
 cp2, as close to one bf16 process as bf16 is to fp32. (3) Each refusal's one line.
 """
 import pickle
@@ -16,6 +17,7 @@ import torch
 
 from ctxpar.config import ConfigError, config_from_dict
 from ctxpar.testing import run_distributed
+from ctxpar.tensor_parallel import gather_full_state_dict
 from ctxpar.testing.linear import HYBRID_CONFIGS, documents
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
@@ -118,10 +120,10 @@ def _parity(rank, world, payload):
     from models.loss import deepspeed_style_reduce_
 
     out = []
-    for name, cp, layout, strategy, cu, ckpt in pickle.loads(payload):
+    for name, tp, cp, layout, strategy, cu, ckpt in pickle.loads(payload):
         cfg = CONFIGS[name]
-        st = init_parallel_state(tp=1, cp=cp, dp=world // cp)
-        model = GPT(cfg, ModelGroups(cp_group=st.cp_group),
+        st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp))
+        model = GPT(cfg, ModelGroups.from_state(st),
                     ModelOptions(layout=layout, seed=SEED, linear_cp=strategy,
                                  activation_checkpointing=ckpt))
         tokens, labels = _batch(cfg)
@@ -132,21 +134,24 @@ def _parity(rank, world, payload):
         loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
         deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
         out.append(dict(loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
-                        grads={n: p.grad.clone() for n, p in model.named_parameters()}))
+                        grads=gather_full_state_dict(model, st.tp_group, grads=True)))
     return out
 
 
 DOCS = documents(N)  # mid-rank starts, one-token documents, one spanning three cp4 ranks
-CASES = {  # world -> (config, cp, layout, parallel.linear_cp, cu_seqlens, recompute)
-    2: [("qwen3.5", 2, "zigzag", "state", None, "none"),
-        ("nemotron-h", 2, "zigzag", "state", None, "full"),  # the block replays its all-gather
-        ("qwen3.5", 2, "striped", "heads", None, "selective"),
-        ("nemotron-h", 2, "striped", "heads", DOCS, "none"),
-        ("qwen3.5", 2, "contiguous", "state", DOCS, "full")],
-    4: [("qwen3.5", 4, "zigzag", "state", DOCS, "none"),
-        ("nemotron-h", 4, "zigzag", "state", None, "selective"),
-        ("nemotron-h", 4, "contiguous", "state", DOCS, "none"),
-        ("qwen3.5", 4, "zigzag", "heads", DOCS, "none")],
+CASES = {  # world -> (config, tp, cp, layout, parallel.linear_cp, cu_seqlens, recompute)
+    2: [("qwen3.5", 1, 2, "zigzag", "state", None, "none"),
+        ("nemotron-h", 1, 2, "zigzag", "state", None, "full"),  # replays its all-gather
+        ("qwen3.5", 1, 2, "striped", "heads", None, "selective"),
+        ("nemotron-h", 1, 2, "striped", "heads", DOCS, "none"),
+        ("qwen3.5", 1, 2, "contiguous", "state", DOCS, "full")],
+    4: [("qwen3.5", 1, 4, "zigzag", "state", DOCS, "none"),
+        ("nemotron-h", 1, 4, "zigzag", "state", None, "selective"),
+        ("nemotron-h", 1, 4, "contiguous", "state", DOCS, "none"),
+        ("qwen3.5", 1, 4, "zigzag", "heads", DOCS, "none"),
+        # TP splits the mixers by heads (one key head, two value heads; one B/C group a rank)
+        ("qwen3.5", 2, 2, "zigzag", "state", DOCS, "none"),
+        ("nemotron-h", 2, 2, "striped", "heads", DOCS, "full")],
 }
 
 
@@ -154,9 +159,9 @@ CASES = {  # world -> (config, cp, layout, parallel.linear_cp, cu_seqlens, recom
 def test_hybrid_gpt_over_cp_equals_one_process(world):
     cases = CASES[world]
     results = run_distributed(_parity, world, pickle.dumps(cases), timeout=240)
-    for case_index, (name, cp, layout, strategy, cu, ckpt) in enumerate(cases):
+    for case_index, (name, tp, cp, layout, strategy, cu, ckpt) in enumerate(cases):
         loss, grads = reference(CONFIGS[name], cu)
-        where = f"{name} cp{cp} {layout} {strategy} docs={cu is not None} {ckpt}"
+        where = f"{name} tp{tp} cp{cp} {layout} {strategy} docs={cu is not None} {ckpt}"
         for rank, per_case in enumerate(results):
             got = per_case[case_index]
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=f"{where} rank {rank}")
@@ -276,7 +281,12 @@ MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
      "model.linear_num_value_heads=6 is not a multiple of model.linear_num_key_heads=4"),
     (dict(MAMBA, mamba_num_heads=4, n_groups=3), {}, {},
      "model.mamba_num_heads=4 is not divisible by model.n_groups=3"),
-    (dict(QWEN), {"tp": 2}, {}, "not built with parallel.tp=2"),
+    (dict(QWEN, linear_num_key_heads=1, linear_num_value_heads=2), {"tp": 2}, {},
+     "model.linear_num_key_heads=1 is not divisible by parallel.tp=2"),
+    (dict(MAMBA, mamba_num_heads=4, n_groups=1), {"tp": 2}, {},
+     "model.n_groups=1 is not divisible by parallel.tp=2"),
+    (dict(MAMBA, mamba_num_heads=4, n_groups=2), {"tp": 2, "cp": 4, "linear_cp": "heads"},
+     {}, "needs model.mamba_num_heads / parallel.tp=2 divisible by cp_size=4"),
     (dict(QWEN), {"linear_cp": "heads"},
      {"data": {"dynamic_cp": True, "kind": "tokens", "path": "x"}},
      "not built with data.dynamic_cp=true and parallel.linear_cp='heads'"),

@@ -1,13 +1,15 @@
 """train.py on a GPT that mixes the attention kinds of today's open models: a sliding
 window (Mistral, Gemma), chunks (Llama 4), full layers, sinks (gpt-oss) and RoPE per layer
 type (Gemma 3); and on a hybrid of linear layers (Qwen3.5's three Gated DeltaNet layers per
-full-attention one, then Nemotron-H's mamba, attention and mlp blocks). Every layout logs
-cp = 1's losses (the attention-level parity over every comm x layout x window is
+full-attention one, then Nemotron-H's mamba, attention and mlp blocks), its linear mixers
+also split over TP and resharded back to tp1. Every layout logs cp = 1's losses (the attention-level parity over every comm x layout x window is
 tests/test_attention_mask.py's, the hybrids' over layouts and documents
 tests/test_hybrid_gpt.py's)."""
+import shutil
+
 import pytest
 
-from tests.helpers.train_run import assert_same_run, run_train
+from tests.helpers.train_run import assert_same_run, losses, run_train
 
 # seq_len 128: a window of 13 is shorter than a cp4 rank's 32 tokens and a zigzag chunk's
 # (the halo exchange); chunks of 48 cross the ranks' boundaries.
@@ -66,6 +68,28 @@ def test_hybrid_linear_layers_log_cp1s_losses(hybrid_reference, tmp_path, nproc,
     assert_same_run(d, hybrid_reference, 6)
     assert "plan: no prediction for this layout (PlanError: model.layer_types has" in \
         proc.stderr, proc.stderr[-2000:]  # no attention-only forecast of a hybrid
+
+
+def test_hybrid_split_over_tp_logs_cp1s_losses_and_reshards_to_tp1(hybrid_reference,
+                                                                   tmp_path):
+    """tp2 x cp2: the mixers split by heads (one key head, one B/C group a rank), their
+    fused [q | k | v] and [z | x | B | C | dt] rows section by section; its step-3
+    checkpoint (ZeRO-1) resumed at tp1 x cp2 through DeepSpeed's universal conversion (the
+    sub-parameter rule, ctxpar/checkpoint/universal.py) logs cp 1's losses to the end."""
+    tp2, tp1 = tmp_path / "tp2cp2", tmp_path / "tp1cp2"
+    run_train(str(tp2), 4, ["parallel.dp=1", "parallel.tp=2", "parallel.cp=2",
+                            "checkpoint.save_interval=3", *HYBRID])
+    assert_same_run(str(tp2), hybrid_reference, 6)
+    tag = "step_00000003"
+    shutil.copytree(tp2 / "checkpoints" / tag, tp1 / "checkpoints" / tag)
+    proc = run_train(str(tp1), 2, ["parallel.dp=1", "parallel.cp=2", *HYBRID],
+                     extra=["--resume", "auto"])
+    assert "resharded step_00000003" in proc.stdout and "tp 2->1" in proc.stdout, \
+        proc.stdout[-2000:]
+    want, got = losses(hybrid_reference), losses(str(tp1))
+    assert sorted(got) == [4, 5, 6], sorted(got)
+    for s in got:  # fp32 weights and Adam states restored exactly; reductions reordered
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
 
 
 GATED = ["model.qk_norm=true", "model.norm_offset=1.0", "model.attention_output_gate=true",

@@ -50,7 +50,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from ..tensor_parallel.utils import is_tensor_parallel, shard_full_tensor
+from ..tensor_parallel.utils import is_tensor_parallel, partition_sections, shard_full_tensor
 from .names import from_pipe, to_pipe
 
 ZERO_DIR = "zero"
@@ -78,19 +78,41 @@ def universal_checkpoint_info(whole_model, n_layers: int, tied: bool,
     """
     from deepspeed.checkpoint import constants as C
 
-    replicated, row = set(), set()
+    replicated, row, fused = set(), set(), {}
     for name, p in whole_model.named_parameters():
         key = to_pipe(name, n_layers, tied) if pipelined else name
         if not is_tensor_parallel(p):
             replicated.add(_pattern(key))
         elif p.partition_dim == 1:
             row.add(_pattern(key))
+        elif partition_sections(p):
+            fused[_pattern(key)] = p
     info = {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             C.TP_REPLICATED_PARAMETER_PATTERNS: sorted(replicated),
-            C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(row)}
+            C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(row),
+            **sub_params_info(fused)}
     if pipelined and tied:
         info[C.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [r"tied_modules\.embed\."]
     return info
+
+
+def sub_params_info(fused: Dict[str, torch.Tensor]) -> Dict:
+    """DeepSpeed's entries for fused TP parameters (partition_sections: a GDN's
+    [q | k | v] rows, Mamba2's [z | x | B | C | dt]): each part split over TP on its own,
+    so merge_tp_slices joins part by part (its sub-parameter rule, UCP 0.4 widths)."""
+    from deepspeed.checkpoint import constants as C
+
+    if not fused:
+        return {}
+    shapes, widths = [], {}
+    for pattern, p in sorted(fused.items()):
+        sections, dim = partition_sections(p), p.partition_dim
+        tp = sum(sections) // p.shape[dim]
+        shape = list(p.shape)
+        shape[dim] = tuple(sections)
+        shapes.append(dict(patterns=[pattern], shape=tuple(shape), partition_dim=dim))
+        widths[pattern] = [[n // tp] * tp for n in sections]
+    return {C.PARAMETER_WITH_SUB_PARAMS: shapes, C.SUB_PARAM_SHARD_WIDTHS: widths}
 
 
 def naming(pipelined: bool, n_layers: int, tied: bool) -> Callable[[str], str]:

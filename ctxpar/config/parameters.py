@@ -12,8 +12,9 @@ instead of drifting its predictions.
 TP split, as the TP layers make it (ctxpar/tensor_parallel/layers.py):
 
     column   split along dim 0 (q/k/v, gate/up, the embedding's and head's vocabulary
-             rows; their biases too; the attention sinks, one per query head)
-    row      split along dim 1 (o_proj, down_proj); their biases replicated
+             rows; their biases too; the attention sinks, one per query head; the linear
+             mixers' projections, convs and per-head vectors, a fused one part by part)
+    row      split along dim 1 (o_proj, down_proj, out_proj); their biases replicated
     heads    k/v with fewer kv heads than TP ranks: each rank holds every kv head
              (ReplicatedHeadLinear), the full shape
     None     replicated (norms)
@@ -107,34 +108,36 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
 
 def _gated_delta_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
     """models/gated_delta.py's parameters (transformers' Qwen3_5GatedDeltaNet names) in
-    named_parameters' order (a module's own before its children's); replicated: TP does
-    not split them yet (config validation refuses tp > 1)."""
+    named_parameters' order (a module's own before its children's); split over TP by
+    heads, as attention (in_proj_qkv and the conv by [q | k | v] section, each part's
+    rows column-wise), the gated norm's (Dv,) weight replicated."""
     g = gated_delta_dims(m)
     key, value, hv = (g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim,
                       g.num_value_heads)
-    return [ParamSpec(p + "dt_bias", (hv,), None), ParamSpec(p + "A_log", (hv,), None),
-            ParamSpec(p + "in_proj_qkv.weight", (2 * key + value, m.d_model), None),
-            ParamSpec(p + "in_proj_z.weight", (value, m.d_model), None),
-            ParamSpec(p + "in_proj_b.weight", (hv, m.d_model), None),
-            ParamSpec(p + "in_proj_a.weight", (hv, m.d_model), None),
-            ParamSpec(p + "conv1d.weight", (2 * key + value, 1, g.conv_kernel), None),
+    return [ParamSpec(p + "dt_bias", (hv,), "column"), ParamSpec(p + "A_log", (hv,), "column"),
+            *_linear(p + "in_proj_qkv", m.d_model, 2 * key + value, "column", False),
+            *_linear(p + "in_proj_z", m.d_model, value, "column", False),
+            *_linear(p + "in_proj_b", m.d_model, hv, "column", False),
+            *_linear(p + "in_proj_a", m.d_model, hv, "column", False),
+            ParamSpec(p + "conv1d.weight", (2 * key + value, 1, g.conv_kernel), "column"),
             ParamSpec(p + "norm.weight", (g.value_head_dim,), None),
-            ParamSpec(p + "out_proj.weight", (m.d_model, value), None)]
+            *_linear(p + "out_proj", value, m.d_model, "row", False)]
 
 
 def _mamba2_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
-    """models/mamba2.py's parameters (transformers' NemotronHMamba2Mixer names);
-    replicated, as above."""
+    """models/mamba2.py's parameters (transformers' NemotronHMamba2Mixer names); split
+    over TP by heads and B/C groups (in_proj by [z | x | B | C | dt] section, the conv by
+    [x | B | C]), out_proj by rows."""
     d = mamba_dims(m)
     width, conv = d.num_heads * d.head_dim, d.num_heads * d.head_dim + 2 * d.n_groups * \
         d.state_size
-    specs = [ParamSpec(p + name, (d.num_heads,), None) for name in ("dt_bias", "A_log", "D")]
-    specs += _linear(p + "in_proj", m.d_model, width + conv + d.num_heads, None, m.bias)
-    specs.append(ParamSpec(p + "conv1d.weight", (conv, 1, d.conv_kernel), None))
+    specs = [ParamSpec(p + name, (d.num_heads,), "column") for name in ("dt_bias", "A_log", "D")]
+    specs += _linear(p + "in_proj", m.d_model, width + conv + d.num_heads, "column", m.bias)
+    specs.append(ParamSpec(p + "conv1d.weight", (conv, 1, d.conv_kernel), "column"))
     if d.conv_bias:
-        specs.append(ParamSpec(p + "conv1d.bias", (conv,), None))
-    specs.append(ParamSpec(p + "norm.weight", (width,), None))
-    return specs + _linear(p + "out_proj", width, m.d_model, None, m.bias)
+        specs.append(ParamSpec(p + "conv1d.bias", (conv,), "column"))
+    specs.append(ParamSpec(p + "norm.weight", (width,), "column"))
+    return specs + _linear(p + "out_proj", width, m.d_model, "row", m.bias)
 
 
 def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:

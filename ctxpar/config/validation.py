@@ -155,23 +155,29 @@ def _check_linear_layers(cfg: Config, err: Err) -> None:
     m, p = cfg.model, cfg.parallel
     if not has_linear_layers(m):
         return
-    mixers = token_mixers(m)
-    heads = []
+    mixers, heads, split = token_mixers(m), [], []
     if "gated_delta" in mixers:
-        heads.append(("model.linear_num_value_heads", gated_delta_dims(m).num_value_heads,
-                      gated_delta_dims(m).chunk_size))
+        g = gated_delta_dims(m)
+        heads.append(("model.linear_num_value_heads", g.num_value_heads, g.chunk_size))
+        split += [("model.linear_num_key_heads", g.num_key_heads),
+                  ("model.linear_num_value_heads", g.num_value_heads)]
     if "mamba2" in mixers:
-        heads.append(("model.mamba_num_heads", mamba_dims(m).num_heads,
-                      mamba_dims(m).chunk_size))
-    for key, n, chunk in heads:
+        d = mamba_dims(m)
+        heads.append(("model.mamba_num_heads", d.num_heads, d.chunk_size))
+        split += [("model.mamba_num_heads", d.num_heads), ("model.n_groups", d.n_groups)]
+    for key, n in split:  # TP splits the mixers by heads (and Mamba2's B/C groups)
+        if n % p.tp:
+            err(f"{key}={n} is not divisible by parallel.tp={p.tp} (TP splits the linear "
+                f"mixers by heads)")
+    for key, n, chunk in heads:  # 'heads' moves each TP rank's heads over CP
         try:
-            check_linear_cp(p.linear_cp, p.layout, n, p.cp, chunk, key)
+            check_linear_cp(p.linear_cp, p.layout, max(n // p.tp, 1), p.cp, chunk,
+                            key if p.tp == 1 else f"{key} / parallel.tp")
         except ValueError as e:
             err(f"parallel.linear_cp={p.linear_cp!r}, parallel.layout={p.layout!r}, "
                 f"parallel.cp={p.cp}: {str(e).replace('strategy=', 'parallel.linear_cp=')}")
     linear = "model.layer_types has 'linear_attention' or 'mamba' layers"
     unbuilt = [
-        (p.tp > 1, f"parallel.tp={p.tp}: the linear mixers are not split over TP yet"),
         (cfg.data.dynamic_cp and p.linear_cp == "heads",
          "data.dynamic_cp=true and parallel.linear_cp='heads': dynamic CP's pack sizes "
          "(1 to the DP x CP ranks) need not divide the linear heads; 'state' takes any"),

@@ -20,7 +20,7 @@ full-size seeded tensors so every TP degree starts from the same model.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -38,12 +38,16 @@ from .mappings import (
 
 
 def set_tensor_model_parallel_attributes(param: nn.Parameter, is_parallel: bool,
-                                         dim: int, stride: int = 1) -> None:
-    """Mark a parameter as split along ``dim`` (Megatron's names) or as replicated."""
+                                         dim: int, stride: int = 1,
+                                         sections: Optional[Sequence[int]] = None) -> None:
+    """Mark a parameter as split along ``dim`` (Megatron's names) or as replicated.
+    sections: a fused parameter's parts along ``dim`` (full sizes, e.g. a GDN's
+    [q | k | v] rows), each split over TP on its own: a rank holds [q_r | k_r | v_r]."""
     param.tensor_model_parallel = is_parallel
     param.model_parallel = is_parallel  # what DeepSpeed's grad-norm code reads
     param.partition_dim = dim if is_parallel else -1
     param.partition_stride = stride
+    param.partition_sections = tuple(sections) if is_parallel and sections else None
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -56,26 +60,43 @@ def _param(shape, device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
 
 
+def column_parallel_parameter(shape: Sequence[int], tp_group, sections=None, device=None,
+                              dtype=None, what: str = "rows") -> nn.Parameter:
+    """An uninitialised parameter of full ``shape`` split along dim 0 over TP (per-head
+    vectors such as A_log, a depthwise conv's channels); with ``sections`` each part of
+    dim 0 is split on its own (set_tensor_model_parallel_attributes)."""
+    tp = tp_size_of(tp_group)
+    for n in sections or (shape[0],):
+        _divide(n, tp, what)
+    param = _param((shape[0] // tp, *shape[1:]), device, dtype)
+    set_tensor_model_parallel_attributes(param, True, dim=0, sections=sections)
+    return param
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b, A split by columns: A = [A_1 … A_p]; rank i computes Y_i = XA_i + b_i.
 
     ``copy_input`` applies f (identity fwd, all-reduce of dX bwd); turn it off when the
     caller applied f once for several projections of the same input. ``gather_output``
     all-gathers Y along the last dim (otherwise Y stays split, as a row layer expects).
+    ``sections``: a fused projection's output parts (full sizes summing to out_features),
+    each split on its own, so rank i computes [Y_1,i | Y_2,i | ...] (Megatron's fused
+    Mamba in_proj; a GDN's [q | k | v]).
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group, bias: bool = True,
                  gather_output: bool = False, copy_input: bool = True,
-                 device=None, dtype=None):
+                 sections: Optional[Sequence[int]] = None, device=None, dtype=None):
         super().__init__()
+        assert sections is None or sum(sections) == out_features, (sections, out_features)
+        assert sections is None or not gather_output, "a gathered output would be permuted"
         self.tp_group, self.gather_output, self.copy_input = tp_group, gather_output, copy_input
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = _divide(out_features, tp_size_of(tp_group), "out_features")
-        self.weight = _param((self.out_per_rank, in_features), device, dtype)
-        set_tensor_model_parallel_attributes(self.weight, True, dim=0)
-        self.bias = _param((self.out_per_rank,), device, dtype) if bias else None
-        if bias:
-            set_tensor_model_parallel_attributes(self.bias, True, dim=0)
+        self.weight = column_parallel_parameter((out_features, in_features), tp_group,
+                                                sections, device, dtype, "out_features")
+        self.bias = column_parallel_parameter((out_features,), tp_group, sections, device,
+                                              dtype, "out_features") if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:

@@ -1,14 +1,16 @@
 """Between full-size tensors and this rank's TP shards, driven by the parameter attributes.
 
 A parameter with ``tensor_model_parallel`` set holds chunk ``tp_rank`` of the full tensor
-along ``partition_dim`` (``partition_stride`` 1: no interleaved fused weights here); any
-other parameter is replicated over TP and is its own full tensor. That one rule serves
+along ``partition_dim`` (``partition_stride`` 1: no interleaved fused weights here), or,
+with ``partition_sections`` (a fused parameter's parts, full sizes), chunk ``tp_rank`` of
+each part, concatenated; any other parameter is replicated over TP and is its own full
+tensor. That one rule serves
 the deterministic init (full tensor -> slice), loading a tp=1 checkpoint into any TP
 degree, and gathering a sharded model back into a single-process state dict.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -29,19 +31,35 @@ def full_shape(param: torch.Tensor, tp_size: int) -> torch.Size:
     return torch.Size(shape)
 
 
+def partition_sections(param: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """A fused TP parameter's parts along partition_dim (full sizes), else None."""
+    return getattr(param, "partition_sections", None) if is_tensor_parallel(param) else None
+
+
 def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
     """This rank's slice of ``full`` for ``param`` (the full tensor itself if replicated)."""
     if not is_tensor_parallel(param):
         return full
-    return split_along(full, tp_group, param.partition_dim)
+    dim, sections = param.partition_dim, partition_sections(param)
+    if sections is None or tp_size_of(tp_group) == 1:
+        return split_along(full, tp_group, dim)
+    return torch.cat([split_along(part, tp_group, dim)
+                      for part in full.split(sections, dim=dim)], dim=dim)
 
 
 def gather_full_tensor(local: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
     """The full-size tensor of which ``local`` is this rank's shard, split like ``param``
     (collective over TP for split parameters; a copy of ``local`` for replicated ones)."""
-    if not is_tensor_parallel(param) or tp_size_of(tp_group) == 1:
+    tp = tp_size_of(tp_group)
+    if not is_tensor_parallel(param) or tp == 1:
         return local.detach().clone()
-    return gather_along(local.detach(), tp_group, param.partition_dim)
+    dim, sections = param.partition_dim, partition_sections(param)
+    gathered = gather_along(local.detach(), tp_group, dim)  # [rank 0's | rank 1's | ...]
+    if sections is None:
+        return gathered
+    ranks = [shard.split([n // tp for n in sections], dim=dim)
+             for shard in gathered.chunk(tp, dim=dim)]   # each rank's [part 0 | part 1 ...]
+    return torch.cat([torch.cat(parts, dim=dim) for parts in zip(*ranks)], dim=dim)
 
 
 @torch.no_grad()
