@@ -29,7 +29,7 @@ import torch
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
                           LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+                          Qwen3Config, Qwen3_5TextConfig)
 
 from ctxpar.checkpoint import CheckpointError, hf, read_manifest  # noqa: E402
 from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
@@ -41,6 +41,7 @@ from ctxpar.data import PasskeyTask  # noqa: E402
 from ctxpar.distributed.parallel_state import free_port  # noqa: E402
 from models.gpt import GPT, rope_inv_freq  # noqa: E402
 from helpers.train_run import ROOT, losses, run_train  # noqa: E402
+from helpers.warm_launch import run_warm  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -76,6 +77,12 @@ FAMILY_CONFIGS = {
     "mistral": (MistralConfig, dict(rope_theta=5000.0, sliding_window=None)),
     "gemma3_text": (Gemma3TextConfig, dict(layer_types=["full_attention"] * 2,
                                            query_pre_attn_scalar=20)),
+    # Gated DeltaNet then gated full attention with RoPE on a quarter of each head
+    # (transformers' default); value heads twice the key heads, as Qwen3.5's
+    "qwen3_5_text": (Qwen3_5TextConfig, dict(layer_types=["linear_attention",
+                                                          "full_attention"],
+                                             linear_num_key_heads=2, linear_num_value_heads=4,
+                                             linear_key_head_dim=8, linear_value_head_dim=6)),
 }
 
 
@@ -150,7 +157,8 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
 
 
 @pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", False), ("qwen3", True),
-                                         ("mistral", False), ("gemma3_text", True)])
+                                         ("mistral", False), ("gemma3_text", True),
+                                         ("qwen3_5_text", False)])
 def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
     ref = tiny_family(tmp_path / family, family, tied)
     model = ctxpar_from(tmp_path / family)
@@ -241,7 +249,9 @@ def test_a_folder_relabelled_llama_is_refused(tmp_path, family, tensor):
 def family_json(family, **fields):
     """config.json of a small model of a family, as ctxpar exports it, fields changed."""
     m = ModelConfig(vocab_size=96, d_model=64, n_heads=4, family=family,
-                    **{k: v for k, v in FAMILIES[family].fixed.items()})
+                    **{k: v for k, v in FAMILIES[family].fixed.items()},
+                    **({"n_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+                       if family == "qwen3_5_text" else {}))
     return {**hf.family_config(m), **fields}
 
 
@@ -272,15 +282,30 @@ def family_json(family, **fields):
                                                      "softcapping is not implemented"),
     ("gemma3_text", "architectures", ["Gemma3ForConditionalGeneration"],
      "architectures=['Gemma3ForConditionalGeneration']: ctxpar imports Gemma3ForCausalLM"),
+    ("qwen3_5_text", "layer_types", ["linear_attention", "sliding_attention"],
+     "layer_types=['linear_attention', 'sliding_attention']: one of 'linear_attention', "
+     "'full_attention' per layer (2)"),
+    ("qwen3_5_text", "linear_num_value_heads", 0, "linear_num_value_heads=0: config.json "
+                                                  "must give it as an integer >= 1"),
+    ("qwen3_5_text", "num_experts", 4, "num_experts=4: mixture of experts is not implemented"),
+    # a Qwen3.5 folder relabelled Qwen3: its architecture, and without it its Gated
+    # DeltaNet fields (unknown to qwen3)
+    ("qwen3_5_text", "model_type", "qwen3", "architectures=['Qwen3_5ForCausalLM']: ctxpar "
+                                           "imports Qwen3ForCausalLM"),
+    ("qwen3_5_text", "model_type", "qwen3", "linear_conv_kernel_dim=4: a config field ctxpar "
+                                           "does not know for model_type 'qwen3'"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
     window = {"qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1,
                             layer_types=None),
               "qwen3": dict(use_sliding_window=True, sliding_window=16,
-                            layer_types=["full_attention", "sliding_attention"])
+                            layer_types=["full_attention", "sliding_attention"]),
+              "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
               }.get(family, {})
     config = family_json(family, **{**window, field: value})
+    if "linear_conv_kernel_dim" in msg:  # relabelled whole: architectures too
+        config["architectures"] = ["Qwen3ForCausalLM"]
     if family == "gemma3_text" and field == "sliding_window":
         config.update(layer_types=["sliding_attention", "full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -296,15 +321,24 @@ def test_models_no_family_holds_are_refused_at_export():
         hf.family_config(ModelConfig(mlp="gelu", family="llama"))
     with pytest.raises(CheckpointError, match=r"no Hugging Face family holds this model"):
         hf.family_config(ModelConfig(mlp="gelu"))
-    for field, value, said in (("attention_output_gate", True, "true"),
+    for field, value, said in (("attention_output_gate", True, "True"),
                                ("partial_rotary_factor", 0.5, "0.5")):
         with pytest.raises(CheckpointError, match=f"model.{field}={said} cannot be exported "
                                                   f"as Qwen3ForCausalLM"):
-            hf.family_config(ModelConfig(qk_norm=True, **{field: value}))
-    # a plain GPT is a Llama; q/k/v biases make it a Qwen2, q/k norms a Qwen3
+            hf.family_config(ModelConfig(qk_norm=True, family="qwen3", **{field: value}))
+    with pytest.raises(CheckpointError, match=r"model.layer_types=\['linear_attention', "
+                                              r"'mamba'\] \(Qwen3.5 has"):
+        hf.family_config(ModelConfig(n_layers=2, layer_types=["linear_attention", "mamba"],
+                                     family="qwen3_5_text", qk_norm=True, norm_offset=1.0,
+                                     attention_output_gate=True))
+    # a plain GPT is a Llama; q/k/v biases make it a Qwen2, q/k norms a Qwen3, gated
+    # attention with (1 + w) norms a Qwen3.5
     assert hf.family_config(ModelConfig())["architectures"] == ["LlamaForCausalLM"]
     assert hf.family_config(ModelConfig(attention_bias=True))["model_type"] == "qwen2"
     assert hf.family_config(ModelConfig(qk_norm=True))["model_type"] == "qwen3"
+    assert hf.family_config(ModelConfig(qk_norm=True, norm_offset=1.0,
+                                        attention_output_gate=True))["model_type"] == \
+        "qwen3_5_text"
 
 
 def rewrite_weights(folder, change):
@@ -650,6 +684,35 @@ def test_train_py_from_a_windowed_gemma3_folder_at_cp2_pp2_and_back(tmp_path):
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits, **TOL)
 
 
+def save_word_tokenizer(folder):
+    """A word-level tokenizer over a 256-id vocabulary saved into folder as transformers
+    saves one (tokenizer.json, and tokenizer_config.json naming the EOS '</s>' = 1), a BOS
+    'w5' prepended as Llama's; the tokenizers object."""
+    vocab = {"<unk>": 0, "</s>": 1, "the": 2, "key": 3, "is": 4,
+             **{f"w{i}": i for i in range(5, 256)}}  # every id the model can emit decodes
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="w5 $A",
+                                                       special_tokens=[("w5", 5)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="w5",
+                            unk_token="<unk>").save_pretrained(folder)
+    return tok
+
+
+def greedy_continuations_agree(rows, exported, tok, max_new):
+    """generate.py's jsonl rows against transformers' greedy continuation of the same
+    prompts (BOS first) from the exported folder, cut at the EOS (id 1)."""
+    for row in rows:
+        ids = torch.tensor([tok.encode(row["prompt"]).ids])
+        with torch.no_grad():
+            new = exported.generate(ids, max_new_tokens=max_new, do_sample=False)[
+                0, ids.shape[1]:].tolist()
+        new = new[:new.index(1)] if 1 in new else new
+        assert row["completion"] == tok.decode(new), (row, new)
+
+
 def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
     """The CPU demo of a context extension: a Qwen3 folder (a sliding layer, window 9, and
     a full one; q/k norms; untied) trained by train.py at twice its
@@ -660,17 +723,7 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
     folder = tmp_path / "qwen3"
     tiny_family(folder, "qwen3", tied=False, vocab_size=256, intermediate_size=192,
                 **WINDOWED["qwen3"])
-    vocab = {"<unk>": 0, "</s>": 1, "the": 2, "key": 3, "is": 4,
-             **{f"w{i}": i for i in range(5, 256)}}  # every id the model can emit decodes
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="w5 $A",  # a BOS, as Llama's
-                                                       special_tokens=[("w5", 5)])
-    # as transformers saves it: tokenizer.json, and tokenizer_config.json naming the EOS
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="w5",
-                            unk_token="<unk>").save_pretrained(folder)
+    tok = save_word_tokenizer(folder)
     yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}
     run = tmp_path / "run"
     sets = [s for s in folder_sets(folder) if not s.startswith("model.rope_scaling=")]
@@ -711,10 +764,60 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
     assert r.returncode == 0, r.stderr[:4000] + r.stderr[-1000:]  # the cause, the agent
     rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert [row["prompt"] for row in rows] == prompts
-    for row in rows:
-        ids = torch.tensor([tok.encode(row["prompt"]).ids])  # with the BOS, as transformers
-        with torch.no_grad():
-            new = exported.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
-        new = new.tolist()
-        new = new[:new.index(1)] if 1 in new else new
-        assert row["completion"] == tok.decode(new), (row, new)
+    greedy_continuations_agree(rows, exported, tok, 6)
+
+
+# A Qwen3.5 hybrid: Gated DeltaNet layers around one gated full-attention layer, in an
+# order that does not repeat evenly; value heads twice the key heads.
+QWEN3_5 = dict(vocab_size=256, intermediate_size=192,
+               layer_types=["linear_attention", "full_attention", "linear_attention",
+                            "linear_attention"], num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("sets", [
+    ["parallel.cp=2", "parallel.layout=zigzag", "parallel.linear_cp=state"],
+    ["parallel.cp=2", "parallel.linear_cp=heads", "parallel.cp_comm=ulysses"],
+    ["parallel.tp=2", "parallel.cp=2"],
+    ["parallel.cp=2", "parallel.pp=2"],
+], ids=["cp2-state-zigzag", "cp2-heads", "tp2-cp2", "cp2-pp2"])
+def test_train_py_from_a_qwen3_5_folder_and_back(tmp_path, sets):
+    """train.py's step-1 loss from a Qwen3.5 folder equals transformers' on every layout
+    the linear layers run on; the export (gathered over TP and the pipeline's stages)
+    reloads in transformers with ctxpar's logits."""
+    folder = tmp_path / "qwen3_5"
+    ref = tiny_family(folder, "qwen3_5_text", tied=False, **QWEN3_5)
+    tok = save_word_tokenizer(folder)
+    run = tmp_path / "run"
+    nproc = 4 if "parallel.tp=2" in sets or "parallel.pp=2" in sets else 2
+    proc = run_train(str(run), nproc, [
+        *sets, "parallel.dp=1", "train.steps=1", f"model.init_from={folder}",
+        f"data.tokenizer={folder / 'tokenizer.json'}", "logging.wandb.mode=disabled",
+        *folder_sets(folder)])
+    assert "Hugging Face Qwen3_5 folder" in proc.stdout, proc.stdout[-2000:]
+    assert_first_loss_is_the_references(run, ref)
+    if "parallel.cp_comm=ulysses" in sets:
+        return  # one export is enough for the layouts that split the model's tensors
+    exported, back = export_and_reload(run, tmp_path / "exported")
+    assert type(exported).__name__ == "Qwen3_5ForCausalLM"
+    assert exported.config.layer_types == QWEN3_5["layer_types"]
+    # one warm-up step moves a weight by at most lr_1 = 3e-3 / 20 (Adam's first step is
+    # lr x sign): a fused [q | k | v] or [z | ...] gathered in the wrong order over TP or
+    # stages would move it by the weights' own scale (~0.02-0.3)
+    theirs = exported.state_dict()
+    for name, want in ref.state_dict().items():
+        assert (theirs[name] - want).abs().max() <= 1e-3, name
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits,
+                                   **TOL)
+    if "parallel.linear_cp=state" in sets:  # generate.py at cp2: transformers' greedy
+        prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": ROOT}
+        r = run_warm("generate.py", ["--run-dir", str(run), "--prompt", prompts[0],
+                                     "--prompt", prompts[1], "--max-new-tokens", "6",
+                                     "--output-format", "jsonl"], 2, env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+        assert [row["prompt"] for row in rows] == prompts
+        greedy_continuations_agree(rows, exported, tok, 6)

@@ -12,6 +12,10 @@ rest read from config.json:
                                        scale_embeddings, qk_norm, query_pre_attn_scalar;
                                        layer_types, sliding_window, the sliding layers'
                                        own RoPE (layer_rope)
+    qwen3_5_text  Qwen3_5ForCausalLM   swiglu, rmsnorm with norm_offset 1, qk_norm,
+                                       attention_output_gate; layer_types of
+                                       linear_attention (Gated DeltaNet: linear_*) and
+                                       full_attention, partial RoPE (linear_families.py)
     (qwen2 and qwen3 read their sliding layers too: use_sliding_window,
     max_window_layers, layer_types)
 
@@ -26,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Tuple
 
 from ..config.sections import HF_FAMILIES
+from .linear_families import LINEAR_ATTENTION_KEYS
 
 # model.* fields a family fixes (Llama leaves bias free), so the family of a ModelConfig
 # is the first whose fixed values it has.
 ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_bias": False,
                  "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
-                 "scale_embeddings": False}
+                 "scale_embeddings": False, "attention_output_gate": False}
 
 # config.json keys that do not change the computation: bookkeeping, token ids, generation
 # defaults, the runtime's switches.
@@ -101,6 +106,13 @@ FAMILIES: Dict[str, Family] = {
                                            "biases on every layer (MLP too)")},
         own=("query_pre_attn_scalar", "sliding_window", "layer_types", "rope_local_base_freq",
              "hidden_act", "sliding_window_pattern", "_sliding_window_pattern")),
+    "qwen3_5_text": Family(
+        "Qwen3_5ForCausalLM", {**ARCH_DEFAULTS, "norm_offset": 1.0, "qk_norm": True,
+                               "attention_output_gate": True},
+        ("hidden_act", "silu"),
+        neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
+                                           "biases on every layer (MLP too)")},
+        own=("layer_types", "full_attention_interval", *LINEAR_ATTENTION_KEYS)),
 }
 assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
 

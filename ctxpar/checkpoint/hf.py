@@ -35,6 +35,8 @@ from ..config.layers import ATTENTION_TYPES, layer_types
 from ..config.parameters import parameter_specs
 from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
                        family_of)
+from .linear_families import (HYBRID_LAYER_TYPES, linear_attention_config,
+                              linear_attention_fields, qwen3_5_rope)
 from .names import to_hf
 from .resume import CheckpointError
 
@@ -105,6 +107,12 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         cfg["attention_bias"] = False
     if name == "mistral":
         cfg["sliding_window"] = m.sliding_window if sliding else None
+    if name == "qwen3_5_text":
+        del cfg["rope_theta"], cfg["rope_scaling"]
+        cfg.update(attention_bias=False, **linear_attention_config(m, types),
+                   rope_parameters={**(m.rope_scaling or {"rope_type": "default"}),
+                                    "rope_theta": m.rope_theta,
+                                    "partial_rotary_factor": m.partial_rotary_factor})
     if name == "gemma3_text":
         scaling = dict(m.rope_scaling or {"rope_type": "default"})
         local = (m.layer_rope or {}).get("sliding_attention", {})
@@ -136,14 +144,17 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
         raise CheckpointError(f"{what} cannot be exported as {architecture}")
     if m.attention_sinks:
         refuse("model.attention_sinks=true")
-    if m.attention_output_gate:
-        refuse("model.attention_output_gate=true")
+    if name == "qwen3_5_text":  # Gated DeltaNet and gated full attention, nothing else
+        if set(types) - set(HYBRID_LAYER_TYPES):
+            refuse(f"model.layer_types={types} (Qwen3.5 has "
+                   f"{' and '.join(HYBRID_LAYER_TYPES)} layers)")
+        return types
     if m.partial_rotary_factor != 1.0:
         refuse(f"model.partial_rotary_factor={m.partial_rotary_factor}")
     linear = sorted(set(types) - set(ATTENTION_TYPES))
     if linear:
         refuse(f"model.layer_types with {linear} layers (Gated DeltaNet, Mamba2 and "
-               f"single-op blocks: no exported family holds them yet)")
+               f"single-op blocks: Qwen3.5's layer_types hold Gated DeltaNet)")
     if "chunked_attention" in types:
         refuse(f"model.layer_types={types} (chunked attention)")
     if name == "llama" and "sliding_attention" in types:
@@ -312,7 +323,11 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
                 "intermediate_size"):
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
             refuse(key, hf.get(key), "config.json must give it as an integer")
-    fields.update(_attention_kinds(hf, file, refuse))
+    if name == "qwen3_5_text":  # Gated DeltaNet layers; the attention layers' partial RoPE
+        fields.update(linear_attention_fields(hf, refuse))
+        hf, fields["partial_rotary_factor"] = qwen3_5_rope(hf)
+    else:
+        fields.update(_attention_kinds(hf, file, refuse))
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
     hd = hf.get("head_dim") or d // heads
     theta, scaling = _rope(hf, file, fam.default_theta, name == "gemma3_text")

@@ -11,6 +11,8 @@ GPT (models/gpt.py) is the canonical form; every checkpoint conversion goes thro
     layers.{i}.mlp_norm.weight   {i+1}.mlp_norm.weight             post_attention_layernorm.weight
     layers.{i}.mlp.gate_proj.*   {i+1}.mlp.gate_proj.*             mlp.gate_proj.*
       (up_proj, down_proj likewise)
+    layers.{i}.linear_attn.*     {i+1}.linear_attn.*               linear_attn.* (Qwen3.5's
+                                                                   Gated DeltaNet, as named)
 
 With model.post_norms (Gemma 2/3) Hugging Face names the norms by place instead:
 
@@ -38,7 +40,7 @@ _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Inside a block, GPT's -> HF's: whole names, then prefixes.
 _HF_IN_BLOCK = (("attn_norm.weight", "input_layernorm.weight"),
                 ("mlp_norm.weight", "post_attention_layernorm.weight"),
-                ("attn.", "self_attn."), ("mlp.", "mlp."))
+                ("attn.", "self_attn."), ("mlp.", "mlp."), ("linear_attn.", "linear_attn."))
 _HF_IN_POST_NORM_BLOCK = (("attn_norm.weight", "input_layernorm.weight"),
                           ("post_attn_norm.weight", "post_attention_layernorm.weight"),
                           ("mlp_norm.weight", "pre_feedforward_layernorm.weight"),
