@@ -821,3 +821,29 @@ def test_train_py_from_a_qwen3_5_folder_and_back(tmp_path, sets):
         rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
         assert [row["prompt"] for row in rows] == prompts
         greedy_continuations_agree(rows, exported, tok, 6)
+
+
+def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path):
+    """Qwen3.5's released folders are Qwen3_5ForConditionalGeneration (model_type qwen3_5:
+    a text_config, a vision tower): ctxpar imports the language model, its logits on text
+    equal the whole model's, and says what it left out; a field it does not know at the
+    top level is refused by name."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    text = {**SMALL, **FAMILY_CONFIGS["qwen3_5_text"][1]}
+    torch.manual_seed(0)
+    ref = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+        text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                             num_heads=2, out_hidden_size=64))).float().eval()
+    ref.save_pretrained(tmp_path)
+    model = ctxpar_from(tmp_path)  # every language-model tensor used, none left
+    assert model.cfg.family == "qwen3_5_text" and model.cfg.partial_rotary_factor == 0.25
+    tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, torch.arange(48)), ref(tokens).logits, **TOL)
+    assert hf.left_out(str(tmp_path)) == ("its language model; left out: the vision tower "
+                                          "(vision_config, model.visual.*)")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "audio_config": {}}))
+    with pytest.raises(CheckpointError, match=r"audio_config=\{\}: a config field ctxpar "
+                                              r"does not know for model_type 'qwen3_5'"):
+        hf.read_config(str(tmp_path))

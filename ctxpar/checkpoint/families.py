@@ -117,6 +117,27 @@ FAMILIES: Dict[str, Family] = {
 assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
 
 
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal folder around a family's language model: its text_config is the
+    family's config.json, its tensors under ``prefix`` are the family's ``model.*``, those
+    under ``left_out`` are not imported (said in the start-up line)."""
+    text_family: str
+    prefix: str
+    left_out: Tuple[str, ...]
+    what: str                          # what is left out, in words
+    top_keys: Tuple[str, ...]          # the top-level keys it may have besides text_config
+
+
+# model_type of a released multimodal folder -> how its language model is read
+WRAPPERS: Dict[str, Wrapper] = {
+    "qwen3_5": Wrapper("qwen3_5_text", "model.language_model.", ("model.visual.",),
+                       "the vision tower (vision_config, model.visual.*)",
+                       ("vision_config", "image_token_id", "video_token_id",
+                        "vision_start_token_id", "vision_end_token_id")),
+}
+
+
 def family_of(m) -> str:
     """model.family, or the first family whose fixed fields m has (llama for a plain GPT);
     KeyError when none holds m."""

@@ -34,7 +34,7 @@ from ..config import (ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig,
 from ..config.layers import ATTENTION_TYPES, layer_types
 from ..config.parameters import parameter_specs
 from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
-                       family_of)
+                       WRAPPERS, family_of)
 from .linear_families import (HYBRID_LAYER_TYPES, linear_attention_config,
                               linear_attention_fields, qwen3_5_rope)
 from .names import to_hf
@@ -175,13 +175,43 @@ def _number(x: float):
     return int(x) if float(x).is_integer() else x
 
 
-def read_config(path: str) -> Dict[str, Any]:
+def read_raw_config(path: str) -> Dict[str, Any]:
     file = os.path.join(path, CONFIG)
     try:
         with open(file) as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{file}: not a readable config.json ({e})") from None
+
+
+def read_config(path: str) -> Dict[str, Any]:
+    """config.json of the folder's causal LM: the file itself, or a multimodal folder's
+    text_config (families.WRAPPERS: Qwen3.5's released folders) with the head's tying."""
+    hf = read_raw_config(path)
+    wrapper = WRAPPERS.get(hf.get("model_type"))
+    if wrapper is None:
+        return hf
+    file, text = os.path.join(path, CONFIG), hf.get("text_config")
+    allowed = {"text_config", "tie_word_embeddings", *wrapper.top_keys} | IGNORED_KEYS
+    for key in sorted(hf):
+        if key not in allowed:
+            raise CheckpointError(f"{file}: {key}={hf[key]!r}: a config field ctxpar does "
+                                  f"not know for model_type {hf['model_type']!r}")
+    if not isinstance(text, dict) or text.get("model_type", wrapper.text_family) != \
+            wrapper.text_family:
+        raise CheckpointError(f"{file}: text_config={text!r}: ctxpar imports a "
+                              f"{hf['model_type']!r} folder's {wrapper.text_family!r} "
+                              f"language model")
+    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "model_type": wrapper.text_family, "tie_word_embeddings": tied,
+            "architectures": [FAMILIES[wrapper.text_family].architecture]}
+
+
+def left_out(path: str) -> Optional[str]:
+    """What a multimodal folder holds besides the language model ctxpar imports (None:
+    nothing)."""
+    wrapper = WRAPPERS.get(read_raw_config(path).get("model_type"))
+    return None if wrapper is None else f"its language model; left out: {wrapper.what}"
 
 
 def _rope(hf: Dict[str, Any], file: str, default_theta: float,
@@ -383,6 +413,9 @@ class WeightReader:
 
     def __init__(self, path: str, tied: bool, post_norms: bool = False):
         from safetensors import safe_open
+        # a multimodal folder: the language model under its prefix, the rest left out
+        self.wrapper = WRAPPERS.get(read_raw_config(path).get("model_type")) \
+            if is_hf_folder(path) else None
         index = os.path.join(path, WEIGHTS_INDEX)
         if os.path.isfile(index):
             try:
@@ -424,7 +457,15 @@ class WeightReader:
         self.used = set()
 
     def key(self, gpt_name: str) -> str:
-        return to_hf(gpt_name, self.post_norms)
+        key = to_hf(gpt_name, self.post_norms)
+        if self.wrapper is not None and key.startswith("model."):
+            return self.wrapper.prefix + key[len("model."):]
+        return key
+
+    def _kept(self, key: str) -> bool:
+        """Not a buffer, nor a tensor of what a multimodal folder leaves out."""
+        return not key.endswith(self.IGNORED) and not (
+            self.wrapper is not None and key.startswith(self.wrapper.left_out))
 
     def get(self, gpt_name: str) -> torch.Tensor:
         key = self.key(gpt_name)
@@ -438,7 +479,7 @@ class WeightReader:
         left = set(self._where) - self.used
         if self.tied:
             left.discard("lm_head.weight")
-        return sorted(k for k in left if not k.endswith(self.IGNORED))
+        return sorted(k for k in left if self._kept(k))
 
     def check(self, m: ModelConfig) -> None:
         """Every parameter of m has its tensor in the folder with its full shape and a dtype
@@ -460,8 +501,7 @@ class WeightReader:
                 raise CheckpointError(f"{self.path}: {key} is {dtype}; ctxpar reads "
                                       f"{', '.join(DTYPES)} (dequantize or convert it first)")
         extra = sorted(k for k in set(self._where) - set(want)
-                       if not k.endswith(self.IGNORED)
-                       and not (self.tied and k == "lm_head.weight"))
+                       if self._kept(k) and not (self.tied and k == "lm_head.weight"))
         if extra:
             more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
             raise CheckpointError(f"{self.path}: tensor {extra[0]!r}{more} would not be used "

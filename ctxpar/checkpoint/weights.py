@@ -55,10 +55,12 @@ class InitSource:
     changed: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
     manifest: Dict[str, Any] = field(default_factory=dict)
     family: Optional[str] = None  # the folder's model_type (kind 'hf')
+    note: Optional[str] = None  # what a multimodal folder's import leaves out
 
     def describe(self) -> str:
         what = (f"Hugging Face {hf.FAMILIES[self.family].architecture[:-len('ForCausalLM')]}"
                 f" folder" if self.kind == "hf" else "ctxpar checkpoint")
+        what += f", {self.note}" if self.note else ""
         # init_std only draws a random init: every weight comes from the source here
         diff = "".join(f", {k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items()
                        if k != "init_std")
@@ -78,7 +80,7 @@ def check_init_from(cfg) -> InitSource:
         hf.WeightReader(path, cfg.model.tie_embeddings, cfg.model.post_norms).check(cfg.model)
         if cfg.model.family is None:
             cfg.model.family = fields["family"]
-        return InitSource(path, "hf", changed, family=fields["family"])
+        return InitSource(path, "hf", changed, family=fields["family"], note=hf.left_out(path))
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
     fields = vars(saved_model(manifest, tag_dir))
