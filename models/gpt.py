@@ -45,7 +45,7 @@ from ctxpar.context_parallel import AttentionMask, ContextParallel
 from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.memory.offload import ActivationOffload, run_layer
-from ctxpar.memory.tiled_mlp import gate_activation, mark_zero3_leaf, tiled_mlp
+from ctxpar.memory.tiled_mlp import gate_activation, mark_zero3_leaf, tiled_mlp, up_activation
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .gated_delta import GatedDeltaNet, init_gated_delta
@@ -299,6 +299,7 @@ class Attention(nn.Module):
                    dtype=dtype)
         d, hd = cfg.d_model, self.head_dim
         self.gated = cfg.attention_output_gate  # q_proj's rows per head: [q | gate]
+        self.rope = cfg.rope
         self.rotary_dim = rotary_dim(cfg)
         self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd * (2 if self.gated else 1),
                                            copy_input=False, **lin)
@@ -328,6 +329,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # over each head's hd channels
             q, k = self.q_norm(q), self.k_norm(k)
+        if not self.rope:  # NoPE (model.rope=false): the order is the mask's alone
+            return q, k, v, gate
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
 
     def out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
@@ -352,8 +355,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), GeGLU: down(gelu(gate x) * up x) (tanh-GELU), or
-    GELU: down(gelu(up x)); gate/up split by columns.
+    """SwiGLU: down(silu(gate x) * up x), GeGLU: down(gelu(gate x) * up x) (tanh-GELU),
+    GELU: down(gelu(up x)), or squared ReLU: down(relu(up x)^2) (Nemotron-H); gate/up
+    split by columns.
 
     ``tile_tokens`` ('auto' or N; None: untiled) runs it over tiles of tokens, recomputed in
     backward, so the (B*T/cp, ffn/tp) intermediates never exist whole (memory/tiled_mlp.py).
@@ -383,7 +387,7 @@ class MLP(nn.Module):
             gate = gate_activation(self.gate_proj(x), self.mlp)  # (B, T/cp, ffn/tp)
             h = gate * self.up_proj(x)
         else:
-            h = F.gelu(self.up_proj(x), approximate="tanh")
+            h = up_activation(self.up_proj(x), self.mlp)  # tanh-GELU or squared ReLU
         return self.down_proj(h)  # (B, T/cp, d), all-reduced over TP
 
 

@@ -125,6 +125,11 @@ def _write(tmp_path, data, name="c.yaml"):
     ({"model": {"sliding_window": 8, "layer_rope": {"sliding_attention": {"base": 1.0}}}},
      None, "model.layer_rope.sliding_attention={'base': 1.0} must be a mapping of rope_theta"),
     ({"model": {"layer_types": "sliding_attention"}}, None, "model.layer_types must be a list"),
+    ({"model": {"rope": False, "partial_rotary_factor": 0.5}}, None,
+     "model.partial_rotary_factor=0.5 with model.rope=false: the attention layers have no "
+     "RoPE"),
+    ({"model": {"rope": False, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}}, None,
+     "model.rope_scaling={'factor': 2.0, 'rope_type': 'linear'} with model.rope=false"),
     # long_context_eval: known tasks, and only where the training model can generate.
     ({"long_context_eval": {"tasks": ["needles"]}}, None,
      "long_context_eval.tasks: unknown ['needles']; choose from ['needle', 'multikey',"),

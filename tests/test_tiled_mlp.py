@@ -76,7 +76,7 @@ def test_auto_tile_rule():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gelu"])
+@pytest.mark.parametrize("mlp", ["swiglu", "geglu", "gelu", "relu2"])
 def test_tiled_equals_untiled(mlp):
     full, x, dy = _data(mlp)
     y0, dx0, g0 = _mlp_run(mlp, None, full=full, x=x, dy=dy)

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
         if args.model_config:
             fields = hf.model_fields(hf.read_config(args.path), args.path)
             m = ModelConfig(**fields)
-            hf.WeightReader(args.path, m.tie_embeddings, m.post_norms).check(m)
+            hf.WeightReader(args.path, m.tie_embeddings, hf.naming_of(m)).check(m)
             fields = {**{k: v for k, v in fields.items() if k != "init_std"},
                       "init_from": args.path}
             print(yaml.safe_dump({"model": fields}, sort_keys=False), end="")

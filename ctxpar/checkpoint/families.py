@@ -16,6 +16,8 @@ rest read from config.json:
                                        attention_output_gate; layer_types of
                                        linear_attention (Gated DeltaNet: linear_*) and
                                        full_attention, partial RoPE (linear_families.py)
+    nemotron_h    NemotronHForCausalLM relu2 MLP, rope false (NoPE attention); Mamba2,
+                                       attention and MLP blocks, one op each
     (qwen2 and qwen3 read their sliding layers too: use_sliding_window,
     max_window_layers, layer_types)
 
@@ -30,13 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Tuple
 
 from ..config.sections import HF_FAMILIES
-from .linear_families import LINEAR_ATTENTION_KEYS
+from .linear_families import LINEAR_ATTENTION_KEYS, NEMOTRON_ALIASES, NEMOTRON_MAMBA_KEYS
 
 # model.* fields a family fixes (Llama leaves bias free), so the family of a ModelConfig
 # is the first whose fixed values it has.
 ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_bias": False,
                  "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
-                 "scale_embeddings": False, "attention_output_gate": False}
+                 "scale_embeddings": False, "attention_output_gate": False, "rope": True}
 
 # config.json keys that do not change the computation: bookkeeping, token ids, generation
 # defaults, the runtime's switches.
@@ -79,6 +81,9 @@ class Family:
     neutral: Dict[str, Tuple[Any, str]] = field(default_factory=dict)
     # config.json keys the family has whose value ctxpar reads (family-specific code)
     own: Tuple[str, ...] = ()
+    # config.json keys the family always writes that compute nothing in the models ctxpar
+    # takes (Nemotron-H's MoE and multi-token-prediction settings without such blocks)
+    inert: Tuple[str, ...] = ()
 
 
 FAMILIES: Dict[str, Family] = {
@@ -113,6 +118,32 @@ FAMILIES: Dict[str, Family] = {
         neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
                                            "biases on every layer (MLP too)")},
         own=("layer_types", "full_attention_interval", *LINEAR_ATTENTION_KEYS)),
+    "nemotron_h": Family(
+        "NemotronHForCausalLM", {**ARCH_DEFAULTS, "mlp": "relu2", "rope": False},
+        ("mlp_hidden_act", "relu2"),
+        neutral={"attention_bias": (False, "Nemotron-H's attention has no biases"),
+                 "use_bias": (False, "ctxpar's Mamba2 has in/out projection biases only "
+                                     "with model.bias, which attention would take too"),
+                 "mlp_bias": (False, "ctxpar's MLP biases come with model.bias, which "
+                                     "Nemotron-H's attention never has"),
+                 "mamba_proj_bias": (False, "a Mamba2 projection bias"),
+                 "mamba_hidden_act": ("silu", "ctxpar's Mamba2 conv activation is silu"),
+                 "residual_in_fp32": (False, "ctxpar adds the residual in the activations' "
+                                             "dtype"),
+                 "hidden_dropout": (0.0, "ctxpar trains without dropout"),
+                 "num_nextn_predict_layers": (0, "multi-token prediction layers"),
+                 "sliding_window": (None, "Nemotron-H's attention has no window")},
+        own=("layers_block_type", "hybrid_override_pattern", "num_hidden_layers",
+             "layer_norm_epsilon", *NEMOTRON_MAMBA_KEYS, *NEMOTRON_ALIASES),
+        inert=("n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+               "moe_shared_expert_intermediate_size", "moe_latent_size",
+               "moe_shared_expert_overlap", "num_experts_per_tok", "routed_scaling_factor",
+               "n_group", "topk_group", "norm_topk_prob", "output_router_logits",
+               "mtp_layers_block_type", "mtp_hybrid_override_pattern",
+               "expand",  # transformers sizes Mamba2 by mamba_num_heads x mamba_head_dim
+               "time_step_limit", "mamba_dt_limit",  # its mixer clamps at time_step_min
+               "mamba_ssm_cache_dtype", "use_mamba_kernels", "num_logits_to_keep",
+               "rescale_prenorm_residual")),  # the init's, not the model's
 }
 assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
 

@@ -35,8 +35,9 @@ from ..config.layers import ATTENTION_TYPES, layer_types
 from ..config.parameters import parameter_specs
 from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
                        WRAPPERS, family_of)
-from .linear_families import (HYBRID_LAYER_TYPES, linear_attention_config,
-                              linear_attention_fields, qwen3_5_rope)
+from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, linear_attention_config,
+                              linear_attention_fields, nemotron_block_types, nemotron_config,
+                              nemotron_fields, qwen3_5_rope)
 from .names import to_hf
 from .resume import CheckpointError
 
@@ -47,6 +48,16 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 # label.
 MAY_DIFFER = ("seq_len", "rope_theta", "rope_scaling", "layer_rope", "init_std", "family")
 DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes ctxpar reads
+
+
+def naming_of(m) -> str:
+    """How m's family names its tensors (names.HF_NAMINGS)."""
+    try:
+        if family_of(m) == "nemotron_h":
+            return "nemotron_h"
+    except KeyError:  # no family holds m: its export is refused elsewhere
+        pass
+    return "post_norms" if m.post_norms else "default"
 
 
 def is_hf_folder(path: str) -> bool:
@@ -107,6 +118,10 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         cfg["attention_bias"] = False
     if name == "mistral":
         cfg["sliding_window"] = m.sliding_window if sliding else None
+    if name == "nemotron_h":  # NoPE: no RoPE keys; its blocks, not a layer count
+        for key in ("rope_theta", "rope_scaling", "num_hidden_layers", "rms_norm_eps"):
+            del cfg[key]
+        cfg.update(nemotron_config(m, types))
     if name == "qwen3_5_text":
         del cfg["rope_theta"], cfg["rope_scaling"]
         cfg.update(attention_bias=False, **linear_attention_config(m, types),
@@ -148,6 +163,11 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
         if set(types) - set(HYBRID_LAYER_TYPES):
             refuse(f"model.layer_types={types} (Qwen3.5 has "
                    f"{' and '.join(HYBRID_LAYER_TYPES)} layers)")
+        return types
+    if name == "nemotron_h":  # one op a block: Mamba2, attention or MLP
+        if set(types) - set(NEMOTRON_EXPORT):
+            refuse(f"model.layer_types={types} (Nemotron-H has {', '.join(NEMOTRON_EXPORT)} "
+                   f"blocks)")
         return types
     if m.partial_rotary_factor != 1.0:
         refuse(f"model.partial_rotary_factor={m.partial_rotary_factor}")
@@ -324,8 +344,10 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
         refuse("architectures", arch, f"ctxpar imports {fam.architecture} (the causal LM "
                                       f"with its head) for model_type {name!r}")
     known = (IGNORED_KEYS | MAPPED_KEYS | set(NOT_IMPLEMENTED) | set(fam.neutral)
-             | set(fam.own) | {fam.activation[0]})
+             | set(fam.own) | set(fam.inert) | {fam.activation[0]})
     for key in sorted(hf):
+        if key in fam.inert:
+            continue
         if key in NOT_IMPLEMENTED and hf[key] not in (None, 0, False, {}):
             refuse(key, hf[key], f"{NOT_IMPLEMENTED[key]} is not implemented by ctxpar")
         if key not in known:
@@ -349,15 +371,19 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
             refuse("attention_bias", attn, f"with mlp_bias={mlp}: ctxpar's model.bias puts "
                                            f"biases on every linear layer, or on none")
         fields["bias"] = bool(attn)
+    if name == "nemotron_h":  # its layer count is its blocks'
+        hf = {**hf, "num_hidden_layers": len(nemotron_block_types(hf, refuse))}
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size"):
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
             refuse(key, hf.get(key), "config.json must give it as an integer")
     if name == "qwen3_5_text":  # Gated DeltaNet layers; the attention layers' partial RoPE
-        fields.update(linear_attention_fields(hf, refuse))
-        hf, fields["partial_rotary_factor"] = qwen3_5_rope(hf)
+        kinds = linear_attention_fields(hf, refuse)
+        hf, kinds["partial_rotary_factor"] = qwen3_5_rope(hf)
+    elif name == "nemotron_h":  # Mamba2, attention and MLP blocks
+        kinds = nemotron_fields(hf, refuse)
     else:
-        fields.update(_attention_kinds(hf, file, refuse))
+        kinds = _attention_kinds(hf, file, refuse)
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
     hd = hf.get("head_dim") or d // heads
     theta, scaling = _rope(hf, file, fam.default_theta, name == "gemma3_text")
@@ -372,7 +398,7 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
         "rope_theta": theta, "rope_scaling": scaling,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", name == "gemma3_text")),
         "seq_len": hf.get("max_position_embeddings"), "init_std": hf.get("initializer_range"),
-        "family": name})
+        "family": name, **kinds})
     return fields
 
 
@@ -411,7 +437,7 @@ class WeightReader:
 
     IGNORED = ("rotary_emb.inv_freq",)  # buffers older transformers saved
 
-    def __init__(self, path: str, tied: bool, post_norms: bool = False):
+    def __init__(self, path: str, tied: bool, naming: str = "default"):
         from safetensors import safe_open
         # a multimodal folder: the language model under its prefix, the rest left out
         self.wrapper = WRAPPERS.get(read_raw_config(path).get("model_type")) \
@@ -435,7 +461,7 @@ class WeightReader:
             raise CheckpointError(f"{path}: neither {WEIGHTS} nor {WEIGHTS_INDEX} (ctxpar "
                                   f"reads safetensors: save the model with transformers' "
                                   f"save_pretrained, which writes them)")
-        self.path, self.tied, self.post_norms, self._where = path, tied, post_norms, {}
+        self.path, self.tied, self.naming, self._where = path, tied, naming, {}
         self._files = []
         for f in files:
             try:
@@ -457,7 +483,7 @@ class WeightReader:
         self.used = set()
 
     def key(self, gpt_name: str) -> str:
-        key = to_hf(gpt_name, self.post_norms)
+        key = to_hf(gpt_name, self.naming)
         if self.wrapper is not None and key.startswith("model."):
             return self.wrapper.prefix + key[len("model."):]
         return key
@@ -536,7 +562,7 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
     tok = tokenizer_info(tokenizer)
     # refuses a model no family holds before anything is written
     cfg = family_config(m, tok, source, max_positions)
-    tensors = {to_hf(n, m.post_norms): t.to(dtype).contiguous() for n, t in weights}
+    tensors = {to_hf(n, naming_of(m)): t.to(dtype).contiguous() for n, t in weights}
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as f:

@@ -1,4 +1,5 @@
-"""The hybrid families' linear layers in config.json: Qwen3.5's Gated DeltaNet.
+"""The hybrid families' linear layers in config.json: Qwen3.5's Gated DeltaNet and
+Nemotron-H's Mamba2 blocks.
 
     config.json (qwen3_5_text)     ctxpar model.*
     layer_types                    layer_types ('linear_attention', 'full_attention')
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Tuple
 
-from ..config.layers import gated_delta_dims
+from ..config.layers import gated_delta_dims, mamba_dims
 
 LINEAR_ATTENTION_KEYS = ("linear_num_key_heads", "linear_num_value_heads",
                          "linear_key_head_dim", "linear_value_head_dim",
@@ -82,3 +83,82 @@ def qwen3_5_rope(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], float]:
         params.pop(key, None)
     rest = {k: v for k, v in hf.items() if k != "partial_rotary_factor"}
     return {**rest, "rope_parameters": params or None}, float(partial)
+
+
+# Nemotron-H (nemotron_h): one op per block, named by transformers 5 (and the older names
+# and pattern letters it still reads) -> ctxpar's layer types
+NEMOTRON_BLOCKS = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba",
+                   "full_attention": "attention", "attention": "attention", "*": "attention",
+                   "mlp": "mlp", "-": "mlp"}
+NEMOTRON_EXPORT = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp"}
+# config.json key -> model.* (transformers' older aliases in NEMOTRON_ALIASES)
+NEMOTRON_MAMBA_KEYS = {"mamba_num_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim",
+                       "ssm_state_size": "ssm_state_size", "n_groups": "n_groups",
+                       "conv_kernel": "conv_kernel", "use_conv_bias": "use_conv_bias",
+                       "time_step_min": "time_step_min", "time_step_max": "time_step_max",
+                       "time_step_floor": "time_step_floor", "chunk_size": "linear_chunk_size"}
+NEMOTRON_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
+                    "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
+                    "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
+                    "mamba_chunk_size": "chunk_size"}
+NEMOTRON_DEFAULTS = dict(mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8,
+                         conv_kernel=4, use_conv_bias=True, time_step_min=0.001,
+                         time_step_max=0.1, time_step_floor=1e-4, chunk_size=128)  # transformers'
+
+
+def nemotron_block_types(hf: Dict[str, Any], refuse: Callable) -> List[str]:
+    """ctxpar's layer types of a nemotron_h config.json: layers_block_type, or the older
+    hybrid_override_pattern ('M' Mamba2, '*' attention, '-' MLP); 'moe' blocks refused
+    (mixture of experts, issue 46), num_hidden_layers (if given) must count them."""
+    given = hf.get("layers_block_type")
+    key, blocks = ("layers_block_type", given) if given is not None else \
+        ("hybrid_override_pattern", list(hf.get("hybrid_override_pattern") or ""))
+    if not blocks or not all(isinstance(b, str) for b in blocks):
+        refuse(key, hf.get(key), "a Nemotron-H config.json lists its blocks (layers_block_type "
+                                 "or hybrid_override_pattern)")
+    unknown = sorted({b for b in blocks if b not in NEMOTRON_BLOCKS})
+    if unknown:
+        refuse(key, hf.get(key), f"{unknown} blocks are not implemented by ctxpar (it has "
+                                 f"Mamba2, attention and MLP blocks; 'moe' / 'E' is mixture of "
+                                 f"experts)")
+    n = hf.get("num_hidden_layers")
+    if n is not None and n != len(blocks):
+        refuse("num_hidden_layers", n, f"{key} lists {len(blocks)} blocks")
+    return [NEMOTRON_BLOCKS[b] for b in blocks]
+
+
+def nemotron_fields(hf: Dict[str, Any], refuse: Callable) -> Dict[str, Any]:
+    """model.* of a nemotron_h config.json's blocks: layer types, their count, the Mamba2
+    sizes (transformers' defaults where config.json has none), the norms' epsilon."""
+    hf = {NEMOTRON_ALIASES.get(k, k): v for k, v in hf.items()}
+    types = nemotron_block_types(hf, refuse)
+    fields: Dict[str, Any] = {"layer_types": types, "n_layers": len(types),
+                              "norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
+    if "mamba" not in types:
+        return fields
+    for key, field in NEMOTRON_MAMBA_KEYS.items():
+        value = hf.get(key, NEMOTRON_DEFAULTS[key])
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key == "use_conv_bias":
+            ok, want = isinstance(value, bool), "a boolean"
+        elif key.startswith("time_step"):
+            ok, want = number and value > 0, "a number > 0"
+        else:
+            ok, want = number and value == int(value) and value >= 1, "an integer >= 1"
+        if not ok:
+            refuse(key, value, f"config.json must give it as {want}")
+        fields[field] = value
+    return fields
+
+
+def nemotron_config(m, types: List[str]) -> Dict[str, Any]:
+    """config.json's blocks and Mamba2 sizes of ModelConfig m (nemotron_h)."""
+    d = mamba_dims(m)
+    return {"layers_block_type": [NEMOTRON_EXPORT[t] for t in types],
+            "layer_norm_epsilon": m.norm_eps, "mamba_num_heads": d.num_heads,
+            "mamba_head_dim": d.head_dim, "ssm_state_size": d.state_size,
+            "n_groups": d.n_groups, "conv_kernel": d.conv_kernel,
+            "use_conv_bias": d.conv_bias, "time_step_min": d.time_step_min,
+            "time_step_max": d.time_step_max, "time_step_floor": d.time_step_floor,
+            "chunk_size": d.chunk_size, "mamba_hidden_act": "silu", "use_bias": False,
+            "mlp_bias": False, "attention_bias": False, "residual_in_fp32": False}

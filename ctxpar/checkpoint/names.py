@@ -14,6 +14,10 @@ GPT (models/gpt.py) is the canonical form; every checkpoint conversion goes thro
     layers.{i}.linear_attn.*     {i+1}.linear_attn.*               linear_attn.* (Qwen3.5's
                                                                    Gated DeltaNet, as named)
 
+Nemotron-H (naming 'nemotron_h') names every block's norm ``norm`` and its one op
+``mixer`` (Mamba2, attention or MLP), under ``backbone.layers.{i}.``, the embedding
+``backbone.embeddings`` and the final norm ``backbone.norm_f``, as its folders hold them.
+
 With model.post_norms (Gemma 2/3) Hugging Face names the norms by place instead:
 
     layers.{i}.post_attn_norm.weight                               post_attention_layernorm.weight
@@ -48,6 +52,17 @@ _HF_IN_POST_NORM_BLOCK = (("attn_norm.weight", "input_layernorm.weight"),
                           ("attn.", "self_attn."), ("mlp.", "mlp."))
 _HF_TOP = (("embed.weight", "model.embed_tokens.weight"),
            ("final_norm.weight", "model.norm.weight"), ("lm_head.weight", "lm_head.weight"))
+# Nemotron-H: one norm and one mixer per block, whatever the block's op
+_HF_IN_NEMOTRON_BLOCK = (("attn_norm.weight", "norm.weight"), ("mlp_norm.weight", "norm.weight"),
+                         ("attn.", "mixer."), ("mamba.", "mixer."), ("mlp.", "mixer."))
+_HF_NEMOTRON_TOP = (("embed.weight", "backbone.embeddings.weight"),
+                    ("final_norm.weight", "backbone.norm_f.weight"),
+                    ("lm_head.weight", "lm_head.weight"))
+# naming -> (blocks' prefix, in block, top level): Llama's (default), Gemma's post norms,
+# Nemotron-H's (saved under backbone.*, which transformers renames model.* on loading)
+HF_NAMINGS = {"default": ("model.layers.", _HF_IN_BLOCK, _HF_TOP),
+              "post_norms": ("model.layers.", _HF_IN_POST_NORM_BLOCK, _HF_TOP),
+              "nemotron_h": ("backbone.layers.", _HF_IN_NEMOTRON_BLOCK, _HF_NEMOTRON_TOP)}
 
 
 def _swap(pairs):
@@ -97,19 +112,23 @@ def from_pipe(name: str, n_layers: int) -> str:
     raise KeyError(f"{name!r}: layer {index} is not in a {n_layers}-block pipeline")
 
 
-def to_hf(name: str, post_norms: bool = False) -> str:
-    """GPT name -> Hugging Face *ForCausalLM state-dict key (post_norms: Gemma's names)."""
-    in_block = _HF_IN_POST_NORM_BLOCK if post_norms else _HF_IN_BLOCK
+def to_hf(name: str, naming: str = "default") -> str:
+    """GPT name -> Hugging Face *ForCausalLM state-dict key (naming: HF_NAMINGS, the
+    family's; hf.naming_of(m) says which)."""
+    prefix, in_block, top = HF_NAMINGS[naming]
     try:
-        return _translate(name, _BLOCK, "model.layers.", in_block, _HF_TOP)
+        return _translate(name, _BLOCK, prefix, in_block, top)
     except KeyError:
         raise KeyError(f"{name!r} has no Hugging Face counterpart") from None
 
 
-def from_hf(name: str, post_norms: bool = False) -> str:
-    """Hugging Face *ForCausalLM key -> GPT name (inverse of to_hf)."""
-    in_block = _HF_IN_POST_NORM_BLOCK if post_norms else _HF_IN_BLOCK
+def from_hf(name: str, naming: str = "default") -> str:
+    """Hugging Face *ForCausalLM key -> GPT name (inverse of to_hf; Nemotron-H's block
+    norm and mixer names need the block's type, so its naming has no inverse here)."""
+    if naming == "nemotron_h":
+        raise KeyError(f"{name!r}: Nemotron-H's names map to GPT's by the block's type")
+    _, in_block, top = HF_NAMINGS[naming]
     try:
-        return _translate(name, _HF_BLOCK, "layers.", _swap(in_block), _swap(_HF_TOP))
+        return _translate(name, _HF_BLOCK, "layers.", _swap(in_block), _swap(top))
     except KeyError:
         raise KeyError(f"{name!r} is not a Hugging Face parameter ctxpar knows") from None

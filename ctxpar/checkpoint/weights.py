@@ -77,7 +77,7 @@ def check_init_from(cfg) -> InitSource:
     if hf.is_hf_folder(path):
         fields = hf.model_fields(hf.read_config(path), path)
         changed = hf.check_matches(cfg.model, fields, path)
-        hf.WeightReader(path, cfg.model.tie_embeddings, cfg.model.post_norms).check(cfg.model)
+        hf.WeightReader(path, cfg.model.tie_embeddings, hf.naming_of(cfg.model)).check(cfg.model)
         if cfg.model.family is None:
             cfg.model.family = fields["family"]
         return InitSource(path, "hf", changed, family=fields["family"], note=hf.left_out(path))
@@ -113,7 +113,8 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
     """Collective: fill the model (before deepspeed.initialize) from source; a log line."""
     from .reshard import run_on_rank0
     if source.kind == "hf":
-        reader = hf.WeightReader(source.path, cfg.model.tie_embeddings, cfg.model.post_norms)
+        reader = hf.WeightReader(source.path, cfg.model.tie_embeddings,
+                                  hf.naming_of(cfg.model))
         copy_full_weights_(model, reader.get, state.tp_group)
         return source.describe()
     work = os.path.join(cfg.logging.run_dir, "init_from.universal")

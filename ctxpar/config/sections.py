@@ -34,8 +34,8 @@ class ModelConfig:
     """MLP hidden size (None: 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu)."""
     mlp: str = "swiglu"
     """'swiglu' (down(silu(gate x) * up x): Llama, Qwen, Mistral), 'geglu' (the same gated
-    MLP with tanh-GELU, Hugging Face's gelu_pytorch_tanh: Gemma) or 'gelu' (down(gelu(up x)),
-    tanh-GELU, not gated)."""
+    MLP with tanh-GELU, Hugging Face's gelu_pytorch_tanh: Gemma), 'gelu' (down(gelu(up x)),
+    tanh-GELU, not gated) or 'relu2' (down(relu(up x)^2), not gated: Nemotron-H)."""
     norm: str = "rmsnorm"
     """'rmsnorm' or 'layernorm' (pre-norm)."""
     norm_eps: float = 1e-5
@@ -127,6 +127,9 @@ class ModelConfig:
     """Gated attention (Qwen3.5, Qwen3-Next): q_proj gives each head its query and a gate
     (rows [q | gate] per head, 2 x n_heads x head_dim), and the attention output is
     multiplied by sigmoid(gate) before o_proj."""
+    rope: bool = True
+    """RoPE on the attention layers' q and k; false: no positions at all (NoPE: Nemotron-H's
+    attention layers, whose order comes from the Mamba2 layers around them)."""
     partial_rotary_factor: float = 1.0
     """RoPE turns the first head_dim x factor channels of each q and k head (an even
     number), its frequencies over those channels; the rest pass unrotated (Qwen3.5 and
@@ -380,7 +383,7 @@ RENAMED_KEYS = {  # old spelling -> new; a config using the old one loads with a
 CHECKPOINT_MODES = ("none", "full", "selective", "every_n_layers")  # models/gpt.py
 
 CHOICES = {  # each from the module that implements it, where ctxpar has one
-    "model.mlp": ("swiglu", "geglu", "gelu"),
+    "model.mlp": ("swiglu", "geglu", "gelu", "relu2"),
     "model.norm": ("rmsnorm", "layernorm"),
     "parallel.layout": LAYOUTS,
     "parallel.cp_comm": CP_COMMS,
@@ -405,7 +408,8 @@ ROPE_SCALING_OPTIONAL = {  # rope_type -> keys it may have (modeling_rope_utils'
 }
 GATED_MLPS = ("swiglu", "geglu")
 # config.json model_types ctxpar imports and exports (ctxpar/checkpoint/families.py)
-HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_5_text")  # gate_proj, up_proj, down_proj
+HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_5_text",
+               "nemotron_h")  # gate_proj, up_proj, down_proj
 
 
 # ---------------------------------------------------------------- fields left unset

@@ -107,7 +107,13 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
     if m.ffn_hidden is None and resolved_ffn_hidden(m) % p.tp:
         err(f"model.ffn_hidden (default {resolved_ffn_hidden(m)} for mlp={m.mlp!r}) is not "
             f"divisible by parallel.tp={p.tp}; set model.ffn_hidden")
-    if resolved_head_dim(m) % 2:
+    if not m.rope:  # NoPE: nothing to turn, scale or set per layer
+        for key, off in (("rope_scaling", None), ("layer_rope", None),
+                         ("partial_rotary_factor", 1.0)):
+            if getattr(m, key) != off:
+                err(f"model.{key}={getattr(m, key)!r} with model.rope=false: the attention "
+                    f"layers have no RoPE")
+    if m.rope and resolved_head_dim(m) % 2:
         err(f"model.head_dim={resolved_head_dim(m)} (model.head_dim or d_model/n_heads) must "
             f"be even for RoPE")
     rot = resolved_head_dim(m) * m.partial_rotary_factor

@@ -88,12 +88,18 @@ def gate_activation(x: torch.Tensor, gated: str) -> torch.Tensor:
     return F.silu(x) if gated == "swiglu" else F.gelu(x, approximate="tanh")
 
 
+def up_activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The activation of an MLP without a gate: tanh-GELU ('gelu') or squared ReLU
+    ('relu2': Nemotron-H, Primer's relu(x)^2)."""
+    return torch.square(F.relu(x)) if kind == "relu2" else F.gelu(x, approximate="tanh")
+
+
 def _partial_out(x, gated, gate_w, gate_b, up_w, up_b, down_w, out=None):
     """This rank's partial down-projection of a tile: x (t, d) -> (t, d), before g."""
     if gate_w is not None:  # SwiGLU or GeGLU (gated: 'swiglu' or 'geglu')
         h = gate_activation(F.linear(x, gate_w, gate_b), gated) * F.linear(x, up_w, up_b)
-    else:  # GELU
-        h = F.gelu(F.linear(x, up_w, up_b), approximate="tanh")  # (t, ffn/tp)
+    else:  # GELU or squared ReLU (gated: 'gelu' or 'relu2')
+        h = up_activation(F.linear(x, up_w, up_b), gated)  # (t, ffn/tp)
     return torch.mm(h, down_w.t(), out=out)  # (t, d)
 
 
@@ -174,8 +180,9 @@ def tiled_mlp(x: torch.Tensor, gate: Optional[nn.Module], up: nn.Module, down: n
               gated: str = "swiglu") -> torch.Tensor:
     """The MLP down(act(gate x) * up x) over tiles of tokens: x (B, T/cp, d) -> (B, T/cp, d).
 
-    gate, up: ColumnParallelLinear (gate None for GELU); down: RowParallelLinear; gated:
-    the gate's activation, 'swiglu' (silu) or 'geglu' (tanh-GELU). Same result as the
+    gate, up: ColumnParallelLinear (gate None for GELU and squared ReLU); down:
+    RowParallelLinear; gated: model.mlp, whose activation is the gate's ('swiglu': silu,
+    'geglu': tanh-GELU) or up's ('gelu', 'relu2': up_activation). Same result as the
     untiled layers (f and g included), up to the order of float sums.
     """
     tokens = x.numel() // x.shape[-1]
