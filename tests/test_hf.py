@@ -812,20 +812,29 @@ def test_train_py_from_a_hybrid_folder_and_back(tmp_path, family, layout):
     """train.py's step-1 loss from a Qwen3.5 or Nemotron-H folder equals transformers' on
     every layout the linear layers run on; the export (gathered over TP and the
     pipeline's stages) reloads in transformers with ctxpar's logits and the folder's
-    weights one step on; generate.py at cp2 continues as transformers' greedy generate."""
-    sets = HYBRID_LAYOUTS[layout]
-    folder = tmp_path / family
+    weights one step on. At cp2 state passing, the CPU demo of a context extension: twice
+    the folder's 128 positions (Qwen3.5's attention layers with YaRN x2, Nemotron-H's
+    NoPE unchanged), and generate.py continues as transformers' greedy generate."""
+    sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
     ref = tiny_family(folder, family, tied=False, **HYBRIDS[family])
     tok = save_word_tokenizer(folder)
-    run = tmp_path / "run"
+    extend = "parallel.linear_cp=state" in sets
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}
+    longer = ["model.seq_len=256"] + (
+        [f"model.rope_scaling={json.dumps(yarn)}"] if family == "qwen3_5_text" else [])
     nproc = 4 if "parallel.tp=2" in sets or "parallel.pp=2" in sets else 2
     proc = run_train(str(run), nproc, [
         *sets, "parallel.dp=1", "train.steps=1", f"model.init_from={folder}",
         f"data.tokenizer={folder / 'tokenizer.json'}", "logging.wandb.mode=disabled",
-        *folder_sets(folder)])
+        *folder_sets(folder), *(longer if extend else [])])
     assert f"Hugging Face {ref.__class__.__name__[:-len('ForCausalLM')]} folder" in \
         proc.stdout, proc.stdout[-2000:]
-    assert_first_loss_is_the_references(run, ref)
+    if extend and family == "qwen3_5_text":  # transformers' model with the run's RoPE
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(folder)
+        config.rope_parameters = {**config.rope_parameters, **yarn}
+        ref = AutoModelForCausalLM.from_pretrained(folder, config=config).float().eval()
+    assert_first_loss_is_the_references(run, ref, seq_len=256 if extend else 128)
     if "parallel.cp_comm=ulysses" in sets:
         return  # one export is enough for the layouts that split the model's tensors
     exported, back = export_and_reload(run, tmp_path / "exported")
