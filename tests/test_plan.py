@@ -742,7 +742,7 @@ def test_block_fields_are_all_block_specs_reads():
                  attention_chunk_size=32, layer_types=["full_attention"] * CFG["n_layers"],
                  layer_rope={"full_attention": {"rope_theta": 100.0}}, linear_chunk_size=16,
                  time_step_min=0.01, time_step_max=0.2, time_step_floor=1e-3,
-                 partial_rotary_factor=0.5)
+                 partial_rotary_factor=0.5, rope=False)
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
