@@ -134,7 +134,8 @@ class HaloExchange(torch.autograd.Function):
     def forward(ctx, x, plan: HaloPlan, group):
         ctx.plan, ctx.group, ctx.shape = plan, group, x.shape
         B, _, C = x.shape
-        sends = [(p, x[:, rows].contiguous()) for p, rows in plan.sends]
+        # the plan's rows are host tensors: moved to x's device (no CPU index in a CUDA op)
+        sends = [(p, x[:, rows.to(x.device)].contiguous()) for p, rows in plan.sends]
         recvs = [(p, x.new_zeros(B, count, C)) for p, count in plan.recvs]
         wait_all(exchange(group, sends, recvs, "fwd"))
         return torch.cat([t for _, t in recvs], dim=1) if recvs else x.new_zeros(B, 0, C)
@@ -148,7 +149,7 @@ class HaloExchange(torch.autograd.Function):
         wait_all(exchange(ctx.group, sends, recvs, "bwd"))
         dx = dhalo.new_zeros(B, S, C)
         for (_, rows), (_, got) in zip(plan.sends, recvs):
-            dx.index_add_(1, rows, got)
+            dx.index_add_(1, rows.to(dx.device), got)
         return dx, None, None
 
 
