@@ -20,7 +20,9 @@ independent of n (contiguous, zigzag); counted in cp_stats().
 
 Documents: a tap that reads a position of another document reads zero, so the window
 restarts at every document start wherever it falls (causal-conv1d's ``seq_idx``), and
-a one-token document sees only itself. The convolution runs in fp32, out in x's dtype.
+a one-token document sees only itself. The convolution runs in fp32, out in x's dtype, or
+on causal-conv1d's kernel (kernels.py), which reads only its own sequence: run_plan puts
+each run of a rank's positions after its K - 1 predecessors for it.
 """
 from __future__ import annotations
 
