@@ -26,8 +26,14 @@ setup(
         # it brings tokenizers, for the tokenizer test files. No torch of its own.
         "dev": ["pytest>=8", "transformers>=4.45"],
         # Dao's flash-attention kernels (CUDA only, builds from source against your torch).
+        # The linear mixers' kernels (ctxpar/context_parallel/linear/gpu_kernels.py):
+        # flash-linear-attention's ops (fla-core: Triton, pure Python) for Gated DeltaNet,
+        # mamba-ssm's SSD and causal-conv1d for Mamba2 and the short conv (both compile CUDA
+        # against your torch, or take a matching prebuilt wheel). Each is optional: without
+        # it ctxpar runs its torch kernels and logs why once.
         # NVIDIA apex (fused norms) is optional too but is NOT on PyPI: build it from
         # https://github.com/NVIDIA/apex; the PyPI package called "apex" is unrelated.
-        "gpu": ["flash-attn>=2.5"],
+        "gpu": ["flash-attn>=2.5", "fla-core>=0.5,<0.7", "mamba-ssm>=2.2.6",
+                "causal-conv1d>=1.4"],
     },
 )

@@ -1,6 +1,7 @@
 """A process where this CPU-only torch has a CUDA device (that runs nothing), for the dry run.
 
-    python tests/fake_cuda.py [pytest args]      # tests/cuda_dry_cases.py, e.g. -k ring
+    python tests/fake_cuda.py [pytest args]      # tests/cuda_dry_cases.py and
+                                                 # cuda_dry_linear_cases.py, e.g. -k ring
 
 ``fake_cuda.cpp`` gives the CPU build a CUDA device guard and CUDA hooks, so indexing,
 ``.contiguous()`` and autograd's engine accept fake cuda tensors (tests/cuda_dry.py).
@@ -20,7 +21,8 @@ from typing import List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fake_cuda.cpp")
-CASES = os.path.join(HERE, "cuda_dry_cases.py")
+CASES = [os.path.join(HERE, name) for name in ("cuda_dry_cases.py",
+                                                 "cuda_dry_linear_cases.py")]
 CHILD_ENV = "CTXPAR_FAKE_CUDA_LIBRARY"  # set in the child: the library it loaded
 
 
@@ -80,7 +82,7 @@ def preload(library: str) -> None:
 
 def child_command(library: str, pytest_args=()) -> List[str]:
     return [sys.executable, os.path.abspath(__file__), "--library", library, "--",
-            CASES, "-q", "-p", "no:cacheprovider", *pytest_args]
+            *CASES, "-q", "-p", "no:cacheprovider", *pytest_args]
 
 
 def child_env() -> dict:

@@ -1,6 +1,6 @@
 """tools/gpu_check.py's plumbing on CPU: it runs for real only on a GPU node.
 
-A dry run of three parts (one of them out of time on purpose) writes both reports and
+A dry run of three parts (and of the linear mixers' part on its own) (one of them out of time on purpose) writes both reports and
 keeps going; the fp32 reference it holds the kernels to is checked against the math
 kernel itself. The remaining parts (pytest, cp_efficiency, train) are the same plumbing
 around subprocesses: `python tools/gpu_check.py --dry-run` runs all six in ~25 s.
@@ -26,7 +26,7 @@ def _tool(*args):
 @pytest.mark.quick
 def test_help_documents_every_part():
     out = _tool("--help").stdout
-    for word in ("--dry-run", "--budget", "env", "pytest", "kernels", "cp_efficiency",
+    for word in ("--dry-run", "--budget", "env", "pytest", "kernels", "linear", "cp_efficiency",
                  "memory", "train", "report.md", "20 min"):
         assert word in out, word
 
@@ -46,6 +46,21 @@ def test_dry_run_reports_every_part_and_outlives_one_that_runs_out_of_time(tmp_p
                                                             (24, True), (24, False)}
     md = open(tmp_path / "report.md").read()
     assert "| memory | timeout |" in md and "## Kernels against the fp32 reference" in md
+
+
+def test_linear_part_compares_every_op_with_and_without_documents(tmp_path):
+    """On CPU the linear part runs its plumbing (the torch path against itself: error 0) for
+    the three ops, one process and a simulated rank, with and without documents; on a GPU
+    the same rows hold the libraries' kernels."""
+    proc = _tool("--dry-run", "--parts", "linear", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    part = json.load(open(tmp_path / "report.json"))["parts"]["linear"]
+    rows = part["data"]["rows"]
+    assert {(r["op"], r["where"], r["documents"]) for r in rows} == {
+        (op, where, docs) for op in ("gated_delta", "ssd", "conv")
+        for where in ("cp1", "cp4 rank 1 (simulated)") for docs in (False, True)}
+    assert all(r["ok"] and r["max_err"] == 0 and "dout" not in r["errors"] for r in rows)
+    assert "## Linear mixers' GPU kernels" in open(tmp_path / "report.md").read()
 
 
 def test_the_reference_in_row_blocks_is_the_math_kernel():

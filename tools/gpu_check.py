@@ -17,6 +17,11 @@ reported as such and the others still run. Writes <out>/report.md and <out>/repo
                  DeepSpeed / triton versions, the allocator setting, which kernel 'auto'
                  picks and why the others were passed over
   pytest         python -m pytest -m gpu tests (tests/test_gpu.py on a dry run)
+  linear         the linear mixers' GPU kernels (fla, mamba_ssm, causal_conv1d) against
+                 ctxpar's torch path on the same bf16 inputs, one process and a simulated
+                 rank of 4, with and without documents: output, final state and gradients
+                 (relative error, limit 3e-2) and the time of each; skipped with the reason
+                 when a library does not import
   kernels        every usable CUDA kernel (sdpa, flash_attn, flash_attn4) forward and
                  backward against the fp32 math reference computed in row blocks: bf16,
                  causal or not, GQA 8/2, head_dim 64 and 128, blocks of 1K-32K tokens; the
@@ -46,9 +51,10 @@ import time
 from gpu_check_parts import TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("env", "pytest", "kernels", "cp_efficiency", "memory", "train")
-BUDGET_S = {"env": 30, "pytest": 240, "kernels": 240, "cp_efficiency": 210, "memory": 90,
-            "train": 270}  # 1080 s: 18 min at most, under 20 with the processes' starts
+PARTS = ("env", "pytest", "kernels", "linear", "cp_efficiency", "memory", "train")
+BUDGET_S = {"env": 30, "pytest": 210, "kernels": 210, "linear": 120, "cp_efficiency": 210,
+            "memory": 90, "train": 240}  # 1110 s: 18.5 min at most, under 20 with the
+#                                          processes' starts
 
 
 # ------------------------------------------------------------------ the driver
@@ -111,6 +117,15 @@ def report_md(results: dict, meta: dict) -> str:
                       ("fwd ms", ("fwd_ms", ".2f")), ("bwd ms", ("bwd_ms", ".2f")),
                       ("fwd TFLOP/s", ("fwd_tflops", ".0f")),
                       ("bwd TFLOP/s", ("bwd_tflops", ".0f")), ("ok", ("ok",))])]
+    if data("linear").get("rows"):
+        lines += ["", f"## Linear mixers' GPU kernels against ctxpar's torch path (relative "
+                  f"error, limit {data('linear')['tolerance']:g})", "", _table(
+                      data("linear")["rows"], [
+                          ("op", ("op",)), ("kernel", ("kernel",)), ("where", ("where",)),
+                          ("documents", ("documents",)), ("max error", ("max_err", ".1e")),
+                          ("worst", ("worst",)), ("kernel ms", ("gpu_ms", ".2f")),
+                          ("torch ms", ("torch_ms", ".2f")), ("speedup", ("speedup", ".1f")),
+                          ("ok", ("ok",)), ("error", ("error",))])]
     if data("cp_efficiency").get("rows"):
         lines += ["", "## CP decomposition efficiency (simulated ranks)", "",
                   f"`{data('cp_efficiency')['command']}`", "", _table(
@@ -181,8 +196,11 @@ def main(argv=None) -> int:
         from ctxpar.distributed.parallel_state import cuda_allocator_defaults
         cuda_allocator_defaults()  # before this process touches CUDA; train.py, pytest and
         #                            the benchmark it starts inherit it
+        import gpu_check_linear
         import gpu_check_parts
-        res = getattr(gpu_check_parts, f"part_{a.run_part}")(a)
+        part = f"part_{a.run_part}"
+        fn = getattr(gpu_check_parts, part, None) or getattr(gpu_check_linear, part)
+        res = fn(a)
         with open(os.path.join(a.out, f"part_{a.run_part}.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
         return 0

@@ -47,7 +47,8 @@ def part_env(a) -> dict:
     info = dict(host=platform.node(), python=platform.python_version(), torch=torch.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    for pkg in ("flash-attn", "flash-attn-4", "deepspeed", "triton", "nvidia-cutlass-dsl"):
+    for pkg in ("flash-attn", "flash-attn-4", "deepspeed", "triton", "nvidia-cutlass-dsl",
+                "fla-core", "mamba-ssm", "causal-conv1d", "tilelang"):
         try:
             info[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -69,6 +70,11 @@ def part_env(a) -> dict:
     info["auto_bf16"] = f"{backend.name} ({reason})"
     info["kernels"] = {n: (b.why_not(q) if hasattr(b, "why_not") else "") or "usable"
                        for n, b in kernels.BACKENDS.items()}
+    from ctxpar.context_parallel.linear import kernels as linear_kernels
+    info["linear_kernels"] = {  # Qwen3-Next's head dims (state passing widens v to 256)
+        op: linear_kernels.KERNELS[op][linear_kernels.gpu_kernel_name(op)].why_not(
+            q, key_dim=128, value_dim=256, channels=8192, width=4) or "usable"
+        for op in linear_kernels.KERNELS}
     return dict(status="ok", summary=f"{info['device']}, torch {info['torch']}, CUDA "
                 f"{info['cuda']}, driver {info['driver']}, flash-attn {info['flash-attn']}, "
                 f"flash-attn-4 {info['flash-attn-4']}", data=info)

@@ -298,7 +298,7 @@ def _import_failure(e: Exception) -> str:
     the package is there but broken (anything but 'not installed')."""
     reason = f"{type(e).__name__}: {e}".splitlines()[0]
     if not isinstance(e, ModuleNotFoundError):
-        log.warning("attention kernel package present but unusable (%s)", reason)
+        log.warning("kernel package present but unusable (%s)", reason)
     return reason
 
 
@@ -308,14 +308,16 @@ def _call_by_signature(fn: Callable, values: Dict[str, object]):
     flash-attn renamed and added parameters across 2.x (window_size -> window_size_left/
     right, softcap, alibi_slopes, rng_state...), and >= 2.6 wraps the function in a
     torch.library custom op whose original function is ``_init_fn``. A required parameter
-    we do not know is an unsupported version: fail loudly rather than guess.
+    we do not know is an unsupported version: fail loudly rather than guess. The linear
+    mixers' GPU kernels (linear/gpu_kernels.py) are called the same way.
     """
     params = _parameters(fn)
-    missing = [n for n, p in params.items()
-               if n not in values and p.default is inspect.Parameter.empty]
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    missing = [n for n, p in params.items() if n not in values and p.kind not in variadic
+               and p.default is inspect.Parameter.empty]  # fla's **kwargs is no requirement
     if missing:
-        raise RuntimeError(f"unsupported flash_attn version: {qualified_name(fn)} requires "
-                           f"{missing}")
+        raise RuntimeError(f"unsupported kernel package version: {qualified_name(fn)} "
+                           f"requires {missing}")
     return fn(**{n: values[n] for n in params if n in values})
 
 

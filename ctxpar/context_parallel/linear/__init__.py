@@ -13,12 +13,14 @@ Their state, not the sequence, crosses ranks (or the heads do); one file per ide
                       seq_idx resets): the kernel interface, fp32; gated_delta_step, one
                       token recurrently (decoding)
     ssd.py            Mamba2's chunked SSD in torch, likewise; ssd_step
+    kernels.py        the local passes' interface: torch (the two files above, conv.py's
+                      taps) or a GPU library's; get_kernel("auto") picks and says why
+    gpu_kernels.py    the adapters: flash-linear-attention's chunk_gated_delta_rule,
+                      mamba_ssm's mamba_chunk_scan_combined, causal-conv1d's causal_conv1d_fn
 
-The kernels are plain torch (CPU and GPU alike), checked against transformers' torch
-references (tests/test_linear_cp.py); a GPU kernel (flash-linear-attention's
-chunk_gated_delta_rule, mamba_ssm's mamba_chunk_scan_combined, causal-conv1d) would answer
-gated_delta_fp32's / ssd_fp32's interface: differentiable, initial state in, final state
-out, seq_idx resets.
+The torch kernels run on CPU and GPU alike, checked against transformers' torch
+references (tests/test_linear_kernels.py); the GPU adapters against emulations of the
+libraries (tests/test_linear_gpu_kernels.py) and on fake CUDA (the dry run).
 """
 from .api import (LINEAR_CP_STRATEGIES, STRATEGIES, causal_conv1d_cp, check_linear_cp,
                   gated_delta_rule_cp, ssd_cp, summary_bytes)

@@ -36,10 +36,11 @@ from ..comm import LOCAL, group_rank_and_size
 from ..documents import check_cu_seqlens, doc_ids
 from ..layouts import LAYOUTS, check_layout, rank_positions
 from .conv import ACTIVATIONS, conv_over_group
-from .gated_delta import check_chunk_size, gated_delta_fp32
+from .gated_delta import check_chunk_size
 from ..ulysses import head_shard, ulysses_kv_heads
 from .heads import heads_to_sequence, sequence_to_heads
-from .ssd import discretize_dt, ssd_fp32
+from .kernels import LocalDocs, get_kernel
+from .ssd import discretize_dt
 from .state_passing import (SEGMENTS, STATE_LAYOUTS, carries_state, from_segments,
                             pass_states, to_segments)
 
@@ -72,12 +73,14 @@ def _cp_group(group):
     return group
 
 
-def _documents(cu_seqlens, n: int, batch: int, caller: str, device) -> Optional[torch.Tensor]:
-    """(B, n) long: every position's document (None without cu_seqlens)."""
+def _documents(cu_seqlens, n: int, batch: int, caller: str, device) -> Optional[LocalDocs]:
+    """(B, n) long on the host and on `device`: every position's document (None without
+    cu_seqlens)."""
     if cu_seqlens is None:
         return None
     cus = check_cu_seqlens(cu_seqlens, n, batch, caller)
-    return torch.stack([doc_ids(cu, torch.arange(n)) for cu in cus]).to(device)
+    host = torch.stack([doc_ids(cu, torch.arange(n)) for cu in cus])
+    return LocalDocs(host, host.to(device))
 
 
 def _check_local_seq(S: int, layout: str, caller: str) -> None:
@@ -98,7 +101,7 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         scale: Optional[float] = None,
                         initial_state: Optional[torch.Tensor] = None,
                         output_final_state: bool = False,
-                        use_qk_l2norm_in_kernel: bool = False
+                        use_qk_l2norm_in_kernel: bool = False, kernel: str = "auto"
                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule (Gated DeltaNet) over a CP group: (o, final state or None).
 
@@ -107,7 +110,8 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     g (B, T/cp, Hv) log-decay (<= 0); beta (B, T/cp, Hv). o (B, T/cp, Hv, Dv) in q's dtype;
     initial_state, final state (B, Hv, Dk, Dv) fp32: the state before token 0 and after
     the last token. scale defaults to Dk ** -0.5; use_qk_l2norm_in_kernel normalises q, k
-    first (flash-linear-attention's flag; Qwen3-Next sets it).
+    first (flash-linear-attention's flag; Qwen3-Next sets it). kernel: the local pass's
+    (kernels.py: 'auto', 'torch', 'fla').
     """
     caller = "gated_delta_rule_cp"
     group = _cp_group(cp_group)
@@ -125,16 +129,18 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     _check_local_seq(S, layout, caller)
     doc = _documents(cu_seqlens, S * P, Bsz, caller, q.device)
     scale = Dk ** -0.5 if scale is None else float(scale)
-    kernel = partial(gated_delta_fp32, scale=scale, chunk_size=chunk_size,
+    state = P > 1 and strategy == "state"  # state passing widens v by Dk (_gated_delta_state)
+    impl = get_kernel("gated_delta", kernel, q, key_dim=Dk, value_dim=Dv + Dk * state)
+    kernel = partial(impl, scale=scale, chunk_size=chunk_size,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if P == 1:
-        o, final = kernel(q, k, v, g, beta, initial_state=initial_state, seq_idx=doc)
+        o, final = kernel(q, k, v, g, beta, initial_state=initial_state, docs=doc)
     elif strategy == "heads":
         sent = ulysses_kv_heads(Hk, P)
         vh, gh, bh, qh, kh = sequence_to_heads([v, g, beta, q, k], [Hv, Hv, Hv, sent, sent],
                                                group, layout)
         o, final = kernel(qh, kh, vh, gh, bh, initial_state=head_shard(initial_state, group, 1),
-                          seq_idx=doc)                       # (B, T, Hv/cp, Dv) fp32
+                          docs=doc)                          # (B, T, Hv/cp, Dv)
         if output_final_state:
             o, final = heads_to_sequence(o.to(q.dtype), group, layout, final)
         else:
@@ -149,12 +155,15 @@ def _gated_delta_state(q, k, v, g, beta, group, layout, doc, kernel, initial_sta
     """State passing for GDN. One kernel pass per segment from the initial state [I | 0]
     with values [0 | v]: by linearity in (S_in, v) the final state is [M | E] and the
     output is [q~ | o_0], q~_t = M_{1..t}^T (scale q_t), o_0 the output from a zero state;
-    the true output is o_0 + q~ S_in once S_in is known (LASP-2's correction)."""
+    the true output is o_0 + q~ S_in once S_in is known (LASP-2's correction). One pass of
+    width Dk + Dv, cheaper than fla's CP (a pass from zero, the (Dk, Dk) transitions, a
+    second pass from S_in: fla/ops/cp) and exact the same way."""
     rank, P = group_rank_and_size(group)
     (Bsz, S, Hv, Dv), Dk, slots = v.shape, q.shape[-1], SEGMENTS[layout]
     pos = rank_positions(S * P, rank, P, layout, q.device)
-    seq_idx = None if doc is None else to_segments(doc[:, pos], slots)
-    carry = carries_state(pos, doc, Bsz, slots).float()                # (B*slots,)
+    docs = None if doc is None else doc.rows(rank_positions(S * P, rank, P, layout), pos,
+                                             partial(to_segments, slots=slots))
+    carry = carries_state(pos, None if doc is None else doc.device, Bsz, slots).float()
     eye = torch.eye(Dk, device=q.device) * carry[:, None, None, None]  # (B*slots, 1, Dk, Dk)
     init = torch.cat([eye.expand(-1, Hv, Dk, Dk),
                       torch.zeros(Bsz * slots, Hv, Dk, Dv, device=q.device)], dim=-1)
@@ -162,7 +171,7 @@ def _gated_delta_state(q, k, v, g, beta, group, layout, doc, kernel, initial_sta
     v_wide = torch.cat([vs.new_zeros(*vs.shape[:-1], Dk), vs], dim=-1)  # (B*slots, L, Hv, Dk+Dv)
     seg = [to_segments(x, slots) for x in (q, k)] + [v_wide] + \
         [to_segments(x, slots) for x in (g, beta)]
-    o_wide, summary = kernel(*seg, initial_state=init, seq_idx=seq_idx)
+    o_wide, summary = kernel(*seg, initial_state=init, docs=docs)
     q_read, o_zero = o_wide.split([Dk, Dv], dim=-1)                     # (B*slots, L, Hv, .)
     summary = summary.unflatten(0, (Bsz, slots)).transpose(0, 1)       # (slots, B, Hv, Dk, Dk+Dv)
     s0 = torch.zeros(Bsz, Hv, Dk, Dv, device=q.device) if initial_state is None \
@@ -170,7 +179,7 @@ def _gated_delta_state(q, k, v, g, beta, group, layout, doc, kernel, initial_sta
     s_in, final = pass_states(summary, partial(_gdn_combine, Dk), s0, group,
                               layout)                                   # (slots, B, Hv, Dk, Dv)
     s_in = s_in.transpose(0, 1).flatten(0, 1)                           # (B*slots, Hv, Dk, Dv)
-    o = o_zero + torch.einsum("blhk,bhkv->blhv", q_read, s_in)
+    o = o_zero + torch.einsum("blhk,bhkv->blhv", q_read.float(), s_in)
     return from_segments(o, slots), final
 
 
@@ -185,13 +194,14 @@ def ssd_cp(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
            dt_limit: Tuple[float, float] = (0.0, math.inf),
            initial_states: Optional[torch.Tensor] = None, return_final_states: bool = False,
            cp_group=None, layout: str = "contiguous", strategy: str = "state",
-           cu_seqlens=None):
+           cu_seqlens=None, kernel: str = "auto"):
     """Mamba2's SSD over a CP group, mamba_ssm's ``mamba_chunk_scan_combined`` arguments.
 
     x (b, T/cp, H, P); dt (b, T/cp, H) (through dt_bias, softplus and dt_limit here, on each
     rank's tokens); A (H,) = -exp(A_log); B, C (b, T/cp, G, N), H % G == 0; D, dt_bias (H,).
     y (b, T/cp, H, P) in x's dtype; initial_states, final states (b, H, P, N) fp32. Returns
-    y, or (y, final) with return_final_states.
+    y, or (y, final) with return_final_states. kernel: the local pass's (kernels.py: 'auto',
+    'torch', 'mamba_ssm').
     """
     caller = "ssd_cp"
     group = _cp_group(cp_group)
@@ -209,7 +219,7 @@ def ssd_cp(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     _check_local_seq(S, layout, caller)
     doc = _documents(cu_seqlens, S * P, b, caller, x.device)
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)              # (b, T/cp, H) fp32
-    kernel = partial(ssd_fp32, chunk_size=chunk_size)
+    kernel = partial(get_kernel("ssd", kernel, x), chunk_size=chunk_size)
     if P == 1:
         y, final = kernel(x, dt, A, B, C, D, initial_states, doc)
     elif strategy == "heads":
@@ -234,11 +244,13 @@ def _ssd_state(x, dt, A, B, C, D, group, layout, doc, kernel, initial_states):
     rank, P = group_rank_and_size(group)
     (b, S, H, Pd), (G, N), slots = x.shape, B.shape[2:], SEGMENTS[layout]
     pos = rank_positions(S * P, rank, P, layout, x.device)
-    seq_idx = None if doc is None else to_segments(doc[:, pos], slots)
+    docs = None if doc is None else doc.rows(rank_positions(S * P, rank, P, layout), pos,
+                                             partial(to_segments, slots=slots))
     xs, dts, Bs, Cs = (to_segments(t, slots) for t in (x, dt, B, C))
-    y_zero, E = kernel(xs, dts, A, Bs, Cs, D, None, seq_idx)            # E (b*slots, H, Pd, N)
-    reached = carries_state(pos, doc, b, slots)[:, None]                # (b*slots, 1)
-    if seq_idx is not None:
+    y_zero, E = kernel(xs, dts, A, Bs, Cs, D, None, docs)               # E (b*slots, H, Pd, N)
+    reached = carries_state(pos, None if doc is None else doc.device, b, slots)[:, None]
+    if docs is not None:
+        seq_idx = docs.device
         reached = reached & (seq_idx == seq_idx[:, :1])                 # (b*slots, L)
     decay_in = (dts * A.float()).cumsum(1).exp() * reached[..., None]   # (b*slots, L, H)
     summary = torch.cat([E.flatten(2), decay_in[:, -1, :, None]], dim=-1)
@@ -260,11 +272,12 @@ def _ssd_combine(state_shape, summary: torch.Tensor, S: torch.Tensor) -> torch.T
 
 def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                      *, activation: Optional[str] = None, cp_group=None,
-                     layout: str = "contiguous", cu_seqlens=None) -> torch.Tensor:
+                     layout: str = "contiguous", cu_seqlens=None,
+                     kernel: str = "auto") -> torch.Tensor:
     """The depthwise causal conv1d before a mixer over a CP group (conv.py): x (B, T/cp, C)
     this rank's tokens, weight (C, K), bias (C,), activation None or 'silu'. Any layout
     (the halo is K - 1 tokens per neighbour for contiguous and zigzag). (B, T/cp, C) in
-    x's dtype."""
+    x's dtype. kernel: kernels.py's conv ('auto', 'torch', 'causal_conv1d')."""
     caller = "causal_conv1d_cp"
     group = _cp_group(cp_group)
     check_layout(layout)
@@ -278,7 +291,8 @@ def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     _check_local_seq(x.shape[1], layout, caller)
     P = group_rank_and_size(group)[1]
     doc = _documents(cu_seqlens, x.shape[1] * P, x.shape[0], caller, x.device)
-    return conv_over_group(x, weight, bias, activation, group, layout, doc)
+    return conv_over_group(x, weight, bias, activation, group, layout,
+                           None if doc is None else doc.device, kernel)
 
 
 def summary_bytes(batch: int, heads: int, state: Tuple[int, int], layout: str, cp_size: int,

@@ -20,7 +20,9 @@ independent of n (contiguous, zigzag); counted in cp_stats().
 
 Documents: a tap that reads a position of another document reads zero, so the window
 restarts at every document start wherever it falls (causal-conv1d's ``seq_idx``), and
-a one-token document sees only itself. The convolution runs in fp32, out in x's dtype.
+a one-token document sees only itself. The convolution runs in fp32, out in x's dtype, or
+on causal-conv1d's kernel (kernels.py), which reads only its own sequence: run_plan puts
+each run of a rank's positions after its K - 1 predecessors for it.
 """
 from __future__ import annotations
 
@@ -84,6 +86,48 @@ def halo_plan(layout: str, n: int, rank: int, world: int, K: int) -> HaloPlan:
     return HaloPlan(sends, recvs, index, pos)
 
 
+class RunPlan(NamedTuple):
+    """One sequence for a conv kernel that reads only its own rows (causal-conv1d): every
+    run of consecutive positions this rank holds, preceded by its K - 1 predecessors.
+
+    slots (E,): the row of [local rows, halo rows, one zero row] at each place (the zero
+    row before position 0; the first run's leading ones are left out: the kernel pads
+    zeros there itself); positions (E,): its global position, -1 for a zero row; keep
+    (S,): where each local row is; identity: the sequence is the local rows as they are
+    (one run from position 0, as on one process)."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    keep: torch.Tensor
+    identity: bool
+
+
+@lru_cache(maxsize=256)
+def run_plan(layout: str, n: int, rank: int, world: int, K: int) -> RunPlan:
+    """halo_plan's taps as runs: contiguous one run, zigzag two, striped one per token."""
+    plan = halo_plan(layout, n, rank, world, K)
+    pos, S = plan.positions, len(plan.positions)
+    start = torch.ones(S, dtype=torch.bool)
+    start[1:] = pos[1:] != pos[:-1] + 1
+    run = start.cumsum(0) - 1                                           # (S,) run of each row
+    drop = max(0, K - 1 - int(pos[0]))  # the first run's predecessors before position 0
+    keep = torch.arange(S) + (K - 1) * (run + 1) - drop
+    E = S + (K - 1) * int(start.sum()) - drop
+    zero = S + sum(count for _, count in plan.recvs)                    # the zero row
+    slots = torch.full((E,), zero, dtype=torch.long)
+    positions = torch.full((E,), -1, dtype=torch.long)
+    slots[keep], positions[keep] = torch.arange(S), pos
+    first = start.nonzero().squeeze(1)                                  # (runs,) rows
+    back = torch.arange(K - 1, 0, -1)                                   # taps d = K-1 .. 1
+    where = keep[first][:, None] - back                                 # (runs, K-1)
+    valid = where >= 0
+    slots[where[valid]] = plan.index[first][:, back][valid]
+    before = pos[first][:, None] - back
+    positions[where[valid]] = before[valid].clamp(min=-1)
+    identity = E == S and bool((keep == torch.arange(S)).all())
+    return RunPlan(slots, positions, keep, identity)
+
+
 class HaloExchange(torch.autograd.Function):
     """x (B, S, C) -> the halo (B, sum of counts, C) in x's dtype; backward returns the
     halo's gradient to its owners, added to the rows they sent."""
@@ -92,7 +136,8 @@ class HaloExchange(torch.autograd.Function):
     def forward(ctx, x, plan: HaloPlan, group):
         ctx.plan, ctx.group, ctx.shape = plan, group, x.shape
         B, _, C = x.shape
-        sends = [(p, x[:, rows].contiguous()) for p, rows in plan.sends]
+        # the plan's rows are host tensors: moved to x's device (no CPU index in a CUDA op)
+        sends = [(p, x[:, rows.to(x.device)].contiguous()) for p, rows in plan.sends]
         recvs = [(p, x.new_zeros(B, count, C)) for p, count in plan.recvs]
         wait_all(exchange(group, sends, recvs, "fwd"))
         return torch.cat([t for _, t in recvs], dim=1) if recvs else x.new_zeros(B, 0, C)
@@ -106,7 +151,7 @@ class HaloExchange(torch.autograd.Function):
         wait_all(exchange(ctx.group, sends, recvs, "bwd"))
         dx = dhalo.new_zeros(B, S, C)
         for (_, rows), (_, got) in zip(plan.sends, recvs):
-            dx.index_add_(1, rows, got)
+            dx.index_add_(1, rows.to(dx.device), got)
         return dx, None, None
 
 
@@ -155,24 +200,24 @@ def conv_step(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 def conv_over_group(x, weight, bias, activation, group, layout: str,
-                    doc: Optional[torch.Tensor]) -> torch.Tensor:
+                    doc: Optional[torch.Tensor], kernel: str = "auto") -> torch.Tensor:
     """This rank's conv output (B, S, C) in x's dtype; x (B, S, C) this rank's tokens,
-    doc (B, n) every position's document or None."""
+    doc (B, n) every position's document or None; kernel: kernels.py's conv ('auto',
+    'torch', 'causal_conv1d')."""
+    from .kernels import get_kernel  # kernels.py imports this module
     rank, world = group_rank_and_size(group)
     K, (B, S, C) = weight.shape[1], x.shape
+    impl = get_kernel("conv", kernel, x, channels=C, width=K)
     plan = halo_plan(layout, S * world, rank, world, K)
     halo = HaloExchange.apply(x, plan, group) if plan.recvs or plan.sends \
         else x.new_zeros(B, 0, C)
-    rows = torch.cat([x, halo, x.new_zeros(B, 1, C)], dim=1).float()
-    index = plan.index.to(x.device)
-    mask = tap_mask(doc, plan.positions.to(x.device), K)
-    return conv_rows(rows, index, mask, weight, bias, activation).to(x.dtype)
+    return impl(x, halo, layout, rank, world, doc, weight, bias, activation)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   activation: Optional[str] = None,
-                  seq_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  seq_idx: Optional[torch.Tensor] = None, kernel: str = "auto") -> torch.Tensor:
     """The depthwise causal conv1d on one process: x (B, T, C), weight (C, K), bias (C,),
     activation None or 'silu'; seq_idx (B, T) documents (non-decreasing) or None.
     (B, T, C) in x's dtype."""
-    return conv_over_group(x, weight, bias, activation, LOCAL, "contiguous", seq_idx)
+    return conv_over_group(x, weight, bias, activation, LOCAL, "contiguous", seq_idx, kernel)
