@@ -156,6 +156,7 @@ class Stage:
     # largest attention buffers of them (a full layer's beside a windowed one's)
     halo: List[int] = field(default_factory=list)
     linear: int = 0  # the largest linear mixer's working set (linear_layers.mixer_saved)
+    types: List[str] = field(default_factory=list)  # each block's layer type (hybrids)
 
     def grads(self, fraction: float) -> Dict[str, float]:
         """The gradient terms with `fraction` of this stage's produced (all of them while
@@ -214,7 +215,8 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
                   for a in layers if a.token_mixer in ("gated_delta", "mamba2")], default=0)
     return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
                  saved, zero_state, sh, resident, base, accumulated, accumulating, host,
-                 host_step, loss_tile, mlp_tile, halo, linear)
+                 host_step, loss_tile, mlp_tile, halo, linear,
+                 [a.kind for a in layers] if model.layer_types is not None else [])
 
 
 def forward_phases(st: Stage) -> List[Phase]:
@@ -285,6 +287,10 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     mlp_saved = 0.0 if st.mlp_tile else counts.mlp_intermediates_saved(s, elem)
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
     replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm)
+    kind = st.types[i] if st.types else None
+    if mode == "full" and kind in ("linear_attention", "mamba"):  # its whole 'none' bytes
+        replayed = counts.block_activations(s, elem, cand, "none", kind, model, bool(st.mlp_tile),
+                                            st.device) - s.N * s.d * elem
     down = 0 if st.mlp_tile else counts.down_proj_params(model, cand.tp)  # tiled: in its set
     at_mlp = {**st.base, **st.grads((grads_above + down) / psi),
               "activations": saved_below + st.act.embed + st.act.layers[i],
@@ -298,7 +304,9 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
         "recompute": replayed - mlp_part if mode == "full" else 0.0,
         "layer working set": max(max([transients.attention_backward(s, cand, elem, h)
                                       for h in set(st.halo)], default=0.0) + attention_out,
-                                 st.linear),
+                                 # a replayed linear block's intermediates are charged as
+                                 # its recompute; their gradients replace them one by one
+                                 st.linear if mode != "full" else 0),
         "activation grads": st.residual_grad + pending}
     best = max(at_mlp, at_attention, key=lambda t: sum(t.values()))
     return Phase(f"{name}, {'MLP' if best is at_mlp else 'attention'})", best)
