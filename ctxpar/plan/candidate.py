@@ -29,6 +29,7 @@ class Candidate:
     offload_optimizer: bool = False    # zero_optimization.offload_optimizer.device = cpu
     mlp_tile: int = 0                  # memory.mlp_tile_tokens when > 0 (else the config's)
     loss_tile: int = 0                 # memory.loss_tile_tokens when > 0 (else the config's)
+    linear_cp: str = "state"           # parallel.linear_cp: the linear layers' CP strategy
 
     @property
     def world(self) -> int:
@@ -48,6 +49,7 @@ class Candidate:
             cp += {"ring": f" ring/{tokens}", "allgather": f" allgather/{tokens}",
                    "ulysses": " ulysses",
                    "hybrid": f" hybrid u{self.ulysses}/{tokens}"}[self.cp_comm]
+            cp += " linear-heads" if self.linear_cp == "heads" else ""
         opts = "".join(f" +{n}" for n, on in (
             (f"tiled-loss{f'({self.loss_tile})' if self.loss_tile else ''}", self.tiled_loss),
             (f"tiled-mlp{f'({self.mlp_tile})' if self.mlp_tile else ''}", self.tiled_mlp),
@@ -67,6 +69,7 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
     parallel = replace(
         p, tp=cand.tp, cp=cand.cp, pp=cand.pp, dp=cand.dp, cp_comm=cand.cp_comm,
         layout=cand.token_layout, ring_grad_dtype=cand.ring_grad_dtype,
+        linear_cp=cand.linear_cp,
         ulysses=cand.ulysses if cand.cp_comm in ("ulysses", "hybrid") and cand.cp > 1 else None)
     checkpointing = replace(cfg.activation_checkpointing, mode=cand.activation,
                             every_n_layers=cand.every_n_layers)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import List, Optional
 
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
+from ..config.layers import (LAYER_MIXERS, first_layer_type, gated_delta_dims, layer_types,
+                             mamba_dims)
 from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
@@ -55,48 +57,79 @@ def _numel(specs, tp: int) -> int:
     return sum(spec.numel(tp) for spec in specs)
 
 
-def _block(m: ModelConfig, tp: int, *parts: str):
-    """Block 0's ParamSpecs (ctxpar/config/parameters.py) whose name inside the block
-    starts with one of parts (all of them without parts)."""
-    key = (block_fields(m), tp)
-    if key not in _BLOCK_SPECS:  # once per model and TP degree: the search asks per candidate
-        _BLOCK_SPECS[key] = block_specs(m, 0, tp)
-    return [s for s in _BLOCK_SPECS[key]
-            if not parts or s.name[len("layers.0."):].startswith(parts)]
+def _block(m: ModelConfig, tp: int, *parts: str, kind: Optional[str] = None):
+    """The ParamSpecs (ctxpar/config/parameters.py) of a block of layer type `kind`
+    (default: block 0's) whose name inside the block starts with one of parts (all of
+    them without parts)."""
+    kind = kind or first_layer_type(m)
+    key = (block_fields(m), kind, tp)
+    if key not in _BLOCK_SPECS:  # once per model, layer type and TP degree
+        i = 0 if kind == first_layer_type(m) else layer_types(m).index(kind)
+        _BLOCK_SPECS[key] = [(s.name.split(".", 2)[2], s) for s in block_specs(m, i, tp)]
+    return [s for name, s in _BLOCK_SPECS[key] if not parts or name.startswith(parts)]
 
 
-def _block_numel(m: ModelConfig, tp: int, *parts: str) -> int:
-    """_numel of _block(m, tp, *parts), once per model, TP degree and parts."""
-    key = (block_fields(m), tp, parts)
+def _block_numel(m: ModelConfig, tp: int, *parts: str, kind: Optional[str] = None) -> int:
+    """_numel of _block(m, tp, *parts, kind=kind), once per model, kind, TP and parts."""
+    key = (block_fields(m), kind or first_layer_type(m), tp, parts)
     if key not in _BLOCK_NUMEL:
-        _BLOCK_NUMEL[key] = _numel(_block(m, tp, *parts), tp)
+        _BLOCK_NUMEL[key] = _numel(_block(m, tp, *parts, kind=kind), tp)
     return _BLOCK_NUMEL[key]
 
 
-_BLOCK_SPECS: dict = {}  # _block's: (block_fields, tp) -> block 0's specs
-_BLOCK_NUMEL: dict = {}  # _block_numel's: (block_fields, tp, parts) -> parameters
+_BLOCK_SPECS: dict = {}  # _block's: (block_fields, kind, tp) -> [(name in block, spec)]
+_BLOCK_NUMEL: dict = {}  # _block_numel's: (block_fields, kind, tp, parts) -> parameters
+
+
+def kinds(m: ModelConfig) -> tuple:
+    """The layer types the model's blocks use, in first-use order."""
+    return tuple(dict.fromkeys(layer_types(m))) if m.layer_types is not None \
+        else (first_layer_type(m),)
+
+
+def block_params(m: ModelConfig, tp: int, kind: Optional[str] = None) -> int:
+    """Parameters of one block of layer type `kind` (default block 0's) on one TP rank:
+    norms (replicated), q/o split by heads, k/v split (or the full kv heads replicated
+    when Hkv < tp), MLP split by columns, the linear mixers as block_specs splits them."""
+    return _block_numel(m, tp, kind=kind)
 
 
 def layer_params(m: ModelConfig, tp: int) -> int:
-    """Parameters of one block on one TP rank: norms (replicated), q/o split by heads, k/v
-    split (or the full kv heads replicated when Hkv < tp), MLP split by columns."""
-    return _block_numel(m, tp)
+    """The largest block's parameters on one TP rank (the one every block has in a model
+    of one layer type)."""
+    return max(block_params(m, tp, k) for k in kinds(m))
 
 
 def qkv_params(m: ModelConfig, tp: int) -> int:
-    """q, k, v projections and the attention's norm on a TP rank (a block's last grads)."""
-    return _block_numel(m, tp, "attn_norm.", "attn.q_proj.", "attn.k_proj.", "attn.v_proj.")
+    """q, k, v projections and the attention's norm on a TP rank (a block's last grads);
+    a model without attention blocks: its token mixer's input projections and norm."""
+    attn = ("attn_norm.", "attn.q_proj.", "attn.k_proj.", "attn.v_proj.")
+    linear = ("attn_norm.", "linear_attn.in_proj", "mamba.in_proj")
+    return max(_block_numel(m, tp, *(attn if k in ATTENTION_BLOCKS else linear), kind=k)
+               for k in kinds(m))
+
+
+ATTENTION_BLOCKS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
 
 
 def down_proj_params(m: ModelConfig, tp: int) -> int:
     """The MLP's down projection on a TP rank (its gradient is a block's first)."""
-    return _block_numel(m, tp, "mlp.down_proj.")
+    return max(_block_numel(m, tp, "mlp.down_proj.", kind=k) for k in kinds(m))
+
+
+def stage_kinds(m: ModelConfig, pp: int, stage: int) -> List[str]:
+    """The layer type of each block on pipeline stage `stage`."""
+    start = sum(stage_layers(m, pp, i) for i in range(stage))
+    return layer_types(m)[start:start + stage_layers(m, pp, stage)]
 
 
 def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """Parameters on one rank of pipeline stage `stage` (layers split evenly; the first
     stage has the embedding, the last the final norm and the head, tied or not)."""
-    n = stage_layers(m, pp, stage) * layer_params(m, tp)
+    if m.layer_types is None:  # one kind: every block the same
+        n = stage_layers(m, pp, stage) * block_params(m, tp)
+    else:
+        n = sum(block_params(m, tp, k) for k in stage_kinds(m, pp, stage))
     embed = embedding_spec(m).numel(tp)
     if stage == 0:
         n += embed
@@ -110,15 +143,18 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
 def stage_vector_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """The 1-D parameters (norm weights, biases) among stage_params: train.py's group
     without weight decay; the rest are the matrices' group."""
-    per_block = _numel([s for s in _block(m, tp) if len(s.shape) == 1], tp)
+    def vectors(kind):
+        return _numel([s for s in _block(m, tp, kind=kind) if len(s.shape) == 1], tp)
+    per = sum(vectors(k) for k in stage_kinds(m, pp, stage)) if m.layer_types is not None \
+        else stage_layers(m, pp, stage) * vectors(None)
     final = _numel([s for s in head_specs(m) if len(s.shape) == 1], tp)
-    return stage_layers(m, pp, stage) * per_block + (final if stage == pp - 1 else 0)
+    return per + (final if stage == pp - 1 else 0)
 
 
 def largest_tensor(m: ModelConfig, tp: int) -> int:
-    """Elements of the largest single parameter on a TP rank (embedding / head or an MLP
-    matrix)."""
-    blocks = block_specs(m, 0, tp)  # every block has the same shapes
+    """Elements of the largest single parameter on a TP rank (embedding / head or a
+    block's largest matrix)."""
+    blocks = [s for k in kinds(m) for s in _block(m, tp, kind=k)]
     return max(spec.numel(tp) for spec in [embedding_spec(m), *blocks, *head_specs(m)])
 
 
@@ -153,24 +189,27 @@ def norm_saved(s: RankShapes, e: int, norm: str = "rmsnorm", device: str = "cpu"
 
 
 def family_norms_saved(s: RankShapes, e: int, m: Optional[ModelConfig],
-                       device: str = "cpu") -> int:
+                       device: str = "cpu", kind: Optional[str] = None) -> int:
     """What a block in mode 'none' saves beyond a Llama block for the Hugging Face
-    families' norms: per-head q/k RMSNorms (model.qk_norm: their input and normed copy,
-    (h + hk) fp32 rstd per token; the fused CUDA kernel keeps one copy fewer), norms after
-    attention and MLP (model.post_norms: input, normed and rstd each; their outputs go to
-    the residual add, which saves nothing) and, under model.norm_offset, each norm's fp32
-    (offset + w) vector."""
+    families' norms: per-head q/k RMSNorms (model.qk_norm, attention blocks: their input
+    and normed copy, (h + hk) fp32 rstd per token; the fused CUDA kernel keeps one copy
+    fewer), norms after the token mixer and the MLP (model.post_norms: input, normed and
+    rstd each; their outputs go to the residual add, which saves nothing) and, under
+    model.norm_offset, each norm's fp32 (offset + w) vector. kind: the block's layer type
+    (its mixers, config.layers.LAYER_MIXERS); None: an attention and MLP block."""
     if m is None:
         return 0
+    token, channel = LAYER_MIXERS[kind] if kind else ("attention", "mlp")
+    norms = (token is not None) + (channel is not None)
     copies = 2 if device == "cpu" else 1
     out = offset = 0
-    if m.qk_norm:
+    if m.qk_norm and token == "attention":
         out += s.N * (copies * (s.h + s.hk) * s.hd * e + 4 * (s.h + s.hk))
         offset += 2 * s.hd
     if m.post_norms:
-        out += 2 * s.N * (copies * s.d * e + 4)
-        offset += 2 * s.d
-    return out + (4 * (offset + 2 * s.d) if m.norm_offset else 0)
+        out += norms * s.N * (copies * s.d * e + 4)
+        offset += norms * s.d
+    return out + (4 * (offset + norms * s.d) if m.norm_offset else 0)
 
 
 def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
@@ -201,6 +240,43 @@ def layer_modes(cand: Candidate, layers: int):
     return ["full" if i % cand.every_n_layers == 0 else "none" for i in range(layers)]
 
 
+def gate_saved(s: RankShapes, e: int, mode: str, m: Optional[ModelConfig]) -> int:
+    """Gated attention (model.attention_output_gate): sigmoid(gate) and o * sigmoid(gate),
+    o_proj's input, (N, h hd) each in mode 'none'; 'selective' keeps the gate itself (an
+    input of the checkpointed out-projection)."""
+    if m is None or not m.attention_output_gate or mode == "full":
+        return 0
+    return (1 if mode == "selective" else 2) * s.N * s.h * s.hd * e
+
+
+def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: str,
+                      m: ModelConfig, tiled_mlp: bool = False, device: str = "cpu") -> int:
+    """Saved bytes of one block of layer type `kind` in `mode` ('none', 'selective' or
+    'full'): attention and MLP blocks as layer_activations; Nemotron-H's single-op blocks
+    without the piece they lack; a linear block (which 'selective' does not split: it
+    keeps everything) its norm, its mixer's (linear_layers.mixer_saved) and its MLP's."""
+    token, channel = LAYER_MIXERS[kind]
+    if mode == "full":
+        return s.N * s.d * e
+    if token == "attention" and channel and kind != "attention":
+        return layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device, m) \
+            + gate_saved(s, e, mode, m)
+    norm = norm_saved(s, e, m.norm, device)
+    if token == "attention":  # no MLP
+        core = attention_saved(s, e, cand) + gate_saved(s, e, mode, m)
+        if mode == "selective":
+            return s.N * s.d * e + core
+        return norm + core + family_norms_saved(s, e, m, device, kind)
+    out = family_norms_saved(s, e, m, device, kind)
+    if token is not None:
+        from .linear_layers import linear_shapes, mixer_saved
+        out += norm + mixer_saved(kind, linear_shapes(m, kind, cand.tp), s.B, s.N // s.B, e,
+                                  cand.cp, cand.linear_cp, cand.token_layout)
+    if channel:
+        out += norm + (0 if tiled_mlp else 4 * s.N * s.f * e)
+    return out
+
+
 @dataclass(frozen=True)
 class Activations:
     """Saved bytes of one micro-batch on one rank, by where they are made."""
@@ -216,18 +292,32 @@ class Activations:
 
 def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, first: bool = True,
                 last: bool = True, reset_positions: bool = False, tiled_loss: bool = False,
-                tiled_mlp: bool = False, device: str = "cpu") -> Activations:
+                tiled_mlp: bool = False, device: str = "cpu", start: int = 0) -> Activations:
     """Saved bytes of one micro-batch's forward on one rank (what backward needs): its
-    `layers` blocks (default all) under cand.activation, RoPE's cos/sin (fp32, (T/cp, hd/2)
-    each; per sample with reset_positions), the token ids on the first stage, and on the
-    last the final norm, the fp32 softmax of the loss (none when tiled: per-token fp32
-    loss and log-sum-exp instead) and the labels and masks.
+    `layers` blocks from block `start` (default all) under cand.activation, each by its
+    layer type (block_activations), RoPE's cos/sin (fp32, (T/cp, hd/2) each; per sample
+    with reset_positions), the token ids on the first stage, and on the last the final
+    norm, the fp32 softmax of the loss (none when tiled: per-token fp32 loss and
+    log-sum-exp instead) and the labels and masks; with linear layers the conv's tap index
+    (T/cp, K) int64, one tensor every conv reads.
     Exact: tests/test_plan.py compares it with autograd's saved tensors."""
     s = rank_shapes(m, cand)
     layers = s.L if layers is None else layers
-    per = tuple(layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device, m)
-                for mode in layer_modes(cand, layers))
-    embed = (s.B if reset_positions else 1) * (s.N // s.B) * s.hd * 4
+    modes = layer_modes(cand, layers)
+    if m.layer_types is None:  # one kind
+        one = {mode: layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device, m)
+               + gate_saved(s, e, mode, m) for mode in set(modes)}
+        per = tuple(one[mode] for mode in modes)
+        conv_taps = 0
+    else:
+        types = layer_types(m)[start:start + layers]
+        per = tuple(block_activations(s, e, cand, mode, kind, m, tiled_mlp, device)
+                    for mode, kind in zip(modes, types))
+        conv = [gated_delta_dims(m).conv_kernel if k == "linear_attention" else
+                mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
+                if mode != "full" and LAYER_MIXERS[k][0] in ("gated_delta", "mamba2")]
+        conv_taps = sum(8 * (s.N // s.B) * K for K in set(conv))
+    embed = (s.B if reset_positions else 1) * (s.N // s.B) * s.hd * 4 + conv_taps
     if first:
         embed += 8 * s.N                                   # token ids (int64)
         embed += e if m.scale_embeddings else 0             # the sqrt(d) scalar
@@ -400,8 +490,8 @@ def stage_layers(m: ModelConfig, pp: int, stage: int) -> int:
 
 def mlp_params(m: ModelConfig, tp: int) -> int:
     """The MLP's parameters on a TP rank: its up (and gate) and down projections with
-    their biases."""
-    return _block_numel(m, tp, "mlp.")
+    their biases (the largest block's)."""
+    return max(_block_numel(m, tp, "mlp.", kind=k) for k in kinds(m))
 
 
 def head_params(m: ModelConfig, tp: int) -> int:

@@ -40,6 +40,7 @@ from ..config import GATED_MLPS, Config, deepspeed_config
 from ..config.layers import layer_attention
 from . import counts, transients
 from .candidate import Candidate, apply_candidate
+from .linear_layers import linear_shapes, mixer_saved
 from .zero_state import Shard, ZeroState, zero_config
 
 
@@ -154,6 +155,8 @@ class Stage:
     # counts.halo_received of each kind of layer the stage holds; a phase charges the
     # largest attention buffers of them (a full layer's beside a windowed one's)
     halo: List[int] = field(default_factory=list)
+    linear: int = 0  # the largest linear mixer's working set (linear_layers.mixer_saved)
+    types: List[str] = field(default_factory=list)  # each block's layer type (hybrids)
 
     def grads(self, fraction: float) -> Dict[str, float]:
         """The gradient terms with `fraction` of this stage's produced (all of them while
@@ -175,9 +178,10 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     first, last = index == 0, index == cand.pp - 1
     blocks = counts.stage_layers(model, cand.pp, index)
     loss_tile, mlp_tile = tile_sizes(cfg, shapes, cand)
+    start = sum(counts.stage_layers(model, cand.pp, i) for i in range(index))
     act = counts.activations(model, cand, elem, blocks, first, last, cfg.data.reset_positions,
                              tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile),
-                             device=device)
+                             device=device, start=start)
     sh = shard(model, cand.tp, cand.pp, index)
     zero_state = ZeroState(sh, zero, cand.dp * cand.cp, bf16, device)
     resident = zero_state.resident()
@@ -200,13 +204,19 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     accumulated = {"grads (accumulated)": zero_state.backward(1.0).get("grads", 0.0)} \
         if accumulating else {}
     base = {**resident, **zero_state.gathered(), **others}
-    start = sum(counts.stage_layers(model, cand.pp, i) for i in range(index))
-    kinds = {(a.sliding_window, a.chunk_size): a
-             for a in layer_attention(model)[start:start + blocks]}
+    layers = layer_attention(model)[start:start + blocks]
+    kinds = {(a.sliding_window, a.chunk_size): a for a in layers if a.token_mixer == "attention"}
     halo = [counts.halo_received(model, cand, a) for a in kinds.values()]
+    # the linear mixers' working set: what one makes in its forward (saved or, replayed
+    # and under no_grad, alive while it runs) and again as gradients in its backward
+    s = shapes
+    linear = max([mixer_saved(a.kind, linear_shapes(model, a.kind, cand.tp), s.B, s.N // s.B,
+                              elem, cand.cp, cand.linear_cp, cand.token_layout)
+                  for a in layers if a.token_mixer in ("gated_delta", "mamba2")], default=0)
     return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
                  saved, zero_state, sh, resident, base, accumulated, accumulating, host,
-                 host_step, loss_tile, mlp_tile, halo)
+                 host_step, loss_tile, mlp_tile, halo, linear,
+                 [a.kind for a in layers] if model.layer_types is not None else [])
 
 
 def forward_phases(st: Stage) -> List[Phase]:
@@ -217,8 +227,9 @@ def forward_phases(st: Stage) -> List[Phase]:
     swiglu = st.cfg.model.mlp in GATED_MLPS  # gate, up and their product
     block = transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile) \
         if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
-    working_set = max(block, max(transients.attention_forward(s, cand, elem, h)
-                                 for h in set(st.halo)))
+    working_set = max(block, max([transients.attention_forward(s, cand, elem, h)
+                                  for h in set(st.halo)], default=0.0),
+                      st.linear if mode != "none" else 0)
     phases = [Phase("forward (last block)", {
         **st.base, **st.accumulated, "activations": sum(st.saved) + st.act.embed,
         "block working set": working_set})]
@@ -276,6 +287,10 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     mlp_saved = 0.0 if st.mlp_tile else counts.mlp_intermediates_saved(s, elem)
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
     replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm)
+    kind = st.types[i] if st.types else None
+    if mode == "full" and kind in ("linear_attention", "mamba"):  # its whole 'none' bytes
+        replayed = counts.block_activations(s, elem, cand, "none", kind, model, bool(st.mlp_tile),
+                                            st.device) - s.N * s.d * elem
     down = 0 if st.mlp_tile else counts.down_proj_params(model, cand.tp)  # tiled: in its set
     at_mlp = {**st.base, **st.grads((grads_above + down) / psi),
               "activations": saved_below + st.act.embed + st.act.layers[i],
@@ -287,8 +302,11 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
         **st.base, **st.grads((grads_above + layer - counts.qkv_params(model, cand.tp)) / psi),
         "activations": saved_below + st.act.embed + own,
         "recompute": replayed - mlp_part if mode == "full" else 0.0,
-        "layer working set": max(transients.attention_backward(s, cand, elem, h)
-                                 for h in set(st.halo)) + attention_out,
+        "layer working set": max(max([transients.attention_backward(s, cand, elem, h)
+                                      for h in set(st.halo)], default=0.0) + attention_out,
+                                 # a replayed linear block's intermediates are charged as
+                                 # its recompute; their gradients replace them one by one
+                                 st.linear if mode != "full" else 0),
         "activation grads": st.residual_grad + pending}
     best = max(at_mlp, at_attention, key=lambda t: sum(t.values()))
     return Phase(f"{name}, {'MLP' if best is at_mlp else 'attention'})", best)
@@ -326,7 +344,8 @@ def evaluation_phase(st: Stage) -> Phase:
     s, elem = st.shapes, st.elem
     swiglu = st.cfg.model.mlp in GATED_MLPS
     block = max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile),
-                max(transients.attention_forward(s, st.cand, elem, h) for h in set(st.halo)))
+                max([transients.attention_forward(s, st.cand, elem, h) for h in set(st.halo)],
+                    default=0.0), st.linear)
     state = {**st.resident, **st.zero_state.gathered()}
     at_block = {**state, "block working set": block}
     if not st.last:

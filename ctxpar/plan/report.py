@@ -8,7 +8,9 @@ from dataclasses import replace
 from typing import List
 
 from ..config import to_dict
-from ..config.layers import layer_attention
+from ..config.layers import layer_attention, layer_types
+from ..context_parallel.linear import LINEAR_CP_STRATEGIES, check_linear_cp
+from .linear_layers import KINDS, linear_shapes, mixer_cp_bytes
 from . import counts
 from .candidate import apply_candidate
 from .cluster import Cluster
@@ -143,6 +145,37 @@ def layout_reason(cfg, plan: Plan) -> str:
             f"{what}; such a layer's busiest rank sends and does: " + "; ".join(parts)
             + (f" ({full} full layers: zigzag and striped balance their causal work, "
                f"contiguous does not)" if full else ""))
+
+
+def linear_reason(cfg, plan: Plan) -> str:
+    """One line: why this parallel.linear_cp, for a model with linear layers over CP: per
+    linear layer and micro-batch, the bytes a rank sends (forward + backward) under state
+    passing (fp32 summaries: independent of seq_len) and heads (all-to-alls: proportional
+    to it), where the layout allows each; '' otherwise."""
+    m, cand = cfg.model, plan.candidate
+    linear = [t for t in dict.fromkeys(layer_types(m)) if t in KINDS]
+    if not linear or cand.cp == 1:
+        return ""
+    e, s = 2 if is_bf16(cfg) else 4, counts.rank_shapes(m, cand)
+    parts = []
+    for kind in linear:
+        sh = linear_shapes(m, kind, cand.tp)
+        sent = []
+        for strategy in LINEAR_CP_STRATEGIES:
+            try:
+                check_linear_cp(strategy, cand.token_layout, sh.Hv if kind ==
+                                "linear_attention" else sh.H, cand.cp, sh.C)
+            except ValueError:
+                sent.append(f"{strategy} not with this layout")
+                continue
+            f, b = mixer_cp_bytes(kind, sh, s.B, s.N // s.B, e, cand.cp, strategy,
+                                  cand.token_layout)
+            sent.append(f"{strategy} {(f + b) / 1e6:,.2f} MB")
+        n = sum(t == kind for t in layer_types(m))
+        parts.append(f"{n} {kind} layers, each: " + ", ".join(sent))
+    return (f"parallel.linear_cp {cand.linear_cp}: a rank sends per micro-batch "
+            + "; ".join(parts) + " (state: fp32 summaries, the same at any seq_len; heads: "
+            "all-to-alls that grow with it)")
 
 
 def what_frees(m, cand) -> str:

@@ -10,11 +10,13 @@ judge of validity: a layout the trainer would refuse is never proposed.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
-from ..config.layers import has_linear_layers, layer_types
+from ..config.layers import LAYER_MIXERS, has_linear_layers, layer_types
+from ..context_parallel.linear import LINEAR_CP_STRATEGIES
 from ..components.metrics import flops_per_token
 from . import counts
 from .candidate import Candidate, apply_candidate
@@ -53,18 +55,22 @@ def is_bf16(cfg: Config) -> bool:
 
 
 def check_modelled(cfg: Config) -> None:
-    """PlanError (one line) for a model the counts do not describe: Gated DeltaNet and
-    Mamba2 layers (their parameters, states and chunked kernels' activations are not
-    counted yet), rather than a prediction that treats them as attention."""
-    if cfg.model.attention_output_gate:
-        raise PlanError("model.attention_output_gate=true: the planner does not count the "
-                        "gate's projection rows and activations yet (no prediction for "
-                        "gated attention)")
-    if has_linear_layers(cfg.model):
-        kinds = sorted({t for t in layer_types(cfg.model) if t in ("linear_attention", "mamba")})
-        raise PlanError(f"model.layer_types has {kinds} layers: the planner does not count "
-                        f"Gated DeltaNet or Mamba2 layers yet (no memory or time prediction "
-                        f"for hybrid models)")
+    """PlanError (one line) for a model the counts do not describe, rather than a
+    prediction that counts it as something else. Every layer type of config.layers is
+    counted (attention with its gate, Gated DeltaNet, Mamba2, Nemotron-H's single-op
+    blocks): nothing is refused today; a new mixer or channel mixer starts here."""
+    unknown = sorted({t for t in layer_types(cfg.model) if t not in LAYER_MIXERS})
+    if unknown:
+        raise PlanError(f"model.layer_types has {unknown} layers: the planner does not count "
+                        f"them (no memory or time prediction)")
+
+
+def linear_strategies(cfg: Config, cp: int):
+    """parallel.linear_cp's choices worth weighing: both strategies for a model with
+    linear layers over CP (validation drops the ones a layout refuses), else the config's."""
+    if cp > 1 and has_linear_layers(cfg.model):
+        return LINEAR_CP_STRATEGIES
+    return (cfg.parallel.linear_cp,)
 
 
 def evaluate(cfg: Config, cand: Candidate, cluster: Cluster, **eff) -> Plan:
@@ -98,13 +104,14 @@ def candidates(cfg: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)) -> Lis
         for cp in divisors(world // tp):
             for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
-                for comm, u, token_layout in _cp_patterns(cp):
+                for (comm, u, token_layout), linear in itertools.product(
+                        _cp_patterns(cp), linear_strategies(cfg, cp)):
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                         for act in CHECKPOINT_MODES:
                             for mb in micro_batches:
                                 cand = Candidate(tp, cp, pp, dp, comm, u, token_layout, zero,
                                                  act, 2 if act == "every_n_layers" else 1, mb,
-                                                 **opts)
+                                                 linear_cp=linear, **opts)
                                 if _valid(cfg, cand):
                                     out.append(cand)
     return out

@@ -42,6 +42,7 @@ class SequenceCost:
         self._cand = dict(tp=p.tp, pp=1, dp=1, cp_comm=p.cp_comm, token_layout=p.layout,
                           activation=ac.mode, every_n_layers=ac.every_n_layers,
                           micro_batch=1, ring_grad_dtype=p.ring_grad_dtype,
+                          linear_cp=p.linear_cp,
                           tiled_loss=cfg.memory.tiled_loss, tiled_mlp=cfg.memory.tiled_mlp)
         self.overhead = cfg.model.n_layers * cluster.gpu.overhead
         self._seconds: Dict[Tuple[int, int], float] = {}

@@ -52,6 +52,7 @@ from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
 from ..context_parallel.mask import visible_pairs
 from . import counts
+from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
 from .candidate import Candidate
 from .cluster import Cluster
 
@@ -109,6 +110,15 @@ def rank_pairs(T: int, ranks: int, layout: str, sliding_window=None, chunk_size=
     return (pairs(0, T) + ranks - 1) // ranks  # striped: equal shares
 
 
+def stage_block_params(m, cand: Candidate) -> int:
+    """The blocks' parameters on one rank of the stage with the most (every block alike:
+    the first stage, which holds one more when pp does not divide the layers)."""
+    if m.layer_types is None:
+        return -(-m.n_layers // cand.pp) * counts.block_params(m, cand.tp)
+    return max(sum(counts.block_params(m, cand.tp, k) for k in counts.stage_kinds(m, cand.pp, st))
+               for st in range(cand.pp))
+
+
 def stage_attention(m, pp: int) -> List[LayerAttention]:
     """The layers' attention (config.layers.layer_attention) of the pipeline stage with
     the most attention pairs (the first stages hold one more layer when pp does not
@@ -124,7 +134,10 @@ def stage_attention(m, pp: int) -> List[LayerAttention]:
 
 
 def head_pairs(cand: Candidate, s, T: int, attn: LayerAttention) -> int:
-    """(head, query, key) triples the busiest rank computes in one layer's attention."""
+    """(head, query, key) triples the busiest rank computes in one layer's attention
+    (none in a layer without attention: linear mixers, MLP-only blocks)."""
+    if attn.token_mixer != "attention":
+        return 0
     w, c = attn.sliding_window, attn.chunk_size
     if cand.cp_comm == "ulysses" and cand.cp > 1:  # all T tokens of h/cp heads
         return s.h // cand.cp * rank_pairs(T, 1, cand.token_layout, w, c)
@@ -151,9 +164,13 @@ def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
     total = exposed = 0.0
     done = {}  # (window, chunk) -> the layer's (total, exposed): equal layers, one count
     for attn, t_f in zip(stage, t_attn_layers):
-        key = (attn.sliding_window, attn.chunk_size)
+        key = (attn.kind, attn.sliding_window, attn.chunk_size)
+        if attn.token_mixer is None:
+            continue  # an MLP-only block: nothing over CP
         if key not in done:
-            done[key] = layer_cp_time(cfg, cand, cluster, e, g, attn, t_f, attn_replay)
+            done[key] = layer_cp_time(cfg, cand, cluster, e, g, attn, t_f, attn_replay) \
+                if attn.token_mixer == "attention" else \
+                linear_cp_time(cfg, cand, cluster, e, attn.kind, attn_replay)
         total, exposed = total + done[key][0], exposed + done[key][1]
     if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and cand.ring > 1):
         # Pairs per step: zigzag's half blocks and striped's triangles ~C^2/2, contiguous
@@ -205,6 +222,27 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
     return cp_total, cp_total  # ulysses: nothing to hide behind
 
 
+def linear_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, kind: str,
+                   replay: float):
+    """(all CP seconds, those not hidden) of one linear layer per micro-batch: the conv's
+    halo, then state passing's fp32 summaries (an all-gather forward, a reduce-scatter
+    backward) or heads' all-to-alls (linear_layers.mixer_cp_bytes), over the CP group's
+    slowest link; none hides (each waits for the kernel before it or feeds the one
+    after), a replayed forward's again."""
+    s = counts.rank_shapes(cfg.model, cand)
+    sh = linear_shapes(cfg.model, kind, cand.tp)
+    fwd, bwd = mixer_cp_bytes(kind, sh, s.B, s.N // s.B, e, cand.cp, cand.linear_cp,
+                              cand.token_layout)
+    t = (fwd * (1 + replay) + bwd) / cluster.link(cand.tp * cand.cp)
+    return t, t
+
+
+def linear_compute(m, cand: Candidate, s, stage: List[LayerAttention]) -> float:
+    """Forward FLOPs of the stage's linear mixers' chunked kernels (linear_layers)."""
+    return sum(mixer_flops(a.kind, linear_shapes(m, a.kind, cand.tp), s.N, cand.linear_cp,
+                           cand.cp) for a in stage if a.token_mixer in ("gated_delta", "mamba2"))
+
+
 def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers: int,
                  compute: float) -> float:
     """Activation offload's copies per micro-batch not hidden behind the compute (CUDA:
@@ -240,7 +278,8 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     psi = max(counts.stage_params(m, cand.tp, cand.pp, st) for st in {0, cand.pp - 1})
     head = 2 * s.N * m.d_model * s.V  # logits matmul (not a lookup, unlike the embedding)
     mlp_p = (3 if m.mlp in GATED_MLPS else 2) * s.d * s.f  # the MLP's weights on a rank
-    mm = (2 * s.N * layers * counts.layer_params(m, cand.tp)) * (3 + replay) \
+    blocks = stage_block_params(m, cand)
+    mm = (2 * s.N * blocks) * (3 + replay) \
         + (4 if cand.tiled_loss and cand.tp > 1 else 3) * head \
         + (2 * s.N * layers * mlp_p if cand.tiled_mlp else 0)  # the tiled MLP's recompute
     # Attention FLOPs (forward) of the busiest rank: head-pairs it computes, per layer of
@@ -250,7 +289,10 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
                      for a in stage]
     t_attn_f = sum(t_attn_layers)
     t_mm = mm / (F * mm_eff)
-    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay)
+    # the linear mixers' chunked kernels, at the attention kernels' efficiency: backward
+    # twice the forward, a replayed forward again
+    t_linear = linear_compute(m, cand, s, stage) / (F * attn_eff)
+    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay)
 
     # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
     f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)

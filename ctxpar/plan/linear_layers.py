@@ -1,0 +1,153 @@
+"""The linear layers (Gated DeltaNet, Mamba2) under a layout: their shapes per rank, what
+they save for backward under each CP strategy, their FLOPs and their CP bytes.
+
+Shapes per rank come from the parameters' one description (config/parameters.py
+block_specs(m, i, tp): A_log's rows are the heads on a rank, in_proj's rows give the key
+heads or B/C groups), so however TP splits the mixers the counts follow it. Saved bytes
+are linear_saved.py's at the shapes each strategy runs its kernel on:
+
+    cp 1     the kernel on the rank's B x T tokens
+    heads    the kernel on all T tokens of H/cp heads (the same elements as the local
+             tokens of H heads; q, k, B, C arrive as copies); the gates, conv and norm on
+             the local tokens
+    state    the kernel on each of the rank's segments (1 contiguous, 2 zigzag) from a
+             state: GDN's value width Dk + Dv ([I | 0] -> [M | E]) and its (Dk, Dk + Dv)
+             states per chunk; the correction (q~ S_in; Mamba2's decay and C_t S_in) and
+             PassStates' gathered fp32 summaries (cp x segments x B x H x |M, E|)
+
+FLOPs: the chunked forms' matmuls per token (chunk C): GDN C (5 Dk + 3 Dv) + 6 Dk Dv per
+value head (the two (C, C) products, the two triangular solves, the scan's four state
+products), SSD 2 C (N + P) + 4 P N per head; backward twice that. CP bytes: state
+passing's summaries (context_parallel.linear.summary_bytes), heads' all-to-alls of the
+inputs and the output ((cp - 1)/cp of them, each way), and the conv's halo (K - 1 tokens
+of its channels from each neighbouring run: one under contiguous, two under zigzag).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from ..config import ModelConfig
+from ..config.layers import gated_delta_dims, layer_types, mamba_dims
+from ..config.parameters import block_specs
+from ..context_parallel.linear import summary_bytes
+from ..context_parallel.linear.state_passing import SEGMENTS
+from ..context_parallel.ulysses import ulysses_kv_heads
+from .linear_saved import (GatedDeltaShapes, MambaShapes, gdn_kernel_saved, gdn_saved,
+                           mamba_saved, ssd_kernel_saved)
+
+KINDS = {"linear_attention": "gated_delta", "mamba": "mamba2"}  # layer type -> mixer
+
+_SHAPES: dict = {}  # (layer type, the mixer's fields, tp) -> its shapes per rank
+
+
+def _local(specs, suffix: str, tp: int):
+    return next(s for s in specs if s.name.endswith(suffix)).local_shape(tp)
+
+
+def linear_shapes(m: ModelConfig, kind: str, tp: int):
+    """GatedDeltaShapes or MambaShapes of a `kind` layer on one of tp ranks."""
+    key = (kind, gated_delta_dims(m) if kind == "linear_attention" else mamba_dims(m), tp)
+    if key not in _SHAPES:
+        i = layer_types(m).index(kind)
+        specs = block_specs(m, i, tp)
+        if kind == "linear_attention":
+            g = gated_delta_dims(m)
+            hv = _local(specs, "linear_attn.A_log", tp)[0]
+            rows = _local(specs, "linear_attn.in_proj_qkv.weight", tp)[0]
+            hk = (rows - hv * g.value_head_dim) // (2 * g.key_head_dim)
+            _SHAPES[key] = GatedDeltaShapes(hk, hv, g.key_head_dim, g.value_head_dim,
+                                            g.conv_kernel, g.chunk_size)
+        else:
+            d = mamba_dims(m)
+            h = _local(specs, "mamba.A_log", tp)[0]
+            rows = _local(specs, "mamba.in_proj.weight", tp)[0]
+            groups = (rows - 2 * h * d.head_dim - h) // (2 * d.state_size)
+            _SHAPES[key] = MambaShapes(h, d.head_dim, d.state_size, groups, d.conv_kernel,
+                                       d.chunk_size)
+    return _SHAPES[key]
+
+
+def mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
+                layout: str) -> int:
+    """Bytes a linear mixer saves on one rank of cp (T: its local tokens), beyond its
+    normed input (the norm's count): linear_saved.py's at cp 1, else the module
+    docstring's per strategy."""
+    gdn = kind == "linear_attention"
+    if cp == 1:
+        return gdn_saved(B, T, sh, e) if gdn else mamba_saved(B, T, sh, e)
+    if strategy == "heads":  # the kernel over T cp tokens of H/cp heads: the same elements
+        if gdn:  # q, k arrive as copies: never views of the conv's output
+            return gdn_saved(B, T, sh, e, views=False)
+        return mamba_saved(B, T, sh, e)
+    slots = SEGMENTS[layout]
+    Bs, Ts = B * slots, T // slots
+    if gdn:
+        outer = gdn_saved(B, T, sh, e) - gdn_kernel_saved(B, T, sh.Hv, sh.Dk, sh.Dv, sh.C)
+        kernel = gdn_kernel_saved(Bs, Ts, sh.Hv, sh.Dk, sh.Dk + sh.Dv, sh.C)
+        # q~ S_in: the einsum's copy of q~ and S_in; the gathered summaries and S_0
+        state = sh.Hv * sh.Dk * (sh.Dk + sh.Dv)
+        extra = 4 * (B * T * sh.Hv * sh.Dk + Bs * sh.Hv * sh.Dk * sh.Dv
+                     + cp * Bs * state + B * sh.Hv * sh.Dk * sh.Dv)
+        return outer + kernel + extra
+    outer = mamba_saved(B, T, sh, e) - ssd_kernel_saved(B, T, sh.H, sh.P, sh.N, sh.C)
+    kernel = ssd_kernel_saved(Bs, Ts, sh.H, sh.P, sh.N, sh.C)
+    # decay_in (its exp and product), C at H heads, C_t S_in, S_in; the gathered summaries
+    extra = 4 * (2 * B * T * sh.H + B * T * sh.H * sh.N + B * T * sh.H * sh.P
+                 + Bs * sh.H * sh.P * sh.N + cp * Bs * sh.H * (sh.P * sh.N + 1)
+                 + B * sh.H * sh.P * sh.N)
+    return outer + kernel + extra
+
+
+def mixer_flops(kind: str, sh, tokens: int, strategy: str, cp: int) -> float:
+    """Forward FLOPs of a mixer's chunked kernel over `tokens` local tokens (the
+    projections are counted with the parameters); state passing at cp > 1 runs GDN at
+    value width Dk + Dv and adds Mamba2's correction C_t S_in."""
+    state = strategy == "state" and cp > 1
+    if kind == "linear_attention":
+        dv = sh.Dv + (sh.Dk if state else 0)
+        per = sh.C * (5 * sh.Dk + 3 * dv) + 6 * sh.Dk * dv + (2 * sh.Dk * sh.Dv if state else 0)
+        return tokens * sh.Hv * per
+    per = 2 * sh.C * (sh.N + sh.P) + 4 * sh.P * sh.N + (2 * sh.P * sh.N if state else 0)
+    return tokens * sh.H * per
+
+
+def conv_halo_bytes(sh, B: int, e: int, layout: str, cp: int) -> int:
+    """Bytes a rank receives (= sends) for the conv's halo per direction: K - 1 tokens of
+    its channels from the run before each of its runs (contiguous one, zigzag two;
+    striped whole shards from min(K - 1, cp - 1) ranks, proportional to n: counted by
+    the caller as its tokens)."""
+    if cp == 1:
+        return 0
+    return SEGMENTS.get(layout, 1) * B * (sh.K - 1) * sh.conv_channels * e
+
+
+def mixer_cp_bytes(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
+                   layout: str) -> Tuple[int, int]:
+    """(forward, backward) bytes one rank sends for one linear layer over cp ranks (T
+    its local tokens): the conv's halo, then state passing's fp32 summaries (the
+    all-gather, and its reduce-scatter back) or heads' all-to-alls of the kernel's inputs
+    and output (key heads and B/C groups at lcm(heads, cp))."""
+    if cp == 1:
+        return 0, 0
+    halo = conv_halo_bytes(sh, B, e, layout, cp) if layout != "striped" else \
+        B * T * min(sh.K - 1, cp - 1) * sh.conv_channels * e
+    if strategy == "state":
+        if kind == "linear_attention":
+            s = summary_bytes(B, sh.Hv, (sh.Dk, sh.Dv), layout, cp, "gated_delta")
+        else:
+            s = summary_bytes(B, sh.H, (sh.P, sh.N), layout, cp, "ssd")
+        return halo + s, halo + s
+    part = lambda n: n * (cp - 1) // cp  # noqa: E731 - an all-to-all's share
+    if kind == "linear_attention":
+        hk = ulysses_kv_heads(sh.Hk, cp)
+        ins = B * T * (2 * hk * sh.Dk * e + sh.Hv * sh.Dv * e + 2 * sh.Hv * 4)  # q k v; g beta fp32
+        out = B * T * sh.Hv * sh.Dv * e
+    else:
+        g = ulysses_kv_heads(sh.G, cp)
+        ins = B * T * (sh.H * sh.P * e + sh.H * 4 + 2 * g * sh.N * e)  # x, dt (fp32), B, C
+        out = B * T * sh.H * sh.P * e
+    return halo + part(ins) + part(out), halo + part(ins) + part(out)
+
+
+def linear_kind(kind: Optional[str]) -> bool:
+    return kind in KINDS
