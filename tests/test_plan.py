@@ -199,8 +199,9 @@ def test_linear_mixers_saved_bytes_at_realistic_shapes_and_bf16():
             assert abs(want / got - 1) < 0.01, (kind, e, got, want)
 
 
-HYBRID_CP = [(cp, linear, layout) for cp in (2, 4) for linear, layout in (
-    ("state", "contiguous"), ("state", "zigzag"), ("heads", "zigzag"))]
+HYBRID_CP = [(1, cp, linear, layout) for cp in (2, 4) for linear, layout in (
+    ("state", "contiguous"), ("state", "zigzag"), ("heads", "zigzag"))] + [
+    (2, 2, "state", "zigzag")]  # the mixers split over TP by heads
 
 
 def _hybrid_saved(rank, world):
@@ -210,33 +211,33 @@ def _hybrid_saved(rank, world):
     from models.gpt import GPT
     out = {}
     tokens = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(0))
-    for cp, linear, layout in HYBRID_CP:
-        st = init_parallel_state(cp=cp, dp=world // cp)
+    for tp, cp, linear, layout in HYBRID_CP:
+        st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp))
         for name, m in HYBRID_CONFIGS.items():
-            model = GPT(m, ModelGroups(cp_group=st.cp_group),
+            model = GPT(m, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
                         ModelOptions(layout=layout, linear_cp=linear, seed=1))
             tok = shard_sequence(tokens, 1, st.cp_group, layout)
             with saved_tensor_bytes(model.parameters()) as seen:
                 loss = model(tok, sequence_positions(48, st.cp_group, layout), tok)
-            out[cp, linear, layout, name] = sum(seen.values())
+            out[tp, cp, linear, layout, name] = sum(seen.values())
             loss.backward()
     return out
 
 
 def test_activation_bytes_of_a_hybrid_over_cp_are_close_to_what_autograd_saves():
-    """cp 2 and 4, state passing (contiguous, zigzag) and heads: each rank's saved bytes
-    within 7% of the planner's (measured 0.0-6.6%: the strategies' kernels run on segments
+    """cp 2 and 4, state passing (contiguous, zigzag) and heads, and tp2 x cp2 (the mixers
+    split by heads): each rank's saved bytes within 7% of the planner's (measured 0.0-6.6%: the strategies' kernels run on segments
     or gathered heads whose padded and copied tensors the count takes from the cp-1
     formula at those shapes, linear_layers.mixer_saved; the attention layers are exact)."""
     from ctxpar.testing.linear import HYBRID_CONFIGS
     results = run_distributed(_hybrid_saved, 4, timeout=300)
-    for (cp, linear, layout, name), _ in results[0].items():
-        cand = Candidate(1, cp, 1, 4 // cp, "ring", 1, layout, micro_batch=2,
+    for (tp, cp, linear, layout, name), _ in results[0].items():
+        cand = Candidate(tp, cp, 1, 4 // (tp * cp), "ring", 1, layout, micro_batch=2,
                          linear_cp=linear)
         want = counts.activation_bytes(HYBRID_CONFIGS[name], cand, 4)
         for res in results:
-            got = res[cp, linear, layout, name]
-            assert abs(want / got - 1) < 0.07, (cp, linear, layout, name, got, want)
+            got = res[tp, cp, linear, layout, name]
+            assert abs(want / got - 1) < 0.07, (tp, cp, linear, layout, name, got, want)
 
 
 # ------------------------------------------------------------------ model state (DeepSpeed)
