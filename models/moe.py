@@ -69,7 +69,8 @@ class Experts(nn.Module):
         split = tp > 1
         mark_experts(self.gate_up_proj, ep_rank, ep, 1 if split else None,
                      (f, f) if self.gated else None)
-        mark_experts(self.down_proj, ep_rank, ep, 2 if split else None)
+        mark_experts(self.down_proj, ep_rank, ep, 2 if split else None, (f,))  # one part:
+        # the universal checkpoint's rule for a split past dim 1 (checkpoint/universal.py)
 
     def forward(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """rows (M, d) grouped by local expert, counts[i] for expert i -> (M, d), this TP

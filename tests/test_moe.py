@@ -4,6 +4,7 @@ the router losses against transformers' load_balancing_loss_func, and a tiny MoE
 every grid that fits four ranks (ep folded over DP x CP, with TP and the CP patterns)
 against one process: loss, load-balancing and z losses, every gradient."""
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from ctxpar.testing import run_distributed
 from models.gpt import GPT
 from models.moe import MoE
 from models.options import ModelGroups, ModelOptions
-from tests.helpers.train_run import assert_same_run, metric, run_train
+from tests.helpers.train_run import assert_same_run, losses, metric, run_train
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; sums in another order only
 
@@ -244,3 +245,29 @@ def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
     with pytest.raises(ConfigError) as e:
         config_from_dict(d, check_paths=False)
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_tp2_checkpoint_of_a_moe_resumes_at_tp1(moe_reference, tmp_path):
+    """tp2 x cp2's step-3 checkpoint (ZeRO-1; each expert's [gate | up] and down_proj split
+    on their width) through DeepSpeed's universal conversion (the sub-parameter rule,
+    ctxpar/checkpoint/universal.py) at tp1 x cp2 logs cp 1's losses to the end."""
+    tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
+    run_train(str(tp2), 4, ["parallel.tp=2", "parallel.cp=2", "parallel.dp=1",
+                            ONE_MICRO_BATCH[1], "checkpoint.save_interval=3", *MOE_RUN])
+    tag = "step_00000003"
+    shutil.copytree(tp2 / "checkpoints" / tag, tp1 / "checkpoints" / tag)
+    proc = run_train(str(tp1), 2, ["parallel.cp=2", "parallel.dp=1", ONE_MICRO_BATCH[1],
+                                   *MOE_RUN], extra=["--resume", "auto"])
+    assert "resharded step_00000003" in proc.stdout and "tp 2->1" in proc.stdout
+    want, got = losses(moe_reference), losses(str(tp1))
+    assert sorted(got) == [4, 5, 6], sorted(got)
+    for s in got:  # fp32 weights and Adam states restored exactly; reductions reordered
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+
+
+def test_flops_count_the_active_experts():
+    from ctxpar.config.parameters import active_parameters, parameter_specs
+    specs = parameter_specs(GPT_CFG)
+    experts = sum(s.numel() for s in specs if ".experts." in s.name)
+    total = sum(s.numel() for s in specs)
+    assert experts > 0 and active_parameters(GPT_CFG) == total - experts * (1 - 2 / 8)

@@ -215,6 +215,14 @@ def parameter_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
     return specs + head_specs(m)
 
 
+def active_parameters(m: ModelConfig) -> float:
+    """Parameters one token computes with (6 N per token's FLOPs): every one, but of a
+    mixture of experts' routed experts only top_k of num_experts."""
+    share = m.moe.top_k / m.moe.num_experts if m.moe is not None else 1.0
+    return sum(s.numel() * (share if s.split in ("experts_column", "experts_row") else 1.0)
+               for s in parameter_specs(m))
+
+
 def check_parameters(named: Iterable[Tuple[str, object]], m: ModelConfig, tp: int,
                      ep: int = 1) -> None:
     """Raise if the built parameters (name, tensor) differ from parameter_specs in a name

@@ -56,6 +56,9 @@ def check_modelled(cfg: Config) -> None:
     """PlanError (one line) for a model the counts do not describe: Gated DeltaNet and
     Mamba2 layers (their parameters, states and chunked kernels' activations are not
     counted yet), rather than a prediction that treats them as attention."""
+    if cfg.model.moe is not None:
+        raise PlanError("model.moe is set: the planner does not count experts yet (their "
+                        "memory under EP, active parameters, the all-to-all)")
     if cfg.model.attention_output_gate:
         raise PlanError("model.attention_output_gate=true: the planner does not count the "
                         "gate's projection rows and activations yet (no prediction for "
