@@ -34,7 +34,7 @@ from ctxpar.components.long_context import LongContextEval
 from ctxpar.components.metrics import (MetricsLogger, StepMetrics, StepTimer, WandbError,
                                        init_wandb, memory_baseline)
 from ctxpar.config import ConfigError, deepspeed_config, dump_config, load_config, to_dict
-from ctxpar.config.parameters import parameter_specs
+from ctxpar.config.parameters import active_parameters
 from ctxpar.config.run_dir import check_run_dir
 from ctxpar.data import DataError, build_data, load_tokenizer
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
@@ -178,7 +178,7 @@ class Training:
     scheduler: Any
     steps: Any                # models/steps.py: the run's kind of step
     whole_model: Any          # every layer at this TP on the meta device (names, resharding)
-    n_params: int
+    n_params: float  # active per token (models with experts: parameters.active_parameters)
     baseline: int             # memory_baseline(): what the prediction leaves out
 
 
@@ -203,7 +203,7 @@ def build_training(run: RunInputs, state, device, rank0: bool):
         whole, cfg.model.n_layers, cfg.model.tie_embeddings, pipelined)
     if run.resume_from is not None:
         run.resume_from.configure(ds_config)  # a layout change loads DeepSpeed's universal format
-    n_params = sum(spec.numel() for spec in parameter_specs(cfg.model))  # the whole model
+    n_params = active_parameters(cfg.model)  # the whole model's (a MoE's routed experts: k / E)
     engine, scheduler = initialize_engine(model, cfg, state, ds_config, device)
     steps = training_steps(cfg, engine, state, run.data, ds_config, device, run.dynamic)
     return Training(engine, scheduler, steps, whole, n_params, baseline), init_line

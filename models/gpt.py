@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import replace
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ctxpar.config import (CHECKPOINT_MODES, GATED_MLPS, Config, MemoryConfig, ModelConfig,
-                           resolved_ffn_hidden, resolved_head_dim, rotary_dim,
-                           softmax_scale)
+from ctxpar.config import (CHECKPOINT_MODES, Config, MemoryConfig, ModelConfig,
+                           resolved_head_dim, rotary_dim, softmax_scale)
 from ctxpar.tensor_parallel import (
     ColumnParallelLinear,
     ReplicatedHeadLinear,
@@ -40,16 +39,19 @@ from ctxpar.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ctxpar.config.layers import LayerAttention, layer_attention
+from ctxpar.config.moe import moe_layer_indices
+from ctxpar.moe import RouterStats
 from ctxpar.config.parameters import check_parameters, kv_heads_per_rank
 from ctxpar.context_parallel import AttentionMask, ContextParallel
 from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.memory.offload import ActivationOffload, run_layer
-from ctxpar.memory.tiled_mlp import gate_activation, mark_zero3_leaf, tiled_mlp, up_activation
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .gated_delta import GatedDeltaNet, init_gated_delta
 from .mamba2 import Mamba2, init_mamba2
+from .mlp import MLP
+from .moe import MoE
 from .options import ModelGroups, ModelOptions
 
 
@@ -265,7 +267,8 @@ def init_default(name: str, shape, cfg: ModelConfig, g: torch.Generator) -> torc
     if name.endswith("bias"):
         return torch.zeros(shape)
     scale = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(
-        ("o_proj.weight", "down_proj.weight", "out_proj.weight")) else cfg.init_std
+        ("o_proj.weight", "down_proj.weight", "out_proj.weight", "experts.down_proj")) \
+        else cfg.init_std
     return torch.empty(shape).normal_(0.0, scale, generator=g)
 
 
@@ -354,43 +357,6 @@ class Attention(nn.Module):
                                  mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), GeGLU: down(gelu(gate x) * up x) (tanh-GELU),
-    GELU: down(gelu(up x)), or squared ReLU: down(relu(up x)^2) (Nemotron-H); gate/up
-    split by columns.
-
-    ``tile_tokens`` ('auto' or N; None: untiled) runs it over tiles of tokens, recomputed in
-    backward, so the (B*T/cp, ffn/tp) intermediates never exist whole (memory/tiled_mlp.py).
-    """
-
-    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None,
-                 tile_tokens: Union[int, str, None] = None):
-        super().__init__()
-        self.tp_group, self.mlp = tp_group, cfg.mlp
-        self.gated = cfg.mlp in GATED_MLPS
-        ffn, lin = resolved_ffn_hidden(cfg), dict(tp_group=tp_group, bias=cfg.bias,
-                                                  device=device, dtype=dtype)
-        if self.gated:
-            self.gate_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
-        self.up_proj = ColumnParallelLinear(cfg.d_model, ffn, copy_input=False, **lin)
-        self.down_proj = RowParallelLinear(ffn, cfg.d_model, **lin)
-        self.tile_tokens = tile_tokens
-        if tile_tokens is not None:
-            mark_zero3_leaf(self)  # ZeRO-3 gathers the three weights once, not per tile
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tile_tokens is not None:  # f and g inside, once per layer
-            return tiled_mlp(x, self.gate_proj if self.gated else None, self.up_proj,
-                             self.down_proj, self.tp_group, self.tile_tokens, self.mlp)
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # (B, T/cp, d)
-        if self.gated:
-            gate = gate_activation(self.gate_proj(x), self.mlp)  # (B, T/cp, ffn/tp)
-            h = gate * self.up_proj(x)
-        else:
-            h = up_activation(self.up_proj(x), self.mlp)  # tanh-GELU or squared ReLU
-        return self.down_proj(h)  # (B, T/cp, d), all-reduced over TP
-
-
 # Each token mixer's submodule name (Hugging Face's: layers.N.attn / linear_attn / mamba).
 MIXER_MODULES = {"attention": "attn", "gated_delta": "linear_attn", "mamba2": "mamba"}
 
@@ -413,7 +379,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend,
                  selective: bool, device=None, dtype=None,
                  memory: Optional[MemoryConfig] = None, layer: Optional[LayerAttention] = None,
-                 linear_cp: str = "state"):
+                 linear_cp: str = "state", moe: bool = False, ep_group=None):
         super().__init__()
         layer = layer or layer_attention(cfg)[0]
         self.token_mixer, channel = layer.token_mixer, layer.channel_mixer
@@ -429,8 +395,11 @@ class Block(nn.Module):
                                if cfg.post_norms and self.token_mixer else None)
         self.mlp_norm = make_norm(cfg, device, dtype) if channel else None
         tiled = memory is not None and memory.tiled_mlp
-        self.mlp = MLP(cfg, tp_group, device, dtype,
-                       tile_tokens=memory.mlp_tile_tokens if tiled else None) if channel else None
+        if channel and moe:  # a mixture of experts in the MLP's place (models/moe.py)
+            self.mlp = MoE(cfg, tp_group, ep_group, device, dtype)
+        else:
+            self.mlp = MLP(cfg, tp_group, device, dtype, tile_tokens=memory.mlp_tile_tokens
+                           if tiled else None) if channel else None
         self.post_mlp_norm = make_norm(cfg, device, dtype) if cfg.post_norms and channel else None
 
     @property
@@ -506,17 +475,21 @@ class GPT(nn.Module):
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
         self.layer_attention = layer_attention(cfg)  # each layer's kind, window, RoPE
+        moe_layers = set(moe_layer_indices(cfg.moe, cfg.n_layers))
+        self.ep_group, self.dp_cp_group = g.ep_group, g.dp_cp_group  # experts; router losses
         self.layers = nn.ModuleList(
             Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype,
-                  self.memory, a, o.linear_cp)
-            for a in self.layer_attention)
+                  self.memory, a, o.linear_cp, i in moe_layers, g.ep_group)
+            for i, a in enumerate(self.layer_attention))
+        self.router_losses = None  # the last training forward's (models/moe.py), or None
         # memory.offload_activations: what checkpointing keeps per layer in host memory
         self.offload = ActivationOffload() if self.memory.offload_activations else None
         self.final_norm = make_norm(cfg, device, dtype)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.d_model, cfg.vocab_size, tp_group=tp_group, bias=False, device=device, dtype=dtype)
         # The planner counts from the same description: a change here must change it too.
-        check_parameters(self.named_parameters(), cfg, tp_size_of(tp_group))
+        check_parameters(self.named_parameters(), cfg, tp_size_of(tp_group),
+                         1 if g.ep_group is None else dist.get_world_size(g.ep_group))
         if self.embed.weight.device.type != "meta":  # meta: shapes only, nothing to fill
             self.init_weights(o.seed)
 
@@ -557,7 +530,12 @@ class GPT(nn.Module):
         memory.tiled_loss the logits are made one tile of tokens at a time and never whole
         (ctxpar/memory/tiled_loss.py); the sum is the same.
         """
+        stats = self._router_stats(labels is not None)
         x = self.hidden_states(tokens, positions, cu_seqlens=cu_seqlens)  # (B, T/cp, d)
+        if stats is not None:  # one all-reduce of the routers' counts over DP x CP
+            moe = self.cfg.moe
+            self.router_losses = stats.losses(moe.aux_loss_coef, moe.z_loss_coef,
+                                              self.dp_cp_group)
         if labels is None:
             return self.lm_logits(x)
         if self.memory.tiled_loss:  # head + loss per tile of tokens: no (B, T/cp, V/tp) logits
@@ -594,6 +572,18 @@ class GPT(nn.Module):
                 x = run_layer(off, layer, x, cos, sin, cu_seqlens=cu_seqlens,
                               to_host=layer.selective)
         return self.final_norm(x)
+
+    def _router_stats(self, training: bool) -> Optional[RouterStats]:
+        """A fresh RouterStats handed to every MoE layer for a training forward (their
+        auxiliary losses, ctxpar/moe/aux.py), None otherwise."""
+        if self.cfg.moe is None:
+            return None
+        stats = RouterStats(self.cfg.moe.num_experts) if training else None
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.stats = stats
+        self.router_losses = None
+        return stats
 
     def head_weight(self) -> torch.Tensor:
         """The head's (V/tp, d) weight: lm_head's, or the embedding's when tied."""

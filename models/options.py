@@ -4,7 +4,7 @@
 
 as Megatron-Core passes one config and one bundle of process groups. ModelOptions reads the
 run config in one place (GPT.from_config and GPTPipe.from_config both use it); ModelGroups
-holds the four groups a model's layers use (a ParallelState has them all).
+holds the groups a model's layers use (a ParallelState has them all).
 """
 from __future__ import annotations
 
@@ -51,8 +51,11 @@ class ModelGroups:
     cp_group: Any = None
     ulysses_group: Any = None   # cp_comm 'hybrid': the inner Ulysses group
     ring_group: Any = None      # cp_comm 'hybrid': the outer ring
+    ep_group: Any = None        # model.moe: the ranks the experts are split over (None: 1)
+    dp_cp_group: Any = None     # model.moe: the ranks of a batch's tokens (router losses)
 
     @classmethod
     def from_state(cls, state) -> "ModelGroups":
-        return cls(state.tp_group, state.cp_group, state.ulysses_group, state.ring_group)
+        return cls(state.tp_group, state.cp_group, state.ulysses_group, state.ring_group,
+                   state.ep_group, state.dp_cp_group)
 

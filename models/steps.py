@@ -10,6 +10,8 @@
                      models/gpt_pipe.py)
     DynamicSteps     data.dynamic_cp: whole documents, each pack on its own rank group
                      (models/dynamic_cp.py, ctxpar/dynamic_cp/)
+    MoESteps         model.moe: MicroBatchSteps plus the routers' auxiliary losses
+                     (models/moe_steps.py)
 
 Every kind returns the global token-mean loss (models/loss.py) on every rank. A new kind (a
 mixture of experts' auxiliary losses, another schedule) is a class here with the same two
@@ -128,4 +130,7 @@ def training_steps(cfg, engine, state, data, ds_config, device, dynamic=None) ->
         return DynamicSteps(engine, dynamic, groups, state, cfg.parallel.layout, gas, divisor,
                             device, rounds=zero_stage >= 2)
     kind = PipelineSteps if pipelined else MicroBatchSteps
+    if cfg.model.moe is not None:  # the routers' losses beside the token loss
+        from .moe_steps import MoESteps
+        kind = MoESteps
     return kind(engine, data.train_stream(state), state, gas, divisor, device)

@@ -24,7 +24,7 @@ def parallel_state(cfg):
     """The config's rank grid and its process groups (collective over the world)."""
     p = cfg.parallel
     return init_parallel_state(tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, order=p.order,
-                               ulysses=ulysses_degree(p))
+                               ulysses=ulysses_degree(p), ep=p.ep)
 
 
 def build_model(cfg, state, gas: int, device):

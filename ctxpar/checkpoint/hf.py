@@ -84,6 +84,9 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         raise CheckpointError(f"no Hugging Face family holds this model ({fields}); the "
                               f"families: {', '.join(FAMILIES)} (docs/checkpoints.md)") from None
     fam = FAMILIES[name]
+    if m.moe is not None:
+        raise CheckpointError(f"model.moe cannot be exported as {fam.architecture} (no "
+                              f"mixture-of-experts family is exported yet)")
     for key, want in fam.fixed.items():
         if getattr(m, key) != want:
             raise CheckpointError(f"model.{key}={getattr(m, key)!r} cannot be exported as "

@@ -83,10 +83,10 @@ def universal_checkpoint_info(whole_model, n_layers: int, tied: bool,
         key = to_pipe(name, n_layers, tied) if pipelined else name
         if not is_tensor_parallel(p):
             replicated.add(_pattern(key))
+        elif partition_sections(p):  # fused parts, or the experts' (E, d, f) split on f
+            fused[_pattern(key)] = p
         elif p.partition_dim == 1:
             row.add(_pattern(key))
-        elif partition_sections(p):
-            fused[_pattern(key)] = p
     info = {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             C.TP_REPLICATED_PARAMETER_PATTERNS: sorted(replicated),
             C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(row),
@@ -98,8 +98,10 @@ def universal_checkpoint_info(whole_model, n_layers: int, tied: bool,
 
 def sub_params_info(fused: Dict[str, torch.Tensor]) -> Dict:
     """DeepSpeed's entries for fused TP parameters (partition_sections: a GDN's
-    [q | k | v] rows, Mamba2's [z | x | B | C | dt]): each part split over TP on its own,
-    so merge_tp_slices joins part by part (its sub-parameter rule, UCP 0.4 widths)."""
+    [q | k | v] rows, Mamba2's [z | x | B | C | dt], an expert's [gate | up]; the experts'
+    (E, d, f) down_proj, one part split along f): each part split
+    over TP on its own, so merge_tp_slices joins part by part along the split dim (its
+    sub-parameter rule, UCP 0.4 widths)."""
     from deepspeed.checkpoint import constants as C
 
     if not fused:

@@ -28,6 +28,7 @@ from typing import Iterable, List, Optional, Tuple
 
 from .layers import (GDN_FIELDS, LAYER_MIXERS, MAMBA_FIELDS, first_layer_type,
                      gated_delta_dims, layer_types, mamba_dims)
+from .moe import moe_layer_indices
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
 
@@ -37,16 +38,20 @@ class ParamSpec:
     shape: Tuple[int, ...]   # the full tensor's
     split: Optional[str]     # 'column', 'row', 'heads' or None (module docstring)
 
-    def local_shape(self, tp: int) -> Tuple[int, ...]:
-        """The shape one of tp ranks holds."""
+    def local_shape(self, tp: int, ep: int = 1) -> Tuple[int, ...]:
+        """The shape one of tp ranks (and of ep expert-parallel ranks) holds."""
+        if self.split == "experts_column":  # (E, rows, d): experts over EP, rows over TP
+            return (self.shape[0] // ep, self.shape[1] // tp, self.shape[2])
+        if self.split == "experts_row":     # (E, d, f)
+            return (self.shape[0] // ep, self.shape[1], self.shape[2] // tp)
         if self.split == "column":
             return (self.shape[0] // tp, *self.shape[1:])
         if self.split == "row" and len(self.shape) == 2:
             return (self.shape[0], self.shape[1] // tp)
         return self.shape  # replicated: norms, row-parallel biases, kv heads < tp
 
-    def numel(self, tp: int = 1) -> int:
-        return math.prod(self.local_shape(tp))
+    def numel(self, tp: int = 1, ep: int = 1) -> int:
+        return math.prod(self.local_shape(tp, ep))
 
 
 def head_dim(m: ModelConfig) -> int:
@@ -78,7 +83,8 @@ def block_fields(m: ModelConfig) -> tuple:
     """The fields block_specs(m, 0) reads (a cache key: the planner's search asks per
     candidate, over configs that differ in seq_len and the like): block 0's mixers and the
     linear mixers' sizes among them."""
-    return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)])
+    return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)],
+            None if m.moe is None else repr(m.moe))
 
 
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
@@ -103,7 +109,26 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
         specs += _mamba2_specs(m, p + "mamba.")
     if m.post_norms and token:
         specs += _norm(p + "post_attn_norm", m)
+    if channel and i in moe_layer_indices(m.moe, m.n_layers):
+        return specs + _moe_specs(m, p)
     return specs + (_mlp_specs(m, p) if channel else [])
+
+
+def _moe_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
+    """models/moe.py's parameters (transformers' Qwen3-MoE / Qwen3-Next names): the router
+    (replicated), the experts (over EP by expert, over TP by width), the shared expert (a
+    dense MLP) and its gate."""
+    moe, d = m.moe, m.d_model
+    f, e = moe.expert_hidden or resolved_ffn_hidden(m), moe.num_experts
+    rows = 2 * f if m.mlp in GATED_MLPS else f
+    specs = _norm(p + "mlp_norm", m) + _linear(p + "mlp.gate", d, e, None, moe.router_bias)
+    specs += [ParamSpec(p + "mlp.experts.gate_up_proj", (e, rows, d), "experts_column"),
+              ParamSpec(p + "mlp.experts.down_proj", (e, d, f), "experts_row")]
+    if moe.shared_expert_hidden:
+        specs += _dense_mlp(m, p + "mlp.shared_expert.", moe.shared_expert_hidden)
+    if moe.shared_expert_gate:
+        specs += _linear(p + "mlp.shared_expert_gate", d, 1, None, False)
+    return specs + (_norm(p + "post_mlp_norm", m) if m.post_norms else [])
 
 
 def _gated_delta_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
@@ -158,15 +183,16 @@ def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
 
 
 def _mlp_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
-    d, ffn = m.d_model, resolved_ffn_hidden(m)
-    specs = _norm(p + "mlp_norm", m)
-    if m.mlp in GATED_MLPS:
-        specs += _linear(p + "mlp.gate_proj", d, ffn, "column", m.bias)
-    specs += _linear(p + "mlp.up_proj", d, ffn, "column", m.bias)
-    specs += _linear(p + "mlp.down_proj", ffn, d, "row", m.bias)
-    if m.post_norms:
-        specs += _norm(p + "post_mlp_norm", m)
-    return specs
+    specs = _norm(p + "mlp_norm", m) + _dense_mlp(m, p + "mlp.", resolved_ffn_hidden(m))
+    return specs + (_norm(p + "post_mlp_norm", m) if m.post_norms else [])
+
+
+def _dense_mlp(m: ModelConfig, p: str, ffn: int) -> List[ParamSpec]:
+    """models/mlp.py's MLP of width ffn under prefix p (a block's, or a shared expert's)."""
+    d = m.d_model
+    specs = _linear(p + "gate_proj", d, ffn, "column", m.bias) if m.mlp in GATED_MLPS else []
+    specs += _linear(p + "up_proj", d, ffn, "column", m.bias)
+    return specs + _linear(p + "down_proj", ffn, d, "row", m.bias)
 
 
 def embedding_spec(m: ModelConfig) -> ParamSpec:
@@ -189,11 +215,20 @@ def parameter_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
     return specs + head_specs(m)
 
 
-def check_parameters(named: Iterable[Tuple[str, object]], m: ModelConfig, tp: int) -> None:
+def active_parameters(m: ModelConfig) -> float:
+    """Parameters one token computes with (6 N per token's FLOPs): every one, but of a
+    mixture of experts' routed experts only top_k of num_experts."""
+    share = m.moe.top_k / m.moe.num_experts if m.moe is not None else 1.0
+    return sum(s.numel() * (share if s.split in ("experts_column", "experts_row") else 1.0)
+               for s in parameter_specs(m))
+
+
+def check_parameters(named: Iterable[Tuple[str, object]], m: ModelConfig, tp: int,
+                     ep: int = 1) -> None:
     """Raise if the built parameters (name, tensor) differ from parameter_specs in a name
     or a per-rank shape: the model and the planner would disagree."""
     got = [(name, tuple(p.shape)) for name, p in named]
-    want = [(s.name, s.local_shape(tp)) for s in parameter_specs(m, tp)]
+    want = [(s.name, s.local_shape(tp, ep)) for s in parameter_specs(m, tp)]
     if got != want:
         diff = sorted(set(got) ^ set(want))[:4]
         raise AssertionError(f"the model's parameters differ from ctxpar.config.parameters' "

@@ -10,6 +10,7 @@ from ..context_parallel.kernels import BACKENDS
 from ..context_parallel.layouts import LAYOUTS
 from ..context_parallel.linear.api import LINEAR_CP_STRATEGIES
 from ..context_parallel.ring import GRAD_DTYPES
+from .moe import MoEConfig
 
 
 class ConfigError(ValueError):
@@ -141,6 +142,8 @@ class ModelConfig:
     """The softmax scale is query_pre_attn_scalar ** -0.5 (Gemma's field; None = head_dim)."""
     init_std: float = 0.02
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
+    moe: Optional[MoEConfig] = None
+    """A mixture of experts in place of the MLP (ctxpar/config/moe.py; None: dense)."""
     family: Optional[str] = None
     """The Hugging Face family the model is exported as (config.json's model_type: one of
     HF_FAMILIES); None: the one model.init_from's folder has, else the first whose
@@ -183,6 +186,10 @@ class ParallelConfig:
     ('flash_attn', 'flash_attn4', 'sdpa', 'math')."""
     pp_partition: str = "parameters"
     """Pipeline partitioning: 'parameters' or 'uniform'."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts split over ep ranks of the DP x CP
+    group (folded: CP and DP ranks are more tokens for the experts), tokens sent to their
+    experts' ranks by all-to-all. Must divide dp x cp and model.moe.num_experts."""
     linear_cp: str = "state"
     """How the linear layers ('linear_attention', 'mamba') talk over CP
     (ctxpar/context_parallel/linear/): 'state' (each rank's (M, E) summary of its state,

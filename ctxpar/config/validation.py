@@ -10,6 +10,7 @@ from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
 from ..context_parallel.linear.api import check_linear_cp
 from .layers import check_layers, gated_delta_dims, has_linear_layers, mamba_dims, token_mixers
+from .moe import check_moe
 from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config,
                        ConfigError, ModelConfig, ParallelConfig, resolved_ffn_hidden,
                        resolved_head_dim, ulysses_degree)
@@ -42,6 +43,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     _check_linear_layers(cfg, err)
     _check_sequence(cfg.model, cfg.parallel, training, err)
     _check_grid_and_batch(cfg, world_size, err)
+    check_moe(cfg, _resolved_dp(cfg, world_size), err)
     _check_deepspeed(cfg, err)
     _check_paths(cfg, check_paths, err)
     _check_data(cfg, err)
@@ -205,6 +207,15 @@ def _check_sequence(m: ModelConfig, p: ParallelConfig, training: bool, err: Err)
             f"chunks, parallel.cp={p.cp})")
     if m.n_layers < p.pp:
         err(f"model.n_layers={m.n_layers} < parallel.pp={p.pp}: each stage needs a block")
+
+
+def _resolved_dp(cfg: Config, world_size: Optional[int]) -> Optional[int]:
+    """parallel.dp as a number (None: 'auto' with the world unknown); the grid is checked
+    by _check_grid_and_batch first."""
+    p = cfg.parallel
+    if world_size is not None:
+        return resolve_sizes(world_size, p.tp, p.cp, p.pp, p.dp)["dp"]
+    return None if p.dp == "auto" else p.dp
 
 
 def _check_grid_and_batch(cfg: Config, world_size: Optional[int], err: Err) -> None:

@@ -75,8 +75,8 @@ def check_ulysses(cp: int, ulysses: int) -> None:
 
 
 def rank_grid(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
-              dp: Union[int, str] = "auto", order: str = DEFAULT_ORDER, ulysses: int = 1
-              ) -> Dict[str, List[List[int]]]:
+              dp: Union[int, str] = "auto", order: str = DEFAULT_ORDER, ulysses: int = 1,
+              ep: int = 1) -> Dict[str, List[List[int]]]:
     """Every group of every family as lists of global ranks; pure, no processes.
 
     Returns keys 'tp', 'cp', 'pp', 'dp', 'dp_cp' (ranks that differ only along the dp
@@ -84,6 +84,11 @@ def rank_grid(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
     group, 'ulysses' (its `ulysses` adjacent members) and 'ring' (one member of each
     Ulysses group). Each family partitions range(world_size); ranks inside a group are
     ascending along that axis, so cp rank = ring rank * ulysses + ulysses rank.
+
+    Expert parallelism folds over DP x CP (Megatron's MoE parallel folding): 'ep' cuts each
+    dp_cp group into runs of `ep` consecutive members (CP's ranks first, the innermost),
+    'edp' takes one member of each run (the ranks holding the same experts: the experts'
+    gradients are reduced over it).
     """
     names = parse_order(order)
     sizes = resolve_sizes(world_size, tp, cp, pp, dp)
@@ -106,6 +111,10 @@ def rank_grid(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
     groups = {a: family([a]) for a in AXES + CP_SUBAXES}
     # Within one axis the order is the position along that axis (ascending ranks).
     groups["dp_cp"] = family(["dp", "cp"])
+    if len(groups["dp_cp"][0]) % ep:
+        raise ValueError(f"ep={ep} must divide dp x cp = {len(groups['dp_cp'][0])}")
+    groups["ep"] = [g[i:i + ep] for g in groups["dp_cp"] for i in range(0, len(g), ep)]
+    groups["edp"] = [g[i::ep] for g in groups["dp_cp"] for i in range(ep)]
     return groups
 
 
@@ -208,6 +217,8 @@ class ParallelState:
     dp_cp_group: object = field(repr=False, default=None)
     ulysses_group: object = field(repr=False, default=None)  # inner part of the cp group
     ring_group: object = field(repr=False, default=None)     # outer part of the cp group
+    ep_group: object = field(repr=False, default=None)       # experts' split (in dp_cp)
+    edp_group: object = field(repr=False, default=None)      # ranks with the same experts
 
     # Degrees ("*_size") and positions in a group ("*_rank").
     @property
@@ -224,6 +235,9 @@ class ParallelState:
     def ulysses_size(self) -> int: return self.sizes["ulysses"]
     @property
     def ring_size(self) -> int: return self.sizes["ring"]
+
+    @property
+    def ep_size(self) -> int: return self.sizes.get("ep", 1)
 
     def ranks(self, family: str) -> List[int]:
         """Global ranks of this rank's group in a family ('tp', 'cp', 'pp', 'dp', 'dp_cp',
@@ -270,7 +284,7 @@ _STATE: Optional[ParallelState] = None  # the one accessor's state (set by init_
 
 def init_parallel_state(tp: int = 1, cp: int = 1, pp: int = 1, dp: Union[int, str] = "auto",
                         order: str = DEFAULT_ORDER, backend: Optional[str] = None,
-                        ulysses: int = 1) -> ParallelState:
+                        ulysses: int = 1, ep: int = 1) -> ParallelState:
     """Build the grid and create every process group (collective: call on all ranks).
 
     ulysses: the degree of the Ulysses part of each CP group (hybrid CP; 1 otherwise).
@@ -280,18 +294,19 @@ def init_parallel_state(tp: int = 1, cp: int = 1, pp: int = 1, dp: Union[int, st
     if not dist.is_initialized():
         init_distributed(backend)
     world, rank = dist.get_world_size(), dist.get_rank()
-    groups = rank_grid(world, tp, cp, pp, dp, order, ulysses)  # raises before any collective
+    groups = rank_grid(world, tp, cp, pp, dp, order, ulysses, ep)  # raises before any collective
     sizes = resolve_sizes(world, tp, cp, pp, dp)
-    sizes.update(ulysses=ulysses, ring=cp // ulysses)
+    sizes.update(ulysses=ulysses, ring=cp // ulysses, ep=ep)
     mine, made = {}, {}
     # new_group is collective over the whole world: every rank creates every group,
     # in the same order, and keeps the one it belongs to. A ulysses or ring group with
     # the ranks of a group made before (u = 1: ring = cp; u = cp: ulysses = cp; groups of
     # one) reuses that process group instead of opening another communicator.
-    for family in ("tp", "cp", "pp", "dp", "dp_cp", *CP_SUBAXES):
+    families = ("tp", "cp", "pp", "dp", "dp_cp", *CP_SUBAXES) + (("ep", "edp") if ep > 1 else ())
+    for family in families:
         for ranks in groups[family]:
             key = tuple(ranks)
-            if family in CP_SUBAXES and key in made:
+            if family in (*CP_SUBAXES, "ep", "edp") and key in made:
                 pg = made[key]
             else:
                 pg = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
@@ -302,7 +317,8 @@ def init_parallel_state(tp: int = 1, cp: int = 1, pp: int = 1, dp: Union[int, st
         order="-".join(parse_order(order)), sizes=sizes, groups=groups, rank=rank,
         world_size=world, tp_group=mine["tp"], cp_group=mine["cp"], pp_group=mine["pp"],
         dp_group=mine["dp"], dp_cp_group=mine["dp_cp"], ulysses_group=mine["ulysses"],
-        ring_group=mine["ring"],
+        ring_group=mine["ring"], ep_group=mine.get("ep"),  # None: no expert parallelism
+        edp_group=mine.get("edp", mine["dp_cp"]),
     )
     global _STATE
     _STATE = state

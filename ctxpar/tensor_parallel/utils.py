@@ -22,9 +22,16 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+def expert_shard(param: torch.Tensor) -> Tuple[int, int]:
+    """(this EP rank, ep): a mixture of experts' tensor holds experts
+    [rank E/ep, (rank + 1) E/ep) of dim 0 (models/moe.py); (0, 1) for any other."""
+    return getattr(param, "expert_shard", (0, 1))
+
+
 def full_shape(param: torch.Tensor, tp_size: int) -> torch.Size:
-    """The unsharded shape of a (possibly) TP-split parameter."""
+    """The unsharded shape of a (possibly) TP- or EP-split parameter."""
     shape = list(param.shape)
+    shape[0] *= expert_shard(param)[1]
     if is_tensor_parallel(param):
         assert getattr(param, "partition_stride", 1) == 1, "strided partitions not supported"
         shape[param.partition_dim] *= tp_size
@@ -38,6 +45,8 @@ def partition_sections(param: torch.Tensor) -> Optional[Tuple[int, ...]]:
 
 def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
     """This rank's slice of ``full`` for ``param`` (the full tensor itself if replicated)."""
+    ep_rank, ep = expert_shard(param)
+    full = full.chunk(ep, dim=0)[ep_rank] if ep > 1 else full
     if not is_tensor_parallel(param):
         return full
     dim, sections = param.partition_dim, partition_sections(param)
@@ -47,33 +56,39 @@ def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, tp_group) -> torc
                       for part in full.split(sections, dim=dim)], dim=dim)
 
 
-def gather_full_tensor(local: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
+def gather_full_tensor(local: torch.Tensor, param: torch.Tensor, tp_group,
+                       ep_group=None) -> torch.Tensor:
     """The full-size tensor of which ``local`` is this rank's shard, split like ``param``
-    (collective over TP for split parameters; a copy of ``local`` for replicated ones)."""
+    (collective over TP for split parameters, then over the EP group for a mixture of
+    experts' tensors; a copy of ``local`` for replicated ones)."""
     tp = tp_size_of(tp_group)
-    if not is_tensor_parallel(param) or tp == 1:
-        return local.detach().clone()
-    dim, sections = param.partition_dim, partition_sections(param)
-    gathered = gather_along(local.detach(), tp_group, dim)  # [rank 0's | rank 1's | ...]
-    if sections is None:
-        return gathered
-    ranks = [shard.split([n // tp for n in sections], dim=dim)
-             for shard in gathered.chunk(tp, dim=dim)]   # each rank's [part 0 | part 1 ...]
-    return torch.cat([torch.cat(parts, dim=dim) for parts in zip(*ranks)], dim=dim)
+    full = local.detach().clone()
+    if is_tensor_parallel(param) and tp > 1:
+        dim, sections = param.partition_dim, partition_sections(param)
+        full = gather_along(full, tp_group, dim)  # [rank 0's | rank 1's | ...]
+        if sections is not None:
+            ranks = [shard.split([n // tp for n in sections], dim=dim)
+                     for shard in full.chunk(tp, dim=dim)]  # each rank's [part 0 | ...]
+            full = torch.cat([torch.cat(parts, dim=dim) for parts in zip(*ranks)], dim=dim)
+    if expert_shard(param)[1] > 1:
+        if ep_group is None:
+            raise ValueError("an expert-parallel tensor needs its EP group to be gathered")
+        full = gather_along(full, ep_group, 0)  # experts in EP rank order
+    return full
 
 
 @torch.no_grad()
-def gather_full_state_dict(model: nn.Module, tp_group, grads: bool = False
-                           ) -> Dict[str, torch.Tensor]:
+def gather_full_state_dict(model: nn.Module, tp_group, grads: bool = False,
+                           ep_group=None) -> Dict[str, torch.Tensor]:
     """Full-size parameters (or their .grad with grads=True) by name, as a tp=1 model has them.
 
-    Collective over the TP group (every TP rank calls it, same order); each rank gets the
-    whole dict. A parameter without a gradient maps to zeros when grads=True.
+    Collective over the TP group (and ep_group for a mixture of experts' tensors; every
+    rank calls it, same order); each rank gets the whole dict. A parameter without a gradient maps to zeros when grads=True.
     """
     out = {}
     for name, p in model.named_parameters():
         local = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
-        out[name] = gather_full_tensor(local, p, tp_group)
+        out[name] = gather_full_tensor(local, p, tp_group, ep_group)
     return out
 
 

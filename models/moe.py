@@ -1,0 +1,135 @@
+"""A mixture-of-experts MLP (model.moe): router, routed experts over EP, a shared expert.
+
+Parameter for parameter as transformers' Qwen3-MoE / Qwen3-Next sparse blocks:
+
+    gate.weight (E, d) [gate.bias (E,)]      the router (model.moe.router_bias: gpt-oss)
+    experts.gate_up_proj (E, 2f, d)          each expert's [gate | up] rows (up only for
+    experts.down_proj (E, d, f)              model.mlp 'gelu' / 'relu2')
+    shared_expert.{gate,up,down}_proj        model.moe.shared_expert_hidden > 0
+    shared_expert_gate.weight (1, d)         model.moe.shared_expert_gate
+
+y = sum over the token's top-k experts of w_j expert_j(x) (+ the shared expert's output,
+times sigmoid(shared_expert_gate x)). Routing is dropless (ctxpar/moe/dispatch.py). Under
+EP each rank holds E/ep consecutive experts (the tensors' first dim split over the EP group,
+a sub-group of DP x CP: ``expert_shard`` on the parameters) and all-to-alls the rows;
+under TP every expert's f is split like a dense MLP's (column then row), each routed row
+all-reduced over TP before the router's weight multiplies it. Each layer adds its router logits to the forward's RouterStats
+(ctxpar/moe/aux.py) for the auxiliary losses.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ctxpar.config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
+from ctxpar.memory.tiled_mlp import gate_activation, up_activation
+from ctxpar.moe import RouterStats, dispatch_combine, route
+from ctxpar.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                    reduce_from_tensor_model_parallel_region)
+from ctxpar.tensor_parallel.mappings import tp_size_of
+
+from .mlp import MLP
+
+
+def expert_hidden(cfg: ModelConfig) -> int:
+    return cfg.moe.expert_hidden or resolved_ffn_hidden(cfg)
+
+
+def mark_experts(p: nn.Parameter, ep_rank: int, ep: int, tp_dim: Optional[int],
+                 sections=None) -> None:
+    """Experts' tensors: dim 0 is this EP rank's slice of the E experts
+    (``expert_shard`` = (rank, size)); dim tp_dim split over TP (Megatron's attributes, as
+    the TP layers set them; ``partition_sections``: [gate | up] split part by part)."""
+    p.expert_shard = (ep_rank, ep)
+    p.tensor_model_parallel = p.model_parallel = tp_dim is not None
+    p.partition_dim = -1 if tp_dim is None else tp_dim
+    p.partition_stride = 1
+    p.partition_sections = sections if tp_dim is not None else None
+
+
+class Experts(nn.Module):
+    """This rank's E/ep experts, f/tp of each: run over rows grouped by expert."""
+
+    def __init__(self, cfg: ModelConfig, ep_rank: int, ep: int, tp: int, device=None,
+                 dtype=None):
+        super().__init__()
+        f = expert_hidden(cfg)
+        self.kind, self.gated = cfg.mlp, cfg.mlp in GATED_MLPS
+        local, width = cfg.moe.num_experts // ep, f // tp
+        rows = 2 * width if self.gated else width   # [gate | up] of this rank's f/tp
+        self.gate_up_proj = nn.Parameter(torch.empty(local, rows, cfg.d_model, device=device,
+                                                     dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(local, cfg.d_model, width, device=device,
+                                                  dtype=dtype))
+        split = tp > 1
+        mark_experts(self.gate_up_proj, ep_rank, ep, 1 if split else None,
+                     (f, f) if self.gated else None)
+        mark_experts(self.down_proj, ep_rank, ep, 2 if split else None, (f,))  # one part:
+        # the universal checkpoint's rule for a split past dim 1 (checkpoint/universal.py)
+
+    def forward(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """rows (M, d) grouped by local expert, counts[i] for expert i -> (M, d), this TP
+        rank's partial sums."""
+        outs = []
+        for i, piece in enumerate(rows.split(counts)):
+            h = F.linear(piece, self.gate_up_proj[i])             # (n, 2f/tp) or (n, f/tp)
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = gate_activation(gate, self.kind) * up
+            else:
+                h = up_activation(h, self.kind)
+            outs.append(F.linear(h, self.down_proj[i]))           # (n, d)
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    """The MoE MLP of one layer (module docstring). ep_group: the experts' EP group (None:
+    all here); tp_group: each expert's f split; stats: the forward's RouterStats, set by
+    the model before each forward (None: no auxiliary losses kept)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, device=None,
+                 dtype=None):
+        super().__init__()
+        moe = cfg.moe
+        self.moe, self.tp_group, self.ep_group = moe, tp_group, ep_group
+        ep, ep_rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group),
+                                                       dist.get_rank(ep_group))
+        self.gate = nn.Linear(cfg.d_model, moe.num_experts, bias=moe.router_bias,
+                              device=device, dtype=dtype)
+        self.experts = Experts(cfg, ep_rank, ep, tp_size_of(tp_group), device, dtype)
+        self.shared_expert = MLP(replace(cfg, ffn_hidden=moe.shared_expert_hidden), tp_group,
+                                 device, dtype) if moe.shared_expert_hidden else None
+        self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False, device=device,
+                                            dtype=dtype) if moe.shared_expert_gate else None
+        self.stats: Optional[RouterStats] = None
+
+    def _experts(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        # every expert's f/tp partial sums completed over TP before the router weights them
+        return reduce_from_tensor_model_parallel_region(self.experts(rows, counts),
+                                                        self.tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T/cp, d) normed -> (B, T/cp, d), complete (and identical) over TP.
+
+        The router and the shared expert's gate see x itself (their outputs are the same on
+        every TP rank, so are their gradients); the experts see f(x), whose backward sums
+        their partial input gradients over TP."""
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])            # (N, d)
+        logits = self.gate(x)                                     # (N, E)
+        weights, chosen = route(logits, self.moe.top_k, self.moe.score, self.moe.norm_topk)
+        if self.stats is not None:
+            self.stats.add(logits, chosen)
+        rows = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        y = dispatch_combine(rows, weights, chosen, self.moe.num_experts, self._experts,
+                             self.ep_group)                       # (N, d)
+        if self.shared_expert is not None:
+            s = self.shared_expert(x)                             # f and g inside
+            if self.shared_expert_gate is not None:
+                s = s * torch.sigmoid(self.shared_expert_gate(x))
+            y = y + s
+        return y.view(shape)

@@ -1,0 +1,46 @@
+"""The optimizer step of a mixture of experts: the token loss plus the routers' losses.
+
+Each micro-batch's forward leaves the model's RouterLosses (ctxpar/moe/aux.py): this
+rank's share a_r of the load-balancing and z losses of the micro-batch's tokens over DP x
+CP (the shares sum to the whole batch's). The step optimises
+
+    L = (sum_r S_r) / N  +  (1/gas) sum_m A_m        (A_m: micro-batch m's router losses)
+
+so each micro-batch backpropagates loss_for_backward(S_r) + a_r * divisor: DeepSpeed
+scales by 1/gas, sums over the micro-batches and DP x CP and divides by the divisor,
+leaving (1/gas) sum_m dA_m for the routers (models/loss.py's derivation for S_r). The
+metrics line gets the losses (unweighted, the step's mean) and the routed assignments per
+expert, max over mean, over the step (1.0: perfectly balanced).
+"""
+from __future__ import annotations
+
+import torch
+
+from .loss import global_mean_loss, loss_for_backward
+from .steps import MicroBatchSteps, StepOutput
+
+
+class MoESteps(MicroBatchSteps):
+    """MicroBatchSteps with the routers' losses (module docstring)."""
+
+    def run(self, inputs) -> StepOutput:
+        micro, n_tokens = inputs
+        engine, gas, divisor = self.engine, self.gas, self.divisor
+        loss_sum = torch.zeros((), device=n_tokens.device)
+        aux = torch.zeros(2, device=n_tokens.device)
+        counts = None
+        for mb in micro:
+            local = engine(mb["tokens"], mb["positions"], mb["labels"],
+                           cu_seqlens=mb.get("cu_seqlens"))
+            router = engine.module.router_losses
+            engine.backward(loss_for_backward(local, n_tokens, divisor, gas)
+                            + router.share * divisor)
+            engine.step()
+            loss_sum += local.detach().float()
+            aux += torch.stack([router.aux_loss, router.z_loss]) / gas
+            counts = router.tokens_per_expert if counts is None else \
+                counts + router.tokens_per_expert
+        loss = global_mean_loss(loss_sum, n_tokens, self.state.dp_cp_group)
+        extras = {"moe_aux_loss": aux[0].item(), "moe_z_loss": aux[1].item(),
+                  "moe_expert_load": (counts.max() / counts.mean().clamp(min=1)).item()}
+        return StepOutput(loss.item(), extras=extras)

@@ -1,0 +1,273 @@
+"""Mixture of experts (models/moe.py, ctxpar/moe/): the layer against transformers' own
+sparse blocks on the same weights (Qwen3-MoE; Qwen3-Next with its gated shared expert),
+the router losses against transformers' load_balancing_loss_func, and a tiny MoE GPT over
+every grid that fits four ranks (ep folded over DP x CP, with TP and the CP patterns)
+against one process: loss, load-balancing and z losses, every gradient."""
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.config.moe import MoEConfig
+from ctxpar.moe import RouterStats, moe_stats, reset_moe_stats
+from ctxpar.tensor_parallel import gather_full_state_dict
+from ctxpar.testing import run_distributed
+from models.gpt import GPT
+from models.moe import MoE
+from models.options import ModelGroups, ModelOptions
+from tests.helpers.train_run import assert_same_run, losses, metric, run_train
+
+TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; sums in another order only
+
+
+def _moe_cfg(**moe):
+    return ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                       seq_len=32, ffn_hidden=48,
+                       moe=MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_hidden": 24,
+                                        **moe}))
+
+
+def _copy_from(ours, theirs):
+    """transformers' block's tensors into ours (the same names and shapes)."""
+    mine = dict(ours.named_parameters())
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            mine[name].copy_(p)
+    assert set(mine) == {n for n, _ in theirs.named_parameters()}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_moe_layer_equals_transformers(family):
+    from transformers import Qwen3MoeConfig, Qwen3NextConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+    shared = family == "qwen3_next"
+    kw = dict(hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+              norm_topk_prob=True)
+    torch.manual_seed(0)
+    theirs = (Qwen3NextSparseMoeBlock(Qwen3NextConfig(**kw, shared_expert_intermediate_size=40))
+              if shared else Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**kw)))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2)
+    cfg = _moe_cfg(shared_expert_hidden=40 if shared else 0, shared_expert_gate=shared)
+    ours = MoE(cfg)
+    _copy_from(ours, theirs)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    dy = torch.randn(2, 16, 32)
+    want = theirs(x)
+    gx_want, *g_want = torch.autograd.grad(want, [x, *theirs.parameters()], dy)
+    got = ours(x)
+    gx, *g = torch.autograd.grad(got, [x, *(dict(ours.named_parameters())[n]
+                                            for n, _ in theirs.named_parameters())], dy)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(gx, gx_want, **TOL)
+    for (name, _), a, b in zip(theirs.named_parameters(), g, g_want):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
+def test_router_losses_equal_transformers_load_balancing_loss():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.randn(40, 8, generator=g, requires_grad=True) for _ in range(3)]
+    stats = RouterStats(8)
+    for logits in layers:
+        stats.add(logits, torch.topk(torch.softmax(logits, -1), 2, dim=-1).indices)
+    got = stats.losses(1.0, 0.0)
+    want = load_balancing_loss_func(tuple(layers), 8, 2)
+    torch.testing.assert_close(got.aux_loss, want.detach(), **TOL)
+    torch.testing.assert_close(got.share, want, **TOL)  # one process: the share is all
+    for a, b in zip(torch.autograd.grad(got.share, layers), torch.autograd.grad(want, layers)):
+        torch.testing.assert_close(a, b, **TOL)
+    z = torch.cat([torch.logsumexp(x, -1) for x in layers]).square().mean()
+    torch.testing.assert_close(stats.losses(0.0, 1.0).share, z, **TOL)
+
+
+# ------------------------------------------------------------ a MoE GPT over the grid
+
+N, BATCH, SEED = 32, 4, 3
+GPT_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                      seq_len=N, ffn_hidden=48, tie_embeddings=False,
+                      moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=24,
+                                    shared_expert_hidden=16, shared_expert_gate=True,
+                                    aux_loss_coef=0.1, z_loss_coef=0.01))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 64, (BATCH, N), generator=g)
+    labels = torch.randint(0, 64, (BATCH, N), generator=g)
+    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
+    return tokens, labels
+
+
+def _reference(cfg):
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    tokens, labels = _batch()
+    loss = model(tokens, torch.arange(N), labels) / (labels != -100).sum()
+    r = model.router_losses
+    (loss + r.share).backward()
+    return (loss.detach(), r.aux_loss, r.z_loss,
+            {n: p.grad.clone() for n, p in model.named_parameters()})
+
+
+def _grid_case(rank, world, payload):
+    import torch.distributed as dist
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from models.loss import global_mean_loss, global_token_count, loss_for_backward
+    out = []
+    for tp, cp, ep, layout, comm in pickle.loads(payload):
+        st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
+        model = GPT(GPT_CFG, ModelGroups.from_state(st),
+                    ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
+        tokens, labels = _batch()
+        tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
+        dp = st.dp_size
+        tok, lab = tok.chunk(dp)[st.dp_rank], lab.chunk(dp)[st.dp_rank]
+        pos = sequence_positions(N, st.cp_group, layout)
+        n = global_token_count(lab, st.dp_cp_group)
+        reset_moe_stats()
+        loss_sum = model(tok, pos, lab)
+        r = model.router_losses
+        (loss_for_backward(loss_sum, n, dp) + r.share * dp).backward()
+        for p in model.parameters():  # DeepSpeed's reduction: experts over their EDP group
+            group = st.edp_group if getattr(p, "expert_shard", (0, 1))[1] > 1 \
+                else st.dp_cp_group
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dp)
+        out.append(dict(loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
+                        aux=r.aux_loss, z=r.z_loss, grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group),
+                        stats=moe_stats()))
+    return out
+
+
+GRIDS = [  # (tp, cp, ep, layout, cp_comm) on 4 ranks; dp = 4 / (tp cp)
+    (1, 2, 2, "zigzag", "ring"),       # ep = cp: the experts over each sequence's ranks
+    (1, 2, 4, "striped", "allgather"), # ep = dp x cp: over two sequences' ranks
+    (1, 4, 4, "contiguous", "ulysses"),
+    (2, 2, 2, "zigzag", "ring"),       # each expert's width over TP too
+    (1, 1, 2, "zigzag", "ring"),       # no CP: ep over DP alone (dp 4)
+]
+
+
+def test_moe_gpt_over_the_grid_equals_one_process():
+    results = run_distributed(_grid_case, 4, pickle.dumps(GRIDS), timeout=240)
+    loss, aux, z, grads = _reference(GPT_CFG)
+    for i, grid in enumerate(GRIDS):
+        for rank, per_case in enumerate(results):
+            got, where = per_case[i], f"tp,cp,ep,layout,comm={grid} rank {rank}"
+            torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
+            torch.testing.assert_close(got["aux"], aux, **TOL, msg=where)
+            torch.testing.assert_close(got["z"], z, **TOL, msg=where)
+            for name, g in grads.items():
+                torch.testing.assert_close(got["grads"][name], g, **TOL,
+                                           msg=f"{where} grad {name}")
+            assert got["stats"]["dispatch_calls"] == (GPT_CFG.n_layers if grid[2] > 1 else 0)
+
+
+def test_an_expert_without_tokens_gets_a_zero_gradient():
+    """A router that never picks experts 6 and 7 (their logits' bias far below): the run
+    goes on, their weights' gradients are zeros, the others' are not."""
+    cfg = _moe_cfg(router_bias=True, shared_expert_hidden=16)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+        moe.gate.bias[6:] = -1e4
+    moe(torch.randn(2, 16, 32)).square().sum().backward()
+    assert moe.experts.gate_up_proj.grad[6:].abs().max() == 0
+    assert moe.experts.down_proj.grad[6:].abs().max() == 0
+    assert moe.experts.gate_up_proj.grad[:6].abs().amax(dim=(1, 2)).min() > 0
+
+
+# ------------------------------------------------------------ through train.py
+
+MOE_RUN = ["model.moe={num_experts: 4, top_k: 2, expert_hidden: 64, aux_loss_coef: 0.01, "
+           "z_loss_coef: 0.001, shared_expert_hidden: 32, shared_expert_gate: true}",
+           "train.steps=6", "train.eval_samples=8", "logging.wandb.mode=disabled"]
+
+
+# The same micro-batches on every layout (micro_batch_size x dp = 4 samples each, four a
+# step): the routers' losses are a micro-batch's statistics over DP x CP
+# (models/moe_steps.py), so they are the same numbers on every layout.
+ONE_MICRO_BATCH = {1: "train.micro_batch_size=4", 2: "train.micro_batch_size=2"}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("moe") / "cp1")
+    run_train(d, 1, ["parallel.cp=1", "parallel.dp=1", ONE_MICRO_BATCH[1], *MOE_RUN])
+    return d
+
+
+@pytest.mark.parametrize("dp,sets", [
+    (2, ["parallel.cp=2", "parallel.layout=zigzag"]),
+    (1, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=ulysses"]),
+], ids=["cp2-dp2", "tp2-cp2-ulysses"])
+def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_path, dp, sets):
+    """The token loss and the gradient norm (which carries the routers' losses' gradients)
+    equal cp 1's over 6 steps, and so do the routers' losses and the experts' load."""
+    d = str(tmp_path / "run")
+    run_train(d, 4, [*sets, f"parallel.dp={dp}", ONE_MICRO_BATCH[dp], *MOE_RUN])
+    assert_same_run(d, moe_reference, 6)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_expert_load"):
+        want, got = metric(moe_reference, key), metric(d, key)
+        # Step 1 is before any update: the same numbers. Later the weights differ by the
+        # reductions' order (~1e-6 after Adam's steps), enough to flip a token whose two
+        # best experts' scores tie to that precision: one of the step's 8,192 assignments
+        # (2 layers x 16 samples x 128 tokens x top-2) moves: 4.9e-4 of max / mean.
+        for s in got:
+            tol = 1e-5 if s == 1 else 1e-3
+            assert abs(got[s] - want[s]) <= tol * abs(want[s]), (key, s, got[s], want[s])
+
+
+@pytest.mark.parametrize("model, parallel, msg", [
+    ({"moe": {"num_experts": 4, "top_k": 5}}, {}, "model.moe.top_k=5 must be in [1, "
+                                                  "model.moe.num_experts=4]"),
+    ({"moe": {"num_experts": 6}}, {"ep": 4, "cp": 4}, "model.moe.num_experts=6 is not "
+                                                      "divisible by parallel.ep=4"),
+    ({"moe": {"num_experts": 8}}, {"ep": 4, "cp": 2}, "parallel.ep=4 must divide dp x cp = "
+                                                      "1 x 2"),
+    ({}, {"ep": 2, "cp": 2}, "parallel.ep=2 without model.moe"),
+    ({"moe": {"score": "sigmoid", "aux_loss_coef": 0.01}}, {},
+     "model.moe.aux_loss_coef=0.01 with model.moe.score='sigmoid'"),
+    ({"moe": {"shared_expert_gate": True}}, {}, "model.moe.shared_expert_gate=true needs"),
+    ({"moe": {"layers": [0, 5]}, "n_layers": 4}, {}, "model.moe.layers=[0, 5] must be"),
+    ({"moe": {"num_experts": 8}}, {"ep": 2, "cp": 2}, "not built with parallel.ep=2"),
+    ({"moe": {"num_experts": 8}}, {"pp": 2, "cp": 2}, "not built with parallel.pp=2"),
+])
+def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
+    d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
+         "train": {"global_batch_size": 1}}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(d, check_paths=False)
+    assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_tp2_checkpoint_of_a_moe_resumes_at_tp1(moe_reference, tmp_path):
+    """tp2 x cp2's step-3 checkpoint (ZeRO-1; each expert's [gate | up] and down_proj split
+    on their width) through DeepSpeed's universal conversion (the sub-parameter rule,
+    ctxpar/checkpoint/universal.py) at tp1 x cp2 logs cp 1's losses to the end."""
+    tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
+    run_train(str(tp2), 4, ["parallel.tp=2", "parallel.cp=2", "parallel.dp=1",
+                            ONE_MICRO_BATCH[1], "checkpoint.save_interval=3", *MOE_RUN])
+    tag = "step_00000003"
+    shutil.copytree(tp2 / "checkpoints" / tag, tp1 / "checkpoints" / tag)
+    proc = run_train(str(tp1), 2, ["parallel.cp=2", "parallel.dp=1", ONE_MICRO_BATCH[1],
+                                   *MOE_RUN], extra=["--resume", "auto"])
+    assert "resharded step_00000003" in proc.stdout and "tp 2->1" in proc.stdout
+    want, got = losses(moe_reference), losses(str(tp1))
+    assert sorted(got) == [4, 5, 6], sorted(got)
+    for s in got:  # fp32 weights and Adam states restored exactly; reductions reordered
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+
+
+def test_flops_count_the_active_experts():
+    from ctxpar.config.parameters import active_parameters, parameter_specs
+    specs = parameter_specs(GPT_CFG)
+    experts = sum(s.numel() for s in specs if ".experts." in s.name)
+    total = sum(s.numel() for s in specs)
+    assert experts > 0 and active_parameters(GPT_CFG) == total - experts * (1 - 2 / 8)
