@@ -300,7 +300,9 @@ def test_every_shipped_config_validates(path):
                                          ("extend_llama3_8b_128k", 8_030_261_248),
                                          ("extend_qwen3_8b_128k", 8_190_735_360),
                                          ("extend_mistral_7b_128k", 7_248_023_552),
-                                         ("extend_gemma3_1b_128k", 999_885_952)])
+                                         ("extend_gemma3_1b_128k", 999_885_952),
+                                         ("extend_qwen3_5_9b_1m", 8_953_803_264),
+                                         ("extend_nemotron_h_8b_32k", 8_100_852_736)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch

@@ -962,5 +962,5 @@ def test_block_fields_are_all_block_specs_reads():
                          "linear_num_key_heads", "linear_num_value_heads",
                          "linear_key_head_dim", "linear_value_head_dim",
                          "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim",
-                         "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias"} == \
+                         "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}
