@@ -314,6 +314,34 @@ def test_model_state_per_zero_stage_matches_deepspeed(stage):
 # ------------------------------------------------------------------ phases vs the allocator
 
 
+def _step_peaks_and_plan(model, cfg, mode, memory=None, **cand):
+    """(the allocator's forward and backward peaks of one step of `model` on 512 tokens,
+    after a warm step; the plan's phases of the same model and mode, one process)."""
+    from ctxpar.config import Config
+    from ctxpar.plan.memory import stage_memory
+    from ctxpar.plan.zero_state import zero_config
+    tok, pos = torch.randint(0, 2048, (1, 512)), torch.arange(512)
+    model(tok, pos, tok).backward()  # warm: lazily built buffers are not the step's
+    model.zero_grad(set_to_none=True)
+
+    def step(region):
+        with region("FWD"):
+            loss = model(tok, pos, tok)
+        with region("BWD"):
+            loss.backward()
+    got = _allocator_peaks(step)
+    c = Config()
+    c.model, c.activation_checkpointing.mode = cfg, mode
+    if memory is not None:
+        c.memory = memory
+    phases = stage_memory(c, Candidate(1, 1, 1, 1, zero=0, activation=mode, **cand), False, 1,
+                          0, "cpu", zero_config({})).phases
+    state = phases[-1].terms["params"] + phases[-1].terms["optimizer"]
+    want = {region: max(p.total for p in phases if p.name.startswith(prefix)) - state
+            for region, prefix in (("FWD", "forward"), ("BWD", "backward"))}
+    return got, want
+
+
 def _allocator_peaks(step):
     """(peak bytes above the start, per marked region) of the CPU allocator while `step`
     runs: the profiler's allocation events carry the allocator's running total."""
@@ -346,34 +374,17 @@ def test_forward_and_backward_peaks_equal_the_allocators(mode, tiled):
     """One process, tp = cp = 1: the planner's forward and backward peaks above the model
     state are the allocator's, within 2% (untiled they agree to 0.1%; the tiled MLP's
     backward makes its weights' gradients at a slightly different point than charged)."""
-    from ctxpar.config import Config, MemoryConfig
-    from ctxpar.plan.memory import stage_memory
-    from ctxpar.plan.zero_state import zero_config
+    from ctxpar.config import MemoryConfig
     from models.gpt import GPT
 
     cfg = ModelConfig(vocab_size=2048, seq_len=512, n_layers=2, d_model=64, n_heads=4,
                       n_kv_heads=2)
     mem = MemoryConfig(tiled_loss=tiled, tiled_mlp=tiled)
     model = GPT(cfg, options=ModelOptions(activation_checkpointing=mode, memory=mem, seed=1))
-    tok = torch.randint(0, 2048, (1, 512))
-    pos = torch.arange(512)
-    model(tok, pos, tok).backward()  # warm: lazily built buffers are not the step's
-    model.zero_grad(set_to_none=True)
-
-    def step(region):
-        with region("FWD"):
-            loss = model(tok, pos, tok)
-        with region("BWD"):
-            loss.backward()
-    got = _allocator_peaks(step)
-    c = Config()
-    c.model, c.memory, c.activation_checkpointing.mode = cfg, mem, mode
-    cand = Candidate(1, 1, 1, 1, zero=0, activation=mode, tiled_loss=tiled, tiled_mlp=tiled)
-    phases = stage_memory(c, cand, False, 1, 0, "cpu", zero_config({})).phases
-    state = phases[-1].terms["params"] + phases[-1].terms["optimizer"]
-    for region, prefix in (("FWD", "forward"), ("BWD", "backward")):
-        want = max(p.total for p in phases if p.name.startswith(prefix)) - state
-        assert got[region] == pytest.approx(want, rel=0.02), (region, got, want)
+    got, want = _step_peaks_and_plan(model, cfg, mode, mem, tiled_loss=tiled,
+                                     tiled_mlp=tiled)
+    for region in ("FWD", "BWD"):
+        assert got[region] == pytest.approx(want[region], rel=0.02), (region, got, want)
 
 
 @pytest.mark.parametrize("mode", ["none", "full"])
@@ -383,9 +394,6 @@ def test_forward_and_backward_peaks_of_a_hybrid_equal_the_allocators(mode):
     model state within 7% of the allocator's (measured: 0.0-0.3% but a fully checkpointed
     Mamba2 block's backward, charged its whole replayed forward beside the first
     gradients: +6%)."""
-    from ctxpar.config import Config
-    from ctxpar.plan.memory import stage_memory
-    from ctxpar.plan.zero_state import zero_config
     from models.gpt import GPT
     stacks = [(["linear_attention"] * 3 + ["full_attention"],
                dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -397,24 +405,10 @@ def test_forward_and_backward_peaks_of_a_hybrid_equal_the_allocators(mode):
         cfg = ModelConfig(vocab_size=2048, seq_len=512, n_layers=4, d_model=64, n_heads=4,
                           n_kv_heads=2, layer_types=types, **kw)
         model = GPT(cfg, options=ModelOptions(activation_checkpointing=mode, seed=1))
-        tok, pos = torch.randint(0, 2048, (1, 512)), torch.arange(512)
-        model(tok, pos, tok).backward()  # warm
-        model.zero_grad(set_to_none=True)
-
-        def step(region):
-            with region("FWD"):
-                loss = model(tok, pos, tok)
-            with region("BWD"):
-                loss.backward()
-        got = _allocator_peaks(step)
-        c = Config()
-        c.model, c.activation_checkpointing.mode = cfg, mode
-        phases = stage_memory(c, Candidate(1, 1, 1, 1, zero=0, activation=mode), False, 1, 0,
-                              "cpu", zero_config({})).phases
-        state = phases[-1].terms["params"] + phases[-1].terms["optimizer"]
-        for region, prefix in (("FWD", "forward"), ("BWD", "backward")):
-            want = max(p.total for p in phases if p.name.startswith(prefix)) - state
-            assert got[region] == pytest.approx(want, rel=0.07), (types[0], region, got, want)
+        got, want = _step_peaks_and_plan(model, cfg, mode)
+        for region in ("FWD", "BWD"):
+            assert got[region] == pytest.approx(want[region], rel=0.07), (types[0], region,
+                                                                          got, want)
 
 
 def test_evaluation_phase_is_below_the_step_and_charges_one_head_tile():

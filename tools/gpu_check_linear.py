@@ -20,7 +20,8 @@ leaking or a wrong head grouping is O(1).
 """
 from __future__ import annotations
 
-import time
+# gpu_check.py loads the parts as top-level modules from tools/ (its own directory)
+from gpu_check_parts import _timed
 
 LINEAR_TOLERANCE = 3e-2
 
@@ -60,7 +61,6 @@ def _inputs(op, sz, device, gen):
 
 def _run(op, t, kernel, group, cu, chunk):
     """(outputs, gradients) of the public op with `kernel` on this rank's share of t."""
-    import torch
     from ctxpar.context_parallel.linear import causal_conv1d_cp, gated_delta_rule_cp, ssd_cp
     leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items()
               if k not in ("dout", "dfinal")}
@@ -80,20 +80,6 @@ def _run(op, t, kernel, group, cu, chunk):
     res = {"out": out.detach(), **({"final": final.detach()} if final is not None else {})}
     res.update({f"d{k}": v.grad for k, v in leaves.items() if v.grad is not None})
     return res
-
-
-def _timed(fn, device, repeats=3):
-    import torch
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        res = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return res, best
 
 
 def part_linear(a) -> dict:

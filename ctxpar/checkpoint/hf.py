@@ -35,9 +35,9 @@ from ..config.layers import ATTENTION_TYPES, layer_types
 from ..config.parameters import parameter_specs
 from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
                        WRAPPERS, family_of)
-from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, linear_attention_config,
-                              linear_attention_fields, nemotron_block_types, nemotron_config,
-                              nemotron_fields, qwen3_5_rope)
+from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, hybrid_family_config,
+                              linear_attention_fields, nemotron_block_types, nemotron_fields,
+                              qwen3_5_rope)
 from .names import to_hf
 from .resume import CheckpointError
 
@@ -121,16 +121,8 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         cfg["attention_bias"] = False
     if name == "mistral":
         cfg["sliding_window"] = m.sliding_window if sliding else None
-    if name == "nemotron_h":  # NoPE: no RoPE keys; its blocks, not a layer count
-        for key in ("rope_theta", "rope_scaling", "num_hidden_layers", "rms_norm_eps"):
-            del cfg[key]
-        cfg.update(nemotron_config(m, types))
-    if name == "qwen3_5_text":
-        del cfg["rope_theta"], cfg["rope_scaling"]
-        cfg.update(attention_bias=False, **linear_attention_config(m, types),
-                   rope_parameters={**(m.rope_scaling or {"rope_type": "default"}),
-                                    "rope_theta": m.rope_theta,
-                                    "partial_rotary_factor": m.partial_rotary_factor})
+    if name in ("nemotron_h", "qwen3_5_text"):  # the hybrids' layers (linear_families.py)
+        hybrid_family_config(cfg, m, name, types)
     if name == "gemma3_text":
         scaling = dict(m.rope_scaling or {"rope_type": "default"})
         local = (m.layer_rope or {}).get("sliding_attention", {})

@@ -162,3 +162,19 @@ def nemotron_config(m, types: List[str]) -> Dict[str, Any]:
             "time_step_max": d.time_step_max, "time_step_floor": d.time_step_floor,
             "chunk_size": d.chunk_size, "mamba_hidden_act": "silu", "use_bias": False,
             "mlp_bias": False, "attention_bias": False, "residual_in_fp32": False}
+
+
+def hybrid_family_config(cfg: Dict[str, Any], m, name: str, types: List[str]) -> None:
+    """A hybrid family's keys into the config.json hf.family_config writes: Nemotron-H's
+    blocks (NoPE: no RoPE keys; no layer count, its blocks give it), Qwen3.5's layer types,
+    Gated DeltaNet sizes and rope_parameters with the partial factor."""
+    if name == "nemotron_h":
+        for key in ("rope_theta", "rope_scaling", "num_hidden_layers", "rms_norm_eps"):
+            del cfg[key]
+        cfg.update(nemotron_config(m, types))
+        return
+    del cfg["rope_theta"], cfg["rope_scaling"]
+    cfg.update(attention_bias=False, **linear_attention_config(m, types),
+               rope_parameters={**(m.rope_scaling or {"rope_type": "default"}),
+                                "rope_theta": m.rope_theta,
+                                "partial_rotary_factor": m.partial_rotary_factor})
