@@ -12,8 +12,9 @@ are linear_saved.py's at the shapes each strategy runs its kernel on:
              the local tokens
     state    the kernel on each of the rank's segments (1 contiguous, 2 zigzag) from a
              state: GDN's value width Dk + Dv ([I | 0] -> [M | E]) and its (Dk, Dk + Dv)
-             states per chunk; the correction (q~ S_in; Mamba2's decay and C_t S_in) and
-             PassStates' gathered fp32 summaries (cp x segments x B x H x |M, E|)
+             states per chunk; GDN's correction q~ S_in (Mamba2 has none: its torch SSD
+             runs in two halves, the E scan's states and decay instead) and PassStates'
+             gathered fp32 summaries (cp x segments x B x H x |M, E|)
 
 FLOPs: the chunked forms' matmuls per token (chunk C): GDN C (5 Dk + 3 Dv) + 6 Dk Dv per
 value head (the two (C, C) products, the two triangular solves, the scan's four state
@@ -91,23 +92,26 @@ def mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
         return outer + kernel + extra
     outer = mamba_saved(B, T, sh, e) - ssd_kernel_saved(B, T, sh.H, sh.P, sh.N, sh.C)
     kernel = ssd_kernel_saved(Bs, Ts, sh.H, sh.P, sh.N, sh.C)
-    # decay_in (its exp and product), C at H heads, C_t S_in, S_in; the gathered summaries
-    extra = 4 * (2 * B * T * sh.H + B * T * sh.H * sh.N + B * T * sh.H * sh.P
-                 + Bs * sh.H * sh.P * sh.N + cp * Bs * sh.H * (sh.P * sh.N + 1)
-                 + B * sh.H * sh.P * sh.N)
+    # the torch SSD in two halves (api._ssd_state): decay_in (its exp and product), the
+    # E scan's state entering each chunk, the gathered summaries and S_0; the outputs'
+    # scan from S_in is the kernel's own
+    chunks = -(-Ts // sh.C)
+    extra = 4 * (2 * B * T * sh.H + chunks * Bs * sh.H * sh.P * sh.N
+                 + cp * Bs * sh.H * (sh.P * sh.N + 1) + B * sh.H * sh.P * sh.N)
     return outer + kernel + extra
 
 
 def mixer_flops(kind: str, sh, tokens: int, strategy: str, cp: int) -> float:
     """Forward FLOPs of a mixer's chunked kernel over `tokens` local tokens (the
     projections are counted with the parameters); state passing at cp > 1 runs GDN at
-    value width Dk + Dv and adds Mamba2's correction C_t S_in."""
+    value width Dk + Dv and its correction q~ S_in; Mamba2's adds only the E scan's
+    state updates (P N per token and chunk: negligible, not counted)."""
     state = strategy == "state" and cp > 1
     if kind == "linear_attention":
         dv = sh.Dv + (sh.Dk if state else 0)
         per = sh.C * (5 * sh.Dk + 3 * dv) + 6 * sh.Dk * dv + (2 * sh.Dk * sh.Dv if state else 0)
         return tokens * sh.Hv * per
-    per = 2 * sh.C * (sh.N + sh.P) + 4 * sh.P * sh.N + (2 * sh.P * sh.N if state else 0)
+    per = 2 * sh.C * (sh.N + sh.P) + 4 * sh.P * sh.N
     return tokens * sh.H * per
 
 

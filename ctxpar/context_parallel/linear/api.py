@@ -39,8 +39,8 @@ from .conv import ACTIVATIONS, conv_over_group
 from .gated_delta import check_chunk_size
 from ..ulysses import head_shard, ulysses_kv_heads
 from .heads import heads_to_sequence, sequence_to_heads
-from .kernels import LocalDocs, get_kernel
-from .ssd import discretize_dt
+from .kernels import LocalDocs, TorchSSD, get_kernel
+from .ssd import discretize_dt, ssd_parts, ssd_scan
 from .state_passing import (SEGMENTS, STATE_LAYOUTS, carries_state, from_segments,
                             pass_states, to_segments)
 
@@ -240,14 +240,25 @@ def _ssd_state(x, dt, A, B, C, D, group, layout, doc, kernel, initial_states):
     """State passing for Mamba2: the kernel runs each segment from zero (y_0, E); the
     initial state reaches token t decayed by a_t = exp(sum of dt A up to t) while t is
     in the segment's first document (and that continues the state before it), so M = a_T
-    and y = y_0 + a_t C_t S_in."""
+    and y = y_0 + a_t C_t S_in. The torch SSD does it in two halves instead, with no
+    correction pass: its state-independent part (the chunks' own outputs and states,
+    ssd.ssd_parts) once, E from the chunk states' scan alone (a few state updates), and
+    after the all-gather one scan from S_in that writes the outputs (ssd.ssd_scan)."""
     rank, P = group_rank_and_size(group)
     (b, S, H, Pd), (G, N), slots = x.shape, B.shape[2:], SEGMENTS[layout]
     pos = rank_positions(S * P, rank, P, layout, x.device)
     docs = None if doc is None else doc.rows(rank_positions(S * P, rank, P, layout), pos,
                                              partial(to_segments, slots=slots))
     xs, dts, Bs, Cs = (to_segments(t, slots) for t in (x, dt, B, C))
-    y_zero, E = kernel(xs, dts, A, Bs, Cs, D, None, docs)               # E (b*slots, H, Pd, N)
+    split = isinstance(kernel.func, TorchSSD)  # the torch SSD in two halves (docstring)
+    if split:  # the state-independent part once; E from the chunk states alone
+        xs = xs.float()  # one fp32 copy for both x dt and D x
+        parts = ssd_parts(xs, dts, A, Bs, Cs, None if docs is None else docs.device,
+                          kernel.keywords["chunk_size"])
+        _, E = ssd_scan(parts, xs.new_zeros(b * slots, H, Pd, N, dtype=torch.float32),
+                        outputs=False)
+    else:
+        y_zero, E = kernel(xs, dts, A, Bs, Cs, D, None, docs)           # E (b*slots, H, Pd, N)
     reached = carries_state(pos, None if doc is None else doc.device, b, slots)[:, None]
     if docs is not None:
         seq_idx = docs.device
@@ -260,6 +271,10 @@ def _ssd_state(x, dt, A, B, C, D, group, layout, doc, kernel, initial_states):
     s_in, final = pass_states(summary, partial(_ssd_combine, (Pd, N)), s0, group,
                               layout)                                   # (slots, b, H, Pd, N)
     s_in = s_in.transpose(0, 1).flatten(0, 1)                           # (b*slots, H, Pd, N)
+    if split:  # one scan from the state that reaches the segment writes every output
+        y, _ = ssd_scan(parts, s_in * reached[:, :1, None, None])
+        y = y if D is None else y + xs * D.float()[:, None]
+        return from_segments(y, slots), final
     C_heads = Cs.float().repeat_interleave(H // G, dim=2)               # (b*slots, L, H, N)
     y = y_zero + decay_in[..., None] * torch.einsum("bhpn,blhn->blhp", s_in, C_heads)
     return from_segments(y, slots), final

@@ -20,7 +20,7 @@ call, on dt already through dt_bias, softplus and dt_limit (``discretize_dt``).
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,16 +41,22 @@ def discretize_dt(dt: torch.Tensor, dt_bias: Optional[torch.Tensor], dt_softplus
     return dt
 
 
-def ssd_fp32(x, dt, A, B, C, D: Optional[torch.Tensor], initial_states: Optional[torch.Tensor],
-             seq_idx: Optional[torch.Tensor], chunk_size: int
-             ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(y (b, T, H, P) fp32, final state (b, H, P, N) fp32); differentiable.
+class SSDParts(NamedTuple):
+    """What the chunked SSD computes before any state enters (ssd_parts): every chunk's own
+    output, the state it hands on from zero, how it carries a state through, and how a
+    state entering it reaches its tokens."""
+    y_diag: torch.Tensor          # (b, nc, L, H, P) the chunks' own tokens' output
+    chunk_states: torch.Tensor    # (b, nc, H, P, N) each chunk's state from zero
+    carry: torch.Tensor           # (b, H, nc, 1, 1) decay of a state through each chunk
+    from_start: torch.Tensor      # (b, H, nc, L) decay from the chunk's start, same document
+    C: torch.Tensor               # (b, nc, L, H, N)
+    T: int
 
-    x (b, T, H, P); dt (b, T, H) discretized; A (H,) (negative); B, C (b, T, G, N) with
-    H % G == 0 (head h reads group h // (H / G)); D (H,) or None; initial_states
-    (b, H, P, N) or None; seq_idx (b, T) int or None."""
+
+def ssd_parts(x, dt, A, B, C, seq_idx: Optional[torch.Tensor], chunk_size: int) -> SSDParts:
+    """The state-independent part of the chunked SSD (ssd_fp32's arguments), fp32."""
     b, T, H, P = x.shape
-    G, N = B.shape[2:]
+    G = B.shape[2]
     x, dt = x.float(), dt.float()
     B, C = (t.float().repeat_interleave(H // G, dim=2) for t in (B, C))  # (b, T, H, N)
     xdt = x * dt[..., None]
@@ -70,19 +76,43 @@ def ssd_fp32(x, dt, A, B, C, D: Optional[torch.Tensor], initial_states: Optional
     to_end_decay = (Acum[..., -1:] - Acum).exp() * to_end               # (b, H, nc, L)
     chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, to_end_decay, xdt)
     from_start_decay = Acum.exp() * from_start                          # (b, H, nc, L)
-    carry = from_start_decay[..., -1, None, None]                       # (b, H, nc, 1, 1)
+    return SSDParts(y_diag, chunk_states, from_start_decay[..., -1, None, None],
+                    from_start_decay, C, T)
 
-    h = (torch.zeros(b, H, P, N, device=x.device) if initial_states is None
-         else initial_states.float())
+
+def ssd_scan(parts: SSDParts, h: torch.Tensor, outputs: bool = True):
+    """The chunks in order from state h (b, H, P, N) fp32: (y (b, T, H, P) without D, or
+    None when outputs is False: only the state, nc cheap updates; the final state)."""
     y_off = []
     # The chunks through unbind (one gradient stack), not C[:, c] (a whole-size zero
     # gradient per chunk: quadratic in T), as gated_delta.py's scan.
-    per_chunk = zip(C.unbind(1), from_start_decay.unbind(2), carry.unbind(2),
-                    chunk_states.unbind(1))
+    per_chunk = zip(parts.C.unbind(1), parts.from_start.unbind(2), parts.carry.unbind(2),
+                    parts.chunk_states.unbind(1))
     for C_c, start_c, carry_c, state_c in per_chunk:  # the scan: only the state crosses
-        y_off.append(torch.einsum("blhn,bhpn,bhl->blhp", C_c, h, start_c))
+        if outputs:
+            y_off.append(torch.einsum("blhn,bhpn,bhl->blhp", C_c, h, start_c))
         h = h * carry_c + state_c
-    y = (y_diag + torch.stack(y_off, dim=1)).reshape(b, nc * L, H, P)[:, :T]
+    if not outputs:
+        return None, h
+    b, nc, L, H, P = parts.y_diag.shape
+    return (parts.y_diag + torch.stack(y_off, dim=1)).reshape(b, nc * L, H, P)[:, :parts.T], h
+
+
+def ssd_fp32(x, dt, A, B, C, D: Optional[torch.Tensor], initial_states: Optional[torch.Tensor],
+             seq_idx: Optional[torch.Tensor], chunk_size: int
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(y (b, T, H, P) fp32, final state (b, H, P, N) fp32); differentiable.
+
+    x (b, T, H, P); dt (b, T, H) discretized; A (H,) (negative); B, C (b, T, G, N) with
+    H % G == 0 (head h reads group h // (H / G)); D (H,) or None; initial_states
+    (b, H, P, N) or None; seq_idx (b, T) int or None."""
+    b, T, H, P = x.shape
+    N = B.shape[3]
+    x = x.float()  # one fp32 copy for both x dt and D x
+    parts = ssd_parts(x, dt, A, B, C, seq_idx, chunk_size)
+    h = (torch.zeros(b, H, P, N, device=x.device) if initial_states is None
+         else initial_states.float())
+    y, h = ssd_scan(parts, h)
     if D is not None:
         y = y + x * D.float()[:, None]
     return y, h
