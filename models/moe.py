@@ -31,6 +31,7 @@ from ctxpar.memory.tiled_mlp import gate_activation, up_activation
 from ctxpar.moe import RouterStats, dispatch_combine, route
 from ctxpar.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                     reduce_from_tensor_model_parallel_region)
+from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .mlp import MLP
@@ -46,10 +47,8 @@ def mark_experts(p: nn.Parameter, ep_rank: int, ep: int, tp_dim: Optional[int],
     (``expert_shard`` = (rank, size)); dim tp_dim split over TP (Megatron's attributes, as
     the TP layers set them; ``partition_sections``: [gate | up] split part by part)."""
     p.expert_shard = (ep_rank, ep)
-    p.tensor_model_parallel = p.model_parallel = tp_dim is not None
-    p.partition_dim = -1 if tp_dim is None else tp_dim
-    p.partition_stride = 1
-    p.partition_sections = sections if tp_dim is not None else None
+    set_tensor_model_parallel_attributes(p, tp_dim is not None, -1 if tp_dim is None else tp_dim,
+                                         sections=sections)
 
 
 class Experts(nn.Module):

@@ -210,8 +210,8 @@ def _check_sequence(m: ModelConfig, p: ParallelConfig, training: bool, err: Err)
 
 
 def _resolved_dp(cfg: Config, world_size: Optional[int]) -> Optional[int]:
-    """parallel.dp as a number (None: 'auto' with the world unknown); the grid is checked
-    by _check_grid_and_batch first."""
+    """parallel.dp as a number (None: 'auto' with the world unknown); ValueError when the
+    world does not hold the grid (_check_grid_and_batch reports it first)."""
     p = cfg.parallel
     if world_size is not None:
         return resolve_sizes(world_size, p.tp, p.cp, p.pp, p.dp)["dp"]
@@ -224,8 +224,7 @@ def _check_grid_and_batch(cfg: Config, world_size: Optional[int], err: Err) -> N
     p, t = cfg.parallel, cfg.train
     try:
         parse_order(p.order)
-        dp = (resolve_sizes(world_size, p.tp, p.cp, p.pp, p.dp)["dp"]
-              if world_size is not None else None if p.dp == "auto" else p.dp)
+        dp = _resolved_dp(cfg, world_size)
     except ValueError as e:
         err(str(e))
     if p.pp > 1:  # DeepSpeed's pipeline has one 'data' axis: dp x cp must be one block of ranks

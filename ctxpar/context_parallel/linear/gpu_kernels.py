@@ -45,6 +45,8 @@ installed; channels % 8 or a width outside 2..4 for causal_conv1d.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import importlib.util
 import re
 from importlib import metadata
@@ -58,7 +60,7 @@ from .conv import run_plan
 HALF = (torch.float16, torch.bfloat16)
 
 
-class _Library:
+class _Library(ABC):
     """One optional package's kernel: `fn` injected (the dry run's stand-ins) or imported
     once; why_not(x, **dims) is '' when it can run x, else the reason in a few words."""
 
@@ -69,8 +71,9 @@ class _Library:
         self.device_types = tuple(device_types)
         self.unavailable = ""  # why the package could not be loaded, once tried
 
+    @abstractmethod
     def _import(self):
-        raise NotImplementedError
+        """The library's function (each library's class imports its own)."""
 
     def _load(self):
         if self._fn is None:
