@@ -2,11 +2,13 @@
 
 As transformers' Qwen3_5GatedDeltaNet computes it, parameter for parameter (Qwen3.5's
 separate projections; Qwen3-Next's fused in_proj_qkvz / in_proj_ba hold the same rows
-grouped by key head, a permutation at import):
+grouped by key head, a permutation at import; OLMo Hybrid's q/k/v_proj and q/k/v_conv1d
+are in_proj_qkv's and the conv's [q | k | v] sections, a concatenation at import: the
+conv is depthwise, so one conv over [q | k | v] is the three convs):
 
     q|k|v = silu(causal_conv1d(in_proj_qkv x))         depthwise, K taps, no bias
     g     = -exp(A_log) * softplus(in_proj_a x + dt_bias)   per value head, fp32
-    beta  = sigmoid(in_proj_b x)
+    beta  = sigmoid(in_proj_b x)    (times 2 under model.linear_allow_neg_eigval: OLMo Hybrid)
     o     = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)   GQA: key heads shared
     y     = out_proj(rmsnorm(o) * w * silu(in_proj_z x))    the norm per value head
 
@@ -109,7 +111,7 @@ class GatedDeltaNet(nn.Module):
         per_head = dict(device=device, dtype=dtype, what="model.linear_num_value_heads")
         self.dt_bias = column_parallel_parameter((hv,), tp_group, **per_head)
         self.A_log = column_parallel_parameter((hv,), tp_group, **per_head)
-        self.norm = GatedRMSNorm(dims.value_head_dim, cfg.norm_eps, tp_group, device, dtype)
+        self.norm = GatedRMSNorm(dims.value_head_dim, dims.norm_eps, tp_group, device, dtype)
         self.out_proj = RowParallelLinear(value_dim, d, tp_group=tp_group, bias=False,
                                           device=device, dtype=dtype)
 
@@ -128,6 +130,8 @@ class GatedDeltaNet(nn.Module):
         k = k.view(B, T, hk, dims.key_head_dim)
         v = v.view(B, T, hv, dims.value_head_dim)                       # (B, T/cp, Hv, Dv)
         beta = self.in_proj_b(x).sigmoid()                              # (B, T/cp, Hv)
+        if dims.allow_neg_eigval:  # beta in [0, 2]: I - beta k k^T may flip a direction
+            beta = beta * 2.0
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if cache is not None and cache.mode == "decode":
             o, cache.state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],

@@ -53,6 +53,7 @@ from .mamba2 import Mamba2, init_mamba2
 from .mlp import MLP
 from .moe import MoE
 from .options import ModelGroups, ModelOptions
+from .qk_norm import AllHeadsRMSNorm
 
 
 def check_checkpoint_mode(mode: str) -> None:
@@ -313,10 +314,7 @@ class Attention(nn.Module):
             self.k_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
             self.v_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
         self.o_proj = RowParallelLinear(cfg.n_heads * hd, d, **{**lin, "bias": cfg.bias})
-        head_norm = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, tp_group=tp_group,
-                         device=device, dtype=dtype)
-        self.q_norm = RMSNorm(hd, **head_norm) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, **head_norm) if cfg.qk_norm else None
+        self.q_norm, self.k_norm = qk_norms(cfg, hd, n_kv, tp_group, device, dtype)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q, k, v, gate): gate (B, T/cp, nh/tp * hd) under model.attention_output_gate,
@@ -330,7 +328,10 @@ class Attention(nn.Module):
         q = q.reshape(B, T, self.n_heads, self.head_dim)  # (B, T/cp, nh/tp, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T/cp, nkv/tp, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # over each head's hd channels
+        if isinstance(self.q_norm, AllHeadsRMSNorm):  # over the whole projection
+            q = self.q_norm(q.flatten(2)).view_as(q)
+            k = self.k_norm(k.flatten(2)).view_as(k)
+        elif self.q_norm is not None:  # over each head's hd channels
             q, k = self.q_norm(q), self.k_norm(k)
         if not self.rope:  # NoPE (model.rope=false): the order is the mask's alone
             return q, k, v, gate
@@ -357,6 +358,19 @@ class Attention(nn.Module):
                                  mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
 
 
+def qk_norms(cfg: ModelConfig, hd: int, n_kv: int, tp_group, device, dtype):
+    """(q_norm, k_norm) under model.qk_norm: per head, (hd,) weights replicated over TP;
+    or over the whole projections (model.qk_norm_scope='all_heads', models/qk_norm.py)."""
+    if not cfg.qk_norm:
+        return None, None
+    if cfg.qk_norm_scope == "all_heads":
+        kw = dict(eps=cfg.norm_eps, tp_group=tp_group, device=device, dtype=dtype)
+        return (AllHeadsRMSNorm(cfg.n_heads * hd, **kw), AllHeadsRMSNorm(n_kv * hd, **kw))
+    kw = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, tp_group=tp_group, device=device,
+              dtype=dtype)
+    return RMSNorm(hd, **kw), RMSNorm(hd, **kw)
+
+
 # Each token mixer's submodule name (Hugging Face's: layers.N.attn / linear_attn / mamba).
 MIXER_MODULES = {"attention": "attn", "gated_delta": "linear_attn", "mamba2": "mamba"}
 
@@ -364,7 +378,8 @@ MIXER_MODULES = {"attention": "attn", "gated_delta": "linear_attn", "mamba2": "m
 class Block(nn.Module):
     """One layer, its two mixers chosen once from its type (config.layers.LAYER_MIXERS):
     x + mixer(norm(x)), then x + mlp(norm(x)); with model.post_norms
-    x + norm(mixer(norm(x))), then x + norm(mlp(norm(x))) (Gemma 2/3). The token mixer is
+    x + norm(mixer(norm(x))), then x + norm(mlp(norm(x))) (Gemma 2/3); in a layer type of
+    model.reordered_norms x + norm(mixer(x)), then x + norm(mlp(x)) (OLMo 2). The token mixer is
     attention (``attn``), Gated DeltaNet (``linear_attn``, models/gated_delta.py) or Mamba2
     (``mamba``, models/mamba2.py), after ``attn_norm``; Nemotron-H's single-op blocks have
     no MLP ('mamba', 'attention') or no token mixer ('mlp').
@@ -384,7 +399,11 @@ class Block(nn.Module):
         layer = layer or layer_attention(cfg)[0]
         self.token_mixer, channel = layer.token_mixer, layer.channel_mixer
         self.selective = selective and self.token_mixer == "attention"
-        self.attn_norm = make_norm(cfg, device, dtype) if self.token_mixer else None
+        # model.reordered_norms (OLMo 2): the mixers' outputs normed, not their inputs
+        reordered = layer.kind in (cfg.reordered_norms or ())
+        post = cfg.post_norms or reordered
+        self.attn_norm = make_norm(cfg, device, dtype) if self.token_mixer and not \
+            reordered else None
         if self.token_mixer == "attention":
             self.attn = Attention(cfg, tp_group, cp, backend, device, dtype, layer)
         elif self.token_mixer == "gated_delta":
@@ -392,15 +411,15 @@ class Block(nn.Module):
         elif self.token_mixer == "mamba2":
             self.mamba = Mamba2(cfg, cp, linear_cp, tp_group, device, dtype)
         self.post_attn_norm = (make_norm(cfg, device, dtype)
-                               if cfg.post_norms and self.token_mixer else None)
-        self.mlp_norm = make_norm(cfg, device, dtype) if channel else None
+                               if post and self.token_mixer else None)
+        self.mlp_norm = make_norm(cfg, device, dtype) if channel and not reordered else None
         tiled = memory is not None and memory.tiled_mlp
         if channel and moe:  # a mixture of experts in the MLP's place (models/moe.py)
             self.mlp = MoE(cfg, tp_group, ep_group, device, dtype)
         else:
             self.mlp = MLP(cfg, tp_group, device, dtype, tile_tokens=memory.mlp_tile_tokens
                            if tiled else None) if channel else None
-        self.post_mlp_norm = make_norm(cfg, device, dtype) if cfg.post_norms and channel else None
+        self.post_mlp_norm = make_norm(cfg, device, dtype) if post and channel else None
 
     @property
     def mixer(self) -> Optional[nn.Module]:
@@ -412,8 +431,11 @@ class Block(nn.Module):
         if self.mixer is not None:
             self.mixer.cp = cp
 
+    def _in_norm(self, norm, x):
+        return x if norm is None else norm(x)  # None: model.reordered_norms' block
+
     def _attn_in(self, x, cos, sin):
-        return self.attn.qkv(self.attn_norm(x), cos, sin)
+        return self.attn.qkv(self._in_norm(self.attn_norm, x), cos, sin)
 
     def _attn_out_mlp(self, x, o, gate=None):
         a = self.attn.out(o, gate)  # (B, T/cp, d)
@@ -422,13 +444,13 @@ class Block(nn.Module):
     def _mlp(self, x):
         if self.mlp is None:
             return x
-        h = self.mlp(self.mlp_norm(x))
+        h = self.mlp(self._in_norm(self.mlp_norm, x))
         return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
 
     def _linear_mixer(self, x, cu_seqlens, cache=None):
         """x + linear_attn / mamba (norm(x)), over CP with its documents; cache: its
         LinearLayerCache in generation (ctxpar.inference)."""
-        a = self.mixer(self.attn_norm(x), cu_seqlens, cache)  # (B, T/cp, d)
+        a = self.mixer(self._in_norm(self.attn_norm, x), cu_seqlens, cache)  # (B, T/cp, d)
         return x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -2,8 +2,9 @@
 'mamba') layers beside attention, under CP.
 
 (1) Each mixer against transformers' own module on the same weights (one process, fp32:
-outputs and every parameter's gradient). (2) Two tiny hybrids, Qwen3.5's three linear
-layers per full-attention one and a Nemotron-H mamba/attention/mlp pattern, at cp2 and
+outputs and every parameter's gradient). (2) Three tiny hybrids, Qwen3.5's three linear layers per
+full-attention one, a Nemotron-H mamba/attention/mlp pattern and OLMo Hybrid's options
+(post-norm attention, q/k norms over all heads, beta in [0, 2]), at cp2 and
 cp4 with parallel.linear_cp 'state' (contiguous, zigzag) and 'heads' (striped, zigzag),
 and at tp2 x cp2 (the mixers split by heads), with and without packed documents crossing
 ranks, under each activation recompute: the loss and every gradient (gathered over TP)
@@ -18,13 +19,14 @@ import torch
 from ctxpar.config import ConfigError, config_from_dict
 from ctxpar.testing import run_distributed
 from ctxpar.tensor_parallel import gather_full_state_dict
-from ctxpar.testing.linear import HYBRID_CONFIGS, documents
+from ctxpar.testing.linear import HYBRID_CONFIGS, OLMO_HYBRID_CONFIG, documents
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 from models.options import ModelGroups, ModelOptions
 
 N, BATCH, SEED = 48, 2, 5  # cp4 zigzag: 12 tokens a rank, two segments of 6
-CONFIGS = HYBRID_CONFIGS  # Qwen3.5's and Nemotron-H's patterns, model.seq_len N
+# Qwen3.5's and Nemotron-H's patterns and OLMo Hybrid's options, model.seq_len N
+CONFIGS = {**HYBRID_CONFIGS, "olmo-hybrid": OLMO_HYBRID_CONFIG}
 # fp32 throughout; CP reorders the sums (summaries composed across ranks, gradients summed
 # over CP), so values agree to ~1e-6 relative, as tests/test_gpt.py's layouts do.
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -144,14 +146,18 @@ CASES = {  # world -> (config, tp, cp, layout, parallel.linear_cp, cu_seqlens, r
         ("nemotron-h", 1, 2, "zigzag", "state", None, "full"),  # replays its all-gather
         ("qwen3.5", 1, 2, "striped", "heads", None, "selective"),
         ("nemotron-h", 1, 2, "striped", "heads", DOCS, "none"),
-        ("qwen3.5", 1, 2, "contiguous", "state", DOCS, "full")],
+        ("qwen3.5", 1, 2, "contiguous", "state", DOCS, "full"),
+        # OLMo Hybrid's options: post-norm attention, q/k norms over all heads, beta in [0, 2]
+        ("olmo-hybrid", 1, 2, "zigzag", "state", DOCS, "none"),
+        ("olmo-hybrid", 1, 2, "striped", "heads", None, "selective")],
     4: [("qwen3.5", 1, 4, "zigzag", "state", DOCS, "none"),
         ("nemotron-h", 1, 4, "zigzag", "state", None, "selective"),
         ("nemotron-h", 1, 4, "contiguous", "state", DOCS, "none"),
         ("qwen3.5", 1, 4, "zigzag", "heads", DOCS, "none"),
         # TP splits the mixers by heads (one key head, two value heads; one B/C group a rank)
         ("qwen3.5", 2, 2, "zigzag", "state", DOCS, "none"),
-        ("nemotron-h", 2, 2, "striped", "heads", DOCS, "full")],
+        ("nemotron-h", 2, 2, "striped", "heads", DOCS, "full"),
+        ("olmo-hybrid", 2, 2, "zigzag", "state", DOCS, "none")],  # q/k norms' squares over TP
 }
 
 
@@ -292,6 +298,18 @@ MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
      "not built with data.dynamic_cp=true and parallel.linear_cp='heads'"),
     (dict(QWEN), {"cp": 4, "cp_comm": "hybrid", "ulysses": 2, "layout": "striped",
                   "linear_cp": "heads"}, {}, "not built with parallel.cp_comm='hybrid'"),
+    (dict(QWEN, reordered_norms=["sliding_attention"]), {}, {},
+     "model.reordered_norms=['sliding_attention'] must list layer types the model has"),
+    (dict(QWEN, reordered_norms=["full_attention"], post_norms=True), {}, {},
+     "model.reordered_norms and model.post_norms=true both set"),
+    (dict(QWEN, qk_norm=True, qk_norm_scope="all_heads", n_kv_heads=1), {"tp": 2}, {},
+     "model.qk_norm_scope='all_heads' needs model.qk_norm=true and the kv heads split"),
+    (dict(QWEN, qk_norm_scope="heads"), {}, {},
+     "model.qk_norm_scope='heads' must be one of 'head', 'all_heads'"),
+    (dict(MAMBA, linear_allow_neg_eigval=True), {}, {},
+     "model.linear_allow_neg_eigval=True is set but no layer in model.layer_types is "
+     "'linear_attention'"),
+    (dict(QWEN, linear_norm_eps=0), {}, {}, "model.linear_norm_eps=0.0 must be a number > 0"),
 ])
 def test_bad_hybrid_configs_fail_at_load_in_one_line(model, parallel, extra, message):
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},

@@ -28,6 +28,10 @@ CASES = [(mixer, strategy, layout, heads, dtype, docs)
          for mixer in HEADS for strategy, layouts in LAYOUTS.items() for layout in layouts
          for heads in HEADS[mixer]
          for dtype, docs in (("fp32", False), ("fp32", True), ("bf16", True))]
+# beta in [0, 2] (OLMo Hybrid's linear_allow_neg_eigval): a state-passing and a heads case
+HEADS["gdn"]["gva-neg"] = (2, 4, 8, 6, True)
+CASES += [("gdn", "state", "zigzag", "gva-neg", "fp32", True),
+          ("gdn", "heads", "striped", "gva-neg", "fp32", True)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

@@ -118,7 +118,8 @@ def test_activation_bytes_equal_what_autograd_saves():
 @pytest.mark.parametrize("fields", [
     dict(qk_norm=True, post_norms=True),  # Qwen3's q/k norms, Gemma's norms after
     dict(qk_norm=True, norm_offset=1.0, post_norms=True, scale_embeddings=True, head_dim=12,
-         mlp="geglu", attention_bias=True, query_pre_attn_scalar=10.0)])  # Gemma 3's all
+         mlp="geglu", attention_bias=True, query_pre_attn_scalar=10.0),  # Gemma 3's all
+    dict(qk_norm=True, qk_norm_scope="all_heads", reordered_norms=["full_attention"])])  # OLMo 2's
 def test_activation_bytes_of_the_families_fields_equal_what_autograd_saves(fields):
     """One process (the fields are per head or per token: TP and CP split them as the
     rest, test_activation_bytes_equal_what_autograd_saves)."""
@@ -944,7 +945,8 @@ def test_block_fields_are_all_block_specs_reads():
                  attention_chunk_size=32, layer_types=["full_attention"] * CFG["n_layers"],
                  layer_rope={"full_attention": {"rope_theta": 100.0}}, linear_chunk_size=16,
                  time_step_min=0.01, time_step_max=0.2, time_step_floor=1e-3,
-                 partial_rotary_factor=0.5, rope=False)
+                 partial_rotary_factor=0.5, rope=False, linear_allow_neg_eigval=True,
+                 linear_norm_eps=1e-5)
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
@@ -952,8 +954,8 @@ def test_block_fields_are_all_block_specs_reads():
             assert block_specs(changed) == block_specs(m), f.name
     assert set(other) | {"d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
                          "bias", "attention_bias", "qk_norm", "head_dim", "post_norms",
-                         "attention_sinks", "attention_output_gate",
-                         "linear_num_key_heads", "linear_num_value_heads",
+                         "attention_sinks", "attention_output_gate", "qk_norm_scope",
+                         "reordered_norms", "linear_num_key_heads", "linear_num_value_heads",
                          "linear_key_head_dim", "linear_value_head_dim",
                          "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim",
                          "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe"} == \

@@ -79,6 +79,8 @@ class GatedDeltaDims:
     value_head_dim: int
     conv_kernel: int
     chunk_size: int
+    allow_neg_eigval: bool = False   # beta in [0, 2] (model.linear_allow_neg_eigval)
+    norm_eps: float = 1e-6           # the gated output norm's (model.linear_norm_eps)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ def gated_delta_dims(m: ModelConfig) -> GatedDeltaDims:
     key_dim = _or(m.linear_key_head_dim, resolved_head_dim(m))
     return GatedDeltaDims(key_heads, _or(m.linear_num_value_heads, key_heads), key_dim,
                           _or(m.linear_value_head_dim, key_dim),
-                          _or(m.linear_conv_kernel_dim, 4), _or(m.linear_chunk_size, 64))
+                          _or(m.linear_conv_kernel_dim, 4), _or(m.linear_chunk_size, 64),
+                          bool(m.linear_allow_neg_eigval), _or(m.linear_norm_eps, m.norm_eps))
 
 
 def mamba_dims(m: ModelConfig) -> MambaDims:
@@ -198,6 +201,7 @@ def check_layers(m: ModelConfig, err) -> None:
                 err(f"model.{key}={getattr(m, key)} is set but no layer in "
                     f"model.layer_types is {kind!r}: it would be ignored")
     check_linear_fields(m, kinds, err)
+    check_reordered_norms(m, kinds, err)
     roped = [t for t in LAYER_TYPES if LAYER_MIXERS[t][0] == "attention"]
     for kind, rope in (m.layer_rope or {}).items():
         if kind not in roped:
@@ -214,6 +218,21 @@ def check_layers(m: ModelConfig, err) -> None:
                 f"ignored")
 
 
+def check_reordered_norms(m: ModelConfig, kinds: set, err) -> None:
+    """model.reordered_norms: a list of the model's layer types, not beside model.post_norms
+    (Gemma's norms on both sides of each mixer)."""
+    if m.reordered_norms is None:
+        return
+    if not isinstance(m.reordered_norms, list) or set(m.reordered_norms) - kinds:
+        err(f"model.reordered_norms={m.reordered_norms!r} must list layer types the model "
+            f"has ({sorted(kinds)})")
+    if m.moe is not None:
+        err("model.reordered_norms with model.moe: the experts' blocks are pre-norm")
+    if m.post_norms:
+        err("model.reordered_norms and model.post_norms=true both set: a block norms its "
+            "mixers' outputs only (OLMo 2) or both sides (Gemma), not both")
+
+
 def check_linear_fields(m: ModelConfig, kinds: set, err) -> None:
     """The Gated DeltaNet and Mamba2 fields: sizes >= 1, heads that group, and none set
     without a layer to use them. The CP and TP rules: config.validation._check_linear_cp."""
@@ -223,6 +242,16 @@ def check_linear_fields(m: ModelConfig, kinds: set, err) -> None:
                 if getattr(m, key) is not None:
                     err(f"model.{key}={getattr(m, key)} is set but no layer in "
                         f"model.layer_types is {kind!r}: it would be ignored")
+    for key, unset in (("linear_allow_neg_eigval", False), ("linear_norm_eps", None)):
+        if getattr(m, key) != unset and "linear_attention" not in kinds:
+            err(f"model.{key}={getattr(m, key)} is set but no layer in model.layer_types is "
+                f"'linear_attention': it would be ignored")
+    if not isinstance(m.linear_allow_neg_eigval, bool):
+        err(f"model.linear_allow_neg_eigval={m.linear_allow_neg_eigval!r} must be true or false")
+    eps = m.linear_norm_eps
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
+                            or eps <= 0):
+        err(f"model.linear_norm_eps={eps!r} must be a number > 0 (or null: model.norm_eps)")
     if m.linear_chunk_size is not None and not kinds & {"linear_attention", "mamba"}:
         err(f"model.linear_chunk_size={m.linear_chunk_size} is set but no layer in "
             f"model.layer_types is 'linear_attention' or 'mamba': it would be ignored")

@@ -84,12 +84,13 @@ def block_fields(m: ModelConfig) -> tuple:
     candidate, over configs that differ in seq_len and the like): block 0's mixers and the
     linear mixers' sizes among them."""
     return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)],
-            None if m.moe is None else repr(m.moe))
+            None if m.moe is None else repr(m.moe), repr(m.reordered_norms))
 
 
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
 _BLOCK_FIELDS = attrgetter("d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
-                           "bias", "attention_sinks", "attention_bias", "qk_norm", "head_dim",
+                           "bias", "attention_sinks", "attention_bias", "qk_norm", "qk_norm_scope",
+                           "head_dim",
                            "post_norms", "attention_output_gate", *GDN_FIELDS,
                            *MAMBA_FIELDS[:6])
 
@@ -98,19 +99,24 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     """Block i's parameters, by its layer type (config.layers.LAYER_MIXERS): the token
     mixer's norm and parameters, the post norm, then the MLP's. tp decides only whether
     k/v are split (n_kv_heads % tp == 0) or replicated by heads."""
-    token, channel = LAYER_MIXERS[layer_types(m)[i]]
+    kind = layer_types(m)[i]
+    token, channel = LAYER_MIXERS[kind]
     p = f"layers.{i}."
-    specs = _norm(p + "attn_norm", m) if token else []
+    reordered = kind in (m.reordered_norms or ())  # outputs normed, not inputs (OLMo 2)
+    specs = _norm(p + "attn_norm", m) if token and not reordered else []
     if token == "attention":
         specs += _attention_specs(m, p, tp)
     elif token == "gated_delta":
         specs += _gated_delta_specs(m, p + "linear_attn.")
     elif token == "mamba2":
         specs += _mamba2_specs(m, p + "mamba.")
-    if m.post_norms and token:
+    if (m.post_norms or reordered) and token:
         specs += _norm(p + "post_attn_norm", m)
     if channel and i in moe_layer_indices(m.moe, m.n_layers):
         return specs + _moe_specs(m, p)
+    if channel and reordered:
+        return specs + _dense_mlp(m, p + "mlp.", resolved_ffn_hidden(m)) + \
+            _norm(p + "post_mlp_norm", m)
     return specs + (_mlp_specs(m, p) if channel else [])
 
 
@@ -177,7 +183,10 @@ def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
     specs += _linear(p + "attn.k_proj", d, n_kv * hd, kv_split, qkv_bias)
     specs += _linear(p + "attn.v_proj", d, n_kv * hd, kv_split, qkv_bias)
     specs += _linear(p + "attn.o_proj", m.n_heads * hd, d, "row", m.bias)
-    if m.qk_norm:  # one (hd,) weight shared by every head: replicated over TP
+    if m.qk_norm and m.qk_norm_scope == "all_heads":  # the whole width, split with heads
+        specs += [ParamSpec(p + "attn.q_norm.weight", (m.n_heads * hd,), "column"),
+                  ParamSpec(p + "attn.k_norm.weight", (n_kv * hd,), "column")]
+    elif m.qk_norm:  # one (hd,) weight shared by every head: replicated over TP
         specs += _norm(p + "attn.q_norm", m, hd) + _norm(p + "attn.k_norm", m, hd)
     return specs
 

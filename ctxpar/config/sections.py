@@ -47,6 +47,11 @@ class ModelConfig:
     post_norms: bool = False
     """Also a norm on the attention's output and on the MLP's output before each joins the
     residual stream (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm)."""
+    reordered_norms: Optional[List[str]] = None
+    """Layer types whose blocks norm each mixer's output instead of its input (OLMo 2's
+    reordered norms): x + norm(mixer(x)), then x + norm(mlp(x)), the norms named
+    post_attn_norm and post_mlp_norm; the other layers stay pre-norm (OLMo Hybrid:
+    ['full_attention'], its Gated DeltaNet layers pre-norm). None: every block pre-norm."""
     scale_embeddings: bool = False
     """Multiply the input embedding by sqrt(d_model) (Gemma); the tied head is not scaled."""
     rope_theta: float = 10000.0
@@ -91,6 +96,13 @@ class ModelConfig:
     """Gated DeltaNet: channels per value head (None = linear_key_head_dim)."""
     linear_conv_kernel_dim: Optional[int] = None
     """Gated DeltaNet: taps of the depthwise causal conv over q|k|v (None = 4)."""
+    linear_allow_neg_eigval: bool = False
+    """Gated DeltaNet: beta = 2 sigmoid(b), in [0, 2], so the transition I - beta k k^T
+    may have a negative eigenvalue (OLMo Hybrid; Grazzi et al., 'Unlocking State-Tracking
+    in Linear RNNs Through Negative Eigenvalues'); false: sigmoid(b) in [0, 1] (Qwen3.5)."""
+    linear_norm_eps: Optional[float] = None
+    """Gated DeltaNet: epsilon of the gated output norm (None = norm_eps; OLMo Hybrid fixes
+    1e-5, fla's FusedRMSNormGated default, whatever its rms_norm_eps)."""
     mamba_num_heads: Optional[int] = None
     """Mamba2 ('mamba' layers): SSM heads (None = n_heads)."""
     mamba_head_dim: Optional[int] = None
@@ -124,6 +136,10 @@ class ModelConfig:
     """Biases on q/k/v only, none on o_proj (Qwen2); model.bias already gives them."""
     qk_norm: bool = False
     """RMSNorm over each head's q and k (weights of head_dim) before RoPE (Qwen3, Gemma 3)."""
+    qk_norm_scope: str = "head"
+    """With qk_norm: 'head' (each head's channels, one (head_dim,) weight per projection)
+    or 'all_heads' (the whole q and k projections, weights of n_heads x head_dim and
+    n_kv_heads x head_dim split over TP with the heads; OLMo 2, OLMo Hybrid)."""
     attention_output_gate: bool = False
     """Gated attention (Qwen3.5, Qwen3-Next): q_proj gives each head its query and a gate
     (rows [q | gate] per head, 2 x n_heads x head_dim), and the attention output is
@@ -392,6 +408,7 @@ CHECKPOINT_MODES = ("none", "full", "selective", "every_n_layers")  # models/gpt
 CHOICES = {  # each from the module that implements it, where ctxpar has one
     "model.mlp": ("swiglu", "geglu", "gelu", "relu2"),
     "model.norm": ("rmsnorm", "layernorm"),
+    "model.qk_norm_scope": ("head", "all_heads"),  # models/qk_norm.py
     "parallel.layout": LAYOUTS,
     "parallel.cp_comm": CP_COMMS,
     "parallel.ring_grad_dtype": tuple(GRAD_DTYPES),

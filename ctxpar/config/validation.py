@@ -94,6 +94,13 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
             f"or null")
     if m.qk_norm and m.norm != "rmsnorm":
         err(f"model.qk_norm=true is an RMSNorm over each head; model.norm={m.norm!r}")
+    if m.qk_norm_scope == "all_heads" and m.norm_offset:
+        err(f"model.qk_norm_scope='all_heads' with model.norm_offset={m.norm_offset}: the "
+            f"whole-projection q/k norm scales by its weight alone (OLMo 2's)")
+    if m.qk_norm_scope == "all_heads" and (not m.qk_norm or kv % p.tp):
+        err(f"model.qk_norm_scope='all_heads' needs model.qk_norm=true and the kv heads "
+            f"split over TP (model.n_kv_heads={kv}, parallel.tp={p.tp}): its k weight is "
+            f"split with them")
     if kv < 1 or m.n_heads % kv:
         err(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
     if m.n_heads % p.tp:

@@ -192,8 +192,8 @@ def family_norms_saved(s: RankShapes, e: int, m: Optional[ModelConfig],
                        device: str = "cpu", kind: Optional[str] = None) -> int:
     """What a block in mode 'none' saves beyond a Llama block for the Hugging Face
     families' norms: per-head q/k RMSNorms (model.qk_norm, attention blocks: their input
-    and normed copy, (h + hk) fp32 rstd per token; the fused CUDA kernel keeps one copy
-    fewer), norms after the token mixer and the MLP (model.post_norms: input, normed and
+    and normed copy, (h + hk) fp32 rstd per token, two under qk_norm_scope 'all_heads';
+    the fused CUDA kernel keeps one copy fewer), norms after the token mixer and the MLP (model.post_norms: input, normed and
     rstd each; their outputs go to the residual add, which saves nothing) and, under
     model.norm_offset, each norm's fp32 (offset + w) vector. kind: the block's layer type
     (its mixers, config.layers.LAYER_MIXERS); None: an attention and MLP block."""
@@ -203,8 +203,9 @@ def family_norms_saved(s: RankShapes, e: int, m: Optional[ModelConfig],
     norms = (token is not None) + (channel is not None)
     copies = 2 if device == "cpu" else 1
     out = offset = 0
-    if m.qk_norm and token == "attention":
-        out += s.N * (copies * (s.h + s.hk) * s.hd * e + 4 * (s.h + s.hk))
+    if m.qk_norm and token == "attention":  # fp32 rstd per token: per head, or per
+        stats = 2 if m.qk_norm_scope == "all_heads" else s.h + s.hk  # projection (OLMo)
+        out += s.N * (copies * (s.h + s.hk) * s.hd * e + 4 * stats)
         offset += 2 * s.hd
     if m.post_norms:
         out += norms * s.N * (copies * s.d * e + 4)

@@ -42,6 +42,18 @@ HYBRID_CONFIGS = {
                               mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=8,
                               n_groups=2, time_step_min=0.01, **_SMALL),
 }
+# OLMo Hybrid's options on Gated DeltaNet layers around a full-attention one: post-norm
+# attention blocks (reordered_norms), q/k norms over all heads, beta in [0, 2], its gated
+# norm's own epsilon. Apart from HYBRID_CONFIGS, whose every entry the planner's,
+# generation's and the GPU dry run's tests loop over: test_hybrid_gpt holds these options
+# over CP and TP, test_plan their saved bytes on an attention-only model, test_hf the family.
+OLMO_HYBRID_CONFIG = ModelConfig(
+    n_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention",
+                             "linear_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=6, qk_norm=True, qk_norm_scope="all_heads",
+    reordered_norms=["full_attention"], linear_allow_neg_eigval=True, linear_norm_eps=1e-5,
+    **_SMALL)
 
 
 def documents(n: int):
@@ -55,9 +67,9 @@ def documents(n: int):
 
 
 def gdn_leaves(n: int, dims, dtype, seed: int = 0):
-    """dims = (Hk, Hv, Dk, Dv). Activations and the conv weight in dtype, gates' parameters
-    and states fp32 (as Qwen3-Next computes g in fp32)."""
-    Hk, Hv, Dk, Dv = dims
+    """dims = (Hk, Hv, Dk, Dv[, allow_neg_eigval]). Activations and the conv weight in
+    dtype, gates' parameters and states fp32 (as Qwen3-Next computes g in fp32)."""
+    Hk, Hv, Dk, Dv = dims[:4]
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     return dict(mixed=r(BATCH, n, 2 * Hk * Dk + Hv * Dv).to(dtype),
@@ -83,13 +95,14 @@ def ssd_leaves(n: int, dims, dtype, seed: int = 0):
 
 
 def _gdn(t, dims, cp):
-    Hk, Hv, Dk, Dv = dims
+    """dims (Hk, Hv, Dk, Dv[, allow_neg_eigval]): beta in [0, 2] when the fifth is true."""
+    Hk, Hv, Dk, Dv = dims[:4]
     conv = {k: cp[k] for k in ("cp_group", "layout", "cu_seqlens")}
     mixed = causal_conv1d_cp(t["mixed"], t["conv_weight"], activation="silu", **conv)
     q, k, v = mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
     q, k, v = q.unflatten(-1, (Hk, Dk)), k.unflatten(-1, (Hk, Dk)), v.unflatten(-1, (Hv, Dv))
     g = -t["A_log"].float().exp() * F.softplus(t["a"].float() + t["dt_bias"])
-    beta = t["b"].sigmoid()
+    beta = t["b"].sigmoid() * (2.0 if dims[4:] and dims[4] else 1.0)
     mid = dict(q=q, k=k, v=v, g=g, beta=beta)
     for x in mid.values():
         x.retain_grad()
