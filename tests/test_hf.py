@@ -29,7 +29,8 @@ import torch
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
                           LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config,
-                          NemotronHConfig, Qwen3Config, Qwen3_5TextConfig)
+                          NemotronHConfig, OlmoHybridConfig, Qwen3Config,
+                          Qwen3_5TextConfig)
 
 from ctxpar.checkpoint import CheckpointError, hf, read_manifest  # noqa: E402
 from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
@@ -89,6 +90,15 @@ FAMILY_CONFIGS = {
                                          mamba_num_heads=4, mamba_head_dim=16,
                                          ssm_state_size=8, n_groups=2, chunk_size=16,
                                          layer_norm_epsilon=1e-5)),
+    # Gated DeltaNet (separate q/k/v projections and convs, beta in [0, 2]) then a post-norm
+    # attention layer with q/k norms over all heads; no token ids (its defaults are
+    # outside the tiny vocabulary)
+    "olmo_hybrid": (OlmoHybridConfig, dict(layer_types=["linear_attention", "full_attention"],
+                                           linear_num_key_heads=2, linear_num_value_heads=4,
+                                           linear_key_head_dim=8, linear_value_head_dim=6,
+                                           rope_parameters={"rope_type": "default",
+                                                            "rope_theta": 5000.0},
+                                           pad_token_id=None, eos_token_id=None)),
 }
 
 
@@ -164,7 +174,8 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
 
 @pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", False), ("qwen3", True),
                                          ("mistral", False), ("gemma3_text", True),
-                                         ("qwen3_5_text", False), ("nemotron_h", False)])
+                                         ("qwen3_5_text", False), ("nemotron_h", False),
+                                         ("olmo_hybrid", False)])
 def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
     ref = tiny_family(tmp_path / family, family, tied)
     model = ctxpar_from(tmp_path / family)
@@ -257,7 +268,7 @@ def family_json(family, **fields):
     m = ModelConfig(vocab_size=96, d_model=64, n_heads=4, family=family,
                     **{k: v for k, v in FAMILIES[family].fixed.items()},
                     **({"n_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
-                       if family == "qwen3_5_text" else {}),
+                       if family in ("qwen3_5_text", "olmo_hybrid") else {}),
                     **({"n_layers": 2, "layer_types": ["mamba", "attention"]}
                        if family == "nemotron_h" else {}))
     return {**hf.family_config(m), **fields}
@@ -311,6 +322,19 @@ def family_json(family, **fields):
                                            "imports Qwen3ForCausalLM"),
     ("qwen3_5_text", "model_type", "qwen3", "linear_conv_kernel_dim=4: a config field ctxpar "
                                            "does not know for model_type 'qwen3'"),
+    # an OLMo Hybrid folder relabelled Qwen3.5: its architecture, and without it beta's range
+    ("olmo_hybrid", "model_type", "qwen3_5_text", "architectures=['OlmoHybridForCausalLM']: "
+                                                  "ctxpar imports Qwen3_5ForCausalLM"),
+    ("olmo_hybrid", "model_type", "qwen3_5_text", "linear_allow_neg_eigval=False: a config "
+                                                  "field ctxpar does not know for model_type "
+                                                  "'qwen3_5_text'"),
+    ("olmo_hybrid", "layer_types", ["linear_attention", "linear_attention"], "layer_types=["
+     "'linear_attention', 'linear_attention']: one of 'linear_attention', 'full_attention' "
+     "per layer (2), each kind at least once"),
+    ("olmo_hybrid", "attention_bias", True, "attention_bias=True: ctxpar has q/k/v biases "
+                                            "without o_proj's"),
+    ("olmo_hybrid", "linear_allow_neg_eigval", 1, "linear_allow_neg_eigval=1: config.json "
+                                                  "must give it as true or false"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -325,6 +349,8 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
     config = family_json(family, **{**window, field: value})
     if "linear_conv_kernel_dim" in msg:  # relabelled whole: architectures too
         config["architectures"] = ["Qwen3ForCausalLM"]
+    if "linear_allow_neg_eigval=False" in msg:
+        config["architectures"] = ["Qwen3_5ForCausalLM"]
     if family == "gemma3_text" and field == "sliding_window":
         config.update(layer_types=["sliding_attention", "full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -790,13 +816,19 @@ def test_extend_a_qwen3_folder_at_cp2_ulysses_generate_export_reload(tmp_path):
 
 # The hybrids in orders that do not repeat evenly: Qwen3.5's Gated DeltaNet layers around
 # one gated full-attention layer (value heads twice the key heads), Nemotron-H's Mamba2
-# blocks around a NoPE attention block and a squared-ReLU MLP block.
+# blocks around a NoPE attention block and a squared-ReLU MLP block, OLMo Hybrid's Gated
+# DeltaNet layers (beta in [0, 2]) around a post-norm NoPE attention layer.
 HYBRIDS = {
     "qwen3_5_text": dict(vocab_size=256, intermediate_size=192,
                          layer_types=["linear_attention", "full_attention", "linear_attention",
                                       "linear_attention"], num_hidden_layers=4),
     "nemotron_h": dict(vocab_size=256, intermediate_size=192,
                        layers_block_type=["mamba", "attention", "mamba", "mlp", "mamba"]),
+    # NoPE, as the released folders: rope_parameters' rope_theta null
+    "olmo_hybrid": dict(vocab_size=256, intermediate_size=192, num_hidden_layers=4,
+                        layer_types=["linear_attention", "full_attention", "linear_attention",
+                                     "linear_attention"],
+                        rope_parameters={"rope_type": "default", "rope_theta": None}),
 }
 HYBRID_LAYOUTS = {
     "cp2-state-zigzag": ["parallel.cp=2", "parallel.layout=zigzag", "parallel.linear_cp=state"],

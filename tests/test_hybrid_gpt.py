@@ -2,7 +2,8 @@
 'mamba') layers beside attention, under CP.
 
 (1) Each mixer against transformers' own module on the same weights (one process, fp32:
-outputs and every parameter's gradient). (2) Three tiny hybrids, Qwen3.5's three linear layers per
+outputs and every parameter's gradient); OLMo Hybrid's options as a whole GPT against
+OlmoHybridForCausalLM. (2) Three tiny hybrids, Qwen3.5's three linear layers per
 full-attention one, a Nemotron-H mamba/attention/mlp pattern and OLMo Hybrid's options
 (post-norm attention, q/k norms over all heads, beta in [0, 2]), at cp2 and
 cp4 with parallel.linear_cp 'state' (contiguous, zigzag) and 'heads' (striped, zigzag),
@@ -96,6 +97,36 @@ def test_mamba2_equals_transformers_nemotron_h():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     x = torch.randn(2, 37, cfg.d_model, generator=torch.Generator().manual_seed(0))
     _compare_module(ours, theirs, x)
+
+
+@pytest.mark.quick
+def test_olmo_hybrid_gpt_equals_transformers(tmp_path):
+    """OLMo Hybrid's options (post-norm attention blocks, q/k norms over all heads, beta in
+    [0, 2], the gated norm's eps) against OlmoHybridForCausalLM on the same weights (the
+    export is the import): the loss and every gradient, the gradients mapped to
+    transformers' names by exporting them as a folder."""
+    from transformers import AutoModelForCausalLM
+    from ctxpar.checkpoint import hf
+
+    cfg = CONFIGS["olmo-hybrid"]
+    ours = GPT(cfg, options=ModelOptions(seed=SEED))
+    with torch.no_grad():  # away from init's ones: every norm's weight and dt_bias count
+        for name, p in ours.named_parameters():
+            if "norm" in name or name.endswith("dt_bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    hf.save_folder(tmp_path / "w", ours.named_parameters(), cfg)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "w").float()
+    tokens, labels = _batch(cfg)
+    loss = ours(tokens, torch.arange(N), labels) / (labels != -100).sum()
+    loss.backward()
+    logits = theirs(tokens, use_cache=False).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    ref.backward()
+    close(loss, ref, "loss")
+    hf.save_folder(tmp_path / "g", ((n, p.grad) for n, p in ours.named_parameters()), cfg)
+    grads = AutoModelForCausalLM.from_pretrained(tmp_path / "g").float().state_dict()
+    for name, p in theirs.named_parameters():
+        close(grads[name], p.grad, name)
 
 
 # ------------------------------------------------------------ hybrids over CP

@@ -18,6 +18,11 @@ rest read from config.json:
                                        full_attention, partial RoPE (linear_families.py)
     nemotron_h    NemotronHForCausalLM relu2 MLP, rope false (NoPE attention); Mamba2,
                                        attention and MLP blocks, one op each
+    olmo_hybrid   OlmoHybridForCausalLM swiglu, rmsnorm, qk_norm over all heads,
+                                       reordered_norms on full_attention (post-norm
+                                       attention blocks), the Gated DeltaNet's norm eps
+                                       1e-5; layer_types, linear_*, beta in [0, 2] or
+                                       not, RoPE or NoPE (olmo_hybrid.py)
     (qwen2 and qwen3 read their sliding layers too: use_sliding_window,
     max_window_layers, layer_types)
 
@@ -33,12 +38,15 @@ from typing import Any, Dict, Tuple
 
 from ..config.sections import HF_FAMILIES
 from .linear_families import LINEAR_ATTENTION_KEYS, NEMOTRON_ALIASES, NEMOTRON_MAMBA_KEYS
+from .olmo_hybrid import INIT_KEYS, NEG_EIGVAL
 
 # model.* fields a family fixes (Llama leaves bias free), so the family of a ModelConfig
 # is the first whose fixed values it has.
 ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_bias": False,
                  "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
-                 "scale_embeddings": False, "attention_output_gate": False, "rope": True}
+                 "scale_embeddings": False, "attention_output_gate": False, "rope": True,
+                 "qk_norm_scope": "head", "reordered_norms": None,
+                 "linear_allow_neg_eigval": False, "linear_norm_eps": None}
 
 # config.json keys that do not change the computation: bookkeeping, token ids, generation
 # defaults, the runtime's switches.
@@ -144,6 +152,17 @@ FAMILIES: Dict[str, Family] = {
                "time_step_limit", "mamba_dt_limit",  # its mixer clamps at time_step_min
                "mamba_ssm_cache_dtype", "use_mamba_kernels", "num_logits_to_keep",
                "rescale_prenorm_residual")),  # the init's, not the model's
+    "olmo_hybrid": Family(
+        "OlmoHybridForCausalLM",
+        {**{k: v for k, v in ARCH_DEFAULTS.items()
+            if k not in ("rope", "linear_allow_neg_eigval")},  # read from config.json
+         "qk_norm": True, "qk_norm_scope": "all_heads", "reordered_norms": ["full_attention"],
+         "linear_norm_eps": 1e-5},
+        ("hidden_act", "silu"),  # its MLP's and its Gated DeltaNet conv's
+        neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
+                                           "biases on every layer (MLP too)")},
+        own=("layer_types", NEG_EIGVAL, *LINEAR_ATTENTION_KEYS),
+        inert=INIT_KEYS),
 }
 assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
 

@@ -39,6 +39,8 @@ from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, hybrid_family
                               linear_attention_fields, nemotron_block_types, nemotron_fields,
                               qwen3_5_rope)
 from .names import to_hf
+from .olmo_hybrid import olmo_hybrid_config, olmo_hybrid_fields, part_rows, saved_tensors, \
+    tensor_sources
 from .resume import CheckpointError
 
 CONFIG = "config.json"
@@ -53,8 +55,8 @@ DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes ctxpar reads
 def naming_of(m) -> str:
     """How m's family names its tensors (names.HF_NAMINGS)."""
     try:
-        if family_of(m) == "nemotron_h":
-            return "nemotron_h"
+        if family_of(m) in ("nemotron_h", "olmo_hybrid"):
+            return family_of(m)
     except KeyError:  # no family holds m: its export is refused elsewhere
         pass
     return "post_norms" if m.post_norms else "default"
@@ -123,6 +125,9 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         cfg["sliding_window"] = m.sliding_window if sliding else None
     if name in ("nemotron_h", "qwen3_5_text"):  # the hybrids' layers (linear_families.py)
         hybrid_family_config(cfg, m, name, types)
+    if name == "olmo_hybrid":  # its layers and RoPE or NoPE (olmo_hybrid.py)
+        del cfg["rope_theta"], cfg["rope_scaling"]
+        cfg.update(olmo_hybrid_config(m, types))
     if name == "gemma3_text":
         scaling = dict(m.rope_scaling or {"rope_type": "default"})
         local = (m.layer_rope or {}).get("sliding_attention", {})
@@ -154,10 +159,14 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
         raise CheckpointError(f"{what} cannot be exported as {architecture}")
     if m.attention_sinks:
         refuse("model.attention_sinks=true")
-    if name == "qwen3_5_text":  # Gated DeltaNet and gated full attention, nothing else
-        if set(types) - set(HYBRID_LAYER_TYPES):
-            refuse(f"model.layer_types={types} (Qwen3.5 has "
-                   f"{' and '.join(HYBRID_LAYER_TYPES)} layers)")
+    if name in ("qwen3_5_text", "olmo_hybrid"):  # Gated DeltaNet and full attention only
+        if set(types) - set(HYBRID_LAYER_TYPES) or (
+                name == "olmo_hybrid" and set(types) != set(HYBRID_LAYER_TYPES)):
+            refuse(f"model.layer_types={types} ({architecture[:-len('ForCausalLM')]} has "
+                   f"{' and '.join(HYBRID_LAYER_TYPES)} layers"
+                   f"{', both' if name == 'olmo_hybrid' else ''})")
+        if name == "olmo_hybrid" and m.partial_rotary_factor != 1.0:
+            refuse(f"model.partial_rotary_factor={m.partial_rotary_factor}")
         return types
     if name == "nemotron_h":  # one op a block: Mamba2, attention or MLP
         if set(types) - set(NEMOTRON_EXPORT):
@@ -377,6 +386,8 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
         hf, kinds["partial_rotary_factor"] = qwen3_5_rope(hf)
     elif name == "nemotron_h":  # Mamba2, attention and MLP blocks
         kinds = nemotron_fields(hf, refuse)
+    elif name == "olmo_hybrid":  # Gated DeltaNet layers; RoPE or NoPE
+        hf, kinds = olmo_hybrid_fields(hf, refuse)
     else:
         kinds = _attention_kinds(hf, file, refuse)
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
@@ -483,17 +494,27 @@ class WeightReader:
             return self.wrapper.prefix + key[len("model."):]
         return key
 
+    def sources(self, gpt_name: str) -> list:
+        """Where the folder may hold a parameter: alternatives, each a tuple of tensors
+        concatenated on dim 0 (OLMo Hybrid's [q | k | v] parts, olmo_hybrid.py); the
+        first the folder has all of, else the first."""
+        key = self.key(gpt_name)
+        options = tensor_sources(key) if self.naming == "olmo_hybrid" else [(key,)]
+        return next((o for o in options if all(k in self._where for k in o)), options[0])
+
     def _kept(self, key: str) -> bool:
         """Not a buffer, nor a tensor of what a multimodal folder leaves out."""
         return not key.endswith(self.IGNORED) and not (
             self.wrapper is not None and key.startswith(self.wrapper.left_out))
 
     def get(self, gpt_name: str) -> torch.Tensor:
-        key = self.key(gpt_name)
-        if key not in self._where:
-            raise CheckpointError(f"{self.path}: no tensor {key!r} (for {gpt_name})")
-        self.used.add(key)
-        return self._where[key].get_tensor(key)
+        keys = self.sources(gpt_name)
+        for key in keys:
+            if key not in self._where:
+                raise CheckpointError(f"{self.path}: no tensor {key!r} (for {gpt_name})")
+        self.used.update(keys)
+        parts = [self._where[k].get_tensor(k) for k in keys]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def unused(self) -> list:
         """Tensors of the folder no parameter took (tied lm_head copies and buffers aside)."""
@@ -502,25 +523,44 @@ class WeightReader:
             left.discard("lm_head.weight")
         return sorted(k for k in left if self._kept(k))
 
+    def _check_tensor(self, key: str, want: tuple) -> None:
+        """The folder holds `key` with shape `want` in a dtype ctxpar reads."""
+        if key not in self._where:
+            why = (" (tie_word_embeddings is false: an untied model needs its head; set "
+                   "tie_word_embeddings true in config.json if it is tied)"
+                   if key == "lm_head.weight" else "")
+            raise CheckpointError(f"{self.path}: no tensor {key!r}{why}")
+        sl = self._where[key].get_slice(key)
+        shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        if shape != want:
+            raise CheckpointError(f"{self.path}: {key} has shape {shape}, config.json "
+                                  f"makes it {want}")
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{self.path}: {key} is {dtype}; ctxpar reads "
+                                  f"{', '.join(DTYPES)} (dequantize or convert it first)")
+
     def check(self, m: ModelConfig) -> None:
         """Every parameter of m has its tensor in the folder with its full shape and a dtype
         ctxpar reads, and the folder holds no tensor ctxpar would not use; reads headers
         only (before any process group exists)."""
-        want = {self.key(s.name): s for s in parameter_specs(m)}
-        for key, spec in want.items():
-            if key not in self._where:
-                why = (" (tie_word_embeddings is false: an untied model needs its head; set "
-                       "tie_word_embeddings true in config.json if it is tied)"
-                       if key == "lm_head.weight" else "")
-                raise CheckpointError(f"{self.path}: no tensor {key!r}{why}")
-            sl = self._where[key].get_slice(key)
-            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-            if shape != spec.shape:
-                raise CheckpointError(f"{self.path}: {key} has shape {shape}, config.json "
-                                      f"makes it {spec.shape}")
-            if dtype not in DTYPES:
-                raise CheckpointError(f"{self.path}: {key} is {dtype}; ctxpar reads "
-                                      f"{', '.join(DTYPES)} (dequantize or convert it first)")
+        want = {}
+        for spec in parameter_specs(m):
+            keys = self.sources(spec.name)
+            if len(keys) == 1:
+                want[keys[0]] = spec.shape
+                continue
+            # [q | k | v] parts: the projections by section; transformers saves the conv in
+            # three equal chunks (its Concatenate reversed), so only the conv's sum counts
+            rows = part_rows(m) if "_proj." in keys[0] else [
+                self._where[k].get_slice(k).get_shape()[0] if k in self._where else 0
+                for k in keys]
+            for key, n in zip(keys, rows):
+                want[key] = (n, *spec.shape[1:])
+            if sum(rows) != spec.shape[0]:
+                raise CheckpointError(f"{self.path}: {', '.join(keys)} have {sum(rows)} rows "
+                                      f"together, config.json makes them {spec.shape[0]}")
+        for key, shape in want.items():
+            self._check_tensor(key, shape)
         extra = sorted(k for k in set(self._where) - set(want)
                        if self._kept(k) and not (self.tied and k == "lm_head.weight"))
         if extra:
@@ -557,7 +597,12 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
     tok = tokenizer_info(tokenizer)
     # refuses a model no family holds before anything is written
     cfg = family_config(m, tok, source, max_positions)
-    tensors = {to_hf(n, naming_of(m)): t.to(dtype).contiguous() for n, t in weights}
+    naming = naming_of(m)
+    tensors = {}
+    for n, t in weights:  # OLMo Hybrid's fused [q | k | v] written as its parts
+        key = to_hf(n, naming)
+        for k, part in (saved_tensors(key, t, m) if naming == "olmo_hybrid" else [(key, t)]):
+            tensors[k] = part.to(dtype).contiguous()
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as f:

@@ -17,6 +17,8 @@ GPT (models/gpt.py) is the canonical form; every checkpoint conversion goes thro
 Nemotron-H (naming 'nemotron_h') names every block's norm ``norm`` and its one op
 ``mixer`` (Mamba2, attention or MLP), under ``backbone.layers.{i}.``, the embedding
 ``backbone.embeddings`` and the final norm ``backbone.norm_f``, as its folders hold them.
+OLMo Hybrid (naming 'olmo_hybrid') names its norms by place and its Gated DeltaNet's
+tensors its own way (_HF_IN_OLMO_HYBRID_BLOCK).
 
 With model.post_norms (Gemma 2/3) Hugging Face names the norms by place instead:
 
@@ -58,11 +60,32 @@ _HF_IN_NEMOTRON_BLOCK = (("attn_norm.weight", "norm.weight"), ("mlp_norm.weight"
 _HF_NEMOTRON_TOP = (("embed.weight", "backbone.embeddings.weight"),
                     ("final_norm.weight", "backbone.norm_f.weight"),
                     ("lm_head.weight", "lm_head.weight"))
+# OLMo Hybrid as transformers saves it (conversion_mapping's olmo_hybrid, reversed): the
+# Gated DeltaNet layers' input norms attention_layer_norm and feedforward_layer_norm, the
+# attention layers' reordered norms feedforward_layer_norm (after attention: transformers'
+# post_attention_layernorm, renamed on saving with the others) and
+# post_feedforward_layernorm; its Gated DeltaNet's own names. in_proj_qkv and conv1d have
+# no one tensor: they are [q | k | v] sections (checkpoint/olmo_hybrid.py's sources).
+_HF_IN_OLMO_HYBRID_BLOCK = (
+    ("attn_norm.weight", "attention_layer_norm.weight"),
+    ("mlp_norm.weight", "feedforward_layer_norm.weight"),
+    ("post_attn_norm.weight", "feedforward_layer_norm.weight"),
+    ("post_mlp_norm.weight", "post_feedforward_layernorm.weight"),
+    ("attn.", "self_attn."), ("mlp.", "mlp."),
+    ("linear_attn.in_proj_z.", "linear_attn.g_proj."),
+    ("linear_attn.in_proj_a.", "linear_attn.a_proj."),
+    ("linear_attn.in_proj_b.", "linear_attn.b_proj."),
+    ("linear_attn.out_proj.", "linear_attn.o_proj."),
+    ("linear_attn.norm.", "linear_attn.o_norm."), ("linear_attn.", "linear_attn."))
 # naming -> (blocks' prefix, in block, top level): Llama's (default), Gemma's post norms,
-# Nemotron-H's (saved under backbone.*, which transformers renames model.* on loading)
+# Nemotron-H's (saved under backbone.*, which transformers renames model.* on loading),
+# OLMo Hybrid's
 HF_NAMINGS = {"default": ("model.layers.", _HF_IN_BLOCK, _HF_TOP),
               "post_norms": ("model.layers.", _HF_IN_POST_NORM_BLOCK, _HF_TOP),
-              "nemotron_h": ("backbone.layers.", _HF_IN_NEMOTRON_BLOCK, _HF_NEMOTRON_TOP)}
+              "nemotron_h": ("backbone.layers.", _HF_IN_NEMOTRON_BLOCK, _HF_NEMOTRON_TOP),
+              "olmo_hybrid": ("model.layers.", _HF_IN_OLMO_HYBRID_BLOCK, _HF_TOP)}
+# namings whose Hugging Face names map to GPT's only knowing the block's type (from_hf)
+_BY_BLOCK_TYPE = ("nemotron_h", "olmo_hybrid")
 
 
 def _swap(pairs):
@@ -125,8 +148,8 @@ def to_hf(name: str, naming: str = "default") -> str:
 def from_hf(name: str, naming: str = "default") -> str:
     """Hugging Face *ForCausalLM key -> GPT name (inverse of to_hf; Nemotron-H's block
     norm and mixer names need the block's type, so its naming has no inverse here)."""
-    if naming == "nemotron_h":
-        raise KeyError(f"{name!r}: Nemotron-H's names map to GPT's by the block's type")
+    if naming in _BY_BLOCK_TYPE:
+        raise KeyError(f"{name!r}: {naming}'s names map to GPT's by the block's type")
     _, in_block, top = HF_NAMINGS[naming]
     try:
         return _translate(name, _HF_BLOCK, "layers.", _swap(in_block), _swap(top))

@@ -1,0 +1,130 @@
+"""OLMo Hybrid (olmo_hybrid) folders: config.json's fields and the tensors whose names are
+not one to one.
+
+    config.json (olmo_hybrid)      ctxpar model.*
+    layer_types                    layer_types ('linear_attention', 'full_attention';
+                                   unset: every 4th layer full, the last one at least)
+    linear_num_key_heads, ...      linear_* (transformers' defaults: the attention's heads,
+      linear_conv_kernel_dim         key head dim int(0.75 d / heads), value twice it)
+    linear_allow_neg_eigval        linear_allow_neg_eigval (beta in [0, 2])
+    rope_parameters.rope_theta     rope_theta, on the attention layers; null: NoPE
+                                   (model.rope=false, the released folders')
+    (fixed)                        qk_norm over all heads, reordered_norms
+                                   ['full_attention'] (OLMo 2's post-norm attention
+                                   blocks), linear_norm_eps 1e-5 (its gated norm's)
+    linear_a_log_*, linear_dt_*    none: the initialisation's ranges
+
+Tensors (names.HF_NAMINGS['olmo_hybrid'] for the rest): ctxpar's Gated DeltaNet holds
+[q | k | v] fused, as Qwen3.5's; OLMo Hybrid's folders hold q_proj, k_proj, v_proj and
+q_conv1d, k_conv1d, v_conv1d (the conv is depthwise: one conv over the concatenation is
+the three). transformers concatenates the three convs whatever their sizes and saves its
+conv as three equal chunks (torch.chunk), not by section: ctxpar reads the concatenation
+as it does, and writes the sections (OLMo-core's form, which transformers reads the same).
+transformers' loaded form (conversion_mapping's olmo_hybrid: one conv1d, input_layernorm,
+post_attention_layernorm) is read too; the export writes the saved form.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+from ..config.layers import gated_delta_dims
+from .linear_families import HYBRID_LAYER_TYPES, LINEAR_ATTENTION_KEYS
+
+NEG_EIGVAL = "linear_allow_neg_eigval"
+INIT_KEYS = ("linear_a_log_min", "linear_a_log_max", "linear_dt_min", "linear_dt_max",
+             "linear_dt_init_floor")  # the init's ranges: nothing in the forward
+# ctxpar's fused tensor (its GPT name's ending) -> the folder's [q | k | v] parts
+FUSED = {"linear_attn.in_proj_qkv.weight": ("q_proj", "k_proj", "v_proj"),
+         "linear_attn.conv1d.weight": ("q_conv1d", "k_conv1d", "v_conv1d")}
+# the saved name's ending -> transformers' loaded one (a folder may hold either)
+LOADED = {"attention_layer_norm.weight": "input_layernorm.weight",
+          "feedforward_layer_norm.weight": "post_attention_layernorm.weight"}
+
+
+def olmo_hybrid_layer_types(hf: Dict[str, Any], refuse: Callable) -> List[str]:
+    """layer_types as OlmoHybridConfig reads them: given, or every 4th layer full attention
+    (the last one when none is); both kinds present, as transformers requires."""
+    n, types = hf["num_hidden_layers"], hf.get("layer_types")
+    if types is None:
+        types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+        if "full_attention" not in types:
+            types[-1] = "full_attention"
+    if not isinstance(types, list) or len(types) != n or set(types) != set(HYBRID_LAYER_TYPES):
+        refuse("layer_types", types, f"one of {', '.join(map(repr, HYBRID_LAYER_TYPES))} per "
+                                     f"layer ({n}), each kind at least once")
+    return types
+
+
+def olmo_hybrid_fields(hf: Dict[str, Any], refuse: Callable) -> Tuple[Dict[str, Any],
+                                                                      Dict[str, Any]]:
+    """(config.json left for the common RoPE reading, model.* of its layers): the layer
+    types, the Gated DeltaNet sizes (transformers' defaults where config.json has none),
+    beta's range, and NoPE when rope_parameters' rope_theta is null (transformers then
+    builds no rotary embedding; an absent one is its default 10000)."""
+    heads, d = hf["num_attention_heads"], hf["hidden_size"]
+    key_heads = hf.get("linear_num_key_heads") or heads
+    key_dim = hf.get("linear_key_head_dim") or int(0.75 * d / key_heads)
+    defaults = dict(linear_num_key_heads=key_heads, linear_num_value_heads=heads,
+                    linear_key_head_dim=key_dim, linear_value_head_dim=2 * key_dim,
+                    linear_conv_kernel_dim=4)  # OlmoHybridConfig's
+    fields: Dict[str, Any] = {"layer_types": olmo_hybrid_layer_types(hf, refuse)}
+    for key in LINEAR_ATTENTION_KEYS:
+        value = hf.get(key)
+        value = defaults[key] if value is None else value
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            refuse(key, value, "config.json must give it as an integer >= 1")
+        fields[key] = value
+    neg = hf.get(NEG_EIGVAL, True)
+    if not isinstance(neg, bool):
+        refuse(NEG_EIGVAL, neg, "config.json must give it as true or false")
+    fields[NEG_EIGVAL] = neg
+    params = hf.get("rope_parameters")
+    nope = isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None
+    fields["rope"] = not nope
+    if nope:  # nothing left to read: the attention layers have no positions
+        hf = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_theta")}
+    return hf, fields
+
+
+def olmo_hybrid_config(m, types: List[str]) -> Dict[str, Any]:
+    """config.json's layer types, Gated DeltaNet sizes, beta's range and RoPE (null
+    rope_theta: NoPE) of ModelConfig m."""
+    g = gated_delta_dims(m)
+    rope = {**(m.rope_scaling or {"rope_type": "default"}),
+            "rope_theta": m.rope_theta if m.rope else None}
+    return {"layer_types": types, "linear_num_key_heads": g.num_key_heads,
+            "linear_num_value_heads": g.num_value_heads, "linear_key_head_dim": g.key_head_dim,
+            "linear_value_head_dim": g.value_head_dim, "linear_conv_kernel_dim": g.conv_kernel,
+            NEG_EIGVAL: g.allow_neg_eigval, "attention_bias": False, "rope_parameters": rope}
+
+
+def tensor_sources(key: str) -> List[Tuple[str, ...]]:
+    """Where a folder may hold the tensor names.to_hf calls `key`: alternatives, first the
+    saved form, each a tuple of tensors concatenated on dim 0."""
+    for fused, parts in FUSED.items():
+        if key.endswith(fused):
+            base = key[:-len(fused)] + "linear_attn."
+            split = tuple(f"{base}{p}.weight" for p in parts)
+            return [split, (key,)] if fused.endswith("conv1d.weight") else [split]
+    for saved, loaded in LOADED.items():
+        if key.endswith(saved):
+            return [(key,), (key[:-len(saved)] + loaded,)]
+    return [(key,)]
+
+
+def part_rows(m) -> Tuple[int, int, int]:
+    """The [q | k | v] sections' rows of a fused tensor of ModelConfig m."""
+    g = gated_delta_dims(m)
+    key = g.num_key_heads * g.key_head_dim
+    return key, key, g.num_value_heads * g.value_head_dim
+
+
+def saved_tensors(key: str, tensor: torch.Tensor, m) -> List[Tuple[str, torch.Tensor]]:
+    """(name, tensor) as transformers saves an OLMo Hybrid folder: a fused tensor split
+    into its [q | k | v] parts."""
+    split = tensor_sources(key)[0]
+    if len(split) == 1:
+        return [(key, tensor)]
+    return list(zip(split, tensor.split(part_rows(m), dim=0)))
