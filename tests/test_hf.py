@@ -918,3 +918,20 @@ def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path):
     with pytest.raises(CheckpointError, match=r"audio_config=\{\}: a config field ctxpar "
                                               r"does not know for model_type 'qwen3_5'"):
         hf.read_config(str(tmp_path))
+
+
+def test_an_olmo_hybrid_folder_in_transformers_loaded_names_imports_the_same(tmp_path):
+    """OLMo Hybrid's tensors as transformers saves them (q/k/v_conv1d, attention_layer_norm,
+    feedforward_layer_norm) or as its model names them once loaded (one conv1d,
+    input_layernorm, post_attention_layernorm): both import to the same parameters."""
+    from safetensors.torch import save_file
+    ref = tiny_family(tmp_path / "saved", "olmo_hybrid", tied=False)
+    loaded = tmp_path / "loaded"
+    loaded.mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()},
+              str(loaded / "model.safetensors"), metadata={"format": "pt"})
+    (loaded / "config.json").write_text((tmp_path / "saved" / "config.json").read_text())
+    saved, other = ctxpar_from(tmp_path / "saved"), ctxpar_from(loaded)
+    theirs = dict(other.named_parameters())
+    for name, p in saved.named_parameters():
+        assert torch.equal(p, theirs[name]), name
