@@ -935,3 +935,16 @@ def test_an_olmo_hybrid_folder_in_transformers_loaded_names_imports_the_same(tmp
     theirs = dict(other.named_parameters())
     for name, p in saved.named_parameters():
         assert torch.equal(p, theirs[name]), name
+
+
+@pytest.mark.parametrize("rope,want", [({"rope_parameters": {"rope_type": "default",
+                                                            "rope_theta": None}}, False),
+                                       ({"rope_parameters": None, "rope_theta": None}, False),
+                                       ({"rope_parameters": None}, True),
+                                       ({"rope_parameters": {"rope_type": "default"}}, True)])
+def test_olmo_hybrid_nope_is_a_null_rope_theta_as_transformers_reads_it(tmp_path, rope, want):
+    """transformers 5 builds OLMo Hybrid's rotary embedding unless rope_theta is null (in
+    rope_parameters or, transformers 4's form, at the top level); absent, it is 10000."""
+    (tmp_path / "config.json").write_text(json.dumps(family_json("olmo_hybrid", **rope)))
+    fields = hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
+    assert fields["rope"] is want and (not want or fields["rope_theta"] == 10000.0)

@@ -61,8 +61,8 @@ def olmo_hybrid_fields(hf: Dict[str, Any], refuse: Callable) -> Tuple[Dict[str, 
                                                                       Dict[str, Any]]:
     """(config.json left for the common RoPE reading, model.* of its layers): the layer
     types, the Gated DeltaNet sizes (transformers' defaults where config.json has none),
-    beta's range, and NoPE when rope_parameters' rope_theta is null (transformers then
-    builds no rotary embedding; an absent one is its default 10000)."""
+    beta's range, and NoPE when rope_parameters' rope_theta (or a top-level one) is null
+    (transformers then builds no rotary embedding; an absent one is its default 10000)."""
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
     key_heads = hf.get("linear_num_key_heads") or heads
     key_dim = hf.get("linear_key_head_dim") or int(0.75 * d / key_heads)
@@ -80,8 +80,9 @@ def olmo_hybrid_fields(hf: Dict[str, Any], refuse: Callable) -> Tuple[Dict[str, 
     if not isinstance(neg, bool):
         refuse(NEG_EIGVAL, neg, "config.json must give it as true or false")
     fields[NEG_EIGVAL] = neg
-    params = hf.get("rope_parameters")
-    nope = isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    given = params if "rope_theta" in params else hf  # transformers 4's top-level form too
+    nope = "rope_theta" in given and given["rope_theta"] is None
     fields["rope"] = not nope
     if nope:  # nothing left to read: the attention layers have no positions
         hf = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_theta")}
