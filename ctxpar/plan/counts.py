@@ -193,10 +193,12 @@ def family_norms_saved(s: RankShapes, e: int, m: Optional[ModelConfig],
     """What a block in mode 'none' saves beyond a Llama block for the Hugging Face
     families' norms: per-head q/k RMSNorms (model.qk_norm, attention blocks: their input
     and normed copy, (h + hk) fp32 rstd per token, two under qk_norm_scope 'all_heads';
-    the fused CUDA kernel keeps one copy fewer), norms after the token mixer and the MLP (model.post_norms: input, normed and
-    rstd each; their outputs go to the residual add, which saves nothing) and, under
-    model.norm_offset, each norm's fp32 (offset + w) vector. kind: the block's layer type
-    (its mixers, config.layers.LAYER_MIXERS); None: an attention and MLP block."""
+    the fused CUDA kernel keeps one copy fewer), norms after the token mixer and the MLP
+    (model.post_norms: input, normed and rstd each; their outputs go to the residual add,
+    which saves nothing; model.reordered_norms moves a block's two norms there, the same
+    bytes as before the mixers) and, under model.norm_offset, each norm's fp32 (offset + w)
+    vector. kind: the block's layer type (its mixers, config.layers.LAYER_MIXERS); None: an
+    attention and MLP block."""
     if m is None:
         return 0
     token, channel = LAYER_MIXERS[kind] if kind else ("attention", "mlp")
