@@ -948,3 +948,24 @@ def test_olmo_hybrid_nope_is_a_null_rope_theta_as_transformers_reads_it(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(family_json("olmo_hybrid", **rope)))
     fields = hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
     assert fields["rope"] is want and (not want or fields["rope_theta"] == 10000.0)
+
+
+@pytest.mark.parametrize("change,msg", [
+    (lambda t: t.pop("model.layers.0.linear_attn.k_conv1d.weight"),
+     "no tensor 'model.layers.0.linear_attn.k_conv1d.weight'"),
+    (lambda t: t.update({"model.layers.0.linear_attn.v_conv1d.weight": torch.zeros(4, 1, 4)}),
+     "q_conv1d.weight, model.layers.0.linear_attn.k_conv1d.weight, "
+     "model.layers.0.linear_attn.v_conv1d.weight have"),
+    (lambda t: t.update({"model.layers.0.linear_attn.k_proj.weight": torch.zeros(24, 64)}),
+     "model.layers.0.linear_attn.k_proj.weight has shape (24, 64), config.json makes it "
+     "(16, 64)")])
+def test_olmo_hybrid_parts_ctxpar_cannot_use_are_refused_by_name(tmp_path, change, msg):
+    """The [q | k | v] parts of OLMo Hybrid's Gated DeltaNet: each present, the
+    projections by section, the convs' rows summing to the config's (transformers splits
+    its conv in three equal chunks, so only their sum is the config's)."""
+    tiny_family(tmp_path, "olmo_hybrid", tied=False)
+    rewrite_weights(tmp_path, change)
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    with pytest.raises(CheckpointError) as e:
+        hf.WeightReader(str(tmp_path), m.tie_embeddings, hf.naming_of(m)).check(m)
+    assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)

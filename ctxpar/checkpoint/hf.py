@@ -549,11 +549,13 @@ class WeightReader:
             if len(keys) == 1:
                 want[keys[0]] = spec.shape
                 continue
+            for key in keys:  # every part present before their sizes are compared
+                if key not in self._where:
+                    self._check_tensor(key, spec.shape)  # names the missing one
             # [q | k | v] parts: the projections by section; transformers saves the conv in
             # three equal chunks (its Concatenate reversed), so only the conv's sum counts
             rows = part_rows(m) if "_proj." in keys[0] else [
-                self._where[k].get_slice(k).get_shape()[0] if k in self._where else 0
-                for k in keys]
+                self._where[k].get_slice(k).get_shape()[0] for k in keys]
             for key, n in zip(keys, rows):
                 want[key] = (n, *spec.shape[1:])
             if sum(rows) != spec.shape[0]:
