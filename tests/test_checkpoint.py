@@ -187,7 +187,8 @@ def test_universal_info_follows_the_tp_attributes():
       "truncate: 1}"], "model.rope_scaling.truncate=1 must be true or false"),
     (["model.head_dim=7"], "model.head_dim=7 (model.head_dim or d_model/n_heads) must be even"),
     (["model.family=phi3"], "model.family='phi3' must be one of 'llama', 'qwen2', 'qwen3', "
-                            "'mistral', 'gemma3_text', 'qwen3_5_text', 'nemotron_h' or null"),
+                            "'mistral', 'gemma3_text', 'qwen3_5_text', 'nemotron_h', "
+                            "'qwen3_moe', 'qwen2_moe', 'mixtral' or null"),
     (["model.norm=layernorm", "model.norm_offset=1"],
      "model.norm_offset=1.0 applies to RMSNorm, not model.norm='layernorm'"),
     (["model.rope_scaling={rope_type: linear}"],

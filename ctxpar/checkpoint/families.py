@@ -18,6 +18,15 @@ rest read from config.json:
                                        full_attention, partial RoPE (linear_families.py)
     nemotron_h    NemotronHForCausalLM relu2 MLP, rope false (NoPE attention); Mamba2,
                                        attention and MLP blocks, one op each
+    qwen3_moe     Qwen3MoeForCausalLM  qwen3's, with model.moe (moe_families.py): softmax
+                                       router, SwiGLU experts, MoE layers from
+                                       decoder_sparse_step / mlp_only_layers; a window on
+                                       every layer or none
+    qwen2_moe     Qwen2MoeForCausalLM  qwen2's (q/k/v biases from qkv_bias), with model.moe
+                                       and its shared expert behind a sigmoid gate; no
+                                       sliding layers
+    mixtral       MixtralForCausalLM   mistral's, with model.moe on every layer (experts
+                                       intermediate_size wide, top-k weights normalised)
     (qwen2 and qwen3 read their sliding layers too: use_sliding_window,
     max_window_layers, layer_types)
 
@@ -29,10 +38,11 @@ config.json from model.* and refuses a model the family cannot hold.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..config.sections import HF_FAMILIES
 from .linear_families import LINEAR_ATTENTION_KEYS, NEMOTRON_ALIASES, NEMOTRON_MAMBA_KEYS
+from .moe_families import MOE_KEYS
 
 # model.* fields a family fixes (Llama leaves bias free), so the family of a ModelConfig
 # is the first whose fixed values it has.
@@ -84,6 +94,9 @@ class Family:
     # config.json keys the family always writes that compute nothing in the models ctxpar
     # takes (Nemotron-H's MoE and multi-token-prediction settings without such blocks)
     inert: Tuple[str, ...] = ()
+    # model.moe.* values a mixture-of-experts family always has (None: a dense family,
+    # which holds no model.moe)
+    moe_fixed: Optional[Dict[str, Any]] = None
 
 
 FAMILIES: Dict[str, Family] = {
@@ -144,6 +157,29 @@ FAMILIES: Dict[str, Family] = {
                "time_step_limit", "mamba_dt_limit",  # its mixer clamps at time_step_min
                "mamba_ssm_cache_dtype", "use_mamba_kernels", "num_logits_to_keep",
                "rescale_prenorm_residual")),  # the init's, not the model's
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM", {**ARCH_DEFAULTS, "qk_norm": True}, ("hidden_act", "silu"),
+        neutral={"attention_bias": (False, "Qwen3-MoE's biases are on o_proj too: ctxpar "
+                                           "has q/k/v biases without o_proj's")},
+        own=("use_sliding_window", "sliding_window", *MOE_KEYS["qwen3_moe"]),
+        inert=("max_window_layers",),  # written by its folders, read by no Qwen3-MoE code
+        moe_fixed={"shared_expert_hidden": 0}),
+    "qwen2_moe": Family(
+        "Qwen2MoeForCausalLM", {k: v for k, v in ARCH_DEFAULTS.items()
+                                if k != "attention_bias"}, ("hidden_act", "silu"),
+        neutral={"use_sliding_window": (False, "Qwen2-MoE's sliding layers (every other "
+                                               "layer below max_window_layers) are not "
+                                               "read by ctxpar")},
+        own=("qkv_bias", "layer_types", *MOE_KEYS["qwen2_moe"]),
+        inert=("sliding_window", "max_window_layers"),  # read only with use_sliding_window
+        moe_fixed={"shared_expert_gate": True}),
+    "mixtral": Family(
+        "MixtralForCausalLM", dict(ARCH_DEFAULTS), ("hidden_act", "silu"),
+        default_theta=1_000_000.0,
+        neutral={"router_jitter_noise": (0.0, "ctxpar's router multiplies no noise into "
+                                              "its input")},
+        own=("sliding_window", *MOE_KEYS["mixtral"]),
+        moe_fixed={"shared_expert_hidden": 0, "norm_topk": True, "layers": None}),
 }
 assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
 
@@ -175,6 +211,13 @@ def family_of(m) -> str:
     if m.family is not None:
         return m.family
     for name, fam in FAMILIES.items():
-        if all(getattr(m, k) == v for k, v in fam.fixed.items()):
+        if all(getattr(m, k) == v for k, v in fam.fixed.items()) and moe_held(m, fam):
             return name
     raise KeyError("no Hugging Face family")
+
+
+def moe_held(m, fam: Family) -> bool:
+    """A dense family for a dense model; a MoE family for model.moe with its fixed values."""
+    if fam.moe_fixed is None or m.moe is None:
+        return fam.moe_fixed is None and m.moe is None
+    return all(getattr(m.moe, k) == v for k, v in fam.moe_fixed.items())

@@ -34,10 +34,12 @@ from ..config import (ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig,
 from ..config.layers import ATTENTION_TYPES, layer_types
 from ..config.parameters import parameter_specs
 from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
-                       WRAPPERS, family_of)
+                       WRAPPERS, family_of, moe_held)
 from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, hybrid_family_config,
                               linear_attention_fields, nemotron_block_types, nemotron_fields,
                               qwen3_5_rope)
+from .moe_families import (MOE_FAMILIES, assemble, assembled_shape, moe_config, moe_fields,
+                           per_expert_sources, per_expert_tensors)
 from .names import to_hf
 from .resume import CheckpointError
 
@@ -84,9 +86,7 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         raise CheckpointError(f"no Hugging Face family holds this model ({fields}); the "
                               f"families: {', '.join(FAMILIES)} (docs/checkpoints.md)") from None
     fam = FAMILIES[name]
-    if m.moe is not None:
-        raise CheckpointError(f"model.moe cannot be exported as {fam.architecture} (no "
-                              f"mixture-of-experts family is exported yet)")
+    _check_moe_held(m, name)
     for key, want in fam.fixed.items():
         if getattr(m, key) != want:
             raise CheckpointError(f"model.{key}={getattr(m, key)!r} cannot be exported as "
@@ -117,10 +117,21 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         cfg.update(use_sliding_window=sliding, sliding_window=m.sliding_window,
                    layer_types=types, max_window_layers=(
                        types.index("sliding_attention") if sliding else m.n_layers))
-    if name == "qwen3":
+    if name in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
-    if name == "mistral":
+    if name in ("mistral", "mixtral"):
         cfg["sliding_window"] = m.sliding_window if sliding else None
+    if name in MOE_FAMILIES:  # model.moe (moe_families.py); Qwen3-MoE's window on every
+        # layer or none, Qwen2-MoE's none, its q/k/v biases from qkv_bias
+        def refuse(what):
+            raise CheckpointError(f"{what} cannot be exported as {fam.architecture}")
+        cfg.update(moe_config(m, name, refuse, source))
+        if name == "qwen3_moe":
+            cfg.update(use_sliding_window=sliding,
+                       sliding_window=m.sliding_window if sliding else None)
+        if name == "qwen2_moe":
+            cfg.update(qkv_bias=m.attention_bias, use_sliding_window=False,
+                       sliding_window=None, layer_types=types)
     if name in ("nemotron_h", "qwen3_5_text"):  # the hybrids' layers (linear_families.py)
         hybrid_family_config(cfg, m, name, types)
     if name == "gemma3_text":
@@ -142,6 +153,22 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
                                         **local_scaling, "rope_theta": float(local.get(
                                             "rope_theta", m.rope_theta))}})
     return cfg
+
+
+def _check_moe_held(m, name: str) -> None:
+    """model.moe exported by a MoE family only, with the values it fixes."""
+    fam = FAMILIES[name]
+    if moe_held(m, fam):
+        return
+    if fam.moe_fixed is None:
+        raise CheckpointError(f"model.moe is set: {fam.architecture} has no experts (the "
+                              f"mixture-of-experts families: {', '.join(MOE_FAMILIES)})")
+    if m.moe is None:
+        raise CheckpointError(f"model.moe=None cannot be exported as {fam.architecture} (a "
+                              f"mixture-of-experts family)")
+    key, want = next((k, v) for k, v in fam.moe_fixed.items() if getattr(m.moe, k) != v)
+    raise CheckpointError(f"model.moe.{key}={getattr(m.moe, key)!r} cannot be exported as "
+                          f"{fam.architecture} ({name} has {key}={want!r})")
 
 
 def _exported_layer_types(m, name: str, architecture: str) -> list:
@@ -172,11 +199,14 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
                f"single-op blocks: Qwen3.5's layer_types hold Gated DeltaNet)")
     if "chunked_attention" in types:
         refuse(f"model.layer_types={types} (chunked attention)")
-    if name == "llama" and "sliding_attention" in types:
+    if name in ("llama", "qwen2_moe") and "sliding_attention" in types:
         refuse(f"model.sliding_window={m.sliding_window} (Llama has no window; Mistral, "
-               f"Qwen and Gemma 3 do)")
-    if name == "mistral" and len(set(types)) > 1:
-        refuse(f"model.layer_types={types} (Mistral's window is on every layer or none)")
+               f"Qwen and Gemma 3 do)" if name == "llama" else
+               f"model.sliding_window={m.sliding_window} (ctxpar writes Qwen2-MoE without "
+               f"sliding layers; Mixtral and Qwen3-MoE have a window)")
+    if name in ("mistral", "mixtral", "qwen3_moe") and len(set(types)) > 1:
+        refuse(f"model.layer_types={types} ({FAMILIES[name].architecture[:-11]}'s window is "
+               f"on every layer or none)")
     allowed = {"sliding_attention"} if name == "gemma3_text" else set()
     if set(m.layer_rope or {}) - allowed:
         refuse(f"model.layer_rope={m.layer_rope} (RoPE per layer type: Gemma 3's sliding "
@@ -285,9 +315,16 @@ def _attention_kinds(hf: Dict[str, Any], file: str, refuse) -> Dict[str, Any]:
     sliding_window_pattern-th layer sliding, those with their own RoPE (rope_parameters'
     sliding_attention, else rope_local_base_freq)."""
     name, n, types = hf["model_type"], hf["num_hidden_layers"], hf.get("layer_types")
-    if name == "mistral":
-        window = hf.get("sliding_window")
+    if name in ("mistral", "mixtral", "qwen3_moe"):  # every layer (Qwen3-MoE: when
+        # use_sliding_window, as its config class reads it) or none
+        window = hf.get("sliding_window") if name != "qwen3_moe" or \
+            hf.get("use_sliding_window") else None
         return {} if window is None else {"sliding_window": window}
+    if name == "qwen2_moe":  # use_sliding_window is false (families.py): full attention
+        if types is not None and types != ["full_attention"] * n:
+            refuse("layer_types", types, f"Qwen2-MoE's layers are full attention in ctxpar "
+                                         f"({n}; use_sliding_window is false)")
+        return {}
     if name == "gemma3_text":
         window = hf.get("sliding_window", 4096)
         if types is None:
@@ -343,7 +380,8 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
     for key in sorted(hf):
         if key in fam.inert:
             continue
-        if key in NOT_IMPLEMENTED and hf[key] not in (None, 0, False, {}):
+        if key in NOT_IMPLEMENTED and key not in fam.own and hf[key] not in (None, 0, False,
+                                                                              {}):
             refuse(key, hf[key], f"{NOT_IMPLEMENTED[key]} is not implemented by ctxpar")
         if key not in known:
             refuse(key, hf[key], f"a config field ctxpar does not know for model_type "
@@ -366,6 +404,12 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
             refuse("attention_bias", attn, f"with mlp_bias={mlp}: ctxpar's model.bias puts "
                                            f"biases on every linear layer, or on none")
         fields["bias"] = bool(attn)
+    if name == "qwen2_moe":  # its q/k/v biases (transformers' default: on)
+        fields["attention_bias"] = hf.get("qkv_bias", True)
+        if not isinstance(fields["attention_bias"], bool):
+            refuse("qkv_bias", hf["qkv_bias"], "config.json must give it as a boolean")
+    if name in MOE_FAMILIES:  # model.moe (moe_families.py)
+        fields["moe"] = moe_fields(hf, name, refuse)
     if name == "nemotron_h":  # its layer count is its blocks'
         hf = {**hf, "num_hidden_layers": len(nemotron_block_types(hf, refuse))}
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -408,6 +452,16 @@ def architecture(fields: Dict[str, Any]) -> Dict[str, Any]:
                                       is not None else float(resolved_head_dim(m)))}
 
 
+ROUTER_LOSSES = ("aux_loss_coef", "z_loss_coef")  # model.moe's that a run may change
+
+
+def _router_losses_only(a, b) -> bool:
+    """Two model.moe that differ in their router losses' weights only."""
+    from dataclasses import replace
+    zero = dict.fromkeys(ROUTER_LOSSES, 0.0)
+    return a is not None and b is not None and replace(a, **zero) == replace(b, **zero)
+
+
 def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[Any, Any]]:
     """model.* against an imported folder's fields: refuse any architecture difference;
     return the allowed ones (MAY_DIFFER) that differ, {field: (folder's, config's)}.
@@ -416,6 +470,10 @@ def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[An
     changed = {}
     for key, value in theirs.items():
         if key == "init_from" or value == now[key] or (key == "family" and m.family is None):
+            continue
+        if key == "moe" and _router_losses_only(value, now[key]):  # training, not the model
+            changed.update({f"moe.{k}": (getattr(value, k), getattr(now[key], k))
+                            for k in ROUTER_LOSSES if getattr(value, k) != getattr(now[key], k)})
             continue
         if key in MAY_DIFFER:
             changed[key] = (value, now[key])
@@ -470,6 +528,9 @@ class WeightReader:
                     raise CheckpointError(f"{os.path.join(path, f)} holds {key!r}, which "
                                           f"{WEIGHTS_INDEX} places in {weight_map.get(key)}")
                 self._where[key] = handle
+        # a MoE family's experts saved per expert: {fused key: parts} (moe_families.py)
+        self._experts = per_expert_sources(
+            self._where, read_raw_config(path).get("model_type") if is_hf_folder(path) else None)
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self._where))
             if lost:
@@ -490,6 +551,9 @@ class WeightReader:
 
     def get(self, gpt_name: str) -> torch.Tensor:
         key = self.key(gpt_name)
+        if key not in self._where and key in self._experts:
+            self.used.update(k for part in self._experts[key] for k in part)
+            return assemble(self._experts[key], lambda k: self._where[k].get_tensor(k))
         if key not in self._where:
             raise CheckpointError(f"{self.path}: no tensor {key!r} (for {gpt_name})")
         self.used.add(key)
@@ -507,7 +571,13 @@ class WeightReader:
         ctxpar reads, and the folder holds no tensor ctxpar would not use; reads headers
         only (before any process group exists)."""
         want = {self.key(s.name): s for s in parameter_specs(m)}
+        taken = set()  # per-expert tensors that make up a wanted fused one
         for key, spec in want.items():
+            if key not in self._where and key in self._experts:
+                parts = [k for part in self._experts[key] for k in part]
+                taken.update(parts)
+                self._check_experts(key, parts, spec)
+                continue
             if key not in self._where:
                 why = (" (tie_word_embeddings is false: an untied model needs its head; set "
                        "tie_word_embeddings true in config.json if it is tied)"
@@ -521,13 +591,31 @@ class WeightReader:
             if dtype not in DTYPES:
                 raise CheckpointError(f"{self.path}: {key} is {dtype}; ctxpar reads "
                                       f"{', '.join(DTYPES)} (dequantize or convert it first)")
-        extra = sorted(k for k in set(self._where) - set(want)
+        extra = sorted(k for k in set(self._where) - set(want) - taken
                        if self._kept(k) and not (self.tied and k == "lm_head.weight"))
         if extra:
             more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
             raise CheckpointError(f"{self.path}: tensor {extra[0]!r}{more} would not be used "
                                   f"by ctxpar's model of this config.json (another "
                                   f"architecture, or weights it does not implement)")
+
+
+    def _check_experts(self, key, parts, spec) -> None:
+        """A fused tensor's per-expert parts: one shape each, the fused shape, read dtypes."""
+        shape = assembled_shape(self._experts[key],
+                                lambda k: self._where[k].get_slice(k).get_shape())
+        if shape is None:
+            raise CheckpointError(f"{self.path}: {key}'s per-expert tensors ({parts[0]} ...) "
+                                  f"differ in shape or count (an expert is missing?)")
+        if shape != spec.shape:
+            raise CheckpointError(f"{self.path}: {key} from {parts[0]} and its {len(parts) - 1} "
+                                  f"per-expert siblings has shape {shape}, config.json makes "
+                                  f"it {spec.shape}")
+        for k in parts:
+            dtype = self._where[k].get_slice(k).get_dtype()
+            if dtype not in DTYPES:
+                raise CheckpointError(f"{self.path}: {k} is {dtype}; ctxpar reads "
+                                      f"{', '.join(DTYPES)} (dequantize or convert it first)")
 
 
 def tokenizer_info(path: Optional[str]) -> Optional[Dict[str, Any]]:
@@ -557,7 +645,9 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
     tok = tokenizer_info(tokenizer)
     # refuses a model no family holds before anything is written
     cfg = family_config(m, tok, source, max_positions)
-    tensors = {to_hf(n, naming_of(m)): t.to(dtype).contiguous() for n, t in weights}
+    # the experts per expert, as transformers' save_pretrained writes them
+    tensors = {k: v.contiguous() for n, t in weights for k, v in per_expert_tensors(
+        to_hf(n, naming_of(m)), t.to(dtype), cfg["model_type"])}
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as f:
