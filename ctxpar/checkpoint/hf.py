@@ -1,6 +1,7 @@
 """Hugging Face folders <-> ctxpar: config.json fields and the weights in safetensors.
 
-A family (families.py: Llama, Qwen2, Qwen3, Mistral, Gemma 3) is ctxpar's GPT with some
+A family (families.py: Llama, Qwen2, Qwen3, Mistral, Gemma 3, the hybrids of
+linear_families.py, the mixtures of experts of moe_families.py) is ctxpar's GPT with some
 fields fixed; the rest map one to one, both ways:
 
     ctxpar model.*      config.json                 ctxpar model.*     config.json
