@@ -731,7 +731,8 @@ def test_train_py_from_a_qwen2_folder_and_back(tmp_path):
 
 @pytest.mark.parametrize("problem", ["a config field", "untied without lm_head",
                                      "a shard named in the index but absent",
-                                     "a family that cannot hold the model"])
+                                     "a family that cannot hold the model",
+                                     "a mixture of experts relabelled dense"])
 def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, problem):
     """One line and exit 2 from check_inputs, before any process group or model exists
     (one process: under torchrun the first rank's exit makes the launcher stop the others,
@@ -747,6 +748,13 @@ def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, pro
     if problem == "a config field":
         tiny_llama(tmp_path / "llama", vocab_size=256, attention_bias=True)
         msg = "attention_bias=True: with mlp_bias=False: ctxpar's model.bias puts biases"
+    elif problem == "a mixture of experts relabelled dense":  # Mixtral as a Mistral
+        tiny_family(tmp_path / "llama", "mixtral", tied=False, vocab_size=256,
+                    intermediate_size=192, head_dim=16)
+        config = json.loads((tmp_path / "llama" / "config.json").read_text())
+        (tmp_path / "llama" / "config.json").write_text(json.dumps(
+            {**config, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+        msg = "num_experts_per_tok=2: mixture of experts is not implemented by ctxpar"
     else:
         tiny_family(tmp_path / "llama", "llama", tied=False, vocab_size=256,
                     intermediate_size=192, head_dim=16)
