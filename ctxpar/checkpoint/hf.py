@@ -600,7 +600,6 @@ class WeightReader:
                                   f"by ctxpar's model of this config.json (another "
                                   f"architecture, or weights it does not implement)")
 
-
     def _check_experts(self, key, parts, spec) -> None:
         """A fused tensor's per-expert parts: one shape each, the fused shape, read dtypes."""
         shape = assembled_shape(self._experts[key],
