@@ -535,18 +535,26 @@ def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
         torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
 
 
-def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys):
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe"])
+def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, family):
     import yaml
     from ctxpar.config import config_from_dict
     from tools.convert_checkpoint import main as convert
-    tiny_family(tmp_path, "gemma3_text", tied=True, vocab_size=256)
+    tiny_family(tmp_path, family, tied=True, vocab_size=256)
     assert convert([str(tmp_path), "--model-config"]) == 0
     section = yaml.safe_load(capsys.readouterr().out)
     cfg = config_from_dict(section)  # validated like any config
-    assert cfg.model.family == "gemma3_text" and cfg.model.norm_offset == 1.0
-    assert cfg.model.init_from == str(tmp_path)
+    assert cfg.model.family == family and cfg.model.init_from == str(tmp_path)
+    if family == "gemma3_text":
+        assert cfg.model.norm_offset == 1.0
+    else:  # model.moe a section of its own; a router loss weight may differ from the folder's
+        assert cfg.model.moe == MoEConfig(8, 3, 32, [1], shared_expert_hidden=40,
+                                          shared_expert_gate=True, norm_topk=False,
+                                          aux_loss_coef=0.02)
+        cfg.model.moe.aux_loss_coef = 0.001
     fields = hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
-    assert hf.check_matches(cfg.model, fields, str(tmp_path)) == {}
+    assert hf.check_matches(cfg.model, fields, str(tmp_path)) == (
+        {} if family == "gemma3_text" else {"moe.aux_loss_coef": (0.02, 0.001)})
 
 
 def test_init_from_checks_the_architecture(tmp_path):
