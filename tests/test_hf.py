@@ -29,7 +29,8 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, MixtralConfig,
+                          GptOssConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MixtralConfig,
                           NemotronHConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
                           Qwen3MoeConfig, Qwen3_5TextConfig)
 
@@ -106,6 +107,16 @@ FAMILY_CONFIGS = {
                                        router_aux_loss_coef=0.02)),
     "mixtral": (MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2,
                                     output_router_logits=True, router_aux_loss_coef=0.02)),
+    # gpt-oss: a sliding (7) and a full layer, sinks, q/k/v/o biases, YaRN without
+    # truncation, router and expert biases, the clamped SwiGLU at a limit the tiny
+    # weights reach (0.3)
+    "gpt_oss": (GptOssConfig, dict(num_local_experts=8, num_experts_per_tok=3,
+                                   intermediate_size=32, swiglu_limit=0.3, sliding_window=7,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={**YARN, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "truncate": False,
+                                                    "rope_theta": 150000.0},
+                                   output_router_logits=True, router_aux_loss_coef=0.02)),
 }
 
 
@@ -183,7 +194,7 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
                                          ("mistral", False), ("gemma3_text", True),
                                          ("qwen3_5_text", False), ("nemotron_h", False),
                                          ("qwen3_moe", False), ("qwen2_moe", True),
-                                         ("mixtral", False)])
+                                         ("mixtral", False), ("gpt_oss", False)])
 def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
     ref = tiny_family(tmp_path / family, family, tied)
     model = ctxpar_from(tmp_path / family)
@@ -280,7 +291,8 @@ def family_json(family, **fields):
     m = ModelConfig(vocab_size=96, d_model=64, n_heads=4, family=family,
                     **{k: v for k, v in FAMILIES[family].fixed.items()},
                     **({} if moe is None else {"moe": MoEConfig(num_experts=8, **moe, **(
-                        {"shared_expert_hidden": 32} if family == "qwen2_moe" else {}))}),
+                        {"shared_expert_hidden": 32} if family == "qwen2_moe" else
+                        {"swiglu_limit": 7.0} if family == "gpt_oss" else {}))}),
                     **({"n_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
                        if family == "qwen3_5_text" else {}),
                     **({"n_layers": 2, "layer_types": ["mamba", "attention"]}
@@ -360,6 +372,11 @@ def family_json(family, **fields):
                                             "multiplies no noise"),
     ("mixtral", "quantization_config", {"quant_method": "fp8"}, "quantization_config="
      "{'quant_method': 'fp8'}: quantized weights is not implemented"),
+    ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"}, "quantization_config="
+     "{'quant_method': 'mxfp4'}: quantized weights is not implemented"),
+    ("gpt_oss", "attention_bias", False, "attention_bias=False: ctxpar's gpt-oss has biases "
+                                         "on q/k/v/o"),
+    ("gpt_oss", "swiglu_limit", 0, "swiglu_limit=0: config.json must give it as a number > 0"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -934,7 +951,7 @@ HYBRID_LAYOUTS = {
     "cp2-pp2": ["parallel.cp=2", "parallel.pp=2"],
     "cp2-zigzag": ["parallel.cp=2", "parallel.layout=zigzag"],
 }
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")  # FAMILY_CONFIGS' sizes
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIGS' sizes
 # the hybrids on every layout their linear layers run on; the mixtures of experts at cp2
 # and tp2 x cp2 (cp2 x pp2 is refused for them: the routers' losses across stages)
 FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:4]] + [

@@ -27,6 +27,9 @@ rest read from config.json:
                                        sliding layers
     mixtral       MixtralForCausalLM   mistral's, with model.moe on every layer (experts
                                        intermediate_size wide, top-k weights normalised)
+    gpt_oss       GptOssForCausalLM    bias (q/k/v/o), attention_sinks; model.moe on every
+                                       layer with a router bias, expert biases and the
+                                       clamped SwiGLU; layer_types of sliding and full
     (qwen2 and qwen3 read their sliding layers too: use_sliding_window,
     max_window_layers, layer_types)
 
@@ -180,6 +183,14 @@ FAMILIES: Dict[str, Family] = {
                                               "its input")},
         own=("sliding_window", *MOE_KEYS["mixtral"]),
         moe_fixed={"shared_expert_hidden": 0, "norm_topk": True, "layers": None}),
+    "gpt_oss": Family(
+        "GptOssForCausalLM", {**ARCH_DEFAULTS, "bias": True, "attention_sinks": True},
+        ("hidden_act", "silu"), default_theta=150_000.0,
+        neutral={"attention_bias": (True, "ctxpar's gpt-oss has biases on q/k/v/o "
+                                          "(model.bias)")},
+        own=("layer_types", "sliding_window", *MOE_KEYS["gpt_oss"]),
+        moe_fixed={"shared_expert_hidden": 0, "norm_topk": True, "layers": None,
+                   "router_bias": True, "expert_bias": True}),
 }
 assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
 

@@ -39,7 +39,8 @@ from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_I
 from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, hybrid_family_config,
                               linear_attention_fields, nemotron_block_types, nemotron_fields,
                               qwen3_5_rope)
-from .moe_families import (MOE_FAMILIES, assemble, assembled_shape, moe_config, moe_fields,
+from .moe_families import (MOE_FAMILIES, assemble, assembled_shape, gpt_oss_from_hf,
+                           gpt_oss_key, gpt_oss_shape, moe_config, moe_fields,
                            per_expert_sources, per_expert_tensors)
 from .names import to_hf
 from .resume import CheckpointError
@@ -133,6 +134,9 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         if name == "qwen2_moe":
             cfg.update(qkv_bias=m.attention_bias, use_sliding_window=False,
                        sliding_window=None, layer_types=types)
+        if name == "gpt_oss":  # its alternating windows; biases on q/k/v/o
+            cfg.update(layer_types=types, attention_bias=True,
+                       sliding_window=m.sliding_window if sliding else None)
     if name in ("nemotron_h", "qwen3_5_text"):  # the hybrids' layers (linear_families.py)
         hybrid_family_config(cfg, m, name, types)
     if name == "gemma3_text":
@@ -180,7 +184,7 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
 
     def refuse(what):
         raise CheckpointError(f"{what} cannot be exported as {architecture}")
-    if m.attention_sinks:
+    if m.attention_sinks and name != "gpt_oss":
         refuse("model.attention_sinks=true")
     if name == "qwen3_5_text":  # Gated DeltaNet and gated full attention, nothing else
         if set(types) - set(HYBRID_LAYER_TYPES):
@@ -326,7 +330,12 @@ def _attention_kinds(hf: Dict[str, Any], file: str, refuse) -> Dict[str, Any]:
             refuse("layer_types", types, f"Qwen2-MoE's layers are full attention in ctxpar "
                                          f"({n}; use_sliding_window is false)")
         return {}
-    if name == "gemma3_text":
+    if name == "gpt_oss":  # layer_types, or every other layer sliding from the first
+        window = hf.get("sliding_window", 128)
+        if types is None:
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                     for i in range(n)]
+    elif name == "gemma3_text":
         window = hf.get("sliding_window", 4096)
         if types is None:
             every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
@@ -530,8 +539,9 @@ class WeightReader:
                                           f"{WEIGHTS_INDEX} places in {weight_map.get(key)}")
                 self._where[key] = handle
         # a MoE family's experts saved per expert: {fused key: parts} (moe_families.py)
-        self._experts = per_expert_sources(
-            self._where, read_raw_config(path).get("model_type") if is_hf_folder(path) else None)
+        self.model_type = read_raw_config(path).get("model_type") if is_hf_folder(path) \
+            else None
+        self._experts = per_expert_sources(self._where, self.model_type)
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self._where))
             if lost:
@@ -540,7 +550,7 @@ class WeightReader:
         self.used = set()
 
     def key(self, gpt_name: str) -> str:
-        key = to_hf(gpt_name, self.naming)
+        key = gpt_oss_key(to_hf(gpt_name, self.naming), self.model_type)
         if self.wrapper is not None and key.startswith("model."):
             return self.wrapper.prefix + key[len("model."):]
         return key
@@ -558,7 +568,8 @@ class WeightReader:
         if key not in self._where:
             raise CheckpointError(f"{self.path}: no tensor {key!r} (for {gpt_name})")
         self.used.add(key)
-        return self._where[key].get_tensor(key)
+        t = self._where[key].get_tensor(key)
+        return gpt_oss_from_hf(key, t) if self.model_type == "gpt_oss" else t
 
     def unused(self) -> list:
         """Tensors of the folder no parameter took (tied lm_head copies and buffers aside)."""
@@ -586,9 +597,11 @@ class WeightReader:
                 raise CheckpointError(f"{self.path}: no tensor {key!r}{why}")
             sl = self._where[key].get_slice(key)
             shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-            if shape != spec.shape:
+            want_shape = gpt_oss_shape(key, spec.shape) if self.model_type == "gpt_oss" \
+                else spec.shape
+            if shape != want_shape:
                 raise CheckpointError(f"{self.path}: {key} has shape {shape}, config.json "
-                                      f"makes it {spec.shape}")
+                                      f"makes it {want_shape}")
             if dtype not in DTYPES:
                 raise CheckpointError(f"{self.path}: {key} is {dtype}; ctxpar reads "
                                       f"{', '.join(DTYPES)} (dequantize or convert it first)")

@@ -1,5 +1,5 @@
 """The mixture-of-experts families in config.json and safetensors: Qwen3-MoE, Qwen2-MoE,
-Mixtral (model.moe, models/moe.py).
+Mixtral, gpt-oss (model.moe, models/moe.py).
 
     config.json                          ctxpar model.moe.*
     num_experts (num_local_experts)      num_experts
@@ -15,8 +15,10 @@ Mixtral (model.moe, models/moe.py).
                                          router_aux_loss_coef x load_balancing_loss_func to
                                          the loss only then (ctxpar/moe/aux.py computes it)
 
-The router is a softmax over every expert, its top-k taken (score 'softmax', no bias);
-the experts are SwiGLU. transformers 5.x holds each layer's experts fused
+The router is a softmax over every expert, its top-k taken (score 'softmax'; gpt-oss's
+softmax over the top-k logits is the same with norm_topk, plus its router bias); the
+experts are SwiGLU (gpt-oss's clamped one, with biases: swiglu_limit, swiglu_alpha).
+transformers 5.x holds each layer's experts fused
 (``mlp.experts.gate_up_proj`` (E, 2f, d) with [gate | up] rows, ``mlp.experts.down_proj``
 (E, d, f)), as ctxpar does, but its save_pretrained writes them per expert, as the
 released folders hold them (its conversion_mapping.py reads both):
@@ -37,7 +39,7 @@ import torch
 
 from ..config.moe import MoEConfig, moe_layer_indices
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 # config.json keys each MoE family reads here
 MOE_KEYS = {
     "qwen3_moe": ("num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
@@ -47,6 +49,7 @@ MOE_KEYS = {
                 "router_aux_loss_coef", "output_router_logits"),
 }
 MOE_KEYS["qwen2_moe"] = MOE_KEYS["qwen3_moe"] + ("shared_expert_intermediate_size",)
+MOE_KEYS["gpt_oss"] = MOE_KEYS["mixtral"] + ("swiglu_limit", "swiglu_alpha")
 DEFAULTS = {  # the config classes' defaults in transformers 5.x
     "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, norm_topk_prob=False,
                       moe_intermediate_size=768, router_aux_loss_coef=0.001),
@@ -54,6 +57,8 @@ DEFAULTS = {  # the config classes' defaults in transformers 5.x
                       moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
                       router_aux_loss_coef=0.001),
     "mixtral": dict(num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
+    "gpt_oss": dict(num_experts=128, num_experts_per_tok=4, router_aux_loss_coef=0.001,
+                    swiglu_limit=7.0, swiglu_alpha=1.702),
 }
 
 
@@ -76,6 +81,16 @@ def moe_fields(hf: Dict[str, Any], name: str, refuse: Callable) -> MoEConfig:
     if k > e:
         refuse("num_experts_per_tok", k, f"more than num_experts={e}")
     n = hf["num_hidden_layers"]
+    if name == "gpt_oss":  # every layer: a router bias, expert biases, the clamped SwiGLU;
+        # the softmax over the top-k logits is softmax-then-normalised top-k
+        limit, alpha = (hf.get(key, d[key]) for key in ("swiglu_limit", "swiglu_alpha"))
+        for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                refuse(key, value, "config.json must give it as a number > 0")
+        return MoEConfig(num_experts=e, top_k=k, expert_hidden=hf["intermediate_size"],
+                         norm_topk=True, router_bias=True, expert_bias=True,
+                         swiglu_limit=float(limit), swiglu_alpha=float(alpha),
+                         aux_loss_coef=_aux(hf, d, refuse))
     if name == "mixtral":  # every layer, its experts intermediate_size wide, normalised
         return MoEConfig(num_experts=e, top_k=k, expert_hidden=hf["intermediate_size"],
                          norm_topk=True, aux_loss_coef=_aux(hf, d, refuse))
@@ -116,6 +131,18 @@ def moe_config(m, name: str, refuse: Callable,
     model.moe. router_aux_loss_coef: model.moe.aux_loss_coef, or the source folder's when
     the run has none (output_router_logits false: transformers then adds no loss)."""
     moe = m.moe
+    if name == "gpt_oss":
+        if moe.layers is not None or (moe.expert_hidden or m.ffn_hidden) != m.ffn_hidden or \
+                moe.swiglu_limit is None:
+            refuse(f"model.moe={moe} (gpt-oss's experts are on every layer, model.ffn_hidden "
+                   f"wide, with the clamped SwiGLU)")
+        coef = moe.aux_loss_coef or (source or {}).get("router_aux_loss_coef", 0.001)
+        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                "swiglu_limit": moe.swiglu_limit, "swiglu_alpha": moe.swiglu_alpha,
+                "router_aux_loss_coef": coef, "output_router_logits": moe.aux_loss_coef > 0}
+    if moe.swiglu_limit is not None or moe.expert_bias:
+        refuse(f"model.moe.swiglu_limit={moe.swiglu_limit} with expert_bias="
+               f"{moe.expert_bias} (gpt-oss's experts)")
     if moe.score != "softmax" or moe.router_bias:
         refuse(f"model.moe.score={moe.score!r} with router_bias={moe.router_bias}"
                if moe.router_bias else f"model.moe.score={moe.score!r}")
@@ -204,9 +231,52 @@ def assembled_shape(parts: List[List[str]], shape_of: Callable) -> Tuple[int, ..
     return (len(shapes[0]), sum(s[0][0] for s in shapes), shapes[0][0][1])
 
 
+# gpt-oss: the router is ``mlp.router``; the experts are stored transposed (x @ W) with
+# [gate | up] interleaved column by column: gate_up_proj (E, d, 2f), its bias (E, 2f),
+# down_proj (E, f, d) (transformers' GptOssExperts, fused in its folders too)
+GPT_OSS_ROUTER = ("mlp.gate.", "mlp.router.")
+
+
+def gpt_oss_key(key: str, model_type: Optional[str]) -> str:
+    """ctxpar's HF-form key (names.to_hf) -> gpt-oss's (the router's name)."""
+    if model_type == "gpt_oss" and GPT_OSS_ROUTER[0] in key:
+        return key.replace(*GPT_OSS_ROUTER)
+    return key
+
+
+def gpt_oss_shape(key: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The folder's shape of a tensor ctxpar holds in `shape`."""
+    return (shape[0], shape[2], shape[1]) if key.endswith(("experts.gate_up_proj",
+                                                          "experts.down_proj")) else shape
+
+
+def gpt_oss_from_hf(key: str, t: torch.Tensor) -> torch.Tensor:
+    """A gpt-oss tensor in ctxpar's layout ((E, 2f, d) [gate | up], (E, d, f))."""
+    if key.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+        t = t.transpose(1, 2) if t.dim() == 3 else t          # (E, 2f, d) or (E, 2f)
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+    if key.endswith("experts.down_proj"):
+        return t.transpose(1, 2).contiguous()
+    return t
+
+
+def gpt_oss_to_hf(key: str, t: torch.Tensor) -> torch.Tensor:
+    """gpt_oss_from_hf's inverse."""
+    if key.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+        gate, up = t.chunk(2, dim=1)
+        t = torch.stack([gate, up], dim=2).flatten(1, 2)      # rows interleaved
+        return t.transpose(1, 2).contiguous() if t.dim() == 3 else t.contiguous()
+    if key.endswith("experts.down_proj"):
+        return t.transpose(1, 2).contiguous()
+    return t
+
+
 def per_expert_tensors(key: str, t: torch.Tensor, model_type: str):
     """(name, tensor) of a fused HF key as transformers' save_pretrained writes the family
-    (per expert; Mixtral's router under block_sparse_moe); other keys as they are."""
+    (per expert; Mixtral's router under block_sparse_moe; gpt-oss's layout); other keys
+    as they are."""
+    if model_type == "gpt_oss":
+        return [(gpt_oss_key(key, model_type), gpt_oss_to_hf(key, t))]
     naming, m = _naming(model_type), _LAYER.match(key)
     if naming is None or m is None:
         return [(key, t)]
