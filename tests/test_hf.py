@@ -372,8 +372,6 @@ def family_json(family, **fields):
                                             "multiplies no noise"),
     ("mixtral", "quantization_config", {"quant_method": "fp8"}, "quantization_config="
      "{'quant_method': 'fp8'}: quantized weights is not implemented"),
-    ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"}, "quantization_config="
-     "{'quant_method': 'mxfp4'}: quantized weights is not implemented"),
     ("gpt_oss", "attention_bias", False, "attention_bias=False: ctxpar's gpt-oss has biases "
                                          "on q/k/v/o"),
     ("gpt_oss", "swiglu_limit", 0, "swiglu_limit=0: config.json must give it as a number > 0"),
@@ -530,6 +528,54 @@ def test_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path):
         rewrite_weights(tmp_path, change)
         with pytest.raises(CheckpointError, match=re.escape(msg)):
             hf.WeightReader(str(tmp_path), False).check(m)
+
+
+def quantize_mxfp4(w):
+    """An expert tensor (E, C, R) as gpt-oss's MXFP4 folders hold it, by the format's rules
+    (OCP microscaling): along C, blocks of 32 e2m1 values (the nearest of FP4_VALUES) with
+    one e8m0 exponent (bias 127) each, two codes a byte, the low nibble first."""
+    from ctxpar.checkpoint.moe_families import FP4_VALUES
+    x = w.transpose(1, 2).reshape(w.shape[0], w.shape[2], -1, 32)         # (E, R, G, 32)
+    exp = torch.ceil(torch.log2(x.abs().amax(-1) / 6.0)).clamp(min=-126)  # (E, R, G)
+    codes = ((x / torch.exp2(exp)[..., None])[..., None] -
+             torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)  # (E, R, G, 32)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+
+def test_an_mxfp4_gpt_oss_folder_imports_transformers_dequantized_weights(tmp_path):
+    """A tiny gpt-oss folder with its experts in MXFP4 (quantized here by the format's
+    rules): ctxpar imports the bf16 values transformers' integrations/mxfp4.py gives them,
+    into its own layout; its logits are transformers' on those values; another
+    quantization is refused by name."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from ctxpar.checkpoint.moe_families import gpt_oss_from_hf
+    ref = tiny_family(tmp_path, "gpt_oss", tied=False)
+    packed = {}
+
+    def quantize(t):
+        for k in [k for k in t if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            blocks, scales = quantize_mxfp4(t.pop(k))
+            t[k + "_blocks"], t[k + "_scales"] = blocks, scales
+            packed[k] = convert_moe_packed_tensors(blocks, scales)     # transformers' bf16
+    rewrite_weights(tmp_path, quantize)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    model = ctxpar_from(tmp_path)
+    params = dict(model.named_parameters())
+    for k, want in packed.items():
+        got = params[k[len("model."):]]
+        assert torch.equal(got, gpt_oss_from_hf(k, want.float())), k
+    with torch.no_grad():  # transformers on the dequantized values: ctxpar's logits
+        state = {**ref.state_dict(), **{k: v.float() for k, v in packed.items()}}
+        ref.load_state_dict(state)
+        tokens = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(CheckpointError, match=r"quantization_config=\{'quant_method': 'fp8'\}: "
+                                              r"gpt-oss's MXFP4 experts are read"):
+        hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
 
 
 def test_a_bf16_folder_imports_its_weights_exactly(tmp_path):

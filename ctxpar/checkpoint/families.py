@@ -29,7 +29,8 @@ rest read from config.json:
                                        intermediate_size wide, top-k weights normalised)
     gpt_oss       GptOssForCausalLM    bias (q/k/v/o), attention_sinks; model.moe on every
                                        layer with a router bias, expert biases and the
-                                       clamped SwiGLU; layer_types of sliding and full
+                                       clamped SwiGLU; layer_types of sliding and full;
+                                       MXFP4 experts dequantized (moe_families.py)
     (qwen2 and qwen3 read their sliding layers too: use_sliding_window,
     max_window_layers, layer_types)
 
@@ -188,7 +189,7 @@ FAMILIES: Dict[str, Family] = {
         ("hidden_act", "silu"), default_theta=150_000.0,
         neutral={"attention_bias": (True, "ctxpar's gpt-oss has biases on q/k/v/o "
                                           "(model.bias)")},
-        own=("layer_types", "sliding_window", *MOE_KEYS["gpt_oss"]),
+        own=("layer_types", "sliding_window", "quantization_config", *MOE_KEYS["gpt_oss"]),
         moe_fixed={"shared_expert_hidden": 0, "norm_topk": True, "layers": None,
                    "router_bias": True, "expert_bias": True}),
 }

@@ -39,9 +39,9 @@ from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_I
 from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, hybrid_family_config,
                               linear_attention_fields, nemotron_block_types, nemotron_fields,
                               qwen3_5_rope)
-from .moe_families import (MOE_FAMILIES, assemble, assembled_shape, gpt_oss_from_hf,
-                           gpt_oss_key, gpt_oss_shape, moe_config, moe_fields,
-                           per_expert_sources, per_expert_tensors)
+from .moe_families import (MOE_FAMILIES, assemble, assembled_shape, dequantize_mxfp4,
+                           gpt_oss_from_hf, gpt_oss_key, gpt_oss_shape, moe_config, moe_fields,
+                           mxfp4_shape, mxfp4_sources, per_expert_sources, per_expert_tensors)
 from .names import to_hf
 from .resume import CheckpointError
 
@@ -420,6 +420,11 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
             refuse("qkv_bias", hf["qkv_bias"], "config.json must give it as a boolean")
     if name in MOE_FAMILIES:  # model.moe (moe_families.py)
         fields["moe"] = moe_fields(hf, name, refuse)
+    quant = hf.get("quantization_config")
+    if name == "gpt_oss" and quant and (not isinstance(quant, dict) or quant.get(
+            "quant_method") != "mxfp4"):  # MXFP4 experts are dequantized (WeightReader)
+        refuse("quantization_config", quant, "gpt-oss's MXFP4 experts are read; no other "
+                                             "quantization is implemented by ctxpar")
     if name == "nemotron_h":  # its layer count is its blocks'
         hf = {**hf, "num_hidden_layers": len(nemotron_block_types(hf, refuse))}
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -542,6 +547,7 @@ class WeightReader:
         self.model_type = read_raw_config(path).get("model_type") if is_hf_folder(path) \
             else None
         self._experts = per_expert_sources(self._where, self.model_type)
+        self._mxfp4 = mxfp4_sources(self._where, self.model_type)  # gpt-oss's quantized
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self._where))
             if lost:
@@ -565,6 +571,11 @@ class WeightReader:
         if key not in self._where and key in self._experts:
             self.used.update(k for part in self._experts[key] for k in part)
             return assemble(self._experts[key], lambda k: self._where[k].get_tensor(k))
+        if key not in self._where and key in self._mxfp4:  # dequantized as transformers does
+            blocks, scales = self._mxfp4[key]
+            self.used.update((blocks, scales))
+            return gpt_oss_from_hf(key, dequantize_mxfp4(self._where[blocks].get_tensor(blocks),
+                                                         self._where[scales].get_tensor(scales)))
         if key not in self._where:
             raise CheckpointError(f"{self.path}: no tensor {key!r} (for {gpt_name})")
         self.used.add(key)
@@ -590,6 +601,10 @@ class WeightReader:
                 taken.update(parts)
                 self._check_experts(key, parts, spec)
                 continue
+            if key not in self._where and key in self._mxfp4:
+                taken.update(self._mxfp4[key])
+                self._check_mxfp4(key, spec)
+                continue
             if key not in self._where:
                 why = (" (tie_word_embeddings is false: an untied model needs its head; set "
                        "tie_word_embeddings true in config.json if it is tied)"
@@ -612,6 +627,17 @@ class WeightReader:
             raise CheckpointError(f"{self.path}: tensor {extra[0]!r}{more} would not be used "
                                   f"by ctxpar's model of this config.json (another "
                                   f"architecture, or weights it does not implement)")
+
+    def _check_mxfp4(self, key, spec) -> None:
+        """An MXFP4 tensor's blocks and scales: uint8, shapes that dequantize to spec's."""
+        blocks, scales = (self._where[k].get_slice(k) for k in self._mxfp4[key])
+        b, s = tuple(blocks.get_shape()), tuple(scales.get_shape())
+        if len(b) != 4 or b[:-1] != s or mxfp4_shape(b) != gpt_oss_shape(key, spec.shape) \
+                or {blocks.get_dtype(), scales.get_dtype()} != {"U8"}:
+            raise CheckpointError(f"{self.path}: {key}_blocks {b} {blocks.get_dtype()} and "
+                                  f"_scales {s} {scales.get_dtype()} are not MXFP4 of "
+                                  f"{gpt_oss_shape(key, spec.shape)} (uint8 (E, R, G, 16) "
+                                  f"and (E, R, G))")
 
     def _check_experts(self, key, parts, spec) -> None:
         """A fused tensor's per-expert parts: one shape each, the fused shape, read dtypes."""
