@@ -190,6 +190,9 @@ FAMILIES: Dict[str, Family] = {
         neutral={"attention_bias": (True, "ctxpar's gpt-oss has biases on q/k/v/o "
                                           "(model.bias)")},
         own=("layer_types", "sliding_window", "quantization_config", *MOE_KEYS["gpt_oss"]),
+        # its released config.json's own names, read by no transformers gpt-oss code (it
+        # reads num_experts_per_tok and rope_scaling's original_max_position_embeddings)
+        inert=("experts_per_token", "initial_context_length"),
         moe_fixed={"shared_expert_hidden": 0, "norm_topk": True, "layers": None,
                    "router_bias": True, "expert_bias": True}),
 }
