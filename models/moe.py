@@ -5,6 +5,8 @@ Parameter for parameter as transformers' Qwen3-MoE / Qwen3-Next sparse blocks:
     gate.weight (E, d) [gate.bias (E,)]      the router (model.moe.router_bias: gpt-oss)
     experts.gate_up_proj (E, 2f, d)          each expert's [gate | up] rows (up only for
     experts.down_proj (E, d, f)              model.mlp 'gelu' / 'relu2')
+    experts.gate_up_proj_bias (E, 2f)        model.moe.expert_bias (gpt-oss)
+    experts.down_proj_bias (E, d)
     shared_expert.{gate,up,down}_proj        model.moe.shared_expert_hidden > 0
     shared_expert_gate.weight (1, d)         model.moe.shared_expert_gate
 
@@ -70,14 +72,32 @@ class Experts(nn.Module):
                      (f, f) if self.gated else None)
         mark_experts(self.down_proj, ep_rank, ep, 2 if split else None, (f,))  # one part:
         # the universal checkpoint's rule for a split past dim 1 (checkpoint/universal.py)
+        self.limit, self.alpha = cfg.moe.swiglu_limit, cfg.moe.swiglu_alpha
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if cfg.moe.expert_bias:  # [gate | up]'s split as its rows; down's whole on each TP
+            # rank, added once after the TP reduction (MoE._experts)
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(local, rows, device=device,
+                                                              dtype=dtype))
+            self.down_proj_bias = nn.Parameter(torch.empty(local, cfg.d_model, device=device,
+                                                           dtype=dtype))
+            mark_experts(self.gate_up_proj_bias, ep_rank, ep, 1 if split else None,
+                         (f, f) if self.gated else None)
+            mark_experts(self.down_proj_bias, ep_rank, ep, None)
+            for bias in (self.gate_up_proj_bias, self.down_proj_bias):
+                bias.stacked_bias = True  # one bias per expert: no weight decay
 
     def forward(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """rows (M, d) grouped by local expert, counts[i] for expert i -> (M, d), this TP
         rank's partial sums."""
         outs = []
+        bias = self.gate_up_proj_bias
         for i, piece in enumerate(rows.split(counts)):
-            h = F.linear(piece, self.gate_up_proj[i])             # (n, 2f/tp) or (n, f/tp)
-            if self.gated:
+            h = F.linear(piece, self.gate_up_proj[i], None if bias is None else bias[i])
+            if self.gated and self.limit is not None:  # gpt-oss's clamped SwiGLU
+                gate, up = h.chunk(2, dim=-1)                     # (n, f/tp) each
+                gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+                h = (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+            elif self.gated:
                 gate, up = h.chunk(2, dim=-1)
                 h = gate_activation(gate, self.kind) * up
             else:
@@ -109,8 +129,13 @@ class MoE(nn.Module):
 
     def _experts(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
         # every expert's f/tp partial sums completed over TP before the router weights them
-        return reduce_from_tensor_model_parallel_region(self.experts(rows, counts),
-                                                        self.tp_group)
+        out = reduce_from_tensor_model_parallel_region(self.experts(rows, counts),
+                                                       self.tp_group)
+        bias = self.experts.down_proj_bias                        # (E/ep, d)
+        if bias is not None:  # each row's expert's, once (after the sum over TP)
+            out = out + bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0,
+                                               output_size=out.shape[0])
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T/cp, d) normed -> (B, T/cp, d), complete (and identical) over TP.

@@ -52,12 +52,14 @@ def lr_lambda(cfg):
 
 
 def param_groups(model, weight_decay):
-    """No weight decay on norms and biases (1-D tensors), as in GPT-2/Megatron.
+    """No weight decay on norms and biases (1-D tensors, and the experts' (E, n) stacks of
+    biases, marked ``stacked_bias``), as in GPT-2/Megatron.
 
     Under ZeRO-3 a parameter is a flat partition: its true shape is ``ds_shape``.
     """
     def matrix(p):
-        return len(getattr(p, "ds_shape", p.shape)) >= 2
+        return len(getattr(p, "ds_shape", p.shape)) >= 2 and not getattr(p, "stacked_bias",
+                                                                          False)
 
     decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
     other = [p for p in model.parameters() if p.requires_grad and not matrix(p)]

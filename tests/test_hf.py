@@ -18,6 +18,7 @@ cannot represent ends train.py with exit 2 and one line.
 """
 import json
 import re
+from dataclasses import asdict, is_dataclass, replace
 import os
 import subprocess
 import sys
@@ -28,20 +29,21 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config,
-                          NemotronHConfig, OlmoHybridConfig, Qwen3Config,
-                          Qwen3_5TextConfig)
+                          GptOssConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MixtralConfig, NemotronHConfig, OlmoHybridConfig, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3_5TextConfig)
 
 from ctxpar.checkpoint import CheckpointError, hf, read_manifest  # noqa: E402
 from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
 from ctxpar.checkpoint.universal import full_weights, to_universal  # noqa: E402
 from ctxpar.checkpoint.weights import copy_full_weights_, resolve_checkpoint  # noqa: E402
 from ctxpar.config import ModelConfig  # noqa: E402
+from ctxpar.config.moe import MoEConfig  # noqa: E402
 from ctxpar.config.parameters import parameter_specs  # noqa: E402
 from ctxpar.data import PasskeyTask  # noqa: E402
 from ctxpar.distributed.parallel_state import free_port  # noqa: E402
 from models.gpt import GPT, rope_inv_freq  # noqa: E402
-from helpers.train_run import ROOT, losses, run_train  # noqa: E402
+from helpers.train_run import ROOT, losses, metric, run_train  # noqa: E402
 from helpers.warm_launch import run_warm  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -99,6 +101,30 @@ FAMILY_CONFIGS = {
                                            rope_parameters={"rope_type": "default",
                                                             "rope_theta": 5000.0},
                                            pad_token_id=None, eos_token_id=None)),
+    # Mixtures of experts: 8 experts (more than the runs' ranks), top 2 or 3, dense layers
+    # between (Qwen3-MoE's mlp_only_layers) or around (Qwen2-MoE's decoder_sparse_step)
+    # the MoE ones, transformers' load-balancing loss on (output_router_logits)
+    "qwen3_moe": (Qwen3MoeConfig, dict(num_hidden_layers=3, num_experts=8,
+                                       num_experts_per_tok=2, moe_intermediate_size=32,
+                                       norm_topk_prob=True, mlp_only_layers=[1],
+                                       output_router_logits=True, router_aux_loss_coef=0.02)),
+    "qwen2_moe": (Qwen2MoeConfig, dict(num_hidden_layers=3, num_experts=8,
+                                       num_experts_per_tok=3, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=40,
+                                       decoder_sparse_step=2, output_router_logits=True,
+                                       router_aux_loss_coef=0.02)),
+    "mixtral": (MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2,
+                                    output_router_logits=True, router_aux_loss_coef=0.02)),
+    # gpt-oss: a sliding (7) and a full layer, sinks, q/k/v/o biases, YaRN without
+    # truncation, router and expert biases, the clamped SwiGLU at a limit the tiny
+    # weights reach (0.3)
+    "gpt_oss": (GptOssConfig, dict(num_local_experts=8, num_experts_per_tok=3,
+                                   intermediate_size=32, swiglu_limit=0.3, sliding_window=7,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={**YARN, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "truncate": False,
+                                                    "rope_theta": 150000.0},
+                                   output_router_logits=True, router_aux_loss_coef=0.02)),
 }
 
 
@@ -175,7 +201,9 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
 @pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", False), ("qwen3", True),
                                          ("mistral", False), ("gemma3_text", True),
                                          ("qwen3_5_text", False), ("nemotron_h", False),
-                                         ("olmo_hybrid", False)])
+                                         ("olmo_hybrid", False), ("qwen3_moe", False),
+                                         ("qwen2_moe", True), ("mixtral", False),
+                                         ("gpt_oss", False)])
 def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
     ref = tiny_family(tmp_path / family, family, tied)
     model = ctxpar_from(tmp_path / family)
@@ -195,6 +223,8 @@ WINDOWED = {
     "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
     "qwen3": dict(use_sliding_window=True, sliding_window=9,
                   layer_types=["sliding_attention", "full_attention"]),
+    "mixtral": dict(sliding_window=7),
+    "qwen3_moe": dict(use_sliding_window=True, sliding_window=5),
     "gemma3_text": dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                         rope_parameters={"sliding_attention": {"rope_type": "default",
                                                                "rope_theta": 100.0},
@@ -208,7 +238,8 @@ def test_windowed_families_import_and_export_exactly(tmp_path, family):
     ref = tiny_family(tmp_path / family, family, tied=family != "mistral", **WINDOWED[family])
     model = ctxpar_from(tmp_path / family)
     m = model.cfg
-    want = {"mistral": (["sliding_attention"] * 2, 7), "qwen2": (
+    want = {"mistral": (["sliding_attention"] * 2, 7), "mixtral": (
+        ["sliding_attention"] * 2, 7), "qwen3_moe": (["sliding_attention"] * 3, 5), "qwen2": (
         ["full_attention", "sliding_attention"], 5), "qwen3": (
         ["sliding_attention", "full_attention"], 9), "gemma3_text": (
         ["sliding_attention", "full_attention"], 6)}[family]
@@ -265,8 +296,12 @@ def test_a_folder_relabelled_llama_is_refused(tmp_path, family, tensor):
 
 def family_json(family, **fields):
     """config.json of a small model of a family, as ctxpar exports it, fields changed."""
+    moe = FAMILIES[family].moe_fixed
     m = ModelConfig(vocab_size=96, d_model=64, n_heads=4, family=family,
                     **{k: v for k, v in FAMILIES[family].fixed.items()},
+                    **({} if moe is None else {"moe": MoEConfig(num_experts=8, **moe, **(
+                        {"shared_expert_hidden": 32} if family == "qwen2_moe" else
+                        {"swiglu_limit": 7.0} if family == "gpt_oss" else {}))}),
                     **({"n_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
                        if family in ("qwen3_5_text", "olmo_hybrid") else {}),
                     **({"n_layers": 2, "layer_types": ["mamba", "attention"]}
@@ -335,6 +370,33 @@ def family_json(family, **fields):
                                             "without o_proj's"),
     ("olmo_hybrid", "linear_allow_neg_eigval", 1, "linear_allow_neg_eigval=1: config.json "
                                                   "must give it as true or false"),
+    # mixtures of experts: relabelled dense (its architecture; without it, its experts),
+    # and what their MoE layers in ctxpar do not have
+    ("qwen3_moe", "model_type", "qwen3", "architectures=['Qwen3MoeForCausalLM']: ctxpar "
+                                        "imports Qwen3ForCausalLM"),
+    ("mixtral", "model_type", "mistral", "num_experts_per_tok=2: mixture of experts is not "
+                                         "implemented by ctxpar"),
+    ("qwen3_moe", "attention_bias", True, "attention_bias=True: Qwen3-MoE's biases are on "
+                                          "o_proj too"),
+    ("qwen3_moe", "num_experts_per_tok", 9, "num_experts_per_tok=9: more than "
+                                            "num_experts=8"),
+    ("qwen3_moe", "mlp_only_layers", "all", "mlp_only_layers='all': a list of layer indices"),
+    ("qwen3_moe", "n_shared_experts", 1, "n_shared_experts=1: a config field ctxpar does not "
+                                         "know for model_type 'qwen3_moe'"),
+    ("qwen2_moe", "use_sliding_window", True, "use_sliding_window=True: Qwen2-MoE's sliding "
+                                              "layers"),
+    ("qwen2_moe", "num_local_experts", 4, "num_local_experts=4: num_experts=8 names the same "
+                                          "count"),
+    ("qwen2_moe", "shared_expert_intermediate_size", 0, "shared_expert_intermediate_size=0: "
+                                                        "config.json must give it as an "
+                                                        "integer >= 1"),
+    ("mixtral", "router_jitter_noise", 0.1, "router_jitter_noise=0.1: ctxpar's router "
+                                            "multiplies no noise"),
+    ("mixtral", "quantization_config", {"quant_method": "fp8"}, "quantization_config="
+     "{'quant_method': 'fp8'}: quantized weights is not implemented"),
+    ("gpt_oss", "attention_bias", False, "attention_bias=False: ctxpar's gpt-oss has biases "
+                                         "on q/k/v/o"),
+    ("gpt_oss", "swiglu_limit", 0, "swiglu_limit=0: config.json must give it as a number > 0"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -347,8 +409,9 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
     if field == "hybrid_override_pattern":  # the older form, in place of the list
         window = {"layers_block_type": None}
     config = family_json(family, **{**window, field: value})
-    if "linear_conv_kernel_dim" in msg:  # relabelled whole: architectures too
-        config["architectures"] = ["Qwen3ForCausalLM"]
+    if "linear_conv_kernel_dim" in msg or "num_experts_per_tok=2" in msg:  # relabelled
+        # whole: architectures too
+        config["architectures"] = [FAMILIES[value].architecture]
     if "linear_allow_neg_eigval=False" in msg:
         config["architectures"] = ["Qwen3_5ForCausalLM"]
     if family == "gemma3_text" and field == "sliding_window":
@@ -376,6 +439,24 @@ def test_models_no_family_holds_are_refused_at_export():
         hf.family_config(ModelConfig(n_layers=2, layer_types=["linear_attention", "mamba"],
                                      family="qwen3_5_text", qk_norm=True, norm_offset=1.0,
                                      attention_output_gate=True))
+    moe = MoEConfig(num_experts=4, top_k=2)
+    for family, m, msg in [
+        ("llama", {}, "model.moe is set: LlamaForCausalLM has no experts"),
+        ("qwen2_moe", {"attention_bias": True}, "model.moe.shared_expert_gate=False cannot be "
+                                                "exported as Qwen2MoeForCausalLM"),
+        ("mixtral", {"moe": replace(moe, layers=[1])}, "model.moe.layers=[1] cannot be "
+                                                       "exported as MixtralForCausalLM"),
+        ("qwen3_moe", {"qk_norm": True, "moe": replace(moe, score="sigmoid")},
+         "model.moe.score='sigmoid' cannot be exported as Qwen3MoeForCausalLM"),
+        ("qwen3_moe", {"qk_norm": True, "moe": None}, "model.moe=None cannot be exported"),
+    ]:
+        with pytest.raises(CheckpointError, match=re.escape(msg)):
+            hf.family_config(ModelConfig(**{"n_layers": 2, "moe": moe, "family": family, **m}))
+    # a mixture of experts with q/k norms is a Qwen3-MoE, with a gated shared expert a
+    # Qwen2-MoE, else a Mixtral
+    for m, family in [({"qk_norm": True}, "qwen3_moe"), ({"attention_bias": True, "moe": replace(
+            moe, shared_expert_hidden=8, shared_expert_gate=True)}, "qwen2_moe"), ({}, "mixtral")]:
+        assert hf.family_config(ModelConfig(**{"moe": moe, **m}))["model_type"] == family
     # a plain GPT is a Llama; q/k/v biases make it a Qwen2, q/k norms a Qwen3, gated
     # attention with (1 + w) norms a Qwen3.5
     assert hf.family_config(ModelConfig())["architectures"] == ["LlamaForCausalLM"]
@@ -439,6 +520,88 @@ def test_weights_ctxpar_cannot_use_are_refused_from_the_headers(tmp_path, proble
     assert msg in str(e.value), str(e.value)
 
 
+@pytest.mark.quick
+def test_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path):
+    """transformers 5.x saves the experts per expert (mlp.experts.{j}.gate_proj ...) and
+    holds them fused (mlp.experts.gate_up_proj (E, 2f, d)): a folder of either form gives
+    the same model; both at once, a missing expert or one of another width is refused."""
+    ref = tiny_family(tmp_path, "qwen3_moe", tied=False)
+    tokens = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(tokens).logits
+    fused = {k: v for k, v in ref.state_dict().items() if ".experts." in k}
+
+    def to_fused(t):  # the per-expert tensors replaced by the state dict's fused ones
+        for k in [k for k in t if ".experts." in k]:
+            del t[k]
+        t.update(fused)
+    rewrite_weights(tmp_path, to_fused)
+    with torch.no_grad():
+        torch.testing.assert_close(ctxpar_from(tmp_path)(tokens, torch.arange(32)), want, **TOL)
+    ref.save_pretrained(tmp_path)  # per expert again
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    up = "model.layers.2.mlp.experts.7.up_proj.weight"
+    for change, msg in [
+        (lambda t: t.update(fused), "tensor 'model.layers.0.mlp.experts.0.down_proj.weight' "
+                                    "and 47 more would not be used"),
+        (lambda t: t.pop(up), "model.layers.2.mlp.experts.gate_up_proj's per-expert tensors "
+                              "(model.layers.2.mlp.experts.0.gate_proj.weight ...) differ"),
+        (lambda t: t.update({up: t[up][:16]}), "differ in shape or count"),
+    ]:
+        ref.save_pretrained(tmp_path)
+        rewrite_weights(tmp_path, change)
+        with pytest.raises(CheckpointError, match=re.escape(msg)):
+            hf.WeightReader(str(tmp_path), False).check(m)
+
+
+def quantize_mxfp4(w):
+    """An expert tensor (E, C, R) as gpt-oss's MXFP4 folders hold it, by the format's rules
+    (OCP microscaling): along C, blocks of 32 e2m1 values (the nearest of FP4_VALUES) with
+    one e8m0 exponent (bias 127) each, two codes a byte, the low nibble first."""
+    from ctxpar.checkpoint.moe_families import FP4_VALUES
+    x = w.transpose(1, 2).reshape(w.shape[0], w.shape[2], -1, 32)         # (E, R, G, 32)
+    exp = torch.ceil(torch.log2(x.abs().amax(-1) / 6.0)).clamp(min=-126)  # (E, R, G)
+    codes = ((x / torch.exp2(exp)[..., None])[..., None] -
+             torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)  # (E, R, G, 32)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+
+def test_an_mxfp4_gpt_oss_folder_imports_transformers_dequantized_weights(tmp_path):
+    """A tiny gpt-oss folder with its experts in MXFP4 (quantized here by the format's
+    rules): ctxpar imports the bf16 values transformers' integrations/mxfp4.py gives them,
+    into its own layout; its logits are transformers' on those values; another
+    quantization is refused by name."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from ctxpar.checkpoint.moe_families import gpt_oss_from_hf
+    ref = tiny_family(tmp_path, "gpt_oss", tied=False)
+    packed = {}
+
+    def quantize(t):
+        for k in [k for k in t if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            blocks, scales = quantize_mxfp4(t.pop(k))
+            t[k + "_blocks"], t[k + "_scales"] = blocks, scales
+            packed[k] = convert_moe_packed_tensors(blocks, scales)     # transformers' bf16
+    rewrite_weights(tmp_path, quantize)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    model = ctxpar_from(tmp_path)
+    params = dict(model.named_parameters())
+    for k, want in packed.items():
+        got = params[k[len("model."):]]
+        assert torch.equal(got, gpt_oss_from_hf(k, want.float())), k
+    with torch.no_grad():  # transformers on the dequantized values: ctxpar's logits
+        state = {**ref.state_dict(), **{k: v.float() for k, v in packed.items()}}
+        ref.load_state_dict(state)
+        tokens = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(CheckpointError, match=r"quantization_config=\{'quant_method': 'fp8'\}: "
+                                              r"gpt-oss's MXFP4 experts are read"):
+        hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
+
+
 def test_a_bf16_folder_imports_its_weights_exactly(tmp_path):
     ref = tiny_family(tmp_path / "fp32", "qwen3", tied=False)
     ref.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
@@ -459,18 +622,26 @@ def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
         torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
 
 
-def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys):
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe"])
+def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, family):
     import yaml
     from ctxpar.config import config_from_dict
     from tools.convert_checkpoint import main as convert
-    tiny_family(tmp_path, "gemma3_text", tied=True, vocab_size=256)
+    tiny_family(tmp_path, family, tied=True, vocab_size=256)
     assert convert([str(tmp_path), "--model-config"]) == 0
     section = yaml.safe_load(capsys.readouterr().out)
     cfg = config_from_dict(section)  # validated like any config
-    assert cfg.model.family == "gemma3_text" and cfg.model.norm_offset == 1.0
-    assert cfg.model.init_from == str(tmp_path)
+    assert cfg.model.family == family and cfg.model.init_from == str(tmp_path)
+    if family == "gemma3_text":
+        assert cfg.model.norm_offset == 1.0
+    else:  # model.moe a section of its own; a router loss weight may differ from the folder's
+        assert cfg.model.moe == MoEConfig(8, 3, 32, [1], shared_expert_hidden=40,
+                                          shared_expert_gate=True, norm_topk=False,
+                                          aux_loss_coef=0.02)
+        cfg.model.moe.aux_loss_coef = 0.001
     fields = hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
-    assert hf.check_matches(cfg.model, fields, str(tmp_path)) == {}
+    assert hf.check_matches(cfg.model, fields, str(tmp_path)) == (
+        {} if family == "gemma3_text" else {"moe.aux_loss_coef": (0.02, 0.001)})
 
 
 def test_init_from_checks_the_architecture(tmp_path):
@@ -581,6 +752,12 @@ def passkey_loss(model, n_samples=16, seq_len=128):
     x = torch.from_numpy(np.stack([p[0] for p in pairs]))
     y = torch.from_numpy(np.stack([p[1] for p in pairs]))
     with torch.no_grad():
+        if getattr(model.config, "output_router_logits", False):
+            # transformers' MoE *ForCausalLM.forward (Qwen3MoeForCausalLM's, Mixtral's):
+            # loss = its causal-LM loss + router_aux_loss_coef x load_balancing_loss_func
+            # over the router logits of every MoE layer and all 16 x 128 tokens (no mask);
+            # shift_labels: y is already the next token
+            return model(x, labels=y, shift_labels=y).loss.item()
         logits = model(x).logits.float()
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(),
                                              ignore_index=-100).item()
@@ -649,7 +826,8 @@ def test_train_py_from_a_qwen2_folder_and_back(tmp_path):
 
 @pytest.mark.parametrize("problem", ["a config field", "untied without lm_head",
                                      "a shard named in the index but absent",
-                                     "a family that cannot hold the model"])
+                                     "a family that cannot hold the model",
+                                     "a mixture of experts relabelled dense"])
 def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, problem):
     """One line and exit 2 from check_inputs, before any process group or model exists
     (one process: under torchrun the first rank's exit makes the launcher stop the others,
@@ -665,6 +843,13 @@ def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, pro
     if problem == "a config field":
         tiny_llama(tmp_path / "llama", vocab_size=256, attention_bias=True)
         msg = "attention_bias=True: with mlp_bias=False: ctxpar's model.bias puts biases"
+    elif problem == "a mixture of experts relabelled dense":  # Mixtral as a Mistral
+        tiny_family(tmp_path / "llama", "mixtral", tied=False, vocab_size=256,
+                    intermediate_size=192, head_dim=16)
+        config = json.loads((tmp_path / "llama" / "config.json").read_text())
+        (tmp_path / "llama" / "config.json").write_text(json.dumps(
+            {**config, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+        msg = "num_experts_per_tok=2: mixture of experts is not implemented by ctxpar"
     else:
         tiny_family(tmp_path / "llama", "llama", tied=False, vocab_size=256,
                     intermediate_size=192, head_dim=16)
@@ -683,16 +868,21 @@ def folder_sets(path):
     """--set model.K=V for every architecture field of a folder (what --model-config
     prints), seq_len aside: the run keeps its own."""
     fields = hf.model_fields(hf.read_config(str(path)), str(path))
-    return [f"model.{k}={json.dumps(v)}" for k, v in fields.items()
+    return [f"model.{k}={json.dumps(asdict(v) if is_dataclass(v) else v)}"
+            for k, v in fields.items()
             if k not in ("seq_len", "init_std", "family")]
 
 
 def assert_first_loss_is_the_references(run, ref, **kw):
     """Step 1's loss is computed before any update: the imported model's loss on the batch,
     which transformers' model `ref` computes too (fp32: the parallel reduction orders
-    differ only, hence 1e-5)."""
+    differ only, hence 1e-5). A mixture of experts with output_router_logits: the token
+    loss plus router_aux_loss_coef x the load-balancing loss of the batch (the run's
+    moe_aux_loss, unweighted), as transformers' loss has it (passkey_loss)."""
     want = passkey_loss(ref, **kw)
     got = losses(str(run))[1]
+    if getattr(ref.config, "output_router_logits", False):
+        got += ref.config.router_aux_loss_coef * metric(str(run), "moe_aux_loss")[1]
     assert abs(got - want) <= 1e-5 * want, (got, want)
 
 
@@ -835,20 +1025,32 @@ HYBRID_LAYOUTS = {
     "cp2-heads": ["parallel.cp=2", "parallel.linear_cp=heads", "parallel.cp_comm=ulysses"],
     "tp2-cp2": ["parallel.tp=2", "parallel.cp=2"],
     "cp2-pp2": ["parallel.cp=2", "parallel.pp=2"],
+    "cp2-zigzag": ["parallel.cp=2", "parallel.layout=zigzag"],
 }
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIGS' sizes
+# the hybrids on every layout their linear layers run on; the mixtures of experts at cp2
+# and tp2 x cp2 (cp2 x pp2 is refused for them: the routers' losses across stages)
+FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:4]] + [
+    (f, layout) for f in MOE_FAMILIES for layout in ("cp2-zigzag", "tp2-cp2")]
 
 
-@pytest.mark.parametrize("family", list(HYBRIDS))
-@pytest.mark.parametrize("layout", list(HYBRID_LAYOUTS))
-def test_train_py_from_a_hybrid_folder_and_back(tmp_path, family, layout):
+@pytest.mark.parametrize("family,layout", FOLDER_RUNS)
+def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout):
     """train.py's step-1 loss from a Qwen3.5 or Nemotron-H folder equals transformers' on
     every layout the linear layers run on; the export (gathered over TP and the
     pipeline's stages) reloads in transformers with ctxpar's logits and the folder's
     weights one step on. At cp2 state passing, the CPU demo of a context extension: twice
     the folder's 128 positions (Qwen3.5's attention layers with YaRN x2, Nemotron-H's
-    NoPE unchanged), and generate.py continues as transformers' greedy generate."""
+    NoPE unchanged), and generate.py continues as transformers' greedy generate. The
+    mixtures of experts likewise at cp2 (generate.py too) and tp2 x cp2 (the experts'
+    widths gathered over TP), their step-1 loss with transformers' load-balancing loss."""
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
-    ref = tiny_family(folder, family, tied=False, **HYBRIDS[family])
+    ref = tiny_family(folder, family, tied=False,
+                      **HYBRIDS.get(family, dict(vocab_size=256, intermediate_size=192)))
+    if family in MOE_FAMILIES:  # the whole batch in one micro-batch, as transformers'
+        # load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
+        # rank, models/moe_steps.py)
+        sets = [*sets, "train.micro_batch_size=16"]
     tok = save_word_tokenizer(folder)
     extend = "parallel.linear_cp=state" in sets
     yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}
@@ -870,7 +1072,9 @@ def test_train_py_from_a_hybrid_folder_and_back(tmp_path, family, layout):
     if "parallel.cp_comm=ulysses" in sets:
         return  # one export is enough for the layouts that split the model's tensors
     exported, back = export_and_reload(run, tmp_path / "exported")
-    assert type(exported) is type(ref) and exported.config.layer_types == ref.config.layer_types
+    assert type(exported) is type(ref)
+    if family in HYBRIDS:
+        assert exported.config.layer_types == ref.config.layer_types
     # one warm-up step moves a weight by at most lr_1 = 3e-3 / 20 (Adam's first step is
     # lr x sign): a fused [q | k | v] or [z | ...] gathered in the wrong order over TP or
     # stages would move it by the weights' own scale (~0.02-0.3)
@@ -881,7 +1085,7 @@ def test_train_py_from_a_hybrid_folder_and_back(tmp_path, family, layout):
     with torch.no_grad():
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits,
                                    **TOL)
-    if "parallel.linear_cp=state" in sets:  # generate.py at cp2: transformers' greedy
+    if extend or layout == "cp2-zigzag":  # generate.py at cp2: transformers' greedy
         prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": ROOT}

@@ -69,6 +69,43 @@ def test_moe_layer_equals_transformers(family):
         torch.testing.assert_close(a, b, **TOL, msg=name)
 
 
+def test_gpt_oss_experts_equal_transformers_and_their_biases_do_not_decay():
+    """gpt-oss's MLP (router bias, softmax over the top-k logits, expert biases, the
+    clamped SwiGLU reached by the weights, [gate | up] interleaved and transposed in its
+    tensors: checkpoint/moe_families.py): output and every gradient; the (E, n) bias
+    stacks join the norms and biases without weight decay."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    from ctxpar.checkpoint.moe_families import gpt_oss_from_hf
+    from models.training import param_groups
+    torch.manual_seed(0)
+    theirs = GptOssMLP(GptOssConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=3,
+                                    intermediate_size=24, swiglu_limit=0.5))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2)
+    ours = MoE(_moe_cfg(top_k=3, router_bias=True, expert_bias=True, swiglu_limit=0.5))
+    names = {"router.weight": "gate.weight", "router.bias": "gate.bias"}
+    mine = dict(ours.named_parameters())
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            mine[names.get(name, name)].copy_(gpt_oss_from_hf(name, p))
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    dy = torch.randn(2, 16, 32)
+    want = theirs(x)[0]
+    gx_want, *g_want = torch.autograd.grad(want, [x, *theirs.parameters()], dy)
+    got = ours(x)
+    gx, *g = torch.autograd.grad(got, [x, *(mine[names.get(n, n)]
+                                            for n, _ in theirs.named_parameters())], dy)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(gx, gx_want, **TOL)
+    for (name, _), a, b in zip(theirs.named_parameters(), g, g_want):
+        torch.testing.assert_close(a, gpt_oss_from_hf(name, b), **TOL, msg=name)
+    no_decay = {id(p) for p in param_groups(ours, 0.1)[1]["params"]}
+    assert {n for n, p in ours.named_parameters() if id(p) in no_decay} == {
+        "gate.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias"}
+
+
 def test_router_losses_equal_transformers_load_balancing_loss():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
     g = torch.Generator().manual_seed(1)
@@ -238,6 +275,8 @@ def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_pa
     ({"moe": {"layers": [0, 5]}, "n_layers": 4}, {}, "model.moe.layers=[0, 5] must be"),
     ({"moe": {"num_experts": 8}}, {"ep": 2, "cp": 2}, "not built with parallel.ep=2"),
     ({"moe": {"num_experts": 8}}, {"pp": 2, "cp": 2}, "not built with parallel.pp=2"),
+    ({"moe": {"swiglu_limit": 7.0}, "mlp": "gelu"}, {}, "model.moe.swiglu_limit=7.0 needs "
+                                                        "model.mlp='swiglu'"),
 ])
 def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},

@@ -22,6 +22,7 @@ hold, a config field or tensor ctxpar cannot represent, a missing path).
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, is_dataclass
 import os
 import sys
 
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
             fields = hf.model_fields(hf.read_config(args.path), args.path)
             m = ModelConfig(**fields)
             hf.WeightReader(args.path, m.tie_embeddings, hf.naming_of(m)).check(m)
-            fields = {**{k: v for k, v in fields.items() if k != "init_std"},
+            fields = {**{k: asdict(v) if is_dataclass(v) else v  # model.moe: a section
+                         for k, v in fields.items() if k != "init_std"},
                       "init_from": args.path}
             print(yaml.safe_dump({"model": fields}, sort_keys=False), end="")
             return 0

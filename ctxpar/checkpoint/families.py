@@ -23,6 +23,19 @@ rest read from config.json:
                                        attention blocks), the Gated DeltaNet's norm eps
                                        1e-5; layer_types, linear_*, beta in [0, 2] or
                                        not, RoPE or NoPE (olmo_hybrid.py)
+    qwen3_moe     Qwen3MoeForCausalLM  qwen3's, with model.moe (moe_families.py): softmax
+                                       router, SwiGLU experts, MoE layers from
+                                       decoder_sparse_step / mlp_only_layers; a window on
+                                       every layer or none
+    qwen2_moe     Qwen2MoeForCausalLM  qwen2's (q/k/v biases from qkv_bias), with model.moe
+                                       and its shared expert behind a sigmoid gate; no
+                                       sliding layers
+    mixtral       MixtralForCausalLM   mistral's, with model.moe on every layer (experts
+                                       intermediate_size wide, top-k weights normalised)
+    gpt_oss       GptOssForCausalLM    bias (q/k/v/o), attention_sinks; model.moe on every
+                                       layer with a router bias, expert biases and the
+                                       clamped SwiGLU; layer_types of sliding and full;
+                                       MXFP4 experts dequantized (moe_families.py)
     (qwen2 and qwen3 read their sliding layers too: use_sliding_window,
     max_window_layers, layer_types)
 
@@ -34,10 +47,11 @@ config.json from model.* and refuses a model the family cannot hold.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..config.sections import HF_FAMILIES
 from .linear_families import LINEAR_ATTENTION_KEYS, NEMOTRON_ALIASES, NEMOTRON_MAMBA_KEYS
+from .moe_families import MOE_KEYS
 from .olmo_hybrid import INIT_KEYS, NEG_EIGVAL
 
 # model.* fields a family fixes (Llama leaves bias free), so the family of a ModelConfig
@@ -92,6 +106,9 @@ class Family:
     # config.json keys the family always writes that compute nothing in the models ctxpar
     # takes (Nemotron-H's MoE and multi-token-prediction settings without such blocks)
     inert: Tuple[str, ...] = ()
+    # model.moe.* values a mixture-of-experts family always has (None: a dense family,
+    # which holds no model.moe)
+    moe_fixed: Optional[Dict[str, Any]] = None
 
 
 FAMILIES: Dict[str, Family] = {
@@ -163,6 +180,40 @@ FAMILIES: Dict[str, Family] = {
                                            "biases on every layer (MLP too)")},
         own=("layer_types", NEG_EIGVAL, *LINEAR_ATTENTION_KEYS),
         inert=INIT_KEYS),
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM", {**ARCH_DEFAULTS, "qk_norm": True}, ("hidden_act", "silu"),
+        neutral={"attention_bias": (False, "Qwen3-MoE's biases are on o_proj too: ctxpar "
+                                           "has q/k/v biases without o_proj's")},
+        own=("use_sliding_window", "sliding_window", *MOE_KEYS["qwen3_moe"]),
+        inert=("max_window_layers",),  # written by its folders, read by no Qwen3-MoE code
+        moe_fixed={"shared_expert_hidden": 0}),
+    "qwen2_moe": Family(
+        "Qwen2MoeForCausalLM", {k: v for k, v in ARCH_DEFAULTS.items()
+                                if k != "attention_bias"}, ("hidden_act", "silu"),
+        neutral={"use_sliding_window": (False, "Qwen2-MoE's sliding layers (every other "
+                                               "layer below max_window_layers) are not "
+                                               "read by ctxpar")},
+        own=("qkv_bias", "layer_types", *MOE_KEYS["qwen2_moe"]),
+        inert=("sliding_window", "max_window_layers"),  # read only with use_sliding_window
+        moe_fixed={"shared_expert_gate": True}),
+    "mixtral": Family(
+        "MixtralForCausalLM", dict(ARCH_DEFAULTS), ("hidden_act", "silu"),
+        default_theta=1_000_000.0,
+        neutral={"router_jitter_noise": (0.0, "ctxpar's router multiplies no noise into "
+                                              "its input")},
+        own=("sliding_window", *MOE_KEYS["mixtral"]),
+        moe_fixed={"shared_expert_hidden": 0, "norm_topk": True, "layers": None}),
+    "gpt_oss": Family(
+        "GptOssForCausalLM", {**ARCH_DEFAULTS, "bias": True, "attention_sinks": True},
+        ("hidden_act", "silu"), default_theta=150_000.0,
+        neutral={"attention_bias": (True, "ctxpar's gpt-oss has biases on q/k/v/o "
+                                          "(model.bias)")},
+        own=("layer_types", "sliding_window", "quantization_config", *MOE_KEYS["gpt_oss"]),
+        # its released config.json's own names, read by no transformers gpt-oss code (it
+        # reads num_experts_per_tok and rope_scaling's original_max_position_embeddings)
+        inert=("experts_per_token", "initial_context_length"),
+        moe_fixed={"shared_expert_hidden": 0, "norm_topk": True, "layers": None,
+                   "router_bias": True, "expert_bias": True}),
 }
 assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
 
@@ -194,6 +245,13 @@ def family_of(m) -> str:
     if m.family is not None:
         return m.family
     for name, fam in FAMILIES.items():
-        if all(getattr(m, k) == v for k, v in fam.fixed.items()):
+        if all(getattr(m, k) == v for k, v in fam.fixed.items()) and moe_held(m, fam):
             return name
     raise KeyError("no Hugging Face family")
+
+
+def moe_held(m, fam: Family) -> bool:
+    """A dense family for a dense model; a MoE family for model.moe with its fixed values."""
+    if fam.moe_fixed is None or m.moe is None:
+        return fam.moe_fixed is None and m.moe is None
+    return all(getattr(m.moe, k) == v for k, v in fam.moe_fixed.items())

@@ -1,6 +1,7 @@
 """Hugging Face folders <-> ctxpar: config.json fields and the weights in safetensors.
 
-A family (families.py: Llama, Qwen2, Qwen3, Mistral, Gemma 3) is ctxpar's GPT with some
+A family (families.py: Llama, Qwen2, Qwen3, Mistral, Gemma 3, the hybrids of
+linear_families.py, the mixtures of experts of moe_families.py) is ctxpar's GPT with some
 fields fixed; the rest map one to one, both ways:
 
     ctxpar model.*      config.json                 ctxpar model.*     config.json
@@ -34,10 +35,13 @@ from ..config import (ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig,
 from ..config.layers import ATTENTION_TYPES, layer_types
 from ..config.parameters import parameter_specs
 from .families import (ARCH_DEFAULTS, FAMILIES, IGNORED_KEYS, MAPPED_KEYS, NOT_IMPLEMENTED,
-                       WRAPPERS, family_of)
+                       WRAPPERS, family_of, moe_held)
 from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, hybrid_family_config,
                               linear_attention_fields, nemotron_block_types, nemotron_fields,
                               qwen3_5_rope)
+from .moe_families import (MOE_FAMILIES, assemble, assembled_shape, dequantize_mxfp4,
+                           gpt_oss_from_hf, gpt_oss_key, gpt_oss_shape, moe_config, moe_fields,
+                           mxfp4_shape, mxfp4_sources, per_expert_sources, per_expert_tensors)
 from .names import to_hf
 from .olmo_hybrid import olmo_hybrid_config, olmo_hybrid_fields, part_rows, saved_tensors, \
     tensor_sources
@@ -86,9 +90,7 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         raise CheckpointError(f"no Hugging Face family holds this model ({fields}); the "
                               f"families: {', '.join(FAMILIES)} (docs/checkpoints.md)") from None
     fam = FAMILIES[name]
-    if m.moe is not None:
-        raise CheckpointError(f"model.moe cannot be exported as {fam.architecture} (no "
-                              f"mixture-of-experts family is exported yet)")
+    _check_moe_held(m, name)
     for key, want in fam.fixed.items():
         if getattr(m, key) != want:
             raise CheckpointError(f"model.{key}={getattr(m, key)!r} cannot be exported as "
@@ -119,10 +121,24 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         cfg.update(use_sliding_window=sliding, sliding_window=m.sliding_window,
                    layer_types=types, max_window_layers=(
                        types.index("sliding_attention") if sliding else m.n_layers))
-    if name == "qwen3":
+    if name in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
-    if name == "mistral":
+    if name in ("mistral", "mixtral"):
         cfg["sliding_window"] = m.sliding_window if sliding else None
+    if name in MOE_FAMILIES:  # model.moe (moe_families.py); Qwen3-MoE's window on every
+        # layer or none, Qwen2-MoE's none, its q/k/v biases from qkv_bias
+        def refuse(what):
+            raise CheckpointError(f"{what} cannot be exported as {fam.architecture}")
+        cfg.update(moe_config(m, name, refuse, source))
+        if name == "qwen3_moe":
+            cfg.update(use_sliding_window=sliding,
+                       sliding_window=m.sliding_window if sliding else None)
+        if name == "qwen2_moe":
+            cfg.update(qkv_bias=m.attention_bias, use_sliding_window=False,
+                       sliding_window=None, layer_types=types)
+        if name == "gpt_oss":  # its alternating windows; biases on q/k/v/o
+            cfg.update(layer_types=types, attention_bias=True,
+                       sliding_window=m.sliding_window if sliding else None)
     if name in ("nemotron_h", "qwen3_5_text"):  # the hybrids' layers (linear_families.py)
         hybrid_family_config(cfg, m, name, types)
     if name == "olmo_hybrid":  # its layers and RoPE or NoPE (olmo_hybrid.py)
@@ -149,6 +165,22 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
     return cfg
 
 
+def _check_moe_held(m, name: str) -> None:
+    """model.moe exported by a MoE family only, with the values it fixes."""
+    fam = FAMILIES[name]
+    if moe_held(m, fam):
+        return
+    if fam.moe_fixed is None:
+        raise CheckpointError(f"model.moe is set: {fam.architecture} has no experts (the "
+                              f"mixture-of-experts families: {', '.join(MOE_FAMILIES)})")
+    if m.moe is None:
+        raise CheckpointError(f"model.moe=None cannot be exported as {fam.architecture} (a "
+                              f"mixture-of-experts family)")
+    key, want = next((k, v) for k, v in fam.moe_fixed.items() if getattr(m.moe, k) != v)
+    raise CheckpointError(f"model.moe.{key}={getattr(m.moe, key)!r} cannot be exported as "
+                          f"{fam.architecture} ({name} has {key}={want!r})")
+
+
 def _exported_layer_types(m, name: str, architecture: str) -> list:
     """Each layer's type as the family writes it; refuses the attention kinds it cannot
     hold (chunks and sinks: none of them; mixed layers: Llama and Mistral; RoPE per layer
@@ -157,7 +189,7 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
 
     def refuse(what):
         raise CheckpointError(f"{what} cannot be exported as {architecture}")
-    if m.attention_sinks:
+    if m.attention_sinks and name != "gpt_oss":
         refuse("model.attention_sinks=true")
     if name in ("qwen3_5_text", "olmo_hybrid"):  # Gated DeltaNet and full attention only
         if set(types) - set(HYBRID_LAYER_TYPES) or (
@@ -181,11 +213,14 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
                f"single-op blocks: Qwen3.5's layer_types hold Gated DeltaNet)")
     if "chunked_attention" in types:
         refuse(f"model.layer_types={types} (chunked attention)")
-    if name == "llama" and "sliding_attention" in types:
+    if name in ("llama", "qwen2_moe") and "sliding_attention" in types:
         refuse(f"model.sliding_window={m.sliding_window} (Llama has no window; Mistral, "
-               f"Qwen and Gemma 3 do)")
-    if name == "mistral" and len(set(types)) > 1:
-        refuse(f"model.layer_types={types} (Mistral's window is on every layer or none)")
+               f"Qwen and Gemma 3 do)" if name == "llama" else
+               f"model.sliding_window={m.sliding_window} (ctxpar writes Qwen2-MoE without "
+               f"sliding layers; Mixtral and Qwen3-MoE have a window)")
+    if name in ("mistral", "mixtral", "qwen3_moe") and len(set(types)) > 1:
+        refuse(f"model.layer_types={types} ({FAMILIES[name].architecture[:-11]}'s window is "
+               f"on every layer or none)")
     allowed = {"sliding_attention"} if name == "gemma3_text" else set()
     if set(m.layer_rope or {}) - allowed:
         refuse(f"model.layer_rope={m.layer_rope} (RoPE per layer type: Gemma 3's sliding "
@@ -294,10 +329,22 @@ def _attention_kinds(hf: Dict[str, Any], file: str, refuse) -> Dict[str, Any]:
     sliding_window_pattern-th layer sliding, those with their own RoPE (rope_parameters'
     sliding_attention, else rope_local_base_freq)."""
     name, n, types = hf["model_type"], hf["num_hidden_layers"], hf.get("layer_types")
-    if name == "mistral":
-        window = hf.get("sliding_window")
+    if name in ("mistral", "mixtral", "qwen3_moe"):  # every layer (Qwen3-MoE: when
+        # use_sliding_window, as its config class reads it) or none
+        window = hf.get("sliding_window") if name != "qwen3_moe" or \
+            hf.get("use_sliding_window") else None
         return {} if window is None else {"sliding_window": window}
-    if name == "gemma3_text":
+    if name == "qwen2_moe":  # use_sliding_window is false (families.py): full attention
+        if types is not None and types != ["full_attention"] * n:
+            refuse("layer_types", types, f"Qwen2-MoE's layers are full attention in ctxpar "
+                                         f"({n}; use_sliding_window is false)")
+        return {}
+    if name == "gpt_oss":  # layer_types, or every other layer sliding from the first
+        window = hf.get("sliding_window", 128)
+        if types is None:
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                     for i in range(n)]
+    elif name == "gemma3_text":
         window = hf.get("sliding_window", 4096)
         if types is None:
             every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
@@ -352,7 +399,8 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
     for key in sorted(hf):
         if key in fam.inert:
             continue
-        if key in NOT_IMPLEMENTED and hf[key] not in (None, 0, False, {}):
+        if key in NOT_IMPLEMENTED and key not in fam.own and hf[key] not in (None, 0, False,
+                                                                              {}):
             refuse(key, hf[key], f"{NOT_IMPLEMENTED[key]} is not implemented by ctxpar")
         if key not in known:
             refuse(key, hf[key], f"a config field ctxpar does not know for model_type "
@@ -375,6 +423,17 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
             refuse("attention_bias", attn, f"with mlp_bias={mlp}: ctxpar's model.bias puts "
                                            f"biases on every linear layer, or on none")
         fields["bias"] = bool(attn)
+    if name == "qwen2_moe":  # its q/k/v biases (transformers' default: on)
+        fields["attention_bias"] = hf.get("qkv_bias", True)
+        if not isinstance(fields["attention_bias"], bool):
+            refuse("qkv_bias", hf["qkv_bias"], "config.json must give it as a boolean")
+    if name in MOE_FAMILIES:  # model.moe (moe_families.py)
+        fields["moe"] = moe_fields(hf, name, refuse)
+    quant = hf.get("quantization_config")
+    if name == "gpt_oss" and quant and (not isinstance(quant, dict) or quant.get(
+            "quant_method") != "mxfp4"):  # MXFP4 experts are dequantized (WeightReader)
+        refuse("quantization_config", quant, "gpt-oss's MXFP4 experts are read; no other "
+                                             "quantization is implemented by ctxpar")
     if name == "nemotron_h":  # its layer count is its blocks'
         hf = {**hf, "num_hidden_layers": len(nemotron_block_types(hf, refuse))}
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -419,6 +478,16 @@ def architecture(fields: Dict[str, Any]) -> Dict[str, Any]:
                                       is not None else float(resolved_head_dim(m)))}
 
 
+ROUTER_LOSSES = ("aux_loss_coef", "z_loss_coef")  # model.moe's that a run may change
+
+
+def _router_losses_only(a, b) -> bool:
+    """Two model.moe that differ in their router losses' weights only."""
+    from dataclasses import replace
+    zero = dict.fromkeys(ROUTER_LOSSES, 0.0)
+    return a is not None and b is not None and replace(a, **zero) == replace(b, **zero)
+
+
 def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[Any, Any]]:
     """model.* against an imported folder's fields: refuse any architecture difference;
     return the allowed ones (MAY_DIFFER) that differ, {field: (folder's, config's)}.
@@ -427,6 +496,10 @@ def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[An
     changed = {}
     for key, value in theirs.items():
         if key == "init_from" or value == now[key] or (key == "family" and m.family is None):
+            continue
+        if key == "moe" and _router_losses_only(value, now[key]):  # training, not the model
+            changed.update({f"moe.{k}": (getattr(value, k), getattr(now[key], k))
+                            for k in ROUTER_LOSSES if getattr(value, k) != getattr(now[key], k)})
             continue
         if key in MAY_DIFFER:
             changed[key] = (value, now[key])
@@ -481,6 +554,11 @@ class WeightReader:
                     raise CheckpointError(f"{os.path.join(path, f)} holds {key!r}, which "
                                           f"{WEIGHTS_INDEX} places in {weight_map.get(key)}")
                 self._where[key] = handle
+        # a MoE family's experts saved per expert: {fused key: parts} (moe_families.py)
+        self.model_type = read_raw_config(path).get("model_type") if is_hf_folder(path) \
+            else None
+        self._experts = per_expert_sources(self._where, self.model_type)
+        self._mxfp4 = mxfp4_sources(self._where, self.model_type)  # gpt-oss's quantized
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self._where))
             if lost:
@@ -489,7 +567,7 @@ class WeightReader:
         self.used = set()
 
     def key(self, gpt_name: str) -> str:
-        key = to_hf(gpt_name, self.naming)
+        key = gpt_oss_key(to_hf(gpt_name, self.naming), self.model_type)
         if self.wrapper is not None and key.startswith("model."):
             return self.wrapper.prefix + key[len("model."):]
         return key
@@ -508,13 +586,23 @@ class WeightReader:
             self.wrapper is not None and key.startswith(self.wrapper.left_out))
 
     def get(self, gpt_name: str) -> torch.Tensor:
+        key = self.key(gpt_name)
+        if key not in self._where and key in self._experts:
+            self.used.update(k for part in self._experts[key] for k in part)
+            return assemble(self._experts[key], lambda k: self._where[k].get_tensor(k))
+        if key not in self._where and key in self._mxfp4:  # dequantized as transformers does
+            blocks, scales = self._mxfp4[key]
+            self.used.update((blocks, scales))
+            return gpt_oss_from_hf(key, dequantize_mxfp4(self._where[blocks].get_tensor(blocks),
+                                                         self._where[scales].get_tensor(scales)))
         keys = self.sources(gpt_name)
-        for key in keys:
-            if key not in self._where:
-                raise CheckpointError(f"{self.path}: no tensor {key!r} (for {gpt_name})")
+        for k in keys:
+            if k not in self._where:
+                raise CheckpointError(f"{self.path}: no tensor {k!r} (for {gpt_name})")
         self.used.update(keys)
         parts = [self._where[k].get_tensor(k) for k in keys]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return gpt_oss_from_hf(key, t) if self.model_type == "gpt_oss" else t
 
     def unused(self) -> list:
         """Tensors of the folder no parameter took (tied lm_head copies and buffers aside)."""
@@ -543,11 +631,22 @@ class WeightReader:
         """Every parameter of m has its tensor in the folder with its full shape and a dtype
         ctxpar reads, and the folder holds no tensor ctxpar would not use; reads headers
         only (before any process group exists)."""
-        want = {}
+        want, taken = {}, set()  # key: its shape; per-expert and MXFP4 parts of fused ones
         for spec in parameter_specs(m):
+            key = self.key(spec.name)
+            if key not in self._where and key in self._experts:
+                parts = [k for part in self._experts[key] for k in part]
+                taken.update(parts)
+                self._check_experts(key, parts, spec)
+                continue
+            if key not in self._where and key in self._mxfp4:
+                taken.update(self._mxfp4[key])
+                self._check_mxfp4(key, spec)
+                continue
             keys = self.sources(spec.name)
             if len(keys) == 1:
-                want[keys[0]] = spec.shape
+                want[keys[0]] = gpt_oss_shape(key, spec.shape) \
+                    if self.model_type == "gpt_oss" else spec.shape
                 continue
             for key in keys:  # every part present before their sizes are compared
                 if key not in self._where:
@@ -563,13 +662,41 @@ class WeightReader:
                                       f"together, config.json makes them {spec.shape[0]}")
         for key, shape in want.items():
             self._check_tensor(key, shape)
-        extra = sorted(k for k in set(self._where) - set(want)
+        extra = sorted(k for k in set(self._where) - set(want) - taken
                        if self._kept(k) and not (self.tied and k == "lm_head.weight"))
         if extra:
             more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
             raise CheckpointError(f"{self.path}: tensor {extra[0]!r}{more} would not be used "
                                   f"by ctxpar's model of this config.json (another "
                                   f"architecture, or weights it does not implement)")
+
+    def _check_mxfp4(self, key, spec) -> None:
+        """An MXFP4 tensor's blocks and scales: uint8, shapes that dequantize to spec's."""
+        blocks, scales = (self._where[k].get_slice(k) for k in self._mxfp4[key])
+        b, s = tuple(blocks.get_shape()), tuple(scales.get_shape())
+        if len(b) != 4 or b[:-1] != s or mxfp4_shape(b) != gpt_oss_shape(key, spec.shape) \
+                or {blocks.get_dtype(), scales.get_dtype()} != {"U8"}:
+            raise CheckpointError(f"{self.path}: {key}_blocks {b} {blocks.get_dtype()} and "
+                                  f"_scales {s} {scales.get_dtype()} are not MXFP4 of "
+                                  f"{gpt_oss_shape(key, spec.shape)} (uint8 (E, R, G, 16) "
+                                  f"and (E, R, G))")
+
+    def _check_experts(self, key, parts, spec) -> None:
+        """A fused tensor's per-expert parts: one shape each, the fused shape, read dtypes."""
+        shape = assembled_shape(self._experts[key],
+                                lambda k: self._where[k].get_slice(k).get_shape())
+        if shape is None:
+            raise CheckpointError(f"{self.path}: {key}'s per-expert tensors ({parts[0]} ...) "
+                                  f"differ in shape or count (an expert is missing?)")
+        if shape != spec.shape:
+            raise CheckpointError(f"{self.path}: {key} from {parts[0]} and its {len(parts) - 1} "
+                                  f"per-expert siblings has shape {shape}, config.json makes "
+                                  f"it {spec.shape}")
+        for k in parts:
+            dtype = self._where[k].get_slice(k).get_dtype()
+            if dtype not in DTYPES:
+                raise CheckpointError(f"{self.path}: {k} is {dtype}; ctxpar reads "
+                                      f"{', '.join(DTYPES)} (dequantize or convert it first)")
 
 
 def tokenizer_info(path: Optional[str]) -> Optional[Dict[str, Any]]:
@@ -601,10 +728,11 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
     cfg = family_config(m, tok, source, max_positions)
     naming = naming_of(m)
     tensors = {}
-    for n, t in weights:  # OLMo Hybrid's fused [q | k | v] written as its parts
-        key = to_hf(n, naming)
+    for n, t in weights:  # OLMo Hybrid's fused [q | k | v] written as its parts, the
+        key = to_hf(n, naming)  # experts per expert, as transformers' save_pretrained does
         for k, part in (saved_tensors(key, t, m) if naming == "olmo_hybrid" else [(key, t)]):
-            tensors[k] = part.to(dtype).contiguous()
+            for k2, v in per_expert_tensors(k, part.to(dtype), cfg["model_type"]):
+                tensors[k2] = v.contiguous()
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as f:

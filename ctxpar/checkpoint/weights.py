@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 
 from ..config import ModelConfig
+from ..config.moe import MoEConfig
 from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
 from .resume import MARKER, CheckpointError, is_tag, latest_complete, verify
@@ -45,7 +46,8 @@ def saved_model(manifest: Dict[str, Any], tag_dir: str) -> ModelConfig:
     if model is None:
         raise CheckpointError(f"{os.path.join(tag_dir, MARKER)} records no config (saved "
                               f"by an older ctxpar)")
-    return ModelConfig(**model)
+    moe = model.get("moe")  # a section of its own in the manifest's plain dict
+    return ModelConfig(**{**model, "moe": MoEConfig(**moe) if isinstance(moe, dict) else moe})
 
 
 @dataclass

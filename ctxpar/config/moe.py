@@ -51,6 +51,14 @@ class MoEConfig:
     micro-batch's tokens on every DP x CP rank and all MoE layers)."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss: the mean over tokens and layers of logsumexp(logits)^2."""
+    expert_bias: bool = False
+    """Biases on each expert's gate_up_proj and down_proj (gpt-oss)."""
+    swiglu_limit: Optional[float] = None
+    """gpt-oss's clamped SwiGLU in the experts (model.mlp swiglu): gate clamped above at the
+    limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    (None: model.mlp's own activation)."""
+    swiglu_alpha: float = 1.702
+    """The clamped SwiGLU's sigmoid slope (gpt-oss's swiglu_alpha)."""
 
 
 def moe_layer_indices(moe: Optional[MoEConfig], n_layers: int) -> List[int]:
@@ -104,6 +112,9 @@ def _check_moe_fields(m, moe: MoEConfig, tp: int, err) -> None:
             err(f"model.moe.{key}={value} must be >= {1 if key == 'expert_hidden' else 0}")
         if value and value % tp:
             err(f"model.moe.{key}={value} is not divisible by parallel.tp={tp}")
+    if moe.swiglu_limit is not None and (m.mlp != "swiglu" or not moe.swiglu_limit > 0):
+        err(f"model.moe.swiglu_limit={moe.swiglu_limit} needs model.mlp='swiglu' and a limit "
+            f"> 0 (model.mlp={m.mlp!r})")
     if moe.shared_expert_gate and not moe.shared_expert_hidden:
         err("model.moe.shared_expert_gate=true needs model.moe.shared_expert_hidden > 0")
     for key in ("aux_loss_coef", "z_loss_coef"):

@@ -44,6 +44,9 @@ class ParamSpec:
             return (self.shape[0] // ep, self.shape[1] // tp, self.shape[2])
         if self.split == "experts_row":     # (E, d, f)
             return (self.shape[0] // ep, self.shape[1], self.shape[2] // tp)
+        if self.split == "experts_bias":    # (E, rows): rows over TP; (E, d): whole
+            return (self.shape[0] // ep, self.shape[1] // (tp if self.name.endswith(
+                "gate_up_proj_bias") else 1))
         if self.split == "column":
             return (self.shape[0] // tp, *self.shape[1:])
         if self.split == "row" and len(self.shape) == 2:
@@ -130,6 +133,9 @@ def _moe_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
     specs = _norm(p + "mlp_norm", m) + _linear(p + "mlp.gate", d, e, None, moe.router_bias)
     specs += [ParamSpec(p + "mlp.experts.gate_up_proj", (e, rows, d), "experts_column"),
               ParamSpec(p + "mlp.experts.down_proj", (e, d, f), "experts_row")]
+    if moe.expert_bias:
+        specs += [ParamSpec(p + "mlp.experts.gate_up_proj_bias", (e, rows), "experts_bias"),
+                  ParamSpec(p + "mlp.experts.down_proj_bias", (e, d), "experts_bias")]
     if moe.shared_expert_hidden:
         specs += _dense_mlp(m, p + "mlp.shared_expert.", moe.shared_expert_hidden)
     if moe.shared_expert_gate:
@@ -228,7 +234,8 @@ def active_parameters(m: ModelConfig) -> float:
     """Parameters one token computes with (6 N per token's FLOPs): every one, but of a
     mixture of experts' routed experts only top_k of num_experts."""
     share = m.moe.top_k / m.moe.num_experts if m.moe is not None else 1.0
-    return sum(s.numel() * (share if s.split in ("experts_column", "experts_row") else 1.0)
+    return sum(s.numel() * (share if s.split in ("experts_column", "experts_row",
+                                                             "experts_bias") else 1.0)
                for s in parameter_specs(m))
 
 

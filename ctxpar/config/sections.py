@@ -433,7 +433,8 @@ ROPE_SCALING_OPTIONAL = {  # rope_type -> keys it may have (modeling_rope_utils'
 GATED_MLPS = ("swiglu", "geglu")
 # config.json model_types ctxpar imports and exports (ctxpar/checkpoint/families.py)
 HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_5_text",
-               "nemotron_h", "olmo_hybrid")  # gate_proj, up_proj, down_proj
+               "nemotron_h", "olmo_hybrid", "qwen3_moe", "qwen2_moe", "mixtral",
+               "gpt_oss")  # gate_proj, up_proj, down_proj
 
 
 # ---------------------------------------------------------------- fields left unset
