@@ -5,6 +5,7 @@ every grid that fits four ranks (ep folded over DP x CP, with TP and the CP patt
 against one process: loss, load-balancing and z losses, every gradient."""
 import pickle
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,21 +40,26 @@ def _copy_from(ours, theirs):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-def test_moe_layer_equals_transformers(family):
+@pytest.mark.parametrize("family,experts,top_k,norm", [
+    ("qwen3_moe", 8, 2, True), ("qwen3_next", 8, 2, True),
+    ("qwen3_moe", 16, 8, True),   # Qwen3-30B-A3B's top-8 (of 128)
+    ("qwen3_moe", 8, 1, False),   # Switch's top-1, weighted by its probability
+], ids=["qwen3_moe", "qwen3_next", "qwen3_moe-top8", "qwen3_moe-top1"])
+def test_moe_layer_equals_transformers(family, experts, top_k, norm):
     from transformers import Qwen3MoeConfig, Qwen3NextConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
     shared = family == "qwen3_next"
-    kw = dict(hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-              norm_topk_prob=True)
+    kw = dict(hidden_size=32, num_experts=experts, num_experts_per_tok=top_k,
+              moe_intermediate_size=24, norm_topk_prob=norm)
     torch.manual_seed(0)
     theirs = (Qwen3NextSparseMoeBlock(Qwen3NextConfig(**kw, shared_expert_intermediate_size=40))
               if shared else Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**kw)))
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.2)
-    cfg = _moe_cfg(shared_expert_hidden=40 if shared else 0, shared_expert_gate=shared)
+    cfg = _moe_cfg(shared_expert_hidden=40 if shared else 0, shared_expert_gate=shared,
+                   num_experts=experts, top_k=top_k, norm_topk=norm)
     ours = MoE(cfg)
     _copy_from(ours, theirs)
     x = torch.randn(2, 16, 32, requires_grad=True)
@@ -69,15 +75,16 @@ def test_moe_layer_equals_transformers(family):
         torch.testing.assert_close(a, b, **TOL, msg=name)
 
 
-def test_router_losses_equal_transformers_load_balancing_loss():
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 8), (8, 1)])
+def test_router_losses_equal_transformers_load_balancing_loss(experts, top_k):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
     g = torch.Generator().manual_seed(1)
-    layers = [torch.randn(40, 8, generator=g, requires_grad=True) for _ in range(3)]
-    stats = RouterStats(8)
+    layers = [torch.randn(40, experts, generator=g, requires_grad=True) for _ in range(3)]
+    stats = RouterStats(experts)
     for logits in layers:
-        stats.add(logits, torch.topk(torch.softmax(logits, -1), 2, dim=-1).indices)
+        stats.add(logits, torch.topk(torch.softmax(logits, -1), top_k, dim=-1).indices)
     got = stats.losses(1.0, 0.0)
-    want = load_balancing_loss_func(tuple(layers), 8, 2)
+    want = load_balancing_loss_func(tuple(layers), experts, top_k)
     torch.testing.assert_close(got.aux_loss, want.detach(), **TOL)
     torch.testing.assert_close(got.share, want, **TOL)  # one process: the share is all
     for a, b in zip(torch.autograd.grad(got.share, layers), torch.autograd.grad(want, layers)):
@@ -119,9 +126,9 @@ def _grid_case(rank, world, payload):
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from models.loss import global_mean_loss, global_token_count, loss_for_backward
     out = []
-    for tp, cp, ep, layout, comm in pickle.loads(payload):
+    for routing, (tp, cp, ep, layout, comm) in pickle.loads(payload):
         st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
-        model = GPT(GPT_CFG, ModelGroups.from_state(st),
+        model = GPT(ROUTINGS[routing], ModelGroups.from_state(st),
                     ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
         tokens, labels = _batch()
         tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
@@ -152,13 +159,32 @@ GRIDS = [  # (tp, cp, ep, layout, cp_comm) on 4 ranks; dp = 4 / (tp cp)
     (1, 1, 2, "zigzag", "ring"),       # no CP: ep over DP alone (dp 4)
 ]
 
+# The routers of the open models, each on the grids where its experts split differently.
+ROUTINGS = {
+    "top2": GPT_CFG,  # Qwen2-MoE / Qwen3-Next: top-2 of 8, a gated shared expert
+    # Qwen3-30B-A3B's top-8 of 16 (it has 128) with an ungated shared expert (DeepSeek's)
+    "top8": replace(GPT_CFG, moe=replace(GPT_CFG.moe, num_experts=16, top_k=8,
+                                         shared_expert_gate=False)),
+    # Switch: top-1, the weight its softmax probability (the router's gradient flows
+    # through the output, not only the losses)
+    "top1": replace(GPT_CFG, moe=replace(GPT_CFG.moe, top_k=1, norm_topk=False,
+                                         shared_expert_hidden=0, shared_expert_gate=False)),
+}
+CASES = [("top2", grid) for grid in GRIDS] + [
+    ("top8", (1, 2, 4, "striped", "allgather")),  # 4 of the 16 experts a rank
+    ("top8", (2, 2, 2, "zigzag", "ring")),
+    ("top1", (1, 4, 4, "contiguous", "ulysses")),
+    ("top1", (1, 1, 2, "zigzag", "ring")),
+]
+
 
 def test_moe_gpt_over_the_grid_equals_one_process():
-    results = run_distributed(_grid_case, 4, pickle.dumps(GRIDS), timeout=240)
-    loss, aux, z, grads = _reference(GPT_CFG)
-    for i, grid in enumerate(GRIDS):
+    results = run_distributed(_grid_case, 4, pickle.dumps(CASES), timeout=240)
+    references = {name: _reference(cfg) for name, cfg in ROUTINGS.items()}
+    for i, (routing, grid) in enumerate(CASES):
+        loss, aux, z, grads = references[routing]
         for rank, per_case in enumerate(results):
-            got, where = per_case[i], f"tp,cp,ep,layout,comm={grid} rank {rank}"
+            got, where = per_case[i], f"{routing} tp,cp,ep,layout,comm={grid} rank {rank}"
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
             torch.testing.assert_close(got["aux"], aux, **TOL, msg=where)
             torch.testing.assert_close(got["z"], z, **TOL, msg=where)
