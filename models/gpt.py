@@ -585,6 +585,17 @@ class GPT(nn.Module):
         self.router_losses = None
         return stats
 
+    def update_router_biases(self, layer_counts: torch.Tensor) -> None:
+        """After an optimizer step: each MoE layer's aux-free balance update
+        (model.moe.bias_update_rate) from its assignments per expert over the step's whole
+        batch, layer_counts (L_moe, E) in layer order (RouterLosses.layer_counts summed over
+        the micro-batches; the same on every rank)."""
+        moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        if not moe or not self.cfg.moe.bias_update_rate:
+            return
+        for mlp, counts in zip(moe, layer_counts, strict=True):
+            mlp.update_correction_bias(counts)
+
     def head_weight(self) -> torch.Tensor:
         """The head's (V/tp, d) weight: lm_head's, or the embedding's when tied."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -8,8 +8,10 @@ Parameter for parameter as transformers' Qwen3-MoE / Qwen3-Next sparse blocks:
     shared_expert.{gate,up,down}_proj        model.moe.shared_expert_hidden > 0
     shared_expert_gate.weight (1, d)         model.moe.shared_expert_gate
 
+    gate.e_score_correction_bias (E,)        a buffer: model.moe.score_correction_bias
+
 y = sum over the token's top-k experts of w_j expert_j(x) (+ the shared expert's output,
-times sigmoid(shared_expert_gate x)). Routing is dropless (ctxpar/moe/dispatch.py). Under
+times sigmoid(shared_expert_gate x)); the choice and w as ctxpar/moe/router.py's route. Routing is dropless (ctxpar/moe/dispatch.py). Under
 EP each rank holds E/ep consecutive experts (the tensors' first dim split over the EP group,
 a sub-group of DP x CP: ``expert_shard`` on the parameters) and all-to-alls the rows;
 under TP every expert's f is split like a dense MLP's (column then row), each routed row
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from ctxpar.config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
 from ctxpar.memory.tiled_mlp import gate_activation, up_activation
-from ctxpar.moe import RouterStats, dispatch_combine, route
+from ctxpar.moe import RouterStats, balance_bias_update, dispatch_combine, route
 from ctxpar.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                     reduce_from_tensor_model_parallel_region)
 from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -100,12 +102,25 @@ class MoE(nn.Module):
                                                        dist.get_rank(ep_group))
         self.gate = nn.Linear(cfg.d_model, moe.num_experts, bias=moe.router_bias,
                               device=device, dtype=dtype)
+        if moe.score_correction_bias:  # a buffer (no gradient; saved), fp32 as DeepSeek's
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(
+                moe.num_experts, device=device, dtype=torch.float32))
         self.experts = Experts(cfg, ep_rank, ep, tp_size_of(tp_group), device, dtype)
         self.shared_expert = MLP(replace(cfg, ffn_hidden=moe.shared_expert_hidden), tp_group,
                                  device, dtype) if moe.shared_expert_hidden else None
         self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False, device=device,
                                             dtype=dtype) if moe.shared_expert_gate else None
         self.stats: Optional[RouterStats] = None
+
+    def correction_bias(self) -> Optional[torch.Tensor]:
+        """DeepSeek-V3's e_score_correction_bias (E,), or None."""
+        return getattr(self.gate, "e_score_correction_bias", None)
+
+    def update_correction_bias(self, counts: torch.Tensor) -> None:
+        """The aux-free balance step from this layer's assignments per expert (E,) over
+        the whole step (every rank's, every micro-batch): the same bias on every rank."""
+        balance_bias_update(self.gate.e_score_correction_bias, counts,
+                            self.moe.bias_update_rate)
 
     def _experts(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
         # every expert's f/tp partial sums completed over TP before the router weights them
@@ -120,7 +135,9 @@ class MoE(nn.Module):
         their partial input gradients over TP."""
         shape, x = x.shape, x.reshape(-1, x.shape[-1])            # (N, d)
         logits = self.gate(x)                                     # (N, E)
-        weights, chosen = route(logits, self.moe.top_k, self.moe.score, self.moe.norm_topk)
+        m = self.moe
+        weights, chosen = route(logits, m.top_k, m.score, m.norm_topk, self.correction_bias(),
+                                m.n_group, m.topk_group, m.routed_scaling_factor)
         if self.stats is not None:
             self.stats.add(logits, chosen)
         rows = copy_to_tensor_model_parallel_region(x, self.tp_group)

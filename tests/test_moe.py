@@ -75,6 +75,48 @@ def test_moe_layer_equals_transformers(family, experts, top_k, norm):
         torch.testing.assert_close(a, b, **TOL, msg=name)
 
 
+def test_deepseek_v3_routing_equals_transformers():
+    """Sigmoid scores, the top-k chosen on scores + e_score_correction_bias among each
+    token's topk_group best of n_group groups, weights from the scores without the bias,
+    normalised and scaled by routed_scaling_factor, an ungated shared expert: transformers'
+    DeepseekV3MoE on the same weights and bias (output and every gradient)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    torch.manual_seed(0)
+    theirs = DeepseekV3MoE(DeepseekV3Config(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=24,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2)
+        theirs.gate.e_score_correction_bias.normal_(0, 0.3)
+    ours = MoE(_moe_cfg(num_experts=16, top_k=4, score="sigmoid", score_correction_bias=True,
+                        n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        shared_expert_hidden=24))
+    mine = dict(ours.named_parameters())
+    names = {n: n.replace("shared_experts.", "shared_expert.")
+             for n, _ in theirs.named_parameters()}
+    assert set(names.values()) == set(mine)
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            mine[names[n]].copy_(p)
+        ours.gate.e_score_correction_bias.copy_(theirs.gate.e_score_correction_bias)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    dy = torch.randn(2, 16, 32)
+    want, got = theirs(x), ours(x)
+    params = [p for _, p in theirs.named_parameters()]
+    g_want = torch.autograd.grad(want, [x, *params], dy)
+    g = torch.autograd.grad(got, [x, *(mine[names[n]] for n, _ in theirs.named_parameters())],
+                            dy)
+    torch.testing.assert_close(got, want, **TOL)
+    for name, a, b in zip(["x", *names], g, g_want):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+    model = GPT(_moe_cfg(score="sigmoid", score_correction_bias=True))
+    name = "layers.0.mlp.gate.e_score_correction_bias"  # transformers' name, under layers.0
+    assert name in model.state_dict() and name not in dict(model.named_parameters())
+
+
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 8), (8, 1)])
 def test_router_losses_equal_transformers_load_balancing_loss(experts, top_k):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
@@ -111,14 +153,29 @@ def _batch():
     return tokens, labels
 
 
+def _set_biases(model):
+    """Distinct correction biases per layer (the same on every rank), wide enough to change
+    the choice: each layer's e_score_correction_bias where it has one."""
+    g = torch.Generator().manual_seed(11)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def _biases(model):
+    return {n: b.clone() for n, b in model.named_buffers() if "e_score_correction" in n}
+
+
 def _reference(cfg):
     model = GPT(cfg, options=ModelOptions(seed=SEED))
+    _set_biases(model)
     tokens, labels = _batch()
     loss = model(tokens, torch.arange(N), labels) / (labels != -100).sum()
     r = model.router_losses
     (loss + r.share).backward()
+    model.update_router_biases(r.layer_counts)
     return (loss.detach(), r.aux_loss, r.z_loss,
-            {n: p.grad.clone() for n, p in model.named_parameters()})
+            {n: p.grad.clone() for n, p in model.named_parameters()}, _biases(model))
 
 
 def _grid_case(rank, world, payload):
@@ -130,6 +187,7 @@ def _grid_case(rank, world, payload):
         st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
         model = GPT(ROUTINGS[routing], ModelGroups.from_state(st),
                     ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
+        _set_biases(model)
         tokens, labels = _batch()
         tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
         dp = st.dp_size
@@ -145,7 +203,8 @@ def _grid_case(rank, world, payload):
                 else st.dp_cp_group
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(dp)
-        out.append(dict(loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
+        model.update_router_biases(r.layer_counts)  # the step's counts over DP x CP
+        out.append(dict(biases=_biases(model), loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
                         aux=r.aux_loss, z=r.z_loss, grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group),
                         stats=moe_stats()))
     return out
@@ -169,12 +228,21 @@ ROUTINGS = {
     # through the output, not only the losses)
     "top1": replace(GPT_CFG, moe=replace(GPT_CFG.moe, top_k=1, norm_topk=False,
                                          shared_expert_hidden=0, shared_expert_gate=False)),
+    # DeepSeek-V3: sigmoid, top-4 of 16 chosen with the correction bias in 2 of 4 groups,
+    # scaled weights, an ungated shared expert, the aux-free bias update
+    "deepseek": replace(GPT_CFG, moe=replace(
+        GPT_CFG.moe, num_experts=16, top_k=4, score="sigmoid", score_correction_bias=True,
+        bias_update_rate=0.01, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        shared_expert_gate=False, aux_loss_coef=0.0)),
 }
 CASES = [("top2", grid) for grid in GRIDS] + [
     ("top8", (1, 2, 4, "striped", "allgather")),  # 4 of the 16 experts a rank
     ("top8", (2, 2, 2, "zigzag", "ring")),
     ("top1", (1, 4, 4, "contiguous", "ulysses")),
     ("top1", (1, 1, 2, "zigzag", "ring")),
+    ("deepseek", (1, 2, 2, "zigzag", "ring")),   # each rank's half of each sequence
+    ("deepseek", (1, 4, 4, "contiguous", "ulysses")),
+    ("deepseek", (2, 2, 2, "striped", "allgather")),
 ]
 
 
@@ -182,7 +250,7 @@ def test_moe_gpt_over_the_grid_equals_one_process():
     results = run_distributed(_grid_case, 4, pickle.dumps(CASES), timeout=240)
     references = {name: _reference(cfg) for name, cfg in ROUTINGS.items()}
     for i, (routing, grid) in enumerate(CASES):
-        loss, aux, z, grads = references[routing]
+        loss, aux, z, grads, biases = references[routing]
         for rank, per_case in enumerate(results):
             got, where = per_case[i], f"{routing} tp,cp,ep,layout,comm={grid} rank {rank}"
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
@@ -191,6 +259,9 @@ def test_moe_gpt_over_the_grid_equals_one_process():
             for name, g in grads.items():
                 torch.testing.assert_close(got["grads"][name], g, **TOL,
                                            msg=f"{where} grad {name}")
+            assert got["biases"].keys() == biases.keys()
+            for name, b in biases.items():  # counts: exact; the biases' update: exact
+                assert torch.equal(got["biases"][name], b), f"{where} {name}"
             assert got["stats"]["dispatch_calls"] == (GPT_CFG.n_layers if grid[2] > 1 else 0)
 
 
@@ -250,6 +321,40 @@ def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_pa
             assert abs(got[s] - want[s]) <= tol * abs(want[s]), (key, s, got[s], want[s])
 
 
+# DeepSeek-V3's router: sigmoid, the correction bias and its aux-free update, 1 of 2
+# groups, scaled weights (its z-loss only to carry a router loss through the step).
+DEEPSEEK_RUN = ["model.moe={num_experts: 8, top_k: 2, expert_hidden: 64, score: sigmoid, "
+                "score_correction_bias: true, bias_update_rate: 0.01, n_group: 2, "
+                "topk_group: 1, routed_scaling_factor: 2.5, z_loss_coef: 0.001, "
+                "shared_expert_hidden: 32}",
+                "train.steps=6", "train.eval_samples=8", "logging.wandb.mode=disabled",
+                "checkpoint.save_interval=6"]
+
+
+def _saved_biases(run_dir):
+    path = f"{run_dir}/checkpoints/step_00000006/mp_rank_00_model_states.pt"
+    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    return {k: v for k, v in module.items() if k.endswith("e_score_correction_bias")}
+
+
+def test_train_py_moves_the_correction_biases_as_cp1_does(tmp_path):
+    """DeepSeek-V3's router through train.py: cp2 x dp2 at 2 micro-batches a step logs cp
+    1's losses at 8 micro-batches, and both checkpoints hold the same moved correction
+    biases after 6 steps: the aux-free update counts the step's whole batch, every rank
+    and micro-batch (models/moe_steps.py), and the biases are saved with the model."""
+    ref, run = str(tmp_path / "cp1"), str(tmp_path / "cp2")
+    run_train(ref, 1, ["parallel.cp=1", "parallel.dp=1", "train.micro_batch_size=2",
+                       *DEEPSEEK_RUN])
+    run_train(run, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.layout=zigzag",
+                       "train.micro_batch_size=4", *DEEPSEEK_RUN])
+    assert_same_run(run, ref, 6)
+    want, got = _saved_biases(ref), _saved_biases(run)
+    assert sorted(want) == sorted(got) == [f"layers.{i}.mlp.gate.e_score_correction_bias"
+                                           for i in range(2)], sorted(got)
+    for name, b in want.items():  # integer counts, the same signs: the same sums of +-rate
+        assert b.abs().max() > 0 and torch.equal(got[name], b), (name, got[name], b)
+
+
 @pytest.mark.parametrize("model, parallel, msg", [
     ({"moe": {"num_experts": 4, "top_k": 5}}, {}, "model.moe.top_k=5 must be in [1, "
                                                   "model.moe.num_experts=4]"),
@@ -264,6 +369,19 @@ def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_pa
     ({"moe": {"layers": [0, 5]}, "n_layers": 4}, {}, "model.moe.layers=[0, 5] must be"),
     ({"moe": {"num_experts": 8}}, {"ep": 2, "cp": 2}, "not built with parallel.ep=2"),
     ({"moe": {"num_experts": 8}}, {"pp": 2, "cp": 2}, "not built with parallel.pp=2"),
+    ({"moe": {"bias_update_rate": 0.001}}, {}, "model.moe.bias_update_rate=0.001 must be >= 0 "
+                                               "and needs model.moe.score_correction_bias"),
+    ({"moe": {"score_correction_bias": True, "bias_update_rate": -1}}, {},
+     "model.moe.bias_update_rate=-1"),
+    ({"moe": {"routed_scaling_factor": 0}}, {}, "model.moe.routed_scaling_factor=0.0 must be"),
+    ({"moe": {"num_experts": 8, "n_group": 3}}, {}, "model.moe.n_group=3 must be >= 1 and "
+                                                    "divide model.moe.num_experts=8"),
+    ({"moe": {"num_experts": 8, "n_group": 8}}, {}, "model.moe.n_group=8 must be"),
+    ({"moe": {"num_experts": 8, "n_group": 2, "topk_group": 3}}, {},
+     "model.moe.topk_group=3 must be in [1, model.moe.n_group=2]"),
+    ({"moe": {"num_experts": 8, "top_k": 6, "n_group": 4, "topk_group": 2}}, {},
+     "model.moe.topk_group=2 must be in [1, model.moe.n_group=4] with room for "
+     "model.moe.top_k=6"),
 ])
 def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},

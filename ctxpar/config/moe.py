@@ -51,6 +51,23 @@ class MoEConfig:
     micro-batch's tokens on every DP x CP rank and all MoE layers)."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss: the mean over tokens and layers of logsumexp(logits)^2."""
+    score_correction_bias: bool = False
+    """A per-expert bias added to the scores to choose the top-k only, the weights taken
+    from the scores without it (DeepSeek-V3's e_score_correction_bias): a buffer, no
+    gradient, saved with the model; bias_update_rate moves it."""
+    bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balance: after each optimizer step every layer's
+    bias_e += rate * sign(mean load - load_e), the loads counted over the step's whole batch
+    (every DP x CP rank, every micro-batch), so the same on every rank and layout
+    (0: the bias stays as loaded). Needs score_correction_bias."""
+    routed_scaling_factor: float = 1.0
+    """The k routed weights times this (after norm_topk; DeepSeek-V3: 2.5)."""
+    n_group: int = 1
+    """Group-limited routing (DeepSeek-V3: 8): the experts in n_group groups of consecutive
+    experts, a token's k chosen among its topk_group best groups (each scored by the sum of
+    its two best biased scores). 1: no groups."""
+    topk_group: int = 1
+    """Groups each token may use under n_group > 1 (DeepSeek-V3: 4)."""
 
 
 def moe_layer_indices(moe: Optional[MoEConfig], n_layers: int) -> List[int]:
@@ -113,7 +130,24 @@ def _check_moe_fields(m, moe: MoEConfig, tp: int, err) -> None:
         err(f"model.moe.aux_loss_coef={moe.aux_loss_coef} with model.moe.score="
             f"{moe.score!r}: the load-balancing loss is the softmax routers' (transformers' "
             f"load_balancing_loss_func)")
+    _check_routing(moe, err)
     if moe.layers is not None and (len(set(moe.layers)) != len(moe.layers) or any(
             not 0 <= i < m.n_layers for i in moe.layers)):
         err(f"model.moe.layers={moe.layers} must be distinct layer indices in "
             f"[0, model.n_layers={m.n_layers})")
+
+
+def _check_routing(moe: MoEConfig, err) -> None:
+    """The router's DeepSeek-V3 options: correction bias, its update, scaling, groups."""
+    if moe.bias_update_rate < 0 or (moe.bias_update_rate and not moe.score_correction_bias):
+        err(f"model.moe.bias_update_rate={moe.bias_update_rate} must be >= 0 and needs "
+            f"model.moe.score_correction_bias=true (got {moe.score_correction_bias})")
+    if moe.routed_scaling_factor <= 0:
+        err(f"model.moe.routed_scaling_factor={moe.routed_scaling_factor} must be > 0")
+    E, G = moe.num_experts, moe.n_group
+    if G < 1 or E % G or (G > 1 and E // G < 2):
+        err(f"model.moe.n_group={G} must be >= 1 and divide model.moe.num_experts={E} into "
+            f"groups of >= 2 experts")
+    elif not 1 <= moe.topk_group <= G or moe.top_k > moe.topk_group * (E // G):
+        err(f"model.moe.topk_group={moe.topk_group} must be in [1, model.moe.n_group={G}] "
+            f"with room for model.moe.top_k={moe.top_k} in {moe.topk_group} groups of {E // G}")

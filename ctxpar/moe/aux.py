@@ -31,6 +31,7 @@ class RouterLosses:
     aux_loss: torch.Tensor     # the load-balancing loss A of the whole batch (unweighted)
     z_loss: torch.Tensor       # the z-loss of the whole batch (unweighted)
     tokens_per_expert: torch.Tensor  # (E,) assignments over the batch and layers
+    layer_counts: torch.Tensor       # (L, E) assignments over the batch, per MoE layer
 
 
 class RouterStats:
@@ -38,7 +39,7 @@ class RouterStats:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.counts = None             # (E,) fp32 assignments, this rank
+        self.layer_counts: List[torch.Tensor] = []  # per layer (E,) fp32, this rank
         self.prob_sums: List[torch.Tensor] = []   # per layer (E,), differentiable
         self.z_sums: List[torch.Tensor] = []      # per layer (), differentiable
         self.rows = 0
@@ -46,8 +47,8 @@ class RouterStats:
     def add(self, logits: torch.Tensor, experts: torch.Tensor) -> None:
         """One layer's router logits (N, E) and its chosen experts (N, k)."""
         logits = logits.float()
-        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
-        self.counts = counts if self.counts is None else self.counts + counts
+        self.layer_counts.append(
+            torch.bincount(experts.reshape(-1), minlength=self.num_experts).float())
         self.prob_sums.append(torch.softmax(logits, dim=-1).sum(dim=0))
         self.z_sums.append(torch.logsumexp(logits, dim=-1).square().sum())
         self.rows += logits.shape[0]
@@ -55,11 +56,13 @@ class RouterStats:
     def losses(self, aux_coef: float, z_coef: float, group=None) -> RouterLosses:
         """Collective over `group` (the ranks holding the batch's tokens: DP x CP): the
         weighted share aux_coef a_r + z_coef z_r and the global values."""
-        E = self.num_experts
-        counts = torch.cat([self.counts, self.counts.new_tensor([self.rows])])
+        E, L = self.num_experts, len(self.layer_counts)
+        per_layer = torch.stack(self.layer_counts)                 # (L, E)
+        counts = torch.cat([per_layer.reshape(-1), per_layer.new_tensor([self.rows])])
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
-        counts, rows = counts[:E], counts[E].clamp(min=1.0)
+        per_layer, rows = counts[:L * E].view(L, E), counts[L * E].clamp(min=1.0)
+        counts = per_layer.sum(0)                                  # (E,) over the layers
         prob = torch.stack(self.prob_sums).sum(0)                 # (E,) this rank's rows
         aux_share = E * (counts / rows * prob / rows).sum()
         z_share = torch.stack(self.z_sums).sum() / rows
@@ -67,4 +70,4 @@ class RouterStats:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(values, group=group)
         return RouterLosses(aux_coef * aux_share + z_coef * z_share, values[0], values[1],
-                            counts)
+                            counts, per_layer)
