@@ -535,7 +535,8 @@ class GPT(nn.Module):
         if stats is not None:  # one all-reduce of the routers' counts over DP x CP
             moe = self.cfg.moe
             self.router_losses = stats.losses(moe.aux_loss_coef, moe.z_loss_coef,
-                                              self.dp_cp_group)
+                                              self.dp_cp_group, moe.seq_aux_loss_coef,
+                                              self.cp_group)
         if labels is None:
             return self.lm_logits(x)
         if self.memory.tiled_loss:  # head + loss per tile of tokens: no (B, T/cp, V/tp) logits
@@ -578,7 +579,9 @@ class GPT(nn.Module):
         auxiliary losses, ctxpar/moe/aux.py), None otherwise."""
         if self.cfg.moe is None:
             return None
-        stats = RouterStats(self.cfg.moe.num_experts) if training else None
+        moe = self.cfg.moe
+        stats = RouterStats(moe.num_experts, moe.score, moe.seq_aux_loss_coef > 0) \
+            if training else None
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stats = stats

@@ -139,7 +139,7 @@ class MoE(nn.Module):
         weights, chosen = route(logits, m.top_k, m.score, m.norm_topk, self.correction_bias(),
                                 m.n_group, m.topk_group, m.routed_scaling_factor)
         if self.stats is not None:
-            self.stats.add(logits, chosen)
+            self.stats.add(logits, chosen, batch=shape[0])
         rows = copy_to_tensor_model_parallel_region(x, self.tp_group)
         y = dispatch_combine(rows, weights, chosen, self.moe.num_experts, self._experts,
                              self.ep_group)                       # (N, d)

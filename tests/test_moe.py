@@ -135,6 +135,31 @@ def test_router_losses_equal_transformers_load_balancing_loss(experts, top_k):
     torch.testing.assert_close(stats.losses(0.0, 1.0).share, z, **TOL)
 
 
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_sequence_balance_loss_is_deepseek_v3s(score):
+    """DeepSeek-V3's eqs. 17-20 written out per sequence (f_e = E/(kT) c_e, P_e the mean of
+    the normalised scores, sum_e f_e P_e), averaged over the rows and summed over the layers:
+    RouterStats' value and share (one process: the share is all) and their gradients."""
+    E, k, B, T = 8, 2, 3, 10
+    g = torch.Generator().manual_seed(2)
+    layers = [torch.randn(B * T, E, generator=g, requires_grad=True) for _ in range(2)]
+    stats, want = RouterStats(E, score, sequences=True), 0.0
+    for logits in layers:
+        s = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+        chosen = torch.topk(s, k, dim=-1).indices
+        stats.add(logits, chosen, batch=B)
+        for b in range(B):  # each sequence on its own
+            rows = slice(b * T, (b + 1) * T)
+            f = E / (k * T) * torch.bincount(chosen[rows].reshape(-1), minlength=E)
+            P = (s[rows] / s[rows].sum(-1, keepdim=True)).mean(0)
+            want = want + (f * P).sum() / B
+    got = stats.losses(0.0, 0.0, seq_coef=1.0)
+    torch.testing.assert_close(got.seq_aux_loss, want.detach(), **TOL)
+    torch.testing.assert_close(got.share, want, **TOL)
+    for a, b in zip(torch.autograd.grad(got.share, layers), torch.autograd.grad(want, layers)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
 # ------------------------------------------------------------ a MoE GPT over the grid
 
 N, BATCH, SEED = 32, 4, 3
@@ -166,16 +191,18 @@ def _biases(model):
     return {n: b.clone() for n, b in model.named_buffers() if "e_score_correction" in n}
 
 
-def _reference(cfg):
+def _reference(cfg, cu_seqlens=None):
     model = GPT(cfg, options=ModelOptions(seed=SEED))
     _set_biases(model)
     tokens, labels = _batch()
-    loss = model(tokens, torch.arange(N), labels) / (labels != -100).sum()
+    loss = model(tokens, torch.arange(N), labels, cu_seqlens=cu_seqlens) / \
+        (labels != -100).sum()
     r = model.router_losses
     (loss + r.share).backward()
     model.update_router_biases(r.layer_counts)
     return (loss.detach(), r.aux_loss, r.z_loss,
-            {n: p.grad.clone() for n, p in model.named_parameters()}, _biases(model))
+            {n: p.grad.clone() for n, p in model.named_parameters()}, _biases(model),
+            r.seq_aux_loss)
 
 
 def _grid_case(rank, world, payload):
@@ -195,7 +222,7 @@ def _grid_case(rank, world, payload):
         pos = sequence_positions(N, st.cp_group, layout)
         n = global_token_count(lab, st.dp_cp_group)
         reset_moe_stats()
-        loss_sum = model(tok, pos, lab)
+        loss_sum = model(tok, pos, lab, cu_seqlens=PACKED.get(routing))
         r = model.router_losses
         (loss_for_backward(loss_sum, n, dp) + r.share * dp).backward()
         for p in model.parameters():  # DeepSpeed's reduction: experts over their EDP group
@@ -204,7 +231,7 @@ def _grid_case(rank, world, payload):
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(dp)
         model.update_router_biases(r.layer_counts)  # the step's counts over DP x CP
-        out.append(dict(biases=_biases(model), loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
+        out.append(dict(biases=_biases(model), seq=r.seq_aux_loss, loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
                         aux=r.aux_loss, z=r.z_loss, grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group),
                         stats=moe_stats()))
     return out
@@ -233,8 +260,11 @@ ROUTINGS = {
     "deepseek": replace(GPT_CFG, moe=replace(
         GPT_CFG.moe, num_experts=16, top_k=4, score="sigmoid", score_correction_bias=True,
         bias_update_rate=0.01, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        shared_expert_gate=False, aux_loss_coef=0.0)),
+        shared_expert_gate=False, aux_loss_coef=0.0, seq_aux_loss_coef=0.1)),
 }
+# Three documents packed in each row (attention stays inside each; the sequence-level loss
+# is the row's: its counts over the row's CP ranks)
+PACKED = {"deepseek": torch.tensor([0, 12, 20, N], dtype=torch.int32)}
 CASES = [("top2", grid) for grid in GRIDS] + [
     ("top8", (1, 2, 4, "striped", "allgather")),  # 4 of the 16 experts a rank
     ("top8", (2, 2, 2, "zigzag", "ring")),
@@ -243,19 +273,21 @@ CASES = [("top2", grid) for grid in GRIDS] + [
     ("deepseek", (1, 2, 2, "zigzag", "ring")),   # each rank's half of each sequence
     ("deepseek", (1, 4, 4, "contiguous", "ulysses")),
     ("deepseek", (2, 2, 2, "striped", "allgather")),
+    ("deepseek", (1, 1, 2, "zigzag", "ring")),     # cp 1: whole rows on each rank
 ]
 
 
 def test_moe_gpt_over_the_grid_equals_one_process():
     results = run_distributed(_grid_case, 4, pickle.dumps(CASES), timeout=240)
-    references = {name: _reference(cfg) for name, cfg in ROUTINGS.items()}
+    references = {name: _reference(cfg, PACKED.get(name)) for name, cfg in ROUTINGS.items()}
     for i, (routing, grid) in enumerate(CASES):
-        loss, aux, z, grads, biases = references[routing]
+        loss, aux, z, grads, biases, seq = references[routing]
         for rank, per_case in enumerate(results):
             got, where = per_case[i], f"{routing} tp,cp,ep,layout,comm={grid} rank {rank}"
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
             torch.testing.assert_close(got["aux"], aux, **TOL, msg=where)
             torch.testing.assert_close(got["z"], z, **TOL, msg=where)
+            torch.testing.assert_close(got["seq"], seq, **TOL, msg=where)
             for name, g in grads.items():
                 torch.testing.assert_close(got["grads"][name], g, **TOL,
                                            msg=f"{where} grad {name}")
@@ -322,11 +354,11 @@ def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_pa
 
 
 # DeepSeek-V3's router: sigmoid, the correction bias and its aux-free update, 1 of 2
-# groups, scaled weights (its z-loss only to carry a router loss through the step).
+# groups, scaled weights, the sequence-level balance loss (and a z-loss).
 DEEPSEEK_RUN = ["model.moe={num_experts: 8, top_k: 2, expert_hidden: 64, score: sigmoid, "
                 "score_correction_bias: true, bias_update_rate: 0.01, n_group: 2, "
                 "topk_group: 1, routed_scaling_factor: 2.5, z_loss_coef: 0.001, "
-                "shared_expert_hidden: 32}",
+                "seq_aux_loss_coef: 0.01, shared_expert_hidden: 32}",
                 "train.steps=6", "train.eval_samples=8", "logging.wandb.mode=disabled",
                 "checkpoint.save_interval=6"]
 
@@ -341,13 +373,17 @@ def test_train_py_moves_the_correction_biases_as_cp1_does(tmp_path):
     """DeepSeek-V3's router through train.py: cp2 x dp2 at 2 micro-batches a step logs cp
     1's losses at 8 micro-batches, and both checkpoints hold the same moved correction
     biases after 6 steps: the aux-free update counts the step's whole batch, every rank
-    and micro-batch (models/moe_steps.py), and the biases are saved with the model."""
+    and micro-batch (models/moe_steps.py), and the biases are saved with the model. The
+    sequence-level loss (a mean over equal micro-batches' rows) is logged alike."""
     ref, run = str(tmp_path / "cp1"), str(tmp_path / "cp2")
     run_train(ref, 1, ["parallel.cp=1", "parallel.dp=1", "train.micro_batch_size=2",
                        *DEEPSEEK_RUN])
     run_train(run, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.layout=zigzag",
                        "train.micro_batch_size=4", *DEEPSEEK_RUN])
     assert_same_run(run, ref, 6)
+    want, got = metric(ref, "moe_seq_aux_loss"), metric(run, "moe_seq_aux_loss")
+    for s in got:
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
     want, got = _saved_biases(ref), _saved_biases(run)
     assert sorted(want) == sorted(got) == [f"layers.{i}.mlp.gate.e_score_correction_bias"
                                            for i in range(2)], sorted(got)
@@ -373,6 +409,7 @@ def test_train_py_moves_the_correction_biases_as_cp1_does(tmp_path):
                                                "and needs model.moe.score_correction_bias"),
     ({"moe": {"score_correction_bias": True, "bias_update_rate": -1}}, {},
      "model.moe.bias_update_rate=-1"),
+    ({"moe": {"seq_aux_loss_coef": -0.1}}, {}, "model.moe.seq_aux_loss_coef=-0.1 must be"),
     ({"moe": {"routed_scaling_factor": 0}}, {}, "model.moe.routed_scaling_factor=0.0 must be"),
     ({"moe": {"num_experts": 8, "n_group": 3}}, {}, "model.moe.n_group=3 must be >= 1 and "
                                                     "divide model.moe.num_experts=8"),

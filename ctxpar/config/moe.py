@@ -51,6 +51,11 @@ class MoEConfig:
     micro-batch's tokens on every DP x CP rank and all MoE layers)."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss: the mean over tokens and layers of logsumexp(logits)^2."""
+    seq_aux_loss_coef: float = 0.0
+    """Weight of DeepSeek's sequence-level balance loss (DeepSeek-V3 eqs. 17-20: per sample
+    row, E/(k T) sum_e c_e P_e over its T tokens, P_e the mean of the normalised scores;
+    the mean over the micro-batch's rows, summed over the MoE layers), exact when a row is
+    split over CP ranks. A row of packed documents is one sequence."""
     score_correction_bias: bool = False
     """A per-expert bias added to the scores to choose the top-k only, the weights taken
     from the scores without it (DeepSeek-V3's e_score_correction_bias): a buffer, no
@@ -123,7 +128,7 @@ def _check_moe_fields(m, moe: MoEConfig, tp: int, err) -> None:
             err(f"model.moe.{key}={value} is not divisible by parallel.tp={tp}")
     if moe.shared_expert_gate and not moe.shared_expert_hidden:
         err("model.moe.shared_expert_gate=true needs model.moe.shared_expert_hidden > 0")
-    for key in ("aux_loss_coef", "z_loss_coef"):
+    for key in ("aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef"):
         if getattr(moe, key) < 0:
             err(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
     if moe.aux_loss_coef and moe.score != "softmax":
