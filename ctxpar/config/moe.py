@@ -9,6 +9,8 @@
         norm_topk: true           # the k weights renormalised to sum to 1
         shared_expert_hidden: 0   # an always-on shared expert's width (0: none)
         aux_loss_coef: 0.01       # load-balancing loss (transformers' router_aux_loss_coef)
+        # DeepSeek-V3: score: sigmoid, score_correction_bias: true, bias_update_rate: 0.001,
+        # n_group: 8, topk_group: 4, routed_scaling_factor: 2.5, seq_aux_loss_coef: 0.0001
 
 Routing is dropless: every token reaches its top-k experts whatever the batch and layout
 (no capacity, nothing dropped), so a layout change is never a model change. The experts'
