@@ -11,7 +11,9 @@ Parameter for parameter as transformers' Qwen3-MoE / Qwen3-Next sparse blocks:
     gate.e_score_correction_bias (E,)        a buffer: model.moe.score_correction_bias
 
 y = sum over the token's top-k experts of w_j expert_j(x) (+ the shared expert's output,
-times sigmoid(shared_expert_gate x)); the choice and w as ctxpar/moe/router.py's route. Routing is dropless (ctxpar/moe/dispatch.py). Under
+times sigmoid(shared_expert_gate x)); the choice and w as ctxpar/moe/router.py's route;
+with model.moe.capacity_factor the assignments past an expert's capacity over this rank's
+tokens are dropped (ctxpar/moe/capacity.py: layout-dependent). Routing is dropless (ctxpar/moe/dispatch.py). Under
 EP each rank holds E/ep consecutive experts (the tensors' first dim split over the EP group,
 a sub-group of DP x CP: ``expert_shard`` on the parameters) and all-to-alls the rows;
 under TP every expert's f is split like a dense MLP's (column then row), each routed row
@@ -30,7 +32,8 @@ import torch.nn.functional as F
 
 from ctxpar.config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
 from ctxpar.memory.tiled_mlp import gate_activation, up_activation
-from ctxpar.moe import RouterStats, balance_bias_update, dispatch_combine, route
+from ctxpar.moe import (RouterStats, balance_bias_update, dispatch_combine,
+                        drop_over_capacity, route)
 from ctxpar.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                     reduce_from_tensor_model_parallel_region)
 from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -140,6 +143,8 @@ class MoE(nn.Module):
                                 m.n_group, m.topk_group, m.routed_scaling_factor)
         if self.stats is not None:
             self.stats.add(logits, chosen, batch=shape[0])
+        if m.capacity_factor is not None:  # this rank's tokens: layout-dependent
+            chosen = drop_over_capacity(chosen, m.num_experts, m.capacity_factor)
         rows = copy_to_tensor_model_parallel_region(x, self.tp_group)
         y = dispatch_combine(rows, weights, chosen, self.moe.num_experts, self._experts,
                              self.ep_group)                       # (N, d)

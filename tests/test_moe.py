@@ -205,6 +205,19 @@ def _reference(cfg, cu_seqlens=None):
             r.seq_aux_loss)
 
 
+def _reference_rows_apart(cfg):
+    """One process, each sample row a forward of its own (a capacity factor's N is a
+    rank's tokens: at cp 1 x dp 4 one row); the token loss and gradients only (no router
+    loss in the step, their values per row not the batch's)."""
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    tokens, labels = _batch()
+    loss = sum(model(tokens[b:b + 1], torch.arange(N), labels[b:b + 1])
+               for b in range(BATCH)) / (labels != -100).sum()
+    loss.backward()
+    return (loss.detach(), None, None,
+            {n: p.grad.clone() for n, p in model.named_parameters()}, {}, None)
+
+
 def _grid_case(rank, world, payload):
     import torch.distributed as dist
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
@@ -265,6 +278,10 @@ ROUTINGS = {
 # Three documents packed in each row (attention stays inside each; the sequence-level loss
 # is the row's: its counts over the row's CP ranks)
 PACKED = {"deepseek": torch.tensor([0, 12, 20, N], dtype=torch.int32)}
+# A capacity of ceil(0.5 x 32 x 2 / 8) = 4 assignments per expert and layer on a rank's one
+# row: half of them dropped at least, before and across the EP all-to-all
+ROUTINGS["capacity"] = replace(GPT_CFG, moe=replace(GPT_CFG.moe, capacity_factor=0.5,
+                                                    aux_loss_coef=0.0, z_loss_coef=0.0))
 CASES = [("top2", grid) for grid in GRIDS] + [
     ("top8", (1, 2, 4, "striped", "allgather")),  # 4 of the 16 experts a rank
     ("top8", (2, 2, 2, "zigzag", "ring")),
@@ -274,20 +291,23 @@ CASES = [("top2", grid) for grid in GRIDS] + [
     ("deepseek", (1, 4, 4, "contiguous", "ulysses")),
     ("deepseek", (2, 2, 2, "striped", "allgather")),
     ("deepseek", (1, 1, 2, "zigzag", "ring")),     # cp 1: whole rows on each rank
+    ("capacity", (1, 1, 2, "zigzag", "ring")),     # dp 4: a row a rank, as the reference's
+    ("capacity", (1, 1, 4, "zigzag", "ring")),
 ]
 
 
 def test_moe_gpt_over_the_grid_equals_one_process():
     results = run_distributed(_grid_case, 4, pickle.dumps(CASES), timeout=240)
-    references = {name: _reference(cfg, PACKED.get(name)) for name, cfg in ROUTINGS.items()}
+    references = {name: _reference_rows_apart(cfg) if cfg.moe.capacity_factor else
+                  _reference(cfg, PACKED.get(name)) for name, cfg in ROUTINGS.items()}
     for i, (routing, grid) in enumerate(CASES):
         loss, aux, z, grads, biases, seq = references[routing]
         for rank, per_case in enumerate(results):
             got, where = per_case[i], f"{routing} tp,cp,ep,layout,comm={grid} rank {rank}"
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
-            torch.testing.assert_close(got["aux"], aux, **TOL, msg=where)
-            torch.testing.assert_close(got["z"], z, **TOL, msg=where)
-            torch.testing.assert_close(got["seq"], seq, **TOL, msg=where)
+            for key, want in (("aux", aux), ("z", z), ("seq", seq)):
+                if want is not None:
+                    torch.testing.assert_close(got[key], want, **TOL, msg=f"{where} {key}")
             for name, g in grads.items():
                 torch.testing.assert_close(got["grads"][name], g, **TOL,
                                            msg=f"{where} grad {name}")
@@ -310,6 +330,39 @@ def test_an_expert_without_tokens_gets_a_zero_gradient():
     assert moe.experts.gate_up_proj.grad[6:].abs().max() == 0
     assert moe.experts.down_proj.grad[6:].abs().max() == 0
     assert moe.experts.gate_up_proj.grad[:6].abs().amax(dim=(1, 2)).min() > 0
+
+
+def test_a_capacity_factor_drops_the_assignments_past_each_experts_capacity():
+    """capacity = ceil(cf N k / E) over the layer's N tokens, taken in token order: the
+    dropped assignments by hand, and the layer equals the dropless one with their weights
+    zeroed (output, every gradient) while its experts run on the kept rows only."""
+    from ctxpar.moe import dispatch_combine, drop_over_capacity, route
+    chosen = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0], [1, 0], [2, 3]])
+    # capacity ceil(1.0 x 6 x 2 / 4) = 3: expert 0's 4th and 5th (tokens 3, 4) drop
+    assert drop_over_capacity(chosen, 4, 1.0).tolist() == \
+        [[0, 1], [0, 2], [0, 1], [3, -1], [1, -1], [2, 3]]
+    assert drop_over_capacity(chosen, 4, 1.5).tolist() == chosen.tolist()  # capacity 5
+    torch.manual_seed(0)
+    moe = MoE(_moe_cfg(router_bias=True, capacity_factor=1.0))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+        moe.gate.bias[0] = 2.0  # expert 0 over-subscribed
+    x = torch.randn(2, 16, 32)
+    rows = []
+    run = moe.experts.forward
+    moe.experts.forward = lambda r, c: rows.append(sum(c)) or run(r, c)
+    got = moe(x)
+    del moe.experts.forward
+    weights, chosen = route(moe.gate(x.view(-1, 32)), 2)
+    kept = drop_over_capacity(chosen, 8, 1.0) >= 0
+    assert 0 < (~kept).sum() and rows == [int(kept.sum())], rows  # some dropped, not run
+    want = dispatch_combine(x.view(-1, 32), weights * kept, chosen, 8, moe._experts)
+    torch.testing.assert_close(got.view(-1, 32), want, **TOL)
+    params = list(moe.parameters())
+    for a, b in zip(torch.autograd.grad(got.sum(), params),
+                    torch.autograd.grad(want.sum(), params)):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 # ------------------------------------------------------------ through train.py
@@ -410,6 +463,9 @@ def test_train_py_moves_the_correction_biases_as_cp1_does(tmp_path):
     ({"moe": {"score_correction_bias": True, "bias_update_rate": -1}}, {},
      "model.moe.bias_update_rate=-1"),
     ({"moe": {"seq_aux_loss_coef": -0.1}}, {}, "model.moe.seq_aux_loss_coef=-0.1 must be"),
+    ({"moe": {"capacity_factor": 0}}, {}, "model.moe.capacity_factor=0.0 must be > 0 (null: "
+                                          "dropless)"),
+    ({"moe": {"capacity_factor": -1.25}}, {}, "model.moe.capacity_factor=-1.25 must be > 0"),
     ({"moe": {"routed_scaling_factor": 0}}, {}, "model.moe.routed_scaling_factor=0.0 must be"),
     ({"moe": {"num_experts": 8, "n_group": 3}}, {}, "model.moe.n_group=3 must be >= 1 and "
                                                     "divide model.moe.num_experts=8"),

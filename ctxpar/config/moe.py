@@ -12,8 +12,9 @@
         # DeepSeek-V3: score: sigmoid, score_correction_bias: true, bias_update_rate: 0.001,
         # n_group: 8, topk_group: 4, routed_scaling_factor: 2.5, seq_aux_loss_coef: 0.0001
 
-Routing is dropless: every token reaches its top-k experts whatever the batch and layout
-(no capacity, nothing dropped), so a layout change is never a model change. The experts'
+Routing is dropless by default: every token reaches its top-k experts whatever the batch
+and layout (no capacity, nothing dropped), so a layout change is never a model change;
+capacity_factor, only where set, drops assignments per rank and so depends on the layout. The experts'
 MLP is model.mlp's kind (swiglu, geglu, gelu, relu2).
 """
 from __future__ import annotations
@@ -75,6 +76,12 @@ class MoEConfig:
     its two best biased scores). 1: no groups."""
     topk_group: int = 1
     """Groups each token may use under n_group > 1 (DeepSeek-V3: 4)."""
+    capacity_factor: Optional[float] = None
+    """None: dropless (the default). A number: each expert takes at most
+    ceil(capacity_factor * N * top_k / num_experts) of the assignments of the N tokens one
+    rank routes, the rest dropped in token order (GShard, Switch). N is a rank's share of
+    the batch, so the tokens dropped depend on micro_batch_size, dp and cp: a layout change
+    is then a model change (ctxpar/moe/capacity.py)."""
 
 
 def moe_layer_indices(moe: Optional[MoEConfig], n_layers: int) -> List[int]:
@@ -145,10 +152,13 @@ def _check_moe_fields(m, moe: MoEConfig, tp: int, err) -> None:
 
 
 def _check_routing(moe: MoEConfig, err) -> None:
-    """The router's DeepSeek-V3 options: correction bias, its update, scaling, groups."""
+    """The router's options: DeepSeek-V3's correction bias, its update, scaling, groups;
+    the capacity factor."""
     if moe.bias_update_rate < 0 or (moe.bias_update_rate and not moe.score_correction_bias):
         err(f"model.moe.bias_update_rate={moe.bias_update_rate} must be >= 0 and needs "
             f"model.moe.score_correction_bias=true (got {moe.score_correction_bias})")
+    if moe.capacity_factor is not None and not moe.capacity_factor > 0:
+        err(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (null: dropless)")
     if moe.routed_scaling_factor <= 0:
         err(f"model.moe.routed_scaling_factor={moe.routed_scaling_factor} must be > 0")
     E, G = moe.num_experts, moe.n_group

@@ -9,8 +9,9 @@
 models/moe.py is the layer built from them.
 """
 from .aux import RouterLosses, RouterStats
+from .capacity import drop_over_capacity
 from .dispatch import dispatch_combine, moe_stats, reset_moe_stats
 from .router import balance_bias_update, route
 
 __all__ = ["RouterLosses", "RouterStats", "balance_bias_update", "dispatch_combine",
-           "moe_stats", "reset_moe_stats", "route"]
+           "drop_over_capacity", "moe_stats", "reset_moe_stats", "route"]
