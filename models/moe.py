@@ -91,6 +91,27 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
+class Router(nn.Linear):
+    """The router's logits (transformers' ``gate``) and, with correction_bias, DeepSeek-V3's
+    e_score_correction_bias: a buffer (no gradient, saved with the model) kept in fp32
+    through casts of the model (DeepSpeed's bf16 engine casts every buffer), where its
+    updates of +-bias_update_rate would round away."""
+
+    def __init__(self, d_model: int, num_experts: int, bias: bool, correction_bias: bool,
+                 device=None, dtype=None):
+        super().__init__(d_model, num_experts, bias=bias, device=device, dtype=dtype)
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(
+                num_experts, device=device, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        b = self._buffers.get("e_score_correction_bias")
+        if b is not None and b.dtype != torch.float32:
+            self._buffers["e_score_correction_bias"] = b.float()
+        return self
+
+
 class MoE(nn.Module):
     """The MoE MLP of one layer (module docstring). ep_group: the experts' EP group (None:
     all here); tp_group: each expert's f split; stats: the forward's RouterStats, set by
@@ -103,11 +124,8 @@ class MoE(nn.Module):
         self.moe, self.tp_group, self.ep_group = moe, tp_group, ep_group
         ep, ep_rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group),
                                                        dist.get_rank(ep_group))
-        self.gate = nn.Linear(cfg.d_model, moe.num_experts, bias=moe.router_bias,
-                              device=device, dtype=dtype)
-        if moe.score_correction_bias:  # a buffer (no gradient; saved), fp32 as DeepSeek's
-            self.gate.register_buffer("e_score_correction_bias", torch.zeros(
-                moe.num_experts, device=device, dtype=torch.float32))
+        self.gate = Router(cfg.d_model, moe.num_experts, moe.router_bias,
+                           moe.score_correction_bias, device, dtype)
         self.experts = Experts(cfg, ep_rank, ep, tp_size_of(tp_group), device, dtype)
         self.shared_expert = MLP(replace(cfg, ffn_hidden=moe.shared_expert_hidden), tp_group,
                                  device, dtype) if moe.shared_expert_hidden else None

@@ -112,9 +112,10 @@ def test_deepseek_v3_routing_equals_transformers():
     torch.testing.assert_close(got, want, **TOL)
     for name, a, b in zip(["x", *names], g, g_want):
         torch.testing.assert_close(a, b, **TOL, msg=name)
-    model = GPT(_moe_cfg(score="sigmoid", score_correction_bias=True))
+    model = GPT(_moe_cfg(score="sigmoid", score_correction_bias=True)).bfloat16()
     name = "layers.0.mlp.gate.e_score_correction_bias"  # transformers' name, under layers.0
     assert name in model.state_dict() and name not in dict(model.named_parameters())
+    assert model.state_dict()[name].dtype == torch.float32  # through a bf16 engine's cast
 
 
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 8), (8, 1)])
