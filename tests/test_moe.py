@@ -414,7 +414,9 @@ DEEPSEEK_RUN = ["model.moe={num_experts: 8, top_k: 2, expert_hidden: 64, score: 
                 "topk_group: 1, routed_scaling_factor: 2.5, z_loss_coef: 0.001, "
                 "seq_aux_loss_coef: 0.01, shared_expert_hidden: 32}",
                 "train.steps=6", "train.eval_samples=8", "logging.wandb.mode=disabled",
-                "checkpoint.save_interval=6"]
+                "checkpoint.save_interval=3"]
+DEEPSEEK_CP2 = ["parallel.cp=2", "parallel.dp=2", "parallel.layout=zigzag",
+                "train.micro_batch_size=4", *DEEPSEEK_RUN]
 
 
 def _saved_biases(run_dir):
@@ -423,17 +425,24 @@ def _saved_biases(run_dir):
     return {k: v for k, v in module.items() if k.endswith("e_score_correction_bias")}
 
 
-def test_train_py_moves_the_correction_biases_as_cp1_does(tmp_path):
+@pytest.fixture(scope="module")
+def deepseek_runs(tmp_path_factory):
+    """cp 1 at 8 micro-batches a step and cp2 x dp2 at 2, 6 steps, checkpoints at 3 and 6."""
+    base = tmp_path_factory.mktemp("deepseek")
+    ref, run = str(base / "cp1"), str(base / "cp2")
+    run_train(ref, 1, ["parallel.cp=1", "parallel.dp=1", "train.micro_batch_size=2",
+                       *DEEPSEEK_RUN])
+    run_train(run, 4, DEEPSEEK_CP2)
+    return ref, run
+
+
+def test_train_py_moves_the_correction_biases_as_cp1_does(deepseek_runs):
     """DeepSeek-V3's router through train.py: cp2 x dp2 at 2 micro-batches a step logs cp
     1's losses at 8 micro-batches, and both checkpoints hold the same moved correction
     biases after 6 steps: the aux-free update counts the step's whole batch, every rank
     and micro-batch (models/moe_steps.py), and the biases are saved with the model. The
     sequence-level loss (a mean over equal micro-batches' rows) is logged alike."""
-    ref, run = str(tmp_path / "cp1"), str(tmp_path / "cp2")
-    run_train(ref, 1, ["parallel.cp=1", "parallel.dp=1", "train.micro_batch_size=2",
-                       *DEEPSEEK_RUN])
-    run_train(run, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.layout=zigzag",
-                       "train.micro_batch_size=4", *DEEPSEEK_RUN])
+    ref, run = deepseek_runs
     assert_same_run(run, ref, 6)
     want, got = metric(ref, "moe_seq_aux_loss"), metric(run, "moe_seq_aux_loss")
     for s in got:
@@ -443,6 +452,22 @@ def test_train_py_moves_the_correction_biases_as_cp1_does(tmp_path):
                                            for i in range(2)], sorted(got)
     for name, b in want.items():  # integer counts, the same signs: the same sums of +-rate
         assert b.abs().max() > 0 and torch.equal(got[name], b), (name, got[name], b)
+
+
+def test_a_resumed_deepseek_run_restores_its_correction_biases(deepseek_runs, tmp_path):
+    """cp2 x dp2 resumed from its step-3 checkpoint at the same layout (DeepSpeed's own
+    load: the module's buffers with its parameters) logs the same losses at steps 4-6 and
+    saves the same biases at step 6 as the run that went on."""
+    _, run = deepseek_runs
+    tag = "step_00000003"
+    shutil.copytree(f"{run}/checkpoints/{tag}", tmp_path / "checkpoints" / tag)
+    run_train(str(tmp_path), 4, DEEPSEEK_CP2, extra=["--resume", "auto"])
+    want, got = losses(run), losses(str(tmp_path))
+    assert sorted(got) == [4, 5, 6] and all(  # the same layout: the same reductions
+        abs(got[s] - want[s]) <= 1e-6 * abs(want[s]) for s in got), (got, want)
+    want, got = _saved_biases(run), _saved_biases(str(tmp_path))
+    assert len(want) == 2 and want.keys() == got.keys() and all(
+        torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("model, parallel, msg", [
