@@ -470,6 +470,19 @@ def test_a_resumed_deepseek_run_restores_its_correction_biases(deepseek_runs, tm
         torch.equal(got[k], want[k]) for k in want)
 
 
+def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
+    """generate.py's loader (ctxpar/inference/checkpoint.py) takes the cp2 x dp2 run's step-6
+    checkpoint, biases included, into a one-process model (they were 'unexpected' names)."""
+    from ctxpar.inference.checkpoint import (find_checkpoint, inspect_checkpoint,
+                                             load_run_config, load_weights_)
+    _, run = deepseek_runs
+    ckpt = find_checkpoint(run)
+    model = GPT(load_run_config(ckpt).model)
+    load_weights_(model, inspect_checkpoint(ckpt.path), None)
+    saved, loaded = _saved_biases(run), dict(model.named_buffers())
+    assert len(saved) == 2 and all(torch.equal(loaded[k], b) for k, b in saved.items())
+
+
 @pytest.mark.parametrize("model, parallel, msg", [
     ({"moe": {"num_experts": 4, "top_k": 5}}, {}, "model.moe.top_k=5 must be in [1, "
                                                   "model.moe.num_experts=4]"),
