@@ -557,7 +557,8 @@ class GPT(nn.Module):
         if stats is not None:  # one all-reduce of the routers' counts over DP x CP
             moe = self.cfg.moe
             self.router_losses = stats.losses(moe.aux_loss_coef, moe.z_loss_coef,
-                                              self.dp_cp_group)
+                                              self.dp_cp_group, moe.seq_aux_loss_coef,
+                                              self.cp_group)
         if labels is None:
             return self.lm_logits(x)
         if self.memory.tiled_loss:  # head + loss per tile of tokens: no (B, T/cp, V/tp) logits
@@ -600,12 +601,25 @@ class GPT(nn.Module):
         auxiliary losses, ctxpar/moe/aux.py), None otherwise."""
         if self.cfg.moe is None:
             return None
-        stats = RouterStats(self.cfg.moe.num_experts) if training else None
+        moe = self.cfg.moe
+        stats = RouterStats(moe.num_experts, moe.score, moe.seq_aux_loss_coef > 0) \
+            if training else None
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.stats = stats
         self.router_losses = None
         return stats
+
+    def update_router_biases(self, layer_counts: torch.Tensor) -> None:
+        """After an optimizer step: each MoE layer's aux-free balance update
+        (model.moe.bias_update_rate) from its assignments per expert over the step's whole
+        batch, layer_counts (L_moe, E) in layer order (RouterLosses.layer_counts summed over
+        the micro-batches; the same on every rank)."""
+        moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        if not moe or not self.cfg.moe.bias_update_rate:
+            return
+        for mlp, counts in zip(moe, layer_counts, strict=True):
+            mlp.update_correction_bias(counts)
 
     def head_weight(self) -> torch.Tensor:
         """The head's (V/tp, d) weight: lm_head's, or the embedding's when tied."""

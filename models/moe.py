@@ -10,8 +10,12 @@ Parameter for parameter as transformers' Qwen3-MoE / Qwen3-Next sparse blocks:
     shared_expert.{gate,up,down}_proj        model.moe.shared_expert_hidden > 0
     shared_expert_gate.weight (1, d)         model.moe.shared_expert_gate
 
+    gate.e_score_correction_bias (E,)        a buffer: model.moe.score_correction_bias
+
 y = sum over the token's top-k experts of w_j expert_j(x) (+ the shared expert's output,
-times sigmoid(shared_expert_gate x)). Routing is dropless (ctxpar/moe/dispatch.py). Under
+times sigmoid(shared_expert_gate x)); the choice and w as ctxpar/moe/router.py's route;
+with model.moe.capacity_factor the assignments past an expert's capacity over this rank's
+tokens are dropped (ctxpar/moe/capacity.py: layout-dependent). Routing is dropless (ctxpar/moe/dispatch.py). Under
 EP each rank holds E/ep consecutive experts (the tensors' first dim split over the EP group,
 a sub-group of DP x CP: ``expert_shard`` on the parameters) and all-to-alls the rows;
 under TP every expert's f is split like a dense MLP's (column then row), each routed row
@@ -30,7 +34,8 @@ import torch.nn.functional as F
 
 from ctxpar.config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
 from ctxpar.memory.tiled_mlp import gate_activation, up_activation
-from ctxpar.moe import RouterStats, dispatch_combine, route
+from ctxpar.moe import (RouterStats, balance_bias_update, dispatch_combine,
+                        drop_over_capacity, route)
 from ctxpar.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                     reduce_from_tensor_model_parallel_region)
 from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -106,6 +111,27 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
+class Router(nn.Linear):
+    """The router's logits (transformers' ``gate``) and, with correction_bias, DeepSeek-V3's
+    e_score_correction_bias: a buffer (no gradient, saved with the model) kept in fp32
+    through casts of the model (DeepSpeed's bf16 engine casts every buffer), where its
+    updates of +-bias_update_rate would round away."""
+
+    def __init__(self, d_model: int, num_experts: int, bias: bool, correction_bias: bool,
+                 device=None, dtype=None):
+        super().__init__(d_model, num_experts, bias=bias, device=device, dtype=dtype)
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(
+                num_experts, device=device, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        b = self._buffers.get("e_score_correction_bias")
+        if b is not None and b.dtype != torch.float32:
+            self._buffers["e_score_correction_bias"] = b.float()
+        return self
+
+
 class MoE(nn.Module):
     """The MoE MLP of one layer (module docstring). ep_group: the experts' EP group (None:
     all here); tp_group: each expert's f split; stats: the forward's RouterStats, set by
@@ -118,14 +144,24 @@ class MoE(nn.Module):
         self.moe, self.tp_group, self.ep_group = moe, tp_group, ep_group
         ep, ep_rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group),
                                                        dist.get_rank(ep_group))
-        self.gate = nn.Linear(cfg.d_model, moe.num_experts, bias=moe.router_bias,
-                              device=device, dtype=dtype)
+        self.gate = Router(cfg.d_model, moe.num_experts, moe.router_bias,
+                           moe.score_correction_bias, device, dtype)
         self.experts = Experts(cfg, ep_rank, ep, tp_size_of(tp_group), device, dtype)
         self.shared_expert = MLP(replace(cfg, ffn_hidden=moe.shared_expert_hidden), tp_group,
                                  device, dtype) if moe.shared_expert_hidden else None
         self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False, device=device,
                                             dtype=dtype) if moe.shared_expert_gate else None
         self.stats: Optional[RouterStats] = None
+
+    def correction_bias(self) -> Optional[torch.Tensor]:
+        """DeepSeek-V3's e_score_correction_bias (E,), or None."""
+        return getattr(self.gate, "e_score_correction_bias", None)
+
+    def update_correction_bias(self, counts: torch.Tensor) -> None:
+        """The aux-free balance step from this layer's assignments per expert (E,) over
+        the whole step (every rank's, every micro-batch): the same bias on every rank."""
+        balance_bias_update(self.gate.e_score_correction_bias, counts,
+                            self.moe.bias_update_rate)
 
     def _experts(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
         # every expert's f/tp partial sums completed over TP before the router weights them
@@ -145,9 +181,13 @@ class MoE(nn.Module):
         their partial input gradients over TP."""
         shape, x = x.shape, x.reshape(-1, x.shape[-1])            # (N, d)
         logits = self.gate(x)                                     # (N, E)
-        weights, chosen = route(logits, self.moe.top_k, self.moe.score, self.moe.norm_topk)
+        m = self.moe
+        weights, chosen = route(logits, m.top_k, m.score, m.norm_topk, self.correction_bias(),
+                                m.n_group, m.topk_group, m.routed_scaling_factor)
         if self.stats is not None:
-            self.stats.add(logits, chosen)
+            self.stats.add(logits, chosen, batch=shape[0])
+        if m.capacity_factor is not None:  # this rank's tokens: layout-dependent
+            chosen = drop_over_capacity(chosen, m.num_experts, m.capacity_factor)
         rows = copy_to_tensor_model_parallel_region(x, self.tp_group)
         y = dispatch_combine(rows, weights, chosen, self.moe.num_experts, self._experts,
                              self.ep_group)                       # (N, d)

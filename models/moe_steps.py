@@ -1,8 +1,8 @@
 """The optimizer step of a mixture of experts: the token loss plus the routers' losses.
 
 Each micro-batch's forward leaves the model's RouterLosses (ctxpar/moe/aux.py): this
-rank's share a_r of the load-balancing and z losses of the micro-batch's tokens over DP x
-CP (the shares sum to the whole batch's). The step optimises
+rank's share a_r of the load-balancing, z and sequence-level losses of the micro-batch's
+tokens over DP x CP (the shares sum to the whole batch's). The step optimises
 
     L = (sum_r S_r) / N  +  (1/gas) sum_m A_m        (A_m: micro-batch m's router losses)
 
@@ -10,7 +10,9 @@ so each micro-batch backpropagates loss_for_backward(S_r) + a_r * divisor: DeepS
 scales by 1/gas, sums over the micro-batches and DP x CP and divides by the divisor,
 leaving (1/gas) sum_m dA_m for the routers (models/loss.py's derivation for S_r). The
 metrics line gets the losses (unweighted, the step's mean) and the routed assignments per
-expert, max over mean, over the step (1.0: perfectly balanced).
+expert, max over mean, over the step (1.0: perfectly balanced). After the step's last
+engine.step() the model's aux-free balance update gets the step's counts per layer (over
+every rank and micro-batch: the same on every rank, GPT.update_router_biases).
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ class MoESteps(MicroBatchSteps):
         micro, n_tokens = inputs
         engine, gas, divisor = self.engine, self.gas, self.divisor
         loss_sum = torch.zeros((), device=n_tokens.device)
-        aux = torch.zeros(2, device=n_tokens.device)
-        counts = None
+        aux = torch.zeros(3, device=n_tokens.device)
+        counts = layer_counts = None
         for mb in micro:
             local = engine(mb["tokens"], mb["positions"], mb["labels"],
                            cu_seqlens=mb.get("cu_seqlens"))
@@ -37,10 +39,14 @@ class MoESteps(MicroBatchSteps):
                             + router.share * divisor)
             engine.step()
             loss_sum += local.detach().float()
-            aux += torch.stack([router.aux_loss, router.z_loss]) / gas
+            aux += torch.stack([router.aux_loss, router.z_loss, router.seq_aux_loss]) / gas
             counts = router.tokens_per_expert if counts is None else \
                 counts + router.tokens_per_expert
+            layer_counts = router.layer_counts if layer_counts is None else \
+                layer_counts + router.layer_counts
+        engine.module.update_router_biases(layer_counts)  # after the step: aux-free balance
         loss = global_mean_loss(loss_sum, n_tokens, self.state.dp_cp_group)
         extras = {"moe_aux_loss": aux[0].item(), "moe_z_loss": aux[1].item(),
+                  "moe_seq_aux_loss": aux[2].item(),
                   "moe_expert_load": (counts.max() / counts.mean().clamp(min=1)).item()}
         return StepOutput(loss.item(), extras=extras)

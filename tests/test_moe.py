@@ -5,6 +5,7 @@ every grid that fits four ranks (ep folded over DP x CP, with TP and the CP patt
 against one process: loss, load-balancing and z losses, every gradient."""
 import pickle
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,21 +40,26 @@ def _copy_from(ours, theirs):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-def test_moe_layer_equals_transformers(family):
+@pytest.mark.parametrize("family,experts,top_k,norm", [
+    ("qwen3_moe", 8, 2, True), ("qwen3_next", 8, 2, True),
+    ("qwen3_moe", 16, 8, True),   # Qwen3-30B-A3B's top-8 (of 128)
+    ("qwen3_moe", 8, 1, False),   # Switch's top-1, weighted by its probability
+], ids=["qwen3_moe", "qwen3_next", "qwen3_moe-top8", "qwen3_moe-top1"])
+def test_moe_layer_equals_transformers(family, experts, top_k, norm):
     from transformers import Qwen3MoeConfig, Qwen3NextConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
     shared = family == "qwen3_next"
-    kw = dict(hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-              norm_topk_prob=True)
+    kw = dict(hidden_size=32, num_experts=experts, num_experts_per_tok=top_k,
+              moe_intermediate_size=24, norm_topk_prob=norm)
     torch.manual_seed(0)
     theirs = (Qwen3NextSparseMoeBlock(Qwen3NextConfig(**kw, shared_expert_intermediate_size=40))
               if shared else Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**kw)))
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.2)
-    cfg = _moe_cfg(shared_expert_hidden=40 if shared else 0, shared_expert_gate=shared)
+    cfg = _moe_cfg(shared_expert_hidden=40 if shared else 0, shared_expert_gate=shared,
+                   num_experts=experts, top_k=top_k, norm_topk=norm)
     ours = MoE(cfg)
     _copy_from(ours, theirs)
     x = torch.randn(2, 16, 32, requires_grad=True)
@@ -106,21 +112,90 @@ def test_gpt_oss_experts_equal_transformers_and_their_biases_do_not_decay():
         "gate.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias"}
 
 
-def test_router_losses_equal_transformers_load_balancing_loss():
+def test_deepseek_v3_routing_equals_transformers():
+    """Sigmoid scores, the top-k chosen on scores + e_score_correction_bias among each
+    token's topk_group best of n_group groups, weights from the scores without the bias,
+    normalised and scaled by routed_scaling_factor, an ungated shared expert: transformers'
+    DeepseekV3MoE on the same weights and bias (output and every gradient)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    torch.manual_seed(0)
+    theirs = DeepseekV3MoE(DeepseekV3Config(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=24,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2)
+        theirs.gate.e_score_correction_bias.normal_(0, 0.3)
+    ours = MoE(_moe_cfg(num_experts=16, top_k=4, score="sigmoid", score_correction_bias=True,
+                        n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        shared_expert_hidden=24))
+    mine = dict(ours.named_parameters())
+    names = {n: n.replace("shared_experts.", "shared_expert.")
+             for n, _ in theirs.named_parameters()}
+    assert set(names.values()) == set(mine)
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            mine[names[n]].copy_(p)
+        ours.gate.e_score_correction_bias.copy_(theirs.gate.e_score_correction_bias)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    dy = torch.randn(2, 16, 32)
+    want, got = theirs(x), ours(x)
+    params = [p for _, p in theirs.named_parameters()]
+    g_want = torch.autograd.grad(want, [x, *params], dy)
+    g = torch.autograd.grad(got, [x, *(mine[names[n]] for n, _ in theirs.named_parameters())],
+                            dy)
+    torch.testing.assert_close(got, want, **TOL)
+    for name, a, b in zip(["x", *names], g, g_want):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+    model = GPT(_moe_cfg(score="sigmoid", score_correction_bias=True)).bfloat16()
+    name = "layers.0.mlp.gate.e_score_correction_bias"  # transformers' name, under layers.0
+    assert name in model.state_dict() and name not in dict(model.named_parameters())
+    assert model.state_dict()[name].dtype == torch.float32  # through a bf16 engine's cast
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 8), (8, 1)])
+def test_router_losses_equal_transformers_load_balancing_loss(experts, top_k):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
     g = torch.Generator().manual_seed(1)
-    layers = [torch.randn(40, 8, generator=g, requires_grad=True) for _ in range(3)]
-    stats = RouterStats(8)
+    layers = [torch.randn(40, experts, generator=g, requires_grad=True) for _ in range(3)]
+    stats = RouterStats(experts)
     for logits in layers:
-        stats.add(logits, torch.topk(torch.softmax(logits, -1), 2, dim=-1).indices)
+        stats.add(logits, torch.topk(torch.softmax(logits, -1), top_k, dim=-1).indices)
     got = stats.losses(1.0, 0.0)
-    want = load_balancing_loss_func(tuple(layers), 8, 2)
+    want = load_balancing_loss_func(tuple(layers), experts, top_k)
     torch.testing.assert_close(got.aux_loss, want.detach(), **TOL)
     torch.testing.assert_close(got.share, want, **TOL)  # one process: the share is all
     for a, b in zip(torch.autograd.grad(got.share, layers), torch.autograd.grad(want, layers)):
         torch.testing.assert_close(a, b, **TOL)
     z = torch.cat([torch.logsumexp(x, -1) for x in layers]).square().mean()
     torch.testing.assert_close(stats.losses(0.0, 1.0).share, z, **TOL)
+
+
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_sequence_balance_loss_is_deepseek_v3s(score):
+    """DeepSeek-V3's eqs. 17-20 written out per sequence (f_e = E/(kT) c_e, P_e the mean of
+    the normalised scores, sum_e f_e P_e), averaged over the rows and summed over the layers:
+    RouterStats' value and share (one process: the share is all) and their gradients."""
+    E, k, B, T = 8, 2, 3, 10
+    g = torch.Generator().manual_seed(2)
+    layers = [torch.randn(B * T, E, generator=g, requires_grad=True) for _ in range(2)]
+    stats, want = RouterStats(E, score, sequences=True), 0.0
+    for logits in layers:
+        s = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+        chosen = torch.topk(s, k, dim=-1).indices
+        stats.add(logits, chosen, batch=B)
+        for b in range(B):  # each sequence on its own
+            rows = slice(b * T, (b + 1) * T)
+            f = E / (k * T) * torch.bincount(chosen[rows].reshape(-1), minlength=E)
+            P = (s[rows] / s[rows].sum(-1, keepdim=True)).mean(0)
+            want = want + (f * P).sum() / B
+    got = stats.losses(0.0, 0.0, seq_coef=1.0)
+    torch.testing.assert_close(got.seq_aux_loss, want.detach(), **TOL)
+    torch.testing.assert_close(got.share, want, **TOL)
+    for a, b in zip(torch.autograd.grad(got.share, layers), torch.autograd.grad(want, layers)):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 # ------------------------------------------------------------ a MoE GPT over the grid
@@ -141,14 +216,44 @@ def _batch():
     return tokens, labels
 
 
-def _reference(cfg):
+def _set_biases(model):
+    """Distinct correction biases per layer (the same on every rank), wide enough to change
+    the choice: each layer's e_score_correction_bias where it has one."""
+    g = torch.Generator().manual_seed(11)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def _biases(model):
+    return {n: b.clone() for n, b in model.named_buffers() if "e_score_correction" in n}
+
+
+def _reference(cfg, cu_seqlens=None):
     model = GPT(cfg, options=ModelOptions(seed=SEED))
+    _set_biases(model)
     tokens, labels = _batch()
-    loss = model(tokens, torch.arange(N), labels) / (labels != -100).sum()
+    loss = model(tokens, torch.arange(N), labels, cu_seqlens=cu_seqlens) / \
+        (labels != -100).sum()
     r = model.router_losses
     (loss + r.share).backward()
+    model.update_router_biases(r.layer_counts)
     return (loss.detach(), r.aux_loss, r.z_loss,
-            {n: p.grad.clone() for n, p in model.named_parameters()})
+            {n: p.grad.clone() for n, p in model.named_parameters()}, _biases(model),
+            r.seq_aux_loss)
+
+
+def _reference_rows_apart(cfg):
+    """One process, each sample row a forward of its own (a capacity factor's N is a
+    rank's tokens: at cp 1 x dp 4 one row); the token loss and gradients only (no router
+    loss in the step, their values per row not the batch's)."""
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    tokens, labels = _batch()
+    loss = sum(model(tokens[b:b + 1], torch.arange(N), labels[b:b + 1])
+               for b in range(BATCH)) / (labels != -100).sum()
+    loss.backward()
+    return (loss.detach(), None, None,
+            {n: p.grad.clone() for n, p in model.named_parameters()}, {}, None)
 
 
 def _grid_case(rank, world, payload):
@@ -156,10 +261,11 @@ def _grid_case(rank, world, payload):
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from models.loss import global_mean_loss, global_token_count, loss_for_backward
     out = []
-    for tp, cp, ep, layout, comm in pickle.loads(payload):
+    for routing, (tp, cp, ep, layout, comm) in pickle.loads(payload):
         st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
-        model = GPT(GPT_CFG, ModelGroups.from_state(st),
+        model = GPT(ROUTINGS[routing], ModelGroups.from_state(st),
                     ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
+        _set_biases(model)
         tokens, labels = _batch()
         tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
         dp = st.dp_size
@@ -167,7 +273,7 @@ def _grid_case(rank, world, payload):
         pos = sequence_positions(N, st.cp_group, layout)
         n = global_token_count(lab, st.dp_cp_group)
         reset_moe_stats()
-        loss_sum = model(tok, pos, lab)
+        loss_sum = model(tok, pos, lab, cu_seqlens=PACKED.get(routing))
         r = model.router_losses
         (loss_for_backward(loss_sum, n, dp) + r.share * dp).backward()
         for p in model.parameters():  # DeepSpeed's reduction: experts over their EDP group
@@ -175,7 +281,8 @@ def _grid_case(rank, world, payload):
                 else st.dp_cp_group
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(dp)
-        out.append(dict(loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
+        model.update_router_biases(r.layer_counts)  # the step's counts over DP x CP
+        out.append(dict(biases=_biases(model), seq=r.seq_aux_loss, loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
                         aux=r.aux_loss, z=r.z_loss, grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group),
                         stats=moe_stats()))
     return out
@@ -189,19 +296,62 @@ GRIDS = [  # (tp, cp, ep, layout, cp_comm) on 4 ranks; dp = 4 / (tp cp)
     (1, 1, 2, "zigzag", "ring"),       # no CP: ep over DP alone (dp 4)
 ]
 
+# The routers of the open models, each on the grids where its experts split differently.
+ROUTINGS = {
+    "top2": GPT_CFG,  # Qwen2-MoE / Qwen3-Next: top-2 of 8, a gated shared expert
+    # Qwen3-30B-A3B's top-8 of 16 (it has 128) with an ungated shared expert (DeepSeek's)
+    "top8": replace(GPT_CFG, moe=replace(GPT_CFG.moe, num_experts=16, top_k=8,
+                                         shared_expert_gate=False)),
+    # Switch: top-1, the weight its softmax probability (the router's gradient flows
+    # through the output, not only the losses)
+    "top1": replace(GPT_CFG, moe=replace(GPT_CFG.moe, top_k=1, norm_topk=False,
+                                         shared_expert_hidden=0, shared_expert_gate=False)),
+    # DeepSeek-V3: sigmoid, top-4 of 16 chosen with the correction bias in 2 of 4 groups,
+    # scaled weights, an ungated shared expert, the aux-free bias update
+    "deepseek": replace(GPT_CFG, moe=replace(
+        GPT_CFG.moe, num_experts=16, top_k=4, score="sigmoid", score_correction_bias=True,
+        bias_update_rate=0.01, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        shared_expert_gate=False, aux_loss_coef=0.0, seq_aux_loss_coef=0.1)),
+}
+# Three documents packed in each row (attention stays inside each; the sequence-level loss
+# is the row's: its counts over the row's CP ranks)
+PACKED = {"deepseek": torch.tensor([0, 12, 20, N], dtype=torch.int32)}
+# A capacity of ceil(0.5 x 32 x 2 / 8) = 4 assignments per expert and layer on a rank's one
+# row: half of them dropped at least, before and across the EP all-to-all
+ROUTINGS["capacity"] = replace(GPT_CFG, moe=replace(GPT_CFG.moe, capacity_factor=0.5,
+                                                    aux_loss_coef=0.0, z_loss_coef=0.0))
+CASES = [("top2", grid) for grid in GRIDS] + [
+    ("top8", (1, 2, 4, "striped", "allgather")),  # 4 of the 16 experts a rank
+    ("top8", (2, 2, 2, "zigzag", "ring")),
+    ("top1", (1, 4, 4, "contiguous", "ulysses")),
+    ("top1", (1, 1, 2, "zigzag", "ring")),
+    ("deepseek", (1, 2, 2, "zigzag", "ring")),   # each rank's half of each sequence
+    ("deepseek", (1, 4, 4, "contiguous", "ulysses")),
+    ("deepseek", (2, 2, 2, "striped", "allgather")),
+    ("deepseek", (1, 1, 2, "zigzag", "ring")),     # cp 1: whole rows on each rank
+    ("capacity", (1, 1, 2, "zigzag", "ring")),     # dp 4: a row a rank, as the reference's
+    ("capacity", (1, 1, 4, "zigzag", "ring")),
+]
+
 
 def test_moe_gpt_over_the_grid_equals_one_process():
-    results = run_distributed(_grid_case, 4, pickle.dumps(GRIDS), timeout=240)
-    loss, aux, z, grads = _reference(GPT_CFG)
-    for i, grid in enumerate(GRIDS):
+    results = run_distributed(_grid_case, 4, pickle.dumps(CASES), timeout=240)
+    references = {name: _reference_rows_apart(cfg) if cfg.moe.capacity_factor else
+                  _reference(cfg, PACKED.get(name)) for name, cfg in ROUTINGS.items()}
+    for i, (routing, grid) in enumerate(CASES):
+        loss, aux, z, grads, biases, seq = references[routing]
         for rank, per_case in enumerate(results):
-            got, where = per_case[i], f"tp,cp,ep,layout,comm={grid} rank {rank}"
+            got, where = per_case[i], f"{routing} tp,cp,ep,layout,comm={grid} rank {rank}"
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
-            torch.testing.assert_close(got["aux"], aux, **TOL, msg=where)
-            torch.testing.assert_close(got["z"], z, **TOL, msg=where)
+            for key, want in (("aux", aux), ("z", z), ("seq", seq)):
+                if want is not None:
+                    torch.testing.assert_close(got[key], want, **TOL, msg=f"{where} {key}")
             for name, g in grads.items():
                 torch.testing.assert_close(got["grads"][name], g, **TOL,
                                            msg=f"{where} grad {name}")
+            assert got["biases"].keys() == biases.keys()
+            for name, b in biases.items():  # counts: exact; the biases' update: exact
+                assert torch.equal(got["biases"][name], b), f"{where} {name}"
             assert got["stats"]["dispatch_calls"] == (GPT_CFG.n_layers if grid[2] > 1 else 0)
 
 
@@ -218,6 +368,39 @@ def test_an_expert_without_tokens_gets_a_zero_gradient():
     assert moe.experts.gate_up_proj.grad[6:].abs().max() == 0
     assert moe.experts.down_proj.grad[6:].abs().max() == 0
     assert moe.experts.gate_up_proj.grad[:6].abs().amax(dim=(1, 2)).min() > 0
+
+
+def test_a_capacity_factor_drops_the_assignments_past_each_experts_capacity():
+    """capacity = ceil(cf N k / E) over the layer's N tokens, taken in token order: the
+    dropped assignments by hand, and the layer equals the dropless one with their weights
+    zeroed (output, every gradient) while its experts run on the kept rows only."""
+    from ctxpar.moe import dispatch_combine, drop_over_capacity, route
+    chosen = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0], [1, 0], [2, 3]])
+    # capacity ceil(1.0 x 6 x 2 / 4) = 3: expert 0's 4th and 5th (tokens 3, 4) drop
+    assert drop_over_capacity(chosen, 4, 1.0).tolist() == \
+        [[0, 1], [0, 2], [0, 1], [3, -1], [1, -1], [2, 3]]
+    assert drop_over_capacity(chosen, 4, 1.5).tolist() == chosen.tolist()  # capacity 5
+    torch.manual_seed(0)
+    moe = MoE(_moe_cfg(router_bias=True, capacity_factor=1.0))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+        moe.gate.bias[0] = 2.0  # expert 0 over-subscribed
+    x = torch.randn(2, 16, 32)
+    rows = []
+    run = moe.experts.forward
+    moe.experts.forward = lambda r, c: rows.append(sum(c)) or run(r, c)
+    got = moe(x)
+    del moe.experts.forward
+    weights, chosen = route(moe.gate(x.view(-1, 32)), 2)
+    kept = drop_over_capacity(chosen, 8, 1.0) >= 0
+    assert 0 < (~kept).sum() and rows == [int(kept.sum())], rows  # some dropped, not run
+    want = dispatch_combine(x.view(-1, 32), weights * kept, chosen, 8, moe._experts)
+    torch.testing.assert_close(got.view(-1, 32), want, **TOL)
+    params = list(moe.parameters())
+    for a, b in zip(torch.autograd.grad(got.sum(), params),
+                    torch.autograd.grad(want.sum(), params)):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 # ------------------------------------------------------------ through train.py
@@ -261,6 +444,82 @@ def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_pa
             assert abs(got[s] - want[s]) <= tol * abs(want[s]), (key, s, got[s], want[s])
 
 
+# DeepSeek-V3's router: sigmoid, the correction bias and its aux-free update, 1 of 2
+# groups, scaled weights, the sequence-level balance loss (and a z-loss).
+DEEPSEEK_RUN = ["model.moe={num_experts: 8, top_k: 2, expert_hidden: 64, score: sigmoid, "
+                "score_correction_bias: true, bias_update_rate: 0.01, n_group: 2, "
+                "topk_group: 1, routed_scaling_factor: 2.5, z_loss_coef: 0.001, "
+                "seq_aux_loss_coef: 0.01, shared_expert_hidden: 32}",
+                "train.steps=6", "train.eval_samples=8", "logging.wandb.mode=disabled",
+                "checkpoint.save_interval=3"]
+DEEPSEEK_CP2 = ["parallel.cp=2", "parallel.dp=2", "parallel.layout=zigzag",
+                "train.micro_batch_size=4", *DEEPSEEK_RUN]
+
+
+def _saved_biases(run_dir):
+    path = f"{run_dir}/checkpoints/step_00000006/mp_rank_00_model_states.pt"
+    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    return {k: v for k, v in module.items() if k.endswith("e_score_correction_bias")}
+
+
+@pytest.fixture(scope="module")
+def deepseek_runs(tmp_path_factory):
+    """cp 1 at 8 micro-batches a step and cp2 x dp2 at 2, 6 steps, checkpoints at 3 and 6."""
+    base = tmp_path_factory.mktemp("deepseek")
+    ref, run = str(base / "cp1"), str(base / "cp2")
+    run_train(ref, 1, ["parallel.cp=1", "parallel.dp=1", "train.micro_batch_size=2",
+                       *DEEPSEEK_RUN])
+    run_train(run, 4, DEEPSEEK_CP2)
+    return ref, run
+
+
+def test_train_py_moves_the_correction_biases_as_cp1_does(deepseek_runs):
+    """DeepSeek-V3's router through train.py: cp2 x dp2 at 2 micro-batches a step logs cp
+    1's losses at 8 micro-batches, and both checkpoints hold the same moved correction
+    biases after 6 steps: the aux-free update counts the step's whole batch, every rank
+    and micro-batch (models/moe_steps.py), and the biases are saved with the model. The
+    sequence-level loss (a mean over equal micro-batches' rows) is logged alike."""
+    ref, run = deepseek_runs
+    assert_same_run(run, ref, 6)
+    want, got = metric(ref, "moe_seq_aux_loss"), metric(run, "moe_seq_aux_loss")
+    for s in got:
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+    want, got = _saved_biases(ref), _saved_biases(run)
+    assert sorted(want) == sorted(got) == [f"layers.{i}.mlp.gate.e_score_correction_bias"
+                                           for i in range(2)], sorted(got)
+    for name, b in want.items():  # integer counts, the same signs: the same sums of +-rate
+        assert b.abs().max() > 0 and torch.equal(got[name], b), (name, got[name], b)
+
+
+def test_a_resumed_deepseek_run_restores_its_correction_biases(deepseek_runs, tmp_path):
+    """cp2 x dp2 resumed from its step-3 checkpoint at the same layout (DeepSpeed's own
+    load: the module's buffers with its parameters) logs the same losses at steps 4-6 and
+    saves the same biases at step 6 as the run that went on."""
+    _, run = deepseek_runs
+    tag = "step_00000003"
+    shutil.copytree(f"{run}/checkpoints/{tag}", tmp_path / "checkpoints" / tag)
+    run_train(str(tmp_path), 4, DEEPSEEK_CP2, extra=["--resume", "auto"])
+    want, got = losses(run), losses(str(tmp_path))
+    assert sorted(got) == [4, 5, 6] and all(  # the same layout: the same reductions
+        abs(got[s] - want[s]) <= 1e-6 * abs(want[s]) for s in got), (got, want)
+    want, got = _saved_biases(run), _saved_biases(str(tmp_path))
+    assert len(want) == 2 and want.keys() == got.keys() and all(
+        torch.equal(got[k], want[k]) for k in want)
+
+
+def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
+    """generate.py's loader (ctxpar/inference/checkpoint.py) takes the cp2 x dp2 run's step-6
+    checkpoint, biases included, into a one-process model (they were 'unexpected' names)."""
+    from ctxpar.inference.checkpoint import (find_checkpoint, inspect_checkpoint,
+                                             load_run_config, load_weights_)
+    _, run = deepseek_runs
+    ckpt = find_checkpoint(run)
+    model = GPT(load_run_config(ckpt).model)
+    load_weights_(model, inspect_checkpoint(ckpt.path), None)
+    saved, loaded = _saved_biases(run), dict(model.named_buffers())
+    assert len(saved) == 2 and all(torch.equal(loaded[k], b) for k, b in saved.items())
+
+
 @pytest.mark.parametrize("model, parallel, msg", [
     ({"moe": {"num_experts": 4, "top_k": 5}}, {}, "model.moe.top_k=5 must be in [1, "
                                                   "model.moe.num_experts=4]"),
@@ -277,6 +536,23 @@ def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_pa
     ({"moe": {"num_experts": 8}}, {"pp": 2, "cp": 2}, "not built with parallel.pp=2"),
     ({"moe": {"swiglu_limit": 7.0}, "mlp": "gelu"}, {}, "model.moe.swiglu_limit=7.0 needs "
                                                         "model.mlp='swiglu'"),
+    ({"moe": {"bias_update_rate": 0.001}}, {}, "model.moe.bias_update_rate=0.001 must be >= 0 "
+                                               "and needs model.moe.score_correction_bias"),
+    ({"moe": {"score_correction_bias": True, "bias_update_rate": -1}}, {},
+     "model.moe.bias_update_rate=-1"),
+    ({"moe": {"seq_aux_loss_coef": -0.1}}, {}, "model.moe.seq_aux_loss_coef=-0.1 must be"),
+    ({"moe": {"capacity_factor": 0}}, {}, "model.moe.capacity_factor=0.0 must be > 0 (null: "
+                                          "dropless)"),
+    ({"moe": {"capacity_factor": -1.25}}, {}, "model.moe.capacity_factor=-1.25 must be > 0"),
+    ({"moe": {"routed_scaling_factor": 0}}, {}, "model.moe.routed_scaling_factor=0.0 must be"),
+    ({"moe": {"num_experts": 8, "n_group": 3}}, {}, "model.moe.n_group=3 must be >= 1 and "
+                                                    "divide model.moe.num_experts=8"),
+    ({"moe": {"num_experts": 8, "n_group": 8}}, {}, "model.moe.n_group=8 must be"),
+    ({"moe": {"num_experts": 8, "n_group": 2, "topk_group": 3}}, {},
+     "model.moe.topk_group=3 must be in [1, model.moe.n_group=2]"),
+    ({"moe": {"num_experts": 8, "top_k": 6, "n_group": 4, "topk_group": 2}}, {},
+     "model.moe.topk_group=2 must be in [1, model.moe.n_group=4] with room for "
+     "model.moe.top_k=6"),
 ])
 def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},

@@ -9,9 +9,12 @@
         norm_topk: true           # the k weights renormalised to sum to 1
         shared_expert_hidden: 0   # an always-on shared expert's width (0: none)
         aux_loss_coef: 0.01       # load-balancing loss (transformers' router_aux_loss_coef)
+        # DeepSeek-V3: score: sigmoid, score_correction_bias: true, bias_update_rate: 0.001,
+        # n_group: 8, topk_group: 4, routed_scaling_factor: 2.5, seq_aux_loss_coef: 0.0001
 
-Routing is dropless: every token reaches its top-k experts whatever the batch and layout
-(no capacity, nothing dropped), so a layout change is never a model change. The experts'
+Routing is dropless by default: every token reaches its top-k experts whatever the batch
+and layout (no capacity, nothing dropped), so a layout change is never a model change;
+capacity_factor, only where set, drops assignments per rank and so depends on the layout. The experts'
 MLP is model.mlp's kind (swiglu, geglu, gelu, relu2).
 """
 from __future__ import annotations
@@ -59,6 +62,34 @@ class MoEConfig:
     (None: model.mlp's own activation)."""
     swiglu_alpha: float = 1.702
     """The clamped SwiGLU's sigmoid slope (gpt-oss's swiglu_alpha)."""
+    seq_aux_loss_coef: float = 0.0
+    """Weight of DeepSeek's sequence-level balance loss (DeepSeek-V3 eqs. 17-20: per sample
+    row, E/(k T) sum_e c_e P_e over its T tokens, P_e the mean of the normalised scores;
+    the mean over the micro-batch's rows, summed over the MoE layers), exact when a row is
+    split over CP ranks. A row of packed documents is one sequence."""
+    score_correction_bias: bool = False
+    """A per-expert bias added to the scores to choose the top-k only, the weights taken
+    from the scores without it (DeepSeek-V3's e_score_correction_bias): a buffer, no
+    gradient, saved with the model; bias_update_rate moves it."""
+    bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balance: after each optimizer step every layer's
+    bias_e += rate * sign(mean load - load_e), the loads counted over the step's whole batch
+    (every DP x CP rank, every micro-batch), so the same on every rank and layout
+    (0: the bias stays as loaded). Needs score_correction_bias."""
+    routed_scaling_factor: float = 1.0
+    """The k routed weights times this (after norm_topk; DeepSeek-V3: 2.5)."""
+    n_group: int = 1
+    """Group-limited routing (DeepSeek-V3: 8): the experts in n_group groups of consecutive
+    experts, a token's k chosen among its topk_group best groups (each scored by the sum of
+    its two best biased scores). 1: no groups."""
+    topk_group: int = 1
+    """Groups each token may use under n_group > 1 (DeepSeek-V3: 4)."""
+    capacity_factor: Optional[float] = None
+    """None: dropless (the default). A number: each expert takes at most
+    ceil(capacity_factor * N * top_k / num_experts) of the assignments of the N tokens one
+    rank routes, the rest dropped in token order (GShard, Switch). N is a rank's share of
+    the batch, so the tokens dropped depend on micro_batch_size, dp and cp: a layout change
+    is then a model change (ctxpar/moe/capacity.py)."""
 
 
 def moe_layer_indices(moe: Optional[MoEConfig], n_layers: int) -> List[int]:
@@ -117,14 +148,34 @@ def _check_moe_fields(m, moe: MoEConfig, tp: int, err) -> None:
             f"> 0 (model.mlp={m.mlp!r})")
     if moe.shared_expert_gate and not moe.shared_expert_hidden:
         err("model.moe.shared_expert_gate=true needs model.moe.shared_expert_hidden > 0")
-    for key in ("aux_loss_coef", "z_loss_coef"):
+    for key in ("aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef"):
         if getattr(moe, key) < 0:
             err(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
     if moe.aux_loss_coef and moe.score != "softmax":
         err(f"model.moe.aux_loss_coef={moe.aux_loss_coef} with model.moe.score="
             f"{moe.score!r}: the load-balancing loss is the softmax routers' (transformers' "
             f"load_balancing_loss_func)")
+    _check_routing(moe, err)
     if moe.layers is not None and (len(set(moe.layers)) != len(moe.layers) or any(
             not 0 <= i < m.n_layers for i in moe.layers)):
         err(f"model.moe.layers={moe.layers} must be distinct layer indices in "
             f"[0, model.n_layers={m.n_layers})")
+
+
+def _check_routing(moe: MoEConfig, err) -> None:
+    """The router's options: DeepSeek-V3's correction bias, its update, scaling, groups;
+    the capacity factor."""
+    if moe.bias_update_rate < 0 or (moe.bias_update_rate and not moe.score_correction_bias):
+        err(f"model.moe.bias_update_rate={moe.bias_update_rate} must be >= 0 and needs "
+            f"model.moe.score_correction_bias=true (got {moe.score_correction_bias})")
+    if moe.capacity_factor is not None and not moe.capacity_factor > 0:
+        err(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (null: dropless)")
+    if moe.routed_scaling_factor <= 0:
+        err(f"model.moe.routed_scaling_factor={moe.routed_scaling_factor} must be > 0")
+    E, G = moe.num_experts, moe.n_group
+    if G < 1 or E % G or (G > 1 and E // G < 2):
+        err(f"model.moe.n_group={G} must be >= 1 and divide model.moe.num_experts={E} into "
+            f"groups of >= 2 experts")
+    elif not 1 <= moe.topk_group <= G or moe.top_k > moe.topk_group * (E // G):
+        err(f"model.moe.topk_group={moe.topk_group} must be in [1, model.moe.n_group={G}] "
+            f"with room for model.moe.top_k={moe.top_k} in {moe.topk_group} groups of {E // G}")

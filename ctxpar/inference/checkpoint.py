@@ -239,12 +239,17 @@ def merge_tp_shards(shards: List[Dict[str, torch.Tensor]], model, path: str
 
 @torch.no_grad()
 def load_weights_(model, files: CheckpointFiles, tp_group) -> None:
-    """Copy the checkpoint's weights into `model` (a ctxpar.interfaces.CausalLM at any tp and cp)."""
+    """Copy the checkpoint's weights into `model` (a ctxpar.interfaces.CausalLM at any tp and
+    cp), and the buffers it saved (replicated: a MoE router's e_score_correction_bias)."""
     n_layers, tp_size = model.cfg.n_layers, tp_size_of(tp_group)
     names = {n for n, _ in model.named_parameters()}
     ranks = [tp_rank_of(tp_group)] if files.tp == tp_size else range(files.tp)
     shards = [read_shard(files, r, n_layers) for r in ranks]
-    missing, unexpected = sorted(names - set(shards[0])), sorted(set(shards[0]) - names)
+    buffers = dict(model.named_buffers())
+    for name in buffers.keys() & shards[0].keys():
+        buffers[name].copy_(shards[0][name])
+    missing = sorted(names - set(shards[0]))
+    unexpected = sorted(set(shards[0]) - names - buffers.keys())
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {files.path} does not match the run's model: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -13,8 +13,9 @@ are all-reduced (counts, no gradient) and each rank keeps the differentiable sha
     a_r = E * sum_e (c_e / R) (P_e,r / R)        sum over ranks of a_r = A
 
 whose gradients, summed over the ranks by the usual gradient reduction, are exactly A's.
-The z-loss (mean over rows of logsumexp(logits)^2) splits the same way. ``losses`` returns
-each rank's share for backward and the global values for the metrics.
+The z-loss (mean over rows of logsumexp(logits)^2) splits the same way, and so does
+DeepSeek's sequence-level balance loss (seq_aux.py: its counts per sequence over CP).
+``losses`` returns each rank's share for backward and the global values for the metrics.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from .seq_aux import SequenceBalance
+
 
 @dataclass
 class RouterLosses:
@@ -31,40 +34,58 @@ class RouterLosses:
     aux_loss: torch.Tensor     # the load-balancing loss A of the whole batch (unweighted)
     z_loss: torch.Tensor       # the z-loss of the whole batch (unweighted)
     tokens_per_expert: torch.Tensor  # (E,) assignments over the batch and layers
+    layer_counts: torch.Tensor       # (L, E) assignments over the batch, per MoE layer
+    seq_aux_loss: torch.Tensor       # DeepSeek's sequence-level balance loss (unweighted)
 
 
 class RouterStats:
     """What each MoE layer of one forward pass adds (its logits and chosen experts)."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, score: str = "softmax", sequences: bool = False):
+        """sequences: keep what DeepSeek's sequence-level balance loss needs (seq_aux.py),
+        from the router's ``score`` ('softmax' or 'sigmoid')."""
         self.num_experts = num_experts
-        self.counts = None             # (E,) fp32 assignments, this rank
+        self.seq = SequenceBalance(num_experts, score) if sequences else None
+        self.batch = 0                 # this rank's sample rows
+        self.layer_counts: List[torch.Tensor] = []  # per layer (E,) fp32, this rank
         self.prob_sums: List[torch.Tensor] = []   # per layer (E,), differentiable
         self.z_sums: List[torch.Tensor] = []      # per layer (), differentiable
         self.rows = 0
 
-    def add(self, logits: torch.Tensor, experts: torch.Tensor) -> None:
-        """One layer's router logits (N, E) and its chosen experts (N, k)."""
+    def add(self, logits: torch.Tensor, experts: torch.Tensor, batch: int = 1) -> None:
+        """One layer's router logits (N, E) and its chosen experts (N, k) of batch rows."""
         logits = logits.float()
-        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
-        self.counts = counts if self.counts is None else self.counts + counts
+        self.batch = batch
+        if self.seq is not None:
+            self.seq.add(logits, experts, batch)
+        self.layer_counts.append(
+            torch.bincount(experts.reshape(-1), minlength=self.num_experts).float())
         self.prob_sums.append(torch.softmax(logits, dim=-1).sum(dim=0))
         self.z_sums.append(torch.logsumexp(logits, dim=-1).square().sum())
         self.rows += logits.shape[0]
 
-    def losses(self, aux_coef: float, z_coef: float, group=None) -> RouterLosses:
-        """Collective over `group` (the ranks holding the batch's tokens: DP x CP): the
-        weighted share aux_coef a_r + z_coef z_r and the global values."""
-        E = self.num_experts
-        counts = torch.cat([self.counts, self.counts.new_tensor([self.rows])])
+    def losses(self, aux_coef: float, z_coef: float, group=None, seq_coef: float = 0.0,
+               cp_group=None) -> RouterLosses:
+        """Collective over `group` (the ranks holding the batch's tokens: DP x CP) and, with
+        the sequence-level loss, over cp_group: the weighted share aux_coef a_r + z_coef z_r
+        + seq_coef s_r and the global values."""
+        E, L = self.num_experts, len(self.layer_counts)
+        per_layer = torch.stack(self.layer_counts)                 # (L, E)
+        counts = torch.cat([per_layer.reshape(-1),
+                            per_layer.new_tensor([self.rows, self.batch])])
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
-        counts, rows = counts[:E], counts[E].clamp(min=1.0)
+        per_layer, rows = counts[:L * E].view(L, E), counts[L * E].clamp(min=1.0)
+        cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+        sequences = counts[L * E + 1] / cp                         # each row on cp ranks
+        counts = per_layer.sum(0)                                  # (E,) over the layers
         prob = torch.stack(self.prob_sums).sum(0)                 # (E,) this rank's rows
         aux_share = E * (counts / rows * prob / rows).sum()
         z_share = torch.stack(self.z_sums).sum() / rows
-        values = torch.stack([aux_share.detach(), z_share.detach()])
+        seq_share = (self.seq.share(sequences, cp_group) if self.seq is not None
+                     else z_share.new_zeros(()))
+        values = torch.stack([aux_share.detach(), z_share.detach(), seq_share.detach()])
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(values, group=group)
-        return RouterLosses(aux_coef * aux_share + z_coef * z_share, values[0], values[1],
-                            counts)
+        share = aux_coef * aux_share + z_coef * z_share + seq_coef * seq_share
+        return RouterLosses(share, values[0], values[1], counts, per_layer, values[2])

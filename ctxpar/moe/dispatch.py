@@ -13,7 +13,8 @@ every token's k choices:
     5. the reverse all-to-all; each assignment's row weighted by its router weight and
        summed into its token
 
-Nothing is dropped or padded: the bytes sent are the routed rows' (moe_stats counts them),
+Nothing is dropped or padded (but the assignments a capacity factor dropped before, -1:
+capacity.py): the bytes sent are the routed rows' (moe_stats counts them),
 and an expert with no rows runs on an empty slice, its weights' gradient zero. Rows a rank
 keeps for its own experts travel through the all-to-all's local slot, not the network.
 """
@@ -68,31 +69,37 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
                      num_experts: int, run_experts: Callable, ep_group=None) -> torch.Tensor:
     """x (N, d), weights (N, k) fp32, experts (N, k) -> (N, d): sum_j w_j expert_j(x).
 
+    An expert index -1 is an assignment dropped (capacity.py): not sent, adding nothing.
     run_experts(rows (M, d), counts (E/ep,) ints) -> (M, d): this rank's experts over rows
     grouped by local expert, counts[i] rows for local expert i."""
     N, k = experts.shape
     ep = _group_size(ep_group)
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)                      # assignments by expert
-    counts = torch.bincount(flat, minlength=num_experts)          # (E,)
-    rows = x[order // k]                                          # (N k, d) by expert
+    key = flat.masked_fill(flat < 0, num_experts)                 # dropped ones sort last
+    order = torch.argsort(key, stable=True)                       # assignments by expert
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]   # (E,)
     if ep == 1:
-        out = run_experts(rows, counts.tolist())
+        sizes = counts.tolist()                                   # the one host sync
+        order = order[:sum(sizes)]                                # the kept assignments
+        out = run_experts(x[order // k], sizes)                   # (M, d) by expert
     else:
-        out = _over_ep(rows, counts, num_experts, run_experts, ep_group)
-    y = torch.empty_like(out).index_copy(0, order, out)           # back in assignment order
+        order, out = _over_ep(x, order, k, counts, num_experts, run_experts, ep_group)
+    y = out.new_zeros((N * k, out.shape[1])).index_copy(0, order, out)  # assignment order
     y = y.view(N, k, -1) * weights.unsqueeze(-1).to(y.dtype)
     return y.sum(dim=1)
 
 
-def _over_ep(rows, counts, num_experts, run_experts, group):
-    """Steps 2-5 of the module docstring for rows sorted by expert."""
+def _over_ep(x, order, k, counts, num_experts, run_experts, group):
+    """Steps 2-5 of the module docstring for the assignments in ``order`` (by expert, the
+    dropped ones last): (the kept ones' order, their rows out)."""
     ep, me = dist.get_world_size(group), dist.get_rank(group)
     local = num_experts // ep
     send = counts.view(ep, local)                                 # [dest rank, its expert]
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send.contiguous(), group=group)  # [source rank, my expert]
     in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    order = order[:sum(in_splits)]                                # the kept assignments
+    rows = x[order // k]                                          # (M, d) by expert
     got = _all_to_all(rows, out_splits, in_splits, group)        # by source, then expert
     # regroup by my expert: the local expert of each received row, stably sorted
     expert_of = torch.repeat_interleave(
@@ -105,4 +112,4 @@ def _over_ep(rows, counts, num_experts, run_experts, group):
     _STATS["dispatch_calls"] += 1
     _STATS["rows_sent"] += sent
     _STATS["bytes_sent"] += sent * rows.shape[1] * rows.element_size()
-    return _all_to_all(back, in_splits, out_splits, group)
+    return order, _all_to_all(back, in_splits, out_splits, group)

@@ -5,20 +5,57 @@
     sigmoid   p = sigmoid(logits) per expert; the k largest (DeepSeek-V3)
 
 norm_topk divides the k weights by their sum (transformers' norm_topk_prob). Weights come
-back in fp32; ties go to the lower expert index (torch.topk's order on CPU and CUDA)."""
+back in fp32; ties go to the lower expert index (torch.topk's order on CPU and CUDA).
+
+DeepSeek-V3's choice (transformers' DeepseekV3TopkRouter, the rule of its
+``e_score_correction_bias``) is made on p + bias, the weights taken from p without it:
+
+    bias                 (E,) per expert, no gradient: the aux-free balance
+                         (``balance_bias_update``) moves it between steps
+    n_group, topk_group  group-limited routing: the E experts in n_group groups of
+                         consecutive experts, each group scored by the sum of its two best
+                         p + bias; the k experts are chosen among the topk_group best groups
+    scaling              the k weights times routed_scaling_factor (after norm_topk)
+"""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 
-def route(logits: torch.Tensor, top_k: int, score: str = "softmax",
-          norm_topk: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, score: str = "softmax", norm_topk: bool = True,
+          bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+          scaling: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """logits (N, E) -> (weights (N, k) fp32, experts (N, k) int64)."""
     logits = logits.float()
     probs = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    choice = probs.detach() if bias is None else probs.detach() + bias.float()
+    if n_group > 1:
+        choice = _best_groups_only(choice, n_group, topk_group)
+    experts = torch.topk(choice, top_k, dim=-1).indices               # (N, k)
+    weights = probs.gather(1, experts)                                # (N, k)
     if norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+    return (weights * scaling if scaling != 1.0 else weights), experts
+
+
+def _best_groups_only(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """choice (N, E) with the experts outside each token's topk_group best groups at -inf
+    (a group's score: the sum of its two best choices, as DeepSeek-V3's)."""
+    N, E = choice.shape
+    groups = choice.view(N, n_group, E // n_group)                    # (N, G, E/G)
+    group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)          # (N, G)
+    best = torch.topk(group_scores, topk_group, dim=-1).indices       # (N, topk_group)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, E)
+
+
+@torch.no_grad()
+def balance_bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balance (Wang et al., "Auxiliary-Loss-Free Load
+    Balancing Strategy for Mixture-of-Experts"): after a step, each expert's bias moves by
+    rate towards the mean load, bias_e += rate * sign(mean_e' c_e' - c_e), from counts (E,)
+    the step's assignments to each expert (the same on every rank: the global batch's)."""
+    counts = counts.float()
+    bias.add_(rate * torch.sign(counts.mean() - counts).to(bias.dtype))
