@@ -61,24 +61,32 @@ def param_groups(model, weight_decay):
 
     decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
     other = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": other, "weight_decay": 0.0}]
+    return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
+            {"name": "no_decay", "params": other, "weight_decay": 0.0}]
 
 
 def initialize_engine(model, cfg, state, ds_config, device):
-    """ZeRO-3's partitioning over dp x cp, AdamW and its schedule, and DeepSpeed's engine
-    over them. Returns (engine, scheduler)."""
+    """ZeRO-3's partitioning over dp x cp, expert parallelism's groups, AdamW and its
+    schedule, and DeepSpeed's engine over them. Returns (engine, scheduler)."""
     import deepspeed
+
+    from ctxpar.distributed.expert_parallel import (dense_checkpoints, moe_param_groups,
+                                                    prepare_expert_parallel)
 
     pipelined = cfg.parallel.pp > 1
     partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
+    groups = param_groups(model, cfg.train.weight_decay)
+    if state.ep_size > 1:  # experts reduced over their EDP group (distributed/expert_parallel.py)
+        prepare_expert_parallel(model, state, cfg.model.moe.num_experts)
+        groups = moe_param_groups(groups)
     # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
     # ctxpar/memory/optimizer.py)
-    optimizer = optimizer_offload.build_optimizer(
-        param_groups(model, cfg.train.weight_decay), cfg.train, ds_config, device)
+    optimizer = optimizer_offload.build_optimizer(groups, cfg.train, ds_config, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=ds_config,
                                            mpu=None if pipelined else DeepSpeedMPU(state))
     record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (distributed/grad_norm.py)
+    if state.ep_size > 1:
+        dense_checkpoints(engine)
     return engine, scheduler

@@ -204,12 +204,16 @@ def moe_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dp,sets", [
-    (2, ["parallel.cp=2", "parallel.layout=zigzag"]),
-    (1, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=ulysses"]),
-], ids=["cp2-dp2", "tp2-cp2-ulysses"])
+    (2, ["parallel.cp=2", "parallel.layout=zigzag", "parallel.ep=2"]),
+    (2, ["parallel.cp=2", "parallel.ep=4", "deepspeed.zero_optimization.stage=2"]),
+    (1, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=ulysses", "parallel.ep=2"]),
+], ids=["cp2-dp2-ep2", "cp2-dp2-ep4-zero2", "tp2-cp2-ulysses-ep2"])
 def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_path, dp, sets):
     """The token loss and the gradient norm (which carries the routers' losses' gradients)
-    equal cp 1's over 6 steps, and so do the routers' losses and the experts' load."""
+    equal cp 1's over 6 steps, and so do the routers' losses and the experts' load, with
+    the experts split over ep ranks folded into DP x CP: their gradients summed over the
+    expert-data-parallel group by DeepSpeed's MoE param groups (ZeRO 1 and 2;
+    ctxpar/distributed/expert_parallel.py)."""
     d = str(tmp_path / "run")
     run_train(d, 4, [*sets, f"parallel.dp={dp}", ONE_MICRO_BATCH[dp], *MOE_RUN])
     assert_same_run(d, moe_reference, 6)
@@ -236,12 +240,17 @@ def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_pa
      "model.moe.aux_loss_coef=0.01 with model.moe.score='sigmoid'"),
     ({"moe": {"shared_expert_gate": True}}, {}, "model.moe.shared_expert_gate=true needs"),
     ({"moe": {"layers": [0, 5]}, "n_layers": 4}, {}, "model.moe.layers=[0, 5] must be"),
-    ({"moe": {"num_experts": 8}}, {"ep": 2, "cp": 2}, "not built with parallel.ep=2"),
+    ({"moe": {"num_experts": 8}, "zero": 3}, {"ep": 2, "cp": 2},
+     "not built with parallel.ep=2 and deepspeed.zero_optimization.stage=3"),
+    ({"moe": {"num_experts": 8}, "zero": 0}, {"ep": 2, "cp": 2},
+     "not built with parallel.ep=2 and deepspeed.zero_optimization.stage=0"),
     ({"moe": {"num_experts": 8}}, {"pp": 2, "cp": 2}, "not built with parallel.pp=2"),
 ])
 def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
+    model = dict(model)
+    zero = {"zero_optimization": {"stage": model.pop("zero")}} if "zero" in model else {}
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
-         "train": {"global_batch_size": 1}}
+         "train": {"global_batch_size": 1}, "deepspeed": zero}
     with pytest.raises(ConfigError) as e:
         config_from_dict(d, check_paths=False)
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -263,6 +272,32 @@ def test_a_tp2_checkpoint_of_a_moe_resumes_at_tp1(moe_reference, tmp_path):
     assert sorted(got) == [4, 5, 6], sorted(got)
     for s in got:  # fp32 weights and Adam states restored exactly; reductions reordered
         assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+
+
+def test_an_expert_parallel_checkpoint_resumes_on_its_layout_only(moe_reference, tmp_path):
+    """cp2 x ep2's step-3 checkpoint resumes at cp2 x ep2 to cp 1's losses: each rank's
+    experts come from its own ZeRO partition, not from the module file (EP rank 0's
+    experts). Resumed on another layout (ep2 -> 1) it exits 2 in one line before start-up:
+    the universal conversion does not know the experts' partitioning."""
+    run, again, other = tmp_path / "ep2", tmp_path / "again", tmp_path / "ep1"
+    sets = ["parallel.cp=2", "parallel.dp=1", "parallel.ep=2", ONE_MICRO_BATCH[1], *MOE_RUN]
+    run_train(str(run), 2, [*sets, "checkpoint.save_interval=3"])
+    assert_same_run(str(run), moe_reference, 6)
+    tag = "step_00000003"
+    for d in (again, other):
+        shutil.copytree(run / "checkpoints" / tag, d / "checkpoints" / tag)
+    run_train(str(again), 2, sets, extra=["--resume", "auto"])
+    want, got = losses(moe_reference), losses(str(again))
+    assert sorted(got) == [4, 5, 6], sorted(got)
+    for s in got:  # fp32 weights and Adam states restored exactly; reductions reordered
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+    proc = run_train(str(other), 2, [s for s in sets if s != "parallel.ep=2"],
+                     extra=["--resume", "auto"], check=False)
+    # the warm launcher reports the ranks' exit 2 as its own 1 (tests/helpers/warm_launch.py)
+    assert proc.returncode != 0 and "exited with code 2" in proc.stderr, proc.stderr[-2000:]
+    line = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert line and "cannot change the layout (ep) of an expert-parallel run" in line[0] \
+        and line[0].endswith("resume on tp1·cp2·pp1·dp1·ep2 ZeRO-1 fp32"), proc.stderr[-2000:]
 
 
 def test_flops_count_the_active_experts():

@@ -29,7 +29,7 @@ from .resume import (CheckpointError, latest_complete, load as load_same_layout,
                      verify)
 from .universal import check_complete, load_into_torch_optimizer, load_meta, naming, to_universal
 
-LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "zero_stage", "dtype")
+LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "ep", "zero_stage", "dtype")
 # model.* fields a resumed run may change: RoPE's frequencies (context extension); shapes
 # must match. model.init_from only matters for a fresh run, model.family for the export.
 MODEL_MAY_CHANGE = ("rope_theta", "rope_scaling", "init_from", "family")
@@ -41,14 +41,16 @@ def layout_of(cfg, dp: int) -> Dict[str, Any]:
     dtype = ("bf16" if (ds.get("bf16") or {}).get("enabled") else
              "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32")
     p = cfg.parallel
-    return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp,
+    return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp, "ep": p.ep,
             "zero_stage": int((ds.get("zero_optimization") or {}).get("stage", 0)),
             "dtype": dtype, "order": p.order}
 
 
 def describe(layout: Dict[str, Any]) -> str:
-    """'tp2·cp2·pp1·dp1 ZeRO-1 fp32'"""
+    """'tp2·cp2·pp1·dp1 ZeRO-1 fp32' ('·ep2' after dp under expert parallelism)"""
     grid = "·".join(f"{k}{layout[k]}" for k in ("tp", "cp", "pp", "dp"))
+    if layout.get("ep", 1) > 1:
+        grid += f"·ep{layout['ep']}"
     return f"{grid} ZeRO-{layout['zero_stage']} {layout['dtype']}"
 
 
@@ -155,8 +157,15 @@ def resume_point(save_dir: str, resume: str, cfg, world_size: int,
     saved = manifest.get("layout")
     if saved is None:  # a marker from before manifests: only the layout that wrote it
         return ResumePoint(save_dir, tag, manifest, now)
+    saved = {"ep": 1, **saved}  # manifests from before expert parallelism
     changed = {k: (saved[k], now[k]) for k in LAYOUT_KEYS if saved[k] != now[k]}
     point = ResumePoint(save_dir, tag, manifest, now, changed)
+    if point.universal and max(saved["ep"], now["ep"]) > 1:
+        raise CheckpointError(
+            f"{tag_dir}: cannot change the layout ({', '.join(changed)}) of an expert-parallel "
+            f"run (saved on {describe(saved)}, now {describe(now)}): DeepSpeed's universal "
+            f"conversion merges ZeRO partitions over dp x cp, the experts' lie over their "
+            f"expert-data-parallel group; resume on {describe(saved)}")
     if point.universal:
         for which, layout in (("saved on", saved), ("resumed on", now)):
             if optimizer_kind(layout) is None:
@@ -190,7 +199,13 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
     find in the converted checkpoint.
     """
     if not point.universal:
-        return load_same_layout(engine, point.save_dir, point.tag)
+        client_state = load_same_layout(engine, point.save_dir, point.tag)
+        if point.now.get("ep", 1) > 1:
+            # the module file holds EP rank 0's experts; every rank's own are the fp32
+            # partitions its ZeRO shard restored: copy them into the weights the next
+            # forward reads (distributed/expert_parallel.py)
+            engine.optimizer.update_lp_params()
+        return client_state
     m = cfg.model
     pipelined = cfg.parallel.pp > 1
     target = naming(pipelined, m.n_layers, m.tie_embeddings)

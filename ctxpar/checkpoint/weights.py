@@ -83,6 +83,11 @@ def check_init_from(cfg) -> InitSource:
         return InitSource(path, "hf", changed, family=fields["family"], note=hf.left_out(path))
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
+    ep = (manifest.get("layout") or {}).get("ep", 1)
+    if ep > 1:  # its module file holds one EP rank's experts (distributed/expert_parallel.py)
+        raise CheckpointError(f"model.init_from={path}: a checkpoint of an expert-parallel run "
+                              f"(parallel.ep={ep}) initialises only the run that resumes it on "
+                              f"its own layout (--resume), not model.init_from")
     fields = vars(saved_model(manifest, tag_dir))
     changed = hf.check_matches(cfg.model, fields, tag_dir)
     if cfg.model.family is None:  # a chain of runs keeps the family of the first folder
@@ -163,6 +168,11 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32,
     """
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
+    ep = (manifest.get("layout") or {}).get("ep", 1)
+    if ep > 1:  # its module file holds one EP rank's experts (distributed/expert_parallel.py)
+        raise CheckpointError(f"model.init_from={path}: a checkpoint of an expert-parallel run "
+                              f"(parallel.ep={ep}) initialises only the run that resumes it on "
+                              f"its own layout (--resume), not model.init_from")
     m = saved_model(manifest, tag_dir)
     hf.family_config(m)  # refuse a model no family holds before converting anything
     tokenizer = ((manifest.get("config") or {}).get("data") or {}).get("tokenizer")
