@@ -141,6 +141,7 @@ def _grid_case(rank, world, payload):
         out.append(dict(loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
                         aux=r.aux_loss, z=r.z_loss, grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group),
                         stats=moe_stats()))
+    out.append(_dispatch_bytes_case(rank, world))
     return out
 
 
@@ -153,8 +154,13 @@ GRIDS = [  # (tp, cp, ep, layout, cp_comm) on 4 ranks; dp = 4 / (tp cp)
 ]
 
 
-def test_moe_gpt_over_the_grid_equals_one_process():
-    results = run_distributed(_grid_case, 4, pickle.dumps(GRIDS), timeout=240)
+@pytest.fixture(scope="module")
+def grid_results():
+    return run_distributed(_grid_case, 4, pickle.dumps(GRIDS), timeout=240)
+
+
+def test_moe_gpt_over_the_grid_equals_one_process(grid_results):
+    results = grid_results
     loss, aux, z, grads = _reference(GPT_CFG)
     for i, grid in enumerate(GRIDS):
         for rank, per_case in enumerate(results):
@@ -306,3 +312,52 @@ def test_flops_count_the_active_experts():
     experts = sum(s.numel() for s in specs if ".experts." in s.name)
     total = sum(s.numel() for s in specs)
     assert experts > 0 and active_parameters(GPT_CFG) == total - experts * (1 - 2 / 8)
+
+
+def _dispatch_bytes_case(rank, world):
+    """dispatch_combine over ep = world with every all_to_all_single's input bytes bound
+    for another rank counted at the call (the counts' exchange included)."""
+    import torch.distributed as dist
+    import ctxpar.moe.dispatch as dispatch
+    from ctxpar.moe import dispatch_combine
+
+    sent = [0]
+
+    class Counting:
+        def all_to_all_single(self, out, inp, out_splits=None, in_splits=None, group=None):
+            rows = in_splits if in_splits is not None else [inp.shape[0] // world] * world
+            row_bytes = inp[0].numel() * inp.element_size()
+            sent[0] += sum(n for i, n in enumerate(rows) if i != rank) * row_bytes
+            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+    g = torch.Generator().manual_seed(rank)
+    N, d, E, k = 37, 8, 8, 2
+    x = torch.randn(N, d, generator=g)
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    experts[:5, 0] = 0  # skewed: rank 0's first expert gets more
+    dispatch.dist, real = Counting(), dispatch.dist
+    try:
+        reset_moe_stats()
+        dispatch_combine(x, torch.rand(N, k, generator=g), experts, E,
+                         lambda rows, counts: rows * 2.0, dist.new_group(list(range(world))))
+    finally:
+        dispatch.dist = real
+    owner = (experts // (E // world)).reshape(-1)         # the rank holding each choice
+    return dict(sent=sent[0], stats=moe_stats(), d=d, count_bytes=(world - 1) * E // world * 8,
+                to=torch.bincount(owner, minlength=world).tolist())
+
+
+def test_the_all_to_all_sends_the_routed_rows_bytes(grid_results):
+    """Every byte the dispatch hands the all-to-all for another rank is the counts' exchange
+    or a routed row (out to the rank holding its expert, its result back): no padding, no
+    capacity; moe_stats counts the same rows. Four ranks, ep 4, a skewed routing."""
+    runs = [per_rank[-1] for per_rank in grid_results]
+    to = [r["to"] for r in runs]  # to[r][j]: rank r's assignments to rank j's experts
+    for rank, r in enumerate(runs):
+        rows = sum(to[rank][j] + to[j][rank] for j in range(len(runs)) if j != rank)
+        assert r["stats"]["rows_sent"] == rows, (rank, r)
+        assert r["stats"]["bytes_sent"] == rows * r["d"] * 4, (rank, r)   # fp32 rows
+        assert r["sent"] == r["stats"]["bytes_sent"] + r["count_bytes"], (rank, r)
