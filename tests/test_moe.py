@@ -213,13 +213,16 @@ def moe_reference(tmp_path_factory):
     (2, ["parallel.cp=2", "parallel.layout=zigzag", "parallel.ep=2"]),
     (2, ["parallel.cp=2", "parallel.ep=4", "deepspeed.zero_optimization.stage=2"]),
     (1, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=ulysses", "parallel.ep=2"]),
-], ids=["cp2-dp2-ep2", "cp2-dp2-ep4-zero2", "tp2-cp2-ulysses-ep2"])
+    (1, ["parallel.cp=2", "parallel.pp=2", "activation_checkpointing.mode=full"]),
+], ids=["cp2-dp2-ep2", "cp2-dp2-ep4-zero2", "tp2-cp2-ulysses-ep2", "cp2-pp2-recompute"])
 def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_path, dp, sets):
     """The token loss and the gradient norm (which carries the routers' losses' gradients)
     equal cp 1's over 6 steps, and so do the routers' losses and the experts' load, with
     the experts split over ep ranks folded into DP x CP: their gradients summed over the
     expert-data-parallel group by DeepSpeed's MoE param groups (ZeRO 1 and 2;
-    ctxpar/distributed/expert_parallel.py)."""
+    ctxpar/distributed/expert_parallel.py), and through the pipeline (each stage's routers'
+    statistics travel to the last stage's loss with the activations, and their gradients
+    back, the blocks recomputed in backward: models/gpt_pipe.py)."""
     d = str(tmp_path / "run")
     run_train(d, 4, [*sets, f"parallel.dp={dp}", ONE_MICRO_BATCH[dp], *MOE_RUN])
     assert_same_run(d, moe_reference, 6)
@@ -250,7 +253,8 @@ def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_pa
      "not built with parallel.ep=2 and deepspeed.zero_optimization.stage=3"),
     ({"moe": {"num_experts": 8}, "zero": 0}, {"ep": 2, "cp": 2},
      "not built with parallel.ep=2 and deepspeed.zero_optimization.stage=0"),
-    ({"moe": {"num_experts": 8}}, {"pp": 2, "cp": 2}, "not built with parallel.pp=2"),
+    ({"moe": {"num_experts": 8}, "zero": 1}, {"pp": 2, "cp": 2, "ep": 2},
+     "not built with parallel.pp=2 and parallel.ep=2"),
 ])
 def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
     model = dict(model)
