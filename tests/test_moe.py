@@ -285,6 +285,7 @@ def _grid_case(rank, world, payload):
         out.append(dict(biases=_biases(model), seq=r.seq_aux_loss, loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
                         aux=r.aux_loss, z=r.z_loss, grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group),
                         stats=moe_stats()))
+    out.append(_dispatch_bytes_case(rank, world))
     return out
 
 
@@ -334,8 +335,13 @@ CASES = [("top2", grid) for grid in GRIDS] + [
 ]
 
 
-def test_moe_gpt_over_the_grid_equals_one_process():
-    results = run_distributed(_grid_case, 4, pickle.dumps(CASES), timeout=240)
+@pytest.fixture(scope="module")
+def grid_results():
+    return run_distributed(_grid_case, 4, pickle.dumps(CASES), timeout=240)
+
+
+def test_moe_gpt_over_the_grid_equals_one_process(grid_results):
+    results = grid_results
     references = {name: _reference_rows_apart(cfg) if cfg.moe.capacity_factor else
                   _reference(cfg, PACKED.get(name)) for name, cfg in ROUTINGS.items()}
     for i, (routing, grid) in enumerate(CASES):
@@ -405,8 +411,12 @@ def test_a_capacity_factor_drops_the_assignments_past_each_experts_capacity():
 
 # ------------------------------------------------------------ through train.py
 
+# Layer 0 the MoE, layer 1 dense: one layer's experts in their optimizer group, so under
+# ZeRO an expert tensor's fp32 partition boundary falls inside it (EDP ranks hold pieces),
+# and under a pipeline the routers' statistics cross from the first stage to the last.
 MOE_RUN = ["model.moe={num_experts: 4, top_k: 2, expert_hidden: 64, aux_loss_coef: 0.01, "
-           "z_loss_coef: 0.001, shared_expert_hidden: 32, shared_expert_gate: true}",
+           "z_loss_coef: 0.001, shared_expert_hidden: 32, shared_expert_gate: true, "
+           "layers: [0]}",
            "train.steps=6", "train.eval_samples=8", "logging.wandb.mode=disabled"]
 
 
@@ -424,15 +434,25 @@ def moe_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dp,sets", [
-    (2, ["parallel.cp=2", "parallel.layout=zigzag"]),
-    (1, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=ulysses"]),
-], ids=["cp2-dp2", "tp2-cp2-ulysses"])
+    (2, ["parallel.cp=2", "parallel.ep=4", "deepspeed.zero_optimization.stage=2"]),
+    (1, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=ulysses", "parallel.ep=2"]),
+    (1, ["parallel.cp=2", "parallel.pp=2", "activation_checkpointing.mode=full"]),
+], ids=["cp2-dp2-ep4-zero2", "tp2-cp2-ulysses-ep2", "cp2-pp2-recompute"])
 def test_train_py_logs_cp1s_losses_with_the_routers_losses(moe_reference, tmp_path, dp, sets):
     """The token loss and the gradient norm (which carries the routers' losses' gradients)
-    equal cp 1's over 6 steps, and so do the routers' losses and the experts' load."""
+    equal cp 1's over 6 steps, and so do the routers' losses and the experts' load, with
+    the experts split over ep ranks folded into DP x CP: their gradients summed over the
+    expert-data-parallel group by DeepSpeed's MoE param groups (ZeRO 1 and 2;
+    ctxpar/distributed/expert_parallel.py), and through the pipeline (each stage's routers'
+    statistics travel to the last stage's loss with the activations, and their gradients
+    back, the blocks recomputed in backward: models/gpt_pipe.py)."""
     d = str(tmp_path / "run")
     run_train(d, 4, [*sets, f"parallel.dp={dp}", ONE_MICRO_BATCH[dp], *MOE_RUN])
     assert_same_run(d, moe_reference, 6)
+    _assert_same_router_metrics(d, moe_reference)
+
+
+def _assert_same_router_metrics(d, moe_reference):
     for key in ("moe_aux_loss", "moe_z_loss", "moe_expert_load"):
         want, got = metric(moe_reference, key), metric(d, key)
         # Step 1 is before any update: the same numbers. Later the weights differ by the
@@ -532,8 +552,12 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
      "model.moe.aux_loss_coef=0.01 with model.moe.score='sigmoid'"),
     ({"moe": {"shared_expert_gate": True}}, {}, "model.moe.shared_expert_gate=true needs"),
     ({"moe": {"layers": [0, 5]}, "n_layers": 4}, {}, "model.moe.layers=[0, 5] must be"),
-    ({"moe": {"num_experts": 8}}, {"ep": 2, "cp": 2}, "not built with parallel.ep=2"),
-    ({"moe": {"num_experts": 8}}, {"pp": 2, "cp": 2}, "not built with parallel.pp=2"),
+    ({"moe": {"num_experts": 8}, "zero": 3}, {"ep": 2, "cp": 2},
+     "not built with parallel.ep=2 and deepspeed.zero_optimization.stage=3"),
+    ({"moe": {"num_experts": 8}, "zero": 0}, {"ep": 2, "cp": 2},
+     "not built with parallel.ep=2 and deepspeed.zero_optimization.stage=0"),
+    ({"moe": {"num_experts": 8}, "zero": 1}, {"pp": 2, "cp": 2, "ep": 2},
+     "not built with parallel.pp=2 and parallel.ep=2"),
     ({"moe": {"swiglu_limit": 7.0}, "mlp": "gelu"}, {}, "model.moe.swiglu_limit=7.0 needs "
                                                         "model.mlp='swiglu'"),
     ({"moe": {"bias_update_rate": 0.001}}, {}, "model.moe.bias_update_rate=0.001 must be >= 0 "
@@ -555,29 +579,62 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
      "model.moe.top_k=6"),
 ])
 def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
+    model = dict(model)
+    zero = {"zero_optimization": {"stage": model.pop("zero")}} if "zero" in model else {}
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
-         "train": {"global_batch_size": 1}}
+         "train": {"global_batch_size": 1}, "deepspeed": zero}
     with pytest.raises(ConfigError) as e:
         config_from_dict(d, check_paths=False)
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_a_tp2_checkpoint_of_a_moe_resumes_at_tp1(moe_reference, tmp_path):
-    """tp2 x cp2's step-3 checkpoint (ZeRO-1; each expert's [gate | up] and down_proj split
-    on their width) through DeepSpeed's universal conversion (the sub-parameter rule,
-    ctxpar/checkpoint/universal.py) at tp1 x cp2 logs cp 1's losses to the end."""
+def test_a_tp2_ep2_checkpoint_of_a_moe_resumes_at_tp1_ep1(moe_reference, tmp_path):
+    """tp2 x cp2 x ep2's step-3 checkpoint (ZeRO-1; each expert's [gate | up] and down_proj
+    split on their width, the experts over two ranks) through the universal conversion
+    (the sub-parameter rule, ctxpar/checkpoint/universal.py; the experts' fragments by EP
+    rank, expert_universal.py) at tp1 x cp2 x ep1 logs cp 1's losses to the end."""
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
-    run_train(str(tp2), 4, ["parallel.tp=2", "parallel.cp=2", "parallel.dp=1",
+    run_train(str(tp2), 4, ["parallel.tp=2", "parallel.cp=2", "parallel.dp=1", "parallel.ep=2",
                             ONE_MICRO_BATCH[1], "checkpoint.save_interval=3", *MOE_RUN])
     tag = "step_00000003"
     shutil.copytree(tp2 / "checkpoints" / tag, tp1 / "checkpoints" / tag)
     proc = run_train(str(tp1), 2, ["parallel.cp=2", "parallel.dp=1", ONE_MICRO_BATCH[1],
                                    *MOE_RUN], extra=["--resume", "auto"])
-    assert "resharded step_00000003" in proc.stdout and "tp 2->1" in proc.stdout
+    assert "resharded step_00000003" in proc.stdout and "tp 2->1" in proc.stdout \
+        and "ep 2->1" in proc.stdout, proc.stdout[-2000:]
     want, got = losses(moe_reference), losses(str(tp1))
     assert sorted(got) == [4, 5, 6], sorted(got)
     for s in got:  # fp32 weights and Adam states restored exactly; reductions reordered
         assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+
+
+def test_an_expert_parallel_checkpoint_resumes_on_its_layout_and_on_another_ep(
+        moe_reference, tmp_path):
+    """cp2 x dp2 x ep2 (zigzag; each expert's ZeRO partitions over its two EDP ranks) logs
+    cp 1's losses and router metrics; its step-3 checkpoint resumes to cp 1's losses on
+    its own layout (each rank's experts from its own ZeRO partition, not from the module
+    file, which holds EP rank 0's) and, converted to the universal format expert by expert
+    (ctxpar/checkpoint/expert_universal.py: fragments by EP rank, then EDP rank), on
+    cp2 x ep2 (dp 1) under ZeRO-2."""
+    run = tmp_path / "ep2"
+    sets = ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2", "parallel.layout=zigzag",
+            ONE_MICRO_BATCH[2], *MOE_RUN]
+    run_train(str(run), 4, [*sets, "checkpoint.save_interval=3"])
+    assert_same_run(str(run), moe_reference, 6)
+    _assert_same_router_metrics(str(run), moe_reference)
+    tag = "step_00000003"
+    for name, nproc, layout in (
+            ("again", 4, sets),
+            ("dp1", 2, ["parallel.cp=2", "parallel.dp=1", "parallel.ep=2", ONE_MICRO_BATCH[1],
+                        "deepspeed.zero_optimization.stage=2", *MOE_RUN])):
+        d = tmp_path / name
+        shutil.copytree(run / "checkpoints" / tag, d / "checkpoints" / tag)
+        proc = run_train(str(d), nproc, layout, extra=["--resume", "auto"])
+        assert ("dp 2->1" in proc.stdout) == (name == "dp1"), proc.stdout[-2000:]
+        want, got = losses(moe_reference), losses(str(d))
+        assert sorted(got) == [4, 5, 6], sorted(got)
+        for s in got:  # fp32 weights and Adam states restored exactly; reductions reordered
+            assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (name, s, got[s], want[s])
 
 
 def test_flops_count_the_active_experts():
@@ -586,3 +643,52 @@ def test_flops_count_the_active_experts():
     experts = sum(s.numel() for s in specs if ".experts." in s.name)
     total = sum(s.numel() for s in specs)
     assert experts > 0 and active_parameters(GPT_CFG) == total - experts * (1 - 2 / 8)
+
+
+def _dispatch_bytes_case(rank, world):
+    """dispatch_combine over ep = world with every all_to_all_single's input bytes bound
+    for another rank counted at the call (the counts' exchange included)."""
+    import torch.distributed as dist
+    import ctxpar.moe.dispatch as dispatch
+    from ctxpar.moe import dispatch_combine
+
+    sent = [0]
+
+    class Counting:
+        def all_to_all_single(self, out, inp, out_splits=None, in_splits=None, group=None):
+            rows = in_splits if in_splits is not None else [inp.shape[0] // world] * world
+            row_bytes = inp[0].numel() * inp.element_size()
+            sent[0] += sum(n for i, n in enumerate(rows) if i != rank) * row_bytes
+            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+    g = torch.Generator().manual_seed(rank)
+    N, d, E, k = 37, 8, 8, 2
+    x = torch.randn(N, d, generator=g)
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    experts[:5, 0] = 0  # skewed: rank 0's first expert gets more
+    dispatch.dist, real = Counting(), dispatch.dist
+    try:
+        reset_moe_stats()
+        dispatch_combine(x, torch.rand(N, k, generator=g), experts, E,
+                         lambda rows, counts: rows * 2.0, dist.new_group(list(range(world))))
+    finally:
+        dispatch.dist = real
+    owner = (experts // (E // world)).reshape(-1)         # the rank holding each choice
+    return dict(sent=sent[0], stats=moe_stats(), d=d, count_bytes=(world - 1) * E // world * 8,
+                to=torch.bincount(owner, minlength=world).tolist())
+
+
+def test_the_all_to_all_sends_the_routed_rows_bytes(grid_results):
+    """Every byte the dispatch hands the all-to-all for another rank is the counts' exchange
+    or a routed row (out to the rank holding its expert, its result back): no padding, no
+    capacity; moe_stats counts the same rows. Four ranks, ep 4, a skewed routing."""
+    runs = [per_rank[-1] for per_rank in grid_results]
+    to = [r["to"] for r in runs]  # to[r][j]: rank r's assignments to rank j's experts
+    for rank, r in enumerate(runs):
+        rows = sum(to[rank][j] + to[j][rank] for j in range(len(runs)) if j != rank)
+        assert r["stats"]["rows_sent"] == rows, (rank, r)
+        assert r["stats"]["bytes_sent"] == rows * r["d"] * 4, (rank, r)   # fp32 rows
+        assert r["sent"] == r["stats"]["bytes_sent"] + r["count_bytes"], (rank, r)

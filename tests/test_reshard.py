@@ -128,7 +128,7 @@ def test_tp2cp2_to_cp1_from_zero0(runs, a1, tp2cp2):
     # The manifest of the new run's final checkpoint records the layout that wrote it.
     with open(os.path.join(d, "checkpoints", f"step_{STEPS:08d}", "COMPLETE")) as f:
         manifest = json.load(f)
-    assert manifest["layout"] == {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "zero_stage": 1,
+    assert manifest["layout"] == {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1, "zero_stage": 1,
                                   "dtype": "fp32", "order": "tp-cp-dp-pp"}
     assert manifest["step"] == STEPS and manifest["config"]["parallel"]["cp"] == 1
     assert all(size > 0 for size in manifest["files"].values()), manifest["files"]

@@ -27,9 +27,10 @@ import torch.distributed as dist
 
 from .resume import (CheckpointError, latest_complete, load as load_same_layout, resume_problem,
                      verify)
-from .universal import check_complete, load_into_torch_optimizer, load_meta, naming, to_universal
+from .universal import (check_complete, load_buffers_, load_into_torch_optimizer, load_meta,
+                        naming, num_experts, saved_buffers, to_universal)
 
-LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "zero_stage", "dtype")
+LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "ep", "zero_stage", "dtype")
 # model.* fields a resumed run may change: RoPE's frequencies (context extension); shapes
 # must match. model.init_from only matters for a fresh run, model.family for the export.
 MODEL_MAY_CHANGE = ("rope_theta", "rope_scaling", "init_from", "family")
@@ -41,14 +42,16 @@ def layout_of(cfg, dp: int) -> Dict[str, Any]:
     dtype = ("bf16" if (ds.get("bf16") or {}).get("enabled") else
              "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32")
     p = cfg.parallel
-    return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp,
+    return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp, "ep": p.ep,
             "zero_stage": int((ds.get("zero_optimization") or {}).get("stage", 0)),
             "dtype": dtype, "order": p.order}
 
 
 def describe(layout: Dict[str, Any]) -> str:
-    """'tp2·cp2·pp1·dp1 ZeRO-1 fp32'"""
+    """'tp2·cp2·pp1·dp1 ZeRO-1 fp32' ('·ep2' after dp under expert parallelism)"""
     grid = "·".join(f"{k}{layout[k]}" for k in ("tp", "cp", "pp", "dp"))
+    if layout.get("ep", 1) > 1:
+        grid += f"·ep{layout['ep']}"
     return f"{grid} ZeRO-{layout['zero_stage']} {layout['dtype']}"
 
 
@@ -155,8 +158,22 @@ def resume_point(save_dir: str, resume: str, cfg, world_size: int,
     saved = manifest.get("layout")
     if saved is None:  # a marker from before manifests: only the layout that wrote it
         return ResumePoint(save_dir, tag, manifest, now)
+    saved = {"ep": 1, **saved}  # manifests from before expert parallelism
     changed = {k: (saved[k], now[k]) for k in LAYOUT_KEYS if saved[k] != now[k]}
     point = ResumePoint(save_dir, tag, manifest, now, changed)
+    if point.universal and cfg.model.moe is not None and (saved["pp"] > 1) != (now["pp"] > 1):
+        raise CheckpointError(
+            f"{tag_dir}: cannot resume a mixture of experts saved on {describe(saved)} on "
+            f"{describe(now)}: a pipeline keeps the experts in the optimizer's dense groups, "
+            f"without one they have groups of their own (models/training.py param_groups), "
+            f"and DeepSpeed restores group by group; keep pp on both sides above 1 or at 1")
+    moe = cfg.model.moe
+    if point.universal and moe is not None and moe.score_correction_bias and max(
+            saved["pp"], now["pp"]) > 1:
+        raise CheckpointError(
+            f"{tag_dir}: cannot change the layout ({', '.join(changed)}) of a pipelined run with "
+            f"model.moe.score_correction_bias: its biases are buffers in the pipeline's layer "
+            f"files, which the universal conversion does not read; resume on {describe(saved)}")
     if point.universal:
         for which, layout in (("saved on", saved), ("resumed on", now)):
             if optimizer_kind(layout) is None:
@@ -190,7 +207,13 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
     find in the converted checkpoint.
     """
     if not point.universal:
-        return load_same_layout(engine, point.save_dir, point.tag)
+        client_state = load_same_layout(engine, point.save_dir, point.tag)
+        if point.now.get("ep", 1) > 1:
+            # the module file holds EP rank 0's experts; every rank's own are the fp32
+            # partitions its ZeRO shard restored: copy them into the weights the next
+            # forward reads (distributed/expert_parallel.py)
+            engine.optimizer.update_lp_params()
+        return client_state
     m = cfg.model
     pipelined = cfg.parallel.pp > 1
     target = naming(pipelined, m.n_layers, m.tie_embeddings)
@@ -199,7 +222,8 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
     wanted = [target(n) for n, _ in whole_model.named_parameters()]
 
     def convert():
-        to_universal(point.path, out_dir, point.manifest["layout"], m.n_layers, target)
+        to_universal(point.path, out_dir, point.manifest["layout"], m.n_layers, target,
+                     num_experts(m))
         check_complete(out_dir, wanted)
 
     run_on_rank0(convert)
@@ -212,6 +236,7 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
                                                     load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {out_dir}")
+    load_buffers_(engine.module, saved_buffers(out_dir))  # the routers' correction biases
     dist.barrier()  # every rank has read its slices
     if dist.get_rank() == 0:
         shutil.rmtree(point.universal_dir, ignore_errors=True)

@@ -200,19 +200,29 @@ def _pipe_layer_value(tag_dir: str, pipe_name: str, tp_rank: int, n_layers: int
     return torch.load(path, map_location="cpu", weights_only=False)[key]
 
 
+def num_experts(model_cfg) -> Optional[int]:
+    """model.moe's routed experts per layer (None: no experts)."""
+    return model_cfg.moe.num_experts if model_cfg.moe is not None else None
+
+
 def to_universal(tag_dir: str, out_dir: str, layout: Dict, n_layers: int,
-                 target: Callable[[str], str]) -> List[str]:
+                 target: Callable[[str], str], experts: Optional[int] = None) -> List[str]:
     """Convert the checkpoint in tag_dir (saved with ``layout``) into a universal folder.
 
     ``target`` maps GPT names to the names of the module that will load it (``naming``);
-    returns the GPT names found. out_dir is replaced.
+    experts: model.moe's num_experts, whose tensors are converted and tagged for any ep
+    (expert_universal.py). Returns the GPT names found. out_dir is replaced.
     """
+    from .expert_universal import ep_zero_to_universal, mark_experts
+
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
     src_pipelined = layout["pp"] > 1
     with _quiet() as log:
         try:
-            if glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
+            if layout.get("ep", 1) > 1:  # ZeRO 1/2 (config), no pipeline
+                ep_zero_to_universal(tag_dir, out_dir, layout["ep"])
+            elif glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
                 from deepspeed.checkpoint import ds_to_universal
                 ds_to_universal.main(Namespace(input_folder=tag_dir, output_folder=out_dir,
                                                num_extract_workers=1, num_merge_workers=1,
@@ -220,6 +230,8 @@ def to_universal(tag_dir: str, out_dir: str, layout: Dict, n_layers: int,
                                                inject_missing_state=False))
             else:
                 zero0_to_universal(tag_dir, out_dir, n_layers, src_pipelined)
+            if experts:
+                mark_experts(out_dir, experts)
         except Exception as e:
             raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed: "
                                f"{type(e).__name__}: {e}\n{log.getvalue()[-3000:]}") from e
@@ -298,6 +310,25 @@ def load_meta(engine, out_dir: str) -> Dict:
              "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
              "universal_checkpoint_info"}
     return {k: v for k, v in sd.items() if k not in known}
+
+
+def saved_buffers(out_dir: str) -> Dict[str, torch.Tensor]:
+    """The persistent buffers in a universal folder's copied model file (DeepSpeed keeps them
+    in its module dict; the universal format holds parameters only): the routers'
+    correction biases (models/moe.py), the same on every rank. None from a pipeline's."""
+    path = sorted(glob.glob(os.path.join(out_dir, "mp_rank_*_model_states.pt")))[0]
+    sd = torch.load(path, map_location="cpu", weights_only=False)
+    names = set(sd.get("buffer_names") or ())
+    return {n: t for n, t in (sd.get("module") or {}).items() if n in names}
+
+
+@torch.no_grad()
+def load_buffers_(module, buffers: Dict[str, torch.Tensor]) -> None:
+    """module's buffers <- the saved ones of the same name (saved_buffers)."""
+    own = dict(module.named_buffers())
+    for name, t in buffers.items():
+        if name in own:
+            own[name].copy_(t)
 
 
 def full_weights(out_dir: str, names: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:

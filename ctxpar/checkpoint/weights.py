@@ -25,7 +25,8 @@ from ..config.moe import MoEConfig
 from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
 from .resume import MARKER, CheckpointError, is_tag, latest_complete, verify
-from .universal import naming, read_state, to_universal
+from .universal import (load_buffers_, naming, num_experts, read_state, saved_buffers,
+                        to_universal)
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -122,8 +123,10 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
     work = os.path.join(cfg.logging.run_dir, "init_from.universal")
     m = cfg.model
     run_on_rank0(lambda: to_universal(source.path, work, source.manifest["layout"],
-                                        m.n_layers, naming(False, m.n_layers, True)))
+                                        m.n_layers, naming(False, m.n_layers, True),
+                                        num_experts(m)))
     copy_full_weights_(model, lambda n: read_state(work, n, "fp32"), state.tp_group)
+    load_buffers_(model, saved_buffers(work))  # the routers' correction biases
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(work, ignore_errors=True)
@@ -174,7 +177,7 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32,
     with tempfile.TemporaryDirectory(prefix="ctxpar-export-") as work:
         out = os.path.join(work, "universal")
         names = to_universal(tag_dir, out, manifest["layout"], m.n_layers,
-                               naming(False, m.n_layers, True))
+                               naming(False, m.n_layers, True), num_experts(m))
         weights = ((n, read_state(out, n, "fp32")) for n in names)
         hf.save_folder(out_dir, weights, m, tokenizer, dtype, source, limit)
     return tag_dir

@@ -115,12 +115,26 @@ def check_moe(cfg, dp: Optional[int], err) -> None:
     if dp is not None and (dp * p.cp) % p.ep:
         err(f"parallel.ep={p.ep} must divide dp x cp = {dp} x {p.cp} (experts are split over "
             f"the DP x CP ranks)")
+    stage = int((cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0))
     unbuilt = [
-        (p.ep > 1, f"parallel.ep={p.ep}: DeepSpeed's engine does not yet reduce the experts' "
-                   f"gradients over their expert-data-parallel group (the GPT itself runs "
-                   f"any ep: tests/test_moe.py)"),
-        (p.pp > 1, f"parallel.pp={p.pp}: the routers' losses do not cross pipeline stages "
-                   f"yet"),
+        (p.ep > 1 and stage == 3,
+         f"parallel.ep={p.ep} and deepspeed.zero_optimization.stage=3: DeepSpeed 0.19.8 runs "
+         f"its MoE machinery, which reduces the experts' gradients over their "
+         f"expert-data-parallel group, under ZeRO stage 0-2 only (use stage 1 or 2)"),
+        (p.ep > 1 and stage == 0,
+         f"parallel.ep={p.ep} and deepspeed.zero_optimization.stage=0: a stage-0 checkpoint "
+         f"keeps the weights in one module file, which holds one EP rank's experts (use "
+         f"stage 1 or 2, whose per-rank partitions hold every rank's: "
+         f"ctxpar/distributed/expert_parallel.py)"),
+        (p.pp > 1 and bool(moe.seq_aux_loss_coef or moe.bias_update_rate),
+         f"parallel.pp={p.pp}, model.moe.seq_aux_loss_coef={moe.seq_aux_loss_coef} and "
+         f"model.moe.bias_update_rate={moe.bias_update_rate}: a pipeline's stages hand on the "
+         f"load-balancing and z losses' statistics only (models/gpt_pipe.py), not the "
+         f"per-sequence or per-layer counts these need"),
+        (p.pp > 1 and p.ep > 1,
+         f"parallel.pp={p.pp} and parallel.ep={p.ep}: DeepSpeed's pipeline engine reduces "
+         f"every gradient over its own data axis, not the experts' over their "
+         f"expert-data-parallel group (use ep 1 with a pipeline)"),
         (cfg.data.dynamic_cp, "data.dynamic_cp=true: the routers' losses and the experts' "
                               "all-to-all over rank groups that run different packs"),
         (cfg.memory.tiled_mlp, "memory.tiled_mlp=true: the experts are not tiled"),

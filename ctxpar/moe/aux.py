@@ -64,6 +64,31 @@ class RouterStats:
         self.z_sums.append(torch.logsumexp(logits, dim=-1).square().sum())
         self.rows += logits.shape[0]
 
+    def packed(self, carried: torch.Tensor) -> torch.Tensor:
+        """carried (2E + 2,) fp32 [probability sums (E), z sum, counts (E), rows] of an
+        earlier pipeline stage's layers (zeros on the first) plus this forward's: what a
+        stage hands on with its activations, so the last stage's loss sees every layer's
+        (the first E + 1 entries carry the routers' gradients back; counts and rows none).
+        The load-balancing and z losses only: a pipeline refuses the per-layer and
+        per-sequence statistics (ctxpar/config/moe.py)."""
+        if self.rows == 0:  # no MoE layer ran
+            return carried
+        own = torch.cat([torch.stack(self.prob_sums).sum(0),
+                         torch.stack(self.z_sums).sum().view(1),
+                         torch.stack(self.layer_counts).sum(0).detach(),
+                         self.layer_counts[0].new_tensor([self.rows])])
+        return carried + own
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, num_experts: int) -> "RouterStats":
+        """The RouterStats of every layer a packed tensor has summed, as one layer
+        (``losses`` sums over the layers: the same load-balancing and z losses)."""
+        E, stats = num_experts, cls(num_experts)
+        stats.prob_sums, stats.z_sums = [packed[:E]], [packed[E]]
+        stats.layer_counts = [packed[E + 1:2 * E + 1].detach()]
+        stats.rows = float(packed[-1].detach())
+        return stats
+
     def losses(self, aux_coef: float, z_coef: float, group=None, seq_coef: float = 0.0,
                cp_group=None) -> RouterLosses:
         """Collective over `group` (the ranks holding the batch's tokens: DP x CP) and, with
