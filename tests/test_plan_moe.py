@@ -185,6 +185,7 @@ def test_step_time_counts_active_flops_and_the_all_to_alls():
     active parameters' (k of E experts) at any ep; MFU with the active parameters."""
     from ctxpar.config.parameters import active_parameters
     from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.report import explain
     from ctxpar.plan.search import evaluate
     from ctxpar.plan.timing import MM_EFF
     cfg, cluster = _moe_cfg(), Cluster(1, 8, gpu_preset("h100"))
@@ -193,6 +194,8 @@ def test_step_time_counts_active_flops_and_the_all_to_alls():
     N, k, d, e = 131072 // 8, 8, 2048, 2
     a2a = 2 * N * k * d * e * 7 / 8 * (2 + 1) * 24 / cluster.gpu.nvlink * 16  # 16 micro
     assert one.time.moe == 0 and eight.time.moe == pytest.approx(a2a, rel=1e-9)
+    assert f"  {'MoE all-to-all':<16} {eight.time.moe:9.3f} s" in explain(eight, cluster)
+    assert eight.candidate.name() == "tp1 cp8 ring/zigzag pp1 dp1 ep8 z2 selective mb1"
     assert eight.time.compute == one.time.compute  # the same rows through the experts
     assert eight.memory.peak < one.memory.peak
     assert one.mfu == pytest.approx(eight.mfu * eight.time.total / one.time.total)
@@ -247,3 +250,18 @@ def test_mixed_dense_and_moe_mlps_are_refused_in_one_line():
     mixed = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, layers=[1, 2])))
     with pytest.raises(PlanError, match=r"^model.moe.layers=\[1, 2\] leaves some MLPs dense"):
         evaluate(mixed, Candidate(1, 4, 1, 1, zero=2), Cluster(1, 4, gpu_preset("h100")))
+
+
+def test_on_two_nodes_ep_inside_a_node_is_fastest():
+    """cp16 (hybrid u2) on 2 x 8 H100s: the experts' gradient reduction over the network
+    shrinks as ep grows, the all-to-alls grow, and at ep 16 they cross the network: ep 8
+    gives the shortest step (the search's pick, docs/planner.md)."""
+    from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.search import evaluate
+    cfg, cluster = _moe_cfg(), Cluster(2, 8, gpu_preset("h100"))
+    steps = {ep: evaluate(cfg, Candidate(1, 16, 1, 1, "hybrid", 2, zero=2, ep=ep),
+                          cluster).time for ep in (1, 2, 4, 8, 16)}
+    assert min(steps, key=lambda ep: steps[ep].total) == 8, steps
+    assert steps[16].moe > 5 * steps[8].moe  # NVLink against the network
+    assert [steps[ep].dp for ep in (1, 2, 4, 8, 16)] == sorted(
+        (steps[ep].dp for ep in (1, 2, 4, 8, 16)), reverse=True)

@@ -69,7 +69,8 @@ def explain(plan: Plan, cluster: Cluster) -> str:
     lines.append(f"step time: {t.total:.3f} s ({t.micro_batches} micro-batches per rank)")
     for k, v in (("compute", t.compute), ("per-op overhead", t.overhead),
                  ("TP all-reduce", t.tp), ("CP exposed", t.cp_exposed),
-                 ("pipeline bubble", t.bubble), ("DP reduction", t.dp)):
+                 ("pipeline bubble", t.bubble), ("DP reduction", t.dp),
+                 *([("MoE all-to-all", t.moe)] if t.moe else [])):
         lines.append(f"  {k:<16} {v:9.3f} s")
     lines.append(f"  (CP traffic in all: {t.cp_total:.3f} s over {t.cp_link})")
     if t.ring_chunk:
