@@ -94,10 +94,20 @@ def test_moe_activation_bytes_equal_what_autograd_saves(saved_results):
 
 
 def test_parameters_per_rank_hold_e_over_ep_experts(saved_results):
+    """The built GPT's parameters at ep 1 and 2; and a hybrid stack whose MLP-less
+    blocks (mamba, attention) have no experts, against the parameters' description
+    (which models/gpt.py checks itself against) at ep 1, 2 and 4."""
+    from ctxpar.config.parameters import parameter_specs
     m = ModelConfig(**CFG)
     for cp, ep in LAYOUTS:
         for res in saved_results:
             assert res[cp, ep, "none"][2] == counts.stage_params(m, 1, 1, 0, ep), (cp, ep)
+    hybrid = ModelConfig(**{**CFG, "n_layers": 4}, layer_types=[
+        "mamba", "attention", "mlp", "full_attention"], mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=16, n_groups=1, linear_chunk_size=16)
+    for ep in (1, 2, 4):
+        want = sum(s.numel(1, ep) for s in parameter_specs(hybrid))
+        assert counts.stage_params(hybrid, 1, 1, 0, ep) == want, ep
 
 
 def _live_tensor_bytes():

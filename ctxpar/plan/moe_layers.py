@@ -19,21 +19,29 @@ from __future__ import annotations
 from typing import Tuple
 
 from ..config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
+from ..config.layers import LAYER_MIXERS, layer_types
 from ..config.moe import moe_layer_indices
 from ..config.parameters import block_specs
 
 EXPERT_SPLITS = ("experts_column", "experts_row")
 
 
+def moe_indices(m: ModelConfig):
+    """The blocks whose MLP is the MoE (model.moe.layers among those with an MLP, as
+    parameters.block_specs builds them)."""
+    types = layer_types(m)
+    return [i for i in moe_layer_indices(m.moe, m.n_layers) if LAYER_MIXERS[types[i]][1]]
+
+
 def moe_layers(m: ModelConfig, start: int = 0, count: int = None) -> int:
     """MoE layers among blocks [start, start + count) (default: all)."""
     end = m.n_layers if count is None else start + count
-    return sum(1 for i in moe_layer_indices(m.moe, m.n_layers) if start <= i < end)
+    return sum(1 for i in moe_indices(m) if start <= i < end)
 
 
 def expert_params(m: ModelConfig, tp: int, ep: int) -> int:
     """One MoE layer's routed experts on one rank: E/ep experts, f/tp of each."""
-    i = moe_layer_indices(m.moe, m.n_layers)[0]
+    i = moe_indices(m)[0]
     return sum(s.numel(tp, ep) for s in block_specs(m, i, tp) if s.split in EXPERT_SPLITS)
 
 
