@@ -3,7 +3,7 @@
 - saved activations: autograd's saved tensors of a MoE GPT (shared expert with its gate)
   at cp1 and cp2 x ep2 on gloo ranks, modes none and full: exact per rank, given the rows
   the rank's experts received (M); the planner's balanced M = N k is the EP group's mean,
-  so the group's mean is exact too;
+  so the group's mean is exact too; in bf16 (one process) exact beyond the dense MLPs;
 - parameters per rank: the built model's E/ep experts;
 - model state: DeepSpeed's engine with the experts' MoE param groups at cp2 x dp2 x ep2
   (ZeRO 1 and 2: dense state over 4 ranks, the experts' over their 2 EDP ranks), within
@@ -91,6 +91,30 @@ def test_moe_activation_bytes_equal_what_autograd_saves(saved_results):
                     assert saved == want_rank, (cp, ep, received, saved, want_rank)
     skew = [r[2, 2, "none"][1] for r in saved_results]
     assert skew[0] != skew[1], "the routing was meant to be skewed"
+
+
+def test_moe_saved_bytes_in_bf16_are_exact_beyond_the_dense_mlps():
+    """One process, bf16 (what runs on GPUs): the MoE model's saved bytes less the same
+    model's with dense MLPs equal the planner's difference, with and without norm_topk
+    (bf16: the combine's weights are a cast copy, the routers' losses read an fp32 copy of
+    the logits). The difference, because the dense bf16 count itself is not exact on CPU
+    (tests/test_plan.py holds it in fp32)."""
+    from ctxpar.testing.memory import saved_tensor_bytes
+    from models.gpt import GPT
+    from models.options import ModelOptions
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    cand = Candidate(1, 1, 1, 1, micro_batch=2)
+
+    def saved(m):
+        model = GPT(m, options=ModelOptions(seed=1)).to(torch.bfloat16)
+        with saved_tensor_bytes(model.parameters()) as seen:
+            model(tokens, torch.arange(32), tokens)
+        return sum(seen.values())
+    dense = ModelConfig(**{**CFG, "moe": None})
+    for norm_topk in (True, False):
+        moe = ModelConfig(**{**CFG, "moe": replace(MOE, norm_topk=norm_topk)})
+        want = counts.activation_bytes(moe, cand, 2) - counts.activation_bytes(dense, cand, 2)
+        assert saved(moe) - saved(dense) == want, norm_topk
 
 
 def test_parameters_per_rank_hold_e_over_ep_experts(saved_results):
