@@ -213,10 +213,22 @@ class ZeroState:
             return {"grads": grads, "optimizer temporaries": temps}
         if self.offload:  # the step runs on the host; the device only receives params
             return {}
-        part = self._largest_group()
+        if not s.experts:
+            return self._group_step(s.psi0 / self.D, self._part(s.psi))
+        # DeepSpeed steps the groups in order, each one's grads freed once flattened: the
+        # dense matrices first (every partition's grads still held), the experts' group
+        # (split_params_into_different_moe_groups_for_optimizer appends it) last, alone
+        first = self._group_step((s.psi0 - s.experts) / self.D, self._part(s.psi))
+        last = self._group_step(s.experts / self.edp, 0.0)
+        return max(first, last, key=lambda t: sum(t.values()))
+
+    def _group_step(self, part: float, held: float) -> Dict[str, float]:
+        """ZeRO 1/2's step of one optimizer group of `part` elements on this rank, with
+        `held` elements of partition gradients (its own among them) still held."""
+        e = self.e
         out = {"flat fp32 grads": 4 * part}
-        if self.stage in (1, 2):
-            out["grads"] = self._part(s.psi) * e  # the partition's grads, until every group stepped
+        if self.stage in (1, 2) and held:
+            out["grads"] = held * e  # the partition's grads, until every group stepped
         # bf16: the flat bf16 partition and its fp32 copy coexist before the step; the
         # temporaries come after the bf16 one is freed
         temps = self._adam_temps(part, part)
