@@ -10,7 +10,9 @@ Between layers (and between stages, point to point) flows the tuple
 the samples' document boundaries packed as one (B, T + 1) int32 tensor
 (documents.pack_cu_seqlens): every block rebuilds its RoPE angles from the positions
 (T/cp x hd/2, negligible next to the block's matmuls), and DeepSpeed sends no gradient for
-the integer tensors. The first stage gets ``(tokens, positions[, documents])``
+the integer tensors. A mixture of experts (model.moe) adds, last, its routers' statistics
+so far (RouterStats.packed, (2E + 2,) fp32): the last stage's loss adds the routers'
+losses of every stage's layers, and their gradients travel back with the activations'. The first stage gets ``(tokens, positions[, documents])``
 and the last stage ``labels`` from the data iterator (``pipeline_batches``); the head
 returns vocab-parallel logits (B, T/cp, V/tp) and ``TokenMeanLoss`` turns them into the
 loss to back-propagate. With memory.tiled_loss the head returns its input and weight
@@ -40,12 +42,14 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, MemoryConfig, ModelConfig, layer_attention
+from ctxpar.config.moe import moe_layer_indices
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
 from ctxpar.memory.tiled_eval import HeadInputs
 from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
 from ctxpar.memory.offload import ActivationOffload, run_layer
+from ctxpar.moe import RouterStats
 from ctxpar.distributed.pipeline_parallel import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                     gather_full_state_dict, parallel_lm_logits,
@@ -53,6 +57,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding
 from models.gpt import (Block, block_recomputed, check_checkpoint_mode, embed_tokens,
                         init_parameters_, make_norm, rotary_cos_sin)
 from models.loss import global_mean_loss, loss_for_backward
+from models.moe import MoE
 from models.options import ModelOptions
 
 
@@ -69,19 +74,38 @@ class EmbeddingPipe(nn.Module):
 
     def forward(self, inputs):
         tokens, *rest = inputs  # rest: positions[, packed document boundaries]
-        return (embed_tokens(self.embed, tokens, self.cfg), *rest)
+        x = embed_tokens(self.embed, tokens, self.cfg)
+        return (x, *rest, *router_start(self.cfg, x.device))
 
 
-def tied_lm_head(module: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
-    """The tied head on the last stage: x (B, T/cp, d) -> logits (B, T/cp, V/tp) = f(x) E_iᵀ."""
-    return parallel_lm_logits(x, module.embed.weight, module.embed.tp_group)
+def router_start(cfg: ModelConfig, device) -> tuple:
+    """The routers' statistics the first stage hands on: zeros requiring grad (DeepSpeed
+    back-propagates every floating tensor of a stage's outputs), or nothing without
+    model.moe."""
+    if cfg.moe is None:
+        return ()
+    return (torch.zeros(2 * cfg.moe.num_experts + 2, device=device, requires_grad=True),)
 
 
-def tied_head_input(module: EmbeddingPipe, x: torch.Tensor) -> tuple:
+def split_router(x):
+    """A head's input: (x, routers' statistics) under model.moe, else x -> (x, tail tuple)."""
+    return (x[0], (x[1],)) if isinstance(x, tuple) else (x, ())
+
+
+def tied_lm_head(module: EmbeddingPipe, x):
+    """The tied head on the last stage: x (B, T/cp, d) -> logits (B, T/cp, V/tp) = f(x) E_iᵀ
+    (under model.moe, (logits, the routers' statistics))."""
+    x, router = split_router(x)
+    logits = parallel_lm_logits(x, module.embed.weight, module.embed.tp_group)
+    return (logits, *router) if router else logits
+
+
+def tied_head_input(module: EmbeddingPipe, x) -> tuple:
     """The tied head under memory.tiled_loss: (x (B, T/cp, d), E_i (V/tp, d)), for
     TokenMeanLoss to make the logits tile by tile (the weight's gradient still reaches the
     tied copy, which DeepSpeed all-reduces with the first stage's)."""
-    return x, module.embed.weight
+    x, router = split_router(x)
+    return (x, module.embed.weight, *router)
 
 
 class BlockPipe(Block):
@@ -92,8 +116,10 @@ class BlockPipe(Block):
                  device=None, dtype=None, memory: Optional[MemoryConfig] = None,
                  offload: Optional[ActivationOffload] = None, linear_cp: str = "state"):
         layer = layer_attention(cfg)[layer_number]  # its kind, window, chunks, RoPE
+        moe = layer_number in moe_layer_indices(cfg.moe, cfg.n_layers)
         super().__init__(cfg, tp_group, cp, backend, activation_checkpointing == "selective",
-                         device, dtype, memory, layer, linear_cp)
+                         device, dtype, memory, layer, linear_cp, moe)  # ep 1 (config)
+        self.carries_router = cfg.moe is not None  # the routers' statistics in the tuple
         self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)
         self.gpt_prefix = f"layers.{layer_number}."
         self.rope_theta, self.rope_scaling = layer.rope_theta, layer.rope_scaling
@@ -101,7 +127,10 @@ class BlockPipe(Block):
         self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
 
     def forward(self, inputs):
-        x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)]
+        x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)][, router]
+        router = (docs.pop(),) if self.carries_router else ()
+        if isinstance(self.mlp, MoE):  # this forward's routers (the last stage's loss adds them)
+            self.mlp.stats = RouterStats(self.mlp.moe.num_experts)
         cos = sin = None  # RoPE for attention blocks only (linear mixers and MLPs have none)
         if self.token_mixer == "attention":
             cos, sin = rotary_cos_sin(positions, self.attn.rotary_dim, self.rope_theta,
@@ -112,20 +141,25 @@ class BlockPipe(Block):
             x = run_layer(self.offload, checkpoint, block, x, cos, sin, use_reentrant=False)
         else:  # with offload, selective's saved tensors go to the host; none's stay
             x = run_layer(self.offload, block, x, cos, sin, to_host=self.selective)
-        return (x, positions, *docs)
+        if router and isinstance(self.mlp, MoE):
+            router = (self.mlp.stats.packed(router[0]),)
+        return (x, positions, *docs, *router)
 
 
 class FinalNormPipe(nn.Module):
-    """(x, positions) -> norm(x) (B, T/cp, d); the positions end here."""
+    """(x, positions[, documents]) -> norm(x) (B, T/cp, d); the positions end here (under
+    model.moe: (norm(x), the routers' statistics))."""
 
     gpt_prefix = ""  # parameter 'final_norm.weight', as in GPT
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
         self.final_norm = make_norm(cfg, device, dtype)
+        self.carries_router = cfg.moe is not None
 
     def forward(self, inputs):
-        return self.final_norm(inputs[0])
+        x = self.final_norm(inputs[0])
+        return (x, inputs[-1]) if self.carries_router else x
 
 
 class LMHeadPipe(nn.Module):
@@ -142,7 +176,9 @@ class LMHeadPipe(nn.Module):
                                             bias=False, device=device, dtype=dtype)
 
     def forward(self, x):
-        return (x, self.lm_head.weight) if self.tiled_loss else self.lm_head(x)
+        x, router = split_router(x)
+        out = ((x, self.lm_head.weight) if self.tiled_loss else (self.lm_head(x),)) + router
+        return out if len(out) > 1 else out[0]
 
 
 class TokenMeanLoss:
@@ -150,6 +186,10 @@ class TokenMeanLoss:
 
     S is the sum of this rank's token losses (fp32, complete over TP), N the non-ignored
     tokens of the whole optimizer step over dp x cp (``begin_step``, before train_batch).
+    Under model.moe the head's outputs end with the routers' statistics of every stage's
+    layers: their losses' share on this rank (ctxpar/moe/aux.py, collective over dp x cp)
+    is added times dp*cp, as models/moe_steps.py adds it without a pipeline, and the
+    step's values are kept for the metrics (``router``).
     It takes the head's logits, or under memory.tiled_loss the head's (input, weight) and
     runs head and loss together one tile of tokens at a time (same S).
     DeepSpeed's pipeline engine divides by gas in backward and averages gradients over
@@ -159,18 +199,41 @@ class TokenMeanLoss:
     """
 
     def __init__(self, tp_group, reduce_size: int, grad_accum_steps: int,
-                 memory: Optional[MemoryConfig] = None):
+                 memory: Optional[MemoryConfig] = None, moe=None, dp_cp_group=None):
         self.tp_group, self.reduce_size, self.gas = tp_group, reduce_size, grad_accum_steps
         self.memory = memory or MemoryConfig()
+        self.moe, self.dp_cp_group = moe, dp_cp_group  # model.moe's routers' losses
         self.n_tokens: Optional[torch.Tensor] = None
         self.loss_sum = torch.zeros(())
+        self.router: Optional[dict] = None
 
     def begin_step(self, n_tokens: torch.Tensor) -> None:
         self.n_tokens = n_tokens
         self.loss_sum = torch.zeros((), device=n_tokens.device)
+        self.router = None
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         assert self.n_tokens is not None, "begin_step(n_tokens) before train_batch"
+        if self.moe is not None:  # (..., the routers' statistics)
+            *outputs, router = outputs
+            outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
+            return self._loss(outputs, labels) + self._router_share(router)
+        return self._loss(outputs, labels)
+
+    def _router_share(self, packed: torch.Tensor) -> torch.Tensor:
+        """The routers' losses' share of this rank, times dp*cp; the step's values kept."""
+        m = self.moe
+        r = RouterStats.unpack(packed, m.num_experts).losses(m.aux_loss_coef, m.z_loss_coef,
+                                                             self.dp_cp_group)
+        values = torch.stack([r.aux_loss, r.z_loss]) / self.gas
+        if self.router is None:
+            self.router = dict(values=values, counts=r.tokens_per_expert)
+        else:
+            self.router["values"] += values
+            self.router["counts"] += r.tokens_per_expert
+        return r.share * self.reduce_size
+
+    def _loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         if self.memory.tiled_loss:
             x, weight = outputs  # (B, T/cp, d), (V/tp, d): the head's input and weight
             s = tiled_vocab_parallel_cross_entropy(x, weight, labels, self.tp_group,
@@ -212,7 +275,8 @@ class GPTPipe(PipelineModule):
                             activation_checkpointing, every_n_layers, memory=memory,
                             offload=offload, linear_cp=o.linear_cp, **kw)
                   for i in range(cfg.n_layers)]
-        loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps, memory)
+        loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps, memory, cfg.moe,
+                                state.dp_cp_group)
         # no_grad: DeepSpeed broadcasts the tied weights in place while building; with grad
         # mode on, autograd records that broadcast on the parameter and warns in backward.
         with torch.no_grad():
@@ -315,8 +379,10 @@ def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor],
         dist.recv(x, src=pp[stage - 1])
         # Blocks and the final norm take (x, positions[, documents]); a head-only stage, x.
         head_only = model.partitions()[stage] == model.cfg.n_layers + 2
-        inputs = x if head_only else (x, *first[1:])
+        inputs = x if head_only else (x, *first[1:], *router_start(model.cfg, x.device))
     out = model(inputs)
+    if model.cfg.moe is not None and isinstance(out, tuple):  # the routers' statistics: unused
+        out = out[:-1] if len(out) > 2 else out[0]
     if state.is_pp_last_stage:
         if model.memory.tiled_loss:  # (x, weight) for the tiled loss
             return HeadInputs(*out) if head_inputs else parallel_lm_logits(*out, model.tp_group)

@@ -15,9 +15,11 @@ expert, max over mean, over the step (1.0: perfectly balanced).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from . import gpt_pipe
 from .loss import global_mean_loss, loss_for_backward
-from .steps import MicroBatchSteps, StepOutput
+from .steps import MicroBatchSteps, PipelineSteps, StepOutput
 
 
 class MoESteps(MicroBatchSteps):
@@ -41,6 +43,28 @@ class MoESteps(MicroBatchSteps):
             counts = router.tokens_per_expert if counts is None else \
                 counts + router.tokens_per_expert
         loss = global_mean_loss(loss_sum, n_tokens, self.state.dp_cp_group)
-        extras = {"moe_aux_loss": aux[0].item(), "moe_z_loss": aux[1].item(),
-                  "moe_expert_load": (counts.max() / counts.mean().clamp(min=1)).item()}
-        return StepOutput(loss.item(), extras=extras)
+        return StepOutput(loss.item(), extras=moe_metrics(aux, counts))
+
+
+class MoEPipelineSteps(PipelineSteps):
+    """PipelineSteps with the routers' losses: the last stage's loss adds them (every
+    stage's layers' statistics travel with the activations: models/gpt_pipe.py), and their
+    values reach every stage's metrics by a broadcast over the pipeline."""
+
+    def run(self, inputs) -> StepOutput:
+        micro, n_tokens = inputs
+        state = self.state
+        loss = gpt_pipe.train_step(self.engine, micro, n_tokens, state)
+        router = self.engine.module.loss_fn.router  # the last stage's, None elsewhere
+        E = self.engine.module.cfg.moe.num_experts
+        values = torch.cat([router["values"], router["counts"]]) if state.is_pp_last_stage \
+            else torch.zeros(2 + E, device=n_tokens.device)
+        dist.broadcast(values, src=state.ranks("pp")[-1], group=state.pp_group)
+        return StepOutput(loss.item(), extras=moe_metrics(values[:2], values[2:]))
+
+
+def moe_metrics(aux: torch.Tensor, counts: torch.Tensor) -> dict:
+    """The metrics line's MoE fields: the step's load-balancing and z losses (unweighted,
+    the mean over its micro-batches) and the routed assignments per expert, max over mean."""
+    return {"moe_aux_loss": aux[0].item(), "moe_z_loss": aux[1].item(),
+            "moe_expert_load": (counts.max() / counts.mean().clamp(min=1)).item()}

@@ -131,6 +131,6 @@ def training_steps(cfg, engine, state, data, ds_config, device, dynamic=None) ->
                             device, rounds=zero_stage >= 2)
     kind = PipelineSteps if pipelined else MicroBatchSteps
     if cfg.model.moe is not None:  # the routers' losses beside the token loss
-        from .moe_steps import MoESteps
-        kind = MoESteps
+        from .moe_steps import MoEPipelineSteps, MoESteps
+        kind = MoEPipelineSteps if pipelined else MoESteps
     return kind(engine, data.train_stream(state), state, gas, divisor, device)

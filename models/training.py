@@ -9,6 +9,7 @@ The kinds of optimizer step that run on the engine are in models/steps.py.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -51,18 +52,38 @@ def lr_lambda(cfg):
     return factor
 
 
-def param_groups(model, weight_decay):
+def param_groups(model, weight_decay, split_experts: bool = True,
+                 expert_group: Optional[str] = None):
     """No weight decay on norms and biases (1-D tensors), as in GPT-2/Megatron.
 
+    With split_experts a mixture of experts' expert tensors form groups of their own after
+    those two, the same groups at every ep, so an optimizer state resumes on another ep
+    group by group; under ep > 1 they are DeepSpeed's MoE groups (``moe``, and ``name`` the
+    EP group's name: ZeRO 1/2 partition them over their expert-data-parallel group). A
+    pipeline (ep 1) keeps them in the first two: ZeRO computes its norm group by group
+    over every stage, so every stage needs the same groups, and a stage without experts
+    would have none. Empty groups are left out (DeepSpeed drops them, not the scheduler).
     Under ZeRO-3 a parameter is a flat partition: its true shape is ``ds_shape``.
     """
     def matrix(p):
         return len(getattr(p, "ds_shape", p.shape)) >= 2
 
-    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
-    other = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
-    return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
-            {"name": "no_decay", "params": other, "weight_decay": 0.0}]
+    def is_expert(p):
+        return split_experts and getattr(p, "expert_shard", None) is not None
+
+    groups = []
+    for experts in (False, True):
+        params = [p for p in model.parameters() if p.requires_grad and is_expert(p) == experts]
+        prefix = "experts_" if experts else ""
+        for decay in (True, False):
+            group = {"name": prefix + ("decay" if decay else "no_decay"),
+                     "params": [p for p in params if matrix(p) == decay],
+                     "weight_decay": weight_decay if decay else 0.0}
+            if experts and expert_group is not None:
+                group.update(moe=True, name=expert_group)
+            if group["params"]:
+                groups.append(group)
+    return groups
 
 
 def initialize_engine(model, cfg, state, ds_config, device):
@@ -70,15 +91,14 @@ def initialize_engine(model, cfg, state, ds_config, device):
     schedule, and DeepSpeed's engine over them. Returns (engine, scheduler)."""
     import deepspeed
 
-    from ctxpar.distributed.expert_parallel import (dense_checkpoints, moe_param_groups,
-                                                    prepare_expert_parallel)
+    from ctxpar.distributed.expert_parallel import dense_checkpoints, prepare_expert_parallel
 
     pipelined = cfg.parallel.pp > 1
     partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
-    groups = param_groups(model, cfg.train.weight_decay)
+    expert_group = None
     if state.ep_size > 1:  # experts reduced over their EDP group (distributed/expert_parallel.py)
-        prepare_expert_parallel(model, state, cfg.model.moe.num_experts)
-        groups = moe_param_groups(groups)
+        expert_group = prepare_expert_parallel(model, state, cfg.model.moe.num_experts)
+    groups = param_groups(model, cfg.train.weight_decay, not pipelined, expert_group)
     # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
     # ctxpar/memory/optimizer.py)
     optimizer = optimizer_offload.build_optimizer(groups, cfg.train, ds_config, device)

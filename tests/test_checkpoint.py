@@ -143,6 +143,17 @@ def test_resume_plan_refusals(tmp_path, sets, msg):
         reshard.resume_point(str(tmp_path), "step_00000009", _cfg(), 4)
 
 
+def test_a_moe_reshards_across_ep_but_not_into_or_out_of_a_pipeline(tmp_path):
+    moe = {"model.moe": "{num_experts: 4, top_k: 2}"}
+    make_tag(str(tmp_path), 4, reshard.checkpoint_meta(_cfg(**moe, **{"parallel.ep": 2}), 2))
+    other = reshard.resume_point(str(tmp_path), "auto", _cfg(**moe, **{"parallel.ep": 4}), 4)
+    assert other.changed == {"ep": (2, 4)}
+    with pytest.raises(CheckpointError, match="a pipeline keeps the experts in the optimizer's "
+                                              "dense groups"):
+        reshard.resume_point(str(tmp_path), "auto",
+                             _cfg(**moe, **{"parallel.pp": 2, "parallel.dp": 1}), 4)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_names_map_every_parameter_both_ways(tied):
     cfg = ModelConfig(vocab_size=64, seq_len=16, n_layers=3, d_model=32, n_heads=4,

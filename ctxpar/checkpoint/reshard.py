@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from .resume import (CheckpointError, latest_complete, load as load_same_layout, resume_problem,
                      verify)
-from .universal import check_complete, load_into_torch_optimizer, load_meta, naming, to_universal
+from .universal import (check_complete, load_into_torch_optimizer, load_meta, naming,
+                        num_experts, to_universal)
 
 LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "ep", "zero_stage", "dtype")
 # model.* fields a resumed run may change: RoPE's frequencies (context extension); shapes
@@ -160,12 +161,12 @@ def resume_point(save_dir: str, resume: str, cfg, world_size: int,
     saved = {"ep": 1, **saved}  # manifests from before expert parallelism
     changed = {k: (saved[k], now[k]) for k in LAYOUT_KEYS if saved[k] != now[k]}
     point = ResumePoint(save_dir, tag, manifest, now, changed)
-    if point.universal and max(saved["ep"], now["ep"]) > 1:
+    if point.universal and cfg.model.moe is not None and (saved["pp"] > 1) != (now["pp"] > 1):
         raise CheckpointError(
-            f"{tag_dir}: cannot change the layout ({', '.join(changed)}) of an expert-parallel "
-            f"run (saved on {describe(saved)}, now {describe(now)}): DeepSpeed's universal "
-            f"conversion merges ZeRO partitions over dp x cp, the experts' lie over their "
-            f"expert-data-parallel group; resume on {describe(saved)}")
+            f"{tag_dir}: cannot resume a mixture of experts saved on {describe(saved)} on "
+            f"{describe(now)}: a pipeline keeps the experts in the optimizer's dense groups, "
+            f"without one they have groups of their own (models/training.py param_groups), "
+            f"and DeepSpeed restores group by group; keep pp on both sides above 1 or at 1")
     if point.universal:
         for which, layout in (("saved on", saved), ("resumed on", now)):
             if optimizer_kind(layout) is None:
@@ -214,7 +215,8 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
     wanted = [target(n) for n, _ in whole_model.named_parameters()]
 
     def convert():
-        to_universal(point.path, out_dir, point.manifest["layout"], m.n_layers, target)
+        to_universal(point.path, out_dir, point.manifest["layout"], m.n_layers, target,
+                     num_experts(m))
         check_complete(out_dir, wanted)
 
     run_on_rank0(convert)

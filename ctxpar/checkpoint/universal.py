@@ -200,19 +200,29 @@ def _pipe_layer_value(tag_dir: str, pipe_name: str, tp_rank: int, n_layers: int
     return torch.load(path, map_location="cpu", weights_only=False)[key]
 
 
+def num_experts(model_cfg) -> Optional[int]:
+    """model.moe's routed experts per layer (None: no experts)."""
+    return model_cfg.moe.num_experts if model_cfg.moe is not None else None
+
+
 def to_universal(tag_dir: str, out_dir: str, layout: Dict, n_layers: int,
-                 target: Callable[[str], str]) -> List[str]:
+                 target: Callable[[str], str], experts: Optional[int] = None) -> List[str]:
     """Convert the checkpoint in tag_dir (saved with ``layout``) into a universal folder.
 
     ``target`` maps GPT names to the names of the module that will load it (``naming``);
-    returns the GPT names found. out_dir is replaced.
+    experts: model.moe's num_experts, whose tensors are converted and tagged for any ep
+    (expert_universal.py). Returns the GPT names found. out_dir is replaced.
     """
+    from .expert_universal import ep_zero_to_universal, mark_experts
+
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
     src_pipelined = layout["pp"] > 1
     with _quiet() as log:
         try:
-            if glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
+            if layout.get("ep", 1) > 1:  # ZeRO 1/2 (config), no pipeline
+                ep_zero_to_universal(tag_dir, out_dir, layout["ep"])
+            elif glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
                 from deepspeed.checkpoint import ds_to_universal
                 ds_to_universal.main(Namespace(input_folder=tag_dir, output_folder=out_dir,
                                                num_extract_workers=1, num_merge_workers=1,
@@ -220,6 +230,8 @@ def to_universal(tag_dir: str, out_dir: str, layout: Dict, n_layers: int,
                                                inject_missing_state=False))
             else:
                 zero0_to_universal(tag_dir, out_dir, n_layers, src_pipelined)
+            if experts:
+                mark_experts(out_dir, experts)
         except Exception as e:
             raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed: "
                                f"{type(e).__name__}: {e}\n{log.getvalue()[-3000:]}") from e

@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
 from .resume import MARKER, CheckpointError, is_tag, latest_complete, verify
-from .universal import naming, read_state, to_universal
+from .universal import naming, num_experts, read_state, to_universal
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -83,11 +83,6 @@ def check_init_from(cfg) -> InitSource:
         return InitSource(path, "hf", changed, family=fields["family"], note=hf.left_out(path))
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
-    ep = (manifest.get("layout") or {}).get("ep", 1)
-    if ep > 1:  # its module file holds one EP rank's experts (distributed/expert_parallel.py)
-        raise CheckpointError(f"model.init_from={path}: a checkpoint of an expert-parallel run "
-                              f"(parallel.ep={ep}) initialises only the run that resumes it on "
-                              f"its own layout (--resume), not model.init_from")
     fields = vars(saved_model(manifest, tag_dir))
     changed = hf.check_matches(cfg.model, fields, tag_dir)
     if cfg.model.family is None:  # a chain of runs keeps the family of the first folder
@@ -125,7 +120,8 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
     work = os.path.join(cfg.logging.run_dir, "init_from.universal")
     m = cfg.model
     run_on_rank0(lambda: to_universal(source.path, work, source.manifest["layout"],
-                                        m.n_layers, naming(False, m.n_layers, True)))
+                                        m.n_layers, naming(False, m.n_layers, True),
+                                        num_experts(m)))
     copy_full_weights_(model, lambda n: read_state(work, n, "fp32"), state.tp_group)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
@@ -168,11 +164,6 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32,
     """
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
-    ep = (manifest.get("layout") or {}).get("ep", 1)
-    if ep > 1:  # its module file holds one EP rank's experts (distributed/expert_parallel.py)
-        raise CheckpointError(f"model.init_from={path}: a checkpoint of an expert-parallel run "
-                              f"(parallel.ep={ep}) initialises only the run that resumes it on "
-                              f"its own layout (--resume), not model.init_from")
     m = saved_model(manifest, tag_dir)
     hf.family_config(m)  # refuse a model no family holds before converting anything
     tokenizer = ((manifest.get("config") or {}).get("data") or {}).get("tokenizer")
@@ -182,7 +173,7 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32,
     with tempfile.TemporaryDirectory(prefix="ctxpar-export-") as work:
         out = os.path.join(work, "universal")
         names = to_universal(tag_dir, out, manifest["layout"], m.n_layers,
-                               naming(False, m.n_layers, True))
+                               naming(False, m.n_layers, True), num_experts(m))
         weights = ((n, read_state(out, n, "fp32")) for n in names)
         hf.save_folder(out_dir, weights, m, tokenizer, dtype, source, limit)
     return tag_dir

@@ -87,8 +87,10 @@ def check_moe(cfg, dp: Optional[int], err) -> None:
          f"keeps the weights in one module file, which holds one EP rank's experts (use "
          f"stage 1 or 2, whose per-rank partitions hold every rank's: "
          f"ctxpar/distributed/expert_parallel.py)"),
-        (p.pp > 1, f"parallel.pp={p.pp}: the routers' losses do not cross pipeline stages "
-                   f"yet"),
+        (p.pp > 1 and p.ep > 1,
+         f"parallel.pp={p.pp} and parallel.ep={p.ep}: DeepSpeed's pipeline engine reduces "
+         f"every gradient over its own data axis, not the experts' over their "
+         f"expert-data-parallel group (use ep 1 with a pipeline)"),
         (cfg.data.dynamic_cp, "data.dynamic_cp=true: the routers' losses and the experts' "
                               "all-to-all over rank groups that run different packs"),
         (cfg.memory.tiled_mlp, "memory.tiled_mlp=true: the experts are not tiled"),

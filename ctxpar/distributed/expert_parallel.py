@@ -27,8 +27,11 @@ DeepSpeed reads, and what this module sets:
   with transformers' names, dropless variable all-to-all, TP inside each expert), so the
   model carries ``ExpertGroups``: a DeepSpeed ``MoE`` with no parameters and no forward
   whose one job is that registration;
-- the optimizer's param groups split into MoE and non-MoE ones
-  (``split_params_into_different_moe_groups_for_optimizer``), which ZeRO 1 and 2 require.
+- the optimizer's expert parameters in param groups of their own marked ``moe`` and named
+  by the EP group, as ``split_params_into_different_moe_groups_for_optimizer`` marks them
+  and ZeRO 1 and 2 require (models/training.py builds the same four groups at every ep
+  instead of calling it: its groups' number and order depend on ep, so an optimizer state
+  could not be resumed on another ep group by group).
 
 Checkpoints are where DeepSpeed's MoE path does not fit: the engine's MoE format is
 written for its own layer (per-expert files found by the
@@ -38,18 +41,17 @@ turned off again (``dense_checkpoints``): the ZeRO 1/2 optimizer keeps its own M
 and reductions, and the engine saves as for a dense model: the module file from one rank,
 every rank's ZeRO partition (its experts' fp32 weights and Adam states) in its own shard.
 A resume on the same layout restores every expert from the shards (DeepSpeed's
-``load_from_fp32_weights``, on by default); the module file's experts are EP rank 0's only,
-so what would read them is refused (ctxpar/checkpoint/reshard.py: a layout change;
-weights.py: model.init_from), as are ZeRO-0, whose weights live in that module file alone,
-and ZeRO-3 (DeepSpeed 0.19.8 refuses its native MoE under stage 3): ctxpar/config/moe.py.
+``load_from_fp32_weights``, on by default; ctxpar/checkpoint/reshard.py then copies them
+into the weights); the module file's experts are EP rank 0's only and nothing reads them:
+a layout change, model.init_from and the export go through the universal conversion, which
+takes every expert from the shards (ctxpar/checkpoint/expert_universal.py). Refused
+(ctxpar/config/moe.py): ZeRO-0, whose weights live in that module file alone, and ZeRO-3
+(DeepSpeed 0.19.8 refuses its native MoE under stage 3).
 """
 from __future__ import annotations
 
-from typing import Dict, List
-
 import torch.nn as nn
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
-from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.utils import groups
 
 
@@ -84,17 +86,17 @@ class ExpertGroups(DeepSpeedMoE):
                            "(models/moe.py) compute")
 
 
-def prepare_expert_parallel(model: nn.Module, state, num_experts: int) -> None:
+def prepare_expert_parallel(model: nn.Module, state, num_experts: int) -> str:
     """Before deepspeed.initialize, ep > 1: flag the experts' parameters (``expert_shard``,
     set by models/moe.py) as DeepSpeed's MoE parameters of this EP group and attach the
-    ExpertGroups module. Does nothing at ep = 1."""
-    if state.ep_size == 1:
-        return
+    ExpertGroups module; the EP group's name, which the optimizer's expert groups carry
+    (models/training.py's param_groups)."""
     name = expert_group_name(state.ep_size)
     for p in model.parameters():
         if getattr(p, "expert_shard", None) is not None:
             p.allreduce, p.group_name = False, name
     model.deepspeed_expert_groups = ExpertGroups(num_experts, state)
+    return name
 
 
 def dense_checkpoints(engine) -> None:
@@ -103,9 +105,3 @@ def dense_checkpoints(engine) -> None:
     to save and load checkpoints, to reduce ZeRO-0's gradients (ZeRO-0 is refused with
     ep > 1) and to log DeepSpeed MoE layers' timers (there are none)."""
     engine.has_moe_layers = False
-
-
-def moe_param_groups(param_groups: List[Dict]) -> List[Dict]:
-    """The optimizer's groups split into non-MoE and MoE ones as ZeRO 1 and 2 need them
-    (each group needs a 'name'); unchanged when no parameter is an expert's."""
-    return split_params_into_different_moe_groups_for_optimizer(param_groups)

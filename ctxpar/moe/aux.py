@@ -52,6 +52,27 @@ class RouterStats:
         self.z_sums.append(torch.logsumexp(logits, dim=-1).square().sum())
         self.rows += logits.shape[0]
 
+    def packed(self, carried: torch.Tensor) -> torch.Tensor:
+        """carried (2E + 2,) fp32 [probability sums (E), z sum, counts (E), rows] of an
+        earlier pipeline stage's layers (zeros on the first) plus this forward's: what a
+        stage hands on with its activations, so the last stage's loss sees every layer's
+        (the first E + 1 entries carry the routers' gradients back; counts and rows none)."""
+        if self.rows == 0:  # no MoE layer ran
+            return carried
+        own = torch.cat([torch.stack(self.prob_sums).sum(0),
+                         torch.stack(self.z_sums).sum().view(1),
+                         self.counts.detach(), self.counts.new_tensor([self.rows])])
+        return carried + own
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, num_experts: int) -> "RouterStats":
+        """The RouterStats of every layer a packed tensor has summed (``losses`` works on
+        it as on the layers' own)."""
+        E, stats = num_experts, cls(num_experts)
+        stats.prob_sums, stats.z_sums = [packed[:E]], [packed[E]]
+        stats.counts, stats.rows = packed[E + 1:2 * E + 1].detach(), float(packed[-1].detach())
+        return stats
+
     def losses(self, aux_coef: float, z_coef: float, group=None) -> RouterLosses:
         """Collective over `group` (the ranks holding the batch's tokens: DP x CP): the
         weighted share aux_coef a_r + z_coef z_r and the global values."""
