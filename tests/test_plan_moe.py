@@ -150,7 +150,7 @@ def _moe_engine_state(rank, world, stage):
     import deepspeed
     from ctxpar import DeepSpeedMPU, init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
-    from ctxpar.distributed.expert_parallel import moe_param_groups, prepare_expert_parallel
+    from ctxpar.distributed.expert_parallel import prepare_expert_parallel
     from ctxpar.distributed.zero import grad_divisor
     from models.gpt import GPT
     from models.loss import global_token_count, loss_for_backward
@@ -168,11 +168,11 @@ def _moe_engine_state(rank, world, stage):
     model = GPT(cfg, ModelGroups.from_state(st), ModelOptions(layout="zigzag", seed=1))
     psi = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for p in model.parameters() if hasattr(p, "expert_shard"))
-    prepare_expert_parallel(model, st, 8)
+    name = prepare_expert_parallel(model, st, 8)
     ds = {"train_batch_size": 2 * st.dp_size, "train_micro_batch_size_per_gpu": 2,
           "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": stage, "reduce_bucket_size": 20000}}
-    opt = torch.optim.AdamW(moe_param_groups(param_groups(model, 0.0)), lr=1e-3)
+    opt = torch.optim.AdamW(param_groups(model, 0.0, expert_group=name), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds,
                                       mpu=DeepSpeedMPU(st))
     n = global_token_count(tok, st.dp_cp_group)

@@ -67,7 +67,7 @@ class Shard:
     psi0: int         # of which in the largest optimizer group (train.py: the matrices)
     largest: int      # the largest single parameter tensor
     layer: int        # one block's parameters (ZeRO-3 gathers a block at a time)
-    experts: int = 0  # of psi, the routed experts' under expert parallelism (ep > 1)
+    experts: int = 0  # of psi, the routed experts' when they are optimizer groups of their own
 
 
 def zero_config(ds: Dict[str, Any]) -> Dict[str, Any]:
@@ -109,8 +109,8 @@ class ZeroState:
 
     def _largest_group(self) -> float:
         """Elements of the largest optimizer group's partition: train.py's matrices (psi0);
-        under expert parallelism the experts are a group of their own (DeepSpeed's
-        split_params_into_different_moe_groups_for_optimizer), partitioned over D/ep."""
+        a mixture of experts' experts a group of their own (models/training.py's
+        param_groups), partitioned over D/ep."""
         if not self.s.experts:
             return self.s.psi0 / self.D
         return max((self.s.psi0 - self.s.experts) / self.D, self.s.experts / self.edp)
@@ -216,8 +216,8 @@ class ZeroState:
         if not s.experts:
             return self._group_step(s.psi0 / self.D, self._part(s.psi))
         # DeepSpeed steps the groups in order, each one's grads freed once flattened: the
-        # dense matrices first (every partition's grads still held), the experts' group
-        # (split_params_into_different_moe_groups_for_optimizer appends it) last, alone
+        # dense matrices first (every partition's grads still held), the experts' groups
+        # (models/training.py's param_groups puts them after the dense ones) last, alone
         first = self._group_step((s.psi0 - s.experts) / self.D, self._part(s.psi))
         last = self._group_step(s.experts / self.edp, 0.0)
         return max(first, last, key=lambda t: sum(t.values()))
