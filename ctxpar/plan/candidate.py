@@ -1,5 +1,5 @@
 """One candidate the planner weighs: a rank layout (tp x cp x pp x dp, the CP pattern and
-its token layout) with the keys of a config's activation_checkpointing, ZeRO and memory
+its token layout) (and the experts' parallel.ep) with the keys of a config's activation_checkpointing, ZeRO and memory
 sections; and the config with them set (apply_candidate)."""
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class Candidate:
     mlp_tile: int = 0                  # memory.mlp_tile_tokens when > 0 (else the config's)
     loss_tile: int = 0                 # memory.loss_tile_tokens when > 0 (else the config's)
     linear_cp: str = "state"           # parallel.linear_cp: the linear layers' CP strategy
+    ep: int = 1                        # parallel.ep: experts split over ep of the dp x cp ranks
 
     @property
     def world(self) -> int:
@@ -55,7 +56,8 @@ class Candidate:
             (f"tiled-mlp{f'({self.mlp_tile})' if self.mlp_tile else ''}", self.tiled_mlp),
             ("offload-act", self.offload_activations), ("offload-opt", self.offload_optimizer))
             if on)
-        return (f"tp{self.tp} {cp} pp{self.pp} dp{self.dp} z{self.zero} "
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"tp{self.tp} {cp} pp{self.pp} dp{self.dp}{ep} z{self.zero} "
                 f"{self.activation} mb{self.micro_batch}{opts}")
 
 
@@ -69,7 +71,7 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
     parallel = replace(
         p, tp=cand.tp, cp=cand.cp, pp=cand.pp, dp=cand.dp, cp_comm=cand.cp_comm,
         layout=cand.token_layout, ring_grad_dtype=cand.ring_grad_dtype,
-        linear_cp=cand.linear_cp,
+        linear_cp=cand.linear_cp, ep=cand.ep,
         ulysses=cand.ulysses if cand.cp_comm in ("ulysses", "hybrid") and cand.cp > 1 else None)
     checkpointing = replace(cfg.activation_checkpointing, mode=cand.activation,
                             every_n_layers=cand.every_n_layers)

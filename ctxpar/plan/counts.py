@@ -22,6 +22,7 @@ from ..config.parameters import block_fields, block_specs, embedding_spec, head_
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
+from .moe_layers import expert_params, router_losses_saved, routed_saved, stage_expert_params
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,13 @@ def block_params(m: ModelConfig, tp: int, kind: Optional[str] = None) -> int:
     return _block_numel(m, tp, kind=kind)
 
 
-def layer_params(m: ModelConfig, tp: int) -> int:
+def layer_params(m: ModelConfig, tp: int, ep: int = 1) -> int:
     """The largest block's parameters on one TP rank (the one every block has in a model
-    of one layer type)."""
-    return max(block_params(m, tp, k) for k in kinds(m))
+    of one layer type; a MoE block's E/ep experts)."""
+    n = max(block_params(m, tp, k) for k in kinds(m))
+    if m.moe is not None and ep > 1:
+        n -= expert_params(m, tp, 1) - expert_params(m, tp, ep)
+    return n
 
 
 def qkv_params(m: ModelConfig, tp: int) -> int:
@@ -123,9 +127,25 @@ def stage_kinds(m: ModelConfig, pp: int, stage: int) -> List[str]:
     return layer_types(m)[start:start + stage_layers(m, pp, stage)]
 
 
-def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> int:
     """Parameters on one rank of pipeline stage `stage` (layers split evenly; the first
-    stage has the embedding, the last the final norm and the head, tied or not)."""
+    stage has the embedding, the last the final norm and the head, tied or not; each MoE
+    layer's routed experts E/ep of them: stage_experts)."""
+    n = _stage_params(m, tp, pp, stage)
+    return n - stage_experts(m, tp, pp, stage, 1) + stage_experts(m, tp, pp, stage, ep) \
+        if m.moe is not None and ep > 1 else n
+
+
+def stage_experts(m: ModelConfig, tp: int, pp: int, stage: int, ep: int) -> int:
+    """The routed experts' parameters among stage_params (0 without model.moe)."""
+    if m.moe is None:
+        return 0
+    start = sum(stage_layers(m, pp, i) for i in range(stage))
+    return stage_expert_params(m, tp, ep, start, stage_layers(m, pp, stage))
+
+
+def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
+    """stage_params with every expert on the rank."""
     if m.layer_types is None:  # one kind: every block the same
         n = stage_layers(m, pp, stage) * block_params(m, tp)
     else:
@@ -151,11 +171,11 @@ def stage_vector_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     return per + (final if stage == pp - 1 else 0)
 
 
-def largest_tensor(m: ModelConfig, tp: int) -> int:
+def largest_tensor(m: ModelConfig, tp: int, ep: int = 1) -> int:
     """Elements of the largest single parameter on a TP rank (embedding / head or a
-    block's largest matrix)."""
+    block's largest matrix; the experts' E/ep of theirs)."""
     blocks = [s for k in kinds(m) for s in _block(m, tp, kind=k)]
-    return max(spec.numel(tp) for spec in [embedding_spec(m), *blocks, *head_specs(m)])
+    return max(spec.numel(tp, ep) for spec in [embedding_spec(m), *blocks, *head_specs(m)])
 
 
 def total_params(m: ModelConfig) -> int:
@@ -233,7 +253,7 @@ def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
     if mode == "selective":
         return s.N * s.d * e + core
     return (2 * norm_saved(s, e, norm, device) + core + family_norms_saved(s, e, m, device)
-            + (0 if tiled_mlp else 4 * s.N * s.f * e))
+            + channel_saved(s, e, cand, m, tiled_mlp))
 
 
 def layer_modes(cand: Candidate, layers: int):
@@ -276,8 +296,18 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
         out += norm + mixer_saved(kind, linear_shapes(m, kind, cand.tp), s.B, s.N // s.B, e,
                                   cand.cp, cand.linear_cp, cand.token_layout)
     if channel:
-        out += norm + (0 if tiled_mlp else 4 * s.N * s.f * e)
+        out += norm + channel_saved(s, e, cand, m, tiled_mlp)
     return out
+
+
+def channel_saved(s: RankShapes, e: int, cand: Candidate, m: Optional[ModelConfig],
+                  tiled_mlp: bool = False) -> int:
+    """What a block's MLP saves in mode 'none' beyond its norm: the dense MLP's gate, up,
+    silu and product (4 N f e; a tiled MLP nothing more), or a mixture of experts'
+    (moe_layers.routed_saved: every MLP is one, check_modelled refuses a subset)."""
+    if m is not None and m.moe is not None:
+        return routed_saved(s.N, s.d, e, m, cand.tp, cand.ep)
+    return 0 if tiled_mlp else 4 * s.N * s.f * e
 
 
 @dataclass(frozen=True)
@@ -326,6 +356,7 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
         embed += e if m.scale_embeddings else 0             # the sqrt(d) scalar
     head = 0
     if last:
+        head += router_losses_saved(m)                      # the routers' losses (MoE)
         head += norm_saved(s, e, m.norm, device)            # final norm
         head += 4 * s.d if m.norm_offset else 0             # its fp32 (offset + w)
         # the fp32 softmax (tiled: loss and lse per token), labels, the ignore masks (and,
@@ -491,10 +522,13 @@ def stage_layers(m: ModelConfig, pp: int, stage: int) -> int:
     return m.n_layers // pp + (1 if stage < m.n_layers % pp else 0)
 
 
-def mlp_params(m: ModelConfig, tp: int) -> int:
+def mlp_params(m: ModelConfig, tp: int, ep: int = 1) -> int:
     """The MLP's parameters on a TP rank: its up (and gate) and down projections with
-    their biases (the largest block's)."""
-    return max(_block_numel(m, tp, "mlp.", kind=k) for k in kinds(m))
+    their biases (the largest block's); a MoE's router, E/ep experts and shared expert."""
+    n = max(_block_numel(m, tp, "mlp.", kind=k) for k in kinds(m))
+    if m.moe is not None and ep > 1:
+        n -= expert_params(m, tp, 1) - expert_params(m, tp, ep)
+    return n
 
 
 def head_params(m: ModelConfig, tp: int) -> int:

@@ -28,7 +28,7 @@ from ..context_parallel.layouts import num_chunks
 from .candidate import Candidate, apply_candidate
 from .cluster import Cluster, PlanError
 from .memory import Memory, ds_zero, memory
-from .search import (_cp_patterns, check_modelled, divisors, fits, is_bf16,
+from .search import (_cp_patterns, check_modelled, divisors, ep_sizes, fits, is_bf16,
                      linear_strategies)
 
 MAX_SEQ = 1 << 40  # the bisection's ceiling (tokens)
@@ -95,14 +95,15 @@ def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> L
                         continue  # striped: zigzag's bytes, another rounding
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                         for act in CHECKPOINT_MODES:
-                            for oa, oo, tile, ltile, linear in itertools.product(
-                                    oas, oos, tiles, loss_tiles, linear_strategies(cfg, cp)):
+                            for oa, oo, tile, ltile, linear, ep in itertools.product(
+                                    oas, oos, tiles, loss_tiles, linear_strategies(cfg, cp),
+                                    ep_sizes(cfg, dp * cp)):
                                 cand = Candidate(tp, cp, pp, dp, comm, u, token_layout, zero,
                                                  act, 2 if act == "every_n_layers" else 1, 1,
                                                  tiled_loss=tl, tiled_mlp=tm,
                                                  offload_activations=oa, offload_optimizer=oo,
                                                  mlp_tile=tile, loss_tile=ltile,
-                                                 linear_cp=linear)
+                                                 linear_cp=linear, ep=ep)
                                 if _valid(cfg, cand):
                                     out.append(cand)
     return out

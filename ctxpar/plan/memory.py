@@ -41,6 +41,7 @@ from ..config.layers import layer_attention
 from . import counts, transients
 from .candidate import Candidate, apply_candidate
 from .linear_layers import linear_shapes, mixer_saved
+from .moe_layers import backward_working_set, forward_working_set
 from .zero_state import Shard, ZeroState, zero_config
 
 
@@ -117,10 +118,14 @@ def tile_sizes(cfg: Config, s: counts.RankShapes, cand: Candidate):
     return loss, mlp
 
 
-def shard(m, tp: int, pp: int, stage: int) -> Shard:
-    psi = counts.stage_params(m, tp, pp, stage)
+def shard(m, tp: int, pp: int, stage: int, ep: int = 1) -> Shard:
+    """What one rank of pipeline stage `stage` holds; a mixture of experts' experts are
+    optimizer groups of their own at every ep but under a pipeline (models/training.py's
+    param_groups), partitioned over their expert-data-parallel group."""
+    psi = counts.stage_params(m, tp, pp, stage, ep)
     return Shard(psi=psi, psi0=psi - counts.stage_vector_params(m, tp, pp, stage),
-                 largest=counts.largest_tensor(m, tp), layer=counts.layer_params(m, tp))
+                 largest=counts.largest_tensor(m, tp, ep), layer=counts.layer_params(m, tp, ep),
+                 experts=counts.stage_experts(m, tp, pp, stage, ep) if pp == 1 else 0)
 
 
 def ds_zero(cfg: Config, cand: Candidate) -> Dict:
@@ -182,8 +187,8 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     act = counts.activations(model, cand, elem, blocks, first, last, cfg.data.reset_positions,
                              tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile),
                              device=device, start=start)
-    sh = shard(model, cand.tp, cand.pp, index)
-    zero_state = ZeroState(sh, zero, cand.dp * cand.cp, bf16, device)
+    sh = shard(model, cand.tp, cand.pp, index, cand.ep)
+    zero_state = ZeroState(sh, zero, cand.dp * cand.cp, bf16, device, cand.ep)
     resident = zero_state.resident()
     host = {f"{k} (optimizer offload)": v for k, v in zero_state.host().items()}
     host_step = zero_state.host(step=True).get("optimizer temporaries", 0.0)
@@ -225,7 +230,8 @@ def forward_phases(st: Stage) -> List[Phase]:
     (the logits beside the saved softmax)."""
     s, cand, elem, mode = st.shapes, st.cand, st.elem, st.modes[-1]
     swiglu = st.cfg.model.mlp in GATED_MLPS  # gate, up and their product
-    block = transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile) \
+    block = transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile,
+                                     moe_forward(st)) \
         if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
     working_set = max(block, max([transients.attention_forward(s, cand, elem, h)
                                   for h in set(st.halo)], default=0.0),
@@ -260,14 +266,23 @@ def loss_backward_phase(st: Stage) -> Phase:
         "activation grads": st.residual_grad + pending})
 
 
+def moe_forward(st: Stage):
+    """A MoE layer's no-grad forward at its experts (moe_layers.forward_working_set);
+    None for a dense MLP."""
+    m, s = st.cfg.model, st.shapes
+    return None if m.moe is None else forward_working_set(s.N, s.d, st.elem, m, st.cand.ep)
+
+
 def mlp_backward_working_set(st: Stage) -> float:
-    """A block's MLP backward (the SwiGLU's gradients, or a tiled MLP's tile) or, just
-    after it, the MLP's dx beside the second norm's backward and the MLP's weight
-    gradients a tiled MLP has not charged: the larger."""
-    model, s, elem = st.cfg.model, st.shapes, st.elem
-    mlp = counts.mlp_params(model, st.cand.tp)
-    down = counts.down_proj_params(model, st.cand.tp)
-    during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down)
+    """A block's MLP backward (the SwiGLU's gradients, a tiled MLP's tile, or a MoE's
+    rows' gradients: moe_layers.backward_working_set) or, just after it, the MLP's dx
+    beside the second norm's backward and the MLP's weight gradients a tiled MLP has not
+    charged: the larger."""
+    model, s, elem, cand = st.cfg.model, st.shapes, st.elem, st.cand
+    mlp = counts.mlp_params(model, cand.tp, cand.ep)
+    down = counts.down_proj_params(model, cand.tp)
+    during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down) \
+        if model.moe is None else backward_working_set(s.N, s.d, elem, model, cand.tp, cand.ep)
     after = transients.after_mlp_backward(s, elem, model.norm, st.device,
                                           (mlp - (0 if st.mlp_tile else down)) * elem)
     return max(during, after)
@@ -282,9 +297,9 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     saved bytes of the blocks the backward has not reached."""
     model, s, cand, elem, mode = st.cfg.model, st.shapes, st.cand, st.elem, st.modes[i]
     pending, _ = head_gradients(st)
-    psi, layer = st.shard.psi, counts.layer_params(model, cand.tp)
+    psi, layer = st.shard.psi, counts.layer_params(model, cand.tp, cand.ep)
     norm = counts.norm_saved(s, elem, model.norm, st.device)
-    mlp_saved = 0.0 if st.mlp_tile else counts.mlp_intermediates_saved(s, elem)
+    mlp_saved = counts.channel_saved(s, elem, cand, model, bool(st.mlp_tile))
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
     replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm)
     kind = st.types[i] if st.types else None
@@ -316,7 +331,7 @@ def block_backward_phases(st: Stage) -> List[Phase]:
     """The first block the backward reaches (the stage's last, every other block's
     activations still saved) and the last it reaches (block 0, nearly every gradient made)."""
     _, head_grads = head_gradients(st)
-    blocks, layer = len(st.modes), counts.layer_params(st.cfg.model, st.cand.tp)
+    blocks, layer = len(st.modes), counts.layer_params(st.cfg.model, st.cand.tp, st.cand.ep)
     phases = [block_backward_phase(st, "backward (first block", blocks - 1, head_grads,
                                    sum(st.saved[:-1]))]
     if blocks > 1:
@@ -343,7 +358,8 @@ def evaluation_phase(st: Stage) -> Phase:
     predictions (N)."""
     s, elem = st.shapes, st.elem
     swiglu = st.cfg.model.mlp in GATED_MLPS
-    block = max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile),
+    block = max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile,
+                                         moe_forward(st)),
                 max([transients.attention_forward(s, st.cand, elem, h) for h in set(st.halo)],
                     default=0.0), st.linear)
     state = {**st.resident, **st.zero_state.gathered()}

@@ -69,7 +69,8 @@ def explain(plan: Plan, cluster: Cluster) -> str:
     lines.append(f"step time: {t.total:.3f} s ({t.micro_batches} micro-batches per rank)")
     for k, v in (("compute", t.compute), ("per-op overhead", t.overhead),
                  ("TP all-reduce", t.tp), ("CP exposed", t.cp_exposed),
-                 ("pipeline bubble", t.bubble), ("DP reduction", t.dp)):
+                 ("pipeline bubble", t.bubble), ("DP reduction", t.dp),
+                 *([("MoE all-to-all", t.moe)] if t.moe else [])):
         lines.append(f"  {k:<16} {v:9.3f} s")
     lines.append(f"  (CP traffic in all: {t.cp_total:.3f} s over {t.cp_link})")
     if t.ring_chunk:
@@ -145,6 +146,32 @@ def layout_reason(cfg, plan: Plan) -> str:
             f"{what}; such a layer's busiest rank sends and does: " + "; ".join(parts)
             + (f" ({full} full layers: zigzag and striped balance their causal work, "
                f"contiguous does not)" if full else ""))
+
+
+def ep_reason(cfg, plan: Plan, cluster: Cluster) -> str:
+    """One line: why this parallel.ep, for a mixture of experts: the layout's peak memory,
+    all-to-all seconds and step time at each ep the search weighs for it (search.ep_sizes),
+    at the layout's ZeRO stage or, where the trainer refuses that with this ep (ZeRO 0
+    and 3 with ep > 1), at ZeRO 2 or 1; balanced routing assumed; '' without model.moe."""
+    from .search import _valid, ep_sizes, evaluate
+    cand = plan.candidate
+    if cfg.model.moe is None:
+        return ""
+    parts = []
+    for ep in ep_sizes(cfg, cand.dp * cand.cp):
+        other = next((c for c in (replace(cand, ep=ep, zero=z) for z in (cand.zero, 2, 1))
+                      if _valid(cfg, c)), None)
+        if other is None:
+            parts.append(f"ep{ep} refused by the trainer")
+            continue
+        p = plan if other == cand else evaluate(cfg, other, cluster)
+        zero = f" (z{other.zero})" if other.zero != cand.zero else ""
+        parts.append(f"ep{ep}{zero} {p.memory.peak / GB:.1f} GB, all-to-alls "
+                     f"{p.time.moe:.2f} s, step {p.time.total:.2f} s")
+    return (f"parallel.ep {cand.ep}: {cfg.model.moe.num_experts} experts over ep of dp x cp "
+            f"= {cand.dp * cand.cp} ranks (fewer experts a rank: less memory; more of its "
+            f"rows off the rank: longer all-to-alls; balanced routing assumed): "
+            + "; ".join(parts))
 
 
 def linear_reason(cfg, plan: Plan) -> str:

@@ -5,7 +5,8 @@ whole layout chunks, with each pattern (ring and all-gather with zigzag, striped
 contiguous; Ulysses when the heads per TP rank divide by cp; hybrid for each Ulysses
 degree u with 1 < u < cp); pp dividing the layers; dp the rest of the world, dividing the
 global batch with a micro-batch size; ZeRO stage 0-3 (pipelines: 0-1, as DeepSpeed's
-pipeline engine allows); every activation checkpointing mode. config.validate is the
+pipeline engine allows); every activation checkpointing mode; for a mixture of experts
+each parallel.ep dividing dp x cp and the experts (ep_sizes). config.validate is the
 judge of validity: a layout the trainer would refuse is never proposed.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import List, Optional, Sequence
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
 from ..config.layers import LAYER_MIXERS, has_linear_layers, layer_types
+from ..config.parameters import active_parameters
 from ..context_parallel.linear import LINEAR_CP_STRATEGIES
 from ..components.metrics import flops_per_token
 from . import counts
@@ -58,10 +60,13 @@ def check_modelled(cfg: Config) -> None:
     """PlanError (one line) for a model the counts do not describe, rather than a
     prediction that counts it as something else. Every layer type of config.layers is
     counted (attention with its gate, Gated DeltaNet, Mamba2, Nemotron-H's single-op
-    blocks); a mixture of experts is not yet (model.moe); a new mixer starts here."""
-    if cfg.model.moe is not None:
-        raise PlanError("model.moe is set: the planner does not count experts yet (their "
-                        "memory under EP, active parameters, the all-to-all)")
+    blocks), and a mixture of experts in every MLP (moe_layers.py) but not beside dense
+    MLPs (model.moe.layers a subset); a new mixer starts here."""
+    m = cfg.model
+    if m.moe is not None and m.moe.layers is not None and set(m.moe.layers) != {
+            i for i, t in enumerate(layer_types(m)) if LAYER_MIXERS.get(t, (0, 0))[1]}:
+        raise PlanError(f"model.moe.layers={m.moe.layers} leaves some MLPs dense: the "
+                        f"planner counts a mixture of experts in every MLP layer or none")
     unknown = sorted({t for t in layer_types(cfg.model) if t not in LAYER_MIXERS})
     if unknown:
         raise PlanError(f"model.layer_types has {unknown} layers: the planner does not count "
@@ -86,8 +91,9 @@ def evaluate(cfg: Config, cand: Candidate, cluster: Cluster, **eff) -> Plan:
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     tps = tokens / t.total / cand.world
     m = cfg.model
-    mfu = flops_per_token(counts.total_params(m), m.n_layers, m.d_model, m.seq_len, m) * tps \
-        / cluster.gpu.flops
+    # a mixture of experts: the parameters a token runs (k of E experts), as train.py's MFU
+    params = active_parameters(m) if m.moe is not None else counts.total_params(m)
+    mfu = flops_per_token(params, m.n_layers, m.d_model, m.seq_len, m) * tps / cluster.gpu.flops
     return Plan(cand, mem, t, tps, mfu, fits(mem, cluster))
 
 
@@ -107,17 +113,27 @@ def candidates(cfg: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)) -> Lis
         for cp in divisors(world // tp):
             for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
-                for (comm, u, token_layout), linear in itertools.product(
-                        _cp_patterns(cp), linear_strategies(cfg, cp)):
+                for (comm, u, token_layout), linear, ep in itertools.product(
+                        _cp_patterns(cp), linear_strategies(cfg, cp), ep_sizes(cfg, dp * cp)):
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                         for act in CHECKPOINT_MODES:
                             for mb in micro_batches:
                                 cand = Candidate(tp, cp, pp, dp, comm, u, token_layout, zero,
                                                  act, 2 if act == "every_n_layers" else 1, mb,
-                                                 linear_cp=linear, **opts)
+                                                 linear_cp=linear, ep=ep, **opts)
                                 if _valid(cfg, cand):
                                     out.append(cand)
     return out
+
+
+def ep_sizes(cfg: Config, dp_cp: int) -> List[int]:
+    """parallel.ep's choices for a mixture of experts: the divisors of dp x cp that divide
+    the experts (fewer experts a rank, more of its rows through the all-to-all);
+    validation drops the layouts it refuses (ZeRO 0 and 3 with ep > 1). 1 without experts."""
+    moe = cfg.model.moe
+    if moe is None:
+        return [1]
+    return [d for d in divisors(dp_cp) if moe.num_experts % d == 0]
 
 
 def _cp_patterns(cp: int):

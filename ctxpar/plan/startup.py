@@ -32,7 +32,7 @@ def config_candidate(cfg: Config, world: Optional[int] = None) -> Candidate:
     ckpt = cfg.activation_checkpointing
     return Candidate(p.tp, p.cp, p.pp, dp, p.cp_comm, u, p.layout, z, ckpt.mode,
                      ckpt.every_n_layers, cfg.train.micro_batch_size, p.ring_grad_dtype,
-                     linear_cp=p.linear_cp, **config_options(cfg))
+                     linear_cp=p.linear_cp, ep=p.ep, **config_options(cfg))
 
 
 def preset_for(device_name: str) -> Optional[GPU]:

@@ -26,6 +26,10 @@ Per micro-batch and pipeline stage (the most loaded rank):
   per MLP parameter per token); activation offload copies each layer's saved activations
   to the host in forward and back in backward over ``pcie``: on CUDA on side streams,
   exposed only where a layer's copy outlasts the layer's compute, on CPU not overlapped;
+- MoE (moe_layers.py): the matmuls of the active parameters (each token's k of E experts
+  and the dense ones); the all-to-alls of the routed rows, 2 N k d e forward and backward
+  each, (ep - 1)/ep of them off the rank (balanced routing), over the EP group's link, not
+  overlapped; the experts' gradients reduced over their expert-data-parallel group;
 then the pipeline (1F1B: (m + pp - 1) micro-batch slots for m micro-batches) and the data
 parallel reduction of the gradients over dp x cp (all-reduce, or ZeRO's reduce-scatter +
 all-gather, twice the parameters' all-gathers under ZeRO-3), not overlapped; optimizer
@@ -53,6 +57,7 @@ from ..config.layers import LayerAttention, layer_attention
 from ..context_parallel.mask import visible_pairs
 from . import counts
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
+from .moe_layers import all_to_all_bytes, idle_expert_params, moe_layers
 from .candidate import Candidate
 from .cluster import Cluster
 
@@ -71,6 +76,7 @@ class StepTime:
     micro_batches: int
     overhead: float = 0.0               # the device's per-layer, per-micro-batch cost
     offload: float = 0.0                # offload copies not hidden, and the host's Adam
+    moe: float = 0.0                    # the experts' all-to-alls (not overlapped)
     ring_chunk: int = 0                 # C, tokens per ring step
     thresholds: Dict[str, float] = field(default_factory=dict)  # C* fwd / bwd
     cp_link: str = ""
@@ -78,14 +84,15 @@ class StepTime:
     @property
     def total(self) -> float:
         return self.compute + self.overhead + self.tp + self.cp_exposed + self.bubble \
-            + self.dp + self.offload
+            + self.dp + self.offload + self.moe
 
     def bottleneck(self) -> str:
         parts = {"compute": self.compute, "per-op overhead": self.overhead,
                  "TP all-reduces": self.tp,
                  f"CP traffic not hidden ({self.cp_link})": self.cp_exposed,
                  "pipeline bubble": self.bubble, "DP gradient reduction": self.dp,
-                 "offload copies and host Adam": self.offload}
+                 "offload copies and host Adam": self.offload,
+                 "MoE all-to-alls": self.moe}
         name, t = max(parts.items(), key=lambda kv: kv[1])
         return f"{name} ({100 * t / self.total:.0f}%)"
 
@@ -275,10 +282,12 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     attn_replay = 0.0 if cand.activation == "selective" else replay
 
     # Compute of one micro-batch on the busiest stage.
-    psi = max(counts.stage_params(m, cand.tp, cand.pp, st) for st in {0, cand.pp - 1})
+    psi = max(counts.stage_params(m, cand.tp, cand.pp, st, cand.ep) for st in {0, cand.pp - 1})
     head = 2 * s.N * m.d_model * s.V  # logits matmul (not a lookup, unlike the embedding)
     mlp_p = (3 if m.mlp in GATED_MLPS else 2) * s.d * s.f  # the MLP's weights on a rank
-    blocks = stage_block_params(m, cand)
+    # a MoE's tokens each run k of E experts: the active parameters (moe_layers), whatever
+    # ep (under EP a rank runs E/ep experts over the N k ep / E rows of each, balanced)
+    blocks = stage_block_params(m, cand) - idle_expert_params(m, cand.tp, layers)
     mm = (2 * s.N * blocks) * (3 + replay) \
         + (4 if cand.tiled_loss and cand.tp > 1 else 3) * head \
         + (2 * s.N * layers * mlp_p if cand.tiled_mlp else 0)  # the tiled MLP's recompute
@@ -301,23 +310,34 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     cp_total, cp_exposed, chunk, thr = cp_time(cfg, cand, cluster, e, g, stage,
                                                t_attn_layers, attn_replay, attn_eff)
 
+    # the experts' all-to-alls (moe_layers.all_to_all_bytes) over the EP group (tp x ep
+    # adjacent ranks: ep folds over CP's ranks first), a replayed MLP's again; they wait
+    # for the router and feed the experts: nothing hides them
+    a_f, a_b = all_to_all_bytes(s.N, s.d, e, m, cand.ep) if m.moe is not None else (0, 0)
+    moe = moe_layers(m, 0, layers) * (a_f * (1 + replay) + a_b) / cluster.link(cand.tp * cand.ep) \
+        if a_f else 0.0
+
     overhead = layers * cluster.gpu.overhead
     offload = offload_time(cfg, cand, cluster, e, layers, compute)
-    t_micro = compute + overhead + tp + cp_exposed + offload
+    t_micro = compute + overhead + tp + cp_exposed + offload + moe
     bubble = (cand.pp - 1) * t_micro if cand.pp > 1 else 0.0
     # DP x CP gradient reduction (ring all-reduce / reduce-scatter + all-gather).
     D = cand.dp * cand.cp
     dp = 0.0
+    experts = counts.stage_experts(m, cand.tp, cand.pp, 0, cand.ep) if cand.ep > 1 else 0
     if D > 1:
         factor = 2 * (D - 1) / D * (1.5 if cand.zero == 3 else 1.0)
-        dp = factor * psi * e / cluster.link(cand.world // cand.pp)
+        dp = factor * (psi - experts) * e / cluster.link(cand.world // cand.pp)
+    X = D // cand.ep  # the experts' gradients: over their expert-data-parallel group
+    if experts and X > 1:
+        dp += 2 * (X - 1) / X * experts * e / cluster.link(cand.world // cand.pp)
     step_offload = offload * micro
     if cand.offload_optimizer:
         part = psi / D  # this GPU's partition of the parameters
         step_offload += part * (4 + e) / cluster.gpu.pcie \
             + part * min(cluster.gpus_per_node, cand.world) / cluster.gpu.host_adam
     return StepTime(compute=compute * micro, overhead=overhead * micro, tp=tp * micro,
-                    offload=step_offload, cp_exposed=cp_exposed * micro,
+                    offload=step_offload, cp_exposed=cp_exposed * micro, moe=moe * micro,
                     cp_total=cp_total * micro, bubble=bubble, dp=dp, micro_batches=micro,
                     ring_chunk=chunk, thresholds=thr,
                     cp_link=cluster.link_name(cand.tp * cand.cp) if cand.cp > 1 else "-")

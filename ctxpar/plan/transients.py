@@ -129,12 +129,15 @@ def mlp_forward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
 
 
 def block_forward(s: RankShapes, cand: Candidate, mode: str, swiglu: bool, e: int,
-                  tile: int = 0) -> float:
+                  tile: int = 0, moe: float = None) -> float:
     """A checkpointed block's forward intermediates (nothing saved) at its MLP, the largest
-    point: silu(gate), up and their product (N, f) (with a tiled MLP one tile's), the
-    residual and the normed input (N, d); under 'full' also q, k, v and the attention's
-    output, which Block.forward holds until it returns ('selective' saves them)."""
-    if tile:
+    point: silu(gate), up and their product (N, f) (with a tiled MLP one tile's; a mixture
+    of experts' `moe` bytes, moe_layers.forward_working_set), the residual and the normed
+    input (N, d); under 'full' also q, k, v and the attention's output, which
+    Block.forward holds until it returns ('selective' saves them)."""
+    if moe is not None:
+        out = moe + 2 * s.N * s.d * e
+    elif tile:
         out = mlp_forward(s, swiglu, e, tile) + 2 * s.N * s.d * e
     else:
         out = (3 if swiglu else 2) * s.N * s.f * e + 2 * s.N * s.d * e

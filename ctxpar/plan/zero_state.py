@@ -1,7 +1,9 @@
 """DeepSpeed 0.19.8's model state on one rank, phase by phase: what its code allocates and when.
 
 psi = this rank's parameters (its TP shard of its pipeline stage), D = the ZeRO group (dp x
-cp, ctxpar/distributed/zero.py), e = the parameters' element size (2 bf16, 4 fp32), B = the
+cp, ctxpar/distributed/zero.py; under expert parallelism the routed experts among psi are
+partitioned over their expert-data-parallel group of D/ep instead, DeepSpeed's MoE param
+groups: ctxpar/distributed/expert_parallel.py), e = the parameters' element size (2 bf16, 4 fp32), B = the
 reduce bucket in elements (zero_optimization.reduce_bucket_size, from ctxpar.config's
 deepspeed_config: the planner reads the config train.py hands DeepSpeed). Read from
 runtime/engine.py, runtime/zero/stage_1_and_2.py, stage3.py and torch/optim/adam.py:
@@ -65,6 +67,7 @@ class Shard:
     psi0: int         # of which in the largest optimizer group (train.py: the matrices)
     largest: int      # the largest single parameter tensor
     layer: int        # one block's parameters (ZeRO-3 gathers a block at a time)
+    experts: int = 0  # of psi, the routed experts' when they are optimizer groups of their own
 
 
 def zero_config(ds: Dict[str, Any]) -> Dict[str, Any]:
@@ -87,8 +90,10 @@ class ZeroState:
     Each method returns a dict term -> bytes; the terms' names are what the planner prints.
     """
 
-    def __init__(self, shard: Shard, zero: Dict[str, Any], D: int, bf16: bool, device: str):
+    def __init__(self, shard: Shard, zero: Dict[str, Any], D: int, bf16: bool, device: str,
+                 ep: int = 1):
         self.s, self.z, self.D, self.device = shard, zero, D, device
+        self.edp = D // ep  # the experts' ZeRO group: ranks holding the same experts
         self.stage = int(zero["stage"])
         self.e = 2 if bf16 else 4
         self.bf16 = bf16
@@ -96,6 +101,20 @@ class ZeroState:
         self.offload = optimizer_offloaded(zero) and self.stage > 0
 
     # -- helpers
+    def _part(self, n: float) -> float:
+        """Elements of a ZeRO 1/2 partition of n of this rank's parameters (n: psi or psi0,
+        both holding every expert of the rank): the dense ones over D, the experts over
+        their expert-data-parallel group of D/ep (DeepSpeed's MoE param groups)."""
+        return (n - self.s.experts) / self.D + self.s.experts / self.edp
+
+    def _largest_group(self) -> float:
+        """Elements of the largest optimizer group's partition: train.py's matrices (psi0);
+        a mixture of experts' experts a group of their own (models/training.py's
+        param_groups), partitioned over D/ep."""
+        if not self.s.experts:
+            return self.s.psi0 / self.D
+        return max((self.s.psi0 - self.s.experts) / self.D, self.s.experts / self.edp)
+
     def _bucket(self, through: float) -> float:
         """Bytes of a B-element bucket through which `through` elements went."""
         n = self.B if self.device == "cuda" else min(self.B, through)
@@ -115,11 +134,11 @@ class ZeroState:
             return {"params": psi * e, "optimizer": adam}
         out = {"params": psi * e / (D if self.stage == 3 else 1)}
         if not self.offload:
-            out.update(master=4 * psi / D, optimizer=8 * psi / D)
+            out.update(master=4 * self._part(psi), optimizer=8 * self._part(psi))
         elif self.stage in (1, 2):
             out["offload staging"] = e * self.s.largest
         if self.stage == 3:
-            out["grad partition"] = 0.0 if self.offload else 4 * psi / D
+            out["grad partition"] = 0.0 if self.offload else 4 * self._part(psi)
             # the reduce bucket, allocated at init; on CPU its pages once a backward ran
             out["buckets"] = self._bucket(psi)
         return out
@@ -143,18 +162,19 @@ class ZeroState:
         CPU machine torch AdamW's temporaries."""
         if not self.offload:
             return {}
-        psi, D, e = self.s.psi, self.D, self.e
-        out = {"master": 4 * psi / D, "optimizer": 8 * psi / D, "grad partition": 4 * psi / D}
+        psi, e = self.s.psi, self.e
+        part = self._part(psi)
+        out = {"master": 4 * part, "optimizer": 8 * part, "grad partition": 4 * part}
         if self.stage in (1, 2):
-            out["weights copy, staging"] = e * psi / D + e * self.s.largest
+            out["weights copy, staging"] = e * part + e * self.s.largest
         if step and self.device == "cpu":
-            out["optimizer temporaries"] = 2 * 4 * self.s.psi0 / D
+            out["optimizer temporaries"] = 2 * 4 * self._largest_group()
         return out
 
     def backward(self, frac: float) -> Dict[str, float]:
         """Gradients held when a fraction `frac` of this rank's parameters has its gradient
         (the backward's own grads; the end-of-backward reduction is ``reduction``)."""
-        psi, D, e = self.s.psi, self.D, self.e
+        psi, e = self.s.psi, self.e
         done = frac * psi
         if self.stage == 0:
             return {"grads": done * e}
@@ -162,18 +182,18 @@ class ZeroState:
             return {"grads": done * e,
                     "buckets": self.B * e if self.device == "cuda" else 0.0}
         if self.stage == 2:  # each grad moves into the bucket; full buckets reduced
-            part = psi / D * e if done > self.B and not self.offload else 0.0
+            part = self._part(psi) * e if done > self.B and not self.offload else 0.0
             return {"grads": part, "buckets": self._bucket(min(done, self.B))}
         return {}  # stage 3: reduced into the resident partition through the resident bucket
 
     def reduction(self) -> Dict[str, float]:
         """The end of the backward: the last (or only) bucket reduced, one flat copy of it."""
-        psi, D, e, B = self.s.psi, self.D, self.e, self.B
+        psi, e, B = self.s.psi, self.e, self.B
         if self.stage == 0:
             return {"grads": psi * e, "reduction copy": min(psi, ALLREDUCE_BUCKET) * e}
         if self.stage == 3:
             return {"reduction copy": min(psi, B) * e}
-        part = 0.0 if self.offload else psi / D * e
+        part = 0.0 if self.offload else self._part(psi) * e
         if self.stage == 1:
             # grads moving into the bucket (their storage freed as they go), one flat copy
             # of the bucket; the partition exists from the second bucket on
@@ -186,17 +206,29 @@ class ZeroState:
 
     def step(self) -> Dict[str, float]:
         """The optimizer step's peak on the device, on top of ``resident``."""
-        s, D, e = self.s, self.D, self.e
+        s, e = self.s, self.e
         if self.stage == 0:
             grads = s.psi * e
             temps = self._adam_temps(s.psi0, s.largest, e if self.bf16 else 4)
             return {"grads": grads, "optimizer temporaries": temps}
         if self.offload:  # the step runs on the host; the device only receives params
             return {}
-        part = s.psi0 / D
+        if not s.experts:
+            return self._group_step(s.psi0 / self.D, self._part(s.psi))
+        # DeepSpeed steps the groups in order, each one's grads freed once flattened: the
+        # dense matrices first (every partition's grads still held), the experts' groups
+        # (models/training.py's param_groups puts them after the dense ones) last, alone
+        first = self._group_step((s.psi0 - s.experts) / self.D, self._part(s.psi))
+        last = self._group_step(s.experts / self.edp, 0.0)
+        return max(first, last, key=lambda t: sum(t.values()))
+
+    def _group_step(self, part: float, held: float) -> Dict[str, float]:
+        """ZeRO 1/2's step of one optimizer group of `part` elements on this rank, with
+        `held` elements of partition gradients (its own among them) still held."""
+        e = self.e
         out = {"flat fp32 grads": 4 * part}
-        if self.stage in (1, 2):
-            out["grads"] = s.psi / D * e  # the partition's grads, until every group stepped
+        if self.stage in (1, 2) and held:
+            out["grads"] = held * e  # the partition's grads, until every group stepped
         # bf16: the flat bf16 partition and its fp32 copy coexist before the step; the
         # temporaries come after the bf16 one is freed
         temps = self._adam_temps(part, part)

@@ -41,6 +41,7 @@ ACT = ["model.seq_len=8192", "model.d_model=256", "model.n_heads=4", "model.n_kv
        "train.micro_batch_size=1", "train.global_batch_size=1"]
 STATE = ["model.seq_len=128", "model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=8",
          "model.n_layers=4", "model.vocab_size=256", "train.micro_batch_size=1"]
+MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "parallel.ep=2"]
 LAYOUTS = {  # name: --set overrides
     "activations: cp2 ring, none, z1": ACT + ["model.n_layers=4"],
     "activations: cp2 ring, full, z1": ACT + ["model.n_layers=8",
@@ -73,6 +74,12 @@ LAYOUTS = {  # name: --set overrides
         "parallel.cp=1", "parallel.dp=2", "train.global_batch_size=2",
         "deepspeed.zero_optimization.stage=1",
         "deepspeed.zero_optimization.offload_optimizer.device=cpu"],
+    # a mixture of experts (8, top 2) split over ep 2 of the cp 2 ranks
+    "moe state: cp2 ep2 z2": STATE + MOE + [
+        "model.moe.expert_hidden=1024", "parallel.cp=2", "parallel.dp=1",
+        "train.global_batch_size=1", "deepspeed.zero_optimization.stage=2"],
+    "moe activations: cp2 ep2 none z1": ACT + MOE + [
+        "model.n_layers=2", "model.moe.expert_hidden=256", "deepspeed.zero_optimization.stage=1"],
 }
 
 

@@ -1,0 +1,134 @@
+"""The mixture-of-experts MLP (model.moe) under a layout: its parameters per rank, what it
+saves for backward, its active parameters and the all-to-all's bytes.
+
+Per rank (counts.RankShapes): N tokens, d width, e the activations' element size; k of E
+experts per token, each expert f = expert_hidden/tp wide (models/moe.py), ep ranks sharing
+the E experts (E/ep each: ctxpar/moe/dispatch.py, dropless). The N k routed rows leave for
+their experts' ranks and come back; a rank receives M rows for its own experts. M depends on
+the router: the planner assumes balanced routing, M = N k (every rank's experts get their
+share of every rank's rows), which is the expectation and what the load-balancing loss
+aims at; a skewed router makes one rank's M (memory, expert FLOPs) larger than this.
+
+Parameters: each MoE layer's experts, E/ep of them (times 1/tp of their width), are
+counted apart from the dense ones (router, norms, shared expert): their gradients and
+ZeRO 1/2 partitions are over the expert-data-parallel group of dp x cp / ep ranks
+(ctxpar/distributed/expert_parallel.py), the rest over dp x cp (zero_state.py).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+from ..config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
+from ..config.layers import LAYER_MIXERS, layer_types
+from ..config.moe import moe_layer_indices
+from ..config.parameters import block_specs
+
+EXPERT_SPLITS = ("experts_column", "experts_row")
+
+
+def moe_indices(m: ModelConfig):
+    """The blocks whose MLP is the MoE (model.moe.layers among those with an MLP, as
+    parameters.block_specs builds them)."""
+    types = layer_types(m)
+    return [i for i in moe_layer_indices(m.moe, m.n_layers) if LAYER_MIXERS[types[i]][1]]
+
+
+def moe_layers(m: ModelConfig, start: int = 0, count: int = None) -> int:
+    """MoE layers among blocks [start, start + count) (default: all)."""
+    end = m.n_layers if count is None else start + count
+    return sum(1 for i in moe_indices(m) if start <= i < end)
+
+
+def expert_params(m: ModelConfig, tp: int, ep: int) -> int:
+    """One MoE layer's routed experts on one rank: E/ep experts, f/tp of each."""
+    i = moe_indices(m)[0]
+    return sum(s.numel(tp, ep) for s in block_specs(m, i, tp) if s.split in EXPERT_SPLITS)
+
+
+def stage_expert_params(m: ModelConfig, tp: int, ep: int, start: int, count: int) -> int:
+    """The routed experts' parameters on one rank of a stage of `count` blocks from
+    `start` (0 without model.moe)."""
+    n = moe_layers(m, start, count)
+    return n * expert_params(m, tp, ep) if n else 0
+
+
+def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
+                 received: int = None) -> int:
+    """Bytes one MoE layer saves in mode 'none' (its norm aside; N tokens on the rank):
+
+    router     the fp32 scores (N, E) (softmax's or sigmoid's output), the top-k indices
+               (N, k) int64; with norm_topk the k scores and their (N, 1) sum (fp32, the
+               division's inputs); the combine's (N, k) weights in the activations' dtype
+    losses     RouterStats.add: softmax(logits) again and logsumexp's fp32 logits (N, E)
+               each, its (N,) output
+    rows       the gather's and the combine's (N k,) int64 orders; the experts' M input
+               rows (M, d), each expert's [gate | up] output, activation and product (4 f
+               per row; 2 f without a gate), their M output rows; the combined rows (N k, d)
+    over EP    M = `received` rows arrive for this rank's experts (default N k: balanced
+               routing, the module docstring), their regrouping order (M,) int64, and the
+               N k results back from the experts' ranks, (N k, d), beside the combined rows
+    shared     a dense MLP of shared_expert_hidden/tp (4 f per token, as the MLP's), and
+               its gate's sigmoid (N, 1) and the shared output (N, d) it multiplies
+    """
+    moe = m.moe
+    E, k, f = moe.num_experts, moe.top_k, (moe.expert_hidden or resolved_ffn_hidden(m)) // tp
+    rows = N * k
+    M = rows if received is None else received
+    router = N * E * 4 + N * k * 8 + N * k * e + ((N * k + N) * 4 if moe.norm_topk else 0)
+    losses = 2 * N * E * 4 + N * 4
+    per_row = (4 if m.mlp in GATED_MLPS else 2) * f * e
+    routed = 2 * rows * 8 + 2 * M * d * e + M * per_row + rows * d * e
+    if ep > 1:
+        routed += M * 8 + rows * d * e
+    shared = 0
+    if moe.shared_expert_hidden:
+        fs = moe.shared_expert_hidden // tp
+        shared = (4 if m.mlp in GATED_MLPS else 2) * N * fs * e
+        shared += N * d * e + N * e if moe.shared_expert_gate else 0
+    return router + losses + routed + shared
+
+
+def router_losses_saved(m: ModelConfig) -> int:
+    """What the routers' losses save once per forward (RouterStats.losses): the (E,)
+    assignment shares and the row count, fp32."""
+    return 4 * m.moe.num_experts + 4 if m.moe is not None else 0
+
+
+def all_to_all_bytes(N: int, d: int, e: int, m: ModelConfig, ep: int) -> Tuple[int, int]:
+    """(forward, backward) bytes one rank sends in one MoE layer: the N k routed rows out
+    and their results back (two all-to-alls of N k d e), the (ep - 1)/ep of them bound for
+    other ranks (balanced routing); backward the same by the reverse splits. The counts'
+    exchange (E int64) is left out."""
+    if ep == 1:
+        return 0, 0
+    one = 2 * N * m.moe.top_k * d * e * (ep - 1) // ep
+    return one, one
+
+
+def forward_working_set(N: int, d: int, e: int, m: ModelConfig, ep: int) -> int:
+    """A MoE layer's forward intermediates without autograd (a checkpointed block's
+    forward, evaluation) at its experts, the largest point: the M = N k routed rows
+    (balanced), the experts' outputs and their concatenation, (M, d) each; over EP the
+    rows received and regrouped, (M, d) each, beside them."""
+    rows = N * m.moe.top_k
+    return (3 + (2 if ep > 1 else 0)) * rows * d * e
+
+
+def backward_working_set(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int) -> int:
+    """A MoE layer's backward at its experts: the combined rows' gradient (N k, d), the
+    experts' output rows' and input rows' gradients (M, d) each (M = N k, balanced), over
+    EP the all-to-all's gradient buffers (N k, d) each way, and one expert's intermediates'
+    gradients (its n = M ep / E rows: 2 f each, gate and up, as the dense MLP's)."""
+    moe = m.moe
+    rows, f = N * moe.top_k, (moe.expert_hidden or resolved_ffn_hidden(m)) // tp
+    one_expert = 2 * (rows * ep // moe.num_experts) * f * e
+    return (3 + (2 if ep > 1 else 0)) * rows * d * e + one_expert
+
+
+def idle_expert_params(m: ModelConfig, tp: int, layers: int) -> int:
+    """Of the first `layers` blocks' parameters on a TP rank (every expert counted), those
+    a token does not run: the routed experts' share (E - k)/E (0 without model.moe)."""
+    if m.moe is None:
+        return 0
+    idle = m.moe.num_experts - m.moe.top_k
+    return moe_layers(m, 0, layers) * expert_params(m, tp, 1) * idle // m.moe.num_experts
