@@ -1,0 +1,233 @@
+"""Full tensors of a Hugging Face folder by GPT name: the safetensors files, their index, and
+every family's layout of them (hf.py maps config.json; this reads the weights).
+
+A tensor may be stored whole under its transformers name (names.py), in parts
+(OLMo Hybrid's [q | k | v], olmo_hybrid.py), per expert (the mixtures of experts'
+``experts.N.*``, moe_families.py) or quantized (gpt-oss's MXFP4, dequantized as transformers
+does); ``check`` reads the headers alone and refuses, naming it, a missing, misshapen or
+unreadable tensor and one ctxpar would not use.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+import torch
+
+from ..config import ModelConfig
+from ..config.parameters import parameter_specs
+from .families import WRAPPERS
+from .moe_families import (assemble, assembled_shape, dequantize_mxfp4, gpt_oss_from_hf,
+                           gpt_oss_key, gpt_oss_shape, mxfp4_shape, mxfp4_sources,
+                           per_expert_sources)
+from .names import to_hf
+from .olmo_hybrid import part_rows, tensor_sources
+from .resume import CheckpointError
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes ctxpar reads
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG))
+
+
+def read_raw_config(path: str) -> Dict[str, Any]:
+    file = os.path.join(path, CONFIG)
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: not a readable config.json ({e})") from None
+
+
+class WeightReader:
+    """Full tensors of a Hugging Face folder by GPT name, read one at a time (safetensors,
+    lazily; opening reads the headers only)."""
+
+    IGNORED = ("rotary_emb.inv_freq",)  # buffers older transformers saved
+
+    def __init__(self, path: str, tied: bool, naming: str = "default"):
+        from safetensors import safe_open
+        # a multimodal folder: the language model under its prefix, the rest left out
+        self.wrapper = WRAPPERS.get(read_raw_config(path).get("model_type")) \
+            if is_hf_folder(path) else None
+        index = os.path.join(path, WEIGHTS_INDEX)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a readable safetensors index "
+                                      f"({type(e).__name__}: {e})") from None
+            files = sorted(set(weight_map.values()))
+            absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+            if absent:
+                raise CheckpointError(f"{path}: {absent[0]} is named in {WEIGHTS_INDEX} but "
+                                      f"absent (an interrupted download? fetch it again)")
+        elif os.path.isfile(os.path.join(path, WEIGHTS)):
+            files, weight_map = [WEIGHTS], None
+        else:
+            raise CheckpointError(f"{path}: neither {WEIGHTS} nor {WEIGHTS_INDEX} (ctxpar "
+                                  f"reads safetensors: save the model with transformers' "
+                                  f"save_pretrained, which writes them)")
+        self.path, self.tied, self.naming, self._where = path, tied, naming, {}
+        self._files = []
+        for f in files:
+            try:
+                self._files.append((f, safe_open(os.path.join(path, f), framework="pt")))
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{os.path.join(path, f)}: not a readable safetensors "
+                                      f"file ({e})") from None
+        for f, handle in self._files:
+            for key in handle.keys():
+                if weight_map is not None and weight_map.get(key) != f:
+                    raise CheckpointError(f"{os.path.join(path, f)} holds {key!r}, which "
+                                          f"{WEIGHTS_INDEX} places in {weight_map.get(key)}")
+                self._where[key] = handle
+        # a MoE family's experts saved per expert: {fused key: parts} (moe_families.py)
+        self.model_type = read_raw_config(path).get("model_type") if is_hf_folder(path) \
+            else None
+        self._experts = per_expert_sources(self._where, self.model_type)
+        self._mxfp4 = mxfp4_sources(self._where, self.model_type)  # gpt-oss's quantized
+        if weight_map is not None:
+            lost = sorted(set(weight_map) - set(self._where))
+            if lost:
+                raise CheckpointError(f"{path}: {lost[0]!r} is named in {WEIGHTS_INDEX} but "
+                                      f"not in {weight_map[lost[0]]} (a damaged shard)")
+        self.used = set()
+
+    def key(self, gpt_name: str) -> str:
+        key = gpt_oss_key(to_hf(gpt_name, self.naming), self.model_type)
+        if self.wrapper is not None and key.startswith("model."):
+            return self.wrapper.prefix + key[len("model."):]
+        return key
+
+    def sources(self, gpt_name: str) -> list:
+        """Where the folder may hold a parameter: alternatives, each a tuple of tensors
+        concatenated on dim 0 (OLMo Hybrid's [q | k | v] parts, olmo_hybrid.py); the
+        first the folder has all of, else the first."""
+        key = self.key(gpt_name)
+        options = tensor_sources(key) if self.naming == "olmo_hybrid" else [(key,)]
+        return next((o for o in options if all(k in self._where for k in o)), options[0])
+
+    def _kept(self, key: str) -> bool:
+        """Not a buffer, nor a tensor of what a multimodal folder leaves out."""
+        return not key.endswith(self.IGNORED) and not (
+            self.wrapper is not None and key.startswith(self.wrapper.left_out))
+
+    def get(self, gpt_name: str) -> torch.Tensor:
+        key = self.key(gpt_name)
+        if key not in self._where and key in self._experts:
+            self.used.update(k for part in self._experts[key] for k in part)
+            return assemble(self._experts[key], lambda k: self._where[k].get_tensor(k))
+        if key not in self._where and key in self._mxfp4:  # dequantized as transformers does
+            blocks, scales = self._mxfp4[key]
+            self.used.update((blocks, scales))
+            return gpt_oss_from_hf(key, dequantize_mxfp4(self._where[blocks].get_tensor(blocks),
+                                                         self._where[scales].get_tensor(scales)))
+        keys = self.sources(gpt_name)
+        for k in keys:
+            if k not in self._where:
+                raise CheckpointError(f"{self.path}: no tensor {k!r} (for {gpt_name})")
+        self.used.update(keys)
+        parts = [self._where[k].get_tensor(k) for k in keys]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return gpt_oss_from_hf(key, t) if self.model_type == "gpt_oss" else t
+
+    def unused(self) -> list:
+        """Tensors of the folder no parameter took (tied lm_head copies and buffers aside)."""
+        left = set(self._where) - self.used
+        if self.tied:
+            left.discard("lm_head.weight")
+        return sorted(k for k in left if self._kept(k))
+
+    def _check_tensor(self, key: str, want: tuple) -> None:
+        """The folder holds `key` with shape `want` in a dtype ctxpar reads."""
+        if key not in self._where:
+            why = (" (tie_word_embeddings is false: an untied model needs its head; set "
+                   "tie_word_embeddings true in config.json if it is tied)"
+                   if key == "lm_head.weight" else "")
+            raise CheckpointError(f"{self.path}: no tensor {key!r}{why}")
+        sl = self._where[key].get_slice(key)
+        shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        if shape != want:
+            raise CheckpointError(f"{self.path}: {key} has shape {shape}, config.json "
+                                  f"makes it {want}")
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{self.path}: {key} is {dtype}; ctxpar reads "
+                                  f"{', '.join(DTYPES)} (dequantize or convert it first)")
+
+    def check(self, m: ModelConfig) -> None:
+        """Every parameter of m has its tensor in the folder with its full shape and a dtype
+        ctxpar reads, and the folder holds no tensor ctxpar would not use; reads headers
+        only (before any process group exists)."""
+        want, taken = {}, set()  # key: its shape; per-expert and MXFP4 parts of fused ones
+        for spec in parameter_specs(m):
+            key = self.key(spec.name)
+            if key not in self._where and key in self._experts:
+                parts = [k for part in self._experts[key] for k in part]
+                taken.update(parts)
+                self._check_experts(key, parts, spec)
+                continue
+            if key not in self._where and key in self._mxfp4:
+                taken.update(self._mxfp4[key])
+                self._check_mxfp4(key, spec)
+                continue
+            keys = self.sources(spec.name)
+            if len(keys) == 1:
+                want[keys[0]] = gpt_oss_shape(key, spec.shape) \
+                    if self.model_type == "gpt_oss" else spec.shape
+                continue
+            for key in keys:  # every part present before their sizes are compared
+                if key not in self._where:
+                    self._check_tensor(key, spec.shape)  # names the missing one
+            # [q | k | v] parts: the projections by section; transformers saves the conv in
+            # three equal chunks (its Concatenate reversed), so only the conv's sum counts
+            rows = part_rows(m) if "_proj." in keys[0] else [
+                self._where[k].get_slice(k).get_shape()[0] for k in keys]
+            for key, n in zip(keys, rows):
+                want[key] = (n, *spec.shape[1:])
+            if sum(rows) != spec.shape[0]:
+                raise CheckpointError(f"{self.path}: {', '.join(keys)} have {sum(rows)} rows "
+                                      f"together, config.json makes them {spec.shape[0]}")
+        for key, shape in want.items():
+            self._check_tensor(key, shape)
+        extra = sorted(k for k in set(self._where) - set(want) - taken
+                       if self._kept(k) and not (self.tied and k == "lm_head.weight"))
+        if extra:
+            more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+            raise CheckpointError(f"{self.path}: tensor {extra[0]!r}{more} would not be used "
+                                  f"by ctxpar's model of this config.json (another "
+                                  f"architecture, or weights it does not implement)")
+
+    def _check_mxfp4(self, key, spec) -> None:
+        """An MXFP4 tensor's blocks and scales: uint8, shapes that dequantize to spec's."""
+        blocks, scales = (self._where[k].get_slice(k) for k in self._mxfp4[key])
+        b, s = tuple(blocks.get_shape()), tuple(scales.get_shape())
+        if len(b) != 4 or b[:-1] != s or mxfp4_shape(b) != gpt_oss_shape(key, spec.shape) \
+                or {blocks.get_dtype(), scales.get_dtype()} != {"U8"}:
+            raise CheckpointError(f"{self.path}: {key}_blocks {b} {blocks.get_dtype()} and "
+                                  f"_scales {s} {scales.get_dtype()} are not MXFP4 of "
+                                  f"{gpt_oss_shape(key, spec.shape)} (uint8 (E, R, G, 16) "
+                                  f"and (E, R, G))")
+
+    def _check_experts(self, key, parts, spec) -> None:
+        """A fused tensor's per-expert parts: one shape each, the fused shape, read dtypes."""
+        shape = assembled_shape(self._experts[key],
+                                lambda k: self._where[k].get_slice(k).get_shape())
+        if shape is None:
+            raise CheckpointError(f"{self.path}: {key}'s per-expert tensors ({parts[0]} ...) "
+                                  f"differ in shape or count (an expert is missing?)")
+        if shape != spec.shape:
+            raise CheckpointError(f"{self.path}: {key} from {parts[0]} and its {len(parts) - 1} "
+                                  f"per-expert siblings has shape {shape}, config.json makes "
+                                  f"it {spec.shape}")
+        for k in parts:
+            dtype = self._where[k].get_slice(k).get_dtype()
+            if dtype not in DTYPES:
+                raise CheckpointError(f"{self.path}: {k} is {dtype}; ctxpar reads "
+                                      f"{', '.join(DTYPES)} (dequantize or convert it first)")
