@@ -244,25 +244,15 @@ def test_activation_bytes_of_a_hybrid_over_cp_are_close_to_what_autograd_saves()
 # ------------------------------------------------------------------ model state (DeepSpeed)
 
 
-def _live_tensor_bytes():
-    seen = {}
-    for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
-            s = o.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return seen
-
-
 def _engine_state(rank, world, stage, tp, cp):
     """(this rank's parameter count, bytes of every tensor the process gained while the
     model and DeepSpeed's engine were built and took one step). One case per process:
     a fresh process has nothing freed whose address a new tensor could reuse."""
-    import deepspeed
-    from ctxpar import DeepSpeedMPU, init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
-    from ctxpar.distributed.zero import grad_divisor, partition_for_zero3
+    from ctxpar.distributed.zero import partition_for_zero3
     from models.gpt import GPT
-    from models.loss import global_token_count, loss_for_backward
+    from tests.helpers.engine_state import bytes_after_one_step, live_tensor_bytes
 
     init_deepspeed_comm()
     cfg = ModelConfig(vocab_size=512, seq_len=32, n_layers=2, d_model=128, n_heads=4,
@@ -271,7 +261,7 @@ def _engine_state(rank, world, stage, tp, cp):
     tok = shard_sequence(torch.randint(0, 512, (2, 32)), 1, st.cp_group, "zigzag")
     pos = sequence_positions(32, st.cp_group, "zigzag")
     gc.collect()
-    before = _live_tensor_bytes()
+    before = live_tensor_bytes()
     model = GPT(cfg, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
                 ModelOptions(layout="zigzag", seed=1))
     psi = sum(p.numel() for p in model.parameters())
@@ -284,16 +274,7 @@ def _engine_state(rank, world, stage, tp, cp):
           "gradient_accumulation_steps": 1, "zero_optimization": zero}
     partition_for_zero3(model, st, ds)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds,
-                                      mpu=DeepSpeedMPU(st))
-    n = global_token_count(tok, st.dp_cp_group)
-    loss = engine(tok, pos, tok)
-    engine.backward(loss_for_backward(loss, n, grad_divisor(st, ds)))
-    del loss
-    engine.step()  # Adam's state exists from here on
-    gc.collect()
-    after = _live_tensor_bytes()
-    return psi, sum(v for k, v in after.items() if k not in before)
+    return psi, bytes_after_one_step(model, opt, st, ds, tok, pos, before)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -134,28 +134,17 @@ def test_parameters_per_rank_hold_e_over_ep_experts(saved_results):
         assert counts.stage_params(hybrid, 1, 1, 0, ep) == want, ep
 
 
-def _live_tensor_bytes():
-    """{storage: bytes} of every CPU tensor Python holds (tests/test_plan.py's count)."""
-    seen = {}
-    for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
-            seen[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
-    return seen
-
-
 def _moe_engine_state(rank, world, stage):
     """(this rank's parameters, the experts' among them, the bytes of every tensor the
     process gained while the model and DeepSpeed's engine (the experts in their MoE param
     groups, as models/training.py builds it) were built and took one step)."""
-    import deepspeed
-    from ctxpar import DeepSpeedMPU, init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
     from ctxpar.distributed.expert_parallel import prepare_expert_parallel
-    from ctxpar.distributed.zero import grad_divisor
     from models.gpt import GPT
-    from models.loss import global_token_count, loss_for_backward
     from models.options import ModelGroups, ModelOptions
     from models.training import param_groups
+    from tests.helpers.engine_state import bytes_after_one_step, live_tensor_bytes
 
     init_deepspeed_comm()
     cfg = ModelConfig(vocab_size=512, seq_len=32, n_layers=2, d_model=128, n_heads=4,
@@ -164,7 +153,7 @@ def _moe_engine_state(rank, world, stage):
     tok = shard_sequence(torch.randint(0, 512, (2, 32)), 1, st.cp_group, "zigzag")
     pos = sequence_positions(32, st.cp_group, "zigzag")
     gc.collect()
-    before = _live_tensor_bytes()
+    before = live_tensor_bytes()
     model = GPT(cfg, ModelGroups.from_state(st), ModelOptions(layout="zigzag", seed=1))
     psi = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for p in model.parameters() if hasattr(p, "expert_shard"))
@@ -173,16 +162,7 @@ def _moe_engine_state(rank, world, stage):
           "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": stage, "reduce_bucket_size": 20000}}
     opt = torch.optim.AdamW(param_groups(model, 0.0, expert_group=name), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds,
-                                      mpu=DeepSpeedMPU(st))
-    n = global_token_count(tok, st.dp_cp_group)
-    loss = engine(tok, pos, tok)
-    engine.backward(loss_for_backward(loss, n, grad_divisor(st, ds)))
-    del loss
-    engine.step()  # Adam's state exists from here on
-    gc.collect()
-    after = _live_tensor_bytes()
-    return psi, experts, sum(v for k, v in after.items() if k not in before)
+    return psi, experts, bytes_after_one_step(model, opt, st, ds, tok, pos, before)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
