@@ -11,7 +11,8 @@ Top to bottom, in the processes the launcher gave:
      them, --steps optimizer steps; per step the loss, every parameter's gradient before
      the optimizer step (the engine's, gathered over ZeRO and TP to its full tensor) and
      every attention core's output (a hook, gathered over CP and TP to (T, heads, hd) per
-     sample) go to rank 0;
+     sample) and every linear mixer's (Gated DeltaNet, Mamba2: (T, d), complete over TP,
+     gathered over CP) go to rank 0;
   3. the reference layout in the same processes: pp = 1, cp = --reference-cp (default 1,
      the ring when above 1), the same tp, dp taking the ranks that frees; same init, same
      samples, same DeepSpeed section; the same tensors, compared on rank 0 as they come;
@@ -130,17 +131,38 @@ def attention_cores(module):
             yield (prefixes[id(m)] + "attn" if id(m) in prefixes else name), m
 
 
+def linear_mixers(module):
+    """(name, module) of every Gated DeltaNet and Mamba2 mixer on this rank: the GPT's
+    ``layers.i.linear_attn`` / ``layers.i.mamba``, or a pipeline stage's under the same."""
+    from models.gated_delta import GatedDeltaNet
+    from models.mamba2 import Mamba2
+
+    prefixes = {id(mixer): m.gpt_prefix + attr for m in module.modules()
+                if hasattr(m, "gpt_prefix") for attr in ("linear_attn", "mamba")
+                for mixer in [getattr(m, attr, None)] if mixer is not None}
+    for name, m in module.named_modules():
+        if isinstance(m, (GatedDeltaNet, Mamba2)):
+            yield prefixes.get(id(m), name), m
+
+
+def _keep(record, name: str, out: torch.Tensor) -> None:
+    # -1: no backward pass is running (torch.utils.checkpoint reads it the same way): once
+    # per forward, not again when activation checkpointing replays it in backward
+    if torch._C._current_graph_task_id() == -1:
+        record.setdefault(name, []).append(out.detach().clone())
+
+
 def hook_attention(module, record: Dict[str, List[torch.Tensor]]) -> None:
-    """Wrap each attention core to keep its output (B, T/cp, nh/tp, hd) in record[name],
-    once per forward: not again when activation checkpointing replays it in backward."""
+    """Keep each attention core's output (B, T/cp, nh/tp, hd) and each linear mixer's
+    (B, T/cp, d), in record[name], once per forward."""
     for name, attn in attention_cores(module):
         def core(*args, _core=attn.core, _name=name, **kwargs):
             out = _core(*args, **kwargs)
-            # -1: no backward pass is running (torch.utils.checkpoint reads it the same way)
-            if torch._C._current_graph_task_id() == -1:
-                record.setdefault(_name, []).append(out.detach().clone())
+            _keep(record, _name, out)
             return out
         attn.core = core
+    for name, mixer in linear_mixers(module):
+        mixer.register_forward_hook(lambda _m, _args, out, _name=name: _keep(record, _name, out))
 
 
 def hook_gradients(engine, on_step: Callable[[], None]) -> None:
@@ -181,13 +203,15 @@ def full_gradients(module, state, keep: bool) -> Dict[str, torch.Tensor]:
 
 
 def full_attention(record, sample_ids, state, layout: str, keep: bool):
-    """{(layer, sample id): (T, nh, hd) fp32 CPU} from each layer's kept outputs, gathered
-    over CP (back to token order) and TP (heads); collective over CP and TP."""
+    """{(layer, sample id): (T, nh, hd) or a linear mixer's (T, d), fp32 CPU} from each
+    layer's kept outputs, gathered over CP (back to token order) and TP (an attention
+    core's heads; a mixer's output is complete on every TP rank); collective over CP and TP."""
     out = {}
     for name in sorted(record):
         for ids, local in zip(sample_ids, record[name]):
             x = gather_sequence(local, 1, state.cp_group, layout, state.ulysses_size)
-            x = gather_along(x, state.tp_group, dim=2)  # (B, T, nh, hd)
+            if x.dim() == 4:
+                x = gather_along(x, state.tp_group, dim=2)  # (B, T, nh, hd)
             if keep:
                 out.update({(name, i): x[b].float().cpu() for b, i in enumerate(ids)})
     return out

@@ -1025,13 +1025,13 @@ HYBRID_LAYOUTS = {
     "cp2-heads": ["parallel.cp=2", "parallel.linear_cp=heads", "parallel.cp_comm=ulysses"],
     "tp2-cp2": ["parallel.tp=2", "parallel.cp=2"],
     "cp2-pp2": ["parallel.cp=2", "parallel.pp=2"],
-    "cp2-zigzag": ["parallel.cp=2", "parallel.layout=zigzag"],
+    "cp2-zigzag-ep2": ["parallel.cp=2", "parallel.layout=zigzag", "parallel.ep=2"],
 }
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIGS' sizes
-# the hybrids on every layout their linear layers run on; the mixtures of experts at cp2
-# and tp2 x cp2 (cp2 x pp2 is refused for them: the routers' losses across stages)
+# the hybrids on every layout their linear layers run on; the mixtures of experts at
+# cp2 x ep2 (generate.py too), tp2 x cp2 and cp2 x pp2
 FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:4]] + [
-    (f, layout) for f in MOE_FAMILIES for layout in ("cp2-zigzag", "tp2-cp2")]
+    (f, layout) for f in MOE_FAMILIES for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
@@ -1042,8 +1042,10 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     weights one step on. At cp2 state passing, the CPU demo of a context extension: twice
     the folder's 128 positions (Qwen3.5's attention layers with YaRN x2, Nemotron-H's
     NoPE unchanged), and generate.py continues as transformers' greedy generate. The
-    mixtures of experts likewise at cp2 (generate.py too) and tp2 x cp2 (the experts'
-    widths gathered over TP), their step-1 loss with transformers' load-balancing loss."""
+    mixtures of experts likewise at cp2 x ep2 (the export and generate.py take every
+    expert from the ZeRO shards: the module file holds EP rank 0's), tp2 x cp2 (the
+    experts' widths gathered over TP) and cp2 x pp2 (the routers' statistics across the
+    stages), their step-1 loss with transformers' load-balancing loss."""
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
     ref = tiny_family(folder, family, tied=False,
                       **HYBRIDS.get(family, dict(vocab_size=256, intermediate_size=192)))
@@ -1085,7 +1087,7 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     with torch.no_grad():
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits,
                                    **TOL)
-    if extend or layout == "cp2-zigzag":  # generate.py at cp2: transformers' greedy
+    if extend or layout == "cp2-zigzag-ep2":  # generate.py at cp2: transformers' greedy
         prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": ROOT}

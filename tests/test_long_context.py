@@ -56,20 +56,31 @@ def test_position_buckets_are_log2_spans():
     assert position_buckets(10) == [(0, 0), (1, 2), (3, 6), (7, 9)]
 
 
-def _answers(rank, world, grid):
+# A hybrid (Gated DeltaNet, Mamba2, attention): its linear layers by state passing, the
+# prefill leaving every CP rank the final recurrent and conv states for decoding.
+HYBRID = dict(n_layers=3, layer_types=["linear_attention", "mamba", "full_attention"],
+              linear_num_key_heads=2, linear_key_head_dim=16, mamba_head_dim=16,
+              ssm_state_size=16, n_groups=2, linear_chunk_size=16)
+
+
+def _answers(rank, world, payload):
     from ctxpar import init_parallel_state
     from ctxpar.config import ModelConfig
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
 
+    grid, hybrid = payload
     torch.manual_seed(0)
     inputs = torch.randint(0, 256, (3, 96))
     out = {}
-    for cp, layout in ((1, "contiguous"), (2, "zigzag"), (3, "striped")):
+    # state passing runs on contiguous and zigzag layouts (the hybrid's cp 3 contiguous)
+    for cp, layout in ((1, "contiguous"), (2, "zigzag"),
+                       (3, "contiguous" if hybrid else "striped")):
         st = init_parallel_state(tp=1, cp=cp)  # dp = 6 / cp replicas
         # init_std 0.2 spreads a random model's logits: greedy is far from ties.
-        cfg = ModelConfig(vocab_size=256, seq_len=256, n_layers=2, d_model=32, n_heads=4,
-                          n_kv_heads=2, init_std=0.2)
+        cfg = ModelConfig(**{**dict(vocab_size=256, seq_len=256, n_layers=2, d_model=32,
+                                    n_heads=4, n_kv_heads=2, init_std=0.2),
+                             **(HYBRID if hybrid else {})})
         model = GPT(cfg, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
                     ModelOptions(layout=layout, seed=3)).eval()
         groups = dict(layout=layout, cp_group=st.cp_group, tp_group=st.tp_group)
@@ -79,10 +90,11 @@ def _answers(rank, world, grid):
     return pickle.dumps(out)
 
 
-def test_answers_and_loss_by_position_are_the_same_at_cp_1_2_3():
+@pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
+def test_answers_and_loss_by_position_are_the_same_at_cp_1_2_3(hybrid):
     grid = task_grid(TOK, ["needle", "multikey", "variable_tracking"], [120, 201], [0.0, 1.0],
                      samples=2, n=2)
-    for rank, got in enumerate(run_distributed(_answers, 6, grid, timeout=300)):
+    for rank, got in enumerate(run_distributed(_answers, 6, (grid, hybrid), timeout=300)):
         got = pickle.loads(got)
         texts, scores, buckets = got[1]
         assert len(texts) == 12 and all(len(t) == 2 for t in texts)

@@ -12,6 +12,7 @@ import torch
 from ctxpar.components.parity import (Row, compare, parity_budget, precision_of, ring_size,
                                       verdict)
 from ctxpar.testing import run_distributed
+from tests.helpers.train_run import HYBRID_MODEL
 
 TINY = "configs/tiny_cpu.yaml"
 FAST = ["train.micro_batch_size=1", "model.seq_len=128"]
@@ -23,6 +24,9 @@ CASES = {
     "hybrid": [TINY, *FAST, "parallel.cp=4", "parallel.dp=1", "parallel.cp_comm=hybrid",
                "parallel.ulysses=2"],
     "broken_merge": [TINY, *FAST, "parallel.cp=4", "parallel.dp=1"],
+    # Gated DeltaNet, Mamba2, attention, Gated DeltaNet: state passing over cp2 x tp2
+    "linear_state_tp2": [TINY, *FAST, *HYBRID_MODEL, "parallel.tp=2", "parallel.dp=1",
+                         "parallel.linear_cp=state"],
 }
 
 
@@ -71,6 +75,18 @@ def test_every_cp_pattern_passes_against_the_reference(results, case):
     assert {r.name for r in kinds["attn"]} == {"layers.0.attn", "layers.1.attn"}
     # Nothing missing on either side (a missing tensor is an infinite difference).
     assert all(math.isfinite(r.diff) and r.ok for r in rows)
+
+
+def test_a_hybrid_model_compares_its_linear_mixers_outputs(results):
+    """Each Gated DeltaNet's and Mamba2's output (T, d), gathered over CP, beside the
+    attention core's: all within the fp32 budget at cp2 x tp2 with state passing."""
+    rows, line, code = results["linear_state_tp2"]
+    assert code == 0 and line.startswith("verify: PASS"), line
+    assert {r.name for r in rows if r.kind == "attn"} == {
+        "layers.0.linear_attn", "layers.1.mamba", "layers.2.attn", "layers.3.linear_attn"}
+    # the outputs as close as the other fp32 layouts'; the gradients within their 1e-4
+    # budget (the largest 3.6e-5 when this was written)
+    assert max(r.diff for r in rows if r.kind == "attn") < 1e-5
 
 
 def test_fp32_layouts_agree_to_reduction_order(results):

@@ -1,7 +1,7 @@
 """The experts in DeepSpeed's universal checkpoint: from any ep, to any ep.
 
 An expert tensor (models/moe.py: ``experts.gate_up_proj`` (E, 2f, d), ``experts.down_proj``
-(E, d, f)) is held E/ep experts a rank, dim 0 split over the EP group, and under ZeRO 1/2
+(E, d, f), gpt-oss's ``_bias`` of each) is held E/ep experts a rank, dim 0 split over the EP group, and under ZeRO 1/2
 its fp32 weight and Adam states are partitioned over the expert-data-parallel group
 (ctxpar/distributed/expert_parallel.py). ds_to_universal merges every parameter's ZeRO
 fragments over the whole dp x cp group, which for an expert would stack different ranks'
@@ -30,7 +30,7 @@ from typing import Dict, List
 
 import torch
 
-EXPERT_TENSOR = re.compile(r".*\.experts\.(gate_up_proj|down_proj)$")
+EXPERT_TENSOR = re.compile(r".*\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 def is_expert(name: str) -> bool:

@@ -17,6 +17,11 @@ What a tag directory holds depends on how train.py ran (DeepSpeed 0.19.8):
     pipeline  pp > 1 (ZeRO 0, 1)         layer_LL-model_XX-model_states.pt: layer LL of
                                          GPTPipe (0 embedding, 1..L blocks, L+1 final norm,
                                          L+2 untied head; a tied head is the embedding)
+    experts   ep > 1 (ZeRO 1, 2)         the module files hold EP rank 0's experts only:
+                                         every expert comes from the ZeRO shards through
+                                         the universal conversion (rank 0 writes it beside
+                                         the tag, <save_dir>/universal/<tag>, as a resume
+                                         on another layout does: expert_universal.py)
 
 Parameters do not depend on cp (or dp, pp): a checkpoint loads at any cp. With the
 checkpoint's tp, each rank reads its own TP shard only. Another tp is resharded from full
@@ -68,7 +73,7 @@ class RunCheckpoint:
 @dataclass(frozen=True)
 class CheckpointFiles:
     path: str
-    kind: str  # 'module', 'zero3' or 'pipeline' (module docstring)
+    kind: str  # 'module', 'zero3', 'pipeline' or 'experts' (module docstring)
     tp: int    # the TP degree it was saved with
 
 
@@ -162,6 +167,10 @@ def _ranks(matches: List[re.Match], group: int, path: str, what: str) -> int:
 
 def inspect_checkpoint(path: str) -> CheckpointFiles:
     """Which of the formats in the module docstring `path` holds, and its TP degree."""
+    marked = os.path.isfile(os.path.join(path, MARKER))
+    layout = (read_manifest(path).get("layout") or {}) if marked else {}
+    if layout.get("ep", 1) > 1:
+        return CheckpointFiles(path, "experts", layout["tp"])
     names = os.listdir(path)
     for kind, pattern, group in (("pipeline", _LAYER, 2), ("zero3", _ZERO3, 2),
                                  ("module", _MODULE, 1)):
@@ -241,6 +250,8 @@ def merge_tp_shards(shards: List[Dict[str, torch.Tensor]], model, path: str
 def load_weights_(model, files: CheckpointFiles, tp_group) -> None:
     """Copy the checkpoint's weights into `model` (a ctxpar.interfaces.CausalLM at any tp and
     cp), and the buffers it saved (replicated: a MoE router's e_score_correction_bias)."""
+    if files.kind == "experts":
+        return _load_through_universal_(model, files, tp_group)
     n_layers, tp_size = model.cfg.n_layers, tp_size_of(tp_group)
     names = {n for n, _ in model.named_parameters()}
     ranks = [tp_rank_of(tp_group)] if files.tp == tp_size else range(files.tp)
@@ -262,3 +273,20 @@ def load_weights_(model, files: CheckpointFiles, tp_group) -> None:
             p.copy_(shards[0][name])
         return
     load_full_state_dict_(model, merge_tp_shards(shards, model, files.path), tp_group)
+
+
+def _load_through_universal_(model, files: CheckpointFiles, tp_group) -> None:
+    """An ep > 1 checkpoint: rank 0 converts it to the universal format, every expert
+    whole (collective over the world); each rank keeps its slices, and the saved buffers."""
+    from ..checkpoint.reshard import run_on_rank0
+    from ..checkpoint.universal import (full_weights, load_buffers_, naming, saved_buffers,
+                                        to_universal)
+
+    m = model.cfg
+    out = os.path.join(os.path.dirname(files.path), "universal", os.path.basename(files.path))
+    layout = read_manifest(files.path)["layout"]
+    run_on_rank0(lambda: to_universal(files.path, out, layout, m.n_layers,
+                                      naming(False, m.n_layers, True), m.moe.num_experts))
+    names = [n for n, _ in model.named_parameters()]
+    load_full_state_dict_(model, full_weights(out, names), tp_group)
+    load_buffers_(model, saved_buffers(out))
