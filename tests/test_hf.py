@@ -1029,9 +1029,11 @@ HYBRID_LAYOUTS = {
 }
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIGS' sizes
 # the hybrids on every layout their linear layers run on; the mixtures of experts at
-# cp2 x ep2 (generate.py too), tp2 x cp2 and cp2 x pp2
+# cp2 x ep2 (generate.py too) and tp2 x cp2, and cp2 x pp2 for two of them (the same
+# MoE layer in every family: Qwen3-MoE's, and gpt-oss's with its biases and sinks)
 FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:4]] + [
-    (f, layout) for f in MOE_FAMILIES for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
+    (f, layout) for f in MOE_FAMILIES for layout in ("cp2-zigzag-ep2", "tp2-cp2")] + [
+    (f, "cp2-pp2") for f in ("qwen3_moe", "gpt_oss")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)

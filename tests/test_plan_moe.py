@@ -193,6 +193,7 @@ def _moe_cfg():
                        check_paths=False)
 
 
+@pytest.mark.quick
 def test_step_time_counts_active_flops_and_the_all_to_alls():
     """cp8 on one node: ep 8 sends 7/8 of each MoE layer's 2 N k d e bytes each way,
     forward, a replayed forward (selective) and backward, over NVLink; the matmuls are the
