@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 
 @torch.no_grad()
-def global_grad_norm(parameters, model_parallel_group, tp_rank: int) -> torch.Tensor:
+def global_grad_norm(parameters, model_parallel_group, tp_rank: int,
+                     ep_group=None) -> torch.Tensor:
     """L2 norm of the reduced gradients of the whole model, every parameter counted once.
 
     TP-split parameters (``tensor_model_parallel``) count on every TP rank (their shards),
@@ -30,17 +31,23 @@ def global_grad_norm(parameters, model_parallel_group, tp_rank: int) -> torch.Te
     ``ds_pipe_replicated`` (the later stage's) not at all. Squares are summed over
     ``model_parallel_group``: the TP group, or with a pipeline pipe x model (every stage and
     TP rank of this dp x cp coordinate). Gradients are already reduced over dp x cp, so
-    every dp x cp rank gets the same number.
+    every dp x cp rank gets the same number. Under expert parallelism (ep_group) each EP
+    rank holds other experts: their squares are summed over the EP group first.
     """
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
     parameters = list(parameters)
-    sq = torch.zeros((), dtype=torch.float32, device=parameters[0].device)
+    sq, experts = (torch.zeros((), dtype=torch.float32, device=parameters[0].device)
+                   for _ in range(2))
     for p in parameters:
         if p.grad is None or getattr(p, "ds_pipe_replicated", False):
             continue
         if tp_rank == 0 or is_model_parallel_parameter(p):
-            sq += p.grad.detach().float().pow(2).sum()
+            own = experts if getattr(p, "expert_shard", (0, 1))[1] > 1 else sq
+            own += p.grad.detach().float().pow(2).sum()
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:
+        dist.all_reduce(experts, group=ep_group)
+    sq = sq + experts
     if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
         dist.all_reduce(sq, group=model_parallel_group)
     return sq.sqrt()
@@ -49,7 +56,7 @@ def global_grad_norm(parameters, model_parallel_group, tp_rank: int) -> torch.Te
 def record_fp32_grad_norm(engine, state) -> None:
     """Make an fp32 ZeRO-0 engine clip by, and report, the true global gradient norm.
 
-    state: this rank's ParallelState (its TP group); a pipeline engine's norm is summed
+    state: this rank's ParallelState (its TP and EP groups); a pipeline engine's norm is summed
     over the pipeline grid's pipe x model group instead. For any other engine (ZeRO >= 1,
     bf16, fp16) this does nothing.
     """
@@ -63,11 +70,12 @@ def record_fp32_grad_norm(engine, state) -> None:
             grid.get_slice_parallel_rank()
     else:
         model_parallel_group, tp_rank = state.tp_group, state.tp_rank
+    ep_group = state.ep_group if state.ep_size > 1 else None  # no pipeline with ep (config)
     params = [p for p in engine.module.parameters() if p.requires_grad]
     clipped_this_step = [False]
 
     def norm() -> torch.Tensor:
-        return global_grad_norm(params, model_parallel_group, tp_rank)
+        return global_grad_norm(params, model_parallel_group, tp_rank, ep_group)
 
     def clip_fp32_gradients():  # called by engine._take_model_step when clipping > 0
         total = norm()
