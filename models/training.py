@@ -17,7 +17,7 @@ from ctxpar.config import ulysses_degree
 from ctxpar.distributed.grad_norm import record_fp32_grad_norm
 from ctxpar.distributed.mpu import DeepSpeedMPU
 from ctxpar.distributed.parallel_state import init_parallel_state
-from ctxpar.distributed.zero import partition_for_zero3
+from ctxpar.distributed.zero import partition_for_zero3, zero_stage
 from ctxpar.memory import optimizer as optimizer_offload
 
 
@@ -93,13 +93,15 @@ def initialize_engine(model, cfg, state, ds_config, device):
     schedule, and DeepSpeed's engine over them. Returns (engine, scheduler)."""
     import deepspeed
 
-    from ctxpar.distributed.expert_parallel import dense_checkpoints, prepare_expert_parallel
+    from ctxpar.distributed.expert_parallel import prepare_expert_parallel
 
     pipelined = cfg.parallel.pp > 1
-    partition_for_zero3(model, state, ds_config)  # ZeRO-3: over dp x cp (distributed/zero.py)
     expert_group = None
     if state.ep_size > 1:  # experts reduced over their EDP group (distributed/expert_parallel.py)
-        expert_group = prepare_expert_parallel(model, state, cfg.model.moe.num_experts)
+        expert_group = prepare_expert_parallel(model, state, cfg.model.moe.num_experts,
+                                               zero_stage(ds_config))
+    # ZeRO-3: over dp x cp (distributed/zero.py), the experts over their EDP group
+    partition_for_zero3(model, state, ds_config)
     groups = param_groups(model, cfg.train.weight_decay, not pipelined, expert_group)
     # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
     # ctxpar/memory/optimizer.py)
@@ -109,6 +111,4 @@ def initialize_engine(model, cfg, state, ds_config, device):
                                            lr_scheduler=scheduler, config=ds_config,
                                            mpu=None if pipelined else DeepSpeedMPU(state))
     record_fp32_grad_norm(engine, state)  # fp32 ZeRO-0 records none (distributed/grad_norm.py)
-    if state.ep_size > 1:
-        dense_checkpoints(engine)
     return engine, scheduler

@@ -562,10 +562,11 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
      "model.moe.aux_loss_coef=0.01 with model.moe.score='sigmoid'"),
     ({"moe": {"shared_expert_gate": True}}, {}, "model.moe.shared_expert_gate=true needs"),
     ({"moe": {"layers": [0, 5]}, "n_layers": 4}, {}, "model.moe.layers=[0, 5] must be"),
-    ({"moe": {"num_experts": 8}, "zero": 3}, {"ep": 2, "cp": 2},
-     "not built with parallel.ep=2 and deepspeed.zero_optimization.stage=3"),
-    ({"moe": {"num_experts": 8}, "zero": 0}, {"ep": 2, "cp": 2},
-     "not built with parallel.ep=2 and deepspeed.zero_optimization.stage=0"),
+    ({"moe": {"num_experts": 8}, "zero": 3}, {"ep": 2, "cp": 2, "tp": 2},
+     "not built with parallel.ep=2, parallel.tp=2 and deepspeed.zero_optimization.stage=3"),
+    ({"moe": {"num_experts": 8}, "zero": 0, "bf16": True}, {"ep": 2, "cp": 2},
+     "not built with parallel.ep=2, deepspeed.zero_optimization.stage=0 and "
+     "deepspeed.bf16.enabled=true"),
     ({"moe": {"num_experts": 8}, "zero": 1}, {"pp": 2, "cp": 2, "ep": 2},
      "not built with parallel.pp=2 and parallel.ep=2"),
     ({"moe": {"swiglu_limit": 7.0}, "mlp": "gelu"}, {}, "model.moe.swiglu_limit=7.0 needs "
@@ -591,6 +592,8 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
 def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
     model = dict(model)
     zero = {"zero_optimization": {"stage": model.pop("zero")}} if "zero" in model else {}
+    if model.pop("bf16", False):
+        zero["bf16"] = {"enabled": True}
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
          "train": {"global_batch_size": 1}, "deepspeed": zero}
     with pytest.raises(ConfigError) as e:
@@ -645,6 +648,56 @@ def test_an_expert_parallel_checkpoint_resumes_on_its_layout_and_on_another_ep(
         assert sorted(got) == [4, 5, 6], sorted(got)
         for s in got:  # fp32 weights and Adam states restored exactly; reductions reordered
             assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (name, s, got[s], want[s])
+
+
+ZERO0_EP2 = ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
+             "deepspeed.zero_optimization.stage=0", ONE_MICRO_BATCH[2], *MOE_RUN]
+
+
+def test_a_zero0_expert_parallel_run_trains_saves_and_resumes_on_its_layout_and_at_ep1(
+        moe_reference, tmp_path):
+    """ZeRO-0 at cp2 x dp2 x ep2: the engine all-reduces the experts' gradients over their
+    EDP group (ctxpar/distributed/expert_parallel.py) and the gradient norm sums the EP
+    ranks' experts, so it logs cp 1's losses and gradient norms over 6 steps. Its step-3
+    checkpoint keeps each EP rank's experts and optimizer state in a file of its own
+    (ctxpar/checkpoint/expert_states.py; the module file holds EP rank 0's): resumed on its
+    layout it continues with the saving run's losses and norms bit for bit, and converted to
+    the universal format (the experts whole from the EP ranks' files) at cp 1 x ep 1 under
+    ZeRO-1 it logs cp 1's."""
+    run = tmp_path / "zero0"
+    run_train(str(run), 4, [*ZERO0_EP2, "checkpoint.save_interval=3"])
+    assert_same_run(str(run), moe_reference, 6)
+    tag = "step_00000003"
+    files = sorted(p.name for p in (run / "checkpoints" / tag).glob("experts_*"))
+    assert files == ["experts_ep00_mp_rank_00.pt", "experts_ep01_mp_rank_00.pt"], files
+    for name, nproc, layout in (
+            ("again", 4, ZERO0_EP2),
+            ("ep1", 1, ["parallel.cp=1", "parallel.dp=1", ONE_MICRO_BATCH[1], *MOE_RUN])):
+        d = tmp_path / name
+        shutil.copytree(run / "checkpoints" / tag, d / "checkpoints" / tag)
+        proc = run_train(str(d), nproc, layout, extra=["--resume", "auto"])
+        assert ("ep 2->1" in proc.stdout) == (name == "ep1"), proc.stdout[-2000:]
+        want = str(run) if name == "again" else moe_reference
+        rtol = 0.0 if name == "again" else 1e-5  # another layout: reductions reordered
+        for key in ("loss", "grad_norm"):
+            got, ref = metric(str(d), key), metric(want, key)
+            assert sorted(got) == [4, 5, 6], sorted(got)
+            for s in got:
+                assert abs(got[s] - ref[s]) <= rtol * abs(ref[s]), (name, key, s, got[s], ref[s])
+
+
+def test_zero3_partitions_the_experts_over_their_edp_group_and_logs_cp1s_losses(
+        moe_reference, tmp_path):
+    """ZeRO-3 at cp2 x dp2 x ep2: the experts partitioned over their EDP group (two ranks
+    holding the same experts) through DeepSpeed's stage-3 per-parameter groups, the rest
+    over dp x cp (ctxpar/distributed/expert_parallel.py zero3_expert_placement), so each
+    expert's gradient is reduce-scattered over its EDP group, divided by |dp x cp| like every
+    other, and its norm added over the EP group: cp 1's losses and gradient norms over 6
+    steps."""
+    d = str(tmp_path / "zero3")
+    run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
+                     "deepspeed.zero_optimization.stage=3", ONE_MICRO_BATCH[2], *MOE_RUN])
+    assert_same_run(d, moe_reference, 6)
 
 
 def test_flops_count_the_active_experts():

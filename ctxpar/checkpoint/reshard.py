@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
+from .expert_states import restore_experts
 from .resume import (CheckpointError, latest_complete, load as load_same_layout, resume_problem,
                      verify)
 from .universal import (check_complete, load_buffers_, load_into_torch_optimizer, load_meta,
@@ -208,12 +209,11 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
     """
     if not point.universal:
         client_state = load_same_layout(engine, point.save_dir, point.tag)
-        if point.now.get("ep", 1) > 1:
-            # the module file holds EP rank 0's experts; every rank's own are the fp32
-            # partitions its ZeRO shard restored: copy them into the weights the next
-            # forward reads (distributed/expert_parallel.py)
-            engine.optimizer.update_lp_params()
+        # ep > 1: the module file holds EP rank 0's experts; every rank's own come from its
+        # ZeRO shard or, at ZeRO-0, its EP rank's file (expert_states.py)
+        restore_experts(engine, point.path)
         return client_state
+    from ..distributed.expert_parallel import dense_format
     m = cfg.model
     pipelined = cfg.parallel.pp > 1
     target = naming(pipelined, m.n_layers, m.tie_embeddings)
@@ -231,9 +231,10 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
         load_into_torch_optimizer(engine, out_dir, state.tp_group)
         client_state = load_meta(engine, out_dir)
     else:
-        path, client_state = engine.load_checkpoint(point.universal_dir, tag=point.tag,
-                                                    load_optimizer_states=True,
-                                                    load_lr_scheduler_states=True)
+        with dense_format(engine):  # ep > 1: DeepSpeed's MoE load wants per-expert files
+            path, client_state = engine.load_checkpoint(point.universal_dir, tag=point.tag,
+                                                        load_optimizer_states=True,
+                                                        load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {out_dir}")
     load_buffers_(engine.module, saved_buffers(out_dir))  # the routers' correction biases

@@ -209,8 +209,12 @@ def save(engine, save_dir: str, step: int, client_state: Dict[str, Any],
     meta (the layout and config, ``reshard.checkpoint_meta``) goes into the manifest.
     """
     tag = tag_for(step)
+    from ..distributed.expert_parallel import dense_format
+    from .expert_states import save_experts
     client_state = {**client_state, **zero0_client_state(engine)}
-    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=True)
+    with dense_format(engine):  # ep > 1: the dense format (distributed/expert_parallel.py)
+        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=True)
+    save_experts(engine, os.path.join(save_dir, tag))  # ZeRO-0, ep > 1: each EP rank's
     rank = dist.get_rank()
     torch.save(rng_state(), os.path.join(save_dir, tag, f"rng_rank{rank:05d}.pt"))
     dist.barrier()  # every rank's files are on disk before the manifest lists them
@@ -221,9 +225,13 @@ def save(engine, save_dir: str, step: int, client_state: Dict[str, Any],
 
 
 def load(engine, save_dir: str, tag: str) -> Dict[str, Any]:
-    """Collective: load a verified tag saved on this layout; returns the client_state."""
-    path, client_state = engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+    """Collective: load a verified tag saved on this layout; returns the client_state.
+    Under ep > 1 the caller restores each rank's own experts (expert_states.py)."""
+    from ..distributed.expert_parallel import dense_format
+    with dense_format(engine):
+        path, client_state = engine.load_checkpoint(save_dir, tag=tag,
+                                                    load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"checkpoint {os.path.join(save_dir, tag)} could not be loaded")
     rng_file = os.path.join(save_dir, tag, f"rng_rank{dist.get_rank():05d}.pt")

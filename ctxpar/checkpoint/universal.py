@@ -142,13 +142,16 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def zero0_to_universal(tag_dir: str, out_dir: str, n_layers: int, pipelined: bool) -> None:
+def zero0_to_universal(tag_dir: str, out_dir: str, n_layers: int, pipelined: bool,
+                       ep: int = 1) -> None:
     """A ZeRO stage-0 fp32 checkpoint (torch AdamW state in the mp_rank files) -> universal.
 
     Every (pp stage, TP rank) file contributes its parameters as dp-rank-0 fragments in
     ds_to_universal's temp layout; its ``merge_tp_slices`` then joins the TP slices under
-    the same universal_checkpoint_info rules as for ZeRO checkpoints.
+    the same universal_checkpoint_info rules as for ZeRO checkpoints. At ep > 1 the experts
+    are taken whole from the EP ranks' files (expert_states.full_experts).
     """
+    from .expert_states import full_experts
     from deepspeed.checkpoint import constants as C
     from deepspeed.checkpoint.ds_to_universal import dump_param_fragment, merge_tp_slices
 
@@ -158,6 +161,8 @@ def zero0_to_universal(tag_dir: str, out_dir: str, n_layers: int, pipelined: boo
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     for path in files:
         sd = torch.load(path, map_location="cpu", weights_only=False)
+        if ep > 1:
+            sd = full_experts(tag_dir, sd, ep)
         first = first or sd
         uc_info = uc_info or sd.get(C.UNIVERSAL_CHECKPOINT_INFO)
         tp_rank, opt = sd["tp_rank"], sd["optimizer"]
@@ -220,8 +225,9 @@ def to_universal(tag_dir: str, out_dir: str, layout: Dict, n_layers: int,
     src_pipelined = layout["pp"] > 1
     with _quiet() as log:
         try:
-            if layout.get("ep", 1) > 1:  # ZeRO 1/2 (config), no pipeline
-                ep_zero_to_universal(tag_dir, out_dir, layout["ep"])
+            ep = layout.get("ep", 1)
+            if ep > 1 and layout["zero_stage"] > 0:  # ZeRO 1/2 (config), no pipeline
+                ep_zero_to_universal(tag_dir, out_dir, ep)
             elif glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
                 from deepspeed.checkpoint import ds_to_universal
                 ds_to_universal.main(Namespace(input_folder=tag_dir, output_folder=out_dir,
@@ -229,7 +235,7 @@ def to_universal(tag_dir: str, out_dir: str, layout: Dict, n_layers: int,
                                                keep_temp_folder=False, strict=True,
                                                inject_missing_state=False))
             else:
-                zero0_to_universal(tag_dir, out_dir, n_layers, src_pipelined)
+                zero0_to_universal(tag_dir, out_dir, n_layers, src_pipelined, ep)
             if experts:
                 mark_experts(out_dir, experts)
         except Exception as e:

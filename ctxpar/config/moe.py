@@ -116,16 +116,18 @@ def check_moe(cfg, dp: Optional[int], err) -> None:
         err(f"parallel.ep={p.ep} must divide dp x cp = {dp} x {p.cp} (experts are split over "
             f"the DP x CP ranks)")
     stage = int((cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0))
+    half = next((k for k in ("bf16", "fp16") if (cfg.deepspeed.get(k) or {}).get("enabled")), None)
     unbuilt = [
-        (p.ep > 1 and stage == 3,
-         f"parallel.ep={p.ep} and deepspeed.zero_optimization.stage=3: DeepSpeed 0.19.8 runs "
-         f"its MoE machinery, which reduces the experts' gradients over their "
-         f"expert-data-parallel group, under ZeRO stage 0-2 only (use stage 1 or 2)"),
-        (p.ep > 1 and stage == 0,
-         f"parallel.ep={p.ep} and deepspeed.zero_optimization.stage=0: a stage-0 checkpoint "
-         f"keeps the weights in one module file, which holds one EP rank's experts (use "
-         f"stage 1 or 2, whose per-rank partitions hold every rank's: "
-         f"ctxpar/distributed/expert_parallel.py)"),
+        (p.ep > 1 and stage == 3 and p.tp > 1,
+         f"parallel.ep={p.ep}, parallel.tp={p.tp} and deepspeed.zero_optimization.stage=3: "
+         f"DeepSpeed's stage-3 gradient norm leaves out the TP sum for expert parameters "
+         f"(runtime/zero/stage3.py _grad_norm_counts_every_rank: its AutoEP's EP group spans "
+         f"TP, ctxpar's does not; use tp 1, or stage 1 or 2)"),
+        (p.ep > 1 and stage == 0 and half is not None,
+         f"parallel.ep={p.ep}, deepspeed.zero_optimization.stage=0 and deepspeed.{half}"
+         f".enabled=true: DeepSpeed's 16-bit ZeRO-0 optimizer (runtime/fp16/unfused_optimizer"
+         f".py FP16_UnfusedOptimizer.step) clips by a gradient norm that leaves the experts "
+         f"out (use fp32 at stage 0, or stage 1 or 2)"),
         (p.pp > 1 and bool(moe.seq_aux_loss_coef or moe.bias_update_rate),
          f"parallel.pp={p.pp}, model.moe.seq_aux_loss_coef={moe.seq_aux_loss_coef} and "
          f"model.moe.bias_update_rate={moe.bias_update_rate}: a pipeline's stages hand on the "

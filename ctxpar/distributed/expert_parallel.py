@@ -35,20 +35,26 @@ DeepSpeed reads, and what this module sets:
 
 Checkpoints are where DeepSpeed's MoE path does not fit: the engine's MoE format is
 written for its own layer (per-expert files found by the
-``deepspeed_moe.experts.deepspeed_experts.<i>`` name; the model states written by every CP
-rank of DP rank 0). So after ``deepspeed.initialize`` the engine's ``has_moe_layers`` is
-turned off again (``dense_checkpoints``): the ZeRO 1/2 optimizer keeps its own MoE groups
-and reductions, and the engine saves as for a dense model: the module file from one rank,
-every rank's ZeRO partition (its experts' fp32 weights and Adam states) in its own shard.
-A resume on the same layout restores every expert from the shards (DeepSpeed's
-``load_from_fp32_weights``, on by default; ctxpar/checkpoint/reshard.py then copies them
-into the weights); the module file's experts are EP rank 0's only and nothing reads them:
-a layout change, model.init_from and the export go through the universal conversion, which
-takes every expert from the shards (ctxpar/checkpoint/expert_universal.py). Refused
-(ctxpar/config/moe.py): ZeRO-0, whose weights live in that module file alone, and ZeRO-3
-(DeepSpeed 0.19.8 refuses its native MoE under stage 3).
+``deepspeed_moe.experts.deepspeed_experts.<i>`` name, engine.py ``_save_moe_checkpoint``;
+nothing of ctxpar's fused expert tensors), and its model file is written by every rank of
+DP rank 0 (``groups._get_data_parallel_rank() == 0``): under ctxpar's fold that is every CP
+rank, each holding other experts, writing the one file. So the engine keeps
+``has_moe_layers`` (ZeRO-0's gradient reduction reads it in every backward) and ctxpar turns
+it off only while the engine saves or loads (``dense_format``, every ZeRO stage): the
+engine then saves as for a dense model, the module file from one rank, every rank's ZeRO
+partition in its own shard. Each rank's own experts come back from per-rank state
+(ctxpar/checkpoint/expert_states.py): under ZeRO 1/2 its shard (fp32 weights and Adam
+states; ``update_lp_params`` copies them into the weights), under ZeRO-0 a file per EP rank
+that ctxpar writes beside the engine's, the experts' weights and the whole optimizer state
+(DeepSpeed's own stage-0 MoE checkpoint keeps an optimizer file per EP rank too). The
+module file's experts are EP rank 0's only and nothing reads them: a layout change,
+model.init_from and the export go through the universal conversion, which takes every
+expert from those per-rank sources (ctxpar/checkpoint/expert_universal.py). Refused
+(ctxpar/config/moe.py): ZeRO-3 (docs/parallelism.md says what DeepSpeed 0.19.8 lacks).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch.nn as nn
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
@@ -58,6 +64,14 @@ from deepspeed.utils import groups
 def expert_group_name(ep: int) -> str:
     """DeepSpeed's name for the EP group of size ep (deepspeed/moe/layer.py)."""
     return f"ep_size_{ep}"
+
+
+def register_expert_groups(name: str, ep_group, edp_group, ep_ranks, edp_ranks) -> None:
+    """ctxpar's EP and EDP groups under DeepSpeed's name for them (deepspeed.utils.groups)."""
+    groups._EXPERT_PARALLEL_GROUP[name] = ep_group
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ep_ranks
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = edp_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = edp_ranks
 
 
 class ExpertGroups(DeepSpeedMoE):
@@ -74,34 +88,66 @@ class ExpertGroups(DeepSpeedMoE):
         self._groups = (state.ep_group, state.edp_group, state.ranks("ep"), state.ranks("edp"))
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        ep_group, edp_group, ep_ranks, edp_ranks = self._groups
-        name = self.expert_group_name
-        groups._EXPERT_PARALLEL_GROUP[name] = ep_group
-        groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ep_ranks
-        groups._EXPERT_DATA_PARALLEL_GROUP[name] = edp_group
-        groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = edp_ranks
+        register_expert_groups(self.expert_group_name, *self._groups)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("ExpertGroups only registers process groups; ctxpar's MoE layers "
                            "(models/moe.py) compute")
 
 
-def prepare_expert_parallel(model: nn.Module, state, num_experts: int) -> str:
-    """Before deepspeed.initialize, ep > 1: flag the experts' parameters (``expert_shard``,
-    set by models/moe.py) as DeepSpeed's MoE parameters of this EP group and attach the
-    ExpertGroups module; the EP group's name, which the optimizer's expert groups carry
+def prepare_expert_parallel(model: nn.Module, state, num_experts: int, stage: int = 0) -> str:
+    """Before ``partition_for_zero3`` and deepspeed.initialize, ep > 1: flag the experts'
+    parameters (``expert_shard``, set by models/moe.py) as DeepSpeed's MoE parameters of this
+    EP group and attach the ExpertGroups module, or under ZeRO-3 place them for DeepSpeed's
+    stage-3 expert partitioning (``zero3_expert_placement``; stage: the ZeRO stage, only 3
+    differs); the EP group's name, which the optimizer's expert groups carry
     (models/training.py's param_groups)."""
     name = expert_group_name(state.ep_size)
-    for p in model.parameters():
-        if getattr(p, "expert_shard", None) is not None:
-            p.allreduce, p.group_name = False, name
-    model.deepspeed_expert_groups = ExpertGroups(num_experts, state)
+    experts = [p for p in model.parameters() if getattr(p, "expert_shard", None) is not None]
+    for p in experts:
+        p.allreduce, p.group_name = False, name
+    if stage == 3:
+        zero3_expert_placement(experts, state, name)
+    else:
+        model.deepspeed_expert_groups = ExpertGroups(num_experts, state)
     return name
 
 
-def dense_checkpoints(engine) -> None:
-    """After deepspeed.initialize (ep > 1, ZeRO 1 or 2): the engine's checkpoints in its
-    dense format (the module docstring). After initialisation the engine reads the flag only
-    to save and load checkpoints, to reduce ZeRO-0's gradients (ZeRO-0 is refused with
-    ep > 1) and to log DeepSpeed MoE layers' timers (there are none)."""
+def zero3_expert_placement(experts, state, name: str) -> None:
+    """ZeRO-3: the experts partitioned over their EDP group, the rest over dp x cp.
+
+    DeepSpeed 0.19.8's stage 3 keeps a partition group per parameter and computes, for the
+    parameters it calls AutoEP experts (``ds_zero_placement_family = "autoep_expert"``),
+    what ctxpar's experts need: ``zero.Init`` partitions each over its
+    ``ds_zero_partition_process_group`` (partition_parameters.py ``_convert_to_deepspeed_
+    param``); stage3.py buckets and reduce-scatters gradients per group, rescales an
+    expert's to the division by |dp x cp| that every other gradient gets
+    (``_gradient_averaging_world_size``: ctxpar's ZeRO-3 divisor, distributed/zero.py), keeps
+    the fp32 partitions and Adam states per group, and adds the gradient norm over the EP
+    group (``_autoep_expert_parallel_group``, by ``ds_zero_partition_group_name``). The
+    engine's own path to that placement (``_resolve_zero3_param_placement``) runs only for
+    AutoEP layers, and with a DeepSpeed ``MoE`` in the model the engine refuses stage 3
+    (``_validate_zero3_moe_compatibility``), so ctxpar sets the three attributes itself,
+    before ``partition_for_zero3`` converts the model, registers the groups, and attaches no
+    ExpertGroups. Config refuses tp > 1 here: that norm skips the TP sum for these
+    parameters (``_grad_norm_counts_every_rank``: AutoEP's EP group spans TP, ctxpar's not).
+    """
+    register_expert_groups(name, state.ep_group, state.edp_group, state.ranks("ep"),
+                           state.ranks("edp"))
+    for p in experts:
+        p.ds_zero_placement_family = "autoep_expert"
+        p.ds_zero_partition_group_name = name
+        p.ds_zero_partition_process_group = state.edp_group
+
+
+@contextlib.contextmanager
+def dense_format(engine):
+    """While the engine saves or loads a checkpoint: its dense format (the module
+    docstring), has_moe_layers back as it was after. A no-op without experts (the flag is
+    off)."""
+    had = engine.has_moe_layers
     engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = had
