@@ -227,7 +227,8 @@ def test_step_time_counts_active_flops_and_the_all_to_alls():
 
 def test_the_search_weighs_ep_and_says_why():
     """4 ranks of dp x cp: the search proposes ep 1, 2 and 4 (those dividing 64 experts),
-    with ZeRO 1 or 2 only for ep > 1 (the trainer's refusals); the report's line gives
+    with ZeRO 1, 2 or 3 for ep > 1 (the trainer refuses 16-bit ZeRO 0 with ep > 1, and
+    these candidates are bf16); the report's line gives
     each ep's memory, all-to-all seconds and step, memory falling and all-to-alls rising."""
     import re
     from ctxpar.plan.cluster import Cluster, gpu_preset
@@ -236,7 +237,8 @@ def test_the_search_weighs_ep_and_says_why():
     cfg, cluster = _moe_cfg(), Cluster(1, 4, gpu_preset("h100"))
     cands = candidates(cfg, cluster)
     assert {c.ep for c in cands} == {1, 2, 4}
-    assert {c.zero for c in cands if c.ep > 1} == {1, 2}
+    assert {c.zero for c in cands if c.ep > 1} == {1, 2, 3}
+    assert all(c.tp == 1 for c in cands if c.ep > 1 and c.zero == 3)
     plan = evaluate(cfg, Candidate(1, 4, 1, 1, zero=2, activation="full", ep=2), cluster)
     why = ep_reason(cfg, plan, cluster)
     assert why.startswith("parallel.ep 2: 64 experts over ep of dp x cp = 4 ranks"), why

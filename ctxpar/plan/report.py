@@ -151,8 +151,9 @@ def layout_reason(cfg, plan: Plan) -> str:
 def ep_reason(cfg, plan: Plan, cluster: Cluster) -> str:
     """One line: why this parallel.ep, for a mixture of experts: the layout's peak memory,
     all-to-all seconds and step time at each ep the search weighs for it (search.ep_sizes),
-    at the layout's ZeRO stage or, where the trainer refuses that with this ep (ZeRO 0
-    and 3 with ep > 1), at ZeRO 2 or 1; balanced routing assumed; '' without model.moe."""
+    at the layout's ZeRO stage or, where the trainer refuses that with this ep (16-bit
+    ZeRO 0, ZeRO 3 with tp > 1), at ZeRO 2 or 1; balanced routing assumed; '' without
+    model.moe."""
     from .search import _valid, ep_sizes, evaluate
     cand = plan.candidate
     if cfg.model.moe is None:

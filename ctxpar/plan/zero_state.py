@@ -102,9 +102,10 @@ class ZeroState:
 
     # -- helpers
     def _part(self, n: float) -> float:
-        """Elements of a ZeRO 1/2 partition of n of this rank's parameters (n: psi or psi0,
+        """Elements of a ZeRO partition of n of this rank's parameters (n: psi or psi0,
         both holding every expert of the rank): the dense ones over D, the experts over
-        their expert-data-parallel group of D/ep (DeepSpeed's MoE param groups)."""
+        their expert-data-parallel group of D/ep (DeepSpeed's MoE param groups; under ZeRO-3
+        its per-parameter groups: ctxpar/distributed/expert_parallel.py)."""
         return (n - self.s.experts) / self.D + self.s.experts / self.edp
 
     def _largest_group(self) -> float:
@@ -132,7 +133,7 @@ class ZeroState:
         if self.stage == 0:
             adam = psi * (4 if self.bf16 else 8)  # DDP_BFLOAT16: Adam's moments in bf16
             return {"params": psi * e, "optimizer": adam}
-        out = {"params": psi * e / (D if self.stage == 3 else 1)}
+        out = {"params": e * (self._part(psi) if self.stage == 3 else psi)}
         if not self.offload:
             out.update(master=4 * self._part(psi), optimizer=8 * self._part(psi))
         elif self.stage in (1, 2):
