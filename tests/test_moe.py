@@ -686,18 +686,25 @@ def test_a_zero0_expert_parallel_run_trains_saves_and_resumes_on_its_layout_and_
                 assert abs(got[s] - ref[s]) <= rtol * abs(ref[s]), (name, key, s, got[s], ref[s])
 
 
-def test_zero3_partitions_the_experts_over_their_edp_group_and_logs_cp1s_losses(
-        moe_reference, tmp_path):
+def test_zero3_partitions_the_experts_over_their_edp_group_and_resumes(moe_reference, tmp_path):
     """ZeRO-3 at cp2 x dp2 x ep2: the experts partitioned over their EDP group (two ranks
     holding the same experts) through DeepSpeed's stage-3 per-parameter groups, the rest
     over dp x cp (ctxpar/distributed/expert_parallel.py zero3_expert_placement), so each
     expert's gradient is reduce-scattered over its EDP group, divided by |dp x cp| like every
     other, and its norm added over the EP group: cp 1's losses and gradient norms over 6
-    steps."""
-    d = str(tmp_path / "zero3")
-    run_train(d, 4, ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
-                     "deepspeed.zero_optimization.stage=3", ONE_MICRO_BATCH[2], *MOE_RUN])
-    assert_same_run(d, moe_reference, 6)
+    steps. Its step-3 checkpoint (every rank's partitions in its ZeRO shard, the experts'
+    with the rest) resumes on its layout bit for bit."""
+    run, again = tmp_path / "zero3", tmp_path / "again"
+    sets = ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
+            "deepspeed.zero_optimization.stage=3", ONE_MICRO_BATCH[2], *MOE_RUN]
+    run_train(str(run), 4, [*sets, "checkpoint.save_interval=3"])
+    assert_same_run(str(run), moe_reference, 6)
+    tag = "step_00000003"
+    shutil.copytree(run / "checkpoints" / tag, again / "checkpoints" / tag)
+    run_train(str(again), 4, sets, extra=["--resume", "auto"])
+    for key in ("loss", "grad_norm"):
+        got, want = metric(str(again), key), metric(str(run), key)
+        assert sorted(got) == [4, 5, 6] and all(got[s] == want[s] for s in got), (key, got, want)
 
 
 def test_flops_count_the_active_experts():
