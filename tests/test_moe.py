@@ -707,6 +707,17 @@ def test_zero3_partitions_the_experts_over_their_edp_group_and_resumes(moe_refer
         assert sorted(got) == [4, 5, 6] and all(got[s] == want[s] for s in got), (key, got, want)
 
 
+def test_a_zero3_expert_parallel_checkpoint_is_refused_by_the_universal_conversion(tmp_path):
+    """generate.py, model.init_from and the export read an ep > 1 checkpoint through the
+    universal conversion, whose merge of ZeRO-3 shards assumes partitions over dp x cp: a
+    ZeRO-3 checkpoint at ep 2 is refused in one line before anything is read."""
+    from ctxpar.checkpoint.universal import to_universal
+    layout = {"tp": 1, "cp": 2, "pp": 1, "dp": 2, "ep": 2, "zero_stage": 3, "dtype": "fp32"}
+    with pytest.raises(ValueError, match=r"a ZeRO-3 checkpoint at ep=2 cannot be converted"):
+        to_universal(str(tmp_path / "step_00000003"), str(tmp_path / "out"), layout, 2,
+                     lambda n: n, 4)
+
+
 def test_flops_count_the_active_experts():
     from ctxpar.config.parameters import active_parameters, parameter_specs
     specs = parameter_specs(GPT_CFG)

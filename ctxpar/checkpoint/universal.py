@@ -220,12 +220,18 @@ def to_universal(tag_dir: str, out_dir: str, layout: Dict, n_layers: int,
     """
     from .expert_universal import ep_zero_to_universal, mark_experts
 
+    ep = layout.get("ep", 1)
+    if ep > 1 and layout["zero_stage"] == 3:
+        # each expert's ZeRO-3 partitions span its EDP group, not the dp x cp group the
+        # shards' merge (DeepSpeed's zero_to_fp32, ds_to_universal) assumes
+        raise ValueError(f"{tag_dir}: a ZeRO-3 checkpoint at ep={ep} cannot be converted to "
+                         f"the universal format (generate.py, model.init_from, the export and "
+                         f"a resume on another layout read it so); resume it on its own layout")
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
     src_pipelined = layout["pp"] > 1
     with _quiet() as log:
         try:
-            ep = layout.get("ep", 1)
             if ep > 1 and layout["zero_stage"] > 0:  # ZeRO 1/2 (config), no pipeline
                 ep_zero_to_universal(tag_dir, out_dir, ep)
             elif glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):

@@ -9,7 +9,9 @@ ctxpar's loss divisor (ctxpar/distributed/zero.py):
     engine, ZeRO 0      _reduce_expert_gradients: all-reduce over EDP, / |dp|
     ZeRO 1 and 2        the MoE param groups partition over EDP; a bucket is divided by
                         |dp x cp| / cp = |dp| and reduced over EDP
-    non-expert (both)   all-reduce / reduce-scatter over dp x cp, / |dp|
+    non-expert (0-2)    all-reduce / reduce-scatter over dp x cp, / |dp|
+    ZeRO 3              per-parameter partition groups: the experts over EDP, the rest
+                        over dp x cp, every gradient / |dp x cp| (zero3_expert_placement)
 
 so the applied gradient is the gradient of the global loss for every parameter. What
 DeepSpeed reads, and what this module sets:
@@ -26,7 +28,8 @@ DeepSpeed reads, and what this module sets:
   ``deepspeed.moe.layer.MoE``. ctxpar's MoE is not DeepSpeed's layer (fused expert tensors
   with transformers' names, dropless variable all-to-all, TP inside each expert), so the
   model carries ``ExpertGroups``: a DeepSpeed ``MoE`` with no parameters and no forward
-  whose one job is that registration;
+  whose one job is that registration (not under ZeRO-3, which refuses a DeepSpeed MoE:
+  there ctxpar registers the groups itself, ``zero3_expert_placement``);
 - the optimizer's expert parameters in param groups of their own marked ``moe`` and named
   by the EP group, as ``split_params_into_different_moe_groups_for_optimizer`` marks them
   and ZeRO 1 and 2 require (models/training.py builds the same four groups at every ep
@@ -44,13 +47,16 @@ it off only while the engine saves or loads (``dense_format``, every ZeRO stage)
 engine then saves as for a dense model, the module file from one rank, every rank's ZeRO
 partition in its own shard. Each rank's own experts come back from per-rank state
 (ctxpar/checkpoint/expert_states.py): under ZeRO 1/2 its shard (fp32 weights and Adam
-states; ``update_lp_params`` copies them into the weights), under ZeRO-0 a file per EP rank
-that ctxpar writes beside the engine's, the experts' weights and the whole optimizer state
-(DeepSpeed's own stage-0 MoE checkpoint keeps an optimizer file per EP rank too). The
-module file's experts are EP rank 0's only and nothing reads them: a layout change,
-model.init_from and the export go through the universal conversion, which takes every
-expert from those per-rank sources (ctxpar/checkpoint/expert_universal.py). Refused
-(ctxpar/config/moe.py): ZeRO-3 (docs/parallelism.md says what DeepSpeed 0.19.8 lacks).
+states; ``update_lp_params`` copies them into the weights), under ZeRO-3 its shard as for
+every parameter, under ZeRO-0 a file per EP rank that ctxpar writes beside the engine's,
+the experts' weights and the whole optimizer state (DeepSpeed's own stage-0 MoE checkpoint
+keeps an optimizer file per EP rank too). The module file's experts are EP rank 0's only
+and nothing reads them: a layout change, model.init_from and the export go through the
+universal conversion, which takes every expert from those per-rank sources
+(ctxpar/checkpoint/expert_universal.py; a ZeRO-3 checkpoint at ep > 1 has none and resumes
+on its own layout only). Refused (ctxpar/config/moe.py): 16-bit ZeRO-0 (DeepSpeed's
+FP16_UnfusedOptimizer clips by a norm without the experts) and ZeRO-3 with tp > 1 (its
+norm skips the TP sum for expert parameters).
 """
 from __future__ import annotations
 
