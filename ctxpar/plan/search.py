@@ -129,7 +129,8 @@ def candidates(cfg: Config, cluster: Cluster, micro_batches=(1, 2, 4, 8)) -> Lis
 def ep_sizes(cfg: Config, dp_cp: int) -> List[int]:
     """parallel.ep's choices for a mixture of experts: the divisors of dp x cp that divide
     the experts (fewer experts a rank, more of its rows through the all-to-all);
-    validation drops the layouts it refuses (ZeRO 0 and 3 with ep > 1). 1 without experts."""
+    validation drops the layouts it refuses (16-bit ZeRO 0, ZeRO 3 with tp > 1). 1 without
+    experts."""
     moe = cfg.model.moe
     if moe is None:
         return [1]
