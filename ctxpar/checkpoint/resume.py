@@ -208,9 +208,9 @@ def save(engine, save_dir: str, step: int, client_state: Dict[str, Any],
 
     meta (the layout and config, ``reshard.checkpoint_meta``) goes into the manifest.
     """
-    tag = tag_for(step)
     from ..distributed.expert_parallel import dense_format
     from .expert_states import save_experts
+    tag = tag_for(step)
     client_state = {**client_state, **zero0_client_state(engine)}
     with dense_format(engine):  # ep > 1: the dense format (distributed/expert_parallel.py)
         engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=True)

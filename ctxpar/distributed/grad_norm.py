@@ -56,8 +56,8 @@ def global_grad_norm(parameters, model_parallel_group, tp_rank: int,
 def record_fp32_grad_norm(engine, state) -> None:
     """Make an fp32 ZeRO-0 engine clip by, and report, the true global gradient norm.
 
-    state: this rank's ParallelState (its TP and EP groups); a pipeline engine's norm is summed
-    over the pipeline grid's pipe x model group instead. For any other engine (ZeRO >= 1,
+    state: this rank's ParallelState (its TP and EP groups); a pipeline engine's norm is
+    summed over the pipeline grid's pipe x model group instead. For any other engine (ZeRO >= 1,
     bf16, fp16) this does nothing.
     """
     if engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled():
