@@ -7,6 +7,8 @@ Every rank's own experts are restored from per-rank state instead:
     ZeRO 1/2   the rank's ZeRO shard: the fp32 partitions of its experts and their Adam
                states (DeepSpeed's MoE param groups, partitioned over the EDP group);
                DeepSpeed restores them, ``update_lp_params`` copies them into the weights
+    ZeRO 3     the rank's ZeRO shard, its expert partitions with every other (DeepSpeed
+               restores them; the model carries no ExpertGroups there, so nothing here)
     ZeRO 0     one file per (EP rank, TP rank), written here beside the engine's by the
                EDP group's first rank (its EDP peers hold the same experts and states):
 
@@ -50,6 +52,7 @@ def _ranks(engine):
 
 
 def _has_experts(engine) -> bool:
+    """ep > 1 at ZeRO 0-2 (expert_parallel.prepare_expert_parallel attaches ExpertGroups)."""
     return getattr(engine.module, "deepspeed_expert_groups", None) is not None
 
 
