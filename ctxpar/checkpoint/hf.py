@@ -43,7 +43,7 @@ from .names import to_hf
 from .olmo_hybrid import olmo_hybrid_config, olmo_hybrid_fields, saved_tensors
 from .resume import CheckpointError
 from .weight_reader import (CONFIG, DTYPES, WEIGHTS, WEIGHTS_INDEX, WeightReader,  # noqa: F401
-                            is_hf_folder, read_raw_config)
+                            is_hf_folder, read_raw_config, router_buffer_names)
 
 # model.* a run started from a folder may set differently: context extension; the export
 # label.
