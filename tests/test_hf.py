@@ -603,6 +603,41 @@ def test_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path):
             hf.WeightReader(str(tmp_path), False).check(m)
 
 
+def test_nemotron_h_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path):
+    """A Nemotron 3 folder's experts per expert (mixer.experts.{j}.up_proj, as transformers
+    saves them) or fused (mixer.experts.up_proj (E, f, d)) give the same model; a missing
+    router correction bias, a missing expert and a multi-token-prediction tensor are
+    refused by name."""
+    ref = tiny_family(tmp_path, "nemotron_h_moe", tied=False)
+    tokens = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(tokens).logits
+    fused = {"backbone." + k[len("model."):]: v for k, v in ref.state_dict().items()
+             if k.endswith(("experts.up_proj", "experts.down_proj"))}
+
+    def to_fused(t):
+        for k in [k for k in t if ".experts." in k]:
+            del t[k]
+        t.update(fused)
+    rewrite_weights(tmp_path, to_fused)
+    with torch.no_grad():
+        torch.testing.assert_close(ctxpar_from(tmp_path)(tokens, torch.arange(32)), want, **TOL)
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    bias = "backbone.layers.4.mixer.gate.e_score_correction_bias"
+    for change, msg in [
+        (lambda t: t.pop(bias), f"no tensor {bias!r}"),
+        (lambda t: t.pop("backbone.layers.1.mixer.experts.7.down_proj.weight"),
+         "backbone.layers.1.mixer.experts.down_proj from backbone.layers.1.mixer.experts.0."
+         "down_proj.weight and its 6 per-expert siblings has shape (7, 64, 32)"),
+        (lambda t: t.update({"mtp.layers.0.norm.weight": torch.ones(48)}),
+         "tensor 'mtp.layers.0.norm.weight' would not be used by ctxpar"),
+    ]:
+        ref.save_pretrained(tmp_path)
+        rewrite_weights(tmp_path, change)
+        with pytest.raises(CheckpointError, match=re.escape(msg)):
+            hf.WeightReader(str(tmp_path), False, "nemotron_h").check(m)
+
+
 def quantize_mxfp4(w):
     """An expert tensor (E, C, R) as gpt-oss's MXFP4 folders hold it, by the format's rules
     (OCP microscaling): along C, blocks of 32 e2m1 values (the nearest of FP4_VALUES) with
