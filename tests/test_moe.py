@@ -562,6 +562,8 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
      "model.moe.aux_loss_coef=0.01 with model.moe.score='sigmoid'"),
     ({"moe": {"shared_expert_gate": True}}, {}, "model.moe.shared_expert_gate=true needs"),
     ({"moe": {"layers": [0, 5]}, "n_layers": 4}, {}, "model.moe.layers=[0, 5] must be"),
+    ({"moe": {"layers": [1, 0]}, "n_layers": 2, "layer_types": ["mamba", "mlp"]}, {},
+     "model.moe.layers=[1, 0]: layer 0 is a 'mamba' block, which has no MLP"),
     ({"moe": {"num_experts": 8}, "zero": 3}, {"ep": 2, "cp": 2},
      "not built with parallel.ep=2 and deepspeed.zero_optimization.stage=3"),
     ({"moe": {"num_experts": 8}, "zero": 0}, {"ep": 2, "cp": 2},

@@ -108,7 +108,7 @@ class Family:
     # config.json keys the family has whose value ctxpar reads (family-specific code)
     own: Tuple[str, ...] = ()
     # config.json keys the family always writes that compute nothing in the models ctxpar
-    # takes (Nemotron-H's MoE and multi-token-prediction settings without such blocks)
+    # takes (Nemotron-H's multi-token-prediction settings, the MoE keys no code reads)
     inert: Tuple[str, ...] = ()
     # model.moe.* values a mixture-of-experts family always has (None: a dense family,
     # which holds no model.moe)

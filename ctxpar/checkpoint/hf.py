@@ -190,7 +190,8 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
         if name == "olmo_hybrid" and m.partial_rotary_factor != 1.0:
             refuse(f"model.partial_rotary_factor={m.partial_rotary_factor}")
         return types
-    if name == "nemotron_h":  # one op a block: Mamba2, attention or MLP
+    if name == "nemotron_h":  # one op a block: Mamba2, attention or MLP (a MoE block is an
+        # MLP block of model.moe.layers, written 'moe': nemotron_moe.py)
         if set(types) - set(NEMOTRON_EXPORT):
             refuse(f"model.layer_types={types} (Nemotron-H has {', '.join(NEMOTRON_EXPORT)} "
                    f"blocks)")

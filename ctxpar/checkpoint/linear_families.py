@@ -1,5 +1,6 @@
 """The hybrid families' linear layers in config.json: Qwen3.5's Gated DeltaNet and
-Nemotron-H's Mamba2 blocks.
+Nemotron-H's Mamba2 blocks (and the list of Nemotron-H's blocks, its MoE ones' keys in
+nemotron_moe.py).
 
     config.json (qwen3_5_text)     ctxpar model.*
     layer_types                    layer_types ('linear_attention', 'full_attention')
