@@ -1177,6 +1177,15 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     with torch.no_grad():
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits,
                                    **TOL)
+    if family == "nemotron_h_moe" and layout == "cp2-pp2":  # the pipeline's checkpoint as
+        # another run's init_from at cp2: its step-1 loss is the exported model's (the
+        # correction biases from the per-layer files into a model without stages)
+        again = tmp_path / "again"
+        run_train(str(again), 2, ["parallel.cp=2", "parallel.dp=1", "train.steps=1",
+                                  f"model.init_from={run}", "logging.wandb.mode=disabled",
+                                  f"data.tokenizer={folder / 'tokenizer.json'}",
+                                  *folder_sets(folder)])
+        assert_first_loss_is_the_references(again, exported)
     if extend or layout == "cp2-zigzag-ep2":  # generate.py at cp2: transformers' greedy
         prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
