@@ -370,6 +370,8 @@ def family_json(family, **fields):
     ("nemotron_h", "n_group", 3, "n_group=3: must divide n_routed_experts=8 into groups"),
     ("nemotron_h", "num_experts_per_tok", 5, "num_experts_per_tok=5: more than "
                                              "n_routed_experts=4"),
+    ("nemotron_h", "num_local_experts", 6, "num_local_experts=6: n_routed_experts=4 names "
+                                           "the same count"),
     ("nemotron_h", "moe_shared_expert_intermediate_size", 0,
      "moe_shared_expert_intermediate_size=0: config.json must give it as an integer >= 1"),
     ("nemotron_h", "num_nextn_predict_layers", 1, "num_nextn_predict_layers=1: multi-token "
@@ -441,7 +443,8 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
               }.get(family, {})
     if field == "hybrid_override_pattern":  # the older form, in place of the list
         window = {"layers_block_type": None}
-    if family == "nemotron_h" and field.startswith(("moe_", "n_group", "num_experts")):
+    if family == "nemotron_h" and field.startswith(("moe_", "n_group", "num_experts",
+                                                    "num_local")):
         window = {"layers_block_type": ["mamba", "moe"],  # a MoE block, 4 experts (8 in 2
                   "n_routed_experts": 8 if field == "n_group" else 4}  # groups when grouped
     config = family_json(family, **{**window, field: value})

@@ -47,17 +47,17 @@ NEMOTRON_MOE_FIXED = {"score": "sigmoid", "score_correction_bias": True,
 
 
 def _integer(hf, key, refuse) -> int:
-    value = hf.get(key, DEFAULTS[key])
+    value = hf.get(key, DEFAULTS.get(key))
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         refuse(key, value, "config.json must give it as an integer >= 1")
     return value
 
 
-def nemotron_moe_fields(hf: Dict[str, Any], moe_blocks: List[int],
+def nemotron_moe_fields(hf: Dict[str, Any], sparse: List[int],
                         refuse: Callable) -> Optional[MoEConfig]:
-    """model.moe of a nemotron_h config.json whose blocks moe_blocks are 'moe' (None when
+    """model.moe of a nemotron_h config.json whose blocks `sparse` are 'moe' (None when
     there are none: the MoE keys then compute nothing)."""
-    if not moe_blocks:
+    if not sparse:
         return None
     if hf.get("moe_latent_size") is not None:
         refuse("moe_latent_size", hf["moe_latent_size"], "a latent projection around the "
@@ -66,8 +66,7 @@ def nemotron_moe_fields(hf: Dict[str, Any], moe_blocks: List[int],
     if len(given) == 2 and hf["n_routed_experts"] != hf["num_local_experts"]:
         refuse("num_local_experts", hf["num_local_experts"], f"n_routed_experts="
                f"{hf['n_routed_experts']} names the same count (transformers' attribute_map)")
-    e = _integer({**hf, "n_routed_experts": hf[given[0]]} if given else hf,
-                 "n_routed_experts", refuse)
+    e = _integer(hf, given[0] if given else "n_routed_experts", refuse)
     k = _integer(hf, "num_experts_per_tok", refuse)
     if k > e:
         refuse("num_experts_per_tok", k, f"more than n_routed_experts={e}")
@@ -88,7 +87,7 @@ def nemotron_moe_fields(hf: Dict[str, Any], moe_blocks: List[int],
                      shared_expert_hidden=_integer(hf, "moe_shared_expert_intermediate_size",
                                                    refuse),
                      routed_scaling_factor=float(scale), n_group=groups, topk_group=best,
-                     layers=moe_blocks, **NEMOTRON_MOE_FIXED)
+                     layers=sparse, **NEMOTRON_MOE_FIXED)
 
 
 def nemotron_moe_config(m, refuse: Callable) -> Dict[str, Any]:
