@@ -215,13 +215,13 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32,
         out = os.path.join(work, "universal")
         names = to_universal(tag_dir, out, manifest["layout"], m.n_layers,
                                naming(False, m.n_layers, True), num_experts(m))
-        buffers = checkpoint_buffers(tag_dir, out, m.n_layers)
-        lost = [n for n in hf.router_buffer_names(m) if n not in buffers]
+        saved, wanted = checkpoint_buffers(tag_dir, out, m.n_layers), hf.router_buffer_names(m)
+        lost = [n for n in wanted if n not in saved]
         if lost:
             raise CheckpointError(f"{tag_dir}: no saved {lost[0]} (a buffer the export "
                                   f"writes: transformers would start it at zeros)")
         weights = itertools.chain(((n, read_state(out, n, "fp32")) for n in names),
-                                  buffers.items())
+                                  ((n, saved[n]) for n in wanted))
         hf.save_folder(out_dir, weights, m, tokenizer, dtype, source, limit)
     return tag_dir
 
