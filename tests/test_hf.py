@@ -35,7 +35,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,
 
 from ctxpar.checkpoint import CheckpointError, hf, read_manifest  # noqa: E402
 from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
-from ctxpar.checkpoint.universal import full_weights, to_universal  # noqa: E402
+from ctxpar.checkpoint.universal import full_weights, load_buffers_, to_universal  # noqa: E402
 from ctxpar.checkpoint.weights import copy_full_weights_, resolve_checkpoint  # noqa: E402
 from ctxpar.config import ModelConfig  # noqa: E402
 from ctxpar.config.moe import MoEConfig  # noqa: E402
@@ -92,6 +92,18 @@ FAMILY_CONFIGS = {
                                          mamba_num_heads=4, mamba_head_dim=16,
                                          ssm_state_size=8, n_groups=2, chunk_size=16,
                                          layer_norm_epsilon=1e-5)),
+    # Nemotron 3's mixture of experts: Mamba2, MoE, NoPE attention, MLP and MoE blocks;
+    # 8 squared-ReLU experts in 2 groups, a token's top 2 from its best group, on sigmoid
+    # scores + the correction bias (drawn away from 0), times 2.5; a shared expert
+    "nemotron_h_moe": (NemotronHConfig, dict(layers_block_type=["mamba", "moe", "attention",
+                                                                "mlp", "moe"],
+                                             mamba_num_heads=4, mamba_head_dim=16,
+                                             ssm_state_size=8, n_groups=2, chunk_size=16,
+                                             n_routed_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=32,
+                                             moe_shared_expert_intermediate_size=40,
+                                             n_group=2, topk_group=1,
+                                             routed_scaling_factor=2.5)),
     # Gated DeltaNet (separate q/k/v projections and convs, beta in [0, 2]) then a post-norm
     # attention layer with q/k norms over all heads; no token ids (its defaults are
     # outside the tiny vocabulary)
@@ -129,8 +141,9 @@ FAMILY_CONFIGS = {
 
 
 def tiny_family(path, family, tied, **overrides):
-    """A random 2-layer model of a family saved to path, its norm weights and biases moved
-    away from their init (ones / zeros) so that a dropped one changes the logits."""
+    """A random 2-layer model of a family saved to path, its norm weights and biases (the
+    routers' correction biases too) moved away from their init (ones / zeros) so that a
+    dropped one changes the logits."""
     torch.manual_seed(0)
     config_class, own = FAMILY_CONFIGS[family]
     cfg = config_class(**{**SMALL, **own, **overrides}, tie_word_embeddings=tied)
@@ -140,6 +153,9 @@ def tiny_family(path, family, tied, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.3 * torch.randn(b.shape, generator=g))
     model.save_pretrained(path)
     return model
 
@@ -150,8 +166,16 @@ def ctxpar_from(path):
     reader.check(m)
     model = GPT(m).eval()
     copy_full_weights_(model, reader.get, None)
+    load_buffers_(model, reader.buffers(m))  # the routers' correction biases
     assert reader.unused() == []
     return model
+
+
+def weights_of(model):
+    """(GPT name, tensor) of what an export writes: the parameters, the routers' buffers."""
+    buffers = set(hf.router_buffer_names(model.cfg))
+    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers()
+                                         if n in buffers)]
 
 
 @pytest.mark.quick
@@ -180,7 +204,7 @@ def assert_round_trip(ref, model, out, tokens):
         want = ref(tokens).logits
         got = model(tokens, torch.arange(tokens.shape[1]))
         torch.testing.assert_close(got, want, **TOL)
-        hf.save_folder(out, ((n, p) for n, p in model.named_parameters()), model.cfg)
+        hf.save_folder(out, weights_of(model), model.cfg)
         back = AutoModelForCausalLM.from_pretrained(out).float().eval()
         assert type(back) is type(ref)
         torch.testing.assert_close(back(tokens).logits, got, **TOL)
@@ -203,14 +227,15 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
                                          ("qwen3_5_text", False), ("nemotron_h", False),
                                          ("olmo_hybrid", False), ("qwen3_moe", False),
                                          ("qwen2_moe", True), ("mixtral", False),
-                                         ("gpt_oss", False)])
+                                         ("gpt_oss", False), ("nemotron_h_moe", False)])
 def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
     ref = tiny_family(tmp_path / family, family, tied)
     model = ctxpar_from(tmp_path / family)
-    assert model.cfg.family == family and model.cfg.head_dim == 24
+    model_type = FAMILY_CONFIGS[family][0].model_type
+    assert model.cfg.family == model_type and model.cfg.head_dim == 24
     tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
     assert_round_trip(ref, model, tmp_path / "out", tokens)
-    assert hf.read_config(tmp_path / "out")["model_type"] == family
+    assert hf.read_config(tmp_path / "out")["model_type"] == model_type
     # the planner counts from the same description the model is checked against
     assert sum(s.numel() for s in parameter_specs(model.cfg)) == \
         sum(p.numel() for p in ref.parameters())
@@ -296,7 +321,7 @@ def test_a_folder_relabelled_llama_is_refused(tmp_path, family, tensor):
 
 def family_json(family, **fields):
     """config.json of a small model of a family, as ctxpar exports it, fields changed."""
-    moe = FAMILIES[family].moe_fixed
+    moe = None if FAMILIES[family].moe_optional else FAMILIES[family].moe_fixed
     m = ModelConfig(vocab_size=96, d_model=64, n_heads=4, family=family,
                     **{k: v for k, v in FAMILIES[family].fixed.items()},
                     **({} if moe is None else {"moe": MoEConfig(num_experts=8, **moe, **(
@@ -336,9 +361,19 @@ def family_json(family, **fields):
                                                      "softcapping is not implemented"),
     ("gemma3_text", "architectures", ["Gemma3ForConditionalGeneration"],
      "architectures=['Gemma3ForConditionalGeneration']: ctxpar imports Gemma3ForCausalLM"),
-    ("nemotron_h", "layers_block_type", ["mamba", "moe"], "layers_block_type=['mamba', "
-     "'moe']: ['moe'] blocks are not implemented by ctxpar"),
-    ("nemotron_h", "hybrid_override_pattern", "M*-E", "['E'] blocks are not implemented"),
+    ("nemotron_h", "layers_block_type", ["mamba", "conv"], "layers_block_type=['mamba', "
+     "'conv']: ['conv'] blocks are not implemented by ctxpar"),
+    ("nemotron_h", "hybrid_override_pattern", "M*-EX", "['X'] blocks are not implemented"),
+    # its MoE blocks ('E' here): what ctxpar's MoE does not have, and their sizes
+    ("nemotron_h", "moe_latent_size", 16, "moe_latent_size=16: a latent projection around "
+                                          "the experts is not implemented by ctxpar"),
+    ("nemotron_h", "n_group", 3, "n_group=3: must divide n_routed_experts=8 into groups"),
+    ("nemotron_h", "num_experts_per_tok", 5, "num_experts_per_tok=5: more than "
+                                             "n_routed_experts=4"),
+    ("nemotron_h", "num_local_experts", 6, "num_local_experts=6: n_routed_experts=4 names "
+                                           "the same count"),
+    ("nemotron_h", "moe_shared_expert_intermediate_size", 0,
+     "moe_shared_expert_intermediate_size=0: config.json must give it as an integer >= 1"),
     ("nemotron_h", "num_nextn_predict_layers", 1, "num_nextn_predict_layers=1: multi-token "
                                                   "prediction layers"),
     ("nemotron_h", "residual_in_fp32", True, "residual_in_fp32=True: ctxpar adds the "
@@ -408,6 +443,10 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
               }.get(family, {})
     if field == "hybrid_override_pattern":  # the older form, in place of the list
         window = {"layers_block_type": None}
+    if family == "nemotron_h" and field.startswith(("moe_", "n_group", "num_experts",
+                                                    "num_local")):
+        window = {"layers_block_type": ["mamba", "moe"],  # a MoE block, 4 experts (8 in 2
+                  "n_routed_experts": 8 if field == "n_group" else 4}  # groups when grouped
     config = family_json(family, **{**window, field: value})
     if "linear_conv_kernel_dim" in msg or "num_experts_per_tok=2" in msg:  # relabelled
         # whole: architectures too
@@ -449,6 +488,19 @@ def test_models_no_family_holds_are_refused_at_export():
         ("qwen3_moe", {"qk_norm": True, "moe": replace(moe, score="sigmoid")},
          "model.moe.score='sigmoid' cannot be exported as Qwen3MoeForCausalLM"),
         ("qwen3_moe", {"qk_norm": True, "moe": None}, "model.moe=None cannot be exported"),
+        # Nemotron-H's MoE: sigmoid scores with the correction bias, a shared expert, on
+        # MLP blocks
+        ("nemotron_h", {"mlp": "relu2", "rope": False}, "model.moe.score='softmax' cannot "
+                                                       "be exported as NemotronHForCausalLM"),
+        ("nemotron_h", {"mlp": "relu2", "rope": False, "layer_types": ["mamba", "mlp"],
+                        "moe": replace(moe, score="sigmoid", score_correction_bias=True,
+                                       shared_expert_hidden=8, layers=[0])},
+         "model.moe.layers=[0] with model.layer_types=['mamba', 'mlp'] (Nemotron-H's MoE "
+         "blocks are MLP blocks) cannot be exported as NemotronHForCausalLM"),
+        ("nemotron_h", {"mlp": "relu2", "rope": False, "layer_types": ["mlp", "mlp"],
+                        "moe": replace(moe, score="sigmoid", score_correction_bias=True)},
+         "model.moe.shared_expert_hidden=0 (Nemotron-H's MoE blocks always have a shared "
+         "expert) cannot be exported as NemotronHForCausalLM"),
     ]:
         with pytest.raises(CheckpointError, match=re.escape(msg)):
             hf.family_config(ModelConfig(**{"n_layers": 2, "moe": moe, "family": family, **m}))
@@ -552,6 +604,41 @@ def test_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path):
         rewrite_weights(tmp_path, change)
         with pytest.raises(CheckpointError, match=re.escape(msg)):
             hf.WeightReader(str(tmp_path), False).check(m)
+
+
+def test_nemotron_h_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path):
+    """A Nemotron 3 folder's experts per expert (mixer.experts.{j}.up_proj, as transformers
+    saves them) or fused (mixer.experts.up_proj (E, f, d)) give the same model; a missing
+    router correction bias, a missing expert and a multi-token-prediction tensor are
+    refused by name."""
+    ref = tiny_family(tmp_path, "nemotron_h_moe", tied=False)
+    tokens = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(tokens).logits
+    fused = {"backbone." + k[len("model."):]: v for k, v in ref.state_dict().items()
+             if k.endswith(("experts.up_proj", "experts.down_proj"))}
+
+    def to_fused(t):
+        for k in [k for k in t if ".experts." in k]:
+            del t[k]
+        t.update(fused)
+    rewrite_weights(tmp_path, to_fused)
+    with torch.no_grad():
+        torch.testing.assert_close(ctxpar_from(tmp_path)(tokens, torch.arange(32)), want, **TOL)
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    bias = "backbone.layers.4.mixer.gate.e_score_correction_bias"
+    for change, msg in [
+        (lambda t: t.pop(bias), f"no tensor {bias!r}"),
+        (lambda t: t.pop("backbone.layers.1.mixer.experts.7.down_proj.weight"),
+         "backbone.layers.1.mixer.experts.down_proj from backbone.layers.1.mixer.experts.0."
+         "down_proj.weight and its 6 per-expert siblings has shape (7, 64, 32)"),
+        (lambda t: t.update({"mtp.layers.0.norm.weight": torch.ones(48)}),
+         "tensor 'mtp.layers.0.norm.weight' would not be used by ctxpar"),
+    ]:
+        ref.save_pretrained(tmp_path)
+        rewrite_weights(tmp_path, change)
+        with pytest.raises(CheckpointError, match=re.escape(msg)):
+            hf.WeightReader(str(tmp_path), False, "nemotron_h").check(m)
 
 
 def quantize_mxfp4(w):
@@ -1033,7 +1120,11 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIG
 # MoE layer in every family: Qwen3-MoE's, and gpt-oss's with its biases and sinks)
 FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:4]] + [
     (f, layout) for f in MOE_FAMILIES for layout in ("cp2-zigzag-ep2", "tp2-cp2")] + [
-    (f, "cp2-pp2") for f in ("qwen3_moe", "gpt_oss")]
+    (f, "cp2-pp2") for f in ("qwen3_moe", "gpt_oss")] + [
+    # Nemotron 3: Mamba2, attention, MLP and MoE blocks (its routers' correction biases
+    # loaded into, and exported from, every layout: the pipeline's per-layer files too)
+    ("nemotron_h_moe", layout) for layout in ("cp2-state-zigzag", "cp2-zigzag-ep2", "tp2-cp2",
+                                              "cp2-pp2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
@@ -1077,7 +1168,7 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
         return  # one export is enough for the layouts that split the model's tensors
     exported, back = export_and_reload(run, tmp_path / "exported")
     assert type(exported) is type(ref)
-    if family in HYBRIDS:
+    if family in HYBRIDS or family == "nemotron_h_moe":
         assert exported.config.layer_types == ref.config.layer_types
     # one warm-up step moves a weight by at most lr_1 = 3e-3 / 20 (Adam's first step is
     # lr x sign): a fused [q | k | v] or [z | ...] gathered in the wrong order over TP or
@@ -1089,6 +1180,15 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     with torch.no_grad():
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits,
                                    **TOL)
+    if family == "nemotron_h_moe" and layout == "cp2-pp2":  # the pipeline's checkpoint as
+        # another run's init_from at cp2: its step-1 loss is the exported model's (the
+        # correction biases from the per-layer files into a model without stages)
+        again = tmp_path / "again"
+        run_train(str(again), 2, ["parallel.cp=2", "parallel.dp=1", "train.steps=1",
+                                  f"model.init_from={run}", "logging.wandb.mode=disabled",
+                                  f"data.tokenizer={folder / 'tokenizer.json'}",
+                                  *folder_sets(folder)])
+        assert_first_loss_is_the_references(again, exported)
     if extend or layout == "cp2-zigzag-ep2":  # generate.py at cp2: transformers' greedy
         prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",

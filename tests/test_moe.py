@@ -156,6 +156,45 @@ def test_deepseek_v3_routing_equals_transformers():
     assert model.state_dict()[name].dtype == torch.float32  # through a bf16 engine's cast
 
 
+def test_nemotron_h_moe_equals_transformers():
+    """Nemotron 3's MoE block: squared-ReLU experts without a gate (up_proj (E, f, d) as
+    ctxpar's gate_up_proj of model.mlp 'relu2'), DeepSeek-V3's grouped sigmoid router with
+    its correction bias and scaling, an ungated squared-ReLU shared expert: transformers'
+    NemotronHMoE on the same weights (output and every gradient)."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+    torch.manual_seed(0)
+    theirs = NemotronHMoE(NemotronHConfig(
+        hidden_size=32, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2)
+        theirs.gate.e_score_correction_bias.normal_(0, 0.3)
+    cfg = replace(_moe_cfg(num_experts=8, top_k=3, score="sigmoid", score_correction_bias=True,
+                           n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                           shared_expert_hidden=40), mlp="relu2")
+    ours = MoE(cfg)
+    mine = dict(ours.named_parameters())
+    names = {n: n.replace("shared_experts.", "shared_expert.").replace(
+        "experts.up_proj", "experts.gate_up_proj") for n, _ in theirs.named_parameters()}
+    assert set(names.values()) == set(mine)
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            mine[names[n]].copy_(p)
+        ours.gate.e_score_correction_bias.copy_(theirs.gate.e_score_correction_bias)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    dy = torch.randn(2, 16, 32)
+    want, got = theirs(x), ours(x)
+    g_want = torch.autograd.grad(want, [x, *(p for _, p in theirs.named_parameters())], dy)
+    g = torch.autograd.grad(got, [x, *(mine[names[n]] for n, _ in theirs.named_parameters())],
+                            dy)
+    torch.testing.assert_close(got, want, **TOL)
+    for name, a, b in zip(["x", *names], g, g_want):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 8), (8, 1)])
 def test_router_losses_equal_transformers_load_balancing_loss(experts, top_k):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
@@ -562,6 +601,8 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
      "model.moe.aux_loss_coef=0.01 with model.moe.score='sigmoid'"),
     ({"moe": {"shared_expert_gate": True}}, {}, "model.moe.shared_expert_gate=true needs"),
     ({"moe": {"layers": [0, 5]}, "n_layers": 4}, {}, "model.moe.layers=[0, 5] must be"),
+    ({"moe": {"layers": [1, 0]}, "n_layers": 2, "layer_types": ["mamba", "mlp"]}, {},
+     "model.moe.layers=[1, 0]: layer 0 is a 'mamba' block, which has no MLP"),
     ({"moe": {"num_experts": 8}, "zero": 3}, {"ep": 2, "cp": 2, "tp": 2},
      "not built with parallel.ep=2, parallel.tp=2 and deepspeed.zero_optimization.stage=3"),
     ({"moe": {"num_experts": 8}, "zero": 0, "bf16": True}, {"ep": 2, "cp": 2},

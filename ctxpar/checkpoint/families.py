@@ -17,7 +17,10 @@ rest read from config.json:
                                        linear_attention (Gated DeltaNet: linear_*) and
                                        full_attention, partial RoPE (linear_families.py)
     nemotron_h    NemotronHForCausalLM relu2 MLP, rope false (NoPE attention); Mamba2,
-                                       attention and MLP blocks, one op each
+                                       attention, MLP and MoE blocks, one op each
+                                       (model.moe: sigmoid router with its correction
+                                       bias, relu2 experts, a shared expert;
+                                       nemotron_moe.py)
     olmo_hybrid   OlmoHybridForCausalLM swiglu, rmsnorm, qk_norm over all heads,
                                        reordered_norms on full_attention (post-norm
                                        attention blocks), the Gated DeltaNet's norm eps
@@ -52,6 +55,7 @@ from typing import Any, Dict, Optional, Tuple
 from ..config.sections import HF_FAMILIES
 from .linear_families import LINEAR_ATTENTION_KEYS, NEMOTRON_ALIASES, NEMOTRON_MAMBA_KEYS
 from .moe_families import MOE_KEYS
+from .nemotron_moe import NEMOTRON_MOE_FIXED, NEMOTRON_MOE_INERT, NEMOTRON_MOE_KEYS
 from .olmo_hybrid import INIT_KEYS, NEG_EIGVAL
 
 # model.* fields a family fixes (Llama leaves bias free), so the family of a ModelConfig
@@ -104,11 +108,13 @@ class Family:
     # config.json keys the family has whose value ctxpar reads (family-specific code)
     own: Tuple[str, ...] = ()
     # config.json keys the family always writes that compute nothing in the models ctxpar
-    # takes (Nemotron-H's MoE and multi-token-prediction settings without such blocks)
+    # takes (Nemotron-H's multi-token-prediction settings, the MoE keys no code reads)
     inert: Tuple[str, ...] = ()
     # model.moe.* values a mixture-of-experts family always has (None: a dense family,
     # which holds no model.moe)
     moe_fixed: Optional[Dict[str, Any]] = None
+    # a family with moe_fixed that also holds dense models (Nemotron-H: MoE blocks or none)
+    moe_optional: bool = False
 
 
 FAMILIES: Dict[str, Family] = {
@@ -159,16 +165,15 @@ FAMILIES: Dict[str, Family] = {
                  "num_nextn_predict_layers": (0, "multi-token prediction layers"),
                  "sliding_window": (None, "Nemotron-H's attention has no window")},
         own=("layers_block_type", "hybrid_override_pattern", "num_hidden_layers",
-             "layer_norm_epsilon", *NEMOTRON_MAMBA_KEYS, *NEMOTRON_ALIASES),
-        inert=("n_routed_experts", "n_shared_experts", "moe_intermediate_size",
-               "moe_shared_expert_intermediate_size", "moe_latent_size",
-               "moe_shared_expert_overlap", "num_experts_per_tok", "routed_scaling_factor",
-               "n_group", "topk_group", "norm_topk_prob", "output_router_logits",
+             "layer_norm_epsilon", *NEMOTRON_MAMBA_KEYS, *NEMOTRON_ALIASES,
+             *NEMOTRON_MOE_KEYS),  # its MoE blocks (nemotron_moe.py)
+        inert=(*NEMOTRON_MOE_INERT,  # read by no transformers code (nemotron_moe.py)
                "mtp_layers_block_type", "mtp_hybrid_override_pattern",
                "expand",  # transformers sizes Mamba2 by mamba_num_heads x mamba_head_dim
                "time_step_limit", "mamba_dt_limit",  # its mixer clamps at time_step_min
                "mamba_ssm_cache_dtype", "use_mamba_kernels", "num_logits_to_keep",
-               "rescale_prenorm_residual")),  # the init's, not the model's
+               "rescale_prenorm_residual"),  # the init's, not the model's
+        moe_fixed=NEMOTRON_MOE_FIXED, moe_optional=True),
     "olmo_hybrid": Family(
         "OlmoHybridForCausalLM",
         {**{k: v for k, v in ARCH_DEFAULTS.items()
@@ -253,5 +258,5 @@ def family_of(m) -> str:
 def moe_held(m, fam: Family) -> bool:
     """A dense family for a dense model; a MoE family for model.moe with its fixed values."""
     if fam.moe_fixed is None or m.moe is None:
-        return fam.moe_fixed is None and m.moe is None
+        return m.moe is None and (fam.moe_fixed is None or fam.moe_optional)
     return all(getattr(m.moe, k) == v for k, v in fam.moe_fixed.items())

@@ -43,7 +43,7 @@ from .names import to_hf
 from .olmo_hybrid import olmo_hybrid_config, olmo_hybrid_fields, saved_tensors
 from .resume import CheckpointError
 from .weight_reader import (CONFIG, DTYPES, WEIGHTS, WEIGHTS_INDEX, WeightReader,  # noqa: F401
-                            is_hf_folder, read_raw_config)
+                            is_hf_folder, read_raw_config, router_buffer_names)
 
 # model.* a run started from a folder may set differently: context extension; the export
 # label.
@@ -190,7 +190,8 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
         if name == "olmo_hybrid" and m.partial_rotary_factor != 1.0:
             refuse(f"model.partial_rotary_factor={m.partial_rotary_factor}")
         return types
-    if name == "nemotron_h":  # one op a block: Mamba2, attention or MLP
+    if name == "nemotron_h":  # one op a block: Mamba2, attention or MLP (a MoE block is an
+        # MLP block of model.moe.layers, written 'moe': nemotron_moe.py)
         if set(types) - set(NEMOTRON_EXPORT):
             refuse(f"model.layer_types={types} (Nemotron-H has {', '.join(NEMOTRON_EXPORT)} "
                    f"blocks)")

@@ -1,5 +1,6 @@
 """The hybrid families' linear layers in config.json: Qwen3.5's Gated DeltaNet and
-Nemotron-H's Mamba2 blocks.
+Nemotron-H's Mamba2 blocks (and the list of Nemotron-H's blocks, its MoE ones' keys in
+nemotron_moe.py).
 
     config.json (qwen3_5_text)     ctxpar model.*
     layer_types                    layer_types ('linear_attention', 'full_attention')
@@ -23,6 +24,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Tuple
 
 from ..config.layers import gated_delta_dims, mamba_dims
+from .resume import CheckpointError
+from .nemotron_moe import moe_blocks, nemotron_moe_config, nemotron_moe_fields
 
 LINEAR_ATTENTION_KEYS = ("linear_num_key_heads", "linear_num_value_heads",
                          "linear_key_head_dim", "linear_value_head_dim",
@@ -89,7 +92,8 @@ def qwen3_5_rope(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], float]:
 # and pattern letters it still reads) -> ctxpar's layer types
 NEMOTRON_BLOCKS = {"linear_attention": "mamba", "mamba": "mamba", "M": "mamba",
                    "full_attention": "attention", "attention": "attention", "*": "attention",
-                   "mlp": "mlp", "-": "mlp"}
+                   "mlp": "mlp", "-": "mlp", "moe": "mlp", "E": "mlp"}
+NEMOTRON_MOE_BLOCKS = ("moe", "E")  # an MLP block whose MLP is the MoE (nemotron_moe.py)
 NEMOTRON_EXPORT = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp"}
 # config.json key -> model.* (transformers' older aliases in NEMOTRON_ALIASES)
 NEMOTRON_MAMBA_KEYS = {"mamba_num_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim",
@@ -106,10 +110,10 @@ NEMOTRON_DEFAULTS = dict(mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=
                          time_step_max=0.1, time_step_floor=1e-4, chunk_size=128)  # transformers'
 
 
-def nemotron_block_types(hf: Dict[str, Any], refuse: Callable) -> List[str]:
-    """ctxpar's layer types of a nemotron_h config.json: layers_block_type, or the older
-    hybrid_override_pattern ('M' Mamba2, '*' attention, '-' MLP); 'moe' blocks refused
-    (mixture of experts, issue 46), num_hidden_layers (if given) must count them."""
+def nemotron_blocks(hf: Dict[str, Any], refuse: Callable) -> List[str]:
+    """The blocks of a nemotron_h config.json as it names them: layers_block_type, or the
+    older hybrid_override_pattern ('M' Mamba2, '*' attention, '-' MLP, 'E' MoE);
+    num_hidden_layers (if given) must count them."""
     given = hf.get("layers_block_type")
     key, blocks = ("layers_block_type", given) if given is not None else \
         ("hybrid_override_pattern", list(hf.get("hybrid_override_pattern") or ""))
@@ -119,21 +123,30 @@ def nemotron_block_types(hf: Dict[str, Any], refuse: Callable) -> List[str]:
     unknown = sorted({b for b in blocks if b not in NEMOTRON_BLOCKS})
     if unknown:
         refuse(key, hf.get(key), f"{unknown} blocks are not implemented by ctxpar (it has "
-                                 f"Mamba2, attention and MLP blocks; 'moe' / 'E' is mixture of "
-                                 f"experts)")
+                                 f"Mamba2, attention, MLP and MoE blocks)")
     n = hf.get("num_hidden_layers")
     if n is not None and n != len(blocks):
         refuse("num_hidden_layers", n, f"{key} lists {len(blocks)} blocks")
-    return [NEMOTRON_BLOCKS[b] for b in blocks]
+    return blocks
+
+
+def nemotron_block_types(hf: Dict[str, Any], refuse: Callable) -> List[str]:
+    """ctxpar's layer types of a nemotron_h config.json's blocks (a MoE block is an 'mlp'
+    one, its MLP model.moe's)."""
+    return [NEMOTRON_BLOCKS[b] for b in nemotron_blocks(hf, refuse)]
 
 
 def nemotron_fields(hf: Dict[str, Any], refuse: Callable) -> Dict[str, Any]:
-    """model.* of a nemotron_h config.json's blocks: layer types, their count, the Mamba2
-    sizes (transformers' defaults where config.json has none), the norms' epsilon."""
+    """model.* of a nemotron_h config.json's blocks: layer types, their count, the MoE
+    blocks' model.moe (nemotron_moe.py), the Mamba2 sizes (transformers' defaults where
+    config.json has none), the norms' epsilon."""
     hf = {NEMOTRON_ALIASES.get(k, k): v for k, v in hf.items()}
-    types = nemotron_block_types(hf, refuse)
+    blocks = nemotron_blocks(hf, refuse)
+    types = [NEMOTRON_BLOCKS[b] for b in blocks]
+    moe = nemotron_moe_fields(hf, [i for i, b in enumerate(blocks)
+                                   if b in NEMOTRON_MOE_BLOCKS], refuse)
     fields: Dict[str, Any] = {"layer_types": types, "n_layers": len(types),
-                              "norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
+                              "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "moe": moe}
     if "mamba" not in types:
         return fields
     for key, field in NEMOTRON_MAMBA_KEYS.items():
@@ -151,10 +164,16 @@ def nemotron_fields(hf: Dict[str, Any], refuse: Callable) -> Dict[str, Any]:
     return fields
 
 
-def nemotron_config(m, types: List[str]) -> Dict[str, Any]:
-    """config.json's blocks and Mamba2 sizes of ModelConfig m (nemotron_h)."""
-    d = mamba_dims(m)
-    return {"layers_block_type": [NEMOTRON_EXPORT[t] for t in types],
+def nemotron_config(m, types: List[str], refuse: Callable) -> Dict[str, Any]:
+    """config.json's blocks, Mamba2 sizes and MoE keys of ModelConfig m (nemotron_h);
+    refuse(what) where model.moe is not Nemotron-H's."""
+    d, sparse = mamba_dims(m), moe_blocks(m)
+    if any(types[i] != "mlp" for i in sparse):
+        refuse(f"model.moe.layers={m.moe.layers} with model.layer_types={types} (Nemotron-H's "
+               f"MoE blocks are MLP blocks)")
+    return {"layers_block_type": ["moe" if i in sparse else NEMOTRON_EXPORT[t]
+                                  for i, t in enumerate(types)],
+            **(nemotron_moe_config(m, refuse) if sparse else {}),
             "layer_norm_epsilon": m.norm_eps, "mamba_num_heads": d.num_heads,
             "mamba_head_dim": d.head_dim, "ssm_state_size": d.state_size,
             "n_groups": d.n_groups, "conv_kernel": d.conv_kernel,
@@ -171,7 +190,9 @@ def hybrid_family_config(cfg: Dict[str, Any], m, name: str, types: List[str]) ->
     if name == "nemotron_h":
         for key in ("rope_theta", "rope_scaling", "num_hidden_layers", "rms_norm_eps"):
             del cfg[key]
-        cfg.update(nemotron_config(m, types))
+        def refuse(what):
+            raise CheckpointError(f"{what} cannot be exported as NemotronHForCausalLM")
+        cfg.update(nemotron_config(m, types, refuse))
         return
     del cfg["rope_theta"], cfg["rope_scaling"]
     cfg.update(attention_bias=False, **linear_attention_config(m, types),

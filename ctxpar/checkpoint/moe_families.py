@@ -165,22 +165,26 @@ def moe_config(m, name: str, refuse: Callable,
     return cfg
 
 
-# Per-expert names: (family, slot) -> the per-expert tensor's name inside the layer, with
-# the slot's part of the fused tensor (0 gate / 1 up of gate_up_proj, 0 of down_proj)
+# Per-expert names: (family, fused tensor's name inside the layer) -> the per-expert
+# tensors' names, each the fused tensor's part (0 gate / 1 up of gate_up_proj, 0 of
+# down_proj); Nemotron-H's squared-ReLU experts have up_proj alone (nemotron_moe.py)
 PER_EXPERT = {
-    "qwen": {"gate_up_proj": ("mlp.experts.{j}.gate_proj.weight",
-                              "mlp.experts.{j}.up_proj.weight"),
-             "down_proj": ("mlp.experts.{j}.down_proj.weight",)},
-    "mixtral": {"gate_up_proj": ("block_sparse_moe.experts.{j}.w1.weight",
-                                 "block_sparse_moe.experts.{j}.w3.weight"),
-                "down_proj": ("block_sparse_moe.experts.{j}.w2.weight",)},
+    "qwen": {"mlp.experts.gate_up_proj": ("mlp.experts.{j}.gate_proj.weight",
+                                          "mlp.experts.{j}.up_proj.weight"),
+             "mlp.experts.down_proj": ("mlp.experts.{j}.down_proj.weight",)},
+    "mixtral": {"mlp.experts.gate_up_proj": ("block_sparse_moe.experts.{j}.w1.weight",
+                                             "block_sparse_moe.experts.{j}.w3.weight"),
+                "mlp.experts.down_proj": ("block_sparse_moe.experts.{j}.w2.weight",)},
+    "nemotron": {"mixer.experts.up_proj": ("mixer.experts.{j}.up_proj.weight",),
+                 "mixer.experts.down_proj": ("mixer.experts.{j}.down_proj.weight",)},
 }
-_LAYER = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
+_LAYER = re.compile(r"^((?:model|backbone)\.layers\.\d+\.)(.+)$")
 
 
 def _naming(model_type: Optional[str]) -> Optional[str]:
     return "mixtral" if model_type == "mixtral" else \
-        "qwen" if model_type in ("qwen2_moe", "qwen3_moe") else None
+        "qwen" if model_type in ("qwen2_moe", "qwen3_moe") else \
+        "nemotron" if model_type == "nemotron_h" else None
 
 
 def per_expert_sources(keys, model_type: Optional[str]) -> Dict[str, Any]:
@@ -197,10 +201,10 @@ def per_expert_sources(keys, model_type: Optional[str]) -> Dict[str, Any]:
         layer, rest = m.groups()
         if naming == "mixtral" and rest == "block_sparse_moe.gate.weight":
             found[layer + "mlp.gate.weight"] = [[key]]
-        for slot, names in PER_EXPERT[naming].items():
+        for fused, names in PER_EXPERT[naming].items():
             if rest != names[0].format(j=0):
                 continue
-            found[f"{layer}mlp.experts.{slot}"] = [
+            found[layer + fused] = [
                 [layer + name.format(j=j) for j in range(_count(keys, layer + name))]
                 for name in names]
     return found
@@ -319,10 +323,9 @@ def per_expert_tensors(key: str, t: torch.Tensor, model_type: str):
     layer, rest = m.groups()
     if naming == "mixtral" and rest == "mlp.gate.weight":
         return [(layer + "block_sparse_moe.gate.weight", t)]
-    slot = rest[len("mlp.experts."):] if rest.startswith("mlp.experts.") else None
-    if slot not in PER_EXPERT[naming]:
+    if rest not in PER_EXPERT[naming]:
         return [(key, t)]
-    names = PER_EXPERT[naming][slot]
+    names = PER_EXPERT[naming][rest]
     pieces = t.chunk(len(names), dim=1)
     return [(layer + name.format(j=j), piece[j].clone()) for name, piece in zip(names, pieces)
             for j in range(t.shape[0])]

@@ -54,8 +54,11 @@ _HF_IN_POST_NORM_BLOCK = (("attn_norm.weight", "input_layernorm.weight"),
                           ("attn.", "self_attn."), ("mlp.", "mlp."))
 _HF_TOP = (("embed.weight", "model.embed_tokens.weight"),
            ("final_norm.weight", "model.norm.weight"), ("lm_head.weight", "lm_head.weight"))
-# Nemotron-H: one norm and one mixer per block, whatever the block's op
+# Nemotron-H: one norm and one mixer per block, whatever the block's op; its MoE's
+# squared-ReLU experts have up_proj only, its shared expert is shared_experts
 _HF_IN_NEMOTRON_BLOCK = (("attn_norm.weight", "norm.weight"), ("mlp_norm.weight", "norm.weight"),
+                         ("mlp.experts.gate_up_proj", "mixer.experts.up_proj"),
+                         ("mlp.shared_expert.", "mixer.shared_experts."),
                          ("attn.", "mixer."), ("mamba.", "mixer."), ("mlp.", "mixer."))
 _HF_NEMOTRON_TOP = (("embed.weight", "backbone.embeddings.weight"),
                     ("final_norm.weight", "backbone.norm_f.weight"),

@@ -16,6 +16,8 @@ from typing import Any, Dict
 import torch
 
 from ..config import ModelConfig
+from ..config.layers import LAYER_MIXERS, layer_types
+from ..config.moe import moe_layer_indices
 from ..config.parameters import parameter_specs
 from .families import WRAPPERS
 from .moe_families import (assemble, assembled_shape, dequantize_mxfp4, gpt_oss_from_hf,
@@ -29,6 +31,16 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes ctxpar reads
+
+
+def router_buffer_names(m: ModelConfig) -> list:
+    """GPT names of the buffers a folder holds: each MoE layer's router correction bias
+    (model.moe.score_correction_bias: transformers' e_score_correction_bias, models/moe.py)."""
+    if m.moe is None or not m.moe.score_correction_bias:
+        return []
+    types = layer_types(m)
+    return [f"layers.{i}.mlp.gate.e_score_correction_bias"
+            for i in moe_layer_indices(m.moe, m.n_layers) if LAYER_MIXERS[types[i]][1]]
 
 
 def is_hf_folder(path: str) -> bool:
@@ -138,6 +150,18 @@ class WeightReader:
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return gpt_oss_from_hf(key, t) if self.model_type == "gpt_oss" else t
 
+    def buffers(self, m: ModelConfig) -> Dict[str, torch.Tensor]:
+        """{GPT name: tensor} of the routers' correction biases (router_buffer_names), the
+        buffers a folder holds beside the parameters."""
+        out = {}
+        for name in router_buffer_names(m):
+            key = self.key(name)
+            if key not in self._where:
+                raise CheckpointError(f"{self.path}: no tensor {key!r} (for {name})")
+            self.used.add(key)
+            out[name] = self._where[key].get_tensor(key)
+        return out
+
     def unused(self) -> list:
         """Tensors of the folder no parameter took (tied lm_head copies and buffers aside)."""
         left = set(self._where) - self.used
@@ -194,6 +218,8 @@ class WeightReader:
             if sum(rows) != spec.shape[0]:
                 raise CheckpointError(f"{self.path}: {', '.join(keys)} have {sum(rows)} rows "
                                       f"together, config.json makes them {spec.shape[0]}")
+        for name in router_buffer_names(m):  # the buffers a folder holds too
+            want[self.key(name)] = (m.moe.num_experts,)
         for key, shape in want.items():
             self._check_tensor(key, shape)
         extra = sorted(k for k in set(self._where) - set(want) - taken

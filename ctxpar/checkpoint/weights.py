@@ -12,10 +12,13 @@ universal form by rank 0 (universal.py), whatever layout saved it.
 """
 from __future__ import annotations
 
+import glob
+import itertools
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -24,6 +27,7 @@ from ..config import ModelConfig
 from ..config.moe import MoEConfig
 from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
+from .names import from_pipe
 from .resume import MARKER, CheckpointError, is_tag, latest_complete, verify
 from .universal import (load_buffers_, naming, num_experts, read_state, saved_buffers,
                         to_universal)
@@ -99,6 +103,37 @@ def gpt_named_parameters(model) -> Iterator:
         else model.named_parameters()
 
 
+def gpt_named_buffers(model) -> Iterator:
+    """(GPT name, buffer) of a GPT or of a pipeline stage's blocks (GPTPipe)."""
+    if not hasattr(model, "gpt_named_parameters"):
+        return model.named_buffers()
+    blocks = [m for name, m in model.named_children() if name.isdigit()]
+    return ((m.gpt_prefix + n, b) for m in blocks for n, b in m.named_buffers())
+
+
+def load_gpt_buffers_(model, buffers: Dict[str, torch.Tensor]) -> None:
+    """A GPT's or a pipeline stage's buffers <- buffers by GPT name (the stage's own)."""
+    load_buffers_(SimpleNamespace(named_buffers=lambda: gpt_named_buffers(model)), buffers)
+
+
+def checkpoint_buffers(tag_dir: str, universal_dir: str, n_layers: int
+                       ) -> Dict[str, torch.Tensor]:
+    """{GPT name: tensor} of the persistent buffers a ctxpar checkpoint saved (the routers'
+    correction biases): from the universal folder's model file, or a pipeline's per-layer
+    files (layer_XX-model_00-model_states.pt, DeepSpeed's; every TP rank's copy alike)."""
+    found = saved_buffers(universal_dir)
+    if found:
+        return found
+    for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*-model_00-model_states.pt"))):
+        index = int(os.path.basename(path)[len("layer_"):].split("-")[0])
+        if not 1 <= index <= n_layers:
+            continue
+        sd = torch.load(path, map_location="cpu", weights_only=False)
+        found.update({from_pipe(f"{index}.{k}", n_layers): t for k, t in sd.items()
+                      if k.endswith("e_score_correction_bias")})
+    return found
+
+
 @torch.no_grad()
 def copy_full_weights_(model, get: Callable[[str], torch.Tensor], tp_group) -> None:
     """Every parameter <- its TP slice of get(GPT name), a full tensor; shapes checked."""
@@ -119,6 +154,7 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
         reader = hf.WeightReader(source.path, cfg.model.tie_embeddings,
                                   hf.naming_of(cfg.model))
         copy_full_weights_(model, reader.get, state.tp_group)
+        load_gpt_buffers_(model, reader.buffers(cfg.model))  # the routers' correction biases
         return source.describe()
     work = os.path.join(cfg.logging.run_dir, "init_from.universal")
     m = cfg.model
@@ -126,7 +162,8 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
                                         m.n_layers, naming(False, m.n_layers, True),
                                         num_experts(m)))
     copy_full_weights_(model, lambda n: read_state(work, n, "fp32"), state.tp_group)
-    load_buffers_(model, saved_buffers(work))  # the routers' correction biases
+    # the routers' correction biases, whichever layout saved them and loads them
+    load_gpt_buffers_(model, checkpoint_buffers(source.path, work, m.n_layers))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(work, ignore_errors=True)
@@ -178,7 +215,13 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32,
         out = os.path.join(work, "universal")
         names = to_universal(tag_dir, out, manifest["layout"], m.n_layers,
                                naming(False, m.n_layers, True), num_experts(m))
-        weights = ((n, read_state(out, n, "fp32")) for n in names)
+        saved, wanted = checkpoint_buffers(tag_dir, out, m.n_layers), hf.router_buffer_names(m)
+        lost = [n for n in wanted if n not in saved]
+        if lost:
+            raise CheckpointError(f"{tag_dir}: no saved {lost[0]} (a buffer the export "
+                                  f"writes: transformers would start it at zeros)")
+        weights = itertools.chain(((n, read_state(out, n, "fp32")) for n in names),
+                                  ((n, saved[n]) for n in wanted))
         hf.save_folder(out_dir, weights, m, tokenizer, dtype, source, limit)
     return tag_dir
 

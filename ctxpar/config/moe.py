@@ -176,6 +176,18 @@ def _check_moe_fields(m, moe: MoEConfig, tp: int, err) -> None:
             not 0 <= i < m.n_layers for i in moe.layers)):
         err(f"model.moe.layers={moe.layers} must be distinct layer indices in "
             f"[0, model.n_layers={m.n_layers})")
+    _check_moe_blocks(m, moe, err)
+
+
+def _check_moe_blocks(m, moe: MoEConfig, err) -> None:
+    """model.moe.layers name blocks with an MLP to replace (Nemotron-H's single-op 'mamba'
+    and 'attention' blocks have none; None: every block that has one)."""
+    from .layers import LAYER_MIXERS, layer_types  # layers.py imports the sections
+    types = layer_types(m)
+    bare = [i for i in moe.layers or () if LAYER_MIXERS.get(types[i], ("", ""))[1] is None]
+    if bare:
+        err(f"model.moe.layers={moe.layers}: layer {bare[0]} is a {types[bare[0]]!r} block, "
+            f"which has no MLP for the experts to replace")
 
 
 def _check_routing(moe: MoEConfig, err) -> None:
