@@ -2,7 +2,8 @@
 every family's layout of them (hf.py maps config.json; this reads the weights).
 
 A tensor may be stored whole under its transformers name (names.py), in parts
-(OLMo Hybrid's [q | k | v], olmo_hybrid.py), per expert (the mixtures of experts'
+(OLMo Hybrid's [q | k | v], olmo_hybrid.py), fused with another (Qwen3-Next's Gated
+DeltaNet projections, qwen3_next.py), per expert (the mixtures of experts'
 ``experts.N.*``, moe_families.py) or quantized (gpt-oss's MXFP4, dequantized as transformers
 does); ``check`` reads the headers alone and refuses, naming it, a missing, misshapen or
 unreadable tensor and one ctxpar would not use.
@@ -23,6 +24,7 @@ from .moe_families import (assemble, assembled_shape, dequantize_mxfp4, gpt_oss_
                            per_expert_sources)
 from .names import to_hf
 from .olmo_hybrid import part_rows, tensor_sources
+from . import qwen3_next
 from .resume import CheckpointError
 
 CONFIG = "config.json"
@@ -93,6 +95,8 @@ class WeightReader:
             else None
         self._experts = per_expert_sources(self._where, self.model_type)
         self._mxfp4 = mxfp4_sources(self._where, self.model_type)  # gpt-oss's quantized
+        # Qwen3-Next's fused Gated DeltaNet projections: {ctxpar's key: (fused key, part)}
+        self._split = qwen3_next.split_sources(self._where, self.model_type)
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self._where))
             if lost:
@@ -129,6 +133,11 @@ class WeightReader:
             self.used.update((blocks, scales))
             return gpt_oss_from_hf(key, dequantize_mxfp4(self._where[blocks].get_tensor(blocks),
                                                          self._where[scales].get_tensor(scales)))
+        if key not in self._where and key in self._split:  # a part of a fused projection
+            fused, part = self._split[key]
+            self.used.add(fused)
+            return qwen3_next.unfuse(fused, self._where[fused].get_tensor(fused), part,
+                                     self._split_dims())
         keys = self.sources(gpt_name)
         for k in keys:
             if k not in self._where:
@@ -137,6 +146,16 @@ class WeightReader:
         parts = [self._where[k].get_tensor(k) for k in keys]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return gpt_oss_from_hf(key, t) if self.model_type == "gpt_oss" else t
+
+    def _split_dims(self):
+        """The Gated DeltaNet's head counts and sizes, from config.json as hf.model_fields
+        reads them (transformers' defaults where it has none)."""
+        from .linear_families import linear_attention_fields
+
+        def refuse(key, value, why):
+            raise CheckpointError(f"{self.path}: {key}={value!r}: {why}")
+        return qwen3_next.dims_of(linear_attention_fields(read_raw_config(self.path),
+                                                          refuse))
 
     def unused(self) -> list:
         """Tensors of the folder no parameter took (tied lm_head copies and buffers aside)."""
@@ -176,6 +195,11 @@ class WeightReader:
             if key not in self._where and key in self._mxfp4:
                 taken.update(self._mxfp4[key])
                 self._check_mxfp4(key, spec)
+                continue
+            if key not in self._where and key in self._split:  # the fused tensor's shape
+                fused = self._split[key][0]
+                want[fused] = qwen3_next.fused_shape(fused, qwen3_next.model_dims(m),
+                                                     m.d_model)
                 continue
             keys = self.sources(spec.name)
             if len(keys) == 1:
