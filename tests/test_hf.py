@@ -31,7 +31,8 @@ pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
                           GptOssConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MixtralConfig, NemotronHConfig, OlmoHybridConfig, Qwen2Config,
-                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3_5TextConfig)
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 
 from ctxpar.checkpoint import CheckpointError, hf, read_manifest  # noqa: E402
 from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
@@ -67,6 +68,9 @@ def tiny_llama(path, tied=True, rope_scaling=None, **overrides):
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+QWEN3_5_LAYERS = dict(layer_types=["linear_attention", "full_attention"],
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=6)
 # The families at the size of the tests: GQA, head_dim 24 (not hidden/heads = 16), and
 # each family's own fields (Mistral without a window; Gemma 3 with every layer full
 # attention: its sliding layers arrive with model.layer_types).
@@ -82,10 +86,7 @@ FAMILY_CONFIGS = {
                                            query_pre_attn_scalar=20)),
     # Gated DeltaNet then gated full attention with RoPE on a quarter of each head
     # (transformers' default); value heads twice the key heads, as Qwen3.5's
-    "qwen3_5_text": (Qwen3_5TextConfig, dict(layer_types=["linear_attention",
-                                                          "full_attention"],
-                                             linear_num_key_heads=2, linear_num_value_heads=4,
-                                             linear_key_head_dim=8, linear_value_head_dim=6)),
+    "qwen3_5_text": (Qwen3_5TextConfig, dict(QWEN3_5_LAYERS)),
     # Mamba2, NoPE attention and squared-ReLU MLP blocks, one op each; two B/C groups
     "nemotron_h": (NemotronHConfig, dict(layers_block_type=["mamba", "attention", "mlp",
                                                             "mamba"],
@@ -125,6 +126,20 @@ FAMILY_CONFIGS = {
                                                     "beta_slow": 1.0, "truncate": False,
                                                     "rope_theta": 150000.0},
                                    output_router_logits=True, router_aux_loss_coef=0.02)),
+    # Qwen3.5's layers with 8 experts and a gated shared expert (Qwen3-Next's Gated
+    # DeltaNet projections fused by key head); Qwen3.5-MoE's intermediate_size is
+    # written (SMALL's) and read by nothing
+    "qwen3_next": (Qwen3NextConfig, dict(**QWEN3_5_LAYERS, num_experts=8,
+                                         num_experts_per_tok=3, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=40,
+                                         output_router_logits=True,
+                                         router_aux_loss_coef=0.02)),
+    "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, dict(**QWEN3_5_LAYERS, num_experts=8,
+                                                    num_experts_per_tok=2,
+                                                    moe_intermediate_size=32,
+                                                    shared_expert_intermediate_size=40,
+                                                    output_router_logits=True,
+                                                    router_aux_loss_coef=0.02)),
 }
 
 
@@ -203,7 +218,8 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
                                          ("qwen3_5_text", False), ("nemotron_h", False),
                                          ("olmo_hybrid", False), ("qwen3_moe", False),
                                          ("qwen2_moe", True), ("mixtral", False),
-                                         ("gpt_oss", False)])
+                                         ("gpt_oss", False), ("qwen3_next", False),
+                                         ("qwen3_5_moe_text", True)])
 def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
     ref = tiny_family(tmp_path / family, family, tied)
     model = ctxpar_from(tmp_path / family)
@@ -294,16 +310,20 @@ def test_a_folder_relabelled_llama_is_refused(tmp_path, family, tensor):
         hf.WeightReader(str(tmp_path), m.tie_embeddings).check(m)
 
 
+SHARED_GATED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")  # a gated shared expert
+
+
 def family_json(family, **fields):
     """config.json of a small model of a family, as ctxpar exports it, fields changed."""
     moe = FAMILIES[family].moe_fixed
     m = ModelConfig(vocab_size=96, d_model=64, n_heads=4, family=family,
                     **{k: v for k, v in FAMILIES[family].fixed.items()},
                     **({} if moe is None else {"moe": MoEConfig(num_experts=8, **moe, **(
-                        {"shared_expert_hidden": 32} if family == "qwen2_moe" else
+                        {"shared_expert_hidden": 32} if family in SHARED_GATED else
                         {"swiglu_limit": 7.0} if family == "gpt_oss" else {}))}),
                     **({"n_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
-                       if family in ("qwen3_5_text", "olmo_hybrid") else {}),
+                       if family in ("qwen3_5_text", "olmo_hybrid", *SHARED_GATED[1:])
+                       else {}),
                     **({"n_layers": 2, "layer_types": ["mamba", "attention"]}
                        if family == "nemotron_h" else {}))
     return {**hf.family_config(m), **fields}
@@ -397,6 +417,21 @@ def family_json(family, **fields):
     ("gpt_oss", "attention_bias", False, "attention_bias=False: ctxpar's gpt-oss has biases "
                                          "on q/k/v/o"),
     ("gpt_oss", "swiglu_limit", 0, "swiglu_limit=0: config.json must give it as a number > 0"),
+    # Qwen3-Next relabelled Qwen3.5 (its architecture; without it, its experts)
+    ("qwen3_next", "model_type", "qwen3_5_text", "architectures=['Qwen3NextForCausalLM']: "
+                                                 "ctxpar imports Qwen3_5ForCausalLM"),
+    ("qwen3_next", "model_type", "qwen3_5_text", "decoder_sparse_step=1: mixture of experts "
+                                                 "is not implemented by ctxpar"),
+    ("qwen3_next", "shared_expert_intermediate_size", 0, "shared_expert_intermediate_size=0: "
+                                                         "config.json must give it as an "
+                                                         "integer >= 1"),
+    ("qwen3_next", "use_sliding_window", True, "use_sliding_window=True: a config field "
+                                               "ctxpar does not know for model_type "
+                                               "'qwen3_next'"),
+    ("qwen3_5_moe_text", "num_experts_per_tok", 9, "num_experts_per_tok=9: more than "
+                                                   "num_experts=8"),
+    ("qwen3_5_moe_text", "attention_bias", True, "attention_bias=True: ctxpar has q/k/v "
+                                                 "biases without o_proj's"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -409,7 +444,8 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
     if field == "hybrid_override_pattern":  # the older form, in place of the list
         window = {"layers_block_type": None}
     config = family_json(family, **{**window, field: value})
-    if "linear_conv_kernel_dim" in msg or "num_experts_per_tok=2" in msg:  # relabelled
+    if "linear_conv_kernel_dim" in msg or "num_experts_per_tok=2" in msg or \
+            "decoder_sparse_step=1" in msg:  # relabelled
         # whole: architectures too
         config["architectures"] = [FAMILIES[value].architecture]
     if "linear_allow_neg_eigval=False" in msg:
@@ -421,6 +457,9 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
         hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
     assert msg in str(e.value) and "config.json" in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
+
+
+QWEN3_5_FIXED = dict(qk_norm=True, norm_offset=1.0, attention_output_gate=True)
 
 
 def test_models_no_family_holds_are_refused_at_export():
@@ -440,6 +479,7 @@ def test_models_no_family_holds_are_refused_at_export():
                                      family="qwen3_5_text", qk_norm=True, norm_offset=1.0,
                                      attention_output_gate=True))
     moe = MoEConfig(num_experts=4, top_k=2)
+    gated = replace(moe, shared_expert_hidden=8, shared_expert_gate=True)
     for family, m, msg in [
         ("llama", {}, "model.moe is set: LlamaForCausalLM has no experts"),
         ("qwen2_moe", {"attention_bias": True}, "model.moe.shared_expert_gate=False cannot be "
@@ -449,13 +489,20 @@ def test_models_no_family_holds_are_refused_at_export():
         ("qwen3_moe", {"qk_norm": True, "moe": replace(moe, score="sigmoid")},
          "model.moe.score='sigmoid' cannot be exported as Qwen3MoeForCausalLM"),
         ("qwen3_moe", {"qk_norm": True, "moe": None}, "model.moe=None cannot be exported"),
+        ("qwen3_5_moe_text", {"moe": replace(gated, layers=[1])}, "model.moe.layers=[1] "
+                                                                  "cannot be exported as "
+                                                                  "Qwen3_5MoeForCausalLM"),
+        ("qwen3_5_moe_text", {**QWEN3_5_FIXED, "ffn_hidden": 96, "moe": replace(
+            gated, expert_hidden=32)}, "model.ffn_hidden=96 with model.moe.expert_hidden=32 "
+                                       "(Qwen3.5-MoE has no dense MLP"),
     ]:
         with pytest.raises(CheckpointError, match=re.escape(msg)):
             hf.family_config(ModelConfig(**{"n_layers": 2, "moe": moe, "family": family, **m}))
     # a mixture of experts with q/k norms is a Qwen3-MoE, with a gated shared expert a
-    # Qwen2-MoE, else a Mixtral
-    for m, family in [({"qk_norm": True}, "qwen3_moe"), ({"attention_bias": True, "moe": replace(
-            moe, shared_expert_hidden=8, shared_expert_gate=True)}, "qwen2_moe"), ({}, "mixtral")]:
+    # Qwen2-MoE, with Qwen3.5's layers and that expert a Qwen3-Next, else a Mixtral
+    for m, family in [({"qk_norm": True}, "qwen3_moe"), ({"attention_bias": True, "moe": gated},
+                                                        "qwen2_moe"),
+                      ({**QWEN3_5_FIXED, "moe": gated}, "qwen3_next"), ({}, "mixtral")]:
         assert hf.family_config(ModelConfig(**{"moe": moe, **m}))["model_type"] == family
     # a plain GPT is a Llama; q/k/v biases make it a Qwen2, q/k norms a Qwen3, gated
     # attention with (1 + w) norms a Qwen3.5
@@ -552,6 +599,44 @@ def test_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path):
         rewrite_weights(tmp_path, change)
         with pytest.raises(CheckpointError, match=re.escape(msg)):
             hf.WeightReader(str(tmp_path), False).check(m)
+
+
+@pytest.mark.quick
+def test_qwen3_next_projections_are_read_by_key_head_and_a_relabelled_folder_refused(tmp_path):
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba (grouped by key head, 3 value heads a key
+    head here) give, through ctxpar's parts, the q, k, v, z, b, a transformers'
+    fix_query_key_value_ordering takes out of them, and fuse back bit for bit; a
+    Qwen3.5-MoE folder (the same config keys, Qwen3.5's four projections) relabelled
+    Qwen3-Next is refused by its first missing fused tensor."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+    from ctxpar.checkpoint import qwen3_next
+    cfg = Qwen3NextConfig(**{**SMALL, **FAMILY_CONFIGS["qwen3_next"][1],
+                             "linear_num_value_heads": 6})
+    torch.manual_seed(0)
+    gdn = Qwen3NextGatedDeltaNet(cfg, 0)
+    dims = (2, 8, 6, 6)  # key heads, their dim, value heads, their dim
+    x = torch.randn(1, 5, 64)
+    q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+    qkvz, ba = gdn.in_proj_qkvz.weight.detach(), gdn.in_proj_ba.weight.detach()
+    parts = {name: qwen3_next.unfuse(f"linear_attn.{fused}.weight", w, i, dims)
+             for fused, w, names in (("in_proj_qkvz", qkvz, ("qkv", "z")),
+                                     ("in_proj_ba", ba, ("b", "a")))
+             for i, name in enumerate(names)}
+    got_q, got_k, got_v = (x @ parts["qkv"].T).split((16, 16, 36), dim=-1)
+    for got, want in ((got_q, q), (got_k, k), (got_v, v), (x @ parts["z"].T, z),
+                      (x @ parts["b"].T, b), (x @ parts["a"].T, a)):
+        torch.testing.assert_close(got, want.reshape(got.shape), rtol=0, atol=1e-6)
+    assert torch.equal(qwen3_next.fuse("in_proj_qkvz.weight", [parts["qkv"], parts["z"]],
+                                       dims), qkvz)
+    assert torch.equal(qwen3_next.fuse("in_proj_ba.weight", [parts["b"], parts["a"]], dims), ba)
+    tiny_family(tmp_path, "qwen3_5_moe_text", tied=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}))
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    with pytest.raises(CheckpointError, match=r"no tensor 'model.layers.0.linear_attn."
+                                              r"in_proj_qkvz.weight'"):
+        hf.WeightReader(str(tmp_path), False).check(m)
 
 
 def quantize_mxfp4(w):
@@ -1102,20 +1187,25 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
         greedy_continuations_agree(rows, exported, tok, 6)
 
 
-def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path):
-    """Qwen3.5's released folders are Qwen3_5ForConditionalGeneration (model_type qwen3_5:
-    a text_config, a vision tower): ctxpar imports the language model, its logits on text
-    equal the whole model's, and says what it left out; a field it does not know at the
-    top level is refused by name."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    text = {**SMALL, **FAMILY_CONFIGS["qwen3_5_text"][1]}
+@pytest.mark.parametrize("wrapper,family", [("qwen3_5", "qwen3_5_text"),
+                                            ("qwen3_5_moe", "qwen3_5_moe_text")])
+def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path, wrapper, family):
+    """Qwen3.5's and Qwen3.5-MoE's released folders are *ForConditionalGeneration
+    (model_type qwen3_5 / qwen3_5_moe: a text_config, a vision tower; the experts per
+    expert under model.language_model.): ctxpar imports the language model, its logits on
+    text equal the whole model's, and says what it left out; a field it does not know at
+    the top level is refused by name."""
+    import transformers
+    name = "Qwen3_5" if wrapper == "qwen3_5" else "Qwen3_5Moe"
+    text = {**SMALL, **FAMILY_CONFIGS[family][1]}
     torch.manual_seed(0)
-    ref = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+    ref = getattr(transformers, f"{name}ForConditionalGeneration")(getattr(
+        transformers, f"{name}Config")(
         text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
                                              num_heads=2, out_hidden_size=64))).float().eval()
     ref.save_pretrained(tmp_path)
     model = ctxpar_from(tmp_path)  # every language-model tensor used, none left
-    assert model.cfg.family == "qwen3_5_text" and model.cfg.partial_rotary_factor == 0.25
+    assert model.cfg.family == family and model.cfg.partial_rotary_factor == 0.25
     tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens, torch.arange(48)), ref(tokens).logits, **TOL)
@@ -1123,8 +1213,8 @@ def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path):
                                           "(vision_config, model.visual.*)")
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "audio_config": {}}))
-    with pytest.raises(CheckpointError, match=r"audio_config=\{\}: a config field ctxpar "
-                                              r"does not know for model_type 'qwen3_5'"):
+    with pytest.raises(CheckpointError, match=rf"audio_config=\{{\}}: a config field ctxpar "
+                                              rf"does not know for model_type '{wrapper}'"):
         hf.read_config(str(tmp_path))
 
 

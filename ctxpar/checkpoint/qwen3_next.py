@@ -67,18 +67,17 @@ def _sections(fused: str, dims: Dims) -> Tuple[int, ...]:
     return (dk, dk, r * dv, r * dv) if fused.endswith("qkvz.weight") else (r, r)
 
 
-def split_sources(keys, model_type: Optional[str]) -> Dict[str, Tuple[str, int]]:
-    """{ctxpar's HF-form key: (the folder's fused key, which part)} of a qwen3_next folder
-    (none where the folder holds ctxpar's names)."""
+def fused_source(key: str, model_type: Optional[str]) -> Optional[Tuple[str, int]]:
+    """(the folder's fused key, which part) of ctxpar's HF-form key `key` in a qwen3_next
+    folder, None for the other tensors: a Qwen3-Next folder holds the fused projections
+    only (one with Qwen3.5's four is another architecture, refused as such)."""
     if model_type != "qwen3_next":
-        return {}
-    found = {}
-    for key in keys:
-        for fused, parts in FUSED.items():
-            if key.endswith(fused):
-                base = key[:-len(fused)]
-                found.update({base + p: (key, i) for i, p in enumerate(parts)})
-    return found
+        return None
+    for fused, parts in FUSED.items():
+        for i, part in enumerate(parts):
+            if key.endswith(part):
+                return key[:-len(part)] + fused, i
+    return None
 
 
 def unfuse(fused_key: str, t: torch.Tensor, part: int, dims: Dims) -> torch.Tensor:
@@ -129,7 +128,7 @@ def moe_text_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
 def hybrid_moe_config(cfg: Dict[str, Any], m, refuse: Callable) -> None:
     """Qwen3.5-MoE's export: no intermediate_size (no dense MLP), so model.ffn_hidden must
     be the experts' width for the folder to hold it."""
-    width = m.moe.expert_hidden or m.ffn_hidden
-    if cfg.pop("intermediate_size") != width:
-        refuse(f"model.ffn_hidden={m.ffn_hidden} with model.moe.expert_hidden={width} "
+    ffn = cfg.pop("intermediate_size")  # resolved_ffn_hidden(m)
+    if (m.moe.expert_hidden or ffn) != ffn:
+        refuse(f"model.ffn_hidden={ffn} with model.moe.expert_hidden={m.moe.expert_hidden} "
                f"(Qwen3.5-MoE has no dense MLP: its ffn_hidden is the experts' width)")

@@ -95,8 +95,6 @@ class WeightReader:
             else None
         self._experts = per_expert_sources(self._where, self.model_type)
         self._mxfp4 = mxfp4_sources(self._where, self.model_type)  # gpt-oss's quantized
-        # Qwen3-Next's fused Gated DeltaNet projections: {ctxpar's key: (fused key, part)}
-        self._split = qwen3_next.split_sources(self._where, self.model_type)
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self._where))
             if lost:
@@ -133,8 +131,11 @@ class WeightReader:
             self.used.update((blocks, scales))
             return gpt_oss_from_hf(key, dequantize_mxfp4(self._where[blocks].get_tensor(blocks),
                                                          self._where[scales].get_tensor(scales)))
-        if key not in self._where and key in self._split:  # a part of a fused projection
-            fused, part = self._split[key]
+        split = qwen3_next.fused_source(key, self.model_type)
+        if split is not None:  # a part of Qwen3-Next's fused projection
+            fused, part = split
+            if fused not in self._where:
+                raise CheckpointError(f"{self.path}: no tensor {fused!r} (for {gpt_name})")
             self.used.add(fused)
             return qwen3_next.unfuse(fused, self._where[fused].get_tensor(fused), part,
                                      self._split_dims())
@@ -196,8 +197,9 @@ class WeightReader:
                 taken.update(self._mxfp4[key])
                 self._check_mxfp4(key, spec)
                 continue
-            if key not in self._where and key in self._split:  # the fused tensor's shape
-                fused = self._split[key][0]
+            split = qwen3_next.fused_source(key, self.model_type)
+            if split is not None:  # the fused tensor's shape
+                fused = split[0]
                 want[fused] = qwen3_next.fused_shape(fused, qwen3_next.model_dims(m),
                                                      m.d_model)
                 continue
