@@ -912,7 +912,8 @@ def test_train_py_from_a_qwen2_folder_and_back(tmp_path):
 @pytest.mark.parametrize("problem", ["a config field", "untied without lm_head",
                                      "a shard named in the index but absent",
                                      "a family that cannot hold the model",
-                                     "a mixture of experts relabelled dense"])
+                                     "a mixture of experts relabelled dense",
+                                     "a Qwen3.5-MoE folder relabelled Qwen3-Next"])
 def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, problem):
     """One line and exit 2 from check_inputs, before any process group or model exists
     (one process: under torchrun the first rank's exit makes the launcher stop the others,
@@ -935,6 +936,14 @@ def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, pro
         (tmp_path / "llama" / "config.json").write_text(json.dumps(
             {**config, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
         msg = "num_experts_per_tok=2: mixture of experts is not implemented by ctxpar"
+    elif problem == "a Qwen3.5-MoE folder relabelled Qwen3-Next":  # every config key
+        # Qwen3-Next's: its Gated DeltaNet's four projections are not Qwen3-Next's two
+        tiny_family(tmp_path / "llama", "qwen3_5_moe_text", tied=False,
+                    **HYBRID_MOE["qwen3_5_moe_text"])
+        config = json.loads((tmp_path / "llama" / "config.json").read_text())
+        (tmp_path / "llama" / "config.json").write_text(json.dumps(
+            {**config, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}))
+        msg = "no tensor 'model.layers.0.linear_attn.in_proj_qkvz.weight'"
     else:
         tiny_family(tmp_path / "llama", "llama", tied=False, vocab_size=256,
                     intermediate_size=192, head_dim=16)
@@ -942,7 +951,9 @@ def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, pro
         change(tmp_path / "llama")
     proc = run_train(str(tmp_path / "run"), 1, [
         "parallel.cp=1", "parallel.dp=1", f"model.init_from={tmp_path / 'llama'}",
-        "model.tie_embeddings=false", "model.ffn_hidden=192"], check=False, timeout=120)
+        "model.tie_embeddings=false", "model.ffn_hidden=192",
+        *(folder_sets(tmp_path / "llama") if "Qwen3-Next" in problem else [])],
+        check=False, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert msg in lines[0], lines[0]
@@ -1113,12 +1124,23 @@ HYBRID_LAYOUTS = {
     "cp2-zigzag-ep2": ["parallel.cp=2", "parallel.layout=zigzag", "parallel.ep=2"],
 }
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIGS' sizes
+# Qwen3.5's layers with experts: Gated DeltaNet around a gated full-attention layer, a
+# dense layer between Qwen3-Next's MoE ones (mlp_only_layers; Qwen3.5-MoE's are all MoE)
+HYBRID_MOE = {family: dict(vocab_size=256, intermediate_size=192, num_hidden_layers=4,
+                           layer_types=HYBRIDS["qwen3_5_text"]["layer_types"],
+                           **({"mlp_only_layers": [2]} if family == "qwen3_next" else {}))
+              for family in ("qwen3_next", "qwen3_5_moe_text")}
 # the hybrids on every layout their linear layers run on; the mixtures of experts at
 # cp2 x ep2 (generate.py too) and tp2 x cp2, and cp2 x pp2 for two of them (the same
 # MoE layer in every family: Qwen3-MoE's, and gpt-oss's with its biases and sinks)
 FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:4]] + [
     (f, layout) for f in MOE_FAMILIES for layout in ("cp2-zigzag-ep2", "tp2-cp2")] + [
-    (f, "cp2-pp2") for f in ("qwen3_moe", "gpt_oss")]
+    (f, "cp2-pp2") for f in ("qwen3_moe", "gpt_oss")] + [
+    # Qwen3-Next on the layouts, Qwen3.5-MoE at cp2 x ep2: the two share every layer's code
+    # (models/gated_delta.py, models/moe.py) and differ in their folders' tensors and keys
+    # only, which one run exercises
+    ("qwen3_next", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
+    ("qwen3_5_moe_text", "cp2-zigzag-ep2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
@@ -1134,9 +1156,9 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     experts' widths gathered over TP) and cp2 x pp2 (the routers' statistics across the
     stages), their step-1 loss with transformers' load-balancing loss."""
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
-    ref = tiny_family(folder, family, tied=False,
-                      **HYBRIDS.get(family, dict(vocab_size=256, intermediate_size=192)))
-    if family in MOE_FAMILIES:  # the whole batch in one micro-batch, as transformers'
+    ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(
+        family, HYBRID_MOE.get(family, dict(vocab_size=256, intermediate_size=192))))
+    if family in MOE_FAMILIES or family in HYBRID_MOE:  # the whole batch in one micro-batch, as transformers'
         # load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
         # rank, models/moe_steps.py)
         sets = [*sets, "train.micro_batch_size=16"]
@@ -1162,7 +1184,7 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
         return  # one export is enough for the layouts that split the model's tensors
     exported, back = export_and_reload(run, tmp_path / "exported")
     assert type(exported) is type(ref)
-    if family in HYBRIDS:
+    if family in HYBRIDS or family in HYBRID_MOE:
         assert exported.config.layer_types == ref.config.layer_types
     # one warm-up step moves a weight by at most lr_1 = 3e-3 / 20 (Adam's first step is
     # lr x sign): a fused [q | k | v] or [z | ...] gathered in the wrong order over TP or
@@ -1174,7 +1196,8 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     with torch.no_grad():
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits,
                                    **TOL)
-    if extend or layout == "cp2-zigzag-ep2":  # generate.py at cp2: transformers' greedy
+    if extend or layout == "cp2-zigzag-ep2" and family != "qwen3_5_moe_text":  # generate.py
+        # at cp2: transformers' greedy (Qwen3.5-MoE's layers are Qwen3-Next's: one is enough)
         prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": ROOT}
