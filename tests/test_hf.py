@@ -1158,8 +1158,8 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
     ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(
         family, HYBRID_MOE.get(family, dict(vocab_size=256, intermediate_size=192))))
-    if family in MOE_FAMILIES or family in HYBRID_MOE:  # the whole batch in one micro-batch, as transformers'
-        # load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
+    if family in MOE_FAMILIES or family in HYBRID_MOE:  # the whole batch in one
+        # micro-batch, as transformers' load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
         # rank, models/moe_steps.py)
         sets = [*sets, "train.micro_batch_size=16"]
     tok = save_word_tokenizer(folder)

@@ -117,6 +117,7 @@ class Family:
     # which holds no model.moe)
     moe_fixed: Optional[Dict[str, Any]] = None
 
+
 # Qwen3.5's layers: (1 + w) norms, q/k norms, the attention's sigmoid output gate
 _QWEN3_5_FIXED = {**ARCH_DEFAULTS, "norm_offset": 1.0, "qk_norm": True,
                   "attention_output_gate": True}
