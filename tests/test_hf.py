@@ -607,7 +607,9 @@ def test_qwen3_next_projections_are_read_by_key_head_and_a_relabelled_folder_ref
     head here) give, through ctxpar's parts, the q, k, v, z, b, a transformers'
     fix_query_key_value_ordering takes out of them, and fuse back bit for bit; a
     Qwen3.5-MoE folder (the same config keys, Qwen3.5's four projections) relabelled
-    Qwen3-Next is refused by its first missing fused tensor."""
+    Qwen3-Next is refused by its first missing fused tensor. The released folders'
+    multi-token prediction layers (mtp.*) are left out, as transformers drops them, and
+    the start-up line says so."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
     from ctxpar.checkpoint import qwen3_next
     cfg = Qwen3NextConfig(**{**SMALL, **FAMILY_CONFIGS["qwen3_next"][1],
@@ -629,6 +631,16 @@ def test_qwen3_next_projections_are_read_by_key_head_and_a_relabelled_folder_ref
     assert torch.equal(qwen3_next.fuse("in_proj_qkvz.weight", [parts["qkv"], parts["z"]],
                                        dims), qkvz)
     assert torch.equal(qwen3_next.fuse("in_proj_ba.weight", [parts["b"], parts["a"]], dims), ba)
+    ref = tiny_family(tmp_path / "next", "qwen3_next", tied=False)
+    rewrite_weights(tmp_path / "next", lambda t: t.update(
+        {"mtp.fc.weight": torch.ones(64, 128), "mtp.norm.weight": torch.ones(64)}))
+    tokens = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # every other tensor used (ctxpar_from), the same model
+        torch.testing.assert_close(ctxpar_from(tmp_path / "next")(tokens, torch.arange(16)),
+                                   ref(tokens).logits, **TOL)
+    assert hf.left_out(str(tmp_path / "next")) == (
+        "its causal LM; left out: the multi-token prediction layers (2 tensors mtp.*, which "
+        "transformers drops too)")
     tiny_family(tmp_path, "qwen3_5_moe_text", tied=False)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(

@@ -259,10 +259,18 @@ def read_config(path: str) -> Dict[str, Any]:
 
 
 def left_out(path: str) -> Optional[str]:
-    """What a multimodal folder holds besides the language model ctxpar imports (None:
+    """What a folder holds besides the causal LM ctxpar imports: a multimodal folder's
+    vision tower, Qwen3-Next's and Qwen3.5-MoE's multi-token prediction layers (None:
     nothing)."""
     wrapper = WRAPPERS.get(read_raw_config(path).get("model_type"))
-    return None if wrapper is None else f"its language model; left out: {wrapper.what}"
+    what = [] if wrapper is None else [wrapper.what]
+    mtp = WeightReader(path, False).left_out()
+    if mtp:
+        what.append(f"the multi-token prediction layers ({len(mtp)} tensors "
+                    f"{qwen3_next.MTP_PREFIX}*, which transformers drops too)")
+    if not what:
+        return None
+    return f"its {'language model' if wrapper else 'causal LM'}; left out: {' and '.join(what)}"
 
 
 def _rope(hf: Dict[str, Any], file: str, default_theta: float,

@@ -37,9 +37,15 @@ import torch
 from ..config.layers import gated_delta_dims
 
 QWEN3_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
-# config.json keys transformers' Qwen3.5-MoE reads in no code (module docstring)
+# config.json keys transformers' Qwen3.5-MoE reads in no code (module docstring; the
+# multi-token prediction layers' sizes too: no transformers model builds them)
 QWEN3_5_MOE_INERT = ("intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-                     "norm_topk_prob")
+                     "norm_topk_prob", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")
+# The released folders' multi-token prediction layers (mtp.*): transformers' causal LMs
+# drop them on loading (_keys_to_ignore_on_load_unexpected), and so does the import, saying
+# so in its start-up line; the export writes none.
+MTP_PREFIX = "mtp."
+MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 # the folder's fused Gated DeltaNet projection -> ctxpar's two parts, in its row order
 FUSED = {"linear_attn.in_proj_qkvz.weight": ("linear_attn.in_proj_qkv.weight",
                                              "linear_attn.in_proj_z.weight"),
@@ -65,6 +71,11 @@ def _sections(fused: str, dims: Dims) -> Tuple[int, ...]:
     hk, dk, hv, dv = dims
     r = hv // hk
     return (dk, dk, r * dv, r * dv) if fused.endswith("qkvz.weight") else (r, r)
+
+
+def left_out(key: str, model_type: Optional[str]) -> bool:
+    """A tensor the import leaves out: a multi-token prediction layer's."""
+    return model_type in MTP_MODEL_TYPES and key.startswith(MTP_PREFIX)
 
 
 def fused_source(key: str, model_type: Optional[str]) -> Optional[Tuple[str, int]]:

@@ -117,9 +117,15 @@ class WeightReader:
         return next((o for o in options if all(k in self._where for k in o)), options[0])
 
     def _kept(self, key: str) -> bool:
-        """Not a buffer, nor a tensor of what a multimodal folder leaves out."""
+        """Not a buffer, nor a tensor of what a multimodal folder leaves out, nor a
+        multi-token prediction layer's (qwen3_next.left_out)."""
         return not key.endswith(self.IGNORED) and not (
-            self.wrapper is not None and key.startswith(self.wrapper.left_out))
+            self.wrapper is not None and key.startswith(self.wrapper.left_out)) and \
+            not qwen3_next.left_out(key, self.model_type)
+
+    def left_out(self) -> list:
+        """The folder's multi-token prediction tensors, which the import leaves out."""
+        return sorted(k for k in self._where if qwen3_next.left_out(k, self.model_type))
 
     def get(self, gpt_name: str) -> torch.Tensor:
         key = self.key(gpt_name)
