@@ -719,7 +719,7 @@ def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
         torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe", "qwen3_next"])
 def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, family):
     import yaml
     from ctxpar.config import config_from_dict
@@ -732,8 +732,9 @@ def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, 
     if family == "gemma3_text":
         assert cfg.model.norm_offset == 1.0
     else:  # model.moe a section of its own; a router loss weight may differ from the folder's
-        assert cfg.model.moe == MoEConfig(8, 3, 32, [1], shared_expert_hidden=40,
-                                          shared_expert_gate=True, norm_topk=False,
+        assert cfg.model.moe == MoEConfig(8, 3, 32, [1] if family == "qwen2_moe" else None,
+                                          shared_expert_hidden=40, shared_expert_gate=True,
+                                          norm_topk=family == "qwen3_next",  # its default
                                           aux_loss_coef=0.02)
         cfg.model.moe.aux_loss_coef = 0.001
     fields = hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
