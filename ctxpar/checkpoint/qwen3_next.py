@@ -27,6 +27,8 @@ holds two, grouped by key head (transformers' fix_query_key_value_ordering):
 ctxpar's in_proj_qkv is [q (all heads) | k | v], in_proj_z, in_proj_b and in_proj_a by
 head (value head g r + j belongs to key head g, as both models repeat the keys): the
 import takes each part's rows out of the fused tensor, the export puts them back.
+Their released folders' multi-token prediction layers (mtp.*) are left out, as
+transformers' causal LMs drop them on loading; the start-up line says so.
 """
 from __future__ import annotations
 
