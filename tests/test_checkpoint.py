@@ -199,8 +199,8 @@ def test_universal_info_follows_the_tp_attributes():
     (["model.head_dim=7"], "model.head_dim=7 (model.head_dim or d_model/n_heads) must be even"),
     (["model.family=phi3"], "model.family='phi3' must be one of 'llama', 'qwen2', 'qwen3', "
                             "'mistral', 'gemma3_text', 'qwen3_5_text', 'nemotron_h', "
-                            "'olmo_hybrid', 'qwen3_moe', 'qwen2_moe', 'mixtral', 'gpt_oss' or "
-                            "null"),
+                            "'olmo_hybrid', 'qwen3_moe', 'qwen2_moe', 'mixtral', 'gpt_oss', "
+                            "'qwen3_next', 'qwen3_5_moe_text' or null"),
     (["model.norm=layernorm", "model.norm_offset=1"],
      "model.norm_offset=1.0 applies to RMSNorm, not model.norm='layernorm'"),
     (["model.rope_scaling={rope_type: linear}"],

@@ -304,7 +304,8 @@ def test_every_shipped_config_validates(path):
                                          ("extend_qwen3_5_9b_1m", 8_953_803_264),
                                          ("extend_nemotron_h_8b_32k", 8_100_852_736),
                                          ("extend_qwen3_30b_a3b_128k", 30_532_122_624),
-                                         ("extend_gpt_oss_20b_512k", 20_914_757_184)])
+                                         ("extend_gpt_oss_20b_512k", 20_914_757_184),
+                                         ("extend_qwen3_next_80b_a3b_1m", 79_674_391_296)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch
@@ -313,9 +314,12 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), check_paths=False)
     model = GPT(cfg.model, device=torch.device("meta"))
     assert sum(p.numel() for p in model.parameters()) == params
-    if cfg.model.moe is not None:  # 8 of Qwen3-30B-A3B's 128 experts, 4 of gpt-oss-20b's 32
+    if cfg.model.moe is not None:  # 8 of Qwen3-30B-A3B's 128 experts, 4 of gpt-oss-20b's 32,
+        # 10 of Qwen3-Next-80B-A3B's 512
         assert active_parameters(cfg.model) == {"extend_qwen3_30b_a3b_128k": 3_353_032_704,
-                                                "extend_gpt_oss_20b_512k": 4_187_440_704}[name]
+                                                "extend_gpt_oss_20b_512k": 4_187_440_704,
+                                                "extend_qwen3_next_80b_a3b_1m":
+                                                3_874_929_408}[name]
 
 
 def test_run_dir_that_cannot_be_created_is_a_config_error(tmp_path):

@@ -31,7 +31,8 @@ pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
                           GptOssConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MixtralConfig, NemotronHConfig, OlmoHybridConfig, Qwen2Config,
-                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3_5TextConfig)
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 
 from ctxpar.checkpoint import CheckpointError, hf, read_manifest  # noqa: E402
 from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
@@ -67,6 +68,9 @@ def tiny_llama(path, tied=True, rope_scaling=None, **overrides):
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+QWEN3_5_LAYERS = dict(layer_types=["linear_attention", "full_attention"],
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=6)
 # The families at the size of the tests: GQA, head_dim 24 (not hidden/heads = 16), and
 # each family's own fields (Mistral without a window; Gemma 3 with every layer full
 # attention: its sliding layers arrive with model.layer_types).
@@ -82,10 +86,7 @@ FAMILY_CONFIGS = {
                                            query_pre_attn_scalar=20)),
     # Gated DeltaNet then gated full attention with RoPE on a quarter of each head
     # (transformers' default); value heads twice the key heads, as Qwen3.5's
-    "qwen3_5_text": (Qwen3_5TextConfig, dict(layer_types=["linear_attention",
-                                                          "full_attention"],
-                                             linear_num_key_heads=2, linear_num_value_heads=4,
-                                             linear_key_head_dim=8, linear_value_head_dim=6)),
+    "qwen3_5_text": (Qwen3_5TextConfig, dict(QWEN3_5_LAYERS)),
     # Mamba2, NoPE attention and squared-ReLU MLP blocks, one op each; two B/C groups
     "nemotron_h": (NemotronHConfig, dict(layers_block_type=["mamba", "attention", "mlp",
                                                             "mamba"],
@@ -137,6 +138,20 @@ FAMILY_CONFIGS = {
                                                     "beta_slow": 1.0, "truncate": False,
                                                     "rope_theta": 150000.0},
                                    output_router_logits=True, router_aux_loss_coef=0.02)),
+    # Qwen3.5's layers with 8 experts and a gated shared expert (Qwen3-Next's Gated
+    # DeltaNet projections fused by key head); Qwen3.5-MoE's intermediate_size is
+    # written (SMALL's) and read by nothing
+    "qwen3_next": (Qwen3NextConfig, dict(**QWEN3_5_LAYERS, num_experts=8,
+                                         num_experts_per_tok=3, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=40,
+                                         output_router_logits=True,
+                                         router_aux_loss_coef=0.02)),
+    "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, dict(**QWEN3_5_LAYERS, num_experts=8,
+                                                    num_experts_per_tok=2,
+                                                    moe_intermediate_size=32,
+                                                    shared_expert_intermediate_size=40,
+                                                    output_router_logits=True,
+                                                    router_aux_loss_coef=0.02)),
 }
 
 
@@ -227,7 +242,8 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
                                          ("qwen3_5_text", False), ("nemotron_h", False),
                                          ("olmo_hybrid", False), ("qwen3_moe", False),
                                          ("qwen2_moe", True), ("mixtral", False),
-                                         ("gpt_oss", False), ("nemotron_h_moe", False)])
+                                         ("gpt_oss", False), ("nemotron_h_moe", False),
+                                         ("qwen3_next", False), ("qwen3_5_moe_text", True)])
 def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
     ref = tiny_family(tmp_path / family, family, tied)
     model = ctxpar_from(tmp_path / family)
@@ -319,16 +335,20 @@ def test_a_folder_relabelled_llama_is_refused(tmp_path, family, tensor):
         hf.WeightReader(str(tmp_path), m.tie_embeddings).check(m)
 
 
+SHARED_GATED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")  # a gated shared expert
+
+
 def family_json(family, **fields):
     """config.json of a small model of a family, as ctxpar exports it, fields changed."""
     moe = None if FAMILIES[family].moe_optional else FAMILIES[family].moe_fixed
     m = ModelConfig(vocab_size=96, d_model=64, n_heads=4, family=family,
                     **{k: v for k, v in FAMILIES[family].fixed.items()},
                     **({} if moe is None else {"moe": MoEConfig(num_experts=8, **moe, **(
-                        {"shared_expert_hidden": 32} if family == "qwen2_moe" else
+                        {"shared_expert_hidden": 32} if family in SHARED_GATED else
                         {"swiglu_limit": 7.0} if family == "gpt_oss" else {}))}),
                     **({"n_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
-                       if family in ("qwen3_5_text", "olmo_hybrid") else {}),
+                       if family in ("qwen3_5_text", "olmo_hybrid", *SHARED_GATED[1:])
+                       else {}),
                     **({"n_layers": 2, "layer_types": ["mamba", "attention"]}
                        if family == "nemotron_h" else {}))
     return {**hf.family_config(m), **fields}
@@ -432,6 +452,21 @@ def family_json(family, **fields):
     ("gpt_oss", "attention_bias", False, "attention_bias=False: ctxpar's gpt-oss has biases "
                                          "on q/k/v/o"),
     ("gpt_oss", "swiglu_limit", 0, "swiglu_limit=0: config.json must give it as a number > 0"),
+    # Qwen3-Next relabelled Qwen3.5 (its architecture; without it, its experts)
+    ("qwen3_next", "model_type", "qwen3_5_text", "architectures=['Qwen3NextForCausalLM']: "
+                                                 "ctxpar imports Qwen3_5ForCausalLM"),
+    ("qwen3_next", "model_type", "qwen3_5_text", "decoder_sparse_step=1: mixture of experts "
+                                                 "is not implemented by ctxpar"),
+    ("qwen3_next", "shared_expert_intermediate_size", 0, "shared_expert_intermediate_size=0: "
+                                                         "config.json must give it as an "
+                                                         "integer >= 1"),
+    ("qwen3_next", "use_sliding_window", True, "use_sliding_window=True: a config field "
+                                               "ctxpar does not know for model_type "
+                                               "'qwen3_next'"),
+    ("qwen3_5_moe_text", "num_experts_per_tok", 9, "num_experts_per_tok=9: more than "
+                                                   "num_experts=8"),
+    ("qwen3_5_moe_text", "attention_bias", True, "attention_bias=True: ctxpar has q/k/v "
+                                                 "biases without o_proj's"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -448,7 +483,8 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
         window = {"layers_block_type": ["mamba", "moe"],  # a MoE block, 4 experts (8 in 2
                   "n_routed_experts": 8 if field == "n_group" else 4}  # groups when grouped
     config = family_json(family, **{**window, field: value})
-    if "linear_conv_kernel_dim" in msg or "num_experts_per_tok=2" in msg:  # relabelled
+    if "linear_conv_kernel_dim" in msg or "num_experts_per_tok=2" in msg or \
+            "decoder_sparse_step=1" in msg:  # relabelled
         # whole: architectures too
         config["architectures"] = [FAMILIES[value].architecture]
     if "linear_allow_neg_eigval=False" in msg:
@@ -460,6 +496,9 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
         hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
     assert msg in str(e.value) and "config.json" in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
+
+
+QWEN3_5_FIXED = dict(qk_norm=True, norm_offset=1.0, attention_output_gate=True)
 
 
 def test_models_no_family_holds_are_refused_at_export():
@@ -479,6 +518,7 @@ def test_models_no_family_holds_are_refused_at_export():
                                      family="qwen3_5_text", qk_norm=True, norm_offset=1.0,
                                      attention_output_gate=True))
     moe = MoEConfig(num_experts=4, top_k=2)
+    gated = replace(moe, shared_expert_hidden=8, shared_expert_gate=True)
     for family, m, msg in [
         ("llama", {}, "model.moe is set: LlamaForCausalLM has no experts"),
         ("qwen2_moe", {"attention_bias": True}, "model.moe.shared_expert_gate=False cannot be "
@@ -501,13 +541,20 @@ def test_models_no_family_holds_are_refused_at_export():
                         "moe": replace(moe, score="sigmoid", score_correction_bias=True)},
          "model.moe.shared_expert_hidden=0 (Nemotron-H's MoE blocks always have a shared "
          "expert) cannot be exported as NemotronHForCausalLM"),
+        ("qwen3_5_moe_text", {"moe": replace(gated, layers=[1])}, "model.moe.layers=[1] "
+                                                                  "cannot be exported as "
+                                                                  "Qwen3_5MoeForCausalLM"),
+        ("qwen3_5_moe_text", {**QWEN3_5_FIXED, "ffn_hidden": 96, "moe": replace(
+            gated, expert_hidden=32)}, "model.ffn_hidden=96 with model.moe.expert_hidden=32 "
+                                       "(Qwen3.5-MoE has no dense MLP"),
     ]:
         with pytest.raises(CheckpointError, match=re.escape(msg)):
             hf.family_config(ModelConfig(**{"n_layers": 2, "moe": moe, "family": family, **m}))
     # a mixture of experts with q/k norms is a Qwen3-MoE, with a gated shared expert a
-    # Qwen2-MoE, else a Mixtral
-    for m, family in [({"qk_norm": True}, "qwen3_moe"), ({"attention_bias": True, "moe": replace(
-            moe, shared_expert_hidden=8, shared_expert_gate=True)}, "qwen2_moe"), ({}, "mixtral")]:
+    # Qwen2-MoE, with Qwen3.5's layers and that expert a Qwen3-Next, else a Mixtral
+    for m, family in [({"qk_norm": True}, "qwen3_moe"), ({"attention_bias": True, "moe": gated},
+                                                        "qwen2_moe"),
+                      ({**QWEN3_5_FIXED, "moe": gated}, "qwen3_next"), ({}, "mixtral")]:
         assert hf.family_config(ModelConfig(**{"moe": moe, **m}))["model_type"] == family
     # a plain GPT is a Llama; q/k/v biases make it a Qwen2, q/k norms a Qwen3, gated
     # attention with (1 + w) norms a Qwen3.5
@@ -641,6 +688,56 @@ def test_nemotron_h_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path
             hf.WeightReader(str(tmp_path), False, "nemotron_h").check(m)
 
 
+@pytest.mark.quick
+def test_qwen3_next_projections_are_read_by_key_head_and_a_relabelled_folder_refused(tmp_path):
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba (grouped by key head, 3 value heads a key
+    head here) give, through ctxpar's parts, the q, k, v, z, b, a transformers'
+    fix_query_key_value_ordering takes out of them, and fuse back bit for bit; a
+    Qwen3.5-MoE folder (the same config keys, Qwen3.5's four projections) relabelled
+    Qwen3-Next is refused by its first missing fused tensor. The released folders'
+    multi-token prediction layers (mtp.*) are left out, as transformers drops them, and
+    the start-up line says so."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+    from ctxpar.checkpoint import qwen3_next
+    cfg = Qwen3NextConfig(**{**SMALL, **FAMILY_CONFIGS["qwen3_next"][1],
+                             "linear_num_value_heads": 6})
+    torch.manual_seed(0)
+    gdn = Qwen3NextGatedDeltaNet(cfg, 0)
+    dims = (2, 8, 6, 6)  # key heads, their dim, value heads, their dim
+    x = torch.randn(1, 5, 64)
+    q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+    qkvz, ba = gdn.in_proj_qkvz.weight.detach(), gdn.in_proj_ba.weight.detach()
+    parts = {name: qwen3_next.unfuse(f"linear_attn.{fused}.weight", w, i, dims)
+             for fused, w, names in (("in_proj_qkvz", qkvz, ("qkv", "z")),
+                                     ("in_proj_ba", ba, ("b", "a")))
+             for i, name in enumerate(names)}
+    got_q, got_k, got_v = (x @ parts["qkv"].T).split((16, 16, 36), dim=-1)
+    for got, want in ((got_q, q), (got_k, k), (got_v, v), (x @ parts["z"].T, z),
+                      (x @ parts["b"].T, b), (x @ parts["a"].T, a)):
+        torch.testing.assert_close(got, want.reshape(got.shape), rtol=0, atol=1e-6)
+    assert torch.equal(qwen3_next.fuse("in_proj_qkvz.weight", [parts["qkv"], parts["z"]],
+                                       dims), qkvz)
+    assert torch.equal(qwen3_next.fuse("in_proj_ba.weight", [parts["b"], parts["a"]], dims), ba)
+    ref = tiny_family(tmp_path / "next", "qwen3_next", tied=False)
+    rewrite_weights(tmp_path / "next", lambda t: t.update(
+        {"mtp.fc.weight": torch.ones(64, 128), "mtp.norm.weight": torch.ones(64)}))
+    tokens = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # every other tensor used (ctxpar_from), the same model
+        torch.testing.assert_close(ctxpar_from(tmp_path / "next")(tokens, torch.arange(16)),
+                                   ref(tokens).logits, **TOL)
+    assert hf.left_out(str(tmp_path / "next")) == (
+        "its causal LM; left out: the multi-token prediction layers (2 tensors mtp.*, which "
+        "transformers drops too)")
+    tiny_family(tmp_path, "qwen3_5_moe_text", tied=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}))
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))
+    with pytest.raises(CheckpointError, match=r"no tensor 'model.layers.0.linear_attn."
+                                              r"in_proj_qkvz.weight'"):
+        hf.WeightReader(str(tmp_path), False).check(m)
+
+
 def quantize_mxfp4(w):
     """An expert tensor (E, C, R) as gpt-oss's MXFP4 folders hold it, by the format's rules
     (OCP microscaling): along C, blocks of 32 e2m1 values (the nearest of FP4_VALUES) with
@@ -709,7 +806,7 @@ def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
         torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe", "qwen3_next"])
 def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, family):
     import yaml
     from ctxpar.config import config_from_dict
@@ -722,8 +819,9 @@ def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, 
     if family == "gemma3_text":
         assert cfg.model.norm_offset == 1.0
     else:  # model.moe a section of its own; a router loss weight may differ from the folder's
-        assert cfg.model.moe == MoEConfig(8, 3, 32, [1], shared_expert_hidden=40,
-                                          shared_expert_gate=True, norm_topk=False,
+        assert cfg.model.moe == MoEConfig(8, 3, 32, [1] if family == "qwen2_moe" else None,
+                                          shared_expert_hidden=40, shared_expert_gate=True,
+                                          norm_topk=family == "qwen3_next",  # its default
                                           aux_loss_coef=0.02)
         cfg.model.moe.aux_loss_coef = 0.001
     fields = hf.model_fields(hf.read_config(tmp_path), str(tmp_path))
@@ -914,7 +1012,8 @@ def test_train_py_from_a_qwen2_folder_and_back(tmp_path):
 @pytest.mark.parametrize("problem", ["a config field", "untied without lm_head",
                                      "a shard named in the index but absent",
                                      "a family that cannot hold the model",
-                                     "a mixture of experts relabelled dense"])
+                                     "a mixture of experts relabelled dense",
+                                     "a Qwen3.5-MoE folder relabelled Qwen3-Next"])
 def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, problem):
     """One line and exit 2 from check_inputs, before any process group or model exists
     (one process: under torchrun the first rank's exit makes the launcher stop the others,
@@ -937,6 +1036,14 @@ def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, pro
         (tmp_path / "llama" / "config.json").write_text(json.dumps(
             {**config, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
         msg = "num_experts_per_tok=2: mixture of experts is not implemented by ctxpar"
+    elif problem == "a Qwen3.5-MoE folder relabelled Qwen3-Next":  # every config key
+        # Qwen3-Next's: its Gated DeltaNet's four projections are not Qwen3-Next's two
+        tiny_family(tmp_path / "llama", "qwen3_5_moe_text", tied=False,
+                    **HYBRID_MOE["qwen3_5_moe_text"])
+        config = json.loads((tmp_path / "llama" / "config.json").read_text())
+        (tmp_path / "llama" / "config.json").write_text(json.dumps(
+            {**config, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}))
+        msg = "no tensor 'model.layers.0.linear_attn.in_proj_qkvz.weight'"
     else:
         tiny_family(tmp_path / "llama", "llama", tied=False, vocab_size=256,
                     intermediate_size=192, head_dim=16)
@@ -944,7 +1051,9 @@ def test_train_py_refuses_an_unrepresentable_init_from_with_exit_2(tmp_path, pro
         change(tmp_path / "llama")
     proc = run_train(str(tmp_path / "run"), 1, [
         "parallel.cp=1", "parallel.dp=1", f"model.init_from={tmp_path / 'llama'}",
-        "model.tie_embeddings=false", "model.ffn_hidden=192"], check=False, timeout=120)
+        "model.tie_embeddings=false", "model.ffn_hidden=192",
+        *(folder_sets(tmp_path / "llama") if "Qwen3-Next" in problem else [])],
+        check=False, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert msg in lines[0], lines[0]
@@ -1115,6 +1224,12 @@ HYBRID_LAYOUTS = {
     "cp2-zigzag-ep2": ["parallel.cp=2", "parallel.layout=zigzag", "parallel.ep=2"],
 }
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIGS' sizes
+# Qwen3.5's layers with experts: Gated DeltaNet around a gated full-attention layer, a
+# dense layer between Qwen3-Next's MoE ones (mlp_only_layers; Qwen3.5-MoE's are all MoE)
+HYBRID_MOE = {family: dict(vocab_size=256, intermediate_size=192, num_hidden_layers=4,
+                           layer_types=HYBRIDS["qwen3_5_text"]["layer_types"],
+                           **({"mlp_only_layers": [2]} if family == "qwen3_next" else {}))
+              for family in ("qwen3_next", "qwen3_5_moe_text")}
 # the hybrids on every layout their linear layers run on; the mixtures of experts at
 # cp2 x ep2 (generate.py too) and tp2 x cp2, and cp2 x pp2 for two of them (the same
 # MoE layer in every family: Qwen3-MoE's, and gpt-oss's with its biases and sinks)
@@ -1124,7 +1239,12 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # Nemotron 3: Mamba2, attention, MLP and MoE blocks (its routers' correction biases
     # loaded into, and exported from, every layout: the pipeline's per-layer files too)
     ("nemotron_h_moe", layout) for layout in ("cp2-state-zigzag", "cp2-zigzag-ep2", "tp2-cp2",
-                                              "cp2-pp2")]
+                                              "cp2-pp2")] + [
+    # Qwen3-Next on the layouts, Qwen3.5-MoE at cp2 x ep2: the two share every layer's code
+    # (models/gated_delta.py, models/moe.py) and differ in their folders' tensors and keys
+    # only, which one run exercises
+    ("qwen3_next", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
+    ("qwen3_5_moe_text", "cp2-zigzag-ep2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
@@ -1140,10 +1260,10 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     experts' widths gathered over TP) and cp2 x pp2 (the routers' statistics across the
     stages), their step-1 loss with transformers' load-balancing loss."""
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
-    ref = tiny_family(folder, family, tied=False,
-                      **HYBRIDS.get(family, dict(vocab_size=256, intermediate_size=192)))
-    if family in MOE_FAMILIES:  # the whole batch in one micro-batch, as transformers'
-        # load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
+    ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(
+        family, HYBRID_MOE.get(family, dict(vocab_size=256, intermediate_size=192))))
+    if family in MOE_FAMILIES or family in HYBRID_MOE:  # the whole batch in one
+        # micro-batch, as transformers' load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
         # rank, models/moe_steps.py)
         sets = [*sets, "train.micro_batch_size=16"]
     tok = save_word_tokenizer(folder)
@@ -1168,7 +1288,7 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
         return  # one export is enough for the layouts that split the model's tensors
     exported, back = export_and_reload(run, tmp_path / "exported")
     assert type(exported) is type(ref)
-    if family in HYBRIDS or family == "nemotron_h_moe":
+    if family in HYBRIDS or family in HYBRID_MOE or family == "nemotron_h_moe":
         assert exported.config.layer_types == ref.config.layer_types
     # one warm-up step moves a weight by at most lr_1 = 3e-3 / 20 (Adam's first step is
     # lr x sign): a fused [q | k | v] or [z | ...] gathered in the wrong order over TP or
@@ -1189,7 +1309,8 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
                                   f"data.tokenizer={folder / 'tokenizer.json'}",
                                   *folder_sets(folder)])
         assert_first_loss_is_the_references(again, exported)
-    if extend or layout == "cp2-zigzag-ep2":  # generate.py at cp2: transformers' greedy
+    if extend or layout == "cp2-zigzag-ep2" and family != "qwen3_5_moe_text":  # generate.py
+        # at cp2: transformers' greedy (Qwen3.5-MoE's layers are Qwen3-Next's: one is enough)
         prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": ROOT}
@@ -1202,20 +1323,25 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
         greedy_continuations_agree(rows, exported, tok, 6)
 
 
-def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path):
-    """Qwen3.5's released folders are Qwen3_5ForConditionalGeneration (model_type qwen3_5:
-    a text_config, a vision tower): ctxpar imports the language model, its logits on text
-    equal the whole model's, and says what it left out; a field it does not know at the
-    top level is refused by name."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    text = {**SMALL, **FAMILY_CONFIGS["qwen3_5_text"][1]}
+@pytest.mark.parametrize("wrapper,family", [("qwen3_5", "qwen3_5_text"),
+                                            ("qwen3_5_moe", "qwen3_5_moe_text")])
+def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path, wrapper, family):
+    """Qwen3.5's and Qwen3.5-MoE's released folders are *ForConditionalGeneration
+    (model_type qwen3_5 / qwen3_5_moe: a text_config, a vision tower; the experts per
+    expert under model.language_model.): ctxpar imports the language model, its logits on
+    text equal the whole model's, and says what it left out; a field it does not know at
+    the top level is refused by name."""
+    import transformers
+    name = "Qwen3_5" if wrapper == "qwen3_5" else "Qwen3_5Moe"
+    text = {**SMALL, **FAMILY_CONFIGS[family][1]}
     torch.manual_seed(0)
-    ref = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+    ref = getattr(transformers, f"{name}ForConditionalGeneration")(getattr(
+        transformers, f"{name}Config")(
         text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
                                              num_heads=2, out_hidden_size=64))).float().eval()
     ref.save_pretrained(tmp_path)
     model = ctxpar_from(tmp_path)  # every language-model tensor used, none left
-    assert model.cfg.family == "qwen3_5_text" and model.cfg.partial_rotary_factor == 0.25
+    assert model.cfg.family == family and model.cfg.partial_rotary_factor == 0.25
     tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens, torch.arange(48)), ref(tokens).logits, **TOL)
@@ -1223,8 +1349,8 @@ def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path):
                                           "(vision_config, model.visual.*)")
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "audio_config": {}}))
-    with pytest.raises(CheckpointError, match=r"audio_config=\{\}: a config field ctxpar "
-                                              r"does not know for model_type 'qwen3_5'"):
+    with pytest.raises(CheckpointError, match=rf"audio_config=\{{\}}: a config field ctxpar "
+                                              rf"does not know for model_type '{wrapper}'"):
         hf.read_config(str(tmp_path))
 
 

@@ -39,6 +39,12 @@ rest read from config.json:
                                        layer with a router bias, expert biases and the
                                        clamped SwiGLU; layer_types of sliding and full;
                                        MXFP4 experts dequantized (moe_families.py)
+    qwen3_next    Qwen3NextForCausalLM qwen3_5_text's layers, with model.moe and its shared
+                                       expert behind a sigmoid gate (qwen2_moe's); its
+                                       Gated DeltaNet's projections fused by key head
+                                       (qwen3_next.py)
+    qwen3_5_moe_text Qwen3_5MoeForCausalLM  qwen3_5_text's layers, with model.moe on every
+                                       layer, the top-k normalised, a gated shared expert
     (qwen2 and qwen3 read their sliding layers too: use_sliding_window,
     max_window_layers, layer_types)
 
@@ -57,6 +63,7 @@ from .linear_families import LINEAR_ATTENTION_KEYS, NEMOTRON_ALIASES, NEMOTRON_M
 from .moe_families import MOE_KEYS
 from .nemotron_moe import NEMOTRON_MOE_FIXED, NEMOTRON_MOE_INERT, NEMOTRON_MOE_KEYS
 from .olmo_hybrid import INIT_KEYS, NEG_EIGVAL
+from .qwen3_next import QWEN3_5_MOE_INERT
 
 # model.* fields a family fixes (Llama leaves bias free), so the family of a ModelConfig
 # is the first whose fixed values it has.
@@ -117,6 +124,10 @@ class Family:
     moe_optional: bool = False
 
 
+# Qwen3.5's layers: (1 + w) norms, q/k norms, the attention's sigmoid output gate
+_QWEN3_5_FIXED = {**ARCH_DEFAULTS, "norm_offset": 1.0, "qk_norm": True,
+                  "attention_output_gate": True}
+
 FAMILIES: Dict[str, Family] = {
     "llama": Family(
         "LlamaForCausalLM", {k: v for k, v in ARCH_DEFAULTS.items() if k != "bias"},
@@ -143,8 +154,7 @@ FAMILIES: Dict[str, Family] = {
         own=("query_pre_attn_scalar", "sliding_window", "layer_types", "rope_local_base_freq",
              "hidden_act", "sliding_window_pattern", "_sliding_window_pattern")),
     "qwen3_5_text": Family(
-        "Qwen3_5ForCausalLM", {**ARCH_DEFAULTS, "norm_offset": 1.0, "qk_norm": True,
-                               "attention_output_gate": True},
+        "Qwen3_5ForCausalLM", dict(_QWEN3_5_FIXED),
         ("hidden_act", "silu"),
         neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
                                            "biases on every layer (MLP too)")},
@@ -219,6 +229,22 @@ FAMILIES: Dict[str, Family] = {
         inert=("experts_per_token", "initial_context_length"),
         moe_fixed={"shared_expert_hidden": 0, "norm_topk": True, "layers": None,
                    "router_bias": True, "expert_bias": True}),
+    # Qwen3.5's layers with Qwen2-MoE's experts (qwen3_next.py)
+    "qwen3_next": Family(
+        "Qwen3NextForCausalLM", dict(_QWEN3_5_FIXED), ("hidden_act", "silu"),
+        neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
+                                           "biases on every layer (MLP too)")},
+        own=("layer_types", "full_attention_interval", *LINEAR_ATTENTION_KEYS,
+             *MOE_KEYS["qwen3_next"]),
+        moe_fixed={"shared_expert_gate": True}),
+    "qwen3_5_moe_text": Family(
+        "Qwen3_5MoeForCausalLM", dict(_QWEN3_5_FIXED), ("hidden_act", "silu"),
+        neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
+                                           "biases on every layer (MLP too)")},
+        own=("layer_types", "full_attention_interval", *LINEAR_ATTENTION_KEYS,
+             *MOE_KEYS["qwen3_5_moe_text"]),
+        inert=QWEN3_5_MOE_INERT,
+        moe_fixed={"shared_expert_gate": True, "norm_topk": True, "layers": None}),
 }
 assert tuple(FAMILIES) == HF_FAMILIES, "config.sections.HF_FAMILIES names the same families"
 
@@ -241,6 +267,10 @@ WRAPPERS: Dict[str, Wrapper] = {
                        "the vision tower (vision_config, model.visual.*)",
                        ("vision_config", "image_token_id", "video_token_id",
                         "vision_start_token_id", "vision_end_token_id")),
+    "qwen3_5_moe": Wrapper("qwen3_5_moe_text", "model.language_model.", ("model.visual.",),
+                           "the vision tower (vision_config, model.visual.*)",
+                           ("vision_config", "image_token_id", "video_token_id",
+                            "vision_start_token_id", "vision_end_token_id")),
 }
 
 

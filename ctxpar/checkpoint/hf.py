@@ -41,6 +41,8 @@ from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, hybrid_family
 from .moe_families import MOE_FAMILIES, moe_config, moe_fields, per_expert_tensors
 from .names import to_hf
 from .olmo_hybrid import olmo_hybrid_config, olmo_hybrid_fields, saved_tensors
+from . import qwen3_next
+from .qwen3_next import QWEN3_NEXT_FAMILIES
 from .resume import CheckpointError
 from .weight_reader import (CONFIG, DTYPES, WEIGHTS, WEIGHTS_INDEX, WeightReader,  # noqa: F401
                             is_hf_folder, read_raw_config, router_buffer_names)
@@ -131,6 +133,10 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
                        sliding_window=m.sliding_window if sliding else None)
     if name in ("nemotron_h", "qwen3_5_text"):  # the hybrids' layers (linear_families.py)
         hybrid_family_config(cfg, m, name, types)
+    if name in QWEN3_NEXT_FAMILIES:  # Qwen3.5's layers with experts (qwen3_next.py)
+        hybrid_family_config(cfg, m, "qwen3_5_text", types)
+        if name == "qwen3_5_moe_text":
+            qwen3_next.hybrid_moe_config(cfg, m, lambda what: _refuse_export(what, fam))
     if name == "olmo_hybrid":  # its layers and RoPE or NoPE (olmo_hybrid.py)
         del cfg["rope_theta"], cfg["rope_scaling"]
         cfg.update(olmo_hybrid_config(m, types))
@@ -153,6 +159,10 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
                                         **local_scaling, "rope_theta": float(local.get(
                                             "rope_theta", m.rope_theta))}})
     return cfg
+
+
+def _refuse_export(what: str, fam) -> None:
+    raise CheckpointError(f"{what} cannot be exported as {fam.architecture}")
 
 
 def _check_moe_held(m, name: str) -> None:
@@ -181,7 +191,8 @@ def _exported_layer_types(m, name: str, architecture: str) -> list:
         raise CheckpointError(f"{what} cannot be exported as {architecture}")
     if m.attention_sinks and name != "gpt_oss":
         refuse("model.attention_sinks=true")
-    if name in ("qwen3_5_text", "olmo_hybrid"):  # Gated DeltaNet and full attention only
+    if name in ("qwen3_5_text", "olmo_hybrid", *QWEN3_NEXT_FAMILIES):  # Gated DeltaNet
+        # and full attention only
         if set(types) - set(HYBRID_LAYER_TYPES) or (
                 name == "olmo_hybrid" and set(types) != set(HYBRID_LAYER_TYPES)):
             refuse(f"model.layer_types={types} ({architecture[:-len('ForCausalLM')]} has "
@@ -249,10 +260,18 @@ def read_config(path: str) -> Dict[str, Any]:
 
 
 def left_out(path: str) -> Optional[str]:
-    """What a multimodal folder holds besides the language model ctxpar imports (None:
+    """What a folder holds besides the causal LM ctxpar imports: a multimodal folder's
+    vision tower, Qwen3-Next's and Qwen3.5-MoE's multi-token prediction layers (None:
     nothing)."""
     wrapper = WRAPPERS.get(read_raw_config(path).get("model_type"))
-    return None if wrapper is None else f"its language model; left out: {wrapper.what}"
+    what = [] if wrapper is None else [wrapper.what]
+    mtp = WeightReader(path, False).left_out()
+    if mtp:
+        what.append(f"the multi-token prediction layers ({len(mtp)} tensors "
+                    f"{qwen3_next.MTP_PREFIX}*, which transformers drops too)")
+    if not what:
+        return None
+    return f"its {'language model' if wrapper else 'causal LM'}; left out: {' and '.join(what)}"
 
 
 def _rope(hf: Dict[str, Any], file: str, default_theta: float,
@@ -418,11 +437,14 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
                                              "quantization is implemented by ctxpar")
     if name == "nemotron_h":  # its layer count is its blocks'
         hf = {**hf, "num_hidden_layers": len(nemotron_block_types(hf, refuse))}
+    if name == "qwen3_5_moe_text":  # no dense MLP: ffn_hidden is the experts' width
+        hf = qwen3_next.moe_text_fields(hf)
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size"):
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
             refuse(key, hf.get(key), "config.json must give it as an integer")
-    if name == "qwen3_5_text":  # Gated DeltaNet layers; the attention layers' partial RoPE
+    if name in ("qwen3_5_text", *QWEN3_NEXT_FAMILIES):  # Gated DeltaNet layers; the
+        # attention layers' partial RoPE
         kinds = linear_attention_fields(hf, refuse)
         hf, kinds["partial_rotary_factor"] = qwen3_5_rope(hf)
     elif name == "nemotron_h":  # Mamba2, attention and MLP blocks
@@ -526,6 +548,8 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
         for k, part in (saved_tensors(key, t, m) if naming == "olmo_hybrid" else [(key, t)]):
             for k2, v in per_expert_tensors(k, part.to(dtype), cfg["model_type"]):
                 tensors[k2] = v.contiguous()
+    if cfg["model_type"] == "qwen3_next":  # its Gated DeltaNet's projections fused
+        tensors = qwen3_next.saved_tensors(tensors, m)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as f:

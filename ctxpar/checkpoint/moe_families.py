@@ -1,5 +1,6 @@
 """The mixture-of-experts families in config.json and safetensors: Qwen3-MoE, Qwen2-MoE,
-Mixtral, gpt-oss (model.moe, models/moe.py).
+Mixtral, gpt-oss, and the experts of Qwen3-Next and Qwen3.5-MoE (model.moe, models/moe.py;
+their other keys in qwen3_next.py).
 
     config.json                          ctxpar model.moe.*
     num_experts (num_local_experts)      num_experts
@@ -23,7 +24,8 @@ transformers 5.x holds each layer's experts fused
 (E, d, f)), as ctxpar does, but its save_pretrained writes them per expert, as the
 released folders hold them (its conversion_mapping.py reads both):
 
-    Qwen2-MoE, Qwen3-MoE   mlp.experts.{j}.gate_proj / up_proj / down_proj.weight
+    Qwen2-MoE, Qwen3-MoE,  mlp.experts.{j}.gate_proj / up_proj / down_proj.weight
+    Qwen3-Next, Qwen3.5-MoE  (a multimodal Qwen3.5-MoE's under model.language_model.)
     Mixtral                block_sparse_moe.experts.{j}.w1 (gate) / w3 (up) / w2 (down)
                            .weight, block_sparse_moe.gate.weight (the router)
 
@@ -39,7 +41,8 @@ import torch
 
 from ..config.moe import MoEConfig, moe_layer_indices
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "qwen3_next",
+                "qwen3_5_moe_text")  # the last two: Qwen3.5's layers (qwen3_next.py)
 # config.json keys each MoE family reads here
 MOE_KEYS = {
     "qwen3_moe": ("num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
@@ -50,6 +53,10 @@ MOE_KEYS = {
 }
 MOE_KEYS["qwen2_moe"] = MOE_KEYS["qwen3_moe"] + ("shared_expert_intermediate_size",)
 MOE_KEYS["gpt_oss"] = MOE_KEYS["mixtral"] + ("swiglu_limit", "swiglu_alpha")
+MOE_KEYS["qwen3_next"] = MOE_KEYS["qwen2_moe"]
+MOE_KEYS["qwen3_5_moe_text"] = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                "shared_expert_intermediate_size", "router_aux_loss_coef",
+                                "output_router_logits")
 DEFAULTS = {  # the config classes' defaults in transformers 5.x
     "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, norm_topk_prob=False,
                       moe_intermediate_size=768, router_aux_loss_coef=0.001),
@@ -59,6 +66,12 @@ DEFAULTS = {  # the config classes' defaults in transformers 5.x
     "mixtral": dict(num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
     "gpt_oss": dict(num_experts=128, num_experts_per_tok=4, router_aux_loss_coef=0.001,
                     swiglu_limit=7.0, swiglu_alpha=1.702),
+    "qwen3_next": dict(num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
+                       moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                       router_aux_loss_coef=0.001),
+    "qwen3_5_moe_text": dict(num_experts=256, num_experts_per_tok=8, norm_topk_prob=True,
+                             moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                             router_aux_loss_coef=0.001),
 }
 
 
@@ -94,16 +107,18 @@ def moe_fields(hf: Dict[str, Any], name: str, refuse: Callable) -> MoEConfig:
     if name == "mixtral":  # every layer, its experts intermediate_size wide, normalised
         return MoEConfig(num_experts=e, top_k=k, expert_hidden=hf["intermediate_size"],
                          norm_topk=True, aux_loss_coef=_aux(hf, d, refuse))
-    step = _integer(hf, "decoder_sparse_step", 1, refuse)
-    dense = hf.get("mlp_only_layers") or []
+    step = _integer(hf, "decoder_sparse_step", 1, refuse) if name != "qwen3_5_moe_text" else 1
+    dense = (hf.get("mlp_only_layers") or []) if name != "qwen3_5_moe_text" else []
     if not isinstance(dense, list) or any(not isinstance(i, int) for i in dense):
         refuse("mlp_only_layers", dense, "a list of layer indices")
     layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    norm = hf.get("norm_topk_prob", d["norm_topk_prob"])
+    # Qwen3.5-MoE: every layer sparse, its top-k always normalised (qwen3_next.py)
+    norm = hf.get("norm_topk_prob", d["norm_topk_prob"]) if name != "qwen3_5_moe_text" \
+        else True
     if not isinstance(norm, bool):
         refuse("norm_topk_prob", norm, "config.json must give it as a boolean")
     shared = 0
-    if name == "qwen2_moe":
+    if name in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
         shared = _integer(hf, "shared_expert_intermediate_size",
                           d["shared_expert_intermediate_size"], refuse)
     return MoEConfig(num_experts=e, top_k=k, norm_topk=norm,
@@ -156,11 +171,12 @@ def moe_config(m, name: str, refuse: Callable,
             refuse(f"model.moe={moe} (Mixtral's experts are on every layer, "
                    f"model.ffn_hidden wide, their top-k weights normalised)")
         return {**cfg, "num_local_experts": moe.num_experts, "router_jitter_noise": 0.0}
-    every = moe_layer_indices(moe, m.n_layers)
-    cfg.update(num_experts=moe.num_experts, moe_intermediate_size=f,
-               norm_topk_prob=moe.norm_topk, decoder_sparse_step=1,
-               mlp_only_layers=[i for i in range(m.n_layers) if i not in every])
-    if name == "qwen2_moe":
+    cfg.update(num_experts=moe.num_experts, moe_intermediate_size=f)
+    if name != "qwen3_5_moe_text":  # its layers all sparse, normalised (families.moe_fixed)
+        every = moe_layer_indices(moe, m.n_layers)
+        cfg.update(norm_topk_prob=moe.norm_topk, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(m.n_layers) if i not in every])
+    if name in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):  # the gated shared expert
         cfg["shared_expert_intermediate_size"] = moe.shared_expert_hidden
     return cfg
 
@@ -178,12 +194,15 @@ PER_EXPERT = {
     "nemotron": {"mixer.experts.up_proj": ("mixer.experts.{j}.up_proj.weight",),
                  "mixer.experts.down_proj": ("mixer.experts.{j}.down_proj.weight",)},
 }
-_LAYER = re.compile(r"^((?:model|backbone)\.layers\.\d+\.)(.+)$")
+# a layer's prefix: a causal LM's (Nemotron-H's backbone.), or a multimodal folder's
+# language model's (Qwen3.5-MoE)
+_LAYER = re.compile(r"^((?:model\.(?:language_model\.)?|backbone\.)layers\.\d+\.)(.+)$")
 
 
 def _naming(model_type: Optional[str]) -> Optional[str]:
     return "mixtral" if model_type == "mixtral" else \
-        "qwen" if model_type in ("qwen2_moe", "qwen3_moe") else \
+        "qwen" if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text",
+                                 "qwen3_5_moe") else \
         "nemotron" if model_type == "nemotron_h" else None
 
 

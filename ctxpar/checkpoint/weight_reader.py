@@ -2,7 +2,8 @@
 every family's layout of them (hf.py maps config.json; this reads the weights).
 
 A tensor may be stored whole under its transformers name (names.py), in parts
-(OLMo Hybrid's [q | k | v], olmo_hybrid.py), per expert (the mixtures of experts'
+(OLMo Hybrid's [q | k | v], olmo_hybrid.py), fused with another (Qwen3-Next's Gated
+DeltaNet projections, qwen3_next.py), per expert (the mixtures of experts'
 ``experts.N.*``, moe_families.py) or quantized (gpt-oss's MXFP4, dequantized as transformers
 does); ``check`` reads the headers alone and refuses, naming it, a missing, misshapen or
 unreadable tensor and one ctxpar would not use.
@@ -25,6 +26,7 @@ from .moe_families import (assemble, assembled_shape, dequantize_mxfp4, gpt_oss_
                            per_expert_sources)
 from .names import to_hf
 from .olmo_hybrid import part_rows, tensor_sources
+from . import qwen3_next
 from .resume import CheckpointError
 
 CONFIG = "config.json"
@@ -127,9 +129,15 @@ class WeightReader:
         return next((o for o in options if all(k in self._where for k in o)), options[0])
 
     def _kept(self, key: str) -> bool:
-        """Not a buffer, nor a tensor of what a multimodal folder leaves out."""
+        """Not a buffer, nor a tensor of what a multimodal folder leaves out, nor a
+        multi-token prediction layer's (qwen3_next.left_out)."""
         return not key.endswith(self.IGNORED) and not (
-            self.wrapper is not None and key.startswith(self.wrapper.left_out))
+            self.wrapper is not None and key.startswith(self.wrapper.left_out)) and \
+            not qwen3_next.left_out(key, self.model_type)
+
+    def left_out(self) -> list:
+        """The folder's multi-token prediction tensors, which the import leaves out."""
+        return sorted(k for k in self._where if qwen3_next.left_out(k, self.model_type))
 
     def get(self, gpt_name: str) -> torch.Tensor:
         key = self.key(gpt_name)
@@ -141,6 +149,14 @@ class WeightReader:
             self.used.update((blocks, scales))
             return gpt_oss_from_hf(key, dequantize_mxfp4(self._where[blocks].get_tensor(blocks),
                                                          self._where[scales].get_tensor(scales)))
+        split = qwen3_next.fused_source(key, self.model_type)
+        if split is not None:  # a part of Qwen3-Next's fused projection
+            fused, part = split
+            if fused not in self._where:
+                raise CheckpointError(f"{self.path}: no tensor {fused!r} (for {gpt_name})")
+            self.used.add(fused)
+            return qwen3_next.unfuse(fused, self._where[fused].get_tensor(fused), part,
+                                     self._split_dims())
         keys = self.sources(gpt_name)
         for k in keys:
             if k not in self._where:
@@ -161,6 +177,16 @@ class WeightReader:
             self.used.add(key)
             out[name] = self._where[key].get_tensor(key)
         return out
+
+    def _split_dims(self):
+        """The Gated DeltaNet's head counts and sizes, from config.json as hf.model_fields
+        reads them (transformers' defaults where it has none)."""
+        from .linear_families import linear_attention_fields
+
+        def refuse(key, value, why):
+            raise CheckpointError(f"{self.path}: {key}={value!r}: {why}")
+        return qwen3_next.dims_of(linear_attention_fields(read_raw_config(self.path),
+                                                          refuse))
 
     def unused(self) -> list:
         """Tensors of the folder no parameter took (tied lm_head copies and buffers aside)."""
@@ -200,6 +226,12 @@ class WeightReader:
             if key not in self._where and key in self._mxfp4:
                 taken.update(self._mxfp4[key])
                 self._check_mxfp4(key, spec)
+                continue
+            split = qwen3_next.fused_source(key, self.model_type)
+            if split is not None:  # the fused tensor's shape
+                fused = split[0]
+                want[fused] = qwen3_next.fused_shape(fused, qwen3_next.model_dims(m),
+                                                     m.d_model)
                 continue
             keys = self.sources(spec.name)
             if len(keys) == 1:

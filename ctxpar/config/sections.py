@@ -434,7 +434,7 @@ GATED_MLPS = ("swiglu", "geglu")
 # config.json model_types ctxpar imports and exports (ctxpar/checkpoint/families.py)
 HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_5_text",
                "nemotron_h", "olmo_hybrid", "qwen3_moe", "qwen2_moe", "mixtral",
-               "gpt_oss")  # gate_proj, up_proj, down_proj
+               "gpt_oss", "qwen3_next", "qwen3_5_moe_text")  # gate_proj, up_proj, down_proj
 
 
 # ---------------------------------------------------------------- fields left unset
