@@ -14,8 +14,9 @@ Top to bottom, in the processes the launcher gave:
      sample) and every linear mixer's (Gated DeltaNet, Mamba2: (T, d), complete over TP,
      gathered over CP) go to rank 0;
   3. the reference layout in the same processes: pp = 1, ep = 1, cp = --reference-cp
-     (default 1, the ring when above 1), the same tp, dp taking the ranks that frees; same init, same
-     samples, same DeepSpeed section; the same tensors, compared on rank 0 as they come;
+     (default 1, the ring when above 1), the same tp, dp taking the ranks that frees; same
+     init, same samples, same DeepSpeed section; the same tensors, compared on rank 0 as
+     they come;
   4. a table (the worst tensor of each kind; every tensor with --verbose) and one line;
      exit 0 when every tensor is within its budget, 1 naming the worst
      (ctxpar/components/parity.py; docs/parallelism.md, "Verify").
