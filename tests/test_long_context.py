@@ -162,12 +162,17 @@ def test_a_moe_checkpoint_answers_alike_at_cp1_and_cp2_ep2(tmp_path):
 
 @pytest.mark.quick
 def test_the_evaluation_grid_runs_experts_at_ep_1_unless_asked():
-    """A run trained at ep 2 evaluates on one rank (its ep need not fit the grid); --set
-    parallel.ep=2 splits the experts over the CP ranks."""
+    """A run trained at cp2 x ep2 evaluates on one rank (its ep need not fit the grid,
+    which refused it before); --set parallel.ep=2 splits the experts over 2 CP ranks."""
+    from ctxpar.config import config_from_dict
     from models.inference import layout_overrides
-    assert "parallel.ep=1" in layout_overrides([], 1)
-    sets = layout_overrides(["parallel.ep=2"], 2)
-    assert sets.index("parallel.ep=2") > sets.index("parallel.ep=1")  # the user's wins
+    run = {"model": {"seq_len": 256, "moe": {"num_experts": 4, "top_k": 2}},
+           "parallel": {"cp": 2, "dp": 1, "ep": 2},
+           "deepspeed": {"zero_optimization": {"stage": 1}}}
+    for world, sets, ep in ((1, [], 1), (2, [], 1), (2, ["parallel.ep=2"], 2)):
+        cfg = config_from_dict(run, overrides=layout_overrides(sets, world),
+                               world_size=world, training=False)
+        assert (cfg.parallel.cp, cfg.parallel.ep) == (world, ep)
 
 
 def test_loss_samples_from_documents_start_at_document_starts(tmp_path):
