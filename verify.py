@@ -13,9 +13,10 @@ Top to bottom, in the processes the launcher gave:
      every attention core's output (a hook, gathered over CP and TP to (T, heads, hd) per
      sample) and every linear mixer's (Gated DeltaNet, Mamba2: (T, d), complete over TP,
      gathered over CP) go to rank 0;
-  3. the reference layout in the same processes: pp = 1, cp = --reference-cp (default 1,
-     the ring when above 1), the same tp, dp taking the ranks that frees; same init, same
-     samples, same DeepSpeed section; the same tensors, compared on rank 0 as they come;
+  3. the reference layout in the same processes: pp = 1, ep = 1, cp = --reference-cp
+     (default 1, the ring when above 1), the same tp, dp taking the ranks that frees; same
+     init, same samples, same DeepSpeed section; the same tensors, compared on rank 0 as
+     they come;
   4. a table (the worst tensor of each kind; every tensor with --verbose) and one line;
      exit 0 when every tensor is within its budget, 1 naming the worst
      (ctxpar/components/parity.py; docs/parallelism.md, "Verify").
@@ -24,6 +25,7 @@ model.init_from is dropped (said so on rank 0): both runs start from the same ra
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import math
 import os
@@ -95,10 +97,13 @@ def check_inputs(args, world: int):
                  f"{args.reference_cp} does not divide the world size {world}")
         ref_dp = world // (tp * args.reference_cp)
         dp = dp_size(cfg, world)
-        sets.append(f"train.global_batch_size={micro * math.lcm(dp, ref_dp)}")
-        cfg = load_config(args.config, sets, world_size=world)
-        ref = load_config(args.config, sets + [
+        micro, ref_micro, batch = batch_sizes(cfg, micro, dp, ref_dp)
+        sets.append(f"train.global_batch_size={batch}")
+        cfg = load_config(args.config, sets + [f"train.micro_batch_size={micro}"],
+                          world_size=world)
+        ref = load_config(args.config, sets + [f"train.micro_batch_size={ref_micro}",
             f"parallel.cp={args.reference_cp}", "parallel.pp=1", f"parallel.dp={ref_dp}",
+            "parallel.ep=1",  # every expert on every rank: the full (E, ...) tensors
             "parallel.cp_comm=ring", "parallel.ulysses=null", "parallel.ring_grad_dtype=fp32"],
             world_size=world)
         if cfg.data.dynamic_cp:
@@ -111,6 +116,20 @@ def check_inputs(args, world: int):
     for line in data.warnings:
         warn(line)
     return cfg, ref, data, dropped
+
+
+def batch_sizes(cfg, micro: int, dp: int, ref_dp: int):
+    """(micro-batch, the reference's micro-batch, global batch): micro x lcm(dp, ref dp)
+    samples, each layout at the config's micro-batch size; but where the routers'
+    load-balancing loss is on (model.moe.aux_loss_coef), a product of two means over a
+    micro-batch's tokens on every DP x CP rank and so not additive over micro-batches,
+    both layouts take the same micro-batches: lcm(micro x dp, ref dp) samples, one
+    micro-batch a step in each (models/moe_steps.py)."""
+    moe = cfg.model.moe
+    if moe is None or not moe.aux_loss_coef:
+        return micro, micro, micro * math.lcm(dp, ref_dp)
+    batch = math.lcm(micro * dp, ref_dp)
+    return batch // dp, batch // ref_dp, batch
 
 
 def dp_size(cfg, world: int) -> int:
@@ -188,7 +207,9 @@ def named_parameters(module):
 
 def full_gradients(module, state, keep: bool) -> Dict[str, torch.Tensor]:
     """Every parameter's gradient as a full fp32 CPU tensor (ZeRO's partitions gathered,
-    then TP's shards); collective over dp x cp and TP. Returned only where keep."""
+    then TP's shards, then an expert tensor's E/ep experts over the EP group, in EP rank
+    order: the (E, ...) tensor); collective over dp x cp, TP and EP. Returned only where
+    keep."""
     from deepspeed.utils import safe_get_full_grad
 
     out = {}
@@ -196,7 +217,7 @@ def full_gradients(module, state, keep: bool) -> Dict[str, torch.Tensor]:
         g = safe_get_full_grad(p)
         g = torch.zeros(tuple(getattr(p, "ds_shape", p.shape)), device=p.device) \
             if g is None else g
-        full = gather_full_tensor(g, p, state.tp_group)
+        full = gather_full_tensor(g, p, state.tp_group, state.ep_group)
         if keep:
             out[name] = full.float().cpu()
     return out
@@ -232,6 +253,8 @@ def run_layout(cfg, data, device, n_steps: int,
                on_step: Callable[[int, dict], None]) -> None:
     """--steps optimizer steps of cfg's layout as train.py takes them; after each, rank 0
     gets on_step(step, {"loss": float, "grads": {name: full}, "attn": {(layer, id): full}})."""
+    data = copy.copy(data)  # the same sources, read at this layout's micro-batch size
+    data.cfg = cfg          # (batch_sizes: the two may differ)
     state = parallel_state(cfg)
     ds_config = deepspeed_config(cfg, state.dp_size)
     gas = ds_config["gradient_accumulation_steps"]
@@ -284,10 +307,12 @@ def compare_step(step: int, got: dict, want: dict, budget: Dict[str, float]) -> 
 
 
 def describe(cfg, world: int) -> str:
-    """'tp2 cp4 pp1 dp1, hybrid (ulysses 2), layout zigzag'."""
+    """'tp2 cp4 pp1 dp1, hybrid (ulysses 2), layout zigzag' (' ep2' after dp when ep > 1)."""
     p = cfg.parallel
     pattern = p.cp_comm + (f" (ulysses {ulysses_degree(p)})" if p.cp_comm == "hybrid" else "")
-    return f"tp{p.tp} cp{p.cp} pp{p.pp} dp{dp_size(cfg, world)}, {pattern}, layout {p.layout}"
+    ep = f" ep{p.ep}" if p.ep > 1 else ""
+    return (f"tp{p.tp} cp{p.cp} pp{p.pp} dp{dp_size(cfg, world)}{ep}, {pattern}, "
+            f"layout {p.layout}")
 
 
 def verify(args, world: int):

@@ -21,10 +21,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def layout_overrides(user_sets, world: int):
-    """The generation grid: tp (default 1) x cp (default world / tp), dp = pp = 1, then the
-    user's --set (which may name tp, cp, layout, attention_backend...). Prefill runs the
-    ring whatever parallel.cp_comm the run trained with (the weights do not depend on it,
-    and a hybrid or Ulysses degree need not fit this grid)."""
+    """The generation grid: tp (default 1) x cp (default world / tp), dp = pp = 1, ep 1
+    (every expert of a mixture of experts on every rank, whatever ep the run trained
+    with: its ep need not fit this grid), then the user's --set (which may name tp, cp,
+    ep, layout, attention_backend...). Prefill runs the ring whatever parallel.cp_comm the
+    run trained with (the weights do not depend on it, and a hybrid or Ulysses degree need
+    not fit this grid)."""
     given = dict(s.split("=", 1) for s in user_sets if "=" in s)
     for key in ("parallel.pp", "parallel.dp"):
         if given.get(key, "1") != "1":
@@ -33,18 +35,20 @@ def layout_overrides(user_sets, world: int):
     tp = given.get("parallel.tp", "1")
     tp = int(tp) if tp.isdigit() and int(tp) > 0 else 1  # a bad value: config load names it
     return [f"parallel.tp={tp}", f"parallel.cp={max(1, world // tp)}",
-            "parallel.pp=1", "parallel.dp=1"] + list(user_sets) + [
+            "parallel.pp=1", "parallel.dp=1", "parallel.ep=1"] + list(user_sets) + [
             "parallel.cp_comm=ring", "parallel.ulysses=null"]
 
 
 def start_model(cfg, files, dtype: str):
     """(model in eval mode with the checkpoint's weights, parallel state): the process
-    group and the tp x cp grid of cfg (pp = dp = 1), on this rank's device. A weights file
-    that does not fit the model exits 2 on every rank (the same files, the same verdict)."""
+    group and the tp x cp grid of cfg (pp = dp = 1), a mixture of experts' E/ep experts on
+    each rank of its EP group (parallel.ep, folded over the CP ranks), on this rank's
+    device. A weights file that does not fit the model exits 2 on every rank (the same
+    files, the same verdict)."""
     device = local_device()
     init_distributed(default_backend(device))
     state = init_parallel_state(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=1, dp=1,
-                                order=cfg.parallel.order)
+                                order=cfg.parallel.order, ep=cfg.parallel.ep)
     show_ctxpar_logs(dist.get_rank() == 0)  # e.g. the attention kernel 'auto' chose, and why
     model = GPT.from_config(cfg, state, device=device, dtype=DTYPES[dtype]).eval()
     try:

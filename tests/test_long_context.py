@@ -1,5 +1,6 @@
 """Long-context evaluation: the tasks (ctxpar/data/long_context.py) and their answers by
-CP generation (ctxpar/components/long_context.py), the same at cp 1, 2 and 3."""
+CP generation (ctxpar/components/long_context.py), the same at cp 1, 2 and 3, and on a
+mixture of experts' checkpoint at cp2 x ep2."""
 import pickle
 
 import pytest
@@ -106,6 +107,72 @@ def test_answers_and_loss_by_position_are_the_same_at_cp_1_2_3(hybrid):
             for a, b in zip(got[cp][2], buckets):
                 assert (a.first, a.last, a.tokens) == (b.first, b.last, b.tokens)
                 assert abs(a.loss - b.loss) <= 1e-5 * b.loss, (rank, cp, a, b)
+
+
+def _moe_answers(rank, world, payload):
+    """A mixture of experts' checkpoint (a module file, every expert whole) loaded at cp 1
+    and at cp2 x ep2 (each rank its 2 of the 4 experts, the rows all-to-all'd over the CP
+    ranks in prefill and decode): each layout's completions, scores and loss by position."""
+    import torch.distributed as dist
+    from ctxpar import init_parallel_state
+    from ctxpar.config import ModelConfig
+    from ctxpar.config.moe import MoEConfig
+    from ctxpar.inference.checkpoint import CheckpointFiles, load_weights_
+    from models.gpt import GPT
+    from models.options import ModelGroups, ModelOptions
+
+    grid, folder = payload
+    cfg = ModelConfig(vocab_size=256, seq_len=256, n_layers=2, d_model=32, n_heads=4,
+                      n_kv_heads=2, init_std=0.2, moe=MoEConfig(num_experts=4, top_k=2,
+                                                                expert_hidden=32, layers=[1]))
+    torch.manual_seed(0)
+    inputs = torch.randint(0, 256, (3, 96))
+    files, out = CheckpointFiles(folder, "module", tp=1), {}
+    for cp, layout in ((1, "contiguous"), (2, "zigzag")):
+        st = init_parallel_state(tp=1, cp=cp, ep=cp)  # dp = 2 / cp replicas
+        if cp == 1 and rank == 0:  # the checkpoint: seed 3's weights, all 4 experts
+            saved = GPT(cfg, ModelGroups.from_state(st), ModelOptions(layout=layout, seed=3))
+            torch.save({"module": saved.state_dict()}, f"{folder}/mp_rank_00_model_states.pt")
+        dist.barrier()
+        model = GPT(cfg, ModelGroups.from_state(st), ModelOptions(layout=layout, seed=5)).eval()
+        load_weights_(model, files, st.tp_group)  # not seed 5's: the checkpoint's
+        groups = dict(layout=layout, cp_group=st.cp_group, tp_group=st.tp_group)
+        cells = run_tasks(model, TOK, grid, **groups)
+        out[cp] = (model.layers[1].mlp.experts.gate_up_proj.shape[0],
+                   [c.completions for c in cells], loss_by_position(model, inputs, **groups))
+    return pickle.dumps(out)
+
+
+def test_a_moe_checkpoint_answers_alike_at_cp1_and_cp2_ep2(tmp_path):
+    """tools/long_context_eval's model (models/inference.py: start_model at parallel.ep) on
+    a mixture of experts: the same answers and loss by position at cp2 x ep2 as at cp 1,
+    from the same checkpoint."""
+    grid = task_grid(TOK, ["needle", "multikey"], [120], [0.0, 1.0], samples=2, n=2)
+    for rank, got in enumerate(run_distributed(_moe_answers, 2, (grid, str(tmp_path)),
+                                               timeout=300)):
+        got = pickle.loads(got)
+        (local1, texts, buckets), (local2, texts2, buckets2) = got[1], got[2]
+        assert (local1, local2) == (4, 2) and len(texts) == 4
+        assert texts2 == texts, rank
+        assert [b.tokens for b in buckets] == [3, 6, 12, 24, 48, 96, 96]
+        for a, b in zip(buckets2, buckets):  # fp32 sums in another order
+            assert (a.first, a.last, a.tokens) == (b.first, b.last, b.tokens)
+            assert abs(a.loss - b.loss) <= 1e-5 * b.loss, (rank, a, b)
+
+
+@pytest.mark.quick
+def test_the_evaluation_grid_runs_experts_at_ep_1_unless_asked():
+    """A run trained at cp2 x ep2 evaluates on one rank (its ep need not fit the grid,
+    which refused it before); --set parallel.ep=2 splits the experts over 2 CP ranks."""
+    from ctxpar.config import config_from_dict
+    from models.inference import layout_overrides
+    run = {"model": {"seq_len": 256, "moe": {"num_experts": 4, "top_k": 2}},
+           "parallel": {"cp": 2, "dp": 1, "ep": 2},
+           "deepspeed": {"zero_optimization": {"stage": 1}}}
+    for world, sets, ep in ((1, [], 1), (2, [], 1), (2, ["parallel.ep=2"], 2)):
+        cfg = config_from_dict(run, overrides=layout_overrides(sets, world),
+                               world_size=world, training=False)
+        assert (cfg.parallel.cp, cfg.parallel.ep) == (world, ep)
 
 
 def test_loss_samples_from_documents_start_at_document_starts(tmp_path):

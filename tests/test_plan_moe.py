@@ -4,14 +4,17 @@
   at cp1 and cp2 x ep2 on gloo ranks, modes none and full: exact per rank, given the rows
   the rank's experts received (M); the planner's balanced M = N k is the EP group's mean,
   so the group's mean is exact too; in bf16 (one process) exact beyond the dense MLPs;
-- parameters per rank: the built model's E/ep experts;
+  the same with a dense MLP between two MoE ones (model.moe.layers a subset);
+- parameters per rank: the built model's E/ep experts (and with dense MLPs beside);
 - model state: DeepSpeed's engine with the experts' MoE param groups at cp2 x dp2 x ep2
-  (ZeRO 1 and 2: dense state over 4 ranks, the experts' over their 2 EDP ranks), within
-  1% (tests/test_plan.py holds dense models to 5%);
+  (ZeRO 1, and ZeRO 2 with a dense MLP beside the MoE one: dense state over 4 ranks, the
+  experts' over their 2 EDP ranks), within 1% (tests/test_plan.py holds dense models to
+  5%);
 - the search and its report: ep weighed (memory down, all-to-all up) and said why; the
   all-to-all's bytes and active-parameter FLOPs in the step time; --max-seq-len runs.
 """
 import gc
+import itertools
 import os
 from dataclasses import replace
 
@@ -31,6 +34,9 @@ MOE = MoEConfig(num_experts=8, top_k=2, expert_hidden=24, shared_expert_hidden=1
 CFG = dict(vocab_size=64, seq_len=32, n_layers=3, d_model=32, n_heads=4, n_kv_heads=2,
            moe=MOE)
 LAYOUTS = [(1, 1), (2, 2)]  # (cp, ep) on 2 ranks (dp fills the rest)
+# dense and MoE MLPs in one model: layers 0 and 2 the MoE, layer 1 a dense SwiGLU
+# (Qwen3-MoE's mlp_only_layers, DeepSeek's first dense layers)
+MODELS = {"moe": CFG, "mixed": {**CFG, "moe": replace(MOE, layers=[0, 2])}}
 
 
 def _saved(rank, world):
@@ -41,25 +47,28 @@ def _saved(rank, world):
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
 
+    from models.moe import MoE
+
     tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
     out = {}
-    for cp, ep in LAYOUTS:
+    for (cp, ep), (name, cfg) in itertools.product(LAYOUTS, MODELS.items()):
         st = init_parallel_state(cp=cp, dp=world // cp, ep=ep)
         for mode in ("none", "full"):
-            model = GPT(ModelConfig(**CFG), ModelGroups.from_state(st),
+            model = GPT(ModelConfig(**cfg), ModelGroups.from_state(st),
                         ModelOptions(layout="zigzag", activation_checkpointing=mode, seed=1))
+            moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
             with torch.no_grad():  # a skewed router: the ranks' experts get unequal rows
-                for layer in model.layers:
-                    layer.mlp.gate.weight.normal_(generator=torch.Generator().manual_seed(3))
+                for mlp in moe:
+                    mlp.gate.weight.normal_(generator=torch.Generator().manual_seed(3))
             received = []
-            for layer in model.layers:
-                layer.mlp.experts.register_forward_hook(
+            for mlp in moe:
+                mlp.experts.register_forward_hook(
                     lambda mod, args, out: received.append(args[0].shape[0]))
             tok = shard_sequence(tokens, 1, st.cp_group, "zigzag")
             with saved_tensor_bytes(model.parameters()) as seen:
                 loss = model(tok, sequence_positions(32, st.cp_group, "zigzag"), tok)
-            out[cp, ep, mode] = (sum(seen.values()), received,
-                                 sum(p.numel() for p in model.parameters()))
+            key = (cp, ep, mode) if name == "moe" else (name, cp, ep, mode)
+            out[key] = (sum(seen.values()), received, sum(p.numel() for p in model.parameters()))
             loss.backward()
     return out
 
@@ -69,27 +78,32 @@ def saved_results():
     return run_distributed(_saved, 2, timeout=300)
 
 
-def test_moe_activation_bytes_equal_what_autograd_saves(saved_results):
+@pytest.mark.parametrize("name", MODELS)
+def test_moe_activation_bytes_equal_what_autograd_saves(saved_results, name):
     """Exact on every rank once the rows its experts received are known (the routing is
     skewed on purpose); the planner's prediction (balanced: M = N k) is exact for the EP
     group's mean, the received rows' mean being N k; a full-checkpointed block saves its
-    input alone, as a dense one."""
-    m = ModelConfig(**CFG)
+    input alone, as a dense one. With a dense MLP between two MoE ones ('mixed') each
+    block is counted as its own: the dense block's SwiGLU beside the MoE blocks' rows."""
+    m = ModelConfig(**MODELS[name])
     for cp, ep in LAYOUTS:
         N = 2 * 32 // cp
         for mode in ("none", "full"):
             cand = Candidate(1, cp, 1, 2 // cp, micro_batch=2, activation=mode, ep=ep)
             want = counts.activation_bytes(m, cand, 4)
-            got = [res[cp, ep, mode][0] for res in saved_results]
+            key = (cp, ep, mode) if name == "moe" else (name, cp, ep, mode)
+            got = [res[key][0] for res in saved_results]
             assert sum(got) / len(got) == want, (cp, ep, mode, got, want)
             for res in saved_results:
-                saved, received, _ = res[cp, ep, mode]
+                saved, received, _ = res[key]
                 if mode == "none":  # each layer's rows: the balanced count's correction
                     want_rank = want + sum(routed_saved(N, 32, 4, m, 1, ep, M)
                                            - routed_saved(N, 32, 4, m, 1, ep)
                                            for M in received)
                     assert saved == want_rank, (cp, ep, received, saved, want_rank)
-    skew = [r[2, 2, "none"][1] for r in saved_results]
+                    assert len(received) == len(m.moe.layers or range(3))
+    key = (2, 2, "none") if name == "moe" else (name, 2, 2, "none")
+    skew = [r[key][1] for r in saved_results]
     assert skew[0] != skew[1], "the routing was meant to be skewed"
 
 
@@ -122,10 +136,11 @@ def test_parameters_per_rank_hold_e_over_ep_experts(saved_results):
     blocks (mamba, attention) have no experts, against the parameters' description
     (which models/gpt.py checks itself against) at ep 1, 2 and 4."""
     from ctxpar.config.parameters import parameter_specs
-    m = ModelConfig(**CFG)
+    m, mixed = ModelConfig(**CFG), ModelConfig(**MODELS["mixed"])
     for cp, ep in LAYOUTS:
         for res in saved_results:
             assert res[cp, ep, "none"][2] == counts.stage_params(m, 1, 1, 0, ep), (cp, ep)
+            assert res["mixed", cp, ep, "none"][2] == counts.stage_params(mixed, 1, 1, 0, ep)
     hybrid = ModelConfig(**{**CFG, "n_layers": 4}, layer_types=[
         "mamba", "attention", "mlp", "full_attention"], mamba_num_heads=4, mamba_head_dim=16,
         ssm_state_size=16, n_groups=1, linear_chunk_size=16)
@@ -134,10 +149,15 @@ def test_parameters_per_rank_hold_e_over_ep_experts(saved_results):
         assert counts.stage_params(hybrid, 1, 1, 0, ep) == want, ep
 
 
-def _moe_engine_state(rank, world, stage):
+ENGINE_MODEL = dict(vocab_size=512, seq_len=32, n_layers=2, d_model=128, n_heads=4,
+                    n_kv_heads=2)
+
+
+def _moe_engine_state(rank, world, payload):
     """(this rank's parameters, the experts' among them, the bytes of every tensor the
     process gained while the model and DeepSpeed's engine (the experts in their MoE param
-    groups, as models/training.py builds it) were built and took one step)."""
+    groups, as models/training.py builds it) were built and took one step). payload:
+    (ZeRO stage, model.moe.layers)."""
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
     from ctxpar.distributed.expert_parallel import prepare_expert_parallel
@@ -146,9 +166,10 @@ def _moe_engine_state(rank, world, stage):
     from models.training import param_groups
     from tests.helpers.engine_state import bytes_after_one_step, live_tensor_bytes
 
+    stage, layers = payload
     init_deepspeed_comm()
-    cfg = ModelConfig(vocab_size=512, seq_len=32, n_layers=2, d_model=128, n_heads=4,
-                      n_kv_heads=2, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=256))
+    cfg = ModelConfig(**ENGINE_MODEL, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=256,
+                                                    layers=layers))
     st = init_parallel_state(cp=2, dp=2, ep=2)
     tok = shard_sequence(torch.randint(0, 512, (2, 32)), 1, st.cp_group, "zigzag")
     pos = sequence_positions(32, st.cp_group, "zigzag")
@@ -165,18 +186,26 @@ def _moe_engine_state(rank, world, stage):
     return psi, experts, bytes_after_one_step(model, opt, st, ds, tok, pos, before)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_expert_state_is_partitioned_over_the_expert_data_parallel_group(stage):
-    """cp2 x dp2 x ep2: params, fp32 master and Adam after a step within 1% of the
-    planner's (measured 0.03%: DeepSpeed's alignment padding), dense state over D = 4, the
-    experts' over their EDP group of 2 (the experts are most of this model: counted over
-    D, the prediction would be 26% short)."""
-    from ctxpar.plan.zero_state import Shard, ZeroState
-    for psi, experts, held in run_distributed(_moe_engine_state, 4, stage, timeout=300):
-        z = ZeroState(Shard(psi, psi, psi, 0, experts), {"stage": stage,
-                      "reduce_bucket_size": 20000}, 4, False, "cpu", ep=2)
-        r = z.resident()
-        want = r["params"] + r["master"] + r["optimizer"]
+@pytest.mark.parametrize("stage,layers", [(1, None), (2, [1])], ids=["zero1", "zero2-mixed"])
+def test_expert_state_is_partitioned_over_the_expert_data_parallel_group(stage, layers):
+    """cp2 x dp2 x ep2: the planner's shard (memory.shard) has the built model's
+    parameters and experts exactly, and DeepSpeed's params, fp32 master and Adam after a
+    step are within 1% of its ZeroState (measured 0.03%: DeepSpeed's alignment padding):
+    dense state over D = 4, the experts' over their EDP group of 2 (the experts are most of
+    this model: counted over D, the prediction would be 26% short). Under ZeRO 2 layer 0's
+    MLP is dense beside layer 1's MoE (model.moe.layers [1]): its state is over D with the
+    rest, the one MoE layer's experts over EDP."""
+    from ctxpar.plan.memory import shard
+    from ctxpar.plan.zero_state import ZeroState
+    m = ModelConfig(**ENGINE_MODEL, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=256,
+                                                  layers=layers))
+    sh = shard(m, 1, 1, 0, ep=2)
+    r = ZeroState(sh, {"stage": stage, "reduce_bucket_size": 20000}, 4, False, "cpu",
+                  ep=2).resident()
+    want = r["params"] + r["master"] + r["optimizer"]
+    for psi, experts, held in run_distributed(_moe_engine_state, 4, (stage, layers),
+                                              timeout=300):
+        assert (sh.psi, sh.experts) == (psi, experts), stage
         assert abs(held - want) <= 0.01 * want, (stage, psi, experts, held, want)
 
 
@@ -259,14 +288,32 @@ def test_max_seq_len_of_a_moe_grows_with_ep():
     assert n8 > n1 > 0, (n1, n8)
 
 
-def test_mixed_dense_and_moe_mlps_are_refused_in_one_line():
-    from ctxpar.plan import PlanError
+@pytest.mark.quick
+def test_dense_layers_beside_moe_ones_are_counted_layer_by_layer():
+    """gpt1b's 24 layers with the first one dense (DeepSeek's first_k_dense_replace 1) at
+    cp4 x ep4: the all-to-alls are 23/24 of the all-MoE model's, the parameters the
+    dense model's plus 23 layers' MoE less their dense MLP, and the experts' state and
+    the active FLOPs in between: every count per layer."""
+    from ctxpar.config.parameters import active_parameters
     from ctxpar.plan.cluster import Cluster, gpu_preset
     from ctxpar.plan.search import evaluate
-    cfg = _moe_cfg()
-    mixed = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, layers=[1, 2])))
-    with pytest.raises(PlanError, match=r"^model.moe.layers=\[1, 2\] leaves some MLPs dense"):
-        evaluate(mixed, Candidate(1, 4, 1, 1, zero=2), Cluster(1, 4, gpu_preset("h100")))
+    cfg, cluster = _moe_cfg(), Cluster(1, 4, gpu_preset("h100"))
+    mixed = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe,
+                                                                layers=list(range(1, 24)))))
+    dense = replace(cfg, model=replace(cfg.model, moe=None))
+    cand = Candidate(1, 4, 1, 1, zero=2, activation="full", ep=4)
+    plans = {k: evaluate(c, cand, cluster) for k, c in
+             (("moe", cfg), ("mixed", mixed), ("dense", dense))}
+    assert plans["mixed"].time.moe == pytest.approx(plans["moe"].time.moe * 23 / 24, rel=1e-9)
+    psi = {k: counts.stage_params(c.model, 1, 1, 0, 4) for k, c in
+           (("moe", cfg), ("mixed", mixed), ("dense", dense))}
+    per_layer = (psi["moe"] - psi["dense"]) // 24  # a MoE layer's MLP less a dense one's
+    assert psi["mixed"] == psi["dense"] + 23 * per_layer
+    assert plans["dense"].memory.peak < plans["mixed"].memory.peak < plans["moe"].memory.peak
+    flops = {k: active_parameters(c.model) for k, c in
+             (("moe", cfg), ("mixed", mixed), ("dense", dense))}
+    assert flops["mixed"] - flops["dense"] == (flops["moe"] - flops["dense"]) * 23 // 24
+    assert plans["dense"].time.compute != plans["mixed"].time.compute
 
 
 def test_on_two_nodes_ep_inside_a_node_is_fastest():

@@ -1,5 +1,6 @@
 """verify.py: every CP pattern passes against the reference layout on CPU (with TP, PP,
-fp32 and bf16), a broken LSE merge fails naming the tensor, and the budgets' rules.
+fp32 and bf16; a mixture of experts at cp2 x ep2), a broken LSE merge and an ungathered
+expert gradient fail naming the tensors, and the budgets' rules.
 
 One spawn of 4 ranks runs every verify (each builds two layouts in the same processes);
 the small tests assert its named results.
@@ -15,6 +16,9 @@ from ctxpar.testing import run_distributed
 from tests.helpers.train_run import HYBRID_MODEL
 
 TINY = "configs/tiny_cpu.yaml"
+MOE_MODEL = ["model.moe={num_experts: 4, top_k: 2, expert_hidden: 32, aux_loss_coef: 0.01, "
+             "layers: [0]}"]
+EXPERTS = {"layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj"}
 FAST = ["train.micro_batch_size=1", "model.seq_len=128"]
 CASES = {
     "ring": [TINY, *FAST],                                               # cp2 x dp2 zigzag
@@ -27,7 +31,12 @@ CASES = {
     # Gated DeltaNet, Mamba2, attention, Gated DeltaNet: state passing over cp2 x tp2
     "linear_state_tp2": [TINY, *FAST, *HYBRID_MODEL, "parallel.tp=2", "parallel.dp=1",
                          "parallel.linear_cp=state"],
+    # layer 0 a mixture of 4 experts, 2 on each EP rank (folded over cp2 x dp2), layer 1
+    # dense; the load-balancing loss on (both layouts then take the same micro-batches)
+    "moe_cp2_ep2": [TINY, *FAST, *MOE_MODEL, "parallel.ep=2"],
+    "moe_ep2_ungathered": [TINY, *FAST, *MOE_MODEL, "parallel.ep=2"],
 }
+OPTIONS = {"moe_ep2_ungathered": ["--steps", "1"]}  # verify.py's own, beside --set
 
 
 def broken_merge_block_(out, lse, block_out, block_lse):
@@ -40,20 +49,36 @@ def broken_merge_block_(out, lse, block_out, block_lse):
     lse.copy_(torch.logaddexp(lse, block_lse.float()))
 
 
+def ungathered_experts(gather_full_tensor):
+    """verify's gather with the EP step dropped: an expert tensor's E/ep local experts
+    repeated ep times (the full (E, ...) shape, this rank's slice in every EP rank's place)."""
+    from ctxpar.tensor_parallel.utils import expert_shard
+
+    def gather(local, param, tp_group, ep_group=None):
+        ep = expert_shard(param)[1]
+        if ep == 1:
+            return gather_full_tensor(local, param, tp_group, ep_group)
+        return torch.cat([local.detach().float()] * ep)
+    return gather
+
+
 def _verify_all(rank, world, cases):
     import verify
     from ctxpar.context_parallel import blocks
 
     out = {}
     for name, (config, *sets) in cases.items():
-        merge = blocks.merge_block_
+        merge, gather = blocks.merge_block_, verify.gather_full_tensor
         if name == "broken_merge":
             blocks.merge_block_ = broken_merge_block_
+        if name == "moe_ep2_ungathered":
+            verify.gather_full_tensor = ungathered_experts(gather)
         try:
-            args = verify.parse_args(["--config", config, "--set", *sets])
+            args = verify.parse_args(["--config", config, *OPTIONS.get(name, []),
+                                      "--set", *sets])
             out[name] = verify.verify(args, world)
         finally:
-            blocks.merge_block_ = merge
+            blocks.merge_block_, verify.gather_full_tensor = merge, gather
     return out
 
 
@@ -87,6 +112,27 @@ def test_a_hybrid_model_compares_its_linear_mixers_outputs(results):
     # the outputs as close as the other fp32 layouts'; the gradients within their 1e-4
     # budget (the largest 3.6e-5 when this was written)
     assert max(r.diff for r in rows if r.kind == "attn") < 1e-5
+
+
+def test_expert_gradients_are_gathered_over_ep_against_every_expert(results):
+    """cp2 x dp2 x ep2 against cp1 x dp4 x ep1: each expert tensor's gradient gathered over
+    its EP group to the full (E, ...) tensor (a shape mismatch would be an infinite
+    difference) and within fp32's budget beside the router's, whose load-balancing loss
+    is the same because both layouts take the same micro-batches (verify.batch_sizes)."""
+    rows, line, code = results["moe_cp2_ep2"]
+    assert code == 0 and line.startswith("verify: PASS"), line
+    grads = {r.name: r for r in rows if r.kind == "grad" and r.step == 2}
+    assert EXPERTS < set(grads) and "layers.0.mlp.gate.weight" in grads
+    assert max(grads[n].diff for n in EXPERTS | {"layers.0.mlp.gate.weight"}) < 1e-5
+
+
+def test_expert_gradients_compared_without_the_ep_gather_fail(results):
+    """The mutation: each rank's own experts in every EP rank's place fail, the expert
+    tensors alone (the rest of the run is the same)."""
+    rows, line, code = results["moe_ep2_ungathered"]
+    assert code == 1 and line.startswith("verify: FAIL"), line
+    assert {r.name for r in rows if not r.ok} == EXPERTS
+    assert all(r.diff > 0.1 for r in rows if r.name in EXPERTS)
 
 
 def test_fp32_layouts_agree_to_reduction_order(results):

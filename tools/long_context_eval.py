@@ -9,9 +9,11 @@ RULER-style tasks and the loss by position, as a table, a JSON and two PNGs.
 Tasks (ctxpar/data/long_context.py) are made with the run's tokenizer (its data.tokenizer,
 or --tokenizer, as generate.py) from digit-free filler, or with --haystack heldout from the run's held-out
 split (data.kind tokens); they are answered greedily by generate.py's CP generation, so a
-score does not depend on tp or cp. The loss by position scores --loss-samples held-out
-samples of the run's own data (every next token): held-out documents of at least
-model.seq_len tokens, or, when it has none, its held-out windows (said so). Lengths past
+score does not depend on tp or cp (or ep: a mixture of experts runs every expert on every
+rank, or its experts split over the CP ranks with --set parallel.ep=N). The loss by
+position scores --loss-samples held-out samples of the run's own data (every next
+token): held-out documents of at least model.seq_len tokens, or, when it has none, its
+held-out windows (said so). Lengths past
 model.seq_len are
 allowed (how far does an extension reach?) and said so. Writes results.json,
 heatmap.png and loss_by_position.png to --out; rank 0 prints the table.

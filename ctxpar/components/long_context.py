@@ -220,9 +220,10 @@ def default_lengths(seq_len: int, room: int) -> List[int]:
 
 class LongContextEval:
     """train.py's long_context_eval: its task grid answered at every evaluation, the cells
-    shared out over the DP ranks, logged as metrics (lc_<task>: the mean score; per length
-    lc_<task>_<length>) and, on rank 0, a heatmap PNG under run_dir/long_context/ that goes
-    to wandb with a table of the cells."""
+    shared out over the DP ranks (each answers all when an EP group spans DP ranks),
+    logged as metrics (lc_<task>: the mean score; per length lc_<task>_<length>) and, on
+    rank 0, a heatmap PNG under run_dir/long_context/ that goes to wandb with a table of
+    the cells."""
 
     def __init__(self, cfg, tokenizer):
         """Pure: makes every prompt now (DataError, e.g. a length too short for a task),
@@ -239,13 +240,19 @@ class LongContextEval:
         """Collective over the grid: every rank calls it."""
         was_training = model.training
         model.eval()
-        mine = list(range(state.dp_rank, len(self.grid), state.dp_size))  # this DP rank's
+        # The cells shared out over DP, unless a mixture of experts' EP group reaches over
+        # DP ranks (ep not dividing cp): its all-to-alls need every member to run as many
+        # forwards, which DP ranks answering other cells (more cells, longer answers, an
+        # early stop at EOS) do not; every DP rank then answers every cell.
+        ep = state.ep_size
+        share = state.dp_size if ep == 1 or state.cp_size % ep == 0 else 1
+        mine = list(range(state.dp_rank % share, len(self.grid), share))  # this DP rank's
         got = run_tasks(model, self.tokenizer, [self.grid[i] for i in mine],
                         layout=self.cfg.parallel.layout, cp_group=state.cp_group,
                         tp_group=state.tp_group)
         model.train(was_training)
         parts = [None] * state.dp_size
-        if state.dp_size > 1:
+        if share > 1:
             dist.all_gather_object(parts, list(zip(mine, got)), group=state.dp_group)
         else:
             parts = [list(zip(mine, got))]

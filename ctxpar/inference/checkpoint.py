@@ -24,8 +24,9 @@ What a tag directory holds depends on how train.py ran (DeepSpeed 0.19.8):
                                          the tag, <save_dir>/universal/<tag>, as a resume
                                          on another layout does: expert_universal.py)
 
-Parameters do not depend on cp (or dp, pp): a checkpoint loads at any cp. With the
-checkpoint's tp, each rank reads its own TP shard only. Another tp is resharded from full
+Parameters do not depend on cp (or dp, pp, ep): a checkpoint loads at any cp, and a model
+at ep > 1 keeps its EP rank's experts of each expert tensor. With the checkpoint's tp,
+each rank reads its own TP shard only. Another tp is resharded from full
 tensors: every rank puts each parameter back together from the checkpoint's shards (the
 split dim is where shard and full shape differ) and keeps its slice
 (``load_full_state_dict_``); this materialises the whole model on every rank (mmap'd reads
@@ -48,6 +49,7 @@ from ..config import Config, load_config
 from ..checkpoint.resume import MARKER, is_tag, latest_complete, read_manifest
 from ..data.tokenizer import load_tokenizer
 from ..tensor_parallel import full_shape, load_full_state_dict_
+from ..tensor_parallel.utils import expert_shard
 from ..tensor_parallel.mappings import tp_rank_of, tp_size_of
 
 _MODULE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -267,11 +269,13 @@ def load_weights_(model, files: CheckpointFiles, tp_group) -> None:
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     if files.tp == tp_size:
         for name, p in model.named_parameters():
-            if tuple(shards[0][name].shape) != tuple(p.shape):
+            ep_rank, ep = expert_shard(p)  # a model at ep > 1 keeps its EP rank's experts
+            mine = shards[0][name].chunk(ep, dim=0)[ep_rank] if ep > 1 else shards[0][name]
+            if tuple(mine.shape) != tuple(p.shape):
                 raise CheckpointError(f"checkpoint {files.path}: {name} is "
                                       f"{tuple(shards[0][name].shape)}, the model's "
-                                      f"{tuple(p.shape)}")
-            p.copy_(shards[0][name])
+                                      f"{tuple(full_shape(p, tp_size))}")
+            p.copy_(mine)
         return
     load_full_state_dict_(model, merge_tp_shards(shards, model, files.path), tp_group)
 

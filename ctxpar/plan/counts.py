@@ -22,7 +22,8 @@ from ..config.parameters import block_fields, block_specs, embedding_spec, head_
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
-from .moe_layers import expert_params, router_losses_saved, routed_saved, stage_expert_params
+from .moe_layers import (block_model, expert_params, mixed_mlps, moe_indices,
+                         router_losses_saved, routed_saved, stage_expert_params)
 
 
 @dataclass(frozen=True)
@@ -58,24 +59,51 @@ def _numel(specs, tp: int) -> int:
     return sum(spec.numel(tp) for spec in specs)
 
 
-def _block(m: ModelConfig, tp: int, *parts: str, kind: Optional[str] = None):
+def _block(m: ModelConfig, tp: int, *parts: str, kind: Optional[str] = None,
+           moe: Optional[bool] = None):
     """The ParamSpecs (ctxpar/config/parameters.py) of a block of layer type `kind`
-    (default: block 0's) whose name inside the block starts with one of parts (all of
+    (default: block 0's), with a MoE MLP or a dense one where moe says (None: the first
+    block of the kind), whose name inside the block starts with one of parts (all of
     them without parts)."""
     kind = kind or first_layer_type(m)
-    key = (block_fields(m), kind, tp)
-    if key not in _BLOCK_SPECS:  # once per model, layer type and TP degree
-        i = 0 if kind == first_layer_type(m) else layer_types(m).index(kind)
+    key = (block_fields(m), kind, tp, moe)
+    if key not in _BLOCK_SPECS:  # once per model, layer type, MLP and TP degree
+        i = _first_block(m, kind, moe)
         _BLOCK_SPECS[key] = [(s.name.split(".", 2)[2], s) for s in block_specs(m, i, tp)]
     return [s for name, s in _BLOCK_SPECS[key] if not parts or name.startswith(parts)]
 
 
-def _block_numel(m: ModelConfig, tp: int, *parts: str, kind: Optional[str] = None) -> int:
-    """_numel of _block(m, tp, *parts, kind=kind), once per model, kind, TP and parts."""
-    key = (block_fields(m), kind or first_layer_type(m), tp, parts)
+def _first_block(m: ModelConfig, kind: str, moe: Optional[bool]) -> int:
+    """The first block of layer type kind (with a MoE MLP or not, unless moe is None)."""
+    if moe is None:
+        return 0 if kind == first_layer_type(m) else layer_types(m).index(kind)
+    experts = set(moe_indices(m))
+    return next(i for i, t in enumerate(layer_types(m)) if t == kind and (i in experts) == moe)
+
+
+def _block_numel(m: ModelConfig, tp: int, *parts: str, kind: Optional[str] = None,
+                 moe: Optional[bool] = None) -> int:
+    """_numel of _block(m, tp, *parts, kind=kind, moe=moe), once per model, kind, MLP, TP
+    and parts."""
+    key = (block_fields(m), kind or first_layer_type(m), tp, parts, moe)
     if key not in _BLOCK_NUMEL:
-        _BLOCK_NUMEL[key] = _numel(_block(m, tp, *parts, kind=kind), tp)
+        _BLOCK_NUMEL[key] = _numel(_block(m, tp, *parts, kind=kind, moe=moe), tp)
     return _BLOCK_NUMEL[key]
+
+
+def blocks(m: ModelConfig, start: int = 0, count: Optional[int] = None) -> List[tuple]:
+    """(layer type, MoE MLP or not) of blocks [start, start + count) (default: all)."""
+    end = m.n_layers if count is None else start + count
+    experts = set(moe_indices(m))
+    return [(t, i in experts) for i, t in enumerate(layer_types(m)[start:end], start)]
+
+
+def variants(m: ModelConfig) -> tuple:
+    """The distinct (layer type, MoE MLP or not) of the blocks, in first-use order; a model
+    of one layer type without mixed MLPs: (kind, None) alone, block 0's."""
+    if not mixed_mlps(m):
+        return tuple((k, None) for k in kinds(m))
+    return tuple(dict.fromkeys(blocks(m)))
 
 
 _BLOCK_SPECS: dict = {}  # _block's: (block_fields, kind, tp) -> [(name in block, spec)]
@@ -88,20 +116,27 @@ def kinds(m: ModelConfig) -> tuple:
         else (first_layer_type(m),)
 
 
-def block_params(m: ModelConfig, tp: int, kind: Optional[str] = None) -> int:
-    """Parameters of one block of layer type `kind` (default block 0's) on one TP rank:
-    norms (replicated), q/o split by heads, k/v split (or the full kv heads replicated
-    when Hkv < tp), MLP split by columns, the linear mixers as block_specs splits them."""
-    return _block_numel(m, tp, kind=kind)
+def block_params(m: ModelConfig, tp: int, kind: Optional[str] = None,
+                 moe: Optional[bool] = None) -> int:
+    """Parameters of one block of layer type `kind` (default block 0's; with a MoE MLP or
+    a dense one where moe says) on one TP rank: norms (replicated), q/o split by heads,
+    k/v split (or the full kv heads replicated when Hkv < tp), MLP split by columns, the
+    linear mixers as block_specs splits them, every expert."""
+    return _block_numel(m, tp, kind=kind, moe=moe)
+
+
+def _experts_off(m: ModelConfig, tp: int, ep: int, moe: Optional[bool]) -> int:
+    """The routed experts a block of that MLP does not hold under ep (E - E/ep of them)."""
+    if m.moe is None or ep == 1 or moe is False:
+        return 0
+    return expert_params(m, tp, 1) - expert_params(m, tp, ep)
 
 
 def layer_params(m: ModelConfig, tp: int, ep: int = 1) -> int:
     """The largest block's parameters on one TP rank (the one every block has in a model
     of one layer type; a MoE block's E/ep experts)."""
-    n = max(block_params(m, tp, k) for k in kinds(m))
-    if m.moe is not None and ep > 1:
-        n -= expert_params(m, tp, 1) - expert_params(m, tp, ep)
-    return n
+    return max(block_params(m, tp, k, moe) - _experts_off(m, tp, ep, moe)
+               for k, moe in variants(m))
 
 
 def qkv_params(m: ModelConfig, tp: int) -> int:
@@ -109,8 +144,8 @@ def qkv_params(m: ModelConfig, tp: int) -> int:
     a model without attention blocks: its token mixer's input projections and norm."""
     attn = ("attn_norm.", "attn.q_proj.", "attn.k_proj.", "attn.v_proj.")
     linear = ("attn_norm.", "linear_attn.in_proj", "mamba.in_proj")
-    return max(_block_numel(m, tp, *(attn if k in ATTENTION_BLOCKS else linear), kind=k)
-               for k in kinds(m))
+    return max(_block_numel(m, tp, *(attn if k in ATTENTION_BLOCKS else linear), kind=k,
+                            moe=moe) for k, moe in variants(m))
 
 
 ATTENTION_BLOCKS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
@@ -118,7 +153,8 @@ ATTENTION_BLOCKS = ("full_attention", "sliding_attention", "chunked_attention", 
 
 def down_proj_params(m: ModelConfig, tp: int) -> int:
     """The MLP's down projection on a TP rank (its gradient is a block's first)."""
-    return max(_block_numel(m, tp, "mlp.down_proj.", kind=k) for k in kinds(m))
+    return max(_block_numel(m, tp, "mlp.down_proj.", kind=k, moe=moe)
+               for k, moe in variants(m))
 
 
 def stage_kinds(m: ModelConfig, pp: int, stage: int) -> List[str]:
@@ -146,10 +182,7 @@ def stage_experts(m: ModelConfig, tp: int, pp: int, stage: int, ep: int) -> int:
 
 def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """stage_params with every expert on the rank."""
-    if m.layer_types is None:  # one kind: every block the same
-        n = stage_layers(m, pp, stage) * block_params(m, tp)
-    else:
-        n = sum(block_params(m, tp, k) for k in stage_kinds(m, pp, stage))
+    n = stage_block_params(m, tp, pp, stage)
     embed = embedding_spec(m).numel(tp)
     if stage == 0:
         n += embed
@@ -160,13 +193,28 @@ def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     return n
 
 
+def stage_block_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
+    """The blocks' parameters on one rank of pipeline stage `stage`, every expert
+    counted: each block's own (its layer type, its MLP dense or MoE)."""
+    if m.layer_types is None and not mixed_mlps(m):  # one kind: every block the same
+        return stage_layers(m, pp, stage) * block_params(m, tp)
+    start = sum(stage_layers(m, pp, i) for i in range(stage))
+    return sum(block_params(m, tp, k, moe if mixed_mlps(m) else None)
+               for k, moe in blocks(m, start, stage_layers(m, pp, stage)))
+
+
 def stage_vector_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """The 1-D parameters (norm weights, biases) among stage_params: train.py's group
     without weight decay; the rest are the matrices' group."""
-    def vectors(kind):
-        return _numel([s for s in _block(m, tp, kind=kind) if len(s.shape) == 1], tp)
-    per = sum(vectors(k) for k in stage_kinds(m, pp, stage)) if m.layer_types is not None \
-        else stage_layers(m, pp, stage) * vectors(None)
+    def vectors(kind, moe=None):
+        return _numel([s for s in _block(m, tp, kind=kind, moe=moe) if len(s.shape) == 1], tp)
+    if mixed_mlps(m):
+        start = sum(stage_layers(m, pp, i) for i in range(stage))
+        per = sum(vectors(k, moe) for k, moe in blocks(m, start, stage_layers(m, pp, stage)))
+    elif m.layer_types is not None:
+        per = sum(vectors(k) for k in stage_kinds(m, pp, stage))
+    else:
+        per = stage_layers(m, pp, stage) * vectors(None)
     final = _numel([s for s in head_specs(m) if len(s.shape) == 1], tp)
     return per + (final if stage == pp - 1 else 0)
 
@@ -174,8 +222,8 @@ def stage_vector_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
 def largest_tensor(m: ModelConfig, tp: int, ep: int = 1) -> int:
     """Elements of the largest single parameter on a TP rank (embedding / head or a
     block's largest matrix; the experts' E/ep of theirs)."""
-    blocks = [s for k in kinds(m) for s in _block(m, tp, kind=k)]
-    return max(spec.numel(tp, ep) for spec in [embedding_spec(m), *blocks, *head_specs(m)])
+    specs = [s for k, moe in variants(m) for s in _block(m, tp, kind=k, moe=moe)]
+    return max(spec.numel(tp, ep) for spec in [embedding_spec(m), *specs, *head_specs(m)])
 
 
 def total_params(m: ModelConfig) -> int:
@@ -304,7 +352,8 @@ def channel_saved(s: RankShapes, e: int, cand: Candidate, m: Optional[ModelConfi
                   tiled_mlp: bool = False) -> int:
     """What a block's MLP saves in mode 'none' beyond its norm: the dense MLP's gate, up,
     silu and product (4 N f e; a tiled MLP nothing more), or a mixture of experts'
-    (moe_layers.routed_saved: every MLP is one, check_modelled refuses a subset)."""
+    (moe_layers.routed_saved; m: the block's model, moe_layers.block_model, whose moe is
+    None for a dense MLP beside MoE ones)."""
     if m is not None and m.moe is not None:
         return routed_saved(s.N, s.d, e, m, cand.tp, cand.ep)
     return 0 if tiled_mlp else 4 * s.N * s.f * e
@@ -337,15 +386,16 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     s = rank_shapes(m, cand)
     layers = s.L if layers is None else layers
     modes = layer_modes(cand, layers)
-    if m.layer_types is None:  # one kind
+    if m.layer_types is None and not mixed_mlps(m):  # one kind
         one = {mode: layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device, m)
                + gate_saved(s, e, mode, m) for mode in set(modes)}
         per = tuple(one[mode] for mode in modes)
         conv_taps = 0
-    else:
-        types = layer_types(m)[start:start + layers]
-        per = tuple(block_activations(s, e, cand, mode, kind, m, tiled_mlp, device)
-                    for mode, kind in zip(modes, types))
+    else:  # each block by its layer type and MLP (a dense one: the model without moe)
+        own = blocks(m, start, layers)
+        types = [kind for kind, _ in own]
+        per = tuple(block_activations(s, e, cand, mode, kind, block_model(m, moe), tiled_mlp,
+                                      device) for mode, (kind, moe) in zip(modes, own))
         conv = [gated_delta_dims(m).conv_kernel if k == "linear_attention" else
                 mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
                 if mode != "full" and LAYER_MIXERS[k][0] in ("gated_delta", "mamba2")]
@@ -525,10 +575,8 @@ def stage_layers(m: ModelConfig, pp: int, stage: int) -> int:
 def mlp_params(m: ModelConfig, tp: int, ep: int = 1) -> int:
     """The MLP's parameters on a TP rank: its up (and gate) and down projections with
     their biases (the largest block's); a MoE's router, E/ep experts and shared expert."""
-    n = max(_block_numel(m, tp, "mlp.", kind=k) for k in kinds(m))
-    if m.moe is not None and ep > 1:
-        n -= expert_params(m, tp, 1) - expert_params(m, tp, ep)
-    return n
+    return max(_block_numel(m, tp, "mlp.", kind=k, moe=moe) - _experts_off(m, tp, ep, moe)
+               for k, moe in variants(m))
 
 
 def head_params(m: ModelConfig, tp: int) -> int:

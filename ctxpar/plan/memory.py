@@ -41,7 +41,7 @@ from ..config.layers import layer_attention
 from . import counts, transients
 from .candidate import Candidate, apply_candidate
 from .linear_layers import linear_shapes, mixer_saved
-from .moe_layers import backward_working_set, forward_working_set
+from .moe_layers import backward_working_set, block_model, forward_working_set, mixed_mlps
 from .zero_state import Shard, ZeroState, zero_config
 
 
@@ -162,6 +162,15 @@ class Stage:
     halo: List[int] = field(default_factory=list)
     linear: int = 0  # the largest linear mixer's working set (linear_layers.mixer_saved)
     types: List[str] = field(default_factory=list)  # each block's layer type (hybrids)
+    # each block's MLP a mixture of experts (True) or dense (False) where model.moe.layers
+    # leaves some dense (moe_layers.mixed_mlps); empty: every block's MLP alike
+    moe_blocks: List[bool] = field(default_factory=list)
+
+    def block_model(self, i: int):
+        """The model block i's MLP counts read (the model without moe for a dense MLP
+        beside MoE ones: moe_layers.block_model)."""
+        m = self.cfg.model
+        return block_model(m, self.moe_blocks[i]) if self.moe_blocks else m
 
     def grads(self, fraction: float) -> Dict[str, float]:
         """The gradient terms with `fraction` of this stage's produced (all of them while
@@ -221,7 +230,9 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
                  saved, zero_state, sh, resident, base, accumulated, accumulating, host,
                  host_step, loss_tile, mlp_tile, halo, linear,
-                 [a.kind for a in layers] if model.layer_types is not None else [])
+                 [a.kind for a in layers] if model.layer_types is not None else [],
+                 [moe for _, moe in counts.blocks(model, start, blocks)]
+                 if mixed_mlps(model) else [])
 
 
 def forward_phases(st: Stage) -> List[Phase]:
@@ -230,8 +241,8 @@ def forward_phases(st: Stage) -> List[Phase]:
     (the logits beside the saved softmax)."""
     s, cand, elem, mode = st.shapes, st.cand, st.elem, st.modes[-1]
     swiglu = st.cfg.model.mlp in GATED_MLPS  # gate, up and their product
-    block = transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile,
-                                     moe_forward(st)) \
+    block = max(transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile, moe)
+                for moe in moe_forwards(st)) \
         if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
     working_set = max(block, max([transients.attention_forward(s, cand, elem, h)
                                   for h in set(st.halo)], default=0.0),
@@ -266,19 +277,22 @@ def loss_backward_phase(st: Stage) -> Phase:
         "activation grads": st.residual_grad + pending})
 
 
-def moe_forward(st: Stage):
-    """A MoE layer's no-grad forward at its experts (moe_layers.forward_working_set);
-    None for a dense MLP."""
+def moe_forwards(st: Stage) -> list:
+    """Each MLP kind of the stage's blocks at its no-grad forward: a MoE layer's working
+    set at its experts (moe_layers.forward_working_set), None for a dense MLP; the phases
+    charge the larger (with dense and MoE blocks, either may be the one running)."""
     m, s = st.cfg.model, st.shapes
-    return None if m.moe is None else forward_working_set(s.N, s.d, st.elem, m, st.cand.ep)
+    kinds = set(st.moe_blocks) if st.moe_blocks else {m.moe is not None}
+    return [forward_working_set(s.N, s.d, st.elem, m, st.cand.ep) if moe else None
+            for moe in sorted(kinds)]
 
 
-def mlp_backward_working_set(st: Stage) -> float:
-    """A block's MLP backward (the SwiGLU's gradients, a tiled MLP's tile, or a MoE's
+def mlp_backward_working_set(st: Stage, i: int) -> float:
+    """Block i's MLP backward (the SwiGLU's gradients, a tiled MLP's tile, or a MoE's
     rows' gradients: moe_layers.backward_working_set) or, just after it, the MLP's dx
     beside the second norm's backward and the MLP's weight gradients a tiled MLP has not
     charged: the larger."""
-    model, s, elem, cand = st.cfg.model, st.shapes, st.elem, st.cand
+    model, s, elem, cand = st.block_model(i), st.shapes, st.elem, st.cand
     mlp = counts.mlp_params(model, cand.tp, cand.ep)
     down = counts.down_proj_params(model, cand.tp)
     during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down) \
@@ -299,7 +313,7 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     pending, _ = head_gradients(st)
     psi, layer = st.shard.psi, counts.layer_params(model, cand.tp, cand.ep)
     norm = counts.norm_saved(s, elem, model.norm, st.device)
-    mlp_saved = counts.channel_saved(s, elem, cand, model, bool(st.mlp_tile))
+    mlp_saved = counts.channel_saved(s, elem, cand, st.block_model(i), bool(st.mlp_tile))
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
     replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm)
     kind = st.types[i] if st.types else None
@@ -309,7 +323,7 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     down = 0 if st.mlp_tile else counts.down_proj_params(model, cand.tp)  # tiled: in its set
     at_mlp = {**st.base, **st.grads((grads_above + down) / psi),
               "activations": saved_below + st.act.embed + st.act.layers[i],
-              "recompute": replayed, "layer working set": mlp_backward_working_set(st),
+              "recompute": replayed, "layer working set": mlp_backward_working_set(st, i),
               "activation grads": st.residual_grad + pending}
     own = st.act.layers[i] - (mlp_part if mode == "none" else 0.0)
     attention_out = s.N * s.h * s.hd * elem  # the attention's output gradient (N, h, hd)
@@ -358,8 +372,8 @@ def evaluation_phase(st: Stage) -> Phase:
     predictions (N)."""
     s, elem = st.shapes, st.elem
     swiglu = st.cfg.model.mlp in GATED_MLPS
-    block = max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile,
-                                         moe_forward(st)),
+    block = max(max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile,
+                                             moe) for moe in moe_forwards(st)),
                 max([transients.attention_forward(s, st.cand, elem, h) for h in set(st.halo)],
                     default=0.0), st.linear)
     state = {**st.resident, **st.zero_state.gathered()}

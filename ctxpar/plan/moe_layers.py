@@ -13,9 +13,15 @@ Parameters: each MoE layer's experts, E/ep of them (times 1/tp of their width), 
 counted apart from the dense ones (router, norms, shared expert): their gradients and
 ZeRO 1/2 partitions are over the expert-data-parallel group of dp x cp / ep ranks
 (ctxpar/distributed/expert_parallel.py), the rest over dp x cp (zero_state.py).
+
+Dense and MoE MLPs in one model (model.moe.layers a subset: mixed_mlps): every count is
+the block's own, a MoE block's as above, a dense block's as a model without model.moe
+(block_model): parameters, saved activations, the MLP's working sets; the all-to-alls
+and the idle experts' FLOPs over the MoE layers alone (moe_layers).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Tuple
 
 from ..config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
@@ -31,6 +37,29 @@ def moe_indices(m: ModelConfig):
     parameters.block_specs builds them)."""
     types = layer_types(m)
     return [i for i in moe_layer_indices(m.moe, m.n_layers) if LAYER_MIXERS[types[i]][1]]
+
+
+def mixed_mlps(m: ModelConfig) -> bool:
+    """model.moe.layers leaves some MLPs dense (Qwen3-MoE's mlp_only_layers, DeepSeek's
+    first dense layers): the blocks then differ by their MLP, counted block by block."""
+    if m.moe is None or m.moe.layers is None:
+        return False
+    types = layer_types(m)
+    return len(moe_indices(m)) != sum(1 for t in types if LAYER_MIXERS[t][1])
+
+
+def block_model(m: ModelConfig, moe: bool) -> ModelConfig:
+    """The model as a block sees it: m for a MoE block, m without model.moe for a dense
+    MLP's (what its counts read; once per model)."""
+    if moe or m.moe is None:
+        return m
+    key = id(m)
+    if key not in _DENSE or _DENSE[key][0] is not m:
+        _DENSE[key] = (m, replace(m, moe=None))
+    return _DENSE[key][1]
+
+
+_DENSE: dict = {}  # block_model's: id(m) -> (m, m without model.moe)
 
 
 def moe_layers(m: ModelConfig, start: int = 0, count: int = None) -> int:

@@ -57,7 +57,7 @@ from ..config.layers import LayerAttention, layer_attention
 from ..context_parallel.mask import visible_pairs
 from . import counts
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
-from .moe_layers import all_to_all_bytes, idle_expert_params, moe_layers
+from .moe_layers import all_to_all_bytes, idle_expert_params, mixed_mlps, moe_layers
 from .candidate import Candidate
 from .cluster import Cluster
 
@@ -119,11 +119,11 @@ def rank_pairs(T: int, ranks: int, layout: str, sliding_window=None, chunk_size=
 
 def stage_block_params(m, cand: Candidate) -> int:
     """The blocks' parameters on one rank of the stage with the most (every block alike:
-    the first stage, which holds one more when pp does not divide the layers)."""
-    if m.layer_types is None:
+    the first stage, which holds one more when pp does not divide the layers), each block
+    its own (layer types; dense and MoE MLPs) and every expert counted."""
+    if m.layer_types is None and not mixed_mlps(m):
         return -(-m.n_layers // cand.pp) * counts.block_params(m, cand.tp)
-    return max(sum(counts.block_params(m, cand.tp, k) for k in counts.stage_kinds(m, cand.pp, st))
-               for st in range(cand.pp))
+    return max(counts.stage_block_params(m, cand.tp, cand.pp, st) for st in range(cand.pp))
 
 
 def stage_attention(m, pp: int) -> List[LayerAttention]:
