@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -92,7 +92,6 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
                               f"be exported as {fam.architecture} (its scale is head_dim)")
     hd = resolved_head_dim(m)
     types = _exported_layer_types(m, name, fam.architecture)
-    sliding = "sliding_attention" in types
     cfg = {
         "architectures": [fam.architecture], "model_type": name,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model,
@@ -107,6 +106,15 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         **{k: (source or {}).get(k) for k in TOKEN_IDS},
         **{k: v for k, v in (tokenizer or {}).get("ids", {}).items() if v is not None},
     }
+    _family_keys(cfg, m, name, types, source)
+    return cfg
+
+
+def _family_keys(cfg: Dict[str, Any], m, name: str, types: list,
+                 source: Optional[Dict[str, Any]]) -> None:
+    """family_config's keys that only some families write: their windows, biases, experts
+    and hybrid layers (each family's module), Gemma 3's RoPE per layer type."""
+    fam, sliding = FAMILIES[name], "sliding_attention" in types
     if name == "llama":
         cfg.update(attention_bias=m.bias, mlp_bias=m.bias, pretraining_tp=1)
     if name in ("qwen2", "qwen3"):
@@ -119,9 +127,7 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         cfg["sliding_window"] = m.sliding_window if sliding else None
     if name in MOE_FAMILIES:  # model.moe (moe_families.py); Qwen3-MoE's window on every
         # layer or none, Qwen2-MoE's none, its q/k/v biases from qkv_bias
-        def refuse(what):
-            raise CheckpointError(f"{what} cannot be exported as {fam.architecture}")
-        cfg.update(moe_config(m, name, refuse, source))
+        cfg.update(moe_config(m, name, lambda what: _refuse_export(what, fam), source))
         if name == "qwen3_moe":
             cfg.update(use_sliding_window=sliding,
                        sliding_window=m.sliding_window if sliding else None)
@@ -141,24 +147,29 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         del cfg["rope_theta"], cfg["rope_scaling"]
         cfg.update(olmo_hybrid_config(m, types))
     if name == "gemma3_text":
-        scaling = dict(m.rope_scaling or {"rope_type": "default"})
-        local = (m.layer_rope or {}).get("sliding_attention", {})
-        local_scaling = dict(local.get("rope_scaling") or {"rope_type": "default"})
-        del cfg["rope_theta"], cfg["rope_scaling"]
-        # transformers makes Gemma 3's sliding mask whatever the layers: a window it reads
-        # (its default) when no layer slides
-        cfg.update(attention_bias=False, layer_types=types,
-                   sliding_window=m.sliding_window if sliding else 4096,
-                   query_pre_attn_scalar=_number(m.query_pre_attn_scalar
-                                                 if m.query_pre_attn_scalar is not None
-                                                 else hd),
-                   final_logit_softcapping=None, attn_logit_softcapping=None,
-                   use_bidirectional_attention=False,
-                   rope_parameters={"full_attention": {**scaling, "rope_theta": m.rope_theta},
-                                    "sliding_attention": {
-                                        **local_scaling, "rope_theta": float(local.get(
-                                            "rope_theta", m.rope_theta))}})
-    return cfg
+        _gemma3_keys(cfg, m, types)
+
+
+def _gemma3_keys(cfg: Dict[str, Any], m, types: list) -> None:
+    """Gemma 3's window, query scale and RoPE base per layer type (rope_parameters)."""
+    hd, sliding = resolved_head_dim(m), "sliding_attention" in types
+    scaling = dict(m.rope_scaling or {"rope_type": "default"})
+    local = (m.layer_rope or {}).get("sliding_attention", {})
+    local_scaling = dict(local.get("rope_scaling") or {"rope_type": "default"})
+    del cfg["rope_theta"], cfg["rope_scaling"]
+    # transformers makes Gemma 3's sliding mask whatever the layers: a window it reads
+    # (its default) when no layer slides
+    cfg.update(attention_bias=False, layer_types=types,
+               sliding_window=m.sliding_window if sliding else 4096,
+               query_pre_attn_scalar=_number(m.query_pre_attn_scalar
+                                             if m.query_pre_attn_scalar is not None
+                                             else hd),
+               final_logit_softcapping=None, attn_logit_softcapping=None,
+               use_bidirectional_attention=False,
+               rope_parameters={"full_attention": {**scaling, "rope_theta": m.rope_theta},
+                                "sliding_attention": {
+                                    **local_scaling, "rope_theta": float(local.get(
+                                        "rope_theta", m.rope_theta))}})
 
 
 def _refuse_export(what: str, fam) -> None:
@@ -395,46 +406,8 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
     if arch is not None and arch != [fam.architecture]:
         refuse("architectures", arch, f"ctxpar imports {fam.architecture} (the causal LM "
                                       f"with its head) for model_type {name!r}")
-    known = (IGNORED_KEYS | MAPPED_KEYS | set(NOT_IMPLEMENTED) | set(fam.neutral)
-             | set(fam.own) | set(fam.inert) | {fam.activation[0]})
-    for key in sorted(hf):
-        if key in fam.inert:
-            continue
-        if key in NOT_IMPLEMENTED and key not in fam.own and hf[key] not in (None, 0, False,
-                                                                              {}):
-            refuse(key, hf[key], f"{NOT_IMPLEMENTED[key]} is not implemented by ctxpar")
-        if key not in known:
-            refuse(key, hf[key], f"a config field ctxpar does not know for model_type "
-                                 f"{name!r}; it may change the computation (remove it from "
-                                 f"config.json if it does not)")
-    act_key, act = fam.activation
-    if hf.get(act_key, act) != act:
-        refuse(act_key, hf[act_key], f"{fam.architecture}'s MLP in ctxpar uses {act}")
-    if name == "gemma3_text" and hf.get("hidden_act", act) != act:
-        refuse("hidden_act", hf["hidden_act"], f"Gemma 3's MLP in ctxpar uses {act}")
-    if hf.get("attention_dropout", 0.0) not in (0, 0.0, None):
-        refuse("attention_dropout", hf["attention_dropout"], "ctxpar trains without dropout")
-    for key, (want, why) in fam.neutral.items():
-        if hf.get(key, want) != want:
-            refuse(key, hf[key], why)
-    fields = dict(fam.fixed)
-    if name == "llama":
-        attn, mlp = hf.get("attention_bias", False), hf.get("mlp_bias", False)
-        if attn != mlp:
-            refuse("attention_bias", attn, f"with mlp_bias={mlp}: ctxpar's model.bias puts "
-                                           f"biases on every linear layer, or on none")
-        fields["bias"] = bool(attn)
-    if name == "qwen2_moe":  # its q/k/v biases (transformers' default: on)
-        fields["attention_bias"] = hf.get("qkv_bias", True)
-        if not isinstance(fields["attention_bias"], bool):
-            refuse("qkv_bias", hf["qkv_bias"], "config.json must give it as a boolean")
-    if name in MOE_FAMILIES:  # model.moe (moe_families.py)
-        fields["moe"] = moe_fields(hf, name, refuse)
-    quant = hf.get("quantization_config")
-    if name == "gpt_oss" and quant and (not isinstance(quant, dict) or quant.get(
-            "quant_method") != "mxfp4"):  # MXFP4 experts are dequantized (WeightReader)
-        refuse("quantization_config", quant, "gpt-oss's MXFP4 experts are read; no other "
-                                             "quantization is implemented by ctxpar")
+    _check_keys(hf, name, refuse)
+    fields = _family_fields(hf, name, refuse)
     if name == "nemotron_h":  # its layer count is its blocks'
         hf = {**hf, "num_hidden_layers": len(nemotron_block_types(hf, refuse))}
     if name == "qwen3_5_moe_text":  # no dense MLP: ffn_hidden is the experts' width
@@ -468,6 +441,59 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
         "tie_embeddings": bool(hf.get("tie_word_embeddings", name == "gemma3_text")),
         "seq_len": hf.get("max_position_embeddings"), "init_std": hf.get("initializer_range"),
         "family": name, **kinds})
+    return fields
+
+
+def _check_keys(hf: Dict[str, Any], name: str, refuse: Callable) -> None:
+    """Every config.json key known for the family (mapped, neutral at its value, the
+    family's own, inert or ignored), its MLP's activation ctxpar's; refuses the first that
+    is not."""
+    fam = FAMILIES[name]
+    known = (IGNORED_KEYS | MAPPED_KEYS | set(NOT_IMPLEMENTED) | set(fam.neutral)
+             | set(fam.own) | set(fam.inert) | {fam.activation[0]})
+    for key in sorted(hf):
+        if key in fam.inert:
+            continue
+        if key in NOT_IMPLEMENTED and key not in fam.own and hf[key] not in (None, 0, False,
+                                                                              {}):
+            refuse(key, hf[key], f"{NOT_IMPLEMENTED[key]} is not implemented by ctxpar")
+        if key not in known:
+            refuse(key, hf[key], f"a config field ctxpar does not know for model_type "
+                                 f"{name!r}; it may change the computation (remove it from "
+                                 f"config.json if it does not)")
+    act_key, act = fam.activation
+    if hf.get(act_key, act) != act:
+        refuse(act_key, hf[act_key], f"{fam.architecture}'s MLP in ctxpar uses {act}")
+    if name == "gemma3_text" and hf.get("hidden_act", act) != act:
+        refuse("hidden_act", hf["hidden_act"], f"Gemma 3's MLP in ctxpar uses {act}")
+    if hf.get("attention_dropout", 0.0) not in (0, 0.0, None):
+        refuse("attention_dropout", hf["attention_dropout"], "ctxpar trains without dropout")
+    for key, (want, why) in fam.neutral.items():
+        if hf.get(key, want) != want:
+            refuse(key, hf[key], why)
+
+
+def _family_fields(hf: Dict[str, Any], name: str, refuse: Callable) -> Dict[str, Any]:
+    """model.* values the family fixes, with Llama's biases, Qwen2-MoE's q/k/v biases and
+    the experts (moe_families.py) from config.json; gpt-oss's quantization checked."""
+    fields = dict(FAMILIES[name].fixed)
+    if name == "llama":
+        attn, mlp = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+        if attn != mlp:
+            refuse("attention_bias", attn, f"with mlp_bias={mlp}: ctxpar's model.bias puts "
+                                           f"biases on every linear layer, or on none")
+        fields["bias"] = bool(attn)
+    if name == "qwen2_moe":  # its q/k/v biases (transformers' default: on)
+        fields["attention_bias"] = hf.get("qkv_bias", True)
+        if not isinstance(fields["attention_bias"], bool):
+            refuse("qkv_bias", hf["qkv_bias"], "config.json must give it as a boolean")
+    if name in MOE_FAMILIES:  # model.moe (moe_families.py)
+        fields["moe"] = moe_fields(hf, name, refuse)
+    quant = hf.get("quantization_config")
+    if name == "gpt_oss" and quant and (not isinstance(quant, dict) or quant.get(
+            "quant_method") != "mxfp4"):  # MXFP4 experts are dequantized (WeightReader)
+        refuse("quantization_config", quant, "gpt-oss's MXFP4 experts are read; no other "
+                                             "quantization is implemented by ctxpar")
     return fields
 
 
