@@ -3,6 +3,7 @@ import dataclasses
 import glob
 import logging
 import os
+import re
 
 import pytest
 import yaml
@@ -321,6 +322,45 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
                                                 "extend_qwen3_next_80b_a3b_1m":
                                                 3_874_929_408}[name]
 
+
+def quoted_verdicts():
+    """(config, the planner command its comments quote, the figures quoted after
+    "the config's own layout:") of every config that quotes one."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
+        comments = " ".join(line.lstrip("#").strip() for line in open(path)
+                            if line.startswith("#"))
+        command = re.search(r"python -m ctxpar\.plan (--config \S+(?: --nodes \d+)?)"
+                            r"(?! --max-seq-len| --set)", comments)
+        own = re.search(r"the config's own layout: (\S+(?: \S+)*?): ([\d.]+) GB, ([\d,]+) "
+                        r"tokens/s per GPU, MFU ([\d.]+)%", comments)
+        if command and own:
+            found.append(pytest.param(command.group(1).split(), own.groups(),
+                                      id=os.path.basename(path)[:-5]))
+    return found
+
+
+@pytest.mark.parametrize("args,quoted", quoted_verdicts())
+def test_configs_quote_what_the_planner_predicts_for_their_own_layout(args, quoted):
+    """Each config's comment quotes the planner's line on its own layout (memory per GPU,
+    tokens/s per GPU, MFU) beside the command that prints it: the planner, rerun on that
+    layout alone (the whole search is the command's: minutes), must print the same."""
+    from ctxpar.plan.__main__ import cluster_of, own_layout, parse_args
+    a = parse_args(args)
+    line = own_layout(load_config(os.path.join(ROOT, a.config), check_paths=False),
+                      cluster_of(a))
+    name, gb, tokens, mfu = quoted
+    assert line == (f"the config's own layout: {name}: {gb} GB, {tokens} tokens/s per GPU, "
+                    f"MFU {mfu}%"), f"{a.config} quotes {quoted}; the planner prints {line}"
+
+
+def test_the_extension_configs_quote_their_planner_verdict():
+    """The check above covers every configs/extend_*.yaml (a regex that found none would
+    pass vacuously)."""
+    names = {p.id for p in quoted_verdicts()}
+    extends = {os.path.basename(f)[:-5] for f in glob.glob(os.path.join(ROOT, "configs",
+                                                                        "extend_*.yaml"))}
+    assert extends - {"extend_tiny_cpu", "extend_llama3_8b_128k"} <= names, sorted(extends - names)
 
 def test_run_dir_that_cannot_be_created_is_a_config_error(tmp_path):
     from ctxpar.config.run_dir import check_run_dir

@@ -58,10 +58,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
-        cluster = Cluster(a.nodes, a.gpus_per_node,
-                          gpu_preset(a.gpu, flops=a.flops, memory=a.memory, nvlink=a.nvlink,
-                                     network=a.network, overhead=a.overhead,
-                                     host_memory=a.host_memory))
+        cluster = cluster_of(a)
         cfg = load_config(a.config, a.set, check_paths=False)
         check_host(cfg, cluster, a.host_memory)
         if a.max_seq_len:
@@ -101,16 +98,9 @@ def main(argv=None) -> int:
                    ep_reason(cfg, rows[k - 1][0], cluster)):
         if reason:
             print(f"\n{reason}")
-    own = config_candidate(cfg, cluster.world)
-    if own.world == cluster.world:
-        mine = evaluate(cfg, own, cluster)
-        rank = next((i for i, g in enumerate(rows, 1)
-                     if any(p.candidate == mine.candidate for p in g)), None)
-        print(f"\nthe config's own layout: {mine.candidate.name()}: "
-              f"{mine.memory.peak / 1e9:.1f} GB, {mine.tokens_per_s_per_gpu:,.0f} tokens/s "
-              f"per GPU, MFU {100 * mine.mfu:.1f}%"
-              + (f" (row {rank} of {len(rows)} rows)" if rank else
-                 ("" if mine.fits else " (does not fit)")))
+    own = own_layout(cfg, cluster, rows)
+    if own:
+        print(f"\n{own}")
     if a.explain:
         print("\n" + explain(rows[k - 1][0], cluster))
     if a.write:
@@ -119,6 +109,30 @@ def main(argv=None) -> int:
         print(f"plotted {plot([g[0] for g in rows], a.plot, cluster)}")
     return 0
 
+
+def cluster_of(a) -> Cluster:
+    """The cluster parse_args' flags describe."""
+    return Cluster(a.nodes, a.gpus_per_node,
+                   gpu_preset(a.gpu, flops=a.flops, memory=a.memory, nvlink=a.nvlink,
+                              network=a.network, overhead=a.overhead,
+                              host_memory=a.host_memory))
+
+
+def own_layout(cfg, cluster: Cluster, rows=None) -> str:
+    """The line on the config's own layout (its memory, speed and row among `rows`), or ''
+    when its layout does not fill the cluster. The extension configs quote it
+    (tests/test_config.py holds them to it)."""
+    own = config_candidate(cfg, cluster.world)
+    if own.world != cluster.world:
+        return ""
+    mine = evaluate(cfg, own, cluster)
+    rank = next((i for i, g in enumerate(rows or [], 1)
+                 if any(p.candidate == mine.candidate for p in g)), None)
+    return (f"the config's own layout: {mine.candidate.name()}: "
+            f"{mine.memory.peak / 1e9:.1f} GB, {mine.tokens_per_s_per_gpu:,.0f} tokens/s "
+            f"per GPU, MFU {100 * mine.mfu:.1f}%"
+            + (f" (row {rank} of {len(rows)} rows)" if rank else
+               ("" if mine.fits or rows is None else " (does not fit)")))
 
 def check_host(cfg, cluster: Cluster, given) -> None:
     """--host-memory 0 leaves an offloading config nowhere to offload to."""
