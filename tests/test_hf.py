@@ -1329,8 +1329,10 @@ def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path, wrappe
     """Qwen3.5's and Qwen3.5-MoE's released folders are *ForConditionalGeneration
     (model_type qwen3_5 / qwen3_5_moe: a text_config, a vision tower; the experts per
     expert under model.language_model.): ctxpar imports the language model, its logits on
-    text equal the whole model's, and says what it left out; a field it does not know at
-    the top level is refused by name."""
+    text equal the whole model's, and says what it left out (the released folders'
+    multi-token prediction layers too, mtp.* and text_config's mtp_* sizes, which
+    transformers builds no layer for); a field it does not know at the top level is refused
+    by name."""
     import transformers
     name = "Qwen3_5" if wrapper == "qwen3_5" else "Qwen3_5Moe"
     text = {**SMALL, **FAMILY_CONFIGS[family][1]}
@@ -1340,13 +1342,19 @@ def test_a_multimodal_qwen3_5_folder_imports_its_language_model(tmp_path, wrappe
         text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
                                              num_heads=2, out_hidden_size=64))).float().eval()
     ref.save_pretrained(tmp_path)
+    rewrite_weights(tmp_path, lambda t: t.update(
+        {"mtp.fc.weight": torch.ones(64, 128), "mtp.norm.weight": torch.ones(64)}))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"].update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     model = ctxpar_from(tmp_path)  # every language-model tensor used, none left
     assert model.cfg.family == family and model.cfg.partial_rotary_factor == 0.25
     tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens, torch.arange(48)), ref(tokens).logits, **TOL)
-    assert hf.left_out(str(tmp_path)) == ("its language model; left out: the vision tower "
-                                          "(vision_config, model.visual.*)")
+    assert hf.left_out(str(tmp_path)) == (
+        "its language model; left out: the vision tower (vision_config, model.visual.*) and "
+        "the multi-token prediction layers (2 tensors mtp.*, which transformers drops too)")
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "audio_config": {}}))
     with pytest.raises(CheckpointError, match=rf"audio_config=\{{\}}: a config field ctxpar "

@@ -63,7 +63,7 @@ from .linear_families import LINEAR_ATTENTION_KEYS, NEMOTRON_ALIASES, NEMOTRON_M
 from .moe_families import MOE_KEYS
 from .nemotron_moe import NEMOTRON_MOE_FIXED, NEMOTRON_MOE_INERT, NEMOTRON_MOE_KEYS
 from .olmo_hybrid import INIT_KEYS, NEG_EIGVAL
-from .qwen3_next import QWEN3_5_MOE_INERT
+from .qwen3_next import MTP_KEYS, QWEN3_5_MOE_INERT
 
 # model.* fields a family fixes (Llama leaves bias free), so the family of a ModelConfig
 # is the first whose fixed values it has.
@@ -158,7 +158,8 @@ FAMILIES: Dict[str, Family] = {
         ("hidden_act", "silu"),
         neutral={"attention_bias": (False, "ctxpar has q/k/v biases without o_proj's, or "
                                            "biases on every layer (MLP too)")},
-        own=("layer_types", "full_attention_interval", *LINEAR_ATTENTION_KEYS)),
+        own=("layer_types", "full_attention_interval", *LINEAR_ATTENTION_KEYS),
+        inert=MTP_KEYS),  # its multi-token prediction layers, left out (qwen3_next.py)
     "nemotron_h": Family(
         "NemotronHForCausalLM", {**ARCH_DEFAULTS, "mlp": "relu2", "rope": False},
         ("mlp_hidden_act", "relu2"),
@@ -236,6 +237,7 @@ FAMILIES: Dict[str, Family] = {
                                            "biases on every layer (MLP too)")},
         own=("layer_types", "full_attention_interval", *LINEAR_ATTENTION_KEYS,
              *MOE_KEYS["qwen3_next"]),
+        inert=MTP_KEYS,  # its multi-token prediction layers, left out (qwen3_next.py)
         moe_fixed={"shared_expert_gate": True}),
     "qwen3_5_moe_text": Family(
         "Qwen3_5MoeForCausalLM", dict(_QWEN3_5_FIXED), ("hidden_act", "silu"),

@@ -41,13 +41,15 @@ from ..config.layers import gated_delta_dims
 QWEN3_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
 # config.json keys transformers' Qwen3.5-MoE reads in no code (module docstring; the
 # multi-token prediction layers' sizes too: no transformers model builds them)
-QWEN3_5_MOE_INERT = ("intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-                     "norm_topk_prob", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")
-# The released folders' multi-token prediction layers (mtp.*): transformers' causal LMs
-# drop them on loading (_keys_to_ignore_on_load_unexpected), and so does the import, saying
-# so in its start-up line; the export writes none.
+# The released Qwen3.5, Qwen3-Next and Qwen3.5-MoE folders' multi-token prediction layers
+# (mtp.* tensors, sized by these config.json keys): transformers' causal LMs build none and
+# drop the tensors on loading (_keys_to_ignore_on_load_unexpected), and so does the import,
+# saying so in its start-up line; the export writes none.
+MTP_KEYS = ("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")
 MTP_PREFIX = "mtp."
-MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_5_text", "qwen3_5")
+QWEN3_5_MOE_INERT = ("intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                     "norm_topk_prob", *MTP_KEYS)
 # the folder's fused Gated DeltaNet projection -> ctxpar's two parts, in its row order
 FUSED = {"linear_attn.in_proj_qkvz.weight": ("linear_attn.in_proj_qkv.weight",
                                              "linear_attn.in_proj_z.weight"),
