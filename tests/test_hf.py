@@ -575,6 +575,15 @@ def rewrite_weights(folder, change):
     save_file(tensors, file, metadata={"format": "pt"})
 
 
+
+def write_fused_experts(folder, fused):
+    """A folder's per-expert tensors replaced by the fused ones (E, ...) of `fused`."""
+    def change(t):
+        for k in [k for k in t if ".experts." in k]:
+            del t[k]
+        t.update(fused)
+    rewrite_weights(folder, change)
+
 def shard(folder):
     """Split model.safetensors into two shards with an index, as save_pretrained does."""
     from safetensors.torch import load_file, save_file
@@ -630,11 +639,7 @@ def test_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path):
         want = ref(tokens).logits
     fused = {k: v for k, v in ref.state_dict().items() if ".experts." in k}
 
-    def to_fused(t):  # the per-expert tensors replaced by the state dict's fused ones
-        for k in [k for k in t if ".experts." in k]:
-            del t[k]
-        t.update(fused)
-    rewrite_weights(tmp_path, to_fused)
+    write_fused_experts(tmp_path, fused)
     with torch.no_grad():
         torch.testing.assert_close(ctxpar_from(tmp_path)(tokens, torch.arange(32)), want, **TOL)
     ref.save_pretrained(tmp_path)  # per expert again
@@ -665,11 +670,7 @@ def test_nemotron_h_moe_folders_fused_or_per_expert_and_what_is_refused(tmp_path
     fused = {"backbone." + k[len("model."):]: v for k, v in ref.state_dict().items()
              if k.endswith(("experts.up_proj", "experts.down_proj"))}
 
-    def to_fused(t):
-        for k in [k for k in t if ".experts." in k]:
-            del t[k]
-        t.update(fused)
-    rewrite_weights(tmp_path, to_fused)
+    write_fused_experts(tmp_path, fused)
     with torch.no_grad():
         torch.testing.assert_close(ctxpar_from(tmp_path)(tokens, torch.arange(32)), want, **TOL)
     m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), str(tmp_path)))

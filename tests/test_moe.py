@@ -113,6 +113,31 @@ def test_gpt_oss_experts_equal_transformers_and_their_biases_do_not_decay():
         "gate.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias"}
 
 
+def assert_sigmoid_moe_equals(theirs, ours, renamed):
+    """transformers' sigmoid-routed MoE block (DeepSeek-V3's, Nemotron 3's) and ctxpar's on
+    the same weights and correction bias: output and every gradient (their names ->
+    ctxpar's: shared_experts -> shared_expert and `renamed`)."""
+    mine = dict(ours.named_parameters())
+    names = {}
+    for n, _ in theirs.named_parameters():
+        names[n] = n.replace("shared_experts.", "shared_expert.")
+        for a, b in renamed.items():
+            names[n] = names[n].replace(a, b)
+    assert set(names.values()) == set(mine)
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            mine[names[n]].copy_(p)
+        ours.gate.e_score_correction_bias.copy_(theirs.gate.e_score_correction_bias)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    dy = torch.randn(2, 16, 32)
+    want, got = theirs(x), ours(x)
+    g_want = torch.autograd.grad(want, [x, *(p for _, p in theirs.named_parameters())], dy)
+    g = torch.autograd.grad(got, [x, *(mine[names[n]] for n in names)], dy)
+    torch.testing.assert_close(got, want, **TOL)
+    for name, a, b in zip(["x", *names], g, g_want):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
 def test_deepseek_v3_routing_equals_transformers():
     """Sigmoid scores, the top-k chosen on scores + e_score_correction_bias among each
     token's topk_group best of n_group groups, weights from the scores without the bias,
@@ -132,24 +157,7 @@ def test_deepseek_v3_routing_equals_transformers():
     ours = MoE(_moe_cfg(num_experts=16, top_k=4, score="sigmoid", score_correction_bias=True,
                         n_group=4, topk_group=2, routed_scaling_factor=2.5,
                         shared_expert_hidden=24))
-    mine = dict(ours.named_parameters())
-    names = {n: n.replace("shared_experts.", "shared_expert.")
-             for n, _ in theirs.named_parameters()}
-    assert set(names.values()) == set(mine)
-    with torch.no_grad():
-        for n, p in theirs.named_parameters():
-            mine[names[n]].copy_(p)
-        ours.gate.e_score_correction_bias.copy_(theirs.gate.e_score_correction_bias)
-    x = torch.randn(2, 16, 32, requires_grad=True)
-    dy = torch.randn(2, 16, 32)
-    want, got = theirs(x), ours(x)
-    params = [p for _, p in theirs.named_parameters()]
-    g_want = torch.autograd.grad(want, [x, *params], dy)
-    g = torch.autograd.grad(got, [x, *(mine[names[n]] for n, _ in theirs.named_parameters())],
-                            dy)
-    torch.testing.assert_close(got, want, **TOL)
-    for name, a, b in zip(["x", *names], g, g_want):
-        torch.testing.assert_close(a, b, **TOL, msg=name)
+    assert_sigmoid_moe_equals(theirs, ours, {})
     model = GPT(_moe_cfg(score="sigmoid", score_correction_bias=True)).bfloat16()
     name = "layers.0.mlp.gate.e_score_correction_bias"  # transformers' name, under layers.0
     assert name in model.state_dict() and name not in dict(model.named_parameters())
@@ -175,24 +183,7 @@ def test_nemotron_h_moe_equals_transformers():
     cfg = replace(_moe_cfg(num_experts=8, top_k=3, score="sigmoid", score_correction_bias=True,
                            n_group=2, topk_group=1, routed_scaling_factor=2.5,
                            shared_expert_hidden=40), mlp="relu2")
-    ours = MoE(cfg)
-    mine = dict(ours.named_parameters())
-    names = {n: n.replace("shared_experts.", "shared_expert.").replace(
-        "experts.up_proj", "experts.gate_up_proj") for n, _ in theirs.named_parameters()}
-    assert set(names.values()) == set(mine)
-    with torch.no_grad():
-        for n, p in theirs.named_parameters():
-            mine[names[n]].copy_(p)
-        ours.gate.e_score_correction_bias.copy_(theirs.gate.e_score_correction_bias)
-    x = torch.randn(2, 16, 32, requires_grad=True)
-    dy = torch.randn(2, 16, 32)
-    want, got = theirs(x), ours(x)
-    g_want = torch.autograd.grad(want, [x, *(p for _, p in theirs.named_parameters())], dy)
-    g = torch.autograd.grad(got, [x, *(mine[names[n]] for n, _ in theirs.named_parameters())],
-                            dy)
-    torch.testing.assert_close(got, want, **TOL)
-    for name, a, b in zip(["x", *names], g, g_want):
-        torch.testing.assert_close(a, b, **TOL, msg=name)
+    assert_sigmoid_moe_equals(theirs, MoE(cfg), {"experts.up_proj": "experts.gate_up_proj"})
 
 
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 8), (8, 1)])
