@@ -181,7 +181,7 @@ def ctxpar_from(path):
     reader.check(m)
     model = GPT(m).eval()
     copy_full_weights_(model, reader.get, None)
-    load_buffers_(model, reader.buffers(m))  # the routers' correction biases
+    load_buffers_(model.named_buffers(), reader.buffers(m))  # the routers' correction biases
     assert reader.unused() == []
     return model
 

@@ -237,7 +237,8 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
                                                         load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {out_dir}")
-    load_buffers_(engine.module, saved_buffers(out_dir))  # the routers' correction biases
+    # the routers' correction biases
+    load_buffers_(engine.module.named_buffers(), saved_buffers(out_dir))
     dist.barrier()  # every rank has read its slices
     if dist.get_rank() == 0:
         shutil.rmtree(point.universal_dir, ignore_errors=True)

@@ -335,9 +335,11 @@ def saved_buffers(out_dir: str) -> Dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_buffers_(module, buffers: Dict[str, torch.Tensor]) -> None:
-    """module's buffers <- the saved ones of the same name (saved_buffers)."""
-    own = dict(module.named_buffers())
+def load_buffers_(named_buffers, buffers: Dict[str, torch.Tensor]) -> None:
+    """The (name, buffer) pairs of a model (``module.named_buffers()``, or a pipeline
+    stage's by GPT name: weights.gpt_named_buffers) <- the saved ones of the same name
+    (saved_buffers)."""
+    own = dict(named_buffers)
     for name, t in buffers.items():
         if name in own:
             own[name].copy_(t)

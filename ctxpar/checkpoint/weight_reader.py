@@ -10,6 +10,7 @@ unreadable tensor and one ctxpar would not use.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Dict
@@ -156,7 +157,7 @@ class WeightReader:
                 raise CheckpointError(f"{self.path}: no tensor {fused!r} (for {gpt_name})")
             self.used.add(fused)
             return qwen3_next.unfuse(fused, self._where[fused].get_tensor(fused), part,
-                                     self._split_dims())
+                                     self._split_dims)
         keys = self.sources(gpt_name)
         for k in keys:
             if k not in self._where:
@@ -178,9 +179,11 @@ class WeightReader:
             out[name] = self._where[key].get_tensor(key)
         return out
 
+    @functools.cached_property
     def _split_dims(self):
         """The Gated DeltaNet's head counts and sizes, from config.json as hf.model_fields
-        reads them (transformers' defaults where it has none)."""
+        reads them (transformers' defaults where it has none); read once, at the first
+        fused tensor."""
         from .linear_families import linear_attention_fields
 
         def refuse(key, value, why):

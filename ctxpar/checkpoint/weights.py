@@ -18,7 +18,6 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -111,11 +110,6 @@ def gpt_named_buffers(model) -> Iterator:
     return ((m.gpt_prefix + n, b) for m in blocks for n, b in m.named_buffers())
 
 
-def load_gpt_buffers_(model, buffers: Dict[str, torch.Tensor]) -> None:
-    """A GPT's or a pipeline stage's buffers <- buffers by GPT name (the stage's own)."""
-    load_buffers_(SimpleNamespace(named_buffers=lambda: gpt_named_buffers(model)), buffers)
-
-
 def checkpoint_buffers(tag_dir: str, universal_dir: str, n_layers: int
                        ) -> Dict[str, torch.Tensor]:
     """{GPT name: tensor} of the persistent buffers a ctxpar checkpoint saved (the routers'
@@ -154,7 +148,8 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
         reader = hf.WeightReader(source.path, cfg.model.tie_embeddings,
                                   hf.naming_of(cfg.model))
         copy_full_weights_(model, reader.get, state.tp_group)
-        load_gpt_buffers_(model, reader.buffers(cfg.model))  # the routers' correction biases
+        # the routers' correction biases
+        load_buffers_(gpt_named_buffers(model), reader.buffers(cfg.model))
         return source.describe()
     work = os.path.join(cfg.logging.run_dir, "init_from.universal")
     m = cfg.model
@@ -163,7 +158,7 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
                                         num_experts(m)))
     copy_full_weights_(model, lambda n: read_state(work, n, "fp32"), state.tp_group)
     # the routers' correction biases, whichever layout saved them and loads them
-    load_gpt_buffers_(model, checkpoint_buffers(source.path, work, m.n_layers))
+    load_buffers_(gpt_named_buffers(model), checkpoint_buffers(source.path, work, m.n_layers))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(work, ignore_errors=True)

@@ -294,4 +294,4 @@ def _load_through_universal_(model, files: CheckpointFiles, tp_group) -> None:
                                       naming(False, m.n_layers, True), m.moe.num_experts))
     names = [n for n, _ in model.named_parameters()]
     load_full_state_dict_(model, full_weights(out, names), tp_group)
-    load_buffers_(model, saved_buffers(out))
+    load_buffers_(model.named_buffers(), saved_buffers(out))
