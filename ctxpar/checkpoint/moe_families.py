@@ -75,7 +75,8 @@ DEFAULTS = {  # the config classes' defaults in transformers 5.x
 }
 
 
-def _integer(hf, key, default, refuse, low=1):
+def integer_field(hf, key, default, refuse, low=1):
+    """config.json's integer `key` (default when absent), refused unless >= low."""
     value = hf.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         refuse(key, value, f"config.json must give it as an integer >= {low}")
@@ -89,8 +90,8 @@ def moe_fields(hf: Dict[str, Any], name: str, refuse: Callable) -> MoEConfig:
     if len(experts) == 2 and hf["num_experts"] != hf["num_local_experts"]:
         refuse("num_local_experts", hf["num_local_experts"], f"num_experts="
                f"{hf['num_experts']} names the same count (transformers' attribute_map)")
-    e = _integer(hf, experts[0] if experts else "num_experts", d["num_experts"], refuse)
-    k = _integer(hf, "num_experts_per_tok", d["num_experts_per_tok"], refuse)
+    e = integer_field(hf, experts[0] if experts else "num_experts", d["num_experts"], refuse)
+    k = integer_field(hf, "num_experts_per_tok", d["num_experts_per_tok"], refuse)
     if k > e:
         refuse("num_experts_per_tok", k, f"more than num_experts={e}")
     n = hf["num_hidden_layers"]
@@ -107,7 +108,7 @@ def moe_fields(hf: Dict[str, Any], name: str, refuse: Callable) -> MoEConfig:
     if name == "mixtral":  # every layer, its experts intermediate_size wide, normalised
         return MoEConfig(num_experts=e, top_k=k, expert_hidden=hf["intermediate_size"],
                          norm_topk=True, aux_loss_coef=_aux(hf, d, refuse))
-    step = _integer(hf, "decoder_sparse_step", 1, refuse) if name != "qwen3_5_moe_text" else 1
+    step = integer_field(hf, "decoder_sparse_step", 1, refuse) if name != "qwen3_5_moe_text" else 1
     dense = (hf.get("mlp_only_layers") or []) if name != "qwen3_5_moe_text" else []
     if not isinstance(dense, list) or any(not isinstance(i, int) for i in dense):
         refuse("mlp_only_layers", dense, "a list of layer indices")
@@ -119,10 +120,10 @@ def moe_fields(hf: Dict[str, Any], name: str, refuse: Callable) -> MoEConfig:
         refuse("norm_topk_prob", norm, "config.json must give it as a boolean")
     shared = 0
     if name in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
-        shared = _integer(hf, "shared_expert_intermediate_size",
+        shared = integer_field(hf, "shared_expert_intermediate_size",
                           d["shared_expert_intermediate_size"], refuse)
     return MoEConfig(num_experts=e, top_k=k, norm_topk=norm,
-                     expert_hidden=_integer(hf, "moe_intermediate_size",
+                     expert_hidden=integer_field(hf, "moe_intermediate_size",
                                             d["moe_intermediate_size"], refuse),
                      layers=None if len(layers) == n else layers,
                      shared_expert_hidden=shared, shared_expert_gate=bool(shared),

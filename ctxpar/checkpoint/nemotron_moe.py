@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..config import resolved_ffn_hidden
 from ..config.moe import MoEConfig, moe_layer_indices
+from .moe_families import integer_field
 
 # config.json keys read here (families.py's nemotron_h own), and those no code reads
 NEMOTRON_MOE_KEYS = ("n_routed_experts", "num_local_experts", "num_experts_per_tok",
@@ -47,10 +48,7 @@ NEMOTRON_MOE_FIXED = {"score": "sigmoid", "score_correction_bias": True,
 
 
 def _integer(hf, key, refuse) -> int:
-    value = hf.get(key, DEFAULTS.get(key))
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        refuse(key, value, "config.json must give it as an integer >= 1")
-    return value
+    return integer_field(hf, key, DEFAULTS.get(key), refuse)
 
 
 def nemotron_moe_fields(hf: Dict[str, Any], sparse: List[int],
