@@ -80,6 +80,13 @@ LAYOUTS = {  # name: --set overrides
         "train.global_batch_size=1", "deepspeed.zero_optimization.stage=2"],
     "moe activations: cp2 ep2 none z1": ACT + MOE + [
         "model.n_layers=2", "model.moe.expert_hidden=256", "deepspeed.zero_optimization.stage=1"],
+    # dense and MoE layers mixed (layer 0 MoE, 1-3 dense), the experts under ZeRO-3 and ZeRO-0
+    "moe mixed state: cp2 ep2 z3": STATE + MOE + [
+        "model.moe.expert_hidden=1024", "model.moe.layers=[0]", "parallel.cp=2",
+        "parallel.dp=1", "train.global_batch_size=1", "deepspeed.zero_optimization.stage=3"],
+    "moe mixed state: cp2 ep2 z0": STATE + MOE + [
+        "model.moe.expert_hidden=1024", "model.moe.layers=[0]", "parallel.cp=2",
+        "parallel.dp=1", "train.global_batch_size=1", "deepspeed.zero_optimization.stage=0"],
 }
 
 
