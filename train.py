@@ -110,8 +110,8 @@ def check_inputs(args, world: int) -> RunInputs:
         fail(problem)
     try:  # is the checkpoint sound (its manifest), and on this layout? file reads only
         resume_from = ckpt.resume_point(save_dir, args.resume, cfg, world, on_skip=warn)
-        if cfg.model.family is not None:  # the export's family must hold the model
-            ckpt.family_config(cfg.model)
+        if cfg.model.family is not None:  # the export's family must hold the model, and
+            ckpt.check_exportable(cfg.model)  # its config.json read back as this model
         init = ckpt.check_init_from(cfg) if cfg.model.init_from and resume_from is None else None
     except ckpt.CheckpointError as e:
         fail(str(e))

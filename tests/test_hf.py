@@ -237,15 +237,50 @@ def test_import_export_match_transformers_logits(tmp_path, tied, scaling):
     assert_round_trip(ref, model, tmp_path / "out", tokens)
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", False), ("qwen3", True),
-                                         ("mistral", False), ("gemma3_text", True),
-                                         ("qwen3_5_text", False), ("nemotron_h", False),
-                                         ("olmo_hybrid", False), ("qwen3_moe", False),
-                                         ("qwen2_moe", True), ("mixtral", False),
-                                         ("gpt_oss", False), ("nemotron_h_moe", False),
-                                         ("qwen3_next", False), ("qwen3_5_moe_text", True)])
-def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
-    ref = tiny_family(tmp_path / family, family, tied)
+def rope(kind, theta=5000.0, **more):
+    """rope_parameters of one kind at the tests' positions (48 tokens past 32 original)."""
+    scaling = {"linear": {"factor": 4.0}, "yarn": YARN, "llama3": LLAMA3}.get(kind, {})
+    return {**scaling, "rope_type": kind, "rope_theta": theta, **more}
+
+
+# Each family's RoPE away from what FAMILY_CONFIGS gives it (its class's default, or the
+# scaled one given there): gpt-oss's class default is YaRN, so rope_type default is the
+# case an export in the classic keys turned into another model. Nemotron-H has no RoPE
+# (NoPE attention): nothing to vary.
+ROPE_VARIANTS = {
+    "llama": dict(rope_parameters=rope("linear")),
+    "qwen2": dict(rope_scaling=None, rope_parameters=rope("default")),
+    "qwen3": dict(rope_parameters=rope("yarn", beta_fast=16.0, beta_slow=2.0)),
+    "mistral": dict(rope_parameters=rope("llama3")),
+    "gemma3_text": dict(  # RoPE per layer type: scaled full layers, their own sliding base
+        layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+        rope_parameters={"full_attention": rope("linear", 1e6),
+                         "sliding_attention": rope("default", 100.0)}),
+    "qwen3_5_text": dict(rope_parameters=rope("yarn", partial_rotary_factor=0.5)),
+    "olmo_hybrid": dict(rope_parameters=rope("linear")),
+    "qwen3_moe": dict(rope_parameters=rope("yarn")),
+    "qwen2_moe": dict(rope_parameters=rope("linear")),
+    "mixtral": dict(rope_parameters=rope("llama3", 1e6)),
+    "gpt_oss": dict(rope_parameters=rope("default", 150000.0)),
+    "qwen3_next": dict(rope_parameters=rope("linear", partial_rotary_factor=0.25)),
+    "qwen3_5_moe_text": dict(rope_parameters=rope("llama3", partial_rotary_factor=0.25)),
+}
+FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
+                ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
+                ("olmo_hybrid", False), ("qwen3_moe", False), ("qwen2_moe", True),
+                ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
+                ("qwen3_next", False), ("qwen3_5_moe_text", True)]
+
+
+@pytest.mark.parametrize("family,tied,rope_variant", [
+    *((f, t, False) for f, t in FAMILY_CASES),
+    *((f, t, True) for f, t in FAMILY_CASES if f in ROPE_VARIANTS)])
+def test_each_family_imports_and_exports_exactly(tmp_path, family, tied, rope_variant):
+    """Each family with its RoPE as FAMILY_CONFIGS gives it and as ROPE_VARIANTS does: the
+    export (which reads its config.json back through transformers' class) reloads with
+    ctxpar's logits."""
+    ref = tiny_family(tmp_path / family, family, tied,
+                      **(ROPE_VARIANTS[family] if rope_variant else {}))
     model = ctxpar_from(tmp_path / family)
     model_type = FAMILY_CONFIGS[family][0].model_type
     assert model.cfg.family == model_type and model.cfg.head_dim == 24
@@ -255,6 +290,35 @@ def test_each_family_imports_and_exports_exactly(tmp_path, family, tied):
     # the planner counts from the same description the model is checked against
     assert sum(s.numel() for s in parameter_specs(model.cfg)) == \
         sum(p.numel() for p in ref.parameters())
+
+
+def test_an_export_transformers_would_read_as_another_model_is_refused_whole(
+        tmp_path, monkeypatch):
+    """The classic keys again (rope_theta, rope_scaling: null) on a gpt-oss model with
+    plain RoPE: transformers' GptOssConfig reads YaRN, so the export stops in one line
+    naming the field and both values, and writes nothing (out_dir absent, no partial
+    folder beside it). ctxpar's own importer, the reader without transformers, reads the
+    correct export as the model too."""
+    from ctxpar.checkpoint import export_check
+    tiny_family(tmp_path / "f", "gpt_oss", False, **ROPE_VARIANTS["gpt_oss"])
+    model = ctxpar_from(tmp_path / "f")
+    assert model.cfg.rope_scaling is None
+    monkeypatch.setattr(hf, "rope_keys", lambda theta, scaling: {"rope_theta": theta,
+                                                                 "rope_scaling": scaling})
+    out = tmp_path / "exports" / "out"
+    with pytest.raises(export_check.ExportMismatch) as e:
+        hf.save_folder(str(out), weights_of(model), model.cfg)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{out}/config.json: model.rope_scaling: the "
+                                                "export means None, transformers")
+    assert "'rope_type': 'yarn', 'factor': 32.0" in line
+    assert os.listdir(tmp_path / "exports") == []
+    with pytest.raises(CheckpointError, match="model.rope_scaling: the export means None"):
+        export_check.check_exportable(model.cfg)  # train.py's start-up form of the check
+    monkeypatch.undo()
+    hf.save_folder(str(out), weights_of(model), model.cfg)
+    monkeypatch.setattr(export_check, "transformers_reading", lambda folder: None)
+    assert export_check.check_config(str(out), model.cfg) == "ctxpar's importer"
 
 
 # Each family's attention kinds: windows that divide nothing (48 tokens), mixed layers, and

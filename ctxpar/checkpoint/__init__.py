@@ -7,11 +7,14 @@
     families.py    the Hugging Face families (Llama, Qwen2, Qwen3, Mistral, Gemma 3) as
                    mappings of config.json onto model.* fields
     hf.py          Hugging Face config.json and safetensors, both directions; refusals
+    export_check.py an export's config.json read back as transformers reads it: the same
+                   model, or the export stops naming the field
     preemption.py  SIGTERM/SIGUSR1: every rank stops after the same step, saves, exits 0
     weights.py     model.init_from (Hugging Face folder or ctxpar checkpoint), export
 
 docs/checkpoints.md describes the files on disk and what may change between save and resume.
 """
+from .export_check import ExportMismatch, check_exportable
 from .hf import family_config
 from .preemption import PreemptionGuard
 from .reshard import (ResumePoint, checkpoint_meta, describe, layout_of, resume_point,
@@ -22,8 +25,8 @@ from .universal import universal_checkpoint_info
 from .weights import InitSource, check_init_from, export_hf, load_initial_weights
 
 __all__ = [
-    "CheckpointError", "InitSource", "PreemptionGuard", "ResumePoint", "check_init_from",
-    "checkpoint_meta", "complete_tags", "describe", "export_hf", "family_config", "is_tag",
+    "CheckpointError", "ExportMismatch", "InitSource", "PreemptionGuard", "ResumePoint", "check_init_from",
+    "check_exportable", "checkpoint_meta", "complete_tags", "describe", "export_hf", "family_config", "is_tag",
     "latest_complete", "layout_of", "list_tags", "load", "load_initial_weights",
     "read_manifest", "restore", "resume_point", "resume_problem", "save", "tag_for",
     "universal_checkpoint_info", "verify",

@@ -13,9 +13,10 @@ fields fixed; the rest map one to one, both ways:
     ffn_hidden          intermediate_size           init_std           initializer_range
     head_dim            head_dim                    query_pre_attn_scalar (Gemma)
 
-Written in the classic form (rope_theta / rope_scaling), which transformers 4.x reads and
-5.x converts to its ``rope_parameters``; both forms are read (Gemma 3's per-layer-type
-form too). A field ctxpar does not implement at its value, or does not know, is refused
+RoPE is written as ``rope_parameters`` (per layer type where the family has them), the
+form transformers 5's config classes read (rope_keys: the classic rope_theta /
+rope_scaling under transformers 4); both forms are read. Every export reads its
+config.json back before it reports success (export_check.py). A field ctxpar does not implement at its value, or does not know, is refused
 with its name (``CheckpointError`` -> exit 2), as is every tensor of the folder ctxpar
 would not use, a missing one, a shard the index names that is absent and a dtype it
 cannot read (weight_reader.py's ``WeightReader.check``, re-exported here). The vocabulary is exported as is: ctxpar never pads it
@@ -23,9 +24,11 @@ cannot read (weight_reader.py's ``WeightReader.check``, re-exported here). The v
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -39,6 +42,7 @@ from .linear_families import (HYBRID_LAYER_TYPES, NEMOTRON_EXPORT, hybrid_family
                               linear_attention_fields, nemotron_block_types, nemotron_fields,
                               qwen3_5_rope)
 from .moe_families import MOE_FAMILIES, moe_config, moe_fields, per_expert_tensors
+from .export_check import check_config
 from .names import to_hf
 from .olmo_hybrid import olmo_hybrid_config, olmo_hybrid_fields, saved_tensors
 from . import qwen3_next
@@ -100,7 +104,7 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         "head_dim": hd, fam.activation[0]: fam.activation[1],
         "max_position_embeddings": max(m.seq_len, max_positions or 0),
         "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "rope_scaling": m.rope_scaling,
+        **rope_keys(m.rope_theta, m.rope_scaling),
         "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0,
         "initializer_range": m.init_std, "torch_dtype": "float32",
         **{k: (source or {}).get(k) for k in TOKEN_IDS},
@@ -144,7 +148,7 @@ def _family_keys(cfg: Dict[str, Any], m, name: str, types: list,
         if name == "qwen3_5_moe_text":
             qwen3_next.hybrid_moe_config(cfg, m, lambda what: _refuse_export(what, fam))
     if name == "olmo_hybrid":  # its layers and RoPE or NoPE (olmo_hybrid.py)
-        del cfg["rope_theta"], cfg["rope_scaling"]
+        drop_rope_keys(cfg)
         cfg.update(olmo_hybrid_config(m, types))
     if name == "gemma3_text":
         _gemma3_keys(cfg, m, types)
@@ -156,7 +160,7 @@ def _gemma3_keys(cfg: Dict[str, Any], m, types: list) -> None:
     scaling = dict(m.rope_scaling or {"rope_type": "default"})
     local = (m.layer_rope or {}).get("sliding_attention", {})
     local_scaling = dict(local.get("rope_scaling") or {"rope_type": "default"})
-    del cfg["rope_theta"], cfg["rope_scaling"]
+    drop_rope_keys(cfg)
     # transformers makes Gemma 3's sliding mask whatever the layers: a window it reads
     # (its default) when no layer slides
     cfg.update(attention_bias=False, layer_types=types,
@@ -170,6 +174,30 @@ def _gemma3_keys(cfg: Dict[str, Any], m, types: list) -> None:
                                 "sliding_attention": {
                                     **local_scaling, "rope_theta": float(local.get(
                                         "rope_theta", m.rope_theta))}})
+
+
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def rope_keys(theta: float, scaling: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """config.json's RoPE in the form the installed transformers' config classes read:
+    ``rope_parameters`` (transformers 5, and ctxpar's importer), or the classic
+    ``rope_theta`` / ``rope_scaling`` under transformers 4. A 5.x class reads a missing
+    rope_parameters as its own default (gpt-oss's: YaRN), whatever the classic keys say."""
+    try:
+        import transformers
+        classic = int(transformers.__version__.split(".")[0]) < 5
+    except ImportError:
+        classic = False
+    if classic:
+        return {"rope_theta": theta, "rope_scaling": scaling}
+    return {"rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta}}
+
+
+def drop_rope_keys(cfg: Dict[str, Any]) -> None:
+    """Remove family_config's RoPE keys (a family that writes its own, or none)."""
+    for key in ROPE_KEYS:
+        cfg.pop(key, None)
 
 
 def _refuse_export(what: str, fam) -> None:
@@ -576,20 +604,43 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
                 tensors[k2] = v.contiguous()
     if cfg["model_type"] == "qwen3_next":  # its Gated DeltaNet's projections fused
         tensors = qwen3_next.saved_tensors(tensors, m)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, CONFIG), "w") as f:
-        json.dump({**cfg, "torch_dtype": str(dtype).replace("torch.", "")}, f, indent=2)
-    if tok is not None:
-        shutil.copyfile(tok["path"], os.path.join(out_dir, "tokenizer.json"))
-        # the folder's own tokenizer_config.json (special tokens, chat template) when it
-        # had one, with the run's EOS and length
-        saved = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        beside = os.path.join(os.path.dirname(os.path.abspath(tok["path"])),
-                              "tokenizer_config.json")
-        if os.path.isfile(beside):
-            with open(beside, encoding="utf-8") as f:
-                saved = json.load(f)
-        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump({**saved, "eos_token": tok["eos_token"],
-                       "model_max_length": cfg["max_position_embeddings"]}, f, indent=2)
+    with _written_whole(out_dir) as work:  # checked, then moved into out_dir
+        save_file(tensors, os.path.join(work, WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(work, CONFIG), "w") as f:
+            json.dump({**cfg, "torch_dtype": str(dtype).replace("torch.", "")}, f, indent=2)
+        if tok is not None:
+            _save_tokenizer(work, tok, cfg)
+        # read back as transformers reads it: the same model, or nothing is written
+        check_config(work, m, os.path.join(out_dir, CONFIG))
+
+
+@contextlib.contextmanager
+def _written_whole(out_dir: str):
+    """A folder beside out_dir to write into; its files replace out_dir's only when the
+    block ends without an error (an export that fails leaves out_dir as it was)."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial-",
+                            dir=parent)
+    try:
+        yield work
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(work):
+            os.replace(os.path.join(work, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _save_tokenizer(folder: str, tok: Dict[str, Any], cfg: Dict[str, Any]) -> None:
+    """The run's tokenizer.json, and the tokenizer_config.json beside it when it had one
+    (special tokens, chat template), with the run's EOS and length."""
+    shutil.copyfile(tok["path"], os.path.join(folder, "tokenizer.json"))
+    saved = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    beside = os.path.join(os.path.dirname(os.path.abspath(tok["path"])),
+                          "tokenizer_config.json")
+    if os.path.isfile(beside):
+        with open(beside, encoding="utf-8") as f:
+            saved = json.load(f)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({**saved, "eos_token": tok["eos_token"],
+                   "model_max_length": cfg["max_position_embeddings"]}, f, indent=2)

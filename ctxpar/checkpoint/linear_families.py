@@ -188,13 +188,15 @@ def hybrid_family_config(cfg: Dict[str, Any], m, name: str, types: List[str]) ->
     blocks (NoPE: no RoPE keys; no layer count, its blocks give it), Qwen3.5's layer types,
     Gated DeltaNet sizes and rope_parameters with the partial factor."""
     if name == "nemotron_h":
-        for key in ("rope_theta", "rope_scaling", "num_hidden_layers", "rms_norm_eps"):
-            del cfg[key]
+        for key in ("rope_theta", "rope_scaling", "rope_parameters", "num_hidden_layers",
+                    "rms_norm_eps"):
+            cfg.pop(key, None)
         def refuse(what):
             raise CheckpointError(f"{what} cannot be exported as NemotronHForCausalLM")
         cfg.update(nemotron_config(m, types, refuse))
         return
-    del cfg["rope_theta"], cfg["rope_scaling"]
+    for key in ("rope_theta", "rope_scaling", "rope_parameters"):  # written here
+        cfg.pop(key, None)
     cfg.update(attention_bias=False, **linear_attention_config(m, types),
                rope_parameters={**(m.rope_scaling or {"rope_type": "default"}),
                                 "rope_theta": m.rope_theta,

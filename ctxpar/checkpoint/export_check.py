@@ -1,0 +1,93 @@
+"""The export checks itself: a written config.json read back as its reader will read it.
+
+A family's transformers config class fills every field config.json leaves out, or spells
+the old way, with its own default: gpt-oss's class reads a missing ``rope_parameters`` as
+YaRN with factor 32 over 4,096 positions, whatever ``rope_theta`` / ``rope_scaling: null``
+say. An export that writes such a field is another model, silently. So before an export
+reports success, its config.json is read back
+
+  - through the installed transformers' config class (``AutoConfig``), then written the
+    way ``save_pretrained`` writes it, so every default the class filled in is explicit;
+  - else through ctxpar's own importer (``hf.read_config``),
+
+and mapped onto model.* by the importer's mapping (``hf.model_fields``: the one
+``--model-config`` and ``model.init_from`` use). Every field must equal what the exported
+model means; the first that does not is named with both values (``ExportMismatch``, a
+CheckpointError: exit 2). What may differ: the position limit (``max_position_embeddings``
+is the larger of the run's and its source's) and model.init_from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Dict
+
+from ..config import ModelConfig
+from .resume import CheckpointError
+from .weight_reader import CONFIG
+
+# model.* an exported config.json may mean differently from the model: the position limit
+# (hf.family_config keeps the source's when larger) and where the run started from
+NOT_COMPARED = ("seq_len", "init_from")
+# what a model without RoPE (model.rope false: NoPE attention) does not compute with
+NOPE = ("rope_theta", "rope_scaling", "layer_rope")
+
+
+class ExportMismatch(CheckpointError):
+    """A written config.json that its reader reads as another model."""
+
+
+def transformers_reading(folder: str) -> Dict[str, Any] | None:
+    """config.json as the installed transformers' config class reads it, every default it
+    fills in made explicit (save_pretrained's form); None without transformers."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return None
+    config = AutoConfig.from_pretrained(folder)
+    return json.loads(config.to_json_string(use_diff=True))
+
+
+def check_config(folder: str, m: ModelConfig, name: str | None = None) -> str:
+    """Refuse (ExportMismatch, one line naming the file as ``name``) a config.json in
+    folder that does not read back as model m; returns which reader read it
+    ('transformers X' or "ctxpar's importer")."""
+    from . import hf
+    from .families import family_of
+    read = transformers_reading(folder)
+    reader = "ctxpar's importer"
+    if read is None:
+        read = hf.read_config(folder)
+    else:
+        import transformers
+        reader = f"transformers {transformers.__version__}"
+        with tempfile.TemporaryDirectory(prefix="ctxpar-reread-") as again:
+            with open(os.path.join(again, CONFIG), "w") as f:
+                json.dump(read, f)  # the importer reads a folder; the reading is its file
+            read = hf.read_config(again)
+    file = name or os.path.join(folder, CONFIG)
+    try:
+        fields = hf.model_fields(read, folder)
+    except CheckpointError as e:
+        raise ExportMismatch(f"{file} as {reader} reads it is not a model ctxpar reads "
+                             f"back: {e}") from None
+    meant = hf.architecture({**vars(m), "family": family_of(m)})
+    back = hf.architecture(fields)
+    skip = NOT_COMPARED + (() if meant["rope"] else NOPE)
+    for key, value in meant.items():
+        if key not in skip and back.get(key) != value:
+            raise ExportMismatch(f"{file}: model.{key}: the export means {value!r}, "
+                                 f"{reader} reads {back.get(key)!r}")
+    return reader
+
+
+def check_exportable(m: ModelConfig) -> str:
+    """model m's family holds it (hf.family_config) and its config.json reads back as m:
+    what an export of m will write, checked before a run trains for it (no weights)."""
+    from . import hf
+    cfg = hf.family_config(m)
+    with tempfile.TemporaryDirectory(prefix="ctxpar-export-config-") as folder:
+        with open(os.path.join(folder, CONFIG), "w") as f:
+            json.dump(cfg, f)
+        return check_config(folder, m, f"the export's {CONFIG} (model.family={cfg['model_type']})")
