@@ -42,3 +42,14 @@ def test_every_package_is_on_the_readme_map():
     packages = sorted(d for d in os.listdir(os.path.join(ROOT, "ctxpar"))
                       if os.path.isfile(os.path.join(ROOT, "ctxpar", d, "__init__.py")))
     assert packages and not [p for p in packages if f"`ctxpar/{p}/`" not in text], packages
+
+
+@pytest.mark.quick
+def test_the_families_table_has_one_row_per_registered_family():
+    """docs/checkpoints.md's families table names each family of
+    ctxpar/checkpoint/families/registry.py once, with its architecture: a family added
+    without its row (or a row left for one removed) fails here."""
+    from ctxpar.checkpoint.families import FAMILIES
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+ForCausalLM)` \|", _text("docs/checkpoints.md"),
+                      re.MULTILINE)
+    assert sorted(rows) == sorted((name, fam.architecture) for name, fam in FAMILIES.items())

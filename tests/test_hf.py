@@ -34,7 +34,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,
                           Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 
-from ctxpar.checkpoint import CheckpointError, hf, read_manifest  # noqa: E402
+from ctxpar.checkpoint import CheckpointError, export, hf, read_manifest  # noqa: E402
 from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
 from ctxpar.checkpoint.universal import full_weights, load_buffers_, to_universal  # noqa: E402
 from ctxpar.checkpoint.weights import copy_full_weights_, resolve_checkpoint  # noqa: E402
@@ -219,7 +219,7 @@ def assert_round_trip(ref, model, out, tokens):
         want = ref(tokens).logits
         got = model(tokens, torch.arange(tokens.shape[1]))
         torch.testing.assert_close(got, want, **TOL)
-        hf.save_folder(out, weights_of(model), model.cfg)
+        export.save_folder(out, weights_of(model), model.cfg)
         back = AutoModelForCausalLM.from_pretrained(out).float().eval()
         assert type(back) is type(ref)
         torch.testing.assert_close(back(tokens).logits, got, **TOL)
@@ -307,7 +307,7 @@ def test_an_export_transformers_would_read_as_another_model_is_refused_whole(
                                                                  "rope_scaling": scaling})
     out = tmp_path / "exports" / "out"
     with pytest.raises(export_check.ExportMismatch) as e:
-        hf.save_folder(str(out), weights_of(model), model.cfg)
+        export.save_folder(str(out), weights_of(model), model.cfg)
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"{out}/config.json: model.rope_scaling: the "
                                                 "export means None, transformers")
@@ -316,7 +316,7 @@ def test_an_export_transformers_would_read_as_another_model_is_refused_whole(
     with pytest.raises(CheckpointError, match="model.rope_scaling: the export means None"):
         export_check.check_exportable(model.cfg)  # train.py's start-up form of the check
     monkeypatch.undo()
-    hf.save_folder(str(out), weights_of(model), model.cfg)
+    export.save_folder(str(out), weights_of(model), model.cfg)
     monkeypatch.setattr(export_check, "transformers_reading", lambda folder: None)
     assert export_check.check_config(str(out), model.cfg) == "ctxpar's importer"
 
@@ -763,7 +763,7 @@ def test_qwen3_next_projections_are_read_by_key_head_and_a_relabelled_folder_ref
     multi-token prediction layers (mtp.*) are left out, as transformers drops them, and
     the start-up line says so."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
-    from ctxpar.checkpoint import qwen3_next
+    from ctxpar.checkpoint.families import qwen3_next
     cfg = Qwen3NextConfig(**{**SMALL, **FAMILY_CONFIGS["qwen3_next"][1],
                              "linear_num_value_heads": 6})
     torch.manual_seed(0)
@@ -807,7 +807,7 @@ def quantize_mxfp4(w):
     """An expert tensor (E, C, R) as gpt-oss's MXFP4 folders hold it, by the format's rules
     (OCP microscaling): along C, blocks of 32 e2m1 values (the nearest of FP4_VALUES) with
     one e8m0 exponent (bias 127) each, two codes a byte, the low nibble first."""
-    from ctxpar.checkpoint.moe_families import FP4_VALUES
+    from ctxpar.checkpoint.mxfp4 import FP4_VALUES
     x = w.transpose(1, 2).reshape(w.shape[0], w.shape[2], -1, 32)         # (E, R, G, 32)
     exp = torch.ceil(torch.log2(x.abs().amax(-1) / 6.0)).clamp(min=-126)  # (E, R, G)
     codes = ((x / torch.exp2(exp)[..., None])[..., None] -
@@ -821,7 +821,7 @@ def test_an_mxfp4_gpt_oss_folder_imports_transformers_dequantized_weights(tmp_pa
     into its own layout; its logits are transformers' on those values; another
     quantization is refused by name."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-    from ctxpar.checkpoint.moe_families import gpt_oss_from_hf
+    from ctxpar.checkpoint.families.gpt_oss import gpt_oss_from_hf
     ref = tiny_family(tmp_path, "gpt_oss", tied=False)
     packed = {}
 
@@ -975,7 +975,7 @@ def test_export_keeps_the_folders_token_ids_and_position_limit(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>",
                             pad_token="<pad>").save_pretrained(tmp_path / "tok")
-    info = hf.tokenizer_info(str(tmp_path / "tok" / "tokenizer.json"))
+    info = export.tokenizer_info(str(tmp_path / "tok" / "tokenizer.json"))
     cfg = hf.family_config(m, info, source, limit)
     assert [cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [6, 5, 7]
     assert init_chain(str(tmp_path / "gone"))[2].startswith(f"model.init_from={tmp_path}/gone")

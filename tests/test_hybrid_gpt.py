@@ -106,7 +106,7 @@ def test_olmo_hybrid_gpt_equals_transformers(tmp_path):
     export is the import): the loss and every gradient, the gradients mapped to
     transformers' names by exporting them as a folder."""
     from transformers import AutoModelForCausalLM
-    from ctxpar.checkpoint import hf
+    from ctxpar.checkpoint import export
 
     cfg = CONFIGS["olmo-hybrid"]
     ours = GPT(cfg, options=ModelOptions(seed=SEED))
@@ -114,7 +114,7 @@ def test_olmo_hybrid_gpt_equals_transformers(tmp_path):
         for name, p in ours.named_parameters():
             if "norm" in name or name.endswith("dt_bias"):
                 p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    hf.save_folder(tmp_path / "w", ours.named_parameters(), cfg)
+    export.save_folder(tmp_path / "w", ours.named_parameters(), cfg)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "w").float()
     tokens, labels = _batch(cfg)
     loss = ours(tokens, torch.arange(N), labels) / (labels != -100).sum()
@@ -123,7 +123,7 @@ def test_olmo_hybrid_gpt_equals_transformers(tmp_path):
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     ref.backward()
     close(loss, ref, "loss")
-    hf.save_folder(tmp_path / "g", ((n, p.grad) for n, p in ours.named_parameters()), cfg)
+    export.save_folder(tmp_path / "g", ((n, p.grad) for n, p in ours.named_parameters()), cfg)
     grads = AutoModelForCausalLM.from_pretrained(tmp_path / "g").float().state_dict()
     for name, p in theirs.named_parameters():
         close(grads[name], p.grad, name)

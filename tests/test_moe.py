@@ -78,11 +78,11 @@ def test_moe_layer_equals_transformers(family, experts, top_k, norm):
 def test_gpt_oss_experts_equal_transformers_and_their_biases_do_not_decay():
     """gpt-oss's MLP (router bias, softmax over the top-k logits, expert biases, the
     clamped SwiGLU reached by the weights, [gate | up] interleaved and transposed in its
-    tensors: checkpoint/moe_families.py): output and every gradient; the (E, n) bias
+    tensors: checkpoint/families/gpt_oss.py): output and every gradient; the (E, n) bias
     stacks join the norms and biases without weight decay."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
-    from ctxpar.checkpoint.moe_families import gpt_oss_from_hf
+    from ctxpar.checkpoint.families.gpt_oss import gpt_oss_from_hf
     from models.training import param_groups
     torch.manual_seed(0)
     theirs = GptOssMLP(GptOssConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=3,

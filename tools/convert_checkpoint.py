@@ -11,7 +11,7 @@ The checkpoint may be a step_* folder, a save_dir (its newest complete tag) or a
 saved on any layout (tp, cp, pp, dp, ZeRO stage): it goes through DeepSpeed's universal
 form in a temp dir (ctxpar/checkpoint/universal.py), on this machine, no processes.
 The export writes the family model.family names (the one model.init_from's folder had;
-ctxpar/checkpoint/families.py): config.json + model.safetensors, and tokenizer.json +
+ctxpar/checkpoint/families/): config.json + model.safetensors, and tokenizer.json +
 tokenizer_config.json when the run trained with data.tokenizer set. A run started from a
 folder keeps its token ids (bos, eos, pad; the run's tokenizer's where it names them)
 and its max_position_embeddings when that is more than the trained seq_len

@@ -24,12 +24,16 @@ import tempfile
 from typing import Any, Dict
 
 from ..config import ModelConfig
+from ..config.layers import gated_delta_dims, mamba_dims, token_mixers
+from . import hf
+from .families import family_of
 from .resume import CheckpointError
 from .weight_reader import CONFIG
 
 # model.* an exported config.json may mean differently from the model: the position limit
-# (hf.family_config keeps the source's when larger) and where the run started from
-NOT_COMPARED = ("seq_len", "init_from")
+# (hf.family_config keeps the source's when larger), where the run started from, and the
+# linear kernels' chunk (a blocking of the chunked scan: the same sums)
+NOT_COMPARED = ("seq_len", "init_from", "linear_chunk_size")
 # what a model without RoPE (model.rope false: NoPE attention) does not compute with
 NOPE = ("rope_theta", "rope_scaling", "layer_rope")
 
@@ -49,12 +53,32 @@ def transformers_reading(folder: str) -> Dict[str, Any] | None:
     return json.loads(config.to_json_string(use_diff=True))
 
 
+def resolved(fields: Dict[str, Any]) -> Dict[str, Any]:
+    """hf.architecture's fields with the linear mixers' sizes resolved too (an unset one
+    and its default written out are one model)."""
+    arch = hf.architecture(fields)
+    m = ModelConfig(**{k: v for k, v in fields.items() if k != "init_from"})
+    mixers = token_mixers(m)
+    if "gated_delta" in mixers:
+        g = gated_delta_dims(m)
+        arch.update(linear_num_key_heads=g.num_key_heads,
+                    linear_num_value_heads=g.num_value_heads,
+                    linear_key_head_dim=g.key_head_dim, linear_value_head_dim=g.value_head_dim,
+                    linear_conv_kernel_dim=g.conv_kernel,
+                    linear_allow_neg_eigval=g.allow_neg_eigval, linear_norm_eps=g.norm_eps)
+    if "mamba2" in mixers:
+        d = mamba_dims(m)
+        arch.update(mamba_num_heads=d.num_heads, mamba_head_dim=d.head_dim,
+                    ssm_state_size=d.state_size, n_groups=d.n_groups, conv_kernel=d.conv_kernel,
+                    use_conv_bias=d.conv_bias, time_step_min=d.time_step_min,
+                    time_step_max=d.time_step_max, time_step_floor=d.time_step_floor)
+    return arch
+
+
 def check_config(folder: str, m: ModelConfig, name: str | None = None) -> str:
     """Refuse (ExportMismatch, one line naming the file as ``name``) a config.json in
     folder that does not read back as model m; returns which reader read it
     ('transformers X' or "ctxpar's importer")."""
-    from . import hf
-    from .families import family_of
     read = transformers_reading(folder)
     reader = "ctxpar's importer"
     if read is None:
@@ -72,8 +96,8 @@ def check_config(folder: str, m: ModelConfig, name: str | None = None) -> str:
     except CheckpointError as e:
         raise ExportMismatch(f"{file} as {reader} reads it is not a model ctxpar reads "
                              f"back: {e}") from None
-    meant = hf.architecture({**vars(m), "family": family_of(m)})
-    back = hf.architecture(fields)
+    meant = resolved({**vars(m), "family": family_of(m)})
+    back = resolved(fields)
     skip = NOT_COMPARED + (() if meant["rope"] else NOPE)
     for key, value in meant.items():
         if key not in skip and back.get(key) != value:
@@ -85,7 +109,6 @@ def check_config(folder: str, m: ModelConfig, name: str | None = None) -> str:
 def check_exportable(m: ModelConfig) -> str:
     """model m's family holds it (hf.family_config) and its config.json reads back as m:
     what an export of m will write, checked before a run trains for it (no weights)."""
-    from . import hf
     cfg = hf.family_config(m)
     with tempfile.TemporaryDirectory(prefix="ctxpar-export-config-") as folder:
         with open(os.path.join(folder, CONFIG), "w") as f:

@@ -68,7 +68,7 @@ _HF_NEMOTRON_TOP = (("embed.weight", "backbone.embeddings.weight"),
 # attention layers' reordered norms feedforward_layer_norm (after attention: transformers'
 # post_attention_layernorm, renamed on saving with the others) and
 # post_feedforward_layernorm; its Gated DeltaNet's own names. in_proj_qkv and conv1d have
-# no one tensor: they are [q | k | v] sections (checkpoint/olmo_hybrid.py's sources).
+# no one tensor: they are [q | k | v] sections (checkpoint/families/olmo_hybrid.py's sources).
 _HF_IN_OLMO_HYBRID_BLOCK = (
     ("attn_norm.weight", "attention_layer_norm.weight"),
     ("mlp_norm.weight", "feedforward_layer_norm.weight"),

@@ -2,11 +2,12 @@
 every family's layout of them (hf.py maps config.json; this reads the weights).
 
 A tensor may be stored whole under its transformers name (names.py), in parts
-(OLMo Hybrid's [q | k | v], olmo_hybrid.py), fused with another (Qwen3-Next's Gated
-DeltaNet projections, qwen3_next.py), per expert (the mixtures of experts'
-``experts.N.*``, moe_families.py) or quantized (gpt-oss's MXFP4, dequantized as transformers
-does); ``check`` reads the headers alone and refuses, naming it, a missing, misshapen or
-unreadable tensor and one ctxpar would not use.
+(OLMo Hybrid's [q | k | v]), fused with another (Qwen3-Next's Gated DeltaNet
+projections), per expert (the mixtures of experts' ``experts.N.*``, families/experts.py)
+or quantized (gpt-oss's MXFP4, dequantized as transformers does): the folder's family
+says which through its hooks (families/base.py); this file names no family. ``check``
+reads the headers alone and refuses, naming it, a missing, misshapen or unreadable tensor
+and one ctxpar would not use.
 """
 from __future__ import annotations
 
@@ -21,13 +22,10 @@ from ..config import ModelConfig
 from ..config.layers import LAYER_MIXERS, layer_types
 from ..config.moe import moe_layer_indices
 from ..config.parameters import parameter_specs
-from .families import WRAPPERS
-from .moe_families import (assemble, assembled_shape, dequantize_mxfp4, gpt_oss_from_hf,
-                           gpt_oss_key, gpt_oss_shape, mxfp4_shape, mxfp4_sources,
-                           per_expert_sources)
+from .families import WRAPPERS, folder_family
+from .families.experts import assemble, assembled_shape, per_expert_sources
+from .mxfp4 import dequantize_mxfp4, mxfp4_shape, mxfp4_sources
 from .names import to_hf
-from .olmo_hybrid import part_rows, tensor_sources
-from . import qwen3_next
 from .resume import CheckpointError
 
 CONFIG = "config.json"
@@ -103,11 +101,13 @@ class WeightReader:
                     raise CheckpointError(f"{os.path.join(path, f)} holds {key!r}, which "
                                           f"{WEIGHTS_INDEX} places in {weight_map.get(key)}")
                 self._where[key] = handle
-        # a MoE family's experts saved per expert: {fused key: parts} (moe_families.py)
-        self.model_type = read_raw_config(path).get("model_type") if is_hf_folder(path) \
-            else None
-        self._experts = per_expert_sources(self._where, self.model_type)
-        self._mxfp4 = mxfp4_sources(self._where, self.model_type)  # gpt-oss's quantized
+        # the folder's family (a multimodal folder's text family): its hooks say how it
+        # names and lays out tensors; a MoE family's experts saved per expert: {fused
+        # key: parts}; gpt-oss's quantized experts
+        self.family = folder_family(read_raw_config(path).get("model_type")
+                                    if is_hf_folder(path) else None)
+        self._experts = per_expert_sources(self._where, self.family.expert_naming)
+        self._mxfp4 = mxfp4_sources(self._where) if self.family.mxfp4 else {}
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self._where))
             if lost:
@@ -116,29 +116,29 @@ class WeightReader:
         self.used = set()
 
     def key(self, gpt_name: str) -> str:
-        key = gpt_oss_key(to_hf(gpt_name, self.naming), self.model_type)
+        key = self.family.folder_key(to_hf(gpt_name, self.naming))
         if self.wrapper is not None and key.startswith("model."):
             return self.wrapper.prefix + key[len("model."):]
         return key
 
     def sources(self, gpt_name: str) -> list:
         """Where the folder may hold a parameter: alternatives, each a tuple of tensors
-        concatenated on dim 0 (OLMo Hybrid's [q | k | v] parts, olmo_hybrid.py); the
-        first the folder has all of, else the first."""
+        concatenated on dim 0 (the family's sources: OLMo Hybrid's [q | k | v] parts);
+        the first the folder has all of, else the first."""
         key = self.key(gpt_name)
-        options = tensor_sources(key) if self.naming == "olmo_hybrid" else [(key,)]
+        options = self.family.sources(key)
         return next((o for o in options if all(k in self._where for k in o)), options[0])
 
     def _kept(self, key: str) -> bool:
         """Not a buffer, nor a tensor of what a multimodal folder leaves out, nor a
-        multi-token prediction layer's (qwen3_next.left_out)."""
+        tensor its family leaves out (multi-token prediction layers)."""
         return not key.endswith(self.IGNORED) and not (
             self.wrapper is not None and key.startswith(self.wrapper.left_out)) and \
-            not qwen3_next.left_out(key, self.model_type)
+            not self.family.left_out(key)
 
     def left_out(self) -> list:
-        """The folder's multi-token prediction tensors, which the import leaves out."""
-        return sorted(k for k in self._where if qwen3_next.left_out(k, self.model_type))
+        """The folder's tensors its family leaves out (multi-token prediction layers)."""
+        return sorted(k for k in self._where if self.family.left_out(k))
 
     def get(self, gpt_name: str) -> torch.Tensor:
         key = self.key(gpt_name)
@@ -148,16 +148,16 @@ class WeightReader:
         if key not in self._where and key in self._mxfp4:  # dequantized as transformers does
             blocks, scales = self._mxfp4[key]
             self.used.update((blocks, scales))
-            return gpt_oss_from_hf(key, dequantize_mxfp4(self._where[blocks].get_tensor(blocks),
-                                                         self._where[scales].get_tensor(scales)))
-        split = qwen3_next.fused_source(key, self.model_type)
-        if split is not None:  # a part of Qwen3-Next's fused projection
+            return self.family.from_folder(key, dequantize_mxfp4(
+                self._where[blocks].get_tensor(blocks), self._where[scales].get_tensor(scales)))
+        split = self.family.fused_source(key)
+        if split is not None:  # a part of a fused tensor (Qwen3-Next's projections)
             fused, part = split
             if fused not in self._where:
                 raise CheckpointError(f"{self.path}: no tensor {fused!r} (for {gpt_name})")
             self.used.add(fused)
-            return qwen3_next.unfuse(fused, self._where[fused].get_tensor(fused), part,
-                                     self._split_dims)
+            return self.family.unfuse(fused, self._where[fused].get_tensor(fused), part,
+                                      self._config, self.path)
         keys = self.sources(gpt_name)
         for k in keys:
             if k not in self._where:
@@ -165,7 +165,7 @@ class WeightReader:
         self.used.update(keys)
         parts = [self._where[k].get_tensor(k) for k in keys]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return gpt_oss_from_hf(key, t) if self.model_type == "gpt_oss" else t
+        return self.family.from_folder(key, t)
 
     def buffers(self, m: ModelConfig) -> Dict[str, torch.Tensor]:
         """{GPT name: tensor} of the routers' correction biases (router_buffer_names), the
@@ -180,16 +180,9 @@ class WeightReader:
         return out
 
     @functools.cached_property
-    def _split_dims(self):
-        """The Gated DeltaNet's head counts and sizes, from config.json as hf.model_fields
-        reads them (transformers' defaults where it has none); read once, at the first
-        fused tensor."""
-        from .linear_families import linear_attention_fields
-
-        def refuse(key, value, why):
-            raise CheckpointError(f"{self.path}: {key}={value!r}: {why}")
-        return qwen3_next.dims_of(linear_attention_fields(read_raw_config(self.path),
-                                                          refuse))
+    def _config(self) -> Dict[str, Any]:
+        """The folder's config.json, read once (a fused tensor's sizes come from it)."""
+        return read_raw_config(self.path)
 
     def unused(self) -> list:
         """Tensors of the folder no parameter took (tied lm_head copies and buffers aside)."""
@@ -230,23 +223,20 @@ class WeightReader:
                 taken.update(self._mxfp4[key])
                 self._check_mxfp4(key, spec)
                 continue
-            split = qwen3_next.fused_source(key, self.model_type)
+            split = self.family.fused_source(key)
             if split is not None:  # the fused tensor's shape
-                fused = split[0]
-                want[fused] = qwen3_next.fused_shape(fused, qwen3_next.model_dims(m),
-                                                     m.d_model)
+                want[split[0]] = self.family.fused_shape(split[0], m)
                 continue
             keys = self.sources(spec.name)
             if len(keys) == 1:
-                want[keys[0]] = gpt_oss_shape(key, spec.shape) \
-                    if self.model_type == "gpt_oss" else spec.shape
+                want[keys[0]] = self.family.folder_shape(key, spec.shape)
                 continue
             for key in keys:  # every part present before their sizes are compared
                 if key not in self._where:
                     self._check_tensor(key, spec.shape)  # names the missing one
-            # [q | k | v] parts: the projections by section; transformers saves the conv in
-            # three equal chunks (its Concatenate reversed), so only the conv's sum counts
-            rows = part_rows(m) if "_proj." in keys[0] else [
+            # the parts' rows as the family sections them, else each part's own (only
+            # their sum counts)
+            rows = self.family.part_rows(m, keys) or [
                 self._where[k].get_slice(k).get_shape()[0] for k in keys]
             for key, n in zip(keys, rows):
                 want[key] = (n, *spec.shape[1:])
@@ -269,11 +259,12 @@ class WeightReader:
         """An MXFP4 tensor's blocks and scales: uint8, shapes that dequantize to spec's."""
         blocks, scales = (self._where[k].get_slice(k) for k in self._mxfp4[key])
         b, s = tuple(blocks.get_shape()), tuple(scales.get_shape())
-        if len(b) != 4 or b[:-1] != s or mxfp4_shape(b) != gpt_oss_shape(key, spec.shape) \
+        if len(b) != 4 or b[:-1] != s or mxfp4_shape(b) != self.family.folder_shape(
+                key, spec.shape) \
                 or {blocks.get_dtype(), scales.get_dtype()} != {"U8"}:
             raise CheckpointError(f"{self.path}: {key}_blocks {b} {blocks.get_dtype()} and "
                                   f"_scales {s} {scales.get_dtype()} are not MXFP4 of "
-                                  f"{gpt_oss_shape(key, spec.shape)} (uint8 (E, R, G, 16) "
+                                  f"{self.family.folder_shape(key, spec.shape)} (uint8 (E, R, G, 16) "
                                   f"and (E, R, G))")
 
     def _check_experts(self, key, parts, spec) -> None:

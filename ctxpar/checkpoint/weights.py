@@ -3,7 +3,7 @@
     source = check_init_from(cfg)                    # file reads only: before any collective
     msg = load_initial_weights(model, cfg, state, source)   # collective, before deepspeed's init
 
-A source is a Hugging Face folder of a known family (hf.py, families.py) or a ctxpar
+A source is a Hugging Face folder of a known family (hf.py, families/) or a ctxpar
 checkpoint; either way every
 rank copies its TP slice of each full tensor (``shard_full_tensor``, the rule of the
 model's own init) into GPT's parameters, or its pipeline stage's under GPT's names, so any
@@ -26,6 +26,7 @@ from ..config import ModelConfig
 from ..config.moe import MoEConfig
 from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
+from .export import save_folder
 from .names import from_pipe
 from .resume import MARKER, CheckpointError, is_tag, latest_complete, verify
 from .universal import (load_buffers_, naming, num_experts, read_state, saved_buffers,
@@ -217,6 +218,6 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32,
                                   f"writes: transformers would start it at zeros)")
         weights = itertools.chain(((n, read_state(out, n, "fp32")) for n in names),
                                   ((n, saved[n]) for n in wanted))
-        hf.save_folder(out_dir, weights, m, tokenizer, dtype, source, limit)
+        save_folder(out_dir, weights, m, tokenizer, dtype, source, limit)
     return tag_dir
 

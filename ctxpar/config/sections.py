@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from ..checkpoint.families.registry import HF_FAMILIES  # config.json model_types
 from ..context_parallel.api import CP_COMMS
 from ..context_parallel.kernels import BACKENDS
 from ..context_parallel.layouts import LAYOUTS
@@ -431,10 +432,6 @@ ROPE_SCALING_OPTIONAL = {  # rope_type -> keys it may have (modeling_rope_utils'
              "truncate"),
 }
 GATED_MLPS = ("swiglu", "geglu")
-# config.json model_types ctxpar imports and exports (ctxpar/checkpoint/families.py)
-HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_5_text",
-               "nemotron_h", "olmo_hybrid", "qwen3_moe", "qwen2_moe", "mixtral",
-               "gpt_oss", "qwen3_next", "qwen3_5_moe_text")  # gate_proj, up_proj, down_proj
 
 
 # ---------------------------------------------------------------- fields left unset

@@ -1,0 +1,139 @@
+"""Qwen3.5 (``qwen3_5_text``, Qwen3_5ForCausalLM; the multimodal ``qwen3_5`` folders'
+language model): Gated DeltaNet and gated full-attention layers, (1 + w) norms, q/k
+norms, partial RoPE. The Gated DeltaNet's keys are read here for its lineage too
+(qwen3_next.py, olmo_hybrid.py).
+
+    config.json                    ctxpar model.*
+    layer_types                    layer_types ('linear_attention', 'full_attention')
+      (or full_attention_interval: every n-th layer full, transformers' default 4)
+    linear_num_key_heads           linear_num_key_heads
+    linear_num_value_heads         linear_num_value_heads
+    linear_key_head_dim            linear_key_head_dim
+    linear_value_head_dim          linear_value_head_dim
+    linear_conv_kernel_dim         linear_conv_kernel_dim
+    rope_parameters.partial_rotary_factor   partial_rotary_factor (RoPE on the attention
+                                   layers only: the linear layers have no positions)
+
+Qwen3.5's multimodal RoPE keys (rope_parameters' mrope_section, mrope_interleaved) are
+read as plain RoPE: a text-only sequence gives its three position streams (time, height,
+width) the same ids, so every frequency turns by the same angle whichever stream it is
+taken from. model.linear_chunk_size is ctxpar's (the chunked kernel's block, a rounding
+choice only), never in config.json. The released folders' multi-token prediction layers
+(mtp.* tensors, sized by MTP_KEYS) are left out, as transformers' causal LMs drop them on
+loading (_keys_to_ignore_on_load_unexpected); the start-up line says so; the export
+writes none.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ...config.layers import gated_delta_dims, layer_types
+from ..rope_config import drop_rope_keys
+from .base import ARCH_DEFAULTS, NO_BIAS, Family, Refuse
+
+LINEAR_ATTENTION_KEYS = ("linear_num_key_heads", "linear_num_value_heads",
+                         "linear_key_head_dim", "linear_value_head_dim",
+                         "linear_conv_kernel_dim")
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # plain RoPE on text (module docstring)
+HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
+MTP_KEYS = ("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")
+MTP_PREFIX = "mtp."
+# Qwen3.5's layers: (1 + w) norms, q/k norms, the attention's sigmoid output gate
+QWEN3_5_FIXED = {**ARCH_DEFAULTS, "norm_offset": 1.0, "qk_norm": True,
+                 "attention_output_gate": True}
+
+
+def qwen3_5_layer_types(hf: Dict[str, Any], refuse: Refuse) -> List[str]:
+    """layer_types as Qwen3_5TextConfig reads them: given, or every
+    full_attention_interval-th layer full attention, the rest Gated DeltaNet."""
+    n, types = hf["num_hidden_layers"], hf.get("layer_types")
+    if types is None:
+        every = hf.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                 for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or set(types) - set(HYBRID_LAYER_TYPES):
+        refuse("layer_types", types, f"one of {', '.join(map(repr, HYBRID_LAYER_TYPES))} per "
+                                     f"layer ({n})")
+    return types
+
+
+def linear_attention_fields(hf: Dict[str, Any], refuse: Refuse) -> Dict[str, Any]:
+    """model.* of a Qwen3.5-lineage config.json's layers: the layer types and, when a
+    layer is Gated DeltaNet, its sizes (transformers' defaults where config.json has none)."""
+    types = qwen3_5_layer_types(hf, refuse)
+    fields: Dict[str, Any] = {"layer_types": types}
+    if "linear_attention" not in types:
+        return fields
+    defaults = dict(linear_num_key_heads=16, linear_num_value_heads=32,
+                    linear_key_head_dim=128, linear_value_head_dim=128,
+                    linear_conv_kernel_dim=4)  # Qwen3_5TextConfig's
+    for key in LINEAR_ATTENTION_KEYS:
+        value = hf.get(key, defaults[key])
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            refuse(key, value, "config.json must give it as an integer >= 1")
+        fields[key] = value
+    return fields
+
+
+def linear_attention_config(m, types: List[str]) -> Dict[str, Any]:
+    """config.json's layer types and Gated DeltaNet sizes of ModelConfig m, from the
+    resolved sizes (config.layers.gated_delta_dims)."""
+    g = gated_delta_dims(m)
+    return {"layer_types": types, "linear_num_key_heads": g.num_key_heads,
+            "linear_num_value_heads": g.num_value_heads,
+            "linear_key_head_dim": g.key_head_dim, "linear_value_head_dim": g.value_head_dim,
+            "linear_conv_kernel_dim": g.conv_kernel}
+
+
+def qwen3_5_rope(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], float]:
+    """(config.json without the RoPE keys read here, partial_rotary_factor): Qwen3.5 keeps
+    the factor in rope_parameters (0.25 by default there) beside the multimodal keys,
+    which are plain RoPE on text (module docstring)."""
+    params = dict(hf.get("rope_parameters") or {})
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    for key in MROPE_KEYS:
+        params.pop(key, None)
+    rest = {k: v for k, v in hf.items() if k != "partial_rotary_factor"}
+    return {**rest, "rope_parameters": params or None}, float(partial)
+
+
+def hybrid_layer_types(fam: Family, m, refuse_export: Callable[[str], None],
+                       both: bool = False) -> List[str]:
+    """A Gated DeltaNet hybrid's layers: linear_attention and full_attention only (both
+    present when `both`), no sinks."""
+    types = layer_types(m)
+    if m.attention_sinks:
+        refuse_export("model.attention_sinks=true")
+    if set(types) - set(HYBRID_LAYER_TYPES) or (both and set(types) != set(HYBRID_LAYER_TYPES)):
+        refuse_export(f"model.layer_types={types} ({fam.label} has "
+                      f"{' and '.join(HYBRID_LAYER_TYPES)} layers{', both' if both else ''})")
+    return types
+
+
+class Qwen3_5(Family):
+    def layers(self, hf: Dict[str, Any], file: str,
+               refuse: Refuse) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        kinds = linear_attention_fields(hf, refuse)
+        hf, kinds["partial_rotary_factor"] = qwen3_5_rope(hf)
+        return hf, kinds
+
+    def export_layer_types(self, m, refuse_export) -> List[str]:
+        return hybrid_layer_types(self, m, refuse_export)
+
+    def config(self, cfg: Dict[str, Any], m, types: List[str],
+               source: Optional[Dict[str, Any]], refuse_export) -> None:
+        drop_rope_keys(cfg)  # written here, with the partial factor
+        cfg.update(attention_bias=False, **linear_attention_config(m, types),
+                   rope_parameters={**(m.rope_scaling or {"rope_type": "default"}),
+                                    "rope_theta": m.rope_theta,
+                                    "partial_rotary_factor": m.partial_rotary_factor})
+
+    def left_out(self, key: str) -> bool:
+        return key.startswith(MTP_PREFIX)
+
+
+FAMILY = Qwen3_5(
+    "qwen3_5_text", "Qwen3_5ForCausalLM", dict(QWEN3_5_FIXED), ("hidden_act", "silu"),
+    neutral={"attention_bias": (False, NO_BIAS)},
+    own=("layer_types", "full_attention_interval", *LINEAR_ATTENTION_KEYS),
+    inert=MTP_KEYS)  # its multi-token prediction layers, left out (module docstring)

@@ -1,0 +1,25 @@
+"""The Hugging Face families ctxpar imports and exports: one line a family, config.json's
+model_type -> the file in this folder that describes it and the name it has there.
+
+The importer, the exporter, ``--model-config``, model.family's choices and the docs'
+families table all read this table (table.py loads it). Adding a family is one file
+here and one line below (docs/development.md). It imports nothing, so that the config
+can take model.family's choices from it.
+"""
+REGISTRY = (
+    ("llama", "llama", "FAMILY"),
+    ("qwen2", "qwen", "QWEN2"),
+    ("qwen3", "qwen", "QWEN3"),
+    ("mistral", "mistral", "FAMILY"),
+    ("gemma3_text", "gemma3", "FAMILY"),
+    ("qwen3_5_text", "qwen3_5", "FAMILY"),
+    ("nemotron_h", "nemotron_h", "FAMILY"),
+    ("olmo_hybrid", "olmo_hybrid", "FAMILY"),
+    ("qwen3_moe", "qwen_moe", "QWEN3_MOE"),
+    ("qwen2_moe", "qwen_moe", "QWEN2_MOE"),
+    ("mixtral", "mixtral", "FAMILY"),
+    ("gpt_oss", "gpt_oss", "FAMILY"),
+    ("qwen3_next", "qwen3_next", "QWEN3_NEXT"),
+    ("qwen3_5_moe_text", "qwen3_next", "QWEN3_5_MOE"),
+)
+HF_FAMILIES = tuple(model_type for model_type, _, _ in REGISTRY)
