@@ -402,6 +402,39 @@ def test_a_tokenizer_of_another_vocabulary_is_refused_in_one_line(text_run, run,
         assert len(err) == 1 and msg in err[0], err
 
 
+def test_a_tokenizer_other_than_the_runs_is_refused_by_generate_and_the_evaluation(
+        text_run, tmp_path, monkeypatch, capsys):
+    """Another BPE of the same 256 ids (trained on other text): its digest is not the one
+    the run's token file records, so generate.py and the long-context evaluation refuse
+    it as train.py refuses the token file: exit 2, one line naming both digests."""
+    from ctxpar.data.tokenizer import short_identity, tokenizer_identity
+    from tools import long_context_eval
+    import generate
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe_run, path = text_run
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    lines = open(os.path.join(ROOT, "docs", "development.md"), encoding="utf-8").readlines()
+    tok.train_from_iterator(lines, tokenizers.trainers.BpeTrainer(
+        vocab_size=256, special_tokens=["<unk>", "</s>"], show_progress=False))
+    other = str(tmp_path / "other.json")
+    tok.save(other)
+    assert tokenizers.Tokenizer.from_file(other).get_vocab_size() == 256
+    unset_launcher_env(monkeypatch)
+    for main, argv in ((generate.main, ["--prompt", "x"]),
+                       (long_context_eval.main, ["--lengths", "64", "--out",
+                                                 str(tmp_path / "lc")])):
+        with pytest.raises(SystemExit) as e:
+            main(["--run-dir", bpe_run, "--tokenizer", other, *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert f"--tokenizer {other} is the {short_identity(tokenizer_identity(other))} " \
+               f"tokenizer, but the run trained with the " \
+               f"{short_identity(tokenizer_identity(path))} one" in err[0], err
+        assert "corpus.idx records it" in err[0], err
+
+
 def test_readme_long_context_eval_on_short_documents_scores_windows(text_run, tmp_path,
                                                                     monkeypatch, capsys):
     # The README's command on a token-file run whose held-out documents are all shorter
