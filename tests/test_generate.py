@@ -459,10 +459,14 @@ def test_readme_long_context_eval_on_short_documents_scores_windows(text_run, tm
         if dist.is_initialized():
             dist.destroy_process_group()
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
-    assert len(err) == 1 and "holds model.seq_len=128 tokens: the loss by position is over " \
+    assert len(err) == 2 and "holds model.seq_len=128 tokens: the loss by position is over " \
         "held-out windows" in err[0], err
+    # its held-out split is one window: used once and said, not repeated to make 2
+    assert "--loss-samples 2: the held-out split holds 1 window: the loss by position is " \
+        "over those 1" in err[1], err
     res = json.load(open(os.path.join(out, "results.json")))
-    assert sum(b["tokens"] for b in res["loss_by_position"]) == 2 * 127
+    assert sum(b["tokens"] for b in res["loss_by_position"]) == 1 * 127
+    assert res["loss_samples"] == {"asked": 2, "used": 1, "from": "windows"}
     assert [c["length"] for c in res["tasks"]] == [64, 96]
     with pytest.raises(SystemExit) as e:  # asked for by name, documents are still required
         long_context_eval.main(["--run-dir", run, "--lengths", "64", "--loss-from",
