@@ -504,3 +504,15 @@ def test_cp_generation_exits_0_every_time_under_load(text_run):
     from tools.benchmarks.bench_generate_teardown import main as stress
     assert stress(["--run-dir", text_run[0], "--runs", "6", "--parallel", "2", "--busy", "1",
                    "--max-new-tokens", "4"]) == 0
+
+
+@pytest.mark.quick
+def test_generation_md_gives_the_tokenizers_default_as_generate_py_has_it():
+    """--tokenizer's default is the run's data.tokenizer (run_tokenizer), not the
+    byte-level one: the flag's help and docs/generation.md's row say the same."""
+    doc = open(os.path.join(ROOT, "docs", "generation.md"), encoding="utf-8").read()
+    row = next(ln for ln in doc.splitlines() if ln.startswith("| `--tokenizer"))
+    assert "default: the run's `data.tokenizer`" in row and "default the byte-level" not in row
+    assert "exits 2 naming both" in row
+    source = open(os.path.join(ROOT, "generate.py"), encoding="utf-8").read()
+    assert "default: the run's data.tokenizer" in source  # the flag's help

@@ -222,3 +222,27 @@ def test_fewer_held_out_samples_than_asked_are_used_once_and_warned(tmp_path, ca
     assert len(err) == 1 and f"holds {windows} window" in err[0], err
     passkey = config_from_dict({"model": {"seq_len": 128}})
     assert heldout(passkey, 4)[0].shape == (4, 128) and capsys.readouterr().err == ""
+
+
+@pytest.mark.quick
+def test_the_heatmaps_titles_and_trained_length_mark_do_not_overlap():
+    """Drawn, the figure's title, each panel's title and every text outside the panels (a
+    label for the trained length) take boxes apart from one another."""
+    import matplotlib.pyplot as plt
+    from ctxpar.components.long_context import Cell, heatmap_figure
+    cells = [Cell(t, n, d, 0.5, 1, []) for t in ("needle", "multikey")
+             for n in (64, 128, 192, 255) for d in (0.0, 0.5, 1.0)]
+    fig = heatmap_figure(cells, "mine step_00000020", trained_length=128)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [fig._suptitle.get_window_extent(renderer)]
+    for ax in fig.axes[:2]:
+        inside = ax.get_window_extent(renderer)
+        boxes.append(ax.title.get_window_extent(renderer))
+        boxes += [b for t in ax.texts for b in [t.get_window_extent(renderer)]
+                  if not inside.contains(*b.p0) or not inside.contains(*b.p1)]
+    assert "128" in fig.axes[0].get_title()  # the dashed line is explained somewhere
+    plt.close(fig)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)
