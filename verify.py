@@ -43,8 +43,8 @@ import torch.distributed as dist
 from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
 from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.components.parity import (PERTURBATION, PERTURBED_RUNS, ROUNDING, Row, compare,
-                                      format_table, parity_budget, precision_of, relative_l2, ring_size,
-                                      rounding_noise, verdict, with_floors)
+                                      format_table, parity_budget, precision_of, relative_l2,
+                                      ring_size, rounding_noise, verdict, with_floors)
 from ctxpar.config import ConfigError, deepspeed_config, load_config, ulysses_degree
 from ctxpar.context_parallel.layouts import gather_sequence
 from ctxpar.data import DataError, build_data
@@ -388,7 +388,7 @@ def verify(args, world: int):
             print(f"verify: model.init_from={dropped} is not loaded: both runs start from the "
                   f"same random init (the comparison does not depend on the weights)",
                   flush=True)
-    if (p.cp, p.pp) == (ref.parallel.cp, 1) and (p.cp == 1 or p.cp_comm == "ring"):
+    if (p.cp, p.pp, p.ep) == (ref.parallel.cp, 1, 1) and (p.cp == 1 or p.cp_comm == "ring"):
         warn(f"parallel.cp={p.cp} with pp=1 is the reference layout itself: every tensor will "
              f"agree; launch the ranks of the layout to check")
     configured, reference, rows = {}, {}, []
