@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ctxpar import checkpoint as ckpt
 from ctxpar.components.checkpointer import Checkpointer
 from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
-from ctxpar.components.evaluation import Evaluator
+from ctxpar.components.evaluation import Evaluator, eval_shortfall
 from ctxpar.components.known_warnings import filter_known_warnings
 from ctxpar.components.long_context import LongContextEval
 from ctxpar.components.metrics import (MetricsLogger, StepMetrics, StepTimer, WandbError,
@@ -99,6 +99,9 @@ def check_inputs(args, world: int) -> RunInputs:
         fail(str(e))
     for line in data.warnings:  # e.g. a token file too old to say which tokenizer made it
         warn(line)
+    short = eval_shortfall(cfg, data)  # train.eval_samples past the held-out windows
+    if short:
+        warn(short)
     if (cfg.data.document_mask and cfg.parallel.cp > 1 and cfg.parallel.layout != "striped"
             and cfg.parallel.cp_comm != "ulysses"):  # Ulysses: every rank the whole sequence
         warn(f"data.document_mask with parallel.layout={cfg.parallel.layout!r}: ranks' "

@@ -17,9 +17,14 @@ Top to bottom, in the processes the launcher gave:
      (default 1, the ring when above 1), the same tp, dp taking the ranks that frees; same
      init, same samples, same DeepSpeed section; the same tensors, compared on rank 0 as
      they come;
-  4. a table (the worst tensor of each kind; every tensor with --verbose) and one line;
-     exit 0 when every tensor is within its budget, 1 naming the worst
-     (ctxpar/components/parity.py; docs/parallelism.md, "Verify").
+  4. only where some gradient is over its flat budget and every loss and output is within
+     theirs: the reference again from weights moved by a few roundings, each gradient's
+     own movement the measure of its rounding noise, 20 times it the floor it is held to
+     (ill-conditioned sums: a Gated DeltaNet's A_log, dt_bias);
+  5. a table (the worst tensor of each kind; every tensor with --verbose) and one line;
+     exit 0 when every tensor is within its budget or floor, 1 naming the worst and
+     whether it is over a measured floor (ctxpar/components/parity.py;
+     docs/parallelism.md, "Verify").
 model.init_from is dropped (said so on rank 0): both runs start from the same random init.
 """
 from __future__ import annotations
@@ -37,8 +42,9 @@ import torch.distributed as dist
 
 from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
 from ctxpar.components.known_warnings import filter_known_warnings
-from ctxpar.components.parity import (Row, compare, format_table, parity_budget, precision_of,
-                                      ring_size, verdict)
+from ctxpar.components.parity import (PERTURBATION, PERTURBED_RUNS, ROUNDING, Row, compare,
+                                      format_table, parity_budget, precision_of, relative_l2,
+                                      ring_size, rounding_noise, verdict, with_floors)
 from ctxpar.config import ConfigError, deepspeed_config, load_config, ulysses_degree
 from ctxpar.context_parallel.layouts import gather_sequence
 from ctxpar.data import DataError, build_data
@@ -249,16 +255,33 @@ def to_rank0(grads: dict, attn: dict) -> Optional[dict]:
             "attn": {k: v for _, a in parts for k, v in a.items()}}
 
 
+def perturb_weights_(model, relative: float, seed: int = 0) -> None:
+    """Every floating parameter times (1 + relative x s), s = +-1 drawn per element from a
+    seed fixed by the parameter's place (the same on every rank, so DP replicas stay
+    equal): rounding-sized moves of the weights, whose effect on a gradient measures how
+    far rounding alone moves it (parity.py, "the rounding floor")."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            if p.is_floating_point():
+                gen = torch.Generator().manual_seed(1000 * seed + i)
+                sign = torch.randint(0, 2, p.shape, generator=gen).float() * 2 - 1
+                p.mul_(1 + relative * sign.to(p.device, p.dtype))
+
+
 def run_layout(cfg, data, device, n_steps: int,
-               on_step: Callable[[int, dict], None]) -> None:
-    """--steps optimizer steps of cfg's layout as train.py takes them; after each, rank 0
-    gets on_step(step, {"loss": float, "grads": {name: full}, "attn": {(layer, id): full}})."""
+               on_step: Callable[[int, dict], None], perturb: float = 0.0,
+               seed: int = 0) -> None:
+    """--steps optimizer steps of cfg's layout as train.py takes them (its weights moved
+    by perturb_weights_(perturb, seed) when perturb > 0); after each, rank 0 gets
+    on_step(step, {"loss": float, "grads": {name: full}, "attn": {(layer, id): full}})."""
     data = copy.copy(data)  # the same sources, read at this layout's micro-batch size
     data.cfg = cfg          # (batch_sizes: the two may differ)
     state = parallel_state(cfg)
     ds_config = deepspeed_config(cfg, state.dp_size)
     gas = ds_config["gradient_accumulation_steps"]
     model = build_model(cfg, state, gas, device)
+    if perturb:
+        perturb_weights_(model, perturb, seed)  # before ZeRO-3 partitions it (initialize_engine)
     engine, _ = initialize_engine(model, cfg, state, ds_config, device)
     steps = training_steps(cfg, engine, state, data, ds_config, device)  # train.py's kind
     # One owner per tensor sends it: TP and CP rank 0 of each DP rank's samples (attention),
@@ -306,6 +329,36 @@ def compare_step(step: int, got: dict, want: dict, budget: Dict[str, float]) -> 
     return rows
 
 
+def rounding_floors(rows: List[Row], reference: dict, ref, data, device, n_steps: int,
+                    precision: str) -> List[Row]:
+    """rows, with each gradient's rounding floor measured where it decides the verdict:
+    some gradient over its flat budget, every loss and output within theirs (otherwise
+    the rows go back as they are: the verdict does not depend on it). Then the reference
+    layout runs again from weights moved by PERTURBATION roundings (PERTURBED_RUNS times,
+    other signs each), and each gradient's relative movement from the reference's own is
+    its noise (parity.rounding_noise, parity.with_floors).
+    Collective over the world: rank 0 decides, every rank runs."""
+    need = [dist.get_rank() == 0 and any(not r.ok for r in rows if r.kind == "grad")
+            and all(r.ok for r in rows if r.kind != "grad")]
+    dist.broadcast_object_list(need, src=0)
+    if not need[0]:
+        return rows
+    if dist.get_rank() == 0:
+        over = sum(not r.ok for r in rows)
+        print(f"verify: {over} gradients over the flat budget, every output within it: "
+              f"measuring their rounding floor (the reference again, every weight moved by "
+              f"{PERTURBATION:g} roundings, {PERTURBED_RUNS} times)", flush=True)
+    movements = []
+    for seed in range(PERTURBED_RUNS):
+        moved = {}
+        run_layout(ref, data, device, n_steps, lambda step, got: moved.update({
+            (step, name): relative_l2(g, reference[step][name])
+            for name, g in got["grads"].items()}),
+            perturb=PERTURBATION * ROUNDING[precision], seed=seed)
+        movements.append(moved)
+    return with_floors(rows, rounding_noise(movements))
+
+
 def describe(cfg, world: int) -> str:
     """'tp2 cp4 pp1 dp1, hybrid (ulysses 2), layout zigzag' (' ep2' after dp when ep > 1)."""
     p = cfg.parallel
@@ -335,14 +388,17 @@ def verify(args, world: int):
             print(f"verify: model.init_from={dropped} is not loaded: both runs start from the "
                   f"same random init (the comparison does not depend on the weights)",
                   flush=True)
-    if (p.cp, p.pp) == (ref.parallel.cp, 1) and (p.cp == 1 or p.cp_comm == "ring"):
+    if (p.cp, p.pp, p.ep) == (ref.parallel.cp, 1, 1) and (p.cp == 1 or p.cp_comm == "ring"):
         warn(f"parallel.cp={p.cp} with pp=1 is the reference layout itself: every tensor will "
              f"agree; launch the ranks of the layout to check")
-    configured, rows = {}, []
+    configured, reference, rows = {}, {}, []
+
+    def against_reference(step, want):
+        reference[step] = want["grads"]
+        rows.extend(compare_step(step, configured.pop(step), want, budget))
     run_layout(cfg, data, device, args.steps, configured.__setitem__)
-    run_layout(ref, data, device, args.steps,
-               lambda step, want: rows.extend(compare_step(step, configured.pop(step), want,
-                                                           budget)))
+    run_layout(ref, data, device, args.steps, against_reference)
+    rows = rounding_floors(rows, reference, ref, data, device, args.steps, precision)
     out = [None]
     if rank0:
         line, code = verdict(rows)

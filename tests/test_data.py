@@ -381,7 +381,7 @@ def test_dp_cp_streams_shards_and_eval(tmp_path):
     task = PasskeyTask(96, 2, seed=1234, split="eval")
     want = sum(int(task.text(i)[1]) % 3 != 0 for i in range(12)) / 12
     for r in res:
-        assert r["eval"]["eval_samples"] == 12
+        assert r["eval"]["eval_samples"] == r["eval"]["eval_distinct_samples"] == 12
         assert r["eval"]["eval_accuracy"] == pytest.approx(want, abs=1e-12)
     # Text eval: the token mean over the 12 held-out samples (DP x CP), not a mean of
     # per-rank means. The held-out half of the file is windows 5..9 (seq_len 96).
@@ -393,7 +393,11 @@ def test_dp_cp_streams_shards_and_eval(tmp_path):
     same_next = np.mean([np.mean(x == y) for x, y in pairs])
     want_loss = np.log(np.exp(2.0) + 255) - 2.0 * same_next
     for r in res:
-        assert set(r["text_eval"]) == {"eval_loss", "eval_ppl", "eval_samples"}
+        assert set(r["text_eval"]) == {"eval_loss", "eval_ppl", "eval_samples",
+                                       "eval_distinct_samples"}
+        # 12 samples over the 5 held-out windows, cycled: said, not hidden
+        assert (r["text_eval"]["eval_samples"], r["text_eval"]["eval_distinct_samples"]) \
+            == (12, 5)
         # fp32 logits/CE per token, fp64 sums: ~1e-7 relative.
         assert r["text_eval"]["eval_loss"] == pytest.approx(want_loss, rel=1e-6)
         assert r["text_eval"]["eval_ppl"] == pytest.approx(np.exp(want_loss), rel=1e-6)
@@ -458,3 +462,25 @@ def test_reset_positions_restart_per_document_on_every_shard():
             assert pos.shape == (2, 8) and local["cu_seqlens"] is batch["cu_seqlens"]
             glob = shard_batch(batch, NoComm(r, 2), layout)["positions"]
             assert torch.equal(pos, want[:, glob]), (layout, r)
+
+
+@pytest.mark.quick
+def test_more_eval_samples_than_held_out_windows_is_warned_in_one_line(tmp_path):
+    """train.eval_samples past the held-out split's windows: one line naming both counts
+    and the key that sets the split (train.py warns it at start); none when they fit."""
+    from ctxpar.components.evaluation import eval_shortfall
+    prefix = write(tmp_path / "c", DOCS * 4)
+    cfg = config_from_dict({"model": {"seq_len": 96}, "train": {"eval_samples": 32},
+                            "data": {"kind": "tokens", "path": prefix, "eval_fraction": 0.2}})
+    data = build_data(cfg)
+    k = data.eval_source.n_windows
+    assert 1 <= k < 32
+    line = eval_shortfall(cfg, data)
+    assert line.startswith(f"train.eval_samples=32 but the held-out split (data.eval_fraction"
+                           f"=0.2 of {prefix}) holds {k} window") and "\n" not in line, line
+    assert f"cycles over those {k}" in line and "eval_distinct_samples" in line
+    fits = config_from_dict({"model": {"seq_len": 96}, "train": {"eval_samples": k},
+                             "data": {"kind": "tokens", "path": prefix, "eval_fraction": 0.2}})
+    assert eval_shortfall(fits, build_data(fits)) is None
+    passkey = config_from_dict({"model": {"seq_len": 96}, "train": {"eval_samples": 10**6}})
+    assert eval_shortfall(passkey, build_data(passkey)) is None  # never repeats

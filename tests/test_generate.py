@@ -402,6 +402,39 @@ def test_a_tokenizer_of_another_vocabulary_is_refused_in_one_line(text_run, run,
         assert len(err) == 1 and msg in err[0], err
 
 
+def test_a_tokenizer_other_than_the_runs_is_refused_by_generate_and_the_evaluation(
+        text_run, tmp_path, monkeypatch, capsys):
+    """Another BPE of the same 256 ids (trained on other text): its digest is not the one
+    the run's token file records, so generate.py and the long-context evaluation refuse
+    it as train.py refuses the token file: exit 2, one line naming both digests."""
+    from ctxpar.data.tokenizer import short_identity, tokenizer_identity
+    from tools import long_context_eval
+    import generate
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe_run, path = text_run
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    lines = open(os.path.join(ROOT, "docs", "development.md"), encoding="utf-8").readlines()
+    tok.train_from_iterator(lines, tokenizers.trainers.BpeTrainer(
+        vocab_size=256, special_tokens=["<unk>", "</s>"], show_progress=False))
+    other = str(tmp_path / "other.json")
+    tok.save(other)
+    assert tokenizers.Tokenizer.from_file(other).get_vocab_size() == 256
+    unset_launcher_env(monkeypatch)
+    for main, argv in ((generate.main, ["--prompt", "x"]),
+                       (long_context_eval.main, ["--lengths", "64", "--out",
+                                                 str(tmp_path / "lc")])):
+        with pytest.raises(SystemExit) as e:
+            main(["--run-dir", bpe_run, "--tokenizer", other, *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert f"--tokenizer {other} is the {short_identity(tokenizer_identity(other))} " \
+               f"tokenizer, but the run trained with the " \
+               f"{short_identity(tokenizer_identity(path))} one" in err[0], err
+        assert "corpus.idx records it" in err[0], err
+
+
 def test_readme_long_context_eval_on_short_documents_scores_windows(text_run, tmp_path,
                                                                     monkeypatch, capsys):
     # The README's command on a token-file run whose held-out documents are all shorter
@@ -426,10 +459,14 @@ def test_readme_long_context_eval_on_short_documents_scores_windows(text_run, tm
         if dist.is_initialized():
             dist.destroy_process_group()
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
-    assert len(err) == 1 and "holds model.seq_len=128 tokens: the loss by position is over " \
+    assert len(err) == 2 and "holds model.seq_len=128 tokens: the loss by position is over " \
         "held-out windows" in err[0], err
+    # its held-out split is one window: used once and said, not repeated to make 2
+    assert "--loss-samples 2: the held-out split holds 1 window: the loss by position is " \
+        "over those 1" in err[1], err
     res = json.load(open(os.path.join(out, "results.json")))
-    assert sum(b["tokens"] for b in res["loss_by_position"]) == 2 * 127
+    assert sum(b["tokens"] for b in res["loss_by_position"]) == 1 * 127
+    assert res["loss_samples"] == {"asked": 2, "used": 1, "from": "windows"}
     assert [c["length"] for c in res["tasks"]] == [64, 96]
     with pytest.raises(SystemExit) as e:  # asked for by name, documents are still required
         long_context_eval.main(["--run-dir", run, "--lengths", "64", "--loss-from",
@@ -467,3 +504,15 @@ def test_cp_generation_exits_0_every_time_under_load(text_run):
     from tools.benchmarks.bench_generate_teardown import main as stress
     assert stress(["--run-dir", text_run[0], "--runs", "6", "--parallel", "2", "--busy", "1",
                    "--max-new-tokens", "4"]) == 0
+
+
+@pytest.mark.quick
+def test_generation_md_gives_the_tokenizers_default_as_generate_py_has_it():
+    """--tokenizer's default is the run's data.tokenizer (run_tokenizer), not the
+    byte-level one: the flag's help and docs/generation.md's row say the same."""
+    doc = open(os.path.join(ROOT, "docs", "generation.md"), encoding="utf-8").read()
+    row = next(ln for ln in doc.splitlines() if ln.startswith("| `--tokenizer"))
+    assert "default: the run's `data.tokenizer`" in row and "default the byte-level" not in row
+    assert "exits 2 naming both" in row
+    source = open(os.path.join(ROOT, "generate.py"), encoding="utf-8").read()
+    assert "default: the run's data.tokenizer" in source  # the flag's help

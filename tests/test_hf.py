@@ -1476,3 +1476,28 @@ def test_olmo_hybrid_parts_ctxpar_cannot_use_are_refused_by_name(tmp_path, chang
     with pytest.raises(CheckpointError) as e:
         hf.WeightReader(str(tmp_path), m.tie_embeddings, hf.naming_of(m)).check(m)
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.quick
+def test_a_moe_mismatch_names_the_field_and_both_values(tmp_path):
+    """model.moe.top_k=3 against a folder of top_k 2: one line naming model.moe.top_k, the
+    folder's value and the config's (not two MoEConfig reprs), and a 'may differ' list
+    that holds the router losses, as docs/checkpoints.md says."""
+    from ctxpar.config.moe import MoEConfig
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=32)
+    folder = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                         ffn_hidden=96, moe=moe)
+    fields = dict(vars(folder))
+    mine = ModelConfig(**{**fields, "moe": MoEConfig(num_experts=4, top_k=3, expert_hidden=32,
+                                                     aux_loss_coef=0.01)})
+    with pytest.raises(CheckpointError) as e:
+        hf.check_matches(mine, fields, "x")
+    line = str(e.value)
+    assert "\n" not in line and "MoEConfig(" not in line, line
+    assert line.startswith("model.moe.top_k=3 but model.init_from=x has moe.top_k=2: set "
+                           "model.moe.top_k=2 (only seq_len, "), line
+    assert line.endswith(", family, moe.aux_loss_coef, moe.z_loss_coef may differ)"), line
+    two = ModelConfig(**{**fields, "moe": MoEConfig(num_experts=4, top_k=3, expert_hidden=16)})
+    with pytest.raises(CheckpointError, match=r"set model.moe.top_k=2 model.moe.expert_hidden"
+                                              r"=32 \(and model.moe.expert_hidden differ\)"):
+        hf.check_matches(two, fields, "x")

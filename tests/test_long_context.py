@@ -189,3 +189,60 @@ def test_loss_samples_from_documents_start_at_document_starts(tmp_path):
     assert (docs[0, :-1] == 3).all() and docs.tolist()[1] == [5] * 20
     assert src.document_starts(20, n=1).shape == (1, 20)
     assert src.document_starts(60, n=8).shape == (0, 60)
+
+
+@pytest.mark.quick
+def test_fewer_held_out_samples_than_asked_are_used_once_and_warned(tmp_path, capsys,
+                                                                   monkeypatch):
+    """--loss-samples 4 where the held-out split holds one document of model.seq_len tokens
+    (documents) or 2 windows (windows): those, each once, and one warning line naming
+    both counts, not 1 sample in silence or windows repeated."""
+    from ctxpar.config import config_from_dict
+    from ctxpar.data import IndexedDatasetWriter
+    from tools.long_context_eval import heldout
+    monkeypatch.setenv("RANK", "0")  # warn() speaks on rank 0
+    prefix = str(tmp_path / "c")
+    with IndexedDatasetWriter(prefix, vocab_size=256, eos_id=0) as w:
+        for _ in range(18):
+            w.add_document([5] * 40)  # short: no position past 40 in a document
+        w.add_document(list(range(1, 101)))  # the one held-out document of 64 tokens
+    cfg = config_from_dict({"model": {"seq_len": 64}, "data": {
+        "kind": "tokens", "path": prefix, "eval_fraction": 0.25}})
+    inputs, kind = heldout(cfg, 4)
+    assert kind == "documents" and inputs.shape == (1, 64)
+    assert inputs[0].tolist() == list(range(1, 65))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--loss-samples 4: the held-out split holds 1 document of at " \
+        "least model.seq_len=64 tokens: the loss by position is over those 1" in err[0], err
+    inputs, kind = heldout(cfg, 4, "windows")
+    windows = inputs.shape[0]
+    assert kind == "windows" and 1 <= windows < 4
+    assert len({tuple(x) for x in inputs.tolist()}) == windows  # none repeated
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"holds {windows} window" in err[0], err
+    passkey = config_from_dict({"model": {"seq_len": 128}})
+    assert heldout(passkey, 4)[0].shape == (4, 128) and capsys.readouterr().err == ""
+
+
+@pytest.mark.quick
+def test_the_heatmaps_titles_and_trained_length_mark_do_not_overlap():
+    """Drawn, the figure's title, each panel's title and every text outside the panels (a
+    label for the trained length) take boxes apart from one another."""
+    import matplotlib.pyplot as plt
+    from ctxpar.components.long_context import Cell, heatmap_figure
+    cells = [Cell(t, n, d, 0.5, 1, []) for t in ("needle", "multikey")
+             for n in (64, 128, 192, 255) for d in (0.0, 0.5, 1.0)]
+    fig = heatmap_figure(cells, "mine step_00000020", trained_length=128)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [fig._suptitle.get_window_extent(renderer)]
+    for ax in fig.axes[:2]:
+        inside = ax.get_window_extent(renderer)
+        boxes.append(ax.title.get_window_extent(renderer))
+        boxes += [b for t in ax.texts for b in [t.get_window_extent(renderer)]
+                  if not inside.contains(*b.p0) or not inside.contains(*b.p1)]
+    assert "128" in fig.axes[0].get_title()  # the dashed line is explained somewhere
+    plt.close(fig)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)

@@ -941,3 +941,23 @@ def test_block_fields_are_all_block_specs_reads():
                          "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim",
                          "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+@pytest.mark.quick
+def test_on_a_machine_without_cuda_the_default_h100_is_said_and_cpu_is_in_gflops(
+        monkeypatch, capsys):
+    """--gpu left out plans for H100s, which on a CPU machine is said on stderr with the
+    flags that plan for the machine; the cpu preset's 113 GFLOP/s core is not '0 TFLOP/s'."""
+    from ctxpar.plan.__main__ import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    assert main(["--config", tiny, "--gpus-per-node", "2", "--top", "1"]) == 0
+    out = capsys.readouterr()
+    assert "on 1 x 2 h100 (989 TFLOP/s," in out.out
+    note = out.err.strip().splitlines()
+    assert len(note) == 1 and note[0].startswith("note: planning for 2 h100 per node "
+                                                 "(--gpu's default)") \
+        and "--gpu cpu --gpus-per-node " in note[0], note
+    assert main(["--config", tiny, "--gpu", "cpu", "--gpus-per-node", "2", "--top", "1"]) == 0
+    out = capsys.readouterr()
+    assert "on 1 x 2 cpu (113 GFLOP/s," in out.out and out.err == ""

@@ -329,3 +329,37 @@ def test_on_two_nodes_ep_inside_a_node_is_fastest():
     assert steps[16].moe > 5 * steps[8].moe  # NVLink against the network
     assert [steps[ep].dp for ep in (1, 2, 4, 8, 16)] == sorted(
         (steps[ep].dp for ep in (1, 2, 4, 8, 16)), reverse=True)
+
+
+@pytest.mark.quick
+def test_an_ep_the_trainer_refuses_says_why():
+    """Under a pipeline (pp 2 x cp 2) ep 2 is refused at every ZeRO stage: the line gives
+    the config validation's reason, not a bare 'refused'."""
+    from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.report import ep_reason
+    from ctxpar.plan.search import evaluate
+    cfg, cluster = _moe_cfg(), Cluster(1, 4, gpu_preset("h100"))
+    plan = evaluate(cfg, Candidate(1, 2, 2, 1, zero=1, activation="full"), cluster)
+    why = ep_reason(cfg, plan, cluster)
+    assert "ep2 refused by the trainer (" in why, why
+    assert "parallel.pp=2 and parallel.ep=2" in why and "use ep 1 with a pipeline" in why, why
+    assert cfg.source not in why  # the reason, not the file it came from
+
+
+@pytest.mark.quick
+def test_a_mixed_dense_and_moe_model_is_planned_as_parallelism_md_says():
+    """model.moe.layers a subset: the planner counts each layer by its own MLP (fewer
+    parameters than every layer a mixture), and docs/parallelism.md says so rather than
+    that it refuses such a model."""
+    from ctxpar.config import load_config
+    from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.search import evaluate
+    cluster = Cluster(1, 4, gpu_preset("h100"))
+    every = _moe_cfg()
+    mixed = load_config(os.path.join(ROOT, "configs/gpt1b_32k_3d.yaml"),
+                        MOE_SET + ["model.moe.layers=[0, 1]"], check_paths=False)
+    cand = Candidate(1, 4, 1, 1, zero=2, activation="full", ep=2)
+    assert evaluate(mixed, cand, cluster).memory.peak < evaluate(every, cand, cluster).memory.peak
+    doc = open(os.path.join(ROOT, "docs", "parallelism.md"), encoding="utf-8").read()
+    claim = doc[doc.index("The planner counts the experts"):][:300]
+    assert "refuses" not in claim and "mixed in one model" in claim, claim

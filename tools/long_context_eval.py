@@ -13,7 +13,8 @@ score does not depend on tp or cp (or ep: a mixture of experts runs every expert
 rank, or its experts split over the CP ranks with --set parallel.ep=N). The loss by
 position scores --loss-samples held-out samples of the run's own data (every next
 token): held-out documents of at least model.seq_len tokens, or, when it has none, its
-held-out windows (said so). Lengths past
+held-out windows (said so); fewer when the split holds fewer (warned, and results.json's
+loss_samples records asked, used and from where). Lengths past
 model.seq_len are
 allowed (how far does an extension reach?) and said so. Writes results.json,
 heatmap.png and loss_by_position.png to --out; rank 0 prints the table.
@@ -81,9 +82,11 @@ def parse_args(argv=None):
 
 
 def heldout(cfg, n: int, loss_from=None):
-    """(n, seq_len) tokens of the run's held-out split: what train.py evaluates on
-    ('windows'), or the first seq_len tokens of its documents at least that long
-    ('documents'; None: those, else the windows with a warning line)."""
+    """((k, seq_len) tokens of the run's held-out split, where they came from): what
+    train.py evaluates on ('windows': each held-out window once, k = min(n, windows) for a
+    token file, whose eval stream would only cycle past them), or the first seq_len
+    tokens of its documents at least that long ('documents'; None: those, else the windows
+    with a warning line). k < n is warned in one line naming both counts."""
     src = build_source(cfg.data, cfg.model.seq_len, cfg.train.seed, "eval")
     docs = src.document_starts(cfg.model.seq_len, n) \
         if loss_from != "windows" and cfg.data.kind == "tokens" else None
@@ -96,8 +99,18 @@ def heldout(cfg, n: int, loss_from=None):
              f"evaluates; a position is not a position in a document)")
         docs = None
     if docs is None:
-        return torch.stack([torch.as_tensor(src[i][0]) for i in range(n)])
-    return torch.as_tensor(docs)
+        k = min(n, getattr(src, "n_windows", n))  # passkey samples never repeat
+        kind, there = "windows", f"{k} window{'s' if k > 1 else ''}"
+        inputs = torch.stack([torch.as_tensor(src[i][0]) for i in range(k)])
+    else:
+        k, kind = len(docs), "documents"
+        there = f"{k} document{'s' if k > 1 else ''} of at least model.seq_len=" \
+            f"{cfg.model.seq_len} tokens"
+        inputs = torch.as_tensor(docs)
+    if k < n:
+        warn(f"--loss-samples {n}: the held-out split holds {there}: the loss by position "
+             f"is over those {k} (results.json's loss_samples)")
+    return inputs, kind
 
 
 def main(argv=None) -> int:
@@ -126,11 +139,11 @@ def main(argv=None) -> int:
             if cfg.data.kind != "tokens":
                 raise ValueError(f"--haystack heldout needs a run on data.kind=tokens, not "
                                  f"{cfg.data.kind!r}")
-            haystack = Haystack.tokens(tokenizer, heldout(cfg, 1, "windows")[0].tolist())
+            haystack = Haystack.tokens(tokenizer, heldout(cfg, 1, "windows")[0][0].tolist())
         grid = task_grid(tokenizer, args.tasks, lengths, args.depths, args.samples, haystack,
                          seed, args.needles, digits)
-        loss_inputs = heldout(cfg, args.loss_samples, args.loss_from) \
-            if args.loss_samples else None
+        loss_inputs, loss_from = heldout(cfg, args.loss_samples, args.loss_from) \
+            if args.loss_samples else (None, None)
         out_dir = args.out or os.path.join(ckpt.run_dir, "long_context")
     except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError,
             ImportError) as e:
@@ -149,13 +162,18 @@ def main(argv=None) -> int:
         os.makedirs(out_dir, exist_ok=True)
         title = f"{os.path.basename(os.path.normpath(ckpt.run_dir))} {ckpt.tag}"
         with open(os.path.join(out_dir, "results.json"), "w") as f:
+            used = {"asked": args.loss_samples, "used": len(loss_inputs), "from": loss_from} \
+                if loss_inputs is not None else {"asked": 0, "used": 0, "from": None}
             json.dump({"checkpoint": ckpt.path, "model_seq_len": cfg.model.seq_len,
-                       **as_json(cells, buckets)}, f, indent=1)
+                       **as_json(cells, buckets), "loss_samples": used}, f, indent=1)
         plot_heatmap(cells, os.path.join(out_dir, "heatmap.png"), title, cfg.model.seq_len)
         if buckets:
             plot_loss_by_position(buckets, os.path.join(out_dir, "loss_by_position.png"),
                                   title)
         print(cells_table(cells), flush=True)
+        if buckets:
+            print(f"loss by position over {len(loss_inputs)} held-out {loss_from} "
+                  f"(--loss-samples {args.loss_samples})")
         for b in buckets:
             print(f"positions {b.first:>6}-{b.last:<6} loss {b.loss:.4f} ({b.tokens} tokens)")
         if max(lengths) > cfg.model.seq_len:

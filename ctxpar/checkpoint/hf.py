@@ -217,8 +217,13 @@ def _router_losses_only(a, b) -> bool:
 
 def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[Any, Any]]:
     """model.* against an imported folder's fields: refuse any architecture difference;
-    return the allowed ones (MAY_DIFFER) that differ, {field: (folder's, config's)}.
-    model.family left unset is no difference (the run takes the folder's)."""
+    return the allowed ones (MAY_DIFFER, and model.moe's ROUTER_LOSSES) that differ,
+    {field: (folder's, config's)}. model.family left unset is no difference (the run takes
+    the folder's). A refusal is one line naming each differing field of a section
+    (model.moe.top_k), not the sections' whole reprs."""
+    from dataclasses import fields, is_dataclass
+
+    may = ", ".join(MAY_DIFFER + tuple(f"moe.{k}" for k in ROUTER_LOSSES))
     theirs, now = architecture(hf_fields), architecture(vars(m))
     changed = {}
     for key, value in theirs.items():
@@ -231,7 +236,17 @@ def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[An
         if key in MAY_DIFFER:
             changed[key] = (value, now[key])
             continue
-        raise CheckpointError(f"model.{key}={now[key]!r} but model.init_from={path} has "
-                              f"{key}={value!r}: set model.{key}={value!r} (only "
-                              f"{', '.join(MAY_DIFFER)} may differ)")
+        diffs = [(key, value, now[key])]  # (name, the folder's, the config's)
+        if is_dataclass(value) and type(value) is type(now[key]):
+            diffs = [(f"{key}.{f.name}", getattr(value, f.name), getattr(now[key], f.name))
+                     for f in fields(value) if f.name not in (ROUTER_LOSSES if key == "moe"
+                                                              else ())
+                     and getattr(value, f.name) != getattr(now[key], f.name)]
+        name, folder, mine = diffs[0]
+        more = f" (and {', '.join(f'model.{d[0]}' for d in diffs[1:])} differ)" \
+            if diffs[1:] else ""
+        raise CheckpointError(f"model.{name}={mine!r} but model.init_from={path} has "
+                              f"{name}={folder!r}: set "
+                              + " ".join(f"model.{n}={f!r}" for n, f, _ in diffs)
+                              + f"{more} (only {may} may differ)")
     return changed

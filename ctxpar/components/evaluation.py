@@ -26,10 +26,11 @@ def evaluate(model, data, state, device=None,
     """Loss over train.eval_samples held-out samples, and the passkey accuracy on passkey data.
 
     data: ctxpar.data.Data. Returns eval_loss (mean over every labelled token: the answer
-    digits for passkey, all tokens for text), eval_samples, and eval_accuracy (passkey: exact
-    match of the key) or eval_ppl (tokens: exp(eval_loss)). Collective over the whole grid:
-    every rank must call it. The sample count is rounded up to whole micro-batches of all
-    DP ranks.
+    digits for passkey, all tokens for text), eval_samples, eval_distinct_samples (fewer
+    where a token file's held-out split holds fewer windows, which the stream cycles
+    over: distinct_eval_samples), and eval_accuracy (passkey: exact match of the key) or
+    eval_ppl (tokens: exp(eval_loss)). Collective over the whole grid: every rank must
+    call it. The sample count is rounded up to whole micro-batches of all DP ranks.
 
     What the model hands over, per micro-batch (``head_inputs``): a model with
     ``hidden_states(tokens, positions, cu_seqlens=)`` and ``head_weight()`` (models.GPT)
@@ -79,9 +80,32 @@ def evaluate(model, data, state, device=None,
             dist.broadcast(t, src=state.ranks("pp")[-1], group=state.pp_group)
     n = n_micro * per_step
     loss = loss_tok[0].item() / max(loss_tok[1].item(), 1.0)
+    counts = {"eval_samples": n, "eval_distinct_samples": distinct_eval_samples(data, n)}
     if passkey:
-        return {"eval_loss": loss, "eval_accuracy": correct.item() / n, "eval_samples": n}
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_samples": n}
+        return {"eval_loss": loss, "eval_accuracy": correct.item() / n, **counts}
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), **counts}
+
+
+def distinct_eval_samples(data, n: int) -> int:
+    """How many of n held-out samples are distinct: a token file's held-out split holds
+    n_windows windows and the eval stream cycles over them; passkey samples never repeat."""
+    windows = getattr(data.eval_source, "n_windows", None)
+    return n if windows is None else min(n, windows)
+
+
+def eval_shortfall(cfg, data) -> Optional[str]:
+    """A warning line where train.eval_samples asks for more held-out samples than the
+    held-out split holds windows (the evaluation then cycles over them), else None."""
+    asked = cfg.train.eval_samples
+    if not data.has_eval or distinct_eval_samples(data, asked) == asked:
+        return None
+    d, k = cfg.data, data.eval_source.n_windows
+    where = f"data.eval_path={d.eval_path!r}" if d.eval_path else \
+        f"data.eval_fraction={d.eval_fraction} of {d.path}"
+    return (f"train.eval_samples={asked} but the held-out split ({where}) holds {k} "
+            f"window{'s' if k > 1 else ''} of model.seq_len={cfg.model.seq_len} tokens: the "
+            f"held-out evaluation cycles over those {k} (logged as eval_distinct_samples); "
+            f"raise data.eval_fraction, give a longer data.eval_path, or ask for at most {k}")
 
 
 def head_inputs(model, mb):
@@ -133,8 +157,9 @@ class Evaluator:
         """Collective: evaluate, then one metrics.jsonl line and one line above the bar."""
         self.last = evaluate(model, self.data, self.state, self.device, self.forward)
         logger.log({"step": step, **self.last})
-        logger.write(f"step {step}: {describe(self.last)} "
-                     f"({self.last['eval_samples']} held-out samples)")
+        n, k = self.last["eval_samples"], self.last["eval_distinct_samples"]
+        logger.write(f"step {step}: {describe(self.last)} ({n} held-out samples"
+                     + (f", {k} distinct windows cycled)" if k < n else ")"))
         if self.long_context is not None:  # the long-context tasks, by generation
             self.long_context.run(model, self.state, step, logger)
         return self.last

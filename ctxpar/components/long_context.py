@@ -101,15 +101,27 @@ def trained_length_mark(lengths: List[int], trained: Optional[int]) -> Optional[
 
 def plot_heatmap(cells: List[Cell], path: str, title: str = "",
                  trained_length: Optional[int] = None) -> None:
+    """heatmap_figure(cells, title, trained_length) saved to path (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = heatmap_figure(cells, title, trained_length)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def heatmap_figure(cells: List[Cell], title: str = "", trained_length: Optional[int] = None):
     """One panel per task: context length (x) by needle depth (y), the score in colour
     (green 1 = every answer found, red 0 = none); with trained_length (model.seq_len) a
-    dashed line where the lengths pass it."""
+    dashed line where the lengths pass it, said in the panel's title (a label beside the
+    line would sit on the title). Constrained layout keeps the figure's title, the
+    panels' titles and the colour bar apart."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = list(dict.fromkeys(c.task for c in cells))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks), 3.8), squeeze=False,
+                             layout="constrained")
     for k, (ax, task) in enumerate(zip(axes[0], tasks)):
         mine = [c for c in cells if c.task == task]
         lengths = sorted({c.length for c in mine})
@@ -123,14 +135,14 @@ def plot_heatmap(cells: List[Cell], path: str, title: str = "",
         ax.set_xlabel("context length (tokens)")
         if k == 0:  # the panels share the rows
             ax.set_ylabel("needle depth")
-        ax.set_title(task)
         mark = trained_length_mark(lengths, trained_length)
         if mark is not None:  # right of it: longer than any sequence the model trained on
             ax.axvline(mark, color="black", linestyle="--", linewidth=1.2)
-            ax.text(mark, -0.6, f" trained {trained_length}", ha="left", va="bottom",
-                    fontsize=8)
+            ax.set_title(f"{task}\n(dashed: the trained {trained_length})", fontsize=10)
         elif trained_length is not None and min(lengths) > trained_length:
-            ax.set_title(f"{task} (all past the trained {trained_length})")
+            ax.set_title(f"{task}\n(all past the trained {trained_length})", fontsize=10)
+        else:
+            ax.set_title(task)
         for i in range(len(depths)):
             for j in range(len(lengths)):
                 if not math.isnan(grid[i, j]):
@@ -138,8 +150,7 @@ def plot_heatmap(cells: List[Cell], path: str, title: str = "",
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="score")
     if title:
         fig.suptitle(title)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    return fig
 
 
 @dataclass

@@ -47,7 +47,7 @@ import torch
 
 from ..config import Config, load_config
 from ..checkpoint.resume import MARKER, is_tag, latest_complete, read_manifest
-from ..data.tokenizer import load_tokenizer
+from ..data.tokenizer import load_tokenizer, short_identity, tokenizer_identity
 from ..tensor_parallel import full_shape, load_full_state_dict_
 from ..tensor_parallel.utils import expert_shard
 from ..tensor_parallel.mappings import tp_rank_of, tp_size_of
@@ -133,8 +133,10 @@ def run_tokenizer(ckpt: RunCheckpoint, cfg: Config, path: Optional[str] = None,
     data.tokenizer as the checkpoint's manifest recorded it (unset: the byte-level one).
 
     Refused in one line (ValueError): a run's tokenizer that is not there any more, a
-    tokenizer with ids past model.vocab_size, and a given one whose vocabulary size is
-    not that of the run's data.tokenizer (ids the model learnt for other text).
+    tokenizer with ids past model.vocab_size, a given one whose vocabulary size is not
+    that of the run's data.tokenizer (ids the model learnt for other text), and one whose
+    identity (tokenizer_identity: the tokenizer.json's digest) is not the one the run
+    trained with (trained_identity), as train.py refuses a token file of another tokenizer.
     """
     config = read_manifest(ckpt.path).get("config") or {}  # a pre-manifest tag: config.yaml
     recorded = (config.get("data") or {}).get("tokenizer", cfg.data.tokenizer) \
@@ -157,7 +159,34 @@ def run_tokenizer(ckpt: RunCheckpoint, cfg: Config, path: Optional[str] = None,
         raise ValueError(f"{which} has a vocabulary of {tok.vocab_size} ids, the model "
                          f"{cfg.model.vocab_size} (model.vocab_size): not the tokenizer the "
                          f"model was trained with")
+    trained = trained_identity(cfg, recorded)
+    used = tokenizer_identity(path if path is not None else recorded)
+    if trained is not None and used != trained[0]:
+        raise ValueError(f"{which} is the {short_identity(used)} tokenizer, but the run "
+                         f"trained with the {short_identity(trained[0])} one ({trained[1]}): "
+                         f"give that tokenizer.json as --tokenizer"
+                         + (" or leave --tokenizer out" if path is not None else ""))
     return tok
+
+
+def trained_identity(cfg: Config, recorded: Optional[str]):
+    """(identity, where it was read) of the tokenizer the run trained with, or None where
+    nothing says: the record in the run's token file (data.path's .idx, what train.py
+    checked), else the run's data.tokenizer file as it is now (recorded: the manifest's);
+    a run on generated passkey text with no data.tokenizer says nothing (a model imported
+    from a folder keeps its own vocabulary)."""
+    from ..data.indexed import DataError, IndexedDataset
+
+    if cfg.data.kind == "tokens" and cfg.data.path:
+        try:
+            made = IndexedDataset(cfg.data.path).tokenizer
+        except (DataError, OSError):
+            made = None
+        if made is not None:
+            return made, f"its token file {cfg.data.path}.idx records it"
+    if recorded is not None and os.path.isfile(recorded):
+        return tokenizer_identity(recorded), f"its data.tokenizer={recorded!r}"
+    return None
 
 
 def _ranks(matches: List[re.Match], group: int, path: str, what: str) -> int:

@@ -7,6 +7,7 @@ the best that fit. Exit 2 with one line on bad input or when nothing fits.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..config import ConfigError, load_config
@@ -26,7 +27,9 @@ def parse_args(argv=None):
     p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu", default="h100", help="preset: h100, h200, a100, b200, cpu")
+    p.add_argument("--gpu", default=None,
+                   help="preset: h100 (the default), h200, a100, b200, cpu (this project's "
+                        "2-core CPU machine, a core per rank: with --gpus-per-node 2)")
     p.add_argument("--flops", type=float, help="override: peak FLOP/s per GPU")
     p.add_argument("--memory", type=float, help="override: bytes of memory per GPU")
     p.add_argument("--nvlink", type=float, help="override: bytes/s per direction in a node")
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
         if a.documents:
             steps = document_lengths(a.documents, cfg.train.global_batch_size, 8)
             cmp = compare(cfg, cluster, steps)
+            note_machine(a)
             print(f"{cfg.source}: {cfg.train.global_batch_size} documents per step of "
                   f"log-normal lengths ({a.documents}), {cmp.tokens_per_step:,.0f} tokens "
                   f"on average, on {cluster.nodes} x {cluster.gpus_per_node} "
@@ -84,11 +88,12 @@ def main(argv=None) -> int:
     except (PlanError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    note_machine(a)
     g = cluster.gpu
     print(f"{cfg.source}: {cfg.model.n_layers} layers, d {cfg.model.d_model}, seq_len "
           f"{cfg.model.seq_len:,}, global batch {cfg.train.global_batch_size} on "
-          f"{cluster.nodes} x {cluster.gpus_per_node} {g.name} ({g.flops / 1e12:.0f} "
-          f"TFLOP/s, {g.memory / 1e9:.0f} GB, NVLink {g.nvlink / 1e9:.0f} GB/s, network "
+          f"{cluster.nodes} x {cluster.gpus_per_node} {g.name} ({flop_rate(g.flops)}, "
+          f"{g.memory / 1e9:.0f} GB, NVLink {g.nvlink / 1e9:.0f} GB/s, network "
           f"{g.network / 1e9:.0f} GB/s per direction); {len(plans)} valid layouts, "
           f"{len(fitting)} fit, in {len(rows)} rows (layouts that differ only in ZeRO stage "
           f"or token layout and predict the same memory and step time share a row: "
@@ -110,10 +115,30 @@ def main(argv=None) -> int:
     return 0
 
 
+def flop_rate(flops: float) -> str:
+    """'989 TFLOP/s', or under one TFLOP/s '113 GFLOP/s' (the cpu preset's core)."""
+    return f"{flops / 1e12:.0f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.0f} GFLOP/s"
+
+
+def note_machine(a) -> None:
+    """On stderr, where --gpu was left to its default h100 on a machine with no CUDA
+    device: the plan is for H100s, and the flags that plan for this machine instead. The
+    machine is not taken as the default: a plan is mostly made on a login node or laptop
+    for the GPUs of a cluster."""
+    import torch
+
+    if a.gpu is None and not torch.cuda.is_available():
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count()
+        print(f"note: planning for {a.gpus_per_node} h100 per node (--gpu's default); this "
+              f"machine has no CUDA device: --gpu cpu --gpus-per-node {cores} plans for its "
+              f"{cores} cores", file=sys.stderr, flush=True)
+
+
 def cluster_of(a) -> Cluster:
-    """The cluster parse_args' flags describe."""
+    """The cluster parse_args' flags describe (--gpu left out: h100)."""
     return Cluster(a.nodes, a.gpus_per_node,
-                   gpu_preset(a.gpu, flops=a.flops, memory=a.memory, nvlink=a.nvlink,
+                   gpu_preset(a.gpu or "h100", flops=a.flops, memory=a.memory, nvlink=a.nvlink,
                               network=a.network, overhead=a.overhead,
                               host_memory=a.host_memory))
 
@@ -174,6 +199,7 @@ def longest_main(cfg, cluster: Cluster, a) -> int:
                         f"more GPUs (--nodes {cluster.nodes * 2}), a larger GPU"
                         + (f", or the options --options leaves out ({', '.join(left_out)})"
                            if left_out else "") + host)
+    note_machine(a)
     g = cluster.gpu
     print(f"{cfg.source}: {cfg.model.n_layers} layers, d {cfg.model.d_model}, vocab "
           f"{cfg.model.vocab_size:,}, global batch {cfg.train.global_batch_size} on "

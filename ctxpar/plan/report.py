@@ -152,9 +152,9 @@ def ep_reason(cfg, plan: Plan, cluster: Cluster) -> str:
     """One line: why this parallel.ep, for a mixture of experts: the layout's peak memory,
     all-to-all seconds and step time at each ep the search weighs for it (search.ep_sizes),
     at the layout's ZeRO stage or, where the trainer refuses that with this ep (16-bit
-    ZeRO 0, ZeRO 3 with tp > 1), at ZeRO 2 or 1; balanced routing assumed; '' without
-    model.moe."""
-    from .search import _valid, ep_sizes, evaluate
+    ZeRO 0, ZeRO 3 with tp > 1), at ZeRO 2 or 1, or the config validation's reason where
+    it refuses them all; balanced routing assumed; '' without model.moe."""
+    from .search import _valid, ep_sizes, evaluate, refusal
     cand = plan.candidate
     if cfg.model.moe is None:
         return ""
@@ -163,7 +163,9 @@ def ep_reason(cfg, plan: Plan, cluster: Cluster) -> str:
         other = next((c for c in (replace(cand, ep=ep, zero=z) for z in (cand.zero, 2, 1))
                       if _valid(cfg, c)), None)
         if other is None:
-            parts.append(f"ep{ep} refused by the trainer")
+            why = refusal(cfg, replace(cand, ep=ep))
+            why = why[len(f"{cfg.source}: "):] if why.startswith(f"{cfg.source}: ") else why
+            parts.append(f"ep{ep} refused by the trainer ({why.rstrip('.')})")
             continue
         p = plan if other == cand else evaluate(cfg, other, cluster)
         zero = f" (z{other.zero})" if other.zero != cand.zero else ""

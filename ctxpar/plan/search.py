@@ -142,12 +142,17 @@ def _cp_patterns(cp: int):
     return out
 
 
-def _valid(cfg: Config, cand: Candidate) -> bool:
+def refusal(cfg: Config, cand: Candidate) -> Optional[str]:
+    """The config validation's one line refusing this layout, or None: it is valid."""
     try:
         validate(apply_candidate(cfg, cand), world_size=cand.world, check_paths=False)
-    except ConfigError:
-        return False
-    return True
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _valid(cfg: Config, cand: Candidate) -> bool:
+    return refusal(cfg, cand) is None
 
 
 def search(cfg: Config, cluster: Cluster, top: Optional[int] = None, **eff) -> List[Plan]:
