@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Iterable, List, Optional, Tuple
 
-from .layers import (GDN_FIELDS, LAYER_MIXERS, MAMBA_FIELDS, first_layer_type,
-                     gated_delta_dims, layer_types, mamba_dims)
+from .layer_mixers import LAYER_MIXERS, first_layer_type, layer_types
+from .layers import GDN_FIELDS, MAMBA_FIELDS, gated_delta_dims, mamba_dims
 from .moe import moe_layer_indices
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
