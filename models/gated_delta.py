@@ -39,6 +39,9 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
+from .options import LayerArgs
+from .token_mixer import TokenMixer
+
 
 class GatedRMSNorm(nn.Module):
     """rmsnorm(x) * w * silu(z) over each value head's channels (transformers'
@@ -85,10 +88,15 @@ class DepthwiseConv(nn.Module):
                                 cu_seqlens=cu_seqlens)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(TokenMixer):
     """Qwen3.5's linear attention over CP and TP (module docstring). cp: the model's
     ContextParallel (group and layout, shared with attention); strategy: parallel.linear_cp;
-    tp_group: the heads' split (None: all heads here)."""
+    tp_group: the heads' split (None: all heads here). A token mixer that splits nothing
+    (models/token_mixer.py): its forward is its mix."""
+
+    @classmethod
+    def from_layer(cls, args: LayerArgs) -> "GatedDeltaNet":
+        return cls(args.cfg, args.cp, args.linear_cp, args.tp_group, args.device, args.dtype)
 
     def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
                  tp_group=None, device=None, dtype=None):
