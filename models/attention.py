@@ -9,7 +9,7 @@ only the projections over TP (column-parallel q/k/v, row-parallel out).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -112,17 +112,17 @@ class Attention(TokenMixer):
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
-    def project_in(self, x: torch.Tensor, cos, sin) -> tuple:
-        return self.qkv(x, cos, sin)  # (q, k, v, gate)
+    def project_in(self, x: torch.Tensor, cos, sin) -> Tuple[tuple, tuple]:
+        q, k, v, gate = self.qkv(x, cos, sin)
+        return (q, k, v), (gate,)
 
-    def mix(self, h: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
-        q, k, v, _ = h
+    def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
         if cache is not None:  # generation: the cache keeps k, v and runs the core or decodes
-            return cache(q, k, v, self.core, self.mask())
-        return self.core(q, k, v, cu_seqlens)  # (B, T/cp, nh/tp, hd)
+            return cache(*inputs, self.core, self.mask())
+        return self.core(*inputs, cu_seqlens)  # (B, T/cp, nh/tp, hd)
 
-    def project_out(self, o: torch.Tensor, h: tuple) -> torch.Tensor:
-        return self.out(o, h[-1])
+    def project_out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.out(o, gate)
 
     def mask(self, cu_seqlens=None) -> AttentionMask:
         """What this layer's queries see: causal by the layout's global positions, inside

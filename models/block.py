@@ -69,11 +69,11 @@ class Block(nn.Module):
     def _in_norm(self, norm, x):
         return x if norm is None else norm(x)  # None: model.reordered_norms' block
 
-    def _mixer_in(self, x, cos, sin) -> tuple:
+    def _mixer_in(self, x, cos, sin):
         return self.mixer.project_in(self._in_norm(self.attn_norm, x), cos, sin)
 
-    def _mixer_out_mlp(self, x, o, h):
-        a = self.mixer.project_out(o, h)  # (B, T/cp, d)
+    def _mixer_out_mlp(self, x, o, *carry):
+        a = self.mixer.project_out(o, *carry)  # (B, T/cp, d)
         return self._mlp(x + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
 
     def _mlp(self, x):
@@ -91,9 +91,9 @@ class Block(nn.Module):
         only."""
         if self.mixer is None:
             return self._mlp(x)
-        if self.selective and kv_cache is None:  # recompute around the core, which keeps its own
-            h = checkpoint(self._mixer_in, x, cos, sin, use_reentrant=False)
-            o = self.mixer.mix(h, cu_seqlens)
-            return checkpoint(self._mixer_out_mlp, x, o, h, use_reentrant=False)
-        h = self._mixer_in(x, cos, sin)
-        return self._mixer_out_mlp(x, self.mixer.mix(h, cu_seqlens, kv_cache), h)
+        if self.selective and kv_cache is None:  # recompute around the core; it keeps its own
+            inputs, carry = checkpoint(self._mixer_in, x, cos, sin, use_reentrant=False)
+            o = self.mixer.mix(inputs, cu_seqlens)
+            return checkpoint(self._mixer_out_mlp, x, o, *carry, use_reentrant=False)
+        inputs, carry = self._mixer_in(x, cos, sin)
+        return self._mixer_out_mlp(x, self.mixer.mix(inputs, cu_seqlens, kv_cache), *carry)

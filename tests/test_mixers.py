@@ -9,6 +9,7 @@ import torch
 
 from ctxpar.config import LayerAttention, ModelConfig
 from ctxpar.config.layer_mixers import LAYER_MIXERS
+from ctxpar.config.parameters import TOKEN_MIXER_PARAMETERS
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.testing.linear import HYBRID_CONFIGS
 from models.block import Block
@@ -27,6 +28,9 @@ def test_every_mixer_a_layer_type_names_is_registered():
     channels = {channel for _, channel in LAYER_MIXERS.values()} - {None}
     assert set(TOKEN_MIXERS) == tokens
     assert set(CHANNEL_MIXERS) == channels | {"moe"}
+    # the planner's description of their parameters, under the same names
+    assert {k: v[0] for k, v in TOKEN_MIXER_PARAMETERS.items()} == {
+        k: kind.attribute for k, kind in TOKEN_MIXERS.items()}
 
 
 @pytest.mark.quick
