@@ -7,6 +7,7 @@ entrypoints share around it.
     token_mixer.py         what a Block asks of a token mixer (project_in, mix, project_out)
     attention.py           attention (MHA, GQA; windows, chunks, sinks, gates)
     gated_delta.py         Gated DeltaNet          mamba2.py   Mamba2
+    short_conv.py          the short causal conv both run before their core
     mlp.py, moe.py         the channel mixers: the dense MLP, a mixture of experts
     rope.py, norms.py      RoPE and its scalings; the block norms (qk_norm.py: q/k over all heads)
     loss.py                the global token-mean loss under DeepSpeed's reduction

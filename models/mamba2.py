@@ -35,8 +35,8 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .gated_delta import DepthwiseConv
 from .options import LayerArgs
+from .short_conv import DepthwiseConv
 from .token_mixer import TokenMixer
 
 
