@@ -1,12 +1,14 @@
-"""A GPT decoder for TP x CP x DP: pre-norm blocks, RoPE on global positions, GQA attention over CP.
+"""A GPT decoder for TP x CP x DP, assembled: embedding, blocks (models/block.py) whose token
+and channel mixers models/mixers.py picks per layer, final norm, vocab-parallel head; RoPE
+on global positions; the layout-independent init; activation checkpointing per block.
 
 Shapes per rank: B micro-batch, T full sequence, cp/tp degrees, nh/nkv query/kv heads,
 hd head dim, V vocabulary. Each CP rank holds T/cp tokens in the CP layout's order
 (zigzag, striped, contiguous) with their global positions (``ctxpar.sequence_positions``);
 each TP rank holds nh/tp query heads, max(nkv/tp, 1) kv heads, ffn/tp MLP columns and V/tp
-vocabulary rows (docs/parallelism.md). Everything but attention is token-local, so only
-attention talks over CP (ring, all-gather, Ulysses or hybrid: ``cp_comm``) and only the
-f/g ops talk over TP.
+vocabulary rows (docs/parallelism.md). Everything but the token mixers is token-local, so
+only they talk over CP (attention: ring, all-gather, Ulysses or hybrid, ``cp_comm``; the
+linear mixers: their states or heads, ``linear_cp``) and only the f/g ops talk over TP.
 
     model = GPT.from_config(cfg, state)   # or GPT(cfg.model, ModelGroups(...), ModelOptions(...))
     logits = model(tokens, positions)             # (B, T/cp, V/tp), vocab-parallel
