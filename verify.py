@@ -147,7 +147,7 @@ def dp_size(cfg, world: int) -> int:
 def attention_cores(module):
     """(name, Attention) of every block on this rank: the GPT's ``layers.i.attn``, or a
     pipeline stage's blocks under the same names."""
-    from models.gpt import Attention
+    from models.attention import Attention
 
     prefixes = {id(m.attn): m.gpt_prefix for m in module.modules() if hasattr(m, "gpt_prefix")
                 and hasattr(m, "attn")}

@@ -31,13 +31,16 @@ import torch.nn.functional as F
 from ctxpar.config import ModelConfig
 from ctxpar.config.layers import gated_delta_dims
 from ctxpar.context_parallel import ContextParallel
-from ctxpar.context_parallel.linear import (causal_conv1d_cp, conv_step, gated_delta_rule_cp,
-                                            gated_delta_step)
+from ctxpar.context_parallel.linear import gated_delta_rule_cp, gated_delta_step
 from ctxpar.inference.linear_cache import LinearLayerCache
 from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                     copy_to_tensor_model_parallel_region)
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
+
+from .options import LayerArgs
+from .short_conv import DepthwiseConv
+from .token_mixer import TokenMixer
 
 
 class GatedRMSNorm(nn.Module):
@@ -58,37 +61,15 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(z.float())).to(x.dtype)
 
 
-class DepthwiseConv(nn.Module):
-    """Holds transformers' nn.Conv1d parameters, (C, 1, K) weight and (C,) bias, under
-    the same names, split over TP by channel ``sections`` (the fused projection's parts
-    it convolves); the causal conv itself runs over CP (causal_conv1d_cp)."""
-
-    def __init__(self, sections, kernel: int, bias: bool, tp_group=None, device=None,
-                 dtype=None):
-        super().__init__()
-        channels, kw = sum(sections), dict(device=device, dtype=dtype, what="conv channels")
-        self.weight = column_parallel_parameter((channels, 1, kernel), tp_group, sections, **kw)
-        self.bias = (column_parallel_parameter((channels,), tp_group, sections, **kw)
-                     if bias else None)
-
-    def forward(self, x: torch.Tensor, cp: ContextParallel, cu_seqlens,
-                cache: Optional[LinearLayerCache] = None) -> torch.Tensor:
-        # (B, T/cp, C) -> silu(conv) (B, T/cp, C), the K - 1 tokens before from the ranks before
-        if cache is not None and cache.mode == "decode":  # one token (B, 1, C), its window
-            out, cache.conv = conv_step(cache.conv, x[:, 0], self.weight.squeeze(1),
-                                        self.bias, "silu")
-            return out.to(x.dtype)[:, None]
-        if cache is not None:  # prefill: keep each row's last K - 1 inputs for decoding
-            cache.conv = cache.prefill_window(x, self.weight.shape[-1] - 1)
-        return causal_conv1d_cp(x, self.weight.squeeze(1), self.bias, activation="silu",
-                                cp_group=cp.cp_group, layout=cp.layout,
-                                cu_seqlens=cu_seqlens)
-
-
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(TokenMixer):
     """Qwen3.5's linear attention over CP and TP (module docstring). cp: the model's
     ContextParallel (group and layout, shared with attention); strategy: parallel.linear_cp;
-    tp_group: the heads' split (None: all heads here)."""
+    tp_group: the heads' split (None: all heads here). A token mixer that splits nothing
+    (models/token_mixer.py): its forward is its mix."""
+
+    @classmethod
+    def from_layer(cls, args: LayerArgs) -> "GatedDeltaNet":
+        return cls(args.cfg, args.cp, args.linear_cp, args.tp_group, args.device, args.dtype)
 
     def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
                  tp_group=None, device=None, dtype=None):

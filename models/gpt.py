@@ -1,12 +1,14 @@
-"""A GPT decoder for TP x CP x DP: pre-norm blocks, RoPE on global positions, GQA attention over CP.
+"""A GPT decoder for TP x CP x DP, assembled: embedding, blocks (models/block.py) whose token
+and channel mixers models/mixers.py picks per layer, final norm, vocab-parallel head; RoPE
+on global positions; the layout-independent init; activation checkpointing per block.
 
 Shapes per rank: B micro-batch, T full sequence, cp/tp degrees, nh/nkv query/kv heads,
 hd head dim, V vocabulary. Each CP rank holds T/cp tokens in the CP layout's order
 (zigzag, striped, contiguous) with their global positions (``ctxpar.sequence_positions``);
 each TP rank holds nh/tp query heads, max(nkv/tp, 1) kv heads, ffn/tp MLP columns and V/tp
-vocabulary rows (docs/parallelism.md). Everything but attention is token-local, so only
-attention talks over CP (ring, all-gather, Ulysses or hybrid: ``cp_comm``) and only the
-f/g ops talk over TP.
+vocabulary rows (docs/parallelism.md). Everything but the token mixers is token-local, so
+only they talk over CP (attention: ring, all-gather, Ulysses or hybrid, ``cp_comm``; the
+linear mixers: their states or heads, ``linear_cp``) and only the f/g ops talk over TP.
 
     model = GPT.from_config(cfg, state)   # or GPT(cfg.model, ModelGroups(...), ModelOptions(...))
     logits = model(tokens, positions)             # (B, T/cp, V/tp), vocab-parallel
@@ -22,38 +24,27 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ctxpar.config import (CHECKPOINT_MODES, Config, MemoryConfig, ModelConfig,
-                           resolved_head_dim, rotary_dim, softmax_scale)
-from ctxpar.tensor_parallel import (
-    ColumnParallelLinear,
-    ReplicatedHeadLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    copy_to_tensor_model_parallel_region,
-    full_shape,
-    parallel_lm_logits,
-    shard_full_tensor,
-    vocab_parallel_cross_entropy,
-)
-from ctxpar.config.layers import LayerAttention, layer_attention
+from ctxpar.config import CHECKPOINT_MODES, Config, MemoryConfig, ModelConfig, rotary_dim
+from ctxpar.config.layers import layer_attention
 from ctxpar.config.moe import moe_layer_indices
-from ctxpar.moe import RouterStats
-from ctxpar.config.parameters import check_parameters, kv_heads_per_rank
-from ctxpar.context_parallel import AttentionMask, ContextParallel
-from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
+from ctxpar.config.parameters import check_parameters
+from ctxpar.context_parallel import ContextParallel
 from ctxpar.memory.offload import ActivationOffload, run_layer
+from ctxpar.memory.tiled_loss import tiled_vocab_parallel_cross_entropy
+from ctxpar.moe import RouterStats
+from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, full_shape,
+                                    parallel_lm_logits, shard_full_tensor,
+                                    vocab_parallel_cross_entropy)
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .gated_delta import GatedDeltaNet, init_gated_delta
-from .mamba2 import Mamba2, init_mamba2
-from .mlp import MLP
+from .block import Block
+from .mixers import INIT_RULES
 from .moe import MoE
-from .options import ModelGroups, ModelOptions
-from .qk_norm import AllHeadsRMSNorm
+from .norms import make_norm
+from .options import LayerArgs, ModelGroups, ModelOptions
+from .rope import layer_rotary
 
 
 def check_checkpoint_mode(mode: str) -> None:
@@ -76,152 +67,6 @@ def context_parallel_of(cp_comm: str, cp_group, ulysses_group, ring_group,
                              f"cp_comm={cp_comm!r} when torch.distributed is initialised")
     return ContextParallel(cp_comm, cp_group, ulysses_group, ring_group, layout,
                            ring_grad_dtype)
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * (offset + w) over the last dim: offset 0 is torch's RMSNorm, offset 1
-    Gemma's (its weights stored as w - 1; computed in fp32 and cast back, as transformers
-    does). tp_group: the norm acts on a TP rank's share of heads (model.qk_norm) with the
-    weight replicated, so its gradient is summed over TP (f on the weight)."""
-
-    def __init__(self, dim: int, eps: float, offset: float = 0.0, tp_group=None,
-                 device=None, dtype=None):
-        super().__init__()
-        self.eps, self.offset, self.tp_group = eps, offset, tp_group
-        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
-        if not self.offset:
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (self.offset + w.float())).type_as(x)
-
-
-def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
-    """A norm over d_model: Apex's fused norm when apex is importable (GPU builds), else
-    torch's; RMSNorm with model.norm_offset != 0 is ours (RMSNorm)."""
-    dim = cfg.d_model
-    kw = dict(eps=cfg.norm_eps, device=device, dtype=dtype)
-    if cfg.norm == "rmsnorm" and cfg.norm_offset:
-        return RMSNorm(dim, cfg.norm_eps, cfg.norm_offset, device=device, dtype=dtype)
-    try:
-        from apex.normalization import FusedLayerNorm, FusedRMSNorm
-    except ImportError:
-        if cfg.norm == "rmsnorm":
-            return nn.RMSNorm(dim, **kw)
-        return nn.LayerNorm(dim, bias=cfg.bias, **kw)
-    if cfg.norm == "rmsnorm":
-        return FusedRMSNorm(dim, eps=cfg.norm_eps).to(device=device, dtype=dtype)
-    return FusedLayerNorm(dim, eps=cfg.norm_eps).to(device=device, dtype=dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
-                  device=None) -> torch.Tensor:
-    """RoPE's frequencies theta^(-2i/hd), i < hd/2, fp32, after an optional scaling rule.
-
-    linear: all divided by factor (positions interpolated). llama3 (Llama 3.1): wavelengths
-    2*pi/f above original_max_position_embeddings/low_freq_factor are divided by factor,
-    below .../high_freq_factor kept, in between blended linearly in
-    original_max_position_embeddings/wavelength. yarn: ``yarn_inv_freq``. Same rules as
-    Hugging Face's modeling_rope_utils (tests/test_hf.py checks the frequencies against it).
-    """
-    kind = (scaling or {}).get("rope_type")
-    if kind == "yarn":
-        return yarn_inv_freq(head_dim, theta, scaling, device)
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device,
-                                       dtype=torch.float32) / head_dim)
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old / wavelen - low) / (high - low)  # 0 at the low end, 1 at the high end
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        return torch.where(wavelen > old / low, inv_freq / factor,
-                           torch.where(wavelen < old / high, inv_freq, blended))
-    assert kind is None, f"rope_scaling {scaling} (config validation lets none other through)"
-    return inv_freq
-
-
-def yarn_inv_freq(head_dim: int, theta: float, scaling: dict, device=None) -> torch.Tensor:
-    """YaRN (Peng et al.): frequencies that turn fewer than beta_slow times over
-    original_max_position_embeddings are interpolated (divided by factor), those that turn
-    more than beta_fast times kept, a linear ramp over the dimensions in between; written
-    as modeling_rope_utils' _compute_yarn_parameters computes it, operation for operation."""
-    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-
-    def correction_dim(rotations):  # the dimension that turns `rotations` times over `old`
-        return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # no zero-width ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = (1 - ramp).to(device)  # 1: extrapolate (kept), 0: interpolate (divided by factor)
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device=device,
-                                       dtype=torch.float32) / head_dim)
-    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
-
-
-def rope_attention_factor(scaling: Optional[dict]) -> float:
-    """What cos and sin are multiplied by: 1, or YaRN's attention factor (given, or
-    0.1 ln(factor) + 1, or DeepSeek's ratio of mscale to mscale_all_dim), as
-    modeling_rope_utils computes it."""
-    if (scaling or {}).get("rope_type") != "yarn":
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-
-    def mscale(factor, m=1.0):
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if m and m_all:
-        return float(mscale(factor, m) / mscale(factor, m_all))
-    return mscale(factor)
-
-
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   scaling: Optional[dict] = None):
-    """cos, sin of p * f_i (rope_inv_freq), fp32, times rope_attention_factor:
-    positions (..., T/cp) -> (..., T/cp, hd/2)."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # fp32 even under bf16
-    factor = rope_attention_factor(scaling)
-    if factor != 1.0:
-        return angles.cos() * factor, angles.sin() * factor
-    return angles.cos(), angles.sin()
-
-
-def layer_rotary(positions: torch.Tensor, head_dim: int, layers):
-    """Each layer's (cos, sin) (rotary_cos_sin), computed once per distinct RoPE
-    (rope_theta, rope_scaling) among `layers` (LayerAttention: Gemma 3's local and global
-    layers rotate by different bases); layers that share one share the tensors."""
-    made, out = {}, []
-    for a in layers:
-        key = (a.rope_theta, repr(a.rope_scaling))
-        if key not in made:
-            made[key] = rotary_cos_sin(positions, head_dim, a.rope_theta, a.rope_scaling)
-        out.append(made[key])
-    return out
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + r/2) of the first r = 2 cos.shape[-1] channels of each
-    head by the angle (GPT-NeoX/Llama 'rotate half'; r < hd: model.partial_rotary_factor,
-    the rest unrotated)."""
-    r = 2 * cos.shape[-1]
-    x1, x2 = x[..., :r].float().chunk(2, dim=-1)  # (B, T/cp, h, r/2) each
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    turned = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
-    return turned if r == x.shape[-1] else torch.cat([turned, x[..., r:]], dim=-1)
 
 
 def embed_tokens(embed: nn.Module, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -254,7 +99,7 @@ def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) ->
     for name, p in named_parameters:
         shape = full_shape(p, tp)
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        for rule in (init_gated_delta, init_mamba2, init_default):  # the mixers' own first
+        for rule in (*INIT_RULES, init_default):  # the mixers' own first (models/mixers.py)
             full = rule(name, shape, cfg, g)
             if full is not None:
                 break
@@ -262,7 +107,7 @@ def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) ->
 
 
 def init_default(name: str, shape, cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
-    """Every parameter the linear mixers' rules leave: norm weights, biases, matrices."""
+    """Every parameter the mixers' own rules leave: norm weights, biases, matrices."""
     if name.endswith("norm.weight"):
         return torch.full(shape, 1.0 - cfg.norm_offset)
     if name.endswith("bias"):
@@ -271,208 +116,6 @@ def init_default(name: str, shape, cfg: ModelConfig, g: torch.Generator) -> torc
         ("o_proj.weight", "down_proj.weight", "out_proj.weight", "experts.down_proj")) \
         else cfg.init_std
     return torch.empty(shape).normal_(0.0, scale, generator=g)
-
-
-class Attention(nn.Module):
-    """Causal GQA self-attention: column-parallel q/k/v (with biases under model.bias or
-    model.attention_bias), per-head q/k RMSNorm (model.qk_norm), RoPE, CP attention,
-    row-parallel out. The q/k norms act within a head, so TP's split by heads keeps them
-    exact; their (hd,) weights are replicated.
-
-    `layer` is this layer's kind (ctxpar.config.layers): full causal, a sliding window or
-    chunks; with model.attention_sinks a learned logit per query head (``sinks``, split
-    over TP with the heads) joins every softmax."""
-
-    def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend: str,
-                 device=None, dtype=None, layer: Optional[LayerAttention] = None):
-        super().__init__()
-        tp = tp_size_of(tp_group)
-        n_kv = cfg.n_kv_heads or cfg.n_heads
-        self.tp_group, self.cp, self.backend = tp_group, cp, backend
-        self.layer = layer or layer_attention(cfg)[0]
-        self.sinks = None
-        if cfg.attention_sinks:  # (nh/tp,): this rank's heads' sink logits
-            self.sinks = nn.Parameter(torch.empty(cfg.n_heads // tp, device=device,
-                                                  dtype=dtype))
-            set_tensor_model_parallel_attributes(self.sinks, True, dim=0)
-        self.head_dim = resolved_head_dim(cfg)
-        self.scale = softmax_scale(cfg)
-        self.n_heads = cfg.n_heads // tp  # query heads on this rank
-        self.n_kv_heads = kv_heads_per_rank(cfg, tp)
-        lin = dict(tp_group=tp_group, bias=cfg.bias or cfg.attention_bias, device=device,
-                   dtype=dtype)
-        d, hd = cfg.d_model, self.head_dim
-        self.gated = cfg.attention_output_gate  # q_proj's rows per head: [q | gate]
-        self.rope = cfg.rope
-        self.rotary_dim = rotary_dim(cfg)
-        self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd * (2 if self.gated else 1),
-                                           copy_input=False, **lin)
-        if n_kv % tp == 0:
-            self.k_proj = ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)
-            self.v_proj = ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)
-        else:  # fewer kv heads than TP ranks: each rank uses the kv head of its query heads
-            self.k_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
-            self.v_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
-        self.o_proj = RowParallelLinear(cfg.n_heads * hd, d, **{**lin, "bias": cfg.bias})
-        self.q_norm, self.k_norm = qk_norms(cfg, hd, n_kv, tp_group, device, dtype)
-
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(q, k, v, gate): gate (B, T/cp, nh/tp * hd) under model.attention_output_gate,
-        else None."""
-        B, T = x.shape[:2]  # T here is T/cp
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f once for q, k, v
-        q, gate = self.q_proj(x), None
-        if self.gated:  # (B, T/cp, nh/tp, 2 hd): each head's query, then its gate
-            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(B, T, self.n_heads * self.head_dim)
-        q = q.reshape(B, T, self.n_heads, self.head_dim)  # (B, T/cp, nh/tp, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T/cp, nkv/tp, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if isinstance(self.q_norm, AllHeadsRMSNorm):  # over the whole projection
-            q = self.q_norm(q.flatten(2)).view_as(q)
-            k = self.k_norm(k.flatten(2)).view_as(k)
-        elif self.q_norm is not None:  # over each head's hd channels
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not self.rope:  # NoPE (model.rope=false): the order is the mask's alone
-            return q, k, v, gate
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
-
-    def out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
-        """o (B, T/cp, nh/tp, hd) -> o_proj(o * sigmoid(gate)) (B, T/cp, d)."""
-        o = o.flatten(2)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self.o_proj(o)
-
-    def mask(self, cu_seqlens=None) -> AttentionMask:
-        """What this layer's queries see: causal by the layout's global positions, inside
-        the layer's window or chunk, inside each document of cu_seqlens (per-sample
-        boundaries of the full sequence), with the sinks' extra logit."""
-        return AttentionMask(causal=True, sliding_window=self.layer.sliding_window,
-                             chunk_size=self.layer.chunk_size, cu_seqlens=cu_seqlens,
-                             sinks=self.sinks)
-
-    def core(self, q, k, v, cu_seqlens=None) -> torch.Tensor:
-        # Exact attention over the whole sequence through cp.comm's pattern.
-        return self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
-                                 mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
-
-
-def qk_norms(cfg: ModelConfig, hd: int, n_kv: int, tp_group, device, dtype):
-    """(q_norm, k_norm) under model.qk_norm: per head, (hd,) weights replicated over TP;
-    or over the whole projections (model.qk_norm_scope='all_heads', models/qk_norm.py)."""
-    if not cfg.qk_norm:
-        return None, None
-    if cfg.qk_norm_scope == "all_heads":
-        kw = dict(eps=cfg.norm_eps, tp_group=tp_group, device=device, dtype=dtype)
-        return (AllHeadsRMSNorm(cfg.n_heads * hd, **kw), AllHeadsRMSNorm(n_kv * hd, **kw))
-    kw = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, tp_group=tp_group, device=device,
-              dtype=dtype)
-    return RMSNorm(hd, **kw), RMSNorm(hd, **kw)
-
-
-# Each token mixer's submodule name (Hugging Face's: layers.N.attn / linear_attn / mamba).
-MIXER_MODULES = {"attention": "attn", "gated_delta": "linear_attn", "mamba2": "mamba"}
-
-
-class Block(nn.Module):
-    """One layer, its two mixers chosen once from its type (config.layers.LAYER_MIXERS):
-    x + mixer(norm(x)), then x + mlp(norm(x)); with model.post_norms
-    x + norm(mixer(norm(x))), then x + norm(mlp(norm(x))) (Gemma 2/3); in a layer type of
-    model.reordered_norms x + norm(mixer(x)), then x + norm(mlp(x)) (OLMo 2). The token mixer is
-    attention (``attn``), Gated DeltaNet (``linear_attn``, models/gated_delta.py) or Mamba2
-    (``mamba``, models/mamba2.py), after ``attn_norm``; Nemotron-H's single-op blocks have
-    no MLP ('mamba', 'attention') or no token mixer ('mlp').
-
-    ``selective`` (attention blocks) checkpoints the two pieces around the attention core
-    (norm + q/k/v + RoPE; out-proj + residual + norm + MLP) and keeps q, k, v, the
-    attention output and its LSE (saved by the CP attention itself), so backward
-    recomputes projections but never replays the CP communication; other blocks keep
-    their activations under it.
-    """
-
-    def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend,
-                 selective: bool, device=None, dtype=None,
-                 memory: Optional[MemoryConfig] = None, layer: Optional[LayerAttention] = None,
-                 linear_cp: str = "state", moe: bool = False, ep_group=None):
-        super().__init__()
-        layer = layer or layer_attention(cfg)[0]
-        self.token_mixer, channel = layer.token_mixer, layer.channel_mixer
-        self.selective = selective and self.token_mixer == "attention"
-        # model.reordered_norms (OLMo 2): the mixers' outputs normed, not their inputs
-        reordered = layer.kind in (cfg.reordered_norms or ())
-        post = cfg.post_norms or reordered
-        self.attn_norm = make_norm(cfg, device, dtype) if self.token_mixer and not \
-            reordered else None
-        if self.token_mixer == "attention":
-            self.attn = Attention(cfg, tp_group, cp, backend, device, dtype, layer)
-        elif self.token_mixer == "gated_delta":
-            self.linear_attn = GatedDeltaNet(cfg, cp, linear_cp, tp_group, device, dtype)
-        elif self.token_mixer == "mamba2":
-            self.mamba = Mamba2(cfg, cp, linear_cp, tp_group, device, dtype)
-        self.post_attn_norm = (make_norm(cfg, device, dtype)
-                               if post and self.token_mixer else None)
-        self.mlp_norm = make_norm(cfg, device, dtype) if channel and not reordered else None
-        tiled = memory is not None and memory.tiled_mlp
-        if channel and moe:  # a mixture of experts in the MLP's place (models/moe.py)
-            self.mlp = MoE(cfg, tp_group, ep_group, device, dtype)
-        else:
-            self.mlp = MLP(cfg, tp_group, device, dtype, tile_tokens=memory.mlp_tile_tokens
-                           if tiled else None) if channel else None
-        self.post_mlp_norm = make_norm(cfg, device, dtype) if post and channel else None
-
-    @property
-    def mixer(self) -> Optional[nn.Module]:
-        """The token mixer's module (attn, linear_attn or mamba); None in an MLP-only block."""
-        return getattr(self, MIXER_MODULES[self.token_mixer]) if self.token_mixer else None
-
-    def use_cp(self, cp: ContextParallel) -> None:
-        """Run the token mixer over another CP group (GPT.use_cp_group)."""
-        if self.mixer is not None:
-            self.mixer.cp = cp
-
-    def _in_norm(self, norm, x):
-        return x if norm is None else norm(x)  # None: model.reordered_norms' block
-
-    def _attn_in(self, x, cos, sin):
-        return self.attn.qkv(self._in_norm(self.attn_norm, x), cos, sin)
-
-    def _attn_out_mlp(self, x, o, gate=None):
-        a = self.attn.out(o, gate)  # (B, T/cp, d)
-        return self._mlp(x + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
-
-    def _mlp(self, x):
-        if self.mlp is None:
-            return x
-        h = self.mlp(self._in_norm(self.mlp_norm, x))
-        return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
-
-    def _linear_mixer(self, x, cu_seqlens, cache=None):
-        """x + linear_attn / mamba (norm(x)), over CP with its documents; cache: its
-        LinearLayerCache in generation (ctxpar.inference)."""
-        a = self.mixer(self._in_norm(self.attn_norm, x), cu_seqlens, cache)  # (B, T/cp, d)
-        return x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache=None, cu_seqlens=None) -> torch.Tensor:
-        """kv_cache: this layer's view of a KV cache (ctxpar.inference), inference only: it
-        keeps k, v and computes attention from the cache, given the training core to use
-        (a linear layer's: its LinearLayerCache, state and conv window).
-        cu_seqlens: document boundaries (context_parallel/documents.py), training only."""
-        if self.token_mixer != "attention":
-            if self.token_mixer is not None:
-                x = self._linear_mixer(x, cu_seqlens, kv_cache)
-            return self._mlp(x)
-        if kv_cache is not None:
-            q, k, v, gate = self._attn_in(x, cos, sin)
-            return self._attn_out_mlp(x, kv_cache(q, k, v, self.attn.core,
-                                                  self.attn.mask()), gate)
-        if self.selective:  # recompute around the core; the core keeps its own saved tensors
-            q, k, v, gate = checkpoint(self._attn_in, x, cos, sin, use_reentrant=False)
-            o = self.attn.core(q, k, v, cu_seqlens)
-            return checkpoint(self._attn_out_mlp, x, o, gate, use_reentrant=False)
-        q, k, v, gate = self._attn_in(x, cos, sin)
-        return self._attn_out_mlp(x, self.attn.core(q, k, v, cu_seqlens), gate)
 
 
 class GPT(nn.Module):
@@ -493,15 +136,15 @@ class GPT(nn.Module):
         self.activation_checkpointing = o.activation_checkpointing
         self.every_n_layers = o.every_n_layers
         selective = o.activation_checkpointing == "selective"
-        attention_backend = o.attention_backend
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
         self.layer_attention = layer_attention(cfg)  # each layer's kind, window, RoPE
         moe_layers = set(moe_layer_indices(cfg.moe, cfg.n_layers))
         self.ep_group, self.dp_cp_group = g.ep_group, g.dp_cp_group  # experts; router losses
         self.layers = nn.ModuleList(
-            Block(cfg, tp_group, self.cp, attention_backend, selective, device, dtype,
-                  self.memory, a, o.linear_cp, i in moe_layers, g.ep_group)
+            Block(LayerArgs(cfg, a, self.cp, tp_group, g.ep_group, i in moe_layers,
+                            o.attention_backend, o.linear_cp, self.memory, selective, device,
+                            dtype))
             for i, a in enumerate(self.layer_attention))
         self.router_losses = None  # the last training forward's (models/moe.py), or None
         # memory.offload_activations: what checkpointing keeps per layer in host memory

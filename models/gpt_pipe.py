@@ -54,11 +54,13 @@ from ctxpar.distributed.pipeline_parallel import pipeline_topology
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                     gather_full_state_dict, parallel_lm_logits,
                                     vocab_parallel_cross_entropy)
-from models.gpt import (Block, block_recomputed, check_checkpoint_mode, embed_tokens,
-                        init_parameters_, make_norm, rotary_cos_sin)
+from models.block import Block
+from models.gpt import block_recomputed, check_checkpoint_mode, embed_tokens, init_parameters_
 from models.loss import global_mean_loss, loss_for_backward
 from models.moe import MoE
-from models.options import ModelOptions
+from models.norms import make_norm
+from models.options import LayerArgs, ModelOptions
+from models.rope import rotary_cos_sin
 
 
 class EmbeddingPipe(nn.Module):
@@ -117,8 +119,10 @@ class BlockPipe(Block):
                  offload: Optional[ActivationOffload] = None, linear_cp: str = "state"):
         layer = layer_attention(cfg)[layer_number]  # its kind, window, chunks, RoPE
         moe = layer_number in moe_layer_indices(cfg.moe, cfg.n_layers)
-        super().__init__(cfg, tp_group, cp, backend, activation_checkpointing == "selective",
-                         device, dtype, memory, layer, linear_cp, moe)  # ep 1 (config)
+        super().__init__(LayerArgs(cfg, layer, cp, tp_group, None, moe, backend, linear_cp,
+                                   memory or MemoryConfig(),
+                                   activation_checkpointing == "selective", device,
+                                   dtype))  # ep 1 (config)
         self.carries_router = cfg.moe is not None  # the routers' statistics in the tuple
         self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)
         self.gpt_prefix = f"layers.{layer_number}."
@@ -131,9 +135,9 @@ class BlockPipe(Block):
         router = (docs.pop(),) if self.carries_router else ()
         if isinstance(self.mlp, MoE):  # this forward's routers (the last stage's loss adds them)
             self.mlp.stats = RouterStats(self.mlp.moe.num_experts)
-        cos = sin = None  # RoPE for attention blocks only (linear mixers and MLPs have none)
-        if self.token_mixer == "attention":
-            cos, sin = rotary_cos_sin(positions, self.attn.rotary_dim, self.rope_theta,
+        cos = sin = None  # RoPE for the mixers that take it (attention), none for the rest
+        if self.mixer is not None and self.mixer.rotary_dim is not None:
+            cos, sin = rotary_cos_sin(positions, self.mixer.rotary_dim, self.rope_theta,
                                       self.rope_scaling)  # (..., T/cp, rotary_dim/2)
         cu = unpack_cu_seqlens(docs[0]) if docs else None
         block = partial(Block.forward, self, cu_seqlens=cu)

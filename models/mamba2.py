@@ -35,7 +35,9 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .gated_delta import DepthwiseConv
+from .options import LayerArgs
+from .short_conv import DepthwiseConv
+from .token_mixer import TokenMixer
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -56,10 +58,15 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * h.flatten(-2).to(x.dtype)
 
 
-class Mamba2(nn.Module):
+class Mamba2(TokenMixer):
     """Nemotron-H's Mamba2 mixer over CP and TP (module docstring). cp: the model's
     ContextParallel (group and layout); strategy: parallel.linear_cp; tp_group: the heads'
-    split (None: all heads here)."""
+    split (None: all heads here). A token mixer that splits nothing (models/token_mixer.py):
+    its forward is its mix."""
+
+    @classmethod
+    def from_layer(cls, args: LayerArgs) -> "Mamba2":
+        return cls(args.cfg, args.cp, args.linear_cp, args.tp_group, args.device, args.dtype)
 
     def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
                  tp_group=None, device=None, dtype=None):

@@ -13,6 +13,8 @@ from ctxpar.memory.tiled_mlp import gate_activation, mark_zero3_leaf, tiled_mlp,
 from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                     copy_to_tensor_model_parallel_region)
 
+from .options import LayerArgs
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x), GeGLU: down(gelu(gate x) * up x) (tanh-GELU),
@@ -22,6 +24,12 @@ class MLP(nn.Module):
     ``tile_tokens`` ('auto' or N; None: untiled) runs it over tiles of tokens, recomputed in
     backward, so the (B*T/cp, ffn/tp) intermediates never exist whole (memory/tiled_mlp.py).
     """
+
+    @classmethod
+    def from_layer(cls, args: LayerArgs) -> "MLP":
+        """A block's MLP, tiled under memory.tiled_mlp (memory.mlp_tile_tokens)."""
+        tiled = args.memory.mlp_tile_tokens if args.memory.tiled_mlp else None
+        return cls(args.cfg, args.tp_group, args.device, args.dtype, tile_tokens=tiled)
 
     def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None,
                  tile_tokens: Union[int, str, None] = None):

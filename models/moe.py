@@ -42,6 +42,7 @@ from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .mlp import MLP
+from .options import LayerArgs
 
 
 def expert_hidden(cfg: ModelConfig) -> int:
@@ -136,6 +137,10 @@ class MoE(nn.Module):
     """The MoE MLP of one layer (module docstring). ep_group: the experts' EP group (None:
     all here); tp_group: each expert's f split; stats: the forward's RouterStats, set by
     the model before each forward (None: no auxiliary losses kept)."""
+
+    @classmethod
+    def from_layer(cls, args: LayerArgs) -> "MoE":
+        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype)
 
     def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, device=None,
                  dtype=None):

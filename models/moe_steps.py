@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import gpt_pipe
 from .loss import global_mean_loss, loss_for_backward
-from .steps import MicroBatchSteps, PipelineSteps, StepOutput
+from .step_kinds import MicroBatchSteps, PipelineSteps, StepOutput
 
 
 class MoESteps(MicroBatchSteps):

@@ -1,17 +1,21 @@
-"""What a model is built with besides its ModelConfig: the run's settings and its groups.
+"""What a model is built with besides its ModelConfig: the run's settings and its groups;
+and what each of its layers is built with.
 
     GPT(cfg.model, ModelGroups.from_state(state), ModelOptions.from_config(cfg))
+    Block(LayerArgs(cfg.model, layer_attention(cfg.model)[i], cp, tp_group, ...))
 
 as Megatron-Core passes one config and one bundle of process groups. ModelOptions reads the
 run config in one place (GPT.from_config and GPTPipe.from_config both use it); ModelGroups
-holds the groups a model's layers use (a ParallelState has them all).
+holds the groups a model's layers use (a ParallelState has them all); LayerArgs is one
+layer's share of both, which every mixer kind builds itself from (models/mixers.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxpar.config import Config, MemoryConfig
+from ctxpar.config import Config, LayerAttention, MemoryConfig, ModelConfig
+from ctxpar.context_parallel import ContextParallel
 
 
 @dataclass(frozen=True)
@@ -59,3 +63,22 @@ class ModelGroups:
         return cls(state.tp_group, state.cp_group, state.ulysses_group, state.ring_group,
                    state.ep_group, state.dp_cp_group)
 
+
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """What one layer's mixers are built from: each kind's ``from_layer`` reads its share
+    (models/mixers.py), so a new kind needs no new argument threaded through the model."""
+
+    cfg: ModelConfig
+    layer: LayerAttention       # its kind, mixers, window, chunks, RoPE (ctxpar.config.layers)
+    cp: ContextParallel         # the model's CP attention: groups, pattern, layout
+    tp_group: Any = None
+    ep_group: Any = None        # model.moe: the experts' EP group (None: all experts here)
+    moe: bool = False           # this layer's MLP is a mixture of experts (model.moe.layers)
+    backend: str = "auto"       # parallel.attention_backend
+    linear_cp: str = "state"    # parallel.linear_cp: the linear mixers' CP strategy
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # memory.tiled_mlp
+    selective: bool = False     # activation_checkpointing 'selective'
+    device: Any = None
+    dtype: Any = None

@@ -304,7 +304,7 @@ def test_gated_attention_equals_transformers_qwen3_5():
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5Attention,
                                                               Qwen3_5TextRotaryEmbedding)
-    from models.gpt import layer_rotary
+    from models.rope import layer_rotary
     from ctxpar.config import rotary_dim
 
     cfg, T = CONFIGS["gated"], 32

@@ -43,7 +43,8 @@ from ctxpar.config.moe import MoEConfig  # noqa: E402
 from ctxpar.config.parameters import parameter_specs  # noqa: E402
 from ctxpar.data import PasskeyTask  # noqa: E402
 from ctxpar.distributed.parallel_state import free_port  # noqa: E402
-from models.gpt import GPT, rope_inv_freq  # noqa: E402
+from models.gpt import GPT  # noqa: E402
+from models.rope import rope_inv_freq  # noqa: E402
 from helpers.train_run import ROOT, losses, metric, run_train  # noqa: E402
 from helpers.warm_launch import run_warm  # noqa: E402
 
@@ -200,7 +201,7 @@ def weights_of(model):
     {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, {**YARN, "attention_factor": 1.5}])
 def test_rope_frequencies_equal_transformers(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from models.gpt import rope_attention_factor
+    from models.rope import rope_attention_factor
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=5000.0,
                       rope_scaling=scaling, max_position_embeddings=128)
     kind = (scaling or {}).get("rope_type")

@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_mlp import mlp_tile_tokens, tile_spans
 from ctxpar.testing import run_distributed
-from models.gpt import GPT, MLP
+from models.gpt import GPT
+from models.mlp import MLP
 from models.options import ModelGroups, ModelOptions
 
 def close(got, want, msg=""):

@@ -16,6 +16,8 @@ The package, one idea per file (every name is importable from ``ctxpar.config``)
     load.py        YAML or a dict -> Config (types, --set overrides, old spellings), and
                    back (to_dict, dump_config)
     validation.py  validate: every cross-field rule, section by section
+    layer_mixers.py  LAYER_MIXERS: each layer type's token and channel mixer; layer_types
+                   (the floor under sections.py's model.moe checks and layers.py)
     layers.py      layer_attention: each layer's kind (full, sliding, chunked attention;
                    Gated DeltaNet, Mamba2, Nemotron-H's single-op blocks), its mixers,
                    window, chunk and RoPE, from model.layer_types and friends; the

@@ -10,7 +10,7 @@ type means one thing everywhere. transformers' names: model.layer_types lists on
 LAYER_TYPES per layer; unset, every layer is 'sliding_attention' when model.sliding_window
 is set, 'chunked_attention' when model.attention_chunk_size is, else 'full_attention'.
 
-Two families of blocks (LAYER_MIXERS: the token mixer, the channel mixer):
+Two families of blocks (layer_mixers.LAYER_MIXERS: the token mixer, the channel mixer):
 
     full_attention, sliding_attention,   norm, attention, residual; norm, MLP, residual
     chunked_attention                    (Llama, Qwen, Mistral, Gemma)
@@ -30,20 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+# ATTENTION_TYPES: importable from here too (the Hugging Face import reads it here)
+from .layer_mixers import ATTENTION_TYPES, LAYER_MIXERS, LAYER_TYPES, layer_types  # noqa: F401
 from .sections import ModelConfig, resolved_head_dim
 
-ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-LAYER_MIXERS = {  # layer type -> (token mixer, channel mixer); None: the block has none
-    "full_attention": ("attention", "mlp"),
-    "sliding_attention": ("attention", "mlp"),
-    "chunked_attention": ("attention", "mlp"),
-    "linear_attention": ("gated_delta", "mlp"),
-    "mamba": ("mamba2", None),
-    "attention": ("attention", None),
-    "mlp": (None, "mlp"),
-}
-LAYER_TYPES = tuple(LAYER_MIXERS)
-LINEAR_MIXERS = ("gated_delta", "mamba2")  # the token mixers that pass a state over CP
 GDN_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
               "linear_value_head_dim", "linear_conv_kernel_dim")
 MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
@@ -118,36 +108,6 @@ def mamba_dims(m: ModelConfig) -> MambaDims:
                      _or(m.use_conv_bias, True), _or(m.time_step_min, 0.001),
                      _or(m.time_step_max, 0.1), _or(m.time_step_floor, 1e-4),
                      _or(m.linear_chunk_size, 64))
-
-
-def token_mixers(m: ModelConfig) -> set:
-    """The token mixers the model's layers use."""
-    return {LAYER_MIXERS[t][0] for t in layer_types(m) if t in LAYER_MIXERS}
-
-
-def has_linear_layers(m: ModelConfig) -> bool:
-    """Whether a layer is 'linear_attention' or 'mamba' (state-passing mixers)."""
-    return bool(token_mixers(m) & set(LINEAR_MIXERS))
-
-
-def layer_types(m: ModelConfig) -> List[str]:
-    """One of LAYER_TYPES per layer (model.layer_types, or the one kind the model's
-    window or chunk fields imply)."""
-    if m.layer_types is not None:
-        return list(m.layer_types)
-    return [uniform_layer_type(m)] * m.n_layers
-
-
-def uniform_layer_type(m: ModelConfig) -> str:
-    """Every layer's type when model.layer_types is unset: the one its window or chunk
-    fields imply."""
-    return ("sliding_attention" if m.sliding_window is not None else
-            "chunked_attention" if m.attention_chunk_size is not None else "full_attention")
-
-
-def first_layer_type(m: ModelConfig) -> str:
-    """layer_types(m)[0] without building the list (the planner asks per candidate)."""
-    return m.layer_types[0] if m.layer_types is not None else uniform_layer_type(m)
 
 
 def layer_attention(m: ModelConfig) -> List[LayerAttention]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from .layer_mixers import LAYER_MIXERS, layer_types
+
 MOE_SCORES = ("softmax", "sigmoid")
 
 
@@ -182,7 +184,6 @@ def _check_moe_fields(m, moe: MoEConfig, tp: int, err) -> None:
 def _check_moe_blocks(m, moe: MoEConfig, err) -> None:
     """model.moe.layers name blocks with an MLP to replace (Nemotron-H's single-op 'mamba'
     and 'attention' blocks have none; None: every block that has one)."""
-    from .layers import LAYER_MIXERS, layer_types  # layers.py imports the sections
     types = layer_types(m)
     bare = [i for i in moe.layers or () if LAYER_MIXERS.get(types[i], ("", ""))[1] is None]
     if bare:

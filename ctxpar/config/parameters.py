@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Iterable, List, Optional, Tuple
 
-from .layers import (GDN_FIELDS, LAYER_MIXERS, MAMBA_FIELDS, first_layer_type,
-                     gated_delta_dims, layer_types, mamba_dims)
+from .layer_mixers import LAYER_MIXERS, first_layer_type, layer_types
+from .layers import GDN_FIELDS, MAMBA_FIELDS, gated_delta_dims, mamba_dims
 from .moe import moe_layer_indices
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
@@ -107,12 +107,9 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     p = f"layers.{i}."
     reordered = kind in (m.reordered_norms or ())  # outputs normed, not inputs (OLMo 2)
     specs = _norm(p + "attn_norm", m) if token and not reordered else []
-    if token == "attention":
-        specs += _attention_specs(m, p, tp)
-    elif token == "gated_delta":
-        specs += _gated_delta_specs(m, p + "linear_attn.")
-    elif token == "mamba2":
-        specs += _mamba2_specs(m, p + "mamba.")
+    if token:
+        name, mixer_specs = TOKEN_MIXER_PARAMETERS[token]
+        specs += mixer_specs(m, f"{p}{name}.", tp)
     if (m.post_norms or reordered) and token:
         specs += _norm(p + "post_attn_norm", m)
     if channel and i in moe_layer_indices(m.moe, m.n_layers):
@@ -143,7 +140,7 @@ def _moe_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
     return specs + (_norm(p + "post_mlp_norm", m) if m.post_norms else [])
 
 
-def _gated_delta_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
+def _gated_delta_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
     """models/gated_delta.py's parameters (transformers' Qwen3_5GatedDeltaNet names) in
     named_parameters' order (a module's own before its children's); split over TP by
     heads, as attention (in_proj_qkv and the conv by [q | k | v] section, each part's
@@ -161,7 +158,7 @@ def _gated_delta_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
             *_linear(p + "out_proj", value, m.d_model, "row", False)]
 
 
-def _mamba2_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
+def _mamba2_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
     """models/mamba2.py's parameters (transformers' NemotronHMamba2Mixer names); split
     over TP by heads and B/C groups (in_proj by [z | x | B | C | dt] section, the conv by
     [x | B | C]), out_proj by rows."""
@@ -183,18 +180,28 @@ def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
     qkv_bias = m.bias or m.attention_bias
     specs = []
     if m.attention_sinks:  # one logit per query head, split with the heads
-        specs.append(ParamSpec(p + "attn.sinks", (m.n_heads,), "column"))
+        specs.append(ParamSpec(p + "sinks", (m.n_heads,), "column"))
     q_rows = m.n_heads * hd * (2 if m.attention_output_gate else 1)  # per head [q | gate]
-    specs += _linear(p + "attn.q_proj", d, q_rows, "column", qkv_bias)
-    specs += _linear(p + "attn.k_proj", d, n_kv * hd, kv_split, qkv_bias)
-    specs += _linear(p + "attn.v_proj", d, n_kv * hd, kv_split, qkv_bias)
-    specs += _linear(p + "attn.o_proj", m.n_heads * hd, d, "row", m.bias)
+    specs += _linear(p + "q_proj", d, q_rows, "column", qkv_bias)
+    specs += _linear(p + "k_proj", d, n_kv * hd, kv_split, qkv_bias)
+    specs += _linear(p + "v_proj", d, n_kv * hd, kv_split, qkv_bias)
+    specs += _linear(p + "o_proj", m.n_heads * hd, d, "row", m.bias)
     if m.qk_norm and m.qk_norm_scope == "all_heads":  # the whole width, split with heads
-        specs += [ParamSpec(p + "attn.q_norm.weight", (m.n_heads * hd,), "column"),
-                  ParamSpec(p + "attn.k_norm.weight", (n_kv * hd,), "column")]
+        specs += [ParamSpec(p + "q_norm.weight", (m.n_heads * hd,), "column"),
+                  ParamSpec(p + "k_norm.weight", (n_kv * hd,), "column")]
     elif m.qk_norm:  # one (hd,) weight shared by every head: replicated over TP
-        specs += _norm(p + "attn.q_norm", m, hd) + _norm(p + "attn.k_norm", m, hd)
+        specs += _norm(p + "q_norm", m, hd) + _norm(p + "k_norm", m, hd)
     return specs
+
+
+# Each token mixer's parameters under its submodule's name: models/mixers.py registers the
+# same kinds under the same names (the model checks itself against these when built)
+TOKEN_MIXER_PARAMETERS = {  # token mixer -> (submodule, specs(m, its prefix, tp)); tp
+    #                           changes only attention's (kv heads split or replicated)
+    "attention": ("attn", _attention_specs),
+    "gated_delta": ("linear_attn", _gated_delta_specs),
+    "mamba2": ("mamba", _mamba2_specs),
+}
 
 
 def _mlp_specs(m: ModelConfig, p: str) -> List[ParamSpec]:

@@ -9,7 +9,8 @@ from typing import Any, Callable, Dict, Optional
 from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
 from ..context_parallel.linear.api import check_linear_cp
-from .layers import check_layers, gated_delta_dims, has_linear_layers, mamba_dims, token_mixers
+from .layer_mixers import has_linear_layers, token_mixers
+from .layers import check_layers, gated_delta_dims, mamba_dims
 from .moe import check_moe
 from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config,
                        ConfigError, ModelConfig, ParallelConfig, resolved_ffn_hidden,

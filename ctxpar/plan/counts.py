@@ -16,8 +16,8 @@ from functools import lru_cache
 from typing import List, Optional
 
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
-from ..config.layers import (LAYER_MIXERS, first_layer_type, gated_delta_dims, layer_types,
-                             mamba_dims)
+from ..config.layer_mixers import LAYER_MIXERS, first_layer_type, layer_types
+from ..config.layers import gated_delta_dims, mamba_dims
 from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads

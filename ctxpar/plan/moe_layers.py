@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Tuple
 
 from ..config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
-from ..config.layers import LAYER_MIXERS, layer_types
+from ..config.layer_mixers import LAYER_MIXERS, layer_types
 from ..config.moe import moe_layer_indices
 from ..config.parameters import block_specs
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
-from ..config.layers import LAYER_MIXERS, has_linear_layers, layer_types
+from ..config.layer_mixers import LAYER_MIXERS, has_linear_layers, layer_types
 from ..config.parameters import active_parameters
 from ..context_parallel.linear import LINEAR_CP_STRATEGIES
 from ..components.metrics import flops_per_token

@@ -27,15 +27,21 @@ def saved_tensor_bytes(params: Iterable[torch.Tensor]):
     """Yields a dict {storage pointer: bytes} filled with what autograd saves meanwhile."""
     skip = {p.untyped_storage().data_ptr() for p in params}
     seen: Dict[int, int] = {}
+    held = []  # every packed tensor until the end: no pointer is reused while counting
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
         if storage.data_ptr() not in skip:
             seen[storage.data_ptr()] = storage.nbytes()
-        return t  # holding t keeps the storage alive: no pointer is reused while counting
+        # A node autograd frees before the forward ends (a branch the loss does not read)
+        # frees what it saved; without `held` a later storage could take its address and
+        # be taken for it.
+        held.append(t)
+        return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield seen
+    held.clear()
 
 
 def forward_saved_bytes(model: torch.nn.Module, vocab_size: int, batch: int, seq_len: int,

@@ -14,9 +14,9 @@ import argparse
 
 import torch
 
-from ctxpar.config import ModelConfig
+from ctxpar.config import CHECKPOINT_MODES, ModelConfig
 from ctxpar.testing.memory import forward_saved_bytes
-from models.gpt import CHECKPOINT_MODES, GPT
+from models.gpt import GPT
 from models.options import ModelOptions
 
 

@@ -32,7 +32,7 @@ from ctxpar.config import ModelConfig
 from ctxpar.memory.tiled_loss import loss_tile_tokens, tiled_vocab_parallel_cross_entropy
 from ctxpar.memory.tiled_mlp import mlp_tile_tokens
 from ctxpar.testing.memory import LiveBytes
-from models.gpt import MLP
+from models.mlp import MLP
 
 MiB = 2 ** 20
 # name: (kind, tokens, d, vocab or ffn, DeepSpeed shard counts, run the untiled layers)

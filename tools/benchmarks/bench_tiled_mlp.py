@@ -36,7 +36,8 @@ import torch
 from ctxpar.config import MemoryConfig, ModelConfig
 from ctxpar.memory.tiled_mlp import mlp_tile_tokens
 from ctxpar.testing.memory import LiveBytes
-from models.gpt import GPT, MLP
+from models.gpt import GPT
+from models.mlp import MLP
 from models.options import ModelOptions
 
 MiB = 2 ** 20

@@ -2,13 +2,15 @@
 
 Their state, not the sequence, crosses ranks (or the heads do); one file per idea:
 
-    api.py            gated_delta_rule_cp, ssd_cp, causal_conv1d_cp; check_linear_cp (the
-                      rules, for a config loader); summary_bytes (state passing's traffic)
+    api.py            gated_delta_rule_cp, ssd_cp, causal_conv1d_cp (causal_conv1d on one
+                      process); check_linear_cp (the rules, for a config loader);
+                      summary_bytes (state passing's traffic)
     state_passing.py  strategy "state": (M, E) summaries, one fp32 all-gather, composition
                       in sequence order (contiguous, zigzag); documents reset the state
     heads.py          strategy "heads": all-to-all sequence <-> heads around the kernel
                       (every layout), Ulysses' exchange with grouped heads replicated
-    conv.py           the short causal conv1d with its halo of K - 1 tokens, document resets
+    conv.py           the short causal conv1d's pieces: the halo of K - 1 tokens (its plan
+                      and exchange), the taps with document resets, one decoding step
     gated_delta.py    the chunked gated delta rule in torch (initial state, final state,
                       seq_idx resets): the kernel interface, fp32; gated_delta_step, one
                       token recurrently (decoding)
@@ -22,9 +24,9 @@ The torch kernels run on CPU and GPU alike, checked against transformers' torch
 references (tests/test_linear_kernels.py); the GPU adapters against emulations of the
 libraries (tests/test_linear_gpu_kernels.py) and on fake CUDA (the dry run).
 """
-from .api import (LINEAR_CP_STRATEGIES, STRATEGIES, causal_conv1d_cp, check_linear_cp,
-                  gated_delta_rule_cp, ssd_cp, summary_bytes)
-from .conv import causal_conv1d, conv_step
+from .api import (LINEAR_CP_STRATEGIES, STRATEGIES, causal_conv1d, causal_conv1d_cp,
+                  check_linear_cp, gated_delta_rule_cp, ssd_cp, summary_bytes)
+from .conv import conv_step
 from .gated_delta import chunk_gated_delta_rule, gated_delta_step
 from .ssd import discretize_dt, ssd_chunk_scan, ssd_step
 

@@ -16,8 +16,9 @@ Every strategy is exact, forward and backward, with packed documents (cu_seqlens
 full sequence, as for attention: the state and the conv window restart at each document
 start), grouped key heads (GDN) and B/C groups (Mamba2). Inputs are this rank's tokens in
 `layout` (layouts.shard_sequence); outputs likewise, in the inputs' dtype; states fp32.
-The short conv before the mixer (conv.py) takes a halo of K - 1 tokens from the ranks
-before each run of positions, for either strategy.
+The short conv before the mixer (conv.py's plan and halo, run here over the kernel
+kernels.py picks; causal_conv1d its one-process form) takes a halo of K - 1 tokens from the
+ranks before each run of positions, for either strategy.
 
 Gradients of replicated inputs (per-head parameters, the initial state, the conv weight)
 are this rank's share: the CP gradient reduction (a sum over CP) completes them. A final
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from ..comm import LOCAL, group_rank_and_size
 from ..documents import check_cu_seqlens, doc_ids
 from ..layouts import LAYOUTS, check_layout, rank_positions
-from .conv import ACTIVATIONS, conv_over_group
+from .conv import ACTIVATIONS, HaloExchange, halo_plan
 from .gated_delta import check_chunk_size
 from ..ulysses import head_shard, ulysses_kv_heads
 from .heads import heads_to_sequence, sequence_to_heads
@@ -308,6 +309,29 @@ def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     doc = _documents(cu_seqlens, x.shape[1] * P, x.shape[0], caller, x.device)
     return conv_over_group(x, weight, bias, activation, group, layout,
                            None if doc is None else doc.device, kernel)
+
+
+def conv_over_group(x, weight, bias, activation, group, layout: str,
+                    doc: Optional[torch.Tensor], kernel: str = "auto") -> torch.Tensor:
+    """This rank's conv output (B, S, C) in x's dtype; x (B, S, C) this rank's tokens,
+    doc (B, n) every position's document or None; kernel: kernels.py's conv ('auto',
+    'torch', 'causal_conv1d')."""
+    rank, world = group_rank_and_size(group)
+    K, (B, S, C) = weight.shape[1], x.shape
+    impl = get_kernel("conv", kernel, x, channels=C, width=K)
+    plan = halo_plan(layout, S * world, rank, world, K)
+    halo = HaloExchange.apply(x, plan, group) if plan.recvs or plan.sends \
+        else x.new_zeros(B, 0, C)
+    return impl(x, halo, layout, rank, world, doc, weight, bias, activation)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  activation: Optional[str] = None,
+                  seq_idx: Optional[torch.Tensor] = None, kernel: str = "auto") -> torch.Tensor:
+    """The depthwise causal conv1d on one process: x (B, T, C), weight (C, K), bias (C,),
+    activation None or 'silu'; seq_idx (B, T) documents (non-decreasing) or None.
+    (B, T, C) in x's dtype."""
+    return conv_over_group(x, weight, bias, activation, LOCAL, "contiguous", seq_idx, kernel)
 
 
 def summary_bytes(batch: int, heads: int, state: Tuple[int, int], layout: str, cp_size: int,

@@ -197,27 +197,3 @@ def conv_step(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         out = out + rows[:, K - 1 - d].float() * w[:, K - 1 - d]
     out = F.silu(out) if activation in ("silu", "swish") else out
     return out, rows[:, 1:]
-
-
-def conv_over_group(x, weight, bias, activation, group, layout: str,
-                    doc: Optional[torch.Tensor], kernel: str = "auto") -> torch.Tensor:
-    """This rank's conv output (B, S, C) in x's dtype; x (B, S, C) this rank's tokens,
-    doc (B, n) every position's document or None; kernel: kernels.py's conv ('auto',
-    'torch', 'causal_conv1d')."""
-    from .kernels import get_kernel  # kernels.py imports this module
-    rank, world = group_rank_and_size(group)
-    K, (B, S, C) = weight.shape[1], x.shape
-    impl = get_kernel("conv", kernel, x, channels=C, width=K)
-    plan = halo_plan(layout, S * world, rank, world, K)
-    halo = HaloExchange.apply(x, plan, group) if plan.recvs or plan.sends \
-        else x.new_zeros(B, 0, C)
-    return impl(x, halo, layout, rank, world, doc, weight, bias, activation)
-
-
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  activation: Optional[str] = None,
-                  seq_idx: Optional[torch.Tensor] = None, kernel: str = "auto") -> torch.Tensor:
-    """The depthwise causal conv1d on one process: x (B, T, C), weight (C, K), bias (C,),
-    activation None or 'silu'; seq_idx (B, T) documents (non-decreasing) or None.
-    (B, T, C) in x's dtype."""
-    return conv_over_group(x, weight, bias, activation, LOCAL, "contiguous", seq_idx, kernel)

@@ -1,0 +1,51 @@
+"""Which mixers each layer type has (LAYER_MIXERS) and each layer's type (layer_types):
+the table the config's sections (model.moe's blocks), the layers (layers.py), the
+parameters and the planner all read, standing below them all (it imports nothing of the
+config: `m` is a ModelConfig, read by its fields). layers.py says what each type means.
+"""
+from __future__ import annotations
+
+from typing import List
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_MIXERS = {  # layer type -> (token mixer, channel mixer); None: the block has none
+    "full_attention": ("attention", "mlp"),
+    "sliding_attention": ("attention", "mlp"),
+    "chunked_attention": ("attention", "mlp"),
+    "linear_attention": ("gated_delta", "mlp"),
+    "mamba": ("mamba2", None),
+    "attention": ("attention", None),
+    "mlp": (None, "mlp"),
+}
+LAYER_TYPES = tuple(LAYER_MIXERS)
+LINEAR_MIXERS = ("gated_delta", "mamba2")  # the token mixers that pass a state over CP
+
+
+def token_mixers(m) -> set:
+    """The token mixers the model's layers use."""
+    return {LAYER_MIXERS[t][0] for t in layer_types(m) if t in LAYER_MIXERS}
+
+
+def has_linear_layers(m) -> bool:
+    """Whether a layer is 'linear_attention' or 'mamba' (state-passing mixers)."""
+    return bool(token_mixers(m) & set(LINEAR_MIXERS))
+
+
+def layer_types(m) -> List[str]:
+    """One of LAYER_TYPES per layer (model.layer_types, or the one kind the model's
+    window or chunk fields imply)."""
+    if m.layer_types is not None:
+        return list(m.layer_types)
+    return [uniform_layer_type(m)] * m.n_layers
+
+
+def uniform_layer_type(m) -> str:
+    """Every layer's type when model.layer_types is unset: the one its window or chunk
+    fields imply."""
+    return ("sliding_attention" if m.sliding_window is not None else
+            "chunked_attention" if m.attention_chunk_size is not None else "full_attention")
+
+
+def first_layer_type(m) -> str:
+    """layer_types(m)[0] without building the list (the planner asks per candidate)."""
+    return m.layer_types[0] if m.layer_types is not None else uniform_layer_type(m)

@@ -1,0 +1,151 @@
+"""Causal self-attention over CP, the token mixer of attention layers: MHA and GQA (fewer kv
+heads than query heads, replicated over TP when fewer than its ranks), per-head or
+whole-projection q/k norms, RoPE (partial, or none), Qwen3.5's output gate, gpt-oss'
+sinks; full causal, a sliding window or chunks by the layer's kind.
+
+Shapes per rank: x (B, T/cp, d); q (B, T/cp, nh/tp, hd); k, v (B, T/cp, max(nkv/tp, 1), hd).
+Only the core talks over CP (ctxpar.context_parallel: the pattern of parallel.cp_comm),
+only the projections over TP (column-parallel q/k/v, row-parallel out).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ctxpar.config import ModelConfig, resolved_head_dim, rotary_dim, softmax_scale
+from ctxpar.config.layers import LayerAttention, layer_attention
+from ctxpar.config.parameters import kv_heads_per_rank
+from ctxpar.context_parallel import AttentionMask, ContextParallel
+from ctxpar.tensor_parallel import (ColumnParallelLinear, ReplicatedHeadLinear,
+                                    RowParallelLinear, copy_to_tensor_model_parallel_region)
+from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from ctxpar.tensor_parallel.mappings import tp_size_of
+
+from .norms import RMSNorm
+from .options import LayerArgs
+from .qk_norm import AllHeadsRMSNorm
+from .rope import apply_rotary
+from .token_mixer import TokenMixer
+
+
+class Attention(TokenMixer):
+    """Causal GQA self-attention: column-parallel q/k/v (with biases under model.bias or
+    model.attention_bias), per-head q/k RMSNorm (model.qk_norm), RoPE, CP attention,
+    row-parallel out. The q/k norms act within a head, so TP's split by heads keeps them
+    exact; their (hd,) weights are replicated.
+
+    `layer` is this layer's kind (ctxpar.config.layers): full causal, a sliding window or
+    chunks; with model.attention_sinks a learned logit per query head (``sinks``, split
+    over TP with the heads) joins every softmax.
+
+    As a token mixer (models/token_mixer.py): project_in is qkv, mix the CP attention
+    (core, or generation's KV cache around it), project_out the gate and o_proj (out);
+    under 'selective' the Block recomputes the first and the last, never the core."""
+
+    selective_recompute = True
+
+    def __init__(self, cfg: ModelConfig, tp_group, cp: ContextParallel, backend: str,
+                 device=None, dtype=None, layer: Optional[LayerAttention] = None):
+        super().__init__()
+        tp = tp_size_of(tp_group)
+        n_kv = cfg.n_kv_heads or cfg.n_heads
+        self.tp_group, self.cp, self.backend = tp_group, cp, backend
+        self.layer = layer or layer_attention(cfg)[0]
+        self.sinks = None
+        if cfg.attention_sinks:  # (nh/tp,): this rank's heads' sink logits
+            self.sinks = nn.Parameter(torch.empty(cfg.n_heads // tp, device=device,
+                                                  dtype=dtype))
+            set_tensor_model_parallel_attributes(self.sinks, True, dim=0)
+        self.head_dim = resolved_head_dim(cfg)
+        self.scale = softmax_scale(cfg)
+        self.n_heads = cfg.n_heads // tp  # query heads on this rank
+        self.n_kv_heads = kv_heads_per_rank(cfg, tp)
+        lin = dict(tp_group=tp_group, bias=cfg.bias or cfg.attention_bias, device=device,
+                   dtype=dtype)
+        d, hd = cfg.d_model, self.head_dim
+        self.gated = cfg.attention_output_gate  # q_proj's rows per head: [q | gate]
+        self.rope = cfg.rope
+        self.rotary_dim = rotary_dim(cfg)
+        self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd * (2 if self.gated else 1),
+                                           copy_input=False, **lin)
+        if n_kv % tp == 0:
+            self.k_proj = ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)
+            self.v_proj = ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)
+        else:  # fewer kv heads than TP ranks: each rank uses the kv head of its query heads
+            self.k_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
+            self.v_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
+        self.o_proj = RowParallelLinear(cfg.n_heads * hd, d, **{**lin, "bias": cfg.bias})
+        self.q_norm, self.k_norm = qk_norms(cfg, hd, n_kv, tp_group, device, dtype)
+
+    @classmethod
+    def from_layer(cls, args: LayerArgs) -> "Attention":
+        return cls(args.cfg, args.tp_group, args.cp, args.backend, args.device, args.dtype,
+                   args.layer)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q, k, v, gate): gate (B, T/cp, nh/tp * hd) under model.attention_output_gate,
+        else None."""
+        B, T = x.shape[:2]  # T here is T/cp
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)  # f once for q, k, v
+        q, gate = self.q_proj(x), None
+        if self.gated:  # (B, T/cp, nh/tp, 2 hd): each head's query, then its gate
+            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, self.n_heads * self.head_dim)
+        q = q.reshape(B, T, self.n_heads, self.head_dim)  # (B, T/cp, nh/tp, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T/cp, nkv/tp, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if isinstance(self.q_norm, AllHeadsRMSNorm):  # over the whole projection
+            q = self.q_norm(q.flatten(2)).view_as(q)
+            k = self.k_norm(k.flatten(2)).view_as(k)
+        elif self.q_norm is not None:  # over each head's hd channels
+            q, k = self.q_norm(q), self.k_norm(k)
+        if not self.rope:  # NoPE (model.rope=false): the order is the mask's alone
+            return q, k, v, gate
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+
+    def out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        """o (B, T/cp, nh/tp, hd) -> o_proj(o * sigmoid(gate)) (B, T/cp, d)."""
+        o = o.flatten(2)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    def project_in(self, x: torch.Tensor, cos, sin) -> Tuple[tuple, tuple]:
+        q, k, v, gate = self.qkv(x, cos, sin)
+        return (q, k, v), (gate,)
+
+    def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
+        if cache is not None:  # generation: the cache keeps k, v and runs the core or decodes
+            return cache(*inputs, self.core, self.mask())
+        return self.core(*inputs, cu_seqlens)  # (B, T/cp, nh/tp, hd)
+
+    def project_out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.out(o, gate)
+
+    def mask(self, cu_seqlens=None) -> AttentionMask:
+        """What this layer's queries see: causal by the layout's global positions, inside
+        the layer's window or chunk, inside each document of cu_seqlens (per-sample
+        boundaries of the full sequence), with the sinks' extra logit."""
+        return AttentionMask(causal=True, sliding_window=self.layer.sliding_window,
+                             chunk_size=self.layer.chunk_size, cu_seqlens=cu_seqlens,
+                             sinks=self.sinks)
+
+    def core(self, q, k, v, cu_seqlens=None) -> torch.Tensor:
+        # Exact attention over the whole sequence through cp.comm's pattern.
+        return self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
+                                 mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
+
+
+def qk_norms(cfg: ModelConfig, hd: int, n_kv: int, tp_group, device, dtype):
+    """(q_norm, k_norm) under model.qk_norm: per head, (hd,) weights replicated over TP;
+    or over the whole projections (model.qk_norm_scope='all_heads', models/qk_norm.py)."""
+    if not cfg.qk_norm:
+        return None, None
+    if cfg.qk_norm_scope == "all_heads":
+        kw = dict(eps=cfg.norm_eps, tp_group=tp_group, device=device, dtype=dtype)
+        return (AllHeadsRMSNorm(cfg.n_heads * hd, **kw), AllHeadsRMSNorm(n_kv * hd, **kw))
+    kw = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, tp_group=tp_group, device=device,
+              dtype=dtype)
+    return RMSNorm(hd, **kw), RMSNorm(hd, **kw)

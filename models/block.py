@@ -1,0 +1,99 @@
+"""One layer of the GPT: a token mixer and a channel mixer, each looked up by the layer's
+kind in models/mixers.py, with their norms and residuals; one path for every kind.
+
+    x = x + post_attn_norm(mixer(attn_norm(x)))    # the token mixer, over CP
+    x = x + post_mlp_norm(mlp(mlp_norm(x)))        # the channel mixer, token-local
+
+Shapes per rank: x (B, T/cp, d) in the CP layout's order.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ctxpar.context_parallel import ContextParallel
+
+from .mixers import channel_mixer_builder, token_mixer_kind
+from .norms import make_norm
+from .options import LayerArgs
+from .token_mixer import TokenMixer
+
+
+class Block(nn.Module):
+    """One layer, its two mixers chosen once from its type (config.layer_mixers.LAYER_MIXERS,
+    models/mixers.py): x + mixer(norm(x)), then x + mlp(norm(x)); with model.post_norms
+    x + norm(mixer(norm(x))), then x + norm(mlp(norm(x))) (Gemma 2/3); in a layer type of
+    model.reordered_norms x + norm(mixer(x)), then x + norm(mlp(x)) (OLMo 2). The token
+    mixer stands under its kind's name, Hugging Face's (``attn``, ``linear_attn``,
+    ``mamba``), after ``attn_norm``; the channel mixer (an MLP or a mixture of experts) is
+    ``mlp``. Nemotron-H's single-op blocks have no MLP ('mamba', 'attention') or no token
+    mixer ('mlp').
+
+    ``selective`` (a mixer with selective_recompute: attention) checkpoints the two pieces
+    around the mixer's core (norm + project_in; project_out + residual + norm + MLP) and
+    keeps what the core saves (q, k, v, the attention output and its LSE, saved by the CP
+    attention itself), so backward recomputes projections but never replays the CP
+    communication; other blocks keep their activations under it.
+    """
+
+    def __init__(self, args: LayerArgs):
+        super().__init__()
+        cfg, token, channel = args.cfg, token_mixer_kind(args.layer), channel_mixer_builder(args)
+        norm = dict(cfg=cfg, device=args.device, dtype=args.dtype)
+        # model.reordered_norms (OLMo 2): the mixers' outputs normed, not their inputs
+        reordered = args.layer.kind in (cfg.reordered_norms or ())
+        post = cfg.post_norms or reordered
+        self.mixer_name = token.attribute if token else None  # the submodule it stands under
+        self.attn_norm = make_norm(**norm) if token and not reordered else None
+        if token:
+            setattr(self, token.attribute, token.build(args))
+        self.post_attn_norm = make_norm(**norm) if post and token else None
+        self.mlp_norm = make_norm(**norm) if channel and not reordered else None
+        self.mlp = channel(args) if channel else None
+        self.post_mlp_norm = make_norm(**norm) if post and channel else None
+        self.selective = args.selective and bool(token) and self.mixer.selective_recompute
+
+    @property
+    def mixer(self) -> Optional[TokenMixer]:
+        """The token mixer's module (attn, linear_attn, mamba); None in an MLP-only block."""
+        return getattr(self, self.mixer_name) if self.mixer_name else None
+
+    def use_cp(self, cp: ContextParallel) -> None:
+        """Run the token mixer over another CP group (GPT.use_cp_group)."""
+        if self.mixer is not None:
+            self.mixer.cp = cp
+
+    def _in_norm(self, norm, x):
+        return x if norm is None else norm(x)  # None: model.reordered_norms' block
+
+    def _mixer_in(self, x, cos, sin):
+        return self.mixer.project_in(self._in_norm(self.attn_norm, x), cos, sin)
+
+    def _mixer_out_mlp(self, x, o, *carry):
+        a = self.mixer.project_out(o, *carry)  # (B, T/cp, d)
+        return self._mlp(x + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
+
+    def _mlp(self, x):
+        if self.mlp is None:
+            return x
+        h = self.mlp(self._in_norm(self.mlp_norm, x))
+        return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache=None, cu_seqlens=None) -> torch.Tensor:
+        """kv_cache: this layer's view of generation's cache (ctxpar.inference), inference
+        only: attention's keeps k, v and computes attention from the cache, given the
+        training core to use; a linear layer's is its LinearLayerCache, state and conv
+        window. cu_seqlens: document boundaries (context_parallel/documents.py), training
+        only."""
+        if self.mixer is None:
+            return self._mlp(x)
+        if self.selective and kv_cache is None:  # recompute around the core; it keeps its own
+            inputs, carry = checkpoint(self._mixer_in, x, cos, sin, use_reentrant=False)
+            o = self.mixer.mix(inputs, cu_seqlens)
+            return checkpoint(self._mixer_out_mlp, x, o, *carry, use_reentrant=False)
+        inputs, carry = self._mixer_in(x, cos, sin)
+        return self._mixer_out_mlp(x, self.mixer.mix(inputs, cu_seqlens, kv_cache), *carry)
