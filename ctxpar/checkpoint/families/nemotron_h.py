@@ -30,7 +30,7 @@ implemented by ctxpar: refused unless null. n_shared_experts and moe_shared_expe
 are read by no transformers code (one shared MLP, moe_shared_expert_intermediate_size
 wide): inert. transformers 5 reads Nemotron-H's 'mamba' as 'linear_attention' and
 'attention' as 'full_attention', names that mean Qwen's two-op blocks in ctxpar: the
-import renames them back (config/layers.py).
+import renames them back (config/layer_mixers.py).
 """
 from __future__ import annotations
 
