@@ -84,6 +84,40 @@ def _world_group(group, caller: str = "", name: str = ""):
     return None
 
 
+def cp_group_size(comm: str, cp_group, ulysses_group, ring_group) -> int:
+    """The CP degree P of a call: cp_group's size, or u x r under 'hybrid'."""
+    if comm == "hybrid":
+        return group_rank_and_size(ulysses_group)[1] * group_rank_and_size(ring_group)[1]
+    return group_rank_and_size(cp_group)[1]
+
+
+def resolve_mask(mask: Optional[AttentionMask], causal, cu_seqlens, q: torch.Tensor,
+                 cp_size: int, caller: str) -> AttentionMask:
+    """The call's AttentionMask from `mask` or `causal`/`cu_seqlens` (not both), checked
+    against q (B, local_seq, H, ...) locally: sinks (H,) on q's device; documents and
+    chunks folded into validated per-sample boundaries of the full sequence
+    (local_seq x cp_size tokens). The sinks stay on the returned mask."""
+    if mask is None:
+        mask = AttentionMask(causal=bool(causal), cu_seqlens=cu_seqlens)
+    elif not isinstance(mask, AttentionMask) or causal or cu_seqlens is not None:
+        raise ValueError(f"{caller}: give mask=AttentionMask(...) or causal=/cu_seqlens=, "
+                         "not both")
+    sinks = mask.sinks
+    if sinks is not None and (sinks.shape != (q.shape[2],) or sinks.device != q.device):
+        raise ValueError(f"{caller}: sinks of shape {tuple(sinks.shape)} on {sinks.device} "
+                         f"must be ({q.shape[2]},) on {q.device}: one logit per query head")
+    if mask.cu_seqlens is None and mask.chunk_size is None:
+        return mask
+    n = q.shape[1] * cp_size
+    cus = torch.tensor([0, n], dtype=torch.int32) if mask.cu_seqlens is None \
+        else mask.cu_seqlens
+    docs = check_cu_seqlens(cus, n, q.shape[0], caller)
+    if mask.chunk_size is not None:
+        chunked = {}  # one union per distinct tensor (one for the whole batch, usually)
+        docs = [chunked.setdefault(id(cu), with_chunks(cu, mask.chunk_size)) for cu in docs]
+    return AttentionMask(mask.causal, mask.sliding_window, docs, mask.chunk_size, sinks)
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                comm: str, cp_group=None, ulysses_group=None, ring_group=None,
                                causal: bool = False, layout: str = "contiguous",
@@ -140,27 +174,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         cp_group = _world_group(cp_group)
         u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
     _check_inputs(q, k, v, comm, layout, u, caller)
-    if mask is None:
-        mask = AttentionMask(causal=bool(causal), cu_seqlens=cu_seqlens)
-    elif not isinstance(mask, AttentionMask) or causal or cu_seqlens is not None:
-        raise ValueError(f"{caller}: give mask=AttentionMask(...) or causal=/cu_seqlens=, "
-                         "not both")
+    mask = resolve_mask(mask, causal, cu_seqlens, q,
+                        cp_group_size(comm, cp_group, ulysses_group, ring_group), caller)
     causal, sinks = mask.causal, mask.sinks
-    if sinks is not None and (sinks.shape != (q.shape[2],) or sinks.device != q.device):
-        raise ValueError(f"{caller}: sinks of shape {tuple(sinks.shape)} on {sinks.device} "
-                         f"must be ({q.shape[2]},) on {q.device}: one logit per query head")
-    if mask.cu_seqlens is not None or mask.chunk_size is not None:
-        cp_size = (group_rank_and_size(ulysses_group)[1] * group_rank_and_size(ring_group)[1]
-                   if comm == "hybrid" else group_rank_and_size(cp_group)[1])
-        n = q.shape[1] * cp_size
-        cus = torch.tensor([0, n], dtype=torch.int32) if mask.cu_seqlens is None \
-            else mask.cu_seqlens
-        docs = check_cu_seqlens(cus, n, q.shape[0], caller)
-        if mask.chunk_size is not None:
-            chunked = {}  # one union per distinct tensor (one for the whole batch, usually)
-            docs = [chunked.setdefault(id(cu), with_chunks(cu, mask.chunk_size))
-                    for cu in docs]
-        mask = AttentionMask(causal, mask.sliding_window, docs, mask.chunk_size)
     plan_mask = None if mask.plain else mask  # None: the plain causal / full block plan
     if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
