@@ -169,6 +169,8 @@ CASES = {  # world -> [(name, comm, layout, ulysses degree, mask options)]
         ("hybrid u1 zigzag", "hybrid", "zigzag", 1, dict(causal=True))],
     4: [("ring zigzag", "ring", "zigzag", 1, dict(causal=True)),
         ("ring zigzag documents", "ring", "zigzag", 1, dict(causal=True, cu_seqlens=DOCS4)),
+        ("ring contiguous documents window, stopped early", "ring", "contiguous", 1,
+         dict(causal=True, cu_seqlens=DOCS4, sliding_window=3)),
         ("allgather striped", "allgather", "striped", 1, dict(causal=True)),
         ("ulysses zigzag documents", "ulysses", "zigzag", 4,
          dict(causal=True, cu_seqlens=DOCS4)),
