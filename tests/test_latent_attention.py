@@ -211,7 +211,31 @@ def _every_case(rank, world):
             out.backward(dout)
         res[name] = {"out": out.detach(), "lse": lse, "dsinks": leaves[3].grad,
                      **dict(zip(GRADS, (x.grad for x in leaves[:3]))), **st.as_dict()}
+    if world == 2:
+        res["layer"] = _layer_run(None, "zigzag", comm="ring", causal=True)
     return res
+
+
+def _layer_run(group, layout, **cp):
+    """ReferenceMLA (q_lora, YaRN-free default RoPE) on this rank's tokens of one hidden
+    sequence: {out, dhidden, each parameter's gradient (this rank's share)}."""
+    n, hidden_size = S_LOCAL * 2, 32
+    torch.manual_seed(0)
+    layer = ReferenceMLA(hidden_size, H, DIMS, q_lora_rank=8, rope_interleave=True)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    gen = torch.Generator().manual_seed(5)
+    x, dout = (torch.randn(B, n, hidden_size, generator=gen) for _ in range(2))
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, DIMS.qk_rope_head_dim, 2) / DIMS.qk_rope_head_dim)
+    freqs = torch.arange(n)[:, None] * inv_freq                    # transformers' default RoPE
+    emb = torch.cat((freqs, freqs), dim=-1).expand(B, n, -1)
+    x, dout, cos, sin = (shard_sequence(t, 1, group, layout)
+                         for t in (x, dout, emb.cos(), emb.sin()))
+    x.requires_grad_()
+    out = layer(x, cos, sin, cp_group=group, layout=layout, **cp)
+    out.backward(dout)
+    return {"out": out.detach(), "dhidden": x.grad,
+            **{name: p.grad for name, p in layer.named_parameters()}}
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +273,23 @@ def test_two_ranks_equal_one_process(world2, case):
 @pytest.mark.parametrize("case", CASES[4], ids=[c[0] for c in CASES[4]])
 def test_four_ranks_equal_one_process(world4, case):
     _check_case(world4, 4, case)
+
+
+def test_reference_layer_on_two_ranks_equals_one_process(world2):
+    """The model-side path: projections, RoPE at each rank's global positions, the latent
+    ring over zigzag shards, o_proj; parameter gradients summed over CP as DeepSpeed's
+    reduction does."""
+    from ctxpar.context_parallel.comm import LOCAL
+    want = _layer_run(LOCAL, "contiguous", comm="ring", causal=True)
+    n = S_LOCAL * 2
+    for name, w in want.items():
+        if name in ("out", "dhidden"):
+            got = torch.zeros_like(w)
+            for r, res in enumerate(world2):
+                got[:, rank_positions(n, r, 2, "zigzag")] = res["layer"][name]
+        else:
+            got = sum(res["layer"][name] for res in world2)
+        torch.testing.assert_close(got, w, **rel_tolerance(w), msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -316,3 +357,34 @@ def test_bad_input_raises_one_clear_line_before_communicating(case):
     with pytest.raises(ValueError, match=None) as err:
         fn()
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_backward_saves_the_latent_not_the_expanded_kv():
+    """Autograd keeps q, the latent, out and the lse (W is the parameter itself): the
+    expanded K,V (here H (dqk + dv) = 72 values a token against the latent's 20) are
+    made again block by block in backward."""
+    from ctxpar.testing.memory import saved_tensor_bytes
+    q, latent, weight, _, _ = mla_inputs(B, 16, H, DIMS)
+    q, latent, weight = (x.requires_grad_() for x in (q, latent, weight))
+    with saved_tensor_bytes([weight]) as seen:
+        out = latent_attention(q, latent, weight, DIMS, causal=True, backend="sdpa")
+    lse_bytes = B * H * 16 * 4
+    assert sum(seen.values()) == sum(x.numel() * 4 for x in (q, latent, out)) + lse_bytes
+
+
+def test_bf16_one_process_is_within_bf16_rounding_of_fp32():
+    """bf16 inputs against the fp32 reference on the same (bf16-rounded) values, with
+    ctxpar.testing.attention.tolerance's bf16 budget (2e-2 relative, 1e-2 of the largest
+    entry absolute: the kernels round P, out and every gradient to bf16)."""
+    from ctxpar.testing.attention import tolerance
+    q, latent, weight, dout, _ = (x.to(torch.bfloat16) for x in mla_inputs(B, 16, H, DIMS))
+    leaves = [x.requires_grad_() for x in (q, latent, weight)]
+    out = latent_attention(*leaves, DIMS, causal=True, softmax_scale=SCALE, backend="sdpa")
+    grads = torch.autograd.grad(out, leaves, dout)
+    want = expanded_reference(q, latent, weight, DIMS, dout, visible(16, dict(causal=True)),
+                              SCALE)
+    for name, got in zip(("out", *GRADS), (out, *grads)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want[name],
+                                   **tolerance(torch.bfloat16, want[name]),
+                                   msg=lambda m: f"{name}: {m}")
