@@ -388,3 +388,14 @@ def test_bf16_one_process_is_within_bf16_rounding_of_fp32():
         torch.testing.assert_close(got.float(), want[name],
                                    **tolerance(torch.bfloat16, want[name]),
                                    msg=lambda m: f"{name}: {m}")
+
+
+def test_context_parallel_bundle_runs_latent_attention_on_its_groups():
+    """ContextParallel.latent_attention is latent_attention with the bundle's comm, groups
+    and layout (here one process: LOCAL, the same bits as the plain call)."""
+    from ctxpar.context_parallel import LOCAL, ContextParallel
+    q, latent, weight, _, _ = mla_inputs(B, 16, H, DIMS)
+    cp = ContextParallel(comm="allgather", cp_group=LOCAL, layout="striped")
+    got = cp.latent_attention(q, latent, weight, DIMS, causal=True)
+    want = latent_attention(q, latent, weight, DIMS, comm="ring", causal=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

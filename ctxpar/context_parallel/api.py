@@ -21,20 +21,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from . import allgather, ring
+from .arguments import CP_COMMS, cp_group_size, resolve_mask, world_group
 from .blocks import BlockwiseAttention
 from .comm import LOCAL, group_rank_and_size
-from .documents import check_cu_seqlens
 from .hybrid import hybrid_attention
 from .kernels import default_scale, get_backend
+from .latent import LatentDims
+from .latent_api import latent_attention
 from .layouts import check_layout
-from .mask import AttentionMask, with_chunks
+from .mask import AttentionMask
 from .ulysses import head_shard, ulysses_attention
-
-CP_COMMS = ("ring", "allgather", "ulysses", "hybrid")
-
 
 def _check_inputs(q, k, v, comm, layout, ulysses, caller):
     """Local checks only, with rank-independent messages: every rank raises the same error
@@ -68,54 +66,6 @@ def _check_inputs(q, k, v, comm, layout, ulysses, caller):
     if H % ulysses != 0:
         raise ValueError(f"{caller}: heads={H} is not divisible by the Ulysses degree "
                          f"{ulysses} (comm={comm!r})")
-
-
-def _world_group(group, caller: str = "", name: str = ""):
-    """A group left at None is the world: the default process group when one exists, else
-    this lone rank. For hybrid's groups (name given) a world of more than one rank is
-    refused: Ulysses and the ring cannot both span it."""
-    if group is not None:
-        return group
-    if not dist.is_initialized():
-        return LOCAL
-    if name and dist.get_world_size() > 1:
-        raise ValueError(f"{caller}: comm='hybrid' needs {name} (e.g. a ParallelState's); "
-                         f"None is the world of {dist.get_world_size()} ranks")
-    return None
-
-
-def cp_group_size(comm: str, cp_group, ulysses_group, ring_group) -> int:
-    """The CP degree P of a call: cp_group's size, or u x r under 'hybrid'."""
-    if comm == "hybrid":
-        return group_rank_and_size(ulysses_group)[1] * group_rank_and_size(ring_group)[1]
-    return group_rank_and_size(cp_group)[1]
-
-
-def resolve_mask(mask: Optional[AttentionMask], causal, cu_seqlens, q: torch.Tensor,
-                 cp_size: int, caller: str) -> AttentionMask:
-    """The call's AttentionMask from `mask` or `causal`/`cu_seqlens` (not both), checked
-    against q (B, local_seq, H, ...) locally: sinks (H,) on q's device; documents and
-    chunks folded into validated per-sample boundaries of the full sequence
-    (local_seq x cp_size tokens). The sinks stay on the returned mask."""
-    if mask is None:
-        mask = AttentionMask(causal=bool(causal), cu_seqlens=cu_seqlens)
-    elif not isinstance(mask, AttentionMask) or causal or cu_seqlens is not None:
-        raise ValueError(f"{caller}: give mask=AttentionMask(...) or causal=/cu_seqlens=, "
-                         "not both")
-    sinks = mask.sinks
-    if sinks is not None and (sinks.shape != (q.shape[2],) or sinks.device != q.device):
-        raise ValueError(f"{caller}: sinks of shape {tuple(sinks.shape)} on {sinks.device} "
-                         f"must be ({q.shape[2]},) on {q.device}: one logit per query head")
-    if mask.cu_seqlens is None and mask.chunk_size is None:
-        return mask
-    n = q.shape[1] * cp_size
-    cus = torch.tensor([0, n], dtype=torch.int32) if mask.cu_seqlens is None \
-        else mask.cu_seqlens
-    docs = check_cu_seqlens(cus, n, q.shape[0], caller)
-    if mask.chunk_size is not None:
-        chunked = {}  # one union per distinct tensor (one for the whole batch, usually)
-        docs = [chunked.setdefault(id(cu), with_chunks(cu, mask.chunk_size)) for cu in docs]
-    return AttentionMask(mask.causal, mask.sliding_window, docs, mask.chunk_size, sinks)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -167,11 +117,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     caller = "context_parallel_attention"
     if comm == "hybrid":
-        ulysses_group = _world_group(ulysses_group, caller, "ulysses_group")
-        ring_group = _world_group(ring_group, caller, "ring_group")
+        ulysses_group = world_group(ulysses_group, caller, "ulysses_group")
+        ring_group = world_group(ring_group, caller, "ring_group")
         u = group_rank_and_size(ulysses_group)[1]
     else:
-        cp_group = _world_group(cp_group)
+        cp_group = world_group(cp_group)
         u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
     _check_inputs(q, k, v, comm, layout, u, caller)
     mask = resolve_mask(mask, causal, cu_seqlens, q,
@@ -255,3 +205,15 @@ class ContextParallel:
             ring_group=self.ring_group, causal=causal, layout=self.layout,
             softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
             ring_grad_dtype=self.ring_grad_dtype, cu_seqlens=cu_seqlens, mask=mask)
+
+    def latent_attention(self, q, latent, kv_b_weight, dims: LatentDims, *,
+                         causal: bool = False, backend: str = "auto",
+                         softmax_scale: Optional[float] = None, return_lse: bool = False,
+                         cu_seqlens=None, mask: Optional[AttentionMask] = None):
+        """MLA over these groups and layout: latent_attention (latent_api.py), the latent
+        on the wire. Its gradient always travels in fp32 (ring_grad_dtype is for dK,dV)."""
+        return latent_attention(
+            q, latent, kv_b_weight, dims, comm=self.comm, cp_group=self.cp_group,
+            ulysses_group=self.ulysses_group, ring_group=self.ring_group, causal=causal,
+            layout=self.layout, softmax_scale=softmax_scale, backend=backend,
+            return_lse=return_lse, cu_seqlens=cu_seqlens, mask=mask)

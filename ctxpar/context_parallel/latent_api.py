@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .api import CP_COMMS, _world_group, cp_group_size, resolve_mask
+from .arguments import CP_COMMS, cp_group_size, resolve_mask, world_group
 from .comm import LOCAL, all_gather, group_rank_and_size, reduce_scatter
 from .kernels import default_scale, get_backend, head_dims_kernel
 from .latent import LatentAttention, LatentDims, latent_pattern
@@ -109,11 +109,11 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.T
     """
     caller = "latent_attention"
     if comm == "hybrid":
-        ulysses_group = _world_group(ulysses_group, caller, "ulysses_group")
-        ring_group = _world_group(ring_group, caller, "ring_group")
+        ulysses_group = world_group(ulysses_group, caller, "ulysses_group")
+        ring_group = world_group(ring_group, caller, "ring_group")
         u = group_rank_and_size(ulysses_group)[1]
     else:
-        cp_group = _world_group(cp_group)
+        cp_group = world_group(cp_group)
         u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
     _check_inputs(q, latent, kv_b_weight, dims, comm, layout, u, caller)
     mask = resolve_mask(mask, causal, cu_seqlens, q,
