@@ -304,6 +304,15 @@ def test_the_ring_moves_the_latent_not_the_expanded_kv(world, world2, world4):
     assert DIMS.latent_dim < H * (DIMS.qk_head_dim + DIMS.v_head_dim)
 
 
+def test_flops_count_each_visible_pair_at_both_head_dims(world2):
+    """cp_stats: 2 B H (dqk + dv) per causally visible pair forward (q k^T at dqk, p v at
+    dv; the kernel's padding of v not counted), 2.5x that backward, over the ranks."""
+    n = 2 * S_LOCAL
+    fwd = 2 * B * H * (DIMS.qk_head_dim + DIMS.v_head_dim) * n * (n + 1) // 2
+    assert sum(res["ring zigzag"]["fwd_flops"] for res in world2) == fwd
+    assert sum(res["ring zigzag"]["bwd_flops"] for res in world2) == fwd * 5 // 2
+
+
 def test_allgather_and_ulysses_move_the_latent_once(world2):
     """All-gather: the latent gathered (P-1 blocks), backward gathered again and its fp32
     gradient reduce-scattered. Ulysses: q and out all-to-all'd by heads ((P-1)/P of them),
