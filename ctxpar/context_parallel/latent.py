@@ -46,7 +46,7 @@ from .blocks import QueryRows, backward_block, banded, forward_block_, ring_step
 from .comm import NoComm, RingComm, all_gather, group_rank_and_size, reduce_scatter
 from .ring import KVRing
 from .sinks import finish, sinks_grad
-from .stats import record
+from .stats import attention_flops, record, square_pairs
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,15 @@ def ring_forward(q, latent, weight, group, causal, layout, scale, kernel, dims, 
     """(out (B, S, H, dv) in q.dtype, lse (B, H, S) fp32): latent blocks over the ring,
     rank r holding rank (r - step)'s at each step (ring.py's schedule and overlap)."""
     rank, world = group_rank_and_size(group)
-    S = q.shape[1]
+    B, S, H, _ = q.shape
+    if world == 1 and mask is None:  # alone (Ulysses' inner call): one kernel, no merge
+        k, v = expand_latent(latent, weight, dims)
+        out, lse = kernel.forward(q, k, v, causal, scale)
+        record(fwd_flops=attention_flops(B, H, (k.shape[3] + v.shape[3]) / 2,
+                                         square_pairs(S, causal), "fwd"), fwd_blocks=1)
+        # contiguous: a padded kernel's out is a view of its wider output (PaddedHeadDims),
+        # whose whole storage autograd would otherwise keep
+        return finish(out.contiguous(), lse.float().contiguous(), q.dtype, sinks)
     out, lse = _accumulators(q, dims)
     steps = ring_steps(layout, causal, S, world, mask)  # < world: the mask ends the ring early
     comm = None if isinstance(group, NoComm) or steps == 1 else RingComm(group)
