@@ -13,7 +13,8 @@ ulysses    cp_group (= the Ulysses one)  all-to-all sequence <-> heads around on
 hybrid     ulysses_group, ring_group     Ulysses inside each ring rank, the ring across
 
 Every pattern is exact, forward and backward, for every layout, causal or not, MHA, GQA
-and MQA. ``ContextParallel`` bundles the choice and the groups for a model.
+and MQA. ``ContextParallel`` bundles the choice and the groups for a model; its
+``latent_attention`` runs MLA the same ways with the latent on the wire (latent_api.py).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from .latent_api import latent_attention
 from .layouts import check_layout
 from .mask import AttentionMask
 from .ulysses import head_shard, ulysses_attention
+
 
 def _check_inputs(q, k, v, comm, layout, ulysses, caller):
     """Local checks only, with rank-independent messages: every rank raises the same error
