@@ -345,6 +345,9 @@ def test_allgather_and_ulysses_move_the_latent_once(world2):
         assert ag["bwd_bytes_sent"] == 2 * (P - 1) * latent_block
         assert ul["fwd_bytes_sent"] == (P - 1) * latent_block + sum(
             (P - 1) * b // P for b in by_heads)
+        # backward: dout in, dq out by heads; the latent's gradient reduce-scattered
+        assert ul["bwd_bytes_sent"] == (P - 1) * latent_block + sum(
+            (P - 1) * b // P for b in by_heads[:2])
 
 
 # --- (e) bad input: one ValueError line, before any communication -------------------------
