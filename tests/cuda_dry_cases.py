@@ -8,7 +8,8 @@ computed, so the shapes are small and the cases many: each kernel's forward and 
 (sdpa's flash op for bf16/fp16, its memory-efficient op for fp32, flash-attn 2.5, 2.6 and
 2.7+ and FlashAttention-4 through stand-ins with the real signatures), every CP pattern on
 one rank and on 4 simulated ranks (comm.NoComm) in every layout, documents, windows, chunks
-and sinks, head dims that need padding (60, 100), GQA and MQA, the GPT in bf16 under each
+and sinks, head dims that need padding (60, 100), GQA and MQA, MLA's latent_attention (q, k
+and v at different head dims) through every pattern, the GPT in bf16 under each
 checkpointing mode, and the pipeline's blocks with documents.
 """
 import dataclasses
@@ -551,3 +552,39 @@ def test_gpt_head_dim_padding_reaches_the_kernel(monkeypatch):
         tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), device="cuda")
         model(tokens, torch.arange(cfg.seq_len, device="cuda"))
         assert {c.q_shape[-1] for c in mode.kernels} == {math.ceil(60 / 8) * 8}
+
+
+# ------------------------------------------------------------------ MLA: latent_attention
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("label", ["sdpa bf16", "sdpa fp32", "flash_attn 2.7+"])
+@pytest.mark.parametrize("comm", list(PATTERNS))
+def test_latent_attention(comm, label, documents, monkeypatch):
+    """MLA (latent_attention) on one rank and 4 simulated ranks, zigzag: q, k at head dim
+    24 and v at 16 reach kernels that want one head dim (the flash ops: v == k's shape)
+    through kernels.PaddedHeadDims, only that backend's kernels run, and q, the latent and
+    kv_b's weight get gradients of their shapes on CUDA, with no host sync."""
+    from ctxpar.context_parallel import LatentDims, latent_attention
+    dims = LatentDims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    _, dtype, ops, _ = BACKENDS[label]
+    with dry.fake_cuda(monkeypatch) as mode:
+        backend = use_backend(monkeypatch, label)
+        for world in (1, P):
+            for rank in range(world):
+                q = rand(2, S_LOCAL, 4, dims.qk_head_dim, dtype=dtype).requires_grad_()
+                latent = rand(2, S_LOCAL, dims.latent_dim, dtype=dtype).requires_grad_()
+                weight = rand(4 * dims.kv_b_rows_per_head, dims.kv_lora_rank,
+                              dtype=dtype).requires_grad_()
+                start = len(mode.kernels)
+                out = latent_attention(q, latent, weight, dims, comm=comm, causal=True,
+                                       layout="zigzag", backend=backend,
+                                       cu_seqlens=_docs(S_LOCAL * world) if documents
+                                       else None, **_groups(comm, rank, world))
+                assert out.shape == (2, S_LOCAL, 4, dims.v_head_dim) and out.dtype == dtype
+                grads = torch.autograd.grad(out, (q, latent, weight),
+                                            rand(*out.shape, dtype=dtype))
+                check_grads((q, latent, weight), grads)
+                calls = mode.kernels[start:]
+                assert calls and {c.op for c in calls} <= set(ops), calls
+        check_clean(mode)

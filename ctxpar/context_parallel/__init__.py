@@ -8,6 +8,8 @@ One file per communication pattern, beside the pieces they share:
     allgather.py  comm="allgather": K,V all-gathered once (Llama 3), dK,dV reduce-scattered
     ulysses.py    comm="ulysses": all-to-all sequence <-> heads around one local kernel
     hybrid.py     comm="hybrid": Ulysses inside each ring rank, the ring across (USP)
+    latent.py     MLA (DeepSeek-V2/V3): the ring / all-gather of the latent, expanded per
+                  block; latent_api.py its entry point latent_attention(comm=...)
 
     layouts.py    contiguous / zigzag / striped token layouts (two-level under hybrid)
     blocks.py     the causal block plan, per-block compute, the blockwise autograd wrapper
@@ -23,6 +25,8 @@ One file per communication pattern, beside the pieces they share:
                   passed between ranks, or the heads all-to-all (linear/__init__.py)
 """
 from .api import CP_COMMS, ContextParallel, context_parallel_attention, ring_attention
+from .latent import LatentDims
+from .latent_api import latent_attention
 from .comm import LOCAL, NoComm
 from .mask import AttentionMask
 from .layouts import (LAYOUTS, gather_sequence, num_chunks, rank_positions,
@@ -30,8 +34,8 @@ from .layouts import (LAYOUTS, gather_sequence, num_chunks, rank_positions,
 from .stats import CPStats, RingStats, cp_stats, ring_stats
 
 __all__ = [
-    "AttentionMask", "CP_COMMS", "CPStats", "ContextParallel", "LAYOUTS", "LOCAL", "NoComm",
-    "RingStats",
+    "AttentionMask", "CP_COMMS", "CPStats", "ContextParallel", "LAYOUTS", "LOCAL",
+    "LatentDims", "NoComm", "RingStats", "latent_attention",
     "context_parallel_attention", "cp_stats", "gather_sequence", "num_chunks",
     "rank_positions", "ring_attention", "ring_stats", "sequence_positions", "shard_sequence",
 ]

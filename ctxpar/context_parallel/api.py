@@ -13,7 +13,8 @@ ulysses    cp_group (= the Ulysses one)  all-to-all sequence <-> heads around on
 hybrid     ulysses_group, ring_group     Ulysses inside each ring rank, the ring across
 
 Every pattern is exact, forward and backward, for every layout, causal or not, MHA, GQA
-and MQA. ``ContextParallel`` bundles the choice and the groups for a model.
+and MQA. ``ContextParallel`` bundles the choice and the groups for a model; its
+``latent_attention`` runs MLA the same ways with the latent on the wire (latent_api.py).
 """
 from __future__ import annotations
 
@@ -21,19 +22,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from . import allgather, ring
+from .arguments import CP_COMMS, cp_group_size, resolve_mask, world_group
 from .blocks import BlockwiseAttention
 from .comm import LOCAL, group_rank_and_size
-from .documents import check_cu_seqlens
 from .hybrid import hybrid_attention
 from .kernels import default_scale, get_backend
+from .latent import LatentDims
+from .latent_api import latent_attention
 from .layouts import check_layout
-from .mask import AttentionMask, with_chunks
+from .mask import AttentionMask
 from .ulysses import head_shard, ulysses_attention
-
-CP_COMMS = ("ring", "allgather", "ulysses", "hybrid")
 
 
 def _check_inputs(q, k, v, comm, layout, ulysses, caller):
@@ -68,20 +68,6 @@ def _check_inputs(q, k, v, comm, layout, ulysses, caller):
     if H % ulysses != 0:
         raise ValueError(f"{caller}: heads={H} is not divisible by the Ulysses degree "
                          f"{ulysses} (comm={comm!r})")
-
-
-def _world_group(group, caller: str = "", name: str = ""):
-    """A group left at None is the world: the default process group when one exists, else
-    this lone rank. For hybrid's groups (name given) a world of more than one rank is
-    refused: Ulysses and the ring cannot both span it."""
-    if group is not None:
-        return group
-    if not dist.is_initialized():
-        return LOCAL
-    if name and dist.get_world_size() > 1:
-        raise ValueError(f"{caller}: comm='hybrid' needs {name} (e.g. a ParallelState's); "
-                         f"None is the world of {dist.get_world_size()} ranks")
-    return None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -133,34 +119,16 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     caller = "context_parallel_attention"
     if comm == "hybrid":
-        ulysses_group = _world_group(ulysses_group, caller, "ulysses_group")
-        ring_group = _world_group(ring_group, caller, "ring_group")
+        ulysses_group = world_group(ulysses_group, caller, "ulysses_group")
+        ring_group = world_group(ring_group, caller, "ring_group")
         u = group_rank_and_size(ulysses_group)[1]
     else:
-        cp_group = _world_group(cp_group)
+        cp_group = world_group(cp_group)
         u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
     _check_inputs(q, k, v, comm, layout, u, caller)
-    if mask is None:
-        mask = AttentionMask(causal=bool(causal), cu_seqlens=cu_seqlens)
-    elif not isinstance(mask, AttentionMask) or causal or cu_seqlens is not None:
-        raise ValueError(f"{caller}: give mask=AttentionMask(...) or causal=/cu_seqlens=, "
-                         "not both")
+    mask = resolve_mask(mask, causal, cu_seqlens, q,
+                        cp_group_size(comm, cp_group, ulysses_group, ring_group), caller)
     causal, sinks = mask.causal, mask.sinks
-    if sinks is not None and (sinks.shape != (q.shape[2],) or sinks.device != q.device):
-        raise ValueError(f"{caller}: sinks of shape {tuple(sinks.shape)} on {sinks.device} "
-                         f"must be ({q.shape[2]},) on {q.device}: one logit per query head")
-    if mask.cu_seqlens is not None or mask.chunk_size is not None:
-        cp_size = (group_rank_and_size(ulysses_group)[1] * group_rank_and_size(ring_group)[1]
-                   if comm == "hybrid" else group_rank_and_size(cp_group)[1])
-        n = q.shape[1] * cp_size
-        cus = torch.tensor([0, n], dtype=torch.int32) if mask.cu_seqlens is None \
-            else mask.cu_seqlens
-        docs = check_cu_seqlens(cus, n, q.shape[0], caller)
-        if mask.chunk_size is not None:
-            chunked = {}  # one union per distinct tensor (one for the whole batch, usually)
-            docs = [chunked.setdefault(id(cu), with_chunks(cu, mask.chunk_size))
-                    for cu in docs]
-        mask = AttentionMask(causal, mask.sliding_window, docs, mask.chunk_size)
     plan_mask = None if mask.plain else mask  # None: the plain causal / full block plan
     if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
@@ -239,3 +207,15 @@ class ContextParallel:
             ring_group=self.ring_group, causal=causal, layout=self.layout,
             softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
             ring_grad_dtype=self.ring_grad_dtype, cu_seqlens=cu_seqlens, mask=mask)
+
+    def latent_attention(self, q, latent, kv_b_weight, dims: LatentDims, *,
+                         causal: bool = False, backend: str = "auto",
+                         softmax_scale: Optional[float] = None, return_lse: bool = False,
+                         cu_seqlens=None, mask: Optional[AttentionMask] = None):
+        """MLA over these groups and layout: latent_attention (latent_api.py), the latent
+        on the wire. Its gradient always travels in fp32 (ring_grad_dtype is for dK,dV)."""
+        return latent_attention(
+            q, latent, kv_b_weight, dims, comm=self.comm, cp_group=self.cp_group,
+            ulysses_group=self.ulysses_group, ring_group=self.ring_group, causal=causal,
+            layout=self.layout, softmax_scale=softmax_scale, backend=backend,
+            return_lse=return_lse, cu_seqlens=cu_seqlens, mask=mask)

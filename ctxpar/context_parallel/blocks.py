@@ -162,7 +162,8 @@ def forward_block_(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     kernel, kw = _kernel_for(kernel, blk, q)
     bo, bl = kernel.forward(q[b, qs], k[b, ks], v[b, ks], blk.causal, scale, **kw)
     merge_block_(out[b, qs], lse[b, :, qs], bo, bl)
-    B, _, H, D = bo.shape
+    B, _, H, _ = bo.shape
+    D = (q.shape[3] + v.shape[3]) / 2  # MLA: q k^T at q's head dim, p v at v's
     record(fwd_flops=attention_flops(B, H, D, blk.pairs(), "fwd"), fwd_blocks=1)
 
 
@@ -199,7 +200,8 @@ def backward_block(kernel, rows: QueryRows, k, v, blk: Block, scale: float,
     """
     qs, ks = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
     dout, q, out, lse = rows(qs, b)
-    B, _, H, D = q.shape
+    B, _, H, _ = q.shape
+    D = (q.shape[3] + v.shape[3]) / 2  # MLA: q k^T at q's head dim, p v at v's
     kernel, kw = _kernel_for(kernel, blk, q)
     grads = kernel.backward(dout, q, k[b, ks], v[b, ks], out, lse, blk.causal, scale, **kw)
     record(bwd_flops=attention_flops(B, H, D, blk.pairs(), "bwd"), bwd_blocks=1)

@@ -37,6 +37,14 @@ dq/dk/dv are exactly its share of the full gradient (ring-flash-attention does t
 - math: plain torch in fp32, O(L*S) memory. The reference; any device, any dtype, masks
   and windows (the latter with flash-attn 2's exact semantics, bands.band_mask).
 
+Unequal head dims (MLA: q, k at qk_nope + qk_rope = 192, v at 128): the math kernel takes
+them as they are; every fused kernel here wants one head dim for q, k and v (torch's CPU
+flash op raises "Q/K/V should have the same head size"; flash-attn 2 and CUDA's flash op
+likewise), so ``head_dims_kernel`` wraps it in ``PaddedHeadDims``: the narrower side is
+zero-padded to the wider (v, out and dout at 192 for MLA: the p v product then costs
+192/128 of its exact FLOPs, and the kernel's out buffer is that much wider), which
+changes neither q k^T nor the kept columns.
+
 ``get_backend("auto", q)`` picks flash_attn > sdpa > math and logs once per device and
 dtype which kernel it chose and why the faster ones were passed over (a flash-attn that
 is installed but fails to import, e.g. an ABI mismatch with torch, is a warning).
@@ -514,6 +522,50 @@ def block_kernel(kernel, q: torch.Tensor, masked: bool = False, windowed: bool =
     if (masked and not kernel.takes_mask(q)) or (windowed and not kernel.native_window(q)):
         return BACKENDS["math"]
     return kernel
+
+
+class PaddedHeadDims:
+    """`kernel` (one that needs q, k, v at one head dim) on q, k at Dqk and v at Dv != Dqk:
+    the narrower side zero-padded to the wider, the padding's columns dropped again.
+
+    Dv < Dqk (MLA): v, and in backward out and dout, padded to Dqk; the padded columns of
+    out are zero and of dv are dropped, and rowsum(dout * out) (the softmax backward's row
+    term) is unchanged since the padding of both is zero. Dv > Dqk: q and k padded to Dv,
+    which leaves q k^T as it is. Everything else (masks, windows) is the kernel's own.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.name = kernel.name
+
+    def __getattr__(self, attr):  # available, takes_mask, native_window: the kernel's
+        return getattr(self.kernel, attr)
+
+    @staticmethod
+    def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+        return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+    def forward(self, q, k, v, causal, scale, **kw):
+        Dqk, Dv = q.shape[-1], v.shape[-1]
+        D = max(Dqk, Dv)
+        out, lse = self.kernel.forward(self._pad(q, D), self._pad(k, D), self._pad(v, D),
+                                       causal, scale, **kw)
+        return out[..., :Dv], lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, **kw):
+        Dqk, Dv = q.shape[-1], v.shape[-1]
+        D = max(Dqk, Dv)
+        dq, dk, dv = self.kernel.backward(*(self._pad(x, D) for x in (dout, q, k, v, out)),
+                                          lse, causal, scale, **kw)
+        return dq[..., :Dqk], dk[..., :Dqk], dv[..., :Dv]
+
+
+def head_dims_kernel(kernel, q: torch.Tensor, v_head_dim: int):
+    """`kernel` itself when it runs q's and v's head dims as they are (equal ones, or the
+    math kernel); else `kernel` behind PaddedHeadDims."""
+    if v_head_dim == q.shape[-1] or isinstance(kernel, MathBackend):
+        return kernel
+    return PaddedHeadDims(kernel)
 
 
 def default_scale(head_dim: int) -> float:

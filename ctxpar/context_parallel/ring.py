@@ -45,22 +45,23 @@ def _local_forward(q, k, v, causal, scale, kernel, sinks=None):
 
 
 class KVRing:
-    """The visiting (k, v) of a ring: the caller's own pair first, then the pair received.
+    """The visiting blocks of a ring: the caller's own tensors first, then those received.
 
-    Receive buffers alternate (two pairs, one when a single hop is left), so the pair being
-    sent is never the one being written; the caller's k, v are only ever sent.
+    ``tensors`` is what one block is made of: (k, v) for attention, (latent,) for MLA
+    (latent.py). Receive buffers alternate (two sets, one when a single hop is left), so
+    what is being sent is never what is being written; the caller's tensors are only ever
+    sent.
     """
 
-    def __init__(self, k, v, comm, hops: int):
-        self.kv = (k.contiguous(), v.contiguous())  # no-ops for the projections' outputs
+    def __init__(self, tensors, comm, hops: int):
+        self.kv = tuple(x.contiguous() for x in tensors)  # no-ops for projections' outputs
         self.comm, self.step = comm, 0
         n = min(hops, 2) if comm else 0
-        self._bufs = [(torch.empty_like(self.kv[0]), torch.empty_like(self.kv[1]))
-                      for _ in range(n)]
+        self._bufs = [tuple(torch.empty_like(x) for x in self.kv) for _ in range(n)]
         self._recv = None
 
     def start(self) -> None:
-        """Send the current pair on and receive the next (one batch of four P2P ops)."""
+        """Send the current blocks on and receive the next (one batch of P2P ops)."""
         self._recv = self._bufs[self.step % 2]
         for x, buf in zip(self.kv, self._recv):
             self.comm.send_recv(x, buf)
@@ -89,7 +90,7 @@ def ring_forward(q, k, v, group, causal, layout, scale, kernel, mask=None, sinks
     out, lse = empty_accumulators(q)
     steps = ring_steps(layout, causal, S, world, mask)  # < world: the mask ends the ring early
     comm = None if isinstance(group, NoComm) or steps == 1 else RingComm(group)
-    ring = KVRing(k, v, comm, steps - 1)
+    ring = KVRing((k, v), comm, steps - 1)
     bands = banded(kernel, q)
     for step in range(steps):
         if comm and step + 1 < steps:  # start moving the next block before computing
@@ -139,7 +140,7 @@ def ring_backward(dout, q, k, v, out, lse, group, causal, layout, scale, kernel,
     steps = ring_steps(layout, causal, S, world, mask)  # < world: the mask ends the ring early
     ring = not isinstance(group, NoComm) and steps > 1
     kv_comm, dkv_comm = (RingComm(group), RingComm(group)) if ring else (None, None)
-    kv = KVRing(k, v, kv_comm, steps - 1)
+    kv = KVRing((k, v), kv_comm, steps - 1)
     exact = grad_dtype == torch.float32  # fp32 on the wire: swap buffers, never cast
     dkv_recv = torch.empty_like(dkv, dtype=grad_dtype) if ring else None
     dkv_send = None if exact or not ring else torch.empty_like(dkv_recv)

@@ -89,7 +89,9 @@ def square_pairs(S: int, causal: bool) -> int:
     return visible_pairs(0, S) if causal else S * S
 
 
-def attention_flops(batch: int, heads: int, head_dim: int, pairs: int, phase: str) -> int:
-    """Matmul FLOPs of attention over `pairs` (query, key) pairs (see the module docstring)."""
-    per_pair = 4 * batch * heads * head_dim
+def attention_flops(batch: int, heads: int, head_dim: float, pairs: int, phase: str) -> int:
+    """Matmul FLOPs of attention over `pairs` (query, key) pairs (see the module docstring).
+    head_dim: the mean of q's and v's head dims where they differ (MLA: q k^T runs at
+    q's, p v at v's), so 4 * head_dim is always an integer."""
+    per_pair = int(4 * batch * heads * head_dim)
     return per_pair * pairs if phase == "fwd" else per_pair * pairs * 5 // 2

@@ -5,6 +5,8 @@
 - distributed: ``run_distributed``, the one harness that runs a function on N local ranks
   (gloo on CPU, NCCL on GPUs) with a timeout and the failing rank's traceback;
 - attention: the fp32 references, tolerances and shared inputs the CP attention tests use;
+- mla: a reference MLA layer (DeepseekV3Attention's projections around latent_attention),
+  MLA inputs and the expanded-K,V reference;
 - generation: the no-cache decoding reference;
 - memory: ``saved_tensor_bytes``, what autograd keeps for backward;
 - results: ``save_results``, a benchmark's rows as JSON with where and when.
