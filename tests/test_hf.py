@@ -32,7 +32,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,
                           GptOssConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MixtralConfig, NemotronHConfig, OlmoHybridConfig, Qwen2Config,
                           Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
-                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
+                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig, DeepseekV2Config,
+                          DeepseekV3Config)
 
 from ctxpar.checkpoint import CheckpointError, export, hf, read_manifest  # noqa: E402
 from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
@@ -72,6 +73,11 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 QWEN3_5_LAYERS = dict(layer_types=["linear_attention", "full_attention"],
                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                       linear_value_head_dim=6)
+MLA_SMALL = dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, kv_lora_rank=16,
+                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                 first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, rope_parameters={"rope_type": "default",
+                                                             "rope_theta": 5000.0})
 # The families at the size of the tests: GQA, head_dim 24 (not hidden/heads = 16), and
 # each family's own fields (Mistral without a window; Gemma 3 with every layer full
 # attention: its sliding layers arrive with model.layer_types).
@@ -153,6 +159,17 @@ FAMILY_CONFIGS = {
                                                     shared_expert_intermediate_size=40,
                                                     output_router_logits=True,
                                                     router_aux_loss_coef=0.02)),
+    # DeepSeek-V3: multi-head latent attention (q through its rank-24 bottleneck, a latent
+    # of 16 + a shared RoPE key of 8, value heads of 12 != the qk heads' 16, interleaved
+    # RoPE) and a dense first layer before two of 8 sigmoid-routed experts with the
+    # correction bias in 2 groups (1 taken), times 2.5, a shared expert; head_dim is
+    # transformers' RoPE width
+    "deepseek_v3": (DeepseekV3Config, dict(MLA_SMALL, q_lora_rank=24, n_group=2,
+                                           topk_group=1, routed_scaling_factor=2.5,
+                                           n_shared_experts=1)),
+    # DeepSeek-V2(-Lite): q_proj, the softmax router unnormalised times 2, two shared experts
+    "deepseek_v2": (DeepseekV2Config, dict(MLA_SMALL, q_lora_rank=None,
+                                           routed_scaling_factor=2.0, n_shared_experts=2)),
 }
 
 
@@ -265,12 +282,18 @@ ROPE_VARIANTS = {
     "gpt_oss": dict(rope_parameters=rope("default", 150000.0)),
     "qwen3_next": dict(rope_parameters=rope("linear", partial_rotary_factor=0.25)),
     "qwen3_5_moe_text": dict(rope_parameters=rope("llama3", partial_rotary_factor=0.25)),
+    # DeepSeek's YaRN: mscale / mscale_all_dim in the softmax scale and cos/sin; V3 also
+    # without its q bottleneck and with rotate-half RoPE
+    "deepseek_v3": dict(rope_parameters=rope("yarn", mscale=1.0, mscale_all_dim=0.707),
+                        q_lora_rank=None, rope_interleave=False),
+    "deepseek_v2": dict(rope_parameters=rope("yarn", mscale=0.707, mscale_all_dim=0.707)),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
                 ("olmo_hybrid", False), ("qwen3_moe", False), ("qwen2_moe", True),
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
-                ("qwen3_next", False), ("qwen3_5_moe_text", True)]
+                ("qwen3_next", False), ("qwen3_5_moe_text", True), ("deepseek_v3", False),
+                ("deepseek_v2", True)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -284,7 +307,8 @@ def test_each_family_imports_and_exports_exactly(tmp_path, family, tied, rope_va
                       **(ROPE_VARIANTS[family] if rope_variant else {}))
     model = ctxpar_from(tmp_path / family)
     model_type = FAMILY_CONFIGS[family][0].model_type
-    assert model.cfg.family == model_type and model.cfg.head_dim == 24
+    assert model.cfg.family == model_type
+    assert model.cfg.head_dim == (None if model.cfg.mla else 24)  # MLA: no head_dim
     tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
     assert_round_trip(ref, model, tmp_path / "out", tokens)
     assert hf.read_config(tmp_path / "out")["model_type"] == model_type
@@ -1502,3 +1526,27 @@ def test_a_moe_mismatch_names_the_field_and_both_values(tmp_path):
     with pytest.raises(CheckpointError, match=r"set model.moe.top_k=2 model.moe.expert_hidden"
                                               r"=32 \(and model.moe.expert_hidden differ\)"):
         hf.check_matches(two, fields, "x")
+
+
+def test_a_deepseek_v3_folder_with_its_mtp_layer_imports_the_causal_lm_and_says_so(tmp_path):
+    """DeepSeek-V3's released folders hold the multi-token prediction layer as one more
+    block (model.layers.61.*: eh_proj, enorm, hnorm, a whole decoder layer) that
+    DeepseekV3ForCausalLM drops on loading: the import leaves it out and its start-up line
+    says so; a refusal of the MLA sizes names the field."""
+    ref = tiny_family(tmp_path, "deepseek_v3", False)
+    rewrite_weights(tmp_path, lambda t: t.update(
+        {"model.layers.3.eh_proj.weight": torch.ones(64, 128),
+         "model.layers.3.enorm.weight": torch.ones(64)}))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    model = ctxpar_from(tmp_path)  # every other tensor used, none left
+    tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, torch.arange(48)), ref(tokens).logits, **TOL)
+    assert hf.left_out(str(tmp_path)) == (
+        "its causal LM; left out: the multi-token prediction layers (2 tensors "
+        "model.layers.3.*, which transformers drops too)")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 2}))
+    with pytest.raises(CheckpointError, match=r"num_key_value_heads=2: MLA expands every "
+                                              r"head's keys"):
+        hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))

@@ -143,10 +143,11 @@ def left_out(path: str) -> Optional[str]:
     wrapper = WRAPPERS.get(read_raw_config(path).get("model_type"))
     what = [] if wrapper is None else [wrapper.what]
     mtp = WeightReader(path, False).left_out()
-    if mtp:
-        prefix = os.path.commonprefix(mtp).split(".")[0]
+    if mtp:  # their common prefix up to a dot: mtp.*, model.layers.61.*
+        prefix = os.path.commonprefix(mtp)
+        prefix = prefix[:prefix.rfind(".") + 1] if "." in prefix else prefix
         what.append(f"the multi-token prediction layers ({len(mtp)} tensors "
-                    f"{prefix}.*, which transformers drops too)")
+                    f"{prefix}*, which transformers drops too)")
     if not what:
         return None
     return f"its {'language model' if wrapper else 'causal LM'}; left out: {' and '.join(what)}"

@@ -21,9 +21,16 @@ LAYER_TYPES = tuple(LAYER_MIXERS)
 LINEAR_MIXERS = ("gated_delta", "mamba2")  # the token mixers that pass a state over CP
 
 
+def token_mixer_of(m, kind: str):
+    """The token mixer of a layer of this type in model m: LAYER_MIXERS', multi-head latent
+    attention in attention's place under model.mla."""
+    token = LAYER_MIXERS[kind][0]
+    return "mla" if token == "attention" and getattr(m, "mla", None) is not None else token
+
+
 def token_mixers(m) -> set:
     """The token mixers the model's layers use."""
-    return {LAYER_MIXERS[t][0] for t in layer_types(m) if t in LAYER_MIXERS}
+    return {token_mixer_of(m, t) for t in layer_types(m) if t in LAYER_MIXERS}
 
 
 def has_linear_layers(m) -> bool:

@@ -48,11 +48,14 @@ class LayerAttention:
     chunk_size: Optional[int]        # 'chunked_attention' only
     rope_theta: float
     rope_scaling: Optional[Dict[str, Any]]
+    attention: str = "attention"     # what an attention layer runs: 'attention' or 'mla'
 
     @property
     def token_mixer(self) -> Optional[str]:
-        """'attention', 'gated_delta', 'mamba2' or None (LAYER_MIXERS)."""
-        return LAYER_MIXERS[self.kind][0]
+        """'attention' (or 'mla' under model.mla), 'gated_delta', 'mamba2' or None
+        (LAYER_MIXERS)."""
+        token = LAYER_MIXERS[self.kind][0]
+        return self.attention if token == "attention" else token
 
     @property
     def channel_mixer(self) -> Optional[str]:
@@ -114,7 +117,7 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
     """Every layer's attention (validated configs: config.validation checks the fields)."""
     key = (tuple(m.layer_types) if m.layer_types is not None else m.n_layers,
            m.sliding_window, m.attention_chunk_size, m.rope_theta, repr(m.layer_rope),
-           repr(m.rope_scaling))
+           repr(m.rope_scaling), m.mla is not None)
     if key not in _LAYER_ATTENTION:  # once per model: the planner asks per candidate
         out = []
         for kind in layer_types(m):
@@ -124,7 +127,8 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
                 m.sliding_window if kind == "sliding_attention" else None,
                 m.attention_chunk_size if kind == "chunked_attention" else None,
                 float(rope.get("rope_theta", m.rope_theta)),
-                rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling))
+                rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling,
+                "mla" if m.mla is not None else "attention"))
         _LAYER_ATTENTION[key] = tuple(out)
     return list(_LAYER_ATTENTION[key])
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Iterable, List, Optional, Tuple
 
-from .layer_mixers import LAYER_MIXERS, first_layer_type, layer_types
+from .layer_mixers import LAYER_MIXERS, first_layer_type, layer_types, token_mixer_of
 from .layers import GDN_FIELDS, MAMBA_FIELDS, gated_delta_dims, mamba_dims
 from .moe import moe_layer_indices
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
@@ -87,7 +87,7 @@ def block_fields(m: ModelConfig) -> tuple:
     candidate, over configs that differ in seq_len and the like): block 0's mixers and the
     linear mixers' sizes among them."""
     return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)],
-            None if m.moe is None else repr(m.moe), repr(m.reordered_norms))
+            None if m.moe is None else repr(m.moe), repr(m.reordered_norms), repr(m.mla))
 
 
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
@@ -103,7 +103,7 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     mixer's norm and parameters, the post norm, then the MLP's. tp decides only whether
     k/v are split (n_kv_heads % tp == 0) or replicated by heads."""
     kind = layer_types(m)[i]
-    token, channel = LAYER_MIXERS[kind]
+    token, channel = token_mixer_of(m, kind), LAYER_MIXERS[kind][1]
     p = f"layers.{i}."
     reordered = kind in (m.reordered_norms or ())  # outputs normed, not inputs (OLMo 2)
     specs = _norm(p + "attn_norm", m) if token and not reordered else []
@@ -194,11 +194,29 @@ def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
     return specs
 
 
+def _mla_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
+    """models/mla.py's parameters (transformers' DeepseekV3Attention names): the heads'
+    projections split over TP by heads, the low-rank paths and their norms replicated."""
+    mla, d, h = m.mla, m.d_model, m.n_heads
+    qk, rows = mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+    if mla.q_lora_rank is None:
+        specs = _linear(p + "q_proj", d, h * qk, "column", False)
+    else:
+        specs = _linear(p + "q_a_proj", d, mla.q_lora_rank, None, False)
+        specs += [ParamSpec(p + "q_a_layernorm.weight", (mla.q_lora_rank,), None)]
+        specs += _linear(p + "q_b_proj", mla.q_lora_rank, h * qk, "column", False)
+    specs += _linear(p + "kv_a_proj_with_mqa", d, mla.latent_dim, None, False)
+    specs += [ParamSpec(p + "kv_a_layernorm.weight", (mla.kv_lora_rank,), None)]
+    specs += _linear(p + "kv_b_proj", mla.kv_lora_rank, h * rows, "column", False)
+    return specs + _linear(p + "o_proj", h * mla.v_head_dim, d, "row", False)
+
+
 # Each token mixer's parameters under its submodule's name: models/mixers.py registers the
 # same kinds under the same names (the model checks itself against these when built)
 TOKEN_MIXER_PARAMETERS = {  # token mixer -> (submodule, specs(m, its prefix, tp)); tp
     #                           changes only attention's (kv heads split or replicated)
     "attention": ("attn", _attention_specs),
+    "mla": ("attn", _mla_specs),
     "gated_delta": ("linear_attn", _gated_delta_specs),
     "mamba2": ("mamba", _mamba2_specs),
 }

@@ -2,6 +2,7 @@
 what a field left unset resolves to (model.ffn_hidden, parallel.ulysses)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -11,6 +12,7 @@ from ..context_parallel.kernels import BACKENDS
 from ..context_parallel.layouts import LAYOUTS
 from ..context_parallel.linear.api import LINEAR_CP_STRATEGIES
 from ..context_parallel.ring import GRAD_DTYPES
+from .mla import MLAConfig
 from .moe import MoEConfig
 
 
@@ -161,6 +163,9 @@ class ModelConfig:
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
     moe: Optional[MoEConfig] = None
     """A mixture of experts in place of the MLP (ctxpar/config/moe.py; None: dense)."""
+    mla: Optional[MLAConfig] = None
+    """Multi-head latent attention in every attention layer (ctxpar/config/mla.py;
+    DeepSeek-V2/V3, Kimi K2; None: MHA/GQA)."""
     family: Optional[str] = None
     """The Hugging Face family the model is exported as (config.json's model_type: one of
     HF_FAMILIES); None: the one model.init_from's folder has, else the first whose
@@ -452,12 +457,25 @@ def resolved_head_dim(m: ModelConfig) -> int:
 
 
 def rotary_dim(m: ModelConfig) -> int:
-    """Channels of each attention head that RoPE turns: head_dim x partial_rotary_factor."""
+    """Channels of each attention head that RoPE turns: head_dim x partial_rotary_factor;
+    MLA's rope part (model.mla.qk_rope_head_dim)."""
+    if m.mla is not None:
+        return m.mla.qk_rope_head_dim
     return int(round(resolved_head_dim(m) * m.partial_rotary_factor))
 
 
 def softmax_scale(m: ModelConfig) -> float:
-    """Attention's softmax scale: query_pre_attn_scalar ** -0.5, or head_dim ** -0.5."""
+    """Attention's softmax scale: query_pre_attn_scalar ** -0.5, or head_dim ** -0.5; MLA's
+    (qk_nope + qk_rope) ** -0.5 times YaRN's mscale(factor, mscale_all_dim) squared, as
+    transformers' DeepseekV3Attention (its yarn_apply_mscale)."""
+    if m.mla is not None:
+        scale = float(m.mla.qk_head_dim) ** -0.5
+        rs = m.rope_scaling or {}
+        if rs.get("rope_type", "default") != "default" and rs.get("mscale_all_dim"):
+            factor = rs["factor"]
+            mscale = 1.0 if factor <= 1 else 0.1 * rs["mscale_all_dim"] * math.log(factor) + 1
+            scale *= mscale * mscale
+        return scale
     s = m.query_pre_attn_scalar if m.query_pre_attn_scalar is not None else resolved_head_dim(m)
     return float(s) ** -0.5
 

@@ -33,7 +33,7 @@ ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_b
                  "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
                  "scale_embeddings": False, "attention_output_gate": False, "rope": True,
                  "qk_norm_scope": "head", "reordered_norms": None,
-                 "linear_allow_neg_eigval": False, "linear_norm_eps": None}
+                 "linear_allow_neg_eigval": False, "linear_norm_eps": None, "mla": None}
 
 # config.json keys that do not change the computation: bookkeeping, token ids, generation
 # defaults, the runtime's switches.
@@ -226,8 +226,9 @@ class Family:
     def fused_shape(self, fused_key: str, m) -> Tuple[int, ...]:
         raise NotImplementedError(f"{self.model_type} fuses no tensor")
 
-    def left_out(self, key: str) -> bool:
-        """A tensor of the folder the import leaves out (said in the start-up line)."""
+    def left_out(self, key: str, hf: Dict[str, Any]) -> bool:
+        """A tensor of the folder (config.json hf) the import leaves out (said in the
+        start-up line)."""
         return False
 
     def to_folder(self, key: str, t: torch.Tensor, m) -> List[Tuple[str, torch.Tensor]]:

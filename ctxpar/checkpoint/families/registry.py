@@ -21,5 +21,7 @@ REGISTRY = (
     ("gpt_oss", "gpt_oss", "FAMILY"),
     ("qwen3_next", "qwen3_next", "QWEN3_NEXT"),
     ("qwen3_5_moe_text", "qwen3_next", "QWEN3_5_MOE"),
+    ("deepseek_v3", "deepseek", "V3"),
+    ("deepseek_v2", "deepseek", "V2"),
 )
 HF_FAMILIES = tuple(model_type for model_type, _, _ in REGISTRY)
