@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ctxpar import ring_stats
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.config.mla import MLAConfig
 from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
 from ctxpar.testing.attention import comm_ops_per_layer
@@ -56,6 +57,21 @@ CONFIGS["gated"] = ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=6
                                n_kv_heads=2, head_dim=16, qk_norm=True, norm_offset=1.0,
                                attention_output_gate=True, partial_rotary_factor=0.25,
                                tie_embeddings=False)
+# DeepSeek-V3's multi-head latent attention (models/mla.py): q through a rank-24 bottleneck,
+# a latent of 16 + a shared RoPE key of 8 on the wire, value heads (12) narrower than the
+# qk heads (16), interleaved RoPE, YaRN's mscale in the softmax scale; and V2-Lite's form
+# (q_proj, rotate-half)
+CONFIGS["mla"] = ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
+                             mla=MLAConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                                           qk_rope_head_dim=8, v_head_dim=12),
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                           "mscale_all_dim": 0.8,
+                                           "original_max_position_embeddings": 16},
+                             tie_embeddings=False)
+CONFIGS["mla_lite"] = dataclasses.replace(
+    CONFIGS["mla"], rope_scaling=None,
+    mla=MLAConfig(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                  v_head_dim=12, rope_interleave=False))
 BATCH, LR, SEED = 4, 0.1, 7  # global batch (split over dp), SGD step, init seed
 # fp32 everywhere; the parallel model sums the same terms in another order (TP partial
 # products all-reduced, per-block softmax merged by LSE across the ring, gradients summed
@@ -142,7 +158,11 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
         (1, 2, 1, "zigzag", "mqa", "selective", "ulysses", 2),  # kv 1 replicated to 2
         (1, 2, 1, "contiguous", "gqa", "full", "allgather", 1),
         (2, 1, 1, "zigzag", "gated", "selective", "ring", 1),  # the gate split with its heads
-        (1, 2, 1, "zigzag", "gated", "none", "ulysses", 2)],
+        (1, 2, 1, "zigzag", "gated", "none", "ulysses", 2),
+        (2, 1, 1, "zigzag", "mla", "selective", "ring", 1),  # heads split, latent f
+        (1, 2, 1, "zigzag", "mla", "none", "ring", 1),  # the latent on the ring
+        (1, 2, 1, "striped", "mla_lite", "full", "ulysses", 2),
+        (1, 2, 1, "contiguous", "mla", "selective", "allgather", 1)],
     4: [(1, 4, 1, "zigzag", "gqa", "none", "ring", 1),
         (1, 4, 1, "striped", "gqa", "every_n_layers", "ring", 1),
         (2, 2, 1, "zigzag", "gqa", "none", "ring", 1),
@@ -154,7 +174,9 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
         (1, 4, 1, "zigzag", "gqa", "every_n_layers", "ulysses", 4),
         (2, 2, 1, "striped", "mqa", "selective", "allgather", 1),
         (1, 2, 2, "zigzag", "mqa", "full", "hybrid", 2),  # u = cp: Ulysses via hybrid
-        (2, 2, 1, "striped", "gated", "full", "ring", 1)],
+        (2, 2, 1, "striped", "gated", "full", "ring", 1),
+        (2, 2, 1, "zigzag", "mla", "selective", "ring", 1),
+        (1, 4, 1, "striped", "mla_lite", "none", "hybrid", 2)],
     8: [(2, 2, 2, "zigzag", "gqa", "full", "ring", 1),
         (2, 2, 2, "striped", "mqa", "none", "ring", 1),
         (2, 4, 1, "zigzag", "gqa", "selective", "hybrid", 2)],  # tp2 x (u2 x r2)
@@ -184,7 +206,7 @@ def test_layout_parity_with_single_process(world):
             # Communication calls: each layer's forward once, plus the replayed blocks of
             # full / every_n_layers checkpointing; selective never replays any.
             n = CONFIGS[name].n_layers
-            fwd, bwd = comm_ops_per_layer(comm, cp, u)
+            fwd, bwd = comm_ops_per_layer(comm, cp, u, latent=CONFIGS[name].mla is not None)
             assert (got["calls"]["fwd_comm_ops"], got["calls"]["bwd_comm_ops"]) == \
                 ((n + replayed_layers(ckpt, n)) * fwd, n * bwd), (where, got["calls"])
             torch.testing.assert_close(got["logits"], logits[got["rows"]], **TOL, msg=where)

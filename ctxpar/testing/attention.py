@@ -95,13 +95,22 @@ def global_inputs(n, H, Hkv, D, dtype):
     return q, k, v, torch.randn(B, n, H, D, generator=gen).to(dtype)
 
 
-def comm_ops_per_layer(comm, P, u=1):
+def comm_ops_per_layer(comm, P, u=1, latent=False):
     """(forward, backward) communication calls of one attention call on P ranks (no LSE
     returned): ring P-1 KV steps, then P-1 KV + P dK,dV steps; all-gather one gather, then
     a gather and a reduce-scatter; Ulysses four all-to-alls each way (one per tensor: q, k,
-    v, then out; dout, then dq, dk, dv); hybrid both."""
+    v, then out; dout, then dq, dk, dv); hybrid both. latent (MLA, latent_attention): the
+    ring and all-gather the same with the latent in K,V's place; Ulysses three each way
+    (q's all-to-all, the latent's all-gather, out's; dout's, dq's, the latent gradient's
+    reduce-scatter)."""
     if P == 1:
         return 0, 0
+    if latent and comm in ("ulysses", "hybrid"):
+        a2a = 3 if comm == "ulysses" or u > 1 else 0
+        if comm == "ulysses":
+            return 3, 3
+        fr, br = comm_ops_per_layer("ring", P // u)
+        return a2a + fr, a2a + br
     ring = lambda r: (r - 1, 2 * r - 1) if r > 1 else (0, 0)  # noqa: E731
     if comm == "ring":
         return ring(P)
