@@ -363,15 +363,20 @@ def test_gated_attention_equals_transformers_qwen3_5():
         torch.testing.assert_close(p.grad, grads[name].grad, **TOL, msg=name)
 
 
-def test_gated_attention_generates_what_full_forwards_choose():
-    """The KV cache's decode path gates each step's attention output as training does."""
-    from ctxpar.inference import generate
+@pytest.mark.parametrize("name", ["gated", "mla"])
+def test_the_kv_cache_generates_what_full_forwards_choose(name):
+    """The KV cache's decode path gates each step's attention output as training does;
+    an MLA layer's cache keeps the latent and expands it per step with kv_b_proj."""
+    from ctxpar.inference import KVCache, generate
     from ctxpar.testing.generation import reference_generate
 
-    model = GPT(CONFIGS["gated"], options=ModelOptions(seed=SEED)).eval()
+    model = GPT(CONFIGS[name], options=ModelOptions(seed=SEED)).eval()
     prompts = [[3, 9, 27, 81, 115], [5, 7, 11, 13, 17, 19, 23, 29, 31]]
     want, _ = reference_generate(model, prompts, 6)
     assert generate(model, prompts, 6).tokens == want
+    if name == "mla":  # 24 numbers a token a layer, not 4 heads x (16 + 12)
+        cache = KVCache.for_model(model, 2, 10)
+        assert cache.nbytes() == 2 * 2 * 10 * 24 * 4 and cache.k.numel() == 0
 
 
 @pytest.mark.parametrize("shape,want", [

@@ -1334,7 +1334,11 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # (models/gated_delta.py, models/moe.py) and differ in their folders' tensors and keys
     # only, which one run exercises
     ("qwen3_next", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
-    ("qwen3_5_moe_text", "cp2-zigzag-ep2")]
+    ("qwen3_5_moe_text", "cp2-zigzag-ep2")] + [
+    # DeepSeek-V3: MLA with the latent on the wire and its sigmoid-routed experts (the
+    # correction biases loaded and exported) at cp2 x ep2 (generate.py's latent cache too),
+    # tp2 x cp2 (the heads split, the latent path replicated) and cp2 x pp2
+    ("deepseek_v3", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
@@ -1352,7 +1356,8 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
     ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(
         family, HYBRID_MOE.get(family, dict(vocab_size=256, intermediate_size=192))))
-    if family in MOE_FAMILIES or family in HYBRID_MOE:  # the whole batch in one
+    if family in MOE_FAMILIES or family in HYBRID_MOE or family == "deepseek_v3":  # the
+        # whole batch in one
         # micro-batch, as transformers' load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
         # rank, models/moe_steps.py)
         sets = [*sets, "train.micro_batch_size=16"]

@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ..config import ModelConfig
-from ..config.moe import MoEConfig
+from ..config import ConfigError, ModelConfig
+from ..config.load import model_section
 from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
 from .export import save_folder
@@ -51,8 +51,11 @@ def saved_model(manifest: Dict[str, Any], tag_dir: str) -> ModelConfig:
     if model is None:
         raise CheckpointError(f"{os.path.join(tag_dir, MARKER)} records no config (saved "
                               f"by an older ctxpar)")
-    moe = model.get("moe")  # a section of its own in the manifest's plain dict
-    return ModelConfig(**{**model, "moe": MoEConfig(**moe) if isinstance(moe, dict) else moe})
+    # the manifest's plain dict, its sections (model.moe, model.mla) built as the config's
+    try:
+        return model_section(model, os.path.join(tag_dir, MARKER))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
-from .sections import RENAMED_KEYS, Config, ConfigError
+from .sections import RENAMED_KEYS, Config, ConfigError, ModelConfig
 from .validation import validate
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,12 @@ def _build(cls, data: Dict[str, Any], prefix: str, src: str):
                               f"known keys: {', '.join(fields)}")
         kwargs[key] = _coerce(value, hints[key], full, src)
     return cls(**kwargs)
+
+
+def model_section(data: Dict[str, Any], src: str):
+    """A ModelConfig from a plain dict of model.* (a checkpoint's manifest): its sections
+    (model.moe, model.mla) built as load_config builds them, an unknown key refused."""
+    return _build(ModelConfig, data, "model", src)
 
 
 def _parse_override(item: str, src: str):

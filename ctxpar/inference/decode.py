@@ -49,14 +49,14 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     matmuls stream without a copy.
     """
     B, _, H, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, Dv = k.shape[1], v.shape[-1]  # Dv: MLA's value heads are narrower than its qk
     qg = q[:, 0].float().view(B, Hkv, H // Hkv, D)                      # (B, Hkv, G, D)
     s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale           # (B, Hkv, G, S)
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                     # (B, Hkv, G)
     p = torch.exp(s - lse.nan_to_num(neginf=0.0).unsqueeze(-1))          # exp(-inf) = 0
-    out = torch.matmul(p, v.float())                                     # (B, Hkv, G, D)
-    return out.reshape(B, 1, H, D), lse.reshape(B, H, 1)
+    out = torch.matmul(p, v.float())                                     # (B, Hkv, G, Dv)
+    return out.reshape(B, 1, H, Dv), lse.reshape(B, H, 1)
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, group,

@@ -17,7 +17,11 @@ Memory per rank: 2 * n_layers * B * capacity * Hkv * D * bytes, with capacity =
 T_pad / cp + ceil(decode steps / cp): 1/cp of a single rank's cache (up to one slot).
 A hybrid model's Gated DeltaNet and Mamba2 layers keep no keys: each holds its recurrent
 state and conv window instead (linear_cache.py), replicated over CP, and an MLP-only
-block nothing; n_layers above counts its attention layers.
+block nothing; n_layers above counts its attention layers. A multi-head latent attention
+layer (MLA, model.mla) keeps its latent instead of K and V: latent (B, capacity, R + dr)
+per layer and rank, R + dr numbers a token (576 for DeepSeek-V3) where K,V would be
+heads x (qk + v) (40,960); a decode step expands this rank's latent with the layer's
+kv_b_proj (its ``expand``) and attends to it as to cached K,V.
 """
 from __future__ import annotations
 
@@ -45,10 +49,12 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
                  cp_group=None, dtype=torch.float32, device=None, scale=None,
-                 mixers: Optional[Sequence[Optional[str]]] = None):
+                 mixers: Optional[Sequence[Optional[str]]] = None,
+                 latent_dim: Optional[int] = None):
         """n_layers: the model's; mixers: each layer's token mixer (LayerAttention.
-        token_mixer; None: all attention): 'attention' layers get K,V slots, 'gated_delta'
-        and 'mamba2' a LinearLayerCache each, an MLP-only block (None) nothing."""
+        token_mixer; None: all attention): 'attention' layers get K,V slots, 'mla' layers
+        latent slots latent_dim wide, 'gated_delta' and 'mamba2' a LinearLayerCache each,
+        an MLP-only block (None) nothing."""
         self.cp_group = cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
         mixers = ["attention"] * n_layers if mixers is None else list(mixers)
@@ -60,6 +66,10 @@ class KVCache:
         shape = (len(attention), batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        latent = [i for i, m in enumerate(mixers) if m == "mla"]
+        self.latent_slot = {i: j for j, i in enumerate(latent)}  # layer -> its latent index
+        self.latent = torch.zeros(len(latent), batch, capacity, latent_dim or 0,
+                                  dtype=dtype, device=device)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.pos = torch.zeros(batch, capacity, dtype=torch.int64, device=device)
         self.query_pos: Optional[torch.Tensor] = None  # (B,) the decoded token's position
@@ -77,7 +87,8 @@ class KVCache:
         return cls(m.n_layers, batch, capacity, kv_heads_per_rank(m, tp_size_of(model.tp_group)),
                    head_dim(m), cp_group, dtype=p.dtype, device=p.device,
                    scale=softmax_scale(m),
-                   mixers=[a.token_mixer for a in layer_attention(m)])
+                   mixers=[a.token_mixer for a in layer_attention(m)],
+                   latent_dim=m.mla.latent_dim if m.mla is not None else None)
 
     @property
     def capacity(self) -> int:
@@ -87,7 +98,8 @@ class KVCache:
         """Bytes of this rank's cache (keys and values of the attention layers, the linear
         layers' states and conv windows)."""
         return self.k.numel() * self.k.element_size() * 2 + sum(
-            c.nbytes() for c in self.linear.values())
+            c.nbytes() for c in self.linear.values()) + \
+            self.latent.numel() * self.latent.element_size()
 
     def begin_prefill(self, valid: torch.Tensor, positions: Optional[torch.Tensor] = None,
                       lengths: Optional[torch.Tensor] = None) -> None:
@@ -132,6 +144,9 @@ class KVCache:
         linear layer its LinearLayerCache, which the layer reads and fills itself."""
         if i in self.linear:
             return self.linear[i]
+        if i in self.latent_slot:  # MLA: kv_cache(q, latent, expand, core, mask)
+            return lambda q, latent, expand, core, mask=None: self.latent_attention(
+                self.latent_slot[i], q, latent, expand, core, mask)
         return lambda q, k, v, core, mask=None: self.attention(self.slot[i], q, k, v, core,
                                                                mask)
 
@@ -176,3 +191,23 @@ class KVCache:
         sinks = None if mask is None else mask.sinks
         out, lse = merge_partials(out, lse, self.cp_group, self.stats, return_lse=True)
         return finish_sinks(out, lse, q.dtype, sinks)[0]  # lse (B, H, 1)
+
+    def latent_attention(self, i: int, q, latent, expand, core,
+                         mask: Optional[AttentionMask] = None) -> torch.Tensor:
+        """attention's, for an MLA layer: keep latent (B, L, R + dr) in latent slot i;
+        prefill runs the model's CP latent attention (core(q, latent)); decode expands
+        this rank's cached latent with the layer's kv_b_proj (expand: latent -> k (B, S,
+        H, dk), v (B, S, H, dv)) and attends to it, the partials merged over CP."""
+        n = self.filled[self.cp_rank]
+        if self.mode == "prefill":
+            self.latent[i, :, :n] = latent
+            return core(q, latent)
+        assert self.mode == "decode", "begin_prefill or begin_decode first"
+        if self.owner == self.cp_rank:
+            self.latent[i, :, n - 1] = latent[:, 0]
+        k, v = expand(self.latent[i, :, :n])  # (B, n, H, dk), (B, n, H, dv)
+        out, lse = partial_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                     self.visible(n, mask), self.scale)
+        out = merge_partials(out, lse, self.cp_group, self.stats)
+        return out.to(q.dtype)
+
