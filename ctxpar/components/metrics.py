@@ -40,14 +40,19 @@ def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int,
     key) pair forward, times 3 for fwd+bwd: 12 d per pair, T (T + 1) / 2 pairs a causal
     layer, about 6 L d T per token. With `model` (a ModelConfig) each layer counts its
     own pairs (config.layers.layer_attention: a window's about T w, chunks' c (c + 1) / 2
-    each; mask.visible_pairs); layers without attention (Gated DeltaNet, Mamba2, MLP-only
-    blocks) have none.
+    each; mask.visible_pairs), MLA's at its own widths; layers without attention (Gated
+    DeltaNet, Mamba2, MLP-only blocks) have none.
     """
     if model is None:
         return 6.0 * n_params + 6.0 * n_layers * d_model * seq_len
-    pairs = sum(visible_pairs(0, seq_len, a.sliding_window, a.chunk_size)
-                for a in layer_attention(model) if a.token_mixer == "attention")
-    return 6.0 * n_params + 12.0 * d_model * pairs / seq_len
+    # per visible pair, fwd + bwd: 3 x 2 x (scores' width + values' width); MLA's are
+    # H (dn + dr) and H dv (model.mla), attention's about d each
+    mla = model.mla
+    width = {"attention": 12.0 * d_model,
+             "mla": 6.0 * model.n_heads * (mla.qk_head_dim + mla.v_head_dim) if mla else 0}
+    return 6.0 * n_params + sum(
+        width[a.token_mixer] * visible_pairs(0, seq_len, a.sliding_window, a.chunk_size)
+        for a in layer_attention(model) if a.token_mixer in width) / seq_len
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -66,6 +66,9 @@ def check_modelled(cfg: Config) -> None:
     if unknown:
         raise PlanError(f"model.layer_types has {unknown} layers: the planner does not count "
                         f"them (no memory or time prediction)")
+    if cfg.model.mla is not None:
+        raise PlanError("model.mla: the planner does not count multi-head latent attention's "
+                        "saved latent, FLOPs and bytes yet (no memory or time prediction)")
 
 
 def linear_strategies(cfg: Config, cp: int):
