@@ -406,6 +406,17 @@ def test_big_configs_build_on_meta(shape, want):
      r"head_dim=16 channels \(it turns 1.6\)"),
     (dict(n_heads=4, d_model=64, partial_rotary_factor=0.0), dict(tp=1),
      "model.partial_rotary_factor=0.0 must be in"),
+    # multi-head latent attention: the rope part turns pairs, heads split over TP, every
+    # head its own keys
+    (dict(n_heads=4, d_model=64, mla=dict(kv_lora_rank=16, qk_rope_head_dim=7)), dict(tp=1),
+     r"model.mla.qk_rope_head_dim=7 must be even"),
+    (dict(n_heads=6, d_model=96, mla=dict(kv_lora_rank=16)), dict(tp=4), "model.n_heads=6"),
+    (dict(n_heads=4, d_model=64, n_kv_heads=2, mla=dict(kv_lora_rank=16)), dict(tp=1),
+     r"model.n_kv_heads=2 with model.mla: every MLA head has its own keys"),
+    (dict(n_heads=4, d_model=64, mla=dict(kv_lora_rank=0)), dict(tp=1),
+     r"model.mla.kv_lora_rank=0 must be an integer >= 1"),
+    (dict(n_heads=4, d_model=64, rope=False, mla=dict(kv_lora_rank=16)), dict(tp=1),
+     r"model.mla with model.rope=false"),
 ])
 def test_bad_model_configs_fail_at_load(model, parallel, key):
     data = {"model": dict(vocab_size=256, seq_len=256, **model), "parallel": parallel}

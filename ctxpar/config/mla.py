@@ -76,6 +76,10 @@ def check_mla(m, tp: int, err) -> None:
     if m.partial_rotary_factor != 1.0:
         err(f"model.partial_rotary_factor={m.partial_rotary_factor} with model.mla: MLA's "
             f"RoPE channels are model.mla.qk_rope_head_dim")
-    for key in ("attention_sinks", "attention_output_gate", "qk_norm"):
+    for key in ("attention_sinks", "attention_output_gate", "qk_norm", "bias",
+                "attention_bias"):
         if getattr(m, key):
             err(f"model.{key}=true with model.mla: not built for latent attention")
+    if m.norm_offset:
+        err(f"model.norm_offset={m.norm_offset} with model.mla: its bottleneck norms are "
+            f"plain RMSNorms (DeepSeek's)")
