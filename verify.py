@@ -145,14 +145,15 @@ def dp_size(cfg, world: int) -> int:
 
 
 def attention_cores(module):
-    """(name, Attention) of every block on this rank: the GPT's ``layers.i.attn``, or a
-    pipeline stage's blocks under the same names."""
+    """(name, Attention or MLA) of every block on this rank: the GPT's ``layers.i.attn``, or
+    a pipeline stage's blocks under the same names."""
     from models.attention import Attention
+    from models.mla import MLA
 
     prefixes = {id(m.attn): m.gpt_prefix for m in module.modules() if hasattr(m, "gpt_prefix")
                 and hasattr(m, "attn")}
     for name, m in module.named_modules():
-        if isinstance(m, Attention):
+        if isinstance(m, (Attention, MLA)):  # MLA's core: (B, T/cp, nh/tp, v_head_dim)
             yield (prefixes[id(m)] + "attn" if id(m) in prefixes else name), m
 
 

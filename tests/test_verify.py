@@ -39,6 +39,10 @@ CASES = {
     # dense; the load-balancing loss on (both layouts then take the same micro-batches)
     "moe_cp2_ep2": [TINY, *FAST, *MOE_MODEL, "parallel.ep=2"],
     "moe_ep2_ungathered": [TINY, *FAST, *MOE_MODEL, "parallel.ep=2"],
+    # multi-head latent attention, its heads over tp2, the latent on cp2's ring
+    "mla_tp2": [TINY, *FAST, "model.n_kv_heads=null",
+                "model.mla={q_lora_rank: 24, kv_lora_rank: 16, qk_nope_head_dim: 8, "
+                "qk_rope_head_dim: 8, v_head_dim: 12}", "parallel.tp=2", "parallel.dp=1"],
 }
 OPTIONS = {"moe_ep2_ungathered": ["--steps", "1"]}  # verify.py's own, beside --set
 
@@ -223,13 +227,17 @@ def test_a_broken_hybrid_fails_naming_the_tensor(hybrids, case, tensor):
     assert not any(r.floor for r in rows)
 
 
-@pytest.mark.parametrize("case", ["ring", "allgather_tp2_bf16", "ulysses_pp2", "hybrid"])
+@pytest.mark.parametrize("case", ["ring", "allgather_tp2_bf16", "ulysses_pp2", "hybrid",
+                                  "mla_tp2"])
 def test_every_cp_pattern_passes_against_the_reference(results, case):
     rows, line, code = results[case]
     assert code == 0 and line.startswith("verify: PASS"), line
     kinds = {kind: [r for r in rows if r.kind == kind] for kind in ("loss", "grad", "attn")}
-    # 2 steps x (the loss, 20 parameters of the 2-layer tied GPT, 2 attention cores)
-    assert [len(kinds[k]) for k in ("loss", "grad", "attn")] == [2, 40, 4]
+    # 2 steps x (the loss, 20 parameters of the 2-layer tied GPT (MLA's 26: q_a_proj,
+    # q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj in
+    # place of q/k/v/o), 2 attention cores)
+    params = 26 if case == "mla_tp2" else 20
+    assert [len(kinds[k]) for k in ("loss", "grad", "attn")] == [2, 2 * params, 4]
     assert {r.name for r in kinds["attn"]} == {"layers.0.attn", "layers.1.attn"}
     # Nothing missing on either side (a missing tensor is an infinite difference).
     assert all(math.isfinite(r.diff) and r.ok for r in rows)
