@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ctxpar.config import LayerAttention, ModelConfig
-from ctxpar.config.layer_mixers import LAYER_MIXERS
+from ctxpar.config.layer_mixers import ATTENTION_MIXERS, LAYER_MIXERS
 from ctxpar.config.parameters import TOKEN_MIXER_PARAMETERS
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.testing.linear import HYBRID_CONFIGS
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_every_mixer_a_layer_type_names_is_registered():
     tokens = {token for token, _ in LAYER_MIXERS.values()} - {None}
     channels = {channel for _, channel in LAYER_MIXERS.values()} - {None}
-    assert set(TOKEN_MIXERS) == tokens
+    assert set(TOKEN_MIXERS) == tokens | set(ATTENTION_MIXERS)  # MLA in attention's place
     assert set(CHANNEL_MIXERS) == channels | {"moe"}
     # the planner's description of their parameters, under the same names
     assert {k: v[0] for k, v in TOKEN_MIXER_PARAMETERS.items()} == {

@@ -18,6 +18,9 @@ LAYER_MIXERS = {  # layer type -> (token mixer, channel mixer); None: the block 
     "mlp": (None, "mlp"),
 }
 LAYER_TYPES = tuple(LAYER_MIXERS)
+# What an attention layer runs: its type's 'attention', or a model-wide kind in its place
+# (model.mla: multi-head latent attention; token_mixer_of)
+ATTENTION_MIXERS = ("attention", "mla")
 LINEAR_MIXERS = ("gated_delta", "mamba2")  # the token mixers that pass a state over CP
 
 
@@ -25,7 +28,8 @@ def token_mixer_of(m, kind: str):
     """The token mixer of a layer of this type in model m: LAYER_MIXERS', multi-head latent
     attention in attention's place under model.mla."""
     token = LAYER_MIXERS[kind][0]
-    return "mla" if token == "attention" and getattr(m, "mla", None) is not None else token
+    return "mla" if token == "attention" and getattr(m, "mla", None) is not None \
+        else token
 
 
 def token_mixers(m) -> set:
