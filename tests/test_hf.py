@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
-                          GptOssConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          Glm4MoeConfig, GptOssConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MixtralConfig, NemotronHConfig, OlmoHybridConfig, Qwen2Config,
                           Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
@@ -153,6 +153,16 @@ FAMILY_CONFIGS = {
                                                     shared_expert_intermediate_size=40,
                                                     output_router_logits=True,
                                                     router_aux_loss_coef=0.02)),
+    # GLM-4.5: a dense first layer then DeepSeek-V3's router (8 experts in 2 groups, a
+    # token's top 3 from its best group, sigmoid scores + the correction bias, times 2.5)
+    # with two shared experts' width; q/k/v biases, per-head q/k norms, RoPE on half of
+    # each head (its class's default)
+    "glm4_moe": (Glm4MoeConfig, dict(num_hidden_layers=3, first_k_dense_replace=1,
+                                     n_routed_experts=8, num_experts_per_tok=3,
+                                     moe_intermediate_size=32, n_shared_experts=2,
+                                     n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                     norm_topk_prob=True, attention_bias=True,
+                                     use_qk_norm=True, rope_theta=5000.0)),
 }
 
 
@@ -265,12 +275,14 @@ ROPE_VARIANTS = {
     "gpt_oss": dict(rope_parameters=rope("default", 150000.0)),
     "qwen3_next": dict(rope_parameters=rope("linear", partial_rotary_factor=0.25)),
     "qwen3_5_moe_text": dict(rope_parameters=rope("llama3", partial_rotary_factor=0.25)),
+    "glm4_moe": dict(rope_parameters=rope("yarn", partial_rotary_factor=0.75),
+                     use_qk_norm=False, norm_topk_prob=False, first_k_dense_replace=0),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
                 ("olmo_hybrid", False), ("qwen3_moe", False), ("qwen2_moe", True),
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
-                ("qwen3_next", False), ("qwen3_5_moe_text", True)]
+                ("qwen3_next", False), ("qwen3_5_moe_text", True), ("glm4_moe", False)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -410,10 +422,12 @@ def family_json(family, **fields):
                     **{k: v for k, v in FAMILIES[family].fixed.items()},
                     **({} if moe is None else {"moe": MoEConfig(num_experts=8, **moe, **(
                         {"shared_expert_hidden": 32} if family in SHARED_GATED else
-                        {"swiglu_limit": 7.0} if family == "gpt_oss" else {}))}),
+                        {"swiglu_limit": 7.0} if family == "gpt_oss" else
+                        {"expert_hidden": 32, "shared_expert_hidden": 32, "layers": [1]}
+                        if family == "glm4_moe" else {}))}),
                     **({"n_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
                        if family in ("qwen3_5_text", "olmo_hybrid", *SHARED_GATED[1:])
-                       else {}),
+                       else {"n_layers": 2} if family == "glm4_moe" else {}),
                     **({"n_layers": 2, "layer_types": ["mamba", "attention"]}
                        if family == "nemotron_h" else {}))
     return {**hf.family_config(m), **fields}
@@ -532,6 +546,20 @@ def family_json(family, **fields):
                                                    "num_experts=8"),
     ("qwen3_5_moe_text", "attention_bias", True, "attention_bias=True: ctxpar has q/k/v "
                                                  "biases without o_proj's"),
+    # GLM-4.5: what its MoE cannot be in ctxpar; a remote-code folder (its own modeling
+    # files: auto_map)
+    ("glm4_moe", "first_k_dense_replace", 2, "first_k_dense_replace=2: leaves no MoE layer "
+                                             "of 2"),
+    ("glm4_moe", "n_shared_experts", 0, "n_shared_experts=0: config.json must give it as an "
+                                        "integer >= 1"),
+    ("glm4_moe", "topk_group", 2, "topk_group=2: must be <= n_group=1"),
+    ("glm4_moe", "use_qk_norm", "yes", "use_qk_norm='yes': config.json must give it as a "
+                                       "boolean"),
+    ("glm4_moe", "rope_parameters", rope("default", partial_rotary_factor=0),
+     "partial_rotary_factor=0: a fraction of each head's channels in (0, 1]"),
+    ("glm4_moe", "auto_map", {"AutoModelForCausalLM": "modeling_glm.GlmForCausalLM"},
+     "auto_map={'AutoModelForCausalLM': 'modeling_glm.GlmForCausalLM'}: a remote-code "
+     "folder's own modeling files is not implemented by ctxpar"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -814,6 +842,30 @@ def quantize_mxfp4(w):
     codes = ((x / torch.exp2(exp)[..., None])[..., None] -
              torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)  # (E, R, G, 32)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+def test_a_glm4_moe_folder_leaves_its_mtp_layers_out_and_says_so(tmp_path):
+    """GLM-4.5's multi-token prediction layer is model.layers.{num_hidden_layers}.*: left
+    out (transformers builds none), every other tensor used, the start-up line naming it;
+    a tensor of a layer the model has is still used (refused when unknown)."""
+    ref = tiny_family(tmp_path, "glm4_moe", tied=False, num_nextn_predict_layers=1)
+    mtp = {"model.layers.3.eh_proj.weight": torch.ones(64, 128),
+           "model.layers.3.self_attn.q_proj.weight": torch.ones(96, 64)}
+    rewrite_weights(tmp_path, lambda t: t.update(mtp))
+    tokens = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ctxpar_from(tmp_path)(tokens, torch.arange(16)),
+                                   ref(tokens).logits, **TOL)
+    assert hf.left_out(str(tmp_path)) == (
+        "its causal LM; left out: the multi-token prediction layers (2 tensors "
+        "model.layers.3.*, which transformers drops too)")
+    rewrite_weights(tmp_path, lambda t: t.update({"model.layers.2.eh_proj.weight":
+                                                  torch.ones(64, 128)}))
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), tmp_path))
+    reader = hf.WeightReader(str(tmp_path), False)
+    assert reader.left_out() == sorted(mtp) and \
+        "model.layers.2.eh_proj.weight" in reader.unused()
+    assert m.moe.layers == [1, 2] and m.moe.shared_expert_hidden == 64
+
 
 
 def test_an_mxfp4_gpt_oss_folder_imports_transformers_dequantized_weights(tmp_path):
@@ -1310,7 +1362,10 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # (models/gated_delta.py, models/moe.py) and differ in their folders' tensors and keys
     # only, which one run exercises
     ("qwen3_next", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
-    ("qwen3_5_moe_text", "cp2-zigzag-ep2")]
+    ("qwen3_5_moe_text", "cp2-zigzag-ep2")] + [
+    # GLM-4.5: DeepSeek-V3's router after a dense layer, partial RoPE, q/k norms and
+    # biases, its shared experts; cp2 x ep2 (generate.py too)
+    ("glm4_moe", "cp2-zigzag-ep2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)

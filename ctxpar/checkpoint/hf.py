@@ -144,7 +144,8 @@ def left_out(path: str) -> Optional[str]:
     what = [] if wrapper is None else [wrapper.what]
     mtp = WeightReader(path, False).left_out()
     if mtp:
-        prefix = os.path.commonprefix(mtp).split(".")[0]
+        common = os.path.commonprefix(mtp)  # mtp., or GLM-4.5's model.layers.N.
+        prefix = common[:common.rfind(".")]
         what.append(f"the multi-token prediction layers ({len(mtp)} tensors "
                     f"{prefix}.*, which transformers drops too)")
     if not what:

@@ -134,11 +134,11 @@ class WeightReader:
         tensor its family leaves out (multi-token prediction layers)."""
         return not key.endswith(self.IGNORED) and not (
             self.wrapper is not None and key.startswith(self.wrapper.left_out)) and \
-            not self.family.left_out(key)
+            not self.family.left_out(key, self._config)
 
     def left_out(self) -> list:
         """The folder's tensors its family leaves out (multi-token prediction layers)."""
-        return sorted(k for k in self._where if self.family.left_out(k))
+        return sorted(k for k in self._where if self.family.left_out(k, self._config))
 
     def get(self, gpt_name: str) -> torch.Tensor:
         key = self.key(gpt_name)

@@ -63,6 +63,7 @@ NOT_IMPLEMENTED = {
     "attention logit softcapping", "use_bidirectional_attention": "bidirectional attention",
     "use_mrope": "multimodal RoPE", "quantization_config": "quantized weights",
     "use_qk_norm": "a q/k norm over all heads", "attention_chunk_size": "chunked attention",
+    "auto_map": "a remote-code folder's own modeling files",
 }
 NO_BIAS = "ctxpar has q/k/v biases without o_proj's, or biases on every layer (MLP too)"
 
@@ -226,8 +227,9 @@ class Family:
     def fused_shape(self, fused_key: str, m) -> Tuple[int, ...]:
         raise NotImplementedError(f"{self.model_type} fuses no tensor")
 
-    def left_out(self, key: str) -> bool:
-        """A tensor of the folder the import leaves out (said in the start-up line)."""
+    def left_out(self, key: str, hf: Dict[str, Any]) -> bool:
+        """A tensor of the folder the import leaves out (said in the start-up line); hf:
+        the folder's config.json (GLM-4.5's MTP layers are numbered past its layers)."""
         return False
 
     def to_folder(self, key: str, t: torch.Tensor, m) -> List[Tuple[str, torch.Tensor]]:

@@ -128,7 +128,7 @@ class Qwen3_5(Family):
                                     "rope_theta": m.rope_theta,
                                     "partial_rotary_factor": m.partial_rotary_factor})
 
-    def left_out(self, key: str) -> bool:
+    def left_out(self, key: str, hf: Dict[str, Any]) -> bool:
         return key.startswith(MTP_PREFIX)
 
 

@@ -21,5 +21,6 @@ REGISTRY = (
     ("gpt_oss", "gpt_oss", "FAMILY"),
     ("qwen3_next", "qwen3_next", "QWEN3_NEXT"),
     ("qwen3_5_moe_text", "qwen3_next", "QWEN3_5_MOE"),
+    ("glm4_moe", "glm4_moe", "FAMILY"),
 )
 HF_FAMILIES = tuple(model_type for model_type, _, _ in REGISTRY)
