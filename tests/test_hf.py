@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
-                          Glm4MoeConfig, GptOssConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          Glm4MoeConfig, GptOssConfig, MiniMaxM2Config, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MixtralConfig, NemotronHConfig, OlmoHybridConfig, Qwen2Config,
                           Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
@@ -163,6 +163,13 @@ FAMILY_CONFIGS = {
                                      n_group=2, topk_group=1, routed_scaling_factor=2.5,
                                      norm_topk_prob=True, attention_bias=True,
                                      use_qk_norm=True, rope_theta=5000.0)),
+    # MiniMax-M2: GQA 8/2 with q/k RMSNorm over all heads' projections, RoPE on half of
+    # each head (rotary_dim), 8 experts on every layer, top 2 on sigmoid scores + the
+    # correction bias; no token ids (its defaults are outside the tiny vocabulary)
+    "minimax_m2": (MiniMaxM2Config, dict(num_attention_heads=8, num_local_experts=8,
+                                         num_experts_per_tok=2, rotary_dim=12,
+                                         rope_theta=5000.0, bos_token_id=None,
+                                         eos_token_id=None)),
 }
 
 
@@ -277,12 +284,14 @@ ROPE_VARIANTS = {
     "qwen3_5_moe_text": dict(rope_parameters=rope("llama3", partial_rotary_factor=0.25)),
     "glm4_moe": dict(rope_parameters=rope("yarn", partial_rotary_factor=0.75),
                      use_qk_norm=False, norm_topk_prob=False, first_k_dense_replace=0),
+    "minimax_m2": dict(rope_parameters=rope("llama3", 1e6), rotary_dim=24),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
                 ("olmo_hybrid", False), ("qwen3_moe", False), ("qwen2_moe", True),
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
-                ("qwen3_next", False), ("qwen3_5_moe_text", True), ("glm4_moe", False)]
+                ("qwen3_next", False), ("qwen3_5_moe_text", True), ("glm4_moe", False),
+                ("minimax_m2", False)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -560,6 +569,20 @@ def family_json(family, **fields):
     ("glm4_moe", "auto_map", {"AutoModelForCausalLM": "modeling_glm.GlmForCausalLM"},
      "auto_map={'AutoModelForCausalLM': 'modeling_glm.GlmForCausalLM'}: a remote-code "
      "folder's own modeling files is not implemented by ctxpar"),
+    # MiniMax-M2: its q/k norms always on, transformers' load-balancing loss (top-k
+    # without the bias), a rotary_dim the partial factor does not give; its released
+    # folders' remote code
+    ("minimax_m2", "use_qk_norm", False, "use_qk_norm=False: transformers' MiniMax-M2 always "
+                                         "norms q and k over all heads"),
+    ("minimax_m2", "output_router_logits", True, "output_router_logits=True: transformers' "
+                                                 "load-balancing loss counts the top-k "
+                                                 "without the correction bias"),
+    ("minimax_m2", "rotary_dim", 7, "rotary_dim=7: an even number of channels in (0, "
+                                    "head_dim=16]"),
+    ("minimax_m2", "rotary_dim", 8, "rotary_dim=8: partial_rotary_factor=1.0 of head_dim=16 "
+                                    "rotates 16 channels"),
+    ("minimax_m2", "auto_map", {"AutoConfig": "configuration_minimax_m2.MiniMaxM2Config"},
+     "a remote-code folder's own modeling files is not implemented by ctxpar"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -1365,7 +1388,10 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     ("qwen3_5_moe_text", "cp2-zigzag-ep2")] + [
     # GLM-4.5: DeepSeek-V3's router after a dense layer, partial RoPE, q/k norms and
     # biases, its shared experts; cp2 x ep2 (generate.py too)
-    ("glm4_moe", "cp2-zigzag-ep2")]
+    ("glm4_moe", "cp2-zigzag-ep2")] + [
+    # MiniMax-M2: q/k norms over all heads (summed over TP), the sigmoid router with its
+    # correction bias on every layer (at the block: block_sparse_moe.e_score_correction_bias)
+    ("minimax_m2", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
