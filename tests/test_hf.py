@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
-                          Glm4MoeConfig, GptOssConfig, MiniMaxM2Config, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          Glm4MoeConfig, GptOssConfig, Llama4TextConfig, MiniMaxM2Config, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MixtralConfig, NemotronHConfig, OlmoHybridConfig, Qwen2Config,
                           Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
@@ -170,6 +170,16 @@ FAMILY_CONFIGS = {
                                          num_experts_per_tok=2, rotary_dim=12,
                                          rope_theta=5000.0, bos_token_id=None,
                                          eos_token_id=None)),
+    # Llama 4: chunked RoPE layers (chunks of 16) with the weightless q/k norm, NoPE full
+    # layers (1, 3) whose queries are scaled from position 8 on (floor_scale 8, attn_scale
+    # 0.5: up to x1.97 at the tests' 48 tokens); the MoE on those layers, 8 experts, the
+    # top 2 scaling their inputs, beside the shared expert; dense layers 96 wide
+    "llama4_text": (Llama4TextConfig, dict(num_hidden_layers=4, intermediate_size=32,
+                                           intermediate_size_mlp=96, num_local_experts=8,
+                                           num_experts_per_tok=2, interleave_moe_layer_step=2,
+                                           no_rope_layer_interval=2, attention_chunk_size=16,
+                                           floor_scale=8, attn_scale=0.5, rope_theta=5000.0,
+                                           bos_token_id=None, eos_token_id=None)),
 }
 
 
@@ -285,13 +295,15 @@ ROPE_VARIANTS = {
     "glm4_moe": dict(rope_parameters=rope("yarn", partial_rotary_factor=0.75),
                      use_qk_norm=False, norm_topk_prob=False, first_k_dense_replace=0),
     "minimax_m2": dict(rope_parameters=rope("llama3", 1e6), rotary_dim=24),
+    "llama4_text": dict(rope_parameters=rope("llama3", 5e5), use_qk_norm=False,
+                        attention_chunk_size=None, moe_layers=[0, 1, 2, 3]),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
                 ("olmo_hybrid", False), ("qwen3_moe", False), ("qwen2_moe", True),
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
                 ("qwen3_next", False), ("qwen3_5_moe_text", True), ("glm4_moe", False),
-                ("minimax_m2", False)]
+                ("minimax_m2", False), ("llama4_text", False)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -1391,7 +1403,11 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     ("glm4_moe", "cp2-zigzag-ep2")] + [
     # MiniMax-M2: q/k norms over all heads (summed over TP), the sigmoid router with its
     # correction bias on every layer (at the block: block_sparse_moe.e_score_correction_bias)
-    ("minimax_m2", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2")]
+    ("minimax_m2", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2")] + [
+    # Llama 4: the NoPE layers' temperature from each rank's global positions (past the
+    # floor on both CP ranks), chunks across the ranks' boundary, the input-scaling router
+    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "cp2-heads", "tp2-cp2",
+                                           "cp2-pp2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)

@@ -33,7 +33,8 @@ ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_b
                  "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
                  "scale_embeddings": False, "attention_output_gate": False, "rope": True,
                  "qk_norm_scope": "head", "reordered_norms": None,
-                 "linear_allow_neg_eigval": False, "linear_norm_eps": None}
+                 "linear_allow_neg_eigval": False, "linear_norm_eps": None,
+                 "nope_layers": None, "attn_temperature_tuning": False, "qk_l2_norm": False}
 
 # config.json keys that do not change the computation: bookkeeping, token ids, generation
 # defaults, the runtime's switches.
@@ -203,8 +204,9 @@ class Family:
         """The folder's shape of a tensor ctxpar holds in `shape`."""
         return shape
 
-    def from_folder(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """A tensor as the folder stores it -> ctxpar's layout."""
+    def from_folder(self, key: str, t: torch.Tensor, hf: Dict[str, Any]) -> torch.Tensor:
+        """A tensor as the folder stores it -> ctxpar's layout (hf: the folder's
+        config.json: Llama 4's q/k rows are permuted by head)."""
         return t
 
     def sources(self, key: str) -> List[Tuple[str, ...]]:
