@@ -103,7 +103,7 @@ class Attention(TokenMixer):
         elif self.q_norm is not None:  # over each head's hd channels
             q, k = self.q_norm(q), self.k_norm(k)
         if not self.rope:  # NoPE: the order is the mask's alone
-            if cos is not None:  # temperature tuning: cos is the query scale (..., T/cp)
+            if self.layer.temperature is not None:  # cos is the query scale (..., T/cp)
                 q = (q * cos[..., None, None]).to(q.dtype)
             return q, k, v, gate
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -326,6 +326,58 @@ def test_each_family_imports_and_exports_exactly(tmp_path, family, tied, rope_va
         sum(p.numel() for p in ref.parameters())
 
 
+
+def _loss(logits, tokens):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             tokens[:, 1:].reshape(-1)).item()
+
+
+# What each 2026 family brought, as ctxpar's fields (model.* or model.moe.*) set back
+NEW_FEATURES = {
+    "glm4_moe": [{"partial_rotary_factor": 1.0}, {"qk_norm": False},
+                 {"moe.routed_scaling_factor": 1.0}, {"moe.n_group": 1, "moe.topk_group": 1},
+                 {"moe.shared_expert_hidden": 0}],
+    "minimax_m2": [{"partial_rotary_factor": 1.0}, {"moe.score_correction_bias": False}],
+    "llama4_text": [{"attn_temperature_tuning": False}, {"qk_l2_norm": False},
+                    {"moe.scale_expert_input": False},
+                    {"nope_layers": None, "attn_temperature_tuning": False},
+                    "local positions"],
+}
+
+
+@pytest.mark.parametrize("family", list(NEW_FEATURES))
+def test_what_each_new_family_adds_moves_the_loss_past_the_runs_tolerance(
+        tmp_path, monkeypatch, family):
+    """Each feature the 2026 families brought, dropped from ctxpar's imported model (the
+    same weights, drawn at std 0.1 so that the tiny model's logits are not near-uniform),
+    moves the loss on the tests' 48 tokens by over 50x the folder runs' 1e-5: those runs
+    and the round trips would see it dropped. 'local positions': the NoPE layers'
+    temperature from each half's own arange (what a cp2 rank computing from its local
+    positions would use) instead of the global ones."""
+    import models.rope
+    ref = tiny_family(tmp_path / family, family, tied=False, initializer_range=0.1)
+    model = ctxpar_from(tmp_path / family)
+    tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
+    global_temperature = models.rope.query_temperature
+    with torch.no_grad():
+        want = _loss(ref(tokens).logits, tokens)
+        assert abs(_loss(model(tokens, torch.arange(48)), tokens) - want) <= 1e-5 * want
+        for change in NEW_FEATURES[family]:
+            if change == "local positions":
+                monkeypatch.setattr(models.rope, "query_temperature", lambda p, floor, scale:
+                                    global_temperature(p % 24, floor, scale))
+                changed = model
+            else:
+                top = {k: v for k, v in change.items() if not k.startswith("moe.")}
+                moe = {k[4:]: v for k, v in change.items() if k.startswith("moe.")}
+                cfg = replace(model.cfg, **top, **(
+                    {"moe": replace(model.cfg.moe, **moe)} if moe else {}))
+                changed = GPT(cfg).eval()
+                changed.load_state_dict(model.state_dict(), strict=False)
+            got = _loss(changed(tokens, torch.arange(48)), tokens)
+            assert abs(got - want) > 50 * 1e-5 * want, (change, got, want)
+
+
 def test_an_export_transformers_would_read_as_another_model_is_refused_whole(
         tmp_path, monkeypatch):
     """The classic keys again (rope_theta, rope_scaling: null) on a gpt-oss model with
