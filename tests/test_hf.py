@@ -1453,13 +1453,15 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # GLM-4.5: DeepSeek-V3's router after a dense layer, partial RoPE, q/k norms and
     # biases, its shared experts; cp2 x ep2 (generate.py too)
     ("glm4_moe", "cp2-zigzag-ep2")] + [
-    # MiniMax-M2: q/k norms over all heads (summed over TP), the sigmoid router with its
-    # correction bias on every layer (at the block: block_sparse_moe.e_score_correction_bias)
-    ("minimax_m2", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2")] + [
+    # MiniMax-M2: the sigmoid router with its correction bias on every layer (at the
+    # block: block_sparse_moe.e_score_correction_bias); its q/k norms over all heads are
+    # OLMo Hybrid's, run at tp2 x cp2 above
+    ("minimax_m2", "cp2-zigzag-ep2")] + [
     # Llama 4: the NoPE layers' temperature from each rank's global positions (past the
-    # floor on both CP ranks), chunks across the ranks' boundary, the input-scaling router
-    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "cp2-heads", "tp2-cp2",
-                                           "cp2-pp2")]
+    # floor on both CP ranks; the pipeline's blocks compute it themselves), chunks across
+    # the ranks' boundary, the input-scaling router (its gradient summed over TP). Not at
+    # Ulysses: the temperature is token-local, before the all-to-all
+    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
