@@ -647,6 +647,16 @@ def family_json(family, **fields):
                                     "rotates 16 channels"),
     ("minimax_m2", "auto_map", {"AutoConfig": "configuration_minimax_m2.MiniMaxM2Config"},
      "a remote-code folder's own modeling files is not implemented by ctxpar"),
+    # Llama 4: o_proj's bias, its per-layer lists, layer types it does not have
+    ("llama4_text", "attention_bias", True, "attention_bias=True: Llama 4's biases are on "
+                                            "o_proj too"),
+    ("llama4_text", "no_rope_layers", [1, 0, 1], "no_rope_layers=[1, 0, 1]: one 0 or 1 per "
+                                                 "layer"),
+    ("llama4_text", "layer_types", ["full_attention", "sliding_attention"],
+     "one of 'full_attention', 'chunked_attention' per layer"),
+    ("llama4_text", "moe_layers", [7], "moe_layers=[7]: a list of layer indices in [0, "),
+    ("llama4_text", "use_qk_norm", "yes", "use_qk_norm='yes': config.json must give it as a "
+                                          "boolean"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
