@@ -66,7 +66,8 @@ class Attention(TokenMixer):
                    dtype=dtype)
         d, hd = cfg.d_model, self.head_dim
         self.gated = cfg.attention_output_gate  # q_proj's rows per head: [q | gate]
-        self.rope = cfg.rope
+        self.rope = self.layer.rope  # model.rope, not a model.nope_layers one
+        self.l2_eps = cfg.norm_eps if cfg.qk_l2_norm and self.rope else None
         self.rotary_dim = rotary_dim(cfg)
         self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd * (2 if self.gated else 1),
                                            copy_input=False, **lin)
@@ -101,9 +102,14 @@ class Attention(TokenMixer):
             k = self.k_norm(k.flatten(2)).view_as(k)
         elif self.q_norm is not None:  # over each head's hd channels
             q, k = self.q_norm(q), self.k_norm(k)
-        if not self.rope:  # NoPE (model.rope=false): the order is the mask's alone
+        if not self.rope:  # NoPE: the order is the mask's alone
+            if self.layer.temperature is not None:  # cos is the query scale (..., T/cp)
+                q = (q * cos[..., None, None]).to(q.dtype)
             return q, k, v, gate
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.l2_eps is not None:  # Llama 4's weightless norm, after RoPE
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
+        return q, k, v, gate
 
     def out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         """o (B, T/cp, nh/tp, hd) -> o_proj(o * sigmoid(gate)) (B, T/cp, d)."""
@@ -136,6 +142,12 @@ class Attention(TokenMixer):
         # Exact attention over the whole sequence through cp.comm's pattern.
         return self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
                                  mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over each head's channels, fp32 (transformers' Llama4TextL2Norm)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def qk_norms(cfg: ModelConfig, hd: int, n_kv: int, tp_group, device, dtype):

@@ -60,7 +60,7 @@ from models.loss import global_mean_loss, loss_for_backward
 from models.moe import MoE
 from models.norms import make_norm
 from models.options import LayerArgs, ModelOptions
-from models.rope import rotary_cos_sin
+from models.rope import layer_inputs
 
 
 class EmbeddingPipe(nn.Module):
@@ -126,7 +126,7 @@ class BlockPipe(Block):
         self.carries_router = cfg.moe is not None  # the routers' statistics in the tuple
         self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)
         self.gpt_prefix = f"layers.{layer_number}."
-        self.rope_theta, self.rope_scaling = layer.rope_theta, layer.rope_scaling
+        self.layer = layer  # its RoPE, or NoPE's temperature (models/rope.layer_inputs)
         # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
         self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
 
@@ -137,8 +137,8 @@ class BlockPipe(Block):
             self.mlp.stats = RouterStats(self.mlp.moe.num_experts)
         cos = sin = None  # RoPE for the mixers that take it (attention), none for the rest
         if self.mixer is not None and self.mixer.rotary_dim is not None:
-            cos, sin = rotary_cos_sin(positions, self.mixer.rotary_dim, self.rope_theta,
-                                      self.rope_scaling)  # (..., T/cp, rotary_dim/2)
+            cos, sin = layer_inputs(positions, self.mixer.rotary_dim,
+                                    self.layer)  # (..., T/cp, rotary_dim/2)
         cu = unpack_cu_seqlens(docs[0]) if docs else None
         block = partial(Block.forward, self, cu_seqlens=cu)
         if self.recompute:  # keep only x (and cos, sin); replay the block in backward

@@ -194,8 +194,11 @@ class MoE(nn.Module):
         if m.capacity_factor is not None:  # this rank's tokens: layout-dependent
             chosen = drop_over_capacity(chosen, m.num_experts, m.capacity_factor)
         rows = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        if m.scale_expert_input:  # w_j scales the experts' f/tp-wide inputs: its gradient
+            # is each TP rank's partial sum, completed by f's backward all-reduce
+            weights = copy_to_tensor_model_parallel_region(weights, self.tp_group)
         y = dispatch_combine(rows, weights, chosen, self.moe.num_experts, self._experts,
-                             self.ep_group)                       # (N, d)
+                             self.ep_group, m.scale_expert_input)  # (N, d)
         if self.shared_expert is not None:
             s = self.shared_expert(x)                             # f and g inside
             if self.shared_expert_gate is not None:

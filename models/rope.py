@@ -99,15 +99,34 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     return angles.cos(), angles.sin()
 
 
+def query_temperature(positions: torch.Tensor, floor_scale: int,
+                      attn_scale: float) -> torch.Tensor:
+    """Llama 4's NoPE-layer query scale at global positions (..., T/cp) -> (..., T/cp)
+    fp32: 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) (model.attn_temperature_
+    tuning; transformers' Llama4TextAttention)."""
+    p = positions.to(torch.float32)
+    return torch.log1p(torch.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def layer_inputs(positions: torch.Tensor, head_dim: int, a):
+    """One attention layer's position inputs (LayerAttention a): (cos, sin) of its RoPE;
+    a NoPE layer under temperature tuning (query_temperature's scale, None)."""
+    if not a.rope and a.temperature is not None:
+        return query_temperature(positions, *a.temperature), None
+    return rotary_cos_sin(positions, head_dim, a.rope_theta, a.rope_scaling)
+
+
 def layer_rotary(positions: torch.Tensor, head_dim: int, layers):
-    """Each layer's (cos, sin) (rotary_cos_sin), computed once per distinct RoPE
+    """Each layer's (cos, sin) (layer_inputs), computed once per distinct RoPE
     (rope_theta, rope_scaling) among `layers` (LayerAttention: Gemma 3's local and global
-    layers rotate by different bases); layers that share one share the tensors."""
+    layers rotate by different bases) or temperature; layers that share one share the
+    tensors."""
     made, out = {}, []
     for a in layers:
-        key = (a.rope_theta, repr(a.rope_scaling))
+        key = (a.rope_theta, repr(a.rope_scaling)) if a.rope or a.temperature is None \
+            else ("temperature", a.temperature)
         if key not in made:
-            made[key] = rotary_cos_sin(positions, head_dim, a.rope_theta, a.rope_scaling)
+            made[key] = layer_inputs(positions, head_dim, a)
         out.append(made[key])
     return out
 

@@ -306,7 +306,8 @@ def test_every_shipped_config_validates(path):
                                          ("extend_nemotron_h_8b_32k", 8_100_852_736),
                                          ("extend_qwen3_30b_a3b_128k", 30_532_122_624),
                                          ("extend_gpt_oss_20b_512k", 20_914_757_184),
-                                         ("extend_qwen3_next_80b_a3b_1m", 79_674_391_296)])
+                                         ("extend_qwen3_next_80b_a3b_1m", 79_674_391_296),
+                                         ("extend_glm4_5_air_512k", 106_852_245_504)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch
@@ -320,7 +321,9 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
         assert active_parameters(cfg.model) == {"extend_qwen3_30b_a3b_128k": 3_353_032_704,
                                                 "extend_gpt_oss_20b_512k": 4_187_440_704,
                                                 "extend_qwen3_next_80b_a3b_1m":
-                                                3_874_929_408}[name]
+                                                3_874_929_408,
+                                                "extend_glm4_5_air_512k":
+                                                13_424_123_904}[name]
 
 
 def quoted_verdicts():

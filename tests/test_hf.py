@@ -28,12 +28,12 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
-                          GptOssConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MixtralConfig, NemotronHConfig, OlmoHybridConfig, Qwen2Config,
-                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
-                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig, DeepseekV2Config,
-                          DeepseekV3Config)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,  # noqa: E402
+                          DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig,
+                          Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
+                          MistralConfig, MixtralConfig, NemotronHConfig, OlmoHybridConfig,
+                          Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                          Qwen3NextConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 
 from ctxpar.checkpoint import CheckpointError, export, hf, read_manifest  # noqa: E402
 from ctxpar.checkpoint.families import FAMILIES  # noqa: E402
@@ -170,6 +170,33 @@ FAMILY_CONFIGS = {
     # DeepSeek-V2(-Lite): q_proj, the softmax router unnormalised times 2, two shared experts
     "deepseek_v2": (DeepseekV2Config, dict(MLA_SMALL, q_lora_rank=None,
                                            routed_scaling_factor=2.0, n_shared_experts=2)),
+    # GLM-4.5: a dense first layer then DeepSeek-V3's router (8 experts in 2 groups, a
+    # token's top 3 from its best group, sigmoid scores + the correction bias, times 2.5)
+    # with two shared experts' width; q/k/v biases, per-head q/k norms, RoPE on half of
+    # each head (its class's default)
+    "glm4_moe": (Glm4MoeConfig, dict(num_hidden_layers=3, first_k_dense_replace=1,
+                                     n_routed_experts=8, num_experts_per_tok=3,
+                                     moe_intermediate_size=32, n_shared_experts=2,
+                                     n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                     norm_topk_prob=True, attention_bias=True,
+                                     use_qk_norm=True, rope_theta=5000.0)),
+    # MiniMax-M2: GQA 8/2 with q/k RMSNorm over all heads' projections, RoPE on half of
+    # each head (rotary_dim), 8 experts on every layer, top 2 on sigmoid scores + the
+    # correction bias; no token ids (its defaults are outside the tiny vocabulary)
+    "minimax_m2": (MiniMaxM2Config, dict(num_attention_heads=8, num_local_experts=8,
+                                         num_experts_per_tok=2, rotary_dim=12,
+                                         rope_theta=5000.0, bos_token_id=None,
+                                         eos_token_id=None)),
+    # Llama 4: chunked RoPE layers (chunks of 16) with the weightless q/k norm, NoPE full
+    # layers (1, 3) whose queries are scaled from position 8 on (floor_scale 8, attn_scale
+    # 0.5: up to x1.97 at the tests' 48 tokens); the MoE on those layers, 8 experts, the
+    # top 2 scaling their inputs, beside the shared expert; dense layers 96 wide
+    "llama4_text": (Llama4TextConfig, dict(num_hidden_layers=4, intermediate_size=32,
+                                           intermediate_size_mlp=96, num_local_experts=8,
+                                           num_experts_per_tok=2, interleave_moe_layer_step=2,
+                                           no_rope_layer_interval=2, attention_chunk_size=16,
+                                           floor_scale=8, attn_scale=0.5, rope_theta=5000.0,
+                                           bos_token_id=None, eos_token_id=None)),
 }
 
 
@@ -287,13 +314,19 @@ ROPE_VARIANTS = {
     "deepseek_v3": dict(rope_parameters=rope("yarn", mscale=1.0, mscale_all_dim=0.707),
                         q_lora_rank=None, rope_interleave=False),
     "deepseek_v2": dict(rope_parameters=rope("yarn", mscale=0.707, mscale_all_dim=0.707)),
+    "glm4_moe": dict(rope_parameters=rope("yarn", partial_rotary_factor=0.75),
+                     use_qk_norm=False, norm_topk_prob=False, first_k_dense_replace=0),
+    "minimax_m2": dict(rope_parameters=rope("llama3", 1e6), rotary_dim=24),
+    "llama4_text": dict(rope_parameters=rope("llama3", 5e5), use_qk_norm=False,
+                        attention_chunk_size=None, moe_layers=[0, 1, 2, 3]),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
                 ("olmo_hybrid", False), ("qwen3_moe", False), ("qwen2_moe", True),
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
                 ("qwen3_next", False), ("qwen3_5_moe_text", True), ("deepseek_v3", False),
-                ("deepseek_v2", True)]
+                ("deepseek_v2", True), ("glm4_moe", False), ("minimax_m2", False),
+                ("llama4_text", False)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -315,6 +348,58 @@ def test_each_family_imports_and_exports_exactly(tmp_path, family, tied, rope_va
     # the planner counts from the same description the model is checked against
     assert sum(s.numel() for s in parameter_specs(model.cfg)) == \
         sum(p.numel() for p in ref.parameters())
+
+
+
+def _loss(logits, tokens):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             tokens[:, 1:].reshape(-1)).item()
+
+
+# What each 2026 family brought, as ctxpar's fields (model.* or model.moe.*) set back
+NEW_FEATURES = {
+    "glm4_moe": [{"partial_rotary_factor": 1.0}, {"qk_norm": False},
+                 {"moe.routed_scaling_factor": 1.0}, {"moe.n_group": 1, "moe.topk_group": 1},
+                 {"moe.shared_expert_hidden": 0}],
+    "minimax_m2": [{"partial_rotary_factor": 1.0}, {"moe.score_correction_bias": False}],
+    "llama4_text": [{"attn_temperature_tuning": False}, {"qk_l2_norm": False},
+                    {"moe.scale_expert_input": False},
+                    {"nope_layers": None, "attn_temperature_tuning": False},
+                    "local positions"],
+}
+
+
+@pytest.mark.parametrize("family", list(NEW_FEATURES))
+def test_what_each_new_family_adds_moves_the_loss_past_the_runs_tolerance(
+        tmp_path, monkeypatch, family):
+    """Each feature the 2026 families brought, dropped from ctxpar's imported model (the
+    same weights, drawn at std 0.1 so that the tiny model's logits are not near-uniform),
+    moves the loss on the tests' 48 tokens by over 50x the folder runs' 1e-5: those runs
+    and the round trips would see it dropped. 'local positions': the NoPE layers'
+    temperature from each half's own arange (what a cp2 rank computing from its local
+    positions would use) instead of the global ones."""
+    import models.rope
+    ref = tiny_family(tmp_path / family, family, tied=False, initializer_range=0.1)
+    model = ctxpar_from(tmp_path / family)
+    tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
+    global_temperature = models.rope.query_temperature
+    with torch.no_grad():
+        want = _loss(ref(tokens).logits, tokens)
+        assert abs(_loss(model(tokens, torch.arange(48)), tokens) - want) <= 1e-5 * want
+        for change in NEW_FEATURES[family]:
+            if change == "local positions":
+                monkeypatch.setattr(models.rope, "query_temperature", lambda p, floor, scale:
+                                    global_temperature(p % 24, floor, scale))
+                changed = model
+            else:
+                top = {k: v for k, v in change.items() if not k.startswith("moe.")}
+                moe = {k[4:]: v for k, v in change.items() if k.startswith("moe.")}
+                cfg = replace(model.cfg, **top, **(
+                    {"moe": replace(model.cfg.moe, **moe)} if moe else {}))
+                changed = GPT(cfg).eval()
+                changed.load_state_dict(model.state_dict(), strict=False)
+            got = _loss(changed(tokens, torch.arange(48)), tokens)
+            assert abs(got - want) > 50 * 1e-5 * want, (change, got, want)
 
 
 def test_an_export_transformers_would_read_as_another_model_is_refused_whole(
@@ -434,10 +519,12 @@ def family_json(family, **fields):
                     **{k: v for k, v in FAMILIES[family].fixed.items()},
                     **({} if moe is None else {"moe": MoEConfig(num_experts=8, **moe, **(
                         {"shared_expert_hidden": 32} if family in SHARED_GATED else
-                        {"swiglu_limit": 7.0} if family == "gpt_oss" else {}))}),
+                        {"swiglu_limit": 7.0} if family == "gpt_oss" else
+                        {"expert_hidden": 32, "shared_expert_hidden": 32, "layers": [1]}
+                        if family == "glm4_moe" else {}))}),
                     **({"n_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
                        if family in ("qwen3_5_text", "olmo_hybrid", *SHARED_GATED[1:])
-                       else {}),
+                       else {"n_layers": 2} if family == "glm4_moe" else {}),
                     **({"n_layers": 2, "layer_types": ["mamba", "attention"]}
                        if family == "nemotron_h" else {}))
     return {**hf.family_config(m), **fields}
@@ -556,6 +643,44 @@ def family_json(family, **fields):
                                                    "num_experts=8"),
     ("qwen3_5_moe_text", "attention_bias", True, "attention_bias=True: ctxpar has q/k/v "
                                                  "biases without o_proj's"),
+    # GLM-4.5: what its MoE cannot be in ctxpar; a remote-code folder (its own modeling
+    # files: auto_map)
+    ("glm4_moe", "first_k_dense_replace", 2, "first_k_dense_replace=2: leaves no MoE layer "
+                                             "of 2"),
+    ("glm4_moe", "n_shared_experts", 0, "n_shared_experts=0: config.json must give it as an "
+                                        "integer >= 1"),
+    ("glm4_moe", "topk_group", 2, "topk_group=2: must be <= n_group=1"),
+    ("glm4_moe", "use_qk_norm", "yes", "use_qk_norm='yes': config.json must give it as a "
+                                       "boolean"),
+    ("glm4_moe", "rope_parameters", rope("default", partial_rotary_factor=0),
+     "partial_rotary_factor=0: a fraction of each head's channels in (0, 1]"),
+    ("glm4_moe", "auto_map", {"AutoModelForCausalLM": "modeling_glm.GlmForCausalLM"},
+     "auto_map={'AutoModelForCausalLM': 'modeling_glm.GlmForCausalLM'}: a remote-code "
+     "folder's own modeling files is not implemented by ctxpar"),
+    # MiniMax-M2: its q/k norms always on, transformers' load-balancing loss (top-k
+    # without the bias), a rotary_dim the partial factor does not give; its released
+    # folders' remote code
+    ("minimax_m2", "use_qk_norm", False, "use_qk_norm=False: transformers' MiniMax-M2 always "
+                                         "norms q and k over all heads"),
+    ("minimax_m2", "output_router_logits", True, "output_router_logits=True: transformers' "
+                                                 "load-balancing loss counts the top-k "
+                                                 "without the correction bias"),
+    ("minimax_m2", "rotary_dim", 7, "rotary_dim=7: an even number of channels in (0, "
+                                    "head_dim=16]"),
+    ("minimax_m2", "rotary_dim", 8, "rotary_dim=8: partial_rotary_factor=1.0 of head_dim=16 "
+                                    "rotates 16 channels"),
+    ("minimax_m2", "auto_map", {"AutoConfig": "configuration_minimax_m2.MiniMaxM2Config"},
+     "a remote-code folder's own modeling files is not implemented by ctxpar"),
+    # Llama 4: o_proj's bias, its per-layer lists, layer types it does not have
+    ("llama4_text", "attention_bias", True, "attention_bias=True: Llama 4's biases are on "
+                                            "o_proj too"),
+    ("llama4_text", "no_rope_layers", [1, 0, 1], "no_rope_layers=[1, 0, 1]: one 0 or 1 per "
+                                                 "layer"),
+    ("llama4_text", "layer_types", ["full_attention", "sliding_attention"],
+     "one of 'full_attention', 'chunked_attention' per layer"),
+    ("llama4_text", "moe_layers", [7], "moe_layers=[7]: a list of layer indices in [0, "),
+    ("llama4_text", "use_qk_norm", "yes", "use_qk_norm='yes': config.json must give it as a "
+                                          "boolean"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -838,6 +963,30 @@ def quantize_mxfp4(w):
     codes = ((x / torch.exp2(exp)[..., None])[..., None] -
              torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)  # (E, R, G, 32)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+def test_a_glm4_moe_folder_leaves_its_mtp_layers_out_and_says_so(tmp_path):
+    """GLM-4.5's multi-token prediction layer is model.layers.{num_hidden_layers}.*: left
+    out (transformers builds none), every other tensor used, the start-up line naming it;
+    a tensor of a layer the model has is still used (refused when unknown)."""
+    ref = tiny_family(tmp_path, "glm4_moe", tied=False, num_nextn_predict_layers=1)
+    mtp = {"model.layers.3.eh_proj.weight": torch.ones(64, 128),
+           "model.layers.3.self_attn.q_proj.weight": torch.ones(96, 64)}
+    rewrite_weights(tmp_path, lambda t: t.update(mtp))
+    tokens = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ctxpar_from(tmp_path)(tokens, torch.arange(16)),
+                                   ref(tokens).logits, **TOL)
+    assert hf.left_out(str(tmp_path)) == (
+        "its causal LM; left out: the multi-token prediction layers (2 tensors "
+        "model.layers.3.*, which transformers drops too)")
+    rewrite_weights(tmp_path, lambda t: t.update({"model.layers.2.eh_proj.weight":
+                                                  torch.ones(64, 128)}))
+    m = ModelConfig(**hf.model_fields(hf.read_config(tmp_path), tmp_path))
+    reader = hf.WeightReader(str(tmp_path), False)
+    assert reader.left_out() == sorted(mtp) and \
+        "model.layers.2.eh_proj.weight" in reader.unused()
+    assert m.moe.layers == [1, 2] and m.moe.shared_expert_hidden == 64
+
 
 
 def test_an_mxfp4_gpt_oss_folder_imports_transformers_dequantized_weights(tmp_path):
@@ -1338,7 +1487,19 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # DeepSeek-V3: MLA with the latent on the wire and its sigmoid-routed experts (the
     # correction biases loaded and exported) at cp2 x ep2 (generate.py's latent cache too),
     # tp2 x cp2 (the heads split, the latent path replicated) and cp2 x pp2
-    ("deepseek_v3", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
+    ("deepseek_v3", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
+    # GLM-4.5: DeepSeek-V3's router after a dense layer, partial RoPE, q/k norms and
+    # biases, its shared experts; cp2 x ep2 (generate.py too)
+    ("glm4_moe", "cp2-zigzag-ep2")] + [
+    # MiniMax-M2: the sigmoid router with its correction bias on every layer (at the
+    # block: block_sparse_moe.e_score_correction_bias); its q/k norms over all heads are
+    # OLMo Hybrid's, run at tp2 x cp2 above
+    ("minimax_m2", "cp2-zigzag-ep2")] + [
+    # Llama 4: the NoPE layers' temperature from each rank's global positions (past the
+    # floor on both CP ranks; the pipeline's blocks compute it themselves), chunks across
+    # the ranks' boundary, the input-scaling router (its gradient summed over TP). Not at
+    # Ulysses: the temperature is token-local, before the all-to-all
+    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)

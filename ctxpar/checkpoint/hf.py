@@ -107,7 +107,8 @@ def _check_moe_held(m, name: str) -> None:
     if m.moe is None:
         raise CheckpointError(f"model.moe=None cannot be exported as {fam.architecture} (a "
                               f"mixture-of-experts family)")
-    key, want = next((k, v) for k, v in fam.moe_fixed.items() if getattr(m.moe, k) != v)
+    fixed = {"scale_expert_input": False, **fam.moe_fixed}  # as families.moe_held reads it
+    key, want = next((k, v) for k, v in fixed.items() if getattr(m.moe, k) != v)
     raise CheckpointError(f"model.moe.{key}={getattr(m.moe, key)!r} cannot be exported as "
                           f"{fam.architecture} ({name} has {key}={want!r})")
 

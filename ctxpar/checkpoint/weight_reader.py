@@ -149,7 +149,8 @@ class WeightReader:
             blocks, scales = self._mxfp4[key]
             self.used.update((blocks, scales))
             return self.family.from_folder(key, dequantize_mxfp4(
-                self._where[blocks].get_tensor(blocks), self._where[scales].get_tensor(scales)))
+                self._where[blocks].get_tensor(blocks), self._where[scales].get_tensor(scales)),
+                self._config)
         split = self.family.fused_source(key)
         if split is not None:  # a part of a fused tensor (Qwen3-Next's projections)
             fused, part = split
@@ -165,7 +166,7 @@ class WeightReader:
         self.used.update(keys)
         parts = [self._where[k].get_tensor(k) for k in keys]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return self.family.from_folder(key, t)
+        return self.family.from_folder(key, t, self._config)
 
     def buffers(self, m: ModelConfig) -> Dict[str, torch.Tensor]:
         """{GPT name: tensor} of the routers' correction biases (router_buffer_names), the

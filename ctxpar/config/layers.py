@@ -28,7 +28,7 @@ two-op blocks, so a Nemotron-H import renames them back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 # ATTENTION_TYPES: importable from here too (the Hugging Face import reads it here)
 from .layer_mixers import ATTENTION_TYPES, LAYER_MIXERS, LAYER_TYPES, layer_types  # noqa: F401
@@ -48,6 +48,9 @@ class LayerAttention:
     chunk_size: Optional[int]        # 'chunked_attention' only
     rope_theta: float
     rope_scaling: Optional[Dict[str, Any]]
+    rope: bool = True                # RoPE on q and k (model.rope, model.nope_layers)
+    # NoPE layers under model.attn_temperature_tuning: (floor_scale, attn_scale)
+    temperature: Optional[Tuple[int, float]] = None
     attention: str = "attention"     # what an attention layer runs: 'attention' or 'mla'
 
     @property
@@ -117,17 +120,21 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
     """Every layer's attention (validated configs: config.validation checks the fields)."""
     key = (tuple(m.layer_types) if m.layer_types is not None else m.n_layers,
            m.sliding_window, m.attention_chunk_size, m.rope_theta, repr(m.layer_rope),
-           repr(m.rope_scaling), m.mla is not None)
+           repr(m.rope_scaling), m.rope, repr(m.nope_layers), m.attn_temperature_tuning,
+           m.floor_scale, m.attn_scale, m.mla is not None)
     if key not in _LAYER_ATTENTION:  # once per model: the planner asks per candidate
         out = []
-        for kind in layer_types(m):
+        for i, kind in enumerate(layer_types(m)):
             rope = (m.layer_rope or {}).get(kind, {})
+            turned = m.rope and i not in (m.nope_layers or ())
             out.append(LayerAttention(
                 kind,
                 m.sliding_window if kind == "sliding_attention" else None,
                 m.attention_chunk_size if kind == "chunked_attention" else None,
                 float(rope.get("rope_theta", m.rope_theta)),
                 rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling,
+                turned, None if turned or not m.attn_temperature_tuning
+                else (m.floor_scale, float(m.attn_scale)),
                 "mla" if m.mla is not None else "attention"))
         _LAYER_ATTENTION[key] = tuple(out)
     return list(_LAYER_ATTENTION[key])

@@ -86,6 +86,9 @@ class MoEConfig:
     its two best biased scores). 1: no groups."""
     topk_group: int = 1
     """Groups each token may use under n_group > 1 (DeepSeek-V3: 4)."""
+    scale_expert_input: bool = False
+    """The router's weight multiplies each chosen expert's input, not its output (Llama 4:
+    y = sum_j expert_j(w_j x)); with model.mlp's gated experts the two differ."""
     capacity_factor: Optional[float] = None
     """None: dropless (the default). A number: each expert takes at most
     ceil(capacity_factor * N * top_k / num_experts) of the assignments of the N tokens one

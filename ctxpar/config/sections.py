@@ -150,6 +150,23 @@ class ModelConfig:
     rope: bool = True
     """RoPE on the attention layers' q and k; false: no positions at all (NoPE: Nemotron-H's
     attention layers, whose order comes from the Mamba2 layers around them)."""
+    nope_layers: Optional[List[int]] = None
+    """Attention layers (indices) that take no RoPE while the others do (Llama 4's
+    no_rope_layers: every fourth layer NoPE, the rest chunked with RoPE). None: RoPE on
+    every attention layer as model.rope says."""
+    attn_temperature_tuning: bool = False
+    """On the NoPE layers (model.nope_layers, or every layer under model.rope=false) each
+    query is multiplied by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)), p the
+    token's global position (Llama 4's temperature tuning; Nakanishi, 'Scalable-Softmax
+    Is Superior for Attention'): under CP each rank scales by its tokens' layout positions,
+    never a local arange."""
+    floor_scale: int = 8192
+    """Temperature tuning: positions per step of the log (transformers' floor_scale)."""
+    attn_scale: float = 0.1
+    """Temperature tuning: the log's weight (transformers' attn_scale)."""
+    qk_l2_norm: bool = False
+    """Llama 4's q/k norm: each head's q and k divided by their RMS (no weight, eps
+    model.norm_eps) after RoPE, on the RoPE layers only (the NoPE layers keep theirs)."""
     partial_rotary_factor: float = 1.0
     """RoPE turns the first head_dim x factor channels of each q and k head (an even
     number), its frequencies over those channels; the rest pass unrotated (Qwen3.5 and

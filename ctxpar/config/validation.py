@@ -133,6 +133,7 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
         err(f"model.partial_rotary_factor={m.partial_rotary_factor} must be in (0, 1] and "
             f"turn an even number of head_dim={resolved_head_dim(m)} channels (it turns "
             f"{rot:g})")
+    _check_nope_layers(m, err)
     if m.rope_theta <= 0:
         err(f"model.rope_theta={m.rope_theta} must be > 0")
     if m.rope_scaling is not None:
@@ -443,3 +444,22 @@ def _check_long_context_eval(cfg: Config, err: Err) -> None:
     if why:
         err(f"long_context_eval.tasks={lc.tasks} cannot run inside training with {why}: "
             f"evaluate the checkpoints with tools/long_context_eval.py")
+
+
+def _check_nope_layers(m, err) -> None:
+    """model.nope_layers, attn_temperature_tuning and qk_l2_norm (Llama 4's), one line each."""
+    nope = m.nope_layers or []
+    if m.nope_layers is not None and (not isinstance(nope, list) or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < m.n_layers
+            for i in nope) or len(set(nope)) != len(nope)):
+        err(f"model.nope_layers={m.nope_layers!r} must list distinct layer indices in "
+            f"[0, {m.n_layers})")
+    if m.attn_temperature_tuning and m.rope and not nope:
+        err("model.attn_temperature_tuning=true scales the NoPE layers' queries: set "
+            "model.nope_layers (or model.rope=false)")
+    if m.floor_scale < 1 or m.attn_scale < 0:
+        err(f"model.floor_scale={m.floor_scale} must be >= 1 and model.attn_scale="
+            f"{m.attn_scale} >= 0")
+    if m.qk_l2_norm and (m.qk_norm or not m.rope):
+        err(f"model.qk_l2_norm=true with model.qk_norm={m.qk_norm}, model.rope={m.rope}: "
+            f"Llama 4's weightless q/k norm is on its RoPE layers, instead of qk_norm")

@@ -66,8 +66,10 @@ def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
 
 
 def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                     num_experts: int, run_experts: Callable, ep_group=None) -> torch.Tensor:
-    """x (N, d), weights (N, k) fp32, experts (N, k) -> (N, d): sum_j w_j expert_j(x).
+                     num_experts: int, run_experts: Callable, ep_group=None,
+                     scale_input: bool = False) -> torch.Tensor:
+    """x (N, d), weights (N, k) fp32, experts (N, k) -> (N, d): sum_j w_j expert_j(x), or
+    with scale_input sum_j expert_j(w_j x) (Llama 4: each assignment's row sent scaled).
 
     An expert index -1 is an assignment dropped (capacity.py): not sent, adding nothing.
     run_experts(rows (M, d), counts (E/ep,) ints) -> (M, d): this rank's experts over rows
@@ -78,13 +80,18 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     key = flat.masked_fill(flat < 0, num_experts)                 # dropped ones sort last
     order = torch.argsort(key, stable=True)                       # assignments by expert
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]   # (E,)
+    per = k  # assignments per row of src: rows x shared by a token's k, or one each
+    if scale_input:  # (N k, d): each assignment's own row w_j x
+        x, per = (x.unsqueeze(1) * weights.unsqueeze(-1).to(x.dtype)).reshape(N * k, -1), 1
     if ep == 1:
         sizes = counts.tolist()                                   # the one host sync
         order = order[:sum(sizes)]                                # the kept assignments
-        out = run_experts(x[order // k], sizes)                   # (M, d) by expert
+        out = run_experts(x[order // per], sizes)                 # (M, d) by expert
     else:
-        order, out = _over_ep(x, order, k, counts, num_experts, run_experts, ep_group)
+        order, out = _over_ep(x, order, per, counts, num_experts, run_experts, ep_group)
     y = out.new_zeros((N * k, out.shape[1])).index_copy(0, order, out)  # assignment order
+    if scale_input:
+        return y.view(N, k, -1).sum(dim=1)
     y = y.view(N, k, -1) * weights.unsqueeze(-1).to(y.dtype)
     return y.sum(dim=1)
 

@@ -33,7 +33,8 @@ ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_b
                  "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
                  "scale_embeddings": False, "attention_output_gate": False, "rope": True,
                  "qk_norm_scope": "head", "reordered_norms": None,
-                 "linear_allow_neg_eigval": False, "linear_norm_eps": None, "mla": None}
+                 "linear_allow_neg_eigval": False, "linear_norm_eps": None, "mla": None,
+                 "nope_layers": None, "attn_temperature_tuning": False, "qk_l2_norm": False}
 
 # config.json keys that do not change the computation: bookkeeping, token ids, generation
 # defaults, the runtime's switches.
@@ -63,6 +64,7 @@ NOT_IMPLEMENTED = {
     "attention logit softcapping", "use_bidirectional_attention": "bidirectional attention",
     "use_mrope": "multimodal RoPE", "quantization_config": "quantized weights",
     "use_qk_norm": "a q/k norm over all heads", "attention_chunk_size": "chunked attention",
+    "auto_map": "a remote-code folder's own modeling files",
 }
 NO_BIAS = "ctxpar has q/k/v biases without o_proj's, or biases on every layer (MLP too)"
 
@@ -202,8 +204,9 @@ class Family:
         """The folder's shape of a tensor ctxpar holds in `shape`."""
         return shape
 
-    def from_folder(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """A tensor as the folder stores it -> ctxpar's layout."""
+    def from_folder(self, key: str, t: torch.Tensor, hf: Dict[str, Any]) -> torch.Tensor:
+        """A tensor as the folder stores it -> ctxpar's layout (hf: the folder's
+        config.json: Llama 4's q/k rows are permuted by head)."""
         return t
 
     def sources(self, key: str) -> List[Tuple[str, ...]]:
@@ -227,8 +230,9 @@ class Family:
         raise NotImplementedError(f"{self.model_type} fuses no tensor")
 
     def left_out(self, key: str, hf: Dict[str, Any]) -> bool:
-        """A tensor of the folder (config.json hf) the import leaves out (said in the
-        start-up line)."""
+        """A tensor of the folder the import leaves out (said in the start-up line); hf:
+        the folder's config.json (DeepSeek's and GLM-4.5's MTP layers are numbered past
+        its layers)."""
         return False
 
     def to_folder(self, key: str, t: torch.Tensor, m) -> List[Tuple[str, torch.Tensor]]:

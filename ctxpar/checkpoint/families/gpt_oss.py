@@ -94,7 +94,7 @@ class GptOss(Family):
     def folder_shape(self, key: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
         return (shape[0], shape[2], shape[1]) if key.endswith(_TRANSPOSED) else shape
 
-    def from_folder(self, key: str, t: torch.Tensor) -> torch.Tensor:
+    def from_folder(self, key: str, t: torch.Tensor, hf: Dict[str, Any]) -> torch.Tensor:
         return gpt_oss_from_hf(key, t)
 
     def to_folder(self, key: str, t: torch.Tensor, m) -> List[Tuple[str, torch.Tensor]]:

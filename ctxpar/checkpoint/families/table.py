@@ -69,4 +69,5 @@ def moe_held(m, fam: Family) -> bool:
     """A dense family for a dense model; a MoE family for model.moe with its fixed values."""
     if fam.moe_fixed is None or m.moe is None:
         return m.moe is None and (fam.moe_fixed is None or fam.moe_optional)
-    return all(getattr(m.moe, k) == v for k, v in fam.moe_fixed.items())
+    fixed = {"scale_expert_input": False, **fam.moe_fixed}  # Llama 4's alone scales inputs
+    return all(getattr(m.moe, k) == v for k, v in fixed.items())
