@@ -160,3 +160,61 @@ def local_expansion_flops(m: ModelConfig, s) -> int:
     and what counting kv_b_proj as an ordinary projection's parameters charges)."""
     dims = latent_dims(m)
     return 2 * s.N * dims.kv_lora_rank * s.h * dims.kv_b_rows_per_head
+
+
+# ------------------------------------------------------------------ working sets
+
+
+def _sizes(s, m: ModelConfig):
+    """Elements (q, out, latent, one block's expansion) of the rank's N tokens: q (N, h,
+    dqk), out (N, h, dv), the latent (N, R + dr) and what expand_latent makes for N key
+    rows: kv_b_proj's output (N, h, dn + dv, v a view of it) and the cat'd k (N, h, dqk)."""
+    dims = latent_dims(m)
+    q, o = s.N * s.h * dims.qk_head_dim, s.N * s.h * dims.v_head_dim
+    return q, o, s.N * dims.latent_dim, s.N * s.h * (dims.kv_b_rows_per_head + dims.qk_head_dim)
+
+
+def attention_forward(s, cand, e: int, m: ModelConfig) -> float:
+    """Bytes latent_attention holds in its forward beyond what it saves (one layer, read
+    from latent.py): one visiting block's expansion (a block's key rows are at most the
+    rank's N: Ulysses' u N rows at h/u heads, the same elements), a block's kernel output,
+    16-bit the fp32 out accumulator; the ring's two receive buffers (one for a single hop)
+    of the latent, all-gather's P slots, Ulysses' send and receive of q and out and its
+    gathered latent's buffer. Not held to the allocator: a model of the code."""
+    q, o, lat, kv = _sizes(s, m)
+    u, base = _ulysses(cand), kv * e + o * e + (4 * o if e != 4 else 0)
+    if cand.cp == 1:
+        return kv * e
+    if cand.cp_comm == "allgather":
+        return base + cand.cp * lat * e
+    ring = cand.cp // u
+    out = base + min(ring - 1, 2) * u * lat * e if ring > 1 else base
+    return out + (2 * (q + o) * e + u * lat * e if u > 1 else 0)
+
+
+def attention_backward(s, cand, e: int, m: ModelConfig) -> float:
+    """Bytes latent_attention holds in its backward beyond its saved tensors and dout:
+    backward_visit's expansion again, its fp32 dK, dV (N, h, dqk + dv) and their cat
+    (N, h, dn + dv), the kernel's dq, dk, dv of a block; the fp32 dq, dW (h (dn + dv), R)
+    and the latent's gradient (the ring: and its receive buffer; all-gather: one per
+    slot), the ring's two latent blocks; Ulysses' all-to-alls of dout and dq."""
+    q, o, lat, kv = _sizes(s, m)
+    dims, u = latent_dims(m), _ulysses(cand)
+    W = s.h * dims.kv_b_rows_per_head * dims.kv_lora_rank
+    visit = kv * e + 4 * s.N * s.h * (dims.qk_head_dim + dims.v_head_dim) \
+        + 4 * s.N * s.h * dims.kv_b_rows_per_head + (2 * q + o) * e
+    acc = 4 * (q + W) + 4 * u * lat
+    if cand.cp == 1:
+        return visit + acc
+    if cand.cp_comm == "allgather":
+        return visit + acc + 4 * (cand.cp - 1) * lat + cand.cp * lat * e
+    ring = cand.cp // u
+    out = visit + acc + (4 * u * lat + min(ring - 1, 2) * u * lat * e if ring > 1 else 0)
+    return out + (2 * (q + o) * e if u > 1 else 0)
+
+
+def forward_held(s, e: int, m: ModelConfig) -> float:
+    """What Block.forward holds beside its MLP under 'full' (transients.block_forward):
+    q, the latent and the attention's output."""
+    q, o, lat, _ = _sizes(s, m)
+    return (q + o + lat) * e

@@ -55,12 +55,13 @@ from typing import Dict, List
 from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
 from ..context_parallel.mask import visible_pairs
-from . import counts
+from . import counts, mla_layers
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
 from .moe_layers import all_to_all_bytes, idle_expert_params, mixed_mlps, moe_layers
 from .candidate import Candidate
 from .cluster import Cluster
 
+ATTENTION = ("attention", "mla")  # the token mixers with (query, key) pairs
 MM_EFF = 0.55    # matmul efficiency of peak (Megatron-style dense layers on H100, bf16)
 ATTN_EFF = 0.45  # flash attention forward + backward (FA2/FA3 report 35-75% on H100)
 
@@ -143,7 +144,7 @@ def stage_attention(m, pp: int) -> List[LayerAttention]:
 def head_pairs(cand: Candidate, s, T: int, attn: LayerAttention) -> int:
     """(head, query, key) triples the busiest rank computes in one layer's attention
     (none in a layer without attention: linear mixers, MLP-only blocks)."""
-    if attn.token_mixer != "attention":
+    if attn.token_mixer not in ATTENTION:
         return 0
     w, c = attn.sliding_window, attn.chunk_size
     if cand.cp_comm == "ulysses" and cand.cp > 1:  # all T tokens of h/cp heads
@@ -160,9 +161,27 @@ def thresholds(flops: float, bw: float, h: int, hk: int, e: int, g: int, c: floa
     return {"fwd": fb * (hk / h) * (e / 2) / c, "bwd": fb * (hk / h) * (e + g) / (5 * c)}
 
 
+def ulysses_of(cand: Candidate) -> int:
+    """Hybrid's Ulysses degree (1 for the other patterns' rings)."""
+    return cand.ulysses if cand.cp_comm == "hybrid" else 1
+
+
+def mla_thresholds(m, flops: float, bw: float, h: int, e: int, g: int, c: float, eff: float,
+                   expanded: bool = False) -> Dict[str, float]:
+    """thresholds for MLA's ring: a step sends C (R + dr) e bytes (backward with its fp32
+    gradient) against c C^2 pairs at 2 (dqk + dv) h FLOPs each; the expanded form's K,V
+    h (dqk + dv) numbers a token (its dK,dV in g). The kv_b_proj expansions, which add to
+    the step's compute, are left out: the bound is the attention's alone."""
+    w = mla_layers.ring_widths(m, h, expanded)
+    pair = 2 * (2 * mla_layers.kernel_head_dim(m)) * h  # 4 h (dqk + dv) / 2
+    fb = eff * flops / bw
+    return {"fwd": fb * w * e / (pair * c),
+            "bwd": fb * w * (e + (g if expanded else 4)) / (2.5 * pair * c)}
+
+
 def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
             stage: List[LayerAttention], t_attn_layers: List[float], attn_replay: float,
-            attn_eff: float):
+            attn_eff: float, expanded: bool = False):
     """(all CP seconds, those not hidden, the ring's tokens per step C, its C* fwd/bwd) per
     micro-batch, the sum of layer_cp_time over the stage's layers (stage: their
     attention; t_attn_layers: each one's attention forward seconds)."""
@@ -175,8 +194,9 @@ def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
         if attn.token_mixer is None:
             continue  # an MLP-only block: nothing over CP
         if key not in done:
-            done[key] = layer_cp_time(cfg, cand, cluster, e, g, attn, t_f, attn_replay) \
-                if attn.token_mixer == "attention" else \
+            done[key] = layer_cp_time(cfg, cand, cluster, e, g, attn, t_f, attn_replay,
+                                      expanded) \
+                if attn.token_mixer in ATTENTION else \
                 linear_cp_time(cfg, cand, cluster, e, attn.kind, attn_replay)
         total, exposed = total + done[key][0], exposed + done[key][1]
     if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and cand.ring > 1):
@@ -184,20 +204,26 @@ def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
         # full blocks (its busiest rank's steps).
         s = counts.rank_shapes(cfg.model, cand)
         c = 1.0 if cand.token_layout == "contiguous" else 0.5
-        return (total, exposed, cfg.model.seq_len // cand.ring,
-                thresholds(cluster.gpu.flops, cluster.link(cand.tp * cand.cp), s.h, s.hk, e,
-                           g, c, attn_eff))
+        bw = cluster.link(cand.tp * cand.cp)
+        thr = mla_thresholds(cfg.model, cluster.gpu.flops, bw, s.h // ulysses_of(cand), e,
+                             g, c, attn_eff, expanded) if cfg.model.mla is not None else \
+            thresholds(cluster.gpu.flops, bw, s.h, s.hk, e, g, c, attn_eff)
+        return total, exposed, cfg.model.seq_len // cand.ring, thr
     return total, exposed, 0, {}
 
 
 def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
-                  attn: LayerAttention, t_f_layer: float, attn_replay: float):
+                  attn: LayerAttention, t_f_layer: float, attn_replay: float,
+                  expanded: bool = False):
     """(all CP seconds, those not hidden) of one layer per micro-batch: bytes over the CP
     group's slowest link; the ring (and hybrid's ring) hides each step's transfer behind
     the step's compute, all-gather its gather behind the local block, Ulysses nothing
     (module docstring); a halo exchange (a short window or chunks, counts.masked_cp_bytes)
-    hides its K,V tails behind the local blocks, and its dK,dV going back wait."""
+    hides its K,V tails behind the local blocks, and its dK,dV going back wait. MLA: the
+    latent's blocks (or, expanded, K,V at its widths: mla_layers.mla_cp_bytes)."""
     m, s = cfg.model, counts.rank_shapes(cfg.model, cand)
+    if m.mla is not None:
+        return mla_cp_time(m, cand, cluster, e, g, t_f_layer, attn_replay, expanded)
     f_cp, b_cp = counts.layer_cp_bytes(m, cand, e, attn)
     bw = cluster.link(cand.tp * cand.cp)
     cp_total = (f_cp * (1 + attn_replay) + b_cp) / bw
@@ -227,6 +253,62 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
         return cp_total, (max(0.0, gather - local) * (1 + attn_replay)
                           + max(0.0, gather - 2.5 * local) + scatter)
     return cp_total, cp_total  # ulysses: nothing to hide behind
+
+
+def mla_cp_time(m, cand: Candidate, cluster: Cluster, e: int, g: int,
+                t_f_layer: float, attn_replay: float, expanded: bool = False):
+    """layer_cp_time of an MLA layer: the same overlap rules (the ring's steps hide
+    behind the step's attention and expansions, all-gather behind the local block,
+    Ulysses' exchanges behind nothing) at the latent's bytes, or K,V's when expanded."""
+    s = counts.rank_shapes(m, cand)
+    f_cp, b_cp = mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B,
+                                         s.N // s.B, s.h, e, g, expanded)
+    bw = cluster.link(cand.tp * cand.cp)
+    cp_total = (f_cp * (1 + attn_replay) + b_cp) / bw
+    t_b_layer, u = 2.5 * t_f_layer, ulysses_of(cand)
+    a_f = a_b = a2a = 0.0
+    if u > 1:  # hybrid's Ulysses exchange inside, over NVLink when it fits
+        a_f, a_b = mla_layers.ulysses_bytes(m, u, s.B, s.N // s.B, s.h, e, expanded)
+        a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(cand.tp * u)
+    if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and cand.ring > 1):
+        block, grad = mla_layers.ring_step_bytes(m, cand, s, e, g, expanded)
+        steps = cand.ring
+        fwd = max(0.0, block / bw - t_f_layer / steps) * (steps - 1)
+        bwd = max(0.0, (block + grad) / bw - t_b_layer / steps) * (steps - 1) \
+            + grad / bw  # the last gradient hop home waits
+        return cp_total, fwd * (1 + attn_replay) + bwd + a2a
+    if cand.cp_comm == "allgather":
+        local = t_f_layer / cand.cp
+        gather, scatter = f_cp / bw, (b_cp - f_cp) / bw
+        return cp_total, (max(0.0, gather - local) * (1 + attn_replay)
+                          + max(0.0, gather - 2.5 * local) + scatter)
+    return cp_total, cp_total
+
+
+def mla_layer_time(m, cand: Candidate, cluster: Cluster, e: int, expanded: bool = False,
+                   mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF) -> Dict[str, float]:
+    """One MLA layer's attention, forward and backward without replay, on the busiest
+    rank, as step_time counts it: the kernel's pairs, kv_b_proj (the latent: on every
+    visiting block, 4x forward in all; expanded: once on the local tokens, 3x) and the CP
+    traffic, all of it and what the ring does not hide. The what-if of the expanded ring
+    (mla_layers' module docstring) against the latent one, term by term."""
+    s, F = counts.rank_shapes(m, cand), cluster.gpu.flops
+    g = counts.ring_grad_bytes(cand.ring_grad_dtype)
+    attn = next(a for a in layer_attention(m) if a.token_mixer == "mla")
+    t_pairs = 4 * mla_layers.kernel_head_dim(m) * s.B * head_pairs(cand, s, m.seq_len, attn) \
+        / (F * attn_eff)
+    if expanded:
+        t_kv, passes, hides = mla_layers.local_expansion_flops(m, s) / (F * mm_eff), 3, t_pairs
+    else:
+        t_kv = mla_layers.expansion_flops(m, cand, s) / (F * mm_eff)
+        passes, hides = 4, t_pairs + t_kv
+    total, exposed = mla_cp_time(m, cand, cluster, e, g, hides, 0.0, expanded) \
+        if cand.cp > 1 else (0.0, 0.0)
+    sent = mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B,
+                                   s.h, e, g, expanded)
+    return {"attention": 3.5 * t_pairs, "kv_b_proj": passes * t_kv, "cp_exposed": exposed,
+            "cp_total": total, "bytes": float(sum(sent)),
+            "total": 3.5 * t_pairs + passes * t_kv + exposed}
 
 
 def linear_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, kind: str,
@@ -269,8 +351,10 @@ def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers:
 
 
 def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
-              mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF) -> StepTime:
-    """One step of the most loaded rank, term by term (the module docstring's list)."""
+              mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF,
+              expanded: bool = False) -> StepTime:
+    """One step of the most loaded rank, term by term (the module docstring's list);
+    expanded: MLA's what-if ring of expanded K,V (mla_layers) instead of the latent."""
     m, F = cfg.model, cluster.gpu.flops
     e = 2 if bf16 else 4
     g = counts.ring_grad_bytes(cand.ring_grad_dtype)
@@ -294,21 +378,31 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     # Attention FLOPs (forward) of the busiest rank: head-pairs it computes, per layer of
     # the busiest stage (a window's or chunks' visible pairs only).
     stage = stage_attention(m, cand.pp)
-    t_attn_layers = [4 * s.hd * s.B * head_pairs(cand, s, m.seq_len, a) / (F * attn_eff)
+    hd = mla_layers.kernel_head_dim(m) if m.mla is not None else s.hd
+    t_attn_layers = [4 * hd * s.B * head_pairs(cand, s, m.seq_len, a) / (F * attn_eff)
                      for a in stage]
     t_attn_f = sum(t_attn_layers)
     t_mm = mm / (F * mm_eff)
+    t_expand = 0.0
+    if m.mla is not None and not expanded:  # kv_b_proj on the visiting blocks, not once
+        mla = sum(a.token_mixer == "mla" for a in stage)
+        t_one = mla_layers.expansion_flops(m, cand, s) / (F * mm_eff)
+        t_mm -= mla * mla_layers.local_expansion_flops(m, s) * (3 + replay) / (F * mm_eff)
+        t_expand = mla * t_one * (1 + 3 + attn_replay)  # forward, 3x backward, replayed
+        t_attn_layers = [t + t_one if a.token_mixer == "mla" else t
+                         for t, a in zip(t_attn_layers, stage)]  # what a ring step hides
     # the linear mixers' chunked kernels, at the attention kernels' efficiency: backward
     # twice the forward, a replayed forward again
     t_linear = linear_compute(m, cand, s, stage) / (F * attn_eff)
-    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay)
+    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay) \
+        + t_expand
 
     # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
     f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)
     tp = layers * (f_tp * (1 + replay) + b_tp) / cluster.gpu.nvlink if cand.tp > 1 else 0.0
 
     cp_total, cp_exposed, chunk, thr = cp_time(cfg, cand, cluster, e, g, stage,
-                                               t_attn_layers, attn_replay, attn_eff)
+                                               t_attn_layers, attn_replay, attn_eff, expanded)
 
     # the experts' all-to-alls (moe_layers.all_to_all_bytes) over the EP group (tp x ep
     # adjacent ranks: ep folds over CP's ranks first), a replayed MLP's again; they wait
