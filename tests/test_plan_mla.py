@@ -107,3 +107,30 @@ def test_expanded_rows_follow_the_block_plans():
     assert mla_layers.expanded_rows("contiguous", 4, 8) == 32
     assert mla_layers.expanded_rows("zigzag", 4, 8) == 32  # rank 0: all later ranks' whole
     assert mla_layers.expanded_rows("zigzag", 1, 8) == 8
+
+
+def test_the_ring_what_if_picks_expanded_over_nvlink_and_the_latent_over_the_network():
+    """DeepSeek-V3's MLA layer at 128K on a cp8 ring (python -m ctxpar.plan.mla_ring): over
+    NVLink both transfers hide and the latent's kv_b_proj on every visiting block is the
+    larger cost; over the network the expanded K,V's blocks do not hide."""
+    from ctxpar.plan.mla_ring import deepseek_v3, placements
+    from ctxpar.plan.timing import mla_layer_time
+    m = deepseek_v3(131072)
+    (_, nvlink, cand), (_, network, _), _ = placements("h100")
+    for cluster, faster in ((nvlink, "expanded"), (network, "latent")):
+        lat, exp = (mla_layer_time(m, cand, cluster, 2, x) for x in (False, True))
+        assert (lat["total"] < exp["total"]) == (faster == "latent")
+        assert lat["attention"] == exp["attention"] and lat["kv_b_proj"] > exp["kv_b_proj"]
+        assert exp["bytes"] > 60 * lat["bytes"]
+
+
+def test_without_cp_the_latent_pays_one_more_kv_b_proj_pass_than_the_expanded_form():
+    """At cp 1 a rank expands its own N rows once either way; the latent attention expands
+    them again in backward (3 passes beside dW and the latent's gradient, against 2)."""
+    from ctxpar.plan.mla_ring import deepseek_v3, placements
+    from ctxpar.plan.timing import mla_layer_time
+    m, (_, cluster, _) = deepseek_v3(8192), placements("h100")[0]
+    cand = Candidate(1, 1, 1, 1)
+    lat, exp = (mla_layer_time(m, cand, cluster, 2, x) for x in (False, True))
+    assert lat["kv_b_proj"] * 3 == pytest.approx(exp["kv_b_proj"] * 4)
+    assert lat["bytes"] == exp["bytes"] == 0

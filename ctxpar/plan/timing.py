@@ -30,6 +30,10 @@ Per micro-batch and pipeline stage (the most loaded rank):
   and the dense ones); the all-to-alls of the routed rows, 2 N k d e forward and backward
   each, (ep - 1)/ep of them off the rank (balanced routing), over the EP group's link, not
   overlapped; the experts' gradients reduced over their expert-data-parallel group;
+- MLA (mla_layers.py): the attention at dqk for the scores and dv for the values; kv_b_proj
+  on every visiting latent block (forward, 3x backward) instead of once per token; the
+  latent's bytes (R + dr a token, its gradient fp32) behind the ring steps (mla_cp_time);
+  step_time(expanded=True) prices a ring of the expanded K,V instead (a what-if);
 then the pipeline (1F1B: (m + pp - 1) micro-batch slots for m micro-batches) and the data
 parallel reduction of the gradients over dp x cp (all-reduce, or ZeRO's reduce-scatter +
 all-gather, twice the parameters' all-gathers under ZeRO-3), not overlapped; optimizer
