@@ -114,7 +114,7 @@ def test_the_ring_what_if_picks_expanded_over_nvlink_and_the_latent_over_the_net
     NVLink both transfers hide and the latent's kv_b_proj on every visiting block is the
     larger cost; over the network the expanded K,V's blocks do not hide."""
     from ctxpar.plan.mla_ring import deepseek_v3, placements
-    from ctxpar.plan.timing import mla_layer_time
+    from ctxpar.plan.mla_ring import mla_layer_time
     m = deepseek_v3(131072)
     (_, nvlink, cand), (_, network, _), _ = placements("h100")
     for cluster, faster in ((nvlink, "expanded"), (network, "latent")):
@@ -128,7 +128,7 @@ def test_without_cp_the_latent_pays_one_more_kv_b_proj_pass_than_the_expanded_fo
     """At cp 1 a rank expands its own N rows once either way; the latent attention expands
     them again in backward (3 passes beside dW and the latent's gradient, against 2)."""
     from ctxpar.plan.mla_ring import deepseek_v3, placements
-    from ctxpar.plan.timing import mla_layer_time
+    from ctxpar.plan.mla_ring import mla_layer_time
     m, (_, cluster, _) = deepseek_v3(8192), placements("h100")[0]
     cand = Candidate(1, 1, 1, 1)
     lat, exp = (mla_layer_time(m, cand, cluster, 2, x) for x in (False, True))

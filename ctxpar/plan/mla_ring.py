@@ -5,7 +5,7 @@ expanded K,V (a what-if; ctxpar builds only the latent ring). Predicted, not mea
 
 For each placement of the ring (8 ranks of one node over NVLink; 8 ranks one per node over
 the network, TP 8 inside each node) it prints one MLA layer's forward + backward on the
-busiest rank (timing.mla_layer_time): the attention kernel, kv_b_proj, the CP bytes a
+busiest rank (mla_layer_time): the attention kernel, kv_b_proj, the CP bytes a
 rank sends and the seconds the ring does not hide, for both forms, and which is faster
 and why. The latent moves R + dr numbers a token (576 for V3) and its fp32 gradient, but
 expands every visiting block with kv_b_proj (2 R h (dn + dv) FLOPs a key row, 4x in
@@ -15,13 +15,16 @@ heads; TP splits them, not the latent) and applies kv_b_proj once to its own tok
 from __future__ import annotations
 
 import argparse
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 from ..config import ModelConfig
+from ..config.layers import layer_attention
 from ..config.mla import MLAConfig
+from . import counts, mla_layers
 from .candidate import Candidate
 from .cluster import Cluster, gpu_preset
-from .timing import mla_layer_time
+from .mla_timing import mla_cp_time
+from .timing import ATTN_EFF, MM_EFF, head_pairs
 
 # DeepSeek-V3's attention (its config.json): d 7168, 128 heads, q_lora_rank 1536,
 # kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128; the MLP does not enter the comparison
@@ -32,6 +35,32 @@ V3_MLA = MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
 def deepseek_v3(seq_len: int) -> ModelConfig:
     return ModelConfig(vocab_size=129280, seq_len=seq_len, n_layers=61, d_model=7168,
                        n_heads=128, ffn_hidden=18432, mla=V3_MLA, tie_embeddings=False)
+
+
+def mla_layer_time(m, cand: Candidate, cluster: Cluster, e: int, expanded: bool = False,
+                   mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF) -> Dict[str, float]:
+    """One MLA layer's attention, forward and backward without replay, on the busiest
+    rank, as step_time counts it: the kernel's pairs, kv_b_proj (the latent: on every
+    visiting block, 4x forward in all; expanded: once on the local tokens, 3x) and the CP
+    traffic, all of it and what the ring does not hide. The what-if of the expanded ring
+    (mla_layers' module docstring) against the latent one, term by term."""
+    s, F = counts.rank_shapes(m, cand), cluster.gpu.flops
+    g = counts.ring_grad_bytes(cand.ring_grad_dtype)
+    attn = next(a for a in layer_attention(m) if a.token_mixer == "mla")
+    t_pairs = 4 * mla_layers.kernel_head_dim(m) * s.B * head_pairs(cand, s, m.seq_len, attn) \
+        / (F * attn_eff)
+    if expanded:
+        t_kv, passes, hides = mla_layers.local_expansion_flops(m, s) / (F * mm_eff), 3, t_pairs
+    else:
+        t_kv = mla_layers.expansion_flops(m, cand, s) / (F * mm_eff)
+        passes, hides = 4, t_pairs + t_kv
+    total, exposed = mla_cp_time(m, cand, cluster, e, g, hides, 0.0, expanded) \
+        if cand.cp > 1 else (0.0, 0.0)
+    sent = mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B,
+                                   s.h, e, g, expanded)
+    return {"attention": 3.5 * t_pairs, "kv_b_proj": passes * t_kv, "cp_exposed": exposed,
+            "cp_total": total, "bytes": float(sum(sent)),
+            "total": 3.5 * t_pairs + passes * t_kv + exposed}
 
 
 def placements(gpu: str) -> List[Tuple[str, Cluster, Candidate]]:

@@ -32,7 +32,7 @@ Per micro-batch and pipeline stage (the most loaded rank):
   overlapped; the experts' gradients reduced over their expert-data-parallel group;
 - MLA (mla_layers.py): the attention at dqk for the scores and dv for the values; kv_b_proj
   on every visiting latent block (forward, 3x backward) instead of once per token; the
-  latent's bytes (R + dr a token, its gradient fp32) behind the ring steps (mla_cp_time);
+  latent's bytes (R + dr a token, its gradient fp32) behind the ring steps (mla_timing.py);
   step_time(expanded=True) prices a ring of the expanded K,V instead (a what-if);
 then the pipeline (1F1B: (m + pp - 1) micro-batch slots for m micro-batches) and the data
 parallel reduction of the gradients over dp x cp (all-reduce, or ZeRO's reduce-scatter +
@@ -60,6 +60,7 @@ from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
 from ..context_parallel.mask import visible_pairs
 from . import counts, mla_layers
+from .mla_timing import mla_cp_time, mla_thresholds, ulysses_of
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
 from .moe_layers import all_to_all_bytes, idle_expert_params, mixed_mlps, moe_layers
 from .candidate import Candidate
@@ -165,24 +166,6 @@ def thresholds(flops: float, bw: float, h: int, hk: int, e: int, g: int, c: floa
     return {"fwd": fb * (hk / h) * (e / 2) / c, "bwd": fb * (hk / h) * (e + g) / (5 * c)}
 
 
-def ulysses_of(cand: Candidate) -> int:
-    """Hybrid's Ulysses degree (1 for the other patterns' rings)."""
-    return cand.ulysses if cand.cp_comm == "hybrid" else 1
-
-
-def mla_thresholds(m, flops: float, bw: float, h: int, e: int, g: int, c: float, eff: float,
-                   expanded: bool = False) -> Dict[str, float]:
-    """thresholds for MLA's ring: a step sends C (R + dr) e bytes (backward with its fp32
-    gradient) against c C^2 pairs at 2 (dqk + dv) h FLOPs each; the expanded form's K,V
-    h (dqk + dv) numbers a token (its dK,dV in g). The kv_b_proj expansions, which add to
-    the step's compute, are left out: the bound is the attention's alone."""
-    w = mla_layers.ring_widths(m, h, expanded)
-    pair = 2 * (2 * mla_layers.kernel_head_dim(m)) * h  # 4 h (dqk + dv) / 2
-    fb = eff * flops / bw
-    return {"fwd": fb * w * e / (pair * c),
-            "bwd": fb * w * (e + (g if expanded else 4)) / (2.5 * pair * c)}
-
-
 def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
             stage: List[LayerAttention], t_attn_layers: List[float], attn_replay: float,
             attn_eff: float, expanded: bool = False):
@@ -257,62 +240,6 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
         return cp_total, (max(0.0, gather - local) * (1 + attn_replay)
                           + max(0.0, gather - 2.5 * local) + scatter)
     return cp_total, cp_total  # ulysses: nothing to hide behind
-
-
-def mla_cp_time(m, cand: Candidate, cluster: Cluster, e: int, g: int,
-                t_f_layer: float, attn_replay: float, expanded: bool = False):
-    """layer_cp_time of an MLA layer: the same overlap rules (the ring's steps hide
-    behind the step's attention and expansions, all-gather behind the local block,
-    Ulysses' exchanges behind nothing) at the latent's bytes, or K,V's when expanded."""
-    s = counts.rank_shapes(m, cand)
-    f_cp, b_cp = mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B,
-                                         s.N // s.B, s.h, e, g, expanded)
-    bw = cluster.link(cand.tp * cand.cp)
-    cp_total = (f_cp * (1 + attn_replay) + b_cp) / bw
-    t_b_layer, u = 2.5 * t_f_layer, ulysses_of(cand)
-    a_f = a_b = a2a = 0.0
-    if u > 1:  # hybrid's Ulysses exchange inside, over NVLink when it fits
-        a_f, a_b = mla_layers.ulysses_bytes(m, u, s.B, s.N // s.B, s.h, e, expanded)
-        a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(cand.tp * u)
-    if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and cand.ring > 1):
-        block, grad = mla_layers.ring_step_bytes(m, cand, s, e, g, expanded)
-        steps = cand.ring
-        fwd = max(0.0, block / bw - t_f_layer / steps) * (steps - 1)
-        bwd = max(0.0, (block + grad) / bw - t_b_layer / steps) * (steps - 1) \
-            + grad / bw  # the last gradient hop home waits
-        return cp_total, fwd * (1 + attn_replay) + bwd + a2a
-    if cand.cp_comm == "allgather":
-        local = t_f_layer / cand.cp
-        gather, scatter = f_cp / bw, (b_cp - f_cp) / bw
-        return cp_total, (max(0.0, gather - local) * (1 + attn_replay)
-                          + max(0.0, gather - 2.5 * local) + scatter)
-    return cp_total, cp_total
-
-
-def mla_layer_time(m, cand: Candidate, cluster: Cluster, e: int, expanded: bool = False,
-                   mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF) -> Dict[str, float]:
-    """One MLA layer's attention, forward and backward without replay, on the busiest
-    rank, as step_time counts it: the kernel's pairs, kv_b_proj (the latent: on every
-    visiting block, 4x forward in all; expanded: once on the local tokens, 3x) and the CP
-    traffic, all of it and what the ring does not hide. The what-if of the expanded ring
-    (mla_layers' module docstring) against the latent one, term by term."""
-    s, F = counts.rank_shapes(m, cand), cluster.gpu.flops
-    g = counts.ring_grad_bytes(cand.ring_grad_dtype)
-    attn = next(a for a in layer_attention(m) if a.token_mixer == "mla")
-    t_pairs = 4 * mla_layers.kernel_head_dim(m) * s.B * head_pairs(cand, s, m.seq_len, attn) \
-        / (F * attn_eff)
-    if expanded:
-        t_kv, passes, hides = mla_layers.local_expansion_flops(m, s) / (F * mm_eff), 3, t_pairs
-    else:
-        t_kv = mla_layers.expansion_flops(m, cand, s) / (F * mm_eff)
-        passes, hides = 4, t_pairs + t_kv
-    total, exposed = mla_cp_time(m, cand, cluster, e, g, hides, 0.0, expanded) \
-        if cand.cp > 1 else (0.0, 0.0)
-    sent = mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B,
-                                   s.h, e, g, expanded)
-    return {"attention": 3.5 * t_pairs, "kv_b_proj": passes * t_kv, "cp_exposed": exposed,
-            "cp_total": total, "bytes": float(sum(sent)),
-            "total": 3.5 * t_pairs + passes * t_kv + exposed}
 
 
 def linear_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, kind: str,
