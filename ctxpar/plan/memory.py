@@ -38,7 +38,7 @@ from typing import Dict, List
 
 from ..config import GATED_MLPS, Config, deepspeed_config
 from ..config.layers import layer_attention
-from . import counts, transients
+from . import counts, mla_layers, transients
 from .candidate import Candidate, apply_candidate
 from .linear_layers import linear_shapes, mixer_saved
 from .moe_layers import backward_working_set, block_model, forward_working_set, mixed_mlps
@@ -245,9 +245,17 @@ def forward_phases(st: Stage) -> List[Phase]:
     block = max(transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile, moe,
                                          st.cfg.model) for moe in moe_forwards(st)) \
         if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
-    working_set = max(block, max([transients.attention_forward(s, cand, elem, h, st.cfg.model)
-                                  for h in set(st.halo)], default=0.0),
-                      st.linear if mode != "none" else 0)
+    attention = max([transients.attention_forward(s, cand, elem, h, st.cfg.model,
+                                                  mode == "full") for h in set(st.halo)],
+                    default=0.0)
+    if mode == "none" and st.cfg.model.mla is not None:  # MLA's, large: charged before the
+        # block's MLP part is saved (norm + MLP, as the backward's attention point frees it)
+        # and, alone, before the kernel's out is copied to the saved one
+        attention -= counts.norm_saved(s, elem, st.cfg.model.norm, st.device) \
+            + counts.channel_saved(s, elem, cand, st.block_model(len(st.modes) - 1),
+                                   bool(st.mlp_tile)) \
+            + mla_layers.saved_after_peak(s, cand, elem, st.cfg.model)
+    working_set = max(block, attention, st.linear if mode != "none" else 0)
     phases = [Phase("forward (last block)", {
         **st.base, **st.accumulated, "activations": sum(st.saved) + st.act.embed,
         "block working set": working_set})]
@@ -376,7 +384,7 @@ def evaluation_phase(st: Stage) -> Phase:
     swiglu = st.cfg.model.mlp in GATED_MLPS
     block = max(max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile,
                                              moe, st.cfg.model) for moe in moe_forwards(st)),
-                max([transients.attention_forward(s, st.cand, elem, h, st.cfg.model)
+                max([transients.attention_forward(s, st.cand, elem, h, st.cfg.model, True)
                      for h in set(st.halo)], default=0.0), st.linear)
     state = {**st.resident, **st.zero_state.gathered()}
     at_block = {**state, "block working set": block}

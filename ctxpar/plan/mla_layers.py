@@ -166,44 +166,55 @@ def local_expansion_flops(m: ModelConfig, s) -> int:
 
 
 def _sizes(s, m: ModelConfig):
-    """Elements (q, out, latent, one block's expansion) of the rank's N tokens: q (N, h,
-    dqk), out (N, h, dv), the latent (N, R + dr) and what expand_latent makes for N key
-    rows: kv_b_proj's output (N, h, dn + dv, v a view of it) and the cat'd k (N, h, dqk)."""
+    """Elements (q, out, latent, one block's expansion, a padded (N, h, D) tensor) of the
+    rank's N tokens: q (N, h, dqk), out (N, h, dv), the latent (N, R + dr), what
+    expand_latent makes for N key rows (kv_b_proj's output (N, h, dn + dv), v a view of
+    it, and the cat'd k (N, h, dqk)), and D = max(dqk, dv) wide: a fused kernel (sdpa,
+    flash-attn) takes one head dim, so kernels.PaddedHeadDims pads v (and in backward
+    dout, out) to dqk and the kernel's out (dv's gradient) comes back that wide."""
     dims = latent_dims(m)
-    q, o = s.N * s.h * dims.qk_head_dim, s.N * s.h * dims.v_head_dim
-    return q, o, s.N * dims.latent_dim, s.N * s.h * (dims.kv_b_rows_per_head + dims.qk_head_dim)
+    dqk, dv = dims.qk_head_dim, dims.v_head_dim
+    q, o = s.N * s.h * dqk, s.N * s.h * dv
+    kv = s.N * s.h * (dims.kv_b_rows_per_head + dqk)
+    return q, o, s.N * dims.latent_dim, kv, s.N * s.h * max(dqk, dv), dqk != dv
 
 
 def attention_forward(s, cand, e: int, m: ModelConfig) -> float:
-    """Bytes latent_attention holds in its forward beyond what it saves (one layer, read
-    from latent.py): one visiting block's expansion (a block's key rows are at most the
-    rank's N: Ulysses' u N rows at h/u heads, the same elements), a block's kernel output,
-    16-bit the fp32 out accumulator; the ring's two receive buffers (one for a single hop)
-    of the latent, all-gather's P slots, Ulysses' send and receive of q and out and its
-    gathered latent's buffer. Not held to the allocator: a model of the code."""
-    q, o, lat, kv = _sizes(s, m)
-    u, base = _ulysses(cand), kv * e + o * e + (4 * o if e != 4 else 0)
+    """Bytes latent_attention holds in its forward beyond what it saves (one layer): one
+    visiting block's expansion (a block's key rows are at most the rank's N: Ulysses' u N
+    rows at h/u heads, the same elements), the padded v and the kernel's padded out
+    (PaddedHeadDims; alone, the out's dv-wide copy is the saved one), and over CP the
+    block's kernel output beside the (N, h, dv) fp32 accumulator (16-bit), the ring's
+    two latent receive buffers (one for a single hop), all-gather's P slots, Ulysses'
+    send and receive of q and out and its gathered latent's buffer. Held to the
+    allocator alone (tests/test_plan_mla.py); over CP read from latent.py."""
+    q, o, lat, kv, wide, pad = _sizes(s, m)
+    u = _ulysses(cand)
+    alone = kv * e + (2 * wide * e if pad else 0)
     if cand.cp == 1:
-        return kv * e
+        return alone
+    base = kv * e + (wide * e if pad else 0) + wide * e + (4 * o if e != 4 else 0)
     if cand.cp_comm == "allgather":
         return base + cand.cp * lat * e
     ring = cand.cp // u
-    out = base + min(ring - 1, 2) * u * lat * e if ring > 1 else base
+    out = base + min(ring - 1, 2) * u * lat * e if ring > 1 else alone
     return out + (2 * (q + o) * e + u * lat * e if u > 1 else 0)
 
 
 def attention_backward(s, cand, e: int, m: ModelConfig) -> float:
-    """Bytes latent_attention holds in its backward beyond its saved tensors and dout:
-    backward_visit's expansion again, its fp32 dK, dV (N, h, dqk + dv) and their cat
-    (N, h, dn + dv), the kernel's dq, dk, dv of a block; the fp32 dq, dW (h (dn + dv), R)
-    and the latent's gradient (the ring: and its receive buffer; all-gather: one per
-    slot), the ring's two latent blocks; Ulysses' all-to-alls of dout and dq."""
-    q, o, lat, kv = _sizes(s, m)
+    """Bytes latent_attention holds in its backward beyond its saved tensors and dout, at
+    a visit's kernel backward: the fp32 dq, dW (h (dn + dv), R), the latent's gradient
+    (the ring: and its receive buffer; all-gather: one per slot) and the rows' (h, N)
+    fp32 softmax term; the visit's expansion again, its fp32 dK, dV (N, h, dqk + dv), the
+    padded dout, v and out and the kernel's dq, dk, dv (dv padded); the ring's two latent
+    blocks; Ulysses' all-to-alls of dout and dq. Held to the allocator alone
+    (tests/test_plan_mla.py); over CP read from latent.py."""
+    q, o, lat, kv, wide, pad = _sizes(s, m)
     dims, u = latent_dims(m), _ulysses(cand)
     W = s.h * dims.kv_b_rows_per_head * dims.kv_lora_rank
-    visit = kv * e + 4 * s.N * s.h * (dims.qk_head_dim + dims.v_head_dim) \
-        + 4 * s.N * s.h * dims.kv_b_rows_per_head + (2 * q + o) * e
-    acc = 4 * (q + W) + 4 * u * lat
+    kernel = (3 * wide + 2 * q + wide) * e if pad else (2 * q + o) * e
+    visit = kv * e + 4 * (q + o) + kernel
+    acc = 4 * (q + W) + 4 * u * lat + 4 * s.N * s.h
     if cand.cp == 1:
         return visit + acc
     if cand.cp_comm == "allgather":
@@ -213,8 +224,21 @@ def attention_backward(s, cand, e: int, m: ModelConfig) -> float:
     return out + (2 * (q + o) * e if u > 1 else 0)
 
 
+def saved_after_peak(s, cand, e: int, m: ModelConfig) -> float:
+    """Of the saved bytes, those made after attention_forward's peak: alone, the out
+    (the padded kernel output's dv-wide copy); over CP the accumulator exists throughout."""
+    return _sizes(s, m)[1] * e if cand.cp == 1 else 0
+
+
+def core_inputs(s, e: int, m: ModelConfig) -> float:
+    """q and the latent, which a block that saves nothing (a replayed or evaluated one)
+    holds while its attention runs: to add to attention_forward there."""
+    q, _, lat = _sizes(s, m)[:3]
+    return (q + lat) * e
+
+
 def forward_held(s, e: int, m: ModelConfig) -> float:
     """What Block.forward holds beside its MLP under 'full' (transients.block_forward):
     q, the latent and the attention's output."""
-    q, o, lat, _ = _sizes(s, m)
+    q, o, lat = _sizes(s, m)[:3]
     return (q + o + lat) * e

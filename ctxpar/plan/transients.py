@@ -47,12 +47,14 @@ def _ring_bwd(q: float, kv: float, hops: int, e: int, g: int) -> float:
 
 
 def attention_forward(s: RankShapes, cand: Candidate, e: int, halo: int = -1,
-                      m=None) -> float:
+                      m=None, replayed: bool = False) -> float:
     """Bytes the CP attention holds in its forward beyond what it saves (one layer);
     halo >= 0: the layer's halo exchange, `halo` K,V tokens received by the busiest rank
-    (counts.halo_received); m with model.mla: the latent attention's (mla_layers)."""
-    if m is not None and m.mla is not None:
-        return mla_layers.attention_forward(s, cand, e, m)
+    (counts.halo_received); m with model.mla: the latent attention's (mla_layers), in a
+    block that saves nothing (replayed: checkpointed or evaluated) beside q and the latent."""
+    if m is not None and m.mla is not None:  # a replayed block holds q and the latent too
+        return mla_layers.attention_forward(s, cand, e, m) \
+            + (mla_layers.core_inputs(s, e, m) if replayed else 0)
     q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
     if cand.cp == 1:
         return 0.0
