@@ -248,13 +248,15 @@ def forward_phases(st: Stage) -> List[Phase]:
     attention = max([transients.attention_forward(s, cand, elem, h, st.cfg.model,
                                                   mode == "full") for h in set(st.halo)],
                     default=0.0)
-    if mode == "none" and st.cfg.model.mla is not None:  # MLA's, large: charged before the
-        # block's MLP part is saved (norm + MLP, as the backward's attention point frees it)
-        # and, alone, before the kernel's out is copied to the saved one
-        attention -= counts.norm_saved(s, elem, st.cfg.model.norm, st.device) \
-            + counts.channel_saved(s, elem, cand, st.block_model(len(st.modes) - 1),
-                                   bool(st.mlp_tile)) \
-            + mla_layers.saved_after_peak(s, cand, elem, st.cfg.model)
+    if mode in ("none", "selective") and st.cfg.model.mla is not None:  # MLA's, large:
+        # charged before the kernel's out is copied to the saved one (alone) and, in mode
+        # none, before the block's MLP part is saved (norm + MLP, as the backward's
+        # attention point frees it)
+        attention -= mla_layers.saved_after_peak(s, cand, elem, st.cfg.model)
+        if mode == "none":
+            attention -= counts.norm_saved(s, elem, st.cfg.model.norm, st.device) \
+                + counts.channel_saved(s, elem, cand, st.block_model(len(st.modes) - 1),
+                                       bool(st.mlp_tile))
     working_set = max(block, attention, st.linear if mode != "none" else 0)
     phases = [Phase("forward (last block)", {
         **st.base, **st.accumulated, "activations": sum(st.saved) + st.act.embed,
