@@ -307,7 +307,8 @@ def test_every_shipped_config_validates(path):
                                          ("extend_qwen3_30b_a3b_128k", 30_532_122_624),
                                          ("extend_gpt_oss_20b_512k", 20_914_757_184),
                                          ("extend_qwen3_next_80b_a3b_1m", 79_674_391_296),
-                                         ("extend_glm4_5_air_512k", 106_852_245_504)])
+                                         ("extend_glm4_5_air_512k", 106_852_245_504),
+                                         ("extend_deepseek_v2_lite_1m", 15_706_484_224)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch
@@ -317,13 +318,15 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     model = GPT(cfg.model, device=torch.device("meta"))
     assert sum(p.numel() for p in model.parameters()) == params
     if cfg.model.moe is not None:  # 8 of Qwen3-30B-A3B's 128 experts, 4 of gpt-oss-20b's 32,
-        # 10 of Qwen3-Next-80B-A3B's 512
+        # 10 of Qwen3-Next-80B-A3B's 512, 6 of DeepSeek-V2-Lite's 64 (+ its 2 shared)
         assert active_parameters(cfg.model) == {"extend_qwen3_30b_a3b_128k": 3_353_032_704,
                                                 "extend_gpt_oss_20b_512k": 4_187_440_704,
                                                 "extend_qwen3_next_80b_a3b_1m":
                                                 3_874_929_408,
                                                 "extend_glm4_5_air_512k":
-                                                13_424_123_904}[name]
+                                                13_424_123_904,
+                                                "extend_deepseek_v2_lite_1m":
+                                                2_661_150_208}[name]
 
 
 def quoted_verdicts():

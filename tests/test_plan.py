@@ -33,6 +33,7 @@ from ctxpar.plan.candidate import Candidate
 from ctxpar.plan.memory import model_state
 from ctxpar.plan.timing import thresholds
 from ctxpar.testing import run_distributed
+from ctxpar.testing.memory import allocator_peaks
 from models.options import ModelGroups, ModelOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -311,7 +312,7 @@ def _step_peaks_and_plan(model, cfg, mode, memory=None, **cand):
             loss = model(tok, pos, tok)
         with region("BWD"):
             loss.backward()
-    got = _allocator_peaks(step)
+    got = allocator_peaks(step)
     c = Config()
     c.model, c.activation_checkpointing.mode = cfg, mode
     if memory is not None:
@@ -322,33 +323,6 @@ def _step_peaks_and_plan(model, cfg, mode, memory=None, **cand):
     want = {region: max(p.total for p in phases if p.name.startswith(prefix)) - state
             for region, prefix in (("FWD", "forward"), ("BWD", "backward"))}
     return got, want
-
-
-def _allocator_peaks(step):
-    """(peak bytes above the start, per marked region) of the CPU allocator while `step`
-    runs: the profiler's allocation events carry the allocator's running total."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(record_function)
-    events = []
-
-    def walk(node, region):
-        if node.tag == _EventType.Allocation:
-            a = node.typed[1]
-            if a.device.type == "cpu":
-                events.append((node.start_time_ns, a.total_allocated, a.alloc_size, region))
-        for c in node.children:
-            walk(c, node.name if node.name in ("FWD", "BWD", "STEP") else region)
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root, None)
-    events.sort()
-    base = events[0][1] - events[0][2]
-    peaks = {}
-    for _, total, _, region in events:
-        peaks[region] = max(peaks.get(region, 0), total - base)
-    return peaks
 
 
 @pytest.mark.parametrize("mode,tiled", [("none", False), ("full", True)])
@@ -480,7 +454,7 @@ def test_adam_temporaries_on_cpu_are_twice_the_largest_tensor():
         p.grad = torch.randn_like(p)
     opt.step()  # the moments exist from here on
 
-    got = _allocator_peaks(lambda region: opt.step())[None]
+    got = allocator_peaks(lambda region: opt.step())[None]
     st = ZeroState(Shard(big.numel() + 99, big.numel() + 99, big.numel(), 0), {"stage": 0,
                    "reduce_bucket_size": 1}, 1, False, "cpu")
     # 8 MiB, and a few bytes of step counters

@@ -22,6 +22,7 @@ from ..config.parameters import block_fields, block_specs, embedding_spec, head_
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
+from . import mla_layers
 from .moe_layers import (block_model, expert_params, mixed_mlps, moe_indices,
                          router_losses_saved, routed_saved, stage_expert_params)
 
@@ -233,10 +234,14 @@ def total_params(m: ModelConfig) -> int:
 # ------------------------------------------------------------------ activations
 
 
-def attention_saved(s: RankShapes, e: int, cand: Candidate) -> int:
+def attention_saved(s: RankShapes, e: int, cand: Candidate,
+                    m: Optional[ModelConfig] = None) -> int:
     """Bytes the CP attention keeps for backward per layer: q, k, v, out (e) and lse
     (fp32). Ulysses/hybrid keep the gathered layout (k, v at lcm(hk, u) heads when u
-    does not divide hk) and the o-projection keeps the local out as well."""
+    does not divide hk) and the o-projection keeps the local out as well. MLA (m.mla):
+    the latent instead of k, v (mla_layers.core_saved)."""
+    if m is not None and m.mla is not None:
+        return mla_layers.core_saved(s, e, cand, m)
     hk = s.hk
     extra_out = 0
     if cand.cp_comm in ("ulysses", "hybrid") and cand.ulysses > 1:
@@ -264,15 +269,18 @@ def family_norms_saved(s: RankShapes, e: int, m: Optional[ModelConfig],
     the fused CUDA kernel keeps one copy fewer), norms after the token mixer and the MLP
     (model.post_norms: input, normed and rstd each; their outputs go to the residual add,
     which saves nothing; model.reordered_norms moves a block's two norms there, the same
-    bytes as before the mixers) and, under model.norm_offset, each norm's fp32 (offset + w)
-    vector. kind: the block's layer type (its mixers, config.layers.LAYER_MIXERS); None: an
-    attention and MLP block."""
+    bytes as before the mixers), under model.norm_offset each norm's fp32 (offset + w)
+    vector, and MLA's bottleneck norms (mla_layers.bottleneck_saved). kind: the block's
+    layer type (its mixers, config.layers.LAYER_MIXERS); None: an attention and MLP
+    block."""
     if m is None:
         return 0
     token, channel = LAYER_MIXERS[kind] if kind else ("attention", "mlp")
     norms = (token is not None) + (channel is not None)
     copies = 2 if device == "cpu" else 1
     out = offset = 0
+    if m.mla is not None and token == "attention":
+        out += mla_layers.bottleneck_saved(s, e, m, device)
     if m.qk_norm and token == "attention":  # fp32 rstd per token: per head, or per
         stats = 2 if m.qk_norm_scope == "all_heads" else s.h + s.hk  # projection (OLMo)
         out += s.N * (copies * (s.h + s.hk) * s.hd * e + 4 * stats)
@@ -297,7 +305,7 @@ def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
     """
     if mode == "full":
         return s.N * s.d * e
-    core = attention_saved(s, e, cand)
+    core = attention_saved(s, e, cand, m)
     if mode == "selective":
         return s.N * s.d * e + core
     return (2 * norm_saved(s, e, norm, device) + core + family_norms_saved(s, e, m, device)
@@ -334,7 +342,7 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
             + gate_saved(s, e, mode, m)
     norm = norm_saved(s, e, m.norm, device)
     if token == "attention":  # no MLP
-        core = attention_saved(s, e, cand) + gate_saved(s, e, mode, m)
+        core = attention_saved(s, e, cand, m) + gate_saved(s, e, mode, m)
         if mode == "selective":
             return s.N * s.d * e + core
         return norm + core + family_norms_saved(s, e, m, device, kind)
@@ -400,7 +408,8 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
                 mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
                 if mode != "full" and LAYER_MIXERS[k][0] in ("gated_delta", "mamba2")]
         conv_taps = sum(8 * (s.N // s.B) * K for K in set(conv))
-    embed = (s.B if reset_positions else 1) * (s.N // s.B) * s.hd * 4 + conv_taps
+    rope = mla_layers.rope_width(m) if m.mla is not None else s.hd  # cos, sin: rope / 2 each
+    embed = (s.B if reset_positions else 1) * (s.N // s.B) * rope * 4 + conv_taps
     if first:
         embed += 8 * s.N                                   # token ids (int64)
         embed += e if m.scale_embeddings else 0             # the sqrt(d) scalar
@@ -530,9 +539,13 @@ def ring_steps(layout: str, S: int, world: int, sliding_window=None, chunk_size=
 
 def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
     """cp_bytes for one layer of this model and layout (per-rank heads); attn, a layer's
-    config.layers.LayerAttention: a window's or chunks' bytes (masked_cp_bytes)."""
+    config.layers.LayerAttention: a window's or chunks' bytes (masked_cp_bytes); MLA's
+    latent (mla_layers.mla_cp_bytes)."""
     s = rank_shapes(m, cand)
     g = ring_grad_bytes(cand.ring_grad_dtype)
+    if m.mla is not None:  # no windows under MLA (search.check_modelled)
+        return mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B,
+                                       s.N // s.B, s.h, e, g)
     if attn is not None and (attn.sliding_window or attn.chunk_size):
         return masked_cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h,
                                s.hk, s.hd, e, g, cand.token_layout, attn.sliding_window,

@@ -38,7 +38,7 @@ from typing import Dict, List
 
 from ..config import GATED_MLPS, Config, deepspeed_config
 from ..config.layers import layer_attention
-from . import counts, transients
+from . import counts, mla_layers, transients
 from .candidate import Candidate, apply_candidate
 from .linear_layers import linear_shapes, mixer_saved
 from .moe_layers import backward_working_set, block_model, forward_working_set, mixed_mlps
@@ -219,7 +219,8 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
         if accumulating else {}
     base = {**resident, **zero_state.gathered(), **others}
     layers = layer_attention(model)[start:start + blocks]
-    kinds = {(a.sliding_window, a.chunk_size): a for a in layers if a.token_mixer == "attention"}
+    kinds = {(a.sliding_window, a.chunk_size): a for a in layers
+             if a.token_mixer in ("attention", "mla")}
     halo = [counts.halo_received(model, cand, a) for a in kinds.values()]
     # the linear mixers' working set: what one makes in its forward (saved or, replayed
     # and under no_grad, alive while it runs) and again as gradients in its backward
@@ -241,12 +242,22 @@ def forward_phases(st: Stage) -> List[Phase]:
     (the logits beside the saved softmax)."""
     s, cand, elem, mode = st.shapes, st.cand, st.elem, st.modes[-1]
     swiglu = st.cfg.model.mlp in GATED_MLPS  # gate, up and their product
-    block = max(transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile, moe)
-                for moe in moe_forwards(st)) \
+    block = max(transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile, moe,
+                                         st.cfg.model) for moe in moe_forwards(st)) \
         if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
-    working_set = max(block, max([transients.attention_forward(s, cand, elem, h)
-                                  for h in set(st.halo)], default=0.0),
-                      st.linear if mode != "none" else 0)
+    attention = max([transients.attention_forward(s, cand, elem, h, st.cfg.model,
+                                                  mode == "full") for h in set(st.halo)],
+                    default=0.0)
+    if mode in ("none", "selective") and st.cfg.model.mla is not None:  # MLA's, large:
+        # charged before the kernel's out is copied to the saved one (alone) and, in mode
+        # none, before the block's MLP part is saved (norm + MLP, as the backward's
+        # attention point frees it)
+        attention -= mla_layers.saved_after_peak(s, cand, elem, st.cfg.model)
+        if mode == "none":
+            attention -= counts.norm_saved(s, elem, st.cfg.model.norm, st.device) \
+                + counts.channel_saved(s, elem, cand, st.block_model(len(st.modes) - 1),
+                                       bool(st.mlp_tile))
+    working_set = max(block, attention, st.linear if mode != "none" else 0)
     phases = [Phase("forward (last block)", {
         **st.base, **st.accumulated, "activations": sum(st.saved) + st.act.embed,
         "block working set": working_set})]
@@ -315,7 +326,7 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     norm = counts.norm_saved(s, elem, model.norm, st.device)
     mlp_saved = counts.channel_saved(s, elem, cand, st.block_model(i), bool(st.mlp_tile))
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
-    replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm)
+    replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm, model)
     kind = st.types[i] if st.types else None
     if mode == "full" and kind in ("linear_attention", "mamba"):  # its whole 'none' bytes
         replayed = counts.block_activations(s, elem, cand, "none", kind, model, bool(st.mlp_tile),
@@ -326,12 +337,13 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
               "recompute": replayed, "layer working set": mlp_backward_working_set(st, i),
               "activation grads": st.residual_grad + pending}
     own = st.act.layers[i] - (mlp_part if mode == "none" else 0.0)
-    attention_out = s.N * s.h * s.hd * elem  # the attention's output gradient (N, h, hd)
+    # the attention's output gradient (N, h, hd; MLA's at v_head_dim)
+    attention_out = s.N * s.h * (model.mla.v_head_dim if model.mla else s.hd) * elem
     at_attention = {
         **st.base, **st.grads((grads_above + layer - counts.qkv_params(model, cand.tp)) / psi),
         "activations": saved_below + st.act.embed + own,
         "recompute": replayed - mlp_part if mode == "full" else 0.0,
-        "layer working set": max(max([transients.attention_backward(s, cand, elem, h)
+        "layer working set": max(max([transients.attention_backward(s, cand, elem, h, model)
                                       for h in set(st.halo)], default=0.0) + attention_out,
                                  # a replayed linear block's intermediates are charged as
                                  # its recompute; their gradients replace them one by one
@@ -373,9 +385,9 @@ def evaluation_phase(st: Stage) -> Phase:
     s, elem = st.shapes, st.elem
     swiglu = st.cfg.model.mlp in GATED_MLPS
     block = max(max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile,
-                                             moe) for moe in moe_forwards(st)),
-                max([transients.attention_forward(s, st.cand, elem, h) for h in set(st.halo)],
-                    default=0.0), st.linear)
+                                             moe, st.cfg.model) for moe in moe_forwards(st)),
+                max([transients.attention_forward(s, st.cand, elem, h, st.cfg.model, True)
+                     for h in set(st.halo)], default=0.0), st.linear)
     state = {**st.resident, **st.zero_state.gathered()}
     at_block = {**state, "block working set": block}
     if not st.last:

@@ -11,6 +11,7 @@ from ..config import to_dict
 from ..config.layers import layer_attention, layer_types
 from ..context_parallel.linear import LINEAR_CP_STRATEGIES, check_linear_cp
 from .linear_layers import KINDS, linear_shapes, mixer_cp_bytes
+from .mla_layers import mla_cp_bytes
 from . import counts
 from .candidate import apply_candidate
 from .cluster import Cluster
@@ -206,6 +207,32 @@ def linear_reason(cfg, plan: Plan) -> str:
     return (f"parallel.linear_cp {cand.linear_cp}: a rank sends per micro-batch "
             + "; ".join(parts) + " (state: fp32 summaries, the same at any seq_len; heads: "
             "all-to-alls that grow with it)")
+
+
+def mla_reason(cfg, plan: Plan, cluster: Cluster) -> str:
+    """One line for a model with MLA over CP: this layout's step time with the latent on
+    the wire (what ctxpar runs) against the what-if of a ring of expanded K,V
+    (mla_layers), the bytes a rank sends per layer and micro-batch, the kv_b_proj seconds
+    and the CP seconds not hidden of each; '' otherwise."""
+    from .timing import step_time
+    cand = plan.candidate
+    if cfg.model.mla is None or cand.cp == 1:
+        return ""
+    e, bf16 = 2 if is_bf16(cfg) else 4, is_bf16(cfg)
+    s, g = counts.rank_shapes(cfg.model, cand), counts.ring_grad_bytes(cand.ring_grad_dtype)
+    parts = []
+    for expanded in (False, True):
+        t = plan.time if not expanded else step_time(cfg, cand, cluster, bf16, expanded=True)
+        sent = sum(mla_cp_bytes(cfg.model, cand.cp_comm, cand.cp, cand.ulysses, s.B,
+                                s.N // s.B, s.h, e, g, expanded))
+        parts.append((t.total, f"{'expanded K,V' if expanded else 'latent'} "
+                               f"{sent / 1e6:,.1f} MB a layer, step {t.total:.2f} s (CP not "
+                               f"hidden {t.cp_exposed:.2f} s)"))
+    faster = "latent" if parts[0][0] <= parts[1][0] else "expanded K,V"
+    return (f"model.mla on {cand.cp_comm}: the latent on the wire against a what-if of the "
+            f"expanded K,V (kv_b_proj once per token, no expansion per visiting block): "
+            + "; ".join(p for _, p in parts) + f": the {faster} is faster "
+            f"(python -m ctxpar.plan.mla_ring: the terms of one layer)")
 
 
 def what_frees(m, cand) -> str:

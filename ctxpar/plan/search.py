@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
 from ..config.layer_mixers import LAYER_MIXERS, has_linear_layers, layer_types
+from ..config.layers import layer_attention
 from ..config.parameters import active_parameters
 from ..context_parallel.linear import LINEAR_CP_STRATEGIES
 from ..components.metrics import flops_per_token
@@ -61,14 +62,16 @@ def check_modelled(cfg: Config) -> None:
     prediction that counts it as something else. Every layer type of config.layers is
     counted (attention with its gate, Gated DeltaNet, Mamba2, Nemotron-H's single-op
     blocks), and a mixture of experts in every MLP or in some beside dense ones
-    (moe_layers.py, model.moe.layers); a new mixer starts here."""
+    (moe_layers.py, model.moe.layers), multi-head latent attention without windows
+    (mla_layers.py); a new mixer starts here."""
     unknown = sorted({t for t in layer_types(cfg.model) if t not in LAYER_MIXERS})
     if unknown:
         raise PlanError(f"model.layer_types has {unknown} layers: the planner does not count "
                         f"them (no memory or time prediction)")
-    if cfg.model.mla is not None:
-        raise PlanError("model.mla: the planner does not count multi-head latent attention's "
-                        "saved latent, FLOPs and bytes yet (no memory or time prediction)")
+    if cfg.model.mla is not None and any(a.sliding_window or a.chunk_size
+                                         for a in layer_attention(cfg.model)):
+        raise PlanError("model.mla with windowed or chunked layers: the planner counts the "
+                        "latent ring's full steps only (no memory or time prediction)")
 
 
 def linear_strategies(cfg: Config, cp: int):

@@ -30,6 +30,10 @@ Per micro-batch and pipeline stage (the most loaded rank):
   and the dense ones); the all-to-alls of the routed rows, 2 N k d e forward and backward
   each, (ep - 1)/ep of them off the rank (balanced routing), over the EP group's link, not
   overlapped; the experts' gradients reduced over their expert-data-parallel group;
+- MLA (mla_layers.py): the attention at dqk for the scores and dv for the values; kv_b_proj
+  on every visiting latent block (forward, 3x backward) instead of once per token; the
+  latent's bytes (R + dr a token, its gradient fp32) behind the ring steps (mla_timing.py);
+  step_time(expanded=True) prices a ring of the expanded K,V instead (a what-if);
 then the pipeline (1F1B: (m + pp - 1) micro-batch slots for m micro-batches) and the data
 parallel reduction of the gradients over dp x cp (all-reduce, or ZeRO's reduce-scatter +
 all-gather, twice the parameters' all-gathers under ZeRO-3), not overlapped; optimizer
@@ -55,12 +59,14 @@ from typing import Dict, List
 from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
 from ..context_parallel.mask import visible_pairs
-from . import counts
+from . import counts, mla_layers
+from .mla_timing import mla_cp_time, mla_thresholds, ulysses_of
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
 from .moe_layers import all_to_all_bytes, idle_expert_params, mixed_mlps, moe_layers
 from .candidate import Candidate
 from .cluster import Cluster
 
+ATTENTION = ("attention", "mla")  # the token mixers with (query, key) pairs
 MM_EFF = 0.55    # matmul efficiency of peak (Megatron-style dense layers on H100, bf16)
 ATTN_EFF = 0.45  # flash attention forward + backward (FA2/FA3 report 35-75% on H100)
 
@@ -143,7 +149,7 @@ def stage_attention(m, pp: int) -> List[LayerAttention]:
 def head_pairs(cand: Candidate, s, T: int, attn: LayerAttention) -> int:
     """(head, query, key) triples the busiest rank computes in one layer's attention
     (none in a layer without attention: linear mixers, MLP-only blocks)."""
-    if attn.token_mixer != "attention":
+    if attn.token_mixer not in ATTENTION:
         return 0
     w, c = attn.sliding_window, attn.chunk_size
     if cand.cp_comm == "ulysses" and cand.cp > 1:  # all T tokens of h/cp heads
@@ -162,7 +168,7 @@ def thresholds(flops: float, bw: float, h: int, hk: int, e: int, g: int, c: floa
 
 def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
             stage: List[LayerAttention], t_attn_layers: List[float], attn_replay: float,
-            attn_eff: float):
+            attn_eff: float, expanded: bool = False):
     """(all CP seconds, those not hidden, the ring's tokens per step C, its C* fwd/bwd) per
     micro-batch, the sum of layer_cp_time over the stage's layers (stage: their
     attention; t_attn_layers: each one's attention forward seconds)."""
@@ -175,8 +181,9 @@ def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
         if attn.token_mixer is None:
             continue  # an MLP-only block: nothing over CP
         if key not in done:
-            done[key] = layer_cp_time(cfg, cand, cluster, e, g, attn, t_f, attn_replay) \
-                if attn.token_mixer == "attention" else \
+            done[key] = layer_cp_time(cfg, cand, cluster, e, g, attn, t_f, attn_replay,
+                                      expanded) \
+                if attn.token_mixer in ATTENTION else \
                 linear_cp_time(cfg, cand, cluster, e, attn.kind, attn_replay)
         total, exposed = total + done[key][0], exposed + done[key][1]
     if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and cand.ring > 1):
@@ -184,20 +191,26 @@ def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
         # full blocks (its busiest rank's steps).
         s = counts.rank_shapes(cfg.model, cand)
         c = 1.0 if cand.token_layout == "contiguous" else 0.5
-        return (total, exposed, cfg.model.seq_len // cand.ring,
-                thresholds(cluster.gpu.flops, cluster.link(cand.tp * cand.cp), s.h, s.hk, e,
-                           g, c, attn_eff))
+        bw = cluster.link(cand.tp * cand.cp)
+        thr = mla_thresholds(cfg.model, cluster.gpu.flops, bw, s.h // ulysses_of(cand), e,
+                             g, c, attn_eff, expanded) if cfg.model.mla is not None else \
+            thresholds(cluster.gpu.flops, bw, s.h, s.hk, e, g, c, attn_eff)
+        return total, exposed, cfg.model.seq_len // cand.ring, thr
     return total, exposed, 0, {}
 
 
 def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
-                  attn: LayerAttention, t_f_layer: float, attn_replay: float):
+                  attn: LayerAttention, t_f_layer: float, attn_replay: float,
+                  expanded: bool = False):
     """(all CP seconds, those not hidden) of one layer per micro-batch: bytes over the CP
     group's slowest link; the ring (and hybrid's ring) hides each step's transfer behind
     the step's compute, all-gather its gather behind the local block, Ulysses nothing
     (module docstring); a halo exchange (a short window or chunks, counts.masked_cp_bytes)
-    hides its K,V tails behind the local blocks, and its dK,dV going back wait."""
+    hides its K,V tails behind the local blocks, and its dK,dV going back wait. MLA: the
+    latent's blocks (or, expanded, K,V at its widths: mla_layers.mla_cp_bytes)."""
     m, s = cfg.model, counts.rank_shapes(cfg.model, cand)
+    if m.mla is not None:
+        return mla_cp_time(m, cand, cluster, e, g, t_f_layer, attn_replay, expanded)
     f_cp, b_cp = counts.layer_cp_bytes(m, cand, e, attn)
     bw = cluster.link(cand.tp * cand.cp)
     cp_total = (f_cp * (1 + attn_replay) + b_cp) / bw
@@ -269,8 +282,10 @@ def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers:
 
 
 def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
-              mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF) -> StepTime:
-    """One step of the most loaded rank, term by term (the module docstring's list)."""
+              mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF,
+              expanded: bool = False) -> StepTime:
+    """One step of the most loaded rank, term by term (the module docstring's list);
+    expanded: MLA's what-if ring of expanded K,V (mla_layers) instead of the latent."""
     m, F = cfg.model, cluster.gpu.flops
     e = 2 if bf16 else 4
     g = counts.ring_grad_bytes(cand.ring_grad_dtype)
@@ -294,21 +309,31 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     # Attention FLOPs (forward) of the busiest rank: head-pairs it computes, per layer of
     # the busiest stage (a window's or chunks' visible pairs only).
     stage = stage_attention(m, cand.pp)
-    t_attn_layers = [4 * s.hd * s.B * head_pairs(cand, s, m.seq_len, a) / (F * attn_eff)
+    hd = mla_layers.kernel_head_dim(m) if m.mla is not None else s.hd
+    t_attn_layers = [4 * hd * s.B * head_pairs(cand, s, m.seq_len, a) / (F * attn_eff)
                      for a in stage]
     t_attn_f = sum(t_attn_layers)
     t_mm = mm / (F * mm_eff)
+    t_expand = 0.0
+    if m.mla is not None and not expanded:  # kv_b_proj on the visiting blocks, not once
+        mla = sum(a.token_mixer == "mla" for a in stage)
+        t_one = mla_layers.expansion_flops(m, cand, s) / (F * mm_eff)
+        t_mm -= mla * mla_layers.local_expansion_flops(m, s) * (3 + replay) / (F * mm_eff)
+        t_expand = mla * t_one * (1 + 3 + attn_replay)  # forward, 3x backward, replayed
+        t_attn_layers = [t + t_one if a.token_mixer == "mla" else t
+                         for t, a in zip(t_attn_layers, stage)]  # what a ring step hides
     # the linear mixers' chunked kernels, at the attention kernels' efficiency: backward
     # twice the forward, a replayed forward again
     t_linear = linear_compute(m, cand, s, stage) / (F * attn_eff)
-    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay)
+    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay) \
+        + t_expand
 
     # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
     f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)
     tp = layers * (f_tp * (1 + replay) + b_tp) / cluster.gpu.nvlink if cand.tp > 1 else 0.0
 
     cp_total, cp_exposed, chunk, thr = cp_time(cfg, cand, cluster, e, g, stage,
-                                               t_attn_layers, attn_replay, attn_eff)
+                                               t_attn_layers, attn_replay, attn_eff, expanded)
 
     # the experts' all-to-alls (moe_layers.all_to_all_bytes) over the EP group (tp x ep
     # adjacent ranks: ep folds over CP's ranks first), a replayed MLP's again; they wait

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
+from . import mla_layers
 from .counts import RankShapes, attention_saved, ring_grad_bytes
 
 
@@ -45,10 +46,15 @@ def _ring_bwd(q: float, kv: float, hops: int, e: int, g: int) -> float:
     return acc + travel + pairs * 2 * kv * e + (q + 2 * kv) * e + copies
 
 
-def attention_forward(s: RankShapes, cand: Candidate, e: int, halo: int = -1) -> float:
+def attention_forward(s: RankShapes, cand: Candidate, e: int, halo: int = -1,
+                      m=None, replayed: bool = False) -> float:
     """Bytes the CP attention holds in its forward beyond what it saves (one layer);
     halo >= 0: the layer's halo exchange, `halo` K,V tokens received by the busiest rank
-    (counts.halo_received)."""
+    (counts.halo_received); m with model.mla: the latent attention's (mla_layers), in a
+    block that saves nothing (replayed: checkpointed or evaluated) beside q and the latent."""
+    if m is not None and m.mla is not None:  # a replayed block holds q and the latent too
+        return mla_layers.attention_forward(s, cand, e, m) \
+            + (mla_layers.core_inputs(s, e, m) if replayed else 0)
     q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
     if cand.cp == 1:
         return 0.0
@@ -65,9 +71,12 @@ def attention_forward(s: RankShapes, cand: Candidate, e: int, halo: int = -1) ->
     return a2a
 
 
-def attention_backward(s: RankShapes, cand: Candidate, e: int, halo: int = -1) -> float:
+def attention_backward(s: RankShapes, cand: Candidate, e: int, halo: int = -1,
+                       m=None) -> float:
     """Bytes the CP attention holds in its backward beyond its saved tensors and dout
-    (halo: as attention_forward's)."""
+    (halo, m: as attention_forward's)."""
+    if m is not None and m.mla is not None:
+        return mla_layers.attention_backward(s, cand, e, m)
     q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
     g = ring_grad_bytes(cand.ring_grad_dtype)
     if cand.cp == 1:
@@ -129,31 +138,34 @@ def mlp_forward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
 
 
 def block_forward(s: RankShapes, cand: Candidate, mode: str, swiglu: bool, e: int,
-                  tile: int = 0, moe: float = None) -> float:
+                  tile: int = 0, moe: float = None, m=None) -> float:
     """A checkpointed block's forward intermediates (nothing saved) at its MLP, the largest
     point: silu(gate), up and their product (N, f) (with a tiled MLP one tile's; a mixture
     of experts' `moe` bytes, moe_layers.forward_working_set), the residual and the normed
     input (N, d); under 'full' also q, k, v and the attention's output, which
-    Block.forward holds until it returns ('selective' saves them)."""
+    Block.forward holds until it returns ('selective' saves them; MLA: q, the latent and
+    the output, mla_layers.forward_held)."""
     if moe is not None:
         out = moe + 2 * s.N * s.d * e
     elif tile:
         out = mlp_forward(s, swiglu, e, tile) + 2 * s.N * s.d * e
     else:
         out = (3 if swiglu else 2) * s.N * s.f * e + 2 * s.N * s.d * e
-    if mode == "full":
+    if mode == "full" and m is not None and m.mla is not None:
+        out += mla_layers.forward_held(s, e, m)
+    elif mode == "full":
         out += s.N * (2 * s.h + 2 * s.hk) * s.hd * e
     return out
 
 
 def recompute(s: RankShapes, cand: Candidate, e: int, mode: str, mlp_saved: float,
-              norm: float) -> float:
+              norm: float, m=None) -> float:
     """What a layer's backward replays on top of its saved tensors: 'full' its whole
     'none' activations but the input; 'selective' the MLP piece (norm + MLP);
     mlp_saved is what the MLP saves in 'none' mode (4 N f e; tiled: nothing more),
     norm one norm's saved bytes (counts.norm_saved)."""
     if mode == "full":
-        return 2 * norm + attention_saved(s, e, cand) + mlp_saved - s.N * s.d * e
+        return 2 * norm + attention_saved(s, e, cand, m) + mlp_saved - s.N * s.d * e
     if mode == "selective":
         return norm + mlp_saved
     return 0.0

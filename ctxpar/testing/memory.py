@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -86,3 +86,32 @@ class LiveBytes(TorchDispatchMode):
     def _freed(self, key, nbytes):
         self.live.discard(key)
         self.now -= nbytes
+
+
+def allocator_peaks(step) -> Dict[Optional[str], int]:
+    """(peak bytes above the start, per marked region) of the CPU allocator while `step`
+    runs: the profiler's allocation events carry the allocator's running total. step
+    takes `region` (torch.profiler.record_function) to mark its parts, ``with
+    region("FWD"): ...``; regions FWD, BWD and STEP are reported, the rest under None."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(record_function)
+    events = []
+
+    def walk(node, region):
+        if node.tag == _EventType.Allocation:
+            a = node.typed[1]
+            if a.device.type == "cpu":
+                events.append((node.start_time_ns, a.total_allocated, a.alloc_size, region))
+        for c in node.children:
+            walk(c, node.name if node.name in ("FWD", "BWD", "STEP") else region)
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    events.sort()
+    base = events[0][1] - events[0][2]
+    peaks = {}
+    for _, total, _, region in events:
+        peaks[region] = max(peaks.get(region, 0), total - base)
+    return peaks
