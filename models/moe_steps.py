@@ -60,6 +60,7 @@ class MoEPipelineSteps(PipelineSteps):
         micro, n_tokens = inputs
         state = self.state
         loss = gpt_pipe.train_step(self.engine, micro, n_tokens, state)
+        self.engine.module.update_router_biases()  # after the step: each stage its layers'
         router = self.engine.module.loss_fn.router  # the last stage's, None elsewhere
         E = self.engine.module.cfg.moe.num_experts
         values = torch.cat([router["values"], router["counts"]]) if state.is_pp_last_stage \
