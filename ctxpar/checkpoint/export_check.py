@@ -24,7 +24,8 @@ import tempfile
 from typing import Any, Dict
 
 from ..config import ModelConfig
-from ..config.layers import gated_delta_dims, mamba_dims, token_mixers
+from ..config.layer_mixers import token_mixers
+from ..config.layers import gated_delta_dims, mamba_dims
 from . import hf
 from .families import family_of
 from .resume import CheckpointError
