@@ -42,7 +42,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, MemoryConfig, ModelConfig, layer_attention
-from ctxpar.config.moe import moe_layer_indices
+from ctxpar.config.moe import moe_layer_indices, pipeline_stage_layers
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
@@ -312,6 +312,15 @@ class GPTPipe(PipelineModule):
                              topology=pipeline_topology(state.order, state.sizes),
                              loss_fn=loss_fn, partition_method=partition_method,
                              activation_checkpoint_interval=0)  # checkpointing is per block
+        if state.ep_size > 1:  # config checked that every stage holds a MoE layer by this
+            stages = pipeline_stage_layers(cfg, state.pp_size, state.tp_size, state.ep_size,
+                                           partition_method)
+            built = range(max(self.parts[state.pp_rank] - 1, 0),
+                          min(self.parts[state.pp_rank + 1] - 1, cfg.n_layers))
+            if stages[state.pp_rank] != built:
+                raise RuntimeError(f"pipeline stage {state.pp_rank} holds blocks {list(built)}, "
+                                   f"config's check (ctxpar/config/moe.py) predicted "
+                                   f"{list(stages[state.pp_rank])}")
         self.cfg, self.tp_group, self.dp_cp_group = cfg, tp, state.dp_cp_group
         self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
         self.offload = offload  # shared by this stage's blocks

@@ -567,6 +567,75 @@ def test_a_resumed_deepseek_run_restores_its_correction_biases(deepseek_runs, tm
         torch.equal(got[k], want[k]) for k in want)
 
 
+# Pipeline x EP: each stage's experts split over its EP group (folded into its dp x cp),
+# with DeepSeek's router: the bias update and the sequence-level loss through the stages.
+ZERO0 = "deepspeed.zero_optimization.stage=0"
+PP1_EP1 = ["parallel.cp=1", "parallel.dp=1", "train.micro_batch_size=4", *DEEPSEEK_RUN]
+CP2_PP2_EP2 = ["parallel.cp=2", "parallel.pp=2", "parallel.ep=2", "parallel.dp=1",
+               "train.micro_batch_size=4", *DEEPSEEK_RUN]
+PP2_DP2_EP2 = ["parallel.cp=1", "parallel.pp=2", "parallel.ep=2", "parallel.dp=2",
+               "train.micro_batch_size=2", ZERO0, *DEEPSEEK_RUN]
+# {case: (its layout, [(resumed on, processes, its layout, tolerance against the run)])}:
+# the same layout bit for bit (ZeRO-1; ZeRO-0's own files resume as at pp 1), pp 1 x ep 1
+# through the universal conversion (reductions reordered).
+DEEPSEEK_PP = {
+    "cp2-pp2-ep2-zero1": (CP2_PP2_EP2, [("again", 4, CP2_PP2_EP2, 0.0),
+                                        ("pp1-ep1", 1, PP1_EP1, 1e-5)]),
+    "pp2-dp2-ep2-zero0": (PP2_DP2_EP2, [("pp1-ep1", 1, [*PP1_EP1, ZERO0], 1e-5)]),
+}
+
+
+def _strict(want_dir, got_dir, keys, rtol):
+    for key in keys:
+        want, got = metric(want_dir, key), metric(got_dir, key)
+        assert got and set(got) <= set(want), (key, sorted(got))
+        for s in got:
+            assert abs(got[s] - want[s]) <= rtol * abs(want[s]), (key, s, got[s], want[s])
+
+
+def _layer_file_biases(run_dir):
+    """A pipelined run's step-6 correction biases by GPT name (DeepSpeed's layer files:
+    layer_XX holds block XX - 1)."""
+    step = f"{run_dir}/checkpoints/step_00000006"
+    return {f"layers.{i}.mlp.gate.e_score_correction_bias": torch.load(
+        f"{step}/layer_{i + 1:02d}-model_00-model_states.pt", map_location="cpu",
+        weights_only=False)["mlp.gate.e_score_correction_bias"] for i in range(2)}
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSEEK_PP))
+def test_pipeline_x_expert_parallel_trains_resumes_and_reshards_as_cp1(deepseek_runs, tmp_path,
+                                                                      name):
+    """pp2 x ep2 (one MoE layer a stage), cp2 at ZeRO-1 and dp2 at ZeRO-0: the experts'
+    gradients reduced over their EDP group inside a stage (DeepSpeed's MoE path, the
+    pipeline's data-axis reduction left to the dense ones: ctxpar/distributed/
+    expert_parallel.py), the gradient norm over every stage and EP rank, the sequence-level
+    loss's per-layer shares carried with the activations and each stage's layers' counts
+    moving their own biases (models/gpt_pipe.py). Over 6 steps the loss, gradient norm, z
+    and sequence-level losses and the experts' load equal cp 1's (fp32, reductions
+    reordered: 1e-5; the load-balancing loss's value is the micro-batch's, and cp 1 runs
+    2 rows a micro-batch, so it is left out), and the step-6 biases are cp 1's exactly
+    (sums of +-rate from integer counts). The step-3 checkpoint resumes on its layout bit
+    for bit, and at pp 1 x ep 1 through the universal conversion (each stage's experts
+    whole from every EP rank's ZeRO shard or ZeRO-0 file, the biases from the layer files)
+    to cp 1's losses at 1e-5."""
+    ref, _ = deepseek_runs
+    sets, resumes = DEEPSEEK_PP[name]
+    run = tmp_path / "run"
+    run_train(str(run), 4, sets)
+    keys = ("loss", "grad_norm", "moe_z_loss", "moe_seq_aux_loss", "moe_expert_load")
+    _strict(ref, str(run), keys, 1e-5)
+    want = _saved_biases(ref)
+    assert all(torch.equal(b, want[k]) and b.abs().max() > 0
+               for k, b in _layer_file_biases(str(run)).items())
+    tag = "step_00000003"
+    for where, nproc, layout, rtol in resumes:
+        d = tmp_path / where
+        shutil.copytree(run / "checkpoints" / tag, d / "checkpoints" / tag)
+        run_train(str(d), nproc, layout, extra=["--resume", "auto"])
+        assert sorted(losses(str(d))) == [4, 5, 6], where
+        _strict(str(run), str(d), ("loss", "grad_norm"), rtol)
+
+
 def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
     """generate.py's loader (ctxpar/inference/checkpoint.py) takes the cp2 x dp2 run's step-6
     checkpoint, biases included, into a one-process model (they were 'unexpected' names)."""
@@ -599,8 +668,10 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
     ({"moe": {"num_experts": 8}, "zero": 0, "bf16": True}, {"ep": 2, "cp": 2},
      "not built with parallel.ep=2, deepspeed.zero_optimization.stage=0 and "
      "deepspeed.bf16.enabled=true"),
-    ({"moe": {"num_experts": 8}, "zero": 1}, {"pp": 2, "cp": 2, "ep": 2},
-     "not built with parallel.pp=2 and parallel.ep=2"),
+    ({"moe": {"num_experts": 8, "layers": [0]}, "n_layers": 2, "zero": 1},
+     {"pp": 2, "cp": 2, "ep": 2}, "parallel.pp=2 and parallel.ep=2: pipeline stage 1 "
+                                  "(blocks [1], parallel.pp_partition='parameters') has no "
+                                  "MoE layer"),
     ({"moe": {"swiglu_limit": 7.0}, "mlp": "gelu"}, {}, "model.moe.swiglu_limit=7.0 needs "
                                                         "model.mlp='swiglu'"),
     ({"moe": {"bias_update_rate": 0.001}}, {}, "model.moe.bias_update_rate=0.001 must be >= 0 "
