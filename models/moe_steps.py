@@ -54,7 +54,8 @@ class MoESteps(MicroBatchSteps):
 class MoEPipelineSteps(PipelineSteps):
     """PipelineSteps with the routers' losses: the last stage's loss adds them (every
     stage's layers' statistics travel with the activations: models/gpt_pipe.py), and their
-    values reach every stage's metrics by a broadcast over the pipeline."""
+    values reach every stage's metrics by a broadcast over the pipeline. After the step
+    each stage moves its own layers' correction biases (GPTPipe.update_router_biases)."""
 
     def run(self, inputs) -> StepOutput:
         micro, n_tokens = inputs
