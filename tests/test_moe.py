@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.config import ConfigError, MemoryConfig, ModelConfig, config_from_dict
 from ctxpar.config.moe import MoEConfig
 from ctxpar.moe import RouterStats, moe_stats, reset_moe_stats
 from ctxpar.tensor_parallel import gather_full_state_dict
@@ -295,7 +295,8 @@ def _grid_case(rank, world, payload):
     for routing, (tp, cp, ep, layout, comm) in pickle.loads(payload):
         st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
         model = GPT(ROUTINGS[routing], ModelGroups.from_state(st),
-                    ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
+                    ModelOptions(layout=layout, cp_comm=comm, seed=SEED,
+                                 memory=TILED.get(routing, MemoryConfig())))
         _set_biases(model)
         tokens, labels = _batch()
         tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
@@ -350,6 +351,11 @@ ROUTINGS = {
 PACKED = {"deepseek": torch.tensor([0, 12, 20, N], dtype=torch.int32)}
 # A capacity of ceil(0.5 x 32 x 2 / 8) = 4 assignments per expert and layer on a rank's one
 # row: half of them dropped at least, before and across the EP all-to-all
+# The experts tiled along the sequence (memory.tiled_mlp): a rank's 2 x 16 tokens in tiles
+# of 5 (six and a short one), each dispatched, computed and combined alone: the untiled
+# DeepSeek run's numbers (the reference is the same model's)
+ROUTINGS["deepseek_tiled"], PACKED["deepseek_tiled"] = ROUTINGS["deepseek"], PACKED["deepseek"]
+TILED = {"deepseek_tiled": MemoryConfig(tiled_mlp=True, mlp_tile_tokens=5)}
 ROUTINGS["capacity"] = replace(GPT_CFG, moe=replace(GPT_CFG.moe, capacity_factor=0.5,
                                                     aux_loss_coef=0.0, z_loss_coef=0.0))
 CASES = [("top2", grid) for grid in GRIDS] + [
@@ -363,6 +369,7 @@ CASES = [("top2", grid) for grid in GRIDS] + [
     ("deepseek", (1, 1, 2, "zigzag", "ring")),     # cp 1: whole rows on each rank
     ("capacity", (1, 1, 2, "zigzag", "ring")),     # dp 4: a row a rank, as the reference's
     ("capacity", (1, 1, 4, "zigzag", "ring")),
+    ("deepseek_tiled", (1, 2, 2, "zigzag", "ring")),
 ]
 
 
@@ -389,7 +396,10 @@ def test_moe_gpt_over_the_grid_equals_one_process(grid_results):
             assert got["biases"].keys() == biases.keys()
             for name, b in biases.items():  # counts: exact; the biases' update: exact
                 assert torch.equal(got["biases"][name], b), f"{where} {name}"
-            assert got["stats"]["dispatch_calls"] == (GPT_CFG.n_layers if grid[2] > 1 else 0)
+            # per layer one all-to-all pair; tiled, one a tile, and again as backward
+            # replays each tile (7 tiles of a rank's 32 tokens)
+            calls = GPT_CFG.n_layers * (2 * 7 if routing in TILED else 1)
+            assert got["stats"]["dispatch_calls"] == (calls if grid[2] > 1 else 0), where
 
 
 def test_an_expert_without_tokens_gets_a_zero_gradient():

@@ -132,7 +132,6 @@ def check_moe(cfg, dp: Optional[int], err) -> None:
          f"out (use fp32 at stage 0, or stage 1 or 2)"),
         (cfg.data.dynamic_cp, "data.dynamic_cp=true: the routers' losses and the experts' "
                               "all-to-all over rank groups that run different packs"),
-        (cfg.memory.tiled_mlp, "memory.tiled_mlp=true: the experts are not tiled"),
     ]
     for refused, why in unbuilt:
         if refused:
