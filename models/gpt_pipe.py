@@ -12,7 +12,10 @@ the samples' document boundaries packed as one (B, T + 1) int32 tensor
 (T/cp x hd/2, negligible next to the block's matmuls), and DeepSpeed sends no gradient for
 the integer tensors. A mixture of experts (model.moe) adds, last, its routers' statistics
 so far (RouterStats.packed, (2E + 3,) fp32): the last stage's loss adds the routers'
-losses of every stage's layers, and their gradients travel back with the activations'. The first stage gets ``(tokens, positions[, documents])``
+losses of every stage's layers, and their gradients travel back with the activations'
+(under parallel.ep each stage's MoE layers split their experts over the stage's EP group,
+and after the step each stage moves its own layers' correction biases: docs/parallelism.md,
+"Pipeline x EP"). The first stage gets ``(tokens, positions[, documents])``
 and the last stage ``labels`` from the data iterator (``pipeline_batches``); the head
 returns vocab-parallel logits (B, T/cp, V/tp) and ``TokenMeanLoss`` turns them into the
 loss to back-propagate. With memory.tiled_loss the head returns its input and weight
