@@ -417,6 +417,52 @@ def test_an_expert_without_tokens_gets_a_zero_gradient():
     assert moe.experts.gate_up_proj.grad[:6].abs().amax(dim=(1, 2)).min() > 0
 
 
+def _tiled_run(cfg, x, dy, tile):
+    """A MoE layer tiled at `tile` (None: untiled): its output, x's and every parameter's
+    gradient, and the peak live bytes of a second forward + backward."""
+    from ctxpar.testing.memory import LiveBytes
+    torch.manual_seed(1)
+    moe = MoE(cfg, tile=tile)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    xi = x.clone().requires_grad_()
+    out = moe(xi)
+    out.backward(dy)
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    dx = xi.grad.clone()
+    moe.zero_grad(set_to_none=True)
+    xi.grad = None
+    with LiveBytes() as live:
+        moe(xi).backward(dy)
+    return out.detach(), dx, grads, live.peak
+
+
+def test_tiled_experts_equal_the_untiled_layer_and_hold_one_tiles_buffers():
+    """memory.tiled_mlp on a MoE layer (one process, fp32): 512 tokens in tiles of 64
+    give the untiled layer's output, input gradient and every parameter gradient (the
+    tiles' sums in another order), and the step's peak live bytes fall below half the
+    untiled layer's: the dispatch buffers and expert intermediates exist one tile at a
+    time (models/moe.py)."""
+    cfg = _moe_cfg(expert_hidden=128, shared_expert_hidden=16)
+    torch.manual_seed(0)
+    x = torch.randn(1, 512, cfg.d_model)
+    dy = torch.randn(1, 512, cfg.d_model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the 2-core machine is shared: one thread is the fastest
+    try:
+        runs = [_tiled_run(cfg, x, dy, tile) for tile in (None, 64)]
+    finally:
+        torch.set_num_threads(threads)
+    (out, dx, grads, untiled), (t_out, t_dx, t_grads, tiled) = runs
+    torch.testing.assert_close(t_out, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(t_dx, dx, rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        # a weight's gradient sums 512 tokens' terms, in tiles: fp32 order, ~1e-6 of it
+        torch.testing.assert_close(t_grads[name], g, rtol=0, atol=1e-6 * g.abs().max().item(),
+                                   msg=name)
+    assert tiled < 0.5 * untiled, (tiled, untiled)
+
+
 def test_a_capacity_factor_drops_the_assignments_past_each_experts_capacity():
     """capacity = ceil(cf N k / E) over the layer's N tokens, taken in token order: the
     dropped assignments by hand, and the layer equals the dropless one with their weights
