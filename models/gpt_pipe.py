@@ -156,21 +156,22 @@ class BlockPipe(Block):
         else:  # with offload, selective's saved tensors go to the host; none's stay
             x = run_layer(self.offload, block, x, cos, sin, to_host=self.selective)
         if router and moe is not None:
-            router = (self.mlp.stats.packed(router[0], self._sequence_share(x.shape[0])),)
+            router = (self.mlp.stats.packed(router[0], self._after_moe(x.shape[0])),)
         return (x, positions, *docs, *router)
 
-    def _sequence_share(self, batch: int) -> Optional[torch.Tensor]:
-        """After this forward's MoE: its share of the sequence-level loss, over the B dp
-        rows of the micro-batch (collective over CP, as at pp 1: ctxpar/moe/seq_aux.py),
-        and, in a training forward, its counts added to the step's."""
+    def _after_moe(self, batch: int) -> Optional[torch.Tensor]:
+        """After a training forward's MoE: its counts added to the step's, and its share of
+        the sequence-level loss over the B dp rows of the micro-batch (collective over CP,
+        as at pp 1: ctxpar/moe/seq_aux.py), or None (no such loss, or pipeline_logits'
+        evaluation, whose routers' statistics nothing reads)."""
         stats = self.mlp.stats
-        if torch.is_grad_enabled():  # not pipeline_logits' evaluation
-            counts = stats.layer_counts[0]
-            self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+        if not torch.is_grad_enabled():
+            return None
+        counts = stats.layer_counts[0]
+        self.step_counts = counts if self.step_counts is None else self.step_counts + counts
         if stats.seq is None:
             return None
-        return stats.seq.share(stats.layer_counts[0].new_tensor(float(batch * self.dp_size)),
-                               self.cp_group)
+        return stats.seq.share(counts.new_tensor(float(batch * self.dp_size)), self.cp_group)
 
 
 class FinalNormPipe(nn.Module):
@@ -345,13 +346,13 @@ class GPTPipe(PipelineModule):
         stage, so nothing crosses the pipeline. Collective over dp x cp."""
         blocks = [m for m in self.forward_funcs
                   if isinstance(m, BlockPipe) and isinstance(m.mlp, MoE)]
-        if not blocks or not self.cfg.moe.bias_update_rate:
-            return
-        counts = torch.stack([b.step_counts for b in blocks])      # (L_stage, E)
-        if dist.get_world_size(self.dp_cp_group) > 1:
-            dist.all_reduce(counts, group=self.dp_cp_group)
-        for block, c in zip(blocks, counts):
-            block.mlp.update_correction_bias(c)
+        if blocks and self.cfg.moe.bias_update_rate:
+            counts = torch.stack([b.step_counts for b in blocks])  # (L_stage, E)
+            if dist.get_world_size(self.dp_cp_group) > 1:
+                dist.all_reduce(counts, group=self.dp_cp_group)
+            for block, c in zip(blocks, counts):
+                block.mlp.update_correction_bias(c)
+        for block in blocks:  # the next step counts afresh
             block.step_counts = None
 
     def gpt_named_parameters(self) -> Iterator:
