@@ -638,6 +638,10 @@ DEEPSEEK_PP = {
     "cp2-pp2-ep2-zero1": (CP2_PP2_EP2, [("again", 4, CP2_PP2_EP2, 0.0),
                                         ("pp1-ep1", 1, PP1_EP1, 1e-5)]),
     "pp2-dp2-ep2-zero0": (PP2_DP2_EP2, [("pp1-ep1", 1, [*PP1_EP1, ZERO0], 1e-5)]),
+    # the experts tiled (a rank's 4 x 64 tokens in tiles of 48), the blocks recomputed
+    "cp2-pp2-ep2-tiled-recompute": ([*CP2_PP2_EP2, "memory.tiled_mlp=true",
+                                     "memory.mlp_tile_tokens=48",
+                                     "activation_checkpointing.mode=full"], []),
 }
 
 
@@ -661,7 +665,8 @@ def _layer_file_biases(run_dir):
 @pytest.mark.parametrize("name", sorted(DEEPSEEK_PP))
 def test_pipeline_x_expert_parallel_trains_resumes_and_reshards_as_cp1(deepseek_runs, tmp_path,
                                                                       name):
-    """pp2 x ep2 (one MoE layer a stage), cp2 at ZeRO-1 and dp2 at ZeRO-0: the experts'
+    """pp2 x ep2 (one MoE layer a stage), cp2 at ZeRO-1 (also with the experts tiled and
+    the blocks recomputed) and dp2 at ZeRO-0: the experts'
     gradients reduced over their EDP group inside a stage (DeepSpeed's MoE path, the
     pipeline's data-axis reduction left to the dense ones: ctxpar/distributed/
     expert_parallel.py), the gradient norm over every stage and EP rank, the sequence-level
