@@ -234,7 +234,7 @@ def to_universal(tag_dir: str, out_dir: str, layout: Dict, n_layers: int,
     src_pipelined = layout["pp"] > 1
     with _quiet() as log:
         try:
-            if ep > 1 and layout["zero_stage"] > 0:  # ZeRO 1/2 (3 refused above), no pipeline
+            if ep > 1 and layout["zero_stage"] > 0:  # ZeRO 1/2 (3 refused above), any pp
                 ep_zero_to_universal(tag_dir, out_dir, ep)
             elif glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
                 from deepspeed.checkpoint import ds_to_universal
