@@ -733,6 +733,8 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
      {"pp": 2, "cp": 2, "ep": 2}, "parallel.pp=2 and parallel.ep=2: pipeline stage 1 "
                                   "(blocks [1], parallel.pp_partition='parameters') has no "
                                   "MoE layer"),
+    ({"moe": {"num_experts": 8}, "memory": {"tiled_mlp": True, "mlp_tile_tokens": 0}},
+     {"ep": 2, "cp": 2}, "memory.mlp_tile_tokens=0 must be 'auto' or an integer >= 1"),
     ({"moe": {"swiglu_limit": 7.0}, "mlp": "gelu"}, {}, "model.moe.swiglu_limit=7.0 needs "
                                                         "model.mlp='swiglu'"),
     ({"moe": {"bias_update_rate": 0.001}}, {}, "model.moe.bias_update_rate=0.001 must be >= 0 "
@@ -758,8 +760,9 @@ def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
     zero = {"zero_optimization": {"stage": model.pop("zero")}} if "zero" in model else {}
     if model.pop("bf16", False):
         zero["bf16"] = {"enabled": True}
+    memory = model.pop("memory", {})
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
-         "train": {"global_batch_size": 1}, "deepspeed": zero}
+         "train": {"global_batch_size": 1}, "deepspeed": zero, "memory": memory}
     with pytest.raises(ConfigError) as e:
         config_from_dict(d, check_paths=False)
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
