@@ -11,8 +11,11 @@ the samples' document boundaries packed as one (B, T + 1) int32 tensor
 (documents.pack_cu_seqlens): every block rebuilds its RoPE angles from the positions
 (T/cp x hd/2, negligible next to the block's matmuls), and DeepSpeed sends no gradient for
 the integer tensors. A mixture of experts (model.moe) adds, last, its routers' statistics
-so far (RouterStats.packed, (2E + 2,) fp32): the last stage's loss adds the routers'
-losses of every stage's layers, and their gradients travel back with the activations'. The first stage gets ``(tokens, positions[, documents])``
+so far (RouterStats.packed, (2E + 3,) fp32): the last stage's loss adds the routers'
+losses of every stage's layers, and their gradients travel back with the activations'
+(under parallel.ep each stage's MoE layers split their experts over the stage's EP group,
+and after the step each stage moves its own layers' correction biases: docs/parallelism.md,
+"Pipeline x EP"). The first stage gets ``(tokens, positions[, documents])``
 and the last stage ``labels`` from the data iterator (``pipeline_batches``); the head
 returns vocab-parallel logits (B, T/cp, V/tp) and ``TokenMeanLoss`` turns them into the
 loss to back-propagate. With memory.tiled_loss the head returns its input and weight
@@ -42,7 +45,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, MemoryConfig, ModelConfig, layer_attention
-from ctxpar.config.moe import moe_layer_indices
+from ctxpar.config.moe import moe_layer_indices, pipeline_stage_layers
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
@@ -86,7 +89,7 @@ def router_start(cfg: ModelConfig, device) -> tuple:
     model.moe."""
     if cfg.moe is None:
         return ()
-    return (torch.zeros(2 * cfg.moe.num_experts + 2, device=device, requires_grad=True),)
+    return (torch.zeros(2 * cfg.moe.num_experts + 3, device=device, requires_grad=True),)
 
 
 def split_router(x):
@@ -116,14 +119,20 @@ class BlockPipe(Block):
     def __init__(self, cfg: ModelConfig, layer_number: int, tp_group, cp: ContextParallel,
                  backend: str, activation_checkpointing: str, every_n_layers: int,
                  device=None, dtype=None, memory: Optional[MemoryConfig] = None,
-                 offload: Optional[ActivationOffload] = None, linear_cp: str = "state"):
+                 offload: Optional[ActivationOffload] = None, linear_cp: str = "state",
+                 ep_group=None, router_groups: tuple = (None, 1)):
+        """router_groups: (the CP group, dp), what the sequence-level loss's share needs
+        (its counts summed over a row's CP ranks; the rows of all dp x cp ranks, B dp)."""
         layer = layer_attention(cfg)[layer_number]  # its kind, window, chunks, RoPE
         moe = layer_number in moe_layer_indices(cfg.moe, cfg.n_layers)
-        super().__init__(LayerArgs(cfg, layer, cp, tp_group, None, moe, backend, linear_cp,
-                                   memory or MemoryConfig(),
-                                   activation_checkpointing == "selective", device,
-                                   dtype))  # ep 1 (config)
+        super().__init__(LayerArgs(cfg, layer, cp, tp_group, ep_group, moe, backend,
+                                   linear_cp, memory or MemoryConfig(),
+                                   activation_checkpointing == "selective", device, dtype))
         self.carries_router = cfg.moe is not None  # the routers' statistics in the tuple
+        self.cp_group, self.dp_size = router_groups
+        # the aux-free balance: this layer's assignments per expert over the step's
+        # training forwards on this rank (GPTPipe.update_router_biases sums them over dp x cp)
+        self.step_counts: Optional[torch.Tensor] = None
         self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)
         self.gpt_prefix = f"layers.{layer_number}."
         self.layer = layer  # its RoPE, or NoPE's temperature (models/rope.layer_inputs)
@@ -133,8 +142,9 @@ class BlockPipe(Block):
     def forward(self, inputs):
         x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)][, router]
         router = (docs.pop(),) if self.carries_router else ()
-        if isinstance(self.mlp, MoE):  # this forward's routers (the last stage's loss adds them)
-            self.mlp.stats = RouterStats(self.mlp.moe.num_experts)
+        moe = self.mlp.moe if isinstance(self.mlp, MoE) else None
+        if moe is not None:  # this forward's routers (the last stage's loss adds them)
+            self.mlp.stats = RouterStats(moe.num_experts, moe.score, moe.seq_aux_loss_coef > 0)
         cos = sin = None  # RoPE for the mixers that take it (attention), none for the rest
         if self.mixer is not None and self.mixer.rotary_dim is not None:
             cos, sin = layer_inputs(positions, self.mixer.rotary_dim,
@@ -145,9 +155,23 @@ class BlockPipe(Block):
             x = run_layer(self.offload, checkpoint, block, x, cos, sin, use_reentrant=False)
         else:  # with offload, selective's saved tensors go to the host; none's stay
             x = run_layer(self.offload, block, x, cos, sin, to_host=self.selective)
-        if router and isinstance(self.mlp, MoE):
-            router = (self.mlp.stats.packed(router[0]),)
+        if router and moe is not None:
+            router = (self.mlp.stats.packed(router[0], self._after_moe(x.shape[0])),)
         return (x, positions, *docs, *router)
+
+    def _after_moe(self, batch: int) -> Optional[torch.Tensor]:
+        """After a training forward's MoE: its counts added to the step's, and its share of
+        the sequence-level loss over the B dp rows of the micro-batch (collective over CP,
+        as at pp 1: ctxpar/moe/seq_aux.py), or None (no such loss, or pipeline_logits'
+        evaluation, whose routers' statistics nothing reads)."""
+        stats = self.mlp.stats
+        if not torch.is_grad_enabled():
+            return None
+        counts = stats.layer_counts[0]
+        self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+        if stats.seq is None:
+            return None
+        return stats.seq.share(counts.new_tensor(float(batch * self.dp_size)), self.cp_group)
 
 
 class FinalNormPipe(nn.Module):
@@ -228,7 +252,8 @@ class TokenMeanLoss:
         """The routers' losses' share of this rank, times dp*cp; the step's values kept."""
         m = self.moe
         r = RouterStats.unpack(packed, m.num_experts).losses(m.aux_loss_coef, m.z_loss_coef,
-                                                             self.dp_cp_group)
+                                                             self.dp_cp_group,
+                                                             m.seq_aux_loss_coef)
         values = torch.stack([r.aux_loss, r.z_loss, r.seq_aux_loss]) / self.gas
         if self.router is None:
             self.router = dict(values=values, counts=r.tokens_per_expert)
@@ -275,9 +300,12 @@ class GPTPipe(PipelineModule):
             first = LayerSpec(EmbeddingPipe, cfg, tp, **kw)
             last = LayerSpec(LMHeadPipe, cfg, tp, tiled_loss, **kw)
         offload = ActivationOffload() if memory and memory.offload_activations else None
+        # under EP a stage's experts are split over its EP group (folded into dp x cp)
+        ep_group = state.ep_group if state.ep_size > 1 else None
         blocks = [LayerSpec(BlockPipe, cfg, i, tp, cp, attention_backend,
                             activation_checkpointing, every_n_layers, memory=memory,
-                            offload=offload, linear_cp=o.linear_cp, **kw)
+                            offload=offload, linear_cp=o.linear_cp, ep_group=ep_group,
+                            router_groups=(state.cp_group, state.dp_size), **kw)
                   for i in range(cfg.n_layers)]
         loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps, memory, cfg.moe,
                                 state.dp_cp_group)
@@ -288,7 +316,16 @@ class GPTPipe(PipelineModule):
                              topology=pipeline_topology(state.order, state.sizes),
                              loss_fn=loss_fn, partition_method=partition_method,
                              activation_checkpoint_interval=0)  # checkpointing is per block
-        self.cfg, self.tp_group = cfg, tp
+        if state.ep_size > 1:  # config checked that every stage holds a MoE layer by this
+            stages = pipeline_stage_layers(cfg, state.pp_size, state.tp_size, state.ep_size,
+                                           partition_method)
+            built = range(max(self.parts[state.pp_rank] - 1, 0),
+                          min(self.parts[state.pp_rank + 1] - 1, cfg.n_layers))
+            if stages[state.pp_rank] != built:
+                raise RuntimeError(f"pipeline stage {state.pp_rank} holds blocks {list(built)}, "
+                                   f"config's check (ctxpar/config/moe.py) predicted "
+                                   f"{list(stages[state.pp_rank])}")
+        self.cfg, self.tp_group, self.dp_cp_group = cfg, tp, state.dp_cp_group
         self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
         self.offload = offload  # shared by this stage's blocks
         self.init_weights(o.seed)
@@ -300,6 +337,23 @@ class GPTPipe(PipelineModule):
         return cls(cfg.model, state, ModelOptions.from_config(cfg),
                    grad_accum_steps=grad_accum_steps,
                    partition_method=cfg.parallel.pp_partition, device=device, dtype=dtype)
+
+    def update_router_biases(self) -> None:
+        """After an optimizer step: the aux-free balance update (model.moe.bias_update_rate)
+        of this stage's MoE layers, each from its own assignments per expert over the step
+        (every micro-batch's forward here, summed over dp x cp: the whole batch's, as
+        GPT.update_router_biases gets them). A layer's bias and its counts live on the same
+        stage, so nothing crosses the pipeline. Collective over dp x cp."""
+        blocks = [m for m in self.forward_funcs
+                  if isinstance(m, BlockPipe) and isinstance(m.mlp, MoE)]
+        if blocks and self.cfg.moe.bias_update_rate:
+            counts = torch.stack([b.step_counts for b in blocks])  # (L_stage, E)
+            if dist.get_world_size(self.dp_cp_group) > 1:
+                dist.all_reduce(counts, group=self.dp_cp_group)
+            for block, c in zip(blocks, counts):
+                block.mlp.update_correction_bias(c)
+        for block in blocks:  # the next step counts afresh
+            block.step_counts = None
 
     def gpt_named_parameters(self) -> Iterator:
         """(GPT's name, parameter) for every parameter of this stage, tied ones once."""

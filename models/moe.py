@@ -21,6 +21,18 @@ a sub-group of DP x CP: ``expert_shard`` on the parameters) and all-to-alls the 
 under TP every expert's f is split like a dense MLP's (column then row), each routed row
 all-reduced over TP before the router's weight multiplies it. Each layer adds its router logits to the forward's RouterStats
 (ctxpar/moe/aux.py) for the auxiliary losses.
+
+Under memory.tiled_mlp the experts run over tiles of the rank's N tokens
+(memory.mlp_tile_tokens; ALST's TiledMLP, Bekman et al. 2025, applied to the routed
+experts): the router scores all N tokens at once (its (N, E) logits and (N, k) weights are
+d/E and d/k times smaller than x, and the router's statistics and losses are then the
+untiled ones by construction), and each tile is dispatched, computed and combined on its
+own inside a non-reentrant activation checkpoint, which keeps only the tile's input rows
+and router weights: the (t k, d) dispatch buffers, the received rows and the experts'
+(rows, 2f/tp) intermediates exist for one tile at a time, in forward and in backward
+(which replays the tile, its all-to-alls included: one more expert forward). Every rank
+of an EP group holds the same N tokens (B T/cp), so they run the same tiles and their
+all-to-alls pair up. The shared expert is a dense MLP over all N tokens.
 """
 from __future__ import annotations
 
@@ -31,9 +43,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
-from ctxpar.memory.tiled_mlp import gate_activation, up_activation
+from ctxpar.memory.tiled_mlp import gate_activation, mlp_tile_tokens, tile_spans, up_activation
 from ctxpar.moe import (RouterStats, balance_bias_update, dispatch_combine,
                         drop_over_capacity, route)
 from ctxpar.tensor_parallel import (copy_to_tensor_model_parallel_region,
@@ -136,17 +149,20 @@ class Router(nn.Linear):
 class MoE(nn.Module):
     """The MoE MLP of one layer (module docstring). ep_group: the experts' EP group (None:
     all here); tp_group: each expert's f split; stats: the forward's RouterStats, set by
-    the model before each forward (None: no auxiliary losses kept)."""
+    the model before each forward (None: no auxiliary losses kept); tile: memory.mlp_tile_tokens
+    under memory.tiled_mlp (None: untiled)."""
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "MoE":
-        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype)
+        tile = args.memory.mlp_tile_tokens if args.memory.tiled_mlp else None
+        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype, tile)
 
     def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, device=None,
-                 dtype=None):
+                 dtype=None, tile=None):
         super().__init__()
         moe = cfg.moe
-        self.moe, self.tp_group, self.ep_group = moe, tp_group, ep_group
+        self.moe, self.tp_group, self.ep_group, self.tile = moe, tp_group, ep_group, tile
+        self.expert_width = expert_hidden(cfg) // tp_size_of(tp_group)  # f/tp (auto tiles)
         ep, ep_rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group),
                                                        dist.get_rank(ep_group))
         self.gate = Router(cfg.d_model, moe.num_experts, moe.router_bias,
@@ -178,6 +194,21 @@ class MoE(nn.Module):
                                                output_size=out.shape[0])
         return out
 
+    def _routed(self, rows: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                ) -> torch.Tensor:
+        """rows (N, d), weights (N, k), chosen (N, k) -> the routed experts' sum (N, d):
+        whole, or one tile of tokens at a time (module docstring)."""
+        def routed(r, w, c):
+            return dispatch_combine(r, w, c, self.moe.num_experts, self._experts, self.ep_group,
+                                    self.moe.scale_expert_input)
+        if self.tile is None:
+            return routed(rows, weights, chosen)
+        N, d = rows.shape
+        tile = mlp_tile_tokens(N, d, self.expert_width, self.tile)
+        return torch.cat([checkpoint(routed, rows[s:s + n], weights[s:s + n], chosen[s:s + n],
+                                     use_reentrant=False)
+                          for s, n in tile_spans(N, tile)])      # (N, d)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T/cp, d) normed -> (B, T/cp, d), complete (and identical) over TP.
 
@@ -197,8 +228,7 @@ class MoE(nn.Module):
         if m.scale_expert_input:  # w_j scales the experts' f/tp-wide inputs: its gradient
             # is each TP rank's partial sum, completed by f's backward all-reduce
             weights = copy_to_tensor_model_parallel_region(weights, self.tp_group)
-        y = dispatch_combine(rows, weights, chosen, self.moe.num_experts, self._experts,
-                             self.ep_group, m.scale_expert_input)  # (N, d)
+        y = self._routed(rows, weights, chosen)                   # (N, d)
         if self.shared_expert is not None:
             s = self.shared_expert(x)                             # f and g inside
             if self.shared_expert_gate is not None:

@@ -54,12 +54,14 @@ class MoESteps(MicroBatchSteps):
 class MoEPipelineSteps(PipelineSteps):
     """PipelineSteps with the routers' losses: the last stage's loss adds them (every
     stage's layers' statistics travel with the activations: models/gpt_pipe.py), and their
-    values reach every stage's metrics by a broadcast over the pipeline."""
+    values reach every stage's metrics by a broadcast over the pipeline. After the step
+    each stage moves its own layers' correction biases (GPTPipe.update_router_biases)."""
 
     def run(self, inputs) -> StepOutput:
         micro, n_tokens = inputs
         state = self.state
         loss = gpt_pipe.train_step(self.engine, micro, n_tokens, state)
+        self.engine.module.update_router_biases()  # after the step: each stage its layers'
         router = self.engine.module.loss_fn.router  # the last stage's, None elsewhere
         E = self.engine.module.cfg.moe.num_experts
         values = torch.cat([router["values"], router["counts"]]) if state.is_pp_last_stage \

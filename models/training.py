@@ -61,9 +61,10 @@ def param_groups(model, weight_decay, split_experts: bool = True,
     those two, the same groups at every ep, so an optimizer state resumes on another ep
     group by group; under ep > 1 they are DeepSpeed's MoE groups (``moe``, and ``name`` the
     EP group's name: ZeRO 1/2 partition them over their expert-data-parallel group). A
-    pipeline (ep 1) keeps them in the first two: ZeRO computes its norm group by group
+    pipeline at ep 1 keeps them in the first two: ZeRO computes its norm group by group
     over every stage, so every stage needs the same groups, and a stage without experts
-    would have none. Empty groups are left out (DeepSpeed drops them, not the scheduler).
+    would have none (at ep > 1 config asks every stage to hold a MoE layer:
+    ctxpar/config/moe.py). Empty groups are left out (DeepSpeed drops them, not the scheduler).
     Under ZeRO-3 a parameter is a flat partition: its true shape is ``ds_shape``.
     """
     def matrix(p):
@@ -102,7 +103,9 @@ def initialize_engine(model, cfg, state, ds_config, device):
                                                zero_stage(ds_config))
     # ZeRO-3: over dp x cp (distributed/zero.py), the experts over their EDP group
     partition_for_zero3(model, state, ds_config)
-    groups = param_groups(model, cfg.train.weight_decay, not pipelined, expert_group)
+    # a pipeline at ep 1 keeps the experts in the dense groups (param_groups)
+    groups = param_groups(model, cfg.train.weight_decay, not pipelined or state.ep_size > 1,
+                          expert_group)
     # AdamW; under ZeRO-Offload DeepSpeedCPUAdam on GPUs, torch's on CPU runs (the rule:
     # ctxpar/memory/optimizer.py)
     optimizer = optimizer_offload.build_optimizer(groups, cfg.train, ds_config, device)

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.config import ConfigError, MemoryConfig, ModelConfig, config_from_dict
 from ctxpar.config.moe import MoEConfig
 from ctxpar.moe import RouterStats, moe_stats, reset_moe_stats
 from ctxpar.tensor_parallel import gather_full_state_dict
@@ -295,7 +295,8 @@ def _grid_case(rank, world, payload):
     for routing, (tp, cp, ep, layout, comm) in pickle.loads(payload):
         st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
         model = GPT(ROUTINGS[routing], ModelGroups.from_state(st),
-                    ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
+                    ModelOptions(layout=layout, cp_comm=comm, seed=SEED,
+                                 memory=TILED.get(routing, MemoryConfig())))
         _set_biases(model)
         tokens, labels = _batch()
         tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
@@ -350,6 +351,11 @@ ROUTINGS = {
 PACKED = {"deepseek": torch.tensor([0, 12, 20, N], dtype=torch.int32)}
 # A capacity of ceil(0.5 x 32 x 2 / 8) = 4 assignments per expert and layer on a rank's one
 # row: half of them dropped at least, before and across the EP all-to-all
+# The experts tiled along the sequence (memory.tiled_mlp): a rank's 2 x 16 tokens in tiles
+# of 5 (six and a short one), each dispatched, computed and combined alone: the untiled
+# DeepSeek run's numbers (the reference is the same model's)
+ROUTINGS["deepseek_tiled"], PACKED["deepseek_tiled"] = ROUTINGS["deepseek"], PACKED["deepseek"]
+TILED = {"deepseek_tiled": MemoryConfig(tiled_mlp=True, mlp_tile_tokens=5)}
 ROUTINGS["capacity"] = replace(GPT_CFG, moe=replace(GPT_CFG.moe, capacity_factor=0.5,
                                                     aux_loss_coef=0.0, z_loss_coef=0.0))
 CASES = [("top2", grid) for grid in GRIDS] + [
@@ -363,6 +369,7 @@ CASES = [("top2", grid) for grid in GRIDS] + [
     ("deepseek", (1, 1, 2, "zigzag", "ring")),     # cp 1: whole rows on each rank
     ("capacity", (1, 1, 2, "zigzag", "ring")),     # dp 4: a row a rank, as the reference's
     ("capacity", (1, 1, 4, "zigzag", "ring")),
+    ("deepseek_tiled", (1, 2, 2, "zigzag", "ring")),
 ]
 
 
@@ -389,7 +396,10 @@ def test_moe_gpt_over_the_grid_equals_one_process(grid_results):
             assert got["biases"].keys() == biases.keys()
             for name, b in biases.items():  # counts: exact; the biases' update: exact
                 assert torch.equal(got["biases"][name], b), f"{where} {name}"
-            assert got["stats"]["dispatch_calls"] == (GPT_CFG.n_layers if grid[2] > 1 else 0)
+            # per layer one all-to-all pair; tiled, one a tile, and again as backward
+            # replays each tile (7 tiles of a rank's 32 tokens)
+            calls = GPT_CFG.n_layers * (2 * 7 if routing in TILED else 1)
+            assert got["stats"]["dispatch_calls"] == (calls if grid[2] > 1 else 0), where
 
 
 def test_an_expert_without_tokens_gets_a_zero_gradient():
@@ -405,6 +415,52 @@ def test_an_expert_without_tokens_gets_a_zero_gradient():
     assert moe.experts.gate_up_proj.grad[6:].abs().max() == 0
     assert moe.experts.down_proj.grad[6:].abs().max() == 0
     assert moe.experts.gate_up_proj.grad[:6].abs().amax(dim=(1, 2)).min() > 0
+
+
+def _tiled_run(cfg, x, dy, tile):
+    """A MoE layer tiled at `tile` (None: untiled): its output, x's and every parameter's
+    gradient, and the peak live bytes of a second forward + backward."""
+    from ctxpar.testing.memory import LiveBytes
+    torch.manual_seed(1)
+    moe = MoE(cfg, tile=tile)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    xi = x.clone().requires_grad_()
+    out = moe(xi)
+    out.backward(dy)
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    dx = xi.grad.clone()
+    moe.zero_grad(set_to_none=True)
+    xi.grad = None
+    with LiveBytes() as live:
+        moe(xi).backward(dy)
+    return out.detach(), dx, grads, live.peak
+
+
+def test_tiled_experts_equal_the_untiled_layer_and_hold_one_tiles_buffers():
+    """memory.tiled_mlp on a MoE layer (one process, fp32): 512 tokens in tiles of 64
+    give the untiled layer's output, input gradient and every parameter gradient (the
+    tiles' sums in another order), and the step's peak live bytes fall below half the
+    untiled layer's: the dispatch buffers and expert intermediates exist one tile at a
+    time (models/moe.py)."""
+    cfg = _moe_cfg(expert_hidden=128, shared_expert_hidden=16)
+    torch.manual_seed(0)
+    x = torch.randn(1, 512, cfg.d_model)
+    dy = torch.randn(1, 512, cfg.d_model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the 2-core machine is shared: one thread is the fastest
+    try:
+        runs = [_tiled_run(cfg, x, dy, tile) for tile in (None, 64)]
+    finally:
+        torch.set_num_threads(threads)
+    (out, dx, grads, untiled), (t_out, t_dx, t_grads, tiled) = runs
+    torch.testing.assert_close(t_out, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(t_dx, dx, rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        # a weight's gradient sums 512 tokens' terms, in tiles: fp32 order, ~1e-6 of it
+        torch.testing.assert_close(t_grads[name], g, rtol=0, atol=1e-6 * g.abs().max().item(),
+                                   msg=name)
+    assert tiled < 0.5 * untiled, (tiled, untiled)
 
 
 def test_a_capacity_factor_drops_the_assignments_past_each_experts_capacity():
@@ -567,6 +623,80 @@ def test_a_resumed_deepseek_run_restores_its_correction_biases(deepseek_runs, tm
         torch.equal(got[k], want[k]) for k in want)
 
 
+# Pipeline x EP: each stage's experts split over its EP group (folded into its dp x cp),
+# with DeepSeek's router: the bias update and the sequence-level loss through the stages.
+ZERO0 = "deepspeed.zero_optimization.stage=0"
+PP1_EP1 = ["parallel.cp=1", "parallel.dp=1", "train.micro_batch_size=4", *DEEPSEEK_RUN]
+CP2_PP2_EP2 = ["parallel.cp=2", "parallel.pp=2", "parallel.ep=2", "parallel.dp=1",
+               "train.micro_batch_size=4", *DEEPSEEK_RUN]
+PP2_DP2_EP2 = ["parallel.cp=1", "parallel.pp=2", "parallel.ep=2", "parallel.dp=2",
+               "train.micro_batch_size=2", ZERO0, *DEEPSEEK_RUN]
+# {case: (its layout, [(resumed on, processes, its layout, tolerance against the run)])}:
+# the same layout bit for bit (ZeRO-1; ZeRO-0's own files resume as at pp 1), pp 1 x ep 1
+# through the universal conversion (reductions reordered).
+DEEPSEEK_PP = {
+    "cp2-pp2-ep2-zero1": (CP2_PP2_EP2, [("again", 4, CP2_PP2_EP2, 0.0),
+                                        ("pp1-ep1", 1, PP1_EP1, 1e-5)]),
+    "pp2-dp2-ep2-zero0": (PP2_DP2_EP2, [("pp1-ep1", 1, [*PP1_EP1, ZERO0], 1e-5)]),
+    # the experts tiled (a rank's 4 x 64 tokens in tiles of 48), the blocks recomputed
+    "cp2-pp2-ep2-tiled-recompute": ([*CP2_PP2_EP2, "memory.tiled_mlp=true",
+                                     "memory.mlp_tile_tokens=48",
+                                     "activation_checkpointing.mode=full"], []),
+}
+
+
+def _strict(want_dir, got_dir, keys, rtol):
+    for key in keys:
+        want, got = metric(want_dir, key), metric(got_dir, key)
+        assert got and set(got) <= set(want), (key, sorted(got))
+        for s in got:
+            assert abs(got[s] - want[s]) <= rtol * abs(want[s]), (key, s, got[s], want[s])
+
+
+def _layer_file_biases(run_dir):
+    """A pipelined run's step-6 correction biases by GPT name (DeepSpeed's layer files:
+    layer_XX holds block XX - 1)."""
+    step = f"{run_dir}/checkpoints/step_00000006"
+    return {f"layers.{i}.mlp.gate.e_score_correction_bias": torch.load(
+        f"{step}/layer_{i + 1:02d}-model_00-model_states.pt", map_location="cpu",
+        weights_only=False)["mlp.gate.e_score_correction_bias"] for i in range(2)}
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSEEK_PP))
+def test_pipeline_x_expert_parallel_trains_resumes_and_reshards_as_cp1(deepseek_runs, tmp_path,
+                                                                      name):
+    """pp2 x ep2 (one MoE layer a stage), cp2 at ZeRO-1 (also with the experts tiled and
+    the blocks recomputed) and dp2 at ZeRO-0: the experts'
+    gradients reduced over their EDP group inside a stage (DeepSpeed's MoE path, the
+    pipeline's data-axis reduction left to the dense ones: ctxpar/distributed/
+    expert_parallel.py), the gradient norm over every stage and EP rank, the sequence-level
+    loss's per-layer shares carried with the activations and each stage's layers' counts
+    moving their own biases (models/gpt_pipe.py). Over 6 steps the loss, gradient norm, z
+    and sequence-level losses and the experts' load equal cp 1's (fp32, reductions
+    reordered: 1e-5; the load-balancing loss's value is the micro-batch's, and cp 1 runs
+    2 rows a micro-batch, so it is left out), and the step-6 biases are cp 1's exactly
+    (sums of +-rate from integer counts). The step-3 checkpoint resumes on its layout bit
+    for bit, and at pp 1 x ep 1 through the universal conversion (each stage's experts
+    whole from every EP rank's ZeRO shard or ZeRO-0 file, the biases from the layer files)
+    to cp 1's losses at 1e-5."""
+    ref, _ = deepseek_runs
+    sets, resumes = DEEPSEEK_PP[name]
+    run = tmp_path / "run"
+    run_train(str(run), 4, sets)
+    keys = ("loss", "grad_norm", "moe_z_loss", "moe_seq_aux_loss", "moe_expert_load")
+    _strict(ref, str(run), keys, 1e-5)
+    want = _saved_biases(ref)
+    assert all(torch.equal(b, want[k]) and b.abs().max() > 0
+               for k, b in _layer_file_biases(str(run)).items())
+    tag = "step_00000003"
+    for where, nproc, layout, rtol in resumes:
+        d = tmp_path / where
+        shutil.copytree(run / "checkpoints" / tag, d / "checkpoints" / tag)
+        run_train(str(d), nproc, layout, extra=["--resume", "auto"])
+        assert sorted(losses(str(d))) == [4, 5, 6], where
+        _strict(str(run), str(d), ("loss", "grad_norm"), rtol)
+
+
 def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
     """generate.py's loader (ctxpar/inference/checkpoint.py) takes the cp2 x dp2 run's step-6
     checkpoint, biases included, into a one-process model (they were 'unexpected' names)."""
@@ -599,8 +729,12 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
     ({"moe": {"num_experts": 8}, "zero": 0, "bf16": True}, {"ep": 2, "cp": 2},
      "not built with parallel.ep=2, deepspeed.zero_optimization.stage=0 and "
      "deepspeed.bf16.enabled=true"),
-    ({"moe": {"num_experts": 8}, "zero": 1}, {"pp": 2, "cp": 2, "ep": 2},
-     "not built with parallel.pp=2 and parallel.ep=2"),
+    ({"moe": {"num_experts": 8, "layers": [0]}, "n_layers": 2, "zero": 1},
+     {"pp": 2, "cp": 2, "ep": 2}, "parallel.pp=2 and parallel.ep=2: pipeline stage 1 "
+                                  "(blocks [1], parallel.pp_partition='parameters') has no "
+                                  "MoE layer"),
+    ({"moe": {"num_experts": 8}, "memory": {"tiled_mlp": True, "mlp_tile_tokens": 0}},
+     {"ep": 2, "cp": 2}, "memory.mlp_tile_tokens=0 must be 'auto' or an integer >= 1"),
     ({"moe": {"swiglu_limit": 7.0}, "mlp": "gelu"}, {}, "model.moe.swiglu_limit=7.0 needs "
                                                         "model.mlp='swiglu'"),
     ({"moe": {"bias_update_rate": 0.001}}, {}, "model.moe.bias_update_rate=0.001 must be >= 0 "
@@ -626,8 +760,9 @@ def test_bad_moe_configs_fail_at_load_in_one_line(model, parallel, msg):
     zero = {"zero_optimization": {"stage": model.pop("zero")}} if "zero" in model else {}
     if model.pop("bf16", False):
         zero["bf16"] = {"enabled": True}
+    memory = model.pop("memory", {})
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
-         "train": {"global_batch_size": 1}, "deepspeed": zero}
+         "train": {"global_batch_size": 1}, "deepspeed": zero, "memory": memory}
     with pytest.raises(ConfigError) as e:
         config_from_dict(d, check_paths=False)
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -333,16 +333,21 @@ def test_on_two_nodes_ep_inside_a_node_is_fastest():
 
 @pytest.mark.quick
 def test_an_ep_the_trainer_refuses_says_why():
-    """Under a pipeline (pp 2 x cp 2) ep 2 is refused at every ZeRO stage: the line gives
-    the config validation's reason, not a bare 'refused'."""
+    """Under a pipeline (pp 2 x cp 2) with the experts in layer 0 only, ep 2 is refused at
+    every ZeRO stage (stage 1 would hold no experts): the line gives the config
+    validation's reason, not a bare 'refused'."""
+    from ctxpar.config import load_config
     from ctxpar.plan.cluster import Cluster, gpu_preset
     from ctxpar.plan.report import ep_reason
     from ctxpar.plan.search import evaluate
-    cfg, cluster = _moe_cfg(), Cluster(1, 4, gpu_preset("h100"))
+    cfg = load_config(os.path.join(ROOT, "configs/gpt1b_32k_3d.yaml"),
+                      [MOE_SET[0][:-1] + ", layers: [0]}", *MOE_SET[1:]], check_paths=False)
+    cluster = Cluster(1, 4, gpu_preset("h100"))
     plan = evaluate(cfg, Candidate(1, 2, 2, 1, zero=1, activation="full"), cluster)
     why = ep_reason(cfg, plan, cluster)
     assert "ep2 refused by the trainer (" in why, why
-    assert "parallel.pp=2 and parallel.ep=2" in why and "use ep 1 with a pipeline" in why, why
+    assert "parallel.pp=2 and parallel.ep=2: pipeline stage 1" in why and \
+        "has no MoE layer" in why, why
     assert cfg.source not in why  # the reason, not the file it came from
 
 

@@ -9,10 +9,13 @@ Every rank's own experts are restored from per-rank state instead:
                DeepSpeed restores them, ``update_lp_params`` copies them into the weights
     ZeRO 3     the rank's ZeRO shard, its expert partitions with every other (DeepSpeed
                restores them; the model carries no ExpertGroups there, so nothing here)
-    ZeRO 0     one file per (EP rank, TP rank), written here beside the engine's by the
-               EDP group's first rank (its EDP peers hold the same experts and states):
+    ZeRO 0     one file per (EP rank, model file), written here beside the engine's by the
+               EDP group's first rank (its EDP peers hold the same experts and states);
+               MM is the index of the engine's own mp_rank_MM file on this rank (the TP
+               rank, or under a pipeline the (stage, TP rank) position: each stage's
+               experts are its own layers'):
 
-                   experts_ep<EE>_mp_rank_<TT>.pt
+                   experts_ep<EE>_mp_rank_<MM>.pt
                        module     {name: this EP rank's slice of an expert tensor}
                        optimizer  the optimizer's whole state_dict (torch AdamW at fp32;
                                   FP16_Optimizer's fp32 master and moments at 16 bits)
@@ -36,19 +39,20 @@ from typing import Any, Dict, List
 import torch
 
 
-def experts_file(tag_dir: str, ep_rank: int, tp_rank: int) -> str:
-    return os.path.join(tag_dir, f"experts_ep{ep_rank:02d}_mp_rank_{tp_rank:02d}.pt")
+def experts_file(tag_dir: str, ep_rank: int, mp_rank: int) -> str:
+    return os.path.join(tag_dir, f"experts_ep{ep_rank:02d}_mp_rank_{mp_rank:02d}.pt")
 
 
 def _ranks(engine):
-    """(EP rank, EDP rank, TP rank) of this rank, from the groups ctxpar registered under
-    DeepSpeed's name (expert_parallel.ExpertGroups)."""
-    from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank
+    """(EP rank, EDP rank, model-file index) of this rank, from the groups ctxpar
+    registered under DeepSpeed's name (expert_parallel.ExpertGroups); the index is the one
+    DeepSpeed names its mp_rank file by (its mpu's model-parallel rank: TP, or a pipeline
+    grid's pipe x model position)."""
     from deepspeed.utils import groups
 
     name = engine.module.deepspeed_expert_groups.expert_group_name
     return (groups._get_expert_parallel_rank(name), groups._get_expert_data_parallel_rank(name),
-            bwc_tensor_model_parallel_rank(engine.mpu))
+            engine.mpu.get_model_parallel_rank())
 
 
 def _has_experts(engine) -> bool:
@@ -66,12 +70,12 @@ def save_experts(engine, tag_dir: str) -> None:
     rank's experts and optimizer state (module docstring); nothing otherwise."""
     if not _has_experts(engine) or engine.zero_optimization():
         return
-    ep_rank, edp_rank, tp_rank = _ranks(engine)
+    ep_rank, edp_rank, mp_rank = _ranks(engine)
     if edp_rank != 0:
         return
     module = {n: p.detach().cpu().clone() for n, p in _expert_params(engine).items()}
     torch.save({"module": module, "optimizer": engine.optimizer.state_dict()},
-               experts_file(tag_dir, ep_rank, tp_rank))
+               experts_file(tag_dir, ep_rank, mp_rank))
 
 
 @torch.no_grad()
@@ -83,8 +87,8 @@ def restore_experts(engine, tag_dir: str) -> None:
     if engine.zero_optimization():
         engine.optimizer.update_lp_params()  # the shard's fp32 partitions -> the weights
         return
-    ep_rank, _, tp_rank = _ranks(engine)
-    path = experts_file(tag_dir, ep_rank, tp_rank)
+    ep_rank, _, mp_rank = _ranks(engine)
+    path = experts_file(tag_dir, ep_rank, mp_rank)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing: a ZeRO-0 checkpoint at ep > 1 keeps EP rank "
                                 f"{ep_rank}'s experts there")
@@ -98,14 +102,15 @@ def restore_experts(engine, tag_dir: str) -> None:
     engine.optimizer.load_state_dict(saved["optimizer"])
 
 
-def full_experts(tag_dir: str, sd: Dict[str, Any], ep: int) -> Dict[str, Any]:
-    """A ZeRO-0 mp_rank file's state (its module and torch optimizer state, holding EP rank
-    0's experts) with every expert tensor and Adam moment made whole: the EP ranks' files'
-    slices concatenated along the expert dim in EP rank order (ParallelState's EP ranks
-    hold experts e E/ep ...). For the universal conversion (universal.zero0_to_universal)."""
+def full_experts(tag_dir: str, sd: Dict[str, Any], ep: int, mp_rank: int) -> Dict[str, Any]:
+    """The ZeRO-0 mp_rank_<mp_rank> file's state (its module, None under a pipeline, and
+    torch optimizer state, holding EP rank 0's experts) with every expert tensor (in the
+    module) and Adam moment made whole: the EP ranks' files' slices concatenated along the
+    expert dim in EP rank order (ParallelState's EP ranks hold experts e E/ep ...). For the
+    universal conversion (universal.zero0_to_universal)."""
     files: List[Dict[str, Any]] = []
     for e in range(ep):
-        path = experts_file(tag_dir, e, sd["tp_rank"])
+        path = experts_file(tag_dir, e, mp_rank)
         if not os.path.isfile(path):
             found = sorted(os.path.basename(f) for f in glob.glob(
                 os.path.join(tag_dir, "experts_ep*_mp_rank_*.pt")))
@@ -114,7 +119,7 @@ def full_experts(tag_dir: str, sd: Dict[str, Any], ep: int) -> Dict[str, Any]:
         files.append(torch.load(path, map_location="cpu", weights_only=False))
     ids = [i for g in sd["optimizer"]["param_groups"] for i in g["params"]]
     names = [n for g in sd["optimizer_param_names"] for n in g]
-    module, state = dict(sd["module"]), dict(sd["optimizer"]["state"])
+    module, state = dict(sd["module"] or {}), dict(sd["optimizer"]["state"])
     for name, idx in zip(names, ids):
         if name not in files[0]["module"]:
             continue  # a dense parameter: the same on every rank

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import os
 import re
 import shutil
@@ -39,16 +40,19 @@ def is_expert(name: str) -> bool:
 
 
 def ep_zero_to_universal(tag_dir: str, out_dir: str, ep: int) -> None:
-    """A ZeRO 1/2 checkpoint saved at ep > 1 (no pipeline) -> universal (module docstring)."""
+    """A ZeRO 1/2 checkpoint saved at ep > 1 -> universal (module docstring). Under a
+    pipeline each stage's shards hold its own layers' parameters (the stage module's names,
+    distinct between stages but for the tied embedding's identical copies), each stage's EP
+    and EDP groups folded over its own dp x cp as at pp 1: the stages are read in turn."""
     from deepspeed.checkpoint import DeepSpeedCheckpoint
     from deepspeed.checkpoint import constants as C
     from deepspeed.checkpoint import ds_to_universal as dsu
 
     ckpt = DeepSpeedCheckpoint(tag_dir)
     tmp, edp = os.path.join(out_dir, "tmp"), ckpt.dp_degree // ep
-    for tp in range(ckpt.tp_degree):
+    for pp, tp in itertools.product(range(ckpt.pp_degree), range(ckpt.tp_degree)):
         for r in range(ckpt.dp_degree):
-            optim = ckpt.get_zero_checkpoint_state(pp_index=0, tp_index=tp,
+            optim = ckpt.get_zero_checkpoint_state(pp_index=pp, tp_index=tp,
                                                    dp_index=r)[C.OPTIMIZER_STATE_DICT]
             states = optim[C.BASE_OPTIMIZER_STATE]["state"]
             for g, mapping in enumerate(optim[C.PARAM_SLICE_MAPPINGS]):
@@ -63,7 +67,7 @@ def ep_zero_to_universal(tag_dir: str, out_dir: str, ep: int) -> None:
                                                 frag.numel)
     uc_info = ckpt.get_checkpoint_info(C.UNIVERSAL_CHECKPOINT_INFO)
     zero = os.path.join(out_dir, "zero")
-    for name, per_tp in _full_shapes(ckpt.mp_rank_files, ep).items():
+    for name, per_tp in _full_shapes(ckpt.mp_rank_files, ep, ckpt.tp_degree).items():
         dsu.merge_tp_slices(uc_info, zero, tmp, ckpt.tp_degree, (name, per_tp))
     dsu._save_optimizer_state(Namespace(output_folder=out_dir), ckpt)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -71,18 +75,21 @@ def ep_zero_to_universal(tag_dir: str, out_dir: str, ep: int) -> None:
         shutil.copy2(f, out_dir)
 
 
-def _full_shapes(mp_rank_files: List[str], ep: int) -> Dict[str, List[torch.Size]]:
+def _full_shapes(mp_rank_files: List[str], ep: int, tp_degree: int
+                 ) -> Dict[str, List[torch.Size]]:
     """{name: [its shape on TP rank t]} from the model files' ZeRO param_shapes, an expert's
-    over all E experts (ep times its E/ep rows)."""
-    shapes: Dict[str, List[torch.Size]] = {}
-    for path in sorted(mp_rank_files):  # mp_rank_00, 01, ...: TP rank order (no pipeline)
+    over all E experts (ep times its E/ep rows). The files are pp-major (file i: stage
+    i // tp_degree, TP rank i % tp_degree, as ds_to_universal reads them); a name on several
+    stages (the tied embedding) counts once per TP rank."""
+    per_tp: List[Dict[str, torch.Size]] = [{} for _ in range(tp_degree)]
+    for i, path in enumerate(sorted(mp_rank_files)):
         sd = torch.load(path, map_location="cpu", weights_only=False)
         for group in sd["param_shapes"]:
             for name, shape in group.items():
                 if is_expert(name):
                     shape = torch.Size([shape[0] * ep, *shape[1:]])
-                shapes.setdefault(name, []).append(shape)
-    return shapes
+                per_tp[i % tp_degree].setdefault(name, shape)
+    return {name: [shapes[name] for shapes in per_tp] for name in per_tp[0]}
 
 
 def mark_experts(out_dir: str, num_experts: int) -> None:

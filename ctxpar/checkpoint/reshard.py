@@ -29,12 +29,19 @@ from .expert_states import restore_experts
 from .resume import (CheckpointError, latest_complete, load as load_same_layout, resume_problem,
                      verify)
 from .universal import (check_complete, load_buffers_, load_into_torch_optimizer, load_meta,
-                        naming, num_experts, saved_buffers, to_universal)
+                        naming, num_experts, to_universal)
+from .weights import checkpoint_buffers, gpt_named_buffers
 
 LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "ep", "zero_stage", "dtype")
 # model.* fields a resumed run may change: RoPE's frequencies (context extension); shapes
 # must match. model.init_from only matters for a fresh run, model.family for the export.
 MODEL_MAY_CHANGE = ("rope_theta", "rope_scaling", "init_from", "family")
+
+
+def _expert_groups(layout: Dict[str, Any]) -> bool:
+    """Whether the optimizer holds the experts in groups of their own on this layout
+    (models/training.py param_groups: all but a pipeline at ep 1)."""
+    return layout["pp"] == 1 or layout.get("ep", 1) > 1
 
 
 def layout_of(cfg, dp: int) -> Dict[str, Any]:
@@ -162,19 +169,14 @@ def resume_point(save_dir: str, resume: str, cfg, world_size: int,
     saved = {"ep": 1, **saved}  # manifests from before expert parallelism
     changed = {k: (saved[k], now[k]) for k in LAYOUT_KEYS if saved[k] != now[k]}
     point = ResumePoint(save_dir, tag, manifest, now, changed)
-    if point.universal and cfg.model.moe is not None and (saved["pp"] > 1) != (now["pp"] > 1):
+    if point.universal and cfg.model.moe is not None and \
+            _expert_groups(saved) != _expert_groups(now):
         raise CheckpointError(
             f"{tag_dir}: cannot resume a mixture of experts saved on {describe(saved)} on "
-            f"{describe(now)}: a pipeline keeps the experts in the optimizer's dense groups, "
-            f"without one they have groups of their own (models/training.py param_groups), "
-            f"and DeepSpeed restores group by group; keep pp on both sides above 1 or at 1")
-    moe = cfg.model.moe
-    if point.universal and moe is not None and moe.score_correction_bias and max(
-            saved["pp"], now["pp"]) > 1:
-        raise CheckpointError(
-            f"{tag_dir}: cannot change the layout ({', '.join(changed)}) of a pipelined run with "
-            f"model.moe.score_correction_bias: its biases are buffers in the pipeline's layer "
-            f"files, which the universal conversion does not read; resume on {describe(saved)}")
+            f"{describe(now)}: a pipeline at ep 1 keeps the experts in the optimizer's dense "
+            f"groups, any other layout gives them groups of their own (models/training.py "
+            f"param_groups), and DeepSpeed restores group by group; keep both sides pipelined "
+            f"at ep 1, or neither")
     if point.universal:
         for which, layout in (("saved on", saved), ("resumed on", now)):
             if optimizer_kind(layout) is None:
@@ -237,8 +239,9 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
                                                         load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {out_dir}")
-    # the routers' correction biases
-    load_buffers_(engine.module.named_buffers(), saved_buffers(out_dir))
+    # the routers' correction biases: from the model file, or a pipeline's layer files
+    load_buffers_(gpt_named_buffers(engine.module),
+                  checkpoint_buffers(point.path, out_dir, m.n_layers))
     dist.barrier()  # every rank has read its slices
     if dist.get_rank() == 0:
         shutil.rmtree(point.universal_dir, ignore_errors=True)

@@ -161,15 +161,17 @@ def zero0_to_universal(tag_dir: str, out_dir: str, n_layers: int, pipelined: boo
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     for path in files:
         sd = torch.load(path, map_location="cpu", weights_only=False)
-        if ep > 1:
-            sd = full_experts(tag_dir, sd, ep)
+        if ep > 1:  # the mp_rank_<MM> file's experts from every EP rank's file of MM
+            mp_rank = int(os.path.basename(path)[len("mp_rank_"):].split("_")[0])
+            sd = full_experts(tag_dir, sd, ep, mp_rank)
         first = first or sd
         uc_info = uc_info or sd.get(C.UNIVERSAL_CHECKPOINT_INFO)
         tp_rank, opt = sd["tp_rank"], sd["optimizer"]
         ids = [i for g in opt["param_groups"] for i in g["params"]]
         param_names = [n for g in sd["optimizer_param_names"] for n in g]
         for name, idx in zip(param_names, ids):
-            value = sd["module"][name] if not pipelined else _pipe_layer_value(
+            whole = sd["module"] or {}  # a pipeline's: its full experts only (ep > 1)
+            value = whole[name] if name in whole else _pipe_layer_value(
                 tag_dir, name, tp_rank, n_layers)
             state = opt["state"][idx]
             shapes.setdefault(name, {})[tp_rank] = value.shape
@@ -232,7 +234,7 @@ def to_universal(tag_dir: str, out_dir: str, layout: Dict, n_layers: int,
     src_pipelined = layout["pp"] > 1
     with _quiet() as log:
         try:
-            if ep > 1 and layout["zero_stage"] > 0:  # ZeRO 1/2 (3 refused above), no pipeline
+            if ep > 1 and layout["zero_stage"] > 0:  # ZeRO 1/2 (3 refused above), any pp
                 ep_zero_to_universal(tag_dir, out_dir, ep)
             elif glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
                 from deepspeed.checkpoint import ds_to_universal

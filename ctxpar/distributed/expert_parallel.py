@@ -10,6 +10,8 @@ ctxpar's loss divisor (ctxpar/distributed/zero.py):
     ZeRO 1 and 2        the MoE param groups partition over EDP; a bucket is divided by
                         |dp x cp| / cp = |dp| and reduced over EDP
     non-expert (0-2)    all-reduce / reduce-scatter over dp x cp, / |dp|
+    pipeline (ZeRO 0, 1) every gradient / |dp x cp| (the grid's data axis is DeepSpeed's
+                        data group there): the experts' over EDP, the rest over dp x cp
     ZeRO 3              per-parameter partition groups: the experts over EDP, the rest
                         over dp x cp, every gradient / |dp x cp| (zero3_expert_placement)
 

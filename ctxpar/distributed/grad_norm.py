@@ -70,7 +70,8 @@ def record_fp32_grad_norm(engine, state) -> None:
             grid.get_slice_parallel_rank()
     else:
         model_parallel_group, tp_rank = state.tp_group, state.tp_rank
-    ep_group = state.ep_group if state.ep_size > 1 else None  # no pipeline with ep (config)
+    # a stage's EP group lies inside its dp x cp: the experts' squares summed over it first
+    ep_group = state.ep_group if state.ep_size > 1 else None
     params = [p for p in engine.module.parameters() if p.requires_grad]
     clipped_this_step = [False]
 

@@ -51,6 +51,7 @@ class RouterStats:
         self.prob_sums: List[torch.Tensor] = []   # per layer (E,), differentiable
         self.z_sums: List[torch.Tensor] = []      # per layer (), differentiable
         self.rows = 0
+        self.carried_seq = None   # unpack's: the stages' sequence-level share (pipeline)
 
     def add(self, logits: torch.Tensor, experts: torch.Tensor, batch: int = 1) -> None:
         """One layer's router logits (N, E) and its chosen experts (N, k) of batch rows."""
@@ -64,17 +65,19 @@ class RouterStats:
         self.z_sums.append(torch.logsumexp(logits, dim=-1).square().sum())
         self.rows += logits.shape[0]
 
-    def packed(self, carried: torch.Tensor) -> torch.Tensor:
-        """carried (2E + 2,) fp32 [probability sums (E), z sum, counts (E), rows] of an
-        earlier pipeline stage's layers (zeros on the first) plus this forward's: what a
-        stage hands on with its activations, so the last stage's loss sees every layer's
-        (the first E + 1 entries carry the routers' gradients back; counts and rows none).
-        The load-balancing and z losses only: a pipeline refuses the per-layer and
-        per-sequence statistics (ctxpar/config/moe.py)."""
+    def packed(self, carried: torch.Tensor, seq_share=None) -> torch.Tensor:
+        """carried (2E + 3,) fp32 [probability sums (E), z sum, sequence-level share,
+        counts (E), rows] of an earlier pipeline stage's layers (zeros on the first) plus
+        this forward's: what a stage hands on with its activations, so the last stage's
+        loss sees every layer's (the first E + 2 entries carry the routers' gradients back;
+        counts and rows none). seq_share: this forward's layers' share of the
+        sequence-level loss (SequenceBalance.share, a sum over layers, so the stages'
+        shares add up to pp 1's)."""
         if self.rows == 0:  # no MoE layer ran
             return carried
+        seq = self.layer_counts[0].new_zeros(()) if seq_share is None else seq_share
         own = torch.cat([torch.stack(self.prob_sums).sum(0),
-                         torch.stack(self.z_sums).sum().view(1),
+                         torch.stack(self.z_sums).sum().view(1), seq.view(1),
                          torch.stack(self.layer_counts).sum(0).detach(),
                          self.layer_counts[0].new_tensor([self.rows])])
         return carried + own
@@ -82,10 +85,12 @@ class RouterStats:
     @classmethod
     def unpack(cls, packed: torch.Tensor, num_experts: int) -> "RouterStats":
         """The RouterStats of every layer a packed tensor has summed, as one layer
-        (``losses`` sums over the layers: the same load-balancing and z losses)."""
+        (``losses`` sums over the layers: the same load-balancing and z losses; the
+        sequence-level share as the stages computed it)."""
         E, stats = num_experts, cls(num_experts)
         stats.prob_sums, stats.z_sums = [packed[:E]], [packed[E]]
-        stats.layer_counts = [packed[E + 1:2 * E + 1].detach()]
+        stats.carried_seq = packed[E + 1]
+        stats.layer_counts = [packed[E + 2:2 * E + 2].detach()]
         stats.rows = float(packed[-1].detach())
         return stats
 
@@ -108,6 +113,7 @@ class RouterStats:
         aux_share = E * (counts / rows * prob / rows).sum()
         z_share = torch.stack(self.z_sums).sum() / rows
         seq_share = (self.seq.share(sequences, cp_group) if self.seq is not None
+                     else self.carried_seq if self.carried_seq is not None
                      else z_share.new_zeros(()))
         values = torch.stack([aux_share.detach(), z_share.detach(), seq_share.detach()])
         if group is not None and dist.get_world_size(group) > 1:

@@ -120,12 +120,14 @@ def tile_sizes(cfg: Config, s: counts.RankShapes, cand: Candidate):
 
 def shard(m, tp: int, pp: int, stage: int, ep: int = 1) -> Shard:
     """What one rank of pipeline stage `stage` holds; a mixture of experts' experts are
-    optimizer groups of their own at every ep but under a pipeline (models/training.py's
-    param_groups), partitioned over their expert-data-parallel group."""
+    optimizer groups of their own at every layout but a pipeline at ep 1
+    (models/training.py's param_groups), partitioned over their expert-data-parallel
+    group."""
     psi = counts.stage_params(m, tp, pp, stage, ep)
     return Shard(psi=psi, psi0=psi - counts.stage_vector_params(m, tp, pp, stage),
                  largest=counts.largest_tensor(m, tp, ep), layer=counts.layer_params(m, tp, ep),
-                 experts=counts.stage_experts(m, tp, pp, stage, ep) if pp == 1 else 0)
+                 experts=counts.stage_experts(m, tp, pp, stage, ep)
+                 if pp == 1 or ep > 1 else 0)
 
 
 def ds_zero(cfg: Config, cand: Candidate) -> Dict:
