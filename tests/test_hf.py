@@ -29,7 +29,8 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig,  # noqa: E402
-                          Glm4MoeConfig, GptOssConfig, Llama4TextConfig, MiniMaxM2Config, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          Glm4MoeConfig, GptOssConfig, Llama4TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MiniMaxM2Config, MistralConfig,
                           MixtralConfig, NemotronHConfig, OlmoHybridConfig, Qwen2Config,
                           Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
