@@ -225,6 +225,7 @@ def weights_of(model):
 @pytest.mark.quick
 @pytest.mark.parametrize("scaling", [
     None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, YARN,
+    {**LLAMA3, "factor": 16.0, "high_freq_factor": 1.0},  # Llama 4's: no blended band
     {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},
     {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, {**YARN, "attention_factor": 1.5}])
 def test_rope_frequencies_equal_transformers(scaling):
