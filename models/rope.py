@@ -37,7 +37,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
         factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         wavelen = 2 * math.pi / inv_freq
-        smooth = (old / wavelen - low) / (high - low)  # 0 at the low end, 1 at the high end
+        # 0 at the low end, 1 at the high end; high == low (Llama 4): no band between, the
+        # division's inf/nan never chosen (as modeling_rope_utils computes it)
+        smooth = (old / wavelen - low) / (high - low)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         return torch.where(wavelen > old / low, inv_freq / factor,
                            torch.where(wavelen < old / high, inv_freq, blended))

@@ -308,7 +308,9 @@ def test_every_shipped_config_validates(path):
                                          ("extend_gpt_oss_20b_512k", 20_914_757_184),
                                          ("extend_qwen3_next_80b_a3b_1m", 79_674_391_296),
                                          ("extend_glm4_5_air_512k", 106_852_245_504),
-                                         ("extend_deepseek_v2_lite_1m", 15_706_484_224)])
+                                         ("extend_deepseek_v2_lite_1m", 15_706_484_224),
+                                         ("extend_minimax_m2_768k", 228_689_748_992),
+                                         ("extend_llama4_scout_1m", 107_769_861_120)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch
@@ -326,7 +328,11 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
                                                 "extend_glm4_5_air_512k":
                                                 13_424_123_904,
                                                 "extend_deepseek_v2_lite_1m":
-                                                2_661_150_208}[name]
+                                                2_661_150_208,
+                                                "extend_minimax_m2_768k":
+                                                11_030_537_216,
+                                                "extend_llama4_scout_1m":
+                                                17_172_894_720}[name]
 
 
 def quoted_verdicts():

@@ -241,6 +241,7 @@ def weights_of(model):
 @pytest.mark.quick
 @pytest.mark.parametrize("scaling", [
     None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, YARN,
+    {**LLAMA3, "factor": 16.0, "high_freq_factor": 1.0},  # Llama 4's: no blended band
     {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},
     {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, {**YARN, "attention_factor": 1.5}])
 def test_rope_frequencies_equal_transformers(scaling):
@@ -1045,7 +1046,7 @@ def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
         torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe", "qwen3_next", "llama4_text"])
 def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, family):
     import yaml
     from ctxpar.config import config_from_dict
@@ -1057,6 +1058,13 @@ def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, 
     assert cfg.model.family == family and cfg.model.init_from == str(tmp_path)
     if family == "gemma3_text":
         assert cfg.model.norm_offset == 1.0
+    elif family == "llama4_text":  # its NoPE layers, their temperature, the input-scaling MoE
+        m = cfg.model
+        assert (m.nope_layers, m.attn_temperature_tuning, m.floor_scale, m.qk_l2_norm,
+                m.moe.scale_expert_input, m.moe.layers) == ([1, 3], True, 8, True, True, [1, 3])
+        assert hf.check_matches(m, hf.model_fields(hf.read_config(tmp_path), str(tmp_path)),
+                                str(tmp_path)) == {}
+        return
     else:  # model.moe a section of its own; a router loss weight may differ from the folder's
         assert cfg.model.moe == MoEConfig(8, 3, 32, [1] if family == "qwen2_moe" else None,
                                           shared_expert_hidden=40, shared_expert_gate=True,

@@ -409,9 +409,9 @@ def _check_rope_scaling(rs: Dict[str, Any], err: Err) -> None:
                 err(f"model.rope_scaling.truncate={v!r} must be true or false")
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             err(f"model.rope_scaling.{key}={v!r} must be a number > 0")
-    if kind == "llama3" and rs["high_freq_factor"] <= rs["low_freq_factor"]:
-        err(f"model.rope_scaling.high_freq_factor={rs['high_freq_factor']} must be > "
-            f"low_freq_factor={rs['low_freq_factor']}")
+    if kind == "llama3" and rs["high_freq_factor"] < rs["low_freq_factor"]:
+        err(f"model.rope_scaling.high_freq_factor={rs['high_freq_factor']} must be >= "
+            f"low_freq_factor={rs['low_freq_factor']} (equal: no blended band, Llama 4's)")
 
 
 def _check_long_context_eval(cfg: Config, err: Err) -> None:
