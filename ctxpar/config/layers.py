@@ -129,7 +129,18 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
     return list(_LAYER_ATTENTION[key])
 
 
-_LAYER_ATTENTION: dict = {}  # layer_attention's: the fields it reads -> every layer's
+_LAYER_ATTENTION: dict = {}
+
+
+def mtp_layer_attention(m: ModelConfig) -> LayerAttention:
+    """The MTP block's attention (model.mtp.layer_type), with the RoPE, window or chunks
+    the model's layers of that type have."""
+    kind = m.mtp.layer_type
+    rope = (m.layer_rope or {}).get(kind, {})
+    return LayerAttention(kind, m.sliding_window if kind == "sliding_attention" else None,
+                          m.attention_chunk_size if kind == "chunked_attention" else None,
+                          float(rope.get("rope_theta", m.rope_theta)),
+                          rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling)  # layer_attention's: the fields it reads -> every layer's
 
 
 def check_layers(m: ModelConfig, err) -> None:

@@ -12,6 +12,7 @@ from ..context_parallel.layouts import LAYOUTS
 from ..context_parallel.linear.api import LINEAR_CP_STRATEGIES
 from ..context_parallel.ring import GRAD_DTYPES
 from .moe import MoEConfig
+from .mtp import MTPConfig
 
 
 class ConfigError(ValueError):
@@ -161,6 +162,9 @@ class ModelConfig:
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
     moe: Optional[MoEConfig] = None
     """A mixture of experts in place of the MLP (ctxpar/config/moe.py; None: dense)."""
+    mtp: Optional[MTPConfig] = None
+    """Multi-token prediction layers after the head (ctxpar/config/mtp.py; None: none, and
+    an imported folder's MTP tensors are left out)."""
     family: Optional[str] = None
     """The Hugging Face family the model is exported as (config.json's model_type: one of
     HF_FAMILIES); None: the one model.init_from's folder has, else the first whose

