@@ -156,3 +156,67 @@ def test_one_process_loss_and_gradients_equal_the_definition(name):
     for n in want_grads:
         torch.testing.assert_close(grads[n], want_grads[n], rtol=1e-5, atol=1e-7, msg=n)
         assert want_grads[n].abs().sum() > 0, f"{n}: no gradient reaches it"
+
+
+# ---- (4) CP parity -------------------------------------------------------------------
+
+def _parity(rank, world, payload):
+    """Each case on this rank: the step's token counts, the LM + MTP loss and every
+    gradient after the DeepSpeed-style reduction, gathered to full size."""
+    from ctxpar import init_parallel_state
+    from ctxpar.data.loader import shard_batch
+    from ctxpar.tensor_parallel import gather_full_state_dict
+    from models.loss import deepspeed_style_reduce_, global_mean_loss, loss_for_backward
+    from models.options import ModelGroups
+    from models.step_kinds import attach_mtp_weights, count_step_tokens
+
+    out = []
+    for (tp, cp, layout, comm, u, name), tokens, labels in pickle.loads(payload):
+        cfg = CONFIGS[name]
+        st = init_parallel_state(tp=tp, cp=cp, dp=1, ulysses=u)
+        model = GPT(cfg, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group,
+                                     ulysses_group=st.ulysses_group, ring_group=st.ring_group),
+                    ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
+        mb = shard_batch({"tokens": tokens, "labels": labels, "cu_seqlens": DOCS}, st, layout,
+                         mtp_depth=cfg.mtp.depth)  # (B, T/cp), (B, D, T/cp)
+        n = attach_mtp_weights([mb], count_step_tokens([mb], st), cfg.mtp)
+        local = model(mb["tokens"], mb["positions"], mb["labels"], cu_seqlens=DOCS,
+                      mtp_tokens=mb["mtp_tokens"], mtp_labels=mb["mtp_labels"],
+                      mtp_weights=mb["mtp_weights"])
+        loss_for_backward(local, n, st.dp_size).backward()
+        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        out.append(dict(loss=global_mean_loss(local, n, st.dp_cp_group),
+                        grads=gather_full_state_dict(model, st.tp_group, grads=True)))
+    return out
+
+
+CASES = {  # world -> (tp, cp, layout, cp_comm, ulysses, config)
+    2: [(1, 2, "zigzag", "ring", 1, "per_depth"), (1, 2, "striped", "ulysses", 2, "shared")],
+    4: [(1, 4, "contiguous", "ring", 1, "shared"), (2, 2, "zigzag", "ring", 1, "per_depth")],
+}
+_RESULTS = {}
+
+
+def parity_results(world):
+    """The spawned ranks' results for a world size and the references, once per run."""
+    if world not in _RESULTS:
+        cases, refs = [], []
+        for case in CASES[world]:
+            tokens, labels = make_batch(CONFIGS[case[-1]])
+            cases.append((case, tokens, labels))
+            refs.append(reference(CONFIGS[case[-1]], tokens, labels, DOCS))
+        got = run_distributed(_parity, world, pickle.dumps(cases), timeout=300)
+        _RESULTS[world] = [c[0] for c in cases], refs, got
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_cp_loss_and_every_gradient_equal_one_process(world):
+    cases, refs, got = parity_results(world)
+    for rank, per_case in enumerate(got):  # every rank: replicas agree too
+        for case, (loss, grads), res in zip(cases, refs, per_case):
+            where = "rank {} tp{} cp{} {} {} u={} {}".format(rank, *case)
+            torch.testing.assert_close(res["loss"], loss, **TOL, msg=where)
+            assert set(res["grads"]) == set(grads), where
+            for n in grads:
+                torch.testing.assert_close(res["grads"][n], grads[n], **TOL, msg=f"{where} {n}")
