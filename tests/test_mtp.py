@@ -220,3 +220,36 @@ def test_cp_loss_and_every_gradient_equal_one_process(world):
             assert set(res["grads"]) == set(grads), where
             for n in grads:
                 torch.testing.assert_close(res["grads"][n], grads[n], **TOL, msg=f"{where} {n}")
+
+
+# ---- train.py ------------------------------------------------------------------------
+
+MTP_RUN = ["train.steps=6", "train.global_batch_size=4", "train.micro_batch_size=2",
+           "model.mtp.depth=2", "model.mtp.loss_weight=0.3", "data.passkey_docs=2", "model.seq_len=256",
+           "data.document_mask=true", "logging.wandb.mode=disabled"]
+
+
+def test_train_logs_the_same_lm_and_mtp_losses_at_cp2_as_at_cp1(tmp_path):
+    from helpers.train_run import metric, run_train
+
+    run_train(tmp_path / "cp1", 1, MTP_RUN + ["parallel.cp=1", "parallel.dp=1"])
+    run_train(tmp_path / "cp2", 2, MTP_RUN + ["parallel.cp=2", "parallel.dp=1",
+                                              "parallel.layout=zigzag"])
+    for key in ("loss", "lm_loss", "mtp_loss_1", "mtp_loss_2"):
+        want, got = metric(tmp_path / "cp1", key), metric(tmp_path / "cp2", key)
+        assert sorted(got) == list(range(1, 7)), key
+        # fp32, 6 AdamW steps: the reductions' order only (~5e-7 measured)
+        for s in got:
+            assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (key, s, got[s], want[s])
+    total = metric(tmp_path / "cp1", "loss")[1]  # loss = LM + lambda/D sum_k
+    parts = [metric(tmp_path / "cp1", k)[1] for k in ("lm_loss", "mtp_loss_1", "mtp_loss_2")]
+    assert abs(total - (parts[0] + 0.15 * (parts[1] + parts[2]))) < 1e-5
+
+
+def test_train_refuses_a_bad_depth_in_one_line_exit_2(tmp_path):
+    from helpers.train_run import run_train
+
+    proc = run_train(tmp_path, 1, ["parallel.cp=1", "parallel.dp=1", "model.mtp.depth=0"],
+                     check=False)
+    lines = [line for line in proc.stderr.splitlines() if "model.mtp.depth" in line]
+    assert proc.returncode == 2 and len(lines) >= 1 and "must be an integer >= 1" in lines[0]
