@@ -11,6 +11,7 @@ the token-mean LM + MTP loss and every gradient equal the single process's, one 
 world size.
 """
 import dataclasses
+import json
 import pickle
 
 import pytest
@@ -253,3 +254,123 @@ def test_train_refuses_a_bad_depth_in_one_line_exit_2(tmp_path):
                      check=False)
     lines = [line for line in proc.stderr.splitlines() if "model.mtp.depth" in line]
     assert proc.returncode == 2 and len(lines) >= 1 and "must be an integer >= 1" in lines[0]
+
+
+# ---- Qwen3.5's mtp.* -----------------------------------------------------------------
+
+QWEN3_5 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+               max_position_embeddings=128, rms_norm_eps=1e-5,
+               layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
+QWEN_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+              "post_norm": "norm"}
+
+
+def qwen3_5_with_mtp(path):
+    """A random Qwen3.5 saved by transformers, plus the mtp.* tensors of a released folder
+    (transformers saves none): transformers' generic MtpLayer around a Qwen3.5 full
+    attention decoder layer, its norms moved away from their init, under Qwen's names.
+    Returns (the causal LM, the MtpLayer)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(**QWEN3_5, tie_word_embeddings=False)
+    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
+    mtp_cfg = Qwen3_5TextConfig(**{**QWEN3_5, "num_hidden_layers": 1,
+                                   "layer_types": ["full_attention"]})
+    mtp_cfg._attn_implementation = "sdpa"  # causal when given no mask, as the main model's
+    layer = MtpLayer(mtp_cfg, Qwen3_5DecoderLayer, Qwen3_5RMSNorm, 0).float().eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for model in (ref, layer):
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(0.3 * torch.randn(p.shape, generator=g))
+    ref.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    for name, t in layer.state_dict().items():
+        head, _, rest = name.partition(".")
+        key = f"mtp.layers.0.{rest}" if head == "mtp_block" else \
+            f"mtp.{QWEN_NAMES[head]}.{rest}"
+        tensors[key] = t.contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    (path / "config.json").write_text(json.dumps(config))
+    return ref, layer
+
+
+def test_qwen3_5_mtp_imports_equals_transformers_mtp_layer_and_exports_its_tensors(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ctxpar.checkpoint import export, hf
+    from ctxpar.checkpoint.weights import copy_full_weights_
+    from ctxpar.config import rotary_dim
+
+    ref, layer = qwen3_5_with_mtp(tmp_path / "src")
+    src = str(tmp_path / "src")
+    folder = hf.read_config(src)
+    m = ModelConfig(**hf.model_fields(folder, src))
+    m.mtp = MTPConfig(depth=1, loss_weight=0.3, shared_projection=True)
+    hf.check_mtp(m, folder, src)
+    reader = hf.WeightReader(src, m.tie_embeddings, hf.naming_of(m))
+    reader.check(m)  # every mtp.* tensor taken, with its shape
+    model = GPT(m).eval()
+    copy_full_weights_(model, reader.get, None)
+    assert reader.unused() == [] and hf.left_out(src, m) is None
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(24)
+    ids = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)  # t_{i+1}
+    with torch.no_grad():
+        out = ref.model(tokens)
+        h = out.last_hidden_state  # final-normed, as the MTP layer takes it
+        emb = ref.model.embed_tokens(ids)
+        want = ref.lm_head(layer(emb, h, ref.model.rotary_emb(emb, (pos + 1)[None]), None,
+                                 (pos + 1)[None], None))
+        x = model.hidden_states(tokens, pos)
+        got = model.lm_logits(model.mtp.depth_hidden(0, x, model.embed(ids), pos, rotary_dim(m)))
+        torch.testing.assert_close(model.lm_logits(x), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+        # fp32, the same operations but for the attention kernel's summation order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    export.save_folder(str(tmp_path / "out"), model.named_parameters(), m)
+    back, source = load_file(tmp_path / "out" / "model.safetensors"), load_file(
+        tmp_path / "src" / "model.safetensors")
+    mtp_keys = sorted(k for k in source if k.startswith("mtp."))
+    assert len(mtp_keys) > 10 and sorted(k for k in back if k.startswith("mtp.")) == mtp_keys
+    for k in mtp_keys:
+        assert torch.equal(back[k], source[k]), k
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["mtp_num_hidden_layers"] == 1
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    with torch.no_grad():  # transformers reloads the export (and drops mtp.* itself)
+        torch.testing.assert_close(again(tokens).logits, ref(tokens).logits, rtol=1e-5,
+                                   atol=1e-5)
+    m.mtp = None  # model.mtp: null leaves them out, and the start-up line says so
+    assert "the multi-token prediction layers" in hf.left_out(src, m)
+
+
+def test_mtp_a_folder_does_not_hold_is_refused_in_one_line(tmp_path):
+    from ctxpar.checkpoint import hf
+    from ctxpar.checkpoint.resume import CheckpointError
+
+    qwen3_5_with_mtp(tmp_path)
+    folder = hf.read_config(str(tmp_path))
+    m = ModelConfig(**hf.model_fields(folder, str(tmp_path)))
+    m.mtp = MTPConfig(depth=2, shared_projection=True)
+    with pytest.raises(CheckpointError, match=r"model.mtp.depth=2 but .* has depth=1"):
+        hf.check_mtp(m, folder, str(tmp_path))
+    m.mtp = MTPConfig(depth=1, shared_projection=True)
+    with pytest.raises(CheckpointError, match="has no multi-token prediction layers"):
+        hf.check_mtp(m, {**folder, "mtp_num_hidden_layers": 0}, str(tmp_path))
+    with pytest.raises(CheckpointError, match="mtp_num_hidden_layers=1: Qwen3Next's MTP layers "
+                                              "hold a mixture of experts"):
+        hf.check_mtp(m, {**folder, "model_type": "qwen3_next"}, str(tmp_path))
+    llama = ModelConfig(vocab_size=96, d_model=64, n_heads=4, mtp=MTPConfig())
+    with pytest.raises(CheckpointError, match=r"model.mtp \(multi-token prediction layers: "
+                                              r"Llama has none"):
+        hf.family_config(llama)

@@ -129,7 +129,7 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
     return list(_LAYER_ATTENTION[key])
 
 
-_LAYER_ATTENTION: dict = {}
+_LAYER_ATTENTION: dict = {}  # layer_attention's: the fields it reads -> every layer's
 
 
 def mtp_layer_attention(m: ModelConfig) -> LayerAttention:
@@ -140,7 +140,7 @@ def mtp_layer_attention(m: ModelConfig) -> LayerAttention:
     return LayerAttention(kind, m.sliding_window if kind == "sliding_attention" else None,
                           m.attention_chunk_size if kind == "chunked_attention" else None,
                           float(rope.get("rope_theta", m.rope_theta)),
-                          rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling)  # layer_attention's: the fields it reads -> every layer's
+                          rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling)
 
 
 def check_layers(m: ModelConfig, err) -> None:
