@@ -374,3 +374,17 @@ def test_mtp_a_folder_does_not_hold_is_refused_in_one_line(tmp_path):
     with pytest.raises(CheckpointError, match=r"model.mtp \(multi-token prediction layers: "
                                               r"Llama has none"):
         hf.family_config(llama)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_planner_counts_the_mtp_parameters(name):
+    from ctxpar.plan.counts import stage_params, stage_vector_params, total_params
+
+    cfg = CONFIGS[name]
+    model = GPT(cfg, device="meta")
+    mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    assert mtp > 0 and total_params(cfg) == sum(p.numel() for p in model.parameters())
+    assert total_params(dataclasses.replace(cfg, mtp=None)) == total_params(cfg) - mtp
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    assert stage_vector_params(cfg, 1, 1, 0) == vectors and stage_params(cfg, 1, 1, 0) == \
+        total_params(cfg)
