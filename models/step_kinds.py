@@ -41,9 +41,8 @@ def mtp_inputs(mb) -> Dict[str, Any]:
 
 
 def count_step_tokens(micro, state) -> torch.Tensor:
-    """N, the non-ignored labels of the whole step over DP x CP; with model.mtp also each
-    depth's N_k, one all-reduce for all, and each micro-batch gets the depths' loss weights
-    lambda/D * N/N_k (models/mtp.py) as "mtp_weights" and the counts as "mtp_counts"."""
+    """N, the non-ignored labels of the whole step over DP x CP (0-d); with model.mtp
+    (D + 1,): N and each depth's N_k, one all-reduce for all."""
     labels = torch.cat([mb["labels"].flatten() for mb in micro])
     if "mtp_labels" not in micro[0]:
         return global_token_count(labels, state.dp_cp_group)
@@ -56,7 +55,8 @@ def count_step_tokens(micro, state) -> torch.Tensor:
 
 
 def attach_mtp_weights(micro, counts: torch.Tensor, mtp_cfg) -> torch.Tensor:
-    """Hand each micro-batch the depths' weights; returns N (counts[0])."""
+    """Hand each micro-batch the depths' loss weights lambda/D * N/N_k (models/mtp.py) as
+    "mtp_weights" and the N_k as "mtp_counts"; returns N (counts[0])."""
     if counts.dim() == 0:
         return counts
     weights = mtp_loss_weights(mtp_cfg.depth, mtp_cfg.loss_weight, counts[0], counts[1:])
@@ -116,6 +116,8 @@ class MicroBatchSteps:
         tokens of the whole step over DP x CP (one all-reduce per step)."""
         micro = [self.stream.next_microbatch(self.device) for _ in range(self.gas)]
         counts = count_step_tokens(micro, self.state)  # N (and model.mtp's N_k)
+        if counts.dim() == 0:
+            return micro, counts
         return micro, attach_mtp_weights(micro, counts, self.engine.module.cfg.mtp)
 
     def run(self, inputs) -> StepOutput:

@@ -188,7 +188,15 @@ def _parity(rank, world, payload):
         deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
         out.append(dict(loss=global_mean_loss(local, n, st.dp_cp_group),
                         grads=gather_full_state_dict(model, st.tp_group, grads=True)))
-    return out
+    gens = {}
+    if world == 2:  # generation with drafts at cp2 zigzag: plain and drafted tokens
+        st = init_parallel_state(tp=1, cp=2, dp=1)
+        for zero_head in (False, True):
+            model = gen_model(CONFIGS["per_depth"], zero_head,
+                              ModelGroups(cp_group=st.cp_group),
+                              ModelOptions(layout="zigzag", seed=SEED))
+            gens[zero_head] = generate_both(model, "zigzag", st.cp_group)
+    return dict(cases=out, generation=gens)
 
 
 CASES = {  # world -> (tp, cp, layout, cp_comm, ulysses, config)
@@ -214,8 +222,8 @@ def parity_results(world):
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_cp_loss_and_every_gradient_equal_one_process(world):
     cases, refs, got = parity_results(world)
-    for rank, per_case in enumerate(got):  # every rank: replicas agree too
-        for case, (loss, grads), res in zip(cases, refs, per_case):
+    for rank, result in enumerate(got):  # every rank: replicas agree too
+        for case, (loss, grads), res in zip(cases, refs, result["cases"]):
             where = "rank {} tp{} cp{} {} {} u={} {}".format(rank, *case)
             torch.testing.assert_close(res["loss"], loss, **TOL, msg=where)
             assert set(res["grads"]) == set(grads), where
@@ -388,3 +396,53 @@ def test_planner_counts_the_mtp_parameters(name):
     vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)
     assert stage_vector_params(cfg, 1, 1, 0) == vectors and stage_params(cfg, 1, 1, 0) == \
         total_params(cfg)
+
+
+# ---- generation with MTP drafts ------------------------------------------------------
+
+GEN_PROMPT, GEN_NEW = [3, 17, 9, 40, 22, 5, 31], 9
+
+
+def gen_model(cfg, zero_head=False, groups=None, options=None):
+    """The parity config's model; zero_head: every logit equal, so every draft (argmax 0)
+    is accepted, the other path through the verification."""
+    from models.options import ModelGroups
+    model = GPT(cfg, groups or ModelGroups(), options or ModelOptions(seed=SEED)).eval()
+    if zero_head:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
+    return model
+
+
+def generate_both(model, layout="contiguous", cp_group=None, tp_group=None):
+    """(plain greedy tokens, drafted tokens, accepted per step)."""
+    from ctxpar.inference import generate
+    from models.mtp_drafts import generate_with_mtp_drafts
+
+    plain = generate(model, [GEN_PROMPT], GEN_NEW, layout=layout, cp_group=cp_group,
+                     tp_group=tp_group).tokens[0]
+    drafted = generate_with_mtp_drafts(model, GEN_PROMPT, GEN_NEW, layout=layout,
+                                       cp_group=cp_group, tp_group=tp_group)
+    return plain, drafted.tokens, drafted.accepted
+
+
+@pytest.mark.parametrize("zero_head", [False, True])
+def test_mtp_drafts_give_plain_greedy_tokens_at_cp1(zero_head):
+    cfg = CONFIGS["per_depth"]
+    plain, drafted, accepted = generate_both(gen_model(cfg, zero_head))
+    assert drafted == plain and len(plain) == GEN_NEW
+    if zero_head:  # every draft accepted: D + 1 tokens a step
+        assert accepted[:-1] == [0] + [cfg.mtp.depth] * (len(accepted) - 2)
+    assert sum(a + 1 for a in accepted) >= GEN_NEW
+
+
+def test_mtp_drafts_give_plain_greedy_tokens_at_cp2():
+    _, _, got = parity_results(2)
+    cfg = CONFIGS["per_depth"]
+    for zero_head in (False, True):
+        want, _, _ = generate_both(gen_model(cfg, zero_head))  # one process, plain
+        for rank, result in enumerate(got):
+            plain, drafted, accepted = result["generation"][zero_head]
+            assert plain == want and drafted == want, (rank, zero_head, plain, drafted, want)
+            if zero_head:
+                assert accepted[1] == cfg.mtp.depth
