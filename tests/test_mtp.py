@@ -238,12 +238,23 @@ MTP_RUN = ["train.steps=6", "train.global_batch_size=4", "train.micro_batch_size
            "data.document_mask=true", "logging.wandb.mode=disabled"]
 
 
-def test_train_logs_the_same_lm_and_mtp_losses_at_cp2_as_at_cp1(tmp_path):
-    from helpers.train_run import metric, run_train
+@pytest.fixture(scope="module")
+def mtp_runs(tmp_path_factory):
+    """train.py with model.mtp at cp1 and at cp2 zigzag, 6 steps each (their checkpoints
+    serve generate.py below)."""
+    from helpers.train_run import run_train
 
+    tmp_path = tmp_path_factory.mktemp("mtp_train")
     run_train(tmp_path / "cp1", 1, MTP_RUN + ["parallel.cp=1", "parallel.dp=1"])
     run_train(tmp_path / "cp2", 2, MTP_RUN + ["parallel.cp=2", "parallel.dp=1",
                                               "parallel.layout=zigzag"])
+    return tmp_path
+
+
+def test_train_logs_the_same_lm_and_mtp_losses_at_cp2_as_at_cp1(mtp_runs):
+    from helpers.train_run import metric
+
+    tmp_path = mtp_runs
     for key in ("loss", "lm_loss", "mtp_loss_1", "mtp_loss_2"):
         want, got = metric(tmp_path / "cp1", key), metric(tmp_path / "cp2", key)
         assert sorted(got) == list(range(1, 7)), key
@@ -400,7 +411,7 @@ def test_planner_counts_the_mtp_parameters(name):
 
 # ---- generation with MTP drafts ------------------------------------------------------
 
-GEN_PROMPT, GEN_NEW = [3, 17, 9, 40, 22, 5, 31], 9
+GEN_PROMPT, GEN_NEW = [3, 17, 9, 40, 22, 5, 31], 7
 
 
 def gen_model(cfg, zero_head=False, groups=None, options=None):
@@ -446,3 +457,33 @@ def test_mtp_drafts_give_plain_greedy_tokens_at_cp2():
             assert plain == want and drafted == want, (rank, zero_head, plain, drafted, want)
             if zero_head:
                 assert accepted[1] == cfg.mtp.depth
+
+
+def test_generate_py_with_mtp_drafts_prints_the_plain_tokens_at_cp2(mtp_runs):
+    """generate.py --draft mtp on the cp2 run's checkpoint, at cp2 zigzag: the tokens of
+    plain decoding, and the drafts' acceptance line."""
+    import os
+    import subprocess
+    import sys
+
+    from ctxpar.distributed.parallel_state import free_port
+    from helpers.train_run import ROOT
+
+    def generate_py(*extra):
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": ROOT}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), os.path.join(ROOT, "generate.py"),
+               "--run-dir", str(mtp_runs / "cp2"), "--passkey", "3",
+               "--output-format", "jsonl", "--set", "parallel.layout=zigzag", *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        return [r["tokens"] for r in rows], proc.stderr
+
+    plain, _ = generate_py()
+    drafted, said = generate_py("--draft", "mtp")
+    assert len(plain) == 3 and drafted == plain
+    line = [x for x in said.splitlines() if x.startswith("mtp drafts: ")]
+    assert len(line) == 1 and "accepted of 2 per step" in line[0], said[-2000:]
