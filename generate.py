@@ -13,8 +13,9 @@ checkpoint's is resharded from full tensors (ctxpar/inference/checkpoint.py). Pr
 prefilled with the training ring (parallel.layout, any of them) into a KV cache sharded
 over CP; every decode step merges the ranks' partial attention with the LSE rule
 (docs/parallelism.md, "Inference"). --draft mtp decodes greedily with the model's MTP
-layers as the draft (models/mtp_drafts.py) and prints the accepted drafts per step. Bad input (run, checkpoint, config, prompts,
-options) exits 2 with one line on every rank, before any collective.
+layers as the draft (models/mtp_drafts.py) and prints the accepted drafts per step. Bad
+input (run, checkpoint, config, prompts, options) exits 2 with one line on every rank,
+before any collective.
 """
 from __future__ import annotations
 

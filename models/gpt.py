@@ -42,7 +42,7 @@ from ctxpar.tensor_parallel.mappings import tp_size_of
 from .block import Block
 from .mixers import INIT_RULES
 from .moe import MoE
-from .mtp import MTP, mtp_loss_weights
+from .mtp import MTP
 from .norms import make_norm
 from .options import LayerArgs, ModelGroups, ModelOptions
 from .rope import layer_rotary
@@ -230,10 +230,9 @@ class GPT(nn.Module):
         hidden = self.mtp.hidden_states(x, embeds, positions, rotary_dim(self.cfg), cu_seqlens)
         sums = torch.stack([self.loss_sum(h, mtp_labels[:, k]) for k, h in enumerate(hidden)])
         self.mtp_loss_sums = sums.detach()
-        weights = mtp_loss_weights(self.cfg.mtp.depth, self.cfg.mtp.loss_weight,
-                                   torch.ones((), device=sums.device), None) \
-            if mtp_weights is None else mtp_weights.to(sums.device)
-        return loss + (weights * sums).sum()
+        if mtp_weights is None:  # lambda/D each: N_k taken as N
+            mtp_weights = torch.full_like(sums, self.cfg.mtp.loss_weight / self.cfg.mtp.depth)
+        return loss + (mtp_weights.to(sums.device) * sums).sum()
 
     def loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The fp32 sum of the head's token losses on hidden states x (B, T/cp, d)."""

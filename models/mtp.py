@@ -17,7 +17,7 @@ pattern and layout exactly as a main block does.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn as nn
@@ -87,12 +87,9 @@ class MTP(nn.Module):
 
 
 def mtp_loss_weights(depth: int, loss_weight: float, n_tokens: torch.Tensor,
-                     mtp_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+                     mtp_tokens: torch.Tensor) -> torch.Tensor:
     """(D,) fp32: what each depth's loss sum is multiplied by so that dividing the whole
     sum by the LM's token count N gives LM + lambda/D * sum_k S_k / N_k (models/loss.py):
-    lambda/D * N / N_k. mtp_tokens (D,): the N_k over the step's global batch; None: N_k
-    taken as N."""
-    w = torch.full((depth,), loss_weight / depth, dtype=torch.float32, device=n_tokens.device)
-    if mtp_tokens is None:
-        return w
-    return w * n_tokens.float() / mtp_tokens.float().clamp(min=1.0)
+    lambda/D * N / N_k. n_tokens: N, mtp_tokens (D,): the N_k, over the step's global
+    batch (the same on every rank)."""
+    return (loss_weight / depth) * n_tokens.float() / mtp_tokens.float().clamp(min=1.0)

@@ -234,7 +234,8 @@ def test_cp_loss_and_every_gradient_equal_one_process(world):
 # ---- train.py ------------------------------------------------------------------------
 
 MTP_RUN = ["train.steps=6", "train.global_batch_size=4", "train.micro_batch_size=2",
-           "model.mtp.depth=2", "model.mtp.loss_weight=0.3", "data.passkey_docs=2", "model.seq_len=256",
+           "model.mtp.depth=2", "model.mtp.loss_weight=0.3", "data.passkey_docs=2",
+           "model.seq_len=256",
            "data.document_mask=true", "logging.wandb.mode=disabled"]
 
 
