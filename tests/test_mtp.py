@@ -357,6 +357,16 @@ def test_qwen3_5_mtp_imports_equals_transformers_mtp_layer_and_exports_its_tenso
         torch.testing.assert_close(model.lm_logits(x), ref(tokens).logits, rtol=1e-5, atol=1e-5)
         # fp32, the same operations but for the attention kernel's summation order
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the training loss: LM as transformers' causal-LM loss, depth 1 as the CE of its
+        # MtpLayer's logits against t_{i+2} (the last two positions have none)
+        labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], 1)
+        mtp_tokens, mtp_labels = mtp_inputs(tokens, labels, 1)
+        model(tokens, pos, labels, mtp_tokens=mtp_tokens, mtp_labels=mtp_labels)
+        lm = model.loss_sum(x, labels) / (labels != -100).sum()
+        torch.testing.assert_close(lm, ref(tokens, labels=tokens).loss, rtol=1e-5, atol=1e-6)
+        mtp_ce = F.cross_entropy(want.flatten(0, 1), mtp_labels[:, 0].flatten())
+        torch.testing.assert_close(model.mtp_loss_sums[0] / (mtp_labels != -100).sum(), mtp_ce,
+                                   rtol=1e-5, atol=1e-6)
     export.save_folder(str(tmp_path / "out"), model.named_parameters(), m)
     back, source = load_file(tmp_path / "out" / "model.safetensors"), load_file(
         tmp_path / "src" / "model.safetensors")
