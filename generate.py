@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     rank0 = dist.get_rank() == 0
 
     # 3. Generate in batches; rank 0 writes.
-    results, t0, n_new, accepted = [], time.perf_counter(), 0, []
+    results, t0, n_new, accepted, used = [], time.perf_counter(), 0, [], []
     for i in range(0, len(prompts), args.batch_size):
         if args.draft == "mtp":  # one prompt at a time, MTP drafts verified per step
             for prompt in prompts[i:i + args.batch_size]:
@@ -188,6 +188,7 @@ def main(argv=None) -> int:
                     max_positions=cfg.model.seq_len)
                 results.append(drafted.tokens)
                 accepted += drafted.accepted
+                used += drafted.used
                 n_new += len(drafted.tokens)
             continue
         out = generate(model, prompts[i:i + args.batch_size], new, layout=cfg.parallel.layout,
@@ -230,9 +231,11 @@ def main(argv=None) -> int:
         if summary:
             print(summary, flush=True)
         if args.draft == "mtp":  # the drafts' acceptance, over every step of every prompt
-            print(f"mtp drafts: {sum(accepted) / max(len(accepted), 1):.3f} accepted of "
-                  f"{cfg.model.mtp.depth} per step, {n_new / max(len(accepted), 1):.3f} new "
-                  f"tokens per forward ({len(accepted)} steps)", file=sys.stderr, flush=True)
+            steps = max(len(accepted), 1)
+            print(f"mtp drafts: {sum(accepted) / steps:.3f} accepted of {cfg.model.mtp.depth} "
+                  f"per step ({sum(used) / steps:.3f} used within --max-new-tokens), "
+                  f"{n_new / steps:.3f} new tokens per forward ({len(accepted)} steps)",
+                  file=sys.stderr, flush=True)
         print(f"{len(prompts)} prompts, {n_new} new tokens in {dt:.2f} s on tp={state.tp_size} "
               f"x cp={state.cp_size} ({cfg.parallel.layout})", file=sys.stderr, flush=True)
     shutdown_distributed()  # every group freed before exit: no gloo thread outlives main

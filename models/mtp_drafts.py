@@ -44,6 +44,9 @@ class DraftOutput:
     """The new tokens (stopped before EOS, or at max_new_tokens)."""
     accepted: List[int] = field(default_factory=list)
     """Per step, how many of its drafts the main model accepted (0..D)."""
+    used: List[int] = field(default_factory=list)
+    """Per step, the accepted drafts that became output (max_new_tokens or EOS may cut
+    some)."""
 
     @property
     def tokens_per_step(self) -> float:
@@ -85,14 +88,16 @@ def generate_with_mtp_drafts(model, prompt: Sequence[int], max_new_tokens: int, 
         a = 0
         while a < len(drafts) and drafts[a] == ys[a]:
             a += 1
-        out.accepted.append(a)
         emitted = ys[:a + 1]
-        stop = False
+        stop, before = False, len(out.tokens)
         for y in emitted:
             if (eos_id is not None and y == eos_id) or len(out.tokens) == max_new_tokens:
                 stop = True
                 break
             out.tokens.append(y)
+        out.accepted.append(a)
+        # the drafts that became output (the budget or EOS may cut the accepted ones)
+        out.used.append(max(0, min(a, len(out.tokens) - before - 1)))
         seq = seq + emitted
         if stop or len(out.tokens) >= max_new_tokens:
             break
