@@ -498,3 +498,13 @@ def test_generate_py_with_mtp_drafts_prints_the_plain_tokens_at_cp2(mtp_runs):
     assert len(plain) == 3 and drafted == plain
     line = [x for x in said.splitlines() if x.startswith("mtp drafts: ")]
     assert len(line) == 1 and "accepted of 2 per step" in line[0], said[-2000:]
+
+
+def test_a_checkpoints_recorded_mtp_section_is_read_back_as_model_mtp():
+    """The manifest's plain dict (what convert_checkpoint.py and init_from read): model.mtp
+    comes back an MTPConfig, as model.moe a MoEConfig."""
+    from ctxpar.checkpoint.weights import saved_model
+    m = saved_model({"config": {"model": {"n_layers": 2, "mtp": {"depth": 2,
+                                                                 "shared_projection": True}}}},
+                    "tag")
+    assert m.mtp == MTPConfig(depth=2, shared_projection=True)

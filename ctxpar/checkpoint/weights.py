@@ -24,6 +24,7 @@ import torch
 
 from ..config import ModelConfig
 from ..config.moe import MoEConfig
+from ..config.mtp import MTPConfig
 from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
 from .export import save_folder
@@ -51,8 +52,9 @@ def saved_model(manifest: Dict[str, Any], tag_dir: str) -> ModelConfig:
     if model is None:
         raise CheckpointError(f"{os.path.join(tag_dir, MARKER)} records no config (saved "
                               f"by an older ctxpar)")
-    moe = model.get("moe")  # a section of its own in the manifest's plain dict
-    return ModelConfig(**{**model, "moe": MoEConfig(**moe) if isinstance(moe, dict) else moe})
+    moe, mtp = model.get("moe"), model.get("mtp")  # sections of their own in the plain dict
+    return ModelConfig(**{**model, "moe": MoEConfig(**moe) if isinstance(moe, dict) else moe,
+                          "mtp": MTPConfig(**mtp) if isinstance(mtp, dict) else mtp})
 
 
 @dataclass
