@@ -287,7 +287,7 @@ QWEN_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "
               "post_norm": "norm"}
 
 
-def qwen3_5_with_mtp(path):
+def qwen3_5_with_mtp(path, **overrides):
     """A random Qwen3.5 saved by transformers, plus the mtp.* tensors of a released folder
     (transformers saves none): transformers' generic MtpLayer around a Qwen3.5 full
     attention decoder layer, its norms moved away from their init, under Qwen's names.
@@ -298,9 +298,9 @@ def qwen3_5_with_mtp(path):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 
     torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(**QWEN3_5, tie_word_embeddings=False)
+    cfg = Qwen3_5TextConfig(**{**QWEN3_5, **overrides}, tie_word_embeddings=False)
     ref = AutoModelForCausalLM.from_config(cfg).float().eval()
-    mtp_cfg = Qwen3_5TextConfig(**{**QWEN3_5, "num_hidden_layers": 1,
+    mtp_cfg = Qwen3_5TextConfig(**{**QWEN3_5, **overrides, "num_hidden_layers": 1,
                                    "layer_types": ["full_attention"]})
     mtp_cfg._attn_implementation = "sdpa"  # causal when given no mask, as the main model's
     layer = MtpLayer(mtp_cfg, Qwen3_5DecoderLayer, Qwen3_5RMSNorm, 0).float().eval()
@@ -508,3 +508,54 @@ def test_a_checkpoints_recorded_mtp_section_is_read_back_as_model_mtp():
                                                                  "shared_projection": True}}}},
                     "tag")
     assert m.mtp == MTPConfig(depth=2, shared_projection=True)
+
+
+def test_train_py_from_a_qwen3_5_folder_trains_and_exports_its_mtp_layer(tmp_path):
+    """train.py at cp2 zigzag from a Qwen3.5 folder with its MTP layer (model.mtp depth 1):
+    step 1's LM loss is transformers' on the batch, its MTP loss the CE of transformers'
+    MtpLayer logits (before any update: the imported weights); the export
+    (convert_checkpoint.py) holds the folder's mtp.* names, each tensor one step on."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from ctxpar.checkpoint import hf
+    from ctxpar.data.passkey import PasskeyTask
+    from helpers.train_run import ROOT, metric, run_train
+
+    ref, layer = qwen3_5_with_mtp(tmp_path / "src", vocab_size=256)
+    fields = hf.model_fields(hf.read_config(tmp_path / "src"), str(tmp_path / "src"))
+    sets = [f"model.{k}={json.dumps(v, separators=(',', ':'))}" for k, v in fields.items()
+            if k not in ("seq_len", "init_std", "family")]
+    run = tmp_path / "run"
+    proc = run_train(run, 2, [*sets, "parallel.cp=2", "parallel.dp=1", "train.steps=1",
+                              "train.global_batch_size=4", "train.micro_batch_size=4",
+                              f"model.init_from={tmp_path / 'src'}", "model.mtp.depth=1",
+                              "model.mtp.shared_projection=true", "logging.wandb.mode=disabled"])
+    assert "Hugging Face Qwen3_5 folder" in proc.stdout and "left out" not in proc.stdout
+    task = PasskeyTask(128, 2, 1234, "train")  # train.py's first batch (BASE: seq_len 128)
+    pairs = [task[i] for i in range(4)]
+    x, y = (torch.from_numpy(np.stack([p[i] for p in pairs])) for i in (0, 1))
+    ids, targets = mtp_inputs(x, y, 1)
+    with torch.no_grad():
+        lm = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten())
+        h, emb, pos = ref.model(x).last_hidden_state, ref.model.embed_tokens(ids[:, 0]), \
+            torch.arange(1, 129)[None]
+        logits = ref.lm_head(layer(emb, h, ref.model.rotary_emb(emb, pos), None, pos, None))
+        mtp = F.cross_entropy(logits.flatten(0, 1), targets[:, 0].flatten())
+    # fp32, the CP reductions' order only
+    assert abs(metric(run, "lm_loss")[1] - lm.item()) <= 1e-5 * lm.item()
+    assert abs(metric(run, "mtp_loss_1")[1] - mtp.item()) <= 1e-5 * mtp.item()
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                          str(run), "--to", "hf", str(tmp_path / "out")], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    source, back = (load_file(tmp_path / d / "model.safetensors") for d in ("src", "out"))
+    keys = sorted(k for k in source if k.startswith("mtp."))
+    assert sorted(k for k in back if k.startswith("mtp.")) == keys
+    # one warm-up step moves a weight by at most ~lr_1 (Adam's first step is lr x sign)
+    moved = [(back[k] - source[k]).abs().max().item() for k in keys]
+    assert max(moved) <= 1e-3 and min(moved) > 0, dict(zip(keys, moved))
