@@ -144,6 +144,7 @@ def single_process(cfg, tokens, labels, docs):
     return (local / n).detach(), {n_: p.grad for n_, p in model.named_parameters()}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_one_process_loss_and_gradients_equal_the_definition(name):
     cfg = CONFIGS[name]
@@ -470,6 +471,7 @@ def test_mtp_drafts_give_plain_greedy_tokens_at_cp2():
                 assert accepted[1] == cfg.mtp.depth
 
 
+@pytest.mark.slow
 def test_generate_py_with_mtp_drafts_prints_the_plain_tokens_at_cp2(mtp_runs):
     """generate.py --draft mtp on the cp2 run's checkpoint, at cp2 zigzag: the tokens of
     plain decoding, and the drafts' acceptance line."""
@@ -510,6 +512,7 @@ def test_a_checkpoints_recorded_mtp_section_is_read_back_as_model_mtp():
     assert m.mtp == MTPConfig(depth=2, shared_projection=True)
 
 
+@pytest.mark.slow
 def test_train_py_from_a_qwen3_5_folder_trains_and_exports_its_mtp_layer(tmp_path):
     """train.py at cp2 zigzag from a Qwen3.5 folder with its MTP layer (model.mtp depth 1):
     step 1's LM loss is transformers' on the batch, its MTP loss the CE of transformers'
