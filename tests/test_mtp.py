@@ -126,14 +126,16 @@ def test_shifted_ids_and_targets_match_the_definition(docs):
 
 # ---- (3) single process --------------------------------------------------------------
 
-def single_process(cfg, tokens, labels, docs):
+def single_process(cfg, tokens, labels, docs, tiled=False):
     from ctxpar.data.loader import shard_batch
     from models.loss import loss_for_backward
     from models.step_kinds import attach_mtp_weights, count_step_tokens
 
     class One:  # a one-rank ParallelState's share count_step_tokens reads
         dp_cp_group = None
-    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    from ctxpar.config import MemoryConfig
+    model = GPT(cfg, options=ModelOptions(seed=SEED, memory=MemoryConfig(tiled_loss=tiled,
+                                                                          loss_tile_tokens=8)))
     mb = shard_batch({"tokens": tokens, "labels": labels, "cu_seqlens": docs}, None,
                      "contiguous", mtp_depth=cfg.mtp.depth)
     n = attach_mtp_weights([mb], count_step_tokens([mb], One), cfg.mtp)
@@ -145,12 +147,13 @@ def single_process(cfg, tokens, labels, docs):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_one_process_loss_and_gradients_equal_the_definition(name):
+@pytest.mark.parametrize("name,tiled", [("per_depth", False), ("shared", True)])
+def test_one_process_loss_and_gradients_equal_the_definition(name, tiled):
+    """tiled: every depth's head and loss through memory.tiled_loss, 8-token tiles."""
     cfg = CONFIGS[name]
     tokens, labels = make_batch(cfg)
     want_loss, want_grads = reference(cfg, tokens, labels, DOCS)
-    loss, grads = single_process(cfg, tokens, labels, DOCS)
+    loss, grads = single_process(cfg, tokens, labels, DOCS, tiled)
     # the same operations in another order (one sum then one division, weights N/N_k):
     # rounding only; fp32
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
