@@ -12,8 +12,10 @@ size / tp, tp to 1; the parameters do not depend on cp, and another tp than the
 checkpoint's is resharded from full tensors (ctxpar/inference/checkpoint.py). Prompts are
 prefilled with the training ring (parallel.layout, any of them) into a KV cache sharded
 over CP; every decode step merges the ranks' partial attention with the LSE rule
-(docs/parallelism.md, "Inference"). Bad input (run, checkpoint, config, prompts,
-options) exits 2 with one line on every rank, before any collective.
+(docs/parallelism.md, "Inference"). --draft mtp decodes greedily with the model's MTP
+layers as the draft (models/mtp_drafts.py) and prints the accepted drafts per step. Bad
+input (run, checkpoint, config, prompts, options) exits 2 with one line on every rank,
+before any collective.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from ctxpar.inference import SamplingParams, check_prompts, generate
 from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspect_checkpoint,
                                          load_run_config, run_tokenizer)
 from models.inference import DTYPES, layout_overrides, start_model
+from models.mtp_drafts import generate_with_mtp_drafts
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -68,6 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--output-format", choices=("text", "jsonl"), default="text")
     p.add_argument("--output", default=None, help="write to this file instead of stdout")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--draft", choices=("none", "mtp"), default="none",
+                   help="mtp: the model's MTP layers draft model.mtp.depth tokens a step, "
+                        "verified in one CP forward (greedy, one prompt at a time; "
+                        "models/mtp_drafts.py); the accepted drafts per step are printed")
     add_launcher_args(p)
     return p.parse_args(argv)
 
@@ -143,6 +150,10 @@ def main(argv=None) -> int:
         sampling.check()
         if args.batch_size < 1:
             raise ValueError(f"--batch-size={args.batch_size} must be >= 1")
+        if args.draft == "mtp" and cfg.model.mtp is None:
+            raise ValueError("--draft mtp: the run's model has no MTP layers (model.mtp)")
+        if args.draft == "mtp" and not sampling.greedy:
+            raise ValueError("--draft mtp decodes greedily: leave --temperature at 0")
         if args.passkey is not None and (args.tokenizer or args.eos_token):
             raise ValueError(f"{'--tokenizer' if args.tokenizer else '--eos-token'} does not "
                              f"apply to --passkey (the task is byte-level)")
@@ -167,8 +178,19 @@ def main(argv=None) -> int:
     rank0 = dist.get_rank() == 0
 
     # 3. Generate in batches; rank 0 writes.
-    results, t0, n_new = [], time.perf_counter(), 0
+    results, t0, n_new, accepted, used = [], time.perf_counter(), 0, [], []
     for i in range(0, len(prompts), args.batch_size):
+        if args.draft == "mtp":  # one prompt at a time, MTP drafts verified per step
+            for prompt in prompts[i:i + args.batch_size]:
+                drafted = generate_with_mtp_drafts(
+                    model, prompt, new, layout=cfg.parallel.layout, cp_group=state.cp_group,
+                    tp_group=state.tp_group, eos_id=tokenizer.eos_id,
+                    max_positions=cfg.model.seq_len)
+                results.append(drafted.tokens)
+                accepted += drafted.accepted
+                used += drafted.used
+                n_new += len(drafted.tokens)
+            continue
         out = generate(model, prompts[i:i + args.batch_size], new, layout=cfg.parallel.layout,
                        cp_group=state.cp_group, tp_group=state.tp_group, sampling=sampling,
                        eos_id=tokenizer.eos_id, max_positions=cfg.model.seq_len)
@@ -208,6 +230,12 @@ def main(argv=None) -> int:
                 print(line, flush=True)
         if summary:
             print(summary, flush=True)
+        if args.draft == "mtp":  # the drafts' acceptance, over every step of every prompt
+            steps = max(len(accepted), 1)
+            print(f"mtp drafts: {sum(accepted) / steps:.3f} accepted of {cfg.model.mtp.depth} "
+                  f"per step ({sum(used) / steps:.3f} used within --max-new-tokens), "
+                  f"{n_new / steps:.3f} new tokens per forward ({len(accepted)} steps)",
+                  file=sys.stderr, flush=True)
         print(f"{len(prompts)} prompts, {n_new} new tokens in {dt:.2f} s on tp={state.tp_size} "
               f"x cp={state.cp_size} ({cfg.parallel.layout})", file=sys.stderr, flush=True)
     shutdown_distributed()  # every group freed before exit: no gloo thread outlives main

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import CHECKPOINT_MODES, Config, MemoryConfig, ModelConfig, rotary_dim
-from ctxpar.config.layers import layer_attention
+from ctxpar.config.layers import layer_attention, mtp_layer_attention
 from ctxpar.config.moe import moe_layer_indices
 from ctxpar.config.parameters import check_parameters
 from ctxpar.context_parallel import ContextParallel
@@ -42,6 +42,7 @@ from ctxpar.tensor_parallel.mappings import tp_size_of
 from .block import Block
 from .mixers import INIT_RULES
 from .moe import MoE
+from .mtp import MTP
 from .norms import make_norm
 from .options import LayerArgs, ModelGroups, ModelOptions
 from .rope import layer_rotary
@@ -152,6 +153,11 @@ class GPT(nn.Module):
         self.final_norm = make_norm(cfg, device, dtype)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.d_model, cfg.vocab_size, tp_group=tp_group, bias=False, device=device, dtype=dtype)
+        # model.mtp: D multi-token prediction depths after the head (models/mtp.py)
+        self.mtp = None if cfg.mtp is None else MTP(cfg, LayerArgs(
+            cfg, mtp_layer_attention(cfg), self.cp, tp_group, g.ep_group, False,
+            o.attention_backend, o.linear_cp, self.memory, selective, device, dtype))
+        self.mtp_loss_sums = None  # the last training forward's (D,) MTP loss sums, detached
         # The planner counts from the same description: a change here must change it too.
         check_parameters(self.named_parameters(), cfg, tp_size_of(tp_group),
                          1 if g.ep_group is None else dist.get_world_size(g.ep_group))
@@ -173,6 +179,8 @@ class GPT(nn.Module):
         self.cp_group = cp_group
         for layer in self.layers:
             layer.use_cp(self.cp)
+        for layer in self.mtp.layers if self.mtp is not None else ():
+            layer.block.use_cp(self.cp)
 
     def init_weights(self, seed: int) -> None:
         """The layout-independent init of every parameter (``init_parameters_``)."""
@@ -182,7 +190,10 @@ class GPT(nn.Module):
         return block_recomputed(self.activation_checkpointing, i, self.every_n_layers)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                labels: Optional[torch.Tensor] = None, cu_seqlens=None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, cu_seqlens=None,
+                mtp_tokens: Optional[torch.Tensor] = None,
+                mtp_labels: Optional[torch.Tensor] = None,
+                mtp_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens (B, T/cp) ids; positions (T/cp,) or (B, T/cp) their global positions (or,
         to restart RoPE at each document, documents.document_positions);
         labels (B, T/cp) next-token ids, -100 = ignored; cu_seqlens: packed documents'
@@ -194,6 +205,11 @@ class GPT(nn.Module):
         models.loss (loss_for_backward / global_mean_loss). With labels and
         memory.tiled_loss the logits are made one tile of tokens at a time and never whole
         (ctxpar/memory/tiled_loss.py); the sum is the same.
+
+        model.mtp, training: mtp_tokens (B, D, T/cp), the ids D steps ahead of each
+        position, and mtp_labels (B, D, T/cp), the targets one further (-100: masked;
+        ctxpar/data/mtp.py); the sum then adds sum_k mtp_weights[k] * S_k, S_k depth k's
+        loss sum, mtp_weights (D,) models/mtp.py's mtp_loss_weights (None: lambda/D each).
         """
         stats = self._router_stats(labels is not None)
         x = self.hidden_states(tokens, positions, cu_seqlens=cu_seqlens)  # (B, T/cp, d)
@@ -204,6 +220,22 @@ class GPT(nn.Module):
                                               self.cp_group)
         if labels is None:
             return self.lm_logits(x)
+        loss = self.loss_sum(x, labels)
+        if mtp_tokens is None:
+            return loss
+        if self.mtp is None or mtp_labels is None:
+            raise ValueError("GPT: mtp_tokens given without model.mtp or without mtp_labels")
+        # one embedding lookup for every depth's ids: (B, D, T/cp) -> (B, D, T/cp, d)
+        embeds = embed_tokens(self.embed, mtp_tokens, self.cfg).unbind(1)
+        hidden = self.mtp.hidden_states(x, embeds, positions, rotary_dim(self.cfg), cu_seqlens)
+        sums = torch.stack([self.loss_sum(h, mtp_labels[:, k]) for k, h in enumerate(hidden)])
+        self.mtp_loss_sums = sums.detach()
+        if mtp_weights is None:  # lambda/D each: N_k taken as N
+            mtp_weights = torch.full_like(sums, self.cfg.mtp.loss_weight / self.cfg.mtp.depth)
+        return loss + (mtp_weights.to(sums.device) * sums).sum()
+
+    def loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The fp32 sum of the head's token losses on hidden states x (B, T/cp, d)."""
         if self.memory.tiled_loss:  # head + loss per tile of tokens: no (B, T/cp, V/tp) logits
             # The weight is read here, in GPT's forward, as the tied path has always read
             # the embedding's: under ZeRO-3 DeepSpeed registers it as GPT's external

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import gpt_pipe
 from .loss import global_mean_loss, loss_for_backward
-from .step_kinds import MicroBatchSteps, PipelineSteps, StepOutput
+from .step_kinds import MicroBatchSteps, PipelineSteps, StepOutput, mtp_inputs, mtp_metrics
 
 
 class MoESteps(MicroBatchSteps):
@@ -32,15 +32,18 @@ class MoESteps(MicroBatchSteps):
         engine, gas, divisor = self.engine, self.gas, self.divisor
         loss_sum = torch.zeros((), device=n_tokens.device)
         aux = torch.zeros(3, device=n_tokens.device)
-        counts = layer_counts = None
+        counts = layer_counts = mtp_sums = None
         for mb in micro:
             local = engine(mb["tokens"], mb["positions"], mb["labels"],
-                           cu_seqlens=mb.get("cu_seqlens"))
+                           cu_seqlens=mb.get("cu_seqlens"), **mtp_inputs(mb))
             router = engine.module.router_losses
             engine.backward(loss_for_backward(local, n_tokens, divisor, gas)
                             + router.share * divisor)
             engine.step()
             loss_sum += local.detach().float()
+            if "mtp_tokens" in mb:  # model.mtp (a dense MTP block beside MoE layers)
+                sums = engine.module.mtp_loss_sums.float()
+                mtp_sums = sums if mtp_sums is None else mtp_sums + sums
             aux += torch.stack([router.aux_loss, router.z_loss, router.seq_aux_loss]) / gas
             counts = router.tokens_per_expert if counts is None else \
                 counts + router.tokens_per_expert
@@ -48,7 +51,10 @@ class MoESteps(MicroBatchSteps):
                 layer_counts + router.layer_counts
         engine.module.update_router_biases(layer_counts)  # after the step: aux-free balance
         loss = global_mean_loss(loss_sum, n_tokens, self.state.dp_cp_group)
-        return StepOutput(loss.item(), extras=moe_metrics(aux, counts))
+        extras = moe_metrics(aux, counts)
+        if mtp_sums is not None:
+            extras.update(mtp_metrics(mtp_sums, micro[0], n_tokens, loss, self.state))
+        return StepOutput(loss.item(), extras=extras)
 
 
 class MoEPipelineSteps(PipelineSteps):

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 
 from . import dynamic_cp, gpt_pipe
-from .loss import global_mean_loss, global_token_count, loss_for_backward
+from .loss import count_tokens, global_mean_loss, global_token_count, loss_for_backward
+from .mtp import mtp_loss_weights
 
 
 @dataclass
@@ -31,20 +33,74 @@ class TrainSteps(Protocol):
         """Forward, backward and the optimizer update of one step (collective)."""
 
 
-def micro_batch_step(engine, micro, n_tokens, state, gas: int, divisor: int) -> torch.Tensor:
+def mtp_inputs(mb) -> Dict[str, Any]:
+    """model.mtp's forward arguments of a micro-batch (none without model.mtp)."""
+    if "mtp_tokens" not in mb:
+        return {}
+    return {k: mb[k] for k in ("mtp_tokens", "mtp_labels", "mtp_weights")}
+
+
+def count_step_tokens(micro, state) -> torch.Tensor:
+    """N, the non-ignored labels of the whole step over DP x CP (0-d); with model.mtp
+    (D + 1,): N and each depth's N_k, one all-reduce for all."""
+    labels = torch.cat([mb["labels"].flatten() for mb in micro])
+    if "mtp_labels" not in micro[0]:
+        return global_token_count(labels, state.dp_cp_group)
+    depth = micro[0]["mtp_labels"].shape[1]
+    counts = torch.stack([count_tokens(labels)] + [
+        sum(count_tokens(mb["mtp_labels"][:, k]) for mb in micro) for k in range(depth)])
+    if state.dp_cp_group is not None and dist.get_world_size(state.dp_cp_group) > 1:
+        dist.all_reduce(counts, group=state.dp_cp_group)
+    return counts
+
+
+def attach_mtp_weights(micro, counts: torch.Tensor, mtp_cfg) -> torch.Tensor:
+    """Hand each micro-batch the depths' loss weights lambda/D * N/N_k (models/mtp.py) as
+    "mtp_weights" and the N_k as "mtp_counts"; returns N (counts[0])."""
+    if counts.dim() == 0:
+        return counts
+    weights = mtp_loss_weights(mtp_cfg.depth, mtp_cfg.loss_weight, counts[0], counts[1:])
+    for mb in micro:
+        mb["mtp_weights"], mb["mtp_counts"] = weights, counts[1:]
+    return counts[0]
+
+
+def mtp_metrics(mtp_sums: torch.Tensor, mb, n_tokens: torch.Tensor, loss: torch.Tensor,
+                state) -> Dict[str, float]:
+    """The metrics line's MTP fields: each depth's global token-mean loss (mtp_loss_k) and
+    the LM loss alone (lm_loss; ``loss`` is what is optimised, LM + lambda/D sum_k)."""
+    total = mtp_sums.clone()  # (D,) this rank's sums over the step's micro-batches
+    if state.dp_cp_group is not None and dist.get_world_size(state.dp_cp_group) > 1:
+        dist.all_reduce(total, group=state.dp_cp_group)
+    counts, weights = mb["mtp_counts"], mb["mtp_weights"]
+    per_depth = total / counts.clamp(min=1.0)
+    added = (weights * total).sum() / n_tokens.clamp(min=1.0)  # lambda/D sum_k S_k / N_k
+    return {"lm_loss": (loss - added).item(),
+            **{f"mtp_loss_{k + 1}": v.item() for k, v in enumerate(per_depth)}}
+
+
+def micro_batch_step(engine, micro, n_tokens, state, gas: int, divisor: int):
     """One optimizer step without a pipeline: gas forward/backward passes, then the update.
 
     divisor: what DeepSpeed divides the gradient summed over dp x cp by
-    (ctxpar/distributed/zero.py). Returns the global token-mean loss (models/loss.py).
+    (ctxpar/distributed/zero.py). Returns the global token-mean loss (models/loss.py) and,
+    with model.mtp, the metrics' MTP fields.
     """
     loss_sum = torch.zeros((), device=n_tokens.device)
+    mtp_sums = None
     for mb in micro:
         local = engine(mb["tokens"], mb["positions"], mb["labels"],  # sum of token losses
-                       cu_seqlens=mb.get("cu_seqlens"))  # documents (data.document_mask)
+                       cu_seqlens=mb.get("cu_seqlens"),  # documents (data.document_mask)
+                       **mtp_inputs(mb))  # model.mtp's shifted ids and targets
         engine.backward(loss_for_backward(local, n_tokens, divisor, gas))
         engine.step()
         loss_sum += local.detach().float()
-    return global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
+        if "mtp_tokens" in mb:
+            sums = engine.module.mtp_loss_sums.float()
+            mtp_sums = sums if mtp_sums is None else mtp_sums + sums
+    loss = global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
+    extras = {} if mtp_sums is None else mtp_metrics(mtp_sums, micro[0], n_tokens, loss, state)
+    return loss, extras
 
 
 class MicroBatchSteps:
@@ -59,14 +115,16 @@ class MicroBatchSteps:
         stage too: the first feeds the inputs, the last the labels); N, the non-ignored
         tokens of the whole step over DP x CP (one all-reduce per step)."""
         micro = [self.stream.next_microbatch(self.device) for _ in range(self.gas)]
-        n_tokens = global_token_count(torch.cat([mb["labels"].flatten() for mb in micro]),
-                                      self.state.dp_cp_group)
-        return micro, n_tokens
+        counts = count_step_tokens(micro, self.state)  # N (and model.mtp's N_k)
+        if counts.dim() == 0:
+            return micro, counts
+        return micro, attach_mtp_weights(micro, counts, self.engine.module.cfg.mtp)
 
     def run(self, inputs) -> StepOutput:
         micro, n_tokens = inputs
-        return StepOutput(micro_batch_step(self.engine, micro, n_tokens, self.state,
-                                           self.gas, self.divisor).item())
+        loss, extras = micro_batch_step(self.engine, micro, n_tokens, self.state, self.gas,
+                                        self.divisor)
+        return StepOutput(loss.item(), extras=extras)
 
 
 class PipelineSteps(MicroBatchSteps):

@@ -34,7 +34,7 @@ from .weight_reader import CONFIG
 # model.* an exported config.json may mean differently from the model: the position limit
 # (hf.family_config keeps the source's when larger), where the run started from, and the
 # linear kernels' chunk (a blocking of the chunked scan: the same sums)
-NOT_COMPARED = ("seq_len", "init_from", "linear_chunk_size")
+NOT_COMPARED = ("seq_len", "init_from", "linear_chunk_size", "mtp")  # mtp: below
 # what a model without RoPE (model.rope false: NoPE attention) does not compute with
 NOPE = ("rope_theta", "rope_scaling", "layer_rope")
 
@@ -104,6 +104,12 @@ def check_config(folder: str, m: ModelConfig, name: str | None = None) -> str:
         if key not in skip and back.get(key) != value:
             raise ExportMismatch(f"{file}: model.{key}: the export means {value!r}, "
                                  f"{reader} reads {back.get(key)!r}")
+    # model.mtp: the family's reading of its MTP keys (its loss weight is no model field)
+    from dataclasses import replace
+    mtp = hf.folder_mtp(read, folder)
+    if (mtp and replace(mtp, loss_weight=0.0)) != (m.mtp and replace(m.mtp, loss_weight=0.0)):
+        raise ExportMismatch(f"{file}: model.mtp: the export means {m.mtp!r}, {reader} reads "
+                             f"{mtp!r}")
     return reader
 
 

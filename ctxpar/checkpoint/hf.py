@@ -92,7 +92,38 @@ def family_config(m, tokenizer: Optional[Dict[str, Any]] = None,
         **{k: v for k, v in (tokenizer or {}).get("ids", {}).items() if v is not None},
     }
     fam.config(cfg, m, types, source, refuse_export)
+    fam.export_mtp(cfg, m, refuse_export)  # model.mtp's keys, or its refusal
     return cfg
+
+
+MTP_MAY_DIFFER = ("loss_weight",)  # model.mtp's training choice, not the model
+
+
+def folder_mtp(hf_cfg: Dict[str, Any], path: str):
+    """The folder's MTP layers as model.mtp (its family's mtp hook), None: none."""
+    file = os.path.join(path, CONFIG)
+
+    def refuse(field, value, why):
+        raise CheckpointError(f"{file}: {field}={value!r}: {why}")
+
+    return FAMILIES[hf_cfg["model_type"]].mtp(hf_cfg, refuse)
+
+
+def check_mtp(m, hf_cfg: Dict[str, Any], path: str) -> None:
+    """model.mtp against the folder's MTP layers: null takes none (left out, said at
+    start-up); set, the folder must hold the same layers (loss_weight aside)."""
+    if m.mtp is None:
+        return
+    from dataclasses import fields
+    theirs = folder_mtp(hf_cfg, path)
+    if theirs is None:
+        raise CheckpointError(f"model.mtp is set but model.init_from={path} has no "
+                              f"multi-token prediction layers (set model.mtp: null)")
+    for f in fields(theirs):
+        want, got = getattr(theirs, f.name), getattr(m.mtp, f.name)
+        if f.name not in MTP_MAY_DIFFER and want != got:
+            raise CheckpointError(f"model.mtp.{f.name}={got!r} but model.init_from={path} has "
+                                  f"{f.name}={want!r}: set model.mtp.{f.name}={want!r}")
 
 
 def _check_moe_held(m, name: str) -> None:
@@ -137,13 +168,13 @@ def read_config(path: str) -> Dict[str, Any]:
             "architectures": [FAMILIES[wrapper.text_family].architecture]}
 
 
-def left_out(path: str) -> Optional[str]:
+def left_out(path: str, m=None) -> Optional[str]:
     """What a folder holds besides the causal LM ctxpar imports: a multimodal folder's
-    vision tower, the multi-token prediction layers its family leaves out (None:
-    nothing)."""
+    vision tower, the multi-token prediction layers its family leaves out unless model.mtp
+    takes them (m: the run's ModelConfig; None: nothing)."""
     wrapper = WRAPPERS.get(read_raw_config(path).get("model_type"))
     what = [] if wrapper is None else [wrapper.what]
-    mtp = WeightReader(path, False).left_out()
+    mtp = [] if m is not None and m.mtp is not None else WeightReader(path, False).left_out()
     if mtp:  # their common prefix up to a dot: mtp.*, model.layers.61.*
         prefix = os.path.commonprefix(mtp)
         prefix = prefix[:prefix.rfind(".") + 1] if "." in prefix else prefix
@@ -217,6 +248,11 @@ def _router_losses_only(a, b) -> bool:
     return a is not None and b is not None and replace(a, **zero) == replace(b, **zero)
 
 
+def _loss_weight_only(a, b) -> bool:
+    from dataclasses import replace
+    return replace(a, loss_weight=0.0) == replace(b, loss_weight=0.0)
+
+
 def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[Any, Any]]:
     """model.* against an imported folder's fields: refuse any architecture difference;
     return the allowed ones (MAY_DIFFER, and model.moe's ROUTER_LOSSES) that differ,
@@ -230,6 +266,12 @@ def check_matches(m, hf_fields: Dict[str, Any], path: str) -> Dict[str, Tuple[An
     changed = {}
     for key, value in theirs.items():
         if key == "init_from" or value == now[key] or (key == "family" and m.family is None):
+            continue
+        if key == "mtp" and "mtp" not in hf_fields:  # a folder's: check_mtp compares them
+            continue
+        if key == "mtp" and now[key] is not None and value is not None and \
+                _loss_weight_only(value, now[key]):
+            changed["mtp.loss_weight"] = (value.loss_weight, now[key].loss_weight)
             continue
         if key == "moe" and _router_losses_only(value, now[key]):  # training, not the model
             changed.update({f"moe.{k}": (getattr(value, k), getattr(now[key], k))

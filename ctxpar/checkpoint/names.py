@@ -138,10 +138,29 @@ def from_pipe(name: str, n_layers: int) -> str:
     raise KeyError(f"{name!r}: layer {index} is not in a {n_layers}-block pipeline")
 
 
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+def _mtp_to_hf(name: str, naming: str) -> str:
+    """model.mtp's GPT names (models/mtp.py) -> the generic Hugging Face form a family's
+    folder_key / to_folder rename: depth k's block under ``mtp.layers.{k}.`` with a main
+    block's names (Qwen3.5's mtp.layers.0.self_attn.*), its norms and projection under
+    transformers' MtpLayer names (``mtp.layers.{k}.enorm``, ``hnorm``, ``eh_proj``,
+    ``norm``)."""
+    k, rest = _MTP.match(name).groups()
+    if not rest.startswith("block."):
+        return name
+    prefix = HF_NAMINGS[naming][0]
+    inner = to_hf(f"layers.{k}.{rest[len('block.'):]}", naming)  # {prefix}{k}.<its name>
+    return f"mtp.layers.{inner[len(prefix):]}"
+
+
 def to_hf(name: str, naming: str = "default") -> str:
     """GPT name -> Hugging Face *ForCausalLM state-dict key (naming: HF_NAMINGS, the
     family's; hf.naming_of(m) says which)."""
     prefix, in_block, top = HF_NAMINGS[naming]
+    if _MTP.match(name):
+        return _mtp_to_hf(name, naming)
     try:
         return _translate(name, _BLOCK, prefix, in_block, top)
     except KeyError:

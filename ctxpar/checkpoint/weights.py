@@ -87,10 +87,12 @@ def check_init_from(cfg) -> InitSource:
     if hf.is_hf_folder(path):
         fields = hf.model_fields(hf.read_config(path), path)
         changed = hf.check_matches(cfg.model, fields, path)
+        hf.check_mtp(cfg.model, hf.read_config(path), path)  # model.mtp: the folder's layers
         hf.WeightReader(path, cfg.model.tie_embeddings, hf.naming_of(cfg.model)).check(cfg.model)
         if cfg.model.family is None:
             cfg.model.family = fields["family"]
-        return InitSource(path, "hf", changed, family=fields["family"], note=hf.left_out(path))
+        return InitSource(path, "hf", changed, family=fields["family"],
+                          note=hf.left_out(path, cfg.model))
     tag_dir = resolve_checkpoint(path)
     manifest = verify(tag_dir)
     fields = vars(saved_model(manifest, tag_dir))

@@ -143,6 +143,17 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
 _LAYER_ATTENTION: dict = {}  # layer_attention's: the fields it reads -> every layer's
 
 
+def mtp_layer_attention(m: ModelConfig) -> LayerAttention:
+    """The MTP block's attention (model.mtp.layer_type), with the RoPE, window or chunks
+    the model's layers of that type have."""
+    kind = m.mtp.layer_type
+    rope = (m.layer_rope or {}).get(kind, {})
+    return LayerAttention(kind, m.sliding_window if kind == "sliding_attention" else None,
+                          m.attention_chunk_size if kind == "chunked_attention" else None,
+                          float(rope.get("rope_theta", m.rope_theta)),
+                          rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling)
+
+
 def check_layers(m: ModelConfig, err) -> None:
     """model.sliding_window, attention_chunk_size, layer_types and layer_rope, one line
     each through err (validation's)."""

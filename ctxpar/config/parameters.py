@@ -102,9 +102,14 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     """Block i's parameters, by its layer type (config.layers.LAYER_MIXERS): the token
     mixer's norm and parameters, the post norm, then the MLP's. tp decides only whether
     k/v are split (n_kv_heads % tp == 0) or replicated by heads."""
-    kind = layer_types(m)[i]
+    moe = i in moe_layer_indices(m.moe, m.n_layers)
+    return _layer_specs(m, layer_types(m)[i], f"layers.{i}.", moe, tp)
+
+
+def _layer_specs(m: ModelConfig, kind: str, p: str, moe: bool, tp: int) -> List[ParamSpec]:
+    """A Block's parameters under prefix p: its layer type's mixers, a mixture of experts
+    in its MLP's place where moe."""
     token, channel = token_mixer_of(m, kind), LAYER_MIXERS[kind][1]
-    p = f"layers.{i}."
     reordered = kind in (m.reordered_norms or ())  # outputs normed, not inputs (OLMo 2)
     specs = _norm(p + "attn_norm", m) if token and not reordered else []
     if token:
@@ -112,7 +117,7 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
         specs += mixer_specs(m, f"{p}{name}.", tp)
     if (m.post_norms or reordered) and token:
         specs += _norm(p + "post_attn_norm", m)
-    if channel and i in moe_layer_indices(m.moe, m.n_layers):
+    if channel and moe:
         return specs + _moe_specs(m, p)
     if channel and reordered:
         return specs + _dense_mlp(m, p + "mlp.", resolved_ffn_hidden(m)) + \
@@ -247,12 +252,29 @@ def head_specs(m: ModelConfig) -> List[ParamSpec]:
     return specs
 
 
+def mtp_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
+    """models/mtp.py's parameters (model.mtp; none without): per depth k its input norms
+    and projection (replicated over TP: 2d -> d), its Block (a dense MLP), its output
+    norm; under shared_projection only depth 0 holds the norms and the projection."""
+    specs = []
+    for k in range(m.mtp.depth if m.mtp is not None else 0):
+        p = f"mtp.layers.{k}."
+        own = k == 0 or not m.mtp.shared_projection
+        if own:
+            specs += _norm(p + "enorm", m) + _norm(p + "hnorm", m)
+            specs += _linear(p + "eh_proj", 2 * m.d_model, m.d_model, None, False)
+        specs += _layer_specs(m, m.mtp.layer_type, p + "block.", False, tp)
+        if own:
+            specs += _norm(p + "norm", m)
+    return specs
+
+
 def parameter_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
     """Every parameter of the whole model, in GPT's named_parameters() order."""
     specs = [embedding_spec(m)]
     for i in range(m.n_layers):
         specs += block_specs(m, i, tp)
-    return specs + head_specs(m)
+    return specs + head_specs(m) + mtp_specs(m, tp)
 
 
 def active_parameters(m: ModelConfig) -> float:

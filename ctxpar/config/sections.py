@@ -14,6 +14,7 @@ from ..context_parallel.linear.api import LINEAR_CP_STRATEGIES
 from ..context_parallel.ring import GRAD_DTYPES
 from .mla import MLAConfig
 from .moe import MoEConfig
+from .mtp import MTPConfig
 
 
 class ConfigError(ValueError):
@@ -183,6 +184,9 @@ class ModelConfig:
     mla: Optional[MLAConfig] = None
     """Multi-head latent attention in every attention layer (ctxpar/config/mla.py;
     DeepSeek-V2/V3, Kimi K2; None: MHA/GQA)."""
+    mtp: Optional[MTPConfig] = None
+    """Multi-token prediction layers after the head (ctxpar/config/mtp.py; None: none, and
+    an imported folder's MTP tensors are left out)."""
     family: Optional[str] = None
     """The Hugging Face family the model is exported as (config.json's model_type: one of
     HF_FAMILIES); None: the one model.init_from's folder has, else the first whose

@@ -13,6 +13,7 @@ from .layer_mixers import has_linear_layers, token_mixers
 from .layers import check_layers, gated_delta_dims, mamba_dims
 from .mla import check_mla
 from .moe import check_moe
+from .mtp import check_mtp
 from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config,
                        ConfigError, ModelConfig, ParallelConfig, resolved_ffn_hidden,
                        resolved_head_dim, ulysses_degree)
@@ -47,6 +48,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     _check_grid_and_batch(cfg, world_size, err)
     check_moe(cfg, _resolved_dp(cfg, world_size), err)
     check_mla(cfg.model, cfg.parallel.tp, err)
+    check_mtp(cfg, err)
     _check_deepspeed(cfg, err)
     _check_paths(cfg, check_paths, err)
     _check_data(cfg, err)

@@ -204,7 +204,7 @@ class SampleStream:
 
 def shard_batch(batch: Dict[str, torch.Tensor], state_or_group, layout: str,
                 ulysses: Optional[int] = None,
-                reset_positions: bool = False) -> Dict[str, torch.Tensor]:
+                reset_positions: bool = False, mtp_depth: int = 0) -> Dict[str, torch.Tensor]:
     """This CP rank's part of a batch: tokens/labels (B, T) -> (B, T/cp), plus positions.
 
     ``positions`` (the global index of each kept token, for RoPE) comes from
@@ -213,15 +213,24 @@ def shard_batch(batch: Dict[str, torch.Tensor], state_or_group, layout: str,
     batch's "cu_seqlens" (which pass through whole: attention needs the full boundaries).
     state_or_group is a ParallelState (its cp_group, and its Ulysses degree for the
     two-level layout of hybrid CP) or a CP process group (then ulysses, default 1).
+    mtp_depth D > 0 (model.mtp) adds "mtp_tokens" and "mtp_labels" (B, D, T/cp): each
+    position's ids and targets D steps ahead, cut from the whole sample before sharding
+    (ctxpar/data/mtp.py), masked at document ends.
     """
     from ..context_parallel.documents import document_positions
     from ..context_parallel.layouts import sequence_positions, shard_sequence
+    from .mtp import mtp_inputs
 
     group = getattr(state_or_group, "cp_group", state_or_group)
     if ulysses is None:
         ulysses = getattr(state_or_group, "ulysses_size", 1)
     seq_len = batch["tokens"].shape[1]
     out = {k: shard_sequence(batch[k], 1, group, layout, ulysses) for k in ("tokens", "labels")}
+    if mtp_depth:
+        shifted = mtp_inputs(batch["tokens"], batch["labels"], mtp_depth,
+                             batch.get("cu_seqlens"))
+        for key, full in zip(("mtp_tokens", "mtp_labels"), shifted):  # (B, D, T) -> (B, D, T/cp)
+            out[key] = shard_sequence(full, 2, group, layout, ulysses)
     out["positions"] = sequence_positions(seq_len, group, layout, ulysses=ulysses)
     if reset_positions:
         out["positions"] = document_positions(batch["cu_seqlens"], out["positions"])

@@ -24,16 +24,18 @@ class ShardedStream:
     reset_positions: RoPE positions restart at each document)."""
 
     def __init__(self, stream: SampleStream, cp_group, layout: str, ulysses: int = 1,
-                 reset_positions: bool = False, document_mask: bool = False):
+                 reset_positions: bool = False, document_mask: bool = False,
+                 mtp_depth: int = 0):
         self.stream, self.cp_group, self.layout, self.ulysses = stream, cp_group, layout, ulysses
         self.reset_positions, self.document_mask = reset_positions, document_mask
+        self.mtp_depth = mtp_depth  # model.mtp's D: the shifted ids and targets (data/mtp.py)
 
     def next_microbatch(self, device=None) -> Dict[str, torch.Tensor]:
         """tokens, labels (B, T/cp), positions (T/cp,) or (B, T/cp) on device; with
         documents "cu_seqlens" (B int32 tensors) stay on the host, where the attention's
         document plan is made (no device round trip)."""
         local = shard_batch(self.stream.next_batch(), self.cp_group, self.layout, self.ulysses,
-                            self.reset_positions)
+                            self.reset_positions, self.mtp_depth)
         if not self.document_mask:  # boundaries only for the positions: attention unmasked
             local.pop("cu_seqlens", None)
         return {k: v if k == "cu_seqlens" else v.to(device, non_blocking=True).contiguous()
@@ -119,13 +121,16 @@ class Data:
         return SampleStream(self.source(split), self.cfg.train.micro_batch_size, dp_rank,
                             dp_size, self.documents, self.cfg.data.eod_mask_loss)
 
-    def _stream(self, split, state) -> ShardedStream:
+    def _stream(self, split, state, mtp_depth: int = 0) -> ShardedStream:
         return ShardedStream(self.samples(split, state.dp_rank, state.dp_size), state.cp_group,
                              self.cfg.parallel.layout, state.ulysses_size,
-                             self.cfg.data.reset_positions, self.cfg.data.document_mask)
+                             self.cfg.data.reset_positions, self.cfg.data.document_mask,
+                             mtp_depth)
 
     def train_stream(self, state) -> ShardedStream:
-        return self._stream("train", state)
+        """With model.mtp each micro-batch carries its shifted ids and targets too."""
+        mtp = self.cfg.model.mtp
+        return self._stream("train", state, mtp.depth if mtp is not None else 0)
 
     def eval_stream(self, state) -> ShardedStream:
         """Always the same eval samples, from the start of the eval split."""

@@ -18,7 +18,7 @@ from typing import List, Optional
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
 from ..config.layer_mixers import LAYER_MIXERS, first_layer_type, layer_types
 from ..config.layers import gated_delta_dims, mamba_dims
-from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs
+from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs, mtp_specs
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
@@ -189,6 +189,7 @@ def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
         n += embed
     if stage == pp - 1:
         n += _numel(head_specs(m), tp)  # the final norm, and an untied head
+        n += _numel(mtp_specs(m, tp), tp)  # model.mtp's depths, beside the head
         if m.tie_embeddings and pp > 1:  # the tied copy lives on both ends
             n += embed
     return n
@@ -216,7 +217,7 @@ def stage_vector_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
         per = sum(vectors(k) for k in stage_kinds(m, pp, stage))
     else:
         per = stage_layers(m, pp, stage) * vectors(None)
-    final = _numel([s for s in head_specs(m) if len(s.shape) == 1], tp)
+    final = _numel([s for s in head_specs(m) + mtp_specs(m, tp) if len(s.shape) == 1], tp)
     return per + (final if stage == pp - 1 else 0)
 
 

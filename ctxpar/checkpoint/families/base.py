@@ -14,6 +14,8 @@ differently, in its own file. The shared machinery knows no family by name.
            tensor stored under another name or layout), sources (a tensor in parts),
            fused_source (a tensor inside a fused one), to_folder / saved (the export's
            form), left_out (tensors the import leaves out)
+    mtp    mtp / export_mtp: the multi-token prediction layers' config.json keys
+           (model.mtp), both ways
 """
 from __future__ import annotations
 
@@ -234,6 +236,21 @@ class Family:
         the folder's config.json (DeepSeek's and GLM-4.5's MTP layers are numbered past
         its layers)."""
         return False
+
+    # ------------------------------------------------- multi-token prediction (model.mtp)
+
+    def mtp(self, hf: Dict[str, Any], refuse: Refuse):
+        """The folder's MTP layers as model.mtp (ctxpar/config/mtp.py; its loss_weight the
+        default: a training choice), None: it has none. A family whose MTP layers ctxpar
+        does not build refuses here, naming the key (asked only when model.mtp is set)."""
+        return None
+
+    def export_mtp(self, cfg: Dict[str, Any], m, refuse_export: Callable[[str], None]) -> None:
+        """config.json's MTP keys of m.mtp (cfg, in place); a family without MTP layers
+        refuses model.mtp."""
+        if m.mtp is not None:
+            refuse_export(f"model.mtp (multi-token prediction layers: {self.label} has none; "
+                          f"set model.mtp: null to export without them)")
 
     def to_folder(self, key: str, t: torch.Tensor, m) -> List[Tuple[str, torch.Tensor]]:
         """(name, tensor) of ctxpar's HF-form tensor as transformers saves the family."""

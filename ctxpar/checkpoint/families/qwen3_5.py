@@ -18,16 +18,32 @@ Qwen3.5's multimodal RoPE keys (rope_parameters' mrope_section, mrope_interleave
 read as plain RoPE: a text-only sequence gives its three position streams (time, height,
 width) the same ids, so every frequency turns by the same angle whichever stream it is
 taken from. model.linear_chunk_size is ctxpar's (the chunked kernel's block, a rounding
-choice only), never in config.json. The released folders' multi-token prediction layers
-(mtp.* tensors, sized by MTP_KEYS) are left out, as transformers' causal LMs drop them on
-loading (_keys_to_ignore_on_load_unexpected); the start-up line says so; the export
-writes none.
+choice only), never in config.json.
+
+The released folders' multi-token prediction layers (mtp.*, mtp_num_hidden_layers of
+them) are ctxpar's model.mtp with shared_projection (one fc and its norms for every
+depth, as vLLM's Qwen3.5 MTP reads them), [embedding; hidden] into fc, full attention
+and the dense MLP in each layer:
+
+    mtp.pre_fc_norm_embedding.weight   mtp.layers.0.enorm.weight
+    mtp.pre_fc_norm_hidden.weight      mtp.layers.0.hnorm.weight
+    mtp.fc.weight                      mtp.layers.0.eh_proj.weight
+    mtp.layers.{k}.<a block's names>   mtp.layers.{k}.block.<GPT's block names>
+    mtp.norm.weight                    mtp.layers.0.norm.weight
+
+With model.mtp set they are imported, trained and exported under these names; with
+model.mtp null they are left out, as transformers' causal LMs drop them on loading
+(_keys_to_ignore_on_load_unexpected), the start-up line says so and the export writes
+none. transformers builds no MTP layer for this family.
 """
 from __future__ import annotations
+
+import re
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ...config.layers import gated_delta_dims, layer_types
+from ...config.mtp import MTPConfig
 from ..rope_config import drop_rope_keys
 from .base import ARCH_DEFAULTS, NO_BIAS, Family, Refuse
 
@@ -38,6 +54,10 @@ MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # plain RoPE on text (modul
 HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
 MTP_KEYS = ("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")
 MTP_PREFIX = "mtp."
+# model.mtp's generic Hugging Face names (checkpoint/names.py) -> Qwen's shared ones
+MTP_SHARED = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+              "norm": "norm"}
+_MTP_OWN = re.compile(r"^mtp\.layers\.0\.(enorm|hnorm|eh_proj|norm)\.weight$")
 # Qwen3.5's layers: (1 + w) norms, q/k norms, the attention's sigmoid output gate
 QWEN3_5_FIXED = {**ARCH_DEFAULTS, "norm_offset": 1.0, "qk_norm": True,
                  "attention_output_gate": True}
@@ -131,9 +151,35 @@ class Qwen3_5(Family):
     def left_out(self, key: str, hf: Dict[str, Any]) -> bool:
         return key.startswith(MTP_PREFIX)
 
+    def folder_key(self, key: str) -> str:
+        own = _MTP_OWN.match(key)
+        return f"mtp.{MTP_SHARED[own.group(1)]}.weight" if own else key
+
+    def to_folder(self, key: str, t, m):
+        return super().to_folder(self.folder_key(key), t, m)
+
+    def mtp(self, hf: Dict[str, Any], refuse: Refuse) -> Optional[MTPConfig]:
+        depth = hf.get("mtp_num_hidden_layers", 0)
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            refuse("mtp_num_hidden_layers", depth, "config.json must give it as an integer >= 0")
+        if hf.get("mtp_use_dedicated_embeddings", False):
+            refuse("mtp_use_dedicated_embeddings", True, "MTP layers with an embedding of "
+                                                         "their own are not implemented")
+        return MTPConfig(depth=depth, shared_projection=True) if depth else None
+
+    def export_mtp(self, cfg: Dict[str, Any], m, refuse_export) -> None:
+        mtp = m.mtp
+        if mtp is None:
+            return
+        if not mtp.shared_projection or mtp.hidden_first or mtp.layer_type != "full_attention":
+            refuse_export(f"model.mtp={mtp} ({self.label}'s MTP layers share one fc, take "
+                          f"[embedding; hidden] and are full attention: shared_projection="
+                          f"true, hidden_first=false, layer_type=full_attention)")
+        cfg.update(mtp_num_hidden_layers=mtp.depth, mtp_use_dedicated_embeddings=False)
+
 
 FAMILY = Qwen3_5(
     "qwen3_5_text", "Qwen3_5ForCausalLM", dict(QWEN3_5_FIXED), ("hidden_act", "silu"),
     neutral={"attention_bias": (False, NO_BIAS)},
     own=("layer_types", "full_attention_interval", *LINEAR_ATTENTION_KEYS),
-    inert=MTP_KEYS)  # its multi-token prediction layers, left out (module docstring)
+    inert=MTP_KEYS)  # read by the mtp hook where model.mtp asks (module docstring)

@@ -118,6 +118,20 @@ class Qwen3NextLike(Qwen3_5):
                               f"ffn_hidden is the experts' width)")
 
 
+    def mtp(self, hf: Dict[str, Any], refuse: Refuse):
+        depth = hf.get("mtp_num_hidden_layers", 0)
+        if depth:  # its MTP layer's MLP is a mixture of experts, as its layers'
+            refuse("mtp_num_hidden_layers", depth, f"{self.label}'s MTP layers hold a mixture "
+                   f"of experts, which ctxpar's MTP block (a dense MLP) is not; set "
+                   f"model.mtp: null to leave them out")
+        return None
+
+    def export_mtp(self, cfg: Dict[str, Any], m, refuse_export) -> None:
+        if m.mtp is not None:
+            refuse_export(f"model.mtp ({self.label}'s MTP layers hold a mixture of experts, "
+                          f"which ctxpar's MTP block is not)")
+
+
 class Qwen3Next(Qwen3NextLike):
     defaults = dict(num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
                     moe_intermediate_size=512, shared_expert_intermediate_size=512,
