@@ -45,7 +45,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, MemoryConfig, ModelConfig, layer_attention
-from ctxpar.config.moe import moe_layer_indices, pipeline_stage_layers
+from ctxpar.config.moe import moe_layer_indices
+from ctxpar.config.pipeline_stages import pipeline_stage_layers
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .expert_states import restore_experts
 from .resume import (CheckpointError, latest_complete, load as load_same_layout, resume_problem,
-                     verify)
+                     run_on_rank0, verify)
 from .universal import (check_complete, load_buffers_, load_into_torch_optimizer, load_meta,
                         naming, num_experts, to_universal)
 from .weights import checkpoint_buffers, gpt_named_buffers
@@ -186,20 +186,6 @@ def resume_point(save_dir: str, resume: str, cfg, world_size: int,
                     f"and 16-bit at stage 1-2 (DeepSpeed cannot convert its 16-bit stage-0 "
                     f"optimizers; ZeRO-3 is not covered); resume on {describe(saved)}")
     return point
-
-
-def run_on_rank0(fn: Callable[[], None]) -> None:
-    """Run fn on rank 0; every rank raises its error (no rank left waiting)."""
-    err = None
-    if dist.get_rank() == 0:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            err = f"{type(e).__name__}: {e}"
-    box = [err]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise RuntimeError(box[0])
 
 
 def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, Any]:

@@ -238,3 +238,17 @@ def load(engine, save_dir: str, tag: str) -> Dict[str, Any]:
     if os.path.isfile(rng_file):
         set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def run_on_rank0(fn: Callable[[], None]) -> None:
+    """Run fn on rank 0; every rank raises its error (no rank left waiting)."""
+    err = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            err = f"{type(e).__name__}: {e}"
+    box = [err]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise RuntimeError(box[0])

@@ -28,7 +28,7 @@ from ..tensor_parallel.utils import full_shape, shard_full_tensor
 from . import hf
 from .export import save_folder
 from .names import from_pipe
-from .resume import MARKER, CheckpointError, is_tag, latest_complete, verify
+from .resume import MARKER, CheckpointError, is_tag, latest_complete, run_on_rank0, verify
 from .universal import (load_buffers_, naming, num_experts, read_state, saved_buffers,
                         to_universal)
 
@@ -149,7 +149,6 @@ def copy_full_weights_(model, get: Callable[[str], torch.Tensor], tp_group) -> N
 
 def load_initial_weights(model, cfg, state, source: InitSource) -> str:
     """Collective: fill the model (before deepspeed.initialize) from source; a log line."""
-    from .reshard import run_on_rank0
     if source.kind == "hf":
         reader = hf.WeightReader(source.path, cfg.model.tie_embeddings,
                                   hf.naming_of(cfg.model))

@@ -12,6 +12,7 @@ from ..context_parallel.linear.api import check_linear_cp
 from .layer_mixers import has_linear_layers, token_mixers
 from .layers import check_layers, gated_delta_dims, mamba_dims
 from .mla import check_mla
+from .pipeline_stages import check_stages_hold_experts
 from .moe import check_moe
 from .mtp import check_mtp
 from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config,
@@ -47,6 +48,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     _check_sequence(cfg.model, cfg.parallel, training, err)
     _check_grid_and_batch(cfg, world_size, err)
     check_moe(cfg, _resolved_dp(cfg, world_size), err)
+    check_stages_hold_experts(cfg, err)
     check_mla(cfg.model, cfg.parallel.tp, err)
     check_mtp(cfg, err)
     _check_deepspeed(cfg, err)

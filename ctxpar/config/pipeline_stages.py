@@ -1,0 +1,45 @@
+"""Which blocks each pipeline stage holds, as DeepSpeed's PipelineModule partitions
+models/gpt_pipe.py's layers, and what pp x ep asks of the stages. Above the parameters'
+description (it counts them) and model.moe's checks (it reads their layers)."""
+from __future__ import annotations
+
+from typing import List
+
+from .moe import moe_layer_indices
+from .parameters import block_specs, embedding_spec, head_specs
+
+
+def check_stages_hold_experts(cfg, err) -> None:
+    """pp x ep: every pipeline stage holds a MoE layer. ZeRO 1/2 compute the gradient norm
+    one param group at a time, each summed over the pipeline (DeepSpeed's
+    stage_1_and_2.get_grad_norm_direct), so every stage needs the same groups, and a stage
+    without experts would have no expert groups (DeepSpeed drops empty ones)."""
+    p, moe = cfg.parallel, cfg.model.moe
+    if moe is None or p.pp == 1 or p.ep == 1 or moe.num_experts % p.ep:
+        return
+    stages = pipeline_stage_layers(cfg.model, p.pp, p.tp, p.ep, p.pp_partition)
+    moe = set(moe_layer_indices(cfg.model.moe, cfg.model.n_layers))
+    bare = next((s for s, blocks in enumerate(stages) if not moe & set(blocks)), None)
+    if bare is not None:
+        err(f"parallel.pp={p.pp} and parallel.ep={p.ep}: pipeline stage {bare} (blocks "
+            f"{list(stages[bare])}, parallel.pp_partition={p.pp_partition!r}) has no MoE "
+            f"layer (model.moe.layers={cfg.model.moe.layers}) to hold experts; every stage "
+            f"needs one (its expert optimizer groups)")
+
+
+def pipeline_stage_layers(m, pp: int, tp: int, ep: int, method: str) -> List[range]:
+    """The blocks each of pp stages holds, as DeepSpeed's PipelineModule partitions
+    models/gpt_pipe.py's layers [embedding, blocks, final norm, head] ('uniform': by
+    count; 'parameters': by each layer's trainable parameters on a rank, E/ep experts a
+    MoE block's, with DeepSpeed's own partition_balanced)."""
+    from deepspeed.runtime import utils as ds_utils
+
+    embed = embedding_spec(m).numel(tp)
+    norm = sum(s.numel(tp) for s in head_specs(m) if s.name.startswith("final_norm"))
+    # the head: the tied embedding again, or lm_head (V, d) split over TP as it is
+    weights = [embed, *(sum(s.numel(tp, ep) for s in block_specs(m, i, tp))
+                        for i in range(m.n_layers)), norm, embed]
+    parts = (ds_utils.partition_uniform(len(weights), pp) if method == "uniform"
+             else ds_utils.partition_balanced(weights, pp))
+    # layer j of the list is block j - 1
+    return [range(max(parts[s] - 1, 0), min(parts[s + 1] - 1, m.n_layers)) for s in range(pp)]
