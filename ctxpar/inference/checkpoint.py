@@ -312,7 +312,7 @@ def load_weights_(model, files: CheckpointFiles, tp_group) -> None:
 def _load_through_universal_(model, files: CheckpointFiles, tp_group) -> None:
     """An ep > 1 checkpoint: rank 0 converts it to the universal format, every expert
     whole (collective over the world); each rank keeps its slices, and the saved buffers."""
-    from ..checkpoint.reshard import run_on_rank0
+    from ..checkpoint.resume import run_on_rank0
     from ..checkpoint.universal import (full_weights, load_buffers_, naming, saved_buffers,
                                         to_universal)
 
