@@ -2,8 +2,8 @@
 
 Their state, not the sequence, crosses ranks (or the heads do); one file per idea:
 
-    api.py            gated_delta_rule_cp, kda_cp, ssd_cp, causal_conv1d_cp (causal_conv1d on one
-                      process); check_linear_cp (the rules, for a config loader);
+    api.py            gated_delta_rule_cp, kda_cp, ssd_cp, causal_conv1d_cp (causal_conv1d
+                      on one process); check_linear_cp (the rules, for a config loader);
                       summary_bytes (state passing's traffic)
     state_passing.py  strategy "state": (M, E) summaries, one fp32 all-gather, composition
                       in sequence order (contiguous, zigzag); documents reset the state
@@ -18,10 +18,11 @@ Their state, not the sequence, crosses ranks (or the heads do); one file per ide
                       channel; sub-chunks keep every exp <= 1): kernel interface, fp32;
                       kda_step (decoding)
     ssd.py            Mamba2's chunked SSD in torch, likewise; ssd_step
-    kernels.py        the local passes' interface: torch (the two files above, conv.py's
+    kernels.py        the local passes' interface: torch (the three files above, conv.py's
                       taps) or a GPU library's; get_kernel("auto") picks and says why
-    gpu_kernels.py    the adapters: flash-linear-attention's chunk_gated_delta_rule and chunk_kda,
-                      mamba_ssm's mamba_chunk_scan_combined, causal-conv1d's causal_conv1d_fn
+    gpu_kernels.py    the adapters: flash-linear-attention's chunk_gated_delta_rule and
+                      chunk_kda, mamba_ssm's mamba_chunk_scan_combined, causal-conv1d's
+                      causal_conv1d_fn
 
 The torch kernels run on CPU and GPU alike, checked against transformers' torch
 references (tests/test_linear_kernels.py); the GPU adapters against emulations of the

@@ -179,7 +179,8 @@ def _delta_rule_cp(op, caller, q, k, v, g, beta, cp_group, layout, strategy, cu_
 
 
 def _gated_delta_state(q, k, v, g, beta, group, layout, doc, kernel, initial_state):
-    """State passing for GDN and KDA (g per head or per key channel: segmented alike). One kernel pass per segment from the initial state [I | 0]
+    """State passing for GDN and KDA (g per head or per key channel: cut into segments
+    alike). One kernel pass per segment from the initial state [I | 0]
     with values [0 | v]: by linearity in (S_in, v) the final state is [M | E] and the
     output is [q~ | o_0], q~_t = M_{1..t}^T (scale q_t), o_0 the output from a zero state;
     the true output is o_0 + q~ S_in once S_in is known (LASP-2's correction). One pass of

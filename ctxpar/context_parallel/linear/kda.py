@@ -1,4 +1,4 @@
-"""Kimi Delta Attention's chunked kernel in torch: the gated delta rule with a decay per key channel.
+"""Kimi Delta Attention's chunked kernel in torch: the gated delta rule, a decay per key channel.
 
 Kimi Linear (Kimi Team, 2025) replaces Gated DeltaNet's scalar decay per head by one per
 key channel, g_t (d_k,) <= 0. Per value head a (d_k, d_v) state, D_t = diag(exp g_t):
@@ -60,7 +60,8 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor,
         return out.flatten(-3, -2)
     ref = g_s[..., :-1, -1, :]                                           # (..., m-1, D)
     a_off = a_s[..., 1:, :, :] * (g_s[..., 1:, :, :] - ref[..., None, :]).exp()
-    before = torch.arange(C, device=gc.device) < torch.arange(1, m, device=gc.device)[:, None] * sub
+    starts = torch.arange(1, m, device=gc.device)[:, None] * sub          # (m-1, 1)
+    before = torch.arange(C, device=gc.device) < starts                 # (m-1, C)
     to_ref = (ref[..., None, :] - gc[..., None, :, :]).masked_fill(
         ~before[..., None], float("-inf")).exp()                        # (..., m-1, C, D)
     off = a_off @ (b[..., None, :, :] * to_ref).transpose(-1, -2)       # (..., m-1, s, C)
