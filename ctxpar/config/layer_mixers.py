@@ -13,12 +13,13 @@ LAYER_MIXERS = {  # layer type -> (token mixer, channel mixer); None: the block 
     "sliding_attention": ("attention", "mlp"),
     "chunked_attention": ("attention", "mlp"),
     "linear_attention": ("gated_delta", "mlp"),
+    "kimi_delta_attention": ("kda", "mlp"),
     "mamba": ("mamba2", None),
     "attention": ("attention", None),
     "mlp": (None, "mlp"),
 }
 LAYER_TYPES = tuple(LAYER_MIXERS)
-LINEAR_MIXERS = ("gated_delta", "mamba2")  # the token mixers that pass a state over CP
+LINEAR_MIXERS = ("gated_delta", "kda", "mamba2")  # the token mixers passing a state over CP
 
 
 def token_mixers(m) -> set:
@@ -27,7 +28,8 @@ def token_mixers(m) -> set:
 
 
 def has_linear_layers(m) -> bool:
-    """Whether a layer is 'linear_attention' or 'mamba' (state-passing mixers)."""
+    """Whether a layer is 'linear_attention', 'kimi_delta_attention' or 'mamba'
+    (state-passing mixers)."""
     return bool(token_mixers(m) & set(LINEAR_MIXERS))
 
 

@@ -62,6 +62,13 @@ OLMO_HYBRID_CONFIG = ModelConfig(
     reordered_norms=["full_attention"], linear_allow_neg_eigval=True, linear_norm_eps=1e-5,
     **_SMALL)
 
+# Kimi Linear's pattern, three KDA layers per attention one (Kimi Linear's is MLA without
+# RoPE; full attention stands in for it here), four heads of 8 (Kimi's are ungrouped)
+KIMI_LINEAR_CONFIG = ModelConfig(
+    n_layers=4, layer_types=["kimi_delta_attention"] * 3 + ["full_attention"],
+    linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, **_SMALL)
+
 
 def documents(n: int):
     """Per-sample cu_seqlens over n = 48 tokens (4 ranks of 12; zigzag chunks of 6):
