@@ -310,7 +310,7 @@ def test_the_linear_cp_benchmark_checks_its_layers_and_counts_state_bytes_indepe
         tmp_path):
     """tools/benchmarks/bench_linear_cp.py at a tiny n (the timing is docs/benchmarks.md's
     business): both strategies give every rank the one-process output and input gradient
-    of a whole GDN and Mamba2 layer, state passing sends the same bytes at 256 and 512
+    of a whole GDN, KDA and Mamba2 layer, state passing sends the same bytes at 256 and 512
     tokens (the summaries, which it asserts itself, and the conv halo), heads twice as many."""
     import json
     from tools.benchmarks import bench_linear_cp
@@ -321,8 +321,9 @@ def test_the_linear_cp_benchmark_checks_its_layers_and_counts_state_bytes_indepe
                           "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mixer"], r["n"]) for r in rows] == [
-        ("gated_delta", 256), ("gated_delta", 512), ("mamba2", 256), ("mamba2", 512)]
-    for small, large in (rows[:2], rows[2:]):
+        ("gated_delta", 256), ("gated_delta", 512), ("kda", 256), ("kda", 512),
+        ("mamba2", 256), ("mamba2", 512)]
+    for small, large in (rows[:2], rows[2:4], rows[4:]):
         for r in (small, large):
             assert r["max_diff"] < 1e-5, r
         assert small["state_bytes"] == large["state_bytes"] >= small["summary_bytes"] > 0
