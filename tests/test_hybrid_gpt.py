@@ -325,6 +325,8 @@ def test_packed_documents_are_run_as_if_alone(name):
 # ------------------------------------------------------------ refusals, one line each
 
 QWEN = dict(n_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], seq_len=128)
+KIMI = dict(n_layers=4, layer_types=["kimi_delta_attention"] * 3 + ["full_attention"],
+            seq_len=128)
 MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
 
 
@@ -374,6 +376,15 @@ MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
      "model.linear_allow_neg_eigval=True is set but no layer in model.layer_types is "
      "'linear_attention'"),
     (dict(QWEN, linear_norm_eps=0), {}, {}, "model.linear_norm_eps=0.0 must be a number > 0"),
+    (dict(KIMI, linear_num_key_heads=6), {"cp": 4, "linear_cp": "heads"}, {},
+     "parallel.linear_cp='heads' needs model.linear_num_value_heads=6 divisible by cp_size=4"),
+    (dict(KIMI, linear_num_key_heads=3), {"tp": 2}, {},
+     "model.linear_num_key_heads=3 is not divisible by parallel.tp=2"),
+    (dict(KIMI), {"cp": 2, "layout": "striped"}, {},
+     "parallel.linear_cp='state' takes layouts ['contiguous', 'zigzag'], not layout='striped'"),
+    (dict(MAMBA, linear_key_head_dim=8), {}, {},
+     "model.linear_key_head_dim=8 is set but no layer in model.layer_types is "
+     "'linear_attention' or 'kimi_delta_attention'"),
 ])
 def test_bad_hybrid_configs_fail_at_load_in_one_line(model, parallel, extra, message):
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
@@ -391,3 +402,6 @@ def test_good_hybrid_configs_load():
                                    "layout": "striped"}})
     config_from_dict({"model": {"vocab_size": 256, **MAMBA, "mamba_num_heads": 4},
                       "parallel": {"cp": 4, "dp": 1, "layout": "zigzag"}})
+    config_from_dict({"model": {"vocab_size": 256, **KIMI, "linear_num_key_heads": 4},
+                      "parallel": {"cp": 2, "dp": 1, "linear_cp": "heads",
+                                   "layout": "striped"}})
