@@ -75,7 +75,8 @@ class ForgetGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()  # (B, T, Hv Dk)
-        return -self.A_log.float().exp()[:, None] * F.softplus(f).unflatten(-1, (-1, self.key_dim))
+        decay = -self.A_log.float().exp()[:, None]                     # (Hv, 1)
+        return decay * F.softplus(f).unflatten(-1, (-1, self.key_dim))  # (B, T, Hv, Dk)
 
 
 class KimiGatedNorm(nn.Module):
@@ -135,7 +136,7 @@ class KimiDeltaAttention(TokenMixer):
         dims, hk, hv = self.dims, self.key_heads, self.value_heads    # heads on this TP rank
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)     # f once for all
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        mixed = self.conv1d(mixed, self.cp, cu_seqlens, cache)         # (B, T/cp, 2Hk Dk + Hv Dv)
+        mixed = self.conv1d(mixed, self.cp, cu_seqlens, cache)  # (B, T/cp, 2 Hk Dk + Hv Dv)
         q, k, v = mixed.split(self.split, dim=-1)
         q = q.view(B, T, hk, dims.key_head_dim)                        # (B, T/cp, Hk, Dk)
         k = k.view(B, T, hk, dims.key_head_dim)

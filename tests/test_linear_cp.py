@@ -4,9 +4,9 @@ Each case runs the mixer's core as a model does (ctxpar/testing/linear.py: the s
 with its halo, the split, the gates, the CP op) on 4 gloo ranks, 48 tokens (12 per rank,
 zigzag chunks of 6, kernel chunks of 8: chunk, segment and rank boundaries all fall
 differently), and compares the output, the final state and every gradient (the conv's
-input and weights, q, k, v, g, beta and A_log, dt_bias for GDN; f (the per-channel gate's input) for KDA; x, B, C,
-dt, A_log, dt_bias, D for Mamba2; the initial state) with the whole sequence on one
-process. One spawn per world size runs its cases (2 cores); the tolerances are
+input and weights, q, k, v, g, beta and A_log, dt_bias for GDN; f, the per-channel
+gate's input, for KDA; x, B, C, dt, A_log, dt_bias, D for Mamba2; the initial state) with
+the whole sequence on one process. One spawn per world size runs its cases (2 cores); the tolerances are
 linear_tolerance's. KDA shares GDN's strategies (kda_cp), so it runs a chosen set:
 both strategies, grouped and ungrouped heads, documents, at cp 2, 3 and 4.
 """

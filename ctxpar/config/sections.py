@@ -76,8 +76,8 @@ class ModelConfig:
     blocks: 'full_attention', 'sliding_attention' (model.sliding_window),
     'chunked_attention' (model.attention_chunk_size), 'linear_attention' (Gated DeltaNet in
     place of attention, Qwen3-Next / Qwen3.5), 'kimi_delta_attention' (Kimi Delta
-    Attention, Kimi Linear: the linear_* fields, its gates' low rank the head dims); e.g. Gemma 3's five sliding layers per full
-    one, Qwen3.5's three linear per full one. Nemotron-H's single-op blocks (norm, op,
+    Attention, Kimi Linear: the linear_* fields, its gates' low rank the head dims); e.g.
+    Gemma 3's five sliding layers per full one, Qwen3.5's three linear per full one. Nemotron-H's single-op blocks (norm, op,
     residual): 'mamba' (Mamba2), 'attention' (full causal attention), 'mlp'. Unset: every
     layer the same attention + MLP block."""
     layer_rope: Optional[Dict[str, Any]] = None
