@@ -96,7 +96,8 @@ def test_kda_over_cp_matches_one_process(world4, case):
 
 QUICK = [("gdn", "state", "zigzag", "gva", "fp32", True),
          ("ssd", "heads", "striped", "gva", "fp32", True),
-         ("kda", "state", "zigzag", "gva", "fp32", True)]
+         ("kda", "state", "zigzag", "gva", "fp32", True),
+         ("kda", "state", "contiguous", "mha", "fp32", True)]
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +116,9 @@ def test_heads_on_two_ranks_matches_one_process(world2):
 
 
 @pytest.mark.quick
-def test_kda_state_passing_on_two_ranks_matches_one_process(world2):
-    _check(world2, QUICK[2])
+@pytest.mark.parametrize("case", QUICK[2:], ids=_case_id)
+def test_kda_state_passing_on_two_ranks_matches_one_process(world2, case):
+    _check(world2, case)
 
 
 THREE = [("kda", "state", "contiguous", "gva", "fp32", True),
