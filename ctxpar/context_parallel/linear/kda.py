@@ -19,8 +19,9 @@ The pairwise decayed products exp(gc_i - gc_j) cannot be factored as exp(gc_i) e
 over a whole chunk (a strong gate sends exp(-gc_j) past fp32's range), nor materialised
 per (i, j, channel) for the chunk (C x d_k values a token). As flash-linear-attention's
 KDA (fla/ops/kda/chunk_intra.py), the chunk is cut into sub-chunks of at most 16 tokens:
-inside one, the (i, j, channel) decays are made exactly; between sub-chunks a < b, both
-factors take the reference point r = gc at the end of sub-chunk b - 1, so that
+inside one, the (i, j, channel) decays are made exactly, offset by offset (j = i - d);
+between sub-chunks a < b, both factors take the reference point r = gc at the end of
+sub-chunk a - 1 (i in a, j before a), so that
 exp(gc_i - r) <= 1 and exp(r - gc_j) <= 1 (a factor that underflows means the product
 does). Documents (``seq_idx``) and padding as gated_delta.py. Everything in fp32.
 """
@@ -45,15 +46,17 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor,
                      sub: int) -> torch.Tensor:
     """(..., C, C) lower-triangular (diagonal included): [i, j] = sum_d a_id b_jd
     exp(gc_id - gc_jd) for j <= i. a, b, gc (..., C, D) broadcastable, gc non-increasing
-    along C; sub divides C (module docstring: exact inside sub-chunks, a reference point
-    between them, every exp <= 1)."""
+    along C; sub divides C (module docstring: exact inside sub-chunks, one offset i - j
+    at a time, so that only the lower triangle is made; a reference point between them;
+    every exp <= 1)."""
     C = gc.shape[-2]
     m = C // sub
     a_s, b_s, g_s = (x.unflatten(-2, (m, sub)) for x in (a, b, gc))    # (..., m, s, D)
-    lower = torch.ones(sub, sub, dtype=torch.bool, device=gc.device).tril()
-    decay = (g_s[..., :, None, :] - g_s[..., None, :, :]).masked_fill(
-        ~lower[..., None], float("-inf")).exp()                         # (..., m, s, s, D)
-    diag = (a_s[..., :, None, :] * decay * b_s[..., None, :, :]).sum(-1)  # (..., m, s, s)
+    diag = 0
+    for d in range(sub):  # inside a sub-chunk, the pairs d positions apart: exp <= 1
+        decay = (g_s[..., d:, :] - g_s[..., :sub - d, :]).exp()          # (..., m, s-d, D)
+        pairs = (a_s[..., d:, :] * b_s[..., :sub - d, :] * decay).sum(-1)  # (..., m, s-d)
+        diag = diag + torch.diag_embed(pairs, offset=-d)                # (..., m, s, s)
     blocks = torch.eye(m, dtype=diag.dtype, device=diag.device)
     out = (diag[..., :, :, None, :] * blocks[:, None, :, None]).flatten(-2)  # (..., m, s, C)
     if m == 1:
