@@ -1,6 +1,7 @@
 """The mixers a Block is made of, by kind: one registry, read once per layer.
 
-    TOKEN_MIXERS[layer.token_mixer]    'attention', 'mla', 'gated_delta', 'mamba2' (None: none)
+    TOKEN_MIXERS[layer.token_mixer]    'attention', 'mla', 'gated_delta', 'kda', 'mamba2' (None:
+                                       none)
     CHANNEL_MIXERS[kind]               'mlp', or 'moe' where model.moe.layers says
 
 A layer's kinds come from its type (ctxpar.config.layer_mixers.LAYER_MIXERS, which the
@@ -24,6 +25,7 @@ from ctxpar.config import LayerAttention, ModelConfig
 
 from .attention import Attention
 from .gated_delta import GatedDeltaNet, init_gated_delta
+from .kda import KimiDeltaAttention, init_kda
 from .mamba2 import Mamba2, init_mamba2
 from .mla import MLA
 from .mlp import MLP
@@ -48,6 +50,7 @@ TOKEN_MIXERS: Dict[str, TokenMixerKind] = {
     "gated_delta": TokenMixerKind("linear_attn", GatedDeltaNet.from_layer, init_gated_delta),
     "mamba2": TokenMixerKind("mamba", Mamba2.from_layer, init_mamba2),
     "mla": TokenMixerKind("attn", MLA.from_layer),
+    "kda": TokenMixerKind("kda", KimiDeltaAttention.from_layer, init_kda),
 }
 
 CHANNEL_MIXERS: Dict[str, Callable[[LayerArgs], nn.Module]] = {  # the Block's `mlp`

@@ -9,12 +9,14 @@ recorded in CALLS with the arguments ctxpar passed (initial state, final state a
 cu_seqlens / seq_idx and where they live) for the cases to assert.
 
 - fla-core 0.6.0 fla/ops/gated_delta_rule/chunk.py chunk_gated_delta_rule
+- fla-core 0.6.0 fla/ops/kda/chunk.py chunk_kda
 - mamba-ssm 2.3.2.post1 mamba_ssm/ops/triton/ssd_combined.py mamba_chunk_scan_combined
 - causal-conv1d 1.6.1.post4 causal_conv1d/causal_conv1d_interface.py causal_conv1d_fn and
   csrc/causal_conv1d.cpp
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import List, NamedTuple
 
 import torch
@@ -23,12 +25,13 @@ import cuda_dry as dry
 from cuda_dry import HALF, _need
 
 FLA = "fla-core 0.6.0 fla/ops/gated_delta_rule/chunk.py, common/chunk_delta_h.py, chunk_o.py"
+KDA = "fla-core 0.6.0 fla/ops/kda/chunk.py chunk_kda"
 MAMBA = "mamba-ssm 2.3.2.post1 ssd_combined.py _mamba_chunk_scan_combined_fwd"
 CONV = "causal-conv1d 1.6.1.post4 csrc/causal_conv1d.cpp causal_conv1d_fwd/bwd"
 
 
 class LinearCall(NamedTuple):
-    library: str   # fla, mamba_ssm, causal_conv1d
+    library: str   # fla, fla_kda, mamba_ssm, causal_conv1d
     args: dict     # what ctxpar passed: shapes, dtypes, flags, where the documents live
 
 
@@ -41,14 +44,19 @@ def _desc(t):
 
 # ------------------------------------------------------------------ the kernels' rules
 
-def _gdn_rule(op, a, kw):
+def _gdn_rule(op, a, kw, per_channel: bool = False):
     q, k, v, g, beta, h0, cu = a[:7]
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     _need(k.shape == q.shape and v.shape[:2] == (B, T), op, "q, k (B, T, H, K), v (B, T, HV, V)",
           FLA)
     _need(HV % H == 0, op, f"HV={HV} divisible by H={H}", FLA)
-    _need(tuple(g.shape) == tuple(beta.shape) == (B, T, HV), op, "g, beta (B, T, HV)", FLA)
+    _need(tuple(beta.shape) == (B, T, HV), op, "beta (B, T, HV)", FLA)
+    if per_channel:  # KDA's gate: one log-decay per key channel
+        _need(tuple(g.shape) == (B, T, HV, K), op, f"g (B, T, HV, K), got {tuple(g.shape)}",
+              KDA)
+    else:
+        _need(tuple(g.shape) == (B, T, HV), op, "g (B, T, HV)", FLA)
     _need(K <= 256, op, f"head dim K={K} <= 256", FLA)
     if q.dtype in HALF:  # chunk_bwd_dv: odd K/V tails miscompile in 16-bit
         _need(K % 2 == 0 and V % 2 == 0, op, f"even K and V in 16-bit, got {K}, {V}", FLA)
@@ -109,6 +117,11 @@ _LIB.define("gdn_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor
 _LIB.define("gdn_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? h0, "
             "Tensor? cu_seqlens, Tensor do, Tensor dht) -> (Tensor, Tensor, Tensor, Tensor, "
             "Tensor, Tensor)")
+_LIB.define("kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? h0, "
+            "Tensor? cu_seqlens) -> (Tensor, Tensor)")
+_LIB.define("kda_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? h0, "
+            "Tensor? cu_seqlens, Tensor do, Tensor dht) -> (Tensor, Tensor, Tensor, Tensor, "
+            "Tensor, Tensor)")
 _LIB.define("ssd_fwd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
             "Tensor? h0, Tensor? seq_idx) -> (Tensor, Tensor)")
 _LIB.define("ssd_bwd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
@@ -125,11 +138,13 @@ def _states(q, v, h0, cu):
 
 
 @torch.library.register_fake("ctxpar_dry_linear::gdn_fwd", lib=_LIB)
+@torch.library.register_fake("ctxpar_dry_linear::kda_fwd", lib=_LIB)
 def _(q, k, v, g, beta, h0, cu_seqlens):
     return v.new_empty(v.shape, dtype=q.dtype), _states(q, v, h0, cu_seqlens)
 
 
 @torch.library.register_fake("ctxpar_dry_linear::gdn_bwd", lib=_LIB)
+@torch.library.register_fake("ctxpar_dry_linear::kda_bwd", lib=_LIB)
 def _(q, k, v, g, beta, h0, cu_seqlens, do, dht):
     dh0 = _states(q, v, h0, cu_seqlens)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -161,7 +176,9 @@ def _(x, weight, bias, seq_idx, dout):
 
 
 _OPS = torch.ops.ctxpar_dry_linear
+_kda_rule = partial(_gdn_rule, per_channel=True)
 dry.RULES.update({"ctxpar_dry_linear::gdn_fwd": _gdn_rule, "ctxpar_dry_linear::gdn_bwd": _gdn_rule,
+                  "ctxpar_dry_linear::kda_fwd": _kda_rule, "ctxpar_dry_linear::kda_bwd": _kda_rule,
                   "ctxpar_dry_linear::ssd_fwd": _ssd_rule, "ctxpar_dry_linear::ssd_bwd": _ssd_rule,
                   "ctxpar_dry_linear::conv_fwd": _conv_rule,
                   "ctxpar_dry_linear::conv_bwd": _conv_rule})
@@ -180,6 +197,20 @@ class _GatedDelta(torch.autograd.Function):
         q, k, v, g, beta, h0, cu = ctx.saved_tensors
         dht = torch.zeros_like(_states(q, v, h0, cu)) if dht is None else dht
         *grads, dh0 = _OPS.gdn_bwd(q, k, v, g, beta, h0, cu, do, dht)
+        return (*grads, None if h0 is None else dh0, None)
+
+
+class _KDA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, cu):
+        ctx.save_for_backward(q, k, v, g, beta, h0, cu)
+        return _OPS.kda_fwd(q, k, v, g, beta, h0, cu)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0, cu = ctx.saved_tensors
+        dht = torch.zeros_like(_states(q, v, h0, cu)) if dht is None else dht
+        *grads, dh0 = _OPS.kda_bwd(q, k, v, g, beta, h0, cu, do, dht)
         return (*grads, None if h0 is None else dh0, None)
 
 
@@ -236,6 +267,38 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     return o, (final if output_final_state else None)
 
 
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+              use_graph=False, max_num_seqs=None, **kwargs):
+    if cu_seqlens is not None:  # chunk.py's own checks
+        if q.shape[0] != 1:
+            raise ValueError("The batch size is expected to be 1 when using `cu_seqlens`.")
+        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+            raise ValueError("The number of initial states is expected to be equal to the "
+                             "number of input sequences")
+        if cu_seqlens_cpu is None:
+            cu_seqlens.cpu()  # its chunk indices from device counts (a sync)
+    if initial_state is not None:
+        assert initial_state.dtype == torch.float32, "initial_state must be in float32."
+    if use_gate_in_kernel and kwargs.get("A_log") is None and lower_bound is None:
+        raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`")
+    if kwargs.get("chunk_size", 64) not in (32, 64):
+        raise ValueError("`chunk_size` must be either 32 or 64 for KDA")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    assert q.shape == k.shape, "q and k must have the same shape"
+    CALLS.append(LinearCall("fla_kda", dict(
+        q=_desc(q), v=_desc(v), g=_desc(g), initial_state=_desc(initial_state),
+        output_final_state=output_final_state, cu_seqlens=_desc(cu_seqlens),
+        cu_seqlens_cpu=_desc(cu_seqlens_cpu), l2norm=use_qk_l2norm_in_kernel, scale=scale,
+        gate_in_kernel=use_gate_in_kernel, kwargs=sorted(kwargs))))
+    o, final = _KDA.apply(q, k, v, g, beta, initial_state, cu_seqlens)
+    return o, (final if output_final_state else None)
+
+
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                               initial_states=None, seq_idx=None, cu_seqlens=None,
                               dt_softplus=False, dt_limit=(0.0, float("inf")),
@@ -267,11 +330,13 @@ def install(monkeypatch):
     from ctxpar.context_parallel.linear import gpu_kernels, kernels
     CALLS.clear()
     for op, impl in (("gated_delta", gpu_kernels.FlaGatedDelta(chunk_gated_delta_rule)),
+                     ("kda", gpu_kernels.FlaKDA(chunk_kda)),
                      ("ssd", gpu_kernels.MambaSSD(mamba_chunk_scan_combined)),
                      ("conv", gpu_kernels.CausalConv1dKernel(causal_conv1d_fn))):
         monkeypatch.setitem(kernels.KERNELS[op], impl.name, impl)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a linear mixer's torch kernel ran on CUDA")
-    for cls in (kernels.TorchGatedDelta, kernels.TorchSSD, kernels.TorchConv):
+    for cls in (kernels.TorchGatedDelta, kernels.TorchKDA, kernels.TorchSSD,
+                kernels.TorchConv):
         monkeypatch.setattr(cls, "__call__", refuse)

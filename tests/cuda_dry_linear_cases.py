@@ -1,10 +1,11 @@
 """The linear mixers' CUDA path on fake CUDA tensors (run by tests/test_cuda_dry.py).
 
-Gated DeltaNet, Mamba2's SSD and the short conv in bf16 on device "cuda", through the
+Gated DeltaNet, KDA, Mamba2's SSD and the short conv in bf16 on device "cuda", through the
 GPU libraries' stand-ins (tests/cuda_dry_linear.py: real signatures, their kernels' input
 rules enforced, every call recorded): on one rank and on every rank of a simulated 4-rank
 group (comm.NoComm), state passing and heads, with and without documents, forward and
-backward; and a hybrid GPT (Qwen3.5's and Nemotron-H's tiny ones) forward and backward.
+backward; and a hybrid GPT (Qwen3.5's, Nemotron-H's and Kimi Linear's tiny ones) forward
+and backward.
 Each case asserts that the library kernels ran and the torch kernels did not, the
 arguments ctxpar passed (initial state, final state asked for, cu_seqlens int32 on the
 device with its host copy, seq_idx int32, the conv's channel-last layout), gradients on
@@ -27,7 +28,7 @@ if not os.environ.get("CTXPAR_FAKE_CUDA_LIBRARY"):
 import cuda_dry_linear as lin  # noqa: E402
 from ctxpar.context_parallel import LOCAL, NoComm  # noqa: E402
 from ctxpar.context_parallel.linear import (causal_conv1d_cp, gated_delta_rule_cp,  # noqa: E402
-                                            kernels, ssd_cp)
+                                            kda_cp, kernels, ssd_cp)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 P, S = 4, 8  # simulated ranks, tokens per rank
@@ -80,6 +81,43 @@ def test_gated_delta_runs_fla(strategy, layout, documents, monkeypatch):
             (call,) = lin.CALLS[start:]
             a = call.args
             assert call.library == "fla" and a["output_final_state"] and a["l2norm"]
+            wide = group.world_size > 1 and strategy == "state"
+            assert a["v"][0][-1] == (16 + 8 if wide else 8), a["v"]
+            assert a["initial_state"] is not None and a["initial_state"][1] == FP32
+            if documents:
+                assert a["q"][0][0] == 1 and a["cu_seqlens"][1:] == (torch.int32, "cuda")
+                assert a["cu_seqlens_cpu"][1:] == (torch.int32, "cpu")
+            else:
+                assert a["cu_seqlens"] is None
+        assert mode.host_syncs == 0
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["dense", "documents"])
+@pytest.mark.parametrize("strategy,layout", RUNS)
+def test_kda_runs_fla_chunk_kda(strategy, layout, documents, monkeypatch):
+    """KDA, GVA (Hk 2, Hv 4), Dk 16, Dv 8, g (B, T, Hv, Dk) fp32: fla's chunk_kda with the
+    gate computed outside it (use_gate_in_kernel off, no chunk_size passed: its 64), the
+    initial state fp32 and the final state asked for, documents as for Gated DeltaNet;
+    state passing widens v to Dk + Dv."""
+    with dry.fake_cuda(monkeypatch) as mode:
+        lin.install(monkeypatch)
+        for group in groups():
+            n = S * group.world_size
+            q, k = rand(2, S, 2, 16), rand(2, S, 2, 16)
+            v, beta, g = rand(2, S, 4, 8), rand(2, S, 4), rand(2, S, 4, 16, dtype=FP32)
+            h0 = rand(2, 4, 16, 8, dtype=FP32)
+            start = len(lin.CALLS)
+            o, final = kda_cp(q, k, v, g, beta, cp_group=group, layout=layout,
+                              strategy=strategy, initial_state=h0, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True,
+                              cu_seqlens=docs(n) if documents else None, chunk_size=4)
+            assert o.shape == v.shape and o.dtype == BF16 and final.shape == h0.shape
+            grads = torch.autograd.grad((o.float().sum() + final.sum()), (q, k, v, g, beta, h0))
+            check_grads((q, k, v, g, beta, h0), grads)
+            (call,) = lin.CALLS[start:]
+            a = call.args
+            assert call.library == "fla_kda" and a["output_final_state"] and a["l2norm"]
+            assert not a["gate_in_kernel"] and a["kwargs"] == [] and a["g"][1] == FP32
             wide = group.world_size > 1 and strategy == "state"
             assert a["v"][0][-1] == (16 + 8 if wide else 8), a["v"]
             assert a["initial_state"] is not None and a["initial_state"][1] == FP32
@@ -151,14 +189,14 @@ def test_conv_runs_causal_conv1d_channel_last(layout, documents, monkeypatch):
         assert mode.host_syncs == 0
 
 
-@pytest.mark.parametrize("family", ["qwen3.5", "nemotron-h"])
+@pytest.mark.parametrize("family", ["qwen3.5", "nemotron-h", "kimi-linear"])
 def test_hybrid_gpt_bf16_forward_backward(family, monkeypatch):
     """A tiny hybrid GPT in bf16 on CUDA with documents, forward to the loss and backward:
     every linear layer on the libraries (the torch kernels refuse to run), attention on
     sdpa's flash op, a gradient for every parameter, no host sync."""
-    from ctxpar.testing.linear import HYBRID_CONFIGS
+    from ctxpar.testing.linear import HYBRID_CONFIGS, KIMI_LINEAR_CONFIG
     from models.gpt import GPT
-    cfg = HYBRID_CONFIGS[family]
+    cfg = {**HYBRID_CONFIGS, "kimi-linear": KIMI_LINEAR_CONFIG}[family]
     with dry.fake_cuda(monkeypatch) as mode:
         lin.install(monkeypatch)
         model = GPT(cfg, device="cuda", dtype=BF16)
@@ -168,9 +206,10 @@ def test_hybrid_gpt_bf16_forward_backward(family, monkeypatch):
         loss.backward()
         for name, p in model.named_parameters():
             assert p.grad is not None and p.grad.shape == p.shape, name
-        mixers = sum(t in ("linear_attention", "mamba") for t in cfg.layer_types)
+        mixers = sum(t in ("linear_attention", "kimi_delta_attention", "mamba")
+                     for t in cfg.layer_types)
         ran = [c.library for c in lin.CALLS]
-        mixer = "fla" if family == "qwen3.5" else "mamba_ssm"
+        mixer = {"qwen3.5": "fla", "kimi-linear": "fla_kda"}.get(family, "mamba_ssm")
         assert ran.count(mixer) == mixers and ran.count("causal_conv1d") == mixers, ran
         assert mode.host_syncs == 0
 

@@ -1,4 +1,4 @@
-"""Generation through a hybrid GPT's Gated DeltaNet and Mamba2 layers (ctxpar/inference/
+"""Generation through a hybrid GPT's Gated DeltaNet, KDA and Mamba2 layers (ctxpar/inference/
 linear_cache.py): a CP prefill with the training ops, then recurrent decode steps.
 
 (1) The recurrent steps against the chunked kernels: the conv, the gated delta rule and
@@ -20,13 +20,14 @@ from ctxpar.context_parallel.linear import (causal_conv1d, chunk_gated_delta_rul
 from ctxpar.inference import generate
 from ctxpar.testing import run_distributed
 from ctxpar.testing.generation import reference_generate
-from ctxpar.testing.linear import HYBRID_CONFIGS
+from ctxpar.testing.linear import HYBRID_CONFIGS, KIMI_LINEAR_CONFIG
 from helpers.train_run import HYBRID_MODEL, ROOT, run_train
 from helpers.warm_launch import run_warm
 from models.gpt import GPT
 from models.options import ModelGroups, ModelOptions
 
-CONFIGS = HYBRID_CONFIGS  # Qwen3.5's and Nemotron-H's patterns
+CONFIGS = {**HYBRID_CONFIGS, "kimi-linear": KIMI_LINEAR_CONFIG}  # Qwen3.5's, Nemotron-H's,
+#                                                                    Kimi Linear's patterns
 SEED = 3
 # 5 and 10 tokens: padded to 12 at cp 2 zigzag and cp 3, so every rank holds pad tokens of
 # the short row, and the long row's last prompt token sits on a middle rank at cp 3
@@ -89,7 +90,7 @@ def test_cached_generation_equals_full_forwards(name):
     out = generate(model, PROMPTS, NEW)
     assert out.tokens == want
     linear = [c for c in out.cache.linear.values()]
-    assert len(linear) == (3 if name == "qwen3.5" else 2) and out.cache.k.shape[0] == 1
+    assert len(linear) == (2 if name == "nemotron-h" else 3) and out.cache.k.shape[0] == 1
     assert out.cache.nbytes() == out.cache.k.nbytes * 2 + sum(c.nbytes() for c in linear)
 
 
@@ -112,8 +113,10 @@ def _generate_cases(rank, world, payload):
 CASES = {  # world -> (config, tp, layout, parallel.linear_cp); cp = world / tp
     2: [("qwen3.5", 1, "zigzag", "state"), ("nemotron-h", 1, "contiguous", "state"),
         ("qwen3.5", 1, "striped", "heads"), ("nemotron-h", 1, "zigzag", "heads"),
-        ("qwen3.5", 2, "zigzag", "state"), ("nemotron-h", 2, "zigzag", "state")],
-    3: [("qwen3.5", 1, "contiguous", "state"), ("nemotron-h", 1, "zigzag", "state")],
+        ("qwen3.5", 2, "zigzag", "state"), ("nemotron-h", 2, "zigzag", "state"),
+        ("kimi-linear", 1, "zigzag", "state"), ("kimi-linear", 1, "striped", "heads")],
+    3: [("qwen3.5", 1, "contiguous", "state"), ("nemotron-h", 1, "zigzag", "state"),
+        ("kimi-linear", 1, "zigzag", "state")],
 }
 
 

@@ -1,11 +1,12 @@
-"""Hybrid GPTs: Gated DeltaNet (Qwen3.5's 'linear_attention') and Mamba2 (Nemotron-H's
-'mamba') layers beside attention, under CP.
+"""Hybrid GPTs: Gated DeltaNet (Qwen3.5's 'linear_attention'), KDA (Kimi Linear's
+'kimi_delta_attention') and Mamba2 (Nemotron-H's 'mamba') layers beside attention, under CP.
 
 (1) Each mixer against transformers' own module on the same weights (one process, fp32:
 outputs and every parameter's gradient); OLMo Hybrid's options as a whole GPT against
-OlmoHybridForCausalLM. (2) Three tiny hybrids, Qwen3.5's three linear layers per
-full-attention one, a Nemotron-H mamba/attention/mlp pattern and OLMo Hybrid's options
-(post-norm attention, q/k norms over all heads, beta in [0, 2]), at cp2 and
+OlmoHybridForCausalLM. (2) Four tiny hybrids, Qwen3.5's three linear layers per
+full-attention one, a Nemotron-H mamba/attention/mlp pattern, OLMo Hybrid's options
+(post-norm attention, q/k norms over all heads, beta in [0, 2]) and Kimi Linear's three
+KDA layers per attention one, at cp2 and
 cp4 with parallel.linear_cp 'state' (contiguous, zigzag) and 'heads' (striped, zigzag),
 and at tp2 x cp2 (the mixers split by heads), with and without packed documents crossing
 ranks, under each activation recompute: the loss and every gradient (gathered over TP)
@@ -20,14 +21,16 @@ import torch
 from ctxpar.config import ConfigError, config_from_dict
 from ctxpar.testing import run_distributed
 from ctxpar.tensor_parallel import gather_full_state_dict
-from ctxpar.testing.linear import HYBRID_CONFIGS, OLMO_HYBRID_CONFIG, documents
+from ctxpar.testing.linear import (HYBRID_CONFIGS, KIMI_LINEAR_CONFIG, OLMO_HYBRID_CONFIG,
+                                   documents)
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 from models.options import ModelGroups, ModelOptions
 
 N, BATCH, SEED = 48, 2, 5  # cp4 zigzag: 12 tokens a rank, two segments of 6
 # Qwen3.5's and Nemotron-H's patterns and OLMo Hybrid's options, model.seq_len N
-CONFIGS = {**HYBRID_CONFIGS, "olmo-hybrid": OLMO_HYBRID_CONFIG}
+CONFIGS = {**HYBRID_CONFIGS, "olmo-hybrid": OLMO_HYBRID_CONFIG,
+           "kimi-linear": KIMI_LINEAR_CONFIG}
 # fp32 throughout; CP reorders the sums (summaries composed across ranks, gradients summed
 # over CP), so values agree to ~1e-6 relative, as tests/test_gpt.py's layouts do.
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -41,9 +44,11 @@ def close(got, want, msg=""):
 # ------------------------------------------------------------ the mixers vs transformers
 
 def _compare_module(ours, theirs, x, cu=None):
-    """Same weights (names equal: a load is the import), same input: output and every
-    parameter's gradient."""
-    theirs.load_state_dict({n: p.detach().clone() for n, p in ours.named_parameters()})
+    """Same weights (names equal: a load is the import, shapes as transformers' views of
+    the same values: KDA's A_log), same input: output and every parameter's gradient."""
+    shapes = {n: p.shape for n, p in theirs.named_parameters()}
+    theirs.load_state_dict({n: p.detach().clone().view(shapes[n])
+                            for n, p in ours.named_parameters()})
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_ours, y_theirs = ours(x1, cu), theirs(x2)
     dy = torch.randn_like(y_theirs)
@@ -53,14 +58,15 @@ def _compare_module(ours, theirs, x, cu=None):
     close(x1.grad, x2.grad, "input grad")
     grads = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():
-        close(p.grad, grads[name].grad, name)
+        close(p.grad, grads[name].grad.view(p.shape), name)
 
 
 def _one_layer(name):
     cfg = CONFIGS[name]
     model = GPT(cfg, options=ModelOptions(seed=SEED))
     block = model.layers[0]
-    return cfg, (block.linear_attn if name == "qwen3.5" else block.mamba)
+    return cfg, getattr(block, {"qwen3.5": "linear_attn", "kimi-linear": "kda"}.get(name,
+                                                                                   "mamba"))
 
 
 @pytest.mark.quick
@@ -80,6 +86,27 @@ def test_gated_delta_net_equals_transformers_qwen3_5():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     x = torch.randn(2, 37, cfg.d_model, generator=torch.Generator().manual_seed(0))
     _compare_module(ours, theirs, x)  # 37: transformers pads to its chunk of 64, ours 4
+
+
+@pytest.mark.quick
+def test_kimi_delta_attention_equals_transformers_kimi_linear():
+    """KimiLinearDeltaAttention on the same weights: q/k/v convs, the per-channel forget
+    gate (f_a, f_b, dt_bias, A_log), beta, the sigmoid-gated output norm (g_a, g_b)."""
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+    cfg, ours = _one_layer("kimi-linear")
+    hf = KimiLinearConfig(hidden_size=cfg.d_model, rms_norm_eps=cfg.norm_eps,
+                          hidden_act="silu", num_hidden_layers=2,
+                          linear_attn_config=dict(num_heads=4, head_dim=8,
+                                                  short_conv_kernel_size=4, kda_layers=[1],
+                                                  full_attn_layers=[2]))
+    theirs = KimiLinearDeltaAttention(hf, 0)
+    with torch.no_grad():  # away from init's ones: the norm's weight counts
+        ours.o_norm.weight.add_(0.3 * torch.randn(
+            ours.o_norm.weight.shape, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(2, 37, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    _compare_module(ours, theirs, x)  # 37: transformers' chunks of 64, ours 4
 
 
 def test_mamba2_equals_transformers_nemotron_h():
@@ -180,7 +207,10 @@ CASES = {  # world -> (config, tp, cp, layout, parallel.linear_cp, cu_seqlens, r
         ("qwen3.5", 1, 2, "contiguous", "state", DOCS, "full"),
         # OLMo Hybrid's options: post-norm attention, q/k norms over all heads, beta in [0, 2]
         ("olmo-hybrid", 1, 2, "zigzag", "state", DOCS, "none"),
-        ("olmo-hybrid", 1, 2, "striped", "heads", None, "selective")],
+        ("olmo-hybrid", 1, 2, "striped", "heads", None, "selective"),
+        # Kimi Linear's KDA: a decay per key channel, the sigmoid-gated norm, low-rank gates
+        ("kimi-linear", 1, 2, "zigzag", "state", DOCS, "none"),
+        ("kimi-linear", 1, 2, "striped", "heads", None, "selective")],
     4: [("qwen3.5", 1, 4, "zigzag", "state", DOCS, "none"),
         ("nemotron-h", 1, 4, "zigzag", "state", None, "selective"),
         ("nemotron-h", 1, 4, "contiguous", "state", DOCS, "none"),
@@ -188,7 +218,9 @@ CASES = {  # world -> (config, tp, cp, layout, parallel.linear_cp, cu_seqlens, r
         # TP splits the mixers by heads (one key head, two value heads; one B/C group a rank)
         ("qwen3.5", 2, 2, "zigzag", "state", DOCS, "none"),
         ("nemotron-h", 2, 2, "striped", "heads", DOCS, "full"),
-        ("olmo-hybrid", 2, 2, "zigzag", "state", DOCS, "none")],  # q/k norms' squares over TP
+        ("olmo-hybrid", 2, 2, "zigzag", "state", DOCS, "none"),  # q/k norms' squares over TP
+        ("kimi-linear", 1, 4, "zigzag", "state", DOCS, "full"),
+        ("kimi-linear", 2, 2, "zigzag", "state", DOCS, "none")],  # f_a, g_a replicated over TP
 }
 
 
@@ -266,7 +298,8 @@ def test_hybrid_gpt_in_bf16_over_cp_adds_no_error_to_bf16s_own():
 def test_documents_change_the_linear_layers_gradients():
     """The cases above hold a real document mask: without cu_seqlens the mixers' decay
     gradients move by far more than TOL."""
-    for name, mixer in (("qwen3.5", "linear_attn"), ("nemotron-h", "mamba")):
+    for name, mixer in (("qwen3.5", "linear_attn"), ("nemotron-h", "mamba"),
+                        ("kimi-linear", "kda.forget_gate")):
         with_docs, without = (reference(CONFIGS[name], cu)[1] for cu in (DOCS, None))
         key = f"layers.0.{mixer}.A_log"
         diff = (with_docs[key] - without[key]).abs().max() / without[key].abs().max()
@@ -292,6 +325,8 @@ def test_packed_documents_are_run_as_if_alone(name):
 # ------------------------------------------------------------ refusals, one line each
 
 QWEN = dict(n_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], seq_len=128)
+KIMI = dict(n_layers=4, layer_types=["kimi_delta_attention"] * 3 + ["full_attention"],
+            seq_len=128)
 MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
 
 
@@ -341,6 +376,15 @@ MAMBA = dict(n_layers=2, layer_types=["mamba", "mlp"], seq_len=128)
      "model.linear_allow_neg_eigval=True is set but no layer in model.layer_types is "
      "'linear_attention'"),
     (dict(QWEN, linear_norm_eps=0), {}, {}, "model.linear_norm_eps=0.0 must be a number > 0"),
+    (dict(KIMI, linear_num_key_heads=6), {"cp": 4, "linear_cp": "heads"}, {},
+     "parallel.linear_cp='heads' needs model.linear_num_value_heads=6 divisible by cp_size=4"),
+    (dict(KIMI, linear_num_key_heads=3), {"tp": 2}, {},
+     "model.linear_num_key_heads=3 is not divisible by parallel.tp=2"),
+    (dict(KIMI), {"cp": 2, "layout": "striped"}, {},
+     "parallel.linear_cp='state' takes layouts ['contiguous', 'zigzag'], not layout='striped'"),
+    (dict(MAMBA, linear_key_head_dim=8), {}, {},
+     "model.linear_key_head_dim=8 is set but no layer in model.layer_types is "
+     "'linear_attention' or 'kimi_delta_attention'"),
 ])
 def test_bad_hybrid_configs_fail_at_load_in_one_line(model, parallel, extra, message):
     d = {"model": {"vocab_size": 256, **model}, "parallel": {"dp": 1, **parallel},
@@ -358,3 +402,6 @@ def test_good_hybrid_configs_load():
                                    "layout": "striped"}})
     config_from_dict({"model": {"vocab_size": 256, **MAMBA, "mamba_num_heads": 4},
                       "parallel": {"cp": 4, "dp": 1, "layout": "zigzag"}})
+    config_from_dict({"model": {"vocab_size": 256, **KIMI, "linear_num_key_heads": 4},
+                      "parallel": {"cp": 2, "dp": 1, "linear_cp": "heads",
+                                   "layout": "striped"}})

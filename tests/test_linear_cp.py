@@ -1,12 +1,14 @@
-"""Gated DeltaNet and Mamba2 over a CP group: every strategy against one process.
+"""Gated DeltaNet, KDA and Mamba2 over a CP group: every strategy against one process.
 
 Each case runs the mixer's core as a model does (ctxpar/testing/linear.py: the short conv
 with its halo, the split, the gates, the CP op) on 4 gloo ranks, 48 tokens (12 per rank,
 zigzag chunks of 6, kernel chunks of 8: chunk, segment and rank boundaries all fall
 differently), and compares the output, the final state and every gradient (the conv's
-input and weights, q, k, v, g, beta and A_log, dt_bias for GDN; x, B, C, dt, A_log,
-dt_bias, D for Mamba2; the initial state) with the whole sequence on one process. One
-spawn runs every case (2 cores); the tolerances are linear_tolerance's.
+input and weights, q, k, v, g, beta and A_log, dt_bias for GDN; f, the per-channel
+gate's input, for KDA; x, B, C, dt, A_log, dt_bias, D for Mamba2; the initial state) with
+the whole sequence on one process. One spawn per world size runs its cases (2 cores); the tolerances are
+linear_tolerance's. KDA shares GDN's strategies (kda_cp), so it runs a chosen set:
+both strategies, grouped and ungrouped heads, documents, at cp 2, 3 and 4.
 """
 import pytest
 import torch
@@ -14,11 +16,12 @@ import torch.distributed as dist
 
 from ctxpar.context_parallel import LOCAL, NoComm, cp_stats
 from ctxpar.context_parallel.linear import (check_linear_cp, causal_conv1d_cp,
-                                            gated_delta_rule_cp, ssd_cp, summary_bytes)
+                                            gated_delta_rule_cp, kda_cp, ssd_cp,
+                                            summary_bytes)
 from ctxpar.context_parallel.layouts import shard_sequence
 from ctxpar.testing import run_distributed
 from ctxpar.testing.linear import (BATCH, CONV_KERNEL, SEQUENCE, documents, gdn_leaves,
-                                   mismatches, run_case, ssd_leaves)
+                                   kda_leaves, mismatches, run_case, ssd_leaves)
 
 N = 48
 HEADS = {"gdn": {"mha": (4, 4, 8, 8), "gva": (2, 4, 8, 6)},   # (Hk, Hv, Dk, Dv)
@@ -32,6 +35,15 @@ CASES = [(mixer, strategy, layout, heads, dtype, docs)
 HEADS["gdn"]["gva-neg"] = (2, 4, 8, 6, True)
 CASES += [("gdn", "state", "zigzag", "gva-neg", "fp32", True),
           ("gdn", "heads", "striped", "gva-neg", "fp32", True)]
+# KDA (Kimi Linear: ungrouped heads; fla's GVA grouped): documents starting mid-rank,
+# spanning three ranks, one token long (documents()), each strategy and layout once
+HEADS["kda"] = HEADS["gdn"]
+CASES += [("kda", "state", "contiguous", "gva", "fp32", True),
+          ("kda", "state", "contiguous", "mha", "fp32", False),
+          ("kda", "state", "zigzag", "mha", "fp32", True),
+          ("kda", "state", "zigzag", "gva", "bf16", True),
+          ("kda", "heads", "striped", "gva", "fp32", True),
+          ("kda", "heads", "zigzag", "mha", "fp32", True)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -41,7 +53,7 @@ def _case_id(case):
 
 
 def _leaves(mixer, heads, dtype, n=N):
-    make = gdn_leaves if mixer == "gdn" else ssd_leaves
+    make = {"gdn": gdn_leaves, "kda": kda_leaves, "ssd": ssd_leaves}[mixer]
     return make(n, HEADS[mixer][heads], DTYPES[dtype])
 
 
@@ -77,8 +89,15 @@ def test_mamba2_ssd_over_cp_matches_one_process(world4, case):
     _check(world4, case)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "kda"], ids=_case_id)
+def test_kda_over_cp_matches_one_process(world4, case):
+    _check(world4, case)
+
+
 QUICK = [("gdn", "state", "zigzag", "gva", "fp32", True),
-         ("ssd", "heads", "striped", "gva", "fp32", True)]
+         ("ssd", "heads", "striped", "gva", "fp32", True),
+         ("kda", "state", "zigzag", "gva", "fp32", True),
+         ("kda", "state", "contiguous", "mha", "fp32", True)]
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +115,35 @@ def test_heads_on_two_ranks_matches_one_process(world2):
     _check(world2, QUICK[1])
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("case", QUICK[2:], ids=_case_id)
+def test_kda_state_passing_on_two_ranks_matches_one_process(world2, case):
+    _check(world2, case)
+
+
+THREE = [("kda", "state", "contiguous", "gva", "fp32", True),
+         ("kda", "state", "zigzag", "mha", "fp32", True)]
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return run_distributed(_every_case, 3, THREE, timeout=300)
+
+
+@pytest.mark.parametrize("case", THREE, ids=_case_id)
+def test_kda_state_passing_on_three_ranks_matches_one_process(world3, case):
+    """cp3: 16 tokens a rank (zigzag segments of 8), the segments composed over an odd
+    number of ranks."""
+    _check(world3, case)
+
+
 # --- bytes ------------------------------------------------------------------------------
 
 def _core_and_conv_bytes(rank, world):
     """{(mixer, layout, n): (core fwd sent, core bwd sent, conv fwd sent, conv bwd sent)}:
     the state-passing op alone, then the conv alone, under cp_stats()."""
     group, out = dist.group.WORLD, {}
-    for mixer in ("gdn", "ssd"):
+    for mixer in ("gdn", "kda", "ssd"):
         dims = HEADS[mixer]["gva"]
         for layout in LAYOUTS["state"]:
             for n in (N, 2 * N):
@@ -111,7 +152,7 @@ def _core_and_conv_bytes(rank, world):
                 with cp_stats() as core:
                     y = _core_op(mixer, dims, t, group, layout)
                     y.sum().backward()
-                xin = (t["mixed"] if mixer == "gdn" else t["xBC"]).requires_grad_()
+                xin = (t["xBC"] if mixer == "ssd" else t["mixed"]).requires_grad_()
                 with cp_stats() as conv:
                     causal_conv1d_cp(xin, t["conv_weight"], cp_group=group,
                                      layout=layout).sum().backward()
@@ -123,14 +164,14 @@ def _core_and_conv_bytes(rank, world):
 def _core_op(mixer, dims, t, group, layout):
     gen = torch.Generator().manual_seed(0)
     B, S = BATCH, t["dout"].shape[1]
-    if mixer == "gdn":
+    if mixer in ("gdn", "kda"):
         Hk, Hv, Dk, Dv = dims
         q, k = (torch.randn(B, S, Hk, Dk, generator=gen, requires_grad=True) for _ in "qk")
         v = torch.randn(B, S, Hv, Dv, generator=gen, requires_grad=True)
-        g = -torch.rand(B, S, Hv, generator=gen)
-        o, _ = gated_delta_rule_cp(q, k, v, g, torch.rand(B, S, Hv, generator=gen),
-                                   cp_group=group, layout=layout, chunk_size=8,
-                                   use_qk_l2norm_in_kernel=True)
+        op, gate = (kda_cp, (Hv, Dk)) if mixer == "kda" else (gated_delta_rule_cp, (Hv,))
+        g = -torch.rand(B, S, *gate, generator=gen)
+        o, _ = op(q, k, v, g, torch.rand(B, S, Hv, generator=gen), cp_group=group,
+                  layout=layout, chunk_size=8, use_qk_l2norm_in_kernel=True)
         return o
     H, P, G, Ns = dims
     x = torch.randn(B, S, H, P, generator=gen, requires_grad=True)
@@ -141,22 +182,26 @@ def _core_op(mixer, dims, t, group, layout):
 
 def test_state_passing_moves_the_summaries_and_the_conv_its_halo_whatever_n():
     """Forward and backward each send the fp32 summaries of this rank's segments to the 3
-    others (summary_bytes: B*H*Dk*(Dk+Dv) per segment for GDN, B*H*(P*N+1) for Mamba2),
-    the same at 48 and 96 tokens; the conv's halo is K-1 tokens of every channel per link
-    (contiguous: to rank r+1; zigzag: to r+1 and r-1), likewise independent of n."""
+    others (summary_bytes: B*H*Dk*(Dk+Dv) per segment for GDN and KDA, B*H*(P*N+1) for
+    Mamba2), the same at 48 and 96 tokens; the conv's halo is K-1 tokens of every channel
+    per link (contiguous: to rank r+1; zigzag: to r+1 and r-1), likewise independent of n."""
     P = 4
     for rank, got in enumerate(run_distributed(_core_and_conv_bytes, P, timeout=300)):
-        for mixer in ("gdn", "ssd"):
+        for mixer in ("gdn", "kda", "ssd"):
             dims = HEADS[mixer]["gva"]
-            heads, state = (dims[1], dims[2:]) if mixer == "gdn" else (dims[0], (dims[1],
-                                                                                   dims[3]))
-            channels = (2 * dims[0] * dims[2] + dims[1] * dims[3] if mixer == "gdn"
-                        else dims[0] * dims[1] + 2 * dims[2] * dims[3])
+            ssd = mixer == "ssd"
+            heads, state = (dims[0], (dims[1], dims[3])) if ssd else (dims[1], dims[2:])
+            channels = (dims[0] * dims[1] + 2 * dims[2] * dims[3] if ssd
+                        else 2 * dims[0] * dims[2] + dims[1] * dims[3])
             for layout in LAYOUTS["state"]:
                 links = int(rank + 1 < P) + (int(rank > 0) if layout == "zigzag" else 0)
                 halo = links * (CONV_KERNEL - 1) * BATCH * channels * 4
                 summaries = summary_bytes(BATCH, heads, tuple(state), layout, P,
-                                          "gated_delta" if mixer == "gdn" else "ssd")
+                                          {"gdn": "gated_delta"}.get(mixer, mixer))
+                if mixer == "kda":  # H x Dk x (Dk + Dv) x 4 per segment, to P - 1 ranks
+                    Hv, Dk, Dv = dims[1:]
+                    segments = 2 if layout == "zigzag" else 1
+                    assert summaries == (P - 1) * segments * BATCH * Hv * Dk * (Dk + Dv) * 4
                 for n in (N, 2 * N):
                     core_fwd, core_bwd, conv_fwd, conv_bwd = got[mixer, layout, n]
                     assert (core_fwd, core_bwd) == (summaries, summaries), \
@@ -216,6 +261,14 @@ def _gdn_call(group, **kw):
     return gated_delta_rule_cp(q, q, v, g, g.neg(), cp_group=group, **kw)
 
 
+def _kda_call(group, per_channel=True, **kw):
+    B, S = 1, 8
+    q = torch.randn(B, S, 2, 4)
+    v, g = torch.randn(B, S, 6, 4), -torch.rand(B, S, 6, 4 if per_channel else 1)
+    return kda_cp(q, q, v, g if per_channel else g[..., 0], g[..., 0].neg(), cp_group=group,
+                  **kw)
+
+
 def _ssd_call(group, **kw):
     x, dt, A, Bm = torch.randn(1, 8, 6, 4), torch.randn(1, 8, 6), -torch.ones(6), \
         torch.randn(1, 8, 2, 3)
@@ -234,6 +287,10 @@ def _ssd_call(group, **kw):
     (_gdn_call, dict(chunk_size=0), "chunk_size=0 must be a positive integer"),
     (_ssd_call, dict(chunk_size=-8), "chunk_size=-8 must be a positive integer"),
     (_gdn_call, dict(strategy="ring"), "strategy='ring' must be one of ['state', 'heads']"),
+    (_kda_call, dict(strategy="heads"),
+     "strategy='heads' needs linear_num_value_heads=6 divisible by cp_size=4"),
+    (_kda_call, dict(per_channel=False), "kda_cp: g has shape (1, 8, 6), expected "
+     "(1, 8, 6, 4)"),
 ])
 def test_bad_settings_raise_one_line_naming_key_and_values(call, kw, message):
     """Refused on every rank before any communication (a NoComm stand-in for rank 1 of
@@ -255,7 +312,7 @@ def test_the_linear_cp_benchmark_checks_its_layers_and_counts_state_bytes_indepe
         tmp_path):
     """tools/benchmarks/bench_linear_cp.py at a tiny n (the timing is docs/benchmarks.md's
     business): both strategies give every rank the one-process output and input gradient
-    of a whole GDN and Mamba2 layer, state passing sends the same bytes at 256 and 512
+    of a whole GDN, KDA and Mamba2 layer, state passing sends the same bytes at 256 and 512
     tokens (the summaries, which it asserts itself, and the conv halo), heads twice as many."""
     import json
     from tools.benchmarks import bench_linear_cp
@@ -266,8 +323,9 @@ def test_the_linear_cp_benchmark_checks_its_layers_and_counts_state_bytes_indepe
                           "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mixer"], r["n"]) for r in rows] == [
-        ("gated_delta", 256), ("gated_delta", 512), ("mamba2", 256), ("mamba2", 512)]
-    for small, large in (rows[:2], rows[2:]):
+        ("gated_delta", 256), ("gated_delta", 512), ("kda", 256), ("kda", 512),
+        ("mamba2", 256), ("mamba2", 512)]
+    for small, large in (rows[:2], rows[2:4], rows[4:]):
         for r in (small, large):
             assert r["max_diff"] < 1e-5, r
         assert small["state_bytes"] == large["state_bytes"] >= small["summary_bytes"] > 0

@@ -1,8 +1,10 @@
 """The linear mixers' one-process kernels against transformers' torch references.
 
-ctxpar's chunked Gated DeltaNet, Mamba2 SSD and short conv (ctxpar/context_parallel/linear/)
-on the same inputs as transformers' Qwen3-Next / Qwen3.5 ``torch_chunk_gated_delta_rule``,
-Mamba2's and Nemotron-H's ``mamba2_chunk_scan`` and ``causal_conv1d_fn``: outputs, final
+ctxpar's chunked Gated DeltaNet, KDA, Mamba2 SSD and short conv
+(ctxpar/context_parallel/linear/) on the same inputs as transformers' Qwen3-Next / Qwen3.5
+``torch_chunk_gated_delta_rule``, Kimi Linear's ``chunk_kimi_delta_attention`` and
+``recurrent_kimi_delta_attention``, Mamba2's and Nemotron-H's ``mamba2_chunk_scan`` and
+``causal_conv1d_fn``: outputs, final
 states and every gradient. transformers has no documents in these paths, so documents are
 checked against the reference run document by document (the first from the initial
 state, the others from zero). Tolerance: both sides compute in fp32 in a similar order;
@@ -14,9 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ctxpar.context_parallel.linear import causal_conv1d, chunk_gated_delta_rule, ssd_chunk_scan
+from ctxpar.context_parallel.linear import (causal_conv1d, chunk_gated_delta_rule, chunk_kda,
+                                            kda_step, ssd_chunk_scan)
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+kimi_linear = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 
 def _hf_gdn(fn):
@@ -176,3 +180,74 @@ def test_causal_conv1d_matches_transformers_and_restarts_at_documents():
                                              activation="silu").transpose(1, 2)
                  for d in ids.unique()]
         close(docs[s:s + 1], torch.cat(alone, dim=1))
+
+
+# --- Kimi Delta Attention: a decay per key channel ----------------------------------------
+
+def _kda_inputs(T=37, Hk=3, Hv=3, Dk=8, Dv=6, gate=1.0, seed=0):
+    """gate scales the log-decay: at 8 a chunk's cumulative decay passes -88, where
+    exp(-gc) overflows fp32 (a factorisation over the whole chunk would give inf/nan)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(q=r(2, T, Hk, Dk), k=r(2, T, Hk, Dk), v=r(2, T, Hv, Dv),
+                g=-gate * F.softplus(r(2, T, Hv, Dk)), beta=torch.rand(2, T, Hv, generator=gen),
+                initial_state=r(2, Hv, Dk, Dv))
+
+
+def _kimi(fn, t, groups=1, **kw):
+    """transformers' KDA references take query, key, value and no grouped heads: q and k
+    repeated per value head (their gradients then sum over the group, as ours)."""
+    q, k = (t[n].repeat_interleave(groups, dim=2) for n in ("q", "k"))
+    return fn(q, k, t["v"], g=t["g"], beta=t["beta"], initial_state=t["initial_state"],
+              output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("heads, gate, chunk", [((3, 3), 1.0, 8), ((3, 3), 8.0, 32),
+                                                 ((2, 4), 1.0, 16)],
+                         ids=["mha", "strong-gates-two-sub-chunks", "grouped"])
+def test_chunked_kda_matches_kimi_linear_chunk_and_recurrent(heads, gate, chunk):
+    """37 tokens (the last chunk padded), l2-normalised q and k, an initial state: output,
+    final state and the gradients of q, k, v, g, beta and the initial state against
+    transformers' chunk_kimi_delta_attention (same chunk) and
+    recurrent_kimi_delta_attention; strong gates over two sub-chunks of 16 stay finite."""
+    Hk, Hv = heads
+    ours = _leaves(_kda_inputs(Hk=Hk, Hv=Hv, gate=gate))
+    o, f = chunk_kda(**ours, chunk_size=chunk, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(o).all() and torch.isfinite(f).all()
+    if gate > 1:  # exp(-gc) over the first chunk would overflow fp32 (exp(88.7) = inf)
+        assert ours["g"][:, :chunk].sum(1).min() < -88.8
+    mine = _grads(o, f, ours)
+    for fn, kw in ((kimi_linear.chunk_kimi_delta_attention, dict(chunk_size=chunk)),
+                   (kimi_linear.recurrent_kimi_delta_attention, {})):
+        ref = _leaves(_kda_inputs(Hk=Hk, Hv=Hv, gate=gate))
+        ro, rf = _kimi(fn, ref, Hv // Hk, **kw)
+        close(o, ro)
+        close(f, rf)
+        for a, b in zip(mine, _grads(ro, rf, ref)):
+            close(a, b)
+
+
+def test_kda_documents_restart_the_state_and_the_step_decodes_it():
+    """With seq_idx each document is run as if alone (transformers' recurrent reference,
+    the first from the initial state); chunk sizes 5, 8, 64 change only rounding; kda_step
+    token by token reaches the chunked output and final state (decoding)."""
+    inputs = _kda_inputs(Hk=2, Hv=4)
+    runs = [chunk_kda(**inputs, chunk_size=c, output_final_state=True, seq_idx=SEQ_IDX,
+                      use_qk_l2norm_in_kernel=True) for c in (8, 5, 64)]
+    ref = {**inputs, **{n: inputs[n].repeat_interleave(2, dim=2) for n in ("q", "k")}}
+    ro, rf = _by_document(_hf_gdn(kimi_linear.recurrent_kimi_delta_attention), ref, SEQ_IDX,
+                          "initial_state", output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+    for o, f in runs:
+        close(o, ro)
+        close(f, rf)
+    o, f = chunk_kda(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    S, steps = inputs["initial_state"], []
+    for t in range(o.shape[1]):
+        y, S = kda_step(*(inputs[n][:, t] for n in ("q", "k", "v", "g", "beta")), S,
+                        use_qk_l2norm_in_kernel=True)
+        steps.append(y)
+    close(torch.stack(steps, dim=1), o)
+    close(S, f)

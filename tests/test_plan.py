@@ -755,6 +755,11 @@ def test_hybrids_and_gated_attention_get_a_prediction_and_unknown_layers_none():
     with pytest.raises(PlanError, match=r"model.layer_types has \['moe'\] layers: the "
                        r"planner does not count them"):
         check_modelled(weird)
+    kda = replace(cfg, model=replace(cfg.model, n_layers=2, layer_types=[
+        "kimi_delta_attention", "full_attention"]))  # KDA: not counted yet, and said so
+    with pytest.raises(PlanError, match=r"model.layer_types has \['kimi_delta_attention'\] "
+                       r"layers: the planner does not count them"):
+        check_modelled(kda)
 
 
 def test_the_search_picks_state_passing_for_a_hybrid_and_says_why():

@@ -13,6 +13,7 @@ LAYER_MIXERS = {  # layer type -> (token mixer, channel mixer); None: the block 
     "sliding_attention": ("attention", "mlp"),
     "chunked_attention": ("attention", "mlp"),
     "linear_attention": ("gated_delta", "mlp"),
+    "kimi_delta_attention": ("kda", "mlp"),
     "mamba": ("mamba2", None),
     "attention": ("attention", None),
     "mlp": (None, "mlp"),
@@ -21,7 +22,7 @@ LAYER_TYPES = tuple(LAYER_MIXERS)
 # What an attention layer runs: its type's 'attention', or a model-wide kind in its place
 # (model.mla: multi-head latent attention; token_mixer_of)
 ATTENTION_MIXERS = ("attention", "mla")
-LINEAR_MIXERS = ("gated_delta", "mamba2")  # the token mixers that pass a state over CP
+LINEAR_MIXERS = ("gated_delta", "kda", "mamba2")  # the token mixers passing a state over CP
 
 
 def token_mixer_of(m, kind: str):
@@ -38,7 +39,8 @@ def token_mixers(m) -> set:
 
 
 def has_linear_layers(m) -> bool:
-    """Whether a layer is 'linear_attention' or 'mamba' (state-passing mixers)."""
+    """Whether a layer is 'linear_attention', 'kimi_delta_attention' or 'mamba'
+    (state-passing mixers)."""
     return bool(token_mixers(m) & set(LINEAR_MIXERS))
 
 

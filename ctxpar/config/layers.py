@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .layer_mixers import ATTENTION_TYPES, LAYER_MIXERS, LAYER_TYPES, layer_types  # noqa: F401
 from .sections import ModelConfig, resolved_head_dim
 
+DELTA_TYPES = ("linear_attention", "kimi_delta_attention")  # the linear_* fields' layers
 GDN_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
               "linear_value_head_dim", "linear_conv_kernel_dim")
 MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
@@ -216,27 +217,30 @@ def check_reordered_norms(m: ModelConfig, kinds: set, err) -> None:
 
 
 def check_linear_fields(m: ModelConfig, kinds: set, err) -> None:
-    """The Gated DeltaNet and Mamba2 fields: sizes >= 1, heads that group, and none set
-    without a layer to use them. The CP and TP rules: config.validation._check_linear_cp."""
-    for kind, fields in (("linear_attention", GDN_FIELDS), ("mamba", MAMBA_FIELDS)):
-        if kind not in kinds:
+    """The Gated DeltaNet, KDA and Mamba2 fields: sizes >= 1, heads that group, and none
+    set without a layer to use them. The CP and TP rules: config.validation._check_linear_cp."""
+    delta = kinds & set(DELTA_TYPES)
+    users = " or ".join(repr(t) for t in DELTA_TYPES)
+    for used, fields, names in ((delta, GDN_FIELDS, users),
+                                ("mamba" in kinds, MAMBA_FIELDS, "'mamba'")):
+        if not used:
             for key in fields:
                 if getattr(m, key) is not None:
                     err(f"model.{key}={getattr(m, key)} is set but no layer in "
-                        f"model.layer_types is {kind!r}: it would be ignored")
+                        f"model.layer_types is {names}: it would be ignored")
     for key, unset in (("linear_allow_neg_eigval", False), ("linear_norm_eps", None)):
-        if getattr(m, key) != unset and "linear_attention" not in kinds:
+        if getattr(m, key) != unset and not delta:
             err(f"model.{key}={getattr(m, key)} is set but no layer in model.layer_types is "
-                f"'linear_attention': it would be ignored")
+                f"{users}: it would be ignored")
     if not isinstance(m.linear_allow_neg_eigval, bool):
         err(f"model.linear_allow_neg_eigval={m.linear_allow_neg_eigval!r} must be true or false")
     eps = m.linear_norm_eps
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
                             or eps <= 0):
         err(f"model.linear_norm_eps={eps!r} must be a number > 0 (or null: model.norm_eps)")
-    if m.linear_chunk_size is not None and not kinds & {"linear_attention", "mamba"}:
+    if m.linear_chunk_size is not None and not kinds & {*DELTA_TYPES, "mamba"}:
         err(f"model.linear_chunk_size={m.linear_chunk_size} is set but no layer in "
-            f"model.layer_types is 'linear_attention' or 'mamba': it would be ignored")
+            f"model.layer_types is {users} or 'mamba': it would be ignored")
     for key in GDN_FIELDS + MAMBA_FIELDS[:5] + ("linear_chunk_size",):
         v = getattr(m, key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -246,7 +250,7 @@ def check_linear_fields(m: ModelConfig, kinds: set, err) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                               or v <= 0):
             err(f"model.{key}={v!r} must be a number > 0 (or null: its default)")
-    if "linear_attention" in kinds:
+    if delta:
         g = gated_delta_dims(m)
         if g.num_value_heads % g.num_key_heads:
             err(f"model.linear_num_value_heads={g.num_value_heads} is not a multiple of "

@@ -163,6 +163,29 @@ def _gated_delta_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
             *_linear(p + "out_proj", value, m.d_model, "row", False)]
 
 
+def _kda_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
+    """models/kda.py's parameters (transformers' KimiLinearDeltaAttention names, A_log
+    (Hv,)); split over TP by heads (q/k/v_proj, the conv by [q | k | v] section, f_b_proj,
+    dt_bias, A_log, b_proj, g_b_proj), the low-rank f_a_proj, g_a_proj and the norm's
+    (Dv,) weight replicated, o_proj by rows."""
+    g = gated_delta_dims(m)
+    hv, dk, dv = g.num_value_heads, g.key_head_dim, g.value_head_dim
+    key, value, d = g.num_key_heads * dk, hv * dv, m.d_model
+    return [*_linear(p + "q_proj", d, key, "column", False),
+            *_linear(p + "k_proj", d, key, "column", False),
+            *_linear(p + "v_proj", d, value, "column", False),
+            ParamSpec(p + "conv1d.weight", (2 * key + value, 1, g.conv_kernel), "column"),
+            ParamSpec(p + "forget_gate.dt_bias", (hv * dk,), "column"),
+            ParamSpec(p + "forget_gate.A_log", (hv,), "column"),
+            *_linear(p + "forget_gate.f_a_proj", d, dk, None, False),
+            *_linear(p + "forget_gate.f_b_proj", dk, hv * dk, "column", False),
+            *_linear(p + "b_proj", d, hv, "column", False),
+            *_linear(p + "g_a_proj", d, dv, None, False),
+            *_linear(p + "g_b_proj", dv, value, "column", False),
+            ParamSpec(p + "o_norm.weight", (dv,), None),
+            *_linear(p + "o_proj", value, d, "row", False)]
+
+
 def _mamba2_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
     """models/mamba2.py's parameters (transformers' NemotronHMamba2Mixer names); split
     over TP by heads and B/C groups (in_proj by [z | x | B | C | dt] section, the conv by
@@ -224,6 +247,7 @@ TOKEN_MIXER_PARAMETERS = {  # token mixer -> (submodule, specs(m, its prefix, tp
     "mla": ("attn", _mla_specs),
     "gated_delta": ("linear_attn", _gated_delta_specs),
     "mamba2": ("mamba", _mamba2_specs),
+    "kda": ("kda", _kda_specs),
 }
 
 

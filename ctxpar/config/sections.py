@@ -78,8 +78,9 @@ class ModelConfig:
     """Each layer's kind (ctxpar/config/layers.py, transformers' names). Attention + MLP
     blocks: 'full_attention', 'sliding_attention' (model.sliding_window),
     'chunked_attention' (model.attention_chunk_size), 'linear_attention' (Gated DeltaNet in
-    place of attention, Qwen3-Next / Qwen3.5); e.g. Gemma 3's five sliding layers per full
-    one, Qwen3.5's three linear per full one. Nemotron-H's single-op blocks (norm, op,
+    place of attention, Qwen3-Next / Qwen3.5), 'kimi_delta_attention' (Kimi Delta
+    Attention, Kimi Linear: the linear_* fields, its gates' low rank the head dims); e.g.
+    Gemma 3's five sliding layers per full one, Qwen3.5's three linear per full one. Nemotron-H's single-op blocks (norm, op,
     residual): 'mamba' (Mamba2), 'attention' (full causal attention), 'mlp'. Unset: every
     layer the same attention + MLP block."""
     layer_rope: Optional[Dict[str, Any]] = None
@@ -90,7 +91,8 @@ class ModelConfig:
     """A learned sink logit per query head joins every softmax's denominator (gpt-oss):
     parameter layers.N.attn.sinks (n_heads,), split over tp by heads."""
     linear_num_key_heads: Optional[int] = None
-    """Gated DeltaNet ('linear_attention' layers): query/key heads (None = n_heads)."""
+    """Gated DeltaNet ('linear_attention' layers) and KDA ('kimi_delta_attention'):
+    query/key heads (None = n_heads)."""
     linear_num_value_heads: Optional[int] = None
     """Gated DeltaNet: value heads, a multiple of the key heads (None = the key heads);
     value head h reads key head h // (value heads / key heads)."""
@@ -130,7 +132,7 @@ class ModelConfig:
     time_step_floor: Optional[float] = None
     """Mamba2: the init's dt floor (None = 1e-4)."""
     linear_chunk_size: Optional[int] = None
-    """Tokens per chunk of the chunked Gated DeltaNet and SSD kernels (both; the result
+    """Tokens per chunk of the chunked Gated DeltaNet, KDA and SSD kernels (all; the result
     does not depend on it, only the work's shape; None = 64)."""
     tie_embeddings: bool = True
     """Share the input embedding with the output head."""
@@ -234,8 +236,8 @@ class ParallelConfig:
     group (folded: CP and DP ranks are more tokens for the experts), tokens sent to their
     experts' ranks by all-to-all. Must divide dp x cp and model.moe.num_experts."""
     linear_cp: str = "state"
-    """How the linear layers ('linear_attention', 'mamba') talk over CP
-    (ctxpar/context_parallel/linear/): 'state' (each rank's (M, E) summary of its state,
+    """How the linear layers ('linear_attention', 'kimi_delta_attention', 'mamba') talk
+    over CP (ctxpar/context_parallel/linear/): 'state' (each rank's (M, E) summary of its state,
     one fp32 all-gather: bytes independent of the sequence length; layouts contiguous and
     zigzag) or 'heads' (all-to-all sequence <-> heads around the kernel, as Ulysses: bytes
     proportional to the local sequence; any layout, heads divisible by cp). 'state' is the

@@ -179,7 +179,7 @@ def _check_linear_layers(cfg: Config, err: Err) -> None:
     if not has_linear_layers(m):
         return
     mixers, heads, split = token_mixers(m), [], []
-    if "gated_delta" in mixers:
+    if mixers & {"gated_delta", "kda"}:
         g = gated_delta_dims(m)
         heads.append(("model.linear_num_value_heads", g.num_value_heads, g.chunk_size))
         split += [("model.linear_num_key_heads", g.num_key_heads),
@@ -199,7 +199,8 @@ def _check_linear_layers(cfg: Config, err: Err) -> None:
         except ValueError as e:
             err(f"parallel.linear_cp={p.linear_cp!r}, parallel.layout={p.layout!r}, "
                 f"parallel.cp={p.cp}: {str(e).replace('strategy=', 'parallel.linear_cp=')}")
-    linear = "model.layer_types has 'linear_attention' or 'mamba' layers"
+    linear = ("model.layer_types has 'linear_attention', 'kimi_delta_attention' or 'mamba' "
+              "layers")
     unbuilt = [
         (cfg.data.dynamic_cp and p.linear_cp == "heads",
          "data.dynamic_cp=true and parallel.linear_cp='heads': dynamic CP's pack sizes "

@@ -1,4 +1,4 @@
-"""The linear layers' generation state under CP: each Gated DeltaNet or Mamba2 layer's
+"""The linear layers' generation state under CP: each Gated DeltaNet, KDA or Mamba2 layer's
 recurrent state and conv window, the same on every CP rank.
 
     prefill  the layer runs its training CP op (state passing or heads) on this rank's
@@ -9,8 +9,8 @@ recurrent state and conv window, the same on every CP rank.
              conv inputs before the next position, comes from the ranks that hold them
              (conv_window: one all-reduce of (B, K-1, C), exact: one rank holds each).
     decode   every CP rank steps the recurrence on the same token (conv_step, then
-             gated_delta_step or ssd_step): replicated, as the rest of a decode step is
-             outside attention; no communication.
+             gated_delta_step, kda_step or ssd_step): replicated, as the rest of a decode
+             step is outside attention; no communication.
 
 Memory per rank and layer: the state (B, H, Dk, Dv) or (B, H, P, N) fp32 and the window
 (B, K-1, C), independent of the prompt's length.
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .cp_ops import group_rank_and_size
 
-LINEAR_MIXERS = ("gated_delta", "mamba2")  # the token mixers (LayerAttention) cached here
+LINEAR_MIXERS = ("gated_delta", "kda", "mamba2")  # the token mixers (LayerAttention) cached
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
     leaves = gdn_leaves(n, dims, dtype)                    # full-sequence inputs, one seed
     got = run_case("gdn", leaves, dims, group, layout=..., strategy=..., cu_seqlens=cu)
+                                                           # "kda": kda_leaves, the same dims
     want = run_case("gdn", leaves, dims, LOCAL)            # one process, the whole sequence
     assert not mismatches(got_per_rank, want, layout, dtype)
     model_cfg = HYBRID_CONFIGS["qwen3.5"]                  # a tiny hybrid GPT's model section
@@ -9,12 +10,16 @@
 A chain is the mixer's core as a model runs it: the short conv (with its halo) over the
 projected channels, the split into the mixer's inputs, the gates, the CP op; Qwen3-Next's
 Gated DeltaNet (q|k|v conv without bias, g = -exp(A_log) softplus(a + dt_bias), beta =
-sigmoid(b), q and k l2-normalised in the kernel) and Mamba2's SSD (x|B|C conv with bias,
+sigmoid(b), q and k l2-normalised in the kernel), Kimi Linear's KDA (the same with g =
+-exp(A_log) softplus(f + dt_bias) per key channel, f the low-rank f_b(f_a(x)) a token
+gives) and Mamba2's SSD (x|B|C conv with bias,
 A = -exp(A_log), dt through dt_bias and softplus, D). ``run_case`` returns the output, the
 final state and the gradient of every leaf and of every intermediate the mixer takes (q,
 k, v, g, beta; x, B, C), for a loss over every rank's tokens plus the final state's term.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +27,13 @@ import torch.nn.functional as F
 from ctxpar.config import ModelConfig
 from ctxpar.context_parallel.layouts import rank_positions, shard_sequence
 from ctxpar.context_parallel.comm import group_rank_and_size
-from ctxpar.context_parallel.linear import causal_conv1d_cp, gated_delta_rule_cp, ssd_cp
+from ctxpar.context_parallel.linear import (causal_conv1d_cp, gated_delta_rule_cp, kda_cp,
+                                            ssd_cp)
 
 BATCH, CONV_KERNEL, CHUNK = 2, 4, 8
-SEQUENCE = {"mixed", "a", "b", "xBC", "dt", "dout"}  # per-token leaves; the rest replicated
-INTERMEDIATES = {"gdn": ("q", "k", "v", "g", "beta"), "ssd": ("x", "B", "C")}
+SEQUENCE = {"mixed", "a", "b", "f", "xBC", "dt", "dout"}  # per-token leaves; others replicated
+INTERMEDIATES = {"gdn": ("q", "k", "v", "g", "beta"), "kda": ("q", "k", "v", "g", "beta"),
+                 "ssd": ("x", "B", "C")}
 
 
 # Two tiny hybrid GPTs over 48 tokens (cp4 zigzag: 12 a rank, segments of 6; kernel chunks
@@ -55,6 +62,13 @@ OLMO_HYBRID_CONFIG = ModelConfig(
     reordered_norms=["full_attention"], linear_allow_neg_eigval=True, linear_norm_eps=1e-5,
     **_SMALL)
 
+# Kimi Linear's pattern, three KDA layers per attention one (Kimi Linear's is MLA without
+# RoPE; full attention stands in for it here), four heads of 8 (Kimi's are ungrouped)
+KIMI_LINEAR_CONFIG = ModelConfig(
+    n_layers=4, layer_types=["kimi_delta_attention"] * 3 + ["full_attention"],
+    linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, **_SMALL)
+
 
 def documents(n: int):
     """Per-sample cu_seqlens over n = 48 tokens (4 ranks of 12; zigzag chunks of 6):
@@ -80,6 +94,20 @@ def gdn_leaves(n: int, dims, dtype, seed: int = 0):
                 dout=r(BATCH, n, Hv, Dv).to(dtype), dfinal=r(BATCH, Hv, Dk, Dv))
 
 
+def kda_leaves(n: int, dims, dtype, seed: int = 0):
+    """dims = (Hk, Hv, Dk, Dv), as gdn_leaves; f the gate's per-token input (B, n, Hv*Dk),
+    A_log (Hv,), dt_bias (Hv*Dk,) as Kimi Linear's forget gate holds them."""
+    Hk, Hv, Dk, Dv = dims[:4]
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(mixed=r(BATCH, n, 2 * Hk * Dk + Hv * Dv).to(dtype),
+                conv_weight=(0.5 * r(2 * Hk * Dk + Hv * Dv, CONV_KERNEL)).to(dtype),
+                f=r(BATCH, n, Hv * Dk), b=r(BATCH, n, Hv),
+                A_log=torch.rand(Hv, generator=gen).mul(2).add(0.5).log(),
+                dt_bias=0.5 * r(Hv * Dk), initial_state=0.5 * r(BATCH, Hv, Dk, Dv),
+                dout=r(BATCH, n, Hv, Dv).to(dtype), dfinal=r(BATCH, Hv, Dk, Dv))
+
+
 def ssd_leaves(n: int, dims, dtype, seed: int = 0):
     """dims = (H, P, G, N)."""
     H, P, G, N = dims
@@ -94,21 +122,26 @@ def ssd_leaves(n: int, dims, dtype, seed: int = 0):
                 dout=r(BATCH, n, H, P).to(dtype), dfinal=r(BATCH, H, P, N))
 
 
-def _gdn(t, dims, cp):
-    """dims (Hk, Hv, Dk, Dv[, allow_neg_eigval]): beta in [0, 2] when the fifth is true."""
+def _gdn(t, dims, cp, per_channel: bool = False):
+    """dims (Hk, Hv, Dk, Dv[, allow_neg_eigval]): beta in [0, 2] when the fifth is true;
+    per_channel: KDA (its gate from f, one decay per key channel, kda_cp)."""
     Hk, Hv, Dk, Dv = dims[:4]
     conv = {k: cp[k] for k in ("cp_group", "layout", "cu_seqlens")}
     mixed = causal_conv1d_cp(t["mixed"], t["conv_weight"], activation="silu", **conv)
     q, k, v = mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
     q, k, v = q.unflatten(-1, (Hk, Dk)), k.unflatten(-1, (Hk, Dk)), v.unflatten(-1, (Hv, Dv))
-    g = -t["A_log"].float().exp() * F.softplus(t["a"].float() + t["dt_bias"])
+    if per_channel:                                                     # (B, S, Hv, Dk)
+        g = -t["A_log"].float().exp()[:, None] * F.softplus(
+            t["f"].float() + t["dt_bias"]).unflatten(-1, (Hv, Dk))
+    else:                                                               # (B, S, Hv)
+        g = -t["A_log"].float().exp() * F.softplus(t["a"].float() + t["dt_bias"])
     beta = t["b"].sigmoid() * (2.0 if dims[4:] and dims[4] else 1.0)
     mid = dict(q=q, k=k, v=v, g=g, beta=beta)
     for x in mid.values():
         x.retain_grad()
-    o, final = gated_delta_rule_cp(q, k, v, g, beta, initial_state=t["initial_state"],
-                                   output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                   chunk_size=CHUNK, **cp)
+    op = kda_cp if per_channel else gated_delta_rule_cp
+    o, final = op(q, k, v, g, beta, initial_state=t["initial_state"], output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, chunk_size=CHUNK, **cp)
     return o, final, mid
 
 
@@ -140,7 +173,8 @@ def run_case(mixer: str, leaves, dims, group, layout: str = "contiguous",
         if k not in ("dout", "dfinal"):
             x.requires_grad_()
     cp = dict(cp_group=group, layout=layout, strategy=strategy, cu_seqlens=cu_seqlens)
-    out, final, mid = (_gdn if mixer == "gdn" else _ssd)(t, dims, cp)
+    chain = {"gdn": _gdn, "kda": partial(_gdn, per_channel=True), "ssd": _ssd}[mixer]
+    out, final, mid = chain(t, dims, cp)
     loss = (out.float() * t["dout"].float()).sum() + (final * t["dfinal"]).sum() / P
     loss.backward()
     res = dict(out=out.detach(), final=final.detach())

@@ -1,9 +1,10 @@
-"""A Gated DeltaNet layer and a Mamba2 layer over CP: state passing against the heads
+"""A Gated DeltaNet, a KDA and a Mamba2 layer over CP: state passing against the heads
 all-to-all and against one process, with the bytes each sends.
 
 Per (mixer, n) this spawns P local ranks (ctxpar/testing/distributed.py: gloo on CPU) that
-hold the same layer (models/gated_delta.py's GatedDeltaNet, models/mamba2.py's Mamba2: the
-projections, the causal conv with its halo, the chunked kernel, the gated norm) and time,
+hold the same layer (models/gated_delta.py's GatedDeltaNet, models/kda.py's
+KimiDeltaAttention, models/mamba2.py's Mamba2: the projections, the causal conv with its
+halo, the chunked kernel, the gated norm) and time,
 in turn within every iteration so that a change of load hits all alike (attention_timing.
 timed):
     state   parallel.linear_cp=state: each rank's (M, E) summary all-gathered in fp32
@@ -18,6 +19,7 @@ difference reported). Bytes are this rank's, forward + backward (cp_stats): for 
 they are the summaries' (summary_bytes) plus the conv halo's, the same at every n.
 
     python -m tools.benchmarks.bench_linear_cp --seq-len 8192 32768 --world-size 4
+    python -m tools.benchmarks.bench_linear_cp --mixers kda --seq-len 32768
 """
 from __future__ import annotations
 
@@ -34,31 +36,35 @@ from ctxpar.context_parallel.linear import summary_bytes
 from ctxpar.testing import run_distributed, save_results
 from models.gated_delta import GatedDeltaNet, init_gated_delta
 from models.gpt import init_default
+from models.kda import KimiDeltaAttention, init_kda
 from models.mamba2 import Mamba2, init_mamba2
 from tools.benchmarks.attention_timing import STATS, timed
 
-MIXERS = {"gated_delta": (GatedDeltaNet, init_gated_delta, "linear_attention"),
-          "mamba2": (Mamba2, init_mamba2, "mamba")}
+MIXERS = {  # mixer -> (module, its init, layer type, the block's attribute)
+    "gated_delta": (GatedDeltaNet, init_gated_delta, "linear_attention", "linear_attn"),
+    "kda": (KimiDeltaAttention, init_kda, "kimi_delta_attention", "kda"),
+    "mamba2": (Mamba2, init_mamba2, "mamba", "mamba")}
 
 
 def model_config(a, mixer: str, n: int) -> ModelConfig:
-    """One layer of Qwen3.5's GDN or Nemotron-H's Mamba2 shape, scaled to a CPU."""
+    """One layer of Qwen3.5's GDN (key heads half the value heads), Kimi Linear's KDA
+    (ungrouped) or Nemotron-H's Mamba2 shape, scaled to a CPU."""
+    key_heads = a.heads if mixer == "kda" else a.heads // 2
     return ModelConfig(vocab_size=256, seq_len=n, d_model=a.d_model, n_layers=1,
                        n_heads=4, layer_types=[MIXERS[mixer][2]], linear_chunk_size=64,
-                       linear_num_key_heads=a.heads // 2, linear_num_value_heads=a.heads,
+                       linear_num_key_heads=key_heads, linear_num_value_heads=a.heads,
                        linear_key_head_dim=a.head_dim, linear_value_head_dim=a.head_dim,
                        mamba_num_heads=a.heads, mamba_head_dim=a.head_dim,
                        ssm_state_size=a.head_dim, n_groups=1)
 
 
 def make_layer(cfg: ModelConfig, mixer: str, cp: ContextParallel, strategy: str):
-    cls, init, _ = MIXERS[mixer]
+    cls, init, _, attribute = MIXERS[mixer]
     layer = cls(cfg, cp, strategy)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # every rank alike
-            full = init(f"layers.0.{('linear_attn' if mixer == 'gated_delta' else 'mamba')}."
-                        f"{name}", p.shape, cfg, g)
+            full = init(f"layers.0.{attribute}.{name}", p.shape, cfg, g)
             p.copy_(full if full is not None else init_default(name, p.shape, cfg, g))
     return layer
 
@@ -103,13 +109,13 @@ def _rank_main(rank, world, a, mixer, n) -> dict:
 def expected_state_bytes(a, mixer: str, world: int) -> int:
     """summary_bytes of the layer's kernel, forward + backward (the conv halo aside)."""
     cfg = model_config(a, mixer, world)
-    if mixer == "gated_delta":
+    if mixer in ("gated_delta", "kda"):
         d = gated_delta_dims(cfg)
         heads, state = d.num_value_heads, (d.key_head_dim, d.value_head_dim)
     else:
         d = mamba_dims(cfg)
         heads, state = d.num_heads, (d.head_dim, d.state_size)
-    kernel = "gated_delta" if mixer == "gated_delta" else "ssd"
+    kernel = "ssd" if mixer == "mamba2" else mixer
     return 2 * summary_bytes(1, heads, state, "contiguous", world, kernel)
 
 
@@ -146,8 +152,8 @@ def main(argv=None):
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--mixers", nargs="+", choices=sorted(MIXERS), default=sorted(MIXERS))
     p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4, help="value heads (GDN; key heads half)"
-                   " and Mamba2 heads")
+    p.add_argument("--heads", type=int, default=4, help="value heads (GDN: key heads half;"
+                   " KDA: as many), and Mamba2 heads")
     p.add_argument("--head-dim", type=int, default=32, help="and Mamba2's state size")
     p.add_argument("--iters", type=int, default=6, help="a multiple of 6: every order of "
                    "the three fns once (attention_timing.timed)")

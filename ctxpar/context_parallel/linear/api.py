@@ -2,6 +2,7 @@
 
     o, final = gated_delta_rule_cp(q, k, v, g, beta, cp_group=g, layout="zigzag",
                                    strategy="state", cu_seqlens=cu, chunk_size=64)
+    o, final = kda_cp(q, k, v, g_per_channel, beta, ...)   # Kimi Delta Attention, alike
     y = ssd_cp(x, dt, A, B, C, chunk_size=64, D=D, dt_bias=dt_bias, dt_softplus=True,
                cp_group=g, layout="contiguous", strategy="heads")
     xBC = causal_conv1d_cp(xBC, weight, bias, activation="silu", cp_group=g, layout="zigzag")
@@ -14,7 +15,7 @@ heads      contiguous, zigzag, striped  all-to-all of the inputs and the output:
 
 Every strategy is exact, forward and backward, with packed documents (cu_seqlens in the
 full sequence, as for attention: the state and the conv window restart at each document
-start), grouped key heads (GDN) and B/C groups (Mamba2). Inputs are this rank's tokens in
+start), grouped key heads (GDN, KDA) and B/C groups (Mamba2). Inputs are this rank's tokens in
 `layout` (layouts.shard_sequence); outputs likewise, in the inputs' dtype; states fp32.
 The short conv before the mixer (conv.py's plan and halo, run here over the kernel
 kernels.py picks; causal_conv1d its one-process form) takes a halo of K - 1 tokens from the
@@ -114,14 +115,39 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     first (flash-linear-attention's flag; Qwen3-Next sets it). kernel: the local pass's
     (kernels.py: 'auto', 'torch', 'fla').
     """
-    caller = "gated_delta_rule_cp"
+    return _delta_rule_cp("gated_delta", "gated_delta_rule_cp", q, k, v, g, beta, cp_group,
+                          layout, strategy, cu_seqlens, chunk_size, scale, initial_state,
+                          output_final_state, use_qk_l2norm_in_kernel, kernel)
+
+
+def kda_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+           beta: torch.Tensor, *, cp_group=None, layout: str = "contiguous",
+           strategy: str = "state", cu_seqlens=None, chunk_size: int = 64,
+           scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+           kernel: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Kimi Delta Attention over a CP group (kda.py): gated_delta_rule_cp's arguments with
+    g (B, T/cp, Hv, Dk), a log-decay per key channel (fla's ``chunk_kda``). The state
+    passing is Gated DeltaNet's: the transition diag(exp g_t)-then-(I - beta k k^T) is
+    still linear in the state, so the same widened pass gives (M, E), Dk (Dk + Dv) fp32
+    values per head and segment. kernel: 'auto', 'torch', 'fla'."""
+    return _delta_rule_cp("kda", "kda_cp", q, k, v, g, beta, cp_group, layout, strategy,
+                          cu_seqlens, chunk_size, scale, initial_state, output_final_state,
+                          use_qk_l2norm_in_kernel, kernel)
+
+
+def _delta_rule_cp(op, caller, q, k, v, g, beta, cp_group, layout, strategy, cu_seqlens,
+                   chunk_size, scale, initial_state, output_final_state,
+                   use_qk_l2norm_in_kernel, kernel):
+    """gated_delta_rule_cp and kda_cp: op 'gated_delta' (g per head) or 'kda' (g per key
+    channel), the same checks, strategies and kernel interface."""
     group = _cp_group(cp_group)
     P = group_rank_and_size(group)[1]
     (Bsz, S, Hk, Dk), (Hv, Dv) = q.shape, v.shape[2:]
     _check_shape("k", k, q.shape, caller)
     _check_shape("v", v, (Bsz, S, Hv, Dv), caller)
-    for name, t in (("g", g), ("beta", beta)):
-        _check_shape(name, t, (Bsz, S, Hv), caller)
+    _check_shape("g", g, (Bsz, S, Hv) + ((Dk,) if op == "kda" else ()), caller)
+    _check_shape("beta", beta, (Bsz, S, Hv), caller)
     _check_shape("initial_state", initial_state, (Bsz, Hv, Dk, Dv), caller)
     if Hv % Hk:
         raise ValueError(f"{caller}: linear_num_value_heads={Hv} is not a multiple of "
@@ -131,7 +157,7 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     doc = _documents(cu_seqlens, S * P, Bsz, caller, q.device)
     scale = Dk ** -0.5 if scale is None else float(scale)
     state = P > 1 and strategy == "state"  # state passing widens v by Dk (_gated_delta_state)
-    impl = get_kernel("gated_delta", kernel, q, key_dim=Dk, value_dim=Dv + Dk * state)
+    impl = get_kernel(op, kernel, q, key_dim=Dk, value_dim=Dv + Dk * state)
     kernel = partial(impl, scale=scale, chunk_size=chunk_size,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if P == 1:
@@ -153,7 +179,8 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 
 def _gated_delta_state(q, k, v, g, beta, group, layout, doc, kernel, initial_state):
-    """State passing for GDN. One kernel pass per segment from the initial state [I | 0]
+    """State passing for GDN and KDA (g per head or per key channel: cut into segments
+    alike). One kernel pass per segment from the initial state [I | 0]
     with values [0 | v]: by linearity in (S_in, v) the final state is [M | E] and the
     output is [q~ | o_0], q~_t = M_{1..t}^T (scale q_t), o_0 the output from a zero state;
     the true output is o_0 + q~ S_in once S_in is known (LASP-2's correction). One pass of
@@ -338,12 +365,14 @@ def summary_bytes(batch: int, heads: int, state: Tuple[int, int], layout: str, c
                   mixer: str) -> int:
     """Bytes one rank sends (and receives) for state passing in each of forward and
     backward: the fp32 summaries of its segments to the P-1 others. state = (Dk, Dv) for
-    'gated_delta' ([M | E]: Dk*(Dk+Dv) per head), (P, N) for 'ssd' (E and the scalar M)."""
-    if mixer not in ("gated_delta", "ssd"):
-        raise ValueError(f"summary_bytes: mixer={mixer!r} must be 'gated_delta' or 'ssd'")
+    'gated_delta' and 'kda' ([M | E]: Dk*(Dk+Dv) per head), (P, N) for 'ssd' (E and the
+    scalar M)."""
+    if mixer not in ("gated_delta", "kda", "ssd"):
+        raise ValueError(f"summary_bytes: mixer={mixer!r} must be 'gated_delta', 'kda' "
+                         f"or 'ssd'")
     if layout not in SEGMENTS:
         raise ValueError(f"summary_bytes: strategy='state' takes layouts "
                          f"{list(STATE_LAYOUTS)}, not layout={layout!r}")
     a, c = state
-    per_head = a * (a + c) if mixer == "gated_delta" else a * c + 1
+    per_head = a * c + 1 if mixer == "ssd" else a * (a + c)
     return (cp_size - 1) * SEGMENTS[layout] * batch * heads * per_head * 4

@@ -18,6 +18,15 @@ sources:
   meaning of both. cu_seqlens int32 on the device, and the same on the host as
   cu_seqlens_cpu (without it fla builds its chunk index from the device tensor: a sync).
   Its own chunk size (64) is kept: the chunk size changes only rounding.
+- fla's KDA (fla-core 0.6.0, fla/ops/kda/chunk.py): ``chunk_kda(q, k, v, g, beta,
+  scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+  use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+  safe_gate=False, lower_bound=None, disable_recompute=False,
+  return_intermediate_states=False, state_v_first=False, cu_seqlens=None,
+  cu_seqlens_cpu=None, cp_context=None, use_graph=False, max_num_seqs=None, **kwargs)
+  -> (o, final_state)``: chunk_gated_delta_rule's arguments and meaning, with g (B, T,
+  HV, K) the log-decay per key channel, passed already computed (use_gate_in_kernel
+  False: the gate's projections run in the model, differentiably).
 - mamba_ssm (mamba-ssm v2.2.6.post3 .. v2.3.2.post1, mamba_ssm/ops/triton/ssd_combined.py;
   main adds state_dtype=None): ``mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size,
   D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None,
@@ -181,6 +190,15 @@ class FlaGatedDelta(_Library):
         values.update(cu_seqlens=flat.cu.to(q.device), cu_seqlens_cpu=flat.cu)
         o, final = _call_by_signature(self._load(), values)
         return o.view(R, L, *o.shape[2:]), final.index_select(0, last)
+
+
+class FlaKDA(FlaGatedDelta):
+    """flash-linear-attention's chunk_kda (module docstring): FlaGatedDelta's call, g
+    (B, T, HV, K) per key channel, already -exp(A_log) softplus(f + dt_bias)."""
+
+    def _import(self):
+        from fla.ops.kda import chunk_kda
+        return chunk_kda
 
 
 class MambaSSD(_Library):

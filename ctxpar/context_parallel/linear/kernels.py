@@ -9,6 +9,7 @@ dtype and shape it takes):
     op           torch                          GPU (setup.py extras "gpu")
     gated_delta  gated_delta.gated_delta_fp32   fla: flash-linear-attention's
                                                 chunk_gated_delta_rule
+    kda          kda.kda_fp32                   fla: flash-linear-attention's chunk_kda
     ssd          ssd.ssd_fp32                   mamba_ssm: mamba_chunk_scan_combined
     conv         conv.conv_rows (+ halo index)  causal_conv1d: causal_conv1d_fn
 
@@ -16,6 +17,7 @@ The interface every implementation of an op answers (shapes as the strategies ca
 
     o, final = gated_delta(q, k, v, g, beta, scale=, initial_state=, docs=, chunk_size=,
                            use_qk_l2norm_in_kernel=)
+    o, final = kda(...)             # gated_delta's call, g (B, T, Hv, Dk) per key channel
     y, final = ssd(x, dt, A, B, C, D, initial_states, docs, chunk_size)   # dt discretized
     out = conv(x, halo, layout, rank, world, doc, weight, bias, activation)
 
@@ -40,7 +42,8 @@ import torch
 
 from .conv import conv_rows, halo_plan, tap_mask
 from .gated_delta import gated_delta_fp32
-from .gpu_kernels import CausalConv1dKernel, FlaGatedDelta, MambaSSD
+from .gpu_kernels import CausalConv1dKernel, FlaGatedDelta, FlaKDA, MambaSSD
+from .kda import kda_fp32
 from .ssd import ssd_fp32
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,14 @@ class TorchGatedDelta:
         return gated_delta_fp32(q, k, v, g, beta, scale, initial_state,
                                 None if docs is None else docs.device, chunk_size,
                                 use_qk_l2norm_in_kernel)
+
+
+class TorchKDA(TorchGatedDelta):
+    def __call__(self, q, k, v, g, beta, *, scale, initial_state, docs, chunk_size,
+                 use_qk_l2norm_in_kernel):
+        return kda_fp32(q, k, v, g, beta, scale, initial_state,
+                        None if docs is None else docs.device, chunk_size,
+                        use_qk_l2norm_in_kernel)
 
 
 class TorchSSD:
@@ -102,6 +113,7 @@ class TorchConv:
 
 KERNELS = {  # op -> {name: implementation}; the GPU one first
     "gated_delta": {"fla": FlaGatedDelta(), "torch": TorchGatedDelta()},
+    "kda": {"fla": FlaKDA(), "torch": TorchKDA()},
     "ssd": {"mamba_ssm": MambaSSD(), "torch": TorchSSD()},
     "conv": {"causal_conv1d": CausalConv1dKernel(), "torch": TorchConv()},
 }
