@@ -23,6 +23,7 @@ from ctxpar.config import ModelConfig
 from ctxpar.context_parallel.layouts import rank_positions, shard_sequence
 from ctxpar.context_parallel.comm import group_rank_and_size
 from ctxpar.context_parallel.linear import causal_conv1d_cp, gated_delta_rule_cp, ssd_cp
+from ctxpar.context_parallel.linear.lean import SEGMENT_CHUNKS
 
 BATCH, CONV_KERNEL, CHUNK = 2, 4, 8
 SEQUENCE = {"mixed", "a", "b", "xBC", "dt", "dout"}  # per-token leaves; the rest replicated
@@ -129,17 +130,19 @@ def _ssd(t, dims, cp):
 
 
 def run_case(mixer: str, leaves, dims, group, layout: str = "contiguous",
-             strategy: str = "state", cu_seqlens=None):
+             strategy: str = "state", cu_seqlens=None, recompute_chunks: int = SEGMENT_CHUNKS):
     """{out, final, grad_<leaf>, grad_<intermediate>} of this rank (collective over group):
     the loss is sum(out * dout) over this rank's tokens plus sum(final * dfinal) / P, so the
-    sum over ranks is the one-process loss."""
+    sum over ranks is the one-process loss. recompute_chunks: the torch kernels' segments
+    (lean.py)."""
     P = group_rank_and_size(group)[1]
     t = {k: (shard_sequence(x, 1, group, layout) if k in SEQUENCE else x).detach().clone()
          for k, x in leaves.items()}
     for k, x in t.items():
         if k not in ("dout", "dfinal"):
             x.requires_grad_()
-    cp = dict(cp_group=group, layout=layout, strategy=strategy, cu_seqlens=cu_seqlens)
+    cp = dict(cp_group=group, layout=layout, strategy=strategy, cu_seqlens=cu_seqlens,
+              recompute_chunks=recompute_chunks)
     out, final, mid = (_gdn if mixer == "gdn" else _ssd)(t, dims, cp)
     loss = (out.float() * t["dout"].float()).sum() + (final * t["dfinal"]).sum() / P
     loss.backward()
