@@ -119,3 +119,24 @@ def test_lean_gated_delta_saves_its_inputs_and_the_states_between_segments(dtype
     with saved_tensor_bytes([]) as today:
         gated_delta_fp32(q, k, v, g, beta, 0.25, s0, None, 16, True)
     assert sum(today.values()) > 5 * sum(seen.values())
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_gated_norm_equals_autograd_and_saves_x_z_w(dtype):
+    """models/gated_delta.py's LeanGatedNorm against gated_rmsnorm under autograd: the same
+    operations recomputed, so the output and the gradients of x, z and w are the same
+    bits; it saves x, z and w (in their dtype) where autograd keeps six copies."""
+    from models.gated_delta import LeanGatedNorm, gated_rmsnorm
+    gen = torch.Generator().manual_seed(0)
+    x, z = (torch.randn(2, 7, 3, 8, generator=gen).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(8, generator=gen)).to(dtype)
+    ref, ours = ([t.clone().requires_grad_() for t in (x, z, w)] for _ in range(2))
+    with saved_tensor_bytes([]) as seen:
+        out = LeanGatedNorm.apply(*ours, 1e-6)
+    assert sum(seen.values()) == sum(t.nbytes for t in ours)
+    want = gated_rmsnorm(*ref, 1e-6)
+    dout = torch.randn(want.shape, generator=gen).to(dtype)
+    assert torch.equal(out, want)
+    for a, b in zip(torch.autograd.grad(out, ours, dout), torch.autograd.grad(want, ref, dout)):
+        assert torch.equal(a, b)

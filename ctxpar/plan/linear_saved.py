@@ -90,9 +90,9 @@ def gdn_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0) -
     the conv (its taps and the silu's input, fp32; in 16-bit the weight's fp32 copy), the
     lean kernel's inputs (q, k, v: views of the conv's output, in e; g fp32; beta the
     sigmoid's output it saves already) and its states between segments, the gates (beta
-    in e; softplus's input and output fp32; -exp(A_log)), the gated RMSNorm (its fp32
-    input, normed and gated products, silu(z)'s fp32 input, in e its weighted and gated
-    outputs and out_proj's input) and its fp32 rsqrt. key_heads > 0: the heads strategy,
+    in e; softplus's input and output fp32; -exp(A_log)), the gated RMSNorm
+    (models/gated_delta.py's LeanGatedNorm: its x and z in e) and out_proj's input (e).
+    key_heads > 0: the heads strategy,
     whose all-to-all hands the kernel copies (q, k at key_heads, v, g and beta), the conv's
     output then saved by nobody."""
     Cc = g.conv_channels
@@ -109,7 +109,7 @@ def gdn_gates_norm(B: int, T: int, g: GatedDeltaShapes, e: int) -> int:
     """What a GDN layer saves around its conv and kernel, whichever they are: the gates
     and the gated RMSNorm (gdn_saved's docstring)."""
     gates = B * T * g.Hv * (e + 2 * 4) + 8 * g.Hv
-    norm = B * T * g.Hv * (g.Dv * (3 * 4 + 3 * e) + 4)
+    norm = 3 * e * B * T * g.Hv * g.Dv  # LeanGatedNorm's x and z, out_proj's input
     return gates + norm
 
 
