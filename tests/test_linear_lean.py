@@ -121,21 +121,30 @@ def test_lean_gated_delta_saves_its_inputs_and_the_states_between_segments(dtype
     assert sum(today.values()) > 5 * sum(seen.values())
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lean_gated_norm_equals_autograd_and_saves_x_z_w(dtype):
-    """models/gated_delta.py's LeanGatedNorm against gated_rmsnorm under autograd: the same
-    operations recomputed, so the output and the gradients of x, z and w are the same
-    bits; it saves x, z and w (in their dtype) where autograd keeps six copies."""
+def _norms():
     from models.gated_delta import LeanGatedNorm, gated_rmsnorm
+    from models.mamba2 import LeanGroupedGatedNorm, grouped_gated_rmsnorm
+    return {"gdn": (LeanGatedNorm.apply, gated_rmsnorm, ()),
+            "mamba2": (LeanGroupedGatedNorm.apply, grouped_gated_rmsnorm, (2,))}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("norm", ["gdn", "mamba2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_gated_norms_equal_autograd_and_save_x_z_w(norm, dtype):
+    """models/gated_delta.py's LeanGatedNorm and models/mamba2.py's LeanGroupedGatedNorm
+    (2 groups) against their functions under autograd: the same operations recomputed, so
+    the output and the gradients of x, z and w are the same bits; they save x, z and w (in
+    their dtype) where autograd keeps several fp32 copies."""
+    lean, reference, groups = _norms()[norm]
     gen = torch.Generator().manual_seed(0)
     x, z = (torch.randn(2, 7, 3, 8, generator=gen).to(dtype) for _ in range(2))
     w = (1 + 0.1 * torch.randn(8, generator=gen)).to(dtype)
     ref, ours = ([t.clone().requires_grad_() for t in (x, z, w)] for _ in range(2))
     with saved_tensor_bytes([]) as seen:
-        out = LeanGatedNorm.apply(*ours, 1e-6)
+        out = lean(*ours, *groups, 1e-6)
     assert sum(seen.values()) == sum(t.nbytes for t in ours)
-    want = gated_rmsnorm(*ref, 1e-6)
+    want = reference(*ref, *groups, 1e-6)
     dout = torch.randn(want.shape, generator=gen).to(dtype)
     assert torch.equal(out, want)
     for a, b in zip(torch.autograd.grad(out, ours, dout), torch.autograd.grad(want, ref, dout)):

@@ -131,10 +131,9 @@ def mamba_saved(B: int, T: int, s: MambaShapes, e: int, groups: int = 0) -> int:
     """One Mamba2 layer on one process (cp 1), beyond its normed input: the conv (in
     16-bit with the weight's fp32 copy); the lean kernel's inputs (x, B, C views of the
     conv's output in e, dt fp32, A) and its states between segments; dt's softplus input
-    and clamp input (fp32) and exp(A_log); the grouped gated RMSNorm: at fp32 silu's input z
-    (a view of in_proj's output), y, silu(z), the gated and normed products, out_proj's
-    input; in 16-bit fp32 copies of y and z, silu(z), the gated product, the normed one and
-    out_proj's input in e; its rsqrt per group. groups > 0: the heads strategy, whose
+    and clamp input (fp32) and exp(A_log); the grouped gated RMSNorm (models/mamba2.py's
+    LeanGroupedGatedNorm: y and z, whose storage is in_proj's whole output) and out_proj's
+    input, in e. groups > 0: the heads strategy, whose
     all-to-all hands the kernel copies (x, dt, B and C at `groups` groups)."""
     Cc, HP = s.conv_channels, s.H * s.P
     conv = 4 * (s.K + 1) * B * T * Cc + (4 * s.K * Cc if e != 4 else 0)
@@ -145,35 +144,31 @@ def mamba_saved(B: int, T: int, s: MambaShapes, e: int, groups: int = 0) -> int:
 
 def mamba_dt_norm(B: int, T: int, s: MambaShapes, e: int) -> int:
     """What a Mamba2 layer saves around its conv and kernel, whichever they are: dt's
-    softplus and clamp inputs, exp(A_log), the grouped gated norm and its rsqrt
-    (mamba_saved's docstring)."""
+    softplus and clamp inputs, exp(A_log), the grouped gated norm (mamba_saved's
+    docstring)."""
     HP = s.H * s.P
     dt = 2 * 4 * B * T * s.H + 4 * s.H
-    if e == 4:
-        norm = 4 * B * T * s.in_proj_rows + 5 * 4 * B * T * HP
-    else:
-        norm = 4 * 4 * B * T * HP + 2 * e * B * T * HP
-    return dt + norm + 4 * B * T * s.G
+    # LeanGroupedGatedNorm's y and z (a view of in_proj's output: all its rows), out_proj's
+    # input
+    norm = e * B * T * (2 * HP + s.in_proj_rows)
+    return dt + norm
 
 
 def mamba_saved_autograd(B: int, T: int, s: MambaShapes, e: int) -> int:
     """One Mamba2 layer whose SSD runs under autograd (state passing's torch SSD in two
-    halves, api._ssd_state), beyond its normed input: the conv; the x
-    the kernel multiplies by dt and D (at fp32 the conv's output it is a view of, else an
-    fp32 copy) and z for silu (at fp32 in_proj's output, else an fp32 copy); dt (softplus's
-    input, clamp's input and output, fp32); -exp(A_log); the kernel; the grouped gated
-    RMSNorm (y, silu(z), the gated and normed products, out_proj's input) and its rsqrt."""
+    halves, api._ssd_state), beyond its normed input: the conv; the x the kernel
+    multiplies by dt and D (at fp32 the conv's output it is a view of, else an fp32 copy);
+    dt (softplus's input, clamp's input and output, fp32); -exp(A_log); the kernel; the
+    lean grouped gated norm and out_proj's input (mamba_dt_norm's)."""
     Cc, HP = s.conv_channels, s.H * s.P
     conv = 4 * (s.K + 1) * B * T * Cc
     if e == 4:
-        views = 4 * B * T * (Cc + s.in_proj_rows)
-        norm = 5 * 4 * B * T * HP
-    else:  # fp32 copies of x and z; the conv weight and D cast to fp32
-        views = 8 * B * T * HP + 4 * (Cc + s.H)
-        norm = B * T * HP * (3 * 4 + 2 * e)
+        views = 4 * B * T * Cc
+    else:  # an fp32 copy of x; the conv weight and D cast to fp32
+        views = 4 * B * T * HP + 4 * (Cc + s.H)
     dt = 3 * 4 * B * T * s.H + 8 * s.H
-    return conv + views + dt + ssd_kernel_saved(B, T, s.H, s.P, s.N, s.C) + norm \
-        + 4 * B * T * s.G
+    return conv + views + dt + ssd_kernel_saved(B, T, s.H, s.P, s.N, s.C) \
+        + e * B * T * (2 * HP + s.in_proj_rows)
 
 
 # --- on GPU: the libraries' kernels (kernels.get_kernel's 'auto' on CUDA in 16-bit) -------
