@@ -55,10 +55,38 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = copy_to_tensor_model_parallel_region(self.weight, self.tp_group) * h.to(x.dtype)
-        return (h * F.silu(z.float())).to(x.dtype)
+        w = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
+        return LeanGatedNorm.apply(x, z, w, self.eps)
+
+
+def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """rmsnorm(x) * w * silu(z) as transformers' Qwen3_5RMSNormGated computes it."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * h.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+
+class LeanGatedNorm(torch.autograd.Function):
+    """gated_rmsnorm saving x, z and w only (in their dtype): its backward recomputes the
+    norm with autograd (the same operations, so the same gradients), where autograd on
+    gated_rmsnorm keeps three fp32 and three 16-bit copies of the (B, T, Hv, Dv) values."""
+
+    @staticmethod
+    def forward(ctx, x, z, w, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(x, z, w)
+        return gated_rmsnorm(x, z, w, eps)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, z, w = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, z, w)]
+            out = gated_rmsnorm(*leaves, ctx.eps)
+            wrt = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wrt, dout))
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None)
 
 
 class GatedDeltaNet(TokenMixer):

@@ -53,9 +53,37 @@ class GroupedGatedRMSNorm(nn.Module):
                                                 what="mamba heads x head_dim")
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = (x.float() * F.silu(z.float())).unflatten(-1, (self.n_groups, -1))  # (..., G, HP/G)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.flatten(-2).to(x.dtype)
+        return LeanGroupedGatedNorm.apply(x, z, self.weight, self.n_groups, self.eps)
+
+
+def grouped_gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, groups: int,
+                          eps: float) -> torch.Tensor:
+    """w * rmsnorm_per_group(x * silu(z)), as transformers' NemotronHRMSNormGated."""
+    h = (x.float() * F.silu(z.float())).unflatten(-1, (groups, -1))     # (..., G, HP/G)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.flatten(-2).to(x.dtype)
+
+
+class LeanGroupedGatedNorm(torch.autograd.Function):
+    """grouped_gated_rmsnorm saving x, z and w only (their dtype); backward recomputes it
+    with autograd (the same operations: the same gradients), where autograd on it keeps
+    four fp32 copies of the (B, T, H P) values (models/gated_delta.py's LeanGatedNorm)."""
+
+    @staticmethod
+    def forward(ctx, x, z, w, groups, eps):
+        ctx.args = (groups, eps)
+        ctx.save_for_backward(x, z, w)
+        return grouped_gated_rmsnorm(x, z, w, groups, eps)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, z, w = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, z, w)]
+            out = grouped_gated_rmsnorm(*leaves, *ctx.args)
+            wrt = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wrt, dout))
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None, None)
 
 
 class Mamba2(TokenMixer):

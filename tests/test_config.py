@@ -374,6 +374,46 @@ def test_the_extension_configs_quote_their_planner_verdict():
                                                                         "extend_*.yaml"))}
     assert extends - {"extend_tiny_cpu", "extend_llama3_8b_128k"} <= names, sorted(extends - names)
 
+def quoted_longest():
+    """(config, the --max-seq-len command its comments quote, the longest seq_len and
+    layout quoted after it) of every config that quotes one."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
+        comments = " ".join(line.lstrip("#").strip() for line in open(path)
+                            if line.startswith("#"))
+        for m in re.finditer(r"python -m ctxpar\.plan (--config \S+ --set \S+ \S+ --nodes \d+ "
+                             r"--gpus-per-node \d+) --max-seq-len.*?longest seq_len: "
+                             r"([\d,]+) tokens \(layout ([^)]+)\)", comments):
+            found.append(pytest.param(m.group(1).split(), int(m.group(2).replace(",", "")),
+                                      m.group(3), id=f"{os.path.basename(path)[:-5]}-"
+                                      f"{m.group(1).split()[-1]}gpus"))
+    return found
+
+
+@pytest.mark.parametrize("args,tokens,layout", quoted_longest())
+def test_configs_quote_the_longest_context_the_planner_predicts(args, tokens, layout):
+    """A config's quoted --max-seq-len verdict (tokens and the layout that reaches them):
+    the planner's bisection rerun on that layout alone (the whole search is the
+    command's: minutes) must give the same length."""
+    from ctxpar.plan.__main__ import allowed_from, cluster_of, parse_args
+    from ctxpar.plan.longest import candidates, longest
+    a = parse_args([*args, "--max-seq-len"])
+    cluster = cluster_of(a)
+    cfg = load_config(os.path.join(ROOT, a.config), a.set, check_paths=False)
+    mine = [c for c in candidates(cfg, cluster, allowed_from(a)) if c.name() == layout]
+    assert mine, f"{a.config}: no candidate is named {layout!r}"
+    got = max(longest(cfg, c, cluster)[0] for c in mine)
+    assert got == tokens, f"{a.config} quotes {tokens:,} tokens on {layout}; the planner: {got:,}"
+
+
+def test_the_hybrid_configs_quote_their_longest_context_on_1_and_8_gpus():
+    """Qwen3.5-9B's and Nemotron-H-8B's configs quote --max-seq-len on 1 and 8 H100s (a
+    regex that found none would let the check above pass vacuously)."""
+    ids = {p.id for p in quoted_longest()}
+    assert {f"{c}-{g}gpus" for c in ("extend_qwen3_5_9b_1m", "extend_nemotron_h_8b_32k")
+            for g in (1, 8)} <= ids, sorted(ids)
+
+
 def test_run_dir_that_cannot_be_created_is_a_config_error(tmp_path):
     from ctxpar.config.run_dir import check_run_dir
     (tmp_path / "afile").write_text("x")

@@ -351,7 +351,7 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
     if token is not None:
         from .linear_layers import linear_shapes, mixer_saved
         out += norm + mixer_saved(kind, linear_shapes(m, kind, cand.tp), s.B, s.N // s.B, e,
-                                  cand.cp, cand.linear_cp, cand.token_layout)
+                                  cand.cp, cand.linear_cp, cand.token_layout, device)
     if channel:
         out += norm + channel_saved(s, e, cand, m, tiled_mlp)
     return out

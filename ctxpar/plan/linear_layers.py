@@ -33,8 +33,12 @@ from ..config.parameters import block_specs
 from ..context_parallel.linear import summary_bytes
 from ..context_parallel.linear.state_passing import SEGMENTS
 from ..context_parallel.ulysses import ulysses_kv_heads
-from .linear_saved import (GatedDeltaShapes, MambaShapes, gdn_kernel_saved, gdn_saved,
-                           mamba_saved, ssd_kernel_saved)
+from ..context_parallel.linear.lean import segment_tokens
+from .linear_saved import (GatedDeltaShapes, MambaShapes, conv_saved_gpu, fla_gdn_backward,
+                           fla_gdn_saved, gdn_gates_norm, gdn_kernel_saved, gdn_saved,
+                           lean_states, mamba_dt_norm,
+                           mamba_saved, mamba_saved_autograd, mamba_ssm_backward,
+                           mamba_ssm_saved, ssd_kernel_saved)
 
 KINDS = {"linear_attention": "gated_delta", "mamba": "mamba2"}  # layer type -> mixer
 
@@ -69,36 +73,94 @@ def linear_shapes(m: ModelConfig, kind: str, tp: int):
 
 
 def mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
-                layout: str) -> int:
+                layout: str, device: str = "cpu") -> int:
     """Bytes a linear mixer saves on one rank of cp (T: its local tokens), beyond its
     normed input (the norm's count): linear_saved.py's at cp 1, else the module
-    docstring's per strategy."""
+    docstring's per strategy; on 'cuda' the libraries' kernels' (_gpu_mixer_saved)."""
     gdn = kind == "linear_attention"
+    if device == "cuda" and e != 4:
+        return _gpu_mixer_saved(kind, sh, B, T, e, cp, strategy, layout)
     if cp == 1:
         return gdn_saved(B, T, sh, e) if gdn else mamba_saved(B, T, sh, e)
     if strategy == "heads":  # the kernel over T cp tokens of H/cp heads: the same elements
-        if gdn:  # q, k arrive as copies: never views of the conv's output
-            return gdn_saved(B, T, sh, e, views=False)
-        return mamba_saved(B, T, sh, e)
+        if gdn:  # q, k, v, g, beta arrive as copies, the key heads replicated to lcm
+            return gdn_saved(B, T, sh, e, key_heads=ulysses_kv_heads(sh.Hk, cp))
+        return mamba_saved(B, T, sh, e, groups=ulysses_kv_heads(sh.G, cp))
     slots = SEGMENTS[layout]
     Bs, Ts = B * slots, T // slots
     if gdn:
-        outer = gdn_saved(B, T, sh, e) - gdn_kernel_saved(B, T, sh.Hv, sh.Dk, sh.Dv, sh.C)
-        kernel = gdn_kernel_saved(Bs, Ts, sh.Hv, sh.Dk, sh.Dk + sh.Dv, sh.C)
-        # q~ S_in: the einsum's copy of q~ and S_in; the gathered summaries and S_0
+        # the lean kernel on each segment at value width Dk + Dv: q, k views of the conv's
+        # output (saved, as at cp 1), g, beta as at cp 1; v widened [0 | v] in e, the
+        # initial [I | 0] and the states between the kernel's segments, fp32
         state = sh.Hv * sh.Dk * (sh.Dk + sh.Dv)
+        widened = Bs * Ts * sh.Hv * sh.Dk * e + 4 * Bs * state \
+            + lean_states(Bs, Ts, sh.C, state) - lean_states(B, T, sh.C, sh.Hv * sh.Dk * sh.Dv)
+        # q~ S_in: the einsum's copy of q~ and S_in; the gathered summaries and S_0
         extra = 4 * (B * T * sh.Hv * sh.Dk + Bs * sh.Hv * sh.Dk * sh.Dv
                      + cp * Bs * state + B * sh.Hv * sh.Dk * sh.Dv)
-        return outer + kernel + extra
-    outer = mamba_saved(B, T, sh, e) - ssd_kernel_saved(B, T, sh.H, sh.P, sh.N, sh.C)
+        return gdn_saved(B, T, sh, e) + widened + extra
+    outer = mamba_saved_autograd(B, T, sh, e) - ssd_kernel_saved(B, T, sh.H, sh.P, sh.N, sh.C)
     kernel = ssd_kernel_saved(Bs, Ts, sh.H, sh.P, sh.N, sh.C)
-    # the torch SSD in two halves (api._ssd_state): decay_in (its exp and product), the
-    # E scan's state entering each chunk, the gathered summaries and S_0; the outputs'
-    # scan from S_in is the kernel's own
+    # the torch SSD in two halves (api._ssd_state, under autograd): decay_in (its exp and
+    # product), the E scan's state entering each chunk, the gathered summaries and S_0;
+    # the outputs' scan from S_in is the kernel's own
     chunks = -(-Ts // sh.C)
     extra = 4 * (2 * B * T * sh.H + chunks * Bs * sh.H * sh.P * sh.N
                  + cp * Bs * sh.H * (sh.P * sh.N + 1) + B * sh.H * sh.P * sh.N)
     return outer + kernel + extra
+
+
+def _gpu_mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
+                     layout: str) -> int:
+    """mixer_saved with causal_conv1d, fla and mamba_ssm (16-bit on CUDA: get_kernel's
+    'auto'): the conv's input, the library kernel's saved tensors (linear_saved.py's
+    GPU counts) and around them what the torch code saves (the gates, dt, the gated
+    norms: as on CPU); state passing adds the widened values' pass and the correction."""
+    state = cp > 1 and strategy == "state"
+    slots = SEGMENTS[layout] if state else 1
+    if kind == "linear_attention":
+        around = gdn_gates_norm(B, T, sh, e)
+        key_heads = ulysses_kv_heads(sh.Hk, cp) if cp > 1 and strategy == "heads" else 0
+        width = sh.Dk + sh.Dv if state else sh.Dv
+        kernel = fla_gdn_saved(B, T, sh, e, width, key_heads)
+        extra = 0
+        if state:  # [I | 0] entering each segment; q~ S_in's copy of q~ and S_in; summaries
+            st = sh.Hv * sh.Dk * (sh.Dk + sh.Dv)
+            extra = 4 * (B * slots * st + B * T * sh.Hv * sh.Dk
+                         + B * slots * sh.Hv * sh.Dk * sh.Dv + cp * B * slots * st
+                         + B * sh.Hv * sh.Dk * sh.Dv)
+        return around + conv_saved_gpu(B, T, sh.conv_channels, e) + kernel + extra
+    around = mamba_dt_norm(B, T, sh, e)
+    extra = 0
+    if state:  # y_zero + decay_in C_heads S_in: decay_in, C's fp32 copy at H heads, S_in
+        extra = 4 * (B * T * (2 * sh.H + sh.H * sh.N) + B * slots * sh.H * sh.P * sh.N
+                     + cp * B * slots * sh.H * (sh.P * sh.N + 1) + B * sh.H * sh.P * sh.N)
+    return around + conv_saved_gpu(B, T, sh.conv_channels, e) \
+        + mamba_ssm_saved(B, T, sh, e) + extra
+
+
+def mixer_working_set(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
+                      layout: str, device: str = "cpu") -> int:
+    """The bytes a linear mixer's kernel holds while its backward runs, beyond what the
+    layer saved: on CPU (and fp32) the lean torch kernel's one segment, its chunked
+    intermediates recomputed with autograd and their gradients (twice gdn_kernel_saved or
+    ssd_kernel_saved at min(T, a segment) tokens; state passing's SSD keeps its
+    intermediates saved: nothing more); on CUDA in 16-bit the library's backward over the
+    rank's whole sequence (linear_saved.fla_gdn_backward, mamba_ssm_backward). Its
+    forward holds about half of it (the intermediates without their gradients)."""
+    state = cp > 1 and strategy == "state"
+    slots = SEGMENTS[layout] if state else 1
+    Bs, Ts = B * slots, T // slots
+    gdn = kind == "linear_attention"
+    width = (sh.Dk + sh.Dv) if gdn and state else (sh.Dv if gdn else 0)
+    if device == "cuda" and e != 4:
+        return fla_gdn_backward(Bs, Ts, sh, e, width) if gdn else mamba_ssm_backward(Bs, Ts, sh, e)
+    if not gdn and state:
+        return 0
+    seg = min(Ts, segment_tokens(sh.C))
+    if gdn:
+        return 5 * gdn_kernel_saved(Bs, seg, sh.Hv, sh.Dk, width, sh.C) // 4
+    return 5 * ssd_kernel_saved(Bs, seg, sh.H, sh.P, sh.N, sh.C) // 4
 
 
 def mixer_flops(kind: str, sh, tokens: int, strategy: str, cp: int) -> float:

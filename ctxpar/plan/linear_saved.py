@@ -10,14 +10,19 @@ fp32 whatever e: most of what they save is 4 bytes an element.
 
     conv       the K shifted taps and the silu's input, fp32: (K + 1) B T Cc 4; its
                halo (K - 1 tokens a neighbour under CP) is exchanged, not saved
-    kernel     the chunked forms' intermediates: (B, H, nc, C, C) decays and scores,
-               per-token (q, k, v, the triangular solves' results, the padded copies
-               matmul makes), the fp32 state entering every chunk (nc B H |state|)
+    kernel     the lean torch kernel's (context_parallel/linear/lean.py): its inputs as
+               given and the fp32 state entering each segment of SEGMENT_CHUNKS chunks
+               but the first; its backward recomputes one segment's chunked
+               intermediates at a time ((B, H, nc, C, C) decays and scores, per-token
+               fp32 copies and solves, the state entering every chunk: *_kernel_saved,
+               what the autograd kernel keeps for the whole sequence)
     around it  the gates (beta, g; dt), the gated RMSNorm and out_proj's input
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..context_parallel.linear.lean import segment_tokens
 
 
 @dataclass(frozen=True)
@@ -60,8 +65,9 @@ def _chunks(T: int, C: int):
 
 
 def gdn_kernel_saved(B: int, T: int, Hv: int, Dk: int, Dv: int, C: int) -> int:
-    """gated_delta_fp32 on (B, T) tokens of Hv heads (q, k already at Hv heads): the
-    padded q, k, v, beta; k_beta, two contiguous k^T for the two (C, C) products, the two
+    """What the lean kernel recomputes per segment and keeps while its backward runs
+    there (its working set; before lean.py, what the layer kept): gated_delta_fp32 on
+    (B, T) tokens of Hv heads (q, k already at Hv heads): the padded q, k, v, beta; k_beta, two contiguous k^T for the two (C, C) products, the two
     solves' results, the scan's per-chunk copies of the reads and k^T (2 nc - 1 of
     (B, H, C, Dk)); its written values u (B, H, C, Dv) and entering state S (B, H, Dk, Dv)
     per chunk; five (B, H, nc, C, C) (the decays, two products, the system, intra); five
@@ -72,25 +78,44 @@ def gdn_kernel_saved(B: int, T: int, Hv: int, Dk: int, Dv: int, C: int) -> int:
                 + 5 * B * Tp * Hv) + B * Tp * C + B * Tp
 
 
-def gdn_saved(B: int, T: int, g: GatedDeltaShapes, e: int, views: bool = True) -> int:
+def lean_states(B: int, T: int, C: int, state: int) -> int:
+    """The fp32 states lean.ChunkedScan saves: one of `state` elements per row entering each
+    segment of SEGMENT_CHUNKS chunks but the first."""
+    segments = max(1, -(-T // segment_tokens(C)))
+    return 4 * (segments - 1) * B * state
+
+
+def gdn_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0) -> int:
     """One GDN layer on one process (cp 1), beyond its normed input (the norm's count):
-    the conv, l2norm's inputs (q and k at Hv heads in fp32, or at fp32 without grouping
-    the conv's output they are views of) and rsqrt, the kernel, the gates (beta in e;
-    softplus's input and output fp32; -exp(A_log)), the gated RMSNorm (its fp32 input,
-    normed and gated products, silu(z)'s fp32 input, in e its weighted and gated outputs and
-    out_proj's input) and its fp32 rsqrt. views=False: q, k are copies whatever the
-    grouping (the heads strategy's all-to-all makes them)."""
+    the conv (its taps and the silu's input, fp32; in 16-bit the weight's fp32 copy), the
+    lean kernel's inputs (q, k, v: views of the conv's output, in e; g fp32; beta the
+    sigmoid's output it saves already) and its states between segments, the gates (beta
+    in e; softplus's input and output fp32; -exp(A_log)), the gated RMSNorm
+    (models/gated_delta.py's LeanGatedNorm: its x and z in e) and out_proj's input (e).
+    key_heads > 0: the heads strategy,
+    whose all-to-all hands the kernel copies (q, k at key_heads, v, g and beta), the conv's
+    output then saved by nobody."""
     Cc = g.conv_channels
-    conv = 4 * (g.K + 1) * B * T * Cc + (4 * Cc if e != 4 else 0)  # + weight.float() (16-bit)
-    shared = views and g.Hk == g.Hv and e == 4
-    l2 = 4 * (B * T * Cc if shared else 2 * B * T * g.Hv * g.Dk) + 8 * B * T * g.Hv
+    conv = 4 * (g.K + 1) * B * T * Cc + (4 * g.K * Cc if e != 4 else 0)
+    if key_heads:
+        inputs = B * T * ((2 * key_heads * g.Dk + g.Hv * g.Dv + g.Hv) * e + 4 * g.Hv)
+    else:
+        inputs = B * T * (Cc * e + 4 * g.Hv)
+    kernel = inputs + lean_states(B, T, g.C, g.Hv * g.Dk * g.Dv)
+    return conv + kernel + gdn_gates_norm(B, T, g, e)
+
+
+def gdn_gates_norm(B: int, T: int, g: GatedDeltaShapes, e: int) -> int:
+    """What a GDN layer saves around its conv and kernel, whichever they are: the gates
+    and the gated RMSNorm (gdn_saved's docstring)."""
     gates = B * T * g.Hv * (e + 2 * 4) + 8 * g.Hv
-    norm = B * T * g.Hv * (g.Dv * (3 * 4 + 3 * e) + 4)
-    return conv + l2 + gdn_kernel_saved(B, T, g.Hv, g.Dk, g.Dv, g.C) + gates + norm
+    norm = 3 * e * B * T * g.Hv * g.Dv  # LeanGatedNorm's x and z, out_proj's input
+    return gates + norm
 
 
 def ssd_kernel_saved(B: int, T: int, H: int, P: int, N: int, C: int) -> int:
-    """ssd_fp32 on (B, T) tokens of H heads (B, C already at H heads): five (B, T, H, N)
+    """What the lean SSD recomputes per segment (its backward's working set), and what
+    state passing's SSD in two halves keeps: ssd_fp32 on (B, T) tokens of H heads (B, C already at H heads): five (B, T, H, N)
     (the padded B and C's permuted copies for the two einsums, B times the decay, the
     scan's per-chunk copies of C but the first's), three (B, T, H, P) (x dt's two permuted
     copies, the scan's per-chunk products), three (B, H, nc, C, C) (the decay, C B^T,
@@ -102,20 +127,98 @@ def ssd_kernel_saved(B: int, T: int, H: int, P: int, N: int, C: int) -> int:
         + B * Tp * C + B * Tp
 
 
-def mamba_saved(B: int, T: int, s: MambaShapes, e: int) -> int:
-    """One Mamba2 layer on one process (cp 1), beyond its normed input: the conv; the x
-    the kernel multiplies by dt and D (at fp32 the conv's output it is a view of, else an
-    fp32 copy) and z for silu (at fp32 in_proj's output, else an fp32 copy); dt (softplus's
-    input, clamp's input and output, fp32); -exp(A_log); the kernel; the grouped gated
-    RMSNorm (y, silu(z), the gated and normed products, out_proj's input) and its rsqrt."""
+def mamba_saved(B: int, T: int, s: MambaShapes, e: int, groups: int = 0) -> int:
+    """One Mamba2 layer on one process (cp 1), beyond its normed input: the conv (in
+    16-bit with the weight's fp32 copy); the lean kernel's inputs (x, B, C views of the
+    conv's output in e, dt fp32, A) and its states between segments; dt's softplus input
+    and clamp input (fp32) and exp(A_log); the grouped gated RMSNorm (models/mamba2.py's
+    LeanGroupedGatedNorm: y and z, whose storage is in_proj's whole output) and out_proj's
+    input, in e. groups > 0: the heads strategy, whose
+    all-to-all hands the kernel copies (x, dt, B and C at `groups` groups)."""
+    Cc, HP = s.conv_channels, s.H * s.P
+    conv = 4 * (s.K + 1) * B * T * Cc + (4 * s.K * Cc if e != 4 else 0)
+    inputs = B * T * ((HP + 2 * groups * s.N) * e if groups else Cc * e) + 4 * B * T * s.H
+    kernel = inputs + 4 * s.H + lean_states(B, T, s.C, s.H * s.P * s.N)
+    return conv + kernel + mamba_dt_norm(B, T, s, e)
+
+
+def mamba_dt_norm(B: int, T: int, s: MambaShapes, e: int) -> int:
+    """What a Mamba2 layer saves around its conv and kernel, whichever they are: dt's
+    softplus and clamp inputs, exp(A_log), the grouped gated norm (mamba_saved's
+    docstring)."""
+    HP = s.H * s.P
+    dt = 2 * 4 * B * T * s.H + 4 * s.H
+    # LeanGroupedGatedNorm's y and z (a view of in_proj's output: all its rows), out_proj's
+    # input
+    norm = e * B * T * (2 * HP + s.in_proj_rows)
+    return dt + norm
+
+
+def mamba_saved_autograd(B: int, T: int, s: MambaShapes, e: int) -> int:
+    """One Mamba2 layer whose SSD runs under autograd (state passing's torch SSD in two
+    halves, api._ssd_state), beyond its normed input: the conv; the x the kernel
+    multiplies by dt and D (at fp32 the conv's output it is a view of, else an fp32 copy);
+    dt (softplus's input, clamp's input and output, fp32); -exp(A_log); the kernel; the
+    lean grouped gated norm and out_proj's input (mamba_dt_norm's)."""
     Cc, HP = s.conv_channels, s.H * s.P
     conv = 4 * (s.K + 1) * B * T * Cc
     if e == 4:
-        views = 4 * B * T * (Cc + s.in_proj_rows)
-        norm = 5 * 4 * B * T * HP
-    else:  # fp32 copies of x and z; the conv weight and D cast to fp32
-        views = 8 * B * T * HP + 4 * (Cc + s.H)
-        norm = B * T * HP * (3 * 4 + 2 * e)
+        views = 4 * B * T * Cc
+    else:  # an fp32 copy of x; the conv weight and D cast to fp32
+        views = 4 * B * T * HP + 4 * (Cc + s.H)
     dt = 3 * 4 * B * T * s.H + 8 * s.H
-    return conv + views + dt + ssd_kernel_saved(B, T, s.H, s.P, s.N, s.C) + norm \
-        + 4 * B * T * s.G
+    return conv + views + dt + ssd_kernel_saved(B, T, s.H, s.P, s.N, s.C) \
+        + e * B * T * (2 * HP + s.in_proj_rows)
+
+
+# --- on GPU: the libraries' kernels (kernels.get_kernel's 'auto' on CUDA in 16-bit) -------
+# Read from their sources: fla-core 0.6.0 (fla/ops/gated_delta_rule/chunk.py,
+# chunk_fwd.py, fla/ops/common/chunk_delta_h.py, chunk_o.py, wy_fast.py), mamba_ssm
+# v2.3.2.post1 (mamba_ssm/ops/triton/ssd_combined.py), causal-conv1d v1.6.1
+# (causal_conv1d/causal_conv1d_interface.py). Not measured here (no GPU in CI): the
+# counts follow the allocations those files make.
+
+def conv_saved_gpu(B: int, T: int, channels: int, e: int) -> int:
+    """causal_conv1d_fn saves its input x (channel-last: in_proj's rows, or their copy when
+    a split's strides do not suit it) and the weight; silu is fused, its output not saved."""
+    return B * T * channels * e
+
+
+def fla_gdn_saved(B: int, T: int, g: GatedDeltaShapes, e: int, value_width: int = 0,
+                  key_heads: int = 0) -> int:
+    """ChunkGatedDeltaRuleFunction.forward's save_for_backward, per rank: q and k after its
+    l2norm (new, e) with their fp32 rstd, v (input_guard's contiguous copy of the conv's
+    split, e), g after chunk_local_cumsum (fp32), beta (the sigmoid's output, saved there
+    already), A (B, T, Hv, C) in k's dtype (the inverted chunk systems). value_width: the
+    values' width (state passing's Dk + Dv), key_heads: the key heads it gets."""
+    hk, dv = key_heads or g.Hk, value_width or g.Dv
+    return B * T * (2 * hk * g.Dk * e + 8 * hk + g.Hv * dv * e + 4 * g.Hv + g.Hv * g.C * e)
+
+
+def fla_gdn_backward(B: int, T: int, g: GatedDeltaShapes, e: int, value_width: int = 0) -> int:
+    """chunk_gated_delta_rule_bwd's tensors alive at its last step (prepare_wy_repr_bwd;
+    every local is held until it returns), over the rank's whole sequence: w, u (recomputed),
+    h and dh (a (Dk, Dv) state per chunk, e), v_new, dv (its second), dq, dk at Hv heads,
+    dw, dk2, dv of the WY backward (e), dg and dg2 (fp32)."""
+    dv = value_width or g.Dv
+    per_head = 5 * g.Dk * e + 3 * dv * e + 2 * g.Dk * dv * e / g.C + 3 * 4
+    return int(B * T * g.Hv * per_head)
+
+
+def mamba_ssm_saved(B: int, T: int, s: MambaShapes, e: int) -> int:
+    """MambaChunkScanCombinedFn.forward's save_for_backward: out (e), x, B, C (views of the
+    conv's output, stride(-1) == 1: kept as given; under heads the all-to-all's copies, the
+    same bytes but for replicated groups), dt (fp32, as given), dA_cumsum (B, H, nc, C)
+    fp32, A, D."""
+    xbc = s.conv_channels * e
+    return B * T * (xbc + s.H * s.P * e + 8 * s.H)
+
+
+def mamba_ssm_backward(B: int, T: int, s: MambaShapes, e: int) -> int:
+    """_mamba_chunk_scan_combined_bwd's tensors alive at its end, over the rank's whole
+    sequence: dt's clone, dA_cumsum and dt again, ddt and the ddA sums (fp32 per head),
+    CB and dCB (B, nc, G, C, C) fp32, the chunk states (fp32, then in e) and their gradient
+    (e), dx (e), dB and dC with their residuals (e)."""
+    states = s.H * s.P * s.N / s.C
+    return int(B * T * (8 * s.G * s.C + states * (4 + 2 * e) + s.H * s.P * e
+                        + 4 * s.G * s.N * e + 6 * 4 * s.H))

@@ -40,7 +40,7 @@ from ..config import GATED_MLPS, Config, deepspeed_config
 from ..config.layers import layer_attention
 from . import counts, mla_layers, transients
 from .candidate import Candidate, apply_candidate
-from .linear_layers import linear_shapes, mixer_saved
+from .linear_layers import linear_shapes, mixer_saved, mixer_working_set
 from .moe_layers import backward_working_set, block_model, forward_working_set, mixed_mlps
 from .zero_state import Shard, ZeroState, zero_config
 
@@ -163,6 +163,7 @@ class Stage:
     # largest attention buffers of them (a full layer's beside a windowed one's)
     halo: List[int] = field(default_factory=list)
     linear: int = 0  # the largest linear mixer's working set (linear_layers.mixer_saved)
+    linear_kernel: int = 0  # its kernel's backward beyond it (mixer_working_set)
     types: List[str] = field(default_factory=list)  # each block's layer type (hybrids)
     # each block's MLP a mixture of experts (True) or dense (False) where model.moe.layers
     # leaves some dense (moe_layers.mixed_mlps); empty: every block's MLP alike
@@ -227,12 +228,16 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     # the linear mixers' working set: what one makes in its forward (saved or, replayed
     # and under no_grad, alive while it runs) and again as gradients in its backward
     s = shapes
-    linear = max([mixer_saved(a.kind, linear_shapes(model, a.kind, cand.tp), s.B, s.N // s.B,
-                              elem, cand.cp, cand.linear_cp, cand.token_layout)
-                  for a in layers if a.token_mixer in ("gated_delta", "mamba2")], default=0)
+    mixers = [(a.kind, linear_shapes(model, a.kind, cand.tp)) for a in layers
+              if a.token_mixer in ("gated_delta", "mamba2")]
+    args = (s.B, s.N // s.B, elem, cand.cp, cand.linear_cp, cand.token_layout, device)
+    linear = max([mixer_saved(kind, sh, *args) for kind, sh in mixers], default=0)
+    # and its kernel's backward beyond that (the lean torch kernel's segment, or the GPU
+    # library's whole-sequence backward: linear_layers.mixer_working_set)
+    linear_kernel = max([mixer_working_set(kind, sh, *args) for kind, sh in mixers], default=0)
     return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
                  saved, zero_state, sh, resident, base, accumulated, accumulating, host,
-                 host_step, loss_tile, mlp_tile, halo, linear,
+                 host_step, loss_tile, mlp_tile, halo, linear, linear_kernel,
                  [a.kind for a in layers] if model.layer_types is not None else [],
                  [moe for _, moe in counts.blocks(model, start, blocks)]
                  if mixed_mlps(model) else [])
@@ -259,7 +264,9 @@ def forward_phases(st: Stage) -> List[Phase]:
             attention -= counts.norm_saved(s, elem, st.cfg.model.norm, st.device) \
                 + counts.channel_saved(s, elem, cand, st.block_model(len(st.modes) - 1),
                                        bool(st.mlp_tile))
-    working_set = max(block, attention, st.linear if mode != "none" else 0)
+    # a replayed linear mixer: its saved set beside its kernel's forward (half its backward's)
+    working_set = max(block, attention,
+                      st.linear + st.linear_kernel // 2 if mode != "none" else 0)
     phases = [Phase("forward (last block)", {
         **st.base, **st.accumulated, "activations": sum(st.saved) + st.act.embed,
         "block working set": working_set})]
@@ -347,9 +354,9 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
         "recompute": replayed - mlp_part if mode == "full" else 0.0,
         "layer working set": max(max([transients.attention_backward(s, cand, elem, h, model)
                                       for h in set(st.halo)], default=0.0) + attention_out,
-                                 # a replayed linear block's intermediates are charged as
-                                 # its recompute; their gradients replace them one by one
-                                 st.linear if mode != "full" else 0),
+                                 # a replayed linear block's saved set is charged as its
+                                 # recompute; its kernel's backward comes on top
+                                 (st.linear if mode != "full" else 0) + st.linear_kernel),
         "activation grads": st.residual_grad + pending}
     best = max(at_mlp, at_attention, key=lambda t: sum(t.values()))
     return Phase(f"{name}, {'MLP' if best is at_mlp else 'attention'})", best)
@@ -389,7 +396,7 @@ def evaluation_phase(st: Stage) -> Phase:
     block = max(max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile,
                                              moe, st.cfg.model) for moe in moe_forwards(st)),
                 max([transients.attention_forward(s, st.cand, elem, h, st.cfg.model, True)
-                     for h in set(st.halo)], default=0.0), st.linear)
+                     for h in set(st.halo)], default=0.0), st.linear + st.linear_kernel // 2)
     state = {**st.resident, **st.zero_state.gathered()}
     at_block = {**state, "block working set": block}
     if not st.last:

@@ -29,6 +29,7 @@ from ctxpar.context_parallel.layouts import rank_positions, shard_sequence
 from ctxpar.context_parallel.comm import group_rank_and_size
 from ctxpar.context_parallel.linear import (causal_conv1d_cp, gated_delta_rule_cp, kda_cp,
                                             ssd_cp)
+from ctxpar.context_parallel.linear.lean import SEGMENT_CHUNKS
 
 BATCH, CONV_KERNEL, CHUNK = 2, 4, 8
 SEQUENCE = {"mixed", "a", "b", "f", "xBC", "dt", "dout"}  # per-token leaves; others replicated
@@ -162,17 +163,19 @@ def _ssd(t, dims, cp):
 
 
 def run_case(mixer: str, leaves, dims, group, layout: str = "contiguous",
-             strategy: str = "state", cu_seqlens=None):
+             strategy: str = "state", cu_seqlens=None, recompute_chunks: int = SEGMENT_CHUNKS):
     """{out, final, grad_<leaf>, grad_<intermediate>} of this rank (collective over group):
     the loss is sum(out * dout) over this rank's tokens plus sum(final * dfinal) / P, so the
-    sum over ranks is the one-process loss."""
+    sum over ranks is the one-process loss. recompute_chunks: the torch kernels' segments
+    (lean.py)."""
     P = group_rank_and_size(group)[1]
     t = {k: (shard_sequence(x, 1, group, layout) if k in SEQUENCE else x).detach().clone()
          for k, x in leaves.items()}
     for k, x in t.items():
         if k not in ("dout", "dfinal"):
             x.requires_grad_()
-    cp = dict(cp_group=group, layout=layout, strategy=strategy, cu_seqlens=cu_seqlens)
+    cp = dict(cp_group=group, layout=layout, strategy=strategy, cu_seqlens=cu_seqlens,
+              **({} if mixer == "kda" else dict(recompute_chunks=recompute_chunks)))
     chain = {"gdn": _gdn, "kda": partial(_gdn, per_channel=True), "ssd": _ssd}[mixer]
     out, final, mid = chain(t, dims, cp)
     loss = (out.float() * t["dout"].float()).sum() + (final * t["dfinal"]).sum() / P

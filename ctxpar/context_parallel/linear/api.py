@@ -42,6 +42,7 @@ from .gated_delta import check_chunk_size
 from ..ulysses import head_shard, ulysses_kv_heads
 from .heads import heads_to_sequence, sequence_to_heads
 from .kernels import LocalDocs, TorchSSD, get_kernel
+from .lean import SEGMENT_CHUNKS
 from .ssd import discretize_dt, ssd_parts, ssd_scan
 from .state_passing import (SEGMENTS, STATE_LAYOUTS, carries_state, from_segments,
                             pass_states, to_segments)
@@ -103,7 +104,8 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         scale: Optional[float] = None,
                         initial_state: Optional[torch.Tensor] = None,
                         output_final_state: bool = False,
-                        use_qk_l2norm_in_kernel: bool = False, kernel: str = "auto"
+                        use_qk_l2norm_in_kernel: bool = False, kernel: str = "auto",
+                        recompute_chunks: int = SEGMENT_CHUNKS
                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule (Gated DeltaNet) over a CP group: (o, final state or None).
 
@@ -113,11 +115,13 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     initial_state, final state (B, Hv, Dk, Dv) fp32: the state before token 0 and after
     the last token. scale defaults to Dk ** -0.5; use_qk_l2norm_in_kernel normalises q, k
     first (flash-linear-attention's flag; Qwen3-Next sets it). kernel: the local pass's
-    (kernels.py: 'auto', 'torch', 'fla').
+    (kernels.py: 'auto', 'torch', 'fla'); recompute_chunks: the torch kernel's segments,
+    in chunks, that its backward recomputes one at a time (lean.py).
     """
     return _delta_rule_cp("gated_delta", "gated_delta_rule_cp", q, k, v, g, beta, cp_group,
                           layout, strategy, cu_seqlens, chunk_size, scale, initial_state,
-                          output_final_state, use_qk_l2norm_in_kernel, kernel)
+                          output_final_state, use_qk_l2norm_in_kernel, kernel,
+                          recompute_chunks)
 
 
 def kda_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -133,12 +137,12 @@ def kda_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     values per head and segment. kernel: 'auto', 'torch', 'fla'."""
     return _delta_rule_cp("kda", "kda_cp", q, k, v, g, beta, cp_group, layout, strategy,
                           cu_seqlens, chunk_size, scale, initial_state, output_final_state,
-                          use_qk_l2norm_in_kernel, kernel)
+                          use_qk_l2norm_in_kernel, kernel, SEGMENT_CHUNKS)
 
 
 def _delta_rule_cp(op, caller, q, k, v, g, beta, cp_group, layout, strategy, cu_seqlens,
                    chunk_size, scale, initial_state, output_final_state,
-                   use_qk_l2norm_in_kernel, kernel):
+                   use_qk_l2norm_in_kernel, kernel, recompute_chunks):
     """gated_delta_rule_cp and kda_cp: op 'gated_delta' (g per head) or 'kda' (g per key
     channel), the same checks, strategies and kernel interface."""
     group = _cp_group(cp_group)
@@ -158,7 +162,9 @@ def _delta_rule_cp(op, caller, q, k, v, g, beta, cp_group, layout, strategy, cu_
     scale = Dk ** -0.5 if scale is None else float(scale)
     state = P > 1 and strategy == "state"  # state passing widens v by Dk (_gated_delta_state)
     impl = get_kernel(op, kernel, q, key_dim=Dk, value_dim=Dv + Dk * state)
+    check_chunk_size(recompute_chunks, caller)
     kernel = partial(impl, scale=scale, chunk_size=chunk_size,
+                     segment_chunks=recompute_chunks,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if P == 1:
         o, final = kernel(q, k, v, g, beta, initial_state=initial_state, docs=doc)
@@ -222,14 +228,15 @@ def ssd_cp(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
            dt_limit: Tuple[float, float] = (0.0, math.inf),
            initial_states: Optional[torch.Tensor] = None, return_final_states: bool = False,
            cp_group=None, layout: str = "contiguous", strategy: str = "state",
-           cu_seqlens=None, kernel: str = "auto"):
+           cu_seqlens=None, kernel: str = "auto", recompute_chunks: int = SEGMENT_CHUNKS):
     """Mamba2's SSD over a CP group, mamba_ssm's ``mamba_chunk_scan_combined`` arguments.
 
     x (b, T/cp, H, P); dt (b, T/cp, H) (through dt_bias, softplus and dt_limit here, on each
     rank's tokens); A (H,) = -exp(A_log); B, C (b, T/cp, G, N), H % G == 0; D, dt_bias (H,).
     y (b, T/cp, H, P) in x's dtype; initial_states, final states (b, H, P, N) fp32. Returns
     y, or (y, final) with return_final_states. kernel: the local pass's (kernels.py: 'auto',
-    'torch', 'mamba_ssm').
+    'torch', 'mamba_ssm'); recompute_chunks as gated_delta_rule_cp's (state passing's torch
+    SSD runs in two halves instead, api._ssd_state, and keeps its intermediates).
     """
     caller = "ssd_cp"
     group = _cp_group(cp_group)
@@ -247,7 +254,9 @@ def ssd_cp(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     _check_local_seq(S, layout, caller)
     doc = _documents(cu_seqlens, S * P, b, caller, x.device)
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)              # (b, T/cp, H) fp32
-    kernel = partial(get_kernel("ssd", kernel, x), chunk_size=chunk_size)
+    check_chunk_size(recompute_chunks, caller)
+    kernel = partial(get_kernel("ssd", kernel, x), chunk_size=chunk_size,
+                     segment_chunks=recompute_chunks)
     if P == 1:
         y, final = kernel(x, dt, A, B, C, D, initial_states, doc)
     elif strategy == "heads":

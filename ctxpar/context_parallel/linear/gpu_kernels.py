@@ -174,7 +174,9 @@ class FlaGatedDelta(_Library):
         return why or ("" if self.injected else fla_backward_refused(x.device))
 
     def __call__(self, q, k, v, g, beta, *, scale, initial_state, docs, chunk_size,
-                 use_qk_l2norm_in_kernel):
+                 use_qk_l2norm_in_kernel, segment_chunks=None):
+        # segment_chunks: the torch kernel's recompute segments; fla's backward recomputes
+        # chunk by chunk on its own
         values = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                       output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         if docs is None:  # batched rows, per-row states as they are
@@ -210,7 +212,8 @@ class MambaSSD(_Library):
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
         return mamba_chunk_scan_combined
 
-    def __call__(self, x, dt, A, B, C, D, initial_states, docs, chunk_size):
+    def __call__(self, x, dt, A, B, C, D, initial_states, docs, chunk_size,
+                 segment_chunks=None):  # the torch kernel's; mamba_ssm recomputes its own
         seq_idx = None
         if docs is not None:  # (b, T) int32, every row's first document 0
             seq_idx = (docs.device - docs.device[:, :1]).to(torch.int32)

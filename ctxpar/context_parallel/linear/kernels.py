@@ -3,22 +3,27 @@
 Every CP strategy runs a local chunked pass (state passing: one over its segments; heads:
 one over the whole sequence of this rank's heads; the conv: over its tokens and halo).
 Each op has a torch implementation (the chunked fp32 code: any device, any dtype, the
-reference) and a GPU library's (gpu_kernels.py: CUDA tensors, the library installed, a
-dtype and shape it takes):
+reference; run through lean.py's ChunkedScan, which saves the inputs and recomputes the
+chunks in backward, as the GPU libraries do) and a GPU library's (gpu_kernels.py: CUDA
+tensors, the library installed, a dtype and shape it takes):
 
     op           torch                          GPU (setup.py extras "gpu")
-    gated_delta  gated_delta.gated_delta_fp32   fla: flash-linear-attention's
+    gated_delta  lean.gated_delta_lean          fla: flash-linear-attention's
                                                 chunk_gated_delta_rule
-    kda          kda.kda_fp32                   fla: flash-linear-attention's chunk_kda
-    ssd          ssd.ssd_fp32                   mamba_ssm: mamba_chunk_scan_combined
+    kda          kda.kda_fp32 (not lean yet)    fla: flash-linear-attention's chunk_kda
+    ssd          lean.ssd_lean                  mamba_ssm: mamba_chunk_scan_combined
     conv         conv.conv_rows (+ halo index)  causal_conv1d: causal_conv1d_fn
 
 The interface every implementation of an op answers (shapes as the strategies call it):
 
     o, final = gated_delta(q, k, v, g, beta, scale=, initial_state=, docs=, chunk_size=,
-                           use_qk_l2norm_in_kernel=)
+                           use_qk_l2norm_in_kernel=, segment_chunks=)
     o, final = kda(...)             # gated_delta's call, g (B, T, Hv, Dk) per key channel
-    y, final = ssd(x, dt, A, B, C, D, initial_states, docs, chunk_size)   # dt discretized
+    y, final = ssd(x, dt, A, B, C, D, initial_states, docs, chunk_size,
+                   segment_chunks=)                                     # dt discretized
+
+(segment_chunks: the torch kernels' recompute segments, lean.py; the libraries and the
+torch KDA kernel, which keeps every chunk's tensors, ignore it)
     out = conv(x, halo, layout, rank, world, doc, weight, bias, activation)
 
 o and y in the inputs' dtype or fp32 (the callers cast), final states fp32; everything
@@ -41,10 +46,9 @@ from typing import NamedTuple, Set, Tuple
 import torch
 
 from .conv import conv_rows, halo_plan, tap_mask
-from .gated_delta import gated_delta_fp32
 from .gpu_kernels import CausalConv1dKernel, FlaGatedDelta, FlaKDA, MambaSSD
 from .kda import kda_fp32
-from .ssd import ssd_fp32
+from .lean import SEGMENT_CHUNKS, gated_delta_lean, ssd_lean
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +73,15 @@ class TorchGatedDelta:
         return ""
 
     def __call__(self, q, k, v, g, beta, *, scale, initial_state, docs, chunk_size,
-                 use_qk_l2norm_in_kernel):
-        return gated_delta_fp32(q, k, v, g, beta, scale, initial_state,
+                 use_qk_l2norm_in_kernel, segment_chunks=SEGMENT_CHUNKS):
+        return gated_delta_lean(q, k, v, g, beta, scale, initial_state,
                                 None if docs is None else docs.device, chunk_size,
-                                use_qk_l2norm_in_kernel)
+                                use_qk_l2norm_in_kernel, segment_chunks)
 
 
 class TorchKDA(TorchGatedDelta):
     def __call__(self, q, k, v, g, beta, *, scale, initial_state, docs, chunk_size,
-                 use_qk_l2norm_in_kernel):
+                 use_qk_l2norm_in_kernel, segment_chunks=None):  # not lean yet: ignored
         return kda_fp32(q, k, v, g, beta, scale, initial_state,
                         None if docs is None else docs.device, chunk_size,
                         use_qk_l2norm_in_kernel)
@@ -89,9 +93,10 @@ class TorchSSD:
     def why_not(self, x, **dims) -> str:
         return ""
 
-    def __call__(self, x, dt, A, B, C, D, initial_states, docs, chunk_size):
-        return ssd_fp32(x, dt, A, B, C, D, initial_states,
-                        None if docs is None else docs.device, chunk_size)
+    def __call__(self, x, dt, A, B, C, D, initial_states, docs, chunk_size,
+                 segment_chunks=SEGMENT_CHUNKS):
+        return ssd_lean(x, dt, A, B, C, D, initial_states,
+                        None if docs is None else docs.device, chunk_size, segment_chunks)
 
 
 class TorchConv:

@@ -1,0 +1,126 @@
+"""One Gated DeltaNet block's step on CPU: the autograd torch kernel against the lean one.
+
+    PYTHONPATH=. python tools/benchmarks/bench_linear_lean.py [--seq 16384] [--heads 8]
+
+A one-layer GPT whose layer is Gated DeltaNet (Qwen3.5's head dims: value and key heads
+of 128, two value heads per key head, conv 4, chunk 64; --heads value heads, d_model
+1024, a 256-token vocabulary so that the block, not the head, is the step), fp32, no
+checkpointing, one sample of --seq tokens. For each kernel: the CPU allocator's peak above
+the model state in the forward and in the backward (the profiler's allocation events, as
+tests/test_plan.py's peak tests read them) and the step's time (the median of --repeat
+after a warm step); for the lean kernel also the planner's prediction of both peaks
+(stage_memory, the same model and mode, device 'cpu'). "today" is gated_delta_fp32 under
+autograd (what the torch kernel was before lean.py); "lean" is lean.gated_delta_lean,
+segments of lean.SEGMENT_CHUNKS chunks. Results: docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from unittest import mock
+
+import torch
+
+from ctxpar.config import Config, ModelConfig
+from ctxpar.context_parallel.linear import kernels
+from ctxpar.context_parallel.linear.gated_delta import gated_delta_fp32
+from ctxpar.plan.candidate import Candidate
+from ctxpar.plan.memory import stage_memory
+from ctxpar.plan.zero_state import zero_config
+from models.gpt import GPT
+from models.options import ModelOptions
+
+
+def today(q, k, v, g, beta, scale, initial_state, seq_idx, chunk_size, l2norm, segments):
+    """The kernel as it was: gated_delta_fp32 under autograd (segments ignored)."""
+    return gated_delta_fp32(q, k, v, g, beta, scale, initial_state, seq_idx, chunk_size, l2norm)
+
+
+def allocator_peaks(step) -> dict:
+    """{'FWD', 'BWD': peak bytes above the start} of the CPU allocator while step runs."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(record_function)
+    events = []
+
+    def walk(node, region):
+        if node.tag == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            a = node.typed[1]
+            events.append((node.start_time_ns, a.total_allocated, a.alloc_size, region))
+        for c in node.children:
+            walk(c, node.name if node.name in ("FWD", "BWD") else region)
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    events.sort()
+    base = events[0][1] - events[0][2]
+    peaks = {}
+    for _, total, _, region in events:
+        peaks[region] = max(peaks.get(region, 0), total - base)
+    return peaks
+
+
+def predicted(cfg: ModelConfig) -> dict:
+    c = Config()
+    c.model, c.activation_checkpointing.mode = cfg, "none"
+    phases = stage_memory(c, Candidate(1, 1, 1, 1, zero=0, activation="none"), False, 1, 0,
+                          "cpu", zero_config({})).phases
+    state = phases[-1].terms["params"] + phases[-1].terms["optimizer"]
+    return {region: max(p.total for p in phases if p.name.startswith(prefix)) - state
+            for region, prefix in (("FWD", "forward"), ("BWD", "backward"))}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=8, help="value heads (key heads: half)")
+    p.add_argument("--repeat", type=int, default=2)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, seq_len=a.seq, n_layers=1, d_model=1024, n_heads=8,
+                      n_kv_heads=8, ffn_hidden=1024, layer_types=["linear_attention"],
+                      linear_num_key_heads=a.heads // 2, linear_num_value_heads=a.heads,
+                      linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_chunk_size=64)
+    model = GPT(cfg, options=ModelOptions(activation_checkpointing="none", seed=1))
+    tok, pos = torch.randint(0, 256, (1, a.seq)), torch.arange(a.seq)
+
+    def step(region):
+        with region("FWD"):
+            loss = model(tok, pos, tok)
+        with region("BWD"):
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def nothing(name):
+        return torch.autograd.profiler.record_function(name)
+    rows = {}
+    for name in ("today", "lean"):
+        with mock.patch.object(kernels, "gated_delta_lean", today) if name == "today" \
+                else mock.patch.object(kernels, "gated_delta_lean", kernels.gated_delta_lean):
+            step(nothing)  # warm
+            times = []
+            for _ in range(a.repeat):
+                t0 = time.perf_counter()
+                step(nothing)
+                times.append(time.perf_counter() - t0)
+            rows[name] = (allocator_peaks(step), statistics.median(times))
+    want = predicted(cfg)
+    print(f"one GDN block, T={a.seq}, {a.heads} value heads of 128, fp32, no checkpointing")
+    print("| kernel | forward peak | backward peak | step time | planner forward | "
+          "planner backward |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, (peaks, t) in rows.items():
+        pred = (f"{want['FWD'] / 1e6:,.0f} MB ({want['FWD'] / peaks['FWD'] - 1:+.1%}) | "
+                f"{want['BWD'] / 1e6:,.0f} MB ({want['BWD'] / peaks['BWD'] - 1:+.1%})"
+                if name == "lean" else "- | -")
+        print(f"| {name} | {peaks['FWD'] / 1e6:,.0f} MB | {peaks['BWD'] / 1e6:,.0f} MB | "
+              f"{t:.2f} s | {pred} |")
+    t, lean = rows["today"], rows["lean"]
+    print(f"lean / today: peak {max(lean[0].values()) / max(t[0].values()):.2f}x, "
+          f"time {lean[1] / t[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
