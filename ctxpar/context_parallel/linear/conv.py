@@ -32,7 +32,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..comm import LOCAL, exchange, group_rank_and_size, wait_all
+from ..comm import exchange, wait_all
 from ..layouts import rank_positions
 
 ACTIVATIONS = (None, "silu", "swish")
