@@ -148,8 +148,8 @@ def test_a_moe_reshards_across_ep_but_not_into_or_out_of_a_pipeline(tmp_path):
     make_tag(str(tmp_path), 4, reshard.checkpoint_meta(_cfg(**moe, **{"parallel.ep": 2}), 2))
     other = reshard.resume_point(str(tmp_path), "auto", _cfg(**moe, **{"parallel.ep": 4}), 4)
     assert other.changed == {"ep": (2, 4)}
-    with pytest.raises(CheckpointError, match="a pipeline keeps the experts in the optimizer's "
-                                              "dense groups"):
+    with pytest.raises(CheckpointError, match="a pipeline at ep 1 keeps the experts in the "
+                                              "optimizer's dense groups"):
         reshard.resume_point(str(tmp_path), "auto",
                              _cfg(**moe, **{"parallel.pp": 2, "parallel.dp": 1}), 4)
 
@@ -200,7 +200,8 @@ def test_universal_info_follows_the_tp_attributes():
     (["model.family=phi3"], "model.family='phi3' must be one of 'llama', 'qwen2', 'qwen3', "
                             "'mistral', 'gemma3_text', 'qwen3_5_text', 'nemotron_h', "
                             "'olmo_hybrid', 'qwen3_moe', 'qwen2_moe', 'mixtral', 'gpt_oss', "
-                            "'qwen3_next', 'qwen3_5_moe_text' or null"),
+                            "'qwen3_next', 'qwen3_5_moe_text', 'deepseek_v3', 'deepseek_v2', "
+                            "'glm4_moe', 'minimax_m2', 'llama4_text' or null"),
     (["model.norm=layernorm", "model.norm_offset=1"],
      "model.norm_offset=1.0 applies to RMSNorm, not model.norm='layernorm'"),
     (["model.rope_scaling={rope_type: linear}"],

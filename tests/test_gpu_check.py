@@ -50,14 +50,14 @@ def test_dry_run_reports_every_part_and_outlives_one_that_runs_out_of_time(tmp_p
 
 def test_linear_part_compares_every_op_with_and_without_documents(tmp_path):
     """On CPU the linear part runs its plumbing (the torch path against itself: error 0) for
-    the three ops, one process and a simulated rank, with and without documents; on a GPU
-    the same rows hold the libraries' kernels."""
+    every op (Gated DeltaNet, KDA, SSD, conv), one process and a simulated rank, with and
+    without documents; on a GPU the same rows hold the libraries' kernels."""
     proc = _tool("--dry-run", "--parts", "linear", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     part = json.load(open(tmp_path / "report.json"))["parts"]["linear"]
     rows = part["data"]["rows"]
     assert {(r["op"], r["where"], r["documents"]) for r in rows} == {
-        (op, where, docs) for op in ("gated_delta", "ssd", "conv")
+        (op, where, docs) for op in ("gated_delta", "kda", "ssd", "conv")
         for where in ("cp1", "cp4 rank 1 (simulated)") for docs in (False, True)}
     assert all(r["ok"] and r["max_err"] == 0 and "dout" not in r["errors"] for r in rows)
     assert "## Linear mixers' GPU kernels" in open(tmp_path / "report.md").read()

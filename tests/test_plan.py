@@ -897,6 +897,7 @@ def test_block_fields_are_all_block_specs_reads():
     # The planner caches block_specs by block_fields: a field outside the key must not
     # change a block's parameters.
     import dataclasses
+    from ctxpar.config.mtp import MTPConfig
     from ctxpar.config.parameters import block_fields, block_specs
     m = ModelConfig(**CFG)
     other = dict(vocab_size=128, seq_len=64, n_layers=5, norm_eps=1e-6, rope_theta=5e5,
@@ -907,7 +908,8 @@ def test_block_fields_are_all_block_specs_reads():
                  layer_rope={"full_attention": {"rope_theta": 100.0}}, linear_chunk_size=16,
                  time_step_min=0.01, time_step_max=0.2, time_step_floor=1e-3,
                  partial_rotary_factor=0.5, rope=False, linear_allow_neg_eigval=True,
-                 linear_norm_eps=1e-5)
+                 linear_norm_eps=1e-5, nope_layers=[0], attn_temperature_tuning=True,
+                 floor_scale=4, attn_scale=0.2, qk_l2_norm=True, mtp=MTPConfig(depth=1))
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
@@ -919,7 +921,8 @@ def test_block_fields_are_all_block_specs_reads():
                          "reordered_norms", "linear_num_key_heads", "linear_num_value_heads",
                          "linear_key_head_dim", "linear_value_head_dim",
                          "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim",
-                         "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe"} == \
+                         "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe",
+                         "mla"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}
 
 

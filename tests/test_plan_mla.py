@@ -106,6 +106,7 @@ def test_mla_bytes_on_the_wire_equal_cp_stats_per_pattern(measured):
             assert got == (m.n_layers * fwd,) * 2 + (m.n_layers * bwd,) * 2, (tp, cp, comm)
 
 
+@pytest.mark.quick
 def test_the_latent_ring_sends_far_fewer_bytes_than_the_expanded_one():
     """DeepSeek-V3's widths: 576 numbers a token against 128 x (192 + 128) = 40,960."""
     m = replace(CONFIGS["mla"], n_heads=128, d_model=7168)

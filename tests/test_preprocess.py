@@ -232,8 +232,10 @@ def test_a_token_file_and_another_data_tokenizer_exit_2_naming_both(tmp_path, mo
         "data.kind=tokens", f"data.path={made}", run_dir])
     assert code == 2 and len(err) == 1 and f"{made}.idx was made with the {digest} " \
         f"tokenizer, not the byte-level one (data.tokenizer unset)" in err[0], err
-    code, err = train_check_inputs(monkeypatch, capsys, [  # the right one: no word
-        "data.kind=tokens", f"data.path={made}", f"data.tokenizer={bpe}", run_dir])
+    code, err = train_check_inputs(monkeypatch, capsys, [  # the right one: no word (one
+        # held-out window in this small file: evaluate on 1, which it holds)
+        "data.kind=tokens", f"data.path={made}", f"data.tokenizer={bpe}", run_dir,
+        "train.eval_samples=1"])
     assert code is None and err == [], err
 
 

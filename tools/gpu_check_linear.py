@@ -39,10 +39,11 @@ def _inputs(op, sz, device, gen):
     B, T = sz["B"], sz["T"]
     r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
     bf = torch.bfloat16
-    if op == "gated_delta":
+    if op in ("gated_delta", "kda"):  # KDA: a log-decay per key channel
         Hk, Hv, Dk, Dv = sz["gdn"]
+        gate = (B, T, Hv) + ((Dk,) if op == "kda" else ())
         return dict(q=r(B, T, Hk, Dk).to(bf), k=r(B, T, Hk, Dk).to(bf), v=r(B, T, Hv, Dv).to(bf),
-                    g=-torch.rand(B, T, Hv, device=device, generator=gen) * 0.2,
+                    g=-torch.rand(*gate, device=device, generator=gen) * 0.2,
                     beta=torch.rand(B, T, Hv, device=device, generator=gen).to(bf),
                     initial_state=0.1 * r(B, Hv, Dk, Dv), dout=r(B, T, Hv, Dv).to(bf),
                     dfinal=r(B, Hv, Dk, Dv))
@@ -61,13 +62,15 @@ def _inputs(op, sz, device, gen):
 
 def _run(op, t, kernel, group, cu, chunk):
     """(outputs, gradients) of the public op with `kernel` on this rank's share of t."""
-    from ctxpar.context_parallel.linear import causal_conv1d_cp, gated_delta_rule_cp, ssd_cp
+    from ctxpar.context_parallel.linear import (causal_conv1d_cp, gated_delta_rule_cp, kda_cp,
+                                                ssd_cp)
     leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items()
               if k not in ("dout", "dfinal")}
     cp = dict(cp_group=group, layout="zigzag", cu_seqlens=cu, kernel=kernel)
-    if op == "gated_delta":
-        out, final = gated_delta_rule_cp(**leaves, output_final_state=True, chunk_size=chunk,
-                                         use_qk_l2norm_in_kernel=True, **cp)
+    if op in ("gated_delta", "kda"):
+        rule = gated_delta_rule_cp if op == "gated_delta" else kda_cp
+        out, final = rule(**leaves, output_final_state=True, chunk_size=chunk,
+                          use_qk_l2norm_in_kernel=True, **cp)
     elif op == "ssd":
         out, final = ssd_cp(**leaves, chunk_size=chunk, dt_softplus=True,
                             return_final_states=True, **cp)
@@ -90,7 +93,7 @@ def part_linear(a) -> dict:
     device = torch.device(sz["device"])
     Hk, Hv, Dk, Dv = sz["gdn"]
     dims = {"gated_delta": dict(key_dim=Dk, value_dim=Dk + Dv),
-            "ssd": {}, "conv": dict(channels=2 * Hk * Dk + Hv * Dv, width=4)}
+            "kda": dict(key_dim=Dk, value_dim=Dk + Dv), "ssd": {}, "conv": dict(channels=2 * Hk * Dk + Hv * Dv, width=4)}
     rows, skipped = [], {}
     probe = torch.empty(1, device=device, dtype=torch.bfloat16)
     for op in kernels.KERNELS:
