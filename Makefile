@@ -1,7 +1,7 @@
 # The README's two commands. Both create .venv on first use.
 #   make test   - the whole CPU suite (gloo, spawned ranks); what CI runs
 #   make test-quick - the `quick` tier: one fast case of each module's core parity, the
-#                 loop while editing (under 3 minutes on 2 cores); make test before pushing
+#                 loop while editing (under 30 s on 2 cores); make test before pushing
 #   make train  - tiny long-context pretraining on CPU with context parallelism
 #   make docs-check [UPDATE=1] - rerun the commands the docs quote predictions from
 #                 (tools/docs_check.py); UPDATE=1 writes their figures into the docs
