@@ -47,7 +47,7 @@ def test_every_package_is_on_the_readme_map():
 @pytest.mark.quick
 def test_the_families_table_has_one_row_per_registered_family():
     """docs/checkpoints.md's families table names each family of
-    ctxpar/checkpoint/families/registry.py once, with its architecture: a family added
+    ctxpar/config/hf_families.py once, with its architecture: a family added
     without its row (or a row left for one removed) fails here."""
     from ctxpar.checkpoint.families import FAMILIES
     rows = re.findall(r"^\| `(\w+)` \| `(\w+ForCausalLM)` \|", _text("docs/checkpoints.md"),

@@ -1,6 +1,6 @@
 """Hugging Face folders <-> ctxpar: config.json fields and the weights in safetensors.
 
-A family (families/: one file each, registered in families/registry.py) is ctxpar's GPT
+A family (families/: one file each, registered in config/hf_families.py) is ctxpar's GPT
 with some fields fixed; the rest map one to one, both ways, here:
 
     ctxpar model.*      config.json                 ctxpar model.*     config.json

@@ -6,12 +6,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from ..checkpoint.families.registry import HF_FAMILIES  # config.json model_types
 from ..context_parallel.api import CP_COMMS
 from ..context_parallel.kernels import BACKENDS
 from ..context_parallel.layouts import LAYOUTS
 from ..context_parallel.linear.api import LINEAR_CP_STRATEGIES
 from ..context_parallel.ring import GRAD_DTYPES
+from .hf_families import HF_FAMILIES  # config.json model_types
 from .mla import MLAConfig
 from .moe import MoEConfig
 from .mtp import MTPConfig

@@ -1,4 +1,4 @@
-"""The families of registry.py loaded: ``FAMILIES`` (model_type -> Family), the multimodal
+"""The families of config/hf_families.py loaded: ``FAMILIES`` (model_type -> Family), the multimodal
 folders around a family's language model (``WRAPPERS``), and which family holds a
 ModelConfig (``family_of``)."""
 from __future__ import annotations
@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from typing import Dict, Tuple
 
 from .base import Family
-from .registry import REGISTRY
+from ...config.hf_families import REGISTRY
 
 
 def _load() -> Dict[str, Family]:
     families = {}
     for model_type, module, name in REGISTRY:
         fam = getattr(importlib.import_module(f"{__package__}.{module}"), name)
-        assert fam.model_type == model_type, f"registry.py: {module}.{name} is " \
+        assert fam.model_type == model_type, f"config/hf_families.py: {module}.{name} is " \
                                              f"{fam.model_type!r}, not {model_type!r}"
         families[model_type] = fam
     return families

@@ -1,10 +1,12 @@
 """The Hugging Face families ctxpar imports and exports: one line a family, config.json's
-model_type -> the file in this folder that describes it and the name it has there.
+model_type -> the file of ctxpar/checkpoint/families/ that describes it and the name it
+has there.
 
 The importer, the exporter, ``--model-config``, model.family's choices and the docs'
-families table all read this table (table.py loads it). Adding a family is one file
-here and one line below (docs/development.md). It imports nothing, so that the config
-can take model.family's choices from it.
+families table all read this table (ctxpar/checkpoint/families/table.py loads it).
+Adding a family is its file there and one line below (docs/development.md). It stands
+in config/, which names model.family's choices, below the checkpoint code that loads
+the families, and imports nothing.
 """
 REGISTRY = (
     ("llama", "llama", "FAMILY"),
