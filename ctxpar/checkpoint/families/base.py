@@ -268,6 +268,19 @@ def refuse_export_of(fam: Family) -> Callable[[str], None]:
     return refuse
 
 
+def full_attention_only(fam: Family, m, refuse_export: Callable[[str], None]) -> List[str]:
+    """A family whose every layer is causal full attention (GLM-4.5, MiniMax-M2): no
+    window, chunks, sinks or linear mixers, one RoPE for every layer."""
+    types = layer_types(m)
+    if m.attention_sinks:
+        refuse_export("model.attention_sinks=true")
+    if set(types) != {"full_attention"}:
+        refuse_export(f"model.layer_types={types} ({fam.label}'s layers are full attention)")
+    if m.layer_rope:
+        refuse_export(f"model.layer_rope={m.layer_rope} (one RoPE for every layer)")
+    return types
+
+
 def window_on_every_layer_or_none(fam: Family, m, types: List[str],
                                   refuse_export: Callable[[str], None]) -> None:
     """Mistral's, Mixtral's and Qwen3-MoE's windows: on every layer or none."""

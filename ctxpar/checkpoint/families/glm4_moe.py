@@ -38,10 +38,9 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...config import resolved_ffn_hidden
-from ...config.layers import layer_types
 from ...config.moe import MoEConfig, moe_layer_indices
 from ..rope_config import drop_rope_keys
-from .base import ARCH_DEFAULTS, Family, Refuse
+from .base import ARCH_DEFAULTS, Family, Refuse, full_attention_only
 from .experts import experts_and_top_k, integer_field, per_expert_tensors
 from .nemotron_h import MOE_FIXED
 
@@ -135,15 +134,7 @@ class Glm4Moe(Family):
             {"partial_rotary_factor": float(partial)}
 
     def export_layer_types(self, m, refuse_export) -> List[str]:
-        """Causal attention on every layer: no window, chunks, sinks or linear mixers."""
-        types = layer_types(m)
-        if m.attention_sinks:
-            refuse_export("model.attention_sinks=true")
-        if set(types) != {"full_attention"}:
-            refuse_export(f"model.layer_types={types} (GLM-4.5's layers are full attention)")
-        if m.layer_rope:
-            refuse_export(f"model.layer_rope={m.layer_rope} (one RoPE for every layer)")
-        return types
+        return full_attention_only(self, m, refuse_export)
 
     def config(self, cfg: Dict[str, Any], m, types: List[str],
                source: Optional[Dict[str, Any]], refuse_export) -> None:

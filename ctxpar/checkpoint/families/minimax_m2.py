@@ -26,10 +26,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...config import resolved_ffn_hidden, resolved_head_dim
-from ...config.layers import layer_types
 from ...config.moe import MoEConfig
 from ..rope_config import drop_rope_keys
-from .base import ARCH_DEFAULTS, Family, Refuse
+from .base import ARCH_DEFAULTS, Family, Refuse, full_attention_only
 from .experts import experts_and_top_k, per_expert_tensors
 
 DEFAULTS = dict(num_local_experts=256, num_experts_per_tok=8,
@@ -75,15 +74,7 @@ class MiniMaxM2(Family):
             {"partial_rotary_factor": float(partial)}
 
     def export_layer_types(self, m, refuse_export) -> List[str]:
-        """Causal attention on every layer: no window, chunks, sinks or linear mixers."""
-        types = layer_types(m)
-        if m.attention_sinks:
-            refuse_export("model.attention_sinks=true")
-        if set(types) != {"full_attention"}:
-            refuse_export(f"model.layer_types={types} (MiniMax-M2's layers are full attention)")
-        if m.layer_rope:
-            refuse_export(f"model.layer_rope={m.layer_rope} (one RoPE for every layer)")
-        return types
+        return full_attention_only(self, m, refuse_export)
 
     def config(self, cfg: Dict[str, Any], m, types: List[str],
                source: Optional[Dict[str, Any]], refuse_export) -> None:

@@ -4,31 +4,26 @@ experts on every layer, intermediate_size wide, their top-k weights normalised
 block_sparse_moe.gate."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from ...config.moe import MoEConfig
-from .base import ARCH_DEFAULTS, Family, Refuse, window_on_every_layer_or_none
+from .base import ARCH_DEFAULTS, Refuse
 from .experts import aux_loss_coef, experts_and_top_k, refuse_other_routers, router_loss_keys
-from .mistral import window_on_every_layer
+from .mistral import Mistral
 
 DEFAULTS = dict(num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001)
 MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok",
             "router_aux_loss_coef", "output_router_logits")
 
 
-class Mixtral(Family):
+class Mixtral(Mistral):
+    """Mistral's layers and windows (mistral.py), with the experts."""
+
     def fields(self, hf: Dict[str, Any], refuse: Refuse) -> Dict[str, Any]:
         e, k = experts_and_top_k(hf, DEFAULTS, refuse)
         return {**self.fixed, "moe": MoEConfig(
             num_experts=e, top_k=k, expert_hidden=hf["intermediate_size"], norm_topk=True,
             aux_loss_coef=aux_loss_coef(hf, DEFAULTS, refuse))}
-
-    def layers(self, hf: Dict[str, Any], file: str,
-               refuse: Refuse) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        return hf, window_on_every_layer(hf, hf.get("sliding_window"))
-
-    def check_windows(self, m, types: List[str], refuse_export) -> None:
-        window_on_every_layer_or_none(self, m, types, refuse_export)
 
     def config(self, cfg: Dict[str, Any], m, types: List[str],
                source: Optional[Dict[str, Any]], refuse_export) -> None:
