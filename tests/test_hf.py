@@ -1469,6 +1469,7 @@ HYBRID_LAYOUTS = {
     "tp2-cp2": ["parallel.tp=2", "parallel.cp=2"],
     "cp2-pp2": ["parallel.cp=2", "parallel.pp=2"],
     "cp2-zigzag-ep2": ["parallel.cp=2", "parallel.layout=zigzag", "parallel.ep=2"],
+    "cp2-allgather": ["parallel.cp=2", "parallel.cp_comm=allgather"],
 }
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIGS' sizes
 # Qwen3.5's layers with experts: Gated DeltaNet around a gated full-attention layer, a
@@ -1495,7 +1496,10 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # DeepSeek-V3: MLA with the latent on the wire and its sigmoid-routed experts (the
     # correction biases loaded and exported) at cp2 x ep2 (generate.py's latent cache too),
     # tp2 x cp2 (the heads split, the latent path replicated) and cp2 x pp2
-    ("deepseek_v3", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
+    ("deepseek_v3", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2",
+                                           "cp2-allgather")] + [
+    # DeepSeek-V2-Lite's form (q_proj, the unnormalised softmax router) at cp2 Ulysses
+    ("deepseek_v2", "cp2-heads")] + [
     # GLM-4.5: DeepSeek-V3's router after a dense layer, partial RoPE, q/k norms and
     # biases, its shared experts; cp2 x ep2 (generate.py too)
     ("glm4_moe", "cp2-zigzag-ep2")] + [
@@ -1525,7 +1529,7 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
     ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(
         family, HYBRID_MOE.get(family, dict(vocab_size=256, intermediate_size=192))))
-    if family in MOE_FAMILIES or family in HYBRID_MOE or family == "deepseek_v3":  # the
+    if family in MOE_FAMILIES or family in HYBRID_MOE or family.startswith("deepseek"):  # the
         # whole batch in one
         # micro-batch, as transformers' load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
         # rank, models/moe_steps.py)
