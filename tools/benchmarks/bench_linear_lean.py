@@ -28,6 +28,7 @@ from ctxpar.context_parallel.linear.gated_delta import gated_delta_fp32
 from ctxpar.plan.candidate import Candidate
 from ctxpar.plan.memory import stage_memory
 from ctxpar.plan.zero_state import zero_config
+from ctxpar.testing.memory import allocator_peaks
 from models.gpt import GPT
 from models.options import ModelOptions
 
@@ -35,30 +36,6 @@ from models.options import ModelOptions
 def today(q, k, v, g, beta, scale, initial_state, seq_idx, chunk_size, l2norm, segments):
     """The kernel as it was: gated_delta_fp32 under autograd (segments ignored)."""
     return gated_delta_fp32(q, k, v, g, beta, scale, initial_state, seq_idx, chunk_size, l2norm)
-
-
-def allocator_peaks(step) -> dict:
-    """{'FWD', 'BWD': peak bytes above the start} of the CPU allocator while step runs."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(record_function)
-    events = []
-
-    def walk(node, region):
-        if node.tag == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            a = node.typed[1]
-            events.append((node.start_time_ns, a.total_allocated, a.alloc_size, region))
-        for c in node.children:
-            walk(c, node.name if node.name in ("FWD", "BWD") else region)
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root, None)
-    events.sort()
-    base = events[0][1] - events[0][2]
-    peaks = {}
-    for _, total, _, region in events:
-        peaks[region] = max(peaks.get(region, 0), total - base)
-    return peaks
 
 
 def predicted(cfg: ModelConfig) -> dict:

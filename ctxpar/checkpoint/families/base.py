@@ -224,11 +224,15 @@ class Family:
         """(the folder's fused key, which part) holding `key`, None when stored alone."""
         return None
 
+    # unfuse and fused_shape are asked only of a key fused_source named: a family that
+    # fuses (Qwen3-Next) overrides all three; reaching these is a broken contract
     def unfuse(self, fused_key: str, t: torch.Tensor, part: int, hf: Dict[str, Any],
                path: str) -> torch.Tensor:
+        """ctxpar's part `part` of the folder's fused tensor t."""
         raise NotImplementedError(f"{self.model_type} fuses no tensor")
 
     def fused_shape(self, fused_key: str, m) -> Tuple[int, ...]:
+        """The folder's shape of a fused tensor of ModelConfig m."""
         raise NotImplementedError(f"{self.model_type} fuses no tensor")
 
     def left_out(self, key: str, hf: Dict[str, Any]) -> bool:
