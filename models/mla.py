@@ -118,7 +118,8 @@ class MLA(TokenMixer):
     def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
         q, latent = inputs
         if cache is not None:  # generation: the cache keeps the latent (ctxpar.inference)
-            return cache(q, latent, self.expand, self.core, self.mask())
+            return cache(q, latent, (self.kv_b_proj.weight, self.dims), self.core,
+                         self.mask())
         return self.core(q, latent, cu_seqlens)  # (B, T/cp, H/tp, dv)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
@@ -135,9 +136,3 @@ class MLA(TokenMixer):
         return self.cp.latent_attention(q, latent, self.kv_b_proj.weight, self.dims,
                                         backend=self.backend, softmax_scale=self.scale,
                                         mask=self.mask(cu_seqlens))
-
-    def expand(self, latent: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """latent (B, S, R + dr) -> this rank's heads' k (B, S, H/tp, dn + dr), v (B, S,
-        H/tp, dv): generation's cache keeps the latent and expands it per step."""
-        from ctxpar.context_parallel.latent import expand_latent
-        return expand_latent(latent, self.kv_b_proj.weight, self.dims)

@@ -20,8 +20,8 @@ state and conv window instead (linear_cache.py), replicated over CP, and an MLP-
 block nothing; n_layers above counts its attention layers. A multi-head latent attention
 layer (MLA, model.mla) keeps its latent instead of K and V: latent (B, capacity, R + dr)
 per layer and rank, R + dr numbers a token (576 for DeepSeek-V3) where K,V would be
-heads x (qk + v) (40,960); a decode step expands this rank's latent with the layer's
-kv_b_proj (its ``expand``) and attends to it as to cached K,V.
+heads x (qk + v) (40,960); a decode step folds the layer's kv_b_proj into its query and
+output and attends to the latents themselves (latent_decode.py: never expanded).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from ..config.parameters import head_dim, kv_heads_per_rank
 from ..tensor_parallel.mappings import tp_size_of
 from .cp_ops import AttentionMask, default_scale, finish_sinks, group_rank_and_size
 from .decode import DecodeStats, merge_partials, partial_attention
+from .latent_decode import absorbed_partial_attention
 from .linear_cache import LINEAR_MIXERS, LinearLayerCache
 
 
@@ -144,9 +145,9 @@ class KVCache:
         linear layer its LinearLayerCache, which the layer reads and fills itself."""
         if i in self.linear:
             return self.linear[i]
-        if i in self.latent_slot:  # MLA: kv_cache(q, latent, expand, core, mask)
-            return lambda q, latent, expand, core, mask=None: self.latent_attention(
-                self.latent_slot[i], q, latent, expand, core, mask)
+        if i in self.latent_slot:  # MLA: kv_cache(q, latent, (weight, dims), core, mask)
+            return lambda q, latent, absorb, core, mask=None: self.latent_attention(
+                self.latent_slot[i], q, latent, absorb, core, mask)
         return lambda q, k, v, core, mask=None: self.attention(self.slot[i], q, k, v, core,
                                                                mask)
 
@@ -192,12 +193,13 @@ class KVCache:
         out, lse = merge_partials(out, lse, self.cp_group, self.stats, return_lse=True)
         return finish_sinks(out, lse, q.dtype, sinks)[0]  # lse (B, H, 1)
 
-    def latent_attention(self, i: int, q, latent, expand, core,
+    def latent_attention(self, i: int, q, latent, absorb, core,
                          mask: Optional[AttentionMask] = None) -> torch.Tensor:
         """attention's, for an MLA layer: keep latent (B, L, R + dr) in latent slot i;
-        prefill runs the model's CP latent attention (core(q, latent)); decode expands
-        this rank's cached latent with the layer's kv_b_proj (expand: latent -> k (B, S,
-        H, dk), v (B, S, H, dv)) and attends to it, the partials merged over CP."""
+        prefill runs the model's CP latent attention (core(q, latent)); decode attends to
+        this rank's cached latents with kv_b_proj absorbed into the query and the output
+        (absorb: (kv_b_proj.weight of this rank's heads, LatentDims); latent_decode.py),
+        the partials merged over CP."""
         n = self.filled[self.cp_rank]
         if self.mode == "prefill":
             self.latent[i, :, :n] = latent
@@ -205,9 +207,9 @@ class KVCache:
         assert self.mode == "decode", "begin_prefill or begin_decode first"
         if self.owner == self.cp_rank:
             self.latent[i, :, n - 1] = latent[:, 0]
-        k, v = expand(self.latent[i, :, :n])  # (B, n, H, dk), (B, n, H, dv)
-        out, lse = partial_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                     self.visible(n, mask), self.scale)
+        weight, dims = absorb
+        out, lse = absorbed_partial_attention(q, self.latent[i, :, :n], weight, dims,
+                                              self.visible(n, mask), self.scale)
         out = merge_partials(out, lse, self.cp_group, self.stats)
         return out.to(q.dtype)
 
