@@ -361,10 +361,10 @@ def channel_saved(s: RankShapes, e: int, cand: Candidate, m: Optional[ModelConfi
                   tiled_mlp: bool = False) -> int:
     """What a block's MLP saves in mode 'none' beyond its norm: the dense MLP's gate, up,
     silu and product (4 N f e; a tiled MLP nothing more), or a mixture of experts'
-    (moe_layers.routed_saved; m: the block's model, moe_layers.block_model, whose moe is
-    None for a dense MLP beside MoE ones)."""
+    (moe_layers.routed_saved, tiled or not; m: the block's model, moe_layers.block_model,
+    whose moe is None for a dense MLP beside MoE ones)."""
     if m is not None and m.moe is not None:
-        return routed_saved(s.N, s.d, e, m, cand.tp, cand.ep)
+        return routed_saved(s.N, s.d, e, m, cand.tp, cand.ep, tiled=tiled_mlp)
     return 0 if tiled_mlp else 4 * s.N * s.f * e
 
 

@@ -41,7 +41,8 @@ from ..config.layers import layer_attention
 from . import counts, mla_layers, transients
 from .candidate import Candidate, apply_candidate
 from .linear_layers import linear_shapes, mixer_saved, mixer_working_set
-from .moe_layers import backward_working_set, block_model, forward_working_set, mixed_mlps
+from .moe_layers import (backward_working_set, block_model, expert_tile, forward_working_set,
+                         mixed_mlps)
 from .zero_state import Shard, ZeroState, zero_config
 
 
@@ -303,8 +304,16 @@ def moe_forwards(st: Stage) -> list:
     charge the larger (with dense and MoE blocks, either may be the one running)."""
     m, s = st.cfg.model, st.shapes
     kinds = set(st.moe_blocks) if st.moe_blocks else {m.moe is not None}
-    return [forward_working_set(s.N, s.d, st.elem, m, st.cand.ep) if moe else None
-            for moe in sorted(kinds)]
+    return [forward_working_set(s.N, s.d, st.elem, m, st.cand.ep, moe_tile(st)) if moe
+            else None for moe in sorted(kinds)]
+
+
+def moe_tile(st: Stage) -> int:
+    """Tokens per tile of the stage's MoE layers (0: untiled): models/moe.py's own rule."""
+    if not st.mlp_tile or st.cfg.model.moe is None:
+        return 0
+    return expert_tile(st.shapes.N, st.shapes.d, st.cfg.model, st.cand.tp,
+                       st.cfg.memory.mlp_tile_tokens)
 
 
 def mlp_backward_working_set(st: Stage, i: int) -> float:
@@ -316,7 +325,8 @@ def mlp_backward_working_set(st: Stage, i: int) -> float:
     mlp = counts.mlp_params(model, cand.tp, cand.ep)
     down = counts.down_proj_params(model, cand.tp)
     during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down) \
-        if model.moe is None else backward_working_set(s.N, s.d, elem, model, cand.tp, cand.ep)
+        if model.moe is None else backward_working_set(s.N, s.d, elem, model, cand.tp, cand.ep,
+                                                       moe_tile(st))
     after = transients.after_mlp_backward(s, elem, model.norm, st.device,
                                           (mlp - (0 if st.mlp_tile else down)) * elem)
     return max(during, after)
