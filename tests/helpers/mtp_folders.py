@@ -1,0 +1,85 @@
+"""Tiny Hugging Face folders with multi-token prediction layers, as the released ones hold
+them (transformers' save_pretrained writes none): a random causal LM of the family saved
+by transformers, and transformers' generic MtpModel around it (its MtpLayer over the
+family's own decoder layer, from config.get_mtp_config: an MoE layer for DeepSeek-V3 and
+GLM-4.5) written under the family's names, its experts per expert as save_pretrained
+writes a layer's.
+
+    DeepSeek-V3, GLM-4.5   model.layers.{L + k}.{enorm, hnorm, eh_proj, <decoder layer>,
+                           shared_head.norm, shared_head.head, embed_tokens}
+"""
+import json
+
+import torch
+
+# The families' sizes: DeepSeek-V3's MLA (q through a rank-24 bottleneck, a latent of 16
+# + a RoPE key of 8, value heads of 12), a dense first layer then 8 sigmoid-routed
+# experts in 2 groups (1 taken) times 2.5 with a shared expert; GLM-4.5's q/k/v biases,
+# q/k norms and half-RoPE before DeepSeek-V3's router (top 3 from its best group)
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5,
+             first_k_dense_replace=1, n_routed_experts=8, moe_intermediate_size=32,
+             n_group=2, topk_group=1, routed_scaling_factor=2.5, num_nextn_predict_layers=1)
+FAMILIES = {
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, num_experts_per_tok=2, n_shared_experts=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0})),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        num_key_value_heads=2, head_dim=24, num_experts_per_tok=3, n_shared_experts=2,
+        norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                         "partial_rotary_factor": 0.5})),
+}
+
+
+def _moved(model, g):
+    """Norm weights, biases and the routers' correction biases away from their init, so
+    that a dropped one changes the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.3 * torch.randn(b.shape, generator=g))
+
+
+def numbered_mtp_folder(path, family, **overrides):
+    """A DeepSeek-V3 or GLM-4.5 folder with its MTP layer at model.layers.{L}.* (the
+    module docstring); returns (the causal LM, transformers' MtpModel)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    from ctxpar.checkpoint.families.experts import per_expert_tensors
+
+    torch.manual_seed(0)
+    config_class, own = FAMILIES[family]
+    cfg = getattr(transformers, config_class)(**{**SMALL, **own, **overrides},
+                                             tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"  # causal without a mask, in the MtpModel too
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    mtp = MtpModel(ref, 1).float().eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # MtpModel's post_init leaves some experts' weights unset
+        for name, p in mtp.layers.named_parameters():
+            if "norm" not in name and not name.endswith("bias"):
+                p.normal_(0.0, cfg.initializer_range, generator=g)
+    _moved(ref, g)
+    _moved(mtp.layers, g)
+    ref.save_pretrained(path)
+    tensors, n = load_file(path / "model.safetensors"), cfg.num_hidden_layers
+    layer = f"model.layers.{n}."
+    for name, t in mtp.layers[0].state_dict().items():
+        head, _, rest = name.partition(".")
+        key = layer + ({"mtp_block": rest, "post_norm": f"shared_head.norm.{rest}"}.get(
+            head) or name)
+        for k, part in per_expert_tensors(key, t, "qwen"):
+            tensors[k] = part.contiguous()
+    tensors[layer + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[layer + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    return ref, mtp
