@@ -23,6 +23,7 @@ from ctxpar.config import ConfigError, ModelConfig, config_from_dict
 from ctxpar.config.mtp import MTPConfig
 from ctxpar.data.mtp import mtp_inputs
 from ctxpar.testing import run_distributed
+from helpers.mtp_folders import qwen_mtp_folder
 from helpers.mtp_reference import (DOCS, MOE_MTP, SEED, T, make_batch, reference,
                                    shifted_by_hand, single_process)
 from models.gpt import GPT
@@ -234,53 +235,10 @@ def test_train_refuses_a_bad_depth_in_one_line_exit_2(tmp_path):
 
 # ---- Qwen3.5's mtp.* -----------------------------------------------------------------
 
-QWEN3_5 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-               max_position_embeddings=128, rms_norm_eps=1e-5,
-               layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
-QWEN_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
-              "post_norm": "norm"}
-
-
-def qwen3_5_with_mtp(path, **overrides):
-    """A random Qwen3.5 saved by transformers, plus the mtp.* tensors of a released folder
-    (transformers saves none): transformers' generic MtpLayer around a Qwen3.5 full
-    attention decoder layer, its norms moved away from their init, under Qwen's names.
-    Returns (the causal LM, the MtpLayer)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-    from transformers.modeling_layers import MtpLayer
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
-
-    torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(**{**QWEN3_5, **overrides}, tie_word_embeddings=False)
-    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
-    mtp_cfg = Qwen3_5TextConfig(**{**QWEN3_5, **overrides, "num_hidden_layers": 1,
-                                   "layer_types": ["full_attention"]})
-    mtp_cfg._attn_implementation = "sdpa"  # causal when given no mask, as the main model's
-    layer = MtpLayer(mtp_cfg, Qwen3_5DecoderLayer, Qwen3_5RMSNorm, 0).float().eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for model in (ref, layer):
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.add_(0.3 * torch.randn(p.shape, generator=g))
-    ref.save_pretrained(path)
-    tensors = load_file(path / "model.safetensors")
-    for name, t in layer.state_dict().items():
-        head, _, rest = name.partition(".")
-        key = f"mtp.layers.0.{rest}" if head == "mtp_block" else \
-            f"mtp.{QWEN_NAMES[head]}.{rest}"
-        tensors[key] = t.contiguous()
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
-    (path / "config.json").write_text(json.dumps(config))
-    return ref, layer
-
-
-def test_qwen3_5_mtp_imports_equals_transformers_mtp_layer_and_exports_its_tensors(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_qwen_mtp_imports_equals_transformers_mtp_layer_and_exports_its_tensors(tmp_path,
+                                                                               family):
+    """Qwen3.5's MTP layer (a dense MLP) and Qwen3-Next's (its experts: model.mtp.moe)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -288,11 +246,12 @@ def test_qwen3_5_mtp_imports_equals_transformers_mtp_layer_and_exports_its_tenso
     from ctxpar.checkpoint.weights import copy_full_weights_
     from ctxpar.config import rotary_dim
 
-    ref, layer = qwen3_5_with_mtp(tmp_path / "src")
+    ref, layer = qwen_mtp_folder(tmp_path / "src", family)
     src = str(tmp_path / "src")
     folder = hf.read_config(src)
     m = ModelConfig(**hf.model_fields(folder, src))
-    m.mtp = MTPConfig(depth=1, loss_weight=0.3, shared_projection=True)
+    m.mtp = MTPConfig(depth=1, loss_weight=0.3, shared_projection=True,
+                      moe=family == "qwen3_next")
     hf.check_mtp(m, folder, src)
     reader = hf.WeightReader(src, m.tie_embeddings, hf.naming_of(m))
     reader.check(m)  # every mtp.* tensor taken, with its shape
@@ -344,7 +303,7 @@ def test_mtp_a_folder_does_not_hold_is_refused_in_one_line(tmp_path):
     from ctxpar.checkpoint import hf
     from ctxpar.checkpoint.resume import CheckpointError
 
-    qwen3_5_with_mtp(tmp_path)
+    qwen_mtp_folder(tmp_path)
     folder = hf.read_config(str(tmp_path))
     m = ModelConfig(**hf.model_fields(folder, str(tmp_path)))
     m.mtp = MTPConfig(depth=2, shared_projection=True)
@@ -484,7 +443,7 @@ def test_train_py_from_a_qwen3_5_folder_trains_and_exports_its_mtp_layer(tmp_pat
     from ctxpar.data.passkey import PasskeyTask
     from helpers.train_run import ROOT, metric, run_train
 
-    ref, layer = qwen3_5_with_mtp(tmp_path / "src", vocab_size=256)
+    ref, layer = qwen_mtp_folder(tmp_path / "src", vocab_size=256)
     fields = hf.model_fields(hf.read_config(tmp_path / "src"), str(tmp_path / "src"))
     sets = [f"model.{k}={json.dumps(v, separators=(',', ':'))}" for k, v in fields.items()
             if k not in ("seq_len", "init_std", "family")]

@@ -7,6 +7,8 @@ writes a layer's.
 
     DeepSeek-V3, GLM-4.5   model.layers.{L + k}.{enorm, hnorm, eh_proj, <decoder layer>,
                            shared_head.norm, shared_head.head, embed_tokens}
+    Qwen3.5, Qwen3-Next    mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm},
+                           mtp.layers.0.<decoder layer> (Qwen3-Next's with its experts)
 """
 import json
 
@@ -31,6 +33,74 @@ FAMILIES = {
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
                          "partial_rotary_factor": 0.5})),
 }
+
+
+QWEN3_5 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+               max_position_embeddings=128, rms_norm_eps=1e-5,
+               layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
+QWEN = {  # family -> (config class, decoder layer's module and class prefix, its own fields)
+    "qwen3_5_text": ("Qwen3_5TextConfig", "qwen3_5", "Qwen3_5", {}),
+    # 8 experts, top 2, a gated shared expert, on every layer (the MTP block's too)
+    "qwen3_next": ("Qwen3NextConfig", "qwen3_next", "Qwen3Next", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=40)),
+}
+QWEN_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+              "post_norm": "norm"}
+
+
+def _drawn(module, g, std):
+    """Every weight of a module built outside a PreTrainedModel drawn (post_init leaves
+    some experts' unset)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" not in name and not name.endswith("bias"):
+                p.normal_(0.0, std, generator=g)
+
+
+def qwen_mtp_folder(path, family="qwen3_5_text", **overrides):
+    """A random Qwen3.5 or Qwen3-Next saved by transformers, plus the mtp.* tensors of a
+    released folder: transformers' generic MtpLayer around the family's full-attention
+    decoder layer, under Qwen's names. Returns (the causal LM, the MtpLayer)."""
+    import importlib
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpLayer
+
+    from ctxpar.checkpoint.families.experts import per_expert_tensors
+
+    config_class, module, prefix, own = QWEN[family]
+    classes = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    config_class = getattr(transformers, config_class)
+    torch.manual_seed(0)
+    fields = {**QWEN3_5, **own, **overrides}
+    cfg = config_class(**fields, tie_word_embeddings=False)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    mtp_cfg = config_class(**{**fields, "num_hidden_layers": 1,
+                              "layer_types": ["full_attention"]})
+    mtp_cfg._attn_implementation = "sdpa"  # causal when given no mask, as the main model's
+    layer = MtpLayer(mtp_cfg, getattr(classes, f"{prefix}DecoderLayer"),
+                     getattr(classes, f"{prefix}RMSNorm"), 0).float().eval()
+    g = torch.Generator().manual_seed(3)
+    _drawn(layer, g, cfg.initializer_range)
+    _moved(ref, g)
+    _moved(layer, g)
+    ref.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    for name, t in layer.state_dict().items():
+        head, _, rest = name.partition(".")
+        key = f"mtp.layers.0.{rest}" if head == "mtp_block" else \
+            f"mtp.{QWEN_NAMES[head]}.{rest}"
+        for k, part in per_expert_tensors(key, t, "qwen"):
+            tensors[k] = part.contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    (path / "config.json").write_text(json.dumps(config))
+    return ref, layer
 
 
 def _moved(model, g):
@@ -62,10 +132,7 @@ def numbered_mtp_folder(path, family, **overrides):
     ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     mtp = MtpModel(ref, 1).float().eval()
     g = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # MtpModel's post_init leaves some experts' weights unset
-        for name, p in mtp.layers.named_parameters():
-            if "norm" not in name and not name.endswith("bias"):
-                p.normal_(0.0, cfg.initializer_range, generator=g)
+    _drawn(mtp.layers, g, cfg.initializer_range)
     _moved(ref, g)
     _moved(mtp.layers, g)
     ref.save_pretrained(path)
