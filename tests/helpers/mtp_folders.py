@@ -115,28 +115,21 @@ def _moved(model, g):
                 b.add_(0.3 * torch.randn(b.shape, generator=g))
 
 
-def numbered_mtp_folder(path, family, **overrides):
-    """A DeepSeek-V3 or GLM-4.5 folder with its MTP layer at model.layers.{L}.* (the
-    module docstring); returns (the causal LM, transformers' MtpModel)."""
-    import transformers
+def add_numbered_mtp_layer(path, ref):
+    """transformers' MtpModel around the causal LM `ref` saved in path, its MTP layer
+    written into the folder at model.layers.{L}.* (the module docstring) and
+    num_nextn_predict_layers 1; returns the MtpModel."""
     from safetensors.torch import load_file, save_file
     from transformers.modeling_layers import MtpModel
 
     from ctxpar.checkpoint.families.experts import per_expert_tensors
 
-    torch.manual_seed(0)
-    config_class, own = FAMILIES[family]
-    cfg = getattr(transformers, config_class)(**{**SMALL, **own, **overrides},
-                                             tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"  # causal without a mask, in the MtpModel too
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    ref.config._attn_implementation = "sdpa"  # causal without a mask, in the MtpModel too
     mtp = MtpModel(ref, 1).float().eval()
-    g = torch.Generator().manual_seed(3)
-    _drawn(mtp.layers, g, cfg.initializer_range)
-    _moved(ref, g)
+    g = torch.Generator().manual_seed(4)
+    _drawn(mtp.layers, g, ref.config.initializer_range)
     _moved(mtp.layers, g)
-    ref.save_pretrained(path)
-    tensors, n = load_file(path / "model.safetensors"), cfg.num_hidden_layers
+    tensors, n = load_file(path / "model.safetensors"), ref.config.num_hidden_layers
     layer = f"model.layers.{n}."
     for name, t in mtp.layers[0].state_dict().items():
         head, _, rest = name.partition(".")
@@ -148,5 +141,33 @@ def numbered_mtp_folder(path, family, **overrides):
     tensors[layer + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 1
-    return ref, mtp
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return mtp
+
+
+def numbered_mtp_folder(path, family, **overrides):
+    """A DeepSeek-V3 or GLM-4.5 folder with its MTP layer at model.layers.{L}.* (the
+    module docstring); returns (the causal LM, transformers' MtpModel)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config_class, own = FAMILIES[family]
+    cfg = getattr(transformers, config_class)(**{**SMALL, **own, **overrides},
+                                             tie_word_embeddings=False)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    _moved(ref, torch.Generator().manual_seed(3))
+    ref.save_pretrained(path)
+    return ref, add_numbered_mtp_layer(path, ref)
+
+
+def mtp_depth1_loss(ref, mtp, x, y):
+    """Depth 1's token-mean CE on a batch (x, y = next tokens, -100 ignored) by
+    transformers' causal LM and MtpModel: position i's logits for t_{i+2} (ctxpar's
+    targets, ctxpar/data/mtp.py, without documents)."""
+    from ctxpar.data.mtp import mtp_inputs
+    ids, targets = mtp_inputs(x, y, 1)
+    pos = torch.arange(1, x.shape[1] + 1)[None]
+    with torch.no_grad():
+        h = ref.model(x).last_hidden_state
+        logits = mtp._project_to_logits(mtp.forward_layer(0, h, pos, None, input_ids=ids[:, 0]))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, 0].flatten())
