@@ -12,6 +12,7 @@ family's MoE decoder layer), the export keeps every MTP tensor (the embedding's 
 head's copies, the router's correction bias) and imports back the same.
 """
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -144,3 +145,47 @@ def test_mtp_copies_of_the_embedding_that_differ_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"model.layers.3.shared_head.head.weight differs "
                                               r"from lm_head.weight: ctxpar's MTP layers share"):
         _imported(str(tmp_path))
+
+
+def _saved_by_mtp(cfg, mode, tiled):
+    """Bytes autograd saves in a forward with model.mtp's depths minus one without."""
+    from ctxpar.config import MemoryConfig
+    from ctxpar.testing.memory import saved_tensor_bytes
+    from models.options import ModelOptions
+
+    model = GPT(cfg, options=ModelOptions(activation_checkpointing=mode, every_n_layers=2,
+                                          seed=1, memory=MemoryConfig(tiled_loss=tiled,
+                                                                      loss_tile_tokens=8)))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(tokens, -1, 1)
+    ids, targets = mtp_inputs(tokens, labels, cfg.mtp.depth)
+    out = []
+    for kw in ({"mtp_tokens": ids, "mtp_labels": targets}, {}):
+        with saved_tensor_bytes(model.parameters()) as seen:
+            loss = model(tokens, torch.arange(32), labels, **kw)
+        loss.backward()
+        out.append(sum(seen.values()))
+    return out[0] - out[1]
+
+
+@pytest.mark.parametrize("name", ["dense", "mla_moe"])
+def test_planner_counts_the_mtp_depths_activations_as_autograd_saves_them(name):
+    """Every checkpointing mode ('full' and 'every_n_layers' leave the MTP blocks whole),
+    the loss whole or tiled: exact (the tiled loss's dx and fp32 dW per depth, made in
+    forward and held by its Function, are counted beside autograd's, as the head's)."""
+    from ctxpar.plan.candidate import Candidate
+    from ctxpar.plan.mtp_layers import mtp_activations
+
+    # DeepSeek-V3's blocks without the sequence-level loss, whose saved per-row tensors
+    # the planner counts for no MoE layer yet (moe_layers.routed_saved)
+    cfg = replace(MOE_MTP, moe=replace(MOE_MTP.moe, seq_aux_loss_coef=0.0)) \
+        if name == "mla_moe" else ModelConfig(
+        vocab_size=64, seq_len=32, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2,
+        tie_embeddings=False, mtp=MTPConfig(depth=2))
+    for mode in ("none", "selective", "full", "every_n_layers"):
+        cand = Candidate(1, 1, 1, 1, "ring", 1, "zigzag", activation=mode, every_n_layers=2,
+                         micro_batch=2)
+        for tiled in (False, True):
+            held = 2 * (64 * 32 * 4 + 4 * 64 * 32) if tiled else 0  # D (N d e + 4 V d)
+            assert _saved_by_mtp(cfg, mode, tiled) + held == mtp_activations(cfg, cand, 4,
+                                                                             tiled), (mode, tiled)
