@@ -105,6 +105,23 @@ def numbered_mtp(fam, hf: Dict[str, Any], refuse: Refuse, moe) -> Optional[MTPCo
     return MTPConfig(depth=depth, moe=True) if depth else None
 
 
+class NumberedMTP:
+    """The hooks of a family whose MTP layers are numbered after its layers (DeepSeek-V3,
+    GLM-4.5); ``mtp_moe_of(hf, refuse)``: the folder's model.moe, None when it has none."""
+
+    def mtp(self, hf: Dict[str, Any], refuse: Refuse) -> Optional[MTPConfig]:
+        return numbered_mtp(self, hf, refuse, self.mtp_moe_of(hf, refuse))
+
+    def export_mtp(self, cfg: Dict[str, Any], m, refuse_export) -> None:
+        export_numbered_mtp(self, cfg, m, refuse_export)
+
+    def mtp_key(self, key: str, n_layers: int) -> str:
+        return numbered_mtp_key(key, n_layers)
+
+    def mtp_copies(self, m) -> Dict[str, str]:
+        return numbered_mtp_copies(m)
+
+
 def export_numbered_mtp(fam, cfg: Dict[str, Any], m, refuse_export) -> None:
     """num_nextn_predict_layers of m.mtp (0 without), refusing what the folder cannot hold."""
     mtp = m.mtp
@@ -117,7 +134,7 @@ def export_numbered_mtp(fam, cfg: Dict[str, Any], m, refuse_export) -> None:
     cfg["num_nextn_predict_layers"] = 0 if mtp is None else mtp.depth
 
 
-class DeepSeek(Family):
+class DeepSeek(NumberedMTP, Family):
     """What both generations share; V3's sigmoid router with its correction bias, V2's
     softmax (``sigmoid``); ``defaults``: the config class's."""
     defaults: Dict[str, Any] = {}
@@ -244,17 +261,8 @@ class DeepSeek(Family):
         layer = _LAYER.match(key)
         return layer is not None and int(layer.group(1)) >= hf.get("num_hidden_layers", 0)
 
-    def mtp(self, hf: Dict[str, Any], refuse: Refuse) -> Optional[MTPConfig]:
-        return numbered_mtp(self, hf, refuse, self._moe(hf, refuse))
-
-    def export_mtp(self, cfg: Dict[str, Any], m, refuse_export) -> None:
-        export_numbered_mtp(self, cfg, m, refuse_export)
-
-    def mtp_key(self, key: str, n_layers: int) -> str:
-        return numbered_mtp_key(key, n_layers)
-
-    def mtp_copies(self, m) -> Dict[str, str]:
-        return numbered_mtp_copies(m)
+    def mtp_moe_of(self, hf: Dict[str, Any], refuse: Refuse) -> Optional[MoEConfig]:
+        return self._moe(hf, refuse)
 
     def folder_key(self, key: str) -> str:
         return key.replace(*SHARED) if SHARED[0] in key else key

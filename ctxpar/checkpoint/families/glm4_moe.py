@@ -30,8 +30,8 @@ The released folders' multi-token prediction layers (num_nextn_predict_layers of
 model.layers.{num_hidden_layers + i}.*: eh_proj, enorm, hnorm, shared_head and a decoder
 layer with experts) are DeepSeek-V3's (deepseek.py's names and model.mtp with moe): with
 model.mtp set they are imported, trained and exported; with model.mtp null left out, as
-transformers' Glm4MoeForCausalLM drops them on loading, the start-up line saying so, and
-the export writes none, and num_nextn_predict_layers 0.
+transformers' Glm4MoeForCausalLM drops them on loading, the start-up line saying so, the
+export writing none and num_nextn_predict_layers 0.
 """
 from __future__ import annotations
 
@@ -41,9 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from ...config import resolved_ffn_hidden
 from ...config.moe import MoEConfig, moe_layer_indices
 from ..rope_config import drop_rope_keys
-from ...config.mtp import MTPConfig
 from .base import ARCH_DEFAULTS, Family, Refuse, full_attention_only
-from .deepseek import export_numbered_mtp, numbered_mtp, numbered_mtp_copies, numbered_mtp_key
+from .deepseek import NumberedMTP
 from .experts import experts_and_top_k, integer_field, per_expert_tensors
 from .nemotron_h import MOE_FIXED
 
@@ -112,7 +111,7 @@ def glm_moe_config(m, refuse_export) -> Dict[str, Any]:
             "topk_group": moe.topk_group, "output_router_logits": False}
 
 
-class Glm4Moe(Family):
+class Glm4Moe(NumberedMTP, Family):
     def fields(self, hf: Dict[str, Any], refuse: Refuse) -> Dict[str, Any]:
         fields = {**self.fixed, "moe": glm_moe_fields(hf, refuse)}
         for key, field in (("attention_bias", "attention_bias"), ("use_qk_norm", "qk_norm")):
@@ -159,17 +158,8 @@ class Glm4Moe(Family):
         layer = _LAYER.match(key)
         return layer is not None and int(layer.group(1)) >= hf.get("num_hidden_layers", 46)
 
-    def mtp(self, hf: Dict[str, Any], refuse: Refuse) -> Optional[MTPConfig]:
-        return numbered_mtp(self, hf, refuse, True)  # glm_moe_fields refuses a dense model
-
-    def export_mtp(self, cfg: Dict[str, Any], m, refuse_export) -> None:
-        export_numbered_mtp(self, cfg, m, refuse_export)
-
-    def mtp_key(self, key: str, n_layers: int) -> str:
-        return numbered_mtp_key(key, n_layers)
-
-    def mtp_copies(self, m) -> Dict[str, str]:
-        return numbered_mtp_copies(m)
+    def mtp_moe_of(self, hf: Dict[str, Any], refuse: Refuse) -> MoEConfig:
+        return glm_moe_fields(hf, refuse)  # it refuses a folder without experts
 
 
 FAMILY = Glm4Moe(
