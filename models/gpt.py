@@ -154,8 +154,9 @@ class GPT(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.d_model, cfg.vocab_size, tp_group=tp_group, bias=False, device=device, dtype=dtype)
         # model.mtp: D multi-token prediction depths after the head (models/mtp.py)
+        # (under model.mtp.moe each depth's MLP is one more MoE layer: _moe_layers)
         self.mtp = None if cfg.mtp is None else MTP(cfg, LayerArgs(
-            cfg, mtp_layer_attention(cfg), self.cp, tp_group, g.ep_group, False,
+            cfg, mtp_layer_attention(cfg), self.cp, tp_group, g.ep_group, cfg.mtp.moe,
             o.attention_backend, o.linear_cp, self.memory, selective, device, dtype))
         self.mtp_loss_sums = None  # the last training forward's (D,) MTP loss sums, detached
         # The planner counts from the same description: a change here must change it too.
@@ -213,16 +214,21 @@ class GPT(nn.Module):
         """
         stats = self._router_stats(labels is not None)
         x = self.hidden_states(tokens, positions, cu_seqlens=cu_seqlens)  # (B, T/cp, d)
-        if stats is not None:  # one all-reduce of the routers' counts over DP x CP
-            moe = self.cfg.moe
-            self.router_losses = stats.losses(moe.aux_loss_coef, moe.z_loss_coef,
-                                              self.dp_cp_group, moe.seq_aux_loss_coef,
-                                              self.cp_group)
         if labels is None:
             return self.lm_logits(x)
         loss = self.loss_sum(x, labels)
-        if mtp_tokens is None:
-            return loss
+        if mtp_tokens is not None:
+            loss = loss + self._mtp_loss(x, positions, cu_seqlens, mtp_tokens, mtp_labels,
+                                         mtp_weights)
+        if stats is not None:  # after the MTP blocks' experts: one all-reduce of the
+            moe = self.cfg.moe  # routers' counts over DP x CP
+            self.router_losses = stats.losses(moe.aux_loss_coef, moe.z_loss_coef,
+                                              self.dp_cp_group, moe.seq_aux_loss_coef,
+                                              self.cp_group)
+        return loss
+
+    def _mtp_loss(self, x, positions, cu_seqlens, mtp_tokens, mtp_labels, mtp_weights):
+        """sum_k mtp_weights[k] * S_k over model.mtp's depths on the final-normed x."""
         if self.mtp is None or mtp_labels is None:
             raise ValueError("GPT: mtp_tokens given without model.mtp or without mtp_labels")
         # one embedding lookup for every depth's ids: (B, D, T/cp) -> (B, D, T/cp, d)
@@ -232,7 +238,7 @@ class GPT(nn.Module):
         self.mtp_loss_sums = sums.detach()
         if mtp_weights is None:  # lambda/D each: N_k taken as N
             mtp_weights = torch.full_like(sums, self.cfg.mtp.loss_weight / self.cfg.mtp.depth)
-        return loss + (mtp_weights.to(sums.device) * sums).sum()
+        return (mtp_weights.to(sums.device) * sums).sum()
 
     def loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The fp32 sum of the head's token losses on hidden states x (B, T/cp, d)."""
@@ -279,18 +285,29 @@ class GPT(nn.Module):
         moe = self.cfg.moe
         stats = RouterStats(moe.num_experts, moe.score, moe.seq_aux_loss_coef > 0) \
             if training else None
-        for layer in self.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.stats = stats
+        for mlp in self._moe_layers():
+            mlp.stats = stats
         self.router_losses = None
         return stats
+
+    def _moe_layers(self):
+        """Every MoE layer in order: the blocks', then the MTP depths' (model.mtp.moe). As
+        Megatron-Core's MTP and DeepSeek-V3 (its MTP module's MoE routed as any layer's),
+        an MTP block's experts are one more MoE layer: its router statistics join the
+        forward's (the load-balancing, z and sequence-level losses over every MoE layer,
+        ctxpar/moe/aux.py), its correction bias moves by its own load. Its rows are every
+        position's, those whose MTP target is masked too, as Megatron-Core's: the router
+        sees the same tokens on every layout."""
+        blocks = [layer.mlp for layer in self.layers]
+        blocks += [layer.block.mlp for layer in self.mtp.layers] if self.mtp is not None else []
+        return [mlp for mlp in blocks if isinstance(mlp, MoE)]
 
     def update_router_biases(self, layer_counts: torch.Tensor) -> None:
         """After an optimizer step: each MoE layer's aux-free balance update
         (model.moe.bias_update_rate) from its assignments per expert over the step's whole
-        batch, layer_counts (L_moe, E) in layer order (RouterLosses.layer_counts summed over
-        the micro-batches; the same on every rank)."""
-        moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        batch, layer_counts (L_moe, E) in layer order, the MTP depths' last
+        (RouterLosses.layer_counts summed over the micro-batches; the same on every rank)."""
+        moe = self._moe_layers()
         if not moe or not self.cfg.moe.bias_update_rate:
             return
         for mlp, counts in zip(moe, layer_counts, strict=True):

@@ -46,7 +46,8 @@ from ctxpar.data import PasskeyTask  # noqa: E402
 from ctxpar.distributed.parallel_state import free_port  # noqa: E402
 from models.gpt import GPT  # noqa: E402
 from models.rope import rope_inv_freq  # noqa: E402
-from helpers.train_run import ROOT, losses, metric, run_train  # noqa: E402
+from helpers.mtp_folders import add_numbered_mtp_layer, mtp_depth1_loss  # noqa: E402
+from helpers.train_run import ROOT, metric, run_train  # noqa: E402
 from helpers.warm_launch import run_warm  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -1177,12 +1178,16 @@ def tiny_tokenizer(path):
     tok.save(str(path))
 
 
-def passkey_loss(model, n_samples=16, seq_len=128):
-    """The token-mean loss over the first global batch of train.py's passkey stream."""
+def passkey_batch(n_samples=16, seq_len=128):
+    """(inputs, targets) of the first global batch of train.py's passkey stream."""
     task = PasskeyTask(seq_len, 2, 1234, "train")
     pairs = [task[i] for i in range(n_samples)]
-    x = torch.from_numpy(np.stack([p[0] for p in pairs]))
-    y = torch.from_numpy(np.stack([p[1] for p in pairs]))
+    return tuple(torch.from_numpy(np.stack([p[i] for p in pairs])) for i in (0, 1))
+
+
+def passkey_loss(model, n_samples=16, seq_len=128):
+    """The token-mean loss over the first global batch of train.py's passkey stream."""
+    x, y = passkey_batch(n_samples, seq_len)
     with torch.no_grad():
         if getattr(model.config, "output_router_logits", False):
             # transformers' MoE *ForCausalLM.forward (Qwen3MoeForCausalLM's, Mixtral's):
@@ -1316,14 +1321,15 @@ def folder_sets(path):
             if k not in ("seq_len", "init_std", "family")]
 
 
-def assert_first_loss_is_the_references(run, ref, **kw):
+def assert_first_loss_is_the_references(run, ref, key="loss", **kw):
     """Step 1's loss is computed before any update: the imported model's loss on the batch,
     which transformers' model `ref` computes too (fp32: the parallel reduction orders
     differ only, hence 1e-5). A mixture of experts with output_router_logits: the token
     loss plus router_aux_loss_coef x the load-balancing loss of the batch (the run's
-    moe_aux_loss, unweighted), as transformers' loss has it (passkey_loss)."""
+    moe_aux_loss, unweighted), as transformers' loss has it (passkey_loss). key: the
+    metric (lm_loss: the LM's alone under model.mtp)."""
     want = passkey_loss(ref, **kw)
-    got = losses(str(run))[1]
+    got = metric(str(run), key)[1]
     if getattr(ref.config, "output_router_logits", False):
         got += ref.config.router_aux_loss_coef * metric(str(run), "moe_aux_loss")[1]
     assert abs(got - want) <= 1e-5 * want, (got, want)
@@ -1529,6 +1535,11 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
     ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(
         family, HYBRID_MOE.get(family, dict(vocab_size=256, intermediate_size=192))))
+    mtp = None
+    if (family, layout) == ("deepseek_v3", "cp2-zigzag-ep2"):  # with its MTP layer
+        # (model.layers.3.*, an MLA + MoE block) as model.mtp, its experts over EP too
+        mtp = add_numbered_mtp_layer(folder, ref)
+        sets = [*sets, "model.mtp.depth=1", "model.mtp.moe=true"]
     if family in MOE_FAMILIES or family in HYBRID_MOE or family.startswith("deepseek"):  # the
         # whole batch in one
         # micro-batch, as transformers' load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
@@ -1551,7 +1562,11 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
         config = AutoConfig.from_pretrained(folder)
         config.rope_parameters = {**config.rope_parameters, **yarn}
         ref = AutoModelForCausalLM.from_pretrained(folder, config=config).float().eval()
-    assert_first_loss_is_the_references(run, ref, seq_len=256 if extend else 128)
+    assert_first_loss_is_the_references(run, ref, "lm_loss" if mtp else "loss",
+                                        seq_len=256 if extend else 128)
+    if mtp is not None:  # step 1's MTP loss: transformers' MtpModel's on the batch
+        want = mtp_depth1_loss(ref, mtp, *passkey_batch()).item()
+        assert abs(metric(str(run), "mtp_loss_1")[1] - want) <= 1e-5 * want
     if "parallel.cp_comm=ulysses" in sets:
         return  # one export is enough for the layouts that split the model's tensors
     exported, back = export_and_reload(run, tmp_path / "exported")
@@ -1564,6 +1579,13 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     theirs = exported.state_dict()
     for name, want in ref.state_dict().items():
         assert (theirs[name] - want).abs().max() <= 1e-3, name
+    if mtp is not None:  # every MTP tensor exported under its name, one step on
+        from safetensors.torch import load_file
+        source, back_mtp = (load_file(d / "model.safetensors") for d in (folder,
+                                                                          tmp_path / "exported"))
+        keys = sorted(k for k in source if k.startswith("model.layers.3."))
+        assert sorted(k for k in back_mtp if k.startswith("model.layers.3.")) == keys
+        assert max((back_mtp[k] - source[k]).abs().max() for k in keys) <= 1e-3
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits,

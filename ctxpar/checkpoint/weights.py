@@ -153,6 +153,7 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
         reader = hf.WeightReader(source.path, cfg.model.tie_embeddings,
                                   hf.naming_of(cfg.model))
         copy_full_weights_(model, reader.get, state.tp_group)
+        reader.check_mtp_copies(cfg.model)  # the MTP layers' copies of embedding and head
         # the routers' correction biases
         load_buffers_(gpt_named_buffers(model), reader.buffers(cfg.model))
         return source.describe()

@@ -146,13 +146,14 @@ _LAYER_ATTENTION: dict = {}  # layer_attention's: the fields it reads -> every l
 
 def mtp_layer_attention(m: ModelConfig) -> LayerAttention:
     """The MTP block's attention (model.mtp.layer_type), with the RoPE, window or chunks
-    the model's layers of that type have."""
+    the model's layers of that type have; MLA under model.mla, as theirs."""
     kind = m.mtp.layer_type
     rope = (m.layer_rope or {}).get(kind, {})
     return LayerAttention(kind, m.sliding_window if kind == "sliding_attention" else None,
                           m.attention_chunk_size if kind == "chunked_attention" else None,
                           float(rope.get("rope_theta", m.rope_theta)),
-                          rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling)
+                          rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling,
+                          attention="mla" if m.mla is not None else "attention")
 
 
 def check_layers(m: ModelConfig, err) -> None:

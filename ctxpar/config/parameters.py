@@ -278,8 +278,8 @@ def head_specs(m: ModelConfig) -> List[ParamSpec]:
 
 def mtp_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
     """models/mtp.py's parameters (model.mtp; none without): per depth k its input norms
-    and projection (replicated over TP: 2d -> d), its Block (a dense MLP), its output
-    norm; under shared_projection only depth 0 holds the norms and the projection."""
+    and projection (replicated over TP: 2d -> d), its Block (a dense MLP, or model.moe's
+    experts under model.mtp.moe), its output norm; under shared_projection only depth 0 holds the norms and the projection."""
     specs = []
     for k in range(m.mtp.depth if m.mtp is not None else 0):
         p = f"mtp.layers.{k}."
@@ -287,7 +287,7 @@ def mtp_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
         if own:
             specs += _norm(p + "enorm", m) + _norm(p + "hnorm", m)
             specs += _linear(p + "eh_proj", 2 * m.d_model, m.d_model, None, False)
-        specs += _layer_specs(m, m.mtp.layer_type, p + "block.", False, tp)
+        specs += _layer_specs(m, m.mtp.layer_type, p + "block.", m.mtp.moe, tp)
         if own:
             specs += _norm(p + "norm", m)
     return specs

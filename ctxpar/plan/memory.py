@@ -33,7 +33,7 @@ lives on the host but for two blocks' worth), optimizer offload (zero_state.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List
 
 from ..config import GATED_MLPS, Config, deepspeed_config
@@ -43,6 +43,7 @@ from .candidate import Candidate, apply_candidate
 from .linear_layers import linear_shapes, mixer_saved, mixer_working_set
 from .moe_layers import (backward_working_set, block_model, expert_tile, forward_working_set,
                          mixed_mlps)
+from .mtp_layers import mtp_activations
 from .zero_state import Shard, ZeroState, zero_config
 
 
@@ -200,6 +201,10 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     act = counts.activations(model, cand, elem, blocks, first, last, cfg.data.reset_positions,
                              tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile),
                              device=device, start=start)
+    if last:  # model.mtp's depths, beside the head
+        act = replace(act, head=act.head + mtp_activations(
+            model, cand, elem, bool(loss_tile), bool(mlp_tile), device,
+            cfg.data.reset_positions))
     sh = shard(model, cand.tp, cand.pp, index, cand.ep)
     zero_state = ZeroState(sh, zero, cand.dp * cand.cp, bf16, device, cand.ep)
     resident = zero_state.resident()
