@@ -1547,6 +1547,8 @@ HYBRID_MOE = {family: dict(vocab_size=256, intermediate_size=192, num_hidden_lay
                            layer_types=HYBRIDS["qwen3_5_text"]["layer_types"],
                            **({"mlp_only_layers": [2]} if family == "qwen3_next" else {}))
               for family in ("qwen3_next", "qwen3_5_moe_text")}
+# Kimi Linear: FAMILY_CONFIGS' three KDA layers, NoPE MLA, a dense layer then the experts
+HYBRID_MOE["kimi_linear"] = dict(vocab_size=256, intermediate_size=192)
 # the hybrids on every layout their linear layers run on; the mixtures of experts at
 # cp2 x ep2 (generate.py too) and tp2 x cp2, and cp2 x pp2 for two of them (the same
 # MoE layer in every family: Qwen3-MoE's, and gpt-oss's with its biases and sinks)
@@ -1580,7 +1582,11 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # floor on both CP ranks; the pipeline's blocks compute it themselves), chunks across
     # the ranks' boundary, the input-scaling router (its gradient summed over TP). Not at
     # Ulysses: the temperature is token-local, before the all-to-all
-    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
+    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
+    # Kimi Linear: KDA's state passed over zigzag halves beside the NoPE MLA's latent ring,
+    # extended to twice the folder's positions as they are (nothing turns), generate.py at
+    # cp2 (KDA's replicated states and the latent cache)
+    ("kimi_linear", "cp2-state-zigzag")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
