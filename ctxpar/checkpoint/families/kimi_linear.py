@@ -34,7 +34,9 @@ the class's default 32 stands beside any head count), head_dim and qk_head_dim (
 the class from the MLA widths, read by none), rope_theta / rope_scaling /
 rope_parameters (KimiLinearModel builds no rotary embedding), output_router_logits (its
 ForCausalLM, DeepSeek-V3's, adds no router loss), pretraining_tp. n_routed_experts is
-refused: this class reads num_experts.
+refused: this class reads num_experts. The released folders' keys for their remote code
+(mla_use_nope, moe_router_activation_func, use_grouped_topk, moe_layer_freq,
+num_nextn_predict_layers) are read at the values transformers computes, refused at others.
 
 Tensors: as save_pretrained writes them and the released folders hold them (transformers'
 conversion_mapping 'kimi_linear' reversed): both mixers under ``self_attn`` (ctxpar's KDA
@@ -281,8 +283,18 @@ class KimiLinear(DeepSeek):
 _FIXED = {**{k: v for k, v in ARCH_DEFAULTS.items() if k != "mla"}, "rope": False}
 FAMILY = KimiLinear(
     "kimi_linear", "KimiLinearForCausalLM", dict(_FIXED), ("hidden_act", "silu"),
+    # the released folders' keys for its remote code, which transformers' class does not
+    # read: its computation is theirs at these values only
     neutral={"attention_bias": (False, "biases on MLA's projections are not built by "
-                                       "ctxpar")},
+                                       "ctxpar"),
+             "mla_use_nope": (True, "transformers' KimiLinearAttention turns no RoPE"),
+             "moe_router_activation_func": ("sigmoid", "transformers' router scores by "
+                                                       "sigmoid"),
+             "use_grouped_topk": (True, "transformers' router always takes the top groups"),
+             "moe_layer_freq": (1, "transformers' sparse layers are mlp_layer_types' (or "
+                                   "every one from first_k_dense_replace)"),
+             "num_nextn_predict_layers": (0, "Kimi Linear's multi-token prediction layers "
+                                             "are not read by transformers nor ctxpar")},
     own=(*MLA_KEYS, "qk_head_dim", *MOE_KEYS, "n_routed_experts", "layer_types",
          "linear_attn_config", *LINEAR_KEYS),
     inert=("num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
