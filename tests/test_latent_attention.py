@@ -161,6 +161,7 @@ def test_reference_layer_equals_transformers_deepseek_v3_attention(case):
         torch.testing.assert_close(g, w, **rel_tolerance(w), msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("q_lora", [None, 8])
 def test_nope_mla_layer_equals_transformers_kimi_linear_attention(q_lora):
     """models/mla.py under model.rope=false against transformers' KimiLinearAttention on the
