@@ -770,6 +770,17 @@ def test_kimi_linear_fields_ctxpar_does_not_build_are_refused(tmp_path):
         assert msg in str(e.value) and "\n" not in str(e.value), (field, str(e.value))
 
 
+@pytest.mark.parametrize("model_type", ["glm5_next", "glm5_next_text"])
+def test_glm5_next_folders_are_refused_naming_what_is_missing(tmp_path, model_type):
+    """GLM-5.3-Flash (transformers' glm5_next): Kimi Linear's 3 : 1 pattern with a sparse
+    MLA layer and hyper-connections; one line naming both, before any tensor is read."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(CheckpointError) as e:
+        hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
+    assert f"model_type='{model_type}': GLM-5.3-Flash's sparse attention (DSA" in str(e.value)
+    assert "hyper-connections (mHC)" in str(e.value) and "\n" not in str(e.value)
+
+
 QWEN3_5_FIXED = dict(qk_norm=True, norm_offset=1.0, attention_output_gate=True)
 
 
