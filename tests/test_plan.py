@@ -262,8 +262,8 @@ def test_activation_bytes_of_a_hybrid_over_cp_are_close_to_what_autograd_saves()
     """cp 2 and 4, state passing (contiguous, zigzag) and heads, and tp2 x cp2 (the mixers
     split by heads): each rank's saved bytes within 7% of the planner's (measured 0.0-6.6%: the strategies' kernels run on segments
     or gathered heads whose padded and copied tensors the count takes from the cp-1
-    formula at those shapes, linear_layers.mixer_saved; the attention layers are exact)."""
-    from ctxpar.testing.linear import HYBRID_CONFIGS
+    formula at those shapes, linear_layers.mixer_saved; the attention layers are exact;
+    Kimi Linear's KDA layers with them)."""
     results = run_distributed(_hybrid_saved, 4, timeout=300)
     for (tp, cp, linear, layout, name), _ in results[0].items():
         cand = Candidate(tp, cp, 1, 4 // (tp * cp), "ring", 1, layout, micro_batch=2,
