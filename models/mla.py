@@ -12,7 +12,10 @@ Over CP the latent travels, never the expanded K,V: ctxpar.context_parallel.late
 before using it, so what a rank keeps for backward is q, the latent, the output and its
 LSE. RoPE turns the rope parts only (model.mla.qk_rope_head_dim channels; interleaved
 pairs under rope_interleave, DeepSeek's layout: the same as rotate-half on the channels
-taken evens first); the shared key k_rot is rotated once per token for every head.
+taken evens first); the shared key k_rot is rotated once per token for every head. Under
+model.rope=false (Kimi Linear's MLA, transformers' KimiLinearAttention) nothing turns: the
+rope parts keep their channels and the shared key its width, unrotated, so the latent,
+its ring and the cache are the same tensors, positions entering through the mask alone.
 
 TP splits the heads: q_proj / q_b_proj and kv_b_proj by rows (column-parallel), o_proj by
 columns; the low-rank paths (q_a_proj, kv_a_proj_with_mqa and their norms) are replicated,
@@ -69,6 +72,7 @@ class MLA(TokenMixer):
         self.n_heads = cfg.n_heads // tp  # this rank's heads
         self.scale = softmax_scale(cfg)
         self.rotary_dim = rotary_dim(cfg)  # = qk_rope_head_dim
+        self.rope = self.layer.rope  # model.rope=false: NoPE (Kimi Linear's)
         self.interleave = mla.rope_interleave
         d, h, dims = cfg.d_model, cfg.n_heads, self.dims
         kw = dict(device=device, dtype=dtype)
@@ -108,8 +112,10 @@ class MLA(TokenMixer):
             [dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
         c_kv, k_rot = self.kv_a_proj_with_mqa(x).split(
             [dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
-        k_rot = self._rope(k_rot.unsqueeze(2), cos, sin).squeeze(2)  # one key for all heads
-        q = torch.cat((q_nope, self._rope(q_rot, cos, sin)), dim=-1)
+        if self.rope:  # one key for all heads, turned once
+            k_rot = self._rope(k_rot.unsqueeze(2), cos, sin).squeeze(2)
+            q_rot = self._rope(q_rot, cos, sin)
+        q = torch.cat((q_nope, q_rot), dim=-1)
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_rot), dim=-1)
         # f: every TP rank's heads read the whole latent; its gradient summed over TP
         latent = copy_to_tensor_model_parallel_region(latent, self.tp_group)

@@ -416,8 +416,10 @@ def test_big_configs_build_on_meta(shape, want):
      r"model.n_kv_heads=2 with model.mla: every MLA head has its own keys"),
     (dict(n_heads=4, d_model=64, mla=dict(kv_lora_rank=0)), dict(tp=1),
      r"model.mla.kv_lora_rank=0 must be an integer >= 1"),
-    (dict(n_heads=4, d_model=64, rope=False, mla=dict(kv_lora_rank=16)), dict(tp=1),
-     r"model.mla with model.rope=false"),
+    (dict(n_heads=4, d_model=64, rope=False, mla=dict(kv_lora_rank=16, qk_rope_head_dim=7)),
+     dict(tp=1), None),  # NoPE MLA (Kimi Linear's): nothing turns, any width
+    (dict(n_heads=4, d_model=64, n_layers=2, nope_layers=[1], mla=dict(kv_lora_rank=16)),
+     dict(tp=1), r"model.nope_layers=\[1\] with model.mla: MLA turns every layer's rope"),
 ])
 def test_bad_model_configs_fail_at_load(model, parallel, key):
     data = {"model": dict(vocab_size=256, seq_len=256, **model), "parallel": parallel}

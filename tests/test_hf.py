@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,  # noqa: E402
                           DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig,
-                          Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
+                          KimiLinearConfig, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
                           MistralConfig, MixtralConfig, NemotronHConfig, OlmoHybridConfig,
                           Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           Qwen3NextConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
@@ -198,6 +198,19 @@ FAMILY_CONFIGS = {
                                            no_rope_layer_interval=2, attention_chunk_size=16,
                                            floor_scale=8, attn_scale=0.5, rope_theta=5000.0,
                                            bos_token_id=None, eos_token_id=None)),
+    # Kimi Linear: three KDA layers (4 heads of 8, per-channel decay) then NoPE MLA (q_proj,
+    # a latent of 16 + an unrotated shared key of 8, value heads of 12) as in its 3 : 1
+    # pattern, given by linear_attn_config's 1-based lists as its folders give them; a
+    # dense first layer, then 8 sigmoid-routed experts in 2 groups (1 taken), top 2, times
+    # 2.5, a shared expert; no token ids (its defaults are outside the tiny vocabulary)
+    "kimi_linear": (KimiLinearConfig, dict(
+        num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=None, num_local_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1,
+        linear_attn_config=dict(num_heads=4, head_dim=8, short_conv_kernel_size=4,
+                                kda_layers=[1, 2, 3], full_attn_layers=[4]),
+        pad_token_id=None, bos_token_id=None, eos_token_id=None)),
 }
 
 
@@ -321,6 +334,12 @@ ROPE_VARIANTS = {
     "minimax_m2": dict(rope_parameters=rope("llama3", 1e6), rotary_dim=24),
     "llama4_text": dict(rope_parameters=rope("llama3", 5e5), use_qk_norm=False,
                         attention_chunk_size=None, moe_layers=[0, 1, 2, 3]),
+    # Kimi Linear turns nothing: its RoPE keys are inert (given here); instead its other
+    # spellings: layer_types and mlp_layer_types given (an MLA layer first, a dense one
+    # between sparse ones), q through its bottleneck, its class's 32 kv heads (read by none)
+    "kimi_linear": dict(rope_parameters=rope("yarn"), q_lora_rank=24, num_key_value_heads=32,
+                        layer_types=["full_attention"] + ["linear_attention"] * 3,
+                        mlp_layer_types=["sparse", "dense", "sparse", "sparse"]),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
@@ -328,7 +347,7 @@ FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral",
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
                 ("qwen3_next", False), ("qwen3_5_moe_text", True), ("deepseek_v3", False),
                 ("deepseek_v2", True), ("glm4_moe", False), ("minimax_m2", False),
-                ("llama4_text", False)]
+                ("llama4_text", False), ("kimi_linear", False)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -368,6 +387,12 @@ NEW_FEATURES = {
                     {"moe.scale_expert_input": False},
                     {"nope_layers": None, "attn_temperature_tuning": False},
                     "local positions"],
+    # MLA without RoPE (turned on at base 100, so that the tiny model's 8 rope channels
+    # turn within 48 tokens: at 10000 the loss moves 14x the tolerance), the router's
+    # scale, groups and correction bias, the shared expert
+    "kimi_linear": [{"rope": True, "rope_theta": 100.0}, {"moe.routed_scaling_factor": 1.0},
+                    {"moe.n_group": 1, "moe.topk_group": 1},
+                    {"moe.score_correction_bias": False}, {"moe.shared_expert_hidden": 0}],
 }
 
 
@@ -714,6 +739,49 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
     assert "\n" not in str(e.value)
 
 
+KIMI_REFUSED = [  # (field, value, the line's words): what Kimi Linear's reading refuses
+    ("n_routed_experts", 8, "n_routed_experts=8: KimiLinearConfig reads the experts' count "
+                            "from num_experts"),
+    ("num_local_experts", 4, "num_experts=8: num_local_experts=4 names the same field"),
+    ("mlp_layer_types", ["dense", "moe", "sparse", "sparse"], "one of 'dense', 'sparse' per "
+                                                              "layer (4)"),
+    ("layer_types", ["linear_attention"] * 3 + ["sliding_attention"],
+     "one of 'linear_attention', 'full_attention' per layer (4)"),
+    ("linear_attn_config", {"num_heads": 4, "gate_low_rank_dim": 8}, "a dict of num_heads, "
+                                                                      "head_dim"),
+    ("attention_bias", True, "attention_bias=True: biases on MLA's projections"),
+    ("hidden_act", "gelu", "KimiLinearForCausalLM's MLP in ctxpar uses silu"),
+    ("num_experts_per_token", 9, "num_experts_per_tok=9: more than num_experts=8"),
+]
+
+
+def test_kimi_linear_fields_ctxpar_does_not_build_are_refused(tmp_path):
+    """A tiny Kimi Linear config.json as its class saves it, one field changed per case:
+    one line naming the field (read through the attribute_map's two spellings)."""
+    config_class, own = FAMILY_CONFIGS["kimi_linear"]
+    config_class(**{**SMALL, **own}).save_pretrained(tmp_path)
+    saved = hf.read_config(str(tmp_path))
+    hf.model_fields(saved, str(tmp_path))  # as saved: read
+    for field, value, msg in KIMI_REFUSED:
+        changed = {k: v for k, v in saved.items() if k != "layer_types" or
+                   field != "linear_attn_config"}
+        changed[field] = value
+        with pytest.raises(CheckpointError) as e:
+            hf.model_fields(changed, str(tmp_path))
+        assert msg in str(e.value) and "\n" not in str(e.value), (field, str(e.value))
+
+
+@pytest.mark.parametrize("model_type", ["glm5_next", "glm5_next_text"])
+def test_glm5_next_folders_are_refused_naming_what_is_missing(tmp_path, model_type):
+    """GLM-5.3-Flash (transformers' glm5_next): Kimi Linear's 3 : 1 pattern with a sparse
+    MLA layer and hyper-connections; one line naming both, before any tensor is read."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(CheckpointError) as e:
+        hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
+    assert f"model_type='{model_type}': GLM-5.3-Flash's sparse attention (DSA" in str(e.value)
+    assert "hyper-connections (mHC)" in str(e.value) and "\n" not in str(e.value)
+
+
 QWEN3_5_FIXED = dict(qk_norm=True, norm_offset=1.0, attention_output_gate=True)
 
 
@@ -733,6 +801,18 @@ def test_models_no_family_holds_are_refused_at_export():
         hf.family_config(ModelConfig(n_layers=2, layer_types=["linear_attention", "mamba"],
                                      family="qwen3_5_text", qk_norm=True, norm_offset=1.0,
                                      attention_output_gate=True))
+    from ctxpar.config.mla import MLAConfig
+    kimi = dict(n_layers=2, family="kimi_linear", rope=False, mla=MLAConfig(kv_lora_rank=16),
+                layer_types=["kimi_delta_attention", "full_attention"])
+    for fields, msg in [  # Kimi Linear: its KDA's equal key and value heads, its NoPE MLA
+            ({"linear_num_value_heads": 8, "linear_num_key_heads": 4},
+             r"model.linear_num_value_heads=8 .* \(Kimi Linear's KDA has as many value heads"),
+            ({"layer_types": ["linear_attention", "full_attention"]},
+             r"model.layer_types=\['linear_attention', 'full_attention'\] with"),
+            ({"rope": True}, r"model.rope=True cannot be exported as KimiLinearForCausalLM"),
+            ({"mla": None}, r"model.mla=None \(Kimi Linear's attention layers")]:
+        with pytest.raises(CheckpointError, match=msg):
+            hf.family_config(ModelConfig(**{**kimi, **fields}))
     moe = MoEConfig(num_experts=4, top_k=2)
     gated = replace(moe, shared_expert_hidden=8, shared_expert_gate=True)
     for family, m, msg in [
@@ -1484,6 +1564,8 @@ HYBRID_MOE = {family: dict(vocab_size=256, intermediate_size=192, num_hidden_lay
                            layer_types=HYBRIDS["qwen3_5_text"]["layer_types"],
                            **({"mlp_only_layers": [2]} if family == "qwen3_next" else {}))
               for family in ("qwen3_next", "qwen3_5_moe_text")}
+# Kimi Linear: FAMILY_CONFIGS' three KDA layers, NoPE MLA, a dense layer then the experts
+HYBRID_MOE["kimi_linear"] = dict(vocab_size=256, intermediate_size=192)
 # the hybrids on every layout their linear layers run on; the mixtures of experts at
 # cp2 x ep2 (generate.py too) and tp2 x cp2, and cp2 x pp2 for two of them (the same
 # MoE layer in every family: Qwen3-MoE's, and gpt-oss's with its biases and sinks)
@@ -1517,7 +1599,11 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # floor on both CP ranks; the pipeline's blocks compute it themselves), chunks across
     # the ranks' boundary, the input-scaling router (its gradient summed over TP). Not at
     # Ulysses: the temperature is token-local, before the all-to-all
-    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
+    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
+    # Kimi Linear: KDA's state passed over zigzag halves beside the NoPE MLA's latent ring,
+    # extended to twice the folder's positions as they are (nothing turns), generate.py at
+    # cp2 (KDA's replicated states and the latent cache)
+    ("kimi_linear", "cp2-state-zigzag")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)

@@ -16,8 +16,8 @@ from functools import lru_cache
 from typing import List, Optional
 
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
-from ..config.layer_mixers import LAYER_MIXERS, first_layer_type, layer_types
-from ..config.layers import gated_delta_dims, mamba_dims
+from ..config.layer_mixers import LAYER_MIXERS, LINEAR_MIXERS, first_layer_type, layer_types
+from ..config.layers import DELTA_TYPES, gated_delta_dims, mamba_dims
 from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs, mtp_specs
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
@@ -405,9 +405,9 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
         types = [kind for kind, _ in own]
         per = tuple(block_activations(s, e, cand, mode, kind, block_model(m, moe), tiled_mlp,
                                       device) for mode, (kind, moe) in zip(modes, own))
-        conv = [gated_delta_dims(m).conv_kernel if k == "linear_attention" else
+        conv = [gated_delta_dims(m).conv_kernel if k in DELTA_TYPES else
                 mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
-                if mode != "full" and LAYER_MIXERS[k][0] in ("gated_delta", "mamba2")]
+                if mode != "full" and LAYER_MIXERS[k][0] in LINEAR_MIXERS]
         conv_taps = sum(8 * (s.N // s.B) * K for K in set(conv))
     rope = mla_layers.rope_width(m) if m.mla is not None else s.hd  # cos, sin: rope / 2 each
     embed = (s.B if reset_positions else 1) * (s.N // s.B) * rope * 4 + conv_taps

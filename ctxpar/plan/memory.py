@@ -38,9 +38,10 @@ from typing import Dict, List
 
 from ..config import GATED_MLPS, Config, deepspeed_config
 from ..config.layers import layer_attention
+from ..config.layer_mixers import LINEAR_MIXERS
 from . import counts, mla_layers, transients
 from .candidate import Candidate, apply_candidate
-from .linear_layers import linear_shapes, mixer_saved, mixer_working_set
+from .linear_layers import KINDS, linear_shapes, mixer_saved, mixer_working_set
 from .moe_layers import (backward_working_set, block_model, expert_tile, forward_working_set,
                          mixed_mlps)
 from .mtp_layers import mtp_activations
@@ -235,7 +236,7 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     # and under no_grad, alive while it runs) and again as gradients in its backward
     s = shapes
     mixers = [(a.kind, linear_shapes(model, a.kind, cand.tp)) for a in layers
-              if a.token_mixer in ("gated_delta", "mamba2")]
+              if a.token_mixer in LINEAR_MIXERS]
     args = (s.B, s.N // s.B, elem, cand.cp, cand.linear_cp, cand.token_layout, device)
     linear = max([mixer_saved(kind, sh, *args) for kind, sh in mixers], default=0)
     # and its kernel's backward beyond that (the lean torch kernel's segment, or the GPU
@@ -352,7 +353,7 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
     replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm, model)
     kind = st.types[i] if st.types else None
-    if mode == "full" and kind in ("linear_attention", "mamba"):  # its whole 'none' bytes
+    if mode == "full" and kind in KINDS:  # a linear block: its whole 'none' bytes
         replayed = counts.block_activations(s, elem, cand, "none", kind, model, bool(st.mlp_tile),
                                             st.device) - s.N * s.d * elem
     down = 0 if st.mlp_tile else counts.down_proj_params(model, cand.tp)  # tiled: in its set

@@ -194,8 +194,8 @@ def linear_reason(cfg, plan: Plan) -> str:
         sent = []
         for strategy in LINEAR_CP_STRATEGIES:
             try:
-                check_linear_cp(strategy, cand.token_layout, sh.Hv if kind ==
-                                "linear_attention" else sh.H, cand.cp, sh.C)
+                check_linear_cp(strategy, cand.token_layout, sh.H if kind ==
+                                "mamba" else sh.Hv, cand.cp, sh.C)
             except ValueError:
                 sent.append(f"{strategy} not with this layout")
                 continue

@@ -59,6 +59,7 @@ from typing import Dict, List
 
 from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
+from ..config.layer_mixers import LINEAR_MIXERS
 from ..context_parallel.mask import visible_pairs
 from . import counts, mla_layers
 from .mla_timing import mla_cp_time, mla_thresholds, ulysses_of
@@ -261,7 +262,7 @@ def linear_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, kind:
 def linear_compute(m, cand: Candidate, s, stage: List[LayerAttention]) -> float:
     """Forward FLOPs of the stage's linear mixers' chunked kernels (linear_layers)."""
     return sum(mixer_flops(a.kind, linear_shapes(m, a.kind, cand.tp), s.N, cand.linear_cp,
-                           cand.cp) for a in stage if a.token_mixer in ("gated_delta", "mamba2"))
+                           cand.cp) for a in stage if a.token_mixer in LINEAR_MIXERS)
 
 
 def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers: int,
