@@ -233,7 +233,7 @@ def ctxpar_from(path):
 
 def weights_of(model):
     """(GPT name, tensor) of what an export writes: the parameters, the routers' buffers."""
-    buffers = set(hf.router_buffer_names(model.cfg))
+    buffers = set(hf.folder_buffers(model.cfg))
     return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers()
                                          if n in buffers)]
 
