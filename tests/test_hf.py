@@ -29,7 +29,8 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,  # noqa: E402
-                          DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig,
+                          DeepseekV3Config, Gemma3TextConfig, Gemma4TextConfig,
+                          Glm4MoeConfig, GptOssConfig,
                           Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
                           MistralConfig, MixtralConfig, NemotronHConfig, OlmoHybridConfig,
                           Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -73,6 +74,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 QWEN3_5_LAYERS = dict(layer_types=["linear_attention", "full_attention"],
                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                       linear_value_head_dim=6)
+GEMMA4_TYPES = ["sliding_attention", "full_attention", "sliding_attention",
+                "sliding_attention", "full_attention"]
 MLA_SMALL = dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, kv_lora_rank=16,
                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
                  first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
@@ -197,6 +200,15 @@ FAMILY_CONFIGS = {
                                            no_rope_layer_interval=2, attention_chunk_size=16,
                                            floor_scale=8, attn_scale=0.5, rope_theta=5000.0,
                                            bos_token_id=None, eos_token_id=None)),
+    # Gemma 4: full layers (1, 4) of head dim 32 and one kv head whose values are their
+    # keys' projection, beside sliding layers (window 6) of head dim 24; layers 3 and 4
+    # attend with layers 2's and 1's K/V; per-layer inputs 16 wide; proportional RoPE on a
+    # quarter of the full layers' frequencies (transformers' default)
+    "gemma4_text": (Gemma4TextConfig, dict(num_hidden_layers=5, layer_types=GEMMA4_TYPES,
+                                           sliding_window=6, global_head_dim=32,
+                                           num_global_key_value_heads=1, attention_k_eq_v=True,
+                                           num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+                                           vocab_size_per_layer_input=96)),
 }
 
 
@@ -214,7 +226,7 @@ def tiny_family(path, family, tied, **overrides):
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "layer_scalar")):
                 b.add_(0.3 * torch.randn(b.shape, generator=g))
     model.save_pretrained(path)
     return model
@@ -241,6 +253,7 @@ def weights_of(model):
 @pytest.mark.quick
 @pytest.mark.parametrize("scaling", [
     None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, YARN,
+    {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 2.0},  # Gemma 4
     {**LLAMA3, "factor": 16.0, "high_freq_factor": 1.0},  # Llama 4's: no blended band
     {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},
     {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, {**YARN, "attention_factor": 1.5}])
@@ -320,6 +333,9 @@ ROPE_VARIANTS = {
     "minimax_m2": dict(rope_parameters=rope("llama3", 1e6), rotary_dim=24),
     "llama4_text": dict(rope_parameters=rope("llama3", 5e5), use_qk_norm=False,
                         attention_chunk_size=None, moe_layers=[0, 1, 2, 3]),
+    "gemma4_text": dict(rope_parameters={  # half the frequencies, interpolated; scaled local
+        "full_attention": rope("proportional", 5e5, partial_rotary_factor=0.5, factor=4.0),
+        "sliding_attention": rope("linear", 100.0)}),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
@@ -327,7 +343,7 @@ FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral",
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
                 ("qwen3_next", False), ("qwen3_5_moe_text", True), ("deepseek_v3", False),
                 ("deepseek_v2", True), ("glm4_moe", False), ("minimax_m2", False),
-                ("llama4_text", False)]
+                ("llama4_text", False), ("gemma4_text", True)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -367,6 +383,9 @@ NEW_FEATURES = {
                     {"moe.scale_expert_input": False},
                     {"nope_layers": None, "attn_temperature_tuning": False},
                     "local positions"],
+    "gemma4_text": [{"attention_k_eq_v": False}, {"num_kv_shared_layers": 0},
+                    {"value_norm": False}, {"per_layer_input_dim": 0}, {"layer_scalar": False},
+                    {"rope_scaling": None}, {"query_pre_attn_scalar": 24.0}],
 }
 
 
@@ -682,6 +701,14 @@ def family_json(family, **fields):
     ("llama4_text", "moe_layers", [7], "moe_layers=[7]: a list of layer indices in [0, "),
     ("llama4_text", "use_qk_norm", "yes", "use_qk_norm='yes': config.json must give it as a "
                                           "boolean"),
+    # Gemma 4: its experts beside the MLP, the wide shared-KV MLPs, the logits' softcap, a
+    # per-layer vocabulary of its own, full layers of different shapes
+    ("gemma4_text", "enable_moe_block", True, "experts beside the dense MLP"),
+    ("gemma4_text", "use_double_wide_mlp", True, "use_double_wide_mlp=True: the shared-KV"),
+    ("gemma4_text", "final_logit_softcapping", 30.0, "logit softcapping is not implemented"),
+    ("gemma4_text", "vocab_size_per_layer_input", 48, "per-layer embedding has the "
+                                                      "vocabulary's 96 rows"),
+    ("gemma4_text", "per_layer_config", {"0": {"head_dim": 32}}, "per_layer_config={'0': "),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):

@@ -17,8 +17,8 @@ K/V shared by the last layers and per-layer input embeddings (config/kv_layers.p
     num_kv_shared_layers                     num_kv_shared_layers
     hidden_size_per_layer_input              per_layer_input_dim (vocab_size_per_layer_input
                                              equal to vocab_size)
-    (fixed)                                  query_pre_attn_scalar 1, value_norm,
-                                             layer_scalar
+    (fixed)                                  query_pre_attn_scalar 1 (softmax scale
+                                             1), value_norm, layer_scalar
 
 Refused in one line: enable_moe_block (its experts beside the dense MLP, with their own
 router and norms), use_double_wide_mlp (the shared-KV layers' MLP twice as wide),
@@ -80,8 +80,7 @@ class Gemma4(Family):
         if not isinstance(rope, dict) or set(rope) - set(DEFAULT_ROPE):
             refuse("rope_parameters", rope, "one set per layer type ('full_attention', "
                                             "'sliding_attention')")
-        if hf.get("vocab_size_per_layer_input", hf["vocab_size"]) != hf["vocab_size"] and \
-                hf.get("hidden_size_per_layer_input", 256):
+        if hf.get("vocab_size_per_layer_input", hf["vocab_size"]) != hf["vocab_size"]:
             refuse("vocab_size_per_layer_input", hf["vocab_size_per_layer_input"],
                    f"ctxpar's per-layer embedding has the vocabulary's {hf['vocab_size']} rows")
         return {**hf, "rope_parameters": {**DEFAULT_ROPE, **rope}}
@@ -124,9 +123,6 @@ class Gemma4(Family):
 
     def config(self, cfg: Dict[str, Any], m, types: List[str],
                source: Optional[Dict[str, Any]], refuse_export) -> None:
-        if m.query_pre_attn_scalar != 1.0:
-            refuse_export(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} (Gemma 4's "
-                          f"softmax scale is 1)")
         scaling = dict(m.rope_scaling or {"rope_type": "default"})
         local = (m.layer_rope or {}).get("sliding_attention", {})
         local_scaling = dict(local.get("rope_scaling") or {"rope_type": "default"})
@@ -157,7 +153,7 @@ FAMILY = Gemma4(
         if k not in ("global_head_dim", "global_n_kv_heads", "attention_k_eq_v",
                      "num_kv_shared_layers", "per_layer_input_dim")},
      "mlp": "geglu", "post_norms": True, "scale_embeddings": True, "qk_norm": True,
-     "value_norm": True, "layer_scalar": True},
+     "value_norm": True, "layer_scalar": True, "query_pre_attn_scalar": 1.0},
     ("hidden_activation", "gelu_pytorch_tanh"), default_theta=1_000_000.0,
     neutral={"attention_bias": (False, NO_BIAS),
              "enable_moe_block": (False, "Gemma 4's experts beside the dense MLP (their own "
