@@ -1538,7 +1538,14 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # floor on both CP ranks; the pipeline's blocks compute it themselves), chunks across
     # the ranks' boundary, the input-scaling router (its gradient summed over TP). Not at
     # Ulysses: the temperature is token-local, before the all-to-all
-    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
+    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
+    # Gemma 4: shared K/V, k_eq_v, head dims 24 and 32, per-layer inputs at cp2 zigzag,
+    # twice the folder's positions, and generate.py at cp2 (its cache: the producers'
+    # slots only); the other layouts are tests/test_gemma4_cp.py's
+    ("gemma4_text", "cp2-state-zigzag")]
+# a family's folder for the runs when not the default sizes below
+RUN_SIZES = {"gemma4_text": dict(vocab_size=256, vocab_size_per_layer_input=256,
+                                 intermediate_size=192)}
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
@@ -1554,8 +1561,8 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     experts' widths gathered over TP) and cp2 x pp2 (the routers' statistics across the
     stages), their step-1 loss with transformers' load-balancing loss."""
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
-    ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(
-        family, HYBRID_MOE.get(family, dict(vocab_size=256, intermediate_size=192))))
+    ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(family, HYBRID_MOE.get(
+        family, RUN_SIZES.get(family, dict(vocab_size=256, intermediate_size=192)))))
     if family in MOE_FAMILIES or family in HYBRID_MOE or family.startswith("deepseek"):  # the
         # whole batch in one
         # micro-batch, as transformers' load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP

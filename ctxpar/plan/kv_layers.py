@@ -1,0 +1,67 @@
+"""The planner's view of Gemma 4's per-layer attention shapes (config/kv_layers.py): each
+block's head dim and kv heads (its full layers' global_head_dim, global_n_kv_heads), a
+block sharing an earlier one's K/V keeping none of its own (no k/v projections, no saved
+K/V: its attention saves references to its producer's), the per-layer input embeddings
+on the first stage; and which attention kernels take a head dim.
+
+    s_i = layer_rank_shapes(s, m, cand, i)   # RankShapes of block i (hk 0: shared K/V)
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from ..config import ModelConfig
+from ..config.layers import layer_attention
+from ..config.parameters import kv_heads_per_rank, layer_head_dim, layer_kv_heads
+
+# The largest head dim each fused kernel takes (ctxpar/context_parallel/kernels.py): Dao's
+# flash-attn 2 and torch's flash SDPA 256, FlashAttention-4 its built sizes; the math
+# kernel any (Gemma 4's full layers, 512, run there on CUDA in bf16).
+KERNEL_HEAD_DIMS = {"flash_attn": 256, "sdpa (CUDA flash)": 256, "flash_attn4": 128}
+
+
+def per_layer_shapes(m: ModelConfig) -> bool:
+    """Whether the model's blocks differ in head dim, kv heads or own K/V within a type."""
+    return bool(m.global_head_dim or m.global_n_kv_heads or m.num_kv_shared_layers)
+
+
+def layer_rank_shapes(s, m: ModelConfig, tp: int, i: int):
+    """RankShapes s with block i's head dim and kv heads on a TP rank (0 kv heads for a
+    block that shares an earlier one's K/V)."""
+    a = layer_attention(m)[i]
+    hk = 0 if a.kv_source is not None else kv_heads_per_rank(m, tp, layer_kv_heads(m, a))
+    return replace(s, hd=layer_head_dim(m, a), hk=hk)
+
+
+def kernels_refusing(m: ModelConfig) -> Optional[str]:
+    """The fused kernels that cannot take the model's largest head dim, in words (None:
+    every one takes it)."""
+    hd = max(layer_head_dim(m, a) for a in layer_attention(m))
+    refusing = [k for k, most in KERNEL_HEAD_DIMS.items() if hd > most]
+    return None if not refusing else (f"head dim {hd}: {', '.join(refusing)} cannot take it "
+                                      f"(those layers run on the math kernel)")
+
+
+def kv_layers_reason(cfg, plan) -> str:
+    """One line for a model with Gemma 4's fields: the blocks sharing K/V (none kept: the
+    saved K/V bytes they spare per micro-batch), the per-layer input embedding's
+    parameters on a rank, the head dims and the kernels that cannot take them; ''
+    otherwise."""
+    from ..config.kv_layers import uses_kv_layers
+    from ..config.parameters import per_layer_embedding_specs
+    from . import counts
+    from .search import is_bf16
+    m, cand = cfg.model, plan.candidate
+    if not uses_kv_layers(m):
+        return ""
+    s, e = counts.rank_shapes(m, cand), 2 if is_bf16(cfg) else 4
+    producers = [layer_rank_shapes(s, m, cand.tp, a.kv_source) for a in layer_attention(m)
+                 if a.kv_source is not None]
+    spared = sum(2 * s.N * p.hk * p.hd * e for p in producers)  # the K, V they would save
+    ple = sum(spec.numel(cand.tp) for spec in per_layer_embedding_specs(m))
+    dims = sorted({layer_head_dim(m, a) for a in layer_attention(m)})
+    return (f"Gemma 4 attention: {len(producers)} of {m.n_layers} layers share an earlier "
+            f"layer's K/V (no K/V kept: {spared / 1e9:.2f} GB of saved K/V per micro-batch "
+            f"not made); per-layer input embedding {ple / 1e6:,.1f} M parameters a rank; "
+            f"head dims {dims}" + (f"; {kernels_refusing(m)}" if kernels_refusing(m) else ""))
