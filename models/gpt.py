@@ -82,6 +82,13 @@ def embed_tokens(embed: nn.Module, tokens: torch.Tensor, cfg: ModelConfig) -> to
     return x
 
 
+def cap_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """cap * tanh(logits / cap) under model.final_logit_softcapping (elementwise: each TP
+    rank caps its vocabulary shard), else the logits."""
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def block_recomputed(mode: str, i: int, every_n_layers: int) -> bool:
     """Whether block i is checkpointed whole (replayed in backward) under a checkpointing mode."""
     return mode == "full" or (mode == "every_n_layers" and i % every_n_layers == 0)
@@ -312,5 +319,5 @@ class GPT(nn.Module):
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states (B, T, d) -> vocab-parallel logits (B, T, V/tp)."""
         if self.lm_head is not None:
-            return self.lm_head(x)
-        return parallel_lm_logits(x, self.embed.weight, self.tp_group)
+            return cap_logits(self.lm_head(x), self.cfg)
+        return cap_logits(parallel_lm_logits(x, self.embed.weight, self.tp_group), self.cfg)

@@ -203,12 +203,13 @@ FAMILY_CONFIGS = {
     # Gemma 4: full layers (1, 4) of head dim 32 and one kv head whose values are their
     # keys' projection, beside sliding layers (window 6) of head dim 24; layers 3 and 4
     # attend with layers 2's and 1's K/V; per-layer inputs 16 wide; proportional RoPE on a
-    # quarter of the full layers' frequencies (transformers' default)
+    # quarter of the full layers' frequencies (transformers' default); logits capped at 2
     "gemma4_text": (Gemma4TextConfig, dict(num_hidden_layers=5, layer_types=GEMMA4_TYPES,
                                            sliding_window=6, global_head_dim=32,
                                            num_global_key_value_heads=1, attention_k_eq_v=True,
                                            num_kv_shared_layers=2, hidden_size_per_layer_input=16,
-                                           vocab_size_per_layer_input=96)),
+                                           vocab_size_per_layer_input=96,
+                                           final_logit_softcapping=2.0)),
 }
 
 
@@ -385,7 +386,8 @@ NEW_FEATURES = {
                     "local positions"],
     "gemma4_text": [{"attention_k_eq_v": False}, {"num_kv_shared_layers": 0},
                     {"value_norm": False}, {"per_layer_input_dim": 0}, {"layer_scalar": False},
-                    {"rope_scaling": None}, {"query_pre_attn_scalar": 24.0}],
+                    {"rope_scaling": None}, {"query_pre_attn_scalar": 24.0},
+                    {"final_logit_softcapping": None}],
 }
 
 
@@ -705,7 +707,7 @@ def family_json(family, **fields):
     # per-layer vocabulary of its own, full layers of different shapes
     ("gemma4_text", "enable_moe_block", True, "experts beside the dense MLP"),
     ("gemma4_text", "use_double_wide_mlp", True, "use_double_wide_mlp=True: the shared-KV"),
-    ("gemma4_text", "final_logit_softcapping", 30.0, "logit softcapping is not implemented"),
+    ("gemma4_text", "final_logit_softcapping", "30", "final_logit_softcapping='30': a number"),
     ("gemma4_text", "vocab_size_per_layer_input", 48, "per-layer embedding has the "
                                                       "vocabulary's 96 rows"),
     ("gemma4_text", "per_layer_config", {"0": {"head_dim": 32}}, "per_layer_config={'0': "),

@@ -198,6 +198,9 @@ class ModelConfig:
     second embedding of n_layers x per_layer_input_dim per token, mixed with a projection of
     the input embedding, gives each block a vector it gates into its output
     (models/per_layer_input.py)."""
+    final_logit_softcapping: Optional[float] = None
+    """The logits as cap * tanh(logits / cap) (Gemma 2 and 4; None: none); not with
+    memory.tiled_loss, whose tiles make the logits inside the loss."""
     layer_scalar: bool = False
     """Each block's output multiplied by a scalar of its own, a buffer read from the
     checkpoint and not trained (Gemma 4's layer_scalar)."""

@@ -349,6 +349,13 @@ def _check_memory(cfg: Config, err: Err) -> None:
         v = getattr(mem, key)
         if v != "auto" and (isinstance(v, str) or v < 1):
             err(f"memory.{key}={v!r} must be 'auto' or an integer >= 1")
+    cap = cfg.model.final_logit_softcapping
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                            or cap <= 0):
+        err(f"model.final_logit_softcapping={cap!r} must be a number > 0 (or null: none)")
+    elif cap is not None and mem.tiled_loss:
+        err(f"model.final_logit_softcapping={cap} with memory.tiled_loss=true: the tiled "
+            f"loss makes its logits uncapped; set memory.tiled_loss false")
     if mem.offload_activations and cfg.activation_checkpointing.mode == "none":
         err("memory.offload_activations=true needs activation_checkpointing.mode 'full', "
             "'selective' or 'every_n_layers' (it offloads what checkpointing keeps; "

@@ -14,11 +14,13 @@ from typing import Optional
 from ..config import ModelConfig
 from ..config.layers import layer_attention
 from ..config.parameters import kv_heads_per_rank, layer_head_dim, layer_kv_heads
+from ..context_parallel.kernels import FUSED_MAX_HEAD_DIM, FlashAttn4Backend
 
 # The largest head dim each fused kernel takes (ctxpar/context_parallel/kernels.py): Dao's
 # flash-attn 2 and torch's flash SDPA 256, FlashAttention-4 its built sizes; the math
 # kernel any (Gemma 4's full layers, 512, run there on CUDA in bf16).
-KERNEL_HEAD_DIMS = {"flash_attn": 256, "sdpa (CUDA flash)": 256, "flash_attn4": 128}
+KERNEL_HEAD_DIMS = {"flash_attn": FUSED_MAX_HEAD_DIM, "sdpa (CUDA bf16/fp16)": FUSED_MAX_HEAD_DIM,
+                    "flash_attn4": max(FlashAttn4Backend.HEAD_DIMS)}
 
 
 def per_layer_shapes(m: ModelConfig) -> bool:

@@ -17,12 +17,13 @@ K/V shared by the last layers and per-layer input embeddings (config/kv_layers.p
     num_kv_shared_layers                     num_kv_shared_layers
     hidden_size_per_layer_input              per_layer_input_dim (vocab_size_per_layer_input
                                              equal to vocab_size)
+    final_logit_softcapping                  final_logit_softcapping
     (fixed)                                  query_pre_attn_scalar 1 (softmax scale
                                              1), value_norm, layer_scalar
 
 Refused in one line: enable_moe_block (its experts beside the dense MLP, with their own
 router and norms), use_double_wide_mlp (the shared-KV layers' MLP twice as wide),
-final_logit_softcapping and use_bidirectional_attention (base.NOT_IMPLEMENTED).
+use_bidirectional_attention (base.NOT_IMPLEMENTED).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from .base import ARCH_DEFAULTS, NO_BIAS, Family, Refuse, attention_layers
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                    "rope_theta": 1_000_000.0}}
-OWN = ("layer_types", "sliding_window", "global_head_dim", "num_global_key_value_heads",
+OWN = ("final_logit_softcapping", "layer_types", "sliding_window", "global_head_dim", "num_global_key_value_heads",
        "per_layer_config", "attention_k_eq_v", "num_kv_shared_layers",
        "hidden_size_per_layer_input", "vocab_size_per_layer_input")
 
@@ -100,7 +101,12 @@ class Gemma4(Family):
         k_eq_v = hf.get("attention_k_eq_v", False)
         if not isinstance(k_eq_v, bool):
             refuse("attention_k_eq_v", k_eq_v, "config.json must give it as a boolean")
+        cap = hf.get("final_logit_softcapping")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                or cap <= 0):
+            refuse("final_logit_softcapping", cap, "a number > 0, or null")
         fields.update(
+            final_logit_softcapping=None if cap is None else float(cap),
             query_pre_attn_scalar=1.0, value_norm=True, layer_scalar=True,
             global_head_dim=None if head_dim in (None, hd) else head_dim,
             global_n_kv_heads=None if kv in (None, hf.get("num_key_value_heads")) else kv,
@@ -132,7 +138,8 @@ class Gemma4(Family):
             full["num_key_value_heads"] = m.global_n_kv_heads
         cfg.update(
             attention_bias=False, layer_types=types, sliding_window=m.sliding_window or 512,
-            final_logit_softcapping=None, use_bidirectional_attention=None,
+            final_logit_softcapping=m.final_logit_softcapping,
+            use_bidirectional_attention=None,
             attention_k_eq_v=m.attention_k_eq_v, num_kv_shared_layers=m.num_kv_shared_layers,
             hidden_size_per_layer_input=m.per_layer_input_dim,
             vocab_size_per_layer_input=m.vocab_size, enable_moe_block=False,
@@ -151,7 +158,8 @@ FAMILY = Gemma4(
     "gemma4_text", "Gemma4ForCausalLM",
     {**{k: v for k, v in ARCH_DEFAULTS.items()
         if k not in ("global_head_dim", "global_n_kv_heads", "attention_k_eq_v",
-                     "num_kv_shared_layers", "per_layer_input_dim")},
+                     "num_kv_shared_layers", "per_layer_input_dim",
+                     "final_logit_softcapping")},
      "mlp": "geglu", "post_norms": True, "scale_embeddings": True, "qk_norm": True,
      "value_norm": True, "layer_scalar": True, "query_pre_attn_scalar": 1.0},
     ("hidden_activation", "gelu_pytorch_tanh"), default_theta=1_000_000.0,

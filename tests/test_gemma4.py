@@ -1,6 +1,7 @@
 """Gemma 4's attention under CP: a tiny Gemma 4 GPT (sliding layers of head dim 24 beside
 full layers of head dim 32 with one kv head whose values are their keys' projection, the
-last two layers attending with layers 2's and 1's K/V, per-layer inputs, layer scalars) at
+last two layers attending with layers 2's and 1's K/V, per-layer inputs, layer scalars,
+logits capped at 2: each TP rank caps its vocabulary shard) at
 cp2 ring zigzag, cp2 Ulysses and tp2 x cp2, under each activation recompute: the loss and every gradient (gathered over TP) equal one process's. One spawn
 of four ranks, the layouts looped inside. The consumer layers read their producer's K/V
 as the producer's own ranks hold them, so a layout that computed them anew, or on other
@@ -29,7 +30,7 @@ GEMMA4 = ModelConfig(
     rope_theta=1e6, rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
     layer_rope={"sliding_attention": {"rope_theta": 1e4}}, global_head_dim=32,
     global_n_kv_heads=1, attention_k_eq_v=True, value_norm=True, num_kv_shared_layers=2,
-    per_layer_input_dim=16, layer_scalar=True)
+    per_layer_input_dim=16, layer_scalar=True, final_logit_softcapping=2.0)
 # fp32; CP reorders the softmax's sums (partials merged by LSE, gradients summed over CP
 # and DP) over five layers: ~1e-6 of a tensor's largest value (sqrt(d)-scaled embeddings
 # and softmax scale 1 make this model's gradients up to ~1), so each tensor is compared
@@ -145,3 +146,41 @@ def test_bad_gemma4_configs_fail_at_load_in_one_line(model, parallel, message):
         config_from_dict({"model": {**fields, **model},
                           "parallel": {"tp": 1, "cp": 1, "dp": 1, **parallel}})
     assert message in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------- the planner and kernels
+
+@pytest.mark.quick
+def test_the_planner_counts_the_parameters_the_model_holds():
+    from ctxpar.plan import counts
+    model = GPT(GEMMA4)
+    assert counts.total_params(GEMMA4) == sum(p.numel() for p in model.parameters())
+    assert counts.stage_vector_params(GEMMA4, 1, 1, 0) == sum(
+        p.numel() for p in model.parameters() if p.dim() == 1)
+
+
+def test_layers_sharing_kv_keep_no_kv_in_the_planners_activations():
+    """A consumer block saves q, out and lse (its K/V are its producer's tensors, and it has
+    no k_norm); the same block computing its own K/V would save them too: at least
+    2 N Hkv hd e more (and its k_norm's tensors)."""
+    from ctxpar.plan import counts
+    from ctxpar.plan.candidate import Candidate
+    cand = Candidate(1, 2, 1, 1)
+    shared = counts.activations(GEMMA4, cand, 2).layers
+    own = counts.activations(replace(GEMMA4, num_kv_shared_layers=0), cand, 2).layers
+    n = N // 2  # tokens a rank
+    assert own[3] - shared[3] >= 2 * n * 2 * 24 * 2  # sliding: 2 kv heads of 24
+    assert own[4] - shared[4] >= 2 * n * 1 * 32 * 2  # full: 1 kv head of 32
+    assert own[:3] == shared[:3]
+
+
+def test_head_dim_512_is_refused_by_the_fused_kernels_that_cannot_take_it():
+    from ctxpar.context_parallel.kernels import BACKENDS
+    from ctxpar.plan.kv_layers import kernels_refusing
+    big = replace(GEMMA4, global_head_dim=512)
+    assert "flash_attn, sdpa (CUDA bf16/fp16), flash_attn4 cannot take it" in \
+        kernels_refusing(big)
+    assert kernels_refusing(GEMMA4) is None  # 24 and 32
+    q = torch.empty(1, 4, 2, 512, dtype=torch.bfloat16)
+    assert BACKENDS["flash_attn"].why_not(q) == "head_dim 512 > 256"
+    assert BACKENDS["flash_attn"].why_not(q[..., :256]) != "head_dim 256 > 256"
