@@ -2,7 +2,8 @@
 full layers of head dim 32 with one kv head whose values are their keys' projection, the
 last two layers attending with layers 2's and 1's K/V, per-layer inputs, layer scalars,
 logits capped at 2: each TP rank caps its vocabulary shard) at
-cp2 ring zigzag, cp2 Ulysses and tp2 x cp2, under each activation recompute: the loss and every gradient (gathered over TP) equal one process's. One spawn
+cp2 ring zigzag, cp2 Ulysses and tp2 x cp2, under each activation recompute: the loss
+and every gradient (gathered over TP) equal one process's. One spawn
 of four ranks, the layouts looped inside. The consumer layers read their producer's K/V
 as the producer's own ranks hold them, so a layout that computed them anew, or on other
 tokens, would change both; the folder's equality to transformers is tests/test_hf.py's.
@@ -184,3 +185,20 @@ def test_head_dim_512_is_refused_by_the_fused_kernels_that_cannot_take_it():
     q = torch.empty(1, 4, 2, 512, dtype=torch.bfloat16)
     assert BACKENDS["flash_attn"].why_not(q) == "head_dim 512 > 256"
     assert BACKENDS["flash_attn"].why_not(q[..., :256]) != "head_dim 256 > 256"
+
+
+# ---------------------------------------------------------------- generation
+
+def test_cached_generation_keeps_the_producers_kv_alone_and_equals_full_forwards():
+    """One process: generate() with the KV cache (per-layer head dims and kv heads, the
+    consumer layers reading their producer's slots, which they never write) continues as
+    a full forward per token does, past the sliding window; the cache holds three layers'
+    K/V, not five."""
+    from ctxpar.inference import generate
+    from ctxpar.testing.generation import reference_generate
+    model = GPT(GEMMA4, options=ModelOptions(seed=SEED)).eval()
+    prompts = [[5, 17, 3, 88, 41, 9, 60, 2, 33, 71], [12, 4, 90]]
+    want, _ = reference_generate(model, prompts, 6)
+    out = generate(model, prompts, 6)
+    assert out.tokens == want
+    assert [tuple(k.shape[1::2]) for k in out.cache.keys] == [(2, 24), (1, 32), (2, 24)]
