@@ -119,8 +119,9 @@ def gpt_named_buffers(model) -> Iterator:
 def checkpoint_buffers(tag_dir: str, universal_dir: str, n_layers: int
                        ) -> Dict[str, torch.Tensor]:
     """{GPT name: tensor} of the persistent buffers a ctxpar checkpoint saved (the routers'
-    correction biases, Gemma 4's layer scalars): from the universal folder's model file, or a pipeline's per-layer
-    files (layer_XX-model_00-model_states.pt, DeepSpeed's; every TP rank's copy alike)."""
+    correction biases, Gemma 4's layer scalars): from the universal folder's model file,
+    or a pipeline's per-layer files (layer_XX-model_00-model_states.pt, DeepSpeed's; every
+    TP rank's copy alike)."""
     found = saved_buffers(universal_dir)
     if found:
         return found

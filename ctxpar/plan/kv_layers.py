@@ -44,26 +44,3 @@ def kernels_refusing(m: ModelConfig) -> Optional[str]:
     return None if not refusing else (f"head dim {hd}: {', '.join(refusing)} cannot take it "
                                       f"(those layers run on the math kernel)")
 
-
-def kv_layers_reason(cfg, plan) -> str:
-    """One line for a model with Gemma 4's fields: the blocks sharing K/V (none kept: the
-    saved K/V bytes they spare per micro-batch), the per-layer input embedding's
-    parameters on a rank, the head dims and the kernels that cannot take them; ''
-    otherwise."""
-    from ..config.kv_layers import uses_kv_layers
-    from ..config.parameters import per_layer_embedding_specs
-    from . import counts
-    from .search import is_bf16
-    m, cand = cfg.model, plan.candidate
-    if not uses_kv_layers(m):
-        return ""
-    s, e = counts.rank_shapes(m, cand), 2 if is_bf16(cfg) else 4
-    producers = [layer_rank_shapes(s, m, cand.tp, a.kv_source) for a in layer_attention(m)
-                 if a.kv_source is not None]
-    spared = sum(2 * s.N * p.hk * p.hd * e for p in producers)  # the K, V they would save
-    ple = sum(spec.numel(cand.tp) for spec in per_layer_embedding_specs(m))
-    dims = sorted({layer_head_dim(m, a) for a in layer_attention(m)})
-    return (f"Gemma 4 attention: {len(producers)} of {m.n_layers} layers share an earlier "
-            f"layer's K/V (no K/V kept: {spared / 1e9:.2f} GB of saved K/V per micro-batch "
-            f"not made); per-layer input embedding {ple / 1e6:,.1f} M parameters a rank; "
-            f"head dims {dims}" + (f"; {kernels_refusing(m)}" if kernels_refusing(m) else ""))

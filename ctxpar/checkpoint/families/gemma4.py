@@ -38,9 +38,9 @@ from .base import ARCH_DEFAULTS, NO_BIAS, Family, Refuse, attention_layers
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                    "rope_theta": 1_000_000.0}}
-OWN = ("final_logit_softcapping", "layer_types", "sliding_window", "global_head_dim", "num_global_key_value_heads",
-       "per_layer_config", "attention_k_eq_v", "num_kv_shared_layers",
-       "hidden_size_per_layer_input", "vocab_size_per_layer_input")
+OWN = ("final_logit_softcapping", "layer_types", "sliding_window", "global_head_dim",
+       "num_global_key_value_heads", "per_layer_config", "attention_k_eq_v",
+       "num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input")
 
 
 def _types(hf: Dict[str, Any]) -> List[str]:
