@@ -39,12 +39,14 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding
                                     vocab_parallel_cross_entropy)
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
+from .attention import link_shared_kv
 from .block import Block
 from .mixers import INIT_RULES
 from .moe import MoE
 from .mtp import MTP
 from .norms import make_norm
 from .options import LayerArgs, ModelGroups, ModelOptions
+from .per_layer_input import PerLayerInput
 from .rope import layer_rotary
 
 
@@ -78,6 +80,13 @@ def embed_tokens(embed: nn.Module, tokens: torch.Tensor, cfg: ModelConfig) -> to
     if cfg.scale_embeddings:
         x = x * torch.tensor(cfg.d_model ** 0.5).to(device=x.device, dtype=x.dtype)
     return x
+
+
+def cap_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """cap * tanh(logits / cap) under model.final_logit_softcapping (elementwise: each TP
+    rank caps its vocabulary shard), else the logits."""
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def block_recomputed(mode: str, i: int, every_n_layers: int) -> bool:
@@ -139,6 +148,9 @@ class GPT(nn.Module):
         selective = o.activation_checkpointing == "selective"
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
+        # model.per_layer_input_dim: Gemma 4's per-layer input embeddings
+        self.per_layer_input = PerLayerInput(cfg, tp_group, device, dtype) \
+            if cfg.per_layer_input_dim else None
         self.layer_attention = layer_attention(cfg)  # each layer's kind, window, RoPE
         moe_layers = set(moe_layer_indices(cfg.moe, cfg.n_layers))
         self.ep_group, self.dp_cp_group = g.ep_group, g.dp_cp_group  # experts; router losses
@@ -147,6 +159,7 @@ class GPT(nn.Module):
                             o.attention_backend, o.linear_cp, self.memory, selective, device,
                             dtype))
             for i, a in enumerate(self.layer_attention))
+        link_shared_kv(self.layers, self.layer_attention)  # model.num_kv_shared_layers
         self.router_losses = None  # the last training forward's (models/moe.py), or None
         # memory.offload_activations: what checkpointing keeps per layer in host memory
         self.offload = ActivationOffload() if self.memory.offload_activations else None
@@ -261,20 +274,23 @@ class GPT(nn.Module):
         rotary = layer_rotary(positions, rotary_dim(self.cfg),
                               self.layer_attention)  # each layer's (cos, sin), fp32
         x = embed_tokens(self.embed, tokens, self.cfg)  # (B, T/cp, d)
+        # (B, T/cp, L, p) under model.per_layer_input_dim, layer i's [:, :, i]
+        z = None if self.per_layer_input is None else self.per_layer_input(tokens, x)
         off = self.offload  # None, or the hooks moving what each layer keeps to the host
         if off is not None:
             for cos, sin in dict.fromkeys(rotary):
                 off.keep(cos, sin)  # every layer's, on the device once
         for i, layer in enumerate(self.layers):
             cos, sin = rotary[i]
+            zi = None if z is None else z[:, :, i]
             if kv_cache is not None:
-                x = layer(x, cos, sin, kv_cache.layer(i))
+                x = layer(x, cos, sin, kv_cache.layer(i), per_layer_input=zi)
             elif self._checkpointed(i):  # keep only x; replay the block (and its CP attention) in backward
-                x = run_layer(off, checkpoint, layer, x, cos, sin, None, cu_seqlens,
+                x = run_layer(off, checkpoint, layer, x, cos, sin, None, cu_seqlens, zi,
                               use_reentrant=False)
             else:  # selective keeps x and the core's q, k, v, out, lse (offloaded); none, all
                 x = run_layer(off, layer, x, cos, sin, cu_seqlens=cu_seqlens,
-                              to_host=layer.selective)
+                              per_layer_input=zi, to_host=layer.selective)
         return self.final_norm(x)
 
     def _router_stats(self, training: bool) -> Optional[RouterStats]:
@@ -320,5 +336,5 @@ class GPT(nn.Module):
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states (B, T, d) -> vocab-parallel logits (B, T, V/tp)."""
         if self.lm_head is not None:
-            return self.lm_head(x)
-        return parallel_lm_logits(x, self.embed.weight, self.tp_group)
+            return cap_logits(self.lm_head(x), self.cfg)
+        return cap_logits(parallel_lm_logits(x, self.embed.weight, self.tp_group), self.cfg)

@@ -311,7 +311,8 @@ def test_every_shipped_config_validates(path):
                                          ("extend_deepseek_v2_lite_1m", 15_706_484_224),
                                          ("extend_minimax_m2_768k", 228_689_748_992),
                                          ("extend_llama4_scout_1m", 107_769_861_120),
-                                         ("extend_kimi_linear_48b_1m", 49_122_675_072)])
+                                         ("extend_kimi_linear_48b_1m", 49_122_675_072),
+                                         ("extend_gemma4_31b_512k", 30_697_345_280)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch

@@ -29,8 +29,9 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,  # noqa: E402
-                          DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig,
-                          KimiLinearConfig, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
+                          DeepseekV3Config, Gemma3TextConfig, Gemma4TextConfig,
+                          Glm4MoeConfig, GptOssConfig, KimiLinearConfig,
+                          Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
                           MistralConfig, MixtralConfig, NemotronHConfig, OlmoHybridConfig,
                           Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           Qwen3NextConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
@@ -74,6 +75,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 QWEN3_5_LAYERS = dict(layer_types=["linear_attention", "full_attention"],
                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                       linear_value_head_dim=6)
+GEMMA4_TYPES = ["sliding_attention", "full_attention", "sliding_attention",
+                "sliding_attention", "full_attention"]
 MLA_SMALL = dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, kv_lora_rank=16,
                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
                  first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
@@ -211,6 +214,16 @@ FAMILY_CONFIGS = {
         linear_attn_config=dict(num_heads=4, head_dim=8, short_conv_kernel_size=4,
                                 kda_layers=[1, 2, 3], full_attn_layers=[4]),
         pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+    # Gemma 4: full layers (1, 4) of head dim 32 and one kv head whose values are their
+    # keys' projection, beside sliding layers (window 6) of head dim 24; layers 3 and 4
+    # attend with layers 2's and 1's K/V; per-layer inputs 16 wide; proportional RoPE on a
+    # quarter of the full layers' frequencies (transformers' default); logits capped at 2
+    "gemma4_text": (Gemma4TextConfig, dict(num_hidden_layers=5, layer_types=GEMMA4_TYPES,
+                                           sliding_window=6, global_head_dim=32,
+                                           num_global_key_value_heads=1, attention_k_eq_v=True,
+                                           num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+                                           vocab_size_per_layer_input=96,
+                                           final_logit_softcapping=2.0)),
 }
 
 
@@ -228,7 +241,7 @@ def tiny_family(path, family, tied, **overrides):
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "layer_scalar")):
                 b.add_(0.3 * torch.randn(b.shape, generator=g))
     model.save_pretrained(path)
     return model
@@ -247,7 +260,7 @@ def ctxpar_from(path):
 
 def weights_of(model):
     """(GPT name, tensor) of what an export writes: the parameters, the routers' buffers."""
-    buffers = set(hf.router_buffer_names(model.cfg))
+    buffers = set(hf.folder_buffers(model.cfg))
     return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers()
                                          if n in buffers)]
 
@@ -255,6 +268,7 @@ def weights_of(model):
 @pytest.mark.quick
 @pytest.mark.parametrize("scaling", [
     None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, YARN,
+    {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 2.0},  # Gemma 4
     {**LLAMA3, "factor": 16.0, "high_freq_factor": 1.0},  # Llama 4's: no blended band
     {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},
     {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, {**YARN, "attention_factor": 1.5}])
@@ -340,6 +354,9 @@ ROPE_VARIANTS = {
     "kimi_linear": dict(rope_parameters=rope("yarn"), q_lora_rank=24, num_key_value_heads=32,
                         layer_types=["full_attention"] + ["linear_attention"] * 3,
                         mlp_layer_types=["sparse", "dense", "sparse", "sparse"]),
+    "gemma4_text": dict(rope_parameters={  # half the frequencies, interpolated; scaled local
+        "full_attention": rope("proportional", 5e5, partial_rotary_factor=0.5, factor=4.0),
+        "sliding_attention": rope("linear", 100.0)}),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
@@ -347,7 +364,8 @@ FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral",
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
                 ("qwen3_next", False), ("qwen3_5_moe_text", True), ("deepseek_v3", False),
                 ("deepseek_v2", True), ("glm4_moe", False), ("minimax_m2", False),
-                ("llama4_text", False), ("kimi_linear", False)]
+                ("llama4_text", False), ("kimi_linear", False),
+                ("gemma4_text", True)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -393,6 +411,10 @@ NEW_FEATURES = {
     "kimi_linear": [{"rope": True, "rope_theta": 100.0}, {"moe.routed_scaling_factor": 1.0},
                     {"moe.n_group": 1, "moe.topk_group": 1},
                     {"moe.score_correction_bias": False}, {"moe.shared_expert_hidden": 0}],
+    "gemma4_text": [{"attention_k_eq_v": False}, {"num_kv_shared_layers": 0},
+                    {"value_norm": False}, {"per_layer_input_dim": 0}, {"layer_scalar": False},
+                    {"rope_scaling": None}, {"query_pre_attn_scalar": 24.0},
+                    {"final_logit_softcapping": None}],
 }
 
 
@@ -708,6 +730,14 @@ def family_json(family, **fields):
     ("llama4_text", "moe_layers", [7], "moe_layers=[7]: a list of layer indices in [0, "),
     ("llama4_text", "use_qk_norm", "yes", "use_qk_norm='yes': config.json must give it as a "
                                           "boolean"),
+    # Gemma 4: its experts beside the MLP, the wide shared-KV MLPs, the logits' softcap, a
+    # per-layer vocabulary of its own, full layers of different shapes
+    ("gemma4_text", "enable_moe_block", True, "experts beside the dense MLP"),
+    ("gemma4_text", "use_double_wide_mlp", True, "use_double_wide_mlp=True: the shared-KV"),
+    ("gemma4_text", "final_logit_softcapping", "30", "final_logit_softcapping='30': a number"),
+    ("gemma4_text", "vocab_size_per_layer_input", 48, "per-layer embedding has the "
+                                                      "vocabulary's 96 rows"),
+    ("gemma4_text", "per_layer_config", {"0": {"head_dim": 32}}, "per_layer_config={'0': "),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -1603,7 +1633,14 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # Kimi Linear: KDA's state passed over zigzag halves beside the NoPE MLA's latent ring,
     # extended to twice the folder's positions as they are (nothing turns), generate.py at
     # cp2 (KDA's replicated states and the latent cache)
-    ("kimi_linear", "cp2-state-zigzag")]
+    ("kimi_linear", "cp2-state-zigzag"),
+    # Gemma 4: shared K/V, k_eq_v, head dims 24 and 32, per-layer inputs at cp2 zigzag,
+    # twice the folder's positions, and generate.py at cp2 (its cache: the producers'
+    # slots only); the other layouts are tests/test_gemma4_cp.py's
+    ("gemma4_text", "cp2-state-zigzag")]
+# a family's folder for the runs when not the default sizes below
+RUN_SIZES = {"gemma4_text": dict(vocab_size=256, vocab_size_per_layer_input=256,
+                                 intermediate_size=192)}
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
@@ -1619,8 +1656,8 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     experts' widths gathered over TP) and cp2 x pp2 (the routers' statistics across the
     stages), their step-1 loss with transformers' load-balancing loss."""
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
-    ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(
-        family, HYBRID_MOE.get(family, dict(vocab_size=256, intermediate_size=192))))
+    ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(family, HYBRID_MOE.get(
+        family, RUN_SIZES.get(family, dict(vocab_size=256, intermediate_size=192)))))
     mtp = None
     if (family, layout) == ("deepseek_v3", "cp2-zigzag-ep2"):  # with its MTP layer
         # (model.layers.3.*, an MLA + MoE block) as model.mtp, its experts over EP too

@@ -81,7 +81,7 @@ def _imported(src, depth=1):
 
 def _weights(model):
     """What an export writes: the parameters and the routers' correction biases."""
-    names = set(hf.router_buffer_names(model.cfg))
+    names = set(hf.folder_buffers(model.cfg))
     return itertools.chain(model.named_parameters(),
                            ((n, b) for n, b in model.named_buffers() if n in names))
 

@@ -941,7 +941,8 @@ def test_block_fields_are_all_block_specs_reads():
                  time_step_min=0.01, time_step_max=0.2, time_step_floor=1e-3,
                  partial_rotary_factor=0.5, rope=False, linear_allow_neg_eigval=True,
                  linear_norm_eps=1e-5, nope_layers=[0], attn_temperature_tuning=True,
-                 floor_scale=4, attn_scale=0.2, qk_l2_norm=True, mtp=MTPConfig(depth=1))
+                 floor_scale=4, attn_scale=0.2, qk_l2_norm=True, mtp=MTPConfig(depth=1),
+                 value_norm=True, layer_scalar=True, final_logit_softcapping=30.0)
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
@@ -954,7 +955,8 @@ def test_block_fields_are_all_block_specs_reads():
                          "linear_key_head_dim", "linear_value_head_dim",
                          "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim",
                          "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe",
-                         "mla"} == \
+                         "mla", "global_head_dim", "global_n_kv_heads", "attention_k_eq_v",
+                         "num_kv_shared_layers", "per_layer_input_dim"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}
 
 

@@ -36,7 +36,7 @@ from .families.base import ARCH_DEFAULTS, refuse_export_of
 from .resume import CheckpointError
 from .rope_config import rope_keys
 from .weight_reader import (CONFIG, DTYPES, WEIGHTS, WEIGHTS_INDEX, WeightReader,  # noqa: F401
-                            is_hf_folder, read_raw_config, router_buffer_names)
+                            is_hf_folder, read_raw_config, folder_buffers)
 
 # model.* a run started from a folder may set differently: context extension; the export
 # label.

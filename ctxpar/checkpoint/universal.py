@@ -79,10 +79,15 @@ def universal_checkpoint_info(whole_model, n_layers: int, tied: bool,
     from deepspeed.checkpoint import constants as C
 
     replicated, row, fused = set(), set(), {}
-    for name, p in whole_model.named_parameters():
-        key = to_pipe(name, n_layers, tied) if pipelined else name
+    named = [(to_pipe(name, n_layers, tied) if pipelined else name, p)
+             for name, p in whole_model.named_parameters()]
+    # a name split on some layers and replicated on others (Gemma 4's k_proj: the full
+    # layers' kv heads fewer than TP ranks) is replicated by its exact name, not the rule
+    split = {_pattern(key) for key, p in named if is_tensor_parallel(p)}
+    for key, p in named:
         if not is_tensor_parallel(p):
-            replicated.add(_pattern(key))
+            replicated.add(_pattern(key) if _pattern(key) not in split
+                           else re.escape(key) + "$")
         elif partition_sections(p):  # fused parts, or the experts' (E, d, f) split on f
             fused[_pattern(key)] = p
         elif p.partition_dim == 1:

@@ -34,17 +34,22 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes ctxpar reads
 
 
-def router_buffer_names(m: ModelConfig) -> list:
-    """GPT names of the buffers a folder holds: each MoE layer's router correction bias
-    (model.moe.score_correction_bias: transformers' e_score_correction_bias, models/moe.py),
-    the MTP depths' after the blocks' (model.mtp.moe)."""
-    if m.moe is None or not m.moe.score_correction_bias:
-        return []
-    types = layer_types(m)
-    mtp = m.mtp.depth if m.mtp is not None and m.mtp.moe else 0
-    return [f"layers.{i}.mlp.gate.e_score_correction_bias"
-            for i in moe_layer_indices(m.moe, m.n_layers) if LAYER_MIXERS[types[i]][1]] + [
-        f"mtp.layers.{k}.block.mlp.gate.e_score_correction_bias" for k in range(mtp)]
+def folder_buffers(m: ModelConfig) -> Dict[str, tuple]:
+    """{GPT name: shape} of the buffers a folder holds beside the parameters: each MoE
+    layer's router correction bias (model.moe.score_correction_bias: transformers'
+    e_score_correction_bias, models/moe.py), the MTP depths' after the blocks' (model.mtp.
+    moe), and each block's layer scalar (model.layer_scalar: Gemma 4's, models/block.py)."""
+    out = {}
+    if m.moe is not None and m.moe.score_correction_bias:
+        types = layer_types(m)
+        mtp = m.mtp.depth if m.mtp is not None and m.mtp.moe else 0
+        out.update({f"layers.{i}.mlp.gate.e_score_correction_bias": (m.moe.num_experts,)
+                    for i in moe_layer_indices(m.moe, m.n_layers) if LAYER_MIXERS[types[i]][1]})
+        out.update({f"mtp.layers.{k}.block.mlp.gate.e_score_correction_bias":
+                    (m.moe.num_experts,) for k in range(mtp)})
+    if m.layer_scalar:
+        out.update({f"layers.{i}.layer_scalar": (1,) for i in range(m.n_layers)})
+    return out
 
 
 def is_hf_folder(path: str) -> bool:
@@ -174,10 +179,10 @@ class WeightReader:
         return self.family.from_folder(key, t, self._config)
 
     def buffers(self, m: ModelConfig) -> Dict[str, torch.Tensor]:
-        """{GPT name: tensor} of the routers' correction biases (router_buffer_names), the
-        buffers a folder holds beside the parameters."""
+        """{GPT name: tensor} of the buffers a folder holds beside the parameters
+        (folder_buffers: the routers' correction biases, the layer scalars)."""
         out = {}
-        for name in router_buffer_names(m):
+        for name in folder_buffers(m):
             key = self.key(name)
             if key not in self._where:
                 raise CheckpointError(f"{self.path}: no tensor {key!r} (for {name})")
@@ -264,8 +269,8 @@ class WeightReader:
             if sum(rows) != spec.shape[0]:
                 raise CheckpointError(f"{self.path}: {', '.join(keys)} have {sum(rows)} rows "
                                       f"together, config.json makes them {spec.shape[0]}")
-        for name in router_buffer_names(m):  # the buffers a folder holds too
-            want[self.key(name)] = (m.moe.num_experts,)
+        for name, shape in folder_buffers(m).items():  # the buffers a folder holds too
+            want[self.key(name)] = shape
         for copy, source in self.family.mtp_copies(m).items():  # checked equal on loading
             if copy in self._where:
                 want[copy] = want[source]

@@ -29,6 +29,7 @@ REGISTRY = (
     ("minimax_m2", "minimax_m2", "FAMILY"),
     ("llama4_text", "llama4", "FAMILY"),
     ("kimi_linear", "kimi_linear", "FAMILY"),
+    ("gemma4_text", "gemma4", "FAMILY"),
 )
 HF_FAMILIES = tuple(model_type for model_type, _, _ in REGISTRY)
 # Families transformers has that ctxpar knows it does not build yet: model_type -> what is

@@ -53,6 +53,13 @@ class LayerAttention:
     # NoPE layers under model.attn_temperature_tuning: (floor_scale, attn_scale)
     temperature: Optional[Tuple[int, float]] = None
     attention: str = "attention"     # what an attention layer runs: 'attention' or 'mla'
+    # Gemma 4's per-layer shapes (kv_layers.py): a 'full_attention' layer's own head dim
+    # and kv heads (None: the model's), values from k_proj (model.attention_k_eq_v), and
+    # the earlier layer whose K/V it attends with (model.num_kv_shared_layers; None: its own)
+    head_dim: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    k_eq_v: bool = False
+    kv_source: Optional[int] = None
 
     @property
     def token_mixer(self) -> Optional[str]:
@@ -122,10 +129,12 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
     key = (tuple(m.layer_types) if m.layer_types is not None else m.n_layers,
            m.sliding_window, m.attention_chunk_size, m.rope_theta, repr(m.layer_rope),
            repr(m.rope_scaling), m.rope, repr(m.nope_layers), m.attn_temperature_tuning,
-           m.floor_scale, m.attn_scale, m.mla is not None)
+           m.floor_scale, m.attn_scale, m.mla is not None, m.global_head_dim,
+           m.global_n_kv_heads, m.attention_k_eq_v, m.num_kv_shared_layers)
     if key not in _LAYER_ATTENTION:  # once per model: the planner asks per candidate
-        out = []
+        out, sources = [], kv_sources(m)
         for i, kind in enumerate(layer_types(m)):
+            full = kind == "full_attention"
             rope = (m.layer_rope or {}).get(kind, {})
             turned = m.rope and i not in (m.nope_layers or ())
             out.append(LayerAttention(
@@ -136,12 +145,24 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
                 rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling,
                 turned, None if turned or not m.attn_temperature_tuning
                 else (m.floor_scale, float(m.attn_scale)),
-                "mla" if m.mla is not None else "attention"))
+                "mla" if m.mla is not None else "attention",
+                m.global_head_dim if full else None, m.global_n_kv_heads if full else None,
+                bool(m.attention_k_eq_v) and full, sources.get(i)))
         _LAYER_ATTENTION[key] = tuple(out)
     return list(_LAYER_ATTENTION[key])
 
 
 _LAYER_ATTENTION: dict = {}  # layer_attention's: the fields it reads -> every layer's
+
+
+def kv_sources(m: ModelConfig) -> Dict[int, int]:
+    """{layer: the layer whose K/V it attends with} of the last model.num_kv_shared_layers
+    layers: the last earlier layer of its type before them (transformers' Gemma 4
+    kv_sharing_modes); a type without one is missing (kv_layers.check_kv_layers refuses)."""
+    types = layer_types(m)
+    first = len(types) - (m.num_kv_shared_layers or 0)
+    own = {t: i for i, t in enumerate(types[:first])}  # each type's last computing layer
+    return {i: own[types[i]] for i in range(max(first, 0), len(types)) if types[i] in own}
 
 
 def mtp_layer_attention(m: ModelConfig) -> LayerAttention:

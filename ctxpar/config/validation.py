@@ -10,6 +10,7 @@ from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
 from ..context_parallel.linear.api import check_linear_cp
 from .layer_mixers import has_linear_layers, token_mixers
+from .kv_layers import check_kv_layers
 from .layers import check_layers, gated_delta_dims, mamba_dims
 from .mla import check_mla
 from .pipeline_stages import check_stages_hold_experts
@@ -143,6 +144,7 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
     if m.rope_scaling is not None:
         _check_rope_scaling(m.rope_scaling, err)
     check_layers(m, err)
+    check_kv_layers(m, p, err)
     for rope in (m.layer_rope or {}).values():
         if isinstance(rope, dict) and rope.get("rope_scaling") is not None:
             _check_rope_scaling(rope["rope_scaling"], err)
@@ -347,6 +349,13 @@ def _check_memory(cfg: Config, err: Err) -> None:
         v = getattr(mem, key)
         if v != "auto" and (isinstance(v, str) or v < 1):
             err(f"memory.{key}={v!r} must be 'auto' or an integer >= 1")
+    cap = cfg.model.final_logit_softcapping
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                            or cap <= 0):
+        err(f"model.final_logit_softcapping={cap!r} must be a number > 0 (or null: none)")
+    elif cap is not None and mem.tiled_loss:
+        err(f"model.final_logit_softcapping={cap} with memory.tiled_loss=true: the tiled "
+            f"loss makes its logits uncapped; set memory.tiled_loss false")
     if mem.offload_activations and cfg.activation_checkpointing.mode == "none":
         err("memory.offload_activations=true needs activation_checkpointing.mode 'full', "
             "'selective' or 'every_n_layers' (it offloads what checkpointing keeps; "

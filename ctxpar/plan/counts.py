@@ -18,11 +18,13 @@ from typing import List, Optional
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
 from ..config.layer_mixers import LAYER_MIXERS, LINEAR_MIXERS, first_layer_type, layer_types
 from ..config.layers import DELTA_TYPES, gated_delta_dims, mamba_dims
-from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs, mtp_specs
+from ..config.parameters import (block_fields, block_specs, embedding_spec, head_specs,
+                                 mtp_specs, per_layer_embedding_specs)
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 from . import mla_layers
+from .kv_layers import layer_rank_shapes, per_layer_shapes
 from .moe_layers import (block_model, expert_params, mixed_mlps, moe_indices,
                          router_losses_saved, routed_saved, stage_expert_params)
 
@@ -185,8 +187,8 @@ def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """stage_params with every expert on the rank."""
     n = stage_block_params(m, tp, pp, stage)
     embed = embedding_spec(m).numel(tp)
-    if stage == 0:
-        n += embed
+    if stage == 0:  # the embedding, and Gemma 4's per-layer input embedding beside it
+        n += embed + _numel(per_layer_embedding_specs(m), tp)
     if stage == pp - 1:
         n += _numel(head_specs(m), tp)  # the final norm, and an untied head
         n += _numel(mtp_specs(m, tp), tp)  # model.mtp's depths, beside the head
@@ -198,9 +200,12 @@ def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
 def stage_block_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """The blocks' parameters on one rank of pipeline stage `stage`, every expert
     counted: each block's own (its layer type, its MLP dense or MoE)."""
+    start = sum(stage_layers(m, pp, i) for i in range(stage))
+    if m.num_kv_shared_layers:  # Gemma 4's blocks sharing K/V have no k/v: each its own
+        return sum(_numel(block_specs(m, i, tp), tp)
+                   for i in range(start, start + stage_layers(m, pp, stage)))
     if m.layer_types is None and not mixed_mlps(m):  # one kind: every block the same
         return stage_layers(m, pp, stage) * block_params(m, tp)
-    start = sum(stage_layers(m, pp, i) for i in range(stage))
     return sum(block_params(m, tp, k, moe if mixed_mlps(m) else None)
                for k, moe in blocks(m, start, stage_layers(m, pp, stage)))
 
@@ -210,15 +215,19 @@ def stage_vector_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     without weight decay; the rest are the matrices' group."""
     def vectors(kind, moe=None):
         return _numel([s for s in _block(m, tp, kind=kind, moe=moe) if len(s.shape) == 1], tp)
-    if mixed_mlps(m):
-        start = sum(stage_layers(m, pp, i) for i in range(stage))
+    start = sum(stage_layers(m, pp, i) for i in range(stage))
+    if m.num_kv_shared_layers:  # blocks sharing K/V have no k_norm: each its own
+        per = sum(_numel([s for s in block_specs(m, i, tp) if len(s.shape) == 1], tp)
+                  for i in range(start, start + stage_layers(m, pp, stage)))
+    elif mixed_mlps(m):
         per = sum(vectors(k, moe) for k, moe in blocks(m, start, stage_layers(m, pp, stage)))
     elif m.layer_types is not None:
         per = sum(vectors(k) for k in stage_kinds(m, pp, stage))
     else:
         per = stage_layers(m, pp, stage) * vectors(None)
     final = _numel([s for s in head_specs(m) + mtp_specs(m, tp) if len(s.shape) == 1], tp)
-    return per + (final if stage == pp - 1 else 0)
+    first = _numel([s for s in per_layer_embedding_specs(m) if len(s.shape) == 1], tp)
+    return per + (final if stage == pp - 1 else 0) + (first if stage == 0 else 0)
 
 
 def largest_tensor(m: ModelConfig, tp: int, ep: int = 1) -> int:
@@ -395,7 +404,13 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     s = rank_shapes(m, cand)
     layers = s.L if layers is None else layers
     modes = layer_modes(cand, layers)
-    if m.layer_types is None and not mixed_mlps(m):  # one kind
+    if per_layer_shapes(m):  # Gemma 4: each block its own head dim, kv heads, K/V or none
+        per = tuple(block_activations(layer_rank_shapes(s, m, cand.tp, i), e, cand, mode,
+                                      kind, m, tiled_mlp, device)
+                    for i, (mode, (kind, _)) in enumerate(zip(modes, blocks(m, start, layers)),
+                                                          start))
+        conv_taps = 0
+    elif m.layer_types is None and not mixed_mlps(m):  # one kind
         one = {mode: layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device, m)
                + gate_saved(s, e, mode, m) for mode in set(modes)}
         per = tuple(one[mode] for mode in modes)
@@ -410,6 +425,8 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
                 if mode != "full" and LAYER_MIXERS[k][0] in LINEAR_MIXERS]
         conv_taps = sum(8 * (s.N // s.B) * K for K in set(conv))
     rope = mla_layers.rope_width(m) if m.mla is not None else s.hd  # cos, sin: rope / 2 each
+    if per_layer_shapes(m):  # one cos, sin per head dim (Gemma 4's two)
+        rope = sum({layer_rank_shapes(s, m, cand.tp, i).hd for i in range(s.L)})
     embed = (s.B if reset_positions else 1) * (s.N // s.B) * rope * 4 + conv_taps
     if first:
         embed += 8 * s.N                                   # token ids (int64)
