@@ -151,12 +151,20 @@ def _check(lengths: Sequence[int], world: int, budget: int, sizes) -> List[int]:
 
 def schedule(lengths: Sequence[int], world: int, budget: int, cost: Cost,
              overhead: float = 0.0, layout: str = "zigzag",
-             sizes: Optional[Sequence[int]] = None) -> Schedule:
+             sizes: Optional[Sequence[int]] = None,
+             doc_sizes: Optional[Sequence[int]] = None) -> Schedule:
     """Each document's CP size and place (the module docstring). sizes: the CP degrees
-    allowed (default 1..world); ScheduleError when a document fits none of them."""
+    allowed (default 1..world); ScheduleError when a document fits none of them.
+    doc_sizes: each document's CP size when the caller chose it (balance.py may give a
+    document more ranks than it needs, never fewer), else the smallest that holds it."""
     sizes = sorted(set(range(1, world + 1) if sizes is None else sizes))
     lengths = _check(lengths, world, budget, sizes)
     size_of = [cp_size_for(n, budget, sizes, layout) for n in lengths]
+    if doc_sizes is not None:
+        if any(d < m or d not in sizes for d, m in zip(doc_sizes, size_of)):
+            raise ScheduleError(f"CP sizes {list(doc_sizes)} are not allowed sizes at least "
+                                f"each document's smallest {size_of}")
+        size_of = [int(d) for d in doc_sizes]
     seconds = [cost(n, d) for n, d in zip(lengths, size_of)]
     tiles = cp_tiles(world, sizes)
     lpt = sorted(range(len(lengths)), key=lambda i: (-seconds[i], i))
