@@ -316,9 +316,10 @@ class DataConfig:
     tokens each over a CP group; the comparison the balanced one is measured and tested
     against)."""
     dynamic_cp_window: int = 1
-    """With data.dynamic_cp and the balanced schedule: the steps whose documents may trade
-    places (each window of this many steps dealt again by the documents' work, the same
-    way on every run; 1 = every step its own documents, in the stream's order)."""
+    """With data.dynamic_cp: the steps whose documents may trade places (each window of
+    this many steps dealt again, longest first in snake order, as a function of the
+    lengths: the same on every layout and run, resumable inside a window; 1 = every step
+    its own documents, in the stream's order; ctxpar/dynamic_cp/balance.py)."""
     tokens_per_rank: Optional[int] = None
     """With data.dynamic_cp: the most tokens a rank holds at once, its share of one packed
     sequence (None = model.seq_len / parallel.cp, what static CP gives it)."""

@@ -345,9 +345,7 @@ def _check_dynamic_cp(cfg: Config, err: Err) -> None:
                f"or 'static'")
     elif data.dynamic_cp_window < 1:
         why = f"data.dynamic_cp_window={data.dynamic_cp_window} must be >= 1"
-    elif data.dynamic_cp_window > 1 and data.dynamic_cp_schedule == "static":
-        why = (f"data.dynamic_cp_window={data.dynamic_cp_window} and data.dynamic_cp_schedule="
-               f"'static': static CP takes the documents in the stream's order")
+
     if why:
         err(f"data.dynamic_cp=true with {why}")
 

@@ -21,17 +21,18 @@ near the budget) are what it splits; the tiles and the fill of the one-rank docu
 are schedule.py's. Pure and deterministic, as schedule().
 
 ``exchange_documents`` lets a step trade documents with the other steps of its window
-(data.dynamic_cp_window steps): the window's documents, by their least work, dealt to its
-steps in snake order (largest first: step 0, 1, ..., K-1, K-1, ..., 0, ...), so every
-step gets the same count and a like mix of long and short ones, and no step is left with
-several long documents and too few short ones to fill its ranks' waits. The data order
-changes only inside a window, the same way on every rank and every run (a function of
-the documents' lengths and indices), so a run resumed inside a window draws what the
-uninterrupted one did.
+(data.dynamic_cp_window steps): the window's documents, longest first, dealt to its steps
+in snake order (step 0, 1, ..., K-1, K-1, ..., 0, ...), so every step gets the same count
+and a like mix of long and short ones, and no step is left with several long documents
+and too few short ones to fill its ranks' waits. By length, not by the cost model's
+seconds (the same order wherever a document's work grows with its length): the data
+order then depends on the lengths and indices alone, not on the layout or the machine,
+so runs on different layouts train on the same steps, and a run resumed inside a window
+draws what the uninterrupted one did. The data order changes only inside a window.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -101,15 +102,16 @@ def balanced_schedule(lengths: Sequence[int], world: int, budget: int, cost: Cos
     return best
 
 
-def exchange_documents(picks: List[np.ndarray], work: Callable[[int], float]) -> List[np.ndarray]:
-    """The window's steps' documents (each an array of document ids, work(id) its least
-    rank-seconds) dealt again in snake order of work (module docstring): as many per step
-    as before, each step's ids in ascending order of their place in the window."""
+def exchange_documents(picks: List[np.ndarray], lengths: np.ndarray) -> List[np.ndarray]:
+    """The window's steps' documents (each an array of document ids; lengths[id] a
+    document's tokens) dealt again in snake order, longest first (module docstring): as
+    many per step as before, each step's ids in ascending order of their place in the
+    window."""
     counts = [len(p) for p in picks]
     if len(set(counts)) != 1:
         raise ValueError(f"exchange_documents: steps of unequal sizes {counts}")
     pool = np.concatenate(picks)
-    order = sorted(range(len(pool)), key=lambda j: (-work(int(pool[j])), j))
+    order = sorted(range(len(pool)), key=lambda j: (-int(lengths[pool[j]]), j))
     k = len(picks)
     steps: List[List[int]] = [[] for _ in range(k)]
     for rank, j in enumerate(order):

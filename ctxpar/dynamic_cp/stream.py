@@ -11,12 +11,12 @@ windows (TokenWindows' first..first + n_windows; the held-out windows stay held 
 at least two stored tokens (one input, one label). Step s trains on step_documents(s)
 of them: a function of train.seed and the step, so the state is the step alone. With
 data.dynamic_cp_window = K > 1 the K steps of each window trade documents
-(balance.exchange_documents, a function of the window's documents): the state is still
+(balance.exchange_documents, a function of the window's lengths): the state is still
 the step, and a run resumed inside a window deals the window again as it was dealt.
 
 data.dynamic_cp_schedule picks the placement: 'balanced' (balance.balanced_schedule) or
 'static' (schedule.static_schedule at parallel.cp: static CP's packing of the same
-documents, in order, no window; what the dynamic schedule is compared with, exactly).
+documents in the step's order; what the balanced schedule is compared with, exactly).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import ulysses_degree
 from .batch import document_tokens
-from .balance import balanced_schedule, exchange_documents, least_work, work_bound
+from .balance import balanced_schedule, exchange_documents, work_bound
 from .schedule import Schedule, ScheduleError, cp_size_for, static_schedule, step_documents
 from ..data.indexed import DataError
 
@@ -69,7 +69,7 @@ class DynamicStream:
         self.per_step, self.seed = cfg.train.global_batch_size, cfg.train.seed
         self.sizes = dynamic_cp_sizes_for(cfg, world)
         self.static_cp = p.cp if data.dynamic_cp_schedule == "static" else None
-        self.window = 1 if self.static_cp else data.dynamic_cp_window
+        self.window = data.dynamic_cp_window
         self._dealt = (None, None)  # (first step of the window, its steps' documents)
         ds = source.data
         lo, hi = source.first * source.seq_len, (source.first + source.n_windows) \
@@ -101,9 +101,7 @@ class DynamicStream:
         if self._dealt[0] != first:
             picks = [step_documents(len(self.ids), self.per_step, self.seed, s)
                      for s in range(first, first + self.window)]
-            work = lambda j: least_work(int(self.lengths[j]), self.budget, self.sizes,  # noqa: E731
-                                        self.layout, self.cost)[1]
-            self._dealt = (first, exchange_documents(picks, work))
+            self._dealt = (first, exchange_documents(picks, self.lengths))
         return self._dealt[1][step - first]
 
     def plan(self, lengths: List[int]) -> Schedule:
