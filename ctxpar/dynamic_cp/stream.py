@@ -87,7 +87,8 @@ class DynamicStream:
         """DataError (one line) when a training document fits no rank group."""
         longest = int(self.lengths.argmax())
         try:
-            cp_size_for(int(self.lengths[longest]), self.budget, self.sizes, self.layout)
+            cp_size_for(int(self.lengths[longest]), self.budget,
+                        [self.static_cp] if self.static_cp else self.sizes, self.layout)
         except ScheduleError as e:
             raise DataError(f"{self.dataset.prefix}.idx: document {self.ids[longest]}, the "
                             f"longest: {e}") from None

@@ -4,8 +4,8 @@
     cost(n, d)                            # seconds of the busiest of the d ranks
     cost.overhead                         # seconds paid once per packed sequence
 
-cost(n, d) is timing.step_time of a run of one micro-batch of one sample of seq_len n at
-cp d (dp 1, pp 1): the matmuls (linear in n / d), the attention's causal pairs of the
+cost(n, d) is timing.step_time of a run of one micro-batch of one sample of seq_len n (padded
+to the layout's chunks over d ranks, as the packs are) at cp d (dp 1, pp 1): the matmuls (linear in n / d), the attention's causal pairs of the
 busiest rank under the layout (quadratic in n), the TP all-reduces and the CP traffic the
 pattern cannot hide; the per-layer, per-micro-batch overhead (cluster.GPU.overhead) is
 left out and given as ``overhead``, because a rank group runs all its documents of a step
@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Dict, Tuple
 
 from ..config import Config, ulysses_degree
+from ..context_parallel.layouts import num_chunks
 from .candidate import Candidate
 from .cluster import Cluster
 from .search import is_bf16
@@ -48,6 +49,8 @@ class SequenceCost:
         self._seconds: Dict[Tuple[int, int], float] = {}
 
     def __call__(self, n: int, d: int) -> float:
+        c = num_chunks(d, self.layout)
+        n = -(-n // c) * c  # padded to the layout's chunks: what the d ranks hold
         key = (n, d)
         if key not in self._seconds:
             cfg = replace(self.cfg, model=replace(self.cfg.model, seq_len=n),
