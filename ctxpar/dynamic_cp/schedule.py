@@ -8,8 +8,9 @@ W = dp x cp ranks is cut, for every size d, into the tiles of d contiguous ranks
 [k d, (k+1) d), k < W // d (``cp_tiles``: any d from 1 to W, not only powers of two;
 the process groups are built once at start, ctxpar/dynamic_cp/groups.py).
 Documents are placed longest-processing-time first (Graham's LPT), by the cost model's
-seconds, descending. A document of size d >= 2 runs alone (with every size allowed it
-holds more than (d - 1) x budget tokens, so no two would fit one group anyway), on the
+seconds, descending. A document of size d >= 2 runs alone (at its smallest size, with
+every size allowed, it holds more than (d - 1) x budget tokens, so no two would fit one
+group anyway; balance.py may give it more ranks than that, still alone), on the
 tile of its size whose ranks are free first (list scheduling: the group waits for its
 slowest rank). The one-rank documents
 then fill the time ranks wait for a group where they fit, else go after the groups of
