@@ -37,6 +37,7 @@ from ctxpar.moe import RouterStats
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, full_shape,
                                     parallel_lm_logits, shard_full_tensor,
                                     vocab_parallel_cross_entropy)
+from ctxpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .attention import link_shared_kv
@@ -161,6 +162,10 @@ class GPT(nn.Module):
             for i, a in enumerate(self.layer_attention))
         link_shared_kv(self.layers, self.layer_attention)  # model.num_kv_shared_layers
         self.router_losses = None  # the last training forward's (models/moe.py), or None
+        # dynamic CP sets the step's router rows: each forward then keeps its pack's share
+        # and statistics in router_pack, with no collective (ctxpar/moe/aux.py pack_share)
+        self.router_step_rows: Optional[float] = None
+        self.router_pack = None
         # memory.offload_activations: what checkpointing keeps per layer in host memory
         self.offload = ActivationOffload() if self.memory.offload_activations else None
         self.final_norm = make_norm(cfg, device, dtype)
@@ -226,6 +231,9 @@ class GPT(nn.Module):
         loss sum, mtp_weights (D,) models/mtp.py's mtp_loss_weights (None: lambda/D each).
         """
         stats = self._router_stats(labels is not None)
+        packed = stats is not None and self.router_step_rows is not None
+        if packed:  # a dynamic-CP pack: its padding's rows are not the step's
+            stats.valid = (labels != IGNORE_INDEX).reshape(-1)
         x = self.hidden_states(tokens, positions, cu_seqlens=cu_seqlens)  # (B, T/cp, d)
         if labels is None:
             return self.lm_logits(x)
@@ -233,7 +241,9 @@ class GPT(nn.Module):
         if mtp_tokens is not None:
             loss = loss + self._mtp_loss(x, positions, cu_seqlens, mtp_tokens, mtp_labels,
                                          mtp_weights)
-        if stats is not None:  # after the MTP blocks' experts: one all-reduce of the
+        if packed:  # a dynamic-CP pack: its share of the step's router losses, no collective
+            self.router_pack = stats.pack_share(self.cfg.moe.z_loss_coef, self.router_step_rows)
+        elif stats is not None:  # after the MTP blocks' experts: one all-reduce of the
             moe = self.cfg.moe  # routers' counts over DP x CP
             self.router_losses = stats.losses(moe.aux_loss_coef, moe.z_loss_coef,
                                               self.dp_cp_group, moe.seq_aux_loss_coef,

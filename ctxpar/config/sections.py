@@ -334,6 +334,17 @@ class DataConfig:
     data.kind=tokens, parallel.pp=1, every cp_comm (hybrid: sizes 1 and the multiples of
     parallel.ulysses); every ZeRO stage (2 and 3 run the packs in rounds,
     models/dynamic_cp.py)."""
+    dynamic_cp_schedule: str = "balanced"
+    """With data.dynamic_cp: 'balanced' (each document its CP size and rank group, balanced
+    toward the step's work bound, ctxpar/dynamic_cp/balance.py) or 'static' (static CP's
+    packing of the same documents: in order, samples of parallel.cp x tokens_per_rank
+    tokens each over a CP group; the comparison the balanced one is measured and tested
+    against)."""
+    dynamic_cp_window: int = 1
+    """With data.dynamic_cp: the steps whose documents may trade places (each window of
+    this many steps dealt again, longest first in snake order, as a function of the
+    lengths: the same on every layout and run, resumable inside a window; 1 = every step
+    its own documents, in the stream's order; ctxpar/dynamic_cp/balance.py)."""
     tokens_per_rank: Optional[int] = None
     """With data.dynamic_cp: the most tokens a rank holds at once, its share of one packed
     sequence (None = model.seq_len / parallel.cp, what static CP gives it)."""

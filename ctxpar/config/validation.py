@@ -327,8 +327,12 @@ def _check_dynamic_cp(cfg: Config, err: Err) -> None:
     """data.dynamic_cp: what the schedule's packs need of the rest of the run."""
     data, p = cfg.data, cfg.parallel
     if not data.dynamic_cp:
-        if data.tokens_per_rank is not None:
-            err(f"data.tokens_per_rank={data.tokens_per_rank} is for data.dynamic_cp=true")
+        for key, value, default in (("tokens_per_rank", data.tokens_per_rank, None),
+                                    ("dynamic_cp_schedule", data.dynamic_cp_schedule,
+                                     "balanced"),
+                                    ("dynamic_cp_window", data.dynamic_cp_window, 1)):
+            if value != default:
+                err(f"data.{key}={value} is for data.dynamic_cp=true")
         return
     why = None
     if data.kind != "tokens":
@@ -338,6 +342,12 @@ def _check_dynamic_cp(cfg: Config, err: Err) -> None:
                f"stage, but each rank runs its own number of packs")
     elif data.tokens_per_rank is not None and data.tokens_per_rank < 2:
         why = f"data.tokens_per_rank={data.tokens_per_rank} must be >= 2"
+    elif data.dynamic_cp_schedule not in ("balanced", "static"):
+        why = (f"data.dynamic_cp_schedule={data.dynamic_cp_schedule!r}: choose 'balanced' "
+               f"or 'static'")
+    elif data.dynamic_cp_window < 1:
+        why = f"data.dynamic_cp_window={data.dynamic_cp_window} must be >= 1"
+
     if why:
         err(f"data.dynamic_cp=true with {why}")
 
