@@ -58,13 +58,15 @@ class _Pass:
 def kl_forward(ps: _Pass, latent, index_k, group, comm):
     """(kl (B, s) fp32, psum (B, s), index lse (B, s)): one pass over the blocks."""
     B, s = ps.qa.shape[:2]
-    zeros = lambda: torch.zeros(B, s, dtype=torch.float32, device=ps.qa.device)  # noqa: E731
+    # fp64 sums: KL is a small difference of O(1) terms (sum p I against LSE(I))
+    zeros = lambda: torch.zeros(B, s, dtype=torch.float64, device=ps.qa.device)  # noqa: E731
     plogp, pi, psum = zeros(), zeros(), zeros()
-    lse = torch.full((B, s), float("-inf"), dtype=torch.float32, device=ps.qa.device)
+    lse = torch.full((B, s), float("-inf"), dtype=torch.float64, device=ps.qa.device)
 
     def visit(src, blocks):
         for tile in ps.tiles(src):
-            p, i, valid = ps.p_and_i(tile, blocks[1], blocks[0])
+            p, i, valid = (x.double() for x in ps.p_and_i(tile, blocks[1], blocks[0]))
+            valid = valid.bool()
             qs = tile.qs
             plogp[:, qs] += torch.xlogy(p, p).sum(-1)
             pi[:, qs] += (p * i).sum(-1)
@@ -74,7 +76,7 @@ def kl_forward(ps: _Pass, latent, index_k, group, comm):
 
     stream_blocks((index_k, latent), group, comm, visit)
     kl = plogp - pi + torch.where(psum > 0, psum * lse, 0.0)
-    return kl, psum, lse
+    return kl.float(), psum.float(), lse.float()
 
 
 def kl_backward(dkl, ps: _Pass, latent, index_k, psum, lse, group, comm):
