@@ -20,11 +20,12 @@ from ctxpar.context_parallel import cp_stats, shard_sequence
 from ctxpar.context_parallel.latent import LatentDims
 from ctxpar.context_parallel.latent_api import latent_attention
 from ctxpar.context_parallel.layouts import rank_positions
-from ctxpar.context_parallel.sparse_latent import (indexer_kl, indexer_topk,
+from ctxpar.context_parallel.sparse_latent import (indexer_kl, indexer_recall, indexer_topk,
                                                    sparse_latent_attention)
 from ctxpar.testing import run_distributed
 from ctxpar.testing.dsa import (dsa_inputs, reference_index_scores, reference_indexer_kl,
-                                reference_sparse_mla, reference_topk, reference_visible)
+                                reference_recall, reference_sparse_mla, reference_topk,
+                                reference_visible)
 from ctxpar.testing.mla import mla_inputs
 
 DIMS = LatentDims(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
@@ -84,8 +85,15 @@ def _run_case(rank, world, case):
         grads = torch.autograd.grad(out, leaves, dout)
     res.update(out=out, lse=lse, dq=grads[0], dlatent=grads[1], dweight=grads[2],
                stats=st.as_dict())
-    _, dense_lse = latent_attention(q, latent, weight, DIMS, causal=True, return_lse=True,
-                                    softmax_scale=SCALE, **cpkw)
+    dense_out, dense_lse = latent_attention(q, latent, weight, DIMS, causal=True,
+                                            return_lse=True, softmax_scale=SCALE, **cpkw)
+    # every position selected, later ones and other documents' included: the mask drops
+    # them (as DeepseekV32Attention's), leaving dense causal MLA
+    every = torch.arange(n).expand(B, q.shape[1], n)
+    res["every_out"] = sparse_latent_attention(q, latent, weight, DIMS, every,
+                                               softmax_scale=SCALE, **cpkw) - dense_out
+    res["recall"] = indexer_recall(q, latent, weight, DIMS, dense_lse, res["indices"], top_k,
+                                   tp_group=tp_group, softmax_scale=SCALE, **cpkw)
     for stage, main_lse in (("dense_warmup", dense_lse), ("sparse", lse)):
         ileaves = [x.clone().requires_grad_() for x in (iq, ik, iw)]
         kl = indexer_kl(stage, q, latent, weight, DIMS, main_lse, *ileaves, res["indices"],
@@ -122,6 +130,8 @@ def reference(case, n):
     want = {"indices": reference_topk(scores, vis, top_k)}
     want.update(reference_sparse_mla(q, latent, weight, DIMS, want["indices"], vis, SCALE,
                                      dout))
+    want["recall"] = reference_recall(q, latent, weight, DIMS, vis, SCALE, want["indices"],
+                                      top_k)
     for stage in ("dense_warmup", "sparse"):
         leaves = [x.clone().requires_grad_() for x in (iq, ik, iw)]
         kl = reference_indexer_kl(stage, q, latent, weight, DIMS, *leaves, vis, SCALE,
@@ -141,13 +151,14 @@ def reassemble(per_rank, case, world, want):
     for stage in ("dense_warmup", "sparse"):
         got[stage] = {k: torch.zeros_like(v) for k, v in want[stage].items()}
     got["indices"] = torch.zeros_like(want["indices"])
-    for key in ("out", "lse", "dq", "dlatent"):
+    for key in ("out", "lse", "dq", "dlatent", "recall"):
         got[key] = torch.zeros_like(want[key])
     for r, res in enumerate(per_rank):
         res = res[name]
         tp_rank, pos = r % tp, rank_positions(n, r // tp, cp, layout)
         heads = lambda x, d: x.narrow(d, tp_rank * x.shape[d] // tp, x.shape[d] // tp)  # noqa: E731,E501
         got["indices"].index_copy_(1, pos, res["indices"])
+        got["recall"].index_copy_(1, pos, res["recall"])
         got["dlatent"].index_add_(1, pos, res["dlatent"])  # each TP rank's heads' share
         for key, dim in (("out", 2), ("dq", 2)):
             heads(got[key], dim).index_copy_(1, pos, res[key])
@@ -172,6 +183,9 @@ def check_case(per_rank, case, world):
     want = reference(case, n)
     got = reassemble(per_rank, case, world, want)
     assert torch.equal(got["indices"].sort(-1).values, want["indices"].sort(-1).values)
+    assert torch.equal(got["recall"], want["recall"])
+    for res in per_rank:
+        assert res[case[0]]["every_out"].abs().max() < 1e-5
     for key in ("out", "lse", "dq", "dlatent", "dweight"):
         close(got[key], want[key])
     for stage in ("dense_warmup", "sparse"):
@@ -206,6 +220,18 @@ def test_blocks_no_query_selected_are_skipped(world4):
     st = world4[0]["allgather contiguous k64"]["stats"]
     assert st["fwd_blocks_skipped"] == 3 and st["bwd_blocks_skipped"] == 3
     assert world4[3]["allgather contiguous k64"]["stats"]["fwd_blocks_skipped"] == 0
+
+
+def test_ties_go_to_the_lower_position_across_tiles():
+    """Every key equal and the arithmetic exact (small integers): every score of a row
+    ties, and the top-k is the k earliest visible keys whatever tile (or block) they
+    arrived in; -1 past the visible count."""
+    gen = torch.Generator().manual_seed(3)
+    iq = torch.randint(-3, 4, (1, 16, HI, DI), generator=gen).float()
+    ik, iw = torch.ones(1, 16, DI), torch.full((1, 16, HI), 0.5)
+    got = indexer_topk(iq, ik, iw, 3, index_softmax_scale=1.0, tile_budget=1)  # 1 row a tile
+    want = torch.tensor([[0, -1, -1], [0, 1, -1]] + [[0, 1, 2]] * 14)
+    assert torch.equal(got[0], want)
 
 
 def _inputs(s=8):

@@ -92,8 +92,9 @@ def topk_visit(index_q, index_weights, pos: Positions, rank: int, topk: RunningT
 
 def tile_sizes(s: int, heads: int, k: int, budget: Optional[int]) -> tuple:
     """(query rows, key rows) of a tile: the per-head products (Q, Hi, K) within `budget`
-    elements (default 2**22: 16 MiB fp32) and keys no wider than max(top_k, 256)."""
+    elements (default 2**22: 16 MiB fp32), keys at least top_k wide (each merge is a
+    top-k of k + K candidates) and at most 1024 unless top_k is more."""
     budget = budget or 1 << 22
-    k_tile = max(256, k)
+    k_tile = max(k, min(1024, budget // heads))
     q_tile = max(1, min(s, budget // (heads * k_tile)))
     return q_tile, k_tile

@@ -32,7 +32,7 @@ from .comm import group_rank_and_size
 from .documents import check_cu_seqlens
 from .dsa_attention import SparseLatentCore, absorb, values_out
 from .dsa_indexer import RunningTopK, tile_sizes, topk_visit
-from .dsa_loss import IndexerKL
+from .dsa_loss import IndexerKL, _Pass, main_topk_recall
 from .dsa_pairs import Positions, Selection, dense_tiles
 from .dsa_stream import stream_blocks
 from .kernels import default_scale
@@ -197,4 +197,34 @@ def indexer_kl(stage: str, q, latent, kv_b_weight, dims: LatentDims, main_lse, i
                            tp_group)
 
 
-__all__ = ["DSA_COMMS", "DSA_STAGES", "indexer_kl", "indexer_topk", "sparse_latent_attention"]
+def indexer_recall(q, latent, kv_b_weight, dims: LatentDims, main_lse, indices, top_k: int,
+                   *, comm: str = "ring", cp_group=None, tp_group=None,
+                   layout: str = "contiguous", cu_seqlens=None,
+                   softmax_scale: Optional[float] = None,
+                   tile_budget: Optional[int] = None) -> torch.Tensor:
+    """(B, s) fp32, no gradient: per local query, the share of the dense main attention's
+    top_k keys (by p, summed over heads; main_lse the dense MLA's, latent_attention's)
+    that `indices` selected: the indexer's recall, a metric (one more pass of the latent)."""
+    caller = "indexer_recall"
+    check_latent_inputs(q, latent, kv_b_weight, dims, "ring", layout, 1, caller)
+    _check_indices(caller, indices, q)
+    _check_top_k(caller, top_k)
+    B, s, H, _ = q.shape
+    if not isinstance(main_lse, torch.Tensor) or main_lse.shape != (B, H, s):
+        raise ValueError(f"{caller}: main_lse must be (batch, heads, local_seq) = "
+                         f"{(B, H, s)}, got {tuple(getattr(main_lse, 'shape', ()))}")
+    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, tp_group, B,
+                                     cu_seqlens, q.device)
+    tp = 1 if tp_group is None else group_rank_and_size(tp_group)[1]
+    scale = default_scale(dims.qk_head_dim) if softmax_scale is None else float(softmax_scale)
+    q_tile, k_tile = tile_sizes(s, H + dims.latent_dim, top_k, tile_budget)
+    tiles = lambda src: dense_tiles(pos, rank, src, q_tile, k_tile)  # noqa: E731
+    with torch.no_grad():
+        ps = _Pass(absorb(q, kv_b_weight, dims), main_lse, None, None, tiles, scale, None,
+                   H * tp, tp_group)
+        return main_topk_recall(ps, latent, indices.long(), pos, min(top_k, pos.n), group,
+                                comm)
+
+
+__all__ = ["DSA_COMMS", "DSA_STAGES", "indexer_kl", "indexer_recall", "indexer_topk",
+           "sparse_latent_attention"]
