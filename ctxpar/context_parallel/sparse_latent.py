@@ -92,7 +92,7 @@ def indexer_topk(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: to
     visible keys by DeepseekV32Indexer's score, descending, ties to the lower position
     (dsa_indexer.py); -1 past a query's visible count. tp_group: index_q and
     index_weights hold this TP rank's indexer heads (scores all-reduced per tile).
-    tile_budget: elements of one tile's per-head products (default 2**22)."""
+    tile_budget: elements of one tile's per-head products (default 2**20)."""
     caller = "indexer_topk"
     _check_indexer(caller, index_q, index_k, index_weights)
     _check_top_k(caller, top_k)
@@ -122,7 +122,7 @@ def _check_indices(caller, indices, q):
 
 def _q_tile(s, heads, width, budget):
     """Query rows per tile: (Q, K, R + dr) gathered rows and (Q, H, K) scores in budget."""
-    return max(1, min(s, (budget or 1 << 22) // (max(width, 1) * heads)))
+    return max(1, min(s, (budget or 1 << 20) // (max(width, 1) * heads)))
 
 
 def sparse_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor,
