@@ -30,7 +30,8 @@ from ctxpar.testing.mla import mla_inputs
 
 DIMS = LatentDims(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
 B, H, HI, DI, S_LOCAL, SCALE = 2, 4, 16, 12, 8, 0.3
-DOCS = {16: torch.tensor([0, 5, 16], dtype=torch.int32),
+DOCS = {8: torch.tensor([0, 3, 8], dtype=torch.int32),
+        16: torch.tensor([0, 5, 16], dtype=torch.int32),
         32: torch.tensor([0, 3, 14, 27, 32], dtype=torch.int32)}
 # name, comm, layout, documents, top_k, tp: each world runs all of its cases in one spawn
 CASES = [("ring zigzag docs k4", "ring", "zigzag", True, 4, 1),
@@ -195,9 +196,14 @@ def check_case(per_rank, case, world):
     return got
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=pytest.mark.quick)
-                                  if c[0] == "ring zigzag docs k4" else pytest.param(c, id=c[0])
-                                  for c in CASES])
+@pytest.mark.quick
+def test_one_rank_equals_the_reference():
+    """The whole pipeline on one process (no group: comm.LOCAL), documents, top_k 4."""
+    case = CASES[0]
+    check_case([{case[0]: _run_case(0, 1, case)}], case, 1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_two_ranks_equal_one_process(world2, case):
     check_case(world2, case, 2)
 

@@ -44,7 +44,7 @@ DSA_STAGES = ("frozen", "dense_warmup", "sparse")
 DSA_COMMS = ("ring", "allgather")
 
 
-def _check_common(caller, comm, layout, s, cp_group, tp_group, batch, cu_seqlens, device):
+def _check_common(caller, comm, layout, s, cp_group, batch, cu_seqlens, device):
     """comm, layout and documents, locally; returns (group, Positions, rank)."""
     if comm not in DSA_COMMS:
         raise ValueError(f"{caller}: comm={comm!r} is not supported; choose one of "
@@ -97,7 +97,7 @@ def indexer_topk(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: to
     _check_indexer(caller, index_q, index_k, index_weights)
     _check_top_k(caller, top_k)
     B, s, Hi, D = index_q.shape
-    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, tp_group, B,
+    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, B,
                                      cu_seqlens, index_q.device)
     scale = default_scale(D) if index_softmax_scale is None else float(index_softmax_scale)
     k = min(top_k, pos.n)
@@ -137,7 +137,7 @@ def sparse_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: 
     check_latent_inputs(q, latent, kv_b_weight, dims, "ring", layout, 1, caller)
     _check_indices(caller, indices, q)
     B, s, H, _ = q.shape
-    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, None, B, cu_seqlens,
+    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, B, cu_seqlens,
                                      q.device)
     scale = default_scale(dims.qk_head_dim) if softmax_scale is None else float(softmax_scale)
     sel = Selection(indices.long(), pos, rank)
@@ -176,7 +176,7 @@ def indexer_kl(stage: str, q, latent, kv_b_weight, dims: LatentDims, main_lse, i
         if indices is None:
             raise ValueError(f"{caller}: stage 'sparse' needs the indices of indexer_topk")
         _check_indices(caller, indices, q)
-    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, tp_group, B,
+    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, B,
                                      cu_seqlens, q.device)
     tp = 1 if tp_group is None else group_rank_and_size(tp_group)[1]
     scale = default_scale(dims.qk_head_dim) if softmax_scale is None else float(softmax_scale)
@@ -213,7 +213,7 @@ def indexer_recall(q, latent, kv_b_weight, dims: LatentDims, main_lse, indices, 
     if not isinstance(main_lse, torch.Tensor) or main_lse.shape != (B, H, s):
         raise ValueError(f"{caller}: main_lse must be (batch, heads, local_seq) = "
                          f"{(B, H, s)}, got {tuple(getattr(main_lse, 'shape', ()))}")
-    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, tp_group, B,
+    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, B,
                                      cu_seqlens, q.device)
     tp = 1 if tp_group is None else group_rank_and_size(tp_group)[1]
     scale = default_scale(dims.qk_head_dim) if softmax_scale is None else float(softmax_scale)

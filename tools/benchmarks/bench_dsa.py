@@ -82,16 +82,18 @@ def _rank(rank, world, a):
     q, latent, weight, dout, iq, ik, iw = _local(a, rank, None)
     cp = dict(comm="ring", layout="zigzag")
     s = q.shape[1]
-    times = {"sparse": [], "dense": []}
+    times = {"sparse": [], "dense": [], "indexer": []}
     for _ in range(a.iters):
         leaves = [x.clone().requires_grad_() for x in (q, latent, weight)]
         torch.distributed.barrier()
         t0 = time.perf_counter()
         with cp_stats() as index_st:
             idx = indexer_topk(iq, ik, iw, a.top_k, **cp)
+        t1 = time.perf_counter()
         with cp_stats() as attn_st:
             sparse_latent_attention(*leaves, dims, idx, **cp).backward(dout)
         times["sparse"].append(time.perf_counter() - t0)
+        times["indexer"].append(t1 - t0)
         leaves = [x.clone().requires_grad_() for x in (q, latent, weight)]
         torch.distributed.barrier()
         t0 = time.perf_counter()
@@ -100,7 +102,8 @@ def _rank(rank, world, a):
     return dict(index_bytes_per_token=index_st.fwd_bytes_sent / s,
                 latent_bytes_per_token=attn_st.fwd_bytes_sent / s,
                 skipped=attn_st.fwd_blocks_skipped,
-                sparse_s=min(times["sparse"]), dense_s=min(times["dense"]))
+                sparse_s=min(times["sparse"]), dense_s=min(times["dense"]),
+                indexer_s=min(times["indexer"]))
 
 
 def ring(a):
@@ -113,9 +116,11 @@ def ring(a):
     row = dict(index_bytes_per_token=want_index, latent_bytes_per_token=want_latent,
                sparse_s=max(r["sparse_s"] for r in per_rank),
                dense_s=max(r["dense_s"] for r in per_rank),
+               indexer_s=max(r["indexer_s"] for r in per_rank),
                skipped_blocks=[r["skipped"] for r in per_rank])
     print(f"bytes per rank per local token (forward): indexer key {want_index}, latent "
-          f"{want_latent}; sparse layer {row['sparse_s']:.2f} s, dense MLA "
+          f"{want_latent}; sparse layer {row['sparse_s']:.2f} s (indexer "
+          f"{row['indexer_s']:.2f} s), dense MLA "
           f"{row['dense_s']:.2f} s (fwd+bwd, max over ranks)")
     return row
 
