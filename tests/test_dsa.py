@@ -260,3 +260,32 @@ def test_bad_input_is_refused_in_one_line(call, message):
     with pytest.raises(ValueError, match=None) as err:
         call(_inputs())
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_indices_equal_transformers_indexer():
+    """DeepseekV32Indexer on a tiny random config: its top-k (slots on invisible keys
+    dropped, as its attention mask drops them) is indexer_topk's on its projections."""
+    from transformers import DeepseekV32Config
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
+
+    cfg = DeepseekV32Config(hidden_size=32, q_lora_rank=16, index_n_heads=8,
+                            index_head_dim=16, qk_rope_head_dim=4, index_topk=5,
+                            num_attention_heads=4, kv_lora_rank=8, qk_nope_head_dim=8,
+                            v_head_dim=8)
+    torch.manual_seed(0)
+    indexer, n = hf.DeepseekV32Indexer(cfg, 0).float(), 12
+    x, q_resid = torch.randn(B, n, 32), torch.randn(B, n, 16)
+    positions = torch.arange(n)[None].expand(B, n)
+    cos, sin = hf.DeepseekV32RotaryEmbedding(cfg)(x, positions)
+    causal = torch.ones(n, n, dtype=torch.bool).tril().expand(B, n, n)
+    want = indexer(x, q_resid, (cos, sin), causal, positions).long()
+    want = torch.where(torch.gather(causal, 2, want), want, -1)
+    with torch.no_grad():  # the indexer's own projections and half-split RoPE
+        q = indexer.wq_b(q_resid).view(B, n, 8, 16)
+        k = indexer.k_norm(indexer.wk(x)).unsqueeze(2)
+        (q_rot, q_pass), (k_rot, k_pass) = q.split([4, 12], -1), k.split([4, 12], -1)
+        q_rot, k_rot = hf.apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        index_q, index_k = torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1)
+        weights = indexer.weights_proj(x) * 8 ** -0.5
+    got = indexer_topk(index_q, index_k.squeeze(2), weights, cfg.index_topk)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
