@@ -1,0 +1,99 @@
+"""DeepSeek sparse attention (DSA; DeepSeek-V3.2, GLM-5), the token mixer of attention layers
+under model.dsa: MLA (models/mla.py) whose queries attend only to the tokens the lightning
+indexer selects, as transformers' DeepseekV32Attention / GlmMoeDsaAttention compute it.
+
+    qa        q_a_layernorm(q_a_proj(x))                 MLA's query latent  (B, T/cp, Rq)
+    index_q   rope(wq_b(qa))                             (B, T/cp, Hi, Di)
+    index_k   rope(k_norm(wk(x)))                        (B, T/cp, Di): one key per token
+    index_w   weights_proj(x) / sqrt(Hi)                 (B, T/cp, Hi)
+    score     sum_h index_w[s, h] ReLU(index_q[s, h] . index_k[t]) / sqrt(Di)
+    o         MLA of q over the index_topk best-scored earlier tokens of each query
+
+RoPE turns the first qk_rope_head_dim channels of index_q and index_k (rotate-half in
+V3.2, interleaved pairs in GLM-5: model.dsa.rope_interleave). A 'shared' layer
+(model.dsa.indexer_types, GLM-5) has no indexer: it attends over the previous layer's
+selection, which that layer's mixer hands it (``follow``).
+
+The indexer's input is x and qa detached: under 'frozen' it computes the indices without
+gradient (transformers'), under 'dense_warmup' / 'sparse' its KL loss trains its own
+weights only (the DeepSeek-V3.2 report). Over CP the indexer keys travel with the latent
+blocks and the top-k is kept running per query (ctxpar.context_parallel's DSA).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ctxpar.config import ModelConfig
+
+from .mla import MLA, interleaved_to_half
+from .options import LayerArgs
+from .rope import apply_rotary
+
+# The indexer key's LayerNorm epsilon: transformers' DeepseekV32Indexer builds it with 1e-6
+INDEX_NORM_EPS = 1e-6
+
+
+class LightningIndexer(nn.Module):
+    """The indexer's projections (transformers' names: wq_b, wk, k_norm, weights_proj),
+    replicated over TP: every TP rank scores with every indexer head."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        dsa, kw = cfg.dsa, dict(bias=False, device=device, dtype=dtype)
+        self.n_heads, self.head_dim = dsa.index_n_heads, dsa.index_head_dim
+        self.rope_dim, self.interleave = cfg.mla.qk_rope_head_dim, dsa.rope_interleave
+        self.wq_b = nn.Linear(cfg.mla.q_lora_rank, self.n_heads * self.head_dim, **kw)
+        self.wk = nn.Linear(cfg.d_model, self.head_dim, **kw)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=INDEX_NORM_EPS, device=device,
+                                   dtype=dtype)
+        self.weights_proj = nn.Linear(cfg.d_model, self.n_heads, **kw)
+
+    def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        if self.interleave:  # GLM-5: pairs of the rope part, laid out as rotate-half's
+            r = self.rope_dim
+            x = torch.cat((interleaved_to_half(x[..., :r]), x[..., r:]), dim=-1)
+        return apply_rotary(x, cos, sin)  # the first rope_dim channels turned
+
+    def forward(self, x: torch.Tensor, qa: torch.Tensor, cos, sin):
+        """x (B, T/cp, d), qa (B, T/cp, Rq) -> index_q (B, T/cp, Hi, Di), index_k
+        (B, T/cp, Di), index_w (B, T/cp, Hi), fp32 scores' inputs."""
+        B, T = x.shape[:2]
+        q = self._rope(self.wq_b(qa).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x)).unsqueeze(2), cos, sin).squeeze(2)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return q, k, w
+
+
+class DSA(MLA):
+    """MLA with the lightning indexer (module docstring). project_in adds the indexer's
+    inputs to MLA's (q, latent); mix runs the sparse attention over CP."""
+
+    def __init__(self, cfg: ModelConfig, args: LayerArgs, has_indexer: bool):
+        super().__init__(cfg, args.tp_group, args.cp, args.backend, args.device, args.dtype,
+                         args.layer)
+        self.dsa = cfg.dsa
+        self.indexer = LightningIndexer(cfg, args.device, args.dtype) if has_indexer else None
+        self.previous: Optional["DSA"] = None  # a shared layer's: whose selection it uses
+        self.selection = None  # the last forward's top-k (a shared next layer reads it)
+        self.indexer_loss = None  # the last training forward's KL loss sum (fp32), or None
+
+    @classmethod
+    def from_layer(cls, args: LayerArgs) -> "DSA":
+        return cls(args.cfg, args, args.layer.has_indexer)
+
+    def follow(self, previous: "DSA") -> None:
+        """A 'shared' layer uses previous's selection (GLM-5's cross-layer top-k)."""
+        self.previous = previous
+
+    def project_in(self, x: torch.Tensor, cos, sin):
+        """x (B, T/cp, d) -> (q, latent, index_q, index_k, index_w) (None x3 in a shared
+        layer); the indexer reads x and qa detached."""
+        q, latent, qa = self.project(x, cos, sin)
+        if self.indexer is None:
+            return (q, latent, None, None, None), ()
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.dsa.stage != "frozen"):
+            index = self.indexer(x.detach(), qa.detach(), cos, sin)
+        return (q, latent, *index), ()
