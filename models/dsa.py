@@ -27,29 +27,43 @@ import torch
 import torch.nn as nn
 
 from ctxpar.config import ModelConfig
+from ctxpar.tensor_parallel import ColumnParallelLinear, copy_to_tensor_model_parallel_region
+from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .mla import MLA, interleaved_to_half
 from .options import LayerArgs
 from .rope import apply_rotary
+
+try:
+    from ctxpar.context_parallel.sparse_latent import (indexer_kl, indexer_topk,
+                                                       sparse_latent_attention)
+except ImportError:  # until the CP API lands: one process only
+    from ._dsa_single import indexer_kl, indexer_topk, sparse_latent_attention
 
 # The indexer key's LayerNorm epsilon: transformers' DeepseekV32Indexer builds it with 1e-6
 INDEX_NORM_EPS = 1e-6
 
 
 class LightningIndexer(nn.Module):
-    """The indexer's projections (transformers' names: wq_b, wk, k_norm, weights_proj),
-    replicated over TP: every TP rank scores with every indexer head."""
+    """The indexer's projections (transformers' names: wq_b, wk, k_norm, weights_proj).
+    TP splits its heads as MLA's (wq_b, weights_proj by rows; the CP top-k all-reduces the
+    partial scores over TP); wk and k_norm are replicated, their key passing f (its
+    gradient summed over the TP ranks' heads)."""
 
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, tp_group=None, device=None, dtype=None):
         super().__init__()
         dsa, kw = cfg.dsa, dict(bias=False, device=device, dtype=dtype)
-        self.n_heads, self.head_dim = dsa.index_n_heads, dsa.index_head_dim
+        self.tp_group, self.all_heads = tp_group, dsa.index_n_heads
+        self.n_heads = dsa.index_n_heads // tp_size_of(tp_group)  # this rank's
+        self.head_dim = dsa.index_head_dim
         self.rope_dim, self.interleave = cfg.mla.qk_rope_head_dim, dsa.rope_interleave
-        self.wq_b = nn.Linear(cfg.mla.q_lora_rank, self.n_heads * self.head_dim, **kw)
+        self.wq_b = ColumnParallelLinear(cfg.mla.q_lora_rank, dsa.index_n_heads * self.head_dim,
+                                         tp_group=tp_group, **kw)
         self.wk = nn.Linear(cfg.d_model, self.head_dim, **kw)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=INDEX_NORM_EPS, device=device,
                                    dtype=dtype)
-        self.weights_proj = nn.Linear(cfg.d_model, self.n_heads, **kw)
+        self.weights_proj = ColumnParallelLinear(cfg.d_model, dsa.index_n_heads,
+                                                 tp_group=tp_group, **kw)
 
     def _rope(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         if self.interleave:  # GLM-5: pairs of the rope part, laid out as rotate-half's
@@ -58,12 +72,13 @@ class LightningIndexer(nn.Module):
         return apply_rotary(x, cos, sin)  # the first rope_dim channels turned
 
     def forward(self, x: torch.Tensor, qa: torch.Tensor, cos, sin):
-        """x (B, T/cp, d), qa (B, T/cp, Rq) -> index_q (B, T/cp, Hi, Di), index_k
-        (B, T/cp, Di), index_w (B, T/cp, Hi), fp32 scores' inputs."""
+        """x (B, T/cp, d), qa (B, T/cp, Rq) -> index_q (B, T/cp, Hi/tp, Di), index_k
+        (B, T/cp, Di), index_w (B, T/cp, Hi/tp) fp32: the scores' inputs."""
         B, T = x.shape[:2]
         q = self._rope(self.wq_b(qa).view(B, T, self.n_heads, self.head_dim), cos, sin)
         k = self._rope(self.k_norm(self.wk(x)).unsqueeze(2), cos, sin).squeeze(2)
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        k = copy_to_tensor_model_parallel_region(k, self.tp_group)
+        w = self.weights_proj(x).float() * self.all_heads ** -0.5
         return q, k, w
 
 
@@ -75,7 +90,7 @@ class DSA(MLA):
         super().__init__(cfg, args.tp_group, args.cp, args.backend, args.device, args.dtype,
                          args.layer)
         self.dsa = cfg.dsa
-        self.indexer = LightningIndexer(cfg, args.device, args.dtype) if has_indexer else None
+        self.indexer = LightningIndexer(cfg, args.tp_group, args.device, args.dtype) if has_indexer else None
         self.previous: Optional["DSA"] = None  # a shared layer's: whose selection it uses
         self.selection = None  # the last forward's top-k (a shared next layer reads it)
         self.indexer_loss = None  # the last training forward's KL loss sum (fp32), or None
@@ -97,3 +112,50 @@ class DSA(MLA):
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.dsa.stage != "frozen"):
             index = self.indexer(x.detach(), qa.detach(), cos, sin)
         return (q, latent, *index), ()
+
+    def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
+        """The indexer's top-k over the CP group (or the previous layer's), then MLA over
+        the selected tokens (dense under 'dense_warmup'); in training under 'dense_warmup'
+        / 'sparse' the indexer's KL loss sum is left in self.indexer_loss."""
+        q, latent, index_q, index_k, index_w = inputs
+        if cache is not None:  # generation: the cache keeps the latent and the index keys
+            return cache.sparse(self, q, latent, index_k, index_q, index_w)
+        kw = dict(comm=self.cp.comm, cp_group=self.cp.cp_group, layout=self.cp.layout,
+                  cu_seqlens=cu_seqlens)
+        indices = self.select(index_q, index_k, index_w, kw)
+        W, stage = self.kv_b_proj.weight, self.dsa.stage
+        if stage == "dense_warmup":  # attention dense; the indexer learns its distribution
+            out, lse = self.cp.latent_attention(q, latent, W, self.dims, backend=self.backend,
+                                                softmax_scale=self.scale, return_lse=True,
+                                                mask=self.mask(cu_seqlens))
+        else:
+            out, lse = sparse_latent_attention(q, latent, W, self.dims, indices,
+                                               softmax_scale=self.scale, return_lse=True, **kw)
+        self.indexer_loss = None
+        if stage != "frozen" and self.indexer is not None and torch.is_grad_enabled():
+            kl = indexer_kl(stage, q, latent, W, self.dims, lse, index_q, index_k, index_w,
+                            indices, tp_group=self._tp(), softmax_scale=self.scale, **kw)
+            self.indexer_loss = kl.sum()  # (B, T/cp) -> this rank's sum (models/loss.py)
+        return out
+
+    def _tp(self):
+        """The TP group the indexer's and the main heads are split over (None: no TP)."""
+        return self.tp_group if tp_size_of(self.tp_group) > 1 else None
+
+    def select(self, index_q, index_k, index_w, kw) -> torch.Tensor:
+        """(B, T/cp, min(topk, n)) global positions of each query's selected keys (-1:
+        none): this layer's indexer over CP, or a shared layer's previous selection."""
+        if self.indexer is None:
+            self.selection = self.previous.selection
+        else:
+            self.selection = indexer_topk(index_q, index_k, index_w, self.dsa.index_topk,
+                                          tp_group=self._tp(), **kw)
+        return self.selection
+
+
+def link_shared_layers(blocks) -> None:
+    """GLM-5's 'shared' layers: each DSA mixer without an indexer follows the one before."""
+    for before, block in zip(blocks, blocks[1:]):
+        mixer = block.mixer
+        if isinstance(mixer, DSA) and mixer.indexer is None:
+            mixer.follow(before.mixer)

@@ -40,6 +40,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .block import Block
+from .dsa import link_shared_layers
 from .mixers import INIT_RULES
 from .moe import MoE
 from .mtp import MTP
@@ -147,6 +148,7 @@ class GPT(nn.Module):
                             o.attention_backend, o.linear_cp, self.memory, selective, device,
                             dtype))
             for i, a in enumerate(self.layer_attention))
+        link_shared_layers(self.layers)  # model.dsa's 'shared' layers: the top-k before
         self.router_losses = None  # the last training forward's (models/moe.py), or None
         # memory.offload_activations: what checkpointing keeps per layer in host memory
         self.offload = ActivationOffload() if self.memory.offload_activations else None

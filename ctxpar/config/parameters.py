@@ -244,16 +244,17 @@ def _mla_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
 
 
 def _dsa_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
-    """models/dsa.py's: MLA's, then the lightning indexer's (transformers' names),
-    replicated over TP; a 'shared' layer has none (block_specs drops them)."""
+    """models/dsa.py's: MLA's, then the lightning indexer's (transformers' names), its
+    heads split over TP, its key replicated; a 'shared' layer has none (block_specs drops
+    them)."""
     dsa, i = m.dsa, p + "indexer."
     specs = _linear(i + "wq_b", m.mla.q_lora_rank, dsa.index_n_heads * dsa.index_head_dim,
-                    None, False)
+                    "column", False)
     specs += _linear(i + "wk", m.d_model, dsa.index_head_dim, None, False)
     specs += [ParamSpec(i + "k_norm.weight", (dsa.index_head_dim,), None),
               ParamSpec(i + "k_norm.bias", (dsa.index_head_dim,), None)]
     return _mla_specs(m, p, tp) + specs + _linear(i + "weights_proj", m.d_model,
-                                                  dsa.index_n_heads, None, False)
+                                                  dsa.index_n_heads, "column", False)
 
 
 # Each token mixer's parameters under its submodule's name: models/mixers.py registers the

@@ -36,7 +36,7 @@ ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_b
                  "scale_embeddings": False, "attention_output_gate": False, "rope": True,
                  "qk_norm_scope": "head", "reordered_norms": None,
                  "linear_allow_neg_eigval": False, "linear_norm_eps": None, "mla": None,
-                 "nope_layers": None, "attn_temperature_tuning": False, "qk_l2_norm": False}
+                 "dsa": None, "nope_layers": None, "attn_temperature_tuning": False, "qk_l2_norm": False}
 
 # config.json keys that do not change the computation: bookkeeping, token ids, generation
 # defaults, the runtime's switches.
