@@ -122,8 +122,9 @@ class DSA(MLA):
             return cache.sparse(self, q, latent, index_k, index_q, index_w)
         kw = dict(comm=self.cp.comm, cp_group=self.cp.cp_group, layout=self.cp.layout,
                   cu_seqlens=cu_seqlens)
-        indices = self.select(index_q, index_k, index_w, kw)
         W, stage = self.kv_b_proj.weight, self.dsa.stage
+        # the selection (none in the dense warm-up: every visible token is attended)
+        indices = None if stage == "dense_warmup" else self.select(index_q, index_k, index_w, kw)
         if stage == "dense_warmup":  # attention dense; the indexer learns its distribution
             out, lse = self.cp.latent_attention(q, latent, W, self.dims, backend=self.backend,
                                                 softmax_scale=self.scale, return_lse=True,
@@ -159,3 +160,21 @@ def link_shared_layers(blocks) -> None:
         mixer = block.mixer
         if isinstance(mixer, DSA) and mixer.indexer is None:
             mixer.follow(before.mixer)
+
+
+def indexer_losses_of(blocks) -> Optional[torch.Tensor]:
+    """The last training forward's indexer KL, summed over this rank's tokens and the
+    layers with an indexer (fp32 scalar); None: no layer has one (model.dsa unset or
+    'frozen')."""
+    losses = [b.mixer.indexer_loss for b in blocks
+              if isinstance(b.mixer, DSA) and b.mixer.indexer_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def freeze_all_but_indexers(model: nn.Module) -> None:
+    """model.dsa.stage 'dense_warmup' (DeepSeek-V3.2 report, §2.1): the main model frozen,
+    only the lightning indexers' parameters train (the optimizer takes the parameters
+    that require a gradient: models/training.py)."""
+    for name, p in model.named_parameters():
+        if ".indexer." not in name:
+            p.requires_grad_(False)

@@ -84,6 +84,20 @@ def check_dsa(cfg, err) -> None:
     if dsa.index_n_heads % tp:
         err(f"model.dsa.index_n_heads={dsa.index_n_heads} must divide over parallel.tp={tp} "
             f"(the indexer's heads are split as MLA's)")
+    if m.mla.q_lora_rank is None:
+        err("model.dsa with model.mla.q_lora_rank=null: the indexer's queries come from "
+            "MLA's query latent (set q_lora_rank)")
+    if cfg.parallel.cp_comm not in ("ring", "allgather"):
+        err(f"model.dsa with parallel.cp_comm={cfg.parallel.cp_comm!r}: DSA runs over "
+            f"'ring' or 'allgather' (a query's top-k spans the whole sequence; splitting "
+            f"heads buys nothing)")
+    if dsa.stage != "frozen" and cfg.parallel.pp > 1:
+        err(f"model.dsa.stage={dsa.stage!r} with parallel.pp={cfg.parallel.pp}: the "
+            f"indexer's loss does not travel between pipeline stages yet (stage 'frozen' "
+            f"does, or parallel.pp=1)")
+    if dsa.stage != "frozen" and cfg.data.dynamic_cp:
+        err(f"model.dsa.stage={dsa.stage!r} with data.dynamic_cp=true: the packs' steps do "
+            f"not add the indexer's loss yet")
     rope = m.mla.qk_rope_head_dim
     if dsa.index_head_dim <= rope or dsa.index_head_dim % 2:
         err(f"model.dsa.index_head_dim={dsa.index_head_dim} must be even and above "
