@@ -117,9 +117,12 @@ class DSA(MLA):
         """The indexer's top-k over the CP group (or the previous layer's), then MLA over
         the selected tokens (dense under 'dense_warmup'); in training under 'dense_warmup'
         / 'sparse' the indexer's KL loss sum is left in self.indexer_loss."""
-        q, latent, index_q, index_k, index_w = inputs
         if cache is not None:  # generation: the cache keeps the latent and the index keys
-            return cache.sparse(self, q, latent, index_k, index_q, index_w)
+            return cache.sparse(self, *inputs)  # (ctxpar/inference/sparse_decode.py)
+        return self.attend(*inputs, cu_seqlens=cu_seqlens)
+
+    def attend(self, q, latent, index_q, index_k, index_w, cu_seqlens=None) -> torch.Tensor:
+        """mix's training path (generation's prefill too): (B, T/cp, H/tp, dv)."""
         kw = dict(comm=self.cp.comm, cp_group=self.cp.cp_group, layout=self.cp.layout,
                   cu_seqlens=cu_seqlens)
         W, stage = self.kv_b_proj.weight, self.dsa.stage
@@ -135,11 +138,11 @@ class DSA(MLA):
         self.indexer_loss = None
         if stage != "frozen" and self.indexer is not None and torch.is_grad_enabled():
             kl = indexer_kl(stage, q, latent, W, self.dims, lse, index_q, index_k, index_w,
-                            indices, tp_group=self._tp(), softmax_scale=self.scale, **kw)
+                            indices, tp_group=self.tp(), softmax_scale=self.scale, **kw)
             self.indexer_loss = kl.sum()  # (B, T/cp) -> this rank's sum (models/loss.py)
         return out
 
-    def _tp(self):
+    def tp(self):
         """The TP group the indexer's and the main heads are split over (None: no TP)."""
         return self.tp_group if tp_size_of(self.tp_group) > 1 else None
 
@@ -150,7 +153,7 @@ class DSA(MLA):
             self.selection = self.previous.selection
         else:
             self.selection = indexer_topk(index_q, index_k, index_w, self.dsa.index_topk,
-                                          tp_group=self._tp(), **kw)
+                                          tp_group=self.tp(), **kw)
         return self.selection
 
 

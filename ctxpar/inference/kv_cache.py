@@ -21,7 +21,9 @@ block nothing; n_layers above counts its attention layers. A multi-head latent a
 layer (MLA, model.mla) keeps its latent instead of K and V: latent (B, capacity, R + dr)
 per layer and rank, R + dr numbers a token (576 for DeepSeek-V3) where K,V would be
 heads x (qk + v) (40,960); a decode step expands this rank's latent with the layer's
-kv_b_proj (its ``expand``) and attends to it as to cached K,V.
+kv_b_proj (its ``expand``) and attends to it as to cached K,V. A DeepSeek sparse
+attention layer (model.dsa) keeps the latent and its indexer key, and attends to the
+tokens its indexer selects over CP (sparse_decode.py).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from ..tensor_parallel.mappings import tp_size_of
 from .cp_ops import AttentionMask, default_scale, finish_sinks, group_rank_and_size
 from .decode import DecodeStats, merge_partials, partial_attention
 from .linear_cache import LINEAR_MIXERS, LinearLayerCache
+from .sparse_decode import SparseLayerCache
 
 
 def decode_capacity(prefill_len: int, decode_steps: int, cp: int) -> int:
@@ -50,11 +53,14 @@ class KVCache:
     def __init__(self, n_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
                  cp_group=None, dtype=torch.float32, device=None, scale=None,
                  mixers: Optional[Sequence[Optional[str]]] = None,
-                 latent_dim: Optional[int] = None):
+                 latent_dim: Optional[int] = None, index_layers: Sequence[int] = (),
+                 index_dim: int = 0):
         """n_layers: the model's; mixers: each layer's token mixer (LayerAttention.
         token_mixer; None: all attention): 'attention' layers get K,V slots, 'mla' layers
-        latent slots latent_dim wide, 'gated_delta' and 'mamba2' a LinearLayerCache each,
-        an MLP-only block (None) nothing."""
+        latent slots latent_dim wide, 'dsa' layers latent slots and, those in index_layers
+        (their own indexer), indexer-key slots index_dim wide (sparse_decode.py),
+        'gated_delta' and 'mamba2' a LinearLayerCache each, an MLP-only block (None)
+        nothing."""
         self.cp_group = cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
         mixers = ["attention"] * n_layers if mixers is None else list(mixers)
@@ -66,10 +72,14 @@ class KVCache:
         shape = (len(attention), batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        latent = [i for i, m in enumerate(mixers) if m == "mla"]
+        latent = [i for i, m in enumerate(mixers) if m in ("mla", "dsa")]
         self.latent_slot = {i: j for j, i in enumerate(latent)}  # layer -> its latent index
         self.latent = torch.zeros(len(latent), batch, capacity, latent_dim or 0,
                                   dtype=dtype, device=device)
+        self.sparse = {i for i, m in enumerate(mixers) if m == "dsa"}
+        self.index_slot = {i: j for j, i in enumerate(index_layers)}  # layer -> its keys
+        self.index_k = torch.zeros(len(index_layers), batch, capacity, index_dim,
+                                   dtype=dtype, device=device)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.pos = torch.zeros(batch, capacity, dtype=torch.int64, device=device)
         self.query_pos: Optional[torch.Tensor] = None  # (B,) the decoded token's position
@@ -88,7 +98,10 @@ class KVCache:
                    head_dim(m), cp_group, dtype=p.dtype, device=p.device,
                    scale=softmax_scale(m),
                    mixers=[a.token_mixer for a in layer_attention(m)],
-                   latent_dim=m.mla.latent_dim if m.mla is not None else None)
+                   latent_dim=m.mla.latent_dim if m.mla is not None else None,
+                   index_layers=[i for i, a in enumerate(layer_attention(m))
+                                 if a.token_mixer == "dsa" and a.has_indexer],
+                   index_dim=m.dsa.index_head_dim if m.dsa is not None else 0)
 
     @property
     def capacity(self) -> int:
@@ -99,7 +112,8 @@ class KVCache:
         layers' states and conv windows)."""
         return self.k.numel() * self.k.element_size() * 2 + sum(
             c.nbytes() for c in self.linear.values()) + \
-            self.latent.numel() * self.latent.element_size()
+            self.latent.numel() * self.latent.element_size() + \
+            self.index_k.numel() * self.index_k.element_size()
 
     def begin_prefill(self, valid: torch.Tensor, positions: Optional[torch.Tensor] = None,
                       lengths: Optional[torch.Tensor] = None) -> None:
@@ -144,6 +158,8 @@ class KVCache:
         linear layer its LinearLayerCache, which the layer reads and fills itself."""
         if i in self.linear:
             return self.linear[i]
+        if i in self.sparse:  # DSA: kv_cache.sparse(mixer, q, latent, index q, k, w)
+            return SparseLayerCache(self, self.latent_slot[i], self.index_slot.get(i))
         if i in self.latent_slot:  # MLA: kv_cache(q, latent, expand, core, mask)
             return lambda q, latent, expand, core, mask=None: self.latent_attention(
                 self.latent_slot[i], q, latent, expand, core, mask)
