@@ -27,18 +27,14 @@ import torch
 import torch.nn as nn
 
 from ctxpar.config import ModelConfig
+from ctxpar.context_parallel.sparse_latent import (indexer_kl, indexer_topk,
+                                                   sparse_latent_attention)
 from ctxpar.tensor_parallel import ColumnParallelLinear, copy_to_tensor_model_parallel_region
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .mla import MLA, interleaved_to_half
 from .options import LayerArgs
 from .rope import apply_rotary
-
-try:
-    from ctxpar.context_parallel.sparse_latent import (indexer_kl, indexer_topk,
-                                                       sparse_latent_attention)
-except ImportError:  # until the CP API lands: one process only
-    from ._dsa_single import indexer_kl, indexer_topk, sparse_latent_attention
 
 # The indexer key's LayerNorm epsilon: transformers' DeepseekV32Indexer builds it with 1e-6
 INDEX_NORM_EPS = 1e-6

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-DSA_STAGES = ("frozen", "dense_warmup", "sparse")
+from ..context_parallel.sparse_latent import DSA_COMMS, DSA_STAGES
 INDEXER_TYPES = ("full", "shared")
 
 
@@ -87,10 +87,10 @@ def check_dsa(cfg, err) -> None:
     if m.mla.q_lora_rank is None:
         err("model.dsa with model.mla.q_lora_rank=null: the indexer's queries come from "
             "MLA's query latent (set q_lora_rank)")
-    if cfg.parallel.cp_comm not in ("ring", "allgather"):
+    if cfg.parallel.cp_comm not in DSA_COMMS:
         err(f"model.dsa with parallel.cp_comm={cfg.parallel.cp_comm!r}: DSA runs over "
-            f"'ring' or 'allgather' (a query's top-k spans the whole sequence; splitting "
-            f"heads buys nothing)")
+            f"{list(DSA_COMMS)} (a query's top-k spans the whole sequence; splitting heads "
+            f"buys nothing)")
     if dsa.stage != "frozen" and cfg.parallel.pp > 1:
         err(f"model.dsa.stage={dsa.stage!r} with parallel.pp={cfg.parallel.pp}: the "
             f"indexer's loss does not travel between pipeline stages yet (stage 'frozen' "
