@@ -108,3 +108,102 @@ def test_the_dense_warmup_freezes_all_but_the_indexers_and_attends_densely():
         want = dense(tokens, torch.arange(32))
         torch.testing.assert_close(model(tokens, torch.arange(32)), want, rtol=1e-5, atol=1e-6)
         assert not torch.allclose(sparse(tokens, torch.arange(32)), want, atol=1e-3)
+
+
+# The CP layouts against one process (the same GPT at cp 1): logits, the token-mean loss
+# with the indexer's KL, every gradient and the parameters after one SGD step. fp32; the
+# parallel model sums the same terms in another order (LSE merges, TP all-reduces of the
+# partial index scores and head outputs, gradients summed over CP): 1e-5 relative as
+# tests/test_gpt.py's layouts. The top-k is exact (ties to the lower position on both
+# sides), so a changed selection would move the logits by far more.
+TOL = dict(rtol=1e-5, atol=1e-6)
+BATCH, SEQ, LR = 2, 32, 0.1
+DOCS = torch.tensor([0, 11, 32], dtype=torch.int32)  # two packed documents
+PARITY_CASES = [  # (tp, cp, dp, layout, cp_comm, stage, indexer_types, recompute, documents)
+    (2, 2, 1, "zigzag", "ring", "sparse", None, "selective", True),
+    (1, 2, 2, "contiguous", "allgather", "sparse", ["full", "shared"], "full", False),
+    (1, 4, 1, "striped", "ring", "dense_warmup", None, "none", False),
+]
+
+
+def _parity_cfg(stage, types):
+    return dataclasses.replace(_model_cfg(stage, loss_weight=0.5, indexer_types=types),
+                               seq_len=SEQ)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, 128, (BATCH * 2, SEQ), generator=g)
+    labels = torch.randint(0, 128, (BATCH * 2, SEQ), generator=g)
+    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
+    return tokens, labels
+
+
+def _one_process(stage, types, documents):
+    tokens, labels = _batch()
+    model = GPT(_parity_cfg(stage, types), options=ModelOptions(seed=3))
+    docs = DOCS if documents else None
+    pos = torch.arange(SEQ)
+    with torch.no_grad():
+        logits = model(tokens, pos, cu_seqlens=docs)
+    loss = model(tokens, pos, labels, cu_seqlens=docs) / (labels != -100).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR).step()
+    return logits, loss.detach(), grads, {n: p.detach().clone()
+                                          for n, p in model.named_parameters()}
+
+
+def _parity(rank, world, cases):
+    from ctxpar import gather_sequence, init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar.tensor_parallel import (gather_from_tensor_model_parallel_region,
+                                        gather_full_state_dict)
+    from models.gpt import GPT
+    from models.loss import (deepspeed_style_reduce_, global_mean_loss, global_token_count,
+                             loss_for_backward)
+    from models.options import ModelGroups, ModelOptions
+    out = []
+    tokens, labels = _batch()
+    for tp, cp, dp, layout, comm, stage, types, ckpt, documents in cases:
+        st = init_parallel_state(tp=tp, cp=cp, dp=dp)
+        model = GPT(_parity_cfg(stage, types),
+                    ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
+                    ModelOptions(layout=layout, cp_comm=comm, activation_checkpointing=ckpt,
+                                 seed=3))
+        rows = slice(st.dp_rank * 2 * BATCH // dp, (st.dp_rank + 1) * 2 * BATCH // dp)
+        tok = shard_sequence(tokens[rows], 1, st.cp_group, layout)
+        lab = shard_sequence(labels[rows], 1, st.cp_group, layout)
+        pos = sequence_positions(SEQ, st.cp_group, layout)
+        docs = DOCS if documents else None
+        with torch.no_grad():
+            logits = gather_from_tensor_model_parallel_region(model(tok, pos, cu_seqlens=docs),
+                                                              st.tp_group)
+            logits = gather_sequence(logits, 1, st.cp_group, layout)
+        n_tokens = global_token_count(lab, st.dp_cp_group)
+        loss_sum = model(tok, pos, lab, cu_seqlens=docs)
+        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
+        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        grads = gather_full_state_dict(model, st.tp_group, grads=True)
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR).step()
+        out.append(dict(rows=rows, logits=logits, params=gather_full_state_dict(model, st.tp_group),
+                        loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group), grads=grads))
+    return out
+
+
+def test_dsa_layouts_equal_one_process():
+    """ring and all-gather, every token layout, tp2 x cp2, cp4, packed documents, GLM-5's
+    shared layer, the three stages' losses and the dense warm-up's frozen model."""
+    from ctxpar.testing import run_distributed
+    refs = [_one_process(stage, types, docs) for *_, stage, types, _, docs in PARITY_CASES]
+    results = run_distributed(_parity, 4, PARITY_CASES, timeout=240)
+    for rank, per_case in enumerate(results):
+        for case, (logits, loss, grads, params), got in zip(PARITY_CASES, refs, per_case):
+            where = f"rank {rank} {case}"
+            torch.testing.assert_close(got["logits"], logits[got["rows"]], **TOL, msg=where)
+            torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
+            for n in params:
+                if n in grads:
+                    torch.testing.assert_close(got["grads"][n], grads[n], **TOL,
+                                               msg=f"{where} grad {n}")
+                torch.testing.assert_close(got["params"][n], params[n], **TOL,
+                                           msg=f"{where} param {n}")
