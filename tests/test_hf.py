@@ -171,15 +171,18 @@ FAMILY_CONFIGS = {
     # DeepSeek-V2(-Lite): q_proj, the softmax router unnormalised times 2, two shared experts
     "deepseek_v2": (DeepseekV2Config, dict(MLA_SMALL, q_lora_rank=None,
                                            routed_scaling_factor=2.0, n_shared_experts=2)),
-    # DeepSeek-V3.2: V3's MLA and experts with the lightning indexer (8 heads of 16, RoPE
-    # half-split on their first 8 channels), each query's top 12 of the tests' 48 tokens
+    # DeepSeek-V3.2: V3's MLA and experts with the lightning indexer (16 heads of 16, RoPE
+    # half-split on their first 8 channels), each query's top 12 of the tests' tokens;
+    # 16 heads so that no k-th score is an exact tie (every head's ReLU 0: the passkey
+    # rows at 8 heads had one), whose order torch.topk leaves undocumented (ctxpar: the
+    # lower position)
     "deepseek_v32": (DeepseekV32Config, dict(MLA_SMALL, q_lora_rank=24, n_group=2,
-                                             topk_group=1, index_n_heads=8,
+                                             topk_group=1, index_n_heads=16,
                                              index_head_dim=16, index_topk=12)),
     # GLM-5: the same with the indexer's RoPE on interleaved pairs and layer 1 'shared'
     # (it attends over layer 0's selection), one expert group
     "glm_moe_dsa": (GlmMoeDsaConfig, dict(MLA_SMALL, q_lora_rank=24, n_group=1,
-                                          topk_group=1, index_n_heads=8, index_head_dim=16,
+                                          topk_group=1, index_n_heads=16, index_head_dim=16,
                                           index_topk=12,
                                           indexer_types=["full", "shared", "full"])),
     # GLM-4.5: a dense first layer then DeepSeek-V3's router (8 experts in 2 groups, a
@@ -1523,6 +1526,11 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
                                            "cp2-allgather")] + [
     # DeepSeek-V2-Lite's form (q_proj, the unnormalised softmax router) at cp2 Ulysses
     ("deepseek_v2", "cp2-heads")] + [
+    # DeepSeek-V3.2: the indexer's top-k streamed over the ring with the latent, sparse MLA
+    # over the selected tokens, at cp2 x ep2 (generate.py's cache of latents and indexer
+    # keys, its top-k over CP, too); cp2 all-gather, tp2 x cp2, cp2 x pp2 and GLM-5 run by
+    # hand (docs/checkpoints.md)
+    ("deepseek_v32", "cp2-zigzag-ep2")] + [
     # GLM-4.5: DeepSeek-V3's router after a dense layer, partial RoPE, q/k norms and
     # biases, its shared experts; cp2 x ep2 (generate.py too)
     ("glm4_moe", "cp2-zigzag-ep2")] + [
