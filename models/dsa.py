@@ -87,7 +87,8 @@ class DSA(MLA):
                          args.layer)
         self.dsa = cfg.dsa
         self.indexer = LightningIndexer(cfg, args.tp_group, args.device, args.dtype) if has_indexer else None
-        self.previous: Optional["DSA"] = None  # a shared layer's: whose selection it uses
+        self._previous: tuple = ()  # a shared layer's: whose selection it uses (a tuple:
+        # not a submodule, so its weights stay out of this layer's state dict)
         self.selection = None  # the last forward's top-k (a shared next layer reads it)
         self.indexer_loss = None  # the last training forward's KL loss sum (fp32), or None
 
@@ -97,7 +98,11 @@ class DSA(MLA):
 
     def follow(self, previous: "DSA") -> None:
         """A 'shared' layer uses previous's selection (GLM-5's cross-layer top-k)."""
-        self.previous = previous
+        self._previous = (previous,)
+
+    @property
+    def previous(self) -> Optional["DSA"]:
+        return self._previous[0] if self._previous else None
 
     def project_in(self, x: torch.Tensor, cos, sin):
         """x (B, T/cp, d) -> (q, latent, index_q, index_k, index_w) (None x3 in a shared

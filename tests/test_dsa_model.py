@@ -207,3 +207,10 @@ def test_dsa_layouts_equal_one_process():
                                                msg=f"{where} grad {n}")
                 torch.testing.assert_close(got["params"][n], params[n], **TOL,
                                            msg=f"{where} param {n}")
+
+
+def test_a_shared_layer_reads_the_previous_selection_but_holds_no_weights_of_it():
+    model = GPT(_model_cfg("frozen", indexer_types=["full", "shared"]))
+    assert model.layers[1].attn.previous is model.layers[0].attn
+    assert model.layers[1].attn.indexer is None
+    assert not [k for k in model.state_dict() if "previous" in k or "layers.1.attn.indexer" in k]
