@@ -214,3 +214,14 @@ def test_a_shared_layer_reads_the_previous_selection_but_holds_no_weights_of_it(
     assert model.layers[1].attn.previous is model.layers[0].attn
     assert model.layers[1].attn.indexer is None
     assert not [k for k in model.state_dict() if "previous" in k or "layers.1.attn.indexer" in k]
+
+
+def test_a_run_may_train_an_imported_indexer_but_not_change_it():
+    """model.dsa.stage and loss_weight are how a run trains, not the model: a folder's
+    (imported 'frozen') matches a config training its indexer; its top-k does not."""
+    from ctxpar.checkpoint import CheckpointError, hf
+    folder = vars(_model_cfg("frozen"))
+    hf.check_matches(_model_cfg("sparse", loss_weight=0.3), folder, "/f")
+    with pytest.raises(CheckpointError, match=r"model.dsa.index_topk=7 but model.init_from=/f "
+                                              r"has dsa.index_topk=6"):
+        hf.check_matches(_model_cfg("sparse", index_topk=7), folder, "/f")

@@ -30,7 +30,7 @@ detached. The loss is a token mean over the global batch as the LM loss is
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional
 
 from ..context_parallel.sparse_latent import DSA_COMMS, DSA_STAGES
@@ -61,6 +61,15 @@ class DSAConfig:
     def layer_has_indexer(self, i: int) -> bool:
         """Whether layer i runs its own indexer (else it reuses layer i-1's top-k)."""
         return self.indexer_types is None or self.indexer_types[i] == "full"
+
+
+TRAINING_FIELDS = ("stage", "loss_weight")  # how a run trains the indexer, not the model
+
+
+def dsa_architecture(dsa: Optional[DSAConfig]) -> Optional[DSAConfig]:
+    """model.dsa with its training fields at their defaults: a folder (whose import says
+    'frozen') and a run training its indexer describe one model."""
+    return None if dsa is None else replace(dsa, stage="frozen", loss_weight=1.0)
 
 
 def _positive_int(value) -> bool:
