@@ -127,13 +127,13 @@ class DSA(MLA):
         kw = dict(comm=self.cp.comm, cp_group=self.cp.cp_group, layout=self.cp.layout,
                   cu_seqlens=cu_seqlens)
         W, stage = self.kv_b_proj.weight, self.dsa.stage
-        # the selection (none in the dense warm-up: every visible token is attended)
-        indices = None if stage == "dense_warmup" else self.select(index_q, index_k, index_w, kw)
         if stage == "dense_warmup":  # attention dense; the indexer learns its distribution
+            indices = None
             out, lse = self.cp.latent_attention(q, latent, W, self.dims, backend=self.backend,
                                                 softmax_scale=self.scale, return_lse=True,
                                                 mask=self.mask(cu_seqlens))
-        else:
+        else:  # over the selection: this layer's top-k or the previous layer's
+            indices = self.select(index_q, index_k, index_w, kw)
             out, lse = sparse_latent_attention(q, latent, W, self.dims, indices,
                                                softmax_scale=self.scale, return_lse=True, **kw)
         self.indexer_loss = None
