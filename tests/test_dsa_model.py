@@ -78,7 +78,7 @@ def test_the_sparse_stage_adds_the_indexer_kl_and_trains_only_the_indexer():
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128, (2, 32), generator=g)
     labels = torch.randint(0, 128, (2, 32), generator=g)
-    for dsa in (dict(loss_weight=0.5), dict(loss_weight=0.5, indexer_types=["full", "shared"])):
+    for dsa in (dict(loss_weight=0.5, indexer_types=["full", "shared"]),):
         frozen, loss0, grads0 = _loss_and_grads("frozen", tokens, labels, **dsa)
         sparse, loss1, grads1 = _loss_and_grads("sparse", tokens, labels, **dsa)
         kl = [b.attn.indexer_loss for b in sparse.layers if b.attn.indexer is not None]
