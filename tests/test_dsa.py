@@ -20,16 +20,18 @@ from ctxpar.context_parallel import cp_stats, shard_sequence
 from ctxpar.context_parallel.latent import LatentDims
 from ctxpar.context_parallel.latent_api import latent_attention
 from ctxpar.context_parallel.layouts import rank_positions
-from ctxpar.context_parallel.sparse_latent import (indexer_kl, indexer_topk,
+from ctxpar.context_parallel.sparse_latent import (indexer_kl, indexer_recall, indexer_topk,
                                                    sparse_latent_attention)
 from ctxpar.testing import run_distributed
 from ctxpar.testing.dsa import (dsa_inputs, reference_index_scores, reference_indexer_kl,
-                                reference_sparse_mla, reference_topk, reference_visible)
+                                reference_recall, reference_sparse_mla, reference_topk,
+                                reference_visible)
 from ctxpar.testing.mla import mla_inputs
 
 DIMS = LatentDims(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
 B, H, HI, DI, S_LOCAL, SCALE = 2, 4, 16, 12, 8, 0.3
-DOCS = {16: torch.tensor([0, 5, 16], dtype=torch.int32),
+DOCS = {8: torch.tensor([0, 3, 8], dtype=torch.int32),
+        16: torch.tensor([0, 5, 16], dtype=torch.int32),
         32: torch.tensor([0, 3, 14, 27, 32], dtype=torch.int32)}
 # name, comm, layout, documents, top_k, tp: each world runs all of its cases in one spawn
 CASES = [("ring zigzag docs k4", "ring", "zigzag", True, 4, 1),
@@ -84,8 +86,15 @@ def _run_case(rank, world, case):
         grads = torch.autograd.grad(out, leaves, dout)
     res.update(out=out, lse=lse, dq=grads[0], dlatent=grads[1], dweight=grads[2],
                stats=st.as_dict())
-    _, dense_lse = latent_attention(q, latent, weight, DIMS, causal=True, return_lse=True,
-                                    softmax_scale=SCALE, **cpkw)
+    dense_out, dense_lse = latent_attention(q, latent, weight, DIMS, causal=True,
+                                            return_lse=True, softmax_scale=SCALE, **cpkw)
+    # every position selected, later ones and other documents' included: the mask drops
+    # them (as DeepseekV32Attention's), leaving dense causal MLA
+    every = torch.arange(n).expand(B, q.shape[1], n)
+    res["every_out"] = sparse_latent_attention(q, latent, weight, DIMS, every,
+                                               softmax_scale=SCALE, **cpkw) - dense_out
+    res["recall"] = indexer_recall(q, latent, weight, DIMS, dense_lse, res["indices"], top_k,
+                                   tp_group=tp_group, softmax_scale=SCALE, **cpkw)
     for stage, main_lse in (("dense_warmup", dense_lse), ("sparse", lse)):
         ileaves = [x.clone().requires_grad_() for x in (iq, ik, iw)]
         kl = indexer_kl(stage, q, latent, weight, DIMS, main_lse, *ileaves, res["indices"],
@@ -122,6 +131,8 @@ def reference(case, n):
     want = {"indices": reference_topk(scores, vis, top_k)}
     want.update(reference_sparse_mla(q, latent, weight, DIMS, want["indices"], vis, SCALE,
                                      dout))
+    want["recall"] = reference_recall(q, latent, weight, DIMS, vis, SCALE, want["indices"],
+                                      top_k)
     for stage in ("dense_warmup", "sparse"):
         leaves = [x.clone().requires_grad_() for x in (iq, ik, iw)]
         kl = reference_indexer_kl(stage, q, latent, weight, DIMS, *leaves, vis, SCALE,
@@ -141,13 +152,14 @@ def reassemble(per_rank, case, world, want):
     for stage in ("dense_warmup", "sparse"):
         got[stage] = {k: torch.zeros_like(v) for k, v in want[stage].items()}
     got["indices"] = torch.zeros_like(want["indices"])
-    for key in ("out", "lse", "dq", "dlatent"):
+    for key in ("out", "lse", "dq", "dlatent", "recall"):
         got[key] = torch.zeros_like(want[key])
     for r, res in enumerate(per_rank):
         res = res[name]
         tp_rank, pos = r % tp, rank_positions(n, r // tp, cp, layout)
         heads = lambda x, d: x.narrow(d, tp_rank * x.shape[d] // tp, x.shape[d] // tp)  # noqa: E731,E501
         got["indices"].index_copy_(1, pos, res["indices"])
+        got["recall"].index_copy_(1, pos, res["recall"])
         got["dlatent"].index_add_(1, pos, res["dlatent"])  # each TP rank's heads' share
         for key, dim in (("out", 2), ("dq", 2)):
             heads(got[key], dim).index_copy_(1, pos, res[key])
@@ -172,6 +184,9 @@ def check_case(per_rank, case, world):
     want = reference(case, n)
     got = reassemble(per_rank, case, world, want)
     assert torch.equal(got["indices"].sort(-1).values, want["indices"].sort(-1).values)
+    assert torch.equal(got["recall"], want["recall"])
+    for res in per_rank:
+        assert res[case[0]]["every_out"].abs().max() < 1e-5
     for key in ("out", "lse", "dq", "dlatent", "dweight"):
         close(got[key], want[key])
     for stage in ("dense_warmup", "sparse"):
@@ -181,9 +196,14 @@ def check_case(per_rank, case, world):
     return got
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=pytest.mark.quick)
-                                  if c[0] == "ring zigzag docs k4" else pytest.param(c, id=c[0])
-                                  for c in CASES])
+@pytest.mark.quick
+def test_one_rank_equals_the_reference():
+    """The whole pipeline on one process (no group: comm.LOCAL), documents, top_k 4."""
+    case = CASES[0]
+    check_case([{case[0]: _run_case(0, 1, case)}], case, 1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_two_ranks_equal_one_process(world2, case):
     check_case(world2, case, 2)
 
@@ -208,6 +228,18 @@ def test_blocks_no_query_selected_are_skipped(world4):
     assert world4[3]["allgather contiguous k64"]["stats"]["fwd_blocks_skipped"] == 0
 
 
+def test_ties_go_to_the_lower_position_across_tiles():
+    """Every key equal and the arithmetic exact (small integers): every score of a row
+    ties, and the top-k is the k earliest visible keys whatever tile (or block) they
+    arrived in; -1 past the visible count."""
+    gen = torch.Generator().manual_seed(3)
+    iq = torch.randint(-3, 4, (1, 16, HI, DI), generator=gen).float()
+    ik, iw = torch.ones(1, 16, DI), torch.full((1, 16, HI), 0.5)
+    got = indexer_topk(iq, ik, iw, 3, index_softmax_scale=1.0, tile_budget=1)  # 1 row a tile
+    want = torch.tensor([[0, -1, -1], [0, 1, -1]] + [[0, 1, 2]] * 14)
+    assert torch.equal(got[0], want)
+
+
 def _inputs(s=8):
     q, latent, weight, _, _ = mla_inputs(B, s, H, DIMS)
     iq, ik, iw = dsa_inputs(B, s, H, DIMS, HI, DI)
@@ -228,3 +260,32 @@ def test_bad_input_is_refused_in_one_line(call, message):
     with pytest.raises(ValueError, match=None) as err:
         call(_inputs())
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_indices_equal_transformers_indexer():
+    """DeepseekV32Indexer on a tiny random config: its top-k (slots on invisible keys
+    dropped, as its attention mask drops them) is indexer_topk's on its projections."""
+    from transformers import DeepseekV32Config
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
+
+    cfg = DeepseekV32Config(hidden_size=32, q_lora_rank=16, index_n_heads=8,
+                            index_head_dim=16, qk_rope_head_dim=4, index_topk=5,
+                            num_attention_heads=4, kv_lora_rank=8, qk_nope_head_dim=8,
+                            v_head_dim=8)
+    torch.manual_seed(0)
+    indexer, n = hf.DeepseekV32Indexer(cfg, 0).float(), 12
+    x, q_resid = torch.randn(B, n, 32), torch.randn(B, n, 16)
+    positions = torch.arange(n)[None].expand(B, n)
+    cos, sin = hf.DeepseekV32RotaryEmbedding(cfg)(x, positions)
+    causal = torch.ones(n, n, dtype=torch.bool).tril().expand(B, n, n)
+    want = indexer(x, q_resid, (cos, sin), causal, positions).long()
+    want = torch.where(torch.gather(causal, 2, want), want, -1)
+    with torch.no_grad():  # the indexer's own projections and half-split RoPE
+        q = indexer.wq_b(q_resid).view(B, n, 8, 16)
+        k = indexer.k_norm(indexer.wk(x)).unsqueeze(2)
+        (q_rot, q_pass), (k_rot, k_pass) = q.split([4, 12], -1), k.split([4, 12], -1)
+        q_rot, k_rot = hf.apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        index_q, index_k = torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1)
+        weights = indexer.weights_proj(x) * 8 ** -0.5
+    got = indexer_topk(index_q, index_k.squeeze(2), weights, cfg.index_topk)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)

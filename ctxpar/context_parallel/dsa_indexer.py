@@ -31,11 +31,12 @@ _LOW = (1 << 32) - 1
 def tile_index_scores(index_q: torch.Tensor, index_weights: torch.Tensor,
                       index_k: torch.Tensor, tile: Tile, scale: float, tp_group=None
                       ) -> torch.Tensor:
-    """I of a tile, (B, Q, K) fp32, -inf where invalid; summed over TP's heads when the
-    indexer heads are split (tp_group). Differentiable in its three inputs."""
+    """I of a tile, (B, Q, K) fp32 (no mask); summed over TP's heads when the indexer
+    heads are split (tp_group). Not differentiable (in-place ReLU): its callers run under
+    no_grad (the top-k, dsa_loss's passes)."""
     keys = tile_keys(index_k, tile).float()
-    dots = pair_dot(index_q[:, tile.qs].float(), keys) * scale             # (B, Q, Hi, K)
-    scores = torch.einsum("bqh,bqhk->bqk", index_weights[:, tile.qs].float(), dots.relu())
+    dots = pair_dot(index_q[:, tile.qs].float(), keys).mul_(scale).relu_()  # (B, Q, Hi, K)
+    scores = torch.einsum("bqh,bqhk->bqk", index_weights[:, tile.qs].float(), dots)
     if tp_group is not None:
         dist.all_reduce(scores, group=tp_group)
     return scores
@@ -55,9 +56,11 @@ def ordered_keys(scores: torch.Tensor, positions: torch.Tensor, n: int) -> torch
     return (_ordered_bits(scores) << 32) + (n - 1 - positions)
 
 
-def decode_positions(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """The positions of ordered_keys, -1 where the score was -inf (invisible)."""
-    return torch.where((keys >> 32) <= _FLOOR, -1, n - 1 - (keys & _LOW))
+def decode_positions_(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """The positions of ordered_keys, -1 where the score was -inf (invisible), in place
+    (the keys are the largest thing the top-k holds: no copy of them)."""
+    invisible = keys < ((_FLOOR + 1) << 32)
+    return keys.bitwise_and_(_LOW).neg_().add_(n - 1).masked_fill_(invisible, -1)
 
 
 class RunningTopK:
@@ -72,11 +75,16 @@ class RunningTopK:
         scores = scores.masked_fill(~tile.valid, float("-inf"))
         new = ordered_keys(scores, key_pos.expand_as(scores), self.n)
         run = self.keys[:, tile.qs]
+        if not (new > run.min(-1, keepdim=True).values).any():
+            return  # nothing here beats any row's k-th: no merge
         both = torch.cat((run, new.expand(run.shape[0], -1, -1)), dim=-1)
-        self.keys[:, tile.qs] = both.topk(run.shape[-1], dim=-1).values
+        self.keys[:, tile.qs] = both.topk(run.shape[-1], dim=-1, sorted=False).values
 
     def positions(self) -> torch.Tensor:
-        return decode_positions(self.keys, self.n)
+        """(B, s, k) int64 positions by score descending, -1 = none; the keys are spent."""
+        keys, self.keys = self.keys, None
+        keys = keys.sort(dim=-1, descending=True).values  # merges keep no order
+        return decode_positions_(keys, self.n)
 
 
 def topk_visit(index_q, index_weights, pos: Positions, rank: int, topk: RunningTopK,
@@ -92,8 +100,11 @@ def topk_visit(index_q, index_weights, pos: Positions, rank: int, topk: RunningT
 
 def tile_sizes(s: int, heads: int, k: int, budget: Optional[int]) -> tuple:
     """(query rows, key rows) of a tile: the per-head products (Q, Hi, K) within `budget`
-    elements (default 2**22: 16 MiB fp32) and keys no wider than max(top_k, 256)."""
-    budget = budget or 1 << 22
-    k_tile = max(256, k)
+    elements (default 2**20: 4 MiB fp32), counting at least 8 heads (a tile's merge holds
+    a few (Q, K) int64 keys); keys at least top_k wide (each merge is a top-k of k + K
+    candidates, cheaper per candidate the wider K is) and at most 4096 unless top_k is
+    more."""
+    budget, heads = budget or 1 << 20, max(heads, 8)
+    k_tile = max(k, min(4096, budget // heads))
     q_tile = max(1, min(s, budget // (heads * k_tile)))
     return q_tile, k_tile

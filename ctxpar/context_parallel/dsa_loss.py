@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .dsa_attention import _probabilities
-from .dsa_indexer import tile_index_scores
+from .dsa_indexer import RunningTopK, tile_index_scores
 from .dsa_pairs import key_grad, pair_dot, pair_values, scatter_keys_, tile_keys
 from .dsa_stream import stream_blocks, stream_blocks_back
 
@@ -43,16 +43,19 @@ class _Pass:
 
     def p_and_i(self, tile, latent, index_k):
         """(p (B, Q, K), I (B, Q, K) with 0 where invalid, valid (B|1, Q, K))."""
+        i = tile_index_scores(self.index_q, self.index_weights, index_k, tile,
+                              self.index_scale, self.tp_group)
+        return self.p(tile, latent), i.masked_fill(~tile.valid, 0.0), tile.valid
+
+    def p(self, tile, latent):
+        """The main attention's p (B, Q, K) of a tile, summed over every head / H_total."""
         keys = tile_keys(latent, tile).float()
         scores = pair_dot(self.qa[:, tile.qs].float(), keys) * self.scale     # (B, Q, H, K)
         scores.masked_fill_(~tile.valid[:, :, None], float("-inf"))
         p = _probabilities(scores, self.row_lse[:, tile.qs]).sum(2)           # (B, Q, K)
         if self.tp_group is not None:
             dist.all_reduce(p, group=self.tp_group)
-        p = p / self.heads_total
-        i = tile_index_scores(self.index_q, self.index_weights, index_k, tile,
-                              self.index_scale, self.tp_group)
-        return p, i.masked_fill(~tile.valid, 0.0), tile.valid
+        return p / self.heads_total
 
 
 def kl_forward(ps: _Pass, latent, index_k, group, comm):
@@ -130,3 +133,21 @@ class IndexerKL(torch.autograd.Function):
         diq, dw, dk = kl_backward(dkl.float(), ps, latent, index_k, psum, lse, group, comm)
         return (diq.to(index_q.dtype), dk.to(index_k.dtype), dw.to(index_weights.dtype),
                 *([None] * 10))
+
+
+def main_topk_recall(ps: _Pass, latent, indices, positions, k: int, group, comm):
+    """(B, s) fp32: the share of each query's top-k keys by the main attention's p
+    (streamed as the indexer's top-k, dsa_indexer.RunningTopK) that `indices` holds."""
+    B, s = ps.qa.shape[:2]
+    top = RunningTopK(B, s, k, positions.n, ps.qa.device)
+
+    def visit(src, blocks):
+        for tile in ps.tiles(src):
+            top.add(tile, ps.p(tile, blocks[0]), positions.pos[src][tile.ks])
+
+    stream_blocks((latent,), group, comm, visit)
+    main = top.positions()                                                    # (B, s, k)
+    mine = indices.sort(-1).values
+    at = torch.searchsorted(mine, main.clamp_min(0)).clamp_max(mine.shape[-1] - 1)
+    hit = (torch.gather(mine, -1, at) == main) & (main >= 0)
+    return hit.sum(-1).float() / (main >= 0).sum(-1).clamp_min(1).float()

@@ -132,8 +132,13 @@ def tile_keys(x: torch.Tensor, tile: Tile) -> torch.Tensor:
     if tile.rows is None:
         return x[:, tile.ks]
     B, Q, K = tile.rows.shape
-    flat = tile.rows.flatten(1)                                            # (B, Q K)
-    return torch.gather(x, 1, flat[..., None].expand(-1, -1, x.shape[-1])).view(B, Q, K, -1)
+    return x.flatten(0, 1).index_select(0, _flat_rows(tile.rows, x.shape[1])).view(B, Q, K, -1)
+
+
+def _flat_rows(rows: torch.Tensor, s: int) -> torch.Tensor:
+    """(B, Q, K) rows of a (B, s, C) block -> rows of its (B s, C) flattening, (B Q K,)."""
+    offsets = torch.arange(rows.shape[0], device=rows.device) * s
+    return (rows + offsets[:, None, None]).flatten()
 
 
 def pair_dot(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -163,5 +168,5 @@ def scatter_keys_(grad: torch.Tensor, tile: Tile, g: torch.Tensor) -> None:
     if tile.rows is None:
         grad[:, tile.ks] += g
         return
-    B, Q, K, C = g.shape
-    grad.scatter_add_(1, tile.rows.flatten(1)[..., None].expand(-1, -1, C), g.flatten(1, 2))
+    grad.view(-1, g.shape[-1]).index_add_(0, _flat_rows(tile.rows, grad.shape[1]),
+                                          g.flatten(0, 2))

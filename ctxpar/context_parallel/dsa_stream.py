@@ -34,9 +34,11 @@ def stream_blocks(tensors: Sequence[torch.Tensor], group, comm: str,
         for src in range(world):  # a NoComm world: the local blocks stand in for all
             visit((rank - src) % world, tuple(tensors))
         return
-    if comm == "allgather":
-        gathered = [all_gather(x, group, "fwd") for x in tensors]
+    if comm == "allgather":  # the local block visited while the gathers land
+        gathered = [all_gather(x, group, "fwd", async_op=True) for x in tensors]
         visit(rank, tuple(tensors))
+        for _, work in gathered:
+            work.wait()
         for src in range(1, world):
             visit((rank - src) % world, tuple(g[(rank - src) % world] for g, _ in gathered))
         return

@@ -32,7 +32,7 @@ from .comm import group_rank_and_size
 from .documents import check_cu_seqlens
 from .dsa_attention import SparseLatentCore, absorb, values_out
 from .dsa_indexer import RunningTopK, tile_sizes, topk_visit
-from .dsa_loss import IndexerKL
+from .dsa_loss import IndexerKL, _Pass, main_topk_recall
 from .dsa_pairs import Positions, Selection, dense_tiles
 from .dsa_stream import stream_blocks
 from .kernels import default_scale
@@ -44,7 +44,7 @@ DSA_STAGES = ("frozen", "dense_warmup", "sparse")
 DSA_COMMS = ("ring", "allgather")
 
 
-def _check_common(caller, comm, layout, s, cp_group, tp_group, batch, cu_seqlens, device):
+def _check_common(caller, comm, layout, s, cp_group, batch, cu_seqlens, device):
     """comm, layout and documents, locally; returns (group, Positions, rank)."""
     if comm not in DSA_COMMS:
         raise ValueError(f"{caller}: comm={comm!r} is not supported; choose one of "
@@ -92,12 +92,12 @@ def indexer_topk(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: to
     visible keys by DeepseekV32Indexer's score, descending, ties to the lower position
     (dsa_indexer.py); -1 past a query's visible count. tp_group: index_q and
     index_weights hold this TP rank's indexer heads (scores all-reduced per tile).
-    tile_budget: elements of one tile's per-head products (default 2**22)."""
+    tile_budget: elements of one tile's per-head products (default 2**20)."""
     caller = "indexer_topk"
     _check_indexer(caller, index_q, index_k, index_weights)
     _check_top_k(caller, top_k)
     B, s, Hi, D = index_q.shape
-    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, tp_group, B,
+    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, B,
                                      cu_seqlens, index_q.device)
     scale = default_scale(D) if index_softmax_scale is None else float(index_softmax_scale)
     k = min(top_k, pos.n)
@@ -122,7 +122,7 @@ def _check_indices(caller, indices, q):
 
 def _q_tile(s, heads, width, budget):
     """Query rows per tile: (Q, K, R + dr) gathered rows and (Q, H, K) scores in budget."""
-    return max(1, min(s, (budget or 1 << 22) // (max(width, 1) * heads)))
+    return max(1, min(s, (budget or 1 << 20) // (max(width, 1) * heads)))
 
 
 def sparse_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor,
@@ -137,7 +137,7 @@ def sparse_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: 
     check_latent_inputs(q, latent, kv_b_weight, dims, "ring", layout, 1, caller)
     _check_indices(caller, indices, q)
     B, s, H, _ = q.shape
-    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, None, B, cu_seqlens,
+    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, B, cu_seqlens,
                                      q.device)
     scale = default_scale(dims.qk_head_dim) if softmax_scale is None else float(softmax_scale)
     sel = Selection(indices.long(), pos, rank)
@@ -176,7 +176,7 @@ def indexer_kl(stage: str, q, latent, kv_b_weight, dims: LatentDims, main_lse, i
         if indices is None:
             raise ValueError(f"{caller}: stage 'sparse' needs the indices of indexer_topk")
         _check_indices(caller, indices, q)
-    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, tp_group, B,
+    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, B,
                                      cu_seqlens, q.device)
     tp = 1 if tp_group is None else group_rank_and_size(tp_group)[1]
     scale = default_scale(dims.qk_head_dim) if softmax_scale is None else float(softmax_scale)
@@ -197,4 +197,34 @@ def indexer_kl(stage: str, q, latent, kv_b_weight, dims: LatentDims, main_lse, i
                            tp_group)
 
 
-__all__ = ["DSA_COMMS", "DSA_STAGES", "indexer_kl", "indexer_topk", "sparse_latent_attention"]
+def indexer_recall(q, latent, kv_b_weight, dims: LatentDims, main_lse, indices, top_k: int,
+                   *, comm: str = "ring", cp_group=None, tp_group=None,
+                   layout: str = "contiguous", cu_seqlens=None,
+                   softmax_scale: Optional[float] = None,
+                   tile_budget: Optional[int] = None) -> torch.Tensor:
+    """(B, s) fp32, no gradient: per local query, the share of the dense main attention's
+    top_k keys (by p, summed over heads; main_lse the dense MLA's, latent_attention's)
+    that `indices` selected: the indexer's recall, a metric (one more pass of the latent)."""
+    caller = "indexer_recall"
+    check_latent_inputs(q, latent, kv_b_weight, dims, "ring", layout, 1, caller)
+    _check_indices(caller, indices, q)
+    _check_top_k(caller, top_k)
+    B, s, H, _ = q.shape
+    if not isinstance(main_lse, torch.Tensor) or main_lse.shape != (B, H, s):
+        raise ValueError(f"{caller}: main_lse must be (batch, heads, local_seq) = "
+                         f"{(B, H, s)}, got {tuple(getattr(main_lse, 'shape', ()))}")
+    group, pos, rank = _check_common(caller, comm, layout, s, cp_group, B,
+                                     cu_seqlens, q.device)
+    tp = 1 if tp_group is None else group_rank_and_size(tp_group)[1]
+    scale = default_scale(dims.qk_head_dim) if softmax_scale is None else float(softmax_scale)
+    q_tile, k_tile = tile_sizes(s, H + dims.latent_dim, top_k, tile_budget)
+    tiles = lambda src: dense_tiles(pos, rank, src, q_tile, k_tile)  # noqa: E731
+    with torch.no_grad():
+        ps = _Pass(absorb(q, kv_b_weight, dims), main_lse, None, None, tiles, scale, None,
+                   H * tp, tp_group)
+        return main_topk_recall(ps, latent, indices.long(), pos, min(top_k, pos.n), group,
+                                comm)
+
+
+__all__ = ["DSA_COMMS", "DSA_STAGES", "indexer_kl", "indexer_recall", "indexer_topk",
+           "sparse_latent_attention"]

@@ -115,3 +115,13 @@ def dsa_inputs(batch: int, n: int, heads: int, dims: LatentDims, index_heads: in
     index_k = torch.randn(batch, n, index_dim, generator=gen)
     weights = torch.randn(batch, n, index_heads, generator=gen) * index_heads ** -0.5
     return index_q, index_k, weights
+
+
+def reference_recall(q, latent, weight, dims: LatentDims, visible, scale: float, indices,
+                     top_k: int) -> torch.Tensor:
+    """(B, n) fp32: the share of each query's top_k keys by the dense main attention's p
+    (reference_topk of main_probabilities) that `indices` selected."""
+    p = main_probabilities(q, latent, weight, dims, visible, scale)
+    main = reference_topk(p, visible, top_k)
+    hit = (main[..., :, None] == indices[..., None, :]).any(-1) & (main >= 0)
+    return hit.sum(-1).float() / (main >= 0).sum(-1).clamp_min(1).float()
