@@ -312,7 +312,9 @@ def test_every_shipped_config_validates(path):
                                          ("extend_minimax_m2_768k", 228_689_748_992),
                                          ("extend_llama4_scout_1m", 107_769_861_120),
                                          ("extend_kimi_linear_48b_1m", 49_122_675_072),
-                                         ("extend_gemma4_31b_512k", 30_697_345_280)])
+                                         ("extend_gemma4_31b_512k", 30_697_345_280),
+                                         ("extend_deepseek_v32_1m", 671_877_929_216),
+                                         ("extend_glm5_800k", 743_911_199_232)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch
@@ -336,7 +338,11 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
                                                 "extend_llama4_scout_1m":
                                                 17_172_894_720,
                                                 "extend_kimi_linear_48b_1m":
-                                                3_484_453_248}[name]
+                                                3_484_453_248,
+                                                "extend_deepseek_v32_1m":
+                                                38_403_807_488,
+                                                "extend_glm5_800k":
+                                                41_784_709_632}[name]
 
 
 def quoted_verdicts():
