@@ -314,7 +314,8 @@ def test_every_shipped_config_validates(path):
                                          ("extend_kimi_linear_48b_1m", 49_122_675_072),
                                          ("extend_gemma4_31b_512k", 30_697_345_280),
                                          ("extend_deepseek_v32_1m", 671_877_929_216),
-                                         ("extend_glm5_800k", 743_911_199_232)])
+                                         ("extend_glm5_800k", 743_911_199_232),
+                                         ("extend_deepseek_v3_671b_128k", 671_026_404_352)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch
@@ -342,7 +343,9 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
                                                 "extend_deepseek_v32_1m":
                                                 38_403_807_488,
                                                 "extend_glm5_800k":
-                                                41_784_709_632}[name]
+                                                41_784_709_632,
+                                                "extend_deepseek_v3_671b_128k":
+                                                37_552_282_624}[name]
 
 
 def quoted_verdicts():
@@ -352,13 +355,16 @@ def quoted_verdicts():
     for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
         comments = " ".join(line.lstrip("#").strip() for line in open(path)
                             if line.startswith("#"))
-        command = re.search(r"python -m ctxpar\.plan (--config \S+(?: --nodes \d+)?)"
-                            r"(?! --max-seq-len| --set)", comments)
-        own = re.search(r"the config's own layout: (\S+(?: \S+)*?): ([\d.]+) GB, ([\d,]+) "
-                        r"tokens/s per GPU, MFU ([\d.]+)%", comments)
-        if command and own:
-            found.append(pytest.param(command.group(1).split(), own.groups(),
-                                      id=os.path.basename(path)[:-5]))
+        # each command (its --set overrides too) with the own-layout line after it
+        for k, command in enumerate(re.finditer(
+                r"python -m ctxpar\.plan (--config \S+(?: --set(?: \S+=\S+)+)?"
+                r"(?: --nodes \d+)?)(?! --max-seq-len| --set| --documents)", comments)):
+            own = re.compile(r"the config's own layout: ([^:]+?): ([\d.]+) GB, "
+                             r"([\d,]+) tokens/s per GPU, MFU ([\d.]+)%").search(
+                comments, command.end())
+            if own:
+                found.append(pytest.param(command.group(1).split(), own.groups(),
+                                          id=f"{os.path.basename(path)[:-5]}-{k}"))
     return found
 
 
@@ -369,8 +375,8 @@ def test_configs_quote_what_the_planner_predicts_for_their_own_layout(args, quot
     layout alone (the whole search is the command's: minutes), must print the same."""
     from ctxpar.plan.__main__ import cluster_of, own_layout, parse_args
     a = parse_args(args)
-    line = own_layout(load_config(os.path.join(ROOT, a.config), check_paths=False),
-                      cluster_of(a))
+    line = own_layout(load_config(os.path.join(ROOT, a.config), a.set or (),
+                                  check_paths=False), cluster_of(a))
     name, gb, tokens, mfu = quoted
     assert line == (f"the config's own layout: {name}: {gb} GB, {tokens} tokens/s per GPU, "
                     f"MFU {mfu}%"), f"{a.config} quotes {quoted}; the planner prints {line}"

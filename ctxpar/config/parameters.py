@@ -283,7 +283,7 @@ def _mla_specs(m: ModelConfig, p: str, tp: int, i=None) -> List[ParamSpec]:
     return specs + _linear(p + "o_proj", h * mla.v_head_dim, d, "row", False)
 
 
-def _dsa_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
+def _dsa_specs(m: ModelConfig, p: str, tp: int, layer=None) -> List[ParamSpec]:
     """models/dsa.py's: MLA's, then the lightning indexer's (transformers' names), its
     heads split over TP, its key replicated; a 'shared' layer has none (block_specs drops
     them)."""
