@@ -1,6 +1,7 @@
 """The lean torch kernels (ctxpar/context_parallel/linear/lean.py) against today's kernels.
 
-gated_delta_lean and ssd_lean run gated_delta_fp32 and ssd_fp32 segment by segment, under
+gated_delta_lean, kda_lean and ssd_lean run gated_delta_fp32, kda_fp32 and ssd_fp32
+segment by segment, under
 no_grad in forward and again with autograd in backward; they must give what the kernels
 give under autograd: outputs, final states and every gradient (q, k, v, g, beta and the
 initial state; x, dt, A, B, C, D and the initial state), with grouped heads, documents (one
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ctxpar.context_parallel.linear.gated_delta import gated_delta_fp32
-from ctxpar.context_parallel.linear.lean import gated_delta_lean, ssd_lean
+from ctxpar.context_parallel.linear.kda import kda_fp32
+from ctxpar.context_parallel.linear.lean import gated_delta_lean, kda_lean, ssd_lean
 from ctxpar.context_parallel.linear.ssd import ssd_fp32
 from ctxpar.testing.memory import saved_tensor_bytes
 
@@ -63,6 +65,22 @@ def test_lean_gated_delta_equals_the_autograd_kernel(segment_chunks, docs):
     ref, ours = _gdn_inputs(), _gdn_inputs()
     o, f = gated_delta_fp32(*ref[:5], 0.35, ref[5], seq, CHUNK, True)
     lo, lf = gated_delta_lean(*ours[:5], 0.35, ours[5], seq, CHUNK, True, segment_chunks)
+    close(lo, o)
+    close(lf, f)
+    for a, b in zip(_all_grads(lo, lf, ours), _all_grads(o, f, ref)):
+        close(a, b)
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_lean_kda_equals_the_autograd_kernel(docs):
+    """Kimi Delta Attention's gate per key channel (B, T, Hv, Dk), segments of 2 chunks."""
+    seq = SEQ_IDX if docs else None
+    gen = torch.Generator().manual_seed(2)
+    g = -F.softplus(torch.randn(2, T, 4, 8, generator=gen))
+    ref, ours = _gdn_inputs(), _gdn_inputs()
+    ref[3], ours[3] = g.clone().requires_grad_(), g.clone().requires_grad_()
+    o, f = kda_fp32(*ref[:5], 0.35, ref[5], seq, CHUNK, True)
+    lo, lf = kda_lean(*ours[:5], 0.35, ours[5], seq, CHUNK, True, 2)
     close(lo, o)
     close(lf, f)
     for a, b in zip(_all_grads(lo, lf, ours), _all_grads(o, f, ref)):
