@@ -85,6 +85,22 @@ def lean_states(B: int, T: int, C: int, state: int) -> int:
     return 4 * (segments - 1) * B * state
 
 
+def conv_saved_torch(B: int, T: int, channels: int, K: int, e: int) -> int:
+    """The torch conv's K shifted taps and the silu's input (fp32); in 16-bit the
+    weight's fp32 copy."""
+    return 4 * (K + 1) * B * T * channels + (4 * K * channels if e != 4 else 0)
+
+
+def gdn_kernel_inputs(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0) -> int:
+    """The lean kernel's per-token inputs as it saves them (and as its backward returns
+    their gradients): q, k, v views of the conv's output (its storage, e) and g (fp32);
+    under heads (key_heads > 0) the all-to-all's copies of q, k (at key_heads), v, beta
+    (e) and g."""
+    if key_heads:
+        return B * T * ((2 * key_heads * g.Dk + g.Hv * g.Dv + g.Hv) * e + 4 * g.Hv)
+    return B * T * (g.conv_channels * e + 4 * g.Hv)
+
+
 def gdn_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0) -> int:
     """One GDN layer on one process (cp 1), beyond its normed input (the norm's count):
     the conv (its taps and the silu's input, fp32; in 16-bit the weight's fp32 copy), the
@@ -95,13 +111,9 @@ def gdn_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0) -
     key_heads > 0: the heads strategy,
     whose all-to-all hands the kernel copies (q, k at key_heads, v, g and beta), the conv's
     output then saved by nobody."""
-    Cc = g.conv_channels
-    conv = 4 * (g.K + 1) * B * T * Cc + (4 * g.K * Cc if e != 4 else 0)
-    if key_heads:
-        inputs = B * T * ((2 * key_heads * g.Dk + g.Hv * g.Dv + g.Hv) * e + 4 * g.Hv)
-    else:
-        inputs = B * T * (Cc * e + 4 * g.Hv)
-    kernel = inputs + lean_states(B, T, g.C, g.Hv * g.Dk * g.Dv)
+    conv = conv_saved_torch(B, T, g.conv_channels, g.K, e)
+    kernel = gdn_kernel_inputs(B, T, g, e, key_heads) \
+        + lean_states(B, T, g.C, g.Hv * g.Dk * g.Dv)
     return conv + kernel + gdn_gates_norm(B, T, g, e)
 
 
@@ -135,11 +147,18 @@ def mamba_saved(B: int, T: int, s: MambaShapes, e: int, groups: int = 0) -> int:
     LeanGroupedGatedNorm: y and z, whose storage is in_proj's whole output) and out_proj's
     input, in e. groups > 0: the heads strategy, whose
     all-to-all hands the kernel copies (x, dt, B and C at `groups` groups)."""
-    Cc, HP = s.conv_channels, s.H * s.P
-    conv = 4 * (s.K + 1) * B * T * Cc + (4 * s.K * Cc if e != 4 else 0)
-    inputs = B * T * ((HP + 2 * groups * s.N) * e if groups else Cc * e) + 4 * B * T * s.H
-    kernel = inputs + 4 * s.H + lean_states(B, T, s.C, s.H * s.P * s.N)
+    conv = conv_saved_torch(B, T, s.conv_channels, s.K, e)
+    kernel = mamba_kernel_inputs(B, T, s, e, groups) + 4 * s.H \
+        + lean_states(B, T, s.C, s.H * s.P * s.N)
     return conv + kernel + mamba_dt_norm(B, T, s, e)
+
+
+def mamba_kernel_inputs(B: int, T: int, s: MambaShapes, e: int, groups: int = 0) -> int:
+    """The lean SSD's per-token inputs as it saves them (and as its backward returns their
+    gradients): x, B, C views of the conv's output (its storage, e), dt fp32; under heads
+    (groups > 0) the all-to-all's copies (B, C at `groups` groups)."""
+    xbc = (s.H * s.P + 2 * groups * s.N) if groups else s.conv_channels
+    return B * T * (xbc * e + 4 * s.H)
 
 
 def mamba_dt_norm(B: int, T: int, s: MambaShapes, e: int) -> int:

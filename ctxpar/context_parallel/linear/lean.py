@@ -86,27 +86,32 @@ class ChunkedScan(torch.autograd.Function):
         xs, params = args[:n_per_token], args[n_per_token:]
         T = xs[0].shape[1]
         starts = list(range(0, T, segment)) or [0]
-        outs, states, S = [], [], initial
+        out, states, S = None, [], initial
         for i, a in enumerate(starts):  # only the state crosses segments
             if i:
                 S = _entering(S, seq_idx, a)
                 states.append(S)
             seq = _columns(seq_idx, a, a + segment)
             o, S = run(*(x[:, a:a + segment] for x in xs), *params, S, seq)
-            outs.append(o)
+            if len(starts) == 1:
+                out = o
+            else:  # written in place: the whole output exists once, never beside its pieces
+                out = o.new_empty(o.shape[0], T, *o.shape[2:]) if out is None else out
+                out[:, a:a + o.shape[1]] = o
         ctx.run, ctx.segment, ctx.n, ctx.starts = run, segment, n_per_token, starts
         ctx.seq_idx = seq_idx  # documents: no gradient, not an activation of this layer
         ctx.has_initial = initial is not None
         boundary = torch.stack(states) if states else None  # (segments - 1, *state) fp32
         ctx.save_for_backward(initial, boundary, *args)
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], S
+        return out, S
 
     @staticmethod
     def backward(ctx, dout, dfinal):
         initial, boundary, *args = ctx.saved_tensors
         xs, params = args[:ctx.n], args[ctx.n:]
         seg, seq_idx = ctx.segment, ctx.seq_idx
-        pieces = [[] for _ in xs]
+        # the inputs' gradients, written segment by segment (never beside their pieces)
+        dxs = [torch.empty_like(x) if x.requires_grad else None for x in xs]
         dparams = [None if p is None else torch.zeros_like(p) for p in params]
         dS = dfinal
         for i in reversed(range(len(ctx.starts))):
@@ -123,9 +128,10 @@ class ChunkedScan(torch.autograd.Function):
                 wrt = [t for t in (*leaves, *ps, S_leaf) if t is not None and t.requires_grad]
                 grads = iter(torch.autograd.grad(
                     (o, S), wrt, (dout[:, a:a + o.shape[1]], dS), allow_unused=True))
-            for piece, x in zip(pieces, leaves):
-                g = next(grads) if x.requires_grad else None
-                piece.append(torch.zeros_like(x) if g is None and x.requires_grad else g)
+            for dx, x in zip(dxs, leaves):
+                if x.requires_grad:
+                    g = next(grads)
+                    dx[:, a:a + x.shape[1]] = 0 if g is None else g
             for j, p in enumerate(ps):
                 if p is not None and p.requires_grad:
                     g = next(grads)
@@ -136,8 +142,6 @@ class ChunkedScan(torch.autograd.Function):
                 dS = torch.zeros_like(S)
             if i:  # through the reset mask the entering state took
                 dS = _entering(dS, seq_idx, a)
-        dxs = [None if not x.requires_grad else
-               (torch.cat(p[::-1], dim=1) if len(p) > 1 else p[0]) for x, p in zip(xs, pieces)]
         dparams = [d if p is not None and p.requires_grad else None
                    for d, p in zip(dparams, params)]
         dinit = dS if ctx.has_initial and initial.requires_grad else None
