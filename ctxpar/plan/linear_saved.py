@@ -195,7 +195,11 @@ def mamba_saved_autograd(B: int, T: int, s: MambaShapes, e: int) -> int:
 # chunk_fwd.py, fla/ops/common/chunk_delta_h.py, chunk_o.py, wy_fast.py), mamba_ssm
 # v2.3.2.post1 (mamba_ssm/ops/triton/ssd_combined.py), causal-conv1d v1.6.1
 # (causal_conv1d/causal_conv1d_interface.py). Not measured here (no GPU in CI): the
-# counts follow the allocations those files make.
+# counts follow the allocations those files make. With rows longer than one recompute
+# segment the libraries run per segment (gpu_kernels.py through lean.ChunkedScan): the
+# layer then saves the kernel's inputs and states as the torch kernel does
+# (gdn_kernel_inputs, mamba_kernel_inputs, lean_states) and these counts apply to one
+# segment (linear_layers.mixer_working_set).
 
 def conv_saved_gpu(B: int, T: int, channels: int, e: int) -> int:
     """causal_conv1d_fn saves its input x (channel-last: in_proj's rows, or their copy when
