@@ -799,11 +799,11 @@ def test_the_search_picks_state_passing_for_a_hybrid_and_says_why():
 def test_max_seq_len_of_a_hybrid_is_bounded_by_its_linear_layers_replay():
     """--max-seq-len of the Qwen3.5-like hybrid on 4 H100s (ring, tiled loss and MLP):
     it has a longest context, a multiple of its layout's chunks, shorter than the same
-    widths with attention in every layer: on H100s the counted kernel is fla's, whose
-    backward holds about Hv (5 Dk + 3 Dv + 2 Dk Dv / C) bf16 bytes a token over the rank's
-    whole sequence (some 100 KB a token at Qwen3.5's 32 x 128 heads; linear_saved.
-    fla_gdn_backward) where attention keeps q, k, v and its output (12 KB), so a GDN
-    block's backward, not the K,V, is what fills the device."""
+    widths with attention in every layer: on H100s fla runs once per recompute segment
+    (its backward's tensors are one segment's), but the replayed GDN block still saves its
+    conv's input, the kernel's inputs, the gated norm's x and z and out_proj's input over
+    the rank's whole sequence (linear_layers.mixer_saved) where attention keeps q, k, v
+    and its output, so a GDN block's replay, not the K,V, is what fills the device."""
     from ctxpar.plan.cluster import Cluster, gpu_preset
     from ctxpar.plan.longest import Allowed, search_longest
     allowed = Allowed(patterns=("ring",), options=("tiled_loss", "tiled_mlp"), tp=1, pp=1)
