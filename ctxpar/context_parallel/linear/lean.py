@@ -156,8 +156,15 @@ def chunked_scan(run: Callable, per_token: Sequence[torch.Tensor], params: Seque
                              *params)
 
 
-def _gdn_run(scale, chunk_size, l2norm, q, k, v, g, beta, state, seq_idx):
-    return gated_delta_fp32(q, k, v, g, beta, scale, state, seq_idx, chunk_size, l2norm)
+def _delta_run(kernel, scale, chunk_size, l2norm, q, k, v, g, beta, state, seq_idx):
+    return kernel(q, k, v, g, beta, scale, state, seq_idx, chunk_size, l2norm)
+
+
+def _delta_lean(kernel, q, k, v, g, beta, scale, initial_state, seq_idx, chunk_size,
+                use_qk_l2norm_in_kernel, segment_chunks):
+    run = partial(_delta_run, kernel, scale, chunk_size, use_qk_l2norm_in_kernel)
+    return chunked_scan(run, (q, k, v, g, beta), (), initial_state, seq_idx,
+                        segment_tokens(chunk_size, segment_chunks))
 
 
 def gated_delta_lean(q, k, v, g, beta, scale: float, initial_state, seq_idx, chunk_size: int,
@@ -165,22 +172,16 @@ def gated_delta_lean(q, k, v, g, beta, scale: float, initial_state, seq_idx, chu
                      segment_chunks: int = SEGMENT_CHUNKS):
     """gated_delta_fp32's interface and result, saving only q, k, v, g, beta, the initial
     state and the fp32 state entering each segment of `segment_chunks` chunks."""
-    run = partial(_gdn_run, scale, chunk_size, use_qk_l2norm_in_kernel)
-    return chunked_scan(run, (q, k, v, g, beta), (), initial_state, seq_idx,
-                        segment_tokens(chunk_size, segment_chunks))
-
-
-def _kda_run(scale, chunk_size, l2norm, q, k, v, g, beta, state, seq_idx):
-    return kda_fp32(q, k, v, g, beta, scale, state, seq_idx, chunk_size, l2norm)
+    return _delta_lean(gated_delta_fp32, q, k, v, g, beta, scale, initial_state, seq_idx,
+                       chunk_size, use_qk_l2norm_in_kernel, segment_chunks)
 
 
 def kda_lean(q, k, v, g, beta, scale: float, initial_state, seq_idx, chunk_size: int,
              use_qk_l2norm_in_kernel: bool = False, segment_chunks: int = SEGMENT_CHUNKS):
     """kda_fp32's interface and result (g (B, T, Hv, Dk) per key channel), saving what
     gated_delta_lean saves."""
-    run = partial(_kda_run, scale, chunk_size, use_qk_l2norm_in_kernel)
-    return chunked_scan(run, (q, k, v, g, beta), (), initial_state, seq_idx,
-                        segment_tokens(chunk_size, segment_chunks))
+    return _delta_lean(kda_fp32, q, k, v, g, beta, scale, initial_state, seq_idx,
+                       chunk_size, use_qk_l2norm_in_kernel, segment_chunks)
 
 
 def _ssd_run(chunk_size, x, dt, B, C, A, D, state, seq_idx):
