@@ -215,8 +215,7 @@ def test_hybrid_gpt_bf16_forward_backward(family, monkeypatch):
 
 
 @pytest.mark.parametrize("mixer,strategy,layout", [
-    ("gdn", "state", "contiguous"), ("kda", "heads", "zigzag"), ("ssd", "state", "contiguous"),
-    ("ssd", "heads", "zigzag")])
+    ("gdn", "state", "contiguous"), ("kda", "heads", "zigzag"), ("ssd", "heads", "zigzag")])
 def test_libraries_run_per_recompute_segment(mixer, strategy, layout, monkeypatch):
     """recompute_chunks=1 (segments of one chunk, 4 tokens): each library is called once
     per segment in forward (the first from the initial state or none, the next ones from
