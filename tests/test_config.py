@@ -430,6 +430,24 @@ def test_the_hybrid_configs_quote_their_longest_context_on_1_and_8_gpus():
             for g in (1, 8)} <= ids, sorted(ids)
 
 
+def test_the_planner_docs_quote_the_hybrid_configs_longest_context():
+    """docs/planner.md's table of Qwen3.5-9B's and Nemotron-H-8B's longest context gives
+    the configs' quoted lengths and layouts (themselves held to the planner above), so
+    the docs, the configs and the planner cannot drift apart."""
+    quoted = {p.id: p.values[1:] for p in quoted_longest()}
+    configs = {"Qwen3.5-9B": "extend_qwen3_5_9b_1m", "Nemotron-H-8B": "extend_nemotron_h_8b_32k"}
+    text = open(os.path.join(ROOT, "docs", "planner.md")).read()
+    rows = re.findall(r"^\| (Qwen3\.5-9B|Nemotron-H-8B) \| (\d+) \| ([\d,]+) \| ([^|]+) \|",
+                      text, re.M)
+    assert len(rows) == 4, rows
+    for model, gpus, tokens, layout in rows:
+        want_tokens, want_layout = quoted[f"{configs[model]}-{gpus}gpus"]
+        assert int(tokens.replace(",", "")) == want_tokens, (model, gpus, tokens, want_tokens)
+        # the docs name the layout by its words but pp1 dp1 mb1 (and the options in words)
+        assert set(layout.split(",")[0].split()) <= set(want_layout.split()), \
+            (model, gpus, layout, want_layout)
+
+
 def test_run_dir_that_cannot_be_created_is_a_config_error(tmp_path):
     from ctxpar.config.run_dir import check_run_dir
     (tmp_path / "afile").write_text("x")
