@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ctxpar.config import ModelConfig
-from ctxpar.context_parallel.sparse_latent import (indexer_kl, indexer_topk,
+from ctxpar.context_parallel.sparse_latent import (indexer_kl, indexer_recall, indexer_topk,
                                                    sparse_latent_attention)
 from ctxpar.tensor_parallel import ColumnParallelLinear, copy_to_tensor_model_parallel_region
 from ctxpar.tensor_parallel.mappings import tp_size_of
@@ -91,6 +91,9 @@ class DSA(MLA):
         # not a submodule, so its weights stay out of this layer's state dict)
         self.selection = None  # the last forward's top-k (a shared next layer reads it)
         self.indexer_loss = None  # the last training forward's KL loss sum (fp32), or None
+        # under 'dense_warmup': the last training forward's recall summed over this rank's
+        # queries, and their count (the metrics' indexer_recall), or None
+        self.indexer_recall = None
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "DSA":
@@ -136,12 +139,28 @@ class DSA(MLA):
             indices = self.select(index_q, index_k, index_w, kw)
             out, lse = sparse_latent_attention(q, latent, W, self.dims, indices,
                                                softmax_scale=self.scale, return_lse=True, **kw)
-        self.indexer_loss = None
+        self.indexer_loss = self.indexer_recall = None
         if stage != "frozen" and self.indexer is not None and torch.is_grad_enabled():
             kl = indexer_kl(stage, q, latent, W, self.dims, lse, index_q, index_k, index_w,
                             indices, tp_group=self.tp(), softmax_scale=self.scale, **kw)
             self.indexer_loss = kl.sum()  # (B, T/cp) -> this rank's sum (models/loss.py)
+            if stage == "dense_warmup":  # the main attention is dense: its LSE is at hand
+                self.indexer_recall = self.recall(q, latent, lse, index_q, index_k, index_w,
+                                                  kw)
         return out
+
+    def recall(self, q, latent, lse, index_q, index_k, index_w, kw) -> torch.Tensor:
+        """(sum, count) over this rank's queries of the share of the dense attention's top
+        index_topk keys that the indexer selects (sparse_latent.indexer_recall: one more
+        pass of the latent, no gradient). Under 'sparse' the main attention is not dense,
+        and a dense pass for a metric is not run."""
+        with torch.no_grad():
+            chosen = indexer_topk(index_q, index_k, index_w, self.dsa.index_topk,
+                                  tp_group=self.tp(), **kw)
+            r = indexer_recall(q, latent, self.kv_b_proj.weight, self.dims, lse, chosen,
+                               self.dsa.index_topk, tp_group=self.tp(),
+                               softmax_scale=self.scale, **kw)
+        return torch.stack((r.sum(), torch.tensor(float(r.numel()), device=r.device)))
 
     def tp(self):
         """The TP group the indexer's and the main heads are split over (None: no TP)."""
@@ -173,6 +192,14 @@ def indexer_losses_of(blocks) -> Optional[torch.Tensor]:
     losses = [b.mixer.indexer_loss for b in blocks
               if isinstance(b.mixer, DSA) and b.mixer.indexer_loss is not None]
     return torch.stack(losses).sum() if losses else None
+
+
+def indexer_recalls_of(blocks) -> Optional[torch.Tensor]:
+    """(recall sum, queries) over this rank's queries and the layers with an indexer, of
+    the last training forward under 'dense_warmup' (fp32 (2,)); None otherwise."""
+    recalls = [b.mixer.indexer_recall for b in blocks
+               if isinstance(b.mixer, DSA) and b.mixer.indexer_recall is not None]
+    return torch.stack(recalls).sum(0) if recalls else None
 
 
 def freeze_all_but_indexers(model: nn.Module) -> None:

@@ -42,7 +42,8 @@ from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .attention import link_shared_kv
 from .block import Block
-from .dsa import freeze_all_but_indexers, indexer_losses_of, link_shared_layers
+from .dsa import (freeze_all_but_indexers, indexer_losses_of, indexer_recalls_of,
+                  link_shared_layers)
 from .mixers import INIT_RULES
 from .moe import MoE
 from .mtp import MTP
@@ -179,7 +180,8 @@ class GPT(nn.Module):
             cfg, mtp_layer_attention(cfg), self.cp, tp_group, g.ep_group, cfg.mtp.moe,
             o.attention_backend, o.linear_cp, self.memory, selective, device, dtype))
         self.mtp_loss_sums = None  # the last training forward's (D,) MTP loss sums, detached
-        self.indexer_loss_sum = None  # the last training forward's DSA KL sum, detached
+        # the last training forward's DSA (KL sum, recall sum, recall queries), detached
+        self.indexer_sums = None
         # The planner counts from the same description: a change here must change it too.
         check_parameters(self.named_parameters(), cfg, tp_size_of(tp_group),
                          1 if g.ep_group is None else dist.get_world_size(g.ep_group))
@@ -244,7 +246,10 @@ class GPT(nn.Module):
             return self.lm_logits(x)
         loss = self.loss_sum(x, labels)
         index = indexer_losses_of(self.layers)  # model.dsa's KL sum (dense_warmup, sparse)
-        self.indexer_loss_sum = None if index is None else index.detach()
+        recall = indexer_recalls_of(self.layers)  # 'dense_warmup' only
+        self.indexer_sums = None if index is None else torch.cat((
+            index.detach().reshape(1), torch.zeros(2, device=index.device) if recall is None
+            else recall.to(index.device)))
         if index is not None:  # a token mean over the step's labels, as the LM loss
             loss = loss + self.cfg.dsa.loss_weight * index
         if mtp_tokens is not None:

@@ -83,17 +83,23 @@ def indexer_metrics(index_sum: torch.Tensor, n_tokens: torch.Tensor, loss: torch
                     weight: float, state) -> Dict[str, float]:
     """The metrics line's DSA fields (model.dsa under dense_warmup or sparse): the
     indexer's KL summed over its layers as a token mean over the step's labels
-    (indexer_loss) and the LM loss alone (lm_loss; ``loss`` adds loss_weight x it)."""
-    total = index_sum.clone()  # this rank's sum over the step's micro-batches
+    (indexer_loss), the LM loss alone (lm_loss; ``loss`` adds loss_weight x it) and, under
+    dense_warmup, the mean over queries and layers of the share of the dense attention's
+    top-k the indexer selects (indexer_recall). index_sum: (KL, recall sum, queries)."""
+    total = index_sum.clone()  # this rank's sums over the step's micro-batches
     if state.dp_cp_group is not None and dist.get_world_size(state.dp_cp_group) > 1:
         dist.all_reduce(total, group=state.dp_cp_group)
-    mean = total / n_tokens.clamp(min=1.0)
-    return {"indexer_loss": mean.item(), "lm_loss": (loss - weight * mean).item()}
+    mean = total[0] / n_tokens.clamp(min=1.0)
+    out = {"indexer_loss": mean.item(), "lm_loss": (loss - weight * mean).item()}
+    if total[2] > 0:
+        out["indexer_recall"] = (total[1] / total[2]).item()
+    return out
 
 
 def add_indexer_sum(total, module):
-    """total + the model's last forward's indexer KL sum (None when it has none)."""
-    new = module.indexer_loss_sum
+    """total + the model's last forward's indexer sums (GPT.indexer_sums; None when it
+    has none)."""
+    new = module.indexer_sums
     if new is None:
         return total
     return new.float() if total is None else total + new.float()

@@ -85,8 +85,8 @@ def test_the_sparse_stage_adds_the_indexer_kl_and_trains_only_the_indexer():
         assert len(kl) == (1 if "indexer_types" in dsa else 2)
         assert all(k > 0 for k in kl)
         torch.testing.assert_close(loss1, loss0 + 0.5 * sum(kl), rtol=1e-6, atol=0)
-        assert sparse.indexer_loss_sum == pytest.approx(sum(kl).item(), rel=1e-6)
-        assert frozen.indexer_loss_sum is None and set(grads0) == set(grads1)
+        assert sparse.indexer_sums[0] == pytest.approx(sum(kl).item(), rel=1e-6)
+        assert frozen.indexer_sums is None and set(grads0) == set(grads1)
         for name, grad in grads1.items():
             if ".indexer." in name:
                 assert grads0[name] is None and grad.abs().sum() > 0, name
@@ -100,6 +100,13 @@ def test_the_dense_warmup_freezes_all_but_the_indexers_and_attends_densely():
     labels = torch.randint(0, 128, (2, 32), generator=g)
     model, loss, grads = _loss_and_grads("dense_warmup", tokens, labels)
     assert grads and all(".indexer." in n and gr.abs().sum() > 0 for n, gr in grads.items())
+    # the recall metric (indexer_recall over 2 layers x 64 queries): a share of 6 of the
+    # dense attention's top keys per query; with top-k beyond the 32 tokens every visible
+    # key is selected, so the share is 1 exactly
+    kl, recall, queries = model.indexer_sums.tolist()
+    assert queries == 2 * 2 * 32 and 0 < recall < queries and kl > 0
+    everything, _, _ = _loss_and_grads("dense_warmup", tokens, labels, index_topk=64)
+    assert everything.indexer_sums[1] == everything.indexer_sums[2] == queries
     # dense: the same logits as the model without model.dsa (MLA on every earlier token)
     dense = GPT(dataclasses.replace(model.cfg, dsa=None), options=ModelOptions(seed=3))
     sparse = GPT(dataclasses.replace(model.cfg, dsa=DSAConfig(**DSA)),
