@@ -1,0 +1,207 @@
+"""DeepSeek-V4's heavily compressed (HCA) entries over a CP group: each rank compresses the
+windows it ends, every rank gets them all.
+
+HCA compresses every m consecutive tokens [w*m, (w+1)*m) of the full sequence into one
+entry of head_dim numbers (transformers' ``DeepseekV4HCACompressor``):
+
+    entry_w = rope(rmsnorm(sum_j softmax_j(gate_j + position_bias_j) * kv_j), w * m)
+
+with kv, gate the compressor's two projections of the window's hidden states, the softmax
+over the window's m tokens per channel (fp32), the RMSNorm weighted, RoPE at position w*m;
+a trailing partial window makes no entry.
+
+Under CP (layouts contiguous and zigzag: each rank holds one or two slabs of consecutive
+positions) the window ending in a slab belongs to the rank holding that slab. A window
+that starts in the slab before (slab start a not a multiple of m) takes the last a % m
+rows of kv and gate from that slab's rank: one P2P batch of at most m - 1 rows per slab
+(``HaloRows``; zigzag's rank P-1 finds its second slab's halo in its own first slab).
+Backward sends the halo rows' gradients back and adds them into the sender's rows.
+
+The entries then travel by one all-gather (``GatherEntries``), not around a ring: every
+query attends to every complete entry before it, so every rank needs all earlier entries
+anyway, and they are tiny (head_dim numbers per m tokens: 4 per token at V4's 512 / 128),
+so one collective beats P - 1 dependent ring steps; the attention over them is then one
+local block. Ranks own different numbers of windows (the slabs' alignment), so each pads
+to the largest count; the all-gather's bytes are those padded rows. Its gradient is
+reduce-scattered back: each entry's gradient summed over every rank's queries, on the
+rank that made it.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Tuple
+
+import torch
+
+from .comm import all_gather, exchange, group_rank_and_size, reduce_scatter, wait_all
+
+COMPRESS_LAYOUTS = ("contiguous", "zigzag")
+
+
+class Slab(NamedTuple):
+    """One run of consecutive global positions a rank holds, and the windows it ends."""
+
+    start: int        # global position of the slab's first token
+    local: int        # its first row in the rank's local sequence
+    length: int
+    halo: int         # rows before `start` its first window needs (start % m)
+    first_window: int
+    windows: int      # complete windows ending in the slab
+
+
+def slabs(layout: str, rank: int, world: int, S: int, m: int) -> List[Slab]:
+    """The slabs `rank` holds (local order = position order) with their windows."""
+    if layout == "contiguous":
+        runs = [(rank * S, 0, S)]
+    else:  # zigzag: chunks rank and 2P-1-rank of S/2
+        c = S // 2
+        runs = [(rank * c, 0, c), ((2 * world - 1 - rank) * c, c, c)]
+    out = []
+    for start, local, length in runs:
+        halo = start % m
+        first = (start - halo) // m
+        out.append(Slab(start, local, length, halo, first, (halo + length) // m))
+    return out
+
+
+def owner(layout: str, world: int, S: int, pos: int) -> Tuple[int, int]:
+    """(rank, local row) holding global position `pos`."""
+    if layout == "contiguous":
+        return pos // S, pos % S
+    c = S // 2
+    chunk, row = divmod(pos, c)
+    return (chunk, row) if chunk < world else (2 * world - 1 - chunk, c + row)
+
+
+def halo_links(layout: str, rank: int, world: int, S: int, m: int):
+    """(sends [(peer, local rows)], recvs [(peer, slab index, rows)]), remote peers only,
+    in one global order (the receiving slab's position) that both sides agree on."""
+    sends, recvs = [], []
+    for r in range(world):
+        for i, sl in enumerate(slabs(layout, r, world, S, m)):
+            if sl.halo == 0:
+                continue
+            src, row = owner(layout, world, S, sl.start - sl.halo)
+            if src == r:
+                continue  # zigzag's rank P-1: its own first slab
+            if src == rank:
+                sends.append((r, slice(row, row + sl.halo)))
+            if r == rank:
+                recvs.append((src, i, sl.halo))
+    return sends, recvs
+
+
+class HaloRows(torch.autograd.Function):
+    """(B, S + received rows, C): x (B, S, C) followed by the rows the remote halos send
+    this rank, in recvs order (x travels through so that every rank's backward runs, the
+    senders' included); backward returns the halos' gradients to the senders (fp32, added
+    there)."""
+
+    @staticmethod
+    def forward(ctx, x, links, group):
+        sends, recvs = links
+        ctx.links, ctx.group, ctx.shape = links, group, x.shape
+        bufs = [(p, x.new_empty((x.shape[0], h, x.shape[2]))) for p, _, h in recvs]
+        wait_all(exchange(group, [(p, x[:, rows].contiguous()) for p, rows in sends],
+                          bufs, "fwd"))
+        return torch.cat([x] + [b for _, b in bufs], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sends, recvs = ctx.links
+        B, S, C = ctx.shape
+        back, at = [], S
+        for p, _, h in recvs:
+            back.append((p, grad[:, at:at + h].float().contiguous()))
+            at += h
+        got = [(p, torch.empty((B, rows.stop - rows.start, C), dtype=torch.float32,
+                               device=grad.device)) for p, rows in sends]
+        wait_all(exchange(ctx.group, back, got, "bwd"))
+        dx = grad[:, :S].to(torch.float32, copy=True)
+        for (_, rows), (_, g) in zip(sends, got):
+            dx[:, rows] += g
+        return dx.to(grad.dtype), None, None
+
+
+def compress_windows(kv, gate, position_bias, norm_weight, eps: float):
+    """Entries (B, n, D) of n windows: kv, gate (B, n, m, D); position_bias (m, D) and the
+    RMSNorm weight (D,) fp32, as transformers keeps them; softmax and norm in fp32."""
+    weights = (gate + position_bias).softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+    pooled = (kv * weights).sum(dim=2).float()
+    normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + eps)
+    return (norm_weight * normed).to(kv.dtype)
+
+
+def local_entries(kv, gate, position_bias, norm_weight, eps: float, m: int,
+                  rope: Callable, layout: str, group) -> torch.Tensor:
+    """The entries (B, T_rank, D) of the windows this rank ends, in position order; kv,
+    gate (B, S, D) the compressor's projections of the local tokens."""
+    (rank, world), (B, S, D) = group_rank_and_size(group), kv.shape
+    links = halo_links(layout, rank, world, S, m) if world > 1 else ([], [])
+    x = torch.cat((kv, gate), dim=-1)                                  # (B, S, 2D)
+    if links[0] or links[1]:
+        x = HaloRows.apply(x, links, group)                        # (B, S + halos, 2D)
+    at, parts = S, []
+    for i, sl in enumerate(slabs(layout, rank, world, S, m)):
+        rows = [x[:, sl.local:sl.local + sl.length]]
+        if sl.halo:
+            src, row = owner(layout, world, S, sl.start - sl.halo)
+            if src == rank or world == 1:
+                rows.insert(0, x[:, row:row + sl.halo])
+            else:
+                rows.insert(0, x[:, at:at + sl.halo])
+                at += sl.halo
+        if sl.windows == 0:
+            continue
+        win = torch.cat(rows, dim=1)[:, :sl.windows * m].view(B, sl.windows, m, 2 * D)
+        entries = compress_windows(win[..., :D], win[..., D:], position_bias, norm_weight,
+                                   eps)
+        pos = torch.arange(sl.first_window, sl.first_window + sl.windows,
+                           device=kv.device) * m
+        parts.append(rope(entries, pos))
+    return torch.cat(parts, dim=1) if parts else kv.new_empty((B, 0, D))
+
+
+def window_ids(layout: str, rank: int, world: int, S: int, m: int) -> List[int]:
+    """The global window indices `rank` ends, in its entries' order."""
+    return [w for sl in slabs(layout, rank, world, S, m)
+            for w in range(sl.first_window, sl.first_window + sl.windows)]
+
+
+class GatherEntries(torch.autograd.Function):
+    """Every rank's entries (B, T_r, D) -> all (B, n // m, D) in window order; backward
+    reduce-scatters each entry's gradient to the rank that made it."""
+
+    @staticmethod
+    def forward(ctx, mine, ids, group):
+        ctx.ids, ctx.group, ctx.mine = ids, group, mine.shape[1]
+        B, T, D = mine.shape
+        tmax = max(len(i) for i in ids)
+        padded = torch.cat((mine, mine.new_zeros((B, tmax - T, D))), dim=1)
+        gathered, work = all_gather(padded, group, "fwd")
+        if work is not None:
+            work.wait()
+        full = mine.new_empty((B, sum(len(i) for i in ids), D))
+        for p, i in enumerate(ids):
+            full[:, i] = gathered[p, :, :len(i)]
+        return full
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, group = ctx.ids, ctx.group
+        B, _, D = grad.shape
+        tmax = max(len(i) for i in ids)
+        slots = grad.new_zeros((len(ids), B, tmax, D))
+        for p, i in enumerate(ids):
+            slots[p, :, :len(i)] = grad[:, i]
+        return reduce_scatter(slots, group, "bwd")[:, :ctx.mine], None, None
+
+
+def hca_entries(kv, gate, position_bias, norm_weight, eps: float, m: int, rope: Callable,
+                layout: str, group) -> torch.Tensor:
+    """All n // m entries (B, n // m, D) of the full sequence on every rank of `group`."""
+    (rank, world), S = group_rank_and_size(group), kv.shape[1]
+    mine = local_entries(kv, gate, position_bias, norm_weight, eps, m, rope, layout, group)
+    if world == 1:
+        return mine
+    ids = [window_ids(layout, r, world, S, m) for r in range(world)]
+    return GatherEntries.apply(mine, ids, group)
