@@ -121,21 +121,26 @@ def test_hca_matches_transformers_cp1(backend):
 
 
 def expected_sent(P, layout, S, rank):
-    """Forward bytes `rank` sends, counted from the layout alone: the entries' all-gather
-    (padded to the largest share, P - 1 copies), the compressor's halo rows (kv and gate,
-    start % M rows to the holder of each slab that starts inside a window) and the sliding
-    window's K,V halo (K = V still travels as two rows)."""
+    """(forward, backward) bytes `rank` sends, counted from the layout alone. Forward: the
+    entries' all-gather (padded to the largest share, P - 1 copies), the compressor's halo
+    rows (kv and gate: start % M rows to the holder of each slab starting inside a window)
+    and the sliding window's K,V halo (K = V still travels as two rows). Backward: the
+    entries' gradient reduce-scattered (the same padded share), the received halo rows'
+    gradients back (fp32), the window's K,V halo again and its dK,dV back (fp32)."""
     n = S * P
     pos = [rank_positions(n, r, P, layout).tolist() for r in range(P)]
     holder = {p: r for r in range(P) for p in pos[r]}
     share = max(sum(1 for w in range(n // M) if holder[(w + 1) * M - 1] == r)
                 for r in range(P))
-    halo_rows = sum(p % M for r in range(P) for i, p in enumerate(pos[r])
-                    if p % M and (i == 0 or pos[r][i - 1] != p - 1)
-                    and holder[p - 1] == rank != r)
-    window_rows = halo_tokens(layout, rank, P, S, sliding_window=WINDOW)[0]
-    return (P - 1) * B * share * D * F32 + halo_rows * B * 2 * D * F32 \
-        + window_rows * 2 * B * D * F32
+    starts = [(r, p) for r in range(P) for i, p in enumerate(pos[r])
+              if p % M and (i == 0 or pos[r][i - 1] != p - 1) and holder[p - 1] != r]
+    halo_sent = sum(p % M for r, p in starts if holder[p - 1] == rank)
+    halo_recv = sum(p % M for r, p in starts if r == rank)
+    window_sent, window_recv = halo_tokens(layout, rank, P, S, sliding_window=WINDOW)
+    entries = (P - 1) * B * share * D * F32
+    kv_rows, halo_rows = 2 * B * D * F32, B * 2 * D * F32
+    return (entries + halo_sent * halo_rows + window_sent * kv_rows,
+            entries + halo_recv * halo_rows + (window_sent + window_recv) * kv_rows)
 
 
 def _cp_cases(rank, world):
@@ -149,8 +154,8 @@ def _cp_cases(rank, world):
         with cp_stats() as st:
             out, got = run(n, pos, group, layout, comm)
         where = f"P={P} {layout} S={S} {comm} rank {r}"
-        assert st.fwd_bytes_sent == expected_sent(P, layout, S, r), \
-            (where, st.fwd_bytes_sent, expected_sent(P, layout, S, r))
+        sent = (st.fwd_bytes_sent, st.bwd_bytes_sent)
+        assert sent == expected_sent(P, layout, S, r), (where, sent)
         close(out, want_out[:, pos])
         close(got[0], want[0][:, pos])
         close(got[1], want[1][:, pos])
@@ -162,7 +167,7 @@ def _cp_cases(rank, world):
 
 
 def test_hca_cp2_cp4_match_transformers():
-    assert all(run_distributed(_cp_cases, 4, timeout=120))
+    assert all(run_distributed(_cp_cases, 4, timeout=60))
 
 
 @pytest.mark.parametrize("kw, match", [

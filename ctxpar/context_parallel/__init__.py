@@ -10,6 +10,9 @@ One file per communication pattern, beside the pieces they share:
     hybrid.py     comm="hybrid": Ulysses inside each ring rank, the ring across (USP)
     latent.py     MLA (DeepSeek-V2/V3): the ring / all-gather of the latent, expanded per
                   block; latent_api.py its entry point latent_attention(comm=...)
+    compressed.py DeepSeek-V4's heavily compressed attention core (hca_attention): the
+                  window's halo plus compressed entries; compressor.py makes and
+                  all-gathers the entries
 
     layouts.py    contiguous / zigzag / striped token layouts (two-level under hybrid)
     blocks.py     the causal block plan, per-block compute, the blockwise autograd wrapper
