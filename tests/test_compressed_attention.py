@@ -25,6 +25,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from ctxpar.context_parallel import cp_stats
 from ctxpar.context_parallel.comm import NoComm
 from ctxpar.context_parallel.compressed import hca_attention
+from ctxpar.context_parallel.compressor import compressed_entries
 from ctxpar.context_parallel.halo import halo_tokens
 from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
@@ -43,6 +44,7 @@ def config():
     rope = {"rope_type": "default", "partial_rotary_factor": 0.5}
     return DeepseekV4Config(
         hidden_size=HIDDEN, head_dim=D, num_attention_heads=H, sliding_window=WINDOW,
+        q_lora_rank=8, index_head_dim=8, index_n_heads=2, index_topk=4,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": M},
         rope_parameters={"main": {**rope, "rope_theta": 10000.0},
                          "compress": {**rope, "rope_theta": 160000.0}})
@@ -143,6 +145,44 @@ def expected_sent(P, layout, S, rank):
             entries + halo_recv * halo_rows + (window_sent + window_recv) * kv_rows)
 
 
+# CSA's entries (the overlapping two-series compressor; slabs of at least 2M tokens).
+CSA_CASES = [(2, "contiguous", 11), (2, "zigzag", 20), (4, "contiguous", 9),
+             (4, "zigzag", 18)]
+
+
+def csa_entries(n, pos, group, layout):
+    """(entries, gradients of the compressor's four weights) from transformers'
+    DeepseekV4CSACompressor (group "reference": its forward on the whole sequence) or
+    ctxpar's compressed_entries(overlap=True) on the tokens at `pos`."""
+    torch.manual_seed(1)
+    cfg = config()
+    comp = hf.DeepseekV4CSACompressor(cfg).float()
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.normal_(0, 0.5)
+    hidden, q_res = torch.randn(B, n, HIDDEN), torch.randn(B, n, cfg.q_lora_rank)
+    dout = torch.randn(B, n // M, D)
+    weights = [comp.kv_proj.weight, comp.gate_proj.weight, comp.position_bias,
+               comp.kv_norm.weight]
+    if group == "reference":
+        entries = comp(hidden, q_res, torch.arange(n)[None].expand(B, -1), None, 0)[0][:, 0]
+    else:
+        h = hidden[:, pos]
+        entries = compressed_entries(comp.kv_proj(h), comp.gate_proj(h), comp.position_bias,
+                                     comp.kv_norm.weight, cfg.rms_norm_eps, M,
+                                     entry_rope(comp), layout, group, overlap=True)
+    return entries.detach(), torch.autograd.grad(entries, weights, dout)
+
+
+def test_csa_entries_match_transformers_cp1():
+    n = 22
+    want_entries, want = csa_entries(n, None, "reference", None)
+    got_entries, got = csa_entries(n, torch.arange(n), None, "contiguous")
+    close(got_entries, want_entries)
+    for g, w in zip(got, want):
+        close(g, w)
+
+
 def _cp_cases(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     for P, layout, S, comm in CASES:
@@ -163,10 +203,21 @@ def _cp_cases(rank, world):
             g = g.clone()
             dist.all_reduce(g, group=group)
             close(g, w)
+    for P, layout, S in CSA_CASES:
+        group = None if P == 4 else pairs[rank // 2]
+        r = rank if P == 4 else rank % 2
+        n = S * P
+        want_entries, want = csa_entries(n, None, "reference", None)
+        got_entries, got = csa_entries(n, rank_positions(n, r, P, layout), group, layout)
+        close(got_entries, want_entries)
+        for g, w in zip(got, want):  # every rank backpropagates dout through all entries
+            g = g.clone()
+            dist.all_reduce(g, group=group)
+            close(g, P * w)
     return True
 
 
-def test_hca_cp2_cp4_match_transformers():
+def test_compressed_cp2_cp4_match_transformers():
     assert all(run_distributed(_cp_cases, 4, timeout=60))
 
 
@@ -174,7 +225,7 @@ def test_hca_cp2_cp4_match_transformers():
     (dict(layout="striped"), "layout='striped'"),
     (dict(comm="ulysses"), "comm='ulysses'"),
     (dict(compress_rate=0), "compress_rate=0"),
-    (dict(compress_rate=8), "compress_rate=8 exceeds a rank's slab of 6"),
+    (dict(compress_rate=8), "compress_rate=8 needs slabs of at least 8 tokens"),
 ])
 def test_hca_bad_input_refused_before_communicating(kw, match):
     """NoComm(0, 2) stands in for a two-rank group: the checks run first, locally, so

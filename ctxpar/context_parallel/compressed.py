@@ -32,7 +32,7 @@ import torch
 from . import allgather, ring
 from .arguments import world_group
 from .blocks import QueryRows, backward_block, forward_block_
-from .compressor import COMPRESS_LAYOUTS, hca_entries
+from .compressor import COMPRESS_LAYOUTS, check_slabs, compressed_entries
 from .comm import group_rank_and_size
 from .documents import DocBlock
 from .kernels import default_scale, get_backend
@@ -114,13 +114,9 @@ def _check(q, kv, compress_kv, compress_gate, position_bias, sliding_window, m, 
     if tuple(position_bias.shape) != (m, D):
         raise ValueError(f"{caller}: position_bias must be (compress_rate, head_dim) = "
                          f"{(m, D)}, got {tuple(position_bias.shape)}")
-    slab = S // 2 if layout == "zigzag" else S
     if layout == "zigzag" and S % 2:
         raise ValueError(f"{caller}: layout 'zigzag' needs an even local_seq, got {S}")
-    if world > 1 and slab < m:
-        raise ValueError(f"{caller}: compress_rate={m} exceeds a rank's slab of {slab} "
-                         f"tokens (local_seq{'/2' if layout == 'zigzag' else ''}): a window "
-                         "may then span more than two ranks")
+    check_slabs(layout, S, m, world, False, caller)
 
 
 def hca_attention(q: torch.Tensor, kv: torch.Tensor, compress_kv: torch.Tensor,
@@ -152,8 +148,9 @@ def hca_attention(q: torch.Tensor, kv: torch.Tensor, compress_kv: torch.Tensor,
         else allgather.allgather_pattern(mask)
     kernel = get_backend(backend, q)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    entries = hca_entries(compress_kv, compress_gate, position_bias, norm_weight, norm_eps,
-                          compress_rate, entry_rope, layout, group)
+    entries = compressed_entries(compress_kv, compress_gate, position_bias, norm_weight,
+                                 norm_eps, compress_rate, entry_rope, layout, group,
+                                 caller=caller)
     q_pos = rank_positions(q.shape[1] * world, rank, world, layout)
     visible = entry_visibility(q_pos, entries.shape[1], compress_rate)
     out, lse = CompressedCore.apply(q, kv, entries, sinks, pattern, group, layout, scale,

@@ -43,13 +43,16 @@ class Slab(NamedTuple):
     start: int        # global position of the slab's first token
     local: int        # its first row in the rank's local sequence
     length: int
-    halo: int         # rows before `start` its first window needs (start % m)
+    halo: int         # rows before `start` its first entry needs (start % m, and with
+                      # overlap the previous window's m rows when there is one)
     first_window: int
     windows: int      # complete windows ending in the slab
 
 
-def slabs(layout: str, rank: int, world: int, S: int, m: int) -> List[Slab]:
-    """The slabs `rank` holds (local order = position order) with their windows."""
+def slabs(layout: str, rank: int, world: int, S: int, m: int,
+          overlap: bool = False) -> List[Slab]:
+    """The slabs `rank` holds (local order = position order) with their windows; overlap:
+    each entry also reads the window before its own (CSA)."""
     if layout == "contiguous":
         runs = [(rank * S, 0, S)]
     else:  # zigzag: chunks rank and 2P-1-rank of S/2
@@ -57,9 +60,10 @@ def slabs(layout: str, rank: int, world: int, S: int, m: int) -> List[Slab]:
         runs = [(rank * c, 0, c), ((2 * world - 1 - rank) * c, c, c)]
     out = []
     for start, local, length in runs:
-        halo = start % m
-        first = (start - halo) // m
-        out.append(Slab(start, local, length, halo, first, (halo + length) // m))
+        into = start % m
+        first = (start - into) // m
+        back = m if overlap and first > 0 else 0
+        out.append(Slab(start, local, length, into + back, first, (into + length) // m))
     return out
 
 
@@ -72,12 +76,21 @@ def owner(layout: str, world: int, S: int, pos: int) -> Tuple[int, int]:
     return (chunk, row) if chunk < world else (2 * world - 1 - chunk, c + row)
 
 
-def halo_links(layout: str, rank: int, world: int, S: int, m: int):
+def check_slabs(layout: str, S: int, m: int, world: int, overlap: bool, caller: str):
+    """ValueError (the same on every rank) unless each slab holds a window and its reach."""
+    slab, need = (S // 2 if layout == "zigzag" else S), m * (2 if overlap else 1)
+    if world > 1 and slab < need:
+        raise ValueError(f"{caller}: compress_rate={m} needs slabs of at least {need} tokens "
+                         f"(local_seq{'/2' if layout == 'zigzag' else ''} = {slab}): a "
+                         "window could otherwise span more than two ranks")
+
+
+def halo_links(layout: str, rank: int, world: int, S: int, m: int, overlap: bool = False):
     """(sends [(peer, local rows)], recvs [(peer, slab index, rows)]), remote peers only,
     in one global order (the receiving slab's position) that both sides agree on."""
     sends, recvs = [], []
     for r in range(world):
-        for i, sl in enumerate(slabs(layout, r, world, S, m)):
+        for i, sl in enumerate(slabs(layout, r, world, S, m, overlap)):
             if sl.halo == 0:
                 continue
             src, row = owner(layout, world, S, sl.start - sl.halo)
@@ -122,26 +135,52 @@ class HaloRows(torch.autograd.Function):
         return dx.to(grad.dtype), None, None
 
 
-def compress_windows(kv, gate, position_bias, norm_weight, eps: float):
-    """Entries (B, n, D) of n windows: kv, gate (B, n, m, D); position_bias (m, D) and the
-    RMSNorm weight (D,) fp32, as transformers keeps them; softmax and norm in fp32."""
-    weights = (gate + position_bias).softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+def compress_windows(kv, logits, norm_weight, eps: float):
+    """Entries (B, n, D) of n windows: kv, logits (B, n, slots, D) (gate + position_bias);
+    the RMSNorm weight (D,) fp32, as transformers keeps it; softmax and norm in fp32."""
+    weights = logits.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
     pooled = (kv * weights).sum(dim=2).float()
     normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + eps)
     return (norm_weight * normed).to(kv.dtype)
 
 
+def window_entries(rows, n: int, back: int, m: int, position_bias, norm_weight, eps,
+                   overlap: bool):
+    """Entries (B, n, D) from rows (B, back + n*m + ..., 2C) = [kv ; gate] of consecutive
+    tokens, the n windows starting at row `back`. HCA (C = D): softmax over each window's
+    m rows. CSA (overlap, C = 2D): over 2m slots, the previous window's first series
+    (kv[..., :D]) and the window's own second (kv[..., D:]); the sequence's first window
+    has no previous one (zero kv, -inf logits: weight 0), as in transformers."""
+    B, C = rows.shape[0], rows.shape[-1] // 2
+    cur = rows[:, back:back + n * m].view(B, n, m, 2 * C)
+    if not overlap:
+        return compress_windows(cur[..., :C], cur[..., C:] + position_bias, norm_weight, eps)
+    D = C // 2
+    logits = torch.cat((cur[..., :C], cur[..., C:] + position_bias), dim=-1)
+    if back:
+        prev = rows[:, :n * m].view(B, n, m, 2 * C)
+        prev = torch.cat((prev[..., :C], prev[..., C:] + position_bias), dim=-1)
+    else:  # the sequence's first window: nothing before it
+        none = torch.cat((rows.new_zeros((B, 1, m, C)),
+                          rows.new_full((B, 1, m, C), float("-inf"))), dim=-1)
+        prev = torch.cat((none, logits[:, :-1]), dim=1)
+    kv = torch.cat((prev[..., :D], logits[..., D:C]), dim=2)           # (B, n, 2m, D)
+    gate = torch.cat((prev[..., C:C + D], logits[..., C + D:]), dim=2)
+    return compress_windows(kv, gate, norm_weight, eps)
+
+
 def local_entries(kv, gate, position_bias, norm_weight, eps: float, m: int,
-                  rope: Callable, layout: str, group) -> torch.Tensor:
+                  rope: Callable, layout: str, group, overlap: bool = False) -> torch.Tensor:
     """The entries (B, T_rank, D) of the windows this rank ends, in position order; kv,
-    gate (B, S, D) the compressor's projections of the local tokens."""
-    (rank, world), (B, S, D) = group_rank_and_size(group), kv.shape
-    links = halo_links(layout, rank, world, S, m) if world > 1 else ([], [])
-    x = torch.cat((kv, gate), dim=-1)                                  # (B, S, 2D)
+    gate (B, S, C) the compressor's projections of the local tokens (C = D, or 2D with
+    overlap)."""
+    (rank, world), (B, S, C) = group_rank_and_size(group), kv.shape
+    links = halo_links(layout, rank, world, S, m, overlap) if world > 1 else ([], [])
+    x = torch.cat((kv, gate), dim=-1)                                  # (B, S, 2C)
     if links[0] or links[1]:
-        x = HaloRows.apply(x, links, group)                        # (B, S + halos, 2D)
+        x = HaloRows.apply(x, links, group)                        # (B, S + halos, 2C)
     at, parts = S, []
-    for i, sl in enumerate(slabs(layout, rank, world, S, m)):
+    for i, sl in enumerate(slabs(layout, rank, world, S, m, overlap)):
         rows = [x[:, sl.local:sl.local + sl.length]]
         if sl.halo:
             src, row = owner(layout, world, S, sl.start - sl.halo)
@@ -152,12 +191,13 @@ def local_entries(kv, gate, position_bias, norm_weight, eps: float, m: int,
                 at += sl.halo
         if sl.windows == 0:
             continue
-        win = torch.cat(rows, dim=1)[:, :sl.windows * m].view(B, sl.windows, m, 2 * D)
-        entries = compress_windows(win[..., :D], win[..., D:], position_bias, norm_weight,
-                                   eps)
+        back = sl.halo - sl.start % m  # the previous window's rows (overlap)
+        entries = window_entries(torch.cat(rows, dim=1), sl.windows, back, m, position_bias,
+                                 norm_weight, eps, overlap)
         pos = torch.arange(sl.first_window, sl.first_window + sl.windows,
                            device=kv.device) * m
         parts.append(rope(entries, pos))
+    D = C // 2 if overlap else C
     return torch.cat(parts, dim=1) if parts else kv.new_empty((B, 0, D))
 
 
@@ -196,11 +236,21 @@ class GatherEntries(torch.autograd.Function):
         return reduce_scatter(slots, group, "bwd")[:, :ctx.mine], None, None
 
 
-def hca_entries(kv, gate, position_bias, norm_weight, eps: float, m: int, rope: Callable,
-                layout: str, group) -> torch.Tensor:
-    """All n // m entries (B, n // m, D) of the full sequence on every rank of `group`."""
+def compressed_entries(kv, gate, position_bias, norm_weight, eps: float, m: int,
+                       rope: Callable, layout: str, group, overlap: bool = False,
+                       caller: str = "compressed_entries") -> torch.Tensor:
+    """All n // m entries (B, n // m, D) of the full sequence on every rank of `group`:
+    HCA's (overlap False: kv, gate (B, S, D), position_bias (m, D)) or CSA's compressor's
+    (overlap True: (B, S, 2D) and (m, 2D), the two series of transformers'
+    DeepseekV4CSACompressor). rope(entries (B, T, D), positions (T,)) -> (B, T, D)."""
     (rank, world), S = group_rank_and_size(group), kv.shape[1]
-    mine = local_entries(kv, gate, position_bias, norm_weight, eps, m, rope, layout, group)
+    if layout not in COMPRESS_LAYOUTS:
+        raise ValueError(f"{caller}: layout={layout!r} must be one of "
+                         f"{list(COMPRESS_LAYOUTS)} (a compressed window needs consecutive "
+                         "tokens on a rank)")
+    check_slabs(layout, S, m, world, overlap, caller)
+    mine = local_entries(kv, gate, position_bias, norm_weight, eps, m, rope, layout, group,
+                         overlap)
     if world == 1:
         return mine
     ids = [window_ids(layout, r, world, S, m) for r in range(world)]
