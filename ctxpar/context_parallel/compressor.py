@@ -1,5 +1,5 @@
-"""DeepSeek-V4's heavily compressed (HCA) entries over a CP group: each rank compresses the
-windows it ends, every rank gets them all.
+"""DeepSeek-V4's compressed entries (HCA's; CSA's with overlap) over a CP group: each rank
+compresses the windows it ends, every rank gets them all.
 
 HCA compresses every m consecutive tokens [w*m, (w+1)*m) of the full sequence into one
 entry of head_dim numbers (transformers' ``DeepseekV4HCACompressor``):
@@ -8,7 +8,9 @@ entry of head_dim numbers (transformers' ``DeepseekV4HCACompressor``):
 
 with kv, gate the compressor's two projections of the window's hidden states, the softmax
 over the window's m tokens per channel (fp32), the RMSNorm weighted, RoPE at position w*m;
-a trailing partial window makes no entry.
+a trailing partial window makes no entry. CSA's compressor (``overlap``: m = 4, kv and
+gate 2D wide) softmaxes over 2m slots instead: the previous window's first series and the
+window's own second, so its halo reaches m rows further back.
 
 Under CP (layouts contiguous and zigzag: each rank holds one or two slabs of consecutive
 positions) the window ending in a slab belongs to the rank holding that slab. A window
