@@ -6,6 +6,8 @@ full length not a multiple of m (a trailing partial window). Outputs and every g
 (q, the K=V head, the sinks, the compressor's kv_proj, gate_proj, position_bias and
 kv_norm weight); the bytes each rank sends are the entries' all-gather, the windows'
 halos and the sliding window's halo, nothing else; bad input raises before any collective.
+CSA's compressor entries (compressed_entries(overlap=True)) against transformers'
+DeepseekV4CSACompressor: the entries and its weights' gradients, cp1, cp2, cp4.
 
 Tolerances (fp32): the reference does one softmax over [window ; entries ; sink], ctxpar
 merges blocks by log-sum-exp and sums halo gradients on another rank: the same math in
