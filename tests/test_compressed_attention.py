@@ -243,3 +243,16 @@ def test_hca_bad_input_refused_before_communicating(kw, match):
         hca_attention(q, kv, comp.kv_proj(hidden), comp.gate_proj(hidden), bias,
                       comp.kv_norm.weight, sinks, **args)
     assert st.fwd_comm_ops == 0
+
+
+def test_csa_entries_refuse_short_slabs():
+    """CSA's halo reaches a window further back: slabs shorter than 2m are refused (one
+    line, before the halo exchange), as is a layout whose windows are not on one rank."""
+    kv = torch.zeros(B, 12, 2 * D)
+    args = (kv, kv, torch.zeros(M, 2 * D), torch.ones(D), 1e-6, M, None)
+    with cp_stats() as st:
+        with pytest.raises(ValueError, match="needs slabs of at least 8 tokens"):
+            compressed_entries(*args, "zigzag", NoComm(0, 2), overlap=True)
+        with pytest.raises(ValueError, match="layout='striped'"):
+            compressed_entries(*args, "striped", NoComm(0, 2), overlap=True)
+    assert st.fwd_comm_ops == 0
