@@ -990,7 +990,7 @@ def test_block_fields_are_all_block_specs_reads():
                          "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim",
                          "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe",
                          "mla", "global_head_dim", "global_n_kv_heads", "attention_k_eq_v",
-                         "num_kv_shared_layers", "per_layer_input_dim"} == \
+                         "num_kv_shared_layers", "per_layer_input_dim", "dsa"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}
 
 
