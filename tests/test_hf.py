@@ -30,7 +30,8 @@ import torch
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,  # noqa: E402
                           DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig,
-                          Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
+                          Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiMoV2FlashConfig,
+                          MiniMaxM2Config,
                           MistralConfig, MixtralConfig, NemotronHConfig, OlmoHybridConfig,
                           Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           Qwen3NextConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
@@ -197,6 +198,19 @@ FAMILY_CONFIGS = {
                                            no_rope_layer_interval=2, attention_chunk_size=16,
                                            floor_scale=8, attn_scale=0.5, rope_theta=5000.0,
                                            bos_token_id=None, eos_token_id=None)),
+    # MiMo-V2-Flash: a full layer then two sliding ones (window 7) with twice its K/V heads
+    # (2 against 1) and sinks; q/k heads of 24, value heads of 16 scaled by 0.707; RoPE on
+    # a third of each head (int(24 x 0.334) = 8), bases 5000 and 100 by type; q/k/v biases;
+    # a dense layer then 8 sigmoid-routed experts in 2 groups (1 taken), top 3, times 2.5
+    "mimo_v2_flash": (MiMoV2FlashConfig, dict(
+        num_hidden_layers=3, num_key_value_heads=1, v_head_dim=16, sliding_window=7,
+        attention_bias=True, n_routed_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        rope_parameters={kind: {"rope_type": "default", "rope_theta": theta,
+                                "partial_rotary_factor": 0.334}
+                         for kind, theta in (("full_attention", 5000.0),
+                                             ("sliding_attention", 100.0))},
+        bos_token_id=None, eos_token_id=None)),
 }
 
 
@@ -320,6 +334,13 @@ ROPE_VARIANTS = {
     "minimax_m2": dict(rope_parameters=rope("llama3", 1e6), rotary_dim=24),
     "llama4_text": dict(rope_parameters=rope("llama3", 5e5), use_qk_norm=False,
                         attention_chunk_size=None, moe_layers=[0, 1, 2, 3]),
+    # MiMo-V2-Flash: YaRN on the full layers, plain RoPE on the sliding ones, on half of
+    # each head; every layer sparse, no value scale (null), the window as
+    # sliding_window_size + 1
+    "mimo_v2_flash": dict(rope_parameters={
+        "full_attention": rope("yarn", partial_rotary_factor=0.5),
+        "sliding_attention": rope("default", 300.0, partial_rotary_factor=0.5)},
+        mlp_layer_types=["sparse"] * 3, attention_value_scale=None, sliding_window_size=5),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
@@ -327,7 +348,7 @@ FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral",
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
                 ("qwen3_next", False), ("qwen3_5_moe_text", True), ("deepseek_v3", False),
                 ("deepseek_v2", True), ("glm4_moe", False), ("minimax_m2", False),
-                ("llama4_text", False)]
+                ("llama4_text", False), ("mimo_v2_flash", False)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -367,6 +388,11 @@ NEW_FEATURES = {
                     {"moe.scale_expert_input": False},
                     {"nope_layers": None, "attn_temperature_tuning": False},
                     "local positions"],
+    # its unequal head dims and per-type K/V heads cannot be dropped from the same weights:
+    # their shapes stop the load (check_parameters)
+    "mimo_v2_flash": [{"attention_value_scale": 1.0}, {"attention_sinks": False},
+                      {"partial_rotary_factor": 1.0}, {"layer_rope": None},
+                      {"moe.n_group": 1, "moe.topk_group": 1}],
 }
 
 

@@ -28,5 +28,6 @@ REGISTRY = (
     ("glm4_moe", "glm4_moe", "FAMILY"),
     ("minimax_m2", "minimax_m2", "FAMILY"),
     ("llama4_text", "llama4", "FAMILY"),
+    ("mimo_v2_flash", "mimo_v2_flash", "FAMILY"),
 )
 HF_FAMILIES = tuple(model_type for model_type, _, _ in REGISTRY)

@@ -27,6 +27,7 @@ from operator import attrgetter
 from typing import Iterable, List, Optional, Tuple
 
 from .layer_mixers import LAYER_MIXERS, first_layer_type, layer_types, token_mixer_of
+from .attention_heads import attention_config, v_head_dim_of
 from .layers import GDN_FIELDS, MAMBA_FIELDS, gated_delta_dims, mamba_dims
 from .moe import moe_layer_indices
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
@@ -87,13 +88,14 @@ def block_fields(m: ModelConfig) -> tuple:
     candidate, over configs that differ in seq_len and the like): block 0's mixers and the
     linear mixers' sizes among them."""
     return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)],
-            None if m.moe is None else repr(m.moe), repr(m.reordered_norms), repr(m.mla))
+            None if m.moe is None else repr(m.moe), repr(m.reordered_norms), repr(m.mla),
+            repr(m.layer_kv_heads), repr(m.attention_sinks))
 
 
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
 _BLOCK_FIELDS = attrgetter("d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
-                           "bias", "attention_sinks", "attention_bias", "qk_norm", "qk_norm_scope",
-                           "head_dim",
+                           "bias", "attention_bias", "qk_norm", "qk_norm_scope",
+                           "head_dim", "v_head_dim",
                            "post_norms", "attention_output_gate", *GDN_FIELDS,
                            *MAMBA_FIELDS[:6])
 
@@ -113,8 +115,8 @@ def _layer_specs(m: ModelConfig, kind: str, p: str, moe: bool, tp: int) -> List[
     reordered = kind in (m.reordered_norms or ())  # outputs normed, not inputs (OLMo 2)
     specs = _norm(p + "attn_norm", m) if token and not reordered else []
     if token:
-        name, mixer_specs = TOKEN_MIXER_PARAMETERS[token]
-        specs += mixer_specs(m, f"{p}{name}.", tp)
+        name, mixer_specs = TOKEN_MIXER_PARAMETERS[token]  # with the type's K/V heads
+        specs += mixer_specs(attention_config(m, kind), f"{p}{name}.", tp)
     if (m.post_norms or reordered) and token:
         specs += _norm(p + "post_attn_norm", m)
     if channel and moe:
@@ -203,7 +205,7 @@ def _mamba2_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
 
 
 def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
-    d, hd, n_kv = m.d_model, head_dim(m), m.n_kv_heads or m.n_heads
+    d, hd, n_kv, vd = m.d_model, head_dim(m), m.n_kv_heads or m.n_heads, v_head_dim_of(m)
     kv_split = "column" if n_kv % tp == 0 else "heads"
     qkv_bias = m.bias or m.attention_bias
     specs = []
@@ -212,8 +214,8 @@ def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
     q_rows = m.n_heads * hd * (2 if m.attention_output_gate else 1)  # per head [q | gate]
     specs += _linear(p + "q_proj", d, q_rows, "column", qkv_bias)
     specs += _linear(p + "k_proj", d, n_kv * hd, kv_split, qkv_bias)
-    specs += _linear(p + "v_proj", d, n_kv * hd, kv_split, qkv_bias)
-    specs += _linear(p + "o_proj", m.n_heads * hd, d, "row", m.bias)
+    specs += _linear(p + "v_proj", d, n_kv * vd, kv_split, qkv_bias)
+    specs += _linear(p + "o_proj", m.n_heads * vd, d, "row", m.bias)
     if m.qk_norm and m.qk_norm_scope == "all_heads":  # the whole width, split with heads
         specs += [ParamSpec(p + "q_norm.weight", (m.n_heads * hd,), "column"),
                   ParamSpec(p + "k_norm.weight", (n_kv * hd,), "column")]

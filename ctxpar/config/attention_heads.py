@@ -1,0 +1,89 @@
+"""What one attention layer's heads are when they differ by layer type: its K/V heads
+(model.layer_kv_heads), its sinks (model.attention_sinks as a list of layer types), and
+the value heads' width (model.v_head_dim) with their scale (model.attention_value_scale).
+
+    cfg = attention_config(m, "sliding_attention")   # n_kv_heads, attention_sinks resolved
+
+The attention module, the parameters' description, the KV cache and the planner read a
+layer through attention_config, so a per-type count means one thing everywhere
+(MiMo-V2-Flash: 8 K/V heads and sinks on its sliding layers, 4 and none on its full ones).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from .layer_mixers import LAYER_MIXERS, LAYER_TYPES
+from .sections import ModelConfig, resolved_head_dim
+
+
+def kv_heads_of(m: ModelConfig, kind: Optional[str] = None) -> int:
+    """K/V heads of a layer of type kind: model.layer_kv_heads' count, else n_kv_heads
+    (else n_heads)."""
+    own = (m.layer_kv_heads or {}).get(kind)
+    return own if own is not None else (m.n_kv_heads or m.n_heads)
+
+
+def sinks_on(m: ModelConfig, kind: Optional[str] = None) -> bool:
+    """Whether a layer of type kind has attention sinks."""
+    sinks = m.attention_sinks
+    return kind in sinks if isinstance(sinks, list) else bool(sinks)
+
+
+def v_head_dim_of(m: ModelConfig) -> int:
+    """Channels per value head: model.v_head_dim, else head_dim."""
+    return m.v_head_dim if m.v_head_dim is not None else resolved_head_dim(m)
+
+
+def attention_config(m: ModelConfig, kind: Optional[str]) -> ModelConfig:
+    """m as an attention layer of type kind is built from: its own n_kv_heads and
+    attention_sinks (true or false), no per-type fields left; m itself when nothing
+    differs by type."""
+    if m.layer_kv_heads is None and not isinstance(m.attention_sinks, list):
+        return m
+    return replace(m, n_kv_heads=kv_heads_of(m, kind), attention_sinks=sinks_on(m, kind),
+                   layer_kv_heads=None)
+
+
+def per_type_heads(m: ModelConfig) -> bool:
+    """Whether some attention field differs by layer type (the planner counts per type)."""
+    return m.layer_kv_heads is not None or isinstance(m.attention_sinks, list)
+
+
+def check_attention_heads(m: ModelConfig, tp: int, err) -> None:
+    """model.layer_kv_heads, attention_sinks (a list), v_head_dim and
+    attention_value_scale, one line each through err (validation's)."""
+    attention = [t for t in LAYER_TYPES if LAYER_MIXERS[t][0] == "attention"]
+    for kind, heads in (m.layer_kv_heads or {}).items():
+        if kind not in attention:
+            err(f"model.layer_kv_heads: unknown layer type {kind!r}; choose from the types "
+                f"with attention {attention}")
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or \
+                m.n_heads % heads:
+            err(f"model.layer_kv_heads.{kind}={heads!r} must be an integer >= 1 dividing "
+                f"model.n_heads={m.n_heads}")
+        elif heads % tp and tp % heads:
+            err(f"model.layer_kv_heads.{kind}={heads} and parallel.tp={tp}: kv heads must "
+                f"divide over tp (kv % tp == 0) or be replicated (tp % kv == 0)")
+    if m.layer_kv_heads is not None and (m.mla is not None or m.qk_norm_scope == "all_heads"):
+        err(f"model.layer_kv_heads={m.layer_kv_heads} with "
+            f"{'model.mla' if m.mla is not None else 'model.qk_norm_scope=all_heads'}: "
+            f"per-type K/V heads are built for plain GQA attention")
+    sinks = m.attention_sinks
+    if isinstance(sinks, list) and (not sinks or set(sinks) - set(attention)):
+        err(f"model.attention_sinks={sinks!r} must be true, false or a non-empty list of "
+            f"layer types with attention {attention}")
+    v = m.v_head_dim
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        err(f"model.v_head_dim={v!r} must be an integer >= 1 (or null: head_dim)")
+    elif v is not None and m.mla is None and v > resolved_head_dim(m):
+        err(f"model.v_head_dim={v} must be <= head_dim={resolved_head_dim(m)} (V travels "
+            f"zero-padded to the keys' width)")
+    if v is not None and m.mla is not None:
+        err(f"model.v_head_dim={v} with model.mla: MLA's value width is model.mla.v_head_dim")
+    if v is not None and v != resolved_head_dim(m) and m.attention_output_gate:
+        err(f"model.v_head_dim={v} with model.attention_output_gate=true: the gate is "
+            f"head_dim wide")
+    scale = m.attention_value_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+        err(f"model.attention_value_scale={scale!r} must be a number > 0 (1: none)")
