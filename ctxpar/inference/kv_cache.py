@@ -13,7 +13,8 @@ the valid slots its mask leaves by position; sinks join the merged row (sinks.py
               slots (ties: the lowest rank), so the shards stay within one slot of each
               other: every rank knows every rank's fill count, no communication needed
 
-Memory per rank: 2 * n_layers * B * capacity * Hkv * D * bytes, with capacity =
+Memory per rank: n_layers * B * capacity * Hkv * (D + Dv) * bytes (Hkv each layer's own:
+model.layer_kv_heads; Dv model.v_head_dim, D unless set), with capacity =
 T_pad / cp + ceil(decode steps / cp): 1/cp of a single rank's cache (up to one slot).
 A hybrid model's Gated DeltaNet and Mamba2 layers keep no keys: each holds its recurrent
 state and conv window instead (linear_cache.py), replicated over CP, and an MLP-only
@@ -32,6 +33,7 @@ import torch
 
 from ..config import softmax_scale
 from ..config.layers import layer_attention
+from ..config.attention_heads import attention_config, v_head_dim_of
 from ..config.parameters import head_dim, kv_heads_per_rank
 from ..tensor_parallel.mappings import tp_size_of
 from .cp_ops import AttentionMask, default_scale, finish_sinks, group_rank_and_size
@@ -47,14 +49,16 @@ def decode_capacity(prefill_len: int, decode_steps: int, cp: int) -> int:
 class KVCache:
     """This CP rank's share of the cache of every layer, for one batch of sequences."""
 
-    def __init__(self, n_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
+    def __init__(self, n_layers: int, batch: int, capacity: int,
+                 kv_heads: Union[int, Sequence[int]], head_dim: int,
                  cp_group=None, dtype=torch.float32, device=None, scale=None,
                  mixers: Optional[Sequence[Optional[str]]] = None,
-                 latent_dim: Optional[int] = None):
-        """n_layers: the model's; mixers: each layer's token mixer (LayerAttention.
-        token_mixer; None: all attention): 'attention' layers get K,V slots, 'mla' layers
-        latent slots latent_dim wide, 'gated_delta' and 'mamba2' a LinearLayerCache each,
-        an MLP-only block (None) nothing."""
+                 latent_dim: Optional[int] = None, v_head_dim: Optional[int] = None):
+        """n_layers: the model's; kv_heads: every layer's, or one count for all;
+        mixers: each layer's token mixer (LayerAttention.token_mixer; None: all
+        attention): 'attention' layers get K,V slots (V v_head_dim wide, head_dim
+        unless given), 'mla' layers latent slots latent_dim wide, 'gated_delta' and
+        'mamba2' a LinearLayerCache each, an MLP-only block (None) nothing."""
         self.cp_group = cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
         mixers = ["attention"] * n_layers if mixers is None else list(mixers)
@@ -63,9 +67,12 @@ class KVCache:
             if m in LINEAR_MIXERS}
         attention = [i for i, m in enumerate(mixers) if m == "attention"]
         self.slot = {i: j for j, i in enumerate(attention)}  # layer -> its K,V index
-        shape = (len(attention), batch, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        heads = [kv_heads] * n_layers if isinstance(kv_heads, int) else list(kv_heads)
+        # one (B, Hkv, capacity, D) tensor per attention layer: Hkv may differ by layer
+        self.k = [torch.zeros(batch, heads[i], capacity, head_dim, dtype=dtype, device=device)
+                  for i in attention]
+        self.v = [torch.zeros(batch, heads[i], capacity, v_head_dim or head_dim, dtype=dtype,
+                              device=device) for i in attention]
         latent = [i for i, m in enumerate(mixers) if m == "mla"]
         self.latent_slot = {i: j for j, i in enumerate(latent)}  # layer -> its latent index
         self.latent = torch.zeros(len(latent), batch, capacity, latent_dim or 0,
@@ -83,12 +90,14 @@ class KVCache:
     def for_model(cls, model, batch: int, capacity: int, cp_group=None) -> "KVCache":
         """A cache shaped like `model`'s attention (a ctxpar.interfaces.CausalLM: this TP
         rank's kv heads of model.cfg, in its parameters' dtype and device)."""
-        m, p = model.cfg, next(model.parameters())
-        return cls(m.n_layers, batch, capacity, kv_heads_per_rank(m, tp_size_of(model.tp_group)),
+        m, p, tp = model.cfg, next(model.parameters()), tp_size_of(model.tp_group)
+        layers = layer_attention(m)
+        return cls(m.n_layers, batch, capacity,
+                   [kv_heads_per_rank(attention_config(m, a.kind), tp) for a in layers],
                    head_dim(m), cp_group, dtype=p.dtype, device=p.device,
-                   scale=softmax_scale(m),
-                   mixers=[a.token_mixer for a in layer_attention(m)],
-                   latent_dim=m.mla.latent_dim if m.mla is not None else None)
+                   scale=softmax_scale(m), mixers=[a.token_mixer for a in layers],
+                   latent_dim=m.mla.latent_dim if m.mla is not None else None,
+                   v_head_dim=v_head_dim_of(m))
 
     @property
     def capacity(self) -> int:
@@ -97,7 +106,7 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of this rank's cache (keys and values of the attention layers, the linear
         layers' states and conv windows)."""
-        return self.k.numel() * self.k.element_size() * 2 + sum(
+        return sum(x.numel() * x.element_size() for x in (*self.k, *self.v)) + sum(
             c.nbytes() for c in self.linear.values()) + \
             self.latent.numel() * self.latent.element_size()
 
@@ -179,14 +188,14 @@ class KVCache:
         """
         n = self.filled[self.cp_rank]
         if self.mode == "prefill":  # k, v (B, T/cp, Hkv, D) -> slots (B, Hkv, T/cp, D)
-            self.k[i, :, :, :n] = k.transpose(1, 2)
-            self.v[i, :, :, :n] = v.transpose(1, 2)
+            self.k[i][:, :, :n] = k.transpose(1, 2)
+            self.v[i][:, :, :n] = v.transpose(1, 2)
             return core(q, k, v)
         assert self.mode == "decode", "begin_prefill or begin_decode first"
         if self.owner == self.cp_rank:
-            self.k[i, :, :, n - 1] = k[:, 0]
-            self.v[i, :, :, n - 1] = v[:, 0]
-        out, lse = partial_attention(q, self.k[i, :, :, :n], self.v[i, :, :, :n],
+            self.k[i][:, :, n - 1] = k[:, 0]
+            self.v[i][:, :, n - 1] = v[:, 0]
+        out, lse = partial_attention(q, self.k[i][:, :, :n], self.v[i][:, :, :n],
                                      self.visible(n, mask), self.scale)
         sinks = None if mask is None else mask.sinks
         out, lse = merge_partials(out, lse, self.cp_group, self.stats, return_lse=True)
