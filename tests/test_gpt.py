@@ -72,6 +72,18 @@ CONFIGS["mla_lite"] = dataclasses.replace(
     CONFIGS["mla"], rope_scaling=None,
     mla=MLAConfig(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                   v_head_dim=12, rope_interleave=False))
+# MiMo-V2-Flash's attention: a full layer with one K/V head (replicated over tp2 and
+# Ulysses' 2 ranks), a sliding one with two (split) and sinks; q/k heads of 24, value heads
+# of 16 (V zero-padded on the wire) scaled by 0.7; RoPE on a third of each head, its own
+# base on the sliding layer; the window (20) crosses the CP ranks' boundaries
+CONFIGS["mimo"] = ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
+                              n_kv_heads=1, head_dim=24, v_head_dim=16,
+                              layer_types=["full_attention", "sliding_attention"],
+                              sliding_window=20, layer_kv_heads={"sliding_attention": 2},
+                              attention_sinks=["sliding_attention"], attention_value_scale=0.7,
+                              partial_rotary_factor=1 / 3, attention_bias=True,
+                              layer_rope={"sliding_attention": {"rope_theta": 100.0}},
+                              tie_embeddings=False)
 BATCH, LR, SEED = 4, 0.1, 7  # global batch (split over dp), SGD step, init seed
 # fp32 everywhere; the parallel model sums the same terms in another order (TP partial
 # products all-reduced, per-block softmax merged by LSE across the ring, gradients summed
@@ -162,7 +174,9 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
         (2, 1, 1, "zigzag", "mla", "selective", "ring", 1),  # heads split, latent f
         (1, 2, 1, "zigzag", "mla", "none", "ring", 1),  # the latent on the ring
         (1, 2, 1, "striped", "mla_lite", "full", "ulysses", 2),
-        (1, 2, 1, "contiguous", "mla", "selective", "allgather", 1)],
+        (1, 2, 1, "contiguous", "mla", "selective", "allgather", 1),
+        (1, 2, 1, "zigzag", "mimo", "selective", "ring", 1),  # per-type K/V heads, v 16
+        (1, 2, 1, "zigzag", "mimo", "none", "ulysses", 2)],
     4: [(1, 4, 1, "zigzag", "gqa", "none", "ring", 1),
         (1, 4, 1, "striped", "gqa", "every_n_layers", "ring", 1),
         (2, 2, 1, "zigzag", "gqa", "none", "ring", 1),
@@ -176,7 +190,8 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
         (1, 2, 2, "zigzag", "mqa", "full", "hybrid", 2),  # u = cp: Ulysses via hybrid
         (2, 2, 1, "striped", "gated", "full", "ring", 1),
         (2, 2, 1, "zigzag", "mla", "selective", "ring", 1),
-        (1, 4, 1, "striped", "mla_lite", "none", "hybrid", 2)],
+        (1, 4, 1, "striped", "mla_lite", "none", "hybrid", 2),
+        (2, 2, 1, "zigzag", "mimo", "selective", "ring", 1)],
     8: [(2, 2, 2, "zigzag", "gqa", "full", "ring", 1),
         (2, 2, 2, "striped", "mqa", "none", "ring", 1),
         (2, 4, 1, "zigzag", "gqa", "selective", "hybrid", 2)],  # tp2 x (u2 x r2)
