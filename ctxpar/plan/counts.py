@@ -1,7 +1,9 @@
 """Exact per-rank counts of a GPT under a layout: parameters, saved activations, bytes moved.
 
 Shapes per rank (models/gpt.py): N = micro_batch * T/cp tokens, h = H/tp query heads,
-hk = Hkv/tp kv heads (1, replicated, when Hkv < tp), f = ffn/tp MLP columns, V/tp vocab
+hk = Hkv/tp kv heads (1, replicated, when Hkv < tp; a layer type's own under
+model.layer_kv_heads), vd = the value heads' width (hd unless model.v_head_dim: V crosses
+the CP core zero-padded to hd), f = ffn/tp MLP columns, V/tp vocab
 rows; e = the activations' element size (2 bf16, 4 fp32). Parameters are counted from the
 model's one description (ctxpar/config/parameters.py), which models/gpt.py checks itself
 against when it is built; activations are checked against autograd's saved tensors
@@ -17,6 +19,7 @@ from typing import List, Optional
 
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
 from ..config.layer_mixers import LAYER_MIXERS, first_layer_type, layer_types
+from ..config.attention_heads import kv_heads_of, v_head_dim_of
 from ..config.layers import gated_delta_dims, mamba_dims
 from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs, mtp_specs
 from ..context_parallel.halo import halo_tokens
@@ -42,15 +45,27 @@ class RankShapes:
     V: int        # vocabulary rows on this rank
     L: int        # layers of the whole model
     tp: int
+    vd: int = 0   # value head width (model.v_head_dim; hd unless set)
 
 
-def rank_shapes(m: ModelConfig, cand: Candidate) -> RankShapes:
-    n_kv = m.n_kv_heads or m.n_heads
+def rank_shapes(m: ModelConfig, cand: Candidate, kind: Optional[str] = None) -> RankShapes:
+    """The shapes of a layer of type kind (its K/V heads: model.layer_kv_heads; None: the
+    model's n_kv_heads)."""
+    n_kv = kv_heads_of(m, kind)
     hk = n_kv // cand.tp if n_kv % cand.tp == 0 else 1
     return RankShapes(N=cand.micro_batch * m.seq_len // cand.cp, B=cand.micro_batch,
                       T=m.seq_len, d=m.d_model, h=m.n_heads // cand.tp, hk=hk,
                       hd=resolved_head_dim(m), f=resolved_ffn_hidden(m) // cand.tp,
-                      V=m.vocab_size // cand.tp, L=m.n_layers, tp=cand.tp)
+                      V=m.vocab_size // cand.tp, L=m.n_layers, tp=cand.tp,
+                      vd=v_head_dim_of(m) if m.mla is None else resolved_head_dim(m))
+
+
+def widest_kind(m: ModelConfig, kinds) -> Optional[str]:
+    """Of the layer types kinds, the one with the most K/V heads (the largest attention
+    buffers: a phase's peak); None when the heads do not differ by type."""
+    if m.layer_kv_heads is None:
+        return None
+    return max(kinds, key=lambda kind: kv_heads_of(m, kind), default=None)
 
 
 # ------------------------------------------------------------------ parameters
@@ -248,6 +263,9 @@ def attention_saved(s: RankShapes, e: int, cand: Candidate,
     if cand.cp_comm in ("ulysses", "hybrid") and cand.ulysses > 1:
         hk = ulysses_kv_heads(s.hk, cand.ulysses)
         extra_out = s.N * s.h * s.hd * e
+    vd = s.vd or s.hd
+    if vd != s.hd:  # the core's out is hd wide (V padded); o_proj keeps its vd columns
+        extra_out = s.N * s.h * vd * e
     return s.N * ((2 * s.h + 2 * hk) * s.hd * e + 4 * s.h) + extra_out
 
 
@@ -403,7 +421,8 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     else:  # each block by its layer type and MLP (a dense one: the model without moe)
         own = blocks(m, start, layers)
         types = [kind for kind, _ in own]
-        per = tuple(block_activations(s, e, cand, mode, kind, block_model(m, moe), tiled_mlp,
+        per = tuple(block_activations(rank_shapes(m, cand, kind) if m.layer_kv_heads else s,
+                                      e, cand, mode, kind, block_model(m, moe), tiled_mlp,
                                       device) for mode, (kind, moe) in zip(modes, own))
         conv = [gated_delta_dims(m).conv_kernel if k == "linear_attention" else
                 mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
@@ -541,8 +560,8 @@ def ring_steps(layout: str, S: int, world: int, sliding_window=None, chunk_size=
 def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
     """cp_bytes for one layer of this model and layout (per-rank heads); attn, a layer's
     config.layers.LayerAttention: a window's or chunks' bytes (masked_cp_bytes); MLA's
-    latent (mla_layers.mla_cp_bytes)."""
-    s = rank_shapes(m, cand)
+    latent (mla_layers.mla_cp_bytes); the layer type's K/V heads."""
+    s = rank_shapes(m, cand, attn.kind if attn is not None else None)
     g = ring_grad_bytes(cand.ring_grad_dtype)
     if m.mla is not None:  # no windows under MLA (search.check_modelled)
         return mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B,
@@ -558,7 +577,7 @@ def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
 def halo_received(m: ModelConfig, cand: Candidate, attn) -> int:
     """K,V tokens the busiest rank receives in a layer's halo exchange; -1 where the
     layer has none (full attention, Ulysses, or a reach beyond the neighbours' slabs)."""
-    s = rank_shapes(m, cand)
+    s = rank_shapes(m, cand, attn.kind if attn is not None else None)
     part = ring_part(cand.cp_comm, cand.cp, cand.ulysses, s.N // s.B, s.hk)
     if part is None or attn is None or not (attn.sliding_window or attn.chunk_size):
         return -1
