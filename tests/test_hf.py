@@ -708,6 +708,14 @@ def family_json(family, **fields):
     ("llama4_text", "moe_layers", [7], "moe_layers=[7]: a list of layer indices in [0, "),
     ("llama4_text", "use_qk_norm", "yes", "use_qk_norm='yes': config.json must give it as a "
                                           "boolean"),
+    ("mimo_v2_flash", "rope_parameters", {"rope_type": "default", "rope_theta": 5000.0},
+     "MiMo-V2-Flash's RoPE is given per layer type"),
+    ("mimo_v2_flash", "v_head_dim", 32, "v_head_dim=32: wider than head_dim=16"),
+    ("mimo_v2_flash", "mlp_layer_types", ["dense", "dense"], "mlp_layer_types=['dense', "
+                                                            "'dense']: no sparse layer"),
+    ("mimo_v2_flash", "auto_map", {"AutoModelForCausalLM": "modeling_mimo_v2_flash."
+                                                           "MiMoV2FlashForCausalLM"},
+     "a remote-code folder's own modeling files is not implemented by ctxpar"),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -1537,7 +1545,10 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # floor on both CP ranks; the pipeline's blocks compute it themselves), chunks across
     # the ranks' boundary, the input-scaling router (its gradient summed over TP). Not at
     # Ulysses: the temperature is token-local, before the all-to-all
-    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")]
+    ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
+    # MiMo-V2-Flash: per-type K/V heads, value heads narrower than q/k's (the cache's too),
+    # sinks on the sliding layers, the value scale, its experts; cp2 x ep2 (generate.py too)
+    ("mimo_v2_flash", "cp2-zigzag-ep2")]
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)

@@ -78,15 +78,25 @@ def universal_checkpoint_info(whole_model, n_layers: int, tied: bool,
     """
     from deepspeed.checkpoint import constants as C
 
-    replicated, row, fused = set(), set(), {}
+    rules = {}  # pattern -> {rule: [keys]}: one rule for every layer, unless they differ
     for name, p in whole_model.named_parameters():
         key = to_pipe(name, n_layers, tied) if pipelined else name
-        if not is_tensor_parallel(p):
-            replicated.add(_pattern(key))
-        elif partition_sections(p):  # fused parts, or the experts' (E, d, f) split on f
-            fused[_pattern(key)] = p
-        elif p.partition_dim == 1:
-            row.add(_pattern(key))
+        rule = ("replicated" if not is_tensor_parallel(p) else "fused" if
+                partition_sections(p) else "row" if p.partition_dim == 1 else "column")
+        rules.setdefault(_pattern(key), {}).setdefault(rule, []).append((key, p))
+    replicated, row, fused = set(), set(), {}
+    for pattern, by_rule in rules.items():
+        for rule, keys in by_rule.items():  # per-type K/V heads: a layer type's k/v
+            # replicated (fewer heads than TP ranks) beside another's split, each by name
+            named = [(pattern, keys[0][1])] if len(by_rule) == 1 else \
+                [(re.escape(k) + "$", p) for k, p in keys]
+            for one, p in named:
+                if rule == "replicated":
+                    replicated.add(one)
+                elif rule == "fused":  # fused parts, or the experts' (E, d, f) split on f
+                    fused[one] = p
+                elif rule == "row":
+                    row.add(one)
     info = {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             C.TP_REPLICATED_PARAMETER_PATTERNS: sorted(replicated),
             C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(row),

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Optional
 
-from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
+from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim, rotary_dim
 from ..config.layer_mixers import LAYER_MIXERS, first_layer_type, layer_types
 from ..config.attention_heads import kv_heads_of, v_head_dim_of
-from ..config.layers import gated_delta_dims, mamba_dims
+from ..config.layers import gated_delta_dims, layer_attention, mamba_dims
 from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs, mtp_specs
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
@@ -263,10 +263,20 @@ def attention_saved(s: RankShapes, e: int, cand: Candidate,
     if cand.cp_comm in ("ulysses", "hybrid") and cand.ulysses > 1:
         hk = ulysses_kv_heads(s.hk, cand.ulysses)
         extra_out = s.N * s.h * s.hd * e
-    vd = s.vd or s.hd
-    if vd != s.hd:  # the core's out is hd wide (V padded); o_proj keeps its vd columns
-        extra_out = s.N * s.h * vd * e
     return s.N * ((2 * s.h + 2 * hk) * s.hd * e + 4 * s.h) + extra_out
+
+
+def value_width_saved(s: RankShapes, e: int, cand: Candidate) -> int:
+    """What mode 'none' keeps beyond attention_saved when the value heads are narrower
+    than hd (model.v_head_dim): the core's out is hd wide (V zero-padded) and o_proj keeps
+    a copy of its vd columns, in place of Ulysses' local out (attention_saved's; under
+    'selective' the recomputed o_proj keeps nothing and the core's out, or Ulysses' local
+    one, is the checkpoint's input whole)."""
+    vd = s.vd or s.hd
+    if vd == s.hd:
+        return 0
+    ulysses = cand.cp_comm in ("ulysses", "hybrid") and cand.ulysses > 1
+    return s.N * s.h * (vd - (s.hd if ulysses else 0)) * e
 
 
 def norm_saved(s: RankShapes, e: int, norm: str = "rmsnorm", device: str = "cpu") -> int:
@@ -328,7 +338,7 @@ def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
     if mode == "selective":
         return s.N * s.d * e + core
     return (2 * norm_saved(s, e, norm, device) + core + family_norms_saved(s, e, m, device)
-            + channel_saved(s, e, cand, m, tiled_mlp))
+            + channel_saved(s, e, cand, m, tiled_mlp) + value_width_saved(s, e, cand))
 
 
 def layer_modes(cand: Candidate, layers: int):
@@ -364,7 +374,8 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
         core = attention_saved(s, e, cand, m) + gate_saved(s, e, mode, m)
         if mode == "selective":
             return s.N * s.d * e + core
-        return norm + core + family_norms_saved(s, e, m, device, kind)
+        return norm + core + family_norms_saved(s, e, m, device, kind) + \
+            value_width_saved(s, e, cand)
     out = family_norms_saved(s, e, m, device, kind)
     if token is not None:
         from .linear_layers import linear_shapes, mixer_saved
@@ -428,8 +439,12 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
                 mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
                 if mode != "full" and LAYER_MIXERS[k][0] in ("gated_delta", "mamba2")]
         conv_taps = sum(8 * (s.N // s.B) * K for K in set(conv))
-    rope = mla_layers.rope_width(m) if m.mla is not None else s.hd  # cos, sin: rope / 2 each
-    embed = (s.B if reset_positions else 1) * (s.N // s.B) * rope * 4 + conv_taps
+    # cos, sin: rope / 2 each, over the rotated channels (model.partial_rotary_factor)
+    rope = mla_layers.rope_width(m) if m.mla is not None else rotary_dim(m)
+    # one cos/sin pair per distinct RoPE of the layers (model.layer_rope: Gemma 3's, MiMo's)
+    ropes = max(1, len({(a.rope_theta, repr(a.rope_scaling)) for a in layer_attention(m)
+                        if a.rope and a.token_mixer in ("attention", "mla")}))
+    embed = (s.B if reset_positions else 1) * (s.N // s.B) * rope * 4 * ropes + conv_taps
     if first:
         embed += 8 * s.N                                   # token ids (int64)
         embed += e if m.scale_embeddings else 0             # the sqrt(d) scalar

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from ...config import resolved_ffn_hidden
 from ...config.attention_heads import kv_heads_of, sinks_on, v_head_dim_of
 from ...config.layers import layer_types
 from ...config.moe import MoEConfig, moe_layer_indices
@@ -184,7 +185,7 @@ class MiMoV2Flash(Family):
 
         drop_rope_keys(cfg)
         cfg.update(**grouped_router_keys(moe), moe_intermediate_size=moe.expert_hidden or
-                   m.ffn_hidden, mlp_layer_types=["sparse" if i in sparse else "dense"
+                   resolved_ffn_hidden(m), mlp_layer_types=["sparse" if i in sparse else "dense"
                                                   for i in range(n)],
                    attention_bias=m.attention_bias, v_head_dim=v_head_dim_of(m),
                    attention_value_scale=m.attention_value_scale, layer_types=types,
