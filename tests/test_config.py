@@ -310,7 +310,8 @@ def test_every_shipped_config_validates(path):
                                          ("extend_glm4_5_air_512k", 106_852_245_504),
                                          ("extend_deepseek_v2_lite_1m", 15_706_484_224),
                                          ("extend_minimax_m2_768k", 228_689_748_992),
-                                         ("extend_llama4_scout_1m", 107_769_861_120)])
+                                         ("extend_llama4_scout_1m", 107_769_861_120),
+                                         ("extend_mimo_v2_flash_1m", 308_778_768_832)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch
@@ -332,7 +333,9 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
                                                 "extend_minimax_m2_768k":
                                                 11_030_537_216,
                                                 "extend_llama4_scout_1m":
-                                                17_172_894_720}[name]
+                                                17_172_894_720,
+                                                "extend_mimo_v2_flash_1m":
+                                                15_445_924_288}[name]
 
 
 def quoted_verdicts():
