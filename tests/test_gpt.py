@@ -433,6 +433,28 @@ def test_big_configs_build_on_meta(shape, want):
      r"model.mla.kv_lora_rank=0 must be an integer >= 1"),
     (dict(n_heads=4, d_model=64, rope=False, mla=dict(kv_lora_rank=16)), dict(tp=1),
      r"model.mla with model.rope=false"),
+    # MiMo-V2-Flash's per-type heads and value width (ctxpar/config/attention_heads.py)
+    (dict(n_heads=4, d_model=64, sliding_window=8, layer_kv_heads={"sliding_attention": 3}),
+     dict(tp=1), r"model.layer_kv_heads.sliding_attention=3 must be an integer >= 1 "
+                 r"dividing model.n_heads=4"),
+    (dict(n_heads=8, d_model=64, n_kv_heads=2, sliding_window=8,
+          layer_kv_heads={"sliding_attention": 8}), dict(tp=8), None),  # 2 replicated, 8 split
+    (dict(n_heads=12, d_model=96, sliding_window=8, layer_kv_heads={"sliding_attention": 6}),
+     dict(tp=4), r"model.layer_kv_heads.sliding_attention=6 and parallel.tp=4"),
+    (dict(n_heads=4, d_model=64, layer_kv_heads={"linear_attention": 2}), dict(tp=1),
+     r"model.layer_kv_heads: unknown layer type 'linear_attention'"),
+    (dict(n_heads=4, d_model=64, attention_sinks=["mamba"]), dict(tp=1),
+     r"model.attention_sinks=\['mamba'\] must be true, false or a non-empty list"),
+    (dict(n_heads=4, d_model=64, v_head_dim=24), dict(tp=1),
+     r"model.v_head_dim=24 must be <= head_dim=16"),
+    (dict(n_heads=4, d_model=64, v_head_dim=8, attention_output_gate=True), dict(tp=1),
+     r"model.v_head_dim=8 with model.attention_output_gate=true"),
+    (dict(n_heads=4, d_model=64, attention_sinks=["sliding_attention"]), dict(tp=1),
+     r"model.attention_sinks=\['sliding_attention'\] names a layer type no layer is"),
+    (dict(n_heads=4, d_model=64, layer_kv_heads={"sliding_attention": 2}), dict(tp=1),
+     r"model.layer_kv_heads.sliding_attention is set but no layer is"),
+    (dict(n_heads=4, d_model=64, attention_value_scale=0.0), dict(tp=1),
+     r"model.attention_value_scale=0.0 must be a number > 0"),
 ])
 def test_bad_model_configs_fail_at_load(model, parallel, key):
     data = {"model": dict(vocab_size=256, seq_len=256, **model), "parallel": parallel}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from .layer_mixers import LAYER_MIXERS, LAYER_TYPES
+from .layer_mixers import LAYER_MIXERS, LAYER_TYPES, layer_types
 from .sections import ModelConfig, resolved_head_dim
 
 
@@ -54,10 +54,14 @@ def check_attention_heads(m: ModelConfig, tp: int, err) -> None:
     """model.layer_kv_heads, attention_sinks (a list), v_head_dim and
     attention_value_scale, one line each through err (validation's)."""
     attention = [t for t in LAYER_TYPES if LAYER_MIXERS[t][0] == "attention"]
+    kinds = set(layer_types(m))
     for kind, heads in (m.layer_kv_heads or {}).items():
         if kind not in attention:
             err(f"model.layer_kv_heads: unknown layer type {kind!r}; choose from the types "
                 f"with attention {attention}")
+        if kind not in kinds:
+            err(f"model.layer_kv_heads.{kind} is set but no layer is {kind!r}: it would be "
+                f"ignored")
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or \
                 m.n_heads % heads:
             err(f"model.layer_kv_heads.{kind}={heads!r} must be an integer >= 1 dividing "
@@ -73,6 +77,9 @@ def check_attention_heads(m: ModelConfig, tp: int, err) -> None:
     if isinstance(sinks, list) and (not sinks or set(sinks) - set(attention)):
         err(f"model.attention_sinks={sinks!r} must be true, false or a non-empty list of "
             f"layer types with attention {attention}")
+    elif isinstance(sinks, list) and set(sinks) - kinds:
+        err(f"model.attention_sinks={sinks!r} names a layer type no layer is: it would be "
+            f"ignored")
     v = m.v_head_dim
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         err(f"model.v_head_dim={v!r} must be an integer >= 1 (or null: head_dim)")
