@@ -26,7 +26,7 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 test: $(STAMP)
-	DS_ACCELERATOR=cpu WANDB_MODE=disabled $(BIN)/python -m pytest -q tests
+	DS_ACCELERATOR=cpu WANDB_MODE=disabled $(BIN)/python -m pytest -q --durations=30 tests
 
 test-quick: $(STAMP)
 	DS_ACCELERATOR=cpu WANDB_MODE=disabled $(BIN)/python -m pytest -q -m quick tests

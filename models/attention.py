@@ -17,10 +17,11 @@ import torch.nn as nn
 
 import torch.nn.functional as F
 
-from ctxpar.config import ModelConfig, resolved_head_dim, rotary_dim, softmax_scale
-from ctxpar.config.attention_heads import attention_config, v_head_dim_of
+from ctxpar.config import ModelConfig, rotary_dim, softmax_scale
+from ctxpar.config.attention_heads import sinks_on
 from ctxpar.config.layers import LayerAttention, layer_attention
-from ctxpar.config.parameters import kv_heads_per_rank
+from ctxpar.config.parameters import (kv_heads_per_rank, layer_head_dim, layer_kv_heads,
+                                      layer_v_head_dim)
 from ctxpar.context_parallel import AttentionMask, ContextParallel
 from ctxpar.tensor_parallel import (ColumnParallelLinear, ReplicatedHeadLinear,
                                     RowParallelLinear, copy_to_tensor_model_parallel_region)
@@ -48,7 +49,12 @@ class Attention(TokenMixer):
 
     As a token mixer (models/token_mixer.py): project_in is qkv, mix the CP attention
     (core, or generation's KV cache around it), project_out the gate and o_proj (out);
-    under 'selective' the Block recomputes the first and the last, never the core."""
+    under 'selective' the Block recomputes the first and the last, never the core.
+
+    Gemma 4 (config/kv_layers.py): a layer's own head dim and kv heads; under k_eq_v no
+    v_proj, V = value_norm(k_proj x); under model.num_kv_shared_layers a consumer layer has
+    q_proj, q_norm and o_proj only and attends (mix) with the K/V its producer's mix kept:
+    never recomputed, and under CP the tensors its producer's ranks hold."""
 
     selective_recompute = True
 
@@ -56,37 +62,45 @@ class Attention(TokenMixer):
                  device=None, dtype=None, layer: Optional[LayerAttention] = None):
         super().__init__()
         tp = tp_size_of(tp_group)
-        self.layer = layer or layer_attention(cfg)[0]
-        cfg = attention_config(cfg, self.layer.kind)  # this layer type's heads and sinks
-        n_kv = cfg.n_kv_heads or cfg.n_heads
         self.tp_group, self.cp, self.backend = tp_group, cp, backend
+        self.layer = a = layer or layer_attention(cfg)[0]
+        # its type's K/V heads: model.layer_kv_heads (MiMo), global_n_kv_heads (Gemma 4)
+        n_kv = layer_kv_heads(cfg, a)
         self.sinks = None
-        if cfg.attention_sinks:  # (nh/tp,): this rank's heads' sink logits
+        if sinks_on(cfg, a.kind):  # (nh/tp,): this rank's heads' sink logits (its type's)
             self.sinks = nn.Parameter(torch.empty(cfg.n_heads // tp, device=device,
                                                   dtype=dtype))
             set_tensor_model_parallel_attributes(self.sinks, True, dim=0)
-        self.head_dim = resolved_head_dim(cfg)
+        self.head_dim = layer_head_dim(cfg, a)  # model.global_head_dim likewise
         self.scale = softmax_scale(cfg)
         self.n_heads = cfg.n_heads // tp  # query heads on this rank
-        self.n_kv_heads = kv_heads_per_rank(cfg, tp)
-        self.v_head_dim, self.value_scale = v_head_dim_of(cfg), cfg.attention_value_scale
+        self.n_kv_heads = kv_heads_per_rank(cfg, tp, n_kv)
+        self.v_head_dim = layer_v_head_dim(cfg, a)  # model.v_head_dim, else hd
+        self.value_scale = cfg.attention_value_scale
+        # model.num_kv_shared_layers: a consumer attends with its producer's K/V (set by the
+        # GPT: kv_producer a 1-tuple, not a submodule); a producer keeps its last in shared_kv
+        self.kv_producer, self.keeps_shared_kv, self.shared_kv = None, False, None
+        self.k_eq_v = a.k_eq_v  # values from k_proj (model.attention_k_eq_v)
+        self.v_eps = cfg.norm_eps if cfg.value_norm else None
         lin = dict(tp_group=tp_group, bias=cfg.bias or cfg.attention_bias, device=device,
                    dtype=dtype)
         d, hd, vd = cfg.d_model, self.head_dim, self.v_head_dim
         self.gated = cfg.attention_output_gate  # q_proj's rows per head: [q | gate]
         self.rope = self.layer.rope  # model.rope, not a model.nope_layers one
         self.l2_eps = cfg.norm_eps if cfg.qk_l2_norm and self.rope else None
-        self.rotary_dim = rotary_dim(cfg)
+        self.rotary_dim = a.head_dim or rotary_dim(cfg)
         self.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd * (2 if self.gated else 1),
                                            copy_input=False, **lin)
-        if n_kv % tp == 0:
-            self.k_proj = ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)
-            self.v_proj = ColumnParallelLinear(d, n_kv * vd, copy_input=False, **lin)
-        else:  # fewer kv heads than TP ranks: each rank uses the kv head of its query heads
-            self.k_proj = ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin)
-            self.v_proj = ReplicatedHeadLinear(d, n_kv * vd, n_kv, **lin)
+        own_kv = a.kv_source is None
+        # fewer kv heads than TP ranks: each rank uses the kv head of its query heads
+        kv = (lambda w: ColumnParallelLinear(d, n_kv * w, copy_input=False, **lin)) \
+            if n_kv % tp == 0 else (lambda w: ReplicatedHeadLinear(d, n_kv * w, n_kv, **lin))
+        self.k_proj = kv(hd) if own_kv else None
+        self.v_proj = kv(vd) if own_kv and not self.k_eq_v else None
         self.o_proj = RowParallelLinear(cfg.n_heads * vd, d, **{**lin, "bias": cfg.bias})
         self.q_norm, self.k_norm = qk_norms(cfg, hd, n_kv, tp_group, device, dtype)
+        if not own_kv:
+            self.k_norm = None
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "Attention":
@@ -103,8 +117,13 @@ class Attention(TokenMixer):
             q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.n_heads * self.head_dim)
         q = q.reshape(B, T, self.n_heads, self.head_dim)  # (B, T/cp, nh/tp, hd)
+        if self.kv_producer is not None:  # K/V are the producer's (mix reads them)
+            q = q if self.q_norm is None else self.q_norm(q)
+            return (q if not self.rope else apply_rotary(q, cos, sin)), None, None, gate
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T/cp, nkv/tp, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.v_head_dim)
+        v = k if self.k_eq_v else self.v_proj(x).view(B, T, self.n_kv_heads, self.v_head_dim)
+        if self.v_eps is not None:  # Gemma 4's weightless value norm
+            v = l2_norm(v, self.v_eps)
         if self.value_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale
             v = v * self.value_scale
         if isinstance(self.q_norm, AllHeadsRMSNorm):  # over the whole projection
@@ -133,6 +152,10 @@ class Attention(TokenMixer):
         return (q, k, v), (gate,)
 
     def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
+        if self.kv_producer is not None:  # the producer's K/V of this forward, never recomputed
+            inputs = (inputs[0], *self.kv_producer[0].shared_kv)
+        elif self.keeps_shared_kv:
+            self.shared_kv = inputs[1:]  # (k, v), held until the next forward
         if cache is not None:  # generation: the cache keeps k, v and runs the core or decodes
             return cache(*inputs, self.core, self.mask())
         return self.core(*inputs, cu_seqlens)  # (B, T/cp, nh/tp, hd)
@@ -158,6 +181,16 @@ class Attention(TokenMixer):
         o = self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
                               mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
         return o[..., :vd]  # (B, T/cp, nh/tp, vd)
+
+
+def link_shared_kv(layers, attention: list) -> None:
+    """model.num_kv_shared_layers: hand each consumer block's attention its producer's
+    (LayerAttention.kv_source), which then keeps its K/V for it."""
+    for block, a in zip(layers, attention):
+        if a.kv_source is not None:
+            producer = layers[a.kv_source].mixer
+            producer.keeps_shared_kv = True
+            block.mixer.kv_producer = (producer,)  # a tuple: not registered as a submodule
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

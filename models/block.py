@@ -19,6 +19,7 @@ from ctxpar.context_parallel import ContextParallel
 from .mixers import channel_mixer_builder, token_mixer_kind
 from .norms import make_norm
 from .options import LayerArgs
+from .per_layer_input import PerLayerGate
 from .token_mixer import TokenMixer
 
 
@@ -55,6 +56,15 @@ class Block(nn.Module):
         self.mlp = channel(args) if channel else None
         self.post_mlp_norm = make_norm(**norm) if post and channel else None
         self.selective = args.selective and bool(token) and self.mixer.selective_recompute
+        # Gemma 4: the per-layer input's gate (models/per_layer_input.py), then the block's
+        # output times its layer scalar (a buffer: read from the folder, not trained)
+        self.per_layer_input = PerLayerGate(cfg, args.device, args.dtype) \
+            if cfg.per_layer_input_dim else None
+        if cfg.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1, device=args.device,
+                                                            dtype=args.dtype))
+        else:
+            self.layer_scalar = None
 
     @property
     def mixer(self) -> Optional[TokenMixer]:
@@ -82,13 +92,21 @@ class Block(nn.Module):
         h = self.mlp(self._in_norm(self.mlp_norm, x))
         return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
 
+    def _finish(self, x: torch.Tensor, per_layer_input) -> torch.Tensor:
+        if self.per_layer_input is not None:
+            x = self.per_layer_input(x, per_layer_input)
+        return x if self.layer_scalar is None else x * self.layer_scalar
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache=None, cu_seqlens=None) -> torch.Tensor:
+                kv_cache=None, cu_seqlens=None, per_layer_input=None) -> torch.Tensor:
         """kv_cache: this layer's view of generation's cache (ctxpar.inference), inference
         only: attention's keeps k, v and computes attention from the cache, given the
         training core to use; a linear layer's is its LinearLayerCache, state and conv
         window. cu_seqlens: document boundaries (context_parallel/documents.py), training
-        only."""
+        only. per_layer_input: this layer's (B, T/cp, p) of model.per_layer_input_dim."""
+        return self._finish(self._mixers(x, cos, sin, kv_cache, cu_seqlens), per_layer_input)
+
+    def _mixers(self, x, cos, sin, kv_cache, cu_seqlens) -> torch.Tensor:
         if self.mixer is None:
             return self._mlp(x)
         if self.selective and kv_cache is None:  # recompute around the core; it keeps its own

@@ -37,14 +37,17 @@ from ctxpar.moe import RouterStats
 from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, full_shape,
                                     parallel_lm_logits, shard_full_tensor,
                                     vocab_parallel_cross_entropy)
+from ctxpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
+from .attention import link_shared_kv
 from .block import Block
 from .mixers import INIT_RULES
 from .moe import MoE
 from .mtp import MTP
 from .norms import make_norm
 from .options import LayerArgs, ModelGroups, ModelOptions
+from .per_layer_input import PerLayerInput
 from .rope import layer_rotary
 
 
@@ -78,6 +81,13 @@ def embed_tokens(embed: nn.Module, tokens: torch.Tensor, cfg: ModelConfig) -> to
     if cfg.scale_embeddings:
         x = x * torch.tensor(cfg.d_model ** 0.5).to(device=x.device, dtype=x.dtype)
     return x
+
+
+def cap_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """cap * tanh(logits / cap) under model.final_logit_softcapping (elementwise: each TP
+    rank caps its vocabulary shard), else the logits."""
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def block_recomputed(mode: str, i: int, every_n_layers: int) -> bool:
@@ -139,6 +149,9 @@ class GPT(nn.Module):
         selective = o.activation_checkpointing == "selective"
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
+        # model.per_layer_input_dim: Gemma 4's per-layer input embeddings
+        self.per_layer_input = PerLayerInput(cfg, tp_group, device, dtype) \
+            if cfg.per_layer_input_dim else None
         self.layer_attention = layer_attention(cfg)  # each layer's kind, window, RoPE
         moe_layers = set(moe_layer_indices(cfg.moe, cfg.n_layers))
         self.ep_group, self.dp_cp_group = g.ep_group, g.dp_cp_group  # experts; router losses
@@ -147,15 +160,21 @@ class GPT(nn.Module):
                             o.attention_backend, o.linear_cp, self.memory, selective, device,
                             dtype))
             for i, a in enumerate(self.layer_attention))
+        link_shared_kv(self.layers, self.layer_attention)  # model.num_kv_shared_layers
         self.router_losses = None  # the last training forward's (models/moe.py), or None
+        # dynamic CP sets the step's router rows: each forward then keeps its pack's share
+        # and statistics in router_pack, with no collective (ctxpar/moe/aux.py pack_share)
+        self.router_step_rows: Optional[float] = None
+        self.router_pack = None
         # memory.offload_activations: what checkpointing keeps per layer in host memory
         self.offload = ActivationOffload() if self.memory.offload_activations else None
         self.final_norm = make_norm(cfg, device, dtype)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.d_model, cfg.vocab_size, tp_group=tp_group, bias=False, device=device, dtype=dtype)
         # model.mtp: D multi-token prediction depths after the head (models/mtp.py)
+        # (under model.mtp.moe each depth's MLP is one more MoE layer: _moe_layers)
         self.mtp = None if cfg.mtp is None else MTP(cfg, LayerArgs(
-            cfg, mtp_layer_attention(cfg), self.cp, tp_group, g.ep_group, False,
+            cfg, mtp_layer_attention(cfg), self.cp, tp_group, g.ep_group, cfg.mtp.moe,
             o.attention_backend, o.linear_cp, self.memory, selective, device, dtype))
         self.mtp_loss_sums = None  # the last training forward's (D,) MTP loss sums, detached
         # The planner counts from the same description: a change here must change it too.
@@ -212,17 +231,27 @@ class GPT(nn.Module):
         loss sum, mtp_weights (D,) models/mtp.py's mtp_loss_weights (None: lambda/D each).
         """
         stats = self._router_stats(labels is not None)
+        packed = stats is not None and self.router_step_rows is not None
+        if packed:  # a dynamic-CP pack: its padding's rows are not the step's
+            stats.valid = (labels != IGNORE_INDEX).reshape(-1)
         x = self.hidden_states(tokens, positions, cu_seqlens=cu_seqlens)  # (B, T/cp, d)
-        if stats is not None:  # one all-reduce of the routers' counts over DP x CP
-            moe = self.cfg.moe
-            self.router_losses = stats.losses(moe.aux_loss_coef, moe.z_loss_coef,
-                                              self.dp_cp_group, moe.seq_aux_loss_coef,
-                                              self.cp_group)
         if labels is None:
             return self.lm_logits(x)
         loss = self.loss_sum(x, labels)
-        if mtp_tokens is None:
-            return loss
+        if mtp_tokens is not None:
+            loss = loss + self._mtp_loss(x, positions, cu_seqlens, mtp_tokens, mtp_labels,
+                                         mtp_weights)
+        if packed:  # a dynamic-CP pack: its share of the step's router losses, no collective
+            self.router_pack = stats.pack_share(self.cfg.moe.z_loss_coef, self.router_step_rows)
+        elif stats is not None:  # after the MTP blocks' experts: one all-reduce of the
+            moe = self.cfg.moe  # routers' counts over DP x CP
+            self.router_losses = stats.losses(moe.aux_loss_coef, moe.z_loss_coef,
+                                              self.dp_cp_group, moe.seq_aux_loss_coef,
+                                              self.cp_group)
+        return loss
+
+    def _mtp_loss(self, x, positions, cu_seqlens, mtp_tokens, mtp_labels, mtp_weights):
+        """sum_k mtp_weights[k] * S_k over model.mtp's depths on the final-normed x."""
         if self.mtp is None or mtp_labels is None:
             raise ValueError("GPT: mtp_tokens given without model.mtp or without mtp_labels")
         # one embedding lookup for every depth's ids: (B, D, T/cp) -> (B, D, T/cp, d)
@@ -232,7 +261,7 @@ class GPT(nn.Module):
         self.mtp_loss_sums = sums.detach()
         if mtp_weights is None:  # lambda/D each: N_k taken as N
             mtp_weights = torch.full_like(sums, self.cfg.mtp.loss_weight / self.cfg.mtp.depth)
-        return loss + (mtp_weights.to(sums.device) * sums).sum()
+        return (mtp_weights.to(sums.device) * sums).sum()
 
     def loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The fp32 sum of the head's token losses on hidden states x (B, T/cp, d)."""
@@ -255,20 +284,23 @@ class GPT(nn.Module):
         rotary = layer_rotary(positions, rotary_dim(self.cfg),
                               self.layer_attention)  # each layer's (cos, sin), fp32
         x = embed_tokens(self.embed, tokens, self.cfg)  # (B, T/cp, d)
+        # (B, T/cp, L, p) under model.per_layer_input_dim, layer i's [:, :, i]
+        z = None if self.per_layer_input is None else self.per_layer_input(tokens, x)
         off = self.offload  # None, or the hooks moving what each layer keeps to the host
         if off is not None:
             for cos, sin in dict.fromkeys(rotary):
                 off.keep(cos, sin)  # every layer's, on the device once
         for i, layer in enumerate(self.layers):
             cos, sin = rotary[i]
+            zi = None if z is None else z[:, :, i]
             if kv_cache is not None:
-                x = layer(x, cos, sin, kv_cache.layer(i))
+                x = layer(x, cos, sin, kv_cache.layer(i), per_layer_input=zi)
             elif self._checkpointed(i):  # keep only x; replay the block (and its CP attention) in backward
-                x = run_layer(off, checkpoint, layer, x, cos, sin, None, cu_seqlens,
+                x = run_layer(off, checkpoint, layer, x, cos, sin, None, cu_seqlens, zi,
                               use_reentrant=False)
             else:  # selective keeps x and the core's q, k, v, out, lse (offloaded); none, all
                 x = run_layer(off, layer, x, cos, sin, cu_seqlens=cu_seqlens,
-                              to_host=layer.selective)
+                              per_layer_input=zi, to_host=layer.selective)
         return self.final_norm(x)
 
     def _router_stats(self, training: bool) -> Optional[RouterStats]:
@@ -279,18 +311,29 @@ class GPT(nn.Module):
         moe = self.cfg.moe
         stats = RouterStats(moe.num_experts, moe.score, moe.seq_aux_loss_coef > 0) \
             if training else None
-        for layer in self.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.stats = stats
+        for mlp in self._moe_layers():
+            mlp.stats = stats
         self.router_losses = None
         return stats
+
+    def _moe_layers(self):
+        """Every MoE layer in order: the blocks', then the MTP depths' (model.mtp.moe). As
+        Megatron-Core's MTP and DeepSeek-V3 (its MTP module's MoE routed as any layer's),
+        an MTP block's experts are one more MoE layer: its router statistics join the
+        forward's (the load-balancing, z and sequence-level losses over every MoE layer,
+        ctxpar/moe/aux.py), its correction bias moves by its own load. Its rows are every
+        position's, those whose MTP target is masked too, as Megatron-Core's: the router
+        sees the same tokens on every layout."""
+        blocks = [layer.mlp for layer in self.layers]
+        blocks += [layer.block.mlp for layer in self.mtp.layers] if self.mtp is not None else []
+        return [mlp for mlp in blocks if isinstance(mlp, MoE)]
 
     def update_router_biases(self, layer_counts: torch.Tensor) -> None:
         """After an optimizer step: each MoE layer's aux-free balance update
         (model.moe.bias_update_rate) from its assignments per expert over the step's whole
-        batch, layer_counts (L_moe, E) in layer order (RouterLosses.layer_counts summed over
-        the micro-batches; the same on every rank)."""
-        moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        batch, layer_counts (L_moe, E) in layer order, the MTP depths' last
+        (RouterLosses.layer_counts summed over the micro-batches; the same on every rank)."""
+        moe = self._moe_layers()
         if not moe or not self.cfg.moe.bias_update_rate:
             return
         for mlp, counts in zip(moe, layer_counts, strict=True):
@@ -303,5 +346,5 @@ class GPT(nn.Module):
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states (B, T, d) -> vocab-parallel logits (B, T, V/tp)."""
         if self.lm_head is not None:
-            return self.lm_head(x)
-        return parallel_lm_logits(x, self.embed.weight, self.tp_group)
+            return cap_logits(self.lm_head(x), self.cfg)
+        return cap_logits(parallel_lm_logits(x, self.embed.weight, self.tp_group), self.cfg)

@@ -59,7 +59,8 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding
                                     gather_full_state_dict, parallel_lm_logits,
                                     vocab_parallel_cross_entropy)
 from models.block import Block
-from models.gpt import block_recomputed, check_checkpoint_mode, embed_tokens, init_parameters_
+from models.gpt import (block_recomputed, cap_logits, check_checkpoint_mode, embed_tokens,
+                        init_parameters_)
 from models.loss import global_mean_loss, loss_for_backward
 from models.moe import MoE
 from models.norms import make_norm
@@ -102,7 +103,8 @@ def tied_lm_head(module: EmbeddingPipe, x):
     """The tied head on the last stage: x (B, T/cp, d) -> logits (B, T/cp, V/tp) = f(x) E_iᵀ
     (under model.moe, (logits, the routers' statistics))."""
     x, router = split_router(x)
-    logits = parallel_lm_logits(x, module.embed.weight, module.embed.tp_group)
+    logits = cap_logits(parallel_lm_logits(x, module.embed.weight, module.embed.tp_group),
+                        module.cfg)
     return (logits, *router) if router else logits
 
 
@@ -200,13 +202,14 @@ class LMHeadPipe(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, tiled_loss: bool = False, device=None,
                  dtype=None):
         super().__init__()
-        self.tiled_loss = tiled_loss
+        self.tiled_loss, self.cfg = tiled_loss, cfg
         self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group=tp_group,
                                             bias=False, device=device, dtype=dtype)
 
     def forward(self, x):
         x, router = split_router(x)
-        out = ((x, self.lm_head.weight) if self.tiled_loss else (self.lm_head(x),)) + router
+        out = ((x, self.lm_head.weight) if self.tiled_loss else
+               (cap_logits(self.lm_head(x), self.cfg),)) + router
         return out if len(out) > 1 else out[0]
 
 

@@ -12,7 +12,10 @@ Over CP the latent travels, never the expanded K,V: ctxpar.context_parallel.late
 before using it, so what a rank keeps for backward is q, the latent, the output and its
 LSE. RoPE turns the rope parts only (model.mla.qk_rope_head_dim channels; interleaved
 pairs under rope_interleave, DeepSeek's layout: the same as rotate-half on the channels
-taken evens first); the shared key k_rot is rotated once per token for every head.
+taken evens first); the shared key k_rot is rotated once per token for every head. Under
+model.rope=false (Kimi Linear's MLA, transformers' KimiLinearAttention) nothing turns: the
+rope parts keep their channels and the shared key its width, unrotated, so the latent,
+its ring and the cache are the same tensors, positions entering through the mask alone.
 
 TP splits the heads: q_proj / q_b_proj and kv_b_proj by rows (column-parallel), o_proj by
 columns; the low-rank paths (q_a_proj, kv_a_proj_with_mqa and their norms) are replicated,
@@ -69,6 +72,7 @@ class MLA(TokenMixer):
         self.n_heads = cfg.n_heads // tp  # this rank's heads
         self.scale = softmax_scale(cfg)
         self.rotary_dim = rotary_dim(cfg)  # = qk_rope_head_dim
+        self.rope = self.layer.rope  # model.rope=false: NoPE (Kimi Linear's)
         self.interleave = mla.rope_interleave
         d, h, dims = cfg.d_model, cfg.n_heads, self.dims
         kw = dict(device=device, dtype=dtype)
@@ -108,8 +112,10 @@ class MLA(TokenMixer):
             [dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
         c_kv, k_rot = self.kv_a_proj_with_mqa(x).split(
             [dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
-        k_rot = self._rope(k_rot.unsqueeze(2), cos, sin).squeeze(2)  # one key for all heads
-        q = torch.cat((q_nope, self._rope(q_rot, cos, sin)), dim=-1)
+        if self.rope:  # one key for all heads, turned once
+            k_rot = self._rope(k_rot.unsqueeze(2), cos, sin).squeeze(2)
+            q_rot = self._rope(q_rot, cos, sin)
+        q = torch.cat((q_nope, q_rot), dim=-1)
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_rot), dim=-1)
         # f: every TP rank's heads read the whole latent; its gradient summed over TP
         latent = copy_to_tensor_model_parallel_region(latent, self.tp_group)
@@ -118,7 +124,8 @@ class MLA(TokenMixer):
     def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
         q, latent = inputs
         if cache is not None:  # generation: the cache keeps the latent (ctxpar.inference)
-            return cache(q, latent, self.expand, self.core, self.mask())
+            return cache(q, latent, (self.kv_b_proj.weight, self.dims), self.core,
+                         self.mask())
         return self.core(q, latent, cu_seqlens)  # (B, T/cp, H/tp, dv)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
@@ -135,9 +142,3 @@ class MLA(TokenMixer):
         return self.cp.latent_attention(q, latent, self.kv_b_proj.weight, self.dims,
                                         backend=self.backend, softmax_scale=self.scale,
                                         mask=self.mask(cu_seqlens))
-
-    def expand(self, latent: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """latent (B, S, R + dr) -> this rank's heads' k (B, S, H/tp, dn + dr), v (B, S,
-        H/tp, dv): generation's cache keeps the latent and expands it per step."""
-        from ctxpar.context_parallel.latent import expand_latent
-        return expand_latent(latent, self.kv_b_proj.weight, self.dims)

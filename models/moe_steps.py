@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ctxpar.moe.aux import moe_metrics
+
 from . import gpt_pipe
 from .loss import global_mean_loss, loss_for_backward
 from .step_kinds import MicroBatchSteps, PipelineSteps, StepOutput, mtp_inputs, mtp_metrics
@@ -74,12 +76,3 @@ class MoEPipelineSteps(PipelineSteps):
             else torch.zeros(3 + E, device=n_tokens.device)
         dist.broadcast(values, src=state.ranks("pp")[-1], group=state.pp_group)
         return StepOutput(loss.item(), extras=moe_metrics(values[:3], values[3:]))
-
-
-def moe_metrics(aux: torch.Tensor, counts: torch.Tensor) -> dict:
-    """The metrics line's MoE fields: the step's load-balancing, z and sequence-level losses
-    (unweighted, the mean over its micro-batches) and the routed assignments per expert,
-    max over mean."""
-    return {"moe_aux_loss": aux[0].item(), "moe_z_loss": aux[1].item(),
-            "moe_seq_aux_loss": aux[2].item(),
-            "moe_expert_load": (counts.max() / counts.mean().clamp(min=1)).item()}

@@ -20,7 +20,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
                   device=None) -> torch.Tensor:
     """RoPE's frequencies theta^(-2i/hd), i < hd/2, fp32, after an optional scaling rule.
 
-    linear: all divided by factor (positions interpolated). llama3 (Llama 3.1): wavelengths
+    linear: all divided by factor (positions interpolated). proportional (Gemma 4): the
+    first partial_rotary_factor x hd/2 frequencies over the whole head_dim, the others 0
+    (their channel pairs unturned), all divided by factor. llama3 (Llama 3.1): wavelengths
     2*pi/f above original_max_position_embeddings/low_freq_factor are divided by factor,
     below .../high_freq_factor kept, in between blended linearly in
     original_max_position_embeddings/wavelength. yarn: ``yarn_inv_freq``. Same rules as
@@ -33,6 +35,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
                                        dtype=torch.float32) / head_dim)
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "proportional":  # the first prf x hd/2 frequencies, the rest 0 (unturned)
+        turned = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[turned:] = 0.0
+        return inv_freq / scaling.get("factor", 1.0)
     if kind == "llama3":
         factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -122,13 +128,15 @@ def layer_rotary(positions: torch.Tensor, head_dim: int, layers):
     """Each layer's (cos, sin) (layer_inputs), computed once per distinct RoPE
     (rope_theta, rope_scaling) among `layers` (LayerAttention: Gemma 3's local and global
     layers rotate by different bases) or temperature; layers that share one share the
-    tensors."""
+    tensors. head_dim: the rotary channels of a head, a layer's own head_dim in its place
+    (Gemma 4's full layers: model.global_head_dim, whole heads turned)."""
     made, out = {}, []
     for a in layers:
-        key = (a.rope_theta, repr(a.rope_scaling)) if a.rope or a.temperature is None \
+        dim = a.head_dim or head_dim
+        key = (a.rope_theta, repr(a.rope_scaling), dim) if a.rope or a.temperature is None \
             else ("temperature", a.temperature)
         if key not in made:
-            made[key] = layer_inputs(positions, head_dim, a)
+            made[key] = layer_inputs(positions, dim, a)
         out.append(made[key])
     return out
 

@@ -149,8 +149,10 @@ class DynamicSteps:
         return self.stream.next_step()  # a DynamicStep: documents, schedule, token count
 
     def run(self, step) -> StepOutput:
-        loss = dynamic_cp.train_step(self.engine, step, self.groups, self.state, self.layout,
-                                     self.gas, self.divisor, self.device, self.rounds).item()
+        loss, router = dynamic_cp.train_step(self.engine, step, self.groups, self.state,
+                                             self.layout, self.gas, self.divisor, self.device,
+                                             self.rounds)
+        loss = loss.item()
         # the balance, the CP sizes, the tokens so far (whole documents, not seq_len windows)
-        extras = {**dynamic_cp.step_metrics(step), "tokens": self.stream.tokens_seen}
+        extras = {**dynamic_cp.step_metrics(step), "tokens": self.stream.tokens_seen, **router}
         return StepOutput(loss, step.lengths, extras)

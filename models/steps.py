@@ -42,7 +42,7 @@ def training_steps(cfg, engine, state, data, ds_config, device, dynamic=None) ->
         groups = build_dynamic_cp_groups(state, dynamic.sizes, ulysses=hybrid)
         zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
         return DynamicSteps(engine, dynamic, groups, state, cfg.parallel.layout, gas, divisor,
-                            device, rounds=zero_stage >= 2)
+                            device, rounds=zero_stage >= 2 or cfg.parallel.ep > 1)
     kind = PipelineSteps if pipelined else MicroBatchSteps
     if cfg.model.moe is not None:  # the routers' losses beside the token loss
         kind = MoEPipelineSteps if pipelined else MoESteps

@@ -202,7 +202,8 @@ def test_universal_info_follows_the_tp_attributes():
                             "'mistral', 'gemma3_text', 'qwen3_5_text', 'nemotron_h', "
                             "'olmo_hybrid', 'qwen3_moe', 'qwen2_moe', 'mixtral', 'gpt_oss', "
                             "'qwen3_next', 'qwen3_5_moe_text', 'deepseek_v3', 'deepseek_v2', "
-                            "'glm4_moe', 'minimax_m2', 'llama4_text' or null"),
+                            "'glm4_moe', 'minimax_m2', 'llama4_text', 'mimo_v2_flash', "
+                            "'kimi_linear', 'gemma4_text' or null"),
     (["model.norm=layernorm", "model.norm_offset=1"],
      "model.norm_offset=1.0 applies to RMSNorm, not model.norm='layernorm'"),
     (["model.rope_scaling={rope_type: linear}"],

@@ -1,4 +1,6 @@
-"""Dynamic CP's schedule (ctxpar/dynamic_cp/schedule.py), pure: sizes, placement, balance.
+"""Dynamic CP's schedule (ctxpar/dynamic_cp/schedule.py and balance.py), pure: sizes,
+placement, balance, the work bound (no schedule of a step ends before it; the balanced one
+reaches it where plain LPT cannot), documents traded only inside their window.
 
 A long-tailed sample: lognormal document lengths clipped to [128, 16384] tokens, 4 ranks
 of 4096 tokens each. The cost models: an analytic one whose attention is quadratic and
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from ctxpar.config import load_config
+from ctxpar.dynamic_cp.balance import balanced_schedule, exchange_documents, work_bound
 from ctxpar.dynamic_cp.schedule import (ScheduleError, cp_size_for, cp_tiles, padded_length,
                                     schedule, static_schedule, step_documents)
 from ctxpar.plan.cluster import GPUS, Cluster
@@ -223,3 +226,52 @@ def test_the_planner_prices_hybrid_at_its_sizes_with_its_ulysses_degree():
     assert cost(4096, 4) != ulysses(4096, 4)      # u = 2 around a ring of 2
     cmp = compare(hybrid, cluster, document_lengths("1024,1.2,128,16384", 32, 2))
     assert set(cmp.size_shares) <= {1, 2, 4} and 4 in cmp.size_shares
+
+
+SIZES = range(1, WORLD + 1)
+
+
+@pytest.mark.quick
+def test_five_heavy_one_rank_documents_on_four_ranks_are_balanced_to_the_bound():
+    """LPT puts two of the five on one rank (1.56x the bound); giving one of them all
+    four ranks brings the step within 4% of the bound."""
+    lengths = [4000] * 5 + [300] * 6
+    bound = work_bound(lengths, WORLD, BUDGET, analytic_cost, 0.0, "zigzag", SIZES)
+    plain = schedule(lengths, WORLD, BUDGET, analytic_cost)
+    balanced = balanced_schedule(lengths, WORLD, BUDGET, analytic_cost, 0.0, "zigzag", SIZES)
+    assert plain.makespan() > 1.5 * bound
+    assert balanced.makespan() <= 1.04 * bound
+    assert sorted(i for p in balanced.packs for i in p.docs) == list(range(len(lengths)))
+    assert max(balanced.sizes) > 1 and all(p.length // p.size <= BUDGET for p in balanced.packs)
+
+
+@pytest.mark.parametrize("overhead", [0.0, 300.0])
+def test_no_schedule_ends_before_the_work_bound_and_balancing_never_lengthens_a_step(overhead):
+    for seed in range(6):
+        lengths = long_tailed(seed, 24 + 8 * seed)
+        bound = work_bound(lengths, WORLD, BUDGET, analytic_cost, overhead, "zigzag", SIZES)
+        plain = schedule(lengths, WORLD, BUDGET, analytic_cost, overhead)
+        balanced = balanced_schedule(lengths, WORLD, BUDGET, analytic_cost, overhead,
+                                     "zigzag", SIZES)
+        static = static_schedule(lengths, WORLD, BUDGET, WORLD, analytic_cost, overhead)
+        for s in (plain, balanced, static):
+            assert s.makespan() >= bound * (1 - 1e-12), (seed, s.makespan(), bound)
+        assert balanced.makespan() <= plain.makespan()
+        assert balanced == balanced_schedule(lengths, WORLD, BUDGET, analytic_cost, overhead,
+                                             "zigzag", SIZES)  # deterministic
+
+
+def test_a_window_deals_its_documents_again_and_nothing_crosses_it():
+    lengths = np.array(long_tailed(1, 200))
+    rng = np.random.default_rng(0)
+    picks = [rng.choice(200, 16, replace=False) for _ in range(4)]
+    dealt = exchange_documents(picks, lengths)
+    assert [len(p) for p in dealt] == [16] * 4
+    assert sorted(np.concatenate(dealt).tolist()) == sorted(np.concatenate(picks).tolist())
+    pool = np.concatenate(picks)
+    longest = pool[np.argsort(-lengths[pool], kind="stable")[:4]]
+    assert all(sum(int(i) in set(s.tolist()) for i in longest) == 1 for s in dealt)
+    spread = [int(lengths[s].sum()) for s in dealt]  # each step a like share of the tokens
+    assert max(spread) / min(spread) < max(int(lengths[p].sum()) for p in picks) / min(
+        int(lengths[p].sum()) for p in picks)
+    assert all((a == b).all() for a, b in zip(dealt, exchange_documents(picks, lengths)))

@@ -392,7 +392,7 @@ def test_the_kv_cache_generates_what_full_forwards_choose(name):
     assert generate(model, prompts, 6).tokens == want
     if name == "mla":  # 24 numbers a token a layer, not 4 heads x (16 + 12)
         cache = KVCache.for_model(model, 2, 10)
-        assert cache.nbytes() == 2 * 2 * 10 * 24 * 4 and cache.k == []
+        assert cache.nbytes() == 2 * 2 * 10 * 24 * 4 and cache.keys == []
 
 
 @pytest.mark.parametrize("shape,want", [
@@ -431,8 +431,10 @@ def test_big_configs_build_on_meta(shape, want):
      r"model.n_kv_heads=2 with model.mla: every MLA head has its own keys"),
     (dict(n_heads=4, d_model=64, mla=dict(kv_lora_rank=0)), dict(tp=1),
      r"model.mla.kv_lora_rank=0 must be an integer >= 1"),
-    (dict(n_heads=4, d_model=64, rope=False, mla=dict(kv_lora_rank=16)), dict(tp=1),
-     r"model.mla with model.rope=false"),
+    (dict(n_heads=4, d_model=64, rope=False, mla=dict(kv_lora_rank=16, qk_rope_head_dim=7)),
+     dict(tp=1), None),  # NoPE MLA (Kimi Linear's): nothing turns, any width
+    (dict(n_heads=4, d_model=64, n_layers=2, nope_layers=[1], mla=dict(kv_lora_rank=16)),
+     dict(tp=1), r"model.nope_layers=\[1\] with model.mla: MLA turns every layer's rope"),
     # MiMo-V2-Flash's per-type heads and value width (ctxpar/config/attention_heads.py)
     (dict(n_heads=4, d_model=64, sliding_window=8, layer_kv_heads={"sliding_attention": 3}),
      dict(tp=1), r"model.layer_kv_heads.sliding_attention=3 must be an integer >= 1 "
@@ -455,6 +457,14 @@ def test_big_configs_build_on_meta(shape, want):
      r"model.layer_kv_heads.sliding_attention is set but no layer is"),
     (dict(n_heads=4, d_model=64, attention_value_scale=0.0), dict(tp=1),
      r"model.attention_value_scale=0.0 must be a number > 0"),
+    # MiMo's per-type fields beside Gemma 4's: one count per layer type, V as wide as K
+    (dict(n_heads=4, d_model=64, layer_types=["full_attention", "sliding_attention"],
+          n_layers=2, sliding_window=8, global_n_kv_heads=1, query_pre_attn_scalar=1.0,
+          layer_kv_heads={"full_attention": 2}), dict(tp=1),
+     r"model.layer_kv_heads.full_attention=2 with model.global_n_kv_heads=1"),
+    (dict(n_heads=4, d_model=64, v_head_dim=8, attention_k_eq_v=True,
+          layer_types=["full_attention"], n_layers=1), dict(tp=1),
+     r"model.v_head_dim=8 with Gemma 4's attention_k_eq_v"),
 ])
 def test_bad_model_configs_fail_at_load(model, parallel, key):
     data = {"model": dict(vocab_size=256, seq_len=256, **model), "parallel": parallel}

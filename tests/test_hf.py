@@ -29,7 +29,8 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,  # noqa: E402
-                          DeepseekV3Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig,
+                          DeepseekV3Config, Gemma3TextConfig, Gemma4TextConfig,
+                          Glm4MoeConfig, GptOssConfig, KimiLinearConfig,
                           Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiMoV2FlashConfig,
                           MiniMaxM2Config,
                           MistralConfig, MixtralConfig, NemotronHConfig, OlmoHybridConfig,
@@ -47,7 +48,8 @@ from ctxpar.data import PasskeyTask  # noqa: E402
 from ctxpar.distributed.parallel_state import free_port  # noqa: E402
 from models.gpt import GPT  # noqa: E402
 from models.rope import rope_inv_freq  # noqa: E402
-from helpers.train_run import ROOT, losses, metric, run_train  # noqa: E402
+from helpers.mtp_folders import add_numbered_mtp_layer, mtp_depth1_loss  # noqa: E402
+from helpers.train_run import ROOT, metric, run_train  # noqa: E402
 from helpers.warm_launch import run_warm  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -74,6 +76,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 QWEN3_5_LAYERS = dict(layer_types=["linear_attention", "full_attention"],
                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                       linear_value_head_dim=6)
+GEMMA4_TYPES = ["sliding_attention", "full_attention", "sliding_attention",
+                "sliding_attention", "full_attention"]
 MLA_SMALL = dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, kv_lora_rank=16,
                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
                  first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
@@ -211,6 +215,29 @@ FAMILY_CONFIGS = {
                          for kind, theta in (("full_attention", 5000.0),
                                              ("sliding_attention", 100.0))},
         bos_token_id=None, eos_token_id=None)),
+    # Kimi Linear: three KDA layers (4 heads of 8, per-channel decay) then NoPE MLA (q_proj,
+    # a latent of 16 + an unrotated shared key of 8, value heads of 12) as in its 3 : 1
+    # pattern, given by linear_attn_config's 1-based lists as its folders give them; a
+    # dense first layer, then 8 sigmoid-routed experts in 2 groups (1 taken), top 2, times
+    # 2.5, a shared expert; no token ids (its defaults are outside the tiny vocabulary)
+    "kimi_linear": (KimiLinearConfig, dict(
+        num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=None, num_local_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1,
+        linear_attn_config=dict(num_heads=4, head_dim=8, short_conv_kernel_size=4,
+                                kda_layers=[1, 2, 3], full_attn_layers=[4]),
+        pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+    # Gemma 4: full layers (1, 4) of head dim 32 and one kv head whose values are their
+    # keys' projection, beside sliding layers (window 6) of head dim 24; layers 3 and 4
+    # attend with layers 2's and 1's K/V; per-layer inputs 16 wide; proportional RoPE on a
+    # quarter of the full layers' frequencies (transformers' default); logits capped at 2
+    "gemma4_text": (Gemma4TextConfig, dict(num_hidden_layers=5, layer_types=GEMMA4_TYPES,
+                                           sliding_window=6, global_head_dim=32,
+                                           num_global_key_value_heads=1, attention_k_eq_v=True,
+                                           num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+                                           vocab_size_per_layer_input=96,
+                                           final_logit_softcapping=2.0)),
 }
 
 
@@ -228,7 +255,7 @@ def tiny_family(path, family, tied, **overrides):
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "layer_scalar")):
                 b.add_(0.3 * torch.randn(b.shape, generator=g))
     model.save_pretrained(path)
     return model
@@ -247,7 +274,7 @@ def ctxpar_from(path):
 
 def weights_of(model):
     """(GPT name, tensor) of what an export writes: the parameters, the routers' buffers."""
-    buffers = set(hf.router_buffer_names(model.cfg))
+    buffers = set(hf.folder_buffers(model.cfg))
     return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers()
                                          if n in buffers)]
 
@@ -255,6 +282,7 @@ def weights_of(model):
 @pytest.mark.quick
 @pytest.mark.parametrize("scaling", [
     None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, YARN,
+    {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 2.0},  # Gemma 4
     {**LLAMA3, "factor": 16.0, "high_freq_factor": 1.0},  # Llama 4's: no blended band
     {**YARN, "beta_fast": 16, "beta_slow": 2, "truncate": False},
     {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}, {**YARN, "attention_factor": 1.5}])
@@ -341,6 +369,15 @@ ROPE_VARIANTS = {
         "full_attention": rope("yarn", partial_rotary_factor=0.5),
         "sliding_attention": rope("default", 300.0, partial_rotary_factor=0.5)},
         mlp_layer_types=["sparse"] * 3, attention_value_scale=None, sliding_window_size=5),
+    # Kimi Linear turns nothing: its RoPE keys are inert (given here); instead its other
+    # spellings: layer_types and mlp_layer_types given (an MLA layer first, a dense one
+    # between sparse ones), q through its bottleneck, its class's 32 kv heads (read by none)
+    "kimi_linear": dict(rope_parameters=rope("yarn"), q_lora_rank=24, num_key_value_heads=32,
+                        layer_types=["full_attention"] + ["linear_attention"] * 3,
+                        mlp_layer_types=["sparse", "dense", "sparse", "sparse"]),
+    "gemma4_text": dict(rope_parameters={  # half the frequencies, interpolated; scaled local
+        "full_attention": rope("proportional", 5e5, partial_rotary_factor=0.5, factor=4.0),
+        "sliding_attention": rope("linear", 100.0)}),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False),
                 ("gemma3_text", True), ("qwen3_5_text", False), ("nemotron_h", False),
@@ -348,7 +385,8 @@ FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral",
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
                 ("qwen3_next", False), ("qwen3_5_moe_text", True), ("deepseek_v3", False),
                 ("deepseek_v2", True), ("glm4_moe", False), ("minimax_m2", False),
-                ("llama4_text", False), ("mimo_v2_flash", False)]
+                ("llama4_text", False), ("mimo_v2_flash", False), ("kimi_linear", False),
+                ("gemma4_text", True)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -393,6 +431,16 @@ NEW_FEATURES = {
     "mimo_v2_flash": [{"attention_value_scale": 1.0}, {"attention_sinks": False},
                       {"partial_rotary_factor": 1.0}, {"layer_rope": None},
                       {"moe.n_group": 1, "moe.topk_group": 1}],
+    # MLA without RoPE (turned on at base 100, so that the tiny model's 8 rope channels
+    # turn within 48 tokens: at 10000 the loss moves 14x the tolerance), the router's
+    # scale, groups and correction bias, the shared expert
+    "kimi_linear": [{"rope": True, "rope_theta": 100.0}, {"moe.routed_scaling_factor": 1.0},
+                    {"moe.n_group": 1, "moe.topk_group": 1},
+                    {"moe.score_correction_bias": False}, {"moe.shared_expert_hidden": 0}],
+    "gemma4_text": [{"attention_k_eq_v": False}, {"num_kv_shared_layers": 0},
+                    {"value_norm": False}, {"per_layer_input_dim": 0}, {"layer_scalar": False},
+                    {"rope_scaling": None}, {"query_pre_attn_scalar": 24.0},
+                    {"final_logit_softcapping": None}],
 }
 
 
@@ -716,6 +764,14 @@ def family_json(family, **fields):
     ("mimo_v2_flash", "auto_map", {"AutoModelForCausalLM": "modeling_mimo_v2_flash."
                                                            "MiMoV2FlashForCausalLM"},
      "a remote-code folder's own modeling files is not implemented by ctxpar"),
+    # Gemma 4: its experts beside the MLP, the wide shared-KV MLPs, the logits' softcap, a
+    # per-layer vocabulary of its own, full layers of different shapes
+    ("gemma4_text", "enable_moe_block", True, "experts beside the dense MLP"),
+    ("gemma4_text", "use_double_wide_mlp", True, "use_double_wide_mlp=True: the shared-KV"),
+    ("gemma4_text", "final_logit_softcapping", "30", "final_logit_softcapping='30': a number"),
+    ("gemma4_text", "vocab_size_per_layer_input", 48, "per-layer embedding has the "
+                                                      "vocabulary's 96 rows"),
+    ("gemma4_text", "per_layer_config", {"0": {"head_dim": 32}}, "per_layer_config={'0': "),
 ])
 def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, field,
                                                               value, msg):
@@ -747,6 +803,49 @@ def test_unrepresentable_folders_are_refused_naming_the_field(tmp_path, family, 
     assert "\n" not in str(e.value)
 
 
+KIMI_REFUSED = [  # (field, value, the line's words): what Kimi Linear's reading refuses
+    ("n_routed_experts", 8, "n_routed_experts=8: KimiLinearConfig reads the experts' count "
+                            "from num_experts"),
+    ("num_local_experts", 4, "num_experts=8: num_local_experts=4 names the same field"),
+    ("mlp_layer_types", ["dense", "moe", "sparse", "sparse"], "one of 'dense', 'sparse' per "
+                                                              "layer (4)"),
+    ("layer_types", ["linear_attention"] * 3 + ["sliding_attention"],
+     "one of 'linear_attention', 'full_attention' per layer (4)"),
+    ("linear_attn_config", {"num_heads": 4, "gate_low_rank_dim": 8}, "a dict of num_heads, "
+                                                                      "head_dim"),
+    ("attention_bias", True, "attention_bias=True: biases on MLA's projections"),
+    ("hidden_act", "gelu", "KimiLinearForCausalLM's MLP in ctxpar uses silu"),
+    ("num_experts_per_token", 9, "num_experts_per_tok=9: more than num_experts=8"),
+]
+
+
+def test_kimi_linear_fields_ctxpar_does_not_build_are_refused(tmp_path):
+    """A tiny Kimi Linear config.json as its class saves it, one field changed per case:
+    one line naming the field (read through the attribute_map's two spellings)."""
+    config_class, own = FAMILY_CONFIGS["kimi_linear"]
+    config_class(**{**SMALL, **own}).save_pretrained(tmp_path)
+    saved = hf.read_config(str(tmp_path))
+    hf.model_fields(saved, str(tmp_path))  # as saved: read
+    for field, value, msg in KIMI_REFUSED:
+        changed = {k: v for k, v in saved.items() if k != "layer_types" or
+                   field != "linear_attn_config"}
+        changed[field] = value
+        with pytest.raises(CheckpointError) as e:
+            hf.model_fields(changed, str(tmp_path))
+        assert msg in str(e.value) and "\n" not in str(e.value), (field, str(e.value))
+
+
+@pytest.mark.parametrize("model_type", ["glm5_next", "glm5_next_text"])
+def test_glm5_next_folders_are_refused_naming_what_is_missing(tmp_path, model_type):
+    """GLM-5.3-Flash (transformers' glm5_next): Kimi Linear's 3 : 1 pattern with a sparse
+    MLA layer and hyper-connections; one line naming both, before any tensor is read."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(CheckpointError) as e:
+        hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
+    assert f"model_type='{model_type}': GLM-5.3-Flash's sparse attention (DSA" in str(e.value)
+    assert "hyper-connections (mHC)" in str(e.value) and "\n" not in str(e.value)
+
+
 QWEN3_5_FIXED = dict(qk_norm=True, norm_offset=1.0, attention_output_gate=True)
 
 
@@ -766,6 +865,18 @@ def test_models_no_family_holds_are_refused_at_export():
         hf.family_config(ModelConfig(n_layers=2, layer_types=["linear_attention", "mamba"],
                                      family="qwen3_5_text", qk_norm=True, norm_offset=1.0,
                                      attention_output_gate=True))
+    from ctxpar.config.mla import MLAConfig
+    kimi = dict(n_layers=2, family="kimi_linear", rope=False, mla=MLAConfig(kv_lora_rank=16),
+                layer_types=["kimi_delta_attention", "full_attention"])
+    for fields, msg in [  # Kimi Linear: its KDA's equal key and value heads, its NoPE MLA
+            ({"linear_num_value_heads": 8, "linear_num_key_heads": 4},
+             r"model.linear_num_value_heads=8 .* \(Kimi Linear's KDA has as many value heads"),
+            ({"layer_types": ["linear_attention", "full_attention"]},
+             r"model.layer_types=\['linear_attention', 'full_attention'\] with"),
+            ({"rope": True}, r"model.rope=True cannot be exported as KimiLinearForCausalLM"),
+            ({"mla": None}, r"model.mla=None \(Kimi Linear's attention layers")]:
+        with pytest.raises(CheckpointError, match=msg):
+            hf.family_config(ModelConfig(**{**kimi, **fields}))
     moe = MoEConfig(num_experts=4, top_k=2)
     gated = replace(moe, shared_expert_hidden=8, shared_expert_gate=True)
     for family, m, msg in [
@@ -1211,12 +1322,16 @@ def tiny_tokenizer(path):
     tok.save(str(path))
 
 
-def passkey_loss(model, n_samples=16, seq_len=128):
-    """The token-mean loss over the first global batch of train.py's passkey stream."""
+def passkey_batch(n_samples=16, seq_len=128):
+    """(inputs, targets) of the first global batch of train.py's passkey stream."""
     task = PasskeyTask(seq_len, 2, 1234, "train")
     pairs = [task[i] for i in range(n_samples)]
-    x = torch.from_numpy(np.stack([p[0] for p in pairs]))
-    y = torch.from_numpy(np.stack([p[1] for p in pairs]))
+    return tuple(torch.from_numpy(np.stack([p[i] for p in pairs])) for i in (0, 1))
+
+
+def passkey_loss(model, n_samples=16, seq_len=128):
+    """The token-mean loss over the first global batch of train.py's passkey stream."""
+    x, y = passkey_batch(n_samples, seq_len)
     with torch.no_grad():
         if getattr(model.config, "output_router_logits", False):
             # transformers' MoE *ForCausalLM.forward (Qwen3MoeForCausalLM's, Mixtral's):
@@ -1350,14 +1465,15 @@ def folder_sets(path):
             if k not in ("seq_len", "init_std", "family")]
 
 
-def assert_first_loss_is_the_references(run, ref, **kw):
+def assert_first_loss_is_the_references(run, ref, key="loss", **kw):
     """Step 1's loss is computed before any update: the imported model's loss on the batch,
     which transformers' model `ref` computes too (fp32: the parallel reduction orders
     differ only, hence 1e-5). A mixture of experts with output_router_logits: the token
     loss plus router_aux_loss_coef x the load-balancing loss of the batch (the run's
-    moe_aux_loss, unweighted), as transformers' loss has it (passkey_loss)."""
+    moe_aux_loss, unweighted), as transformers' loss has it (passkey_loss). key: the
+    metric (lm_loss: the LM's alone under model.mtp)."""
     want = passkey_loss(ref, **kw)
-    got = losses(str(run))[1]
+    got = metric(str(run), key)[1]
     if getattr(ref.config, "output_router_logits", False):
         got += ref.config.router_aux_loss_coef * metric(str(run), "moe_aux_loss")[1]
     assert abs(got - want) <= 1e-5 * want, (got, want)
@@ -1512,6 +1628,8 @@ HYBRID_MOE = {family: dict(vocab_size=256, intermediate_size=192, num_hidden_lay
                            layer_types=HYBRIDS["qwen3_5_text"]["layer_types"],
                            **({"mlp_only_layers": [2]} if family == "qwen3_next" else {}))
               for family in ("qwen3_next", "qwen3_5_moe_text")}
+# Kimi Linear: FAMILY_CONFIGS' three KDA layers, NoPE MLA, a dense layer then the experts
+HYBRID_MOE["kimi_linear"] = dict(vocab_size=256, intermediate_size=192)
 # the hybrids on every layout their linear layers run on; the mixtures of experts at
 # cp2 x ep2 (generate.py too) and tp2 x cp2, and cp2 x pp2 for two of them (the same
 # MoE layer in every family: Qwen3-MoE's, and gpt-oss's with its biases and sinks)
@@ -1548,7 +1666,18 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
     # MiMo-V2-Flash: per-type K/V heads, value heads narrower than q/k's (the cache's too),
     # sinks on the sliding layers, the value scale, its experts; cp2 x ep2 (generate.py too)
-    ("mimo_v2_flash", "cp2-zigzag-ep2")]
+    ("mimo_v2_flash", "cp2-zigzag-ep2"),
+    # Kimi Linear: KDA's state passed over zigzag halves beside the NoPE MLA's latent ring,
+    # extended to twice the folder's positions as they are (nothing turns), generate.py at
+    # cp2 (KDA's replicated states and the latent cache)
+    ("kimi_linear", "cp2-state-zigzag"),
+    # Gemma 4: shared K/V, k_eq_v, head dims 24 and 32, per-layer inputs at cp2 zigzag,
+    # twice the folder's positions, and generate.py at cp2 (its cache: the producers'
+    # slots only); the other layouts are tests/test_gemma4_cp.py's
+    ("gemma4_text", "cp2-state-zigzag")]
+# a family's folder for the runs when not the default sizes below
+RUN_SIZES = {"gemma4_text": dict(vocab_size=256, vocab_size_per_layer_input=256,
+                                 intermediate_size=192)}
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
@@ -1564,8 +1693,13 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     experts' widths gathered over TP) and cp2 x pp2 (the routers' statistics across the
     stages), their step-1 loss with transformers' load-balancing loss."""
     sets, folder, run = HYBRID_LAYOUTS[layout], tmp_path / family, tmp_path / "run"
-    ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(
-        family, HYBRID_MOE.get(family, dict(vocab_size=256, intermediate_size=192))))
+    ref = tiny_family(folder, family, tied=False, **HYBRIDS.get(family, HYBRID_MOE.get(
+        family, RUN_SIZES.get(family, dict(vocab_size=256, intermediate_size=192)))))
+    mtp = None
+    if (family, layout) == ("deepseek_v3", "cp2-zigzag-ep2"):  # with its MTP layer
+        # (model.layers.3.*, an MLA + MoE block) as model.mtp, its experts over EP too
+        mtp = add_numbered_mtp_layer(folder, ref)
+        sets = [*sets, "model.mtp.depth=1", "model.mtp.moe=true"]
     if family in MOE_FAMILIES or family in HYBRID_MOE or family.startswith("deepseek"):  # the
         # whole batch in one
         # micro-batch, as transformers' load-balancing loss sees it (ctxpar's is a micro-batch's over every DP x CP
@@ -1588,7 +1722,11 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
         config = AutoConfig.from_pretrained(folder)
         config.rope_parameters = {**config.rope_parameters, **yarn}
         ref = AutoModelForCausalLM.from_pretrained(folder, config=config).float().eval()
-    assert_first_loss_is_the_references(run, ref, seq_len=256 if extend else 128)
+    assert_first_loss_is_the_references(run, ref, "lm_loss" if mtp else "loss",
+                                        seq_len=256 if extend else 128)
+    if mtp is not None:  # step 1's MTP loss: transformers' MtpModel's on the batch
+        want = mtp_depth1_loss(ref, mtp, *passkey_batch()).item()
+        assert abs(metric(str(run), "mtp_loss_1")[1] - want) <= 1e-5 * want
     if "parallel.cp_comm=ulysses" in sets:
         return  # one export is enough for the layouts that split the model's tensors
     exported, back = export_and_reload(run, tmp_path / "exported")
@@ -1601,6 +1739,13 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
     theirs = exported.state_dict()
     for name, want in ref.state_dict().items():
         assert (theirs[name] - want).abs().max() <= 1e-3, name
+    if mtp is not None:  # every MTP tensor exported under its name, one step on
+        from safetensors.torch import load_file
+        source, back_mtp = (load_file(d / "model.safetensors") for d in (folder,
+                                                                          tmp_path / "exported"))
+        keys = sorted(k for k in source if k.startswith("model.layers.3."))
+        assert sorted(k for k in back_mtp if k.startswith("model.layers.3.")) == keys
+        assert max((back_mtp[k] - source[k]).abs().max() for k in keys) <= 1e-3
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens, torch.arange(64)), exported(tokens).logits,

@@ -149,6 +149,31 @@ def test_partial_attention_merged_over_splits_is_full_attention():
     assert merge_partials(out, lse, None) is out
 
 
+@pytest.mark.quick
+def test_absorbed_latent_decode_is_the_expanded_cache():
+    # MLA's decode step with kv_b_proj absorbed (latent_decode.py) against the same step on
+    # the expanded K,V (what transformers' DeepseekV3Attention caches); both run their
+    # attention in fp32 (partial_attention), so the reassociated sums agree to fp32's
+    # rounding; padding slots, and a row without a valid key here (out 0, lse -inf).
+    from ctxpar.context_parallel.latent import LatentDims, expand_latent
+    from ctxpar.inference.latent_decode import absorbed_partial_attention
+    g = torch.Generator().manual_seed(0)
+    dims, B, S, H = LatentDims(16, 8, 4, 6), 3, 9, 4
+    q = torch.randn(B, 1, H, dims.qk_head_dim, generator=g, dtype=torch.float64)
+    latent = torch.randn(B, S, dims.latent_dim, generator=g, dtype=torch.float64)
+    w = torch.randn(H * dims.kv_b_rows_per_head, dims.kv_lora_rank, generator=g,
+                    dtype=torch.float64)
+    valid = torch.rand(B, S, generator=g) > 0.3
+    valid[2] = False
+    scale = dims.qk_head_dim ** -0.5
+    k, v = expand_latent(latent, w, dims)
+    want, want_lse = partial_attention(q, k.transpose(1, 2), v.transpose(1, 2), valid, scale)
+    got, lse = absorbed_partial_attention(q, latent, w, dims, valid, scale)
+    assert got.shape == (B, 1, H, dims.v_head_dim) and (got[2] == 0).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+
+
 def test_eos_stops_a_row_and_batch_rows_are_independent():
     model = GPT(CONFIGS["gqa"], options=ModelOptions(seed=SEED)).eval()
     tokens, _ = reference_generate(model, PROMPTS, NEW)

@@ -161,6 +161,49 @@ def test_reference_layer_equals_transformers_deepseek_v3_attention(case):
         torch.testing.assert_close(g, w, **rel_tolerance(w), msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("q_lora", [None, 8])
+def test_nope_mla_layer_equals_transformers_kimi_linear_attention(q_lora):
+    """models/mla.py under model.rope=false against transformers' KimiLinearAttention on the
+    same weights: the rope parts and the shared key enter unrotated, the scale is
+    (dn + dr) ** -0.5 (output, input and every parameter's gradient). cos and sin are
+    random: a NoPE layer that turned anything would use them."""
+    tf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    from transformers import KimiLinearConfig
+    from ctxpar.config import ModelConfig
+    from ctxpar.config.mla import MLAConfig
+    from models.gpt import GPT
+    mla = dict(q_lora_rank=q_lora, kv_lora_rank=DIMS.kv_lora_rank,
+               qk_nope_head_dim=DIMS.qk_nope_head_dim, qk_rope_head_dim=DIMS.qk_rope_head_dim,
+               v_head_dim=DIMS.v_head_dim)
+    config = KimiLinearConfig(hidden_size=32, num_attention_heads=H, num_key_value_heads=H,
+                              num_hidden_layers=1, layer_types=["full_attention"], **mla)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = tf.KimiLinearAttention(config, layer_idx=0)
+    for p in hf.parameters():  # random norms too, so that their gradients are checked
+        torch.nn.init.normal_(p, std=0.3)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=H, n_layers=1, rope=False,
+                      mla=MLAConfig(**mla))
+    ours = GPT(cfg).layers[0].attn
+    ours.load_state_dict(hf.state_dict())
+    n = 16
+    x = torch.randn(B, n, 32, requires_grad=True)
+    cos, sin = torch.randn(n, DIMS.qk_rope_head_dim // 2), torch.randn(n, DIMS.qk_rope_head_dim // 2)
+    causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    want, _ = hf(x, causal)
+    inputs, carry = ours.project_in(x, cos, sin)
+    got = ours.project_out(ours.mix(inputs), *carry)
+    dout = torch.randn_like(want)
+    names = [name for name, _ in hf.named_parameters()]
+    ours_params = dict(ours.named_parameters())
+    g_want = torch.autograd.grad(want, [x, *hf.parameters()], dout)
+    g_got = torch.autograd.grad(got, [x, *(ours_params[m] for m in names)], dout)
+    torch.testing.assert_close(got, want, **rel_tolerance(want))
+    for name, g, w in zip(["hidden", *names], g_got, g_want):
+        torch.testing.assert_close(g, w, **rel_tolerance(w), msg=lambda m: f"{name}: {m}")
+
+
 # --- (c, d) under CP: every comm against one process; the latent's bytes ------------------
 
 DOCS2 = [torch.tensor(c, dtype=torch.int32) for c in ([0, 3, 4, 11, 16], [0, 8, 9, 16])]

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ctxpar.context_parallel.linear.gated_delta import gated_delta_fp32
-from ctxpar.context_parallel.linear.lean import gated_delta_lean, ssd_lean
+from ctxpar.context_parallel.linear.kda import kda_fp32
+from ctxpar.context_parallel.linear.lean import gated_delta_lean, kda_lean, ssd_lean
 from ctxpar.context_parallel.linear.ssd import ssd_fp32
 from ctxpar.testing.memory import saved_tensor_bytes
 
@@ -63,6 +64,23 @@ def test_lean_gated_delta_equals_the_autograd_kernel(segment_chunks, docs):
     ref, ours = _gdn_inputs(), _gdn_inputs()
     o, f = gated_delta_fp32(*ref[:5], 0.35, ref[5], seq, CHUNK, True)
     lo, lf = gated_delta_lean(*ours[:5], 0.35, ours[5], seq, CHUNK, True, segment_chunks)
+    close(lo, o)
+    close(lf, f)
+    for a, b in zip(_all_grads(lo, lf, ours), _all_grads(o, f, ref)):
+        close(a, b)
+
+
+@pytest.mark.parametrize("segment_chunks", [1, 2])
+def test_lean_kda_equals_the_autograd_kernel(segment_chunks):
+    """KDA's kernel (a log-decay per key channel, g (B, T, Hv, Dk)) in segments of one and
+    two chunks, with documents and an initial state: outputs, final state and every
+    gradient as kda_fp32 under autograd."""
+    ref, ours = _gdn_inputs(), _gdn_inputs()
+    gen = torch.Generator().manual_seed(2)
+    g = -F.softplus(torch.randn(2, T, 4, 8, generator=gen))
+    ref[3], ours[3] = g.clone().requires_grad_(), g.clone().requires_grad_()
+    o, f = kda_fp32(*ref[:5], 0.35, ref[5], SEQ_IDX, CHUNK, True)
+    lo, lf = kda_lean(*ours[:5], 0.35, ours[5], SEQ_IDX, CHUNK, True, segment_chunks)
     close(lo, o)
     close(lf, f)
     for a, b in zip(_all_grads(lo, lf, ours), _all_grads(o, f, ref)):

@@ -6,9 +6,10 @@ definition, with document ends at a CP rank's last position and one token before
 (3) The single-process GPT's loss and every gradient against a reference written from
 DeepSeek-V3 §2.2 (each depth's ids, targets, masks, RoPE shift and chaining by hand on the
 model's own modules), and one depth against transformers' MtpLayer on the same weights.
-(4) CP parity: cp2 zigzag ring, cp2 Ulysses (striped), cp4 contiguous ring, tp2 x cp2:
-the token-mean LM + MTP loss and every gradient equal the single process's, one spawn per
-world size.
+(4) CP parity: cp2 zigzag ring, cp2 Ulysses (striped), cp4 contiguous ring, tp2 x cp2,
+and DeepSeek-V3's MTP block (MLA and experts, tests/test_mtp_moe.py) at cp2 zigzag x ep2
+and tp2 x cp2 x ep2: the token-mean LM + MTP loss (+ the routers' losses) and every
+gradient equal the single process's, one spawn per world size.
 """
 import dataclasses
 import json
@@ -22,11 +23,11 @@ from ctxpar.config import ConfigError, ModelConfig, config_from_dict
 from ctxpar.config.mtp import MTPConfig
 from ctxpar.data.mtp import mtp_inputs
 from ctxpar.testing import run_distributed
+from helpers.mtp_folders import qwen_mtp_folder
+from helpers.mtp_reference import (DOCS, MOE_MTP, SEED, T, make_batch, reference,
+                                   shifted_by_hand, single_process)
 from models.gpt import GPT
 from models.options import ModelOptions
-from models.rope import rotary_cos_sin
-
-T, BATCH, SEED = 32, 2, 11
 # depth 2: the chain and both depths' masks; two configs: a projection per depth
 # (DeepSeek-V3, GLM-4.5) and one shared (Qwen3.5's mtp.fc), with Qwen's (1 + w) norms,
 # gated attention and partial RoPE.
@@ -38,59 +39,11 @@ CONFIGS = {
                           n_kv_heads=2, head_dim=16, qk_norm=True, norm_offset=1.0,
                           attention_output_gate=True, partial_rotary_factor=0.25,
                           mtp=MTPConfig(depth=2, loss_weight=0.5, shared_projection=True)),
+    "moe": MOE_MTP,
 }
-# Document ends (exclusive) per sample: 8 and 16 end a rank's share at cp4 contiguous
-# (its last position 7, 15) and zigzag cp2's first chunk (positions 0..7); 7 and 15 end
-# one token before.
-DOCS = [torch.tensor([0, 7, 8, 15, 16, 32], dtype=torch.int32),
-        torch.tensor([0, 8, 23, 24, 32], dtype=torch.int32)]
 # fp32: the parallel model sums the same terms in another order (LSE merges over the ring,
 # TP partial sums, gradients summed over CP), as tests/test_gpt.py measures: ~1e-6 relative.
 TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-def make_batch(cfg):
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH, T), generator=g)
-    labels = torch.cat([tokens[:, 1:], torch.randint(0, cfg.vocab_size, (BATCH, 1),
-                                                     generator=g)], 1)
-    labels[torch.rand(labels.shape, generator=g) < 0.15] = -100
-    return tokens, labels
-
-
-def shifted_by_hand(tokens, labels, k, docs):
-    """Depth k's ids t_{i+k} and targets t_{i+k+1}, position by position."""
-    ids, tgt = torch.zeros_like(tokens), torch.full_like(labels, -100)
-    for b in range(tokens.shape[0]):
-        cu = docs[b].tolist() if docs is not None else [0, T]
-        for i in range(T):
-            end = next(e for e in cu[1:] if e > i)
-            if i + k < T:
-                ids[b, i] = tokens[b, i + k]
-                if docs is None or i + k + 1 < end:
-                    tgt[b, i] = labels[b, i + k]
-    return ids, tgt
-
-
-def reference(cfg, tokens, labels, docs):
-    """One process, from the definition: LM mean + lambda/D sum_k mean_k CE(t_{i+k+1})."""
-    model = GPT(cfg, options=ModelOptions(seed=SEED))
-    pos = torch.arange(T)
-    h = model.hidden_states(tokens, pos, cu_seqlens=docs)  # final-normed h^0
-    loss = F.cross_entropy(model.lm_logits(h).flatten(0, 1), labels.flatten())
-    rot = model.mtp.layers[0].block.attn.rotary_dim if hasattr(
-        model.mtp.layers[0].block.attn, "rotary_dim") else None
-    mtp_losses = []
-    for k in range(1, cfg.mtp.depth + 1):
-        ids, tgt = shifted_by_hand(tokens, labels, k, docs)
-        own = model.mtp.layers[0 if cfg.mtp.shared_projection else k - 1]
-        u = own.eh_proj(torch.cat([own.enorm(model.embed(ids)), own.hnorm(h)], -1))
-        cos, sin = rotary_cos_sin(pos + k, rot, cfg.rope_theta, cfg.rope_scaling)
-        h = own.norm(model.mtp.layers[k - 1].block(u, cos, sin, cu_seqlens=docs))
-        mtp_losses.append(F.cross_entropy(model.lm_logits(h).flatten(0, 1), tgt.flatten()))
-    total = loss + cfg.mtp.loss_weight / cfg.mtp.depth * sum(mtp_losses)
-    total.backward()
-    return total.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 # ---- (1) validation ------------------------------------------------------------------
@@ -126,34 +79,14 @@ def test_shifted_ids_and_targets_match_the_definition(docs):
 
 # ---- (3) single process --------------------------------------------------------------
 
-def single_process(cfg, tokens, labels, docs, tiled=False):
-    from ctxpar.data.loader import shard_batch
-    from models.loss import loss_for_backward
-    from models.step_kinds import attach_mtp_weights, count_step_tokens
-
-    class One:  # a one-rank ParallelState's share count_step_tokens reads
-        dp_cp_group = None
-    from ctxpar.config import MemoryConfig
-    model = GPT(cfg, options=ModelOptions(seed=SEED, memory=MemoryConfig(tiled_loss=tiled,
-                                                                          loss_tile_tokens=8)))
-    mb = shard_batch({"tokens": tokens, "labels": labels, "cu_seqlens": docs}, None,
-                     "contiguous", mtp_depth=cfg.mtp.depth)
-    n = attach_mtp_weights([mb], count_step_tokens([mb], One), cfg.mtp)
-    local = model(mb["tokens"], mb["positions"], mb["labels"], cu_seqlens=docs,
-                  mtp_tokens=mb["mtp_tokens"], mtp_labels=mb["mtp_labels"],
-                  mtp_weights=mb["mtp_weights"])
-    loss_for_backward(local, n, 1).backward()
-    return (local / n).detach(), {n_: p.grad for n_, p in model.named_parameters()}
-
-
 @pytest.mark.quick
 @pytest.mark.parametrize("name,tiled", [("per_depth", False), ("shared", True)])
 def test_one_process_loss_and_gradients_equal_the_definition(name, tiled):
     """tiled: every depth's head and loss through memory.tiled_loss, 8-token tiles."""
     cfg = CONFIGS[name]
     tokens, labels = make_batch(cfg)
-    want_loss, want_grads = reference(cfg, tokens, labels, DOCS)
-    loss, grads = single_process(cfg, tokens, labels, DOCS, tiled)
+    want_loss, want_grads, _ = reference(cfg, tokens, labels, DOCS)
+    loss, grads, _ = single_process(cfg, tokens, labels, DOCS, tiled)
     # the same operations in another order (one sum then one division, weights N/N_k):
     # rounding only; fp32
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
@@ -166,21 +99,23 @@ def test_one_process_loss_and_gradients_equal_the_definition(name, tiled):
 # ---- (4) CP parity -------------------------------------------------------------------
 
 def _parity(rank, world, payload):
-    """Each case on this rank: the step's token counts, the LM + MTP loss and every
-    gradient after the DeepSpeed-style reduction, gathered to full size."""
+    """Each case on this rank: the step's token counts, the LM + MTP loss (and the routers'
+    share under model.moe) and every gradient after the DeepSpeed-style reduction (the
+    experts' over their EDP group, DeepSpeed's MoE path), gathered to full size; the
+    routers' assignments per MoE layer over DP x CP."""
+    import torch.distributed as dist
     from ctxpar import init_parallel_state
     from ctxpar.data.loader import shard_batch
     from ctxpar.tensor_parallel import gather_full_state_dict
-    from models.loss import deepspeed_style_reduce_, global_mean_loss, loss_for_backward
+    from models.loss import global_mean_loss, loss_for_backward
     from models.options import ModelGroups
     from models.step_kinds import attach_mtp_weights, count_step_tokens
 
     out = []
-    for (tp, cp, layout, comm, u, name), tokens, labels in pickle.loads(payload):
+    for (tp, cp, ep, layout, comm, u, name), tokens, labels in pickle.loads(payload):
         cfg = CONFIGS[name]
-        st = init_parallel_state(tp=tp, cp=cp, dp=1, ulysses=u)
-        model = GPT(cfg, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group,
-                                     ulysses_group=st.ulysses_group, ring_group=st.ring_group),
+        st = init_parallel_state(tp=tp, cp=cp, dp=1, ulysses=u, ep=ep)
+        model = GPT(cfg, ModelGroups.from_state(st),
                     ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
         mb = shard_batch({"tokens": tokens, "labels": labels, "cu_seqlens": DOCS}, st, layout,
                          mtp_depth=cfg.mtp.depth)  # (B, T/cp), (B, D, T/cp)
@@ -188,10 +123,23 @@ def _parity(rank, world, payload):
         local = model(mb["tokens"], mb["positions"], mb["labels"], cu_seqlens=DOCS,
                       mtp_tokens=mb["mtp_tokens"], mtp_labels=mb["mtp_labels"],
                       mtp_weights=mb["mtp_weights"])
-        loss_for_backward(local, n, st.dp_size).backward()
-        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
-        out.append(dict(loss=global_mean_loss(local, n, st.dp_cp_group),
-                        grads=gather_full_state_dict(model, st.tp_group, grads=True)))
+        router = model.router_losses
+        share = router.share * st.dp_size if router is not None else 0.0
+        (loss_for_backward(local, n, st.dp_size) + share).backward()
+        for p in model.parameters():
+            group = st.edp_group if getattr(p, "expert_shard", (0, 1))[1] > 1 \
+                else st.dp_cp_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+            p.grad.div_(st.dp_size)
+        loss = global_mean_loss(local, n, st.dp_cp_group)
+        if router is not None:  # the routers' weighted losses of the whole batch
+            moe = cfg.moe
+            loss = loss + moe.aux_loss_coef * router.aux_loss + \
+                moe.z_loss_coef * router.z_loss + moe.seq_aux_loss_coef * router.seq_aux_loss
+        out.append(dict(loss=loss,
+                        grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group),
+                        counts=None if router is None else router.layer_counts))
     gens = {}
     if world == 2:  # generation with drafts at cp2 zigzag: plain and drafted tokens
         st = init_parallel_state(tp=1, cp=2, dp=1)
@@ -203,9 +151,12 @@ def _parity(rank, world, payload):
     return dict(cases=out, generation=gens)
 
 
-CASES = {  # world -> (tp, cp, layout, cp_comm, ulysses, config)
-    2: [(1, 2, "zigzag", "ring", 1, "per_depth"), (1, 2, "striped", "ulysses", 2, "shared")],
-    4: [(1, 4, "contiguous", "ring", 1, "shared"), (2, 2, "zigzag", "ring", 1, "per_depth")],
+CASES = {  # world -> (tp, cp, ep, layout, cp_comm, ulysses, config); "moe": DeepSeek-V3's
+    # MTP block (MLA, experts over EP)
+    2: [(1, 2, 1, "zigzag", "ring", 1, "per_depth"), (1, 2, 1, "striped", "ulysses", 2, "shared"),
+        (1, 2, 2, "zigzag", "ring", 1, "moe")],
+    4: [(1, 4, 1, "contiguous", "ring", 1, "shared"), (2, 2, 1, "zigzag", "ring", 1, "per_depth"),
+        (2, 2, 2, "zigzag", "ring", 1, "moe")],
 }
 _RESULTS = {}
 
@@ -227,9 +178,11 @@ def parity_results(world):
 def test_cp_loss_and_every_gradient_equal_one_process(world):
     cases, refs, got = parity_results(world)
     for rank, result in enumerate(got):  # every rank: replicas agree too
-        for case, (loss, grads), res in zip(cases, refs, result["cases"]):
-            where = "rank {} tp{} cp{} {} {} u={} {}".format(rank, *case)
+        for case, (loss, grads, counts), res in zip(cases, refs, result["cases"]):
+            where = "rank {} tp{} cp{} ep{} {} {} u={} {}".format(rank, *case)
             torch.testing.assert_close(res["loss"], loss, **TOL, msg=where)
+            if counts is not None:  # the MTP blocks' routers' rows last, over DP x CP
+                assert torch.equal(res["counts"], counts), where
             assert set(res["grads"]) == set(grads), where
             for n in grads:
                 torch.testing.assert_close(res["grads"][n], grads[n], **TOL, msg=f"{where} {n}")
@@ -282,53 +235,10 @@ def test_train_refuses_a_bad_depth_in_one_line_exit_2(tmp_path):
 
 # ---- Qwen3.5's mtp.* -----------------------------------------------------------------
 
-QWEN3_5 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-               max_position_embeddings=128, rms_norm_eps=1e-5,
-               layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
-QWEN_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
-              "post_norm": "norm"}
-
-
-def qwen3_5_with_mtp(path, **overrides):
-    """A random Qwen3.5 saved by transformers, plus the mtp.* tensors of a released folder
-    (transformers saves none): transformers' generic MtpLayer around a Qwen3.5 full
-    attention decoder layer, its norms moved away from their init, under Qwen's names.
-    Returns (the causal LM, the MtpLayer)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-    from transformers.modeling_layers import MtpLayer
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
-
-    torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(**{**QWEN3_5, **overrides}, tie_word_embeddings=False)
-    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
-    mtp_cfg = Qwen3_5TextConfig(**{**QWEN3_5, **overrides, "num_hidden_layers": 1,
-                                   "layer_types": ["full_attention"]})
-    mtp_cfg._attn_implementation = "sdpa"  # causal when given no mask, as the main model's
-    layer = MtpLayer(mtp_cfg, Qwen3_5DecoderLayer, Qwen3_5RMSNorm, 0).float().eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for model in (ref, layer):
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.add_(0.3 * torch.randn(p.shape, generator=g))
-    ref.save_pretrained(path)
-    tensors = load_file(path / "model.safetensors")
-    for name, t in layer.state_dict().items():
-        head, _, rest = name.partition(".")
-        key = f"mtp.layers.0.{rest}" if head == "mtp_block" else \
-            f"mtp.{QWEN_NAMES[head]}.{rest}"
-        tensors[key] = t.contiguous()
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
-    (path / "config.json").write_text(json.dumps(config))
-    return ref, layer
-
-
-def test_qwen3_5_mtp_imports_equals_transformers_mtp_layer_and_exports_its_tensors(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_qwen_mtp_imports_equals_transformers_mtp_layer_and_exports_its_tensors(tmp_path,
+                                                                               family):
+    """Qwen3.5's MTP layer (a dense MLP) and Qwen3-Next's (its experts: model.mtp.moe)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -336,11 +246,12 @@ def test_qwen3_5_mtp_imports_equals_transformers_mtp_layer_and_exports_its_tenso
     from ctxpar.checkpoint.weights import copy_full_weights_
     from ctxpar.config import rotary_dim
 
-    ref, layer = qwen3_5_with_mtp(tmp_path / "src")
+    ref, layer = qwen_mtp_folder(tmp_path / "src", family)
     src = str(tmp_path / "src")
     folder = hf.read_config(src)
     m = ModelConfig(**hf.model_fields(folder, src))
-    m.mtp = MTPConfig(depth=1, loss_weight=0.3, shared_projection=True)
+    m.mtp = MTPConfig(depth=1, loss_weight=0.3, shared_projection=True,
+                      moe=family == "qwen3_next")
     hf.check_mtp(m, folder, src)
     reader = hf.WeightReader(src, m.tie_embeddings, hf.naming_of(m))
     reader.check(m)  # every mtp.* tensor taken, with its shape
@@ -392,7 +303,7 @@ def test_mtp_a_folder_does_not_hold_is_refused_in_one_line(tmp_path):
     from ctxpar.checkpoint import hf
     from ctxpar.checkpoint.resume import CheckpointError
 
-    qwen3_5_with_mtp(tmp_path)
+    qwen_mtp_folder(tmp_path)
     folder = hf.read_config(str(tmp_path))
     m = ModelConfig(**hf.model_fields(folder, str(tmp_path)))
     m.mtp = MTPConfig(depth=2, shared_projection=True)
@@ -401,8 +312,8 @@ def test_mtp_a_folder_does_not_hold_is_refused_in_one_line(tmp_path):
     m.mtp = MTPConfig(depth=1, shared_projection=True)
     with pytest.raises(CheckpointError, match="has no multi-token prediction layers"):
         hf.check_mtp(m, {**folder, "mtp_num_hidden_layers": 0}, str(tmp_path))
-    with pytest.raises(CheckpointError, match="mtp_num_hidden_layers=1: Qwen3Next's MTP layers "
-                                              "hold a mixture of experts"):
+    with pytest.raises(CheckpointError, match=r"model.mtp.moe=False but .* has moe=True: set "
+                                              r"model.mtp.moe=True"):  # Qwen3-Next's experts
         hf.check_mtp(m, {**folder, "model_type": "qwen3_next"}, str(tmp_path))
     llama = ModelConfig(vocab_size=96, d_model=64, n_heads=4, mtp=MTPConfig())
     with pytest.raises(CheckpointError, match=r"model.mtp \(multi-token prediction layers: "
@@ -532,7 +443,7 @@ def test_train_py_from_a_qwen3_5_folder_trains_and_exports_its_mtp_layer(tmp_pat
     from ctxpar.data.passkey import PasskeyTask
     from helpers.train_run import ROOT, metric, run_train
 
-    ref, layer = qwen3_5_with_mtp(tmp_path / "src", vocab_size=256)
+    ref, layer = qwen_mtp_folder(tmp_path / "src", vocab_size=256)
     fields = hf.model_fields(hf.read_config(tmp_path / "src"), str(tmp_path / "src"))
     sets = [f"model.{k}={json.dumps(v, separators=(',', ':'))}" for k, v in fields.items()
             if k not in ("seq_len", "init_std", "family")]

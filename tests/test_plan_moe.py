@@ -277,6 +277,30 @@ def test_the_search_weighs_ep_and_says_why():
     assert memory == sorted(memory, reverse=True) and a2a == sorted(a2a) and a2a[0] == 0, why
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+def test_tiled_experts_peaks_equal_the_allocators(tiled):
+    """One process, a 2-layer MoE GPT at 512 tokens, experts untiled and in tiles of 128
+    (memory.tiled_mlp; models/moe.py), no checkpointing: the planner's forward and backward
+    peaks above the model state within 2% of the allocator's (measured 2026-11-28:
+    untiled +0.0%/-0.1%, tiled +0.4%/+0.4%); charged untiled, the tiled model was
+    over-predicted by 41% and 61%. (Under full checkpointing the allocator's backward
+    peak of a MoE model moves by up to 4% from run to run on this CPU; not held here.)"""
+    mode = "none"
+    from test_plan import _step_peaks_and_plan
+
+    from ctxpar.config import MemoryConfig
+    from models.gpt import GPT
+    from models.options import ModelOptions
+    cfg = ModelConfig(vocab_size=2048, seq_len=512, n_layers=2, d_model=64, n_heads=4,
+                      n_kv_heads=2, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=96))
+    mem = MemoryConfig(tiled_mlp=tiled, mlp_tile_tokens=128 if tiled else "auto")
+    torch.manual_seed(0)
+    model = GPT(cfg, options=ModelOptions(activation_checkpointing=mode, memory=mem, seed=1))
+    got, want = _step_peaks_and_plan(model, cfg, mode, mem, tiled_mlp=tiled)
+    for region in ("FWD", "BWD"):
+        assert got[region] == pytest.approx(want[region], rel=0.02), (region, got, want)
+
+
 def test_max_seq_len_of_a_moe_grows_with_ep():
     """--max-seq-len's bisection for one layout: the experts' state ep frees goes to
     the activations (cp8 on 8 H100s, ZeRO 2, full checkpointing)."""

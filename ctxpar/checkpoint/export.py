@@ -52,9 +52,12 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
     naming = naming_of(m)
     fam, tensors = FAMILIES[cfg["model_type"]], {}
     for n, t in weights:  # as transformers' save_pretrained writes the family (parts,
-        for key, part in fam.to_folder(to_hf(n, naming), t.to(dtype), m):  # experts)
+        key = fam.mtp_key(to_hf(n, naming), m.n_layers)  # experts; its MTP layers' names)
+        for key, part in fam.to_folder(key, t.to(dtype), m):
             tensors[key] = part.contiguous()
     tensors = fam.saved(tensors, m)  # what takes several tensors at once (fusing)
+    for copy, source in fam.mtp_copies(m).items():  # the MTP layers' embedding and head
+        tensors[copy] = tensors[source].clone()
     with _written_whole(out_dir) as work:  # checked, then moved into out_dir
         save_file(tensors, os.path.join(work, WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(work, CONFIG), "w") as f:

@@ -60,7 +60,7 @@ def resolved(fields: Dict[str, Any]) -> Dict[str, Any]:
     arch = hf.architecture(fields)
     m = ModelConfig(**{k: v for k, v in fields.items() if k != "init_from"})
     mixers = token_mixers(m)
-    if "gated_delta" in mixers:
+    if mixers & {"gated_delta", "kda"}:  # KDA reads the same linear_* fields
         g = gated_delta_dims(m)
         arch.update(linear_num_key_heads=g.num_key_heads,
                     linear_num_value_heads=g.num_value_heads,

@@ -29,13 +29,14 @@ import os
 from typing import Any, Dict, Optional, Tuple
 
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
+from ..config.hf_families import NOT_BUILT
 from ..config.layers import layer_types
 from .families import FAMILIES, WRAPPERS, family_of, moe_held
 from .families.base import ARCH_DEFAULTS, refuse_export_of
 from .resume import CheckpointError
 from .rope_config import rope_keys
 from .weight_reader import (CONFIG, DTYPES, WEIGHTS, WEIGHTS_INDEX, WeightReader,  # noqa: F401
-                            is_hf_folder, read_raw_config, router_buffer_names)
+                            is_hf_folder, read_raw_config, folder_buffers)
 
 # model.* a run started from a folder may set differently: context extension; the export
 # label.
@@ -194,6 +195,8 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
         raise CheckpointError(f"{file}: {field}={value!r}: {why}")
 
     name = hf.get("model_type")
+    if name in NOT_BUILT:
+        refuse("model_type", name, NOT_BUILT[name])
     if name not in FAMILIES:
         refuse("model_type", name, f"ctxpar imports {', '.join(FAMILIES)} (a folder of "
                                    f"another family cannot be relabelled: its architecture "

@@ -18,7 +18,8 @@ Nemotron-H (naming 'nemotron_h') names every block's norm ``norm`` and its one o
 ``mixer`` (Mamba2, attention or MLP), under ``backbone.layers.{i}.``, the embedding
 ``backbone.embeddings`` and the final norm ``backbone.norm_f``, as its folders hold them.
 OLMo Hybrid (naming 'olmo_hybrid') names its norms by place and its Gated DeltaNet's
-tensors its own way (_HF_IN_OLMO_HYBRID_BLOCK).
+tensors its own way (_HF_IN_OLMO_HYBRID_BLOCK). Kimi Linear (naming 'kimi_linear') keeps
+its KDA layers' mixer (GPT's ``kda``) under ``self_attn``, as its MLA layers'.
 
 With model.post_norms (Gemma 2/3) Hugging Face names the norms by place instead:
 
@@ -80,15 +81,30 @@ _HF_IN_OLMO_HYBRID_BLOCK = (
     ("linear_attn.in_proj_b.", "linear_attn.b_proj."),
     ("linear_attn.out_proj.", "linear_attn.o_proj."),
     ("linear_attn.norm.", "linear_attn.o_norm."), ("linear_attn.", "linear_attn."))
+# Kimi Linear: its KDA layers' mixer (ctxpar's kda) under self_attn, as its MLA layers'
+_HF_IN_KIMI_LINEAR_BLOCK = (*_HF_IN_BLOCK, ("kda.", "self_attn."))
+# Gemma 4: Gemma's post norms, the per-layer input's gate (models/per_layer_input.py) and
+# embedding, the layer scalar (a buffer)
+_HF_IN_GEMMA4_BLOCK = (("per_layer_input.input_gate.weight", "per_layer_input_gate.weight"),
+                       ("per_layer_input.projection.weight", "per_layer_projection.weight"),
+                       ("per_layer_input.norm.weight", "post_per_layer_input_norm.weight"),
+                       ("layer_scalar", "layer_scalar"), *_HF_IN_POST_NORM_BLOCK)
+_HF_GEMMA4_TOP = (("per_layer_input.embed.weight", "model.embed_tokens_per_layer.weight"),
+                  ("per_layer_input.model_projection.weight",
+                   "model.per_layer_model_projection.weight"),
+                  ("per_layer_input.projection_norm.weight",
+                   "model.per_layer_projection_norm.weight"), *_HF_TOP)
 # naming -> (blocks' prefix, in block, top level): Llama's (default), Gemma's post norms,
-# Nemotron-H's (saved under backbone.*, which transformers renames model.* on loading),
-# OLMo Hybrid's
+# Gemma 4's, Nemotron-H's (saved under backbone.*, which transformers renames model.* on
+# loading), OLMo Hybrid's
 HF_NAMINGS = {"default": ("model.layers.", _HF_IN_BLOCK, _HF_TOP),
               "post_norms": ("model.layers.", _HF_IN_POST_NORM_BLOCK, _HF_TOP),
               "nemotron_h": ("backbone.layers.", _HF_IN_NEMOTRON_BLOCK, _HF_NEMOTRON_TOP),
-              "olmo_hybrid": ("model.layers.", _HF_IN_OLMO_HYBRID_BLOCK, _HF_TOP)}
+              "olmo_hybrid": ("model.layers.", _HF_IN_OLMO_HYBRID_BLOCK, _HF_TOP),
+              "kimi_linear": ("model.layers.", _HF_IN_KIMI_LINEAR_BLOCK, _HF_TOP),
+              "gemma4": ("model.layers.", _HF_IN_GEMMA4_BLOCK, _HF_GEMMA4_TOP)}
 # namings whose Hugging Face names map to GPT's only knowing the block's type (from_hf)
-_BY_BLOCK_TYPE = ("nemotron_h", "olmo_hybrid")
+_BY_BLOCK_TYPE = ("nemotron_h", "olmo_hybrid", "kimi_linear")
 
 
 def _swap(pairs):

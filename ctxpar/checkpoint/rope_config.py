@@ -52,7 +52,9 @@ def rope_of(params: Dict[str, Any], hf: Dict[str, Any], file: str,
     params = dict(params)
     theta = float(params.pop("rope_theta", default_theta))
     kind = params.pop("rope_type", params.pop("type", "default"))
-    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    # proportional RoPE (Gemma 4) holds its own partial_rotary_factor: frequencies of it
+    partial = 1.0 if kind == "proportional" else params.pop(
+        "partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise CheckpointError(f"{file}: partial_rotary_factor={partial}: the families ctxpar "
                               f"imports rotate every channel (model.partial_rotary_factor is "

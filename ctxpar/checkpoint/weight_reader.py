@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -34,14 +34,22 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes ctxpar reads
 
 
-def router_buffer_names(m: ModelConfig) -> list:
-    """GPT names of the buffers a folder holds: each MoE layer's router correction bias
-    (model.moe.score_correction_bias: transformers' e_score_correction_bias, models/moe.py)."""
-    if m.moe is None or not m.moe.score_correction_bias:
-        return []
-    types = layer_types(m)
-    return [f"layers.{i}.mlp.gate.e_score_correction_bias"
-            for i in moe_layer_indices(m.moe, m.n_layers) if LAYER_MIXERS[types[i]][1]]
+def folder_buffers(m: ModelConfig) -> Dict[str, tuple]:
+    """{GPT name: shape} of the buffers a folder holds beside the parameters: each MoE
+    layer's router correction bias (model.moe.score_correction_bias: transformers'
+    e_score_correction_bias, models/moe.py), the MTP depths' after the blocks' (model.mtp.
+    moe), and each block's layer scalar (model.layer_scalar: Gemma 4's, models/block.py)."""
+    out = {}
+    if m.moe is not None and m.moe.score_correction_bias:
+        types = layer_types(m)
+        mtp = m.mtp.depth if m.mtp is not None and m.mtp.moe else 0
+        out.update({f"layers.{i}.mlp.gate.e_score_correction_bias": (m.moe.num_experts,)
+                    for i in moe_layer_indices(m.moe, m.n_layers) if LAYER_MIXERS[types[i]][1]})
+        out.update({f"mtp.layers.{k}.block.mlp.gate.e_score_correction_bias":
+                    (m.moe.num_experts,) for k in range(mtp)})
+    if m.layer_scalar:
+        out.update({f"layers.{i}.layer_scalar": (1,) for i in range(m.n_layers)})
+    return out
 
 
 def is_hf_folder(path: str) -> bool:
@@ -116,7 +124,8 @@ class WeightReader:
         self.used = set()
 
     def key(self, gpt_name: str) -> str:
-        key = self.family.folder_key(to_hf(gpt_name, self.naming))
+        key = self.family.mtp_key(self.family.folder_key(to_hf(gpt_name, self.naming)),
+                                  self._config.get("num_hidden_layers", 0))
         if self.wrapper is not None and key.startswith("model."):
             return self.wrapper.prefix + key[len("model."):]
         return key
@@ -129,12 +138,13 @@ class WeightReader:
         options = self.family.sources(key)
         return next((o for o in options if all(k in self._where for k in o)), options[0])
 
-    def _kept(self, key: str) -> bool:
+    def _kept(self, key: str, m: Optional[ModelConfig] = None) -> bool:
         """Not a buffer, nor a tensor of what a multimodal folder leaves out, nor a
-        tensor its family leaves out (multi-token prediction layers)."""
+        tensor its family leaves out (multi-token prediction layers, kept when m has
+        model.mtp)."""
         return not key.endswith(self.IGNORED) and not (
             self.wrapper is not None and key.startswith(self.wrapper.left_out)) and \
-            not self.family.left_out(key, self._config)
+            not (self.family.left_out(key, self._config) and (m is None or m.mtp is None))
 
     def left_out(self) -> list:
         """The folder's tensors its family leaves out (multi-token prediction layers)."""
@@ -169,16 +179,31 @@ class WeightReader:
         return self.family.from_folder(key, t, self._config)
 
     def buffers(self, m: ModelConfig) -> Dict[str, torch.Tensor]:
-        """{GPT name: tensor} of the routers' correction biases (router_buffer_names), the
-        buffers a folder holds beside the parameters."""
+        """{GPT name: tensor} of the buffers a folder holds beside the parameters
+        (folder_buffers: the routers' correction biases, the layer scalars)."""
         out = {}
-        for name in router_buffer_names(m):
+        for name in folder_buffers(m):
             key = self.key(name)
             if key not in self._where:
                 raise CheckpointError(f"{self.path}: no tensor {key!r} (for {name})")
             self.used.add(key)
             out[name] = self._where[key].get_tensor(key)
         return out
+
+    def check_mtp_copies(self, m: ModelConfig) -> None:
+        """The copies a folder stores of the embedding and head in its MTP layers
+        (Family.mtp_copies: DeepSeek-V3's, GLM-4.5's) equal what they copy: ctxpar's MTP
+        depths share the model's (DeepSeek-V3 §2.2), so a copy that differs is refused,
+        never dropped. Reads both tensors of each."""
+        for copy, source in self.family.mtp_copies(m).items():
+            if copy not in self._where:
+                continue
+            self.used.add(copy)
+            if not torch.equal(self._where[copy].get_tensor(copy),
+                               self._where[source].get_tensor(source)):
+                raise CheckpointError(f"{self.path}: {copy} differs from {source}: ctxpar's "
+                                      f"MTP layers share the model's embedding and head "
+                                      f"(a folder whose copies differ is not imported)")
 
     @functools.cached_property
     def _config(self) -> Dict[str, Any]:
@@ -244,12 +269,15 @@ class WeightReader:
             if sum(rows) != spec.shape[0]:
                 raise CheckpointError(f"{self.path}: {', '.join(keys)} have {sum(rows)} rows "
                                       f"together, config.json makes them {spec.shape[0]}")
-        for name in router_buffer_names(m):  # the buffers a folder holds too
-            want[self.key(name)] = (m.moe.num_experts,)
+        for name, shape in folder_buffers(m).items():  # the buffers a folder holds too
+            want[self.key(name)] = shape
+        for copy, source in self.family.mtp_copies(m).items():  # checked equal on loading
+            if copy in self._where:
+                want[copy] = want[source]
         for key, shape in want.items():
             self._check_tensor(key, shape)
         extra = sorted(k for k in set(self._where) - set(want) - taken
-                       if self._kept(k) and not (self.tied and k == "lm_head.weight"))
+                       if self._kept(k, m) and not (self.tied and k == "lm_head.weight"))
         if extra:
             more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
             raise CheckpointError(f"{self.path}: tensor {extra[0]!r}{more} would not be used "

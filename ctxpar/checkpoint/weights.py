@@ -119,8 +119,9 @@ def gpt_named_buffers(model) -> Iterator:
 def checkpoint_buffers(tag_dir: str, universal_dir: str, n_layers: int
                        ) -> Dict[str, torch.Tensor]:
     """{GPT name: tensor} of the persistent buffers a ctxpar checkpoint saved (the routers'
-    correction biases): from the universal folder's model file, or a pipeline's per-layer
-    files (layer_XX-model_00-model_states.pt, DeepSpeed's; every TP rank's copy alike)."""
+    correction biases, Gemma 4's layer scalars): from the universal folder's model file,
+    or a pipeline's per-layer files (layer_XX-model_00-model_states.pt, DeepSpeed's; every
+    TP rank's copy alike)."""
     found = saved_buffers(universal_dir)
     if found:
         return found
@@ -130,7 +131,7 @@ def checkpoint_buffers(tag_dir: str, universal_dir: str, n_layers: int
             continue
         sd = torch.load(path, map_location="cpu", weights_only=False)
         found.update({from_pipe(f"{index}.{k}", n_layers): t for k, t in sd.items()
-                      if k.endswith("e_score_correction_bias")})
+                      if k.endswith(("e_score_correction_bias", "layer_scalar"))})
     return found
 
 
@@ -153,6 +154,7 @@ def load_initial_weights(model, cfg, state, source: InitSource) -> str:
         reader = hf.WeightReader(source.path, cfg.model.tie_embeddings,
                                   hf.naming_of(cfg.model))
         copy_full_weights_(model, reader.get, state.tp_group)
+        reader.check_mtp_copies(cfg.model)  # the MTP layers' copies of embedding and head
         # the routers' correction biases
         load_buffers_(gpt_named_buffers(model), reader.buffers(cfg.model))
         return source.describe()
@@ -215,7 +217,7 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype = torch.float32,
         out = os.path.join(work, "universal")
         names = to_universal(tag_dir, out, manifest["layout"], m.n_layers,
                                naming(False, m.n_layers, True), num_experts(m))
-        saved, wanted = checkpoint_buffers(tag_dir, out, m.n_layers), hf.router_buffer_names(m)
+        saved, wanted = checkpoint_buffers(tag_dir, out, m.n_layers), list(hf.folder_buffers(m))
         lost = [n for n in wanted if n not in saved]
         if lost:
             raise CheckpointError(f"{tag_dir}: no saved {lost[0]} (a buffer the export "

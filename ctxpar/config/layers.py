@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 # ATTENTION_TYPES: importable from here too (the Hugging Face import reads it here)
 from .layer_mixers import ATTENTION_TYPES, LAYER_MIXERS, LAYER_TYPES, layer_types  # noqa: F401
+from .attention_heads import type_kv_heads
 from .sections import ModelConfig, resolved_head_dim
 
 DELTA_TYPES = ("linear_attention", "kimi_delta_attention")  # the linear_* fields' layers
@@ -53,6 +54,14 @@ class LayerAttention:
     # NoPE layers under model.attn_temperature_tuning: (floor_scale, attn_scale)
     temperature: Optional[Tuple[int, float]] = None
     attention: str = "attention"     # what an attention layer runs: 'attention' or 'mla'
+    # Per-layer shapes: a layer type's own kv heads (attention_heads.type_kv_heads:
+    # MiMo's model.layer_kv_heads, Gemma 4's global_n_kv_heads; None: the model's); Gemma
+    # 4's (kv_layers.py) 'full_attention' head dim, values from k_proj (attention_k_eq_v), and
+    # the earlier layer whose K/V it attends with (model.num_kv_shared_layers; None: its own)
+    head_dim: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    k_eq_v: bool = False
+    kv_source: Optional[int] = None
 
     @property
     def token_mixer(self) -> Optional[str]:
@@ -122,10 +131,13 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
     key = (tuple(m.layer_types) if m.layer_types is not None else m.n_layers,
            m.sliding_window, m.attention_chunk_size, m.rope_theta, repr(m.layer_rope),
            repr(m.rope_scaling), m.rope, repr(m.nope_layers), m.attn_temperature_tuning,
-           m.floor_scale, m.attn_scale, m.mla is not None)
+           m.floor_scale, m.attn_scale, m.mla is not None, m.global_head_dim,
+           m.global_n_kv_heads, m.attention_k_eq_v, m.num_kv_shared_layers,
+           repr(m.layer_kv_heads))
     if key not in _LAYER_ATTENTION:  # once per model: the planner asks per candidate
-        out = []
+        out, sources = [], kv_sources(m)
         for i, kind in enumerate(layer_types(m)):
+            full = kind == "full_attention"
             rope = (m.layer_rope or {}).get(kind, {})
             turned = m.rope and i not in (m.nope_layers or ())
             out.append(LayerAttention(
@@ -136,7 +148,9 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
                 rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling,
                 turned, None if turned or not m.attn_temperature_tuning
                 else (m.floor_scale, float(m.attn_scale)),
-                "mla" if m.mla is not None else "attention"))
+                "mla" if m.mla is not None else "attention",
+                m.global_head_dim if full else None, type_kv_heads(m, kind),
+                bool(m.attention_k_eq_v) and full, sources.get(i)))
         _LAYER_ATTENTION[key] = tuple(out)
     return list(_LAYER_ATTENTION[key])
 
@@ -144,15 +158,27 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
 _LAYER_ATTENTION: dict = {}  # layer_attention's: the fields it reads -> every layer's
 
 
+def kv_sources(m: ModelConfig) -> Dict[int, int]:
+    """{layer: the layer whose K/V it attends with} of the last model.num_kv_shared_layers
+    layers: the last earlier layer of its type before them (transformers' Gemma 4
+    kv_sharing_modes); a type without one is missing (kv_layers.check_kv_layers refuses)."""
+    types = layer_types(m)
+    first = len(types) - (m.num_kv_shared_layers or 0)
+    own = {t: i for i, t in enumerate(types[:first])}  # each type's last computing layer
+    return {i: own[types[i]] for i in range(max(first, 0), len(types)) if types[i] in own}
+
+
 def mtp_layer_attention(m: ModelConfig) -> LayerAttention:
     """The MTP block's attention (model.mtp.layer_type), with the RoPE, window or chunks
-    the model's layers of that type have."""
+    the model's layers of that type have; MLA under model.mla, as theirs."""
     kind = m.mtp.layer_type
     rope = (m.layer_rope or {}).get(kind, {})
     return LayerAttention(kind, m.sliding_window if kind == "sliding_attention" else None,
                           m.attention_chunk_size if kind == "chunked_attention" else None,
                           float(rope.get("rope_theta", m.rope_theta)),
-                          rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling)
+                          rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling,
+                          attention="mla" if m.mla is not None else "attention",
+                          n_kv_heads=type_kv_heads(m, kind))
 
 
 def check_layers(m: ModelConfig, err) -> None:

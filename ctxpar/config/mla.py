@@ -9,6 +9,10 @@
         v_head_dim: 128           # per head: the values' channels
         rope_interleave: true     # RoPE on interleaved pairs (DeepSeek's checkpoints)
 
+With model.rope=false (Kimi Linear's MLA) nothing turns: the qk_rope_head_dim channels of
+the queries and the shared key take part unrotated (transformers' KimiLinearAttention),
+rope_interleave then computes nothing.
+
 Per token the layer keeps kv_lora_rank + qk_rope_head_dim numbers (576 for DeepSeek-V3):
 kv_a_layernorm(c_kv) and the rotated shared key, which is what travels over the CP group
 (ctxpar/context_parallel/latent.py) instead of the expanded K and V (heads x (192 + 128)
@@ -64,12 +68,14 @@ def check_mla(m, tp: int, err) -> None:
     if mla.q_lora_rank is not None and (not isinstance(mla.q_lora_rank, int)
                                         or mla.q_lora_rank < 1):
         err(f"model.mla.q_lora_rank={mla.q_lora_rank!r} must be an integer >= 1 or null")
-    if isinstance(mla.qk_rope_head_dim, int) and mla.qk_rope_head_dim % 2:
+    if m.rope and isinstance(mla.qk_rope_head_dim, int) and mla.qk_rope_head_dim % 2:
         err(f"model.mla.qk_rope_head_dim={mla.qk_rope_head_dim} must be even (RoPE turns "
             f"channel pairs)")
-    if not m.rope:
-        err("model.mla with model.rope=false: MLA's shared key is its RoPE part (NoPE MLA, "
-            "Kimi Linear's, is not built yet)")
+    for key in ("nope_layers", "attn_temperature_tuning"):
+        if getattr(m, key):
+            err(f"model.{key}={getattr(m, key)!r} with model.mla: MLA turns every layer's "
+                f"rope part, or none (model.rope=false, Kimi Linear's), without Llama 4's "
+                f"temperature")
     if m.n_kv_heads not in (None, m.n_heads):
         err(f"model.n_kv_heads={m.n_kv_heads} with model.mla: every MLA head has its own keys "
             f"and values (leave it null)")

@@ -133,8 +133,23 @@ def check_moe(cfg, dp: Optional[int], err) -> None:
          f".enabled=true: DeepSpeed's 16-bit ZeRO-0 optimizer (runtime/fp16/unfused_optimizer"
          f".py FP16_UnfusedOptimizer.step) clips by a gradient norm that leaves the experts "
          f"out (use fp32 at stage 0, or stage 1 or 2)"),
-        (cfg.data.dynamic_cp, "data.dynamic_cp=true: the routers' losses and the experts' "
-                              "all-to-all over rank groups that run different packs"),
+        # dynamic CP: each rank backpropagates its packs one at a time, so a router loss
+        # is exact only if it needs nothing of the step's other packs before backward
+        (cfg.data.dynamic_cp and moe.aux_loss_coef > 0,
+         f"data.dynamic_cp=true and model.moe.aux_loss_coef={moe.aux_loss_coef}: the "
+         f"load-balancing loss's expert counts span every pack of the step, which each rank "
+         f"backpropagates before the next (use bias_update_rate, DeepSeek-V3's aux-free "
+         f"balance, and z_loss_coef)"),
+        (cfg.data.dynamic_cp and moe.seq_aux_loss_coef > 0,
+         f"data.dynamic_cp=true and model.moe.seq_aux_loss_coef={moe.seq_aux_loss_coef}: its "
+         f"sequences are static CP's sample rows, which dynamic CP's packs are not"),
+        (cfg.data.dynamic_cp and moe.capacity_factor is not None,
+         f"data.dynamic_cp=true and model.moe.capacity_factor={moe.capacity_factor}: it "
+         f"drops assignments per rank's tokens, which the schedule's packs decide"),
+        (cfg.data.dynamic_cp and p.ep > 1 and cfg.memory.tiled_mlp,
+         f"data.dynamic_cp=true, parallel.ep={p.ep} and memory.tiled_mlp=true: the ranks of "
+         f"an EP group hold packs of different lengths, so their tiles' all-to-alls would "
+         f"not pair up"),
     ]
     for refused, why in unbuilt:
         if refused:

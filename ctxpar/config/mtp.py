@@ -5,6 +5,7 @@
         depth: 1                  # D: MTP layers, depth k predicts token i+k+1 at position i
         loss_weight: 0.1          # lambda: the loss adds lambda/D * sum_k CE_k
         layer_type: full_attention  # the MTP block's kind (a model.layer_types name)
+        moe: false                # DeepSeek-V3, GLM-4.5, Qwen3-Next: its MLP is model.moe's experts
         shared_projection: true   # Qwen3.5 / Qwen3-Next: one fc and its norms for every depth
 
 Depth k at position i: u = eh_proj([enorm(emb(t_{i+k})); hnorm(h^{k-1}_i)]), h^k =
@@ -30,8 +31,14 @@ class MTPConfig:
     """lambda: the training loss is the LM loss + lambda / D * sum_k CE_k (DeepSeek-V3:
     0.3, then 0.1)."""
     layer_type: str = "full_attention"
-    """The MTP block's token mixer: one of MTP_LAYER_TYPES (Qwen3.5 and Qwen3-Next: full
-    attention); its channel mixer is the dense MLP (model.mlp, model.ffn_hidden)."""
+    """The MTP block's token mixer: one of MTP_LAYER_TYPES (Qwen3.5, Qwen3-Next, GLM-4.5:
+    full attention; under model.mla, DeepSeek-V3's, MLA as the main layers')."""
+    moe: bool = False
+    """The MTP block's channel mixer is a mixture of experts of model.moe's shape
+    (DeepSeek-V3, GLM-4.5, Qwen3-Next: transformers' get_mtp_config makes every MTP layer a
+    MoE one), one more MoE layer of the model: its router's losses and balance update are
+    taken with the main layers' (models/gpt.py), its experts split over parallel.ep as
+    theirs; false: the dense MLP (model.mlp, model.ffn_hidden; Qwen3.5)."""
     shared_projection: bool = False
     """One projection (fc) and one pair of input norms and output norm for every depth
     (Qwen3.5, Qwen3-Next: mtp.fc, mtp.pre_fc_norm_*, mtp.norm); false: each depth its own
@@ -58,6 +65,9 @@ def check_mtp(cfg, err) -> None:
         known = "a linear or single-op block" if mtp.layer_type in LAYER_MIXERS else "unknown"
         err(f"model.mtp.layer_type={mtp.layer_type!r} ({known}) must be one of "
             f"{list(MTP_LAYER_TYPES)}")
+    if mtp.moe and cfg.model.moe is None:
+        err("model.mtp.moe=true without model.moe: the MTP block's experts take model.moe's "
+            "shape; set model.moe or model.mtp.moe=false")
     if cfg.parallel.pp > 1:
         err(f"model.mtp with parallel.pp={cfg.parallel.pp}: the MTP layers are not placed on "
             f"the last pipeline stage yet; use parallel.pp=1")

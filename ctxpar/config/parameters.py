@@ -27,8 +27,9 @@ from operator import attrgetter
 from typing import Iterable, List, Optional, Tuple
 
 from .layer_mixers import LAYER_MIXERS, first_layer_type, layer_types, token_mixer_of
-from .attention_heads import attention_config, v_head_dim_of
-from .layers import GDN_FIELDS, MAMBA_FIELDS, gated_delta_dims, mamba_dims
+from .attention_heads import sinks_on
+from .layers import (GDN_FIELDS, MAMBA_FIELDS, LayerAttention, gated_delta_dims,
+                     layer_attention, mamba_dims, mtp_layer_attention)
 from .moe import moe_layer_indices
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
@@ -62,10 +63,11 @@ def head_dim(m: ModelConfig) -> int:
     return resolved_head_dim(m)
 
 
-def kv_heads_per_rank(m: ModelConfig, tp: int) -> int:
+def kv_heads_per_rank(m: ModelConfig, tp: int, n_kv: Optional[int] = None) -> int:
     """K/V heads one TP rank computes: Hkv/tp, or 1 when Hkv < tp (each rank then uses the
-    kv head of its query heads, from the replicated projection)."""
-    n_kv = m.n_kv_heads or m.n_heads
+    kv head of its query heads, from the replicated projection); n_kv: a layer's own Hkv
+    (layer_kv_heads), else the model's."""
+    n_kv = n_kv or m.n_kv_heads or m.n_heads
     return n_kv // tp if n_kv % tp == 0 else 1
 
 
@@ -96,7 +98,9 @@ def block_fields(m: ModelConfig) -> tuple:
 _BLOCK_FIELDS = attrgetter("d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
                            "bias", "attention_bias", "qk_norm", "qk_norm_scope",
                            "head_dim", "v_head_dim",
-                           "post_norms", "attention_output_gate", *GDN_FIELDS,
+                           "post_norms", "attention_output_gate", "global_head_dim",
+                           "global_n_kv_heads", "attention_k_eq_v", "num_kv_shared_layers",
+                           "per_layer_input_dim", *GDN_FIELDS,
                            *MAMBA_FIELDS[:6])
 
 
@@ -105,18 +109,20 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     mixer's norm and parameters, the post norm, then the MLP's. tp decides only whether
     k/v are split (n_kv_heads % tp == 0) or replicated by heads."""
     moe = i in moe_layer_indices(m.moe, m.n_layers)
-    return _layer_specs(m, layer_types(m)[i], f"layers.{i}.", moe, tp)
+    return _layer_specs(m, layer_types(m)[i], f"layers.{i}.", moe, tp, i)
 
 
-def _layer_specs(m: ModelConfig, kind: str, p: str, moe: bool, tp: int) -> List[ParamSpec]:
+def _layer_specs(m: ModelConfig, kind: str, p: str, moe: bool, tp: int,
+                 i: Optional[int] = None) -> List[ParamSpec]:
     """A Block's parameters under prefix p: its layer type's mixers, a mixture of experts
-    in its MLP's place where moe."""
+    in its MLP's place where moe, the per-layer input's gate (model.per_layer_input_dim);
+    i: its index (None: an MTP block, its type's shapes)."""
     token, channel = token_mixer_of(m, kind), LAYER_MIXERS[kind][1]
     reordered = kind in (m.reordered_norms or ())  # outputs normed, not inputs (OLMo 2)
     specs = _norm(p + "attn_norm", m) if token and not reordered else []
     if token:
-        name, mixer_specs = TOKEN_MIXER_PARAMETERS[token]  # with the type's K/V heads
-        specs += mixer_specs(attention_config(m, kind), f"{p}{name}.", tp)
+        name, mixer_specs = TOKEN_MIXER_PARAMETERS[token]
+        specs += mixer_specs(m, f"{p}{name}.", tp, i)
     if (m.post_norms or reordered) and token:
         specs += _norm(p + "post_attn_norm", m)
     if channel and moe:
@@ -124,7 +130,17 @@ def _layer_specs(m: ModelConfig, kind: str, p: str, moe: bool, tp: int) -> List[
     if channel and reordered:
         return specs + _dense_mlp(m, p + "mlp.", resolved_ffn_hidden(m)) + \
             _norm(p + "post_mlp_norm", m)
-    return specs + (_mlp_specs(m, p) if channel else [])
+    return specs + (_mlp_specs(m, p) if channel else []) + _per_layer_input_specs(m, p)
+
+
+def _per_layer_input_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
+    """models/per_layer_input.py's gate of a block (replicated over TP)."""
+    if not m.per_layer_input_dim:
+        return []
+    dim = m.per_layer_input_dim
+    return (_linear(p + "per_layer_input.input_gate", m.d_model, dim, None, False) +
+            _linear(p + "per_layer_input.projection", dim, m.d_model, None, False) +
+            _norm(p + "per_layer_input.norm", m))
 
 
 def _moe_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
@@ -147,7 +163,7 @@ def _moe_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
     return specs + (_norm(p + "post_mlp_norm", m) if m.post_norms else [])
 
 
-def _gated_delta_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
+def _gated_delta_specs(m: ModelConfig, p: str, tp: int = 1, i=None) -> List[ParamSpec]:
     """models/gated_delta.py's parameters (transformers' Qwen3_5GatedDeltaNet names) in
     named_parameters' order (a module's own before its children's); split over TP by
     heads, as attention (in_proj_qkv and the conv by [q | k | v] section, each part's
@@ -165,7 +181,7 @@ def _gated_delta_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
             *_linear(p + "out_proj", value, m.d_model, "row", False)]
 
 
-def _kda_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
+def _kda_specs(m: ModelConfig, p: str, tp: int = 1, i=None) -> List[ParamSpec]:
     """models/kda.py's parameters (transformers' KimiLinearDeltaAttention names, A_log
     (Hv,)); split over TP by heads (q/k/v_proj, the conv by [q | k | v] section, f_b_proj,
     dt_bias, A_log, b_proj, g_b_proj), the low-rank f_a_proj, g_a_proj and the norm's
@@ -188,7 +204,7 @@ def _kda_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
             *_linear(p + "o_proj", value, d, "row", False)]
 
 
-def _mamba2_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
+def _mamba2_specs(m: ModelConfig, p: str, tp: int = 1, i=None) -> List[ParamSpec]:
     """models/mamba2.py's parameters (transformers' NemotronHMamba2Mixer names); split
     over TP by heads and B/C groups (in_proj by [z | x | B | C | dt] section, the conv by
     [x | B | C]), out_proj by rows."""
@@ -204,27 +220,62 @@ def _mamba2_specs(m: ModelConfig, p: str, tp: int = 1) -> List[ParamSpec]:
     return specs + _linear(p + "out_proj", width, m.d_model, "row", m.bias)
 
 
-def _attention_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
-    d, hd, n_kv, vd = m.d_model, head_dim(m), m.n_kv_heads or m.n_heads, v_head_dim_of(m)
+def attention_shape(m: ModelConfig, i: Optional[int] = None) -> LayerAttention:
+    """Layer i's attention (config.layers.layer_attention; i None: an MTP block's,
+    config.layers.mtp_layer_attention, else the model's plain shapes)."""
+    if i is not None:
+        return layer_attention(m)[i]
+    if m.mtp is not None:
+        return mtp_layer_attention(m)
+    return LayerAttention("full_attention", None, None, 0.0, None)
+
+
+def layer_head_dim(m: ModelConfig, a: LayerAttention) -> int:
+    """A layer's head dim: its own (model.global_head_dim), or the model's."""
+    return a.head_dim or head_dim(m)
+
+
+def layer_kv_heads(m: ModelConfig, a: LayerAttention) -> int:
+    """A layer's K/V heads: its type's (model.layer_kv_heads, Gemma 4's
+    model.global_n_kv_heads: LayerAttention.n_kv_heads), or the model's."""
+    return a.n_kv_heads or m.n_kv_heads or m.n_heads
+
+
+def layer_v_head_dim(m: ModelConfig, a: LayerAttention) -> int:
+    """A layer's value head width: model.v_head_dim, or its head dim."""
+    return m.v_head_dim or layer_head_dim(m, a)
+
+
+def _attention_specs(m: ModelConfig, p: str, tp: int, i: Optional[int] = None
+                     ) -> List[ParamSpec]:
+    """models/attention.py's parameters; a layer sharing an earlier one's K/V (model.
+    num_kv_shared_layers) has no k_proj, v_proj or k_norm, a k_eq_v layer no v_proj; values
+    v_head_dim wide (model.v_head_dim), sinks on the layer's type (model.attention_sinks)."""
+    a = attention_shape(m, i)
+    d, hd, n_kv = m.d_model, layer_head_dim(m, a), layer_kv_heads(m, a)
+    vd = layer_v_head_dim(m, a)
     kv_split = "column" if n_kv % tp == 0 else "heads"
+    own_kv = a.kv_source is None
     qkv_bias = m.bias or m.attention_bias
     specs = []
-    if m.attention_sinks:  # one logit per query head, split with the heads
+    if sinks_on(m, a.kind):  # one logit per query head, split with the heads
         specs.append(ParamSpec(p + "sinks", (m.n_heads,), "column"))
     q_rows = m.n_heads * hd * (2 if m.attention_output_gate else 1)  # per head [q | gate]
     specs += _linear(p + "q_proj", d, q_rows, "column", qkv_bias)
-    specs += _linear(p + "k_proj", d, n_kv * hd, kv_split, qkv_bias)
-    specs += _linear(p + "v_proj", d, n_kv * vd, kv_split, qkv_bias)
+    if own_kv:
+        specs += _linear(p + "k_proj", d, n_kv * hd, kv_split, qkv_bias)
+    if own_kv and not a.k_eq_v:
+        specs += _linear(p + "v_proj", d, n_kv * vd, kv_split, qkv_bias)
     specs += _linear(p + "o_proj", m.n_heads * vd, d, "row", m.bias)
     if m.qk_norm and m.qk_norm_scope == "all_heads":  # the whole width, split with heads
         specs += [ParamSpec(p + "q_norm.weight", (m.n_heads * hd,), "column"),
                   ParamSpec(p + "k_norm.weight", (n_kv * hd,), "column")]
     elif m.qk_norm:  # one (hd,) weight shared by every head: replicated over TP
-        specs += _norm(p + "q_norm", m, hd) + _norm(p + "k_norm", m, hd)
+        specs += _norm(p + "q_norm", m, hd) + (_norm(p + "k_norm", m, hd) if own_kv else [])
     return specs
 
 
-def _mla_specs(m: ModelConfig, p: str, tp: int) -> List[ParamSpec]:
+def _mla_specs(m: ModelConfig, p: str, tp: int, i=None) -> List[ParamSpec]:
     """models/mla.py's parameters (transformers' DeepseekV3Attention names): the heads'
     projections split over TP by heads, the low-rank paths and their norms replicated."""
     mla, d, h = m.mla, m.d_model, m.n_heads
@@ -270,6 +321,17 @@ def embedding_spec(m: ModelConfig) -> ParamSpec:
     return ParamSpec("embed.weight", (m.vocab_size, m.d_model), "column")
 
 
+def per_layer_embedding_specs(m: ModelConfig) -> List[ParamSpec]:
+    """models/per_layer_input.py's embedding (vocabulary rows over TP, as the embedding's),
+    its projection of the input embedding and that projection's norm (replicated)."""
+    if not m.per_layer_input_dim:
+        return []
+    width = m.n_layers * m.per_layer_input_dim
+    return [ParamSpec("per_layer_input.embed.weight", (m.vocab_size, width), "column"),
+            *_linear("per_layer_input.model_projection", m.d_model, width, None, False),
+            *_norm("per_layer_input.projection_norm", m, m.per_layer_input_dim)]
+
+
 def head_specs(m: ModelConfig) -> List[ParamSpec]:
     """The final norm and, untied, the head (a tied head is the embedding's weight)."""
     specs = _norm("final_norm", m)
@@ -280,8 +342,8 @@ def head_specs(m: ModelConfig) -> List[ParamSpec]:
 
 def mtp_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
     """models/mtp.py's parameters (model.mtp; none without): per depth k its input norms
-    and projection (replicated over TP: 2d -> d), its Block (a dense MLP), its output
-    norm; under shared_projection only depth 0 holds the norms and the projection."""
+    and projection (replicated over TP: 2d -> d), its Block (a dense MLP, or model.moe's
+    experts under model.mtp.moe), its output norm; under shared_projection only depth 0 holds the norms and the projection."""
     specs = []
     for k in range(m.mtp.depth if m.mtp is not None else 0):
         p = f"mtp.layers.{k}."
@@ -289,7 +351,7 @@ def mtp_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
         if own:
             specs += _norm(p + "enorm", m) + _norm(p + "hnorm", m)
             specs += _linear(p + "eh_proj", 2 * m.d_model, m.d_model, None, False)
-        specs += _layer_specs(m, m.mtp.layer_type, p + "block.", False, tp)
+        specs += _layer_specs(m, m.mtp.layer_type, p + "block.", m.mtp.moe, tp)
         if own:
             specs += _norm(p + "norm", m)
     return specs
@@ -297,7 +359,7 @@ def mtp_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
 
 def parameter_specs(m: ModelConfig, tp: int = 1) -> List[ParamSpec]:
     """Every parameter of the whole model, in GPT's named_parameters() order."""
-    specs = [embedding_spec(m)]
+    specs = [embedding_spec(m), *per_layer_embedding_specs(m)]
     for i in range(m.n_layers):
         specs += block_specs(m, i, tp)
     return specs + head_specs(m) + mtp_specs(m, tp)

@@ -195,6 +195,31 @@ class ModelConfig:
     independently (q/k/v project d_model to heads * head_dim, o_proj back)."""
     query_pre_attn_scalar: Optional[float] = None
     """The softmax scale is query_pre_attn_scalar ** -0.5 (Gemma's field; None = head_dim)."""
+    global_head_dim: Optional[int] = None
+    """Channels per head of the 'full_attention' layers where they differ from the sliding
+    layers' head_dim (Gemma 4: 512 beside 256); None: head_dim on every layer."""
+    global_n_kv_heads: Optional[int] = None
+    """K/V heads of the 'full_attention' layers (Gemma 4's num_global_key_value_heads);
+    None: n_kv_heads on every layer."""
+    attention_k_eq_v: bool = False
+    """The 'full_attention' layers have no v_proj: their values are k_proj's output (Gemma
+    4), V = value_norm(k_proj x) beside K = RoPE(k_norm(k_proj x))."""
+    value_norm: bool = False
+    """A weightless RMSNorm (eps norm_eps) over each head's values (Gemma 4's v_norm)."""
+    num_kv_shared_layers: int = 0
+    """The last this many layers compute no K/V (no k_proj, v_proj, k_norm): each attends
+    with the K/V of the last earlier layer of its type (Gemma 4); 0: none."""
+    per_layer_input_dim: int = 0
+    """Per-layer input embeddings (Gemma 4's hidden_size_per_layer_input; 0: none): a
+    second embedding of n_layers x per_layer_input_dim per token, mixed with a projection of
+    the input embedding, gives each block a vector it gates into its output
+    (models/per_layer_input.py)."""
+    final_logit_softcapping: Optional[float] = None
+    """The logits as cap * tanh(logits / cap) (Gemma 2 and 4; None: none); not with
+    memory.tiled_loss, whose tiles make the logits inside the loss."""
+    layer_scalar: bool = False
+    """Each block's output multiplied by a scalar of its own, a buffer read from the
+    checkpoint and not trained (Gemma 4's layer_scalar)."""
     init_std: float = 0.02
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
     moe: Optional[MoEConfig] = None
@@ -325,6 +350,17 @@ class DataConfig:
     data.kind=tokens, parallel.pp=1, every cp_comm (hybrid: sizes 1 and the multiples of
     parallel.ulysses); every ZeRO stage (2 and 3 run the packs in rounds,
     models/dynamic_cp.py)."""
+    dynamic_cp_schedule: str = "balanced"
+    """With data.dynamic_cp: 'balanced' (each document its CP size and rank group, balanced
+    toward the step's work bound, ctxpar/dynamic_cp/balance.py) or 'static' (static CP's
+    packing of the same documents: in order, samples of parallel.cp x tokens_per_rank
+    tokens each over a CP group; the comparison the balanced one is measured and tested
+    against)."""
+    dynamic_cp_window: int = 1
+    """With data.dynamic_cp: the steps whose documents may trade places (each window of
+    this many steps dealt again, longest first in snake order, as a function of the
+    lengths: the same on every layout and run, resumable inside a window; 1 = every step
+    its own documents, in the stream's order; ctxpar/dynamic_cp/balance.py)."""
     tokens_per_rank: Optional[int] = None
     """With data.dynamic_cp: the most tokens a rank holds at once, its share of one packed
     sequence (None = model.seq_len / parallel.cp, what static CP gives it)."""
@@ -470,8 +506,10 @@ ROPE_SCALING_KEYS = {  # rope_type -> its required numeric keys (Hugging Face's 
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "proportional": (),  # Gemma 4's full layers (models/rope.py)
 }
 ROPE_SCALING_OPTIONAL = {  # rope_type -> keys it may have (modeling_rope_utils' defaults)
+    "proportional": ("partial_rotary_factor", "factor"),
     "yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
              "truncate"),
 }

@@ -11,6 +11,7 @@ from ..distributed.parallel_state import parse_order, resolve_sizes
 from ..context_parallel.linear.api import check_linear_cp
 from .attention_heads import check_attention_heads
 from .layer_mixers import has_linear_layers, token_mixers
+from .kv_layers import check_kv_layers
 from .layers import check_layers, gated_delta_dims, mamba_dims
 from .mla import check_mla
 from .pipeline_stages import check_stages_hold_experts
@@ -145,6 +146,7 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
         _check_rope_scaling(m.rope_scaling, err)
     check_layers(m, err)
     check_attention_heads(m, p.tp, err)
+    check_kv_layers(m, p, err)
     for rope in (m.layer_rope or {}).values():
         if isinstance(rope, dict) and rope.get("rope_scaling") is not None:
             _check_rope_scaling(rope["rope_scaling"], err)
@@ -327,8 +329,12 @@ def _check_dynamic_cp(cfg: Config, err: Err) -> None:
     """data.dynamic_cp: what the schedule's packs need of the rest of the run."""
     data, p = cfg.data, cfg.parallel
     if not data.dynamic_cp:
-        if data.tokens_per_rank is not None:
-            err(f"data.tokens_per_rank={data.tokens_per_rank} is for data.dynamic_cp=true")
+        for key, value, default in (("tokens_per_rank", data.tokens_per_rank, None),
+                                    ("dynamic_cp_schedule", data.dynamic_cp_schedule,
+                                     "balanced"),
+                                    ("dynamic_cp_window", data.dynamic_cp_window, 1)):
+            if value != default:
+                err(f"data.{key}={value} is for data.dynamic_cp=true")
         return
     why = None
     if data.kind != "tokens":
@@ -338,6 +344,12 @@ def _check_dynamic_cp(cfg: Config, err: Err) -> None:
                f"stage, but each rank runs its own number of packs")
     elif data.tokens_per_rank is not None and data.tokens_per_rank < 2:
         why = f"data.tokens_per_rank={data.tokens_per_rank} must be >= 2"
+    elif data.dynamic_cp_schedule not in ("balanced", "static"):
+        why = (f"data.dynamic_cp_schedule={data.dynamic_cp_schedule!r}: choose 'balanced' "
+               f"or 'static'")
+    elif data.dynamic_cp_window < 1:
+        why = f"data.dynamic_cp_window={data.dynamic_cp_window} must be >= 1"
+
     if why:
         err(f"data.dynamic_cp=true with {why}")
 
@@ -349,6 +361,13 @@ def _check_memory(cfg: Config, err: Err) -> None:
         v = getattr(mem, key)
         if v != "auto" and (isinstance(v, str) or v < 1):
             err(f"memory.{key}={v!r} must be 'auto' or an integer >= 1")
+    cap = cfg.model.final_logit_softcapping
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                            or cap <= 0):
+        err(f"model.final_logit_softcapping={cap!r} must be a number > 0 (or null: none)")
+    elif cap is not None and mem.tiled_loss:
+        err(f"model.final_logit_softcapping={cap} with memory.tiled_loss=true: the tiled "
+            f"loss makes its logits uncapped; set memory.tiled_loss false")
     if mem.offload_activations and cfg.activation_checkpointing.mode == "none":
         err("memory.offload_activations=true needs activation_checkpointing.mode 'full', "
             "'selective' or 'every_n_layers' (it offloads what checkpointing keeps; "

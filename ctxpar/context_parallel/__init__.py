@@ -10,6 +10,10 @@ One file per communication pattern, beside the pieces they share:
     hybrid.py     comm="hybrid": Ulysses inside each ring rank, the ring across (USP)
     latent.py     MLA (DeepSeek-V2/V3): the ring / all-gather of the latent, expanded per
                   block; latent_api.py its entry point latent_attention(comm=...)
+    sparse_latent.py  DeepSeek sparse attention (V3.2, GLM-5): the indexer's top-k streamed
+                  (dsa_indexer.py), MLA over the selected latent rows (dsa_attention.py),
+                  the indexer's KL losses (dsa_loss.py); the pairs (dsa_pairs.py) and the
+                  blocks' stream (dsa_stream.py) they share
 
     layouts.py    contiguous / zigzag / striped token layouts (two-level under hybrid)
     blocks.py     the causal block plan, per-block compute, the blockwise autograd wrapper

@@ -159,6 +159,11 @@ class MathBackend:
         return dq, reduce_kv_grad(dk, Hkv), reduce_kv_grad(dv, Hkv)
 
 
+# The largest head dim of Dao's flash-attn 2 and of torch's CUDA flash SDPA op: a larger
+# one (Gemma 4's full layers, 512) runs on the math kernel there (ctxpar/plan/kv_layers.py)
+FUSED_MAX_HEAD_DIM = 256
+
+
 class SdpaBackend:
     """PyTorch's fused flash / memory-efficient kernels that expose logsumexp."""
 
@@ -167,6 +172,8 @@ class SdpaBackend:
     def available(self, q: torch.Tensor) -> bool:
         if q.device.type == "cpu":
             return q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        if q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] > FUSED_MAX_HEAD_DIM:
+            return False  # CUDA's flash op takes head dims <= 256
         return q.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def takes_mask(self, q: torch.Tensor) -> bool:
@@ -367,6 +374,8 @@ class FlashAttnBackend:
 
     def why_not(self, q: torch.Tensor) -> str:
         """'' when the backend can run q, else the reason in a few words."""
+        if q.shape[-1] > FUSED_MAX_HEAD_DIM:  # Gemma 4's full layers, 512
+            return f"head_dim {q.shape[-1]} > {FUSED_MAX_HEAD_DIM}"
         if q.device.type not in self.device_types:
             return f"needs {'/'.join(self.device_types)}"
         if q.dtype not in (torch.float16, torch.bfloat16):

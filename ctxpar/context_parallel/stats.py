@@ -17,7 +17,9 @@ formulas; tests/test_context_parallel.py asserts them):
   causal diagonal block of L rows counts L(L+1)/2 pairs; an explicitly masked block (a
   window's tile, mask.py) or a flash-attn window call (bands.py) only its visible ones, so
   the total is the mask's exact count.
-- blocks: kernel calls; comm_ops: communication calls (one batched P2P exchange, one
+- blocks: kernel calls (DeepSeek sparse attention: tiles of selected pairs, which count
+  only those pairs; blocks_skipped: visiting blocks none of the rank's queries selected,
+  dsa_attention.py); comm_ops: communication calls (one batched P2P exchange, one
   collective), the "collectives per layer" of the docs.
 """
 from __future__ import annotations
@@ -43,6 +45,8 @@ class CPStats:
     bwd_blocks: int = 0
     fwd_comm_ops: int = 0  # P2P batches and collectives issued
     bwd_comm_ops: int = 0
+    fwd_blocks_skipped: int = 0  # visiting blocks no local query selected (sparse attention)
+    bwd_blocks_skipped: int = 0
 
     def add(self, **deltas: int) -> None:
         for k, v in deltas.items():

@@ -7,6 +7,8 @@ The feature, one concern a file, in the order a step meets them:
     schedule.py  pure: the step's documents, each one's CP size and tile of ranks, the
                  packs every rank runs and in which order (Schedule); static_schedule, the
                  fixed-cp packing it is compared with
+    balance.py   pure: the step's work bound, the schedule given more ranks per document
+                 until it is near that bound, documents traded within a window of steps
     stream.py    the training documents of a token file, one DynamicStep per step (its
                  documents, schedule and token count), the resumable position; the CP sizes
                  a run's pattern allows (dynamic_cp_sizes_for)

@@ -8,8 +8,9 @@ W = dp x cp ranks is cut, for every size d, into the tiles of d contiguous ranks
 [k d, (k+1) d), k < W // d (``cp_tiles``: any d from 1 to W, not only powers of two;
 the process groups are built once at start, ctxpar/dynamic_cp/groups.py).
 Documents are placed longest-processing-time first (Graham's LPT), by the cost model's
-seconds, descending. A document of size d >= 2 runs alone (with every size allowed it
-holds more than (d - 1) x budget tokens, so no two would fit one group anyway), on the
+seconds, descending. A document of size d >= 2 runs alone (at its smallest size, with
+every size allowed, it holds more than (d - 1) x budget tokens, so no two would fit one
+group anyway; balance.py may give it more ranks than that, still alone), on the
 tile of its size whose ranks are free first (list scheduling: the group waits for its
 slowest rank). The one-rank documents
 then fill the time ranks wait for a group where they fit, else go after the groups of
@@ -151,12 +152,20 @@ def _check(lengths: Sequence[int], world: int, budget: int, sizes) -> List[int]:
 
 def schedule(lengths: Sequence[int], world: int, budget: int, cost: Cost,
              overhead: float = 0.0, layout: str = "zigzag",
-             sizes: Optional[Sequence[int]] = None) -> Schedule:
+             sizes: Optional[Sequence[int]] = None,
+             doc_sizes: Optional[Sequence[int]] = None) -> Schedule:
     """Each document's CP size and place (the module docstring). sizes: the CP degrees
-    allowed (default 1..world); ScheduleError when a document fits none of them."""
+    allowed (default 1..world); ScheduleError when a document fits none of them.
+    doc_sizes: each document's CP size when the caller chose it (balance.py may give a
+    document more ranks than it needs, never fewer), else the smallest that holds it."""
     sizes = sorted(set(range(1, world + 1) if sizes is None else sizes))
     lengths = _check(lengths, world, budget, sizes)
     size_of = [cp_size_for(n, budget, sizes, layout) for n in lengths]
+    if doc_sizes is not None:
+        if any(d < m or d not in sizes for d, m in zip(doc_sizes, size_of)):
+            raise ScheduleError(f"CP sizes {list(doc_sizes)} are not allowed sizes at least "
+                                f"each document's smallest {size_of}")
+        size_of = [int(d) for d in doc_sizes]
     seconds = [cost(n, d) for n, d in zip(lengths, size_of)]
     tiles = cp_tiles(world, sizes)
     lpt = sorted(range(len(lengths)), key=lambda i: (-seconds[i], i))

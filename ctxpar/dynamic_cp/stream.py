@@ -9,7 +9,14 @@
 The training documents are those of the token file wholly inside the train split's
 windows (TokenWindows' first..first + n_windows; the held-out windows stay held out), of
 at least two stored tokens (one input, one label). Step s trains on step_documents(s)
-of them: a function of train.seed and the step, so the state is the step alone.
+of them: a function of train.seed and the step, so the state is the step alone. With
+data.dynamic_cp_window = K > 1 the K steps of each window trade documents
+(balance.exchange_documents, a function of the window's lengths): the state is still
+the step, and a run resumed inside a window deals the window again as it was dealt.
+
+data.dynamic_cp_schedule picks the placement: 'balanced' (balance.balanced_schedule) or
+'static' (schedule.static_schedule at parallel.cp: static CP's packing of the same
+documents in the step's order; what the balanced schedule is compared with, exactly).
 """
 from __future__ import annotations
 
@@ -20,7 +27,8 @@ import numpy as np
 
 from ..config import ulysses_degree
 from .batch import document_tokens
-from .schedule import Schedule, ScheduleError, cp_size_for, schedule, step_documents
+from .balance import balanced_schedule, exchange_documents, work_bound
+from .schedule import Schedule, ScheduleError, cp_size_for, static_schedule, step_documents
 from ..data.indexed import DataError
 
 
@@ -48,6 +56,7 @@ class DynamicStep:
     lengths: List[int]            # their inputs (= labels): the schedule's lengths
     schedule: Schedule
     n_tokens: int                 # labels of the step: the loss's token count
+    bound: float                  # the step's work bound, seconds (balance.work_bound)
 
 
 class DynamicStream:
@@ -59,6 +68,9 @@ class DynamicStream:
         self.layout, self.world, self.cost = p.layout, world, cost
         self.per_step, self.seed = cfg.train.global_batch_size, cfg.train.seed
         self.sizes = dynamic_cp_sizes_for(cfg, world)
+        self.static_cp = p.cp if data.dynamic_cp_schedule == "static" else None
+        self.window = data.dynamic_cp_window
+        self._dealt = (None, None)  # (first step of the window, its steps' documents)
         ds = source.data
         lo, hi = source.first * source.seq_len, (source.first + source.n_windows) \
             * source.seq_len + 1
@@ -75,20 +87,42 @@ class DynamicStream:
         """DataError (one line) when a training document fits no rank group."""
         longest = int(self.lengths.argmax())
         try:
-            cp_size_for(int(self.lengths[longest]), self.budget, self.sizes, self.layout)
+            cp_size_for(int(self.lengths[longest]), self.budget,
+                        [self.static_cp] if self.static_cp else self.sizes, self.layout)
         except ScheduleError as e:
             raise DataError(f"{self.dataset.prefix}.idx: document {self.ids[longest]}, the "
                             f"longest: {e}") from None
 
+    def step_picks(self, step: int) -> np.ndarray:
+        """Indices into self.ids of step `step`'s documents: step_documents', traded
+        within the step's window when data.dynamic_cp_window > 1."""
+        if self.window == 1:
+            return step_documents(len(self.ids), self.per_step, self.seed, step)
+        first = step - step % self.window
+        if self._dealt[0] != first:
+            picks = [step_documents(len(self.ids), self.per_step, self.seed, s)
+                     for s in range(first, first + self.window)]
+            self._dealt = (first, exchange_documents(picks, self.lengths))
+        return self._dealt[1][step - first]
+
+    def plan(self, lengths: List[int]) -> Schedule:
+        """The step's schedule under data.dynamic_cp_schedule."""
+        overhead = getattr(self.cost, "overhead", 0.0)
+        if self.static_cp:
+            return static_schedule(lengths, self.world, self.budget, self.static_cp,
+                                   self.cost, overhead, self.layout)
+        return balanced_schedule(lengths, self.world, self.budget, self.cost, overhead,
+                                 self.layout, self.sizes)
+
     def next_step(self) -> DynamicStep:
-        pick = step_documents(len(self.ids), self.per_step, self.seed, self.step)
+        pick = self.step_picks(self.step)
         self.step += 1
         lengths = self.lengths[pick]
         self.tokens_seen += int(lengths.sum())
-        plan = schedule(lengths.tolist(), self.world, self.budget, self.cost,
-                        getattr(self.cost, "overhead", 0.0), self.layout, self.sizes)
+        bound = work_bound(lengths.tolist(), self.world, self.budget, self.cost,
+                           getattr(self.cost, "overhead", 0.0), self.layout, self.sizes)
         return DynamicStep([self.dataset[int(i)] for i in self.ids[pick]], lengths.tolist(),
-                           plan, int(lengths.sum()))
+                           self.plan(lengths.tolist()), int(lengths.sum()), bound)
 
     def state_dict(self) -> Dict:
         return {"kind": "dynamic_cp", "step": self.step, "tokens_seen": self.tokens_seen}

@@ -21,23 +21,28 @@ state and conv window instead (linear_cache.py), replicated over CP, and an MLP-
 block nothing; n_layers above counts its attention layers. A multi-head latent attention
 layer (MLA, model.mla) keeps its latent instead of K and V: latent (B, capacity, R + dr)
 per layer and rank, R + dr numbers a token (576 for DeepSeek-V3) where K,V would be
-heads x (qk + v) (40,960); a decode step expands this rank's latent with the layer's
-kv_b_proj (its ``expand``) and attends to it as to cached K,V.
+heads x (qk + v) (40,960); a decode step folds the layer's kv_b_proj into its query and
+output and attends to the latents themselves (latent_decode.py: never expanded).
+Gemma 4: each attention
+layer's slots have its own kv heads and head dim (its full layers' global_head_dim), and a
+layer sharing an earlier one's K/V (model.num_kv_shared_layers) keeps none: it attends to
+its producer's slots, which the producer filled earlier in the same forward.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..config import softmax_scale
 from ..config.layers import layer_attention
-from ..config.attention_heads import attention_config, v_head_dim_of
-from ..config.parameters import head_dim, kv_heads_per_rank
+from ..config.parameters import (head_dim, kv_heads_per_rank, layer_head_dim, layer_kv_heads,
+                                 layer_v_head_dim)
 from ..tensor_parallel.mappings import tp_size_of
 from .cp_ops import AttentionMask, default_scale, finish_sinks, group_rank_and_size
 from .decode import DecodeStats, merge_partials, partial_attention
+from .latent_decode import absorbed_partial_attention
 from .linear_cache import LINEAR_MIXERS, LinearLayerCache
 
 
@@ -50,29 +55,36 @@ class KVCache:
     """This CP rank's share of the cache of every layer, for one batch of sequences."""
 
     def __init__(self, n_layers: int, batch: int, capacity: int,
-                 kv_heads: Union[int, Sequence[int]], head_dim: int,
+                 kv_heads: int, head_dim: int,
                  cp_group=None, dtype=torch.float32, device=None, scale=None,
                  mixers: Optional[Sequence[Optional[str]]] = None,
-                 latent_dim: Optional[int] = None, v_head_dim: Optional[int] = None):
-        """n_layers: the model's; kv_heads: every layer's, or one count for all;
-        mixers: each layer's token mixer (LayerAttention.token_mixer; None: all
-        attention): 'attention' layers get K,V slots (V v_head_dim wide, head_dim
-        unless given), 'mla' layers latent slots latent_dim wide, 'gated_delta' and
-        'mamba2' a LinearLayerCache each, an MLP-only block (None) nothing."""
+                 latent_dim: Optional[int] = None,
+                 shapes: Optional[Sequence[Tuple[int, ...]]] = None,
+                 kv_sources: Optional[Dict[int, int]] = None):
+        """n_layers: the model's; mixers: each layer's token mixer (LayerAttention.
+        token_mixer; None: all attention): 'attention' layers get K,V slots, 'mla' layers
+        latent slots latent_dim wide, 'gated_delta' and 'mamba2' a LinearLayerCache each,
+        an MLP-only block (None) nothing; shapes: each layer's (kv heads, head dim) or
+        (kv heads, head dim, value head dim) (None: kv_heads, head_dim on all; V as wide
+        as K unless given: model.v_head_dim); kv_sources: {layer: the layer whose slots it
+        reads}."""
         self.cp_group = cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
         mixers = ["attention"] * n_layers if mixers is None else list(mixers)
         self.linear: Dict[int, LinearLayerCache] = {
             i: LinearLayerCache(cp_group) for i, m in enumerate(mixers)
             if m in LINEAR_MIXERS}
-        attention = [i for i, m in enumerate(mixers) if m == "attention"]
+        self.kv_sources = dict(kv_sources or {})
+        attention = [i for i, m in enumerate(mixers) if m == "attention"
+                     and i not in self.kv_sources]
         self.slot = {i: j for j, i in enumerate(attention)}  # layer -> its K,V index
-        heads = [kv_heads] * n_layers if isinstance(kv_heads, int) else list(kv_heads)
-        # one (B, Hkv, capacity, D) tensor per attention layer: Hkv may differ by layer
-        self.k = [torch.zeros(batch, heads[i], capacity, head_dim, dtype=dtype, device=device)
-                  for i in attention]
-        self.v = [torch.zeros(batch, heads[i], capacity, v_head_dim or head_dim, dtype=dtype,
-                              device=device) for i in attention]
+        shapes = list(shapes or [(kv_heads, head_dim)] * len(mixers))
+        self._empty = (0, batch, kv_heads, capacity, head_dim)
+        # per attention layer (B, Hkv, capacity, D), its own Hkv and D (V's: Dv)
+        self.keys = [torch.zeros(batch, shapes[i][0], capacity, shapes[i][1], dtype=dtype,
+                                 device=device) for i in attention]
+        self.values = [torch.zeros(batch, shapes[i][0], capacity, shapes[i][-1], dtype=dtype,
+                                   device=device) for i in attention]
         latent = [i for i, m in enumerate(mixers) if m == "mla"]
         self.latent_slot = {i: j for j, i in enumerate(latent)}  # layer -> its latent index
         self.latent = torch.zeros(len(latent), batch, capacity, latent_dim or 0,
@@ -90,14 +102,27 @@ class KVCache:
     def for_model(cls, model, batch: int, capacity: int, cp_group=None) -> "KVCache":
         """A cache shaped like `model`'s attention (a ctxpar.interfaces.CausalLM: this TP
         rank's kv heads of model.cfg, in its parameters' dtype and device)."""
-        m, p, tp = model.cfg, next(model.parameters()), tp_size_of(model.tp_group)
-        layers = layer_attention(m)
-        return cls(m.n_layers, batch, capacity,
-                   [kv_heads_per_rank(attention_config(m, a.kind), tp) for a in layers],
+        m, p = model.cfg, next(model.parameters())
+        tp, layers = tp_size_of(model.tp_group), layer_attention(m)
+        return cls(m.n_layers, batch, capacity, kv_heads_per_rank(m, tp),
                    head_dim(m), cp_group, dtype=p.dtype, device=p.device,
-                   scale=softmax_scale(m), mixers=[a.token_mixer for a in layers],
+                   scale=softmax_scale(m),
+                   mixers=[a.token_mixer for a in layers],
                    latent_dim=m.mla.latent_dim if m.mla is not None else None,
-                   v_head_dim=v_head_dim_of(m))
+                   shapes=[(kv_heads_per_rank(m, tp, layer_kv_heads(m, a)),
+                            layer_head_dim(m, a), layer_v_head_dim(m, a)) for a in layers],
+                   kv_sources={i: a.kv_source for i, a in enumerate(layers)
+                               if a.kv_source is not None})
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Every attention layer's keys stacked (L, B, Hkv, capacity, D), when they share
+        a shape."""
+        return torch.stack(self.keys) if self.keys else torch.zeros(self._empty)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return torch.stack(self.values) if self.values else torch.zeros(self._empty)
 
     @property
     def capacity(self) -> int:
@@ -106,7 +131,7 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of this rank's cache (keys and values of the attention layers, the linear
         layers' states and conv windows)."""
-        return sum(x.numel() * x.element_size() for x in (*self.k, *self.v)) + sum(
+        return sum(x.numel() * x.element_size() for x in (*self.keys, *self.values)) + sum(
             c.nbytes() for c in self.linear.values()) + \
             self.latent.numel() * self.latent.element_size()
 
@@ -153,9 +178,12 @@ class KVCache:
         linear layer its LinearLayerCache, which the layer reads and fills itself."""
         if i in self.linear:
             return self.linear[i]
-        if i in self.latent_slot:  # MLA: kv_cache(q, latent, expand, core, mask)
-            return lambda q, latent, expand, core, mask=None: self.latent_attention(
-                self.latent_slot[i], q, latent, expand, core, mask)
+        if i in self.latent_slot:  # MLA: kv_cache(q, latent, (weight, dims), core, mask)
+            return lambda q, latent, absorb, core, mask=None: self.latent_attention(
+                self.latent_slot[i], q, latent, absorb, core, mask)
+        if i in self.kv_sources:  # the producer's slots, read and never written
+            return lambda q, k, v, core, mask=None: self.attention(
+                self.slot[self.kv_sources[i]], q, k, v, core, mask, store=False)
         return lambda q, k, v, core, mask=None: self.attention(self.slot[i], q, k, v, core,
                                                                mask)
 
@@ -175,8 +203,8 @@ class KVCache:
             vis &= qp // mask.chunk_size == kp // mask.chunk_size
         return vis
 
-    def attention(self, i: int, q, k, v, core, mask: Optional[AttentionMask] = None
-                  ) -> torch.Tensor:
+    def attention(self, i: int, q, k, v, core, mask: Optional[AttentionMask] = None,
+                  store: bool = True) -> torch.Tensor:
         """Keep k, v in K,V slot i (self.slot: the model's layer index when it has no
         linear layers) and return the attention output (B, L, H, D) in q's dtype.
 
@@ -184,29 +212,33 @@ class KVCache:
         CP attention (the training ring, any layout). decode: q, k, v (B, 1, *, D), the same
         on every CP rank; the owner appends k, v, every rank attends to its share and the
         partials are merged over CP (decode.py). mask: the layer's (window, chunks, sinks;
-        its documents are not used: one prompt per row), read in decode.
+        its documents are not used: one prompt per row), read in decode. store False: a
+        layer sharing slot i's K/V, which its producer has kept already.
         """
         n = self.filled[self.cp_rank]
+        keys, values = self.keys[i], self.values[i]
         if self.mode == "prefill":  # k, v (B, T/cp, Hkv, D) -> slots (B, Hkv, T/cp, D)
-            self.k[i][:, :, :n] = k.transpose(1, 2)
-            self.v[i][:, :, :n] = v.transpose(1, 2)
+            if store:
+                keys[:, :, :n] = k.transpose(1, 2)
+                values[:, :, :n] = v.transpose(1, 2)
             return core(q, k, v)
         assert self.mode == "decode", "begin_prefill or begin_decode first"
-        if self.owner == self.cp_rank:
-            self.k[i][:, :, n - 1] = k[:, 0]
-            self.v[i][:, :, n - 1] = v[:, 0]
-        out, lse = partial_attention(q, self.k[i][:, :, :n], self.v[i][:, :, :n],
+        if self.owner == self.cp_rank and store:
+            keys[:, :, n - 1] = k[:, 0]
+            values[:, :, n - 1] = v[:, 0]
+        out, lse = partial_attention(q, keys[:, :, :n], values[:, :, :n],
                                      self.visible(n, mask), self.scale)
         sinks = None if mask is None else mask.sinks
         out, lse = merge_partials(out, lse, self.cp_group, self.stats, return_lse=True)
         return finish_sinks(out, lse, q.dtype, sinks)[0]  # lse (B, H, 1)
 
-    def latent_attention(self, i: int, q, latent, expand, core,
+    def latent_attention(self, i: int, q, latent, absorb, core,
                          mask: Optional[AttentionMask] = None) -> torch.Tensor:
         """attention's, for an MLA layer: keep latent (B, L, R + dr) in latent slot i;
-        prefill runs the model's CP latent attention (core(q, latent)); decode expands
-        this rank's cached latent with the layer's kv_b_proj (expand: latent -> k (B, S,
-        H, dk), v (B, S, H, dv)) and attends to it, the partials merged over CP."""
+        prefill runs the model's CP latent attention (core(q, latent)); decode attends to
+        this rank's cached latents with kv_b_proj absorbed into the query and the output
+        (absorb: (kv_b_proj.weight of this rank's heads, LatentDims); latent_decode.py),
+        the partials merged over CP."""
         n = self.filled[self.cp_rank]
         if self.mode == "prefill":
             self.latent[i, :, :n] = latent
@@ -214,9 +246,9 @@ class KVCache:
         assert self.mode == "decode", "begin_prefill or begin_decode first"
         if self.owner == self.cp_rank:
             self.latent[i, :, n - 1] = latent[:, 0]
-        k, v = expand(self.latent[i, :, :n])  # (B, n, H, dk), (B, n, H, dv)
-        out, lse = partial_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                     self.visible(n, mask), self.scale)
+        weight, dims = absorb
+        out, lse = absorbed_partial_attention(q, self.latent[i, :, :n], weight, dims,
+                                              self.visible(n, mask), self.scale)
         out = merge_partials(out, lse, self.cp_group, self.stats)
         return out.to(q.dtype)
 

@@ -16,6 +16,15 @@ whose gradients, summed over the ranks by the usual gradient reduction, are exac
 The z-loss (mean over rows of logsumexp(logits)^2) splits the same way, and so does
 DeepSeek's sequence-level balance loss (seq_aux.py: its counts per sequence over CP).
 ``losses`` returns each rank's share for backward and the global values for the metrics.
+
+Dynamic CP (models/dynamic_cp.py) runs a step as packs, each rank its own number, each
+backpropagated before the next, so no collective per forward: the step's rows R are
+known before it starts (its tokens x the MoE layers), the rows of a pack's padding are
+left out (``valid``), and ``pack_share`` gives the z-loss's share z_r / R of the pack and
+its statistics summed; after the step one all-reduce of those gives the exact values
+(``step_values``: the load-balancing loss's value for the metrics, the counts for the
+aux-free bias). The load-balancing loss's gradient needs the step's counts before any
+backward: refused with dynamic CP (config/moe.py), as is the sequence-level loss.
 """
 from __future__ import annotations
 
@@ -52,10 +61,13 @@ class RouterStats:
         self.z_sums: List[torch.Tensor] = []      # per layer (), differentiable
         self.rows = 0
         self.carried_seq = None   # unpack's: the stages' sequence-level share (pipeline)
+        self.valid = None         # (N,) bool: the rows that count (not a pack's padding)
 
     def add(self, logits: torch.Tensor, experts: torch.Tensor, batch: int = 1) -> None:
         """One layer's router logits (N, E) and its chosen experts (N, k) of batch rows."""
         logits = logits.float()
+        if self.valid is not None:  # a dynamic-CP pack's real tokens (no sequence loss)
+            logits, experts = logits[self.valid], experts[self.valid]
         self.batch = batch
         if self.seq is not None:
             self.seq.add(logits, experts, batch)
@@ -120,3 +132,33 @@ class RouterStats:
             dist.all_reduce(values, group=group)
         share = aux_coef * aux_share + z_coef * z_share + seq_coef * seq_share
         return RouterLosses(share, values[0], values[1], counts, per_layer, values[2])
+
+    def pack_share(self, z_coef: float, step_rows: float):
+        """Dynamic CP, no collective: (this pack's z-loss share z_coef z_r / R with R =
+        step_rows, the step's rows over every rank and pack; its statistics (E + 2 + L E,)
+        detached: [probability sums (E), z sum, rows, counts per layer (L E)])."""
+        z = torch.stack(self.z_sums).sum()
+        summary = torch.cat([torch.stack(self.prob_sums).sum(0).detach(), z.detach().view(1),
+                             z.new_tensor([self.rows]),
+                             torch.stack(self.layer_counts).reshape(-1)])
+        return z_coef * z / step_rows, summary
+
+
+def step_values(summary: torch.Tensor, num_experts: int):
+    """From pack_share's summaries summed over the step's packs and ranks: (load-balancing
+    loss A, z-loss, assignments per expert (E,), per layer (L, E)), exactly the values
+    ``losses`` gives for the step's tokens as one batch."""
+    E = num_experts
+    prob, z, rows = summary[:E], summary[E], summary[E + 1].clamp(min=1.0)
+    per_layer = summary[E + 2:].view(-1, E)
+    counts = per_layer.sum(0)
+    return E * (counts / rows * prob / rows).sum(), z / rows, counts, per_layer
+
+
+def moe_metrics(aux: torch.Tensor, counts: torch.Tensor) -> dict:
+    """The metrics line's MoE fields: the step's load-balancing, z and sequence-level losses
+    (unweighted, the mean over its micro-batches) and the routed assignments per expert,
+    max over mean."""
+    return {"moe_aux_loss": aux[0].item(), "moe_z_loss": aux[1].item(),
+            "moe_seq_aux_loss": aux[2].item(),
+            "moe_expert_load": (counts.max() / counts.mean().clamp(min=1)).item()}

@@ -15,8 +15,8 @@ from .candidate import apply_candidate
 from .cluster import Cluster, PlanError, gpu_preset
 from .dynamic import compare, describe, document_lengths
 from .longest import OPTIONS, PATTERNS, Allowed, merge_tiles, search_longest, with_seq_len
-from .report import (ep_reason, explain, layout_reason, linear_reason, memory_lines, mla_reason,
-                     merge_ties, plot, table, what_frees, write_config)
+from .report import (ep_reason, explain, kv_layers_reason, layout_reason, linear_reason,
+                     memory_lines, mla_reason, merge_ties, plot, table, what_frees, write_config)
 from .search import MEMORY_MARGIN, config_options, evaluate, nothing_fits, search
 from .startup import config_candidate
 
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     print(table(rows, cluster, a.top))
     for reason in (layout_reason(cfg, rows[k - 1][0]), linear_reason(cfg, rows[k - 1][0]),
                    ep_reason(cfg, rows[k - 1][0], cluster),
-                   mla_reason(cfg, rows[k - 1][0], cluster)):
+                   mla_reason(cfg, rows[k - 1][0], cluster),
+                   kv_layers_reason(cfg, rows[k - 1][0])):
         if reason:
             print(f"\n{reason}")
     own = own_layout(cfg, cluster, rows)

@@ -18,14 +18,17 @@ from functools import lru_cache
 from typing import List, Optional
 
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim, rotary_dim
-from ..config.layer_mixers import LAYER_MIXERS, first_layer_type, layer_types
-from ..config.attention_heads import kv_heads_of, v_head_dim_of
-from ..config.layers import gated_delta_dims, layer_attention, mamba_dims
-from ..config.parameters import block_fields, block_specs, embedding_spec, head_specs, mtp_specs
+from ..config.layer_mixers import LAYER_MIXERS, LINEAR_MIXERS, first_layer_type, layer_types
+from ..config.attention_heads import kv_heads_of
+from ..config.layers import DELTA_TYPES, gated_delta_dims, layer_attention, mamba_dims
+from ..config.parameters import (block_fields, block_specs, embedding_spec, head_specs,
+                                 layer_head_dim, layer_kv_heads, mtp_specs,
+                                 per_layer_embedding_specs)
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 from . import mla_layers
+from .kv_layers import layer_rank_shapes, per_layer_shapes
 from .moe_layers import (block_model, expert_params, mixed_mlps, moe_indices,
                          router_losses_saved, routed_saved, stage_expert_params)
 
@@ -49,15 +52,18 @@ class RankShapes:
 
 
 def rank_shapes(m: ModelConfig, cand: Candidate, kind: Optional[str] = None) -> RankShapes:
-    """The shapes of a layer of type kind (its K/V heads: model.layer_kv_heads; None: the
-    model's n_kv_heads)."""
-    n_kv = kv_heads_of(m, kind)
+    """The shapes of a layer of type kind: its type's K/V heads and head dim as its
+    LayerAttention carries them (model.layer_kv_heads, Gemma 4's global_n_kv_heads and
+    global_head_dim); None, or a type no layer is: the model's."""
+    a = next((a for a in layer_attention(m) if a.kind == kind), None) if kind else None
+    n_kv = kv_heads_of(m) if a is None else layer_kv_heads(m, a)
     hk = n_kv // cand.tp if n_kv % cand.tp == 0 else 1
     return RankShapes(N=cand.micro_batch * m.seq_len // cand.cp, B=cand.micro_batch,
                       T=m.seq_len, d=m.d_model, h=m.n_heads // cand.tp, hk=hk,
-                      hd=resolved_head_dim(m), f=resolved_ffn_hidden(m) // cand.tp,
+                      hd=resolved_head_dim(m) if a is None else layer_head_dim(m, a),
+                      f=resolved_ffn_hidden(m) // cand.tp,
                       V=m.vocab_size // cand.tp, L=m.n_layers, tp=cand.tp,
-                      vd=v_head_dim_of(m) if m.mla is None else resolved_head_dim(m))
+                      vd=(m.v_head_dim or 0) if m.mla is None else 0)  # 0: hd
 
 
 def widest_kind(m: ModelConfig, kinds) -> Optional[str]:
@@ -200,8 +206,8 @@ def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """stage_params with every expert on the rank."""
     n = stage_block_params(m, tp, pp, stage)
     embed = embedding_spec(m).numel(tp)
-    if stage == 0:
-        n += embed
+    if stage == 0:  # the embedding, and Gemma 4's per-layer input embedding beside it
+        n += embed + _numel(per_layer_embedding_specs(m), tp)
     if stage == pp - 1:
         n += _numel(head_specs(m), tp)  # the final norm, and an untied head
         n += _numel(mtp_specs(m, tp), tp)  # model.mtp's depths, beside the head
@@ -213,9 +219,12 @@ def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
 def stage_block_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     """The blocks' parameters on one rank of pipeline stage `stage`, every expert
     counted: each block's own (its layer type, its MLP dense or MoE)."""
+    start = sum(stage_layers(m, pp, i) for i in range(stage))
+    if m.num_kv_shared_layers:  # Gemma 4's blocks sharing K/V have no k/v: each its own
+        return sum(_numel(block_specs(m, i, tp), tp)
+                   for i in range(start, start + stage_layers(m, pp, stage)))
     if m.layer_types is None and not mixed_mlps(m):  # one kind: every block the same
         return stage_layers(m, pp, stage) * block_params(m, tp)
-    start = sum(stage_layers(m, pp, i) for i in range(stage))
     return sum(block_params(m, tp, k, moe if mixed_mlps(m) else None)
                for k, moe in blocks(m, start, stage_layers(m, pp, stage)))
 
@@ -225,15 +234,19 @@ def stage_vector_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     without weight decay; the rest are the matrices' group."""
     def vectors(kind, moe=None):
         return _numel([s for s in _block(m, tp, kind=kind, moe=moe) if len(s.shape) == 1], tp)
-    if mixed_mlps(m):
-        start = sum(stage_layers(m, pp, i) for i in range(stage))
+    start = sum(stage_layers(m, pp, i) for i in range(stage))
+    if m.num_kv_shared_layers:  # blocks sharing K/V have no k_norm: each its own
+        per = sum(_numel([s for s in block_specs(m, i, tp) if len(s.shape) == 1], tp)
+                  for i in range(start, start + stage_layers(m, pp, stage)))
+    elif mixed_mlps(m):
         per = sum(vectors(k, moe) for k, moe in blocks(m, start, stage_layers(m, pp, stage)))
     elif m.layer_types is not None:
         per = sum(vectors(k) for k in stage_kinds(m, pp, stage))
     else:
         per = stage_layers(m, pp, stage) * vectors(None)
     final = _numel([s for s in head_specs(m) + mtp_specs(m, tp) if len(s.shape) == 1], tp)
-    return per + (final if stage == pp - 1 else 0)
+    first = _numel([s for s in per_layer_embedding_specs(m) if len(s.shape) == 1], tp)
+    return per + (final if stage == pp - 1 else 0) + (first if stage == 0 else 0)
 
 
 def largest_tensor(m: ModelConfig, tp: int, ep: int = 1) -> int:
@@ -390,10 +403,10 @@ def channel_saved(s: RankShapes, e: int, cand: Candidate, m: Optional[ModelConfi
                   tiled_mlp: bool = False) -> int:
     """What a block's MLP saves in mode 'none' beyond its norm: the dense MLP's gate, up,
     silu and product (4 N f e; a tiled MLP nothing more), or a mixture of experts'
-    (moe_layers.routed_saved; m: the block's model, moe_layers.block_model, whose moe is
-    None for a dense MLP beside MoE ones)."""
+    (moe_layers.routed_saved, tiled or not; m: the block's model, moe_layers.block_model,
+    whose moe is None for a dense MLP beside MoE ones)."""
     if m is not None and m.moe is not None:
-        return routed_saved(s.N, s.d, e, m, cand.tp, cand.ep)
+        return routed_saved(s.N, s.d, e, m, cand.tp, cand.ep, tiled=tiled_mlp)
     return 0 if tiled_mlp else 4 * s.N * s.f * e
 
 
@@ -424,7 +437,13 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     s = rank_shapes(m, cand)
     layers = s.L if layers is None else layers
     modes = layer_modes(cand, layers)
-    if m.layer_types is None and not mixed_mlps(m):  # one kind
+    if per_layer_shapes(m):  # Gemma 4: each block its own head dim, kv heads, K/V or none
+        per = tuple(block_activations(layer_rank_shapes(s, m, cand.tp, i), e, cand, mode,
+                                      kind, m, tiled_mlp, device)
+                    for i, (mode, (kind, _)) in enumerate(zip(modes, blocks(m, start, layers)),
+                                                          start))
+        conv_taps = 0
+    elif m.layer_types is None and not mixed_mlps(m):  # one kind
         one = {mode: layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device, m)
                + gate_saved(s, e, mode, m) for mode in set(modes)}
         per = tuple(one[mode] for mode in modes)
@@ -435,15 +454,18 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
         per = tuple(block_activations(rank_shapes(m, cand, kind) if m.layer_kv_heads else s,
                                       e, cand, mode, kind, block_model(m, moe), tiled_mlp,
                                       device) for mode, (kind, moe) in zip(modes, own))
-        conv = [gated_delta_dims(m).conv_kernel if k == "linear_attention" else
+        conv = [gated_delta_dims(m).conv_kernel if k in DELTA_TYPES else
                 mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
-                if mode != "full" and LAYER_MIXERS[k][0] in ("gated_delta", "mamba2")]
+                if mode != "full" and LAYER_MIXERS[k][0] in LINEAR_MIXERS]
         conv_taps = sum(8 * (s.N // s.B) * K for K in set(conv))
     # cos, sin: rope / 2 each, over the rotated channels (model.partial_rotary_factor)
     rope = mla_layers.rope_width(m) if m.mla is not None else rotary_dim(m)
+    if per_layer_shapes(m):  # one cos, sin per head dim (Gemma 4's two)
+        rope = sum({layer_rank_shapes(s, m, cand.tp, i).hd for i in range(s.L)})
     # one cos/sin pair per distinct RoPE of the layers (model.layer_rope: Gemma 3's, MiMo's)
-    ropes = max(1, len({(a.rope_theta, repr(a.rope_scaling)) for a in layer_attention(m)
-                        if a.rope and a.token_mixer in ("attention", "mla")}))
+    ropes = 1 if per_layer_shapes(m) else max(1, len(
+        {(a.rope_theta, repr(a.rope_scaling)) for a in layer_attention(m)
+         if a.rope and a.token_mixer in ("attention", "mla")}))
     embed = (s.B if reset_positions else 1) * (s.N // s.B) * rope * 4 * ropes + conv_taps
     if first:
         embed += 8 * s.N                                   # token ids (int64)

@@ -10,7 +10,7 @@ and the same tokens per rank (data.tokens_per_rank, default seq_len / cp):
     static   ctxpar/dynamic_cp/schedule.py's static_schedule at the config's cp: documents in
              order, packed into samples of cp x budget tokens (document masking), the
              samples dealt to the dp groups
-    dynamic  its schedule: each document its smallest CP size, balanced over dp x cp
+    dynamic  its balanced schedule (ctxpar/dynamic_cp/balance.py) over dp x cp
 
 Each is its Schedule.makespan (the waits included), averaged over the steps; the gradient
 reduction and the optimizer are the same on both sides and left out. The advice is the
@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..config import Config
-from ..dynamic_cp.schedule import ScheduleError, schedule, static_schedule
+from ..dynamic_cp.balance import balanced_schedule
+from ..dynamic_cp.schedule import ScheduleError, static_schedule
 from ..dynamic_cp.stream import dynamic_cp_sizes_for
 from .cluster import Cluster, PlanError
 from .sequence_cost import SequenceCost
@@ -69,7 +70,7 @@ def compare(cfg: Config, cluster: Cluster, steps: List[List[int]]) -> Comparison
     dyn, static, counts = [], [], {}
     try:
         for lengths in steps:
-            s = schedule(lengths, world, budget, cost, cost.overhead, p.layout, sizes)
+            s = balanced_schedule(lengths, world, budget, cost, cost.overhead, p.layout, sizes)
             dyn.append(s)
             for d in s.sizes:
                 counts[d] = counts.get(d, 0) + 1

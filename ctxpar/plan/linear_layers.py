@@ -1,4 +1,4 @@
-"""The linear layers (Gated DeltaNet, Mamba2) under a layout: their shapes per rank, what
+"""The linear layers (Gated DeltaNet, KDA, Mamba2) under a layout: their shapes per rank, what
 they save for backward under each CP strategy, their FLOPs and their CP bytes.
 
 Shapes per rank come from the parameters' one description (config/parameters.py
@@ -18,7 +18,12 @@ are linear_saved.py's at the shapes each strategy runs its kernel on:
 
 FLOPs: the chunked forms' matmuls per token (chunk C): GDN C (5 Dk + 3 Dv) + 6 Dk Dv per
 value head (the two (C, C) products, the two triangular solves, the scan's four state
-products), SSD 2 C (N + P) + 4 P N per head; backward twice that. CP bytes: state
+products), SSD 2 C (N + P) + 4 P N per head; backward twice that. KDA is GDN's chunked
+form with a decay per key channel (the same matmuls; its state [M | E] the same size):
+GDN's count plus its per-channel decays, 4 Dk (s + 1) a token (two products, three
+operations a channel, over s / 2 partners on average inside sub-chunks of s tokens,
+kda.decayed_products) and the decayed q, k and k_out (3 Dk). Its saved bytes are GDN's
+form with g per key channel and its own gates and norm (linear_saved.kda_saved). CP bytes: state
 passing's summaries (context_parallel.linear.summary_bytes), heads' all-to-alls of the
 inputs and the output ((cp - 1)/cp of them, each way), and the conv's halo (K - 1 tokens
 of its channels from each neighbouring run: one under contiguous, two under zigzag).
@@ -28,19 +33,25 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from ..config import ModelConfig
-from ..config.layers import gated_delta_dims, layer_types, mamba_dims
+from ..config.layers import DELTA_TYPES, gated_delta_dims, layer_types, mamba_dims
 from ..config.parameters import block_specs
 from ..context_parallel.linear import summary_bytes
 from ..context_parallel.linear.state_passing import SEGMENTS
 from ..context_parallel.ulysses import ulysses_kv_heads
 from ..context_parallel.linear.lean import segment_tokens
 from .linear_saved import (GatedDeltaShapes, MambaShapes, conv_saved_gpu, fla_gdn_backward,
-                           fla_gdn_saved, gdn_gates_norm, gdn_kernel_saved, gdn_saved,
-                           lean_states, mamba_dt_norm,
+                           fla_gdn_saved, fla_kda_backward, fla_kda_saved, gdn_gates_norm,
+                           gdn_kernel_saved, gdn_saved, kda_gates_norm, kda_kernel_saved,
+                           kda_saved, lean_states, mamba_dt_norm,
                            mamba_saved, mamba_saved_autograd, mamba_ssm_backward,
                            mamba_ssm_saved, ssd_kernel_saved)
 
-KINDS = {"linear_attention": "gated_delta", "mamba": "mamba2"}  # layer type -> mixer
+KINDS = {"linear_attention": "gated_delta", "kimi_delta_attention": "kda",
+         "mamba": "mamba2"}  # layer type -> mixer
+KDA = "kimi_delta_attention"
+# where a delta-rule layer's parameters stand: (its A_log, its q rows or [q | k | v] rows)
+_DELTA_NAMES = {"linear_attention": ("linear_attn.A_log", "linear_attn.in_proj_qkv.weight"),
+                KDA: ("kda.forget_gate.A_log", "kda.q_proj.weight")}
 
 _SHAPES: dict = {}  # (layer type, the mixer's fields, tp) -> its shapes per rank
 
@@ -51,15 +62,17 @@ def _local(specs, suffix: str, tp: int):
 
 def linear_shapes(m: ModelConfig, kind: str, tp: int):
     """GatedDeltaShapes or MambaShapes of a `kind` layer on one of tp ranks."""
-    key = (kind, gated_delta_dims(m) if kind == "linear_attention" else mamba_dims(m), tp)
+    key = (kind, gated_delta_dims(m) if kind in DELTA_TYPES else mamba_dims(m), tp)
     if key not in _SHAPES:
         i = layer_types(m).index(kind)
         specs = block_specs(m, i, tp)
-        if kind == "linear_attention":
+        if kind in DELTA_TYPES:
             g = gated_delta_dims(m)
-            hv = _local(specs, "linear_attn.A_log", tp)[0]
-            rows = _local(specs, "linear_attn.in_proj_qkv.weight", tp)[0]
-            hk = (rows - hv * g.value_head_dim) // (2 * g.key_head_dim)
+            a_log, q_rows = _DELTA_NAMES[kind]
+            hv = _local(specs, a_log, tp)[0]
+            rows = _local(specs, q_rows, tp)[0]
+            hk = rows // g.key_head_dim if kind == KDA else \
+                (rows - hv * g.value_head_dim) // (2 * g.key_head_dim)
             _SHAPES[key] = GatedDeltaShapes(hk, hv, g.key_head_dim, g.value_head_dim,
                                             g.conv_kernel, g.chunk_size)
         else:
@@ -77,14 +90,15 @@ def mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
     """Bytes a linear mixer saves on one rank of cp (T: its local tokens), beyond its
     normed input (the norm's count): linear_saved.py's at cp 1, else the module
     docstring's per strategy; on 'cuda' the libraries' kernels' (_gpu_mixer_saved)."""
-    gdn = kind == "linear_attention"
+    gdn = kind in DELTA_TYPES
+    delta_saved = kda_saved if kind == KDA else gdn_saved  # KDA: g per key channel
     if device == "cuda" and e != 4:
         return _gpu_mixer_saved(kind, sh, B, T, e, cp, strategy, layout)
     if cp == 1:
-        return gdn_saved(B, T, sh, e) if gdn else mamba_saved(B, T, sh, e)
+        return delta_saved(B, T, sh, e) if gdn else mamba_saved(B, T, sh, e)
     if strategy == "heads":  # the kernel over T cp tokens of H/cp heads: the same elements
         if gdn:  # q, k, v, g, beta arrive as copies, the key heads replicated to lcm
-            return gdn_saved(B, T, sh, e, key_heads=ulysses_kv_heads(sh.Hk, cp))
+            return delta_saved(B, T, sh, e, key_heads=ulysses_kv_heads(sh.Hk, cp))
         return mamba_saved(B, T, sh, e, groups=ulysses_kv_heads(sh.G, cp))
     slots = SEGMENTS[layout]
     Bs, Ts = B * slots, T // slots
@@ -98,7 +112,7 @@ def mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
         # q~ S_in: the einsum's copy of q~ and S_in; the gathered summaries and S_0
         extra = 4 * (B * T * sh.Hv * sh.Dk + Bs * sh.Hv * sh.Dk * sh.Dv
                      + cp * Bs * state + B * sh.Hv * sh.Dk * sh.Dv)
-        return gdn_saved(B, T, sh, e) + widened + extra
+        return delta_saved(B, T, sh, e) + widened + extra
     outer = mamba_saved_autograd(B, T, sh, e) - ssd_kernel_saved(B, T, sh.H, sh.P, sh.N, sh.C)
     kernel = ssd_kernel_saved(Bs, Ts, sh.H, sh.P, sh.N, sh.C)
     # the torch SSD in two halves (api._ssd_state, under autograd): decay_in (its exp and
@@ -118,11 +132,14 @@ def _gpu_mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: s
     norms: as on CPU); state passing adds the widened values' pass and the correction."""
     state = cp > 1 and strategy == "state"
     slots = SEGMENTS[layout] if state else 1
-    if kind == "linear_attention":
-        around = gdn_gates_norm(B, T, sh, e)
+    if kind in DELTA_TYPES:
         key_heads = ulysses_kv_heads(sh.Hk, cp) if cp > 1 and strategy == "heads" else 0
         width = sh.Dk + sh.Dv if state else sh.Dv
-        kernel = fla_gdn_saved(B, T, sh, e, width, key_heads)
+        if kind == KDA:  # fla's chunk_kda: q, k at the value heads
+            around, kernel = kda_gates_norm(B, T, sh, e), fla_kda_saved(B, T, sh, e, width)
+        else:
+            around = gdn_gates_norm(B, T, sh, e)
+            kernel = fla_gdn_saved(B, T, sh, e, width, key_heads)
         extra = 0
         if state:  # [I | 0] entering each segment; q~ S_in's copy of q~ and S_in; summaries
             st = sh.Hv * sh.Dk * (sh.Dk + sh.Dv)
@@ -151,15 +168,18 @@ def mixer_working_set(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: 
     state = cp > 1 and strategy == "state"
     slots = SEGMENTS[layout] if state else 1
     Bs, Ts = B * slots, T // slots
-    gdn = kind == "linear_attention"
+    gdn = kind in DELTA_TYPES
     width = (sh.Dk + sh.Dv) if gdn and state else (sh.Dv if gdn else 0)
     if device == "cuda" and e != 4:
-        return fla_gdn_backward(Bs, Ts, sh, e, width) if gdn else mamba_ssm_backward(Bs, Ts, sh, e)
+        if not gdn:
+            return mamba_ssm_backward(Bs, Ts, sh, e)
+        return (fla_kda_backward if kind == KDA else fla_gdn_backward)(Bs, Ts, sh, e, width)
     if not gdn and state:
         return 0
     seg = min(Ts, segment_tokens(sh.C))
     if gdn:
-        return 5 * gdn_kernel_saved(Bs, seg, sh.Hv, sh.Dk, width, sh.C) // 4
+        kernel = kda_kernel_saved if kind == KDA else gdn_kernel_saved
+        return 5 * kernel(Bs, seg, sh.Hv, sh.Dk, width, sh.C) // 4
     return 5 * ssd_kernel_saved(Bs, seg, sh.H, sh.P, sh.N, sh.C) // 4
 
 
@@ -169,9 +189,12 @@ def mixer_flops(kind: str, sh, tokens: int, strategy: str, cp: int) -> float:
     value width Dk + Dv and its correction q~ S_in; Mamba2's adds only the E scan's
     state updates (P N per token and chunk: negligible, not counted)."""
     state = strategy == "state" and cp > 1
-    if kind == "linear_attention":
+    if kind in DELTA_TYPES:
         dv = sh.Dv + (sh.Dk if state else 0)
         per = sh.C * (5 * sh.Dk + 3 * dv) + 6 * sh.Dk * dv + (2 * sh.Dk * sh.Dv if state else 0)
+        if kind == KDA:  # its per-channel decays (module docstring)
+            from ..context_parallel.linear.kda import sub_chunk_size
+            per += 4 * sh.Dk * (sub_chunk_size(sh.C) + 1) + 3 * sh.Dk
         return tokens * sh.Hv * per
     per = 2 * sh.C * (sh.N + sh.P) + 4 * sh.P * sh.N
     return tokens * sh.H * per
@@ -198,15 +221,16 @@ def mixer_cp_bytes(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str
     halo = conv_halo_bytes(sh, B, e, layout, cp) if layout != "striped" else \
         B * T * min(sh.K - 1, cp - 1) * sh.conv_channels * e
     if strategy == "state":
-        if kind == "linear_attention":
-            s = summary_bytes(B, sh.Hv, (sh.Dk, sh.Dv), layout, cp, "gated_delta")
+        if kind in DELTA_TYPES:
+            s = summary_bytes(B, sh.Hv, (sh.Dk, sh.Dv), layout, cp, KINDS[kind])
         else:
             s = summary_bytes(B, sh.H, (sh.P, sh.N), layout, cp, "ssd")
         return halo + s, halo + s
     part = lambda n: n * (cp - 1) // cp  # noqa: E731 - an all-to-all's share
-    if kind == "linear_attention":
+    if kind in DELTA_TYPES:
         hk = ulysses_kv_heads(sh.Hk, cp)
-        ins = B * T * (2 * hk * sh.Dk * e + sh.Hv * sh.Dv * e + 2 * sh.Hv * 4)  # q k v; g beta fp32
+        gate = sh.Hv * (sh.Dk if kind == KDA else 1)  # g per key channel under KDA
+        ins = B * T * (2 * hk * sh.Dk * e + sh.Hv * sh.Dv * e + (gate + sh.Hv) * 4)  # q k v; g beta fp32
         out = B * T * sh.Hv * sh.Dv * e
     else:
         g = ulysses_kv_heads(sh.G, cp)

@@ -1,8 +1,8 @@
-"""What a Gated DeltaNet or Mamba2 layer saves for backward, in bytes, per rank.
+"""What a Gated DeltaNet, KDA or Mamba2 layer saves for backward, in bytes, per rank.
 
-Read from the code autograd records (models/gated_delta.py, models/mamba2.py, and the
-torch kernels under ctxpar/context_parallel/linear/: conv.py, gated_delta.py, ssd.py,
-state_passing.py, heads.py) and held to autograd's saved tensors (tests/test_plan.py).
+Read from the code autograd records (models/gated_delta.py, models/kda.py,
+models/mamba2.py, and the torch kernels under ctxpar/context_parallel/linear/: conv.py,
+gated_delta.py, kda.py, ssd.py, state_passing.py, heads.py) and held to autograd's saved tensors (tests/test_plan.py).
 Shapes per rank (LinearShapes): B samples of T tokens, the layer's heads on this rank,
 the kernel's chunk C (nc = ceil(T / C) chunks, Tp = nc C tokens padded), the conv's K
 taps over its Cc channels; e the activations' element size. The chunked kernels run in
@@ -95,14 +95,23 @@ def gdn_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0) -
     key_heads > 0: the heads strategy,
     whose all-to-all hands the kernel copies (q, k at key_heads, v, g and beta), the conv's
     output then saved by nobody."""
+    return delta_rule_saved(B, T, g, e, key_heads, 1) + gdn_gates_norm(B, T, g, e)
+
+
+def delta_rule_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int,
+                     gate_width: int) -> int:
+    """What GDN and KDA save the same way: the conv (its taps and the silu's input, fp32;
+    in 16-bit the weight's fp32 copy), the lean kernel's inputs (q, k, v views of the
+    conv's output in e, or under heads the all-to-all's copies with beta; g fp32,
+    gate_width a head: 1 for GDN, Dk for KDA) and its fp32 states between segments."""
     Cc = g.conv_channels
     conv = 4 * (g.K + 1) * B * T * Cc + (4 * g.K * Cc if e != 4 else 0)
+    gate = 4 * g.Hv * gate_width
     if key_heads:
-        inputs = B * T * ((2 * key_heads * g.Dk + g.Hv * g.Dv + g.Hv) * e + 4 * g.Hv)
+        inputs = B * T * ((2 * key_heads * g.Dk + g.Hv * g.Dv + g.Hv) * e + gate)
     else:
-        inputs = B * T * (Cc * e + 4 * g.Hv)
-    kernel = inputs + lean_states(B, T, g.C, g.Hv * g.Dk * g.Dv)
-    return conv + kernel + gdn_gates_norm(B, T, g, e)
+        inputs = B * T * (Cc * e + gate)
+    return conv + inputs + lean_states(B, T, g.C, g.Hv * g.Dk * g.Dv)
 
 
 def gdn_gates_norm(B: int, T: int, g: GatedDeltaShapes, e: int) -> int:
@@ -110,6 +119,39 @@ def gdn_gates_norm(B: int, T: int, g: GatedDeltaShapes, e: int) -> int:
     and the gated RMSNorm (gdn_saved's docstring)."""
     gates = B * T * g.Hv * (e + 2 * 4) + 8 * g.Hv
     norm = 3 * e * B * T * g.Hv * g.Dv  # LeanGatedNorm's x and z, out_proj's input
+    return gates + norm
+
+
+def kda_kernel_saved(B: int, T: int, Hv: int, Dk: int, Dv: int, C: int) -> int:
+    """What the lean KDA kernel recomputes per segment (its backward's working set):
+    gdn_kernel_saved's chunked tensors, plus kda.decayed_products' per-channel decays:
+    inside each sub-chunk of s tokens, offset by offset, the decay and the two stacked
+    products (3 Dk (s + 1) / 2 fp32 a token), and between its m = C / s sub-chunks the
+    decays to each reference point (2 (m - 1) Dk a token). Within 7% of what autograd
+    keeps (tests/test_plan.py)."""
+    from ..context_parallel.linear.kda import sub_chunk_size
+    s = sub_chunk_size(C)
+    nc, Tp = _chunks(T, C)
+    per_token = 3 * Dk * (s + 1) // 2 + 2 * (C // s - 1) * Dk
+    return gdn_kernel_saved(B, T, Hv, Dk, Dv, C) + 4 * B * Tp * Hv * per_token
+
+
+def kda_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0) -> int:
+    """One KDA layer on one process (cp 1), beyond its normed input: gdn_saved's conv,
+    kernel inputs (g per key channel: (B, T, Hv, Dk) fp32) and states between segments,
+    then kda_gates_norm's gates and norm (models/kda.py). key_heads > 0: the heads
+    strategy, whose all-to-all hands the kernel copies of q, k (key_heads), v, g, beta."""
+    return delta_rule_saved(B, T, g, e, key_heads, g.Dk) + kda_gates_norm(B, T, g, e)
+
+
+def kda_gates_norm(B: int, T: int, g: GatedDeltaShapes, e: int) -> int:
+    """What a KDA layer saves around its conv and kernel (models/kda.py): f_a_proj's output
+    (Dk, e) and softplus's input and output (Hv Dk, fp32) with exp(A_log) and the decay
+    (Hv each), beta (e), g_a_proj's output (Dv, e); KimiGatedNorm in fp32: x, its rsqrt
+    (one a head), the normed x, w times it and the gate's sigmoid (the weight's fp32 copy
+    in 16-bit); o_proj's input (e)."""
+    gates = B * T * (g.Dk * e + 8 * g.Hv * g.Dk + g.Hv * e + g.Dv * e) + 8 * g.Hv
+    norm = B * T * g.Hv * (16 * g.Dv + 4 + e * g.Dv) + (4 * g.Dv if e != 4 else 0)
     return gates + norm
 
 
@@ -202,6 +244,26 @@ def fla_gdn_backward(B: int, T: int, g: GatedDeltaShapes, e: int, value_width: i
     dw, dk2, dv of the WY backward (e), dg and dg2 (fp32)."""
     dv = value_width or g.Dv
     per_head = 5 * g.Dk * e + 3 * dv * e + 2 * g.Dk * dv * e / g.C + 3 * 4
+    return int(B * T * g.Hv * per_head)
+
+
+def fla_kda_saved(B: int, T: int, g: GatedDeltaShapes, e: int, value_width: int = 0) -> int:
+    """ChunkKDAFunction.forward's save_for_backward (fla-core 0.6.0 fla/ops/kda/chunk.py):
+    q and k after its l2norm (new, e, at the value heads: its q, k and g share a shape)
+    with their fp32 rstd, v (e), g after chunk_local_cumsum (fp32, per key channel),
+    beta (saved there already), Aqk and Akk (B, T, Hv, C) fp32. value_width: state
+    passing's Dk + Dv."""
+    dv = value_width or g.Dv
+    return B * T * g.Hv * (2 * g.Dk * e + 8 + dv * e + 4 * g.Dk + 8 * g.C)
+
+
+def fla_kda_backward(B: int, T: int, g: GatedDeltaShapes, e: int, value_width: int = 0) -> int:
+    """chunk_kda_bwd's tensors alive at its end, over the rank's whole sequence (read from
+    its source as fla_gdn_backward): w, u, qg, kg (recomputed, e), h and dh per chunk, v_new
+    and dv (e), dq, dk, dg, dg2 (fp32, per key channel), dw, dk2 and dv of the WY backward
+    (e), dAqk and dAkk (C a token, fp32)."""
+    dv = value_width or g.Dv
+    per_head = 5 * g.Dk * e + 3 * dv * e + 2 * g.Dk * dv * e / g.C + 4 * 4 * g.Dk + 8 * g.C
     return int(B * T * g.Hv * per_head)
 
 

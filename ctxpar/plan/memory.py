@@ -33,15 +33,18 @@ lives on the host but for two blocks' worth), optimizer offload (zero_state.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List
 
 from ..config import GATED_MLPS, Config, deepspeed_config
 from ..config.layers import layer_attention
+from ..config.layer_mixers import LINEAR_MIXERS
 from . import counts, mla_layers, transients
 from .candidate import Candidate, apply_candidate
-from .linear_layers import linear_shapes, mixer_saved, mixer_working_set
-from .moe_layers import backward_working_set, block_model, forward_working_set, mixed_mlps
+from .linear_layers import KINDS, linear_shapes, mixer_saved, mixer_working_set
+from .moe_layers import (backward_working_set, block_model, expert_tile, forward_working_set,
+                         mixed_mlps)
+from .mtp_layers import mtp_activations
 from .zero_state import Shard, ZeroState, zero_config
 
 
@@ -201,6 +204,10 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     act = counts.activations(model, cand, elem, blocks, first, last, cfg.data.reset_positions,
                              tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile),
                              device=device, start=start)
+    if last:  # model.mtp's depths, beside the head
+        act = replace(act, head=act.head + mtp_activations(
+            model, cand, elem, bool(loss_tile), bool(mlp_tile), device,
+            cfg.data.reset_positions))
     sh = shard(model, cand.tp, cand.pp, index, cand.ep)
     zero_state = ZeroState(sh, zero, cand.dp * cand.cp, bf16, device, cand.ep)
     resident = zero_state.resident()
@@ -231,7 +238,7 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     # and under no_grad, alive while it runs) and again as gradients in its backward
     s = shapes
     mixers = [(a.kind, linear_shapes(model, a.kind, cand.tp)) for a in layers
-              if a.token_mixer in ("gated_delta", "mamba2")]
+              if a.token_mixer in LINEAR_MIXERS]
     args = (s.B, s.N // s.B, elem, cand.cp, cand.linear_cp, cand.token_layout, device)
     linear = max([mixer_saved(kind, sh, *args) for kind, sh in mixers], default=0)
     # and its kernel's backward beyond that (the lean torch kernel's segment, or the GPU
@@ -305,8 +312,16 @@ def moe_forwards(st: Stage) -> list:
     charge the larger (with dense and MoE blocks, either may be the one running)."""
     m, s = st.cfg.model, st.shapes
     kinds = set(st.moe_blocks) if st.moe_blocks else {m.moe is not None}
-    return [forward_working_set(s.N, s.d, st.elem, m, st.cand.ep) if moe else None
-            for moe in sorted(kinds)]
+    return [forward_working_set(s.N, s.d, st.elem, m, st.cand.ep, moe_tile(st)) if moe
+            else None for moe in sorted(kinds)]
+
+
+def moe_tile(st: Stage) -> int:
+    """Tokens per tile of the stage's MoE layers (0: untiled): models/moe.py's own rule."""
+    if not st.mlp_tile or st.cfg.model.moe is None:
+        return 0
+    return expert_tile(st.shapes.N, st.shapes.d, st.cfg.model, st.cand.tp,
+                       st.cfg.memory.mlp_tile_tokens)
 
 
 def mlp_backward_working_set(st: Stage, i: int) -> float:
@@ -318,7 +333,8 @@ def mlp_backward_working_set(st: Stage, i: int) -> float:
     mlp = counts.mlp_params(model, cand.tp, cand.ep)
     down = counts.down_proj_params(model, cand.tp)
     during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down) \
-        if model.moe is None else backward_working_set(s.N, s.d, elem, model, cand.tp, cand.ep)
+        if model.moe is None else backward_working_set(s.N, s.d, elem, model, cand.tp, cand.ep,
+                                                       moe_tile(st))
     after = transients.after_mlp_backward(s, elem, model.norm, st.device,
                                           (mlp - (0 if st.mlp_tile else down)) * elem)
     return max(during, after)
@@ -339,7 +355,7 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
     replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm, model)
     kind = st.types[i] if st.types else None
-    if mode == "full" and kind in ("linear_attention", "mamba"):  # its whole 'none' bytes
+    if mode == "full" and kind in KINDS:  # a linear block: its whole 'none' bytes
         replayed = counts.block_activations(s, elem, cand, "none", kind, model, bool(st.mlp_tile),
                                             st.device) - s.N * s.d * elem
     down = 0 if st.mlp_tile else counts.down_proj_params(model, cand.tp)  # tiled: in its set

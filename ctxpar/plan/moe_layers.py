@@ -18,6 +18,14 @@ Dense and MoE MLPs in one model (model.moe.layers a subset: mixed_mlps): every c
 the block's own, a MoE block's as above, a dense block's as a model without model.moe
 (block_model): parameters, saved activations, the MLP's working sets; the all-to-alls
 and the idle experts' FLOPs over the MoE layers alone (moe_layers).
+
+Tiled experts (memory.tiled_mlp with model.moe; models/moe.py): the router scores all N
+tokens at once, then each tile of t tokens (expert_tile: the MoE layer's own rule) is
+dispatched, computed and combined inside an activation checkpoint. What the layer keeps
+for backward is then the router's part alone (the tiles' inputs are views of x and of the
+router's weights and choices, counted there); the rows' buffers and the experts'
+intermediates exist for one tile at a time: in the forward (its no-grad working set at t)
+and in the backward, which replays the tile (its saved rows at t beside their gradients).
 """
 from __future__ import annotations
 
@@ -81,8 +89,27 @@ def stage_expert_params(m: ModelConfig, tp: int, ep: int, start: int, count: int
     return n * expert_params(m, tp, ep) if n else 0
 
 
+def expert_tile(N: int, d: int, m: ModelConfig, tp: int, setting) -> int:
+    """Tokens per tile of a tiled MoE layer over N tokens: models/moe.py's rule (the dense
+    MLP's, memory.mlp_tile_tokens, at an expert's width f/tp)."""
+    from ..memory.tiled_mlp import mlp_tile_tokens
+    return mlp_tile_tokens(N, d, (m.moe.expert_hidden or resolved_ffn_hidden(m)) // tp, setting)
+
+
+def routed_rows_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
+                      received: int = None) -> int:
+    """routed_saved's `rows` and `over EP` terms for N tokens: what the dispatch, the
+    experts and the combine save (a tile's, replayed in backward, when tiled)."""
+    moe = m.moe
+    f, rows = (moe.expert_hidden or resolved_ffn_hidden(m)) // tp, N * moe.top_k
+    M = rows if received is None else received
+    per_row = (4 if m.mlp in GATED_MLPS else 2) * f * e
+    routed = 2 * rows * 8 + 2 * M * d * e + M * per_row + rows * d * e
+    return routed + (M * 8 + rows * d * e if ep > 1 else 0)
+
+
 def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
-                 received: int = None) -> int:
+                 received: int = None, tiled: bool = False) -> int:
     """Bytes one MoE layer saves in mode 'none' (its norm aside; N tokens on the rank):
 
     router     the fp32 scores (N, E) (softmax's or sigmoid's output), the top-k indices
@@ -98,17 +125,14 @@ def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
                N k results back from the experts' ranks, (N k, d), beside the combined rows
     shared     a dense MLP of shared_expert_hidden/tp (4 f per token, as the MLP's), and
                its gate's sigmoid (N, 1) and the shared output (N, d) it multiplies
+    tiled      rows and over EP: nothing (the tiles' checkpoints keep views of x and of
+               the router's outputs; the module docstring)
     """
     moe = m.moe
-    E, k, f = moe.num_experts, moe.top_k, (moe.expert_hidden or resolved_ffn_hidden(m)) // tp
-    rows = N * k
-    M = rows if received is None else received
+    E, k = moe.num_experts, moe.top_k
     router = N * E * 4 + N * k * 8 + N * k * e + ((N * k + N) * 4 if moe.norm_topk else 0)
     losses = 2 * N * E * 4 + N * 4
-    per_row = (4 if m.mlp in GATED_MLPS else 2) * f * e
-    routed = 2 * rows * 8 + 2 * M * d * e + M * per_row + rows * d * e
-    if ep > 1:
-        routed += M * 8 + rows * d * e
+    routed = 0 if tiled else routed_rows_saved(N, d, e, m, tp, ep, received)
     shared = 0
     if moe.shared_expert_hidden:
         fs = moe.shared_expert_hidden // tp
@@ -134,24 +158,30 @@ def all_to_all_bytes(N: int, d: int, e: int, m: ModelConfig, ep: int) -> Tuple[i
     return one, one
 
 
-def forward_working_set(N: int, d: int, e: int, m: ModelConfig, ep: int) -> int:
+def forward_working_set(N: int, d: int, e: int, m: ModelConfig, ep: int, tile: int = 0
+                        ) -> int:
     """A MoE layer's forward intermediates without autograd (a checkpointed block's
-    forward, evaluation) at its experts, the largest point: the M = N k routed rows
-    (balanced), the experts' outputs and their concatenation, (M, d) each; over EP the
-    rows received and regrouped, (M, d) each, beside them."""
-    rows = N * m.moe.top_k
+    forward, evaluation, a tile's checkpointed forward) at its experts, the largest point:
+    the M = N k routed rows (balanced), the experts' outputs and their concatenation, (M,
+    d) each; over EP the rows received and regrouped, (M, d) each, beside them. tile > 0:
+    one tile's (N replaced by the tile's tokens)."""
+    rows = (min(tile, N) if tile else N) * m.moe.top_k
     return (3 + (2 if ep > 1 else 0)) * rows * d * e
 
 
-def backward_working_set(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int) -> int:
+def backward_working_set(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
+                         tile: int = 0) -> int:
     """A MoE layer's backward at its experts: the combined rows' gradient (N k, d), the
     experts' output rows' and input rows' gradients (M, d) each (M = N k, balanced), over
     EP the all-to-all's gradient buffers (N k, d) each way, and one expert's intermediates'
-    gradients (its n = M ep / E rows: 2 f each, gate and up, as the dense MLP's)."""
+    gradients (its n = M ep / E rows: 2 f each, gate and up, as the dense MLP's). tile > 0:
+    one tile's, beside what its replayed forward saved (routed_rows_saved of the tile)."""
     moe = m.moe
-    rows, f = N * moe.top_k, (moe.expert_hidden or resolved_ffn_hidden(m)) // tp
+    t = min(tile, N) if tile else N
+    rows, f = t * moe.top_k, (moe.expert_hidden or resolved_ffn_hidden(m)) // tp
     one_expert = 2 * (rows * ep // moe.num_experts) * f * e
-    return (3 + (2 if ep > 1 else 0)) * rows * d * e + one_expert
+    replayed = routed_rows_saved(t, d, e, m, tp, ep) if tile else 0
+    return (3 + (2 if ep > 1 else 0)) * rows * d * e + one_expert + replayed
 
 
 def idle_expert_params(m: ModelConfig, tp: int, layers: int) -> int:

@@ -8,11 +8,13 @@ from dataclasses import replace
 from typing import List
 
 from ..config import to_dict
+from ..config.kv_layers import uses_kv_layers
 from ..config.layers import layer_attention, layer_types
+from ..config.parameters import layer_head_dim, per_layer_embedding_specs
 from ..context_parallel.linear import LINEAR_CP_STRATEGIES, check_linear_cp
 from .linear_layers import KINDS, linear_shapes, mixer_cp_bytes
 from .mla_layers import mla_cp_bytes
-from . import counts
+from . import counts, kv_layers
 from .candidate import apply_candidate
 from .cluster import Cluster
 from .search import MEMORY_MARGIN, Plan, is_bf16
@@ -194,8 +196,8 @@ def linear_reason(cfg, plan: Plan) -> str:
         sent = []
         for strategy in LINEAR_CP_STRATEGIES:
             try:
-                check_linear_cp(strategy, cand.token_layout, sh.Hv if kind ==
-                                "linear_attention" else sh.H, cand.cp, sh.C)
+                check_linear_cp(strategy, cand.token_layout, sh.H if kind ==
+                                "mamba" else sh.Hv, cand.cp, sh.C)
             except ValueError:
                 sent.append(f"{strategy} not with this layout")
                 continue
@@ -317,3 +319,24 @@ def plot_figure(plans: List[Plan], cluster: Cluster):
              "\n".join(f"#{i}: {p.candidate.name()}" for i, p in enumerate(plans, 1)),
              fontsize=9, family="monospace", va="bottom")
     return fig
+
+
+def kv_layers_reason(cfg, plan) -> str:
+    """One line for a model with Gemma 4's fields: the blocks sharing K/V (none kept: the
+    saved K/V bytes they spare per micro-batch), the per-layer input embedding's
+    parameters on a rank, the head dims and the kernels that cannot take them; ''
+    otherwise."""
+    m, cand = cfg.model, plan.candidate
+    if not uses_kv_layers(m):
+        return ""
+    s, e = counts.rank_shapes(m, cand), 2 if is_bf16(cfg) else 4
+    producers = [kv_layers.layer_rank_shapes(s, m, cand.tp, a.kv_source)
+                 for a in layer_attention(m) if a.kv_source is not None]
+    spared = sum(2 * s.N * p.hk * p.hd * e for p in producers)  # the K, V they would save
+    ple = sum(spec.numel(cand.tp) for spec in per_layer_embedding_specs(m))
+    dims = sorted({layer_head_dim(m, a) for a in layer_attention(m)})
+    refusing = kv_layers.kernels_refusing(m)
+    return (f"Gemma 4 attention: {len(producers)} of {m.n_layers} layers share an earlier "
+            f"layer's K/V (no K/V kept: {spared / 1e9:.2f} GB of saved K/V per micro-batch "
+            f"not made); per-layer input embedding {ple / 1e6:,.1f} M parameters a rank; "
+            f"head dims {dims}" + (f"; {refusing}" if refusing else ""))

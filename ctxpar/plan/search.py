@@ -57,17 +57,16 @@ def is_bf16(cfg: Config) -> bool:
     return bool((cfg.deepspeed.get("bf16") or {}).get("enabled"))
 
 
-COUNTED_MIXERS = (None, "attention", "gated_delta", "mamba2")  # token mixers it counts
+COUNTED_MIXERS = (None, "attention", "gated_delta", "kda", "mamba2")  # token mixers it counts
 
 
 def check_modelled(cfg: Config) -> None:
     """PlanError (one line) for a model the counts do not describe, rather than a
     prediction that counts it as something else. Every layer type of config.layers is
-    counted (attention with its gate, Gated DeltaNet, Mamba2, Nemotron-H's single-op
+    counted (attention with its gate, Gated DeltaNet, KDA, Mamba2, Nemotron-H's single-op
     blocks), and a mixture of experts in every MLP or in some beside dense ones
     (moe_layers.py, model.moe.layers), multi-head latent attention without windows
-    (mla_layers.py); a new mixer starts here. Not counted yet: KDA
-    ('kimi_delta_attention': its kernel's sub-chunk decays are not in linear_saved.py)."""
+    (mla_layers.py); a new mixer starts here."""
     unknown = sorted({t for t in layer_types(cfg.model)
                       if LAYER_MIXERS.get(t, ("?",))[0] not in COUNTED_MIXERS})
     if unknown:

@@ -23,7 +23,8 @@ Per micro-batch and pipeline stage (the most loaded rank):
 - the memory options (docs/memory.md): the tiled loss makes its gradients in forward, three
   head matmuls per tile as untiled at TP 1, four at TP > 1 (the logits again once the
   log-sum-exp over TP is known); the tiled MLP runs its forward again in backward (2 FLOPs
-  per MLP parameter per token); activation offload copies each layer's saved activations
+  per MLP parameter per token; a MoE layer's routed experts, k a token, and their
+  all-to-alls again); activation offload copies each layer's saved activations
   to the host in forward and back in backward over ``pcie``: on CUDA on side streams,
   exposed only where a layer's copy outlasts the layer's compute, on CPU not overlapped;
 - MoE (moe_layers.py): the matmuls of the active parameters (each token's k of E experts
@@ -58,6 +59,7 @@ from typing import Dict, List
 
 from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
+from ..config.layer_mixers import LINEAR_MIXERS
 from ..context_parallel.mask import visible_pairs
 from . import counts, mla_layers
 from .mla_timing import mla_cp_time, mla_thresholds, ulysses_of
@@ -260,7 +262,7 @@ def linear_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, kind:
 def linear_compute(m, cand: Candidate, s, stage: List[LayerAttention]) -> float:
     """Forward FLOPs of the stage's linear mixers' chunked kernels (linear_layers)."""
     return sum(mixer_flops(a.kind, linear_shapes(m, a.kind, cand.tp), s.N, cand.linear_cp,
-                           cand.cp) for a in stage if a.token_mixer in ("gated_delta", "mamba2"))
+                           cand.cp) for a in stage if a.token_mixer in LINEAR_MIXERS)
 
 
 def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers: int,
@@ -303,9 +305,14 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     # a MoE's tokens each run k of E experts: the active parameters (moe_layers), whatever
     # ep (under EP a rank runs E/ep experts over the N k ep / E rows of each, balanced)
     blocks = stage_block_params(m, cand) - idle_expert_params(m, cand.tp, layers)
+    # a tiled MLP runs its forward again in backward: a dense block its MLP, a MoE block
+    # its routed experts (k of them a token; the router and the shared expert run once)
+    n_moe = moe_layers(m, 0, layers) if m.moe is not None else 0
+    routed_p = m.moe.top_k * (3 if m.mlp in GATED_MLPS else 2) * s.d \
+        * ((m.moe.expert_hidden or s.f * cand.tp) // cand.tp) if n_moe else 0
     mm = (2 * s.N * blocks) * (3 + replay) \
         + (4 if cand.tiled_loss and cand.tp > 1 else 3) * head \
-        + (2 * s.N * layers * mlp_p if cand.tiled_mlp else 0)  # the tiled MLP's recompute
+        + (2 * s.N * ((layers - n_moe) * mlp_p + n_moe * routed_p) if cand.tiled_mlp else 0)
     # Attention FLOPs (forward) of the busiest rank: head-pairs it computes, per layer of
     # the busiest stage (a window's or chunks' visible pairs only).
     stage = stage_attention(m, cand.pp)
@@ -336,11 +343,12 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
                                                t_attn_layers, attn_replay, attn_eff, expanded)
 
     # the experts' all-to-alls (moe_layers.all_to_all_bytes) over the EP group (tp x ep
-    # adjacent ranks: ep folds over CP's ranks first), a replayed MLP's again; they wait
-    # for the router and feed the experts: nothing hides them
+    # adjacent ranks: ep folds over CP's ranks first), a replayed MLP's again (a tiled
+    # one's too: each tile's forward runs again in backward); they wait for the router
+    # and feed the experts: nothing hides them
     a_f, a_b = all_to_all_bytes(s.N, s.d, e, m, cand.ep) if m.moe is not None else (0, 0)
-    moe = moe_layers(m, 0, layers) * (a_f * (1 + replay) + a_b) / cluster.link(cand.tp * cand.ep) \
-        if a_f else 0.0
+    again = replay + (1 if cand.tiled_mlp else 0)
+    moe = n_moe * (a_f * (1 + again) + a_b) / cluster.link(cand.tp * cand.ep) if a_f else 0.0
 
     overhead = layers * cluster.gpu.overhead
     offload = offload_time(cfg, cand, cluster, e, layers, compute)

@@ -15,7 +15,8 @@ differently, in its own file. The shared machinery knows no family by name.
            fused_source (a tensor inside a fused one), to_folder / saved (the export's
            form), left_out (tensors the import leaves out)
     mtp    mtp / export_mtp: the multi-token prediction layers' config.json keys
-           (model.mtp), both ways
+           (model.mtp), both ways; mtp_key / mtp_copies: their tensors' names (DeepSeek-V3
+           numbers them after the main layers and stores the embedding and head again)
 """
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_b
                  "scale_embeddings": False, "attention_output_gate": False, "rope": True,
                  "qk_norm_scope": "head", "reordered_norms": None,
                  "linear_allow_neg_eigval": False, "linear_norm_eps": None, "mla": None,
-                 "nope_layers": None, "attn_temperature_tuning": False, "qk_l2_norm": False}
+                 "nope_layers": None, "attn_temperature_tuning": False, "qk_l2_norm": False,
+                 # Gemma 4's (config/kv_layers.py)
+                 "global_head_dim": None, "global_n_kv_heads": None, "attention_k_eq_v": False,
+                 "value_norm": False, "num_kv_shared_layers": 0, "per_layer_input_dim": 0,
+                 "layer_scalar": False, "final_logit_softcapping": None}
 
 # config.json keys that do not change the computation: bookkeeping, token ids, generation
 # defaults, the runtime's switches.
@@ -255,6 +260,16 @@ class Family:
         if m.mtp is not None:
             refuse_export(f"model.mtp (multi-token prediction layers: {self.label} has none; "
                           f"set model.mtp: null to export without them)")
+
+    def mtp_key(self, key: str, n_layers: int) -> str:
+        """A model.mtp tensor's generic name (names.to_hf: mtp.layers.{k}.*) -> the
+        folder's, in a model of n_layers main layers; any other key unchanged."""
+        return key
+
+    def mtp_copies(self, m) -> Dict[str, str]:
+        """{folder key: the key it copies}: tensors the folder stores again in its MTP
+        layers (none here; the export writes them, the import checks them equal)."""
+        return {}
 
     def to_folder(self, key: str, t: torch.Tensor, m) -> List[Tuple[str, torch.Tensor]]:
         """(name, tensor) of ctxpar's HF-form tensor as transformers saves the family."""

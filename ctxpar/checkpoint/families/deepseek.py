@@ -25,11 +25,27 @@ mixture of experts after the first dense layers.
 num_key_value_heads must equal num_attention_heads (MLA expands every head's keys from the
 one latent); head_dim is transformers' qk_rope_head_dim, written by its class, read by
 nothing here. Neither ForCausalLM adds a router loss (output_router_logits only returns the
-logits): aux_loss_coef 0. The released folders' multi-token prediction layers
-(num_nextn_predict_layers; DeepSeek-V3's layer 61, ``model.layers.61.*``) are left out, as
-transformers' DeepseekV3ForCausalLM drops them on loading; the start-up line says so.
-Tensors: transformers' names (self_attn.q_a_proj, kv_a_proj_with_mqa, kv_b_proj, ...); the
-experts per expert as Qwen-MoE's; the shared expert ``mlp.shared_experts.*``.
+logits): aux_loss_coef 0. Tensors: transformers' names (self_attn.q_a_proj,
+kv_a_proj_with_mqa, kv_b_proj, ...); the experts per expert as Qwen-MoE's; the shared
+expert ``mlp.shared_experts.*``.
+
+The multi-token prediction layers (num_nextn_predict_layers of them; DeepSeek-V3's layer
+61) are model.mtp with moe (each an MLA + MoE decoder layer: transformers' get_mtp_config
+sets first_k_dense_replace 0 for them), a projection and norms per depth, [embedding;
+hidden] into eh_proj, numbered after the main layers (L = num_hidden_layers):
+
+    folder                                  ctxpar (names.to_hf's generic form)
+    model.layers.{L+k}.enorm / hnorm        mtp.layers.{k}.enorm / hnorm
+    model.layers.{L+k}.eh_proj              mtp.layers.{k}.eh_proj
+    model.layers.{L+k}.<a decoder layer>    mtp.layers.{k}.block.<a block>
+    model.layers.{L+k}.shared_head.norm     mtp.layers.{k}.norm
+    model.layers.{L+k}.embed_tokens,        the model's embedding and head (shared, §2.2):
+      shared_head.head                        checked equal on import, written on export
+
+With model.mtp set they are imported, trained and exported under these names; with
+model.mtp null they are left out, as transformers' causal LMs drop them, and the start-up
+line says so; the export then writes num_nextn_predict_layers 0. GLM-4.5 stores its MTP
+layers the same way (glm4_moe.py).
 """
 from __future__ import annotations
 
@@ -40,6 +56,7 @@ import torch
 
 from ...config.mla import MLAConfig
 from ...config.moe import MoEConfig, moe_layer_indices
+from ...config.mtp import MTPConfig
 from .base import ARCH_DEFAULTS, Family, Refuse
 from .experts import experts_and_top_k, integer_field, per_expert_tensors
 
@@ -51,9 +68,73 @@ MOE_KEYS = ("n_routed_experts", "num_local_experts", "num_experts_per_tok",
 MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 SHARED = (".mlp.shared_expert.", ".mlp.shared_experts.")  # ctxpar's, the folder's
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")  # names.to_hf's model.mtp names
 
 
-class DeepSeek(Family):
+def numbered_mtp_key(key: str, n_layers: int) -> str:
+    """model.mtp's generic name -> DeepSeek-V3's: depth k is model.layers.{n_layers + k},
+    its output norm shared_head.norm (module docstring)."""
+    found = _MTP.match(key)
+    if found is None:
+        return key
+    k, rest = found.groups()
+    if rest.startswith("norm."):
+        rest = "shared_head." + rest
+    return f"model.layers.{n_layers + int(k)}.{rest}"
+
+
+def numbered_mtp_copies(m) -> Dict[str, str]:
+    """Each MTP layer's copies of the embedding and head (module docstring)."""
+    head = "model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"
+    out = {}
+    for k in range(m.mtp.depth if m.mtp is not None else 0):
+        out[f"model.layers.{m.n_layers + k}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"model.layers.{m.n_layers + k}.shared_head.head.weight"] = head
+    return out
+
+
+def numbered_mtp(fam, hf: Dict[str, Any], refuse: Refuse, moe) -> Optional[MTPConfig]:
+    """model.mtp of num_nextn_predict_layers (transformers' attribute_map: num_mtp_layers):
+    MoE blocks (moe: the folder's model.moe, None: it has none, refused)."""
+    key = next((k for k in MTP_KEYS if k in hf), MTP_KEYS[0])
+    depth = integer_field(hf, key, 0, refuse, low=0)
+    if depth and moe is None:
+        refuse(key, depth, f"{fam.label}'s MTP layers hold experts (transformers' "
+                           f"get_mtp_config) and this folder's layers have none, so no "
+                           f"model.moe to shape them")
+    return MTPConfig(depth=depth, moe=True) if depth else None
+
+
+class NumberedMTP:
+    """The hooks of a family whose MTP layers are numbered after its layers (DeepSeek-V3,
+    GLM-4.5); ``mtp_moe_of(hf, refuse)``: the folder's model.moe, None when it has none."""
+
+    def mtp(self, hf: Dict[str, Any], refuse: Refuse) -> Optional[MTPConfig]:
+        return numbered_mtp(self, hf, refuse, self.mtp_moe_of(hf, refuse))
+
+    def export_mtp(self, cfg: Dict[str, Any], m, refuse_export) -> None:
+        export_numbered_mtp(self, cfg, m, refuse_export)
+
+    def mtp_key(self, key: str, n_layers: int) -> str:
+        return numbered_mtp_key(key, n_layers)
+
+    def mtp_copies(self, m) -> Dict[str, str]:
+        return numbered_mtp_copies(m)
+
+
+def export_numbered_mtp(fam, cfg: Dict[str, Any], m, refuse_export) -> None:
+    """num_nextn_predict_layers of m.mtp (0 without), refusing what the folder cannot hold."""
+    mtp = m.mtp
+    if mtp is not None and (mtp.shared_projection or mtp.hidden_first or not mtp.moe or
+                            mtp.layer_type != "full_attention"):
+        refuse_export(f"model.mtp={mtp} ({fam.label}'s MTP layers have a projection per "
+                      f"depth, take [embedding; hidden], hold experts and attend as the "
+                      f"main layers: shared_projection=false, hidden_first=false, moe=true, "
+                      f"layer_type=full_attention)")
+    cfg["num_nextn_predict_layers"] = 0 if mtp is None else mtp.depth
+
+
+class DeepSeek(NumberedMTP, Family):
     """What both generations share; V3's sigmoid router with its correction bias, V2's
     softmax (``sigmoid``); ``defaults``: the config class's."""
     defaults: Dict[str, Any] = {}
@@ -180,6 +261,9 @@ class DeepSeek(Family):
         layer = _LAYER.match(key)
         return layer is not None and int(layer.group(1)) >= hf.get("num_hidden_layers", 0)
 
+    def mtp_moe_of(self, hf: Dict[str, Any], refuse: Refuse) -> Optional[MoEConfig]:
+        return self._moe(hf, refuse)
+
     def folder_key(self, key: str) -> str:
         return key.replace(*SHARED) if SHARED[0] in key else key
 
@@ -208,7 +292,7 @@ _FIXED = {k: v for k, v in ARCH_DEFAULTS.items() if k != "mla"}  # model.mla rea
 _NEUTRAL = {"attention_bias": (False, "biases on MLA's projections are not built by ctxpar")}
 _INERT = ("pretraining_tp",  # a slicing of the matmuls, the same product
           "output_router_logits",  # returns the logits, adds no loss
-          *MTP_KEYS)
+          *MTP_KEYS)  # read by the mtp hook where model.mtp asks (module docstring)
 V3 = DeepSeekV3(
     "deepseek_v3", "DeepseekV3ForCausalLM", dict(_FIXED), ("hidden_act", "silu"),
     neutral=dict(_NEUTRAL), own=(*MLA_KEYS, "qk_head_dim", "rope_interleave", *MOE_KEYS), inert=_INERT,

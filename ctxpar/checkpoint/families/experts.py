@@ -100,9 +100,9 @@ PER_EXPERT = {
 }
 # a router stored under another name, per naming: (ctxpar's, the folder's)
 RENAMED_ROUTER = {"mixtral": ("mlp.gate.weight", "block_sparse_moe.gate.weight")}
-# a layer's prefix: a causal LM's (Nemotron-H's backbone.), or a multimodal folder's
-# language model's (Qwen3.5-MoE)
-_LAYER = re.compile(r"^((?:model\.(?:language_model\.)?|backbone\.)layers\.\d+\.)(.+)$")
+# a layer's prefix: a causal LM's (Nemotron-H's backbone.), a multimodal folder's
+# language model's (Qwen3.5-MoE), or Qwen3-Next's MTP layers' (mtp.)
+_LAYER = re.compile(r"^((?:model\.(?:language_model\.)?|backbone\.|mtp\.)layers\.\d+\.)(.+)$")
 
 
 def per_expert_sources(keys, naming: Optional[str]) -> Dict[str, Any]:

@@ -28,9 +28,10 @@ every layer (no window).
 
 The released folders' multi-token prediction layers (num_nextn_predict_layers of them,
 model.layers.{num_hidden_layers + i}.*: eh_proj, enorm, hnorm, shared_head and a decoder
-layer) are left out: transformers' Glm4MoeForCausalLM builds none and drops them on
-loading; the start-up line says so (ctxpar does not train them yet); the export writes
-none, and num_nextn_predict_layers 0.
+layer with experts) are DeepSeek-V3's (deepseek.py's names and model.mtp with moe): with
+model.mtp set they are imported, trained and exported; with model.mtp null left out, as
+transformers' Glm4MoeForCausalLM drops them on loading, the start-up line saying so, the
+export writing none and num_nextn_predict_layers 0.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from ...config import resolved_ffn_hidden
 from ...config.moe import MoEConfig, moe_layer_indices
 from ..rope_config import drop_rope_keys
 from .base import ARCH_DEFAULTS, Family, Refuse, full_attention_only
+from .deepseek import NumberedMTP
 from .experts import experts_and_top_k, integer_field, per_expert_tensors
 from .nemotron_h import MOE_FIXED
 
@@ -129,7 +131,7 @@ def glm_moe_config(m, refuse_export) -> Dict[str, Any]:
             "first_k_dense_replace": first}
 
 
-class Glm4Moe(Family):
+class Glm4Moe(NumberedMTP, Family):
     def fields(self, hf: Dict[str, Any], refuse: Refuse) -> Dict[str, Any]:
         fields = {**self.fixed, "moe": glm_moe_fields(hf, refuse)}
         for key, field in (("attention_bias", "attention_bias"), ("use_qk_norm", "qk_norm")):
@@ -160,7 +162,7 @@ class Glm4Moe(Family):
                source: Optional[Dict[str, Any]], refuse_export) -> None:
         drop_rope_keys(cfg)  # written here, with the partial factor
         cfg.update(attention_bias=m.attention_bias, use_qk_norm=m.qk_norm,
-                   num_nextn_predict_layers=0, **glm_moe_config(m, refuse_export),
+                   **glm_moe_config(m, refuse_export),
                    rope_parameters={**(m.rope_scaling or {"rope_type": "default"}),
                                     "rope_theta": m.rope_theta,
                                     "partial_rotary_factor": m.partial_rotary_factor})
@@ -176,6 +178,9 @@ class Glm4Moe(Family):
         layer = _LAYER.match(key)
         return layer is not None and int(layer.group(1)) >= hf.get("num_hidden_layers", 46)
 
+    def mtp_moe_of(self, hf: Dict[str, Any], refuse: Refuse) -> MoEConfig:
+        return glm_moe_fields(hf, refuse)  # it refuses a folder without experts
+
 
 FAMILY = Glm4Moe(
     "glm4_moe", "Glm4MoeForCausalLM",
@@ -183,5 +188,5 @@ FAMILY = Glm4Moe(
     ("hidden_act", "silu"),
     own=("attention_bias", "use_qk_norm", *MOE_KEYS),
     inert=("output_router_logits",  # returns the router logits, adds no loss
-           "num_nextn_predict_layers", "num_mtp_layers"),  # MTP layers: left out (above)
+           "num_nextn_predict_layers", "num_mtp_layers"),  # read by the mtp hook (above)
     moe_fixed=MOE_FIXED, expert_naming="qwen")

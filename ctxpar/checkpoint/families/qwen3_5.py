@@ -23,7 +23,7 @@ choice only), never in config.json.
 The released folders' multi-token prediction layers (mtp.*, mtp_num_hidden_layers of
 them) are ctxpar's model.mtp with shared_projection (one fc and its norms for every
 depth, as vLLM's Qwen3.5 MTP reads them), [embedding; hidden] into fc, full attention
-and the dense MLP in each layer:
+and the dense MLP in each layer (qwen3_next.py's: their experts, model.mtp.moe):
 
     mtp.pre_fc_norm_embedding.weight   mtp.layers.0.enorm.weight
     mtp.pre_fc_norm_hidden.weight      mtp.layers.0.hnorm.weight
@@ -34,13 +34,13 @@ and the dense MLP in each layer:
 With model.mtp set they are imported, trained and exported under these names; with
 model.mtp null they are left out, as transformers' causal LMs drop them on loading
 (_keys_to_ignore_on_load_unexpected), the start-up line says so and the export writes
-none. transformers builds no MTP layer for this family.
+none. transformers builds no MTP layer for these families (its MtpLayer is the reference).
 """
 from __future__ import annotations
 
 import re
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 from ...config.layers import gated_delta_dims, layer_types
 from ...config.mtp import MTPConfig
@@ -131,6 +131,9 @@ def hybrid_layer_types(fam: Family, m, refuse_export: Callable[[str], None],
 
 
 class Qwen3_5(Family):
+    # its MTP layers' MLP: a dense one (Qwen3.5), the experts (Qwen3-Next, Qwen3.5-MoE)
+    mtp_moe: ClassVar[bool] = False
+
     def layers(self, hf: Dict[str, Any], file: str,
                refuse: Refuse) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         kinds = linear_attention_fields(hf, refuse)
@@ -165,16 +168,19 @@ class Qwen3_5(Family):
         if hf.get("mtp_use_dedicated_embeddings", False):
             refuse("mtp_use_dedicated_embeddings", True, "MTP layers with an embedding of "
                                                          "their own are not implemented")
-        return MTPConfig(depth=depth, shared_projection=True) if depth else None
+        return MTPConfig(depth=depth, shared_projection=True, moe=self.mtp_moe) if depth \
+            else None
 
     def export_mtp(self, cfg: Dict[str, Any], m, refuse_export) -> None:
         mtp = m.mtp
         if mtp is None:
             return
-        if not mtp.shared_projection or mtp.hidden_first or mtp.layer_type != "full_attention":
+        if not mtp.shared_projection or mtp.hidden_first or \
+                mtp.layer_type != "full_attention" or mtp.moe != self.mtp_moe:
             refuse_export(f"model.mtp={mtp} ({self.label}'s MTP layers share one fc, take "
                           f"[embedding; hidden] and are full attention: shared_projection="
-                          f"true, hidden_first=false, layer_type=full_attention)")
+                          f"true, hidden_first=false, layer_type=full_attention, moe="
+                          f"{str(self.mtp_moe).lower()})")
         cfg.update(mtp_num_hidden_layers=mtp.depth, mtp_use_dedicated_embeddings=False)
 
 

@@ -26,7 +26,9 @@ holds two, grouped by key head (transformers' fix_query_key_value_ordering):
 ctxpar's in_proj_qkv is [q (all heads) | k | v], in_proj_z, in_proj_b and in_proj_a by
 head (value head g r + j belongs to key head g, as both models repeat the keys): the
 import takes each part's rows out of the fused tensor, the export puts them back.
-Their multi-token prediction layers (mtp.*) are left out as Qwen3.5's.
+Their multi-token prediction layers (mtp.*) are Qwen3.5's (qwen3_5.py) with the experts
+of their layers in the MTP block (model.mtp.moe; the experts per expert under
+mtp.layers.{k}.mlp.experts.{j}).
 """
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ def fuse(fused_key: str, parts, dims: Dims) -> torch.Tensor:
 class Qwen3NextLike(Qwen3_5):
     """Qwen3.5's layers with experts; `every_layer`: Qwen3.5-MoE's (all sparse)."""
     every_layer: bool = False
+    mtp_moe = True  # the MTP block's MLP is experts, as its layers' (Qwen3NextDecoderLayer)
     defaults: Dict[str, Any] = {}
 
     def prepare(self, hf: Dict[str, Any], refuse: Refuse) -> Dict[str, Any]:
@@ -116,20 +119,6 @@ class Qwen3NextLike(Qwen3_5):
                 refuse_export(f"model.ffn_hidden={ffn} with model.moe.expert_hidden="
                               f"{m.moe.expert_hidden} (Qwen3.5-MoE has no dense MLP: its "
                               f"ffn_hidden is the experts' width)")
-
-
-    def mtp(self, hf: Dict[str, Any], refuse: Refuse):
-        depth = hf.get("mtp_num_hidden_layers", 0)
-        if depth:  # its MTP layer's MLP is a mixture of experts, as its layers'
-            refuse("mtp_num_hidden_layers", depth, f"{self.label}'s MTP layers hold a mixture "
-                   f"of experts, which ctxpar's MTP block (a dense MLP) is not; set "
-                   f"model.mtp: null to leave them out")
-        return None
-
-    def export_mtp(self, cfg: Dict[str, Any], m, refuse_export) -> None:
-        if m.mtp is not None:
-            refuse_export(f"model.mtp ({self.label}'s MTP layers hold a mixture of experts, "
-                          f"which ctxpar's MTP block is not)")
 
 
 class Qwen3Next(Qwen3NextLike):

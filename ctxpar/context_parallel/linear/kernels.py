@@ -10,7 +10,7 @@ tensors, the library installed, a dtype and shape it takes):
     op           torch                          GPU (setup.py extras "gpu")
     gated_delta  lean.gated_delta_lean          fla: flash-linear-attention's
                                                 chunk_gated_delta_rule
-    kda          kda.kda_fp32 (not lean yet)    fla: flash-linear-attention's chunk_kda
+    kda          lean.kda_lean                  fla: flash-linear-attention's chunk_kda
     ssd          lean.ssd_lean                  mamba_ssm: mamba_chunk_scan_combined
     conv         conv.conv_rows (+ halo index)  causal_conv1d: causal_conv1d_fn
 
@@ -22,8 +22,7 @@ The interface every implementation of an op answers (shapes as the strategies ca
     y, final = ssd(x, dt, A, B, C, D, initial_states, docs, chunk_size,
                    segment_chunks=)                                     # dt discretized
 
-(segment_chunks: the torch kernels' recompute segments, lean.py; the libraries and the
-torch KDA kernel, which keeps every chunk's tensors, ignore it)
+(segment_chunks: the torch kernels' recompute segments, lean.py; the libraries ignore it)
     out = conv(x, halo, layout, rank, world, doc, weight, bias, activation)
 
 o and y in the inputs' dtype or fp32 (the callers cast), final states fp32; everything
@@ -47,8 +46,7 @@ import torch
 
 from .conv import conv_rows, halo_plan, tap_mask
 from .gpu_kernels import CausalConv1dKernel, FlaGatedDelta, FlaKDA, MambaSSD
-from .kda import kda_fp32
-from .lean import SEGMENT_CHUNKS, gated_delta_lean, ssd_lean
+from .lean import SEGMENT_CHUNKS, gated_delta_lean, kda_lean, ssd_lean
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +79,10 @@ class TorchGatedDelta:
 
 class TorchKDA(TorchGatedDelta):
     def __call__(self, q, k, v, g, beta, *, scale, initial_state, docs, chunk_size,
-                 use_qk_l2norm_in_kernel, segment_chunks=None):  # not lean yet: ignored
-        return kda_fp32(q, k, v, g, beta, scale, initial_state,
+                 use_qk_l2norm_in_kernel, segment_chunks=SEGMENT_CHUNKS):
+        return kda_lean(q, k, v, g, beta, scale, initial_state,
                         None if docs is None else docs.device, chunk_size,
-                        use_qk_l2norm_in_kernel)
+                        use_qk_l2norm_in_kernel, segment_chunks)
 
 
 class TorchSSD:

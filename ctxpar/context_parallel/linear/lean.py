@@ -26,8 +26,8 @@ kernel's masks do inside a chunk.
 `run(*per_token, *params, state, seq_idx) -> (out (B, L, ...), final state)` is any chunked
 scan: per-token inputs are cut along dim 1, params (per-head A, D) are passed whole and
 their gradients summed over segments. GDN's scalar gate g (B, T, Hv) and KDA's per-channel
-gate (B, T, Hv, Dk) are both per-token inputs: a KDA chunked kernel with this signature
-reuses ChunkedScan as it is.
+gate (B, T, Hv, Dk) are both per-token inputs: KDA's chunked kernel (kda.py) runs in
+ChunkedScan as it is (kda_lean).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .gated_delta import gated_delta_fp32
+from .kda import kda_fp32
 from .ssd import ssd_fp32
 
 SEGMENT_CHUNKS = 32  # chunks per recompute segment: 2,048 tokens at chunk 64
@@ -142,6 +143,20 @@ def gated_delta_lean(q, k, v, g, beta, scale: float, initial_state, seq_idx, chu
     """gated_delta_fp32's interface and result, saving only q, k, v, g, beta, the initial
     state and the fp32 state entering each segment of `segment_chunks` chunks."""
     run = partial(_gdn_run, scale, chunk_size, use_qk_l2norm_in_kernel)
+    return chunked_scan(run, (q, k, v, g, beta), (), initial_state, seq_idx,
+                        segment_tokens(chunk_size, segment_chunks))
+
+
+def _kda_run(scale, chunk_size, l2norm, q, k, v, g, beta, state, seq_idx):
+    return kda_fp32(q, k, v, g, beta, scale, state, seq_idx, chunk_size, l2norm)
+
+
+def kda_lean(q, k, v, g, beta, scale: float, initial_state, seq_idx, chunk_size: int,
+             use_qk_l2norm_in_kernel: bool = False, segment_chunks: int = SEGMENT_CHUNKS):
+    """kda_fp32's interface and result, saving only q, k, v, g (per key channel), beta, the
+    initial state and the fp32 state entering each segment (gated_delta_lean's, KDA's
+    kernel)."""
+    run = partial(_kda_run, scale, chunk_size, use_qk_l2norm_in_kernel)
     return chunked_scan(run, (q, k, v, g, beta), (), initial_state, seq_idx,
                         segment_tokens(chunk_size, segment_chunks))
 

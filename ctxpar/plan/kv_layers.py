@@ -1,0 +1,46 @@
+"""The planner's view of Gemma 4's per-layer attention shapes (config/kv_layers.py): each
+block's head dim and kv heads (its full layers' global_head_dim, global_n_kv_heads), a
+block sharing an earlier one's K/V keeping none of its own (no k/v projections, no saved
+K/V: its attention saves references to its producer's), the per-layer input embeddings
+on the first stage; and which attention kernels take a head dim.
+
+    s_i = layer_rank_shapes(s, m, cand, i)   # RankShapes of block i (hk 0: shared K/V)
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from ..config import ModelConfig
+from ..config.layers import layer_attention
+from ..config.parameters import kv_heads_per_rank, layer_head_dim, layer_kv_heads
+from ..context_parallel.kernels import FUSED_MAX_HEAD_DIM, FlashAttn4Backend
+
+# The largest head dim each fused kernel takes (ctxpar/context_parallel/kernels.py): Dao's
+# flash-attn 2 and torch's flash SDPA 256, FlashAttention-4 its built sizes; the math
+# kernel any (Gemma 4's full layers, 512, run there on CUDA in bf16).
+KERNEL_HEAD_DIMS = {"flash_attn": FUSED_MAX_HEAD_DIM, "sdpa (CUDA bf16/fp16)": FUSED_MAX_HEAD_DIM,
+                    "flash_attn4": max(FlashAttn4Backend.HEAD_DIMS)}
+
+
+def per_layer_shapes(m: ModelConfig) -> bool:
+    """Whether the model's blocks differ in head dim, kv heads or own K/V within a type."""
+    return bool(m.global_head_dim or m.global_n_kv_heads or m.num_kv_shared_layers)
+
+
+def layer_rank_shapes(s, m: ModelConfig, tp: int, i: int):
+    """RankShapes s with block i's head dim and kv heads on a TP rank (0 kv heads for a
+    block that shares an earlier one's K/V)."""
+    a = layer_attention(m)[i]
+    hk = 0 if a.kv_source is not None else kv_heads_per_rank(m, tp, layer_kv_heads(m, a))
+    return replace(s, hd=layer_head_dim(m, a), hk=hk)
+
+
+def kernels_refusing(m: ModelConfig) -> Optional[str]:
+    """The fused kernels that cannot take the model's largest head dim, in words (None:
+    every one takes it)."""
+    hd = max(layer_head_dim(m, a) for a in layer_attention(m))
+    refusing = [k for k, most in KERNEL_HEAD_DIMS.items() if hd > most]
+    return None if not refusing else (f"head dim {hd}: {', '.join(refusing)} cannot take it "
+                                      f"(those layers run on the math kernel)")
+

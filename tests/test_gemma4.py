@@ -1,0 +1,204 @@
+"""Gemma 4's attention under CP: a tiny Gemma 4 GPT (sliding layers of head dim 24 beside
+full layers of head dim 32 with one kv head whose values are their keys' projection, the
+last two layers attending with layers 2's and 1's K/V, per-layer inputs, layer scalars,
+logits capped at 2: each TP rank caps its vocabulary shard) at
+cp2 ring zigzag, cp2 Ulysses and tp2 x cp2, under each activation recompute: the loss
+and every gradient (gathered over TP) equal one process's. One spawn
+of four ranks, the layouts looped inside. The consumer layers read their producer's K/V
+as the producer's own ranks hold them, so a layout that computed them anew, or on other
+tokens, would change both; the folder's equality to transformers is tests/test_hf.py's.
+"""
+import pickle
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.tensor_parallel import gather_full_state_dict
+from ctxpar.testing import run_distributed
+from models.gpt import GPT
+from models.loss import global_mean_loss, global_token_count, loss_for_backward
+from models.options import ModelGroups, ModelOptions
+
+N, BATCH, SEED = 48, 2, 5
+TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+         "full_attention"]
+GEMMA4 = ModelConfig(
+    vocab_size=96, seq_len=N, n_layers=5, d_model=64, n_heads=4, n_kv_heads=2, head_dim=24,
+    ffn_hidden=96, mlp="geglu", norm_eps=1e-6, post_norms=True, scale_embeddings=True,
+    qk_norm=True, query_pre_attn_scalar=1.0, layer_types=TYPES, sliding_window=6,
+    rope_theta=1e6, rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
+    layer_rope={"sliding_attention": {"rope_theta": 1e4}}, global_head_dim=32,
+    global_n_kv_heads=1, attention_k_eq_v=True, value_norm=True, num_kv_shared_layers=2,
+    per_layer_input_dim=16, layer_scalar=True, final_logit_softcapping=2.0)
+# fp32; CP reorders the softmax's sums (partials merged by LSE, gradients summed over CP
+# and DP) over five layers: ~1e-6 of a tensor's largest value (sqrt(d)-scaled embeddings
+# and softmax scale 1 make this model's gradients up to ~1), so each tensor is compared
+# to 1e-5 of its own scale
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def close(got, want, msg):
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=msg)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, 96, (BATCH, N), generator=g)
+    labels = torch.randint(0, 96, (BATCH, N), generator=g)
+    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
+    return tokens, labels
+
+
+def reference(cfg):
+    """One process: token-mean loss and every gradient."""
+    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    tokens, labels = _batch()
+    loss = model(tokens, torch.arange(N), labels) / (labels != -100).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _parity(rank, world, payload):
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from models.loss import deepspeed_style_reduce_
+
+    out = []
+    for tp, cp, layout, comm, ckpt in pickle.loads(payload):
+        st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp))
+        model = GPT(GEMMA4, ModelGroups.from_state(st),
+                    ModelOptions(layout=layout, cp_comm=comm, seed=SEED,
+                                 activation_checkpointing=ckpt))
+        tokens, labels = _batch()
+        tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
+        pos = sequence_positions(N, st.cp_group, layout)
+        n_tokens = global_token_count(lab, st.dp_cp_group)
+        loss_sum = model(tok, pos, lab)
+        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
+        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        out.append(dict(loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
+                        grads=gather_full_state_dict(model, st.tp_group, grads=True)))
+    return out
+
+
+CASES = [(1, 2, "zigzag", "ring", "none"),       # dp2 beside: each CP pair its own batch
+         (1, 2, "zigzag", "ulysses", "selective"),  # one global kv head sent to both ranks
+         (2, 2, "zigzag", "ring", "full")]       # the global kv head replicated over TP
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_parity, 4, pickle.dumps(CASES), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return reference(GEMMA4)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_shared_kv_and_k_eq_v_over_cp_equal_one_process(world4, one_process, case):
+    loss, grads = one_process
+    tp, cp, layout, comm, ckpt = CASES[case]
+    where = f"tp{tp} cp{cp} {layout} {comm} {ckpt}"
+    for rank, per_case in enumerate(world4):
+        got = per_case[case]
+        torch.testing.assert_close(got["loss"], loss, **TOL, msg=f"{where} rank {rank}")
+        assert sorted(got["grads"]) == sorted(grads)
+        for n, g in grads.items():
+            close(got["grads"][n], g, f"{where} rank {rank} grad {n}")
+
+
+@pytest.mark.quick
+def test_consumer_layers_hold_no_kv_projection_and_read_their_producers():
+    model = GPT(GEMMA4)
+    names = {n for n, _ in model.named_parameters()}
+    assert "layers.3.attn.k_proj.weight" not in names  # consumers: q, o, q_norm only
+    assert "layers.4.attn.k_norm.weight" not in names
+    assert "layers.1.attn.v_proj.weight" not in names  # k_eq_v: values from k_proj
+    assert model.layers[1].attn.k_proj.weight.shape == (32, 64)  # one head of 32
+    assert model.layers[3].attn.kv_producer[0] is model.layers[2].attn
+    assert model.layers[4].attn.kv_producer[0] is model.layers[1].attn
+    # dropping the sharing computes other K/V: the loss moves
+    tokens, labels = _batch()
+    with torch.no_grad():
+        shared = model(tokens, torch.arange(N), labels)
+        own = GPT(replace(GEMMA4, num_kv_shared_layers=0), options=ModelOptions(seed=SEED))
+        assert not torch.allclose(own(tokens, torch.arange(N), labels), shared)
+
+
+@pytest.mark.parametrize("model,parallel,message", [
+    (dict(num_kv_shared_layers=5), {}, "model.num_kv_shared_layers=5: each of the last 5"),
+    (dict(layer_types=["full_attention"] * 3 + ["sliding_attention"] * 2),
+     {}, "needs an earlier layer of its type"),
+    (dict(global_n_kv_heads=3), {}, "model.global_n_kv_heads=3 must divide model.n_heads=4"),
+    (dict(query_pre_attn_scalar=None), {}, "needs model.query_pre_attn_scalar"),
+    ({}, dict(pp=2), "model.num_kv_shared_layers=2 with parallel.pp=2"),
+    (dict(num_kv_shared_layers=0), dict(pp=2), "model.per_layer_input_dim=16 with "
+                                               "parallel.pp=2"),
+    (dict(layer_types=["sliding_attention"] * 5, num_kv_shared_layers=0, global_head_dim=None,
+          global_n_kv_heads=None), {}, "model.attention_k_eq_v is set but no layer"),
+])
+def test_bad_gemma4_configs_fail_at_load_in_one_line(model, parallel, message):
+    fields = {k: v for k, v in vars(GEMMA4).items() if v is not None}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {**fields, **model},
+                          "parallel": {"tp": 1, "cp": 1, "dp": 1, **parallel}})
+    assert message in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------- the planner and kernels
+
+@pytest.mark.quick
+def test_the_planner_counts_the_parameters_the_model_holds():
+    from ctxpar.plan import counts
+    model = GPT(GEMMA4)
+    assert counts.total_params(GEMMA4) == sum(p.numel() for p in model.parameters())
+    assert counts.stage_vector_params(GEMMA4, 1, 1, 0) == sum(
+        p.numel() for p in model.parameters() if p.dim() == 1)
+
+
+def test_layers_sharing_kv_keep_no_kv_in_the_planners_activations():
+    """A consumer block saves q, out and lse (its K/V are its producer's tensors, and it has
+    no k_norm); the same block computing its own K/V would save them too: at least
+    2 N Hkv hd e more (and its k_norm's tensors)."""
+    from ctxpar.plan import counts
+    from ctxpar.plan.candidate import Candidate
+    cand = Candidate(1, 2, 1, 1)
+    shared = counts.activations(GEMMA4, cand, 2).layers
+    own = counts.activations(replace(GEMMA4, num_kv_shared_layers=0), cand, 2).layers
+    n = N // 2  # tokens a rank
+    assert own[3] - shared[3] >= 2 * n * 2 * 24 * 2  # sliding: 2 kv heads of 24
+    assert own[4] - shared[4] >= 2 * n * 1 * 32 * 2  # full: 1 kv head of 32
+    assert own[:3] == shared[:3]
+
+
+def test_head_dim_512_is_refused_by_the_fused_kernels_that_cannot_take_it():
+    from ctxpar.context_parallel.kernels import BACKENDS
+    from ctxpar.plan.kv_layers import kernels_refusing
+    big = replace(GEMMA4, global_head_dim=512)
+    assert "flash_attn, sdpa (CUDA bf16/fp16), flash_attn4 cannot take it" in \
+        kernels_refusing(big)
+    assert kernels_refusing(GEMMA4) is None  # 24 and 32
+    q = torch.empty(1, 4, 2, 512, dtype=torch.bfloat16)
+    assert BACKENDS["flash_attn"].why_not(q) == "head_dim 512 > 256"
+    assert BACKENDS["flash_attn"].why_not(q[..., :256]) != "head_dim 256 > 256"
+
+
+# ---------------------------------------------------------------- generation
+
+def test_cached_generation_keeps_the_producers_kv_alone_and_equals_full_forwards():
+    """One process: generate() with the KV cache (per-layer head dims and kv heads, the
+    consumer layers reading their producer's slots, which they never write) continues as
+    a full forward per token does, past the sliding window; the cache holds three layers'
+    K/V, not five."""
+    from ctxpar.inference import generate
+    from ctxpar.testing.generation import reference_generate
+    model = GPT(GEMMA4, options=ModelOptions(seed=SEED)).eval()
+    prompts = [[5, 17, 3, 88, 41, 9, 60, 2, 33, 71], [12, 4, 90]]
+    want, _ = reference_generate(model, prompts, 6)
+    out = generate(model, prompts, 6)
+    assert out.tokens == want
+    assert [tuple(k.shape[1::2]) for k in out.cache.keys] == [(2, 24), (1, 32), (2, 24)]

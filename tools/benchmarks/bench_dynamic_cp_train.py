@@ -1,0 +1,167 @@
+"""Dynamic CP against static ring CP through train.py, as a user runs it: tokens/s, both arms
+interleaved so that they share whatever else the machine is running.
+
+    python -m tools.benchmarks.bench_dynamic_cp_train --mix lognormal bimodal \\
+        --hybrid bimodal --world 4 --rounds 2 --steps 6
+
+For each mix, a token file of random documents is written once (their lengths below),
+then train.py runs on --world local ranks (torchrun) with data.dynamic_cp on both arms,
+alternating static, dynamic, static, dynamic, ... for --rounds rounds:
+
+    static    data.dynamic_cp_schedule=static: static CP's packing of the same documents
+              (in order, samples of world x tokens_per_rank tokens, each over all ranks,
+              document masking), ring, the striped layout (balanced with documents;
+              zigzag for the hybrid, whose state passing takes no striped layout)
+    dynamic   data.dynamic_cp_schedule=balanced (ctxpar/dynamic_cp/balance.py), ring,
+              zigzag, data.dynamic_cp_window=--window steps trading documents
+
+Both train --steps steps of --docs documents at --tokens-per-rank tokens per rank on the
+model of --config (configs/tiny_cpu.yaml's, fp32, ZeRO 1). A run's tokens/s is its
+steps' tokens over their seconds after step 1 (warmup), from its metrics.jsonl; an arm's
+figure is the median over its rounds, its schedule's max/mean (makespan over the mean
+rank's work, the planner's seconds) and predicted / bound the means over its steps.
+
+Mixes (lengths in tokens, seeded; --min-len and --max-len clip):
+    lognormal  log-normal, median --median-len, sigma --sigma
+    bimodal    80% uniform in 40..420, 20% log-normal of median 3,000 and sigma 0.5: most
+               documents short, a fifth long
+--hybrid MIX adds a hybrid model on that mix (Gated DeltaNet, Mamba2, attention, Gated
+DeltaNet layers; state passing over each pack's group).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from ctxpar.distributed.parallel_state import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HYBRID = ["model.n_layers=4",
+          "model.layer_types=[linear_attention,mamba,full_attention,linear_attention]",
+          "model.linear_num_key_heads=2", "model.linear_key_head_dim=16",
+          "model.mamba_head_dim=16", "model.ssm_state_size=16", "model.n_groups=2",
+          "model.linear_chunk_size=64"]
+
+
+def mix_lengths(mix: str, count: int, a) -> np.ndarray:
+    """`count` document lengths (tokens) of a mix (module docstring)."""
+    rng = np.random.default_rng([a.seed, ["lognormal", "bimodal"].index(mix)])
+    if mix == "lognormal":
+        n = rng.lognormal(np.log(a.median_len), a.sigma, count)
+    else:
+        short = rng.random(count) < 0.8
+        n = np.where(short, rng.integers(40, 421, count), rng.lognormal(np.log(3000), 0.5, count))
+    return np.clip(n, a.min_len, a.max_len).astype(int)
+
+
+def write_corpus(prefix: str, lengths) -> None:
+    """A token file of random documents of these lengths (inputs; EOS appended)."""
+    from ctxpar.data import IndexedDatasetWriter
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, vocab_size=256, eos_id=0) as w:
+        for n in lengths:
+            w.add_document(rng.integers(1, 256, int(n)).tolist())
+
+
+def train(run_dir: str, prefix: str, arm: str, a, model_sets) -> dict:
+    """One train.py run of an arm; its metrics per step."""
+    sets = ["data.kind=tokens", "data.dynamic_cp=true", f"data.path={prefix}",
+            "data.eval_fraction=0.02", f"data.tokens_per_rank={a.tokens_per_rank}",
+            f"model.seq_len={a.tokens_per_rank * a.world}", f"parallel.cp={a.world}",
+            "parallel.dp=1", "parallel.cp_comm=ring", f"train.steps={a.steps}",
+            f"train.global_batch_size={a.docs}", "train.eval_interval=0",
+            "train.warmup_steps=1", "logging.log_interval=1", "logging.wandb.mode=disabled",
+            f"logging.run_dir={run_dir}", *model_sets, *a.set]
+    static_layout = "zigzag" if model_sets else "striped"  # linear_cp state: no striped
+    sets += (["data.dynamic_cp_schedule=static", f"parallel.layout={static_layout}"]
+             if arm == "static"
+             else ["data.dynamic_cp_schedule=balanced", "parallel.layout=zigzag",
+                   f"data.dynamic_cp_window={a.window}"])
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": ROOT, "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.world),
+           "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
+           "--config", a.config, "--set", *sets]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"train.py ({arm}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {r["step"]: r for r in rows if "step_tokens" in r}
+
+
+def summary(steps: dict) -> dict:
+    """tokens/s after step 1, and the schedule's mean balance and distance to its bound."""
+    timed = [r for s, r in steps.items() if s > 1]
+    return {"tokens_per_s": sum(r["step_tokens"] for r in timed) / sum(r["step_time_s"]
+                                                                       for r in timed),
+            "max_over_mean": statistics.mean(r["schedule_max_over_mean"] for r in timed),
+            "predicted_over_bound": statistics.mean(r["predicted_over_bound"] for r in timed)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mix", nargs="*", default=["lognormal", "bimodal"],
+                    choices=["lognormal", "bimodal"])
+    ap.add_argument("--hybrid", nargs="*", default=["bimodal"],
+                    choices=["lognormal", "bimodal"], help="mixes to run a hybrid model on")
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2, help="static/dynamic pairs per case")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--docs", type=int, default=48, help="documents per step")
+    ap.add_argument("--window", type=int, default=4, help="data.dynamic_cp_window")
+    ap.add_argument("--median-len", type=float, default=600)
+    ap.add_argument("--sigma", type=float, default=1.3)
+    ap.add_argument("--min-len", type=int, default=40)
+    ap.add_argument("--max-len", type=int, default=12288)
+    ap.add_argument("--tokens-per-rank", type=int, default=4096)
+    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_cpu.yaml"))
+    ap.add_argument("--set", nargs="*", default=[], help="config overrides for both arms")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="runs/bench/dynamic_cp_train.json")
+    a = ap.parse_args(argv)
+    cases = [(m, "dense", []) for m in a.mix] + [(m, "hybrid", HYBRID) for m in a.hybrid]
+    out, tmp = [], tempfile.mkdtemp(prefix="bench_dyn_")
+    for mix, model, model_sets in cases:
+        prefix = os.path.join(tmp, mix)
+        if not os.path.exists(prefix + ".idx"):
+            write_corpus(prefix, mix_lengths(mix, int(1.2 * a.docs * (a.steps + a.window)), a))
+        runs = {"static": [], "dynamic": []}
+        for r in range(a.rounds):
+            for arm in ("static", "dynamic"):  # interleaved: the same contention for both
+                t0 = time.time()
+                steps = train(os.path.join(tmp, f"{mix}-{model}-{arm}-{r}"), prefix, arm, a,
+                              model_sets)
+                runs[arm].append(summary(steps))
+                print(f"{mix:>9} {model:>6} {arm:>7} round {r}: "
+                      f"{runs[arm][-1]['tokens_per_s']:>8,.0f} tokens/s, schedule max/mean "
+                      f"{runs[arm][-1]['max_over_mean']:.3f}, predicted/bound "
+                      f"{runs[arm][-1]['predicted_over_bound']:.3f} ({time.time() - t0:.0f} s)",
+                      flush=True)
+        med = {arm: statistics.median(x["tokens_per_s"] for x in v) for arm, v in runs.items()}
+        row = dict(mix=mix, model=model, static_tokens_per_s=med["static"],
+                   dynamic_tokens_per_s=med["dynamic"],
+                   speedup=med["dynamic"] / med["static"],
+                   dynamic_max_over_mean=statistics.mean(x["max_over_mean"]
+                                                         for x in runs["dynamic"]),
+                   dynamic_predicted_over_bound=statistics.mean(
+                       x["predicted_over_bound"] for x in runs["dynamic"]), runs=runs)
+        out.append(row)
+        print(f"{mix:>9} {model:>6}: dynamic {row['dynamic_tokens_per_s']:,.0f} / static "
+              f"{row['static_tokens_per_s']:,.0f} tokens/s = {row['speedup']:.2f}x; dynamic "
+              f"schedule max/mean {row['dynamic_max_over_mean']:.3f}, predicted/bound "
+              f"{row['dynamic_predicted_over_bound']:.3f}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump({"args": vars(a), "rows": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
