@@ -42,6 +42,8 @@ from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .attention import link_shared_kv
 from .block import Block
+from .dsa import (freeze_all_but_indexers, indexer_losses_of, indexer_recalls_of,
+                  link_shared_layers)
 from .mixers import INIT_RULES
 from .moe import MoE
 from .mtp import MTP
@@ -161,6 +163,7 @@ class GPT(nn.Module):
                             dtype))
             for i, a in enumerate(self.layer_attention))
         link_shared_kv(self.layers, self.layer_attention)  # model.num_kv_shared_layers
+        link_shared_layers(self.layers)  # model.dsa's 'shared' layers: the top-k before
         self.router_losses = None  # the last training forward's (models/moe.py), or None
         # dynamic CP sets the step's router rows: each forward then keeps its pack's share
         # and statistics in router_pack, with no collective (ctxpar/moe/aux.py pack_share)
@@ -177,11 +180,15 @@ class GPT(nn.Module):
             cfg, mtp_layer_attention(cfg), self.cp, tp_group, g.ep_group, cfg.mtp.moe,
             o.attention_backend, o.linear_cp, self.memory, selective, device, dtype))
         self.mtp_loss_sums = None  # the last training forward's (D,) MTP loss sums, detached
+        # the last training forward's DSA (KL sum, recall sum, recall queries), detached
+        self.indexer_sums = None
         # The planner counts from the same description: a change here must change it too.
         check_parameters(self.named_parameters(), cfg, tp_size_of(tp_group),
                          1 if g.ep_group is None else dist.get_world_size(g.ep_group))
         if self.embed.weight.device.type != "meta":  # meta: shapes only, nothing to fill
             self.init_weights(o.seed)
+        if cfg.dsa is not None and cfg.dsa.stage == "dense_warmup":
+            freeze_all_but_indexers(self)  # the report's warm-up: only the indexers learn
 
     @classmethod
     def from_config(cls, cfg: Config, state, device=None, dtype=None) -> "GPT":
@@ -238,6 +245,13 @@ class GPT(nn.Module):
         if labels is None:
             return self.lm_logits(x)
         loss = self.loss_sum(x, labels)
+        index = indexer_losses_of(self.layers)  # model.dsa's KL sum (dense_warmup, sparse)
+        recall = indexer_recalls_of(self.layers)  # 'dense_warmup' only
+        self.indexer_sums = None if index is None else torch.cat((
+            index.detach().reshape(1), torch.zeros(2, device=index.device) if recall is None
+            else recall.to(index.device)))
+        if index is not None:  # a token mean over the step's labels, as the LM loss
+            loss = loss + self.cfg.dsa.loss_weight * index
         if mtp_tokens is not None:
             loss = loss + self._mtp_loss(x, positions, cu_seqlens, mtp_tokens, mtp_labels,
                                          mtp_weights)

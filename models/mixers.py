@@ -1,6 +1,6 @@
 """The mixers a Block is made of, by kind: one registry, read once per layer.
 
-    TOKEN_MIXERS[layer.token_mixer]    'attention', 'mla', 'gated_delta', 'kda', 'mamba2' (None:
+    TOKEN_MIXERS[layer.token_mixer]    'attention', 'mla', 'dsa', 'gated_delta', 'kda', 'mamba2' (None:
                                        none)
     CHANNEL_MIXERS[kind]               'mlp', or 'moe' where model.moe.layers says
 
@@ -27,6 +27,7 @@ from .attention import Attention
 from .gated_delta import GatedDeltaNet, init_gated_delta
 from .kda import KimiDeltaAttention, init_kda
 from .mamba2 import Mamba2, init_mamba2
+from .dsa import DSA
 from .mla import MLA
 from .mlp import MLP
 from .moe import MoE
@@ -50,6 +51,7 @@ TOKEN_MIXERS: Dict[str, TokenMixerKind] = {
     "gated_delta": TokenMixerKind("linear_attn", GatedDeltaNet.from_layer, init_gated_delta),
     "mamba2": TokenMixerKind("mamba", Mamba2.from_layer, init_mamba2),
     "mla": TokenMixerKind("attn", MLA.from_layer),
+    "dsa": TokenMixerKind("attn", DSA.from_layer),
     "kda": TokenMixerKind("kda", KimiDeltaAttention.from_layer, init_kda),
 }
 

@@ -101,8 +101,14 @@ class MLA(TokenMixer):
 
     def project_in(self, x: torch.Tensor, cos, sin) -> Tuple[tuple, tuple]:
         """x (B, T/cp, d) -> (q (B, T/cp, H/tp, dn + dr), latent (B, T/cp, R + dr))."""
+        q, latent, _ = self.project(x, cos, sin)
+        return (q, latent), ()
+
+    def project(self, x: torch.Tensor, cos, sin):
+        """project_in's q and latent, and the query latent qa (B, T/cp, q_lora_rank) (None
+        without the bottleneck): DSA's indexer reads it."""
         B, T = x.shape[:2]
-        dims = self.dims
+        dims, qa = self.dims, None
         if self.q_lora_rank is None:
             q = self.q_proj(x)  # f inside: q_proj's input gradient summed over TP
         else:
@@ -119,7 +125,7 @@ class MLA(TokenMixer):
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_rot), dim=-1)
         # f: every TP rank's heads read the whole latent; its gradient summed over TP
         latent = copy_to_tensor_model_parallel_region(latent, self.tp_group)
-        return (q, latent), ()
+        return q, latent, qa
 
     def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
         q, latent = inputs

@@ -23,7 +23,8 @@ from ctxpar.moe.aux import moe_metrics
 
 from . import gpt_pipe
 from .loss import global_mean_loss, loss_for_backward
-from .step_kinds import MicroBatchSteps, PipelineSteps, StepOutput, mtp_inputs, mtp_metrics
+from .step_kinds import (MicroBatchSteps, PipelineSteps, StepOutput, add_indexer_sum,
+                         indexer_metrics, mtp_inputs, mtp_metrics)
 
 
 class MoESteps(MicroBatchSteps):
@@ -34,7 +35,7 @@ class MoESteps(MicroBatchSteps):
         engine, gas, divisor = self.engine, self.gas, self.divisor
         loss_sum = torch.zeros((), device=n_tokens.device)
         aux = torch.zeros(3, device=n_tokens.device)
-        counts = layer_counts = mtp_sums = None
+        counts = layer_counts = mtp_sums = index_sum = None
         for mb in micro:
             local = engine(mb["tokens"], mb["positions"], mb["labels"],
                            cu_seqlens=mb.get("cu_seqlens"), **mtp_inputs(mb))
@@ -46,6 +47,7 @@ class MoESteps(MicroBatchSteps):
             if "mtp_tokens" in mb:  # model.mtp (a dense MTP block beside MoE layers)
                 sums = engine.module.mtp_loss_sums.float()
                 mtp_sums = sums if mtp_sums is None else mtp_sums + sums
+            index_sum = add_indexer_sum(index_sum, engine.module)  # model.dsa's KL
             aux += torch.stack([router.aux_loss, router.z_loss, router.seq_aux_loss]) / gas
             counts = router.tokens_per_expert if counts is None else \
                 counts + router.tokens_per_expert
@@ -56,6 +58,9 @@ class MoESteps(MicroBatchSteps):
         extras = moe_metrics(aux, counts)
         if mtp_sums is not None:
             extras.update(mtp_metrics(mtp_sums, micro[0], n_tokens, loss, self.state))
+        if index_sum is not None:
+            extras.update(indexer_metrics(index_sum, n_tokens, loss,
+                                          engine.module.cfg.dsa.loss_weight, self.state))
         return StepOutput(loss.item(), extras=extras)
 
 

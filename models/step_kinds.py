@@ -79,6 +79,32 @@ def mtp_metrics(mtp_sums: torch.Tensor, mb, n_tokens: torch.Tensor, loss: torch.
             **{f"mtp_loss_{k + 1}": v.item() for k, v in enumerate(per_depth)}}
 
 
+def indexer_metrics(index_sum: torch.Tensor, n_tokens: torch.Tensor, loss: torch.Tensor,
+                    weight: float, state) -> Dict[str, float]:
+    """The metrics line's DSA fields (model.dsa under dense_warmup or sparse): the
+    indexer's KL summed over its layers as a token mean over the step's labels
+    (indexer_loss), the LM loss alone (lm_loss; ``loss`` adds loss_weight x it) and, under
+    dense_warmup, the mean over queries and layers of the share of the dense attention's
+    top-k the indexer selects (indexer_recall). index_sum: (KL, recall sum, queries)."""
+    total = index_sum.clone()  # this rank's sums over the step's micro-batches
+    if state.dp_cp_group is not None and dist.get_world_size(state.dp_cp_group) > 1:
+        dist.all_reduce(total, group=state.dp_cp_group)
+    mean = total[0] / n_tokens.clamp(min=1.0)
+    out = {"indexer_loss": mean.item(), "lm_loss": (loss - weight * mean).item()}
+    if total[2] > 0:
+        out["indexer_recall"] = (total[1] / total[2]).item()
+    return out
+
+
+def add_indexer_sum(total, module):
+    """total + the model's last forward's indexer sums (GPT.indexer_sums; None when it
+    has none)."""
+    new = module.indexer_sums
+    if new is None:
+        return total
+    return new.float() if total is None else total + new.float()
+
+
 def micro_batch_step(engine, micro, n_tokens, state, gas: int, divisor: int):
     """One optimizer step without a pipeline: gas forward/backward passes, then the update.
 
@@ -87,7 +113,7 @@ def micro_batch_step(engine, micro, n_tokens, state, gas: int, divisor: int):
     with model.mtp, the metrics' MTP fields.
     """
     loss_sum = torch.zeros((), device=n_tokens.device)
-    mtp_sums = None
+    mtp_sums = index_sum = None
     for mb in micro:
         local = engine(mb["tokens"], mb["positions"], mb["labels"],  # sum of token losses
                        cu_seqlens=mb.get("cu_seqlens"),  # documents (data.document_mask)
@@ -98,8 +124,12 @@ def micro_batch_step(engine, micro, n_tokens, state, gas: int, divisor: int):
         if "mtp_tokens" in mb:
             sums = engine.module.mtp_loss_sums.float()
             mtp_sums = sums if mtp_sums is None else mtp_sums + sums
+        index_sum = add_indexer_sum(index_sum, engine.module)
     loss = global_mean_loss(loss_sum, n_tokens, state.dp_cp_group)
     extras = {} if mtp_sums is None else mtp_metrics(mtp_sums, micro[0], n_tokens, loss, state)
+    if index_sum is not None:
+        extras.update(indexer_metrics(index_sum, n_tokens, loss,
+                                      engine.module.cfg.dsa.loss_weight, state))
     return loss, extras
 
 

@@ -214,6 +214,58 @@ def test_hybrid_gpt_bf16_forward_backward(family, monkeypatch):
         assert mode.host_syncs == 0
 
 
+@pytest.mark.parametrize("mixer,strategy,layout", [
+    ("gdn", "state", "contiguous"), ("kda", "heads", "zigzag"), ("ssd", "heads", "zigzag")])
+def test_libraries_run_per_recompute_segment(mixer, strategy, layout, monkeypatch):
+    """recompute_chunks=1 (segments of one chunk, 4 tokens): each library is called once
+    per segment in forward (the first from the initial state or none, the next ones from
+    the fp32 state handed on, the final state always asked for, documents per segment as
+    cu_seqlens with its host copy or as seq_idx) and once per segment again in backward
+    (lean.ChunkedScan); gradients on CUDA, no host sync. One process and every rank of 4."""
+    library = {"gdn": "fla", "kda": "fla_kda", "ssd": "mamba_ssm"}[mixer]
+    with dry.fake_cuda(monkeypatch) as mode:
+        lin.install(monkeypatch)
+        for group in groups():
+            P_ = group.world_size
+            n = S * P_
+            cp = dict(cp_group=group, layout=layout, strategy=strategy, cu_seqlens=docs(n),
+                      chunk_size=4, recompute_chunks=1)
+            start = len(lin.CALLS)
+            if mixer == "ssd":
+                x, dt, B, C = rand(2, S, 4, 8), rand(2, S, 4, dtype=FP32), rand(2, S, 2, 16), \
+                    rand(2, S, 2, 16)
+                A, D, h0 = rand(4, dtype=FP32), rand(4), rand(2, 4, 8, 16, dtype=FP32)
+                y, final = ssd_cp(x, dt, A, B, C, D=D, initial_states=h0,
+                                  return_final_states=True, **cp)
+                leaves = (x, dt, A, B, C, D, h0)
+            else:
+                q, k, v = rand(2, S, 2, 16), rand(2, S, 2, 16), rand(2, S, 4, 8)
+                g = rand(2, S, 4, *((16,) if mixer == "kda" else ()), dtype=FP32)
+                beta, h0 = rand(2, S, 4), rand(2, 4, 16, 8, dtype=FP32)
+                op = kda_cp if mixer == "kda" else gated_delta_rule_cp
+                y, final = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, **cp)
+                leaves = (q, k, v, g, beta, h0)
+            forward = list(lin.CALLS[start:])
+            check_grads(leaves, torch.autograd.grad(y.float().sum() + final.sum(), leaves))
+            backward = lin.CALLS[start + len(forward):]
+            tokens = n if strategy == "heads" else S  # the kernel's per row
+            assert len(forward) == len(backward) == tokens // 4, (len(forward), len(backward))
+            L = len(forward)  # backward recomputes the segments last to first
+            for i, call in enumerate(forward + list(backward)):
+                a, segment = call.args, (i if i < L else 2 * L - 1 - i)
+                assert call.library == library and a.get("output_final_state",
+                                                          a.get("return_final_states"))
+                state = a.get("initial_state", a.get("initial_states"))
+                if segment:  # a later segment: the state handed on, fp32
+                    assert state is not None and state[1] == FP32, (i, a)
+                if mixer == "ssd":
+                    assert a["seq_idx"] == (((2, 4), torch.int32, "cuda")), a
+                else:
+                    assert a["cu_seqlens"][1:] == (torch.int32, "cuda")
+                    assert a["cu_seqlens_cpu"][1:] == (torch.int32, "cpu") and a["q"][0][1] == 8
+        assert mode.host_syncs == 0
+
+
 def test_fp32_stays_on_the_torch_kernel_and_says_so(monkeypatch, caplog):
     """fp32 on CUDA: auto passes fla over (its Triton dots would round to TF32) with the
     reason in the log line, and the torch kernel runs on the device without a sync."""

@@ -313,7 +313,10 @@ def test_every_shipped_config_validates(path):
                                          ("extend_llama4_scout_1m", 107_769_861_120),
                                          ("extend_mimo_v2_flash_1m", 308_778_768_832),
                                          ("extend_kimi_linear_48b_1m", 49_122_675_072),
-                                         ("extend_gemma4_31b_512k", 30_697_345_280)])
+                                         ("extend_gemma4_31b_512k", 30_697_345_280),
+                                         ("extend_deepseek_v32_1m", 671_877_929_216),
+                                         ("extend_glm5_800k", 743_911_199_232),
+                                         ("extend_deepseek_v3_671b_128k", 671_026_404_352)])
 def test_gpu_configs_build_the_stated_model_on_meta(name, params):
     # The sizes the config comments and README state; meta device: shapes only.
     import torch
@@ -339,7 +342,13 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
                                                 "extend_mimo_v2_flash_1m":
                                                 15_445_924_288,
                                                 "extend_kimi_linear_48b_1m":
-                                                3_484_453_248}[name]
+                                                3_484_453_248,
+                                                "extend_deepseek_v32_1m":
+                                                38_403_807_488,
+                                                "extend_glm5_800k":
+                                                41_784_709_632,
+                                                "extend_deepseek_v3_671b_128k":
+                                                37_552_282_624}[name]
 
 
 def quoted_verdicts():
@@ -349,13 +358,16 @@ def quoted_verdicts():
     for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
         comments = " ".join(line.lstrip("#").strip() for line in open(path)
                             if line.startswith("#"))
-        command = re.search(r"python -m ctxpar\.plan (--config \S+(?: --nodes \d+)?)"
-                            r"(?! --max-seq-len| --set)", comments)
-        own = re.search(r"the config's own layout: (\S+(?: \S+)*?): ([\d.]+) GB, ([\d,]+) "
-                        r"tokens/s per GPU, MFU ([\d.]+)%", comments)
-        if command and own:
-            found.append(pytest.param(command.group(1).split(), own.groups(),
-                                      id=os.path.basename(path)[:-5]))
+        # each command (its --set overrides too) with the own-layout line after it
+        for k, command in enumerate(re.finditer(
+                r"python -m ctxpar\.plan (--config \S+(?: --set(?: \S+=\S+)+)?"
+                r"(?: --nodes \d+)?)(?! --max-seq-len| --set| --documents)", comments)):
+            own = re.compile(r"the config's own layout: ([^:]+?): ([\d.]+) GB, "
+                             r"([\d,]+) tokens/s per GPU, MFU ([\d.]+)%").search(
+                comments, command.end())
+            if own:
+                found.append(pytest.param(command.group(1).split(), own.groups(),
+                                          id=f"{os.path.basename(path)[:-5]}-{k}"))
     return found
 
 
@@ -366,8 +378,8 @@ def test_configs_quote_what_the_planner_predicts_for_their_own_layout(args, quot
     layout alone (the whole search is the command's: minutes), must print the same."""
     from ctxpar.plan.__main__ import cluster_of, own_layout, parse_args
     a = parse_args(args)
-    line = own_layout(load_config(os.path.join(ROOT, a.config), check_paths=False),
-                      cluster_of(a))
+    line = own_layout(load_config(os.path.join(ROOT, a.config), a.set or (),
+                                  check_paths=False), cluster_of(a))
     name, gb, tokens, mfu = quoted
     assert line == (f"the config's own layout: {name}: {gb} GB, {tokens} tokens/s per GPU, "
                     f"MFU {mfu}%"), f"{a.config} quotes {quoted}; the planner prints {line}"
@@ -419,6 +431,24 @@ def test_the_hybrid_configs_quote_their_longest_context_on_1_and_8_gpus():
     ids = {p.id for p in quoted_longest()}
     assert {f"{c}-{g}gpus" for c in ("extend_qwen3_5_9b_1m", "extend_nemotron_h_8b_32k")
             for g in (1, 8)} <= ids, sorted(ids)
+
+
+def test_the_planner_docs_quote_the_hybrid_configs_longest_context():
+    """docs/planner.md's table of Qwen3.5-9B's and Nemotron-H-8B's longest context gives
+    the configs' quoted lengths and layouts (themselves held to the planner above), so
+    the docs, the configs and the planner cannot drift apart."""
+    quoted = {p.id: p.values[1:] for p in quoted_longest()}
+    configs = {"Qwen3.5-9B": "extend_qwen3_5_9b_1m", "Nemotron-H-8B": "extend_nemotron_h_8b_32k"}
+    text = open(os.path.join(ROOT, "docs", "planner.md")).read()
+    rows = re.findall(r"^\| (Qwen3\.5-9B|Nemotron-H-8B) \| (\d+) \| ([\d,]+) \| ([^|]+) \|",
+                      text, re.M)
+    assert len(rows) == 4, rows
+    for model, gpus, tokens, layout in rows:
+        want_tokens, want_layout = quoted[f"{configs[model]}-{gpus}gpus"]
+        assert int(tokens.replace(",", "")) == want_tokens, (model, gpus, tokens, want_tokens)
+        # the docs name the layout by its words but pp1 dp1 mb1 (and the options in words)
+        assert set(layout.split(",")[0].split()) <= set(want_layout.split()), \
+            (model, gpus, layout, want_layout)
 
 
 def test_run_dir_that_cannot_be_created_is_a_config_error(tmp_path):

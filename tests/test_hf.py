@@ -29,7 +29,8 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,  # noqa: E402
-                          DeepseekV3Config, Gemma3TextConfig, Gemma4TextConfig,
+                          DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig,
+                          Gemma3TextConfig, Gemma4TextConfig,
                           Glm4MoeConfig, GptOssConfig, KimiLinearConfig,
                           Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiMoV2FlashConfig,
                           MiniMaxM2Config,
@@ -175,6 +176,20 @@ FAMILY_CONFIGS = {
     # DeepSeek-V2(-Lite): q_proj, the softmax router unnormalised times 2, two shared experts
     "deepseek_v2": (DeepseekV2Config, dict(MLA_SMALL, q_lora_rank=None,
                                            routed_scaling_factor=2.0, n_shared_experts=2)),
+    # DeepSeek-V3.2: V3's MLA and experts with the lightning indexer (16 heads of 16, RoPE
+    # half-split on their first 8 channels), each query's top 12 of the tests' tokens;
+    # 16 heads so that no k-th score is an exact tie (every head's ReLU 0: the passkey
+    # rows at 8 heads had one), whose order torch.topk leaves undocumented (ctxpar: the
+    # lower position)
+    "deepseek_v32": (DeepseekV32Config, dict(MLA_SMALL, q_lora_rank=24, n_group=2,
+                                             topk_group=1, index_n_heads=16,
+                                             index_head_dim=16, index_topk=12)),
+    # GLM-5: the same with the indexer's RoPE on interleaved pairs and layer 1 'shared'
+    # (it attends over layer 0's selection), one expert group
+    "glm_moe_dsa": (GlmMoeDsaConfig, dict(MLA_SMALL, q_lora_rank=24, n_group=1,
+                                          topk_group=1, index_n_heads=16, index_head_dim=16,
+                                          index_topk=12,
+                                          indexer_types=["full", "shared", "full"])),
     # GLM-4.5: a dense first layer then DeepSeek-V3's router (8 experts in 2 groups, a
     # token's top 3 from its best group, sigmoid scores + the correction bias, times 2.5)
     # with two shared experts' width; q/k/v biases, per-head q/k norms, RoPE on half of
@@ -357,6 +372,10 @@ ROPE_VARIANTS = {
     "deepseek_v3": dict(rope_parameters=rope("yarn", mscale=1.0, mscale_all_dim=0.707),
                         q_lora_rank=None, rope_interleave=False),
     "deepseek_v2": dict(rope_parameters=rope("yarn", mscale=0.707, mscale_all_dim=0.707)),
+    "deepseek_v32": dict(rope_parameters=rope("yarn", mscale=1.0, mscale_all_dim=0.707),
+                         index_topk=5),
+    "glm_moe_dsa": dict(rope_parameters=rope("yarn", mscale=1.0, mscale_all_dim=0.707),
+                        indexer_types=["full", "full", "shared"], first_k_dense_replace=0),
     "glm4_moe": dict(rope_parameters=rope("yarn", partial_rotary_factor=0.75),
                      use_qk_norm=False, norm_topk_prob=False, first_k_dense_replace=0),
     "minimax_m2": dict(rope_parameters=rope("llama3", 1e6), rotary_dim=24),
@@ -384,7 +403,8 @@ FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral",
                 ("olmo_hybrid", False), ("qwen3_moe", False), ("qwen2_moe", True),
                 ("mixtral", False), ("gpt_oss", False), ("nemotron_h_moe", False),
                 ("qwen3_next", False), ("qwen3_5_moe_text", True), ("deepseek_v3", False),
-                ("deepseek_v2", True), ("glm4_moe", False), ("minimax_m2", False),
+                ("deepseek_v2", True), ("deepseek_v32", False), ("glm_moe_dsa", True),
+                ("glm4_moe", False), ("minimax_m2", False),
                 ("llama4_text", False), ("mimo_v2_flash", False), ("kimi_linear", False),
                 ("gemma4_text", True)]
 
@@ -441,6 +461,10 @@ NEW_FEATURES = {
                     {"value_norm": False}, {"per_layer_input_dim": 0}, {"layer_scalar": False},
                     {"rope_scaling": None}, {"query_pre_attn_scalar": 24.0},
                     {"final_logit_softcapping": None}],
+    # the indexer's selection (dense MLA instead), GLM-5's pairs in its RoPE and its
+    # shared layer (an indexer of its own)
+    "deepseek_v32": [{"dsa": None}, {"dsa.index_topk": 48}],
+    "glm_moe_dsa": [{"dsa.rope_interleave": False}, {"dsa.indexer_types": None}],
 }
 
 
@@ -467,10 +491,12 @@ def test_what_each_new_family_adds_moves_the_loss_past_the_runs_tolerance(
                                     global_temperature(p % 24, floor, scale))
                 changed = model
             else:
-                top = {k: v for k, v in change.items() if not k.startswith("moe.")}
+                top = {k: v for k, v in change.items() if not k.startswith(("moe.", "dsa."))}
                 moe = {k[4:]: v for k, v in change.items() if k.startswith("moe.")}
+                dsa = {k[4:]: v for k, v in change.items() if k.startswith("dsa.")}
                 cfg = replace(model.cfg, **top, **(
-                    {"moe": replace(model.cfg.moe, **moe)} if moe else {}))
+                    {"moe": replace(model.cfg.moe, **moe)} if moe else {}), **(
+                    {"dsa": replace(model.cfg.dsa, **dsa)} if dsa else {}))
                 changed = GPT(cfg).eval()
                 changed.load_state_dict(model.state_dict(), strict=False)
             got = _loss(changed(tokens, torch.arange(48)), tokens)
@@ -1652,6 +1678,11 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
                                            "cp2-allgather")] + [
     # DeepSeek-V2-Lite's form (q_proj, the unnormalised softmax router) at cp2 Ulysses
     ("deepseek_v2", "cp2-heads")] + [
+    # DeepSeek-V3.2: the indexer's top-k streamed over the ring with the latent, sparse MLA
+    # over the selected tokens, at cp2 x ep2 (generate.py's cache of latents and indexer
+    # keys, its top-k over CP, too); cp2 all-gather, tp2 x cp2, cp2 x pp2 and GLM-5 run by
+    # hand (docs/checkpoints.md)
+    ("deepseek_v32", "cp2-zigzag-ep2")] + [
     # GLM-4.5: DeepSeek-V3's router after a dense layer, partial RoPE, q/k norms and
     # biases, its shared experts; cp2 x ep2 (generate.py too)
     ("glm4_moe", "cp2-zigzag-ep2")] + [

@@ -21,12 +21,13 @@ import torch
 from ctxpar.context_parallel import LOCAL, NoComm
 from ctxpar.context_parallel.linear import gpu_kernels, kernels
 from ctxpar.context_parallel.linear.conv import run_plan
-from ctxpar.testing.linear import (documents, gdn_leaves, linear_tolerance, run_case,
-                                   ssd_leaves)
+from ctxpar.context_parallel.linear.state_passing import SEGMENTS
+from ctxpar.testing.linear import (documents, gdn_leaves, kda_leaves, linear_tolerance,
+                                   run_case, ssd_leaves)
 from helpers import linear_libraries as libs
 
 N = 48
-DIMS = {"gdn": (2, 4, 8, 6), "ssd": (4, 6, 4, 5)}  # conv channels 56 and 64: multiples of 8
+DIMS = {"gdn": (2, 4, 8, 6), "kda": (2, 4, 8, 6), "ssd": (4, 6, 4, 5)}  # conv channels 56 and 64: multiples of 8
 CASES = [("state", "contiguous"), ("state", "zigzag"), ("heads", "zigzag"),
          ("heads", "striped")]
 
@@ -46,6 +47,7 @@ def emulated(monkeypatch):
     """kernels.KERNELS' GPU entries over the emulations, runnable on CPU in fp32 and bf16;
     .use(False) makes 'auto' pass them over (torch)."""
     impls = {"gated_delta": gpu_kernels.FlaGatedDelta(counted(libs.chunk_gated_delta_rule)),
+             "kda": gpu_kernels.FlaKDA(counted(libs.chunk_kda)),
              "ssd": gpu_kernels.MambaSSD(counted(libs.mamba_chunk_scan_combined)),
              "conv": gpu_kernels.CausalConv1dKernel(counted(libs.causal_conv1d_fn))}
     for op, impl in impls.items():
@@ -63,7 +65,8 @@ def emulated(monkeypatch):
 
 
 def _leaves(mixer):
-    return (gdn_leaves if mixer == "gdn" else ssd_leaves)(N, DIMS[mixer], torch.float32)
+    leaves = {"gdn": gdn_leaves, "kda": kda_leaves, "ssd": ssd_leaves}[mixer]
+    return leaves(N, DIMS[mixer], torch.float32)
 
 
 @pytest.mark.parametrize("strategy,layout", [
@@ -89,6 +92,51 @@ def test_gpu_adapters_match_the_torch_kernels(mixer, strategy, layout, emulated)
                    if not torch.allclose(got[k], want[k], **linear_tolerance(
                        torch.float32, want[k]))]
             assert sorted(got) == sorted(want) and not bad, (world, rank, bad)
+
+
+OP = {"gdn": "gated_delta", "kda": "kda", "ssd": "ssd"}
+PER_HEAD = {"grad_A_log", "grad_dt_bias", "grad_D"}
+# documents starting on segments' first tokens (24, 40; 44 on rank 3 of 4), mid-segment,
+# one token long, at a rank's first token (12, 36)
+ON_SEGMENTS = [torch.tensor([0, 5, 6, 24, 47, 48], dtype=torch.int32),
+               torch.tensor([0, 12, 13, 36, 40, 44, 48], dtype=torch.int32)]
+
+
+@pytest.mark.parametrize("mixer", [pytest.param("gdn", marks=pytest.mark.quick), "kda", "ssd"])
+def test_libraries_called_per_segment_equal_one_call(mixer, emulated):
+    """The libraries (fla's chunk_gated_delta_rule and chunk_kda, mamba_ssm's scan) called
+    once per recompute segment of one chunk (8 tokens: 48 on one process, 12 or 48 on
+    each of 4 ranks, 6 a segment under zigzag state passing: one call; lean.ChunkedScan:
+    the entering state as initial_state, the documents cut per segment, a segment starting a document from a
+    zero state, the segments recomputed last to first in backward) against one call over
+    the rank's tokens, every strategy and layout on one process and on ranks 1 and 3 of 4,
+    with documents (ON_SEGMENTS) and an initial state: outputs, final states and every gradient. Both
+    sides run the same fp32 math (the emulations, chunks of 16 in fla's) cut at other
+    places: differences of a few 1e-7 of the tensor's scale, 1e-6 of it is the bound (a
+    state not carried or leaking into a document moves results by O(0.1)); the per-head
+    parameters' gradients (A_log, dt_bias, D) are sums over every token that mostly cancel
+    (5e-6 of their largest seen): 1e-5 for them."""
+    leaves = _leaves(mixer)
+    emulated.use(True)
+    for strategy, layout in CASES:
+        for world, rank in ((1, 0), (4, 1), (4, 3)):
+            group = LOCAL if world == 1 else NoComm(rank, world)
+            run = lambda chunks: run_case(  # noqa: E731
+                mixer, leaves, DIMS[mixer], group, layout, strategy, ON_SEGMENTS, chunks)
+            want = run(N)  # one segment: one call each way
+            before = emulated.calls()[OP[mixer]]
+            got = run(1)
+            calls = emulated.calls()[OP[mixer]] - before
+            tokens = N if strategy == "heads" else N // world  # the kernel's per row
+            cut = tokens // SEGMENTS.get(layout, 1) if world > 1 and strategy == "state" \
+                else tokens
+            # each way once per segment; within one segment one call, its own backward
+            assert calls == (2 * -(-cut // 8) if cut > 8 else 1), (strategy, layout, calls)
+            tol = lambda k: 1e-5 if k in PER_HEAD else 1e-6  # noqa: E731
+            bad = [f"{k}: {(got[k] - want[k]).abs().max():.2e}" for k in want
+                   if not torch.allclose(got[k], want[k], rtol=tol(k),
+                                         atol=tol(k) * max(1.0, want[k].abs().max().item()))]
+            assert sorted(got) == sorted(want) and not bad, (strategy, layout, world, bad)
 
 
 def test_flattened_documents_keep_each_rows_first_and_last():

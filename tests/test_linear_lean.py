@@ -1,6 +1,7 @@
 """The lean torch kernels (ctxpar/context_parallel/linear/lean.py) against today's kernels.
 
-gated_delta_lean and ssd_lean run gated_delta_fp32 and ssd_fp32 segment by segment, under
+gated_delta_lean, kda_lean and ssd_lean run gated_delta_fp32, kda_fp32 and ssd_fp32
+segment by segment, under
 no_grad in forward and again with autograd in backward; they must give what the kernels
 give under autograd: outputs, final states and every gradient (q, k, v, g, beta and the
 initial state; x, dt, A, B, C, D and the initial state), with grouped heads, documents (one

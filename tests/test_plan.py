@@ -836,14 +836,48 @@ def test_the_search_picks_state_passing_for_a_hybrid_and_says_why():
     assert f2 == 2 * f1
 
 
+@pytest.mark.parametrize("strategy,layout", [("heads", "zigzag"), ("state", "zigzag")])
+def test_gpu_libraries_per_segment_hold_one_segment_beside_the_inputs_gradients(strategy,
+                                                                              layout):
+    """Qwen3.5-9B's GDN (16 key / 32 value heads of 128) and Nemotron-H-8B's Mamba2 in bf16
+    on CUDA over cp 8: past one segment (2,048 tokens a kernel row) the libraries run per
+    segment (gpu_kernels.py), so what their backward holds beyond the layer's saved set
+    grows only by the inputs' gradients (linear_saved.*_kernel_inputs), and the layer
+    saves the inputs and the states between segments; a row within one segment is one
+    library call, its whole backward counted (fla_gdn_backward, mamba_ssm_backward)."""
+    from ctxpar.plan import linear_saved as ls
+    from ctxpar.plan.linear_layers import mixer_saved, mixer_working_set, segmented
+    gdn = ls.GatedDeltaShapes(16, 32, 128, 128, 4, 64)
+    mamba = ls.MambaShapes(128, 64, 128, 8, 4, 128)
+    key = lambda sh: 16 if sh is gdn else 8  # noqa: E731 - the heads' replicated key heads
+    for kind, sh, inputs in (("linear_attention", gdn, ls.gdn_kernel_inputs),
+                             ("mamba", mamba, ls.mamba_kernel_inputs)):
+        args = (2, 8, strategy, layout, "cuda")
+        heads = key(sh) if strategy == "heads" else 0
+        small, big, bigger = 128, 2 ** 19, 2 ** 20  # local tokens
+        assert not segmented(sh, 1, small, 8, strategy, layout)
+        assert segmented(sh, 1, big, 8, strategy, layout)
+        grew = mixer_working_set(kind, sh, 1, bigger, *args) \
+            - mixer_working_set(kind, sh, 1, big, *args)
+        extra = 1 * (bigger - big) * sh.Hv * sh.Dk * 2 if (kind == "linear_attention"
+                                                          and strategy == "state") else 0
+        assert grew == inputs(1, bigger, sh, 2, heads) - inputs(1, big, sh, 2, heads) + extra
+        whole = (ls.fla_gdn_backward if sh is gdn else ls.mamba_ssm_backward)
+        if strategy == "heads":  # one call: its backward over the rank's tokens
+            assert mixer_working_set(kind, sh, 1, small, *args) == whole(1, small, sh, 2)
+        # per segment the layer saves the inputs, not the library's tensors
+        per_token = mixer_saved(kind, sh, 1, bigger, *args) / bigger
+        assert per_token < mixer_saved(kind, sh, 1, small, *args) / small
+
+
 def test_max_seq_len_of_a_hybrid_is_bounded_by_its_linear_layers_replay():
     """--max-seq-len of the Qwen3.5-like hybrid on 4 H100s (ring, tiled loss and MLP):
     it has a longest context, a multiple of its layout's chunks, shorter than the same
-    widths with attention in every layer: on H100s the counted kernel is fla's, whose
-    backward holds about Hv (5 Dk + 3 Dv + 2 Dk Dv / C) bf16 bytes a token over the rank's
-    whole sequence (some 100 KB a token at Qwen3.5's 32 x 128 heads; linear_saved.
-    fla_gdn_backward) where attention keeps q, k, v and its output (12 KB), so a GDN
-    block's backward, not the K,V, is what fills the device."""
+    widths with attention in every layer: on H100s fla runs once per recompute segment
+    (its backward's tensors are one segment's), but the replayed GDN block still saves its
+    conv's input, the kernel's inputs, the gated norm's x and z and out_proj's input over
+    the rank's whole sequence (linear_layers.mixer_saved) where attention keeps q, k, v
+    and its output, so a GDN block's replay, not the K,V, is what fills the device."""
     from ctxpar.plan.cluster import Cluster, gpu_preset
     from ctxpar.plan.longest import Allowed, search_longest
     allowed = Allowed(patterns=("ring",), options=("tiled_loss", "tiled_mlp"), tp=1, pp=1)
@@ -966,7 +1000,7 @@ def test_block_fields_are_all_block_specs_reads():
                          "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe",
                          "mla", "layer_kv_heads", "v_head_dim", "global_head_dim",
                          "global_n_kv_heads", "attention_k_eq_v", "num_kv_shared_layers",
-                         "per_layer_input_dim"} == \
+                         "per_layer_input_dim", "dsa"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}
 
 

@@ -31,6 +31,7 @@ from typing import Any, Dict, Optional, Tuple
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
 from ..config.hf_families import NOT_BUILT
 from ..config.layers import layer_types
+from ..config.dsa import dsa_architecture
 from .families import FAMILIES, WRAPPERS, family_of, moe_held
 from .families.base import ARCH_DEFAULTS, refuse_export_of
 from .resume import CheckpointError
@@ -233,9 +234,10 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
 def architecture(fields: Dict[str, Any]) -> Dict[str, Any]:
     """model.* fields with the ones left unset resolved (n_kv_heads, ffn_hidden, head_dim,
     query_pre_attn_scalar, layer_types), so that two descriptions of one architecture
-    compare equal."""
+    compare equal; model.dsa's training fields (stage, loss_weight) are no architecture."""
     m = ModelConfig(**{k: v for k, v in fields.items() if k != "init_from"})
     return {**vars(m), "n_kv_heads": m.n_kv_heads or m.n_heads, "layer_types": layer_types(m),
+            "dsa": dsa_architecture(m.dsa),
             "ffn_hidden": resolved_ffn_hidden(m), "head_dim": resolved_head_dim(m),
             "query_pre_attn_scalar": (m.query_pre_attn_scalar if m.query_pre_attn_scalar
                                       is not None else float(resolved_head_dim(m)))}

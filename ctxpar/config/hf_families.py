@@ -25,6 +25,8 @@ REGISTRY = (
     ("qwen3_5_moe_text", "qwen3_next", "QWEN3_5_MOE"),
     ("deepseek_v3", "deepseek", "V3"),
     ("deepseek_v2", "deepseek", "V2"),
+    ("deepseek_v32", "deepseek_dsa", "V32"),
+    ("glm_moe_dsa", "deepseek_dsa", "GLM_MOE_DSA"),
     ("glm4_moe", "glm4_moe", "FAMILY"),
     ("minimax_m2", "minimax_m2", "FAMILY"),
     ("llama4_text", "llama4", "FAMILY"),

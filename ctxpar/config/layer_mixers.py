@@ -20,17 +20,26 @@ LAYER_MIXERS = {  # layer type -> (token mixer, channel mixer); None: the block 
 }
 LAYER_TYPES = tuple(LAYER_MIXERS)
 # What an attention layer runs: its type's 'attention', or a model-wide kind in its place
-# (model.mla: multi-head latent attention; token_mixer_of)
-ATTENTION_MIXERS = ("attention", "mla")
+# (model.mla: multi-head latent attention; model.dsa: MLA over the indexer's top-k;
+# token_mixer_of)
+ATTENTION_MIXERS = ("attention", "mla", "dsa")
+LATENT_MIXERS = ("mla", "dsa")  # the ones whose keys and values come from MLA's latent
 LINEAR_MIXERS = ("gated_delta", "kda", "mamba2")  # the token mixers passing a state over CP
 
 
 def token_mixer_of(m, kind: str):
     """The token mixer of a layer of this type in model m: LAYER_MIXERS', multi-head latent
-    attention in attention's place under model.mla."""
+    attention in attention's place under model.mla, DeepSeek sparse attention under
+    model.dsa as well."""
     token = LAYER_MIXERS[kind][0]
-    return "mla" if token == "attention" and getattr(m, "mla", None) is not None \
-        else token
+    return attention_mixer(m) if token == "attention" else token
+
+
+def attention_mixer(m) -> str:
+    """What m's attention layers run: 'dsa' (model.dsa), 'mla' (model.mla), 'attention'."""
+    if getattr(m, "mla", None) is None:
+        return "attention"
+    return "dsa" if getattr(m, "dsa", None) is not None else "mla"
 
 
 def token_mixers(m) -> set:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 # ATTENTION_TYPES: importable from here too (the Hugging Face import reads it here)
-from .layer_mixers import ATTENTION_TYPES, LAYER_MIXERS, LAYER_TYPES, layer_types  # noqa: F401
+from .layer_mixers import (ATTENTION_TYPES, LAYER_MIXERS, LAYER_TYPES,  # noqa: F401
+                           attention_mixer, layer_types)
 from .attention_heads import type_kv_heads
 from .sections import ModelConfig, resolved_head_dim
 
@@ -53,7 +54,8 @@ class LayerAttention:
     rope: bool = True                # RoPE on q and k (model.rope, model.nope_layers)
     # NoPE layers under model.attn_temperature_tuning: (floor_scale, attn_scale)
     temperature: Optional[Tuple[int, float]] = None
-    attention: str = "attention"     # what an attention layer runs: 'attention' or 'mla'
+    attention: str = "attention"     # what an attention layer runs: ATTENTION_MIXERS'
+    has_indexer: bool = True         # 'dsa': its own indexer (False: model.dsa's 'shared')
     # Per-layer shapes: a layer type's own kv heads (attention_heads.type_kv_heads:
     # MiMo's model.layer_kv_heads, Gemma 4's global_n_kv_heads; None: the model's); Gemma
     # 4's (kv_layers.py) 'full_attention' head dim, values from k_proj (attention_k_eq_v), and
@@ -65,7 +67,7 @@ class LayerAttention:
 
     @property
     def token_mixer(self) -> Optional[str]:
-        """'attention' (or 'mla' under model.mla), 'gated_delta', 'mamba2' or None
+        """'attention' (or 'mla', 'dsa' under model.mla, model.dsa), 'gated_delta', 'mamba2' or None
         (LAYER_MIXERS)."""
         token = LAYER_MIXERS[self.kind][0]
         return self.attention if token == "attention" else token
@@ -131,7 +133,7 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
     key = (tuple(m.layer_types) if m.layer_types is not None else m.n_layers,
            m.sliding_window, m.attention_chunk_size, m.rope_theta, repr(m.layer_rope),
            repr(m.rope_scaling), m.rope, repr(m.nope_layers), m.attn_temperature_tuning,
-           m.floor_scale, m.attn_scale, m.mla is not None, m.global_head_dim,
+           m.floor_scale, m.attn_scale, m.mla is not None, repr(m.dsa), m.global_head_dim,
            m.global_n_kv_heads, m.attention_k_eq_v, m.num_kv_shared_layers,
            repr(m.layer_kv_heads))
     if key not in _LAYER_ATTENTION:  # once per model: the planner asks per candidate
@@ -148,7 +150,7 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
                 rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling,
                 turned, None if turned or not m.attn_temperature_tuning
                 else (m.floor_scale, float(m.attn_scale)),
-                "mla" if m.mla is not None else "attention",
+                attention_mixer(m), m.dsa is None or m.dsa.layer_has_indexer(i),
                 m.global_head_dim if full else None, type_kv_heads(m, kind),
                 bool(m.attention_k_eq_v) and full, sources.get(i)))
         _LAYER_ATTENTION[key] = tuple(out)

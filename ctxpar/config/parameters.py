@@ -91,7 +91,7 @@ def block_fields(m: ModelConfig) -> tuple:
     linear mixers' sizes among them."""
     return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)],
             None if m.moe is None else repr(m.moe), repr(m.reordered_norms), repr(m.mla),
-            repr(m.layer_kv_heads), repr(m.attention_sinks))
+            repr(m.layer_kv_heads), repr(m.attention_sinks), repr(m.dsa))
 
 
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
@@ -109,7 +109,10 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     mixer's norm and parameters, the post norm, then the MLP's. tp decides only whether
     k/v are split (n_kv_heads % tp == 0) or replicated by heads."""
     moe = i in moe_layer_indices(m.moe, m.n_layers)
-    return _layer_specs(m, layer_types(m)[i], f"layers.{i}.", moe, tp, i)
+    specs = _layer_specs(m, layer_types(m)[i], f"layers.{i}.", moe, tp, i)
+    if m.dsa is not None and not m.dsa.layer_has_indexer(i):  # 'shared': no indexer
+        return [s for s in specs if ".indexer." not in s.name]
+    return specs
 
 
 def _layer_specs(m: ModelConfig, kind: str, p: str, moe: bool, tp: int,
@@ -292,12 +295,27 @@ def _mla_specs(m: ModelConfig, p: str, tp: int, i=None) -> List[ParamSpec]:
     return specs + _linear(p + "o_proj", h * mla.v_head_dim, d, "row", False)
 
 
+def _dsa_specs(m: ModelConfig, p: str, tp: int, layer=None) -> List[ParamSpec]:
+    """models/dsa.py's: MLA's, then the lightning indexer's (transformers' names), its
+    heads split over TP, its key replicated; a 'shared' layer has none (block_specs drops
+    them)."""
+    dsa, i = m.dsa, p + "indexer."
+    specs = _linear(i + "wq_b", m.mla.q_lora_rank, dsa.index_n_heads * dsa.index_head_dim,
+                    "column", False)
+    specs += _linear(i + "wk", m.d_model, dsa.index_head_dim, None, False)
+    specs += [ParamSpec(i + "k_norm.weight", (dsa.index_head_dim,), None),
+              ParamSpec(i + "k_norm.bias", (dsa.index_head_dim,), None)]
+    return _mla_specs(m, p, tp) + specs + _linear(i + "weights_proj", m.d_model,
+                                                  dsa.index_n_heads, "column", False)
+
+
 # Each token mixer's parameters under its submodule's name: models/mixers.py registers the
 # same kinds under the same names (the model checks itself against these when built)
 TOKEN_MIXER_PARAMETERS = {  # token mixer -> (submodule, specs(m, its prefix, tp)); tp
     #                           changes only attention's (kv heads split or replicated)
     "attention": ("attn", _attention_specs),
     "mla": ("attn", _mla_specs),
+    "dsa": ("attn", _dsa_specs),
     "gated_delta": ("linear_attn", _gated_delta_specs),
     "mamba2": ("mamba", _mamba2_specs),
     "kda": ("kda", _kda_specs),

@@ -3,7 +3,8 @@ models/gpt_pipe.py's layers, and what pp x ep asks of the stages. Above the para
 description (it counts them) and model.moe's checks (it reads their layers)."""
 from __future__ import annotations
 
-from typing import List
+from functools import lru_cache
+from typing import List, Tuple
 
 from .moe import moe_layer_indices
 from .parameters import block_specs, embedding_spec, head_specs
@@ -32,14 +33,20 @@ def pipeline_stage_layers(m, pp: int, tp: int, ep: int, method: str) -> List[ran
     models/gpt_pipe.py's layers [embedding, blocks, final norm, head] ('uniform': by
     count; 'parameters': by each layer's trainable parameters on a rank, E/ep experts a
     MoE block's, with DeepSpeed's own partition_balanced)."""
-    from deepspeed.runtime import utils as ds_utils
-
     embed = embedding_spec(m).numel(tp)
     norm = sum(s.numel(tp) for s in head_specs(m) if s.name.startswith("final_norm"))
     # the head: the tied embedding again, or lm_head (V, d) split over TP as it is
     weights = [embed, *(sum(s.numel(tp, ep) for s in block_specs(m, i, tp))
                         for i in range(m.n_layers)), norm, embed]
-    parts = (ds_utils.partition_uniform(len(weights), pp) if method == "uniform"
-             else ds_utils.partition_balanced(weights, pp))
+    parts = _partition(tuple(weights), pp, method)
     # layer j of the list is block j - 1
     return [range(max(parts[s] - 1, 0), min(parts[s + 1] - 1, m.n_layers)) for s in range(pp)]
+
+
+@lru_cache(maxsize=1024)
+def _partition(weights: Tuple[int, ...], pp: int, method: str) -> List[int]:
+    """DeepSpeed's partition of the layers' weights over pp stages (the planner's search
+    asks for the same one for every ZeRO stage, checkpointing mode and micro-batch)."""
+    from deepspeed.runtime import utils as ds_utils
+    return (ds_utils.partition_uniform(len(weights), pp) if method == "uniform"
+            else ds_utils.partition_balanced(list(weights), pp))

@@ -12,6 +12,7 @@ from ..context_parallel.layouts import LAYOUTS
 from ..context_parallel.linear.api import LINEAR_CP_STRATEGIES
 from ..context_parallel.ring import GRAD_DTYPES
 from .hf_families import HF_FAMILIES  # config.json model_types
+from .dsa import DSAConfig
 from .mla import MLAConfig
 from .moe import MoEConfig
 from .mtp import MTPConfig
@@ -227,6 +228,9 @@ class ModelConfig:
     mla: Optional[MLAConfig] = None
     """Multi-head latent attention in every attention layer (ctxpar/config/mla.py;
     DeepSeek-V2/V3, Kimi K2; None: MHA/GQA)."""
+    dsa: Optional[DSAConfig] = None
+    """DeepSeek sparse attention on top of model.mla: the lightning indexer's top-k per
+    query (ctxpar/config/dsa.py; DeepSeek-V3.2, GLM-5; None: dense MLA)."""
     mtp: Optional[MTPConfig] = None
     """Multi-token prediction layers after the head (ctxpar/config/mtp.py; None: none, and
     an imported folder's MTP tensors are left out)."""

@@ -13,6 +13,7 @@ from .attention_heads import check_attention_heads
 from .layer_mixers import has_linear_layers, token_mixers
 from .kv_layers import check_kv_layers
 from .layers import check_layers, gated_delta_dims, mamba_dims
+from .dsa import check_dsa
 from .mla import check_mla
 from .pipeline_stages import check_stages_hold_experts
 from .moe import check_moe
@@ -52,6 +53,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     check_moe(cfg, _resolved_dp(cfg, world_size), err)
     check_stages_hold_experts(cfg, err)
     check_mla(cfg.model, cfg.parallel.tp, err)
+    check_dsa(cfg, err)
     check_mtp(cfg, err)
     _check_deepspeed(cfg, err)
     _check_paths(cfg, check_paths, err)

@@ -22,7 +22,9 @@ block nothing; n_layers above counts its attention layers. A multi-head latent a
 layer (MLA, model.mla) keeps its latent instead of K and V: latent (B, capacity, R + dr)
 per layer and rank, R + dr numbers a token (576 for DeepSeek-V3) where K,V would be
 heads x (qk + v) (40,960); a decode step folds the layer's kv_b_proj into its query and
-output and attends to the latents themselves (latent_decode.py: never expanded).
+output and attends to the latents themselves (latent_decode.py: never expanded). A DeepSeek sparse
+attention layer (model.dsa) keeps the latent and its indexer key, and attends to the
+tokens its indexer selects over CP (sparse_decode.py).
 Gemma 4: each attention
 layer's slots have its own kv heads and head dim (its full layers' global_head_dim), and a
 layer sharing an earlier one's K/V (model.num_kv_shared_layers) keeps none: it attends to
@@ -44,6 +46,7 @@ from .cp_ops import AttentionMask, default_scale, finish_sinks, group_rank_and_s
 from .decode import DecodeStats, merge_partials, partial_attention
 from .latent_decode import absorbed_partial_attention
 from .linear_cache import LINEAR_MIXERS, LinearLayerCache
+from .sparse_decode import SparseLayerCache
 
 
 def decode_capacity(prefill_len: int, decode_steps: int, cp: int) -> int:
@@ -60,14 +63,16 @@ class KVCache:
                  mixers: Optional[Sequence[Optional[str]]] = None,
                  latent_dim: Optional[int] = None,
                  shapes: Optional[Sequence[Tuple[int, ...]]] = None,
-                 kv_sources: Optional[Dict[int, int]] = None):
+                 kv_sources: Optional[Dict[int, int]] = None, index_layers: Sequence[int] = (),
+                 index_dim: int = 0):
         """n_layers: the model's; mixers: each layer's token mixer (LayerAttention.
         token_mixer; None: all attention): 'attention' layers get K,V slots, 'mla' layers
-        latent slots latent_dim wide, 'gated_delta' and 'mamba2' a LinearLayerCache each,
-        an MLP-only block (None) nothing; shapes: each layer's (kv heads, head dim) or
-        (kv heads, head dim, value head dim) (None: kv_heads, head_dim on all; V as wide
-        as K unless given: model.v_head_dim); kv_sources: {layer: the layer whose slots it
-        reads}."""
+        latent slots latent_dim wide, 'dsa' layers latent slots and, those in index_layers
+        (their own indexer), indexer-key slots index_dim wide (sparse_decode.py),
+        'gated_delta' and 'mamba2' a LinearLayerCache each, an MLP-only block (None)
+        nothing; shapes: each layer's (kv heads, head dim) or (kv heads, head dim, value
+        head dim) (None: kv_heads, head_dim on all; V as wide as K unless given:
+        model.v_head_dim); kv_sources: {layer: the layer whose slots it reads}."""
         self.cp_group = cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
         mixers = ["attention"] * n_layers if mixers is None else list(mixers)
@@ -85,10 +90,14 @@ class KVCache:
                                  device=device) for i in attention]
         self.values = [torch.zeros(batch, shapes[i][0], capacity, shapes[i][-1], dtype=dtype,
                                    device=device) for i in attention]
-        latent = [i for i, m in enumerate(mixers) if m == "mla"]
+        latent = [i for i, m in enumerate(mixers) if m in ("mla", "dsa")]
         self.latent_slot = {i: j for j, i in enumerate(latent)}  # layer -> its latent index
         self.latent = torch.zeros(len(latent), batch, capacity, latent_dim or 0,
                                   dtype=dtype, device=device)
+        self.sparse = {i for i, m in enumerate(mixers) if m == "dsa"}
+        self.index_slot = {i: j for j, i in enumerate(index_layers)}  # layer -> its keys
+        self.index_k = torch.zeros(len(index_layers), batch, capacity, index_dim,
+                                   dtype=dtype, device=device)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.pos = torch.zeros(batch, capacity, dtype=torch.int64, device=device)
         self.query_pos: Optional[torch.Tensor] = None  # (B,) the decoded token's position
@@ -112,7 +121,10 @@ class KVCache:
                    shapes=[(kv_heads_per_rank(m, tp, layer_kv_heads(m, a)),
                             layer_head_dim(m, a), layer_v_head_dim(m, a)) for a in layers],
                    kv_sources={i: a.kv_source for i, a in enumerate(layers)
-                               if a.kv_source is not None})
+                               if a.kv_source is not None},
+                   index_layers=[i for i, a in enumerate(layers)
+                                 if a.token_mixer == "dsa" and a.has_indexer],
+                   index_dim=m.dsa.index_head_dim if m.dsa is not None else 0)
 
     @property
     def k(self) -> torch.Tensor:
@@ -133,7 +145,8 @@ class KVCache:
         layers' states and conv windows)."""
         return sum(x.numel() * x.element_size() for x in (*self.keys, *self.values)) + sum(
             c.nbytes() for c in self.linear.values()) + \
-            self.latent.numel() * self.latent.element_size()
+            self.latent.numel() * self.latent.element_size() + \
+            self.index_k.numel() * self.index_k.element_size()
 
     def begin_prefill(self, valid: torch.Tensor, positions: Optional[torch.Tensor] = None,
                       lengths: Optional[torch.Tensor] = None) -> None:
@@ -178,6 +191,8 @@ class KVCache:
         linear layer its LinearLayerCache, which the layer reads and fills itself."""
         if i in self.linear:
             return self.linear[i]
+        if i in self.sparse:  # DSA: kv_cache.sparse(mixer, q, latent, index q, k, w)
+            return SparseLayerCache(self, self.latent_slot[i], self.index_slot.get(i))
         if i in self.latent_slot:  # MLA: kv_cache(q, latent, (weight, dims), core, mask)
             return lambda q, latent, absorb, core, mask=None: self.latent_attention(
                 self.latent_slot[i], q, latent, absorb, core, mask)

@@ -27,7 +27,7 @@ from ..config.parameters import (block_fields, block_specs, embedding_spec, head
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
-from . import mla_layers
+from . import dsa_layers, mla_layers
 from .kv_layers import layer_rank_shapes, per_layer_shapes
 from .moe_layers import (block_model, expert_params, mixed_mlps, moe_indices,
                          router_losses_saved, routed_saved, stage_expert_params)
@@ -268,9 +268,11 @@ def attention_saved(s: RankShapes, e: int, cand: Candidate,
     """Bytes the CP attention keeps for backward per layer: q, k, v, out (e) and lse
     (fp32). Ulysses/hybrid keep the gathered layout (k, v at lcm(hk, u) heads when u
     does not divide hk) and the o-projection keeps the local out as well. MLA (m.mla):
-    the latent instead of k, v (mla_layers.core_saved)."""
+    the latent instead of k, v (mla_layers.core_saved); DSA (m.dsa) adds the indexer's
+    (dsa_layers.indexer_saved)."""
     if m is not None and m.mla is not None:
-        return mla_layers.core_saved(s, e, cand, m)
+        dsa = dsa_layers.indexer_saved(s, e, m) if m.dsa is not None else 0
+        return mla_layers.core_saved(s, e, cand, m) + dsa
     hk = s.hk
     extra_out = 0
     if cand.cp_comm in ("ulysses", "hybrid") and cand.ulysses > 1:
@@ -601,8 +603,12 @@ def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
     s = rank_shapes(m, cand, attn.kind if attn is not None else None)
     g = ring_grad_bytes(cand.ring_grad_dtype)
     if m.mla is not None:  # no windows under MLA (search.check_modelled)
-        return mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B,
-                                       s.N // s.B, s.h, e, g)
+        fwd, bwd = mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B,
+                                           s.N // s.B, s.h, e, g)
+        if m.dsa is None:
+            return fwd, bwd
+        more = dsa_layers.dsa_cp_bytes(m, cand.cp_comm, cand.cp, s.B, s.N // s.B, e)
+        return fwd + more[0], bwd + more[1]  # the indexer key (and the KL pass)
     if attn is not None and (attn.sliding_window or attn.chunk_size):
         return masked_cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h,
                                s.hk, s.hd, e, g, cand.token_layout, attn.sliding_window,

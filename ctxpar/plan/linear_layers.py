@@ -41,8 +41,9 @@ from ..context_parallel.ulysses import ulysses_kv_heads
 from ..context_parallel.linear.lean import segment_tokens
 from .linear_saved import (GatedDeltaShapes, MambaShapes, conv_saved_gpu, fla_gdn_backward,
                            fla_gdn_saved, fla_kda_backward, fla_kda_saved, gdn_gates_norm,
-                           gdn_kernel_saved, gdn_saved, kda_gates_norm, kda_kernel_saved,
-                           kda_saved, lean_states, mamba_dt_norm,
+                           gdn_kernel_inputs, gdn_kernel_saved, gdn_saved, kda_gates_norm,
+                           kda_kernel_saved, kda_saved, lean_states, mamba_dt_norm,
+                           mamba_kernel_inputs,
                            mamba_saved, mamba_saved_autograd, mamba_ssm_backward,
                            mamba_ssm_saved, ssd_kernel_saved)
 
@@ -124,21 +125,46 @@ def mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
     return outer + kernel + extra
 
 
+def kernel_rows(sh, B: int, T: int, cp: int, strategy: str, layout: str):
+    """(rows, tokens a row, heads share) the local kernel runs on for T local tokens: cp 1
+    B rows of T; heads B rows of all T cp tokens of 1/cp of the heads; state passing B x
+    segments rows of T / segments."""
+    if cp > 1 and strategy == "heads":
+        return B, T * cp, cp
+    slots = SEGMENTS[layout] if cp > 1 else 1
+    return B * slots, T // slots, 1
+
+
+def segmented(sh, B: int, T: int, cp: int, strategy: str, layout: str) -> bool:
+    """Whether a GPU library runs once per recompute segment (gpu_kernels.py: its rows are
+    longer than one segment of lean.SEGMENT_CHUNKS chunks)."""
+    return kernel_rows(sh, B, T, cp, strategy, layout)[1] > segment_tokens(sh.C)
+
+
 def _gpu_mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
                      layout: str) -> int:
     """mixer_saved with causal_conv1d, fla and mamba_ssm (16-bit on CUDA: get_kernel's
     'auto'): the conv's input, the library kernel's saved tensors (linear_saved.py's
-    GPU counts) and around them what the torch code saves (the gates, dt, the gated
-    norms: as on CPU); state passing adds the widened values' pass and the correction."""
+    GPU counts) or, segmented (longer rows than a segment), lean.ChunkedScan's (its
+    inputs and the fp32 states between segments, as the torch kernel's), and around them
+    what the torch code saves (the gates, dt, the gated norms: as on CPU); state passing
+    adds the widened values' pass and the correction."""
     state = cp > 1 and strategy == "state"
     slots = SEGMENTS[layout] if state else 1
+    rows, tokens, share = kernel_rows(sh, B, T, cp, strategy, layout)
+    lean = segmented(sh, B, T, cp, strategy, layout)
     if kind in DELTA_TYPES:
+        kda = kind == KDA  # fla's chunk_kda: q, k at the value heads; g per key channel
+        around = kda_gates_norm(B, T, sh, e) if kda else gdn_gates_norm(B, T, sh, e)
         key_heads = ulysses_kv_heads(sh.Hk, cp) if cp > 1 and strategy == "heads" else 0
         width = sh.Dk + sh.Dv if state else sh.Dv
-        if kind == KDA:  # fla's chunk_kda: q, k at the value heads
-            around, kernel = kda_gates_norm(B, T, sh, e), fla_kda_saved(B, T, sh, e, width)
+        if lean:  # as the torch kernel's count: state passing's widened v, as mixer_saved's
+            kernel = gdn_kernel_inputs(B, T, sh, e, key_heads, sh.Dk if kda else 1) \
+                + lean_states(rows, tokens, sh.C, sh.Hv // share * sh.Dk * width) \
+                + (B * T * sh.Hv * sh.Dk * e if state else 0)
+        elif kda:
+            kernel = fla_kda_saved(B, T, sh, e, width)
         else:
-            around = gdn_gates_norm(B, T, sh, e)
             kernel = fla_gdn_saved(B, T, sh, e, width, key_heads)
         extra = 0
         if state:  # [I | 0] entering each segment; q~ S_in's copy of q~ and S_in; summaries
@@ -152,35 +178,57 @@ def _gpu_mixer_saved(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: s
     if state:  # y_zero + decay_in C_heads S_in: decay_in, C's fp32 copy at H heads, S_in
         extra = 4 * (B * T * (2 * sh.H + sh.H * sh.N) + B * slots * sh.H * sh.P * sh.N
                      + cp * B * slots * sh.H * (sh.P * sh.N + 1) + B * sh.H * sh.P * sh.N)
-    return around + conv_saved_gpu(B, T, sh.conv_channels, e) \
-        + mamba_ssm_saved(B, T, sh, e) + extra
+    if lean:
+        groups = ulysses_kv_heads(sh.G, cp) if cp > 1 and strategy == "heads" else 0
+        kernel = mamba_kernel_inputs(B, T, sh, e, groups) + 4 * sh.H \
+            + lean_states(rows, tokens, sh.C, sh.H // share * sh.P * sh.N)
+    else:
+        kernel = mamba_ssm_saved(B, T, sh, e)
+    return around + conv_saved_gpu(B, T, sh.conv_channels, e) + kernel + extra
 
 
 def mixer_working_set(kind: str, sh, B: int, T: int, e: int, cp: int, strategy: str,
                       layout: str, device: str = "cpu") -> int:
     """The bytes a linear mixer's kernel holds while its backward runs, beyond what the
-    layer saved: on CPU (and fp32) the lean torch kernel's one segment, its chunked
-    intermediates recomputed with autograd and their gradients (twice gdn_kernel_saved or
-    ssd_kernel_saved at min(T, a segment) tokens; state passing's SSD keeps its
-    intermediates saved: nothing more); on CUDA in 16-bit the library's backward over the
-    rank's whole sequence (linear_saved.fla_gdn_backward, mamba_ssm_backward). Its
-    forward holds about half of it (the intermediates without their gradients)."""
+    layer saved. Run through lean.ChunkedScan (the torch kernels always; on CUDA in
+    16-bit the libraries when their rows are longer than one segment): the gradients of
+    its inputs (written segment by segment into one tensor each) and one segment's
+    kernel: the torch kernel's chunked intermediates recomputed with autograd and their
+    gradients (twice gdn_kernel_saved or ssd_kernel_saved), or the library's forward's
+    saved tensors and its backward's (linear_saved.fla_gdn_saved + fla_gdn_backward,
+    mamba_ssm_saved + mamba_ssm_backward, at one segment: under heads a segment of
+    T cp tokens is one of 1/cp the heads, the elements of segment / cp local tokens);
+    the library unsegmented: its backward over the rank's whole sequence. State passing's
+    torch SSD keeps its intermediates saved: nothing more. Its forward holds about half
+    of it (the intermediates without their gradients)."""
     state = cp > 1 and strategy == "state"
-    slots = SEGMENTS[layout] if state else 1
-    Bs, Ts = B * slots, T // slots
-    gdn = kind in DELTA_TYPES
+    rows, tokens, share = kernel_rows(sh, B, T, cp, strategy, layout)
+    gdn, kda = kind in DELTA_TYPES, kind == KDA
     width = (sh.Dk + sh.Dv) if gdn and state else (sh.Dv if gdn else 0)
+    key_heads = ulysses_kv_heads(sh.Hk if gdn else sh.G, cp) \
+        if cp > 1 and strategy == "heads" else 0
+    seg = min(tokens, segment_tokens(sh.C)) // share  # local-token equivalents
+    if gdn:
+        grads = gdn_kernel_inputs(B, T, sh, e, key_heads, sh.Dk if kda else 1) \
+            + (B * T * sh.Hv * sh.Dk * e if state else 0)
+    else:
+        grads = mamba_kernel_inputs(B, T, sh, e, key_heads)
     if device == "cuda" and e != 4:
-        if not gdn:
-            return mamba_ssm_backward(Bs, Ts, sh, e)
-        return (fla_kda_backward if kind == KDA else fla_gdn_backward)(Bs, Ts, sh, e, width)
+        fla_backward = fla_kda_backward if kda else fla_gdn_backward
+        if not segmented(sh, B, T, cp, strategy, layout):
+            return fla_backward(rows, T // (rows // B), sh, e, width) if gdn \
+                else mamba_ssm_backward(rows, T // (rows // B), sh, e)
+        if gdn:
+            fla_saved = fla_kda_saved(rows, seg, sh, e, width) if kda \
+                else fla_gdn_saved(rows, seg, sh, e, width, key_heads)
+            return grads + fla_saved + fla_backward(rows, seg, sh, e, width)
+        return grads + mamba_ssm_saved(rows, seg, sh, e) + mamba_ssm_backward(rows, seg, sh, e)
     if not gdn and state:
         return 0
-    seg = min(Ts, segment_tokens(sh.C))
     if gdn:
-        kernel = kda_kernel_saved if kind == KDA else gdn_kernel_saved
-        return 5 * kernel(Bs, seg, sh.Hv, sh.Dk, width, sh.C) // 4
-    return 5 * ssd_kernel_saved(Bs, seg, sh.H, sh.P, sh.N, sh.C) // 4
+        kernel = kda_kernel_saved if kda else gdn_kernel_saved
+        return grads + 5 * kernel(rows, seg, sh.Hv, sh.Dk, width, sh.C) // 4
+    return grads + 5 * ssd_kernel_saved(rows, seg, sh.H, sh.P, sh.N, sh.C) // 4
 
 
 def mixer_flops(kind: str, sh, tokens: int, strategy: str, cp: int) -> float:

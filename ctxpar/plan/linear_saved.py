@@ -85,6 +85,24 @@ def lean_states(B: int, T: int, C: int, state: int) -> int:
     return 4 * (segments - 1) * B * state
 
 
+def conv_saved_torch(B: int, T: int, channels: int, K: int, e: int) -> int:
+    """The torch conv's K shifted taps and the silu's input (fp32); in 16-bit the
+    weight's fp32 copy."""
+    return 4 * (K + 1) * B * T * channels + (4 * K * channels if e != 4 else 0)
+
+
+def gdn_kernel_inputs(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0,
+                      gate_width: int = 1) -> int:
+    """The lean kernel's per-token inputs as it saves them (and as its backward returns
+    their gradients): q, k, v views of the conv's output (its storage, e) and g (fp32,
+    gate_width a head: 1 for GDN, Dk for KDA's per-channel decay); under heads (key_heads
+    > 0) the all-to-all's copies of q, k (at key_heads), v, beta (e) and g."""
+    gate = 4 * g.Hv * gate_width
+    if key_heads:
+        return B * T * ((2 * key_heads * g.Dk + g.Hv * g.Dv + g.Hv) * e + gate)
+    return B * T * (g.conv_channels * e + gate)
+
+
 def gdn_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0) -> int:
     """One GDN layer on one process (cp 1), beyond its normed input (the norm's count):
     the conv (its taps and the silu's input, fp32; in 16-bit the weight's fp32 copy), the
@@ -100,18 +118,12 @@ def gdn_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int = 0) -
 
 def delta_rule_saved(B: int, T: int, g: GatedDeltaShapes, e: int, key_heads: int,
                      gate_width: int) -> int:
-    """What GDN and KDA save the same way: the conv (its taps and the silu's input, fp32;
-    in 16-bit the weight's fp32 copy), the lean kernel's inputs (q, k, v views of the
-    conv's output in e, or under heads the all-to-all's copies with beta; g fp32,
-    gate_width a head: 1 for GDN, Dk for KDA) and its fp32 states between segments."""
-    Cc = g.conv_channels
-    conv = 4 * (g.K + 1) * B * T * Cc + (4 * g.K * Cc if e != 4 else 0)
-    gate = 4 * g.Hv * gate_width
-    if key_heads:
-        inputs = B * T * ((2 * key_heads * g.Dk + g.Hv * g.Dv + g.Hv) * e + gate)
-    else:
-        inputs = B * T * (Cc * e + gate)
-    return conv + inputs + lean_states(B, T, g.C, g.Hv * g.Dk * g.Dv)
+    """What GDN and KDA save the same way: the conv (conv_saved_torch), the lean kernel's
+    inputs (gdn_kernel_inputs, g gate_width a head: 1 for GDN, Dk for KDA) and its fp32
+    states between segments."""
+    return conv_saved_torch(B, T, g.conv_channels, g.K, e) \
+        + gdn_kernel_inputs(B, T, g, e, key_heads, gate_width) \
+        + lean_states(B, T, g.C, g.Hv * g.Dk * g.Dv)
 
 
 def gdn_gates_norm(B: int, T: int, g: GatedDeltaShapes, e: int) -> int:
@@ -177,11 +189,18 @@ def mamba_saved(B: int, T: int, s: MambaShapes, e: int, groups: int = 0) -> int:
     LeanGroupedGatedNorm: y and z, whose storage is in_proj's whole output) and out_proj's
     input, in e. groups > 0: the heads strategy, whose
     all-to-all hands the kernel copies (x, dt, B and C at `groups` groups)."""
-    Cc, HP = s.conv_channels, s.H * s.P
-    conv = 4 * (s.K + 1) * B * T * Cc + (4 * s.K * Cc if e != 4 else 0)
-    inputs = B * T * ((HP + 2 * groups * s.N) * e if groups else Cc * e) + 4 * B * T * s.H
-    kernel = inputs + 4 * s.H + lean_states(B, T, s.C, s.H * s.P * s.N)
+    conv = conv_saved_torch(B, T, s.conv_channels, s.K, e)
+    kernel = mamba_kernel_inputs(B, T, s, e, groups) + 4 * s.H \
+        + lean_states(B, T, s.C, s.H * s.P * s.N)
     return conv + kernel + mamba_dt_norm(B, T, s, e)
+
+
+def mamba_kernel_inputs(B: int, T: int, s: MambaShapes, e: int, groups: int = 0) -> int:
+    """The lean SSD's per-token inputs as it saves them (and as its backward returns their
+    gradients): x, B, C views of the conv's output (its storage, e), dt fp32; under heads
+    (groups > 0) the all-to-all's copies (B, C at `groups` groups)."""
+    xbc = (s.H * s.P + 2 * groups * s.N) if groups else s.conv_channels
+    return B * T * (xbc * e + 4 * s.H)
 
 
 def mamba_dt_norm(B: int, T: int, s: MambaShapes, e: int) -> int:
@@ -218,7 +237,11 @@ def mamba_saved_autograd(B: int, T: int, s: MambaShapes, e: int) -> int:
 # chunk_fwd.py, fla/ops/common/chunk_delta_h.py, chunk_o.py, wy_fast.py), mamba_ssm
 # v2.3.2.post1 (mamba_ssm/ops/triton/ssd_combined.py), causal-conv1d v1.6.1
 # (causal_conv1d/causal_conv1d_interface.py). Not measured here (no GPU in CI): the
-# counts follow the allocations those files make.
+# counts follow the allocations those files make. With rows longer than one recompute
+# segment the libraries run per segment (gpu_kernels.py through lean.ChunkedScan): the
+# layer then saves the kernel's inputs and states as the torch kernel does
+# (gdn_kernel_inputs, mamba_kernel_inputs, lean_states) and these counts apply to one
+# segment (linear_layers.mixer_working_set).
 
 def conv_saved_gpu(B: int, T: int, channels: int, e: int) -> int:
     """causal_conv1d_fn saves its input x (channel-last: in_proj's rows, or their copy when

@@ -46,7 +46,7 @@ def mla_layer_time(m, cand: Candidate, cluster: Cluster, e: int, expanded: bool 
     (mla_layers' module docstring) against the latent one, term by term."""
     s, F = counts.rank_shapes(m, cand), cluster.gpu.flops
     g = counts.ring_grad_bytes(cand.ring_grad_dtype)
-    attn = next(a for a in layer_attention(m) if a.token_mixer == "mla")
+    attn = next(a for a in layer_attention(m) if a.token_mixer in ("mla", "dsa"))
     t_pairs = 4 * mla_layers.kernel_head_dim(m) * s.B * head_pairs(cand, s, m.seq_len, attn) \
         / (F * attn_eff)
     if expanded:

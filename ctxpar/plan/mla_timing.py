@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from . import counts, mla_layers
+from . import counts, dsa_layers, mla_layers
 from .candidate import Candidate
 from .cluster import Cluster
 
@@ -38,6 +38,13 @@ def mla_cp_time(m, cand: Candidate, cluster: Cluster, e: int, g: int,
                                          s.N // s.B, s.h, e, g, expanded)
     bw = cluster.link(cand.tp * cand.cp)
     cp_total = (f_cp * (1 + attn_replay) + b_cp) / bw
+    if m.dsa is not None:  # the indexer key's pass (and the KL's): on the ring it hides
+        # behind the scoring of each arriving block (2 Hi (D + 1) FLOPs a pair against
+        # D e bytes a token); all-gather's waits as the latent's gather does
+        x_f, x_b = dsa_layers.dsa_cp_bytes(m, cand.cp_comm, cand.cp, s.B, s.N // s.B, e)
+        cp_total += (x_f * (1 + attn_replay) + x_b) / bw
+        if cand.cp_comm == "allgather":
+            f_cp, b_cp = f_cp + x_f, b_cp + x_b
     t_b_layer, u = 2.5 * t_f_layer, ulysses_of(cand)
     a_f = a_b = a2a = 0.0
     if u > 1:  # hybrid's Ulysses exchange inside, over NVLink when it fits

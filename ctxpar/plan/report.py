@@ -215,10 +215,11 @@ def mla_reason(cfg, plan: Plan, cluster: Cluster) -> str:
     """One line for a model with MLA over CP: this layout's step time with the latent on
     the wire (what ctxpar runs) against the what-if of a ring of expanded K,V
     (mla_layers), the bytes a rank sends per layer and micro-batch, the kv_b_proj seconds
-    and the CP seconds not hidden of each; '' otherwise."""
+    and the CP seconds not hidden of each; '' otherwise (and under model.dsa, whose
+    sparse attention reads the latent rows it selects: no expanded ring to weigh)."""
     from .timing import step_time
     cand = plan.candidate
-    if cfg.model.mla is None or cand.cp == 1:
+    if cfg.model.mla is None or cfg.model.dsa is not None or cand.cp == 1:
         return ""
     e, bf16 = 2 if is_bf16(cfg) else 4, is_bf16(cfg)
     s, g = counts.rank_shapes(cfg.model, cand), counts.ring_grad_bytes(cand.ring_grad_dtype)

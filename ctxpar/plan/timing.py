@@ -61,14 +61,14 @@ from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
 from ..config.layer_mixers import LINEAR_MIXERS
 from ..context_parallel.mask import visible_pairs
-from . import counts, mla_layers
+from . import counts, dsa_layers, mla_layers
 from .mla_timing import mla_cp_time, mla_thresholds, ulysses_of
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
 from .moe_layers import all_to_all_bytes, idle_expert_params, mixed_mlps, moe_layers
 from .candidate import Candidate
 from .cluster import Cluster
 
-ATTENTION = ("attention", "mla")  # the token mixers with (query, key) pairs
+ATTENTION = ("attention", "mla", "dsa")  # the token mixers with (query, key) pairs
 MM_EFF = 0.55    # matmul efficiency of peak (Megatron-style dense layers on H100, bf16)
 ATTN_EFF = 0.45  # flash attention forward + backward (FA2/FA3 report 35-75% on H100)
 
@@ -123,6 +123,21 @@ def rank_pairs(T: int, ranks: int, layout: str, sliding_window=None, chunk_size=
                                                       (2 * ranks - r) * c)
                    for r in range(ranks))
     return (pairs(0, T) + ranks - 1) // ranks  # striped: equal shares
+
+
+def dsa_attention_time(m, cand: Candidate, s) -> float:
+    """Forward FLOPs of a DSA layer's sparse attention on the busiest rank: its selected
+    pairs (a window of index_topk's count) at the absorbed form's width (dsa_layers)."""
+    pairs = s.h * rank_pairs(m.seq_len, cand.cp, cand.token_layout, m.dsa.index_topk)
+    return 4 * dsa_layers.kernel_head_dim(m) * s.B * pairs
+
+
+def indexer_time(m, cand: Candidate, s):
+    """(forward, backward) FLOPs of one DSA layer's indexer on the busiest rank: every
+    visible pair scored, the KL pass over its set (dsa_layers.indexer_flops)."""
+    return dsa_layers.indexer_flops(
+        m, cand.tp, s.B, rank_pairs(m.seq_len, cand.cp, cand.token_layout),
+        rank_pairs(m.seq_len, cand.cp, cand.token_layout, m.dsa.index_topk))
 
 
 def stage_block_params(m, cand: Candidate) -> int:
@@ -313,27 +328,39 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     mm = (2 * s.N * blocks) * (3 + replay) \
         + (4 if cand.tiled_loss and cand.tp > 1 else 3) * head \
         + (2 * s.N * ((layers - n_moe) * mlp_p + n_moe * routed_p) if cand.tiled_mlp else 0)
+
+    def sparse(a):  # a DSA layer attending over the indexer's selection
+        return a.token_mixer == "dsa" and dsa_layers.sparse_attention(m)
+
     # Attention FLOPs (forward) of the busiest rank: head-pairs it computes, per layer of
     # the busiest stage (a window's or chunks' visible pairs only).
     stage = stage_attention(m, cand.pp)
     hd = mla_layers.kernel_head_dim(m) if m.mla is not None else s.hd
     t_attn_layers = [4 * hd * s.B * head_pairs(cand, s, m.seq_len, a) / (F * attn_eff)
+                     if not sparse(a) else dsa_attention_time(m, cand, s) / (F * attn_eff)
                      for a in stage]
     t_attn_f = sum(t_attn_layers)
     t_mm = mm / (F * mm_eff)
     t_expand = 0.0
     if m.mla is not None and not expanded:  # kv_b_proj on the visiting blocks, not once
-        mla = sum(a.token_mixer == "mla" for a in stage)
+        # (DSA's sparse attention absorbs kv_b_proj into q and out instead: dsa_layers)
+        mla = sum(a.token_mixer in ("mla", "dsa") and not sparse(a) for a in stage)
         t_one = mla_layers.expansion_flops(m, cand, s) / (F * mm_eff)
         t_mm -= mla * mla_layers.local_expansion_flops(m, s) * (3 + replay) / (F * mm_eff)
         t_expand = mla * t_one * (1 + 3 + attn_replay)  # forward, 3x backward, replayed
-        t_attn_layers = [t + t_one if a.token_mixer == "mla" else t
-                         for t, a in zip(t_attn_layers, stage)]  # what a ring step hides
+        t_attn_layers = [t + t_one if a.token_mixer in ("mla", "dsa") and not sparse(a)
+                         else t for t, a in zip(t_attn_layers, stage)]  # a ring step hides
+    t_index_f = t_index_b = 0.0
+    if m.dsa is not None:  # the lightning indexer of each DSA layer (dsa_layers)
+        t_index_f, t_index_b = (f / (F * attn_eff) for f in indexer_time(m, cand, s))
+        dsa = [a.token_mixer == "dsa" for a in stage]
+        t_attn_layers = [t + t_index_f * d for t, d in zip(t_attn_layers, dsa)]
+        t_index_f, t_index_b = t_index_f * sum(dsa), t_index_b * sum(dsa)
     # the linear mixers' chunked kernels, at the attention kernels' efficiency: backward
     # twice the forward, a replayed forward again
     t_linear = linear_compute(m, cand, s, stage) / (F * attn_eff)
     compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay) \
-        + t_expand
+        + t_expand + t_index_f * (1 + attn_replay) + t_index_b
 
     # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
     f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)

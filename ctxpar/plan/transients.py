@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
-from . import mla_layers
+from . import dsa_layers, mla_layers
 from .counts import RankShapes, attention_saved, ring_grad_bytes
 
 
@@ -54,7 +54,8 @@ def attention_forward(s: RankShapes, cand: Candidate, e: int, halo: int = -1,
     block that saves nothing (replayed: checkpointed or evaluated) beside q and the latent."""
     if m is not None and m.mla is not None:  # a replayed block holds q and the latent too
         return mla_layers.attention_forward(s, cand, e, m) \
-            + (mla_layers.core_inputs(s, e, m) if replayed else 0)
+            + (mla_layers.core_inputs(s, e, m) if replayed else 0) \
+            + (dsa_layers.working_set(s, m) if m.dsa is not None else 0)
     q, kv = s.N * s.h * s.hd, s.N * s.hk * s.hd
     if cand.cp == 1:
         return 0.0

@@ -166,8 +166,8 @@ def run_case(mixer: str, leaves, dims, group, layout: str = "contiguous",
              strategy: str = "state", cu_seqlens=None, recompute_chunks: int = SEGMENT_CHUNKS):
     """{out, final, grad_<leaf>, grad_<intermediate>} of this rank (collective over group):
     the loss is sum(out * dout) over this rank's tokens plus sum(final * dfinal) / P, so the
-    sum over ranks is the one-process loss. recompute_chunks: the torch kernels' segments
-    (lean.py)."""
+    sum over ranks is the one-process loss. recompute_chunks: the kernels' recompute
+    segments (lean.py)."""
     P = group_rank_and_size(group)[1]
     t = {k: (shard_sequence(x, 1, group, layout) if k in SEQUENCE else x).detach().clone()
          for k, x in leaves.items()}
@@ -175,7 +175,7 @@ def run_case(mixer: str, leaves, dims, group, layout: str = "contiguous",
         if k not in ("dout", "dfinal"):
             x.requires_grad_()
     cp = dict(cp_group=group, layout=layout, strategy=strategy, cu_seqlens=cu_seqlens,
-              **({} if mixer == "kda" else dict(recompute_chunks=recompute_chunks)))
+              recompute_chunks=recompute_chunks)
     chain = {"gdn": _gdn, "kda": partial(_gdn, per_channel=True), "ssd": _ssd}[mixer]
     out, final, mid = chain(t, dims, cp)
     loss = (out.float() * t["dout"].float()).sum() + (final * t["dfinal"]).sum() / P

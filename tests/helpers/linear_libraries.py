@@ -7,7 +7,7 @@ flattening rows into fla's cu_seqlens, each row's states at its first and last d
 mamba's seq_idx made to start at 0, causal-conv1d's run sequence and seq_idx) checks the
 adapters, not the math:
 
-- fla: cu_seqlens needs B == 1 and N initial states; each sequence starts from its own.
+- fla (chunk_gated_delta_rule, chunk_kda): cu_seqlens needs B == 1 and N initial states; each sequence starts from its own.
 - mamba_ssm: the initial state reaches only document 0 (its state passing starts from
   seq_idx 0), the state restarts where seq_idx changes; final states after the last token.
 - causal_conv1d: x (B, C, T); with seq_idx the channel-last layout and no initial_states;
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxpar.context_parallel.linear.gated_delta import gated_delta_fp32
+from ctxpar.context_parallel.linear.kda import kda_fp32
 from ctxpar.context_parallel.linear.ssd import discretize_dt, ssd_fp32
 
 
@@ -27,8 +28,27 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
                            chunk_indices=None, cp_context=None, **kwargs):
+    return _delta_rule(gated_delta_fp32, q, k, v, g, beta, scale, initial_state,
+                       output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+              use_graph=False, max_num_seqs=None, **kwargs):
+    assert not use_gate_in_kernel and g.dim() == 4  # the gate computed outside (ctxpar's)
+    return _delta_rule(kda_fp32, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
+
+
+def _delta_rule(kernel, q, k, v, g, beta, scale, initial_state, output_final_state,
+                use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu):
+    """fla's chunk_gated_delta_rule and chunk_kda: per sequence of cu_seqlens, its own
+    chunk of 16 (ctxpar's callers use other chunks: the results differ by rounding)."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    run = lambda sl, h0: gated_delta_fp32(  # noqa: E731
+    run = lambda sl, h0: kernel(  # noqa: E731
         q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, h0, None, 16,
         use_qk_l2norm_in_kernel)
     if cu_seqlens is None:

@@ -42,6 +42,15 @@ ACT = ["model.seq_len=8192", "model.d_model=256", "model.n_heads=4", "model.n_kv
 STATE = ["model.seq_len=128", "model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=8",
          "model.n_layers=4", "model.vocab_size=256", "train.micro_batch_size=1"]
 MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "parallel.ep=2"]
+# a Qwen3.5-like hybrid (3 Gated DeltaNet layers : 1 attention), full recompute: the lean
+# torch kernels (lean.py), state passing over cp 2, at two lengths
+HYBRID = ["model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
+          "model.n_layers=4", "model.layer_types=[linear_attention,linear_attention,"
+          "linear_attention,full_attention]", "model.linear_num_key_heads=2",
+          "model.linear_num_value_heads=4", "model.linear_key_head_dim=32",
+          "model.linear_value_head_dim=32", "parallel.tp=1", "parallel.cp=2", "parallel.dp=1",
+          "train.micro_batch_size=1", "train.global_batch_size=1",
+          "activation_checkpointing.mode=full"]
 LAYOUTS = {  # name: --set overrides
     "activations: cp2 ring, none, z1": ACT + ["model.n_layers=4"],
     "activations: cp2 ring, full, z1": ACT + ["model.n_layers=8",
@@ -87,6 +96,10 @@ LAYOUTS = {  # name: --set overrides
     "moe mixed state: cp2 ep2 z0": STATE + MOE + [
         "model.moe.expert_hidden=1024", "model.moe.layers=[0]", "parallel.cp=2",
         "parallel.dp=1", "train.global_batch_size=1", "deepspeed.zero_optimization.stage=0"],
+    "hybrid: cp2 state, full, 4K tokens": HYBRID + ["model.seq_len=4096"],
+    "hybrid: cp2 state, full, 16K tokens": HYBRID + ["model.seq_len=16384"],
+    "hybrid: dp2 (cp1), full, 4K tokens": HYBRID + [
+        "model.seq_len=4096", "parallel.cp=1", "parallel.dp=2", "train.global_batch_size=2"],
 }
 
 
@@ -94,6 +107,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="layouts whose name contains this")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--mmap-threshold", type=int, default=131072,
+                   help="glibc's MALLOC_MMAP_THRESHOLD_ for the runs (4096: the lean linear "
+                        "kernels' many small tensors are their own mappings too)")
     p.add_argument("--save", help="write the measurements (JSON) here")
     p.add_argument("--load", help="a --save file: the table without running")
     a = p.parse_args()
@@ -101,7 +117,8 @@ def main():
     for name, r in results.items():  # the current model's predictions for old measurements
         if name in LAYOUTS:
             r.update(predicted(LAYOUTS[name], a.nproc))
-    measure_missing(LAYOUTS, results, lambda name, sets: measure(name, sets, a.nproc),
+    measure_missing(LAYOUTS, results, lambda name, sets: measure(name, sets, a.nproc,
+                                                       mmap_threshold=a.mmap_threshold),
                     lambda name, r: f"{name}: {describe(r)}", only=a.only, save=a.save)
     print("\n| layout | measured | predicted | error | predicted peak phase |")
     print("|---|---:|---:|---:|---|")

@@ -27,15 +27,24 @@ NEGLIGIBLE = ["model.d_model=16", "model.seq_len=128", "model.vocab_size=256",
               "model.ffn_hidden=32"]
 
 
+def negligible(sets) -> list:
+    """NEGLIGIBLE for a layout: a hybrid's one layer of its first type (its fields stay
+    valid)."""
+    types = [s.split("=", 1)[1] for s in sets if s.startswith("model.layer_types=")]
+    first = types[-1].strip("[]").split(",")[0].strip() if types else ""
+    return NEGLIGIBLE + ([f"model.layer_types=[{first}]"] if first else [])
 
-def run(sets, nproc: int, port: int = 29657, config: str = TINY):
-    """Per rank: {"peaks": {phase: bytes}, "at_end": ...} of one train.py run."""
+
+def run(sets, nproc: int, port: int = 29657, config: str = TINY, mmap_threshold: int = 131072):
+    """Per rank: {"peaks": {phase: bytes}, "at_end": ...} of one train.py run; glibc's
+    mmap threshold: blocks above it are their own mappings, unmapped when freed (below
+    it they come from the heap, whose freed holes stay resident)."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(port), PHASE_PEAKS, d,
                "--config", config, "--set", *QUIET, *sets, f"logging.run_dir={d}/run"]
         env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                   WANDB_MODE="disabled", MALLOC_MMAP_THRESHOLD_="131072",
+                   WANDB_MODE="disabled", MALLOC_MMAP_THRESHOLD_=str(mmap_threshold),
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
@@ -62,15 +71,16 @@ def predict(sets, nproc: int, config: str = TINY):
 
 def predicted(sets, nproc: int, config: str = TINY) -> dict:
     """The prediction's fields of a result (recomputed by --load: the model may move)."""
-    pred, pred0 = predict(sets, nproc, config), predict(sets + NEGLIGIBLE, nproc, config)
+    pred, pred0 = predict(sets, nproc, config), predict(sets + negligible(sets), nproc, config)
     return dict(predicted=pred.same_ram() - pred0.same_ram(), predicted_phase=pred.peak_phase,
                 phases={p.name: p.total for p in pred.phases}, device=pred.peak,
                 host=pred.host_total)
 
 
-def measure(name, sets, nproc, config: str = TINY):
+def measure(name, sets, nproc, config: str = TINY, mmap_threshold: int = 131072):
     """(measured, predicted, predicted phase, measured phase): above the negligible run."""
-    big, base = run(sets, nproc, config=config), run(sets + NEGLIGIBLE, nproc, config=config)
+    big = run(sets, nproc, config=config, mmap_threshold=mmap_threshold)
+    base = run(sets + negligible(sets), nproc, config=config, mmap_threshold=mmap_threshold)
     rows = []
     def training(peaks):  # the steps: not the imports, nor the final eval and teardown
         return {k: v for k, v in peaks.items() if k not in ("import", "end")}
@@ -79,7 +89,7 @@ def measure(name, sets, nproc, config: str = TINY):
         phase, peak = max(training(big[r]["peaks"]).items(), key=lambda kv: kv[1])
         rows.append((peak - b, phase))
     measured, phase = max(rows)
-    out = dict(name=name, measured=measured, measured_phase=phase, ranks=[r[0] for r in rows],
+    out = dict(name=name, measured=measured, mmap_threshold=mmap_threshold, measured_phase=phase, ranks=[r[0] for r in rows],
                **predicted(sets, nproc, config))
     counters = [r.get("offload") for r in big if r.get("offload")]
     if counters:  # the offloader's own count of host bytes and restored device bytes

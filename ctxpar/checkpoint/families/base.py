@@ -37,7 +37,7 @@ ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_b
                  "scale_embeddings": False, "attention_output_gate": False, "rope": True,
                  "qk_norm_scope": "head", "reordered_norms": None,
                  "linear_allow_neg_eigval": False, "linear_norm_eps": None, "mla": None,
-                 "nope_layers": None, "attn_temperature_tuning": False, "qk_l2_norm": False,
+                 "dsa": None, "nope_layers": None, "attn_temperature_tuning": False, "qk_l2_norm": False,
                  # Gemma 4's (config/kv_layers.py)
                  "global_head_dim": None, "global_n_kv_heads": None, "attention_k_eq_v": False,
                  "value_norm": False, "num_kv_shared_layers": 0, "per_layer_input_dim": 0,

@@ -115,8 +115,9 @@ def gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     initial_state, final state (B, Hv, Dk, Dv) fp32: the state before token 0 and after
     the last token. scale defaults to Dk ** -0.5; use_qk_l2norm_in_kernel normalises q, k
     first (flash-linear-attention's flag; Qwen3-Next sets it). kernel: the local pass's
-    (kernels.py: 'auto', 'torch', 'fla'); recompute_chunks: the torch kernel's segments,
-    in chunks, that its backward recomputes one at a time (lean.py).
+    (kernels.py: 'auto', 'torch', 'fla'); recompute_chunks: the segments, in chunks, that
+    the kernel's backward recomputes one at a time (lean.py; the torch kernel's always,
+    a library's when the tokens are more than one segment: gpu_kernels.py).
     """
     return _delta_rule_cp("gated_delta", "gated_delta_rule_cp", q, k, v, g, beta, cp_group,
                           layout, strategy, cu_seqlens, chunk_size, scale, initial_state,
@@ -129,15 +130,17 @@ def kda_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
            strategy: str = "state", cu_seqlens=None, chunk_size: int = 64,
            scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
            output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-           kernel: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+           kernel: str = "auto", recompute_chunks: int = SEGMENT_CHUNKS
+           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Kimi Delta Attention over a CP group (kda.py): gated_delta_rule_cp's arguments with
     g (B, T/cp, Hv, Dk), a log-decay per key channel (fla's ``chunk_kda``). The state
     passing is Gated DeltaNet's: the transition diag(exp g_t)-then-(I - beta k k^T) is
     still linear in the state, so the same widened pass gives (M, E), Dk (Dk + Dv) fp32
-    values per head and segment. kernel: 'auto', 'torch', 'fla'."""
+    values per head and segment. kernel: 'auto', 'torch', 'fla'; recompute_chunks as
+    gated_delta_rule_cp's."""
     return _delta_rule_cp("kda", "kda_cp", q, k, v, g, beta, cp_group, layout, strategy,
                           cu_seqlens, chunk_size, scale, initial_state, output_final_state,
-                          use_qk_l2norm_in_kernel, kernel, SEGMENT_CHUNKS)
+                          use_qk_l2norm_in_kernel, kernel, recompute_chunks)
 
 
 def _delta_rule_cp(op, caller, q, k, v, g, beta, cp_group, layout, strategy, cu_seqlens,

@@ -45,6 +45,13 @@ sources:
   K - 1 predecessors in one channel-last sequence, documents as seq_idx (a tap into another
   document reads zero; -1 on a zero row), and the runs' rows are picked from the output.
 
+Segments: with segment_chunks (kernels.py's interface) and more tokens than one segment
+of segment_chunks x chunk_size, each library is called once per segment through
+lean.ChunkedScan (the entering state as initial_state, the final state asked for), which
+saves the inputs and the states between segments and calls it again segment by segment,
+last to first, in backward: the library's forward and backward tensors exist for one
+segment at a time (the same chunks from the same states: the same results to rounding).
+
 Passed over for torch (said in kernels.get_kernel's log line): fp32 for fla and mamba_ssm
 (their Triton dots round fp32 to TF32; the torch kernel is exact), key head dim > 256
 (fla's chunk_delta_h.py), odd head dims in 16-bit (fla's chunk_bwd_dv refuses them), fla's
@@ -55,6 +62,7 @@ installed; channels % 8 or a width outside 2..4 for causal_conv1d.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import partial
 
 import importlib.util
 import re
@@ -65,6 +73,7 @@ import torch
 
 from ..kernels import _call_by_signature, _import_failure
 from .conv import run_plan
+from .lean import chunked_scan, segment_tokens
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -175,8 +184,16 @@ class FlaGatedDelta(_Library):
 
     def __call__(self, q, k, v, g, beta, *, scale, initial_state, docs, chunk_size,
                  use_qk_l2norm_in_kernel, segment_chunks=None):
-        # segment_chunks: the torch kernel's recompute segments; fla's backward recomputes
-        # chunk by chunk on its own
+        """One call, or one per segment of segment_chunks chunks (module docstring)."""
+        run = partial(self.call_once, scale, use_qk_l2norm_in_kernel)
+        if segment_chunks is None or q.shape[1] <= segment_tokens(chunk_size, segment_chunks):
+            return run(q, k, v, g, beta, initial_state, docs)
+        return chunked_scan(run, (q, k, v, g, beta), (), initial_state, docs,
+                            segment_tokens(chunk_size, segment_chunks))
+
+    def call_once(self, scale, use_qk_l2norm_in_kernel, q, k, v, g, beta, initial_state,
+                  docs):
+        """The library over the rows' tokens at once: (o, final state)."""
         values = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                       output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         if docs is None:  # batched rows, per-row states as they are
@@ -213,7 +230,16 @@ class MambaSSD(_Library):
         return mamba_chunk_scan_combined
 
     def __call__(self, x, dt, A, B, C, D, initial_states, docs, chunk_size,
-                 segment_chunks=None):  # the torch kernel's; mamba_ssm recomputes its own
+                 segment_chunks=None):
+        """One call, or one per segment of segment_chunks chunks (module docstring)."""
+        run = partial(self.call_once, chunk_size)
+        if segment_chunks is None or x.shape[1] <= segment_tokens(chunk_size, segment_chunks):
+            return run(x, dt, B, C, A, D, initial_states, docs)
+        return chunked_scan(run, (x, dt, B, C), (A, D), initial_states, docs,
+                            segment_tokens(chunk_size, segment_chunks))
+
+    def call_once(self, chunk_size, x, dt, B, C, A, D, initial_states, docs):
+        """The library over the rows' tokens at once: (y, final states)."""
         seq_idx = None
         if docs is not None:  # (b, T) int32, every row's first document 0
             seq_idx = (docs.device - docs.device[:, :1]).to(torch.int32)

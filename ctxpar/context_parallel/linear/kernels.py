@@ -22,7 +22,9 @@ The interface every implementation of an op answers (shapes as the strategies ca
     y, final = ssd(x, dt, A, B, C, D, initial_states, docs, chunk_size,
                    segment_chunks=)                                     # dt discretized
 
-(segment_chunks: the torch kernels' recompute segments, lean.py; the libraries ignore it)
+(segment_chunks: the recompute segments, lean.py, in chunks of chunk_size: the torch
+kernels always run in them; the libraries are called once per segment through the same
+lean.ChunkedScan when the tokens are more than one segment, or None: one call)
     out = conv(x, halo, layout, rank, world, doc, weight, bias, activation)
 
 o and y in the inputs' dtype or fp32 (the callers cast), final states fp32; everything
@@ -62,6 +64,10 @@ class LocalDocs(NamedTuple):
         """The documents at these columns (host and device positions), through `split`
         (state passing's to_segments)."""
         return LocalDocs(split(self.host[:, positions_host]), split(self.device[:, positions]))
+
+    def columns(self, a: int, b: int) -> "LocalDocs":
+        """The documents of tokens a..b-1 of every row (a recompute segment, lean.py)."""
+        return LocalDocs(self.host[:, a:b], self.device[:, a:b])
 
 
 class TorchGatedDelta:
