@@ -14,6 +14,9 @@ One file per communication pattern, beside the pieces they share:
                   (dsa_indexer.py), MLA over the selected latent rows (dsa_attention.py),
                   the indexer's KL losses (dsa_loss.py); the pairs (dsa_pairs.py) and the
                   blocks' stream (dsa_stream.py) they share
+    compressed.py DeepSeek-V4's heavily compressed attention core (hca_attention): the
+                  window's halo plus compressed entries; compressor.py makes and
+                  all-gathers the entries
 
     layouts.py    contiguous / zigzag / striped token layouts (two-level under hybrid)
     blocks.py     the causal block plan, per-block compute, the blockwise autograd wrapper

@@ -1,0 +1,158 @@
+"""DeepSeek-V4's heavily compressed attention (HCA) core over a CP group.
+
+    out = hca_attention(q, kv, compress_kv, compress_gate, position_bias, norm_weight,
+                        sinks, sliding_window=128, compress_rate=128, entry_rope=rope,
+                        cp_group=g, layout="zigzag")
+
+Each query at global position t attends, in one softmax with the per-head sinks, to
+
+    the sliding window   the shared K=V head kv at positions t - sliding_window < j <= t
+    the entries          every complete compressed entry w with w < (t + 1) // m
+                         (transformers' ``block_bias``: a window counts once it is closed)
+
+exactly as transformers' ``DeepseekV4Attention`` with its ``DeepseekV4HCACompressor``
+(eager_attention_forward with the sinks). Under CP the window is the ring's halo exchange
+(halo.py, through ring.py or allgather.py's sliding-window plan), the entries are made by
+the ranks holding their windows and all-gathered (compressor.py: why a gather, not a ring),
+and the entries' block is one local kernel call with the visibility mask above.
+
+Both parts are one autograd Function: the pattern's forward gives the window's (out, lse),
+the entries' block merges into it by log-sum-exp (merge.py), then the sinks' term is
+applied once (sinks.py). Backward hands the *merged* (out, lse) to the pattern's backward
+and to the entries' block: each is then exactly its share of the whole softmax's
+gradient, which a merge of ``context_parallel_attention(return_lse=True)`` outputs could
+not give (its lse carries no gradient). K = V: the key and value gradients are summed.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from . import allgather, ring
+from .arguments import world_group
+from .blocks import QueryRows, backward_block, forward_block_
+from .compressor import COMPRESS_LAYOUTS, check_slabs, compressed_entries
+from .comm import group_rank_and_size
+from .documents import DocBlock
+from .kernels import default_scale, get_backend
+from .layouts import rank_positions
+from .mask import AttentionMask
+from .sinks import finish, sinks_grad
+
+COMPRESS_COMMS = ("ring", "allgather")
+
+
+def entry_visibility(q_pos: torch.Tensor, entries: int, m: int) -> torch.Tensor:
+    """(L, entries) bool: query at global position t sees entry w iff w < (t + 1) // m."""
+    return torch.arange(entries)[None, :] < ((q_pos + 1) // m)[:, None]
+
+
+class CompressedCore(torch.autograd.Function):
+    """(out, lse) of q over [the window's keys ; the entries] with the sinks; lse is not
+    differentiable. kv (B, S, D) the shared K=V head; entries (B, T, D)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, entries, sinks, pattern, group, layout, scale, kernel, visible):
+        forward_fn, ctx.backward_fn = pattern
+        k = kv.unsqueeze(2)                                                # (B, S, 1, D)
+        out, lse = forward_fn(q, k, k, group, True, layout, scale, kernel)
+        out, lse = out.float(), lse.clone()
+        blk = DocBlock(0, q.shape[1], 0, entries.shape[1], False, visible)
+        if entries.shape[1]:
+            e = entries.unsqueeze(2)
+            forward_block_(kernel, q, e, e, blk, scale, out, lse)
+        out, lse = finish(out, lse, q.dtype, sinks)
+        ctx.save_for_backward(q, kv, entries, out, lse, sinks)
+        ctx.args = (group, True, layout, scale, kernel)
+        ctx.blk = blk
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, kv, entries, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        k = kv.unsqueeze(2)
+        dq, dk, dv = ctx.backward_fn(dout, q, k, k, out, lse, *ctx.args)
+        dq, dkv = dq.float(), (dk.float() + dv.float()).squeeze(2)
+        dentries = torch.zeros(entries.shape, dtype=torch.float32, device=q.device)
+        if entries.shape[1]:
+            e = entries.unsqueeze(2)
+            rows = QueryRows(dout, q, out, lse)
+            _, _, (dq2, de_k, de_v) = backward_block(ctx.args[4], rows, e, e, ctx.blk,
+                                                     ctx.args[3])
+            dq += dq2.float()
+            dentries += (de_k.float() + de_v.float()).squeeze(2)
+        dsinks = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
+        return (dq.to(q.dtype), dkv.to(kv.dtype), dentries.to(entries.dtype), dsinks,
+                None, None, None, None, None, None)
+
+
+def _check(q, kv, compress_kv, compress_gate, position_bias, sliding_window, m, layout,
+           comm, world, caller):
+    """Local checks, rank-independent messages: raised on every rank before any
+    communication."""
+    if comm not in COMPRESS_COMMS:
+        raise ValueError(f"{caller}: comm={comm!r} must be one of {list(COMPRESS_COMMS)}")
+    if layout not in COMPRESS_LAYOUTS:
+        raise ValueError(f"{caller}: layout={layout!r} must be one of "
+                         f"{list(COMPRESS_LAYOUTS)} (a compressed window needs consecutive "
+                         "tokens on a rank)")
+    for name, v in (("compress_rate", m), ("sliding_window", sliding_window)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{caller}: {name}={v!r} must be a positive integer")
+    if q.dim() != 4 or kv.dim() != 3:
+        raise ValueError(f"{caller}: q (batch, local_seq, heads, head_dim) and kv (batch, "
+                         f"local_seq, head_dim) expected, got {tuple(q.shape)}, "
+                         f"{tuple(kv.shape)}")
+    B, S, _, D = q.shape
+    for name, t in (("kv", kv), ("compress_kv", compress_kv), ("compress_gate", compress_gate)):
+        if tuple(t.shape) != (B, S, D):
+            raise ValueError(f"{caller}: {name} must be (batch, local_seq, head_dim) = "
+                             f"{(B, S, D)}, got {tuple(t.shape)}")
+    if tuple(position_bias.shape) != (m, D):
+        raise ValueError(f"{caller}: position_bias must be (compress_rate, head_dim) = "
+                         f"{(m, D)}, got {tuple(position_bias.shape)}")
+    if layout == "zigzag" and S % 2:
+        raise ValueError(f"{caller}: layout 'zigzag' needs an even local_seq, got {S}")
+    check_slabs(layout, S, m, world, False, caller)
+
+
+def hca_attention(q: torch.Tensor, kv: torch.Tensor, compress_kv: torch.Tensor,
+                  compress_gate: torch.Tensor, position_bias: torch.Tensor,
+                  norm_weight: torch.Tensor, sinks: Optional[torch.Tensor], *,
+                  sliding_window: int, compress_rate: int, entry_rope: Callable,
+                  cp_group=None, layout: str = "contiguous", comm: str = "ring",
+                  norm_eps: float = 1e-6, softmax_scale: Optional[float] = None,
+                  backend: str = "auto", return_lse: bool = False):
+    """V4's HCA attention core of this rank's queries (module docstring).
+
+    q (B, S, H, D) RoPE applied; kv (B, S, D) the shared K=V head, RoPE applied;
+    compress_kv, compress_gate (B, S, D) the compressor's kv_proj and gate_proj of the
+    local hidden states; position_bias (m, D) and norm_weight (D,) its parameters (fp32);
+    sinks (H,) or None; entry_rope(entries (B, T, D), positions (T,)) -> (B, T, D) the
+    compressor's RoPE at the entries' positions w * m. Tokens follow `layout`
+    ('contiguous' or 'zigzag'; each slab at least m tokens when P > 1); the sliding window
+    goes through `comm` ('ring' or 'allgather': both run the halo exchange when the window
+    fits in a neighbour's slab). softmax_scale defaults to D ** -0.5.
+    Returns out (B, S, H, D), and with return_lse the merged lse (B, H, S) fp32 too.
+    """
+    caller = "hca_attention"
+    group = world_group(cp_group)
+    rank, world = group_rank_and_size(group)
+    _check(q, kv, compress_kv, compress_gate, position_bias, sliding_window, compress_rate,
+           layout, comm, world, caller)
+    mask = AttentionMask(causal=True, sliding_window=sliding_window)
+    pattern = ring.ring_pattern("fp32", mask) if comm == "ring" \
+        else allgather.allgather_pattern(mask)
+    kernel = get_backend(backend, q)
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    entries = compressed_entries(compress_kv, compress_gate, position_bias, norm_weight,
+                                 norm_eps, compress_rate, entry_rope, layout, group,
+                                 caller=caller)
+    q_pos = rank_positions(q.shape[1] * world, rank, world, layout)
+    visible = entry_visibility(q_pos, entries.shape[1], compress_rate)
+    out, lse = CompressedCore.apply(q, kv, entries, sinks, pattern, group, layout, scale,
+                                    kernel, visible)
+    return (out, lse) if return_lse else out

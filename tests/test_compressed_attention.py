@@ -1,0 +1,258 @@
+"""DeepSeek-V4's heavily compressed attention (HCA) core under CP (hca_attention) against
+transformers' own DeepseekV4HCACompressor and eager_attention_forward (with the sinks) on
+the same weights: at cp1, and at cp2 and cp4 in one spawned world of four ranks, ring and
+all-gather, zigzag and contiguous, local shares that are and are not multiples of m, the
+full length not a multiple of m (a trailing partial window). Outputs and every gradient
+(q, the K=V head, the sinks, the compressor's kv_proj, gate_proj, position_bias and
+kv_norm weight); the bytes each rank sends are the entries' all-gather, the windows'
+halos and the sliding window's halo, nothing else; bad input raises before any collective.
+CSA's compressor entries (compressed_entries(overlap=True)) against transformers'
+DeepseekV4CSACompressor: the entries and its weights' gradients, cp1, cp2, cp4.
+
+Tolerances (fp32): the reference does one softmax over [window ; entries ; sink], ctxpar
+merges blocks by log-sum-exp and sums halo gradients on another rank: the same math in
+another order, differences seen ~1e-6 on O(1) values, so 1e-5 (relative, and absolute
+against the tensor's largest entry for the weights' gradients summed over every token)
+catches any real error (a window compressed from the wrong rows, an entry visible one
+window early, a lost halo gradient all move results by O(0.1)).
+"""
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+from ctxpar.context_parallel import cp_stats
+from ctxpar.context_parallel.comm import NoComm
+from ctxpar.context_parallel.compressed import hca_attention
+from ctxpar.context_parallel.compressor import compressed_entries
+from ctxpar.context_parallel.halo import halo_tokens
+from ctxpar.context_parallel.layouts import rank_positions
+from ctxpar.testing import run_distributed
+
+B, H, D, HIDDEN, M, WINDOW = 2, 2, 8, 16, 4, 5
+F32 = 4
+# (P, layout, local_seq, comm): shares and slabs that are and are not multiples of M; the
+# contiguous cp2 case of 11 tokens leaves a trailing partial window (n = 22).
+CASES = [(2, "contiguous", 12, "ring"), (2, "contiguous", 11, "ring"),
+         (2, "zigzag", 12, "ring"), (2, "zigzag", 10, "allgather"),
+         (4, "contiguous", 6, "ring"), (4, "contiguous", 8, "allgather"),
+         (4, "zigzag", 10, "ring"), (4, "zigzag", 8, "ring")]
+
+
+def config():
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.5}
+    return DeepseekV4Config(
+        hidden_size=HIDDEN, head_dim=D, num_attention_heads=H, sliding_window=WINDOW,
+        q_lora_rank=8, index_head_dim=8, index_n_heads=2, index_topk=4,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": M},
+        rope_parameters={"main": {**rope, "rope_theta": 10000.0},
+                         "compress": {**rope, "rope_theta": 160000.0}})
+
+
+def case_inputs(n, seed=0):
+    """The compressor (transformers', random weights) and full-sequence inputs."""
+    torch.manual_seed(seed)
+    cfg = config()
+    comp = hf.DeepseekV4HCACompressor(cfg).float()
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.normal_(0, 0.5)
+    hidden, q, kv = torch.randn(B, n, HIDDEN), torch.randn(B, n, H, D), torch.randn(B, n, D)
+    sinks = torch.nn.Parameter(torch.randn(H))
+    return cfg, comp, hidden, q, kv, sinks, torch.randn(B, n, H, D)
+
+
+def entry_rope(comp):
+    """The compressor's own RoPE at the entries' positions."""
+    def rope(x, pos):
+        cos, sin = comp.rotary_emb(x, position_ids=pos[None].expand(x.shape[0], -1),
+                                   layer_type="compress")
+        return hf.apply_rotary_pos_emb(x.unsqueeze(1), cos, sin).squeeze(1)
+    return rope
+
+
+def grads(out, dout, q, kv, sinks, comp):
+    return torch.autograd.grad(out, [q, kv, sinks, *comp.parameters()], dout)
+
+
+def reference(n):
+    """transformers: the compressor's entries and block_bias beside a sliding causal mask,
+    through eager_attention_forward with the sinks. (out, grads)."""
+    cfg, comp, hidden, q, kv, sinks, dout = case_inputs(n)
+    q, kv = q.requires_grad_(), kv.requires_grad_()
+    entries, block_bias = comp(hidden, None, torch.arange(n)[None].expand(B, -1), None, 0)
+    i = torch.arange(n)
+    seen = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < WINDOW)
+    window_bias = torch.zeros(n, n).masked_fill(~seen, float("-inf")).expand(B, 1, n, n)
+    mask = torch.cat([window_bias, block_bias], dim=-1)
+    keys = torch.cat([kv.unsqueeze(1), entries], dim=2)
+    module = types.SimpleNamespace(num_key_value_groups=H, sinks=sinks, training=False)
+    out, _ = hf.eager_attention_forward(module, q.transpose(1, 2), keys, keys, mask,
+                                        cfg.head_dim ** -0.5)
+    return out.detach(), grads(out, dout, q, kv, sinks, comp)
+
+
+def run(n, pos, group, layout, comm, backend="math"):
+    """hca_attention on the tokens at `pos`: (out, grads of local q/kv and the local
+    shares of the sinks' and compressor's)."""
+    cfg, comp, hidden, q, kv, sinks, dout = case_inputs(n)
+    q, kv = q[:, pos].requires_grad_(), kv[:, pos].requires_grad_()
+    h = hidden[:, pos]
+    out = hca_attention(q, kv, comp.kv_proj(h), comp.gate_proj(h), comp.position_bias,
+                        comp.kv_norm.weight, sinks, sliding_window=WINDOW, compress_rate=M,
+                        entry_rope=entry_rope(comp), cp_group=group, layout=layout,
+                        comm=comm, norm_eps=cfg.rms_norm_eps, backend=backend)
+    return out.detach(), grads(out, dout[:, pos], q, kv, sinks, comp)
+
+
+def close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-5,
+                               atol=1e-5 * max(1.0, want.abs().max().item()))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_hca_matches_transformers_cp1(backend):
+    n = 22  # five windows of 4 and a trailing partial one
+    want_out, want = reference(n)
+    out, got = run(n, torch.arange(n), None, "contiguous", "ring", backend)
+    close(out, want_out)
+    for g, w in zip(got, want):
+        close(g, w)
+
+
+def expected_sent(P, layout, S, rank):
+    """(forward, backward) bytes `rank` sends, counted from the layout alone. Forward: the
+    entries' all-gather (padded to the largest share, P - 1 copies), the compressor's halo
+    rows (kv and gate: start % M rows to the holder of each slab starting inside a window)
+    and the sliding window's K,V halo (K = V still travels as two rows). Backward: the
+    entries' gradient reduce-scattered (the same padded share), the received halo rows'
+    gradients back (fp32), the window's K,V halo again and its dK,dV back (fp32)."""
+    n = S * P
+    pos = [rank_positions(n, r, P, layout).tolist() for r in range(P)]
+    holder = {p: r for r in range(P) for p in pos[r]}
+    share = max(sum(1 for w in range(n // M) if holder[(w + 1) * M - 1] == r)
+                for r in range(P))
+    starts = [(r, p) for r in range(P) for i, p in enumerate(pos[r])
+              if p % M and (i == 0 or pos[r][i - 1] != p - 1) and holder[p - 1] != r]
+    halo_sent = sum(p % M for r, p in starts if holder[p - 1] == rank)
+    halo_recv = sum(p % M for r, p in starts if r == rank)
+    window_sent, window_recv = halo_tokens(layout, rank, P, S, sliding_window=WINDOW)
+    entries = (P - 1) * B * share * D * F32
+    kv_rows, halo_rows = 2 * B * D * F32, B * 2 * D * F32
+    return (entries + halo_sent * halo_rows + window_sent * kv_rows,
+            entries + halo_recv * halo_rows + (window_sent + window_recv) * kv_rows)
+
+
+# CSA's entries (the overlapping two-series compressor; slabs of at least 2M tokens).
+CSA_CASES = [(2, "contiguous", 11), (2, "zigzag", 20), (4, "contiguous", 9),
+             (4, "zigzag", 18)]
+
+
+def csa_entries(n, pos, group, layout):
+    """(entries, gradients of the compressor's four weights) from transformers'
+    DeepseekV4CSACompressor (group "reference": its forward on the whole sequence) or
+    ctxpar's compressed_entries(overlap=True) on the tokens at `pos`."""
+    torch.manual_seed(1)
+    cfg = config()
+    comp = hf.DeepseekV4CSACompressor(cfg).float()
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.normal_(0, 0.5)
+    hidden, q_res = torch.randn(B, n, HIDDEN), torch.randn(B, n, cfg.q_lora_rank)
+    dout = torch.randn(B, n // M, D)
+    weights = [comp.kv_proj.weight, comp.gate_proj.weight, comp.position_bias,
+               comp.kv_norm.weight]
+    if group == "reference":
+        entries = comp(hidden, q_res, torch.arange(n)[None].expand(B, -1), None, 0)[0][:, 0]
+    else:
+        h = hidden[:, pos]
+        entries = compressed_entries(comp.kv_proj(h), comp.gate_proj(h), comp.position_bias,
+                                     comp.kv_norm.weight, cfg.rms_norm_eps, M,
+                                     entry_rope(comp), layout, group, overlap=True)
+    return entries.detach(), torch.autograd.grad(entries, weights, dout)
+
+
+def test_csa_entries_match_transformers_cp1():
+    n = 22
+    want_entries, want = csa_entries(n, None, "reference", None)
+    got_entries, got = csa_entries(n, torch.arange(n), None, "contiguous")
+    close(got_entries, want_entries)
+    for g, w in zip(got, want):
+        close(g, w)
+
+
+def _cp_cases(rank, world):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    for P, layout, S, comm in CASES:
+        group = None if P == 4 else pairs[rank // 2]
+        r = rank if P == 4 else rank % 2
+        n = S * P
+        want_out, want = reference(n)
+        pos = rank_positions(n, r, P, layout)
+        with cp_stats() as st:
+            out, got = run(n, pos, group, layout, comm)
+        where = f"P={P} {layout} S={S} {comm} rank {r}"
+        sent = (st.fwd_bytes_sent, st.bwd_bytes_sent)
+        assert sent == expected_sent(P, layout, S, r), (where, sent)
+        close(out, want_out[:, pos])
+        close(got[0], want[0][:, pos])
+        close(got[1], want[1][:, pos])
+        for g, w in zip(got[2:], want[2:]):  # the shares of the parameters' gradients
+            g = g.clone()
+            dist.all_reduce(g, group=group)
+            close(g, w)
+    for P, layout, S in CSA_CASES:
+        group = None if P == 4 else pairs[rank // 2]
+        r = rank if P == 4 else rank % 2
+        n = S * P
+        want_entries, want = csa_entries(n, None, "reference", None)
+        got_entries, got = csa_entries(n, rank_positions(n, r, P, layout), group, layout)
+        close(got_entries, want_entries)
+        for g, w in zip(got, want):  # every rank backpropagates dout through all entries
+            g = g.clone()
+            dist.all_reduce(g, group=group)
+            close(g, P * w)
+    return True
+
+
+def test_compressed_cp2_cp4_match_transformers():
+    assert all(run_distributed(_cp_cases, 4, timeout=60))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(layout="striped"), "layout='striped'"),
+    (dict(comm="ulysses"), "comm='ulysses'"),
+    (dict(compress_rate=0), "compress_rate=0"),
+    (dict(compress_rate=8), "compress_rate=8 needs slabs of at least 8 tokens"),
+])
+def test_hca_bad_input_refused_before_communicating(kw, match):
+    """NoComm(0, 2) stands in for a two-rank group: the checks run first, locally, so
+    nothing is sent (a real group would raise the same on every rank)."""
+    n = 12
+    cfg, comp, hidden, q, kv, sinks, _ = case_inputs(n)
+    args = dict(sliding_window=WINDOW, compress_rate=M, entry_rope=entry_rope(comp),
+                cp_group=NoComm(0, 2), layout="zigzag", comm="ring")
+    args.update(kw)
+    bias = comp.position_bias if args["compress_rate"] == M else \
+        torch.zeros(max(args["compress_rate"], 1), D)
+    with cp_stats() as st, pytest.raises(ValueError, match=match):
+        hca_attention(q, kv, comp.kv_proj(hidden), comp.gate_proj(hidden), bias,
+                      comp.kv_norm.weight, sinks, **args)
+    assert st.fwd_comm_ops == 0
+
+
+def test_csa_entries_refuse_short_slabs():
+    """CSA's halo reaches a window further back: slabs shorter than 2m are refused (one
+    line, before the halo exchange), as is a layout whose windows are not on one rank."""
+    kv = torch.zeros(B, 12, 2 * D)
+    args = (kv, kv, torch.zeros(M, 2 * D), torch.ones(D), 1e-6, M, None)
+    with cp_stats() as st:
+        with pytest.raises(ValueError, match="needs slabs of at least 8 tokens"):
+            compressed_entries(*args, "zigzag", NoComm(0, 2), overlap=True)
+        with pytest.raises(ValueError, match="layout='striped'"):
+            compressed_entries(*args, "striped", NoComm(0, 2), overlap=True)
+    assert st.fwd_comm_ops == 0
