@@ -3,7 +3,8 @@ heads than query heads, replicated over TP when fewer than its ranks), per-head 
 whole-projection q/k norms, RoPE (partial, or none), Qwen3.5's output gate, gpt-oss'
 sinks; full causal, a sliding window or chunks by the layer's kind.
 
-Shapes per rank: x (B, T/cp, d); q (B, T/cp, nh/tp, hd); k, v (B, T/cp, max(nkv/tp, 1), hd).
+Shapes per rank: x (B, T/cp, d); q (B, T/cp, nh/tp, hd); k (B, T/cp, max(nkv/tp, 1), hd),
+v the same with vd = model.v_head_dim channels (hd unless set).
 Only the core talks over CP (ctxpar.context_parallel: the pattern of parallel.cp_comm),
 only the projections over TP (column-parallel q/k/v, row-parallel out).
 """
@@ -14,9 +15,13 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+import torch.nn.functional as F
+
 from ctxpar.config import ModelConfig, rotary_dim, softmax_scale
+from ctxpar.config.attention_heads import sinks_on
 from ctxpar.config.layers import LayerAttention, layer_attention
-from ctxpar.config.parameters import kv_heads_per_rank, layer_head_dim, layer_kv_heads
+from ctxpar.config.parameters import (kv_heads_per_rank, layer_head_dim, layer_kv_heads,
+                                      layer_v_head_dim)
 from ctxpar.context_parallel import AttentionMask, ContextParallel
 from ctxpar.tensor_parallel import (ColumnParallelLinear, ReplicatedHeadLinear,
                                     RowParallelLinear, copy_to_tensor_model_parallel_region)
@@ -38,7 +43,9 @@ class Attention(TokenMixer):
 
     `layer` is this layer's kind (ctxpar.config.layers): full causal, a sliding window or
     chunks; with model.attention_sinks a learned logit per query head (``sinks``, split
-    over TP with the heads) joins every softmax.
+    over TP with the heads) joins every softmax. The layer's K/V heads and sinks are its
+    type's (model.layer_kv_heads, attention_sinks: config.attention_heads); the values
+    are v_head_dim wide, times model.attention_value_scale.
 
     As a token mixer (models/token_mixer.py): project_in is qkv, mix the CP attention
     (core, or generation's KV cache around it), project_out the gate and o_proj (out);
@@ -57,9 +64,10 @@ class Attention(TokenMixer):
         tp = tp_size_of(tp_group)
         self.tp_group, self.cp, self.backend = tp_group, cp, backend
         self.layer = a = layer or layer_attention(cfg)[0]
-        n_kv = layer_kv_heads(cfg, a)  # model.global_n_kv_heads on Gemma 4's full layers
+        # its type's K/V heads: model.layer_kv_heads (MiMo), global_n_kv_heads (Gemma 4)
+        n_kv = layer_kv_heads(cfg, a)
         self.sinks = None
-        if cfg.attention_sinks:  # (nh/tp,): this rank's heads' sink logits
+        if sinks_on(cfg, a.kind):  # (nh/tp,): this rank's heads' sink logits (its type's)
             self.sinks = nn.Parameter(torch.empty(cfg.n_heads // tp, device=device,
                                                   dtype=dtype))
             set_tensor_model_parallel_attributes(self.sinks, True, dim=0)
@@ -67,6 +75,8 @@ class Attention(TokenMixer):
         self.scale = softmax_scale(cfg)
         self.n_heads = cfg.n_heads // tp  # query heads on this rank
         self.n_kv_heads = kv_heads_per_rank(cfg, tp, n_kv)
+        self.v_head_dim = layer_v_head_dim(cfg, a)  # model.v_head_dim, else hd
+        self.value_scale = cfg.attention_value_scale
         # model.num_kv_shared_layers: a consumer attends with its producer's K/V (set by the
         # GPT: kv_producer a 1-tuple, not a submodule); a producer keeps its last in shared_kv
         self.kv_producer, self.keeps_shared_kv, self.shared_kv = None, False, None
@@ -74,7 +84,7 @@ class Attention(TokenMixer):
         self.v_eps = cfg.norm_eps if cfg.value_norm else None
         lin = dict(tp_group=tp_group, bias=cfg.bias or cfg.attention_bias, device=device,
                    dtype=dtype)
-        d, hd = cfg.d_model, self.head_dim
+        d, hd, vd = cfg.d_model, self.head_dim, self.v_head_dim
         self.gated = cfg.attention_output_gate  # q_proj's rows per head: [q | gate]
         self.rope = self.layer.rope  # model.rope, not a model.nope_layers one
         self.l2_eps = cfg.norm_eps if cfg.qk_l2_norm and self.rope else None
@@ -83,11 +93,11 @@ class Attention(TokenMixer):
                                            copy_input=False, **lin)
         own_kv = a.kv_source is None
         # fewer kv heads than TP ranks: each rank uses the kv head of its query heads
-        kv = (lambda: ColumnParallelLinear(d, n_kv * hd, copy_input=False, **lin)) \
-            if n_kv % tp == 0 else (lambda: ReplicatedHeadLinear(d, n_kv * hd, n_kv, **lin))
-        self.k_proj = kv() if own_kv else None
-        self.v_proj = kv() if own_kv and not self.k_eq_v else None
-        self.o_proj = RowParallelLinear(cfg.n_heads * hd, d, **{**lin, "bias": cfg.bias})
+        kv = (lambda w: ColumnParallelLinear(d, n_kv * w, copy_input=False, **lin)) \
+            if n_kv % tp == 0 else (lambda w: ReplicatedHeadLinear(d, n_kv * w, n_kv, **lin))
+        self.k_proj = kv(hd) if own_kv else None
+        self.v_proj = kv(vd) if own_kv and not self.k_eq_v else None
+        self.o_proj = RowParallelLinear(cfg.n_heads * vd, d, **{**lin, "bias": cfg.bias})
         self.q_norm, self.k_norm = qk_norms(cfg, hd, n_kv, tp_group, device, dtype)
         if not own_kv:
             self.k_norm = None
@@ -111,9 +121,11 @@ class Attention(TokenMixer):
             q = q if self.q_norm is None else self.q_norm(q)
             return (q if not self.rope else apply_rotary(q, cos, sin)), None, None, gate
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T/cp, nkv/tp, hd)
-        v = k if self.k_eq_v else self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = k if self.k_eq_v else self.v_proj(x).view(B, T, self.n_kv_heads, self.v_head_dim)
         if self.v_eps is not None:  # Gemma 4's weightless value norm
             v = l2_norm(v, self.v_eps)
+        if self.value_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale
+            v = v * self.value_scale
         if isinstance(self.q_norm, AllHeadsRMSNorm):  # over the whole projection
             q = self.q_norm(q.flatten(2)).view_as(q)
             k = self.k_norm(k.flatten(2)).view_as(k)
@@ -129,7 +141,7 @@ class Attention(TokenMixer):
         return q, k, v, gate
 
     def out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
-        """o (B, T/cp, nh/tp, hd) -> o_proj(o * sigmoid(gate)) (B, T/cp, d)."""
+        """o (B, T/cp, nh/tp, vd) -> o_proj(o * sigmoid(gate)) (B, T/cp, d)."""
         o = o.flatten(2)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -160,9 +172,15 @@ class Attention(TokenMixer):
                              sinks=self.sinks)
 
     def core(self, q, k, v, cu_seqlens=None) -> torch.Tensor:
-        # Exact attention over the whole sequence through cp.comm's pattern.
-        return self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
-                                 mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
+        # Exact attention over the whole sequence through cp.comm's pattern. Values
+        # narrower than the keys travel zero-padded to hd (the patterns move K and V as
+        # one block): the padding's output columns are zeros, dropped here.
+        vd = v.shape[-1]
+        if vd != q.shape[-1]:
+            v = F.pad(v, (0, q.shape[-1] - vd))
+        o = self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
+                              mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
+        return o[..., :vd]  # (B, T/cp, nh/tp, vd)
 
 
 def link_shared_kv(layers, attention: list) -> None:

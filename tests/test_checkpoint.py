@@ -9,6 +9,7 @@ the new config keys are validated. (2) Two gloo ranks: a signal seen by one rank
 moment stops both after the same step.
 """
 import os
+import re
 import signal
 
 import pytest
@@ -201,7 +202,8 @@ def test_universal_info_follows_the_tp_attributes():
                             "'mistral', 'gemma3_text', 'qwen3_5_text', 'nemotron_h', "
                             "'olmo_hybrid', 'qwen3_moe', 'qwen2_moe', 'mixtral', 'gpt_oss', "
                             "'qwen3_next', 'qwen3_5_moe_text', 'deepseek_v3', 'deepseek_v2', "
-                            "'glm4_moe', 'minimax_m2', 'llama4_text' or null"),
+                            "'glm4_moe', 'minimax_m2', 'llama4_text', 'mimo_v2_flash', "
+                            "'kimi_linear', 'gemma4_text' or null"),
     (["model.norm=layernorm", "model.norm_offset=1"],
      "model.norm_offset=1.0 applies to RMSNorm, not model.norm='layernorm'"),
     (["model.rope_scaling={rope_type: linear}"],
@@ -247,3 +249,24 @@ def test_preemption_every_rank_stops_after_the_same_step():
     out = run_distributed(_signalled_steps, 2,
                           {1: (3, signal.SIGUSR1), 0: (5, signal.SIGTERM)}, timeout=60)
     assert out == [(3, "another rank's signal"), (3, "SIGUSR1")]
+
+
+def test_universal_info_gives_each_layer_its_own_rule_where_layer_types_split_apart(
+        monkeypatch):
+    """MiMo-V2-Flash's K/V heads per layer type at tp 2: the full layer's single kv head
+    replicated (ReplicatedHeadLinear), the sliding layer's two split; one pattern for every
+    layer's k_proj would merge the sliding layer's halves as copies (ds_to_universal's
+    merge_tp_slices asserts they are equal), so each layer gets its own."""
+    from models.options import ModelGroups
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    cfg = ModelConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4,
+                      n_kv_heads=1, layer_types=["full_attention", "sliding_attention"],
+                      sliding_window=4, layer_kv_heads={"sliding_attention": 2})
+    meta = GPT(cfg, ModelGroups(tp_group=object()), device=torch.device("meta"))
+    info = universal_checkpoint_info(meta, cfg.n_layers, cfg.tie_embeddings)
+    replicated = info["tp_replicated_parameter_patterns"]
+    assert r"layers\.0\.attn\.k_proj\.weight$" in replicated
+    assert r"layers\.0\.attn\.v_proj\.weight$" in replicated
+    assert not any(re.match(p, "layers.1.attn.k_proj.weight") for p in replicated)
+    assert r"layers\.\d+\.attn_norm\.weight$" in replicated  # one rule: one pattern

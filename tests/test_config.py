@@ -311,6 +311,7 @@ def test_every_shipped_config_validates(path):
                                          ("extend_deepseek_v2_lite_1m", 15_706_484_224),
                                          ("extend_minimax_m2_768k", 228_689_748_992),
                                          ("extend_llama4_scout_1m", 107_769_861_120),
+                                         ("extend_mimo_v2_flash_1m", 308_778_768_832),
                                          ("extend_kimi_linear_48b_1m", 49_122_675_072),
                                          ("extend_gemma4_31b_512k", 30_697_345_280),
                                          ("extend_deepseek_v32_1m", 671_877_929_216),
@@ -338,6 +339,8 @@ def test_gpu_configs_build_the_stated_model_on_meta(name, params):
                                                 11_030_537_216,
                                                 "extend_llama4_scout_1m":
                                                 17_172_894_720,
+                                                "extend_mimo_v2_flash_1m":
+                                                15_445_924_288,
                                                 "extend_kimi_linear_48b_1m":
                                                 3_484_453_248,
                                                 "extend_deepseek_v32_1m":

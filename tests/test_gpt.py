@@ -72,6 +72,18 @@ CONFIGS["mla_lite"] = dataclasses.replace(
     CONFIGS["mla"], rope_scaling=None,
     mla=MLAConfig(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                   v_head_dim=12, rope_interleave=False))
+# MiMo-V2-Flash's attention: a full layer with one K/V head (replicated over tp2 and
+# Ulysses' 2 ranks), a sliding one with two (split) and sinks; q/k heads of 24, value heads
+# of 16 (V zero-padded on the wire) scaled by 0.7; RoPE on a third of each head, its own
+# base on the sliding layer; the window (20) crosses the CP ranks' boundaries
+CONFIGS["mimo"] = ModelConfig(vocab_size=128, seq_len=32, n_layers=2, d_model=64, n_heads=4,
+                              n_kv_heads=1, head_dim=24, v_head_dim=16,
+                              layer_types=["full_attention", "sliding_attention"],
+                              sliding_window=20, layer_kv_heads={"sliding_attention": 2},
+                              attention_sinks=["sliding_attention"], attention_value_scale=0.7,
+                              partial_rotary_factor=1 / 3, attention_bias=True,
+                              layer_rope={"sliding_attention": {"rope_theta": 100.0}},
+                              tie_embeddings=False)
 BATCH, LR, SEED = 4, 0.1, 7  # global batch (split over dp), SGD step, init seed
 # fp32 everywhere; the parallel model sums the same terms in another order (TP partial
 # products all-reduced, per-block softmax merged by LSE across the ring, gradients summed
@@ -162,7 +174,9 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
         (2, 1, 1, "zigzag", "mla", "selective", "ring", 1),  # heads split, latent f
         (1, 2, 1, "zigzag", "mla", "none", "ring", 1),  # the latent on the ring
         (1, 2, 1, "striped", "mla_lite", "full", "ulysses", 2),
-        (1, 2, 1, "contiguous", "mla", "selective", "allgather", 1)],
+        (1, 2, 1, "contiguous", "mla", "selective", "allgather", 1),
+        (1, 2, 1, "zigzag", "mimo", "selective", "ring", 1),  # per-type K/V heads, v 16
+        (1, 2, 1, "zigzag", "mimo", "none", "ulysses", 2)],
     4: [(1, 4, 1, "zigzag", "gqa", "none", "ring", 1),
         (1, 4, 1, "striped", "gqa", "every_n_layers", "ring", 1),
         (2, 2, 1, "zigzag", "gqa", "none", "ring", 1),
@@ -176,7 +190,8 @@ CASES = {  # world size -> (tp, cp, dp, layout, config, activation checkpointing
         (1, 2, 2, "zigzag", "mqa", "full", "hybrid", 2),  # u = cp: Ulysses via hybrid
         (2, 2, 1, "striped", "gated", "full", "ring", 1),
         (2, 2, 1, "zigzag", "mla", "selective", "ring", 1),
-        (1, 4, 1, "striped", "mla_lite", "none", "hybrid", 2)],
+        (1, 4, 1, "striped", "mla_lite", "none", "hybrid", 2),
+        (2, 2, 1, "zigzag", "mimo", "selective", "ring", 1)],
     8: [(2, 2, 2, "zigzag", "gqa", "full", "ring", 1),
         (2, 2, 2, "striped", "mqa", "none", "ring", 1),
         (2, 4, 1, "zigzag", "gqa", "selective", "hybrid", 2)],  # tp2 x (u2 x r2)
@@ -377,7 +392,7 @@ def test_the_kv_cache_generates_what_full_forwards_choose(name):
     assert generate(model, prompts, 6).tokens == want
     if name == "mla":  # 24 numbers a token a layer, not 4 heads x (16 + 12)
         cache = KVCache.for_model(model, 2, 10)
-        assert cache.nbytes() == 2 * 2 * 10 * 24 * 4 and cache.k.numel() == 0
+        assert cache.nbytes() == 2 * 2 * 10 * 24 * 4 and cache.keys == []
 
 
 @pytest.mark.parametrize("shape,want", [
@@ -420,6 +435,36 @@ def test_big_configs_build_on_meta(shape, want):
      dict(tp=1), None),  # NoPE MLA (Kimi Linear's): nothing turns, any width
     (dict(n_heads=4, d_model=64, n_layers=2, nope_layers=[1], mla=dict(kv_lora_rank=16)),
      dict(tp=1), r"model.nope_layers=\[1\] with model.mla: MLA turns every layer's rope"),
+    # MiMo-V2-Flash's per-type heads and value width (ctxpar/config/attention_heads.py)
+    (dict(n_heads=4, d_model=64, sliding_window=8, layer_kv_heads={"sliding_attention": 3}),
+     dict(tp=1), r"model.layer_kv_heads.sliding_attention=3 must be an integer >= 1 "
+                 r"dividing model.n_heads=4"),
+    (dict(n_heads=8, d_model=64, n_kv_heads=2, sliding_window=8,
+          layer_kv_heads={"sliding_attention": 8}), dict(tp=8), None),  # 2 replicated, 8 split
+    (dict(n_heads=12, d_model=96, sliding_window=8, layer_kv_heads={"sliding_attention": 6}),
+     dict(tp=4), r"model.layer_kv_heads.sliding_attention=6 and parallel.tp=4"),
+    (dict(n_heads=4, d_model=64, layer_kv_heads={"linear_attention": 2}), dict(tp=1),
+     r"model.layer_kv_heads: unknown layer type 'linear_attention'"),
+    (dict(n_heads=4, d_model=64, attention_sinks=["mamba"]), dict(tp=1),
+     r"model.attention_sinks=\['mamba'\] must be true, false or a non-empty list"),
+    (dict(n_heads=4, d_model=64, v_head_dim=24), dict(tp=1),
+     r"model.v_head_dim=24 must be <= head_dim=16"),
+    (dict(n_heads=4, d_model=64, v_head_dim=8, attention_output_gate=True), dict(tp=1),
+     r"model.v_head_dim=8 with model.attention_output_gate=true"),
+    (dict(n_heads=4, d_model=64, attention_sinks=["sliding_attention"]), dict(tp=1),
+     r"model.attention_sinks=\['sliding_attention'\] names a layer type no layer is"),
+    (dict(n_heads=4, d_model=64, layer_kv_heads={"sliding_attention": 2}), dict(tp=1),
+     r"model.layer_kv_heads.sliding_attention is set but no layer is"),
+    (dict(n_heads=4, d_model=64, attention_value_scale=0.0), dict(tp=1),
+     r"model.attention_value_scale=0.0 must be a number > 0"),
+    # MiMo's per-type fields beside Gemma 4's: one count per layer type, V as wide as K
+    (dict(n_heads=4, d_model=64, layer_types=["full_attention", "sliding_attention"],
+          n_layers=2, sliding_window=8, global_n_kv_heads=1, query_pre_attn_scalar=1.0,
+          layer_kv_heads={"full_attention": 2}), dict(tp=1),
+     r"model.layer_kv_heads.full_attention=2 with model.global_n_kv_heads=1"),
+    (dict(n_heads=4, d_model=64, v_head_dim=8, attention_k_eq_v=True,
+          layer_types=["full_attention"], n_layers=1), dict(tp=1),
+     r"model.v_head_dim=8 with Gemma 4's attention_k_eq_v"),
 ])
 def test_bad_model_configs_fail_at_load(model, parallel, key):
     data = {"model": dict(vocab_size=256, seq_len=256, **model), "parallel": parallel}

@@ -32,7 +32,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,
                           DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig,
                           Gemma3TextConfig, Gemma4TextConfig,
                           Glm4MoeConfig, GptOssConfig, KimiLinearConfig,
-                          Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config,
+                          Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiMoV2FlashConfig,
+                          MiniMaxM2Config,
                           MistralConfig, MixtralConfig, NemotronHConfig, OlmoHybridConfig,
                           Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           Qwen3NextConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
@@ -216,6 +217,19 @@ FAMILY_CONFIGS = {
                                            no_rope_layer_interval=2, attention_chunk_size=16,
                                            floor_scale=8, attn_scale=0.5, rope_theta=5000.0,
                                            bos_token_id=None, eos_token_id=None)),
+    # MiMo-V2-Flash: a full layer then two sliding ones (window 7) with twice its K/V heads
+    # (2 against 1) and sinks; q/k heads of 24, value heads of 16 scaled by 0.707; RoPE on
+    # a third of each head (int(24 x 0.334) = 8), bases 5000 and 100 by type; q/k/v biases;
+    # a dense layer then 8 sigmoid-routed experts in 2 groups (1 taken), top 3, times 2.5
+    "mimo_v2_flash": (MiMoV2FlashConfig, dict(
+        num_hidden_layers=3, num_key_value_heads=1, v_head_dim=16, sliding_window=7,
+        attention_bias=True, n_routed_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        rope_parameters={kind: {"rope_type": "default", "rope_theta": theta,
+                                "partial_rotary_factor": 0.334}
+                         for kind, theta in (("full_attention", 5000.0),
+                                             ("sliding_attention", 100.0))},
+        bos_token_id=None, eos_token_id=None)),
     # Kimi Linear: three KDA layers (4 heads of 8, per-channel decay) then NoPE MLA (q_proj,
     # a latent of 16 + an unrotated shared key of 8, value heads of 12) as in its 3 : 1
     # pattern, given by linear_attn_config's 1-based lists as its folders give them; a
@@ -367,6 +381,13 @@ ROPE_VARIANTS = {
     "minimax_m2": dict(rope_parameters=rope("llama3", 1e6), rotary_dim=24),
     "llama4_text": dict(rope_parameters=rope("llama3", 5e5), use_qk_norm=False,
                         attention_chunk_size=None, moe_layers=[0, 1, 2, 3]),
+    # MiMo-V2-Flash: YaRN on the full layers, plain RoPE on the sliding ones, on half of
+    # each head; every layer sparse, no value scale (null), the window as
+    # sliding_window_size + 1
+    "mimo_v2_flash": dict(rope_parameters={
+        "full_attention": rope("yarn", partial_rotary_factor=0.5),
+        "sliding_attention": rope("default", 300.0, partial_rotary_factor=0.5)},
+        mlp_layer_types=["sparse"] * 3, attention_value_scale=None, sliding_window_size=5),
     # Kimi Linear turns nothing: its RoPE keys are inert (given here); instead its other
     # spellings: layer_types and mlp_layer_types given (an MLA layer first, a dense one
     # between sparse ones), q through its bottleneck, its class's 32 kv heads (read by none)
@@ -384,7 +405,7 @@ FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral",
                 ("qwen3_next", False), ("qwen3_5_moe_text", True), ("deepseek_v3", False),
                 ("deepseek_v2", True), ("deepseek_v32", False), ("glm_moe_dsa", True),
                 ("glm4_moe", False), ("minimax_m2", False),
-                ("llama4_text", False), ("kimi_linear", False),
+                ("llama4_text", False), ("mimo_v2_flash", False), ("kimi_linear", False),
                 ("gemma4_text", True)]
 
 
@@ -425,6 +446,11 @@ NEW_FEATURES = {
                     {"moe.scale_expert_input": False},
                     {"nope_layers": None, "attn_temperature_tuning": False},
                     "local positions"],
+    # its unequal head dims and per-type K/V heads cannot be dropped from the same weights:
+    # their shapes stop the load (check_parameters)
+    "mimo_v2_flash": [{"attention_value_scale": 1.0}, {"attention_sinks": False},
+                      {"partial_rotary_factor": 1.0}, {"layer_rope": None},
+                      {"moe.n_group": 1, "moe.topk_group": 1}],
     # MLA without RoPE (turned on at base 100, so that the tiny model's 8 rope channels
     # turn within 48 tokens: at 10000 the loss moves 14x the tolerance), the router's
     # scale, groups and correction bias, the shared expert
@@ -756,6 +782,14 @@ def family_json(family, **fields):
     ("llama4_text", "moe_layers", [7], "moe_layers=[7]: a list of layer indices in [0, "),
     ("llama4_text", "use_qk_norm", "yes", "use_qk_norm='yes': config.json must give it as a "
                                           "boolean"),
+    ("mimo_v2_flash", "rope_parameters", {"rope_type": "default", "rope_theta": 5000.0},
+     "MiMo-V2-Flash's RoPE is given per layer type"),
+    ("mimo_v2_flash", "v_head_dim", 32, "v_head_dim=32: wider than head_dim=16"),
+    ("mimo_v2_flash", "mlp_layer_types", ["dense", "dense"], "mlp_layer_types=['dense', "
+                                                            "'dense']: no sparse layer"),
+    ("mimo_v2_flash", "auto_map", {"AutoModelForCausalLM": "modeling_mimo_v2_flash."
+                                                           "MiMoV2FlashForCausalLM"},
+     "a remote-code folder's own modeling files is not implemented by ctxpar"),
     # Gemma 4: its experts beside the MLP, the wide shared-KV MLPs, the logits' softcap, a
     # per-layer vocabulary of its own, full layers of different shapes
     ("gemma4_text", "enable_moe_block", True, "experts beside the dense MLP"),
@@ -1661,6 +1695,9 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # the ranks' boundary, the input-scaling router (its gradient summed over TP). Not at
     # Ulysses: the temperature is token-local, before the all-to-all
     ("llama4_text", layout) for layout in ("cp2-zigzag-ep2", "tp2-cp2", "cp2-pp2")] + [
+    # MiMo-V2-Flash: per-type K/V heads, value heads narrower than q/k's (the cache's too),
+    # sinks on the sliding layers, the value scale, its experts; cp2 x ep2 (generate.py too)
+    ("mimo_v2_flash", "cp2-zigzag-ep2"),
     # Kimi Linear: KDA's state passed over zigzag halves beside the NoPE MLA's latent ring,
     # extended to twice the folder's positions as they are (nothing turns), generate.py at
     # cp2 (KDA's replicated states and the latent cache)

@@ -120,7 +120,15 @@ def test_activation_bytes_equal_what_autograd_saves():
     dict(qk_norm=True, post_norms=True),  # Qwen3's q/k norms, Gemma's norms after
     dict(qk_norm=True, norm_offset=1.0, post_norms=True, scale_embeddings=True, head_dim=12,
          mlp="geglu", attention_bias=True, query_pre_attn_scalar=10.0),  # Gemma 3's all
-    dict(qk_norm=True, qk_norm_scope="all_heads", reordered_norms=["full_attention"])])  # OLMo 2's
+    dict(qk_norm=True, qk_norm_scope="all_heads", reordered_norms=["full_attention"]),  # OLMo 2's
+    # MiMo-V2-Flash's: K/V heads per layer type (1 full, 4 sliding), value heads of 6
+    # beside q/k's 12 (o_proj's input a vd-wide copy of the padded core's output), sinks,
+    # RoPE on a third of each head with its own base on the sliding layers (two cos/sin)
+    dict(n_kv_heads=1, head_dim=12, v_head_dim=6, sliding_window=8,
+         layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+         layer_kv_heads={"sliding_attention": 4}, attention_sinks=["sliding_attention"],
+         attention_value_scale=0.7, partial_rotary_factor=1 / 3,
+         layer_rope={"sliding_attention": {"rope_theta": 100.0}})])
 def test_activation_bytes_of_the_families_fields_equal_what_autograd_saves(fields):
     """One process (the fields are per head or per token: TP and CP split them as the
     rest, test_activation_bytes_equal_what_autograd_saves)."""
@@ -976,7 +984,8 @@ def test_block_fields_are_all_block_specs_reads():
                  partial_rotary_factor=0.5, rope=False, linear_allow_neg_eigval=True,
                  linear_norm_eps=1e-5, nope_layers=[0], attn_temperature_tuning=True,
                  floor_scale=4, attn_scale=0.2, qk_l2_norm=True, mtp=MTPConfig(depth=1),
-                 value_norm=True, layer_scalar=True, final_logit_softcapping=30.0)
+                 attention_value_scale=0.7, value_norm=True, layer_scalar=True,
+                 final_logit_softcapping=30.0)
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:
@@ -989,8 +998,9 @@ def test_block_fields_are_all_block_specs_reads():
                          "linear_key_head_dim", "linear_value_head_dim",
                          "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim",
                          "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe",
-                         "mla", "global_head_dim", "global_n_kv_heads", "attention_k_eq_v",
-                         "num_kv_shared_layers", "per_layer_input_dim", "dsa"} == \
+                         "mla", "layer_kv_heads", "v_head_dim", "global_head_dim",
+                         "global_n_kv_heads", "attention_k_eq_v", "num_kv_shared_layers",
+                         "per_layer_input_dim", "dsa"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}
 
 

@@ -78,20 +78,25 @@ def universal_checkpoint_info(whole_model, n_layers: int, tied: bool,
     """
     from deepspeed.checkpoint import constants as C
 
+    rules = {}  # pattern -> {rule: [keys]}: one rule for every layer, unless they differ
+    for name, p in whole_model.named_parameters():
+        key = to_pipe(name, n_layers, tied) if pipelined else name
+        rule = ("replicated" if not is_tensor_parallel(p) else "fused" if
+                partition_sections(p) else "row" if p.partition_dim == 1 else "column")
+        rules.setdefault(_pattern(key), {}).setdefault(rule, []).append((key, p))
     replicated, row, fused = set(), set(), {}
-    named = [(to_pipe(name, n_layers, tied) if pipelined else name, p)
-             for name, p in whole_model.named_parameters()]
-    # a name split on some layers and replicated on others (Gemma 4's k_proj: the full
-    # layers' kv heads fewer than TP ranks) is replicated by its exact name, not the rule
-    split = {_pattern(key) for key, p in named if is_tensor_parallel(p)}
-    for key, p in named:
-        if not is_tensor_parallel(p):
-            replicated.add(_pattern(key) if _pattern(key) not in split
-                           else re.escape(key) + "$")
-        elif partition_sections(p):  # fused parts, or the experts' (E, d, f) split on f
-            fused[_pattern(key)] = p
-        elif p.partition_dim == 1:
-            row.add(_pattern(key))
+    for pattern, by_rule in rules.items():
+        for rule, keys in by_rule.items():  # per-type K/V heads: a layer type's k/v
+            # replicated (fewer heads than TP ranks) beside another's split, each by name
+            named = [(pattern, keys[0][1])] if len(by_rule) == 1 else \
+                [(re.escape(k) + "$", p) for k, p in keys]
+            for one, p in named:
+                if rule == "replicated":
+                    replicated.add(one)
+                elif rule == "fused":  # fused parts, or the experts' (E, d, f) split on f
+                    fused[one] = p
+                elif rule == "row":
+                    row.add(one)
     info = {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             C.TP_REPLICATED_PARAMETER_PATTERNS: sorted(replicated),
             C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(row),

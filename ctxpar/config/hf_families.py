@@ -30,6 +30,7 @@ REGISTRY = (
     ("glm4_moe", "glm4_moe", "FAMILY"),
     ("minimax_m2", "minimax_m2", "FAMILY"),
     ("llama4_text", "llama4", "FAMILY"),
+    ("mimo_v2_flash", "mimo_v2_flash", "FAMILY"),
     ("kimi_linear", "kimi_linear", "FAMILY"),
     ("gemma4_text", "gemma4", "FAMILY"),
 )

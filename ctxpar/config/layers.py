@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 # ATTENTION_TYPES: importable from here too (the Hugging Face import reads it here)
 from .layer_mixers import (ATTENTION_TYPES, LAYER_MIXERS, LAYER_TYPES,  # noqa: F401
                            attention_mixer, layer_types)
+from .attention_heads import type_kv_heads
 from .sections import ModelConfig, resolved_head_dim
 
 DELTA_TYPES = ("linear_attention", "kimi_delta_attention")  # the linear_* fields' layers
@@ -55,8 +56,9 @@ class LayerAttention:
     temperature: Optional[Tuple[int, float]] = None
     attention: str = "attention"     # what an attention layer runs: ATTENTION_MIXERS'
     has_indexer: bool = True         # 'dsa': its own indexer (False: model.dsa's 'shared')
-    # Gemma 4's per-layer shapes (kv_layers.py): a 'full_attention' layer's own head dim
-    # and kv heads (None: the model's), values from k_proj (model.attention_k_eq_v), and
+    # Per-layer shapes: a layer type's own kv heads (attention_heads.type_kv_heads:
+    # MiMo's model.layer_kv_heads, Gemma 4's global_n_kv_heads; None: the model's); Gemma
+    # 4's (kv_layers.py) 'full_attention' head dim, values from k_proj (attention_k_eq_v), and
     # the earlier layer whose K/V it attends with (model.num_kv_shared_layers; None: its own)
     head_dim: Optional[int] = None
     n_kv_heads: Optional[int] = None
@@ -132,7 +134,8 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
            m.sliding_window, m.attention_chunk_size, m.rope_theta, repr(m.layer_rope),
            repr(m.rope_scaling), m.rope, repr(m.nope_layers), m.attn_temperature_tuning,
            m.floor_scale, m.attn_scale, m.mla is not None, repr(m.dsa), m.global_head_dim,
-           m.global_n_kv_heads, m.attention_k_eq_v, m.num_kv_shared_layers)
+           m.global_n_kv_heads, m.attention_k_eq_v, m.num_kv_shared_layers,
+           repr(m.layer_kv_heads))
     if key not in _LAYER_ATTENTION:  # once per model: the planner asks per candidate
         out, sources = [], kv_sources(m)
         for i, kind in enumerate(layer_types(m)):
@@ -148,7 +151,7 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
                 turned, None if turned or not m.attn_temperature_tuning
                 else (m.floor_scale, float(m.attn_scale)),
                 attention_mixer(m), m.dsa is None or m.dsa.layer_has_indexer(i),
-                m.global_head_dim if full else None, m.global_n_kv_heads if full else None,
+                m.global_head_dim if full else None, type_kv_heads(m, kind),
                 bool(m.attention_k_eq_v) and full, sources.get(i)))
         _LAYER_ATTENTION[key] = tuple(out)
     return list(_LAYER_ATTENTION[key])
@@ -176,7 +179,8 @@ def mtp_layer_attention(m: ModelConfig) -> LayerAttention:
                           m.attention_chunk_size if kind == "chunked_attention" else None,
                           float(rope.get("rope_theta", m.rope_theta)),
                           rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling,
-                          attention="mla" if m.mla is not None else "attention")
+                          attention="mla" if m.mla is not None else "attention",
+                          n_kv_heads=type_kv_heads(m, kind))
 
 
 def check_layers(m: ModelConfig, err) -> None:

@@ -27,8 +27,9 @@ from operator import attrgetter
 from typing import Iterable, List, Optional, Tuple
 
 from .layer_mixers import LAYER_MIXERS, first_layer_type, layer_types, token_mixer_of
+from .attention_heads import sinks_on
 from .layers import (GDN_FIELDS, MAMBA_FIELDS, LayerAttention, gated_delta_dims,
-                     layer_attention, mamba_dims)
+                     layer_attention, mamba_dims, mtp_layer_attention)
 from .moe import moe_layer_indices
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
@@ -90,13 +91,13 @@ def block_fields(m: ModelConfig) -> tuple:
     linear mixers' sizes among them."""
     return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)],
             None if m.moe is None else repr(m.moe), repr(m.reordered_norms), repr(m.mla),
-            repr(m.dsa))
+            repr(m.layer_kv_heads), repr(m.attention_sinks), repr(m.dsa))
 
 
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
 _BLOCK_FIELDS = attrgetter("d_model", "n_heads", "n_kv_heads", "ffn_hidden", "mlp", "norm",
-                           "bias", "attention_sinks", "attention_bias", "qk_norm", "qk_norm_scope",
-                           "head_dim",
+                           "bias", "attention_bias", "qk_norm", "qk_norm_scope",
+                           "head_dim", "v_head_dim",
                            "post_norms", "attention_output_gate", "global_head_dim",
                            "global_n_kv_heads", "attention_k_eq_v", "num_kv_shared_layers",
                            "per_layer_input_dim", *GDN_FIELDS,
@@ -223,10 +224,13 @@ def _mamba2_specs(m: ModelConfig, p: str, tp: int = 1, i=None) -> List[ParamSpec
 
 
 def attention_shape(m: ModelConfig, i: Optional[int] = None) -> LayerAttention:
-    """Layer i's attention (config.layers.layer_attention; i None: the model's plain
-    shapes, an MTP block's)."""
-    return layer_attention(m)[i] if i is not None else LayerAttention("full_attention",
-                                                                      None, None, 0.0, None)
+    """Layer i's attention (config.layers.layer_attention; i None: an MTP block's,
+    config.layers.mtp_layer_attention, else the model's plain shapes)."""
+    if i is not None:
+        return layer_attention(m)[i]
+    if m.mtp is not None:
+        return mtp_layer_attention(m)
+    return LayerAttention("full_attention", None, None, 0.0, None)
 
 
 def layer_head_dim(m: ModelConfig, a: LayerAttention) -> int:
@@ -235,29 +239,37 @@ def layer_head_dim(m: ModelConfig, a: LayerAttention) -> int:
 
 
 def layer_kv_heads(m: ModelConfig, a: LayerAttention) -> int:
-    """A layer's K/V heads: its own (model.global_n_kv_heads), or the model's."""
+    """A layer's K/V heads: its type's (model.layer_kv_heads, Gemma 4's
+    model.global_n_kv_heads: LayerAttention.n_kv_heads), or the model's."""
     return a.n_kv_heads or m.n_kv_heads or m.n_heads
+
+
+def layer_v_head_dim(m: ModelConfig, a: LayerAttention) -> int:
+    """A layer's value head width: model.v_head_dim, or its head dim."""
+    return m.v_head_dim or layer_head_dim(m, a)
 
 
 def _attention_specs(m: ModelConfig, p: str, tp: int, i: Optional[int] = None
                      ) -> List[ParamSpec]:
     """models/attention.py's parameters; a layer sharing an earlier one's K/V (model.
-    num_kv_shared_layers) has no k_proj, v_proj or k_norm, a k_eq_v layer no v_proj."""
+    num_kv_shared_layers) has no k_proj, v_proj or k_norm, a k_eq_v layer no v_proj; values
+    v_head_dim wide (model.v_head_dim), sinks on the layer's type (model.attention_sinks)."""
     a = attention_shape(m, i)
     d, hd, n_kv = m.d_model, layer_head_dim(m, a), layer_kv_heads(m, a)
+    vd = layer_v_head_dim(m, a)
     kv_split = "column" if n_kv % tp == 0 else "heads"
     own_kv = a.kv_source is None
     qkv_bias = m.bias or m.attention_bias
     specs = []
-    if m.attention_sinks:  # one logit per query head, split with the heads
+    if sinks_on(m, a.kind):  # one logit per query head, split with the heads
         specs.append(ParamSpec(p + "sinks", (m.n_heads,), "column"))
     q_rows = m.n_heads * hd * (2 if m.attention_output_gate else 1)  # per head [q | gate]
     specs += _linear(p + "q_proj", d, q_rows, "column", qkv_bias)
     if own_kv:
         specs += _linear(p + "k_proj", d, n_kv * hd, kv_split, qkv_bias)
     if own_kv and not a.k_eq_v:
-        specs += _linear(p + "v_proj", d, n_kv * hd, kv_split, qkv_bias)
-    specs += _linear(p + "o_proj", m.n_heads * hd, d, "row", m.bias)
+        specs += _linear(p + "v_proj", d, n_kv * vd, kv_split, qkv_bias)
+    specs += _linear(p + "o_proj", m.n_heads * vd, d, "row", m.bias)
     if m.qk_norm and m.qk_norm_scope == "all_heads":  # the whole width, split with heads
         specs += [ParamSpec(p + "q_norm.weight", (m.n_heads * hd,), "column"),
                   ParamSpec(p + "k_norm.weight", (n_kv * hd,), "column")]

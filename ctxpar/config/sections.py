@@ -88,9 +88,25 @@ class ModelConfig:
     """RoPE per layer type, overriding rope_theta/rope_scaling on that type's layers:
     {layer type: {rope_theta: ..., rope_scaling: ... or null}} (Gemma 3:
     {sliding_attention: {rope_theta: 10000.0}} beside a global 1,000,000 with scaling)."""
-    attention_sinks: bool = False
-    """A learned sink logit per query head joins every softmax's denominator (gpt-oss):
-    parameter layers.N.attn.sinks (n_heads,), split over tp by heads."""
+    attention_sinks: Union[bool, List[str]] = False
+    """A learned sink logit per query head joins every softmax's denominator: true on
+    every attention layer (gpt-oss), or a list of the layer types whose layers have them
+    (MiMo-V2-Flash: [sliding_attention]); parameter layers.N.attn.sinks (n_heads,), split
+    over tp by heads."""
+    layer_kv_heads: Optional[Dict[str, int]] = None
+    """K/V heads per layer type, overriding n_kv_heads on that type's layers: {layer type:
+    heads} (MiMo-V2-Flash: {sliding_attention: 8} beside n_kv_heads 4 on its full layers).
+    Each count groups n_heads and divides over tp (or is replicated across it), as
+    n_kv_heads; the KV cache and the planner count each layer's own."""
+    v_head_dim: Optional[int] = None
+    """Channels per value head when they differ from head_dim (MiMo-V2-Flash: 128 beside
+    q/k's 192): v_proj is n_kv_heads x v_head_dim wide, o_proj reads n_heads x v_head_dim.
+    CP attention carries V zero-padded to head_dim (its patterns move K and V as one
+    block; the padding's output columns are dropped, exactly); the KV cache keeps V at
+    v_head_dim. None = head_dim."""
+    attention_value_scale: float = 1.0
+    """Every value multiplied by this before attention (MiMo-V2-Flash's 0.707,
+    transformers' attention_value_scale); 1: none."""
     linear_num_key_heads: Optional[int] = None
     """Gated DeltaNet ('linear_attention' layers) and KDA ('kimi_delta_attention'):
     query/key heads (None = n_heads)."""

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Optional
 from ..context_parallel.layouts import num_chunks
 from ..distributed.parallel_state import parse_order, resolve_sizes
 from ..context_parallel.linear.api import check_linear_cp
+from .attention_heads import check_attention_heads
 from .layer_mixers import has_linear_layers, token_mixers
 from .kv_layers import check_kv_layers
 from .layers import check_layers, gated_delta_dims, mamba_dims
@@ -146,6 +147,7 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
     if m.rope_scaling is not None:
         _check_rope_scaling(m.rope_scaling, err)
     check_layers(m, err)
+    check_attention_heads(m, p.tp, err)
     check_kv_layers(m, p, err)
     for rope in (m.layer_rope or {}).values():
         if isinstance(rope, dict) and rope.get("rope_scaling") is not None:

@@ -13,7 +13,8 @@ the valid slots its mask leaves by position; sinks join the merged row (sinks.py
               slots (ties: the lowest rank), so the shards stay within one slot of each
               other: every rank knows every rank's fill count, no communication needed
 
-Memory per rank: 2 * n_layers * B * capacity * Hkv * D * bytes, with capacity =
+Memory per rank: n_layers * B * capacity * Hkv * (D + Dv) * bytes (Hkv each layer's own:
+model.layer_kv_heads; Dv model.v_head_dim, D unless set), with capacity =
 T_pad / cp + ceil(decode steps / cp): 1/cp of a single rank's cache (up to one slot).
 A hybrid model's Gated DeltaNet and Mamba2 layers keep no keys: each holds its recurrent
 state and conv window instead (linear_cache.py), replicated over CP, and an MLP-only
@@ -38,7 +39,8 @@ import torch
 
 from ..config import softmax_scale
 from ..config.layers import layer_attention
-from ..config.parameters import head_dim, kv_heads_per_rank, layer_head_dim, layer_kv_heads
+from ..config.parameters import (head_dim, kv_heads_per_rank, layer_head_dim, layer_kv_heads,
+                                 layer_v_head_dim)
 from ..tensor_parallel.mappings import tp_size_of
 from .cp_ops import AttentionMask, default_scale, finish_sinks, group_rank_and_size
 from .decode import DecodeStats, merge_partials, partial_attention
@@ -55,11 +57,12 @@ def decode_capacity(prefill_len: int, decode_steps: int, cp: int) -> int:
 class KVCache:
     """This CP rank's share of the cache of every layer, for one batch of sequences."""
 
-    def __init__(self, n_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
+    def __init__(self, n_layers: int, batch: int, capacity: int,
+                 kv_heads: int, head_dim: int,
                  cp_group=None, dtype=torch.float32, device=None, scale=None,
                  mixers: Optional[Sequence[Optional[str]]] = None,
                  latent_dim: Optional[int] = None,
-                 shapes: Optional[Sequence[Tuple[int, int]]] = None,
+                 shapes: Optional[Sequence[Tuple[int, ...]]] = None,
                  kv_sources: Optional[Dict[int, int]] = None, index_layers: Sequence[int] = (),
                  index_dim: int = 0):
         """n_layers: the model's; mixers: each layer's token mixer (LayerAttention.
@@ -67,8 +70,9 @@ class KVCache:
         latent slots latent_dim wide, 'dsa' layers latent slots and, those in index_layers
         (their own indexer), indexer-key slots index_dim wide (sparse_decode.py),
         'gated_delta' and 'mamba2' a LinearLayerCache each, an MLP-only block (None)
-        nothing; shapes: each layer's (kv heads, head dim) (None: kv_heads, head_dim on
-        all); kv_sources: {layer: the layer whose slots it reads}."""
+        nothing; shapes: each layer's (kv heads, head dim) or (kv heads, head dim, value
+        head dim) (None: kv_heads, head_dim on all; V as wide as K unless given:
+        model.v_head_dim); kv_sources: {layer: the layer whose slots it reads}."""
         self.cp_group = cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
         mixers = ["attention"] * n_layers if mixers is None else list(mixers)
@@ -81,10 +85,11 @@ class KVCache:
         self.slot = {i: j for j, i in enumerate(attention)}  # layer -> its K,V index
         shapes = list(shapes or [(kv_heads, head_dim)] * len(mixers))
         self._empty = (0, batch, kv_heads, capacity, head_dim)
-        # per attention layer (B, Hkv, capacity, D), its own Hkv and D
+        # per attention layer (B, Hkv, capacity, D), its own Hkv and D (V's: Dv)
         self.keys = [torch.zeros(batch, shapes[i][0], capacity, shapes[i][1], dtype=dtype,
                                  device=device) for i in attention]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.values = [torch.zeros(batch, shapes[i][0], capacity, shapes[i][-1], dtype=dtype,
+                                   device=device) for i in attention]
         latent = [i for i, m in enumerate(mixers) if m in ("mla", "dsa")]
         self.latent_slot = {i: j for j, i in enumerate(latent)}  # layer -> its latent index
         self.latent = torch.zeros(len(latent), batch, capacity, latent_dim or 0,
@@ -114,7 +119,7 @@ class KVCache:
                    mixers=[a.token_mixer for a in layers],
                    latent_dim=m.mla.latent_dim if m.mla is not None else None,
                    shapes=[(kv_heads_per_rank(m, tp, layer_kv_heads(m, a)),
-                            layer_head_dim(m, a)) for a in layers],
+                            layer_head_dim(m, a), layer_v_head_dim(m, a)) for a in layers],
                    kv_sources={i: a.kv_source for i, a in enumerate(layers)
                                if a.kv_source is not None},
                    index_layers=[i for i, a in enumerate(layers)
@@ -138,7 +143,7 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of this rank's cache (keys and values of the attention layers, the linear
         layers' states and conv windows)."""
-        return sum(k.numel() * k.element_size() * 2 for k in self.keys) + sum(
+        return sum(x.numel() * x.element_size() for x in (*self.keys, *self.values)) + sum(
             c.nbytes() for c in self.linear.values()) + \
             self.latent.numel() * self.latent.element_size() + \
             self.index_k.numel() * self.index_k.element_size()

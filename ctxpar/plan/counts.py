@@ -1,7 +1,9 @@
 """Exact per-rank counts of a GPT under a layout: parameters, saved activations, bytes moved.
 
 Shapes per rank (models/gpt.py): N = micro_batch * T/cp tokens, h = H/tp query heads,
-hk = Hkv/tp kv heads (1, replicated, when Hkv < tp), f = ffn/tp MLP columns, V/tp vocab
+hk = Hkv/tp kv heads (1, replicated, when Hkv < tp; a layer type's own under
+model.layer_kv_heads), vd = the value heads' width (hd unless model.v_head_dim: V crosses
+the CP core zero-padded to hd), f = ffn/tp MLP columns, V/tp vocab
 rows; e = the activations' element size (2 bf16, 4 fp32). Parameters are counted from the
 model's one description (ctxpar/config/parameters.py), which models/gpt.py checks itself
 against when it is built; activations are checked against autograd's saved tensors
@@ -15,11 +17,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Optional
 
-from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
+from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim, rotary_dim
 from ..config.layer_mixers import LAYER_MIXERS, LINEAR_MIXERS, first_layer_type, layer_types
-from ..config.layers import DELTA_TYPES, gated_delta_dims, mamba_dims
+from ..config.attention_heads import kv_heads_of
+from ..config.layers import DELTA_TYPES, gated_delta_dims, layer_attention, mamba_dims
 from ..config.parameters import (block_fields, block_specs, embedding_spec, head_specs,
-                                 mtp_specs, per_layer_embedding_specs)
+                                 layer_head_dim, layer_kv_heads, mtp_specs,
+                                 per_layer_embedding_specs)
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
@@ -44,15 +48,30 @@ class RankShapes:
     V: int        # vocabulary rows on this rank
     L: int        # layers of the whole model
     tp: int
+    vd: int = 0   # value head width (model.v_head_dim; hd unless set)
 
 
-def rank_shapes(m: ModelConfig, cand: Candidate) -> RankShapes:
-    n_kv = m.n_kv_heads or m.n_heads
+def rank_shapes(m: ModelConfig, cand: Candidate, kind: Optional[str] = None) -> RankShapes:
+    """The shapes of a layer of type kind: its type's K/V heads and head dim as its
+    LayerAttention carries them (model.layer_kv_heads, Gemma 4's global_n_kv_heads and
+    global_head_dim); None, or a type no layer is: the model's."""
+    a = next((a for a in layer_attention(m) if a.kind == kind), None) if kind else None
+    n_kv = kv_heads_of(m) if a is None else layer_kv_heads(m, a)
     hk = n_kv // cand.tp if n_kv % cand.tp == 0 else 1
     return RankShapes(N=cand.micro_batch * m.seq_len // cand.cp, B=cand.micro_batch,
                       T=m.seq_len, d=m.d_model, h=m.n_heads // cand.tp, hk=hk,
-                      hd=resolved_head_dim(m), f=resolved_ffn_hidden(m) // cand.tp,
-                      V=m.vocab_size // cand.tp, L=m.n_layers, tp=cand.tp)
+                      hd=resolved_head_dim(m) if a is None else layer_head_dim(m, a),
+                      f=resolved_ffn_hidden(m) // cand.tp,
+                      V=m.vocab_size // cand.tp, L=m.n_layers, tp=cand.tp,
+                      vd=(m.v_head_dim or 0) if m.mla is None else 0)  # 0: hd
+
+
+def widest_kind(m: ModelConfig, kinds) -> Optional[str]:
+    """Of the layer types kinds, the one with the most K/V heads (the largest attention
+    buffers: a phase's peak); None when the heads do not differ by type."""
+    if m.layer_kv_heads is None:
+        return None
+    return max(kinds, key=lambda kind: kv_heads_of(m, kind), default=None)
 
 
 # ------------------------------------------------------------------ parameters
@@ -262,6 +281,19 @@ def attention_saved(s: RankShapes, e: int, cand: Candidate,
     return s.N * ((2 * s.h + 2 * hk) * s.hd * e + 4 * s.h) + extra_out
 
 
+def value_width_saved(s: RankShapes, e: int, cand: Candidate) -> int:
+    """What mode 'none' keeps beyond attention_saved when the value heads are narrower
+    than hd (model.v_head_dim): the core's out is hd wide (V zero-padded) and o_proj keeps
+    a copy of its vd columns, in place of Ulysses' local out (attention_saved's; under
+    'selective' the recomputed o_proj keeps nothing and the core's out, or Ulysses' local
+    one, is the checkpoint's input whole)."""
+    vd = s.vd or s.hd
+    if vd == s.hd:
+        return 0
+    ulysses = cand.cp_comm in ("ulysses", "hybrid") and cand.ulysses > 1
+    return s.N * s.h * (vd - (s.hd if ulysses else 0)) * e
+
+
 def norm_saved(s: RankShapes, e: int, norm: str = "rmsnorm", device: str = "cpu") -> int:
     """Saved bytes of one norm with its output (which the next linear saves): RMSNorm on
     CPU is composite (pow, mean, rsqrt, mul: input, normed, output and the fp32 rstd,
@@ -321,7 +353,7 @@ def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
     if mode == "selective":
         return s.N * s.d * e + core
     return (2 * norm_saved(s, e, norm, device) + core + family_norms_saved(s, e, m, device)
-            + channel_saved(s, e, cand, m, tiled_mlp))
+            + channel_saved(s, e, cand, m, tiled_mlp) + value_width_saved(s, e, cand))
 
 
 def layer_modes(cand: Candidate, layers: int):
@@ -357,7 +389,8 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
         core = attention_saved(s, e, cand, m) + gate_saved(s, e, mode, m)
         if mode == "selective":
             return s.N * s.d * e + core
-        return norm + core + family_norms_saved(s, e, m, device, kind)
+        return norm + core + family_norms_saved(s, e, m, device, kind) + \
+            value_width_saved(s, e, cand)
     out = family_norms_saved(s, e, m, device, kind)
     if token is not None:
         from .linear_layers import linear_shapes, mixer_saved
@@ -420,16 +453,22 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     else:  # each block by its layer type and MLP (a dense one: the model without moe)
         own = blocks(m, start, layers)
         types = [kind for kind, _ in own]
-        per = tuple(block_activations(s, e, cand, mode, kind, block_model(m, moe), tiled_mlp,
+        per = tuple(block_activations(rank_shapes(m, cand, kind) if m.layer_kv_heads else s,
+                                      e, cand, mode, kind, block_model(m, moe), tiled_mlp,
                                       device) for mode, (kind, moe) in zip(modes, own))
         conv = [gated_delta_dims(m).conv_kernel if k in DELTA_TYPES else
                 mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
                 if mode != "full" and LAYER_MIXERS[k][0] in LINEAR_MIXERS]
         conv_taps = sum(8 * (s.N // s.B) * K for K in set(conv))
-    rope = mla_layers.rope_width(m) if m.mla is not None else s.hd  # cos, sin: rope / 2 each
+    # cos, sin: rope / 2 each, over the rotated channels (model.partial_rotary_factor)
+    rope = mla_layers.rope_width(m) if m.mla is not None else rotary_dim(m)
     if per_layer_shapes(m):  # one cos, sin per head dim (Gemma 4's two)
         rope = sum({layer_rank_shapes(s, m, cand.tp, i).hd for i in range(s.L)})
-    embed = (s.B if reset_positions else 1) * (s.N // s.B) * rope * 4 + conv_taps
+    # one cos/sin pair per distinct RoPE of the layers (model.layer_rope: Gemma 3's, MiMo's)
+    ropes = 1 if per_layer_shapes(m) else max(1, len(
+        {(a.rope_theta, repr(a.rope_scaling)) for a in layer_attention(m)
+         if a.rope and a.token_mixer in ("attention", "mla")}))
+    embed = (s.B if reset_positions else 1) * (s.N // s.B) * rope * 4 * ropes + conv_taps
     if first:
         embed += 8 * s.N                                   # token ids (int64)
         embed += e if m.scale_embeddings else 0             # the sqrt(d) scalar
@@ -560,8 +599,8 @@ def ring_steps(layout: str, S: int, world: int, sliding_window=None, chunk_size=
 def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
     """cp_bytes for one layer of this model and layout (per-rank heads); attn, a layer's
     config.layers.LayerAttention: a window's or chunks' bytes (masked_cp_bytes); MLA's
-    latent (mla_layers.mla_cp_bytes)."""
-    s = rank_shapes(m, cand)
+    latent (mla_layers.mla_cp_bytes); the layer type's K/V heads."""
+    s = rank_shapes(m, cand, attn.kind if attn is not None else None)
     g = ring_grad_bytes(cand.ring_grad_dtype)
     if m.mla is not None:  # no windows under MLA (search.check_modelled)
         fwd, bwd = mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B,
@@ -581,7 +620,7 @@ def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
 def halo_received(m: ModelConfig, cand: Candidate, attn) -> int:
     """K,V tokens the busiest rank receives in a layer's halo exchange; -1 where the
     layer has none (full attention, Ulysses, or a reach beyond the neighbours' slabs)."""
-    s = rank_shapes(m, cand)
+    s = rank_shapes(m, cand, attn.kind if attn is not None else None)
     part = ring_part(cand.cp_comm, cand.cp, cand.ulysses, s.N // s.B, s.hk)
     if part is None or attn is None or not (attn.sliding_window or attn.chunk_size):
         return -1

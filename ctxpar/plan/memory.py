@@ -194,11 +194,13 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     """Stage `index`'s shapes, saved activations, model state and the micro-batches it
     holds at once (a pipeline's first stage holds pp - index of them)."""
     model, elem = cfg.model, 2 if bf16 else 4
-    shapes = counts.rank_shapes(model, cand)
     first, last = index == 0, index == cand.pp - 1
     blocks = counts.stage_layers(model, cand.pp, index)
-    loss_tile, mlp_tile = tile_sizes(cfg, shapes, cand)
     start = sum(counts.stage_layers(model, cand.pp, i) for i in range(index))
+    # the phases' attention buffers: the stage's widest layer type's (layer_kv_heads)
+    shapes = counts.rank_shapes(model, cand, counts.widest_kind(
+        model, {a.kind for a in layer_attention(model)[start:start + blocks]}))
+    loss_tile, mlp_tile = tile_sizes(cfg, shapes, cand)
     act = counts.activations(model, cand, elem, blocks, first, last, cfg.data.reset_positions,
                              tiled_loss=bool(loss_tile), tiled_mlp=bool(mlp_tile),
                              device=device, start=start)

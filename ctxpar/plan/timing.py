@@ -225,7 +225,7 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
     (module docstring); a halo exchange (a short window or chunks, counts.masked_cp_bytes)
     hides its K,V tails behind the local blocks, and its dK,dV going back wait. MLA: the
     latent's blocks (or, expanded, K,V at its widths: mla_layers.mla_cp_bytes)."""
-    m, s = cfg.model, counts.rank_shapes(cfg.model, cand)
+    m, s = cfg.model, counts.rank_shapes(cfg.model, cand, attn.kind)  # its K/V heads
     if m.mla is not None:
         return mla_cp_time(m, cand, cluster, e, g, t_f_layer, attn_replay, expanded)
     f_cp, b_cp = counts.layer_cp_bytes(m, cand, e, attn)

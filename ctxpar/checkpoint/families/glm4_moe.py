@@ -57,15 +57,11 @@ SHARED = ("mlp.shared_expert.", "mlp.shared_experts.")  # ctxpar's name, the fol
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def glm_moe_fields(hf: Dict[str, Any], refuse: Refuse) -> MoEConfig:
-    """model.moe of a GLM-4.5 config.json (transformers' defaults where it has none)."""
-    e, k = experts_and_top_k(hf, DEFAULTS, refuse, ("n_routed_experts", "num_local_experts"))
-    n = hf["num_hidden_layers"]
-    first = integer_field(hf, "first_k_dense_replace", DEFAULTS["first_k_dense_replace"],
-                          refuse, low=0)
-    if first >= n:
-        refuse("first_k_dense_replace", first, f"leaves no MoE layer of {n} (ctxpar's "
-                                               f"glm4_moe has experts)")
+def grouped_router_fields(hf: Dict[str, Any], e: int, k: int,
+                          refuse: Refuse) -> Dict[str, Any]:
+    """model.moe's DeepSeek-V3 router values of a config.json (GLM-4.5's, MiMo-V2-Flash's):
+    norm_topk_prob, routed_scaling_factor, n_group, topk_group, checked against the e
+    experts and top-k k."""
     norm = hf.get("norm_topk_prob", True)
     if not isinstance(norm, bool):
         refuse("norm_topk_prob", norm, "config.json must give it as a boolean")
@@ -79,13 +75,41 @@ def glm_moe_fields(hf: Dict[str, Any], refuse: Refuse) -> MoEConfig:
     if best > groups or k > best * (e // groups):
         refuse("topk_group", best, f"must be <= n_group={groups} with room for "
                                    f"num_experts_per_tok={k} in its groups")
+    return dict(norm_topk=norm, routed_scaling_factor=float(scale), n_group=groups,
+                topk_group=best)
+
+
+def grouped_router_keys(moe) -> Dict[str, Any]:
+    """config.json's router keys of model.moe (grouped_router_fields' inverse)."""
+    return {"n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "norm_topk_prob": moe.norm_topk, "routed_scaling_factor": moe.routed_scaling_factor,
+            "n_group": moe.n_group, "topk_group": moe.topk_group,
+            "output_router_logits": False}
+
+
+def glm_moe_fields(hf: Dict[str, Any], refuse: Refuse) -> MoEConfig:
+    """model.moe of a GLM-4.5 config.json (transformers' defaults where it has none)."""
+    e, k = experts_and_top_k(hf, DEFAULTS, refuse, ("n_routed_experts", "num_local_experts"))
+    n = hf["num_hidden_layers"]
+    first = integer_field(hf, "first_k_dense_replace", DEFAULTS["first_k_dense_replace"],
+                          refuse, low=0)
+    if first >= n:
+        refuse("first_k_dense_replace", first, f"leaves no MoE layer of {n} (ctxpar's "
+                                               f"glm4_moe has experts)")
+    router = grouped_router_fields(hf, e, k, refuse)
     width = integer_field(hf, "moe_intermediate_size", DEFAULTS["moe_intermediate_size"],
                           refuse)
     shared = integer_field(hf, "n_shared_experts", 1, refuse)
-    return MoEConfig(num_experts=e, top_k=k, norm_topk=norm, expert_hidden=width,
-                     shared_expert_hidden=shared * width, routed_scaling_factor=float(scale),
-                     n_group=groups, topk_group=best,
+    return MoEConfig(num_experts=e, top_k=k, expert_hidden=width,
+                     shared_expert_hidden=shared * width, **router,
                      layers=list(range(first, n)) if first else None, **MOE_FIXED)
+
+
+def check_dropless(moe, refuse_export) -> None:
+    """transformers' experts drop no token: model.moe.capacity_factor unset."""
+    if moe.capacity_factor is not None:
+        refuse_export(f"model.moe.capacity_factor={moe.capacity_factor} (transformers' "
+                      f"experts drop no token)")
 
 
 def glm_moe_config(m, refuse_export) -> Dict[str, Any]:
@@ -101,14 +125,10 @@ def glm_moe_config(m, refuse_export) -> Dict[str, Any]:
         refuse_export(f"model.moe.shared_expert_hidden={moe.shared_expert_hidden} (GLM-4.5's "
                       f"shared experts are n_shared_experts >= 1 x moe_intermediate_size="
                       f"{width})")
-    if moe.capacity_factor is not None:
-        refuse_export(f"model.moe.capacity_factor={moe.capacity_factor} (transformers' "
-                      f"experts drop no token)")
-    return {"n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-            "moe_intermediate_size": width, "n_shared_experts": moe.shared_expert_hidden // width,
-            "first_k_dense_replace": first, "norm_topk_prob": moe.norm_topk,
-            "routed_scaling_factor": moe.routed_scaling_factor, "n_group": moe.n_group,
-            "topk_group": moe.topk_group, "output_router_logits": False}
+    check_dropless(moe, refuse_export)
+    return {**grouped_router_keys(moe), "moe_intermediate_size": width,
+            "n_shared_experts": moe.shared_expert_hidden // width,
+            "first_k_dense_replace": first}
 
 
 class Glm4Moe(NumberedMTP, Family):
