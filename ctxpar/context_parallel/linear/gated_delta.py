@@ -111,7 +111,17 @@ def gated_delta_fp32(q, k, v, g, beta, scale: float, initial_state: Optional[tor
     k_out = k * ((gc[..., -1:] - gc).exp() * to_end)[..., None]
     carry = gamma0[..., -1, None, None]                                 # (B, H, N, 1, 1)
 
-    S = (torch.zeros(B, Hv, Dk, Dv, device=q.device) if initial_state is None
+    return chunk_scan(written, reads, q_in, intra, carry, k_out, initial_state, T)
+
+
+def chunk_scan(written, reads, q_in, intra, carry, k_out, initial_state, T: int):
+    """The delta rule's scan over chunks, GDN's and KDA's (kda.py): only the fp32 state
+    (B, H, Dk, Dv) crosses chunks; each chunk's per-head tensors (B, H, N, C, *) were made
+    in parallel beforehand, carry the decay over a whole chunk (per head, or per key
+    channel). Returns (o (B, T, H, Dv), the final state)."""
+    B, Hv, N, C, Dv = written.shape
+    Dk = reads.shape[-1]
+    S = (torch.zeros(B, Hv, Dk, Dv, device=written.device) if initial_state is None
          else initial_state.float())
     outs = []
     # The chunks as views through unbind, not x[:, :, i]: a slice's backward writes its

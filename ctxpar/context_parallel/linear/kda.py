@@ -32,7 +32,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .gated_delta import check_chunk_size, document_masks, l2norm, pad_seq_idx
+from .gated_delta import chunk_scan, check_chunk_size, document_masks, l2norm, pad_seq_idx
 
 SUB_CHUNK = 16  # the most tokens whose (i, j, channel) decays are made at once
 
@@ -111,17 +111,7 @@ def kda_fp32(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tenso
     k_out = k * (gc[..., -1:, :] - gc).exp() * to_end[..., None]
     carry = gamma0[..., -1, :, None]                                    # (B, H, N, Dk, 1)
 
-    S = (torch.zeros(B, Hv, Dk, Dv, device=q.device) if initial_state is None
-         else initial_state.float())
-    outs = []
-    # unbind, not x[:, :, i]: gated_delta.py's scan says why.
-    per_chunk = zip(*(x.unbind(2) for x in (written, reads, q_in, intra, carry, k_out)))
-    for w_i, r_i, q_i, a_i, c_i, k_i in per_chunk:  # the scan: only the state crosses
-        u = w_i - r_i @ S                                               # (B, H, C, Dv)
-        outs.append(q_i @ S + a_i @ u)
-        S = S * c_i + k_i.transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=2).view(B, Hv, N * C, Dv)[:, :, :T]
-    return o.transpose(1, 2), S
+    return chunk_scan(written, reads, q_in, intra, carry, k_out, initial_state, T)
 
 
 def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
