@@ -1022,3 +1022,18 @@ def test_on_a_machine_without_cuda_the_default_h100_is_said_and_cpu_is_in_gflops
     assert main(["--config", tiny, "--gpu", "cpu", "--gpus-per-node", "2", "--top", "1"]) == 0
     out = capsys.readouterr()
     assert "on 1 x 2 cpu (113 GFLOP/s," in out.out and out.err == ""
+
+
+def test_longest_search_with_top_finds_the_full_searchs_first_rows():
+    """--max-seq-len bisects only the layouts that could reach its table (search_longest's
+    top): its rows are the full search's first ones, and it skipped some."""
+    from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.longest import Allowed, merge_tiles, search_longest
+    cfg = load_config(os.path.join(ROOT, "configs/gpt1b_32k_3d.yaml"), check_paths=False)
+    cluster = Cluster(1, 4, gpu_preset("h100"))
+    allowed = Allowed(patterns=("ring", "ulysses"), options=("tiled_loss",), tp=1, pp=1)
+    full = search_longest(cfg, cluster, allowed)
+    some = search_longest(cfg, cluster, allowed, top=3)
+    rows = lambda found: [(n, cand) for n, cand, _ in merge_tiles(found)[:3]]
+    assert rows(some) == rows(full), (rows(some), rows(full))
+    assert some.fitting == full.fitting == len(full) > len(some), (len(full), len(some))

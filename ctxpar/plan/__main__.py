@@ -190,7 +190,8 @@ def allowed_from(a) -> Allowed:
 def longest_main(cfg, cluster: Cluster, a) -> int:
     """--max-seq-len: the table of the longest layouts, the best one's memory, the line."""
     allowed = allowed_from(a)
-    rows = merge_tiles(search_longest(cfg, cluster, allowed))
+    found = search_longest(cfg, cluster, allowed, top=max(1, a.top))
+    rows = merge_tiles(found)
     if not rows:
         left_out = [k for k in OPTIONS if k not in allowed.options]
         host = ("; --host-memory for the offloads" if cluster.gpu.host_memory <= 0
@@ -206,8 +207,9 @@ def longest_main(cfg, cluster: Cluster, a) -> int:
     print(f"{cfg.source}: {cfg.model.n_layers} layers, d {cfg.model.d_model}, vocab "
           f"{cfg.model.vocab_size:,}, global batch {cfg.train.global_batch_size} on "
           f"{cluster.nodes} x {cluster.gpus_per_node} {g.name} ({g.memory / 1e9:.0f} GB, host "
-          f"{g.host_memory / 1e9:,.0f} GB per node); {len(rows)} layouts fit at some length "
-          f"(a layout whose tile sizes reach the same length once, with the least memory)\n")
+          f"{g.host_memory / 1e9:,.0f} GB per node); {found.fitting} layouts fit at some length "
+          f"(tile sizes counted apart; the table's rows exact, every layout that could reach "
+          f"its last row bisected)\n")
     print("| # | layout | longest seq_len | memory/GPU | peak phase | host/node |")
     print("|---:|---|---:|---:|---|---:|")
     for i, (n, cand, m) in enumerate(rows[:a.top], 1):

@@ -120,51 +120,83 @@ def _valid(cfg: Config, cand: Candidate) -> bool:
     return True
 
 
+class Bisection:
+    """One layout's peak as a function of seq_len = k u (its chunk unit u), and the
+    bisection of the largest k that fits the cluster."""
+
+    def __init__(self, cfg: Config, cand: Candidate, cluster: Cluster):
+        self.cand, self.cluster, self.u = cand, cluster, unit(cand)
+        self.bf16, self.micro = is_bf16(cfg), cfg.train.global_batch_size // cand.dp
+        self.zero, self.cfg = ds_zero(cfg, cand), apply_candidate(cfg, cand)
+
+    def mem(self, k: int) -> Memory:
+        return memory(with_seq_len(self.cfg, k * self.u), self.cand, self.bf16, self.micro,
+                      self.cluster.gpu.kind, self.zero)
+
+    def ok(self, k: int) -> bool:
+        return fits(self.mem(k), self.cluster)
+
+    def reaches(self, seq_len: int) -> bool:
+        """Whether some seq_len >= this one fits (the peak grows with seq_len)."""
+        return self.ok(max(1, math.ceil(seq_len / self.u)))
+
+    def guess(self) -> Optional[int]:
+        """The first guess of the largest fitting k from two points of the (nearly) affine
+        peak; None if nothing fits (not even one unit of tokens)."""
+        k1, k2 = 1, 1 << 10
+        m1 = self.mem(k1)
+        if not fits(m1, self.cluster):
+            return None
+        slope = (self.mem(k2).peak - m1.peak) / (k2 - k1)
+        cap = 0.9 * self.cluster.gpu.memory
+        return int((cap - m1.peak) / slope) + k1 if slope > 0 else MAX_SEQ // self.u
+
+    def longest(self, guess: int) -> Tuple[int, Memory]:
+        """(the largest fitting seq_len, its memory), bisected from the guess."""
+        top = MAX_SEQ // self.u
+        lo, hi = 1, None  # lo fits; hi (if known) does not
+        for k in (guess, guess + 1):
+            k = max(1, min(k, top))
+            if self.ok(k):
+                lo = max(lo, k)
+            else:
+                hi = k if hi is None else min(hi, k)
+        if hi is None:  # grow until it does not fit
+            hi = max(lo * 2, 2)
+            while hi < top and self.ok(hi):
+                lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.ok(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo * self.u, self.mem(lo)
+
+
 def longest(cfg: Config, cand: Candidate, cluster: Cluster) -> Tuple[int, Optional[Memory]]:
     """(the largest fitting seq_len, its memory) of one layout; (0, None) if none fits."""
-    bf16, u = is_bf16(cfg), unit(cand)
-    micro = cfg.train.global_batch_size // cand.dp
-    zero = ds_zero(cfg, cand)
-    c = apply_candidate(cfg, cand)
-
-    def mem(k: int) -> Memory:
-        return memory(with_seq_len(c, k * u), cand, bf16, micro, cluster.gpu.kind, zero)
-
-    def ok(m: Memory) -> bool:
-        return fits(m, cluster)
-
-    # two points of the (nearly) affine peak: a first guess, then bisection on k
-    k1, k2 = 1, 1 << 10
-    m1, m2 = mem(k1), mem(k2)
-    if not ok(m1):
-        return 0, None
-    cap = 0.9 * cluster.gpu.memory
-    slope = (m2.peak - m1.peak) / (k2 - k1)
-    guess = int((cap - m1.peak) / slope) + k1 if slope > 0 else MAX_SEQ // u
-    lo, hi = k1, None  # lo fits; hi (if known) does not
-    for k in (guess, guess + 1):
-        k = max(1, min(k, MAX_SEQ // u))
-        if ok(mem(k)):
-            lo = max(lo, k)
-        else:
-            hi = k if hi is None else min(hi, k)
-    if hi is None:  # grow until it does not fit
-        hi = max(lo * 2, 2)
-        while hi < MAX_SEQ // u and ok(mem(hi)):
-            lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mem(mid)):
-            lo = mid
-        else:
-            hi = mid
-    return lo * u, mem(lo)
+    b = Bisection(cfg, cand, cluster)
+    guess = b.guess()
+    return (0, None) if guess is None else b.longest(guess)
 
 
-def search_longest(cfg: Config, cluster: Cluster,
-                   allowed: Allowed = Allowed()) -> List[Tuple[int, Candidate, Memory]]:
+class LongestRows(list):
+    """search_longest's rows, and how many layouts fit at some length."""
+
+    def __init__(self, rows=(), fitting: int = 0):
+        super().__init__(rows)
+        self.fitting = fitting
+
+
+def search_longest(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed(),
+                   top: Optional[int] = None) -> List[Tuple[int, Candidate, Memory]]:
     """(seq_len, layout, memory) of every candidate that fits at some length, longest
-    first (ties: the least device memory)."""
+    first (ties: the least device memory); with `top`, the first `top` rows after
+    merge_tiles exactly, and only the rows bisected on the way: the layouts are bisected
+    in the order of their first guesses, and one that cannot reach the top-th length found
+    so far (one evaluation there) is left out. The rows' `fitting`: how many layouts fit
+    at some length (tile sizes counted apart)."""
     check_modelled(cfg)
     cands = candidates(cfg, cluster, allowed)
     if not cands:
@@ -172,11 +204,23 @@ def search_longest(cfg: Config, cluster: Cluster,
                         f"{cluster.gpus_per_node}) is valid for this model at micro-batch 1 "
                         f"(heads {cfg.model.n_heads}, layers {cfg.model.n_layers}, global "
                         f"batch {cfg.train.global_batch_size})")
-    out = []
+    guessed = []
     for cand in cands:
-        n, m = longest(cfg, cand, cluster)
-        if n:
-            out.append((n, cand, m))
+        b = Bisection(cfg, cand, cluster)
+        guess = b.guess()
+        if guess is not None:
+            guessed.append((guess * b.u, b, guess))
+    guessed.sort(key=lambda r: -r[0])  # likely long ones first: the bar rises early
+    out, bar = LongestRows(fitting=len(guessed)), 0
+    for _, b, guess in guessed:
+        if bar and not b.reaches(bar):
+            continue  # its longest is below the top-th row's: not among the first `top`
+        n, m = b.longest(guess)
+        out.append((n, b.cand, m))
+        if top:
+            out.sort(key=lambda r: (-r[0], r[2].peak))
+            kept = merge_tiles(out)
+            bar = kept[top - 1][0] if len(kept) >= top else 0
     out.sort(key=lambda r: (-r[0], r[2].peak))
     return out
 
