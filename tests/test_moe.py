@@ -164,6 +164,29 @@ def test_deepseek_v3_routing_equals_transformers():
     assert model.state_dict()[name].dtype == torch.float32  # through a bf16 engine's cast
 
 
+def test_sqrtsoftplus_routing_equals_deepseek_v4s_router():
+    """DeepSeek-V4's router: p = sqrt(softplus(z)), the top-k on p + e_score_correction_bias,
+    the weights from p normalised and scaled (transformers' DeepseekV4TopKRouter on the
+    same weight and bias: the same experts, weights to fp32 rounding); the sequence-level
+    balance loss normalises the same scores."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+    from ctxpar.moe.router import route, router_scores
+    torch.manual_seed(0)
+    theirs = DeepseekV4TopKRouter(DeepseekV4Config(
+        hidden_size=32, num_local_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5))
+    with torch.no_grad():
+        theirs.weight.normal_(0, 0.5)
+        theirs.e_score_correction_bias.normal_(0, 0.3)
+    x = torch.randn(64, 32)
+    logits, want_w, want_e = theirs(x)
+    w, e = route(logits, 4, "sqrtsoftplus", bias=theirs.e_score_correction_bias, scaling=1.5)
+    order, want_order = e.sort(dim=-1), want_e.sort(dim=-1)  # transformers: sorted=False
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices))
+    assert not torch.allclose(router_scores(logits, "sqrtsoftplus"), torch.sigmoid(logits))
+
+
 def test_nemotron_h_moe_equals_transformers():
     """Nemotron 3's MoE block: squared-ReLU experts without a gate (up_proj (E, f, d) as
     ctxpar's gate_up_proj of model.mlp 'relu2'), DeepSeek-V3's grouped sigmoid router with

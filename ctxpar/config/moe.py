@@ -5,7 +5,7 @@
         num_experts: 8            # routed experts per MoE layer
         top_k: 2                  # experts per token
         expert_hidden: 256        # each expert's MLP width (transformers' moe_intermediate_size)
-        score: softmax            # router score: softmax over all experts, or sigmoid
+        score: softmax            # router score: softmax over all experts, sigmoid or sqrtsoftplus
         norm_topk: true           # the k weights renormalised to sum to 1
         shared_expert_hidden: 0   # an always-on shared expert's width (0: none)
         aux_loss_coef: 0.01       # load-balancing loss (transformers' router_aux_loss_coef)
@@ -24,7 +24,7 @@ from typing import List, Optional
 
 from .layer_mixers import LAYER_MIXERS, layer_types
 
-MOE_SCORES = ("softmax", "sigmoid")
+MOE_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")  # ctxpar/moe/router.py computes them
 
 
 @dataclass
@@ -40,8 +40,9 @@ class MoEConfig:
     MLP)."""
     score: str = "softmax"
     """Router score: 'softmax' over all experts, top-k taken from it (Mixtral, Qwen-MoE;
-    gpt-oss's softmax over the top-k logits is this with norm_topk), or 'sigmoid' per
-    expert (DeepSeek-V3)."""
+    gpt-oss's softmax over the top-k logits is this with norm_topk), 'sigmoid' per
+    expert (DeepSeek-V3) or 'sqrtsoftplus', sqrt(softplus(logit)) per expert (DeepSeek-V4's
+    scoring_func)."""
     norm_topk: bool = True
     """Divide the k chosen scores by their sum (transformers' norm_topk_prob)."""
     router_bias: bool = False

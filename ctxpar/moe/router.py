@@ -3,6 +3,8 @@
     softmax   p = softmax(logits) over every expert in fp32; the k largest (Mixtral,
               Qwen-MoE; with norm_topk this is also gpt-oss's softmax over the k logits)
     sigmoid   p = sigmoid(logits) per expert; the k largest (DeepSeek-V3)
+    sqrtsoftplus  p = sqrt(softplus(logits)) per expert; the k largest (DeepSeek-V4's
+              scoring_func)
 
 norm_topk divides the k weights by their sum (transformers' norm_topk_prob). Weights come
 back in fp32; ties go to the lower expert index (torch.topk's order on CPU and CUDA).
@@ -22,6 +24,20 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
+
+from ..config.moe import MOE_SCORES
+
+
+def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
+    """p from the fp32 logits (N, E) by the router's score (module docstring)."""
+    if score == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if score == "sigmoid":
+        return torch.sigmoid(logits)
+    if score == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    raise ValueError(f"model.moe.score={score!r} must be one of {', '.join(MOE_SCORES)}")
 
 
 def route(logits: torch.Tensor, top_k: int, score: str = "softmax", norm_topk: bool = True,
@@ -29,7 +45,7 @@ def route(logits: torch.Tensor, top_k: int, score: str = "softmax", norm_topk: b
           scaling: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """logits (N, E) -> (weights (N, k) fp32, experts (N, k) int64)."""
     logits = logits.float()
-    probs = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
+    probs = router_scores(logits, score)
     choice = probs.detach() if bias is None else probs.detach() + bias.float()
     if n_group > 1:
         choice = _best_groups_only(choice, n_group, topk_group)

@@ -25,6 +25,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from .router import router_scores
+
 
 class SequenceBalance:
     """Each MoE layer's per-row counts and normalised score sums of one forward pass."""
@@ -38,7 +40,7 @@ class SequenceBalance:
     def add(self, logits: torch.Tensor, experts: torch.Tensor, batch: int) -> None:
         """One layer's fp32 logits (B T/cp, E) and chosen experts (B T/cp, k), B rows."""
         E, k = self.num_experts, experts.shape[1]
-        s = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
+        s = router_scores(logits, self.score)
         s = s / s.sum(dim=-1, keepdim=True)                        # (B T/cp, E)
         self.score_sums.append(s.view(batch, -1, E).sum(dim=1))    # (B, E)
         chosen = experts.reshape(batch, -1)                        # (B, T/cp k)
