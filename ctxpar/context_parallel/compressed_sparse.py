@@ -40,18 +40,15 @@ from .sparse_latent import _q_tile as selected_q_tile
 
 class EntrySelection(Selection):
     """dsa_pairs.Selection of compressed entries, all held by this rank (one owner):
-    indices (B, S, k) entry ids; -1, duplicates and entries the query cannot see yet
-    (w >= seen, seen (S,) = (t + 1) // m) are dropped, as DeepseekV4Attention's block
-    bias (a 0 where selected, -inf elsewhere) drops them."""
+    indices (B, S, k) distinct entry ids (csa_indexer's); -1 and entries the query
+    cannot see yet (w >= seen, seen (S,) = (t + 1) // m) are dropped, as
+    DeepseekV4Attention's block bias (0 where selected, -inf elsewhere) drops them."""
 
     def __init__(self, indices: torch.Tensor, seen: torch.Tensor):
         B, S, k = indices.shape
         none = int(seen.max()) + 1 if S else 1          # sorts after every kept entry
         ok = (indices >= 0) & (indices < seen[None, :, None])
         key = torch.where(ok, indices, none).sort(dim=-1).values
-        again = torch.zeros_like(ok)
-        again[..., 1:] = key[..., 1:] == key[..., :-1]
-        key = key.masked_fill(again, none).sort(dim=-1).values
         self.rows = key.clamp(max=max(none - 2, 0))     # dropped slots: masked by counts
         self.counts = (key < none).sum(-1, keepdim=True)  # (B, S, 1)
         self.starts = torch.zeros_like(self.counts)
