@@ -31,9 +31,9 @@ from ctxpar.context_parallel.compressor import compressed_entries
 from ctxpar.context_parallel.halo import halo_tokens
 from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
+from ctxpar.testing.compressed import sent_bytes
 
 B, H, D, HIDDEN, M, WINDOW = 2, 2, 8, 16, 4, 5
-F32 = 4
 # (P, layout, local_seq, comm): shares and slabs that are and are not multiples of M; the
 # contiguous cp2 case of 11 tokens leaves a trailing partial window (n = 22).
 CASES = [(2, "contiguous", 12, "ring"), (2, "contiguous", 11, "ring"),
@@ -124,29 +124,6 @@ def test_hca_matches_transformers_cp1(backend):
         close(g, w)
 
 
-def expected_sent(P, layout, S, rank):
-    """(forward, backward) bytes `rank` sends, counted from the layout alone. Forward: the
-    entries' all-gather (padded to the largest share, P - 1 copies), the compressor's halo
-    rows (kv and gate: start % M rows to the holder of each slab starting inside a window)
-    and the sliding window's K,V halo (K = V still travels as two rows). Backward: the
-    entries' gradient reduce-scattered (the same padded share), the received halo rows'
-    gradients back (fp32), the window's K,V halo again and its dK,dV back (fp32)."""
-    n = S * P
-    pos = [rank_positions(n, r, P, layout).tolist() for r in range(P)]
-    holder = {p: r for r in range(P) for p in pos[r]}
-    share = max(sum(1 for w in range(n // M) if holder[(w + 1) * M - 1] == r)
-                for r in range(P))
-    starts = [(r, p) for r in range(P) for i, p in enumerate(pos[r])
-              if p % M and (i == 0 or pos[r][i - 1] != p - 1) and holder[p - 1] != r]
-    halo_sent = sum(p % M for r, p in starts if holder[p - 1] == rank)
-    halo_recv = sum(p % M for r, p in starts if r == rank)
-    window_sent, window_recv = halo_tokens(layout, rank, P, S, sliding_window=WINDOW)
-    entries = (P - 1) * B * share * D * F32
-    kv_rows, halo_rows = 2 * B * D * F32, B * 2 * D * F32
-    return (entries + halo_sent * halo_rows + window_sent * kv_rows,
-            entries + halo_recv * halo_rows + (window_sent + window_recv) * kv_rows)
-
-
 # CSA's entries (the overlapping two-series compressor; slabs of at least 2M tokens).
 CSA_CASES = [(2, "contiguous", 11), (2, "zigzag", 20), (4, "contiguous", 9),
              (4, "zigzag", 18)]
@@ -197,7 +174,8 @@ def _cp_cases(rank, world):
             out, got = run(n, pos, group, layout, comm)
         where = f"P={P} {layout} S={S} {comm} rank {r}"
         sent = (st.fwd_bytes_sent, st.bwd_bytes_sent)
-        assert sent == expected_sent(P, layout, S, r), (where, sent)
+        window = halo_tokens(layout, r, P, S, sliding_window=WINDOW)
+        assert sent == sent_bytes(P, layout, S, r, M, False, window, B, [D]), (where, sent)
         close(out, want_out[:, pos])
         close(got[0], want[0][:, pos])
         close(got[1], want[1][:, pos])
@@ -228,6 +206,7 @@ def test_compressed_cp2_cp4_match_transformers():
     (dict(comm="ulysses"), "comm='ulysses'"),
     (dict(compress_rate=0), "compress_rate=0"),
     (dict(compress_rate=8), "compress_rate=8 needs slabs of at least 8 tokens"),
+    (dict(cu_seqlens=torch.tensor([0, 12, 24])), "cu_seqlens"),
 ])
 def test_hca_bad_input_refused_before_communicating(kw, match):
     """NoComm(0, 2) stands in for a two-rank group: the checks run first, locally, so

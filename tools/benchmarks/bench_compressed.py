@@ -2,10 +2,11 @@
 compressed_sparse.py): a rank's time against one process / P, and the bytes a rank sends
 against all-gathering the hidden states for the compressors.
 
-1. Time (fp32, forward + backward, best of --iters after a small warm-up call): each kind's core on the whole
-   sequence in one process (divided by P), and rank 0's schedule of P under
-   comm.NoComm(0, P) (zigzag: its own tokens and shapes, its local blocks standing in for
-   the remote ones; nothing moves, so this is the compute a rank does, not the wire's).
+1. Time (fp32, forward + backward, best of --iters after a small warm-up call): each
+   kind's core on the whole sequence in one process (divided by P), and rank 0's
+   schedule of P under comm.NoComm(0, P) (zigzag: its own tokens and shapes, its local
+   blocks standing in for the remote ones; nothing moves, so this is the compute a rank
+   does, not the wire's).
    Sliding only: context_parallel_attention with the window and the sinks; CSA:
    csa_attention (its indexer included); HCA: hca_attention.
 2. Bytes (from the layout, ctxpar.testing.compressed.sent_bytes, the count
