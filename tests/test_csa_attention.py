@@ -31,7 +31,7 @@ from ctxpar.context_parallel.csa_indexer import IndexerInputs, csa_indexer
 from ctxpar.context_parallel.halo import halo_tokens
 from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
-from ctxpar.testing.compressed import csa_layer, sent_bytes
+from ctxpar.testing.compressed import close, csa_layer, sent_bytes
 
 B, H, D, HIDDEN, M, WINDOW, TOPK, HI, DI = 2, 2, 8, 16, 4, 5, 3, 2, 8
 # (P, layout, local_seq, comm): slabs of at least 2M; shares and slabs that are and are
@@ -93,11 +93,6 @@ def run(n, pos, group, layout, comm, backend="math"):
     out, indices = csa_layer(attn, h, pos, hf.apply_rotary_pos_emb, cp_group=group,
                              layout=layout, comm=comm, backend=backend)
     return out.detach(), indices, grads(out, dout[:, pos], h, attn)
-
-
-def close(got, want):
-    torch.testing.assert_close(got, want, rtol=1e-5,
-                               atol=1e-5 * max(1.0, want.abs().max().item()))
 
 
 def check_grads(got, want, reduce):

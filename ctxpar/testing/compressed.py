@@ -8,8 +8,8 @@ norms and RoPE make the core's inputs from the hidden states of the tokens at gl
 positions ``pos``, ``csa_attention`` runs the core over the CP group, and the output goes
 back through the inverse RoPE and the grouped output projection, as
 ``DeepseekV4Attention.forward`` does, so the layer's output and every weight's gradient
-compare with transformers' on the same weights. ``sent_bytes`` counts, from the layout
-alone, what a compressed layer's ranks send.
+compare with transformers' on the same weights (``close``: the tests' fp32 tolerance).
+``sent_bytes`` counts, from the layout alone, what a compressed layer's ranks send.
 """
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ import torch
 from ctxpar.context_parallel.compressed_sparse import csa_attention
 from ctxpar.context_parallel.csa_indexer import IndexerInputs
 from ctxpar.context_parallel.layouts import rank_positions
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 1e-5: relative, and absolute against the tensor's largest entry (the weights'
+    gradients sum over every token)."""
+    torch.testing.assert_close(got, want, rtol=1e-5,
+                               atol=1e-5 * max(1.0, want.abs().max().item()))
 
 
 def entry_rope(rotary: torch.nn.Module, apply_rope: Callable) -> Callable:
