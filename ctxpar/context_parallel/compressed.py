@@ -22,6 +22,8 @@ applied once (sinks.py). Backward hands the *merged* (out, lse) to the pattern's
 and to the entries' block: each is then exactly its share of the whole softmax's
 gradient, which a merge of ``context_parallel_attention(return_lse=True)`` outputs could
 not give (its lse carries no gradient). K = V: the key and value gradients are summed.
+The entries' block is a part handed to that Function: ``VisibleEntries`` here, CSA's
+``SelectedEntries`` (compressed_sparse.py: each query's selected entries only).
 """
 from __future__ import annotations
 
@@ -155,7 +157,7 @@ def compressed_attention(q, kv, compressor, sinks, part: Callable, *, overlap: b
         else allgather.allgather_pattern(mask)
     kernel = get_backend(backend, q)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    entries = compressed_entries(*compressor[:2], *compressor[2:], norm_eps, compress_rate,
+    entries = compressed_entries(*compressor, norm_eps, compress_rate,
                                  entry_rope, layout, group, overlap, caller=caller)
     q_pos = rank_positions(q.shape[1] * world, rank, world, layout)
     return CompressedCore.apply(q, kv, entries, sinks, pattern, group, layout, scale,
