@@ -7,7 +7,8 @@ full length not a multiple of m (a trailing partial window). Outputs and every g
 kv_norm weight); the bytes each rank sends are the entries' all-gather, the windows'
 halos and the sliding window's halo, nothing else; bad input raises before any collective.
 CSA's compressor entries (compressed_entries(overlap=True)) against transformers'
-DeepseekV4CSACompressor: the entries and its weights' gradients, cp1, cp2, cp4.
+DeepseekV4CSACompressor: the entries and its weights' gradients at cp1 (at cp2 and cp4
+through the whole CSA layer: tests/test_csa_attention.py).
 
 Tolerances (fp32): the reference does one softmax over [window ; entries ; sink], ctxpar
 merges blocks by log-sum-exp and sums halo gradients on another rank: the same math in
@@ -31,15 +32,17 @@ from ctxpar.context_parallel.compressor import compressed_entries
 from ctxpar.context_parallel.halo import halo_tokens
 from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
+from ctxpar.testing.compressed import close, sent_bytes
+from ctxpar.testing.compressed import entry_rope as compressor_rope
 
 B, H, D, HIDDEN, M, WINDOW = 2, 2, 8, 16, 4, 5
-F32 = 4
 # (P, layout, local_seq, comm): shares and slabs that are and are not multiples of M; the
-# contiguous cp2 case of 11 tokens leaves a trailing partial window (n = 22).
-CASES = [(2, "contiguous", 12, "ring"), (2, "contiguous", 11, "ring"),
-         (2, "zigzag", 12, "ring"), (2, "zigzag", 10, "allgather"),
-         (4, "contiguous", 6, "ring"), (4, "contiguous", 8, "allgather"),
-         (4, "zigzag", 10, "ring"), (4, "zigzag", 8, "ring")]
+# contiguous cp2 case of 11 tokens leaves a trailing partial window (n = 22). The cp2
+# cases run two at a time, one on each pair of ranks.
+CP2_CASES = [[(2, "contiguous", 12, "ring"), (2, "contiguous", 11, "ring")],  # ranks 0, 1
+             [(2, "zigzag", 12, "ring"), (2, "zigzag", 10, "allgather")]]    # ranks 2, 3
+CP4_CASES = [(4, "contiguous", 6, "ring"), (4, "contiguous", 8, "allgather"),
+             (4, "zigzag", 10, "ring"), (4, "zigzag", 8, "ring")]
 
 
 def config():
@@ -67,11 +70,7 @@ def case_inputs(n, seed=0):
 
 def entry_rope(comp):
     """The compressor's own RoPE at the entries' positions."""
-    def rope(x, pos):
-        cos, sin = comp.rotary_emb(x, position_ids=pos[None].expand(x.shape[0], -1),
-                                   layer_type="compress")
-        return hf.apply_rotary_pos_emb(x.unsqueeze(1), cos, sin).squeeze(1)
-    return rope
+    return compressor_rope(comp.rotary_emb, hf.apply_rotary_pos_emb)
 
 
 def grads(out, dout, q, kv, sinks, comp):
@@ -108,11 +107,6 @@ def run(n, pos, group, layout, comm, backend="math"):
     return out.detach(), grads(out, dout[:, pos], q, kv, sinks, comp)
 
 
-def close(got, want):
-    torch.testing.assert_close(got, want, rtol=1e-5,
-                               atol=1e-5 * max(1.0, want.abs().max().item()))
-
-
 @pytest.mark.quick
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 def test_hca_matches_transformers_cp1(backend):
@@ -122,34 +116,6 @@ def test_hca_matches_transformers_cp1(backend):
     close(out, want_out)
     for g, w in zip(got, want):
         close(g, w)
-
-
-def expected_sent(P, layout, S, rank):
-    """(forward, backward) bytes `rank` sends, counted from the layout alone. Forward: the
-    entries' all-gather (padded to the largest share, P - 1 copies), the compressor's halo
-    rows (kv and gate: start % M rows to the holder of each slab starting inside a window)
-    and the sliding window's K,V halo (K = V still travels as two rows). Backward: the
-    entries' gradient reduce-scattered (the same padded share), the received halo rows'
-    gradients back (fp32), the window's K,V halo again and its dK,dV back (fp32)."""
-    n = S * P
-    pos = [rank_positions(n, r, P, layout).tolist() for r in range(P)]
-    holder = {p: r for r in range(P) for p in pos[r]}
-    share = max(sum(1 for w in range(n // M) if holder[(w + 1) * M - 1] == r)
-                for r in range(P))
-    starts = [(r, p) for r in range(P) for i, p in enumerate(pos[r])
-              if p % M and (i == 0 or pos[r][i - 1] != p - 1) and holder[p - 1] != r]
-    halo_sent = sum(p % M for r, p in starts if holder[p - 1] == rank)
-    halo_recv = sum(p % M for r, p in starts if r == rank)
-    window_sent, window_recv = halo_tokens(layout, rank, P, S, sliding_window=WINDOW)
-    entries = (P - 1) * B * share * D * F32
-    kv_rows, halo_rows = 2 * B * D * F32, B * 2 * D * F32
-    return (entries + halo_sent * halo_rows + window_sent * kv_rows,
-            entries + halo_recv * halo_rows + (window_sent + window_recv) * kv_rows)
-
-
-# CSA's entries (the overlapping two-series compressor; slabs of at least 2M tokens).
-CSA_CASES = [(2, "contiguous", 11), (2, "zigzag", 20), (4, "contiguous", 9),
-             (4, "zigzag", 18)]
 
 
 def csa_entries(n, pos, group, layout):
@@ -187,7 +153,7 @@ def test_csa_entries_match_transformers_cp1():
 
 def _cp_cases(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    for P, layout, S, comm in CASES:
+    for P, layout, S, comm in CP2_CASES[rank // 2] + CP4_CASES:
         group = None if P == 4 else pairs[rank // 2]
         r = rank if P == 4 else rank % 2
         n = S * P
@@ -197,7 +163,8 @@ def _cp_cases(rank, world):
             out, got = run(n, pos, group, layout, comm)
         where = f"P={P} {layout} S={S} {comm} rank {r}"
         sent = (st.fwd_bytes_sent, st.bwd_bytes_sent)
-        assert sent == expected_sent(P, layout, S, r), (where, sent)
+        window = halo_tokens(layout, r, P, S, sliding_window=WINDOW)
+        assert sent == sent_bytes(P, layout, S, r, M, False, window, B, [D]), (where, sent)
         close(out, want_out[:, pos])
         close(got[0], want[0][:, pos])
         close(got[1], want[1][:, pos])
@@ -205,17 +172,6 @@ def _cp_cases(rank, world):
             g = g.clone()
             dist.all_reduce(g, group=group)
             close(g, w)
-    for P, layout, S in CSA_CASES:
-        group = None if P == 4 else pairs[rank // 2]
-        r = rank if P == 4 else rank % 2
-        n = S * P
-        want_entries, want = csa_entries(n, None, "reference", None)
-        got_entries, got = csa_entries(n, rank_positions(n, r, P, layout), group, layout)
-        close(got_entries, want_entries)
-        for g, w in zip(got, want):  # every rank backpropagates dout through all entries
-            g = g.clone()
-            dist.all_reduce(g, group=group)
-            close(g, P * w)
     return True
 
 
@@ -228,6 +184,7 @@ def test_compressed_cp2_cp4_match_transformers():
     (dict(comm="ulysses"), "comm='ulysses'"),
     (dict(compress_rate=0), "compress_rate=0"),
     (dict(compress_rate=8), "compress_rate=8 needs slabs of at least 8 tokens"),
+    (dict(cu_seqlens=torch.tensor([0, 12, 24])), "cu_seqlens"),
 ])
 def test_hca_bad_input_refused_before_communicating(kw, match):
     """NoComm(0, 2) stands in for a two-rank group: the checks run first, locally, so

@@ -22,17 +22,19 @@ applied once (sinks.py). Backward hands the *merged* (out, lse) to the pattern's
 and to the entries' block: each is then exactly its share of the whole softmax's
 gradient, which a merge of ``context_parallel_attention(return_lse=True)`` outputs could
 not give (its lse carries no gradient). K = V: the key and value gradients are summed.
+The entries' block is a part handed to that Function: ``VisibleEntries`` here, CSA's
+``SelectedEntries`` (compressed_sparse.py: each query's selected entries only).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from . import allgather, ring
 from .arguments import world_group
 from .blocks import QueryRows, backward_block, forward_block_
-from .compressor import COMPRESS_LAYOUTS, check_slabs, compressed_entries
+from .compressor import COMPRESS_LAYOUTS, check_compressor, check_slabs, compressed_entries
 from .comm import group_rank_and_size
 from .documents import DocBlock
 from .kernels import default_scale, get_backend
@@ -48,24 +50,45 @@ def entry_visibility(q_pos: torch.Tensor, entries: int, m: int) -> torch.Tensor:
     return torch.arange(entries)[None, :] < ((q_pos + 1) // m)[:, None]
 
 
+class VisibleEntries(NamedTuple):
+    """HCA's entries part: every entry a query can see, one local kernel call with the
+    (L, T) visibility mask (shared by the batch)."""
+
+    visible: torch.Tensor  # (L, T) bool, entry_visibility
+
+    def forward_(self, kernel, q, entries, scale, out, lse) -> None:
+        """Merge the entries' (out, lse) into the running fp32 (out, lse), in place."""
+        e = entries.unsqueeze(2)                                           # (B, T, 1, D)
+        forward_block_(kernel, q, e, e, self._block(q, entries), scale, out, lse)
+
+    def backward(self, kernel, dout, q, entries, out, lse, scale):
+        """(dq, dentries) fp32, their share of the merged softmax's gradient."""
+        e = entries.unsqueeze(2)
+        _, _, (dq, de_k, de_v) = backward_block(kernel, QueryRows(dout, q, out, lse), e, e,
+                                                self._block(q, entries), scale)
+        return dq.float(), (de_k.float() + de_v.float()).squeeze(2)
+
+    def _block(self, q, entries) -> DocBlock:
+        return DocBlock(0, q.shape[1], 0, entries.shape[1], False, self.visible)
+
+
 class CompressedCore(torch.autograd.Function):
     """(out, lse) of q over [the window's keys ; the entries] with the sinks; lse is not
-    differentiable. kv (B, S, D) the shared K=V head; entries (B, T, D)."""
+    differentiable. kv (B, S, D) the shared K=V head; entries (B, T, D); part the entries'
+    block (VisibleEntries for HCA, compressed_sparse.SelectedEntries for CSA)."""
 
     @staticmethod
-    def forward(ctx, q, kv, entries, sinks, pattern, group, layout, scale, kernel, visible):
+    def forward(ctx, q, kv, entries, sinks, pattern, group, layout, scale, kernel, part):
         forward_fn, ctx.backward_fn = pattern
         k = kv.unsqueeze(2)                                                # (B, S, 1, D)
         out, lse = forward_fn(q, k, k, group, True, layout, scale, kernel)
         out, lse = out.float(), lse.clone()
-        blk = DocBlock(0, q.shape[1], 0, entries.shape[1], False, visible)
         if entries.shape[1]:
-            e = entries.unsqueeze(2)
-            forward_block_(kernel, q, e, e, blk, scale, out, lse)
+            part.forward_(kernel, q, entries, scale, out, lse)
         out, lse = finish(out, lse, q.dtype, sinks)
         ctx.save_for_backward(q, kv, entries, out, lse, sinks)
         ctx.args = (group, True, layout, scale, kernel)
-        ctx.blk = blk
+        ctx.part = part
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -78,27 +101,27 @@ class CompressedCore(torch.autograd.Function):
         dq, dkv = dq.float(), (dk.float() + dv.float()).squeeze(2)
         dentries = torch.zeros(entries.shape, dtype=torch.float32, device=q.device)
         if entries.shape[1]:
-            e = entries.unsqueeze(2)
-            rows = QueryRows(dout, q, out, lse)
-            _, _, (dq2, de_k, de_v) = backward_block(ctx.args[4], rows, e, e, ctx.blk,
-                                                     ctx.args[3])
-            dq += dq2.float()
-            dentries += (de_k.float() + de_v.float()).squeeze(2)
+            dq2, dentries = ctx.part.backward(ctx.args[4], dout, q, entries, out, lse,
+                                              ctx.args[3])
+            dq += dq2
         dsinks = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
         return (dq.to(q.dtype), dkv.to(kv.dtype), dentries.to(entries.dtype), dsinks,
                 None, None, None, None, None, None)
 
 
-def _check(q, kv, compress_kv, compress_gate, position_bias, sliding_window, m, layout,
-           comm, world, caller):
+def _check(q, kv, compressor, sliding_window, m, layout, comm, world, overlap, cu_seqlens,
+           caller):
     """Local checks, rank-independent messages: raised on every rank before any
-    communication."""
+    communication. compressor = (kv, gate, position_bias, norm_weight)."""
     if comm not in COMPRESS_COMMS:
         raise ValueError(f"{caller}: comm={comm!r} must be one of {list(COMPRESS_COMMS)}")
     if layout not in COMPRESS_LAYOUTS:
         raise ValueError(f"{caller}: layout={layout!r} must be one of "
                          f"{list(COMPRESS_LAYOUTS)} (a compressed window needs consecutive "
                          "tokens on a rank)")
+    if cu_seqlens is not None:
+        raise ValueError(f"{caller}: cu_seqlens (packed documents) is not supported: the "
+                         "compressors' windows would pool tokens across documents")
     for name, v in (("compress_rate", m), ("sliding_window", sliding_window)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{caller}: {name}={v!r} must be a positive integer")
@@ -107,16 +130,38 @@ def _check(q, kv, compress_kv, compress_gate, position_bias, sliding_window, m, 
                          f"local_seq, head_dim) expected, got {tuple(q.shape)}, "
                          f"{tuple(kv.shape)}")
     B, S, _, D = q.shape
-    for name, t in (("kv", kv), ("compress_kv", compress_kv), ("compress_gate", compress_gate)):
-        if tuple(t.shape) != (B, S, D):
-            raise ValueError(f"{caller}: {name} must be (batch, local_seq, head_dim) = "
-                             f"{(B, S, D)}, got {tuple(t.shape)}")
-    if tuple(position_bias.shape) != (m, D):
-        raise ValueError(f"{caller}: position_bias must be (compress_rate, head_dim) = "
-                         f"{(m, D)}, got {tuple(position_bias.shape)}")
+    C = 2 * D if overlap else D  # CSA's compressor: two series per token
+    if tuple(kv.shape) != (B, S, D):
+        raise ValueError(f"{caller}: kv must be (batch, local_seq, head_dim) = {(B, S, D)}, "
+                         f"got {tuple(kv.shape)}")
+    check_compressor(compressor, (B, S), m, C, D, "", caller)
     if layout == "zigzag" and S % 2:
         raise ValueError(f"{caller}: layout 'zigzag' needs an even local_seq, got {S}")
-    check_slabs(layout, S, m, world, False, caller)
+    check_slabs(layout, S, m, world, overlap, caller)
+
+
+def compressed_attention(q, kv, compressor, sinks, part: Callable, *, overlap: bool,
+                         sliding_window: int, compress_rate: int, entry_rope: Callable,
+                         cp_group, layout: str, comm: str, norm_eps: float,
+                         softmax_scale: Optional[float], backend: str, cu_seqlens,
+                         caller: str):
+    """(out, lse) of the window + the entries + the sinks (hca_attention, and CSA's
+    csa_attention): checks, the entries, then CompressedCore with the entries' block
+    part(q_pos (S,) global positions, entry count) -> VisibleEntries or SelectedEntries."""
+    group = world_group(cp_group)
+    rank, world = group_rank_and_size(group)
+    _check(q, kv, compressor, sliding_window, compress_rate, layout, comm, world, overlap,
+           cu_seqlens, caller)
+    mask = AttentionMask(causal=True, sliding_window=sliding_window)
+    pattern = ring.ring_pattern("fp32", mask) if comm == "ring" \
+        else allgather.allgather_pattern(mask)
+    kernel = get_backend(backend, q)
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    entries = compressed_entries(*compressor, norm_eps, compress_rate,
+                                 entry_rope, layout, group, overlap, caller=caller)
+    q_pos = rank_positions(q.shape[1] * world, rank, world, layout)
+    return CompressedCore.apply(q, kv, entries, sinks, pattern, group, layout, scale,
+                                kernel, part(q_pos, entries.shape[1]))
 
 
 def hca_attention(q: torch.Tensor, kv: torch.Tensor, compress_kv: torch.Tensor,
@@ -125,7 +170,7 @@ def hca_attention(q: torch.Tensor, kv: torch.Tensor, compress_kv: torch.Tensor,
                   sliding_window: int, compress_rate: int, entry_rope: Callable,
                   cp_group=None, layout: str = "contiguous", comm: str = "ring",
                   norm_eps: float = 1e-6, softmax_scale: Optional[float] = None,
-                  backend: str = "auto", return_lse: bool = False):
+                  backend: str = "auto", return_lse: bool = False, cu_seqlens=None):
     """V4's HCA attention core of this rank's queries (module docstring).
 
     q (B, S, H, D) RoPE applied; kv (B, S, D) the shared K=V head, RoPE applied;
@@ -135,24 +180,16 @@ def hca_attention(q: torch.Tensor, kv: torch.Tensor, compress_kv: torch.Tensor,
     compressor's RoPE at the entries' positions w * m. Tokens follow `layout`
     ('contiguous' or 'zigzag'; each slab at least m tokens when P > 1); the sliding window
     goes through `comm` ('ring' or 'allgather': both run the halo exchange when the window
-    fits in a neighbour's slab). softmax_scale defaults to D ** -0.5.
+    fits in a neighbour's slab). softmax_scale defaults to D ** -0.5. cu_seqlens: refused
+    (the compressors know no documents yet).
     Returns out (B, S, H, D), and with return_lse the merged lse (B, H, S) fp32 too.
     """
-    caller = "hca_attention"
-    group = world_group(cp_group)
-    rank, world = group_rank_and_size(group)
-    _check(q, kv, compress_kv, compress_gate, position_bias, sliding_window, compress_rate,
-           layout, comm, world, caller)
-    mask = AttentionMask(causal=True, sliding_window=sliding_window)
-    pattern = ring.ring_pattern("fp32", mask) if comm == "ring" \
-        else allgather.allgather_pattern(mask)
-    kernel = get_backend(backend, q)
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    entries = compressed_entries(compress_kv, compress_gate, position_bias, norm_weight,
-                                 norm_eps, compress_rate, entry_rope, layout, group,
-                                 caller=caller)
-    q_pos = rank_positions(q.shape[1] * world, rank, world, layout)
-    visible = entry_visibility(q_pos, entries.shape[1], compress_rate)
-    out, lse = CompressedCore.apply(q, kv, entries, sinks, pattern, group, layout, scale,
-                                    kernel, visible)
+    m = compress_rate
+    out, lse = compressed_attention(
+        q, kv, (compress_kv, compress_gate, position_bias, norm_weight), sinks,
+        lambda q_pos, count: VisibleEntries(entry_visibility(q_pos, count, m)),
+        overlap=False, sliding_window=sliding_window, compress_rate=m,
+        entry_rope=entry_rope, cp_group=cp_group, layout=layout, comm=comm,
+        norm_eps=norm_eps, softmax_scale=softmax_scale, backend=backend,
+        cu_seqlens=cu_seqlens, caller="hca_attention")
     return (out, lse) if return_lse else out

@@ -87,6 +87,20 @@ def check_slabs(layout: str, S: int, m: int, world: int, overlap: bool, caller: 
                          "window could otherwise span more than two ranks")
 
 
+def check_compressor(compressor, batch_seq: tuple, m: int, width: int, dim: int,
+                     prefix: str, caller: str):
+    """ValueError unless compressor = (kv, gate, position_bias, norm_weight) has the shapes
+    (B, S, width) twice, (m, width) and (dim,): width = dim, or 2 * dim with overlap.
+    prefix names the tensors (e.g. "index_" for CSA's indexer)."""
+    kv, gate, bias, norm = compressor
+    want = {"compress_kv": (*batch_seq, width), "compress_gate": (*batch_seq, width),
+            "position_bias": (m, width), "norm_weight": (dim,)}
+    for (name, shape), t in zip(want.items(), (kv, gate, bias, norm)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else t
+            raise ValueError(f"{caller}: {prefix}{name} must have shape {shape}, got {got}")
+
+
 def halo_links(layout: str, rank: int, world: int, S: int, m: int, overlap: bool = False):
     """(sends [(peer, local rows)], recvs [(peer, slab index, rows)]), remote peers only,
     in one global order (the receiving slab's position) that both sides agree on."""

@@ -1,0 +1,183 @@
+"""DeepSeek-V4's compressed sparse attention (CSA) core under CP (csa_attention, with the
+lightning indexer csa_indexer) against transformers' own DeepseekV4Attention of a
+"compressed_sparse_attention" layer on the same weights: the layer's output, the indexer's
+indices, and the gradient of the hidden states and of every weight (the attention's
+projections, norms and sinks, the CSA compressor's four; the indexer's get none in either:
+its top-k is discrete) at cp1, and at cp2 and cp4 in one spawned world of four ranks, ring
+and all-gather, zigzag and contiguous, local shares and slabs that are and are not
+multiples of m, n not a multiple of m (a trailing partial window), queries that see fewer
+entries than index_topk. The bytes each rank sends are the entries' and the indexer keys'
+all-gathers and their compressors' halos plus the window's halo, nothing else; bad input
+raises before any collective.
+
+Tolerances (fp32) as tests/test_compressed_attention.py's: transformers does one softmax
+over [window ; selected entries ; sink], ctxpar merges blocks by log-sum-exp and sums
+gradient shares across ranks: differences ~1e-6 on O(1) values, so 1e-5 (absolute against
+the largest entry for sums over tokens). Indices compare exactly: the test's indexer has
+its heads in +/- pairs (q_b_proj rows of head 2j+1 = -(2j)'s), so relu(q.k) of one of a
+pair is nonzero and no two scores of a row tie (random heads tie at 0.0 often, and
+torch.topk orders ties arbitrarily).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+from ctxpar.context_parallel import cp_stats
+from ctxpar.context_parallel.comm import NoComm
+from ctxpar.context_parallel.compressed_sparse import csa_attention
+from ctxpar.context_parallel.csa_indexer import IndexerInputs, csa_indexer
+from ctxpar.context_parallel.halo import halo_tokens
+from ctxpar.context_parallel.layouts import rank_positions
+from ctxpar.testing import run_distributed
+from ctxpar.testing.compressed import close, csa_layer, sent_bytes
+
+B, H, D, HIDDEN, M, WINDOW, TOPK, HI, DI = 2, 2, 8, 16, 4, 5, 3, 2, 8
+# (P, layout, local_seq, comm): slabs of at least 2M; shares and slabs that are and are
+# not multiples of M; contiguous cp2 of 11 tokens leaves a trailing partial window. The
+# cp2 cases run two at a time, one on each pair of ranks.
+CP2_CASES = [[(2, "contiguous", 12, "ring"), (2, "contiguous", 11, "allgather")],
+             [(2, "zigzag", 20, "ring"), (2, "zigzag", 16, "allgather")]]
+CP4_CASES = [(4, "contiguous", 9, "ring"), (4, "zigzag", 18, "allgather")]
+
+def layer(n, seed=0):
+    """transformers' CSA attention layer (random weights, the indexer's heads in +/-
+    pairs), hidden states (B, n, HIDDEN) and an output gradient."""
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.5}
+    cfg = DeepseekV4Config(
+        hidden_size=HIDDEN, head_dim=D, num_attention_heads=H, sliding_window=WINDOW,
+        q_lora_rank=8, index_head_dim=DI, index_n_heads=HI, index_topk=TOPK, o_groups=2,
+        o_lora_rank=4, num_hidden_layers=1, layer_types=["compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": M, "heavily_compressed_attention": 8},
+        rope_parameters={"main": {**rope, "rope_theta": 10000.0},
+                         "compress": {**rope, "rope_theta": 160000.0}})
+    cfg._attn_implementation = "eager"
+    attn = hf.DeepseekV4Attention(cfg, 0).float()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.5)
+        heads = attn.compressor.indexer.q_b_proj.weight.view(HI, DI, -1)
+        heads[1::2] = -heads[0::2]
+    return attn, torch.randn(B, n, HIDDEN), torch.randn(B, n, HIDDEN)
+
+
+def grads(out, dout, hidden, attn):
+    return torch.autograd.grad(out, [hidden, *attn.parameters()], dout, allow_unused=True)
+
+
+def reference(n):
+    """transformers: (output, indices, grads) of the whole sequence, the model's sliding
+    causal mask as the attention_mask."""
+    attn, hidden, dout = layer(n)
+    hidden.requires_grad_()
+    pos = torch.arange(n)[None].expand(B, -1)
+    rotary = attn.compressor.rotary_emb
+    embeddings = {kind: rotary(hidden, position_ids=pos, layer_type=kind)
+                  for kind in ("main", "compress")}
+    i = torch.arange(n)
+    seen = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < WINDOW)
+    mask = torch.zeros(n, n).masked_fill(~seen, float("-inf")).expand(B, 1, n, n)
+    out, _ = attn(hidden, embeddings, pos, mask)
+    q_residual = attn.q_a_norm(attn.q_a_proj(hidden))
+    indices = attn.compressor.indexer(hidden, q_residual, pos, None, 0)
+    return out.detach(), indices, grads(out, dout, hidden, attn)
+
+
+def run(n, pos, group, layout, comm, backend="math"):
+    """ctxpar (csa_layer) on the tokens at pos: (output, indices, grads of the local
+    hidden states and the local shares of the weights')."""
+    attn, hidden, dout = layer(n)
+    h = hidden[:, pos].requires_grad_()
+    out, indices = csa_layer(attn, h, pos, hf.apply_rotary_pos_emb, cp_group=group,
+                             layout=layout, comm=comm, backend=backend)
+    return out.detach(), indices, grads(out, dout[:, pos], h, attn)
+
+
+def check_grads(got, want, reduce):
+    """Every weight's gradient (reduce: sum the ranks' shares); None only where
+    transformers' is None (the indexer's weights)."""
+    names = ["hidden"] + [name for name, _ in layer(1)[0].named_parameters()]
+    for name, g, w in zip(names, got, want):
+        assert (g is None) == (w is None) == name.startswith("compressor.indexer."), name
+        if g is not None:
+            close(reduce(g) if name != "hidden" else g, w)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_csa_matches_transformers_cp1(backend):
+    n = 22  # five windows of 4 and a trailing partial one; early queries see < TOPK
+    want_out, want_indices, want = reference(n)
+    assert (want_indices == -1).any() and (want_indices >= 0).all(-1).any()
+    out, indices, got = run(n, torch.arange(n), None, "contiguous", "ring", backend)
+    close(out, want_out)
+    assert torch.equal(indices, want_indices)
+    check_grads(got, want, lambda g: g)
+
+
+def _cp_cases(rank, world):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    for P, layout, S, comm in CP2_CASES[rank // 2] + CP4_CASES:
+        group = None if P == 4 else pairs[rank // 2]
+        r = rank if P == 4 else rank % 2
+        n = S * P
+        want_out, want_indices, want = reference(n)
+        pos = rank_positions(n, r, P, layout)
+        with cp_stats() as st:
+            out, indices, got = run(n, pos, group, layout, comm)
+        where = f"P={P} {layout} S={S} {comm} rank {r}"
+        sent = (st.fwd_bytes_sent, st.bwd_bytes_sent)
+        window = halo_tokens(layout, r, P, S, sliding_window=WINDOW)
+        assert sent == sent_bytes(P, layout, S, r, M, True, window, B, [D, DI]), \
+            (where, sent)
+        close(out, want_out[:, pos])
+        assert torch.equal(indices, want_indices[:, pos]), where
+        want = (want[0][:, pos], *want[1:])
+
+        def reduce(g):
+            g = g.clone()
+            dist.all_reduce(g, group=group)
+            return g
+        check_grads(got, want, reduce)
+    return True
+
+
+def test_csa_cp2_cp4_match_transformers():
+    assert all(run_distributed(_cp_cases, 4, timeout=60))
+
+
+def _inputs(S, m=M, index_m=M):
+    """Zero tensors of the core's and the indexer's shapes (S local tokens)."""
+    z = torch.zeros
+    index = IndexerInputs(z(B, S, HI, DI), z(B, S, HI), z(B, S, 2 * DI), z(B, S, 2 * DI),
+                          z(index_m, 2 * DI), torch.ones(DI))
+    return (z(B, S, H, D), z(B, S, D), z(B, S, 2 * D), z(B, S, 2 * D), z(m, 2 * D),
+            torch.ones(D), z(H), index)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(index_topk=0), "index_topk=0 must be a positive integer"),
+    (dict(compress_rate=0), "compress_rate=0 must be a positive integer"),
+    (dict(compress_rate=8), "compress_rate=8 needs slabs of at least 16 tokens"),
+    (dict(layout="striped"), "layout='striped'"),
+    (dict(comm="ulysses"), "comm='ulysses'"),
+    (dict(cu_seqlens=torch.tensor([0, 12, 24])), "cu_seqlens"),
+    (dict(index_m=2), r"index_position_bias must have shape \(4, 16\)"),
+])
+def test_csa_bad_input_refused_before_communicating(kw, match):
+    """NoComm(0, 2) stands in for a two-rank group: the checks run first, locally, so
+    nothing is sent (a real group would raise the same on every rank). index_m: the
+    indexer's compressor at another rate than the attention's."""
+    m = kw.get("compress_rate", M)
+    index_m = kw.pop("index_m", max(m, 1))
+    args = dict(sliding_window=WINDOW, compress_rate=M, index_topk=TOPK,
+                entry_rope=None, cp_group=NoComm(0, 2), layout="zigzag", comm="ring")
+    args.update(kw)
+    with cp_stats() as st, pytest.raises(ValueError, match=match):
+        csa_attention(*_inputs(24, max(m, 1), index_m), **args)
+    with cp_stats() as st2, pytest.raises(ValueError, match="index_topk=-1"):
+        csa_indexer(_inputs(24)[-1], compress_rate=M, index_topk=-1, entry_rope=None,
+                    cp_group=NoComm(0, 2), layout="zigzag")
+    assert st.fwd_comm_ops == 0 and st2.fwd_comm_ops == 0
