@@ -4,7 +4,9 @@ kind in models/mixers.py, with their norms and residuals; one path for every kin
     x = x + post_attn_norm(mixer(attn_norm(x)))    # the token mixer, over CP
     x = x + post_mlp_norm(mlp(mlp_norm(x)))        # the channel mixer, token-local
 
-Shapes per rank: x (B, T/cp, d) in the CP layout's order.
+Shapes per rank: x (B, T/cp, d) in the CP layout's order; under model.hyper_connections
+x is N streams (B, T/cp, N, d), each sublayer reads their collapse and its residual add is
+the streams' mix (models/hyper_connections.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ctxpar.context_parallel import ContextParallel
 
+from .hyper_connections import hyper_connection, mix_streams
 from .mixers import channel_mixer_builder, token_mixer_kind
 from .norms import make_norm
 from .options import LayerArgs
@@ -65,6 +68,9 @@ class Block(nn.Module):
                                                             dtype=args.dtype))
         else:
             self.layer_scalar = None
+        # model.hyper_connections (mHC): each sublayer's collapse, expand and mix maps
+        self.attn_hc = hyper_connection(cfg, bool(token), args.device, args.dtype)
+        self.mlp_hc = hyper_connection(cfg, bool(channel), args.device, args.dtype)
 
     @property
     def mixer(self) -> Optional[TokenMixer]:
@@ -79,18 +85,26 @@ class Block(nn.Module):
     def _in_norm(self, norm, x):
         return x if norm is None else norm(x)  # None: model.reordered_norms' block
 
-    def _mixer_in(self, x, cos, sin):
-        return self.mixer.project_in(self._in_norm(self.attn_norm, x), cos, sin)
+    @staticmethod
+    def _collapse(hc, x):
+        """The sublayer's input (B, T/cp, d) and its mHC (post, comb), or x and None."""
+        return (x, None) if hc is None else hc(x)
 
-    def _mixer_out_mlp(self, x, o, *carry):
+    def _mixer_in(self, x, cos, sin):
+        h, mix = self._collapse(self.attn_hc, x)
+        return (*self.mixer.project_in(self._in_norm(self.attn_norm, h), cos, sin), mix)
+
+    def _mixer_out_mlp(self, x, o, mix, *carry):
         a = self.mixer.project_out(o, *carry)  # (B, T/cp, d)
-        return self._mlp(x + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
+        a = a if self.post_attn_norm is None else self.post_attn_norm(a)
+        return self._mlp(mix_streams(x, a, mix))
 
     def _mlp(self, x):
         if self.mlp is None:
             return x
-        h = self.mlp(self._in_norm(self.mlp_norm, x))
-        return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
+        h, mix = self._collapse(self.mlp_hc, x)
+        h = self.mlp(self._in_norm(self.mlp_norm, h))
+        return mix_streams(x, h if self.post_mlp_norm is None else self.post_mlp_norm(h), mix)
 
     def _finish(self, x: torch.Tensor, per_layer_input) -> torch.Tensor:
         if self.per_layer_input is not None:
@@ -110,8 +124,9 @@ class Block(nn.Module):
         if self.mixer is None:
             return self._mlp(x)
         if self.selective and kv_cache is None:  # recompute around the core; it keeps its own
-            inputs, carry = checkpoint(self._mixer_in, x, cos, sin, use_reentrant=False)
+            inputs, carry, mix = checkpoint(self._mixer_in, x, cos, sin, use_reentrant=False)
             o = self.mixer.mix(inputs, cu_seqlens)
-            return checkpoint(self._mixer_out_mlp, x, o, *carry, use_reentrant=False)
-        inputs, carry = self._mixer_in(x, cos, sin)
-        return self._mixer_out_mlp(x, self.mixer.mix(inputs, cu_seqlens, kv_cache), *carry)
+            return checkpoint(self._mixer_out_mlp, x, o, mix, *carry, use_reentrant=False)
+        inputs, carry, mix = self._mixer_in(x, cos, sin)
+        return self._mixer_out_mlp(x, self.mixer.mix(inputs, cu_seqlens, kv_cache), mix,
+                                   *carry)

@@ -42,6 +42,7 @@ from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .attention import link_shared_kv
 from .block import Block
+from .hyper_connections import HyperHead, expand_streams
 from .dsa import (freeze_all_but_indexers, indexer_losses_of, indexer_recalls_of,
                   link_shared_layers)
 from .mixers import INIT_RULES
@@ -171,6 +172,8 @@ class GPT(nn.Module):
         self.router_pack = None
         # memory.offload_activations: what checkpointing keeps per layer in host memory
         self.offload = ActivationOffload() if self.memory.offload_activations else None
+        # model.hyper_connections: the N residual streams' collapse before the final norm
+        self.hc_head = HyperHead(cfg, device, dtype) if cfg.hyper_connections else None
         self.final_norm = make_norm(cfg, device, dtype)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
             cfg.d_model, cfg.vocab_size, tp_group=tp_group, bias=False, device=device, dtype=dtype)
@@ -300,6 +303,8 @@ class GPT(nn.Module):
         x = embed_tokens(self.embed, tokens, self.cfg)  # (B, T/cp, d)
         # (B, T/cp, L, p) under model.per_layer_input_dim, layer i's [:, :, i]
         z = None if self.per_layer_input is None else self.per_layer_input(tokens, x)
+        if self.hc_head is not None:  # model.hyper_connections: (B, T/cp, N, d) streams
+            x = expand_streams(x, self.cfg)
         off = self.offload  # None, or the hooks moving what each layer keeps to the host
         if off is not None:
             for cos, sin in dict.fromkeys(rotary):
@@ -315,7 +320,7 @@ class GPT(nn.Module):
             else:  # selective keeps x and the core's q, k, v, out, lse (offloaded); none, all
                 x = run_layer(off, layer, x, cos, sin, cu_seqlens=cu_seqlens,
                               per_layer_input=zi, to_host=layer.selective)
-        return self.final_norm(x)
+        return self.final_norm(x if self.hc_head is None else self.hc_head(x))
 
     def _router_stats(self, training: bool) -> Optional[RouterStats]:
         """A fresh RouterStats handed to every MoE layer for a training forward (their

@@ -91,7 +91,8 @@ def block_fields(m: ModelConfig) -> tuple:
     linear mixers' sizes among them."""
     return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)],
             None if m.moe is None else repr(m.moe), repr(m.reordered_norms), repr(m.mla),
-            repr(m.layer_kv_heads), repr(m.attention_sinks), repr(m.dsa))
+            repr(m.layer_kv_heads), repr(m.attention_sinks), repr(m.dsa),
+            repr(m.hyper_connections))
 
 
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
@@ -109,7 +110,9 @@ def block_specs(m: ModelConfig, i: int = 0, tp: int = 1) -> List[ParamSpec]:
     mixer's norm and parameters, the post norm, then the MLP's. tp decides only whether
     k/v are split (n_kv_heads % tp == 0) or replicated by heads."""
     moe = i in moe_layer_indices(m.moe, m.n_layers)
-    specs = _layer_specs(m, layer_types(m)[i], f"layers.{i}.", moe, tp, i)
+    kind = layer_types(m)[i]
+    specs = _layer_specs(m, kind, f"layers.{i}.", moe, tp, i) + \
+        _hyper_connection_specs(m, kind, f"layers.{i}.")
     if m.dsa is not None and not m.dsa.layer_has_indexer(i):  # 'shared': no indexer
         return [s for s in specs if ".indexer." not in s.name]
     return specs
@@ -134,6 +137,20 @@ def _layer_specs(m: ModelConfig, kind: str, p: str, moe: bool, tp: int,
         return specs + _dense_mlp(m, p + "mlp.", resolved_ffn_hidden(m)) + \
             _norm(p + "post_mlp_norm", m)
     return specs + (_mlp_specs(m, p) if channel else []) + _per_layer_input_specs(m, p)
+
+
+def _hyper_connection_specs(m: ModelConfig, kind: str, p: str) -> List[ParamSpec]:
+    """models/hyper_connections.py's maps of a block (model.hyper_connections; replicated
+    over TP): one per sublayer it has, attn_hc before mlp_hc, after the block's own."""
+    if m.hyper_connections is None:
+        return []
+    n, specs = m.hyper_connections.streams, []
+    for name, present in (("attn_hc", token_mixer_of(m, kind)), ("mlp_hc", LAYER_MIXERS[kind][1])):
+        if present:
+            specs += [ParamSpec(f"{p}{name}.fn", ((2 + n) * n, n * m.d_model), None),
+                      ParamSpec(f"{p}{name}.base", ((2 + n) * n,), None),
+                      ParamSpec(f"{p}{name}.scale", (3,), None)]
+    return specs
 
 
 def _per_layer_input_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
@@ -351,8 +368,13 @@ def per_layer_embedding_specs(m: ModelConfig) -> List[ParamSpec]:
 
 
 def head_specs(m: ModelConfig) -> List[ParamSpec]:
-    """The final norm and, untied, the head (a tied head is the embedding's weight)."""
-    specs = _norm("final_norm", m)
+    """model.hyper_connections' head (the streams' collapse), the final norm and, untied,
+    the head (a tied head is the embedding's weight)."""
+    n = m.hyper_connections.streams if m.hyper_connections is not None else 0
+    specs = [ParamSpec("hc_head.fn", (n, n * m.d_model), None),
+             ParamSpec("hc_head.base", (n,), None),
+             ParamSpec("hc_head.scale", (1,), None)] if n else []
+    specs += _norm("final_norm", m)
     if not m.tie_embeddings:
         specs.append(ParamSpec("lm_head.weight", (m.vocab_size, m.d_model), "column"))
     return specs

@@ -15,6 +15,7 @@ from .hf_families import HF_FAMILIES  # config.json model_types
 from .dsa import DSAConfig
 from .mla import MLAConfig
 from .moe import MoEConfig
+from .hyper_connections import HyperConnectionsConfig
 from .mtp import MTPConfig
 
 
@@ -221,6 +222,10 @@ class ModelConfig:
     layer_scalar: bool = False
     """Each block's output multiplied by a scalar of its own, a buffer read from the
     checkpoint and not trained (Gemma 4's layer_scalar)."""
+    hyper_connections: Optional[HyperConnectionsConfig] = None
+    """Manifold-constrained hyper-connections: the residual stream as N streams mixed
+    around every sublayer (ctxpar/config/hyper_connections.py; DeepSeek-V4; None: one
+    residual stream)."""
     init_std: float = 0.02
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
     moe: Optional[MoEConfig] = None
