@@ -29,6 +29,7 @@ from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 from . import dsa_layers, mla_layers
 from .kv_layers import layer_rank_shapes, per_layer_shapes
+from .streams import head_streams_saved, streams_saved
 from .moe_layers import (block_model, expert_params, mixed_mlps, moe_indices,
                          router_losses_saved, routed_saved, stage_expert_params)
 
@@ -460,6 +461,9 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
                 mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
                 if mode != "full" and LAYER_MIXERS[k][0] in LINEAR_MIXERS]
         conv_taps = sum(8 * (s.N // s.B) * K for K in set(conv))
+    if m.hyper_connections is not None:  # N residual streams and their maps (plan/streams.py)
+        per = tuple(p + streams_saved(s.N, s.d, e, m, mode, kind) for p, mode, (kind, _)
+                    in zip(per, modes, blocks(m, start, layers)))
     # cos, sin: rope / 2 each, over the rotated channels (model.partial_rotary_factor)
     rope = mla_layers.rope_width(m) if m.mla is not None else rotary_dim(m)
     if per_layer_shapes(m):  # one cos, sin per head dim (Gemma 4's two)
@@ -476,6 +480,7 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     if last:
         head += router_losses_saved(m)                      # the routers' losses (MoE)
         head += norm_saved(s, e, m.norm, device)            # final norm
+        head += head_streams_saved(s.N, s.d, e, m)          # its input's mHC collapse
         head += 4 * s.d if m.norm_offset else 0             # its fp32 (offset + w)
         # the fp32 softmax (tiled: loss and lse per token), labels, the ignore masks (and,
         # split over TP, the vocab range's)
