@@ -4,7 +4,8 @@ Sinkhorn mix around both sublayers, the head's collapse, the final norm) against
 transformers' DeepseekV4Model on the same weights, its attention and MoE replaced by our
 blocks' own mixers (V4's attention is other work; the streams are what is tested here);
 activation checkpointing; a MoE GPT with mHC at cp2 x ep2 and tp2 x cp2 against one
-process; the config's refusals."""
+process, and generation (KV cache) at tp2 x cp2 against full forwards; the planner's saved
+bytes; the config's refusals."""
 import pickle
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ from ctxpar.config.hyper_connections import HyperConnectionsConfig
 from ctxpar.config.moe import MoEConfig
 from ctxpar.tensor_parallel import gather_full_state_dict
 from ctxpar.testing import run_distributed
+from ctxpar.testing.generation import reference_generate
 from models.gpt import GPT
 from models.options import ModelGroups, ModelOptions
 from models.rope import layer_rotary
@@ -130,6 +132,8 @@ MOE_CFG = replace(CFG, moe=MoEConfig(
     num_experts=8, top_k=2, expert_hidden=24, score="sqrtsoftplus",
     score_correction_bias=True, routed_scaling_factor=1.5, shared_expert_hidden=16,
     aux_loss_coef=0.0, seq_aux_loss_coef=0.1))
+GEN_CFG = replace(CFG, init_std=0.2, seq_len=64)  # wide logits: greedy without near-ties
+PROMPTS, NEW = [list(range(40, 53)), [7, 3, 60, 9, 1]], 5
 GRIDS = [(1, 2, 2, "zigzag", "full"),       # tp, cp, ep, layout, activation checkpointing
          (2, 2, 2, "zigzag", "selective")]
 
@@ -173,14 +177,27 @@ def _grid_case(rank, world, payload):
             p.grad.div_(dp)
         out.append(dict(loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
                         grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group)))
+    from ctxpar.inference import generate
+    st = init_parallel_state(tp=2, cp=2)  # generation: prefill over CP, decode merged
+    model = GPT(GEN_CFG, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
+                ModelOptions(layout="zigzag", seed=SEED)).eval()
+    res = generate(model, PROMPTS, NEW, layout="zigzag", cp_group=st.cp_group,
+                   tp_group=st.tp_group, keep_logits=True, max_positions=GEN_CFG.seq_len)
+    out.append(dict(tokens=res.tokens, logits=torch.stack(res.logits)))
     return out
 
 
 def test_a_moe_gpt_with_hyper_connections_over_the_grid_equals_one_process():
     """cp2 x ep2 (full checkpointing) and tp2 x cp2 x ep2 (selective), zigzag: the loss and
-    every gradient (the mHC maps', replicated over TP, summed over DP x CP) as one process."""
+    every gradient (the mHC maps', replicated over TP, summed over DP x CP) as one process;
+    generation's tokens and logits (fp32; the cache's merge reorders sums) as full forwards."""
     results = run_distributed(_grid_case, 4, pickle.dumps(GRIDS), timeout=240)
     loss, grads = _reference(MOE_CFG)
+    tokens, logits = reference_generate(GPT(GEN_CFG, options=ModelOptions(seed=SEED)).eval(),
+                                        PROMPTS, NEW)
+    for rank, per_case in enumerate(results):  # generation at tp2 x cp2 (zigzag, KV cache)
+        assert per_case[-1]["tokens"] == tokens, rank
+        torch.testing.assert_close(per_case[-1]["logits"], logits, rtol=1e-5, atol=1e-4)
     assert any(".mlp_hc." in name for name in grads) and "hc_head.fn" in grads
     for i, grid in enumerate(GRIDS):
         for rank, per_case in enumerate(results):
