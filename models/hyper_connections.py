@@ -29,10 +29,7 @@ import torch.nn.functional as F
 
 from ctxpar.config import ModelConfig
 
-
-def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, no weight (transformers' DeepseekV4UnweightedRMSNorm)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+from .attention import l2_norm  # x / rms(x), no weight: DeepseekV4UnweightedRMSNorm
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -62,7 +59,7 @@ class HyperConnection(nn.Module):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """x (B, T, N, d) -> (collapsed (B, T, d), (post (B, T, N), comb (B, T, N, N)) fp32)."""
         n = self.streams
-        flat = _unweighted_rms_norm(x.flatten(2).float(), self.norm_eps)  # (B, T, N d)
+        flat = l2_norm(x.flatten(2).float(), self.norm_eps)  # (B, T, N d)
         mixes = F.linear(flat, self.fn.float())  # (B, T, (2+N)N)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
@@ -100,7 +97,7 @@ class HyperHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, N, d) -> (B, T, d)."""
-        flat = _unweighted_rms_norm(x.flatten(2).float(), self.norm_eps)
+        flat = l2_norm(x.flatten(2).float(), self.norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float()
                             + self.base.float()) + self.eps
         return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
