@@ -157,11 +157,12 @@ class GPT(nn.Module):
             if cfg.per_layer_input_dim else None
         self.layer_attention = layer_attention(cfg)  # each layer's kind, window, RoPE
         moe_layers = set(moe_layer_indices(cfg.moe, cfg.n_layers))
+        hashed = set(cfg.moe.hash_layers or ()) if cfg.moe is not None else set()
         self.ep_group, self.dp_cp_group = g.ep_group, g.dp_cp_group  # experts; router losses
         self.layers = nn.ModuleList(
             Block(LayerArgs(cfg, a, self.cp, tp_group, g.ep_group, i in moe_layers,
                             o.attention_backend, o.linear_cp, self.memory, selective, device,
-                            dtype))
+                            dtype, hash_routed=i in hashed))
             for i, a in enumerate(self.layer_attention))
         link_shared_kv(self.layers, self.layer_attention)  # model.num_kv_shared_layers
         link_shared_layers(self.layers)  # model.dsa's 'shared' layers: the top-k before
@@ -212,8 +213,14 @@ class GPT(nn.Module):
             layer.block.use_cp(self.cp)
 
     def init_weights(self, seed: int) -> None:
-        """The layout-independent init of every parameter (``init_parameters_``)."""
+        """The layout-independent init of every parameter (``init_parameters_``) and of
+        model.moe.hash_layers' tables: k distinct experts per token id, from (seed, name)."""
         init_parameters_(self.named_parameters(), self.cfg, seed, self.tp_group)
+        for name, table in self.named_buffers():
+            if name.endswith("tid2eid"):
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                draw = torch.rand(table.shape[0], self.cfg.moe.num_experts, generator=g)
+                table.copy_(draw.topk(table.shape[1], dim=-1).indices)
 
     def _checkpointed(self, i: int) -> bool:
         return block_recomputed(self.activation_checkpointing, i, self.every_n_layers)
@@ -301,6 +308,9 @@ class GPT(nn.Module):
         rotary = layer_rotary(positions, rotary_dim(self.cfg),
                               self.layer_attention)  # each layer's (cos, sin), fp32
         x = embed_tokens(self.embed, tokens, self.cfg)  # (B, T/cp, d)
+        for mlp in self._moe_layers():  # model.moe.hash_layers choose by the ids
+            if mlp.hash_routed:
+                mlp.token_ids = tokens.reshape(-1)  # (B T/cp,) in the rows' order
         # (B, T/cp, L, p) under model.per_layer_input_dim, layer i's [:, :, i]
         z = None if self.per_layer_input is None else self.per_layer_input(tokens, x)
         if self.hc_head is not None:  # model.hyper_connections: (B, T/cp, N, d) streams
@@ -352,7 +362,8 @@ class GPT(nn.Module):
         (model.moe.bias_update_rate) from its assignments per expert over the step's whole
         batch, layer_counts (L_moe, E) in layer order, the MTP depths' last
         (RouterLosses.layer_counts summed over the micro-batches; the same on every rank)."""
-        moe = self._moe_layers()
+        # model.moe.hash_layers add no counts (as transformers') and have no bias
+        moe = [mlp for mlp in self._moe_layers() if not mlp.hash_routed]
         if not moe or not self.cfg.moe.bias_update_rate:
             return
         for mlp, counts in zip(moe, layer_counts, strict=True):

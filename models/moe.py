@@ -11,6 +11,7 @@ Parameter for parameter as transformers' Qwen3-MoE / Qwen3-Next sparse blocks:
     shared_expert_gate.weight (1, d)         model.moe.shared_expert_gate
 
     gate.e_score_correction_bias (E,)        a buffer: model.moe.score_correction_bias
+    gate.tid2eid (V, k) int64                a buffer: model.moe.hash_layers' expert table
 
 y = sum over the token's top-k experts of w_j expert_j(x) (+ the shared expert's output,
 times sigmoid(shared_expert_gate x)); the choice and w as ctxpar/moe/router.py's route;
@@ -132,11 +133,14 @@ class Router(nn.Linear):
     updates of +-bias_update_rate would round away."""
 
     def __init__(self, d_model: int, num_experts: int, bias: bool, correction_bias: bool,
-                 device=None, dtype=None):
+                 device=None, dtype=None, hash_table=None):
         super().__init__(d_model, num_experts, bias=bias, device=device, dtype=dtype)
         if correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(
                 num_experts, device=device, dtype=torch.float32))
+        if hash_table is not None:  # (vocab, k): model.moe.hash_layers (transformers' name)
+            self.register_buffer("tid2eid", torch.zeros(hash_table, device=device,
+                                                        dtype=torch.int64))
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -155,18 +159,23 @@ class MoE(nn.Module):
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "MoE":
         tile = args.memory.mlp_tile_tokens if args.memory.tiled_mlp else None
-        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype, tile)
+        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype, tile,
+                   args.hash_routed)
 
     def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, device=None,
-                 dtype=None, tile=None):
+                 dtype=None, tile=None, hash_routed: bool = False):
         super().__init__()
         moe = cfg.moe
         self.moe, self.tp_group, self.ep_group, self.tile = moe, tp_group, ep_group, tile
         self.expert_width = expert_hidden(cfg) // tp_size_of(tp_group)  # f/tp (auto tiles)
         ep, ep_rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group),
                                                        dist.get_rank(ep_group))
+        # model.moe.hash_layers: the choice from the token ids (set by the model before
+        # each forward, (N,) in x's row order), no correction bias
+        self.hash_routed, self.token_ids = hash_routed, None
         self.gate = Router(cfg.d_model, moe.num_experts, moe.router_bias,
-                           moe.score_correction_bias, device, dtype)
+                           moe.score_correction_bias and not hash_routed, device, dtype,
+                           (cfg.vocab_size, moe.top_k) if hash_routed else None)
         self.experts = Experts(cfg, ep_rank, ep, tp_size_of(tp_group), device, dtype)
         self.shared_expert = MLP(replace(cfg, ffn_hidden=moe.shared_expert_hidden), tp_group,
                                  device, dtype) if moe.shared_expert_hidden else None
@@ -183,6 +192,15 @@ class MoE(nn.Module):
         the whole step (every rank's, every micro-batch): the same bias on every rank."""
         balance_bias_update(self.gate.e_score_correction_bias, counts,
                             self.moe.bias_update_rate)
+
+    def _hashed_experts(self) -> Optional[torch.Tensor]:
+        """model.moe.hash_layers: each token's experts tid2eid[id] (N, k); else None."""
+        if not self.hash_routed:
+            return None
+        if self.token_ids is None:
+            raise ValueError("MoE: a hash-routed layer (model.moe.hash_layers) needs the "
+                             "token ids: the GPT sets token_ids before its forward")
+        return self.gate.tid2eid[self.token_ids]
 
     def _experts(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
         # every expert's f/tp partial sums completed over TP before the router weights them
@@ -219,8 +237,9 @@ class MoE(nn.Module):
         logits = self.gate(x)                                     # (N, E)
         m = self.moe
         weights, chosen = route(logits, m.top_k, m.score, m.norm_topk, self.correction_bias(),
-                                m.n_group, m.topk_group, m.routed_scaling_factor)
-        if self.stats is not None:
+                                m.n_group, m.topk_group, m.routed_scaling_factor,
+                                self._hashed_experts())
+        if self.stats is not None and not self.hash_routed:  # as transformers: no losses
             self.stats.add(logits, chosen, batch=shape[0])
         if m.capacity_factor is not None:  # this rank's tokens: layout-dependent
             chosen = drop_over_capacity(chosen, m.num_experts, m.capacity_factor)

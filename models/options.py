@@ -82,3 +82,4 @@ class LayerArgs:
     selective: bool = False     # activation_checkpointing 'selective'
     device: Any = None
     dtype: Any = None
+    hash_routed: bool = False   # its experts chosen by a token-id table (model.moe.hash_layers)

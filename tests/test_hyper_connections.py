@@ -3,8 +3,8 @@ the whole stream path (embedding expanded to N streams, every block's collapse, 
 Sinkhorn mix around both sublayers, the head's collapse, the final norm) against
 transformers' DeepseekV4Model on the same weights, its attention and MoE replaced by our
 blocks' own mixers (V4's attention is other work; the streams are what is tested here);
-activation checkpointing; a MoE GPT with mHC at cp2 x ep2 and tp2 x cp2 against one
-process, and generation (KV cache) at tp2 x cp2 against full forwards; the planner's saved
+activation checkpointing; a MoE GPT with mHC and a hash-routed layer (model.moe.hash_layers,
+tests/test_hash_moe.py) at cp2 x ep2 and tp2 x cp2 against one process, and generation (KV cache) at tp2 x cp2 against full forwards; the planner's saved
 bytes; the config's refusals."""
 import pickle
 from dataclasses import replace
@@ -131,7 +131,7 @@ def test_checkpointed_blocks_give_the_unchecked_gradients(mode):
 MOE_CFG = replace(CFG, moe=MoEConfig(
     num_experts=8, top_k=2, expert_hidden=24, score="sqrtsoftplus",
     score_correction_bias=True, routed_scaling_factor=1.5, shared_expert_hidden=16,
-    aux_loss_coef=0.0, seq_aux_loss_coef=0.1))
+    aux_loss_coef=0.0, seq_aux_loss_coef=0.1, hash_layers=[0]))  # layer 0 hash-routed
 GEN_CFG = replace(CFG, init_std=0.2, seq_len=64)  # wide logits: greedy without near-ties
 PROMPTS, NEW = [list(range(40, 53)), [7, 3, 60, 9, 1]], 5
 GRIDS = [(1, 2, 2, "zigzag", "full"),       # tp, cp, ep, layout, activation checkpointing
@@ -151,7 +151,8 @@ def _reference(cfg):
     tokens, labels = _batch()
     loss = model(tokens, torch.arange(N), labels) / (labels != -100).sum()
     (loss + model.router_losses.share).backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+            model.layers[0].mlp.gate.tid2eid, model.router_losses.seq_aux_loss)
 
 
 def _grid_case(rank, world, payload):
@@ -176,7 +177,9 @@ def _grid_case(rank, world, payload):
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(dp)
         out.append(dict(loss=global_mean_loss(loss_sum, n, st.dp_cp_group),
-                        grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group)))
+                        grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group),
+                        table=model.layers[0].mlp.gate.tid2eid.clone(),
+                        seq=model.router_losses.seq_aux_loss))
     from ctxpar.inference import generate
     st = init_parallel_state(tp=2, cp=2)  # generation: prefill over CP, decode merged
     model = GPT(GEN_CFG, ModelGroups(tp_group=st.tp_group, cp_group=st.cp_group),
@@ -188,11 +191,13 @@ def _grid_case(rank, world, payload):
 
 
 def test_a_moe_gpt_with_hyper_connections_over_the_grid_equals_one_process():
-    """cp2 x ep2 (full checkpointing) and tp2 x cp2 x ep2 (selective), zigzag: the loss and
-    every gradient (the mHC maps', replicated over TP, summed over DP x CP) as one process;
+    """cp2 x ep2 (full checkpointing) and tp2 x cp2 x ep2 (selective), zigzag, layer 0
+    hash-routed (each rank's ids its share), layer 1 routed: the loss, the sequence-level
+    loss and every gradient (the mHC maps', replicated over TP, summed over DP x CP) as one
+    process, the hash table the same;
     generation's tokens and logits (fp32; the cache's merge reorders sums) as full forwards."""
     results = run_distributed(_grid_case, 4, pickle.dumps(GRIDS), timeout=240)
-    loss, grads = _reference(MOE_CFG)
+    loss, grads, table, seq = _reference(MOE_CFG)
     tokens, logits = reference_generate(GPT(GEN_CFG, options=ModelOptions(seed=SEED)).eval(),
                                         PROMPTS, NEW)
     for rank, per_case in enumerate(results):  # generation at tp2 x cp2 (zigzag, KV cache)
@@ -203,6 +208,8 @@ def test_a_moe_gpt_with_hyper_connections_over_the_grid_equals_one_process():
         for rank, per_case in enumerate(results):
             got, where = per_case[i], f"tp,cp,ep,layout,mode={grid} rank {rank}"
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
+            torch.testing.assert_close(got["seq"], seq, **TOL, msg=where)  # layer 1's only
+            assert torch.equal(got["table"], table), where  # the same table on every layout
             for name, g in grads.items():
                 torch.testing.assert_close(got["grads"][name], g, **TOL, msg=f"{where} {name}")
 

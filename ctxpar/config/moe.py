@@ -90,6 +90,12 @@ class MoEConfig:
     scale_expert_input: bool = False
     """The router's weight multiplies each chosen expert's input, not its output (Llama 4:
     y = sum_j expert_j(w_j x)); with model.mlp's gated experts the two differ."""
+    hash_layers: Optional[List[int]] = None
+    """MoE layers (indices among model.moe.layers) whose experts are chosen by a frozen
+    token-id table, not the router (DeepSeek-V4's 'hash_moe' mlp_layer_types; its
+    HashRouter): the table gate.tid2eid (vocab_size, top_k) is a buffer saved with the
+    model, the weights the router's scores of the chosen experts as for the others; no
+    balance loss, statistics or correction bias (ctxpar/config/hash_routing.py). None: none."""
     capacity_factor: Optional[float] = None
     """None: dropless (the default). A number: each expert takes at most
     ceil(capacity_factor * N * top_k / num_experts) of the assignments of the N tokens one

@@ -17,6 +17,7 @@ from .dsa import check_dsa
 from .mla import check_mla
 from .pipeline_stages import check_stages_hold_experts
 from .moe import check_moe
+from .hash_routing import check_hash_layers
 from .hyper_connections import check_hyper_connections
 from .mtp import check_mtp
 from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config,
@@ -57,6 +58,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     check_dsa(cfg, err)
     check_mtp(cfg, err)
     check_hyper_connections(cfg, err)
+    check_hash_layers(cfg, err)
     _check_deepspeed(cfg, err)
     _check_paths(cfg, check_paths, err)
     _check_data(cfg, err)

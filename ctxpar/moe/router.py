@@ -42,14 +42,17 @@ def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
 
 def route(logits: torch.Tensor, top_k: int, score: str = "softmax", norm_topk: bool = True,
           bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-          scaling: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """logits (N, E) -> (weights (N, k) fp32, experts (N, k) int64)."""
+          scaling: float = 1.0, experts: Optional[torch.Tensor] = None
+          ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, E) -> (weights (N, k) fp32, experts (N, k) int64); experts given (a hash
+    layer's table lookup, DeepSeek-V4's HashRouter): only their weights are made."""
     logits = logits.float()
     probs = router_scores(logits, score)
-    choice = probs.detach() if bias is None else probs.detach() + bias.float()
-    if n_group > 1:
-        choice = _best_groups_only(choice, n_group, topk_group)
-    experts = torch.topk(choice, top_k, dim=-1).indices               # (N, k)
+    if experts is None:
+        choice = probs.detach() if bias is None else probs.detach() + bias.float()
+        if n_group > 1:
+            choice = _best_groups_only(choice, n_group, topk_group)
+        experts = torch.topk(choice, top_k, dim=-1).indices           # (N, k)
     weights = probs.gather(1, experts)                                # (N, k)
     if norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
