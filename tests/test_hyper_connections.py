@@ -132,7 +132,9 @@ MOE_CFG = replace(CFG, moe=MoEConfig(
     num_experts=8, top_k=2, expert_hidden=24, score="sqrtsoftplus",
     score_correction_bias=True, routed_scaling_factor=1.5, shared_expert_hidden=16,
     aux_loss_coef=0.0, seq_aux_loss_coef=0.1, hash_layers=[0]))  # layer 0 hash-routed
-GEN_CFG = replace(CFG, init_std=0.2, seq_len=64)  # wide logits: greedy without near-ties
+# generation's model: a hash-routed MoE layer (each decode step's id chooses its experts)
+# beside a routed one; wide logits: greedy without near-ties
+GEN_CFG = replace(MOE_CFG, init_std=0.2, seq_len=64)
 PROMPTS, NEW = [list(range(40, 53)), [7, 3, 60, 9, 1]], 5
 GRIDS = [(1, 2, 2, "zigzag", "full"),       # tp, cp, ep, layout, activation checkpointing
          (2, 2, 2, "zigzag", "selective")]
