@@ -42,8 +42,8 @@ class DSATail:
 
     def __init__(self, cfg: ModelConfig):
         dsa, self.n_layers = cfg.dsa, cfg.n_layers
-        self.shared = [dsa is not None and not dsa.layer_has_indexer(i)
-                       for i in range(cfg.n_layers)]
+        selects = dsa is not None and dsa.stage != "dense_warmup"  # the warm-up is dense
+        self.shared = [selects and not dsa.layer_has_indexer(i) for i in range(cfg.n_layers)]
         self.sums = dsa is not None and dsa.stage != "frozen"  # the indexer's loss travels
 
     def takes_selection(self, layer: int) -> bool:

@@ -23,6 +23,7 @@ from ctxpar.config.dsa import DSAConfig
 from ctxpar.config.mla import MLAConfig
 from ctxpar.config.moe import MoEConfig
 from ctxpar.testing import run_distributed
+from models.dsa_pipe import DSATail
 from models.gpt import GPT
 from models.options import ModelOptions
 
@@ -57,17 +58,20 @@ def _batch():
 
 
 def _one_process(stage, moe, documents):
-    """The logged loss (the global token mean with the indexer's term: what models/
-    step_kinds.py logs), the indexer loss as the metrics give it, and every gradient (of
-    that loss plus the routers')."""
+    """The first sample's logits, the logged loss (the global token mean with the indexer's
+    term: what models/step_kinds.py logs), the indexer loss as the metrics give it, and
+    every gradient (of that loss plus the routers')."""
     tokens, labels = _batch()
     model = GPT(_model(stage, moe), options=ModelOptions(seed=SEED))
+    docs = DOCS if documents else None
+    with torch.no_grad():
+        logits = model(tokens[:1], torch.arange(SEQ), cu_seqlens=docs)
     n = (labels != -100).sum()
-    loss = model(tokens, torch.arange(SEQ), labels, cu_seqlens=DOCS if documents else None) / n
+    loss = model(tokens, torch.arange(SEQ), labels, cu_seqlens=docs) / n
     (loss + (model.router_losses.share if moe else 0.0)).backward()
     index = None if model.indexer_sums is None else model.indexer_sums[0] / n
-    return loss.detach(), index, {name: p.grad for name, p in model.named_parameters()
-                                  if p.grad is not None}
+    return logits, loss.detach(), index, {name: p.grad for name, p in
+                                          model.named_parameters() if p.grad is not None}
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -83,7 +87,8 @@ def _pipeline(rank, world, payload):
     import deepspeed
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.config import deepspeed_config
-    from models.gpt_pipe import GPTPipe, train_step
+    from ctxpar import gather_sequence
+    from models.gpt_pipe import GPTPipe, pipeline_logits, train_step
     from models.loss import global_token_count
     from models.step_kinds import pipeline_indexer_metrics
 
@@ -112,10 +117,12 @@ def _pipeline(rank, world, payload):
                   "positions": pos, **({"cu_seqlens": [DOCS]} if documents else {})}
                  for m in range(BATCH)]
         n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
+        logits = pipeline_logits(model, st, micro[0])  # evaluation's path, before the step
+        logits = None if logits is None else gather_sequence(logits, 1, st.cp_group, layout)
         loss = train_step(engine, micro, n_tokens, st)
         metrics = pipeline_indexer_metrics(engine, n_tokens, loss, st)
         names = {p: name for name, p in model.gpt_named_parameters()}
-        out.append(dict(loss=loss, metrics=metrics,
+        out.append(dict(loss=loss, metrics=metrics, logits=logits,
                         grads={names[p]: g for p, g in opt.grads.items()}))
     return out
 
@@ -132,10 +139,12 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 def test_glm5_shared_topk_and_indexer_loss_through_the_pipeline_equal_one_process():
     refs = [_one_process(stage, moe, docs) for stage, moe, *_, docs in CASES]
     results = run_distributed(_pipeline, 4, pickle.dumps(CASES), timeout=300)
-    for i, (case, (loss, index, grads)) in enumerate(zip(CASES, refs)):
+    for i, (case, (logits, loss, index, grads)) in enumerate(zip(CASES, refs)):
         seen = set()
         for rank, per_case in enumerate(results):
             got, where = per_case[i], f"rank {rank} {case}"
+            if rank >= 2:  # the last stage: pipeline_logits' (the selection sent by hand)
+                torch.testing.assert_close(got["logits"], logits, **TOL, msg=where)
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
             if index is None:
                 assert "indexer_loss" not in got["metrics"], where
@@ -148,3 +157,14 @@ def test_glm5_shared_topk_and_indexer_loss_through_the_pipeline_equal_one_proces
                 torch.testing.assert_close(grad, grads[name], **TOL, msg=f"{where} {name}")
                 seen.add(name)
         assert seen == set(grads), set(grads) ^ seen  # the stages hold every gradient
+
+
+@pytest.mark.quick
+def test_the_pipe_tuple_carries_a_selection_into_shared_layers_only():
+    """The DSA tail into each block (5: the final norm) of the parity test's model: the
+    selection into shared blocks, the indexer's sums everywhere under 'sparse'; the dense
+    warm-up selects nothing."""
+    sizes = {stage: [DSATail(_model(stage, False)).size(i) for i in range(6)]
+             for stage in ("frozen", "sparse", "dense_warmup")}
+    assert sizes == {"frozen": [0, 1, 1, 1, 0, 0], "sparse": [1, 2, 2, 2, 1, 1],
+                     "dense_warmup": [1, 1, 1, 1, 1, 1]}
