@@ -18,6 +18,15 @@ earlier one's backward, and a block recomputed in backward (activation checkpoin
 must attend over its own micro-batch's selection, not whatever the layer before holds by
 then. So a selection crosses a stage boundary exactly when the boundary falls between a
 producer and its shared consumer.
+
+Under 'dense_warmup' every parameter but the indexers' is frozen and the indexers read
+their input detached, so no trainable parameter lies before any hidden state: the hidden
+states a stage sends carry no gradient. DeepSpeed's pipeline engine still
+back-propagates every float tensor a stage sends and sends back the gradient of every
+float tensor a stage received. ``warmup_stage`` gives it both without a backward through
+the frozen blocks: a stage runs on its received hidden state detached, hands it a zero
+gradient through the indexer sums (the exact gradient of every trainable parameter
+before it: none flows), and sends its own as a leaf requiring grad.
 """
 from __future__ import annotations
 
@@ -27,6 +36,34 @@ import torch
 import torch.distributed as dist
 
 from ctxpar.config import ModelConfig
+
+
+class _ZeroGradient(torch.autograd.Function):
+    """(3,) zeros to add to the indexer sums, whose gradient to x is zeros: x's link to
+    the loss under the dense warm-up (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.like = (x.shape, x.dtype, x.device)
+        return torch.zeros(3, device=x.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.like
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def warmup_stage(run, inputs, last_stage: bool):
+    """A stage's forward ``run`` under the dense warm-up in training (module docstring):
+    the received hidden state inputs[0] detached and linked to the sums (last in the
+    tuple) by a zero gradient; the hidden state sent on a leaf requiring grad."""
+    x = inputs[0] if isinstance(inputs, tuple) else None
+    if x is not None and x.is_floating_point() and x.requires_grad:
+        inputs = (x.detach(), *inputs[1:-1], inputs[-1] + _ZeroGradient.apply(x))
+    out = run(inputs)
+    if last_stage:
+        return out
+    return (out[0].detach().requires_grad_(), *out[1:])
 
 
 class CarriedSelection:
@@ -45,6 +82,7 @@ class DSATail:
         selects = dsa is not None and dsa.stage != "dense_warmup"  # the warm-up is dense
         self.shared = [selects and not dsa.layer_has_indexer(i) for i in range(cfg.n_layers)]
         self.sums = dsa is not None and dsa.stage != "frozen"  # the indexer's loss travels
+        self.warmup = dsa is not None and dsa.stage == "dense_warmup"
 
     def takes_selection(self, layer: int) -> bool:
         """Whether the tuple into layer (n_layers: the final norm) holds a selection."""

@@ -61,7 +61,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding
 from models.block import Block
 from models.dsa import freeze_all_but_indexers
 from models.dsa_pipe import (CarriedSelection, DSATail, indexer_loss_of, recv_tail,
-                             run_with_selection, send_selection)
+                             run_with_selection, send_selection, warmup_stage)
 from models.gpt import (block_recomputed, cap_logits, check_checkpoint_mode, embed_tokens,
                         init_parameters_)
 from models.loss import global_mean_loss, loss_for_backward
@@ -364,8 +364,17 @@ class GPTPipe(PipelineModule):
         self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
         self.offload = offload  # shared by this stage's blocks
         self.init_weights(o.seed)
-        if cfg.dsa is not None and cfg.dsa.stage == "dense_warmup":
+        self.warmup = DSATail(cfg).warmup  # model.dsa's dense warm-up
+        if self.warmup:
             freeze_all_but_indexers(self)  # the report's warm-up, as GPT: only indexers learn
+
+    def forward(self, forward_input):
+        """This stage's layers; under model.dsa's dense warm-up in training, on frozen
+        hidden states (models/dsa_pipe.py warmup_stage)."""
+        if not (self.warmup and torch.is_grad_enabled()):
+            return super().forward(forward_input)
+        return warmup_stage(super().forward, forward_input,
+                            self.stage_id == self.num_stages - 1)
 
     @classmethod
     def from_config(cls, cfg: Config, state, grad_accum_steps: int, device=None,

@@ -41,7 +41,6 @@ def _config(dsa=None, parallel=None, mla=MLA, **model):
     (dict(indexer_types=["shared", "full"]), None, {}, r"indexer_types\[0\]='shared'"),
     (dict(indexer_types=["full"]), None, {}, r"one entry per layer \(model.n_layers=2\)"),
     (None, dict(cp=2, cp_comm="ulysses"), {}, r"parallel.cp_comm='ulysses'"),
-    (dict(stage="dense_warmup"), dict(pp=2), {}, r"stage='dense_warmup' with parallel.pp=2"),
     (dict(loss_weight=-1.0), None, {}, r"model.dsa.loss_weight=-1.0 must be a number >= 0"),
 ])
 def test_dsa_configs_that_cannot_run_are_refused_in_one_line(dsa, parallel, extra, msg):

@@ -9,8 +9,10 @@ selection inside stage 0, block 3 across the boundary, block 4 has its own index
 the z-loss, interleaved indexer RoPE) under stage 'sparse' (the indexer's KL travels to
 the last stage's loss, its gradient back to stage 0's indexer) with full recompute (a
 recomputed shared block must attend over its own micro-batch's selection), ring zigzag and
-packed documents; and stage 'frozen' (the selection alone travels) with selective
-recompute, all-gather contiguous.
+packed documents; stage 'frozen' (the selection alone travels) with selective
+recompute, all-gather contiguous; and the dense warm-up (GLM-5-shaped, only the indexers
+train: the stages' frozen hidden states linked by a zero gradient, the KL and the recall
+travel). Before the step, pipeline_logits (evaluation's path) gives one process's logits.
 """
 import dataclasses
 import pickle
@@ -46,6 +48,7 @@ def _model(stage: str, moe: bool) -> ModelConfig:
 CASES = [  # (stage, MoE, layout, cp_comm, activation checkpointing, documents)
     ("sparse", True, "zigzag", "ring", "full", True),
     ("frozen", False, "contiguous", "allgather", "selective", False),
+    ("dense_warmup", True, "zigzag", "ring", "none", False),
 ]
 
 
@@ -69,7 +72,10 @@ def _one_process(stage, moe, documents):
     n = (labels != -100).sum()
     loss = model(tokens, torch.arange(SEQ), labels, cu_seqlens=docs) / n
     (loss + (model.router_losses.share if moe else 0.0)).backward()
-    index = None if model.indexer_sums is None else model.indexer_sums[0] / n
+    sums = model.indexer_sums  # (KL, recall sum, queries)
+    index = None if sums is None else dict(indexer_loss=(sums[0] / n).item())
+    if sums is not None and sums[2] > 0:  # the dense warm-up's recall
+        index["indexer_recall"] = (sums[1] / sums[2]).item()
     return logits, loss.detach(), index, {name: p.grad for name, p in
                                           model.named_parameters() if p.grad is not None}
 
@@ -132,7 +138,7 @@ def _pipeline(rank, world, payload):
 # The top-k is exact (ties to the lower position), so a wrong selection moves the loss
 # far more. The indexer's KL of these near-uniform distributions is ~5e-5 a token, a sum
 # of terms ~1e-1 that cancel: its value is held to 1e-3 relative (measured 2e-4), its
-# gradient to TOL.
+# gradient to TOL; the recall (a share of counts) likewise.
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -149,7 +155,8 @@ def test_glm5_shared_topk_and_indexer_loss_through_the_pipeline_equal_one_proces
             if index is None:
                 assert "indexer_loss" not in got["metrics"], where
             else:
-                assert got["metrics"]["indexer_loss"] == pytest.approx(index.item(), rel=1e-3)
+                for key, want in index.items():
+                    assert got["metrics"][key] == pytest.approx(want, rel=1e-3), (where, key)
             for name, grad in got["grads"].items():
                 if name not in grads:  # no gradient at pp 1 ('frozen' indexers): DeepSpeed's 0
                     assert not grad.any(), f"{where} {name}"

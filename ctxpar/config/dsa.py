@@ -100,10 +100,6 @@ def check_dsa(cfg, err) -> None:
         err(f"model.dsa with parallel.cp_comm={cfg.parallel.cp_comm!r}: DSA runs over "
             f"{list(DSA_COMMS)} (a query's top-k spans the whole sequence; splitting heads "
             f"buys nothing)")
-    if dsa.stage == "dense_warmup" and cfg.parallel.pp > 1:
-        err(f"model.dsa.stage='dense_warmup' with parallel.pp={cfg.parallel.pp}: the "
-            f"warm-up's frozen activations carry no gradient for DeepSpeed's pipeline "
-            f"engine to send back (stages 'frozen' and 'sparse' run, or parallel.pp=1)")
     if dsa.stage != "frozen" and cfg.data.dynamic_cp:
         err(f"model.dsa.stage={dsa.stage!r} with data.dynamic_cp=true: the packs' steps do "
             f"not add the indexer's loss yet")
