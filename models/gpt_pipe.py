@@ -15,8 +15,10 @@ so far (RouterStats.packed, (2E + 3,) fp32): the last stage's loss adds the rout
 losses of every stage's layers, and their gradients travel back with the activations'
 (under parallel.ep each stage's MoE layers split their experts over the stage's EP group,
 and after the step each stage moves its own layers' correction biases: docs/parallelism.md,
-"Pipeline x EP"). The first stage gets ``(tokens, positions[, documents])``
-and the last stage ``labels`` from the data iterator (``pipeline_batches``); the head
+"Pipeline x EP"). DeepSeek sparse attention (model.dsa) adds after them a GLM-5 shared
+layer's selection and the indexer's loss sums (models/dsa_pipe.py). The first stage gets
+``(tokens, positions[, documents])`` and the last stage ``labels`` from the data iterator
+(``pipeline_batches``); the head
 returns vocab-parallel logits (B, T/cp, V/tp) and ``TokenMeanLoss`` turns them into the
 loss to back-propagate. With memory.tiled_loss the head returns its input and weight
 instead, and ``TokenMeanLoss`` makes the logits one tile of tokens at a time
