@@ -5,7 +5,8 @@ schedule runs the second's forward before the first's backward), against a singl
 GPT on the same global batch: the step's loss, every parameter's gradient and the metrics'
 indexer loss. The stage boundary falls after block 2 of five whose model.dsa.indexer_types
 are GLM-5's kind, [full, shared, shared, shared, full]: blocks 1 and 2 take block 0's
-selection inside stage 0, block 3 across the boundary, block 4 has its own indexer. Cases: GLM-5-shaped (MoE with
+selection inside stage 0, block 3 across the boundary, block 4 has its own indexer.
+Cases: GLM-5-shaped (MoE with
 the z-loss, interleaved indexer RoPE) under stage 'sparse' (the indexer's KL travels to
 the last stage's loss, its gradient back to stage 0's indexer) with full recompute (a
 recomputed shared block must attend over its own micro-batch's selection), ring zigzag and
