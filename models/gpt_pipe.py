@@ -15,8 +15,10 @@ so far (RouterStats.packed, (2E + 3,) fp32): the last stage's loss adds the rout
 losses of every stage's layers, and their gradients travel back with the activations'
 (under parallel.ep each stage's MoE layers split their experts over the stage's EP group,
 and after the step each stage moves its own layers' correction biases: docs/parallelism.md,
-"Pipeline x EP"). The first stage gets ``(tokens, positions[, documents])``
-and the last stage ``labels`` from the data iterator (``pipeline_batches``); the head
+"Pipeline x EP"). DeepSeek sparse attention (model.dsa) adds after them a GLM-5 shared
+layer's selection and the indexer's loss sums (models/dsa_pipe.py). The first stage gets
+``(tokens, positions[, documents])`` and the last stage ``labels`` from the data iterator
+(``pipeline_batches``); the head
 returns vocab-parallel logits (B, T/cp, V/tp) and ``TokenMeanLoss`` turns them into the
 loss to back-propagate. With memory.tiled_loss the head returns its input and weight
 instead, and ``TokenMeanLoss`` makes the logits one tile of tokens at a time
@@ -59,6 +61,9 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding
                                     gather_full_state_dict, parallel_lm_logits,
                                     vocab_parallel_cross_entropy)
 from models.block import Block
+from models.dsa import freeze_all_but_indexers
+from models.dsa_pipe import (CarriedSelection, DSATail, indexer_loss_of, recv_tail,
+                             run_with_selection, send_selection, warmup_stage)
 from models.gpt import (block_recomputed, cap_logits, check_checkpoint_mode, embed_tokens,
                         init_parameters_)
 from models.loss import global_mean_loss, loss_for_backward
@@ -76,13 +81,14 @@ class EmbeddingPipe(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
         super().__init__()
         self.cfg = cfg  # model.scale_embeddings
+        self.dsa_tail = DSATail(cfg)  # model.dsa's indexer sums (models/dsa_pipe.py)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
 
     def forward(self, inputs):
         tokens, *rest = inputs  # rest: positions[, packed document boundaries]
         x = embed_tokens(self.embed, tokens, self.cfg)
-        return (x, *rest, *router_start(self.cfg, x.device))
+        return (x, *rest, *router_start(self.cfg, x.device), *self.dsa_tail.start(x.device))
 
 
 def router_start(cfg: ModelConfig, device) -> tuple:
@@ -95,8 +101,9 @@ def router_start(cfg: ModelConfig, device) -> tuple:
 
 
 def split_router(x):
-    """A head's input: (x, routers' statistics) under model.moe, else x -> (x, tail tuple)."""
-    return (x[0], (x[1],)) if isinstance(x, tuple) else (x, ())
+    """A head's input: (x, routers' statistics, indexer sums) under model.moe / model.dsa's
+    loss (either may be absent), else x -> (x, tail tuple)."""
+    return (x[0], tuple(x[1:])) if isinstance(x, tuple) else (x, ())
 
 
 def tied_lm_head(module: EmbeddingPipe, x):
@@ -132,6 +139,12 @@ class BlockPipe(Block):
                                    linear_cp, memory or MemoryConfig(),
                                    activation_checkpointing == "selective", device, dtype))
         self.carries_router = cfg.moe is not None  # the routers' statistics in the tuple
+        # model.dsa: the top-k into a shared layer and the indexer's sums (models/dsa_pipe.py)
+        self.layer_number, self.dsa_tail = layer_number, DSATail(cfg)
+        self.carried = CarriedSelection() if self.dsa_tail.takes_selection(layer_number) \
+            else None
+        if self.carried is not None:
+            self.mixer.follow(self.carried)
         self.cp_group, self.dp_size = router_groups
         # the aux-free balance: this layer's assignments per expert over the step's
         # training forwards on this rank (GPTPipe.update_router_biases sums them over dp x cp)
@@ -143,6 +156,7 @@ class BlockPipe(Block):
         self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
 
     def forward(self, inputs):
+        inputs, selection, sums = self.dsa_tail.split(inputs, self.layer_number)
         x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)][, router]
         router = (docs.pop(),) if self.carries_router else ()
         moe = self.mlp.moe if isinstance(self.mlp, MoE) else None
@@ -153,14 +167,16 @@ class BlockPipe(Block):
             cos, sin = layer_inputs(positions, self.mixer.rotary_dim,
                                     self.layer)  # (..., T/cp, rotary_dim/2)
         cu = unpack_cu_seqlens(docs[0]) if docs else None
-        block = partial(Block.forward, self, cu_seqlens=cu)
+        block = run_with_selection(partial(Block.forward, self, cu_seqlens=cu), self.carried,
+                                   selection)
         if self.recompute:  # keep only x (and cos, sin); replay the block in backward
             x = run_layer(self.offload, checkpoint, block, x, cos, sin, use_reentrant=False)
         else:  # with offload, selective's saved tensors go to the host; none's stay
             x = run_layer(self.offload, block, x, cos, sin, to_host=self.selective)
         if router and moe is not None:
             router = (self.mlp.stats.packed(router[0], self._after_moe(x.shape[0])),)
-        return (x, positions, *docs, *router)
+        return (x, positions, *docs, *router,
+                *self.dsa_tail.after(self.layer_number, self.mixer, sums))
 
     def _after_moe(self, batch: int) -> Optional[torch.Tensor]:
         """After a training forward's MoE: its counts added to the step's, and its share of
@@ -179,18 +195,18 @@ class BlockPipe(Block):
 
 class FinalNormPipe(nn.Module):
     """(x, positions[, documents]) -> norm(x) (B, T/cp, d); the positions end here (under
-    model.moe: (norm(x), the routers' statistics))."""
+    model.moe / model.dsa's loss: (norm(x), the routers' statistics, the indexer's sums))."""
 
     gpt_prefix = ""  # parameter 'final_norm.weight', as in GPT
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
         self.final_norm = make_norm(cfg, device, dtype)
-        self.carries_router = cfg.moe is not None
+        self.tail = int(cfg.moe is not None) + int(DSATail(cfg).sums)
 
     def forward(self, inputs):
         x = self.final_norm(inputs[0])
-        return (x, inputs[-1]) if self.carries_router else x
+        return (x, *inputs[len(inputs) - self.tail:]) if self.tail else x
 
 
 class LMHeadPipe(nn.Module):
@@ -221,7 +237,9 @@ class TokenMeanLoss:
     Under model.moe the head's outputs end with the routers' statistics of every stage's
     layers: their losses' share on this rank (ctxpar/moe/aux.py, collective over dp x cp)
     is added times dp*cp, as models/moe_steps.py adds it without a pipeline, and the
-    step's values are kept for the metrics (``router``).
+    step's values are kept for the metrics (``router``). Under model.dsa's loss they end
+    with the indexer's sums: S adds loss_weight x the KL sum, as GPT.forward's does
+    (``indexer``: models/dsa_pipe.py's IndexerLoss).
     It takes the head's logits, or under memory.tiled_loss the head's (input, weight) and
     runs head and loss together one tile of tokens at a time (same S).
     DeepSpeed's pipeline engine divides by gas in backward and averages gradients over
@@ -231,10 +249,12 @@ class TokenMeanLoss:
     """
 
     def __init__(self, tp_group, reduce_size: int, grad_accum_steps: int,
-                 memory: Optional[MemoryConfig] = None, moe=None, dp_cp_group=None):
+                 memory: Optional[MemoryConfig] = None, moe=None, dp_cp_group=None,
+                 indexer=None):
         self.tp_group, self.reduce_size, self.gas = tp_group, reduce_size, grad_accum_steps
         self.memory = memory or MemoryConfig()
         self.moe, self.dp_cp_group = moe, dp_cp_group  # model.moe's routers' losses
+        self.indexer = indexer  # model.dsa's indexer loss (an IndexerLoss), or None
         self.n_tokens: Optional[torch.Tensor] = None
         self.loss_sum = torch.zeros(())
         self.router: Optional[dict] = None
@@ -243,14 +263,25 @@ class TokenMeanLoss:
         self.n_tokens = n_tokens
         self.loss_sum = torch.zeros((), device=n_tokens.device)
         self.router = None
+        if self.indexer is not None:
+            self.indexer.begin_step()
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         assert self.n_tokens is not None, "begin_step(n_tokens) before train_batch"
-        if self.moe is not None:  # (..., the routers' statistics)
-            *outputs, router = outputs
-            outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
-            return self._loss(outputs, labels) + self._router_share(router)
-        return self._loss(outputs, labels)
+        outputs, router, index = self._split(outputs)
+        loss = self._loss(outputs, labels, index)
+        return loss if router is None else loss + self._router_share(router)
+
+    def _split(self, outputs):
+        """The head's outputs -> (logits or (x, weight), routers' statistics or None,
+        indexer sums or None): the tail's tensors are last."""
+        n = int(self.moe is not None) + int(self.indexer is not None)
+        if not n:
+            return outputs, None, None
+        head, tail = list(outputs[:-n]), list(outputs[-n:])
+        index = tail.pop() if self.indexer is not None else None
+        router = tail.pop() if self.moe is not None else None
+        return (head[0] if len(head) == 1 else tuple(head)), router, index
 
     def _router_share(self, packed: torch.Tensor) -> torch.Tensor:
         """The routers' losses' share of this rank, times dp*cp; the step's values kept."""
@@ -266,13 +297,15 @@ class TokenMeanLoss:
             self.router["counts"] += r.tokens_per_expert
         return r.share * self.reduce_size
 
-    def _loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, outputs, labels: torch.Tensor, index=None) -> torch.Tensor:
         if self.memory.tiled_loss:
             x, weight = outputs  # (B, T/cp, d), (V/tp, d): the head's input and weight
             s = tiled_vocab_parallel_cross_entropy(x, weight, labels, self.tp_group,
                                                    self.memory.loss_tile_tokens, reduction="sum")
         else:  # outputs: the logits (B, T/cp, V/tp)
             s = vocab_parallel_cross_entropy(outputs, labels, self.tp_group).sum()  # fp32
+        if index is not None:  # + loss_weight x the indexer's KL sum (models/dsa_pipe.py)
+            s = self.indexer.add(s, index)
         self.loss_sum += s.detach()
         return loss_for_backward(s, self.n_tokens, self.reduce_size, self.gas)
 
@@ -312,7 +345,7 @@ class GPTPipe(PipelineModule):
                             router_groups=(state.cp_group, state.dp_size), **kw)
                   for i in range(cfg.n_layers)]
         loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps, memory, cfg.moe,
-                                state.dp_cp_group)
+                                state.dp_cp_group, indexer_loss_of(cfg))
         # no_grad: DeepSpeed broadcasts the tied weights in place while building; with grad
         # mode on, autograd records that broadcast on the parameter and warns in backward.
         with torch.no_grad():
@@ -333,6 +366,17 @@ class GPTPipe(PipelineModule):
         self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
         self.offload = offload  # shared by this stage's blocks
         self.init_weights(o.seed)
+        self.warmup = DSATail(cfg).warmup  # model.dsa's dense warm-up
+        if self.warmup:
+            freeze_all_but_indexers(self)  # the report's warm-up, as GPT: only indexers learn
+
+    def forward(self, forward_input):
+        """This stage's layers; under model.dsa's dense warm-up in training, on frozen
+        hidden states (models/dsa_pipe.py warmup_stage)."""
+        if not (self.warmup and torch.is_grad_enabled()):
+            return super().forward(forward_input)
+        return warmup_stage(super().forward, forward_input,
+                            self.stage_id == self.num_stages - 1)
 
     @classmethod
     def from_config(cls, cfg: Config, state, grad_accum_steps: int, device=None,
@@ -431,23 +475,29 @@ def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor],
     eval_batch(compute_loss=False) adds the logits to the training loss accumulator left
     by train_batch and fails.
     """
-    pp, stage = state.ranks("pp"), state.pp_rank
+    pp, stage, cfg = state.ranks("pp"), state.pp_rank, model.cfg
     first = stage_inputs(mb)  # (tokens, positions[, documents])
+    dsa = DSATail(cfg)  # model.dsa: a shared layer's selection crosses too (dsa_pipe.py)
     if state.is_pp_first_stage:
         inputs = first
     else:
         p = next(model.parameters())
-        x = torch.empty(*mb["tokens"].shape, model.cfg.d_model, dtype=p.dtype, device=p.device)
+        x = torch.empty(*mb["tokens"].shape, cfg.d_model, dtype=p.dtype, device=p.device)
         dist.recv(x, src=pp[stage - 1])
         # Blocks and the final norm take (x, positions[, documents]); a head-only stage, x.
-        head_only = model.partitions()[stage] == model.cfg.n_layers + 2
-        inputs = x if head_only else (x, *first[1:], *router_start(model.cfg, x.device))
+        layer = model.partitions()[stage] - 1  # the stage's first block (n_layers: the norm)
+        inputs = x if layer == cfg.n_layers + 1 else (
+            x, *first[1:], *router_start(cfg, x.device),
+            *recv_tail(dsa, layer, x, getattr(cfg.dsa, "index_topk", 0),
+                       x.shape[1] * state.cp_size, pp[stage - 1]))
     out = model(inputs)
-    if model.cfg.moe is not None and isinstance(out, tuple):  # the routers' statistics: unused
-        out = out[:-1] if len(out) > 2 else out[0]
-    if state.is_pp_last_stage:
-        if model.memory.tiled_loss:  # (x, weight) for the tiled loss
-            return HeadInputs(*out) if head_inputs else parallel_lm_logits(*out, model.tp_group)
-        return out
-    dist.send((out[0] if isinstance(out, tuple) else out).contiguous(), dst=pp[stage + 1])
-    return None
+    if not state.is_pp_last_stage:
+        dist.send((out[0] if isinstance(out, tuple) else out).contiguous(), dst=pp[stage + 1])
+        send_selection(dsa, model.partitions()[stage + 1] - 1, out, pp[stage + 1])
+        return None
+    tail = int(cfg.moe is not None) + int(dsa.sums)  # routers' statistics, indexer sums: unused
+    if tail and isinstance(out, tuple):
+        out = out[:-tail] if len(out) > tail + 1 else out[0]
+    if model.memory.tiled_loss:  # (x, weight) for the tiled loss
+        return HeadInputs(*out) if head_inputs else parallel_lm_logits(*out, model.tp_group)
+    return out

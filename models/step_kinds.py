@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import dynamic_cp, gpt_pipe
+from .dsa_pipe import pipeline_step_sums
 from .loss import count_tokens, global_mean_loss, global_token_count, loss_for_backward
 from .mtp import mtp_loss_weights
 
@@ -162,7 +163,19 @@ class PipelineSteps(MicroBatchSteps):
 
     def run(self, inputs) -> StepOutput:
         micro, n_tokens = inputs
-        return StepOutput(gpt_pipe.train_step(self.engine, micro, n_tokens, self.state).item())
+        loss = gpt_pipe.train_step(self.engine, micro, n_tokens, self.state)
+        return StepOutput(loss.item(), extras=pipeline_indexer_metrics(self.engine, n_tokens,
+                                                                       loss, self.state))
+
+
+def pipeline_indexer_metrics(engine, n_tokens, loss, state) -> Dict[str, float]:
+    """Under model.dsa's loss through the pipeline, the metrics' DSA fields on every stage
+    (the last stage's sums broadcast over pp: models/dsa_pipe.py); else none."""
+    loss_fn = engine.module.loss_fn
+    if loss_fn.indexer is None:
+        return {}
+    sums = pipeline_step_sums(loss_fn, state, n_tokens.device)
+    return indexer_metrics(sums, n_tokens, loss, loss_fn.indexer.weight, state)
 
 
 class DynamicSteps:
