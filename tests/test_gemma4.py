@@ -111,6 +111,81 @@ def test_shared_kv_and_k_eq_v_over_cp_equal_one_process(world4, one_process, cas
             close(got["grads"][n], g, f"{where} rank {rank} grad {n}")
 
 
+# ---------------------------------------------------------------- cp2 x pp2
+
+# the last three layers share: block 2 reads block 0's K/V on the same stage, blocks 3 and 4
+# read blocks 0's and 1's from the stage before
+PIPE = replace(GEMMA4, num_kv_shared_layers=3)
+
+
+def _pipe_parity(rank, world, payload):
+    """cp2 x pp2 through DeepSpeed's pipeline engine, blocks 0-2 on stage 0 and 3-4 on stage
+    1, two micro-batches (1F1B: stage 0 runs both forwards before the first backward, so a
+    recomputed consumer must replay with its own micro-batch's K/V): the loss and every
+    gradient, taken by the optimizer at its step (lr 0, no clipping), under GPT's names;
+    then pipeline_logits' logits of sample 0."""
+    import deepspeed
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar.config import deepspeed_config
+    from models.gpt_pipe import GPTPipe, pipeline_logits, train_step
+
+    class Recorder(torch.optim.SGD):  # the gradients the optimizer is handed
+        def step(self, closure=None):
+            self.grads = {p: p.grad.detach().clone() for g in self.param_groups
+                          for p in g["params"] if p.grad is not None}
+            return super().step(closure)
+
+    out = []
+    for ckpt in pickle.loads(payload):
+        fields = {k: v for k, v in vars(PIPE).items() if v is not None}
+        cfg = config_from_dict({
+            "model": fields, "parallel": dict(tp=1, cp=2, pp=2, dp=1, pp_partition="uniform"),
+            "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
+                          seed=SEED),
+            "data": dict(kind="tokens", path="unused"),
+            "activation_checkpointing": dict(mode=ckpt)}, world_size=world,
+            check_paths=False)
+        st = init_parallel_state(tp=1, cp=2, pp=2, dp=1, order=cfg.parallel.order)
+        ds_config = deepspeed_config(cfg, st.dp_size)
+        model = GPTPipe.from_config(cfg, st, ds_config["gradient_accumulation_steps"])
+        opt = Recorder(model.parameters(), lr=0.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        tokens, labels = _batch()
+        pos = sequence_positions(N, st.cp_group, "zigzag")
+        micro = [{"tokens": shard_sequence(tokens[b:b + 1], 1, st.cp_group, "zigzag"),
+                  "labels": shard_sequence(labels[b:b + 1], 1, st.cp_group, "zigzag"),
+                  "positions": pos} for b in range(BATCH)]
+        n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
+        loss = train_step(engine, micro, n_tokens, st)
+        grads = {n: opt.grads[p] for n, p in model.gpt_named_parameters()}
+        logits = pipeline_logits(model, st, micro[0])
+        out.append(dict(loss=loss, grads=grads, parts=model.parts, positions=pos,
+                        logits=logits))
+    return out
+
+
+def test_shared_kv_and_per_layer_inputs_cross_pipeline_stages_exactly():
+    loss, grads = reference(PIPE)
+    modes = ["full", "selective"]
+    world = run_distributed(_pipe_parity, 4, pickle.dumps(modes), timeout=240)
+    model = GPT(PIPE, options=ModelOptions(seed=SEED))
+    with torch.no_grad():
+        want_logits = model.lm_logits(model.hidden_states(_batch()[0][:1], torch.arange(N)))
+    for i, mode in enumerate(modes):
+        seen = set()
+        for rank, per_case in enumerate(world):
+            got, where = per_case[i], f"cp2 pp2 {mode} rank {rank}"
+            assert got["parts"] == [0, 4, 8]  # embedding, blocks 0-2 | blocks 3-4, norm, head
+            torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
+            for n, g in got["grads"].items():
+                close(g, grads[n], f"{where} grad {n}")
+                seen.add(n)
+            if got["logits"] is not None:  # the last stage: its CP shard of the tokens
+                torch.testing.assert_close(got["logits"], want_logits[:, got["positions"]],
+                                           **TOL, msg=where)
+        assert seen == set(grads), set(grads) ^ seen  # the stages' union is every tensor
+
+
 @pytest.mark.quick
 def test_consumer_layers_hold_no_kv_projection_and_read_their_producers():
     model = GPT(GEMMA4)
@@ -135,9 +210,10 @@ def test_consumer_layers_hold_no_kv_projection_and_read_their_producers():
      {}, "needs an earlier layer of its type"),
     (dict(global_n_kv_heads=3), {}, "model.global_n_kv_heads=3 must divide model.n_heads=4"),
     (dict(query_pre_attn_scalar=None), {}, "needs model.query_pre_attn_scalar"),
-    ({}, dict(pp=2), "model.num_kv_shared_layers=2 with parallel.pp=2"),
-    (dict(num_kv_shared_layers=0), dict(pp=2), "model.per_layer_input_dim=16 with "
-                                               "parallel.pp=2"),
+    ({}, dict(pp=2, tp=2), "model.num_kv_shared_layers=2 with parallel.pp=2 and "
+                           "parallel.tp=2"),
+    (dict(num_kv_shared_layers=0), dict(pp=2, tp=2), "model.per_layer_input_dim=16 with "
+                                                     "parallel.pp=2 and parallel.tp=2"),
     (dict(layer_types=["sliding_attention"] * 5, num_kv_shared_layers=0, global_head_dim=None,
           global_n_kv_heads=None), {}, "model.attention_k_eq_v is set but no layer"),
 ])

@@ -73,10 +73,12 @@ def check_kv_layers(m: ModelConfig, p: ParallelConfig, err) -> None:
     if shared and (m.qk_norm_scope != "head" or m.qk_l2_norm or not m.rope or m.nope_layers):
         err(f"model.num_kv_shared_layers={shared} takes per-head q/k norms and RoPE on "
             f"every layer (no qk_norm_scope 'all_heads', qk_l2_norm or NoPE layers)")
-    if (shared or m.per_layer_input_dim) and p.pp > 1:
+    if (shared or m.per_layer_input_dim) and p.pp > 1 and p.tp > 1:
+        # they travel in the pipeline's tuple beside x (models/pipe_carry.py); DeepSpeed
+        # splits a stage's output over TP only when it is x alone (pipe_partitioned)
         key = "num_kv_shared_layers" if shared else "per_layer_input_dim"
-        err(f"model.{key}={getattr(m, key)} with parallel.pp={p.pp}: a layer's shared K/V "
-            f"and the per-layer inputs are made on other stages than they are read; use "
+        err(f"model.{key}={getattr(m, key)} with parallel.pp={p.pp} and parallel.tp={p.tp}: "
+            f"the shared K/V and per-layer inputs cross stages only at tp=1; use tp=1 or "
             f"pp=1")
     if (shared or m.per_layer_input_dim) and m.mtp is not None:
         err("model.mtp with model.num_kv_shared_layers or model.per_layer_input_dim: the "
