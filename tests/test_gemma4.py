@@ -136,10 +136,10 @@ def _pipe_parity(rank, world, payload):
             return super().step(closure)
 
     out = []
-    for ckpt in pickle.loads(payload):
+    for ckpt, partition in pickle.loads(payload):
         fields = {k: v for k, v in vars(PIPE).items() if v is not None}
         cfg = config_from_dict({
-            "model": fields, "parallel": dict(tp=1, cp=2, pp=2, dp=1, pp_partition="uniform"),
+            "model": fields, "parallel": dict(tp=1, cp=2, pp=2, dp=1, pp_partition=partition),
             "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
                           seed=SEED),
             "data": dict(kind="tokens", path="unused"),
@@ -165,8 +165,9 @@ def _pipe_parity(rank, world, payload):
 
 
 def test_shared_kv_and_per_layer_inputs_cross_pipeline_stages_exactly():
+    from ctxpar.config.pipeline_stages import pipeline_stage_layers
     loss, grads = reference(PIPE)
-    modes = ["full", "selective"]
+    modes = [("full", "uniform"), ("selective", "parameters")]
     world = run_distributed(_pipe_parity, 4, pickle.dumps(modes), timeout=240)
     model = GPT(PIPE, options=ModelOptions(seed=SEED))
     with torch.no_grad():
@@ -175,7 +176,10 @@ def test_shared_kv_and_per_layer_inputs_cross_pipeline_stages_exactly():
         seen = set()
         for rank, per_case in enumerate(world):
             got, where = per_case[i], f"cp2 pp2 {mode} rank {rank}"
-            assert got["parts"] == [0, 4, 8]  # embedding, blocks 0-2 | blocks 3-4, norm, head
+            # uniform: blocks 0-2 | 3-4; by parameters: 0-1 | 2-4, as the config's check
+            # predicts them (the first layer's per-layer embedding counted)
+            stages = pipeline_stage_layers(PIPE, 2, 1, 1, mode[1])
+            assert got["parts"][1] - 1 == stages[1].start == {"uniform": 3}.get(mode[1], 2)
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
             for n, g in got["grads"].items():
                 close(g, grads[n], f"{where} grad {n}")
@@ -184,6 +188,24 @@ def test_shared_kv_and_per_layer_inputs_cross_pipeline_stages_exactly():
                 torch.testing.assert_close(got["logits"], want_logits[:, got["positions"]],
                                            **TOL, msg=where)
         assert seen == set(grads), set(grads) ^ seen  # the stages' union is every tensor
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dim", [16, 512])
+def test_pipeline_stages_count_the_per_layer_embedding_on_the_first(dim):
+    """config.pipeline_stages (what pp x ep's check reads) splits as DeepSpeed does the
+    pipeline's layers by parameters: the first holds the embedding and the per-layer
+    input embedding (512 wide: a stage of its own), the tied head the embedding."""
+    from deepspeed.runtime.utils import partition_balanced
+    from ctxpar.config.pipeline_stages import pipeline_stage_layers
+    cfg = replace(PIPE, per_layer_input_dim=dim)
+    model = GPT(cfg)
+    count = lambda *ms: sum(p.numel() for m in ms for p in m.parameters())  # noqa: E731
+    weights = [count(model.embed, model.per_layer_input), *map(count, model.layers),
+               count(model.final_norm), count(model.embed)]
+    parts = partition_balanced(weights, 2)
+    assert pipeline_stage_layers(cfg, 2, 1, 1, "parameters")[1].start == parts[1] - 1 == \
+        {16: 2, 512: 0}[dim]
 
 
 @pytest.mark.quick
