@@ -258,6 +258,28 @@ def test_the_planner_counts_the_parameters_the_model_holds():
         p.numel() for p in model.parameters() if p.dim() == 1)
 
 
+@pytest.mark.quick
+def test_the_planner_counts_what_a_later_pipeline_stage_receives():
+    """counts.activations of a stage starting at block i holds twice (DeepSpeed's received
+    copy and its forward's clone) the tensors models/pipe_carry.py carries after block
+    i - 1: the producers' K/V as their attention made them, the later blocks' z."""
+    from ctxpar.plan import counts
+    from ctxpar.plan.candidate import Candidate
+    from models.pipe_carry import carried_after
+    model = GPT(PIPE)
+    tokens, labels = _batch()
+    with torch.no_grad():
+        model(tokens, torch.arange(N), labels)  # the producers keep their (k, v)
+    cand = Candidate(1, 1, 2, 1, micro_batch=BATCH)
+    for start in range(1, PIPE.n_layers):
+        carried = carried_after(PIPE, start - 1)
+        kv = sum(t.numel() for j in carried.producers for t in model.layers[j].attn.shared_kv)
+        z = BATCH * N * (PIPE.n_layers - start) * PIPE.per_layer_input_dim
+        first, later = (counts.activations(PIPE, cand, 4, 1, s == 0, False, start=start)
+                        for s in (0, start))
+        assert later.embed - (first.embed - 8 * BATCH * N - 4) == 2 * 4 * (kv + z), start
+
+
 def test_layers_sharing_kv_keep_no_kv_in_the_planners_activations():
     """A consumer block saves q, out and lse (its K/V are its producer's tensors, and it has
     no k_norm); the same block computing its own K/V would save them too: at least
