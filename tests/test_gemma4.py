@@ -52,11 +52,12 @@ def _batch():
     return tokens, labels
 
 
-def reference(cfg):
-    """One process: token-mean loss and every gradient."""
+def reference(cfg, cu_seqlens=None):
+    """One process: token-mean loss and every gradient (cu_seqlens: each sample's
+    documents)."""
     model = GPT(cfg, options=ModelOptions(seed=SEED))
     tokens, labels = _batch()
-    loss = model(tokens, torch.arange(N), labels) / (labels != -100).sum()
+    loss = model(tokens, torch.arange(N), labels, cu_seqlens) / (labels != -100).sum()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -123,7 +124,8 @@ def _pipe_parity(rank, world, payload):
     1, two micro-batches (1F1B: stage 0 runs both forwards before the first backward, so a
     recomputed consumer must replay with its own micro-batch's K/V): the loss and every
     gradient, taken by the optimizer at its step (lr 0, no clipping), under GPT's names;
-    then pipeline_logits' logits of sample 0."""
+    then pipeline_logits' logits of sample 0. With documents, their packed boundaries
+    travel before the carried tensors (models/pipe_carry.py's tuple)."""
     import deepspeed
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.config import deepspeed_config
@@ -136,7 +138,7 @@ def _pipe_parity(rank, world, payload):
             return super().step(closure)
 
     out = []
-    for ckpt, partition in pickle.loads(payload):
+    for ckpt, partition, docs in pickle.loads(payload):
         fields = {k: v for k, v in vars(PIPE).items() if v is not None}
         cfg = config_from_dict({
             "model": fields, "parallel": dict(tp=1, cp=2, pp=2, dp=1, pp_partition=partition),
@@ -154,7 +156,8 @@ def _pipe_parity(rank, world, payload):
         pos = sequence_positions(N, st.cp_group, "zigzag")
         micro = [{"tokens": shard_sequence(tokens[b:b + 1], 1, st.cp_group, "zigzag"),
                   "labels": shard_sequence(labels[b:b + 1], 1, st.cp_group, "zigzag"),
-                  "positions": pos} for b in range(BATCH)]
+                  "positions": pos, **({"cu_seqlens": [docs[b]]} if docs else {})}
+                 for b in range(BATCH)]
         n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
         loss = train_step(engine, micro, n_tokens, st)
         grads = {n: opt.grads[p] for n, p in model.gpt_named_parameters()}
@@ -166,16 +169,19 @@ def _pipe_parity(rank, world, payload):
 
 def test_shared_kv_and_per_layer_inputs_cross_pipeline_stages_exactly():
     from ctxpar.config.pipeline_stages import pipeline_stage_layers
-    loss, grads = reference(PIPE)
-    modes = [("full", "uniform"), ("selective", "parameters")]
+    docs = [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 20, 48], [0, 7, 31, 48])]
+    modes = [("full", "uniform", None), ("selective", "parameters", docs)]
+    want = [reference(PIPE), reference(PIPE, docs)]
     world = run_distributed(_pipe_parity, 4, pickle.dumps(modes), timeout=240)
     model = GPT(PIPE, options=ModelOptions(seed=SEED))
-    with torch.no_grad():
-        want_logits = model.lm_logits(model.hidden_states(_batch()[0][:1], torch.arange(N)))
     for i, mode in enumerate(modes):
-        seen = set()
+        (loss, grads), seen = want[i], set()
+        with torch.no_grad():  # sample 0's logits
+            want_logits = model.lm_logits(model.hidden_states(
+                _batch()[0][:1], torch.arange(N), cu_seqlens=mode[2] and mode[2][:1]))
         for rank, per_case in enumerate(world):
-            got, where = per_case[i], f"cp2 pp2 {mode} rank {rank}"
+            got = per_case[i]
+            where = f"cp2 pp2 {mode[:2]} documents {mode[2] is not None} rank {rank}"
             # uniform: blocks 0-2 | 3-4; by parameters: 0-1 | 2-4, as the config's check
             # predicts them (the first layer's per-layer embedding counted)
             stages = pipeline_stage_layers(PIPE, 2, 1, 1, mode[1])
