@@ -8,7 +8,8 @@ stages (by parameter count or uniformly):
 Between layers (and between stages, point to point) flows the tuple
 ``(x (B, T/cp, d), positions (T/cp,) or (B, T/cp) int64)``, plus, with document masking,
 the samples' document boundaries packed as one (B, T + 1) int32 tensor
-(documents.pack_cu_seqlens): every block rebuilds its RoPE angles from the positions
+(documents.pack_cu_seqlens), then Gemma 4's shared K/V and per-layer inputs still read by
+later blocks (models/pipe_carry.py): every block rebuilds its RoPE angles from the positions
 (T/cp x hd/2, negligible next to the block's matmuls), and DeepSpeed sends no gradient for
 the integer tensors. A mixture of experts (model.moe) adds, last, its routers' statistics
 so far (RouterStats.packed, (2E + 3,) fp32): the last stage's loss adds the routers'
@@ -66,8 +67,8 @@ from models.moe import MoE
 from models.norms import make_norm
 from models.options import LayerArgs, ModelOptions
 from models.per_layer_input import PerLayerInput
-from models.pipe_carry import (LayerCarry, carried_after, first_carried, recv_carried,
-                               send_carried)
+from models.pipe_carry import (LayerCarry, carried_after, first_carried, output_carried,
+                               recv_carried, send_carried)
 from models.rope import layer_inputs
 
 
@@ -464,11 +465,9 @@ def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor],
         inputs = x if head_only else (x, *first[1:], *carried,
                                       *router_start(model.cfg, x.device))
     out = model(inputs)
-    # the carried tensors the blocks after this stage read, sent after x
-    last_block = model.parts[stage + 1] - 2
-    n = 0 if state.is_pp_last_stage else carried_after(model.cfg, last_block).size
-    end = len(out) - (model.cfg.moe is not None) if n else 0
-    carried = list(out[end - n:end])
+    # what the blocks after this stage read beside x (sent after it); layer j is block j - 1
+    carried = [] if state.is_pp_last_stage else \
+        output_carried(model.cfg, model.parts[stage + 1] - 2, out)
     if model.cfg.moe is not None and isinstance(out, tuple):  # the routers' statistics: unused
         out = out[:-1] if len(out) > 2 else out[0]
     if state.is_pp_last_stage:

@@ -122,6 +122,16 @@ def first_carried(cfg: ModelConfig, z: Optional[torch.Tensor]) -> tuple:
     return carried_after(cfg, -1).pack({}, z.permute(2, 0, 1, 3).contiguous())
 
 
+def output_carried(cfg: ModelConfig, last_block: int, out) -> List[torch.Tensor]:
+    """The carried tensors in a stage's output tuple whose last block is last_block (under
+    model.moe the routers' statistics follow them)."""
+    n = carried_after(cfg, last_block).size
+    if not n:
+        return []
+    end = len(out) - (cfg.moe is not None)
+    return list(out[end - n:end])
+
+
 def send_carried(tensors: List[torch.Tensor], dst: int) -> None:
     """Point to point to the next stage (pipeline_logits): their shapes (every carried
     tensor is 4-D), then each."""
