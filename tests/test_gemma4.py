@@ -138,14 +138,15 @@ def _pipe_parity(rank, world, payload):
             return super().step(closure)
 
     out = []
-    for ckpt, partition, docs in pickle.loads(payload):
+    for ckpt, offload, partition, docs in pickle.loads(payload):
         fields = {k: v for k, v in vars(PIPE).items() if v is not None}
         cfg = config_from_dict({
             "model": fields, "parallel": dict(tp=1, cp=2, pp=2, dp=1, pp_partition=partition),
             "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
                           seed=SEED),
             "data": dict(kind="tokens", path="unused"),
-            "activation_checkpointing": dict(mode=ckpt)}, world_size=world,
+            "activation_checkpointing": dict(mode=ckpt),
+            "memory": dict(offload_activations=offload)}, world_size=world,
             check_paths=False)
         st = init_parallel_state(tp=1, cp=2, pp=2, dp=1, order=cfg.parallel.order)
         ds_config = deepspeed_config(cfg, st.dp_size)
@@ -170,7 +171,9 @@ def _pipe_parity(rank, world, payload):
 def test_shared_kv_and_per_layer_inputs_cross_pipeline_stages_exactly():
     from ctxpar.config.pipeline_stages import pipeline_stage_layers
     docs = [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 20, 48], [0, 7, 31, 48])]
-    modes = [("full", "uniform", None), ("selective", "parameters", docs)]
+    # full recompute with what it keeps offloaded to host memory (the producers' (x, k, v)
+    # outputs through ActivationOffload.run), selective with documents
+    modes = [("full", True, "uniform", None), ("selective", False, "parameters", docs)]
     want = [reference(PIPE), reference(PIPE, docs)]
     world = run_distributed(_pipe_parity, 4, pickle.dumps(modes), timeout=240)
     model = GPT(PIPE, options=ModelOptions(seed=SEED))
@@ -178,14 +181,14 @@ def test_shared_kv_and_per_layer_inputs_cross_pipeline_stages_exactly():
         (loss, grads), seen = want[i], set()
         with torch.no_grad():  # sample 0's logits
             want_logits = model.lm_logits(model.hidden_states(
-                _batch()[0][:1], torch.arange(N), cu_seqlens=mode[2] and mode[2][:1]))
+                _batch()[0][:1], torch.arange(N), cu_seqlens=mode[3] and mode[3][:1]))
         for rank, per_case in enumerate(world):
             got = per_case[i]
-            where = f"cp2 pp2 {mode[:2]} documents {mode[2] is not None} rank {rank}"
+            where = f"cp2 pp2 {mode[:3]} documents {mode[3] is not None} rank {rank}"
             # uniform: blocks 0-2 | 3-4; by parameters: 0-1 | 2-4, as the config's check
             # predicts them (the first layer's per-layer embedding counted)
-            stages = pipeline_stage_layers(PIPE, 2, 1, 1, mode[1])
-            assert got["parts"][1] - 1 == stages[1].start == {"uniform": 3}.get(mode[1], 2)
+            stages = pipeline_stage_layers(PIPE, 2, 1, 1, mode[2])
+            assert got["parts"][1] - 1 == stages[1].start == {"uniform": 3}.get(mode[2], 2)
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
             for n, g in got["grads"].items():
                 close(g, grads[n], f"{where} grad {n}")
