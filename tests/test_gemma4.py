@@ -120,8 +120,8 @@ PIPE = replace(GEMMA4, num_kv_shared_layers=3)
 
 
 def _pipe_parity(rank, world, payload):
-    """cp2 x pp2 through DeepSpeed's pipeline engine, blocks 0-2 on stage 0 and 3-4 on stage
-    1, two micro-batches (1F1B: stage 0 runs both forwards before the first backward, so a
+    """cp2 x pp2 (and tp2 x pp2) through DeepSpeed's pipeline engine, blocks 0-2 on stage 0
+    and 3-4 on stage 1 (uniform), two micro-batches (1F1B: stage 0 runs both forwards before the first backward, so a
     recomputed consumer must replay with its own micro-batch's K/V): the loss and every
     gradient, taken by the optimizer at its step (lr 0, no clipping), under GPT's names;
     then pipeline_logits' logits of sample 0. With documents, their packed boundaries
@@ -138,17 +138,17 @@ def _pipe_parity(rank, world, payload):
             return super().step(closure)
 
     out = []
-    for ckpt, offload, partition, docs in pickle.loads(payload):
+    for tp, cp, ckpt, offload, partition, docs in pickle.loads(payload):
         fields = {k: v for k, v in vars(PIPE).items() if v is not None}
         cfg = config_from_dict({
-            "model": fields, "parallel": dict(tp=1, cp=2, pp=2, dp=1, pp_partition=partition),
+            "model": fields, "parallel": dict(tp=tp, cp=cp, pp=2, dp=1, pp_partition=partition),
             "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
                           seed=SEED),
             "data": dict(kind="tokens", path="unused"),
             "activation_checkpointing": dict(mode=ckpt),
             "memory": dict(offload_activations=offload)}, world_size=world,
             check_paths=False)
-        st = init_parallel_state(tp=1, cp=2, pp=2, dp=1, order=cfg.parallel.order)
+        st = init_parallel_state(tp=tp, cp=cp, pp=2, dp=1, order=cfg.parallel.order)
         ds_config = deepspeed_config(cfg, st.dp_size)
         model = GPTPipe.from_config(cfg, st, ds_config["gradient_accumulation_steps"])
         opt = Recorder(model.parameters(), lr=0.0)
@@ -161,41 +161,48 @@ def _pipe_parity(rank, world, payload):
                  for b in range(BATCH)]
         n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
         loss = train_step(engine, micro, n_tokens, st)
-        grads = {n: opt.grads[p] for n, p in model.gpt_named_parameters()}
-        logits = pipeline_logits(model, st, micro[0])
+        for p in model.parameters():  # the step's gradients, gathered over TP
+            p.grad = opt.grads[p]
+        grads = model.full_state_dict(grads=True)
+        logits = pipeline_logits(model, st, micro[0])  # (1, T/cp, V/tp)
         out.append(dict(loss=loss, grads=grads, parts=model.parts, positions=pos,
-                        logits=logits))
+                        logits=logits, vocab=st.tp_rank * PIPE.vocab_size // tp))
     return out
 
 
 def test_shared_kv_and_per_layer_inputs_cross_pipeline_stages_exactly():
     from ctxpar.config.pipeline_stages import pipeline_stage_layers
     docs = [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 20, 48], [0, 7, 31, 48])]
-    # full recompute with what it keeps offloaded to host memory (the producers' (x, k, v)
-    # outputs through ActivationOffload.run), selective with documents
-    modes = [("full", True, "uniform", None), ("selective", False, "parameters", docs)]
-    want = [reference(PIPE), reference(PIPE, docs)]
+    # cp2: full recompute with what it keeps offloaded to host memory (the producers' (x,
+    # k, v) outputs through ActivationOffload.run), selective with documents; tp2: each TP
+    # rank's heads' K/V carried, the whole tuple sent by every TP rank
+    modes = [(1, 2, "full", True, "uniform", None),
+             (1, 2, "selective", False, "parameters", docs),
+             (2, 1, "none", False, "uniform", None)]
+    want = [reference(PIPE), reference(PIPE, docs), reference(PIPE)]
     world = run_distributed(_pipe_parity, 4, pickle.dumps(modes), timeout=240)
     model = GPT(PIPE, options=ModelOptions(seed=SEED))
     for i, mode in enumerate(modes):
         (loss, grads), seen = want[i], set()
         with torch.no_grad():  # sample 0's logits
             want_logits = model.lm_logits(model.hidden_states(
-                _batch()[0][:1], torch.arange(N), cu_seqlens=mode[3] and mode[3][:1]))
+                _batch()[0][:1], torch.arange(N), cu_seqlens=mode[5] and mode[5][:1]))
         for rank, per_case in enumerate(world):
             got = per_case[i]
-            where = f"cp2 pp2 {mode[:3]} documents {mode[3] is not None} rank {rank}"
+            where = f"tp, cp, pp2 {mode[:5]} documents {mode[5] is not None} rank {rank}"
             # uniform: blocks 0-2 | 3-4; by parameters: 0-1 | 2-4, as the config's check
             # predicts them (the first layer's per-layer embedding counted)
-            stages = pipeline_stage_layers(PIPE, 2, 1, 1, mode[2])
-            assert got["parts"][1] - 1 == stages[1].start == {"uniform": 3}.get(mode[2], 2)
+            stages = pipeline_stage_layers(PIPE, 2, mode[0], 1, mode[4])
+            assert got["parts"][1] - 1 == stages[1].start == {"uniform": 3}.get(mode[4], 2)
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
             for n, g in got["grads"].items():
                 close(g, grads[n], f"{where} grad {n}")
                 seen.add(n)
-            if got["logits"] is not None:  # the last stage: its CP shard of the tokens
-                torch.testing.assert_close(got["logits"], want_logits[:, got["positions"]],
-                                           **TOL, msg=where)
+            if got["logits"] is not None:  # the last stage: its CP and TP shard
+                rows = slice(got["vocab"], got["vocab"] + got["logits"].shape[-1])
+                torch.testing.assert_close(got["logits"],
+                                           want_logits[:, got["positions"], rows], **TOL,
+                                           msg=where)
         assert seen == set(grads), set(grads) ^ seen  # the stages' union is every tensor
 
 
@@ -241,10 +248,6 @@ def test_consumer_layers_hold_no_kv_projection_and_read_their_producers():
      {}, "needs an earlier layer of its type"),
     (dict(global_n_kv_heads=3), {}, "model.global_n_kv_heads=3 must divide model.n_heads=4"),
     (dict(query_pre_attn_scalar=None), {}, "needs model.query_pre_attn_scalar"),
-    ({}, dict(pp=2, tp=2), "model.num_kv_shared_layers=2 with parallel.pp=2 and "
-                           "parallel.tp=2"),
-    (dict(num_kv_shared_layers=0), dict(pp=2, tp=2), "model.per_layer_input_dim=16 with "
-                                                     "parallel.pp=2 and parallel.tp=2"),
     (dict(layer_types=["sliding_attention"] * 5, num_kv_shared_layers=0, global_head_dim=None,
           global_n_kv_heads=None), {}, "model.attention_k_eq_v is set but no layer"),
 ])
