@@ -121,11 +121,12 @@ PIPE = replace(GEMMA4, num_kv_shared_layers=3)
 
 def _pipe_parity(rank, world, payload):
     """cp2 x pp2 (and tp2 x pp2) through DeepSpeed's pipeline engine, blocks 0-2 on stage 0
-    and 3-4 on stage 1 (uniform), two micro-batches (1F1B: stage 0 runs both forwards before the first backward, so a
-    recomputed consumer must replay with its own micro-batch's K/V): the loss and every
-    gradient, taken by the optimizer at its step (lr 0, no clipping), under GPT's names;
-    then pipeline_logits' logits of sample 0. With documents, their packed boundaries
-    travel before the carried tensors (models/pipe_carry.py's tuple)."""
+    and 3-4 on stage 1 (uniform), two micro-batches (1F1B: stage 0 runs both forwards
+    before the first backward, so a recomputed consumer must replay with its own
+    micro-batch's K/V): the loss and every gradient, taken by the optimizer at its step
+    (lr 0, no clipping) and gathered over TP under GPT's names; then pipeline_logits'
+    logits of sample 0. With documents, their packed boundaries travel before the carried
+    tensors (models/pipe_carry.py's tuple)."""
     import deepspeed
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.config import deepspeed_config
