@@ -8,7 +8,8 @@ stages (by parameter count or uniformly):
 Between layers (and between stages, point to point) flows the tuple
 ``(x (B, T/cp, d), positions (T/cp,) or (B, T/cp) int64)``, plus, with document masking,
 the samples' document boundaries packed as one (B, T + 1) int32 tensor
-(documents.pack_cu_seqlens): every block rebuilds its RoPE angles from the positions
+(documents.pack_cu_seqlens), then Gemma 4's shared K/V and per-layer inputs still read by
+later blocks (models/pipe_carry.py): every block rebuilds its RoPE angles from the positions
 (T/cp x hd/2, negligible next to the block's matmuls), and DeepSpeed sends no gradient for
 the integer tensors. A mixture of experts (model.moe) adds, last, its routers' statistics
 so far (RouterStats.packed, (2E + 3,) fp32): the last stage's loss adds the routers'
@@ -70,25 +71,36 @@ from models.loss import global_mean_loss, loss_for_backward
 from models.moe import MoE
 from models.norms import make_norm
 from models.options import LayerArgs, ModelOptions
+from models.per_layer_input import PerLayerInput
+from models.pipe_carry import (LayerCarry, carried_after, first_carried, output_carried,
+                               recv_carried, send_carried)
 from models.rope import layer_inputs
 
 
 class EmbeddingPipe(nn.Module):
-    """(tokens (B, T/cp), positions[, documents]) -> (x (B, T/cp, d), positions[, documents])."""
+    """(tokens (B, T/cp), positions[, documents]) -> (x (B, T/cp, d), positions[, documents],
+    the per-layer inputs of every block (models/pipe_carry.py) under
+    model.per_layer_input_dim)."""
 
-    gpt_prefix = ""  # parameter 'embed.weight', as in GPT
+    gpt_prefix = ""  # parameters 'embed.weight', 'per_layer_input.*', as in GPT
 
-    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None,
+                 per_layer_input: bool = True):
+        """per_layer_input: False for the tied head's copy (the head reads embed only)."""
         super().__init__()
         self.cfg = cfg  # model.scale_embeddings
         self.dsa_tail = DSATail(cfg)  # model.dsa's indexer sums (models/dsa_pipe.py)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group=tp_group,
                                             device=device, dtype=dtype)
+        self.per_layer_input = PerLayerInput(cfg, tp_group, device, dtype) \
+            if cfg.per_layer_input_dim and per_layer_input else None
 
     def forward(self, inputs):
         tokens, *rest = inputs  # rest: positions[, packed document boundaries]
         x = embed_tokens(self.embed, tokens, self.cfg)
-        return (x, *rest, *router_start(self.cfg, x.device), *self.dsa_tail.start(x.device))
+        z = None if self.per_layer_input is None else self.per_layer_input(tokens, x)
+        return (x, *rest, *first_carried(self.cfg, z), *router_start(self.cfg, x.device),
+                *self.dsa_tail.start(x.device))
 
 
 def router_start(cfg: ModelConfig, device) -> tuple:
@@ -152,13 +164,16 @@ class BlockPipe(Block):
         self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)
         self.gpt_prefix = f"layers.{layer_number}."
         self.layer = layer  # its RoPE, or NoPE's temperature (models/rope.layer_inputs)
+        # Gemma 4's shared K/V and per-layer inputs in the tuple (models/pipe_carry.py)
+        self.carry = LayerCarry(cfg, layer_number, self.mixer)
         # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
         self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
 
     def forward(self, inputs):
         inputs, selection, sums = self.dsa_tail.split(inputs, self.layer_number)
-        x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)][, router]
-        router = (docs.pop(),) if self.carries_router else ()
+        x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)],
+        router = (docs.pop(),) if self.carries_router else ()  # *carried[, router]
+        docs, kv, z = self.carry.split(docs)
         moe = self.mlp.moe if isinstance(self.mlp, MoE) else None
         if moe is not None:  # this forward's routers (the last stage's loss adds them)
             self.mlp.stats = RouterStats(moe.num_experts, moe.score, moe.seq_aux_loss_coef > 0)
@@ -167,15 +182,18 @@ class BlockPipe(Block):
             cos, sin = layer_inputs(positions, self.mixer.rotary_dim,
                                     self.layer)  # (..., T/cp, rotary_dim/2)
         cu = unpack_cu_seqlens(docs[0]) if docs else None
-        block = run_with_selection(partial(Block.forward, self, cu_seqlens=cu), self.carried,
-                                   selection)
+        block = run_with_selection(
+            partial(self.carry.run, partial(Block.forward, self, cu_seqlens=cu)),
+            self.carried, selection)
+        args = (x, cos, sin, *self.carry.block_args(kv, z))
         if self.recompute:  # keep only x (and cos, sin); replay the block in backward
-            x = run_layer(self.offload, checkpoint, block, x, cos, sin, use_reentrant=False)
+            x = run_layer(self.offload, checkpoint, block, *args, use_reentrant=False)
         else:  # with offload, selective's saved tensors go to the host; none's stay
-            x = run_layer(self.offload, block, x, cos, sin, to_host=self.selective)
+            x = run_layer(self.offload, block, *args, to_host=self.selective)
+        x, *produced = x if isinstance(x, tuple) else (x,)  # a producer's (x, k, v)
         if router and moe is not None:
             router = (self.mlp.stats.packed(router[0], self._after_moe(x.shape[0])),)
-        return (x, positions, *docs, *router,
+        return (x, positions, *docs, *self.carry.pack(kv, z, tuple(produced)), *router,
                 *self.dsa_tail.after(self.layer_number, self.mixer, sums))
 
     def _after_moe(self, batch: int) -> Optional[torch.Tensor]:
@@ -332,7 +350,8 @@ class GPTPipe(PipelineModule):
             tied = dict(tied_weight_attr=["embed.weight"])
             first = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, **tied, **kw)
             head = tied_head_input if tiled_loss else tied_lm_head
-            last = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, forward_fn=head, **tied, **kw)
+            last = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, forward_fn=head, **tied, **kw,
+                                 per_layer_input=False)
         else:
             first = LayerSpec(EmbeddingPipe, cfg, tp, **kw)
             last = LayerSpec(LMHeadPipe, cfg, tp, tiled_loss, **kw)
@@ -484,16 +503,22 @@ def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor],
         p = next(model.parameters())
         x = torch.empty(*mb["tokens"].shape, cfg.d_model, dtype=p.dtype, device=p.device)
         dist.recv(x, src=pp[stage - 1])
-        # Blocks and the final norm take (x, positions[, documents]); a head-only stage, x.
+        # Blocks and the final norm take (x, positions[, documents][, carried]); a head-only
+        # stage, x. Layer j of the list is block j - 1: the carried tensors after the block
+        # before this stage's first (models/pipe_carry.py), then the DSA tail (dsa_pipe.py).
         layer = model.partitions()[stage] - 1  # the stage's first block (n_layers: the norm)
+        carried = recv_carried(carried_after(cfg, layer - 1).size, x, pp[stage - 1])
         inputs = x if layer == cfg.n_layers + 1 else (
-            x, *first[1:], *router_start(cfg, x.device),
+            x, *first[1:], *carried, *router_start(cfg, x.device),
             *recv_tail(dsa, layer, x, getattr(cfg.dsa, "index_topk", 0),
                        x.shape[1] * state.cp_size, pp[stage - 1]))
     out = model(inputs)
-    if not state.is_pp_last_stage:
+    if not state.is_pp_last_stage:  # x, then what the next stage's blocks read beside it
+        following = model.partitions()[stage + 1] - 1
         dist.send((out[0] if isinstance(out, tuple) else out).contiguous(), dst=pp[stage + 1])
-        send_selection(dsa, model.partitions()[stage + 1] - 1, out, pp[stage + 1])
+        send_carried(output_carried(cfg, following - 1, out, dsa.size(following)),
+                     pp[stage + 1])
+        send_selection(dsa, following, out, pp[stage + 1])
         return None
     tail = int(cfg.moe is not None) + int(dsa.sums)  # routers' statistics, indexer sums: unused
     if tail and isinstance(out, tuple):

@@ -52,11 +52,12 @@ def _batch():
     return tokens, labels
 
 
-def reference(cfg):
-    """One process: token-mean loss and every gradient."""
+def reference(cfg, cu_seqlens=None):
+    """One process: token-mean loss and every gradient (cu_seqlens: each sample's
+    documents)."""
     model = GPT(cfg, options=ModelOptions(seed=SEED))
     tokens, labels = _batch()
-    loss = model(tokens, torch.arange(N), labels) / (labels != -100).sum()
+    loss = model(tokens, torch.arange(N), labels, cu_seqlens) / (labels != -100).sum()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -111,6 +112,119 @@ def test_shared_kv_and_k_eq_v_over_cp_equal_one_process(world4, one_process, cas
             close(got["grads"][n], g, f"{where} rank {rank} grad {n}")
 
 
+# ---------------------------------------------------------------- cp2 x pp2
+
+# the last three layers share: block 2 reads block 0's K/V on the same stage, blocks 3 and 4
+# read blocks 0's and 1's from the stage before
+PIPE = replace(GEMMA4, num_kv_shared_layers=3)
+
+
+def _pipe_parity(rank, world, payload):
+    """cp2 x pp2 (and tp2 x pp2) through DeepSpeed's pipeline engine, blocks 0-2 on stage 0
+    and 3-4 on stage 1 (uniform), two micro-batches (1F1B: stage 0 runs both forwards
+    before the first backward, so a recomputed consumer must replay with its own
+    micro-batch's K/V): the loss and every gradient, taken by the optimizer at its step
+    (lr 0, no clipping) and gathered over TP under GPT's names; then pipeline_logits'
+    logits of sample 0. With documents, their packed boundaries travel before the carried
+    tensors (models/pipe_carry.py's tuple)."""
+    import deepspeed
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar.config import deepspeed_config
+    from models.gpt_pipe import GPTPipe, pipeline_logits, train_step
+
+    class Recorder(torch.optim.SGD):  # the gradients the optimizer is handed
+        def step(self, closure=None):
+            self.grads = {p: p.grad.detach().clone() for g in self.param_groups
+                          for p in g["params"] if p.grad is not None}
+            return super().step(closure)
+
+    out = []
+    for tp, cp, ckpt, offload, partition, docs in pickle.loads(payload):
+        fields = {k: v for k, v in vars(PIPE).items() if v is not None}
+        cfg = config_from_dict({
+            "model": fields, "parallel": dict(tp=tp, cp=cp, pp=2, dp=1, pp_partition=partition),
+            "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
+                          seed=SEED),
+            "data": dict(kind="tokens", path="unused"),
+            "activation_checkpointing": dict(mode=ckpt),
+            "memory": dict(offload_activations=offload)}, world_size=world,
+            check_paths=False)
+        st = init_parallel_state(tp=tp, cp=cp, pp=2, dp=1, order=cfg.parallel.order)
+        ds_config = deepspeed_config(cfg, st.dp_size)
+        model = GPTPipe.from_config(cfg, st, ds_config["gradient_accumulation_steps"])
+        opt = Recorder(model.parameters(), lr=0.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        tokens, labels = _batch()
+        pos = sequence_positions(N, st.cp_group, "zigzag")
+        micro = [{"tokens": shard_sequence(tokens[b:b + 1], 1, st.cp_group, "zigzag"),
+                  "labels": shard_sequence(labels[b:b + 1], 1, st.cp_group, "zigzag"),
+                  "positions": pos, **({"cu_seqlens": [docs[b]]} if docs else {})}
+                 for b in range(BATCH)]
+        n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
+        loss = train_step(engine, micro, n_tokens, st)
+        for p in model.parameters():  # the step's gradients, gathered over TP
+            p.grad = opt.grads[p]
+        grads = model.full_state_dict(grads=True)
+        logits = pipeline_logits(model, st, micro[0])  # (1, T/cp, V/tp)
+        out.append(dict(loss=loss, grads=grads, parts=model.parts, positions=pos,
+                        logits=logits, vocab=st.tp_rank * PIPE.vocab_size // tp))
+    return out
+
+
+def test_shared_kv_and_per_layer_inputs_cross_pipeline_stages_exactly():
+    from ctxpar.config.pipeline_stages import pipeline_stage_layers
+    docs = [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 20, 48], [0, 7, 31, 48])]
+    # cp2: full recompute with what it keeps offloaded to host memory (the producers' (x,
+    # k, v) outputs through ActivationOffload.run), selective with documents; tp2: each TP
+    # rank's heads' K/V carried, the whole tuple sent by every TP rank
+    modes = [(1, 2, "full", True, "uniform", None),
+             (1, 2, "selective", False, "parameters", docs),
+             (2, 1, "none", False, "uniform", None)]
+    want = [reference(PIPE), reference(PIPE, docs), reference(PIPE)]
+    world = run_distributed(_pipe_parity, 4, pickle.dumps(modes), timeout=240)
+    model = GPT(PIPE, options=ModelOptions(seed=SEED))
+    for i, mode in enumerate(modes):
+        (loss, grads), seen = want[i], set()
+        with torch.no_grad():  # sample 0's logits
+            want_logits = model.lm_logits(model.hidden_states(
+                _batch()[0][:1], torch.arange(N), cu_seqlens=mode[5] and mode[5][:1]))
+        for rank, per_case in enumerate(world):
+            got = per_case[i]
+            where = f"tp, cp, pp2 {mode[:5]} documents {mode[5] is not None} rank {rank}"
+            # uniform: blocks 0-2 | 3-4; by parameters: 0-1 | 2-4, as the config's check
+            # predicts them (the first layer's per-layer embedding counted)
+            stages = pipeline_stage_layers(PIPE, 2, mode[0], 1, mode[4])
+            assert got["parts"][1] - 1 == stages[1].start == {"uniform": 3}.get(mode[4], 2)
+            torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
+            for n, g in got["grads"].items():
+                close(g, grads[n], f"{where} grad {n}")
+                seen.add(n)
+            if got["logits"] is not None:  # the last stage: its CP and TP shard
+                rows = slice(got["vocab"], got["vocab"] + got["logits"].shape[-1])
+                torch.testing.assert_close(got["logits"],
+                                           want_logits[:, got["positions"], rows], **TOL,
+                                           msg=where)
+        assert seen == set(grads), set(grads) ^ seen  # the stages' union is every tensor
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dim", [16, 512])
+def test_pipeline_stages_count_the_per_layer_embedding_on_the_first(dim):
+    """config.pipeline_stages (what pp x ep's check reads) splits as DeepSpeed does the
+    pipeline's layers by parameters: the first holds the embedding and the per-layer
+    input embedding (512 wide: a stage of its own), the tied head the embedding."""
+    from deepspeed.runtime.utils import partition_balanced
+    from ctxpar.config.pipeline_stages import pipeline_stage_layers
+    cfg = replace(PIPE, per_layer_input_dim=dim)
+    model = GPT(cfg)
+    count = lambda *ms: sum(p.numel() for m in ms for p in m.parameters())  # noqa: E731
+    weights = [count(model.embed, model.per_layer_input), *map(count, model.layers),
+               count(model.final_norm), count(model.embed)]
+    parts = partition_balanced(weights, 2)
+    assert pipeline_stage_layers(cfg, 2, 1, 1, "parameters")[1].start == parts[1] - 1 == \
+        {16: 2, 512: 0}[dim]
+
+
 @pytest.mark.quick
 def test_consumer_layers_hold_no_kv_projection_and_read_their_producers():
     model = GPT(GEMMA4)
@@ -135,9 +249,6 @@ def test_consumer_layers_hold_no_kv_projection_and_read_their_producers():
      {}, "needs an earlier layer of its type"),
     (dict(global_n_kv_heads=3), {}, "model.global_n_kv_heads=3 must divide model.n_heads=4"),
     (dict(query_pre_attn_scalar=None), {}, "needs model.query_pre_attn_scalar"),
-    ({}, dict(pp=2), "model.num_kv_shared_layers=2 with parallel.pp=2"),
-    (dict(num_kv_shared_layers=0), dict(pp=2), "model.per_layer_input_dim=16 with "
-                                               "parallel.pp=2"),
     (dict(layer_types=["sliding_attention"] * 5, num_kv_shared_layers=0, global_head_dim=None,
           global_n_kv_heads=None), {}, "model.attention_k_eq_v is set but no layer"),
 ])
@@ -158,6 +269,28 @@ def test_the_planner_counts_the_parameters_the_model_holds():
     assert counts.total_params(GEMMA4) == sum(p.numel() for p in model.parameters())
     assert counts.stage_vector_params(GEMMA4, 1, 1, 0) == sum(
         p.numel() for p in model.parameters() if p.dim() == 1)
+
+
+@pytest.mark.quick
+def test_the_planner_counts_what_a_later_pipeline_stage_receives():
+    """counts.activations of a stage starting at block i holds twice (DeepSpeed's received
+    copy and its forward's clone) the tensors models/pipe_carry.py carries after block
+    i - 1: the producers' K/V as their attention made them, the later blocks' z."""
+    from ctxpar.plan import counts
+    from ctxpar.plan.candidate import Candidate
+    from models.pipe_carry import carried_after
+    model = GPT(PIPE)
+    tokens, labels = _batch()
+    with torch.no_grad():
+        model(tokens, torch.arange(N), labels)  # the producers keep their (k, v)
+    cand = Candidate(1, 1, 2, 1, micro_batch=BATCH)
+    for start in range(1, PIPE.n_layers):
+        carried = carried_after(PIPE, start - 1)
+        kv = sum(t.numel() for j in carried.producers for t in model.layers[j].attn.shared_kv)
+        z = BATCH * N * (PIPE.n_layers - start) * PIPE.per_layer_input_dim
+        first, later = (counts.activations(PIPE, cand, 4, 1, s == 0, False, start=start)
+                        for s in (0, start))
+        assert later.embed - (first.embed - 8 * BATCH * N - 4) == 2 * 4 * (kv + z), start
 
 
 def test_layers_sharing_kv_keep_no_kv_in_the_planners_activations():

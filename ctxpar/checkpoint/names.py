@@ -130,7 +130,7 @@ def to_pipe(name: str, n_layers: int, tied: bool) -> str:
     m = _BLOCK.match(name)
     if m:
         return f"{int(m.group(1)) + 1}.{m.group(2)}"
-    if name.startswith("embed."):
+    if name.startswith(("embed.", "per_layer_input.")):  # the first layer's (Gemma 4's PLE)
         return ("tied_modules.embed." if tied else "0.") + name
     if name.startswith("final_norm."):
         return f"{n_layers + 1}.{name}"

@@ -26,6 +26,12 @@ def uses_kv_layers(m: ModelConfig) -> bool:
                 m.layer_scalar)
 
 
+def carries_between_stages(m: ModelConfig) -> bool:
+    """Whether a pipeline stage hands on more than x: shared K/V or per-layer inputs
+    (models/pipe_carry.py)."""
+    return bool(m.num_kv_shared_layers or m.per_layer_input_dim)
+
+
 def check_kv_layers(m: ModelConfig, p: ParallelConfig, err) -> None:
     """One line per field through err (validation's), before any collective."""
     if not uses_kv_layers(m):
@@ -73,11 +79,6 @@ def check_kv_layers(m: ModelConfig, p: ParallelConfig, err) -> None:
     if shared and (m.qk_norm_scope != "head" or m.qk_l2_norm or not m.rope or m.nope_layers):
         err(f"model.num_kv_shared_layers={shared} takes per-head q/k norms and RoPE on "
             f"every layer (no qk_norm_scope 'all_heads', qk_l2_norm or NoPE layers)")
-    if (shared or m.per_layer_input_dim) and p.pp > 1:
-        key = "num_kv_shared_layers" if shared else "per_layer_input_dim"
-        err(f"model.{key}={getattr(m, key)} with parallel.pp={p.pp}: a layer's shared K/V "
-            f"and the per-layer inputs are made on other stages than they are read; use "
-            f"pp=1")
     if (shared or m.per_layer_input_dim) and m.mtp is not None:
         err("model.mtp with model.num_kv_shared_layers or model.per_layer_input_dim: the "
             "MTP block has no shared K/V or per-layer input")

@@ -7,7 +7,7 @@ from functools import lru_cache
 from typing import List, Tuple
 
 from .moe import moe_layer_indices
-from .parameters import block_specs, embedding_spec, head_specs
+from .parameters import block_specs, embedding_spec, head_specs, per_layer_embedding_specs
 
 
 def check_stages_hold_experts(cfg, err) -> None:
@@ -34,10 +34,12 @@ def pipeline_stage_layers(m, pp: int, tp: int, ep: int, method: str) -> List[ran
     count; 'parameters': by each layer's trainable parameters on a rank, E/ep experts a
     MoE block's, with DeepSpeed's own partition_balanced)."""
     embed = embedding_spec(m).numel(tp)
+    # the first layer holds Gemma 4's per-layer input embedding too (models/gpt_pipe.py)
+    ple = sum(s.numel(tp) for s in per_layer_embedding_specs(m))
     norm = sum(s.numel(tp) for s in head_specs(m) if s.name.startswith("final_norm"))
     # the head: the tied embedding again, or lm_head (V, d) split over TP as it is
-    weights = [embed, *(sum(s.numel(tp, ep) for s in block_specs(m, i, tp))
-                        for i in range(m.n_layers)), norm, embed]
+    weights = [embed + ple, *(sum(s.numel(tp, ep) for s in block_specs(m, i, tp))
+                              for i in range(m.n_layers)), norm, embed]
     parts = _partition(tuple(weights), pp, method)
     # layer j of the list is block j - 1
     return [range(max(parts[s] - 1, 0), min(parts[s + 1] - 1, m.n_layers)) for s in range(pp)]

@@ -28,7 +28,7 @@ from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 from . import dsa_layers, mla_layers
-from .kv_layers import layer_rank_shapes, per_layer_shapes
+from .kv_layers import carried_bytes, layer_rank_shapes, per_layer_shapes
 from .moe_layers import (block_model, expert_params, mixed_mlps, moe_indices,
                          router_losses_saved, routed_saved, stage_expert_params)
 
@@ -417,7 +417,8 @@ class Activations:
     """Saved bytes of one micro-batch on one rank, by where they are made."""
 
     layers: tuple     # each block's (in order)
-    embed: int        # RoPE's cos/sin and, on the first stage, the token ids
+    embed: int        # RoPE's cos/sin; on the first stage the token ids, on a later one
+    #                   what it receives beside x (Gemma 4's: kv_layers.carried_bytes)
     head: int         # on the last stage: the final norm, the loss's saved tensors
 
     @property
@@ -472,6 +473,8 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     if first:
         embed += 8 * s.N                                   # token ids (int64)
         embed += e if m.scale_embeddings else 0             # the sqrt(d) scalar
+    else:  # Gemma 4's shared K/V and per-layer inputs received from the stage before
+        embed += carried_bytes(m, cand.tp, s.N, e, start - 1)
     head = 0
     if last:
         head += router_losses_saved(m)                      # the routers' losses (MoE)
