@@ -258,7 +258,10 @@ class TokenMeanLoss:
         if self.moe is not None:  # (..., the routers' statistics)
             *outputs, router = outputs
             outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
-            return self._loss(outputs, labels) + self._router_share(router)
+            loss = self._loss(outputs, labels)
+            if self.mtp is not None:  # model.mtp.moe: the depths' routers after the blocks'
+                router = self.mtp.add_router_stats(router, labels[0].shape[0])
+            return loss + self._router_share(router)
         return self._loss(outputs, labels)
 
     def _router_share(self, packed: torch.Tensor) -> torch.Tensor:
@@ -325,7 +328,7 @@ class GPTPipe(PipelineModule):
         # model.mtp: its depths after the head, and under an untied head the embedding's
         # copy they read, all on the last stage (models/mtp_pipe.py)
         tail = mtp_tail(cfg, LayerArgs(
-            cfg, mtp_layer_attention(cfg), cp, tp, ep_group, False, attention_backend,
+            cfg, mtp_layer_attention(cfg), cp, tp, ep_group, cfg.mtp.moe, attention_backend,
             o.linear_cp, memory or MemoryConfig(), activation_checkpointing == "selective",
             device, dtype), EmbeddingPipe, tp, **kw) if cfg.mtp is not None else []
         first = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, **tied, **kw) \
@@ -337,7 +340,8 @@ class GPTPipe(PipelineModule):
                   for i in range(cfg.n_layers)]
         loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps, memory, cfg.moe,
                                 state.dp_cp_group,
-                                MTPLoss(cfg, tp, tiled_loss) if tail else None)
+                                MTPLoss(cfg, tp, tiled_loss, (state.cp_group, state.dp_size))
+                                if tail else None)
         # no_grad: DeepSpeed broadcasts the tied weights in place while building; with grad
         # mode on, autograd records that broadcast on the parameter and warns in backward.
         with torch.no_grad():
@@ -391,14 +395,20 @@ class GPTPipe(PipelineModule):
         stage, so nothing crosses the pipeline. Collective over dp x cp."""
         blocks = [m for m in self.forward_funcs
                   if isinstance(m, BlockPipe) and isinstance(m.mlp, MoE)]
-        if blocks and self.cfg.moe.bias_update_rate:
-            counts = torch.stack([b.step_counts for b in blocks])  # (L_stage, E)
+        mtp = self.loss_fn.mtp if self.loss_fn.mtp is not None and \
+            self.loss_fn.mtp.moe_layers else None  # model.mtp.moe, the last stage: its depths
+        mlps = [b.mlp for b in blocks] + (mtp.moe_layers if mtp is not None else [])
+        if mlps and self.cfg.moe.bias_update_rate:
+            counts = torch.cat(([torch.stack([b.step_counts for b in blocks])] if blocks
+                                else []) + ([mtp.step_counts] if mtp else []))  # (L, E)
             if dist.get_world_size(self.dp_cp_group) > 1:
                 dist.all_reduce(counts, group=self.dp_cp_group)
-            for block, c in zip(blocks, counts):
-                block.mlp.update_correction_bias(c)
+            for mlp, c in zip(mlps, counts, strict=True):
+                mlp.update_correction_bias(c)
         for block in blocks:  # the next step counts afresh
             block.step_counts = None
+        if mtp is not None:
+            mtp.step_counts = None
 
     def gpt_named_parameters(self) -> Iterator:
         """(GPT's name, parameter) for every parameter of this stage, tied ones once."""

@@ -25,8 +25,14 @@ sum_k w_k S_k to the LM's sum, w_k = lambda/D N/N_k of the step (models/mtp.py):
 step's loss is LM + lambda/D sum_k S_k/N_k over dp x cp, exactly as at pp 1. The layers
 from the head on stay on the last stage whatever parallel.pp_partition gives
 (ctxpar/config/pipeline_stages.py keep_on_last_stage, which the config's checks and the
-planner read too). The MTP blocks' experts (model.mtp.moe) are refused under the pipeline
-(ctxpar/config/mtp.py): their routers' statistics do not join the pipeline's yet.
+planner read too).
+
+Under model.mtp.moe each depth's experts are one more MoE layer of the model, as at pp 1
+(models/gpt.py _moe_layers): the depths share one RouterStats per micro-batch, which the
+loss adds to the routers' statistics the stages carried (RouterStats.packed, after every
+block's, before TokenMeanLoss takes the routers' losses), with their share of the
+sequence-level loss; each depth's assignments of the step move its own correction bias
+(GPTPipe.update_router_biases, the last stage's layers after its blocks).
 """
 from __future__ import annotations
 
@@ -39,9 +45,11 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ctxpar.config import ModelConfig, rotary_dim
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
+from ctxpar.moe import RouterStats
 from ctxpar.tensor_parallel import parallel_lm_logits
 
 from .gpt import cap_logits, embed_tokens
+from .moe import MoE
 from .mtp import MTP
 from .options import LayerArgs
 
@@ -91,15 +99,26 @@ class MTPLoss:
     micro-batch): S + sum_k w_k S_k, as GPT.forward's sum at pp 1. ``sums`` keeps the
     step's S_k on this rank for the metrics (mtp_loss_k)."""
 
-    def __init__(self, cfg: ModelConfig, tp_group, tiled_loss: bool):
+    def __init__(self, cfg: ModelConfig, tp_group, tiled_loss: bool,
+                 router_groups: tuple = (None, 1)):
+        """router_groups: (the CP group, dp), for the sequence-level loss's share (as
+        gpt_pipe.BlockPipe's)."""
         self.cfg, self.tp_group, self.tiled_loss = cfg, tp_group, tiled_loss
+        self.cp_group, self.dp_size = router_groups
         self.mtp: Optional[MTP] = None      # the last stage's depths (bind)
         self.embed: Optional[nn.Module] = None  # and its copy of the embedding
         self.weights: Optional[torch.Tensor] = None  # (D,) w_k of the step
         self.sums = torch.zeros(cfg.mtp.depth)
+        # model.mtp.moe: the depths' MoE layers, this micro-batch's statistics, and each
+        # depth's assignments per expert over the step (D, E) for the bias update
+        self.moe_layers: List[MoE] = []
+        self.stats: Optional[RouterStats] = None
+        self.step_counts: Optional[torch.Tensor] = None
 
     def bind(self, mtp: MTP, embed: nn.Module) -> None:
         self.mtp, self.embed = mtp, embed
+        self.moe_layers = [layer.block.mlp for layer in mtp.layers
+                           if isinstance(layer.block.mlp, MoE)]
 
     def begin_step(self, micro: List[Dict[str, torch.Tensor]], device) -> None:
         """The step's weights (models/step_kinds.py attach_mtp_weights); sums afresh."""
@@ -120,12 +139,31 @@ class MTPLoss:
             return token_sum(cap_logits(parallel_lm_logits(h, weight, self.tp_group),
                                         self.cfg), targets)
 
+        if self.moe_layers:  # one RouterStats for every depth, as at pp 1
+            moe = self.cfg.moe
+            self.stats = RouterStats(moe.num_experts, moe.score, moe.seq_aux_loss_coef > 0)
+            for mlp in self.moe_layers:
+                mlp.stats = self.stats
         embeds = embed_tokens(self.embed.embed, mtp_tokens, self.cfg)  # (B, D, T/cp, d)
         cu = unpack_cu_seqlens(docs[0]) if docs else None
         sums = self.mtp.loss_sums(x, embeds, positions, rotary_dim(self.cfg), cu, mtp_labels,
                                   head_sum)  # (D,)
         self.sums += sums.detach()
         return head_sum(x, labels) + (self.weights * sums).sum()
+
+    def add_router_stats(self, carried: torch.Tensor, batch: int) -> torch.Tensor:
+        """The routers' statistics the stages carried (RouterStats.packed) plus the
+        depths' of the last loss_sum (under model.mtp.moe; else carried), their counts
+        added to the step's and their share of the sequence-level loss over the B dp rows
+        of the micro-batch (as gpt_pipe.BlockPipe._after_moe's)."""
+        stats, self.stats = self.stats, None
+        if stats is None:
+            return carried
+        counts = torch.stack(stats.layer_counts)  # (D, E)
+        self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+        seq = None if stats.seq is None else \
+            stats.seq.share(counts.new_tensor(float(batch * self.dp_size)), self.cp_group)
+        return stats.packed(carried, seq)
 
 
 @torch.no_grad()

@@ -1,11 +1,13 @@
 """model.mtp under the pipeline (models/mtp_pipe.py) against one process.
 
-(1) Validation without processes: MTP blocks with experts under the pipeline, and a
+(1) Validation without processes: MTP blocks' experts split over EP under the pipeline, and a
 pipeline whose stage would hold no layer once the head and the depths sit on the last
 stage, are one ConfigError line; a dense MTP block at pp 2 loads.
 (2) Parity, one spawned world of 4 gloo ranks: cp2 zigzag x pp2 (two micro-batches per
-step), untied (the embedding's copy for the depths alone), and pp2 x dp2, tied (the
-head's copy read by the depths too) under memory.tiled_loss, with packed documents whose
+step), untied (the embedding's copy for the depths alone); pp2 x dp2, tied (the head's
+copy read by the depths too) under memory.tiled_loss; cp2 zigzag x pp2 of DeepSeek-V3's
+shape with MoE MTP blocks (their routers' statistics joining the stages', the routers'
+losses and every MoE layer's correction bias after the step's update too); with packed documents whose
 boundaries fall at a CP rank's last position and one token before it: the step's loss
 (LM + lambda/D sum_k), every depth's mtp_loss_k and lm_loss as train.py logs them, and
 every gradient DeepSpeed hands the optimizer (after its dp x cp and tied-weight
@@ -21,7 +23,7 @@ import torch
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
 from ctxpar.config.mtp import MTPConfig
 from ctxpar.testing import run_distributed
-from helpers.mtp_reference import DOCS, SEED, T, make_batch, single_process
+from helpers.mtp_reference import DOCS, MOE_MTP, SEED, T, make_batch, single_process
 
 CONFIGS = {
     # a projection per depth (DeepSeek-V3's, GLM-4.5's), untied head, depth 2
@@ -34,6 +36,12 @@ CONFIGS = {
                           attention_output_gate=True, partial_rotary_factor=0.25,
                           tie_embeddings=True,
                           mtp=MTPConfig(depth=2, loss_weight=0.5, shared_projection=True)),
+    # DeepSeek-V3's: MLA, sigmoid-routed experts with groups, the correction bias and its
+    # update, a shared expert, the sequence-level loss (the load-balancing one is the
+    # softmax routers', refused at load with sigmoid); the MTP blocks MLA + those experts
+    # (model.mtp.moe), two depths
+    "moe": dataclasses.replace(MOE_MTP, moe=dataclasses.replace(MOE_MTP.moe,
+                                                                aux_loss_coef=0.0)),
 }
 # fp32: the pipelined step sums the same terms in another order (the ring's LSE merge,
 # the micro-batches, the dp x cp and tied-weight all-reduces): ~1e-7 relative measured
@@ -54,8 +62,9 @@ def test_mtp_loads_at_pp2_and_what_the_pipeline_does_not_build_is_refused_in_one
     assert cfg.model.mtp.depth == 2
     moe = {"num_experts": 4, "top_k": 2, "expert_hidden": 16}
     for model, parallel, world, msg in [
-        ({"n_layers": 2, "moe": moe, "mtp": {"moe": True}}, {"pp": 2}, 2,
-         "model.mtp.moe=true with parallel.pp=2: the MTP blocks' routers"),
+        ({"n_layers": 4, "moe": moe, "mtp": {"moe": True}},
+         {"pp": 2, "ep": 2, "pp_partition": "uniform"}, 4,
+         "model.mtp.moe=true with parallel.pp=2 and parallel.ep=2: the MTP blocks' experts"),
         # 11 layers in uniform stages of 2, 2, 2, 2, 2, 1: the head (8) on, stage 4 emptied
         ({"n_layers": 6, "tie_embeddings": False, "mtp": {"depth": 1}},
          {"pp": 6, "pp_partition": "uniform"}, 6,
@@ -73,6 +82,7 @@ def _parity(rank, world, payload):
     import deepspeed
     from ctxpar import init_parallel_state
     from ctxpar.config import deepspeed_config
+    from ctxpar.checkpoint.weights import gpt_named_buffers
     from ctxpar.data.loader import shard_batch
     from models.gpt_pipe import GPTPipe, train_step
     from models.step_kinds import attach_mtp_weights, count_step_tokens, pipeline_mtp_metrics
@@ -87,11 +97,11 @@ def _parity(rank, world, payload):
                     p.recorded = None if p.grad is None else p.grad.clone()
 
     out = []
-    for (cp, pp, dp, layout, name, tiled), tokens, labels in pickle.loads(payload):
+    for (cp, pp, dp, layout, name, tiled, mbs), tokens, labels in pickle.loads(payload):
         mcfg = CONFIGS[name]
         cfg = config_from_dict({
             "model": dataclasses.asdict(mcfg), "parallel": dict(cp=cp, pp=pp, dp=dp, layout=layout),
-            "train": dict(micro_batch_size=1, global_batch_size=tokens.shape[0], seed=SEED,
+            "train": dict(micro_batch_size=mbs, global_batch_size=tokens.shape[0], seed=SEED,
                           grad_clip=0.0),
             "memory": dict(tiled_loss=tiled, loss_tile_tokens=8),
             "data": dict(kind="tokens", path="unused"),
@@ -106,33 +116,48 @@ def _parity(rank, world, payload):
             model.parameters(), lr=0.0), config=ds_config)
         micro = []
         for m in range(gas):  # the loader's order: micro-batch m, then DP rank
-            row = m * dp + st.dp_rank
-            docs = DOCS[row:row + 1]
-            micro.append(shard_batch({"tokens": tokens[row:row + 1],
-                                      "labels": labels[row:row + 1], "cu_seqlens": docs},
+            rows = slice((m * dp + st.dp_rank) * mbs, (m * dp + st.dp_rank + 1) * mbs)
+            micro.append(shard_batch({"tokens": tokens[rows], "labels": labels[rows],
+                                      "cu_seqlens": DOCS[rows]},
                                      st, layout, mtp_depth=mcfg.mtp.depth))
         n = attach_mtp_weights(micro, count_step_tokens(micro, st), mcfg.mtp)
         loss = train_step(engine, micro, n, st)
         metrics = pipeline_mtp_metrics(model, micro, n, loss, st)
         grads = {name_: p.recorded for name_, p in model.gpt_named_parameters()}
-        out.append(dict(loss=loss, metrics=metrics, grads=grads, parts=list(model.parts)))
+        router = model.loss_fn.router  # the last stage's routers' losses (model.moe)
+        if mcfg.moe is not None:  # then the aux-free balance update of this stage's layers
+            model.update_router_biases()
+        biases = {n_: b.clone() for n_, b in gpt_named_buffers(model)}
+        out.append(dict(loss=loss, metrics=metrics, grads=grads, parts=list(model.parts),
+                        router=router, biases=biases))
     return out
 
 
-CASES = [  # (cp, pp, dp, layout, config, memory.tiled_loss), world 4
-    (2, 2, 1, "zigzag", "per_depth", False),
-    (1, 2, 2, "contiguous", "shared", True),
+CASES = [  # (cp, pp, dp, layout, config, memory.tiled_loss, micro-batch), world 4
+    (2, 2, 1, "zigzag", "per_depth", False, 1),
+    (1, 2, 2, "contiguous", "shared", True, 1),
+    # the routers' losses are a micro-batch's: one of the whole batch, as the reference
+    (2, 2, 1, "zigzag", "moe", False, 2),
 ]
 
 
 def _single(name, tokens, labels):
-    """The single-process step: loss, gradients, and each depth's token mean."""
+    """The single-process step: the LM + MTP loss, gradients, each depth's token mean,
+    and under model.moe the routers' (aux, z, sequence-level) losses and every MoE
+    layer's correction bias after the step's update."""
+    from ctxpar.data.mtp import mtp_inputs
+
     cfg = CONFIGS[name]
     loss, grads, model = single_process(cfg, tokens, labels, DOCS)
-    from ctxpar.data.mtp import mtp_inputs
     _, mtp_labels = mtp_inputs(tokens, labels, cfg.mtp.depth, DOCS)
     per_depth = model.mtp_loss_sums / (mtp_labels != -100).sum(dim=(0, 2))
-    return loss, grads, per_depth
+    router = biases = None
+    if cfg.moe is not None:
+        r = model.router_losses
+        loss, router = loss - r.share, torch.stack([r.aux_loss, r.z_loss, r.seq_aux_loss])
+        model.update_router_biases(r.layer_counts)
+        biases = {n: b for n, b in model.named_buffers() if n.endswith("correction_bias")}
+    return loss, grads, per_depth, router, biases
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +174,7 @@ def test_pipeline_mtp_loss_metrics_and_every_gradient_equal_one_process(parity):
     from ctxpar.config.pipeline_stages import pipeline_parts
 
     refs, got = parity
-    for i, (case, (loss, grads, per_depth)) in enumerate(zip(CASES, refs)):
+    for i, (case, (loss, grads, per_depth, router, biases)) in enumerate(zip(CASES, refs)):
         seen = set()
         cfg = CONFIGS[case[4]]
         lm = loss - cfg.mtp.loss_weight / cfg.mtp.depth * per_depth.sum()
@@ -166,7 +191,15 @@ def test_pipeline_mtp_loss_metrics_and_every_gradient_equal_one_process(parity):
                 assert g is not None, f"{where} {n}: no gradient"
                 torch.testing.assert_close(g, grads[n], **TOL, msg=f"{where} {n}")
                 seen.add(n)
-        assert seen == set(grads), set(grads) ^ seen
+            if router is not None and res["router"] is not None:  # the last stage's
+                torch.testing.assert_close(res["router"]["values"], router, **TOL, msg=where)
+                seen.add("router")
+            for n, b in res["biases"].items():  # this stage's layers, the depths' last
+                if n.endswith("correction_bias"):
+                    torch.testing.assert_close(b, biases[n], **TOL, msg=f"{where} {n}")
+                    seen.add(n)
+        want = set(grads) | ({"router"} | set(biases) if router is not None else set())
+        assert seen == want, want ^ seen
         assert any(n.startswith("mtp.") for n in seen)
 
 

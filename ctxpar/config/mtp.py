@@ -70,9 +70,10 @@ def check_mtp(cfg, err) -> None:
     if mtp.moe and cfg.model.moe is None:
         err("model.mtp.moe=true without model.moe: the MTP block's experts take model.moe's "
             "shape; set model.moe or model.mtp.moe=false")
-    if cfg.parallel.pp > 1 and mtp.moe:
-        err(f"model.mtp.moe=true with parallel.pp={cfg.parallel.pp}: the MTP blocks' routers "
-            f"do not join the pipeline's router statistics yet; use parallel.pp=1")
+    if cfg.parallel.pp > 1 and mtp.moe and cfg.parallel.ep > 1:
+        err(f"model.mtp.moe=true with parallel.pp={cfg.parallel.pp} and parallel.ep="
+            f"{cfg.parallel.ep}: the MTP blocks' experts are not split over the last stage's "
+            f"EP group yet; use parallel.ep=1 or parallel.pp=1")
     if cfg.data.dynamic_cp:
         err("model.mtp with data.dynamic_cp=true: the packs carry no shifted MTP inputs yet; "
             "use data.dynamic_cp=false")
