@@ -12,7 +12,8 @@ boundaries fall at a CP rank's last position and one token before it: the step's
 (LM + lambda/D sum_k), every depth's mtp_loss_k and lm_loss as train.py logs them, and
 every gradient DeepSpeed hands the optimizer (after its dp x cp and tied-weight
 all-reduces) equal the single-process GPT's (which tests/test_mtp.py holds to the
-definition); the stages' boundaries are the ones the config's checks predict.
+definition); the stages' boundaries are the ones the config's checks predict, and each
+parameter's name in the stage the one checkpoint conversion gives it (names.to_pipe).
 """
 import dataclasses
 import pickle
@@ -124,12 +125,14 @@ def _parity(rank, world, payload):
         loss = train_step(engine, micro, n, st)
         metrics = pipeline_mtp_metrics(model, micro, n, loss, st)
         grads = {name_: p.recorded for name_, p in model.gpt_named_parameters()}
+        pipe_name = {id(p): name_ for name_, p in model.named_parameters()}
+        names = {name_: pipe_name[id(p)] for name_, p in model.gpt_named_parameters()}
         router = model.loss_fn.router  # the last stage's routers' losses (model.moe)
         if mcfg.moe is not None:  # then the aux-free balance update of this stage's layers
             model.update_router_biases()
         biases = {n_: b.clone() for n_, b in gpt_named_buffers(model)}
         out.append(dict(loss=loss, metrics=metrics, grads=grads, parts=list(model.parts),
-                        router=router, biases=biases))
+                        router=router, biases=biases, names=names))
     return out
 
 
@@ -171,6 +174,7 @@ def parity():
 
 
 def test_pipeline_mtp_loss_metrics_and_every_gradient_equal_one_process(parity):
+    from ctxpar.checkpoint.names import pipeline_ties_embedding, to_pipe
     from ctxpar.config.pipeline_stages import pipeline_parts
 
     refs, got = parity
@@ -187,6 +191,8 @@ def test_pipeline_mtp_loss_metrics_and_every_gradient_equal_one_process(parity):
                                            per_depth[k], **TOL, msg=where)
             torch.testing.assert_close(torch.tensor(metrics["lm_loss"]), lm, **TOL, msg=where)
             assert res["parts"] == pipeline_parts(cfg, case[1], 1, 1, "parameters"), where
+            for n, pipe in res["names"].items():  # the checkpoints' names (names.py)
+                assert to_pipe(n, cfg.n_layers, pipeline_ties_embedding(cfg)) == pipe, (where, n)
             for n, g in res["grads"].items():  # this stage's, the embedding's on both ends
                 assert g is not None, f"{where} {n}: no gradient"
                 torch.testing.assert_close(g, grads[n], **TOL, msg=f"{where} {n}")
