@@ -227,7 +227,10 @@ class TokenMeanLoss:
     is added times dp*cp, as models/moe_steps.py adds it without a pipeline, and the
     step's values are kept for the metrics (``router``).
     It takes the head's logits, or under memory.tiled_loss the head's (input, weight) and
-    runs head and loss together one tile of tokens at a time (same S).
+    runs head and loss together one tile of tokens at a time (same S). Under model.mtp
+    (``mtp``, models/mtp_pipe.py) it takes the head's (input, weight) and labels with the
+    depths' inputs, and S adds the depths' weighted sums (their routers' statistics, under
+    model.mtp.moe, join the carried ones before the routers' losses are taken).
     DeepSpeed's pipeline engine divides by gas in backward and averages gradients over
     its 'data' group, dp x cp (docs/parallelism.md, "Pipeline (4D)"), so the applied
     gradient is sum dS / N, the gradient of the global token mean. S is also summed here
