@@ -5,13 +5,14 @@ pipeline whose stage would hold no layer once the head and the depths sit on the
 stage, are one ConfigError line; a dense MTP block at pp 2 loads.
 (2) Parity, one spawned world of 4 gloo ranks: cp2 zigzag x pp2 (two micro-batches per
 step), untied (the embedding's copy for the depths alone); pp2 x dp2, tied (the head's
-copy read by the depths too) under memory.tiled_loss; cp2 zigzag x pp2 of DeepSeek-V3's
+copy read by the depths too) under memory.tiled_loss; tp2 x pp2 (the copy and the
+depths split over TP, the tied gradient reduced per TP rank); cp2 zigzag x pp2 of DeepSeek-V3's
 shape with MoE MTP blocks (their routers' statistics joining the stages', the routers'
 losses and every MoE layer's correction bias after the step's update too); with packed documents whose
 boundaries fall at a CP rank's last position and one token before it: the step's loss
 (LM + lambda/D sum_k), every depth's mtp_loss_k and lm_loss as train.py logs them, and
 every gradient DeepSpeed hands the optimizer (after its dp x cp and tied-weight
-all-reduces) equal the single-process GPT's (which tests/test_mtp.py holds to the
+all-reduces, gathered over TP) equal the single-process GPT's (which tests/test_mtp.py holds to the
 definition); the stages' boundaries are the ones the config's checks predict, and each
 parameter's name in the stage the one checkpoint conversion gives it (names.to_pipe).
 """
@@ -98,10 +99,11 @@ def _parity(rank, world, payload):
                     p.recorded = None if p.grad is None else p.grad.clone()
 
     out = []
-    for (cp, pp, dp, layout, name, tiled, mbs), tokens, labels in pickle.loads(payload):
+    for (tp, cp, pp, dp, layout, name, tiled, mbs), tokens, labels in pickle.loads(payload):
         mcfg = CONFIGS[name]
         cfg = config_from_dict({
-            "model": dataclasses.asdict(mcfg), "parallel": dict(cp=cp, pp=pp, dp=dp, layout=layout),
+            "model": dataclasses.asdict(mcfg),
+            "parallel": dict(tp=tp, cp=cp, pp=pp, dp=dp, layout=layout),
             "train": dict(micro_batch_size=mbs, global_batch_size=tokens.shape[0], seed=SEED,
                           grad_clip=0.0),
             "memory": dict(tiled_loss=tiled, loss_tile_tokens=8),
@@ -109,7 +111,7 @@ def _parity(rank, world, payload):
             "deepspeed": {"zero_optimization": {"stage": 0},
                           "zero_allow_untested_optimizer": True},
         }, world_size=world, check_paths=False)
-        st = init_parallel_state(tp=1, cp=cp, pp=pp, dp=dp, order=cfg.parallel.order)
+        st = init_parallel_state(tp=tp, cp=cp, pp=pp, dp=dp, order=cfg.parallel.order)
         ds_config = deepspeed_config(cfg, st.dp_size)
         gas = ds_config["gradient_accumulation_steps"]
         model = GPTPipe.from_config(cfg, st, gas)
@@ -124,7 +126,9 @@ def _parity(rank, world, payload):
         n = attach_mtp_weights(micro, count_step_tokens(micro, st), mcfg.mtp)
         loss = train_step(engine, micro, n, st)
         metrics = pipeline_mtp_metrics(model, micro, n, loss, st)
-        grads = {name_: p.recorded for name_, p in model.gpt_named_parameters()}
+        for p in model.parameters():  # what step() was handed, gathered over TP
+            p.grad = p.recorded
+        grads = model.full_state_dict(grads=True)
         pipe_name = {id(p): name_ for name_, p in model.named_parameters()}
         names = {name_: pipe_name[id(p)] for name_, p in model.gpt_named_parameters()}
         router = model.loss_fn.router  # the last stage's routers' losses (model.moe)
@@ -136,11 +140,12 @@ def _parity(rank, world, payload):
     return out
 
 
-CASES = [  # (cp, pp, dp, layout, config, memory.tiled_loss, micro-batch), world 4
-    (2, 2, 1, "zigzag", "per_depth", False, 1),
-    (1, 2, 2, "contiguous", "shared", True, 1),
+CASES = [  # (tp, cp, pp, dp, layout, config, memory.tiled_loss, micro-batch), world 4
+    (1, 2, 2, 1, "zigzag", "per_depth", False, 1),
+    (1, 1, 2, 2, "contiguous", "shared", True, 1),
+    (2, 1, 2, 1, "contiguous", "per_depth", False, 1),
     # the routers' losses are a micro-batch's: one of the whole batch, as the reference
-    (2, 2, 1, "zigzag", "moe", False, 2),
+    (1, 2, 2, 1, "zigzag", "moe", False, 2),
 ]
 
 
@@ -167,10 +172,10 @@ def _single(name, tokens, labels):
 def parity():
     runs, refs = [], []
     for case in CASES:
-        tokens, labels = make_batch(CONFIGS[case[4]])
+        tokens, labels = make_batch(CONFIGS[case[5]])
         runs.append((case, tokens, labels))
-        refs.append(_single(case[4], tokens, labels))
-    return refs, run_distributed(_parity, 4, pickle.dumps(runs), timeout=300)
+        refs.append(_single(case[5], tokens, labels))
+    return refs, run_distributed(_parity, 4, pickle.dumps(runs), timeout=400)
 
 
 def test_pipeline_mtp_loss_metrics_and_every_gradient_equal_one_process(parity):
@@ -180,17 +185,18 @@ def test_pipeline_mtp_loss_metrics_and_every_gradient_equal_one_process(parity):
     refs, got = parity
     for i, (case, (loss, grads, per_depth, router, biases)) in enumerate(zip(CASES, refs)):
         seen = set()
-        cfg = CONFIGS[case[4]]
+        cfg = CONFIGS[case[5]]
         lm = loss - cfg.mtp.loss_weight / cfg.mtp.depth * per_depth.sum()
         for rank, result in enumerate(got):
-            res, where = result[i], "rank {} cp{} pp{} dp{} {} {} tiled={}".format(rank, *case)
+            res, where = result[i], "rank {} tp{} cp{} pp{} dp{} {} {} tiled={} mbs={}".format(
+                rank, *case)
             torch.testing.assert_close(res["loss"], loss, **TOL, msg=where)
             metrics = res["metrics"]  # every stage logs the last stage's
             for k in range(cfg.mtp.depth):
                 torch.testing.assert_close(torch.tensor(metrics[f"mtp_loss_{k + 1}"]),
                                            per_depth[k], **TOL, msg=where)
             torch.testing.assert_close(torch.tensor(metrics["lm_loss"]), lm, **TOL, msg=where)
-            assert res["parts"] == pipeline_parts(cfg, case[1], 1, 1, "parameters"), where
+            assert res["parts"] == pipeline_parts(cfg, case[2], case[0], 1, "parameters"), where
             for n, pipe in res["names"].items():  # the checkpoints' names (names.py)
                 assert to_pipe(n, cfg.n_layers, pipeline_ties_embedding(cfg)) == pipe, (where, n)
             for n, g in res["grads"].items():  # this stage's, the embedding's on both ends
