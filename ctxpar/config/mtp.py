@@ -39,8 +39,8 @@ class MTPConfig:
     (DeepSeek-V3, GLM-4.5, Qwen3-Next: transformers' get_mtp_config makes every MTP layer a
     MoE one), one more MoE layer of the model: its router's losses and balance update are
     taken with the main layers' (models/gpt.py), its experts split over parallel.ep as
-    theirs (parallel.pp 1 only: under the pipeline its routers' statistics do not join
-    the stages' yet); false: the dense MLP (model.mlp, model.ffn_hidden; Qwen3.5)."""
+    theirs (under the pipeline, on the last stage, at parallel.ep 1 only); false: the
+    dense MLP (model.mlp, model.ffn_hidden; Qwen3.5)."""
     shared_projection: bool = False
     """One projection (fc) and one pair of input norms and output norm for every depth
     (Qwen3.5, Qwen3-Next: mtp.fc, mtp.pre_fc_norm_*, mtp.norm); false: each depth its own
