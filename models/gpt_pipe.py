@@ -450,8 +450,12 @@ def pipeline_batches(micro: List[Dict[str, torch.Tensor]]) -> Iterator:
     model.mtp with the depths' inputs: mtp_pipe.stage_labels); every rank passes the same
     micro-batches (they all read the same samples of their DP rank).
     """
-    return iter([(stage_inputs(mb), stage_labels(mb) if "mtp_tokens" in mb else mb["labels"])
-                 for mb in micro])
+    out = []
+    for mb in micro:
+        inputs = stage_inputs(mb)  # (tokens, positions[, documents])
+        out.append((inputs, stage_labels(mb, inputs[2:]) if "mtp_tokens" in mb
+                    else mb["labels"]))
+    return iter(out)
 
 
 def train_step(engine, micro: List[Dict[str, torch.Tensor]], n_tokens: torch.Tensor,

@@ -24,8 +24,8 @@ its input on; the last stage's loss (TokenMeanLoss with an MTPLoss) runs them an
 sum_k w_k S_k to the LM's sum, w_k = lambda/D N/N_k of the step (models/mtp.py): the
 step's loss is LM + lambda/D sum_k S_k/N_k over dp x cp, exactly as at pp 1. The layers
 from the head on stay on the last stage whatever parallel.pp_partition gives
-(ctxpar/config/pipeline_stages.py keep_on_last_stage, which the config's checks and the
-planner read too).
+(ctxpar/config/pipeline_stages.py keep_on_last_stage, which the config's checks read
+too).
 
 Under model.mtp.moe each depth's experts are one more MoE layer of the model, as at pp 1
 (models/gpt.py _moe_layers): the depths share one RouterStats per micro-batch, which the
@@ -45,7 +45,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ctxpar.config import ModelConfig, rotary_dim
-from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
+from ctxpar.context_parallel.documents import unpack_cu_seqlens
 from ctxpar.moe import RouterStats
 from ctxpar.tensor_parallel import parallel_lm_logits
 
@@ -85,14 +85,11 @@ def mtp_tail(cfg: ModelConfig, args: LayerArgs, embedding: type, tp_group, **kw)
     return tail
 
 
-def stage_labels(mb: Dict[str, torch.Tensor]) -> tuple:
+def stage_labels(mb: Dict[str, torch.Tensor], documents: tuple) -> tuple:
     """The last stage's side of a micro-batch under model.mtp: (labels, positions,
-    mtp_tokens, mtp_labels[, packed document boundaries])."""
-    out = (mb["labels"], mb["positions"], mb["mtp_tokens"], mb["mtp_labels"])
-    if "cu_seqlens" not in mb:
-        return out
-    seq_len = int(mb["cu_seqlens"][0][-1])  # every sample's boundaries end at T
-    return (*out, pack_cu_seqlens(mb["cu_seqlens"], seq_len).to(mb["labels"].device))
+    mtp_tokens, mtp_labels[, packed document boundaries]); documents: the first stage's
+    packed boundaries, () without (gpt_pipe.stage_inputs)."""
+    return (mb["labels"], mb["positions"], mb["mtp_tokens"], mb["mtp_labels"], *documents)
 
 
 class MTPLoss:
