@@ -32,8 +32,9 @@ Under model.mtp.moe each depth's experts are one more MoE layer of the model, as
 loss adds to the routers' statistics the stages carried (RouterStats.packed, after every
 block's, before TokenMeanLoss takes the routers' losses), with their share of the
 sequence-level loss; each depth's assignments of the step move its own correction bias
-(GPTPipe.update_router_biases, the last stage's layers after its blocks). Their experts
-split over EP under the pipeline are refused at load (ctxpar/config/mtp.py).
+(GPTPipe.update_router_biases, the last stage's layers after its blocks). The pipeline
+with experts split over EP (parallel.ep > 1) and model.mtp is refused at load
+(ctxpar/config/mtp.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """model.mtp under the pipeline (models/mtp_pipe.py) against one process.
 
-(1) Validation without processes: MTP blocks' experts split over EP under the pipeline, and a
+(1) Validation without processes: MTP layers beside experts split over EP under the pipeline, and a
 pipeline whose stage would hold no layer once the head and the depths sit on the last
 stage, are one ConfigError line; a dense MTP block at pp 2 loads.
 (2) Parity, one spawned world of 4 gloo ranks: cp2 zigzag x pp2 (two micro-batches per
@@ -66,7 +66,7 @@ def test_mtp_loads_at_pp2_and_what_the_pipeline_does_not_build_is_refused_in_one
     for model, parallel, world, msg in [
         ({"n_layers": 4, "moe": moe, "mtp": {"moe": True}},
          {"pp": 2, "ep": 2, "pp_partition": "uniform"}, 4,
-         "model.mtp.moe=true with parallel.pp=2 and parallel.ep=2: the MTP blocks' experts"),
+         "model.mtp with parallel.pp=2 and parallel.ep=2: the MTP layers on the last stage"),
         # 11 layers in uniform stages of 2, 2, 2, 2, 2, 1: the head (8) on, stage 4 emptied
         ({"n_layers": 6, "tie_embeddings": False, "mtp": {"depth": 1}},
          {"pp": 6, "pp_partition": "uniform"}, 6,
