@@ -269,9 +269,9 @@ class GPT(nn.Module):
         if self.mtp is None or mtp_labels is None:
             raise ValueError("GPT: mtp_tokens given without model.mtp or without mtp_labels")
         # one embedding lookup for every depth's ids: (B, D, T/cp) -> (B, D, T/cp, d)
-        embeds = embed_tokens(self.embed, mtp_tokens, self.cfg).unbind(1)
-        hidden = self.mtp.hidden_states(x, embeds, positions, rotary_dim(self.cfg), cu_seqlens)
-        sums = torch.stack([self.loss_sum(h, mtp_labels[:, k]) for k, h in enumerate(hidden)])
+        embeds = embed_tokens(self.embed, mtp_tokens, self.cfg)
+        sums = self.mtp.loss_sums(x, embeds, positions, rotary_dim(self.cfg), cu_seqlens,
+                                  mtp_labels, self.loss_sum)
         self.mtp_loss_sums = sums.detach()
         if mtp_weights is None:  # lambda/D each: N_k taken as N
             mtp_weights = torch.full_like(sums, self.cfg.mtp.loss_weight / self.cfg.mtp.depth)

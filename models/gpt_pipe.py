@@ -25,7 +25,8 @@ loss to back-propagate. With memory.tiled_loss the head returns its input and we
 instead, and ``TokenMeanLoss`` makes the logits one tile of tokens at a time
 (ctxpar/memory/tiled_loss.py): the last stage never holds them whole. Tied embeddings
 are one ``TiedLayerSpec`` on the first and last stage (DeepSpeed all-reduces the tied
-gradient between them).
+gradient between them). model.mtp adds its depths after the head, on the last stage, and
+the loss runs them (models/mtp_pipe.py).
 
     model = GPTPipe.from_config(cfg, state, gas)     # this rank's stage only
     engine, *_ = deepspeed.initialize(model=model, optimizer=..., config=...)  # no mpu=
@@ -49,7 +50,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, MemoryConfig, ModelConfig, layer_attention
 from ctxpar.config.moe import moe_layer_indices
-from ctxpar.config.pipeline_stages import pipeline_stage_layers
+from ctxpar.config.layers import mtp_layer_attention
+from ctxpar.config.pipeline_stages import keep_on_last_stage, pipeline_stage_layers
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.documents import pack_cu_seqlens, unpack_cu_seqlens
 from ctxpar.distributed.deepspeed_comm import init_deepspeed_comm
@@ -69,6 +71,7 @@ from models.gpt import (block_recomputed, cap_logits, check_checkpoint_mode, emb
                         init_parameters_)
 from models.loss import global_mean_loss, loss_for_backward
 from models.moe import MoE
+from models.mtp_pipe import MTPLoss, MTPPipe, mtp_tail, stage_labels
 from models.norms import make_norm
 from models.options import LayerArgs, ModelOptions
 from models.per_layer_input import PerLayerInput
@@ -229,7 +232,8 @@ class FinalNormPipe(nn.Module):
 
 class LMHeadPipe(nn.Module):
     """Untied head: x (B, T/cp, d) -> logits (B, T/cp, V/tp), column-parallel; with
-    ``tiled_loss``, (x, weight (V/tp, d)) for TokenMeanLoss to make the logits tile by tile."""
+    ``tiled_loss`` (or model.mtp), (x, weight (V/tp, d)) for TokenMeanLoss to make the
+    logits tile by tile (or every depth's, models/mtp_pipe.py)."""
 
     gpt_prefix = ""  # parameter 'lm_head.weight', as in GPT
 
@@ -259,7 +263,10 @@ class TokenMeanLoss:
     with the indexer's sums: S adds loss_weight x the KL sum, as GPT.forward's does
     (``indexer``: models/dsa_pipe.py's IndexerLoss).
     It takes the head's logits, or under memory.tiled_loss the head's (input, weight) and
-    runs head and loss together one tile of tokens at a time (same S).
+    runs head and loss together one tile of tokens at a time (same S). Under model.mtp
+    (``mtp``, models/mtp_pipe.py) it takes the head's (input, weight) and labels with the
+    depths' inputs, and S adds the depths' weighted sums (their routers' statistics, under
+    model.mtp.moe, join the carried ones before the routers' losses are taken).
     DeepSpeed's pipeline engine divides by gas in backward and averages gradients over
     its 'data' group, dp x cp (docs/parallelism.md, "Pipeline (4D)"), so the applied
     gradient is sum dS / N, the gradient of the global token mean. S is also summed here
@@ -268,27 +275,35 @@ class TokenMeanLoss:
 
     def __init__(self, tp_group, reduce_size: int, grad_accum_steps: int,
                  memory: Optional[MemoryConfig] = None, moe=None, dp_cp_group=None,
-                 indexer=None):
+                 indexer=None, mtp: Optional[MTPLoss] = None):
         self.tp_group, self.reduce_size, self.gas = tp_group, reduce_size, grad_accum_steps
         self.memory = memory or MemoryConfig()
         self.moe, self.dp_cp_group = moe, dp_cp_group  # model.moe's routers' losses
         self.indexer = indexer  # model.dsa's indexer loss (an IndexerLoss), or None
+        self.mtp = mtp  # model.mtp: the depths' losses beside the LM's (models/mtp_pipe.py)
         self.n_tokens: Optional[torch.Tensor] = None
         self.loss_sum = torch.zeros(())
         self.router: Optional[dict] = None
 
-    def begin_step(self, n_tokens: torch.Tensor) -> None:
+    def begin_step(self, n_tokens: torch.Tensor, micro=None) -> None:
+        """N of the step; micro: its micro-batches (model.mtp reads the depths' weights)."""
         self.n_tokens = n_tokens
         self.loss_sum = torch.zeros((), device=n_tokens.device)
         self.router = None
         if self.indexer is not None:
             self.indexer.begin_step()
+        if self.mtp is not None:
+            self.mtp.begin_step(micro, n_tokens.device)
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         assert self.n_tokens is not None, "begin_step(n_tokens) before train_batch"
         outputs, router, index = self._split(outputs)
         loss = self._loss(outputs, labels, index)
-        return loss if router is None else loss + self._router_share(router)
+        if router is None:
+            return loss
+        if self.mtp is not None:  # model.mtp.moe: the depths' routers after the blocks'
+            router = self.mtp.add_router_stats(router, labels[0].shape[0])
+        return loss + self._router_share(router)
 
     def _split(self, outputs):
         """The head's outputs -> (logits or (x, weight), routers' statistics or None,
@@ -315,17 +330,25 @@ class TokenMeanLoss:
             self.router["counts"] += r.tokens_per_expert
         return r.share * self.reduce_size
 
-    def _loss(self, outputs, labels: torch.Tensor, index=None) -> torch.Tensor:
+    def _loss(self, outputs, labels, index=None) -> torch.Tensor:
+        if self.mtp is not None:  # the head's (x, weight); labels: mtp_pipe.stage_labels'
+            s = self.mtp.loss_sum(outputs, labels, self._token_sum)
+        else:
+            s = self._token_sum(outputs, labels)
+        if index is not None:  # + loss_weight x the indexer's KL sum (models/dsa_pipe.py)
+            s = self.indexer.add(s, index)
+        self.loss_sum += s.detach()
+        return loss_for_backward(s, self.n_tokens, self.reduce_size, self.gas)
+
+    def _token_sum(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        """S: the fp32 sum of the token losses of the head's output."""
         if self.memory.tiled_loss:
             x, weight = outputs  # (B, T/cp, d), (V/tp, d): the head's input and weight
             s = tiled_vocab_parallel_cross_entropy(x, weight, labels, self.tp_group,
                                                    self.memory.loss_tile_tokens, reduction="sum")
         else:  # outputs: the logits (B, T/cp, V/tp)
             s = vocab_parallel_cross_entropy(outputs, labels, self.tp_group).sum()  # fp32
-        if index is not None:  # + loss_weight x the indexer's KL sum (models/dsa_pipe.py)
-            s = self.indexer.add(s, index)
-        self.loss_sum += s.detach()
-        return loss_for_backward(s, self.n_tokens, self.reduce_size, self.gas)
+        return s
 
 
 class GPTPipe(PipelineModule):
@@ -345,30 +368,41 @@ class GPTPipe(PipelineModule):
         tp, cp = state.tp_group, ContextParallel.from_state(state, cp_comm, layout,
                                                                 ring_grad_dtype)
         kw = dict(device=device, dtype=dtype)
-        tiled_loss = memory is not None and memory.tiled_loss  # the head hands on (x, weight)
+        tiled_loss = memory is not None and memory.tiled_loss
+        hands_on = tiled_loss or cfg.mtp is not None  # the head hands on (x, weight)
+        tied = dict(tied_weight_attr=["embed.weight"])
         if cfg.tie_embeddings:
-            tied = dict(tied_weight_attr=["embed.weight"])
-            first = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, **tied, **kw)
-            head = tied_head_input if tiled_loss else tied_lm_head
+            head = tied_head_input if hands_on else tied_lm_head
             last = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, forward_fn=head, **tied, **kw,
                                  per_layer_input=False)
         else:
-            first = LayerSpec(EmbeddingPipe, cfg, tp, **kw)
-            last = LayerSpec(LMHeadPipe, cfg, tp, tiled_loss, **kw)
+            last = LayerSpec(LMHeadPipe, cfg, tp, hands_on, **kw)
         offload = ActivationOffload() if memory and memory.offload_activations else None
         # under EP a stage's experts are split over its EP group (folded into dp x cp)
         ep_group = state.ep_group if state.ep_size > 1 else None
+        # model.mtp: its depths after the head, and under an untied head the embedding's
+        # copy they read, all on the last stage (models/mtp_pipe.py)
+        tail = mtp_tail(cfg, LayerArgs(
+            cfg, mtp_layer_attention(cfg), cp, tp, ep_group, cfg.mtp.moe, attention_backend,
+            o.linear_cp, memory or MemoryConfig(), activation_checkpointing == "selective",
+            device, dtype), EmbeddingPipe, tp, per_layer_input=False, **kw) \
+            if cfg.mtp is not None else []
+        first = TiedLayerSpec("embed", EmbeddingPipe, cfg, tp, **tied, **kw) \
+            if cfg.tie_embeddings or tail else LayerSpec(EmbeddingPipe, cfg, tp, **kw)
         blocks = [LayerSpec(BlockPipe, cfg, i, tp, cp, attention_backend,
                             activation_checkpointing, every_n_layers, memory=memory,
                             offload=offload, linear_cp=o.linear_cp, ep_group=ep_group,
                             router_groups=(state.cp_group, state.dp_size), **kw)
                   for i in range(cfg.n_layers)]
         loss_fn = TokenMeanLoss(tp, state.dp_cp_size, grad_accum_steps, memory, cfg.moe,
-                                state.dp_cp_group, indexer_loss_of(cfg))
+                                state.dp_cp_group, indexer_loss_of(cfg),
+                                MTPLoss(cfg, tp, tiled_loss, (state.cp_group, state.dp_size))
+                                if tail else None)
         # no_grad: DeepSpeed broadcasts the tied weights in place while building; with grad
         # mode on, autograd records that broadcast on the parameter and warns in backward.
         with torch.no_grad():
-            super().__init__(layers=[first, *blocks, LayerSpec(FinalNormPipe, cfg, **kw), last],
+            super().__init__(layers=[first, *blocks, LayerSpec(FinalNormPipe, cfg, **kw), last,
+                                     *tail],
                              topology=pipeline_topology(state.order, state.sizes),
                              loss_fn=loss_fn, partition_method=partition_method,
                              activation_checkpoint_interval=0)  # checkpointing is per block
@@ -385,6 +419,9 @@ class GPTPipe(PipelineModule):
         self.memory = memory or MemoryConfig()  # tiled loss / MLP, activation offload
         self.offload = offload  # shared by this stage's blocks
         self.init_weights(o.seed)
+        if tail and state.is_pp_last_stage:  # the loss runs the depths on this stage
+            depths = next(m for m in self.forward_funcs if isinstance(m, MTPPipe))
+            loss_fn.mtp.bind(depths.mtp, self.tied_modules["embed"])
         self.warmup = DSATail(cfg).warmup  # model.dsa's dense warm-up
         if self.warmup:
             freeze_all_but_indexers(self)  # the report's warm-up, as GPT: only indexers learn
@@ -396,6 +433,18 @@ class GPTPipe(PipelineModule):
             return super().forward(forward_input)
         return warmup_stage(super().forward, forward_input,
                             self.stage_id == self.num_stages - 1)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        """DeepSpeed's partition; under model.mtp the head and the layers after it moved to
+        the last stage (keep_on_last_stage: the config's checks and the planner read the
+        same)."""
+        super()._partition_layers(method)
+        specs = self._layer_specs
+        if any(getattr(s, "typename", None) is MTPPipe for s in specs):
+            head = next(i for i, s in enumerate(specs) if getattr(s, "typename", None)
+                        is MTPPipe) - 1
+            self.parts = keep_on_last_stage(self.parts, head)
+            self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
 
     @classmethod
     def from_config(cls, cfg: Config, state, grad_accum_steps: int, device=None,
@@ -413,14 +462,20 @@ class GPTPipe(PipelineModule):
         stage, so nothing crosses the pipeline. Collective over dp x cp."""
         blocks = [m for m in self.forward_funcs
                   if isinstance(m, BlockPipe) and isinstance(m.mlp, MoE)]
-        if blocks and self.cfg.moe.bias_update_rate:
-            counts = torch.stack([b.step_counts for b in blocks])  # (L_stage, E)
+        mtp = self.loss_fn.mtp if self.loss_fn.mtp is not None and \
+            self.loss_fn.mtp.moe_layers else None  # model.mtp.moe, the last stage: its depths
+        mlps = [b.mlp for b in blocks] + (mtp.moe_layers if mtp is not None else [])
+        if mlps and self.cfg.moe.bias_update_rate:
+            counts = torch.cat(([torch.stack([b.step_counts for b in blocks])] if blocks
+                                else []) + ([mtp.step_counts] if mtp else []))  # (L, E)
             if dist.get_world_size(self.dp_cp_group) > 1:
                 dist.all_reduce(counts, group=self.dp_cp_group)
-            for block, c in zip(blocks, counts):
-                block.mlp.update_correction_bias(c)
+            for mlp, c in zip(mlps, counts, strict=True):
+                mlp.update_correction_bias(c)
         for block in blocks:  # the next step counts afresh
             block.step_counts = None
+        if mtp is not None:
+            mtp.step_counts = None
 
     def gpt_named_parameters(self) -> Iterator:
         """(GPT's name, parameter) for every parameter of this stage, tied ones once."""
@@ -455,10 +510,16 @@ def stage_inputs(mb: Dict[str, torch.Tensor]) -> tuple:
 def pipeline_batches(micro: List[Dict[str, torch.Tensor]]) -> Iterator:
     """What train_batch pulls: ((tokens, positions[, documents]), labels) per micro-batch.
 
-    Only the first stage reads the inputs and only the last stage the labels; every rank
-    passes the same micro-batches (they all read the same samples of their DP rank).
+    Only the first stage reads the inputs and only the last stage the labels (under
+    model.mtp with the depths' inputs: mtp_pipe.stage_labels); every rank passes the same
+    micro-batches (they all read the same samples of their DP rank).
     """
-    return iter([(stage_inputs(mb), mb["labels"]) for mb in micro])
+    out = []
+    for mb in micro:
+        inputs = stage_inputs(mb)  # (tokens, positions[, documents])
+        out.append((inputs, stage_labels(mb, inputs[2:]) if "mtp_tokens" in mb
+                    else mb["labels"]))
+    return iter(out)
 
 
 def train_step(engine, micro: List[Dict[str, torch.Tensor]], n_tokens: torch.Tensor,
@@ -466,7 +527,7 @@ def train_step(engine, micro: List[Dict[str, torch.Tensor]], n_tokens: torch.Ten
     """One optimizer step through the pipeline; returns the global token-mean loss on every
     rank (collective). n_tokens: N of the step over dp x cp (models.loss.global_token_count)."""
     loss_fn = engine.module.loss_fn
-    loss_fn.begin_step(n_tokens)
+    loss_fn.begin_step(n_tokens, micro)
     engine.train_batch(pipeline_batches(micro))
     return pipeline_mean_loss(loss_fn.loss_sum, n_tokens, state)
 
@@ -523,6 +584,7 @@ def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor],
     tail = int(cfg.moe is not None) + int(dsa.sums)  # routers' statistics, indexer sums: unused
     if tail and isinstance(out, tuple):
         out = out[:-tail] if len(out) > tail + 1 else out[0]
-    if model.memory.tiled_loss:  # (x, weight) for the tiled loss
-        return HeadInputs(*out) if head_inputs else parallel_lm_logits(*out, model.tp_group)
+    if isinstance(out, tuple):  # (x, weight): the tiled loss's or model.mtp's head
+        return HeadInputs(*out) if head_inputs else \
+            cap_logits(parallel_lm_logits(*out, model.tp_group), cfg)
     return out

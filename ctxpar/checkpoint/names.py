@@ -29,10 +29,13 @@ With model.post_norms (Gemma 2/3) Hugging Face names the norms by place instead:
 
     final_norm.weight            {L+1}.final_norm.weight           model.norm.weight
     lm_head.weight (untied)      {L+2}.lm_head.weight              lm_head.weight
+    mtp.layers.{k}.* (model.mtp) {L+3}.mtp.layers.{k}.*            the family's (below)
 
 DeepSpeed's PipelineModule names a layer by its index in the flat layer list
-(embedding | L blocks | final norm | head), so pipeline names do not depend on pp or on
-how layers are partitioned into stages; the tied embedding lives under ``tied_modules``.
+(embedding | L blocks | final norm | head [| model.mtp's depths]), so pipeline names do
+not depend on pp or on how layers are partitioned into stages; the tied embedding lives
+under ``tied_modules`` (under model.mtp an untied head's too: the depths read a copy of it
+on the last stage, models/mtp_pipe.py; pipeline_ties_embedding).
 The q/k weights need no permutation for Hugging Face: ctxpar's RoPE rotates the channel
 pairs (i, i + hd/2) ("rotate half"), the convention of HF's Llama implementation.
 """
@@ -125,8 +128,15 @@ def _translate(name: str, block: re.Pattern, to_prefix: str, in_block, top) -> s
     raise KeyError(name)
 
 
+def pipeline_ties_embedding(m) -> bool:
+    """Whether GPTPipe ties the embedding between its first and last stage (``tied`` of
+    to_pipe): a tied head, or model.mtp's depths reading it on the last stage."""
+    return m.tie_embeddings or m.mtp is not None
+
+
 def to_pipe(name: str, n_layers: int, tied: bool) -> str:
-    """GPT name -> the pipeline module's name for the same parameter."""
+    """GPT name -> the pipeline module's name for the same parameter (tied:
+    pipeline_ties_embedding)."""
     m = _BLOCK.match(name)
     if m:
         return f"{int(m.group(1)) + 1}.{m.group(2)}"
@@ -136,6 +146,8 @@ def to_pipe(name: str, n_layers: int, tied: bool) -> str:
         return f"{n_layers + 1}.{name}"
     if name.startswith("lm_head."):
         return f"{n_layers + 2}.{name}"
+    if name.startswith("mtp."):
+        return f"{n_layers + 3}.{name}"
     raise KeyError(f"{name!r} is not a GPT parameter name")
 
 
@@ -149,8 +161,8 @@ def from_pipe(name: str, n_layers: int) -> str:
     index, rest = int(m.group(1)), m.group(2)
     if 1 <= index <= n_layers:
         return f"layers.{index - 1}.{rest}"
-    if index in (0, n_layers + 1, n_layers + 2):
-        return rest  # embed.*, final_norm.*, lm_head.*
+    if index in (0, n_layers + 1, n_layers + 2, n_layers + 3):
+        return rest  # embed.*, final_norm.*, lm_head.*, mtp.*
     raise KeyError(f"{name!r}: layer {index} is not in a {n_layers}-block pipeline")
 
 

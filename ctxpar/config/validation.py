@@ -15,7 +15,7 @@ from .kv_layers import check_kv_layers
 from .layers import check_layers, gated_delta_dims, mamba_dims
 from .dsa import check_dsa
 from .mla import check_mla
-from .pipeline_stages import check_stages_hold_experts
+from .pipeline_stages import check_mtp_stages, check_stages_hold_experts
 from .moe import check_moe
 from .mtp import check_mtp
 from .sections import (CHOICES, HF_FAMILIES, ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, Config,
@@ -55,6 +55,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     check_mla(cfg.model, cfg.parallel.tp, err)
     check_dsa(cfg, err)
     check_mtp(cfg, err)
+    check_mtp_stages(cfg, err)  # under the pipeline: the last stage's share
     _check_deepspeed(cfg, err)
     _check_paths(cfg, check_paths, err)
     _check_data(cfg, err)

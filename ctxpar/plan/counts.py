@@ -211,8 +211,8 @@ def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     if stage == pp - 1:
         n += _numel(head_specs(m), tp)  # the final norm, and an untied head
         n += _numel(mtp_specs(m, tp), tp)  # model.mtp's depths, beside the head
-        if m.tie_embeddings and pp > 1:  # the tied copy lives on both ends
-            n += embed
+        if (m.tie_embeddings or m.mtp is not None) and pp > 1:  # the tied copy lives on
+            n += embed  # both ends (model.mtp: the depths read it, models/mtp_pipe.py)
     return n
 
 
