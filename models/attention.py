@@ -28,7 +28,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, ReplicatedHeadLinear,
 from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .norms import RMSNorm
+from .norms import RMSNorm, l2_norm
 from .options import LayerArgs
 from .qk_norm import AllHeadsRMSNorm
 from .rope import apply_rotary
@@ -191,12 +191,6 @@ def link_shared_kv(layers, attention: list) -> None:
             producer = layers[a.kv_source].mixer
             producer.keeps_shared_kv = True
             block.mixer.kv_producer = (producer,)  # a tuple: not registered as a submodule
-
-
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over each head's channels, fp32 (transformers' Llama4TextL2Norm)."""
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def qk_norms(cfg: ModelConfig, hd: int, n_kv: int, tp_group, device, dtype):
