@@ -3,8 +3,10 @@ full layers of head dim 32 with one kv head whose values are their keys' project
 last two layers attending with layers 2's and 1's K/V, per-layer inputs, layer scalars,
 logits capped at 2: each TP rank caps its vocabulary shard) at
 cp2 ring zigzag, cp2 Ulysses and tp2 x cp2, under each activation recompute: the loss
-and every gradient (gathered over TP) equal one process's. One spawn
-of four ranks, the layouts looped inside. The consumer layers read their producer's K/V
+and every gradient (gathered over TP) equal one process's. The same with Gemma 4's
+experts beside every dense MLP (26B-A4B's form: its router's scales, four experts, two
+a token) and the shared-KV layers' MLPs twice as wide, at cp2 x ep2 and tp2 x cp2 x ep2
+(the experts gathered over EP). One spawn of four ranks, the layouts looped inside. The consumer layers read their producer's K/V
 as the producer's own ranks hold them, so a layout that computed them anew, or on other
 tokens, would change both; the folder's equality to transformers is tests/test_hf.py's.
 """
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
+from ctxpar.config.moe import MoEConfig
 from ctxpar.tensor_parallel import gather_full_state_dict
 from ctxpar.testing import run_distributed
 from models.gpt import GPT
@@ -32,6 +35,11 @@ GEMMA4 = ModelConfig(
     layer_rope={"sliding_attention": {"rope_theta": 1e4}}, global_head_dim=32,
     global_n_kv_heads=1, attention_k_eq_v=True, value_norm=True, num_kv_shared_layers=2,
     per_layer_input_dim=16, layer_scalar=True, final_logit_softcapping=2.0)
+# Gemma 4 26B-A4B's form (model.moe.beside_mlp): experts beside each dense MLP, Gemma 4's
+# router; the shared-KV layers' (3, 4) MLPs twice as wide (model.double_wide_mlp)
+GEMMA4_MOE = replace(GEMMA4, double_wide_mlp=True, moe=MoEConfig(
+    num_experts=4, top_k=2, expert_hidden=24, beside_mlp=True, scaled_router=True))
+MODELS = {"dense": GEMMA4, "moe": GEMMA4_MOE}
 # fp32; CP reorders the softmax's sums (partials merged by LSE, gradients summed over CP
 # and DP) over five layers: ~1e-6 of a tensor's largest value (sqrt(d)-scaled embeddings
 # and softmax scale 1 make this model's gradients up to ~1), so each tensor is compared
@@ -62,13 +70,13 @@ def reference(cfg):
 
 
 def _parity(rank, world, payload):
+    import torch.distributed as dist
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
-    from models.loss import deepspeed_style_reduce_
 
     out = []
-    for tp, cp, layout, comm, ckpt in pickle.loads(payload):
-        st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp))
-        model = GPT(GEMMA4, ModelGroups.from_state(st),
+    for tp, cp, layout, comm, ckpt, ep, name in pickle.loads(payload):
+        st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
+        model = GPT(MODELS[name], ModelGroups.from_state(st),
                     ModelOptions(layout=layout, cp_comm=comm, seed=SEED,
                                  activation_checkpointing=ckpt))
         tokens, labels = _batch()
@@ -77,15 +85,22 @@ def _parity(rank, world, payload):
         n_tokens = global_token_count(lab, st.dp_cp_group)
         loss_sum = model(tok, pos, lab)
         loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
-        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        for p in model.parameters():  # DeepSpeed's reduction: experts over their EDP group
+            group = st.edp_group if getattr(p, "expert_shard", (0, 1))[1] > 1 \
+                else st.dp_cp_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+            p.grad.div_(st.dp_size)
         out.append(dict(loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
-                        grads=gather_full_state_dict(model, st.tp_group, grads=True)))
+                        grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group)))
     return out
 
 
-CASES = [(1, 2, "zigzag", "ring", "none"),       # dp2 beside: each CP pair its own batch
-         (1, 2, "zigzag", "ulysses", "selective"),  # one global kv head sent to both ranks
-         (2, 2, "zigzag", "ring", "full")]       # the global kv head replicated over TP
+CASES = [(1, 2, "zigzag", "ring", "none", 1, "dense"),  # dp2 beside: each CP pair its batch
+         (1, 2, "zigzag", "ulysses", "selective", 1, "dense"),  # one global kv head to both
+         (2, 2, "zigzag", "ring", "full", 1, "dense"),  # the global kv head replicated over TP
+         (1, 2, "zigzag", "ring", "selective", 2, "moe"),  # the experts over each CP pair
+         (2, 2, "zigzag", "allgather", "none", 2, "moe")]  # their widths over TP too
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +110,14 @@ def world4():
 
 @pytest.fixture(scope="module")
 def one_process():
-    return reference(GEMMA4)
+    return {name: reference(cfg) for name, cfg in MODELS.items()}
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_shared_kv_and_k_eq_v_over_cp_equal_one_process(world4, one_process, case):
-    loss, grads = one_process
-    tp, cp, layout, comm, ckpt = CASES[case]
-    where = f"tp{tp} cp{cp} {layout} {comm} {ckpt}"
+    tp, cp, layout, comm, ckpt, ep, name = CASES[case]
+    loss, grads = one_process[name]
+    where = f"{name} tp{tp} cp{cp} ep{ep} {layout} {comm} {ckpt}"
     for rank, per_case in enumerate(world4):
         got = per_case[case]
         torch.testing.assert_close(got["loss"], loss, **TOL, msg=f"{where} rank {rank}")

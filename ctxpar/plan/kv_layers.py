@@ -4,7 +4,8 @@ block sharing an earlier one's K/V keeping none of its own (no k/v projections, 
 K/V: its attention saves references to its producer's), the per-layer input embeddings
 on the first stage; and which attention kernels take a head dim.
 
-    s_i = layer_rank_shapes(s, m, cand, i)   # RankShapes of block i (hk 0: shared K/V)
+    s_i = layer_rank_shapes(s, m, cand, i)   # RankShapes of block i (hk 0: shared K/V;
+                                             # f twice under model.double_wide_mlp)
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import replace
 from typing import Optional
 
 from ..config import ModelConfig
+from ..config.kv_layers import layer_ffn_hidden
 from ..config.layers import layer_attention
 from ..config.parameters import kv_heads_per_rank, layer_head_dim, layer_kv_heads
 from ..context_parallel.kernels import FUSED_MAX_HEAD_DIM, FlashAttn4Backend
@@ -30,10 +32,12 @@ def per_layer_shapes(m: ModelConfig) -> bool:
 
 def layer_rank_shapes(s, m: ModelConfig, tp: int, i: int):
     """RankShapes s with block i's head dim and kv heads on a TP rank (0 kv heads for a
-    block that shares an earlier one's K/V)."""
+    block that shares an earlier one's K/V) and its dense MLP's width (twice model.ffn_hidden
+    on such a block under model.double_wide_mlp)."""
     a = layer_attention(m)[i]
     hk = 0 if a.kv_source is not None else kv_heads_per_rank(m, tp, layer_kv_heads(m, a))
-    return replace(s, hd=layer_head_dim(m, a), hk=hk)
+    return replace(s, hd=layer_head_dim(m, a), hk=hk,
+                   f=layer_ffn_hidden(m, a.kv_source) // tp)
 
 
 def kernels_refusing(m: ModelConfig) -> Optional[str]:
