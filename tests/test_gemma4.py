@@ -18,6 +18,7 @@ import torch
 
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict
 from ctxpar.config.moe import MoEConfig
+from ctxpar.config.parameters import parameter_specs
 from ctxpar.tensor_parallel import gather_full_state_dict
 from ctxpar.testing import run_distributed
 from models.gpt import GPT
@@ -155,6 +156,10 @@ def test_consumer_layers_hold_no_kv_projection_and_read_their_producers():
                                                "parallel.pp=2"),
     (dict(layer_types=["sliding_attention"] * 5, num_kv_shared_layers=0, global_head_dim=None,
           global_n_kv_heads=None), {}, "model.attention_k_eq_v is set but no layer"),
+    (dict(double_wide_mlp=True, num_kv_shared_layers=0), {}, "model.double_wide_mlp=true "
+                                                             "needs model.num_kv_shared_layers"),
+    (dict(moe={"num_experts": 4, "top_k": 2}), {}, "needs model.moe.beside_mlp=true"),
+    (dict(moe={"num_experts": 4, "beside_mlp": "yes"}), {}, "model.moe.beside_mlp='yes' must"),
 ])
 def test_bad_gemma4_configs_fail_at_load_in_one_line(model, parallel, message):
     fields = {k: v for k, v in vars(GEMMA4).items() if v is not None}
@@ -167,12 +172,42 @@ def test_bad_gemma4_configs_fail_at_load_in_one_line(model, parallel, message):
 # ---------------------------------------------------------------- the planner and kernels
 
 @pytest.mark.quick
-def test_the_planner_counts_the_parameters_the_model_holds():
+@pytest.mark.parametrize("name", MODELS)
+def test_the_planner_counts_the_parameters_the_model_holds(name):
     from ctxpar.plan import counts
-    model = GPT(GEMMA4)
-    assert counts.total_params(GEMMA4) == sum(p.numel() for p in model.parameters())
-    assert counts.stage_vector_params(GEMMA4, 1, 1, 0) == sum(
+    cfg = MODELS[name]
+    model = GPT(cfg)
+    assert counts.total_params(cfg) == sum(p.numel() for p in model.parameters())
+    assert counts.stage_vector_params(cfg, 1, 1, 0) == sum(
         p.numel() for p in model.parameters() if p.dim() == 1)
+    for ep in (2, 4):  # E/ep experts a rank
+        assert counts.stage_params(cfg, 1, 1, 0, ep) == sum(
+            s.numel(1, ep) for s in parameter_specs(cfg))
+
+
+@pytest.mark.quick
+def test_the_planner_counts_what_the_experts_beside_the_mlp_and_wide_mlps_save():
+    """Autograd's saved bytes (one process, fp32, mode none) of Gemma 4's MoE and wide MLPs
+    beyond the dense Gemma 4 equal the planner's difference (its dense Gemma 4 count
+    leaves some of Gemma 4's own tensors out: the difference is what this adds); on a
+    Llama-style model the experts beside the MLP and the scaled router are exact whole."""
+    from ctxpar.plan import counts
+    from ctxpar.plan.candidate import Candidate
+    from ctxpar.testing.memory import forward_saved_bytes
+    cand = Candidate(1, 1, 1, 1, micro_batch=BATCH)
+
+    def gap(cfg):
+        model = GPT(cfg, options=ModelOptions(seed=SEED))
+        return forward_saved_bytes(model, 96, BATCH, N) - counts.activation_bytes(cfg, cand, 4)
+    dense = gap(GEMMA4)
+    for cfg in (replace(GEMMA4, double_wide_mlp=True), replace(GEMMA4_MOE, double_wide_mlp=False),
+                GEMMA4_MOE):
+        assert gap(cfg) == dense
+    llama = ModelConfig(vocab_size=96, seq_len=N, n_layers=2, d_model=64, n_heads=4,
+                        n_kv_heads=2, ffn_hidden=96)
+    for beside, scaled in ((True, False), (False, True), (True, True)):
+        assert gap(replace(llama, moe=replace(GEMMA4_MOE.moe, beside_mlp=beside,
+                                              scaled_router=scaled))) == 0, (beside, scaled)
 
 
 def test_layers_sharing_kv_keep_no_kv_in_the_planners_activations():

@@ -437,9 +437,13 @@ def test_each_family_imports_and_exports_exactly(tmp_path, family, tied, rope_va
 
 
 
-def _loss(logits, tokens):
+def _loss_tensor(logits, tokens):
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                             tokens[:, 1:].reshape(-1)).item()
+                                             tokens[:, 1:].reshape(-1))
+
+
+def _loss(logits, tokens):
+    return _loss_tensor(logits, tokens).item()
 
 
 # What each 2026 family brought, as ctxpar's fields (model.* or model.moe.*) set back
@@ -536,6 +540,31 @@ def test_gemma4s_experts_and_wide_mlps_move_transformers_loss(tmp_path):
                 change(name, p)
             got = _loss(changed(tokens).logits, tokens)
             assert abs(got - want) > 50 * 1e-5 * want, (what, got, want)
+
+
+def test_gemma4_moe_gradients_equal_transformers(tmp_path):
+    """Gemma 4 with experts: every parameter's gradient of the mean loss equals
+    transformers' (the router's input, the block's x, carries its gradient into the
+    layers below; the experts' packed tensors, the router's scales, the three norms), fp32
+    to 1e-5 of each tensor's own scale, the two embeddings but their padding row
+    (transformers' padding_idx keeps pad_token_id's row without a gradient; ctxpar trains
+    it). 24 tokens: at 48 this tiny model's gradients move by ~4e-5 of their scale for
+    one-ulp changes of its inputs (its logits are test_each_family_imports_and_exports_
+    exactly's)."""
+    from ctxpar.checkpoint.names import to_hf
+    ref = tiny_family(tmp_path / "g", "gemma4_moe", tied=False)
+    model = ctxpar_from(tmp_path / "g")
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref.train(), model.train()
+    for logits in (ref(tokens).logits, model(tokens, torch.arange(24))):
+        _loss_tensor(logits, tokens).backward()
+    theirs, pad = dict(ref.named_parameters()), ref.config.pad_token_id
+    for name, p in model.named_parameters():
+        got, want = p.grad, theirs[to_hf(name, "gemma4_moe")].grad
+        if name.endswith("embed.weight"):  # every row but the padding one
+            got, want = (torch.cat([g[:pad], g[pad + 1:]]) for g in (got, want))
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
 def test_an_export_transformers_would_read_as_another_model_is_refused_whole(
@@ -1742,8 +1771,9 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # twice the folder's positions, and generate.py at cp2 (its cache: the producers'
     # slots only); the other layouts are tests/test_gemma4_cp.py's
     ("gemma4_text", "cp2-state-zigzag"),
-    # Gemma 4 with experts beside its MLPs (and double-wide shared-KV MLPs) at cp2 x ep2,
-    # generate.py too; tp2 x cp2 and cp2 Ulysses run by hand (docs/checkpoints.md)
+    # Gemma 4 with experts beside its MLPs (and double-wide shared-KV MLPs) at cp2 x ep2
+    # (tests/test_gemma4.py's spawn adds tp2 x cp2 x ep2 against one process; tp2 x cp2
+    # and cp2 Ulysses folder runs by hand, docs/checkpoints.md)
     ("gemma4_moe", "cp2-zigzag-ep2")]
 # a family's folder for the runs when not the default sizes below
 RUN_SIZES = {family: dict(vocab_size=256, vocab_size_per_layer_input=256,
@@ -1829,8 +1859,10 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
                                   f"data.tokenizer={folder / 'tokenizer.json'}",
                                   *folder_sets(folder)])
         assert_first_loss_is_the_references(again, exported)
-    if extend or layout == "cp2-zigzag-ep2" and family != "qwen3_5_moe_text":  # generate.py
-        # at cp2: transformers' greedy (Qwen3.5-MoE's layers are Qwen3-Next's: one is enough)
+    if extend or layout == "cp2-zigzag-ep2" and family not in ("qwen3_5_moe_text",
+                                                                "gemma4_moe"):  # generate.py
+        # at cp2: transformers' greedy (Qwen3.5-MoE's layers are Qwen3-Next's: one is enough;
+        # Gemma 4's cache is gemma4_text's run's, its experts every MoE family's)
         prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": ROOT}
