@@ -94,7 +94,22 @@ def _parity(rank, world, payload):
             p.grad.div_(st.dp_size)
         out.append(dict(loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
                         grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group)))
+    out.append(_ulysses_bytes(world))
     return out
+
+
+def _ulysses_bytes(world):
+    """(forward, backward) bytes a rank sends at cp2 Ulysses (dp2 beside) in one step."""
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar.context_parallel import cp_stats
+    st = init_parallel_state(cp=2, dp=world // 2)
+    model = GPT(GEMMA4, ModelGroups.from_state(st),
+                ModelOptions(layout="zigzag", cp_comm="ulysses", seed=SEED))
+    tokens, labels = _batch()
+    tok, lab = (shard_sequence(t, 1, st.cp_group, "zigzag") for t in (tokens, labels))
+    with cp_stats() as stats:
+        model(tok, sequence_positions(N, st.cp_group, "zigzag"), lab).backward()
+    return stats.fwd_bytes_sent, stats.bwd_bytes_sent
 
 
 CASES = [(1, 2, "zigzag", "ring", "none", 1, "dense"),  # dp2 beside: each CP pair its batch
@@ -120,11 +135,27 @@ def test_shared_kv_and_k_eq_v_over_cp_equal_one_process(world4, one_process, cas
     loss, grads = one_process[name]
     where = f"{name} tp{tp} cp{cp} ep{ep} {layout} {comm} {ckpt}"
     for rank, per_case in enumerate(world4):
-        got = per_case[case]
+        got = per_case[case]  # (the last entry: _ulysses_bytes')
         torch.testing.assert_close(got["loss"], loss, **TOL, msg=f"{where} rank {rank}")
         assert sorted(got["grads"]) == sorted(grads)
         for n, g in grads.items():
             close(got["grads"][n], g, f"{where} rank {rank} grad {n}")
+
+
+def test_ulysses_consumers_send_no_kv(world4):
+    """Under Ulysses a producer's K/V are regrouped by heads once, its consumers attend with
+    those (ulysses_heads_kv): a consumer layer's all-to-alls are q's and out's alone (and
+    dout's and dq's), each all-to-all of b bytes a rank sending b/2 at cp2. K/V at Ulysses'
+    kv-head width (the full layers' one head replicated to 2)."""
+    B, S, H, e = BATCH, N // 2, 4, 4
+    want = 0
+    for i, kind in enumerate(TYPES):
+        hd = 32 if kind == "full_attention" else 24
+        q = B * S * H * hd * e                        # q and out alike
+        kv = 0 if i >= 3 else 2 * B * S * 2 * hd * e  # k, v: the producers' only
+        want += (2 * q + kv) // 2
+    for rank, per_case in enumerate(world4):
+        assert per_case[-1] == (want, want), (rank, per_case[-1], want)
 
 
 @pytest.mark.quick
