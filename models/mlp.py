@@ -31,9 +31,8 @@ class MLP(nn.Module):
     def from_layer(cls, args: LayerArgs) -> "MLP":
         """A block's MLP, tiled under memory.tiled_mlp (memory.mlp_tile_tokens); twice as
         wide on a layer sharing K/V under model.double_wide_mlp (Gemma 4)."""
-        tiled = args.memory.mlp_tile_tokens if args.memory.tiled_mlp else None
         cfg = replace(args.cfg, ffn_hidden=layer_ffn_hidden(args.cfg, args.layer.kv_source))
-        return cls(cfg, args.tp_group, args.device, args.dtype, tile_tokens=tiled)
+        return cls(cfg, args.tp_group, args.device, args.dtype, tile_tokens=args.mlp_tile)
 
     def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None,
                  tile_tokens: Union[int, str, None] = None):

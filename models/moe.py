@@ -172,8 +172,8 @@ class MoE(nn.Module):
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "MoE":
-        tile = args.memory.mlp_tile_tokens if args.memory.tiled_mlp else None
-        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype, tile)
+        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype,
+                   args.mlp_tile)
 
     def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, device=None,
                  dtype=None, tile=None):

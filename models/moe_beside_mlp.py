@@ -43,8 +43,7 @@ class MoEBesideMLP(MoE):
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "MoEBesideMLP":
-        tile = args.memory.mlp_tile_tokens if args.memory.tiled_mlp else None
-        return cls(args, tile)
+        return cls(args, args.mlp_tile)
 
     def __init__(self, args: LayerArgs, tile=None):
         cfg = args.cfg
