@@ -54,6 +54,9 @@ class Block(nn.Module):
         self.post_attn_norm = make_norm(**norm) if post and token else None
         self.mlp_norm = make_norm(**norm) if channel and not reordered else None
         self.mlp = channel(args) if channel else None
+        # a channel mixer that reads the block's x beside its normed x (Gemma 4's experts
+        # beside the MLP, models/moe_beside_mlp.py)
+        self.mlp_sees_residual = getattr(self.mlp, "sees_residual", False)
         self.post_mlp_norm = make_norm(**norm) if post and channel else None
         self.selective = args.selective and bool(token) and self.mixer.selective_recompute
         # Gemma 4: the per-layer input's gate (models/per_layer_input.py), then the block's
@@ -89,7 +92,8 @@ class Block(nn.Module):
     def _mlp(self, x):
         if self.mlp is None:
             return x
-        h = self.mlp(self._in_norm(self.mlp_norm, x))
+        normed = self._in_norm(self.mlp_norm, x)
+        h = self.mlp(normed, x) if self.mlp_sees_residual else self.mlp(normed)
         return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
 
     def _finish(self, x: torch.Tensor, per_layer_input) -> torch.Tensor:

@@ -45,7 +45,7 @@ from .block import Block
 from .dsa import (freeze_all_but_indexers, indexer_losses_of, indexer_recalls_of,
                   link_shared_layers)
 from .mixers import INIT_RULES
-from .moe import MoE
+from .moe import ROUTER_ONES, MoE
 from .mtp import MTP
 from .norms import make_norm
 from .options import LayerArgs, ModelGroups, ModelOptions
@@ -123,6 +123,8 @@ def init_default(name: str, shape, cfg: ModelConfig, g: torch.Generator) -> torc
     """Every parameter the mixers' own rules leave: norm weights, biases, matrices."""
     if name.endswith("norm.weight"):
         return torch.full(shape, 1.0 - cfg.norm_offset)
+    if name.endswith(ROUTER_ONES):  # Gemma 4's router scales
+        return torch.ones(shape)
     if name.endswith("bias"):
         return torch.zeros(shape)
     scale = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(

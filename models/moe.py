@@ -55,6 +55,7 @@ from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .mlp import MLP
+from .norms import l2_norm
 from .options import LayerArgs
 
 
@@ -129,14 +130,27 @@ class Router(nn.Linear):
     """The router's logits (transformers' ``gate``) and, with correction_bias, DeepSeek-V3's
     e_score_correction_bias: a buffer (no gradient, saved with the model) kept in fp32
     through casts of the model (DeepSpeed's bf16 engine casts every buffer), where its
-    updates of +-bias_update_rate would round away."""
+    updates of +-bias_update_rate would round away. With scaled (model.moe.scaled_router,
+    Gemma 4's router) the logits are of rmsnorm(x) * scale / sqrt(d), and ``per_expert_scale``
+    (E,) multiplies the chosen experts' weights (MoE.forward)."""
 
     def __init__(self, d_model: int, num_experts: int, bias: bool, correction_bias: bool,
-                 device=None, dtype=None):
+                 device=None, dtype=None, scaled: bool = False, eps: float = 1e-6):
         super().__init__(d_model, num_experts, bias=bias, device=device, dtype=dtype)
         if correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(
                 num_experts, device=device, dtype=torch.float32))
+        self.scale = self.per_expert_scale = None
+        self.eps = eps
+        if scaled:  # replicated over TP and EP: every rank routes with all E experts
+            self.scale = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+            self.per_expert_scale = nn.Parameter(torch.ones(num_experts, device=device,
+                                                            dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:  # Gemma 4: a weightless RMSNorm, the learned scale, 1/sqrt(d)
+            x = l2_norm(x, self.eps) * self.scale * self.in_features ** -0.5
+        return super().forward(x)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -144,6 +158,10 @@ class Router(nn.Linear):
         if b is not None and b.dtype != torch.float32:
             self._buffers["e_score_correction_bias"] = b.float()
         return self
+
+
+# The router's parameters whose init is ones (models/gpt.py init_default): Gemma 4's scales
+ROUTER_ONES = ("gate.scale", "gate.per_expert_scale")
 
 
 class MoE(nn.Module):
@@ -154,8 +172,8 @@ class MoE(nn.Module):
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "MoE":
-        tile = args.memory.mlp_tile_tokens if args.memory.tiled_mlp else None
-        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype, tile)
+        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype,
+                   args.mlp_tile)
 
     def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, device=None,
                  dtype=None, tile=None):
@@ -166,7 +184,8 @@ class MoE(nn.Module):
         ep, ep_rank = (1, 0) if ep_group is None else (dist.get_world_size(ep_group),
                                                        dist.get_rank(ep_group))
         self.gate = Router(cfg.d_model, moe.num_experts, moe.router_bias,
-                           moe.score_correction_bias, device, dtype)
+                           moe.score_correction_bias, device, dtype, moe.scaled_router,
+                           cfg.norm_eps)
         self.experts = Experts(cfg, ep_rank, ep, tp_size_of(tp_group), device, dtype)
         self.shared_expert = MLP(replace(cfg, ffn_hidden=moe.shared_expert_hidden), tp_group,
                                  device, dtype) if moe.shared_expert_hidden else None
@@ -209,17 +228,23 @@ class MoE(nn.Module):
                                      use_reentrant=False)
                           for s, n in tile_spans(N, tile)])      # (N, d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T/cp, d) normed -> (B, T/cp, d), complete (and identical) over TP.
+    def forward(self, x: torch.Tensor, router_input: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """x (B, T/cp, d) normed -> (B, T/cp, d), complete (and identical) over TP;
+        router_input (B, T/cp, d): what the router reads (None: x; Gemma 4's experts beside
+        the MLP: the block's x before its norm, models/moe_beside_mlp.py).
 
         The router and the shared expert's gate see x itself (their outputs are the same on
         every TP rank, so are their gradients); the experts see f(x), whose backward sums
         their partial input gradients over TP."""
         shape, x = x.shape, x.reshape(-1, x.shape[-1])            # (N, d)
-        logits = self.gate(x)                                     # (N, E)
+        logits = self.gate(x if router_input is None else
+                           router_input.reshape(x.shape))         # (N, E)
         m = self.moe
         weights, chosen = route(logits, m.top_k, m.score, m.norm_topk, self.correction_bias(),
                                 m.n_group, m.topk_group, m.routed_scaling_factor)
+        if self.gate.per_expert_scale is not None:  # Gemma 4: after norm_topk
+            weights = weights * self.gate.per_expert_scale[chosen]   # (N, k)
         if self.stats is not None:
             self.stats.add(logits, chosen, batch=shape[0])
         if m.capacity_factor is not None:  # this rank's tokens: layout-dependent

@@ -82,3 +82,8 @@ class LayerArgs:
     selective: bool = False     # activation_checkpointing 'selective'
     device: Any = None
     dtype: Any = None
+
+    @property
+    def mlp_tile(self):
+        """The MLPs' and experts' tokens a tile under memory.tiled_mlp (None: untiled)."""
+        return self.memory.mlp_tile_tokens if self.memory.tiled_mlp else None

@@ -63,8 +63,11 @@ def carried_after(cfg: ModelConfig, i: int) -> Carried:
 
 class CarriedKV:
     """A consumer attention's producer as seen on a pipeline stage (Attention.kv_producer
-    reads ``shared_kv``): the (k, v) that arrived in the tuple, set for one forward."""
+    reads ``shared_kv``): the (k, v) that arrived in the tuple, set for one forward. Never
+    regrouped by heads (``shared_heads_kv``, Ulysses' saving at pp 1): the consumer's core
+    sends the carried K/V itself, so their gradients flow back through the tuple."""
     shared_kv: Optional[tuple] = None
+    shared_heads_kv: Optional[tuple] = None
 
 
 class LayerCarry:

@@ -97,6 +97,16 @@ _HF_GEMMA4_TOP = (("per_layer_input.embed.weight", "model.embed_tokens_per_layer
                    "model.per_layer_model_projection.weight"),
                   ("per_layer_input.projection_norm.weight",
                    "model.per_layer_projection_norm.weight"), *_HF_TOP)
+# Gemma 4 with its experts beside the MLP (models/moe_beside_mlp.py): the dense MLP under
+# mlp., the experts, router and their norms at the block
+_HF_IN_GEMMA4_MOE_BLOCK = (("mlp.dense.", "mlp."),
+                           ("mlp.dense_norm.weight", "post_feedforward_layernorm_1.weight"),
+                           ("mlp.experts_norm.weight", "pre_feedforward_layernorm_2.weight"),
+                           ("mlp.post_experts_norm.weight", "post_feedforward_layernorm_2.weight"),
+                           ("mlp.gate.weight", "router.proj.weight"),
+                           ("mlp.gate.scale", "router.scale"),
+                           ("mlp.gate.per_expert_scale", "router.per_expert_scale"),
+                           ("mlp.experts.", "experts."), *_HF_IN_GEMMA4_BLOCK)
 # naming -> (blocks' prefix, in block, top level): Llama's (default), Gemma's post norms,
 # Gemma 4's, Nemotron-H's (saved under backbone.*, which transformers renames model.* on
 # loading), OLMo Hybrid's
@@ -105,7 +115,8 @@ HF_NAMINGS = {"default": ("model.layers.", _HF_IN_BLOCK, _HF_TOP),
               "nemotron_h": ("backbone.layers.", _HF_IN_NEMOTRON_BLOCK, _HF_NEMOTRON_TOP),
               "olmo_hybrid": ("model.layers.", _HF_IN_OLMO_HYBRID_BLOCK, _HF_TOP),
               "kimi_linear": ("model.layers.", _HF_IN_KIMI_LINEAR_BLOCK, _HF_TOP),
-              "gemma4": ("model.layers.", _HF_IN_GEMMA4_BLOCK, _HF_GEMMA4_TOP)}
+              "gemma4": ("model.layers.", _HF_IN_GEMMA4_BLOCK, _HF_GEMMA4_TOP),
+              "gemma4_moe": ("model.layers.", _HF_IN_GEMMA4_MOE_BLOCK, _HF_GEMMA4_TOP)}
 # namings whose Hugging Face names map to GPT's only knowing the block's type (from_hf)
 _BY_BLOCK_TYPE = ("nemotron_h", "olmo_hybrid", "kimi_linear")
 

@@ -221,6 +221,10 @@ class ModelConfig:
     layer_scalar: bool = False
     """Each block's output multiplied by a scalar of its own, a buffer read from the
     checkpoint and not trained (Gemma 4's layer_scalar)."""
+    double_wide_mlp: bool = False
+    """The MLP of the layers that share K/V (the last model.num_kv_shared_layers) is
+    2 x ffn_hidden wide (Gemma 4's use_double_wide_mlp); the dense MLP beside the experts
+    under model.moe.beside_mlp too."""
     init_std: float = 0.02
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
     moe: Optional[MoEConfig] = None

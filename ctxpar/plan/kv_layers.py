@@ -5,7 +5,8 @@ K/V: its attention saves references to its producer's), the per-layer input embe
 on the first stage, what a later pipeline stage receives of them beside x; and which
 attention kernels take a head dim.
 
-    s_i = layer_rank_shapes(s, m, cand, i)   # RankShapes of block i (hk 0: shared K/V)
+    s_i = layer_rank_shapes(s, m, cand, i)   # RankShapes of block i (hk 0: shared K/V;
+                                             # f twice under model.double_wide_mlp)
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import replace
 from typing import Optional
 
 from ..config import ModelConfig
+from ..config.kv_layers import layer_ffn_hidden
 from ..config.layers import kv_sources, layer_attention
 from ..config.parameters import (kv_heads_per_rank, layer_head_dim, layer_kv_heads,
                                  layer_v_head_dim)
@@ -32,10 +34,12 @@ def per_layer_shapes(m: ModelConfig) -> bool:
 
 def layer_rank_shapes(s, m: ModelConfig, tp: int, i: int):
     """RankShapes s with block i's head dim and kv heads on a TP rank (0 kv heads for a
-    block that shares an earlier one's K/V)."""
+    block that shares an earlier one's K/V) and its dense MLP's width (twice model.ffn_hidden
+    on such a block under model.double_wide_mlp)."""
     a = layer_attention(m)[i]
     hk = 0 if a.kv_source is not None else kv_heads_per_rank(m, tp, layer_kv_heads(m, a))
-    return replace(s, hd=layer_head_dim(m, a), hk=hk)
+    return replace(s, hd=layer_head_dim(m, a), hk=hk,
+                   f=layer_ffn_hidden(m, a.kv_source) // tp)
 
 
 def carried_bytes(m: ModelConfig, tp: int, tokens: int, e: int, after: int) -> int:

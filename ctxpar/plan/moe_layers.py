@@ -125,6 +125,10 @@ def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
                N k results back from the experts' ranks, (N k, d), beside the combined rows
     shared     a dense MLP of shared_expert_hidden/tp (4 f per token, as the MLP's), and
                its gate's sigmoid (N, 1) and the shared output (N, d) it multiplies
+    scaled     Gemma 4's router (scaled_router): its weightless norm's output and that
+               times the scale (the logits' input), (N, d) each, the norm's fp32 rstd (N,),
+               and in 16 bits the norm's fp32 copy of x (N, d); the k weights before the
+               per-expert scale (N, k) fp32 and the scales they take (N, k)
     tiled      rows and over EP: nothing (the tiles' checkpoints keep views of x and of
                the router's outputs; the module docstring)
     """
@@ -138,7 +142,10 @@ def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
         fs = moe.shared_expert_hidden // tp
         shared = (4 if m.mlp in GATED_MLPS else 2) * N * fs * e
         shared += N * d * e + N * e if moe.shared_expert_gate else 0
-    return router + losses + routed + shared
+    scaled = 0
+    if moe.scaled_router:
+        scaled = 2 * N * d * e + 4 * N + (4 * N * d if e != 4 else 0) + N * k * (4 + e)
+    return router + losses + routed + shared + scaled
 
 
 def router_losses_saved(m: ModelConfig) -> int:
