@@ -155,7 +155,8 @@ class BlockPipe(Block):
         cu = unpack_cu_seqlens(docs[0]) if docs else None
         block = partial(Block.forward, self, cu_seqlens=cu)
         if self.recompute:  # keep only x (and cos, sin); replay the block in backward
-            x = run_layer(self.offload, checkpoint, block, x, cos, sin, use_reentrant=False)
+            x = run_layer(self.offload, checkpoint, block, x, cos, sin, use_reentrant=False,
+                          context_fn=self.recompute_context)
         else:  # with offload, selective's saved tensors go to the host; none's stay
             x = run_layer(self.offload, block, x, cos, sin, to_host=self.selective)
         if router and moe is not None:

@@ -33,9 +33,20 @@ and router weights: the (t k, d) dispatch buffers, the received rows and the exp
 (which replays the tile, its all-to-alls included: one more expert forward). Every rank
 of an EP group holds the same N tokens (B T/cp), so they run the same tiles and their
 all-to-alls pair up. The shared expert is a dense MLP over all N tokens.
+
+Under activation checkpointing the block's recompute replays this layer too, and there
+the tiles' experts are skipped (``skip_tiles``, entered by Block.recompute_context where
+nothing after the layer keeps its output): the recompute exists to remake what the
+block's forward saved for backward, and of the tiled experts that is each tile's inputs
+alone (its checkpoint's), which a tile's stand-in checkpoint saves the same way, while
+each tile's own replay in backward still runs the real experts from those inputs. So a
+recomputed layer costs forward + replay + backward, as the untiled one does (forward +
+recompute + backward), instead of one more expert forward. Every rank of an EP group
+recomputes the same blocks, so all skip the same tiles' all-to-alls.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import List, Optional
 
@@ -125,6 +136,13 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
+def _unread_tile(rows: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                 ) -> torch.Tensor:
+    """A tile's stand-in under MoE.skip_tiles: zeros of its output's shape (n, d), read by
+    nothing (its checkpoint saves the tile's inputs as the real tile's does)."""
+    return torch.zeros_like(rows)
+
+
 class Router(nn.Linear):
     """The router's logits (transformers' ``gate``) and, with correction_bias, DeepSeek-V3's
     e_score_correction_bias: a buffer (no gradient, saved with the model) kept in fp32
@@ -173,6 +191,23 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False, device=device,
                                             dtype=dtype) if moe.shared_expert_gate else None
         self.stats: Optional[RouterStats] = None
+        self.tiles_skipped = False  # inside skip_tiles: a block's recompute
+
+    @contextmanager
+    def skip_tiles(self):
+        """A recompute of the block this layer is in, which reads nothing of its output
+        (module docstring): each tile's checkpoint keeps its inputs as in the forward,
+        around a stand-in that runs no expert and no all-to-all."""
+        self.tiles_skipped = True
+        try:
+            yield
+        finally:
+            self.tiles_skipped = False
+
+    def output_unread_context(self):
+        """Block.recompute_context's hook: skip_tiles when the experts are tiled (untiled,
+        the recompute must remake the experts' own saved intermediates), else None."""
+        return None if self.tile is None else self.skip_tiles()
 
     def correction_bias(self) -> Optional[torch.Tensor]:
         """DeepSeek-V3's e_score_correction_bias (E,), or None."""
@@ -205,6 +240,8 @@ class MoE(nn.Module):
             return routed(rows, weights, chosen)
         N, d = rows.shape
         tile = mlp_tile_tokens(N, d, self.expert_width, self.tile)
+        if self.tiles_skipped:
+            routed = _unread_tile
         return torch.cat([checkpoint(routed, rows[s:s + n], weights[s:s + n], chosen[s:s + n],
                                      use_reentrant=False)
                           for s, n in tile_spans(N, tile)])      # (N, d)

@@ -296,7 +296,8 @@ def _grid_case(rank, world, payload):
         st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
         model = GPT(ROUTINGS[routing], ModelGroups.from_state(st),
                     ModelOptions(layout=layout, cp_comm=comm, seed=SEED,
-                                 memory=TILED.get(routing, MemoryConfig())))
+                                 memory=TILED.get(routing, MemoryConfig()),
+                                 activation_checkpointing=RECOMPUTE.get(routing, "none")))
         _set_biases(model)
         tokens, labels = _batch()
         tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
@@ -356,6 +357,14 @@ PACKED = {"deepseek": torch.tensor([0, 12, 20, N], dtype=torch.int32)}
 # DeepSeek run's numbers (the reference is the same model's)
 ROUTINGS["deepseek_tiled"], PACKED["deepseek_tiled"] = ROUTINGS["deepseek"], PACKED["deepseek"]
 TILED = {"deepseek_tiled": MemoryConfig(tiled_mlp=True, mlp_tile_tokens=5)}
+# ... and with the blocks recomputed (whole, or selective's MLP half): the recompute skips
+# the tiles' experts (models/moe.py skip_tiles), and every gradient, loss and count is still
+# the untiled run's
+for mode in ("full", "selective"):
+    ROUTINGS[f"deepseek_tiled_{mode}"] = ROUTINGS["deepseek"]
+    PACKED[f"deepseek_tiled_{mode}"] = PACKED["deepseek"]
+    TILED[f"deepseek_tiled_{mode}"] = TILED["deepseek_tiled"]
+RECOMPUTE = {"deepseek_tiled_full": "full", "deepseek_tiled_selective": "selective"}
 ROUTINGS["capacity"] = replace(GPT_CFG, moe=replace(GPT_CFG.moe, capacity_factor=0.5,
                                                     aux_loss_coef=0.0, z_loss_coef=0.0))
 CASES = [("top2", grid) for grid in GRIDS] + [
@@ -370,6 +379,8 @@ CASES = [("top2", grid) for grid in GRIDS] + [
     ("capacity", (1, 1, 2, "zigzag", "ring")),     # dp 4: a row a rank, as the reference's
     ("capacity", (1, 1, 4, "zigzag", "ring")),
     ("deepseek_tiled", (1, 2, 2, "zigzag", "ring")),
+    ("deepseek_tiled_full", (1, 2, 2, "zigzag", "ring")),
+    ("deepseek_tiled_selective", (1, 2, 2, "zigzag", "ring")),
 ]
 
 
@@ -397,7 +408,8 @@ def test_moe_gpt_over_the_grid_equals_one_process(grid_results):
             for name, b in biases.items():  # counts: exact; the biases' update: exact
                 assert torch.equal(got["biases"][name], b), f"{where} {name}"
             # per layer one all-to-all pair; tiled, one a tile, and again as backward
-            # replays each tile (7 tiles of a rank's 32 tokens)
+            # replays each tile (7 tiles of a rank's 32 tokens); none more in the blocks'
+            # recompute (its tiles skipped)
             calls = GPT_CFG.n_layers * (2 * 7 if routing in TILED else 1)
             assert got["stats"]["dispatch_calls"] == (calls if grid[2] > 1 else 0), where
 
