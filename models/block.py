@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from ctxpar.config.layer_mixers import channel_output_kept
 from ctxpar.context_parallel import ContextParallel
 
 from .mixers import channel_mixer_builder, token_mixer_kind
@@ -59,6 +60,7 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(**norm) if channel and not reordered else None
         self.mlp = channel(args) if channel else None
         self.post_mlp_norm = make_norm(**norm) if post and channel else None
+        self.mlp_output_kept = channel_output_kept(cfg, args.layer.kind)
         self.selective = args.selective and bool(token) and self.mixer.selective_recompute
         # Gemma 4: the per-layer input's gate (models/per_layer_input.py), then the block's
         # output times its layer scalar (a buffer: read from the folder, not trained)
@@ -78,12 +80,11 @@ class Block(nn.Module):
     def recompute_context(self):
         """torch.utils.checkpoint's context_fn: the forward as it is; in the recompute, the
         channel mixer's ``output_unread_context`` (a tiled MoE skips its experts there:
-        models/moe.py) when nothing after the mixer keeps its output for backward: no
-        post-MLP norm (it saves its input), no per-layer input gate, no layer scalar.
-        Decided by the config alone, so every rank of a group decides alike."""
+        models/moe.py) when nothing after the mixer keeps its output for backward
+        (config.layer_mixers.channel_output_kept). Decided by the config alone, so every
+        rank of a group decides alike."""
         unread = getattr(self.mlp, "output_unread_context", None)
-        kept = (self.post_mlp_norm, self.per_layer_input, self.layer_scalar)
-        if unread is None or any(m is not None for m in kept):
+        if unread is None or self.mlp_output_kept:
             return nullcontext(), nullcontext()
         return nullcontext(), unread() or nullcontext()
 

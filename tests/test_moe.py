@@ -475,6 +475,39 @@ def test_tiled_experts_equal_the_untiled_layer_and_hold_one_tiles_buffers():
     assert tiled < 0.5 * untiled, (tiled, untiled)
 
 
+@pytest.mark.parametrize("post_norms", [pytest.param(False, marks=pytest.mark.quick), True])
+def test_a_recomputed_block_skips_its_tiled_experts_where_nothing_keeps_their_output(post_norms):
+    """Tiled experts under whole-block recompute (one process, fp32, 2 layers, 64 tokens in
+    13 tiles of 5): loss, router losses and every gradient equal the untiled layer's without
+    recompute, and the experts run once a tile in forward and once in its backward replay,
+    none in the block's recompute (models/moe.py skip_tiles); with model.post_norms the
+    post-MLP norm keeps the layer's output, so the recompute runs them too."""
+    cfg = replace(ROUTINGS["deepseek"], post_norms=post_norms)
+    tokens, labels = (t[:2] for t in _batch())
+
+    def run(memory, mode):
+        model = GPT(cfg, options=ModelOptions(seed=SEED, memory=memory,
+                                              activation_checkpointing=mode))
+        calls = []
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.experts.register_forward_hook(lambda *_: calls.append(1))
+        loss = model(tokens, torch.arange(N), labels) / labels.numel()
+        r = model.router_losses
+        (loss + r.share).backward()
+        return ([loss.detach(), r.z_loss, r.seq_aux_loss, r.layer_counts],
+                {n: p.grad for n, p in model.named_parameters()}, len(calls))
+
+    want, grads, _ = run(MemoryConfig(), "none")
+    got, t_grads, calls = run(MemoryConfig(tiled_mlp=True, mlp_tile_tokens=5), "full")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(t_grads[name], g, rtol=0, atol=1e-6 * g.abs().max().item(),
+                                   msg=name)
+    assert calls == cfg.n_layers * 13 * (3 if post_norms else 2)
+
+
 def test_a_capacity_factor_drops_the_assignments_past_each_experts_capacity():
     """capacity = ceil(cf N k / E) over the layer's N tokens, taken in token order: the
     dropped assignments by hand, and the layer equals the dropless one with their weights
