@@ -358,7 +358,7 @@ PACKED = {"deepseek": torch.tensor([0, 12, 20, N], dtype=torch.int32)}
 ROUTINGS["deepseek_tiled"], PACKED["deepseek_tiled"] = ROUTINGS["deepseek"], PACKED["deepseek"]
 TILED = {"deepseek_tiled": MemoryConfig(tiled_mlp=True, mlp_tile_tokens=5)}
 # ... and with the blocks recomputed (whole, or selective's MLP half): the recompute skips
-# the tiles' experts (models/moe.py skip_tiles), and every gradient, loss and count is still
+# the tiles' experts (models/moe.py SkipTiles), and every gradient, loss and count is still
 # the untiled run's
 for mode in ("full", "selective"):
     ROUTINGS[f"deepseek_tiled_{mode}"] = ROUTINGS["deepseek"]
@@ -480,7 +480,7 @@ def test_a_recomputed_block_skips_its_tiled_experts_where_nothing_keeps_their_ou
     """Tiled experts under whole-block recompute (one process, fp32, 2 layers, 64 tokens in
     13 tiles of 5): loss, router losses and every gradient equal the untiled layer's without
     recompute, and the experts run once a tile in forward and once in its backward replay,
-    none in the block's recompute (models/moe.py skip_tiles); with model.post_norms the
+    none in the block's recompute (models/moe.py SkipTiles); with model.post_norms the
     post-MLP norm keeps the layer's output, so the recompute runs them too."""
     cfg = replace(ROUTINGS["deepseek"], post_norms=post_norms)
     tokens, labels = (t[:2] for t in _batch())

@@ -258,7 +258,7 @@ def test_tiled_experts_cost_nothing_more_where_the_recompute_skips_them():
     """memory.tiled_mlp on the MoE model (cp8 x ep8, one node): without recompute the
     tiles' replay adds one forward of the routed experts (2 FLOPs per active routed
     parameter per token) and their forward all-to-alls; under full recompute the block's
-    recompute skips them (models/moe.py skip_tiles), so the step is the untiled one's;
+    recompute skips them (models/moe.py SkipTiles), so the step is the untiled one's;
     with model.post_norms the post-MLP norm keeps the layer's output, no skip: the replay
     adds again."""
     from ctxpar.plan.cluster import Cluster, gpu_preset

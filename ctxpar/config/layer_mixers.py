@@ -78,6 +78,6 @@ def channel_output_kept(m, kind: str) -> bool:
     after the mixer (models/block.py): a post-MLP norm saves its input (model.post_norms,
     or the type in model.reordered_norms), so do Gemma 4's per-layer input gate and layer
     scalar. Where none does, a recompute of the block needs nothing of that output: a
-    tiled MoE skips its experts there (models/moe.py skip_tiles; the planner's time)."""
+    tiled MoE skips its experts there (models/moe.py SkipTiles; the planner's time)."""
     return bool(m.post_norms or kind in (m.reordered_norms or ()) or m.per_layer_input_dim
                 or m.layer_scalar)

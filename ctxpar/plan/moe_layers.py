@@ -83,7 +83,7 @@ def moe_layers(m: ModelConfig, start: int = 0, count: int = None) -> int:
 def recompute_skipping_layers(m: ModelConfig, start: int = 0, count: int = None) -> int:
     """MoE layers among blocks [start, start + count) whose block keeps nothing of the
     layer's output (layer_mixers.channel_output_kept): tiled, a recompute of the block
-    skips their experts (models/moe.py skip_tiles), so the tiles' replay in backward is
+    skips their experts (models/moe.py SkipTiles), so the tiles' replay in backward is
     the only forward they run again."""
     end = m.n_layers if count is None else start + count
     types = layer_types(m)
