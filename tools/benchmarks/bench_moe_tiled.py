@@ -106,8 +106,8 @@ def main(argv=None) -> None:
         base = next(b for b in rows if b["tile"] == "untiled" and b["recompute"] == r["recompute"])
         name = "untiled" if r["tile"] == "untiled" else f"tiles of {r['tile']}"
         print(f"| {name} | {'on' if r['recompute'] else 'off'} | {r['peak'] / MiB:.1f} | "
-              f"{r['peak'] / base['peak']:.3f} | {r['wall']:.3f} | {r['wall'] / base['wall']:.2f} | "
-              f"{r['cpu']:.3f} | {r['cpu'] / base['cpu']:.2f} |")
+              f"{r['peak'] / base['peak']:.3f} | {r['wall']:.3f} | "
+              f"{r['wall'] / base['wall']:.2f} | {r['cpu']:.3f} | {r['cpu'] / base['cpu']:.2f} |")
     if a.json:
         import json
         with open(a.json, "w") as f:
