@@ -8,12 +8,14 @@ Shapes per rank: x (B, T/cp, d) in the CP layout's order.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from ctxpar.config.layer_mixers import channel_output_kept
 from ctxpar.context_parallel import ContextParallel
 
 from .mixers import channel_mixer_builder, token_mixer_kind
@@ -38,6 +40,9 @@ class Block(nn.Module):
     keeps what the core saves (q, k, v, the attention output and its LSE, saved by the CP
     attention itself), so backward recomputes projections but never replays the CP
     communication; other blocks keep their activations under it.
+
+    ``recompute_context`` is the context_fn of every checkpoint whose recompute covers the
+    channel mixer (the whole block's in models/gpt.py and gpt_pipe.py, selective's here).
     """
 
     def __init__(self, args: LayerArgs):
@@ -58,6 +63,7 @@ class Block(nn.Module):
         # beside the MLP, models/moe_beside_mlp.py)
         self.mlp_sees_residual = getattr(self.mlp, "sees_residual", False)
         self.post_mlp_norm = make_norm(**norm) if post and channel else None
+        self.mlp_output_kept = channel_output_kept(cfg, args.layer.kind)
         self.selective = args.selective and bool(token) and self.mixer.selective_recompute
         # Gemma 4: the per-layer input's gate (models/per_layer_input.py), then the block's
         # output times its layer scalar (a buffer: read from the folder, not trained)
@@ -73,6 +79,17 @@ class Block(nn.Module):
     def mixer(self) -> Optional[TokenMixer]:
         """The token mixer's module (attn, linear_attn, mamba); None in an MLP-only block."""
         return getattr(self, self.mixer_name) if self.mixer_name else None
+
+    def recompute_context(self):
+        """torch.utils.checkpoint's context_fn: the forward as it is; in the recompute, the
+        channel mixer's ``output_unread_context`` (a tiled MoE skips its experts there:
+        models/moe.py) when nothing after the mixer keeps its output for backward
+        (config.layer_mixers.channel_output_kept). Decided by the config alone, so every
+        rank of a group decides alike."""
+        unread = getattr(self.mlp, "output_unread_context", None)
+        if unread is None or self.mlp_output_kept:
+            return nullcontext(), nullcontext()
+        return nullcontext(), unread() or nullcontext()
 
     def use_cp(self, cp: ContextParallel) -> None:
         """Run the token mixer over another CP group (GPT.use_cp_group)."""
@@ -116,6 +133,7 @@ class Block(nn.Module):
         if self.selective and kv_cache is None:  # recompute around the core; it keeps its own
             inputs, carry = checkpoint(self._mixer_in, x, cos, sin, use_reentrant=False)
             o = self.mixer.mix(inputs, cu_seqlens)
-            return checkpoint(self._mixer_out_mlp, x, o, *carry, use_reentrant=False)
+            return checkpoint(self._mixer_out_mlp, x, o, *carry, use_reentrant=False,
+                              context_fn=self.recompute_context)
         inputs, carry = self._mixer_in(x, cos, sin)
         return self._mixer_out_mlp(x, self.mixer.mix(inputs, cu_seqlens, kv_cache), *carry)

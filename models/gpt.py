@@ -313,7 +313,7 @@ class GPT(nn.Module):
                 x = layer(x, cos, sin, kv_cache.layer(i), per_layer_input=zi)
             elif self._checkpointed(i):  # keep only x; replay the block (and its CP attention) in backward
                 x = run_layer(off, checkpoint, layer, x, cos, sin, None, cu_seqlens, zi,
-                              use_reentrant=False)
+                              use_reentrant=False, context_fn=layer.recompute_context)
             else:  # selective keeps x and the core's q, k, v, out, lse (offloaded); none, all
                 x = run_layer(off, layer, x, cos, sin, cu_seqlens=cu_seqlens,
                               per_layer_input=zi, to_host=layer.selective)

@@ -190,7 +190,8 @@ class BlockPipe(Block):
             self.carried, selection)
         args = (x, cos, sin, *self.carry.block_args(kv, z))
         if self.recompute:  # keep only x (and cos, sin); replay the block in backward
-            x = run_layer(self.offload, checkpoint, block, *args, use_reentrant=False)
+            x = run_layer(self.offload, checkpoint, block, *args, use_reentrant=False,
+                          context_fn=self.recompute_context)
         else:  # with offload, selective's saved tensors go to the host; none's stay
             x = run_layer(self.offload, block, *args, to_host=self.selective)
         x, *produced = x if isinstance(x, tuple) else (x,)  # a producer's (x, k, v)

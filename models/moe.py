@@ -33,6 +33,16 @@ and router weights: the (t k, d) dispatch buffers, the received rows and the exp
 (which replays the tile, its all-to-alls included: one more expert forward). Every rank
 of an EP group holds the same N tokens (B T/cp), so they run the same tiles and their
 all-to-alls pair up. The shared expert is a dense MLP over all N tokens.
+
+Under activation checkpointing the block's recompute replays this layer too, and there
+the tiles' experts are skipped (``SkipTiles``, entered by Block.recompute_context where
+nothing after the layer keeps its output): the recompute exists to remake what the
+block's forward saved for backward, and of the tiled experts that is each tile's inputs
+alone (its checkpoint's), which a tile's stand-in checkpoint saves the same way, while
+each tile's own replay in backward still runs the real experts from those inputs. So a
+recomputed layer costs forward + replay + backward, as the untiled one does (forward +
+recompute + backward), instead of one more expert forward. Every rank of an EP group
+recomputes the same blocks, so all skip the same tiles' all-to-alls.
 """
 from __future__ import annotations
 
@@ -110,9 +120,14 @@ class Experts(nn.Module):
         """rows (M, d) grouped by local expert, counts[i] for expert i -> (M, d), this TP
         rank's partial sums."""
         outs = []
-        bias = self.gate_up_proj_bias
+        # unbind: one backward node a weight, whose gradient is the stack of the experts'
+        # (indexing each expert's slice would make a zero (E/ep, ...) gradient per expert
+        # and sum them: E/ep times the weight's bytes per call, and a tiled layer calls
+        # once a tile)
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        bias = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias.unbind(0)
         for i, piece in enumerate(rows.split(counts)):
-            h = F.linear(piece, self.gate_up_proj[i], None if bias is None else bias[i])
+            h = F.linear(piece, gate_up[i], None if bias is None else bias[i])
             if self.gated and self.limit is not None:  # gpt-oss's clamped SwiGLU
                 gate, up = h.chunk(2, dim=-1)                     # (n, f/tp) each
                 gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
@@ -122,8 +137,15 @@ class Experts(nn.Module):
                 h = gate_activation(gate, self.kind) * up
             else:
                 h = up_activation(h, self.kind)
-            outs.append(F.linear(h, self.down_proj[i]))           # (n, d)
+            outs.append(F.linear(h, down[i]))                     # (n, d)
         return torch.cat(outs)
+
+
+def _unread_tile(rows: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                 ) -> torch.Tensor:
+    """A tile's stand-in under SkipTiles: zeros of its output's shape (n, d), read by
+    nothing (its checkpoint saves the tile's inputs as the real tile's does)."""
+    return torch.zeros_like(rows)
 
 
 class Router(nn.Linear):
@@ -164,6 +186,23 @@ class Router(nn.Linear):
 ROUTER_ONES = ("gate.scale", "gate.per_expert_scale")
 
 
+class SkipTiles:
+    """A recompute of the block a tiled MoE layer is in, which reads nothing of the
+    layer's output (module docstring): each tile's checkpoint keeps its inputs as in the
+    forward, around a stand-in that runs no expert and no all-to-all. Re-enterable: a
+    checkpoint's recompute runs once per backward pass that reaches it (a pipeline stage
+    can run two)."""
+
+    def __init__(self, moe: "MoE"):
+        self.moe = moe
+
+    def __enter__(self):
+        self.moe.tiles_skipped = True
+
+    def __exit__(self, *exc):
+        self.moe.tiles_skipped = False
+
+
 class MoE(nn.Module):
     """The MoE MLP of one layer (module docstring). ep_group: the experts' EP group (None:
     all here); tp_group: each expert's f split; stats: the forward's RouterStats, set by
@@ -192,6 +231,12 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False, device=device,
                                             dtype=dtype) if moe.shared_expert_gate else None
         self.stats: Optional[RouterStats] = None
+        self.tiles_skipped = False  # inside SkipTiles: a block's recompute
+
+    def output_unread_context(self):
+        """Block.recompute_context's hook: a SkipTiles when the experts are tiled (untiled,
+        the recompute must remake the experts' own saved intermediates), else None."""
+        return None if self.tile is None else SkipTiles(self)
 
     def correction_bias(self) -> Optional[torch.Tensor]:
         """DeepSeek-V3's e_score_correction_bias (E,), or None."""
@@ -224,6 +269,8 @@ class MoE(nn.Module):
             return routed(rows, weights, chosen)
         N, d = rows.shape
         tile = mlp_tile_tokens(N, d, self.expert_width, self.tile)
+        if self.tiles_skipped:
+            routed = _unread_tile
         return torch.cat([checkpoint(routed, rows[s:s + n], weights[s:s + n], chosen[s:s + n],
                                      use_reentrant=False)
                           for s, n in tile_spans(N, tile)])      # (N, d)

@@ -408,7 +408,10 @@ class MemoryConfig:
     """Tokens per loss tile, or 'auto' (ctxpar/memory/tiled_loss.py says how it is chosen)."""
     tiled_mlp: bool = False
     """The MLP over tiles of tokens, each recomputed in backward: its (tokens, ffn/tp)
-    intermediates exist for one tile at a time."""
+    intermediates exist for one tile at a time. With model.moe, the routed experts (the
+    router over all tokens, each tile dispatched and combined alone); under activation
+    checkpointing the block's recompute skips them (models/moe.py), so they cost no more
+    than untiled there."""
     mlp_tile_tokens: Union[int, str] = "auto"
     """Tokens per MLP tile, or 'auto' (ctxpar/memory/tiled_mlp.py says how it is chosen)."""
     offload_activations: bool = False
