@@ -2,7 +2,7 @@
 interleaved so that they share whatever else the machine is running.
 
     python -m tools.benchmarks.bench_dynamic_cp_train --mix lognormal bimodal \\
-        --hybrid bimodal --world 4 --rounds 2 --steps 6
+        --hybrid bimodal --moe bimodal --world 4 --rounds 2 --steps 6
 
 For each mix, a token file of random documents is written once (their lengths below),
 then train.py runs on --world local ranks (torchrun) with data.dynamic_cp on both arms,
@@ -13,13 +13,21 @@ alternating static, dynamic, static, dynamic, ... for --rounds rounds:
               document masking), ring, the striped layout (balanced with documents;
               zigzag for the hybrid, whose state passing takes no striped layout)
     dynamic   data.dynamic_cp_schedule=balanced (ctxpar/dynamic_cp/balance.py), ring,
-              zigzag, data.dynamic_cp_window=--window steps trading documents
+              zigzag
+
+Both arms trade documents within windows of --window steps (data.dynamic_cp_window), so
+that they train on the same documents step by step: their losses must agree to 1e-5
+relative (fp32; only the order of the reductions differs), checked on every round.
 
 Both train --steps steps of --docs documents at --tokens-per-rank tokens per rank on the
 model of --config (configs/tiny_cpu.yaml's, fp32, ZeRO 1). A run's tokens/s is its
 steps' tokens over their seconds after step 1 (warmup), from its metrics.jsonl; an arm's
 figure is the median over its rounds, its schedule's max/mean (makespan over the mean
-rank's work, the planner's seconds) and predicted / bound the means over its steps.
+rank's work, the planner's seconds) and predicted / bound the means over its steps; the
+predicted speedup is the arms' tokens over their steps' predicted seconds (the cost
+model's Schedule.makespan, metrics' predicted_s), to set beside the measured one. CPU
+seconds are the whole run's (torchrun's ranks, start-up included), a figure that
+contention changes less than the wall clock's.
 
 Mixes (lengths in tokens, seeded; --min-len and --max-len clip):
     lognormal  log-normal, median --median-len, sigma --sigma
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -49,6 +58,10 @@ HYBRID = ["model.n_layers=4",
           "model.linear_num_key_heads=2", "model.linear_key_head_dim=16",
           "model.mamba_head_dim=16", "model.ssm_state_size=16", "model.n_groups=2",
           "model.linear_chunk_size=64"]
+# the router dynamic CP takes (ctxpar/config/moe.py refuses the sequence-level losses)
+MOE = ["model.moe={num_experts: 8, top_k: 2, expert_hidden: 64, score: sigmoid, "
+       "score_correction_bias: true, bias_update_rate: 0.01, z_loss_coef: 0.001, "
+       "shared_expert_hidden: 32}"]
 
 
 def mix_lengths(mix: str, count: int, a) -> np.ndarray:
@@ -80,28 +93,35 @@ def train(run_dir: str, prefix: str, arm: str, a, model_sets) -> dict:
             f"train.global_batch_size={a.docs}", "train.eval_interval=0",
             "train.warmup_steps=1", "logging.log_interval=1", "logging.wandb.mode=disabled",
             f"logging.run_dir={run_dir}", *model_sets, *a.set]
-    static_layout = "zigzag" if model_sets else "striped"  # linear_cp state: no striped
+    static_layout = "zigzag" if HYBRID[0] in model_sets else "striped"  # state: no striped
+    sets += [f"data.dynamic_cp_window={a.window}"]  # both arms: the same steps' documents
     sets += (["data.dynamic_cp_schedule=static", f"parallel.layout={static_layout}"]
              if arm == "static"
-             else ["data.dynamic_cp_schedule=balanced", "parallel.layout=zigzag",
-                   f"data.dynamic_cp_window={a.window}"])
+             else ["data.dynamic_cp_schedule=balanced", "parallel.layout=zigzag"])
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": ROOT, "WANDB_MODE": "disabled"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.world),
            "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
            "--config", a.config, "--set", *sets]
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"train.py ({arm}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {r["step"]: r for r in rows if "step_tokens" in r}
+    steps = {r["step"]: r for r in rows if "step_tokens" in r}
+    steps[0] = {"cpu_s": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime}
+    return steps
 
 
 def summary(steps: dict) -> dict:
     """tokens/s after step 1, and the schedule's mean balance and distance to its bound."""
     timed = [r for s, r in steps.items() if s > 1]
-    return {"tokens_per_s": sum(r["step_tokens"] for r in timed) / sum(r["step_time_s"]
-                                                                       for r in timed),
+    tokens = sum(r["step_tokens"] for r in timed)
+    return {"tokens_per_s": tokens / sum(r["step_time_s"] for r in timed),
+            "predicted_tokens_per_s": tokens / sum(r["predicted_s"] for r in timed),
+            "cpu_s": steps[0]["cpu_s"], "losses": {s: r["loss"] for s, r in steps.items()
+                                                   if s > 0},
             "max_over_mean": statistics.mean(r["schedule_max_over_mean"] for r in timed),
             "predicted_over_bound": statistics.mean(r["predicted_over_bound"] for r in timed)}
 
@@ -112,6 +132,9 @@ def main(argv=None):
                     choices=["lognormal", "bimodal"])
     ap.add_argument("--hybrid", nargs="*", default=["bimodal"],
                     choices=["lognormal", "bimodal"], help="mixes to run a hybrid model on")
+    ap.add_argument("--moe", nargs="*", default=["bimodal"],
+                    choices=["lognormal", "bimodal"], help="mixes to run a MoE model on")
+    ap.add_argument("--ep", type=int, default=2, help="the MoE model's parallel.ep")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="static/dynamic pairs per case")
     ap.add_argument("--steps", type=int, default=6)
@@ -127,7 +150,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="runs/bench/dynamic_cp_train.json")
     a = ap.parse_args(argv)
-    cases = [(m, "dense", []) for m in a.mix] + [(m, "hybrid", HYBRID) for m in a.hybrid]
+    cases = [(m, "dense", []) for m in a.mix] + [(m, "hybrid", HYBRID) for m in a.hybrid] \
+        + [(m, "moe", [*MOE, f"parallel.ep={a.ep}"]) for m in a.moe]
     out, tmp = [], tempfile.mkdtemp(prefix="bench_dyn_")
     for mix, model, model_sets in cases:
         prefix = os.path.join(tmp, mix)
@@ -140,22 +164,37 @@ def main(argv=None):
                 steps = train(os.path.join(tmp, f"{mix}-{model}-{arm}-{r}"), prefix, arm, a,
                               model_sets)
                 runs[arm].append(summary(steps))
-                print(f"{mix:>9} {model:>6} {arm:>7} round {r}: "
-                      f"{runs[arm][-1]['tokens_per_s']:>8,.0f} tokens/s, schedule max/mean "
-                      f"{runs[arm][-1]['max_over_mean']:.3f}, predicted/bound "
-                      f"{runs[arm][-1]['predicted_over_bound']:.3f} ({time.time() - t0:.0f} s)",
-                      flush=True)
+                x = runs[arm][-1]
+                print(f"{mix:>9} {model:>6} {arm:>7} round {r}: {x['tokens_per_s']:>8,.0f} "
+                      f"tokens/s (predicted {x['predicted_tokens_per_s']:,.0f}), schedule "
+                      f"max/mean {x['max_over_mean']:.3f}, predicted/bound "
+                      f"{x['predicted_over_bound']:.3f} ({time.time() - t0:.0f} s wall, "
+                      f"{x['cpu_s']:.0f} CPU s)", flush=True)
+            loss_diff = max(abs(d - s) / abs(s) for s, d in zip(
+                runs["static"][-1]["losses"].values(), runs["dynamic"][-1]["losses"].values()))
+            runs["dynamic"][-1]["loss_rel_diff"] = loss_diff
+            print(f"{mix:>9} {model:>6} losses over {a.steps} steps: dynamic within "
+                  f"{loss_diff:.1e} (relative) of static "
+                  f"{'(within 1e-5)' if loss_diff <= 1e-5 else 'NOT WITHIN 1e-5'}", flush=True)
         med = {arm: statistics.median(x["tokens_per_s"] for x in v) for arm, v in runs.items()}
+        predicted = {arm: statistics.median(x["predicted_tokens_per_s"] for x in v)
+                     for arm, v in runs.items()}
         row = dict(mix=mix, model=model, static_tokens_per_s=med["static"],
                    dynamic_tokens_per_s=med["dynamic"],
                    speedup=med["dynamic"] / med["static"],
+                   predicted_speedup=predicted["dynamic"] / predicted["static"],
+                   cpu_s={arm: statistics.median(x["cpu_s"] for x in v)
+                          for arm, v in runs.items()},
+                   loss_rel_diff=max(x["loss_rel_diff"] for x in runs["dynamic"]),
                    dynamic_max_over_mean=statistics.mean(x["max_over_mean"]
                                                          for x in runs["dynamic"]),
                    dynamic_predicted_over_bound=statistics.mean(
                        x["predicted_over_bound"] for x in runs["dynamic"]), runs=runs)
         out.append(row)
         print(f"{mix:>9} {model:>6}: dynamic {row['dynamic_tokens_per_s']:,.0f} / static "
-              f"{row['static_tokens_per_s']:,.0f} tokens/s = {row['speedup']:.2f}x; dynamic "
+              f"{row['static_tokens_per_s']:,.0f} tokens/s = {row['speedup']:.2f}x (predicted "
+              f"{row['predicted_speedup']:.2f}x; CPU s static {row['cpu_s']['static']:.0f}, "
+              f"dynamic {row['cpu_s']['dynamic']:.0f}); dynamic "
               f"schedule max/mean {row['dynamic_max_over_mean']:.3f}, predicted/bound "
               f"{row['dynamic_predicted_over_bound']:.3f}", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
