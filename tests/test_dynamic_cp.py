@@ -240,7 +240,7 @@ HYBRID_PACKS = [(1, SHORT, 0.437), (1, [4000], 0.522), (1, [500] * 8, 0.370),
 
 
 def _hybrid_cost(cpu=GPUS["cpu"]):
-    from tools.benchmarks.bench_dynamic_cp_train import HYBRID
+    from tools.benchmarks.dynamic_cp_runs import HYBRID
     cfg = load_config("configs/tiny_cpu.yaml", overrides=[
         "parallel.cp=4", "parallel.dp=1", "model.seq_len=16384", *HYBRID], world_size=4)
     return SequenceCost(cfg, Cluster(1, 4, cpu))  # one core per rank: CPU seconds
@@ -257,6 +257,7 @@ def test_the_cost_model_prices_a_hybrids_packs_within_15_percent_of_their_cpu_se
         assert seconds == pytest.approx(measured, rel=0.15), (d, len(lengths), seconds)
 
 
+@pytest.mark.quick
 def test_a_document_pays_ring_steps_on_attention_layers_only():
     from dataclasses import replace
     with_blocks, without = _hybrid_cost(), _hybrid_cost(replace(GPUS["cpu"],

@@ -51,30 +51,9 @@ import time
 import numpy as np
 
 from ctxpar.distributed.parallel_state import free_port
+from tools.benchmarks.dynamic_cp_runs import HYBRID, MOE, mix_lengths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HYBRID = ["model.n_layers=4",
-          "model.layer_types=[linear_attention,mamba,full_attention,linear_attention]",
-          "model.linear_num_key_heads=2", "model.linear_key_head_dim=16",
-          "model.mamba_head_dim=16", "model.ssm_state_size=16", "model.n_groups=2",
-          "model.linear_chunk_size=64"]
-# the router dynamic CP takes (ctxpar/config/moe.py refuses the sequence-level losses)
-MOE = ["model.moe={num_experts: 8, top_k: 2, expert_hidden: 64, score: sigmoid, "
-       "score_correction_bias: true, bias_update_rate: 0.01, z_loss_coef: 0.001, "
-       "shared_expert_hidden: 32}"]
-
-
-def mix_lengths(mix: str, count: int, a) -> np.ndarray:
-    """`count` document lengths (tokens) of a mix (module docstring)."""
-    rng = np.random.default_rng([a.seed, ["lognormal", "bimodal"].index(mix)])
-    if mix == "lognormal":
-        n = rng.lognormal(np.log(a.median_len), a.sigma, count)
-    else:
-        short = rng.random(count) < 0.8
-        n = np.where(short, rng.integers(40, 421, count), rng.lognormal(np.log(3000), 0.5, count))
-    return np.clip(n, a.min_len, a.max_len).astype(int)
-
-
 def write_corpus(prefix: str, lengths) -> None:
     """A token file of random documents of these lengths (inputs; EOS appended)."""
     from ctxpar.data import IndexedDatasetWriter
@@ -87,7 +66,8 @@ def write_corpus(prefix: str, lengths) -> None:
 def train(run_dir: str, prefix: str, arm: str, a, model_sets) -> dict:
     """One train.py run of an arm; its metrics per step."""
     sets = ["data.kind=tokens", "data.dynamic_cp=true", f"data.path={prefix}",
-            "data.eval_fraction=0.02", f"data.tokens_per_rank={a.tokens_per_rank}",
+            "data.eval_fraction=0.02", "train.eval_samples=1",  # the final evaluation: short
+            f"data.tokens_per_rank={a.tokens_per_rank}",
             f"model.seq_len={a.tokens_per_rank * a.world}", f"parallel.cp={a.world}",
             "parallel.dp=1", "parallel.cp_comm=ring", f"train.steps={a.steps}",
             f"train.global_batch_size={a.docs}", "train.eval_interval=0",
