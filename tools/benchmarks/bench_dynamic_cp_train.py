@@ -73,7 +73,8 @@ def train(run_dir: str, prefix: str, arm: str, a, model_sets) -> dict:
             f"train.global_batch_size={a.docs}", "train.eval_interval=0",
             "train.warmup_steps=1", "logging.log_interval=1", "logging.wandb.mode=disabled",
             f"logging.run_dir={run_dir}", *model_sets, *a.set]
-    static_layout = "zigzag" if HYBRID[0] in model_sets else "striped"  # state: no striped
+    linear = any(s.startswith("model.layer_types") for s in model_sets)
+    static_layout = "zigzag" if linear else "striped"  # state passing takes no striped
     sets += [f"data.dynamic_cp_window={a.window}"]  # both arms: the same steps' documents
     sets += (["data.dynamic_cp_schedule=static", f"parallel.layout={static_layout}"]
              if arm == "static"
