@@ -282,6 +282,16 @@ def linear_compute(m, cand: Candidate, s, stage: List[LayerAttention]) -> float:
                            cand.cp) for a in stage if a.token_mixer in LINEAR_MIXERS)
 
 
+def linear_elementwise(m, cand: Candidate, s, stage: List[LayerAttention],
+                       per_channel: float) -> float:
+    """Seconds (forward + backward) of the stage's linear mixers' work that is not their
+    kernels' FLOPs: each local token's conv channels at the device's linear_overhead."""
+    if not per_channel:
+        return 0.0
+    return per_channel * s.N * sum(linear_shapes(m, a.kind, cand.tp).conv_channels
+                                   for a in stage if a.token_mixer in LINEAR_MIXERS)
+
+
 def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers: int,
                  compute: float) -> float:
     """Activation offload's copies per micro-batch not hidden behind the compute (CUDA:
@@ -367,7 +377,8 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     # twice the forward, a replayed forward again
     t_linear = linear_compute(m, cand, s, stage) / (F * attn_eff)
     compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay) \
-        + t_expand + t_index_f * (1 + attn_replay) + t_index_b
+        + linear_elementwise(m, cand, s, stage, cluster.gpu.linear_overhead) \
+        * (1 + attn_replay / 3) + t_expand + t_index_f * (1 + attn_replay) + t_index_b
 
     # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
     f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)
