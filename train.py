@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar import checkpoint as ckpt
+from ctxpar.checkpoint.names import pipeline_ties_embedding
 from ctxpar.components.checkpointer import Checkpointer
 from ctxpar.components.cli import add_launcher_args, fail, show_ctxpar_logs, warn
 from ctxpar.components.evaluation import Evaluator, eval_shortfall
@@ -203,7 +204,7 @@ def build_training(run: RunInputs, state, device, rank0: bool):
     whole = GPT(cfg.model, ModelGroups(tp_group=state.tp_group, cp_group=state.cp_group),
                 device=torch.device("meta"))
     model.universal_checkpoint_info = ckpt.universal_checkpoint_info(
-        whole, cfg.model.n_layers, cfg.model.tie_embeddings, pipelined)
+        whole, cfg.model.n_layers, pipeline_ties_embedding(cfg.model), pipelined)
     if run.resume_from is not None:
         run.resume_from.configure(ds_config)  # a layout change loads DeepSpeed's universal format
     n_params = active_parameters(cfg.model)  # the whole model's (a MoE's routed experts: k / E)

@@ -28,7 +28,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, ReplicatedHeadLinear,
 from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .norms import RMSNorm
+from .norms import RMSNorm, l2_norm
 from .options import LayerArgs
 from .qk_norm import AllHeadsRMSNorm
 from .rope import apply_rotary
@@ -54,7 +54,8 @@ class Attention(TokenMixer):
     Gemma 4 (config/kv_layers.py): a layer's own head dim and kv heads; under k_eq_v no
     v_proj, V = value_norm(k_proj x); under model.num_kv_shared_layers a consumer layer has
     q_proj, q_norm and o_proj only and attends (mix) with the K/V its producer's mix kept:
-    never recomputed, and under CP the tensors its producer's ranks hold."""
+    never recomputed, and under CP the tensors its producer's ranks hold (under Ulysses
+    those regrouped by heads: the consumer sends no K/V)."""
 
     selective_recompute = True
 
@@ -80,6 +81,7 @@ class Attention(TokenMixer):
         # model.num_kv_shared_layers: a consumer attends with its producer's K/V (set by the
         # GPT: kv_producer a 1-tuple, not a submodule); a producer keeps its last in shared_kv
         self.kv_producer, self.keeps_shared_kv, self.shared_kv = None, False, None
+        self.shared_heads_kv = None  # under Ulysses: its K/V regrouped by heads, kept too
         self.k_eq_v = a.k_eq_v  # values from k_proj (model.attention_k_eq_v)
         self.v_eps = cfg.norm_eps if cfg.value_norm else None
         lin = dict(tp_group=tp_group, bias=cfg.bias or cfg.attention_bias, device=device,
@@ -152,13 +154,19 @@ class Attention(TokenMixer):
         return (q, k, v), (gate,)
 
     def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
+        heads_kv = None
         if self.kv_producer is not None:  # the producer's K/V of this forward, never recomputed
             inputs = (inputs[0], *self.kv_producer[0].shared_kv)
+            heads_kv = self.kv_producer[0].shared_heads_kv  # Ulysses: never re-sent either
         elif self.keeps_shared_kv:
             self.shared_kv = inputs[1:]  # (k, v), held until the next forward
+            # under Ulysses regrouped by heads once, for itself and its consumers (same
+            # widths only: a narrower V travels padded, core)
+            self.shared_heads_kv = heads_kv = self.cp.heads_kv(*inputs[1:]) \
+                if cache is None and inputs[1].shape[-1] == inputs[2].shape[-1] else None
         if cache is not None:  # generation: the cache keeps k, v and runs the core or decodes
             return cache(*inputs, self.core, self.mask())
-        return self.core(*inputs, cu_seqlens)  # (B, T/cp, nh/tp, hd)
+        return self.core(*inputs, cu_seqlens, heads_kv)  # (B, T/cp, nh/tp, hd)
 
     def project_out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         return self.out(o, gate)
@@ -171,15 +179,17 @@ class Attention(TokenMixer):
                              chunk_size=self.layer.chunk_size, cu_seqlens=cu_seqlens,
                              sinks=self.sinks)
 
-    def core(self, q, k, v, cu_seqlens=None) -> torch.Tensor:
+    def core(self, q, k, v, cu_seqlens=None, heads_kv=None) -> torch.Tensor:
         # Exact attention over the whole sequence through cp.comm's pattern. Values
         # narrower than the keys travel zero-padded to hd (the patterns move K and V as
-        # one block): the padding's output columns are zeros, dropped here.
+        # one block): the padding's output columns are zeros, dropped here. heads_kv:
+        # Ulysses' K,V already regrouped by heads (a shared K/V's, mix).
         vd = v.shape[-1]
         if vd != q.shape[-1]:
             v = F.pad(v, (0, q.shape[-1] - vd))
         o = self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
-                              mask=self.mask(cu_seqlens))  # (B, T/cp, nh/tp, hd)
+                              mask=self.mask(cu_seqlens),
+                              heads_kv=heads_kv)  # (B, T/cp, nh/tp, hd)
         return o[..., :vd]  # (B, T/cp, nh/tp, vd)
 
 
@@ -191,12 +201,6 @@ def link_shared_kv(layers, attention: list) -> None:
             producer = layers[a.kv_source].mixer
             producer.keeps_shared_kv = True
             block.mixer.kv_producer = (producer,)  # a tuple: not registered as a submodule
-
-
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over each head's channels, fp32 (transformers' Llama4TextL2Norm)."""
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def qk_norms(cfg: ModelConfig, hd: int, n_kv: int, tp_group, device, dtype):

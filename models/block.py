@@ -10,12 +10,14 @@ the streams' mix (models/hyper_connections.py).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from ctxpar.config.layer_mixers import channel_output_kept
 from ctxpar.context_parallel import ContextParallel
 
 from .hyper_connections import hyper_connection, mix_streams
@@ -41,6 +43,9 @@ class Block(nn.Module):
     keeps what the core saves (q, k, v, the attention output and its LSE, saved by the CP
     attention itself), so backward recomputes projections but never replays the CP
     communication; other blocks keep their activations under it.
+
+    ``recompute_context`` is the context_fn of every checkpoint whose recompute covers the
+    channel mixer (the whole block's in models/gpt.py and gpt_pipe.py, selective's here).
     """
 
     def __init__(self, args: LayerArgs):
@@ -57,7 +62,11 @@ class Block(nn.Module):
         self.post_attn_norm = make_norm(**norm) if post and token else None
         self.mlp_norm = make_norm(**norm) if channel and not reordered else None
         self.mlp = channel(args) if channel else None
+        # a channel mixer that reads the block's x beside its normed x (Gemma 4's experts
+        # beside the MLP, models/moe_beside_mlp.py)
+        self.mlp_sees_residual = getattr(self.mlp, "sees_residual", False)
         self.post_mlp_norm = make_norm(**norm) if post and channel else None
+        self.mlp_output_kept = channel_output_kept(cfg, args.layer.kind)
         self.selective = args.selective and bool(token) and self.mixer.selective_recompute
         # Gemma 4: the per-layer input's gate (models/per_layer_input.py), then the block's
         # output times its layer scalar (a buffer: read from the folder, not trained)
@@ -76,6 +85,17 @@ class Block(nn.Module):
     def mixer(self) -> Optional[TokenMixer]:
         """The token mixer's module (attn, linear_attn, mamba); None in an MLP-only block."""
         return getattr(self, self.mixer_name) if self.mixer_name else None
+
+    def recompute_context(self):
+        """torch.utils.checkpoint's context_fn: the forward as it is; in the recompute, the
+        channel mixer's ``output_unread_context`` (a tiled MoE skips its experts there:
+        models/moe.py) when nothing after the mixer keeps its output for backward
+        (config.layer_mixers.channel_output_kept). Decided by the config alone, so every
+        rank of a group decides alike."""
+        unread = getattr(self.mlp, "output_unread_context", None)
+        if unread is None or self.mlp_output_kept:
+            return nullcontext(), nullcontext()
+        return nullcontext(), unread() or nullcontext()
 
     def use_cp(self, cp: ContextParallel) -> None:
         """Run the token mixer over another CP group (GPT.use_cp_group)."""
@@ -103,7 +123,8 @@ class Block(nn.Module):
         if self.mlp is None:
             return x
         h, mix = self._collapse(self.mlp_hc, x)
-        h = self.mlp(self._in_norm(self.mlp_norm, h))
+        normed = self._in_norm(self.mlp_norm, h)
+        h = self.mlp(normed, h) if self.mlp_sees_residual else self.mlp(normed)
         return mix_streams(x, h if self.post_mlp_norm is None else self.post_mlp_norm(h), mix)
 
     def _finish(self, x: torch.Tensor, per_layer_input) -> torch.Tensor:
@@ -126,7 +147,8 @@ class Block(nn.Module):
         if self.selective and kv_cache is None:  # recompute around the core; it keeps its own
             inputs, carry, mix = checkpoint(self._mixer_in, x, cos, sin, use_reentrant=False)
             o = self.mixer.mix(inputs, cu_seqlens)
-            return checkpoint(self._mixer_out_mlp, x, o, mix, *carry, use_reentrant=False)
+            return checkpoint(self._mixer_out_mlp, x, o, mix, *carry, use_reentrant=False,
+                              context_fn=self.recompute_context)
         inputs, carry, mix = self._mixer_in(x, cos, sin)
         return self._mixer_out_mlp(x, self.mixer.mix(inputs, cu_seqlens, kv_cache), mix,
                                    *carry)

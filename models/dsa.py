@@ -99,8 +99,10 @@ class DSA(MLA):
     def from_layer(cls, args: LayerArgs) -> "DSA":
         return cls(args.cfg, args, args.layer.has_indexer)
 
-    def follow(self, previous: "DSA") -> None:
-        """A 'shared' layer uses previous's selection (GLM-5's cross-layer top-k)."""
+    def follow(self, previous) -> None:
+        """A 'shared' layer uses previous's selection (GLM-5's cross-layer top-k): the DSA
+        layer before, or under the pipeline the selection its tuple brought
+        (models/dsa_pipe.py CarriedSelection)."""
         self._previous = (previous,)
 
     @property

@@ -46,7 +46,7 @@ from .hyper_connections import HyperHead, expand_streams
 from .dsa import (freeze_all_but_indexers, indexer_losses_of, indexer_recalls_of,
                   link_shared_layers)
 from .mixers import INIT_RULES
-from .moe import MoE
+from .moe import ROUTER_ONES, MoE
 from .mtp import MTP
 from .norms import make_norm
 from .options import LayerArgs, ModelGroups, ModelOptions
@@ -124,6 +124,8 @@ def init_default(name: str, shape, cfg: ModelConfig, g: torch.Generator) -> torc
     """Every parameter the mixers' own rules leave: norm weights, biases, matrices."""
     if name.endswith("norm.weight"):
         return torch.full(shape, 1.0 - cfg.norm_offset)
+    if name.endswith(ROUTER_ONES):  # Gemma 4's router scales
+        return torch.ones(shape)
     if name.endswith("bias"):
         return torch.zeros(shape)
     scale = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(
@@ -279,9 +281,9 @@ class GPT(nn.Module):
         if self.mtp is None or mtp_labels is None:
             raise ValueError("GPT: mtp_tokens given without model.mtp or without mtp_labels")
         # one embedding lookup for every depth's ids: (B, D, T/cp) -> (B, D, T/cp, d)
-        embeds = embed_tokens(self.embed, mtp_tokens, self.cfg).unbind(1)
-        hidden = self.mtp.hidden_states(x, embeds, positions, rotary_dim(self.cfg), cu_seqlens)
-        sums = torch.stack([self.loss_sum(h, mtp_labels[:, k]) for k, h in enumerate(hidden)])
+        embeds = embed_tokens(self.embed, mtp_tokens, self.cfg)
+        sums = self.mtp.loss_sums(x, embeds, positions, rotary_dim(self.cfg), cu_seqlens,
+                                  mtp_labels, self.loss_sum)
         self.mtp_loss_sums = sums.detach()
         if mtp_weights is None:  # lambda/D each: N_k taken as N
             mtp_weights = torch.full_like(sums, self.cfg.mtp.loss_weight / self.cfg.mtp.depth)
@@ -326,7 +328,7 @@ class GPT(nn.Module):
                 x = layer(x, cos, sin, kv_cache.layer(i), per_layer_input=zi)
             elif self._checkpointed(i):  # keep only x; replay the block (and its CP attention) in backward
                 x = run_layer(off, checkpoint, layer, x, cos, sin, None, cu_seqlens, zi,
-                              use_reentrant=False)
+                              use_reentrant=False, context_fn=layer.recompute_context)
             else:  # selective keeps x and the core's q, k, v, out, lse (offloaded); none, all
                 x = run_layer(off, layer, x, cos, sin, cu_seqlens=cu_seqlens,
                               per_layer_input=zi, to_host=layer.selective)

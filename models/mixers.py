@@ -3,6 +3,7 @@
     TOKEN_MIXERS[layer.token_mixer]    'attention', 'mla', 'dsa', 'gated_delta', 'kda', 'mamba2' (None:
                                        none)
     CHANNEL_MIXERS[kind]               'mlp', or 'moe' where model.moe.layers says
+                                       ('moe_beside_mlp' under model.moe.beside_mlp)
 
 A layer's kinds come from its type (ctxpar.config.layer_mixers.LAYER_MIXERS, which the
 config validates model.layer_types against and the planner and the Hugging Face exchange
@@ -31,6 +32,7 @@ from .dsa import DSA
 from .mla import MLA
 from .mlp import MLP
 from .moe import MoE
+from .moe_beside_mlp import MoEBesideMLP
 from .options import LayerArgs
 from .token_mixer import TokenMixer
 
@@ -58,6 +60,7 @@ TOKEN_MIXERS: Dict[str, TokenMixerKind] = {
 CHANNEL_MIXERS: Dict[str, Callable[[LayerArgs], nn.Module]] = {  # the Block's `mlp`
     "mlp": MLP.from_layer,
     "moe": MoE.from_layer,
+    "moe_beside_mlp": MoEBesideMLP.from_layer,  # Gemma 4: the experts and the dense MLP
 }
 
 # The mixers' own init rules, asked before the model's (models/gpt.py init_parameters_).
@@ -71,8 +74,11 @@ def token_mixer_kind(layer: LayerAttention) -> Optional[TokenMixerKind]:
 
 def channel_mixer_builder(args: LayerArgs) -> Optional[Callable[[LayerArgs], nn.Module]]:
     """The layer's channel mixer: its type's, a mixture of experts in an MLP's place on
-    model.moe's layers; None for a block without one (Nemotron-H's 'mamba', 'attention')."""
+    model.moe's layers (beside the MLP under model.moe.beside_mlp); None for a block without
+    one (Nemotron-H's 'mamba', 'attention')."""
     kind = args.layer.channel_mixer
     if kind is None:
         return None
-    return CHANNEL_MIXERS["moe" if args.moe else kind]
+    if args.moe:
+        kind = "moe_beside_mlp" if args.cfg.moe.beside_mlp else "moe"
+    return CHANNEL_MIXERS[kind]

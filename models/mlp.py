@@ -3,12 +3,14 @@ columns then rows, tiled over tokens on request (memory/tiled_mlp.py). A block's
 a mixture of experts' shared expert (models/moe.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Union
 
 import torch
 import torch.nn as nn
 
 from ctxpar.config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
+from ctxpar.config.kv_layers import layer_ffn_hidden
 from ctxpar.memory.tiled_mlp import gate_activation, mark_zero3_leaf, tiled_mlp, up_activation
 from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                     copy_to_tensor_model_parallel_region)
@@ -27,9 +29,10 @@ class MLP(nn.Module):
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "MLP":
-        """A block's MLP, tiled under memory.tiled_mlp (memory.mlp_tile_tokens)."""
-        tiled = args.memory.mlp_tile_tokens if args.memory.tiled_mlp else None
-        return cls(args.cfg, args.tp_group, args.device, args.dtype, tile_tokens=tiled)
+        """A block's MLP, tiled under memory.tiled_mlp (memory.mlp_tile_tokens); twice as
+        wide on a layer sharing K/V under model.double_wide_mlp (Gemma 4)."""
+        cfg = replace(args.cfg, ffn_hidden=layer_ffn_hidden(args.cfg, args.layer.kv_source))
+        return cls(cfg, args.tp_group, args.device, args.dtype, tile_tokens=args.mlp_tile)
 
     def __init__(self, cfg: ModelConfig, tp_group, device=None, dtype=None,
                  tile_tokens: Union[int, str, None] = None):

@@ -34,6 +34,16 @@ and router weights: the (t k, d) dispatch buffers, the received rows and the exp
 (which replays the tile, its all-to-alls included: one more expert forward). Every rank
 of an EP group holds the same N tokens (B T/cp), so they run the same tiles and their
 all-to-alls pair up. The shared expert is a dense MLP over all N tokens.
+
+Under activation checkpointing the block's recompute replays this layer too, and there
+the tiles' experts are skipped (``SkipTiles``, entered by Block.recompute_context where
+nothing after the layer keeps its output): the recompute exists to remake what the
+block's forward saved for backward, and of the tiled experts that is each tile's inputs
+alone (its checkpoint's), which a tile's stand-in checkpoint saves the same way, while
+each tile's own replay in backward still runs the real experts from those inputs. So a
+recomputed layer costs forward + replay + backward, as the untiled one does (forward +
+recompute + backward), instead of one more expert forward. Every rank of an EP group
+recomputes the same blocks, so all skip the same tiles' all-to-alls.
 """
 from __future__ import annotations
 
@@ -56,6 +66,7 @@ from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
 from .mlp import MLP
+from .norms import l2_norm
 from .options import LayerArgs
 
 
@@ -110,9 +121,14 @@ class Experts(nn.Module):
         """rows (M, d) grouped by local expert, counts[i] for expert i -> (M, d), this TP
         rank's partial sums."""
         outs = []
-        bias = self.gate_up_proj_bias
+        # unbind: one backward node a weight, whose gradient is the stack of the experts'
+        # (indexing each expert's slice would make a zero (E/ep, ...) gradient per expert
+        # and sum them: E/ep times the weight's bytes per call, and a tiled layer calls
+        # once a tile)
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        bias = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias.unbind(0)
         for i, piece in enumerate(rows.split(counts)):
-            h = F.linear(piece, self.gate_up_proj[i], None if bias is None else bias[i])
+            h = F.linear(piece, gate_up[i], None if bias is None else bias[i])
             if self.gated and self.limit is not None:  # gpt-oss's clamped SwiGLU
                 gate, up = h.chunk(2, dim=-1)                     # (n, f/tp) each
                 gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
@@ -122,18 +138,28 @@ class Experts(nn.Module):
                 h = gate_activation(gate, self.kind) * up
             else:
                 h = up_activation(h, self.kind)
-            outs.append(F.linear(h, self.down_proj[i]))           # (n, d)
+            outs.append(F.linear(h, down[i]))                     # (n, d)
         return torch.cat(outs)
+
+
+def _unread_tile(rows: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                 ) -> torch.Tensor:
+    """A tile's stand-in under SkipTiles: zeros of its output's shape (n, d), read by
+    nothing (its checkpoint saves the tile's inputs as the real tile's does)."""
+    return torch.zeros_like(rows)
 
 
 class Router(nn.Linear):
     """The router's logits (transformers' ``gate``) and, with correction_bias, DeepSeek-V3's
     e_score_correction_bias: a buffer (no gradient, saved with the model) kept in fp32
     through casts of the model (DeepSpeed's bf16 engine casts every buffer), where its
-    updates of +-bias_update_rate would round away."""
+    updates of +-bias_update_rate would round away. With scaled (model.moe.scaled_router,
+    Gemma 4's router) the logits are of rmsnorm(x) * scale / sqrt(d), and ``per_expert_scale``
+    (E,) multiplies the chosen experts' weights (MoE.forward)."""
 
     def __init__(self, d_model: int, num_experts: int, bias: bool, correction_bias: bool,
-                 device=None, dtype=None, hash_table=None):
+                 device=None, dtype=None, scaled: bool = False, eps: float = 1e-6,
+                 hash_table=None):
         super().__init__(d_model, num_experts, bias=bias, device=device, dtype=dtype)
         if correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(
@@ -141,6 +167,17 @@ class Router(nn.Linear):
         if hash_table is not None:  # (vocab, k): model.moe.hash_layers (transformers' name)
             self.register_buffer("tid2eid", torch.zeros(hash_table, device=device,
                                                         dtype=torch.int64))
+        self.scale = self.per_expert_scale = None
+        self.eps = eps
+        if scaled:  # replicated over TP and EP: every rank routes with all E experts
+            self.scale = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+            self.per_expert_scale = nn.Parameter(torch.ones(num_experts, device=device,
+                                                            dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:  # Gemma 4: a weightless RMSNorm, the learned scale, 1/sqrt(d)
+            x = l2_norm(x, self.eps) * self.scale * self.in_features ** -0.5
+        return super().forward(x)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -148,6 +185,27 @@ class Router(nn.Linear):
         if b is not None and b.dtype != torch.float32:
             self._buffers["e_score_correction_bias"] = b.float()
         return self
+
+
+# The router's parameters whose init is ones (models/gpt.py init_default): Gemma 4's scales
+ROUTER_ONES = ("gate.scale", "gate.per_expert_scale")
+
+
+class SkipTiles:
+    """A recompute of the block a tiled MoE layer is in, which reads nothing of the
+    layer's output (module docstring): each tile's checkpoint keeps its inputs as in the
+    forward, around a stand-in that runs no expert and no all-to-all. Re-enterable: a
+    checkpoint's recompute runs once per backward pass that reaches it (a pipeline stage
+    can run two)."""
+
+    def __init__(self, moe: "MoE"):
+        self.moe = moe
+
+    def __enter__(self):
+        self.moe.tiles_skipped = True
+
+    def __exit__(self, *exc):
+        self.moe.tiles_skipped = False
 
 
 class MoE(nn.Module):
@@ -158,9 +216,8 @@ class MoE(nn.Module):
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "MoE":
-        tile = args.memory.mlp_tile_tokens if args.memory.tiled_mlp else None
-        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype, tile,
-                   args.hash_routed)
+        return cls(args.cfg, args.tp_group, args.ep_group, args.device, args.dtype,
+                   args.mlp_tile, args.hash_routed)
 
     def __init__(self, cfg: ModelConfig, tp_group=None, ep_group=None, device=None,
                  dtype=None, tile=None, hash_routed: bool = False):
@@ -175,6 +232,7 @@ class MoE(nn.Module):
         self.hash_routed, self.token_ids = hash_routed, None
         self.gate = Router(cfg.d_model, moe.num_experts, moe.router_bias,
                            moe.score_correction_bias and not hash_routed, device, dtype,
+                           moe.scaled_router, cfg.norm_eps,
                            (cfg.vocab_size, moe.top_k) if hash_routed else None)
         self.experts = Experts(cfg, ep_rank, ep, tp_size_of(tp_group), device, dtype)
         self.shared_expert = MLP(replace(cfg, ffn_hidden=moe.shared_expert_hidden), tp_group,
@@ -182,6 +240,12 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False, device=device,
                                             dtype=dtype) if moe.shared_expert_gate else None
         self.stats: Optional[RouterStats] = None
+        self.tiles_skipped = False  # inside SkipTiles: a block's recompute
+
+    def output_unread_context(self):
+        """Block.recompute_context's hook: a SkipTiles when the experts are tiled (untiled,
+        the recompute must remake the experts' own saved intermediates), else None."""
+        return None if self.tile is None else SkipTiles(self)
 
     def correction_bias(self) -> Optional[torch.Tensor]:
         """DeepSeek-V3's e_score_correction_bias (E,), or None."""
@@ -223,22 +287,30 @@ class MoE(nn.Module):
             return routed(rows, weights, chosen)
         N, d = rows.shape
         tile = mlp_tile_tokens(N, d, self.expert_width, self.tile)
+        if self.tiles_skipped:
+            routed = _unread_tile
         return torch.cat([checkpoint(routed, rows[s:s + n], weights[s:s + n], chosen[s:s + n],
                                      use_reentrant=False)
                           for s, n in tile_spans(N, tile)])      # (N, d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T/cp, d) normed -> (B, T/cp, d), complete (and identical) over TP.
+    def forward(self, x: torch.Tensor, router_input: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """x (B, T/cp, d) normed -> (B, T/cp, d), complete (and identical) over TP;
+        router_input (B, T/cp, d): what the router reads (None: x; Gemma 4's experts beside
+        the MLP: the block's x before its norm, models/moe_beside_mlp.py).
 
         The router and the shared expert's gate see x itself (their outputs are the same on
         every TP rank, so are their gradients); the experts see f(x), whose backward sums
         their partial input gradients over TP."""
         shape, x = x.shape, x.reshape(-1, x.shape[-1])            # (N, d)
-        logits = self.gate(x)                                     # (N, E)
+        logits = self.gate(x if router_input is None else
+                           router_input.reshape(x.shape))         # (N, E)
         m = self.moe
         weights, chosen = route(logits, m.top_k, m.score, m.norm_topk, self.correction_bias(),
                                 m.n_group, m.topk_group, m.routed_scaling_factor,
                                 self._hashed_experts())
+        if self.gate.per_expert_scale is not None:  # Gemma 4: after norm_topk
+            weights = weights * self.gate.per_expert_scale[chosen]   # (N, k)
         if self.stats is not None and not self.hash_routed:  # as transformers: no losses
             self.stats.add(logits, chosen, batch=shape[0])
         if m.capacity_factor is not None:  # this rank's tokens: layout-dependent

@@ -24,7 +24,8 @@ from ctxpar.moe.aux import moe_metrics
 from . import gpt_pipe
 from .loss import global_mean_loss, loss_for_backward
 from .step_kinds import (MicroBatchSteps, PipelineSteps, StepOutput, add_indexer_sum,
-                         indexer_metrics, mtp_inputs, mtp_metrics)
+                         indexer_metrics, mtp_inputs, mtp_metrics, pipeline_indexer_metrics,
+                         pipeline_mtp_metrics)
 
 
 class MoESteps(MicroBatchSteps):
@@ -80,4 +81,7 @@ class MoEPipelineSteps(PipelineSteps):
         values = torch.cat([router["values"], router["counts"]]) if state.is_pp_last_stage \
             else torch.zeros(3 + E, device=n_tokens.device)
         dist.broadcast(values, src=state.ranks("pp")[-1], group=state.pp_group)
-        return StepOutput(loss.item(), extras=moe_metrics(values[:3], values[3:]))
+        extras = moe_metrics(values[:3], values[3:])
+        extras.update(pipeline_indexer_metrics(self.engine, n_tokens, loss, state))
+        extras.update(pipeline_mtp_metrics(self.engine.module, micro, n_tokens, loss, state))
+        return StepOutput(loss.item(), extras=extras)

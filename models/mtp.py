@@ -85,6 +85,16 @@ class MTP(nn.Module):
             out.append(h)
         return out
 
+    def loss_sums(self, h: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                  rotary_dim: int, cu_seqlens, mtp_labels: torch.Tensor,
+                  head_sum) -> torch.Tensor:
+        """(D,) fp32: each depth's sum of token losses S_k against mtp_labels[:, k]
+        (B, D, T/cp), from h^0 = h and the embeddings of the ids ahead, embeds
+        (B, D, T/cp, d); head_sum(h^k, targets) is the head and its loss (the model's:
+        GPT.loss_sum, or the pipeline's last stage, models/mtp_pipe.py)."""
+        hidden = self.hidden_states(h, embeds.unbind(1), positions, rotary_dim, cu_seqlens)
+        return torch.stack([head_sum(hk, mtp_labels[:, k]) for k, hk in enumerate(hidden)])
+
 
 def mtp_loss_weights(depth: int, loss_weight: float, n_tokens: torch.Tensor,
                      mtp_tokens: torch.Tensor) -> torch.Tensor:

@@ -50,3 +50,10 @@ def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return FusedRMSNorm(dim, eps=cfg.norm_eps).to(device=device, dtype=dtype)
     return FusedLayerNorm(dim, eps=cfg.norm_eps).to(device=device, dtype=dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, fp32: a weightless RMSNorm (transformers'
+    Llama4TextL2Norm; Gemma 4's v_norm and its router's norm)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)

@@ -83,3 +83,8 @@ class LayerArgs:
     device: Any = None
     dtype: Any = None
     hash_routed: bool = False   # its experts chosen by a token-id table (model.moe.hash_layers)
+
+    @property
+    def mlp_tile(self):
+        """The MLPs' and experts' tokens a tile under memory.tiled_mlp (None: untiled)."""
+        return self.memory.mlp_tile_tokens if self.memory.tiled_mlp else None

@@ -31,8 +31,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
     kind = (scaling or {}).get("rope_type")
     if kind == "yarn":
         return yarn_inv_freq(head_dim, theta, scaling, device)
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device,
-                                       dtype=torch.float32) / head_dim)
+    # 1 / theta^(2i/hd) in fp32, transformers' ops in its order: the same bits as its
+    # frequencies (theta^(-2i/hd) is one ulp off some, which positions multiply)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device,
+                                            dtype=torch.float32) / head_dim)
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "proportional":  # the first prf x hd/2 frequencies, the rest 0 (unturned)

@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 
 from . import dynamic_cp, gpt_pipe
+from .dsa_pipe import pipeline_step_sums
 from .loss import count_tokens, global_mean_loss, global_token_count, loss_for_backward
 from .mtp import mtp_loss_weights
+from .mtp_pipe import last_stage_mtp_sums
 
 
 @dataclass
@@ -157,12 +159,34 @@ class MicroBatchSteps:
         return StepOutput(loss.item(), extras=extras)
 
 
+def pipeline_mtp_metrics(module, micro, n_tokens, loss, state) -> Dict[str, float]:
+    """model.mtp's metrics under the pipeline, the same on every stage (none without)."""
+    if "mtp_tokens" not in micro[0]:
+        return {}
+    sums = last_stage_mtp_sums(module.loss_fn.mtp, state, module.cfg.mtp.depth,
+                               n_tokens.device)
+    return mtp_metrics(sums, micro[0], n_tokens, loss, state)
+
+
 class PipelineSteps(MicroBatchSteps):
     """The same micro-batches through DeepSpeed's pipeline engine (engine.train_batch)."""
 
     def run(self, inputs) -> StepOutput:
         micro, n_tokens = inputs
-        return StepOutput(gpt_pipe.train_step(self.engine, micro, n_tokens, self.state).item())
+        loss = gpt_pipe.train_step(self.engine, micro, n_tokens, self.state)
+        return StepOutput(loss.item(), extras={
+            **pipeline_indexer_metrics(self.engine, n_tokens, loss, self.state),
+            **pipeline_mtp_metrics(self.engine.module, micro, n_tokens, loss, self.state)})
+
+
+def pipeline_indexer_metrics(engine, n_tokens, loss, state) -> Dict[str, float]:
+    """Under model.dsa's loss through the pipeline, the metrics' DSA fields on every stage
+    (the last stage's sums broadcast over pp: models/dsa_pipe.py); else none."""
+    loss_fn = engine.module.loss_fn
+    if loss_fn.indexer is None:
+        return {}
+    sums = pipeline_step_sums(loss_fn, state, n_tokens.device)
+    return indexer_metrics(sums, n_tokens, loss, loss_fn.indexer.weight, state)
 
 
 class DynamicSteps:

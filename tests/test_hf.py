@@ -254,6 +254,12 @@ FAMILY_CONFIGS = {
                                            vocab_size_per_layer_input=96,
                                            final_logit_softcapping=2.0)),
 }
+# Gemma 4 with experts (26B-A4B's form): Gemma 4's layers above, four experts 24 wide
+# beside each dense MLP, two per token, Gemma 4's router; the shared-KV layers' (3, 4)
+# dense MLPs twice as wide (use_double_wide_mlp)
+FAMILY_CONFIGS["gemma4_moe"] = (Gemma4TextConfig, dict(
+    FAMILY_CONFIGS["gemma4_text"][1], enable_moe_block=True, num_experts=4, top_k_experts=2,
+    moe_intermediate_size=24, use_double_wide_mlp=True))
 
 
 def tiny_family(path, family, tied, **overrides):
@@ -267,7 +273,7 @@ def tiny_family(path, family, tied, **overrides):
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "layer_scalar")):
@@ -406,7 +412,7 @@ FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral",
                 ("deepseek_v2", True), ("deepseek_v32", False), ("glm_moe_dsa", True),
                 ("glm4_moe", False), ("minimax_m2", False),
                 ("llama4_text", False), ("mimo_v2_flash", False), ("kimi_linear", False),
-                ("gemma4_text", True)]
+                ("gemma4_text", True), ("gemma4_moe", False)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -431,9 +437,13 @@ def test_each_family_imports_and_exports_exactly(tmp_path, family, tied, rope_va
 
 
 
-def _loss(logits, tokens):
+def _loss_tensor(logits, tokens):
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                             tokens[:, 1:].reshape(-1)).item()
+                                             tokens[:, 1:].reshape(-1))
+
+
+def _loss(logits, tokens):
+    return _loss_tensor(logits, tokens).item()
 
 
 # What each 2026 family brought, as ctxpar's fields (model.* or model.moe.*) set back
@@ -461,6 +471,9 @@ NEW_FEATURES = {
                     {"value_norm": False}, {"per_layer_input_dim": 0}, {"layer_scalar": False},
                     {"rope_scaling": None}, {"query_pre_attn_scalar": 24.0},
                     {"final_logit_softcapping": None}],
+    # Gemma 4's router scales (its experts beside the MLP and the double-wide MLPs change
+    # the weights' shapes: test_gemma4s_experts_and_wide_mlps_move_transformers_loss)
+    "gemma4_moe": [{"moe.scaled_router": False}],
     # the indexer's selection (dense MLA instead), GLM-5's pairs in its RoPE and its
     # shared layer (an indexer of its own)
     "deepseek_v32": [{"dsa": None}, {"dsa.index_topk": 48}],
@@ -501,6 +514,57 @@ def test_what_each_new_family_adds_moves_the_loss_past_the_runs_tolerance(
                 changed.load_state_dict(model.state_dict(), strict=False)
             got = _loss(changed(tokens, torch.arange(48)), tokens)
             assert abs(got - want) > 50 * 1e-5 * want, (change, got, want)
+
+
+def test_gemma4s_experts_and_wide_mlps_move_transformers_loss(tmp_path):
+    """What Gemma 4's MoE folder has that NEW_FEATURES cannot drop from ctxpar's weights
+    (their shapes), dropped in transformers' own model instead: the experts' branch, each
+    of its three norms, the router's per-expert scale, the shared-KV layers' second half
+    of their double-wide MLPs. Each moves the loss by over 50x the folder runs' 1e-5, so
+    the import's equality (test_each_family_imports_and_exports_exactly) sees each."""
+    ref = tiny_family(tmp_path / "g", "gemma4_moe", tied=False, initializer_range=0.1)
+    tokens = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
+    half = ref.config.intermediate_size
+    changes = {"experts": lambda n, p: p.zero_() if n.endswith("experts.down_proj") else None,
+               "wide": lambda n, p: p[half:].zero_() if n.endswith(
+                   ("layers.3.mlp.gate_proj.weight", "layers.4.mlp.gate_proj.weight")) else None,
+               **{k: (lambda k: lambda n, p: p.fill_(1.0) if n.endswith(k) else None)(k)
+                  for k in ("per_expert_scale", "post_feedforward_layernorm_1.weight",
+                            "pre_feedforward_layernorm_2.weight",
+                            "post_feedforward_layernorm_2.weight")}}
+    with torch.no_grad():
+        want = _loss(ref(tokens).logits, tokens)
+        for what, change in changes.items():
+            changed = AutoModelForCausalLM.from_pretrained(tmp_path / "g").float().eval()
+            for name, p in changed.named_parameters():
+                change(name, p)
+            got = _loss(changed(tokens).logits, tokens)
+            assert abs(got - want) > 50 * 1e-5 * want, (what, got, want)
+
+
+def test_gemma4_moe_gradients_equal_transformers(tmp_path):
+    """Gemma 4 with experts: every parameter's gradient of the mean loss equals
+    transformers' (the router's input, the block's x, carries its gradient into the
+    layers below; the experts' packed tensors, the router's scales, the three norms), fp32
+    to 1e-5 of each tensor's own scale, the two embeddings but their padding row
+    (transformers' padding_idx keeps pad_token_id's row without a gradient; ctxpar trains
+    it). 24 tokens: at 48 this tiny model's gradients move by ~4e-5 of their scale for
+    one-ulp changes of its inputs (its logits are test_each_family_imports_and_exports_
+    exactly's)."""
+    from ctxpar.checkpoint.names import to_hf
+    ref = tiny_family(tmp_path / "g", "gemma4_moe", tied=False)
+    model = ctxpar_from(tmp_path / "g")
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref.train(), model.train()
+    for logits in (ref(tokens).logits, model(tokens, torch.arange(24))):
+        _loss_tensor(logits, tokens).backward()
+    theirs, pad = dict(ref.named_parameters()), ref.config.pad_token_id
+    for name, p in model.named_parameters():
+        got, want = p.grad, theirs[to_hf(name, "gemma4_moe")].grad
+        if name.endswith("embed.weight"):  # every row but the padding one
+            got, want = (torch.cat([g[:pad], g[pad + 1:]]) for g in (got, want))
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
 def test_an_export_transformers_would_read_as_another_model_is_refused_whole(
@@ -790,10 +854,11 @@ def family_json(family, **fields):
     ("mimo_v2_flash", "auto_map", {"AutoModelForCausalLM": "modeling_mimo_v2_flash."
                                                            "MiMoV2FlashForCausalLM"},
      "a remote-code folder's own modeling files is not implemented by ctxpar"),
-    # Gemma 4: its experts beside the MLP, the wide shared-KV MLPs, the logits' softcap, a
+    # Gemma 4: experts without their count, flags not booleans, the logits' softcap, a
     # per-layer vocabulary of its own, full layers of different shapes
-    ("gemma4_text", "enable_moe_block", True, "experts beside the dense MLP"),
-    ("gemma4_text", "use_double_wide_mlp", True, "use_double_wide_mlp=True: the shared-KV"),
+    ("gemma4_text", "enable_moe_block", True, "num_experts=None: config.json must give it"),
+    ("gemma4_text", "enable_moe_block", 1, "enable_moe_block=1: config.json must give it as"),
+    ("gemma4_text", "use_double_wide_mlp", "yes", "use_double_wide_mlp='yes': config.json"),
     ("gemma4_text", "final_logit_softcapping", "30", "final_logit_softcapping='30': a number"),
     ("gemma4_text", "vocab_size_per_layer_input", 48, "per-layer embedding has the "
                                                       "vocabulary's 96 rows"),
@@ -1705,10 +1770,14 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # Gemma 4: shared K/V, k_eq_v, head dims 24 and 32, per-layer inputs at cp2 zigzag,
     # twice the folder's positions, and generate.py at cp2 (its cache: the producers'
     # slots only); the other layouts are tests/test_gemma4_cp.py's
-    ("gemma4_text", "cp2-state-zigzag")]
+    ("gemma4_text", "cp2-state-zigzag"),
+    # Gemma 4 with experts beside its MLPs (and double-wide shared-KV MLPs) at cp2 x ep2
+    # (tests/test_gemma4.py's spawn adds tp2 x cp2 x ep2 against one process; tp2 x cp2
+    # and cp2 Ulysses folder runs by hand, docs/checkpoints.md)
+    ("gemma4_moe", "cp2-zigzag-ep2")]
 # a family's folder for the runs when not the default sizes below
-RUN_SIZES = {"gemma4_text": dict(vocab_size=256, vocab_size_per_layer_input=256,
-                                 intermediate_size=192)}
+RUN_SIZES = {family: dict(vocab_size=256, vocab_size_per_layer_input=256,
+                          intermediate_size=192) for family in ("gemma4_text", "gemma4_moe")}
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
@@ -1790,8 +1859,10 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
                                   f"data.tokenizer={folder / 'tokenizer.json'}",
                                   *folder_sets(folder)])
         assert_first_loss_is_the_references(again, exported)
-    if extend or layout == "cp2-zigzag-ep2" and family != "qwen3_5_moe_text":  # generate.py
-        # at cp2: transformers' greedy (Qwen3.5-MoE's layers are Qwen3-Next's: one is enough)
+    if extend or layout == "cp2-zigzag-ep2" and family not in ("qwen3_5_moe_text",
+                                                                "gemma4_moe"):  # generate.py
+        # at cp2: transformers' greedy (Qwen3.5-MoE's layers are Qwen3-Next's: one is enough;
+        # Gemma 4's cache is gemma4_text's run's, its experts every MoE family's)
         prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": ROOT}

@@ -27,7 +27,7 @@ def test_every_mixer_a_layer_type_names_is_registered():
     tokens = {token for token, _ in LAYER_MIXERS.values()} - {None}
     channels = {channel for _, channel in LAYER_MIXERS.values()} - {None}
     assert set(TOKEN_MIXERS) == tokens | set(ATTENTION_MIXERS)  # MLA in attention's place
-    assert set(CHANNEL_MIXERS) == channels | {"moe"}
+    assert set(CHANNEL_MIXERS) == channels | {"moe", "moe_beside_mlp"}  # model.moe's two
     # the planner's description of their parameters, under the same names
     assert {k: v[0] for k, v in TOKEN_MIXER_PARAMETERS.items()} == {
         k: kind.attribute for k, kind in TOKEN_MIXERS.items()}

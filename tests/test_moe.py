@@ -319,7 +319,8 @@ def _grid_case(rank, world, payload):
         st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
         model = GPT(ROUTINGS[routing], ModelGroups.from_state(st),
                     ModelOptions(layout=layout, cp_comm=comm, seed=SEED,
-                                 memory=TILED.get(routing, MemoryConfig())))
+                                 memory=TILED.get(routing, MemoryConfig()),
+                                 activation_checkpointing=RECOMPUTE.get(routing, "none")))
         _set_biases(model)
         tokens, labels = _batch()
         tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
@@ -379,6 +380,14 @@ PACKED = {"deepseek": torch.tensor([0, 12, 20, N], dtype=torch.int32)}
 # DeepSeek run's numbers (the reference is the same model's)
 ROUTINGS["deepseek_tiled"], PACKED["deepseek_tiled"] = ROUTINGS["deepseek"], PACKED["deepseek"]
 TILED = {"deepseek_tiled": MemoryConfig(tiled_mlp=True, mlp_tile_tokens=5)}
+# ... and with the blocks recomputed (whole, or selective's MLP half): the recompute skips
+# the tiles' experts (models/moe.py SkipTiles), and every gradient, loss and count is still
+# the untiled run's
+for mode in ("full", "selective"):
+    ROUTINGS[f"deepseek_tiled_{mode}"] = ROUTINGS["deepseek"]
+    PACKED[f"deepseek_tiled_{mode}"] = PACKED["deepseek"]
+    TILED[f"deepseek_tiled_{mode}"] = TILED["deepseek_tiled"]
+RECOMPUTE = {"deepseek_tiled_full": "full", "deepseek_tiled_selective": "selective"}
 ROUTINGS["capacity"] = replace(GPT_CFG, moe=replace(GPT_CFG.moe, capacity_factor=0.5,
                                                     aux_loss_coef=0.0, z_loss_coef=0.0))
 CASES = [("top2", grid) for grid in GRIDS] + [
@@ -393,6 +402,8 @@ CASES = [("top2", grid) for grid in GRIDS] + [
     ("capacity", (1, 1, 2, "zigzag", "ring")),     # dp 4: a row a rank, as the reference's
     ("capacity", (1, 1, 4, "zigzag", "ring")),
     ("deepseek_tiled", (1, 2, 2, "zigzag", "ring")),
+    ("deepseek_tiled_full", (1, 2, 2, "zigzag", "ring")),
+    ("deepseek_tiled_selective", (1, 2, 2, "zigzag", "ring")),
 ]
 
 
@@ -420,7 +431,8 @@ def test_moe_gpt_over_the_grid_equals_one_process(grid_results):
             for name, b in biases.items():  # counts: exact; the biases' update: exact
                 assert torch.equal(got["biases"][name], b), f"{where} {name}"
             # per layer one all-to-all pair; tiled, one a tile, and again as backward
-            # replays each tile (7 tiles of a rank's 32 tokens)
+            # replays each tile (7 tiles of a rank's 32 tokens); none more in the blocks'
+            # recompute (its tiles skipped)
             calls = GPT_CFG.n_layers * (2 * 7 if routing in TILED else 1)
             assert got["stats"]["dispatch_calls"] == (calls if grid[2] > 1 else 0), where
 
@@ -484,6 +496,39 @@ def test_tiled_experts_equal_the_untiled_layer_and_hold_one_tiles_buffers():
         torch.testing.assert_close(t_grads[name], g, rtol=0, atol=1e-6 * g.abs().max().item(),
                                    msg=name)
     assert tiled < 0.5 * untiled, (tiled, untiled)
+
+
+@pytest.mark.parametrize("post_norms", [pytest.param(False, marks=pytest.mark.quick), True])
+def test_a_recomputed_block_skips_its_tiled_experts_where_nothing_keeps_their_output(post_norms):
+    """Tiled experts under whole-block recompute (one process, fp32, 2 layers, 64 tokens in
+    13 tiles of 5): loss, router losses and every gradient equal the untiled layer's without
+    recompute, and the experts run once a tile in forward and once in its backward replay,
+    none in the block's recompute (models/moe.py SkipTiles); with model.post_norms the
+    post-MLP norm keeps the layer's output, so the recompute runs them too."""
+    cfg = replace(ROUTINGS["deepseek"], post_norms=post_norms)
+    tokens, labels = (t[:2] for t in _batch())
+
+    def run(memory, mode):
+        model = GPT(cfg, options=ModelOptions(seed=SEED, memory=memory,
+                                              activation_checkpointing=mode))
+        calls = []
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.experts.register_forward_hook(lambda *_: calls.append(1))
+        loss = model(tokens, torch.arange(N), labels) / labels.numel()
+        r = model.router_losses
+        (loss + r.share).backward()
+        return ([loss.detach(), r.z_loss, r.seq_aux_loss, r.layer_counts],
+                {n: p.grad for n, p in model.named_parameters()}, len(calls))
+
+    want, grads, _ = run(MemoryConfig(), "none")
+    got, t_grads, calls = run(MemoryConfig(tiled_mlp=True, mlp_tile_tokens=5), "full")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(t_grads[name], g, rtol=0, atol=1e-6 * g.abs().max().item(),
+                                   msg=name)
+    assert calls == cfg.n_layers * 13 * (3 if post_norms else 2)
 
 
 def test_a_capacity_factor_drops_the_assignments_past_each_experts_capacity():

@@ -52,7 +52,6 @@ TOL = dict(rtol=1e-5, atol=1e-6)
     ({"depth": 0}, {}, "model.mtp.depth=0"),
     ({"loss_weight": -0.1}, {}, "model.mtp.loss_weight=-0.1"),
     ({"layer_type": "linear_attention"}, {}, "model.mtp.layer_type='linear_attention'"),
-    ({}, {"parallel": {"pp": 2}}, "parallel.pp=2"),
     ({}, {"data": {"dynamic_cp": True}}, "data.dynamic_cp=true"),
 ])
 def test_bad_mtp_settings_fail_at_load_naming_the_key(mtp, extra, key):

@@ -254,6 +254,34 @@ def test_step_time_counts_active_flops_and_the_all_to_alls():
     assert active_parameters(cfg.model) - active_parameters(top4.model) == 4 * expert * 24
 
 
+def test_tiled_experts_cost_nothing_more_where_the_recompute_skips_them():
+    """memory.tiled_mlp on the MoE model (cp8 x ep8, one node): without recompute the
+    tiles' replay adds one forward of the routed experts (2 FLOPs per active routed
+    parameter per token) and their forward all-to-alls; under full recompute the block's
+    recompute skips them (models/moe.py SkipTiles), so the step is the untiled one's;
+    with model.post_norms the post-MLP norm keeps the layer's output, no skip: the replay
+    adds again."""
+    from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.search import evaluate
+    from ctxpar.plan.timing import MM_EFF
+    cfg, cluster = _moe_cfg(), Cluster(1, 8, gpu_preset("h100"))
+    post = replace(cfg, model=replace(cfg.model, post_norms=True))
+    N, k, d, f, layers, micro = 131072 // 8, 8, 2048, 1408, 24, 16
+
+    def extra(c, mode):  # tiled - untiled: (compute, all-to-all) seconds
+        untiled, tiled = (evaluate(c, Candidate(1, 8, 1, 1, zero=2, activation=mode, ep=8,
+                                                tiled_mlp=t), cluster).time
+                          for t in (False, True))
+        return tiled.compute - untiled.compute, tiled.moe - untiled.moe
+
+    flops = 2 * N * k * 3 * d * f * layers * micro / (cluster.gpu.flops * MM_EFF)
+    a2a = 2 * N * k * d * 2 * 7 / 8 * layers * micro / cluster.gpu.nvlink  # bf16, out + back
+    for c, mode, want in ((cfg, "none", 1), (cfg, "full", 0), (post, "full", 1)):
+        compute, moe = extra(c, mode)
+        assert compute == pytest.approx(want * flops, rel=1e-9, abs=1e-12), (mode, want)
+        assert moe == pytest.approx(want * a2a, rel=1e-9, abs=1e-12), (mode, want)
+
+
 def test_the_search_weighs_ep_and_says_why():
     """4 ranks of dp x cp: the search proposes ep 1, 2 and 4 (those dividing 64 experts),
     with ZeRO 1, 2 or 3 for ep > 1 (the trainer refuses 16-bit ZeRO 0 with ep > 1, and

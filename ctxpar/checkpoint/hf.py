@@ -32,7 +32,7 @@ from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim
 from ..config.hf_families import NOT_BUILT
 from ..config.layers import layer_types
 from ..config.dsa import dsa_architecture
-from .families import FAMILIES, WRAPPERS, family_of, moe_held
+from .families import FAMILIES, WRAPPERS, family_of, moe_fixed_of, moe_held
 from .families.base import ARCH_DEFAULTS, refuse_export_of
 from .resume import CheckpointError
 from .rope_config import rope_keys
@@ -140,8 +140,7 @@ def _check_moe_held(m, name: str) -> None:
     if m.moe is None:
         raise CheckpointError(f"model.moe=None cannot be exported as {fam.architecture} (a "
                               f"mixture-of-experts family)")
-    fixed = {"scale_expert_input": False, **fam.moe_fixed}  # as families.moe_held reads it
-    key, want = next((k, v) for k, v in fixed.items() if getattr(m.moe, k) != v)
+    key, want = next((k, v) for k, v in moe_fixed_of(fam).items() if getattr(m.moe, k) != v)
     raise CheckpointError(f"model.moe.{key}={getattr(m.moe, key)!r} cannot be exported as "
                           f"{fam.architecture} ({name} has {key}={want!r})")
 

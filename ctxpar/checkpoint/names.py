@@ -29,10 +29,13 @@ With model.post_norms (Gemma 2/3) Hugging Face names the norms by place instead:
 
     final_norm.weight            {L+1}.final_norm.weight           model.norm.weight
     lm_head.weight (untied)      {L+2}.lm_head.weight              lm_head.weight
+    mtp.layers.{k}.* (model.mtp) {L+3}.mtp.layers.{k}.*            the family's (below)
 
 DeepSpeed's PipelineModule names a layer by its index in the flat layer list
-(embedding | L blocks | final norm | head), so pipeline names do not depend on pp or on
-how layers are partitioned into stages; the tied embedding lives under ``tied_modules``.
+(embedding | L blocks | final norm | head [| model.mtp's depths]), so pipeline names do
+not depend on pp or on how layers are partitioned into stages; the tied embedding lives
+under ``tied_modules`` (under model.mtp an untied head's too: the depths read a copy of it
+on the last stage, models/mtp_pipe.py; pipeline_ties_embedding).
 The q/k weights need no permutation for Hugging Face: ctxpar's RoPE rotates the channel
 pairs (i, i + hd/2) ("rotate half"), the convention of HF's Llama implementation.
 """
@@ -94,6 +97,16 @@ _HF_GEMMA4_TOP = (("per_layer_input.embed.weight", "model.embed_tokens_per_layer
                    "model.per_layer_model_projection.weight"),
                   ("per_layer_input.projection_norm.weight",
                    "model.per_layer_projection_norm.weight"), *_HF_TOP)
+# Gemma 4 with its experts beside the MLP (models/moe_beside_mlp.py): the dense MLP under
+# mlp., the experts, router and their norms at the block
+_HF_IN_GEMMA4_MOE_BLOCK = (("mlp.dense.", "mlp."),
+                           ("mlp.dense_norm.weight", "post_feedforward_layernorm_1.weight"),
+                           ("mlp.experts_norm.weight", "pre_feedforward_layernorm_2.weight"),
+                           ("mlp.post_experts_norm.weight", "post_feedforward_layernorm_2.weight"),
+                           ("mlp.gate.weight", "router.proj.weight"),
+                           ("mlp.gate.scale", "router.scale"),
+                           ("mlp.gate.per_expert_scale", "router.per_expert_scale"),
+                           ("mlp.experts.", "experts."), *_HF_IN_GEMMA4_BLOCK)
 # naming -> (blocks' prefix, in block, top level): Llama's (default), Gemma's post norms,
 # Gemma 4's, Nemotron-H's (saved under backbone.*, which transformers renames model.* on
 # loading), OLMo Hybrid's
@@ -102,7 +115,8 @@ HF_NAMINGS = {"default": ("model.layers.", _HF_IN_BLOCK, _HF_TOP),
               "nemotron_h": ("backbone.layers.", _HF_IN_NEMOTRON_BLOCK, _HF_NEMOTRON_TOP),
               "olmo_hybrid": ("model.layers.", _HF_IN_OLMO_HYBRID_BLOCK, _HF_TOP),
               "kimi_linear": ("model.layers.", _HF_IN_KIMI_LINEAR_BLOCK, _HF_TOP),
-              "gemma4": ("model.layers.", _HF_IN_GEMMA4_BLOCK, _HF_GEMMA4_TOP)}
+              "gemma4": ("model.layers.", _HF_IN_GEMMA4_BLOCK, _HF_GEMMA4_TOP),
+              "gemma4_moe": ("model.layers.", _HF_IN_GEMMA4_MOE_BLOCK, _HF_GEMMA4_TOP)}
 # namings whose Hugging Face names map to GPT's only knowing the block's type (from_hf)
 _BY_BLOCK_TYPE = ("nemotron_h", "olmo_hybrid", "kimi_linear")
 
@@ -125,17 +139,26 @@ def _translate(name: str, block: re.Pattern, to_prefix: str, in_block, top) -> s
     raise KeyError(name)
 
 
+def pipeline_ties_embedding(m) -> bool:
+    """Whether GPTPipe ties the embedding between its first and last stage (``tied`` of
+    to_pipe): a tied head, or model.mtp's depths reading it on the last stage."""
+    return m.tie_embeddings or m.mtp is not None
+
+
 def to_pipe(name: str, n_layers: int, tied: bool) -> str:
-    """GPT name -> the pipeline module's name for the same parameter."""
+    """GPT name -> the pipeline module's name for the same parameter (tied:
+    pipeline_ties_embedding)."""
     m = _BLOCK.match(name)
     if m:
         return f"{int(m.group(1)) + 1}.{m.group(2)}"
-    if name.startswith("embed."):
+    if name.startswith(("embed.", "per_layer_input.")):  # the first layer's (Gemma 4's PLE)
         return ("tied_modules.embed." if tied else "0.") + name
     if name.startswith("final_norm."):
         return f"{n_layers + 1}.{name}"
     if name.startswith("lm_head."):
         return f"{n_layers + 2}.{name}"
+    if name.startswith("mtp."):
+        return f"{n_layers + 3}.{name}"
     raise KeyError(f"{name!r} is not a GPT parameter name")
 
 
@@ -149,8 +172,8 @@ def from_pipe(name: str, n_layers: int) -> str:
     index, rest = int(m.group(1)), m.group(2)
     if 1 <= index <= n_layers:
         return f"layers.{index - 1}.{rest}"
-    if index in (0, n_layers + 1, n_layers + 2):
-        return rest  # embed.*, final_norm.*, lm_head.*
+    if index in (0, n_layers + 1, n_layers + 2, n_layers + 3):
+        return rest  # embed.*, final_norm.*, lm_head.*, mtp.*
     raise KeyError(f"{name!r}: layer {index} is not in a {n_layers}-block pipeline")
 
 

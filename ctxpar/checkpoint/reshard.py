@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch.distributed as dist
 
 from .expert_states import restore_experts
+from .names import pipeline_ties_embedding
 from .resume import (CheckpointError, latest_complete, load as load_same_layout, resume_problem,
                      run_on_rank0, verify)
 from .universal import (check_complete, load_buffers_, load_into_torch_optimizer, load_meta,
@@ -204,7 +205,7 @@ def restore(engine, point: ResumePoint, cfg, state, whole_model) -> Dict[str, An
     from ..distributed.expert_parallel import dense_format
     m = cfg.model
     pipelined = cfg.parallel.pp > 1
-    target = naming(pipelined, m.n_layers, m.tie_embeddings)
+    target = naming(pipelined, m.n_layers, pipeline_ties_embedding(m))
     out_dir = os.path.join(point.universal_dir, point.tag)
     # every parameter of every stage of the new layout, in its module's names
     wanted = [target(n) for n, _ in whole_model.named_parameters()]

@@ -100,10 +100,6 @@ def check_dsa(cfg, err) -> None:
         err(f"model.dsa with parallel.cp_comm={cfg.parallel.cp_comm!r}: DSA runs over "
             f"{list(DSA_COMMS)} (a query's top-k spans the whole sequence; splitting heads "
             f"buys nothing)")
-    if dsa.stage != "frozen" and cfg.parallel.pp > 1:
-        err(f"model.dsa.stage={dsa.stage!r} with parallel.pp={cfg.parallel.pp}: the "
-            f"indexer's loss does not travel between pipeline stages yet (stage 'frozen' "
-            f"does, or parallel.pp=1)")
     if dsa.stage != "frozen" and cfg.data.dynamic_cp:
         err(f"model.dsa.stage={dsa.stage!r} with data.dynamic_cp=true: the packs' steps do "
             f"not add the indexer's loss yet")
@@ -118,9 +114,6 @@ def check_dsa(cfg, err) -> None:
     if not (isinstance(dsa.loss_weight, (int, float)) and dsa.loss_weight >= 0):
         err(f"model.dsa.loss_weight={dsa.loss_weight!r} must be a number >= 0")
     _check_indexer_types(m, err)
-    if dsa.indexer_types and "shared" in dsa.indexer_types and cfg.parallel.pp > 1:
-        err(f"model.dsa.indexer_types with 'shared' layers and parallel.pp={cfg.parallel.pp}: "
-            f"the top-k does not travel between pipeline stages yet; use parallel.pp=1")
     if m.mtp is not None:
         err("model.dsa with model.mtp: the MTP block's sparse attention is not built yet "
             "(leave model.mtp null; folders' MTP layers are left out)")

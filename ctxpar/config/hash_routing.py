@@ -31,6 +31,8 @@ def check_hash_layers(cfg, err) -> None:
             ("data.dynamic_cp", cfg.data.dynamic_cp, cfg.data.dynamic_cp, "not built with packs"),
             ("model.moe.capacity_factor", moe.capacity_factor,
              moe.capacity_factor is not None, "not built (transformers' layer drops none)"),
-            ("model.mtp", m.mtp, m.mtp is not None, "not built")):
+            ("model.mtp", m.mtp, m.mtp is not None, "not built"),
+            ("model.moe.scaled_router", moe.scaled_router, moe.scaled_router, "not built"),
+            ("model.moe.beside_mlp", moe.beside_mlp, moe.beside_mlp, "not built")):
         if refused:
             err(f"model.moe.hash_layers with {key}={value!r}: {why}")

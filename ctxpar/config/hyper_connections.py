@@ -42,7 +42,8 @@ def check_hyper_connections(cfg, err) -> None:
         err(f"model.hyper_connections with parallel.pp={cfg.parallel.pp}: the pipeline's "
             f"stages pass (B, T, d) hidden states, not the N streams; use parallel.pp=1")
     for key, value in (("mtp", m.mtp), ("per_layer_input_dim", m.per_layer_input_dim),
-                       ("layer_scalar", m.layer_scalar)):
+                       ("layer_scalar", m.layer_scalar),
+                       ("moe.beside_mlp", m.moe is not None and m.moe.beside_mlp)):
         if value:
             err(f"model.hyper_connections with model.{key}={value!r}: not built over the "
                 f"N streams; unset one of them")

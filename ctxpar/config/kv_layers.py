@@ -7,12 +7,14 @@ computes; config.layers.layer_attention resolves them per layer).
     sliding_attention     head_dim          n_kv_heads          v_proj x         its own
     full_attention        global_head_dim   global_n_kv_heads   k_proj x (k_eq_v) its own
     one of the last       its type's        its type's          -                kv_sources'
-      num_kv_shared_layers
+      num_kv_shared_layers                                                           (MLP 2x wide
+                                                                                     under
+                                                                                     double_wide_mlp)
 """
 from __future__ import annotations
 
 from .layer_mixers import layer_types
-from .sections import ModelConfig, ParallelConfig
+from .sections import ModelConfig, ParallelConfig, resolved_ffn_hidden
 
 
 def _whole(v, least: int) -> bool:
@@ -23,7 +25,19 @@ def uses_kv_layers(m: ModelConfig) -> bool:
     """Whether the model has any of the fields of this file away from its default."""
     return bool(m.global_head_dim or m.global_n_kv_heads or m.attention_k_eq_v or
                 m.value_norm or m.num_kv_shared_layers or m.per_layer_input_dim or
-                m.layer_scalar)
+                m.layer_scalar or m.double_wide_mlp)
+
+
+def layer_ffn_hidden(m: ModelConfig, kv_source) -> int:
+    """A layer's dense MLP width: model.ffn_hidden, twice that on a layer that shares K/V
+    (kv_source: its LayerAttention's) under model.double_wide_mlp (Gemma 4)."""
+    return resolved_ffn_hidden(m) * (2 if m.double_wide_mlp and kv_source is not None else 1)
+
+
+def carries_between_stages(m: ModelConfig) -> bool:
+    """Whether a pipeline stage hands on more than x: shared K/V or per-layer inputs
+    (models/pipe_carry.py)."""
+    return bool(m.num_kv_shared_layers or m.per_layer_input_dim)
 
 
 def check_kv_layers(m: ModelConfig, p: ParallelConfig, err) -> None:
@@ -35,7 +49,7 @@ def check_kv_layers(m: ModelConfig, p: ParallelConfig, err) -> None:
         v = getattr(m, key)
         if v is not None and not _whole(v, 1):
             err(f"model.{key}={v!r} must be an integer >= 1 (or null: the model's)")
-    for key in ("attention_k_eq_v", "value_norm", "layer_scalar"):
+    for key in ("attention_k_eq_v", "value_norm", "layer_scalar", "double_wide_mlp"):
         if not isinstance(getattr(m, key), bool):
             err(f"model.{key}={getattr(m, key)!r} must be true or false")
     for key in ("num_kv_shared_layers", "per_layer_input_dim"):
@@ -73,15 +87,13 @@ def check_kv_layers(m: ModelConfig, p: ParallelConfig, err) -> None:
     if shared and (m.qk_norm_scope != "head" or m.qk_l2_norm or not m.rope or m.nope_layers):
         err(f"model.num_kv_shared_layers={shared} takes per-head q/k norms and RoPE on "
             f"every layer (no qk_norm_scope 'all_heads', qk_l2_norm or NoPE layers)")
-    if (shared or m.per_layer_input_dim) and p.pp > 1:
-        key = "num_kv_shared_layers" if shared else "per_layer_input_dim"
-        err(f"model.{key}={getattr(m, key)} with parallel.pp={p.pp}: a layer's shared K/V "
-            f"and the per-layer inputs are made on other stages than they are read; use "
-            f"pp=1")
     if (shared or m.per_layer_input_dim) and m.mtp is not None:
         err("model.mtp with model.num_kv_shared_layers or model.per_layer_input_dim: the "
             "MTP block has no shared K/V or per-layer input")
-    if m.moe is not None:
-        err("model.moe with the Gemma 4 fields: Gemma 4's experts sit beside the dense MLP "
-            "(enable_moe_block), which ctxpar does not build")
+    if m.double_wide_mlp is True and not _whole(shared, 1):
+        err(f"model.double_wide_mlp=true needs model.num_kv_shared_layers > 0 (got "
+            f"{shared}): it widens those layers' dense MLP only")
+    if m.moe is not None and not m.moe.beside_mlp:
+        err("model.moe with the Gemma 4 fields needs model.moe.beside_mlp=true: Gemma 4's "
+            "experts sit beside the dense MLP (enable_moe_block)")
 

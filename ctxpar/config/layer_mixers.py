@@ -71,3 +71,13 @@ def uniform_layer_type(m) -> str:
 def first_layer_type(m) -> str:
     """layer_types(m)[0] without building the list (the planner asks per candidate)."""
     return m.layer_types[0] if m.layer_types is not None else uniform_layer_type(m)
+
+
+def channel_output_kept(m, kind: str) -> bool:
+    """Whether a block of layer type ``kind`` keeps its channel mixer's output for backward
+    after the mixer (models/block.py): a post-MLP norm saves its input (model.post_norms,
+    or the type in model.reordered_norms), so do Gemma 4's per-layer input gate and layer
+    scalar. Where none does, a recompute of the block needs nothing of that output: a
+    tiled MoE skips its experts there (models/moe.py SkipTiles; the planner's time)."""
+    return bool(m.post_norms or kind in (m.reordered_norms or ()) or m.per_layer_input_dim
+                or m.layer_scalar)

@@ -11,6 +11,7 @@
         aux_loss_coef: 0.01       # load-balancing loss (transformers' router_aux_loss_coef)
         # DeepSeek-V3: score: sigmoid, score_correction_bias: true, bias_update_rate: 0.001,
         # n_group: 8, topk_group: 4, routed_scaling_factor: 2.5, seq_aux_loss_coef: 0.0001
+        # Gemma 4 (26B-A4B): beside_mlp: true, scaled_router: true
 
 Routing is dropless by default: every token reaches its top-k experts whatever the batch
 and layout (no capacity, nothing dropped), so a layout change is never a model change;
@@ -96,6 +97,16 @@ class MoEConfig:
     HashRouter): the table gate.tid2eid (vocab_size, top_k) is a buffer saved with the
     model, the weights the router's scores of the chosen experts as for the others; no
     balance loss, statistics or correction bias (ctxpar/config/hash_routing.py). None: none."""
+    beside_mlp: bool = False
+    """The experts run beside the layer's dense MLP (model.ffn_hidden wide), not in its
+    place (Gemma 4's enable_moe_block): the block's channel mixer is
+    post_mlp_norm(norm_1(mlp(mlp_norm x)) + norm_2(experts(norm_in_2 x))), three more
+    norms of d, the router reading the block's x itself (models/moe_beside_mlp.py)."""
+    scaled_router: bool = False
+    """Gemma 4's router (transformers' Gemma4TextRouter): the logits of
+    rmsnorm(x) * scale / sqrt(d_model) (a weightless norm, scale a learned (d,) vector), and
+    each of the k weights times a learned scale of its expert (per_expert_scale, (E,)),
+    after norm_topk."""
     capacity_factor: Optional[float] = None
     """None: dropless (the default). A number: each expert takes at most
     ceil(capacity_factor * N * top_k / num_experts) of the assignments of the N tokens one
@@ -181,6 +192,9 @@ def _check_moe_fields(m, moe: MoEConfig, tp: int, err) -> None:
     if moe.swiglu_limit is not None and (m.mlp != "swiglu" or not moe.swiglu_limit > 0):
         err(f"model.moe.swiglu_limit={moe.swiglu_limit} needs model.mlp='swiglu' and a limit "
             f"> 0 (model.mlp={m.mlp!r})")
+    for key in ("beside_mlp", "scaled_router"):
+        if not isinstance(getattr(moe, key), bool):
+            err(f"model.moe.{key}={getattr(moe, key)!r} must be true or false")
     if moe.shared_expert_gate and not moe.shared_expert_hidden:
         err("model.moe.shared_expert_gate=true needs model.moe.shared_expert_hidden > 0")
     for key in ("aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef"):

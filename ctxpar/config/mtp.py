@@ -13,7 +13,8 @@ norm(Block(u)) with the Block's RoPE at position i+k (transformers' MtpModel shi
 positions with the ids), the shared head on h^k predicts t_{i+k+1}; h^0 is the main
 model's final-normed hidden state. Each CE_k is a token mean over the global batch as the
 LM loss is (models/loss.py), over the positions whose t_{i+k+1} exists in the sample and
-lies in position i's document (ctxpar/data/mtp.py).
+lies in position i's document (ctxpar/data/mtp.py). Under the pipeline the depths sit on
+the last stage (models/mtp_pipe.py).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class MTPConfig:
     (DeepSeek-V3, GLM-4.5, Qwen3-Next: transformers' get_mtp_config makes every MTP layer a
     MoE one), one more MoE layer of the model: its router's losses and balance update are
     taken with the main layers' (models/gpt.py), its experts split over parallel.ep as
-    theirs; false: the dense MLP (model.mlp, model.ffn_hidden; Qwen3.5)."""
+    theirs (under the pipeline on the last stage, where parallel.ep > 1 is refused);
+    false: the dense MLP (model.mlp, model.ffn_hidden; Qwen3.5)."""
     shared_projection: bool = False
     """One projection (fc) and one pair of input norms and output norm for every depth
     (Qwen3.5, Qwen3-Next: mtp.fc, mtp.pre_fc_norm_*, mtp.norm); false: each depth its own
@@ -68,9 +70,10 @@ def check_mtp(cfg, err) -> None:
     if mtp.moe and cfg.model.moe is None:
         err("model.mtp.moe=true without model.moe: the MTP block's experts take model.moe's "
             "shape; set model.moe or model.mtp.moe=false")
-    if cfg.parallel.pp > 1:
-        err(f"model.mtp with parallel.pp={cfg.parallel.pp}: the MTP layers are not placed on "
-            f"the last pipeline stage yet; use parallel.pp=1")
+    if cfg.parallel.pp > 1 and cfg.parallel.ep > 1:
+        err(f"model.mtp with parallel.pp={cfg.parallel.pp} and parallel.ep={cfg.parallel.ep}: "
+            f"the MTP layers on the last stage beside experts split over EP are not built "
+            f"yet; use parallel.ep=1 or parallel.pp=1")
     if cfg.data.dynamic_cp:
         err("model.mtp with data.dynamic_cp=true: the packs carry no shifted MTP inputs yet; "
             "use data.dynamic_cp=false")

@@ -28,8 +28,9 @@ from typing import Iterable, List, Optional, Tuple
 
 from .layer_mixers import LAYER_MIXERS, first_layer_type, layer_types, token_mixer_of
 from .attention_heads import sinks_on
-from .layers import (GDN_FIELDS, MAMBA_FIELDS, LayerAttention, gated_delta_dims,
+from .layers import (GDN_FIELDS, MAMBA_FIELDS, LayerAttention, gated_delta_dims, kv_sources,
                      layer_attention, mamba_dims, mtp_layer_attention)
+from .kv_layers import layer_ffn_hidden
 from .moe import moe_layer_indices
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
 
@@ -101,7 +102,7 @@ _BLOCK_FIELDS = attrgetter("d_model", "n_heads", "n_kv_heads", "ffn_hidden", "ml
                            "head_dim", "v_head_dim",
                            "post_norms", "attention_output_gate", "global_head_dim",
                            "global_n_kv_heads", "attention_k_eq_v", "num_kv_shared_layers",
-                           "per_layer_input_dim", *GDN_FIELDS,
+                           "per_layer_input_dim", "double_wide_mlp", *GDN_FIELDS,
                            *MAMBA_FIELDS[:6])
 
 
@@ -131,12 +132,14 @@ def _layer_specs(m: ModelConfig, kind: str, p: str, moe: bool, tp: int,
         specs += mixer_specs(m, f"{p}{name}.", tp, i)
     if (m.post_norms or reordered) and token:
         specs += _norm(p + "post_attn_norm", m)
+    # the dense MLP's width: twice model.ffn_hidden on a layer sharing K/V under
+    # model.double_wide_mlp (Gemma 4; an MTP block, i None, shares none)
+    ffn = layer_ffn_hidden(m, None if i is None else kv_sources(m).get(i))
     if channel and moe:
-        return specs + _moe_specs(m, p)
+        return specs + _moe_specs(m, p, ffn) + _per_layer_input_specs(m, p)
     if channel and reordered:
-        return specs + _dense_mlp(m, p + "mlp.", resolved_ffn_hidden(m)) + \
-            _norm(p + "post_mlp_norm", m)
-    return specs + (_mlp_specs(m, p) if channel else []) + _per_layer_input_specs(m, p)
+        return specs + _dense_mlp(m, p + "mlp.", ffn) + _norm(p + "post_mlp_norm", m)
+    return specs + (_mlp_specs(m, p, ffn) if channel else []) + _per_layer_input_specs(m, p)
 
 
 def _hyper_connection_specs(m: ModelConfig, kind: str, p: str) -> List[ParamSpec]:
@@ -163,14 +166,18 @@ def _per_layer_input_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
             _norm(p + "per_layer_input.norm", m))
 
 
-def _moe_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
+def _moe_specs(m: ModelConfig, p: str, ffn: int) -> List[ParamSpec]:
     """models/moe.py's parameters (transformers' Qwen3-MoE / Qwen3-Next names): the router
-    (replicated), the experts (over EP by expert, over TP by width), the shared expert (a
-    dense MLP) and its gate."""
+    (replicated; Gemma 4's scales under scaled_router), the experts (over EP by expert, over
+    TP by width), the shared expert (a dense MLP) and its gate; under beside_mlp the dense
+    MLP (ffn wide) and its three norms (models/moe_beside_mlp.py)."""
     moe, d = m.moe, m.d_model
     f, e = moe.expert_hidden or resolved_ffn_hidden(m), moe.num_experts
     rows = 2 * f if m.mlp in GATED_MLPS else f
     specs = _norm(p + "mlp_norm", m) + _linear(p + "mlp.gate", d, e, None, moe.router_bias)
+    if moe.scaled_router:
+        specs += [ParamSpec(p + "mlp.gate.scale", (d,), None),
+                  ParamSpec(p + "mlp.gate.per_expert_scale", (e,), None)]
     specs += [ParamSpec(p + "mlp.experts.gate_up_proj", (e, rows, d), "experts_column"),
               ParamSpec(p + "mlp.experts.down_proj", (e, d, f), "experts_row")]
     if moe.expert_bias:
@@ -180,6 +187,9 @@ def _moe_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
         specs += _dense_mlp(m, p + "mlp.shared_expert.", moe.shared_expert_hidden)
     if moe.shared_expert_gate:
         specs += _linear(p + "mlp.shared_expert_gate", d, 1, None, False)
+    if moe.beside_mlp:
+        specs += _dense_mlp(m, p + "mlp.dense.", ffn) + _norm(p + "mlp.dense_norm", m) + \
+            _norm(p + "mlp.experts_norm", m) + _norm(p + "mlp.post_experts_norm", m)
     return specs + (_norm(p + "post_mlp_norm", m) if m.post_norms else [])
 
 
@@ -339,8 +349,8 @@ TOKEN_MIXER_PARAMETERS = {  # token mixer -> (submodule, specs(m, its prefix, tp
 }
 
 
-def _mlp_specs(m: ModelConfig, p: str) -> List[ParamSpec]:
-    specs = _norm(p + "mlp_norm", m) + _dense_mlp(m, p + "mlp.", resolved_ffn_hidden(m))
+def _mlp_specs(m: ModelConfig, p: str, ffn: int) -> List[ParamSpec]:
+    specs = _norm(p + "mlp_norm", m) + _dense_mlp(m, p + "mlp.", ffn)
     return specs + (_norm(p + "post_mlp_norm", m) if m.post_norms else [])
 
 

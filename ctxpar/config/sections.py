@@ -226,6 +226,10 @@ class ModelConfig:
     """Manifold-constrained hyper-connections: the residual stream as N streams mixed
     around every sublayer (ctxpar/config/hyper_connections.py; DeepSeek-V4; None: one
     residual stream)."""
+    double_wide_mlp: bool = False
+    """The MLP of the layers that share K/V (the last model.num_kv_shared_layers) is
+    2 x ffn_hidden wide (Gemma 4's use_double_wide_mlp); the dense MLP beside the experts
+    under model.moe.beside_mlp too."""
     init_std: float = 0.02
     """Std of the normal init (output projections are scaled by 1/sqrt(2*n_layers))."""
     moe: Optional[MoEConfig] = None
@@ -409,7 +413,10 @@ class MemoryConfig:
     """Tokens per loss tile, or 'auto' (ctxpar/memory/tiled_loss.py says how it is chosen)."""
     tiled_mlp: bool = False
     """The MLP over tiles of tokens, each recomputed in backward: its (tokens, ffn/tp)
-    intermediates exist for one tile at a time."""
+    intermediates exist for one tile at a time. With model.moe, the routed experts (the
+    router over all tokens, each tile dispatched and combined alone); under activation
+    checkpointing the block's recompute skips them (models/moe.py), so they cost no more
+    than untiled there."""
     mlp_tile_tokens: Union[int, str] = "auto"
     """Tokens per MLP tile, or 'auto' (ctxpar/memory/tiled_mlp.py says how it is chosen)."""
     offload_activations: bool = False

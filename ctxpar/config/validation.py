@@ -15,7 +15,7 @@ from .kv_layers import check_kv_layers
 from .layers import check_layers, gated_delta_dims, mamba_dims
 from .dsa import check_dsa
 from .mla import check_mla
-from .pipeline_stages import check_stages_hold_experts
+from .pipeline_stages import check_mtp_stages, check_stages_hold_experts
 from .moe import check_moe
 from .hash_routing import check_hash_layers
 from .hyper_connections import check_hyper_connections
@@ -59,6 +59,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     check_mtp(cfg, err)
     check_hyper_connections(cfg, err)
     check_hash_layers(cfg, err)
+    check_mtp_stages(cfg, err)  # under the pipeline: the last stage's share
     _check_deepspeed(cfg, err)
     _check_paths(cfg, check_paths, err)
     _check_data(cfg, err)

@@ -33,7 +33,7 @@ from .latent import LatentDims
 from .latent_api import latent_attention
 from .layouts import check_layout
 from .mask import AttentionMask
-from .ulysses import head_shard, ulysses_attention
+from .ulysses import head_shard, ulysses_attention, ulysses_heads_kv
 
 
 def _check_inputs(q, k, v, comm, layout, ulysses, caller):
@@ -75,7 +75,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                causal: bool = False, layout: str = "contiguous",
                                softmax_scale: Optional[float] = None, backend: str = "auto",
                                return_lse: bool = False, ring_grad_dtype: str = "fp32",
-                               cu_seqlens=None, mask: Optional[AttentionMask] = None):
+                               cu_seqlens=None, mask: Optional[AttentionMask] = None,
+                               heads_kv=None):
     """softmax(q k^T * scale) v over the full sequence, sharded across a CP group.
 
     Longer than the others: the one public entry checks every argument here, before any
@@ -108,6 +109,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (inside any given ones); sinks (heads,) join every row's softmax after the merge
     (sinks.py), on every comm and backend, and get this rank's share of their gradient.
 
+    heads_kv: comm 'ulysses' only, k and v already regrouped by heads (ulysses_heads_kv's,
+    once for every layer attending with them: Gemma 4's shared K/V); only q and out travel.
+
     Returns out (batch, local_seq, heads, head_dim) in q's dtype, and with return_lse also
     lse (batch, heads, local_seq) fp32 (not differentiable).
 
@@ -130,6 +134,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                         cp_group_size(comm, cp_group, ulysses_group, ring_group), caller)
     causal, sinks = mask.causal, mask.sinks
     plan_mask = None if mask.plain else mask  # None: the plain causal / full block plan
+    if heads_kv is not None and comm != "ulysses":
+        raise ValueError(f"{caller}: heads_kv (K,V regrouped by heads) is Ulysses', not "
+                         f"comm={comm!r}'s")
     if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
                          f"ring's dK,dV (comm 'ring' or 'hybrid'), not comm={comm!r}")
@@ -148,7 +155,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         def local(qh, kh, vh):  # the whole sequence of H/u heads: one kernel call
             return BlockwiseAttention.apply(qh, kh, vh, local_pattern, LOCAL, causal, layout,
                                             scale, kernel, head_sinks)
-        out, lse = ulysses_attention(q, k, v, cp_group, layout, local, return_lse)
+        out, lse = ulysses_attention(q, k, v, cp_group, layout, local, return_lse, heads_kv)
     else:
         out, lse = hybrid_attention(q, k, v, ulysses_group, ring_group, causal, layout, scale,
                                     kernel, return_lse, ring_grad_dtype, plan_mask,
@@ -201,12 +208,21 @@ class ContextParallel:
 
     def attention(self, q, k, v, *, causal: bool = False, backend: str = "auto",
                   softmax_scale: Optional[float] = None, return_lse: bool = False,
-                  cu_seqlens=None, mask: Optional[AttentionMask] = None):
+                  cu_seqlens=None, mask: Optional[AttentionMask] = None, heads_kv=None):
         return context_parallel_attention(
             q, k, v, comm=self.comm, cp_group=self.cp_group, ulysses_group=self.ulysses_group,
             ring_group=self.ring_group, causal=causal, layout=self.layout,
             softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
-            ring_grad_dtype=self.ring_grad_dtype, cu_seqlens=cu_seqlens, mask=mask)
+            ring_grad_dtype=self.ring_grad_dtype, cu_seqlens=cu_seqlens, mask=mask,
+            heads_kv=heads_kv)
+
+    def heads_kv(self, k, v):
+        """K,V regrouped by heads once for several layers (ulysses_heads_kv) under 'ulysses';
+        None for the other patterns, which move K,V per layer (docs/parallelism.md, Gemma
+        4's K/V on the wire)."""
+        if self.comm != "ulysses":
+            return None
+        return ulysses_heads_kv(k, v, world_group(self.cp_group), self.layout)
 
     def latent_attention(self, q, latent, kv_b_weight, dims: LatentDims, *,
                          causal: bool = False, backend: str = "auto",

@@ -148,19 +148,38 @@ def _lse_to_sequence(lse: torch.Tensor, group, order) -> torch.Tensor:
     return heads_from_message(recv).squeeze(-1).transpose(1, 2).contiguous()
 
 
-def ulysses_attention(q, k, v, group, layout: str, inner: Callable, return_lse: bool = False):
+def ulysses_heads_kv(k, v, group, layout: str):
+    """(kh, vh) (B, u*s, Hkv'/u, D): K,V regrouped by heads as ulysses_attention regroups
+    them (one all-to-all each), for layers that attend with the same K,V (Gemma 4's shared
+    K/V: its consumers then send only q and out; their dK,dV join the producer's before its
+    one reverse all-to-all, autograd summing them). H/u heads of the whole sequence: the
+    bytes of the local K,V."""
+    u = group_rank_and_size(group)[1]
+    if u == 1:
+        return k, v
+    order = arrival_order(k.shape[1], group, layout, k.device)
+    kv_heads = ulysses_kv_heads(k.shape[2], u)
+    return SeqToHeads.apply(group, order, (kv_heads, kv_heads), k, v)
+
+
+def ulysses_attention(q, k, v, group, layout: str, inner: Callable, return_lse: bool = False,
+                      heads_kv=None):
     """(out (B, s, H, D), lse (B, H, s) fp32 or None) with all-to-alls over `group`.
 
     inner(qh, kh, vh) -> (out, lse) is the attention over the gathered tokens, ascending:
-    one local kernel (pure Ulysses) or the ring across ring ranks (hybrid).
+    one local kernel (pure Ulysses) or the ring across ring ranks (hybrid). heads_kv:
+    ulysses_heads_kv's (kh, vh) of these k, v, already regrouped (only q travels in).
     """
     u = group_rank_and_size(group)[1]
     if u == 1:
-        out, lse = inner(q, k, v)
+        out, lse = inner(q, *(heads_kv or (k, v)))
         return out, (lse if return_lse else None)
     order = arrival_order(q.shape[1], group, layout, q.device)
-    kv_heads = ulysses_kv_heads(k.shape[2], u)
-    qh, kh, vh = SeqToHeads.apply(group, order, (q.shape[2], kv_heads, kv_heads), q, k, v)
+    if heads_kv is not None:
+        (qh,), (kh, vh) = SeqToHeads.apply(group, order, (q.shape[2],), q), heads_kv
+    else:
+        kv_heads = ulysses_kv_heads(k.shape[2], u)
+        qh, kh, vh = SeqToHeads.apply(group, order, (q.shape[2], kv_heads, kv_heads), q, k, v)
     out_h, lse_h = inner(qh, kh, vh)  # (B, u*s, H/u, D), (B, H/u, u*s)
     out = HeadsToSeq.apply(out_h, group, order)
     return out, (_lse_to_sequence(lse_h, group, order) if return_lse else None)

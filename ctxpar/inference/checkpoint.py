@@ -16,7 +16,8 @@ What a tag directory holds depends on how train.py ran (DeepSpeed 0.19.8):
                                          zero_to_fp32 (per TP rank)
     pipeline  pp > 1 (ZeRO 0, 1)         layer_LL-model_XX-model_states.pt: layer LL of
                                          GPTPipe (0 embedding, 1..L blocks, L+1 final norm,
-                                         L+2 untied head; a tied head is the embedding)
+                                         L+2 untied head, L+3 model.mtp's depths; a tied
+                                         head is the embedding)
     experts   ep > 1 (ZeRO 0, 1, 2)      the module files hold EP rank 0's experts only:
                                          every expert comes from the ZeRO shards (ZeRO-0:
                                          the EP ranks' files, expert_states.py) through

@@ -42,6 +42,12 @@ class GPU:
     # document-masked CP pays for every document at every ring step it crosses. Fitted on
     # CPU (dynamic CP's benchmark), 0 for the GPU presets (not measured yet).
     block_overhead: float = 0.0
+    # Seconds per token per input channel (the short conv's channels) of a linear mixer
+    # (Gated DeltaNet, KDA, Mamba2) per layer, forward + backward, beyond its kernel's
+    # FLOPs: the gates, norms, conv and the chunk scan's small ops, which the torch kernel
+    # runs at a fraction of the FLOP rate. Fitted on CPU (docs/benchmarks.md, dynamic CP
+    # through train.py), 0 for the GPU presets (not measured yet).
+    linear_overhead: float = 0.0
     host_memory: float = 2e12   # bytes of host memory per node (offloads)
     kind: str = "cuda"          # 'cuda': buckets count whole; 'cpu': only touched pages
     pcie: float = 25e9          # bytes/s per direction between a GPU and its host (offloads)
@@ -60,7 +66,7 @@ GPUS: Dict[str, GPU] = {
     # model, two runs; tools/benchmarks/bench_plan_calibration.py, docs/planner.md); gloo on
     # one machine ~ 1 GB/s; detect() shares the cores when ranks outnumber them.
     "cpu": GPU("cpu", 113e9, 12e9, 1e9, 1e9, overhead=0.026, block_overhead=0.0015,
-               host_memory=24e9, kind="cpu"),
+               linear_overhead=1.3e-7, host_memory=24e9, kind="cpu"),
 }
 
 

@@ -28,7 +28,7 @@ from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 from . import dsa_layers, mla_layers
-from .kv_layers import layer_rank_shapes, per_layer_shapes
+from .kv_layers import carried_bytes, layer_rank_shapes, per_layer_shapes
 from .streams import head_streams_saved, streams_saved
 from .moe_layers import (block_model, expert_params, mixed_mlps, moe_indices,
                          router_losses_saved, routed_saved, stage_expert_params)
@@ -212,8 +212,8 @@ def _stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
     if stage == pp - 1:
         n += _numel(head_specs(m), tp)  # the final norm, and an untied head
         n += _numel(mtp_specs(m, tp), tp)  # model.mtp's depths, beside the head
-        if m.tie_embeddings and pp > 1:  # the tied copy lives on both ends
-            n += embed
+        if (m.tie_embeddings or m.mtp is not None) and pp > 1:  # the tied copy lives on
+            n += embed  # both ends (model.mtp: the depths read it, models/mtp_pipe.py)
     return n
 
 
@@ -354,7 +354,7 @@ def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
     if mode == "selective":
         return s.N * s.d * e + core
     return (2 * norm_saved(s, e, norm, device) + core + family_norms_saved(s, e, m, device)
-            + channel_saved(s, e, cand, m, tiled_mlp) + value_width_saved(s, e, cand))
+            + channel_saved(s, e, cand, m, tiled_mlp, device) + value_width_saved(s, e, cand))
 
 
 def layer_modes(cand: Candidate, layers: int):
@@ -398,19 +398,26 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
         out += norm + mixer_saved(kind, linear_shapes(m, kind, cand.tp), s.B, s.N // s.B, e,
                                   cand.cp, cand.linear_cp, cand.token_layout, device)
     if channel:
-        out += norm + channel_saved(s, e, cand, m, tiled_mlp)
+        out += norm + channel_saved(s, e, cand, m, tiled_mlp, device)
     return out
 
 
 def channel_saved(s: RankShapes, e: int, cand: Candidate, m: Optional[ModelConfig],
-                  tiled_mlp: bool = False) -> int:
+                  tiled_mlp: bool = False, device: str = "cpu") -> int:
     """What a block's MLP saves in mode 'none' beyond its norm: the dense MLP's gate, up,
     silu and product (4 N f e; a tiled MLP nothing more), or a mixture of experts'
     (moe_layers.routed_saved, tiled or not; m: the block's model, moe_layers.block_model,
-    whose moe is None for a dense MLP beside MoE ones)."""
-    if m is not None and m.moe is not None:
-        return routed_saved(s.N, s.d, e, m, cand.tp, cand.ep, tiled=tiled_mlp)
-    return 0 if tiled_mlp else 4 * s.N * s.f * e
+    whose moe is None for a dense MLP beside MoE ones); under model.moe.beside_mlp (Gemma
+    4) both, and the three norms around them: each norm_saved but its output (which the
+    sum or the experts' gather reads without saving), the experts' norm its input too
+    (the block's x, which the block's own norm keeps)."""
+    dense = 0 if tiled_mlp else 4 * s.N * s.f * e
+    if m is None or m.moe is None:
+        return dense
+    routed = routed_saved(s.N, s.d, e, m, cand.tp, cand.ep, tiled=tiled_mlp)
+    if not m.moe.beside_mlp:
+        return routed
+    return routed + dense + 3 * norm_saved(s, e, m.norm, device) - 4 * s.N * s.d * e
 
 
 @dataclass(frozen=True)
@@ -418,7 +425,8 @@ class Activations:
     """Saved bytes of one micro-batch on one rank, by where they are made."""
 
     layers: tuple     # each block's (in order)
-    embed: int        # RoPE's cos/sin and, on the first stage, the token ids
+    embed: int        # RoPE's cos/sin; on the first stage the token ids, on a later one
+    #                   what it receives beside x (Gemma 4's: kv_layers.carried_bytes)
     head: int         # on the last stage: the final norm, the loss's saved tensors
 
     @property
@@ -442,9 +450,9 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     modes = layer_modes(cand, layers)
     if per_layer_shapes(m):  # Gemma 4: each block its own head dim, kv heads, K/V or none
         per = tuple(block_activations(layer_rank_shapes(s, m, cand.tp, i), e, cand, mode,
-                                      kind, m, tiled_mlp, device)
-                    for i, (mode, (kind, _)) in enumerate(zip(modes, blocks(m, start, layers)),
-                                                          start))
+                                      kind, block_model(m, moe), tiled_mlp, device)
+                    for i, (mode, (kind, moe)) in enumerate(
+                        zip(modes, blocks(m, start, layers)), start))
         conv_taps = 0
     elif m.layer_types is None and not mixed_mlps(m):  # one kind
         one = {mode: layer_activations(s, e, cand, mode, tiled_mlp, m.norm, device, m)
@@ -476,6 +484,8 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     if first:
         embed += 8 * s.N                                   # token ids (int64)
         embed += e if m.scale_embeddings else 0             # the sqrt(d) scalar
+    else:  # Gemma 4's shared K/V and per-layer inputs received from the stage before
+        embed += carried_bytes(m, cand.tp, s.N, e, start - 1)
     head = 0
     if last:
         head += router_losses_saved(m)                      # the routers' losses (MoE)

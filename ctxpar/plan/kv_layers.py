@@ -2,9 +2,11 @@
 block's head dim and kv heads (its full layers' global_head_dim, global_n_kv_heads), a
 block sharing an earlier one's K/V keeping none of its own (no k/v projections, no saved
 K/V: its attention saves references to its producer's), the per-layer input embeddings
-on the first stage; and which attention kernels take a head dim.
+on the first stage, what a later pipeline stage receives of them beside x; and which
+attention kernels take a head dim.
 
-    s_i = layer_rank_shapes(s, m, cand, i)   # RankShapes of block i (hk 0: shared K/V)
+    s_i = layer_rank_shapes(s, m, cand, i)   # RankShapes of block i (hk 0: shared K/V;
+                                             # f twice under model.double_wide_mlp)
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from dataclasses import replace
 from typing import Optional
 
 from ..config import ModelConfig
-from ..config.layers import layer_attention
-from ..config.parameters import kv_heads_per_rank, layer_head_dim, layer_kv_heads
+from ..config.kv_layers import layer_ffn_hidden
+from ..config.layers import kv_sources, layer_attention
+from ..config.parameters import (kv_heads_per_rank, layer_head_dim, layer_kv_heads,
+                                 layer_v_head_dim)
 from ..context_parallel.kernels import FUSED_MAX_HEAD_DIM, FlashAttn4Backend
 
 # The largest head dim each fused kernel takes (ctxpar/context_parallel/kernels.py): Dao's
@@ -30,10 +34,29 @@ def per_layer_shapes(m: ModelConfig) -> bool:
 
 def layer_rank_shapes(s, m: ModelConfig, tp: int, i: int):
     """RankShapes s with block i's head dim and kv heads on a TP rank (0 kv heads for a
-    block that shares an earlier one's K/V)."""
+    block that shares an earlier one's K/V) and its dense MLP's width (twice model.ffn_hidden
+    on such a block under model.double_wide_mlp)."""
     a = layer_attention(m)[i]
     hk = 0 if a.kv_source is not None else kv_heads_per_rank(m, tp, layer_kv_heads(m, a))
-    return replace(s, hd=layer_head_dim(m, a), hk=hk)
+    return replace(s, hd=layer_head_dim(m, a), hk=hk,
+                   f=layer_ffn_hidden(m, a.kv_source) // tp)
+
+
+def carried_bytes(m: ModelConfig, tp: int, tokens: int, e: int, after: int) -> int:
+    """Bytes of one micro-batch a pipeline stage whose first block is after + 1 receives
+    beside x (models/pipe_carry.py): the K/V of each producer <= after that a later block
+    reads, the per-layer inputs of blocks after + 1 .. L-1; tokens: N on the rank. Held
+    twice until the micro-batch's backward: DeepSpeed's received copy (kept for sending the
+    gradients back) and the clone its forward hands the blocks (the consumers' cores save
+    it, the pass-through goes on as the stage's output)."""
+    per_token = 0
+    for j in sorted({j for c, j in kv_sources(m).items() if j <= after < c}):
+        a = layer_attention(m)[j]
+        per_token += kv_heads_per_rank(m, tp, layer_kv_heads(m, a)) * (
+            layer_head_dim(m, a) + layer_v_head_dim(m, a))
+    if m.per_layer_input_dim:
+        per_token += max(m.n_layers - 1 - after, 0) * m.per_layer_input_dim
+    return 2 * tokens * per_token * e
 
 
 def kernels_refusing(m: ModelConfig) -> Optional[str]:

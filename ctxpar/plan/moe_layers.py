@@ -26,6 +26,10 @@ for backward is then the router's part alone (the tiles' inputs are views of x a
 router's weights and choices, counted there); the rows' buffers and the experts'
 intermediates exist for one tile at a time: in the forward (its no-grad working set at t)
 and in the backward, which replays the tile (its saved rows at t beside their gradients).
+A recompute of the block (activation checkpointing) skips the tiles' experts where the
+block keeps nothing of the layer's output (recompute_skipping_layers): its working set
+there is the router's alone, and the tiles' replay in backward is the experts' one more
+forward, as the untiled layer's recompute is (timing.py).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from dataclasses import replace
 from typing import Tuple
 
 from ..config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
-from ..config.layer_mixers import LAYER_MIXERS, layer_types
+from ..config.layer_mixers import LAYER_MIXERS, channel_output_kept, layer_types
 from ..config.moe import moe_layer_indices
 from ..config.parameters import block_specs
 
@@ -74,6 +78,17 @@ def moe_layers(m: ModelConfig, start: int = 0, count: int = None) -> int:
     """MoE layers among blocks [start, start + count) (default: all)."""
     end = m.n_layers if count is None else start + count
     return sum(1 for i in moe_indices(m) if start <= i < end)
+
+
+def recompute_skipping_layers(m: ModelConfig, start: int = 0, count: int = None) -> int:
+    """MoE layers among blocks [start, start + count) whose block keeps nothing of the
+    layer's output (layer_mixers.channel_output_kept): tiled, a recompute of the block
+    skips their experts (models/moe.py SkipTiles), so the tiles' replay in backward is
+    the only forward they run again."""
+    end = m.n_layers if count is None else start + count
+    types = layer_types(m)
+    return sum(1 for i in moe_indices(m)
+               if start <= i < end and not channel_output_kept(m, types[i]))
 
 
 def expert_params(m: ModelConfig, tp: int, ep: int) -> int:
@@ -125,6 +140,10 @@ def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
                N k results back from the experts' ranks, (N k, d), beside the combined rows
     shared     a dense MLP of shared_expert_hidden/tp (4 f per token, as the MLP's), and
                its gate's sigmoid (N, 1) and the shared output (N, d) it multiplies
+    scaled     Gemma 4's router (scaled_router): its weightless norm's output and that
+               times the scale (the logits' input), (N, d) each, the norm's fp32 rstd (N,),
+               and in 16 bits the norm's fp32 copy of x (N, d); the k weights before the
+               per-expert scale (N, k) fp32 and the scales they take (N, k)
     tiled      rows and over EP: nothing (the tiles' checkpoints keep views of x and of
                the router's outputs; the module docstring)
     """
@@ -138,7 +157,10 @@ def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
         fs = moe.shared_expert_hidden // tp
         shared = (4 if m.mlp in GATED_MLPS else 2) * N * fs * e
         shared += N * d * e + N * e if moe.shared_expert_gate else 0
-    return router + losses + routed + shared
+    scaled = 0
+    if moe.scaled_router:
+        scaled = 2 * N * d * e + 4 * N + (4 * N * d if e != 4 else 0) + N * k * (4 + e)
+    return router + losses + routed + shared + scaled
 
 
 def router_losses_saved(m: ModelConfig) -> int:

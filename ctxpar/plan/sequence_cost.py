@@ -6,19 +6,22 @@
 
 cost(n, d) is timing.step_time of a run of one micro-batch of one sample of seq_len n
 (padded to the layout's chunks over d ranks, as the packs are) at cp d (dp 1, pp 1): the
-matmuls (linear in n / d), the attention's causal pairs of the busiest rank under the layout
-(quadratic in n; a hybrid's linear layers linear in n), the TP all-reduces, the CP traffic
-the pattern cannot hide and, with experts, their matmuls (the active k of E) and the
-all-to-alls of each rank's n / d tokens' rows over the run's EP group (parallel.ep: the same
-ranks whatever the pack's size, so the bytes per rank follow the rank's tokens); the
-per-layer, per-micro-batch overhead (cluster.GPU.overhead) is left out and given as
-``overhead``, because a rank group runs all its documents of a step as one packed sequence
-(document masking) and pays it once. Each document also pays the device's block_overhead per
-layer at each ring step it crosses (its blocks' kernel calls, merges and plans, the step's
-send and receive): d steps under the ring and all-gather, d / u under hybrid, one under
-Ulysses (a whole document's heads on each rank). What makes a short document dear under the
-ring. The gradient reduction, the pipeline bubble and the optimizer are the step's, not a
-sequence's: not counted here.
+matmuls (linear in n / d), the attention's causal pairs of the busiest rank under the
+layout (quadratic in n; a hybrid's linear layers linear in n: their kernels' FLOPs and the
+device's linear_overhead per token and channel, timing.linear_elementwise), the TP
+all-reduces, the CP traffic the pattern cannot hide and, with experts, their matmuls (the
+active k of E) and the all-to-alls of each rank's n / d tokens' rows over the run's EP
+group (parallel.ep: the same ranks whatever the pack's size, so the bytes per rank follow
+the rank's tokens); the per-layer, per-micro-batch overhead (cluster.GPU.overhead) is left
+out and given as ``overhead``, because a rank group runs all its documents of a step as
+one packed sequence (document masking) and pays it once. Each document also pays the
+device's block_overhead per attention layer at each ring step it crosses (its blocks'
+kernel calls, merges and plans, the step's send and receive): d steps under the ring and
+all-gather, d / u under hybrid, one under Ulysses (a whole document's heads on each rank).
+What makes a short document dear under the ring (a linear mixer's layers run a pack's
+documents in one kernel call whatever their count, so they add none). The gradient
+reduction, the pipeline bubble and the optimizer are the step's, not a sequence's: not
+counted here.
 """
 from __future__ import annotations
 
@@ -26,11 +29,12 @@ from dataclasses import replace
 from typing import Dict, Tuple
 
 from ..config import Config, ulysses_degree
+from ..config.layers import layer_attention
 from ..context_parallel.layouts import num_chunks
 from .candidate import Candidate
 from .cluster import Cluster
 from .search import is_bf16
-from .timing import step_time
+from .timing import ATTENTION, step_time
 
 
 class SequenceCost:
@@ -50,6 +54,10 @@ class SequenceCost:
                           linear_cp=p.linear_cp, ep=p.ep,
                           tiled_loss=cfg.memory.tiled_loss, tiled_mlp=cfg.memory.tiled_mlp)
         self.overhead = cfg.model.n_layers * cluster.gpu.overhead
+        # the layers whose documents cross ring steps (a linear mixer's do not: its
+        # documents' states restart inside one kernel call, timing.linear_elementwise)
+        self.attention_layers = sum(a.token_mixer in ATTENTION
+                                    for a in layer_attention(cfg.model))
         self._seconds: Dict[Tuple[int, int], float] = {}
 
     def __call__(self, n: int, d: int) -> float:
@@ -64,6 +72,6 @@ class SequenceCost:
             cand = Candidate(cp=d, ulysses=ulysses, **self._cand)
             t = step_time(cfg, cand, self.cluster, self.bf16)
             steps = d // ulysses  # ring or all-gather blocks per document; Ulysses: one
-            blocks = self.cfg.model.n_layers * steps * self.cluster.gpu.block_overhead
+            blocks = self.attention_layers * steps * self.cluster.gpu.block_overhead
             self._seconds[key] = t.compute + t.tp + t.cp_exposed + t.offload + t.moe + blocks
         return self._seconds[key]

@@ -63,6 +63,7 @@ def detect(device, local_ranks: int, cpu: Optional[GPU] = None) -> Tuple[Optiona
     share = min(1.0, cores / local_ranks)
     return replace(cpu, flops=cpu.flops * share, overhead=cpu.overhead / share,
                    block_overhead=cpu.block_overhead / share,
+                   linear_overhead=cpu.linear_overhead / share,
                    memory=ram / local_ranks), \
         f"cpu preset, {cores} cores for {local_ranks} ranks"
 

@@ -24,7 +24,8 @@ Per micro-batch and pipeline stage (the most loaded rank):
   head matmuls per tile as untiled at TP 1, four at TP > 1 (the logits again once the
   log-sum-exp over TP is known); the tiled MLP runs its forward again in backward (2 FLOPs
   per MLP parameter per token; a MoE layer's routed experts, k a token, and their
-  all-to-alls again); activation offload copies each layer's saved activations
+  all-to-alls again, except in a replayed block whose recompute skips them:
+  moe_layers.recompute_skipping_layers); activation offload copies each layer's saved activations
   to the host in forward and back in backward over ``pcie``: on CUDA on side streams,
   exposed only where a layer's copy outlasts the layer's compute, on CPU not overlapped;
 - MoE (moe_layers.py): the matmuls of the active parameters (each token's k of E experts
@@ -64,7 +65,8 @@ from ..context_parallel.mask import visible_pairs
 from . import counts, dsa_layers, mla_layers
 from .mla_timing import mla_cp_time, mla_thresholds, ulysses_of
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
-from .moe_layers import all_to_all_bytes, idle_expert_params, mixed_mlps, moe_layers
+from .moe_layers import (all_to_all_bytes, idle_expert_params, mixed_mlps, moe_layers,
+                         recompute_skipping_layers)
 from .candidate import Candidate
 from .cluster import Cluster
 
@@ -280,6 +282,16 @@ def linear_compute(m, cand: Candidate, s, stage: List[LayerAttention]) -> float:
                            cand.cp) for a in stage if a.token_mixer in LINEAR_MIXERS)
 
 
+def linear_elementwise(m, cand: Candidate, s, stage: List[LayerAttention],
+                       per_channel: float) -> float:
+    """Seconds (forward + backward) of the stage's linear mixers' work that is not their
+    kernels' FLOPs: each local token's conv channels at the device's linear_overhead."""
+    if not per_channel:
+        return 0.0
+    return per_channel * s.N * sum(linear_shapes(m, a.kind, cand.tp).conv_channels
+                                   for a in stage if a.token_mixer in LINEAR_MIXERS)
+
+
 def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers: int,
                  compute: float) -> float:
     """Activation offload's copies per micro-batch not hidden behind the compute (CUDA:
@@ -321,13 +333,18 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     # ep (under EP a rank runs E/ep experts over the N k ep / E rows of each, balanced)
     blocks = stage_block_params(m, cand) - idle_expert_params(m, cand.tp, layers)
     # a tiled MLP runs its forward again in backward: a dense block its MLP, a MoE block
-    # its routed experts (k of them a token; the router and the shared expert run once)
+    # its routed experts (k of them a token; the router and the shared expert run once),
+    # but a replayed block's recompute skips its tiled experts where the block keeps
+    # nothing of their output (moe_layers.recompute_skipping_layers): the tiles' replay
+    # takes the recompute's place, nothing more than untiled
     n_moe = moe_layers(m, 0, layers) if m.moe is not None else 0
     routed_p = m.moe.top_k * (3 if m.mlp in GATED_MLPS else 2) * s.d \
         * ((m.moe.expert_hidden or s.f * cand.tp) // cand.tp) if n_moe else 0
+    routed_again = n_moe - replay * recompute_skipping_layers(m, 0, layers) if n_moe else 0
     mm = (2 * s.N * blocks) * (3 + replay) \
         + (4 if cand.tiled_loss and cand.tp > 1 else 3) * head \
-        + (2 * s.N * ((layers - n_moe) * mlp_p + n_moe * routed_p) if cand.tiled_mlp else 0)
+        + (2 * s.N * ((layers - n_moe) * mlp_p + routed_again * routed_p) if cand.tiled_mlp
+           else 0)
 
     def sparse(a):  # a DSA layer attending over the indexer's selection
         return a.token_mixer == "dsa" and dsa_layers.sparse_attention(m)
@@ -360,7 +377,8 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     # twice the forward, a replayed forward again
     t_linear = linear_compute(m, cand, s, stage) / (F * attn_eff)
     compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay) \
-        + t_expand + t_index_f * (1 + attn_replay) + t_index_b
+        + linear_elementwise(m, cand, s, stage, cluster.gpu.linear_overhead) \
+        * (1 + attn_replay / 3) + t_expand + t_index_f * (1 + attn_replay) + t_index_b
 
     # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
     f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)
@@ -371,11 +389,12 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
 
     # the experts' all-to-alls (moe_layers.all_to_all_bytes) over the EP group (tp x ep
     # adjacent ranks: ep folds over CP's ranks first), a replayed MLP's again (a tiled
-    # one's too: each tile's forward runs again in backward); they wait for the router
-    # and feed the experts: nothing hides them
+    # one's too: each tile's forward runs again in backward, and the recompute skips the
+    # tiles where the compute above does); they wait for the router and feed the experts:
+    # nothing hides them
     a_f, a_b = all_to_all_bytes(s.N, s.d, e, m, cand.ep) if m.moe is not None else (0, 0)
-    again = replay + (1 if cand.tiled_mlp else 0)
-    moe = n_moe * (a_f * (1 + again) + a_b) / cluster.link(cand.tp * cand.ep) if a_f else 0.0
+    again = n_moe * replay + (routed_again if cand.tiled_mlp else 0)
+    moe = (n_moe * (a_f + a_b) + again * a_f) / cluster.link(cand.tp * cand.ep) if a_f else 0.0
 
     overhead = layers * cluster.gpu.overhead
     offload = offload_time(cfg, cand, cluster, e, layers, compute)

@@ -38,17 +38,13 @@ import time
 import numpy as np
 
 from ctxpar.testing import run_distributed, save_results
+from tools.benchmarks.dynamic_cp_runs import run_config as _config, train_pack as _train_pack
 
 
 def step_lengths(a, step: int) -> list:
     rng = np.random.default_rng([a.seed, step])
     return np.clip(rng.lognormal(np.log(a.median_len), a.sigma, a.docs), a.min_len,
                    a.max_len).astype(int).tolist()
-
-
-def _document(step: int, i: int, n: int, vocab: int) -> np.ndarray:
-    """Document i of a step: n inputs and their labels (n + 1 stored tokens)."""
-    return np.random.default_rng([step, i]).integers(1, vocab, n + 1)
 
 
 def _plans(cfg, a, lengths, world):
@@ -71,17 +67,6 @@ def _plans(cfg, a, lengths, world):
     except ScheduleError:
         pass  # a document longer than one rank's budget: static DP cannot run it
     return out
-
-
-def _train_pack(model, tile, layout, pack, step, lengths):
-    """Forward and backward of one pack of a step's documents on its tile's groups."""
-    from models.dynamic_cp import pack_inputs
-
-    docs = [_document(step, i, lengths[i], model.cfg.vocab_size) for i in pack.docs]
-    local = pack_inputs(model, tile, docs, pack.length, layout)
-    loss = model(local["tokens"], local["positions"], local["labels"],
-                 cu_seqlens=local["cu_seqlens"])
-    (loss / sum(lengths)).backward()
 
 
 def _work(rank, world, a):
@@ -109,13 +94,6 @@ def _work(rank, world, a):
         if s > 0:  # step 0 warms up
             out[s] = time.perf_counter() - t0
     return out
-
-
-def _config(a, world, *extra):
-    from ctxpar.config import load_config
-    return load_config(a.config, overrides=[f"parallel.cp={world}", "parallel.dp=1",
-                                            "parallel.tp=1", "parallel.pp=1", *a.set, *extra],
-                       world_size=world)
 
 
 def _rank(rank, world, a):

@@ -1,28 +1,34 @@
 """Peak memory and time of a MoE layer with its experts tiled along the sequence (CPU).
 
     python -m tools.benchmarks.bench_moe_tiled   # the docs/benchmarks.md figures (fp32)
-    python -m tools.benchmarks.bench_moe_tiled --tokens 4096 --tiles 512 1024
+    python -m tools.benchmarks.bench_moe_tiled --tokens 4096 --tiles 512 1024 --recompute on
 
 One process, one thread, fp32: models/moe.py's MoE (the router, the routed experts, no
 shared expert, ep 1) over x (1, --tokens, d), forward and backward of a fixed output
 gradient, untiled and with memory.tiled_mlp at each --tiles size (the router over all
 tokens, each tile dispatched, computed and combined inside its own activation checkpoint:
-models/moe.py's docstring). Defaults: 16,384 tokens, top-4 of 16 experts, d 256, each
-expert SwiGLU of width 512: the untiled layer's N k (d + 2f) rows of dispatch buffers and
-expert intermediates are what tiling cuts.
+models/moe.py's docstring). --recompute: without ('off'), with ('on') or both ('both',
+the default) the layer's block recompute as activation checkpointing runs it: x + moe(x)
+(the block's residual) inside a non-reentrant checkpoint whose recompute skips the tiles'
+experts (Block.recompute_context's context_fn, models/block.py). Defaults: 16,384
+tokens, top-4 of 16 experts, d 256, each expert SwiGLU of width 512: the untiled layer's
+N k (d + 2f) rows of dispatch buffers and expert intermediates are what tiling cuts.
 
 Peak bytes: ctxpar.testing.memory.LiveBytes (every tensor an op makes on a new storage,
 tracked until freed: activations, gradients and temporaries of the step, not the
 parameters or x), exact and the same on every run. Time: the median of --reps
-forward+backward steps after a warm-up, wall and process CPU seconds. --json keeps the rows.
+forward+backward steps after a warm-up, wall and process CPU seconds; each row against
+the untiled layer of the same recompute setting. --json keeps the rows.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import ModelConfig
 from ctxpar.config.moe import MoEConfig
@@ -32,8 +38,9 @@ from models.moe import MoE
 MiB = 2 ** 20
 
 
-def build(tile, a):
-    """(step function): one forward + backward of the MoE layer, tiled at `tile` or not."""
+def build(tile, recompute: bool, a):
+    """(step function): one forward + backward of the MoE layer, tiled at `tile` or not,
+    inside the block's recompute or not."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, d_model=a.d_model, n_heads=4, n_layers=1,
                       seq_len=a.tokens, mlp="swiglu",
@@ -45,15 +52,23 @@ def build(tile, a):
     x = torch.randn(1, a.tokens, a.d_model, requires_grad=True)
     dy = torch.randn(1, a.tokens, a.d_model)
 
+    def block(h):  # the channel mixer's half of models/block.py's Block (norm left out)
+        return h + moe(h)
+
+    def contexts():  # Block.recompute_context for a block without post-MLP norm
+        return nullcontext(), moe.output_unread_context() or nullcontext()
+
     def step():
-        moe(x).backward(dy)
+        out = checkpoint(block, x, use_reentrant=False, context_fn=contexts) if recompute \
+            else block(x)
+        out.backward(dy)
         x.grad = None
         moe.zero_grad(set_to_none=True)
     return step
 
 
-def measure(tile, a) -> dict:
-    step = build(tile, a)
+def measure(tile, recompute: bool, a) -> dict:
+    step = build(tile, recompute, a)
     step()  # warm-up
     with LiveBytes() as live:
         step()
@@ -63,8 +78,8 @@ def measure(tile, a) -> dict:
         step()
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    return dict(tile=tile or "untiled", peak=live.peak, wall=statistics.median(wall),
-                cpu=statistics.median(cpu))
+    return dict(tile=tile or "untiled", recompute=recompute, peak=live.peak,
+                wall=statistics.median(wall), cpu=statistics.median(cpu))
 
 
 def main(argv=None) -> None:
@@ -75,20 +90,24 @@ def main(argv=None) -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--expert-hidden", type=int, default=512)
     ap.add_argument("--tiles", type=int, nargs="+", default=[2048])
+    ap.add_argument("--recompute", choices=["off", "on", "both"], default="both")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [measure(None, a)] + [measure(t, a) for t in a.tiles]
-    base = rows[0]
+    settings = {"off": [False], "on": [True], "both": [False, True]}[a.recompute]
+    rows = [measure(tile, rc, a) for rc in settings for tile in [None, *a.tiles]]
     print(f"MoE layer: {a.tokens} tokens, top-{a.top_k} of {a.experts} experts, d {a.d_model}, "
           f"expert SwiGLU {a.expert_hidden}, fp32, 1 thread")
-    print("| experts | peak live MiB | vs untiled | fwd+bwd wall s | vs untiled | CPU s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| experts | block recompute | peak live MiB | vs untiled | fwd+bwd wall s | "
+          "vs untiled | CPU s | vs untiled |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        base = next(b for b in rows if b["tile"] == "untiled" and b["recompute"] == r["recompute"])
         name = "untiled" if r["tile"] == "untiled" else f"tiles of {r['tile']}"
-        print(f"| {name} | {r['peak'] / MiB:.1f} | {r['peak'] / base['peak']:.3f} | "
-              f"{r['wall']:.3f} | {r['wall'] / base['wall']:.2f} | {r['cpu']:.3f} |")
+        print(f"| {name} | {'on' if r['recompute'] else 'off'} | {r['peak'] / MiB:.1f} | "
+              f"{r['peak'] / base['peak']:.3f} | {r['wall']:.3f} | "
+              f"{r['wall'] / base['wall']:.2f} | {r['cpu']:.3f} | {r['cpu'] / base['cpu']:.2f} |")
     if a.json:
         import json
         with open(a.json, "w") as f:

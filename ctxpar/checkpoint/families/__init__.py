@@ -8,6 +8,8 @@ ctxpar/config/hf_families.py.
     qwen_moe.py mixtral.py gpt_oss.py qwen3_next.py deepseek.py glm4_moe.py minimax_m2.py
     llama4.py       the families
 """
-from .table import FAMILIES, WRAPPERS, Wrapper, family_of, folder_family, moe_held
+from .table import (FAMILIES, WRAPPERS, Wrapper, family_of, folder_family, moe_fixed_of,
+                    moe_held)
 
-__all__ = ["FAMILIES", "WRAPPERS", "Wrapper", "family_of", "folder_family", "moe_held"]
+__all__ = ["FAMILIES", "WRAPPERS", "Wrapper", "family_of", "folder_family", "moe_fixed_of",
+           "moe_held"]

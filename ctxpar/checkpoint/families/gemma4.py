@@ -18,12 +18,18 @@ K/V shared by the last layers and per-layer input embeddings (config/kv_layers.p
     hidden_size_per_layer_input              per_layer_input_dim (vocab_size_per_layer_input
                                              equal to vocab_size)
     final_logit_softcapping                  final_logit_softcapping
+    use_double_wide_mlp                      double_wide_mlp (when num_kv_shared_layers > 0:
+                                             it widens those layers' MLP only)
+    enable_moe_block, num_experts,           moe: num_experts, top_k, expert_hidden,
+      top_k_experts, moe_intermediate_size     beside_mlp, scaled_router (softmax, top-k
+                                               renormalised, no aux loss: transformers adds
+                                               none; models/moe_beside_mlp.py)
     (fixed)                                  query_pre_attn_scalar 1 (softmax scale
                                              1), value_norm, layer_scalar
 
-Refused in one line: enable_moe_block (its experts beside the dense MLP, with their own
-router and norms), use_double_wide_mlp (the shared-KV layers' MLP twice as wide),
-use_bidirectional_attention (base.NOT_IMPLEMENTED).
+The experts are stored fused (experts.gate_up_proj (E, 2f, d), experts.down_proj (E, d, f)),
+as transformers holds and saves them. Refused in one line: use_bidirectional_attention
+(base.NOT_IMPLEMENTED).
 """
 from __future__ import annotations
 
@@ -31,8 +37,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ...config import resolved_head_dim
 from ...config.layers import layer_types
+from ...config.moe import MoEConfig
 from ..rope_config import drop_rope_keys, rope_of
 from .base import ARCH_DEFAULTS, NO_BIAS, Family, Refuse, attention_layers
+from .experts import integer_field, refuse_other_routers
 
 # Gemma4TextConfig's RoPE when config.json has none
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -40,7 +48,31 @@ DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_0
                                    "rope_theta": 1_000_000.0}}
 OWN = ("final_logit_softcapping", "layer_types", "sliding_window", "global_head_dim",
        "num_global_key_value_heads", "per_layer_config", "attention_k_eq_v",
-       "num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input")
+       "num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+       "use_double_wide_mlp", "enable_moe_block", "num_experts", "top_k_experts",
+       "moe_intermediate_size")
+# model.moe as Gemma 4 has it (the rest of MoEConfig's routing options at their defaults;
+# the router losses a run's choice: transformers adds none)
+MOE_FIXED = {"beside_mlp": True, "scaled_router": True, "score": "softmax", "norm_topk": True,
+             "layers": None, "shared_expert_hidden": 0, "score_correction_bias": False,
+             "routed_scaling_factor": 1.0, "n_group": 1}
+
+
+def _moe(hf: Dict[str, Any], refuse: Refuse) -> Optional[MoEConfig]:
+    """model.moe of enable_moe_block (None without it): the experts beside every layer's
+    dense MLP, Gemma4TextRouter's softmax top-k renormalised and scaled per expert."""
+    on = hf.get("enable_moe_block", False)
+    if not isinstance(on, bool):
+        refuse("enable_moe_block", on, "config.json must give it as a boolean")
+    if not on:
+        return None
+    e = integer_field(hf, "num_experts", None, refuse)
+    k = integer_field(hf, "top_k_experts", None, refuse)
+    if k > e:
+        refuse("top_k_experts", k, f"more than num_experts={e}")
+    return MoEConfig(num_experts=e, top_k=k,
+                     expert_hidden=integer_field(hf, "moe_intermediate_size", None, refuse),
+                     **{k: v for k, v in MOE_FIXED.items() if k != "layers"})
 
 
 def _types(hf: Dict[str, Any]) -> List[str]:
@@ -86,6 +118,10 @@ class Gemma4(Family):
                    f"ctxpar's per-layer embedding has the vocabulary's {hf['vocab_size']} rows")
         return {**hf, "rope_parameters": {**DEFAULT_ROPE, **rope}}
 
+    def fields(self, hf: Dict[str, Any], refuse: Refuse) -> Dict[str, Any]:
+        moe = _moe(hf, refuse)
+        return {**self.fixed, **({} if moe is None else {"moe": moe})}
+
     def layers(self, hf: Dict[str, Any], file: str,
                refuse: Refuse) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         types = _types(hf)
@@ -101,6 +137,9 @@ class Gemma4(Family):
         k_eq_v = hf.get("attention_k_eq_v", False)
         if not isinstance(k_eq_v, bool):
             refuse("attention_k_eq_v", k_eq_v, "config.json must give it as a boolean")
+        wide = hf.get("use_double_wide_mlp", False)
+        if not isinstance(wide, bool):
+            refuse("use_double_wide_mlp", wide, "config.json must give it as a boolean")
         cap = hf.get("final_logit_softcapping")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
                                 or cap <= 0):
@@ -112,6 +151,7 @@ class Gemma4(Family):
             global_n_kv_heads=None if kv in (None, hf.get("num_key_value_heads")) else kv,
             attention_k_eq_v=k_eq_v and "full_attention" in types,
             num_kv_shared_layers=hf.get("num_kv_shared_layers", 0) or 0,
+            double_wide_mlp=wide and bool(hf.get("num_kv_shared_layers")),
             per_layer_input_dim=hf.get("hidden_size_per_layer_input", 256) or 0)
         return hf, fields
 
@@ -142,8 +182,8 @@ class Gemma4(Family):
             use_bidirectional_attention=None,
             attention_k_eq_v=m.attention_k_eq_v, num_kv_shared_layers=m.num_kv_shared_layers,
             hidden_size_per_layer_input=m.per_layer_input_dim,
-            vocab_size_per_layer_input=m.vocab_size, enable_moe_block=False,
-            use_double_wide_mlp=False,
+            vocab_size_per_layer_input=m.vocab_size, use_double_wide_mlp=m.double_wide_mlp,
+            **_moe_config(m, refuse_export),
             per_layer_config={i: dict(full) for i, t in enumerate(types)
                               if t == "full_attention"},
             rope_parameters={"full_attention": {**scaling, "rope_theta": m.rope_theta},
@@ -151,7 +191,17 @@ class Gemma4(Family):
                                  local.get("rope_theta", m.rope_theta))}})
 
     def naming(self, m) -> str:
-        return "gemma4"
+        return "gemma4" if m.moe is None else "gemma4_moe"
+
+
+def _moe_config(m, refuse_export) -> Dict[str, Any]:
+    """config.json's MoE keys of m.moe (_moe's inverse)."""
+    if m.moe is None:
+        return {"enable_moe_block": False}
+    refuse_other_routers(m.moe, refuse_export)
+    return {"enable_moe_block": True, "num_experts": m.moe.num_experts,
+            "top_k_experts": m.moe.top_k,
+            "moe_intermediate_size": m.moe.expert_hidden or m.ffn_hidden}
 
 
 FAMILY = Gemma4(
@@ -163,10 +213,5 @@ FAMILY = Gemma4(
      "mlp": "geglu", "post_norms": True, "scale_embeddings": True, "qk_norm": True,
      "value_norm": True, "layer_scalar": True, "query_pre_attn_scalar": 1.0},
     ("hidden_activation", "gelu_pytorch_tanh"), default_theta=1_000_000.0,
-    neutral={"attention_bias": (False, NO_BIAS),
-             "enable_moe_block": (False, "Gemma 4's experts beside the dense MLP (their own "
-                                         "router and norms) are not built by ctxpar"),
-             "use_double_wide_mlp": (False, "the shared-KV layers' MLP twice as wide is not "
-                                            "built by ctxpar"),
-             "top_k_experts": (None, "Gemma 4's experts are not built by ctxpar")},
-    own=OWN, tied_default=True)
+    neutral={"attention_bias": (False, NO_BIAS)},
+    own=OWN, tied_default=True, moe_fixed=MOE_FIXED, moe_optional=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 from .base import Family
 from ...config.hf_families import REGISTRY
@@ -65,9 +65,18 @@ def family_of(m) -> str:
     raise KeyError("no Hugging Face family")
 
 
+# model.moe's values every MoE family has unless its moe_fixed says otherwise: Llama 4's
+# alone scales inputs, Gemma 4's alone has its experts beside the MLP and its router scales
+MOE_DEFAULTS = {"scale_expert_input": False, "beside_mlp": False, "scaled_router": False}
+
+
+def moe_fixed_of(fam: Family) -> Dict[str, Any]:
+    """model.moe's values a MoE family holds (its moe_fixed over MOE_DEFAULTS)."""
+    return {**MOE_DEFAULTS, **fam.moe_fixed}
+
+
 def moe_held(m, fam: Family) -> bool:
     """A dense family for a dense model; a MoE family for model.moe with its fixed values."""
     if fam.moe_fixed is None or m.moe is None:
         return m.moe is None and (fam.moe_fixed is None or fam.moe_optional)
-    fixed = {"scale_expert_input": False, **fam.moe_fixed}  # Llama 4's alone scales inputs
-    return all(getattr(m.moe, k) == v for k, v in fixed.items())
+    return all(getattr(m.moe, k) == v for k, v in moe_fixed_of(fam).items())
