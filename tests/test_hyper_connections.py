@@ -4,8 +4,9 @@ Sinkhorn mix around both sublayers, the head's collapse, the final norm) against
 transformers' DeepseekV4Model on the same weights, its attention and MoE replaced by our
 blocks' own mixers (V4's attention is other work; the streams are what is tested here);
 activation checkpointing; a MoE GPT with mHC and a hash-routed layer (model.moe.hash_layers,
-tests/test_hash_moe.py) at cp2 x ep2 and tp2 x cp2 against one process, and generation (KV cache) at tp2 x cp2 against full forwards; the planner's saved
-bytes; the config's refusals."""
+tests/test_hash_moe.py) at cp2 x ep2 and tp2 x cp2 against one process, and generation (KV
+cache) at tp2 x cp2 against full forwards; the planner's saved bytes; the config's
+refusals."""
 import pickle
 from dataclasses import replace
 
