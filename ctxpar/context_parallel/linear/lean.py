@@ -126,8 +126,10 @@ class ChunkedScan(torch.autograd.Function):
                 seq = _columns(seq_idx, a, a + seg)
                 o, S = ctx.run(*leaves, *ps, S_leaf, seq)
                 wrt = [t for t in (*leaves, *ps, S_leaf) if t is not None and t.requires_grad]
-                grads = iter(torch.autograd.grad(
-                    (o, S), wrt, (dout[:, a:a + o.shape[1]], dS), allow_unused=True))
+                outs = [(t, d) for t, d in ((o, dout[:, a:a + o.shape[1]]), (S, dS))
+                        if t.requires_grad]  # an output of no input's (an empty one) left out
+                grads = iter(torch.autograd.grad([t for t, _ in outs], wrt,
+                                                 [d for _, d in outs], allow_unused=True))
             for dx, x in zip(dxs, leaves):
                 if x.requires_grad:
                     g = next(grads)

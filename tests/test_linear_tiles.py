@@ -1,0 +1,157 @@
+"""Tiled linear blocks (memory.tiled_linear; ctxpar/context_parallel/linear/tiles.py).
+
+(1) One process: a hybrid GPT whose Gated DeltaNet, Mamba2 or KDA blocks run in tiles
+gives the untiled GPT's loss and every parameter's gradient, with and without packed
+documents (starts mid-tile, on a tile's first token, one-token documents), tiles of one
+chunk, two, and three (a short last tile). (2) cp2 (state passing: contiguous and zigzag,
+documents crossing ranks, recompute 'full'): the tiled GPT over CP equals the untiled one
+process. (3) What one tiled GDN layer's forward saves: its input and each tile's entering
+(state, conv tail), nothing else. (4) The refusals' one line.
+
+Tolerance: the tiles run the kernels' own chunks from the same states, so outputs agree
+to the last bit on one process (measured: losses equal, gradients within 5e-7 of their
+scale: parameter gradients are summed per tile); over CP the state comes from state
+passing's composition instead of LASP-2's correction, ~1e-6. 1e-5 of the scale is the
+bound, tests/test_hybrid_gpt.py's; a state or conv tail not carried between tiles moves
+the results by O(1e-2) (checked by hand: zeroing the tail, or skipping the reset at a
+document start on a tile's first token, fails every case with documents or tiles).
+"""
+import dataclasses
+import pickle
+
+import pytest
+import torch
+
+from ctxpar.config import ConfigError, MemoryConfig, config_from_dict
+from ctxpar.testing import run_distributed
+from ctxpar.testing.linear import HYBRID_CONFIGS, KIMI_LINEAR_CONFIG, documents
+from ctxpar.testing.memory import saved_tensor_bytes
+from models.gpt import GPT
+from models.loss import global_mean_loss, global_token_count, loss_for_backward
+from models.options import ModelGroups, ModelOptions
+
+N, BATCH, SEED = 48, 2, 5
+CONFIGS = {**HYBRID_CONFIGS, "kimi-linear": KIMI_LINEAR_CONFIG}  # linear chunks of 4
+DOCS = documents(N)
+
+
+def close(got, want, msg=""):
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=1e-5, msg=msg)
+
+
+def _options(tile: int, **kw) -> ModelOptions:
+    mem = MemoryConfig(tiled_linear=bool(tile), linear_tile_tokens=tile or 2048)
+    return ModelOptions(seed=SEED, memory=mem, **kw)
+
+
+def _batch(cfg):
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, N), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, N), generator=g)
+    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
+    return tokens, labels
+
+
+def one_process(name, cu, tile=0):
+    """Token-mean loss and every gradient of the GPT on one process."""
+    cfg = CONFIGS[name]
+    model = GPT(cfg, options=_options(tile))
+    tokens, labels = _batch(cfg)
+    loss = model(tokens, torch.arange(N), labels, cu_seqlens=cu) / (labels != -100).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(got, want, where):
+    close(got[0], want[0], f"{where} loss")
+    for n, g in want[1].items():
+        close(got[1][n], g, f"{where} grad {n}")
+
+
+@pytest.mark.quick
+def test_tiled_gated_delta_gpt_equals_the_untiled_one():
+    """Qwen3.5's pattern with documents, tiles of 12 tokens (three chunks; documents start
+    mid-tile, on a tile's first token (12, 36), and one is a single token)."""
+    _assert_same(one_process("qwen3.5", DOCS, tile=12), one_process("qwen3.5", DOCS), "")
+
+
+@pytest.mark.parametrize("name", ["nemotron-h", "kimi-linear"])
+def test_tiled_mamba2_and_kda_gpts_equal_the_untiled_ones(name):
+    """Mamba2 (conv bias, B/C groups, D) and KDA (a decay per key channel) with
+    documents, tiles of five chunks (a short last tile)."""
+    _assert_same(one_process(name, DOCS, 20), one_process(name, DOCS), name)
+
+
+def _over_cp(rank, world, payload):
+    from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from models.loss import deepspeed_style_reduce_
+
+    out = []
+    for name, layout, cu, tile, ckpt in pickle.loads(payload):
+        cfg = CONFIGS[name]
+        st = init_parallel_state(tp=1, cp=world, dp=1)
+        model = GPT(cfg, ModelGroups.from_state(st),
+                    _options(tile, layout=layout, activation_checkpointing=ckpt))
+        tokens, labels = _batch(cfg)
+        tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
+        n_tokens = global_token_count(lab, st.dp_cp_group)
+        loss_sum = model(tok, sequence_positions(N, st.cp_group, layout), lab, cu_seqlens=cu)
+        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
+        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        out.append((global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
+                    {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return out
+
+
+CP_CASES = [  # (config, layout, cu_seqlens, tile, recompute): cp2, linear_cp 'state'
+    ("qwen3.5", "contiguous", DOCS, 4, "none"),   # six tiles a rank
+    ("nemotron-h", "zigzag", DOCS, 8, "full"),    # two segments a rank, a short last tile
+    ("kimi-linear", "zigzag", DOCS, 8, "none"),   # in each; tiles replayed under 'full'
+]
+
+
+def test_tiled_hybrid_gpts_over_cp_equal_one_process():
+    results = run_distributed(_over_cp, 2, pickle.dumps(CP_CASES), timeout=240)
+    for i, (name, layout, cu, tile, ckpt) in enumerate(CP_CASES):
+        want = one_process(name, cu)
+        for rank, got in enumerate(results):
+            _assert_same(got[i], want, f"{name} cp2 {layout} docs={cu is not None} tile "
+                                       f"{tile} {ckpt} rank {rank}")
+
+
+def test_a_tiled_gated_delta_layer_saves_its_input_and_the_tile_states_only():
+    """One GDN mixer, 64 tokens in tiles of 16: saved are x (B, T, d) and the three
+    entering (state, tail) rows, (B, Hv Dk Dv + (K-1) C) fp32, nothing of the tiles."""
+    cfg = CONFIGS["qwen3.5"]
+    mixer = GPT(dataclasses.replace(cfg, seq_len=64), options=_options(16)).layers[0].linear_attn
+    x = torch.randn(BATCH, 64, cfg.d_model, requires_grad=True)
+    with saved_tensor_bytes(mixer.parameters()) as seen:
+        y = mixer(x)
+    (state, channels, kernel) = mixer.tile_shapes()
+    per_row = state[0] * state[1] * state[2] + (kernel - 1) * channels
+    assert sum(seen.values()) == x.numel() * 4 + 3 * BATCH * per_row * 4, seen
+    y.sum().backward()
+
+
+LINEAR = {"vocab_size": 256, "seq_len": 128, "n_layers": 2, "d_model": 32, "n_heads": 4,
+          "layer_types": ["linear_attention", "full_attention"], "linear_chunk_size": 8}
+
+
+@pytest.mark.parametrize("parallel, memory, extra, message", [
+    ({}, {"linear_tile_tokens": 12}, {},
+     "memory.linear_tile_tokens=12 must be a positive multiple of the linear chunk size 8"),
+    ({"cp": 2, "linear_cp": "heads", "layout": "striped"}, {}, {},
+     "memory.tiled_linear=true is not built with parallel.linear_cp='heads' at "
+     "parallel.cp=2"),
+    ({"tp": 2}, {}, {}, "memory.tiled_linear=true is not built with parallel.tp=2"),
+    ({}, {}, {"deepspeed": {"zero_optimization": {"stage": 3}}},
+     "memory.tiled_linear=true is not built with deepspeed.zero_optimization.stage=3"),
+])
+def test_tiled_linear_refusals_are_one_line(parallel, memory, extra, message):
+    d = {"model": LINEAR, "parallel": {"dp": 1, **parallel},
+         "train": {"global_batch_size": 1}, "memory": {"tiled_linear": True, **memory},
+         **extra}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(d, check_paths=False)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
