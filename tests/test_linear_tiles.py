@@ -26,6 +26,7 @@ from ctxpar.config import ConfigError, MemoryConfig, config_from_dict
 from ctxpar.testing import run_distributed
 from ctxpar.testing.linear import HYBRID_CONFIGS, KIMI_LINEAR_CONFIG, documents
 from ctxpar.testing.memory import saved_tensor_bytes
+from ctxpar.tensor_parallel import gather_full_state_dict
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 from models.options import ModelGroups, ModelOptions
@@ -88,9 +89,9 @@ def _over_cp(rank, world, payload):
     from models.loss import deepspeed_style_reduce_
 
     out = []
-    for name, layout, cu, tile, ckpt in pickle.loads(payload):
+    for name, tp, layout, cu, tile, ckpt in pickle.loads(payload):
         cfg = CONFIGS[name]
-        st = init_parallel_state(tp=1, cp=world, dp=1)
+        st = init_parallel_state(tp=tp, cp=world // tp, dp=1)
         model = GPT(cfg, ModelGroups.from_state(st),
                     _options(tile, layout=layout, activation_checkpointing=ckpt))
         tokens, labels = _batch(cfg)
@@ -100,24 +101,26 @@ def _over_cp(rank, world, payload):
         loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
         deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
         out.append((global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
-                    {n: p.grad.clone() for n, p in model.named_parameters()}))
+                    gather_full_state_dict(model, st.tp_group, grads=True)))
     return out
 
 
-CP_CASES = [  # (config, layout, cu_seqlens, tile, recompute): cp2, linear_cp 'state'
-    ("qwen3.5", "contiguous", DOCS, 4, "none"),   # six tiles a rank
-    ("nemotron-h", "zigzag", DOCS, 8, "full"),    # two segments a rank, a short last tile
-    ("kimi-linear", "zigzag", DOCS, 8, "none"),   # in each; tiles replayed under 'full'
+CP_CASES = [  # (config, tp, layout, cu_seqlens, tile, recompute): 2 ranks, 'state'
+    ("qwen3.5", 1, "contiguous", DOCS, 4, "none"),   # cp2: six tiles a rank
+    ("nemotron-h", 1, "zigzag", DOCS, 8, "full"),    # two segments a rank, a short last
+    ("kimi-linear", 1, "zigzag", DOCS, 8, "none"),   # tile in each; replayed under 'full'
+    ("qwen3.5", 2, "zigzag", DOCS, 12, "none"),      # tp2: heads split, out_proj's
+    ("nemotron-h", 2, "zigzag", None, 12, "none"),   # all-reduce and the norms' f per tile
 ]
 
 
 def test_tiled_hybrid_gpts_over_cp_equal_one_process():
     results = run_distributed(_over_cp, 2, pickle.dumps(CP_CASES), timeout=240)
-    for i, (name, layout, cu, tile, ckpt) in enumerate(CP_CASES):
+    for i, (name, tp, layout, cu, tile, ckpt) in enumerate(CP_CASES):
         want = one_process(name, cu)
         for rank, got in enumerate(results):
-            _assert_same(got[i], want, f"{name} cp2 {layout} docs={cu is not None} tile "
-                                       f"{tile} {ckpt} rank {rank}")
+            _assert_same(got[i], want, f"{name} tp{tp} cp{2 // tp} {layout} docs="
+                                       f"{cu is not None} tile {tile} {ckpt} rank {rank}")
 
 
 def test_a_tiled_gated_delta_layer_saves_its_input_and_the_tile_states_only():
@@ -144,7 +147,7 @@ LINEAR = {"vocab_size": 256, "seq_len": 128, "n_layers": 2, "d_model": 32, "n_he
     ({"cp": 2, "linear_cp": "heads", "layout": "striped"}, {}, {},
      "memory.tiled_linear=true is not built with parallel.linear_cp='heads' at "
      "parallel.cp=2"),
-    ({"tp": 2}, {}, {}, "memory.tiled_linear=true is not built with parallel.tp=2"),
+    ({"pp": 2}, {}, {}, "memory.tiled_linear=true is not built with parallel.pp=2"),
     ({}, {}, {"deepspeed": {"zero_optimization": {"stage": 3}}},
      "memory.tiled_linear=true is not built with deepspeed.zero_optimization.stage=3"),
 ])

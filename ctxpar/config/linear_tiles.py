@@ -29,7 +29,6 @@ def check_tiled_linear(cfg, err: Callable[[str], None]) -> None:
         (p.cp > 1 and p.linear_cp not in TILED_LINEAR_STRATEGIES,
          f"parallel.linear_cp={p.linear_cp!r} at parallel.cp={p.cp} (tiles run under "
          f"{list(TILED_LINEAR_STRATEGIES)}: the heads all-to-all needs every rank's tile)"),
-        (p.tp > 1, f"parallel.tp={p.tp} (tested at tp 1)"),
         (p.pp > 1, f"parallel.pp={p.pp} (tested without a pipeline)"),
         (stage == 3, "deepspeed.zero_optimization.stage=3 (the tiles call the block's "
                      "modules on parameters ZeRO-3 would have to gather per tile)"),

@@ -42,6 +42,7 @@ from ..config.layer_mixers import LINEAR_MIXERS
 from . import counts, mla_layers, transients
 from .candidate import Candidate, apply_candidate
 from .linear_layers import KINDS, linear_shapes, mixer_saved, mixer_working_set
+from .linear_tiles import tiled_saved, tiled_working_set
 from .moe_layers import (backward_working_set, block_model, expert_tile, forward_working_set,
                          mixed_mlps)
 from .mtp_layers import mtp_activations
@@ -240,10 +241,19 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     mixers = [(a.kind, linear_shapes(model, a.kind, cand.tp)) for a in layers
               if a.token_mixer in LINEAR_MIXERS]
     args = (s.B, s.N // s.B, elem, cand.cp, cand.linear_cp, cand.token_layout, device)
-    linear = max([mixer_saved(kind, sh, *args) for kind, sh in mixers], default=0)
-    # and its kernel's backward beyond that (the lean torch kernel's segment, or the GPU
-    # library's whole-sequence backward: linear_layers.mixer_working_set)
-    linear_kernel = max([mixer_working_set(kind, sh, *args) for kind, sh in mixers], default=0)
+    if cand.linear_tile:  # tiled: the boundary states saved, one tile's block at work
+        linear = max([tiled_saved(kind, sh, s.B, s.N // s.B, cand.cp, cand.token_layout,
+                                  cand.linear_tile, s.d, elem) for kind, sh in mixers],
+                     default=0)
+        linear_kernel = max([tiled_working_set(kind, sh, s.B, s.N // s.B, elem, cand.cp,
+                                               cand.token_layout, device, cand.linear_tile,
+                                               s.d) for kind, sh in mixers], default=0)
+    else:
+        linear = max([mixer_saved(kind, sh, *args) for kind, sh in mixers], default=0)
+        # and its kernel's backward beyond that (the lean torch kernel's segment, or the
+        # GPU library's whole-sequence backward: linear_layers.mixer_working_set)
+        linear_kernel = max([mixer_working_set(kind, sh, *args) for kind, sh in mixers],
+                            default=0)
     return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
                  saved, zero_state, sh, resident, base, accumulated, accumulating, host,
                  host_step, loss_tile, mlp_tile, halo, linear, linear_kernel,
