@@ -160,20 +160,12 @@ class GatedDeltaNet(DeltaRuleTiles, TokenMixer):
         """(B, L, d) past f -> the conv's input [q | k | v] (B, L, 2Hk Dk + Hv Dv)."""
         return self.in_proj_qkv(x)
 
-    def rule_inputs(self, x: torch.Tensor, mixed: torch.Tensor):
-        """(q, k (B, L, Hk, Dk), v (B, L, Hv, Dv), g (B, L, Hv) fp32, beta (B, L, Hv)) from
-        x past f and the conv's output."""
-        B, T = x.shape[:2]
-        dims, hk, hv = self.dims, self.key_heads, self.value_heads    # heads on this TP rank
-        q, k, v = mixed.split(self.split, dim=-1)
-        q = q.view(B, T, hk, dims.key_head_dim)                         # (B, T/cp, Hk, Dk)
-        k = k.view(B, T, hk, dims.key_head_dim)
-        v = v.view(B, T, hv, dims.value_head_dim)                       # (B, T/cp, Hv, Dv)
-        beta = self.in_proj_b(x).sigmoid()                              # (B, T/cp, Hv)
-        if dims.allow_neg_eigval:  # beta in [0, 2]: I - beta k k^T may flip a direction
-            beta = beta * 2.0
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        return q, k, v, g, beta
+    def beta_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.in_proj_b(x)                                        # (B, L, Hv)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g (B, L, Hv) fp32, the log-decay per value head."""
+        return -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
 
     def gated_output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """out_proj(norm(o) * silu(z)): (B, L, d), all-reduced over TP."""

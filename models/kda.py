@@ -164,20 +164,12 @@ class KimiDeltaAttention(DeltaRuleTiles, TokenMixer):
         """(B, L, d) past f -> the conv's input [q | k | v] (B, L, 2Hk Dk + Hv Dv)."""
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
-    def rule_inputs(self, x: torch.Tensor, mixed: torch.Tensor):
-        """(q, k (B, L, Hk, Dk), v (B, L, Hv, Dv), g (B, L, Hv, Dk) fp32, beta (B, L, Hv))
-        from x past f and the conv's output."""
-        B, T = x.shape[:2]
-        dims, hk, hv = self.dims, self.key_heads, self.value_heads    # heads on this TP rank
-        q, k, v = mixed.split(self.split, dim=-1)
-        q = q.view(B, T, hk, dims.key_head_dim)                        # (B, T/cp, Hk, Dk)
-        k = k.view(B, T, hk, dims.key_head_dim)
-        v = v.view(B, T, hv, dims.value_head_dim)                      # (B, T/cp, Hv, Dv)
-        g = self.forget_gate(x)                                        # (B, T/cp, Hv, Dk) fp32
-        beta = self.b_proj(x).sigmoid()                                # (B, T/cp, Hv)
-        if dims.allow_neg_eigval:  # beta in [0, 2]: I - beta k k^T may flip a direction
-            beta = beta * 2.0
-        return q, k, v, g, beta
+    def beta_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b_proj(x)                                          # (B, L, Hv)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g (B, L, Hv, Dk) fp32, the log-decay per key channel."""
+        return self.forget_gate(x)
 
     def gated_output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """o_proj(norm(o) * sigmoid(gate)): (B, L, d), all-reduced over TP."""

@@ -30,11 +30,25 @@ def _conv(mixer, x, tail, docs):
 
 
 class DeltaRuleTiles:
-    """Tiles of a delta-rule mixer (GDN: op 'gated_delta', KDA: 'kda'). The mixer has
-    dims, value_heads, split, conv1d and conv_input(x), rule_inputs(x, mixed) -> (q, k, v,
-    g, beta), gated_output(x, o) -> (B, L, d)."""
+    """Tiles of a delta-rule mixer (GDN: op 'gated_delta', KDA: 'kda'), and the rule's
+    inputs both compute the same way. The mixer has dims, key_heads, value_heads, split,
+    conv1d and conv_input(x), beta_input(x), decay(x) -> g fp32, gated_output(x, o)."""
 
     rule_op = "gated_delta"
+
+    def rule_inputs(self, x: torch.Tensor, mixed: torch.Tensor):
+        """(q, k (B, L, Hk, Dk), v (B, L, Hv, Dv), g fp32, beta (B, L, Hv)) from x past f
+        and the conv's output [q | k | v]; heads on this TP rank."""
+        B, T = x.shape[:2]
+        dims = self.dims
+        q, k, v = mixed.split(self.split, dim=-1)
+        q = q.view(B, T, self.key_heads, dims.key_head_dim)            # (B, L, Hk, Dk)
+        k = k.view(B, T, self.key_heads, dims.key_head_dim)
+        v = v.view(B, T, self.value_heads, dims.value_head_dim)        # (B, L, Hv, Dv)
+        beta = self.beta_input(x).sigmoid()                            # (B, L, Hv)
+        if dims.allow_neg_eigval:  # beta in [0, 2]: I - beta k k^T may flip a direction
+            beta = beta * 2.0
+        return q, k, v, self.decay(x), beta
 
     def tile_shapes(self):
         dims = self.dims
