@@ -6,7 +6,8 @@
 For each candidate layout (every TP x CP x PP x DP the config allows at micro-batch 1,
 each CP pattern (zigzag; also contiguous for a model with windowed or chunked layers,
 whose halo exchange needs the least memory there), ZeRO stage and checkpointing mode;
-tiled loss and tiled MLP on, which only ever lower the peak, their tiles 'auto' or d_model tokens (ALST's); each of the two
+tiled loss and tiled MLP on, which only ever lower the peak, their tiles 'auto' or d_model tokens (ALST's); tiled
+linear blocks on (memory.linear_tile_tokens) where the layout has them built; each of the two
 offloads on and off, which move bytes to the host; ``Allowed`` narrows them) the peak
 memory is affine in seq_len but for the few terms that saturate (buckets,
 tile sizes): two evaluations give a first guess, and a bisection over multiples of the
