@@ -6,7 +6,8 @@ gives the untiled GPT's loss and every parameter's gradient, with packed documen
 and of five (a short last tile). (2) Two ranks, 'state' strategy: cp2 contiguous and
 zigzag with documents crossing ranks, recompute 'full', and tp2: the tiled GPT equals the
 untiled one process. (3) What one tiled GDN layer's forward saves: its input and each
-tile's entering (state, conv tail), nothing else. (4) The refusals' one line.
+tile's entering (state, conv tail), nothing else. (4) The refusals' one line. (5) bf16:
+as close to fp32 as the untiled bf16 GPT.
 
 Tolerance: the tiles run the kernels' own chunks from the same states, so outputs agree
 to the last bit on one process (measured: losses equal, gradients within 5e-7 of their
@@ -46,14 +47,14 @@ def _options(tile: int, **kw) -> ModelOptions:
     return ModelOptions(seed=SEED, memory=mem, **kw)
 
 
-def one_process(name, cu, tile=0):
-    """Token-mean loss and every gradient of the GPT on one process."""
+def one_process(name, cu, tile=0, dtype=torch.float32):
+    """Token-mean loss and every gradient (fp32 copies) of the GPT on one process."""
     cfg = CONFIGS[name]
-    model = GPT(cfg, options=_options(tile))
+    model = GPT(cfg, options=_options(tile)).to(dtype)
     tokens, labels = hybrid_batch(cfg, BATCH, N)
     loss = model(tokens, torch.arange(N), labels, cu_seqlens=cu) / (labels != -100).sum()
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
 def _assert_same(got, want, where):
@@ -74,6 +75,21 @@ def test_tiled_mamba2_and_kda_gpts_equal_the_untiled_ones(name):
     """Mamba2 (conv bias, B/C groups, D) and KDA (a decay per key channel) with
     documents, tiles of five chunks (a short last tile)."""
     _assert_same(one_process(name, DOCS, 20), one_process(name, DOCS), name)
+
+
+def test_tiled_bf16_gpt_is_as_close_to_fp32_as_the_untiled_bf16_one():
+    """bf16 parameters and activations (states and tails fp32, the weights' gradients
+    summed over tiles in fp32): the tiled loss and every gradient within 4 x max(untiled
+    bf16's distance to fp32, 2^-8 of the fp32 scale) of the untiled bf16 GPT's, the bound
+    of tests/test_hybrid_gpt.py's bf16 cases."""
+    loss32, grads32 = one_process("qwen3.5", DOCS)
+    loss16, grads16 = one_process("qwen3.5", DOCS, dtype=torch.bfloat16)
+    tiled_loss, tiled = one_process("qwen3.5", DOCS, 12, torch.bfloat16)
+    assert (tiled_loss - loss16).abs() <= 4 * max((loss16 - loss32).abs().item(),
+                                                  2 ** -8 * loss32.abs().item())
+    for n, g32 in grads32.items():
+        scale = max((grads16[n] - g32).abs().max().item(), 2 ** -8 * g32.abs().max().item())
+        assert (tiled[n] - grads16[n]).abs().max().item() <= 4 * scale, n
 
 
 def _over_cp(rank, world, payload):

@@ -112,7 +112,10 @@ class ChunkedScan(torch.autograd.Function):
         seg, seq_idx = ctx.segment, ctx.seq_idx
         # the inputs' gradients, written segment by segment (never beside their pieces)
         dxs = [torch.empty_like(x) if x.requires_grad else None for x in xs]
-        dparams = [None if p is None else torch.zeros_like(p) for p in params]
+        # the params' gradients summed over segments in fp32 (16-bit weights of a tiled
+        # block: hundreds of tiles), cast to each param's dtype once
+        dparams = [None if p is None else torch.zeros_like(p, dtype=torch.float32)
+                   for p in params]
         dS = dfinal
         for i in reversed(range(len(ctx.starts))):
             a = ctx.starts[i]
@@ -144,7 +147,7 @@ class ChunkedScan(torch.autograd.Function):
                 dS = torch.zeros_like(S)
             if i:  # through the reset mask the entering state took
                 dS = _entering(dS, seq_idx, a)
-        dparams = [d if p is not None and p.requires_grad else None
+        dparams = [d.to(p.dtype) if p is not None and p.requires_grad else None
                    for d, p in zip(dparams, params)]
         dinit = dS if ctx.has_initial and initial.requires_grad else None
         return (None, None, None, None, dinit, *dxs, *dparams)
