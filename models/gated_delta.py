@@ -32,12 +32,14 @@ from ctxpar.config import ModelConfig
 from ctxpar.config.layers import gated_delta_dims
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.linear import gated_delta_rule_cp, gated_delta_step
+from ctxpar.context_parallel.linear.tiles import tiled_linear_block
 from ctxpar.inference.linear_cache import LinearLayerCache
 from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                     copy_to_tensor_model_parallel_region)
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
+from .linear_tiles import DeltaRuleTiles, linear_tile
 from .options import LayerArgs
 from .short_conv import DepthwiseConv
 from .token_mixer import TokenMixer
@@ -89,21 +91,24 @@ class LeanGatedNorm(torch.autograd.Function):
         return (*(next(grads) if t.requires_grad else None for t in leaves), None)
 
 
-class GatedDeltaNet(TokenMixer):
+class GatedDeltaNet(DeltaRuleTiles, TokenMixer):
     """Qwen3.5's linear attention over CP and TP (module docstring). cp: the model's
     ContextParallel (group and layout, shared with attention); strategy: parallel.linear_cp;
-    tp_group: the heads' split (None: all heads here). A token mixer that splits nothing
-    (models/token_mixer.py): its forward is its mix."""
+    tp_group: the heads' split (None: all heads here); tile: tokens per tile of the block
+    under memory.tiled_linear (0: untiled; models/linear_tiles.py). A token mixer that
+    splits nothing (models/token_mixer.py): its forward is its mix."""
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "GatedDeltaNet":
-        return cls(args.cfg, args.cp, args.linear_cp, args.tp_group, args.device, args.dtype)
+        return cls(args.cfg, args.cp, args.linear_cp, args.tp_group, args.device, args.dtype,
+                   linear_tile(args))
 
     def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
-                 tp_group=None, device=None, dtype=None):
+                 tp_group=None, device=None, dtype=None, tile: int = 0):
         super().__init__()
         dims, tp = gated_delta_dims(cfg), tp_size_of(tp_group)
         self.cp, self.strategy, self.dims, self.tp_group = cp, strategy, dims, tp_group
+        self.tile_tokens = tile
         self.key_heads, self.value_heads = dims.num_key_heads // tp, dims.num_value_heads // tp
         key_dim = dims.num_key_heads * dims.key_head_dim
         value_dim = dims.num_value_heads * dims.value_head_dim
@@ -129,19 +134,12 @@ class GatedDeltaNet(TokenMixer):
         """x (B, T/cp, d) normed hidden states -> (B, T/cp, d). cache: generation's
         (ctxpar/inference/linear_cache.py): prefill keeps the final state and the conv
         window, decode (T = 1, the same token on every CP rank) steps them."""
-        B, T = x.shape[:2]
-        dims, hk, hv = self.dims, self.key_heads, self.value_heads    # heads on this TP rank
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)      # f once for 4 projections
-        mixed = self.conv1d(self.in_proj_qkv(x), self.cp, cu_seqlens,
+        if self.tile_tokens and cache is None:
+            return tiled_linear_block(self, x, cu_seqlens, self.tile_tokens, self.strategy)
+        mixed = self.conv1d(self.conv_input(x), self.cp, cu_seqlens,
                             cache)                                      # (B, T/cp, 2Hk Dk + Hv Dv)
-        q, k, v = mixed.split(self.split, dim=-1)
-        q = q.view(B, T, hk, dims.key_head_dim)                         # (B, T/cp, Hk, Dk)
-        k = k.view(B, T, hk, dims.key_head_dim)
-        v = v.view(B, T, hv, dims.value_head_dim)                       # (B, T/cp, Hv, Dv)
-        beta = self.in_proj_b(x).sigmoid()                              # (B, T/cp, Hv)
-        if dims.allow_neg_eigval:  # beta in [0, 2]: I - beta k k^T may flip a direction
-            beta = beta * 2.0
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        q, k, v, g, beta = self.rule_inputs(x, mixed)
         if cache is not None and cache.mode == "decode":
             o, cache.state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                                               cache.state, use_qk_l2norm_in_kernel=True)
@@ -151,13 +149,28 @@ class GatedDeltaNet(TokenMixer):
                 beta, g = beta * cache.valid[..., None], g * cache.valid[..., None]
             o, final = gated_delta_rule_cp(q, k, v, g, beta, cp_group=self.cp.cp_group,
                                            layout=self.cp.layout, strategy=self.strategy,
-                                           cu_seqlens=cu_seqlens, chunk_size=dims.chunk_size,
+                                           cu_seqlens=cu_seqlens, chunk_size=self.dims.chunk_size,
                                            output_final_state=cache is not None,
                                            use_qk_l2norm_in_kernel=True)  # (B, T/cp, Hv, Dv)
             if cache is not None:
                 cache.state = final  # every row's state after its last prompt token
-        z = self.in_proj_z(x).view(B, T, hv, dims.value_head_dim)
-        return self.out_proj(self.norm(o, z).flatten(2))                # all-reduced over TP
+        return self.gated_output(x, o)
+
+    def conv_input(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L, d) past f -> the conv's input [q | k | v] (B, L, 2Hk Dk + Hv Dv)."""
+        return self.in_proj_qkv(x)
+
+    def beta_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.in_proj_b(x)                                        # (B, L, Hv)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g (B, L, Hv) fp32, the log-decay per value head."""
+        return -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+
+    def gated_output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """out_proj(norm(o) * silu(z)): (B, L, d), all-reduced over TP."""
+        z = self.in_proj_z(x).view(*o.shape)
+        return self.out_proj(self.norm(o, z).flatten(2))
 
 
 def init_gated_delta(name: str, shape, cfg: ModelConfig, gen: torch.Generator

@@ -32,12 +32,14 @@ from ctxpar.config import ModelConfig
 from ctxpar.config.layers import gated_delta_dims
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.linear import kda_cp, kda_step
+from ctxpar.context_parallel.linear.tiles import tiled_linear_block
 from ctxpar.inference.linear_cache import LinearLayerCache
 from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                     copy_to_tensor_model_parallel_region)
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
+from .linear_tiles import DeltaRuleTiles, linear_tile
 from .options import LayerArgs
 from .short_conv import DepthwiseConv
 from .token_mixer import TokenMixer
@@ -95,20 +97,24 @@ class KimiGatedNorm(nn.Module):
         return (w * h * gate.float().sigmoid()).to(x.dtype)
 
 
-class KimiDeltaAttention(TokenMixer):
+class KimiDeltaAttention(DeltaRuleTiles, TokenMixer):
     """Kimi Linear's KDA over CP and TP (module docstring). cp: the model's ContextParallel;
-    strategy: parallel.linear_cp; tp_group: the heads' split (None: all heads here). A
+    strategy: parallel.linear_cp; tp_group: the heads' split (None: all heads here); tile:
+    tokens per tile under memory.tiled_linear (0: untiled; models/linear_tiles.py). A
     token mixer that splits nothing (models/token_mixer.py): its forward is its mix."""
+
+    rule_op = "kda"
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "KimiDeltaAttention":
-        return cls(args.cfg, args.cp, args.linear_cp, args.tp_group, args.device, args.dtype)
+        return cls(args.cfg, args.cp, args.linear_cp, args.tp_group, args.device, args.dtype,
+                   linear_tile(args))
 
     def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
-                 tp_group=None, device=None, dtype=None):
+                 tp_group=None, device=None, dtype=None, tile: int = 0):
         super().__init__()
         dims, tp = gated_delta_dims(cfg), tp_size_of(tp_group)
-        self.cp, self.strategy, self.dims = cp, strategy, dims
+        self.cp, self.strategy, self.dims, self.tile_tokens = cp, strategy, dims, tile
         self.key_heads, self.value_heads = dims.num_key_heads // tp, dims.num_value_heads // tp
         hv, dk, dv = dims.num_value_heads, dims.key_head_dim, dims.value_head_dim
         key_dim, value_dim, d = dims.num_key_heads * dk, hv * dv, cfg.d_model
@@ -132,19 +138,12 @@ class KimiDeltaAttention(TokenMixer):
         """x (B, T/cp, d) normed hidden states -> (B, T/cp, d). cache: generation's
         (ctxpar/inference/linear_cache.py): prefill keeps the final state and the conv
         window, decode (T = 1, the same token on every CP rank) steps them."""
-        B, T = x.shape[:2]
-        dims, hk, hv = self.dims, self.key_heads, self.value_heads    # heads on this TP rank
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)     # f once for all
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        mixed = self.conv1d(mixed, self.cp, cu_seqlens, cache)  # (B, T/cp, 2 Hk Dk + Hv Dv)
-        q, k, v = mixed.split(self.split, dim=-1)
-        q = q.view(B, T, hk, dims.key_head_dim)                        # (B, T/cp, Hk, Dk)
-        k = k.view(B, T, hk, dims.key_head_dim)
-        v = v.view(B, T, hv, dims.value_head_dim)                      # (B, T/cp, Hv, Dv)
-        g = self.forget_gate(x)                                        # (B, T/cp, Hv, Dk) fp32
-        beta = self.b_proj(x).sigmoid()                                # (B, T/cp, Hv)
-        if dims.allow_neg_eigval:  # beta in [0, 2]: I - beta k k^T may flip a direction
-            beta = beta * 2.0
+        if self.tile_tokens and cache is None:
+            return tiled_linear_block(self, x, cu_seqlens, self.tile_tokens, self.strategy)
+        mixed = self.conv1d(self.conv_input(x), self.cp, cu_seqlens,
+                            cache)                             # (B, T/cp, 2 Hk Dk + Hv Dv)
+        q, k, v, g, beta = self.rule_inputs(x, mixed)
         if cache is not None and cache.mode == "decode":
             o, cache.state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                                       cache.state, use_qk_l2norm_in_kernel=True)
@@ -154,13 +153,28 @@ class KimiDeltaAttention(TokenMixer):
                 beta, g = beta * cache.valid[..., None], g * cache.valid[..., None, None]
             o, final = kda_cp(q, k, v, g, beta, cp_group=self.cp.cp_group,
                               layout=self.cp.layout, strategy=self.strategy,
-                              cu_seqlens=cu_seqlens, chunk_size=dims.chunk_size,
+                              cu_seqlens=cu_seqlens, chunk_size=self.dims.chunk_size,
                               output_final_state=cache is not None,
                               use_qk_l2norm_in_kernel=True)            # (B, T/cp, Hv, Dv)
             if cache is not None:
                 cache.state = final  # every row's state after its last prompt token
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, hv, dims.value_head_dim)
-        return self.o_proj(self.o_norm(o, gate).flatten(2))           # all-reduced over TP
+        return self.gated_output(x, o)
+
+    def conv_input(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L, d) past f -> the conv's input [q | k | v] (B, L, 2Hk Dk + Hv Dv)."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def beta_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b_proj(x)                                          # (B, L, Hv)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g (B, L, Hv, Dk) fp32, the log-decay per key channel."""
+        return self.forget_gate(x)
+
+    def gated_output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """o_proj(norm(o) * sigmoid(gate)): (B, L, d), all-reduced over TP."""
+        gate = self.g_b_proj(self.g_a_proj(x)).view(*o.shape)
+        return self.o_proj(self.o_norm(o, gate).flatten(2))
 
 
 def init_kda(name: str, shape, cfg: ModelConfig, gen: torch.Generator

@@ -29,12 +29,14 @@ from ctxpar.config import ModelConfig
 from ctxpar.config.layers import mamba_dims
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.context_parallel.linear import discretize_dt, ssd_cp, ssd_step
+from ctxpar.context_parallel.linear.tiles import tiled_linear_block
 from ctxpar.inference.linear_cache import LinearLayerCache
 from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                     copy_to_tensor_model_parallel_region)
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
+from .linear_tiles import SSDTiles, linear_tile
 from .options import LayerArgs
 from .short_conv import DepthwiseConv
 from .token_mixer import TokenMixer
@@ -86,21 +88,24 @@ class LeanGroupedGatedNorm(torch.autograd.Function):
         return (*(next(grads) if t.requires_grad else None for t in leaves), None, None)
 
 
-class Mamba2(TokenMixer):
+class Mamba2(SSDTiles, TokenMixer):
     """Nemotron-H's Mamba2 mixer over CP and TP (module docstring). cp: the model's
     ContextParallel (group and layout); strategy: parallel.linear_cp; tp_group: the heads'
-    split (None: all heads here). A token mixer that splits nothing (models/token_mixer.py):
-    its forward is its mix."""
+    split (None: all heads here); tile: tokens per tile under memory.tiled_linear (0:
+    untiled; models/linear_tiles.py). A token mixer that splits nothing
+    (models/token_mixer.py): its forward is its mix."""
 
     @classmethod
     def from_layer(cls, args: LayerArgs) -> "Mamba2":
-        return cls(args.cfg, args.cp, args.linear_cp, args.tp_group, args.device, args.dtype)
+        return cls(args.cfg, args.cp, args.linear_cp, args.tp_group, args.device, args.dtype,
+                   linear_tile(args))
 
     def __init__(self, cfg: ModelConfig, cp: ContextParallel, strategy: str = "state",
-                 tp_group=None, device=None, dtype=None):
+                 tp_group=None, device=None, dtype=None, tile: int = 0):
         super().__init__()
         dims, tp = mamba_dims(cfg), tp_size_of(tp_group)
         self.cp, self.strategy, self.dims, self.tp_group = cp, strategy, dims, tp_group
+        self.tile_tokens = tile
         self.heads, self.groups = dims.num_heads // tp, dims.n_groups // tp  # this TP rank's
         width, bc, h = dims.num_heads * dims.head_dim, dims.n_groups * dims.state_size, \
             dims.num_heads
@@ -129,6 +134,8 @@ class Mamba2(TokenMixer):
         B, T = x.shape[:2]
         dims, heads, groups = self.dims, self.heads, self.groups     # this TP rank's
         x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        if self.tile_tokens and cache is None:
+            return tiled_linear_block(self, x, cu_seqlens, self.tile_tokens, self.strategy)
         z, xbc, dt = self.in_proj(x).split(self.split, dim=-1)
         xbc = self.conv1d(xbc, self.cp, cu_seqlens, cache)             # (B, T/cp, HP + 2GN)
         xs, Bm, Cm = xbc.split(self.xbc_split, dim=-1)

@@ -402,7 +402,8 @@ def quoted_longest():
                             if line.startswith("#"))
         for m in re.finditer(r"python -m ctxpar\.plan (--config \S+ --set \S+ \S+ --nodes \d+ "
                              r"--gpus-per-node \d+) --max-seq-len.*?longest seq_len: "
-                             r"([\d,]+) tokens \(layout ([^)]+)\)", comments):
+                             r"([\d,]+) tokens \(layout ((?:[^()]|\([^()]*\))+)\)",
+                             comments):  # a layout's tile sizes in parentheses
             found.append(pytest.param(m.group(1).split(), int(m.group(2).replace(",", "")),
                                       m.group(3), id=f"{os.path.basename(path)[:-5]}-"
                                       f"{m.group(1).split()[-1]}gpus"))

@@ -22,7 +22,7 @@ from ctxpar.config import ConfigError, config_from_dict
 from ctxpar.testing import run_distributed
 from ctxpar.tensor_parallel import gather_full_state_dict
 from ctxpar.testing.linear import (HYBRID_CONFIGS, KIMI_LINEAR_CONFIG, OLMO_HYBRID_CONFIG,
-                                   documents)
+                                   documents, hybrid_batch)
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 from models.options import ModelGroups, ModelOptions
@@ -159,11 +159,7 @@ def test_olmo_hybrid_gpt_equals_transformers(tmp_path):
 # ------------------------------------------------------------ hybrids over CP
 
 def _batch(cfg):
-    g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH, N), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (BATCH, N), generator=g)
-    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
-    return tokens, labels
+    return hybrid_batch(cfg, BATCH, N)
 
 
 def reference(cfg, cu):

@@ -419,6 +419,13 @@ class MemoryConfig:
     than untiled there."""
     mlp_tile_tokens: Union[int, str] = "auto"
     """Tokens per MLP tile, or 'auto' (ctxpar/memory/tiled_mlp.py says how it is chosen)."""
+    tiled_linear: bool = False
+    """Each linear block (Gated DeltaNet, KDA, Mamba2) over tiles of linear_tile_tokens, each
+    recomputed in backward from its saved entering state: the block keeps its input and
+    one state per tile, not its projections over the rank's sequence
+    (ctxpar/context_parallel/linear/tiles.py)."""
+    linear_tile_tokens: int = 2048
+    """Tokens per linear block tile: a multiple of the linear chunk size."""
     offload_activations: bool = False
     """What activation checkpointing keeps per layer goes to (pinned) host memory until its
     backward; needs activation_checkpointing.mode other than 'none'."""

@@ -11,6 +11,7 @@ from ..distributed.parallel_state import parse_order, resolve_sizes
 from ..context_parallel.linear.api import check_linear_cp
 from .attention_heads import check_attention_heads
 from .layer_mixers import has_linear_layers, token_mixers
+from .linear_tiles import check_tiled_linear
 from .kv_layers import check_kv_layers
 from .layers import check_layers, gated_delta_dims, mamba_dims
 from .dsa import check_dsa
@@ -65,6 +66,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     _check_data(cfg, err)
     _check_dynamic_cp(cfg, err)
     _check_memory(cfg, err)
+    check_tiled_linear(cfg, err)
     _check_long_context_eval(cfg, err)
 
 

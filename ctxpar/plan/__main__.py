@@ -17,7 +17,8 @@ from .dynamic import compare, describe, document_lengths
 from .longest import OPTIONS, PATTERNS, Allowed, merge_tiles, search_longest, with_seq_len
 from .report import (ep_reason, explain, kv_layers_reason, layout_reason, linear_reason,
                      memory_lines, mla_reason, merge_ties, plot, table, what_frees, write_config)
-from .search import MEMORY_MARGIN, config_options, evaluate, nothing_fits, search
+from .search import (MEMORY_MARGIN, config_options, evaluate, nothing_fits, option_applies,
+                     search)
 from .startup import config_candidate
 
 
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
         plans = search(cfg, cluster)
         fitting = [p for p in plans if p.fits]
         if not fitting:
-            off = [k for k, on in config_options(cfg).items() if not on]
+            off = [k for k, on in config_options(cfg).items()
+                   if not on and option_applies(cfg, k)]
             raise PlanError(nothing_fits(plans, cluster, off))
         rows = merge_ties(fitting)  # a row: layouts that differ only in ZeRO / token layout
         k = a.explain or 1
@@ -193,7 +195,7 @@ def longest_main(cfg, cluster: Cluster, a) -> int:
     found = search_longest(cfg, cluster, allowed, top=max(1, a.top))
     rows = merge_tiles(found)
     if not rows:
-        left_out = [k for k in OPTIONS if k not in allowed.options]
+        left_out = [k for k in OPTIONS if k not in allowed.options and option_applies(cfg, k)]
         host = ("; --host-memory for the offloads" if cluster.gpu.host_memory <= 0
                 and {"offload_activations", "offload_optimizer"} - set(left_out) else "")
         raise PlanError(f"nothing fits at any model.seq_len on {cluster.nodes} x "

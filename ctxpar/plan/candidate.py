@@ -31,6 +31,8 @@ class Candidate:
     loss_tile: int = 0                 # memory.loss_tile_tokens when > 0 (else the config's)
     linear_cp: str = "state"           # parallel.linear_cp: the linear layers' CP strategy
     ep: int = 1                        # parallel.ep: experts split over ep of the dp x cp ranks
+    linear_tile: int = 0               # memory.linear_tile_tokens under memory.tiled_linear
+    #                                    (0: the linear blocks untiled)
 
     @property
     def world(self) -> int:
@@ -54,6 +56,7 @@ class Candidate:
         opts = "".join(f" +{n}" for n, on in (
             (f"tiled-loss{f'({self.loss_tile})' if self.loss_tile else ''}", self.tiled_loss),
             (f"tiled-mlp{f'({self.mlp_tile})' if self.mlp_tile else ''}", self.tiled_mlp),
+            (f"tiled-linear({self.linear_tile})", self.linear_tile),
             ("offload-act", self.offload_activations), ("offload-opt", self.offload_optimizer))
             if on)
         ep = f" ep{self.ep}" if self.ep > 1 else ""
@@ -77,7 +80,10 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
                             every_n_layers=cand.every_n_layers)
     tiles = {**({"mlp_tile_tokens": cand.mlp_tile} if cand.mlp_tile else {}),
              **({"loss_tile_tokens": cand.loss_tile} if cand.loss_tile else {})}
+    if cand.linear_tile:
+        tiles["linear_tile_tokens"] = cand.linear_tile
     memory = replace(cfg.memory, tiled_loss=cand.tiled_loss, tiled_mlp=cand.tiled_mlp,
+                     tiled_linear=bool(cand.linear_tile),
                      offload_activations=cand.offload_activations, **tiles)
     ds = copy.deepcopy(cfg.deepspeed)
     z = ds.setdefault("zero_optimization", {})

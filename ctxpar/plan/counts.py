@@ -395,8 +395,12 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
     out = family_norms_saved(s, e, m, device, kind)
     if token is not None:
         from .linear_layers import linear_shapes, mixer_saved
-        out += norm + mixer_saved(kind, linear_shapes(m, kind, cand.tp), s.B, s.N // s.B, e,
-                                  cand.cp, cand.linear_cp, cand.token_layout, device)
+        from .linear_tiles import tiled_saved
+        sh = linear_shapes(m, kind, cand.tp)
+        out += norm + (tiled_saved(kind, sh, s.B, s.N // s.B, cand.cp, cand.token_layout,
+                                   cand.linear_tile, s.d, e) if cand.linear_tile else
+                       mixer_saved(kind, sh, s.B, s.N // s.B, e, cand.cp, cand.linear_cp,
+                                   cand.token_layout, device))
     if channel:
         out += norm + channel_saved(s, e, cand, m, tiled_mlp, device)
     return out
@@ -467,7 +471,8 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
                                       device) for mode, (kind, moe) in zip(modes, own))
         conv = [gated_delta_dims(m).conv_kernel if k in DELTA_TYPES else
                 mamba_dims(m).conv_kernel for mode, k in zip(modes, types)
-                if mode != "full" and LAYER_MIXERS[k][0] in LINEAR_MIXERS]
+                if mode != "full" and LAYER_MIXERS[k][0] in LINEAR_MIXERS
+                and not cand.linear_tile]  # tiles: the taps' index is one tile's, unsaved
         conv_taps = sum(8 * (s.N // s.B) * K for K in set(conv))
     if m.hyper_connections is not None:  # N residual streams and their maps (plan/streams.py)
         per = tuple(p + streams_saved(s.N, s.d, e, m, mode, kind) for p, mode, (kind, _)

@@ -6,7 +6,8 @@
 For each candidate layout (every TP x CP x PP x DP the config allows at micro-batch 1,
 each CP pattern (zigzag; also contiguous for a model with windowed or chunked layers,
 whose halo exchange needs the least memory there), ZeRO stage and checkpointing mode;
-tiled loss and tiled MLP on, which only ever lower the peak, their tiles 'auto' or d_model tokens (ALST's); each of the two
+tiled loss and tiled MLP on, which only ever lower the peak, their tiles 'auto' or d_model tokens (ALST's); tiled
+linear blocks on (memory.linear_tile_tokens) where the layout has them built; each of the two
 offloads on and off, which move bytes to the host; ``Allowed`` narrows them) the peak
 memory is affine in seq_len but for the few terms that saturate (buckets,
 tile sizes): two evaluations give a first guess, and a bisection over multiples of the
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import math
 from typing import List, Optional, Tuple
 
 from ..config import CHECKPOINT_MODES, Config, ConfigError, validate
+from ..config.layer_mixers import has_linear_layers
 from ..config.layers import layer_attention
 from ..context_parallel.layouts import num_chunks
 from .candidate import Candidate, apply_candidate
@@ -45,7 +47,8 @@ def unit(cand: Candidate) -> int:
     return num_chunks(cand.cp, cand.token_layout)
 
 
-OPTIONS = ("tiled_loss", "tiled_mlp", "offload_activations", "offload_optimizer")
+OPTIONS = ("tiled_loss", "tiled_mlp", "tiled_linear", "offload_activations",
+           "offload_optimizer")
 PATTERNS = ("ring", "allgather", "ulysses", "hybrid")
 
 
@@ -68,6 +71,10 @@ def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> L
     oas = (False, True) if "offload_activations" in opt and offl else (False,)
     oos = (False, True) if "offload_optimizer" in opt and offl else (False,)
     tl, tm = "tiled_loss" in opt, "tiled_mlp" in opt
+    # the linear blocks' tile: the config's, where the layout has them (tiled_linear's
+    # rules: config/linear_tiles.py); a layout they are not built with runs them untiled
+    lin = cfg.memory.linear_tile_tokens \
+        if "tiled_linear" in opt and has_linear_layers(cfg.model) else 0
     # the MLP's tile: the config's (tiled_mlp.py's 'auto': equal tiles of max(d, 512)
     # tokens) and d_model tokens, smaller where d < 512
     tiles = (0, cfg.model.d_model) if tm and cfg.memory.mlp_tile_tokens == "auto" else (0,)
@@ -103,7 +110,9 @@ def candidates(cfg: Config, cluster: Cluster, allowed: Allowed = Allowed()) -> L
                                                  tiled_loss=tl, tiled_mlp=tm,
                                                  offload_activations=oa, offload_optimizer=oo,
                                                  mlp_tile=tile, loss_tile=ltile,
-                                                 linear_cp=linear, ep=ep)
+                                                 linear_cp=linear, ep=ep, linear_tile=lin)
+                                if lin and not _valid(cfg, cand):
+                                    cand = replace(cand, linear_tile=0)
                                 if _valid(cfg, cand):
                                     out.append(cand)
     return out

@@ -38,10 +38,11 @@ from typing import Dict, List
 
 from ..config import GATED_MLPS, Config, deepspeed_config
 from ..config.layers import layer_attention
-from ..config.layer_mixers import LINEAR_MIXERS
+from ..config.layer_mixers import LAYER_MIXERS, LINEAR_MIXERS
 from . import counts, mla_layers, transients
 from .candidate import Candidate, apply_candidate
 from .linear_layers import KINDS, linear_shapes, mixer_saved, mixer_working_set
+from .linear_tiles import tiled_saved, tiled_working_set
 from .moe_layers import (backward_working_set, block_model, expert_tile, forward_working_set,
                          mixed_mlps)
 from .mtp_layers import mtp_activations
@@ -240,10 +241,19 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     mixers = [(a.kind, linear_shapes(model, a.kind, cand.tp)) for a in layers
               if a.token_mixer in LINEAR_MIXERS]
     args = (s.B, s.N // s.B, elem, cand.cp, cand.linear_cp, cand.token_layout, device)
-    linear = max([mixer_saved(kind, sh, *args) for kind, sh in mixers], default=0)
-    # and its kernel's backward beyond that (the lean torch kernel's segment, or the GPU
-    # library's whole-sequence backward: linear_layers.mixer_working_set)
-    linear_kernel = max([mixer_working_set(kind, sh, *args) for kind, sh in mixers], default=0)
+    if cand.linear_tile:  # tiled: the boundary states saved, one tile's block at work
+        linear = max([tiled_saved(kind, sh, s.B, s.N // s.B, cand.cp, cand.token_layout,
+                                  cand.linear_tile, s.d, elem) for kind, sh in mixers],
+                     default=0)
+        linear_kernel = max([tiled_working_set(kind, sh, s.B, s.N // s.B, elem, cand.cp,
+                                               cand.token_layout, device, cand.linear_tile,
+                                               s.d) for kind, sh in mixers], default=0)
+    else:
+        linear = max([mixer_saved(kind, sh, *args) for kind, sh in mixers], default=0)
+        # and its kernel's backward beyond that (the lean torch kernel's segment, or the
+        # GPU library's whole-sequence backward: linear_layers.mixer_working_set)
+        linear_kernel = max([mixer_working_set(kind, sh, *args) for kind, sh in mixers],
+                            default=0)
     return Stage(cfg, cand, shapes, elem, last, device, counts.layer_modes(cand, blocks), act,
                  saved, zero_state, sh, resident, base, accumulated, accumulating, host,
                  host_step, loss_tile, mlp_tile, halo, linear, linear_kernel,
@@ -258,7 +268,9 @@ def forward_phases(st: Stage) -> List[Phase]:
     (the logits beside the saved softmax)."""
     s, cand, elem, mode = st.shapes, st.cand, st.elem, st.modes[-1]
     swiglu = st.cfg.model.mlp in GATED_MLPS  # gate, up and their product
-    block = max(transients.block_forward(s, cand, mode, swiglu, elem, st.mlp_tile, moe,
+    # a last block without attention (Nemotron-H's MLP-only one) holds no q, k, v
+    held = "none" if st.types and LAYER_MIXERS[st.types[-1]][0] is None else mode
+    block = max(transients.block_forward(s, cand, held, swiglu, elem, st.mlp_tile, moe,
                                          st.cfg.model) for moe in moe_forwards(st)) \
         if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
     attention = max([transients.attention_forward(s, cand, elem, h, st.cfg.model,
@@ -355,7 +367,9 @@ def block_backward_phase(st: Stage, name: str, i: int, grads_above: float,
     mlp_part = norm + mlp_saved  # norm2 + MLP: freed before the attention's backward
     replayed = transients.recompute(s, cand, elem, mode, mlp_saved, norm, model)
     kind = st.types[i] if st.types else None
-    if mode == "full" and kind in KINDS:  # a linear block: its whole 'none' bytes
+    if mode == "full" and (kind in KINDS or None in LAYER_MIXERS.get(kind, ("", ""))):
+        # a linear block or a single-op one (Nemotron-H's attention-only and MLP-only
+        # blocks): its whole 'none' bytes, not an attention-and-MLP layer's
         replayed = counts.block_activations(s, elem, cand, "none", kind, model, bool(st.mlp_tile),
                                             st.device) - s.N * s.d * elem
     down = 0 if st.mlp_tile else counts.down_proj_params(model, cand.tp)  # tiled: in its set

@@ -106,8 +106,10 @@ def memory_lines(plan: Plan, cluster: Cluster) -> List[str]:
 REMEDIES = {
     "activations": [("memory.offload_activations", "offload_activations"),
                     ("full checkpointing", None), ("more CP", None)],
-    "recompute": [("memory.tiled_mlp", "tiled_mlp"), ("more CP or TP", None)],
-    "layer working set": [("memory.tiled_mlp (smaller tiles)", None), ("more CP or TP", None)],
+    "recompute": [("memory.tiled_mlp", "tiled_mlp"), ("memory.tiled_linear", "linear_tile"),
+                  ("more CP or TP", None)],
+    "layer working set": [("memory.tiled_mlp (smaller tiles)", None),
+                          ("memory.tiled_linear", "linear_tile"), ("more CP or TP", None)],
     "block working set": [("memory.tiled_mlp", "tiled_mlp"), ("more CP or TP", None)],
     "logits": [("memory.tiled_loss", "tiled_loss"), ("smaller loss tiles", None),
                ("more TP (V/tp)", None)],

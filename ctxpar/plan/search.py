@@ -49,6 +49,7 @@ def config_options(cfg: Config) -> dict:
     """The memory options a config sets, as Candidate fields."""
     z = cfg.deepspeed.get("zero_optimization") or {}
     return dict(tiled_loss=cfg.memory.tiled_loss, tiled_mlp=cfg.memory.tiled_mlp,
+                linear_tile=cfg.memory.linear_tile_tokens if cfg.memory.tiled_linear else 0,
                 offload_activations=cfg.memory.offload_activations,
                 offload_optimizer=(z.get("offload_optimizer") or {}).get("device") == "cpu")
 
@@ -183,8 +184,16 @@ def search(cfg: Config, cluster: Cluster, top: Optional[int] = None, **eff) -> L
 
 # A memory option's config key, as a user would set it.
 OPTION_KEYS = {"tiled_loss": "memory.tiled_loss", "tiled_mlp": "memory.tiled_mlp",
+               "tiled_linear": "memory.tiled_linear",
+               "linear_tile": "memory.tiled_linear",  # config_options' Candidate field
                "offload_activations": "memory.offload_activations",
                "offload_optimizer": "zero_optimization.offload_optimizer"}
+
+
+def option_applies(cfg: Config, option: str) -> bool:
+    """Whether a memory option (an OPTION_KEYS name) can change this model's plan: the
+    tiled linear blocks only where it has linear layers."""
+    return option not in ("tiled_linear", "linear_tile") or has_linear_layers(cfg.model)
 
 
 def nothing_fits(plans: List[Plan], cluster: Cluster, off: Sequence[str] = ()) -> str:

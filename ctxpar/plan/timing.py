@@ -65,6 +65,7 @@ from ..context_parallel.mask import visible_pairs
 from . import counts, dsa_layers, mla_layers
 from .mla_timing import mla_cp_time, mla_thresholds, ulysses_of
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
+from .linear_tiles import mixer_params
 from .moe_layers import (all_to_all_bytes, idle_expert_params, mixed_mlps, moe_layers,
                          recompute_skipping_layers)
 from .candidate import Candidate
@@ -376,9 +377,15 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     # the linear mixers' chunked kernels, at the attention kernels' efficiency: backward
     # twice the forward, a replayed forward again
     t_linear = linear_compute(m, cand, s, stage) / (F * attn_eff)
-    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay) \
+    # tiled linear blocks (memory.tiled_linear): each tile's forward again in backward,
+    # projections and kernel; at cp > 1 the summary pass too (forward, again, backward)
+    tiles = (1 + (4 if cand.cp > 1 else 0)) if cand.linear_tile else 0
+    t_mm += tiles * 2 * s.N * sum(mixer_params(a.kind, linear_shapes(m, a.kind, cand.tp), s.d)
+                                  for a in stage if a.token_mixer in LINEAR_MIXERS) \
+        / (F * mm_eff)
+    compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay + tiles) \
         + linear_elementwise(m, cand, s, stage, cluster.gpu.linear_overhead) \
-        * (1 + attn_replay / 3) + t_expand + t_index_f * (1 + attn_replay) + t_index_b
+        * (1 + (attn_replay + tiles) / 3) + t_expand + t_index_f * (1 + attn_replay) + t_index_b
 
     # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
     f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)

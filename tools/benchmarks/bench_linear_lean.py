@@ -1,4 +1,4 @@
-"""One Gated DeltaNet block's step on CPU: the autograd torch kernel against the lean one.
+"""One Gated DeltaNet block's step on CPU: the autograd torch kernel, the lean one, lean + tiles.
 
     PYTHONPATH=. python tools/benchmarks/bench_linear_lean.py [--seq 16384] [--heads 8]
 
@@ -11,7 +11,9 @@ tests/test_plan.py's peak tests read them) and the step's time (the median of --
 after a warm step); for the lean kernel also the planner's prediction of both peaks
 (stage_memory, the same model and mode, device 'cpu'). "today" is gated_delta_fp32 under
 autograd (what the torch kernel was before lean.py); "lean" is lean.gated_delta_lean,
-segments of lean.SEGMENT_CHUNKS chunks. Results: docs/benchmarks.md.
+segments of lean.SEGMENT_CHUNKS chunks; "tiles" is the lean kernel with the block tiled
+(memory.tiled_linear, tiles of --tile tokens: context_parallel/linear/tiles.py), with the
+planner's prediction of it too. Results: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from unittest import mock
 
 import torch
 
-from ctxpar.config import Config, ModelConfig
+from ctxpar.config import Config, MemoryConfig, ModelConfig
 from ctxpar.context_parallel.linear import kernels
 from ctxpar.context_parallel.linear.gated_delta import gated_delta_fp32
 from ctxpar.plan.candidate import Candidate
@@ -38,11 +40,11 @@ def today(q, k, v, g, beta, scale, initial_state, seq_idx, chunk_size, l2norm, s
     return gated_delta_fp32(q, k, v, g, beta, scale, initial_state, seq_idx, chunk_size, l2norm)
 
 
-def predicted(cfg: ModelConfig) -> dict:
+def predicted(cfg: ModelConfig, tile: int = 0) -> dict:
     c = Config()
     c.model, c.activation_checkpointing.mode = cfg, "none"
-    phases = stage_memory(c, Candidate(1, 1, 1, 1, zero=0, activation="none"), False, 1, 0,
-                          "cpu", zero_config({})).phases
+    cand = Candidate(1, 1, 1, 1, zero=0, activation="none", linear_tile=tile)
+    phases = stage_memory(c, cand, False, 1, 0, "cpu", zero_config({})).phases
     state = phases[-1].terms["params"] + phases[-1].terms["optimizer"]
     return {region: max(p.total for p in phases if p.name.startswith(prefix)) - state
             for region, prefix in (("FWD", "forward"), ("BWD", "backward"))}
@@ -53,6 +55,7 @@ def main():
     p.add_argument("--seq", type=int, default=16384)
     p.add_argument("--heads", type=int, default=8, help="value heads (key heads: half)")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--tile", type=int, default=2048, help="tokens per tile of the block")
     a = p.parse_args()
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=256, seq_len=a.seq, n_layers=1, d_model=1024, n_heads=8,
@@ -60,8 +63,12 @@ def main():
                       linear_num_key_heads=a.heads // 2, linear_num_value_heads=a.heads,
                       linear_key_head_dim=128, linear_value_head_dim=128,
                       linear_chunk_size=64)
-    model = GPT(cfg, options=ModelOptions(activation_checkpointing="none", seed=1))
+    untiled = GPT(cfg, options=ModelOptions(activation_checkpointing="none", seed=1))
+    tiled = GPT(cfg, options=ModelOptions(activation_checkpointing="none", seed=1,
+                                          memory=MemoryConfig(tiled_linear=True,
+                                                              linear_tile_tokens=a.tile)))
     tok, pos = torch.randint(0, 256, (1, a.seq)), torch.arange(a.seq)
+    model = untiled
 
     def step(region):
         with region("FWD"):
@@ -73,7 +80,8 @@ def main():
     def nothing(name):
         return torch.autograd.profiler.record_function(name)
     rows = {}
-    for name in ("today", "lean"):
+    for name in ("today", "lean", "tiles"):
+        model = tiled if name == "tiles" else untiled
         with mock.patch.object(kernels, "gated_delta_lean", today) if name == "today" \
                 else mock.patch.object(kernels, "gated_delta_lean", kernels.gated_delta_lean):
             step(nothing)  # warm
@@ -83,20 +91,24 @@ def main():
                 step(nothing)
                 times.append(time.perf_counter() - t0)
             rows[name] = (allocator_peaks(step), statistics.median(times))
-    want = predicted(cfg)
-    print(f"one GDN block, T={a.seq}, {a.heads} value heads of 128, fp32, no checkpointing")
+    want = {"lean": predicted(cfg), "tiles": predicted(cfg, a.tile)}
+    print(f"one GDN block, T={a.seq}, {a.heads} value heads of 128, fp32, no checkpointing, "
+          f"tiles of {a.tile}")
     print("| kernel | forward peak | backward peak | step time | planner forward | "
           "planner backward |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, (peaks, t) in rows.items():
-        pred = (f"{want['FWD'] / 1e6:,.0f} MB ({want['FWD'] / peaks['FWD'] - 1:+.1%}) | "
-                f"{want['BWD'] / 1e6:,.0f} MB ({want['BWD'] / peaks['BWD'] - 1:+.1%})"
-                if name == "lean" else "- | -")
+        w = want.get(name)
+        pred = (f"{w['FWD'] / 1e6:,.0f} MB ({w['FWD'] / peaks['FWD'] - 1:+.1%}) | "
+                f"{w['BWD'] / 1e6:,.0f} MB ({w['BWD'] / peaks['BWD'] - 1:+.1%})"
+                if w else "- | -")
         print(f"| {name} | {peaks['FWD'] / 1e6:,.0f} MB | {peaks['BWD'] / 1e6:,.0f} MB | "
               f"{t:.2f} s | {pred} |")
-    t, lean = rows["today"], rows["lean"]
-    print(f"lean / today: peak {max(lean[0].values()) / max(t[0].values()):.2f}x, "
-          f"time {lean[1] / t[1]:.2f}x")
+    t = rows["today"]
+    for name in ("lean", "tiles"):
+        r = rows[name]
+        print(f"{name} / today: peak {max(r[0].values()) / max(t[0].values()):.2f}x, "
+              f"time {r[1] / t[1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,10 @@ class ChunkedScan(torch.autograd.Function):
         seg, seq_idx = ctx.segment, ctx.seq_idx
         # the inputs' gradients, written segment by segment (never beside their pieces)
         dxs = [torch.empty_like(x) if x.requires_grad else None for x in xs]
-        dparams = [None if p is None else torch.zeros_like(p) for p in params]
+        # the params' gradients summed over segments in fp32 (16-bit weights of a tiled
+        # block: hundreds of tiles), cast to each param's dtype once
+        dparams = [None if p is None else torch.zeros_like(p, dtype=torch.float32)
+                   for p in params]
         dS = dfinal
         for i in reversed(range(len(ctx.starts))):
             a = ctx.starts[i]
@@ -126,8 +129,10 @@ class ChunkedScan(torch.autograd.Function):
                 seq = _columns(seq_idx, a, a + seg)
                 o, S = ctx.run(*leaves, *ps, S_leaf, seq)
                 wrt = [t for t in (*leaves, *ps, S_leaf) if t is not None and t.requires_grad]
-                grads = iter(torch.autograd.grad(
-                    (o, S), wrt, (dout[:, a:a + o.shape[1]], dS), allow_unused=True))
+                outs = [(t, d) for t, d in ((o, dout[:, a:a + o.shape[1]]), (S, dS))
+                        if t.requires_grad]  # an output of no input's (an empty one) left out
+                grads = iter(torch.autograd.grad([t for t, _ in outs], wrt,
+                                                 [d for _, d in outs], allow_unused=True))
             for dx, x in zip(dxs, leaves):
                 if x.requires_grad:
                     g = next(grads)
@@ -142,7 +147,7 @@ class ChunkedScan(torch.autograd.Function):
                 dS = torch.zeros_like(S)
             if i:  # through the reset mask the entering state took
                 dS = _entering(dS, seq_idx, a)
-        dparams = [d if p is not None and p.requires_grad else None
+        dparams = [d.to(p.dtype) if p is not None and p.requires_grad else None
                    for d, p in zip(dparams, params)]
         dinit = dS if ctx.has_initial and initial.requires_grad else None
         return (None, None, None, None, dinit, *dxs, *dparams)
