@@ -63,8 +63,11 @@ def test_a_hash_layer_equals_deepseek_v4s_hash_routed_block():
     torch.testing.assert_close(x_ours.grad, x_theirs.grad, **TOL)
     for t, o in names.items():
         if "tid2eid" not in t:
-            torch.testing.assert_close(mine[o].grad, theirs.get_parameter(t).grad, **TOL,
-                                       msg=o)
+            # 1e-6 of each gradient's scale: the router's (up to ~30 here) sums 32 tokens'
+            # terms in another order than transformers' loop over experts
+            want_g = theirs.get_parameter(t).grad
+            torch.testing.assert_close(mine[o].grad, want_g, rtol=1e-5,
+                                       atol=1e-6 * max(1.0, want_g.abs().max().item()), msg=o)
     # the choice is the table's: another table, other experts
     ours.gate.tid2eid.copy_((ours.gate.tid2eid + 1) % 8)
     assert not torch.allclose(ours(x), want.detach(), **TOL)
