@@ -26,6 +26,7 @@ from ctxpar.config.dsa import DSAConfig
 from ctxpar.config.mla import MLAConfig
 from ctxpar.config.moe import MoEConfig
 from ctxpar.testing import run_distributed
+from ctxpar.testing.batches import RecordingSGD, random_batch
 from models.dsa_pipe import DSATail
 from models.gpt import GPT
 from models.options import ModelOptions
@@ -54,11 +55,7 @@ CASES = [  # (stage, MoE, layout, cp_comm, activation checkpointing, documents)
 
 
 def _batch():
-    g = torch.Generator().manual_seed(17)
-    tokens = torch.randint(0, 96, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, 96, (BATCH, SEQ), generator=g)
-    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
-    return tokens, labels
+    return random_batch(96, BATCH, SEQ, seed=17)
 
 
 def _one_process(stage, moe, documents):
@@ -79,15 +76,6 @@ def _one_process(stage, moe, documents):
         index["indexer_recall"] = (sums[1] / sums[2]).item()
     return logits, loss.detach(), index, {name: p.grad for name, p in
                                           model.named_parameters() if p.grad is not None}
-
-
-class RecordingSGD(torch.optim.SGD):
-    """SGD keeping the gradients it is handed (after DeepSpeed's reductions)."""
-
-    def step(self, closure=None):
-        self.grads = {p: p.grad.detach().clone() for g in self.param_groups
-                      for p in g["params"] if p.grad is not None}
-        return super().step(closure)
 
 
 def _pipeline(rank, world, payload):

@@ -21,6 +21,7 @@ from ctxpar.config.moe import MoEConfig
 from ctxpar.config.parameters import parameter_specs
 from ctxpar.tensor_parallel import gather_full_state_dict
 from ctxpar.testing import run_distributed
+from ctxpar.testing.batches import RecordingSGD, random_batch
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 from models.options import ModelGroups, ModelOptions
@@ -54,11 +55,7 @@ def close(got, want, msg):
 
 
 def _batch():
-    g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, 96, (BATCH, N), generator=g)
-    labels = torch.randint(0, 96, (BATCH, N), generator=g)
-    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
-    return tokens, labels
+    return random_batch(96, BATCH, N, seed=11)
 
 
 def reference(cfg, cu_seqlens=None):
@@ -163,12 +160,6 @@ def _pipe_parity(rank, world, payload):
     from ctxpar.config import deepspeed_config
     from models.gpt_pipe import GPTPipe, pipeline_logits, train_step
 
-    class Recorder(torch.optim.SGD):  # the gradients the optimizer is handed
-        def step(self, closure=None):
-            self.grads = {p: p.grad.detach().clone() for g in self.param_groups
-                          for p in g["params"] if p.grad is not None}
-            return super().step(closure)
-
     out = []
     for tp, cp, ckpt, offload, partition, docs in pickle.loads(payload):
         fields = {k: v for k, v in vars(PIPE).items() if v is not None}
@@ -183,7 +174,7 @@ def _pipe_parity(rank, world, payload):
         st = init_parallel_state(tp=tp, cp=cp, pp=2, dp=1, order=cfg.parallel.order)
         ds_config = deepspeed_config(cfg, st.dp_size)
         model = GPTPipe.from_config(cfg, st, ds_config["gradient_accumulation_steps"])
-        opt = Recorder(model.parameters(), lr=0.0)
+        opt = RecordingSGD(model.parameters(), lr=0.0)  # the gradients it is handed
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
         tokens, labels = _batch()
         pos = sequence_positions(N, st.cp_group, "zigzag")

@@ -21,8 +21,9 @@ import torch
 from ctxpar.config import ConfigError, config_from_dict
 from ctxpar.testing import run_distributed
 from ctxpar.tensor_parallel import gather_full_state_dict
+from ctxpar.testing.batches import random_batch
 from ctxpar.testing.linear import (HYBRID_CONFIGS, KIMI_LINEAR_CONFIG, OLMO_HYBRID_CONFIG,
-                                   documents, hybrid_batch)
+                                   documents)
 from models.gpt import GPT
 from models.loss import global_mean_loss, global_token_count, loss_for_backward
 from models.options import ModelGroups, ModelOptions
@@ -159,7 +160,7 @@ def test_olmo_hybrid_gpt_equals_transformers(tmp_path):
 # ------------------------------------------------------------ hybrids over CP
 
 def _batch(cfg):
-    return hybrid_batch(cfg, BATCH, N)
+    return random_batch(cfg.vocab_size, BATCH, N)
 
 
 def reference(cfg, cu):

@@ -19,6 +19,7 @@ from ctxpar.config.hyper_connections import HyperConnectionsConfig
 from ctxpar.config.moe import MoEConfig
 from ctxpar.tensor_parallel import gather_full_state_dict
 from ctxpar.testing import run_distributed
+from ctxpar.testing.batches import random_batch
 from ctxpar.testing.generation import reference_generate
 from models.gpt import GPT
 from models.options import ModelGroups, ModelOptions
@@ -142,11 +143,7 @@ GRIDS = [(1, 2, 2, "zigzag", "full"),       # tp, cp, ep, layout, activation che
 
 
 def _batch():
-    g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, 64, (BATCH, N), generator=g)
-    labels = torch.randint(0, 64, (BATCH, N), generator=g)
-    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
-    return tokens, labels
+    return random_batch(64, BATCH, N, seed=7)
 
 
 def _reference(cfg):

@@ -25,7 +25,8 @@ import torch
 
 from ctxpar.config import ConfigError, MemoryConfig, config_from_dict
 from ctxpar.testing import run_distributed
-from ctxpar.testing.linear import HYBRID_CONFIGS, KIMI_LINEAR_CONFIG, documents, hybrid_batch
+from ctxpar.testing.batches import random_batch
+from ctxpar.testing.linear import HYBRID_CONFIGS, KIMI_LINEAR_CONFIG, documents
 from ctxpar.testing.memory import saved_tensor_bytes
 from ctxpar.tensor_parallel import gather_full_state_dict
 from models.gpt import GPT
@@ -51,7 +52,7 @@ def one_process(name, cu, tile=0, dtype=torch.float32):
     """Token-mean loss and every gradient (fp32 copies) of the GPT on one process."""
     cfg = CONFIGS[name]
     model = GPT(cfg, options=_options(tile)).to(dtype)
-    tokens, labels = hybrid_batch(cfg, BATCH, N)
+    tokens, labels = random_batch(cfg.vocab_size, BATCH, N)
     loss = model(tokens, torch.arange(N), labels, cu_seqlens=cu) / (labels != -100).sum()
     loss.backward()
     return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
@@ -102,7 +103,7 @@ def _over_cp(rank, world, payload):
         st = init_parallel_state(tp=tp, cp=world // tp, dp=1)
         model = GPT(cfg, ModelGroups.from_state(st),
                     _options(tile, layout=layout, activation_checkpointing=ckpt))
-        tokens, labels = hybrid_batch(cfg, BATCH, N)
+        tokens, labels = random_batch(cfg.vocab_size, BATCH, N)
         tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
         n_tokens = global_token_count(lab, st.dp_cp_group)
         loss_sum = model(tok, sequence_positions(N, st.cp_group, layout), lab, cu_seqlens=cu)

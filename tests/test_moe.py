@@ -15,6 +15,7 @@ from ctxpar.config.moe import MoEConfig
 from ctxpar.moe import RouterStats, moe_stats, reset_moe_stats
 from ctxpar.tensor_parallel import gather_full_state_dict
 from ctxpar.testing import run_distributed
+from ctxpar.testing.batches import random_batch
 from models.gpt import GPT
 from models.moe import MoE
 from models.options import ModelGroups, ModelOptions
@@ -263,11 +264,7 @@ GPT_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_laye
 
 
 def _batch():
-    g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, 64, (BATCH, N), generator=g)
-    labels = torch.randint(0, 64, (BATCH, N), generator=g)
-    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
-    return tokens, labels
+    return random_batch(64, BATCH, N, seed=7)
 
 
 def _set_biases(model):

@@ -71,15 +71,6 @@ KIMI_LINEAR_CONFIG = ModelConfig(
     linear_value_head_dim=8, **_SMALL)
 
 
-def hybrid_batch(cfg: ModelConfig, batch: int, n: int, seed: int = 11):
-    """(tokens, labels) (batch, n) of random ids, a fifth of the labels -100 (ignored)."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, n), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (batch, n), generator=g)
-    labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
-    return tokens, labels
-
-
 def documents(n: int):
     """Per-sample cu_seqlens over n = 48 tokens (4 ranks of 12; zigzag chunks of 6):
     sample 0 has a document starting mid-rank, a one-token one, one spanning three ranks
