@@ -236,18 +236,7 @@ def test_the_planner_counts_what_autograd_saves_for_the_streams(layer_types):
     """ctxpar/plan/streams.py: every checkpointing mode, exact (one process, fp32; the
     streams are token-local: TP and CP split them as the rest, tests/test_plan.py), with
     Nemotron-H's single-op blocks (one map each) beside a whole block."""
-    from ctxpar.plan import counts
-    from ctxpar.plan.candidate import Candidate
-    from ctxpar.testing.memory import saved_tensor_bytes
-    m = ModelConfig(vocab_size=64, seq_len=32, n_layers=3, d_model=32, n_heads=4,
-                    n_kv_heads=2, layer_types=layer_types,
-                    hyper_connections=HyperConnectionsConfig(4, 7))
-    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
-    for mode in ("none", "selective", "full", "every_n_layers"):
-        model = GPT(m, options=ModelOptions(activation_checkpointing=mode, every_n_layers=2,
-                                            seed=1))
-        with saved_tensor_bytes(model.parameters()) as seen:
-            model(tokens, torch.arange(32), tokens)
-        cand = Candidate(1, 1, 1, 1, "ring", 1, "zigzag", activation=mode, every_n_layers=2,
-                         micro_batch=2)
-        assert sum(seen.values()) == counts.activation_bytes(m, cand, 4), mode
+    from helpers.saved_bytes import assert_planner_saves_what_autograd_saves
+    assert_planner_saves_what_autograd_saves(ModelConfig(
+        vocab_size=64, seq_len=32, n_layers=3, d_model=32, n_heads=4, n_kv_heads=2,
+        layer_types=layer_types, hyper_connections=HyperConnectionsConfig(4, 7)))

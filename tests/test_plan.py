@@ -132,18 +132,8 @@ def test_activation_bytes_equal_what_autograd_saves():
 def test_activation_bytes_of_the_families_fields_equal_what_autograd_saves(fields):
     """One process (the fields are per head or per token: TP and CP split them as the
     rest, test_activation_bytes_equal_what_autograd_saves)."""
-    from ctxpar.testing.memory import saved_tensor_bytes
-    from models.gpt import GPT
-    m = ModelConfig(**{**CFG, **fields})
-    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
-    for mode in MODES:
-        model = GPT(m, options=ModelOptions(activation_checkpointing=mode, every_n_layers=2,
-                                            seed=1))
-        with saved_tensor_bytes(model.parameters()) as seen:
-            model(tokens, torch.arange(32), tokens)
-        cand = Candidate(1, 1, 1, 1, "ring", 1, "zigzag", activation=mode, every_n_layers=2,
-                         micro_batch=2)
-        assert sum(seen.values()) == counts.activation_bytes(m, cand, 4), (mode, fields)
+    from helpers.saved_bytes import assert_planner_saves_what_autograd_saves
+    assert_planner_saves_what_autograd_saves(ModelConfig(**{**CFG, **fields}), MODES, fields)
 
 
 def _with_kda():
