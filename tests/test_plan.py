@@ -807,6 +807,8 @@ def test_the_search_picks_state_passing_for_a_hybrid_and_says_why():
     assert {p.candidate.linear_cp for p in plans} == {"state", "heads"}
     best = next(p for p in plans if p.fits).candidate
     assert best.cp > 1 and best.linear_cp == "state", best
+    fitting = [p.tokens_per_s_per_gpu for p in plans if p.fits]
+    assert all(a >= b * 0.999 for a, b in zip(fitting, fitting[1:]))  # fastest (0.1%)
     why = linear_reason(cfg, next(p for p in plans if p.fits))
     assert why.startswith("parallel.linear_cp state: a rank sends per micro-batch 18 "
                           "linear_attention layers, each: state "), why
@@ -824,6 +826,19 @@ def test_the_search_picks_state_passing_for_a_hybrid_and_says_why():
                                                   "heads", "zigzag")[0]  # affine: halo + n
     f1, f2 = (mixer_flops("linear_attention", sh, n, "state", 4) for n in (1000, 2000))
     assert f2 == 2 * f1
+
+
+def test_the_search_ranks_slow_layouts_fastest_first_too():
+    """18 and 22 tokens/s per GPU (a 70B at 4M tokens) are not a tie: equal speeds are
+    within 0.1%, not within tens of tokens/s; ties go to the smaller peak."""
+    from types import SimpleNamespace as NS
+    from ctxpar.plan.search import rank
+    plans = [NS(fits=True, tokens_per_s_per_gpu=t, memory=NS(peak=m), name=n)
+             for t, m, n in [(18.0, 1, "slow"), (22.0, 2, "fast"), (5000.4, 9, "tie-more"),
+                             (5001.9, 3, "tie-less"), (9e9, 0, "unfit")]]
+    plans[-1].fits = False
+    assert [p.name for p in sorted(plans, key=rank)] == [
+        "tie-less", "tie-more", "fast", "slow", "unfit"]
 
 
 @pytest.mark.parametrize("strategy,layout", [("heads", "zigzag"), ("state", "zigzag")])
