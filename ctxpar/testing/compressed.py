@@ -41,15 +41,17 @@ def entry_rope(rotary: torch.nn.Module, apply_rope: Callable) -> Callable:
 
 def csa_layer(attn, hidden: torch.Tensor, pos: torch.Tensor, apply_rope: Callable, *,
               cp_group=None, layout: str = "contiguous", comm: str = "ring",
-              backend: str = "math"):
+              backend: str = "math", cu_seqlens=None, reset_positions: bool = True):
     """(DeepseekV4Attention's output (B, S, hidden) of the tokens at pos, the indexer's
-    indices (B, S, k)); hidden (B, S, hidden) those tokens' hidden states."""
+    indices (B, S, k)); hidden (B, S, hidden) those tokens' hidden states; pos (S,) or
+    (B, S) their RoPE positions (restarting at each document with reset_positions)."""
     cfg, comp = attn.config, attn.compressor
     indexer = comp.indexer
     B, S, _ = hidden.shape
     H, D, Hi, Di = cfg.num_attention_heads, cfg.head_dim, cfg.index_n_heads, \
         cfg.index_head_dim
-    cos, sin = attn.compressor.rotary_emb(hidden, position_ids=pos[None].expand(B, -1),
+    pos = pos if pos.dim() == 2 else pos[None].expand(B, -1)
+    cos, sin = attn.compressor.rotary_emb(hidden, position_ids=pos,
                                           layer_type="compress")
     q_residual = attn.q_a_norm(attn.q_a_proj(hidden))
     q = attn.q_b_norm(attn.q_b_proj(q_residual).view(B, S, H, D))
@@ -68,35 +70,44 @@ def csa_layer(attn, hidden: torch.Tensor, pos: torch.Tensor, apply_rope: Callabl
         compress_rate=comp.compress_rate, index_topk=cfg.index_topk,
         entry_rope=entry_rope(comp.rotary_emb, apply_rope), cp_group=cp_group,
         layout=layout, comm=comm, norm_eps=cfg.rms_norm_eps, backend=backend,
-        return_indices=True)
+        return_indices=True, cu_seqlens=cu_seqlens, reset_positions=reset_positions)
     out = apply_rope(out, cos, -sin, unsqueeze_dim=2)                    # undo V's RoPE
     grouped = attn.o_a_proj(out.reshape(B, S, cfg.o_groups, -1)).flatten(2)
     return attn.o_b_proj(grouped), indices
 
 
+def windows_by_rule(n: int, m: int, overlap: bool, cu=None) -> List[tuple]:
+    """[(first position read, last position)] of every entry's window, in entry order,
+    straight from the rule (compressed_windows.py): each document [s, e) cut into windows
+    [s + w*m, s + (w+1)*m), CSA's overlap reading the previous window of the same
+    document only."""
+    bounds = [0, n] if cu is None else [int(c) for c in cu]
+    return [(s + w * m - (m if overlap and w else 0), s + (w + 1) * m - 1)
+            for s, e in zip(bounds[:-1], bounds[1:]) for w in range((e - s) // m)]
+
+
 def sent_bytes(P: int, layout: str, S: int, rank: int, m: int, overlap: bool,
-               window_tokens: tuple, batch: int, widths: List[int], element: int = 4):
+               window_tokens: tuple, batch: int, widths: List[int], element: int = 4,
+               cu=None):
     """(forward, backward) bytes `rank` of P sends for a compressed layer, from the layout
     alone: for each compressor of entry width d in `widths` (the first the attention's,
     with a backward; the others the indexer's, forward only), the entries' all-gather
-    (padded to the largest share, P - 1 copies) and its halo: the rows before each slab's
-    first entry that another rank holds (start % m, plus m with overlap after the first
-    window), kv and gate of 2d (overlap) or d numbers each. Then the sliding window's K,V
-    halo: window_tokens = (sent, received) tokens (halo.halo_tokens), K = V as two rows,
-    its gradients back in fp32. Backward: the entries' reduce-scatter, the received halo
-    rows' gradients back (fp32), the window's halo again and its gradients."""
+    (padded to the largest share, P - 1 copies) and its halo: the rows an entry reads that
+    another rank than the one ending its window holds (windows_by_rule: documents cu, one
+    tensor for the batch, or None), kv and gate of 2d (overlap) or d numbers each. Then
+    the sliding window's K,V halo: window_tokens = (sent, received) tokens
+    (halo.halo_tokens), K = V as two rows, its gradients back in fp32. Backward: the
+    entries' reduce-scatter, the received halo rows' gradients back (fp32), the window's
+    halo again and its gradients."""
     n = S * P
     pos = [rank_positions(n, r, P, layout).tolist() for r in range(P)]
     holder = {p: r for r in range(P) for p in pos[r]}
-    share = max(sum(1 for w in range(n // m) if holder[(w + 1) * m - 1] == r)
-                for r in range(P))
-    starts = [(r, p) for r in range(P) for i, p in enumerate(pos[r])
-              if i == 0 or pos[r][i - 1] != p - 1]
-    reach = {(r, p): p % m + (m if overlap and p >= m else 0) for r, p in starts}
-    remote = {rp: [q for q in range(rp[1] - h, rp[1]) if holder[q] != rp[0]]
-              for rp, h in reach.items()}
-    halo_sent = sum(1 for rows in remote.values() for q in rows if holder[q] == rank)
-    halo_recv = sum(len(rows) for (r, _), rows in remote.items() if r == rank)
+    wins = windows_by_rule(n, m, overlap, cu)
+    share = max(sum(1 for _, end in wins if holder[end] == r) for r in range(P))
+    remote = {(holder[end], q) for first, end in wins for q in range(first, end)
+              if holder[q] != holder[end]}                     # (receiving rank, row)
+    halo_sent = sum(1 for _, q in remote if holder[q] == rank)
+    halo_recv = sum(1 for r, _ in remote if r == rank)
     window_sent, window_recv = window_tokens
     kv_rows = 2 * batch * widths[0] * element
     fwd = window_sent * kv_rows
