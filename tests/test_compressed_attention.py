@@ -29,10 +29,9 @@ from ctxpar.context_parallel import cp_stats
 from ctxpar.context_parallel.comm import NoComm
 from ctxpar.context_parallel.compressed import hca_attention
 from ctxpar.context_parallel.compressor import compressed_entries
-from ctxpar.context_parallel.halo import halo_tokens
 from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
-from ctxpar.testing.compressed import close, sent_bytes
+from ctxpar.testing.compressed import call_bytes, close
 from ctxpar.testing.compressed import entry_rope as compressor_rope
 
 B, H, D, HIDDEN, M, WINDOW = 2, 2, 8, 16, 4, 5
@@ -142,6 +141,17 @@ def test_hca_matches_transformers_cp1(backend):
         close(g, w)
 
 
+def test_hca_documents_cp1():
+    """Packed documents, the two samples' different: equal to transformers on each
+    document alone."""
+    n, cu = 24, [DOCS_A, DOCS_B]
+    want_out, want = reference(n, cu)
+    out, got = run(n, torch.arange(n), None, "contiguous", "ring", cu=cu)
+    close(out, want_out)
+    for g, w in zip(got, want):
+        close(g, w)
+
+
 def csa_entries(n, pos, group, layout):
     """(entries, gradients of the compressor's four weights) from transformers'
     DeepseekV4CSACompressor (group "reference": its forward on the whole sequence) or
@@ -175,20 +185,6 @@ def test_csa_entries_match_transformers_cp1():
         close(g, w)
 
 
-def expected_bytes(P, layout, S, r, overlap, batch, widths, cu):
-    """sent_bytes of one call, or with documents that differ per sample the sum of the
-    sample-by-sample calls'."""
-    calls = [(batch, None)] if cu is None else [(batch, cu[0])] \
-        if all(c == cu[0] for c in cu) else [(1, c) for c in cu]
-    total = (0, 0)
-    for b, c in calls:
-        window = halo_tokens(layout, r, P, S, sliding_window=WINDOW,
-                             cu_seqlens=None if c is None else torch.tensor(c))
-        one = sent_bytes(P, layout, S, r, M, overlap, window, b, widths, cu=c)
-        total = (total[0] + one[0], total[1] + one[1])
-    return total
-
-
 def _cp_cases(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     for P, layout, S, comm, cu in CP2_CASES[rank // 2] + CP4_CASES:
@@ -201,7 +197,7 @@ def _cp_cases(rank, world):
             out, got = run(n, pos, group, layout, comm, cu=cu)
         where = f"P={P} {layout} S={S} {comm} documents {cu} rank {r}"
         sent = (st.fwd_bytes_sent, st.bwd_bytes_sent)
-        assert sent == expected_bytes(P, layout, S, r, False, B, [D], cu), (where, sent)
+        assert sent == call_bytes(P, layout, S, r, M, False, B, [D], WINDOW, cu), (where, sent)
         close(out, want_out[:, pos])
         close(got[0], want[0][:, pos])
         close(got[1], want[1][:, pos])
@@ -221,7 +217,8 @@ def test_compressed_cp2_cp4_match_transformers():
     (dict(comm="ulysses"), "comm='ulysses'"),
     (dict(compress_rate=0), "compress_rate=0"),
     (dict(compress_rate=8), "compress_rate=8 needs slabs of at least 8 tokens"),
-    (dict(cu_seqlens=torch.tensor([0, 12, 24])), "cu_seqlens"),
+    (dict(cu_seqlens=torch.tensor([0, 12, 20], dtype=torch.int32)),
+     r"cu_seqlens\[0\]=\[0, 12, 20\] must start at 0 and end at the sequence length 24"),
 ])
 def test_hca_bad_input_refused_before_communicating(kw, match):
     """NoComm(0, 2) stands in for a two-rank group: the checks run first, locally, so

@@ -9,7 +9,8 @@ positions ``pos``, ``csa_attention`` runs the core over the CP group, and the ou
 back through the inverse RoPE and the grouped output projection, as
 ``DeepseekV4Attention.forward`` does, so the layer's output and every weight's gradient
 compare with transformers' on the same weights (``close``: the tests' fp32 tolerance).
-``sent_bytes`` counts, from the layout alone, what a compressed layer's ranks send.
+``sent_bytes`` counts, from the layout and the documents alone, what a compressed layer's
+ranks send (``call_bytes``: one call, documents per sample).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from ctxpar.context_parallel.compressed_sparse import csa_attention
 from ctxpar.context_parallel.csa_indexer import IndexerInputs
+from ctxpar.context_parallel.halo import halo_tokens
 from ctxpar.context_parallel.layouts import rank_positions
 
 
@@ -117,4 +119,20 @@ def sent_bytes(P: int, layout: str, S: int, rank: int, m: int, overlap: bool,
     row = batch * 2 * (2 * widths[0] if overlap else widths[0]) * 4
     bwd = (P - 1) * batch * share * widths[0] * element + halo_recv * row + \
         (window_sent + window_recv) * kv_rows
+    return fwd, bwd
+
+
+def call_bytes(P: int, layout: str, S: int, rank: int, m: int, overlap: bool, batch: int,
+               widths: List[int], sliding_window: int, cu=None):
+    """sent_bytes of one core call with documents cu (per-sample boundary lists, or
+    None); where the samples' documents differ, the sum of the sample-by-sample calls'
+    (the cores run them one by one)."""
+    calls = [(batch, None)] if cu is None else [(batch, cu[0])] \
+        if all(c == cu[0] for c in cu) else [(1, c) for c in cu]
+    fwd = bwd = 0
+    for b, c in calls:
+        window = halo_tokens(layout, rank, P, S, sliding_window=sliding_window,
+                             cu_seqlens=None if c is None else torch.tensor(c))
+        one = sent_bytes(P, layout, S, rank, m, overlap, window, b, widths, cu=c)
+        fwd, bwd = fwd + one[0], bwd + one[1]
     return fwd, bwd
