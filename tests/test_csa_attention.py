@@ -25,7 +25,7 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 from ctxpar.context_parallel import cp_stats
-from ctxpar.context_parallel.comm import NoComm
+from ctxpar.context_parallel.comm import LOCAL, NoComm
 from ctxpar.context_parallel.compressed_sparse import csa_attention
 from ctxpar.context_parallel.csa_indexer import IndexerInputs, csa_indexer
 from ctxpar.context_parallel.documents import document_positions
@@ -199,7 +199,45 @@ def _cp_cases(rank, world):
             dist.all_reduce(g, group=group)
             return g
         check_grads(got, want, reduce)
+    _tp_case(rank, pairs[rank // 2])
     return True
+
+
+def core_run(n, pos, group, layout, cu, tp_group=None):
+    """The core alone (csa_layer core_only), this rank's heads of the TP group: (output,
+    indices, grads of the local hidden states and every weight's local share)."""
+    attn, hidden, _ = layer(n)
+    dout = torch.randn(B, n, H, D, generator=torch.Generator().manual_seed(1))
+    tp_rank, tp_size = (dist.get_rank(tp_group), 2) if tp_group is not None else (0, 1)
+    heads = slice(tp_rank * H // tp_size, (tp_rank + 1) * H // tp_size)
+    h = hidden[:, pos].requires_grad_()
+    docs = [torch.tensor(c, dtype=torch.int32) for c in cu]
+    out, indices = csa_layer(attn, h, document_positions(docs, pos), hf.apply_rotary_pos_emb,
+                             cp_group=group, layout=layout, cu_seqlens=docs,
+                             tp_group=tp_group, core_only=True)
+    return out.detach(), indices, grads(out, dout[:, pos][:, :, heads], h, attn), heads
+
+
+def _tp_case(rank, cp_group):
+    """tp2 x cp2 (ranks 0, 1 the first TP rank's CP group, 2, 3 the second's): each
+    rank's heads, the indexer's split too (its partial scores all-reduced over TP), equal
+    to one process's core on every head (held to transformers above); the hidden states'
+    gradient summed over TP, the weights' over every rank. The +/- head pairs land one on
+    each TP rank, so the all-reduce adds the same two fp32 terms as the one-process sum:
+    the indices compare exactly."""
+    tp_group = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    n, cu, layout = 32, [[0, 3, 13, 22, 32]] * 2, "zigzag"
+    want_out, want_indices, want, _ = core_run(n, torch.arange(n), LOCAL, layout, cu)
+    pos = rank_positions(n, rank % 2, 2, layout)
+    out, indices, got, heads = core_run(n, pos, cp_group, layout, cu, tp_group)
+    close(out, want_out[:, pos][:, :, heads])
+    assert torch.equal(indices, want_indices[:, pos])
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g is None) == (w is None), i
+        if g is not None:
+            g = g.clone()
+            dist.all_reduce(g, group=tp_group if i == 0 else None)
+            close(g, w[:, pos] if i == 0 else w)
 
 
 def test_csa_cp2_cp4_match_transformers():

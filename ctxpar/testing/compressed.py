@@ -18,6 +18,7 @@ from typing import Callable, List
 
 import torch
 
+from ctxpar.context_parallel.comm import group_rank_and_size
 from ctxpar.context_parallel.compressed_sparse import csa_attention
 from ctxpar.context_parallel.csa_indexer import IndexerInputs
 from ctxpar.context_parallel.halo import halo_tokens
@@ -43,37 +44,47 @@ def entry_rope(rotary: torch.nn.Module, apply_rope: Callable) -> Callable:
 
 def csa_layer(attn, hidden: torch.Tensor, pos: torch.Tensor, apply_rope: Callable, *,
               cp_group=None, layout: str = "contiguous", comm: str = "ring",
-              backend: str = "math", cu_seqlens=None, reset_positions: bool = True):
+              backend: str = "math", cu_seqlens=None, reset_positions: bool = True,
+              tp_group=None, core_only: bool = False):
     """(DeepseekV4Attention's output (B, S, hidden) of the tokens at pos, the indexer's
     indices (B, S, k)); hidden (B, S, hidden) those tokens' hidden states; pos (S,) or
-    (B, S) their RoPE positions (restarting at each document with reset_positions)."""
+    (B, S) their RoPE positions (restarting at each document with reset_positions).
+    tp_group: this rank's share of the attention heads (q, sinks) and of the indexer's
+    heads (q, weights) over it, as a TP layer holds them; core_only: the core's output
+    (B, S, heads, D) after the inverse RoPE, before the output projection."""
     cfg, comp = attn.config, attn.compressor
     indexer = comp.indexer
     B, S, _ = hidden.shape
     H, D, Hi, Di = cfg.num_attention_heads, cfg.head_dim, cfg.index_n_heads, \
         cfg.index_head_dim
+    tp_rank, tp_size = group_rank_and_size(tp_group) if tp_group is not None else (0, 1)
+    heads = slice(tp_rank * H // tp_size, (tp_rank + 1) * H // tp_size)
+    index_heads = slice(tp_rank * Hi // tp_size, (tp_rank + 1) * Hi // tp_size)
     pos = pos if pos.dim() == 2 else pos[None].expand(B, -1)
     cos, sin = attn.compressor.rotary_emb(hidden, position_ids=pos,
                                           layer_type="compress")
     q_residual = attn.q_a_norm(attn.q_a_proj(hidden))
-    q = attn.q_b_norm(attn.q_b_proj(q_residual).view(B, S, H, D))
+    q = attn.q_b_norm(attn.q_b_proj(q_residual).view(B, S, H, D))[:, :, heads]
     q = apply_rope(q, cos, sin, unsqueeze_dim=2)                          # (B, S, H, D)
     kv = apply_rope(attn.kv_norm(attn.kv_proj(hidden)).unsqueeze(2), cos, sin,
                     unsqueeze_dim=2).squeeze(2)                          # (B, S, D)
-    index_q = apply_rope(indexer.q_b_proj(q_residual).view(B, S, Hi, Di), cos, sin,
-                         unsqueeze_dim=2)
-    index_weights = indexer.scorer.weights_proj(hidden).float() * Hi ** -0.5
+    index_q = apply_rope(indexer.q_b_proj(q_residual).view(B, S, Hi, Di)[:, :, index_heads],
+                         cos, sin, unsqueeze_dim=2)
+    index_weights = indexer.scorer.weights_proj(hidden).float()[..., index_heads] * Hi ** -0.5
     inputs = IndexerInputs(index_q, index_weights, indexer.kv_proj(hidden),
                            indexer.gate_proj(hidden), indexer.position_bias,
                            indexer.kv_norm.weight)
     out, indices = csa_attention(
         q, kv, comp.kv_proj(hidden), comp.gate_proj(hidden), comp.position_bias,
-        comp.kv_norm.weight, attn.sinks, inputs, sliding_window=cfg.sliding_window,
+        comp.kv_norm.weight, attn.sinks[heads], inputs, sliding_window=cfg.sliding_window,
         compress_rate=comp.compress_rate, index_topk=cfg.index_topk,
         entry_rope=entry_rope(comp.rotary_emb, apply_rope), cp_group=cp_group,
         layout=layout, comm=comm, norm_eps=cfg.rms_norm_eps, backend=backend,
-        return_indices=True, cu_seqlens=cu_seqlens, reset_positions=reset_positions)
+        return_indices=True, cu_seqlens=cu_seqlens, reset_positions=reset_positions,
+        tp_group=tp_group)
     out = apply_rope(out, cos, -sin, unsqueeze_dim=2)                    # undo V's RoPE
+    if core_only:
+        return out, indices
     grouped = attn.o_a_proj(out.reshape(B, S, cfg.o_groups, -1)).flatten(2)
     return attn.o_b_proj(grouped), indices
 
