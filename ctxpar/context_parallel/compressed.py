@@ -10,6 +10,11 @@ Each query at global position t attends, in one softmax with the per-head sinks,
     the entries          every complete compressed entry w with w < (t + 1) // m
                          (transformers' ``block_bias``: a window counts once it is closed)
 
+and with packed documents (cu_seqlens) only its own document's keys and entries, each
+document compressed and counted from its own start (compressed_windows.py), so that every
+document equals transformers run on it alone; samples whose documents differ run one by
+one.
+
 exactly as transformers' ``DeepseekV4Attention`` with its ``DeepseekV4HCACompressor``
 (eager_attention_forward with the sinks). Under CP the window is the ring's halo exchange
 (halo.py, through ring.py or allgather.py's sliding-window plan), the entries are made by
@@ -36,7 +41,7 @@ from .arguments import world_group
 from .blocks import QueryRows, backward_block, forward_block_
 from .compressor import COMPRESS_LAYOUTS, check_compressor, check_slabs, compressed_entries
 from .comm import group_rank_and_size
-from .compressed_windows import entry_ranges, visible
+from .compressed_windows import entry_ranges, split_samples, visible
 from .documents import DocBlock, check_cu_seqlens
 from .kernels import default_scale, get_backend
 from .layouts import rank_positions
@@ -133,12 +138,6 @@ def check_core(q, kv, compressor, sliding_window, m, layout, comm, world, overla
         raise ValueError(f"{caller}: layout 'zigzag' needs an even local_seq, got {S}")
     check_slabs(layout, S, m, world, overlap, caller)
     return None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, S * world, B, caller)
-
-
-def split_samples(docs: Optional[List[torch.Tensor]]) -> bool:
-    """True when the samples' documents differ: the cores then run sample by sample (the
-    entries, and so their count and visibility, are one set per call)."""
-    return docs is not None and len({tuple(cu.tolist()) for cu in docs}) > 1
 
 
 def compressed_attention(q, kv, compressor, sinks, part: Callable, *, overlap: bool,

@@ -18,7 +18,8 @@ sinks). The entries are CSA's overlapping compressor's (compressor.py, overlap: 
 keys. The attention is compressed.CompressedCore, HCA's one autograd Function, with the
 entries' block swapped: ``SelectedEntries`` attends each query to its own selected entries
 only, gathered per query tile (dsa_attention's sparse pass over dsa_pairs' selected tiles,
-the entries' block being local), merged into the window's (out, lse) by log-sum-exp,
+the entries' block being local; packed documents as compressed.py's, the indexer's
+choices inside each document), merged into the window's (out, lse) by log-sum-exp,
 backward from the merged (out, lse). Gradients reach q, kv, the sinks and the attention
 compressor's inputs; none reach the indexer (csa_indexer.py: why).
 """
@@ -30,7 +31,8 @@ import torch
 
 from .arguments import world_group
 from .comm import LOCAL, group_rank_and_size
-from .compressed import check_core, compressed_attention, split_samples
+from .compressed import check_core, compressed_attention
+from .compressed_windows import split_samples
 from .csa_indexer import IndexerInputs, check_indexer, csa_indexer
 from .dsa_attention import sparse_backward, sparse_forward
 from .dsa_pairs import Selection

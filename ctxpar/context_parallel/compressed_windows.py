@@ -21,7 +21,7 @@ relative distance as the model's q and kv.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -84,3 +84,10 @@ def visible(lo: torch.Tensor, hi: torch.Tensor, entries: int) -> torch.Tensor:
     """(L, entries) bool: lo <= w < hi per query row."""
     w = torch.arange(entries)[None, :]
     return (w >= lo[:, None]) & (w < hi[:, None])
+
+
+def split_samples(docs: Optional[List[torch.Tensor]]) -> bool:
+    """True when the samples' documents (validated boundaries) differ: the cores then run
+    sample by sample (the entries, and so their count and visibility, are one set per
+    call)."""
+    return docs is not None and len({tuple(cu.tolist()) for cu in docs}) > 1

@@ -8,15 +8,18 @@ entry of head_dim numbers (transformers' ``DeepseekV4HCACompressor``):
 
 with kv, gate the compressor's two projections of the window's hidden states, the softmax
 over the window's m tokens per channel (fp32), the RMSNorm weighted, RoPE at position w*m;
-a trailing partial window makes no entry. CSA's compressor (``overlap``: m = 4, kv and
+a trailing partial window makes no entry; with packed documents the windows restart at
+each document (compressed_windows.py: which windows, their rows and RoPE positions; the
+rule below holds per window whatever cuts it). CSA's compressor (``overlap``: m = 4, kv and
 gate 2D wide) softmaxes over 2m slots instead: the previous window's first series and the
 window's own second, so its halo reaches m rows further back.
 
 Under CP (layouts contiguous and zigzag: each rank holds one or two slabs of consecutive
 positions) the window ending in a slab belongs to the rank holding that slab. A window
-that starts in the slab before (slab start a not a multiple of m) takes the last a % m
-rows of kv and gate from that slab's rank: one P2P batch of at most m - 1 rows per slab
-(``HaloRows``; zigzag's rank P-1 finds its second slab's halo in its own first slab).
+that starts in the slab before (its start not on the slab's) takes the rows before the
+slab from that slab's rank, with overlap also its document's previous window's: one P2P
+batch of fewer than 2m rows per slab (``HaloRows``; zigzag's rank P-1 finds its second
+slab's halo in its own first slab).
 Backward sends the halo rows' gradients back and adds them into the sender's rows.
 
 The entries then travel by one all-gather (``GatherEntries``), not around a ring: every
@@ -261,7 +264,7 @@ def compressed_entries(kv, gate, position_bias, norm_weight, eps: float, m: int,
     (B, S, 2D) and (m, 2D), the two series of transformers' DeepseekV4CSACompressor).
     rope(entries (B, T, D), positions (T,)) -> (B, T, D); reset_positions: the entries'
     positions restart at each document (compressed_windows.py)."""
-    (rank, world), S = group_rank_and_size(group), kv.shape[1]
+    world, S = group_rank_and_size(group)[1], kv.shape[1]
     if layout not in COMPRESS_LAYOUTS:
         raise ValueError(f"{caller}: layout={layout!r} must be one of "
                          f"{list(COMPRESS_LAYOUTS)} (a compressed window needs consecutive "

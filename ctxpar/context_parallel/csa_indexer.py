@@ -26,6 +26,11 @@ the two agree whenever a row's k-th and (k+1)-th scores differ. A query that see
 than top_k keys gets -1 in the remaining slots, where transformers' topk picked -inf
 keys and replaced them by -1: the same tensor.
 
+With packed documents a query scores only its own document's visible keys
+(compressed_windows.entry_ranges: lo <= w < hi). Under TP (``tp_group``) each rank holds
+its share of the indexer's heads (q, weights) and the partial scores are all-reduced over
+TP before the top-k (DSA's ``tile_index_scores``); the keys are replicated.
+
 No gradient. The indices are discrete, so nothing of the main loss reaches the indexer's
 weights (transformers: the same; they get no gradient), and transformers' DeepSeek-V4
 trains the indexer with no loss of its own (no KL as DeepSeek-V3.2's, dsa_loss.py): this
@@ -39,7 +44,7 @@ import torch
 
 from .arguments import world_group
 from .comm import group_rank_and_size
-from .compressed_windows import entry_ranges
+from .compressed_windows import entry_ranges, split_samples
 from .compressor import COMPRESS_LAYOUTS, check_compressor, check_slabs, compressed_entries
 from .documents import check_cu_seqlens
 from .dsa_indexer import RunningTopK, tile_index_scores, tile_sizes
@@ -135,7 +140,7 @@ def csa_indexer(indexer: IndexerInputs, *, compress_rate: int, index_topk: int,
     check_indexer(indexer, None, compress_rate, index_topk, layout, world, caller)
     B, S = indexer.q.shape[:2]
     docs = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, S * world, B, caller)
-    if docs is not None and len({tuple(cu.tolist()) for cu in docs}) > 1:
+    if split_samples(docs):
         raise ValueError(f"{caller}: cu_seqlens must be the same for every sample (call it "
                          "per sample otherwise: csa_attention does)")
     cu = None if docs is None else docs[0]
