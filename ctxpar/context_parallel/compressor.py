@@ -165,6 +165,17 @@ def compress_windows(kv, logits, norm_weight, eps: float):
     return (norm_weight * normed).to(kv.dtype)
 
 
+def window_rows(rows, first: torch.Tensor, m: int) -> torch.Tensor:
+    """(B, n, m, C): rows [first_i, first_i + m) of rows (B, R, C) for each window i
+    (first (n,) int64, CPU); a view when the windows tile consecutive rows (no document
+    boundary between them off the window grid), else a gather."""
+    B, n = rows.shape[0], first.numel()
+    f0 = int(first[0]) if n else 0
+    if f0 >= 0 and torch.equal(first, f0 + torch.arange(n) * m):
+        return rows[:, f0:f0 + n * m].view(B, n, m, rows.shape[-1])
+    return rows[:, (first[:, None] + torch.arange(m)).clamp(min=0).to(rows.device)]
+
+
 def window_entries(rows, base: int, wins: Windows, ids: slice, position_bias, norm_weight,
                    eps, overlap: bool):
     """Entries (B, n, D) of the windows wins[ids] from rows (B, R, 2C) = [kv ; gate] of
@@ -174,12 +185,15 @@ def window_entries(rows, base: int, wins: Windows, ids: slice, position_bias, no
     window has no previous one (zero kv, -inf logits: weight 0), as transformers' first
     window of a sequence."""
     m, C = wins.m, rows.shape[-1] // 2
-    at = (wins.starts[ids] - base)[:, None] + torch.arange(m)             # (n, m) rows
-    cur = rows[:, at.to(rows.device)]                                     # (B, n, m, 2C)
+    first = wins.starts[ids] - base                                       # (n,) rows
+    cur = window_rows(rows, first, m)                                     # (B, n, m, 2C)
     if not overlap:
         return compress_windows(cur[..., :C], cur[..., C:] + position_bias, norm_weight, eps)
     D = C // 2
-    prev = rows[:, (at - m).clamp(min=0).to(rows.device)]     # masked where there is none
+    if first.numel() and int(first[0]) < m:  # the first window is its document's first
+        prev = torch.cat((cur[:, :1], window_rows(rows, first[1:] - m, m)), dim=1)
+    else:
+        prev = window_rows(rows, first - m, m)    # where there is none: masked below
     none = wins.first[ids].to(rows.device)[None, :, None, None]
     kv = torch.cat((prev[..., :D].masked_fill(none, 0), cur[..., D:C]), dim=2)  # (B,n,2m,D)
     gate = torch.cat(((prev[..., C:C + D] + position_bias[:, :D]).masked_fill(
