@@ -2,7 +2,9 @@
 transformers' own DeepseekV4HCACompressor and eager_attention_forward (with the sinks) on
 the same weights: at cp1, and at cp2 and cp4 in one spawned world of four ranks, ring and
 all-gather, zigzag and contiguous, local shares that are and are not multiples of m, the
-full length not a multiple of m (a trailing partial window). Outputs and every gradient
+full length not a multiple of m (a trailing partial window), packed documents (against
+transformers on each document alone: documents across rank and window boundaries and
+shorter than m, the two samples' equal and different). Outputs and every gradient
 (q, the K=V head, the sinks, the compressor's kv_proj, gate_proj, position_bias and
 kv_norm weight); the bytes each rank sends are the entries' all-gather, the windows'
 halos and the sliding window's halo, nothing else; bad input raises before any collective.

@@ -6,7 +6,10 @@ projections, norms and sinks, the CSA compressor's four; the indexer's get none 
 its top-k is discrete) at cp1, and at cp2 and cp4 in one spawned world of four ranks, ring
 and all-gather, zigzag and contiguous, local shares and slabs that are and are not
 multiples of m, n not a multiple of m (a trailing partial window), queries that see fewer
-entries than index_topk. The bytes each rank sends are the entries' and the indexer keys'
+entries than index_topk, packed documents (against transformers on each document alone;
+the samples' documents equal and different; RoPE positions restarting and global), and
+tp2 x cp2 with the indexer's heads split over TP (against one process's core). The bytes
+each rank sends are the entries' and the indexer keys'
 all-gathers and their compressors' halos plus the window's halo, nothing else; bad input
 raises before any collective.
 
@@ -278,3 +281,13 @@ def test_csa_bad_input_refused_before_communicating(kw, match):
         csa_indexer(_inputs(24)[-1], compress_rate=M, index_topk=-1, entry_rope=None,
                     cp_group=NoComm(0, 2), layout="zigzag")
     assert st.fwd_comm_ops == 0 and st2.fwd_comm_ops == 0
+
+
+def test_csa_indexer_refuses_mixed_documents():
+    """The indexer alone takes one set of documents for the batch (csa_attention runs
+    samples with different ones one by one); refused before any collective."""
+    docs = [torch.tensor(cu, dtype=torch.int32) for cu in ([0, 20, 48], [0, 48])]
+    with cp_stats() as st, pytest.raises(ValueError, match="the same for every sample"):
+        csa_indexer(_inputs(24)[-1], compress_rate=M, index_topk=TOPK, entry_rope=None,
+                    cp_group=NoComm(0, 2), layout="zigzag", cu_seqlens=docs)
+    assert st.fwd_comm_ops == 0
