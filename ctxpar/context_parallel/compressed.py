@@ -110,8 +110,8 @@ class CompressedCore(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def check_core(q, kv, compressor, sliding_window, m, layout, comm, world, overlap, cu_seqlens,
-           caller) -> Optional[List[torch.Tensor]]:
+def check_core(q, kv, compressor, sliding_window, m, layout, comm, world, overlap,
+               cu_seqlens, caller) -> Optional[List[torch.Tensor]]:
     """Local checks, rank-independent messages: raised on every rank before any
     communication. compressor = (kv, gate, position_bias, norm_weight). Returns the
     documents' validated per-sample boundaries (int64), or None."""
@@ -152,8 +152,8 @@ def compressed_attention(q, kv, compressor, sinks, part: Callable, *, overlap: b
     for every sample (split_samples otherwise)."""
     group = world_group(cp_group)
     rank, world = group_rank_and_size(group)
-    docs = check_core(q, kv, compressor, sliding_window, compress_rate, layout, comm, world,
-                  overlap, cu_seqlens, caller)
+    docs = check_core(q, kv, compressor, sliding_window, compress_rate, layout, comm,
+                      world, overlap, cu_seqlens, caller)
     mask = AttentionMask(causal=True, sliding_window=sliding_window, cu_seqlens=docs)
     pattern = ring.ring_pattern("fp32", mask) if comm == "ring" \
         else allgather.allgather_pattern(mask)
