@@ -10,6 +10,11 @@ Each query at global position t attends, in one softmax with the per-head sinks,
     the entries          every complete compressed entry w with w < (t + 1) // m
                          (transformers' ``block_bias``: a window counts once it is closed)
 
+and with packed documents (cu_seqlens) only its own document's keys and entries, each
+document compressed and counted from its own start (compressed_windows.py), so that every
+document equals transformers run on it alone; samples whose documents differ run one by
+one.
+
 exactly as transformers' ``DeepseekV4Attention`` with its ``DeepseekV4HCACompressor``
 (eager_attention_forward with the sinks). Under CP the window is the ring's halo exchange
 (halo.py, through ring.py or allgather.py's sliding-window plan), the entries are made by
@@ -27,7 +32,7 @@ The entries' block is a part handed to that Function: ``VisibleEntries`` here, C
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
@@ -36,7 +41,8 @@ from .arguments import world_group
 from .blocks import QueryRows, backward_block, forward_block_
 from .compressor import COMPRESS_LAYOUTS, check_compressor, check_slabs, compressed_entries
 from .comm import group_rank_and_size
-from .documents import DocBlock
+from .compressed_windows import entry_ranges, split_samples, visible
+from .documents import DocBlock, check_cu_seqlens
 from .kernels import default_scale, get_backend
 from .layouts import rank_positions
 from .mask import AttentionMask
@@ -45,16 +51,11 @@ from .sinks import finish, sinks_grad
 COMPRESS_COMMS = ("ring", "allgather")
 
 
-def entry_visibility(q_pos: torch.Tensor, entries: int, m: int) -> torch.Tensor:
-    """(L, entries) bool: query at global position t sees entry w iff w < (t + 1) // m."""
-    return torch.arange(entries)[None, :] < ((q_pos + 1) // m)[:, None]
-
-
 class VisibleEntries(NamedTuple):
     """HCA's entries part: every entry a query can see, one local kernel call with the
-    (L, T) visibility mask (shared by the batch)."""
+    (L, T) visibility mask (shared by the batch; compressed_windows.visible)."""
 
-    visible: torch.Tensor  # (L, T) bool, entry_visibility
+    visible: torch.Tensor  # (L, T) bool
 
     def forward_(self, kernel, q, entries, scale, out, lse) -> None:
         """Merge the entries' (out, lse) into the running fp32 (out, lse), in place."""
@@ -109,19 +110,17 @@ class CompressedCore(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def _check(q, kv, compressor, sliding_window, m, layout, comm, world, overlap, cu_seqlens,
-           caller):
+def check_core(q, kv, compressor, sliding_window, m, layout, comm, world, overlap,
+               cu_seqlens, caller) -> Optional[List[torch.Tensor]]:
     """Local checks, rank-independent messages: raised on every rank before any
-    communication. compressor = (kv, gate, position_bias, norm_weight)."""
+    communication. compressor = (kv, gate, position_bias, norm_weight). Returns the
+    documents' validated per-sample boundaries (int64), or None."""
     if comm not in COMPRESS_COMMS:
         raise ValueError(f"{caller}: comm={comm!r} must be one of {list(COMPRESS_COMMS)}")
     if layout not in COMPRESS_LAYOUTS:
         raise ValueError(f"{caller}: layout={layout!r} must be one of "
                          f"{list(COMPRESS_LAYOUTS)} (a compressed window needs consecutive "
                          "tokens on a rank)")
-    if cu_seqlens is not None:
-        raise ValueError(f"{caller}: cu_seqlens (packed documents) is not supported: the "
-                         "compressors' windows would pool tokens across documents")
     for name, v in (("compress_rate", m), ("sliding_window", sliding_window)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{caller}: {name}={v!r} must be a positive integer")
@@ -138,30 +137,36 @@ def _check(q, kv, compressor, sliding_window, m, layout, comm, world, overlap, c
     if layout == "zigzag" and S % 2:
         raise ValueError(f"{caller}: layout 'zigzag' needs an even local_seq, got {S}")
     check_slabs(layout, S, m, world, overlap, caller)
+    return None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, S * world, B, caller)
 
 
 def compressed_attention(q, kv, compressor, sinks, part: Callable, *, overlap: bool,
                          sliding_window: int, compress_rate: int, entry_rope: Callable,
                          cp_group, layout: str, comm: str, norm_eps: float,
                          softmax_scale: Optional[float], backend: str, cu_seqlens,
-                         caller: str):
+                         reset_positions: bool, caller: str):
     """(out, lse) of the window + the entries + the sinks (hca_attention, and CSA's
     csa_attention): checks, the entries, then CompressedCore with the entries' block
-    part(q_pos (S,) global positions, entry count) -> VisibleEntries or SelectedEntries."""
+    part(lo, hi, entry count) -> VisibleEntries or SelectedEntries, lo <= w < hi the
+    entries each local query sees (compressed_windows.entry_ranges). Documents the same
+    for every sample (split_samples otherwise)."""
     group = world_group(cp_group)
     rank, world = group_rank_and_size(group)
-    _check(q, kv, compressor, sliding_window, compress_rate, layout, comm, world, overlap,
-           cu_seqlens, caller)
-    mask = AttentionMask(causal=True, sliding_window=sliding_window)
+    docs = check_core(q, kv, compressor, sliding_window, compress_rate, layout, comm,
+                      world, overlap, cu_seqlens, caller)
+    mask = AttentionMask(causal=True, sliding_window=sliding_window, cu_seqlens=docs)
     pattern = ring.ring_pattern("fp32", mask) if comm == "ring" \
         else allgather.allgather_pattern(mask)
     kernel = get_backend(backend, q)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    entries = compressed_entries(*compressor, norm_eps, compress_rate,
-                                 entry_rope, layout, group, overlap, caller=caller)
+    cu = None if docs is None else docs[0]
+    entries = compressed_entries(*compressor, norm_eps, compress_rate, entry_rope, layout,
+                                 group, overlap, caller=caller, cu=cu,
+                                 reset_positions=reset_positions)
     q_pos = rank_positions(q.shape[1] * world, rank, world, layout)
+    lo, hi = entry_ranges(cu, q_pos, compress_rate)
     return CompressedCore.apply(q, kv, entries, sinks, pattern, group, layout, scale,
-                                kernel, part(q_pos, entries.shape[1]))
+                                kernel, part(lo, hi, entries.shape[1]))
 
 
 def hca_attention(q: torch.Tensor, kv: torch.Tensor, compress_kv: torch.Tensor,
@@ -170,7 +175,8 @@ def hca_attention(q: torch.Tensor, kv: torch.Tensor, compress_kv: torch.Tensor,
                   sliding_window: int, compress_rate: int, entry_rope: Callable,
                   cp_group=None, layout: str = "contiguous", comm: str = "ring",
                   norm_eps: float = 1e-6, softmax_scale: Optional[float] = None,
-                  backend: str = "auto", return_lse: bool = False, cu_seqlens=None):
+                  backend: str = "auto", return_lse: bool = False, cu_seqlens=None,
+                  reset_positions: bool = True):
     """V4's HCA attention core of this rank's queries (module docstring).
 
     q (B, S, H, D) RoPE applied; kv (B, S, D) the shared K=V head, RoPE applied;
@@ -180,16 +186,30 @@ def hca_attention(q: torch.Tensor, kv: torch.Tensor, compress_kv: torch.Tensor,
     compressor's RoPE at the entries' positions w * m. Tokens follow `layout`
     ('contiguous' or 'zigzag'; each slab at least m tokens when P > 1); the sliding window
     goes through `comm` ('ring' or 'allgather': both run the halo exchange when the window
-    fits in a neighbour's slab). softmax_scale defaults to D ** -0.5. cu_seqlens: refused
-    (the compressors know no documents yet).
+    fits in a neighbour's slab). softmax_scale defaults to D ** -0.5. cu_seqlens: packed
+    documents (documents.py's convention: one int32 tensor or one per sample): windows,
+    entries and the sliding window stay inside each document (compressed_windows.py);
+    reset_positions: the entries' RoPE positions restart at each document, as the
+    caller's q and kv positions must then (False: global positions).
     Returns out (B, S, H, D), and with return_lse the merged lse (B, H, S) fp32 too.
     """
-    m = compress_rate
-    out, lse = compressed_attention(
-        q, kv, (compress_kv, compress_gate, position_bias, norm_weight), sinks,
-        lambda q_pos, count: VisibleEntries(entry_visibility(q_pos, count, m)),
-        overlap=False, sliding_window=sliding_window, compress_rate=m,
-        entry_rope=entry_rope, cp_group=cp_group, layout=layout, comm=comm,
-        norm_eps=norm_eps, softmax_scale=softmax_scale, backend=backend,
-        cu_seqlens=cu_seqlens, caller="hca_attention")
+    caller, m = "hca_attention", compress_rate
+    world = group_rank_and_size(world_group(cp_group))[1]
+    compressor = (compress_kv, compress_gate, position_bias, norm_weight)
+    docs = check_core(q, kv, compressor, sliding_window, m, layout, comm, world, False,
+                  cu_seqlens, caller)
+    kw = dict(sliding_window=sliding_window, compress_rate=m, entry_rope=entry_rope,
+              cp_group=cp_group, layout=layout, comm=comm, norm_eps=norm_eps,
+              softmax_scale=softmax_scale, backend=backend, reset_positions=reset_positions)
+    if split_samples(docs):
+        outs = [hca_attention(q[b:b + 1], kv[b:b + 1], compress_kv[b:b + 1],
+                              compress_gate[b:b + 1], position_bias, norm_weight, sinks,
+                              cu_seqlens=cu.to(torch.int32), return_lse=True, **kw)
+                for b, cu in enumerate(docs)]
+        out, lse = (torch.cat(parts) for parts in zip(*outs))
+    else:
+        out, lse = compressed_attention(
+            q, kv, compressor, sinks,
+            lambda lo, hi, count: VisibleEntries(visible(lo, hi, count)), overlap=False,
+            cu_seqlens=cu_seqlens, caller=caller, **kw)
     return (out, lse) if return_lse else out

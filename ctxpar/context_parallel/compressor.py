@@ -8,15 +8,18 @@ entry of head_dim numbers (transformers' ``DeepseekV4HCACompressor``):
 
 with kv, gate the compressor's two projections of the window's hidden states, the softmax
 over the window's m tokens per channel (fp32), the RMSNorm weighted, RoPE at position w*m;
-a trailing partial window makes no entry. CSA's compressor (``overlap``: m = 4, kv and
+a trailing partial window makes no entry; with packed documents the windows restart at
+each document (compressed_windows.py: which windows, their rows and RoPE positions; the
+rule below holds per window whatever cuts it). CSA's compressor (``overlap``: m = 4, kv and
 gate 2D wide) softmaxes over 2m slots instead: the previous window's first series and the
 window's own second, so its halo reaches m rows further back.
 
 Under CP (layouts contiguous and zigzag: each rank holds one or two slabs of consecutive
 positions) the window ending in a slab belongs to the rank holding that slab. A window
-that starts in the slab before (slab start a not a multiple of m) takes the last a % m
-rows of kv and gate from that slab's rank: one P2P batch of at most m - 1 rows per slab
-(``HaloRows``; zigzag's rank P-1 finds its second slab's halo in its own first slab).
+that starts in the slab before (its start not on the slab's) takes the rows before the
+slab from that slab's rank, with overlap also its document's previous window's: one P2P
+batch of fewer than 2m rows per slab (``HaloRows``; zigzag's rank P-1 finds its second
+slab's halo in its own first slab).
 Backward sends the halo rows' gradients back and adds them into the sender's rows.
 
 The entries then travel by one all-gather (``GatherEntries``), not around a ring: every
@@ -30,11 +33,12 @@ rank that made it.
 """
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from .comm import all_gather, exchange, group_rank_and_size, reduce_scatter, wait_all
+from .compressed_windows import Windows, document_windows
 
 COMPRESS_LAYOUTS = ("contiguous", "zigzag")
 
@@ -45,16 +49,17 @@ class Slab(NamedTuple):
     start: int        # global position of the slab's first token
     local: int        # its first row in the rank's local sequence
     length: int
-    halo: int         # rows before `start` its first entry needs (start % m, and with
-                      # overlap the previous window's m rows when there is one)
-    first_window: int
+    halo: int         # rows before `start` its first entry reads (its window's, and with
+                      # overlap the previous window's of the same document)
+    first_window: int  # entry id of the first window ending in the slab
     windows: int      # complete windows ending in the slab
 
 
-def slabs(layout: str, rank: int, world: int, S: int, m: int,
+def slabs(layout: str, rank: int, world: int, S: int, wins: Windows,
           overlap: bool = False) -> List[Slab]:
-    """The slabs `rank` holds (local order = position order) with their windows; overlap:
-    each entry also reads the window before its own (CSA)."""
+    """The slabs `rank` holds (local order = position order) with the windows of `wins`
+    (compressed_windows.py) they end; overlap: each entry also reads the window before
+    its own (CSA)."""
     if layout == "contiguous":
         runs = [(rank * S, 0, S)]
     else:  # zigzag: chunks rank and 2P-1-rank of S/2
@@ -62,10 +67,9 @@ def slabs(layout: str, rank: int, world: int, S: int, m: int,
         runs = [(rank * c, 0, c), ((2 * world - 1 - rank) * c, c, c)]
     out = []
     for start, local, length in runs:
-        into = start % m
-        first = (start - into) // m
-        back = m if overlap and first > 0 else 0
-        out.append(Slab(start, local, length, into + back, first, (into + length) // m))
+        first, count = wins.ending_in(start, length)
+        halo = max(0, start - wins.reach(first, overlap)) if count else 0
+        out.append(Slab(start, local, length, halo, first, count))
     return out
 
 
@@ -101,12 +105,13 @@ def check_compressor(compressor, batch_seq: tuple, m: int, width: int, dim: int,
             raise ValueError(f"{caller}: {prefix}{name} must have shape {shape}, got {got}")
 
 
-def halo_links(layout: str, rank: int, world: int, S: int, m: int, overlap: bool = False):
+def halo_links(layout: str, rank: int, world: int, S: int, wins: Windows,
+               overlap: bool = False):
     """(sends [(peer, local rows)], recvs [(peer, slab index, rows)]), remote peers only,
     in one global order (the receiving slab's position) that both sides agree on."""
     sends, recvs = [], []
     for r in range(world):
-        for i, sl in enumerate(slabs(layout, r, world, S, m, overlap)):
+        for i, sl in enumerate(slabs(layout, r, world, S, wins, overlap)):
             if sl.halo == 0:
                 continue
             src, row = owner(layout, world, S, sl.start - sl.halo)
@@ -160,43 +165,54 @@ def compress_windows(kv, logits, norm_weight, eps: float):
     return (norm_weight * normed).to(kv.dtype)
 
 
-def window_entries(rows, n: int, back: int, m: int, position_bias, norm_weight, eps,
-                   overlap: bool):
-    """Entries (B, n, D) from rows (B, back + n*m + ..., 2C) = [kv ; gate] of consecutive
-    tokens, the n windows starting at row `back`. HCA (C = D): softmax over each window's
-    m rows. CSA (overlap, C = 2D): over 2m slots, the previous window's first series
-    (kv[..., :D]) and the window's own second (kv[..., D:]); the sequence's first window
-    has no previous one (zero kv, -inf logits: weight 0), as in transformers."""
-    B, C = rows.shape[0], rows.shape[-1] // 2
-    cur = rows[:, back:back + n * m].view(B, n, m, 2 * C)
+def window_rows(rows, first: torch.Tensor, m: int) -> torch.Tensor:
+    """(B, n, m, C): rows [first_i, first_i + m) of rows (B, R, C) for each window i
+    (first (n,) int64, CPU); a view when the windows tile consecutive rows (no document
+    boundary between them off the window grid), else a gather."""
+    B, n = rows.shape[0], first.numel()
+    f0 = int(first[0]) if n else 0
+    if f0 >= 0 and torch.equal(first, f0 + torch.arange(n) * m):
+        return rows[:, f0:f0 + n * m].view(B, n, m, rows.shape[-1])
+    return rows[:, (first[:, None] + torch.arange(m)).clamp(min=0).to(rows.device)]
+
+
+def window_entries(rows, base: int, wins: Windows, ids: slice, position_bias, norm_weight,
+                   eps, overlap: bool):
+    """Entries (B, n, D) of the windows wins[ids] from rows (B, R, 2C) = [kv ; gate] of
+    the consecutive tokens from global position `base` on. HCA (C = D): softmax over each
+    window's m rows. CSA (overlap, C = 2D): over 2m slots, the previous window's first
+    series (kv[..., :D]) and the window's own second (kv[..., D:]); a document's first
+    window has no previous one (zero kv, -inf logits: weight 0), as transformers' first
+    window of a sequence."""
+    m, C = wins.m, rows.shape[-1] // 2
+    first = wins.starts[ids] - base                                       # (n,) rows
+    cur = window_rows(rows, first, m)                                     # (B, n, m, 2C)
     if not overlap:
         return compress_windows(cur[..., :C], cur[..., C:] + position_bias, norm_weight, eps)
     D = C // 2
-    logits = torch.cat((cur[..., :C], cur[..., C:] + position_bias), dim=-1)
-    if back:
-        prev = rows[:, :n * m].view(B, n, m, 2 * C)
-        prev = torch.cat((prev[..., :C], prev[..., C:] + position_bias), dim=-1)
-    else:  # the sequence's first window: nothing before it
-        none = torch.cat((rows.new_zeros((B, 1, m, C)),
-                          rows.new_full((B, 1, m, C), float("-inf"))), dim=-1)
-        prev = torch.cat((none, logits[:, :-1]), dim=1)
-    kv = torch.cat((prev[..., :D], logits[..., D:C]), dim=2)           # (B, n, 2m, D)
-    gate = torch.cat((prev[..., C:C + D], logits[..., C + D:]), dim=2)
+    if first.numel() and int(first[0]) < m:  # the first window is its document's first
+        prev = torch.cat((cur[:, :1], window_rows(rows, first[1:] - m, m)), dim=1)
+    else:
+        prev = window_rows(rows, first - m, m)    # where there is none: masked below
+    none = wins.first[ids].to(rows.device)[None, :, None, None]
+    kv = torch.cat((prev[..., :D].masked_fill(none, 0), cur[..., D:C]), dim=2)  # (B,n,2m,D)
+    gate = torch.cat(((prev[..., C:C + D] + position_bias[:, :D]).masked_fill(
+        none, float("-inf")), cur[..., C + D:] + position_bias[:, D:]), dim=2)
     return compress_windows(kv, gate, norm_weight, eps)
 
 
-def local_entries(kv, gate, position_bias, norm_weight, eps: float, m: int,
+def local_entries(kv, gate, position_bias, norm_weight, eps: float, wins: Windows,
                   rope: Callable, layout: str, group, overlap: bool = False) -> torch.Tensor:
-    """The entries (B, T_rank, D) of the windows this rank ends, in position order; kv,
+    """The entries (B, T_rank, D) of the windows this rank ends, in entry order; kv,
     gate (B, S, C) the compressor's projections of the local tokens (C = D, or 2D with
     overlap)."""
-    (rank, world), (B, S, C) = group_rank_and_size(group), kv.shape
-    links = halo_links(layout, rank, world, S, m, overlap) if world > 1 else ([], [])
+    (rank, world), (S, C) = group_rank_and_size(group), kv.shape[1:]
+    links = halo_links(layout, rank, world, S, wins, overlap) if world > 1 else ([], [])
     x = torch.cat((kv, gate), dim=-1)                                  # (B, S, 2C)
     if links[0] or links[1]:
         x = HaloRows.apply(x, links, group)                        # (B, S + halos, 2C)
     at, parts = S, []
-    for i, sl in enumerate(slabs(layout, rank, world, S, m, overlap)):
+    for i, sl in enumerate(slabs(layout, rank, world, S, wins, overlap)):
         rows = [x[:, sl.local:sl.local + sl.length]]
         if sl.halo:
             src, row = owner(layout, world, S, sl.start - sl.halo)
@@ -207,19 +223,18 @@ def local_entries(kv, gate, position_bias, norm_weight, eps: float, m: int,
                 at += sl.halo
         if sl.windows == 0:
             continue
-        back = sl.halo - sl.start % m  # the previous window's rows (overlap)
-        entries = window_entries(torch.cat(rows, dim=1), sl.windows, back, m, position_bias,
-                                 norm_weight, eps, overlap)
-        pos = torch.arange(sl.first_window, sl.first_window + sl.windows,
-                           device=kv.device) * m
-        parts.append(rope(entries, pos))
-    D = C // 2 if overlap else C
-    return torch.cat(parts, dim=1) if parts else kv.new_empty((B, 0, D))
+        ids = slice(sl.first_window, sl.first_window + sl.windows)
+        entries = window_entries(torch.cat(rows, dim=1), sl.start - sl.halo, wins, ids,
+                                 position_bias, norm_weight, eps, overlap)
+        parts.append(rope(entries, wins.positions[ids].to(kv.device)))
+    # no window ends here (documents shorter than m): an empty slice of x, so that this
+    # rank's backward still runs the halo's and the gather's collectives as the others'
+    return torch.cat(parts, dim=1) if parts else x[:, :0, :C // 2 if overlap else C]
 
 
-def window_ids(layout: str, rank: int, world: int, S: int, m: int) -> List[int]:
-    """The global window indices `rank` ends, in its entries' order."""
-    return [w for sl in slabs(layout, rank, world, S, m)
+def window_ids(layout: str, rank: int, world: int, S: int, wins: Windows) -> List[int]:
+    """The entry ids of the windows `rank` ends, in its entries' order."""
+    return [w for sl in slabs(layout, rank, world, S, wins)
             for w in range(sl.first_window, sl.first_window + sl.windows)]
 
 
@@ -254,20 +269,25 @@ class GatherEntries(torch.autograd.Function):
 
 def compressed_entries(kv, gate, position_bias, norm_weight, eps: float, m: int,
                        rope: Callable, layout: str, group, overlap: bool = False,
-                       caller: str = "compressed_entries") -> torch.Tensor:
-    """All n // m entries (B, n // m, D) of the full sequence on every rank of `group`:
-    HCA's (overlap False: kv, gate (B, S, D), position_bias (m, D)) or CSA's compressor's
-    (overlap True: (B, S, 2D) and (m, 2D), the two series of transformers'
-    DeepseekV4CSACompressor). rope(entries (B, T, D), positions (T,)) -> (B, T, D)."""
-    (rank, world), S = group_rank_and_size(group), kv.shape[1]
+                       caller: str = "compressed_entries", cu: Optional[torch.Tensor] = None,
+                       reset_positions: bool = True) -> torch.Tensor:
+    """All entries (B, N, D) of the full sequence on every rank of `group`, in entry order
+    (compressed_windows.py: N = n // m, or with documents cu (int64 boundaries of the full
+    sequence, shared by the batch) the sum of each document's count): HCA's (overlap
+    False: kv, gate (B, S, D), position_bias (m, D)) or CSA's compressor's (overlap True:
+    (B, S, 2D) and (m, 2D), the two series of transformers' DeepseekV4CSACompressor).
+    rope(entries (B, T, D), positions (T,)) -> (B, T, D); reset_positions: the entries'
+    positions restart at each document (compressed_windows.py)."""
+    world, S = group_rank_and_size(group)[1], kv.shape[1]
     if layout not in COMPRESS_LAYOUTS:
         raise ValueError(f"{caller}: layout={layout!r} must be one of "
                          f"{list(COMPRESS_LAYOUTS)} (a compressed window needs consecutive "
                          "tokens on a rank)")
     check_slabs(layout, S, m, world, overlap, caller)
-    mine = local_entries(kv, gate, position_bias, norm_weight, eps, m, rope, layout, group,
-                         overlap)
+    wins = document_windows(cu, S * world, m, reset_positions)
+    mine = local_entries(kv, gate, position_bias, norm_weight, eps, wins, rope, layout,
+                         group, overlap)
     if world == 1:
         return mine
-    ids = [window_ids(layout, r, world, S, m) for r in range(world)]
+    ids = [window_ids(layout, r, world, S, wins) for r in range(world)]
     return GatherEntries.apply(mine, ids, group)

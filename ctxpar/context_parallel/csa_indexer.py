@@ -26,6 +26,11 @@ the two agree whenever a row's k-th and (k+1)-th scores differ. A query that see
 than top_k keys gets -1 in the remaining slots, where transformers' topk picked -inf
 keys and replaced them by -1: the same tensor.
 
+With packed documents a query scores only its own document's visible keys
+(compressed_windows.entry_ranges: lo <= w < hi). Under TP (``tp_group``) each rank holds
+its share of the indexer's heads (q, weights) and the partial scores are all-reduced over
+TP before the top-k (DSA's ``tile_index_scores``); the keys are replicated.
+
 No gradient. The indices are discrete, so nothing of the main loss reaches the indexer's
 weights (transformers: the same; they get no gradient), and transformers' DeepSeek-V4
 trains the indexer with no loss of its own (no KL as DeepSeek-V3.2's, dsa_loss.py): this
@@ -39,7 +44,9 @@ import torch
 
 from .arguments import world_group
 from .comm import group_rank_and_size
+from .compressed_windows import entry_ranges, split_samples
 from .compressor import COMPRESS_LAYOUTS, check_compressor, check_slabs, compressed_entries
+from .documents import check_cu_seqlens
 from .dsa_indexer import RunningTopK, tile_index_scores, tile_sizes
 from .dsa_pairs import Tile
 from .kernels import default_scale
@@ -88,46 +95,62 @@ def check_indexer(indexer, batch_seq: Optional[tuple], m, top_k, layout: str, wo
 
 
 def entry_topk(index_q: torch.Tensor, index_weights: torch.Tensor, keys: torch.Tensor,
-               q_pos: torch.Tensor, m: int, top_k: int, scale: float,
-               tile_budget: Optional[int] = None) -> torch.Tensor:
+               lo: torch.Tensor, hi: torch.Tensor, top_k: int, scale: float,
+               tile_budget: Optional[int] = None, tp_group=None) -> torch.Tensor:
     """(B, S, min(top_k, T)) int64: each query's top-k visible keys of keys (B, T, Di)
-    (entry ids, score descending, -1 = none); q_pos (S,) the queries' global positions."""
+    (entry ids, score descending, -1 = none); query i sees the keys lo[i] <= w < hi[i]
+    (compressed_windows.entry_ranges). tp_group: the indexer's heads are split over it
+    (each rank's partial scores all-reduced before the top-k)."""
     B, S, Hi, _ = index_q.shape
     T = keys.shape[1]
     k = min(top_k, T)
     topk = RunningTopK(B, S, k, T, keys.device)
-    seen = ((q_pos + 1) // m).to(keys.device)                  # (S,) keys each query sees
+    lo, hi = lo.to(keys.device), hi.to(keys.device)
     q_tile, k_tile = tile_sizes(S, Hi, k, tile_budget)
     for q0 in range(0, S, q_tile):
         qs = slice(q0, min(q0 + q_tile, S))
-        k_end = int(seen[qs].max())
-        for k0 in range(0, k_end, k_tile):
+        k_begin, k_end = (int(lo[qs].min()), int(hi[qs].max())) if S else (0, 0)
+        for k0 in range(k_begin, k_end, k_tile):
             key_pos = torch.arange(k0, min(k0 + k_tile, k_end), device=keys.device)
             tile = Tile(qs, slice(k0, k0 + len(key_pos)), None,
-                        key_pos[None, None, :] < seen[qs][None, :, None])  # (1, Q, K)
-            topk.add(tile, tile_index_scores(index_q, index_weights, keys, tile, scale),
-                     key_pos)
+                        ((key_pos[None, :] >= lo[qs][:, None])
+                         & (key_pos[None, :] < hi[qs][:, None]))[None])   # (1, Q, K)
+            topk.add(tile, tile_index_scores(index_q, index_weights, keys, tile, scale,
+                                             tp_group), key_pos)
     return topk.positions()
 
 
 def csa_indexer(indexer: IndexerInputs, *, compress_rate: int, index_topk: int,
                 entry_rope: Callable, cp_group=None, layout: str = "contiguous",
                 norm_eps: float = 1e-6, index_softmax_scale: Optional[float] = None,
-                tile_budget: Optional[int] = None) -> torch.Tensor:
+                tile_budget: Optional[int] = None, cu_seqlens=None,
+                reset_positions: bool = True, tp_group=None) -> torch.Tensor:
     """The indexer's top-k of this rank's queries (module docstring): (B, S, min(top_k,
-    n // m)) int64 global entry ids, -1 beyond a query's visible count. entry_rope as
-    hca_attention's (the compressor's RoPE, at index_head_dim here); index_softmax_scale
-    defaults to index_head_dim ** -0.5 (DeepseekV4IndexerScorer.softmax_scale)."""
+    N)) int64 global entry ids, -1 beyond a query's visible count, N the sequence's entry
+    count. entry_rope as hca_attention's (the compressor's RoPE, at index_head_dim here);
+    index_softmax_scale defaults to index_head_dim ** -0.5
+    (DeepseekV4IndexerScorer.softmax_scale). cu_seqlens: packed documents, the same for
+    every sample (one int32 tensor of the full sequence's boundaries; csa_attention runs
+    samples with different documents one by one): keys and visibility per document
+    (compressed_windows.py), reset_positions as hca_attention's. tp_group: the group the
+    indexer's heads (q, weights) are split over, or None (all heads here)."""
     caller = "csa_indexer"
     group = world_group(cp_group)
     rank, world = group_rank_and_size(group)
     check_indexer(indexer, None, compress_rate, index_topk, layout, world, caller)
-    S = indexer.q.shape[1]
+    B, S = indexer.q.shape[:2]
+    docs = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, S * world, B, caller)
+    if split_samples(docs):
+        raise ValueError(f"{caller}: cu_seqlens must be the same for every sample (call it "
+                         "per sample otherwise: csa_attention does)")
+    cu = None if docs is None else docs[0]
     scale = default_scale(indexer.q.shape[-1]) if index_softmax_scale is None \
         else float(index_softmax_scale)
     with torch.no_grad():
         keys = compressed_entries(*indexer[2:], norm_eps, compress_rate, entry_rope,
-                                  layout, group, overlap=True, caller=caller)
-        q_pos = rank_positions(S * world, rank, world, layout)
-        return entry_topk(indexer.q, indexer.weights, keys, q_pos, compress_rate,
-                          index_topk, scale, tile_budget)
+                                  layout, group, overlap=True, caller=caller, cu=cu,
+                                  reset_positions=reset_positions)
+        lo, hi = entry_ranges(cu, rank_positions(S * world, rank, world, layout),
+                              compress_rate)
+        return entry_topk(indexer.q, indexer.weights, keys, lo, hi, index_topk, scale,
+                          tile_budget, tp_group)

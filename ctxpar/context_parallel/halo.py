@@ -40,6 +40,7 @@ from .blocks import (QueryRows, backward_block, banded, forward_block_, mask_key
 from .comm import NoComm, exchange, group_rank_and_size, wait_all
 from .documents import doc_plan
 from .layouts import rank_positions
+from .mask import with_chunks
 from .merge import empty_accumulators
 from .sinks import finish
 
@@ -71,14 +72,18 @@ def halo_applies(layout: str, mask, S: int, world: int) -> bool:
 
 
 def halo_tokens(layout: str, rank: int, world: int, S: int, sliding_window=None,
-                chunk_size=None) -> Optional[Tuple[int, int]]:
+                chunk_size=None, cu_seqlens=None) -> Optional[Tuple[int, int]]:
     """(K,V tokens `rank` sends, tokens it receives) in one halo exchange of a causal
-    window and/or chunks over `world` ranks of S tokens (one sequence, no documents), or
-    None where the halo does not apply (the ring or all-gather moves whole blocks): the
-    planner's count of the exchange, from the same links the exchange makes."""
+    window and/or chunks over `world` ranks of S tokens (cu_seqlens: the documents of the
+    full sequence, one tensor or one per sample; None: one sequence), or None where the
+    halo does not apply (the ring or all-gather moves whole blocks): the planner's count
+    of the exchange, from the same links the exchange makes."""
     n = S * world
-    docs = None if chunk_size is None else \
-        (tuple(sorted(set(range(0, n, chunk_size)) | {n})),)
+    docs = None
+    if cu_seqlens is not None or chunk_size is not None:
+        cus = [torch.tensor([0, n])] if cu_seqlens is None else \
+            list(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else [cu_seqlens]
+        docs = tuple(tuple(with_chunks(cu, chunk_size).tolist()) for cu in cus)
     key = (sliding_window, docs)
     if (layout not in HALO_LAYOUTS or world == 1
             or (sliding_window is None and chunk_size is None)
