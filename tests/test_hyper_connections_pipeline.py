@@ -11,10 +11,12 @@ evaluation's path: x sent as (B, T/cp, N, d), the ids taken from each stage's ow
 The model: four MoE layers, 0 and 3 hash-routed; the stage boundary falls after block 2,
 so the ids cross it to layer 3 and the streams cross it (B, T/cp, 3, d). Cases: ring
 zigzag with full recompute; all-gather contiguous, selective, ep2 (over the CP group).
+Then, quick: what the tuple carries after each block.
 """
 import dataclasses
 import pickle
 
+import pytest
 import torch
 
 from ctxpar.config import ModelConfig, config_from_dict
@@ -133,3 +135,22 @@ def test_streams_and_hash_layers_through_the_pipeline_equal_one_process():
                 seen_tables.add(name)
         assert seen == set(grads), set(grads) ^ seen  # the stages hold every gradient
         assert seen_tables == set(tables), set(tables) ^ seen_tables
+
+
+@pytest.mark.quick
+def test_the_tuple_carries_the_ids_to_the_last_hash_layer_and_the_streams_throughout():
+    """After block i (-1: the embedding) the ids travel while a hash-routed layer (0, 3)
+    follows; x is (N, d) a token; hc_head sits in the final norm's layer (checkpoint
+    names, and the partition's weight of that layer)."""
+    from ctxpar.checkpoint.names import from_pipe, to_pipe
+    from ctxpar.config.pipeline_stages import pipeline_parts
+    from ctxpar.plan.kv_layers import carried_bytes
+    from models.hyper_connections import residual_shape
+    from models.pipe_carry import carried_after
+    assert [carried_after(CFG, i).ids for i in range(-1, 4)] == [True] * 4 + [False]
+    assert [carried_after(CFG, i).size for i in range(-1, 4)] == [1] * 4 + [0]
+    assert [carried_bytes(CFG, 1, 10, 4, i) for i in (2, 3)] == [2 * 10 * 8, 0]
+    assert residual_shape(CFG) == (3, 32)
+    assert to_pipe("hc_head.fn", 4, False) == "5.hc_head.fn"
+    assert from_pipe("5.hc_head.fn", 4) == "hc_head.fn"
+    assert pipeline_parts(CFG, 2, 1, 1, "uniform") == [0, 4, 7]
