@@ -2,15 +2,17 @@
 (model.moe.hash_layers) through the pipeline (models/gpt_pipe.py, models/pipe_carry.py)
 equal one process.
 
-One spawned world, cp2 x pp2, DeepSpeed's pipeline engine with two micro-batches (its 1F1B
+One spawned world, cp2 x pp2 (and tp2 x pp2), DeepSpeed's pipeline engine with two micro-batches (its 1F1B
 schedule runs the second's forward before the first's backward, so a recomputed block must
 replay with its own micro-batch's token ids), against a single-process GPT on the same
 global batch: the step's loss, every parameter's gradient (the mHC maps', hc_head's on the
 last stage, the experts' gathered over EP), the hash tables, and pipeline_logits (the
 evaluation's path: x sent as (B, T/cp, N, d), the ids taken from each stage's own tokens).
 The model: four MoE layers, 0 and 3 hash-routed; the stage boundary falls after block 2,
-so the ids cross it to layer 3 and the streams cross it (B, T/cp, 3, d). Cases: ring
-zigzag with full recompute; all-gather contiguous, selective, ep2 (over the CP group).
+so the ids cross it to layer 3 and the streams cross it (B, T/cp, 3, d). Cases: cp2 ring
+zigzag with full recompute; cp2 all-gather contiguous, selective, ep2 (over the CP group);
+tp2 x pp2 selective (DeepSpeed's TP split of the stage output off: the routers'
+statistics take a gradient, ctxpar/config/kv_layers.py carries_between_stages).
 Then, quick: what the tuple carries after each block.
 """
 import dataclasses
@@ -36,9 +38,10 @@ CFG = ModelConfig(
                   score_correction_bias=True, routed_scaling_factor=1.5,
                   shared_expert_hidden=16, aux_loss_coef=0.0, z_loss_coef=1e-2, seq_aux_loss_coef=0.1,
                   hash_layers=[0, 3]))
-CASES = [  # (layout, cp_comm, activation checkpointing, ep)
-    ("zigzag", "ring", "full", 1),
-    ("contiguous", "allgather", "selective", 2),
+CASES = [  # (tp, cp, layout, cp_comm, activation checkpointing, ep)
+    (1, 2, "zigzag", "ring", "full", 1),
+    (1, 2, "contiguous", "allgather", "selective", 2),
+    (2, 1, "zigzag", "ring", "selective", 1),  # the stages' whole tuples on every TP rank
 ]
 # fp32; the pipeline sums the same terms in another order (the ring's LSE merges, the two
 # micro-batches, the gradients summed over CP, the experts' rows in EP's order):
@@ -65,6 +68,7 @@ def _one_process():
 
 def _pipeline(rank, world, payload):
     import deepspeed
+    import torch.distributed as dist
     from types import SimpleNamespace
     from ctxpar import gather_sequence, init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.config import deepspeed_config
@@ -76,10 +80,10 @@ def _pipeline(rank, world, payload):
 
     out = []
     tokens, labels = _batch()
-    for layout, comm, ckpt, ep in pickle.loads(payload):
+    for tp, cp, layout, comm, ckpt, ep in pickle.loads(payload):
         cfg = config_from_dict({
             "model": dataclasses.asdict(CFG),
-            "parallel": dict(cp=2, pp=2, ep=ep, layout=layout, cp_comm=comm,
+            "parallel": dict(tp=tp, cp=cp, pp=2, ep=ep, layout=layout, cp_comm=comm,
                              pp_partition="uniform"),
             "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
                           seed=SEED),
@@ -87,7 +91,7 @@ def _pipeline(rank, world, payload):
             "activation_checkpointing": dict(mode=ckpt),
             "deepspeed": {"zero_allow_untested_optimizer": True},
         }, world_size=world, check_paths=False)
-        st = init_parallel_state(cp=2, pp=2, ep=ep, order=cfg.parallel.order)
+        st = init_parallel_state(tp=tp, cp=cp, pp=2, ep=ep, order=cfg.parallel.order)
         ds_config = deepspeed_config(cfg, st.dp_size)
         model = GPTPipe.from_config(cfg, st, ds_config["gradient_accumulation_steps"])
         assert model.parts == [0, 4, 7], model.parts  # embed, blocks 0-2 | block 3, head
@@ -103,7 +107,11 @@ def _pipeline(rank, world, payload):
                   "positions": pos} for m in range(BATCH)]
         n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
         logits = pipeline_logits(model, st, micro[0])  # evaluation's path, before the step
-        logits = None if logits is None else gather_sequence(logits, 1, st.cp_group, layout)
+        if logits is not None:  # (1, T, V) whole: the CP shards joined, the TP vocabulary
+            logits = gather_sequence(logits, 1, st.cp_group, layout)
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits, group=st.tp_group)
+            logits = torch.cat(parts, dim=-1)
         loss = train_step(engine, micro, n_tokens, st)
         for p, g in opt.grads.items():  # the gradients the step applied, by GPT's names
             p.grad = g
