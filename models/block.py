@@ -28,6 +28,21 @@ from .per_layer_input import PerLayerGate
 from .token_mixer import TokenMixer
 
 
+class Together:
+    """Re-enterable contexts entered as one (a checkpoint's recompute context)."""
+
+    def __init__(self, contexts):
+        self.contexts = contexts
+
+    def __enter__(self):
+        for c in self.contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
+
+
 class Block(nn.Module):
     """One layer, its two mixers chosen once from its type (config.layer_mixers.LAYER_MIXERS,
     models/mixers.py): x + mixer(norm(x)), then x + mlp(norm(x)); with model.post_norms
@@ -90,12 +105,14 @@ class Block(nn.Module):
         """torch.utils.checkpoint's context_fn: the forward as it is; in the recompute, the
         channel mixer's ``output_unread_context`` (a tiled MoE skips its experts there:
         models/moe.py) when nothing after the mixer keeps its output for backward
-        (config.layer_mixers.channel_output_kept). Decided by the config alone, so every
-        rank of a group decides alike."""
+        (config.layer_mixers.channel_output_kept), and a hash-routed MoE's
+        ``token_ids_context`` (the forward's token ids). Decided by the config alone, so
+        every rank of a group decides alike."""
         unread = getattr(self.mlp, "output_unread_context", None)
-        if unread is None or self.mlp_output_kept:
-            return nullcontext(), nullcontext()
-        return nullcontext(), unread() or nullcontext()
+        ids = getattr(self.mlp, "token_ids_context", None)
+        contexts = [c for c in (None if unread is None or self.mlp_output_kept else unread(),
+                                None if ids is None else ids()) if c is not None]
+        return nullcontext(), (Together(contexts) if contexts else nullcontext())
 
     def use_cp(self, cp: ContextParallel) -> None:
         """Run the token mixer over another CP group (GPT.use_cp_group)."""

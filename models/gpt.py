@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import CHECKPOINT_MODES, Config, MemoryConfig, ModelConfig, rotary_dim
 from ctxpar.config.layers import layer_attention, mtp_layer_attention
-from ctxpar.config.moe import moe_layer_indices
+from ctxpar.config.moe import hash_layers, moe_layer_indices
 from ctxpar.config.parameters import check_parameters
 from ctxpar.context_parallel import ContextParallel
 from ctxpar.memory.offload import ActivationOffload, run_layer
@@ -120,6 +120,17 @@ def init_parameters_(named_parameters, cfg: ModelConfig, seed: int, tp_group) ->
         p.copy_(shard_full_tensor(full, p, tp_group))
 
 
+@torch.no_grad()
+def init_hash_tables_(named_buffers, cfg: ModelConfig, seed: int) -> None:
+    """model.moe.hash_layers' tables gate.tid2eid (V, k): k distinct experts per token id,
+    drawn from (seed, crc32 of the GPT name), so every tp, cp, pp, ep draws the same."""
+    for name, table in named_buffers:
+        if name.endswith("tid2eid"):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            draw = torch.rand(table.shape[0], cfg.moe.num_experts, generator=g)
+            table.copy_(draw.topk(table.shape[1], dim=-1).indices)
+
+
 def init_default(name: str, shape, cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
     """Every parameter the mixers' own rules leave: norm weights, biases, matrices."""
     if name.endswith("norm.weight"):
@@ -159,7 +170,7 @@ class GPT(nn.Module):
             if cfg.per_layer_input_dim else None
         self.layer_attention = layer_attention(cfg)  # each layer's kind, window, RoPE
         moe_layers = set(moe_layer_indices(cfg.moe, cfg.n_layers))
-        hashed = set(cfg.moe.hash_layers or ()) if cfg.moe is not None else set()
+        hashed = set(hash_layers(cfg.moe))
         self.ep_group, self.dp_cp_group = g.ep_group, g.dp_cp_group  # experts; router losses
         self.layers = nn.ModuleList(
             Block(LayerArgs(cfg, a, self.cp, tp_group, g.ep_group, i in moe_layers,
@@ -218,11 +229,7 @@ class GPT(nn.Module):
         """The layout-independent init of every parameter (``init_parameters_``) and of
         model.moe.hash_layers' tables: k distinct experts per token id, from (seed, name)."""
         init_parameters_(self.named_parameters(), self.cfg, seed, self.tp_group)
-        for name, table in self.named_buffers():
-            if name.endswith("tid2eid"):
-                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                draw = torch.rand(table.shape[0], self.cfg.moe.num_experts, generator=g)
-                table.copy_(draw.topk(table.shape[1], dim=-1).indices)
+        init_hash_tables_(self.named_buffers(), self.cfg, seed)
 
     def _checkpointed(self, i: int) -> bool:
         return block_recomputed(self.activation_checkpointing, i, self.every_n_layers)

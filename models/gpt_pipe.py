@@ -6,9 +6,12 @@ stages (by parameter count or uniformly):
     embedding | block 0 | ... | block L-1 | final norm | head (tied: the embedding again)
 
 Between layers (and between stages, point to point) flows the tuple
-``(x (B, T/cp, d), positions (T/cp,) or (B, T/cp) int64)``, plus, with document masking,
+``(x (B, T/cp, d), positions (T/cp,) or (B, T/cp) int64)`` (under model.hyper_connections
+x is the N residual streams (B, T/cp, N, d): the embedding expands them, the final norm's
+layer collapses them first with hc_head), plus, with document masking,
 the samples' document boundaries packed as one (B, T + 1) int32 tensor
-(documents.pack_cu_seqlens), then Gemma 4's shared K/V and per-layer inputs still read by
+(documents.pack_cu_seqlens), then Gemma 4's shared K/V and per-layer inputs and
+DeepSeek-V4's token ids (model.moe.hash_layers) still read by
 later blocks (models/pipe_carry.py): every block rebuilds its RoPE angles from the positions
 (T/cp x hd/2, negligible next to the block's matmuls), and DeepSpeed sends no gradient for
 the integer tensors. A mixture of experts (model.moe) adds, last, its routers' statistics
@@ -49,7 +52,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import Config, MemoryConfig, ModelConfig, layer_attention
-from ctxpar.config.moe import moe_layer_indices
+from ctxpar.config.moe import hash_layers, moe_layer_indices
 from ctxpar.config.layers import mtp_layer_attention
 from ctxpar.config.pipeline_stages import keep_on_last_stage, pipeline_stage_layers
 from ctxpar.context_parallel import ContextParallel
@@ -68,7 +71,8 @@ from models.dsa import freeze_all_but_indexers
 from models.dsa_pipe import (CarriedSelection, DSATail, indexer_loss_of, recv_tail,
                              run_with_selection, send_selection, warmup_stage)
 from models.gpt import (block_recomputed, cap_logits, check_checkpoint_mode, embed_tokens,
-                        init_parameters_)
+                        init_hash_tables_, init_parameters_)
+from models.hyper_connections import HyperHead, expand_streams, residual_shape
 from models.loss import global_mean_loss, loss_for_backward
 from models.moe import MoE
 from models.mtp_pipe import MTPLoss, MTPPipe, mtp_tail, stage_labels
@@ -82,8 +86,9 @@ from models.rope import layer_inputs
 
 class EmbeddingPipe(nn.Module):
     """(tokens (B, T/cp), positions[, documents]) -> (x (B, T/cp, d), positions[, documents],
-    the per-layer inputs of every block (models/pipe_carry.py) under
-    model.per_layer_input_dim)."""
+    the per-layer inputs of every block under model.per_layer_input_dim, the token ids under
+    model.moe.hash_layers (models/pipe_carry.py)); under model.hyper_connections x is the
+    N equal streams (B, T/cp, N, d)."""
 
     gpt_prefix = ""  # parameters 'embed.weight', 'per_layer_input.*', as in GPT
 
@@ -102,7 +107,9 @@ class EmbeddingPipe(nn.Module):
         tokens, *rest = inputs  # rest: positions[, packed document boundaries]
         x = embed_tokens(self.embed, tokens, self.cfg)
         z = None if self.per_layer_input is None else self.per_layer_input(tokens, x)
-        return (x, *rest, *first_carried(self.cfg, z), *router_start(self.cfg, x.device),
+        if self.cfg.hyper_connections:  # the residual as N streams (models/hyper_connections.py)
+            x = expand_streams(x, self.cfg)
+        return (x, *rest, *first_carried(self.cfg, z, tokens), *router_start(self.cfg, x.device),
                 *self.dsa_tail.start(x.device))
 
 
@@ -152,7 +159,8 @@ class BlockPipe(Block):
         moe = layer_number in moe_layer_indices(cfg.moe, cfg.n_layers)
         super().__init__(LayerArgs(cfg, layer, cp, tp_group, ep_group, moe, backend,
                                    linear_cp, memory or MemoryConfig(),
-                                   activation_checkpointing == "selective", device, dtype))
+                                   activation_checkpointing == "selective", device, dtype,
+                                   hash_routed=layer_number in hash_layers(cfg.moe)))
         self.carries_router = cfg.moe is not None  # the routers' statistics in the tuple
         # model.dsa: the top-k into a shared layer and the indexer's sums (models/dsa_pipe.py)
         self.layer_number, self.dsa_tail = layer_number, DSATail(cfg)
@@ -167,17 +175,19 @@ class BlockPipe(Block):
         self.offload = offload  # the stage's, shared by its blocks (memory.offload_activations)
         self.gpt_prefix = f"layers.{layer_number}."
         self.layer = layer  # its RoPE, or NoPE's temperature (models/rope.layer_inputs)
-        # Gemma 4's shared K/V and per-layer inputs in the tuple (models/pipe_carry.py)
-        self.carry = LayerCarry(cfg, layer_number, self.mixer)
+        # Gemma 4's shared K/V and per-layer inputs, the token ids in the tuple
+        # (models/pipe_carry.py)
+        self.carry = LayerCarry(cfg, layer_number, self.mixer, self.mlp)
         # The global index, so 'every_n_layers' picks the same blocks as GPT on any stage.
         self.recompute = block_recomputed(activation_checkpointing, layer_number, every_n_layers)
 
     def forward(self, inputs):
         inputs, selection, sums = self.dsa_tail.split(inputs, self.layer_number)
-        x, positions, *docs = inputs  # (B, T/cp, d), (T/cp,) or (B, T/cp)[, (B, T+1)],
+        x, positions, *docs = inputs  # (B, T/cp[, N], d), (T/cp,) or (B, T/cp)[, (B, T+1)],
         router = (docs.pop(),) if self.carries_router else ()  # *carried[, router]
-        docs, kv, z = self.carry.split(docs)
-        moe = self.mlp.moe if isinstance(self.mlp, MoE) else None
+        docs, kv, z, ids = self.carry.split(docs)
+        # a hash-routed MoE adds nothing to the routers' statistics (models/moe.py)
+        moe = self.mlp.moe if isinstance(self.mlp, MoE) and not self.mlp.hash_routed else None
         if moe is not None:  # this forward's routers (the last stage's loss adds them)
             self.mlp.stats = RouterStats(moe.num_experts, moe.score, moe.seq_aux_loss_coef > 0)
         cos = sin = None  # RoPE for the mixers that take it (attention), none for the rest
@@ -188,7 +198,7 @@ class BlockPipe(Block):
         block = run_with_selection(
             partial(self.carry.run, partial(Block.forward, self, cu_seqlens=cu)),
             self.carried, selection)
-        args = (x, cos, sin, *self.carry.block_args(kv, z))
+        args = (x, cos, sin, *self.carry.block_args(kv, z, ids))
         if self.recompute:  # keep only x (and cos, sin); replay the block in backward
             x = run_layer(self.offload, checkpoint, block, *args, use_reentrant=False,
                           context_fn=self.recompute_context)
@@ -197,7 +207,7 @@ class BlockPipe(Block):
         x, *produced = x if isinstance(x, tuple) else (x,)  # a producer's (x, k, v)
         if router and moe is not None:
             router = (self.mlp.stats.packed(router[0], self._after_moe(x.shape[0])),)
-        return (x, positions, *docs, *self.carry.pack(kv, z, tuple(produced)), *router,
+        return (x, positions, *docs, *self.carry.pack(kv, z, ids, tuple(produced)), *router,
                 *self.dsa_tail.after(self.layer_number, self.mixer, sums))
 
     def _after_moe(self, batch: int) -> Optional[torch.Tensor]:
@@ -217,17 +227,20 @@ class BlockPipe(Block):
 
 class FinalNormPipe(nn.Module):
     """(x, positions[, documents]) -> norm(x) (B, T/cp, d); the positions end here (under
-    model.moe / model.dsa's loss: (norm(x), the routers' statistics, the indexer's sums))."""
+    model.moe / model.dsa's loss: (norm(x), the routers' statistics, the indexer's sums)).
+    Under model.hyper_connections the N streams (B, T/cp, N, d) collapse first (hc_head)."""
 
-    gpt_prefix = ""  # parameter 'final_norm.weight', as in GPT
+    gpt_prefix = ""  # parameters 'final_norm.weight', 'hc_head.*', as in GPT
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
+        self.hc_head = HyperHead(cfg, device, dtype) if cfg.hyper_connections else None
         self.final_norm = make_norm(cfg, device, dtype)
         self.tail = int(cfg.moe is not None) + int(DSATail(cfg).sums)
 
     def forward(self, inputs):
-        x = self.final_norm(inputs[0])
+        x = inputs[0] if self.hc_head is None else self.hc_head(inputs[0])
+        x = self.final_norm(x)
         return (x, *inputs[len(inputs) - self.tail:]) if self.tail else x
 
 
@@ -461,8 +474,9 @@ class GPTPipe(PipelineModule):
         (every micro-batch's forward here, summed over dp x cp: the whole batch's, as
         GPT.update_router_biases gets them). A layer's bias and its counts live on the same
         stage, so nothing crosses the pipeline. Collective over dp x cp."""
-        blocks = [m for m in self.forward_funcs
-                  if isinstance(m, BlockPipe) and isinstance(m.mlp, MoE)]
+        blocks = [m for m in self.forward_funcs  # hash-routed layers have no bias
+                  if isinstance(m, BlockPipe) and isinstance(m.mlp, MoE) and
+                  not m.mlp.hash_routed]
         mtp = self.loss_fn.mtp if self.loss_fn.mtp is not None and \
             self.loss_fn.mtp.moe_layers else None  # model.mtp.moe, the last stage: its depths
         mlps = [b.mlp for b in blocks] + (mtp.moe_layers if mtp is not None else [])
@@ -478,11 +492,13 @@ class GPTPipe(PipelineModule):
         if mtp is not None:
             mtp.step_counts = None
 
-    def gpt_named_parameters(self) -> Iterator:
-        """(GPT's name, parameter) for every parameter of this stage, tied ones once."""
+    def gpt_named_parameters(self, buffers: bool = False) -> Iterator:
+        """(GPT's name, parameter) for every parameter of this stage, tied ones once (or,
+        buffers, every buffer)."""
         layers = [m for name, m in self.named_children() if name.isdigit()]
         for module in layers + list(self.tied_modules.values()):
-            for name, p in module.named_parameters():
+            named = module.named_buffers() if buffers else module.named_parameters()
+            for name, p in named:
                 yield module.gpt_prefix + name, p
 
     def full_state_dict(self, grads: bool = False) -> Dict[str, torch.Tensor]:
@@ -494,8 +510,10 @@ class GPTPipe(PipelineModule):
         return gather_full_state_dict(named, self.tp_group, grads=grads)
 
     def init_weights(self, seed: int) -> None:
-        """GPT's init under GPT's names: the same weights as the non-pipelined model."""
+        """GPT's init under GPT's names: the same weights (and model.moe.hash_layers'
+        tables) as the non-pipelined model."""
         init_parameters_(self.gpt_named_parameters(), self.cfg, seed, self.tp_group)
+        init_hash_tables_(self.gpt_named_parameters(buffers=True), self.cfg, seed)
 
 
 def stage_inputs(mb: Dict[str, torch.Tensor]) -> tuple:
@@ -563,13 +581,14 @@ def pipeline_logits(model: GPTPipe, state, mb: Dict[str, torch.Tensor],
         inputs = first
     else:
         p = next(model.parameters())
-        x = torch.empty(*mb["tokens"].shape, cfg.d_model, dtype=p.dtype, device=p.device)
+        x = torch.empty(*mb["tokens"].shape, *residual_shape(cfg), dtype=p.dtype,
+                        device=p.device)
         dist.recv(x, src=pp[stage - 1])
         # Blocks and the final norm take (x, positions[, documents][, carried]); a head-only
         # stage, x. Layer j of the list is block j - 1: the carried tensors after the block
         # before this stage's first (models/pipe_carry.py), then the DSA tail (dsa_pipe.py).
         layer = model.partitions()[stage] - 1  # the stage's first block (n_layers: the norm)
-        carried = recv_carried(carried_after(cfg, layer - 1).size, x, pp[stage - 1])
+        carried = recv_carried(carried_after(cfg, layer - 1), x, pp[stage - 1], first[0])
         inputs = x if layer == cfg.n_layers + 1 else (
             x, *first[1:], *carried, *router_start(cfg, x.device),
             *recv_tail(dsa, layer, x, getattr(cfg.dsa, "index_topk", 0),

@@ -109,6 +109,12 @@ def expand_streams(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return x.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
 
 
+def residual_shape(cfg: ModelConfig) -> tuple:
+    """A token's residual between blocks: (N, d) under model.hyper_connections, else (d,)."""
+    hc = cfg.hyper_connections
+    return (cfg.d_model,) if hc is None else (hc.streams, cfg.d_model)
+
+
 def hyper_connection(cfg: ModelConfig, present: bool, device=None,
                      dtype=None) -> Optional[HyperConnection]:
     """A sublayer's HyperConnection under model.hyper_connections, else None."""

@@ -209,6 +209,21 @@ class SkipTiles:
         self.moe.tiles_skipped = False
 
 
+class ForwardTokenIds:
+    """A recompute of the block a hash-routed MoE layer is in: the token ids as its forward
+    had them (taken when the forward ran), not the latest forward's (a pipeline's 1F1B runs
+    the next micro-batch's forward before this one's backward). Re-enterable."""
+
+    def __init__(self, moe: "MoE"):
+        self.moe, self.ids, self.before = moe, moe.token_ids, None
+
+    def __enter__(self):
+        self.before, self.moe.token_ids = self.moe.token_ids, self.ids
+
+    def __exit__(self, *exc):
+        self.moe.token_ids = self.before
+
+
 class MoE(nn.Module):
     """The MoE MLP of one layer (module docstring). ep_group: the experts' EP group (None:
     all here); tp_group: each expert's f split; stats: the forward's RouterStats, set by
@@ -247,6 +262,10 @@ class MoE(nn.Module):
         """Block.recompute_context's hook: a SkipTiles when the experts are tiled (untiled,
         the recompute must remake the experts' own saved intermediates), else None."""
         return None if self.tile is None else SkipTiles(self)
+
+    def token_ids_context(self):
+        """Block.recompute_context's hook: a hash-routed layer's ForwardTokenIds, else None."""
+        return ForwardTokenIds(self) if self.hash_routed else None
 
     def correction_bias(self) -> Optional[torch.Tensor]:
         """DeepSeek-V3's e_score_correction_bias (E,), or None."""

@@ -1,7 +1,8 @@
 """Dynamic CP over processes: the tiles' groups (exact rank lists), then a step's documents
 run by the schedule on 4 ranks (cp2 x dp2's DP x CP group) against one process running
 each document alone: per-token logits, the token-mean loss and every gradient, for the
-ring, all-gather, Ulysses and hybrid (Ulysses degree 2 around the ring) patterns (fp32;
+ring, all-gather, Ulysses and hybrid (Ulysses degree 2 around the ring) patterns, the
+model with mHC's residual streams (model.hyper_connections) (fp32;
 the tolerance is test_documents.py's: the ring's merge and the gradient sum over ranks add
 in another order)."""
 import pytest
@@ -31,8 +32,10 @@ def _sizes(comm):
 
 def _cfg():
     from ctxpar.config import ModelConfig
+    from ctxpar.config.hyper_connections import HyperConnectionsConfig
+    # with mHC's N residual streams (token-local: each pack's ranks map their own tokens)
     return ModelConfig(vocab_size=64, seq_len=64, n_layers=2, d_model=32, n_heads=4,
-                       n_kv_heads=2)
+                       n_kv_heads=2, hyper_connections=HyperConnectionsConfig(3, 5))
 
 
 def _documents():

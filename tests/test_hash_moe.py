@@ -131,7 +131,6 @@ def test_the_table_is_a_saved_buffer_of_distinct_experts_drawn_from_the_seed():
     ({"hash_layers": [2]}, {}, r"model\.moe\.hash_layers=\[2\] must be distinct MoE layers"),
     ({"hash_layers": [0, 0]}, {}, r"must be distinct MoE layers"),
     ({"hash_layers": [0, 1]}, {}, r"covers every MoE layer"),
-    ({"hash_layers": [0]}, {"parallel": {"pp": 2}}, r"hash_layers with parallel\.pp=2"),
     ({"hash_layers": [0], "capacity_factor": 1.0}, {},
      r"hash_layers with model\.moe\.capacity_factor=1\.0"),
 ])

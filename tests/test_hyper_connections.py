@@ -219,7 +219,6 @@ def test_a_moe_gpt_with_hyper_connections_over_the_grid_equals_one_process():
     ({"hyper_connections": {"sinkhorn_iters": 0}}, {},
      "model.hyper_connections.sinkhorn_iters=0 must be"),
     ({"hyper_connections": {"eps": -1.0}}, {}, "model.hyper_connections.eps=-1.0 must be"),
-    ({"hyper_connections": {}}, {"pp": 2}, "model.hyper_connections with parallel.pp=2"),
     ({"hyper_connections": {}, "mtp": {}}, {}, "model.hyper_connections with model.mtp="),
     ({"hyper_connections": {}, "layer_scalar": True}, {},
      "model.hyper_connections with model.layer_scalar=True"),

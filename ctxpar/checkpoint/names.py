@@ -153,7 +153,7 @@ def to_pipe(name: str, n_layers: int, tied: bool) -> str:
         return f"{int(m.group(1)) + 1}.{m.group(2)}"
     if name.startswith(("embed.", "per_layer_input.")):  # the first layer's (Gemma 4's PLE)
         return ("tied_modules.embed." if tied else "0.") + name
-    if name.startswith("final_norm."):
+    if name.startswith(("final_norm.", "hc_head.")):  # mHC's head collapses before the norm
         return f"{n_layers + 1}.{name}"
     if name.startswith("lm_head."):
         return f"{n_layers + 2}.{name}"
@@ -173,7 +173,7 @@ def from_pipe(name: str, n_layers: int) -> str:
     if 1 <= index <= n_layers:
         return f"layers.{index - 1}.{rest}"
     if index in (0, n_layers + 1, n_layers + 2, n_layers + 3):
-        return rest  # embed.*, final_norm.*, lm_head.*, mtp.*
+        return rest  # embed.*, final_norm.*, hc_head.*, lm_head.*, mtp.*
     raise KeyError(f"{name!r}: layer {index} is not in a {n_layers}-block pipeline")
 
 

@@ -6,7 +6,8 @@ from the run's seed at init: k distinct experts per id; loaded and saved with th
 the router still scores every expert, and the chosen experts' scores, normalised and
 scaled as model.moe says, weigh them. As transformers' model, these layers add nothing to
 the balance losses or statistics and have no correction bias. A layer needs each token's
-id: the GPT hands every MoE layer the rank's ids (in the CP layout, as its hidden states).
+id: the GPT hands every MoE layer the rank's ids (in the CP layout, as its hidden states);
+under parallel.pp the pipe tuple carries them to the stages (models/pipe_carry.py).
 """
 from __future__ import annotations
 
@@ -26,8 +27,6 @@ def check_hash_layers(cfg, err) -> None:
         err(f"model.moe.hash_layers={hashed} covers every MoE layer: keep one routed by "
             f"the router (the balance losses and statistics are its)")
     for key, value, refused, why in (
-            ("parallel.pp", cfg.parallel.pp, cfg.parallel.pp > 1,
-             "the token ids do not reach the later pipeline stages; use parallel.pp=1"),
             ("data.dynamic_cp", cfg.data.dynamic_cp, cfg.data.dynamic_cp, "not built with packs"),
             ("model.moe.capacity_factor", moe.capacity_factor,
              moe.capacity_factor is not None, "not built (transformers' layer drops none)"),

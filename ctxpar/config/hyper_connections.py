@@ -38,9 +38,6 @@ def check_hyper_connections(cfg, err) -> None:
             f"integer >= 1")
     if not hc.eps >= 0:
         err(f"model.hyper_connections.eps={hc.eps!r} must be >= 0")
-    if cfg.parallel.pp > 1:
-        err(f"model.hyper_connections with parallel.pp={cfg.parallel.pp}: the pipeline's "
-            f"stages pass (B, T, d) hidden states, not the N streams; use parallel.pp=1")
     for key, value in (("mtp", m.mtp), ("per_layer_input_dim", m.per_layer_input_dim),
                        ("layer_scalar", m.layer_scalar),
                        ("moe.beside_mlp", m.moe is not None and m.moe.beside_mlp)):

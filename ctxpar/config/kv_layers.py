@@ -35,9 +35,10 @@ def layer_ffn_hidden(m: ModelConfig, kv_source) -> int:
 
 
 def carries_between_stages(m: ModelConfig) -> bool:
-    """Whether a pipeline stage hands on more than x: shared K/V or per-layer inputs
-    (models/pipe_carry.py)."""
-    return bool(m.num_kv_shared_layers or m.per_layer_input_dim)
+    """Whether a pipeline stage hands on more than x, tensors taking a gradient: shared K/V
+    or per-layer inputs (models/pipe_carry.py), model.moe's routers' statistics
+    (models/gpt_pipe.py router_start)."""
+    return bool(m.num_kv_shared_layers or m.per_layer_input_dim or m.moe is not None)
 
 
 def check_kv_layers(m: ModelConfig, p: ParallelConfig, err) -> None:

@@ -122,6 +122,11 @@ def moe_layer_indices(moe: Optional[MoEConfig], n_layers: int) -> List[int]:
     return list(range(n_layers)) if moe.layers is None else sorted(moe.layers)
 
 
+def hash_layers(moe: Optional[MoEConfig]) -> List[int]:
+    """The MoE layers routed by the token-id table (model.moe.hash_layers; none without)."""
+    return [] if moe is None else sorted(moe.hash_layers or ())
+
+
 def check_moe(cfg, dp: Optional[int], err) -> None:
     """model.moe and parallel.ep against the run, each rule a one-line ConfigError naming
     the key (dp: the resolved data-parallel degree, None when not known yet)."""

@@ -59,7 +59,8 @@ def pipeline_parts(m, pp: int, tp: int, ep: int, method: str) -> List[int]:
     embed = embedding_spec(m).numel(tp)
     # the first layer holds Gemma 4's per-layer input embedding too (models/gpt_pipe.py)
     ple = sum(s.numel(tp) for s in per_layer_embedding_specs(m))
-    norm = sum(s.numel(tp) for s in head_specs(m) if s.name.startswith("final_norm"))
+    # the final norm's layer, with model.hyper_connections' head before it
+    norm = sum(s.numel(tp) for s in head_specs(m) if s.name.startswith(("final_norm", "hc_")))
     # the head: the tied embedding again, or lm_head (V, d) split over TP as it is
     weights = [embed + ple, *(sum(s.numel(tp, ep) for s in block_specs(m, i, tp))
                               for i in range(m.n_layers)), norm, embed]

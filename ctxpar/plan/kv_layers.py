@@ -16,6 +16,7 @@ from typing import Optional
 from ..config import ModelConfig
 from ..config.kv_layers import layer_ffn_hidden
 from ..config.layers import kv_sources, layer_attention
+from ..config.moe import hash_layers
 from ..config.parameters import (kv_heads_per_rank, layer_head_dim, layer_kv_heads,
                                  layer_v_head_dim)
 from ..context_parallel.kernels import FUSED_MAX_HEAD_DIM, FlashAttn4Backend
@@ -45,7 +46,8 @@ def layer_rank_shapes(s, m: ModelConfig, tp: int, i: int):
 def carried_bytes(m: ModelConfig, tp: int, tokens: int, e: int, after: int) -> int:
     """Bytes of one micro-batch a pipeline stage whose first block is after + 1 receives
     beside x (models/pipe_carry.py): the K/V of each producer <= after that a later block
-    reads, the per-layer inputs of blocks after + 1 .. L-1; tokens: N on the rank. Held
+    reads, the per-layer inputs of blocks after + 1 .. L-1, the token ids (int64) while a
+    hash-routed MoE layer after it reads them (model.moe.hash_layers); tokens: N on the rank. Held
     twice until the micro-batch's backward: DeepSpeed's received copy (kept for sending the
     gradients back) and the clone its forward hands the blocks (the consumers' cores save
     it, the pass-through goes on as the stage's output)."""
@@ -56,7 +58,8 @@ def carried_bytes(m: ModelConfig, tp: int, tokens: int, e: int, after: int) -> i
             layer_head_dim(m, a) + layer_v_head_dim(m, a))
     if m.per_layer_input_dim:
         per_token += max(m.n_layers - 1 - after, 0) * m.per_layer_input_dim
-    return 2 * tokens * per_token * e
+    ids = 8 if any(j > after for j in hash_layers(m.moe)) else 0
+    return 2 * tokens * (per_token * e + ids)
 
 
 def kernels_refusing(m: ModelConfig) -> Optional[str]:

@@ -1,0 +1,164 @@
+"""DeepSeek-V4's residual streams (model.hyper_connections) and hash-routed MoE layers
+(model.moe.hash_layers) through the pipeline (models/gpt_pipe.py, models/pipe_carry.py)
+equal one process.
+
+One spawned world, cp2 x pp2 (and tp2 x pp2), DeepSpeed's pipeline engine with two micro-batches (its 1F1B
+schedule runs the second's forward before the first's backward, so a recomputed block must
+replay with its own micro-batch's token ids), against a single-process GPT on the same
+global batch: the step's loss, every parameter's gradient (the mHC maps', hc_head's on the
+last stage, the experts' gathered over EP), the hash tables, and pipeline_logits (the
+evaluation's path: x sent as (B, T/cp, N, d), the ids taken from each stage's own tokens).
+The model: four MoE layers, 0 and 3 hash-routed; the stage boundary falls after block 2,
+so the ids cross it to layer 3 and the streams cross it (B, T/cp, 3, d). Cases: cp2 ring
+zigzag with full recompute; cp2 all-gather contiguous, selective, ep2 (over the CP group);
+tp2 x pp2 selective (DeepSpeed's TP split of the stage output off: the routers'
+statistics take a gradient, ctxpar/config/kv_layers.py carries_between_stages).
+Then, quick: what the tuple carries after each block.
+"""
+import dataclasses
+import pickle
+
+import pytest
+import torch
+
+from ctxpar.config import ModelConfig, config_from_dict
+from ctxpar.config.hyper_connections import HyperConnectionsConfig
+from ctxpar.config.moe import MoEConfig
+from ctxpar.testing import run_distributed
+from ctxpar.testing.batches import RecordingSGD, random_batch
+from models.gpt import GPT
+from models.options import ModelOptions
+
+SEQ, BATCH, SEED, LR = 16, 2, 5, 0.1
+CFG = ModelConfig(
+    vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=4, seq_len=SEQ,
+    ffn_hidden=48, norm_eps=1e-6, tie_embeddings=False,
+    hyper_connections=HyperConnectionsConfig(streams=3, sinkhorn_iters=5, eps=1e-6),
+    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, score="sqrtsoftplus",
+                  score_correction_bias=True, routed_scaling_factor=1.5,
+                  shared_expert_hidden=16, aux_loss_coef=0.0, z_loss_coef=1e-2, seq_aux_loss_coef=0.1,
+                  hash_layers=[0, 3]))
+CASES = [  # (tp, cp, layout, cp_comm, activation checkpointing, ep)
+    (1, 2, "zigzag", "ring", "full", 1),
+    (1, 2, "contiguous", "allgather", "selective", 2),
+    (2, 1, "zigzag", "ring", "selective", 1),  # the stages' whole tuples on every TP rank
+]
+# fp32; the pipeline sums the same terms in another order (the ring's LSE merges, the two
+# micro-batches, the gradients summed over CP, the experts' rows in EP's order):
+# 1e-5 relative, 1e-6 absolute, as tests/test_pipeline.py.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _batch():
+    return random_batch(64, BATCH, SEQ, seed=17)
+
+
+def _one_process():
+    """The first sample's logits, the step's token-mean loss, every gradient (of that loss
+    plus the routers'), the hash tables."""
+    tokens, labels = _batch()
+    model = GPT(CFG, options=ModelOptions(seed=SEED))
+    with torch.no_grad():
+        logits = model(tokens[:1], torch.arange(SEQ))
+    loss = model(tokens, torch.arange(SEQ), labels) / (labels != -100).sum()
+    (loss + model.router_losses.share).backward()
+    tables = {n: b for n, b in model.named_buffers() if n.endswith("tid2eid")}
+    return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, tables
+
+
+def _pipeline(rank, world, payload):
+    import deepspeed
+    import torch.distributed as dist
+    from types import SimpleNamespace
+    from ctxpar import gather_sequence, init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar.config import deepspeed_config
+    from ctxpar.distributed.expert_parallel import prepare_expert_parallel
+    from ctxpar.tensor_parallel import gather_full_state_dict
+    from models.gpt_pipe import GPTPipe, pipeline_logits, train_step
+    from models.loss import global_token_count
+    from models.training import param_groups
+
+    out = []
+    tokens, labels = _batch()
+    for tp, cp, layout, comm, ckpt, ep in pickle.loads(payload):
+        cfg = config_from_dict({
+            "model": dataclasses.asdict(CFG),
+            "parallel": dict(tp=tp, cp=cp, pp=2, ep=ep, layout=layout, cp_comm=comm,
+                             pp_partition="uniform"),
+            "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
+                          seed=SEED),
+            "data": dict(kind="tokens", path="unused"),
+            "activation_checkpointing": dict(mode=ckpt),
+            "deepspeed": {"zero_allow_untested_optimizer": True},
+        }, world_size=world, check_paths=False)
+        st = init_parallel_state(tp=tp, cp=cp, pp=2, ep=ep, order=cfg.parallel.order)
+        ds_config = deepspeed_config(cfg, st.dp_size)
+        model = GPTPipe.from_config(cfg, st, ds_config["gradient_accumulation_steps"])
+        assert model.parts == [0, 4, 7], model.parts  # embed, blocks 0-2 | block 3, head
+        groups = [{"params": list(model.parameters())}]
+        if ep > 1:  # the experts as DeepSpeed's MoE groups, reduced over their EDP group
+            groups = param_groups(model, 0.0, True, prepare_expert_parallel(
+                model, st, CFG.moe.num_experts))
+        opt = RecordingSGD(groups, lr=LR)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        pos = sequence_positions(SEQ, st.cp_group, layout)
+        micro = [{"tokens": shard_sequence(tokens[m:m + 1], 1, st.cp_group, layout),
+                  "labels": shard_sequence(labels[m:m + 1], 1, st.cp_group, layout),
+                  "positions": pos} for m in range(BATCH)]
+        n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
+        logits = pipeline_logits(model, st, micro[0])  # evaluation's path, before the step
+        if logits is not None:  # (1, T, V) whole: the CP shards joined, the TP vocabulary
+            logits = gather_sequence(logits, 1, st.cp_group, layout)
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits, group=st.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        loss = train_step(engine, micro, n_tokens, st)
+        for p, g in opt.grads.items():  # the gradients the step applied, by GPT's names
+            p.grad = g
+        named = SimpleNamespace(named_parameters=model.gpt_named_parameters)
+        out.append(dict(loss=loss, logits=logits,
+                        grads=gather_full_state_dict(named, st.tp_group, True,
+                                                     st.ep_group if ep > 1 else None),
+                        tables={n: b for n, b in model.gpt_named_parameters(buffers=True)
+                                if n.endswith("tid2eid")}))
+    return out
+
+
+def test_streams_and_hash_layers_through_the_pipeline_equal_one_process():
+    logits, loss, grads, tables = _one_process()
+    results = run_distributed(_pipeline, 4, pickle.dumps(CASES), timeout=300)
+    assert any(".attn_hc." in n for n in grads) and "hc_head.fn" in grads
+    for i, case in enumerate(CASES):
+        seen, seen_tables = set(), set()
+        for rank, per_case in enumerate(results):
+            got, where = per_case[i], f"rank {rank} {case}"
+            if rank >= 2:  # the last stage: pipeline_logits'
+                torch.testing.assert_close(got["logits"], logits, **TOL, msg=where)
+            torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
+            for name, grad in got["grads"].items():
+                torch.testing.assert_close(grad, grads[name], **TOL, msg=f"{where} {name}")
+                seen.add(name)
+            for name, table in got["tables"].items():  # the same draw as one process
+                assert torch.equal(table, tables[name]), f"{where} {name}"
+                seen_tables.add(name)
+        assert seen == set(grads), set(grads) ^ seen  # the stages hold every gradient
+        assert seen_tables == set(tables), set(tables) ^ seen_tables
+
+
+@pytest.mark.quick
+def test_the_tuple_carries_the_ids_to_the_last_hash_layer_and_the_streams_throughout():
+    """After block i (-1: the embedding) the ids travel while a hash-routed layer (0, 3)
+    follows; x is (N, d) a token; hc_head sits in the final norm's layer (checkpoint
+    names, and the partition's weight of that layer)."""
+    from ctxpar.checkpoint.names import from_pipe, to_pipe
+    from ctxpar.config.pipeline_stages import pipeline_parts
+    from ctxpar.plan.kv_layers import carried_bytes
+    from models.hyper_connections import residual_shape
+    from models.pipe_carry import carried_after
+    assert [carried_after(CFG, i).ids for i in range(-1, 4)] == [True] * 4 + [False]
+    assert [carried_after(CFG, i).size for i in range(-1, 4)] == [1] * 4 + [0]
+    assert [carried_bytes(CFG, 1, 10, 4, i) for i in (2, 3)] == [2 * 10 * 8, 0]
+    assert residual_shape(CFG) == (3, 32)
+    assert to_pipe("hc_head.fn", 4, False) == "5.hc_head.fn"
+    assert from_pipe("5.hc_head.fn", 4) == "hc_head.fn"
+    assert pipeline_parts(CFG, 2, 1, 1, "uniform") == [0, 4, 7]
