@@ -1,0 +1,195 @@
+"""DeepSeek-V4's attention as the GPT's token mixer (models/compressed_attention.py,
+model.compressed_attention): each layer type ('sliding_attention',
+'compressed_sparse_attention', 'heavily_compressed_attention') equals transformers' own
+DeepseekV4Attention on the same weights (the output, the hidden states' gradient and every
+weight's: projections, norms, sinks, the compressor's; the indexer's none in either); the
+GPT with the three types equals one process at cp2 (ring zigzag, ring contiguous,
+all-gather) and tp2 x cp2 in one spawned world of four ranks; what is not built is
+refused at load in one line.
+
+Tolerances (fp32): as tests/test_csa_attention.py's, 1e-5 relative and absolute against
+the tensor's largest entry (ctxpar.testing.compressed.close): transformers does one
+softmax over [window ; entries ; sink], ctxpar merges blocks by log-sum-exp and sums
+gradient shares across ranks and TP; the GPT's layouts as tests/test_dsa_model.py's. The
+indexer's heads come in +/- pairs so that no two scores of a row tie (torch.topk orders
+ties arbitrarily).
+"""
+import dataclasses
+
+import pytest
+import torch
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+from ctxpar.config import ConfigError, ModelConfig, config_from_dict, rotary_dim
+from ctxpar.config.compressed_attention import CompressedAttentionConfig
+from ctxpar.config.layers import layer_attention
+from ctxpar.context_parallel import ContextParallel
+from ctxpar.testing.compressed import close
+from models.compressed_attention import CompressedAttention
+from models.options import LayerArgs
+from models.rope import layer_rotary
+
+KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+B, N, HIDDEN, H, D, WINDOW = 2, 24, 16, 4, 8, 5
+RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+SECTION = dict(q_lora_rank=8, o_groups=2, o_lora_rank=4, index_n_heads=2, index_head_dim=8,
+               index_topk=3, compress_rates=RATES)
+
+
+def hf_layer(kind: str, seed: int = 0):
+    """transformers' attention of one layer of `kind` (random weights, the indexer's heads
+    in +/- pairs); RoPE on half of each head, the two bases apart."""
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.5}
+    cfg = DeepseekV4Config(
+        hidden_size=HIDDEN, head_dim=D, num_attention_heads=H, sliding_window=WINDOW,
+        q_lora_rank=8, index_head_dim=8, index_n_heads=2, index_topk=3, o_groups=2,
+        o_lora_rank=4, num_hidden_layers=1, layer_types=[kind], compress_rates=RATES,
+        rope_parameters={"main": {**rope, "rope_theta": 10000.0},
+                         "compress": {**rope, "rope_theta": 160000.0}})
+    cfg._attn_implementation = "eager"
+    attn = hf.DeepseekV4Attention(cfg, 0).float()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.5)
+        if attn.compressor is not None and hasattr(attn.compressor, "indexer"):
+            heads = attn.compressor.indexer.q_b_proj.weight.view(2, 8, -1)
+            heads[1::2] = -heads[0::2]
+    return attn
+
+
+def model_config(kinds, **over) -> ModelConfig:
+    """ctxpar's model of the same shapes: V4's compress base on the compressed types."""
+    compress = {k: {"rope_theta": 160000.0} for k in set(kinds) if k != "sliding_attention"}
+    fields = dict(vocab_size=64, seq_len=N, n_layers=len(kinds), d_model=HIDDEN, n_heads=H,
+                  n_kv_heads=1, head_dim=D, partial_rotary_factor=0.5, sliding_window=WINDOW,
+                  layer_types=list(kinds), layer_rope=compress or None, norm_eps=1e-6,
+                  compressed_attention=CompressedAttentionConfig(**SECTION))
+    return ModelConfig(**{**fields, **over})
+
+
+def reference(attn, hidden, dout):
+    """transformers: the output and the gradients of the hidden states and every weight."""
+    n = hidden.shape[1]
+    pos = torch.arange(n)[None].expand(B, -1)
+    rotary = hf.DeepseekV4RotaryEmbedding(attn.config)
+    embeddings = {kind: rotary(hidden, position_ids=pos, layer_type=kind)
+                  for kind in ("main", "compress")}
+    i = torch.arange(n)
+    seen = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < WINDOW)
+    mask = torch.zeros(n, n).masked_fill(~seen, float("-inf")).expand(B, 1, n, n)
+    out, _ = attn(hidden, embeddings, pos, mask)
+    return out, torch.autograd.grad(out, [hidden, *attn.parameters()], dout, allow_unused=True)
+
+
+def ours(kind, attn, hidden, dout):
+    """models/compressed_attention.py with transformers' weights, through the Block's three
+    steps and the GPT's rotary."""
+    m = model_config([kind])
+    layer = layer_attention(m)[0]
+    mixer = CompressedAttention.from_layer(LayerArgs(m, layer, ContextParallel(),
+                                                     backend="math"))
+    mixer.load_state_dict(attn.state_dict())  # transformers' names, strict
+    cos, sin = layer_rotary(torch.arange(hidden.shape[1]), rotary_dim(m), [layer])[0]
+    inputs, carry = mixer.project_in(hidden, cos, sin)
+    out = mixer.project_out(mixer.mix(inputs), *carry)
+    params = dict(mixer.named_parameters())
+    names = [n for n, _ in attn.named_parameters()]
+    grads = torch.autograd.grad(out, [hidden] + [params[n] for n in names], dout,
+                                allow_unused=True)
+    return out, grads, names
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_v4_layer_type_equals_transformers_attention(kind):
+    attn = hf_layer(kind)
+    hidden = torch.randn(B, N, HIDDEN, generator=torch.Generator().manual_seed(1))
+    dout = torch.randn(B, N, HIDDEN, generator=torch.Generator().manual_seed(2))
+    want_out, want = reference(attn, hidden.clone().requires_grad_(), dout)
+    out, got, names = ours(kind, attn, hidden.clone().requires_grad_(), dout)
+    close(out, want_out)
+    for name, g, w in zip(["hidden"] + names, got, want):
+        assert (g is None) == (w is None) == (".indexer." in name), name
+        if g is not None:
+            close(g, w)
+
+
+# ------------------------------------------------------------ the GPT over CP and TP
+
+V4_KINDS = list(KINDS)
+SEQ, SEED = 40, 5  # cp2 zigzag: slabs of 10 tokens, not a multiple of either m
+GRID = [  # (tp, cp, layout, cp_comm, recompute) on four ranks (dp = 4 / (tp cp))
+    (1, 2, "zigzag", "ring", "none"),
+    (1, 2, "contiguous", "ring", "full"),       # the compressors' collectives replayed
+    (1, 2, "zigzag", "allgather", "selective"),
+    (2, 2, "zigzag", "ring", "none"),           # heads over TP, K = V and indexer replicated
+]
+
+
+def _grid_batch():
+    from ctxpar.testing.batches import random_batch
+    return random_batch(64, 4, SEQ)
+
+
+def _grid_reference():
+    """One process: the logits, the token-mean loss and every gradient."""
+    from models.gpt import GPT
+    from models.options import ModelOptions
+    model = GPT(model_config(V4_KINDS, seq_len=SEQ), options=ModelOptions(seed=SEED))
+    tokens, labels = _grid_batch()
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(SEQ))
+    loss = model(tokens, torch.arange(SEQ), labels) / (labels != -100).sum()
+    loss.backward()
+    return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _grid(rank, world, cases):
+    from ctxpar import gather_sequence, init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar.tensor_parallel import (gather_from_tensor_model_parallel_region,
+                                        gather_full_state_dict)
+    from models.gpt import GPT
+    from models.loss import (deepspeed_style_reduce_, global_mean_loss, global_token_count,
+                             loss_for_backward)
+    from models.options import ModelGroups, ModelOptions
+    out, (tokens, labels) = [], _grid_batch()
+    for tp, cp, layout, comm, ckpt in cases:
+        st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp))
+        model = GPT(model_config(V4_KINDS, seq_len=SEQ), ModelGroups.from_state(st),
+                    ModelOptions(layout=layout, cp_comm=comm, activation_checkpointing=ckpt,
+                                 seed=SEED))
+        rows = slice(st.dp_rank * 4 // st.dp_size, (st.dp_rank + 1) * 4 // st.dp_size)
+        tok, lab = (shard_sequence(t[rows], 1, st.cp_group, layout) for t in (tokens, labels))
+        pos = sequence_positions(SEQ, st.cp_group, layout)
+        with torch.no_grad():
+            logits = gather_from_tensor_model_parallel_region(model(tok, pos), st.tp_group)
+            logits = gather_sequence(logits, 1, st.cp_group, layout)
+        n_tokens = global_token_count(lab, st.dp_cp_group)
+        loss_sum = model(tok, pos, lab)
+        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
+        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        out.append(dict(rows=rows, logits=logits,
+                        loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
+                        grads=gather_full_state_dict(model, st.tp_group, grads=True)))
+    return out
+
+
+def test_the_v4_gpt_over_cp_and_tp_equals_one_process():
+    """Every layer type, cp2 ring zigzag and contiguous, all-gather, tp2 x cp2: the logits,
+    the loss and every gradient (the compressors', the sinks', the grouped projection's)."""
+    from ctxpar.testing import run_distributed
+    logits, loss, grads = _grid_reference()
+    results = run_distributed(_grid, 4, GRID, timeout=240)
+    for rank, per_case in enumerate(results):
+        for case, got in zip(GRID, per_case):
+            where = f"rank {rank} {case}"
+            close(got["logits"], logits[got["rows"]])
+            close(got["loss"], loss)
+            assert set(got["grads"]) == set(grads), where
+            for n, g in grads.items():
+                if ".indexer." in n:  # no gradient reaches the indexer (its top-k)
+                    assert g is None and not got["grads"][n].any(), f"{where} {n}"
+                else:
+                    close(got["grads"][n], g)
