@@ -5,7 +5,8 @@ DeepseekV4Attention on the same weights (the output, the hidden states' gradient
 weight's: projections, norms, sinks, the compressor's; the indexer's none in either); the
 GPT with the three types equals one process at cp2 (ring zigzag, ring contiguous,
 all-gather) and tp2 x cp2 in one spawned world of four ranks; what is not built is
-refused at load in one line.
+refused at load in one line. transformers is imported where used: the spawned ranks
+import this file and need none of it.
 
 Tolerances (fp32): as tests/test_csa_attention.py's, 1e-5 relative and absolute against
 the tensor's largest entry (ctxpar.testing.compressed.close): transformers does one
@@ -14,13 +15,8 @@ gradient shares across ranks and TP; the GPT's layouts as tests/test_dsa_model.p
 indexer's heads come in +/- pairs so that no two scores of a row tie (torch.topk orders
 ties arbitrarily).
 """
-import dataclasses
-
 import pytest
 import torch
-from transformers import DeepseekV4Config
-from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
-
 from ctxpar.config import ConfigError, ModelConfig, config_from_dict, rotary_dim
 from ctxpar.config.compressed_attention import CompressedAttentionConfig
 from ctxpar.config.layers import layer_attention
@@ -40,6 +36,8 @@ SECTION = dict(q_lora_rank=8, o_groups=2, o_lora_rank=4, index_n_heads=2, index_
 def hf_layer(kind: str, seed: int = 0):
     """transformers' attention of one layer of `kind` (random weights, the indexer's heads
     in +/- pairs); RoPE on half of each head, the two bases apart."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
     torch.manual_seed(seed)
     rope = {"rope_type": "default", "partial_rotary_factor": 0.5}
     cfg = DeepseekV4Config(
@@ -71,6 +69,7 @@ def model_config(kinds, **over) -> ModelConfig:
 
 def reference(attn, hidden, dout):
     """transformers: the output and the gradients of the hidden states and every weight."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
     n = hidden.shape[1]
     pos = torch.arange(n)[None].expand(B, -1)
     rotary = hf.DeepseekV4RotaryEmbedding(attn.config)
@@ -193,3 +192,49 @@ def test_the_v4_gpt_over_cp_and_tp_equals_one_process():
                     assert g is None and not got["grads"][n].any(), f"{where} {n}"
                 else:
                     close(got["grads"][n], g)
+
+
+# ------------------------------------------------------------ refused at load
+
+def _load(model=None, parallel=None, data=None, training=True):
+    m = model_config(KINDS, seq_len=64)
+    fields = {f: getattr(m, f) for f in ("vocab_size", "seq_len", "n_layers", "d_model",
+                                          "n_heads", "n_kv_heads", "head_dim",
+                                          "partial_rotary_factor", "sliding_window",
+                                          "layer_types", "layer_rope")}
+    fields["compressed_attention"] = dict(SECTION)
+    data = {"model": {**fields, **(model or {})}, "parallel": parallel or {},
+            "data": data or {}}
+    return config_from_dict(data, training=training)
+
+
+@pytest.mark.parametrize("model,parallel,data,msg", [
+    (dict(n_kv_heads=2), None, None, r"needs model.n_kv_heads=1 \(one shared K = V head\)"),
+    (dict(compressed_attention={**SECTION, "o_groups": 3}), None, None,
+     r"model.n_heads=4 must divide into model.compressed_attention.o_groups=3"),
+    (dict(compressed_attention={**SECTION, "o_groups": 1}), dict(tp=2), None,
+     r"o_groups=1 must divide over parallel.tp=2"),
+    (dict(compressed_attention={**SECTION, "compress_rates": {"x": 4}}), None, None,
+     r"compress_rates=\{'x': 4\} must map each of"),
+    (dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+          layer_rope=None), None, None,
+     r"with layer types \['full_attention'\]"),
+    (dict(compressed_attention=None), None, None,
+     r"layers but model.compressed_attention is not set"),
+    (dict(qk_norm=True), None, None, r"with model.qk_norm=True: DeepSeek-V4's attention"),
+    (None, dict(cp=2, cp_comm="ulysses"), None, r"parallel.cp_comm='ulysses': V4's"),
+    (None, dict(cp=2, layout="striped"), None, r"parallel.layout='striped'"),
+    (None, dict(cp=8), None, r"leaves slabs of 4 tokens: compressed_sparse_attention's "
+                             r"compress rate 4 needs 8"),
+    (None, dict(pp=2), None, r"parallel.pp=2: not built under the pipeline"),
+    (None, None, dict(document_mask=True), r"data.document_mask=true: packed documents"),
+])
+def test_what_v4_cannot_run_is_refused_in_one_line(model, parallel, data, msg):
+    with pytest.raises(ConfigError, match=msg) as e:
+        _load(model, parallel, data)
+    assert "\n" not in str(e.value)
+
+
+def test_generation_is_refused_for_v4_layers():
+    with pytest.raises(ConfigError, match=r"generation \(generate.py\) is not built"):
+        _load(training=False)

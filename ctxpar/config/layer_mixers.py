@@ -26,8 +26,8 @@ COMPRESSED_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention
 WINDOWED_TYPES = ("sliding_attention", *COMPRESSED_TYPES)  # model.sliding_window's layers
 # What an attention layer runs: its type's 'attention', or a model-wide kind in its place
 # (model.mla: multi-head latent attention; model.dsa: MLA over the indexer's top-k;
-# token_mixer_of)
-ATTENTION_MIXERS = ("attention", "mla", "dsa")
+# model.compressed_attention: DeepSeek-V4's; token_mixer_of)
+ATTENTION_MIXERS = ("attention", "mla", "dsa", "compressed")
 LATENT_MIXERS = ("mla", "dsa")  # the ones whose keys and values come from MLA's latent
 LINEAR_MIXERS = ("gated_delta", "kda", "mamba2")  # the token mixers passing a state over CP
 
