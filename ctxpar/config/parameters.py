@@ -61,7 +61,9 @@ def block_fields(m: ModelConfig) -> tuple:
     return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)],
             None if m.moe is None else repr(m.moe), repr(m.reordered_norms), repr(m.mla),
             repr(m.layer_kv_heads), repr(m.attention_sinks), repr(m.dsa),
-            repr(m.hyper_connections), repr(m.compressed_attention), first_layer_type(m))
+            repr(m.hyper_connections), repr(m.compressed_attention),
+            # V4's three types share LAYER_MIXERS' entry, not their parameters
+            first_layer_type(m) if m.compressed_attention is not None else None)
 
 
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
