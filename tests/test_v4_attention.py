@@ -238,3 +238,76 @@ def test_what_v4_cannot_run_is_refused_in_one_line(model, parallel, data, msg):
 def test_generation_is_refused_for_v4_layers():
     with pytest.raises(ConfigError, match=r"generation \(generate.py\) is not built"):
         _load(training=False)
+
+
+# ------------------------------------------------------------ the whole V4 model
+
+def _v4_pair():
+    """transformers' DeepseekV4ForCausalLM (the three layer types, a hash-routed layer, mHC;
+    its SwiGLU clamps out of reach: ctxpar's clamp is another change) and ctxpar's GPT of
+    the same shapes, on the same random weights and expert table; {theirs: ours} names."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    from ctxpar.config.hyper_connections import HyperConnectionsConfig
+    from ctxpar.config.moe import MoEConfig
+    from models.gpt import GPT
+    from models.options import ModelOptions
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.5}
+    theirs = DeepseekV4ForCausalLM(DeepseekV4Config(
+        vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=H,
+        num_key_value_heads=1, head_dim=D, sliding_window=WINDOW, layer_types=list(KINDS),
+        mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates=RATES,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, hc_mult=2,
+        swiglu_limit=1e9, rope_parameters={"main": {**rope, "rope_theta": 10000.0},
+                                           "compress": {**rope, "rope_theta": 160000.0}},
+        **{k: v for k, v in SECTION.items() if k != "compress_rates"})).float()
+    m = model_config(KINDS, vocab_size=64, tie_embeddings=False,
+                     hyper_connections=HyperConnectionsConfig(streams=2),
+                     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=12,
+                                   score="sqrtsoftplus", routed_scaling_factor=1.5,
+                                   shared_expert_hidden=12, score_correction_bias=True,
+                                   hash_layers=[0]))
+    ours = GPT(m, options=ModelOptions(seed=SEED))
+    renames = (("model.embed_tokens.", "embed."), ("model.norm.", "final_norm."),
+               ("model.hc_head.hc_", "hc_head."), ("model.layers.", "layers."),
+               (".self_attn.", ".attn."), (".input_layernorm.", ".attn_norm."),
+               (".post_attention_layernorm.", ".mlp_norm."), (".ffn_hc.", ".mlp_hc."),
+               (".shared_experts.", ".shared_expert."))
+    names = {}
+    for name in theirs.state_dict():
+        mine = name
+        for a, b in renames:
+            mine = mine.replace(a, b)
+        names[name] = mine
+    g = torch.Generator().manual_seed(3)
+    mine = ours.state_dict()
+    assert set(names.values()) == set(mine), set(names.values()) ^ set(mine)
+    with torch.no_grad():
+        for t, o in names.items():
+            x = theirs.state_dict()[t]
+            if "tid2eid" in t:
+                x.copy_(torch.rand(64, 4, generator=g).topk(2).indices)
+            else:  # norms and mHC scales away from their init: every term counts
+                x.copy_(torch.randn(x.shape, generator=g) * (0.5 if x.dim() == 1 else 0.3)
+                        + (1.0 if "norm" in t else 0.0))
+            if "indexer.q_b_proj" in t:  # the indexer's heads in +/- pairs: no score ties
+                x.view(2, 8, -1)[1::2] = -x.view(2, 8, -1)[0::2]
+            mine[o].copy_(x)
+    return theirs, ours, names
+
+
+def test_the_v4_gpt_equals_transformers_deepseek_v4_on_the_same_weights():
+    """Logits and every gradient of the token loss: the three layer types, a hash-routed
+    and two routed layers (sqrtsoftplus, its correction bias), the mHC streams."""
+    theirs, ours, names = _v4_pair()
+    tokens = torch.randint(0, 64, (B, N), generator=torch.Generator().manual_seed(4))
+    want = theirs(input_ids=tokens).logits
+    got = ours(tokens, torch.arange(N))
+    close(got, want)
+    torch.nn.functional.cross_entropy(want.flatten(0, 1), tokens.flatten()).backward()
+    (ours(tokens, torch.arange(N), tokens) / tokens.numel()).backward()
+    params = dict(ours.named_parameters())
+    for t, p in theirs.named_parameters():
+        if ".indexer." in t:
+            assert p.grad is None and params[names[t]].grad is None, t
+        else:
+            close(params[names[t]].grad, p.grad)
