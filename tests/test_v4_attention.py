@@ -311,3 +311,28 @@ def test_the_v4_gpt_equals_transformers_deepseek_v4_on_the_same_weights():
             assert p.grad is None and params[names[t]].grad is None, t
         else:
             close(params[names[t]].grad, p.grad)
+
+
+def test_v4_folders_and_exports_are_refused_naming_what_is_missing(tmp_path):
+    """The deepseek_v4 family is not built yet: a folder is refused before any tensor is
+    read, a V4 model's export by every family (none holds model.compressed_attention)."""
+    import json
+    from ctxpar.checkpoint import CheckpointError, hf
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    with pytest.raises(CheckpointError) as e:
+        hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
+    assert "model_type='deepseek_v4': DeepSeek-V4's layers are built" in str(e.value)
+    assert "(swiglu_limit)" in str(e.value) and "\n" not in str(e.value)
+    for kinds in (KINDS, ["sliding_attention"] * 2):
+        with pytest.raises(CheckpointError, match=r"no Hugging Face family holds this model"):
+            hf.family_config(model_config(kinds))
+
+
+def test_the_planner_refuses_v4_models_in_one_line():
+    """No prediction that would count V4's layers as something else (ctxpar.plan)."""
+    from ctxpar.plan.cluster import PlanError
+    from ctxpar.plan.search import check_modelled
+    with pytest.raises(PlanError, match=r"model.compressed_attention \(DeepSeek-V4's "
+                                        r"attention\): the planner does not count") as e:
+        check_modelled(_load())
+    assert "\n" not in str(e.value)
