@@ -197,7 +197,7 @@ def test_the_v4_gpt_over_cp_and_tp_equals_one_process():
 # ------------------------------------------------------------ refused at load
 
 def _load(model=None, parallel=None, data=None, training=True):
-    m = model_config(KINDS, seq_len=64)
+    m = model_config(KINDS, seq_len=96)
     fields = {f: getattr(m, f) for f in ("vocab_size", "seq_len", "n_layers", "d_model",
                                           "n_heads", "n_kv_heads", "head_dim",
                                           "partial_rotary_factor", "sliding_window",
@@ -224,7 +224,7 @@ def _load(model=None, parallel=None, data=None, training=True):
     (dict(qk_norm=True), None, None, r"with model.qk_norm=True: DeepSeek-V4's attention"),
     (None, dict(cp=2, cp_comm="ulysses"), None, r"parallel.cp_comm='ulysses': V4's"),
     (None, dict(cp=2, layout="striped"), None, r"parallel.layout='striped'"),
-    (None, dict(cp=8), None, r"leaves slabs of 4 tokens: compressed_sparse_attention's "
+    (None, dict(cp=8), None, r"leaves slabs of 6 tokens: compressed_sparse_attention's "
                              r"compress rate 4 needs 8"),
     (None, dict(pp=2), None, r"parallel.pp=2: not built under the pipeline"),
     (None, None, dict(document_mask=True), r"data.document_mask=true: packed documents"),
