@@ -202,7 +202,7 @@ def _load(model=None, parallel=None, data=None, training=True):
                                           "n_heads", "n_kv_heads", "head_dim",
                                           "partial_rotary_factor", "sliding_window",
                                           "layer_types", "layer_rope")}
-    fields["compressed_attention"] = dict(SECTION)
+    fields["compressed_attention"], fields["vocab_size"] = dict(SECTION), 256  # bytes
     data = {"model": {**fields, **(model or {})}, "parallel": parallel or {},
             "data": data or {}}
     return config_from_dict(data, training=training)
