@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ctxpar.config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
-from ctxpar.memory.tiled_mlp import gate_activation, mlp_tile_tokens, tile_spans, up_activation
+from ctxpar.memory.tiled_mlp import gated_product, mlp_tile_tokens, tile_spans, up_activation
 from ctxpar.moe import (RouterStats, balance_bias_update, dispatch_combine,
                         drop_over_capacity, route)
 from ctxpar.tensor_parallel import (copy_to_tensor_model_parallel_region,
@@ -104,6 +104,7 @@ class Experts(nn.Module):
         mark_experts(self.down_proj, ep_rank, ep, 2 if split else None, (f,))  # one part:
         # the universal checkpoint's rule for a split past dim 1 (checkpoint/universal.py)
         self.limit, self.alpha = cfg.moe.swiglu_limit, cfg.moe.swiglu_alpha
+        self.clamp = cfg.swiglu_limit  # DeepSeek-V4's clamp (gated_product)
         self.gate_up_proj_bias = self.down_proj_bias = None
         if cfg.moe.expert_bias:  # [gate | up]'s split as its rows; down's whole on each TP
             # rank, added once after the TP reduction (MoE._experts)
@@ -135,7 +136,7 @@ class Experts(nn.Module):
                 h = (up + 1) * gate * torch.sigmoid(self.alpha * gate)
             elif self.gated:
                 gate, up = h.chunk(2, dim=-1)
-                h = gate_activation(gate, self.kind) * up
+                h = gated_product(gate, up, self.kind, self.clamp)
             else:
                 h = up_activation(h, self.kind)
             outs.append(F.linear(h, down[i]))                     # (n, d)

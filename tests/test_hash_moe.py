@@ -22,18 +22,20 @@ CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2
 
 
 @pytest.mark.quick
-def test_a_hash_layer_equals_deepseek_v4s_hash_routed_block():
+@pytest.mark.parametrize("limit", [None, 0.5], ids=["unclamped", "clamped"])
+def test_a_hash_layer_equals_deepseek_v4s_hash_routed_block(limit):
     """Output and every gradient (router, experts, shared expert) as transformers' block
-    on the same weights and tid2eid (its clamps out of reach: V4's swiglu_limit is another
-    field, not this one's)."""
+    on the same weights and tid2eid; with model.swiglu_limit V4's clamped SwiGLU in the
+    experts and the shared expert (0.5: reached by most gate and up values here; None:
+    transformers' limit out of reach)."""
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
     torch.manual_seed(0)
     theirs = DeepseekV4SparseMoeBlock(DeepseekV4Config(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, n_routed_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=24, routed_scaling_factor=1.5,
-        mlp_layer_types=["hash_moe", "moe"], swiglu_limit=1e9), layer_idx=0)
-    ours = MoE(CFG, hash_routed=True)
+        mlp_layer_types=["hash_moe", "moe"], swiglu_limit=limit or 1e9), layer_idx=0)
+    ours = MoE(replace(CFG, swiglu_limit=limit), hash_routed=True)
     assert not hasattr(ours.gate, "e_score_correction_bias")  # transformers' has none
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -68,8 +70,38 @@ def test_a_hash_layer_equals_deepseek_v4s_hash_routed_block():
             want_g = theirs.get_parameter(t).grad
             torch.testing.assert_close(mine[o].grad, want_g, rtol=1e-5,
                                        atol=1e-6 * max(1.0, want_g.abs().max().item()), msg=o)
+    if limit is not None:  # the clamp matters: without it, another output
+        unclamped = MoE(CFG, hash_routed=True)
+        unclamped.load_state_dict(ours.state_dict())
+        unclamped.token_ids = ours.token_ids
+        assert not torch.allclose(unclamped(x), want.detach(), **TOL)
     # the choice is the table's: another table, other experts
     ours.gate.tid2eid.copy_((ours.gate.tid2eid + 1) % 8)
+    assert not torch.allclose(ours(x), want.detach(), **TOL)
+
+
+@pytest.mark.parametrize("tile", [None, 5], ids=["whole", "tiled"])
+def test_v4s_clamped_mlp_equals_transformers(tile):
+    """model.swiglu_limit in the dense MLP, whole and under memory.tiled_mlp's tiles (their
+    backward recomputes the clamp): DeepseekV4MLP's output and every gradient."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4MLP
+    from models.mlp import MLP
+    torch.manual_seed(0)
+    theirs = DeepseekV4MLP(DeepseekV4Config(hidden_size=32, intermediate_size=40,
+                                            swiglu_limit=0.5))
+    ours = MLP(replace(CFG, moe=None, ffn_hidden=40, swiglu_limit=0.5), None, tile_tokens=tile)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 16, 32)
+    x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = ours(x_ours), theirs(x_theirs)
+    torch.testing.assert_close(got, want, **TOL)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(x_ours.grad, x_theirs.grad, **TOL)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=name)
+    ours.limit = None
     assert not torch.allclose(ours(x), want.detach(), **TOL)
 
 

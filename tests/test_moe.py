@@ -802,6 +802,10 @@ def test_generate_py_loads_the_saved_correction_biases(deepseek_runs):
      {"ep": 2, "cp": 2}, "memory.mlp_tile_tokens=0 must be 'auto' or an integer >= 1"),
     ({"moe": {"swiglu_limit": 7.0}, "mlp": "gelu"}, {}, "model.moe.swiglu_limit=7.0 needs "
                                                         "model.mlp='swiglu'"),
+    ({"swiglu_limit": 10.0, "mlp": "geglu"}, {}, "model.swiglu_limit=10.0 needs "
+                                                 "model.mlp='swiglu'"),
+    ({"swiglu_limit": 10.0, "moe": {"swiglu_limit": 7.0}}, {},
+     "model.swiglu_limit=10.0 (DeepSeek-V4's clamp) and model.moe.swiglu_limit=7.0"),
     ({"moe": {"bias_update_rate": 0.001}}, {}, "model.moe.bias_update_rate=0.001 must be >= 0 "
                                                "and needs model.moe.score_correction_bias"),
     ({"moe": {"score_correction_bias": True, "bias_update_rate": -1}}, {},

@@ -975,7 +975,7 @@ def test_block_fields_are_all_block_specs_reads():
                  linear_norm_eps=1e-5, nope_layers=[0], attn_temperature_tuning=True,
                  floor_scale=4, attn_scale=0.2, qk_l2_norm=True, mtp=MTPConfig(depth=1),
                  attention_value_scale=0.7, value_norm=True, layer_scalar=True,
-                 final_logit_softcapping=30.0)
+                 final_logit_softcapping=30.0, swiglu_limit=10.0)
     for f in dataclasses.fields(ModelConfig):
         changed = dataclasses.replace(m, **{f.name: other[f.name]}) if f.name in other else None
         if changed is not None:

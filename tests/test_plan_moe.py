@@ -36,7 +36,9 @@ CFG = dict(vocab_size=64, seq_len=32, n_layers=3, d_model=32, n_heads=4, n_kv_he
 LAYOUTS = [(1, 1), (2, 2)]  # (cp, ep) on 2 ranks (dp fills the rest)
 # dense and MoE MLPs in one model: layers 0 and 2 the MoE, layer 1 a dense SwiGLU
 # (Qwen3-MoE's mlp_only_layers, DeepSeek's first dense layers)
-MODELS = {"moe": CFG, "mixed": {**CFG, "moe": replace(MOE, layers=[0, 2])}}
+MODELS = {"moe": CFG, "mixed": {**CFG, "moe": replace(MOE, layers=[0, 2])},
+          # DeepSeek-V4's clamped SwiGLU in the experts, the shared and the dense MLP
+          "clamped": {**CFG, "moe": replace(MOE, layers=[0, 2]), "swiglu_limit": 0.5}}
 
 
 def _saved(rank, world):

@@ -44,6 +44,11 @@ class ModelConfig:
     """'swiglu' (down(silu(gate x) * up x): Llama, Qwen, Mistral), 'geglu' (the same gated
     MLP with tanh-GELU, Hugging Face's gelu_pytorch_tanh: Gemma), 'gelu' (down(gelu(up x)),
     tanh-GELU, not gated) or 'relu2' (down(relu(up x)^2), not gated: Nemotron-H)."""
+    swiglu_limit: Optional[float] = None
+    """DeepSeek-V4's clamped SwiGLU in every gated MLP of the model (the dense MLPs, the
+    shared expert, the routed experts): down(silu(min(gate x, L)) * clamp(up x, -L, L)),
+    L this limit (transformers' DeepseekV4Config.swiglu_limit). None: unclamped. Not
+    gpt-oss's form (model.moe.swiglu_limit: (up + 1) * gate * sigmoid(alpha * gate))."""
     norm: str = "rmsnorm"
     """'rmsnorm' or 'layernorm' (pre-norm)."""
     norm_eps: float = 1e-5

@@ -133,6 +133,12 @@ def _check_model(m: ModelConfig, p: ParallelConfig, err: Err) -> None:
             f"(pad the vocabulary)")
     if m.ffn_hidden is not None and (m.ffn_hidden < 1 or m.ffn_hidden % p.tp):
         err(f"model.ffn_hidden={m.ffn_hidden} must be >= 1 and divisible by parallel.tp={p.tp}")
+    if m.swiglu_limit is not None and (m.mlp != "swiglu" or not m.swiglu_limit > 0):
+        err(f"model.swiglu_limit={m.swiglu_limit} needs model.mlp='swiglu' and a limit > 0 "
+            f"(model.mlp={m.mlp!r})")
+    if m.swiglu_limit is not None and m.moe is not None and m.moe.swiglu_limit is not None:
+        err(f"model.swiglu_limit={m.swiglu_limit} (DeepSeek-V4's clamp) and "
+            f"model.moe.swiglu_limit={m.moe.swiglu_limit} (gpt-oss's) are two forms: set one")
     if m.ffn_hidden is None and resolved_ffn_hidden(m) % p.tp:
         err(f"model.ffn_hidden (default {resolved_ffn_hidden(m)} for mlp={m.mlp!r}) is not "
             f"divisible by parallel.tp={p.tp}; set model.ffn_hidden")

@@ -88,16 +88,25 @@ def gate_activation(x: torch.Tensor, gated: str) -> torch.Tensor:
     return F.silu(x) if gated == "swiglu" else F.gelu(x, approximate="tanh")
 
 
+def gated_product(gate: torch.Tensor, up: torch.Tensor, gated: str,
+                  limit: Optional[float] = None) -> torch.Tensor:
+    """act(gate) * up of a gated MLP; with ``limit`` (model.swiglu_limit, DeepSeek-V4's
+    clamped SwiGLU) gate clamped above at the limit and up to [-limit, limit] first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate_activation(gate, gated) * up
+
+
 def up_activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     """The activation of an MLP without a gate: tanh-GELU ('gelu') or squared ReLU
     ('relu2': Nemotron-H, Primer's relu(x)^2)."""
     return torch.square(F.relu(x)) if kind == "relu2" else F.gelu(x, approximate="tanh")
 
 
-def _partial_out(x, gated, gate_w, gate_b, up_w, up_b, down_w, out=None):
+def _partial_out(x, gated, limit, gate_w, gate_b, up_w, up_b, down_w, out=None):
     """This rank's partial down-projection of a tile: x (t, d) -> (t, d), before g."""
     if gate_w is not None:  # SwiGLU or GeGLU (gated: 'swiglu' or 'geglu')
-        h = gate_activation(F.linear(x, gate_w, gate_b), gated) * F.linear(x, up_w, up_b)
+        h = gated_product(F.linear(x, gate_w, gate_b), F.linear(x, up_w, up_b), gated, limit)
     else:  # GELU or squared ReLU (gated: 'gelu' or 'relu2')
         h = up_activation(F.linear(x, up_w, up_b), gated)  # (t, ffn/tp)
     return torch.mm(h, down_w.t(), out=out)  # (t, d)
@@ -107,17 +116,18 @@ class TiledMLP(torch.autograd.Function):
     """y = g(sum over tiles of act(x_t W_g^T) * (x_t W_u^T) W_d^T), f on x; see the module docstring.
 
     Inputs: x (..., d), tile tokens, the TP group, then gate_w (f/tp, d) or None, gate_b,
-    up_w (f/tp, d), up_b, down_w (d, f/tp), and the gated MLP's kind ('swiglu' or 'geglu').
-    The down bias is the caller's (added after g).
+    up_w (f/tp, d), up_b, down_w (d, f/tp), the gated MLP's kind ('swiglu' or 'geglu') and
+    its clamp (model.swiglu_limit or None). The down bias is the caller's (added after g).
     """
 
     @staticmethod
-    def forward(ctx, x, tile, group, gate_w, gate_b, up_w, up_b, down_w, gated="swiglu"):
+    def forward(ctx, x, tile, group, gate_w, gate_b, up_w, up_b, down_w, gated="swiglu",
+                limit=None):
         d = x.shape[-1]
         x2 = x.reshape(-1, d)  # (N, d), a view of the contiguous block activation
         out = x2.new_empty(x2.shape[0], down_w.shape[0])  # (N, d): every tile's rows
         for s, n in tile_spans(x2.shape[0], tile):
-            _partial_out(x2[s:s + n], gated, gate_w, gate_b, up_w, up_b, down_w,
+            _partial_out(x2[s:s + n], gated, limit, gate_w, gate_b, up_w, up_b, down_w,
                          out=out[s:s + n])
         if tp_size_of(group) > 1:
             dist.all_reduce(out, group=group)  # g, once per layer
@@ -126,7 +136,7 @@ class TiledMLP(torch.autograd.Function):
         # is swapped out between forward and backward and gathered again by DeepSpeed's
         # hooks before this backward runs (as for activation checkpointing's replay).
         ctx.weights = (gate_w, gate_b, up_w, up_b, down_w)
-        ctx.tile, ctx.group, ctx.gated = tile, group, gated
+        ctx.tile, ctx.group, ctx.gated, ctx.limit = tile, group, gated, limit
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -159,7 +169,7 @@ class TiledMLP(torch.autograd.Function):
         for s, n in tile_spans(x2.shape[0], ctx.tile):
             xt = x2[s:s + n].detach().requires_grad_(need_dx)
             with torch.enable_grad():
-                yt = _partial_out(xt, ctx.gated, *leaves)
+                yt = _partial_out(xt, ctx.gated, ctx.limit, *leaves)
             torch.autograd.backward(yt, dy[s:s + n], inputs=([xt] if need_dx else []) + wanted)
             del yt
             if need_dx:
@@ -172,22 +182,23 @@ class TiledMLP(torch.autograd.Function):
         w_grads = [next(summed).to(w.dtype) if w is not None and w.requires_grad else None
                    for w in leaves]
         ctx.weights = None
-        return (dx.view_as(x) if need_dx else None, None, None, *w_grads, None)
+        return (dx.view_as(x) if need_dx else None, None, None, *w_grads, None, None)
 
 
 def tiled_mlp(x: torch.Tensor, gate: Optional[nn.Module], up: nn.Module, down: nn.Module,
               tp_group, setting: Union[int, str] = "auto",
-              gated: str = "swiglu") -> torch.Tensor:
+              gated: str = "swiglu", limit: Optional[float] = None) -> torch.Tensor:
     """The MLP down(act(gate x) * up x) over tiles of tokens: x (B, T/cp, d) -> (B, T/cp, d).
 
     gate, up: ColumnParallelLinear (gate None for GELU and squared ReLU); down:
     RowParallelLinear; gated: model.mlp, whose activation is the gate's ('swiglu': silu,
-    'geglu': tanh-GELU) or up's ('gelu', 'relu2': up_activation). Same result as the
+    'geglu': tanh-GELU) or up's ('gelu', 'relu2': up_activation), limit its clamp
+    (gated_product). Same result as the
     untiled layers (f and g included), up to the order of float sums.
     """
     tokens = x.numel() // x.shape[-1]
     tile = mlp_tile_tokens(tokens, x.shape[-1], up.out_per_rank, setting)
     y = TiledMLP.apply(x, tile, tp_group, None if gate is None else gate.weight,
                        None if gate is None else gate.bias, up.weight, up.bias, down.weight,
-                       gated)
+                       gated, limit)
     return y + down.bias if down.bias is not None else y

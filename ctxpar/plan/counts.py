@@ -30,8 +30,8 @@ from .candidate import Candidate
 from . import dsa_layers, mla_layers
 from .kv_layers import carried_bytes, layer_rank_shapes, per_layer_shapes
 from .streams import head_streams_saved, streams_saved
-from .moe_layers import (block_model, expert_params, mixed_mlps, moe_indices,
-                         router_losses_saved, routed_saved, stage_expert_params)
+from .moe_layers import (block_model, clamp_saved, expert_params, mixed_mlps,
+                         moe_indices, router_losses_saved, routed_saved, stage_expert_params)
 
 
 @dataclass(frozen=True)
@@ -409,13 +409,13 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
 def channel_saved(s: RankShapes, e: int, cand: Candidate, m: Optional[ModelConfig],
                   tiled_mlp: bool = False, device: str = "cpu") -> int:
     """What a block's MLP saves in mode 'none' beyond its norm: the dense MLP's gate, up,
-    silu and product (4 N f e; a tiled MLP nothing more), or a mixture of experts'
-    (moe_layers.routed_saved, tiled or not; m: the block's model, moe_layers.block_model,
-    whose moe is None for a dense MLP beside MoE ones); under model.moe.beside_mlp (Gemma
+    silu and product (4 N f e, clamp_saved more; a tiled MLP nothing more), or a
+    mixture of experts' (moe_layers.routed_saved, tiled or not; m: the block's model,
+    moe_layers.block_model, whose moe is None for a dense MLP beside MoE ones); under model.moe.beside_mlp (Gemma
     4) both, and the three norms around them: each norm_saved but its output (which the
     sum or the experts' gather reads without saving), the experts' norm its input too
     (the block's x, which the block's own norm keeps)."""
-    dense = 0 if tiled_mlp else 4 * s.N * s.f * e
+    dense = 0 if tiled_mlp else (4 + clamp_saved(m)) * s.N * s.f * e
     if m is None or m.moe is None:
         return dense
     routed = routed_saved(s.N, s.d, e, m, cand.tp, cand.ep, tiled=tiled_mlp)
@@ -678,12 +678,6 @@ def mlp_params(m: ModelConfig, tp: int, ep: int = 1) -> int:
 def head_params(m: ModelConfig, tp: int) -> int:
     """The output head (or the tied embedding) on a TP rank: V/tp rows of d."""
     return embedding_spec(m).numel(tp)
-
-
-def mlp_intermediates_saved(s: RankShapes, e: int) -> int:
-    """What an untiled MLP saves for backward: gate, up, silu and their product, (N, f)
-    each (layer_activations' MLP term)."""
-    return 4 * s.N * s.f * e
 
 
 def ring_grad_bytes(ring_grad_dtype: str) -> int:

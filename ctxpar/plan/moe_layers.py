@@ -111,6 +111,13 @@ def expert_tile(N: int, d: int, m: ModelConfig, tp: int, setting) -> int:
     return mlp_tile_tokens(N, d, (m.moe.expert_hidden or resolved_ffn_hidden(m)) // tp, setting)
 
 
+def clamp_saved(m: ModelConfig) -> int:
+    """(N, f)-wide tensors more a gated MLP saves under model.swiglu_limit (DeepSeek-V4's
+    clamp): the clamps keep gate's and up's unclamped outputs beside the clamped ones the
+    silu and the product keep."""
+    return 2 if m is not None and m.swiglu_limit is not None else 0
+
+
 def routed_rows_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
                       received: int = None) -> int:
     """routed_saved's `rows` and `over EP` terms for N tokens: what the dispatch, the
@@ -118,7 +125,7 @@ def routed_rows_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
     moe = m.moe
     f, rows = (moe.expert_hidden or resolved_ffn_hidden(m)) // tp, N * moe.top_k
     M = rows if received is None else received
-    per_row = (4 if m.mlp in GATED_MLPS else 2) * f * e
+    per_row = ((4 if m.mlp in GATED_MLPS else 2) + clamp_saved(m)) * f * e
     routed = 2 * rows * 8 + 2 * M * d * e + M * per_row + rows * d * e
     return routed + (M * 8 + rows * d * e if ep > 1 else 0)
 
@@ -134,7 +141,8 @@ def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
                each, its (N,) output
     rows       the gather's and the combine's (N k,) int64 orders; the experts' M input
                rows (M, d), each expert's [gate | up] output, activation and product (4 f
-               per row; 2 f without a gate), their M output rows; the combined rows (N k, d)
+               per row; 2 f without a gate; clamp_saved more), their M output rows; the
+               combined rows (N k, d)
     over EP    M = `received` rows arrive for this rank's experts (default N k: balanced
                routing, the module docstring), their regrouping order (M,) int64, and the
                N k results back from the experts' ranks, (N k, d), beside the combined rows
@@ -155,7 +163,7 @@ def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
     shared = 0
     if moe.shared_expert_hidden:
         fs = moe.shared_expert_hidden // tp
-        shared = (4 if m.mlp in GATED_MLPS else 2) * N * fs * e
+        shared = ((4 if m.mlp in GATED_MLPS else 2) + clamp_saved(m)) * N * fs * e
         shared += N * d * e + N * e if moe.shared_expert_gate else 0
     scaled = 0
     if moe.scaled_router:
