@@ -242,10 +242,13 @@ def test_generation_is_refused_for_v4_layers():
 
 # ------------------------------------------------------------ the whole V4 model
 
+LIMIT = 0.5  # V4's swiglu_limit, low enough that the clamps act on these weights
+
 def _v4_pair():
-    """transformers' DeepseekV4ForCausalLM (the three layer types, a hash-routed layer, mHC;
-    its SwiGLU clamps out of reach: ctxpar's clamp is another change) and ctxpar's GPT of
-    the same shapes, on the same random weights and expert table; {theirs: ours} names."""
+    """transformers' DeepseekV4ForCausalLM (the three layer types, a hash-routed layer, mHC,
+    the experts' and shared experts' SwiGLU clamped at LIMIT: within the activations'
+    reach) and ctxpar's GPT of the same shapes, on the same random weights and expert
+    table; {theirs: ours} names."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     from ctxpar.config.hyper_connections import HyperConnectionsConfig
     from ctxpar.config.moe import MoEConfig
@@ -257,10 +260,10 @@ def _v4_pair():
         num_key_value_heads=1, head_dim=D, sliding_window=WINDOW, layer_types=list(KINDS),
         mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates=RATES,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, hc_mult=2,
-        swiglu_limit=1e9, rope_parameters={"main": {**rope, "rope_theta": 10000.0},
+        swiglu_limit=LIMIT, rope_parameters={"main": {**rope, "rope_theta": 10000.0},
                                            "compress": {**rope, "rope_theta": 160000.0}},
         **{k: v for k, v in SECTION.items() if k != "compress_rates"})).float()
-    m = model_config(KINDS, vocab_size=64, tie_embeddings=False,
+    m = model_config(KINDS, vocab_size=64, tie_embeddings=False, swiglu_limit=LIMIT,
                      hyper_connections=HyperConnectionsConfig(streams=2),
                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=12,
                                    score="sqrtsoftplus", routed_scaling_factor=1.5,
@@ -297,7 +300,8 @@ def _v4_pair():
 
 def test_the_v4_gpt_equals_transformers_deepseek_v4_on_the_same_weights():
     """Logits and every gradient of the token loss: the three layer types, a hash-routed
-    and two routed layers (sqrtsoftplus, its correction bias), the mHC streams."""
+    and two routed layers (sqrtsoftplus, its correction bias, clamped SwiGLU experts), the
+    mHC streams."""
     theirs, ours, names = _v4_pair()
     tokens = torch.randint(0, 64, (B, N), generator=torch.Generator().manual_seed(4))
     want = theirs(input_ids=tokens).logits
@@ -322,7 +326,7 @@ def test_v4_folders_and_exports_are_refused_naming_what_is_missing(tmp_path):
     with pytest.raises(CheckpointError) as e:
         hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
     assert "model_type='deepseek_v4': DeepSeek-V4's layers are built" in str(e.value)
-    assert "(swiglu_limit)" in str(e.value) and "\n" not in str(e.value)
+    assert "rope_parameters" in str(e.value) and "\n" not in str(e.value)
     for kinds in (KINDS, ["sliding_attention"] * 2):
         with pytest.raises(CheckpointError, match=r"no Hugging Face family holds this model"):
             hf.family_config(model_config(kinds))
