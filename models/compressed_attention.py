@@ -97,7 +97,8 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(rate, wide, device=device, dtype=dtype))
         self.kv_proj = nn.Linear(d, wide, **kw)
         self.gate_proj = nn.Linear(d, wide, **kw)
-        self.kv_norm = RMSNorm(width, eps, device=device, dtype=dtype)
+        self.kv_norm = RMSNorm(width, eps, device=device, dtype=dtype)  # its weight: the
+        # core normalises the pooled entries itself (compressor.compress_windows)
 
     def inputs(self, x: torch.Tensor, tp_group) -> tuple:
         """(kv, gate, position_bias, norm weight) the core compresses, through f."""
@@ -207,7 +208,7 @@ class CompressedAttention(TokenMixer):
                   entry_rope=self.entry_rope, cp_group=self.cp.cp_group,
                   layout=self.cp.layout, comm=self.cp.comm, norm_eps=self.eps,
                   softmax_scale=self.scale, backend=self.backend)
-        if len(inputs) == 3:
+        if self.kind == "heavily_compressed_attention":
             return hca_attention(q, kv, *inputs[2], self.sinks, **kw)
         return csa_attention(q, kv, *inputs[2], self.sinks, inputs[3],
                              index_topk=self.index_topk, **kw)

@@ -9,15 +9,12 @@ from typing import List
 
 from ..context_parallel.compressed import COMPRESS_COMMS
 from ..context_parallel.compressor import COMPRESS_LAYOUTS
+from .dsa import _positive_int  # the one test of an integer >= 1 (bools refused)
 from .layer_mixers import COMPRESSED_TYPES, layer_types
 from .param_spec import ParamSpec, linear_specs
 from .sections import resolved_head_dim, rotary_dim
 
 V4_LAYER_TYPES = ("sliding_attention", *COMPRESSED_TYPES)
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 # Attention fields the V4 layer does not read: refused beside model.compressed_attention
