@@ -134,7 +134,10 @@ class Indexer(Compressor):
 class CompressedAttention(TokenMixer):
     """DeepSeek-V4's attention of one layer (module docstring); as a token mixer:
     project_in the projections and RoPE, mix the CP core of the layer's type, project_out
-    the inverse RoPE and the grouped output projection."""
+    the inverse RoPE and the grouped output projection. Under 'selective' recompute the
+    Block replays project_in and project_out, never the core (its collectives)."""
+
+    selective_recompute = True
 
     def __init__(self, cfg: ModelConfig, args: LayerArgs):
         super().__init__()
