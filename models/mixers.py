@@ -1,7 +1,7 @@
 """The mixers a Block is made of, by kind: one registry, read once per layer.
 
-    TOKEN_MIXERS[layer.token_mixer]    'attention', 'mla', 'dsa', 'gated_delta', 'kda', 'mamba2' (None:
-                                       none)
+    TOKEN_MIXERS[layer.token_mixer]    'attention', 'mla', 'dsa', 'compressed', 'gated_delta', 'kda',
+                                       'mamba2' (None: none)
     CHANNEL_MIXERS[kind]               'mlp', or 'moe' where model.moe.layers says
                                        ('moe_beside_mlp' under model.moe.beside_mlp)
 
@@ -25,6 +25,7 @@ import torch.nn as nn
 from ctxpar.config import LayerAttention, ModelConfig
 
 from .attention import Attention
+from .compressed_attention import CompressedAttention
 from .gated_delta import GatedDeltaNet, init_gated_delta
 from .kda import KimiDeltaAttention, init_kda
 from .mamba2 import Mamba2, init_mamba2
@@ -55,6 +56,7 @@ TOKEN_MIXERS: Dict[str, TokenMixerKind] = {
     "mla": TokenMixerKind("attn", MLA.from_layer),
     "dsa": TokenMixerKind("attn", DSA.from_layer),
     "kda": TokenMixerKind("kda", KimiDeltaAttention.from_layer, init_kda),
+    "compressed": TokenMixerKind("attn", CompressedAttention.from_layer),  # DeepSeek-V4
 }
 
 CHANNEL_MIXERS: Dict[str, Callable[[LayerArgs], nn.Module]] = {  # the Block's `mlp`

@@ -114,7 +114,8 @@ def _write(tmp_path, data, name="c.yaml"):
     ({"model": {"layer_types": ["full_attention", "local"]}}, None,
      "model.layer_types: unknown type(s) ['local']; choose from ['full_attention', "
      "'sliding_attention', 'chunked_attention', 'linear_attention', 'kimi_delta_attention', "
-     "'mamba', 'attention', 'mlp']"),
+     "'mamba', 'attention', 'mlp', 'compressed_sparse_attention', "
+     "'heavily_compressed_attention']"),
     ({"model": {"layer_types": ["full_attention", "sliding_attention"]}}, None,
      "model.layer_types has 'sliding_attention' layers but model.sliding_window is not set"),
     ({"model": {"layer_types": ["full_attention"] * 2, "sliding_window": 8}}, None,

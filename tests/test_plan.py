@@ -1005,7 +1005,8 @@ def test_block_fields_are_all_block_specs_reads():
                          "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "moe",
                          "mla", "layer_kv_heads", "v_head_dim", "global_head_dim",
                          "global_n_kv_heads", "attention_k_eq_v", "num_kv_shared_layers",
-                         "per_layer_input_dim", "dsa", "double_wide_mlp", "hyper_connections"} == \
+                         "per_layer_input_dim", "dsa", "double_wide_mlp", "hyper_connections",
+                         "compressed_attention"} == \
         {f.name for f in dataclasses.fields(ModelConfig)}
 
 

@@ -17,12 +17,17 @@ LAYER_MIXERS = {  # layer type -> (token mixer, channel mixer); None: the block 
     "mamba": ("mamba2", None),
     "attention": ("attention", None),
     "mlp": (None, "mlp"),
+    # DeepSeek-V4's compressed layers: their attention is model.compressed_attention's
+    "compressed_sparse_attention": ("attention", "mlp"),
+    "heavily_compressed_attention": ("attention", "mlp"),
 }
 LAYER_TYPES = tuple(LAYER_MIXERS)
+COMPRESSED_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
+WINDOWED_TYPES = ("sliding_attention", *COMPRESSED_TYPES)  # model.sliding_window's layers
 # What an attention layer runs: its type's 'attention', or a model-wide kind in its place
 # (model.mla: multi-head latent attention; model.dsa: MLA over the indexer's top-k;
-# token_mixer_of)
-ATTENTION_MIXERS = ("attention", "mla", "dsa")
+# model.compressed_attention: DeepSeek-V4's; token_mixer_of)
+ATTENTION_MIXERS = ("attention", "mla", "dsa", "compressed")
 LATENT_MIXERS = ("mla", "dsa")  # the ones whose keys and values come from MLA's latent
 LINEAR_MIXERS = ("gated_delta", "kda", "mamba2")  # the token mixers passing a state over CP
 
@@ -36,7 +41,10 @@ def token_mixer_of(m, kind: str):
 
 
 def attention_mixer(m) -> str:
-    """What m's attention layers run: 'dsa' (model.dsa), 'mla' (model.mla), 'attention'."""
+    """What m's attention layers run: 'compressed' (model.compressed_attention), 'dsa'
+    (model.dsa), 'mla' (model.mla), 'attention'."""
+    if getattr(m, "compressed_attention", None) is not None:
+        return "compressed"
     if getattr(m, "mla", None) is None:
         return "attention"
     return "dsa" if getattr(m, "dsa", None) is not None else "mla"

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 # ATTENTION_TYPES: importable from here too (the Hugging Face import reads it here)
 from .layer_mixers import (ATTENTION_TYPES, LAYER_MIXERS, LAYER_TYPES,  # noqa: F401
-                           attention_mixer, layer_types)
+                           WINDOWED_TYPES, attention_mixer, layer_types)
 from .attention_heads import type_kv_heads
 from .sections import ModelConfig, resolved_head_dim
 
@@ -144,7 +144,7 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
             turned = m.rope and i not in (m.nope_layers or ())
             out.append(LayerAttention(
                 kind,
-                m.sliding_window if kind == "sliding_attention" else None,
+                m.sliding_window if kind in WINDOWED_TYPES else None,
                 m.attention_chunk_size if kind == "chunked_attention" else None,
                 float(rope.get("rope_theta", m.rope_theta)),
                 rope["rope_scaling"] if "rope_scaling" in rope else m.rope_scaling,
@@ -204,11 +204,12 @@ def check_layers(m: ModelConfig, err) -> None:
         if bad:
             err(f"model.layer_types: unknown type(s) {bad}; choose from {list(LAYER_TYPES)}")
         kinds = set(m.layer_types)
-        for kind, key in (("sliding_attention", "sliding_window"),
-                          ("chunked_attention", "attention_chunk_size")):
+        for types, key in ((WINDOWED_TYPES, "sliding_window"),
+                           (("chunked_attention",), "attention_chunk_size")):
+            kind = types[0]
             if kind in kinds and getattr(m, key) is None:
                 err(f"model.layer_types has {kind!r} layers but model.{key} is not set")
-            if kind not in kinds and getattr(m, key) is not None:
+            if not kinds & set(types) and getattr(m, key) is not None:
                 err(f"model.{key}={getattr(m, key)} is set but no layer in "
                     f"model.layer_types is {kind!r}: it would be ignored")
     check_linear_fields(m, kinds, err)

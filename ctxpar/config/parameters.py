@@ -21,11 +21,11 @@ TP split, as the TP layers make it (ctxpar/tensor_parallel/layers.py):
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from operator import attrgetter
 from typing import Iterable, List, Optional, Tuple
 
+from .compressed_layers import compressed_attention_specs
+from .param_spec import ParamSpec, linear_specs as _linear
 from .layer_mixers import LAYER_MIXERS, first_layer_type, layer_types, token_mixer_of
 from .attention_heads import sinks_on
 from .layers import (GDN_FIELDS, MAMBA_FIELDS, LayerAttention, gated_delta_dims, kv_sources,
@@ -33,31 +33,6 @@ from .layers import (GDN_FIELDS, MAMBA_FIELDS, LayerAttention, gated_delta_dims,
 from .kv_layers import layer_ffn_hidden
 from .moe import moe_layer_indices
 from .sections import GATED_MLPS, ModelConfig, resolved_ffn_hidden, resolved_head_dim
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str                # GPT's parameter name (ctxpar/checkpoint/names.py)
-    shape: Tuple[int, ...]   # the full tensor's
-    split: Optional[str]     # 'column', 'row', 'heads' or None (module docstring)
-
-    def local_shape(self, tp: int, ep: int = 1) -> Tuple[int, ...]:
-        """The shape one of tp ranks (and of ep expert-parallel ranks) holds."""
-        if self.split == "experts_column":  # (E, rows, d): experts over EP, rows over TP
-            return (self.shape[0] // ep, self.shape[1] // tp, self.shape[2])
-        if self.split == "experts_row":     # (E, d, f)
-            return (self.shape[0] // ep, self.shape[1], self.shape[2] // tp)
-        if self.split == "experts_bias":    # (E, rows): rows over TP; (E, d): whole
-            return (self.shape[0] // ep, self.shape[1] // (tp if self.name.endswith(
-                "gate_up_proj_bias") else 1))
-        if self.split == "column":
-            return (self.shape[0] // tp, *self.shape[1:])
-        if self.split == "row" and len(self.shape) == 2:
-            return (self.shape[0], self.shape[1] // tp)
-        return self.shape  # replicated: norms, row-parallel biases, kv heads < tp
-
-    def numel(self, tp: int = 1, ep: int = 1) -> int:
-        return math.prod(self.local_shape(tp, ep))
 
 
 def head_dim(m: ModelConfig) -> int:
@@ -70,13 +45,6 @@ def kv_heads_per_rank(m: ModelConfig, tp: int, n_kv: Optional[int] = None) -> in
     (layer_kv_heads), else the model's."""
     n_kv = n_kv or m.n_kv_heads or m.n_heads
     return n_kv // tp if n_kv % tp == 0 else 1
-
-
-def _linear(name: str, d_in: int, d_out: int, split: str, bias: bool) -> List[ParamSpec]:
-    specs = [ParamSpec(f"{name}.weight", (d_out, d_in), split)]
-    if bias:  # a row-parallel layer's bias is added once, after the all-reduce: replicated
-        specs.append(ParamSpec(f"{name}.bias", (d_out,), None if split == "row" else split))
-    return specs
 
 
 def _norm(name: str, m: ModelConfig, dim: Optional[int] = None) -> List[ParamSpec]:
@@ -93,7 +61,9 @@ def block_fields(m: ModelConfig) -> tuple:
     return (*_BLOCK_FIELDS(m), LAYER_MIXERS[first_layer_type(m)],
             None if m.moe is None else repr(m.moe), repr(m.reordered_norms), repr(m.mla),
             repr(m.layer_kv_heads), repr(m.attention_sinks), repr(m.dsa),
-            repr(m.hyper_connections))
+            repr(m.hyper_connections), repr(m.compressed_attention),
+            # V4's three types share LAYER_MIXERS' entry, not their parameters
+            first_layer_type(m) if m.compressed_attention is not None else None)
 
 
 # block_fields' model fields: the attention's and MLP's, the linear mixers' sizes, conv bias
@@ -346,6 +316,7 @@ TOKEN_MIXER_PARAMETERS = {  # token mixer -> (submodule, specs(m, its prefix, tp
     "gated_delta": ("linear_attn", _gated_delta_specs),
     "mamba2": ("mamba", _mamba2_specs),
     "kda": ("kda", _kda_specs),
+    "compressed": ("attn", compressed_attention_specs),
 }
 
 

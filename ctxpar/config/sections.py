@@ -12,6 +12,7 @@ from ..context_parallel.layouts import LAYOUTS
 from ..context_parallel.linear.api import LINEAR_CP_STRATEGIES
 from ..context_parallel.ring import GRAD_DTYPES
 from .hf_families import HF_FAMILIES  # config.json model_types
+from .compressed_attention import CompressedAttentionConfig
 from .dsa import DSAConfig
 from .mla import MLAConfig
 from .moe import MoEConfig
@@ -245,6 +246,10 @@ class ModelConfig:
     dsa: Optional[DSAConfig] = None
     """DeepSeek sparse attention on top of model.mla: the lightning indexer's top-k per
     query (ctxpar/config/dsa.py; DeepSeek-V3.2, GLM-5; None: dense MLA)."""
+    compressed_attention: Optional[CompressedAttentionConfig] = None
+    """DeepSeek-V4's attention in every attention layer: MQA with K = V, sinks, the window,
+    and the compressed layers' entries (ctxpar/config/compressed_attention.py; None:
+    none)."""
     mtp: Optional[MTPConfig] = None
     """Multi-token prediction layers after the head (ctxpar/config/mtp.py; None: none, and
     an imported folder's MTP tensors are left out)."""

@@ -14,6 +14,7 @@ from .layer_mixers import has_linear_layers, token_mixers
 from .linear_tiles import check_tiled_linear
 from .kv_layers import check_kv_layers
 from .layers import check_layers, gated_delta_dims, mamba_dims
+from .compressed_layers import check_compressed_attention
 from .dsa import check_dsa
 from .mla import check_mla
 from .pipeline_stages import check_mtp_stages, check_stages_hold_experts
@@ -57,6 +58,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     check_stages_hold_experts(cfg, err)
     check_mla(cfg.model, cfg.parallel.tp, err)
     check_dsa(cfg, err)
+    check_compressed_attention(cfg, training, err)
     check_mtp(cfg, err)
     check_hyper_connections(cfg, err)
     check_hash_layers(cfg, err)

@@ -41,7 +41,9 @@ ARCH_DEFAULTS = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "attention_b
                  # Gemma 4's (config/kv_layers.py)
                  "global_head_dim": None, "global_n_kv_heads": None, "attention_k_eq_v": False,
                  "value_norm": False, "num_kv_shared_layers": 0, "per_layer_input_dim": 0,
-                 "layer_scalar": False, "final_logit_softcapping": None}
+                 "layer_scalar": False, "final_logit_softcapping": None,
+                 # DeepSeek-V4's attention: no family reads or writes it yet (NOT_BUILT)
+                 "compressed_attention": None}
 
 # config.json keys that do not change the computation: bookkeeping, token ids, generation
 # defaults, the runtime's switches.
