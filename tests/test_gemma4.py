@@ -250,13 +250,15 @@ def test_ulysses_consumers_send_no_kv(world4):
     """Under Ulysses a producer's K/V are regrouped by heads once, its consumers attend with
     those (ulysses_heads_kv): a consumer layer's all-to-alls are q's and out's alone (and
     dout's and dq's), each all-to-all of b bytes a rank sending b/2 at cp2. K/V at Ulysses'
-    kv-head width (the full layers' one head replicated to 2)."""
+    kv-head width (the full layers' one head replicated to 2); the full layers' keys equal
+    to values travel as one tensor (k_proj x, expanded on arrival: heads_latent)."""
     B, S, H, e = BATCH, N // 2, 4, 4
     want = 0
     for i, kind in enumerate(TYPES):
         hd = 32 if kind == "full_attention" else 24
         q = B * S * H * hd * e                        # q and out alike
-        kv = 0 if i >= 3 else 2 * B * S * 2 * hd * e  # k, v: the producers' only
+        tensors = 1 if kind == "full_attention" else 2  # k_eq_v: k_proj x alone
+        kv = 0 if i >= 3 else tensors * B * S * 2 * hd * e  # the producers' only
         want += (2 * q + kv) // 2
     for rank, per_case in enumerate(world4):
         assert per_case[-1] == (want, want), (rank, per_case[-1], want)

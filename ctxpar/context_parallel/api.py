@@ -30,8 +30,8 @@ from .comm import LOCAL, group_rank_and_size
 from .hybrid import hybrid_attention
 from .kernels import default_scale, get_backend
 from .latent import LatentDims
-from .latent_api import latent_attention
-from .layouts import check_layout
+from .latent_api import expanded_attention, heads_latent, latent_attention
+from .layouts import check_layout, gather_sequence
 from .mask import AttentionMask
 from .ulysses import head_shard, ulysses_attention, ulysses_heads_kv
 
@@ -223,6 +223,39 @@ class ContextParallel:
         if self.comm != "ulysses":
             return None
         return ulysses_heads_kv(k, v, world_group(self.cp_group), self.layout)
+
+    @property
+    def size(self) -> int:
+        """The CP degree (ulysses x ring under 'hybrid')."""
+        return cp_group_size(self.comm, self.cp_group, self.ulysses_group, self.ring_group)
+
+    def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The whole sequence's positions (T,) or (B, T) from each rank's (T/cp,) or
+        (B, T/cp): one all-gather, tokens put back in sequence order (the two-level layout's
+        under 'hybrid')."""
+        u = 1
+        if self.comm == "hybrid":
+            u = group_rank_and_size(world_group(self.ulysses_group))[1]
+        group = self.cp_group
+        return gather_sequence(positions, -1, world_group(group), self.layout, u).detach()
+
+    def expanded_attention(self, q, latent, expansion, *, backend: str = "auto",
+                           softmax_scale: Optional[float] = None,
+                           mask: Optional[AttentionMask] = None, heads_latent=None):
+        """One tensor per token on the wire, K,V made where it arrives (latent_api's
+        expanded_attention; Gemma 4's keys equal to values)."""
+        return expanded_attention(
+            q, latent, expansion, comm=self.comm, cp_group=self.cp_group,
+            ulysses_group=self.ulysses_group, ring_group=self.ring_group, layout=self.layout,
+            softmax_scale=softmax_scale, backend=backend, mask=mask,
+            heads_latent=heads_latent)
+
+    def heads_latent(self, latent):
+        """expanded_attention's latent regrouped by heads once for several layers under
+        'ulysses' (latent_api.heads_latent); None for the other patterns."""
+        if self.comm != "ulysses":
+            return None
+        return heads_latent(latent, world_group(self.cp_group), self.layout)
 
     def latent_attention(self, q, latent, kv_b_weight, dims: LatentDims, *,
                          causal: bool = False, backend: str = "auto",
