@@ -82,7 +82,7 @@ class Attention(TokenMixer):
         # model.num_kv_shared_layers: a consumer attends with its producer's K/V (set by the
         # GPT: kv_producer a 1-tuple, not a submodule); a producer keeps its last in shared_kv
         self.kv_producer, self.keeps_shared_kv, self.shared_kv = None, False, None
-        self.shared_heads_kv = None  # under Ulysses: its K/V regrouped by heads, kept too
+        self.held_kv = None  # under Ulysses / all-gather: its K/V as exchanged, kept too
         # k_eq_v under CP (set_sequence_rotary): the whole sequence's (cos, sin), and the
         # expansion of k_proj x on the wire its mix makes (consumers use the producer's)
         self.sequence_rotary, self.expansion = None, None
@@ -187,19 +187,19 @@ class Attention(TokenMixer):
     def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
         if cache is None and (self.kv_producer or (self,))[0].sequence_rotary is not None:
             return self.expanded_core(inputs[0], inputs[1], cu_seqlens)
-        heads_kv = None
+        held = None
         if self.kv_producer is not None:  # the producer's K/V of this forward, never recomputed
             inputs = (inputs[0], *self.kv_producer[0].shared_kv)
-            heads_kv = self.kv_producer[0].shared_heads_kv  # Ulysses: never re-sent either
+            held = self.kv_producer[0].held_kv  # Ulysses, all-gather: never re-sent either
         elif self.keeps_shared_kv:
             self.shared_kv = inputs[1:]  # (k, v), held until the next forward
-            # under Ulysses regrouped by heads once, for itself and its consumers (same
-            # widths only: a narrower V travels padded, core)
-            self.shared_heads_kv = heads_kv = self.cp.heads_kv(*inputs[1:]) \
+            # exchanged once (Ulysses: by heads; all-gather: gathered), for itself and its
+            # consumers (same widths only: a narrower V travels padded, core)
+            self.held_kv = held = self.cp.held_kv(*inputs[1:], self.mask(cu_seqlens)) \
                 if cache is None and inputs[1].shape[-1] == inputs[2].shape[-1] else None
         if cache is not None:  # generation: the cache keeps k, v and runs the core or decodes
             return cache(*inputs, self.core, self.mask())
-        return self.core(*inputs, cu_seqlens, heads_kv)  # (B, T/cp, nh/tp, hd)
+        return self.core(*inputs, cu_seqlens, held)  # (B, T/cp, nh/tp, hd)
 
     def project_out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         return self.out(o, gate)
@@ -210,19 +210,19 @@ class Attention(TokenMixer):
         rows and expansion (under Ulysses those already regrouped by heads)."""
         if self.kv_producer is not None:
             producer = self.kv_producer[0]
-            raw, heads = producer.shared_kv[0], producer.shared_heads_kv
+            raw, held = producer.shared_kv[0], producer.held_kv
         else:
             weight = () if self.k_norm is None else \
                 (copy_to_tensor_model_parallel_region(self.k_norm.weight, self.tp_group),)
             self.expansion = FunctionExpansion(self.expand_keys_values, weight, self.head_dim)
-            heads = None
+            held = None
             if self.keeps_shared_kv:  # held for the consumers until the next forward
-                self.shared_kv, self.shared_heads_kv = (raw,), self.cp.heads_latent(raw)
-                heads = self.shared_heads_kv
+                self.shared_kv, self.held_kv = (raw,), self.cp.held_latent(raw)
+                held = self.held_kv
         expansion = (self.kv_producer or (self,))[0].expansion
         return self.cp.expanded_attention(q, raw, expansion, backend=self.backend,
                                           softmax_scale=self.scale,
-                                          mask=self.mask(cu_seqlens), heads_latent=heads)
+                                          mask=self.mask(cu_seqlens), held_latent=held)
 
     def mask(self, cu_seqlens=None) -> AttentionMask:
         """What this layer's queries see: causal by the layout's global positions, inside
@@ -232,17 +232,17 @@ class Attention(TokenMixer):
                              chunk_size=self.layer.chunk_size, cu_seqlens=cu_seqlens,
                              sinks=self.sinks)
 
-    def core(self, q, k, v, cu_seqlens=None, heads_kv=None) -> torch.Tensor:
+    def core(self, q, k, v, cu_seqlens=None, held_kv=None) -> torch.Tensor:
         # Exact attention over the whole sequence through cp.comm's pattern. Values
         # narrower than the keys travel zero-padded to hd (the patterns move K and V as
-        # one block): the padding's output columns are zeros, dropped here. heads_kv:
-        # Ulysses' K,V already regrouped by heads (a shared K/V's, mix).
+        # one block): the padding's output columns are zeros, dropped here. held_kv:
+        # K,V already exchanged (Ulysses' by heads, all-gather's slots: a shared K/V's, mix).
         vd = v.shape[-1]
         if vd != q.shape[-1]:
             v = F.pad(v, (0, q.shape[-1] - vd))
         o = self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
                               mask=self.mask(cu_seqlens),
-                              heads_kv=heads_kv)  # (B, T/cp, nh/tp, hd)
+                              held_kv=held_kv)  # (B, T/cp, nh/tp, hd)
         return o[..., :vd]  # (B, T/cp, nh/tp, vd)
 
 

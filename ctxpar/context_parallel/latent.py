@@ -273,12 +273,16 @@ def _slots(rank: int, world: int) -> List[int]:
 
 
 def allgather_forward(q, latent, expansion, group, causal, layout, scale, kernel,
-                      mask=None, sinks=None):
+                      mask=None, sinks=None, held=False):
     """(out, lse): the latent all-gathered once (in group-rank order, asynchronously; the
-    local slot computed while it lands), every visible slot expanded and merged."""
+    local slot computed while it lands), every visible slot expanded and merged. held: the
+    latent is already every rank's (P, B, S, ...) (allgather.GatherSlots), nothing sent."""
     rank, world = group_rank_and_size(group)
     S, bands = q.shape[1], banded(kernel, q)
-    gathered, work = all_gather(latent, group, "fwd", async_op=True)  # (P, B, S, R + dr)
+    if held:
+        gathered, work, latent = latent, None, latent[rank]
+    else:
+        gathered, work = all_gather(latent, group, "fwd", async_op=True)  # (P, B, S, ...)
     out, lse = _accumulators(q, expansion.v_head_dim)
     for src in _slots(rank, world):
         plan = step_plan(layout, causal, rank, src, S, world, mask, bands)
@@ -294,12 +298,16 @@ def allgather_forward(q, latent, expansion, group, causal, layout, scale, kernel
 
 
 def allgather_backward(dout, q, latent, expansion, out, lse, group, causal, layout, scale,
-                       kernel, mask=None):
+                       kernel, mask=None, held=False):
     """(dq, d latent, d params): the latent gathered again (one layer's at a time, not every
-    layer's kept), each slot's fp32 latent gradient reduce-scattered home."""
+    layer's kept), each slot's fp32 latent gradient reduce-scattered home. held: every
+    slot's gradient returned (P, B, S, ...), GatherSlots reduce-scattering their sum."""
     rank, world = group_rank_and_size(group)
     dout, S, bands = dout.contiguous(), q.shape[1], banded(kernel, q)
-    gathered, work = all_gather(latent, group, "bwd", async_op=True)
+    if held:
+        gathered, work, latent = latent, None, latent[rank]
+    else:
+        gathered, work = all_gather(latent, group, "bwd", async_op=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dparams = _param_grads(expansion)
     dlat = torch.zeros((world, *latent.shape), dtype=torch.float32, device=q.device)
@@ -319,7 +327,8 @@ def allgather_backward(dout, q, latent, expansion, out, lse, group, causal, layo
         grad = g = None
     if work is not None:
         work.wait()
-    dlat = reduce_scatter(dlat, group, "bwd")                          # (B, S, R + dr) fp32
+    if not held:
+        dlat = reduce_scatter(dlat, group, "bwd")                      # (B, S, R + dr) fp32
     return dq.to(q.dtype), dlat.to(latent.dtype), dparams
 
 
@@ -327,12 +336,12 @@ PATTERNS = {"ring": (ring_forward, ring_backward),
             "allgather": (allgather_forward, allgather_backward)}
 
 
-def latent_pattern(comm: str, mask=None):
-    """(forward, backward) of 'ring' or 'allgather', planned by `mask` when given."""
+def latent_pattern(comm: str, mask=None, held=False):
+    """(forward, backward) of 'ring' or 'allgather', planned by `mask` when given; held:
+    the all-gather's over a latent gathered before (allgather_forward)."""
     forward, backward = PATTERNS[comm]
-    if mask is None:
-        return forward, backward
-    return partial(forward, mask=mask), partial(backward, mask=mask)
+    kw = {**({} if mask is None else dict(mask=mask)), **(dict(held=True) if held else {})}
+    return (partial(forward, **kw), partial(backward, **kw)) if kw else (forward, backward)
 
 
 class LatentAttention(torch.autograd.Function):

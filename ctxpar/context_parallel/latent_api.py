@@ -119,13 +119,15 @@ def expanded_attention(q: torch.Tensor, latent: torch.Tensor, expansion, *,
                        ring_group=None, layout: str = "contiguous",
                        softmax_scale: Optional[float] = None, backend: str = "auto",
                        return_lse: bool = False, mask: Optional[AttentionMask] = None,
-                       heads_latent=None):
+                       held_latent=None):
     """latent_attention with any expansion (expansion.py): latent (B, s, h, C), one tensor
     per kv head on the wire, made into K (B, L, h, D), V (B, L, h, dv) where it arrives
     (Gemma 4's keys equal to values: models/attention.py). Under Ulysses the latent is
-    regrouped by heads as K,V would be (h' = h, or lcm(h, u) replicated); heads_latent:
-    that regrouping already made (heads_latent, once for several layers). q (B, s, H, D)
-    with H % h == 0; the rest as latent_attention."""
+    regrouped by heads as K,V would be (h' = h, or lcm(h, u) replicated). held_latent: the
+    exchange made before, once for several layers (ContextParallel.held_latent): under
+    'ulysses' that regrouping (heads_latent), under 'allgather' every rank's latent
+    (allgather.GatherSlots, (P, B, s, h, C)), nothing gathered again. q (B, s, H, D) with
+    H % h == 0; the rest as latent_attention."""
     caller = "expanded_attention"
     groups = _groups(comm, cp_group, ulysses_group, ring_group, caller)
     if comm not in CP_COMMS:
@@ -140,10 +142,11 @@ def expanded_attention(q: torch.Tensor, latent: torch.Tensor, expansion, *,
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"{caller}: layout 'zigzag' needs an even local_seq, got "
                          f"{q.shape[1]}")
-    if heads_latent is not None and comm != "ulysses":
-        raise ValueError(f"{caller}: heads_latent is Ulysses', not comm={comm!r}'s")
+    if held_latent is not None and comm not in ("ulysses", "allgather"):
+        raise ValueError(f"{caller}: held_latent is Ulysses' or the all-gather's, not "
+                         f"comm={comm!r}'s")
     return _expanded(q, latent, expansion, comm, groups, False, layout, softmax_scale,
-                     backend, return_lse, None, mask, caller, heads_latent)
+                     backend, return_lse, None, mask, caller, held_latent)
 
 
 def heads_latent(latent: torch.Tensor, group, layout: str) -> torch.Tensor:
@@ -169,7 +172,7 @@ def _groups(comm, cp_group, ulysses_group, ring_group, caller):
 
 
 def _expanded(q, latent, expansion, comm, groups, causal, layout, softmax_scale, backend,
-              return_lse, cu_seqlens, mask, caller, regrouped=None):
+              return_lse, cu_seqlens, mask, caller, held=None):
     """The patterns of latent.py with `expansion` (arguments already checked)."""
     u, cp_group, ulysses_group, ring_group = groups
     mask = resolve_mask(mask, causal, cu_seqlens, q,
@@ -177,7 +180,10 @@ def _expanded(q, latent, expansion, comm, groups, causal, layout, softmax_scale,
     kernel = head_dims_kernel(get_backend(backend, q), q, expansion.v_head_dim)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     pattern = latent_pattern("allgather" if comm == "allgather" else "ring",
-                             None if mask.plain else mask)
+                             None if mask.plain else mask,
+                             held=comm == "allgather" and held is not None)
+    if comm == "allgather" and held is not None:
+        latent = held  # (P, B, s, ...): every rank's, gathered before
     if comm == "ulysses":
         ulysses_group, ring_group = cp_group, LOCAL  # the whole sequence, one local call
     if comm in ("ring", "allgather") or u == 1:
@@ -190,8 +196,8 @@ def _expanded(q, latent, expansion, comm, groups, causal, layout, softmax_scale,
     # regrouped by heads as K,V are.
     order = arrival_order(q.shape[1], ulysses_group, layout, q.device)
     qh, = SeqToHeads.apply(ulysses_group, order, (q.shape[2],), q)    # (B, u s, H/u, dqk)
-    if regrouped is not None:
-        lat = regrouped
+    if held is not None:
+        lat = held
     elif latent.dim() == 3:
         lat = GatherLatent.apply(latent, ulysses_group, order)         # (B, u s, R + dr)
     else:
