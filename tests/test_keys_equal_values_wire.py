@@ -114,3 +114,14 @@ def test_the_wire_carries_one_tensor_instead_of_two(world4, case):
             assert (two[0] - one[0], two[1] - one[1]) == (v, v), (rank, one, two)
         else:  # hybrid: V's all-to-all and half the ring's K,V gone
             assert two[0] - one[0] > B * S * KV * D * itemsize // 2, (rank, one, two)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_planner_counts_the_bytes_on_the_wire(world4, case):
+    """counts.cp_bytes with kv_tensors 1 (plan/kv_layers.wire_tensors) is what a rank sends."""
+    from ctxpar.plan.counts import cp_bytes
+    comm, _, u = CASES[case]
+    for n, path in ((1, "one tensor"), (2, "k and v")):
+        want = cp_bytes(comm, 4, u, B, N // 4, H, KV, D, 4, kv_tensors=n)
+        for rank, results in enumerate(world4):
+            assert results[case]["sent"][path] == want, (path, rank, want)
