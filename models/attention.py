@@ -53,10 +53,11 @@ class Attention(TokenMixer):
     under 'selective' the Block recomputes the first and the last, never the core.
 
     Gemma 4 (config/kv_layers.py): a layer's own head dim and kv heads; under k_eq_v no
-    v_proj, V = value_norm(k_proj x); under model.num_kv_shared_layers a consumer layer has
+    v_proj, V = value_norm(k_proj x), and under CP k_proj x alone on the wire (K and V made
+    where it arrives: expanded_core); under model.num_kv_shared_layers a consumer layer has
     q_proj, q_norm and o_proj only and attends (mix) with the K/V its producer's mix kept:
     never recomputed, and under CP the tensors its producer's ranks hold (under Ulysses
-    those regrouped by heads: the consumer sends no K/V)."""
+    regrouped by heads, under the all-gather gathered, once: the consumer sends no K/V)."""
 
     selective_recompute = True
 

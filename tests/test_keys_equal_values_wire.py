@@ -26,7 +26,8 @@ from models.rope import apply_rotary, rotary_cos_sin
 B, N, H, KV, D, ROT, EPS, SCALE = 2, 32, 4, 2, 16, 8, 1e-6, 0.3
 # (comm, layout, ulysses degree)
 CASES = [("ring", "zigzag", 1), ("ring", "contiguous", 1), ("ring", "striped", 1),
-         ("allgather", "zigzag", 1), ("ulysses", "zigzag", 4), ("hybrid", "zigzag", 2)]
+         ("allgather", "zigzag", 1), ("ulysses", "zigzag", 4), ("hybrid", "zigzag", 2),
+         ("hybrid", "striped", 2)]
 COS, SIN = rotary_cos_sin(torch.arange(N), ROT, 1e4)  # (N, ROT/2): the sequence's RoPE
 
 

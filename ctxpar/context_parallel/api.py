@@ -242,13 +242,12 @@ class ContextParallel:
 
     def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The whole sequence's positions (T,) or (B, T) from each rank's (T/cp,) or
-        (B, T/cp): one all-gather, tokens put back in sequence order (the two-level layout's
-        under 'hybrid')."""
-        u = 1
+        (B, T/cp): one all-gather, tokens put back in sequence order; under 'hybrid' over
+        the Ulysses group (the ring rank's shard, the layout over u) then the ring's."""
         if self.comm == "hybrid":
-            u = group_rank_and_size(world_group(self.ulysses_group))[1]
-        group = self.cp_group
-        return gather_sequence(positions, -1, world_group(group), self.layout, u).detach()
+            shard = gather_sequence(positions, -1, self.ulysses_group, self.layout)
+            return gather_sequence(shard, -1, self.ring_group, self.layout).detach()
+        return gather_sequence(positions, -1, world_group(self.cp_group), self.layout).detach()
 
     def expanded_attention(self, q, latent, expansion, *, backend: str = "auto",
                            softmax_scale: Optional[float] = None,

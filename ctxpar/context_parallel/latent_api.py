@@ -16,6 +16,10 @@ ulysses    q all-to-all'd by heads (H/u each), the latent all-gathered (it has n
            split), out all-to-all'd back; each rank expands only its heads with its rows of W
 hybrid     Ulysses' exchange over ulysses_group, then the latent ring over ring_group
 
+``expanded_attention(q, latent, expansion, ...)``: the same patterns with any expansion
+(expansion.py), a latent (B, s, h, C) with kv heads, regrouped by heads under Ulysses as
+K,V are: Gemma 4's k_proj x for its keys equal to values.
+
 Masks, layouts, backends and the contract (same shapes on every rank, checked locally
 before any communication) are context_parallel_attention's (api.py).
 """
