@@ -52,6 +52,22 @@ def reference():
     return dict(out=out.detach(), dq=q.grad, draw=raw.grad, dweight=w.grad)
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("comm", ["ring", "allgather"])
+def test_the_expansion_and_its_autograd_fold_equal_plain_attention_alone(comm):
+    """One rank (LOCAL): K,V made from raw in the pattern, and its backward's fold (dK, dV
+    through the expansion by autograd) into d raw and the weight's gradient."""
+    from ctxpar.context_parallel import LOCAL
+    q, raw, w, dout = (t.requires_grad_() for t in inputs())
+    out = ContextParallel(comm, LOCAL, layout="zigzag").expanded_attention(
+        q, raw, FunctionExpansion(keys_values, (w,), D), softmax_scale=SCALE,
+        mask=AttentionMask(causal=True))
+    out.backward(dout)
+    got = dict(out=out.detach(), dq=q.grad, draw=raw.grad, dweight=w.grad)
+    for name, want in reference().items():
+        close(got[name], want, f"{comm} {name}")
+
+
 def _cases(rank, world):
     import torch.distributed as dist
     from ctxpar import init_parallel_state
