@@ -1,14 +1,17 @@
 """Gemma 4's attention under CP: a tiny Gemma 4 GPT (sliding layers of head dim 24 beside
 full layers of head dim 32 with one kv head whose values are their keys' projection, the
 last two layers attending with layers 2's and 1's K/V, per-layer inputs, layer scalars,
-logits capped at 2: each TP rank caps its vocabulary shard) at
-cp2 ring zigzag, cp2 Ulysses and tp2 x cp2, under each activation recompute: the loss
-and every gradient (gathered over TP) equal one process's. The same with Gemma 4's
-experts beside every dense MLP (26B-A4B's form: its router's scales, four experts, two
-a token) and the shared-KV layers' MLPs twice as wide, at cp2 x ep2 and tp2 x cp2 x ep2
-(the experts gathered over EP). One spawn of four ranks, the layouts looped inside. The consumer layers read their producer's K/V
-as the producer's own ranks hold them, so a layout that computed them anew, or on other
-tokens, would change both; the folder's equality to transformers is tests/test_hf.py's.
+logits capped at 2: each TP rank caps its vocabulary shard) at cp2 ring zigzag, cp2
+Ulysses, cp2 all-gather (striped: the producers' gathered K/V held for the consumers),
+tp2 x cp2 and hybrid u2 x r2, under each activation recompute: the loss and every
+gradient (gathered over TP) equal one process's; the full layers' k_proj x travels
+alone, K and V made where it arrives. The same with Gemma 4's experts beside every dense
+MLP (26B-A4B's form: its router's scales, four experts, two a token) and the shared-KV
+layers' MLPs twice as wide, at cp2 x ep2 and tp2 x cp2 x ep2 (the experts gathered over
+EP). One spawn of four ranks, the layouts looped inside. The consumer layers read their
+producer's K/V as the producer's own ranks hold them, so a layout that computed them
+anew, or on other tokens, would change both; the folder's equality to transformers is
+tests/test_hf.py's. The bytes: Ulysses' and the all-gather's consumers send no K/V.
 """
 import pickle
 from dataclasses import replace
