@@ -23,15 +23,16 @@ from ctxpar.config.layers import LayerAttention, layer_attention
 from ctxpar.config.parameters import (kv_heads_per_rank, layer_head_dim, layer_kv_heads,
                                       layer_v_head_dim)
 from ctxpar.context_parallel import AttentionMask, ContextParallel
+from ctxpar.context_parallel.expansion import FunctionExpansion
 from ctxpar.tensor_parallel import (ColumnParallelLinear, ReplicatedHeadLinear,
                                     RowParallelLinear, copy_to_tensor_model_parallel_region)
 from ctxpar.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .norms import RMSNorm, l2_norm
+from .norms import RMSNorm, l2_norm, rms_norm
 from .options import LayerArgs
 from .qk_norm import AllHeadsRMSNorm
-from .rope import apply_rotary
+from .rope import apply_rotary, layer_inputs
 from .token_mixer import TokenMixer
 
 
@@ -52,10 +53,11 @@ class Attention(TokenMixer):
     under 'selective' the Block recomputes the first and the last, never the core.
 
     Gemma 4 (config/kv_layers.py): a layer's own head dim and kv heads; under k_eq_v no
-    v_proj, V = value_norm(k_proj x); under model.num_kv_shared_layers a consumer layer has
+    v_proj, V = value_norm(k_proj x), and under CP k_proj x alone on the wire (K and V made
+    where it arrives: expanded_core); under model.num_kv_shared_layers a consumer layer has
     q_proj, q_norm and o_proj only and attends (mix) with the K/V its producer's mix kept:
     never recomputed, and under CP the tensors its producer's ranks hold (under Ulysses
-    those regrouped by heads: the consumer sends no K/V)."""
+    regrouped by heads, under the all-gather gathered, once: the consumer sends no K/V)."""
 
     selective_recompute = True
 
@@ -81,7 +83,10 @@ class Attention(TokenMixer):
         # model.num_kv_shared_layers: a consumer attends with its producer's K/V (set by the
         # GPT: kv_producer a 1-tuple, not a submodule); a producer keeps its last in shared_kv
         self.kv_producer, self.keeps_shared_kv, self.shared_kv = None, False, None
-        self.shared_heads_kv = None  # under Ulysses: its K/V regrouped by heads, kept too
+        self.held_kv = None  # under Ulysses / all-gather: its K/V as exchanged, kept too
+        # k_eq_v under CP (set_sequence_rotary): the whole sequence's (cos, sin), and the
+        # expansion of k_proj x on the wire its mix makes (consumers use the producer's)
+        self.sequence_rotary, self.expansion = None, None
         self.k_eq_v = a.k_eq_v  # values from k_proj (model.attention_k_eq_v)
         self.v_eps = cfg.norm_eps if cfg.value_norm else None
         lin = dict(tp_group=tp_group, bias=cfg.bias or cfg.attention_bias, device=device,
@@ -119,28 +124,55 @@ class Attention(TokenMixer):
             q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.n_heads * self.head_dim)
         q = q.reshape(B, T, self.n_heads, self.head_dim)  # (B, T/cp, nh/tp, hd)
+        q = self.queries(q, cos, sin)
         if self.kv_producer is not None:  # K/V are the producer's (mix reads them)
-            q = q if self.q_norm is None else self.q_norm(q)
-            return (q if not self.rope else apply_rotary(q, cos, sin)), None, None, gate
+            return q, None, None, gate
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T/cp, nkv/tp, hd)
+        if self.sequence_rotary is not None:  # k_eq_v: k_proj x alone on the wire (mix)
+            return q, k, None, gate
         v = k if self.k_eq_v else self.v_proj(x).view(B, T, self.n_kv_heads, self.v_head_dim)
+        return (q, *self.keys_values(k, v, cos, sin), gate)
+
+    def queries(self, q: torch.Tensor, cos, sin) -> torch.Tensor:
+        """q (B, T/cp, nh/tp, hd) normed and turned as the keys are (keys_values)."""
+        if isinstance(self.q_norm, AllHeadsRMSNorm):  # over the whole projection
+            q = self.q_norm(q.flatten(2)).view_as(q)
+        elif self.q_norm is not None:  # over each head's hd channels
+            q = self.q_norm(q)
+        if not self.rope:  # NoPE: the order is the mask's alone
+            if self.layer.temperature is not None:  # cos is the query scale (..., T/cp)
+                q = (q * cos[..., None, None]).to(q.dtype)
+            return q
+        q = apply_rotary(q, cos, sin)
+        return q if self.l2_eps is None else l2_norm(q, self.l2_eps)
+
+    def keys_values(self, k, v, cos, sin, k_norm_weight=None):
+        """(K, V) from the projections k (B, L, h, hd), v (B, L, h, vd) and the rows' RoPE
+        (cos, sin): where they are made, or where k_proj x arrives under k_eq_v (then with
+        k_norm's weight already through TP's f, expand_keys_values)."""
         if self.v_eps is not None:  # Gemma 4's weightless value norm
             v = l2_norm(v, self.v_eps)
         if self.value_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale
             v = v * self.value_scale
-        if isinstance(self.q_norm, AllHeadsRMSNorm):  # over the whole projection
-            q = self.q_norm(q.flatten(2)).view_as(q)
+        if isinstance(self.k_norm, AllHeadsRMSNorm):  # over the whole projection
             k = self.k_norm(k.flatten(2)).view_as(k)
-        elif self.q_norm is not None:  # over each head's hd channels
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not self.rope:  # NoPE: the order is the mask's alone
-            if self.layer.temperature is not None:  # cos is the query scale (..., T/cp)
-                q = (q * cos[..., None, None]).to(q.dtype)
-            return q, k, v, gate
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.l2_eps is not None:  # Llama 4's weightless norm, after RoPE
-            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
-        return q, k, v, gate
+        elif k_norm_weight is not None:
+            k = rms_norm(k, k_norm_weight, self.k_norm.eps, self.k_norm.offset)
+        elif self.k_norm is not None:  # over each head's hd channels
+            k = self.k_norm(k)
+        if not self.rope:
+            return k, v
+        k = apply_rotary(k, cos, sin)
+        return (k if self.l2_eps is None else l2_norm(k, self.l2_eps)), v
+
+    def expand_keys_values(self, raw, index, *k_norm_weight):
+        """The k_eq_v expansion (ctxpar's expansion.FunctionExpansion): raw k_proj rows
+        (B, L, h, hd) at sequence places index (L,) -> (K, V), RoPE'd at the whole
+        sequence's positions (sequence_rotary, set by the GPT for the forward)."""
+        cos = sin = None
+        if self.rope:
+            cos, sin = (t.index_select(-2, index) for t in self.sequence_rotary)
+        return self.keys_values(raw, raw, cos, sin, *k_norm_weight)
 
     def out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         """o (B, T/cp, nh/tp, vd) -> o_proj(o * sigmoid(gate)) (B, T/cp, d)."""
@@ -154,22 +186,44 @@ class Attention(TokenMixer):
         return (q, k, v), (gate,)
 
     def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
-        heads_kv = None
+        if cache is None and (self.kv_producer or (self,))[0].sequence_rotary is not None:
+            return self.expanded_core(inputs[0], inputs[1], cu_seqlens)
+        held = None
         if self.kv_producer is not None:  # the producer's K/V of this forward, never recomputed
             inputs = (inputs[0], *self.kv_producer[0].shared_kv)
-            heads_kv = self.kv_producer[0].shared_heads_kv  # Ulysses: never re-sent either
+            held = self.kv_producer[0].held_kv  # Ulysses, all-gather: never re-sent either
         elif self.keeps_shared_kv:
             self.shared_kv = inputs[1:]  # (k, v), held until the next forward
-            # under Ulysses regrouped by heads once, for itself and its consumers (same
-            # widths only: a narrower V travels padded, core)
-            self.shared_heads_kv = heads_kv = self.cp.heads_kv(*inputs[1:]) \
+            # exchanged once (Ulysses: by heads; all-gather: gathered), for itself and its
+            # consumers (same widths only: a narrower V travels padded, core)
+            self.held_kv = held = self.cp.held_kv(*inputs[1:], self.mask(cu_seqlens)) \
                 if cache is None and inputs[1].shape[-1] == inputs[2].shape[-1] else None
         if cache is not None:  # generation: the cache keeps k, v and runs the core or decodes
             return cache(*inputs, self.core, self.mask())
-        return self.core(*inputs, cu_seqlens, heads_kv)  # (B, T/cp, nh/tp, hd)
+        return self.core(*inputs, cu_seqlens, held)  # (B, T/cp, nh/tp, hd)
 
     def project_out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         return self.out(o, gate)
+
+    def expanded_core(self, q, raw, cu_seqlens=None) -> torch.Tensor:
+        """k_eq_v under CP: k_proj x (B, T/cp, nkv/tp, hd) travels alone, K and V made where
+        it arrives (cp.expanded_attention); a consumer attends with its producer's raw
+        rows and expansion (under Ulysses those already regrouped by heads)."""
+        if self.kv_producer is not None:
+            producer = self.kv_producer[0]
+            raw, held = producer.shared_kv[0], producer.held_kv
+        else:
+            weight = () if self.k_norm is None else \
+                (copy_to_tensor_model_parallel_region(self.k_norm.weight, self.tp_group),)
+            self.expansion = FunctionExpansion(self.expand_keys_values, weight, self.head_dim)
+            held = None
+            if self.keeps_shared_kv:  # held for the consumers until the next forward
+                self.shared_kv, self.held_kv = (raw,), self.cp.held_latent(raw)
+                held = self.held_kv
+        expansion = (self.kv_producer or (self,))[0].expansion
+        return self.cp.expanded_attention(q, raw, expansion, backend=self.backend,
+                                          softmax_scale=self.scale,
+                                          mask=self.mask(cu_seqlens), held_latent=held)
 
     def mask(self, cu_seqlens=None) -> AttentionMask:
         """What this layer's queries see: causal by the layout's global positions, inside
@@ -179,18 +233,40 @@ class Attention(TokenMixer):
                              chunk_size=self.layer.chunk_size, cu_seqlens=cu_seqlens,
                              sinks=self.sinks)
 
-    def core(self, q, k, v, cu_seqlens=None, heads_kv=None) -> torch.Tensor:
+    def core(self, q, k, v, cu_seqlens=None, held_kv=None) -> torch.Tensor:
         # Exact attention over the whole sequence through cp.comm's pattern. Values
         # narrower than the keys travel zero-padded to hd (the patterns move K and V as
-        # one block): the padding's output columns are zeros, dropped here. heads_kv:
-        # Ulysses' K,V already regrouped by heads (a shared K/V's, mix).
+        # one block): the padding's output columns are zeros, dropped here. held_kv:
+        # K,V already exchanged (Ulysses' by heads, all-gather's slots: a shared K/V's, mix).
         vd = v.shape[-1]
         if vd != q.shape[-1]:
             v = F.pad(v, (0, q.shape[-1] - vd))
         o = self.cp.attention(q, k, v, backend=self.backend, softmax_scale=self.scale,
                               mask=self.mask(cu_seqlens),
-                              heads_kv=heads_kv)  # (B, T/cp, nh/tp, hd)
+                              held_kv=held_kv)  # (B, T/cp, nh/tp, hd)
         return o[..., :vd]  # (B, T/cp, nh/tp, vd)
+
+
+def set_sequence_rotary(layers, attention: list, positions, cp, head_dim: int) -> None:
+    """Before a training forward under CP: each k_eq_v layer making its own K/V (and so its
+    consumers) sends k_proj x alone, and makes K where it arrives with the RoPE of the
+    sender's tokens: the whole sequence's (cos, sin) from its positions (gathered once, 8
+    bytes a token; documents' restarted positions alike). None when cp is one rank, for
+    generation (the KV cache keeps K and V) and for whole-projection k norms (TP's
+    all-reduce inside)."""
+    full = None
+    for block, a in zip(layers, attention):
+        mixer = getattr(block, "mixer", None)
+        if not isinstance(mixer, Attention):
+            continue
+        mixer.sequence_rotary = None
+        if positions is None or not a.k_eq_v or a.kv_source is not None \
+                or isinstance(mixer.k_norm, AllHeadsRMSNorm) or cp.size == 1:
+            continue
+        if full is None:
+            full = cp.gather_positions(positions)  # (T,) or (B, T)
+        mixer.sequence_rotary = layer_inputs(full, a.head_dim or head_dim, a) if a.rope \
+            else (None, None)
 
 
 def link_shared_kv(layers, attention: list) -> None:

@@ -40,7 +40,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding
 from ctxpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .attention import link_shared_kv
+from .attention import link_shared_kv, set_sequence_rotary
 from .block import Block
 from .hyper_connections import HyperHead, expand_streams
 from .dsa import (freeze_all_but_indexers, indexer_losses_of, indexer_recalls_of,
@@ -316,6 +316,10 @@ class GPT(nn.Module):
         """
         rotary = layer_rotary(positions, rotary_dim(self.cfg),
                               self.layer_attention)  # each layer's (cos, sin), fp32
+        if self.cfg.attention_k_eq_v:  # k_proj x alone on the wire (training under CP)
+            set_sequence_rotary(self.layers, self.layer_attention,
+                                positions if kv_cache is None else None, self.cp,
+                                rotary_dim(self.cfg))
         x = embed_tokens(self.embed, tokens, self.cfg)  # (B, T/cp, d)
         for mlp in self._moe_layers():  # model.moe.hash_layers choose by the ids
             if mlp.hash_routed:

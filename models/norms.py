@@ -27,11 +27,18 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
-        if not self.offset:
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (self.offset + w.float())).type_as(x)
+        return rms_norm(x, w, self.eps, self.offset)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+             ) -> torch.Tensor:
+    """RMSNorm's computation with the weight given (one already through TP's f: Gemma 4's
+    k_norm applied where its keys arrive, models/attention.py)."""
+    if not offset:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (offset + weight.float())).type_as(x)
 
 
 def make_norm(cfg: ModelConfig, device=None, dtype=None) -> nn.Module:

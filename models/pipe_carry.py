@@ -77,10 +77,12 @@ def carried_after(cfg: ModelConfig, i: int) -> Carried:
 class CarriedKV:
     """A consumer attention's producer as seen on a pipeline stage (Attention.kv_producer
     reads ``shared_kv``): the (k, v) that arrived in the tuple, set for one forward. Never
-    regrouped by heads (``shared_heads_kv``, Ulysses' saving at pp 1): the consumer's core
-    sends the carried K/V itself, so their gradients flow back through the tuple."""
+    exchanged for it (``held_kv``, Ulysses' and the all-gather's saving at pp 1) nor sent as
+    k_proj x alone (``sequence_rotary``: the pipeline's stages send K and V): the consumer's
+    core sends the carried K/V itself, so their gradients flow back through the tuple."""
     shared_kv: Optional[tuple] = None
-    shared_heads_kv: Optional[tuple] = None
+    held_kv: Optional[tuple] = None
+    sequence_rotary: Optional[tuple] = None
 
 
 class LayerCarry:

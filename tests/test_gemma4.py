@@ -1,14 +1,17 @@
 """Gemma 4's attention under CP: a tiny Gemma 4 GPT (sliding layers of head dim 24 beside
 full layers of head dim 32 with one kv head whose values are their keys' projection, the
 last two layers attending with layers 2's and 1's K/V, per-layer inputs, layer scalars,
-logits capped at 2: each TP rank caps its vocabulary shard) at
-cp2 ring zigzag, cp2 Ulysses and tp2 x cp2, under each activation recompute: the loss
-and every gradient (gathered over TP) equal one process's. The same with Gemma 4's
-experts beside every dense MLP (26B-A4B's form: its router's scales, four experts, two
-a token) and the shared-KV layers' MLPs twice as wide, at cp2 x ep2 and tp2 x cp2 x ep2
-(the experts gathered over EP). One spawn of four ranks, the layouts looped inside. The consumer layers read their producer's K/V
-as the producer's own ranks hold them, so a layout that computed them anew, or on other
-tokens, would change both; the folder's equality to transformers is tests/test_hf.py's.
+logits capped at 2: each TP rank caps its vocabulary shard) at cp2 ring zigzag, cp2
+Ulysses, cp2 all-gather (striped: the producers' gathered K/V held for the consumers),
+tp2 x cp2 and hybrid u2 x r2, under each activation recompute: the loss and every
+gradient (gathered over TP) equal one process's; the full layers' k_proj x travels
+alone, K and V made where it arrives. The same with Gemma 4's experts beside every dense
+MLP (26B-A4B's form: its router's scales, four experts, two a token) and the shared-KV
+layers' MLPs twice as wide, at cp2 x ep2 and tp2 x cp2 x ep2 (the experts gathered over
+EP). One spawn of four ranks, the layouts looped inside. The consumer layers read their
+producer's K/V as the producer's own ranks hold them, so a layout that computed them
+anew, or on other tokens, would change both; the folder's equality to transformers is
+tests/test_hf.py's. The bytes: Ulysses' and the all-gather's consumers send no K/V.
 """
 import pickle
 from dataclasses import replace
@@ -74,13 +77,14 @@ def _parity(rank, world, payload):
 
     out = []
     for tp, cp, layout, comm, ckpt, ep, name in pickle.loads(payload):
-        st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep)
+        u = 2 if comm == "hybrid" else 1
+        st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep, ulysses=u)
         model = GPT(MODELS[name], ModelGroups.from_state(st),
                     ModelOptions(layout=layout, cp_comm=comm, seed=SEED,
                                  activation_checkpointing=ckpt))
         tokens, labels = _batch()
-        tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
-        pos = sequence_positions(N, st.cp_group, layout)
+        tok, lab = (shard_sequence(t, 1, st.cp_group, layout, u) for t in (tokens, labels))
+        pos = sequence_positions(N, st.cp_group, layout, ulysses=u)
         n_tokens = global_token_count(lab, st.dp_cp_group)
         loss_sum = model(tok, pos, lab)
         loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
@@ -92,21 +96,22 @@ def _parity(rank, world, payload):
             p.grad.div_(st.dp_size)
         out.append(dict(loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
                         grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group)))
-    out.append(_ulysses_bytes(world))
+    out.append({comm: _bytes_sent(world, comm, layout)
+                for comm, layout in (("ulysses", "zigzag"), ("allgather", "striped"))})
     return out
 
 
-def _ulysses_bytes(world):
-    """(forward, backward) bytes a rank sends at cp2 Ulysses (dp2 beside) in one step."""
+def _bytes_sent(world, comm, layout):
+    """(forward, backward) bytes a rank sends at cp2 (dp2 beside) in one step."""
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.context_parallel import cp_stats
     st = init_parallel_state(cp=2, dp=world // 2)
     model = GPT(GEMMA4, ModelGroups.from_state(st),
-                ModelOptions(layout="zigzag", cp_comm="ulysses", seed=SEED))
+                ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
     tokens, labels = _batch()
-    tok, lab = (shard_sequence(t, 1, st.cp_group, "zigzag") for t in (tokens, labels))
+    tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
     with cp_stats() as stats:
-        model(tok, sequence_positions(N, st.cp_group, "zigzag"), lab).backward()
+        model(tok, sequence_positions(N, st.cp_group, layout), lab).backward()
     return stats.fwd_bytes_sent, stats.bwd_bytes_sent
 
 
@@ -114,7 +119,9 @@ CASES = [(1, 2, "zigzag", "ring", "none", 1, "dense"),  # dp2 beside: each CP pa
          (1, 2, "zigzag", "ulysses", "selective", 1, "dense"),  # one global kv head to both
          (2, 2, "zigzag", "ring", "full", 1, "dense"),  # the global kv head replicated over TP
          (1, 2, "zigzag", "ring", "selective", 2, "moe"),  # the experts over each CP pair
-         (2, 2, "zigzag", "allgather", "none", 2, "moe")]  # their widths over TP too
+         (2, 2, "zigzag", "allgather", "none", 2, "moe"),  # their widths over TP too
+         (1, 2, "striped", "allgather", "none", 1, "dense"),  # consumers: the held gather
+         (1, 4, "zigzag", "hybrid", "none", 1, "dense")]  # u2 x r2: k_proj x on both
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +140,7 @@ def test_shared_kv_and_k_eq_v_over_cp_equal_one_process(world4, one_process, cas
     loss, grads = one_process[name]
     where = f"{name} tp{tp} cp{cp} ep{ep} {layout} {comm} {ckpt}"
     for rank, per_case in enumerate(world4):
-        got = per_case[case]  # (the last entry: _ulysses_bytes')
+        got = per_case[case]  # (the last entry: _bytes_sent's)
         torch.testing.assert_close(got["loss"], loss, **TOL, msg=f"{where} rank {rank}")
         assert sorted(got["grads"]) == sorted(grads)
         for n, g in grads.items():
@@ -250,16 +257,33 @@ def test_ulysses_consumers_send_no_kv(world4):
     """Under Ulysses a producer's K/V are regrouped by heads once, its consumers attend with
     those (ulysses_heads_kv): a consumer layer's all-to-alls are q's and out's alone (and
     dout's and dq's), each all-to-all of b bytes a rank sending b/2 at cp2. K/V at Ulysses'
-    kv-head width (the full layers' one head replicated to 2)."""
+    kv-head width (the full layers' one head replicated to 2); the full layers' keys equal
+    to values travel as one tensor (k_proj x, expanded on arrival: held_latent)."""
     B, S, H, e = BATCH, N // 2, 4, 4
     want = 0
     for i, kind in enumerate(TYPES):
         hd = 32 if kind == "full_attention" else 24
         q = B * S * H * hd * e                        # q and out alike
-        kv = 0 if i >= 3 else 2 * B * S * 2 * hd * e  # k, v: the producers' only
+        tensors = 1 if kind == "full_attention" else 2  # k_eq_v: k_proj x alone
+        kv = 0 if i >= 3 else tensors * B * S * 2 * hd * e  # the producers' only
         want += (2 * q + kv) // 2
     for rank, per_case in enumerate(world4):
-        assert per_case[-1] == (want, want), (rank, per_case[-1], want)
+        assert per_case[-1]["ulysses"] == (want, want), (rank, per_case[-1], want)
+
+
+def test_all_gather_consumers_gather_nothing(world4):
+    """Under the all-gather (striped: no halo) a producer's K/V are gathered once and held
+    (ContextParallel.held_kv; the full layer's k_proj x alone, held_latent), its consumers
+    attend with those slots: no gather of their own in forward, none again in backward,
+    and the slots' summed gradient reduce-scattered once. Layer 0 shares nothing: its K,V
+    gathered in forward, again in backward, their gradient reduce-scattered. At cp2 a rank
+    sends its own K,V (fp32) once per gather or reduce-scatter."""
+    B, S, e = BATCH, N // 2, 4
+    sliding, full = 2 * B * S * 2 * 24 * e, B * S * 1 * 32 * e  # K and V; k_proj x alone
+    want = (sliding + full + sliding,  # layers 0, 1, 2 gather; the consumers 3, 4 nothing
+            3 * sliding + full)  # layer 0 gathers again, every producer reduce-scatters
+    for rank, per_case in enumerate(world4):
+        assert per_case[-1]["allgather"] == want, (rank, per_case[-1], want)
 
 
 def test_tiled_experts_and_mlps_beside_them_equal_untiled(one_process):

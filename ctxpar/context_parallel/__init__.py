@@ -9,7 +9,9 @@ One file per communication pattern, beside the pieces they share:
     ulysses.py    comm="ulysses": all-to-all sequence <-> heads around one local kernel
     hybrid.py     comm="hybrid": Ulysses inside each ring rank, the ring across (USP)
     latent.py     MLA (DeepSeek-V2/V3): the ring / all-gather of the latent, expanded per
-                  block; latent_api.py its entry point latent_attention(comm=...)
+                  block; latent_api.py its entry point latent_attention(comm=...), and
+                  expanded_attention for any expansion (expansion.py: Gemma 4's keys
+                  equal to values, k_proj x on the wire)
     sparse_latent.py  DeepSeek sparse attention (V3.2, GLM-5): the indexer's top-k streamed
                   (dsa_indexer.py), MLA over the selected latent rows (dsa_attention.py),
                   the indexer's KL losses (dsa_loss.py); the pairs (dsa_pairs.py) and the

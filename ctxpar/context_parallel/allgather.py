@@ -21,6 +21,10 @@ halo exchange (halo.py: contiguous or zigzag): the only visible remote keys are 
 neighbours' last window-1 tokens, and gathering just those is that exchange, which
 all-gather then runs as well (the same bytes, no gathered sequence). See
 docs/parallelism.md for bytes and when to choose it.
+
+Held slots (GatherSlots, held_forward): K,V gathered once for several layers attending
+with them (Gemma 4's shared K/V: a producer and its consumers), no gather in their
+forward or backward; their slots' gradients summed by autograd, reduce-scattered once.
 """
 from __future__ import annotations
 
@@ -42,8 +46,9 @@ def _visible_slots(kv, gathered, work, rank: int, world: int, layout: str, causa
     when a remote slot is needed, and before returning in any case (the collective
     completes). kv (2, B, S, Hkv, D) local; gathered (P, 2, B, S, Hkv, D) in group-rank
     order; mask: None (plain causal or full) or the AttentionMask (mask.py) to plan by;
-    bands: plan a window as flash-attn window calls (blocks.banded)."""
-    S = kv.shape[2]
+    bands: plan a window as flash-attn window calls (blocks.banded). kv and gathered[src]
+    may also be (k, v) pairs (held_forward's slots)."""
+    S = kv[0].shape[1]
     for src in [rank] + [s for s in range(world) if s != rank]:
         for b, blk in step_plan(layout, causal, rank, src, S, world, mask, bands):
             if src != rank and work is not None:
@@ -92,12 +97,62 @@ def allgather_backward(dout, q, k, v, out, lse, group, causal, layout, scale, ke
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
+class GatherSlots(torch.autograd.Function):
+    """x (...) -> (P, ...), every rank's x in group-rank order, held for several layers
+    (Gemma 4's shared K/V: a producer's K,V gathered once, its consumers attending with the
+    same slots); backward the slots' summed gradient reduce-scattered home in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, group, "fwd")[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad.float(), ctx.group, "bwd").to(grad.dtype), None
+
+
+def held_forward(q, k_slots, v_slots, group, causal, layout, scale, kernel, mask=None,
+                 sinks=None):
+    """allgather_forward over K,V slots gathered before (GatherSlots: k_slots, v_slots
+    (P, B, S, Hkv, D)): no collective."""
+    rank, world = group_rank_and_size(group)
+    slots = list(zip(k_slots, v_slots))  # (k, v) of each rank
+    out, lse = empty_accumulators(q)
+    for _, b, blk, slot in _visible_slots(slots[rank], slots, None, rank, world, layout,
+                                          causal, mask, banded(kernel, q)):
+        forward_block_(kernel, q, slot[0], slot[1], blk, scale, out, lse, b)
+    return finish(out, lse, q.dtype, sinks)
+
+
+def held_backward(dout, q, k_slots, v_slots, out, lse, group, causal, layout, scale, kernel,
+                  mask=None):
+    """(dq, dk slots, dv slots (P, B, S, Hkv, D)): every slot's gradient, which GatherSlots
+    sums over the layers holding it before its one reduce-scatter."""
+    rank, world = group_rank_and_size(group)
+    dout = dout.contiguous()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=q.device)
+              for t in (k_slots, v_slots))
+    rows, slots = QueryRows(dout, q, out, lse), list(zip(k_slots, v_slots))
+    for src, b, blk, slot in _visible_slots(slots[rank], slots, None, rank, world, layout,
+                                            causal, mask, banded(kernel, q)):
+        qs, ks, g = backward_block(kernel, rows, slot[0], slot[1], blk, scale, b)
+        dq[b, qs] += g[0]
+        dk[src, b, ks] += g[1]
+        dv[src, b, ks] += g[2]
+        g = None
+    return dq.to(q.dtype), dk.to(k_slots.dtype), dv.to(v_slots.dtype)
+
+
 PATTERN = (allgather_forward, allgather_backward)  # for blocks.BlockwiseAttention
 
 
-def allgather_pattern(mask=None):
+def allgather_pattern(mask=None, held=False):
     """The all-gather's (forward, backward), planned by `mask` (an AttentionMask with
-    validated per-sample cu_seqlens, mask.py) when given."""
+    validated per-sample cu_seqlens, mask.py) when given; held: over slots gathered before
+    (held_forward)."""
+    forward, backward = (held_forward, held_backward) if held else PATTERN
     if mask is None:
-        return PATTERN
-    return partial(allgather_forward, mask=mask), partial(allgather_backward, mask=mask)
+        return forward, backward
+    return partial(forward, mask=mask), partial(backward, mask=mask)

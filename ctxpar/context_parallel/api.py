@@ -27,11 +27,12 @@ from . import allgather, ring
 from .arguments import CP_COMMS, cp_group_size, resolve_mask, world_group
 from .blocks import BlockwiseAttention
 from .comm import LOCAL, group_rank_and_size
+from .halo import halo_applies
 from .hybrid import hybrid_attention
 from .kernels import default_scale, get_backend
 from .latent import LatentDims
-from .latent_api import latent_attention
-from .layouts import check_layout
+from .latent_api import expanded_attention, heads_latent, latent_attention
+from .layouts import check_layout, gather_sequence
 from .mask import AttentionMask
 from .ulysses import head_shard, ulysses_attention, ulysses_heads_kv
 
@@ -76,7 +77,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                softmax_scale: Optional[float] = None, backend: str = "auto",
                                return_lse: bool = False, ring_grad_dtype: str = "fp32",
                                cu_seqlens=None, mask: Optional[AttentionMask] = None,
-                               heads_kv=None):
+                               held_kv=None):
     """softmax(q k^T * scale) v over the full sequence, sharded across a CP group.
 
     Longer than the others: the one public entry checks every argument here, before any
@@ -109,8 +110,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (inside any given ones); sinks (heads,) join every row's softmax after the merge
     (sinks.py), on every comm and backend, and get this rank's share of their gradient.
 
-    heads_kv: comm 'ulysses' only, k and v already regrouped by heads (ulysses_heads_kv's,
-    once for every layer attending with them: Gemma 4's shared K/V); only q and out travel.
+    held_kv: K,V the pattern's exchange made before, once for every layer attending with
+    them (Gemma 4's shared K/V; ContextParallel.held_kv): under 'ulysses' regrouped by heads
+    (ulysses_heads_kv's), under 'allgather' every rank's slots (allgather.GatherSlots,
+    (P, 2, B, S, Hkv, D)); only q and out travel, and no K,V are gathered again.
 
     Returns out (batch, local_seq, heads, head_dim) in q's dtype, and with return_lse also
     lse (batch, heads, local_seq) fp32 (not differentiable).
@@ -134,9 +137,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                         cp_group_size(comm, cp_group, ulysses_group, ring_group), caller)
     causal, sinks = mask.causal, mask.sinks
     plan_mask = None if mask.plain else mask  # None: the plain causal / full block plan
-    if heads_kv is not None and comm != "ulysses":
-        raise ValueError(f"{caller}: heads_kv (K,V regrouped by heads) is Ulysses', not "
-                         f"comm={comm!r}'s")
+    if held_kv is not None and comm not in ("ulysses", "allgather"):
+        raise ValueError(f"{caller}: held_kv (K,V exchanged before) is Ulysses' or the "
+                         f"all-gather's, not comm={comm!r}'s")
     if ring_grad_dtype != "fp32" and comm not in ("ring", "hybrid"):
         raise ValueError(f"{caller}: ring_grad_dtype={ring_grad_dtype!r} applies to the "
                          f"ring's dK,dV (comm 'ring' or 'hybrid'), not comm={comm!r}")
@@ -145,7 +148,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     lse = None
     if comm in ("ring", "allgather"):
         pattern = ring.ring_pattern(ring_grad_dtype, plan_mask) if comm == "ring" \
-            else allgather.allgather_pattern(plan_mask)
+            else allgather.allgather_pattern(plan_mask, held=held_kv is not None)
+        if held_kv is not None:  # the slots: (P, B, S, Hkv, D) each
+            k, v = held_kv[:, 0], held_kv[:, 1]
         out, lse = BlockwiseAttention.apply(q, k, v, pattern, cp_group, causal, layout, scale,
                                             kernel, sinks)
     elif comm == "ulysses":
@@ -155,7 +160,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         def local(qh, kh, vh):  # the whole sequence of H/u heads: one kernel call
             return BlockwiseAttention.apply(qh, kh, vh, local_pattern, LOCAL, causal, layout,
                                             scale, kernel, head_sinks)
-        out, lse = ulysses_attention(q, k, v, cp_group, layout, local, return_lse, heads_kv)
+        out, lse = ulysses_attention(q, k, v, cp_group, layout, local, return_lse, held_kv)
     else:
         out, lse = hybrid_attention(q, k, v, ulysses_group, ring_group, causal, layout, scale,
                                     kernel, return_lse, ring_grad_dtype, plan_mask,
@@ -208,21 +213,67 @@ class ContextParallel:
 
     def attention(self, q, k, v, *, causal: bool = False, backend: str = "auto",
                   softmax_scale: Optional[float] = None, return_lse: bool = False,
-                  cu_seqlens=None, mask: Optional[AttentionMask] = None, heads_kv=None):
+                  cu_seqlens=None, mask: Optional[AttentionMask] = None, held_kv=None):
         return context_parallel_attention(
             q, k, v, comm=self.comm, cp_group=self.cp_group, ulysses_group=self.ulysses_group,
             ring_group=self.ring_group, causal=causal, layout=self.layout,
             softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
             ring_grad_dtype=self.ring_grad_dtype, cu_seqlens=cu_seqlens, mask=mask,
-            heads_kv=heads_kv)
+            held_kv=held_kv)
 
-    def heads_kv(self, k, v):
-        """K,V regrouped by heads once for several layers (ulysses_heads_kv) under 'ulysses';
-        None for the other patterns, which move K,V per layer (docs/parallelism.md, Gemma
-        4's K/V on the wire)."""
-        if self.comm != "ulysses":
-            return None
-        return ulysses_heads_kv(k, v, world_group(self.cp_group), self.layout)
+    def held_kv(self, k, v, mask: Optional[AttentionMask] = None):
+        """K,V exchanged once for several layers (attention's held_kv: Gemma 4's shared K/V),
+        or None where each layer's own exchange is what this pattern does: under 'ulysses'
+        regrouped by heads (ulysses_heads_kv, the bytes of the local K,V); under
+        'allgather' gathered (P x the local K,V held from the producer's forward to its
+        backward, instead of one layer's at a time), unless a short window's halo is the
+        exchange (halo.py); the ring and hybrid move K,V per layer (docs/parallelism.md,
+        Gemma 4's K/V on the wire)."""
+        if self.comm == "ulysses":
+            return ulysses_heads_kv(k, v, world_group(self.cp_group), self.layout)
+        if self.comm == "allgather" and not self._halo(mask, k.shape[1]):
+            return allgather.GatherSlots.apply(torch.stack((k, v)), world_group(self.cp_group))
+        return None
+
+    @property
+    def size(self) -> int:
+        """The CP degree (ulysses x ring under 'hybrid')."""
+        return cp_group_size(self.comm, self.cp_group, self.ulysses_group, self.ring_group)
+
+    def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The whole sequence's positions (T,) or (B, T) from each rank's (T/cp,) or
+        (B, T/cp): one all-gather, tokens put back in sequence order; under 'hybrid' over
+        the Ulysses group (the ring rank's shard, the layout over u) then the ring's."""
+        if self.comm == "hybrid":
+            shard = gather_sequence(positions, -1, self.ulysses_group, self.layout)
+            return gather_sequence(shard, -1, self.ring_group, self.layout).detach()
+        return gather_sequence(positions, -1, world_group(self.cp_group), self.layout).detach()
+
+    def expanded_attention(self, q, latent, expansion, *, backend: str = "auto",
+                           softmax_scale: Optional[float] = None,
+                           mask: Optional[AttentionMask] = None, held_latent=None):
+        """One tensor per token on the wire, K,V made where it arrives (latent_api's
+        expanded_attention; Gemma 4's keys equal to values)."""
+        return expanded_attention(
+            q, latent, expansion, comm=self.comm, cp_group=self.cp_group,
+            ulysses_group=self.ulysses_group, ring_group=self.ring_group, layout=self.layout,
+            softmax_scale=softmax_scale, backend=backend, mask=mask,
+            held_latent=held_latent)
+
+    def held_latent(self, latent):
+        """expanded_attention's latent exchanged once for several layers (held_kv's rule):
+        under 'ulysses' regrouped by heads (latent_api.heads_latent), under 'allgather'
+        every rank's (GatherSlots, (P, B, S, h, C)); None for the ring and hybrid."""
+        if self.comm == "ulysses":
+            return heads_latent(latent, world_group(self.cp_group), self.layout)
+        if self.comm == "allgather":
+            return allgather.GatherSlots.apply(latent, world_group(self.cp_group))
+        return None
+
+    def _halo(self, mask, local_seq: int) -> bool:
+        world = group_rank_and_size(world_group(self.cp_group))[1]
+        plan = None if mask is None or mask.plain else mask
+        return halo_applies(self.layout, plan, local_seq, world)
 
     def latent_attention(self, q, latent, kv_b_weight, dims: LatentDims, *,
                          causal: bool = False, backend: str = "auto",

@@ -35,71 +35,17 @@ last step with work (blocks.ring_steps), moving whole latent blocks until then.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .blocks import QueryRows, backward_block, banded, forward_block_, ring_steps, step_plan
 from .comm import NoComm, RingComm, all_gather, group_rank_and_size, reduce_scatter
+from .expansion import LatentDims, MLAExpansion, block_index, expand_latent  # noqa: F401
 from .ring import KVRing
 from .sinks import finish, sinks_grad
 from .stats import attention_flops, record, square_pairs
-
-
-@dataclass(frozen=True)
-class LatentDims:
-    """The head dims of one MLA layer, by Hugging Face DeepseekV3Config's names."""
-
-    kv_lora_rank: int
-    """R: width of the compressed c_kv (512 in DeepSeek-V3)."""
-    qk_nope_head_dim: int
-    """dn: the per-head key/query part without RoPE (128 in V3)."""
-    qk_rope_head_dim: int
-    """dr: the RoPE part, one per token shared by every head (64 in V3); even (pairs)."""
-    v_head_dim: int
-    """dv: the per-head value width (128 in V3)."""
-
-    def __post_init__(self):
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            x = getattr(self, name)
-            if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
-                raise ValueError(f"LatentDims: {name}={x!r} must be a positive integer")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"LatentDims: qk_rope_head_dim={self.qk_rope_head_dim} must be "
-                             "even (RoPE rotates pairs of dims)")
-
-    @classmethod
-    def from_config(cls, config) -> "LatentDims":
-        """From any object with the four fields (a DeepseekV3Config, a model section)."""
-        return cls(config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
-                   config.v_head_dim)
-
-    @property
-    def qk_head_dim(self) -> int:  # q and the expanded k: [nope ; rope]
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_dim(self) -> int:  # what travels per token: [c_kv ; k_rot]
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def kv_b_rows_per_head(self) -> int:  # W's rows per head: [k_nope ; v]
-        return self.qk_nope_head_dim + self.v_head_dim
-
-
-def expand_latent(latent: torch.Tensor, weight: torch.Tensor, dims: LatentDims
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """latent (B, L, R + dr), W (H (dn + dv), R) -> k (B, L, H, dn + dr), v (B, L, H, dv),
-    as DeepseekV3Attention.expand_kv (kv_b_proj, split, k_rot broadcast to every head)."""
-    c_kv, k_rot = latent.split([dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
-    heads = weight.shape[0] // dims.kv_b_rows_per_head
-    kv = F.linear(c_kv, weight).unflatten(-1, (heads, dims.kv_b_rows_per_head))
-    k_nope, v = kv.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
-    k = torch.cat((k_nope, k_rot.unsqueeze(2).expand(-1, -1, heads, -1)), dim=-1)
-    return k, v
 
 
 def _key_span(plan) -> Tuple[int, int]:
@@ -112,62 +58,69 @@ def _shifted(blk, lo: int):
     return blk._replace(k0=blk.k0 - lo, k1=blk.k1 - lo)
 
 
-def forward_visit_(kernel, q, latent, weight, dims, plan, scale, out, lse) -> None:
+def forward_visit_(kernel, q, latent, expansion, index, plan, scale, out, lse) -> None:
     """Every block of `plan` ([(samples, block)]) of q against the visiting latent (B, S,
-    R + dr), merged into the fp32 (out (B, S, H, dv), lse (B, H, S)); expanded once."""
+    ...), merged into the fp32 (out (B, S, H, dv), lse (B, H, S)); expanded once. index:
+    the visiting block's sequence places (S,) (expansion.block_index)."""
     if not plan:
         return
     lo, hi = _key_span(plan)
-    k, v = expand_latent(latent[:, lo:hi], weight, dims)
+    k, v = expansion.expand(latent[:, lo:hi], index[lo:hi])
     for b, blk in plan:
         forward_block_(kernel, q, k, v, _shifted(blk, lo), scale, out, lse, b)
 
 
-def backward_visit(kernel, rows: QueryRows, latent, weight, dims, plan, scale, dq, dweight
-                   ) -> Optional[Tuple[int, torch.Tensor]]:
-    """The visiting latent's blocks in backward: adds into dq (B, S, H, dqk) and dweight
-    (H (dn + dv), R), both fp32; returns (lo, d latent rows [lo, hi) (B, hi - lo, R + dr)
-    fp32), or None when the plan is empty. Per-head dK, dV live for this one visit only."""
+def backward_visit(kernel, rows: QueryRows, latent, expansion, index, plan, scale, dq,
+                   dparams) -> Optional[Tuple[int, torch.Tensor]]:
+    """The visiting latent's blocks in backward: adds into dq (B, S, H, dqk) and dparams
+    (the expansion's parameters'), all fp32; returns (lo, d latent rows [lo, hi) fp32), or
+    None when the plan is empty. Per-head dK, dV live for this one visit only."""
     if not plan:
         return None
     lo, hi = _key_span(plan)
-    c_kv = latent[:, lo:hi, :dims.kv_lora_rank]
-    k, v = expand_latent(latent[:, lo:hi], weight, dims)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)   # (B, L, H, dn + dr)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)   # (B, L, H, dv)
+    k, v = expansion.expand(latent[:, lo:hi], index[lo:hi])
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)   # (B, L, h, dqk)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)   # (B, L, h, dv)
     for b, blk in plan:
         qs, ks, g = backward_block(kernel, rows, k, v, _shifted(blk, lo), scale, b)
         dq[b, qs] += g[0]
         dk[b, ks] += g[1]
         dv[b, ks] += g[2]
-    dn = dims.qk_nope_head_dim
-    dkv = torch.cat((dk[..., :dn], dv), dim=-1).flatten(2)            # (B, L, H (dn + dv))
-    dweight += dkv.flatten(0, 1).T @ c_kv.flatten(0, 1).float()       # (H (dn + dv), R)
-    return lo, torch.cat((dkv @ weight.float(), dk[..., dn:].sum(2)), dim=-1)
+    k = v = None
+    return lo, expansion.fold(latent[:, lo:hi], index[lo:hi], dk, dv, dparams)
 
 
-def _accumulators(q, dims) -> Tuple[torch.Tensor, torch.Tensor]:
+def _accumulators(q, v_head_dim) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out (B, S, H, dv) fp32 zeros, lse (B, H, S) fp32 -inf): rows that saw no key yet."""
     B, S, H, _ = q.shape
-    return (torch.zeros(B, S, H, dims.v_head_dim, dtype=torch.float32, device=q.device),
+    return (torch.zeros(B, S, H, v_head_dim, dtype=torch.float32, device=q.device),
             torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device))
 
 
-def ring_forward(q, latent, weight, group, causal, layout, scale, kernel, dims, mask=None,
+def _param_grads(expansion) -> List[torch.Tensor]:
+    return [torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            for p in expansion.params]
+
+
+def _index(S, src, world, layout, device):
+    return block_index(S, src, world, layout, 0, S, device)
+
+
+def ring_forward(q, latent, expansion, group, causal, layout, scale, kernel, mask=None,
                  sinks=None):
     """(out (B, S, H, dv) in q.dtype, lse (B, H, S) fp32): latent blocks over the ring,
     rank r holding rank (r - step)'s at each step (ring.py's schedule and overlap)."""
     rank, world = group_rank_and_size(group)
     B, S, H, _ = q.shape
     if world == 1 and mask is None:  # alone (Ulysses' inner call): one kernel, no merge
-        k, v = expand_latent(latent, weight, dims)
+        k, v = expansion.expand(latent, _index(S, 0, 1, layout, q.device))
         out, lse = kernel.forward(q, k, v, causal, scale)
         record(fwd_flops=attention_flops(B, H, (k.shape[3] + v.shape[3]) / 2,
                                          square_pairs(S, causal), "fwd"), fwd_blocks=1)
         # contiguous: a padded kernel's out is a view of its wider output (PaddedHeadDims),
         # whose whole storage autograd would otherwise keep
         return finish(out.contiguous(), lse.float().contiguous(), q.dtype, sinks)
-    out, lse = _accumulators(q, dims)
+    out, lse = _accumulators(q, expansion.v_head_dim)
     steps = ring_steps(layout, causal, S, world, mask)  # < world: the mask ends the ring early
     comm = None if isinstance(group, NoComm) or steps == 1 else RingComm(group)
     ring = KVRing((latent,), comm, steps - 1)
@@ -175,8 +128,11 @@ def ring_forward(q, latent, weight, group, causal, layout, scale, kernel, dims, 
     for step in range(steps):
         if comm and step + 1 < steps:  # the next latent block moves while this one computes
             ring.start()
-        plan = step_plan(layout, causal, rank, (rank - step) % world, S, world, mask, bands)
-        forward_visit_(kernel, q, ring.kv[0], weight, dims, plan, scale, out, lse)
+        src = (rank - step) % world
+        plan = step_plan(layout, causal, rank, src, S, world, mask, bands)
+        forward_visit_(kernel, q, ring.kv[0], expansion, _index(S, src, world, layout,
+                                                                  q.device),
+                       plan, scale, out, lse)
         if comm and step + 1 < steps:
             ring.finish()
     if comm:
@@ -185,15 +141,15 @@ def ring_forward(q, latent, weight, group, causal, layout, scale, kernel, dims, 
     return finish(out, lse, q.dtype, sinks)
 
 
-def ring_backward(dout, q, latent, weight, out, lse, group, causal, layout, scale, kernel,
-                  dims, mask=None):
-    """(dq, d latent, dW) of this rank: latent blocks travel again (P - 1 sends), and with
+def ring_backward(dout, q, latent, expansion, out, lse, group, causal, layout, scale, kernel,
+                  mask=None):
+    """(dq, d latent, d params) of this rank: latent blocks travel again (P - 1 sends), and with
     each the fp32 gradient of that block's latent (P sends, the last one home), as
     ring.ring_backward's dK,dV accumulator does, at R + dr wide instead of 2 Hkv D."""
     rank, world = group_rank_and_size(group)
     dout, S = dout.contiguous(), q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dweight = torch.zeros(weight.shape, dtype=torch.float32, device=q.device)
+    dparams = _param_grads(expansion)
     dlat = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)  # (B, S, R + dr)
     steps = ring_steps(layout, causal, S, world, mask)
     ring = not isinstance(group, NoComm) and steps > 1
@@ -204,9 +160,11 @@ def ring_backward(dout, q, latent, weight, out, lse, group, causal, layout, scal
     for step in range(steps):
         if lat_comm and step + 1 < steps:
             blocks.start()
-        plan = step_plan(layout, causal, rank, (rank - step) % world, S, world, mask, bands)
-        grad = backward_visit(kernel, rows, blocks.kv[0], weight, dims, plan, scale, dq,
-                              dweight)
+        src = (rank - step) % world
+        plan = step_plan(layout, causal, rank, src, S, world, mask, bands)
+        grad = backward_visit(kernel, rows, blocks.kv[0], expansion,
+                              _index(S, src, world, layout, q.device), plan, scale, dq,
+                              dparams)
         if dlat_comm and step > 0:
             dlat_comm.wait()  # the gradient of the latent block we hold, from rank - 1
             dlat, dlat_recv = dlat_recv, dlat
@@ -226,42 +184,51 @@ def ring_backward(dout, q, latent, weight, out, lse, group, causal, layout, scal
         record(bwd_bytes_sent=lat_comm.bytes_sent + dlat_comm.bytes_sent,
                bwd_bytes_recv=lat_comm.bytes_recv + dlat_comm.bytes_recv,
                bwd_comm_ops=lat_comm.ops + dlat_comm.ops)
-    return dq.to(q.dtype), dlat.to(latent.dtype), dweight.to(weight.dtype)
+    return dq.to(q.dtype), dlat.to(latent.dtype), dparams
 
 
 def _slots(rank: int, world: int) -> List[int]:
     return [rank] + [s for s in range(world) if s != rank]  # the local slot first
 
 
-def allgather_forward(q, latent, weight, group, causal, layout, scale, kernel, dims,
-                      mask=None, sinks=None):
+def allgather_forward(q, latent, expansion, group, causal, layout, scale, kernel,
+                      mask=None, sinks=None, held=False):
     """(out, lse): the latent all-gathered once (in group-rank order, asynchronously; the
-    local slot computed while it lands), every visible slot expanded and merged."""
+    local slot computed while it lands), every visible slot expanded and merged. held: the
+    latent is already every rank's (P, B, S, ...) (allgather.GatherSlots), nothing sent."""
     rank, world = group_rank_and_size(group)
     S, bands = q.shape[1], banded(kernel, q)
-    gathered, work = all_gather(latent, group, "fwd", async_op=True)  # (P, B, S, R + dr)
-    out, lse = _accumulators(q, dims)
+    if held:
+        gathered, work, latent = latent, None, latent[rank]
+    else:
+        gathered, work = all_gather(latent, group, "fwd", async_op=True)  # (P, B, S, ...)
+    out, lse = _accumulators(q, expansion.v_head_dim)
     for src in _slots(rank, world):
         plan = step_plan(layout, causal, rank, src, S, world, mask, bands)
         if plan and src != rank and work is not None:
             work.wait()
             work = None
         slot = latent if src == rank else gathered[src]  # ours before the gather lands
-        forward_visit_(kernel, q, slot, weight, dims, plan, scale, out, lse)
+        forward_visit_(kernel, q, slot, expansion, _index(S, src, world, layout, q.device),
+                       plan, scale, out, lse)
     if work is not None:  # every remote slot was invisible: the collective still completes
         work.wait()
     return finish(out, lse, q.dtype, sinks)
 
 
-def allgather_backward(dout, q, latent, weight, out, lse, group, causal, layout, scale,
-                       kernel, dims, mask=None):
-    """(dq, d latent, dW): the latent gathered again (one layer's at a time, not every
-    layer's kept), each slot's fp32 latent gradient reduce-scattered home."""
+def allgather_backward(dout, q, latent, expansion, out, lse, group, causal, layout, scale,
+                       kernel, mask=None, held=False):
+    """(dq, d latent, d params): the latent gathered again (one layer's at a time, not every
+    layer's kept), each slot's fp32 latent gradient reduce-scattered home. held: every
+    slot's gradient returned (P, B, S, ...), GatherSlots reduce-scattering their sum."""
     rank, world = group_rank_and_size(group)
     dout, S, bands = dout.contiguous(), q.shape[1], banded(kernel, q)
-    gathered, work = all_gather(latent, group, "bwd", async_op=True)
+    if held:
+        gathered, work, latent = latent, None, latent[rank]
+    else:
+        gathered, work = all_gather(latent, group, "bwd", async_op=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dweight = torch.zeros(weight.shape, dtype=torch.float32, device=q.device)
+    dparams = _param_grads(expansion)
     dlat = torch.zeros((world, *latent.shape), dtype=torch.float32, device=q.device)
     rows = QueryRows(dout, q, out, lse)
     for src in _slots(rank, world):
@@ -270,51 +237,59 @@ def allgather_backward(dout, q, latent, weight, out, lse, group, causal, layout,
             work.wait()
             work = None
         slot = latent if src == rank else gathered[src]
-        grad = backward_visit(kernel, rows, slot, weight, dims, plan, scale, dq, dweight)
+        grad = backward_visit(kernel, rows, slot, expansion,
+                              _index(S, src, world, layout, q.device), plan, scale, dq,
+                              dparams)
         if grad is not None:
             lo, g = grad
             dlat[src, :, lo:lo + g.shape[1]] += g
         grad = g = None
     if work is not None:
         work.wait()
-    dlat = reduce_scatter(dlat, group, "bwd")                          # (B, S, R + dr) fp32
-    return dq.to(q.dtype), dlat.to(latent.dtype), dweight.to(weight.dtype)
+    if not held:
+        dlat = reduce_scatter(dlat, group, "bwd")                      # (B, S, R + dr) fp32
+    return dq.to(q.dtype), dlat.to(latent.dtype), dparams
 
 
 PATTERNS = {"ring": (ring_forward, ring_backward),
             "allgather": (allgather_forward, allgather_backward)}
 
 
-def latent_pattern(comm: str, mask=None):
-    """(forward, backward) of 'ring' or 'allgather', planned by `mask` when given."""
+def latent_pattern(comm: str, mask=None, held=False):
+    """(forward, backward) of 'ring' or 'allgather', planned by `mask` when given; held:
+    the all-gather's over a latent gathered before (allgather_forward)."""
     forward, backward = PATTERNS[comm]
-    if mask is None:
-        return forward, backward
-    return partial(forward, mask=mask), partial(backward, mask=mask)
+    kw = {**({} if mask is None else dict(mask=mask)), **(dict(held=True) if held else {})}
+    return (partial(forward, **kw), partial(backward, **kw)) if kw else (forward, backward)
 
 
 class LatentAttention(torch.autograd.Function):
     """(out (B, S, H, dv), lse (B, H, S) fp32, not differentiable) of a latent pattern.
 
-    Saved for backward: q, the latent (B, S, R + dr), W, out, lse, sinks: never the
-    expanded K,V, which backward makes again block by block. Gradients: dq, the latent's
-    (its rows: this rank's tokens, complete), dW and dsinks (this rank's shares).
+    apply(q, latent, sinks, pattern, group, causal, layout, scale, kernel, expansion,
+    *expansion.params): the parameters are inputs so that autograd routes their gradients.
+    Saved for backward: q, the latent, the parameters, out, lse, sinks: never the expanded
+    K,V, which backward makes again block by block. Gradients: dq, the latent's (its rows:
+    this rank's tokens, complete), dsinks and the parameters' (this rank's shares).
     """
 
     @staticmethod
-    def forward(ctx, q, latent, weight, sinks, pattern, group, causal, layout, scale, kernel,
-                dims):
+    def forward(ctx, q, latent, sinks, pattern, group, causal, layout, scale, kernel,
+                expansion, *params):
         forward_fn, ctx.backward_fn = pattern
-        out, lse = forward_fn(q, latent, weight, group, causal, layout, scale, kernel, dims,
+        out, lse = forward_fn(q, latent, expansion, group, causal, layout, scale, kernel,
                               sinks=sinks)
-        ctx.save_for_backward(q, latent, weight, out, lse, sinks)
-        ctx.args = (group, causal, layout, scale, kernel, dims)
+        ctx.save_for_backward(q, latent, out, lse, sinks, *params)
+        ctx.args = (group, causal, layout, scale, kernel)
+        ctx.expansion = expansion
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, latent, weight, out, lse, sinks = ctx.saved_tensors
-        dq, dlat, dweight = ctx.backward_fn(dout, q, latent, weight, out, lse, *ctx.args)
-        dsinks = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
-        return dq, dlat, dweight, dsinks, None, None, None, None, None, None, None
+        q, latent, out, lse, sinks, *_ = ctx.saved_tensors
+        dq, dlat, dparams = ctx.backward_fn(dout, q, latent, ctx.expansion, out, lse,
+                                            *ctx.args)
+        dsinks = sinks_grad(dout, out, lse, sinks) if ctx.needs_input_grad[2] else None
+        dparams = [g.to(p.dtype) for g, p in zip(dparams, ctx.expansion.params)]
+        return (dq, dlat, dsinks, None, None, None, None, None, None, None, *dparams)

@@ -16,6 +16,10 @@ ulysses    q all-to-all'd by heads (H/u each), the latent all-gathered (it has n
            split), out all-to-all'd back; each rank expands only its heads with its rows of W
 hybrid     Ulysses' exchange over ulysses_group, then the latent ring over ring_group
 
+``expanded_attention(q, latent, expansion, ...)``: the same patterns with any expansion
+(expansion.py), a latent (B, s, h, C) with kv heads, regrouped by heads under Ulysses as
+K,V are: Gemma 4's k_proj x for its keys equal to values.
+
 Masks, layouts, backends and the contract (same shapes on every rank, checked locally
 before any communication) are context_parallel_attention's (api.py).
 """
@@ -28,11 +32,11 @@ import torch
 from .arguments import CP_COMMS, cp_group_size, resolve_mask, world_group
 from .comm import LOCAL, all_gather, group_rank_and_size, reduce_scatter
 from .kernels import default_scale, get_backend, head_dims_kernel
-from .latent import LatentAttention, LatentDims, latent_pattern
+from .latent import LatentAttention, LatentDims, MLAExpansion, latent_pattern
 from .layouts import check_layout
 from .mask import AttentionMask
 from .ulysses import (HeadsToSeq, SeqToHeads, _lse_to_sequence, arrival_order, head_shard,
-                      sequence_from_message, sequence_message)
+                      sequence_from_message, sequence_message, ulysses_kv_heads)
 
 
 def _check_inputs(q, latent, weight, dims, comm, layout, ulysses, caller):
@@ -108,40 +112,104 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.T
     Every argument is checked before any communication (one ValueError line).
     """
     caller = "latent_attention"
+    groups = _groups(comm, cp_group, ulysses_group, ring_group, caller)
+    _check_inputs(q, latent, kv_b_weight, dims, comm, layout, groups[0], caller)
+    return _expanded(q, latent, MLAExpansion(kv_b_weight, dims), comm, groups, causal,
+                     layout, softmax_scale, backend, return_lse, cu_seqlens, mask, caller)
+
+
+def expanded_attention(q: torch.Tensor, latent: torch.Tensor, expansion, *,
+                       comm: str = "ring", cp_group=None, ulysses_group=None,
+                       ring_group=None, layout: str = "contiguous",
+                       softmax_scale: Optional[float] = None, backend: str = "auto",
+                       return_lse: bool = False, mask: Optional[AttentionMask] = None,
+                       held_latent=None):
+    """latent_attention with any expansion (expansion.py): latent (B, s, h, C), one tensor
+    per kv head on the wire, made into K (B, L, h, D), V (B, L, h, dv) where it arrives
+    (Gemma 4's keys equal to values: models/attention.py). Under Ulysses the latent is
+    regrouped by heads as K,V would be (h' = h, or lcm(h, u) replicated). held_latent: the
+    exchange made before, once for several layers (ContextParallel.held_latent): under
+    'ulysses' that regrouping (heads_latent), under 'allgather' every rank's latent
+    (allgather.GatherSlots, (P, B, s, h, C)), nothing gathered again. q (B, s, H, D) with
+    H % h == 0; the rest as latent_attention."""
+    caller = "expanded_attention"
+    groups = _groups(comm, cp_group, ulysses_group, ring_group, caller)
+    if comm not in CP_COMMS:
+        raise ValueError(f"{caller}: unknown comm {comm!r}; choose one of {list(CP_COMMS)}")
+    check_layout(layout)
+    if q.dim() != 4 or latent.dim() != 4 or latent.shape[:2] != q.shape[:2] \
+            or q.shape[2] % latent.shape[2] or q.shape[2] % groups[0]:
+        raise ValueError(f"{caller}: q (batch, local_seq, heads, D) {tuple(q.shape)} and "
+                         f"latent (batch, local_seq, kv_heads, C) {tuple(latent.shape)} must "
+                         f"agree in batch and local_seq, heads a multiple of kv_heads and of "
+                         f"the Ulysses degree {groups[0]}")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"{caller}: layout 'zigzag' needs an even local_seq, got "
+                         f"{q.shape[1]}")
+    if held_latent is not None and comm not in ("ulysses", "allgather"):
+        raise ValueError(f"{caller}: held_latent is Ulysses' or the all-gather's, not "
+                         f"comm={comm!r}'s")
+    return _expanded(q, latent, expansion, comm, groups, False, layout, softmax_scale,
+                     backend, return_lse, None, mask, caller, held_latent)
+
+
+def heads_latent(latent: torch.Tensor, group, layout: str) -> torch.Tensor:
+    """latent (B, s, h, C) -> (B, u s, h'/u, C) regrouped by heads as expanded_attention's
+    Ulysses regroups it (one all-to-all), for layers that attend with the same latent
+    (Gemma 4's shared K/V; their gradients join before its one reverse all-to-all)."""
+    u = group_rank_and_size(group)[1]
+    if u == 1:
+        return latent
+    order = arrival_order(latent.shape[1], group, layout, latent.device)
+    return SeqToHeads.apply(group, order, (ulysses_kv_heads(latent.shape[2], u),), latent)[0]
+
+
+def _groups(comm, cp_group, ulysses_group, ring_group, caller):
+    """(u, cp_group, ulysses_group, ring_group), None groups resolved (api's rule)."""
     if comm == "hybrid":
         ulysses_group = world_group(ulysses_group, caller, "ulysses_group")
         ring_group = world_group(ring_group, caller, "ring_group")
-        u = group_rank_and_size(ulysses_group)[1]
-    else:
-        cp_group = world_group(cp_group)
-        u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
-    _check_inputs(q, latent, kv_b_weight, dims, comm, layout, u, caller)
+        return group_rank_and_size(ulysses_group)[1], cp_group, ulysses_group, ring_group
+    cp_group = world_group(cp_group)
+    u = group_rank_and_size(cp_group)[1] if comm == "ulysses" else 1
+    return u, cp_group, ulysses_group, ring_group
+
+
+def _expanded(q, latent, expansion, comm, groups, causal, layout, softmax_scale, backend,
+              return_lse, cu_seqlens, mask, caller, held=None):
+    """The patterns of latent.py with `expansion` (arguments already checked)."""
+    u, cp_group, ulysses_group, ring_group = groups
     mask = resolve_mask(mask, causal, cu_seqlens, q,
                         cp_group_size(comm, cp_group, ulysses_group, ring_group), caller)
-    kernel = head_dims_kernel(get_backend(backend, q), q, dims.v_head_dim)
-    scale = default_scale(dims.qk_head_dim) if softmax_scale is None else float(softmax_scale)
+    kernel = head_dims_kernel(get_backend(backend, q), q, expansion.v_head_dim)
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     pattern = latent_pattern("allgather" if comm == "allgather" else "ring",
-                             None if mask.plain else mask)
-    if comm in ("ring", "allgather"):
-        out, lse = LatentAttention.apply(q, latent, kv_b_weight, mask.sinks, pattern,
-                                         cp_group, mask.causal, layout, scale, kernel, dims)
-        return (out, lse) if return_lse else out
+                             None if mask.plain else mask,
+                             held=comm == "allgather" and held is not None)
+    if comm == "allgather" and held is not None:
+        latent = held  # (P, B, s, ...): every rank's, gathered before
     if comm == "ulysses":
         ulysses_group, ring_group = cp_group, LOCAL  # the whole sequence, one local call
-    if u == 1:
-        out, lse = LatentAttention.apply(q, latent, kv_b_weight, mask.sinks, pattern,
-                                         ring_group, mask.causal, layout, scale, kernel, dims)
+    if comm in ("ring", "allgather") or u == 1:
+        group = cp_group if comm in ("ring", "allgather") else ring_group
+        out, lse = LatentAttention.apply(q, latent, mask.sinks, pattern, group, mask.causal,
+                                         layout, scale, kernel, expansion, *expansion.params)
         return (out, lse) if return_lse else out
-    # Ulysses: H/u heads of every token here; the latent has no heads, so it is gathered
-    # whole, and W's rows of this rank's head group (ulysses.head_shard's order) expand it.
+    # Ulysses: H/u heads of every token here. MLA's latent has no heads, so it is gathered
+    # whole and W's rows of this rank's head group expand it; a latent with kv heads is
+    # regrouped by heads as K,V are.
     order = arrival_order(q.shape[1], ulysses_group, layout, q.device)
     qh, = SeqToHeads.apply(ulysses_group, order, (q.shape[2],), q)    # (B, u s, H/u, dqk)
-    lat = GatherLatent.apply(latent, ulysses_group, order)            # (B, u s, R + dr)
-    weight = head_shard(kv_b_weight.unflatten(0, (q.shape[2], dims.kv_b_rows_per_head)),
-                        ulysses_group).flatten(0, 1)                  # (H/u (dn + dv), R)
-    out_h, lse_h = LatentAttention.apply(qh, lat, weight, head_shard(mask.sinks, ulysses_group),
+    if held is not None:
+        lat = held
+    elif latent.dim() == 3:
+        lat = GatherLatent.apply(latent, ulysses_group, order)         # (B, u s, R + dr)
+    else:
+        lat = heads_latent(latent, ulysses_group, layout)             # (B, u s, h'/u, C)
+    expansion = expansion.heads_shard(ulysses_group)
+    out_h, lse_h = LatentAttention.apply(qh, lat, head_shard(mask.sinks, ulysses_group),
                                          pattern, ring_group, mask.causal, layout, scale,
-                                         kernel, dims)
+                                         kernel, expansion, *expansion.params)
     out = HeadsToSeq.apply(out_h, ulysses_group, order)                # (B, s, H, dv)
     if not return_lse:
         return out

@@ -28,7 +28,7 @@ from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 from . import dsa_layers, mla_layers
-from .kv_layers import carried_bytes, layer_rank_shapes, per_layer_shapes
+from .kv_layers import carried_bytes, layer_rank_shapes, per_layer_shapes, wire_tensors
 from .streams import head_streams_saved, streams_saved
 from .moe_layers import (block_model, clamp_saved, expert_params, mixed_mlps,
                          moe_indices, router_losses_saved, routed_saved, stage_expert_params)
@@ -50,6 +50,7 @@ class RankShapes:
     L: int        # layers of the whole model
     tp: int
     vd: int = 0   # value head width (model.v_head_dim; hd unless set)
+    kv_tensors: int = 2  # K and V per kv head in the core; 1: k_proj x alone (wire_tensors)
 
 
 def rank_shapes(m: ModelConfig, cand: Candidate, kind: Optional[str] = None) -> RankShapes:
@@ -267,9 +268,10 @@ def total_params(m: ModelConfig) -> int:
 def attention_saved(s: RankShapes, e: int, cand: Candidate,
                     m: Optional[ModelConfig] = None) -> int:
     """Bytes the CP attention keeps for backward per layer: q, k, v, out (e) and lse
-    (fp32). Ulysses/hybrid keep the gathered layout (k, v at lcm(hk, u) heads when u
-    does not divide hk) and the o-projection keeps the local out as well. MLA (m.mla):
-    the latent instead of k, v (mla_layers.core_saved); DSA (m.dsa) adds the indexer's
+    (fp32); k_proj x in place of k, v where it alone is on the wire (s.kv_tensors 1).
+    Ulysses/hybrid keep the gathered layout (k, v at lcm(hk, u) heads when u does not
+    divide hk) and the o-projection keeps the local out as well. MLA (m.mla): the latent
+    instead of k, v (mla_layers.core_saved); DSA (m.dsa) adds the indexer's
     (dsa_layers.indexer_saved)."""
     if m is not None and m.mla is not None:
         dsa = dsa_layers.indexer_saved(s, e, m) if m.dsa is not None else 0
@@ -279,7 +281,7 @@ def attention_saved(s: RankShapes, e: int, cand: Candidate,
     if cand.cp_comm in ("ulysses", "hybrid") and cand.ulysses > 1:
         hk = ulysses_kv_heads(s.hk, cand.ulysses)
         extra_out = s.N * s.h * s.hd * e
-    return s.N * ((2 * s.h + 2 * hk) * s.hd * e + 4 * s.h) + extra_out
+    return s.N * ((2 * s.h + s.kv_tensors * hk) * s.hd * e + 4 * s.h) + extra_out
 
 
 def value_width_saved(s: RankShapes, e: int, cand: Candidate) -> int:
@@ -453,7 +455,8 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     layers = s.L if layers is None else layers
     modes = layer_modes(cand, layers)
     if per_layer_shapes(m):  # Gemma 4: each block its own head dim, kv heads, K/V or none
-        per = tuple(block_activations(layer_rank_shapes(s, m, cand.tp, i), e, cand, mode,
+        per = tuple(block_activations(layer_rank_shapes(s, m, cand.tp, i, cand), e, cand,
+                                      mode,
                                       kind, block_model(m, moe), tiled_mlp, device)
                     for i, (mode, (kind, moe)) in enumerate(
                         zip(modes, blocks(m, start, layers)), start))
@@ -516,31 +519,36 @@ def activation_bytes(m: ModelConfig, cand: Candidate, e: int, layers: int = None
 
 
 def cp_bytes(comm: str, P: int, u: int, B: int, s: int, H: int, Hkv: int, D: int, e: int,
-             grad_e: int = 4, return_lse: bool = False):
+             grad_e: int = 4, return_lse: bool = False, kv_tensors: int = 2):
     """(forward, backward) bytes one rank sends (= receives) in one attention call over P
     CP ranks, s local tokens, H query and Hkv kv heads of D, inputs of e bytes; the ring's
     dK,dV in grad_e bytes (ring_grad_dtype). The minimum of each algorithm as stats.py
     counts it: ring P-1 K,V hops forward, P-1 K,V + P dK,dV backward; all-gather (P-1)x
     the local K,V each way, the dK,dV reduce-scatter (P-1)x fp32; Ulysses (u-1)/u of q, k,
     v, out (and the LSE when returned) forward, of dout, dq, dk, dv backward; hybrid both
-    (the ring over P/u ranks of u x s tokens at Hkv'/u heads)."""
+    (the ring over P/u ranks of u x s tokens at Hkv'/u heads). kv_tensors 1: Gemma 4's
+    keys equal to values, k_proj x alone in place of K and V (wire_tensors), its gradient
+    fp32 on the ring (the expansion patterns')."""
     if P == 1:
         return 0, 0
-    kv = 2 * B * s * Hkv * D * e
+    if kv_tensors == 1:
+        grad_e = 4
+    kv = kv_tensors * B * s * Hkv * D * e
     if comm == "ring":
-        return (P - 1) * kv, (P - 1) * kv + P * 2 * B * s * Hkv * D * grad_e
+        return (P - 1) * kv, (P - 1) * kv + P * kv_tensors * B * s * Hkv * D * grad_e
     if comm == "allgather":
-        return (P - 1) * kv, (P - 1) * kv + (P - 1) * 2 * B * s * Hkv * D * 4
+        return (P - 1) * kv, (P - 1) * kv + (P - 1) * kv_tensors * B * s * Hkv * D * 4
     if comm == "ulysses":
         u = P
     r, Hk = P // u, ulysses_kv_heads(Hkv, u)
     part = lambda nbytes: nbytes * (u - 1) // u  # noqa: E731 - an all-to-all's share
-    qkv, o, lse = B * s * (H + 2 * Hk) * D * e, B * s * H * D * e, B * s * H * 4
+    qkv, o, lse = B * s * (H + kv_tensors * Hk) * D * e, B * s * H * D * e, B * s * H * 4
     fwd = part(qkv) + part(o) + (part(lse) if return_lse else 0)
     bwd = part(o) + part(qkv)
     if r > 1:  # the ring over gathered shards: u*s tokens at Hk/u heads = s*Hk
-        kv_r = 2 * B * s * Hk * D * e
-        fwd, bwd = fwd + (r - 1) * kv_r, bwd + (r - 1) * kv_r + r * 2 * B * s * Hk * D * grad_e
+        kv_r = kv_tensors * B * s * Hk * D * e
+        fwd, bwd = fwd + (r - 1) * kv_r, \
+            bwd + (r - 1) * kv_r + r * kv_tensors * B * s * Hk * D * grad_e
     return fwd, bwd
 
 
@@ -634,7 +642,7 @@ def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
                                s.hk, s.hd, e, g, cand.token_layout, attn.sliding_window,
                                attn.chunk_size)
     return cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
-                    g)
+                    g, kv_tensors=wire_tensors(m, attn, cand))
 
 
 def halo_received(m: ModelConfig, cand: Candidate, attn) -> int:

@@ -33,14 +33,26 @@ def per_layer_shapes(m: ModelConfig) -> bool:
     return bool(m.global_head_dim or m.global_n_kv_heads or m.num_kv_shared_layers)
 
 
-def layer_rank_shapes(s, m: ModelConfig, tp: int, i: int):
+def layer_rank_shapes(s, m: ModelConfig, tp: int, i: int, cand=None):
     """RankShapes s with block i's head dim and kv heads on a TP rank (0 kv heads for a
     block that shares an earlier one's K/V) and its dense MLP's width (twice model.ffn_hidden
-    on such a block under model.double_wide_mlp)."""
+    on such a block under model.double_wide_mlp); under cand's CP a k_eq_v block's core
+    keeps k_proj x alone (wire_tensors)."""
     a = layer_attention(m)[i]
     hk = 0 if a.kv_source is not None else kv_heads_per_rank(m, tp, layer_kv_heads(m, a))
     return replace(s, hd=layer_head_dim(m, a), hk=hk,
-                   f=layer_ffn_hidden(m, a.kv_source) // tp)
+                   f=layer_ffn_hidden(m, a.kv_source) // tp,
+                   kv_tensors=wire_tensors(m, a, cand))
+
+
+def wire_tensors(m: ModelConfig, a, cand) -> int:
+    """Tensors per kv head a layer's CP attention moves and keeps: 1 for keys equal to
+    values (model.attention_k_eq_v) under CP without a pipeline, k_proj x with K and V made
+    where it arrives (models/attention.py set_sequence_rotary: not for whole-projection k
+    norms; the pipeline's stages carry K and V); 2, K and V, otherwise (a None layer or
+    candidate: the model's)."""
+    return 1 if (cand is not None and cand.cp > 1 and cand.pp == 1 and a is not None
+                 and a.k_eq_v and m.qk_norm_scope != "all_heads" and m.mla is None) else 2
 
 
 def carried_bytes(m: ModelConfig, tp: int, tokens: int, e: int, after: int) -> int:

@@ -238,7 +238,8 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
     u = cand.ulysses if cand.cp_comm == "hybrid" else 1
     a_f = a_b = a2a = 0.0
     if u > 1:  # the Ulysses all-to-alls inside, over NVLink when they fit
-        a_f, a_b = counts.cp_bytes("ulysses", u, u, s.B, s.N // s.B, s.h, s.hk, s.hd, e)
+        a_f, a_b = counts.cp_bytes("ulysses", u, u, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
+                                   kv_tensors=counts.wire_tensors(m, attn, cand))
         a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(cand.tp * u)
     if counts.halo_received(m, cand, attn) >= 0:
         kv, both = (f_cp - a_f) / bw, (b_cp - a_b) / bw  # the halo's own bytes
@@ -247,8 +248,9 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
         return cp_total, fwd * (1 + attn_replay) + bwd + a2a
     if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and r > 1):
         hk = counts.ulysses_kv_heads(s.hk, u) if u > 1 else s.hk
-        kv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * e
-        dkv_step = 2 * s.B * (s.N // s.B) * u * (hk // u) * s.hd * g
+        n = counts.wire_tensors(m, attn, cand)  # K, V; or k_proj x (its gradient fp32)
+        kv_step = n * s.B * (s.N // s.B) * u * (hk // u) * s.hd * e
+        dkv_step = n * s.B * (s.N // s.B) * u * (hk // u) * s.hd * (g if n == 2 else 4)
         steps = 1 + round((f_cp - a_f) / kv_step)  # < r: a window ends the ring early
         fwd = max(0.0, kv_step / bw - t_f_layer / steps) * (steps - 1)
         bwd = max(0.0, (kv_step + dkv_step) / bw - t_b_layer / steps) * (steps - 1) \
