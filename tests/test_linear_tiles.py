@@ -193,7 +193,6 @@ LINEAR = {"vocab_size": 256, "seq_len": 128, "n_layers": 2, "d_model": 32, "n_he
     ({"cp": 2, "linear_cp": "heads", "layout": "striped"}, {}, {},
      "memory.tiled_linear=true is not built with parallel.linear_cp='heads' at "
      "parallel.cp=2"),
-    ({"pp": 2}, {}, {}, "memory.tiled_linear=true is not built with parallel.pp=2"),
 ])
 def test_tiled_linear_refusals_are_one_line(parallel, memory, extra, message):
     d = {"model": LINEAR, "parallel": {"dp": 1, **parallel},

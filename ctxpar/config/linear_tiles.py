@@ -28,7 +28,6 @@ def check_tiled_linear(cfg, err: Callable[[str], None]) -> None:
         (p.cp > 1 and p.linear_cp not in TILED_LINEAR_STRATEGIES,
          f"parallel.linear_cp={p.linear_cp!r} at parallel.cp={p.cp} (tiles run under "
          f"{list(TILED_LINEAR_STRATEGIES)}: the heads all-to-all needs every rank's tile)"),
-        (p.pp > 1, f"parallel.pp={p.pp} (tested without a pipeline)"),
         (cfg.data.dynamic_cp, "data.dynamic_cp=true (tested with the static CP group)"),
     ]
     for refused, why in unbuilt:
