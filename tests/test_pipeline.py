@@ -10,7 +10,6 @@ batches (SGD, clipping active), and after the first step its gradient norm and i
 parameters, gathered to full size under GPT's names, equal the reference.
 (3) train.py end to end with configs/tiny_cpu_4d.yaml: learns, saves, resumes exactly.
 """
-import dataclasses
 import json
 import os
 import pickle
@@ -24,7 +23,7 @@ from ctxpar.distributed.parallel_state import rank_grid
 from ctxpar.distributed.pipeline_parallel import pipeline_axes, pipeline_topology
 from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
-from ctxpar.testing.linear import HYBRID_CONFIGS
+from ctxpar.testing.linear import GDN_MAMBA_CONFIG
 from models.gpt import GPT
 from helpers.train_run import ROOT, losses, run_train
 from models.options import ModelOptions
@@ -48,11 +47,7 @@ CONFIGS = {
     # Gated DeltaNet, Mamba2, attention, MLP blocks over 48 tokens, the linear blocks in
     # tiles of 8 tokens (MEMORY; two chunks of 4): a rank's zigzag segments of 12 end in a
     # short tile. The reference runs them untiled.
-    "hybrid-tiled": dataclasses.replace(
-        HYBRID_CONFIGS["nemotron-h"], n_layers=4,
-        layer_types=["linear_attention", "mamba", "attention", "mlp"],
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=6),
+    "hybrid-tiled": GDN_MAMBA_CONFIG,
 }
 MEMORY = {"hybrid-tiled": dict(tiled_linear=True, linear_tile_tokens=8)}  # memory section
 BATCH, MICRO, STEPS, LR, CLIP, SEED = 4, 1, 3, 0.5, 0.05, 7
