@@ -39,7 +39,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .linear_tiles import DeltaRuleTiles, linear_tile
+from .linear_tiles import DeltaRuleTiles, linear_tile, set_tile
 from .options import LayerArgs
 from .short_conv import DepthwiseConv
 from .token_mixer import TokenMixer
@@ -108,7 +108,7 @@ class GatedDeltaNet(DeltaRuleTiles, TokenMixer):
         super().__init__()
         dims, tp = gated_delta_dims(cfg), tp_size_of(tp_group)
         self.cp, self.strategy, self.dims, self.tp_group = cp, strategy, dims, tp_group
-        self.tile_tokens = tile
+        set_tile(self, tile)
         self.key_heads, self.value_heads = dims.num_key_heads // tp, dims.num_value_heads // tp
         key_dim = dims.num_key_heads * dims.key_head_dim
         value_dim = dims.num_value_heads * dims.value_head_dim

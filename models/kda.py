@@ -39,7 +39,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .linear_tiles import DeltaRuleTiles, linear_tile
+from .linear_tiles import DeltaRuleTiles, linear_tile, set_tile
 from .options import LayerArgs
 from .short_conv import DepthwiseConv
 from .token_mixer import TokenMixer
@@ -114,7 +114,8 @@ class KimiDeltaAttention(DeltaRuleTiles, TokenMixer):
                  tp_group=None, device=None, dtype=None, tile: int = 0):
         super().__init__()
         dims, tp = gated_delta_dims(cfg), tp_size_of(tp_group)
-        self.cp, self.strategy, self.dims, self.tile_tokens = cp, strategy, dims, tile
+        self.cp, self.strategy, self.dims = cp, strategy, dims
+        set_tile(self, tile)
         self.key_heads, self.value_heads = dims.num_key_heads // tp, dims.num_value_heads // tp
         hv, dk, dv = dims.num_value_heads, dims.key_head_dim, dims.value_head_dim
         key_dim, value_dim, d = dims.num_key_heads * dk, hv * dv, cfg.d_model

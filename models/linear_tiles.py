@@ -21,6 +21,7 @@ from ctxpar.context_parallel.linear.api import _gdn_combine, _ssd_combine
 from ctxpar.context_parallel.linear.kernels import get_kernel
 from ctxpar.context_parallel.linear.ssd import discretize_dt
 from ctxpar.context_parallel.linear.tiles import conv_tile
+from ctxpar.memory.tiled_mlp import mark_zero3_leaf
 
 
 def _conv(mixer, x, tail, docs):
@@ -152,3 +153,15 @@ def linear_tile(args) -> int:
     """Tokens per tile of a linear block from a layer's LayerArgs: memory.linear_tile_tokens
     under memory.tiled_linear, 0 (untiled) otherwise."""
     return args.memory.linear_tile_tokens if args.memory.tiled_linear else 0
+
+
+def set_tile(mixer, tile: int) -> None:
+    """mixer.tile_tokens = tile; a tiled mixer is also a ZeRO-3 leaf (tiled_mlp's
+    mark_zero3_leaf): DeepSpeed gathers all its parameters on entry to its forward and to
+    its backward (the hooks on its outputs), which the tiles' forward and the recomputing
+    backward (ChunkedScan's) both run inside, and reduces their gradients once, after the
+    mixer's backward, where ChunkedScan returns them summed over tiles. Its children are
+    not hooked: the tiles call them, per tile, on parameters already gathered."""
+    mixer.tile_tokens = tile
+    if tile:
+        mark_zero3_leaf(mixer)

@@ -36,7 +36,7 @@ from ctxpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
 from ctxpar.tensor_parallel.layers import column_parallel_parameter
 from ctxpar.tensor_parallel.mappings import tp_size_of
 
-from .linear_tiles import SSDTiles, linear_tile
+from .linear_tiles import SSDTiles, linear_tile, set_tile
 from .options import LayerArgs
 from .short_conv import DepthwiseConv
 from .token_mixer import TokenMixer
@@ -105,7 +105,7 @@ class Mamba2(SSDTiles, TokenMixer):
         super().__init__()
         dims, tp = mamba_dims(cfg), tp_size_of(tp_group)
         self.cp, self.strategy, self.dims, self.tp_group = cp, strategy, dims, tp_group
-        self.tile_tokens = tile
+        set_tile(self, tile)
         self.heads, self.groups = dims.num_heads // tp, dims.n_groups // tp  # this TP rank's
         width, bc, h = dims.num_heads * dims.head_dim, dims.n_groups * dims.state_size, \
             dims.num_heads

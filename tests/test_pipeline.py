@@ -2,7 +2,8 @@
 
 (1) Pure: the DeepSpeed topology derived from the order string has exactly ctxpar's
 groups; orders DeepSpeed cannot express and ZeRO-2/3 with pp > 1 fail at config load.
-(2) Parity, spawned gloo ranks: for pp2, cp2·pp2, pp2·dp2 and tp2·cp2·pp2 the pipelined
+(2) Parity, spawned gloo ranks: for pp2, cp2·pp2 (also a hybrid whose linear blocks run
+in tiles, memory.tiled_linear), pp2·dp2 and tp2·cp2·pp2 the pipelined
 GPTPipe, trained by ``engine.train_batch`` with the loss of models/gpt_pipe.py, logs per
 step the same global token-mean loss as a single-process GPT trained on the same global
 batches (SGD, clipping active), and after the first step its gradient norm and its
@@ -22,6 +23,7 @@ from ctxpar.distributed.parallel_state import rank_grid
 from ctxpar.distributed.pipeline_parallel import pipeline_axes, pipeline_topology
 from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
+from ctxpar.testing.linear import GDN_MAMBA_CONFIG
 from models.gpt import GPT
 from helpers.train_run import ROOT, losses, run_train
 from models.options import ModelOptions
@@ -42,7 +44,12 @@ CONFIGS = {
                           norm_offset=1.0, post_norms=True, scale_embeddings=True,
                           mlp="geglu", ffn_hidden=64, query_pre_attn_scalar=10.0,
                           tie_embeddings=True),
+    # Gated DeltaNet, Mamba2, attention, MLP blocks over 48 tokens, the linear blocks in
+    # tiles of 8 tokens (MEMORY; two chunks of 4): a rank's zigzag segments of 12 end in a
+    # short tile. The reference runs them untiled.
+    "hybrid-tiled": GDN_MAMBA_CONFIG,
 }
+MEMORY = {"hybrid-tiled": dict(tiled_linear=True, linear_tile_tokens=8)}  # memory section
 BATCH, MICRO, STEPS, LR, CLIP, SEED = 4, 1, 3, 0.5, 0.05, 7
 # fp32. The pipelined model sums the same terms in another order (TP partial products,
 # the ring's LSE merge, micro-batch accumulation, the dp x cp all-reduce, the tied-weight
@@ -164,6 +171,7 @@ def _parity(rank, world, payload):
                           seed=SEED),
             "data": dict(kind="tokens", path="unused"),
             "activation_checkpointing": dict(mode=ckpt, every_n_layers=2),
+            "memory": MEMORY.get(name, {}),
             "deepspeed": {"zero_optimization": {"stage": zero},
                           "zero_allow_untested_optimizer": True},
         }, world_size=world, check_paths=False)
@@ -200,7 +208,8 @@ CASES = {  # world -> (tp, cp, pp, dp, layout, config, activation ckpt, ZeRO, pa
     2: [(1, 1, 2, 1, "zigzag", "tied", "none", 0, "parameters", "ring"),
         (1, 1, 2, 1, "zigzag", "fields", "selective", 0, "parameters", "ring")],
     4: [(1, 2, 2, 1, "zigzag", "untied", "full", 1, "uniform", "allgather"),
-        (1, 1, 2, 2, "striped", "tied", "selective", 1, "parameters", "ring")],
+        (1, 1, 2, 2, "striped", "tied", "selective", 1, "parameters", "ring"),
+        (1, 2, 2, 1, "zigzag", "hybrid-tiled", "full", 1, "uniform", "ring")],
     8: [(2, 2, 2, 1, "zigzag", "tied", "every_n_layers", 0, "parameters", "ring"),
         (2, 2, 2, 1, "striped", "untied", "selective", 1, "uniform", "ulysses")],
 }

@@ -22,16 +22,12 @@ def check_tiled_linear(cfg, err: Callable[[str], None]) -> None:
             check_tile_tokens(mem.linear_tile_tokens, chunk)
         except ValueError as e:
             err(str(e))
-    stage = (cfg.deepspeed.get("zero_optimization") or {}).get("stage", 0)
     unbuilt = [
         (not chunks, "a model without linear layers (model.layer_types has no "
                      "'linear_attention', 'kimi_delta_attention' or 'mamba')"),
         (p.cp > 1 and p.linear_cp not in TILED_LINEAR_STRATEGIES,
          f"parallel.linear_cp={p.linear_cp!r} at parallel.cp={p.cp} (tiles run under "
          f"{list(TILED_LINEAR_STRATEGIES)}: the heads all-to-all needs every rank's tile)"),
-        (p.pp > 1, f"parallel.pp={p.pp} (tested without a pipeline)"),
-        (stage == 3, "deepspeed.zero_optimization.stage=3 (the tiles call the block's "
-                     "modules on parameters ZeRO-3 would have to gather per tile)"),
         (cfg.data.dynamic_cp, "data.dynamic_cp=true (tested with the static CP group)"),
     ]
     for refused, why in unbuilt:

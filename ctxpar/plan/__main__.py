@@ -11,6 +11,7 @@ import os
 import sys
 
 from ..config import ConfigError, load_config
+from .bound import bound_by
 from .candidate import apply_candidate
 from .cluster import Cluster, PlanError, gpu_preset
 from .dynamic import compare, describe, document_lengths
@@ -56,6 +57,9 @@ def parse_args(argv=None):
                         "config's layout (ctxpar/plan/dynamic.py)")
     p.add_argument("--tp", type=int, help="--max-seq-len: only this TP degree")
     p.add_argument("--pp", type=int, help="--max-seq-len: only this pipeline degree")
+    p.add_argument("--target-seq-len", type=int, metavar="TOKENS",
+                   help="--max-seq-len: what TOKENS would need on the best layout, at the "
+                        "rate its binding memory grows (the 'bound by' line)")
     return p.parse_args(argv)
 
 
@@ -221,6 +225,7 @@ def longest_main(cfg, cluster: Cluster, a) -> int:
     best = evaluate(with_seq_len(apply_candidate(cfg, cand), n), cand, cluster)
     print("\n" + "\n".join(memory_lines(best, cluster)))
     print(what_frees(best.memory, cand))
+    print(bound_by(cfg, cand, cluster, n, a.target_seq_len))
     if a.write:
         print(f"wrote {write_config(with_seq_len(cfg, n), best, a.write)}")
     print(f"longest seq_len: {n:,} tokens (layout {cand.name()})")

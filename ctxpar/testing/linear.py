@@ -65,6 +65,13 @@ OLMO_HYBRID_CONFIG = ModelConfig(
 
 # Kimi Linear's pattern, three KDA layers per attention one (Kimi Linear's is MLA without
 # RoPE; full attention stands in for it here), four heads of 8 (Kimi's are ungrouped)
+# Both linear mixers and both other blocks in four layers (Gated DeltaNet, Mamba2,
+# attention, MLP): tests/test_linear_tiles.py's ZeRO-3 case, test_pipeline.py's tiled one.
+GDN_MAMBA_CONFIG = ModelConfig(
+    n_layers=4, layer_types=["linear_attention", "mamba", "attention", "mlp"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=6, mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=8,
+    n_groups=2, time_step_min=0.01, **_SMALL)
 KIMI_LINEAR_CONFIG = ModelConfig(
     n_layers=4, layer_types=["kimi_delta_attention"] * 3 + ["full_attention"],
     linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
