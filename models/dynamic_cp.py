@@ -19,6 +19,8 @@ left out of the statistics).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -44,8 +46,10 @@ def train_step(engine, step, groups, state, layout: str, gas: int, divisor: int,
     rounds (ZeRO 2 and 3, whose every backward, and under ZeRO 3 every forward, is
     collective over DP x CP; and experts over EP, whose all-to-alls pair the ranks of an
     EP group layer by layer): the packs in Schedule.slots' rounds, an empty pack where a
-    rank has none. Returns (the global token-mean loss, the routers' metrics or {})
-    (collective)."""
+    rank has none. Returns (the global token-mean loss, the routers' metrics and
+    step_cpu_s: the step's process CPU seconds summed over DP x CP, a figure that other
+    work on the machine changes far less than the wall clock's) (collective)."""
+    cpu = time.process_time()
     model = engine.module
     n_tokens = torch.tensor(float(step.n_tokens), device=device)
     loss_sum = torch.zeros((), device=device)
@@ -81,6 +85,10 @@ def train_step(engine, step, groups, state, layout: str, gas: int, divisor: int,
     model.use_cp_group(state.cp_group, state.ulysses_group, state.ring_group)
     engine.step()
     extras = {} if router is None else router_step(model, router, state)
+    cpu = torch.tensor([time.process_time() - cpu], dtype=torch.float64, device=device)
+    if state.dp_cp_group is not None and dist.get_world_size(state.dp_cp_group) > 1:
+        dist.all_reduce(cpu, group=state.dp_cp_group)
+    extras["step_cpu_s"] = float(cpu)
     return global_mean_loss(loss_sum, n_tokens, state.dp_cp_group), extras
 
 

@@ -203,10 +203,11 @@ class DynamicSteps:
         return self.stream.next_step()  # a DynamicStep: documents, schedule, token count
 
     def run(self, step) -> StepOutput:
-        loss, router = dynamic_cp.train_step(self.engine, step, self.groups, self.state,
-                                             self.layout, self.gas, self.divisor, self.device,
-                                             self.rounds)
+        loss, more = dynamic_cp.train_step(self.engine, step, self.groups, self.state,
+                                           self.layout, self.gas, self.divisor, self.device,
+                                           self.rounds)
         loss = loss.item()
-        # the balance, the CP sizes, the tokens so far (whole documents, not seq_len windows)
-        extras = {**dynamic_cp.step_metrics(step), "tokens": self.stream.tokens_seen, **router}
+        # the balance, the CP sizes, the tokens so far (whole documents, not seq_len
+        # windows); the routers' metrics and the step's CPU seconds (train_step's)
+        extras = {**dynamic_cp.step_metrics(step), "tokens": self.stream.tokens_seen, **more}
         return StepOutput(loss, step.lengths, extras)

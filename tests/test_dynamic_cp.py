@@ -316,3 +316,27 @@ def test_a_window_deals_its_documents_again_and_nothing_crosses_it():
     assert max(spread) / min(spread) < max(int(lengths[p].sum()) for p in picks) / min(
         int(lengths[p].sum()) for p in picks)
     assert all((a == b).all() for a, b in zip(dealt, exchange_documents(picks, lengths)))
+
+
+def test_a_benchmark_mix_spec_sets_its_own_lengths_and_documents_and_refuses_bad_keys():
+    """bench_dynamic_cp_train's 'NAME:key=value,...' (one command, every arm on its mix):
+    the keys set that case's options only; an unknown key or name stops the benchmark
+    before any run."""
+    import argparse
+
+    from tools.benchmarks.dynamic_cp_runs import add_mix_options, mix_lengths, mix_spec
+
+    ap = argparse.ArgumentParser()
+    add_mix_options(ap)
+    ap.add_argument("--docs", type=int, default=32)
+    a = ap.parse_args([])
+    name, sft = mix_spec("bimodal:short=0.95,docs=80,long=2000", a)
+    assert (name, sft.short_share, sft.docs, sft.long_median) == ("bimodal", 0.95, 80, 2000.0)
+    assert (a.short_share, a.docs, a.long_median) == (0.8, 32, 3000)  # the default's own
+    short = [(mix_lengths("bimodal", 4000, x) <= 420).mean() for x in (a, sft)]
+    assert short[0] == pytest.approx(0.8, abs=0.03) and short[1] == pytest.approx(0.95, abs=0.02)
+    name, ln = mix_spec("lognormal:median=150,sigma=1", a)
+    assert np.median(mix_lengths(name, 4000, ln)) == pytest.approx(150, rel=0.05)
+    for bad in ("bimodal:shares=0.9", "uniform", "lognormal:median"):
+        with pytest.raises(SystemExit, match="mix"):
+            mix_spec(bad, a)

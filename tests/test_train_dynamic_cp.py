@@ -145,6 +145,9 @@ def test_dp2_cp2_matches_one_process_and_logs_the_balance(cp2dp2, one_process):
     assert all(abs(sum(v.values()) - 1) < 1e-9 for v in shares.values())
     assert all(v == {"1": 1.0} for v in metric(one_process, "cp_size_share").values())
     assert all(b >= 1.0 for b in metric(cp2dp2, "work_max_over_mean").values())
+    # the step's CPU seconds (summed over the 4 ranks) on every line
+    cpu, wall = metric(cp2dp2, "step_cpu_s"), metric(cp2dp2, "step_time_s")
+    assert sorted(cpu) == sorted(wall) and all(c > 0 for c in cpu.values()), cpu
     # throughput counts the step's own tokens, not global_batch_size x seq_len
     rate, dt, n = (metric(cp2dp2, k) for k in ("tokens_per_s", "step_time_s", "step_tokens"))
     assert all(abs(rate[s] * dt[s] - n[s]) <= 1e-6 * n[s] for s in n), (rate, dt, n)

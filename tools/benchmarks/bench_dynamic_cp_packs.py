@@ -30,12 +30,16 @@ from types import SimpleNamespace
 import numpy as np
 
 from ctxpar.testing import run_distributed
+from tools.benchmarks.dynamic_cp_runs import add_mix_options
 
 SHORT = [int(n) for n in np.random.default_rng(0).integers(40, 421, 17)]  # 40-420 tokens
 # (CP size, the pack's document lengths): one-rank packs of short, middling and one long
-# document, cp2 packs of one document, cp4 packs of one long and a few short ones
+# document, cp2 packs of one document, cp4 packs of one long and a few short ones; then
+# 34 and 68 short documents on 1, 2 and 4 ranks beside one document of 68's tokens on 4
+# (what a document costs at each ring step, beside its tokens' work)
 PACKS = [(1, SHORT), (1, [4000]), (1, [500] * 8), (1, [3445]), (2, [6289]), (2, [5700]),
-         (4, [5700, 227, 259]), (4, [4096, 284, 217, 273])]
+         (4, [5700, 227, 259]), (4, [4096, 284, 217, 273]), (1, SHORT * 2), (2, SHORT * 4),
+         (4, SHORT * 4), (4, [sum(SHORT) * 4])]
 
 
 def _setup(a, world):
@@ -112,11 +116,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--docs", type=int, default=32)
     ap.add_argument("--tokens-per-rank", type=int, default=4096)
-    ap.add_argument("--median-len", type=float, default=600)
-    ap.add_argument("--sigma", type=float, default=1.3)
-    ap.add_argument("--min-len", type=int, default=40)
-    ap.add_argument("--max-len", type=int, default=12288)
-    ap.add_argument("--seed", type=int, default=0)
+    add_mix_options(ap)
     ap.add_argument("--config", default="configs/tiny_cpu.yaml")
     a = ap.parse_args(argv)
     rows = [r for rank in run_distributed(_rank, a.world, a, timeout=3600) for r in rank]

@@ -34,10 +34,14 @@ contention changes less than the wall clock's.
 
 Mixes (lengths in tokens, seeded; --min-len and --max-len clip):
     lognormal  log-normal, median --median-len, sigma --sigma
-    bimodal    80% uniform in 40..420, 20% log-normal of median 3,000 and sigma 0.5: most
-               documents short, a fifth long
+    bimodal    --short-share (80%) uniform in --short-len (40..420), the rest log-normal of
+               median --long-median (3,000) and sigma 0.5: most documents short, a few long
 --hybrid MIX adds a hybrid model on that mix (Gated DeltaNet, Mamba2, attention, Gated
-DeltaNet layers; state passing over each pack's group).
+DeltaNet layers; state passing over each pack's group). Each MIX of --mix, --hybrid and
+--moe may set its own options and documents per step: 'lognormal:median=150,docs=128'
+(dynamic_cp_runs.mix_spec), so one command runs every arm. Each run's metrics also give
+the steps' CPU seconds over all ranks (step_cpu_s): the arms' CPU per token is printed
+beside their tokens/s, a ratio that contention changes less.
 """
 from __future__ import annotations
 
@@ -54,7 +58,8 @@ import time
 import numpy as np
 
 from ctxpar.distributed.parallel_state import free_port
-from tools.benchmarks.dynamic_cp_runs import HYBRID, MOE, mix_lengths
+from tools.benchmarks.dynamic_cp_runs import (HYBRID, MOE, add_mix_options, mix_lengths,
+                                               mix_spec)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def write_corpus(prefix: str, lengths) -> None:
@@ -105,6 +110,7 @@ def summary(steps: dict) -> dict:
     timed = [r for s, r in steps.items() if s > 1]
     tokens = sum(r["step_tokens"] for r in timed)
     return {"tokens_per_s": tokens / sum(r["step_time_s"] for r in timed),
+            "cpu_us_per_token": 1e6 * sum(r["step_cpu_s"] for r in timed) / tokens,
             "predicted_tokens_per_s": tokens / sum(r["predicted_s"] for r in timed),
             "cpu_s": steps[0]["cpu_s"], "losses": {s: r["loss"] for s, r in steps.items()
                                                    if s > 0},
@@ -115,11 +121,11 @@ def summary(steps: dict) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mix", nargs="*", default=["lognormal", "bimodal"],
-                    choices=["lognormal", "bimodal"])
+                    help="mixes to run the dense model on: NAME[:key=value,...]")
     ap.add_argument("--hybrid", nargs="*", default=["bimodal"],
-                    choices=["lognormal", "bimodal"], help="mixes to run a hybrid model on")
+                    help="mixes to run a hybrid model on")
     ap.add_argument("--moe", nargs="*", default=["bimodal"],
-                    choices=["lognormal", "bimodal"], help="mixes to run a MoE model on")
+                    help="mixes to run a MoE model on")
     ap.add_argument("--ep", type=int, default=2, help="the MoE model's parallel.ep")
     ap.add_argument("--same-documents", action="store_true",
                     help="the static arm trades documents too; the losses are compared")
@@ -128,52 +134,57 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--docs", type=int, default=48, help="documents per step")
     ap.add_argument("--window", type=int, default=4, help="data.dynamic_cp_window")
-    ap.add_argument("--median-len", type=float, default=600)
-    ap.add_argument("--sigma", type=float, default=1.3)
-    ap.add_argument("--min-len", type=int, default=40)
-    ap.add_argument("--max-len", type=int, default=12288)
+    add_mix_options(ap)
     ap.add_argument("--tokens-per-rank", type=int, default=4096)
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_cpu.yaml"))
     ap.add_argument("--set", nargs="*", default=[], help="config overrides for both arms")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="runs/bench/dynamic_cp_train.json")
     a = ap.parse_args(argv)
     cases = [(m, "dense", []) for m in a.mix] + [(m, "hybrid", HYBRID) for m in a.hybrid] \
         + [(m, "moe", [*MOE, f"parallel.ep={a.ep}"]) for m in a.moe]
+    specs = sorted({spec for spec, _, _ in cases})
+    parsed = {spec: mix_spec(spec, a) for spec in specs}  # every spec checked before a run
     out, tmp = [], tempfile.mkdtemp(prefix="bench_dyn_")
-    for mix, model, model_sets in cases:
-        prefix = os.path.join(tmp, mix)
+    for spec, model, model_sets in cases:
+        mix, ma = parsed[spec]
+        name = f"mix{specs.index(spec)}"
+        prefix = os.path.join(tmp, name)
         if not os.path.exists(prefix + ".idx"):
-            write_corpus(prefix, mix_lengths(mix, int(1.2 * a.docs * (a.steps + a.window)), a))
+            write_corpus(prefix, mix_lengths(mix, int(1.2 * ma.docs * (ma.steps + ma.window)),
+                                             ma))
         runs = {"static": [], "dynamic": []}
         same = a.same_documents or model == "moe"
         for r in range(a.rounds):
             for arm in ("static", "dynamic"):  # interleaved: the same contention for both
                 t0 = time.time()
-                steps = train(os.path.join(tmp, f"{mix}-{model}-{arm}-{r}"), prefix, arm, a,
+                steps = train(os.path.join(tmp, f"{name}-{model}-{arm}-{r}"), prefix, arm, ma,
                               model_sets, same)
                 runs[arm].append(summary(steps))
                 x = runs[arm][-1]
-                print(f"{mix:>9} {model:>6} {arm:>7} round {r}: {x['tokens_per_s']:>8,.0f} "
+                print(f"{spec} {model} {arm} round {r}: {x['tokens_per_s']:>8,.0f} "
                       f"tokens/s (predicted {x['predicted_tokens_per_s']:,.0f}), schedule "
                       f"max/mean {x['max_over_mean']:.3f}, predicted/bound "
-                      f"{x['predicted_over_bound']:.3f} ({time.time() - t0:.0f} s wall, "
-                      f"{x['cpu_s']:.0f} CPU s)", flush=True)
+                      f"{x['predicted_over_bound']:.3f}, steps' CPU {x['cpu_us_per_token']:.0f} "
+                      f"us/token ({time.time() - t0:.0f} s wall, {x['cpu_s']:.0f} CPU s)",
+                      flush=True)
             if not same:
                 continue
             loss_diff = max(abs(d - s) / abs(s) for s, d in zip(
                 runs["static"][-1]["losses"].values(), runs["dynamic"][-1]["losses"].values()))
             runs["dynamic"][-1]["loss_rel_diff"] = loss_diff
-            print(f"{mix:>9} {model:>6} losses over {a.steps} steps: dynamic within "
+            print(f"{spec} {model} losses over {ma.steps} steps: dynamic within "
                   f"{loss_diff:.1e} (relative) of static "
                   f"{'(within 1e-5)' if loss_diff <= 1e-5 else 'NOT WITHIN 1e-5'}", flush=True)
         med = {arm: statistics.median(x["tokens_per_s"] for x in v) for arm, v in runs.items()}
         predicted = {arm: statistics.median(x["predicted_tokens_per_s"] for x in v)
                      for arm, v in runs.items()}
-        row = dict(mix=mix, model=model, static_tokens_per_s=med["static"],
+        cpu = {arm: statistics.median(x["cpu_us_per_token"] for x in v)
+               for arm, v in runs.items()}
+        row = dict(mix=spec, model=model, static_tokens_per_s=med["static"],
                    dynamic_tokens_per_s=med["dynamic"],
                    speedup=med["dynamic"] / med["static"],
                    predicted_speedup=predicted["dynamic"] / predicted["static"],
+                   cpu_us_per_token=cpu, cpu_speedup=cpu["static"] / cpu["dynamic"],
                    cpu_s={arm: statistics.median(x["cpu_s"] for x in v)
                           for arm, v in runs.items()},
                    loss_rel_diff=max(x["loss_rel_diff"] for x in runs["dynamic"])
@@ -183,9 +194,10 @@ def main(argv=None):
                    dynamic_predicted_over_bound=statistics.mean(
                        x["predicted_over_bound"] for x in runs["dynamic"]), runs=runs)
         out.append(row)
-        print(f"{mix:>9} {model:>6}: dynamic {row['dynamic_tokens_per_s']:,.0f} / static "
+        print(f"{spec} {model}: dynamic {row['dynamic_tokens_per_s']:,.0f} / static "
               f"{row['static_tokens_per_s']:,.0f} tokens/s = {row['speedup']:.2f}x (predicted "
-              f"{row['predicted_speedup']:.2f}x; CPU s static {row['cpu_s']['static']:.0f}, "
+              f"{row['predicted_speedup']:.2f}x; steps' CPU per token {row['cpu_speedup']:.2f}x; "
+              f"run CPU s static {row['cpu_s']['static']:.0f}, "
               f"dynamic {row['cpu_s']['dynamic']:.0f}); dynamic "
               f"schedule max/mean {row['dynamic_max_over_mean']:.3f}, predicted/bound "
               f"{row['dynamic_predicted_over_bound']:.3f}", flush=True)
