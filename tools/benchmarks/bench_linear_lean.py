@@ -1,11 +1,13 @@
 """One Gated DeltaNet block's step on CPU: the autograd torch kernel, the lean one, lean + tiles.
 
     PYTHONPATH=. python tools/benchmarks/bench_linear_lean.py [--seq 16384] [--heads 8]
+        [--checkpointing full] [--kernels today tiles]
 
 A one-layer GPT whose layer is Gated DeltaNet (Qwen3.5's head dims: value and key heads
 of 128, two value heads per key head, conv 4, chunk 64; --heads value heads, d_model
-1024, a 256-token vocabulary so that the block, not the head, is the step), fp32, no
-checkpointing, one sample of --seq tokens. For each kernel: the CPU allocator's peak above
+1024, a 256-token vocabulary so that the block, not the head, is the step), fp32, under
+--checkpointing (default none; 'full': the block replayed in backward, the recompute the
+tiles are built for, so every kernel runs its forward again), one sample of --seq tokens. For each kernel: the CPU allocator's peak above
 the model state in the forward and in the backward (the profiler's allocation events, as
 tests/test_plan.py's peak tests read them) and the step's time (the median of --repeat
 after a warm step); for the lean kernel also the planner's prediction of both peaks
@@ -40,10 +42,12 @@ def today(q, k, v, g, beta, scale, initial_state, seq_idx, chunk_size, l2norm, s
     return gated_delta_fp32(q, k, v, g, beta, scale, initial_state, seq_idx, chunk_size, l2norm)
 
 
-def predicted(cfg: ModelConfig, tile: int = 0) -> dict:
+def predicted(cfg: ModelConfig, tile: int = 0, mode: str = "none",
+              tiled_mlp: bool = False) -> dict:
     c = Config()
-    c.model, c.activation_checkpointing.mode = cfg, "none"
-    cand = Candidate(1, 1, 1, 1, zero=0, activation="none", linear_tile=tile)
+    c.model, c.activation_checkpointing.mode = cfg, mode
+    cand = Candidate(1, 1, 1, 1, zero=0, activation=mode, linear_tile=tile,
+                     tiled_mlp=tiled_mlp, mlp_tile=tile if tiled_mlp else 0)
     phases = stage_memory(c, cand, False, 1, 0, "cpu", zero_config({})).phases
     state = phases[-1].terms["params"] + phases[-1].terms["optimizer"]
     return {region: max(p.total for p in phases if p.name.startswith(prefix)) - state
@@ -56,6 +60,12 @@ def main():
     p.add_argument("--heads", type=int, default=8, help="value heads (key heads: half)")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--tile", type=int, default=2048, help="tokens per tile of the block")
+    p.add_argument("--checkpointing", default="none", choices=("none", "full"))
+    p.add_argument("--tiled-mlp", action="store_true",
+                   help="the tiles row tiles the block's MLP too (memory.tiled_mlp, the "
+                        "same tile): the whole block, conv, mixer, gated norm and MLP")
+    p.add_argument("--kernels", nargs="+", default=["today", "lean", "tiles"],
+                   choices=("today", "lean", "tiles"), help="the rows to run")
     a = p.parse_args()
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=256, seq_len=a.seq, n_layers=1, d_model=1024, n_heads=8,
@@ -63,10 +73,12 @@ def main():
                       linear_num_key_heads=a.heads // 2, linear_num_value_heads=a.heads,
                       linear_key_head_dim=128, linear_value_head_dim=128,
                       linear_chunk_size=64)
-    untiled = GPT(cfg, options=ModelOptions(activation_checkpointing="none", seed=1))
-    tiled = GPT(cfg, options=ModelOptions(activation_checkpointing="none", seed=1,
+    untiled = GPT(cfg, options=ModelOptions(activation_checkpointing=a.checkpointing, seed=1))
+    tiled = GPT(cfg, options=ModelOptions(activation_checkpointing=a.checkpointing, seed=1,
                                           memory=MemoryConfig(tiled_linear=True,
-                                                              linear_tile_tokens=a.tile)))
+                                                              linear_tile_tokens=a.tile,
+                                                              tiled_mlp=a.tiled_mlp,
+                                                              mlp_tile_tokens=a.tile)))
     tok, pos = torch.randint(0, 256, (1, a.seq)), torch.arange(a.seq)
     model = untiled
 
@@ -80,7 +92,7 @@ def main():
     def nothing(name):
         return torch.autograd.profiler.record_function(name)
     rows = {}
-    for name in ("today", "lean", "tiles"):
+    for name in a.kernels:
         model = tiled if name == "tiles" else untiled
         with mock.patch.object(kernels, "gated_delta_lean", today) if name == "today" \
                 else mock.patch.object(kernels, "gated_delta_lean", kernels.gated_delta_lean):
@@ -91,9 +103,10 @@ def main():
                 step(nothing)
                 times.append(time.perf_counter() - t0)
             rows[name] = (allocator_peaks(step), statistics.median(times))
-    want = {"lean": predicted(cfg), "tiles": predicted(cfg, a.tile)}
-    print(f"one GDN block, T={a.seq}, {a.heads} value heads of 128, fp32, no checkpointing, "
-          f"tiles of {a.tile}")
+    want = {"lean": predicted(cfg, 0, a.checkpointing),
+            "tiles": predicted(cfg, a.tile, a.checkpointing, a.tiled_mlp)}
+    print(f"one GDN block, T={a.seq}, {a.heads} value heads of 128, fp32, checkpointing "
+          f"{a.checkpointing}, tiles of {a.tile}{' (the MLP too)' if a.tiled_mlp else ''}")
     print("| kernel | forward peak | backward peak | step time | planner forward | "
           "planner backward |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -104,8 +117,8 @@ def main():
                 if w else "- | -")
         print(f"| {name} | {peaks['FWD'] / 1e6:,.0f} MB | {peaks['BWD'] / 1e6:,.0f} MB | "
               f"{t:.2f} s | {pred} |")
-    t = rows["today"]
-    for name in ("lean", "tiles"):
+    t = rows.get("today")
+    for name in [n for n in ("lean", "tiles") if n in rows and t]:
         r = rows[name]
         print(f"{name} / today: peak {max(r[0].values()) / max(t[0].values()):.2f}x, "
               f"time {r[1] / t[1]:.2f}x")
