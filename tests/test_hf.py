@@ -1739,6 +1739,7 @@ HYBRID_LAYOUTS = {
     "cp2-pp2": ["parallel.cp=2", "parallel.pp=2"],
     "cp2-zigzag-ep2": ["parallel.cp=2", "parallel.layout=zigzag", "parallel.ep=2"],
     "cp2-allgather": ["parallel.cp=2", "parallel.cp_comm=allgather"],
+    "cp2-zigzag": ["parallel.cp=2", "parallel.layout=zigzag"],
 }
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIGS' sizes
 # Qwen3.5's layers with experts: Gated DeltaNet around a gated full-attention layer, a
@@ -1802,10 +1803,15 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # Gemma 4 with experts beside its MLPs (and double-wide shared-KV MLPs) at cp2 x ep2
     # (tests/test_gemma4.py's spawn adds tp2 x cp2 x ep2 against one process; tp2 x cp2
     # and cp2 Ulysses folder runs by hand, docs/checkpoints.md)
-    ("gemma4_moe", "cp2-zigzag-ep2")]
+    ("gemma4_moe", "cp2-zigzag-ep2"),
+    # DeepSeek-V4: sliding, CSA and HCA layers (the compressors' windows across the zigzag
+    # halves, the indexer's top-k over every rank's entries), a hash-routed layer, mHC; cp2
+    # contiguous, tp2 x cp2 and cp2 x ep2 run by hand (docs/checkpoints.md)
+    ("deepseek_v4", "cp2-zigzag")]
 # a family's folder for the runs when not the default sizes below
 RUN_SIZES = {family: dict(vocab_size=256, vocab_size_per_layer_input=256,
                           intermediate_size=192) for family in ("gemma4_text", "gemma4_moe")}
+RUN_SIZES["deepseek_v4"] = dict(vocab_size=256)  # its experts FAMILY_CONFIGS' 32 wide
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)
