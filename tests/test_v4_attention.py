@@ -226,7 +226,6 @@ def _load(model=None, parallel=None, data=None, training=True):
     (None, dict(cp=2, layout="striped"), None, r"parallel.layout='striped'"),
     (None, dict(cp=8), None, r"leaves slabs of 6 tokens: compressed_sparse_attention's "
                              r"compress rate 4 needs 8"),
-    (None, dict(pp=2), None, r"parallel.pp=2: not built under the pipeline"),
     (None, None, dict(document_mask=True), r"data.document_mask=true: packed documents"),
 ])
 def test_what_v4_cannot_run_is_refused_in_one_line(model, parallel, data, msg):
