@@ -14,8 +14,9 @@ zigzag with full recompute; cp2 all-gather contiguous, selective, ep2 (over the 
 tp2 x pp2 selective (DeepSpeed's TP split of the stage output off: the routers'
 statistics take a gradient, ctxpar/config/kv_layers.py carries_between_stages).
 And the same model with DeepSeek-V4's attention (V4_CFG: sliding, CSA, HCA, CSA layers)
-at cp2 ring zigzag with full recompute: its compressors and indexer inside the blocks of
-both stages (the indexer takes no gradient in either).
+at cp2 ring zigzag with full recompute, and contiguous with selective recompute and two
+packed documents: its compressors and indexer inside the blocks of both stages (the
+indexer takes no gradient in either).
 Then, quick: what the tuple carries after each block.
 """
 import dataclasses
@@ -54,12 +55,15 @@ V4_CFG = dataclasses.replace(
         q_lora_rank=8, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8,
         index_topk=2, compress_rates={"compressed_sparse_attention": 2,
                                       "heavily_compressed_attention": 4}))
-MODELS = {"gqa": CFG, "v4": V4_CFG}
+MODELS = {"gqa": CFG, "v4": V4_CFG, "v4-docs": V4_CFG}
+# v4-docs: two packed documents (data.document_mask), the second across the slabs (4, 8, 12)
+DOCUMENTS = {"v4-docs": torch.tensor([0, 7, SEQ], dtype=torch.int32)}
 CASES = [  # (tp, cp, layout, cp_comm, activation checkpointing, ep, model)
     (1, 2, "zigzag", "ring", "full", 1, "gqa"),
     (1, 2, "contiguous", "allgather", "selective", 2, "gqa"),
     (2, 1, "zigzag", "ring", "selective", 1, "gqa"),  # the stages' whole tuples on every TP rank
     (1, 2, "zigzag", "ring", "full", 1, "v4"),  # V4's compressors and indexer across stages
+    (1, 2, "contiguous", "ring", "selective", 1, "v4-docs"),
 ]
 # fp32; the pipeline sums the same terms in another order (the ring's LSE merges, the two
 # micro-batches, the gradients summed over CP, the experts' rows in EP's order):
@@ -71,14 +75,15 @@ def _batch():
     return random_batch(64, BATCH, SEQ, seed=17)
 
 
-def _one_process(cfg):
+def _one_process(kind):
     """The first sample's logits, the step's token-mean loss, every gradient (of that loss
     plus the routers'), the hash tables."""
     tokens, labels = _batch()
-    model = GPT(cfg, options=ModelOptions(seed=SEED))
+    model = GPT(MODELS[kind], options=ModelOptions(seed=SEED))
+    docs = DOCUMENTS.get(kind)
     with torch.no_grad():
-        logits = model(tokens[:1], torch.arange(SEQ))
-    loss = model(tokens, torch.arange(SEQ), labels) / (labels != -100).sum()
+        logits = model(tokens[:1], torch.arange(SEQ), cu_seqlens=docs)
+    loss = model(tokens, torch.arange(SEQ), labels, cu_seqlens=docs) / (labels != -100).sum()
     (loss + model.router_losses.share).backward()
     tables = {n: b for n, b in model.named_buffers() if n.endswith("tid2eid")}
     return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, tables
@@ -122,7 +127,8 @@ def _pipeline(rank, world, payload):
         pos = sequence_positions(SEQ, st.cp_group, layout)
         micro = [{"tokens": shard_sequence(tokens[m:m + 1], 1, st.cp_group, layout),
                   "labels": shard_sequence(labels[m:m + 1], 1, st.cp_group, layout),
-                  "positions": pos} for m in range(BATCH)]
+                  "positions": pos, **({"cu_seqlens": [DOCUMENTS[kind]]}
+                                       if kind in DOCUMENTS else {})} for m in range(BATCH)]
         n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
         logits = pipeline_logits(model, st, micro[0])  # evaluation's path, before the step
         if logits is not None:  # (1, T, V) whole: the CP shards joined, the TP vocabulary
@@ -143,7 +149,7 @@ def _pipeline(rank, world, payload):
 
 
 def test_streams_and_hash_layers_through_the_pipeline_equal_one_process():
-    references = {kind: _one_process(cfg) for kind, cfg in MODELS.items()}
+    references = {kind: _one_process(kind) for kind in MODELS}
     results = run_distributed(_pipeline, 4, pickle.dumps(CASES), timeout=300)
     for i, case in enumerate(CASES):
         logits, loss, grads, tables = references[case[-1]]
