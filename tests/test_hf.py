@@ -1310,7 +1310,8 @@ def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
         torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe", "qwen3_next", "llama4_text"])
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe", "qwen3_next", "llama4_text",
+                                    "deepseek_v4"])
 def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, family):
     import yaml
     from ctxpar.config import config_from_dict
@@ -1326,6 +1327,14 @@ def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, 
         m = cfg.model
         assert (m.nope_layers, m.attn_temperature_tuning, m.floor_scale, m.qk_l2_norm,
                 m.moe.scale_expert_input, m.moe.layers) == ([1, 3], True, 8, True, True, [1, 3])
+        assert hf.check_matches(m, hf.model_fields(hf.read_config(tmp_path), str(tmp_path)),
+                                str(tmp_path)) == {}
+        return
+    elif family == "deepseek_v4":  # its attention, mHC, hash layers and limit as sections
+        m = cfg.model
+        assert (m.compressed_attention.compress_rates["heavily_compressed_attention"],
+                m.hyper_connections.streams, m.moe.hash_layers, m.moe.score,
+                m.swiglu_limit) == (8, 2, [0], "sqrtsoftplus", 0.5)
         assert hf.check_matches(m, hf.model_fields(hf.read_config(tmp_path), str(tmp_path)),
                                 str(tmp_path)) == {}
         return
