@@ -75,6 +75,8 @@ def test_the_flat_rope_form_reads_as_the_nested_one(tmp_path):
     ("swiglu_limit", None, None),  # absent: its class's 10.0, read
     ("quantization_config", {"quant_method": "fp8"}, "quantized weights is not implemented"),
     ("num_hash_layers", 3, "num_hash_layers=3: a config field ctxpar does not know"),
+    ("intermediate_size", 64, "intermediate_size=64: names moe_intermediate_size=32"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling={'rope_type': "),
 ])
 def test_v4_fields_ctxpar_does_not_build_are_refused_naming_them(tmp_path, field, value,
                                                                 words):

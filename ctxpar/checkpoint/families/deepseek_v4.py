@@ -52,7 +52,7 @@ from .experts import experts_and_top_k, integer_field, per_expert_tensors
 KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 ATTENTION_KEYS = ("q_lora_rank", "o_groups", "o_lora_rank", "index_n_heads",
                   "index_head_dim", "index_topk")
-HC_KEYS = {"hc_mult": "streams", "hc_sinkhorn_iters": "sinkhorn_iters", "hc_eps": "eps"}
+HC_KEYS = ("hc_mult", "hc_sinkhorn_iters", "hc_eps")  # -> hyper_connections.*
 ROPE_OWN = ("rope_theta", "compress_rope_theta", "partial_rotary_factor", "qk_rope_head_dim")
 DEFAULTS = dict(q_lora_rank=1024, o_groups=8, o_lora_rank=1024, index_n_heads=64,
                 index_head_dim=128, index_topk=512, n_routed_experts=256,
@@ -98,6 +98,9 @@ def _rope_parameters(hf: Dict[str, Any], refuse: Refuse):
     compressed layers without their partial_rotary_factor (one for both), from the nested
     form or nested from the flat one as DeepseekV4Config.__post_init__ does."""
     rp = hf.get("rope_parameters") or {}
+    if hf.get("rope_scaling"):
+        refuse("rope_scaling", hf["rope_scaling"], "DeepSeek-V4 reads its RoPE from "
+               "rope_parameters (main / compress) or rope_theta and compress_rope_theta")
     top = hf.get("partial_rotary_factor")
     if top is None:
         top = (hf["qk_rope_head_dim"] / hf.get("head_dim", 512) if "qk_rope_head_dim" in hf
@@ -124,11 +127,15 @@ def _rope_parameters(hf: Dict[str, Any], refuse: Refuse):
 
 
 class DeepSeekV4(Family):
+    """The hooks: config.json's V4 keys both ways (module docstring), the folder's names."""
 
     def prepare(self, hf: Dict[str, Any], refuse: Refuse) -> Dict[str, Any]:
         """transformers' intermediate_size is moe_intermediate_size (its attribute_map)."""
-        return {**hf, "intermediate_size": integer_field(
-            hf, "moe_intermediate_size", DEFAULTS["moe_intermediate_size"], refuse)}
+        f = integer_field(hf, "moe_intermediate_size", DEFAULTS["moe_intermediate_size"], refuse)
+        if hf.get("intermediate_size", f) != f:
+            refuse("intermediate_size", hf["intermediate_size"], f"names moe_intermediate_size"
+                                                                 f"={f} (its attribute_map)")
+        return {**hf, "intermediate_size": f}
 
     def fields(self, hf: Dict[str, Any], refuse: Refuse) -> Dict[str, Any]:
         n = hf["num_hidden_layers"]
