@@ -90,10 +90,14 @@ def test_v4_fields_ctxpar_does_not_build_are_refused_naming_them(tmp_path, field
 
 
 def test_v4_models_the_family_cannot_hold_are_refused_at_export(tmp_path):
-    """Without mHC, with a YaRN compressed layer, with the experts not on every layer."""
+    """Without mHC, with the compressed layers' bases apart, with the experts not on every
+    layer; a model without layer_rope exports (its config.json reads back as it)."""
     from dataclasses import replace
+    from ctxpar.checkpoint.export_check import check_exportable
     m = ModelConfig(**fields_of(tmp_path))
     assert hf.family_config(m)["mlp_layer_types"] == ["hash_moe", "moe", "moe"]
+    # compressed layers at the model's own base: model.layer_rope unset reads back the same
+    check_exportable(replace(m, layer_rope=None))
     for change, words in (
             (dict(hyper_connections=None), "model.hyper_connections=None"),
             (dict(layer_rope={"compressed_sparse_attention": {"rope_theta": 1.0},
