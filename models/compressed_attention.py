@@ -196,21 +196,27 @@ class CompressedAttention(TokenMixer):
         return rope_last_pairs(x.unsqueeze(2), cos.to(x.dtype), sin.to(x.dtype)).squeeze(2)
 
     def mix(self, inputs: tuple, cu_seqlens=None, cache=None) -> torch.Tensor:
-        """(B, T/cp, H/tp, D): the window (and the entries) with the sinks, over CP."""
-        if cache is not None or cu_seqlens is not None:  # refused at load (config)
+        """(B, T/cp, H/tp, D): the window (and the entries) with the sinks, over CP; with
+        cu_seqlens (packed documents) the window, the entries and the indexer's choice stay
+        inside each query's document (docs/parallelism.md's HCA and CSA rule), the entries
+        turned at global positions (the layer is handed global ones: data.reset_positions
+        is refused at load)."""
+        if cache is not None:  # refused at load (config)
             raise ValueError(f"{self.kind}: DeepSeek-V4's attention is built for training "
-                             "on whole sequences (no generation cache, no packed documents)")
+                             "(no generation cache)")
         q, kv = inputs[:2]
         if self.compressor is None:
             k = kv.unsqueeze(2)                                        # (B, T/cp, 1, D)
             return self.cp.attention(q, k, k, backend=self.backend, softmax_scale=self.scale,
                                      mask=AttentionMask(causal=True,
                                                         sliding_window=self.window,
+                                                        cu_seqlens=cu_seqlens,
                                                         sinks=self.sinks))
         kw = dict(sliding_window=self.window, compress_rate=self.compressor.rate,
                   entry_rope=self.entry_rope, cp_group=self.cp.cp_group,
                   layout=self.cp.layout, comm=self.cp.comm, norm_eps=self.eps,
-                  softmax_scale=self.scale, backend=self.backend)
+                  softmax_scale=self.scale, backend=self.backend, cu_seqlens=cu_seqlens,
+                  reset_positions=False)
         if self.kind == "heavily_compressed_attention":
             return hca_attention(q, kv, *inputs[2], self.sinks, **kw)
         return csa_attention(q, kv, *inputs[2], self.sinks, inputs[3],

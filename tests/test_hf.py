@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("transformers")  # the dev extra; not a runtime dependency
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config,  # noqa: E402
-                          DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig,
+                          DeepseekV3Config, DeepseekV4Config, DeepseekV32Config, GlmMoeDsaConfig,
                           Gemma3TextConfig, Gemma4TextConfig,
                           Glm4MoeConfig, GptOssConfig, KimiLinearConfig,
                           Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MiMoV2FlashConfig,
@@ -253,6 +253,24 @@ FAMILY_CONFIGS = {
                                            num_kv_shared_layers=2, hidden_size_per_layer_input=16,
                                            vocab_size_per_layer_input=96,
                                            final_logit_softcapping=2.0)),
+    # DeepSeek-V4: a sliding, a CSA (entries of 4, an indexer of 2 heads of 16 keeping 3)
+    # and an HCA layer (entries of 8), window 5, one K = V head; q through a bottleneck of
+    # 16, output in 2 groups of 12; RoPE on half of each head, the compressed layers' base
+    # apart; a hash-routed layer first, then sqrtsoftplus over 4 experts (2 a token) with
+    # the correction bias, SwiGLU clamped at 0.5 (within the activations' reach); mHC of 2
+    # streams
+    "deepseek_v4": (DeepseekV4Config, dict(
+        num_hidden_layers=3, num_key_value_heads=1, sliding_window=5,
+        layer_types=["sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        q_lora_rank=16, o_groups=2, o_lora_rank=12, index_n_heads=2, index_head_dim=16,
+        index_topk=3, mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2, swiglu_limit=0.5,
+        rope_parameters={label: {"rope_type": "default", "rope_theta": theta,
+                                 "partial_rotary_factor": 0.5}
+                         for label, theta in (("main", 5000.0), ("compress", 80000.0))},
+        bos_token_id=None, eos_token_id=None)),
 }
 # Gemma 4 with experts (26B-A4B's form): Gemma 4's layers above, four experts 24 wide
 # beside each dense MLP, two per token, Gemma 4's router; the shared-KV layers' (3, 4)
@@ -275,9 +293,15 @@ def tiny_family(path, family, tied, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
+            if "indexer.q_b_proj" in name:  # V4's indexer heads in +/- pairs: of each
+                heads = p.view(2, -1, p.shape[-1])  # pair one scores > 0, so no top-k ties
+                heads[1] = -heads[0]
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "layer_scalar")):
                 b.add_(0.3 * torch.randn(b.shape, generator=g))
+            if name.endswith("tid2eid"):  # k distinct experts per token id (V4's hash layers)
+                experts = cfg.n_routed_experts
+                b.copy_(torch.rand(b.shape[0], experts, generator=g).topk(b.shape[1]).indices)
     model.save_pretrained(path)
     return model
 
@@ -400,6 +424,10 @@ ROPE_VARIANTS = {
     "kimi_linear": dict(rope_parameters=rope("yarn"), q_lora_rank=24, num_key_value_heads=32,
                         layer_types=["full_attention"] + ["linear_attention"] * 3,
                         mlp_layer_types=["sparse", "dense", "sparse", "sparse"]),
+    # DeepSeek-V4's flat form (legacy folders): rope_theta, compress_rope_theta and
+    # partial_rotary_factor, nested by its class
+    "deepseek_v4": dict(rope_parameters=None, rope_theta=300.0, compress_rope_theta=2e4,
+                        partial_rotary_factor=0.25),
     "gemma4_text": dict(rope_parameters={  # half the frequencies, interpolated; scaled local
         "full_attention": rope("proportional", 5e5, partial_rotary_factor=0.5, factor=4.0),
         "sliding_attention": rope("linear", 100.0)}),
@@ -412,7 +440,7 @@ FAMILY_CASES = [("llama", False), ("qwen2", False), ("qwen3", True), ("mistral",
                 ("deepseek_v2", True), ("deepseek_v32", False), ("glm_moe_dsa", True),
                 ("glm4_moe", False), ("minimax_m2", False),
                 ("llama4_text", False), ("mimo_v2_flash", False), ("kimi_linear", False),
-                ("gemma4_text", True), ("gemma4_moe", False)]
+                ("gemma4_text", True), ("gemma4_moe", False), ("deepseek_v4", False)]
 
 
 @pytest.mark.parametrize("family,tied,rope_variant", [
@@ -1282,7 +1310,8 @@ def test_a_sharded_folder_imports_like_a_single_file(tmp_path):
         torch.testing.assert_close(model(tokens, torch.arange(32)), ref(tokens).logits, **TOL)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe", "qwen3_next", "llama4_text"])
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe", "qwen3_next", "llama4_text",
+                                    "deepseek_v4"])
 def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, family):
     import yaml
     from ctxpar.config import config_from_dict
@@ -1298,6 +1327,14 @@ def test_model_config_prints_a_section_that_loads_and_matches(tmp_path, capsys, 
         m = cfg.model
         assert (m.nope_layers, m.attn_temperature_tuning, m.floor_scale, m.qk_l2_norm,
                 m.moe.scale_expert_input, m.moe.layers) == ([1, 3], True, 8, True, True, [1, 3])
+        assert hf.check_matches(m, hf.model_fields(hf.read_config(tmp_path), str(tmp_path)),
+                                str(tmp_path)) == {}
+        return
+    elif family == "deepseek_v4":  # its attention, mHC, hash layers and limit as sections
+        m = cfg.model
+        assert (m.compressed_attention.compress_rates["heavily_compressed_attention"],
+                m.hyper_connections.streams, m.moe.hash_layers, m.moe.score,
+                m.swiglu_limit) == (8, 2, [0], "sqrtsoftplus", 0.5)
         assert hf.check_matches(m, hf.model_fields(hf.read_config(tmp_path), str(tmp_path)),
                                 str(tmp_path)) == {}
         return
@@ -1711,6 +1748,7 @@ HYBRID_LAYOUTS = {
     "cp2-pp2": ["parallel.cp=2", "parallel.pp=2"],
     "cp2-zigzag-ep2": ["parallel.cp=2", "parallel.layout=zigzag", "parallel.ep=2"],
     "cp2-allgather": ["parallel.cp=2", "parallel.cp_comm=allgather"],
+    "cp2-zigzag": ["parallel.cp=2", "parallel.layout=zigzag"],
 }
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # FAMILY_CONFIGS' sizes
 # Qwen3.5's layers with experts: Gated DeltaNet around a gated full-attention layer, a
@@ -1774,10 +1812,15 @@ FOLDER_RUNS = [(f, layout) for f in HYBRIDS for layout in list(HYBRID_LAYOUTS)[:
     # Gemma 4 with experts beside its MLPs (and double-wide shared-KV MLPs) at cp2 x ep2
     # (tests/test_gemma4.py's spawn adds tp2 x cp2 x ep2 against one process; tp2 x cp2
     # and cp2 Ulysses folder runs by hand, docs/checkpoints.md)
-    ("gemma4_moe", "cp2-zigzag-ep2")]
+    ("gemma4_moe", "cp2-zigzag-ep2"),
+    # DeepSeek-V4: sliding, CSA and HCA layers (the compressors' windows across the zigzag
+    # halves, the indexer's top-k over every rank's entries), a hash-routed layer, mHC; cp2
+    # contiguous, tp2 x cp2 and cp2 x ep2 run by hand (docs/checkpoints.md)
+    ("deepseek_v4", "cp2-zigzag")]
 # a family's folder for the runs when not the default sizes below
 RUN_SIZES = {family: dict(vocab_size=256, vocab_size_per_layer_input=256,
                           intermediate_size=192) for family in ("gemma4_text", "gemma4_moe")}
+RUN_SIZES["deepseek_v4"] = dict(vocab_size=256)  # its experts FAMILY_CONFIGS' 32 wide
 
 
 @pytest.mark.parametrize("family,layout", FOLDER_RUNS)

@@ -13,6 +13,10 @@ so the ids cross it to layer 3 and the streams cross it (B, T/cp, 3, d). Cases: 
 zigzag with full recompute; cp2 all-gather contiguous, selective, ep2 (over the CP group);
 tp2 x pp2 selective (DeepSpeed's TP split of the stage output off: the routers'
 statistics take a gradient, ctxpar/config/kv_layers.py carries_between_stages).
+And the same model with DeepSeek-V4's attention (V4_CFG: sliding, CSA, HCA, CSA layers)
+at cp2 ring zigzag with full recompute, and contiguous with selective recompute and two
+packed documents: its compressors and indexer inside the blocks of both stages (the
+indexer takes no gradient in either).
 Then, quick: what the tuple carries after each block.
 """
 import dataclasses
@@ -22,6 +26,7 @@ import pytest
 import torch
 
 from ctxpar.config import ModelConfig, config_from_dict
+from ctxpar.config.compressed_attention import CompressedAttentionConfig
 from ctxpar.config.hyper_connections import HyperConnectionsConfig
 from ctxpar.config.moe import MoEConfig
 from ctxpar.testing import run_distributed
@@ -38,10 +43,27 @@ CFG = ModelConfig(
                   score_correction_bias=True, routed_scaling_factor=1.5,
                   shared_expert_hidden=16, aux_loss_coef=0.0, z_loss_coef=1e-2, seq_aux_loss_coef=0.1,
                   hash_layers=[0, 3]))
-CASES = [  # (tp, cp, layout, cp_comm, activation checkpointing, ep)
-    (1, 2, "zigzag", "ring", "full", 1),
-    (1, 2, "contiguous", "allgather", "selective", 2),
-    (2, 1, "zigzag", "ring", "selective", 1),  # the stages' whole tuples on every TP rank
+# DeepSeek-V4's attention in the same model (model.compressed_attention): a sliding, a CSA
+# (entries of 2, their indexer keeping 2), an HCA (entries of 4) and a CSA layer; the slabs
+# of cp2 zigzag (4 tokens) hold a CSA window and its predecessor, an HCA window
+V4_TYPES = ["sliding_attention", "compressed_sparse_attention",
+            "heavily_compressed_attention", "compressed_sparse_attention"]
+V4_CFG = dataclasses.replace(
+    CFG, n_kv_heads=1, sliding_window=5, partial_rotary_factor=0.5, layer_types=V4_TYPES,
+    layer_rope={k: {"rope_theta": 160000.0} for k in V4_TYPES[1:3]},
+    compressed_attention=CompressedAttentionConfig(
+        q_lora_rank=8, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8,
+        index_topk=2, compress_rates={"compressed_sparse_attention": 2,
+                                      "heavily_compressed_attention": 4}))
+MODELS = {"gqa": CFG, "v4": V4_CFG, "v4-docs": V4_CFG}
+# v4-docs: two packed documents (data.document_mask), the second across the slabs (4, 8, 12)
+DOCUMENTS = {"v4-docs": torch.tensor([0, 7, SEQ], dtype=torch.int32)}
+CASES = [  # (tp, cp, layout, cp_comm, activation checkpointing, ep, model)
+    (1, 2, "zigzag", "ring", "full", 1, "gqa"),
+    (1, 2, "contiguous", "allgather", "selective", 2, "gqa"),
+    (2, 1, "zigzag", "ring", "selective", 1, "gqa"),  # the stages' whole tuples on every TP rank
+    (1, 2, "zigzag", "ring", "full", 1, "v4"),  # V4's compressors and indexer across stages
+    (1, 2, "contiguous", "ring", "selective", 1, "v4-docs"),
 ]
 # fp32; the pipeline sums the same terms in another order (the ring's LSE merges, the two
 # micro-batches, the gradients summed over CP, the experts' rows in EP's order):
@@ -53,14 +75,15 @@ def _batch():
     return random_batch(64, BATCH, SEQ, seed=17)
 
 
-def _one_process():
+def _one_process(kind):
     """The first sample's logits, the step's token-mean loss, every gradient (of that loss
     plus the routers'), the hash tables."""
     tokens, labels = _batch()
-    model = GPT(CFG, options=ModelOptions(seed=SEED))
+    model = GPT(MODELS[kind], options=ModelOptions(seed=SEED))
+    docs = DOCUMENTS.get(kind)
     with torch.no_grad():
-        logits = model(tokens[:1], torch.arange(SEQ))
-    loss = model(tokens, torch.arange(SEQ), labels) / (labels != -100).sum()
+        logits = model(tokens[:1], torch.arange(SEQ), cu_seqlens=docs)
+    loss = model(tokens, torch.arange(SEQ), labels, cu_seqlens=docs) / (labels != -100).sum()
     (loss + model.router_losses.share).backward()
     tables = {n: b for n, b in model.named_buffers() if n.endswith("tid2eid")}
     return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, tables
@@ -80,9 +103,9 @@ def _pipeline(rank, world, payload):
 
     out = []
     tokens, labels = _batch()
-    for tp, cp, layout, comm, ckpt, ep in pickle.loads(payload):
+    for tp, cp, layout, comm, ckpt, ep, kind in pickle.loads(payload):
         cfg = config_from_dict({
-            "model": dataclasses.asdict(CFG),
+            "model": dataclasses.asdict(MODELS[kind]),
             "parallel": dict(tp=tp, cp=cp, pp=2, ep=ep, layout=layout, cp_comm=comm,
                              pp_partition="uniform"),
             "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
@@ -104,7 +127,8 @@ def _pipeline(rank, world, payload):
         pos = sequence_positions(SEQ, st.cp_group, layout)
         micro = [{"tokens": shard_sequence(tokens[m:m + 1], 1, st.cp_group, layout),
                   "labels": shard_sequence(labels[m:m + 1], 1, st.cp_group, layout),
-                  "positions": pos} for m in range(BATCH)]
+                  "positions": pos, **({"cu_seqlens": [DOCUMENTS[kind]]}
+                                       if kind in DOCUMENTS else {})} for m in range(BATCH)]
         n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
         logits = pipeline_logits(model, st, micro[0])  # evaluation's path, before the step
         if logits is not None:  # (1, T, V) whole: the CP shards joined, the TP vocabulary
@@ -125,10 +149,11 @@ def _pipeline(rank, world, payload):
 
 
 def test_streams_and_hash_layers_through_the_pipeline_equal_one_process():
-    logits, loss, grads, tables = _one_process()
+    references = {kind: _one_process(kind) for kind in MODELS}
     results = run_distributed(_pipeline, 4, pickle.dumps(CASES), timeout=300)
-    assert any(".attn_hc." in n for n in grads) and "hc_head.fn" in grads
     for i, case in enumerate(CASES):
+        logits, loss, grads, tables = references[case[-1]]
+        assert any(".attn_hc." in n for n in grads) and "hc_head.fn" in grads
         seen, seen_tables = set(), set()
         for rank, per_case in enumerate(results):
             got, where = per_case[i], f"rank {rank} {case}"
@@ -136,7 +161,11 @@ def test_streams_and_hash_layers_through_the_pipeline_equal_one_process():
                 torch.testing.assert_close(got["logits"], logits, **TOL, msg=where)
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
             for name, grad in got["grads"].items():
-                torch.testing.assert_close(grad, grads[name], **TOL, msg=f"{where} {name}")
+                if grads[name] is None:  # V4's indexer: no gradient reaches it (its top-k)
+                    assert ".indexer." in name and not grad.any(), f"{where} {name}"
+                else:
+                    torch.testing.assert_close(grad, grads[name], **TOL,
+                                               msg=f"{where} {name}")
                 seen.add(name)
             for name, table in got["tables"].items():  # the same draw as one process
                 assert torch.equal(table, tables[name]), f"{where} {name}"

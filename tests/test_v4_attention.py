@@ -4,8 +4,8 @@ model.compressed_attention): each layer type ('sliding_attention',
 DeepseekV4Attention on the same weights (the output, the hidden states' gradient and every
 weight's: projections, norms, sinks, the compressor's; the indexer's none in either); the
 GPT with the three types equals one process at cp2 (ring zigzag, ring contiguous,
-all-gather) and tp2 x cp2 in one spawned world of four ranks; what is not built is
-refused at load in one line. transformers is imported where used: the spawned ranks
+all-gather; zigzag with packed documents) and tp2 x cp2 in one spawned world of four
+ranks; what is not built is refused at load in one line. transformers is imported where used: the spawned ranks
 import this file and need none of it.
 
 Tolerances (fp32): as tests/test_csa_attention.py's, 1e-5 relative and absolute against
@@ -119,11 +119,15 @@ def test_each_v4_layer_type_equals_transformers_attention(kind):
 
 V4_KINDS = list(KINDS)
 SEQ, SEED = 40, 5  # cp2 zigzag: slabs of 10 tokens, not a multiple of either m
-GRID = [  # (tp, cp, layout, cp_comm, recompute) on four ranks (dp = 4 / (tp cp))
-    (1, 2, "zigzag", "ring", "none"),
-    (1, 2, "contiguous", "ring", "full"),       # the compressors' collectives replayed
-    (1, 2, "zigzag", "allgather", "selective"),
-    (2, 2, "zigzag", "ring", "none"),           # heads over TP, K = V and indexer replicated
+# two packed documents (data.document_mask): the first 13 tokens (3 CSA entries, 1 HCA),
+# the second across the zigzag slabs' boundaries (10, 20, 30) and the windows'
+DOCS = torch.tensor([0, 13, SEQ], dtype=torch.int32)
+GRID = [  # (tp, cp, layout, cp_comm, recompute, documents) on four ranks (dp = 4 / (tp cp))
+    (1, 2, "zigzag", "ring", "none", False),
+    (1, 2, "contiguous", "ring", "full", False),  # the compressors' collectives replayed
+    (1, 2, "zigzag", "allgather", "selective", False),
+    (2, 2, "zigzag", "ring", "none", False),    # heads over TP, K = V and indexer replicated
+    (1, 2, "zigzag", "ring", "selective", True),  # packed documents
 ]
 
 
@@ -132,15 +136,16 @@ def _grid_batch():
     return random_batch(64, 4, SEQ)
 
 
-def _grid_reference():
+def _grid_reference(documents: bool):
     """One process: the logits, the token-mean loss and every gradient."""
     from models.gpt import GPT
     from models.options import ModelOptions
     model = GPT(model_config(V4_KINDS, seq_len=SEQ), options=ModelOptions(seed=SEED))
     tokens, labels = _grid_batch()
+    docs = DOCS if documents else None
     with torch.no_grad():
-        logits = model(tokens, torch.arange(SEQ))
-    loss = model(tokens, torch.arange(SEQ), labels) / (labels != -100).sum()
+        logits = model(tokens, torch.arange(SEQ), cu_seqlens=docs)
+    loss = model(tokens, torch.arange(SEQ), labels, cu_seqlens=docs) / (labels != -100).sum()
     loss.backward()
     return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -154,7 +159,8 @@ def _grid(rank, world, cases):
                              loss_for_backward)
     from models.options import ModelGroups, ModelOptions
     out, (tokens, labels) = [], _grid_batch()
-    for tp, cp, layout, comm, ckpt in cases:
+    for tp, cp, layout, comm, ckpt, documents in cases:
+        docs = DOCS if documents else None
         st = init_parallel_state(tp=tp, cp=cp, dp=world // (tp * cp))
         model = GPT(model_config(V4_KINDS, seq_len=SEQ), ModelGroups.from_state(st),
                     ModelOptions(layout=layout, cp_comm=comm, activation_checkpointing=ckpt,
@@ -163,10 +169,11 @@ def _grid(rank, world, cases):
         tok, lab = (shard_sequence(t[rows], 1, st.cp_group, layout) for t in (tokens, labels))
         pos = sequence_positions(SEQ, st.cp_group, layout)
         with torch.no_grad():
-            logits = gather_from_tensor_model_parallel_region(model(tok, pos), st.tp_group)
+            logits = gather_from_tensor_model_parallel_region(model(tok, pos, cu_seqlens=docs),
+                                                              st.tp_group)
             logits = gather_sequence(logits, 1, st.cp_group, layout)
         n_tokens = global_token_count(lab, st.dp_cp_group)
-        loss_sum = model(tok, pos, lab)
+        loss_sum = model(tok, pos, lab, cu_seqlens=docs)
         loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
         deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
         out.append(dict(rows=rows, logits=logits,
@@ -176,14 +183,26 @@ def _grid(rank, world, cases):
 
 
 def test_the_v4_gpt_over_cp_and_tp_equals_one_process():
-    """Every layer type, cp2 ring zigzag and contiguous, all-gather, tp2 x cp2: the logits,
-    the loss and every gradient (the compressors', the sinks', the grouped projection's)."""
+    """Every layer type, cp2 ring zigzag and contiguous, all-gather, tp2 x cp2, and cp2
+    zigzag with packed documents: the logits, the loss and every gradient (the
+    compressors', the sinks', the grouped projection's)."""
     from ctxpar.testing import run_distributed
-    logits, loss, grads = _grid_reference()
+    references = {documents: _grid_reference(documents) for documents in (False, True)}
+    # the documents change the attention (the entries and the window restart), and the
+    # second equals itself alone at positions from 0 (RoPE is relative; the entries turn
+    # at s + w m)
+    assert not torch.allclose(references[True][0][:, 13:], references[False][0][:, 13:])
+    from models.gpt import GPT
+    from models.options import ModelOptions
+    alone = GPT(model_config(V4_KINDS, seq_len=SEQ), options=ModelOptions(seed=SEED))
+    with torch.no_grad():
+        close(references[True][0][:, 13:], alone(_grid_batch()[0][:, 13:],
+                                                 torch.arange(SEQ - 13)))
     results = run_distributed(_grid, 4, GRID, timeout=240)
     for rank, per_case in enumerate(results):
         for case, got in zip(GRID, per_case):
             where = f"rank {rank} {case}"
+            logits, loss, grads = references[case[-1]]
             close(got["logits"], logits[got["rows"]])
             close(got["loss"], loss)
             assert set(got["grads"]) == set(grads), where
@@ -226,8 +245,8 @@ def _load(model=None, parallel=None, data=None, training=True):
     (None, dict(cp=2, layout="striped"), None, r"parallel.layout='striped'"),
     (None, dict(cp=8), None, r"leaves slabs of 6 tokens: compressed_sparse_attention's "
                              r"compress rate 4 needs 8"),
-    (None, dict(pp=2), None, r"parallel.pp=2: not built under the pipeline"),
-    (None, None, dict(document_mask=True), r"data.document_mask=true: packed documents"),
+    (None, None, dict(reset_positions=True), r"data.reset_positions=true: not built for "
+                                             r"V4's layers yet"),
 ])
 def test_what_v4_cannot_run_is_refused_in_one_line(model, parallel, data, msg):
     with pytest.raises(ConfigError, match=msg) as e:
@@ -317,16 +336,10 @@ def test_the_v4_gpt_equals_transformers_deepseek_v4_on_the_same_weights():
             close(params[names[t]].grad, p.grad)
 
 
-def test_v4_folders_and_exports_are_refused_naming_what_is_missing(tmp_path):
-    """The deepseek_v4 family is not built yet: a folder is refused before any tensor is
-    read, a V4 model's export by every family (none holds model.compressed_attention)."""
-    import json
+def test_v4_models_without_v4s_experts_are_refused_at_export():
+    """No family holds V4's attention without its experts (deepseek_v4 is a mixture of
+    experts; its folders: tests/test_deepseek_v4_folders.py and test_hf.py)."""
     from ctxpar.checkpoint import CheckpointError, hf
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    with pytest.raises(CheckpointError) as e:
-        hf.model_fields(hf.read_config(str(tmp_path)), str(tmp_path))
-    assert "model_type='deepseek_v4': DeepSeek-V4's layers are built" in str(e.value)
-    assert "rope_parameters" in str(e.value) and "\n" not in str(e.value)
     for kinds in (KINDS, ["sliding_attention"] * 2):
         with pytest.raises(CheckpointError, match=r"no Hugging Face family holds this model"):
             hf.family_config(model_config(kinds))

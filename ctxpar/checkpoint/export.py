@@ -53,7 +53,8 @@ def save_folder(out_dir: str, weights: Iterator[Tuple[str, torch.Tensor]], m,
     fam, tensors = FAMILIES[cfg["model_type"]], {}
     for n, t in weights:  # as transformers' save_pretrained writes the family (parts,
         key = fam.mtp_key(to_hf(n, naming), m.n_layers)  # experts; its MTP layers' names)
-        for key, part in fam.to_folder(key, t.to(dtype), m):
+        t = t.to(dtype) if t.is_floating_point() else t  # token-id tables stay integers
+        for key, part in fam.to_folder(key, t, m):
             tensors[key] = part.contiguous()
     tensors = fam.saved(tensors, m)  # what takes several tensors at once (fusing)
     for copy, source in fam.mtp_copies(m).items():  # the MTP layers' embedding and head

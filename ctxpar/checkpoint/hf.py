@@ -236,10 +236,20 @@ def architecture(fields: Dict[str, Any]) -> Dict[str, Any]:
     compare equal; model.dsa's training fields (stage, loss_weight) are no architecture."""
     m = ModelConfig(**{k: v for k, v in fields.items() if k != "init_from"})
     return {**vars(m), "n_kv_heads": m.n_kv_heads or m.n_heads, "layer_types": layer_types(m),
+            "layer_rope": _own_layer_rope(m),
             "dsa": dsa_architecture(m.dsa),
             "ffn_hidden": resolved_ffn_hidden(m), "head_dim": resolved_head_dim(m),
             "query_pre_attn_scalar": (m.query_pre_attn_scalar if m.query_pre_attn_scalar
                                       is not None else float(resolved_head_dim(m)))}
+
+
+def _own_layer_rope(m) -> Optional[Dict[str, Any]]:
+    """model.layer_rope without the entries that turn as the model's own RoPE (the same
+    base and scaling): an entry written out and one left unset are one model."""
+    own = {kind: rope for kind, rope in (m.layer_rope or {}).items()
+           if float(rope.get("rope_theta", m.rope_theta)) != float(m.rope_theta)
+           or rope.get("rope_scaling", m.rope_scaling) != m.rope_scaling}
+    return own or None
 
 
 ROUTER_LOSSES = ("aux_loss_coef", "z_loss_coef")  # model.moe's that a run may change

@@ -107,6 +107,14 @@ _HF_IN_GEMMA4_MOE_BLOCK = (("mlp.dense.", "mlp."),
                            ("mlp.gate.scale", "router.scale"),
                            ("mlp.gate.per_expert_scale", "router.per_expert_scale"),
                            ("mlp.experts.", "experts."), *_HF_IN_GEMMA4_BLOCK)
+# DeepSeek-V4 as transformers holds it (DeepseekV4ForCausalLM's state dict: its folders'
+# own names are the family's folder_key, checkpoint/families/deepseek_v4.py): mHC's mixing
+# weights per sublayer and its head, the shared expert plural
+_HF_IN_DEEPSEEK_V4_BLOCK = (("mlp.shared_expert.", "mlp.shared_experts."),
+                            ("attn_hc.", "attn_hc."), ("mlp_hc.", "ffn_hc."), *_HF_IN_BLOCK)
+_HF_DEEPSEEK_V4_TOP = (("hc_head.fn", "model.hc_head.hc_fn"),
+                       ("hc_head.base", "model.hc_head.hc_base"),
+                       ("hc_head.scale", "model.hc_head.hc_scale"), *_HF_TOP)
 # naming -> (blocks' prefix, in block, top level): Llama's (default), Gemma's post norms,
 # Gemma 4's, Nemotron-H's (saved under backbone.*, which transformers renames model.* on
 # loading), OLMo Hybrid's
@@ -116,7 +124,8 @@ HF_NAMINGS = {"default": ("model.layers.", _HF_IN_BLOCK, _HF_TOP),
               "olmo_hybrid": ("model.layers.", _HF_IN_OLMO_HYBRID_BLOCK, _HF_TOP),
               "kimi_linear": ("model.layers.", _HF_IN_KIMI_LINEAR_BLOCK, _HF_TOP),
               "gemma4": ("model.layers.", _HF_IN_GEMMA4_BLOCK, _HF_GEMMA4_TOP),
-              "gemma4_moe": ("model.layers.", _HF_IN_GEMMA4_MOE_BLOCK, _HF_GEMMA4_TOP)}
+              "gemma4_moe": ("model.layers.", _HF_IN_GEMMA4_MOE_BLOCK, _HF_GEMMA4_TOP),
+              "deepseek_v4": ("model.layers.", _HF_IN_DEEPSEEK_V4_BLOCK, _HF_DEEPSEEK_V4_TOP)}
 # namings whose Hugging Face names map to GPT's only knowing the block's type (from_hf)
 _BY_BLOCK_TYPE = ("nemotron_h", "olmo_hybrid", "kimi_linear")
 

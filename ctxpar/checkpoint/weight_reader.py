@@ -20,7 +20,7 @@ import torch
 
 from ..config import ModelConfig
 from ..config.layers import LAYER_MIXERS, layer_types
-from ..config.moe import moe_layer_indices
+from ..config.moe import hash_layers, moe_layer_indices
 from ..config.parameters import parameter_specs
 from .families import WRAPPERS, folder_family
 from .families.experts import assemble, assembled_shape, per_expert_sources
@@ -32,19 +32,25 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 DTYPES = ("F32", "BF16", "F16")  # safetensors dtypes ctxpar reads
+INDEX_DTYPES = ("I64", "I32")  # those of a hash-routed layer's token-id table (tid2eid)
 
 
 def folder_buffers(m: ModelConfig) -> Dict[str, tuple]:
     """{GPT name: shape} of the buffers a folder holds beside the parameters: each MoE
     layer's router correction bias (model.moe.score_correction_bias: transformers'
     e_score_correction_bias, models/moe.py), the MTP depths' after the blocks' (model.mtp.
-    moe), and each block's layer scalar (model.layer_scalar: Gemma 4's, models/block.py)."""
+    moe), the hash-routed layers' token-id tables instead (model.moe.hash_layers:
+    DeepSeek-V4's tid2eid), and each block's layer scalar (model.layer_scalar: Gemma 4's,
+    models/block.py)."""
     out = {}
+    hashed = set(hash_layers(m.moe))
+    out.update({f"layers.{i}.mlp.gate.tid2eid": (m.vocab_size, m.moe.top_k) for i in hashed})
     if m.moe is not None and m.moe.score_correction_bias:
         types = layer_types(m)
         mtp = m.mtp.depth if m.mtp is not None and m.mtp.moe else 0
         out.update({f"layers.{i}.mlp.gate.e_score_correction_bias": (m.moe.num_experts,)
-                    for i in moe_layer_indices(m.moe, m.n_layers) if LAYER_MIXERS[types[i]][1]})
+                    for i in moe_layer_indices(m.moe, m.n_layers)
+                    if LAYER_MIXERS[types[i]][1] and i not in hashed})
         out.update({f"mtp.layers.{k}.block.mlp.gate.e_score_correction_bias":
                     (m.moe.num_experts,) for k in range(mtp)})
     if m.layer_scalar:
@@ -229,9 +235,10 @@ class WeightReader:
         if shape != want:
             raise CheckpointError(f"{self.path}: {key} has shape {shape}, config.json "
                                   f"makes it {want}")
-        if dtype not in DTYPES:
+        kinds = INDEX_DTYPES if key.endswith("tid2eid") else DTYPES  # V4's expert tables
+        if dtype not in kinds:
             raise CheckpointError(f"{self.path}: {key} is {dtype}; ctxpar reads "
-                                  f"{', '.join(DTYPES)} (dequantize or convert it first)")
+                                  f"{', '.join(kinds)} (dequantize or convert it first)")
 
     def check(self, m: ModelConfig) -> None:
         """Every parameter of m has its tensor in the folder with its full shape and a dtype

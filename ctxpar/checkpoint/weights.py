@@ -119,9 +119,9 @@ def gpt_named_buffers(model) -> Iterator:
 def checkpoint_buffers(tag_dir: str, universal_dir: str, n_layers: int
                        ) -> Dict[str, torch.Tensor]:
     """{GPT name: tensor} of the persistent buffers a ctxpar checkpoint saved (the routers'
-    correction biases, Gemma 4's layer scalars): from the universal folder's model file,
-    or a pipeline's per-layer files (layer_XX-model_00-model_states.pt, DeepSpeed's; every
-    TP rank's copy alike)."""
+    correction biases and token-id tables, Gemma 4's layer scalars): from the universal
+    folder's model file, or a pipeline's per-layer files (layer_XX-model_00-model_states.pt,
+    DeepSpeed's; every TP rank's copy alike)."""
     found = saved_buffers(universal_dir)
     if found:
         return found
@@ -131,7 +131,7 @@ def checkpoint_buffers(tag_dir: str, universal_dir: str, n_layers: int
             continue
         sd = torch.load(path, map_location="cpu", weights_only=False)
         found.update({from_pipe(f"{index}.{k}", n_layers): t for k, t in sd.items()
-                      if k.endswith(("e_score_correction_bias", "layer_scalar"))})
+                      if k.endswith(("e_score_correction_bias", "tid2eid", "layer_scalar"))})
     return found
 
 

@@ -84,15 +84,11 @@ def _check_run(cfg, training: bool, kinds: set, err) -> None:
     if not training:
         err("model.compressed_attention: generation (generate.py) is not built for "
             "DeepSeek-V4's layers (their decode needs the compressors' state)")
-    if p.pp > 1:
-        err(f"model.compressed_attention with parallel.pp={p.pp}: not built under the "
-            f"pipeline yet; use parallel.pp=1")
-    for key, value in (("data.document_mask", data.document_mask),
-                       ("data.reset_positions", data.reset_positions),
+    for key, value in (("data.reset_positions", data.reset_positions),
                        ("data.dynamic_cp", data.dynamic_cp)):
         if value:
-            err(f"model.compressed_attention with {key}=true: packed documents are not "
-                f"built in V4's compressors yet (an entry would pool two documents)")
+            err(f"model.compressed_attention with {key}=true: not built for V4's layers yet "
+                f"(packed documents run with data.document_mask and global positions)")
     if not kinds & set(COMPRESSED_TYPES):
         return
     if p.cp_comm not in COMPRESS_COMMS:

@@ -33,6 +33,7 @@ REGISTRY = (
     ("mimo_v2_flash", "mimo_v2_flash", "FAMILY"),
     ("kimi_linear", "kimi_linear", "FAMILY"),
     ("gemma4_text", "gemma4", "FAMILY"),
+    ("deepseek_v4", "deepseek_v4", "FAMILY"),
 )
 HF_FAMILIES = tuple(model_type for model_type, _, _ in REGISTRY)
 # Families transformers has that ctxpar knows it does not build yet: model_type -> what is
@@ -40,8 +41,4 @@ HF_FAMILIES = tuple(model_type for model_type, _, _ in REGISTRY)
 _GLM5_NEXT = ("GLM-5.3-Flash's sparse attention (DSA: its k-pool indexer of 16-token pools, "
               "gate-weighted pool keys, the visible tail) and its manifold-constrained "
               "hyper-connections (mHC) are not built by ctxpar yet")
-_V4 = ("DeepSeek-V4's layers are built (model.compressed_attention, hyper_connections, "
-       "moe.hash_layers, swiglu_limit) but its folders are not read or written yet: "
-       "DeepSeek's own tensor names (save_pretrained's wq_a, wkv, ffn.experts.N.w1, ...) and "
-       "the nested main/compress rope_parameters")
-NOT_BUILT = {"glm5_next": _GLM5_NEXT, "glm5_next_text": _GLM5_NEXT, "deepseek_v4": _V4}
+NOT_BUILT = {"glm5_next": _GLM5_NEXT, "glm5_next_text": _GLM5_NEXT}

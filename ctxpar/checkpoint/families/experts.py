@@ -21,6 +21,7 @@ export in them:
     mixtral    block_sparse_moe.experts.{j}.w1 (gate) / w3 (up) / w2 (down).weight,
                block_sparse_moe.gate.weight (the router)
     nemotron   mixer.experts.{j}.up_proj / down_proj.weight (squared-ReLU, no gate)
+    deepseek_v4  ffn.experts.{j}.w1 (gate) / w3 (up) / w2 (down).weight (DeepSeek's own)
 """
 from __future__ import annotations
 
@@ -95,6 +96,9 @@ PER_EXPERT = {
     "mixtral": {"mlp.experts.gate_up_proj": ("block_sparse_moe.experts.{j}.w1.weight",
                                              "block_sparse_moe.experts.{j}.w3.weight"),
                 "mlp.experts.down_proj": ("block_sparse_moe.experts.{j}.w2.weight",)},
+    "deepseek_v4": {"ffn.experts.gate_up_proj": ("ffn.experts.{j}.w1.weight",
+                                                 "ffn.experts.{j}.w3.weight"),
+                    "ffn.experts.down_proj": ("ffn.experts.{j}.w2.weight",)},
     "nemotron": {"mixer.experts.up_proj": ("mixer.experts.{j}.up_proj.weight",),
                  "mixer.experts.down_proj": ("mixer.experts.{j}.down_proj.weight",)},
 }
