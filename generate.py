@@ -37,6 +37,7 @@ from ctxpar.inference.checkpoint import (CheckpointError, find_checkpoint, inspe
                                          load_run_config, run_tokenizer)
 from models.inference import DTYPES, layout_overrides, start_model
 from models.mtp_drafts import generate_with_mtp_drafts
+from ctxpar.inference.recompute import needs_recompute
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -176,6 +177,10 @@ def main(argv=None) -> int:
     # 2. Distributed, the grid, the model with the checkpoint's weights.
     model, state = start_model(cfg, files, args.dtype)
     rank0 = dist.get_rank() == 0
+    if rank0 and needs_recompute(model):
+        print("generation: DeepSeek-V4's compressed attention has no decode cache yet: each "
+              "new token reruns the sequence through the CP forward (exact, one forward a "
+              "token; ctxpar/inference/recompute.py)", flush=True)
 
     # 3. Generate in batches; rank 0 writes.
     results, t0, n_new, accepted, used = [], time.perf_counter(), 0, [], []

@@ -1902,10 +1902,10 @@ def test_train_py_from_a_hybrid_or_moe_folder_and_back(tmp_path, family, layout)
                                   f"data.tokenizer={folder / 'tokenizer.json'}",
                                   *folder_sets(folder)])
         assert_first_loss_is_the_references(again, exported)
-    if extend or layout == "cp2-zigzag-ep2" and family not in ("qwen3_5_moe_text",
-                                                                "gemma4_moe"):  # generate.py
-        # at cp2: transformers' greedy (Qwen3.5-MoE's layers are Qwen3-Next's: one is enough;
-        # Gemma 4's cache is gemma4_text's run's, its experts every MoE family's)
+    if extend or family == "deepseek_v4" or layout == "cp2-zigzag-ep2" and family not in (
+            "qwen3_5_moe_text", "gemma4_moe"):  # generate.py at cp2: transformers' greedy
+        # (Qwen3.5-MoE's layers are Qwen3-Next's: one is enough; Gemma 4's cache is
+        # gemma4_text's run's, its experts every MoE family's; DeepSeek-V4 by full forwards)
         prompts = [" ".join(["the key is"] * 20), "the key"]  # 61 tokens and 3
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": ROOT}

@@ -254,9 +254,6 @@ def test_what_v4_cannot_run_is_refused_in_one_line(model, parallel, data, msg):
     assert "\n" not in str(e.value)
 
 
-def test_generation_is_refused_for_v4_layers():
-    with pytest.raises(ConfigError, match=r"generation \(generate.py\) is not built"):
-        _load(training=False)
 
 
 # ------------------------------------------------------------ the whole V4 model
@@ -334,6 +331,23 @@ def test_the_v4_gpt_equals_transformers_deepseek_v4_on_the_same_weights():
             assert p.grad is None and params[names[t]].grad is None, t
         else:
             close(params[names[t]].grad, p.grad)
+
+
+def test_v4_generation_by_full_forwards_is_transformers_greedy():
+    """V4's layers have no decode cache: generate() reruns the sequence a token
+    (inference/recompute.py), right-padded rows of unequal prompts included; the tokens
+    are transformers' greedy generate's (its own cache) on the same weights."""
+    from ctxpar.inference import generate
+    theirs, ours, _ = _v4_pair()
+    ours.eval()
+    prompts = [[5, 9, 2, 33, 7, 1, 40, 12, 3, 8, 19], [4, 4, 60]]
+    eos = theirs.config.eos_token_id
+    with torch.no_grad():
+        got = generate(ours, prompts, 6, eos_id=eos).tokens
+        for prompt, tokens in zip(prompts, got):
+            want = theirs.generate(torch.tensor([prompt]), max_new_tokens=6,
+                                   do_sample=False)[0, len(prompt):].tolist()
+            assert tokens == want[:want.index(eos) if eos in want else None], (prompt, want)
 
 
 def test_v4_models_without_v4s_experts_are_refused_at_export():

@@ -25,7 +25,7 @@ NOT_READ = ("mla", "dsa", "qk_norm", "attention_bias", "bias", "attention_output
             "attention_chunk_size", "value_norm", "qk_l2_norm")
 
 
-def check_compressed_attention(cfg, training: bool, err) -> None:
+def check_compressed_attention(cfg, err) -> None:
     """model.compressed_attention and the V4 layer types against the model and the run,
     one ConfigError line per rule (at load, before any collective)."""
     m, p = cfg.model, cfg.parallel
@@ -61,7 +61,7 @@ def check_compressed_attention(cfg, training: bool, err) -> None:
     if m.sliding_window is None:
         err("model.compressed_attention needs model.sliding_window (every V4 layer's)")
     _check_shapes(m, p.tp, err)
-    _check_run(cfg, training, kinds, err)
+    _check_run(cfg, kinds, err)
 
 
 def _check_shapes(m, tp: int, err) -> None:
@@ -78,12 +78,9 @@ def _check_shapes(m, tp: int, err) -> None:
             f"parallel.tp={tp} (each TP rank projects whole groups)")
 
 
-def _check_run(cfg, training: bool, kinds: set, err) -> None:
+def _check_run(cfg, kinds: set, err) -> None:
     """What is not built around the V4 layers: one line each."""
     m, p, data = cfg.model, cfg.parallel, cfg.data
-    if not training:
-        err("model.compressed_attention: generation (generate.py) is not built for "
-            "DeepSeek-V4's layers (their decode needs the compressors' state)")
     for key, value in (("data.reset_positions", data.reset_positions),
                        ("data.dynamic_cp", data.dynamic_cp)):
         if value:

@@ -58,7 +58,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, check_paths: bool = 
     check_stages_hold_experts(cfg, err)
     check_mla(cfg.model, cfg.parallel.tp, err)
     check_dsa(cfg, err)
-    check_compressed_attention(cfg, training, err)
+    check_compressed_attention(cfg, err)
     check_mtp(cfg, err)
     check_hyper_connections(cfg, err)
     check_hash_layers(cfg, err)

@@ -5,6 +5,8 @@ whose attention is merged across CP ranks with the log-sum-exp rule (flash-decod
     decode.py      one query against the local shard, (out, lse), merged over CP
     sampling.py    greedy / temperature / top-k / top-p, the same draw on every rank
     generation.py  generate(): pad, prefill with the training ring, decode, stop
+    recompute.py   generation by full forwards, for layers without a decode cache (V4)
+    output.py      GenerationOutput, the last prompt position's state, full logits
     checkpoint.py  a train.py run's config and weights, at any tp and cp (generate.py)
 """
 from .decode import DecodeStats, decode_bytes_per_step, merge_partials, partial_attention

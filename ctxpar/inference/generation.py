@@ -19,38 +19,23 @@ at each row's last prompt position, which one rank holds (summed over CP with ze
 the others: exact). A decode step runs the whole model on one token per row, replicated
 over CP (split over TP as in training); only attention is CP-sharded (decode.py). A
 hybrid model's Gated DeltaNet and Mamba2 layers prefill through their training CP op and
-then step recurrently from the state every rank holds (linear_cache.py).
+then step recurrently from the state every rank holds (linear_cache.py). A model whose
+layers have no decode cache (DeepSeek-V4's compressed attention) generates by full
+forwards instead (recompute.py).
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..tensor_parallel import gather_from_tensor_model_parallel_region
 from .cp_ops import group_rank_and_size, num_chunks, sequence_positions, shard_sequence
 from .kv_cache import KVCache, decode_capacity
+from .output import GenerationOutput, full_logits, last_prompt_hidden
+from .recompute import generate_by_recompute, needs_recompute
 from .sampling import SamplingParams, sample
-
-
-@dataclass
-class GenerationOutput:
-    tokens: List[List[int]]
-    """Per prompt, the new tokens (stopped before EOS, or at max_new_tokens)."""
-    logits: List[torch.Tensor] = field(default_factory=list)
-    """With keep_logits: per step, the full-vocabulary fp32 logits (B, V) it sampled from."""
-    cache: Optional[KVCache] = None
-    """This rank's cache after the last step (sizes and bytes moved, for tests/benchmarks)."""
-    prefill_s: float = 0.0
-    """Seconds to the first new token (prefill and its sampling; host-synchronised there)."""
-    decode_s: float = 0.0
-    """Seconds of the decode steps after it."""
-    decode_steps: int = 0
-    """Decode forwards run (each feeds one token per row)."""
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -73,28 +58,6 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
                              f"positions > model.seq_len={max_positions}, the trained limit")
 
 
-def full_logits(model, x: torch.Tensor, tp_group) -> torch.Tensor:
-    """Hidden states (B, d) -> full-vocabulary fp32 logits (B, V), the same on every TP rank."""
-    logits = model.lm_logits(x.unsqueeze(1))                             # (B, 1, V/tp)
-    return gather_from_tensor_model_parallel_region(logits, tp_group)[:, 0].float()
-
-
-def last_prompt_hidden(x: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
-                       cp_group) -> torch.Tensor:
-    """The hidden state at each row's last prompt position: (B, T/cp, d) -> (B, d).
-
-    One CP rank holds position len_b - 1 of row b; the others contribute zeros to a sum
-    over CP, so every rank gets that rank's values exactly.
-    """
-    hit = positions.unsqueeze(0) == (lengths - 1).unsqueeze(1)           # (B, T/cp)
-    rows = torch.arange(x.shape[0], device=x.device)
-    last = torch.where(hit.any(1, keepdim=True), x[rows, hit.int().argmax(1)],
-                       torch.zeros((), dtype=x.dtype, device=x.device))  # (B, d)
-    if group_rank_and_size(cp_group)[1] > 1:
-        dist.all_reduce(last, group=cp_group)
-    return last
-
-
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              layout: str = "contiguous", cp_group=None, tp_group=None,
@@ -108,6 +71,10 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     eos_id (not included) and the batch when every row stopped or after max_new_tokens.
     """
     check_prompts(prompts, max_new_tokens, max_positions, model.cfg.vocab_size)
+    if needs_recompute(model):  # no decode cache for its layers: a full forward a token
+        return generate_by_recompute(model, prompts, max_new_tokens, layout=layout,
+                                     cp_group=cp_group, tp_group=tp_group, sampling=sampling,
+                                     eos_id=eos_id, keep_logits=keep_logits, pad_id=pad_id)
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     cp = group_rank_and_size(cp_group)[1]
