@@ -35,7 +35,7 @@ from .cp_ops import group_rank_and_size, num_chunks, sequence_positions, shard_s
 from .kv_cache import KVCache, decode_capacity
 from .output import GenerationOutput, full_logits, last_prompt_hidden
 from .recompute import generate_by_recompute, needs_recompute
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -100,13 +100,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     out = GenerationOutput(tokens=[[] for _ in range(B)], cache=cache)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        if keep_logits:
-            out.logits.append(logits)
-        nxt = sample(logits, sampling, generator)                         # (B,)
-        hit = nxt == eos_id if eos_id is not None else torch.zeros_like(done)
-        for b in torch.nonzero(~done & ~hit).flatten().tolist():  # a host sync point
-            out.tokens[b].append(int(nxt[b]))
-        done |= hit
+        nxt = out.take(logits, sampling, generator, eos_id, done, keep_logits)  # (B,)
         if step == 0:
             out.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
         if step == max_new_tokens - 1 or bool(done.all()):

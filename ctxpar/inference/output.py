@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..tensor_parallel import gather_from_tensor_model_parallel_region
 from .cp_ops import group_rank_and_size
 from .kv_cache import KVCache
+from .sampling import sample
 
 
 @dataclass
@@ -28,6 +29,19 @@ class GenerationOutput:
     """Seconds of the decode steps after it."""
     decode_steps: int = 0
     """Decode forwards run (each feeds one token per row)."""
+
+    def take(self, logits: torch.Tensor, sampling, generator, eos_id: Optional[int],
+             done: torch.Tensor, keep_logits: bool = False) -> torch.Tensor:
+        """One step's tokens (B,) sampled from logits (B, V): each row not done keeps its
+        token unless it is EOS, which marks the row done (in place)."""
+        if keep_logits:
+            self.logits.append(logits)
+        nxt = sample(logits, sampling, generator)                         # (B,)
+        hit = nxt == eos_id if eos_id is not None else torch.zeros_like(done)
+        for b in torch.nonzero(~done & ~hit).flatten().tolist():  # a host sync point
+            self.tokens[b].append(int(nxt[b]))
+        done |= hit
+        return nxt
 
 
 def full_logits(model, x: torch.Tensor, tp_group) -> torch.Tensor:

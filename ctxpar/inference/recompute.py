@@ -22,7 +22,7 @@ import torch
 
 from .cp_ops import group_rank_and_size, num_chunks, sequence_positions, shard_sequence
 from .output import GenerationOutput, full_logits, last_prompt_hidden
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 
 
 def needs_recompute(model) -> bool:
@@ -62,13 +62,7 @@ def generate_by_recompute(model, prompts: Sequence[Sequence[int]], max_new_token
         x = model.hidden_states(shard_sequence(tokens, 1, cp_group, layout), positions)
         logits = full_logits(model, last_prompt_hidden(x, positions, lengths, cp_group),
                              tp_group)
-        if keep_logits:
-            out.logits.append(logits)
-        nxt = sample(logits, sampling, generator)                                 # (B,)
-        hit = nxt == eos_id if eos_id is not None else torch.zeros_like(done)
-        for b in torch.nonzero(~done & ~hit).flatten().tolist():  # a host sync point
-            out.tokens[b].append(int(nxt[b]))
-        done |= hit
+        nxt = out.take(logits, sampling, generator, eos_id, done, keep_logits)  # (B,)
         for b, r in enumerate(rows):
             r.append(int(nxt[b]))
         if step == 0:
