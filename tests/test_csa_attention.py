@@ -24,7 +24,6 @@ torch.topk orders ties arbitrarily).
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 from ctxpar.context_parallel import cp_stats
@@ -35,6 +34,7 @@ from ctxpar.context_parallel.documents import document_positions
 from ctxpar.context_parallel.layouts import rank_positions
 from ctxpar.testing import run_distributed
 from ctxpar.testing.compressed import call_bytes, close, csa_layer
+from tests.helpers.v4_attention import tiny_v4_attention
 
 B, H, D, HIDDEN, M, WINDOW, TOPK, HI, DI = 2, 2, 8, 16, 4, 5, 3, 2, 8
 # (P, layout, local_seq, comm, documents): slabs of at least 2M; shares and slabs that are
@@ -55,21 +55,10 @@ def layer(n, seed=0):
     """transformers' CSA attention layer (random weights, the indexer's heads in +/-
     pairs), hidden states (B, n, HIDDEN) and an output gradient."""
     torch.manual_seed(seed)
-    rope = {"rope_type": "default", "partial_rotary_factor": 0.5}
-    cfg = DeepseekV4Config(
-        hidden_size=HIDDEN, head_dim=D, num_attention_heads=H, sliding_window=WINDOW,
-        q_lora_rank=8, index_head_dim=DI, index_n_heads=HI, index_topk=TOPK, o_groups=2,
-        o_lora_rank=4, num_hidden_layers=1, layer_types=["compressed_sparse_attention"],
-        compress_rates={"compressed_sparse_attention": M, "heavily_compressed_attention": 8},
-        rope_parameters={"main": {**rope, "rope_theta": 10000.0},
-                         "compress": {**rope, "rope_theta": 160000.0}})
-    cfg._attn_implementation = "eager"
-    attn = hf.DeepseekV4Attention(cfg, 0).float()
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, 0.5)
-        heads = attn.compressor.indexer.q_b_proj.weight.view(HI, DI, -1)
-        heads[1::2] = -heads[0::2]
+    attn = tiny_v4_attention(
+        "compressed_sparse_attention", hidden=HIDDEN, head_dim=D, heads=H, window=WINDOW,
+        rates={"compressed_sparse_attention": M, "heavily_compressed_attention": 8},
+        index_heads=HI, index_dim=DI, topk=TOPK)
     return attn, torch.randn(B, n, HIDDEN), torch.randn(B, n, HIDDEN)
 
 

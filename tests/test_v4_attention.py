@@ -36,25 +36,10 @@ SECTION = dict(q_lora_rank=8, o_groups=2, o_lora_rank=4, index_n_heads=2, index_
 def hf_layer(kind: str, seed: int = 0):
     """transformers' attention of one layer of `kind` (random weights, the indexer's heads
     in +/- pairs); RoPE on half of each head, the two bases apart."""
-    from transformers import DeepseekV4Config
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+    from tests.helpers.v4_attention import tiny_v4_attention
     torch.manual_seed(seed)
-    rope = {"rope_type": "default", "partial_rotary_factor": 0.5}
-    cfg = DeepseekV4Config(
-        hidden_size=HIDDEN, head_dim=D, num_attention_heads=H, sliding_window=WINDOW,
-        q_lora_rank=8, index_head_dim=8, index_n_heads=2, index_topk=3, o_groups=2,
-        o_lora_rank=4, num_hidden_layers=1, layer_types=[kind], compress_rates=RATES,
-        rope_parameters={"main": {**rope, "rope_theta": 10000.0},
-                         "compress": {**rope, "rope_theta": 160000.0}})
-    cfg._attn_implementation = "eager"
-    attn = hf.DeepseekV4Attention(cfg, 0).float()
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, 0.5)
-        if attn.compressor is not None and hasattr(attn.compressor, "indexer"):
-            heads = attn.compressor.indexer.q_b_proj.weight.view(2, 8, -1)
-            heads[1::2] = -heads[0::2]
-    return attn
+    return tiny_v4_attention(kind, hidden=HIDDEN, head_dim=D, heads=H, window=WINDOW,
+                             rates=RATES, index_heads=2, index_dim=8, topk=3)
 
 
 def model_config(kinds, **over) -> ModelConfig:
