@@ -162,13 +162,11 @@ def _one_process(stage, types, documents):
 
 
 def _parity(rank, world, cases):
-    from ctxpar import gather_sequence, init_parallel_state, sequence_positions, shard_sequence
-    from ctxpar.tensor_parallel import (gather_from_tensor_model_parallel_region,
-                                        gather_full_state_dict)
+    from ctxpar import init_parallel_state
+    from ctxpar.tensor_parallel import gather_full_state_dict
     from models.gpt import GPT
-    from models.loss import (deepspeed_style_reduce_, global_mean_loss, global_token_count,
-                             loss_for_backward)
     from models.options import ModelGroups, ModelOptions
+    from tests.helpers.grid_step import grid_step
     out = []
     tokens, labels = _batch()
     for tp, cp, dp, layout, comm, stage, types, ckpt, documents in cases:
@@ -178,22 +176,10 @@ def _parity(rank, world, cases):
                     ModelOptions(layout=layout, cp_comm=comm, activation_checkpointing=ckpt,
                                  seed=3))
         rows = slice(st.dp_rank * 2 * BATCH // dp, (st.dp_rank + 1) * 2 * BATCH // dp)
-        tok = shard_sequence(tokens[rows], 1, st.cp_group, layout)
-        lab = shard_sequence(labels[rows], 1, st.cp_group, layout)
-        pos = sequence_positions(SEQ, st.cp_group, layout)
-        docs = DOCS if documents else None
-        with torch.no_grad():
-            logits = gather_from_tensor_model_parallel_region(model(tok, pos, cu_seqlens=docs),
-                                                              st.tp_group)
-            logits = gather_sequence(logits, 1, st.cp_group, layout)
-        n_tokens = global_token_count(lab, st.dp_cp_group)
-        loss_sum = model(tok, pos, lab, cu_seqlens=docs)
-        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
-        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
+        step = grid_step(model, st, tokens, labels, rows, layout, DOCS if documents else None)
         grads = gather_full_state_dict(model, st.tp_group, grads=True)
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR).step()
-        out.append(dict(rows=rows, logits=logits, params=gather_full_state_dict(model, st.tp_group),
-                        loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group), grads=grads))
+        out.append(dict(step, params=gather_full_state_dict(model, st.tp_group), grads=grads))
     return out
 
 

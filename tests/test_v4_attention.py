@@ -136,13 +136,11 @@ def _grid_reference(documents: bool):
 
 
 def _grid(rank, world, cases):
-    from ctxpar import gather_sequence, init_parallel_state, sequence_positions, shard_sequence
-    from ctxpar.tensor_parallel import (gather_from_tensor_model_parallel_region,
-                                        gather_full_state_dict)
+    from ctxpar import init_parallel_state
+    from ctxpar.tensor_parallel import gather_full_state_dict
     from models.gpt import GPT
-    from models.loss import (deepspeed_style_reduce_, global_mean_loss, global_token_count,
-                             loss_for_backward)
     from models.options import ModelGroups, ModelOptions
+    from tests.helpers.grid_step import grid_step
     out, (tokens, labels) = [], _grid_batch()
     for tp, cp, layout, comm, ckpt, documents in cases:
         docs = DOCS if documents else None
@@ -151,19 +149,8 @@ def _grid(rank, world, cases):
                     ModelOptions(layout=layout, cp_comm=comm, activation_checkpointing=ckpt,
                                  seed=SEED))
         rows = slice(st.dp_rank * 4 // st.dp_size, (st.dp_rank + 1) * 4 // st.dp_size)
-        tok, lab = (shard_sequence(t[rows], 1, st.cp_group, layout) for t in (tokens, labels))
-        pos = sequence_positions(SEQ, st.cp_group, layout)
-        with torch.no_grad():
-            logits = gather_from_tensor_model_parallel_region(model(tok, pos, cu_seqlens=docs),
-                                                              st.tp_group)
-            logits = gather_sequence(logits, 1, st.cp_group, layout)
-        n_tokens = global_token_count(lab, st.dp_cp_group)
-        loss_sum = model(tok, pos, lab, cu_seqlens=docs)
-        loss_for_backward(loss_sum, n_tokens, st.dp_size).backward()
-        deepspeed_style_reduce_(model.parameters(), st.dp_cp_group, st.dp_size)
-        out.append(dict(rows=rows, logits=logits,
-                        loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
-                        grads=gather_full_state_dict(model, st.tp_group, grads=True)))
+        step = grid_step(model, st, tokens, labels, rows, layout, docs)
+        out.append(dict(step, grads=gather_full_state_dict(model, st.tp_group, grads=True)))
     return out
 
 
