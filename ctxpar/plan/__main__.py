@@ -12,6 +12,7 @@ import sys
 
 from ..config import ConfigError, load_config
 from .bound import bound_by
+from . import compressed_layers
 from .candidate import apply_candidate
 from .cluster import Cluster, PlanError, gpu_preset
 from .dynamic import compare, describe, document_lengths
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
     for reason in (layout_reason(cfg, rows[k - 1][0]), linear_reason(cfg, rows[k - 1][0]),
                    ep_reason(cfg, rows[k - 1][0], cluster),
                    mla_reason(cfg, rows[k - 1][0], cluster),
-                   kv_layers_reason(cfg, rows[k - 1][0])):
+                   kv_layers_reason(cfg, rows[k - 1][0]),
+                   compressed_layers.model_line(cfg, rows[k - 1][0])):
         if reason:
             print(f"\n{reason}")
     own = own_layout(cfg, cluster, rows)
