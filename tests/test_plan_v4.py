@@ -128,6 +128,6 @@ def test_a_v4_model_is_planned_and_its_heads_are_said_to_run_on_the_math_kernel(
                            compressed_attention={**SECTION, "index_head_dim": 64}))
     plans = search(cfg, Cluster(1, 4, GPUS["h100"]))
     assert plans and all(p.candidate.cp_comm in ("ring", "allgather") for p in plans)
-    line = compressed_layers.model_line(cfg, plans[0])
+    line = compressed_layers.model_line(cfg, plans[0], 2)
     assert "head dim 512: flash_attn, sdpa (CUDA bf16/fp16)" in line
     assert "math kernel" in line and "\n" not in line

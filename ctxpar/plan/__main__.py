@@ -19,8 +19,8 @@ from .dynamic import compare, describe, document_lengths
 from .longest import OPTIONS, PATTERNS, Allowed, merge_tiles, search_longest, with_seq_len
 from .report import (ep_reason, explain, kv_layers_reason, layout_reason, linear_reason,
                      memory_lines, mla_reason, merge_ties, plot, table, what_frees, write_config)
-from .search import (MEMORY_MARGIN, config_options, evaluate, nothing_fits, option_applies,
-                     search)
+from .search import (MEMORY_MARGIN, config_options, evaluate, is_bf16, nothing_fits,
+                     option_applies, search)
 from .startup import config_candidate
 
 
@@ -110,7 +110,8 @@ def main(argv=None) -> int:
                    ep_reason(cfg, rows[k - 1][0], cluster),
                    mla_reason(cfg, rows[k - 1][0], cluster),
                    kv_layers_reason(cfg, rows[k - 1][0]),
-                   compressed_layers.model_line(cfg, rows[k - 1][0])):
+                   compressed_layers.model_line(cfg, rows[k - 1][0],
+                                                 2 if is_bf16(cfg) else 4)):
         if reason:
             print(f"\n{reason}")
     own = own_layout(cfg, cluster, rows)

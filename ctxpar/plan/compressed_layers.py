@@ -111,9 +111,9 @@ def selection_kept(s, m: ModelConfig, kind: str) -> int:
     return s.N * (m.compressed_attention.index_topk + 2) * 8 if kind == CSA else 0
 
 
-def projections_saved(s, e: int, cand, m: ModelConfig, device: str) -> int:
-    """Bytes project_in and project_out keep in mode 'none' (module docstring)."""
-    from .counts import norm_saved
+def projections_saved(s, e: int, cand, m: ModelConfig, device: str, norm_saved) -> int:
+    """Bytes project_in and project_out keep in mode 'none' (module docstring);
+    norm_saved: counts.norm_saved."""
     ca = m.compressed_attention
     q_norm = norm_saved(replace(s, d=ca.q_lora_rank), e, "rmsnorm", device)
     kv_norm = norm_saved(replace(s, d=s.hd), e, "rmsnorm", device) - s.N * s.hd * e
@@ -124,15 +124,15 @@ def projections_saved(s, e: int, cand, m: ModelConfig, device: str) -> int:
 
 
 def attention_saved(s, e: int, cand, m: ModelConfig, kind: str, mode: str,
-                    device: str = "cpu") -> int:
+                    device: str, norm_saved) -> int:
     """Bytes one V4 attention keeps beyond its block's norm (beyond its input under
-    'full') in `mode`."""
+    'full') in `mode`; norm_saved: counts.norm_saved (the bottleneck's and kv's RMSNorms)."""
     if mode == "full":
         return selection_kept(s, m, kind)
     kept = core_saved(s, e, m, kind) + compressor_saved(s, e, cand, m, kind)
     if mode == "selective":
         return kept
-    return kept + projections_saved(s, e, cand, m, device)
+    return kept + projections_saved(s, e, cand, m, device, norm_saved)
 
 
 def rank_spans(T: int, P: int, layout: str, rank: int) -> list:
@@ -179,6 +179,24 @@ def attention_flops(m: ModelConfig, cand, s, kind: str):
             2 * ca.index_n_heads * (ca.index_head_dim + 1) * s.B * index)
 
 
+def stage_time(m: ModelConfig, cand, s, stage, t_attn_layers, attn_rate: float,
+               mm_rate: float):
+    """(each layer's attention forward seconds, the indexers' forward seconds, the matmul
+    seconds the indexers' missing backward saves) of a stage (timing.step_time): the
+    compressed layers' pairs and indexer in place of t_attn_layers' (their indexer's
+    seconds included, as DSA's are, for the ring steps to hide behind); attn_rate and
+    mm_rate: FLOP/s at the kernels' efficiencies."""
+    if m.compressed_attention is None:
+        return t_attn_layers, 0.0, 0.0
+    flops = [attention_flops(m, cand, s, a.kind) if a.kind in COMPRESSED_TYPES else (0, 0)
+             for a in stage]
+    layers = [t if a.kind not in COMPRESSED_TYPES else (f + i) / attn_rate
+              for t, a, (f, i) in zip(t_attn_layers, stage, flops)]
+    index = sum(i for _, i in flops) / attn_rate
+    csa = sum(a.kind == CSA for a in stage)
+    return layers, index, csa * 4 * s.N * indexer_params(m) / mm_rate
+
+
 def indexer_params(m: ModelConfig) -> int:
     """The parameters of one CSA layer's indexer (no gradient reaches them)."""
     ca, d, di = m.compressed_attention, m.d_model, m.compressed_attention.index_head_dim
@@ -214,32 +232,28 @@ def compressor_wire(m: ModelConfig, cand, kind: str, B: int, e: int, rank: int):
     return fwd, bwd
 
 
-def cp_parts(m: ModelConfig, cand, kind: str, B: int, h: int, e: int, g: int):
+def cp_parts(m: ModelConfig, cand, kind: str, B: int, e: int, window):
     """((window fwd, bwd), (compressors fwd, bwd)) bytes of the busiest rank in one
-    compressed layer (module docstring: wire)."""
-    from .counts import masked_cp_bytes
-    S, D = m.seq_len // cand.cp, resolved_head_dim(m)
+    compressed layer (module docstring: wire); window(rank) -> the window's (fwd, bwd)
+    (counts.masked_cp_bytes at one K = V head)."""
     best = None
     for r in range(cand.cp):
-        win = masked_cp_bytes(cand.cp_comm, cand.cp, 1, B, S, h, 1, D, e, g,
-                              cand.token_layout, m.sliding_window, rank=r)
-        comp = compressor_wire(m, cand, kind, B, e, r)
+        win, comp = window(r), compressor_wire(m, cand, kind, B, e, r)
         if best is None or sum(win) + sum(comp) > sum(best[0]) + sum(best[1]):
             best = (win, comp)
     return best
 
 
-def model_line(cfg, plan) -> str:
+def model_line(cfg, plan, e: int) -> str:
     """One line for a DeepSeek-V4 model: its layer types, the entries a rank keeps per
     micro-batch, the head dim and the kernels that cannot take it (kv_layers.
-    kernels_refusing: V4's 512 runs on the math kernel on CUDA); '' otherwise."""
+    kernels_refusing: V4's 512 runs on the math kernel on CUDA), e the activations'
+    element size; '' otherwise."""
     from ..config.layer_mixers import layer_types
     from .kv_layers import kernels_refusing
-    from .search import is_bf16
     m, cand = cfg.model, plan.candidate
     if m.compressed_attention is None:
         return ""
-    e = 2 if is_bf16(cfg) else 4
     ca, types = m.compressed_attention, layer_types(m)
     B = cand.micro_batch
     kept = sum(B * (m.seq_len // ca.rate(k)) * resolved_head_dim(m) * e for k in types

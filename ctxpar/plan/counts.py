@@ -384,7 +384,8 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
     keeps everything) its norm, its mixer's (linear_layers.mixer_saved) and its MLP's."""
     token, channel = LAYER_MIXERS[kind]
     if m.compressed_attention is not None and token == "attention":  # DeepSeek-V4's
-        attn = compressed_layers.attention_saved(s, e, cand, m, kind, mode, device)
+        attn = compressed_layers.attention_saved(s, e, cand, m, kind, mode, device,
+                                                 norm_saved)
         if mode in ("full", "selective"):
             return s.N * s.d * e + attn
         return (2 * norm_saved(s, e, m.norm, device) + attn
@@ -640,7 +641,7 @@ def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
     g = ring_grad_bytes(cand.ring_grad_dtype)
     if m.compressed_attention is not None and attn is not None \
             and attn.kind in COMPRESSED_TYPES:  # the window's halo and the compressors'
-        window, compressors = compressed_layers.cp_parts(m, cand, attn.kind, s.B, s.h, e, g)
+        window, compressors = compressed_cp_parts(m, cand, e, attn)
         return window[0] + compressors[0], window[1] + compressors[1]
     if m.mla is not None:  # no windows under MLA (search.check_modelled)
         fwd, bwd = mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B,
@@ -655,6 +656,17 @@ def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
                                attn.chunk_size)
     return cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
                     g, kv_tensors=wire_tensors(m, attn, cand))
+
+
+def compressed_cp_parts(m: ModelConfig, cand: Candidate, e: int, attn):
+    """((window fwd, bwd), (compressors fwd, bwd)) bytes of the busiest rank in one of
+    DeepSeek-V4's compressed layers (compressed_layers.cp_parts): the window at its one
+    K = V head (masked_cp_bytes)."""
+    s, g = rank_shapes(m, cand, attn.kind), ring_grad_bytes(cand.ring_grad_dtype)
+    return compressed_layers.cp_parts(
+        m, cand, attn.kind, s.B, e, lambda r: masked_cp_bytes(
+            cand.cp_comm, cand.cp, 1, s.B, s.N // s.B, s.h, 1, s.hd, e, g,
+            cand.token_layout, m.sliding_window, rank=r))
 
 
 def halo_received(m: ModelConfig, cand: Candidate, attn) -> int:

@@ -235,7 +235,7 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
     if m.mla is not None:
         return mla_cp_time(m, cand, cluster, e, g, t_f_layer, attn_replay, expanded)
     if m.compressed_attention is not None and attn.kind in COMPRESSED_TYPES:
-        (wf, wb), (cf, cb) = compressed_layers.cp_parts(m, cand, attn.kind, s.B, s.h, e, g)
+        (wf, wb), (cf, cb) = counts.compressed_cp_parts(m, cand, e, attn)
         bw = cluster.link(cand.tp * cand.cp)
         fwd = max(0.0, wf / bw - t_f_layer)  # the window's halo behind the local blocks
         bwd = max(0.0, wf / bw - 2.5 * t_f_layer) + (wb - wf) / bw
@@ -369,12 +369,10 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     t_attn_layers = [4 * hd * s.B * head_pairs(cand, s, m.seq_len, a) / (F * attn_eff)
                      if not sparse(a) else dsa_attention_time(m, cand, s) / (F * attn_eff)
                      for a in stage]
-    v4 = [compressed_layers.attention_flops(m, cand, s, a.kind)
-          if m.compressed_attention is not None and a.kind in COMPRESSED_TYPES else (0, 0)
-          for a in stage]  # DeepSeek-V4's compressed layers: window, entries, indexer
-    t_attn_layers = [t if a.kind not in COMPRESSED_TYPES else f / (F * attn_eff)
-                     for t, a, (f, _) in zip(t_attn_layers, stage, v4)]
-    t_attn_f = sum(t_attn_layers)
+    # DeepSeek-V4: entries, indexer (forward only; 0s, and t_attn_layers as is, otherwise)
+    t_attn_layers, t_v4_index, t_v4_mm = compressed_layers.stage_time(
+        m, cand, s, stage, t_attn_layers, F * attn_eff, F * mm_eff)
+    t_attn_f = sum(t_attn_layers) - t_v4_index
     t_mm = mm / (F * mm_eff)
     t_expand = 0.0
     if m.mla is not None and not expanded:  # kv_b_proj on the visiting blocks, not once
@@ -391,12 +389,7 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
         dsa = [a.token_mixer == "dsa" for a in stage]
         t_attn_layers = [t + t_index_f * d for t, d in zip(t_attn_layers, dsa)]
         t_index_f, t_index_b = t_index_f * sum(dsa), t_index_b * sum(dsa)
-    if any(i for _, i in v4):  # V4's indexer: forward only, its weights get no gradient
-        index = [i / (F * attn_eff) for _, i in v4]
-        t_attn_layers = [t + i for t, i in zip(t_attn_layers, index)]
-        t_index_f += sum(index)
-        t_mm -= sum(a.kind == compressed_layers.CSA for a in stage) * 4 * s.N \
-            * compressed_layers.indexer_params(m) / (F * mm_eff)
+    t_index_f, t_mm = t_index_f + t_v4_index, t_mm - t_v4_mm
     # the linear mixers' chunked kernels, at the attention kernels' efficiency: backward
     # twice the forward, a replayed forward again
     t_linear = linear_compute(m, cand, s, stage) / (F * attn_eff)
