@@ -54,6 +54,7 @@ Exact: tests/test_plan_v4.py (one process, fp32) against autograd's saved bytes.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from ..config import ModelConfig, rotary_dim
 from ..config.layer_mixers import COMPRESSED_TYPES
@@ -67,18 +68,24 @@ def cast_bytes(e: int) -> int:
     return 4 + (e if e != 4 else 0)
 
 
-def rank_windows(m: ModelConfig, kind: str, cand) -> list:
-    """[(rows, windows)] of each slab of the busiest rank that ends windows (rows: the
-    slab's with its halo)."""
+@lru_cache(maxsize=256)  # pure in its five numbers; the search asks the same per candidate
+def slab_table(layout: str, P: int, T: int, rate: int, overlap: bool) -> tuple:
+    """Per rank, ((rows, windows, halo, halo source rank) of each slab that ends windows,
+    rows the slab's with its halo), from compressor.slabs of the sequence's windows."""
     from ..context_parallel.compressed_windows import document_windows
-    from ..context_parallel.compressor import slabs
-    rate, P = m.compressed_attention.rate(kind), cand.cp
-    S = m.seq_len // P
-    wins = document_windows(None, m.seq_len, rate, False)
-    per_rank = [[(sl.length + sl.halo, sl.windows)
-                 for sl in slabs(cand.token_layout, r, P, S, wins, kind == CSA) if sl.windows]
-                for r in range(P)]
-    return max(per_rank, key=lambda ws: sum(n for _, n in ws))
+    from ..context_parallel.compressor import owner, slabs
+    wins, S = document_windows(None, T, rate, False), T // P
+    return tuple(tuple((sl.length + sl.halo, sl.windows, sl.halo,
+                        owner(layout, P, S, sl.start - sl.halo)[0] if sl.halo else r)
+                       for sl in slabs(layout, r, P, S, wins, overlap) if sl.windows)
+                 for r in range(P))
+
+
+def rank_windows(m: ModelConfig, kind: str, cand) -> tuple:
+    """slab_table's slabs of the busiest rank (the most windows)."""
+    table = slab_table(cand.token_layout, cand.cp, m.seq_len,
+                       m.compressed_attention.rate(kind), kind == CSA)
+    return max(table, key=lambda ws: sum(n for _, n, _, _ in ws))
 
 
 def compressor_saved(s, e: int, cand, m: ModelConfig, kind: str) -> int:
@@ -88,7 +95,7 @@ def compressor_saved(s, e: int, cand, m: ModelConfig, kind: str) -> int:
     D, rate, r = s.hd, m.compressed_attention.rate(kind), rotary_dim(m)
     slots = 2 * rate if kind == CSA else rate
     out = 0
-    for rows, n in rank_windows(m, kind, cand):
+    for rows, n, _, _ in rank_windows(m, kind, cand):
         kv = s.B * n * slots * D * e if kind == CSA else s.B * rows * 2 * D * e
         out += kv + s.B * n * slots * D * cast_bytes(e) + s.B * n * (2 * D + 1) * 4 + n * r * e
     if kind == CSA and out:
@@ -208,22 +215,18 @@ def indexer_params(m: ModelConfig) -> int:
 def compressor_wire(m: ModelConfig, cand, kind: str, B: int, e: int, rank: int):
     """(forward, backward) bytes `rank` sends for one compressed layer's compressors (the
     entries' gather and halo rows; module docstring: wire)."""
-    from ..context_parallel.compressed_windows import document_windows
-    from ..context_parallel.compressor import owner, slabs
-    P, T, layout = cand.cp, m.seq_len, cand.token_layout
+    P = cand.cp
     if P == 1 or kind not in COMPRESSED_TYPES:
         return 0, 0
-    ca, S, csa = m.compressed_attention, m.seq_len // cand.cp, kind == CSA
-    wins = document_windows(None, T, ca.rate(kind), False)
-    per = [slabs(layout, r, P, S, wins, csa) for r in range(P)]
-    share = max(sum(sl.windows for sl in sls) for sls in per)
+    ca, csa = m.compressed_attention, kind == CSA
+    per = slab_table(cand.token_layout, P, m.seq_len, ca.rate(kind), csa)
+    share = max(sum(n for _, n, _, _ in sls) for sls in per)
     sent = recv = 0
     for r, sls in enumerate(per):
-        for sl in sls:
-            src = owner(layout, P, S, sl.start - sl.halo)[0] if sl.halo else r
+        for _, _, halo, src in sls:
             if src != r:
-                sent += sl.halo if src == rank else 0
-                recv += sl.halo if r == rank else 0
+                sent += halo if src == rank else 0
+                recv += halo if r == rank else 0
     D = resolved_head_dim(m)
     widths = [D] + ([ca.index_head_dim] if csa else [])
     fwd = sum((P - 1) * B * share * d * e + sent * B * 2 * (2 * d if csa else d) * e
