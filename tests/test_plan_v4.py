@@ -74,7 +74,8 @@ def test_the_compressed_layers_bytes_are_sent_bytes_rank_by_rank():
     """The window's halo (counts.masked_cp_bytes at one K = V head) plus the compressors'
     gather and halo (compressed_layers.compressor_wire) equal the layout's rule; the
     layer's count is its busiest rank's."""
-    for T, P, layout in ((32, 2, "zigzag"), (64, 4, "zigzag"), (96, 3, "contiguous")):
+    for T, P, layout in ((32, 2, "zigzag"), (64, 4, "zigzag"), (96, 3, "contiguous"),
+                         (40, 2, "contiguous")):  # the last: ranks end 2 and 3 windows
         for kind in (CSA, HCA):
             m = model_config([kind], seq_len=T)
             cand = Candidate(1, P, 1, 1, "ring", 1, layout, micro_batch=2,
