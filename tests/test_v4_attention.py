@@ -329,13 +329,3 @@ def test_v4_models_without_v4s_experts_are_refused_at_export():
     for kinds in (KINDS, ["sliding_attention"] * 2):
         with pytest.raises(CheckpointError, match=r"no Hugging Face family holds this model"):
             hf.family_config(model_config(kinds))
-
-
-def test_the_planner_refuses_v4_models_in_one_line():
-    """No prediction that would count V4's layers as something else (ctxpar.plan)."""
-    from ctxpar.plan.cluster import PlanError
-    from ctxpar.plan.search import check_modelled
-    with pytest.raises(PlanError, match=r"model.compressed_attention \(DeepSeek-V4's "
-                                        r"attention\): the planner does not count") as e:
-        check_modelled(_load())
-    assert "\n" not in str(e.value)

@@ -12,14 +12,15 @@ import sys
 
 from ..config import ConfigError, load_config
 from .bound import bound_by
+from . import compressed_layers
 from .candidate import apply_candidate
 from .cluster import Cluster, PlanError, gpu_preset
 from .dynamic import compare, describe, document_lengths
 from .longest import OPTIONS, PATTERNS, Allowed, merge_tiles, search_longest, with_seq_len
 from .report import (ep_reason, explain, kv_layers_reason, layout_reason, linear_reason,
                      memory_lines, mla_reason, merge_ties, plot, table, what_frees, write_config)
-from .search import (MEMORY_MARGIN, config_options, evaluate, nothing_fits, option_applies,
-                     search)
+from .search import (MEMORY_MARGIN, config_options, evaluate, is_bf16, nothing_fits,
+                     option_applies, search)
 from .startup import config_candidate
 
 
@@ -108,7 +109,9 @@ def main(argv=None) -> int:
     for reason in (layout_reason(cfg, rows[k - 1][0]), linear_reason(cfg, rows[k - 1][0]),
                    ep_reason(cfg, rows[k - 1][0], cluster),
                    mla_reason(cfg, rows[k - 1][0], cluster),
-                   kv_layers_reason(cfg, rows[k - 1][0])):
+                   kv_layers_reason(cfg, rows[k - 1][0]),
+                   compressed_layers.model_line(cfg, rows[k - 1][0],
+                                                 2 if is_bf16(cfg) else 4)):
         if reason:
             print(f"\n{reason}")
     own = own_layout(cfg, cluster, rows)

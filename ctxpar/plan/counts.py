@@ -18,7 +18,8 @@ from functools import lru_cache
 from typing import List, Optional
 
 from ..config import ModelConfig, resolved_ffn_hidden, resolved_head_dim, rotary_dim
-from ..config.layer_mixers import LAYER_MIXERS, LINEAR_MIXERS, first_layer_type, layer_types
+from ..config.layer_mixers import (COMPRESSED_TYPES, LAYER_MIXERS, LINEAR_MIXERS,
+                                  first_layer_type, layer_types)
 from ..config.attention_heads import kv_heads_of
 from ..config.layers import DELTA_TYPES, gated_delta_dims, layer_attention, mamba_dims
 from ..config.parameters import (block_fields, block_specs, embedding_spec, head_specs,
@@ -27,7 +28,7 @@ from ..config.parameters import (block_fields, block_specs, embedding_spec, head
 from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
-from . import dsa_layers, mla_layers
+from . import compressed_layers, dsa_layers, mla_layers
 from .kv_layers import carried_bytes, layer_rank_shapes, per_layer_shapes, wire_tensors
 from .streams import head_streams_saved, streams_saved
 from .moe_layers import (block_model, clamp_saved, expert_params, mixed_mlps,
@@ -382,6 +383,13 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
     without the piece they lack; a linear block (which 'selective' does not split: it
     keeps everything) its norm, its mixer's (linear_layers.mixer_saved) and its MLP's."""
     token, channel = LAYER_MIXERS[kind]
+    if m.compressed_attention is not None and token == "attention":  # DeepSeek-V4's
+        attn = compressed_layers.attention_saved(s, e, cand, m, kind, mode, device,
+                                                 norm_saved)
+        if mode in ("full", "selective"):
+            return s.N * s.d * e + attn
+        return (2 * norm_saved(s, e, m.norm, device) + attn
+                + channel_saved(s, e, cand, m, tiled_mlp, device))
     if mode == "full":
         return s.N * s.d * e
     if token == "attention" and channel and kind != "attention":
@@ -487,7 +495,7 @@ def activations(m: ModelConfig, cand: Candidate, e: int, layers: int = None, fir
     # one cos/sin pair per distinct RoPE of the layers (model.layer_rope: Gemma 3's, MiMo's)
     ropes = 1 if per_layer_shapes(m) else max(1, len(
         {(a.rope_theta, repr(a.rope_scaling)) for a in layer_attention(m)
-         if a.rope and a.token_mixer in ("attention", "mla")}))
+         if a.rope and a.token_mixer in ("attention", "mla", "compressed")}))
     embed = (s.B if reset_positions else 1) * (s.N // s.B) * rope * 4 * ropes + conv_taps
     if first:
         embed += 8 * s.N                                   # token ids (int64)
@@ -627,9 +635,14 @@ def ring_steps(layout: str, S: int, world: int, sliding_window=None, chunk_size=
 def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
     """cp_bytes for one layer of this model and layout (per-rank heads); attn, a layer's
     config.layers.LayerAttention: a window's or chunks' bytes (masked_cp_bytes); MLA's
-    latent (mla_layers.mla_cp_bytes); the layer type's K/V heads."""
+    latent (mla_layers.mla_cp_bytes); the layer type's K/V heads; DeepSeek-V4's compressed
+    layers (compressed_layers.cp_parts)."""
     s = rank_shapes(m, cand, attn.kind if attn is not None else None)
     g = ring_grad_bytes(cand.ring_grad_dtype)
+    if m.compressed_attention is not None and attn is not None \
+            and attn.kind in COMPRESSED_TYPES:  # the window's halo and the compressors'
+        window, compressors = compressed_cp_parts(m, cand, e, attn)
+        return window[0] + compressors[0], window[1] + compressors[1]
     if m.mla is not None:  # no windows under MLA (search.check_modelled)
         fwd, bwd = mla_layers.mla_cp_bytes(m, cand.cp_comm, cand.cp, cand.ulysses, s.B,
                                            s.N // s.B, s.h, e, g)
@@ -643,6 +656,17 @@ def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
                                attn.chunk_size)
     return cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
                     g, kv_tensors=wire_tensors(m, attn, cand))
+
+
+def compressed_cp_parts(m: ModelConfig, cand: Candidate, e: int, attn):
+    """((window fwd, bwd), (compressors fwd, bwd)) bytes of the busiest rank in one of
+    DeepSeek-V4's compressed layers (compressed_layers.cp_parts): the window at its one
+    K = V head (masked_cp_bytes)."""
+    s, g = rank_shapes(m, cand, attn.kind), ring_grad_bytes(cand.ring_grad_dtype)
+    return compressed_layers.cp_parts(
+        m, cand, attn.kind, s.B, e, lambda r: masked_cp_bytes(
+            cand.cp_comm, cand.cp, 1, s.B, s.N // s.B, s.h, 1, s.hd, e, g,
+            cand.token_layout, m.sliding_window, rank=r))
 
 
 def halo_received(m: ModelConfig, cand: Candidate, attn) -> int:

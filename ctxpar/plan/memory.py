@@ -233,7 +233,7 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     base = {**resident, **zero_state.gathered(), **others}
     layers = layer_attention(model)[start:start + blocks]
     kinds = {(a.sliding_window, a.chunk_size): a for a in layers
-             if a.token_mixer in ("attention", "mla", "dsa")}
+             if a.token_mixer in ("attention", "mla", "dsa", "compressed")}
     halo = [counts.halo_received(model, cand, a) for a in kinds.values()]
     # the linear mixers' working set: what one makes in its forward (saved or, replayed
     # and under no_grad, alive while it runs) and again as gradients in its backward

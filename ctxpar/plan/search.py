@@ -68,17 +68,13 @@ def check_modelled(cfg: Config) -> None:
     counted (attention with its gate, Gated DeltaNet, KDA, Mamba2, Nemotron-H's single-op
     blocks), and a mixture of experts in every MLP or in some beside dense ones
     (moe_layers.py, model.moe.layers), multi-head latent attention without windows
-    (mla_layers.py); DeepSeek-V4's attention is not counted yet; a new mixer starts
+    (mla_layers.py), DeepSeek-V4's attention (compressed_layers.py); a new mixer starts
     here."""
     unknown = sorted({t for t in layer_types(cfg.model)
                       if LAYER_MIXERS.get(t, ("?",))[0] not in COUNTED_MIXERS})
     if unknown:
         raise PlanError(f"model.layer_types has {unknown} layers: the planner does not count "
                         f"them (no memory or time prediction)")
-    if cfg.model.compressed_attention is not None:
-        raise PlanError("model.compressed_attention (DeepSeek-V4's attention): the planner "
-                        "does not count its compressors, indexer and entries yet (no memory "
-                        "or time prediction)")
     if cfg.model.mla is not None and any(a.sliding_window or a.chunk_size
                                          for a in layer_attention(cfg.model)):
         raise PlanError("model.mla with windowed or chunked layers: the planner counts the "

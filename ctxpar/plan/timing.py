@@ -36,6 +36,9 @@ Per micro-batch and pipeline stage (the most loaded rank):
   on every visiting latent block (forward, 3x backward) instead of once per token; the
   latent's bytes (R + dr a token, its gradient fp32) behind the ring steps (mla_timing.py);
   step_time(expanded=True) prices a ring of the expanded K,V instead (a what-if);
+- DeepSeek-V4 (compressed_layers.py): a compressed layer's window pairs and entries (HCA
+  all complete ones, CSA its top-k), its indexer's scores forward only, the entries'
+  all-gather and the compressors' halo exposed before the core;
 then the pipeline (1F1B: (m + pp - 1) micro-batch slots for m micro-batches) and the data
 parallel reduction of the gradients over dp x cp (all-reduce, or ZeRO's reduce-scatter +
 all-gather, twice the parameters' all-gathers under ZeRO-3), not overlapped; optimizer
@@ -60,9 +63,9 @@ from typing import Dict, List
 
 from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
-from ..config.layer_mixers import LINEAR_MIXERS
+from ..config.layer_mixers import COMPRESSED_TYPES, LINEAR_MIXERS
 from ..context_parallel.mask import visible_pairs
-from . import counts, dsa_layers, mla_layers
+from . import compressed_layers, counts, dsa_layers, mla_layers
 from .mla_timing import mla_cp_time, mla_thresholds, ulysses_of
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
 from .linear_tiles import mixer_params
@@ -71,7 +74,7 @@ from .moe_layers import (all_to_all_bytes, idle_expert_params, mixed_mlps, moe_l
 from .candidate import Candidate
 from .cluster import Cluster
 
-ATTENTION = ("attention", "mla", "dsa")  # the token mixers with (query, key) pairs
+ATTENTION = ("attention", "mla", "dsa", "compressed")  # the token mixers with (query, key) pairs
 MM_EFF = 0.55    # matmul efficiency of peak (Megatron-style dense layers on H100, bf16)
 ATTN_EFF = 0.45  # flash attention forward + backward (FA2/FA3 report 35-75% on H100)
 
@@ -231,6 +234,13 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
     m, s = cfg.model, counts.rank_shapes(cfg.model, cand, attn.kind)  # its K/V heads
     if m.mla is not None:
         return mla_cp_time(m, cand, cluster, e, g, t_f_layer, attn_replay, expanded)
+    if m.compressed_attention is not None and attn.kind in COMPRESSED_TYPES:
+        (wf, wb), (cf, cb) = counts.compressed_cp_parts(m, cand, e, attn)
+        bw = cluster.link(cand.tp * cand.cp)
+        fwd = max(0.0, wf / bw - t_f_layer)  # the window's halo behind the local blocks
+        bwd = max(0.0, wf / bw - 2.5 * t_f_layer) + (wb - wf) / bw
+        return (((wf + cf) * (1 + attn_replay) + wb + cb) / bw,  # the compressors': exposed
+                fwd * (1 + attn_replay) + bwd + (cf * (1 + attn_replay) + cb) / bw)
     f_cp, b_cp = counts.layer_cp_bytes(m, cand, e, attn)
     bw = cluster.link(cand.tp * cand.cp)
     cp_total = (f_cp * (1 + attn_replay) + b_cp) / bw
@@ -359,7 +369,10 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     t_attn_layers = [4 * hd * s.B * head_pairs(cand, s, m.seq_len, a) / (F * attn_eff)
                      if not sparse(a) else dsa_attention_time(m, cand, s) / (F * attn_eff)
                      for a in stage]
-    t_attn_f = sum(t_attn_layers)
+    # DeepSeek-V4: entries, indexer (forward only; 0s, and t_attn_layers as is, otherwise)
+    t_attn_layers, t_v4_index, t_v4_mm = compressed_layers.stage_time(
+        m, cand, s, stage, t_attn_layers, F * attn_eff, F * mm_eff)
+    t_attn_f = sum(t_attn_layers) - t_v4_index
     t_mm = mm / (F * mm_eff)
     t_expand = 0.0
     if m.mla is not None and not expanded:  # kv_b_proj on the visiting blocks, not once
@@ -376,6 +389,7 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
         dsa = [a.token_mixer == "dsa" for a in stage]
         t_attn_layers = [t + t_index_f * d for t, d in zip(t_attn_layers, dsa)]
         t_index_f, t_index_b = t_index_f * sum(dsa), t_index_b * sum(dsa)
+    t_index_f, t_mm = t_index_f + t_v4_index, t_mm - t_v4_mm
     # the linear mixers' chunked kernels, at the attention kernels' efficiency: backward
     # twice the forward, a replayed forward again
     t_linear = linear_compute(m, cand, s, stage) / (F * attn_eff)
