@@ -21,7 +21,7 @@ import pickle
 import pytest
 import torch
 
-from ctxpar.config import ModelConfig, config_from_dict
+from ctxpar.config import ModelConfig
 from ctxpar.config.dsa import DSAConfig
 from ctxpar.config.mla import MLAConfig
 from ctxpar.config.moe import MoEConfig
@@ -86,20 +86,14 @@ def _pipeline(rank, world, payload):
     from models.gpt_pipe import GPTPipe, pipeline_logits, train_step
     from models.loss import global_token_count
     from models.step_kinds import pipeline_indexer_metrics
+    from tests.helpers.pipeline_config import pipeline_config
 
     out = []
     tokens, labels = _batch()
     for stage, moe, layout, comm, ckpt, documents in pickle.loads(payload):
         model_cfg = dataclasses.asdict(_model(stage, moe))
-        cfg = config_from_dict({
-            "model": model_cfg, "parallel": dict(cp=2, pp=2, layout=layout, cp_comm=comm,
-                                                 pp_partition="uniform"),
-            "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
-                          seed=SEED),
-            "data": dict(kind="tokens", path="unused"),
-            "activation_checkpointing": dict(mode=ckpt),
-            "deepspeed": {"zero_allow_untested_optimizer": True},
-        }, world_size=world, check_paths=False)
+        cfg = pipeline_config(model_cfg, dict(cp=2, layout=layout, cp_comm=comm), ckpt,
+                              BATCH, SEED, world)
         st = init_parallel_state(cp=2, pp=2, order=cfg.parallel.order)
         ds_config = deepspeed_config(cfg, st.dp_size)
         model = GPTPipe.from_config(cfg, st, ds_config["gradient_accumulation_steps"])

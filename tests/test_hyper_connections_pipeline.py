@@ -25,7 +25,7 @@ import pickle
 import pytest
 import torch
 
-from ctxpar.config import ModelConfig, config_from_dict
+from ctxpar.config import ModelConfig
 from ctxpar.config.compressed_attention import CompressedAttentionConfig
 from ctxpar.config.hyper_connections import HyperConnectionsConfig
 from ctxpar.config.moe import MoEConfig
@@ -100,20 +100,14 @@ def _pipeline(rank, world, payload):
     from models.gpt_pipe import GPTPipe, pipeline_logits, train_step
     from models.loss import global_token_count
     from models.training import param_groups
+    from tests.helpers.pipeline_config import pipeline_config
 
     out = []
     tokens, labels = _batch()
     for tp, cp, layout, comm, ckpt, ep, kind in pickle.loads(payload):
-        cfg = config_from_dict({
-            "model": dataclasses.asdict(MODELS[kind]),
-            "parallel": dict(tp=tp, cp=cp, pp=2, ep=ep, layout=layout, cp_comm=comm,
-                             pp_partition="uniform"),
-            "train": dict(micro_batch_size=1, global_batch_size=BATCH, grad_clip=0.0,
-                          seed=SEED),
-            "data": dict(kind="tokens", path="unused"),
-            "activation_checkpointing": dict(mode=ckpt),
-            "deepspeed": {"zero_allow_untested_optimizer": True},
-        }, world_size=world, check_paths=False)
+        cfg = pipeline_config(dataclasses.asdict(MODELS[kind]),
+                              dict(tp=tp, cp=cp, ep=ep, layout=layout, cp_comm=comm), ckpt,
+                              BATCH, SEED, world)
         st = init_parallel_state(tp=tp, cp=cp, pp=2, ep=ep, order=cfg.parallel.order)
         ds_config = deepspeed_config(cfg, st.dp_size)
         model = GPTPipe.from_config(cfg, st, ds_config["gradient_accumulation_steps"])
