@@ -226,11 +226,16 @@ def schedule(lengths: Sequence[int], world: int, budget: int, cost: Cost,
 
 
 def static_schedule(lengths: Sequence[int], world: int, budget: int, cp_size: int,
-                    cost: Cost, overhead: float = 0.0, layout: str = "zigzag") -> Schedule:
+                    cost: Cost, overhead: float = 0.0, layout: str = "zigzag",
+                    pack_cost: Optional[Callable[[List[int], int], float]] = None
+                    ) -> Schedule:
     """Static CP on the same documents, for comparison: documents in order packed into
     samples of at most cp_size x budget tokens (padded), every sample split over a group of
     cp_size ranks, samples dealt to the world // cp_size groups in turn (what the
-    fixed-seq_len stream does, without cutting documents)."""
+    fixed-seq_len stream does, without cutting documents). pack_cost(lengths, cp_size):
+    a sample's seconds where the layout decides which ranks hold each document
+    (SequenceCost.pack); without it every document is priced over all cp_size ranks,
+    cost(n, cp_size) (the striped layout's placement)."""
     lengths = _check(lengths, world, budget, [cp_size])
     groups = world // cp_size
     samples: List[List[int]] = [[]]
@@ -244,7 +249,9 @@ def static_schedule(lengths: Sequence[int], world: int, budget: int, cp_size: in
     out = []
     for s, docs in enumerate(samples):
         first = (s % groups) * cp_size
-        secs = overhead + sum(cost(lengths[j], cp_size) for j in docs)
+        held = [lengths[j] for j in docs]
+        secs = overhead + (pack_cost(held, cp_size) if pack_cost is not None
+                           else sum(cost(n, cp_size) for n in held))
         tokens = sum(lengths[j] for j in docs)
         out.append(Pack(first, cp_size, tuple(docs), tokens,
                         padded_length(tokens, cp_size, layout), secs))

@@ -110,7 +110,8 @@ class DynamicStream:
         overhead = getattr(self.cost, "overhead", 0.0)
         if self.static_cp:
             return static_schedule(lengths, self.world, self.budget, self.static_cp,
-                                   self.cost, overhead, self.layout)
+                                   self.cost, overhead, self.layout,
+                                   getattr(self.cost, "pack", None))
         return balanced_schedule(lengths, self.world, self.budget, self.cost, overhead,
                                  self.layout, self.sizes)
 

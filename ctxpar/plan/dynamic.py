@@ -77,8 +77,8 @@ def compare(cfg: Config, cluster: Cluster, steps: List[List[int]]) -> Comparison
     except ScheduleError as e:
         raise PlanError(f"--documents: {e}") from None
     try:
-        static = [static_schedule(lengths, world, budget, p.cp, cost, cost.overhead, p.layout)
-                  .makespan() for lengths in steps]
+        static = [static_schedule(lengths, world, budget, p.cp, cost, cost.overhead, p.layout,
+                                  cost.pack).makespan() for lengths in steps]
     except ScheduleError:
         static = None  # a document longer than one static sample
     n = sum(counts.values())

@@ -22,11 +22,21 @@ What makes a short document dear under the ring (a linear mixer's layers run a p
 documents in one kernel call whatever their count, so they add none). The gradient
 reduction, the pipeline bubble and the optimizer are the step's, not a sequence's: not
 counted here.
+
+``pack(lengths, d)`` prices static CP's sample of documents in order over d ranks: under
+the striped layout (and Ulysses, whose ranks see every token) each document is laid over
+all d ranks, the sum of cost(n, d); under contiguous and zigzag with the ring or the
+all-gather, the sample is cut into the layout's chunks and each document lies on the ranks
+whose chunks hold it: a short one on one rank (cost(n, 1): no ring step of its own), a
+long one on the k ranks it crosses (cost(n, k)), the busiest rank's documents deciding,
+plus the sample's CP traffic (the ring carries every token's K,V and a linear mixer's
+state at every step) for the tokens of one-rank documents, whose attention is done
+before the ring starts and hides none of it.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import Config, ulysses_degree
 from ..config.layers import layer_attention
@@ -59,8 +69,16 @@ class SequenceCost:
         self.attention_layers = sum(a.token_mixer in ATTENTION
                                     for a in layer_attention(cfg.model))
         self._seconds: Dict[Tuple[int, int], float] = {}
+        self._traffic: Dict[Tuple[int, int], float] = {}  # CP seconds, hidden or not
 
     def __call__(self, n: int, d: int) -> float:
+        return self._seconds[self._priced(n, d)]
+
+    def traffic(self, n: int, d: int) -> float:
+        """The CP seconds of one sequence of n tokens over d ranks, hidden or not."""
+        return self._traffic[self._priced(n, d)]
+
+    def _priced(self, n: int, d: int) -> Tuple[int, int]:
         c = num_chunks(d, self.layout)
         n = -(-n // c) * c  # padded to the layout's chunks: what the d ranks hold
         key = (n, d)
@@ -74,4 +92,35 @@ class SequenceCost:
             steps = d // ulysses  # ring or all-gather blocks per document; Ulysses: one
             blocks = self.attention_layers * steps * self.cluster.gpu.block_overhead
             self._seconds[key] = t.compute + t.tp + t.cp_exposed + t.offload + t.moe + blocks
-        return self._seconds[key]
+            self._traffic[key] = t.cp_total
+        return key
+
+    def pack(self, lengths: Sequence[int], d: int, layout: Optional[str] = None) -> float:
+        """Seconds of static CP's sample of these documents (in order) over d ranks under
+        layout (default the config's), without ``overhead`` (the module docstring)."""
+        layout = layout or self.layout
+        if d == 1 or layout == "striped" or self.comm not in ("ring", "allgather"):
+            return sum(self(n, d) for n in lengths)
+        ranks = holding_ranks(lengths, d, layout)
+        work = [0.0] * d
+        for n, held in zip(lengths, ranks):
+            for r in held:
+                work[r] += self(n, len(held))
+        total = sum(lengths)
+        alone = sum(n for n, held in zip(lengths, ranks) if len(held) == 1)
+        return max(work) + self.traffic(total, d) * alone / total
+
+
+def holding_ranks(lengths: Sequence[int], d: int, layout: str) -> List[Tuple[int, ...]]:
+    """The ranks whose chunks hold each document of a sample packed in order (padded to
+    the layout's chunks) over d ranks under contiguous or zigzag."""
+    c = num_chunks(d, layout)
+    total = sum(lengths)
+    size = -(-total // c)  # tokens per chunk
+    owner = [k if k < d else 2 * d - 1 - k for k in range(c)]  # contiguous: c == d
+    out, start = [], 0
+    for n in lengths:
+        first, last = start // size, (start + n - 1) // size
+        out.append(tuple(sorted({owner[k] for k in range(first, last + 1)})))
+        start += n
+    return out

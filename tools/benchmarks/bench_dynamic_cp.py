@@ -60,7 +60,9 @@ def _plans(cfg, a, lengths, world):
     out = {"dynamic": (schedule(lengths, world, a.tokens_per_rank, cost, cost.overhead,
                                 a.layout, dynamic_cp_sizes_for(cfg, world)), a.layout),
            "static-cp": (static_schedule(lengths, world, a.tokens_per_rank, world, cost,
-                                         cost.overhead, a.static_layout), a.static_layout)}
+                                         cost.overhead, a.static_layout,
+                                         lambda ns, d: cost.pack(ns, d, a.static_layout)),
+                         a.static_layout)}
     try:
         out["static-dp"] = (static_schedule(lengths, world, a.tokens_per_rank, 1, cost,
                                             cost.overhead, a.layout), a.layout)

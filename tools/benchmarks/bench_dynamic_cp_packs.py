@@ -59,11 +59,12 @@ def _plans(a, world, cost, sizes, lengths):
 
     if a.packs:
         return {"packs": ([Pack(0, d, tuple(range(len(p))), sum(p), padded_length(
-            sum(p), d, "zigzag"), sum(cost(n, d) for n in p) + cost.overhead)
+            sum(p), d, "zigzag"), cost.pack(p, d, "zigzag") + cost.overhead)
             for d, p in PACKS], "zigzag")}
     static = "zigzag" if a.model == "hybrid" else "striped"  # state passing: no striped
     return {"static": (static_schedule(lengths, world, a.tokens_per_rank, world, cost,
-                                       cost.overhead, static).packs, static),
+                                       cost.overhead, static,
+                                       lambda ns, d: cost.pack(ns, d, static)).packs, static),
             "dynamic": (balanced_schedule(lengths, world, a.tokens_per_rank, cost,
                                           cost.overhead, "zigzag", sizes).packs, "zigzag")}
 

@@ -83,7 +83,8 @@ def train(run_dir: str, prefix: str, arm: str, a, model_sets, same: bool) -> dic
             "train.warmup_steps=1", "logging.log_interval=1", "logging.wandb.mode=disabled",
             f"logging.run_dir={run_dir}", *model_sets, *a.set]
     linear = any(s.startswith("model.layer_types") for s in model_sets)
-    static_layout = "zigzag" if linear else "striped"  # state passing takes no striped
+    static_layout = a.static_layout or ("zigzag" if linear else "striped")  # state
+    # passing takes no striped layout
     if arm == "dynamic" or same:
         sets += [f"data.dynamic_cp_window={a.window}"]
     sets += (["data.dynamic_cp_schedule=static", f"parallel.layout={static_layout}"]
@@ -129,6 +130,9 @@ def main(argv=None):
     ap.add_argument("--ep", type=int, default=2, help="the MoE model's parallel.ep")
     ap.add_argument("--same-documents", action="store_true",
                     help="the static arm trades documents too; the losses are compared")
+    ap.add_argument("--static-layout", choices=["striped", "zigzag", "contiguous"],
+                    help="the static arm's parallel.layout (default: striped; zigzag for "
+                         "the hybrid)")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="static/dynamic pairs per case")
     ap.add_argument("--steps", type=int, default=6)
