@@ -129,7 +129,7 @@ def test_the_planner_cost_model_prices_attention_and_cp():
 
 def test_the_planner_compares_static_and_dynamic_cp_for_a_length_distribution(capsys):
     from ctxpar.plan.__main__ import main
-    from ctxpar.plan.dynamic import compare, document_lengths
+    from ctxpar.plan.dynamic import compare, describe, document_lengths
 
     cfg = load_config("configs/tiny_cpu.yaml", overrides=[
         "parallel.cp=2", "parallel.dp=2", "model.seq_len=8192"], world_size=4)
@@ -148,8 +148,15 @@ def test_the_planner_compares_static_and_dynamic_cp_for_a_length_distribution(ca
             "model.seq_len=8192", "--nodes", "1", "--gpus-per-node", "4", "--gpu", "cpu"]
     assert main(args + ["--documents", "1024,1.2,128,16384"]) == 0
     out = capsys.readouterr().out
-    assert "static cp2: cannot run them" in out and out.rstrip().endswith(
-        "use dynamic CP (data.dynamic_cp: true)")
+    for layout in ("contiguous", "zigzag", "striped"):  # every layout the model takes
+        assert f"static cp2 {layout}: cannot run them" in out
+    assert out.rstrip().endswith("use dynamic CP (data.dynamic_cp: true)")
+    # the advice weighs dynamic CP against the fastest static layout, and names it
+    from dataclasses import replace
+    slow = replace(cmp, static_s=2 * cmp.dynamic_s, other_static={
+        "zigzag": cmp.dynamic_s / 2, "striped": None})
+    assert slow.advice == "static" and describe(slow, cfg).endswith(
+        "use static CP (cp 2, parallel.layout: zigzag)")
     assert main(args + ["--documents", "1024,1.2"]) == 2
     assert capsys.readouterr().err.startswith("error: --documents '1024,1.2' must be MEDIAN")
 
@@ -211,7 +218,7 @@ def test_the_planners_step_times_stay_within_30_percent_of_the_benchmarks(
 
 
 def test_the_planner_prices_hybrid_at_its_sizes_with_its_ulysses_degree():
-    from ctxpar.plan.dynamic import compare, document_lengths
+    from ctxpar.plan.dynamic import compare, describe, document_lengths
 
     def cfg(*sets):
         return load_config("configs/tiny_cpu.yaml", overrides=[
@@ -283,6 +290,15 @@ def test_a_pack_prices_each_document_on_the_ranks_whose_chunks_hold_it():
         rel=1e-12)
     assert cost.pack(short, 4, "striped") == pytest.approx(16 * cost(100, 4), rel=1e-12)
     assert cost.pack(short, 1) == pytest.approx(16 * cost(100, 1), rel=1e-12)
+
+
+
+def test_the_planner_weighs_only_the_static_layouts_a_hybrid_takes():
+    from ctxpar.plan.dynamic import other_layouts
+    from tools.benchmarks.dynamic_cp_runs import HYBRID
+    sets = ["parallel.cp=4", "parallel.dp=1", "model.seq_len=16384", *HYBRID]
+    cfg = load_config("configs/tiny_cpu.yaml", overrides=sets, world_size=4)
+    assert set(other_layouts("configs/tiny_cpu.yaml", sets, cfg)) == {"contiguous"}
 
 
 @pytest.mark.quick

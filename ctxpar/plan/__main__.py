@@ -15,7 +15,7 @@ from .bound import bound_by
 from . import compressed_layers
 from .candidate import apply_candidate
 from .cluster import Cluster, PlanError, gpu_preset
-from .dynamic import compare, describe, document_lengths
+from .dynamic import add_layouts, compare, describe, document_lengths, other_layouts
 from .longest import OPTIONS, PATTERNS, Allowed, merge_tiles, search_longest, with_seq_len
 from .report import (ep_reason, explain, kv_layers_reason, layout_reason, linear_reason,
                      memory_lines, mla_reason, merge_ties, plot, table, what_frees, write_config)
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
             return longest_main(cfg, cluster, a)
         if a.documents:
             steps = document_lengths(a.documents, cfg.train.global_batch_size, 8)
-            cmp = compare(cfg, cluster, steps)
+            cmp = add_layouts(compare(cfg, cluster, steps),
+                              other_layouts(a.config, a.set, cfg), cluster, steps)
             note_machine(a)
             print(f"{cfg.source}: {cfg.train.global_batch_size} documents per step of "
                   f"log-normal lengths ({a.documents}), {cmp.tokens_per_step:,.0f} tokens "

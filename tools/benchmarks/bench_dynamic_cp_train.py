@@ -11,7 +11,8 @@ alternating static, dynamic, static, dynamic, ... for --rounds rounds:
     static    data.dynamic_cp_schedule=static: static CP's packing of the same documents
               (in order, samples of world x tokens_per_rank tokens, each over all ranks,
               document masking), ring, the striped layout (balanced with documents;
-              zigzag for the hybrid, whose state passing takes no striped layout)
+              zigzag for the hybrid, whose state passing takes no striped layout;
+              --static-layout sets it: zigzag keeps short documents on one rank)
     dynamic   data.dynamic_cp_schedule=balanced (ctxpar/dynamic_cp/balance.py), ring,
               zigzag
 
