@@ -1,23 +1,22 @@
 """DeepSeek sparse attention through the pipeline (models/dsa_pipe.py) equals one process.
 
-One spawned world, cp2 x pp2 (and tp2 x pp2), DeepSpeed's pipeline engine with two micro-batches (its 1F1B
-schedule runs the second's forward before the first's backward), against a single-process
-GPT on the same global batch: the step's loss, every parameter's gradient and the metrics'
-indexer loss. The stage boundary falls after block 2 of five whose model.dsa.indexer_types
-are GLM-5's kind, [full, shared, shared, shared, full]: blocks 1 and 2 take block 0's
-selection inside stage 0, block 3 across the boundary, block 4 has its own indexer.
-Cases: GLM-5-shaped (MoE with
-the z-loss, interleaved indexer RoPE) under stage 'sparse' (the indexer's KL travels to
-the last stage's loss, its gradient back to stage 0's indexer) with full recompute (a
-recomputed shared block must attend over its own micro-batch's selection), ring zigzag and
-packed documents; stage 'frozen' (the selection alone travels) with selective
-recompute, all-gather contiguous; and the dense warm-up (GLM-5-shaped, only the indexers
-train: the stages' frozen hidden states linked by a zero gradient, the KL and the recall
-travel); and a dense model (no MoE) under 'sparse' at tp2 x pp2: the indexer sums take a
-gradient, so DeepSpeed's TP split of the stage output is off for them too
-(ctxpar/config/kv_layers.py carries_between_stages; with it on, DeepSpeed's pipeline
-engine asserts). Before the step, pipeline_logits (evaluation's path) gives one process's
-logits.
+One spawned world, cp2 x pp2 (and tp2 x pp2), DeepSpeed's pipeline engine with two
+micro-batches (its 1F1B schedule runs the second's forward before the first's backward),
+against a single-process GPT on the same global batch: the step's loss, every parameter's
+gradient and the metrics' indexer loss. The stage boundary falls after block 2 of five
+whose model.dsa.indexer_types are GLM-5's kind, [full, shared, shared, shared, full]:
+blocks 1 and 2 take block 0's selection inside stage 0, block 3 across the boundary,
+block 4 has its own indexer. Cases: GLM-5-shaped (MoE with the z-loss, interleaved indexer
+RoPE) under stage 'sparse' (the indexer's KL travels to the last stage's loss, its
+gradient back to stage 0's indexer) with full recompute (a recomputed shared block must
+attend over its own micro-batch's selection), ring zigzag and packed documents; stage
+'frozen' (the selection alone travels) with selective recompute, all-gather contiguous;
+the dense warm-up (GLM-5-shaped, only the indexers train: the stages' frozen hidden states
+linked by a zero gradient, the KL and the recall travel); and a dense model (no MoE) under
+'sparse' at tp2 x pp2: the indexer sums take a gradient, so DeepSpeed's TP split of the
+stage output is off for them too (ctxpar/config/kv_layers.py carries_between_stages; with
+it on, DeepSpeed's pipeline engine asserts). Before the step, pipeline_logits
+(evaluation's path) gives one process's logits.
 """
 import dataclasses
 import pickle
