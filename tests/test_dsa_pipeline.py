@@ -164,8 +164,12 @@ def test_glm5_shared_topk_and_indexer_loss_through_the_pipeline_equal_one_proces
 def test_the_pipe_tuple_carries_a_selection_into_shared_layers_only():
     """The DSA tail into each block (5: the final norm) of the parity test's model: the
     selection into shared blocks, the indexer's sums everywhere under 'sparse'; the dense
-    warm-up selects nothing."""
+    warm-up selects nothing. Where the sums travel (they take a gradient) DeepSpeed's TP
+    split of the stage output is off, also without MoE; the selection alone keeps it."""
+    from ctxpar.config.kv_layers import carries_between_stages
     sizes = {stage: [DSATail(_model(stage, False)).size(i) for i in range(6)]
              for stage in ("frozen", "sparse", "dense_warmup")}
     assert sizes == {"frozen": [0, 1, 1, 1, 0, 0], "sparse": [1, 2, 2, 2, 1, 1],
                      "dense_warmup": [1, 1, 1, 1, 1, 1]}
+    assert {stage: carries_between_stages(_model(stage, False)) for stage in sizes} == \
+        {"frozen": False, "sparse": True, "dense_warmup": True}
