@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ctxpar.config import ModelConfig
+from ctxpar.config.dsa import indexer_loss_travels
 
 
 class _ZeroGradient(torch.autograd.Function):
@@ -81,7 +82,7 @@ class DSATail:
         dsa, self.n_layers = cfg.dsa, cfg.n_layers
         selects = dsa is not None and dsa.stage != "dense_warmup"  # the warm-up is dense
         self.shared = [selects and not dsa.layer_has_indexer(i) for i in range(cfg.n_layers)]
-        self.sums = dsa is not None and dsa.stage != "frozen"  # the indexer's loss travels
+        self.sums = indexer_loss_travels(dsa)  # the indexer's loss travels
         self.warmup = dsa is not None and dsa.stage == "dense_warmup"
 
     def takes_selection(self, layer: int) -> bool:

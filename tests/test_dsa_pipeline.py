@@ -1,19 +1,22 @@
 """DeepSeek sparse attention through the pipeline (models/dsa_pipe.py) equals one process.
 
-One spawned world, cp2 x pp2, DeepSpeed's pipeline engine with two micro-batches (its 1F1B
-schedule runs the second's forward before the first's backward), against a single-process
-GPT on the same global batch: the step's loss, every parameter's gradient and the metrics'
-indexer loss. The stage boundary falls after block 2 of five whose model.dsa.indexer_types
-are GLM-5's kind, [full, shared, shared, shared, full]: blocks 1 and 2 take block 0's
-selection inside stage 0, block 3 across the boundary, block 4 has its own indexer.
-Cases: GLM-5-shaped (MoE with
-the z-loss, interleaved indexer RoPE) under stage 'sparse' (the indexer's KL travels to
-the last stage's loss, its gradient back to stage 0's indexer) with full recompute (a
-recomputed shared block must attend over its own micro-batch's selection), ring zigzag and
-packed documents; stage 'frozen' (the selection alone travels) with selective
-recompute, all-gather contiguous; and the dense warm-up (GLM-5-shaped, only the indexers
-train: the stages' frozen hidden states linked by a zero gradient, the KL and the recall
-travel). Before the step, pipeline_logits (evaluation's path) gives one process's logits.
+One spawned world, cp2 x pp2 (and tp2 x pp2), DeepSpeed's pipeline engine with two
+micro-batches (its 1F1B schedule runs the second's forward before the first's backward),
+against a single-process GPT on the same global batch: the step's loss, every parameter's
+gradient and the metrics' indexer loss. The stage boundary falls after block 2 of five
+whose model.dsa.indexer_types are GLM-5's kind, [full, shared, shared, shared, full]:
+blocks 1 and 2 take block 0's selection inside stage 0, block 3 across the boundary,
+block 4 has its own indexer. Cases: GLM-5-shaped (MoE with the z-loss, interleaved indexer
+RoPE) under stage 'sparse' (the indexer's KL travels to the last stage's loss, its
+gradient back to stage 0's indexer) with full recompute (a recomputed shared block must
+attend over its own micro-batch's selection), ring zigzag and packed documents; stage
+'frozen' (the selection alone travels) with selective recompute, all-gather contiguous;
+the dense warm-up (GLM-5-shaped, only the indexers train: the stages' frozen hidden states
+linked by a zero gradient, the KL and the recall travel); and a dense model (no MoE) under
+'sparse' at tp2 x pp2: the indexer sums take a gradient, so DeepSpeed's TP split of the
+stage output is off for them too (ctxpar/config/kv_layers.py carries_between_stages; with
+it on, DeepSpeed's pipeline engine asserts). Before the step, pipeline_logits
+(evaluation's path) gives one process's logits.
 """
 import dataclasses
 import pickle
@@ -47,10 +50,11 @@ def _model(stage: str, moe: bool) -> ModelConfig:
                        tie_embeddings=False, mla=mla, dsa=dsa, moe=experts)
 
 
-CASES = [  # (stage, MoE, layout, cp_comm, activation checkpointing, documents)
-    ("sparse", True, "zigzag", "ring", "full", True),
-    ("frozen", False, "contiguous", "allgather", "selective", False),
-    ("dense_warmup", True, "zigzag", "ring", "none", False),
+CASES = [  # (stage, MoE, layout, cp_comm, activation checkpointing, documents, tp, cp)
+    ("sparse", True, "zigzag", "ring", "full", True, 1, 2),
+    ("frozen", False, "contiguous", "allgather", "selective", False, 1, 2),
+    ("dense_warmup", True, "zigzag", "ring", "none", False, 1, 2),
+    ("sparse", False, "contiguous", "ring", "selective", False, 2, 1),  # whole tuples
 ]
 
 
@@ -80,9 +84,12 @@ def _one_process(stage, moe, documents):
 
 def _pipeline(rank, world, payload):
     import deepspeed
+    from types import SimpleNamespace
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.config import deepspeed_config
     from ctxpar import gather_sequence
+    from ctxpar.tensor_parallel import (gather_from_tensor_model_parallel_region,
+                                        gather_full_state_dict)
     from models.gpt_pipe import GPTPipe, pipeline_logits, train_step
     from models.loss import global_token_count
     from models.step_kinds import pipeline_indexer_metrics
@@ -90,11 +97,11 @@ def _pipeline(rank, world, payload):
 
     out = []
     tokens, labels = _batch()
-    for stage, moe, layout, comm, ckpt, documents in pickle.loads(payload):
+    for stage, moe, layout, comm, ckpt, documents, tp, cp in pickle.loads(payload):
         model_cfg = dataclasses.asdict(_model(stage, moe))
-        cfg = pipeline_config(model_cfg, dict(cp=2, layout=layout, cp_comm=comm), ckpt,
-                              BATCH, SEED, world)
-        st = init_parallel_state(cp=2, pp=2, order=cfg.parallel.order)
+        cfg = pipeline_config(model_cfg, dict(tp=tp, cp=cp, layout=layout, cp_comm=comm),
+                              ckpt, BATCH, SEED, world)
+        st = init_parallel_state(tp=tp, cp=cp, pp=2, order=cfg.parallel.order)
         ds_config = deepspeed_config(cfg, st.dp_size)
         model = GPTPipe.from_config(cfg, st, ds_config["gradient_accumulation_steps"])
         assert model.parts == [0, 4, 8], model.parts  # blocks 0-2 | blocks 3, 4
@@ -107,12 +114,16 @@ def _pipeline(rank, world, payload):
                  for m in range(BATCH)]
         n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
         logits = pipeline_logits(model, st, micro[0])  # evaluation's path, before the step
-        logits = None if logits is None else gather_sequence(logits, 1, st.cp_group, layout)
+        if logits is not None:  # (1, T, V) whole: the CP shards joined, the TP vocabulary
+            logits = gather_from_tensor_model_parallel_region(
+                gather_sequence(logits, 1, st.cp_group, layout), st.tp_group)
         loss = train_step(engine, micro, n_tokens, st)
         metrics = pipeline_indexer_metrics(engine, n_tokens, loss, st)
-        names = {p: name for name, p in model.gpt_named_parameters()}
+        for p, g in opt.grads.items():  # the gradients the step applied, by GPT's names
+            p.grad = g
+        named = SimpleNamespace(named_parameters=model.gpt_named_parameters)
         out.append(dict(loss=loss, metrics=metrics, logits=logits,
-                        grads={names[p]: g for p, g in opt.grads.items()}))
+                        grads=gather_full_state_dict(named, st.tp_group, True)))
     return out
 
 
@@ -126,7 +137,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def test_glm5_shared_topk_and_indexer_loss_through_the_pipeline_equal_one_process():
-    refs = [_one_process(stage, moe, docs) for stage, moe, *_, docs in CASES]
+    refs = [_one_process(stage, moe, docs) for stage, moe, *_, docs, _, _ in CASES]
     results = run_distributed(_pipeline, 4, pickle.dumps(CASES), timeout=300)
     for i, (case, (logits, loss, index, grads)) in enumerate(zip(CASES, refs)):
         seen = set()
@@ -153,8 +164,12 @@ def test_glm5_shared_topk_and_indexer_loss_through_the_pipeline_equal_one_proces
 def test_the_pipe_tuple_carries_a_selection_into_shared_layers_only():
     """The DSA tail into each block (5: the final norm) of the parity test's model: the
     selection into shared blocks, the indexer's sums everywhere under 'sparse'; the dense
-    warm-up selects nothing."""
+    warm-up selects nothing. Where the sums travel (they take a gradient) DeepSpeed's TP
+    split of the stage output is off, also without MoE; the selection alone keeps it."""
+    from ctxpar.config.kv_layers import carries_between_stages
     sizes = {stage: [DSATail(_model(stage, False)).size(i) for i in range(6)]
              for stage in ("frozen", "sparse", "dense_warmup")}
     assert sizes == {"frozen": [0, 1, 1, 1, 0, 0], "sparse": [1, 2, 2, 2, 1, 1],
                      "dense_warmup": [1, 1, 1, 1, 1, 1]}
+    assert {stage: carries_between_stages(_model(stage, False)) for stage in sizes} == \
+        {"frozen": False, "sparse": True, "dense_warmup": True}

@@ -2,21 +2,23 @@
 (model.moe.hash_layers) through the pipeline (models/gpt_pipe.py, models/pipe_carry.py)
 equal one process.
 
-One spawned world, cp2 x pp2 (and tp2 x pp2), DeepSpeed's pipeline engine with two micro-batches (its 1F1B
-schedule runs the second's forward before the first's backward, so a recomputed block must
-replay with its own micro-batch's token ids), against a single-process GPT on the same
-global batch: the step's loss, every parameter's gradient (the mHC maps', hc_head's on the
-last stage, the experts' gathered over EP), the hash tables, and pipeline_logits (the
-evaluation's path: x sent as (B, T/cp, N, d), the ids taken from each stage's own tokens).
-The model: four MoE layers, 0 and 3 hash-routed; the stage boundary falls after block 2,
-so the ids cross it to layer 3 and the streams cross it (B, T/cp, 3, d). Cases: cp2 ring
-zigzag with full recompute; cp2 all-gather contiguous, selective, ep2 (over the CP group);
-tp2 x pp2 selective (DeepSpeed's TP split of the stage output off: the routers'
-statistics take a gradient, ctxpar/config/kv_layers.py carries_between_stages).
-And the same model with DeepSeek-V4's attention (V4_CFG: sliding, CSA, HCA, CSA layers)
-at cp2 ring zigzag with full recompute, and contiguous with selective recompute and two
-packed documents: its compressors and indexer inside the blocks of both stages (the
-indexer takes no gradient in either).
+One spawned world, cp2 x pp2 (and tp2 x pp2), DeepSpeed's pipeline engine with two
+micro-batches (its 1F1B schedule runs the second's forward before the first's backward, so
+a recomputed block must replay with its own micro-batch's token ids), against a
+single-process GPT on the same global batch: the step's loss, every parameter's gradient
+(the mHC maps', hc_head's on the last stage, the experts' gathered over EP), the hash
+tables, and pipeline_logits (the evaluation's path: x sent as (B, T/cp, N, d), the ids
+taken from each stage's own tokens). The model: four MoE layers, 0 and 3 hash-routed; the
+stage boundary falls after block 2, so the ids cross it to layer 3 and the streams cross it
+(B, T/cp, 3, d). Cases: cp2 ring zigzag with full recompute; cp2 all-gather contiguous,
+selective, ep2 (over the CP group); tp2 x pp2 selective (DeepSpeed's TP split of the stage
+output off: the routers' statistics take a gradient, ctxpar/config/kv_layers.py
+carries_between_stages); and tp2 x pp2 full recompute of the model without MoE ("dense":
+the streams alone beside the positions, which DeepSpeed splits over TP between the stages).
+And the same model with DeepSeek-V4's attention (V4_CFG: sliding, CSA, HCA, CSA layers) at
+cp2 ring zigzag with full recompute, and contiguous with selective recompute and two packed
+documents: its compressors and indexer inside the blocks of both stages (the indexer takes
+no gradient in either).
 Then, quick: what the tuple carries after each block.
 """
 import dataclasses
@@ -55,7 +57,8 @@ V4_CFG = dataclasses.replace(
         q_lora_rank=8, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8,
         index_topk=2, compress_rates={"compressed_sparse_attention": 2,
                                       "heavily_compressed_attention": 4}))
-MODELS = {"gqa": CFG, "v4": V4_CFG, "v4-docs": V4_CFG}
+MODELS = {"gqa": CFG, "v4": V4_CFG, "v4-docs": V4_CFG,
+          "dense": dataclasses.replace(CFG, moe=None)}  # mHC, no experts nor hash layers
 # v4-docs: two packed documents (data.document_mask), the second across the slabs (4, 8, 12)
 DOCUMENTS = {"v4-docs": torch.tensor([0, 7, SEQ], dtype=torch.int32)}
 CASES = [  # (tp, cp, layout, cp_comm, activation checkpointing, ep, model)
@@ -64,6 +67,7 @@ CASES = [  # (tp, cp, layout, cp_comm, activation checkpointing, ep, model)
     (2, 1, "zigzag", "ring", "selective", 1, "gqa"),  # the stages' whole tuples on every TP rank
     (1, 2, "zigzag", "ring", "full", 1, "v4"),  # V4's compressors and indexer across stages
     (1, 2, "contiguous", "ring", "selective", 1, "v4-docs"),
+    (2, 1, "contiguous", "ring", "full", 1, "dense"),  # x split over TP by DeepSpeed
 ]
 # fp32; the pipeline sums the same terms in another order (the ring's LSE merges, the two
 # micro-batches, the gradients summed over CP, the experts' rows in EP's order):
@@ -84,7 +88,7 @@ def _one_process(kind):
     with torch.no_grad():
         logits = model(tokens[:1], torch.arange(SEQ), cu_seqlens=docs)
     loss = model(tokens, torch.arange(SEQ), labels, cu_seqlens=docs) / (labels != -100).sum()
-    (loss + model.router_losses.share).backward()
+    (loss + (0.0 if model.router_losses is None else model.router_losses.share)).backward()
     tables = {n: b for n, b in model.named_buffers() if n.endswith("tid2eid")}
     return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, tables
 
@@ -118,6 +122,8 @@ def _pipeline(rank, world, payload):
                 model, st, CFG.moe.num_experts))
         opt = RecordingSGD(groups, lr=LR)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        # DeepSpeed splits x over TP between the stages unless routers' statistics travel
+        assert engine.is_pipe_partitioned == (tp > 1 and MODELS[kind].moe is None)
         pos = sequence_positions(SEQ, st.cp_group, layout)
         micro = [{"tokens": shard_sequence(tokens[m:m + 1], 1, st.cp_group, layout),
                   "labels": shard_sequence(labels[m:m + 1], 1, st.cp_group, layout),

@@ -79,9 +79,9 @@ def deepspeed_config(cfg: Config, dp: int) -> Dict[str, Any]:
     ds.setdefault("steps_per_print", 10 ** 9)  # train.py logs; keep DeepSpeed quiet
     if cfg.parallel.pp > 1 and cfg.parallel.tp > 1 and carries_between_stages(cfg.model):
         # DeepSpeed splits a stage's output over TP (pipe_partitioned) only when its other
-        # tensors take no gradient; Gemma 4's carried K/V and per-layer inputs and the MoE
-        # routers' statistics do: every TP rank sends its stage's whole tuple instead
-        # (models/pipe_carry.py)
+        # tensors take no gradient; Gemma 4's carried K/V and per-layer inputs, the MoE
+        # routers' statistics and DSA's indexer sums do: every TP rank sends its stage's
+        # whole tuple instead (models/pipe_carry.py, models/dsa_pipe.py)
         ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     if cfg.data.dynamic_cp:  # each rank runs its own number of packs; step() reduces once
         ds["managed_gradient_accumulation"] = False

@@ -72,6 +72,12 @@ def dsa_architecture(dsa: Optional[DSAConfig]) -> Optional[DSAConfig]:
     return None if dsa is None else replace(dsa, stage="frozen", loss_weight=1.0)
 
 
+def indexer_loss_travels(dsa: Optional[DSAConfig]) -> bool:
+    """Whether the indexer's loss sums cross the pipeline's stages, taking a gradient
+    (models/dsa_pipe.py): under every stage but 'frozen'."""
+    return dsa is not None and dsa.stage != "frozen"
+
+
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 

@@ -13,6 +13,7 @@ computes; config.layers.layer_attention resolves them per layer).
 """
 from __future__ import annotations
 
+from .dsa import indexer_loss_travels
 from .layer_mixers import layer_types
 from .sections import ModelConfig, ParallelConfig, resolved_ffn_hidden
 
@@ -37,8 +38,9 @@ def layer_ffn_hidden(m: ModelConfig, kv_source) -> int:
 def carries_between_stages(m: ModelConfig) -> bool:
     """Whether a pipeline stage hands on more than x, tensors taking a gradient: shared K/V
     or per-layer inputs (models/pipe_carry.py), model.moe's routers' statistics
-    (models/gpt_pipe.py router_start)."""
-    return bool(m.num_kv_shared_layers or m.per_layer_input_dim or m.moe is not None)
+    (models/gpt_pipe.py router_start), model.dsa's indexer sums (models/dsa_pipe.py)."""
+    return bool(m.num_kv_shared_layers or m.per_layer_input_dim or m.moe is not None
+                or indexer_loss_travels(m.dsa))
 
 
 def check_kv_layers(m: ModelConfig, p: ParallelConfig, err) -> None:
