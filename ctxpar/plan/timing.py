@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Dict, List
+from typing import Dict, List, NamedTuple
 
 from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
@@ -323,23 +323,21 @@ def offload_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, layers:
     return offload
 
 
-def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
-              mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF,
-              expanded: bool = False) -> StepTime:
-    """One step of the most loaded rank, term by term (the module docstring's list);
-    expanded: MLA's what-if ring of expanded K,V (mla_layers) instead of the latent."""
-    m, F = cfg.model, cluster.gpu.flops
-    e = 2 if bf16 else 4
-    g = counts.ring_grad_bytes(cand.ring_grad_dtype)
-    s = counts.rank_shapes(m, cand)
-    micro = cfg.train.global_batch_size // (cand.micro_batch * cand.dp)
-    layers = -(-m.n_layers // cand.pp)
-    replay = {"none": 0.0, "selective": 1.0, "full": 1.0,
-              "every_n_layers": 1.0 / cand.every_n_layers}[cand.activation]
-    attn_replay = 0.0 if cand.activation == "selective" else replay
+class MicroCompute(NamedTuple):
+    """One micro-batch's compute on the busiest stage, and what the collectives need."""
 
-    # Compute of one micro-batch on the busiest stage.
-    psi = max(counts.stage_params(m, cand.tp, cand.pp, st, cand.ep) for st in {0, cand.pp - 1})
+    seconds: float               # matmuls, attention, linear mixers, expansions, indexers
+    attn_layers: List[float]     # each layer's attention forward seconds (the ring hides)
+    moe_layers: int              # the stage's MoE layers
+    routed_again: float          # MoE layers whose routed experts run again (replay)
+
+
+def micro_compute(cfg: Config, cand: Candidate, cluster: Cluster, s, stage, layers: int,
+                  replay: float, attn_replay: float, mm_eff: float, attn_eff: float,
+                  expanded: bool) -> MicroCompute:
+    """The compute of one micro-batch on the busiest stage (the module docstring's
+    matmuls, attention, linear mixers, MLA's expansions, DSA's and V4's indexers)."""
+    m, F = cfg.model, cluster.gpu.flops
     head = 2 * s.N * m.d_model * s.V  # logits matmul (not a lookup, unlike the embedding)
     mlp_p = (3 if m.mlp in GATED_MLPS else 2) * s.d * s.f  # the MLP's weights on a rank
     # a MoE's tokens each run k of E experts: the active parameters (moe_layers), whatever
@@ -364,7 +362,6 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
 
     # Attention FLOPs (forward) of the busiest rank: head-pairs it computes, per layer of
     # the busiest stage (a window's or chunks' visible pairs only).
-    stage = stage_attention(m, cand.pp)
     hd = mla_layers.kernel_head_dim(m) if m.mla is not None else s.hd
     t_attn_layers = [4 * hd * s.B * head_pairs(cand, s, m.seq_len, a) / (F * attn_eff)
                      if not sparse(a) else dsa_attention_time(m, cand, s) / (F * attn_eff)
@@ -402,13 +399,51 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     compute = t_mm + t_attn_f * (1 + 2.5 + attn_replay) + t_linear * (3 + attn_replay + tiles) \
         + linear_elementwise(m, cand, s, stage, cluster.gpu.linear_overhead) \
         * (1 + (attn_replay + tiles) / 3) + t_expand + t_index_f * (1 + attn_replay) + t_index_b
+    return MicroCompute(compute, t_attn_layers, n_moe, routed_again)
+
+
+def dp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, psi: int) -> float:
+    """The DP x CP gradient reduction (ring all-reduce, or ZeRO's reduce-scatter +
+    all-gather) of the stage's psi parameters; the experts' over their expert-data-parallel
+    group."""
+    D = cand.dp * cand.cp
+    dp = 0.0
+    experts = counts.stage_experts(cfg.model, cand.tp, cand.pp, 0, cand.ep) \
+        if cand.ep > 1 else 0
+    if D > 1:
+        factor = 2 * (D - 1) / D * (1.5 if cand.zero == 3 else 1.0)
+        dp = factor * (psi - experts) * e / cluster.link(cand.world // cand.pp)
+    X = D // cand.ep  # the experts' gradients: over their expert-data-parallel group
+    if experts and X > 1:
+        dp += 2 * (X - 1) / X * experts * e / cluster.link(cand.world // cand.pp)
+    return dp
+
+
+def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
+              mm_eff: float = MM_EFF, attn_eff: float = ATTN_EFF,
+              expanded: bool = False) -> StepTime:
+    """One step of the most loaded rank, term by term (the module docstring's list);
+    expanded: MLA's what-if ring of expanded K,V (mla_layers) instead of the latent."""
+    m = cfg.model
+    e = 2 if bf16 else 4
+    g = counts.ring_grad_bytes(cand.ring_grad_dtype)
+    s = counts.rank_shapes(m, cand)
+    micro = cfg.train.global_batch_size // (cand.micro_batch * cand.dp)
+    layers = -(-m.n_layers // cand.pp)
+    replay = {"none": 0.0, "selective": 1.0, "full": 1.0,
+              "every_n_layers": 1.0 / cand.every_n_layers}[cand.activation]
+    attn_replay = 0.0 if cand.activation == "selective" else replay
+    stage = stage_attention(m, cand.pp)
+    psi = max(counts.stage_params(m, cand.tp, cand.pp, st, cand.ep) for st in {0, cand.pp - 1})
+    c = micro_compute(cfg, cand, cluster, s, stage, layers, replay, attn_replay, mm_eff,
+                      attn_eff, expanded)
 
     # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
     f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)
     tp = layers * (f_tp * (1 + replay) + b_tp) / cluster.gpu.nvlink if cand.tp > 1 else 0.0
 
     cp_total, cp_exposed, chunk, thr = cp_time(cfg, cand, cluster, e, g, stage,
-                                               t_attn_layers, attn_replay, attn_eff, expanded)
+                                               c.attn_layers, attn_replay, attn_eff, expanded)
 
     # the experts' all-to-alls (moe_layers.all_to_all_bytes) over the EP group (tp x ep
     # adjacent ranks: ep folds over CP's ranks first), a replayed MLP's again (a tiled
@@ -416,30 +451,22 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
     # tiles where the compute above does); they wait for the router and feed the experts:
     # nothing hides them
     a_f, a_b = all_to_all_bytes(s.N, s.d, e, m, cand.ep) if m.moe is not None else (0, 0)
-    again = n_moe * replay + (routed_again if cand.tiled_mlp else 0)
-    moe = (n_moe * (a_f + a_b) + again * a_f) / cluster.link(cand.tp * cand.ep) if a_f else 0.0
+    again = c.moe_layers * replay + (c.routed_again if cand.tiled_mlp else 0)
+    moe = (c.moe_layers * (a_f + a_b) + again * a_f) / cluster.link(cand.tp * cand.ep) \
+        if a_f else 0.0
 
     overhead = layers * cluster.gpu.overhead
-    offload = offload_time(cfg, cand, cluster, e, layers, compute)
-    t_micro = compute + overhead + tp + cp_exposed + offload + moe
+    offload = offload_time(cfg, cand, cluster, e, layers, c.seconds)
+    t_micro = c.seconds + overhead + tp + cp_exposed + offload + moe
     bubble = (cand.pp - 1) * t_micro if cand.pp > 1 else 0.0
-    # DP x CP gradient reduction (ring all-reduce / reduce-scatter + all-gather).
-    D = cand.dp * cand.cp
-    dp = 0.0
-    experts = counts.stage_experts(m, cand.tp, cand.pp, 0, cand.ep) if cand.ep > 1 else 0
-    if D > 1:
-        factor = 2 * (D - 1) / D * (1.5 if cand.zero == 3 else 1.0)
-        dp = factor * (psi - experts) * e / cluster.link(cand.world // cand.pp)
-    X = D // cand.ep  # the experts' gradients: over their expert-data-parallel group
-    if experts and X > 1:
-        dp += 2 * (X - 1) / X * experts * e / cluster.link(cand.world // cand.pp)
     step_offload = offload * micro
     if cand.offload_optimizer:
-        part = psi / D  # this GPU's partition of the parameters
+        part = psi / (cand.dp * cand.cp)  # this GPU's partition of the parameters
         step_offload += part * (4 + e) / cluster.gpu.pcie \
             + part * min(cluster.gpus_per_node, cand.world) / cluster.gpu.host_adam
-    return StepTime(compute=compute * micro, overhead=overhead * micro, tp=tp * micro,
+    return StepTime(compute=c.seconds * micro, overhead=overhead * micro, tp=tp * micro,
                     offload=step_offload, cp_exposed=cp_exposed * micro, moe=moe * micro,
-                    cp_total=cp_total * micro, bubble=bubble, dp=dp, micro_batches=micro,
+                    cp_total=cp_total * micro, bubble=bubble,
+                    dp=dp_time(cfg, cand, cluster, e, psi), micro_batches=micro,
                     ring_chunk=chunk, thresholds=thr,
                     cp_link=cluster.link_name(cand.tp * cand.cp) if cand.cp > 1 else "-")
