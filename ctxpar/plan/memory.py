@@ -43,8 +43,8 @@ from . import counts, mla_layers, transients
 from .candidate import Candidate, apply_candidate
 from .linear_layers import KINDS, linear_shapes, mixer_saved, mixer_working_set
 from .linear_tiles import tiled_saved, tiled_working_set
-from .moe_layers import (backward_working_set, block_model, expert_tile, forward_working_set,
-                         mixed_mlps)
+from .moe_layers import (backward_working_set, block_model, clamp_saved, expert_tile,
+                         forward_working_set, mixed_mlps)
 from .mtp_layers import mtp_activations
 from .zero_state import Shard, ZeroState, zero_config
 
@@ -344,7 +344,8 @@ def mlp_backward_working_set(st: Stage, i: int) -> float:
     model, s, elem, cand = st.block_model(i), st.shapes, st.elem, st.cand
     mlp = counts.mlp_params(model, cand.tp, cand.ep)
     down = counts.down_proj_params(model, cand.tp)
-    during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down) \
+    during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down,
+                                     clamp_saved(model)) \
         if model.moe is None else backward_working_set(s.N, s.d, elem, model, cand.tp, cand.ep,
                                                        moe_tile(st))
     after = transients.after_mlp_backward(s, elem, model.norm, st.device,
