@@ -85,3 +85,25 @@ def test_the_bytes_the_attention_modules_keep_are_the_plans_held_terms(cp2, case
     for rank, got in enumerate(cp2):
         assert got[("held", *case)] == want, (rank, case)
 
+
+
+@pytest.mark.quick
+def test_held_terms_are_one_rotary_pair_per_rope_and_none_without_cp_or_with_a_pipeline():
+    """No process: Gemma 4 31B's ten full layers share one whole-sequence (cos, sin) (T x
+    512 channels x 4 bytes); at cp 1, or with a pipeline (its stages carry K and V), or
+    for a model without shared K/V or k_eq_v, nothing is held."""
+    from ctxpar.config import ModelConfig, load_config
+    from ctxpar.plan.candidate import Candidate
+    from ctxpar.plan.kv_held import sequence_rotary_held, shared_kv_held
+    m = load_config("configs/extend_gemma4_31b_512k.yaml", [], world_size=64,
+                    check_paths=False).model
+    assert sequence_rotary_held(m, Candidate(2, 32, 1, 1), 1, False) == m.seq_len * 512 * 4
+    assert sequence_rotary_held(m, Candidate(2, 1, 1, 32), 1, False) == 0
+    assert sequence_rotary_held(m, Candidate(2, 16, 2, 1), 1, False) == 0
+    shared = _model(False, 2, 256)
+    assert shared_kv_held(shared, Candidate(1, 2, 1, 1, "allgather"), 128, 4, 0, 5)["after"] > 0
+    assert shared_kv_held(shared, Candidate(1, 2, 2, 1, "allgather"), 128, 4, 0, 3) == \
+        {"during": 0.0, "after": 0.0}
+    plain = ModelConfig(vocab_size=64, seq_len=32, n_layers=2, d_model=32, n_heads=4)
+    assert shared_kv_held(plain, Candidate(1, 2, 1, 1, "allgather"), 16, 4, 0, 2)["after"] == 0
+    assert sequence_rotary_held(plain, Candidate(1, 2, 1, 1), 1, False) == 0
