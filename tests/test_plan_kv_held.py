@@ -5,10 +5,9 @@
   'shared K/V (held)' + 'sequence cos/sin (k_eq_v)' of its later phases, exactly, under
   the all-gather (its slots: P x the local K/V), Ulysses (regrouped by heads) and the
   ring, keys equal to values or not, modes none and full;
-One spawn of two ranks, the cases looped inside. (The allocator's forward peak of the
-all-gather above the ring's, mode none, 2048 tokens, measured 8.4 MB = the plan's slots in
-some runs and 12.6 MB in others: when the previous step's held tensors go varies, so it
-is not asserted here; docs/planner.md.)
+One spawn of two ranks, the cases looped inside. The terms are absolute bytes: a step's
+rise above its start (allocator_peaks) has the previous step's held tensors in its start
+(docs/planner.md, Gemma 4).
 """
 import pickle
 from dataclasses import replace
