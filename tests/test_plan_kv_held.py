@@ -5,6 +5,12 @@
   'shared K/V (held)' + 'sequence cos/sin (k_eq_v)' of its later phases, exactly, under
   the all-gather (its slots: P x the local K/V), Ulysses (regrouped by heads) and the
   ring, keys equal to values or not, modes none and full;
+- at the end of the forward, what is live of it beside autograd's saved tensors (the
+  union of the two, storages once): the all-gather's above the ring's by the plan's
+  forward 'shared K/V (held)' difference, the slots, mode none (the core saves their views
+  in place of the local K/V) and full (saved nowhere), exactly; under full what the
+  modules keep beyond the saved tensors is the plan's forward terms (local K/V, slots or
+  regrouping, cos/sin), exactly.
 One spawn of two ranks, the cases looped inside. The terms are absolute bytes: a step's
 rise above its start (allocator_peaks) has the previous step's held tensors in its start
 (docs/planner.md, Gemma 4).
@@ -24,6 +30,10 @@ WIDE = dict(vocab_size=1024, global_head_dim=128, global_n_kv_heads=4, ffn_hidde
 HELD_CASES = [(False, 2, "allgather", "none", 256), (True, 2, "allgather", "full", 256),
               (False, 2, "ulysses", "none", 256), (True, 2, "ulysses", "full", 256),
               (False, 2, "ring", "full", 256), (True, 0, "ring", "none", 256)]
+# (all-gather, ring) pairs whose live bytes at the end of the forward are compared
+FORWARD_PAIRS = [((False, 2, "allgather", "none", 256), (False, 2, "ring", "none", 256)),
+                 ((True, 2, "allgather", "full", 256), (True, 2, "ring", "full", 256))]
+CASES = HELD_CASES + [pair[1] for pair in FORWARD_PAIRS if pair[1] not in HELD_CASES]
 
 
 def _model(k_eq_v, shared, tokens):
@@ -31,18 +41,18 @@ def _model(k_eq_v, shared, tokens):
                    seq_len=tokens, **WIDE)
 
 
-def _held_bytes(model) -> int:
-    """Bytes of the tensors the attention modules keep, each storage once."""
+def _held_storages(model) -> dict:
+    """{storage pointer: bytes} of the tensors the attention modules keep."""
     from torch.utils._pytree import tree_flatten
     kept = [getattr(layer.mixer, name, None) for layer in model.layers
             for name in ("shared_kv", "held_kv", "sequence_rotary")]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tree_flatten(kept)[0] if isinstance(t, torch.Tensor)}
-    return sum(storages.values())
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tree_flatten(kept)[0] if isinstance(t, torch.Tensor)}
 
 
 def _rank(rank, world, payload):
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
+    from ctxpar.testing.memory import saved_tensor_bytes
     from models.gpt import GPT
     from models.options import ModelGroups, ModelOptions
     st = init_parallel_state(cp=2, dp=1)
@@ -55,14 +65,20 @@ def _rank(rank, world, payload):
         model = GPT(_model(k_eq_v, shared, n), ModelGroups.from_state(st),
                     ModelOptions(layout="zigzag", cp_comm=comm, seed=1,
                                  activation_checkpointing=mode))
-        model(tok, pos, tok).backward()
-        out["held", k_eq_v, shared, comm, mode, n] = _held_bytes(model)
+        case = (k_eq_v, shared, comm, mode, n)
+        with saved_tensor_bytes(model.parameters()) as seen:
+            loss = model(tok, pos, tok)
+        kept = _held_storages(model)
+        out["forward", *case] = sum({**seen, **kept}.values())
+        out["beyond saved", *case] = sum(b for ptr, b in kept.items() if ptr not in seen)
+        loss.backward()
+        out["held", *case] = sum(_held_storages(model).values())
     return out
 
 
 @pytest.fixture(scope="module")
 def cp2():
-    return run_distributed(_rank, 2, pickle.dumps(HELD_CASES), timeout=240)
+    return run_distributed(_rank, 2, pickle.dumps(CASES), timeout=240)
 
 
 def _phases(k_eq_v, shared, comm, mode, tokens):
@@ -106,3 +122,23 @@ def test_held_terms_are_one_rotary_pair_per_rope_and_none_without_cp_or_with_a_p
     plain = ModelConfig(vocab_size=64, seq_len=32, n_layers=2, d_model=32, n_heads=4)
     assert shared_kv_held(plain, Candidate(1, 2, 1, 1, "allgather"), 16, 4, 0, 2)["after"] == 0
     assert sequence_rotary_held(plain, Candidate(1, 2, 1, 1), 1, False) == 0
+
+
+@pytest.mark.parametrize("pair", FORWARD_PAIRS)
+def test_the_all_gathers_slots_are_live_beside_the_saved_tensors_as_planned(cp2, pair):
+    def planned(case):
+        forward = next(p for p in _phases(*case) if p.name.startswith("forward")).terms
+        return forward.get("shared K/V (held)", 0)
+    want = planned(pair[0]) - planned(pair[1])
+    assert want > 0
+    for rank, got in enumerate(cp2):
+        assert got[("forward", *pair[0])] - got[("forward", *pair[1])] == want, (rank, pair)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == "full"])
+def test_under_full_recompute_the_modules_keep_the_plans_forward_terms_beyond_the_saved(
+        cp2, case):
+    forward = next(p for p in _phases(*case) if p.name.startswith("forward")).terms
+    want = forward.get("shared K/V (held)", 0) + forward.get("sequence cos/sin (k_eq_v)", 0)
+    for rank, got in enumerate(cp2):
+        assert got[("beyond saved", *case)] == want, (rank, case)
