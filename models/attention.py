@@ -32,7 +32,7 @@ from ctxpar.tensor_parallel.mappings import tp_size_of
 from .norms import RMSNorm, l2_norm, rms_norm
 from .options import LayerArgs
 from .qk_norm import AllHeadsRMSNorm
-from .rope import apply_rotary, layer_inputs
+from .rope import apply_rotary, layer_rotary
 from .token_mixer import TokenMixer
 
 
@@ -251,10 +251,11 @@ def set_sequence_rotary(layers, attention: list, positions, cp, head_dim: int) -
     """Before a training forward under CP: each k_eq_v layer making its own K/V (and so its
     consumers) sends k_proj x alone, and makes K where it arrives with the RoPE of the
     sender's tokens: the whole sequence's (cos, sin) from its positions (gathered once, 8
-    bytes a token; documents' restarted positions alike). None when cp is one rank, for
-    generation (the KV cache keeps K and V) and for whole-projection k norms (TP's
-    all-reduce inside)."""
-    full = None
+    bytes a token; documents' restarted positions alike), one pair per distinct RoPE that
+    the layers share (layer_rotary: T x the rotary channels, fp32, held until the next
+    forward). None when cp is one rank, for generation (the KV cache keeps K and V) and for
+    whole-projection k norms (TP's all-reduce inside)."""
+    expanding = []
     for block, a in zip(layers, attention):
         mixer = getattr(block, "mixer", None)
         if not isinstance(mixer, Attention):
@@ -263,10 +264,14 @@ def set_sequence_rotary(layers, attention: list, positions, cp, head_dim: int) -
         if positions is None or not a.k_eq_v or a.kv_source is not None \
                 or isinstance(mixer.k_norm, AllHeadsRMSNorm) or cp.size == 1:
             continue
-        if full is None:
-            full = cp.gather_positions(positions)  # (T,) or (B, T)
-        mixer.sequence_rotary = layer_inputs(full, a.head_dim or head_dim, a) if a.rope \
-            else (None, None)
+        mixer.sequence_rotary = (None, None)  # a NoPE layer's
+        if a.rope:
+            expanding.append((mixer, a))
+    if expanding:
+        full = cp.gather_positions(positions)  # (T,) or (B, T)
+        rotary = layer_rotary(full, head_dim, [a for _, a in expanding])
+        for (mixer, _), cos_sin in zip(expanding, rotary):
+            mixer.sequence_rotary = cos_sin
 
 
 def link_shared_kv(layers, attention: list) -> None:

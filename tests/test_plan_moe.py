@@ -38,7 +38,11 @@ LAYOUTS = [(1, 1), (2, 2)]  # (cp, ep) on 2 ranks (dp fills the rest)
 # (Qwen3-MoE's mlp_only_layers, DeepSeek's first dense layers)
 MODELS = {"moe": CFG, "mixed": {**CFG, "moe": replace(MOE, layers=[0, 2])},
           # DeepSeek-V4's clamped SwiGLU in the experts, the shared and the dense MLP
-          "clamped": {**CFG, "moe": replace(MOE, layers=[0, 2]), "swiglu_limit": 0.5}}
+          "clamped": {**CFG, "moe": replace(MOE, layers=[0, 2]), "swiglu_limit": 0.5},
+          # gpt-oss's clamped SwiGLU in the experts (its own code, models/moe.py) and their
+          # biases (the down bias repeated per row)
+          "gpt-oss": {**CFG, "moe": replace(MOE, swiglu_limit=7.0, swiglu_alpha=1.702,
+                                            expert_bias=True)}}
 
 
 def _saved(rank, world):

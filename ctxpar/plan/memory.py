@@ -40,11 +40,12 @@ from ..config import GATED_MLPS, Config, deepspeed_config
 from ..config.layers import layer_attention
 from ..config.layer_mixers import LAYER_MIXERS, LINEAR_MIXERS
 from . import counts, mla_layers, transients
+from .kv_held import sequence_rotary_held, shared_kv_held
 from .candidate import Candidate, apply_candidate
 from .linear_layers import KINDS, linear_shapes, mixer_saved, mixer_working_set
 from .linear_tiles import tiled_saved, tiled_working_set
-from .moe_layers import (backward_working_set, block_model, expert_tile, forward_working_set,
-                         mixed_mlps)
+from .moe_layers import (backward_working_set, block_model, clamp_saved, expert_tile,
+                         forward_working_set, mixed_mlps)
 from .mtp_layers import mtp_activations
 from .zero_state import Shard, ZeroState, zero_config
 
@@ -172,6 +173,9 @@ class Stage:
     # each block's MLP a mixture of experts (True) or dense (False) where model.moe.layers
     # leaves some dense (moe_layers.mixed_mlps); empty: every block's MLP alike
     moe_blocks: List[bool] = field(default_factory=list)
+    # what Gemma 4's layers keep on their modules to the next forward (kv_held.py), after
+    # the backward (the forward's and backward's share is in base)
+    held_after: Dict[str, float] = field(default_factory=dict)
 
     def block_model(self, i: int):
         """The model block i's MLP counts read (the model without moe for a dense MLP
@@ -230,7 +234,8 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     accumulating = grad_accum > 1 and cand.pp == 1
     accumulated = {"grads (accumulated)": zero_state.backward(1.0).get("grads", 0.0)} \
         if accumulating else {}
-    base = {**resident, **zero_state.gathered(), **others}
+    held = kv_held(cfg, cand, shapes, elem, start, blocks)
+    base = {**resident, **zero_state.gathered(), **others, **held["during"]}
     layers = layer_attention(model)[start:start + blocks]
     kinds = {(a.sliding_window, a.chunk_size): a for a in layers
              if a.token_mixer in ("attention", "mla", "dsa", "compressed")}
@@ -259,7 +264,21 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
                  host_step, loss_tile, mlp_tile, halo, linear, linear_kernel,
                  [a.kind for a in layers] if model.layer_types is not None else [],
                  [moe for _, moe in counts.blocks(model, start, blocks)]
-                 if mixed_mlps(model) else [])
+                 if mixed_mlps(model) else [], held["after"])
+
+
+def kv_held(cfg: Config, cand: Candidate, s: counts.RankShapes, elem: int, start: int,
+            blocks: int) -> Dict[str, Dict[str, float]]:
+    """{'during': the forward's and backward's terms, 'after': the later phases'} of what
+    Gemma 4's layers keep on their modules (kv_held.py): the shared-K/V producers' K/V and
+    exchanged copies, the k_eq_v layers' whole-sequence cos/sin; none of a term that is 0."""
+    kv = shared_kv_held(cfg.model, cand, s.N, elem, start, blocks)
+    rotary = sequence_rotary_held(cfg.model, cand, s.B, cfg.data.reset_positions)
+    out = {}
+    for when in ("during", "after"):
+        terms = {"shared K/V (held)": kv[when], "sequence cos/sin (k_eq_v)": rotary}
+        out[when] = {k: v for k, v in terms.items() if v}
+    return out
 
 
 def forward_phases(st: Stage) -> List[Phase]:
@@ -344,7 +363,8 @@ def mlp_backward_working_set(st: Stage, i: int) -> float:
     model, s, elem, cand = st.block_model(i), st.shapes, st.elem, st.cand
     mlp = counts.mlp_params(model, cand.tp, cand.ep)
     down = counts.down_proj_params(model, cand.tp)
-    during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down) \
+    during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down,
+                                     clamp_saved(model)) \
         if model.moe is None else backward_working_set(s.N, s.d, elem, model, cand.tp, cand.ep,
                                                        moe_tile(st))
     after = transients.after_mlp_backward(s, elem, model.norm, st.device,
@@ -429,7 +449,7 @@ def evaluation_phase(st: Stage) -> Phase:
                                              moe, st.cfg.model) for moe in moe_forwards(st)),
                 max([transients.attention_forward(s, st.cand, elem, h, st.cfg.model, True)
                      for h in set(st.halo)], default=0.0), st.linear + st.linear_kernel // 2)
-    state = {**st.resident, **st.zero_state.gathered()}
+    state = {**st.resident, **st.zero_state.gathered(), **st.held_after}
     at_block = {**state, "block working set": block}
     if not st.last:
         return Phase("evaluation", at_block)
@@ -455,8 +475,10 @@ def stage_memory(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, stag
     for phase in phases:
         phase.host = sum(st.saved) if phase.name.startswith("backward (last") and offloaded \
             else offloaded
-    phases.append(Phase("gradient reduction", {**st.resident, **st.zero_state.reduction()}))
-    phases.append(Phase("optimizer step", {**st.resident, **st.zero_state.step()}))
+    phases.append(Phase("gradient reduction", {**st.resident, **st.zero_state.reduction(),
+                                               **st.held_after}))
+    phases.append(Phase("optimizer step", {**st.resident, **st.zero_state.step(),
+                                           **st.held_after}))
     phases.append(evaluation_phase(st))
     return Memory(phases, st.host, st.host_step)
 

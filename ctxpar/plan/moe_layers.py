@@ -118,14 +118,24 @@ def clamp_saved(m: ModelConfig) -> int:
     return 2 if m is not None and m.swiglu_limit is not None else 0
 
 
+def expert_clamp_saved(m: ModelConfig) -> int:
+    """(M, f)-wide tensors more the experts save under gpt-oss's clamped SwiGLU
+    (model.moe.swiglu_limit: (clamp(up) + 1) * g * sigmoid(alpha g), models/moe.py) than
+    the plain one's silu(gate): up + 1, the clamped gate g, the sigmoid and the first
+    product, four in place of one."""
+    return 3 if m.moe is not None and m.moe.swiglu_limit is not None else 0
+
+
 def routed_rows_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
                       received: int = None) -> int:
     """routed_saved's `rows` and `over EP` terms for N tokens: what the dispatch, the
-    experts and the combine save (a tile's, replayed in backward, when tiled)."""
+    experts and the combine save (a tile's, replayed in backward, when tiled); with
+    model.moe.expert_bias the down bias's repeat index (M,) int64."""
     moe = m.moe
     f, rows = (moe.expert_hidden or resolved_ffn_hidden(m)) // tp, N * moe.top_k
     M = rows if received is None else received
-    per_row = ((4 if m.mlp in GATED_MLPS else 2) + clamp_saved(m)) * f * e
+    per_row = ((4 if m.mlp in GATED_MLPS else 2) + clamp_saved(m) + expert_clamp_saved(m)) \
+        * f * e + (8 if moe.expert_bias else 0)
     routed = 2 * rows * 8 + 2 * M * d * e + M * per_row + rows * d * e
     return routed + (M * 8 + rows * d * e if ep > 1 else 0)
 
@@ -141,8 +151,8 @@ def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
                each, its (N,) output
     rows       the gather's and the combine's (N k,) int64 orders; the experts' M input
                rows (M, d), each expert's [gate | up] output, activation and product (4 f
-               per row; 2 f without a gate; clamp_saved more), their M output rows; the
-               combined rows (N k, d)
+               per row; 2 f without a gate; clamp_saved and expert_clamp_saved more; the
+               down bias's (M,) int64 index), their M output rows; the combined rows (N k, d)
     over EP    M = `received` rows arrive for this rank's experts (default N k: balanced
                routing, the module docstring), their regrouping order (M,) int64, and the
                N k results back from the experts' ranks, (N k, d), beside the combined rows

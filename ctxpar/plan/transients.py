@@ -16,9 +16,13 @@ live bytes on CPU (tools/benchmarks/bench_plan_memory.py, docs/planner.md):
 - attention, backward: fp32 dq and dK,dV accumulators (all-gather: one per rank's slot,
   then reduce-scattered), the travelling dK,dV (ring_grad_dtype), receive buffers, a
   block's dq, dk, dv; Ulysses' all-to-alls of dout and of dq, dk, dv.
-- MLP: in a replayed (checkpointed) block's forward its four (N, f) intermediates; in
-  backward the (N, f) gradients of the SwiGLU product's two inputs; just after it, its
-  dx beside the second norm's backward products (N, d).
+- MLP: in a replayed (checkpointed) block's forward its four (N, f) intermediates
+  (gate, up, the activation, the product: gated_product's arguments live until it
+  returns; model.swiglu_limit's clamps replace gate and up by their clamped copies, the
+  same four at either point); in backward the (N, f) gradients of the SwiGLU product's
+  two inputs (the clamps' unclamped inputs are saved: counts.py); a tiled MLP's replayed
+  tile saves those two more; just after it, its dx beside the second norm's backward
+  products (N, d).
 - the loss: the (N, V/tp) logits next to the fp32 softmax the loss saves (forward); the
   backward writes the gradient into that softmax (no copy in fp32).
 - a checkpointed block's backward first replays its forward: its 'none' activations (or,
@@ -101,7 +105,7 @@ def attention_backward(s: RankShapes, cand: Candidate, e: int, halo: int = -1,
 
 
 def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0,
-                 mlp_params: int = 0, weight: int = 0) -> float:
+                 mlp_params: int = 0, weight: int = 0, clamped: int = 0) -> float:
     """The MLP's backward: the (N, f) gradients of the SwiGLU product's two inputs; tiled
     (ctxpar/memory/tiled_mlp.py), its largest point over the tiles: one tile's replayed
     intermediates (gate, silu, up, product) and their gradients, the (N, d) dx buffer, the
@@ -109,12 +113,14 @@ def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0,
     being added to them (the Function adds each as soon as it is made: one weight's,
     `weight` elements, alive at a time); or, 16-bit, the end, where the sums are cast to
     the weights' dtype beside themselves. The weights' gradients are the parameters' only
-    once the Function returns: the caller charges none of the MLP's meanwhile."""
+    once the Function returns: the caller charges none of the MLP's meanwhile. clamped:
+    the (t, f) tensors more the replayed tile saves (moe_layers.clamp_saved: 2 under
+    model.swiglu_limit, the clamps' inputs)."""
     if not tile:
         return (2 if swiglu else 1) * s.N * s.f * e
     t = min(tile, s.N)
     sums = mlp_params * 4
-    tiles = (6 if swiglu else 3) * t * s.f * e + sums + weight * e
+    tiles = ((6 if swiglu else 3) + clamped) * t * s.f * e + sums + weight * e
     cast = sums + mlp_params * e if e != 4 else 0.0
     return s.N * s.d * e + max(tiles, cast)
 
@@ -131,17 +137,18 @@ def after_mlp_backward(s: RankShapes, e: int, norm: str, device: str,
 
 
 def mlp_forward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
-    """A tiled MLP's forward (no grad): one tile's silu(gate), up and product, and the
-    (N, d) output buffer; untiled the intermediates are saved (counts.py): nothing more."""
+    """A tiled MLP's forward (no grad): one tile's gate, up, silu(gate) and product (the
+    module docstring's four), and the (N, d) output buffer; untiled the intermediates are
+    saved (counts.py): nothing more."""
     if not tile:
         return 0.0
-    return (3 if swiglu else 2) * min(tile, s.N) * s.f * e + s.N * s.d * e
+    return (4 if swiglu else 2) * min(tile, s.N) * s.f * e + s.N * s.d * e
 
 
 def block_forward(s: RankShapes, cand: Candidate, mode: str, swiglu: bool, e: int,
                   tile: int = 0, moe: float = None, m=None) -> float:
     """A checkpointed block's forward intermediates (nothing saved) at its MLP, the largest
-    point: silu(gate), up and their product (N, f) (with a tiled MLP one tile's; a mixture
+    point: gate, up, silu(gate) and their product (N, f) (with a tiled MLP one tile's; a mixture
     of experts' `moe` bytes, moe_layers.forward_working_set), the residual and the normed
     input (N, d); under 'full' also q, k, v and the attention's output, which
     Block.forward holds until it returns ('selective' saves them; MLA: q, the latent and
@@ -151,7 +158,7 @@ def block_forward(s: RankShapes, cand: Candidate, mode: str, swiglu: bool, e: in
     elif tile:
         out = mlp_forward(s, swiglu, e, tile) + 2 * s.N * s.d * e
     else:
-        out = (3 if swiglu else 2) * s.N * s.f * e + 2 * s.N * s.d * e
+        out = (4 if swiglu else 2) * s.N * s.f * e + 2 * s.N * s.d * e
     if mode == "full" and m is not None and m.mla is not None:
         out += mla_layers.forward_held(s, e, m)
     elif mode == "full":
