@@ -96,23 +96,54 @@ def _parity(rank, world, payload):
             p.grad.div_(st.dp_size)
         out.append(dict(loss=global_mean_loss(loss_sum, n_tokens, st.dp_cp_group),
                         grads=gather_full_state_dict(model, st.tp_group, True, st.ep_group)))
-    out.append({comm: _bytes_sent(world, comm, layout)
-                for comm, layout in (("ulysses", "zigzag"), ("allgather", "striped"))})
+    out.append({case: _bytes_sent(world, *case) for case in BYTES_CASES})
     return out
 
 
-def _bytes_sent(world, comm, layout):
-    """(forward, backward) bytes a rank sends at cp2 (dp2 beside) in one step."""
+# (cp, comm, layout, keys equal to values, recompute): the bytes on the wire, layer by
+# layer (under 'full' the step's alone: the replay runs inside the blocks' backward)
+BYTES_CASES = [(2, "ring", "zigzag", True, "none"),  # consumers send k_proj x again
+               (2, "allgather", "zigzag", True, "none"),  # the windows' halo: per layer
+               (2, "allgather", "striped", True, "none"),  # held slots: k_proj x, K,V
+               (2, "allgather", "striped", False, "none"),
+               (2, "ulysses", "zigzag", True, "none"),  # regrouped once by the producer
+               (2, "ulysses", "zigzag", False, "none"),
+               (4, "hybrid", "zigzag", True, "none"),  # u2 x r2: consumers send again
+               (2, "allgather", "striped", True, "full")]  # the producers' replay gathers
+
+
+def _bytes_sent(world, cp, comm, layout, k_eq_v, mode):
+    """{'step': (forward, backward) bytes a rank sends in one step (dp beside), 'layers':
+    each block's, forward from its forward hooks, backward between its full backward
+    hooks (mode 'none' only)}."""
+    from contextlib import ExitStack
     from ctxpar import init_parallel_state, sequence_positions, shard_sequence
     from ctxpar.context_parallel import cp_stats
-    st = init_parallel_state(cp=2, dp=world // 2)
-    model = GPT(GEMMA4, ModelGroups.from_state(st),
-                ModelOptions(layout=layout, cp_comm=comm, seed=SEED))
+    u = 2 if comm == "hybrid" else 1
+    st = init_parallel_state(cp=cp, dp=world // cp, ulysses=u)
+    model = GPT(replace(GEMMA4, attention_k_eq_v=k_eq_v), ModelGroups.from_state(st),
+                ModelOptions(layout=layout, cp_comm=comm, seed=SEED,
+                             activation_checkpointing=mode))
     tokens, labels = _batch()
-    tok, lab = (shard_sequence(t, 1, st.cp_group, layout) for t in (tokens, labels))
+    tok, lab = (shard_sequence(t, 1, st.cp_group, layout, u) for t in (tokens, labels))
+    layers, opened = [], {}
+
+    def count(i, phase, start):  # a cp_stats() block per (layer, phase), open or closed
+        if start:
+            opened[i, phase] = ExitStack()
+            layers[i][phase] = opened[i, phase].enter_context(cp_stats())
+        else:
+            opened.pop((i, phase)).close()
+    for i, block in enumerate(model.layers if mode == "none" else []):
+        layers.append({})
+        block.register_forward_pre_hook(lambda *_, i=i: count(i, "fwd", True))
+        block.register_forward_hook(lambda *_, i=i: count(i, "fwd", False))
+        block.register_full_backward_pre_hook(lambda *_, i=i: count(i, "bwd", True))
+        block.register_full_backward_hook(lambda *_, i=i: count(i, "bwd", False))
     with cp_stats() as stats:
-        model(tok, sequence_positions(N, st.cp_group, layout), lab).backward()
-    return stats.fwd_bytes_sent, stats.bwd_bytes_sent
+        model(tok, sequence_positions(N, st.cp_group, layout, ulysses=u), lab).backward()
+    return dict(step=(stats.fwd_bytes_sent, stats.bwd_bytes_sent),
+                layers=[(c["fwd"].fwd_bytes_sent, c["bwd"].bwd_bytes_sent) for c in layers])
 
 
 CASES = [(1, 2, "zigzag", "ring", "none", 1, "dense"),  # dp2 beside: each CP pair its batch
@@ -268,7 +299,8 @@ def test_ulysses_consumers_send_no_kv(world4):
         kv = 0 if i >= 3 else tensors * B * S * 2 * hd * e  # the producers' only
         want += (2 * q + kv) // 2
     for rank, per_case in enumerate(world4):
-        assert per_case[-1]["ulysses"] == (want, want), (rank, per_case[-1], want)
+        got = per_case[-1][2, "ulysses", "zigzag", True, "none"]["step"]
+        assert got == (want, want), (rank, got, want)
 
 
 def test_all_gather_consumers_gather_nothing(world4):
@@ -283,7 +315,32 @@ def test_all_gather_consumers_gather_nothing(world4):
     want = (sliding + full + sliding,  # layers 0, 1, 2 gather; the consumers 3, 4 nothing
             3 * sliding + full)  # layer 0 gathers again, every producer reduce-scatters
     for rank, per_case in enumerate(world4):
-        assert per_case[-1]["allgather"] == want, (rank, per_case[-1], want)
+        got = per_case[-1][2, "allgather", "striped", True, "none"]["step"]
+        assert got == want, (rank, got, want)
+
+
+@pytest.mark.parametrize("case", BYTES_CASES)
+def test_the_planner_prices_each_layers_cp_bytes_as_sent(world4, case):
+    """counts.layer_cp_bytes, layer by layer, is what the layer sends (the busiest rank's;
+    here every rank's): a consumer whose producer holds the exchange (kv_layers.
+    exchange_held) sends no K/V, under Ulysses its q's and out's all-to-alls alone, under
+    the all-gather nothing, and that producer gathers once, its backward the reduce-scatter
+    alone; a consumer under the ring, hybrid or a window's halo sends as its producer.
+    Under 'full' the step's forward is the layers' twice (the replay), backward once."""
+    from ctxpar.config.layers import layer_attention
+    from ctxpar.plan.candidate import Candidate
+    from ctxpar.plan.counts import layer_cp_bytes
+    cp, comm, layout, k_eq_v, mode = case
+    m = replace(GEMMA4, attention_k_eq_v=k_eq_v)
+    u = {"ulysses": cp, "hybrid": 2}.get(comm, 1)
+    cand = Candidate(1, cp, 1, 4 // cp, comm, u, layout, activation=mode, micro_batch=BATCH)
+    want = [layer_cp_bytes(m, cand, 4, a) for a in layer_attention(m)]
+    step = tuple(map(sum, zip(*want)))
+    for rank, per_case in enumerate(world4):
+        got = per_case[-1][case]
+        if mode == "none":
+            assert got["layers"] == want, (rank, got["layers"], want)
+        assert got["step"] == (step[0] * (2 if mode == "full" else 1), step[1]), (rank, got)
 
 
 def test_tiled_experts_and_mlps_beside_them_equal_untiled(one_process):

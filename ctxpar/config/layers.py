@@ -58,12 +58,15 @@ class LayerAttention:
     has_indexer: bool = True         # 'dsa': its own indexer (False: model.dsa's 'shared')
     # Per-layer shapes: a layer type's own kv heads (attention_heads.type_kv_heads:
     # MiMo's model.layer_kv_heads, Gemma 4's global_n_kv_heads; None: the model's); Gemma
-    # 4's (kv_layers.py) 'full_attention' head dim, values from k_proj (attention_k_eq_v), and
+    # 4's (kv_layers.py) 'full_attention' head dim, values from k_proj (attention_k_eq_v),
     # the earlier layer whose K/V it attends with (model.num_kv_shared_layers; None: its own)
+    # and whether later layers attend with its K/V (a producer: models/attention.py's
+    # keeps_shared_kv)
     head_dim: Optional[int] = None
     n_kv_heads: Optional[int] = None
     k_eq_v: bool = False
     kv_source: Optional[int] = None
+    keeps_shared_kv: bool = False
 
     @property
     def token_mixer(self) -> Optional[str]:
@@ -152,7 +155,7 @@ def layer_attention(m: ModelConfig) -> List[LayerAttention]:
                 else (m.floor_scale, float(m.attn_scale)),
                 attention_mixer(m), m.dsa is None or m.dsa.layer_has_indexer(i),
                 m.global_head_dim if full else None, type_kv_heads(m, kind),
-                bool(m.attention_k_eq_v) and full, sources.get(i)))
+                bool(m.attention_k_eq_v) and full, sources.get(i), i in sources.values()))
         _LAYER_ATTENTION[key] = tuple(out)
     return list(_LAYER_ATTENTION[key])
 

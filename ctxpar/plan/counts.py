@@ -29,7 +29,8 @@ from ..context_parallel.halo import halo_tokens
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 from . import compressed_layers, dsa_layers, mla_layers
-from .kv_layers import carried_bytes, layer_rank_shapes, per_layer_shapes, wire_tensors
+from .kv_layers import (carried_bytes, exchange_held, layer_rank_shapes, per_layer_shapes,
+                        wire_tensors)
 from .streams import head_streams_saved, streams_saved
 from .moe_layers import (block_model, clamp_saved, expert_params, mixed_mlps,
                          moe_indices, router_losses_saved, routed_saved, stage_expert_params)
@@ -636,7 +637,7 @@ def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
     """cp_bytes for one layer of this model and layout (per-rank heads); attn, a layer's
     config.layers.LayerAttention: a window's or chunks' bytes (masked_cp_bytes); MLA's
     latent (mla_layers.mla_cp_bytes); the layer type's K/V heads; DeepSeek-V4's compressed
-    layers (compressed_layers.cp_parts)."""
+    layers (compressed_layers.cp_parts); Gemma 4's shared K/V (shared_kv_cp_bytes)."""
     s = rank_shapes(m, cand, attn.kind if attn is not None else None)
     g = ring_grad_bytes(cand.ring_grad_dtype)
     if m.compressed_attention is not None and attn is not None \
@@ -651,11 +652,33 @@ def layer_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn=None):
         more = dsa_layers.dsa_cp_bytes(m, cand.cp_comm, cand.cp, s.B, s.N // s.B, e)
         return fwd + more[0], bwd + more[1]  # the indexer key (and the KL pass)
     if attn is not None and (attn.sliding_window or attn.chunk_size):
-        return masked_cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h,
-                               s.hk, s.hd, e, g, cand.token_layout, attn.sliding_window,
-                               attn.chunk_size)
-    return cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
-                    g, kv_tensors=wire_tensors(m, attn, cand))
+        own = masked_cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h,
+                              s.hk, s.hd, e, g, cand.token_layout, attn.sliding_window,
+                              attn.chunk_size)
+    else:
+        own = cp_bytes(cand.cp_comm, cand.cp, cand.ulysses, s.B, s.N // s.B, s.h, s.hk, s.hd,
+                       e, g, kv_tensors=wire_tensors(m, attn, cand))
+    return shared_kv_cp_bytes(m, cand, e, attn, own)
+
+
+def shared_kv_cp_bytes(m: ModelConfig, cand: Candidate, e: int, attn, own):
+    """(forward, backward) bytes of a layer whose own exchange is `own`, where Gemma 4's
+    producer holds it for its consumers (kv_layers.exchange_held): a consumer sends no K/V
+    (under Ulysses q's and out's all-to-alls, dout's and dq's; under the all-gather
+    nothing), the all-gather's producer gathers once in forward and reduce-scatters the
+    slots' summed gradient once, with no gather again in backward. Held to cp_stats()
+    layer by layer in tests/test_gemma4.py."""
+    if not exchange_held(m, attn, cand, halo_received(m, cand, attn) >= 0):
+        return own
+    if attn.kv_source is not None:
+        if cand.cp_comm == "allgather":
+            return 0, 0
+        s = rank_shapes(m, cand, attn.kind)
+        return cp_bytes("ulysses", cand.cp, cand.cp, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
+                        kv_tensors=0)
+    if cand.cp_comm == "allgather":  # backward: the reduce-scatter alone
+        return own[0], own[1] - own[0]
+    return own
 
 
 def compressed_cp_parts(m: ModelConfig, cand: Candidate, e: int, attn):

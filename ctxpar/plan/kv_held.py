@@ -29,7 +29,7 @@ from ..config.parameters import kv_heads_per_rank, layer_head_dim, layer_kv_head
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 from .counts import halo_received, layer_modes
-from .kv_layers import wire_tensors
+from .kv_layers import exchange_held, wire_tensors
 
 
 def _producer_bytes(m: ModelConfig, cand: Candidate, j: int, tokens: int, e: int):
@@ -42,11 +42,9 @@ def _producer_bytes(m: ModelConfig, cand: Candidate, j: int, tokens: int, e: int
     width = hd if wire else hd + vd
     local = tokens * hk * width * e
     exchanged = 0
-    if cand.cp > 1 and (wire or hd == vd):  # K,V of unequal widths are exchanged per layer
-        if cand.cp_comm == "allgather" and (wire or halo_received(m, cand, a) < 0):
-            exchanged = cand.cp * local
-        elif cand.cp_comm == "ulysses":
-            exchanged = tokens * ulysses_kv_heads(hk, cand.ulysses) * width * e
+    if exchange_held(m, a, cand, halo_received(m, cand, a) >= 0):
+        exchanged = cand.cp * local if cand.cp_comm == "allgather" else \
+            tokens * ulysses_kv_heads(hk, cand.ulysses) * width * e  # Ulysses' regrouping
     return local, exchanged
 
 

@@ -55,6 +55,23 @@ def wire_tensors(m: ModelConfig, a, cand) -> int:
                  and a.k_eq_v and m.qk_norm_scope != "all_heads" and m.mla is None) else 2
 
 
+def exchange_held(m: ModelConfig, a, cand, halo: bool) -> bool:
+    """Whether a shared-KV layer's CP exchange (a producer's or a consumer's: a.kv_source,
+    a.keeps_shared_kv) is made once by the producer and held for its consumers
+    (ContextParallel.held_kv / held_latent): under Ulysses (regrouped by heads) and the
+    all-gather (gathered: unless a short window's halo is the exchange, halo), of k_proj x
+    alone or K,V of equal widths (a narrower V travels padded, per layer). The ring and
+    hybrid exchange per layer; a pipeline's consumers send the K/V they received (models/
+    pipe_carry.py), while its producers still hold theirs."""
+    shared = a is not None and (a.keeps_shared_kv or (a.kv_source is not None and cand.pp == 1))
+    if not shared or cand.cp == 1 or cand.cp_comm not in ("ulysses", "allgather"):
+        return False
+    wire = wire_tensors(m, a, cand) == 1
+    if not wire and layer_head_dim(m, a) != layer_v_head_dim(m, a):
+        return False
+    return cand.cp_comm == "ulysses" or wire or not halo
+
+
 def carried_bytes(m: ModelConfig, tp: int, tokens: int, e: int, after: int) -> int:
     """Bytes of one micro-batch a pipeline stage whose first block is after + 1 receives
     beside x (models/pipe_carry.py): the K/V of each producer <= after that a later block

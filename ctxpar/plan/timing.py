@@ -198,9 +198,10 @@ def cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int,
     if cand.cp == 1:
         return 0.0, 0.0, 0, {}
     total = exposed = 0.0
-    done = {}  # (window, chunk) -> the layer's (total, exposed): equal layers, one count
+    done = {}  # (kind, window, chunk, shared-KV role) -> the layer's (total, exposed)
     for attn, t_f in zip(stage, t_attn_layers):
-        key = (attn.kind, attn.sliding_window, attn.chunk_size)
+        key = (attn.kind, attn.sliding_window, attn.chunk_size, attn.kv_source is not None,
+               attn.keeps_shared_kv)
         if attn.token_mixer is None:
             continue  # an MLP-only block: nothing over CP
         if key not in done:
@@ -268,9 +269,13 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
         return cp_total, fwd * (1 + attn_replay) + bwd + a2a
     if cand.cp_comm == "allgather":
         local = t_f_layer / cand.cp  # the local block, computed while the gather runs
-        gather, scatter = f_cp / bw, (b_cp - f_cp) / bw  # backward: gather again + RS
+        # backward: gather again + RS; a shared-KV producer's slots are held: RS alone
+        # (no halo here: that returned above)
+        held = attn.keeps_shared_kv and counts.exchange_held(m, attn, cand, halo=False)
+        again = 0 if held else f_cp
+        gather, scatter = f_cp / bw, (b_cp - again) / bw
         return cp_total, (max(0.0, gather - local) * (1 + attn_replay)
-                          + max(0.0, gather - 2.5 * local) + scatter)
+                          + (max(0.0, gather - 2.5 * local) if again else 0.0) + scatter)
     return cp_total, cp_total  # ulysses: nothing to hide behind
 
 
