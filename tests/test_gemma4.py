@@ -500,3 +500,28 @@ def test_cached_generation_keeps_the_producers_kv_alone_and_equals_full_forwards
     out = generate(model, prompts, 6)
     assert out.tokens == want
     assert [tuple(k.shape[1::2]) for k in out.cache.keys] == [(2, 24), (1, 32), (2, 24)]
+
+
+@pytest.mark.quick
+def test_the_time_model_charges_each_layer_its_own_cp_bytes():
+    """No process: timing.cp_time's CP seconds are the layers' counts.layer_cp_bytes over
+    the link, a consumer's own (nothing under the all-gather; the per-kind memo keys the
+    shared-KV role), not its producer's; with the attention slow enough to hide every
+    gather what stays exposed is the reduce-scatters: layer 0's backward less its gather
+    again, the producers' (1, 2) whole backward (no gather again: their slots are held),
+    as cp_stats() counts them (test_the_planner_prices_each_layers_cp_bytes_as_sent)."""
+    from ctxpar.config import Config
+    from ctxpar.config.layers import layer_attention
+    from ctxpar.plan.candidate import Candidate
+    from ctxpar.plan.cluster import Cluster, gpu_preset
+    from ctxpar.plan.counts import layer_cp_bytes
+    from ctxpar.plan.timing import cp_time
+    cfg = Config()
+    cfg.model = m = replace(GEMMA4, attention_k_eq_v=False)
+    cand = Candidate(1, 2, 1, 2, "allgather", 1, "striped", micro_batch=BATCH)
+    cluster, stage = Cluster(1, 8, gpu_preset("h100")), layer_attention(m)
+    bw, per = cluster.link(2), [layer_cp_bytes(m, cand, 4, a) for a in stage]
+    assert per[3:] == [(0, 0), (0, 0)]
+    total, exposed, *_ = cp_time(cfg, cand, cluster, 4, 4, stage, [1e3] * 5, 0.0, 1.0)
+    assert total == pytest.approx(sum(f + b for f, b in per) / bw)
+    assert exposed == pytest.approx((per[0][1] - per[0][0] + per[1][1] + per[2][1]) / bw)
