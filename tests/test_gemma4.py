@@ -11,7 +11,8 @@ layers' MLPs twice as wide, at cp2 x ep2 and tp2 x cp2 x ep2 (the experts gather
 EP). One spawn of four ranks, the layouts looped inside. The consumer layers read their
 producer's K/V as the producer's own ranks hold them, so a layout that computed them
 anew, or on other tokens, would change both; the folder's equality to transformers is
-tests/test_hf.py's. The bytes: Ulysses' and the all-gather's consumers send no K/V.
+tests/test_hf.py's. The bytes: Ulysses' and the all-gather's consumers send no K/V, and
+each layer's, per pattern, are the planner's (counts.layer_cp_bytes).
 """
 import pickle
 from dataclasses import replace

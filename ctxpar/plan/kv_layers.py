@@ -2,8 +2,9 @@
 block's head dim and kv heads (its full layers' global_head_dim, global_n_kv_heads), a
 block sharing an earlier one's K/V keeping none of its own (no k/v projections, no saved
 K/V: its attention saves references to its producer's), the per-layer input embeddings
-on the first stage, what a later pipeline stage receives of them beside x; and which
-attention kernels take a head dim.
+on the first stage, what a later pipeline stage receives of them beside x; whether a
+shared K/V's exchange is held for its consumers (exchange_held); and which attention
+kernels take a head dim.
 
     s_i = layer_rank_shapes(s, m, cand, i)   # RankShapes of block i (hk 0: shared K/V;
                                              # f twice under model.double_wide_mlp)
