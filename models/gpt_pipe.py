@@ -79,6 +79,7 @@ from models.mtp_pipe import MTPLoss, MTPPipe, mtp_tail, stage_labels
 from models.norms import make_norm
 from models.options import LayerArgs, ModelOptions
 from models.per_layer_input import PerLayerInput
+from models.pipe_backward import one_backward
 from models.pipe_carry import (LayerCarry, carried_after, first_carried, output_carried,
                                recv_carried, send_carried)
 from models.rope import layer_inputs
@@ -442,11 +443,14 @@ class GPTPipe(PipelineModule):
 
     def forward(self, forward_input):
         """This stage's layers; under model.dsa's dense warm-up in training, on frozen
-        hidden states (models/dsa_pipe.py warmup_stage)."""
+        hidden states (models/dsa_pipe.py warmup_stage). What a stage before the last hands
+        on takes one backward however many tensors it carries (models/pipe_backward.py)."""
+        last = self.stage_id == self.num_stages - 1
         if not (self.warmup and torch.is_grad_enabled()):
-            return super().forward(forward_input)
-        return warmup_stage(super().forward, forward_input,
-                            self.stage_id == self.num_stages - 1)
+            out = super().forward(forward_input)
+        else:
+            out = warmup_stage(super().forward, forward_input, last)
+        return out if last else one_backward(out)
 
     def _partition_layers(self, method: str = "uniform") -> None:
         """DeepSpeed's partition; under model.mtp the head and the layers after it moved to

@@ -19,6 +19,8 @@ And the same model with DeepSeek-V4's attention (V4_CFG: sliding, CSA, HCA, CSA 
 cp2 ring zigzag with full recompute, and contiguous with selective recompute and two packed
 documents: its compressors and indexer inside the blocks of both stages (the indexer takes
 no gradient in either).
+Each case also counts the backward passes through the first stage: one a micro-batch
+(models/pipe_backward.py), not one per tensor the stage hands on.
 Then, quick: what the tuple carries after each block.
 """
 import dataclasses
@@ -130,6 +132,9 @@ def _pipeline(rank, world, payload):
                   "positions": pos, **({"cu_seqlens": [DOCUMENTS[kind]]}
                                        if kind in DOCUMENTS else {})} for m in range(BATCH)]
         n_tokens = sum(global_token_count(mb["labels"], st.dp_cp_group) for mb in micro)
+        passes = []  # backward passes through the first stage (its first parameter's)
+        hook = next(model.parameters()).register_hook(lambda g: passes.append(1)) \
+            if st.pp_rank == 0 else None
         logits = pipeline_logits(model, st, micro[0])  # evaluation's path, before the step
         if logits is not None:  # (1, T, V) whole: the CP shards joined, the TP vocabulary
             logits = gather_sequence(logits, 1, st.cp_group, layout)
@@ -137,10 +142,12 @@ def _pipeline(rank, world, payload):
             dist.all_gather(parts, logits, group=st.tp_group)
             logits = torch.cat(parts, dim=-1)
         loss = train_step(engine, micro, n_tokens, st)
+        if hook is not None:
+            hook.remove()
         for p, g in opt.grads.items():  # the gradients the step applied, by GPT's names
             p.grad = g
         named = SimpleNamespace(named_parameters=model.gpt_named_parameters)
-        out.append(dict(loss=loss, logits=logits,
+        out.append(dict(loss=loss, logits=logits, passes=len(passes),
                         grads=gather_full_state_dict(named, st.tp_group, True,
                                                      st.ep_group if ep > 1 else None),
                         tables={n: b for n, b in model.gpt_named_parameters(buffers=True)
@@ -159,6 +166,9 @@ def test_streams_and_hash_layers_through_the_pipeline_equal_one_process():
             got, where = per_case[i], f"rank {rank} {case}"
             if rank >= 2:  # the last stage: pipeline_logits'
                 torch.testing.assert_close(got["logits"], logits, **TOL, msg=where)
+            else:  # one backward a micro-batch, whatever the stage carries (the routers'
+                # statistics beside x: DeepSpeed's backward per output would run it twice)
+                assert got["passes"] == BATCH, (where, got["passes"])
             torch.testing.assert_close(got["loss"], loss, **TOL, msg=where)
             for name, grad in got["grads"].items():
                 if grads[name] is None:  # V4's indexer: no gradient reaches it (its top-k)
