@@ -974,7 +974,7 @@ def test_tiled_mlp_backward_term_against_live_bytes(dtype, limit):
         torch.autograd.grad(y, [x] + ws, dy)
     s = counts.RankShapes(N=N, B=1, T=N, d=d, h=1, hk=1, hd=d, f=f, V=1, L=1, tp=1)
     e = torch.tensor([], dtype=dtype).element_size()
-    predicted = transients.mlp_backward(s, True, e, tile, 3 * f * d, f * d,
+    predicted = transients.mlp_backward(s, "swiglu", e, tile, 3 * f * d, f * d,
                                         0 if limit is None else 2)
     assert abs(predicted / live.peak - 1) < 0.05, (predicted, live.peak)
 
