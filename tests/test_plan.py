@@ -373,25 +373,29 @@ def test_forward_and_backward_peaks_equal_the_allocators(mode, tiled):
         assert got[region] == pytest.approx(want[region], rel=0.02), (region, got, want)
 
 
-@pytest.mark.parametrize("mlp,limit", [("swiglu", None), ("swiglu", 0.5), ("geglu", None),
-                                       ("gelu", None), ("relu2", None)])
-def test_each_mlp_kinds_working_sets_equal_the_allocators(mlp, limit):
+@pytest.mark.parametrize("mlp,limit,layouts", [
+    ("swiglu", None, ("full", "tiled")), ("swiglu", 0.5, ("full",)), ("geglu", None, ("full",)),
+    ("gelu", None, ("none", "full", "tiled")), ("relu2", None, ("none", "full", "tiled"))])
+def test_each_mlp_kinds_working_sets_equal_the_allocators(mlp, limit, layouts):
     """Every model.mlp (SwiGLU clamped by model.swiglu_limit too), an MLP wide enough (ffn
     4096 on 512 tokens) that its (N, f) intermediates make the phases' peaks: the
     planner's forward and backward peaks are the allocator's to within 1/20 of one (N, f)
     tensor (measured: within 0.02, small buffers), in mode none (what it saves; squared
-    ReLU's up beside it), under full and selective recompute (the replayed forward's
-    intermediates at once, the backward's gradients: mlp_widths.py) and full with a tiled
-    MLP of four 128-token tiles (a tile's intermediates, a quarter (N, f) each). The
-    counts before mlp_widths fail: GELU's and squared ReLU's saved 4 (N, f) for 2,
-    squared ReLU's replayed forward 2 for 3 and its backward 1 for 3, the tiled backward's
-    weight gradient beside the activation's gradients."""
+    ReLU's up beside it), under full recompute (the replayed forward's intermediates at
+    once, the backward's gradients: mlp_widths.py) and full with a tiled MLP of four
+    128-token tiles (a tile's intermediates, a quarter (N, f) each). The gated kinds'
+    mode none is test_forward_and_backward_peaks_equal_the_allocators', their clamped
+    tile test_tiled_mlp_backward_term_against_live_bytes'; 'selective' replays the same
+    MLP (measured as close by hand). The counts before mlp_widths fail: GELU's and
+    squared ReLU's saved 4 (N, f) for 2, squared ReLU's replayed forward 2 for 3 and its
+    backward 1 for 3, the tiled backward's weight gradient beside the activation's."""
     from ctxpar.config import MemoryConfig
     from models.gpt import GPT
     cfg = ModelConfig(vocab_size=2048, seq_len=512, n_layers=2, d_model=64, n_heads=4,
                       n_kv_heads=2, ffn_hidden=4096, mlp=mlp, swiglu_limit=limit)
     one = 512 * 4096 * 4  # one (N, f) tensor, fp32
-    for mode, tile in (("none", None), ("full", None), ("selective", None), ("full", 128)):
+    for layout in layouts:
+        mode, tile = ("full" if layout == "tiled" else layout), (128 if layout == "tiled" else None)
         # mode none's loss tiled: its forward peak is then the last MLP's, not the logits'
         mem = MemoryConfig(tiled_mlp=tile is not None, mlp_tile_tokens=tile or "auto",
                            tiled_loss=mode == "none")
