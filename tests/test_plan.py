@@ -373,9 +373,12 @@ def test_forward_and_backward_peaks_equal_the_allocators(mode, tiled):
         assert got[region] == pytest.approx(want[region], rel=0.02), (region, got, want)
 
 
-@pytest.mark.parametrize("mlp,limit,layouts", [
-    ("swiglu", None, ("full", "tiled")), ("swiglu", 0.5, ("full",)), ("geglu", None, ("full",)),
-    ("gelu", None, ("none", "full", "tiled")), ("relu2", None, ("none", "full", "tiled"))])
+MLP_CASES = [("swiglu", None, ("full", "tiled")), ("swiglu", 0.5, ("full",)),
+             ("geglu", None, ("full",)), ("gelu", None, ("none", "full", "tiled")),
+             ("relu2", None, ("none", "full", "tiled"))]
+
+
+@pytest.mark.parametrize("mlp,limit,layouts", MLP_CASES)
 def test_each_mlp_kinds_working_sets_equal_the_allocators(mlp, limit, layouts):
     """Every model.mlp (SwiGLU clamped by model.swiglu_limit too), an MLP wide enough (ffn
     4096 on 512 tokens) that its (N, f) intermediates make the phases' peaks: the
@@ -389,8 +392,9 @@ def test_each_mlp_kinds_working_sets_equal_the_allocators(mlp, limit, layouts):
     MLP (measured as close by hand). The counts before mlp_widths fail: GELU's and
     squared ReLU's saved 4 (N, f) for 2, squared ReLU's replayed forward 2 for 3 and its
     backward 1 for 3, the tiled backward's weight gradient beside the activation's."""
-    from ctxpar.config import MemoryConfig
+    from ctxpar.config import CHOICES, MemoryConfig
     from models.gpt import GPT
+    assert {case[0] for case in MLP_CASES} == set(CHOICES["model.mlp"])  # a case per kind
     cfg = ModelConfig(vocab_size=2048, seq_len=512, n_layers=2, d_model=64, n_heads=4,
                       n_kv_heads=2, ffn_hidden=4096, mlp=mlp, swiglu_limit=limit)
     one = 512 * 4096 * 4  # one (N, f) tensor, fp32

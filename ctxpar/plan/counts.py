@@ -421,9 +421,8 @@ def channel_saved(s: RankShapes, e: int, cand: Candidate, m: Optional[ModelConfi
                   tiled_mlp: bool = False, device: str = "cpu") -> int:
     """What a block's MLP saves in mode 'none' beyond its norm: the dense MLP's (N, f)
     intermediates (mlp_widths: 4 gated, 2 not; clamp_saved more; a tiled MLP nothing
-    more), or a
-    mixture of experts' (moe_layers.routed_saved, tiled or not; m: the block's model,
-    moe_layers.block_model, whose moe is None for a dense MLP beside MoE ones); under model.moe.beside_mlp (Gemma
+    more), or a mixture of experts' (moe_layers.routed_saved, tiled or not; m: the block's
+    model, moe_layers.block_model, whose moe is None for a dense MLP beside MoE ones); under model.moe.beside_mlp (Gemma
     4) both, and the three norms around them: each norm_saved but its output (which the
     sum or the experts' gather reads without saving), the experts' norm its input too
     (the block's x, which the block's own norm keeps)."""

@@ -109,11 +109,12 @@ def mlp_backward(s: RankShapes, kind: str, e: int, tile: int = 0,
                  mlp_params: int = 0, weight: int = 0, clamped: int = 0) -> float:
     """The MLP's backward (model.mlp `kind`): its (N, f) gradients beyond the saved
     tensors (mlp_widths: a SwiGLU's product's two inputs'); tiled
-    (ctxpar/memory/tiled_mlp.py), its largest point over the tiles: one tile's replayed
-    intermediates (what the kind saves) and their gradients, the (N, d) dx buffer, the
-    running sums of the weights' gradients (mlp_params, fp32) and the one tile gradient
-    being added to them (the Function adds each as soon as it is made: one weight's,
-    `weight` elements, alive at a time); or, 16-bit, the end, where the sums are cast to
+    (ctxpar/memory/tiled_mlp.py), its largest point over the tiles, beside the (N, d) dx
+    buffer and the running sums of the weights' gradients (mlp_params, fp32): one tile's
+    replayed intermediates (what the kind saves) and output, with either down's input
+    gradient and its weight's tile gradient (`weight` elements: the Function adds each
+    to its sum as soon as it is made) or, after, the activation's gradients; a single
+    tile finds no sums yet, it makes them; or, 16-bit, the end, where the sums are cast to
     the weights' dtype beside themselves. The weights' gradients are the parameters' only
     once the Function returns: the caller charges none of the MLP's meanwhile. clamped:
     the (t, f) tensors more the replayed tile saves (moe_layers.clamp_saved: 2 under
@@ -123,15 +124,14 @@ def mlp_backward(s: RankShapes, kind: str, e: int, tile: int = 0,
         return w.backward * s.N * s.f * e
     t = min(tile, s.N)
     sums = mlp_params * 4
-    kept = (w.saved + clamped) * t * s.f * e + t * s.d * e  # the replayed tile's saved
-    # intermediates and its output (t, d), alive through its backward
-    # At down's backward its input's gradient beside its weight's tile gradient; then the
-    # activation's backward (mlp_widths), that gradient added to its sum. The last tile
-    # finds every sum made; a single tile makes them (16-bit: down's fp32 copy beside it).
-    one = t >= s.N
-    at_down = t * s.f * e + weight * e + (weight * 4 if e != 4 else 0) if one \
-        else t * s.f * e + weight * e + sums
-    at_act = w.backward * t * s.f * e + (weight * 4 if one else sums)
+    # the replayed tile's saved intermediates and its output (t, d), through its backward
+    kept = (w.saved + clamped) * t * s.f * e + t * s.d * e
+    at_down = t * s.f * e + weight * e  # down's input gradient, its weight's tile gradient
+    at_act = w.backward * t * s.f * e   # the activation's, that gradient added to its sum
+    if t >= s.N:  # a single tile makes the sums: down's first (16-bit: its fp32 copy too)
+        at_down, at_act = at_down + (weight * 4 if e != 4 else 0), at_act + weight * 4
+    else:         # the last tile finds every sum made
+        at_down, at_act = at_down + sums, at_act + sums
     tiles = kept + max(at_down, at_act)
     cast = sums + mlp_params * e if e != 4 else 0.0
     return s.N * s.d * e + max(tiles, cast)
