@@ -31,6 +31,7 @@ from .candidate import Candidate
 from . import compressed_layers, dsa_layers, mla_layers
 from .kv_layers import (carried_bytes, exchange_held, layer_rank_shapes, per_layer_shapes,
                         wire_tensors)
+from .mlp_widths import saved_width
 from .streams import head_streams_saved, streams_saved
 from .moe_layers import (block_model, clamp_saved, expert_params, mixed_mlps,
                          moe_indices, router_losses_saved, routed_saved, stage_expert_params)
@@ -346,8 +347,8 @@ def layer_activations(s: RankShapes, e: int, cand: Candidate, mode: str,
     """Saved bytes of one block in `mode` ('none', 'selective' or 'full'):
 
     none       two norms (norm_saved: on CPU input, normed, output, fp32 rstd), the
-               attention's q, k, v, out, lse, the MLP's gate, up, silu and product (4 N f e;
-               a tiled MLP saves only its input, the norm's output: nothing more), and the
+               attention's q, k, v, out, lse, the MLP's intermediates (channel_saved; a
+               tiled MLP saves only its input, the norm's output: nothing more), and the
                families' extra norms (family_norms_saved)
     selective  the block input and what the attention core keeps; projections recomputed
     full       the block input only (the block is replayed in backward)
@@ -419,14 +420,14 @@ def block_activations(s: RankShapes, e: int, cand: Candidate, mode: str, kind: s
 
 def channel_saved(s: RankShapes, e: int, cand: Candidate, m: Optional[ModelConfig],
                   tiled_mlp: bool = False, device: str = "cpu") -> int:
-    """What a block's MLP saves in mode 'none' beyond its norm: the dense MLP's gate, up,
-    silu and product (4 N f e, clamp_saved more; a tiled MLP nothing more), or a
-    mixture of experts' (moe_layers.routed_saved, tiled or not; m: the block's model,
-    moe_layers.block_model, whose moe is None for a dense MLP beside MoE ones); under model.moe.beside_mlp (Gemma
+    """What a block's MLP saves in mode 'none' beyond its norm: the dense MLP's (N, f)
+    intermediates (mlp_widths: 4 gated, 2 not; clamp_saved more; a tiled MLP nothing
+    more), or a mixture of experts' (moe_layers.routed_saved, tiled or not; m: the block's
+    model, moe_layers.block_model, whose moe is None for a dense MLP beside MoE ones); under model.moe.beside_mlp (Gemma
     4) both, and the three norms around them: each norm_saved but its output (which the
     sum or the experts' gather reads without saving), the experts' norm its input too
     (the block's x, which the block's own norm keeps)."""
-    dense = 0 if tiled_mlp else (4 + clamp_saved(m)) * s.N * s.f * e
+    dense = 0 if tiled_mlp else (saved_width(m) + clamp_saved(m)) * s.N * s.f * e
     if m is None or m.moe is None:
         return dense
     routed = routed_saved(s.N, s.d, e, m, cand.tp, cand.ep, tiled=tiled_mlp)

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List
 
-from ..config import GATED_MLPS, Config, deepspeed_config
+from ..config import Config, deepspeed_config
 from ..config.layers import layer_attention
 from ..config.layer_mixers import LAYER_MIXERS, LINEAR_MIXERS
 from . import counts, mla_layers, transients
@@ -286,12 +286,12 @@ def forward_phases(st: Stage) -> List[Phase]:
     a tiled MLP's tile, or the CP attention's buffers) and, on the last stage, at the loss
     (the logits beside the saved softmax)."""
     s, cand, elem, mode = st.shapes, st.cand, st.elem, st.modes[-1]
-    swiglu = st.cfg.model.mlp in GATED_MLPS  # gate, up and their product
+    kind = st.cfg.model.mlp  # its (N, f) intermediates: mlp_widths
     # a last block without attention (Nemotron-H's MLP-only one) holds no q, k, v
     held = "none" if st.types and LAYER_MIXERS[st.types[-1]][0] is None else mode
-    block = max(transients.block_forward(s, cand, held, swiglu, elem, st.mlp_tile, moe,
+    block = max(transients.block_forward(s, cand, held, kind, elem, st.mlp_tile, moe,
                                          st.cfg.model) for moe in moe_forwards(st)) \
-        if mode != "none" else transients.mlp_forward(s, swiglu, elem, st.mlp_tile)
+        if mode != "none" else transients.mlp_forward(s, kind, elem, st.mlp_tile)
     attention = max([transients.attention_forward(s, cand, elem, h, st.cfg.model,
                                                   mode == "full") for h in set(st.halo)],
                     default=0.0)
@@ -363,7 +363,7 @@ def mlp_backward_working_set(st: Stage, i: int) -> float:
     model, s, elem, cand = st.block_model(i), st.shapes, st.elem, st.cand
     mlp = counts.mlp_params(model, cand.tp, cand.ep)
     down = counts.down_proj_params(model, cand.tp)
-    during = transients.mlp_backward(s, model.mlp in GATED_MLPS, elem, st.mlp_tile, mlp, down,
+    during = transients.mlp_backward(s, model.mlp, elem, st.mlp_tile, mlp, down,
                                      clamp_saved(model)) \
         if model.moe is None else backward_working_set(s.N, s.d, elem, model, cand.tp, cand.ep,
                                                        moe_tile(st))
@@ -444,9 +444,9 @@ def evaluation_phase(st: Stage) -> Phase:
     (N, d), one loss tile (memory.loss_tile_tokens' rule) and the fp32 losses and int64
     predictions (N)."""
     s, elem = st.shapes, st.elem
-    swiglu = st.cfg.model.mlp in GATED_MLPS
-    block = max(max(transients.block_forward(s, st.cand, "full", swiglu, elem, st.mlp_tile,
-                                             moe, st.cfg.model) for moe in moe_forwards(st)),
+    block = max(max(transients.block_forward(s, st.cand, "full", st.cfg.model.mlp, elem,
+                                             st.mlp_tile, moe, st.cfg.model)
+                    for moe in moe_forwards(st)),
                 max([transients.attention_forward(s, st.cand, elem, h, st.cfg.model, True)
                      for h in set(st.halo)], default=0.0), st.linear + st.linear_kernel // 2)
     state = {**st.resident, **st.zero_state.gathered(), **st.held_after}

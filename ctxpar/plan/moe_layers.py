@@ -36,10 +36,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Tuple
 
-from ..config import GATED_MLPS, ModelConfig, resolved_ffn_hidden
+from ..config import ModelConfig, resolved_ffn_hidden
 from ..config.layer_mixers import LAYER_MIXERS, channel_output_kept, layer_types
 from ..config.moe import moe_layer_indices
 from ..config.parameters import block_specs
+from .mlp_widths import saved_width
 
 EXPERT_SPLITS = ("experts_column", "experts_row")
 
@@ -134,7 +135,7 @@ def routed_rows_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
     moe = m.moe
     f, rows = (moe.expert_hidden or resolved_ffn_hidden(m)) // tp, N * moe.top_k
     M = rows if received is None else received
-    per_row = ((4 if m.mlp in GATED_MLPS else 2) + clamp_saved(m) + expert_clamp_saved(m)) \
+    per_row = (saved_width(m) + clamp_saved(m) + expert_clamp_saved(m)) \
         * f * e + (8 if moe.expert_bias else 0)
     routed = 2 * rows * 8 + 2 * M * d * e + M * per_row + rows * d * e
     return routed + (M * 8 + rows * d * e if ep > 1 else 0)
@@ -173,7 +174,7 @@ def routed_saved(N: int, d: int, e: int, m: ModelConfig, tp: int, ep: int,
     shared = 0
     if moe.shared_expert_hidden:
         fs = moe.shared_expert_hidden // tp
-        shared = ((4 if m.mlp in GATED_MLPS else 2) + clamp_saved(m)) * N * fs * e
+        shared = (saved_width(m) + clamp_saved(m)) * N * fs * e
         shared += N * d * e + N * e if moe.shared_expert_gate else 0
     scaled = 0
     if moe.scaled_router:

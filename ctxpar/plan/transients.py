@@ -16,13 +16,13 @@ live bytes on CPU (tools/benchmarks/bench_plan_memory.py, docs/planner.md):
 - attention, backward: fp32 dq and dK,dV accumulators (all-gather: one per rank's slot,
   then reduce-scattered), the travelling dK,dV (ring_grad_dtype), receive buffers, a
   block's dq, dk, dv; Ulysses' all-to-alls of dout and of dq, dk, dv.
-- MLP: in a replayed (checkpointed) block's forward its four (N, f) intermediates
-  (gate, up, the activation, the product: gated_product's arguments live until it
-  returns; model.swiglu_limit's clamps replace gate and up by their clamped copies, the
-  same four at either point); in backward the (N, f) gradients of the SwiGLU product's
-  two inputs (the clamps' unclamped inputs are saved: counts.py); a tiled MLP's replayed
-  tile saves those two more; just after it, its dx beside the second norm's backward
-  products (N, d).
+- MLP: in a replayed (checkpointed) block's forward its (N, f) intermediates at once
+  (mlp_widths.py, by model.mlp: a gated one's gate, up, the activation and the product,
+  model.swiglu_limit's clamped copies replacing gate and up; GELU's up and gelu(up);
+  squared ReLU's up, relu(up) and its square); in backward the (N, f) gradients beyond
+  the saved ones (gated: the product's two inputs'; the clamps' unclamped inputs are
+  saved: counts.py); a tiled MLP's replayed tile saves its intermediates beside them;
+  just after it, its dx beside the second norm's backward products (N, d).
 - the loss: the (N, V/tp) logits next to the fp32 softmax the loss saves (forward); the
   backward writes the gradient into that softmax (no copy in fp32).
 - a checkpointed block's backward first replays its forward: its 'none' activations (or,
@@ -34,6 +34,7 @@ from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
 from . import dsa_layers, mla_layers
 from .counts import RankShapes, attention_saved, ring_grad_bytes
+from .mlp_widths import mlp_widths
 
 
 def _ring_fwd(q: float, kv: float, hops: int, e: int) -> float:
@@ -104,23 +105,34 @@ def attention_backward(s: RankShapes, cand: Candidate, e: int, halo: int = -1,
     return a2a
 
 
-def mlp_backward(s: RankShapes, swiglu: bool, e: int, tile: int = 0,
+def mlp_backward(s: RankShapes, kind: str, e: int, tile: int = 0,
                  mlp_params: int = 0, weight: int = 0, clamped: int = 0) -> float:
-    """The MLP's backward: the (N, f) gradients of the SwiGLU product's two inputs; tiled
-    (ctxpar/memory/tiled_mlp.py), its largest point over the tiles: one tile's replayed
-    intermediates (gate, silu, up, product) and their gradients, the (N, d) dx buffer, the
-    running sums of the weights' gradients (mlp_params, fp32) and the one tile gradient
-    being added to them (the Function adds each as soon as it is made: one weight's,
-    `weight` elements, alive at a time); or, 16-bit, the end, where the sums are cast to
+    """The MLP's backward (model.mlp `kind`): its (N, f) gradients beyond the saved
+    tensors (mlp_widths: a SwiGLU's product's two inputs'); tiled
+    (ctxpar/memory/tiled_mlp.py), its largest point over the tiles, beside the (N, d) dx
+    buffer and the running sums of the weights' gradients (mlp_params, fp32): one tile's
+    replayed intermediates (what the kind saves) and output, with either down's input
+    gradient and its weight's tile gradient (`weight` elements: the Function adds each
+    to its sum as soon as it is made) or, after, the activation's gradients; a single
+    tile finds no sums yet, it makes them; or, 16-bit, the end, where the sums are cast to
     the weights' dtype beside themselves. The weights' gradients are the parameters' only
     once the Function returns: the caller charges none of the MLP's meanwhile. clamped:
     the (t, f) tensors more the replayed tile saves (moe_layers.clamp_saved: 2 under
     model.swiglu_limit, the clamps' inputs)."""
+    w = mlp_widths(kind)
     if not tile:
-        return (2 if swiglu else 1) * s.N * s.f * e
+        return w.backward * s.N * s.f * e
     t = min(tile, s.N)
     sums = mlp_params * 4
-    tiles = ((6 if swiglu else 3) + clamped) * t * s.f * e + sums + weight * e
+    # the replayed tile's saved intermediates and its output (t, d), through its backward
+    kept = (w.saved + clamped) * t * s.f * e + t * s.d * e
+    at_down = t * s.f * e + weight * e  # down's input gradient, its weight's tile gradient
+    at_act = w.backward * t * s.f * e   # the activation's, that gradient added to its sum
+    if t >= s.N:  # a single tile makes the sums: down's first (16-bit: its fp32 copy too)
+        at_down, at_act = at_down + (weight * 4 if e != 4 else 0), at_act + weight * 4
+    else:         # the last tile finds every sum made
+        at_down, at_act = at_down + sums, at_act + sums
+    tiles = kept + max(at_down, at_act)
     cast = sums + mlp_params * e if e != 4 else 0.0
     return s.N * s.d * e + max(tiles, cast)
 
@@ -136,29 +148,32 @@ def after_mlp_backward(s: RankShapes, e: int, norm: str, device: str,
     return (1 + k) * s.N * s.d * e + mlp_grads
 
 
-def mlp_forward(s: RankShapes, swiglu: bool, e: int, tile: int = 0) -> float:
-    """A tiled MLP's forward (no grad): one tile's gate, up, silu(gate) and product (the
-    module docstring's four), and the (N, d) output buffer; untiled the intermediates are
-    saved (counts.py): nothing more."""
+def mlp_forward(s: RankShapes, kind: str, e: int, tile: int = 0) -> float:
+    """The MLP's forward working set beyond what it saves (model.mlp `kind`): tiled (no
+    grad), one tile's intermediates at once (mlp_widths' forward: a SwiGLU's gate, up,
+    silu(gate) and product) and the (N, d) output buffer; untiled, those of its
+    intermediates it does not save (squared ReLU's up, beside relu(up) and its square)."""
+    w = mlp_widths(kind)
     if not tile:
-        return 0.0
-    return (4 if swiglu else 2) * min(tile, s.N) * s.f * e + s.N * s.d * e
+        return (w.forward - w.saved) * s.N * s.f * e
+    return w.forward * min(tile, s.N) * s.f * e + s.N * s.d * e
 
 
-def block_forward(s: RankShapes, cand: Candidate, mode: str, swiglu: bool, e: int,
+def block_forward(s: RankShapes, cand: Candidate, mode: str, kind: str, e: int,
                   tile: int = 0, moe: float = None, m=None) -> float:
     """A checkpointed block's forward intermediates (nothing saved) at its MLP, the largest
-    point: gate, up, silu(gate) and their product (N, f) (with a tiled MLP one tile's; a mixture
-    of experts' `moe` bytes, moe_layers.forward_working_set), the residual and the normed
-    input (N, d); under 'full' also q, k, v and the attention's output, which
+    point: the MLP's (N, f) intermediates at once (mlp_widths' forward for model.mlp
+    `kind`: a SwiGLU's gate, up, silu(gate) and product; with a tiled MLP one tile's; a
+    mixture of experts' `moe` bytes, moe_layers.forward_working_set), the residual and the
+    normed input (N, d); under 'full' also q, k, v and the attention's output, which
     Block.forward holds until it returns ('selective' saves them; MLA: q, the latent and
     the output, mla_layers.forward_held)."""
     if moe is not None:
         out = moe + 2 * s.N * s.d * e
     elif tile:
-        out = mlp_forward(s, swiglu, e, tile) + 2 * s.N * s.d * e
+        out = mlp_forward(s, kind, e, tile) + 2 * s.N * s.d * e
     else:
-        out = (4 if swiglu else 2) * s.N * s.f * e + 2 * s.N * s.d * e
+        out = mlp_widths(kind).forward * s.N * s.f * e + 2 * s.N * s.d * e
     if mode == "full" and m is not None and m.mla is not None:
         out += mla_layers.forward_held(s, e, m)
     elif mode == "full":
@@ -170,7 +185,7 @@ def recompute(s: RankShapes, cand: Candidate, e: int, mode: str, mlp_saved: floa
               norm: float, m=None) -> float:
     """What a layer's backward replays on top of its saved tensors: 'full' its whole
     'none' activations but the input; 'selective' the MLP piece (norm + MLP);
-    mlp_saved is what the MLP saves in 'none' mode (4 N f e; tiled: nothing more),
+    mlp_saved is what the MLP saves in 'none' mode (counts.channel_saved; tiled: nothing more),
     norm one norm's saved bytes (counts.norm_saved)."""
     if mode == "full":
         return 2 * norm + attention_saved(s, e, cand, m) + mlp_saved - s.N * s.d * e
