@@ -29,10 +29,9 @@ document is laid over all d ranks, the sum of cost(n, d); under contiguous and z
 the ring or the all-gather, the sample is cut into the layout's chunks and each document
 lies on the ranks whose chunks hold it: a short one on one rank (cost(n, 1): no ring step
 of its own), a long one on the k ranks it crosses (cost(n, k)), the busiest rank's
-documents deciding,
-plus the sample's CP traffic (the ring carries every token's K,V and a linear mixer's
-state at every step) for the tokens of one-rank documents, whose attention is done
-before the ring starts and hides none of it.
+documents deciding, plus the sample's CP traffic (the ring carries every token's K,V and
+a linear mixer's state at every step) for the tokens of one-rank documents, whose
+attention is done before the ring starts and hides none of it.
 """
 from __future__ import annotations
 
