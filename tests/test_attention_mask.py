@@ -500,7 +500,7 @@ def test_the_planners_bytes_and_flops_equal_the_measured_ones(cp_results):
     otherwise); FLOPs of the busiest rank (ring, all-gather: rank_pairs' contiguous and
     zigzag slabs) and over all ranks (the mask's visible pairs in closed form)."""
     from ctxpar.context_parallel.mask import visible_pairs
-    from ctxpar.plan.counts import masked_cp_bytes
+    from ctxpar.plan.comm_bytes import masked_cp_bytes
     from ctxpar.plan.timing import rank_pairs
     _, results = cp_results
     cases = _indices(lambda c, u, lay, name, *_: MASKS[name][0] and MASKS[name][2] is None

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ctxpar.context_parallel.layouts import LAYOUTS, rank_positions
-from ctxpar.plan.counts import cp_bytes
+from ctxpar.plan.comm_bytes import cp_bytes
 from ctxpar.testing import run_distributed
 from ctxpar.testing.attention import (B, PATTERNS, S_LOCAL, comm_ops_per_layer, global_inputs,
                                       reference_attention, tolerance)

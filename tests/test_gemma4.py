@@ -12,7 +12,7 @@ EP). One spawn of four ranks, the layouts looped inside. The consumer layers rea
 producer's K/V as the producer's own ranks hold them, so a layout that computed them
 anew, or on other tokens, would change both; the folder's equality to transformers is
 tests/test_hf.py's. The bytes: Ulysses' and the all-gather's consumers send no K/V, and
-each layer's, per pattern, are the planner's (counts.layer_cp_bytes).
+each layer's, per pattern, are the planner's (comm_bytes.layer_cp_bytes).
 """
 import pickle
 from dataclasses import replace
@@ -322,7 +322,7 @@ def test_all_gather_consumers_gather_nothing(world4):
 
 @pytest.mark.parametrize("case", BYTES_CASES)
 def test_the_planner_prices_each_layers_cp_bytes_as_sent(world4, case):
-    """counts.layer_cp_bytes, layer by layer, is what the layer sends (the busiest rank's;
+    """comm_bytes.layer_cp_bytes, layer by layer, is what the layer sends (the busiest rank's;
     here every rank's): a consumer whose producer holds the exchange (kv_layers.
     exchange_held) sends no K/V, under Ulysses its q's and out's all-to-alls alone, under
     the all-gather nothing, and that producer gathers once, its backward the reduce-scatter
@@ -330,7 +330,7 @@ def test_the_planner_prices_each_layers_cp_bytes_as_sent(world4, case):
     Under 'full' the step's forward is the layers' twice (the replay), backward once."""
     from ctxpar.config.layers import layer_attention
     from ctxpar.plan.candidate import Candidate
-    from ctxpar.plan.counts import layer_cp_bytes
+    from ctxpar.plan.comm_bytes import layer_cp_bytes
     cp, comm, layout, k_eq_v, mode = case
     m = replace(GEMMA4, attention_k_eq_v=k_eq_v)
     u = {"ulysses": cp, "hybrid": 2}.get(comm, 1)
@@ -505,7 +505,7 @@ def test_cached_generation_keeps_the_producers_kv_alone_and_equals_full_forwards
 
 @pytest.mark.quick
 def test_the_time_model_charges_each_layer_its_own_cp_bytes():
-    """No process: timing.cp_time's CP seconds are the layers' counts.layer_cp_bytes over
+    """No process: timing.cp_time's CP seconds are the layers' comm_bytes.layer_cp_bytes over
     the link, a consumer's own (nothing under the all-gather; the per-kind memo keys the
     shared-KV role), not its producer's; with the attention slow enough to hide every
     gather what stays exposed is the reduce-scatters: layer 0's backward less its gather
@@ -515,7 +515,7 @@ def test_the_time_model_charges_each_layer_its_own_cp_bytes():
     from ctxpar.config.layers import layer_attention
     from ctxpar.plan.candidate import Candidate
     from ctxpar.plan.cluster import Cluster, gpu_preset
-    from ctxpar.plan.counts import layer_cp_bytes
+    from ctxpar.plan.comm_bytes import layer_cp_bytes
     from ctxpar.plan.timing import cp_time
     cfg = Config()
     cfg.model = m = replace(GEMMA4, attention_k_eq_v=False)

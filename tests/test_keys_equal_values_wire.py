@@ -135,8 +135,8 @@ def test_the_wire_carries_one_tensor_instead_of_two(world4, case):
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_the_planner_counts_the_bytes_on_the_wire(world4, case):
-    """counts.cp_bytes with kv_tensors 1 (plan/kv_layers.wire_tensors) is what a rank sends."""
-    from ctxpar.plan.counts import cp_bytes
+    """comm_bytes.cp_bytes with kv_tensors 1 (plan/kv_layers.wire_tensors) is what a rank sends."""
+    from ctxpar.plan.comm_bytes import cp_bytes
     comm, _, u = CASES[case]
     for n, path in ((1, "one tensor"), (2, "k and v")):
         want = cp_bytes(comm, 4, u, B, N // 4, H, KV, D, 4, kv_tensors=n)

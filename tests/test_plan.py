@@ -6,7 +6,7 @@
   13 layouts (every CP pattern) x every checkpointing mode, exact;
 - model state per ZeRO stage 0-3: every tensor DeepSpeed's engine holds after a step,
   on 4 layouts (dp x cp groups of 2 and 4), within 5% (DeepSpeed's bucket padding is the rest);
-- CP bytes: tests/test_context_parallel.py holds counts.cp_bytes to cp_stats() exactly,
+- CP bytes: tests/test_context_parallel.py holds comm_bytes.cp_bytes to cp_stats() exactly,
   tests/test_attention_mask.py masked_cp_bytes and the busiest rank's pairs of windowed
   and chunked layers; here, the search's layout for a windowed model and its reason, and
   --max-seq-len's gain from a window;
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from ctxpar.config import ModelConfig, layer_attention, load_config
-from ctxpar.plan import counts
+from ctxpar.plan import comm_bytes, counts
 from ctxpar.plan.candidate import Candidate
 from ctxpar.plan.memory import model_state
 from ctxpar.plan.timing import thresholds
@@ -701,9 +701,9 @@ def test_the_search_picks_contiguous_for_a_windowed_model_and_says_why():
     assert rank_pairs(262144, 2, "contiguous", 4096) == 131072 * 4096
     attn = layer_attention(cfg.model)[0]
     e, longer = 2, replace(cfg.model, seq_len=4 * 262144)
-    assert counts.layer_cp_bytes(cfg.model, cand, e, attn) \
-        == counts.layer_cp_bytes(longer, cand, e, attn)
-    assert counts.layer_cp_bytes(cfg.model, cand, e) < counts.layer_cp_bytes(longer, cand, e)
+    assert comm_bytes.layer_cp_bytes(cfg.model, cand, e, attn) \
+        == comm_bytes.layer_cp_bytes(longer, cand, e, attn)
+    assert comm_bytes.layer_cp_bytes(cfg.model, cand, e) < comm_bytes.layer_cp_bytes(longer, cand, e)
 
 
 def test_max_seq_len_of_a_windowed_mistral_exceeds_the_same_model_without_it():

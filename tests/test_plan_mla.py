@@ -11,7 +11,7 @@ import torch
 
 from ctxpar.config import ModelConfig
 from ctxpar.config.mla import MLAConfig
-from ctxpar.plan import counts, mla_layers
+from ctxpar.plan import comm_bytes, counts, mla_layers
 from ctxpar.plan.candidate import Candidate
 from ctxpar.testing import run_distributed
 from models.options import ModelGroups, ModelOptions
@@ -98,7 +98,7 @@ def test_mla_bytes_on_the_wire_equal_cp_stats_per_pattern(measured):
         if cp == 1 or mode != "none":
             continue
         m, u = MODELS[name], u_of(tp, cp, comm)
-        fwd, bwd = counts.layer_cp_bytes(m, _cand(tp, cp, comm, u, mode), 4)
+        fwd, bwd = comm_bytes.layer_cp_bytes(m, _cand(tp, cp, comm, u, mode), 4)
         for res in measured:
             st = res[tp, cp, comm, name, mode][1]
             got = (st["fwd_bytes_sent"], st["fwd_bytes_recv"], st["bwd_bytes_sent"],

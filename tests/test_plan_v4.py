@@ -15,7 +15,7 @@ import pytest
 from ctxpar.config.compressed_attention import CompressedAttentionConfig
 from ctxpar.context_parallel import compressed_sparse
 from ctxpar.context_parallel.halo import halo_tokens
-from ctxpar.plan import compressed_layers, counts
+from ctxpar.plan import comm_bytes, compressed_layers, counts
 from ctxpar.plan.candidate import Candidate
 from ctxpar.testing.compressed import sent_bytes
 from tests.helpers.saved_bytes import assert_planner_saves_what_autograd_saves
@@ -71,7 +71,7 @@ def test_v4_parameters_equal_the_models():
 
 
 def test_the_compressed_layers_bytes_are_sent_bytes_rank_by_rank():
-    """The window's halo (counts.masked_cp_bytes at one K = V head) plus the compressors'
+    """The window's halo (comm_bytes.masked_cp_bytes at one K = V head) plus the compressors'
     gather and halo (compressed_layers.compressor_wire) equal the layout's rule; the
     layer's count is its busiest rank's."""
     for T, P, layout in ((32, 2, "zigzag"), (64, 4, "zigzag"), (96, 3, "contiguous"),
@@ -86,13 +86,13 @@ def test_the_compressed_layers_bytes_are_sent_bytes_rank_by_rank():
             for r in range(P):
                 window = halo_tokens(layout, r, P, S, sliding_window=m.sliding_window)
                 want = sent_bytes(P, layout, S, r, rate, csa, window, 2, widths, 4)
-                win = counts.masked_cp_bytes("ring", P, 1, 2, S, m.n_heads, 1, m.head_dim, 4,
+                win = comm_bytes.masked_cp_bytes("ring", P, 1, 2, S, m.n_heads, 1, m.head_dim, 4,
                                              4, layout, m.sliding_window, rank=r)
                 comp = compressed_layers.compressor_wire(m, cand, kind, 2, 4, r)
                 assert (win[0] + comp[0], win[1] + comp[1]) == tuple(want), (T, P, kind, r)
                 ranks.append(tuple(want))
             attn = next(a for a in _attention(m) if a.kind == kind)
-            assert counts.layer_cp_bytes(m, cand, 4, attn) == max(ranks, key=sum)
+            assert comm_bytes.layer_cp_bytes(m, cand, 4, attn) == max(ranks, key=sum)
 
 
 def _attention(m):

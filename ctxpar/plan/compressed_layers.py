@@ -37,7 +37,7 @@ indexer      a CSA query scores every complete entry, 2 Hi (Di + 1) FLOPs each (
 compressors  their projections are parameters; the pooling (softmax over m slots, sum,
              norm) is elementwise and not counted
 wire         (ctxpar.testing.compressed.sent_bytes' rule, slab by slab) forward: the
-             window's K = V halo (counts.masked_cp_bytes at one K/V head, or the windowed
+             window's K = V halo (comm_bytes.masked_cp_bytes at one K/V head, or the windowed
              ring where the halo does not fit), for each compressor (the attention's at D,
              CSA's indexer's at Di) the entries' all-gather, (P - 1) B share d e with share
              the most windows one rank ends, and the halo rows the rank sends, kv and gate
@@ -238,7 +238,7 @@ def compressor_wire(m: ModelConfig, cand, kind: str, B: int, e: int, rank: int):
 def cp_parts(m: ModelConfig, cand, kind: str, B: int, e: int, window):
     """((window fwd, bwd), (compressors fwd, bwd)) bytes of the busiest rank in one
     compressed layer (module docstring: wire); window(rank) -> the window's (fwd, bwd)
-    (counts.masked_cp_bytes at one K = V head)."""
+    (comm_bytes.masked_cp_bytes at one K = V head)."""
     best = None
     for r in range(cand.cp):
         win, comp = window(r), compressor_wire(m, cand, kind, B, e, r)

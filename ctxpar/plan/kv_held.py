@@ -28,7 +28,8 @@ from ..config.layers import kv_sources, layer_attention
 from ..config.parameters import kv_heads_per_rank, layer_head_dim, layer_kv_heads, layer_v_head_dim
 from ..context_parallel.ulysses import ulysses_kv_heads
 from .candidate import Candidate
-from .counts import halo_received, layer_modes
+from .counts import layer_modes
+from .comm_bytes import halo_received
 from .kv_layers import exchange_held, wire_tensors
 
 

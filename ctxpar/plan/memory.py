@@ -39,7 +39,7 @@ from typing import Dict, List
 from ..config import Config, deepspeed_config
 from ..config.layers import layer_attention
 from ..config.layer_mixers import LAYER_MIXERS, LINEAR_MIXERS
-from . import counts, mla_layers, transients
+from . import comm_bytes, counts, mla_layers, transients
 from .kv_held import sequence_rotary_held, shared_kv_held
 from .candidate import Candidate, apply_candidate
 from .linear_layers import KINDS, linear_shapes, mixer_saved, mixer_working_set
@@ -164,7 +164,7 @@ class Stage:
     host_step: float                 # torch AdamW's temporaries on the host (CPU)
     loss_tile: int
     mlp_tile: int
-    # counts.halo_received of each kind of layer the stage holds; a phase charges the
+    # comm_bytes.halo_received of each kind of layer the stage holds; a phase charges the
     # largest attention buffers of them (a full layer's beside a windowed one's)
     halo: List[int] = field(default_factory=list)
     linear: int = 0  # the largest linear mixer's working set (linear_layers.mixer_saved)
@@ -239,7 +239,7 @@ def stage(cfg: Config, cand: Candidate, bf16: bool, grad_accum: int, index: int,
     layers = layer_attention(model)[start:start + blocks]
     kinds = {(a.sliding_window, a.chunk_size): a for a in layers
              if a.token_mixer in ("attention", "mla", "dsa", "compressed")}
-    halo = [counts.halo_received(model, cand, a) for a in kinds.values()]
+    halo = [comm_bytes.halo_received(model, cand, a) for a in kinds.values()]
     # the linear mixers' working set: what one makes in its forward (saved or, replayed
     # and under no_grad, alive while it runs) and again as gradients in its backward
     s = shapes

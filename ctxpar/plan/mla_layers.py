@@ -89,7 +89,7 @@ def ring_widths(m: ModelConfig, h: int, expanded: bool = False) -> int:
 def mla_cp_bytes(m: ModelConfig, comm: str, P: int, u: int, B: int, s: int, h: int, e: int,
                  g: int = 4, expanded: bool = False) -> Tuple[int, int]:
     """(forward, backward) bytes one rank sends (= receives) in one MLA layer over P CP
-    ranks (u of them Ulysses' under hybrid), s local tokens, h heads: counts.cp_bytes at
+    ranks (u of them Ulysses' under hybrid), s local tokens, h heads: comm_bytes.cp_bytes at
     the latent's width. ring: P-1 latent hops forward; P-1 again and P of its fp32
     gradient backward; all-gather: (P-1)x the latent each way and its fp32 gradient
     reduce-scattered; Ulysses: (u-1)/u of q and out (and dout, dq backward), the latent

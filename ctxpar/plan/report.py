@@ -14,7 +14,7 @@ from ..config.parameters import layer_head_dim, per_layer_embedding_specs
 from ..context_parallel.linear import LINEAR_CP_STRATEGIES, check_linear_cp
 from .linear_layers import KINDS, linear_shapes, mixer_cp_bytes
 from .mla_layers import mla_cp_bytes
-from . import counts, kv_layers
+from . import comm_bytes, counts, kv_layers
 from .candidate import apply_candidate
 from .cluster import Cluster
 from .search import MEMORY_MARGIN, Plan, is_bf16
@@ -140,8 +140,8 @@ def layout_reason(cfg, plan: Plan) -> str:
     parts = []
     for layout in ("contiguous", "zigzag", "striped"):
         other = replace(cand, token_layout=layout)
-        f, b = counts.layer_cp_bytes(m, other, e, a)
-        halo = counts.halo_received(m, other, a) >= 0
+        f, b = comm_bytes.layer_cp_bytes(m, other, e, a)
+        halo = comm_bytes.halo_received(m, other, a) >= 0
         pairs = rank_pairs(m.seq_len, cand.ring if cand.cp_comm == "hybrid" else cand.cp,
                            layout, a.sliding_window, a.chunk_size)
         parts.append(f"{layout} {(f + b) / 1e6:,.1f} MB ({'halo' if halo else 'blocks'}), "

@@ -13,12 +13,12 @@ Per micro-batch and pipeline stage (the most loaded rank):
   nor bytes (cluster.GPU.overhead: fitted on CPU, 0 for GPUs until measured);
 - TP: two all-reduces of N d e bytes forward and two backward per block (and the replayed
   forward's), over NVLink, not overlapped;
-- CP: the bytes of counts.cp_bytes. The ring overlaps each step's transfer with the step's
+- CP: the bytes of comm_bytes.cp_bytes. The ring overlaps each step's transfer with the step's
   compute and exposes only max(0, transfer - compute) per step (Ring Attention's overlap condition C >= F/B,
   generalised below); all-gather hides its gather behind the local block only; Ulysses'
   all-to-alls wait for nobody and hide behind nothing; hybrid is both; a windowed or
   chunked layer whose reach fits the neighbours' slabs exchanges a halo instead
-  (counts.masked_cp_bytes: window - 1 tokens a neighbour, independent of n) behind its
+  (comm_bytes.masked_cp_bytes: window - 1 tokens a neighbour, independent of n) behind its
   local blocks, and a ring that the window ends early takes fewer steps;
 - the memory options (docs/memory.md): the tiled loss makes its gradients in forward, three
   head matmuls per tile as untiled at TP 1, four at TP > 1 (the logits again once the
@@ -65,8 +65,9 @@ from ..config import GATED_MLPS, Config
 from ..config.layers import LayerAttention, layer_attention
 from ..config.layer_mixers import COMPRESSED_TYPES, LINEAR_MIXERS
 from ..context_parallel.mask import visible_pairs
-from . import compressed_layers, counts, dsa_layers, mla_layers
+from . import comm_bytes, compressed_layers, counts, dsa_layers, mla_layers
 from .mla_timing import mla_cp_time, mla_thresholds, ulysses_of
+from .kv_layers import exchange_held, wire_tensors
 from .linear_layers import linear_shapes, mixer_cp_bytes, mixer_flops
 from .linear_tiles import mixer_params
 from .moe_layers import (all_to_all_bytes, idle_expert_params, mixed_mlps, moe_layers,
@@ -229,37 +230,37 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
     """(all CP seconds, those not hidden) of one layer per micro-batch: bytes over the CP
     group's slowest link; the ring (and hybrid's ring) hides each step's transfer behind
     the step's compute, all-gather its gather behind the local block, Ulysses nothing
-    (module docstring); a halo exchange (a short window or chunks, counts.masked_cp_bytes)
+    (module docstring); a halo exchange (a short window or chunks, comm_bytes.masked_cp_bytes)
     hides its K,V tails behind the local blocks, and its dK,dV going back wait. MLA: the
     latent's blocks (or, expanded, K,V at its widths: mla_layers.mla_cp_bytes)."""
     m, s = cfg.model, counts.rank_shapes(cfg.model, cand, attn.kind)  # its K/V heads
     if m.mla is not None:
         return mla_cp_time(m, cand, cluster, e, g, t_f_layer, attn_replay, expanded)
     if m.compressed_attention is not None and attn.kind in COMPRESSED_TYPES:
-        (wf, wb), (cf, cb) = counts.compressed_cp_parts(m, cand, e, attn)
+        (wf, wb), (cf, cb) = comm_bytes.compressed_cp_parts(m, cand, e, attn)
         bw = cluster.link(cand.tp * cand.cp)
         fwd = max(0.0, wf / bw - t_f_layer)  # the window's halo behind the local blocks
         bwd = max(0.0, wf / bw - 2.5 * t_f_layer) + (wb - wf) / bw
         return (((wf + cf) * (1 + attn_replay) + wb + cb) / bw,  # the compressors': exposed
                 fwd * (1 + attn_replay) + bwd + (cf * (1 + attn_replay) + cb) / bw)
-    f_cp, b_cp = counts.layer_cp_bytes(m, cand, e, attn)
+    f_cp, b_cp = comm_bytes.layer_cp_bytes(m, cand, e, attn)
     bw = cluster.link(cand.tp * cand.cp)
     cp_total = (f_cp * (1 + attn_replay) + b_cp) / bw
     r, t_b_layer = cand.ring, 2.5 * t_f_layer
     u = cand.ulysses if cand.cp_comm == "hybrid" else 1
     a_f = a_b = a2a = 0.0
     if u > 1:  # the Ulysses all-to-alls inside, over NVLink when they fit
-        a_f, a_b = counts.cp_bytes("ulysses", u, u, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
-                                   kv_tensors=counts.wire_tensors(m, attn, cand))
+        a_f, a_b = comm_bytes.cp_bytes("ulysses", u, u, s.B, s.N // s.B, s.h, s.hk, s.hd, e,
+                                   kv_tensors=wire_tensors(m, attn, cand))
         a2a = (a_f * (1 + attn_replay) + a_b) / cluster.link(cand.tp * u)
-    if counts.halo_received(m, cand, attn) >= 0:
+    if comm_bytes.halo_received(m, cand, attn) >= 0:
         kv, both = (f_cp - a_f) / bw, (b_cp - a_b) / bw  # the halo's own bytes
         fwd = max(0.0, kv - t_f_layer)
         bwd = max(0.0, kv - t_b_layer) + both - kv  # dK,dV back after the halo's blocks
         return cp_total, fwd * (1 + attn_replay) + bwd + a2a
     if cand.cp_comm == "ring" or (cand.cp_comm == "hybrid" and r > 1):
         hk = counts.ulysses_kv_heads(s.hk, u) if u > 1 else s.hk
-        n = counts.wire_tensors(m, attn, cand)  # K, V; or k_proj x (its gradient fp32)
+        n = wire_tensors(m, attn, cand)  # K, V; or k_proj x (its gradient fp32)
         kv_step = n * s.B * (s.N // s.B) * u * (hk // u) * s.hd * e
         dkv_step = n * s.B * (s.N // s.B) * u * (hk // u) * s.hd * (g if n == 2 else 4)
         steps = 1 + round((f_cp - a_f) / kv_step)  # < r: a window ends the ring early
@@ -271,7 +272,7 @@ def layer_cp_time(cfg: Config, cand: Candidate, cluster: Cluster, e: int, g: int
         local = t_f_layer / cand.cp  # the local block, computed while the gather runs
         # backward: gather again + RS; a shared-KV producer's slots are held: RS alone
         # (no halo here: that returned above)
-        held = attn.keeps_shared_kv and counts.exchange_held(m, attn, cand, halo=False)
+        held = attn.keeps_shared_kv and exchange_held(m, attn, cand, halo=False)
         again = 0 if held else f_cp
         gather, scatter = f_cp / bw, (b_cp - again) / bw
         return cp_total, (max(0.0, gather - local) * (1 + attn_replay)
@@ -444,7 +445,7 @@ def step_time(cfg: Config, cand: Candidate, cluster: Cluster, bf16: bool,
                       attn_eff, expanded)
 
     # TP: 4 all-reduces per block (+2 per replayed forward) over NVLink.
-    f_tp, b_tp = counts.tp_bytes_per_layer(s, e, cand.tp)
+    f_tp, b_tp = comm_bytes.tp_bytes_per_layer(s, e, cand.tp)
     tp = layers * (f_tp * (1 + replay) + b_tp) / cluster.gpu.nvlink if cand.tp > 1 else 0.0
 
     cp_total, cp_exposed, chunk, thr = cp_time(cfg, cand, cluster, e, g, stage,

@@ -55,7 +55,7 @@ def attention_forward(s: RankShapes, cand: Candidate, e: int, halo: int = -1,
                       m=None, replayed: bool = False) -> float:
     """Bytes the CP attention holds in its forward beyond what it saves (one layer);
     halo >= 0: the layer's halo exchange, `halo` K,V tokens received by the busiest rank
-    (counts.halo_received); m with model.mla: the latent attention's (mla_layers), in a
+    (comm_bytes.halo_received); m with model.mla: the latent attention's (mla_layers), in a
     block that saves nothing (replayed: checkpointed or evaluated) beside q and the latent."""
     if m is not None and m.mla is not None:  # a replayed block holds q and the latent too
         return mla_layers.attention_forward(s, cand, e, m) \

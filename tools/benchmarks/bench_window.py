@@ -15,7 +15,7 @@ time = the slowest rank (the ring waits for it). Reported: window / ideal (1.0 =
 and full / window (what the window saves). Process CPU time (--clock cpu, the default) is
 immune to other jobs on a shared machine; --stat min keeps each fn's least disturbed run.
 With --bytes the same windowed call also runs on P real gloo ranks once, for the bytes
-cp_stats() counts per rank (the halo) next to the full ring's (ctxpar.plan.counts.cp_bytes).
+cp_stats() counts per rank (the halo) next to the full ring's (ctxpar.plan.comm_bytes.cp_bytes).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 
 from ctxpar.context_parallel import (LOCAL, AttentionMask, NoComm, context_parallel_attention,
                                      cp_stats)
-from ctxpar.plan.counts import cp_bytes
+from ctxpar.plan.comm_bytes import cp_bytes
 from ctxpar.testing import run_distributed, save_results
 from tools.benchmarks.attention_timing import DTYPES, STATS
 
