@@ -74,8 +74,7 @@ def document_lengths(spec: str, count: int, steps: int, seed: int = 0) -> List[L
 def compare(cfg: Config, cluster: Cluster, steps: List[List[int]]) -> Comparison:
     """The static and dynamic step time of the config's layout on cluster for `steps`."""
     p = cfg.parallel
-    world = cluster.world // (p.tp * p.pp)
-    budget = cfg.data.tokens_per_rank or cfg.model.seq_len // p.cp
+    world, budget = world_and_budget(cfg, cluster)
     cost = SequenceCost(cfg, cluster)
     sizes = dynamic_cp_sizes_for(cfg, world)
     dyn, static, counts = [], [], {}
@@ -87,7 +86,7 @@ def compare(cfg: Config, cluster: Cluster, steps: List[List[int]]) -> Comparison
                 counts[d] = counts.get(d, 0) + 1
     except ScheduleError as e:
         raise PlanError(f"--documents: {e}") from None
-    static = static_seconds(cfg, cluster, steps)
+    static = static_seconds(cfg, cluster, steps, cost)
     n = sum(counts.values())
     return Comparison(static_s=static,
                       dynamic_s=float(np.mean([s.makespan() for s in dyn])),
@@ -96,13 +95,21 @@ def compare(cfg: Config, cluster: Cluster, steps: List[List[int]]) -> Comparison
                       tokens_per_step=float(np.mean([sum(x) for x in steps])))
 
 
-def static_seconds(cfg: Config, cluster: Cluster, steps: List[List[int]]) -> Optional[float]:
-    """Static CP's mean step seconds at the config's cp and layout; None when a document
-    exceeds one sample of cp x tokens_per_rank (it would be cut)."""
+def world_and_budget(cfg: Config, cluster: Cluster) -> Tuple[int, int]:
+    """The DP x CP ranks the documents are placed over, and the tokens each holds."""
     p = cfg.parallel
-    world = cluster.world // (p.tp * p.pp)
-    budget = cfg.data.tokens_per_rank or cfg.model.seq_len // p.cp
-    cost = SequenceCost(cfg, cluster)
+    return (cluster.world // (p.tp * p.pp),
+            cfg.data.tokens_per_rank or cfg.model.seq_len // p.cp)
+
+
+def static_seconds(cfg: Config, cluster: Cluster, steps: List[List[int]],
+                   cost: Optional[SequenceCost] = None) -> Optional[float]:
+    """Static CP's mean step seconds at the config's cp and layout (cost: the config's
+    SequenceCost when the caller has it); None when a document exceeds one sample of
+    cp x tokens_per_rank (it would be cut)."""
+    p = cfg.parallel
+    world, budget = world_and_budget(cfg, cluster)
+    cost = cost or SequenceCost(cfg, cluster)
     try:
         return float(np.mean([static_schedule(lengths, world, budget, p.cp, cost,
                                               cost.overhead, p.layout, cost.pack)
